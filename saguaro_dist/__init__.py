@@ -1,0 +1,17 @@
+"""saguaro-dist: distributed Speculative Speculative Decoding with the Saguaro optimisations."""
+from __future__ import annotations
+
+from saguaro_dist.config import Config, FallbackPolicy, FanOut, Mode
+from saguaro_dist.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "Config", "Mode", "FanOut", "FallbackPolicy"]
+
+
+def __getattr__(name):
+    # The engine pulls in torch, transformers and (for clusters) ray: import it only when asked for,
+    # so `import saguaro_dist.client` stays light.
+    if name in ("LLM", "RequestOutput"):
+        from saguaro_dist.engine import llm
+        return getattr(llm, name)
+    raise AttributeError(f"module 'saguaro_dist' has no attribute {name!r}")

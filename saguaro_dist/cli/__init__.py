@@ -1,0 +1,41 @@
+"""The `saguaro` command. Each subcommand lives in its own module with `register(subparsers)`."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# module name -> subcommand; each module defines register(subparsers) and sets a handler via set_defaults(run=...)
+SUBCOMMANDS = ("generate", "serve", "bench", "demo", "deploy")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saguaro", description="Speculative Speculative Decoding on Ray")
+    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name in SUBCOMMANDS:
+        try:
+            module = importlib.import_module(f"saguaro_dist.cli.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"saguaro_dist.cli.{name}":
+                raise
+            continue
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as err:  # bad input: a clear message, no stack trace
+        print(f"saguaro {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""One place for every setting: the engine's Config and the enums that name its modes."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class Mode(str, enum.Enum):
+    AR = "ar"    # plain autoregressive decoding with the target alone
+    SD = "sd"    # speculative decoding: draft K tokens, then verify (sequential)
+    SSD = "ssd"  # speculative speculative decoding: the draft prepares the next round while the target verifies
+
+
+class FanOut(str, enum.Enum):
+    GEOMETRIC = "geometric"  # Saguaro Theorem 12
+    UNIFORM = "uniform"
+
+
+class FallbackPolicy(str, enum.Enum):
+    AUTO = "auto"      # neural below the critical batch size b*, fast above (Saguaro Theorem 17)
+    NEURAL = "neural"  # the draft drafts K tokens just in time for the real outcome
+    FAST = "fast"      # n-gram / prompt-lookup proposal from the sequence's own tokens
+    RANDOM = "random"  # random tokens (the paper's fast backup), for comparison
+
+
+def parse_enum(enum_type: type[enum.Enum], value, field_name: str):
+    """Accept an enum member or its string value; anything else is a ValueError naming the field."""
+    try:
+        return enum_type(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in enum_type)
+        raise ValueError(f"{field_name} must be one of {choices}, got {value!r}") from None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything the engine needs to know; validated once, never mutated afterwards."""
+
+    model: str
+    draft: str | None = None
+    mode: Mode = Mode.SSD
+    k: int = 4                             # speculation length K
+    fan_out: int | tuple[int, ...] = 12    # branch budget B, or explicit F_0..F_K (K+1 ints)
+    fan_out_kind: FanOut = FanOut.GEOMETRIC
+    saguaro_c: float = 1.0                 # Saguaro sampling: scale of the draft's top-F probabilities
+    fallback: FallbackPolicy = FallbackPolicy.AUTO
+    max_batch_size: int = 8
+    max_model_len: int | None = None       # None: the target's max_position_embeddings
+    device: str = "cpu"
+    dtype: str = "float32"
+    target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
+    draft_threads: int | None = None
+    tree_timeout_s: float = 5.0            # how long the target waits for a late speculation tree
+    # Distributed runtime (None: the one-host engine)
+    cluster: str | None = None
+    tensor_parallel_size: int = 1
+    num_draft_workers: int = 1
+    target_resources: dict = field(default_factory=dict)  # extra Ray resources per target rank
+    draft_resources: dict = field(default_factory=dict)   # extra Ray resources per draft worker
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", parse_enum(Mode, self.mode, "mode"))
+        object.__setattr__(self, "fan_out_kind", parse_enum(FanOut, self.fan_out_kind, "fan_out_kind"))
+        object.__setattr__(self, "fallback", parse_enum(FallbackPolicy, self.fallback, "fallback"))
+        if isinstance(self.fan_out, list):
+            object.__setattr__(self, "fan_out", tuple(self.fan_out))
+        self._validate()
+
+    def _validate(self):
+        if not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
+        if self.mode is not Mode.AR and not self.draft:
+            raise ValueError(f"mode {self.mode.value!r} needs a draft model (draft=...)")
+        if not 0.0 <= float(self.saguaro_c) <= 1.0:
+            raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
+        if isinstance(self.fan_out, tuple):
+            if len(self.fan_out) != self.k + 1 or any((not isinstance(f, int)) or f < 1 for f in self.fan_out):
+                raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")
+        elif not isinstance(self.fan_out, int) or self.fan_out < self.k + 1:
+            raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
+        if self.max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:
+            raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+
+    @property
+    def fan_out_budget(self) -> int:
+        return sum(self.fan_out) if isinstance(self.fan_out, tuple) else self.fan_out

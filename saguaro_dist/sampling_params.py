@@ -1,0 +1,37 @@
+"""Per-request sampling settings, validated at construction (the API edge)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0   # 0 means greedy
+    top_p: float = 1.0         # nucleus mass in (0, 1]
+    top_k: int = 0             # 0 disables top-k
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()  # stop strings; the output excludes them
+    ignore_eos: bool = False
+    seed: int | None = None    # makes a sampled request reproducible
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif self.stop is None:
+            object.__setattr__(self, "stop", ())
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature is None or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if any((not isinstance(s, str)) or not s for s in self.stop):
+            raise ValueError("stop must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs saguaro-dist with its test extra (CPU torch wheel first, so pip never pulls CUDA builds)
+# and runs the whole test suite. This is the README's second Quickstart command.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# Keep an existing torch (a CUDA build on GPU machines); otherwise take the CPU wheel.
+python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
+python -m pip install --quiet -e ".[test]"
+set +e
+python -m pytest -q "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then
+  echo "pytest collected no tests: failing on purpose" >&2
+  exit 1
+fi
+exit "$rc"
