@@ -1,0 +1,295 @@
+"""KubeRay manifests for saguaro-dist, built as plain dicts by pure functions.
+
+`saguaro deploy k8s` prints them; the Helm chart in deploy/helm/saguaro-dist renders the same
+objects from values (`helm_values(settings)` gives the values for the same settings, and the tests
+check that both agree). Layout: a Ray head that runs no work (`num-cpus: "0"`), a target worker
+group (one pod holds all tensor-parallel ranks, GPUs = TP size) and a draft worker group (one pod and
+one GPU per draft worker). The worker groups advertise the custom Ray resources the runtime's
+placement options ask for (saguaro_dist.placement), so ranks and drafts land on their own pods.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+
+from saguaro_dist.config import FallbackPolicy, Mode, parse_enum
+from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
+from saguaro_dist.serve.args import API_KEY_ENV
+
+APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
+APP_NAME = "saguaro"
+CHART_NAME = "saguaro-dist"
+APP_VERSION = "0.1.0"
+RAY_VERSION = "2.60.0"
+SERVE_PORT = 8000
+METRICS_PORT = 8080  # Ray's metrics export port on every node
+DASHBOARD_PORT = 8265
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery
+MODELS_MOUNT = "/models"
+RAY_UID = 1000  # the `ray` user of the official Ray images
+
+
+@dataclass(frozen=True)
+class K8sSettings:
+    """What a deployment varies; every field has a Helm value (see helm_values)."""
+
+    name: str = "saguaro"
+    model: str = "Qwen/Qwen3-1.7B"
+    draft: str | None = "Qwen/Qwen3-0.6B"
+    mode: str = "ssd"
+    k: int = 4
+    fan_out: int | tuple[int, ...] = 12
+    saguaro_c: float = 1.0
+    fallback: str = "auto"
+    max_batch_size: int = 8
+    dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU
+    served_model_name: str | None = None
+    tp: int = 1
+    draft_workers: int = 1
+    image: str = f"saguaro-dist:{APP_VERSION}-cpu"
+    image_pull_policy: str = "IfNotPresent"
+    gpu: bool = False
+    gpu_type: str | None = None       # nvidia.com/gpu.product of the nodes to run on
+    api_key_secret: str = "saguaro-api-key"
+    api_key_secret_key: str = "api-key"
+    hf_token_secret: str = "hf-token"
+    hf_token_secret_key: str = "token"
+    models_pvc: str | None = None     # None: an emptyDir HF cache, filled from the Hub on start
+    head_cpu: str = "2"
+    head_memory: str = "8Gi"
+    target_cpu: str = "4"
+    target_memory: str = "16Gi"
+    draft_cpu: str = "2"
+    draft_memory: str = "8Gi"
+    autoscaling: bool = False
+    draft_max_workers: int | None = None  # autoscaling bound; None: draft_workers
+    idle_timeout_s: int = 60
+
+    def __post_init__(self):
+        if isinstance(self.fan_out, list):
+            object.__setattr__(self, "fan_out", tuple(self.fan_out))
+        if self.gpu_type and not self.gpu:
+            object.__setattr__(self, "gpu", True)  # naming a GPU type asks for GPUs
+        self._validate()
+
+    def _validate(self):
+        parse_enum(Mode, self.mode, "mode")
+        parse_enum(FallbackPolicy, self.fallback, "fallback")
+        if self.tp < 1 or self.draft_workers < 1:
+            raise ValueError(f"tp and draft_workers must be >= 1, got tp={self.tp}, draft_workers={self.draft_workers}")
+        if self.draft_max_workers is not None and self.draft_max_workers < self.draft_workers:
+            raise ValueError(f"draft_max_workers ({self.draft_max_workers}) must be >= draft_workers ({self.draft_workers})")
+        if not self.name or len(self.name) > 40:
+            raise ValueError(f"name must be 1-40 characters (KubeRay derives longer names from it), got {self.name!r}")
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpu else "cpu"
+
+    @property
+    def engine_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.gpu else "float32")
+
+    @property
+    def draft_max(self) -> int:
+        return self.draft_max_workers or self.draft_workers
+
+
+# ---- Serve application ----------------------------------------------------------------------
+
+def serve_args(s: K8sSettings) -> dict:
+    """The app args of serveConfigV2; saguaro_dist.serve.args.config_from_args parses them."""
+    args = {"model": s.model, "draft": s.draft, "mode": s.mode, "k": s.k,
+            "fan_out": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
+            "saguaro_c": s.saguaro_c, "fallback": s.fallback,
+            "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,
+            "max_batch_size": s.max_batch_size, "device": s.device, "dtype": s.engine_dtype,
+            "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name}
+    return {key: value for key, value in args.items() if value is not None}
+
+
+def serve_config(s: K8sSettings) -> dict:
+    """The Serve config (ray.serve.schema.ServeDeploySchema) that KubeRay deploys."""
+    app = {"name": APP_NAME, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": serve_args(s)}
+    return {"proxy_location": "EveryNode",
+            "http_options": {"host": "0.0.0.0", "port": SERVE_PORT},
+            "applications": [app]}
+
+
+# ---- Labels, resources, containers ----------------------------------------------------------
+
+def selector_labels(s: K8sSettings) -> dict:
+    # not app.kubernetes.io/name: KubeRay labels its pods with its own name there
+    return {"app.kubernetes.io/part-of": CHART_NAME, "app.kubernetes.io/instance": s.name}
+
+
+def object_labels(s: K8sSettings) -> dict:
+    return {"app.kubernetes.io/name": CHART_NAME, **selector_labels(s), "app.kubernetes.io/version": APP_VERSION,
+            "app.kubernetes.io/managed-by": "saguaro"}
+
+
+def ray_resources_param(resources: dict) -> str:
+    """rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting."""
+    return json.dumps(json.dumps(resources, separators=(", ", ": ")))
+
+
+def _compute(cpu: str, memory: str, gpus: int) -> dict:
+    amounts = {"cpu": cpu, "memory": memory}
+    if gpus:
+        amounts[GPU_RESOURCE] = gpus
+    # requests == limits: Guaranteed QoS, so GPU pods are not evicted under memory pressure
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _env(s: K8sSettings) -> list:
+    return [
+        {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": s.api_key_secret, "key": s.api_key_secret_key}}},
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": s.hf_token_secret, "key": s.hf_token_secret_key, "optional": True}}},
+        {"name": "HF_HOME", "value": f"{MODELS_MOUNT}/hf-cache"},
+    ]
+
+
+def _security_context() -> dict:
+    return {"runAsNonRoot": True, "runAsUser": RAY_UID, "allowPrivilegeEscalation": False}
+
+
+def _ports(head: bool) -> list:
+    ports = [{"name": "metrics", "containerPort": METRICS_PORT}]
+    if head:
+        ports = [{"name": "gcs-server", "containerPort": 6379},
+                 {"name": "dashboard", "containerPort": DASHBOARD_PORT},
+                 {"name": "client", "containerPort": 10001},
+                 {"name": "serve", "containerPort": SERVE_PORT}] + ports
+    return ports
+
+
+# KubeRay's own health endpoints (the probes it injects by default), made explicit so they show in
+# the manifest and carry longer start-up delays: loading large weights takes minutes.
+RAYLET_HEALTH = "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"
+GCS_HEALTH = f"wget -T 2 -q -O- http://localhost:{DASHBOARD_PORT}/api/gcs_healthz | grep success"
+
+
+def _probe(command: str, initial_delay_s: int) -> dict:
+    return {"exec": {"command": ["bash", "-c", command]}, "initialDelaySeconds": initial_delay_s,
+            "periodSeconds": 5, "timeoutSeconds": 2, "failureThreshold": 120}
+
+
+def _probes(head: bool) -> dict:
+    command = f"{RAYLET_HEALTH} && {GCS_HEALTH}" if head else RAYLET_HEALTH
+    return {"readinessProbe": _probe(command, 10), "livenessProbe": _probe(command, 30)}
+
+
+def _container(s: K8sSettings, cpu: str, memory: str, gpus: int, head: bool) -> dict:
+    return {"name": "ray-head" if head else "ray-worker", "image": s.image,
+            "imagePullPolicy": s.image_pull_policy, "env": _env(s), "ports": _ports(head),
+            "resources": _compute(cpu, memory, gpus), "securityContext": _security_context(),
+            "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
+                             {"name": "dshm", "mountPath": "/dev/shm"}],
+            **_probes(head)}
+
+
+def _volumes(s: K8sSettings) -> list:
+    if s.models_pvc:
+        models = {"name": "models", "persistentVolumeClaim": {"claimName": s.models_pvc}}
+    else:
+        models = {"name": "models", "emptyDir": {}}
+    # Ray's object store lives in /dev/shm; the container default (64 MiB) is far too small
+    return [models, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+
+
+def _pod_template(s: K8sSettings, container: dict, gpus: int) -> dict:
+    spec = {"containers": [container], "volumes": _volumes(s),
+            "securityContext": {"fsGroup": RAY_UID}}
+    if gpus and s.gpu_type:
+        spec["nodeSelector"] = {GPU_PRODUCT_LABEL: s.gpu_type}
+    if gpus:
+        spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
+    return {"metadata": {"labels": selector_labels(s)}, "spec": spec}
+
+
+# ---- Ray cluster -----------------------------------------------------------------------------
+
+def head_group(s: K8sSettings) -> dict:
+    # num-cpus 0: the head only coordinates; no Serve replica, rank or draft lands on it
+    params = {"num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": str(METRICS_PORT)}
+    container = _container(s, s.head_cpu, s.head_memory, 0, head=True)
+    return {"rayStartParams": params, "template": _pod_template(s, container, 0)}
+
+
+def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, bounds: tuple) -> dict:
+    replicas, max_replicas = bounds
+    cpu, memory = (s.target_cpu, s.target_memory) if name == "target" else (s.draft_cpu, s.draft_memory)
+    params = {"resources": ray_resources_param(resources), "metrics-export-port": str(METRICS_PORT)}
+    container = _container(s, cpu, memory, gpus, head=False)
+    return {"groupName": name, "replicas": replicas, "minReplicas": replicas if not s.autoscaling else 0,
+            "maxReplicas": max_replicas, "rayStartParams": params,
+            "template": _pod_template(s, container, gpus)}
+
+
+def target_group(s: K8sSettings) -> dict:
+    """One pod holding every tensor-parallel rank: TP over NVLink inside a node, not across pods."""
+    resources = {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR}
+    return _worker_group(s, "target", resources, s.tp if s.gpu else 0, (1, 1))
+
+
+def draft_group(s: K8sSettings) -> dict:
+    """One pod per draft worker, one GPU each; the pool scales up to draft_max."""
+    resources = {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}
+    return _worker_group(s, "draft", resources, 1 if s.gpu else 0, (s.draft_workers, s.draft_max))
+
+
+def ray_cluster_spec(s: K8sSettings) -> dict:
+    spec = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": s.autoscaling,
+            "headGroupSpec": head_group(s), "workerGroupSpecs": [target_group(s), draft_group(s)]}
+    if s.autoscaling:
+        spec["autoscalerOptions"] = {"upscalingMode": "Default", "idleTimeoutSeconds": s.idle_timeout_s}
+    return spec
+
+
+# ---- Top-level objects -----------------------------------------------------------------------
+
+def _metadata(s: K8sSettings, name: str) -> dict:
+    return {"name": name, "labels": object_labels(s)}
+
+
+def serve_service(s: K8sSettings) -> dict:
+    """The Service in front of the Serve proxies (KubeRay keeps its selector on ready proxies)."""
+    return {"metadata": _metadata(s, f"{s.name}-serve"),
+            "spec": {"type": "ClusterIP", "ports": [
+                {"name": "serve", "port": SERVE_PORT, "targetPort": SERVE_PORT, "protocol": "TCP"}]}}
+
+
+def rayservice(s: K8sSettings) -> dict:
+    """The RayService: the Ray cluster plus the Serve app KubeRay deploys and keeps healthy on it."""
+    import yaml  # only here: the rest of the module builds dicts and needs no YAML
+
+    spec = {"serveConfigV2": yaml.safe_dump(serve_config(s), sort_keys=False),
+            "serveService": serve_service(s), "rayClusterConfig": ray_cluster_spec(s)}
+    return {"apiVersion": "ray.io/v1", "kind": "RayService",
+            "metadata": _metadata(s, s.name), "spec": spec}
+
+
+def raycluster(s: K8sSettings) -> dict:
+    """A RayCluster with the same groups, for batch generation jobs (`ray job submit`)."""
+    return {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+            "metadata": _metadata(s, f"{s.name}-batch"), "spec": ray_cluster_spec(s)}
+
+
+def metrics_service(s: K8sSettings) -> dict:
+    """A headless Service over every Ray pod's metrics port, for Prometheus to scrape."""
+    spec = {"clusterIP": "None", "selector": selector_labels(s),
+            "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT, "protocol": "TCP"}]}
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": _metadata(s, f"{s.name}-metrics"), "spec": spec}
+
+
+def service_monitor(s: K8sSettings, interval: str = "30s") -> dict:
+    """prometheus-operator's ServiceMonitor for metrics_service."""
+    spec = {"selector": {"matchLabels": selector_labels(s)},
+            "endpoints": [{"port": "metrics", "interval": interval, "path": "/metrics"}]}
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": _metadata(s, s.name), "spec": spec}
