@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from saguaro_dist.config import FallbackPolicy, Mode, parse_enum
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
-from saguaro_dist.serve.args import API_KEY_ENV
+from saguaro_dist.serve.args import API_KEY_ENV, config_from_args
 
 APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
 APP_NAME = "saguaro"
@@ -70,6 +70,8 @@ class K8sSettings:
     def __post_init__(self):
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
+        if self.draft == "":
+            object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
         if self.gpu_type and not self.gpu:
             object.__setattr__(self, "gpu", True)  # naming a GPU type asks for GPUs
         self._validate()
@@ -83,6 +85,7 @@ class K8sSettings:
             raise ValueError(f"draft_max_workers ({self.draft_max_workers}) must be >= draft_workers ({self.draft_workers})")
         if not self.name or len(self.name) > 40:
             raise ValueError(f"name must be 1-40 characters (KubeRay derives longer names from it), got {self.name!r}")
+        config_from_args(serve_args(self))  # the app would reject these args at start-up: fail now
 
     @property
     def device(self) -> str:
@@ -265,9 +268,7 @@ def serve_service(s: K8sSettings) -> dict:
 
 def rayservice(s: K8sSettings) -> dict:
     """The RayService: the Ray cluster plus the Serve app KubeRay deploys and keeps healthy on it."""
-    import yaml  # only here: the rest of the module builds dicts and needs no YAML
-
-    spec = {"serveConfigV2": yaml.safe_dump(serve_config(s), sort_keys=False),
+    spec = {"serveConfigV2": to_yaml([serve_config(s)]),
             "serveService": serve_service(s), "rayClusterConfig": ray_cluster_spec(s)}
     return {"apiVersion": "ray.io/v1", "kind": "RayService",
             "metadata": _metadata(s, s.name), "spec": spec}
@@ -293,3 +294,27 @@ def service_monitor(s: K8sSettings, interval: str = "30s") -> dict:
             "endpoints": [{"port": "metrics", "interval": interval, "path": "/metrics"}]}
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": _metadata(s, s.name), "spec": spec}
+
+
+# ---- YAML ------------------------------------------------------------------------------------
+
+def _yaml_dumper():
+    import yaml  # only for output: the builders above need no YAML
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def str_block(dumper, value):
+        # multi-line strings (serveConfigV2) as readable `|` blocks, not escaped one-liners
+        style = "|" if "\n" in value else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+    Dumper.add_representer(str, str_block)
+    return Dumper
+
+
+def to_yaml(docs: list[dict]) -> str:
+    """Documents as one YAML stream, keys in the order they were built."""
+    import yaml
+
+    return yaml.dump_all(docs, Dumper=_yaml_dumper(), sort_keys=False, default_flow_style=False)

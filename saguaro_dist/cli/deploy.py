@@ -1,0 +1,86 @@
+"""`saguaro deploy k8s`: print KubeRay manifests (a RayService by default) as YAML on stdout."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from saguaro_dist.deploy import k8s
+
+DEFAULTS = k8s.K8sSettings()
+
+
+def register(subparsers) -> None:
+    deploy = subparsers.add_parser("deploy", help="deployment manifests")
+    targets = deploy.add_subparsers(dest="deploy_target", required=True)
+    parser = targets.add_parser("k8s", help="KubeRay RayService / RayCluster YAML (for users without Helm)",
+                                description="Write KubeRay manifests to stdout: saguaro deploy k8s ... > rayservice.yaml")
+    _add_model_options(parser)
+    _add_cluster_options(parser)
+    _add_output_options(parser)
+    parser.set_defaults(run=run)
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--name", default=DEFAULTS.name, help="RayService name (and prefix of its Services)")
+    parser.add_argument("--model", default=DEFAULTS.model, help="target model: HF id or a path under /models")
+    parser.add_argument("--draft", default=DEFAULTS.draft, help="draft model (none with --mode ar)")
+    parser.add_argument("--mode", default=DEFAULTS.mode, choices=["ar", "sd", "ssd"])
+    parser.add_argument("--k", type=int, default=DEFAULTS.k, help="speculation length K")
+    parser.add_argument("--fan-out", type=_fan_out, default=DEFAULTS.fan_out,
+                        help="branch budget B, or K+1 comma-separated fan-outs F_0,...,F_K")
+    parser.add_argument("--saguaro-c", type=float, default=DEFAULTS.saguaro_c)
+    parser.add_argument("--fallback", default=DEFAULTS.fallback, choices=["auto", "neural", "fast", "random"])
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--served-model-name", help="model name the OpenAI API reports (default: --model)")
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel size = GPUs of the target pod")
+    parser.add_argument("--draft-workers", type=int, default=DEFAULTS.draft_workers, help="draft pods (one GPU each)")
+    parser.add_argument("--draft-max-workers", type=int, help="with --autoscaling: the draft pool's upper bound")
+    parser.add_argument("--autoscaling", action="store_true", help="enable the Ray autoscaler (in-tree)")
+    parser.add_argument("--image", default=DEFAULTS.image, help="saguaro-dist image (deploy/Dockerfile.cpu or .cuda)")
+    parser.add_argument("--gpu", action="store_true", help="run on NVIDIA GPUs (implied by --gpu-type)")
+    parser.add_argument("--gpu-type", help="nvidia.com/gpu.product of the GPU nodes, e.g. NVIDIA-H100-80GB-HBM3")
+    parser.add_argument("--api-key-secret", default=DEFAULTS.api_key_secret, help="Secret with the API key (key 'api-key')")
+    parser.add_argument("--hf-token-secret", default=DEFAULTS.hf_token_secret, help="Secret with an HF token (key 'token'), optional")
+    parser.add_argument("--models-pvc", help="PVC with the weights, mounted at /models (default: an emptyDir HF cache)")
+    for role in ("head", "target", "draft"):
+        parser.add_argument(f"--{role}-cpu", default=getattr(DEFAULTS, f"{role}_cpu"))
+        parser.add_argument(f"--{role}-memory", default=getattr(DEFAULTS, f"{role}_memory"))
+
+
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", choices=["rayservice", "raycluster"], default="rayservice",
+                        help="raycluster: the same cluster without Serve, for batch jobs")
+    parser.add_argument("--service-monitor", action="store_true",
+                        help="also write the metrics Service and a prometheus-operator ServiceMonitor")
+
+
+def _fan_out(text: str) -> int | tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"fan-out must be an int or comma-separated ints, got {text!r}") from None
+    return values[0] if len(values) == 1 else values
+
+
+def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
+    """The CLI options whose names are K8sSettings fields, as settings."""
+    fields = {f for f in k8s.K8sSettings.__dataclass_fields__}
+    given = {key: value for key, value in vars(args).items() if key in fields and value is not None}
+    return k8s.K8sSettings(**given)
+
+
+def manifests(args: argparse.Namespace) -> list[dict]:
+    settings = settings_from_args(args)
+    docs = [k8s.rayservice(settings) if args.kind == "rayservice" else k8s.raycluster(settings)]
+    if args.service_monitor:
+        docs += [k8s.metrics_service(settings), k8s.service_monitor(settings)]
+    return docs
+
+
+def run(args: argparse.Namespace) -> int:
+    sys.stdout.write(k8s.to_yaml(manifests(args)))
+    return 0
