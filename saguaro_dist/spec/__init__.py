@@ -1,0 +1,49 @@
+"""Speculative maths: pure functions (tensors in, tensors out) plus the small state classes the
+engine keeps (SpeculationCache, SpecStats). See each function's docstring for its formula."""
+from __future__ import annotations
+
+from saguaro_dist.spec.branches import BranchSet, select_branches
+from saguaro_dist.spec.cache import SpeculationCache
+from saguaro_dist.spec.fallback import (
+    choose_fallback,
+    critical_batch_size,
+    fast_backup_throughput,
+    neural_backup_throughput,
+    ngram_proposal,
+    random_proposal,
+)
+from saguaro_dist.spec.fanout import geometric_fanout, resolve_fanout, round_to_budget, uniform_fanout, vocab_caps
+from saguaro_dist.spec.sampling import (
+    one_hot_probs,
+    row_uniforms,
+    saguaro_probs,
+    sample,
+    sample_with_uniforms,
+    target_probs,
+    top_f_mask,
+)
+from saguaro_dist.spec.stats import ProposalSource, SpecStats, Timing
+from saguaro_dist.spec.theory import expected_tokens_per_round, predicted_speedup
+from saguaro_dist.spec.verify import (
+    VerifyResult,
+    acceptance_ratios,
+    bonus_probs,
+    emitted_tokens,
+    first_rejection,
+    residual_probs,
+    verify,
+)
+
+__all__ = [
+    "BranchSet", "select_branches",
+    "SpeculationCache",
+    "choose_fallback", "critical_batch_size", "fast_backup_throughput", "neural_backup_throughput",
+    "ngram_proposal", "random_proposal",
+    "geometric_fanout", "resolve_fanout", "round_to_budget", "uniform_fanout", "vocab_caps",
+    "one_hot_probs", "row_uniforms", "saguaro_probs", "sample", "sample_with_uniforms", "target_probs",
+    "top_f_mask",
+    "ProposalSource", "SpecStats", "Timing",
+    "expected_tokens_per_round", "predicted_speedup",
+    "VerifyResult", "acceptance_ratios", "bonus_probs", "emitted_tokens", "first_rejection",
+    "residual_probs", "verify",
+]

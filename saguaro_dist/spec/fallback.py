@@ -1,0 +1,76 @@
+"""Backup speculators for cache misses and the batch-aware choice between them (Saguaro Theorem 17).
+
+Both fast proposals are deterministic given the tokens they return (they do not depend on the
+target's random draws), so they are verified exactly with draft_probs = None (one-hot q).
+"""
+from __future__ import annotations
+
+import torch
+
+from saguaro_dist.config import FallbackPolicy
+
+MAX_CRITICAL_BATCH = 1024
+
+
+def _latest_match(tokens: torch.Tensor, n: int) -> int | None:
+    """Start of the most recent window tokens[i:i+n] equal to the last n tokens, with i + n < len."""
+    if tokens.numel() <= n:
+        return None
+    windows = tokens[:-1].unfold(0, n, 1)  # every window that still has a token after it
+    hits = (windows == tokens[-n:]).all(dim=-1).nonzero()
+    return int(hits[-1]) if hits.numel() else None
+
+
+def ngram_proposal(tokens: list[int], k: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Prompt lookup: for n = max_ngram..min_ngram, find the latest earlier occurrence i of the last
+    n tokens and propose what followed it, s_j = e[i + n + j] over e = tokens + s (so a continuation
+    that runs off the end repeats with the match's period, e.g. ...a b a b -> a b a b).
+    No match: k copies of the last token ([0] * k for no tokens). Always returns exactly k tokens."""
+    if not tokens:
+        return [0] * k
+    t = torch.tensor(tokens, dtype=torch.int64)
+    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
+        start = _latest_match(t, n)
+        if start is not None:
+            extended = list(tokens)
+            for j in range(k):
+                extended.append(extended[start + n + j])
+            return extended[len(tokens):]
+    return [tokens[-1]] * k
+
+
+def random_proposal(vocab_size: int, k: int, generator: torch.Generator | None = None) -> list[int]:
+    """k tokens uniform on [0, V) (the paper's fast backup), drawn from `generator`."""
+    device = generator.device if generator is not None else None
+    return torch.randint(vocab_size, (k,), generator=generator, device=device).tolist()
+
+
+def neural_backup_throughput(b: int, p_hit: float, tokens_hit: float, tokens_neural_miss: float,
+                             t_neural: float) -> float:
+    """Tokens per unit time (verify = 1) with a neural backup: the whole batch waits t_neural whenever
+    at least one of its b sequences misses: b [p E_hit + (1-p) E_neural] / (1 + (1 - p^b) t_neural)."""
+    return b * (p_hit * tokens_hit + (1 - p_hit) * tokens_neural_miss) / (1 + (1 - p_hit ** b) * t_neural)
+
+
+def fast_backup_throughput(b: int, p_hit: float, tokens_hit: float, tokens_fast_miss: float) -> float:
+    """Tokens per unit time with a free fast backup: b [p E_hit + (1-p) E_fast] / 1."""
+    return b * (p_hit * tokens_hit + (1 - p_hit) * tokens_fast_miss)
+
+
+def critical_batch_size(p_hit: float, tokens_hit: float, tokens_neural_miss: float, tokens_fast_miss: float,
+                        t_neural: float, max_batch: int = MAX_CRITICAL_BATCH) -> int:
+    """b* = min{b >= 1 : fast_backup_throughput(b) >= neural_backup_throughput(b)}, or max_batch if none
+    up to it. The neural side's stall probability 1 - p^b grows with b, so past b* fast wins."""
+    for b in range(1, max_batch + 1):
+        fast = fast_backup_throughput(b, p_hit, tokens_hit, tokens_fast_miss)
+        if fast >= neural_backup_throughput(b, p_hit, tokens_hit, tokens_neural_miss, t_neural):
+            return b
+    return max_batch
+
+
+def choose_fallback(policy: FallbackPolicy, batch_size: int, b_star: int) -> FallbackPolicy:
+    """AUTO -> NEURAL if batch_size < b_star else FAST; any other policy is returned as is."""
+    policy = FallbackPolicy(policy)
+    if policy is not FallbackPolicy.AUTO:
+        return policy
+    return FallbackPolicy.NEURAL if batch_size < b_star else FallbackPolicy.FAST

@@ -1,0 +1,71 @@
+"""How many bonus-token candidates to cache at each outcome position k = 0..K (Saguaro Theorem 12)."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from saguaro_dist.config import FanOut
+
+ACCEPT_RATE_RANGE = (0.01, 0.99)  # keeps a^x and (1 - a)^x finite and the allocation non-degenerate
+
+
+def geometric_weights(k: int, accept_rate: float, r: float) -> list[float]:
+    """Theorem 12 up to the common factor F_0: w_j = a^(j/(1+r)) for j < K,
+    w_K = a^(K/(1+r)) (1-a)^(-1/(1+r)); a clamped to [0.01, 0.99], r to >= 0."""
+    a = min(max(accept_rate, ACCEPT_RATE_RANGE[0]), ACCEPT_RATE_RANGE[1])
+    e = 1.0 / (1.0 + max(r, 0.0))
+    weights = [a ** (j * e) for j in range(k)]
+    return weights + [a ** (k * e) * (1.0 - a) ** (-e)]
+
+
+def round_to_budget(ideal: Sequence[float], budget: int, caps: Sequence[int] | None = None) -> list[int]:
+    """Largest-remainder rounding of `ideal` to integers 1 <= F_j <= cap_j with sum F = budget.
+
+    Start from clamp(floor(ideal_j), 1, cap_j); add units where ideal_j - F_j is largest (ties: lower
+    j), remove units where it is smallest. The sum falls short of `budget` only if sum(caps) < budget.
+    """
+    n = len(ideal)
+    caps = list(caps) if caps is not None else [budget] * n
+    if budget < n:
+        raise ValueError(f"budget {budget} < {n}: every position needs at least one branch")
+    f = [min(max(int(x), 1), c) for x, c in zip(ideal, caps)]
+    while sum(f) < budget:
+        room = [j for j in range(n) if f[j] < caps[j]]
+        if not room:
+            break
+        f[max(room, key=lambda j: (ideal[j] - f[j], -j))] += 1
+    while sum(f) > budget:
+        f[min((j for j in range(n) if f[j] > 1), key=lambda j: (ideal[j] - f[j], -j))] -= 1
+    return f
+
+
+def geometric_fanout(budget: int, k: int, accept_rate: float, r: float, caps: Sequence[int] | None = None) -> list[int]:
+    """F_k = F_0 a^(k/(1+r)) (k < K), F_K = F_0 a^(K/(1+r)) (1-a)^(-1/(1+r)), F_0 fixed by sum F = budget;
+    rounded by largest remainder to ints >= 1 summing to `budget`. Returns K+1 ints."""
+    w = geometric_weights(k, accept_rate, r)
+    total = sum(w)
+    return round_to_budget([budget * x / total for x in w], budget, caps)
+
+
+def uniform_fanout(budget: int, k: int, caps: Sequence[int] | None = None) -> list[int]:
+    """F_j = budget / (K+1), remainders to the lower positions first. Returns K+1 ints."""
+    return round_to_budget([budget / (k + 1)] * (k + 1), budget, caps)
+
+
+def vocab_caps(k: int, vocab_size: int) -> list[int]:
+    """Candidates that exist: V-1 at k < K (the drafted token is excluded), V at the all-accepted position."""
+    return [vocab_size - 1] * k + [vocab_size]
+
+
+def resolve_fanout(kind: FanOut, budget_or_list: int | Sequence[int], k: int, accept_rate: float, r: float,
+                   vocab_size: int) -> list[int]:
+    """The fan-out F_0..F_K to use: an explicit list (K+1 ints) wins and is only capped to the
+    vocabulary; a budget is split by `kind` within the caps (see vocab_caps)."""
+    caps = vocab_caps(k, vocab_size)
+    if not isinstance(budget_or_list, int):
+        explicit = list(budget_or_list)
+        if len(explicit) != k + 1 or any(f < 1 for f in explicit):
+            raise ValueError(f"an explicit fan-out needs K+1 = {k + 1} ints >= 1, got {explicit}")
+        return [min(f, c) for f, c in zip(explicit, caps)]
+    if FanOut(kind) is FanOut.GEOMETRIC:
+        return geometric_fanout(budget_or_list, k, accept_rate, r, caps)
+    return uniform_fanout(budget_or_list, k, caps)

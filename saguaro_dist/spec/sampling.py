@@ -1,0 +1,145 @@
+"""Sampling distributions and draws: plain sampling settings, Saguaro sampling, per-row generators.
+
+Every distribution here is exactly what gets sampled from: the verifier must be handed the same
+tensor as q that the draft drew its token from, or losslessness is gone.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+Generators = Sequence[torch.Generator | None] | None
+
+
+def _float(x: torch.Tensor) -> torch.Tensor:
+    """At least float32: half-precision softmax/cumsum is too coarse for acceptance ratios."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _per_row(value, n: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A scalar, list or tensor of per-row settings as a [n] tensor."""
+    t = torch.as_tensor(value, dtype=dtype, device=device)
+    return t.expand(n).contiguous() if t.dim() == 0 else t
+
+
+def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities over descending-sorted logits after top-k then top-p.
+
+    keep_k(j) = j < k (k = 0: all); p' = softmax(logits | keep_k);
+    keep_p(j) = sum_{i<j} p'(i) < top_p (so the first token always stays; top_p >= 1: all);
+    result = norm(p' * keep_p).
+    """
+    v = sorted_logits.shape[-1]
+    rank = torch.arange(v, device=sorted_logits.device)
+    k_eff = torch.where(top_k > 0, top_k.clamp(max=v), v)
+    masked = sorted_logits.masked_fill(rank[None, :] >= k_eff[:, None], float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    probs = probs * keep
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def target_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+    """The distribution plain sampling draws from, per row (used for the target and the draft alike).
+
+    T = 0: one_hot(argmax logits). Otherwise p = norm(top_p(top_k(softmax(logits / T)))), i.e. top-k on
+    the tempered logits, then the smallest prefix (by descending probability) of the renormalised
+    top-k distribution whose mass reaches top_p, renormalised. Ties at a cut-off are broken by a
+    stable sort (lower token id first).
+
+    logits [N, V]; temperature [N] float (or scalar); top_k [N] int, 0 = off; top_p [N] float in (0, 1].
+    Returns probs [N, V] (float32, or float64 for float64 logits).
+    """
+    logits = _float(logits)
+    n, v = logits.shape
+    temperature = _per_row(temperature, n, logits.dtype, logits.device)
+    top_k = _per_row(top_k, n, torch.int64, logits.device)
+    top_p = _per_row(top_p, n, logits.dtype, logits.device)
+    greedy = temperature <= 0
+    scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    if bool(((top_k > 0) & (top_k < v)).any()) or bool((top_p < 1.0).any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+        probs = torch.empty_like(scaled).scatter_(1, order, _filter_sorted(sorted_logits, top_k, top_p))
+    else:  # no filtering on any row: skip the O(V log V) sort
+        probs = torch.softmax(scaled, dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), v).to(probs.dtype)
+    return torch.where(greedy[:, None], one_hot, probs)
+
+
+def one_hot_probs(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q for a deterministic proposal: q(x) = [x == token]. tokens [...] int64 -> probs [..., V]."""
+    return torch.nn.functional.one_hot(tokens, vocab_size).to(dtype)
+
+
+def top_f_mask(probs: torch.Tensor, top_f) -> torch.Tensor:
+    """mask(j) = j is among the top_f most probable tokens of its row (ties: torch.topk's order).
+
+    probs [N, V]; top_f int or [N] int (0 = none). Returns bool [N, V].
+    """
+    n, v = probs.shape
+    top_f = _per_row(top_f, n, torch.int64, probs.device).clamp(0, v)
+    f_max = int(top_f.max()) if n else 0
+    mask = torch.zeros_like(probs, dtype=torch.bool)
+    if f_max == 0:
+        return mask
+    idx = probs.topk(f_max, dim=-1).indices
+    keep = torch.arange(f_max, device=probs.device)[None, :] < top_f[:, None]
+    return mask.scatter_(1, idx, keep)
+
+
+def saguaro_probs(probs: torch.Tensor, top_f, c: float) -> torch.Tensor:
+    """Saguaro sampling sigma_{F,C} (Definition 14): the draft's top-F probabilities scaled by C.
+
+    sigma(z)(j) = w(j) z(j) / sum_i w(i) z(i), w(j) = C if j in top-F(z) else 1, C in [0, 1].
+    C = 1 or F = 0 is the identity. If sum_i w(i) z(i) = 0 (C = 0 and all of z's mass lies in its
+    top F, e.g. a greedy one-hot z) the row is returned unchanged: that is the C -> 0 limit of
+    sigma (C z / C), so the function stays continuous and always returns a distribution.
+
+    probs [N, V]; top_f int or [N] int; returns probs [N, V]. This is both the distribution the
+    draft samples from and the q the verifier must be given.
+    """
+    if not 0.0 <= c <= 1.0:
+        raise ValueError(f"c must be in [0, 1], got {c!r}")
+    if c == 1.0:
+        return probs
+    scaled = torch.where(top_f_mask(probs, top_f), probs * c, probs)
+    total = scaled.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(total.dtype).tiny), probs)
+
+
+def row_uniforms(generators: Generators, n: int, m: int, device=None) -> torch.Tensor:
+    """[n, m] float64 uniforms in [0, 1); row i comes from generators[i] alone (None: the default
+    generator of `device`), so a seeded row draws the same numbers whatever else is in the batch."""
+    gens = list(generators) if generators is not None else [None] * n
+    if len(gens) != n:
+        raise ValueError(f"need one generator (or None) per row: {n} rows, {len(gens)} generators")
+    out = torch.empty((n, m), dtype=torch.float64, device=device)
+    default_rows = [i for i, g in enumerate(gens) if g is None]
+    if default_rows:
+        out[default_rows] = torch.rand((len(default_rows), m), dtype=torch.float64, device=device)
+    for i, g in enumerate(gens):
+        if g is not None:
+            out[i] = torch.rand(m, generator=g, dtype=torch.float64, device=g.device).to(device)
+    return out
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: token = min{j : u * S < CDF(j)}, CDF(j) = sum_{i<=j} probs(i), S = CDF(V-1).
+
+    Rows need not be normalised. Zero-probability tokens are never returned (a float rounding of
+    u * S up to S is clamped to the row's last positive token). probs [N, V], u [N] -> tokens [N] int64.
+    """
+    cdf = probs.to(torch.float64).cumsum(dim=-1)
+    target = (u.to(cdf.device, torch.float64) * cdf[:, -1])[:, None]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    v = probs.shape[-1]
+    last_positive = (v - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(tokens, last_positive)
+
+
+def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
+    """token_i ~ probs[i], using generators[i] (None: default generator). probs [N, V] -> tokens [N] int64."""
+    u = row_uniforms(generators, probs.shape[0], 1, probs.device)[:, 0]
+    return sample_with_uniforms(probs, u)

@@ -1,0 +1,151 @@
+"""Online estimates of what the fan-out (Theorem 12) and the fallback choice (Theorem 17) need."""
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+
+import torch
+
+from saguaro_dist.config import FanOut
+from saguaro_dist.spec.fallback import MAX_CRITICAL_BATCH, critical_batch_size
+from saguaro_dist.spec.fanout import resolve_fanout
+from saguaro_dist.spec.theory import expected_tokens_per_round
+
+MISS_CLAMP = (1e-3, 1.0 - 1e-3)  # a bin with no hits (or no misses) still gives a finite log
+R_RANGE = (0.05, 4.0)
+
+
+class ProposalSource(str, enum.Enum):
+    CACHE = "cache"    # SSD cache hit: prepared by the primary speculator
+    NEURAL = "neural"  # the draft model drafting just in time (SD rounds, SSD's neural backup)
+    FAST = "fast"      # n-gram or random backup
+
+
+class Timing(str, enum.Enum):
+    VERIFY = "verify"                # one target verification of K+1 positions
+    DRAFT = "draft"                  # the primary speculator building a round's cache
+    NEURAL_BACKUP = "neural_backup"  # a just-in-time K-token draft on a miss
+
+
+class _Decayed:
+    """Exponentially decayed sum and count: mean = sum / count, old data fading by `decay` per update."""
+
+    def __init__(self, decay: float):
+        self.decay, self.total, self.count = decay, 0.0, 0.0
+
+    def add(self, total: float, count: float) -> None:
+        self.total = self.decay * self.total + total
+        self.count = self.decay * self.count + count
+
+    def mean(self, default: float) -> float:
+        return self.total / self.count if self.count > 0 else default
+
+
+def acceptance_counts(accepted: torch.Tensor, k: int) -> tuple[float, float]:
+    """(successes, trials) of the per-token acceptance test in a batch of rounds: each round tested
+    its tokens until the first rejection, so successes = sum k*, trials = sum k* + #[k* < K].
+    successes / trials is the maximum-likelihood a (sum k* / (B K) would be biased low)."""
+    accepted = accepted.to(torch.float64)
+    return float(accepted.sum()), float(accepted.sum() + (accepted < k).sum())
+
+
+def fit_miss_exponent(fanouts: Sequence[int], misses: Sequence[float], lookups: Sequence[float]) -> float | None:
+    """r of 1 - p_hit(F) = F^-r by weighted least squares through the origin on log m = -r log F:
+    r = sum w log F (-log m) / sum w (log F)^2, w = lookups, m = misses/lookups clamped to [1e-3, 1-1e-3].
+    Fan-outs of 1 carry no information (log 1 = 0). None when nothing informative was seen."""
+    num = den = 0.0
+    for f, miss, n in zip(fanouts, misses, lookups):
+        if f < 2 or n <= 0:
+            continue
+        m = min(max(miss / n, MISS_CLAMP[0]), MISS_CLAMP[1])
+        num += n * math.log(f) * -math.log(m)
+        den += n * math.log(f) ** 2
+    return num / den if den > 0 else None
+
+
+class SpecStats:
+    """Running estimates: acceptance rate a, miss exponent r, hit rate, tokens per round by proposal
+    source, and mean times; each decays by `decay` per record call so the estimates track drift."""
+
+    def __init__(self, k: int, decay: float = 0.99, default_accept_rate: float = 0.7, default_r: float = 0.5,
+                 default_hit_rate: float = 0.5, min_lookups: int = 32):
+        self.k, self.decay, self.min_lookups = k, decay, min_lookups
+        self.defaults = {"accept_rate": default_accept_rate, "r": default_r, "hit_rate": default_hit_rate}
+        self._accept = _Decayed(decay)
+        self._hits = _Decayed(decay)
+        self._tokens = {s: _Decayed(decay) for s in ProposalSource}
+        self._times = {t: _Decayed(decay) for t in Timing}
+        self._misses_by_f: dict[int, _Decayed] = {}
+
+    def record_verify(self, accepted, source: ProposalSource) -> None:
+        """accepted: k* per row (list or [B] tensor) of rounds whose proposals came from `source`.
+        Only the primary speculator's rounds (CACHE, NEURAL) feed the acceptance rate a."""
+        accepted = torch.as_tensor(accepted, dtype=torch.int64).reshape(-1)
+        if accepted.numel() == 0:
+            return
+        source = ProposalSource(source)
+        if source is not ProposalSource.FAST:
+            self._accept.add(*acceptance_counts(accepted, self.k))
+        self._tokens[source].add(float(accepted.sum()) + accepted.numel(), accepted.numel())
+
+    def record_lookups(self, fanouts: Sequence[int], hits: Sequence[bool]) -> None:
+        """One entry per cache lookup: F_{k*}, the fan-out at the real outcome's position, and hit or not."""
+        hits = [bool(h) for h in hits]
+        self._hits.add(sum(hits), len(hits))
+        per_f: dict[int, list[int]] = {}
+        for f, h in zip(fanouts, hits):
+            per_f.setdefault(int(f), []).append(0 if h else 1)
+        for f in set(self._misses_by_f) | set(per_f):
+            misses = per_f.get(f, [])
+            self._misses_by_f.setdefault(f, _Decayed(self.decay)).add(sum(misses), len(misses))
+
+    def record_time(self, timing: Timing, seconds: float) -> None:
+        self._times[Timing(timing)].add(seconds, 1.0)
+
+    @property
+    def accept_rate(self) -> float:
+        return self._accept.mean(self.defaults["accept_rate"])
+
+    @property
+    def hit_rate(self) -> float:
+        return self._hits.mean(self.defaults["hit_rate"])
+
+    @property
+    def r(self) -> float:
+        """The miss exponent; the default until min_lookups informative lookups (F >= 2) were seen."""
+        bins = [(f, d.total, d.count) for f, d in self._misses_by_f.items() if f >= 2]
+        if sum(n for _, _, n in bins) < self.min_lookups:
+            return self.defaults["r"]
+        fitted = fit_miss_exponent(*zip(*bins))
+        return self.defaults["r"] if fitted is None else min(max(fitted, R_RANGE[0]), R_RANGE[1])
+
+    def tokens_per_round(self, source: ProposalSource) -> float:
+        """Mean k* + 1 for rounds from `source`; before data: sum_{i<=K} a^i (primary), 1 (FAST)."""
+        default = 1.0 if ProposalSource(source) is ProposalSource.FAST else expected_tokens_per_round(self.accept_rate, self.k)
+        return self._tokens[ProposalSource(source)].mean(default)
+
+    def mean_accepted(self, source: ProposalSource) -> float:
+        return self.tokens_per_round(source) - 1.0
+
+    def time(self, timing: Timing) -> float | None:
+        """Mean seconds, or None before any measurement."""
+        d = self._times[Timing(timing)]
+        return d.total / d.count if d.count > 0 else None
+
+    def relative_time(self, timing: Timing) -> float | None:
+        """Mean time / mean verify time (the theorems' unit), or None before both were measured."""
+        t, verify = self.time(timing), self.time(Timing.VERIFY)
+        return t / verify if t is not None and verify else None
+
+    def fanout(self, kind: FanOut, budget_or_list: int | Sequence[int], vocab_size: int) -> list[int]:
+        """resolve_fanout with the current a and r."""
+        return resolve_fanout(kind, budget_or_list, self.k, self.accept_rate, self.r, vocab_size)
+
+    def critical_batch_size(self, max_batch: int = MAX_CRITICAL_BATCH) -> int:
+        """b* from the current estimates. Until the neural backup was timed t_neural = 0 (it never
+        stalls), so b* = max_batch unless fast proposals are measured to be as good: stay neural."""
+        t_neural = self.relative_time(Timing.NEURAL_BACKUP) or 0.0
+        return critical_batch_size(self.hit_rate, self.tokens_per_round(ProposalSource.CACHE),
+                                   self.tokens_per_round(ProposalSource.NEURAL),
+                                   self.tokens_per_round(ProposalSource.FAST), t_neural, max_batch)
