@@ -1,0 +1,103 @@
+"""What the target-side round loop talks to: the draft side, wherever it runs."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
+
+log = logging.getLogger(__name__)
+TreeKey = tuple[int, int]  # (seq_id, round)
+
+
+class DraftBackend(Protocol):
+    def prefill(self, reqs: list[PrefillRequest]) -> None: ...
+    def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]: ...
+    def send_outcomes(self, outcomes: list[Outcome]) -> None: ...
+    def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]: ...
+    def release(self, reqs: list[Release]) -> None: ...
+    def close(self) -> None: ...
+
+
+class TreeInbox:
+    """Trees as they arrive, keyed by (seq_id, round); waiters wake when theirs land."""
+
+    def __init__(self):
+        self._trees: dict[TreeKey, SpeculationTree] = {}
+        self._cond = threading.Condition()
+
+    def put(self, trees: list[SpeculationTree]) -> None:
+        with self._cond:
+            for t in trees:
+                self._trees[(t.seq_id, t.round)] = t
+            self._cond.notify_all()
+
+    def take(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
+        """Wait until every key has arrived or the deadline passes; return (and forget) what came."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not all(k in self._trees for k in keys):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    break
+            found = {k[0]: self._trees.pop(k) for k in keys if k in self._trees}
+            self._drop_older_than(keys)
+            return found
+
+    def _drop_older_than(self, keys: list[TreeKey]) -> None:
+        """Late trees of past rounds will never be asked for again."""
+        current = dict(keys)
+        for key in [k for k in self._trees if k[0] in current and k[1] <= current[k[0]]]:
+            del self._trees[key]
+
+
+class LocalDraftBackend:
+    """A DraftWorker on its own thread in this process: the one-host engine.
+
+    One worker thread serialises every call, so the worker needs no locks; tree building runs
+    there while the target verifies on the caller's thread (torch releases the GIL in its ops).
+    """
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.inbox = TreeInbox()
+        self.busy_s = 0.0  # time the draft thread spent working
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
+
+    def prefill(self, reqs):
+        self._call(self.worker.prefill, reqs).result()
+
+    def jit_draft(self, reqs):
+        return self._call(self.worker.jit_draft, reqs).result()
+
+    def send_outcomes(self, outcomes):
+        self._call(self._observe_and_build, outcomes)
+
+    def wait_trees(self, keys, timeout_s):
+        return self.inbox.take(keys, timeout_s)
+
+    def release(self, reqs):
+        self._call(self.worker.release, reqs)
+
+    def close(self):
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _observe_and_build(self, outcomes):
+        self.worker.observe(outcomes)
+        self.inbox.put(self.worker.build_trees())
+
+    def _call(self, fn, arg):
+        def timed():
+            start = time.perf_counter()
+            try:
+                return fn(arg)
+            except Exception:
+                # A failed tree build costs a miss (the target falls back), never a token.
+                log.exception("draft worker call %s failed", getattr(fn, "__name__", fn))
+                raise
+            finally:
+                self.busy_s += time.perf_counter() - start
+        return self._pool.submit(timed)

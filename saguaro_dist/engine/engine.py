@@ -1,0 +1,138 @@
+"""The engine: continuous batching over one round loop (AR, SD or SSD). Driven by one thread."""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from saguaro_dist.config import Config
+from saguaro_dist.engine.detokenizer import Detokenizer, find_stop, stable_prefix
+from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.rounds import build_loop
+from saguaro_dist.engine.sequence import FinishReason, Sequence, SeqStatus
+from saguaro_dist.engine.target import TargetScorer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Update:
+    """What a step changed for one request (streamed to its caller)."""
+    seq: Sequence
+    text_delta: str
+    token_delta: list[int]
+    finished: bool
+
+
+class Engine:
+    def __init__(self, config: Config, target_runner, draft_backend, tokenizer, eos_token_ids: set[int]):
+        self.config = config
+        self.metrics = EngineMetrics()
+        self.target = TargetScorer(target_runner)
+        self.loop = build_loop(config, self.target, draft_backend, self.metrics)
+        self.detok = Detokenizer(tokenizer)
+        self.eos_token_ids = eos_token_ids
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._emitted: dict[int, tuple[str, int]] = {}  # seq_id -> (text, tokens) already streamed
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> list[Update]:
+        """Drop a request wherever it is; its slot is free at once."""
+        gone = [s for s in list(self.waiting) + self.running if s.request_id == request_id]
+        for s in gone:
+            self._finish(s, FinishReason.ABORT)
+        self.waiting = deque(s for s in self.waiting if not s.finished)
+        self._retire()
+        return [Update(s, "", [], True) for s in gone]
+
+    def step(self) -> list[Update]:
+        """Admit waiting requests, then one round for every running sequence."""
+        start = time.perf_counter()
+        updates = self._admit()
+        running = [s for s in self.running if not s.finished]
+        if running:
+            self.loop.prepare(running)
+            gained = self.loop.verify(running)
+            updates += [self._append(s, tokens) for s, tokens in zip(running, gained)]
+            self.metrics.rounds += 1
+        self._retire()
+        self.metrics.step_s += time.perf_counter() - start
+        return updates
+
+    def close(self) -> None:
+        self.loop.close()
+
+    def reset(self) -> None:
+        """After a failed step: drop every request (their callers were told) and free their state."""
+        for s in list(self.waiting) + self.running:
+            self._finish(s, FinishReason.ABORT)
+        self.waiting.clear()
+        try:
+            self._retire()
+        except Exception:  # noqa: BLE001 - the failure may have taken the model with it
+            log.exception("could not release state after a failed step")
+            self.running = []
+
+    # ---- steps ------------------------------------------------------------------------------
+    def _admit(self) -> list[Update]:
+        free = self.config.max_batch_size - len(self.running)
+        new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        if not new:
+            return []
+        start = time.perf_counter()
+        first = self.loop.admit(new)
+        self.metrics.prefill_s += time.perf_counter() - start
+        for s in new:
+            s.status = SeqStatus.RUNNING
+        self.running += new
+        return [self._append(s, [t]) for s, t in zip(new, first)]
+
+    def _append(self, s: Sequence, tokens: list[int]) -> Update:
+        """Add verified tokens up to the first stop condition; cut stop strings from the text."""
+        if not s.output_token_ids:
+            s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
+        for t in tokens:
+            s.output_token_ids.append(t)
+            if t in self.eos_token_ids and not s.params.ignore_eos:
+                self._finish(s, FinishReason.STOP)
+            elif len(s.output_token_ids) >= s.params.max_tokens:
+                self._finish(s, FinishReason.LENGTH)
+            if s.finished:
+                break
+        self._update_text(s)
+        return self._delta(s)
+
+    def _update_text(self, s: Sequence) -> None:
+        s.text = self.detok.decode(s.output_token_ids)
+        cut = find_stop(s.text, s.params.stop)
+        if cut is not None:
+            s.text = s.text[:cut]
+            self._finish(s, FinishReason.STOP)
+
+    def _delta(self, s: Sequence) -> Update:
+        text_sent, tokens_sent = self._emitted.get(s.seq_id, ("", 0))
+        visible = s.text if s.finished else stable_prefix(s.text, s.params.stop)
+        visible = visible if visible.startswith(text_sent) else text_sent
+        self._emitted[s.seq_id] = (visible, len(s.output_token_ids))
+        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished)
+
+    def _finish(self, s: Sequence, reason: FinishReason) -> None:
+        if not s.finished:
+            s.status, s.finish_reason = SeqStatus.FINISHED, reason
+            s.metrics.num_generated_tokens = len(s.output_token_ids)
+            s.metrics.total_time_s = time.perf_counter() - s.arrival_time
+
+    def _retire(self) -> None:
+        done = [s for s in self.running if s.finished]
+        if done:
+            self.loop.release(done)
+            self.running = [s for s in self.running if not s.finished]
+        for s in done:
+            self._emitted.pop(s.seq_id, None)

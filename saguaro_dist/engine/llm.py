@@ -1,0 +1,169 @@
+"""The public entry point: `LLM(...).generate(...)`, `LLM.stream(...)` for serving."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import uuid
+from typing import AsyncIterator
+
+from saguaro_dist.config import Config
+from saguaro_dist.engine.engine import Update
+from saguaro_dist.engine.loop_thread import EngineThread
+from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
+from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.sampling_params import SamplingParams
+
+__all__ = ["LLM", "RequestOutput", "StreamDelta"]
+
+
+class LLM:
+    """An SSD / SD / AR engine over a target (and draft) checkpoint.
+
+    >>> llm = LLM(model=TARGET, draft=DRAFT, mode="ssd", k=4, fan_out=12)
+    >>> llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))[0].text
+    """
+
+    def __init__(self, model: str, draft: str | None = None, **kwargs):
+        self._setup(Config(model=model, draft=draft, **kwargs))
+
+    @classmethod
+    def from_config(cls, config: Config) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._setup(config)
+        return llm
+
+    def _setup(self, config: Config) -> None:
+        self.config = config
+        self._ids = itertools.count()
+        if config.cluster is None:
+            from saguaro_dist.engine.build import build_local_engine
+            engine, self.tokenizer = build_local_engine(config)
+        else:
+            from saguaro_dist.distributed.cluster import build_cluster_engine
+            engine, self.tokenizer = build_cluster_engine(config)
+        self.max_model_len = engine.target.runner.max_model_len if hasattr(engine, "target") else engine.max_model_len
+        self.vocab_size = engine.target.vocab_size if hasattr(engine, "target") else engine.vocab_size
+        self._engine = engine
+        self._thread = EngineThread(engine)
+
+    @property
+    def metrics(self):
+        """Engine-wide counters and the time split of the round loop."""
+        return self._engine.metrics
+
+    # ---- requests ---------------------------------------------------------------------------
+    def generate(self, prompts: str | list[str] | None = None,
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (continuously batched); outputs in prompt order."""
+        requests = self._requests(prompts, prompt_token_ids, sampling_params)
+        done = [threading.Event() for _ in requests]
+        results: list = [None] * len(requests)
+        for i, (seq, _) in enumerate(requests):
+            self._thread.submit(seq, self._collector(i, results, done[i]))
+        for event in done:
+            event.wait()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return [self._output(seq, text) for seq, (_, text) in zip(results, requests)]
+
+    async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
+                     prompt_token_ids: list[int] | None = None, request_id: str | None = None
+                     ) -> AsyncIterator[StreamDelta]:
+        """Deltas of one request as rounds finish; closing the iterator early aborts the request."""
+        seq, _ = self._requests(None if prompt is None else [prompt],
+                                None if prompt_token_ids is None else [prompt_token_ids], sampling_params)[0]
+        if request_id:
+            seq.request_id = request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._thread.submit(seq, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield self._delta(item)
+        finally:
+            if not finished:
+                self.abort(seq.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._thread.abort(request_id)
+
+    def shutdown(self) -> None:
+        self._thread.stop()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ---- edges ------------------------------------------------------------------------------
+    def _requests(self, prompts, prompt_token_ids, sampling_params) -> list[tuple[Sequence, str | None]]:
+        """Validate everything before any work; one Sequence per prompt."""
+        texts, ids = self._prompt_ids(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(ids))
+        out = []
+        for text, tokens, p in zip(texts, ids, params):
+            self._check_prompt(tokens, p)
+            seq = Sequence(next(self._ids), uuid.uuid4().hex, tokens, p)
+            out.append((seq, text))
+        return out
+
+    def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompt_token_ids is not None:
+            return [None] * len(prompt_token_ids), [list(map(int, p)) for p in prompt_token_ids]
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+        if any(not isinstance(p, str) or not p for p in prompts):
+            raise ValueError("every prompt must be a non-empty string")
+        return prompts, [self.tokenizer.encode(p) for p in prompts]
+
+    def _params(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        if len(sampling_params) != n:
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
+        return list(sampling_params)
+
+    def _check_prompt(self, tokens: list[int], params: SamplingParams) -> None:
+        if not tokens:
+            raise ValueError("empty prompt")
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(tokens) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"the model's max length {self.max_model_len}")
+
+    @staticmethod
+    def _collector(i: int, results: list, done: threading.Event):
+        def listener(item):
+            if isinstance(item, BaseException):
+                results[i] = item
+                done.set()
+            elif item.finished:
+                results[i] = item.seq
+                done.set()
+        return listener
+
+    @staticmethod
+    def _output(seq: Sequence, prompt: str | None) -> RequestOutput:
+        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, seq.text, list(seq.output_token_ids),
+                             seq.finish_reason.value if seq.finish_reason else None, seq.metrics)
+
+    @staticmethod
+    def _delta(u: Update) -> StreamDelta:
+        reason = u.seq.finish_reason.value if (u.finished and u.seq.finish_reason) else None
+        return StreamDelta(u.seq.request_id, u.text_delta, u.token_delta, u.finished, reason,
+                           u.seq.metrics if u.finished else None)

@@ -1,0 +1,91 @@
+"""Runs an Engine on its own thread so concurrent callers share one continuously batched batch."""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from saguaro_dist.engine.engine import Engine, Update
+from saguaro_dist.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[Update | BaseException], None]
+
+
+class EngineError(RuntimeError):
+    """The engine failed while serving this request; the request may be retried."""
+    retriable = True
+
+
+class EngineThread:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._listeners: dict[str, Listener] = {}
+        self._inbox: list[tuple[Sequence, Listener]] = []
+        self._aborts: list[str] = []
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="saguaro-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, seq: Sequence, listener: Listener) -> None:
+        with self._cond:
+            if self._stopped:
+                raise EngineError("the engine is shut down")
+            self._inbox.append((seq, listener))
+            self._cond.notify()
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+        self._thread.join(timeout=30)
+        self.engine.close()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopped or self._inbox or self._aborts or self.engine.has_work())
+                if self._stopped:
+                    break
+                inbox, aborts = self._inbox, self._aborts
+                self._inbox, self._aborts = [], []
+            self._take(inbox, aborts)
+            self._step()
+        self._fail_all(EngineError("the engine was shut down"))
+
+    def _take(self, inbox, aborts) -> None:
+        for seq, listener in inbox:
+            self._listeners[seq.request_id] = listener
+            self.engine.add(seq)
+        for request_id in aborts:
+            self._publish(self.engine.abort(request_id))
+
+    def _step(self) -> None:
+        if not self.engine.has_work():
+            return
+        try:
+            self._publish(self.engine.step())
+        except Exception as err:  # noqa: BLE001 - every in-flight request learns of it
+            log.exception("engine step failed; failing in-flight requests")
+            self._fail_all(EngineError(f"engine step failed: {err!r}"))
+            self.engine.reset()
+
+    def _publish(self, updates: list[Update]) -> None:
+        for u in updates:
+            listener = self._listeners.get(u.seq.request_id)
+            if u.finished:
+                self._listeners.pop(u.seq.request_id, None)
+            if listener is not None:
+                listener(u)
+
+    def _fail_all(self, err: BaseException) -> None:
+        listeners, self._listeners = self._listeners, {}
+        for listener in listeners.values():
+            listener(err)

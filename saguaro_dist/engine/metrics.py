@@ -1,0 +1,75 @@
+"""Per-request and engine-wide speculation metrics."""
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestMetrics:
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    rounds: int = 0                  # verification rounds (AR: decode steps)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)  # fallback kind -> times used
+    time_to_first_token_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per round, the bonus token included."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def cache_hit_rate(self) -> float:
+        lookups = self.cache_hits + self.cache_misses
+        return self.cache_hits / lookups if lookups else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+
+    def record_fallback(self, kind: str) -> None:
+        self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        for name in ("acceptance_rate", "mean_accepted_length", "cache_hit_rate", "tokens_per_s"):
+            out[name] = getattr(self, name)
+        return out
+
+
+@dataclass
+class EngineMetrics:
+    """Wall time split of the round loop, summed over rounds (seconds)."""
+    rounds: int = 0
+    verify_s: float = 0.0        # target forwards + verification
+    draft_wait_s: float = 0.0    # target side waiting for trees / just-in-time drafts
+    prefill_s: float = 0.0
+    step_s: float = 0.0          # whole steps; coordination = step - verify - draft_wait - prefill
+    cache_hits: int = 0
+    cache_misses: int = 0
+    fallbacks: Counter = field(default_factory=Counter)
+
+    @property
+    def coordination_s(self) -> float:
+        return max(0.0, self.step_s - self.verify_s - self.draft_wait_s - self.prefill_s)
+
+    def to_dict(self) -> dict:
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "fallbacks"}
+        out["fallbacks"] = dict(self.fallbacks)
+        out["coordination_s"] = self.coordination_s
+        return out

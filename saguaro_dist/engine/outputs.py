@@ -1,0 +1,27 @@
+"""What callers get back."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from saguaro_dist.engine.metrics import RequestMetrics
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None   # "stop", "length" or "abort"
+    metrics: RequestMetrics
+
+
+@dataclass
+class StreamDelta:
+    request_id: str
+    text: str                    # new text since the previous delta
+    token_ids: list[int]         # new token ids since the previous delta
+    finished: bool
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None  # on the final delta

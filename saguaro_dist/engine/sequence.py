@@ -1,0 +1,66 @@
+"""A request's state inside the engine."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro_dist.engine.messages import DraftSampling, Proposal
+from saguaro_dist.engine.metrics import RequestMetrics
+from saguaro_dist.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"      # eos or a stop string
+    LENGTH = "length"  # max_tokens
+    ABORT = "abort"    # cancelled by the caller
+
+
+def make_generator(seed: int | None, salt: int) -> torch.Generator:
+    """Per-request randomness: seeded requests reproduce; the salt keeps target and draft streams independent."""
+    gen = torch.Generator()
+    gen.manual_seed((seed * 1_000_003 + salt) % (2**63) if seed is not None else torch.seed())
+    return gen
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    status: SeqStatus = SeqStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    text: str = ""                         # detokenized output, stop strings cut
+    finish_reason: FinishReason | None = None
+    round: int = 0
+    speculation: Proposal | None = None    # what the target verifies this round
+    speculation_kind: str = "neural"       # where it came from: "hit", "neural" or "fast"
+    last_outcome: tuple[int, int] = (0, 0) # (k accepted, bonus token) of the last verification
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        self.generator = make_generator(self.params.seed, salt=1)
+        self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+    def draft_sampling(self) -> DraftSampling:
+        p = self.params
+        return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed)

@@ -1,0 +1,70 @@
+"""The target side's model work: prefill, plain decode and batched verification of speculations."""
+from __future__ import annotations
+
+import torch
+
+from saguaro_dist.engine.messages import Proposal
+from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.spec import sample, target_probs, verify
+
+
+def sampling_probs(logits: torch.Tensor, seqs: list[Sequence], rows_per_seq: int = 1) -> torch.Tensor:
+    """Each request's own temperature / top-k / top-p over logits [len(seqs) * rows_per_seq, V]."""
+    def per_row(values):
+        return torch.tensor(values, dtype=torch.float32).repeat_interleave(rows_per_seq)
+    temperature = per_row([s.params.temperature for s in seqs])
+    top_k = per_row([s.params.top_k for s in seqs]).long()
+    top_p = per_row([s.params.top_p for s in seqs])
+    return target_probs(logits.float(), temperature, top_k, top_p)
+
+
+def stack_proposals(proposals: list[Proposal], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens [B, K] and q [B, K, V]; q is None when every proposal is one-hot (greedy, n-gram)."""
+    tokens = torch.stack([p.tokens for p in proposals])
+    if all(p.probs is None for p in proposals):
+        return tokens, None
+    one_hot = lambda p: torch.nn.functional.one_hot(p.tokens, vocab_size).float()  # noqa: E731
+    return tokens, torch.stack([p.probs if p.probs is not None else one_hot(p) for p in proposals])
+
+
+class TargetScorer:
+    """Owns the target's ModelRunner; every call is batched over sequences."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """Run the prompts; sample each sequence's first token (its KV then holds the prompt)."""
+        for s in seqs:
+            self.runner.add(s.seq_id)
+        logits = self.runner.extend([s.seq_id for s in seqs], [s.prompt_token_ids for s in seqs], [1] * len(seqs))
+        return self._sample(torch.cat(logits), seqs)
+
+    def decode(self, seqs: list[Sequence]) -> list[int]:
+        """Plain autoregressive step: run each sequence's last token, sample the next."""
+        logits = self.runner.extend([s.seq_id for s in seqs], [[s.tokens[-1]] for s in seqs], [1] * len(seqs))
+        return self._sample(torch.cat(logits), seqs)
+
+    def verify(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """Score [b, x_1..x_K] in one forward, then lossless rejection sampling.
+
+        Returns (accepted k, bonus token) per sequence; the target KV keeps P + x_1..x_k.
+        """
+        k = len(seqs[0].speculation.tokens)
+        ids = [s.seq_id for s in seqs]
+        inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
+        logits = torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs)))     # [B, K+1, V]
+        p = sampling_probs(logits.flatten(0, 1), seqs, k + 1).view(len(seqs), k + 1, -1)
+        tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)
+        result = verify(p, tokens, q, [s.generator for s in seqs])
+        accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
+        for s, n in zip(seqs, accepted):
+            self.runner.truncate(s.seq_id, len(s.tokens) + n)
+        return accepted, bonus
+
+    def release(self, seq: Sequence) -> None:
+        self.runner.free(seq.seq_id)
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return sample(sampling_probs(logits, seqs), [s.generator for s in seqs]).tolist()
