@@ -1,0 +1,35 @@
+"""Exceptions shared by the draft side (DraftWorker, DraftService) and the target side (backends).
+
+The same types surface on both transports: the gRPC server maps them to status codes and the gRPC
+client maps the codes back, so the engine handles a LocalDraftBackend and a GrpcDraftBackend alike.
+"""
+from __future__ import annotations
+
+
+class UnknownSequence(KeyError):
+    """The draft holds no sequence with this id (never prefilled, or already released). gRPC: NOT_FOUND."""
+
+
+class OutOfOrder(RuntimeError):
+    """A stale or out-of-order round for a known sequence. gRPC: FAILED_PRECONDITION."""
+
+
+class DraftUnavailable(RuntimeError):
+    """The draft server holding these sequences cannot answer (dead, unreachable or past the deadline).
+
+    The engine falls back to the fast backup for `seq_ids`; `partial` holds the proposals that other,
+    healthy servers did return in the same call (seq_id -> Proposal), so they need not be redone.
+    """
+
+    def __init__(self, message: str, seq_ids=(), partial=None):
+        super().__init__(message)
+        self.seq_ids = list(seq_ids)
+        self.partial = dict(partial or {})
+
+
+class DraftRpcError(RuntimeError):
+    """Any other status a draft server answered (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, ...)."""
+
+    def __init__(self, message: str, code=None):
+        super().__init__(message)
+        self.code = code  # the grpc.StatusCode, when it came from gRPC

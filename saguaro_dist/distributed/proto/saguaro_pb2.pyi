@@ -1,0 +1,188 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        DTYPE_UNSPECIFIED: _ClassVar[Tensor.DType]
+        FLOAT32: _ClassVar[Tensor.DType]
+        FLOAT16: _ClassVar[Tensor.DType]
+        BFLOAT16: _ClassVar[Tensor.DType]
+        FLOAT64: _ClassVar[Tensor.DType]
+        INT64: _ClassVar[Tensor.DType]
+        INT32: _ClassVar[Tensor.DType]
+        INT16: _ClassVar[Tensor.DType]
+        INT8: _ClassVar[Tensor.DType]
+        UINT8: _ClassVar[Tensor.DType]
+        BOOL: _ClassVar[Tensor.DType]
+    DTYPE_UNSPECIFIED: Tensor.DType
+    FLOAT32: Tensor.DType
+    FLOAT16: Tensor.DType
+    BFLOAT16: Tensor.DType
+    FLOAT64: Tensor.DType
+    INT64: Tensor.DType
+    INT32: Tensor.DType
+    INT16: Tensor.DType
+    INT8: Tensor.DType
+    UINT8: Tensor.DType
+    BOOL: Tensor.DType
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: Tensor.DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[Tensor.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class DraftSampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SparseProbs(_message.Message):
+    __slots__ = ("vocab_size", "row_offsets", "token_ids", "probs")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    row_offsets: Tensor
+    token_ids: Tensor
+    probs: Tensor
+    def __init__(self, vocab_size: _Optional[int] = ..., row_offsets: _Optional[_Union[Tensor, _Mapping]] = ..., token_ids: _Optional[_Union[Tensor, _Mapping]] = ..., probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("tokens", "dense", "sparse")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    tokens: Tensor
+    dense: Tensor
+    sparse: SparseProbs
+    def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., dense: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: DraftSampling
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ...) -> None: ...
+
+class JitDraftRequest(_message.Message):
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    round: int
+    accepted: int
+    bonus_token: int
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ...) -> None: ...
+
+class TokenList(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Outcome(_message.Message):
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    round: int
+    accepted: int
+    bonus_token: int
+    next_tokens: TokenList
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ...) -> None: ...
+
+class Branch(_message.Message):
+    __slots__ = ("accepted", "bonus_token", "proposal")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
+    accepted: int
+    bonus_token: int
+    proposal: Proposal
+    def __init__(self, accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
+
+class SpeculationTree(_message.Message):
+    __slots__ = ("seq_id", "round", "branches")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    round: int
+    branches: _containers.RepeatedCompositeFieldContainer[Branch]
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+
+class Release(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+
+class PrefillBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[PrefillRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[PrefillRequest, _Mapping]]] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class JitDraftBatch(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[JitDraftRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[JitDraftRequest, _Mapping]]] = ...) -> None: ...
+
+class ProposalBatch(_message.Message):
+    __slots__ = ("proposals",)
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
+
+class OutcomeBatch(_message.Message):
+    __slots__ = ("outcomes",)
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
+    def __init__(self, outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
+
+class SpeculationTreeBatch(_message.Message):
+    __slots__ = ("trees",)
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[SpeculationTree]
+    def __init__(self, trees: _Optional[_Iterable[_Union[SpeculationTree, _Mapping]]] = ...) -> None: ...
+
+class ReleaseBatch(_message.Message):
+    __slots__ = ("releases",)
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    releases: _containers.RepeatedCompositeFieldContainer[Release]
+    def __init__(self, releases: _Optional[_Iterable[_Union[Release, _Mapping]]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
