@@ -135,7 +135,7 @@ def object_labels(s: K8sSettings) -> dict:
 
 def ray_resources_param(resources: dict) -> str:
     """rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting."""
-    return json.dumps(json.dumps(resources, separators=(", ", ": ")))
+    return json.dumps(json.dumps(resources, separators=(",", ":")))
 
 
 def _compute(cpu: str, memory: str, gpus: int) -> dict:
@@ -228,7 +228,8 @@ def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, bounds:
     cpu, memory = (s.target_cpu, s.target_memory) if name == "target" else (s.draft_cpu, s.draft_memory)
     params = {"resources": ray_resources_param(resources), "metrics-export-port": str(METRICS_PORT)}
     container = _container(s, cpu, memory, gpus, head=False)
-    return {"groupName": name, "replicas": replicas, "minReplicas": replicas if not s.autoscaling else 0,
+    # minReplicas = replicas: the app's ranks and draft workers live there; only extra pods come and go
+    return {"groupName": name, "replicas": replicas, "minReplicas": replicas,
             "maxReplicas": max_replicas, "rayStartParams": params,
             "template": _pod_template(s, container, gpus)}
 
@@ -294,6 +295,37 @@ def service_monitor(s: K8sSettings, interval: str = "30s") -> dict:
             "endpoints": [{"port": "metrics", "interval": interval, "path": "/metrics"}]}
     return {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
             "metadata": _metadata(s, s.name), "spec": spec}
+
+
+# ---- Helm ------------------------------------------------------------------------------------
+
+def _split_image(image: str) -> tuple[str, str]:
+    repository, _, tag = image.rpartition(":")
+    if not repository or "/" in tag:  # no tag, or the colon was a registry port
+        return image, "latest"
+    return repository, tag
+
+
+def helm_values(s: K8sSettings) -> dict:
+    """Values for deploy/helm/saguaro-dist that render the same objects as these settings."""
+    repository, tag = _split_image(s.image)
+    return {
+        "fullnameOverride": s.name,
+        "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},
+        "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or ""},
+        "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
+                        "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
+        "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or ""},
+        "gpu": {"enabled": s.gpu, "type": s.gpu_type or ""},
+        "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
+        "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},
+        "draft": {"workers": s.draft_workers, "resources": {"cpu": s.draft_cpu, "memory": s.draft_memory}},
+        "autoscaling": {"enabled": s.autoscaling, "draftMaxWorkers": s.draft_max_workers or 0,
+                        "idleTimeoutSeconds": s.idle_timeout_s},
+        "apiKey": {"secretName": s.api_key_secret, "secretKey": s.api_key_secret_key},
+        "hfToken": {"secretName": s.hf_token_secret, "secretKey": s.hf_token_secret_key},
+        "modelStorage": {"pvc": s.models_pvc or ""},
+    }
 
 
 # ---- YAML ------------------------------------------------------------------------------------

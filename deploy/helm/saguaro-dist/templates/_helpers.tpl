@@ -1,0 +1,161 @@
+{{/* Names and labels. Keep in step with saguaro_dist/deploy/k8s.py: tests compare the two. */}}
+{{- define "saguaro.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Pod selector labels; not app.kubernetes.io/name, which KubeRay sets on its pods. */}}
+{{- define "saguaro.selectorLabels" -}}
+app.kubernetes.io/part-of: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ include "saguaro.fullname" . }}
+{{- end -}}
+
+{{- define "saguaro.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+{{ include "saguaro.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "saguaro.gpu" -}}
+{{- if or .Values.gpu.enabled .Values.gpu.type }}true{{ end -}}
+{{- end -}}
+
+{{- define "saguaro.dtype" -}}
+{{- .Values.engine.dtype | default (ternary "bfloat16" "float32" (eq (include "saguaro.gpu" .) "true")) -}}
+{{- end -}}
+
+{{- define "saguaro.draftMax" -}}
+{{- max (int .Values.draft.workers) (int .Values.autoscaling.draftMaxWorkers) -}}
+{{- end -}}
+
+{{/* rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting. */}}
+{{- define "saguaro.rayResources" -}}
+{{- dict .name (int .amount) | toJson | toJson | squote -}}
+{{- end -}}
+
+{{/* The Serve config (ray.serve.schema.ServeDeploySchema); args parse with saguaro_dist.serve.args. */}}
+{{- define "saguaro.serveConfig" -}}
+{{- $args := dict "model" .Values.model.target "mode" .Values.speculation.mode "k" (int .Values.speculation.k) -}}
+{{- if .Values.model.draft }}{{ $_ := set $args "draft" .Values.model.draft }}{{ end -}}
+{{- $_ := set $args "fan_out" .Values.speculation.fanOut -}}
+{{- $_ := set $args "saguaro_c" .Values.speculation.saguaroC -}}
+{{- $_ := set $args "fallback" .Values.speculation.fallback -}}
+{{- $_ := set $args "tensor_parallel_size" (int .Values.target.tensorParallelSize) -}}
+{{- $_ := set $args "num_draft_workers" (int .Values.draft.workers) -}}
+{{- $_ := set $args "max_batch_size" (int .Values.engine.maxBatchSize) -}}
+{{- $_ := set $args "device" (ternary "cuda" "cpu" (eq (include "saguaro.gpu" .) "true")) -}}
+{{- $_ := set $args "dtype" (include "saguaro.dtype" .) -}}
+{{- $_ := set $args "api_key_env" "SAGUARO_API_KEY" -}}
+{{- if .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" .Values.model.servedModelName }}{{ end -}}
+{{- $app := dict "name" "saguaro" "route_prefix" "/" "import_path" "saguaro_dist.serve.app:build_app" "args" $args -}}
+{{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
+{{- toYaml $config -}}
+{{- end -}}
+
+{{/* One Ray container. Arguments: root, cpu, memory, gpus, head. */}}
+{{- define "saguaro.container" -}}
+{{- $v := .root.Values -}}
+{{- $health := "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success" -}}
+{{- if .head }}{{ $health = printf "%s && wget -T 2 -q -O- http://localhost:8265/api/gcs_healthz | grep success" $health }}{{ end -}}
+name: {{ ternary "ray-head" "ray-worker" .head }}
+image: {{ printf "%s:%s" $v.image.repository $v.image.tag | quote }}
+imagePullPolicy: {{ $v.image.pullPolicy }}
+env:
+  - name: SAGUARO_API_KEY
+    valueFrom:
+      secretKeyRef: {name: {{ $v.apiKey.secretName | quote }}, key: {{ $v.apiKey.secretKey | quote }}}
+  - name: HF_TOKEN
+    valueFrom:
+      secretKeyRef: {name: {{ $v.hfToken.secretName | quote }}, key: {{ $v.hfToken.secretKey | quote }}, optional: true}
+  - name: HF_HOME
+    value: /models/hf-cache
+ports:
+  {{- if .head }}
+  - {name: gcs-server, containerPort: 6379}
+  - {name: dashboard, containerPort: 8265}
+  - {name: client, containerPort: 10001}
+  - {name: serve, containerPort: 8000}
+  {{- end }}
+  - {name: metrics, containerPort: 8080}
+{{- $amounts := dict "cpu" (toString .cpu) "memory" (toString .memory) }}
+{{- if .gpus }}{{ $_ := set $amounts "nvidia.com/gpu" (int .gpus) }}{{ end }}
+resources:
+  requests: {{- toYaml $amounts | nindent 4 }}
+  limits: {{- toYaml $amounts | nindent 4 }}
+securityContext: {runAsNonRoot: true, runAsUser: 1000, allowPrivilegeEscalation: false}
+volumeMounts:
+  - {name: models, mountPath: /models}
+  - {name: dshm, mountPath: /dev/shm}
+{{- range $probe, $delay := dict "readinessProbe" 10 "livenessProbe" 30 }}
+{{ $probe }}:
+  exec:
+    command: ["bash", "-c", {{ $health | quote }}]
+  initialDelaySeconds: {{ $delay }}
+  periodSeconds: 5
+  timeoutSeconds: 2
+  failureThreshold: 120
+{{- end }}
+{{- end -}}
+
+{{/* A pod template. Arguments as saguaro.container. */}}
+{{- define "saguaro.podTemplate" -}}
+{{- $v := .root.Values -}}
+metadata:
+  labels: {{- include "saguaro.selectorLabels" .root | nindent 4 }}
+spec:
+  containers:
+    - {{ include "saguaro.container" . | nindent 6 | trim }}
+  volumes:
+    {{- if $v.modelStorage.pvc }}
+    - {name: models, persistentVolumeClaim: {claimName: {{ $v.modelStorage.pvc | quote }}}}
+    {{- else }}
+    - {name: models, emptyDir: {}}
+    {{- end }}
+    - {name: dshm, emptyDir: {medium: Memory}}
+  securityContext: {fsGroup: 1000}
+  {{- if and .gpus $v.gpu.type }}
+  nodeSelector:
+    nvidia.com/gpu.product: {{ $v.gpu.type | quote }}
+  {{- end }}
+  {{- if .gpus }}
+  tolerations:
+    - {key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}
+  {{- end }}
+{{- end -}}
+
+{{/* A worker group. Arguments: root, name, resource, amount, gpus, cpu, memory, replicas, maxReplicas. */}}
+{{- define "saguaro.workerGroup" -}}
+groupName: {{ .name }}
+replicas: {{ .replicas }}
+minReplicas: {{ .replicas }}
+maxReplicas: {{ .maxReplicas }}
+rayStartParams:
+  resources: {{ include "saguaro.rayResources" (dict "name" .resource "amount" .amount) }}
+  metrics-export-port: "8080"
+template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nindent 2 }}
+{{- end -}}
+
+{{/* The Ray cluster: a head that runs no work, the target group, the draft group. */}}
+{{- define "saguaro.rayClusterSpec" -}}
+{{- $v := .Values -}}
+{{- $gpu := eq (include "saguaro.gpu" .) "true" -}}
+{{- $tp := int $v.target.tensorParallelSize -}}
+{{- $drafts := int $v.draft.workers -}}
+rayVersion: "2.60.0"
+enableInTreeAutoscaling: {{ $v.autoscaling.enabled }}
+{{- if $v.autoscaling.enabled }}
+autoscalerOptions:
+  upscalingMode: Default
+  idleTimeoutSeconds: {{ int $v.autoscaling.idleTimeoutSeconds }}
+{{- end }}
+headGroupSpec:
+  rayStartParams:
+    num-cpus: "0"
+    dashboard-host: 0.0.0.0
+    metrics-export-port: "8080"
+  template: {{- include "saguaro.podTemplate" (dict "root" . "cpu" $v.head.resources.cpu "memory" $v.head.resources.memory "gpus" 0 "head" true) | nindent 4 }}
+workerGroupSpecs:
+  - {{ include "saguaro.workerGroup" (dict "root" . "name" "target" "resource" "saguaro_target" "amount" $tp "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1) | nindent 4 | trim }}
+  - {{ include "saguaro.workerGroup" (dict "root" . "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" (int (include "saguaro.draftMax" .))) | nindent 4 | trim }}
+{{- end -}}
