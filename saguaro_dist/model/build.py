@@ -1,0 +1,26 @@
+"""Build a model from a checkpoint directory: on the meta device first, so no parameter is ever
+random-initialised; tensor parallelism (if any) is applied before the weights load."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from saguaro_dist.model.hf_config import ModelConfig
+from saguaro_dist.model.layers import CausalLM
+from saguaro_dist.model.loader import load_weights
+from saguaro_dist.model.tp import apply_tensor_parallel
+
+
+def build_model(cfg: ModelConfig, model_dir: Path, device, dtype, tp_group=None) -> CausalLM:
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if tp_group is not None:
+        apply_tensor_parallel(model, tp_group)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    skip = frozenset()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        skip = frozenset({"lm_head.weight"})
+    load_weights(model, model_dir, skip)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,52 @@
+"""The per-forward context of `extend`: sequences of different lengths padded into one batch."""
+from __future__ import annotations
+
+import torch
+
+from saguaro_dist.model.attention import dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.kv_cache import KVPool, rows_index
+
+
+class ExtendBatch:
+    """Appends T_b new tokens to each sequence b (stored lengths L_b): padded to T = max T_b, keys 0..S-1."""
+
+    def __init__(self, pool: KVPool, rows: list[int], starts: list[int], lens: list[int], cos, sin, group: int):
+        dev = pool.k.device
+        self.pool, self.b, self.t = pool, len(rows), max(lens)
+        self.s = max(s + n for s, n in zip(starts, lens))
+        self.rows = rows_index(rows, dev)
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(self.t, device=dev)  # [B, T]
+        pos_c = pos.clamp_max(cos.shape[0] - 1)  # padding may run past the table; its output is dropped
+        self.cos, self.sin = cos[pos_c].unsqueeze(2), sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
+        self.mask = self._mask(pos, group) if (self.b, self.t) != (1, 1) else None
+        self._plan_writes(rows, starts, lens, pos)
+
+    def _mask(self, pos: torch.Tensor, group: int) -> torch.Tensor:
+        """[B, 1, T * group, S]: query at position p sees keys 0..p (its own sequence's past and itself)."""
+        keys = torch.arange(self.s, device=pos.device)
+        return (keys[None, None, :] <= pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
+
+    def _plan_writes(self, rows, starts, lens, pos):
+        if self.b == 1:
+            self.write_at = slice(starts[0], starts[0] + lens[0])
+            return
+        valid = torch.arange(self.t, device=pos.device)[None, :] < torch.tensor(lens, device=pos.device)[:, None]
+        row_t = torch.tensor(rows, device=pos.device)[:, None].expand(-1, self.t)
+        self.write_rows, self.write_pos = row_t[valid], pos[valid]  # [n] each: only real tokens are stored
+        self.write_sel = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)
+
+    def _store(self, cache: torch.Tensor, x: torch.Tensor):
+        """cache: [rows, kv, cap, D] of one layer; x: [B, T, kv, D] new keys or values."""
+        if self.b == 1:
+            cache[self.rows.start, :, self.write_at] = x[0].transpose(0, 1)
+            return
+        flat = x.reshape(-1, *x.shape[2:])
+        cache[self.write_rows, :, self.write_pos] = flat if self.write_sel is None else flat[self.write_sel]
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]."""
+        self._store(self.pool.k[layer], k)
+        self._store(self.pool.v[layer], v)
+        kc, vc = self.pool.view(layer, self.rows, self.s)
+        o = dense_attention(fold_heads(q, kc.shape[1]), kc, vc, self.mask)
+        return unfold_heads(o, self.t)

@@ -1,0 +1,94 @@
+"""The model facts the runtime needs, read from a Hugging Face config.json and validated once."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# model_type -> (q/k/v bias field, o_proj bias with it, q/k RMSNorm)
+_FAMILIES = {"llama": ("attention_bias", True, False), "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True)}
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: dict                     # rope_type, rope_theta and the type's own fields
+    eos_token_ids: tuple[int, ...]
+    hf: dict = field(repr=False)   # the raw config.json
+
+
+def read_config_json(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"missing config.json: {path} does not exist")
+    return json.loads(path.read_text())
+
+
+def _require(hf: dict, key: str):
+    if hf.get(key) is None:
+        raise ValueError(f"config.json lacks the field {key!r}")
+    return hf[key]
+
+
+def rope_params(hf: dict) -> dict:
+    """Both layouts: transformers>=5 `rope_parameters`, older `rope_theta` + `rope_scaling`."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("config.json partial_rotary_factor != 1 is not supported")
+    rope["rope_type"] = rope_type
+    return rope
+
+
+def _model_type(hf: dict) -> str:
+    model_type = hf.get("model_type")
+    if model_type not in _FAMILIES:
+        archs = hf.get("architectures")
+        raise ValueError(f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}); "
+                         f"supported model_type: {', '.join(_FAMILIES)}")
+    if hf.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
+    return model_type
+
+
+def parse_config(hf: dict) -> ModelConfig:
+    model_type = _model_type(hf)
+    bias_key, o_bias, qk_norm = _FAMILIES[model_type]
+    qkv_bias = bool(hf.get(bias_key, False)) if bias_key else True
+    heads = _require(hf, "num_attention_heads")
+    hidden = _require(hf, "hidden_size")
+    eos = hf.get("eos_token_id")
+    return ModelConfig(
+        model_type=model_type, vocab_size=_require(hf, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_require(hf, "intermediate_size"), num_layers=_require(hf, "num_hidden_layers"),
+        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hidden // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=_require(hf, "max_position_embeddings"),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
+        rope=rope_params(hf), eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+        hf=hf)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    return parse_config(read_config_json(Path(model_dir)))

@@ -1,0 +1,82 @@
+"""Checkpoint files: resolve a path or Hugging Face id, read *.safetensors (single or sharded), and copy
+each tensor into its parameter (sharded by the parameter's module when tensor parallel)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+log = logging.getLogger(__name__)
+_INDEX = "model.safetensors.index.json"
+_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+
+
+def resolve_model_dir(path_or_id: str | Path) -> Path:
+    """A local directory as it is; otherwise a Hugging Face id fetched into (or found in) the usual HF cache."""
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_id)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ValueError(f"model path {name!r} is not a directory and not a Hugging Face id (owner/name)")
+    from huggingface_hub import snapshot_download
+    log.info("resolving %s via the Hugging Face cache", name)
+    return Path(snapshot_download(name, allow_patterns=_DOWNLOAD_PATTERNS))
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / _INDEX
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise ValueError(f"{index} names shard files that do not exist: {missing}")
+        return [model_dir / s for s in shards]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {model_dir} (expected model.safetensors or {_INDEX})")
+    return files
+
+
+def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str):
+    if tuple(param.shape) != tuple(tensor.shape):
+        raise ValueError(f"tensor {name!r}: shape {tuple(tensor.shape)} in the checkpoint, "
+                         f"the model expects {tuple(param.shape)}")
+    param.copy_(tensor)
+
+
+def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset()):
+    """Every parameter must come from the checkpoint (none is left as allocated); `skip` names tied ones."""
+    params = {n: (m, local) for m_name, m in model.named_modules()
+              for local, _ in m.named_parameters(recurse=False)
+              for n in [f"{m_name}.{local}" if m_name else local]}
+    wanted = set(params) - set(skip)
+    loaded = set()
+    for file in checkpoint_files(model_dir):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name not in wanted:
+                    continue  # e.g. rotary inv_freq buffers, or an lm_head the config ties
+                module, local = params[name]
+                shard = getattr(module, "shard_weight", None)  # tensor-parallel modules keep their slice
+                tensor = f.get_tensor(name) if shard is None else shard(local, f.get_slice(name))
+                with torch.no_grad():
+                    _copy_into(getattr(module, local), tensor, name)
+                loaded.add(name)
+    missing = sorted(wanted - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_dir} lacks tensor(s): {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+def load_tokenizer(path_or_id: str | Path):
+    """The checkpoint's tokenizer via transformers.AutoTokenizer (models without one still load as models)."""
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(resolve_model_dir(path_or_id)))

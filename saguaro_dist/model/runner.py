@@ -1,0 +1,134 @@
+"""ModelRunner: one model plus the KV state of many sequences (the contract in docs/architecture.md)."""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from saguaro_dist.model.branch import BranchBatch, BranchState, new_branch_state
+from saguaro_dist.model.build import build_model
+from saguaro_dist.model.device import parse_dtype
+from saguaro_dist.model.extend_batch import ExtendBatch
+from saguaro_dist.model.hf_config import load_config
+from saguaro_dist.model.kv_cache import KVPool
+from saguaro_dist.model.loader import resolve_model_dir
+from saguaro_dist.model.rope import rope_tables
+
+
+class ModelRunner:
+    def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None):
+        model_dir = resolve_model_dir(path_or_hf_id)
+        self.config = cfg = load_config(model_dir)
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
+        if not 0 < self.max_model_len <= cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len must be in 1..{cfg.max_position_embeddings} "
+                             f"(config.json max_position_embeddings), got {max_model_len}")
+        self.device, self.dtype = torch.device(device), parse_dtype(dtype)
+        with torch.inference_mode():
+            self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
+            self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
+            attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
+            self.group = attn.num_heads // attn.num_kv_heads
+            self.pool = KVPool(cfg.num_layers, attn.num_kv_heads, cfg.head_dim, self.max_model_len,
+                               self.device, self.dtype)
+        self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
+
+    # -- sequences -------------------------------------------------------------------------------
+    def add(self, seq_id: Hashable):
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already exists")
+        with torch.inference_mode():
+            self._seqs[seq_id] = [self.pool.take_row(), 0]
+
+    def free(self, seq_id: Hashable):
+        self.pool.give_row(self._seq(seq_id)[0])
+        del self._seqs[seq_id]
+
+    def length(self, seq_id: Hashable) -> int:
+        return self._seq(seq_id)[1]
+
+    def truncate(self, seq_id: Hashable, length: int):
+        seq = self._seq(seq_id)
+        if not 0 <= length <= seq[1]:
+            raise ValueError(f"truncate({seq_id!r}, {length}): length must be in 0..{seq[1]}")
+        seq[1] = length  # positions beyond are masked until overwritten
+
+    def _seq(self, seq_id) -> list[int]:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise ValueError(f"unknown sequence {seq_id!r} (call add first)") from None
+
+    # -- forwards --------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(self, seq_ids: Sequence, token_lists: Sequence[Sequence[int]], num_logits: Sequence[int]) -> list[torch.Tensor]:
+        """Append token_lists[i] to sequence i in one forward; logits [num_logits[i], V] (float32) each."""
+        seqs = self._check_extend(seq_ids, token_lists, num_logits)
+        rows, starts = [s[0] for s in seqs], [s[1] for s in seqs]
+        lens = [len(t) for t in token_lists]
+        self.pool.reserve(max(s + n for s, n in zip(starts, lens)))
+        ctx = ExtendBatch(self.pool, rows, starts, lens, self.cos, self.sin, self.group)
+        hidden = self.model(self._padded_ids(token_lists, ctx.t), ctx)  # [B, T, hidden]
+        logits = self.model.logits(self._logit_rows(hidden, lens, num_logits)).float()
+        for seq, n in zip(seqs, lens):
+            seq[1] += n
+        return list(logits.split(list(num_logits)))
+
+    def _padded_ids(self, token_lists, t: int) -> torch.Tensor:
+        if len(token_lists) == 1:
+            return torch.tensor([list(token_lists[0])], device=self.device)
+        return torch.tensor([list(x) + [0] * (t - len(x)) for x in token_lists], device=self.device)
+
+    def _logit_rows(self, hidden: torch.Tensor, lens, num_logits) -> torch.Tensor:
+        b, t, d = hidden.shape
+        if b == 1:
+            return hidden[0, t - num_logits[0]:]
+        idx = [i * t + j for i, (n, k) in enumerate(zip(lens, num_logits)) for j in range(n - k, n)]
+        return hidden.reshape(b * t, d)[torch.tensor(idx, device=hidden.device)]
+
+    def _check_extend(self, seq_ids, token_lists, num_logits) -> list[list[int]]:
+        if not len(seq_ids) == len(token_lists) == len(num_logits) or not seq_ids:
+            raise ValueError("extend needs equally long, non-empty seq_ids, token_lists and num_logits")
+        seqs = [self._seq(s) for s in seq_ids]
+        if len({id(s) for s in seqs}) != len(seqs):
+            raise ValueError("extend: a sequence appears twice in one call")
+        for sid, seq, toks, n in zip(seq_ids, seqs, token_lists, num_logits):
+            if not 1 <= n <= len(toks):
+                raise ValueError(f"extend({sid!r}): num_logits must be in 1..{len(toks)}, got {n}")
+            if seq[1] + len(toks) > self.max_model_len:
+                raise ValueError(f"extend({sid!r}): {seq[1]} + {len(toks)} tokens exceed max_model_len {self.max_model_len}")
+            if min(toks) < 0 or max(toks) >= self.vocab_size:
+                raise ValueError(f"extend({sid!r}): token ids must be in 0..{self.vocab_size - 1}")
+        return seqs
+
+    @torch.inference_mode()
+    def branch_start(self, seq_ids: Sequence, prefix_lens: Sequence[int], tokens) -> tuple[BranchState, torch.Tensor]:
+        """N branches over shared prefixes; returns (state, next-token logits [N, V] float32)."""
+        if not len(seq_ids) == len(prefix_lens) == len(tokens) or not seq_ids:
+            raise ValueError("branch_start needs equally long, non-empty seq_ids, prefix_lens and tokens")
+        rows = []
+        for sid, plen in zip(seq_ids, prefix_lens):
+            row, length = self._seq(sid)
+            if not 0 <= plen <= length or plen >= self.max_model_len:
+                raise ValueError(f"branch_start({sid!r}): prefix_len must be in 0..{length} (stored), got {plen}")
+            rows.append(row)
+        state = new_branch_state(seq_ids, rows, list(prefix_lens), self.group, self.pool)
+        return state, self._branch_forward(state, tokens)
+
+    @torch.inference_mode()
+    def branch_step(self, state: BranchState, tokens) -> torch.Tensor:
+        """One more token per branch (LongTensor [N]); logits [N, V] float32."""
+        if len(tokens) != state.num_branches:
+            raise ValueError(f"branch_step: {len(tokens)} tokens for {state.num_branches} branches")
+        if int(state.prefix_len.max()) + state.depth >= self.max_model_len:
+            raise ValueError(f"branch_step: a branch would pass max_model_len {self.max_model_len}")
+        return self._branch_forward(state, tokens)
+
+    def _branch_forward(self, state: BranchState, tokens) -> torch.Tensor:
+        ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
+        ids.view(-1)[state.out_index] = torch.as_tensor(tokens, device=self.device).long()
+        ctx = BranchBatch(state, self.pool, self.cos, self.sin, self.group)
+        hidden = self.model(ids, ctx)
+        state.depth += 1
+        return self.model.logits(hidden.reshape(-1, hidden.shape[-1])[state.out_index]).float()

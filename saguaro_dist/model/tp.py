@@ -1,0 +1,115 @@
+"""Tensor parallelism applied to a built (meta) model: linears and the vocabulary are split across the ranks
+of a torch.distributed group, each rank reading only its slice of every tensor as the weights load."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _span(full: int, rank: int, world: int) -> tuple[int, int]:
+    size = -(-full // world)  # ceil: the last rank's slice may be short (vocab) and is zero-padded
+    return min(rank * size, full), min((rank + 1) * size, full)
+
+
+def _read(sl, dim: int, lo: int, hi: int, size: int) -> torch.Tensor:
+    """Rows/columns lo..hi of a safetensors slice along `dim`, zero-padded to `size`."""
+    t = sl[lo:hi] if dim == 0 else sl[:, lo:hi]
+    if t.shape[dim] < size:
+        pad = list(t.shape)
+        pad[dim] = size - t.shape[dim]
+        t = torch.cat([t, t.new_zeros(pad)], dim=dim)
+    return t
+
+
+class _Sharded:
+    """Mixin: which dim of the full tensor this rank keeps (None: replicated), and how to read it."""
+    split = {}  # local param name -> dim
+
+    def _join(self, group):
+        self.rank, self.world, self.group = dist.get_rank(group), dist.get_world_size(group), group
+
+    def shard_weight(self, local: str, sl) -> torch.Tensor:
+        dim = self.split.get(local)
+        if dim is None:
+            return sl[:]
+        full = sl.get_shape()[dim]
+        lo, hi = _span(full, self.rank, self.world)
+        return _read(sl, dim, lo, hi, -(-full // self.world))
+
+
+class ColumnParallelLinear(_Sharded, nn.Linear):
+    """Output features split; the output stays split (feeds a head-split attention or a row-parallel linear)."""
+    split = {"weight": 0, "bias": 0}
+
+    def __init__(self, base: nn.Linear, group):
+        world = dist.get_world_size(group)
+        super().__init__(base.in_features, base.out_features // world, bias=base.bias is not None, device="meta")
+        self._join(group)
+
+
+class RowParallelLinear(_Sharded, nn.Linear):
+    """Input features split; partial outputs are summed across ranks, then the (replicated) bias added."""
+    split = {"weight": 1}
+
+    def __init__(self, base: nn.Linear, group):
+        world = dist.get_world_size(group)
+        super().__init__(base.in_features // world, base.out_features, bias=base.bias is not None, device="meta")
+        self._join(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(_Sharded, nn.Embedding):
+    split = {"weight": 0}
+
+    def __init__(self, base: nn.Embedding, group):
+        super().__init__(-(-base.num_embeddings // dist.get_world_size(group)), base.embedding_dim, device="meta")
+        self._join(group)
+        self.lo = self.rank * self.num_embeddings
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        outside = (local < 0) | (local >= self.num_embeddings)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+class VocabParallelLMHead(_Sharded, nn.Linear):
+    split = {"weight": 0}
+
+    def __init__(self, base: nn.Linear, group):
+        super().__init__(base.in_features, -(-base.out_features // dist.get_world_size(group)), bias=False, device="meta")
+        self._join(group)
+        self.vocab_size = base.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        part = F.linear(x, self.weight).contiguous()
+        parts = [torch.empty_like(part) for _ in range(self.world)]
+        dist.all_gather(parts, part, group=self.group)
+        return torch.cat(parts, dim=-1)[..., :self.vocab_size]
+
+
+def apply_tensor_parallel(model: nn.Module, group):
+    """Swap the built model's layers for their parallel versions and shrink per-rank head counts."""
+    world = dist.get_world_size(group)
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        sizes = {"num_attention_heads": attn.num_heads, "num_key_value_heads": attn.num_kv_heads,
+                 "intermediate_size": mlp.gate_proj.out_features}
+        bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
+        if bad:
+            raise ValueError(f"tensor parallel size {world} must divide {', '.join(bad)}")
+        attn.num_heads, attn.num_kv_heads = attn.num_heads // world, attn.num_kv_heads // world
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group))
+        attn.o_proj = RowParallelLinear(attn.o_proj, group)
+        mlp.gate_proj, mlp.up_proj = ColumnParallelLinear(mlp.gate_proj, group), ColumnParallelLinear(mlp.up_proj, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+    model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group)
+    model.lm_head = VocabParallelLMHead(model.lm_head, group)
