@@ -21,7 +21,7 @@ from saguaro_dist.engine.messages import (
 )
 from saguaro_dist.engine.sequence import make_generator
 from saguaro_dist.engine.target import sampling_probs
-from saguaro_dist.spec import SpecStats, resolve_fanout, sample, saguaro_probs, select_branches
+from saguaro_dist.spec import ProposalSource, SpecStats, sample, saguaro_probs, select_branches
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class DraftSeq:
     speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
     round: int = 0
     pending: bool = False                    # a tree is owed for this round
+    from_cache: bool = False                 # this round's speculation was a cache hit
     branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # last tree: (k, t) -> tokens
 
     def commit(self, accepted: int, bonus: int) -> None:
@@ -50,7 +51,8 @@ class DraftWorker:
         self.k = config.k
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
-        self.stats = SpecStats()
+        self.stats = SpecStats(config.k)
+        self.last_fanout = [1] * (config.k + 1)  # fan-out of the trees being built or last built
 
     # ---- protocol calls -------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
@@ -74,7 +76,7 @@ class DraftWorker:
             s.commit(r.accepted, r.bonus_token)
         proposals = self._draft_sequentially(states)
         for s, r, p in zip(states, reqs, proposals):
-            s.speculation, s.round, s.pending = p.tokens.tolist(), r.round, self.config.mode is Mode.SSD
+            s.speculation, s.round, s.pending, s.from_cache = p.tokens.tolist(), r.round, self.config.mode is Mode.SSD, False
         return proposals
 
     def observe(self, outcomes: list[Outcome]) -> None:
@@ -86,7 +88,10 @@ class DraftWorker:
             next_tokens = o.next_tokens if o.next_tokens is not None else s.branches.get((o.accepted, o.bonus_token))
             if next_tokens is None:
                 raise OutOfOrder(f"sequence {o.seq_id} round {o.round}: outcome claims a hit on a branch never built")
-            self.stats.observe_round(drafted=len(s.speculation), accepted=o.accepted, hit=o.next_tokens is None)
+            hit = o.next_tokens is None
+            self.stats.record_lookups([self.last_fanout[o.accepted]], [hit])
+            self.stats.record_verify([o.accepted], ProposalSource.CACHE if s.from_cache else ProposalSource.NEURAL)
+            s.from_cache = hit
             s.commit(o.accepted, o.bonus_token)
             s.speculation, s.round, s.pending = list(next_tokens), o.round + 1, True
 
@@ -94,7 +99,7 @@ class DraftWorker:
         states = [s for s in self.seqs.values() if s.pending]
         if not states:
             return []
-        fanout = self._fanout()
+        fanout = self.last_fanout = self._fanout()
         ranking, k_idx, bonus = self._glue(states, fanout)
         trees = self._decode_branches(states, fanout, k_idx, bonus)
         for s in states:
@@ -126,8 +131,7 @@ class DraftWorker:
             self.runner.extend(list(missing), list(missing.values()), [1] * len(missing))
 
     def _fanout(self) -> list[int]:
-        c = self.config
-        return resolve_fanout(c.fan_out_kind, c.fan_out, c.k, self.stats.accept_rate, self.stats.miss_exponent, self.vocab_size)
+        return self.stats.fanout(self.config.fan_out_kind, self.config.fan_out, self.vocab_size)
 
     def _proposal_probs(self, logits: torch.Tensor, states: list[DraftSeq], rows_per_seq: int, top_f: int) -> torch.Tensor:
         """What the draft samples from: the request's sampling, then Saguaro sigma_{F,C} (T > 0 only)."""

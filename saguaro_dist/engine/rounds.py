@@ -17,7 +17,7 @@ from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillReques
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
-from saguaro_dist.spec import choose_fallback, critical_batch_size, ngram_proposal, random_proposal
+from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, ngram_proposal, random_proposal
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,9 @@ class ARLoop:
 class SDLoop(ARLoop):
     """Speculative decoding: the draft drafts K tokens just in time, then the target verifies."""
 
-    def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics):
+    def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
         super().__init__(target, metrics)
-        self.draft = draft
+        self.draft, self.config = draft, config
 
     def admit(self, seqs):
         first = self.target.prefill(seqs)
@@ -62,7 +62,7 @@ class SDLoop(ARLoop):
         return first
 
     def prepare(self, seqs):
-        self._jit(seqs)
+        self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def verify(self, seqs):
         start = time.perf_counter()
@@ -82,132 +82,43 @@ class SDLoop(ARLoop):
     def close(self):
         self.draft.close()
 
+    def _draft_or_fast(self, seqs: list[Sequence], fast_kind: FallbackPolicy) -> list[Outcome]:
+        """Neural drafts for `seqs`; the ones whose draft worker is gone get the fast backup."""
+        try:
+            self._jit(seqs)
+            return []
+        except DraftUnavailable as err:  # a dead draft worker costs speed, never tokens
+            log.warning("draft unavailable (%s): fast backup for %d sequences", err, len(err.seq_ids))
+            self._adopt(seqs, err.partial)
+            return self._fast([s for s in seqs if s.seq_id not in err.partial], fast_kind)
+
     def _jit(self, seqs: list[Sequence]) -> None:
         """Neural draft for the real outcome: the first speculation is round 0, then one round per call."""
         if not seqs:
             return
-        for s in seqs:
-            s.round = s.round + 1 if s.speculation is not None else 0
         start = time.perf_counter()
-        reqs = [JitDraftRequest(s.seq_id, s.round, *s.last_outcome) for s in seqs]
-        for s, proposal in zip(seqs, self.draft.jit_draft(reqs)):
-            s.speculation = proposal
-        self.metrics.draft_wait_s += time.perf_counter() - start
-
-
-class FallbackCosts:
-    """Running estimates behind the batch-aware fallback choice (Saguaro Theorem 17)."""
-
-    def __init__(self):
-        self.hits = self.lookups = 0
-        self.tokens = {"hit": [0, 0], "neural": [0, 0], "fast": [0, 0]}  # kind -> [tokens gained, rounds]
-        self.verify_s = self.neural_s = 0.0
-        self.verify_n = self.neural_n = 0
-
-    def mean_tokens(self, kind: str, default: float) -> float:
-        gained, rounds = self.tokens[kind]
-        return gained / rounds if rounds else default
-
-    def critical_batch_size(self, k: int) -> int:
-        if not self.lookups or not self.verify_n or not self.neural_n:
-            return 1 << 30  # no measurements yet: the neural backup is the safe choice
-        t_neural = (self.neural_s / self.neural_n) / (self.verify_s / self.verify_n)
-        return critical_batch_size(
-            p_hit=self.hits / self.lookups, tokens_hit=self.mean_tokens("hit", k + 1.0),
-            tokens_neural_miss=self.mean_tokens("neural", k / 2 + 1), tokens_fast_miss=self.mean_tokens("fast", 1.0),
-            t_neural=t_neural)
-
-
-class SSDLoop(SDLoop):
-    """Speculative speculative decoding: trees are prepared while the target verifies."""
-
-    def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
-        super().__init__(target, draft, metrics)
-        self.config = config
-        self.costs = FallbackCosts()
-
-    def prepare(self, seqs):
-        new = [s for s in seqs if s.speculation is None]
-        self._jit(new)
-        running = [s for s in seqs if s.speculation is not None and s not in new]
-        outcomes = self._next_speculations(running) if running else []
-        self.draft.send_outcomes(outcomes)  # the draft starts the next trees now, while we verify
-
-    def verify(self, seqs):
-        start = time.perf_counter()
-        gained = super().verify(seqs)
-        self.costs.verify_s += time.perf_counter() - start
-        self.costs.verify_n += 1
-        for s, g in zip(seqs, gained):
-            self.costs.tokens[s.speculation_kind][0] += len(g)
-            self.costs.tokens[s.speculation_kind][1] += 1
-        return gained
-
-    def _jit(self, seqs):
-        super()._jit(seqs)
-        for s in seqs:
-            s.speculation_kind = "neural"
-
-    def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
-        """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
-        start = time.perf_counter()
-        trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s)
-        self.metrics.draft_wait_s += time.perf_counter() - start
-        outcomes, misses = [], []
-        for s in seqs:
-            branch = self._lookup(trees.get(s.seq_id), s.last_outcome)
-            if branch is None:
-                misses.append(s)
-                continue
-            s.metrics.cache_hits += 1
-            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=None))
-            s.speculation, s.speculation_kind, s.round = branch, "hit", s.round + 1
-        self._count_lookups(len(seqs), len(seqs) - len(misses))
-        return outcomes + self._fallback(misses, len(seqs))
+        reqs = [JitDraftRequest(s.seq_id, self._next_round(s), *s.last_outcome) for s in seqs]
+        try:
+            self._adopt(seqs, {r.seq_id: p for r, p in zip(reqs, self.draft.jit_draft(reqs))})
+        finally:
+            self.metrics.draft_wait_s += time.perf_counter() - start
 
     @staticmethod
-    def _lookup(tree, outcome) -> Proposal | None:
-        if tree is None:
-            return None
-        return next((b.proposal for b in tree.branches if (b.accepted, b.bonus_token) == tuple(outcome)), None)
+    def _next_round(s: Sequence) -> int:
+        return s.round + 1 if s.speculation is not None else 0
 
-    def _count_lookups(self, lookups: int, hits: int) -> None:
-        self.costs.lookups += lookups
-        self.costs.hits += hits
-        self.metrics.cache_hits += hits
-        self.metrics.cache_misses += lookups - hits
+    def _adopt(self, seqs: list[Sequence], proposals: dict) -> None:
+        for s in seqs:
+            if s.seq_id in proposals:
+                s.round, s.speculation, s.speculation_kind = self._next_round(s), proposals[s.seq_id], ProposalSource.NEURAL
 
-    def _fallback(self, misses: list[Sequence], batch_size: int) -> list[Outcome]:
-        if not misses:
-            return []
-        for s in misses:
-            s.metrics.cache_misses += 1
-        kind = choose_fallback(self.config.fallback, batch_size, self.costs.critical_batch_size(self.config.k))
-        if kind is FallbackPolicy.NEURAL:
-            try:
-                return self._neural(misses)
-            except DraftUnavailable as err:  # a dead draft worker costs speed, never tokens
-                log.warning("draft unavailable (%s): fast backup for %d sequences", err, len(misses))
-                kind = FallbackPolicy.FAST
-        return self._fast(misses, kind)
-
-    def _neural(self, misses: list[Sequence]) -> list[Outcome]:
-        start = time.perf_counter()
-        self._jit(misses)
-        self.costs.neural_s += time.perf_counter() - start
-        self.costs.neural_n += 1
-        for s in misses:
-            s.metrics.record_fallback(FallbackPolicy.NEURAL.value)
-            self.metrics.fallbacks[FallbackPolicy.NEURAL.value] += 1
-        return []  # the just-in-time draft told the draft side everything
-
-    def _fast(self, misses: list[Sequence], kind: FallbackPolicy) -> list[Outcome]:
+    def _fast(self, seqs: list[Sequence], kind: FallbackPolicy) -> list[Outcome]:
+        """Target-side proposals; the outcomes tell the draft side what is verified next."""
         outcomes = []
-        for s in misses:
-            k, t = s.last_outcome
-            s.speculation, s.speculation_kind = self._fast_proposal(s, kind), "fast"
-            outcomes.append(Outcome(s.seq_id, s.round, k, t, next_tokens=s.speculation.tokens.tolist()))
-            s.round += 1
+        for s in seqs:
+            proposal = self._fast_proposal(s, kind)
+            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=proposal.tokens.tolist()))
+            s.round, s.speculation, s.speculation_kind = self._next_round(s), proposal, ProposalSource.FAST
             s.metrics.record_fallback(kind.value)
             self.metrics.fallbacks[kind.value] += 1
         return outcomes
@@ -215,16 +126,86 @@ class SSDLoop(SDLoop):
     def _fast_proposal(self, s: Sequence, kind: FallbackPolicy) -> Proposal:
         k, vocab = self.config.k, self.target.vocab_size
         if kind is FallbackPolicy.RANDOM:
-            tokens = random_proposal(vocab, k, s.generator)
+            tokens = torch.tensor(random_proposal(vocab, k, s.generator), dtype=torch.long)
             return Proposal(tokens, torch.full((k, vocab), 1.0 / vocab))  # drawn uniformly: q is uniform
         return Proposal(torch.tensor(ngram_proposal(s.tokens, k), dtype=torch.long), None)  # deterministic: one-hot
+
+
+class SSDLoop(SDLoop):
+    """Speculative speculative decoding: trees are prepared while the target verifies."""
+
+    def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
+        super().__init__(target, draft, metrics, config)
+        self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
+        self.cache = SpeculationCache()
+
+    def prepare(self, seqs):
+        new = [s for s in seqs if s.speculation is None]
+        outcomes = self._draft_or_fast(new, FallbackPolicy.FAST)
+        running = [s for s in seqs if s.speculation is not None and s not in new]
+        outcomes += self._next_speculations(running) if running else []
+        self.draft.send_outcomes(outcomes)  # the draft starts the next trees now, while we verify
+
+    def verify(self, seqs):
+        start = time.perf_counter()
+        gained = super().verify(seqs)
+        self.stats.record_time(Timing.VERIFY, time.perf_counter() - start)
+        for source in ProposalSource:
+            self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
+        return gained
+
+    def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
+        """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
+        start = time.perf_counter()
+        trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s)
+        self.metrics.draft_wait_s += time.perf_counter() - start
+        for tree in trees.values():
+            self.cache.put_tree(tree)
+        outcomes, misses = [], []
+        for s in seqs:
+            branch = self.cache.lookup(s.seq_id, s.round, *s.last_outcome)
+            if branch is None:
+                misses.append(s)
+                continue
+            s.metrics.cache_hits += 1
+            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=None))
+            s.speculation, s.speculation_kind, s.round = branch, ProposalSource.CACHE, s.round + 1
+        self._count_lookups(len(seqs), len(seqs) - len(misses))
+        return outcomes + self._fallback(misses, len(seqs))
+
+    def _count_lookups(self, lookups: int, hits: int) -> None:
+        self.stats.record_lookups([1] * lookups, [True] * hits + [False] * (lookups - hits))
+        self.metrics.cache_hits += hits
+        self.metrics.cache_misses += lookups - hits
+
+    def release(self, seqs):
+        super().release(seqs)
+        for s in seqs:
+            self.cache.drop(s.seq_id)
+
+    def _fallback(self, misses: list[Sequence], batch_size: int) -> list[Outcome]:
+        if not misses:
+            return []
+        for s in misses:
+            s.metrics.cache_misses += 1
+        kind = choose_fallback(self.config.fallback, batch_size, self.stats.critical_batch_size())
+        if kind is not FallbackPolicy.NEURAL:
+            return self._fast(misses, kind)
+        start = time.perf_counter()
+        outcomes = self._draft_or_fast(misses, FallbackPolicy.FAST)
+        self.stats.record_time(Timing.NEURAL_BACKUP, time.perf_counter() - start)
+        for s in misses:
+            if s.speculation_kind is ProposalSource.NEURAL:
+                s.metrics.record_fallback(FallbackPolicy.NEURAL.value)
+                self.metrics.fallbacks[FallbackPolicy.NEURAL.value] += 1
+        return outcomes
 
 
 def build_loop(config: Config, target: TargetScorer, draft, metrics: EngineMetrics):
     """The round loop for the configured mode."""
     loops = {
         Mode.AR: lambda: ARLoop(target, metrics),
-        Mode.SD: lambda: SDLoop(target, draft, metrics),
+        Mode.SD: lambda: SDLoop(target, draft, metrics, config),
         Mode.SSD: lambda: SSDLoop(target, draft, metrics, config),
     }
     return loops[config.mode]()

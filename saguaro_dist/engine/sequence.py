@@ -10,6 +10,7 @@ import torch
 from saguaro_dist.engine.messages import DraftSampling, Proposal
 from saguaro_dist.engine.metrics import RequestMetrics
 from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.spec.stats import ProposalSource
 
 
 class SeqStatus(enum.Enum):
@@ -43,7 +44,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     round: int = 0
     speculation: Proposal | None = None    # what the target verifies this round
-    speculation_kind: str = "neural"       # where it came from: "hit", "neural" or "fast"
+    speculation_kind: ProposalSource = ProposalSource.NEURAL  # where this round's speculation came from
     last_outcome: tuple[int, int] = (0, 0) # (k accepted, bonus token) of the last verification
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     arrival_time: float = field(default_factory=time.perf_counter)

@@ -1,0 +1,75 @@
+"""Greedy exactness: every mode and path gives the target's own greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import assert_greedy_equal, hf_greedy, llama_config, save_model, save_perturbed
+from saguaro_dist import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [17]]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("greedy_pair")
+    target = save_model(root / "target", llama_config(96, 64, 2), seed=0)
+    save_perturbed(root / "close_draft", target, seed=1, noise=0.15)
+    save_model(root / "far_draft", llama_config(96, 32, 1), seed=2)
+    return {"target": str(root / "target"), "close": str(root / "close_draft"), "far": str(root / "far_draft"),
+            "model": target}
+
+
+@pytest.fixture(scope="module")
+def reference(pair):
+    return [hf_greedy(pair["model"], p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def run(pair, batch: int, **kwargs) -> list[list[int]]:
+    draft = pair[kwargs.pop("draft", "close")] if kwargs.get("mode", "ssd") != "ar" else None
+    with LLM(model=pair["target"], draft=draft, max_batch_size=batch, **kwargs) as llm:
+        return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+
+
+def check(pair, reference, outputs):
+    for prompt, got, want in zip(PROMPTS, outputs, reference):
+        assert_greedy_equal(got, want, prompt, pair["model"])
+
+
+def test_ar_matches_transformers_generate(pair, reference):
+    check(pair, reference, run(pair, batch=4, mode="ar"))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_sd_matches_ar(pair, reference, batch):
+    check(pair, reference, run(pair, batch=batch, mode="sd", k=3))
+
+
+SSD_VARIANTS = {
+    "geometric": dict(fan_out=12),
+    "uniform": dict(fan_out=12, fan_out_kind="uniform"),
+    "explicit_fanout": dict(fan_out=[3, 2, 2, 5]),
+    "neural_fallback": dict(fan_out=4, fallback="neural"),
+    "fast_fallback": dict(fan_out=4, fallback="fast"),
+    "random_fallback": dict(fan_out=4, fallback="random"),
+    "auto_fallback": dict(fan_out=4, fallback="auto"),
+    "saguaro_c": dict(fan_out=12, saguaro_c=0.5),
+    "far_draft": dict(fan_out=8, draft="far"),
+    "late_trees": dict(fan_out=12, tree_timeout_s=0.0),  # every tree arrives too late: all misses
+}
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("variant", sorted(SSD_VARIANTS))
+def test_ssd_matches_ar(pair, reference, variant, batch):
+    check(pair, reference, run(pair, batch=batch, mode="ssd", k=3, **SSD_VARIANTS[variant]))
+
+
+def test_ssd_hits_the_cache_with_a_close_draft(pair):
+    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12) as llm:
+        out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
+    m = out.metrics
+    assert m.rounds > 0 and m.cache_hits > 0, m
+    assert m.acceptance_rate > 0.3, m
