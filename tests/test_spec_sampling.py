@@ -1,0 +1,128 @@
+"""Sampling distributions (plain settings, Saguaro sigma_{F,C}) and per-row-generator draws."""
+import math
+
+import pytest
+import torch
+
+from saguaro_dist.spec import (
+    one_hot_probs, row_uniforms, saguaro_probs, sample, sample_with_uniforms, target_probs, top_f_mask,
+)
+
+torch.set_num_threads(1)
+
+
+def _logits(probs):
+    return torch.tensor(probs, dtype=torch.float64).log()[None]
+
+
+def test_greedy_rows_are_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9], [3.0, 0.0, 0.0, 0.0]])
+    p = target_probs(logits, [0.0, 0.0], [2, 0], [0.5, 1.0])
+    assert torch.equal(p, torch.tensor([[0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
+
+
+def test_temperature_without_filters_is_tempered_softmax():
+    logits = torch.randn(3, 7, dtype=torch.float64)
+    p = target_probs(logits, [1.0, 0.5, 2.0], [0, 0, 0], [1.0, 1.0, 1.0])
+    want = torch.softmax(logits / torch.tensor([[1.0], [0.5], [2.0]], dtype=torch.float64), dim=-1)
+    assert torch.allclose(p, want)
+
+
+def test_top_k_keeps_k_tokens_renormalised():
+    p = target_probs(_logits([0.1, 0.4, 0.2, 0.3]), 1.0, 2, 1.0)
+    assert torch.allclose(p, torch.tensor([[0.0, 4 / 7, 0.0, 3 / 7]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("top_p, want", [
+    (0.75, [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),   # mass before 0.15 is 0.8 >= 0.75: cut there
+    (0.85, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),
+    (0.3, [1.0, 0.0, 0.0, 0.0]),                # the first token always stays
+])
+def test_top_p_hand_cases(top_p, want):
+    p = target_probs(_logits([0.5, 0.3, 0.15, 0.05]), 1.0, 0, top_p)
+    assert torch.allclose(p, torch.tensor([want], dtype=torch.float64))
+
+
+def test_top_p_applies_to_the_renormalised_top_k_distribution():
+    # top-2 gives [0.625, 0.375]; top_p = 0.6 then keeps only the first (0.625 >= 0.6)
+    p = target_probs(_logits([0.5, 0.3, 0.15, 0.05]), 1.0, 2, 0.6)
+    assert torch.equal(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_top_p_one_keeps_tiny_tokens():
+    logits = torch.tensor([[30.0, 0.0, -5.0, 1.0]])
+    assert bool((target_probs(logits, 1.0, 0, 1.0) > 0).all())
+    assert bool((target_probs(logits, 1.0, 3, 1.0) > 0).sum() == 3)
+
+
+def test_per_row_settings_match_row_by_row():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 11, generator=gen)
+    t, k, p = [0.0, 0.7, 1.0, 1.3, 0.9], [0, 3, 0, 5, 11], [1.0, 0.9, 0.5, 1.0, 0.8]
+    batched = target_probs(logits, t, k, p)
+    for i in range(5):
+        assert torch.allclose(batched[i], target_probs(logits[i:i + 1], t[i], k[i], p[i])[0])
+    assert torch.allclose(batched.sum(-1), torch.ones(5))
+
+
+def test_saguaro_hand_case_and_identity():
+    z = torch.tensor([[0.5, 0.3, 0.2]], dtype=torch.float64)
+    assert torch.allclose(saguaro_probs(z, 1, 0.5), torch.tensor([[0.25, 0.3, 0.2]], dtype=torch.float64) / 0.75)
+    assert torch.allclose(saguaro_probs(z, 2, 0.0), torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64))
+    assert saguaro_probs(z, 2, 1.0) is z
+    assert torch.equal(saguaro_probs(z, 0, 0.3), z)
+
+
+def test_saguaro_c_zero_with_all_mass_in_top_f_returns_z():
+    z = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0]])
+    assert torch.equal(saguaro_probs(z, 2, 0.0), z)
+    # ...which is the C -> 0 limit of sigma
+    assert torch.allclose(saguaro_probs(z, 2, 1e-9), z)
+
+
+def test_saguaro_per_row_top_f():
+    z = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 2)
+    out = saguaro_probs(z, torch.tensor([1, 3]), 0.5)
+    assert torch.allclose(out[0], torch.tensor([0.2, 0.3, 0.2, 0.1]) / 0.8)
+    assert torch.allclose(out[1], torch.tensor([0.2, 0.15, 0.1, 0.1]) / 0.55)
+    assert torch.equal(top_f_mask(z, torch.tensor([0, 4])), torch.tensor([[False] * 4, [True] * 4]))
+    with pytest.raises(ValueError):
+        saguaro_probs(z, 1, 1.5)
+
+
+def test_sample_never_draws_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(4000, -1)
+    tokens = sample(probs)
+    assert set(tokens.tolist()) == {1, 3}
+    # u rounding up to the total lands on the last positive token, not on a trailing zero
+    assert sample_with_uniforms(probs[:1], torch.tensor([1.0 - 1e-17])).item() == 3
+
+
+def test_sample_frequencies_roughly_match():
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.1, 0.2, 0.7]]).expand(20000, -1)
+    freq = torch.bincount(sample(probs), minlength=3) / 20000
+    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.7]), atol=0.02)
+
+
+def test_seeded_rows_reproducible_regardless_of_batch():
+    gen = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(6, 50, generator=gen), dim=-1)
+    alone = sample(probs[2:3], [torch.Generator().manual_seed(7)])
+    gens = [torch.Generator().manual_seed(s) for s in (3, 4)] + [torch.Generator().manual_seed(7), None, None, None]
+    batched = sample(probs, gens)
+    assert batched[2] == alone[0]
+    u1 = row_uniforms([torch.Generator().manual_seed(9)], 1, 4)
+    u2 = row_uniforms([None, torch.Generator().manual_seed(9)], 2, 4)
+    assert torch.equal(u1[0], u2[1])
+
+
+def test_generator_count_must_match_rows():
+    with pytest.raises(ValueError):
+        sample(torch.ones(3, 4) / 4, [None, None])
+
+
+def test_one_hot_probs():
+    q = one_hot_probs(torch.tensor([[1, 0]]), 3)
+    assert q.shape == (1, 2, 3) and q.dtype == torch.float32
+    assert math.isclose(float(q.sum()), 2.0)
