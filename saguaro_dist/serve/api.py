@@ -1,0 +1,157 @@
+"""The OpenAI-compatible FastAPI app over one `LLM`; runs under Ray Serve (serve/app.py) or any ASGI server."""
+from __future__ import annotations
+
+import asyncio
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from saguaro_dist.serve import responses
+from saguaro_dist.serve.errors import install_error_handlers, stream_error
+from saguaro_dist.serve.metrics import ServeMetrics
+from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
+from saguaro_dist.serve.prompts import encode_chat, encode_text
+from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from saguaro_dist.serve.state import Job, ServingState, merge
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize"})
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    served_model_name: str
+    api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+
+
+def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
+    app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
+    app.state.saguaro = ServingState(engine, options.served_model_name, metrics)
+    install_error_handlers(app)
+    app.include_router(_router())
+    # Outermost last: count every request, then auth, then the size limit.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=options.max_request_bytes)
+    if options.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics, known_paths=ROUTES)
+    return app
+
+
+def _state(request: Request) -> ServingState:
+    return request.app.state.saguaro
+
+
+def _router() -> APIRouter:
+    router = APIRouter()
+    router.add_api_route("/health", _health, methods=["GET"])
+    router.add_api_route("/v1/models", _models, methods=["GET"])
+    router.add_api_route("/v1/completions", _completions, methods=["POST"])
+    router.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
+    router.add_api_route("/tokenize", _tokenize, methods=["POST"])
+    router.add_api_route("/detokenize", _detokenize, methods=["POST"])
+    return router
+
+
+async def _health() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+async def _models(request: Request) -> dict:
+    state = _state(request)
+    card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "saguaro-dist",
+            "root": state.engine.config.model, "max_model_len": state.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+async def _completions(body: CompletionRequest, request: Request):
+    state = _state(request)
+    body.reject_unsupported()
+    model = state.check_model(body.model)
+    jobs = [state.job(state.encode(p), body, "prompt") for p in body.prompts()]
+    return await _respond(state, body, jobs, model, responses.COMPLETION)
+
+
+async def _chat(body: ChatCompletionRequest, request: Request):
+    state = _state(request)
+    body.reject_unsupported()
+    model = state.check_model(body.model)
+    jobs = [state.job(encode_chat(state.tokenizer, body.messages), body, "messages")]
+    return await _respond(state, body, jobs, model, responses.CHAT)
+
+
+async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
+    state = _state(request)
+    state.check_model(body.model)
+    if body.messages is not None:
+        tokens = encode_chat(state.tokenizer, body.messages)
+    else:
+        tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
+    return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
+
+
+async def _detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    state = _state(request)
+    state.check_model(body.model)
+    if any(t < 0 or t >= len(state.tokenizer) for t in body.tokens):
+        raise ValueError(f"tokens must be ids in [0, {len(state.tokenizer)})")
+    return {"prompt": state.tokenizer.decode(body.tokens)}
+
+
+# ---- generation responses -------------------------------------------------------------------
+async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format):
+    if body.stream:
+        return await _stream_response(state, body, jobs, model, fmt)
+    # Cancelling this handler (client gone) cancels the gathered generations, which abort in the engine.
+    results = await asyncio.gather(*(state.collect(job) for job in jobs))
+    choices = [fmt.choice(i, r.text, r.finish_reason) for i, r in enumerate(results)]
+    total = responses.usage(sum(r.prompt_tokens for r in results), sum(r.num_tokens for r in results))
+    stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)
+    return fmt.body(fmt.new_id(), model, choices, usage=total, speculation=stats)
+
+
+async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt) -> StreamingResponse:
+    deltas = merge([state.stream(job) for job in jobs])
+    # Wait for the first delta before answering, so a request the engine rejects still gets a 400.
+    first = await anext(deltas, None)
+    chunks = _sse_chunks(state, body, jobs, model, fmt, deltas, first)
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _sse_chunks(state, body, jobs, model, fmt, deltas, first):
+    request_id = fmt.new_id()
+    counts, metrics, finished = [0] * len(jobs), [None] * len(jobs), 0
+    if fmt.chat:
+        yield responses.sse(fmt.chunk(request_id, model, [fmt.delta_choice(0, None, None, role=True)]))
+    try:
+        async with aclosing(deltas):
+            item = first
+            while item is not None:
+                index, delta = item
+                counts[index] += len(delta.token_ids)
+                extra = {}
+                if delta.finished:
+                    metrics[index], finished = delta.metrics, finished + 1
+                    if finished == len(jobs):  # the final chunk carries usage and the speculation stats
+                        extra = _final_extra(state, jobs, counts, metrics)
+                if delta.text or delta.finished:
+                    choice = fmt.delta_choice(index, delta.text, delta.finish_reason if delta.finished else None)
+                    yield responses.sse(fmt.chunk(request_id, model, [choice], **extra))
+                item = await anext(deltas, None)
+    except Exception as err:  # noqa: BLE001 - headers are sent: the error travels as an event, like vLLM's
+        yield responses.sse(stream_error(err))
+        yield responses.sse("[DONE]")
+        return
+    if body.include_usage_chunk:  # OpenAI's stream_options.include_usage: one more chunk, no choices
+        yield responses.sse(fmt.chunk(request_id, model, [], usage=_final_extra(state, jobs, counts, metrics)["usage"]))
+    yield responses.sse("[DONE]")
+
+
+def _final_extra(state: ServingState, jobs: list[Job], counts: list[int], metrics: list) -> dict:
+    prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
+    return {"usage": responses.usage(prompt_tokens, sum(counts)),
+            "speculation": responses.speculation(metrics, state.engine.config.mode.value)}

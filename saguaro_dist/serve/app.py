@@ -1,0 +1,70 @@
+"""The Ray Serve application: one deployment whose replicas each hold an `LLM` behind the OpenAI API.
+
+    serve run saguaro_dist.serve.app:build_app model=/path/target draft=/path/draft mode=ssd
+or, in a Serve config / KubeRay serveConfigV2:
+    import_path: saguaro_dist.serve.app:build_app
+    args: {model: ..., draft: ..., k: 4, api_key_env: SAGUARO_API_KEY}
+"""
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+from ray.serve import Application
+
+from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, ServerOptions, create_app
+from saguaro_dist.serve.args import api_key_from_args, config_from_args
+from saguaro_dist.serve.metrics import ServeMetrics
+
+log = logging.getLogger(__name__)
+
+APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
+DEPLOYMENT_NAME = "SaguaroServer"
+# Requests a replica accepts at once. Serve's default (5) would queue streams in the proxy instead of
+# letting the engine batch them; the engine has its own waiting queue beyond max_batch_size.
+MAX_ONGOING_REQUESTS = 256
+
+
+class SaguaroServer:
+    """One replica: loads the engine, then serves the FastAPI app built over it."""
+
+    def __init__(self, args: dict):
+        from saguaro_dist import LLM  # heavy (torch, models): only inside the replica
+
+        config = config_from_args(args)
+        self._options = server_options(args, config.model)
+        log.info("loading %s (mode %s) for model name %r", config.model, config.mode.value,
+                 self._options.served_model_name)
+        self._engine = LLM.from_config(config)
+        self._app = None
+
+    def __serve_build_asgi_app__(self):
+        metrics = ServeMetrics(self._options.served_model_name)
+        self._app = create_app(self._engine, self._options, metrics)
+        return self._app
+
+    def num_running(self) -> int:
+        """Generations in flight on this replica (a deployment-handle call, not an HTTP route)."""
+        return self._app.state.saguaro.running if self._app is not None else 0
+
+    def __del__(self):
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+
+def server_options(args: dict, model: str) -> ServerOptions:
+    return ServerOptions(
+        served_model_name=str(args.get("served_model_name") or model),
+        api_key=api_key_from_args(args),
+        max_request_bytes=int(args.get("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES),
+    )
+
+
+def build_app(args: dict, **deployment_options) -> Application:
+    """Serve's application builder. Validates the arguments here, in the caller, so a bad manifest
+    fails at deploy time with a clear message rather than in a crash-looping replica."""
+    config_from_args(args)
+    options = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": MAX_ONGOING_REQUESTS, **deployment_options}
+    deployment = serve.deployment(serve.ingress()(SaguaroServer), **options)
+    return deployment.bind(dict(args))

@@ -1,0 +1,107 @@
+"""Errors in the OpenAI envelope `{"error": {"message", "type", "param", "code"}}`.
+
+Clients only ever see a message we chose: unexpected exceptions are logged here with their stack
+trace and answered with a generic 500.
+"""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+# status -> OpenAI error type (the `openai` client maps the status itself; the type is for humans)
+_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+    413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error with a status and a message meant for the client."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
+    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code if code is not None else status}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    """The first problem, phrased for humans, and the request field it concerns."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    param = ".".join(loc) or None
+    if param is None:  # the body itself is wrong: not an object, or not JSON at all
+        return "the request body must be a JSON object", None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else msg), param
+
+
+async def _on_validation(_: Request, err: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(err)
+    return error_response(400, message, param)
+
+
+async def _on_api_error(_: Request, err: APIError) -> JSONResponse:
+    return error_response(err.status, err.message, err.param, err.code)
+
+
+async def _on_http(_: Request, err: StarletteHTTPException) -> JSONResponse:
+    return error_response(err.status_code, str(err.detail), headers=getattr(err, "headers", None))
+
+
+async def _on_value_error(_: Request, err: ValueError) -> JSONResponse:
+    # Engine and SamplingParams validation: the message names the field and is safe to show.
+    return error_response(400, str(err), _param_of(str(err)))
+
+
+async def _on_unexpected(request: Request, err: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s %s", request.method, request.url.path)
+    if getattr(err, "retriable", False):
+        return error_response(503, "the engine failed while serving this request; retry it")
+    return error_response(500, "internal server error")
+
+
+def stream_error(err: Exception) -> dict:
+    """The envelope for an error after a stream's headers went out (no status to set any more)."""
+    if isinstance(err, APIError):
+        return error_body(err.status, err.message, err.param, err.code)
+    if isinstance(err, ValueError):
+        return error_body(400, str(err), _param_of(str(err)))
+    log.exception("generation failed mid-stream", exc_info=err)
+    if getattr(err, "retriable", False):
+        return error_body(503, "the engine failed while serving this request; retry it")
+    return error_body(500, "internal server error")
+
+
+def _param_of(message: str) -> str | None:
+    """Our ValueErrors start with the field they concern ("max_tokens must be ...")."""
+    head = message.split(" ", 1)[0]
+    known = {"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "prompt"}
+    return head if head in known else None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(ValueError, _on_value_error)
+    app.add_exception_handler(Exception, _on_unexpected)

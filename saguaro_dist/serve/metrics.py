@@ -1,0 +1,99 @@
+"""Serving metrics through Ray's metrics (exported by each Ray node's Prometheus endpoint).
+
+Created per replica (never at import). Names follow vLLM's where one exists, prefixed `saguaro_`;
+Ray adds its own `ray_` prefix on export.
+"""
+from __future__ import annotations
+
+_LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0]
+
+
+class _Noop:
+    """Stands in for a Ray metric when the app runs outside Ray (plain uvicorn)."""
+
+    def inc(self, value=1.0, tags=None):
+        pass
+
+    def observe(self, value, tags=None):
+        pass
+
+    def set(self, value, tags=None):
+        pass
+
+
+class ServeMetrics:
+    def __init__(self, model_name: str, enabled: bool = True):
+        self._tags = {"model": model_name}
+        make = _ray_factories() if enabled else None
+        self.requests = self._make(make, "counter", "saguaro_requests", "HTTP requests by route and status",
+                                   ("model", "route", "status"))
+        self.running = self._make(make, "gauge", "saguaro_num_requests_running", "Generations in flight")
+        self.prompt_tokens = self._make(make, "counter", "saguaro_prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = self._make(make, "counter", "saguaro_generation_tokens", "Tokens generated")
+        self.ttft = self._make(make, "histogram", "saguaro_time_to_first_token_seconds", "Time to first token")
+        self.itl = self._make(make, "histogram", "saguaro_inter_token_latency_seconds", "Time per output token")
+        self.e2e = self._make(make, "histogram", "saguaro_e2e_request_latency_seconds", "Request latency")
+        self.drafted = self._make(make, "counter", "saguaro_drafted_tokens", "Draft tokens proposed")
+        self.accepted = self._make(make, "counter", "saguaro_accepted_tokens", "Draft tokens accepted")
+        self.accepted_at = self._make(make, "counter", "saguaro_accepted_tokens_per_position",
+                                      "Draft tokens accepted, by position in the speculation", ("model", "position"))
+        self.cache_hits = self._make(make, "counter", "saguaro_speculation_cache_hits", "Speculation cache hits")
+        self.cache_misses = self._make(make, "counter", "saguaro_speculation_cache_misses", "Speculation cache misses")
+        self.fallbacks = self._make(make, "counter", "saguaro_fallbacks", "Fallbacks by kind", ("model", "kind"))
+
+    def _make(self, make, kind: str, name: str, doc: str, tag_keys=("model",)):
+        if make is None:
+            return _Noop()
+        metric = make[kind](name, doc, tag_keys)
+        metric.set_default_tags({k: v for k, v in self._tags.items() if k in tag_keys})
+        return metric
+
+    # ---- recording --------------------------------------------------------------------------
+    def request(self, route: str, status: int) -> None:
+        self.requests.inc(1, {"route": route, "status": str(status)})
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def tokens(self, count: int, seconds_since_last: float | None) -> None:
+        """A delta of `count` tokens; speculation delivers several at once, so latency is per token."""
+        if count <= 0:
+            return
+        self.generation_tokens.inc(count)
+        if seconds_since_last is not None:
+            for _ in range(count):
+                self.itl.observe(seconds_since_last / count)
+
+    def finished(self, engine_metrics, seconds: float) -> None:
+        self.e2e.observe(seconds)
+        if engine_metrics is None:
+            return
+        self.prompt_tokens.inc(engine_metrics.num_prompt_tokens)
+        self._inc_positive(self.drafted, engine_metrics.drafted_tokens)
+        self._inc_positive(self.accepted, engine_metrics.accepted_tokens)
+        self._inc_positive(self.cache_hits, engine_metrics.cache_hits)
+        self._inc_positive(self.cache_misses, engine_metrics.cache_misses)
+        for kind, count in (engine_metrics.fallbacks or {}).items():
+            self._inc_positive(self.fallbacks, count, {"kind": str(kind)})
+        # Optional engine field: accepted counts by speculation position (1-based).
+        for position, count in enumerate(getattr(engine_metrics, "accepted_per_position", None) or (), start=1):
+            self._inc_positive(self.accepted_at, count, {"position": str(position)})
+
+    @staticmethod
+    def _inc_positive(metric, value, tags=None) -> None:
+        # Ray counters reject non-positive increments.
+        if value and value > 0:
+            metric.inc(value, tags)
+
+
+def _ray_factories() -> dict:
+    from ray.util import metrics
+
+    def histogram(name, doc, tag_keys):
+        return metrics.Histogram(name, doc, boundaries=_LATENCY_BUCKETS, tag_keys=tag_keys)
+
+    return {
+        "counter": lambda name, doc, tag_keys: metrics.Counter(name, doc, tag_keys=tag_keys),
+        "gauge": lambda name, doc, tag_keys: metrics.Gauge(name, doc, tag_keys=tag_keys),
+        "histogram": histogram,
+    }

@@ -1,0 +1,95 @@
+"""Plain ASGI middleware (not BaseHTTPMiddleware, which buffers and breaks streaming and disconnects)."""
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+
+from saguaro_dist.serve.errors import error_body
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key, for load balancers and probes
+
+
+async def send_error(send, status: int, message: str, headers: list | None = None) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route but the open ones; 401 otherwise."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        await send_error(send, 401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
+                         [(b"www-authenticate", b"Bearer")])
+
+    def _authorized(self, scope) -> bool:
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        return hmac.compare_digest(given, self._expected)  # constant time: no key guessing by timing
+
+
+class BodySizeLimitMiddleware:
+    """413 for bodies over the limit: at once from Content-Length, or while reading a chunked body."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await send_error(send, 413, self._message())
+        await self.app(scope, self._counting(receive), send)
+
+    def _counting(self, receive):
+        seen = 0
+
+        async def wrapped():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                # FastAPI re-raises HTTPExceptions from body reading, so our handler answers 413.
+                raise HTTPException(413, self._message())
+            return message
+        return wrapped
+
+    def _message(self) -> str:
+        return f"request body larger than {self.max_bytes} bytes"
+
+
+class RequestCountMiddleware:
+    """Counts requests by route and response status into the serving metrics."""
+
+    def __init__(self, app, metrics, known_paths: frozenset[str]):
+        self.app = app
+        self.metrics = metrics
+        self.known_paths = known_paths
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def capture(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            # Unknown paths share one label so scanners cannot blow up the metric's cardinality.
+            route = scope["path"] if scope["path"] in self.known_paths else "other"
+            self.metrics.request(route, status)

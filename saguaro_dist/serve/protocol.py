@@ -1,0 +1,138 @@
+"""OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
+
+Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
+cannot honour (logprobs, n > 1, penalties, ...) are rejected rather than silently dropped.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.serve.errors import APIError
+
+# field -> the only value we support; a request giving anything else gets a 400 naming the field
+_UNSUPPORTED_UNLESS = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,),
+}
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    def reject_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name, allowed in _UNSUPPORTED_UNLESS.items():
+            if name in extra and extra[name] not in allowed:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0 disables, as in vLLM
+    n: int = Field(1, ge=1, le=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            max_tokens=max_tokens,
+            stop=self.stop or (),
+            seed=self.seed,
+        )
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    @model_validator(mode="after")
+    def _check_prompt(self):
+        if self.prompt == "" or self.prompt == [] or any(p == "" or p == [] for p in self.prompts()):
+            raise ValueError("prompt must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: a text or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer OpenAI name for max_tokens
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of 'prompt' or 'messages'")
+        return self
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

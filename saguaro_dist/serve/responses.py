@@ -1,0 +1,71 @@
+"""OpenAI response bodies and stream chunks, for completions and chat completions alike."""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+_STAT_COUNTS = ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted_tokens", "accepted_tokens",
+                "cache_hits", "cache_misses")
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def speculation(metrics_list: list, mode: str) -> dict:
+    """Per-request speculation stats (summed over the request's prompts), our extra response field."""
+    out = {name: sum(getattr(m, name, 0) for m in metrics_list if m) for name in _STAT_COUNTS}
+    fallbacks: dict[str, int] = {}
+    for m in metrics_list:
+        for kind, count in ((m.fallbacks or {}) if m else {}).items():
+            fallbacks[str(kind)] = fallbacks.get(str(kind), 0) + count
+    lookups = out["cache_hits"] + out["cache_misses"]
+    out.update(
+        mode=mode,
+        acceptance_rate=out["accepted_tokens"] / out["drafted_tokens"] if out["drafted_tokens"] else 0.0,
+        mean_accepted_length=(out["accepted_tokens"] + out["rounds"]) / out["rounds"] if out["rounds"] else 0.0,
+        cache_hit_rate=out["cache_hits"] / lookups if lookups else 0.0,
+        fallbacks=fallbacks,
+    )
+    return out
+
+
+def sse(data: dict | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+class Format:
+    """How one endpoint shapes ids, choices and chunks; `CHAT` and `COMPLETION` below."""
+
+    def __init__(self, object_name: str, chunk_object: str, id_prefix: str, chat: bool):
+        self.object_name, self.chunk_object, self.id_prefix, self.chat = object_name, chunk_object, id_prefix, chat
+
+    def new_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+        if self.chat:
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    def delta_choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    def body(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
+        return {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model,
+                "choices": choices, **extra}
+
+    def chunk(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
+        return {"id": request_id, "object": self.chunk_object, "created": int(time.time()), "model": model,
+                "choices": choices, **extra}
+
+
+COMPLETION = Format("text_completion", "text_completion", "cmpl", chat=False)
+CHAT = Format("chat.completion", "chat.completion.chunk", "chatcmpl", chat=True)

@@ -1,0 +1,140 @@
+"""What every route needs: the engine, its tokenizer, the served name, and generation with metrics."""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.metrics import ServeMetrics
+from saguaro_dist.serve.prompts import encode_text
+from saguaro_dist.serve.protocol import SamplingRequest
+
+
+@dataclass
+class Job:
+    """One prompt to generate for (one choice of the response)."""
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Finished:
+    text: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    metrics: object = None  # the engine's RequestMetrics
+    prompt_tokens: int = 0
+
+
+class ServingState:
+    def __init__(self, engine, model_name: str, metrics: ServeMetrics):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_name = model_name
+        self.max_model_len = int(engine.max_model_len)
+        self.metrics = metrics
+        self.running = 0
+
+    def check_model(self, requested: str | None) -> str:
+        # A missing model means the only one served, as with vLLM.
+        if requested not in (None, "", self.model_name):
+            raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+        return self.model_name
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return encode_text(self.tokenizer, prompt)
+        return list(prompt)
+
+    def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
+        """Sampling settings for one prompt; max_tokens defaults to the rest of the context (vLLM)."""
+        room = self.max_model_len - len(prompt_ids)
+        wanted = request.requested_max_tokens()
+        if room < 1 or (wanted is not None and wanted > room):
+            raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                                f"you requested {len(prompt_ids) + (wanted or 1)} tokens ({len(prompt_ids)} in the "
+                                f"{param}, {wanted or 1} in the completion). Please reduce the length of the "
+                                f"{param} or completion.", param=param, code="context_length_exceeded")
+        return Job(prompt_ids, request.sampling_params(wanted or room))
+
+    # ---- generation -------------------------------------------------------------------------
+    async def stream(self, job: Job) -> AsyncIterator:
+        """The engine's deltas for one job, with serving metrics; closing it aborts the generation."""
+        start = last = time.monotonic()
+        self._enter()
+        engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
+                                           request_id=uuid.uuid4().hex)
+        try:
+            async with aclosing(engine_stream) as deltas:
+                async for delta in deltas:
+                    now = time.monotonic()
+                    self._record(delta, start, last, now)
+                    last = now
+                    yield delta
+        finally:
+            self._exit()
+
+    async def collect(self, job: Job) -> Finished:
+        out = Finished(prompt_tokens=len(job.prompt_ids))
+        parts = []
+        async with aclosing(self.stream(job)) as deltas:
+            async for delta in deltas:
+                parts.append(delta.text)
+                out.num_tokens += len(delta.token_ids)
+                if delta.finished:
+                    out.finish_reason, out.metrics = delta.finish_reason, delta.metrics
+        out.text = "".join(parts)
+        return out
+
+    def _record(self, delta, start: float, last: float, now: float) -> None:
+        first = last == start
+        if first and delta.token_ids:
+            self.metrics.first_token(now - start)
+        self.metrics.tokens(len(delta.token_ids), None if first else now - last)
+        if delta.finished:
+            self.metrics.finished(delta.metrics, now - start)
+
+    def _enter(self) -> None:
+        self.running += 1
+        self.metrics.running.set(self.running)
+
+    def _exit(self) -> None:
+        self.running -= 1
+        self.metrics.running.set(self.running)
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """Items of several async iterators as they come, tagged with the iterator's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async with aclosing(stream) as items:
+                async for item in items:
+                    await queue.put((i, item))
+        except Exception as err:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((i, err))
+        finally:
+            await queue.put((i, end))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is end:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
