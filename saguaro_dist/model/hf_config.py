@@ -31,6 +31,10 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf: dict = field(repr=False)   # the raw config.json
 
+    @property
+    def eos_token_id(self) -> tuple[int, ...]:
+        return self.eos_token_ids
+
 
 def read_config_json(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"

@@ -76,7 +76,15 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
                          + (" ..." if len(missing) > 8 else ""))
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path_or_id: str | Path):
-    """The checkpoint's tokenizer via transformers.AutoTokenizer (models without one still load as models)."""
+    """The checkpoint's tokenizer via transformers.AutoTokenizer; None when the checkpoint ships none
+    (such a checkpoint still loads as a model, e.g. the tiny ones the tests write)."""
+    model_dir = resolve_model_dir(path_or_id)
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        log.info("no tokenizer files in %s", model_dir)
+        return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(resolve_model_dir(path_or_id)))
+    return AutoTokenizer.from_pretrained(str(model_dir))

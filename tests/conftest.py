@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny real checkpoints written by transformers (no mocks, no downloads)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+TINY_VOCAB = 64
+_COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               bos_token_id=None, eos_token_id=None, pad_token_id=None)
+_LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# kind -> (model class, config); every kind shares the tiny vocabulary
+CHECKPOINT_KINDS = {
+    "llama": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False)),
+    "llama3": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_scaling=_LLAMA3_ROPE)),
+    "tied": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON, tie_word_embeddings=True)),
+    "sharded": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False)),
+    "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_COMMON, tie_word_embeddings=False)),
+    "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=False)),
+    "draft": (LlamaForCausalLM, lambda: LlamaConfig(**{**_COMMON, "hidden_size": 16, "intermediate_size": 32,
+                                                       "num_hidden_layers": 1, "num_attention_heads": 2,
+                                                       "num_key_value_heads": 1}, tie_word_embeddings=True)),
+}
+
+
+def write_checkpoint(kind: str, path, seed: int = 0):
+    """Save a random `kind` model; biases and norm weights are randomised too (HF inits them to 0 / 1)."""
+    cls, make_config = CHECKPOINT_KINDS[kind]
+    torch.manual_seed(seed)
+    model = cls(make_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.save_pretrained(path, max_shard_size="20KB" if kind == "sharded" else "5GB")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """Factory: tiny_checkpoint(kind) -> path of a checkpoint of that kind (written once per session).
+    Kinds: llama, llama3 (rope_scaling llama3), tied, sharded, qwen2, qwen3, draft."""
+    made = {}
+
+    def get(kind: str):
+        if kind not in made:
+            made[kind] = write_checkpoint(kind, tmp_path_factory.mktemp(f"ckpt_{kind}"), seed=list(CHECKPOINT_KINDS).index(kind))
+        return made[kind]
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_pair(tiny_checkpoint):
+    """(target_path, draft_path): two different tiny Llama checkpoints with the same vocabulary (64)."""
+    return tiny_checkpoint("llama"), tiny_checkpoint("draft")

@@ -1,0 +1,104 @@
+"""Logits of ModelRunner equal transformers' own on real tiny checkpoints, for every way the engine calls it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from saguaro_dist.model import ModelRunner
+
+KINDS = ["llama", "llama3", "qwen2", "qwen3", "tied", "sharded"]
+ATOL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def pair(request, tiny_checkpoint):
+    path = tiny_checkpoint(request.param)
+    return ModelRunner(path), AutoModelForCausalLM.from_pretrained(path).eval()
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    """transformers' logits at every position of `tokens`, no cache: [len, V]."""
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 64, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def close(a, b):
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_prefill_then_decode(pair):
+    runner, hf = pair
+    seq = tokens(1, 16)
+    ref = hf_logits(hf, seq)
+    runner.add("p")
+    close(runner.extend(["p"], [seq[:10]], [10])[0], ref[:10])
+    for i in range(10, 16):
+        close(runner.extend(["p"], [[seq[i]]], [1])[0], ref[i:i + 1])
+    assert runner.length("p") == 16
+    runner.free("p")
+
+
+def test_score_k_plus_1_then_truncate_and_continue(pair):
+    runner, hf = pair
+    prompt, spec, other = tokens(2, 9), tokens(3, 5), tokens(4, 4)
+    runner.add("s")
+    runner.extend(["s"], [prompt], [1])
+    close(runner.extend(["s"], [spec], [5])[0], hf_logits(hf, prompt + spec)[9:])
+    runner.truncate("s", 11)  # two of the five accepted; the rest must leave no trace
+    assert runner.length("s") == 11
+    close(runner.extend(["s"], [other], [4])[0], hf_logits(hf, prompt + spec[:2] + other)[11:])
+    runner.free("s")
+
+
+def test_batched_extend_of_different_lengths(pair):
+    runner, hf = pair
+    for sid in ("a", "gap", "b", "c"):
+        runner.add(sid)
+    runner.free("gap")  # leaves the rows of a, b, c non-contiguous
+    pasts = {"a": tokens(5, 7), "b": tokens(6, 3), "c": []}
+    runner.extend(["a", "b"], [pasts["a"], pasts["b"]], [1, 1])
+    new = {"c": tokens(7, 6), "a": tokens(8, 1), "b": tokens(9, 4)}
+    ids = ["c", "a", "b"]
+    out = runner.extend(ids, [new[s] for s in ids], [6, 1, 2])
+    for sid, got, n in zip(ids, out, [6, 1, 2]):
+        full = pasts[sid] + new[sid]
+        close(got, hf_logits(hf, full)[len(full) - n:])
+    # same-length batch on contiguous rows (the fast view path)
+    out = runner.extend(["a", "b"], [[1, 2], [3, 4]], [2, 2])
+    close(out[0], hf_logits(hf, pasts["a"] + new["a"] + [1, 2])[-2:])
+    close(out[1], hf_logits(hf, pasts["b"] + new["b"] + [3, 4])[-2:])
+    for sid in ("a", "b", "c"):
+        runner.free(sid)
+
+
+def test_branch_decode_matches_each_branch_alone(pair):
+    runner, hf = pair
+    seqs = {"x": tokens(10, 12), "y": tokens(11, 6)}
+    for sid, toks in seqs.items():
+        runner.add(sid)
+        runner.extend([sid], [toks], [1])
+    # several sequences, different prefix_lens (also 0 and the full length), in mixed order
+    owners = ["x", "y", "x", "x", "y", "x"]
+    plens = [12, 6, 9, 12, 2, 0]
+    depth = 11  # passes the private buffer's first capacity (8), so it must grow
+    paths = [tokens(20 + i, depth) for i in range(len(owners))]
+    state, logits = runner.branch_start(owners, plens, [p[0] for p in paths])
+    got = [logits]
+    for d in range(1, depth):
+        got.append(runner.branch_step(state, torch.tensor([p[d] for p in paths])))
+    for i, (sid, plen, path) in enumerate(zip(owners, plens, paths)):
+        ref = hf_logits(hf, seqs[sid][:plen] + path)[plen:]
+        close(torch.stack([g[i] for g in got]), ref)
+    assert runner.length("x") == 12 and runner.length("y") == 6  # branches commit nothing
+    for sid in seqs:
+        runner.free(sid)
