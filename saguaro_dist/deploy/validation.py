@@ -1,0 +1,134 @@
+"""Offline validation of the deployment manifests against the real schemas.
+
+- ray.io kinds: the KubeRay CRDs' OpenAPI v3 schemas, checked with jsonschema. Made strict the way
+  kubeconform's strict mode does (unknown fields are errors, not silently pruned by the API server), so
+  a misspelt field fails here instead of vanishing on the cluster.
+- built-in kinds (Service, Secret, PersistentVolumeClaim): Kubernetes' own schemas, via
+  kubernetes-validate (strict).
+- ServiceMonitor: prometheus-operator's schema as shipped in the cloudcoil-models-prometheus-operator
+  models (generated from its CRDs).
+- serveConfigV2: Ray's own ray.serve.schema.ServeDeploySchema, and the app args through
+  saguaro_dist.serve.args.config_from_args.
+
+The validators are test-time tools: their packages (jsonschema, kubernetes-validate, cloudcoil models)
+are imported where used, so importing this module needs none of them.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayCluster": "ray.io_rayclusters.yaml"}
+KUBERNETES_VERSION = "1.30.0"  # oldest Kubernetes we document; its schemas ship with kubernetes-validate
+
+
+def load_yaml(text: str):
+    import yaml
+
+    # the CRDs are ~1 MB each: libyaml's loader reads them 10x faster where PyYAML has it
+    return yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
+def crd_schema(crd_dir: Path, kind: str, version: str = "v1") -> dict:
+    """The openAPIV3Schema of `kind` at `version`, from the CRD file in crd_dir."""
+    crd = load_yaml((Path(crd_dir) / CRD_FILES[kind]).read_text())
+    for entry in crd["spec"]["versions"]:
+        if entry["name"] == version:
+            return entry["schema"]["openAPIV3Schema"]
+    raise ValueError(f"{CRD_FILES[kind]} has no version {version!r}")
+
+
+def strict(schema: dict) -> dict:
+    """A copy where objects with declared properties reject unknown fields (kubeconform -strict)."""
+    schema = copy.deepcopy(schema)
+    _close_objects(schema)
+    return schema
+
+
+def _close_objects(node) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _close_objects(item)
+        return
+    if not isinstance(node, dict):
+        return
+    open_ended = node.get("x-kubernetes-preserve-unknown-fields") or "additionalProperties" in node
+    if "properties" in node and not open_ended:
+        node["additionalProperties"] = False
+    for value in node.values():
+        _close_objects(value)
+
+
+@functools.lru_cache(maxsize=8)
+def _crd_validator(crd_dir: str, kind: str, version: str):
+    import jsonschema
+
+    # cached: building the strict schema of one CRD takes seconds, validating an object milliseconds
+    return jsonschema.Draft7Validator(strict(crd_schema(Path(crd_dir), kind, version)))
+
+
+def validate_crd_object(obj: dict, crd_dir: Path) -> None:
+    """Raise jsonschema.ValidationError where a RayService / RayCluster breaks its CRD schema."""
+    api_version = obj.get("apiVersion", "")
+    if not api_version.startswith("ray.io/") or obj.get("kind") not in CRD_FILES:
+        raise ValueError(f"not a KubeRay object: {api_version} {obj.get('kind')}")
+    validator = _crd_validator(str(Path(crd_dir).resolve()), obj["kind"], api_version.split("/", 1)[1])
+    validator.validate(obj)
+
+
+def validate_builtin(obj: dict, kubernetes_version: str = KUBERNETES_VERSION) -> None:
+    """Raise kubernetes_validate.ValidationError where a built-in kind breaks Kubernetes' schema."""
+    import kubernetes_validate
+
+    kubernetes_validate.validate(obj, kubernetes_version, strict=True)
+
+
+def validate_service_monitor(obj: dict) -> None:
+    """Check a ServiceMonitor against prometheus-operator's schema; unknown fields are errors too."""
+    from cloudcoil.models.prometheus_operator import v1 as monitoring
+
+    model = monitoring.ServiceMonitor.model_validate(obj)
+    # the models ignore unknown fields: a round trip that loses some means a field it doesn't know
+    dumped = model.model_dump(by_alias=True, exclude_none=True, mode="json")
+    if _without_empty(dumped) != _without_empty(obj):
+        raise ValueError(f"ServiceMonitor has fields prometheus-operator does not know: {obj} vs {dumped}")
+
+
+def _without_empty(node):
+    if isinstance(node, dict):
+        return {k: _without_empty(v) for k, v in node.items() if v not in (None, {}, [])}
+    if isinstance(node, list):
+        return [_without_empty(v) for v in node]
+    return node
+
+
+def validate_serve_config(serve_config_v2: str) -> list[dict]:
+    """Parse serveConfigV2 with Ray's ServeDeploySchema and every app's args into an engine Config.
+
+    Returns the applications' args. Does not import the apps (see check_import_path for that).
+    """
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from saguaro_dist.serve.args import config_from_args
+
+    config = ServeDeploySchema.model_validate(yaml.safe_load(serve_config_v2))
+    for app in config.applications:
+        config_from_args(app.args)
+    return [app.args for app in config.applications]
+
+
+def validate_object(obj: dict, crd_dir: Path | None) -> None:
+    """Validate any object the chart or the generator produces, by kind."""
+    kind = obj.get("kind")
+    if kind in CRD_FILES:
+        if crd_dir is None:
+            raise ValueError(f"validating a {kind} needs the KubeRay CRDs (crd_dir)")
+        validate_crd_object(obj, crd_dir)
+        if kind == "RayService":
+            validate_serve_config(obj["spec"]["serveConfigV2"])
+    elif kind == "ServiceMonitor":
+        validate_service_monitor(obj)
+    else:
+        validate_builtin(obj)
