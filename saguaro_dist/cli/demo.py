@@ -1,0 +1,45 @@
+"""`saguaro demo build`: reproduce the shipped demo model pair."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+
+def register(subparsers) -> None:
+    demo = subparsers.add_parser("demo", help="the demo model pair (stdlib-trained Llama target + draft)")
+    actions = demo.add_subparsers(dest="demo_command", required=True)
+    build = actions.add_parser("build", help="train the demo pair (seeded, resumable, 1 CPU thread)")
+    build.add_argument("--out", default=None, help="where the pair goes (default: the package's demo/pair)")
+    build.add_argument("--work", default=".demo-build", help="scratch dir for tokenizer, token caches and checkpoints")
+    budget = build.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, default=None, help="target training steps (default: the recipe's)")
+    budget.add_argument("--minutes", type=float, default=None, help="wall-clock training budget instead of steps")
+    build.add_argument("--draft-steps", type=int, default=None, help="draft distillation steps (default: the recipe's)")
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--resume", action="store_true", help="continue from the checkpoints in --work")
+    build.set_defaults(run=run_build)
+
+
+def recipe_from_args(args: argparse.Namespace):
+    from saguaro_dist.demo.build import Recipe
+
+    recipe = Recipe(seed=args.seed, minutes=args.minutes)
+    if args.steps is not None:
+        recipe = dataclasses.replace(recipe, target_steps=args.steps)
+    if args.draft_steps is not None:
+        recipe = dataclasses.replace(recipe, draft_steps=args.draft_steps)
+    for field in ("target_steps", "draft_steps"):
+        value = getattr(recipe, field)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{field.replace('_', '-')} must be positive")
+    return recipe
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from saguaro_dist.demo.build import PAIR_DIR, build
+
+    report = build(recipe_from_args(args), out=args.out or PAIR_DIR, work=args.work, resume=args.resume)
+    summary = {k: report[k] for k in ("params", "steps", "heldout_loss", "greedy", "build_minutes")}
+    print(json.dumps(summary, indent=1))
+    return 0

@@ -1,0 +1,235 @@
+"""`saguaro demo build`: train the demo pair (tokenizer, target, distilled draft) from the stdlib.
+
+Stages, each cached in the work directory so --resume picks up where a run stopped:
+corpus split -> BPE tokenizer -> token streams -> target (CE) -> draft (KL on the target's
+logits) -> fp16 export to `out/{target,draft}` -> held-out loss and greedy acceptance.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+PAIR_DIR = Path(__file__).resolve().parent / "pair"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Everything that determines the built pair. Defaults are the shipped pair's recipe."""
+    seed: int = 0
+    corpus_root: str | None = None  # None: this interpreter's standard library
+    max_files: int | None = None
+    heldout_percent: int = 5
+    vocab_size: int = 2048
+    seq_len: int = 512
+    batch_size: int = 8
+    target_hidden: int = 256
+    target_layers: int = 5
+    target_heads: int = 4
+    target_ffn: int = 688
+    draft_hidden: int = 96
+    draft_layers: int = 2
+    draft_heads: int = 2
+    draft_ffn: int = 256
+    target_lr: float = 2e-3
+    draft_lr: float = 3e-3
+    warmup_steps: int = 30
+    weight_decay: float = 0.1
+    ce_weight: float = 0.1  # share of plain CE in the draft's loss; the rest is KL to the target
+    kd_temperature: float = 1.0
+    target_steps: int | None = 1000
+    draft_steps: int | None = 1000
+    minutes: float | None = None  # if set, overrides the step counts: a wall-clock budget
+    target_share: float = 0.6  # of `minutes`, the part spent on the target
+    checkpoint_minutes: float = 3.0
+    eval_prompts: int = 20
+    eval_new_tokens: int = 64
+    eval_k: int = 4
+    eval_windows: int = 32
+    shipped_prompts: int = 256
+    prompt_chars: int = 1000
+
+    def fingerprint(self) -> dict:
+        """The fields a checkpoint must agree on to be resumed (budgets and eval may change)."""
+        skip = {"target_steps", "draft_steps", "minutes", "target_share", "checkpoint_minutes",
+                "eval_prompts", "eval_new_tokens", "eval_k", "eval_windows", "shipped_prompts", "prompt_chars"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+def llama_config(recipe: Recipe, role: str, vocab_size: int, ids: dict):
+    from transformers import LlamaConfig
+
+    hidden, layers, heads, ffn = (getattr(recipe, f"{role}_{n}") for n in ("hidden", "layers", "heads", "ffn"))
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=ffn,
+                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                       max_position_embeddings=recipe.seq_len, tie_word_embeddings=True,
+                       rope_theta=10000.0, bos_token_id=ids["bos"], eos_token_id=ids["eos"],
+                       pad_token_id=ids["pad"])
+
+
+def prepare_tokenizer(recipe: Recipe, split, work: Path, resume: bool):
+    from . import corpus, tokenizer as tk
+
+    path = work / "tokenizer.json"
+    if resume and path.exists():
+        return tk.load_tokenizer(path)
+    tok = tk.train_tokenizer(corpus.read_sources(split.train), recipe.vocab_size)
+    tok.save(str(path))
+    log.info("tokenizer: %d tokens", tok.get_vocab_size())
+    return tok
+
+
+def prepare_tokens(tok, paths, cache: Path, resume: bool):
+    """One flat int32 stream of BOS file EOS BOS file EOS ..., cached in the work dir."""
+    import torch
+
+    from . import corpus, tokenizer as tk
+
+    if resume and cache.exists():
+        return torch.load(cache)
+    files = tk.encode_files(tok, corpus.read_sources(paths))
+    tokens = torch.tensor([t for ids in files for t in ids], dtype=torch.int32)
+    torch.save(tokens, cache)
+    return tokens
+
+
+def special_ids(tok) -> dict:
+    from . import tokenizer as tk
+
+    return {"bos": tok.token_to_id(tk.BOS), "eos": tok.token_to_id(tk.EOS), "pad": tok.token_to_id(tk.PAD)}
+
+
+def loop_spec(recipe: Recipe, role: str, work: Path, steps: int | None, budget_s: float | None):
+    from .train import LoopSpec
+
+    return LoopSpec(role=role, ckpt=work / f"{role}.pt", total_steps=None if budget_s else steps,
+                    budget_s=budget_s, lr=getattr(recipe, f"{role}_lr"), warmup=recipe.warmup_steps,
+                    weight_decay=recipe.weight_decay, checkpoint_s=recipe.checkpoint_minutes * 60,
+                    seed=recipe.seed, fingerprint=recipe.fingerprint() | {"role": role})
+
+
+def budgets(recipe: Recipe) -> tuple[float | None, float | None]:
+    if recipe.minutes is None:
+        return None, None
+    if recipe.minutes <= 0:
+        raise ValueError("--minutes must be positive")
+    total = recipe.minutes * 60
+    return total * recipe.target_share, total * (1 - recipe.target_share)
+
+
+def batch_fn(recipe: Recipe, tokens, role_offset: int):
+    from .train import sample_batch
+
+    if len(tokens) <= recipe.seq_len + 1:
+        raise ValueError(f"training stream has {len(tokens)} tokens; need more than seq_len + 1 = {recipe.seq_len + 1}")
+    base = recipe.seed * 1_000_003 + role_offset
+    return lambda step: sample_batch(tokens, recipe.batch_size, recipe.seq_len, base + step)
+
+
+def train_models(recipe: Recipe, tokens, config_t, config_d, work: Path) -> dict:
+    """Train the target, then distil the draft from it; returns both models and their step counts."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from .train import distill_loss, run_loop, target_loss
+
+    target_budget, draft_budget = budgets(recipe)
+    torch.manual_seed(recipe.seed)
+    target = LlamaForCausalLM(config_t)
+    draft = LlamaForCausalLM(config_d)
+    t_steps = run_loop(target, target_loss, batch_fn(recipe, tokens, 0),
+                       loop_spec(recipe, "target", work, recipe.target_steps, target_budget))
+    for p in target.parameters():
+        p.requires_grad_(False)
+    loss = distill_loss(target, recipe.ce_weight, recipe.kd_temperature)
+    d_steps = run_loop(draft, loss, batch_fn(recipe, tokens, 500_000_000),
+                       loop_spec(recipe, "draft", work, recipe.draft_steps, draft_budget))
+    return {"target": target, "draft": draft, "target_steps": t_steps, "draft_steps": d_steps}
+
+
+def export_pair(models: dict, fast_tok, out: Path) -> None:
+    """fp16 safetensors + tokenizer in out/target and out/draft (each a complete HF directory)."""
+    import torch
+
+    for role in ("target", "draft"):
+        dest = out / role
+        if dest.exists():
+            shutil.rmtree(dest)
+        model = models[role]
+        model.to(torch.float16).save_pretrained(dest, safe_serialization=True)
+        model.to(torch.float32)
+        fast_tok.save_pretrained(dest)
+        portable_tokenizer_class(dest / "tokenizer_config.json")
+
+
+def portable_tokenizer_class(path: Path) -> None:
+    # transformers 5 writes its own class name, which 4.x cannot resolve; both load this one.
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2))
+
+
+def count_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def measure(recipe: Recipe, out: Path, heldout_tokens, prompts: list[str]) -> dict:
+    """Reload the exported fp16 pair (exactly what ships) and measure it in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .evaluate import greedy_acceptance, heldout_loss
+
+    tok = AutoTokenizer.from_pretrained(out / "target")
+    target, draft = (AutoModelForCausalLM.from_pretrained(out / r, dtype=torch.float32).eval() for r in ("target", "draft"))
+    keep = recipe.seq_len - recipe.eval_new_tokens
+    ids = [tok(p)["input_ids"][-keep:] for p in prompts[:recipe.eval_prompts]]
+    return {
+        "heldout_loss": {r: heldout_loss(m, heldout_tokens, recipe.seq_len, recipe.eval_windows)
+                         for r, m in (("target", target), ("draft", draft))},
+        "greedy": greedy_acceptance(target, draft, ids, recipe.eval_k, recipe.eval_new_tokens, tok.eos_token_id),
+    }
+
+
+def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-build", resume: bool = False) -> dict:
+    """Build the pair into `out`; returns the build report (also written to out/build_info.json)."""
+    import torch
+
+    from . import corpus
+    from .tokenizer import wrap_fast
+
+    started = time.monotonic()
+    out, work = Path(out), Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    # One thread: the demo build must leave the machine's other cores to everyone else.
+    torch.set_num_threads(1)
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.manual_seed(recipe.seed)
+    split = corpus.split_corpus(recipe.corpus_root, recipe.heldout_percent, recipe.max_files)
+    tok = prepare_tokenizer(recipe, split, work, resume)
+    train_tokens = prepare_tokens(tok, split.train, work / "train_tokens.pt", resume)
+    heldout_tokens = prepare_tokens(tok, split.heldout, work / "heldout_tokens.pt", resume)
+    ids, vocab = special_ids(tok), tok.get_vocab_size()
+    models = train_models(recipe, train_tokens, llama_config(recipe, "target", vocab, ids),
+                          llama_config(recipe, "draft", vocab, ids), work)
+    export_pair(models, wrap_fast(tok, recipe.seq_len), out)
+    prompts = corpus.sample_snippets(corpus.read_sources(split.heldout), recipe.shipped_prompts,
+                                     recipe.prompt_chars, recipe.seed)
+    (out / "prompts.json").write_text(json.dumps(prompts, indent=1))
+    report = {"recipe": dataclasses.asdict(recipe), "files": {"train": len(split.train), "heldout": len(split.heldout)},
+              "tokens": {"train": len(train_tokens), "heldout": len(heldout_tokens)},
+              "params": {r: count_params(models[r]) for r in ("target", "draft")},
+              "steps": {r: models[f"{r}_steps"] for r in ("target", "draft")}}
+    report |= measure(recipe, out, heldout_tokens, prompts)
+    report["build_minutes"] = (time.monotonic() - started) / 60
+    (out / "build_info.json").write_text(json.dumps(report, indent=1))
+    return report

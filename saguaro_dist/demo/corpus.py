@@ -1,0 +1,102 @@
+"""The demo corpus: the Python standard library's own source files, split by file."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Test suites, vendored packages and data-table modules (encodings, pydoc topics) are not the
+# code a newcomer prompts with; they would only dilute the tiny training budget.
+EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
+                           "__pycache__", "pydoc_data", "encodings"})
+MAX_FILE_BYTES = 256_000
+
+
+@dataclass(frozen=True)
+class CorpusSplit:
+    root: Path
+    train: tuple[Path, ...]
+    heldout: tuple[Path, ...]
+
+
+def stdlib_root() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def list_sources(root: Path) -> list[Path]:
+    """All eligible .py files under root, sorted by their relative POSIX path."""
+    if not root.is_dir():
+        raise ValueError(f"corpus root {root} is not a directory")
+    files = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
+            continue
+        if path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_heldout(rel_path: str, heldout_percent: int) -> bool:
+    # A hash of the path, not a random draw: a file's side never depends on which other files exist.
+    digest = hashlib.sha256(rel_path.encode("utf-8")).hexdigest()
+    return int(digest[:8], 16) % 100 < heldout_percent
+
+
+def split_corpus(root: Path | None = None, heldout_percent: int = 5, max_files: int | None = None) -> CorpusSplit:
+    root = Path(root) if root is not None else stdlib_root()
+    files = list_sources(root)
+    if max_files is not None:
+        files = files[:max_files]
+    if len(files) < 2:
+        raise ValueError(f"corpus root {root} has {len(files)} usable .py files; need at least 2")
+    train, heldout = [], []
+    for path in files:
+        (heldout if is_heldout(path.relative_to(root).as_posix(), heldout_percent) else train).append(path)
+    # Tiny corpora (tests) may land on one side only; move the last file so both sides exist.
+    if not heldout:
+        heldout.append(train.pop())
+    elif not train:
+        train.append(heldout.pop())
+    log.info("corpus %s: %d train files, %d held-out files", root, len(train), len(heldout))
+    return CorpusSplit(root, tuple(train), tuple(heldout))
+
+
+def read_source(path: Path) -> str | None:
+    """The file's text, or None when it is not UTF-8 (a few stdlib files are latin-1 on purpose)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def read_sources(paths) -> list[str]:
+    texts = [read_source(p) for p in paths]
+    return [t for t in texts if t and t.strip()]
+
+
+def sample_snippets(texts: list[str], n: int, max_chars: int, seed: int) -> list[str]:
+    """n deterministic snippets: whole lines, ending at a line boundary inside a file, <= max_chars."""
+    rng = random.Random(seed)
+    snippets: list[str] = []
+    candidates = [t.splitlines(keepends=True) for t in texts]
+    candidates = [lines for lines in candidates if len(lines) >= 8]
+    if not candidates:
+        raise ValueError("no held-out file has enough lines for a prompt")
+    while len(snippets) < n:
+        lines = candidates[rng.randrange(len(candidates))]
+        end = rng.randrange(4, len(lines))
+        start, size = end, 0
+        while start > 0 and size + len(lines[start - 1]) <= max_chars:
+            start -= 1
+            size += len(lines[start])
+        text = "".join(lines[start:end])
+        if text.strip():
+            snippets.append(text)
+    return snippets

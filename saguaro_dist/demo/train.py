@@ -1,0 +1,135 @@
+"""Training loops: the target on next-token CE, the draft distilled from the target's logits.
+
+Both loops are resumable: the model, optimiser and step are checkpointed every few minutes, and
+the batch of step s is drawn from a generator seeded by (seed, role, s), so a resumed run sees
+exactly the batches an uninterrupted one would.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+CALIBRATION_STEPS = 5  # steps timed to turn a minutes budget into a step count
+
+
+@dataclass
+class LoopSpec:
+    """What one training loop needs besides the model (internal to the recipe, not a config)."""
+    role: str
+    ckpt: Path
+    total_steps: int | None
+    budget_s: float | None
+    lr: float
+    warmup: int
+    weight_decay: float
+    checkpoint_s: float
+    seed: int
+    fingerprint: dict
+
+
+def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - seq_len - 1, (batch_size,), generator=gen)
+    return torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()]).long()
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def target_loss(model, batch: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+def distill_loss(teacher, ce_weight: float, temperature: float) -> Callable:
+    """KL(teacher || student) on the teacher's logits, mixed with a little CE on the real text."""
+    def loss_fn(student, batch: torch.Tensor) -> torch.Tensor:
+        inputs = batch[:, :-1]
+        with torch.no_grad():
+            teacher_logp = F.log_softmax(teacher(input_ids=inputs).logits.float() / temperature, -1)
+        logits = student(input_ids=inputs).logits.float()
+        student_logp = F.log_softmax(logits / temperature, -1)
+        kl = F.kl_div(student_logp.flatten(0, 1), teacher_logp.flatten(0, 1), log_target=True,
+                      reduction="batchmean") * temperature ** 2
+        ce = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        return (1 - ce_weight) * kl + ce_weight * ce
+    return loss_fn
+
+
+def save_checkpoint(spec: LoopSpec, model, opt, step: int, total: int | None) -> None:
+    tmp = spec.ckpt.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
+                "total_steps": total, "fingerprint": spec.fingerprint}, tmp)
+    os.replace(tmp, spec.ckpt)  # atomic: a kill mid-save never leaves a torn checkpoint
+
+
+def load_checkpoint(spec: LoopSpec, model, opt) -> tuple[int, int | None]:
+    if not spec.ckpt.exists():
+        return 0, spec.total_steps
+    state = torch.load(spec.ckpt, map_location="cpu", weights_only=False)
+    if state["fingerprint"] != spec.fingerprint:
+        raise ValueError(f"{spec.ckpt} was written by a different recipe; delete it or build without --resume")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    log.info("%s: resuming at step %d", spec.role, state["step"])
+    return state["step"], state["total_steps"]
+
+
+def calibrated_total(spec: LoopSpec, step_times: list[float]) -> int:
+    per_step = sorted(step_times)[len(step_times) // 2]
+    total = max(spec.warmup + 1, int(spec.budget_s / per_step))
+    log.info("%s: %.2fs/step -> %d steps in %.1f min", spec.role, per_step, total, spec.budget_s / 60)
+    return total
+
+
+def make_optimizer(model, spec: LoopSpec) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
+
+
+def run_loop(model, loss_fn: Callable, batches: Callable[[int], torch.Tensor], spec: LoopSpec) -> int:
+    """Train until total_steps (fixed, or calibrated from budget_s); returns the steps run."""
+    from tqdm.auto import tqdm
+
+    opt = make_optimizer(model, spec)
+    step, total = load_checkpoint(spec, model, opt)
+    model.train()
+    times: list[float] = []
+    last_save = time.monotonic()
+    bar = tqdm(initial=step, total=total, desc=f"train {spec.role}", unit="step")
+    while total is None or step < total:
+        started = time.monotonic()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total or 10**9, spec.lr, spec.warmup)
+        loss = loss_fn(model, batches(step))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        times.append(time.monotonic() - started)
+        if total is None and len(times) == CALIBRATION_STEPS:
+            total = bar.total = calibrated_total(spec, times)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        if time.monotonic() - last_save > spec.checkpoint_s:
+            save_checkpoint(spec, model, opt, step, total)
+            last_save = time.monotonic()
+    bar.close()
+    save_checkpoint(spec, model, opt, step, total)
+    model.eval()
+    return step
