@@ -1,0 +1,128 @@
+"""What the sync and async clients share: URLs, payloads, retry policy, SSE parsing, results."""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+from saguaro_dist.client.errors import APIStatusError, status_error
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+DONE = object()  # the `data: [DONE]` sentinel
+
+
+def api_root(base_url: str) -> str:
+    """Accept "http://host:8000" as well as the OpenAI-style "http://host:8000/v1"."""
+    root = base_url.rstrip("/")
+    return root if root.endswith("/v1") else root + "/v1"
+
+
+def server_root(base_url: str) -> str:
+    return api_root(base_url).removesuffix("/v1")
+
+
+def auth_headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter on connection errors and 408/429/5xx; Retry-After wins."""
+
+    max_retries: int = 2
+    backoff_s: float = 0.5
+    max_backoff_s: float = 8.0
+
+    def delay(self, attempt: int, retry_after: str | None = None) -> float:
+        if retry_after:
+            try:
+                return min(float(retry_after), self.max_backoff_s)
+            except ValueError:
+                pass  # an HTTP date: fall back to our own schedule
+        base = min(self.backoff_s * (2 ** attempt), self.max_backoff_s)
+        return base * random.uniform(0.5, 1.0)  # jitter: retrying clients do not stampede together
+
+
+def sampling_fields(model: str | None, max_tokens, temperature, top_p, top_k, stop, seed, extra: dict) -> dict:
+    """Only what the caller set, so a server's own defaults apply to the rest."""
+    fields = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+              "top_k": top_k, "stop": stop, "seed": seed}
+    return {**{k: v for k, v in fields.items() if v is not None}, **extra}
+
+
+def chat_messages(messages) -> list[dict]:
+    """A plain string is one user message; otherwise OpenAI message dicts."""
+    if isinstance(messages, str):
+        return [{"role": "user", "content": messages}]
+    return [dict(m) for m in messages]
+
+
+def response_body(content: bytes):
+    try:
+        return json.loads(content)
+    except ValueError:
+        return content.decode(errors="replace")
+
+
+@dataclass
+class Completion:
+    """A finished completion or chat completion."""
+
+    text: str
+    finish_reason: str | None
+    model: str | None = None
+    id: str | None = None
+    usage: dict | None = None
+    speculation: dict | None = None  # saguaro servers' speculation stats; None elsewhere
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_body(cls, body: dict) -> "Completion":
+        choice = (body.get("choices") or [{}])[0]
+        text = choice.get("message", {}).get("content") if "message" in choice else choice.get("text")
+        return cls(text or "", choice.get("finish_reason"), body.get("model"), body.get("id"),
+                   body.get("usage"), body.get("speculation"), body)
+
+
+class StreamAccumulator:
+    """Parses SSE lines into text deltas and remembers the final chunk's facts."""
+
+    def __init__(self):
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+        self.speculation: dict | None = None
+        self.model: str | None = None
+        self.id: str | None = None
+
+    def feed(self, line: str):
+        """The text delta in `line` (possibly ""), DONE at the end, or None for non-data lines."""
+        if not line.startswith("data:"):
+            return None
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return DONE
+        chunk = json.loads(data)
+        if "error" in chunk:
+            err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
+            raise status_error(_stream_error_status(err), chunk)
+        return self._take(chunk)
+
+    def _take(self, chunk: dict) -> str:
+        self.model, self.id = chunk.get("model", self.model), chunk.get("id", self.id)
+        self.usage = chunk.get("usage") or self.usage
+        self.speculation = chunk.get("speculation") or self.speculation
+        text = ""
+        for choice in chunk.get("choices") or []:
+            text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+        return text
+
+
+def _stream_error_status(err: dict) -> int:
+    """Headers were already sent with 200: the status travels in the error's code, when numeric."""
+    if isinstance(err.get("code"), int):
+        return err["code"]
+    return 400 if err.get("type") == "invalid_request_error" else 500
+
+
+__all__ = ["APIStatusError", "Completion", "RetryPolicy", "StreamAccumulator"]

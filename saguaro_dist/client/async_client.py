@@ -1,0 +1,115 @@
+"""Asyncio client, the same API as `Client` with awaitables and async iterators."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from saguaro_dist.client import _common as common
+from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator
+from saguaro_dist.client.client import _retriable
+from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
+
+
+class AsyncStream:
+    """`async for` over text deltas; afterwards `finish_reason`, `usage`, `speculation`."""
+
+    def __init__(self, response: httpx.Response):
+        self._response = response
+        self._acc = StreamAccumulator()
+
+    async def __aiter__(self):
+        try:
+            async for line in self._response.aiter_lines():
+                text = self._acc.feed(line)
+                if text is DONE:
+                    break
+                if text:
+                    yield text
+        except httpx.TransportError as err:
+            raise APIConnectionError(f"the stream broke: {err}") from err
+        finally:
+            await self.aclose()
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # never recurse while half-built
+            raise AttributeError(name)
+        return getattr(self._acc, name)
+
+    async def aclose(self) -> None:
+        await self._response.aclose()  # closing early tells a saguaro server to stop generating
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()
+
+
+class AsyncClient:
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
+                 model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
+        self.model = model
+        self._root = common.api_root(base_url)
+        self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
+        self._http = httpx.AsyncClient(timeout=timeout, headers=common.auth_headers(api_key))
+
+    async def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
+                       stop=None, seed=None, stream: bool = False, **extra) -> Completion | AsyncStream:
+        body = {"prompt": prompt, **common.sampling_fields(model or self.model, max_tokens, temperature, top_p,
+                                                          top_k, stop, seed, extra)}
+        return await self._generate("/completions", body, stream)
+
+    async def chat(self, messages, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
+                   stop=None, seed=None, stream: bool = False, **extra) -> Completion | AsyncStream:
+        body = {"messages": common.chat_messages(messages),
+                **common.sampling_fields(model or self.model, max_tokens, temperature, top_p, top_k, stop, seed,
+                                         extra)}
+        return await self._generate("/chat/completions", body, stream)
+
+    async def models(self) -> list[str]:
+        return [m["id"] for m in (await self._send("GET", self._root + "/models")).json()["data"]]
+
+    async def health(self) -> bool:
+        try:
+            return (await self._http.get(common.server_root(self._root) + "/health")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def _generate(self, path: str, body: dict, stream: bool) -> Completion | AsyncStream:
+        if stream:
+            return AsyncStream(await self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
+        return Completion.from_body((await self._send("POST", self._root + path, body)).json())
+
+    async def _send(self, method: str, url: str, body: dict | None = None, stream: bool = False) -> httpx.Response:
+        for attempt in range(self._retry.max_retries + 1):
+            response, error, retry_after = await self._attempt(method, url, body, stream)
+            if response is not None:
+                return response
+            if attempt == self._retry.max_retries or not _retriable(error):
+                raise error
+            await asyncio.sleep(self._retry.delay(attempt, retry_after))
+        raise AssertionError("unreachable")
+
+    async def _attempt(self, method, url, body, stream):
+        try:
+            response = await self._http.send(self._http.build_request(method, url, json=body), stream=stream)
+        except httpx.TimeoutException as err:
+            return None, APITimeoutError(f"{method} {url} timed out: {err}"), None
+        except httpx.TransportError as err:
+            return None, APIConnectionError(f"cannot reach {url}: {err}"), None
+        if response.status_code < 400:
+            return response, None, None
+        content = await response.aread()
+        await response.aclose()
+        return None, status_error(response.status_code, common.response_body(content)), response.headers.get(
+            "retry-after")
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()

@@ -1,0 +1,125 @@
+"""Blocking client for saguaro servers and any OpenAI-compatible server."""
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from saguaro_dist.client import _common as common
+from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator
+from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
+
+
+class Stream:
+    """Iterates text deltas; afterwards `finish_reason`, `usage` and `speculation` hold the final chunk's."""
+
+    def __init__(self, response: httpx.Response):
+        self._response = response
+        self._acc = StreamAccumulator()
+
+    def __iter__(self):
+        try:
+            for line in self._response.iter_lines():
+                text = self._acc.feed(line)
+                if text is DONE:
+                    break
+                if text:
+                    yield text
+        except httpx.TransportError as err:
+            raise APIConnectionError(f"the stream broke: {err}") from err
+        finally:
+            self.close()
+
+    def __getattr__(self, name):
+        if name.startswith("_"):  # never recurse while half-built
+            raise AttributeError(name)
+        return getattr(self._acc, name)  # finish_reason, usage, speculation, model, id
+
+    def close(self) -> None:
+        self._response.close()  # closing early tells a saguaro server to stop generating
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class Client:
+    """`Client("http://127.0.0.1:8000", api_key=...)`; `complete()`, `chat()`, `stream=True` for deltas."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
+                 model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
+        self.model = model
+        self._root = common.api_root(base_url)
+        self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
+        self._http = httpx.Client(timeout=timeout, headers=common.auth_headers(api_key))
+
+    def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
+                 stop=None, seed=None, stream: bool = False, **extra) -> Completion | Stream:
+        """A text completion (`/v1/completions`); extra keyword arguments go into the request body."""
+        body = {"prompt": prompt, **common.sampling_fields(model or self.model, max_tokens, temperature, top_p,
+                                                          top_k, stop, seed, extra)}
+        return self._generate("/completions", body, stream)
+
+    def chat(self, messages, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
+             stop=None, seed=None, stream: bool = False, **extra) -> Completion | Stream:
+        """A chat completion; `messages` is OpenAI's list of {"role", "content"} or one user string."""
+        body = {"messages": common.chat_messages(messages),
+                **common.sampling_fields(model or self.model, max_tokens, temperature, top_p, top_k, stop, seed,
+                                         extra)}
+        return self._generate("/chat/completions", body, stream)
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._send("GET", self._root + "/models").json()["data"]]
+
+    def health(self) -> bool:
+        try:
+            return self._http.get(common.server_root(self._root) + "/health").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def _generate(self, path: str, body: dict, stream: bool) -> Completion | Stream:
+        if stream:
+            return Stream(self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
+        return Completion.from_body(self._send("POST", self._root + path, body).json())
+
+    def _send(self, method: str, url: str, body: dict | None = None, stream: bool = False) -> httpx.Response:
+        for attempt in range(self._retry.max_retries + 1):
+            response, error, retry_after = self._attempt(method, url, body, stream)
+            if response is not None:
+                return response
+            if attempt == self._retry.max_retries or not _retriable(error):
+                raise error
+            time.sleep(self._retry.delay(attempt, retry_after))
+        raise AssertionError("unreachable")
+
+    def _attempt(self, method, url, body, stream):
+        """(response, None, None) on success, else (None, error, Retry-After)."""
+        try:
+            response = self._http.send(self._http.build_request(method, url, json=body), stream=stream)
+        except httpx.TimeoutException as err:
+            return None, APITimeoutError(f"{method} {url} timed out: {err}"), None
+        except httpx.TransportError as err:
+            return None, APIConnectionError(f"cannot reach {url}: {err}"), None
+        if response.status_code < 400:
+            return response, None, None
+        content = response.read()
+        response.close()
+        return None, status_error(response.status_code, common.response_body(content)), response.headers.get(
+            "retry-after")
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _retriable(error: Exception) -> bool:
+    if isinstance(error, APIConnectionError):
+        return True
+    return getattr(error, "status_code", None) in common.RETRY_STATUSES

@@ -1,0 +1,72 @@
+"""Typed errors: each carries the server's message, HTTP status and the OpenAI error fields."""
+from __future__ import annotations
+
+
+class SaguaroError(Exception):
+    """Base of every error the client raises."""
+
+
+class APIConnectionError(SaguaroError):
+    """The server could not be reached (after retries)."""
+
+
+class APITimeoutError(APIConnectionError):
+    """The request timed out (after retries)."""
+
+
+class APIStatusError(SaguaroError):
+    """The server answered with an error status (or an error event inside a stream)."""
+
+    def __init__(self, status_code: int, message: str, *, type: str | None = None, param: str | None = None,
+                 code=None, body=None):
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.body = body
+
+
+class BadRequestError(APIStatusError):
+    pass
+
+
+class AuthenticationError(APIStatusError):
+    pass
+
+
+class PermissionDeniedError(APIStatusError):
+    pass
+
+
+class NotFoundError(APIStatusError):
+    pass
+
+
+class RequestTooLargeError(APIStatusError):
+    pass
+
+
+class RateLimitError(APIStatusError):
+    pass
+
+
+class InternalServerError(APIStatusError):
+    pass
+
+
+_BY_STATUS = {400: BadRequestError, 401: AuthenticationError, 403: PermissionDeniedError, 404: NotFoundError,
+              413: RequestTooLargeError, 422: BadRequestError, 429: RateLimitError}
+
+
+def status_error(status_code: int, body) -> APIStatusError:
+    """The typed error for a status and a (possibly non-JSON) error body."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        message, fields = str(error.get("message", "")), error
+    else:
+        message, fields = (str(error or body) if body else f"HTTP {status_code}"), {}
+    cls = InternalServerError if status_code >= 500 else _BY_STATUS.get(status_code, APIStatusError)
+    return cls(status_code, message, type=fields.get("type"), param=fields.get("param"), code=fields.get("code"),
+               body=body)
