@@ -7,6 +7,7 @@ import sys
 from saguaro_dist.deploy import k8s
 
 DEFAULTS = k8s.K8sSettings()
+BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
 
 
 def register(subparsers) -> None:
@@ -52,8 +53,9 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", choices=["rayservice", "raycluster"], default="rayservice",
-                        help="raycluster: the same cluster without Serve, for batch jobs")
+    parser.add_argument("--kind", choices=sorted(BUILDERS), default="rayservice",
+                        help="raycluster: the same cluster without Serve, for batch jobs; "
+                             "serve-config: the Serve config alone, for `serve deploy` on a VM cluster")
     parser.add_argument("--service-monitor", action="store_true",
                         help="also write the metrics Service and a prometheus-operator ServiceMonitor")
 
@@ -75,7 +77,7 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
 
 def manifests(args: argparse.Namespace) -> list[dict]:
     settings = settings_from_args(args)
-    docs = [k8s.rayservice(settings) if args.kind == "rayservice" else k8s.raycluster(settings)]
+    docs = [BUILDERS[args.kind](settings)]
     if args.service_monitor:
         docs += [k8s.metrics_service(settings), k8s.service_monitor(settings)]
     return docs
