@@ -1,0 +1,104 @@
+"""Fan-out allocation (Theorem 12), rounding to the budget, caps, and branch selection."""
+import itertools
+
+import pytest
+import torch
+
+from saguaro_dist.config import FanOut
+from saguaro_dist.spec import geometric_fanout, resolve_fanout, round_to_budget, select_branches, uniform_fanout
+
+torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("budget, k, a, r", list(itertools.product([8, 12, 21, 64, 500], [1, 4, 7],
+                                                                   [0.0, 0.3, 0.8, 0.95, 1.0], [0.0, 0.5, 2.0])))
+def test_geometric_shape_budget_and_monotonicity(budget, k, a, r):
+    if budget < k + 1:
+        pytest.skip("budget below one branch per position")
+    f = geometric_fanout(budget, k, a, r)
+    assert len(f) == k + 1 and sum(f) == budget and min(f) >= 1
+    assert all(x >= y for x, y in zip(f[:k], f[1:k]))  # non-increasing over the rejection positions
+
+
+def test_geometric_follows_theorem_12_for_a_large_budget():
+    a, r, k, budget = 0.7, 0.5, 5, 100_000
+    f = geometric_fanout(budget, k, a, r)
+    e = 1 / (1 + r)
+    for j in range(1, k):
+        assert f[j] / f[0] == pytest.approx(a ** (j * e), rel=1e-3)
+    assert f[k] / f[0] == pytest.approx(a ** (k * e) * (1 - a) ** (-e), rel=1e-3)
+
+
+def test_geometric_favours_the_all_accepted_position_when_acceptance_is_high():
+    f = geometric_fanout(24, 4, 0.95, 0.5)
+    assert f[-1] == max(f)
+    assert geometric_fanout(24, 4, 0.2, 0.5)[0] == max(geometric_fanout(24, 4, 0.2, 0.5))
+
+
+def test_uniform_fanout():
+    assert uniform_fanout(12, 3) == [3, 3, 3, 3]
+    assert uniform_fanout(14, 3) == [4, 4, 3, 3]
+    assert sum(uniform_fanout(100, 6)) == 100
+
+
+def test_round_to_budget_largest_remainder_and_caps():
+    assert round_to_budget([2.6, 2.3, 1.1], 6) == [3, 2, 1]
+    assert round_to_budget([0.2, 0.2, 5.6], 6) == [1, 1, 4]   # the minimum of one costs the big one
+    assert round_to_budget([5.0, 5.0, 2.0], 12, caps=[3, 3, 10]) == [3, 3, 6]
+    assert round_to_budget([5.0, 5.0], 12, caps=[3, 3]) == [3, 3]  # the caps cannot hold the budget
+    with pytest.raises(ValueError):
+        round_to_budget([1.0, 1.0, 1.0], 2)
+
+
+def test_resolve_explicit_list_overrides_and_caps():
+    assert resolve_fanout(FanOut.GEOMETRIC, (1, 2, 3), 2, 0.8, 0.5, 100) == [1, 2, 3]
+    assert resolve_fanout("uniform", [9, 9, 9], 2, 0.8, 0.5, 5) == [4, 4, 5]
+    with pytest.raises(ValueError):
+        resolve_fanout(FanOut.UNIFORM, [1, 2], 2, 0.8, 0.5, 100)
+
+
+def test_resolve_budget_by_kind_within_vocab():
+    assert resolve_fanout(FanOut.UNIFORM, 12, 3, 0.8, 0.5, 1000) == [3, 3, 3, 3]
+    assert resolve_fanout(FanOut.GEOMETRIC, 12, 3, 0.8, 0.5, 1000) == geometric_fanout(12, 3, 0.8, 0.5)
+    small = resolve_fanout(FanOut.GEOMETRIC, 40, 3, 0.8, 0.5, 4)
+    assert small == [3, 3, 3, 4]  # every candidate there is, and no more
+
+
+# ---- branch selection -------------------------------------------------------------------------------
+
+def test_branches_exclude_the_drafted_token():
+    probs = torch.tensor([[[0.5, 0.3, 0.15, 0.05],    # x_1 = 0 drafted here
+                           [0.1, 0.2, 0.3, 0.4],      # x_2 = 2
+                           [0.25, 0.35, 0.3, 0.1]]])  # the all-accepted position
+    out = select_branches(probs, torch.tensor([[0, 2]]), [2, 3, 2])
+    assert out.accepted.tolist() == [[0, 0, 1, 1, 1, 2, 2]]
+    assert out.bonus.tolist() == [[1, 2, 3, 1, 0, 1, 2]]
+    assert probs[0, 0, 0] == 0.5  # the input is not modified
+
+
+def test_branches_random_batch_shapes_and_exclusion():
+    gen = torch.Generator().manual_seed(0)
+    b, k, v = 6, 4, 9
+    probs = torch.softmax(torch.randn(b, k + 1, v, generator=gen), dim=-1)
+    tokens = torch.randint(v, (b, k), generator=gen)
+    fanout = [8, 5, 3, 2, 9]
+    out = select_branches(probs, tokens, fanout)
+    assert out.accepted.shape == out.bonus.shape == (b, sum(fanout))
+    for row in range(b):
+        pairs = list(zip(out.accepted[row].tolist(), out.bonus[row].tolist()))
+        assert len(set(pairs)) == len(pairs)
+        for j, t in pairs:
+            assert j == k or t != tokens[row, j]
+        assert sorted(t for j, t in pairs if j == k) == list(range(v))
+        # the top candidate at position 0 is the likeliest non-drafted token
+        masked = probs[row, 0].clone()
+        masked[tokens[row, 0]] = -1
+        assert pairs[0] == (0, int(masked.argmax()))
+
+
+def test_branches_reject_impossible_fanout():
+    probs = torch.ones(1, 3, 4) / 4
+    with pytest.raises(ValueError):
+        select_branches(probs, torch.tensor([[0, 1]]), [4, 1, 1])  # only 3 non-drafted tokens
+    with pytest.raises(ValueError):
+        select_branches(probs, torch.tensor([[0, 1]]), [1, 1])

@@ -1,0 +1,97 @@
+"""SpecStats: online a, r, hit rate, tokens per round, times, and what they feed."""
+import pytest
+import torch
+
+from saguaro_dist.config import FanOut
+from saguaro_dist.spec import ProposalSource, SpecStats, Timing, critical_batch_size, geometric_fanout
+from saguaro_dist.spec.stats import acceptance_counts, fit_miss_exponent
+
+torch.set_num_threads(1)
+
+
+def _geometric_rounds(a, k, n, seed):
+    """k* of n rounds with i.i.d. per-token acceptance a: leading successes, capped at K."""
+    gen = torch.Generator().manual_seed(seed)
+    accept = torch.rand(n, k, generator=gen) < a
+    return accept.to(torch.int64).cumprod(-1).sum(-1)
+
+
+def test_defaults_before_data():
+    s = SpecStats(k=4)
+    assert (s.accept_rate, s.r, s.hit_rate) == (0.7, 0.5, 0.5)
+    assert s.tokens_per_round(ProposalSource.FAST) == 1.0
+    assert s.tokens_per_round(ProposalSource.CACHE) == pytest.approx((1 - 0.7 ** 5) / 0.3)
+    assert s.time(Timing.VERIFY) is None and s.relative_time(Timing.DRAFT) is None
+    assert s.critical_batch_size() == 1024  # neural until its cost is measured
+
+
+def test_acceptance_rate_is_the_unbiased_per_token_estimate():
+    accepted = _geometric_rounds(0.6, 4, 20000, 0)
+    successes, trials = acceptance_counts(accepted, 4)
+    assert successes / trials == pytest.approx(0.6, abs=0.01)
+    assert float(accepted.float().mean()) / 4 < 0.45  # the naive accepted/drafted is far lower
+    s = SpecStats(k=4, decay=1.0)
+    for chunk in accepted.split(500):
+        s.record_verify(chunk, ProposalSource.NEURAL)
+    assert s.accept_rate == pytest.approx(0.6, abs=0.01)
+    assert s.mean_accepted(ProposalSource.NEURAL) == pytest.approx(float(accepted.float().mean()))
+
+
+def test_fast_rounds_do_not_move_the_primary_acceptance_rate():
+    s = SpecStats(k=4, decay=1.0)
+    s.record_verify([4, 4, 4, 3], ProposalSource.CACHE)
+    s.record_verify([0, 0, 0, 0, 0], ProposalSource.FAST)
+    assert s.accept_rate == pytest.approx(15 / 16)
+    assert s.tokens_per_round(ProposalSource.FAST) == 1.0
+    assert s.tokens_per_round(ProposalSource.CACHE) == pytest.approx(4.75)
+
+
+def test_miss_exponent_fit_recovers_a_power_law():
+    fanouts = [2, 4, 8, 16]
+    misses = [f ** -0.7 for f in fanouts]
+    assert fit_miss_exponent(fanouts, [m * 1000 for m in misses], [1000] * 4) == pytest.approx(0.7)
+    assert fit_miss_exponent([1, 1], [3, 4], [10, 10]) is None
+
+
+def test_stats_estimates_r_and_hit_rate_from_lookups():
+    gen = torch.Generator().manual_seed(1)
+    s = SpecStats(k=3, decay=1.0)
+    fanouts = torch.tensor([1, 2, 4, 8])[torch.randint(4, (20000,), generator=gen)]
+    hits = torch.rand(20000, generator=gen) >= fanouts.double() ** -0.8
+    assert s.r == 0.5
+    for f, h in zip(fanouts.split(1000), hits.split(1000)):
+        s.record_lookups(f.tolist(), h.tolist())
+    assert s.r == pytest.approx(0.8, abs=0.05)
+    assert s.hit_rate == pytest.approx(float(hits.double().mean()))
+
+
+def test_r_needs_enough_informative_lookups():
+    s = SpecStats(k=3, min_lookups=32)
+    s.record_lookups([1] * 100, [False] * 100)  # F = 1 says nothing about the exponent
+    s.record_lookups([4] * 10, [True] * 10)
+    assert s.r == 0.5
+
+
+def test_times_feed_the_critical_batch_size_and_fanout():
+    s = SpecStats(k=4, decay=1.0)
+    for t in (0.1, 0.3):
+        s.record_time(Timing.VERIFY, t)
+    s.record_time(Timing.NEURAL_BACKUP, 0.01)
+    assert s.time(Timing.VERIFY) == pytest.approx(0.2)
+    assert s.relative_time(Timing.NEURAL_BACKUP) == pytest.approx(0.05)
+    s.record_verify([4, 3, 4], ProposalSource.CACHE)
+    s.record_verify([2], ProposalSource.NEURAL)
+    s.record_verify([0, 1], ProposalSource.FAST)
+    s.record_lookups([3, 3, 3, 3], [True, True, True, False])
+    want = critical_batch_size(0.75, 14 / 3, 3.0, 1.5, 0.05)
+    assert s.critical_batch_size() == want
+    assert s.fanout(FanOut.GEOMETRIC, 20, 1000) == geometric_fanout(20, 4, s.accept_rate, s.r)
+
+
+def test_decay_tracks_drift():
+    s = SpecStats(k=4, decay=0.5)
+    for _ in range(20):
+        s.record_verify([0] * 8, ProposalSource.NEURAL)
+    for _ in range(20):
+        s.record_verify([4] * 8, ProposalSource.NEURAL)
+    assert s.accept_rate > 0.99
