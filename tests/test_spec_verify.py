@@ -91,3 +91,15 @@ def test_shape_check_and_emitted_tokens():
         verify(torch.ones(1, 2, 4) / 4, torch.tensor([[0, 1]]), None)
     result = VerifyResult(accepted=torch.tensor([0, 2, 1]), bonus=torch.tensor([9, 8, 7]))
     assert emitted_tokens(torch.tensor([[1, 2], [3, 4], [5, 6]]), result) == [[9], [3, 4, 8], [5, 7]]
+
+
+def test_greedy_target_with_sampled_draft_emits_the_argmax_chain():
+    gen = torch.Generator().manual_seed(2)
+    b, chain = 500, [2, 4, 1]
+    target = _greedy_target(chain).expand(b, -1, -1)
+    q = torch.softmax(torch.randn(b, 2, V, generator=gen), dim=-1)
+    tokens = torch.multinomial(q.reshape(-1, V), 1, generator=gen).reshape(b, 2)
+    out = verify(target, tokens, q, [torch.Generator().manual_seed(i) for i in range(b)])
+    for emitted in emitted_tokens(tokens, out):
+        assert emitted == chain[:len(emitted)]
+    assert set(out.accepted.tolist()) == {0, 1, 2}
