@@ -132,3 +132,24 @@ def validate_object(obj: dict, crd_dir: Path | None) -> None:
         validate_service_monitor(obj)
     else:
         validate_builtin(obj)
+
+
+# Labels only the Helm chart sets (it knows its chart version and that Helm manages the release);
+# the generator says `managed-by: saguaro` instead. Every other field must be equal.
+HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
+
+
+def comparable(obj, extra_labels: tuple[str, ...] = ()):
+    """obj with serveConfigV2 parsed (YAML layout is free) and the Helm-only labels dropped."""
+    if isinstance(obj, list):
+        return [comparable(item, extra_labels) for item in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {}
+    for key, value in obj.items():
+        if key == "serveConfigV2":
+            value = load_yaml(value)
+        elif key == "labels" and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if k not in HELM_ONLY_LABELS + extra_labels}
+        out[key] = comparable(value, extra_labels)
+    return out
