@@ -126,3 +126,11 @@ def test_one_hot_probs():
     q = one_hot_probs(torch.tensor([[1, 0]]), 3)
     assert q.shape == (1, 2, 3) and q.dtype == torch.float32
     assert math.isclose(float(q.sum()), 2.0)
+
+
+def test_rows_sharing_a_generator_take_consecutive_draws():
+    g = torch.Generator().manual_seed(4)
+    u = row_uniforms([g, None, g], 3, 2)
+    want = torch.rand((2, 2), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert torch.equal(u[[0, 2]], want)
+    assert not torch.equal(u[0], u[2])

@@ -111,17 +111,18 @@ def saguaro_probs(probs: torch.Tensor, top_f, c: float) -> torch.Tensor:
 
 def row_uniforms(generators: Generators, n: int, m: int, device=None) -> torch.Tensor:
     """[n, m] float64 uniforms in [0, 1); row i comes from generators[i] alone (None: the default
-    generator of `device`), so a seeded row draws the same numbers whatever else is in the batch."""
+    generator of `device`), so a seeded row draws the same numbers whatever else is in the batch.
+    Rows sharing one generator object (a sequence's branches) take consecutive draws in row order."""
     gens = list(generators) if generators is not None else [None] * n
     if len(gens) != n:
         raise ValueError(f"need one generator (or None) per row: {n} rows, {len(gens)} generators")
-    out = torch.empty((n, m), dtype=torch.float64, device=device)
-    default_rows = [i for i, g in enumerate(gens) if g is None]
-    if default_rows:
-        out[default_rows] = torch.rand((len(default_rows), m), dtype=torch.float64, device=device)
+    groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for i, g in enumerate(gens):
-        if g is not None:
-            out[i] = torch.rand(m, generator=g, dtype=torch.float64, device=g.device).to(device)
+        groups.setdefault(id(g), (g, []))[1].append(i)
+    out = torch.empty((n, m), dtype=torch.float64, device=device)
+    for g, rows in groups.values():
+        gen_device = g.device if g is not None else device
+        out[rows] = torch.rand((len(rows), m), generator=g, dtype=torch.float64, device=gen_device).to(device)
     return out
 
 
