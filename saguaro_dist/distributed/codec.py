@@ -1,0 +1,335 @@
+"""Pure conversions between engine/messages.py dataclasses and their saguaro.v1 protobuf messages.
+
+`*_to_proto` never fails on a well-formed dataclass; `*_from_proto` validates what it reads and raises
+CodecError (a ValueError) on anything malformed, which the DraftService answers with INVALID_ARGUMENT.
+
+Proposal distributions travel in the cheapest exact form: nothing for None (one-hot), sparse
+(ids + probs of the support) when the draft's q was truncated (top-k / top-p) so that is smaller,
+dense bytes otherwise. Every float crosses bit for bit.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb
+from saguaro_dist.engine.messages import (
+    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+)
+
+__all__ = [
+    "CodecError",
+    "tensor_to_proto", "tensor_from_proto",
+    "sampling_to_proto", "sampling_from_proto",
+    "proposal_to_proto", "proposal_from_proto",
+    "prefill_to_proto", "prefill_from_proto",
+    "jit_request_to_proto", "jit_request_from_proto",
+    "outcome_to_proto", "outcome_from_proto",
+    "branch_to_proto", "branch_from_proto",
+    "tree_to_proto", "tree_from_proto",
+    "release_to_proto", "release_from_proto",
+    "prefill_batch_to_proto", "prefill_batch_from_proto",
+    "jit_batch_to_proto", "jit_batch_from_proto",
+    "proposal_batch_to_proto", "proposal_batch_from_proto",
+    "outcome_batch_to_proto", "outcome_batch_from_proto",
+    "tree_batch_to_proto", "tree_batch_from_proto",
+    "release_batch_to_proto", "release_batch_from_proto",
+]
+
+
+class CodecError(ValueError):
+    """A protobuf message that does not describe a valid protocol message."""
+
+
+_DT = pb.Tensor.DType
+_DTYPES = {
+    torch.float32: _DT.FLOAT32, torch.float16: _DT.FLOAT16, torch.bfloat16: _DT.BFLOAT16,
+    torch.float64: _DT.FLOAT64, torch.int64: _DT.INT64, torch.int32: _DT.INT32, torch.int16: _DT.INT16,
+    torch.int8: _DT.INT8, torch.uint8: _DT.UINT8, torch.bool: _DT.BOOL,
+}
+_TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+# ---- tensors ------------------------------------------------------------------------------------
+def swap_to_little_endian(raw: torch.Tensor, itemsize: int, byteorder: str = sys.byteorder) -> torch.Tensor:
+    """Flat uint8 view of native-order elements -> little-endian bytes (a no-op on little-endian hosts).
+
+    The same swap converts back, so decoding uses it too.
+    """
+    if byteorder == "little" or itemsize == 1:
+        return raw
+    return raw.reshape(-1, itemsize).flip(-1).reshape(-1)
+
+
+def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
+    dtype = _DTYPES.get(t.dtype)
+    if dtype is None:
+        raise CodecError(f"tensor dtype {t.dtype} has no wire form")
+    flat = t.detach().to("cpu").contiguous().reshape(-1)
+    raw = swap_to_little_endian(flat.view(torch.uint8), flat.element_size())
+    return pb.Tensor(dtype=dtype, shape=list(t.shape), data=raw.numpy().tobytes())
+
+
+def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
+    dtype = _TORCH_DTYPES.get(msg.dtype)
+    if dtype is None:
+        raise CodecError(f"tensor dtype {msg.dtype} is not supported")
+    shape = list(msg.shape)
+    if any(d < 0 for d in shape):
+        raise CodecError(f"tensor shape {shape} has a negative dimension")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    numel = _numel(shape)
+    if len(msg.data) != numel * itemsize:
+        raise CodecError(f"tensor of shape {shape} and dtype {dtype} needs {numel * itemsize} bytes, got {len(msg.data)}")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw = swap_to_little_endian(torch.frombuffer(bytearray(msg.data), dtype=torch.uint8), itemsize)
+    return raw.view(dtype).reshape(shape)  # bytearray: a private, writable copy of the message bytes
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---- scalars ------------------------------------------------------------------------------------
+def _int64(value, what: str) -> int:
+    """Protobuf would raise its own error on overflow; name the field instead."""
+    value = int(value)
+    if not _INT64_MIN <= value <= _INT64_MAX:
+        raise CodecError(f"{what} = {value} does not fit in int64")
+    return value
+
+
+def _non_negative(value: int, what: str) -> int:
+    if value < 0:
+        raise CodecError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def _token_ids(ids, what: str) -> list[int]:
+    ids = list(ids)
+    if any(t < 0 for t in ids):
+        raise CodecError(f"{what} has a negative token id")
+    return ids
+
+
+def _required(msg, field: str, owner: str):
+    if not msg.HasField(field):
+        raise CodecError(f"{owner}.{field} is required")
+    return getattr(msg, field)
+
+
+# ---- DraftSampling ------------------------------------------------------------------------------
+def sampling_to_proto(s: DraftSampling) -> pb.DraftSampling:
+    msg = pb.DraftSampling(temperature=float(s.temperature), top_k=_int64(s.top_k, "top_k"), top_p=float(s.top_p))
+    if s.seed is not None:
+        msg.seed = _int64(s.seed, "seed")
+    return msg
+
+
+def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
+    seed = msg.seed if msg.HasField("seed") else None
+    return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=seed)
+
+
+# ---- Proposal -----------------------------------------------------------------------------------
+def proposal_to_proto(p: Proposal) -> pb.Proposal:
+    # Token ids travel as int32: half the bytes, and every vocabulary is far below 2**31.
+    msg = pb.Proposal(tokens=tensor_to_proto(p.tokens.to(torch.int32)))
+    if p.probs is None:
+        return msg
+    probs = p.probs.detach().to("cpu")  # one device copy; everything below runs on host memory
+    if probs.dim() != 2:
+        raise CodecError(f"proposal probs must be [K, V], got shape {list(probs.shape)}")
+    nnz = int(torch.count_nonzero(probs))
+    if _sparse_bytes(probs, nnz) < _dense_bytes(probs):
+        msg.sparse.CopyFrom(_sparse_to_proto(probs))
+    else:
+        msg.dense.CopyFrom(tensor_to_proto(probs))
+    return msg
+
+
+def _sparse_bytes(probs: torch.Tensor, nnz: int) -> int:
+    return nnz * (4 + probs.element_size()) + (probs.shape[0] + 1) * 4
+
+
+def _dense_bytes(probs: torch.Tensor) -> int:
+    return probs.numel() * probs.element_size()
+
+
+def _sparse_to_proto(probs: torch.Tensor) -> pb.SparseProbs:
+    rows, cols = torch.nonzero(probs, as_tuple=True)  # row-major order: rows ascending
+    counts = torch.bincount(rows, minlength=probs.shape[0])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+    return pb.SparseProbs(
+        vocab_size=probs.shape[1],
+        row_offsets=tensor_to_proto(offsets.to(torch.int32)),
+        token_ids=tensor_to_proto(cols.to(torch.int32)),
+        probs=tensor_to_proto(probs[rows, cols]),
+    )
+
+
+def proposal_from_proto(msg: pb.Proposal) -> Proposal:
+    tokens = tensor_from_proto(_required(msg, "tokens", "Proposal"))
+    if tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise CodecError(f"Proposal.tokens must be a 1-D integer tensor, got {tokens.dtype} {list(tokens.shape)}")
+    tokens = tokens.to(torch.int64)
+    if bool((tokens < 0).any()):
+        raise CodecError("Proposal.tokens has a negative token id")
+    kind = msg.WhichOneof("probs")
+    probs = None
+    if kind == "dense":
+        probs = _dense_from_proto(msg.dense, len(tokens))
+    elif kind == "sparse":
+        probs = _sparse_from_proto(msg.sparse, len(tokens))
+    return Proposal(tokens=tokens, probs=probs)
+
+
+def _dense_from_proto(msg: pb.Tensor, k: int) -> torch.Tensor:
+    probs = tensor_from_proto(msg)
+    if probs.dim() != 2 or probs.shape[0] != k or not probs.is_floating_point():
+        raise CodecError(f"dense probs must be a float [K={k}, V] tensor, got {probs.dtype} {list(probs.shape)}")
+    return probs
+
+
+def _sparse_from_proto(msg: pb.SparseProbs, k: int) -> torch.Tensor:
+    offsets = tensor_from_proto(_required(msg, "row_offsets", "SparseProbs")).to(torch.int64)
+    ids = tensor_from_proto(_required(msg, "token_ids", "SparseProbs")).to(torch.int64)
+    values = tensor_from_proto(_required(msg, "probs", "SparseProbs"))
+    _check_sparse(offsets, ids, values, k, msg.vocab_size)
+    rows = torch.repeat_interleave(torch.arange(k), offsets[1:] - offsets[:-1])
+    probs = torch.zeros((k, msg.vocab_size), dtype=values.dtype)
+    probs[rows, ids] = values
+    return probs
+
+
+def _check_sparse(offsets, ids, values, k: int, vocab_size: int) -> None:
+    nnz = len(ids)
+    if offsets.dim() != 1 or len(offsets) != k + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != nnz:
+        raise CodecError(f"sparse probs: row_offsets must be [K+1={k + 1}] from 0 to nnz={nnz}")
+    if bool((offsets[1:] < offsets[:-1]).any()):
+        raise CodecError("sparse probs: row_offsets must be non-decreasing")
+    if ids.dim() != 1 or values.dim() != 1 or len(values) != nnz or not values.is_floating_point():
+        raise CodecError("sparse probs: token_ids and probs must be 1-D of the same length, probs float")
+    if vocab_size <= 0 or (nnz and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size)):
+        raise CodecError(f"sparse probs: token ids must lie in [0, vocab_size={vocab_size})")
+
+
+# ---- one message per stage ----------------------------------------------------------------------
+def prefill_to_proto(r: PrefillRequest) -> pb.PrefillRequest:
+    return pb.PrefillRequest(seq_id=_int64(r.seq_id, "seq_id"), prompt_token_ids=list(r.prompt_token_ids),
+                             sampling=sampling_to_proto(r.sampling))
+
+
+def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
+    sampling = sampling_from_proto(_required(msg, "sampling", "PrefillRequest"))
+    return PrefillRequest(seq_id=msg.seq_id, prompt_token_ids=_token_ids(msg.prompt_token_ids, "prompt_token_ids"),
+                          sampling=sampling)
+
+
+def jit_request_to_proto(r: JitDraftRequest) -> pb.JitDraftRequest:
+    return pb.JitDraftRequest(seq_id=_int64(r.seq_id, "seq_id"), round=r.round, accepted=r.accepted,
+                              bonus_token=r.bonus_token)
+
+
+def jit_request_from_proto(msg: pb.JitDraftRequest) -> JitDraftRequest:
+    return JitDraftRequest(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
+                           accepted=_non_negative(msg.accepted, "accepted"),
+                           bonus_token=_non_negative(msg.bonus_token, "bonus_token"))
+
+
+def outcome_to_proto(o: Outcome) -> pb.Outcome:
+    msg = pb.Outcome(seq_id=_int64(o.seq_id, "seq_id"), round=o.round, accepted=o.accepted, bonus_token=o.bonus_token)
+    if o.next_tokens is not None:
+        msg.next_tokens.ids.extend(o.next_tokens)  # extend([]) still marks the field present
+        msg.next_tokens.SetInParent()
+    return msg
+
+
+def outcome_from_proto(msg: pb.Outcome) -> Outcome:
+    next_tokens = _token_ids(msg.next_tokens.ids, "next_tokens") if msg.HasField("next_tokens") else None
+    return Outcome(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
+                   accepted=_non_negative(msg.accepted, "accepted"),
+                   bonus_token=_non_negative(msg.bonus_token, "bonus_token"), next_tokens=next_tokens)
+
+
+def branch_to_proto(b: Branch) -> pb.Branch:
+    return pb.Branch(accepted=b.accepted, bonus_token=b.bonus_token, proposal=proposal_to_proto(b.proposal))
+
+
+def branch_from_proto(msg: pb.Branch) -> Branch:
+    return Branch(accepted=_non_negative(msg.accepted, "accepted"),
+                  bonus_token=_non_negative(msg.bonus_token, "bonus_token"),
+                  proposal=proposal_from_proto(_required(msg, "proposal", "Branch")))
+
+
+def tree_to_proto(t: SpeculationTree) -> pb.SpeculationTree:
+    return pb.SpeculationTree(seq_id=_int64(t.seq_id, "seq_id"), round=t.round,
+                              branches=[branch_to_proto(b) for b in t.branches])
+
+
+def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
+    return SpeculationTree(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
+                           branches=[branch_from_proto(b) for b in msg.branches])
+
+
+def release_to_proto(r: Release) -> pb.Release:
+    return pb.Release(seq_id=_int64(r.seq_id, "seq_id"))
+
+
+def release_from_proto(msg: pb.Release) -> Release:
+    return Release(seq_id=msg.seq_id)
+
+
+# ---- batch wrappers -----------------------------------------------------------------------------
+def prefill_batch_to_proto(reqs: list[PrefillRequest]) -> pb.PrefillBatch:
+    return pb.PrefillBatch(requests=[prefill_to_proto(r) for r in reqs])
+
+
+def prefill_batch_from_proto(msg: pb.PrefillBatch) -> list[PrefillRequest]:
+    return [prefill_from_proto(r) for r in msg.requests]
+
+
+def jit_batch_to_proto(reqs: list[JitDraftRequest]) -> pb.JitDraftBatch:
+    return pb.JitDraftBatch(requests=[jit_request_to_proto(r) for r in reqs])
+
+
+def jit_batch_from_proto(msg: pb.JitDraftBatch) -> list[JitDraftRequest]:
+    return [jit_request_from_proto(r) for r in msg.requests]
+
+
+def proposal_batch_to_proto(proposals: list[Proposal]) -> pb.ProposalBatch:
+    return pb.ProposalBatch(proposals=[proposal_to_proto(p) for p in proposals])
+
+
+def proposal_batch_from_proto(msg: pb.ProposalBatch) -> list[Proposal]:
+    return [proposal_from_proto(p) for p in msg.proposals]
+
+
+def outcome_batch_to_proto(outcomes: list[Outcome]) -> pb.OutcomeBatch:
+    return pb.OutcomeBatch(outcomes=[outcome_to_proto(o) for o in outcomes])
+
+
+def outcome_batch_from_proto(msg: pb.OutcomeBatch) -> list[Outcome]:
+    return [outcome_from_proto(o) for o in msg.outcomes]
+
+
+def tree_batch_to_proto(trees: list[SpeculationTree]) -> pb.SpeculationTreeBatch:
+    return pb.SpeculationTreeBatch(trees=[tree_to_proto(t) for t in trees])
+
+
+def tree_batch_from_proto(msg: pb.SpeculationTreeBatch) -> list[SpeculationTree]:
+    return [tree_from_proto(t) for t in msg.trees]
+
+
+def release_batch_to_proto(reqs: list[Release]) -> pb.ReleaseBatch:
+    return pb.ReleaseBatch(releases=[release_to_proto(r) for r in reqs])
+
+
+def release_batch_from_proto(msg: pb.ReleaseBatch) -> list[Release]:
+    return [release_from_proto(r) for r in msg.releases]

@@ -1,0 +1,305 @@
+"""The draft side over gRPC: a DraftService servicer around any object with the DraftWorker interface.
+
+The worker is single-threaded, so every call to it goes through one worker thread, in arrival order.
+The Speculate stream pushes each tree batch as soon as the worker has built it: after every outcome
+batch, and after every JitDraft call (its speculation is pending, so the tree for it follows on the
+open stream while the caller already has its proposals).
+
+Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message, or a ValueError from
+the worker), RESOURCE_EXHAUSTED (over the message size limit; gRPC enforces it on receipt),
+NOT_FOUND (UnknownSequence / KeyError), FAILED_PRECONDITION (OutOfOrder), INTERNAL (anything else).
+A failed call never takes the server down.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import sys
+import threading
+import weakref
+from concurrent import futures
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.errors import OutOfOrder
+from saguaro_dist.distributed.proto import SERVICE_NAME
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DraftServicer", "serve_draft", "default_bind_host", "status_for", "format_address"]
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a dense [K, V] tree batch fits; anything larger is a bug
+_PENDING_BATCHES = 64  # tree batches kept while no stream is open (a reconnecting target picks them up)
+
+
+def default_bind_host() -> str:
+    """The node's cluster address under Ray, else loopback; never 0.0.0.0 unless asked for."""
+    ray = sys.modules.get("ray")  # Ray can only be initialised if something already imported it
+    if ray is not None and ray.is_initialized():
+        return ray.util.get_node_ip_address()
+    return "127.0.0.1"
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a failed call answers with; see the module docstring."""
+    if isinstance(exc, (DecodeError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}"
+    if isinstance(exc, KeyError):  # UnknownSequence included; str(KeyError) would add quotes
+        return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "unknown sequence"
+    if isinstance(exc, OutOfOrder):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, MemoryError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "draft worker out of memory"
+    return grpc.StatusCode.INTERNAL, f"draft worker failed: {type(exc).__name__}: {exc}"
+
+
+class _WorkerThread:
+    """Runs callables one at a time, in submission order, on one daemon thread."""
+
+    def __init__(self, name: str = "saguaro-draft-worker"):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> futures.Future:
+        fut: futures.Future = futures.Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def call(self, fn, *args):
+        return self.submit(fn, *args).result()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _loop(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, fn, args = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as exc:  # handed to the caller, who maps it to a status
+                    fut.set_exception(exc)
+
+
+_END = object()
+
+
+class _Stream:
+    """One open Speculate call: encoded tree batches, then _END or a (code, details) failure."""
+
+    def __init__(self):
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+
+    def push(self, batch: pb.SpeculationTreeBatch) -> None:
+        self.items.put(batch)
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        self.items.put((code, details))
+
+    def finish(self) -> None:
+        self.items.put(_END)
+
+
+class DraftServicer:
+    """saguaro.v1.DraftService around `worker` (prefill / jit_draft / observe / build_trees / release)."""
+
+    def __init__(self, worker, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        self.worker = worker
+        self.max_message_bytes = max_message_bytes
+        self._thread = _WorkerThread()
+        self._lock = threading.Lock()  # guards the open streams and the pending batches
+        self._streams: list[_Stream] = []
+        self._pending: collections.deque = collections.deque(maxlen=_PENDING_BATCHES)
+
+    def close(self) -> None:
+        self._thread.close()
+
+    # ---- unary calls -------------------------------------------------------------------------------
+    def Prefill(self, raw: bytes, context) -> pb.PrefillReply:
+        reqs = self._decode(context, raw, pb.PrefillBatch, codec.prefill_batch_from_proto)
+        self._call(context, self.worker.prefill, reqs)
+        return pb.PrefillReply()
+
+    def JitDraft(self, raw: bytes, context) -> pb.ProposalBatch:
+        reqs = self._decode(context, raw, pb.JitDraftBatch, codec.jit_batch_from_proto)
+        proposals = self._call(context, self.worker.jit_draft, reqs)
+        # Queued behind the JIT on the worker thread; this reply goes out while the tree is built.
+        self._thread.submit(self._build_and_broadcast)
+        reply = codec.proposal_batch_to_proto(proposals)
+        if reply.ByteSize() > self.max_message_bytes:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{reply.ByteSize()} byte reply exceeds the {self.max_message_bytes} byte limit")
+        return reply
+
+    def Release(self, raw: bytes, context) -> pb.ReleaseReply:
+        reqs = self._decode(context, raw, pb.ReleaseBatch, codec.release_batch_from_proto)
+        self._call(context, self.worker.release, reqs)
+        return pb.ReleaseReply()
+
+    def _decode(self, context, raw: bytes, message_type, from_proto):
+        """Parse and validate here, not in gRPC's deserializer, so bad bytes get INVALID_ARGUMENT."""
+        try:
+            return from_proto(message_type.FromString(raw))
+        except (DecodeError, ValueError) as exc:
+            context.abort(*status_for(exc))
+
+    def _call(self, context, fn, reqs):
+        try:
+            return self._thread.call(fn, reqs)
+        except Exception as exc:
+            self._log_failure(fn, exc)
+            context.abort(*status_for(exc))
+
+    @staticmethod
+    def _log_failure(fn, exc: Exception) -> None:
+        code, _ = status_for(exc)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("draft worker %s failed", getattr(fn, "__name__", fn), exc_info=exc)
+        else:
+            log.info("draft worker %s refused a request (%s): %s", getattr(fn, "__name__", fn), code.name, exc)
+
+    # ---- the Speculate stream ----------------------------------------------------------------------
+    def Speculate(self, request_iterator, context):
+        stream = self._open_stream()
+        context.add_callback(stream.finish)  # a cancelled call wakes the loop below
+        reader = threading.Thread(target=self._read_outcomes, args=(request_iterator, context, stream),
+                                  name="saguaro-speculate-reader", daemon=True)
+        reader.start()
+        try:
+            while (item := stream.items.get()) is not _END:
+                if isinstance(item, tuple):
+                    context.abort(*item)
+                yield item
+        finally:
+            self._close_stream(stream)
+
+    def _read_outcomes(self, requests, context, stream: _Stream) -> None:
+        """Outcome batches in arrival order -> observe + build on the worker thread -> push the trees."""
+        try:
+            for raw in requests:
+                outcomes = codec.outcome_batch_from_proto(pb.OutcomeBatch.FromString(raw))
+                trees = self._thread.call(self._observe_and_build, outcomes)
+                for batch in self._encode_trees(trees):
+                    stream.push(batch)
+        except Exception as exc:
+            if context.is_active():  # not a client that went away
+                self._log_failure(self._observe_and_build, exc)
+                stream.fail(*status_for(exc))
+                return
+        stream.finish()
+
+    def _observe_and_build(self, outcomes):
+        self.worker.observe(outcomes)
+        return self.worker.build_trees()
+
+    def _build_and_broadcast(self) -> None:
+        try:
+            batches = self._encode_trees(self.worker.build_trees())
+        except Exception:  # the target's wait times out and it falls back: a miss, never a wrong token
+            log.exception("building speculation trees after a just-in-time draft failed")
+            return
+        with self._lock:
+            for batch in batches:
+                if not self._streams:
+                    self._pending.append(batch)
+                for stream in self._streams:
+                    stream.push(batch)
+
+    def _encode_trees(self, trees) -> list[pb.SpeculationTreeBatch]:
+        """Tree batches that each fit the size limit; a single tree over it is dropped (a miss)."""
+        batches, current = [], pb.SpeculationTreeBatch()
+        for tree in trees:
+            msg = codec.tree_to_proto(tree)
+            size = msg.ByteSize() + 16  # field tag and length prefix
+            if size > self.max_message_bytes:
+                log.error("tree of sequence %s round %s is %d bytes, over the %d byte limit: dropped",
+                          tree.seq_id, tree.round, size, self.max_message_bytes)
+                continue
+            if current.trees and current.ByteSize() + size > self.max_message_bytes:
+                batches, current = batches + [current], pb.SpeculationTreeBatch()
+            current.trees.append(msg)
+        return batches + [current] if current.trees else batches
+
+    def _open_stream(self) -> _Stream:
+        stream = _Stream()
+        with self._lock:
+            self._streams.append(stream)
+            while self._pending:
+                stream.push(self._pending.popleft())
+        return stream
+
+    def _close_stream(self, stream: _Stream) -> None:
+        with self._lock:
+            self._streams.remove(stream)
+
+
+def _server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+        ("grpc.keepalive_time_ms", 20_000),  # find a vanished target and end its stream
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # the backend's keepalive pings are welcome
+    ]
+
+
+def _handlers(servicer: DraftServicer) -> grpc.GenericRpcHandler:
+    # Requests arrive as raw bytes (no request_deserializer): the servicer parses them itself.
+    unary = grpc.unary_unary_rpc_method_handler
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        "Prefill": unary(servicer.Prefill, response_serializer=pb.PrefillReply.SerializeToString),
+        "JitDraft": unary(servicer.JitDraft, response_serializer=pb.ProposalBatch.SerializeToString),
+        "Release": unary(servicer.Release, response_serializer=pb.ReleaseReply.SerializeToString),
+        "Speculate": grpc.stream_stream_rpc_method_handler(
+            servicer.Speculate, response_serializer=pb.SpeculationTreeBatch.SerializeToString),
+    })
+
+
+def _add_health(server: grpc.Server) -> None:
+    checker = health.HealthServicer()
+    for name in ("", SERVICE_NAME):
+        checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+
+
+def serve_draft(worker, host: str | None = None, port: int = 0, *,
+                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 16) -> tuple[grpc.Server, int]:
+    """Start a DraftService (plus grpc.health.v1) for `worker`; returns the started server and its port.
+
+    host: None binds the node's cluster address (default_bind_host()). port 0 picks a free port.
+    max_workers bounds concurrent calls; every open Speculate stream holds one for its lifetime.
+    """
+    host = default_bind_host() if host is None else host
+    servicer = DraftServicer(worker, max_message_bytes)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="saguaro-draft-rpc"),
+                         options=_server_options(max_message_bytes))
+    server.add_generic_rpc_handlers((_handlers(servicer),))
+    _add_health(server)
+    bound = _bind(server, host, port)
+    server.start()
+    weakref.finalize(server, servicer.close)  # the worker thread ends with the server object
+    log.info("DraftService listening on %s", format_address(host, bound))
+    return server, bound
+
+
+def _bind(server: grpc.Server, host: str, port: int) -> int:
+    address = format_address(host, port)
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # recent grpcio raises instead of returning 0
+        raise OSError(f"cannot bind the DraftService to {address}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"cannot bind the DraftService to {address}")
+    return bound

@@ -1,0 +1,331 @@
+"""GrpcDraftBackend: the target side's DraftBackend over a pool of DraftService servers.
+
+Sequences are assigned to servers round-robin on prefill and stay there; every batch call is split
+per server and the parts run concurrently. Outcomes go out on one long-lived Speculate stream per
+server (non-blocking: a queue feeds the stream's request iterator); a reader thread per server puts
+the pushed trees into an inbox keyed by (seq_id, round), where wait_trees finds them.
+
+A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
+sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
+trees are no longer waited for, and new prefills skip it. A protocol error on a stream (NOT_FOUND,
+FAILED_PRECONDITION, ...) only costs that batch's trees; the stream is reopened.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+
+import grpc
+
+from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
+from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.proto import saguaro_pb2_grpc
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GrpcDraftBackend"]
+
+TreeKey = tuple[int, int]  # (seq_id, round)
+_CLOSE = object()
+_TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),  # a server that vanished without a reset is found in ~15 s
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def _requests(pending: queue.SimpleQueue):
+    """The Speculate request iterator: whatever send_outcomes queued, until close()."""
+    while (item := pending.get()) is not _CLOSE:
+        yield item
+
+
+def _error_from_rpc(err: grpc.RpcError, address: str, seq_ids: list[int]) -> Exception:
+    """The exception the engine would have seen from an in-process DraftWorker (or DraftUnavailable)."""
+    code, details = err.code(), err.details()
+    if code in _TRANSPORT_FAILURES or code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DraftUnavailable(f"draft server {address}: {code.name}: {details}", seq_ids)
+    if code is grpc.StatusCode.NOT_FOUND:
+        return UnknownSequence(details)
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return OutOfOrder(details)
+    return DraftRpcError(f"draft server {address}: {code.name}: {details}", code)
+
+
+class _Link:
+    """One DraftService: channel, stub, the open Speculate stream and whether it is alive."""
+
+    def __init__(self, address: str, options):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = saguaro_pb2_grpc.DraftServiceStub(self.channel)
+        self.alive = True
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.call = None
+        self.reader: threading.Thread | None = None
+
+    def open_stream(self) -> None:
+        # A fresh queue per stream: outcomes queued for a failed stream are gone with it.
+        self.pending = queue.SimpleQueue()
+        self.call = self.stub.Speculate(_requests(self.pending))
+
+    def end_stream(self) -> None:
+        self.pending.put(_CLOSE)
+        if self.call is not None:
+            self.call.cancel()
+
+
+class GrpcDraftBackend:
+    """DraftBackend (engine/draft_backend.py) over DraftService servers at `addresses` ("host:port").
+
+    deadline_s bounds jit_draft and release; prefill_deadline_s bounds prefill (it runs the draft over
+    whole prompts). Servers not reachable within connect_timeout_s start out dead.
+    """
+
+    def __init__(self, addresses: list[str], deadline_s: float = 10.0, *, prefill_deadline_s: float = 60.0,
+                 connect_timeout_s: float = 10.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+        if not addresses:
+            raise ValueError("GrpcDraftBackend needs at least one DraftService address")
+        self.deadline_s, self.prefill_deadline_s = deadline_s, prefill_deadline_s
+        options = _channel_options(max_message_bytes)
+        self._links = [_Link(a, options) for a in addresses]
+        self._cond = threading.Condition()  # guards the inbox, the owners and liveness
+        self._trees: dict[TreeKey, SpeculationTree] = {}
+        self._owner: dict[int, _Link] = {}
+        self._next = itertools.cycle(self._links)
+        self._closed = False
+        self._connect(connect_timeout_s)
+
+    # ---- pool state --------------------------------------------------------------------------------
+    @property
+    def addresses(self) -> list[str]:
+        return [link.address for link in self._links]
+
+    @property
+    def dead_addresses(self) -> list[str]:
+        return [link.address for link in self._links if not link.alive]
+
+    def owner_of(self, seq_id: int) -> str | None:
+        link = self._owner.get(seq_id)
+        return link.address if link is not None else None
+
+    def _connect(self, timeout_s: float) -> None:
+        ready = [(link, grpc.channel_ready_future(link.channel)) for link in self._links]
+        deadline = time.monotonic() + timeout_s
+        for link, fut in ready:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                fut.cancel()
+                self._mark_dead(link, f"not reachable within {timeout_s} s")
+                continue
+            self._start_reader(link)
+
+    def _start_reader(self, link: _Link) -> None:
+        link.open_stream()
+        link.reader = threading.Thread(target=self._read_trees, args=(link,), daemon=True,
+                                       name=f"saguaro-trees-{link.address}")
+        link.reader.start()
+
+    def _mark_dead(self, link: _Link, why: str) -> None:
+        with self._cond:
+            if not link.alive:
+                return
+            link.alive = False
+            self._cond.notify_all()  # waiters stop waiting for its trees
+        log.warning("draft server %s marked dead: %s", link.address, why)
+        link.end_stream()
+
+    def _assign(self, seq_id: int) -> _Link:
+        """The sequence's server: its current one while alive, else the next live one round-robin."""
+        with self._cond:
+            link = self._owner.get(seq_id)
+            if link is not None and link.alive:
+                return link
+            for _ in range(len(self._links)):
+                link = next(self._next)
+                if link.alive:
+                    self._owner[seq_id] = link
+                    return link
+        raise DraftUnavailable("no live draft server", [seq_id])
+
+    def _live_owner(self, seq_id: int) -> _Link | None:
+        link = self._owner.get(seq_id)
+        return link if link is not None and link.alive else None
+
+    # ---- DraftBackend ------------------------------------------------------------------------------
+    def prefill(self, reqs: list[PrefillRequest]) -> None:
+        """Assign and prefill; a server found dead on the way costs a retry on another one."""
+        todo = list(reqs)
+        while todo:
+            groups = self._group(todo, lambda r: self._assign(r.seq_id))
+            calls = {link: link.stub.Prefill.future(codec.prefill_batch_to_proto(part), timeout=self.prefill_deadline_s)
+                     for link, part in groups.items()}
+            todo = self._collect_prefill(calls, groups)
+
+    def _collect_prefill(self, calls, groups) -> list[PrefillRequest]:
+        retry, error = [], None
+        for link, fut in calls.items():
+            try:
+                fut.result()
+            except grpc.RpcError as err:
+                if err.code() in _TRANSPORT_FAILURES:
+                    self._mark_dead(link, f"prefill: {err.code().name}: {err.details()}")
+                    retry += groups[link]
+                else:
+                    error = error or _error_from_rpc(err, link.address, [r.seq_id for r in groups[link]])
+        if error is not None:
+            raise error
+        return retry
+
+    def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
+        """Proposals in request order; DraftUnavailable (with the others in .partial) if a server failed."""
+        groups = self._group(reqs, self._owner_for_jit)
+        calls = {link: link.stub.JitDraft.future(codec.jit_batch_to_proto(part), timeout=self.deadline_s)
+                 for link, part in groups.items() if link is not None}
+        found, failed, error = self._collect_jit(calls, groups)
+        failed += [r.seq_id for r in groups.get(None, [])]
+        if error is not None:
+            raise error
+        if failed:
+            raise DraftUnavailable(f"draft server unavailable for sequences {failed}", failed, found)
+        return [found[r.seq_id] for r in reqs]
+
+    def _owner_for_jit(self, req: JitDraftRequest) -> _Link | None:
+        if req.seq_id not in self._owner:
+            raise UnknownSequence(f"unknown sequence {req.seq_id} (never prefilled through this backend)")
+        return self._live_owner(req.seq_id)
+
+    def _collect_jit(self, calls, groups):
+        found, failed, error = {}, [], None
+        for link, fut in calls.items():
+            seq_ids = [r.seq_id for r in groups[link]]
+            try:
+                found.update(zip(seq_ids, codec.proposal_batch_from_proto(fut.result())))
+            except grpc.RpcError as err:
+                if err.code() in _TRANSPORT_FAILURES:
+                    self._mark_dead(link, f"jit_draft: {err.code().name}: {err.details()}")
+                mapped = _error_from_rpc(err, link.address, seq_ids)
+                if isinstance(mapped, DraftUnavailable):
+                    failed += seq_ids
+                else:
+                    error = error or mapped
+        return found, failed, error
+
+    def send_outcomes(self, outcomes: list[Outcome]) -> None:
+        """Queue each server's part on its stream; returns at once. Outcomes for dead servers are dropped."""
+        groups = self._group(outcomes, lambda o: self._live_owner(o.seq_id))
+        for link, part in groups.items():
+            if link is None:
+                log.debug("outcomes for %d sequences without a live draft server dropped", len(part))
+                continue
+            link.pending.put(codec.outcome_batch_to_proto(part))
+
+    def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
+        """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._closed and (missing := [k for k in keys if k not in self._trees and self._live_owner(k[0])]):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.debug("%d speculation trees late: %s", len(missing), missing[:8])
+                    break
+                self._cond.wait(left)
+            found = {k[0]: self._trees.pop(k) for k in keys if k in self._trees}
+            self._drop_rounds_up_to(dict(keys))
+        return found
+
+    def release(self, reqs: list[Release]) -> None:
+        """Fire and forget, like the in-process backend: failures are logged, never raised."""
+        groups = self._group(reqs, lambda r: self._live_owner(r.seq_id))
+        with self._cond:
+            for r in reqs:
+                self._owner.pop(r.seq_id, None)
+            self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
+        for link, part in groups.items():
+            if link is not None:
+                fut = link.stub.Release.future(codec.release_batch_to_proto(part), timeout=self.deadline_s)
+                fut.add_done_callback(lambda f, link=link: self._release_done(link, f))
+
+    def close(self) -> None:
+        """End every stream, close every channel, join the reader threads."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        for link in self._links:
+            link.end_stream()
+            link.channel.close()
+        for link in self._links:
+            if link.reader is not None:
+                link.reader.join(timeout=5.0)
+
+    # ---- helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _group(items, key) -> dict:
+        groups = defaultdict(list)
+        for item in items:
+            groups[key(item)].append(item)
+        return groups
+
+    def _drop_rounds_up_to(self, latest: dict) -> None:
+        """Trees of rounds already asked for (or of released sequences) will never be asked for again."""
+        for k in [k for k in self._trees if k[0] in latest and k[1] <= latest[k[0]]]:
+            del self._trees[k]
+
+    def _release_done(self, link: _Link, fut) -> None:
+        err = fut.exception()
+        if err is None or err.code() is grpc.StatusCode.NOT_FOUND:  # already gone is what we wanted
+            return
+        if err.code() in _TRANSPORT_FAILURES and not self._closed:
+            self._mark_dead(link, f"release: {err.code().name}: {err.details()}")
+        elif not self._closed:
+            log.warning("release on draft server %s failed: %s: %s", link.address, err.code().name, err.details())
+
+    def _read_trees(self, link: _Link) -> None:
+        """Reader thread: pushed tree batches into the inbox; reopen the stream after protocol errors."""
+        while True:
+            code, details = self._drain_stream(link)
+            if self._closed or not link.alive:
+                return
+            if code in _TRANSPORT_FAILURES:
+                self._mark_dead(link, f"Speculate stream: {code.name}: {details}")
+                return
+            log.warning("Speculate stream to %s ended (%s: %s); reopening it", link.address,
+                        code.name if code else "OK", details)
+            time.sleep(0.01)  # never spin on a server that ends every stream at once
+            link.open_stream()
+
+    def _drain_stream(self, link: _Link):
+        """Read one stream to its end; returns its final (code, details)."""
+        try:
+            for msg in link.call:
+                self._store(link, msg)
+        except grpc.RpcError as err:
+            return err.code(), err.details()
+        return None, ""
+
+    def _store(self, link: _Link, msg) -> None:
+        try:
+            trees = codec.tree_batch_from_proto(msg)
+        except codec.CodecError as exc:  # one bad batch is a few misses, not a dead stream
+            log.error("draft server %s pushed a malformed tree batch: %s", link.address, exc)
+            return
+        with self._cond:
+            for tree in trees:
+                if tree.seq_id in self._owner:  # a late tree of a released sequence would never leave
+                    self._trees[(tree.seq_id, tree.round)] = tree
+            self._cond.notify_all()

@@ -1,0 +1,181 @@
+"""codec: every message dataclass survives dataclass -> proto -> bytes -> proto -> dataclass exactly."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb
+from saguaro_dist.engine.messages import (
+    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+)
+
+
+def _wire(msg):
+    """Through real bytes, as on the network."""
+    return type(msg).FromString(msg.SerializeToString())
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Compare floats bit for bit (torch.equal would call -0.0 == 0.0 and NaN != NaN)."""
+    return t.view(_SAME_WIDTH_INT[t.element_size()])
+
+
+def _assert_proposal_equal(a: Proposal, b: Proposal) -> None:
+    assert b.tokens.dtype == torch.int64 and torch.equal(a.tokens, b.tokens)
+    if a.probs is None:
+        assert b.probs is None
+    else:
+        assert b.probs.dtype == a.probs.dtype and torch.equal(_bits(a.probs), _bits(b.probs))
+
+
+def _roundtrip_proposal(p: Proposal) -> tuple[Proposal, str | None]:
+    msg = _wire(codec.proposal_to_proto(p))
+    return codec.proposal_from_proto(msg), msg.WhichOneof("probs")
+
+
+def _top_k_probs(k: int, vocab: int, support: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(k, vocab, generator=g)
+    keep = logits.topk(support, dim=-1).indices
+    probs = torch.zeros(k, vocab)
+    probs.scatter_(1, keep, torch.softmax(logits.gather(1, keep), -1))
+    return probs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                                   torch.int32, torch.int8, torch.uint8, torch.bool])
+def test_tensor_round_trip_bit_exact(dtype):
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(3, 5, generator=g) * 100).to(dtype)
+    back = codec.tensor_from_proto(_wire(codec.tensor_to_proto(t)))
+    assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
+
+
+def test_tensor_special_floats_and_shapes():
+    t = torch.tensor([0.0, -0.0, math.inf, -math.inf, 1e-45, 3.4028234663852886e38])
+    back = codec.tensor_from_proto(codec.tensor_to_proto(t))
+    assert torch.equal(back.view(torch.int32), t.view(torch.int32))  # -0.0 and denormals bit for bit
+    assert torch.isnan(codec.tensor_from_proto(codec.tensor_to_proto(torch.tensor([math.nan])))).all()
+    assert codec.tensor_from_proto(codec.tensor_to_proto(torch.tensor(7))).shape == ()
+    assert codec.tensor_from_proto(codec.tensor_to_proto(torch.zeros(0, 4))).shape == (0, 4)
+    assert torch.equal(codec.tensor_from_proto(codec.tensor_to_proto(torch.arange(12).reshape(3, 4).t())),
+                       torch.arange(12).reshape(3, 4).t())  # non-contiguous input
+
+
+def test_tensor_bytes_are_little_endian():
+    msg = codec.tensor_to_proto(torch.tensor([1], dtype=torch.int32))
+    assert msg.data == b"\x01\x00\x00\x00" and msg.dtype == pb.Tensor.INT32 and list(msg.shape) == [1]
+
+
+def test_big_endian_swap_reverses_each_element():
+    native_be = torch.tensor([0, 0, 0, 1, 0, 0, 1, 0], dtype=torch.uint8)  # int32 1 and 256, big-endian
+    little = codec.swap_to_little_endian(native_be, 4, byteorder="big")
+    assert little.tolist() == [1, 0, 0, 0, 0, 1, 0, 0]
+    assert codec.swap_to_little_endian(little, 4, byteorder="big").tolist() == native_be.tolist()
+
+
+def test_greedy_proposal_sends_no_probs():
+    p = Proposal(torch.tensor([5, 9, 2]), None)
+    back, kind = _roundtrip_proposal(p)
+    assert kind is None
+    _assert_proposal_equal(p, back)
+
+
+def test_truncated_proposal_travels_sparse_and_exact():
+    p = Proposal(torch.tensor([1, 2, 3, 4]), _top_k_probs(4, 32000, support=20))
+    msg = codec.proposal_to_proto(p)
+    back, kind = _roundtrip_proposal(p)
+    assert kind == "sparse"
+    _assert_proposal_equal(p, back)
+    assert msg.ByteSize() < 4 * 20 * 8 + 200  # ids + probs of the support, not K x V
+
+
+def test_full_support_proposal_travels_dense_and_exact():
+    p = Proposal(torch.tensor([1, 2]), torch.softmax(torch.randn(2, 100), -1))
+    back, kind = _roundtrip_proposal(p)
+    assert kind == "dense"
+    _assert_proposal_equal(p, back)
+
+
+def test_sparse_keeps_empty_rows_and_other_dtypes():
+    probs = torch.zeros(3, 50, dtype=torch.float16)
+    probs[0, 3], probs[2, 49] = 0.25, 0.75
+    p = Proposal(torch.tensor([3, 0, 49]), probs)
+    back, kind = _roundtrip_proposal(p)
+    assert kind == "sparse"
+    _assert_proposal_equal(p, back)
+
+
+def test_sampling_and_messages_round_trip():
+    s = DraftSampling(temperature=0.7000000000000001, top_k=0, top_p=0.95, seed=2 ** 62)
+    assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s))) == s
+    s0 = DraftSampling(0.0, 5, 1.0, None)
+    assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s0))) == s0
+    for seed in (0, -3):
+        s1 = DraftSampling(1.0, 0, 1.0, seed)
+        assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s1))).seed == seed  # 0 is not None
+    cases = [
+        (PrefillRequest(7, [1, 2, 3], s), codec.prefill_to_proto, codec.prefill_from_proto),
+        (JitDraftRequest(7, 3, 2, 99), codec.jit_request_to_proto, codec.jit_request_from_proto),
+        (Outcome(7, 3, 2, 99, None), codec.outcome_to_proto, codec.outcome_from_proto),
+        (Outcome(7, 3, 0, 99, []), codec.outcome_to_proto, codec.outcome_from_proto),
+        (Outcome(-7, 0, 4, 0, [4, 5, 6]), codec.outcome_to_proto, codec.outcome_from_proto),
+        (Release(2 ** 40), codec.release_to_proto, codec.release_from_proto),
+    ]
+    for obj, to_proto, from_proto in cases:
+        assert from_proto(_wire(to_proto(obj))) == obj
+
+
+def test_tree_and_batches_round_trip():
+    branches = [Branch(0, 11, Proposal(torch.tensor([1, 2]), None)),
+                Branch(1, 12, Proposal(torch.tensor([3, 4]), _top_k_probs(2, 1000, 3))),
+                Branch(2, 13, Proposal(torch.tensor([5, 6]), torch.softmax(torch.randn(2, 1000), -1)))]
+    tree = SpeculationTree(5, 9, branches)
+    (back,) = codec.tree_batch_from_proto(_wire(codec.tree_batch_to_proto([tree])))
+    assert (back.seq_id, back.round, len(back.branches)) == (5, 9, 3)
+    for a, b in zip(branches, back.branches):
+        assert (a.accepted, a.bonus_token) == (b.accepted, b.bonus_token)
+        _assert_proposal_equal(a.proposal, b.proposal)
+    outcomes = [Outcome(1, 0, 0, 3, None), Outcome(2, 4, 1, 5, [7])]
+    assert codec.outcome_batch_from_proto(_wire(codec.outcome_batch_to_proto(outcomes))) == outcomes
+    props = codec.proposal_batch_from_proto(_wire(codec.proposal_batch_to_proto([b.proposal for b in branches])))
+    assert len(props) == 3
+    assert codec.release_batch_from_proto(_wire(codec.release_batch_to_proto([Release(1)]))) == [Release(1)]
+
+
+def _bad(msg_factory):
+    with pytest.raises(codec.CodecError):
+        msg_factory()
+
+
+def test_malformed_messages_raise_codec_error():
+    t = codec.tensor_to_proto(torch.ones(2, 3))
+    short = pb.Tensor(dtype=t.dtype, shape=t.shape, data=t.data[:-1])
+    _bad(lambda: codec.tensor_from_proto(short))
+    _bad(lambda: codec.tensor_from_proto(pb.Tensor(dtype=0, shape=[1], data=b"\0" * 4)))
+    _bad(lambda: codec.tensor_from_proto(pb.Tensor(dtype=pb.Tensor.INT32, shape=[-1], data=b"")))
+    _bad(lambda: codec.prefill_from_proto(pb.PrefillRequest(seq_id=1, prompt_token_ids=[1])))  # no sampling
+    _bad(lambda: codec.outcome_from_proto(pb.Outcome(seq_id=1, round=-1)))
+    _bad(lambda: codec.jit_request_from_proto(pb.JitDraftRequest(seq_id=1, accepted=-2)))
+    _bad(lambda: codec.branch_from_proto(pb.Branch(accepted=0, bonus_token=1)))  # no proposal
+    _bad(lambda: codec.proposal_from_proto(pb.Proposal()))  # no tokens
+    _bad(lambda: codec.sampling_to_proto(DraftSampling(1.0, 0, 1.0, 2 ** 64)))
+
+
+def test_malformed_sparse_probs_raise_codec_error():
+    good = codec.proposal_to_proto(Proposal(torch.tensor([1, 2]), _top_k_probs(2, 100, 3)))
+    assert good.WhichOneof("probs") == "sparse"
+    for mutate in (lambda m: setattr(m.sparse, "vocab_size", 2),                       # ids out of range
+                   lambda m: m.sparse.row_offsets.CopyFrom(codec.tensor_to_proto(torch.tensor([0, 4, 3], dtype=torch.int32))),
+                   lambda m: m.sparse.probs.CopyFrom(codec.tensor_to_proto(torch.ones(5))),
+                   lambda m: m.tokens.CopyFrom(codec.tensor_to_proto(torch.tensor([1, 2, 3], dtype=torch.int32)))):
+        bad = pb.Proposal()
+        bad.CopyFrom(good)
+        mutate(bad)
+        _bad(lambda: codec.proposal_from_proto(bad))
