@@ -1,0 +1,204 @@
+"""DraftService over real gRPC on 127.0.0.1, hosting ToyWorker (tests/test_grpc_toy_worker.py), a small
+real implementation of the DraftWorker interface: calls, pushed trees, and status codes at the edge."""
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.draft_service import default_bind_host, serve_draft
+from saguaro_dist.distributed.proto import SERVICE_NAME, saguaro_pb2 as pb, saguaro_pb2_grpc
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
+from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_probs, toy_tokens
+
+pytestmark = pytest.mark.timeout(60)
+GREEDY = DraftSampling(0.0, 0, 1.0, None)
+TOP_K = DraftSampling(0.8, 4, 1.0, 7)
+
+
+class Served:
+    def __init__(self, worker=None, **kwargs):
+        self.worker = worker or ToyWorker()
+        self.server, self.port = serve_draft(self.worker, "127.0.0.1", 0, **kwargs)
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
+        self.stub = saguaro_pb2_grpc.DraftServiceStub(self.channel)
+
+    def raw(self, method: str):
+        """A byte-level caller, to send what the typed stub would refuse to build."""
+        return self.channel.unary_unary(f"/{SERVICE_NAME}/{method}")
+
+    def close(self):
+        self.channel.close()
+        self.server.stop(None)
+
+
+class StreamClient:
+    """An open Speculate call: send outcome batches, read pushed tree batches with a timeout."""
+
+    def __init__(self, stub):
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.received: queue.SimpleQueue = queue.SimpleQueue()
+        self.call = stub.Speculate(iter(self.requests.get, None))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def send(self, outcomes):
+        self.requests.put(codec.outcome_batch_to_proto(outcomes))
+
+    def get(self, timeout=5.0):
+        item = self.received.get(timeout=timeout)
+        if isinstance(item, grpc.RpcError):
+            raise item
+        return codec.tree_batch_from_proto(item)
+
+    def _read(self):
+        try:
+            for msg in self.call:
+                self.received.put(msg)
+        except grpc.RpcError as err:
+            self.received.put(err)
+
+    def close(self):
+        self.requests.put(None)
+        self.call.cancel()
+
+
+@pytest.fixture
+def served():
+    s = Served()
+    yield s
+    s.close()
+
+
+def _prefill(stub, seq_id, prompt=(5, 6), sampling=GREEDY):
+    stub.Prefill(codec.prefill_batch_to_proto([PrefillRequest(seq_id, list(prompt), sampling)]), timeout=5)
+
+
+def _jit(stub, seq_id, round_, accepted=0, bonus=9):
+    reply = stub.JitDraft(codec.jit_batch_to_proto([JitDraftRequest(seq_id, round_, accepted, bonus)]), timeout=5)
+    return codec.proposal_batch_from_proto(reply)
+
+
+def _code(fn) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code()
+
+
+def test_prefill_jit_then_trees_pushed_on_the_stream(served):
+    stream = StreamClient(served.stub)
+    _prefill(served.stub, 1, sampling=TOP_K)
+    (proposal,) = _jit(served.stub, 1, 0)
+    assert proposal.tokens.tolist() == toy_tokens([5, 6, 9]) and proposal.probs is not None
+    (tree,) = stream.get()  # built after the JIT, pushed without being asked
+    assert (tree.seq_id, tree.round, len(tree.branches)) == (1, 0, K + 1)
+    bonus, tokens = expected_branch([5, 6, 9], proposal.tokens.tolist(), 1)
+    assert (tree.branches[1].bonus_token, tree.branches[1].proposal.tokens.tolist()) == (bonus, tokens)
+    assert torch.equal(tree.branches[1].proposal.probs, toy_probs(TOP_K, tokens))  # sparse top-k, exact over the wire
+    stream.send([Outcome(1, 0, 1, bonus, None)])  # a hit: the draft continues with the cached branch
+    (nxt,) = stream.get()
+    assert (nxt.seq_id, nxt.round) == (1, 1)
+    stream.close()
+
+
+def test_trees_built_before_any_stream_wait_for_one(served):
+    _prefill(served.stub, 1)
+    _jit(served.stub, 1, 0)
+    stream = StreamClient(served.stub)  # opened after the JIT: the pending tree is delivered
+    (tree,) = stream.get()
+    assert tree.round == 0 and tree.branches[0].proposal.probs is None
+    stream.close()
+
+
+def test_health_service_reports_serving(served):
+    health = health_pb2_grpc.HealthStub(served.channel)
+    for name in ("", SERVICE_NAME):
+        reply = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_malformed_requests_get_invalid_argument(served):
+    assert _code(lambda: served.raw("Prefill")(b"\xff\xff\xff\xff", timeout=5)) is grpc.StatusCode.INVALID_ARGUMENT
+    no_sampling = pb.PrefillBatch(requests=[pb.PrefillRequest(seq_id=1, prompt_token_ids=[1])])
+    assert _code(lambda: served.stub.Prefill(no_sampling, timeout=5)) is grpc.StatusCode.INVALID_ARGUMENT
+    negative = pb.JitDraftBatch(requests=[pb.JitDraftRequest(seq_id=1, round=-4)])
+    assert _code(lambda: served.stub.JitDraft(negative, timeout=5)) is grpc.StatusCode.INVALID_ARGUMENT
+    assert _code(lambda: _prefill(served.stub, 2, prompt=())) is grpc.StatusCode.INVALID_ARGUMENT  # worker's ValueError
+    _prefill(served.stub, 1)  # still serving
+    assert _jit(served.stub, 1, 0)[0].tokens.tolist() == toy_tokens([5, 6, 9])
+
+
+def test_unknown_sequence_and_out_of_order_get_their_codes(served):
+    assert _code(lambda: _jit(served.stub, 42, 0)) is grpc.StatusCode.NOT_FOUND
+    _prefill(served.stub, 1)
+    assert _code(lambda: _prefill(served.stub, 1)) is grpc.StatusCode.FAILED_PRECONDITION  # already prefilled
+    _jit(served.stub, 1, 0)
+    assert _code(lambda: _jit(served.stub, 1, 5)) is grpc.StatusCode.FAILED_PRECONDITION  # skips rounds
+    assert _jit(served.stub, 1, 1)[0].tokens.shape == (K,)  # the right round still works
+    served.stub.Release(codec.release_batch_to_proto([Release(1), Release(77)]), timeout=5)
+    assert _code(lambda: _jit(served.stub, 1, 2)) is grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize("bad, code", [
+    (b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),
+    ([Outcome(42, 0, 0, 1, None)], grpc.StatusCode.NOT_FOUND),
+    ([Outcome(1, 3, 0, 1, None)], grpc.StatusCode.FAILED_PRECONDITION),
+])
+def test_bad_outcomes_end_the_stream_with_a_status_and_the_server_lives_on(served, bad, code):
+    _prefill(served.stub, 1)
+    _jit(served.stub, 1, 0)
+    raw = served.channel.stream_stream(f"/{SERVICE_NAME}/Speculate")  # bytes in, bytes out
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+    call = raw(iter(requests.get, None))
+    requests.put(bad if isinstance(bad, bytes) else codec.outcome_batch_to_proto(bad).SerializeToString())
+    with pytest.raises(grpc.RpcError) as info:
+        for _ in call:  # the tree pending from the JIT may come first
+            pass
+    assert info.value.code() is code
+    stream = StreamClient(served.stub)  # a new stream works
+    stream.send([Outcome(1, 0, 0, 3, [1, 2, 3])])
+    assert stream.get()[0].round == 1
+    stream.close()
+
+
+def test_oversized_messages_get_resource_exhausted():
+    s = Served(max_message_bytes=64 * 1024)
+    try:
+        big = codec.prefill_batch_to_proto([PrefillRequest(1, list(range(100_000, 140_000)), GREEDY)])
+        assert big.ByteSize() > 64 * 1024
+        assert _code(lambda: s.stub.Prefill(big, timeout=5)) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        stream = StreamClient(s.stub)
+        stream.send([Outcome(1, 0, 0, 1, list(range(100_000, 140_000)))])
+        assert _code(stream.get) is grpc.StatusCode.RESOURCE_EXHAUSTED
+        _prefill(s.stub, 1)  # still serving
+    finally:
+        s.close()
+
+
+class BrokenWorker(ToyWorker):
+    def jit_draft(self, reqs):
+        raise RuntimeError("boom")
+
+
+def test_a_failing_worker_gets_internal_and_the_server_lives_on():
+    s = Served(BrokenWorker())
+    try:
+        _prefill(s.stub, 1)
+        assert _code(lambda: _jit(s.stub, 1, 0)) is grpc.StatusCode.INTERNAL
+        _prefill(s.stub, 2)
+    finally:
+        s.close()
+
+
+def test_binds_loopback_without_ray_never_all_interfaces():
+    assert default_bind_host() == "127.0.0.1"
+    server, port = serve_draft(ToyWorker(), port=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            grpc.channel_ready_future(ch).result(timeout=5)
+    finally:
+        server.stop(None)
