@@ -52,6 +52,11 @@ def test_build_tiny_end_to_end(tmp_path):
     assert again["heldout_loss"] == report["heldout_loss"]
 
 
+def test_minutes_budget_stops_on_time(tmp_path):
+    report = build(Recipe(**{**TINY.__dict__, "minutes": 0.02}), out=tmp_path / "pair", work=tmp_path / "work")
+    assert all(steps >= 1 for steps in report["steps"].values())
+
+
 def test_resume_rejects_a_different_recipe(tmp_path):
     build(TINY, out=tmp_path / "pair", work=tmp_path / "work")
     with pytest.raises(ValueError, match="different recipe"):
@@ -59,9 +64,10 @@ def test_resume_rejects_a_different_recipe(tmp_path):
 
 
 def test_lr_schedule_and_match_helpers():
-    assert lr_at(0, 100, 1.0, 10) == pytest.approx(0.1)
-    assert lr_at(10, 100, 1.0, 10) == pytest.approx(1.0)
-    assert lr_at(100, 100, 1.0, 10) == pytest.approx(0.1)
+    assert lr_at(0, 0.0, 1.0, 10) == pytest.approx(0.1)
+    assert lr_at(10, 0.0, 1.0, 10) == pytest.approx(1.0)
+    assert lr_at(50, 0.5, 1.0, 10) == pytest.approx(0.55)
+    assert lr_at(100, 1.0, 1.0, 10) == pytest.approx(0.1)
     assert matched([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and matched([], [1]) == 0
 
 

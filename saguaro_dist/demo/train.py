@@ -2,7 +2,9 @@
 
 Both loops are resumable: the model, optimiser and step are checkpointed every few minutes, and
 the batch of step s is drawn from a generator seeded by (seed, role, s), so a resumed run sees
-exactly the batches an uninterrupted one would.
+exactly the batches an uninterrupted one would. With a wall-clock budget (`--minutes`) the LR
+schedule follows training time instead of steps, so a run on a busy machine still ends on time
+(the steps it ran are reported; pass them as --steps to repeat the run deterministically).
 """
 from __future__ import annotations
 
@@ -19,16 +21,13 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_STEPS = 5  # steps timed to turn a minutes budget into a step count
-
-
 @dataclass
 class LoopSpec:
     """What one training loop needs besides the model (internal to the recipe, not a config)."""
     role: str
     ckpt: Path
-    total_steps: int | None
-    budget_s: float | None
+    total_steps: int | None  # used when budget_s is None
+    budget_s: float | None  # a wall-clock budget: the schedule follows time, not steps
     lr: float
     warmup: int
     weight_decay: float
@@ -43,12 +42,19 @@ def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int)
     return torch.stack([tokens[s:s + seq_len + 1] for s in starts.tolist()]).long()
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warm-up, then cosine decay to 10% of peak."""
+def lr_at(step: int, progress: float, peak: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` steps, then cosine decay to 10% of peak as progress goes 0 -> 1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, max(0.0, progress))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def progress_of(spec: "LoopSpec", step: int, elapsed_s: float) -> float:
+    """Fraction of the run done: by steps, or (with a minutes budget) by training wall-clock time."""
+    if spec.budget_s is not None:
+        return elapsed_s / spec.budget_s
+    return (step - spec.warmup) / max(1, spec.total_steps - spec.warmup)
 
 
 def target_loss(model, batch: torch.Tensor) -> torch.Tensor:
@@ -71,65 +77,60 @@ def distill_loss(teacher, ce_weight: float, temperature: float) -> Callable:
     return loss_fn
 
 
-def save_checkpoint(spec: LoopSpec, model, opt, step: int, total: int | None) -> None:
+def save_checkpoint(spec: LoopSpec, model, opt, step: int, elapsed_s: float) -> None:
     tmp = spec.ckpt.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                "total_steps": total, "fingerprint": spec.fingerprint}, tmp)
+                "elapsed_s": elapsed_s, "fingerprint": spec.fingerprint}, tmp)
     os.replace(tmp, spec.ckpt)  # atomic: a kill mid-save never leaves a torn checkpoint
 
 
-def load_checkpoint(spec: LoopSpec, model, opt) -> tuple[int, int | None]:
+def load_checkpoint(spec: LoopSpec, model, opt) -> tuple[int, float]:
     if not spec.ckpt.exists():
-        return 0, spec.total_steps
+        return 0, 0.0
     state = torch.load(spec.ckpt, map_location="cpu", weights_only=False)
     if state["fingerprint"] != spec.fingerprint:
         raise ValueError(f"{spec.ckpt} was written by a different recipe; delete it or build without --resume")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     log.info("%s: resuming at step %d", spec.role, state["step"])
-    return state["step"], state["total_steps"]
-
-
-def calibrated_total(spec: LoopSpec, step_times: list[float]) -> int:
-    per_step = sorted(step_times)[len(step_times) // 2]
-    total = max(spec.warmup + 1, int(spec.budget_s / per_step))
-    log.info("%s: %.2fs/step -> %d steps in %.1f min", spec.role, per_step, total, spec.budget_s / 60)
-    return total
+    return state["step"], state["elapsed_s"]
 
 
 def make_optimizer(model, spec: LoopSpec) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
 
 
+def train_step(model, opt, loss_fn: Callable, batch: torch.Tensor, lr: float) -> float:
+    for group in opt.param_groups:
+        group["lr"] = lr
+    loss = loss_fn(model, batch)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.item()
+
+
 def run_loop(model, loss_fn: Callable, batches: Callable[[int], torch.Tensor], spec: LoopSpec) -> int:
-    """Train until total_steps (fixed, or calibrated from budget_s); returns the steps run."""
+    """Train until total_steps, or until budget_s of training time; returns the steps run."""
     from tqdm.auto import tqdm
 
     opt = make_optimizer(model, spec)
-    step, total = load_checkpoint(spec, model, opt)
+    step, elapsed = load_checkpoint(spec, model, opt)
     model.train()
-    times: list[float] = []
     last_save = time.monotonic()
-    bar = tqdm(initial=step, total=total, desc=f"train {spec.role}", unit="step")
-    while total is None or step < total:
+    bar = tqdm(initial=step, total=spec.total_steps if spec.budget_s is None else None,
+               desc=f"train {spec.role}", unit="step")
+    while (progress := progress_of(spec, step, elapsed)) < 1.0 and (spec.budget_s or step < spec.total_steps):
         started = time.monotonic()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, total or 10**9, spec.lr, spec.warmup)
-        loss = loss_fn(model, batches(step))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        times.append(time.monotonic() - started)
-        if total is None and len(times) == CALIBRATION_STEPS:
-            total = bar.total = calibrated_total(spec, times)
+        loss = train_step(model, opt, loss_fn, batches(step), lr_at(step, progress, spec.lr, spec.warmup))
+        step, elapsed = step + 1, elapsed + time.monotonic() - started
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
+        bar.set_postfix(loss=f"{loss:.3f}", done=f"{min(1.0, progress):.0%}")
         if time.monotonic() - last_save > spec.checkpoint_s:
-            save_checkpoint(spec, model, opt, step, total)
+            save_checkpoint(spec, model, opt, step, elapsed)
             last_save = time.monotonic()
     bar.close()
-    save_checkpoint(spec, model, opt, step, total)
+    save_checkpoint(spec, model, opt, step, elapsed)
     model.eval()
     return step
