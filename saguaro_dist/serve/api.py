@@ -41,6 +41,15 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     return app
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes the body iterator when streaming stops early (the client went away and the request was
+    cancelled), so the engine aborts the generation now, not whenever the generator is garbage collected."""
+
+    async def stream_response(self, send) -> None:
+        async with aclosing(self.body_iterator):
+            await super().stream_response(send)
+
+
 def _state(request: Request) -> ServingState:
     return request.app.state.saguaro
 
@@ -113,12 +122,12 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
     return fmt.body(fmt.new_id(), model, choices, usage=total, speculation=stats)
 
 
-async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt) -> StreamingResponse:
+async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt) -> ClosingStreamingResponse:
     deltas = merge([state.stream(job) for job in jobs])
     # Wait for the first delta before answering, so a request the engine rejects still gets a 400.
     first = await anext(deltas, None)
     chunks = _sse_chunks(state, body, jobs, model, fmt, deltas, first)
-    return StreamingResponse(chunks, media_type="text/event-stream",
+    return ClosingStreamingResponse(chunks, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 

@@ -43,9 +43,10 @@ class SaguaroServer:
         self._app = create_app(self._engine, self._options, metrics)
         return self._app
 
-    def num_running(self) -> int:
-        """Generations in flight on this replica (a deployment-handle call, not an HTTP route)."""
-        return self._app.state.saguaro.running if self._app is not None else 0
+    def stats(self) -> dict:
+        """Generations in flight and cancelled on this replica (a deployment-handle call, not a route)."""
+        state = self._app.state.saguaro
+        return {"running": state.running, "cancelled": state.cancelled}
 
     def __del__(self):
         engine = getattr(self, "_engine", None)

@@ -39,6 +39,7 @@ class ServingState:
         self.max_model_len = int(engine.max_model_len)
         self.metrics = metrics
         self.running = 0
+        self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
 
     def check_model(self, requested: str | None) -> str:
         # A missing model means the only one served, as with vLLM.
@@ -69,15 +70,16 @@ class ServingState:
         self._enter()
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                            request_id=uuid.uuid4().hex)
+        finished = False
         try:
-            async with aclosing(engine_stream) as deltas:
+            async with aclosing(engine_stream) as deltas:  # closing the engine's stream aborts the request
                 async for delta in deltas:
                     now = time.monotonic()
                     self._record(delta, start, last, now)
-                    last = now
+                    last, finished = now, delta.finished
                     yield delta
         finally:
-            self._exit()
+            self._exit(cancelled=not finished)
 
     async def collect(self, job: Job) -> Finished:
         out = Finished(prompt_tokens=len(job.prompt_ids))
@@ -103,8 +105,9 @@ class ServingState:
         self.running += 1
         self.metrics.running.set(self.running)
 
-    def _exit(self) -> None:
+    def _exit(self, cancelled: bool) -> None:
         self.running -= 1
+        self.cancelled += int(cancelled)
         self.metrics.running.set(self.running)
 
 

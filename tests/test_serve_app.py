@@ -1,0 +1,203 @@
+"""The Ray Serve OpenAI app on loopback, driven by the `openai` package and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+from saguaro_dist import SamplingParams
+from saguaro_dist.serve.prompts import encode_chat
+from saguaro_dist.serve.protocol import ChatMessage
+from test_serve_fixtures import app_stats
+
+pytest_plugins = ["test_serve_fixtures"]
+
+PROMPTS = ["the cat sat on", "hello world", "def add ( a , b )", "import os", "a dog ran", "class Stack",
+           "saguaro cactus", "for i in range", "the mat", "speculative decoding", "the target verifies",
+           "grows slowly", "from the desert", "return a + b", "park", "tokens and"]
+
+
+@pytest.fixture(scope="module")
+def oai(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+
+
+def greedy(reference_llm, prompt: str, max_tokens: int) -> str:
+    return reference_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens))[0].text
+
+
+def post(server, path: str, body=None, headers=None, **kwargs) -> httpx.Response:
+    headers = server.headers if headers is None else headers
+    return httpx.post(server.url + path, json=body, headers=headers, timeout=60, **kwargs)
+
+
+# ---- OpenAI client: completions and chat, plain and streamed ------------------------------------
+def test_models_and_health(server, oai):
+    assert [m.id for m in oai.models.list().data] == [server.model]
+    assert httpx.get(server.url + "/health").status_code == 200  # open without the key
+
+
+def test_completion_greedy_matches_llm_generate(server, oai, reference_llm):
+    out = oai.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=24, temperature=0)
+    assert out.choices[0].text == greedy(reference_llm, PROMPTS[0], 24)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    assert out.usage.prompt_tokens == len(reference_llm.tokenizer.encode(PROMPTS[0]))
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+    stats = out.model_extra["speculation"]
+    assert stats["mode"] == "ssd" and stats["rounds"] >= 1
+    assert {"acceptance_rate", "mean_accepted_length", "cache_hit_rate"} <= stats.keys()
+
+
+def test_chat_greedy_matches_llm_generate(server, oai, reference_llm):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]
+    out = oai.chat.completions.create(model=server.model, messages=messages, max_tokens=20, temperature=0)
+    ids = encode_chat(reference_llm.tokenizer, [ChatMessage(**m) for m in messages])
+    expected = reference_llm.generate(prompt_token_ids=[ids],
+                                      sampling_params=SamplingParams(temperature=0, max_tokens=20))[0]
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == expected.text
+    assert out.usage.prompt_tokens == len(ids)
+
+
+def test_streamed_completion_equals_generate_and_ends_with_stats(server, oai, reference_llm):
+    stream = oai.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0,
+                                    stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == greedy(reference_llm, PROMPTS[1], 24)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].model_extra["speculation"]["rounds"] >= 1
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_streamed_chat_chunks(server, oai):
+    stream = oai.chat.completions.create(messages=[{"role": "user", "content": "hello"}], model=server.model,
+                                         max_tokens=12, temperature=0, stream=True,
+                                         stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1  # OpenAI's usage chunk
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+
+
+def test_sse_wire_format(server):
+    body = {"prompt": "hello", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "text_completion"
+
+
+def test_missing_model_means_the_served_one_and_sampling_with_seed(server, reference_llm):
+    body = {"prompt": "the cat", "max_tokens": 8, "temperature": 0.8, "top_k": 5, "top_p": 0.9, "seed": 7}
+    first, second = post(server, "/v1/completions", body).json(), post(server, "/v1/completions", body).json()
+    assert first["model"] == server.model
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]  # a seed makes sampling reproducible
+
+
+def test_token_id_prompts_and_batched_prompts(server, reference_llm):
+    expected = [greedy(reference_llm, "the cat sat on", 10), greedy(reference_llm, "hello world", 10)]
+    ids = [reference_llm.tokenizer.encode(p) for p in ("the cat sat on", "hello world")]
+    for prompt in (ids, ["the cat sat on", "hello world"]):
+        out = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0}).json()
+        assert [c["text"] for c in sorted(out["choices"], key=lambda c: c["index"])] == expected
+    single = post(server, "/v1/completions", {"prompt": ids[0], "max_tokens": 10, "temperature": 0}).json()
+    assert single["choices"][0]["text"] == expected[0]
+
+
+def test_tokenize_detokenize(server, reference_llm):
+    tokens = post(server, "/tokenize", {"prompt": "the cat sat"}).json()
+    assert tokens["tokens"] == reference_llm.tokenizer.encode("the cat sat") and tokens["max_model_len"] == reference_llm.max_model_len
+    text = post(server, "/detokenize", {"tokens": reference_llm.tokenizer.encode("the cat", add_special_tokens=False)})
+    assert text.json() == {"prompt": "the cat"}
+    chat = post(server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] == len(chat["tokens"]) > 0
+
+
+# ---- concurrency and cancellation ---------------------------------------------------------------
+@pytest.mark.slow
+def test_16_concurrent_streams_complete_and_are_correct(server, reference_llm):
+    expected = [o.text for o in reference_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32))]
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
+
+    async def one(prompt):
+        stream = await client.completions.create(model=server.model, prompt=prompt, max_tokens=32,
+                                                 temperature=0, stream=True)
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(p) for p in PROMPTS))
+    assert asyncio.run(all_of_them()) == expected
+
+
+def test_client_disconnect_cancels_generation(server):
+    before = app_stats()["cancelled"]
+    body = {"prompt": "the cat", "max_tokens": 240, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
+        next(r.iter_lines())  # generation is under way; now hang up
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (app_stats()["cancelled"] == before or app_stats()["running"]):
+        time.sleep(0.1)
+    stats = app_stats()
+    assert stats["cancelled"] == before + 1 and stats["running"] == 0
+
+
+# ---- validation and security --------------------------------------------------------------------
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"prompt": "hi", "max_tokens": 1000}, "prompt"),
+    ({"prompt": " ".join(["cat"] * 300)}, "prompt"),
+    ({"prompt": [1, 2, 10_000], "max_tokens": 2}, "prompt"),
+    ({"max_tokens": 2}, "prompt"),
+])
+def test_bad_requests_get_400_envelope(server, body, param):
+    r = post(server, "/v1/completions", body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["type"] == "invalid_request_error" and error["message"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+def test_malformed_json_and_wrong_shapes(server):
+    r = httpx.post(server.url + "/v1/chat/completions", content=b'{"messages": [', timeout=30,
+                   headers={**server.headers, "content-type": "application/json"})
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
+    r = post(server, "/v1/chat/completions", {"messages": "hello"})
+    assert r.status_code == 400
+
+
+def test_unknown_model_is_404(server, oai):
+    with pytest.raises(openai.NotFoundError) as err:
+        oai.completions.create(model="gpt-17", prompt="hi", max_tokens=2)
+    assert "gpt-17" in str(err.value)
+
+
+def test_api_key_required_everywhere_but_health(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+            r = httpx.request(method, server.url + path, json={"prompt": "hi"}, headers=headers, timeout=30)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_oversized_body_is_413(server):
+    r = post(server, "/v1/completions", {"prompt": "cat " * 400_000, "max_tokens": 1})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_no_stack_traces_to_clients(server):
+    bodies = [post(server, "/v1/completions", b).text for b in ({"prompt": []}, {"prompt": [[]]}, {"prompt": None})]
+    assert all(r and "Traceback" not in r and "File \"" not in r for r in bodies)

@@ -1,0 +1,125 @@
+"""Fixtures for the serving, client and CLI tests, loaded as a pytest plugin by those modules
+(`pytest_plugins = ["test_serve_fixtures"]`) so the Ray cluster and the Serve app exist once per session.
+
+The checkpoints are real tiny Llamas written by transformers, with a real (tiny) tokenizer saved next
+to them, since serving needs text in and out.
+"""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+import pytest
+
+API_KEY = "sk-test-saguaro"
+MODEL_NAME = "tiny-ssd"
+APP_NAME = "saguaro"
+# The engine settings of the shared server; the reference LLM uses the same ones.
+ENGINE_ARGS = {"mode": "ssd", "k": 2, "max_batch_size": 16, "max_model_len": 256}
+SENTENCES = [
+    "the cat sat on the mat", "a dog ran in the park", "hello world from the desert",
+    "def add ( a , b ) : return a + b", "class Stack : pass", "import os", "for i in range ( 10 ) :",
+    "speculative decoding drafts tokens and the target verifies them", "saguaro cactus grows slowly",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "</s>"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   pad_token="</s>")
+
+
+def write_llama(path, tokenizer, *, hidden: int, layers: int, seed: int) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def serving_pair(tmp_path_factory) -> tuple[str, str]:
+    """(target, draft) tiny Llamas sharing one saved tokenizer (no chat template: the plain one applies)."""
+    tokenizer = make_tokenizer()
+    target = write_llama(tmp_path_factory.mktemp("serve_target"), tokenizer, hidden=64, layers=2, seed=1)
+    draft = write_llama(tmp_path_factory.mktemp("serve_draft"), tokenizer, hidden=32, layers=1, seed=2)
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the session; address="local" so we never join a neighbour's cluster."""
+    import ray
+    from ray import serve
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    serve.shutdown()
+    if started:
+        ray.shutdown()
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str          # http://127.0.0.1:PORT
+    api_key: str
+    model: str
+    target: str
+    draft: str
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster, serving_pair) -> Server:
+    """The real Serve app on loopback, as `saguaro serve` deploys it."""
+    from ray import serve
+
+    from saguaro_dist.serve.app import build_app
+
+    target, draft = serving_pair
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {"model": target, "draft": draft, **ENGINE_ARGS, "api_key": API_KEY, "served_model_name": MODEL_NAME}
+    serve.run(build_app(args), name=APP_NAME, route_prefix="/")
+    return Server(f"http://127.0.0.1:{port}", API_KEY, MODEL_NAME, target, draft)
+
+
+@pytest.fixture(scope="session")
+def reference_llm(serving_pair):
+    """The same engine in-process: what HTTP outputs must equal."""
+    from saguaro_dist import LLM
+
+    target, draft = serving_pair
+    llm = LLM(model=target, draft=draft, **ENGINE_ARGS)
+    yield llm
+    llm.shutdown()
+
+
+def app_stats() -> dict:
+    """The replica's in-flight / cancelled generation counts, through a Serve deployment handle."""
+    from ray import serve
+
+    return serve.get_app_handle(APP_NAME).stats.remote().result(timeout_s=30)
