@@ -1,0 +1,150 @@
+"""GrpcDraftBackend against real DraftService servers on 127.0.0.1 (ToyWorker inside, see
+tests/test_grpc_toy_worker.py): the pool, pushed trees, deadlines, and a server killed mid-stream."""
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from saguaro_dist.distributed.draft_service import serve_draft
+from saguaro_dist.distributed.errors import DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
+from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_tokens
+
+pytestmark = pytest.mark.timeout(60)
+HERE = pathlib.Path(__file__).resolve().parent
+GREEDY = DraftSampling(0.0, 0, 1.0, None)
+
+
+@pytest.fixture
+def pool():
+    workers = [ToyWorker(), ToyWorker()]
+    servers = [serve_draft(w, "127.0.0.1", 0) for w in workers]
+    backend = GrpcDraftBackend([f"127.0.0.1:{port}" for _, port in servers], deadline_s=5.0)
+    yield backend, workers
+    backend.close()
+    for server, _ in servers:
+        server.stop(None)
+
+
+def _start(backend, seq_ids, prompt=(5, 6), bonus=9):
+    backend.prefill([PrefillRequest(s, list(prompt), GREEDY) for s in seq_ids])
+    return backend.jit_draft([JitDraftRequest(s, 0, 0, bonus) for s in seq_ids])
+
+
+def test_pool_round_robin_jit_and_pushed_trees(pool):
+    backend, workers = pool
+    proposals = _start(backend, [10, 11, 12, 13])
+    assert [backend.owner_of(s) for s in (10, 11, 12, 13)] == [backend.addresses[0], backend.addresses[1]] * 2
+    assert sorted(workers[0].seqs) == [10, 12] and sorted(workers[1].seqs) == [11, 13]
+    assert all(p.tokens.tolist() == toy_tokens([5, 6, 9]) for p in proposals)
+    trees = backend.wait_trees([(s, 0) for s in (10, 11, 12, 13)], timeout_s=5.0)
+    assert sorted(trees) == [10, 11, 12, 13] and all(len(t.branches) == K + 1 for t in trees.values())
+    spec = proposals[0].tokens.tolist()
+    bonus, tokens = expected_branch([5, 6, 9], spec, 2)
+    backend.send_outcomes([Outcome(s, 0, 2, bonus, None) for s in (10, 11, 12, 13)])  # hits
+    nxt = backend.wait_trees([(s, 1) for s in (10, 11, 12, 13)], timeout_s=5.0)
+    assert sorted(nxt) == [10, 11, 12, 13]
+    assert all(w.seqs[s].speculation == tokens for w in workers for s in w.seqs)
+
+
+def test_wait_trees_times_out_gracefully(pool):
+    backend, workers = pool
+    _start(backend, [1])
+    start = time.monotonic()
+    assert backend.wait_trees([(1, 5)], timeout_s=0.3) == {}  # a round that never comes
+    assert 0.25 <= time.monotonic() - start < 2.0
+    workers[0].build_delay_s = 0.5  # a late tree: not there by the deadline, there afterwards
+    backend.send_outcomes([Outcome(1, 0, 0, 3, [7, 8, 9])])
+    assert backend.wait_trees([(1, 1)], timeout_s=0.05) == {}
+    assert list(backend.wait_trees([(1, 1)], timeout_s=5.0)) == [1]
+
+
+def test_worker_errors_come_back_as_the_same_exceptions(pool):
+    backend, _ = pool
+    _start(backend, [1])
+    with pytest.raises(UnknownSequence):
+        backend.jit_draft([JitDraftRequest(99, 0, 0, 1)])
+    with pytest.raises(OutOfOrder):
+        backend.jit_draft([JitDraftRequest(1, 7, 0, 1)])
+    with pytest.raises(OutOfOrder):
+        backend.prefill([PrefillRequest(1, [1], GREEDY)])
+    backend.release([Release(1)])
+    with pytest.raises(UnknownSequence):
+        backend.jit_draft([JitDraftRequest(1, 1, 0, 1)])
+
+
+def test_a_stream_error_costs_one_batch_then_the_stream_is_reopened(pool):
+    backend, _ = pool
+    _start(backend, [1])
+    backend.wait_trees([(1, 0)], timeout_s=5.0)
+    backend.send_outcomes([Outcome(1, 4, 0, 3, [7, 8, 9])])  # out of order: the server ends the stream
+    assert backend.wait_trees([(1, 5)], timeout_s=0.3) == {}
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:  # the reader reopens the stream in the background
+        backend.send_outcomes([Outcome(1, 0, 0, 3, [7, 8, 9])])
+        if backend.wait_trees([(1, 1)], timeout_s=0.2):
+            break
+    else:
+        pytest.fail("no tree after the stream was reopened")
+    assert backend.dead_addresses == []
+
+
+def _spawn_toy_server(tmp_path) -> tuple[subprocess.Popen, int]:
+    port_file = tmp_path / "port"
+    proc = subprocess.Popen([sys.executable, str(HERE / "test_grpc_toy_worker.py"), str(port_file)],
+                            env={**os.environ, "PYTHONPATH": str(HERE)})
+    deadline = time.monotonic() + 30.0
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail("toy draft server did not start")
+        time.sleep(0.05)
+    return proc, int(port_file.read_text())
+
+
+def test_server_killed_mid_stream_is_marked_dead_and_the_rest_goes_on(tmp_path):
+    proc, remote_port = _spawn_toy_server(tmp_path)
+    local, local_port = serve_draft(ToyWorker(), "127.0.0.1", 0)
+    backend = GrpcDraftBackend([f"127.0.0.1:{local_port}", f"127.0.0.1:{remote_port}"], deadline_s=5.0)
+    try:
+        _start(backend, [1, 2])  # 1 -> local, 2 -> the subprocess
+        assert len(backend.wait_trees([(1, 0), (2, 0)], timeout_s=5.0)) == 2
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        backend.send_outcomes([Outcome(1, 0, 0, 3, [7, 8, 9]), Outcome(2, 0, 0, 3, [7, 8, 9])])
+        start = time.monotonic()
+        assert list(backend.wait_trees([(1, 1), (2, 1)], timeout_s=10.0)) == [1]
+        assert time.monotonic() - start < 5.0  # did not wait out the deadline for the dead one
+        assert backend.dead_addresses == [f"127.0.0.1:{remote_port}"]
+        with pytest.raises(DraftUnavailable) as info:
+            backend.jit_draft([JitDraftRequest(1, 2, 0, 4), JitDraftRequest(2, 1, 0, 4)])
+        assert info.value.seq_ids == [2] and list(info.value.partial) == [1]
+        backend.prefill([PrefillRequest(3, [1, 2], GREEDY), PrefillRequest(2, [5, 6, 9, 3], GREEDY)])
+        assert backend.owner_of(3) == backend.owner_of(2) == f"127.0.0.1:{local_port}"  # re-assigned
+        assert backend.jit_draft([JitDraftRequest(3, 0, 0, 4)])[0].tokens.tolist() == toy_tokens([1, 2, 4])
+    finally:
+        backend.close()
+        local.stop(None)
+        proc.kill()
+
+
+def test_unreachable_server_starts_dead_and_close_is_idempotent():
+    local, port = serve_draft(ToyWorker(), "127.0.0.1", 0)
+    probe, dead_port = serve_draft(ToyWorker(), "127.0.0.1", 0)
+    probe.stop(None).wait()  # a port nobody listens on any more
+    backend = GrpcDraftBackend([f"127.0.0.1:{dead_port}", f"127.0.0.1:{port}"], connect_timeout_s=0.5)
+    try:
+        assert backend.dead_addresses == [f"127.0.0.1:{dead_port}"]
+        _start(backend, [1, 2])
+        assert {backend.owner_of(1), backend.owner_of(2)} == {f"127.0.0.1:{port}"}
+    finally:
+        backend.close()
+        backend.close()
+        local.stop(None)
