@@ -3,7 +3,9 @@ are parsed with BuildKit's own parser (the `dockerfile` package) and checked for
 from __future__ import annotations
 
 import fnmatch
+import http.server
 import importlib
+import threading
 from pathlib import Path
 
 import pytest
@@ -80,12 +82,36 @@ def test_runs_as_a_non_root_user(kind):
     assert int(user) == k8s.RAY_UID  # the uid the manifests' securityContext names
 
 
+@pytest.fixture
+def health_server():
+    """A stand-in for Serve's proxy on a free port: 200 on /-/healthz, 503 elsewhere."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/-/healthz" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+    server.server_close()
+
+
 @pytest.mark.parametrize("kind", IMAGES)
-def test_healthcheck_runs_an_importable_module(kind):
+def test_healthcheck_runs_an_importable_module(kind, health_server, monkeypatch):
     check = last(commands(kind), "HEALTHCHECK").value
     assert check[:3] == ("CMD", "python", "-m")
     module = importlib.import_module(check[3])
-    assert module.main() == 1  # nothing serves on :8000 here: unhealthy, and no exception
+    monkeypatch.setenv("SAGUARO_HEALTHCHECK_URL", f"{health_server}/-/healthz")
+    assert module.main() == 0
+    monkeypatch.setenv("SAGUARO_HEALTHCHECK_URL", f"{health_server}/-/routes")
+    assert module.main() == 1
+    monkeypatch.setenv("SAGUARO_HEALTHCHECK_URL", "http://127.0.0.1:9/-/healthz")  # nothing listens
+    assert module.main() == 1
 
 
 @pytest.mark.parametrize("kind", IMAGES)
