@@ -2,9 +2,9 @@
 under SD and every SSD path equals the target's, computed by enumeration.
 
 Test: Pearson chi-square over the V^3 joint (cells with expected count < 5 pooled), false-alarm
-rate ALPHA per case. With N = 6000 samples a 1% shift of probability mass between two likely
-cells is seen with power ~0.5 at this alpha, a broken verifier (tested below) is rejected at once;
-the verifier itself is tested with 10^5+ samples in tests/test_spec_*.
+rate ALPHA per case. With N = 20000 samples, a 1% (absolute) shift of probability mass between two
+likely cells is seen with high probability at this alpha; broken verifiers (tested below) are
+rejected at once; the verifier alone is tested with 10^5+ samples in tests/test_spec_*.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from scipy.stats import chi2
 import saguaro_dist.engine.target as target_module
 from engine_helpers import llama_config, save_model, save_perturbed
 from saguaro_dist import LLM, SamplingParams
-from saguaro_dist.spec import VerifyResult
+from saguaro_dist.spec import VerifyResult, verify
 
-VOCAB, PROMPT, N, ALPHA = 6, [1, 2, 3], 6000, 1e-4
+VOCAB, PROMPT, N, ALPHA = 6, [1, 2, 3], 20000, 1e-4
 pytestmark = pytest.mark.slow
 
 
@@ -61,20 +61,24 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
     return joint
 
 
-def sample_joint(target: str, draft: str | None, params: SamplingParams, **kwargs) -> dict[tuple[int, ...], int]:
+def sample_joint(target: str, draft: str | None, params: SamplingParams, **kwargs):
+    """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken)."""
     mode = kwargs.pop("mode", "ssd")
     with LLM(model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         seeded = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                  max_tokens=3, ignore_eos=True, seed=i) for i in range(N)]
         outs = llm.generate(prompt_token_ids=[PROMPT] * N, sampling_params=seeded)
+        metrics = llm.metrics
     counts: dict[tuple[int, ...], int] = {}
     for o in outs:
         counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
-    return counts
+    return counts, metrics
 
 
-def chi_square_pvalue(counts: dict, joint: dict) -> float:
+def chi_square_pvalue(counts: dict, joint: dict, allow_impossible: bool = False) -> float:
     impossible = {c: n for c, n in counts.items() if c not in joint}
+    if impossible and allow_impossible:
+        return 0.0  # impossible sequences: rejected outright
     assert not impossible, f"sequences with zero target probability were generated: {impossible}"
     cells = sorted(joint, key=joint.get, reverse=True)
     big = [c for c in cells if joint[c] * N >= 5]
@@ -85,14 +89,15 @@ def chi_square_pvalue(counts: dict, joint: dict) -> float:
     return float(chi2.sf(stat, len(pairs) - 1))
 
 
+# case -> (engine settings, a check that the path under test was really taken)
 CASES = {
-    "sd": dict(mode="sd", k=1),
-    "ssd_hit_path": dict(k=1, fan_out=VOCAB * 2 - 1),          # every outcome cached: round 1 always hits
-    "ssd_miss_neural": dict(k=1, fan_out=2, fallback="neural"),
-    "ssd_miss_fast": dict(k=1, fan_out=2, fallback="fast"),
-    "ssd_miss_random": dict(k=1, fan_out=2, fallback="random"),
-    "ssd_saguaro_c": dict(k=1, fan_out=4, saguaro_c=0.3),
-    "ssd_k2": dict(k=2, fan_out=9),
+    "sd": (dict(mode="sd", k=1), lambda m: m.rounds > 0),
+    "ssd_hit_path": (dict(k=1, fan_out=VOCAB * 2 - 1), lambda m: m.cache_hits > 0 and m.cache_misses == 0),
+    "ssd_miss_neural": (dict(k=1, fan_out=2, fallback="neural"), lambda m: m.fallbacks["neural"] > 0),
+    "ssd_miss_fast": (dict(k=1, fan_out=2, fallback="fast"), lambda m: m.fallbacks["fast"] > 0),
+    "ssd_miss_random": (dict(k=1, fan_out=2, fallback="random"), lambda m: m.fallbacks["random"] > 0),
+    "ssd_saguaro_c": (dict(k=1, fan_out=4, saguaro_c=0.3), lambda m: m.cache_hits > 0),
+    "ssd_k2": (dict(k=2, fan_out=9), lambda m: m.cache_hits > 0),
 }
 PARAMS = {
     "t1": SamplingParams(temperature=1.0),
@@ -105,7 +110,10 @@ PARAMS = {
 def test_first_tokens_follow_the_target(pair, case):
     target, draft, model = pair
     params = PARAMS["t1"]
-    p = chi_square_pvalue(sample_joint(target, draft, params, **CASES[case]), exact_joint(model, params))
+    settings, took_path = CASES[case]
+    counts, metrics = sample_joint(target, draft, params, **settings)
+    assert took_path(metrics), f"{case}: the path under test was not taken: {metrics}"
+    p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"{case}: chi-square p = {p:.2e}"
 
 
@@ -113,7 +121,7 @@ def test_first_tokens_follow_the_target(pair, case):
 def test_truncated_sampling_follows_the_target(pair, name):
     target, draft, model = pair
     params = PARAMS[name]
-    counts = sample_joint(target, draft, params, k=1, fan_out=4)
+    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"{name}: chi-square p = {p:.2e}"
 
@@ -125,9 +133,20 @@ def always_accept(target_probs, draft_tokens, draft_probs, generators):
     return VerifyResult(accepted=torch.full((b,), k, dtype=torch.long), bonus=bonus)
 
 
-def test_the_test_catches_a_broken_verifier(pair, monkeypatch):
+def bonus_from_p(target_probs, draft_tokens, draft_probs, generators):
+    """A broken verifier: the right acceptance test, but the bonus drawn from p instead of the residual."""
+    result = verify(target_probs, draft_tokens, draft_probs, generators)
+    rows = torch.arange(len(draft_tokens))
+    p = target_probs[rows, result.accepted]
+    bonus = torch.stack([torch.multinomial(p[i], 1, generator=g)[0] for i, g in enumerate(generators)])
+    return VerifyResult(accepted=result.accepted, bonus=bonus)
+
+
+@pytest.mark.parametrize("broken", [always_accept, bonus_from_p], ids=["always_accept", "bonus_from_p"])
+def test_the_test_catches_a_broken_verifier(pair, monkeypatch, broken):
     target, draft, model = pair
-    monkeypatch.setattr(target_module, "verify", always_accept)
+    monkeypatch.setattr(target_module, "verify", broken)
     params = PARAMS["t1"]
-    p = chi_square_pvalue(sample_joint(target, draft, params, k=1, fan_out=4), exact_joint(model, params))
-    assert p < ALPHA, f"a verifier that always accepts went unnoticed (p = {p:.2e})"
+    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
+    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
+    assert p < ALPHA, f"broken verifier {broken.__name__} went unnoticed (p = {p:.2e})"

@@ -20,11 +20,19 @@ def make_runner(path: str, config: Config) -> ModelRunner:
 
 def eos_ids(runner, tokenizer) -> set[int]:
     """Every id that ends generation: the model config's eos (int or list) and the tokenizer's."""
-    found = getattr(runner.config, "eos_token_id", None)
-    ids = set(found if isinstance(found, (list, tuple)) else [found] if found is not None else [])
+    ids = set(runner.config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def try_load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or None for a bare checkpoint (then only token-id prompts work)."""
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError, TypeError) as err:
+        log.info("no tokenizer at %s (%s): token-id prompts only", path, err)
+        return None
 
 
 def check_same_tokenizer(target_tok, draft_tok) -> None:
@@ -45,11 +53,11 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
     if config.target_threads:
         torch.set_num_threads(config.target_threads)
     target = make_runner(config.model, config)
-    tokenizer = load_tokenizer(config.model)
+    tokenizer = try_load_tokenizer(config.model)
     backend = None
     if config.mode is not Mode.AR:
         worker = build_draft_worker(config)
         check_same_vocab(target, worker.runner)
-        check_same_tokenizer(tokenizer, load_tokenizer(config.draft))
+        check_same_tokenizer(tokenizer, try_load_tokenizer(config.draft))
         backend = LocalDraftBackend(worker)
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer)), tokenizer

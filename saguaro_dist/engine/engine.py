@@ -30,6 +30,7 @@ class Engine:
         self.config = config
         self.metrics = EngineMetrics()
         self.target = TargetScorer(target_runner)
+        self.vocab_size, self.max_model_len = target_runner.vocab_size, target_runner.max_model_len
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
         self.detok = Detokenizer(tokenizer)
         self.eos_token_ids = eos_token_ids

@@ -7,7 +7,7 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from saguaro_dist.config import Config
+from saguaro_dist.config import Config, Mode
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
@@ -42,8 +42,10 @@ class LLM:
         else:
             from saguaro_dist.distributed.cluster import build_cluster_engine
             engine, self.tokenizer = build_cluster_engine(config)
-        self.max_model_len = engine.target.runner.max_model_len if hasattr(engine, "target") else engine.max_model_len
-        self.vocab_size = engine.target.vocab_size if hasattr(engine, "target") else engine.vocab_size
+        # A speculative round scores up to K+1 positions past the last token: keep them inside the model.
+        headroom = 0 if config.mode is Mode.AR else config.k + 1
+        self.max_model_len = engine.max_model_len - headroom
+        self.vocab_size = engine.vocab_size
         self._engine = engine
         self._thread = EngineThread(engine)
 

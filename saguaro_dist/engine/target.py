@@ -8,13 +8,16 @@ from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.spec import sample, target_probs, verify
 
 
-def sampling_probs(logits: torch.Tensor, seqs: list[Sequence], rows_per_seq: int = 1) -> torch.Tensor:
-    """Each request's own temperature / top-k / top-p over logits [len(seqs) * rows_per_seq, V]."""
+def sampling_probs(logits: torch.Tensor, settings: list, rows_per_seq: int = 1) -> torch.Tensor:
+    """Each request's own temperature / top-k / top-p over logits [len(settings) * rows_per_seq, V].
+
+    settings: SamplingParams or DraftSampling, one per sequence.
+    """
     def per_row(values):
         return torch.tensor(values, dtype=torch.float32).repeat_interleave(rows_per_seq)
-    temperature = per_row([s.params.temperature for s in seqs])
-    top_k = per_row([s.params.top_k for s in seqs]).long()
-    top_p = per_row([s.params.top_p for s in seqs])
+    temperature = per_row([s.temperature for s in settings])
+    top_k = per_row([s.top_k for s in settings]).long()
+    top_p = per_row([s.top_p for s in settings])
     return target_probs(logits.float(), temperature, top_k, top_p)
 
 
@@ -55,7 +58,7 @@ class TargetScorer:
         ids = [s.seq_id for s in seqs]
         inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
         logits = torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs)))     # [B, K+1, V]
-        p = sampling_probs(logits.flatten(0, 1), seqs, k + 1).view(len(seqs), k + 1, -1)
+        p = sampling_probs(logits.flatten(0, 1), [s.params for s in seqs], k + 1).view(len(seqs), k + 1, -1)
         tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)
         result = verify(p, tokens, q, [s.generator for s in seqs])
         accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
@@ -67,4 +70,4 @@ class TargetScorer:
         self.runner.free(seq.seq_id)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        return sample(sampling_probs(logits, seqs), [s.generator for s in seqs]).tolist()
+        return sample(sampling_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs]).tolist()
