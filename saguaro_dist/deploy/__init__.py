@@ -1,0 +1,3 @@
+"""Deployment: KubeRay manifests (`k8s`, behind `saguaro deploy k8s`), their offline validators
+(`validation`) and the images' health check (`healthcheck`). The Helm chart, the Dockerfiles and the
+cluster-launcher config live in deploy/ at the repository root; docs/deploy.md walks through them."""
