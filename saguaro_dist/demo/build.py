@@ -44,6 +44,7 @@ class Recipe:
     weight_decay: float = 0.1
     ce_weight: float = 0.1  # share of plain CE in the draft's loss; the rest is KL to the target
     kd_temperature: float = 1.0
+    bf16_autocast: bool = True  # master weights and optimiser stay fp32
     target_steps: int | None = 1500
     draft_steps: int | None = 1500
     minutes: float | None = None  # if set, overrides the step counts: a wall-clock budget
@@ -112,7 +113,8 @@ def loop_spec(recipe: Recipe, role: str, work: Path, steps: int | None, budget_s
     return LoopSpec(role=role, ckpt=work / f"{role}.pt", total_steps=None if budget_s else steps,
                     budget_s=budget_s, lr=getattr(recipe, f"{role}_lr"), warmup=recipe.warmup_steps,
                     weight_decay=recipe.weight_decay, checkpoint_s=recipe.checkpoint_minutes * 60,
-                    seed=recipe.seed, fingerprint=recipe.fingerprint() | {"role": role})
+                    seed=recipe.seed, fingerprint=recipe.fingerprint() | {"role": role},
+                    bf16=recipe.bf16_autocast)
 
 
 def budgets(recipe: Recipe) -> tuple[float | None, float | None]:

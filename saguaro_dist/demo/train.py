@@ -34,6 +34,7 @@ class LoopSpec:
     checkpoint_s: float
     seed: int
     fingerprint: dict
+    bf16: bool = False  # autocast matmuls to bf16 (about 2x faster on CPUs with avx512_bf16/AMX)
 
 
 def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -100,10 +101,11 @@ def make_optimizer(model, spec: LoopSpec) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
 
 
-def train_step(model, opt, loss_fn: Callable, batch: torch.Tensor, lr: float) -> float:
+def train_step(model, opt, loss_fn: Callable, batch: torch.Tensor, lr: float, bf16: bool) -> float:
     for group in opt.param_groups:
         group["lr"] = lr
-    loss = loss_fn(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss = loss_fn(model, batch)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
@@ -123,7 +125,8 @@ def run_loop(model, loss_fn: Callable, batches: Callable[[int], torch.Tensor], s
                desc=f"train {spec.role}", unit="step")
     while (progress := progress_of(spec, step, elapsed)) < 1.0 and (spec.budget_s or step < spec.total_steps):
         started = time.monotonic()
-        loss = train_step(model, opt, loss_fn, batches(step), lr_at(step, progress, spec.lr, spec.warmup))
+        loss = train_step(model, opt, loss_fn, batches(step),
+                          lr_at(step, progress, spec.lr, spec.warmup), spec.bf16)
         step, elapsed = step + 1, elapsed + time.monotonic() - started
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", done=f"{min(1.0, progress):.0%}")
