@@ -17,7 +17,7 @@ class BranchState:
     seq_ids: list                 # the sequence of each branch, in the caller's order
     rows: list[int]               # [U] pool row of each distinct sequence
     prefix_len: torch.Tensor      # [U, Q] int64; padding slots hold 0
-    prefix_bias: torch.Tensor     # [U, 1, Q * group, P] float32: 0 where a branch sees its prefix, -inf elsewhere
+    bias: torch.Tensor            # [U, 1, Q * group, P + D_cap * Q] float32: 0 where a branch sees a key, else -inf
     out_index: torch.Tensor       # [N] int64: branch i's slot u * Q + j in the [U, Q] layout
     private_k: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
     private_v: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
@@ -52,21 +52,34 @@ def new_branch_state(seq_ids, seq_rows, prefix_lens, group: int, pool: KVPool, d
     plen[u_idx, j_idx] = torch.tensor(prefix_lens, device=dev)
     keys = torch.arange(max(prefix_lens), device=dev)
     seen = (keys[None, None, :] < plen[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
-    bias = torch.zeros(seen.shape, device=dev).masked_fill_(~seen, float("-inf"))
+    bias = torch.cat([_bias(seen), private_bias(u_count, q, group, depth_cap, dev)], dim=-1)
     layers, _, kv, _, hd = pool.k.shape
     priv = (layers, u_count, kv, depth_cap * q, hd)
     return BranchState(list(seq_ids), rows, plen, bias, u_idx * q + j_idx,
                        pool.k.new_zeros(priv), pool.v.new_zeros(priv))
 
 
-def grow_private(state: BranchState):
+def _bias(seen: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(seen.shape, device=seen.device).masked_fill_(~seen, float("-inf"))
+
+
+def private_bias(u_count: int, q: int, group: int, depth: int, device) -> torch.Tensor:
+    """[U, 1, Q * group, depth * Q]: private slot d * Q + j' is visible to branch j iff j' == j."""
+    own = torch.eye(q, dtype=torch.bool, device=device).repeat_interleave(group, dim=0).repeat(1, depth)
+    return _bias(own).expand(u_count, 1, -1, -1)
+
+
+def grow_private(state: BranchState, group: int):
     """Double the private depth capacity (amortised: once per doubling, never per step)."""
     k, v = state.private_k, state.private_v
+    u_count, q = state.prefix_len.shape
     shape = list(k.shape)
     shape[3] *= 2
     state.private_k, state.private_v = k.new_zeros(shape), v.new_zeros(shape)
     state.private_k[:, :, :, :k.shape[3]] = k
     state.private_v[:, :, :, :v.shape[3]] = v
+    extra = private_bias(u_count, q, group, k.shape[3] // q, k.device)
+    state.bias = torch.cat([state.bias, extra], dim=-1)
 
 
 class BranchBatch:
@@ -76,19 +89,12 @@ class BranchBatch:
         self.state, self.pool = state, pool
         u_count, self.q = state.prefix_len.shape
         if (state.depth + 1) * self.q > state.private_k.shape[3]:
-            grow_private(state)
+            grow_private(state, group)
         pos = (state.prefix_len + state.depth).clamp_max(cos.shape[0] - 1)
         self.cos, self.sin = cos[pos].unsqueeze(2), sin[pos].unsqueeze(2)  # [U, Q, 1, D]
         self.rows = rows_index(state.rows, pool.k.device)
-        self.p = state.prefix_bias.shape[-1]
-        self.bias = torch.cat([state.prefix_bias, self._private_bias(group)], dim=-1)
-
-    def _private_bias(self, group: int) -> torch.Tensor:
-        """[U, 1, Q * group, (depth + 1) * Q]: slot d * Q + j' is visible to branch j iff j' == j."""
-        own = torch.eye(self.q, dtype=torch.bool, device=self.pool.k.device)
-        own = own.repeat_interleave(group, dim=0).repeat(1, self.state.depth + 1)
-        bias = torch.zeros(own.shape, device=own.device).masked_fill_(~own, float("-inf"))
-        return bias.expand(self.state.prefix_len.shape[0], 1, -1, -1)
+        self.p = state.bias.shape[-1] - state.private_k.shape[3]  # longest prefix
+        self.bias = state.bias[..., :self.p + (state.depth + 1) * self.q]  # a view: built once per state
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]."""
