@@ -1,0 +1,67 @@
+"""`saguaro generate PROMPT ...`: one-off generation, in-process or against a running server (--url)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from saguaro_dist.cli.serve import add_engine_args, engine_args
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text for one-off prompts",
+                              description="Generate for each PROMPT (or each line of stdin when none is given) "
+                                          "with an in-process engine, or with a running server via --url.")
+    p.add_argument("--prompt", action="append", default=[], metavar="PROMPT",
+                   help="a prompt (repeatable); stdin lines when no prompt is given")
+    add_engine_args(p)
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="one JSON object per prompt, with speculation metrics")
+    o.add_argument("--url", help="use this OpenAI-compatible server instead of loading the model")
+    o.add_argument("--api-key", help="API key for --url")
+    p.set_defaults(run=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        raise ValueError("no prompt given (--prompt TEXT, or lines on stdin)")
+    results = _remote(ns, prompts) if ns.url else _local(ns, prompts)
+    for result in results:
+        sys.stdout.write(json.dumps(result) + "\n" if ns.json else result["text"] + "\n")
+    return 0
+
+
+def _sampling(ns: argparse.Namespace) -> dict:
+    return {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
+            "seed": ns.seed, "stop": ns.stop}
+
+
+def _local(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    from saguaro_dist import LLM, SamplingParams
+    from saguaro_dist.config import Config
+
+    params = SamplingParams(**{k: v for k, v in _sampling(ns).items() if v is not None})
+    with LLM.from_config(Config(**engine_args(ns))) as llm:
+        outputs = llm.generate(prompts, params)
+    return [{"prompt": o.prompt, "text": o.text, "finish_reason": o.finish_reason, "metrics": o.metrics.to_dict()}
+            for o in outputs]
+
+
+def _remote(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
+    from saguaro_dist.client import Client, SaguaroError
+
+    with Client(ns.url, api_key=ns.api_key, model=ns.model or ns.model_tag) as client:
+        try:
+            outs = [client.complete(p, **_sampling(ns)) for p in prompts]
+        except SaguaroError as err:  # the server's message, as a clean CLI error
+            raise ValueError(str(err)) from None
+    return [{"prompt": p, "text": o.text, "finish_reason": o.finish_reason, "metrics": o.speculation}
+            for p, o in zip(prompts, outs)]

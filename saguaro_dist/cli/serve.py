@@ -1,0 +1,152 @@
+"""`saguaro serve [MODEL]`: start (or join) a Ray cluster and run the OpenAI-compatible Serve app.
+
+Also home of the engine flags shared with `saguaro generate`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from saguaro_dist.config import FallbackPolicy, FanOut, Mode
+from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "saguaro"
+# flag dest -> Config field (flags default to None so a --config file's values are only overridden on purpose)
+ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "fan_out": "fan_out",
+                "fan_out_kind": "fan_out_kind", "saguaro_c": "saguaro_c", "fallback": "fallback",
+                "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "device": "device",
+                "dtype": "dtype", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
+                "cluster": "cluster"}
+SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
+               "max_request_bytes": "max_request_bytes"}
+
+
+def fan_out_arg(text: str):
+    """A budget ("12") or explicit per-position counts ("4,3,2")."""
+    parts = [int(p) for p in text.split(",")]
+    return parts[0] if len(parts) == 1 else parts
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("model_tag", nargs="?", metavar="MODEL", help="target model path or HF id (or use --model)")
+    g.add_argument("--model", help="target model (default: the shipped demo pair)")
+    g.add_argument("--draft", help="draft model (needed for sd / ssd; default: the demo draft with the demo pair)")
+    g.add_argument("--mode", choices=[m.value for m in Mode], help="ar, sd or ssd (default ssd; ar without draft)")
+    g.add_argument("--k", type=int, help="speculation length K (default 4)")
+    g.add_argument("--fan-out", type=fan_out_arg, help="branch budget B, or K+1 comma-separated counts")
+    g.add_argument("--fan-out-kind", choices=[f.value for f in FanOut])
+    g.add_argument("--saguaro-c", type=float, help="Saguaro sampling scale C in [0, 1]")
+    g.add_argument("--fallback", choices=[f.value for f in FallbackPolicy])
+    g.add_argument("--max-batch-size", type=int)
+    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
+    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
+    g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
+    g.add_argument("--cluster", help="run the engine as Ray actors: auto, local or ray://host:port "
+                                     "(default: one-host engine inside the server)")
+
+
+def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
+    """Engine settings from `base` (a config file's args) overridden by the flags actually given."""
+    args = dict(base or {})
+    if ns.model_tag and ns.model and ns.model_tag != ns.model:
+        raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
+    ns.model = ns.model or ns.model_tag
+    args.update({field: getattr(ns, dest) for dest, field in ENGINE_FLAGS.items() if getattr(ns, dest) is not None})
+    if "cluster" not in args and (args.get("tensor_parallel_size", 1) > 1 or args.get("num_draft_workers", 1) > 1):
+        args["cluster"] = "auto"  # more than one target rank or draft worker means Ray actors
+    return with_default_model(args)
+
+
+def with_default_model(args: dict) -> dict:
+    """No model given: the shipped demo pair, like `vllm serve` needs no flags for a first try."""
+    if args.get("model"):
+        if not args.get("draft") and "mode" not in args:
+            args["mode"] = Mode.AR.value  # a lone target can only decode autoregressively
+        return args
+    try:
+        from saguaro_dist.demo import demo_pair
+        target, draft = demo_pair()
+    except (ImportError, FileNotFoundError) as err:
+        raise ValueError(f"no model given (MODEL or --model) and the demo pair is unavailable: {err}") from None
+    return {**args, "model": target, "draft": args.get("draft") or draft}
+
+
+# ---- saguaro serve ------------------------------------------------------------------------------
+def register(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve",
+                              description="Start an embedded Ray cluster (or join --address) and serve "
+                                          "/v1/completions, /v1/chat/completions, /v1/models, /health, "
+                                          "/tokenize and /detokenize.")
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    g.add_argument("--api-key", help=f"require this bearer key (default: ${API_KEY_ENV} if set)")
+    g.add_argument("--served-model-name", help="the model name clients use (default: the model path)")
+    g.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
+    g.add_argument("--config", help="a `serve run` YAML config (applications + http_options) or a "
+                                    "mapping of app args; flags override it")
+    g.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
+    g.add_argument("--num-cpus", type=int, help="CPUs of the embedded Ray cluster (default: all)")
+    p.set_defaults(run=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from saguaro_dist.serve.config_file import load_serve_config
+
+    file = load_serve_config(ns.config) if ns.config else None
+    args = engine_args(ns, file.args if file else None)
+    args.update({field: getattr(ns, dest) for dest, field in SERVE_FLAGS.items() if getattr(ns, dest) is not None})
+    if api_key_from_args(args):
+        args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment
+    config_from_args(args)  # fail fast with a clear message, before Ray starts
+    host = ns.host or (file.host if file else None) or "127.0.0.1"
+    port = ns.port or (file.port if file else None) or 8000
+    return _serve(args, host, port, ns, file.deployment_options if file else {})
+
+
+def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_options: dict) -> int:
+    import ray
+    from ray import serve
+
+    from saguaro_dist.serve.app import build_app
+
+    embedded = not ns.address
+    # address="local": a fresh embedded cluster, never one another process on this machine started.
+    ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if embedded else None,
+             include_dashboard=False, log_to_driver=False)
+    stop = _stop_on_signals()
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
+        name = args.get("served_model_name") or args["model"]
+        log.warning("serving %r at http://%s:%d/v1 (Ctrl-C to stop)", name, host, port)
+        while not stop.wait(1.0):  # short waits keep signal delivery prompt
+            pass
+    finally:
+        _shutdown(serve, ray, embedded)
+    return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGINT and SIGTERM (Kubernetes, systemd) both end the server cleanly."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _shutdown(serve, ray, embedded: bool) -> None:
+    log.warning("shutting down")
+    if embedded:
+        serve.shutdown()
+        ray.shutdown()
+    else:
+        serve.delete(APP_NAME)  # leave the shared cluster and its other apps running

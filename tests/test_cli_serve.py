@@ -1,0 +1,105 @@
+"""`saguaro serve` and `saguaro generate`: help, errors, a real server in a subprocess stopped by SIGINT."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+import yaml
+
+from saguaro_dist import SamplingParams
+from saguaro_dist.cli import main
+from saguaro_dist.serve.app import APP_IMPORT_PATH
+from saguaro_dist.serve.config_file import load_serve_config
+from test_serve_fixtures import free_port
+
+pytest_plugins = ["test_serve_fixtures"]
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_help(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0 and "--model" in capsys.readouterr().out
+
+
+def test_bad_flags_exit_2_without_trace(capsys, serving_pair):
+    assert main(["serve", serving_pair[0], "--k", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "k must be an integer >= 1" in err and "Traceback" not in err
+
+
+def test_serve_config_file_parsing(tmp_path):
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({
+        "http_options": {"host": "127.0.0.1", "port": 8123},
+        "applications": [{"name": "saguaro", "route_prefix": "/", "import_path": APP_IMPORT_PATH,
+                          "args": {"model": "/m", "k": 3},
+                          "deployments": [{"name": "SaguaroServer", "num_replicas": 2}]}]}))
+    loaded = load_serve_config(str(path))
+    assert (loaded.args, loaded.host, loaded.port) == ({"model": "/m", "k": 3}, "127.0.0.1", 8123)
+    assert loaded.deployment_options == {"num_replicas": 2}
+    path.write_text("applications: [{import_path: 7}]")
+    with pytest.raises(ValueError, match="not a valid Serve config"):
+        load_serve_config(str(path))
+
+
+def test_generate_in_process_matches_llm(serving_pair, reference_llm, capsys):
+    target, draft = serving_pair
+    code = main(["generate", target, "--draft", draft, "--mode", "sd", "--k", "2", "--max-model-len", "256",
+                 "--prompt", "the cat sat", "--max-tokens", "12", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    expected = reference_llm.generate(["the cat sat"], SamplingParams(temperature=0, max_tokens=12))[0].text
+    assert code == 0 and result["text"] == expected and result["metrics"]["rounds"] >= 1
+
+
+def test_generate_against_a_server(server, reference_llm, capsys):
+    code = main(["generate", "--url", server.url, "--api-key", server.api_key, "--prompt", "hello world",
+                 "--max-tokens", "10"])
+    expected = reference_llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=10))[0].text
+    assert code == 0 and capsys.readouterr().out == expected + "\n"
+    assert main(["generate", "--url", server.url, "--prompt", "hi"]) == 2  # no key: the server's 401, cleanly
+
+
+@pytest.mark.slow
+def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path):
+    target, draft = serving_pair
+    port = free_port()
+    config = tmp_path / "serve.yaml"
+    config.write_text(yaml.safe_dump({"applications": [{
+        "name": "saguaro", "route_prefix": "/", "import_path": APP_IMPORT_PATH,
+        "args": {"model": target, "draft": draft, "mode": "ssd", "k": 2, "max_model_len": 256}}]}))
+    cmd = [sys.executable, "-c", "import sys; from saguaro_dist.cli import main; sys.exit(main())", "serve", "--config", str(config), "--port", str(port),
+           "--num-cpus", "2", "--api-key", "cli-key", "--served-model-name", "tiny"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_ADDRESS": ""})
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", proc)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       headers={"Authorization": "Bearer cli-key"},
+                       json={"model": "tiny", "prompt": "the cat", "max_tokens": 5, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.send_signal(signal.SIGINT)
+        output = proc.communicate(timeout=90)[0]
+    assert proc.returncode == 0, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"saguaro serve exited early:\n{proc.communicate()[0][-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("saguaro serve did not become healthy in time")
