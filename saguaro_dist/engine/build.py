@@ -14,8 +14,9 @@ from saguaro_dist.model import ModelRunner, check_same_vocab, load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def make_runner(path: str, config: Config) -> ModelRunner:
-    return ModelRunner(path, device=config.device, dtype=getattr(torch, config.dtype), max_model_len=config.max_model_len)
+def make_runner(path: str, config: Config, tp_group=None) -> ModelRunner:
+    return ModelRunner(path, device=config.device, dtype=getattr(torch, config.dtype),
+                       max_model_len=config.max_model_len, tp_group=tp_group)
 
 
 def eos_ids(runner, tokenizer) -> set[int]:

@@ -39,20 +39,19 @@ class LLM:
         if config.cluster is None:
             from saguaro_dist.engine.build import build_local_engine
             engine, self.tokenizer = build_local_engine(config)
+            self._thread = EngineThread(engine)
         else:
             from saguaro_dist.distributed.cluster import build_cluster_engine
-            engine, self.tokenizer = build_cluster_engine(config)
+            self._thread, self.tokenizer = build_cluster_engine(config)
         # A speculative round scores up to K+1 positions past the last token: keep them inside the model.
         headroom = 0 if config.mode is Mode.AR else config.k + 1
-        self.max_model_len = engine.max_model_len - headroom
-        self.vocab_size = engine.vocab_size
-        self._engine = engine
-        self._thread = EngineThread(engine)
+        self.max_model_len = self._thread.max_model_len - headroom
+        self.vocab_size = self._thread.vocab_size
 
     @property
     def metrics(self):
         """Engine-wide counters and the time split of the round loop."""
-        return self._engine.metrics
+        return self._thread.metrics
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | None = None,
@@ -98,7 +97,15 @@ class LLM:
         self._thread.abort(request_id)
 
     def shutdown(self) -> None:
+        """Stop the engine and free everything it holds (threads; on Ray: actors, servers, ports)."""
         self._thread.stop()
+
+    def rebuild(self) -> None:
+        """After a fatal engine error (e.g. a target actor died): a fresh engine with the same Config."""
+        try:
+            self.shutdown()
+        finally:
+            self._setup(self.config)
 
     def __enter__(self):
         return self

@@ -29,6 +29,18 @@ class EngineThread:
         self._thread = threading.Thread(target=self._run, name="saguaro-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def metrics(self):
+        return self.engine.metrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
     def submit(self, seq: Sequence, listener: Listener) -> None:
         with self._cond:
             if self._stopped:

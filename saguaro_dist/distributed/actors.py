@@ -1,0 +1,126 @@
+"""Ray actors: the draft workers (each a gRPC DraftService) and the target's tensor-parallel ranks."""
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+
+import ray
+import torch
+import torch.distributed as dist
+
+from saguaro_dist.config import Config, Mode
+from saguaro_dist.distributed.draft_service import default_bind_host, format_address, serve_draft
+from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
+from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
+
+log = logging.getLogger(__name__)
+
+
+class DraftActor:
+    """One draft worker: the draft model behind a DraftService on this node's cluster address."""
+
+    def __init__(self, config: Config):
+        from saguaro_dist.engine.build import build_draft_worker
+        torch.set_num_threads(config.draft_threads or 1)
+        self.worker = build_draft_worker(config)
+        self.server, port = serve_draft(self.worker)
+        self._address = format_address(default_bind_host(), port)
+
+    def address(self) -> str:
+        return self._address
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def stop(self) -> None:
+        self.server.stop(grace=0.5).wait()
+
+
+class TargetRank:
+    """One tensor-parallel rank of the target. Rank 0 also runs the engine (round loop + batching)."""
+
+    def __init__(self, config: Config, rank: int):
+        torch.set_num_threads(config.target_threads or 1)
+        self.config, self.rank = config, rank
+        self.updates: queue.Queue = queue.Queue()
+        self.thread = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a free port for the torch.distributed store (asked of rank 0)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def setup(self, master: tuple[str, int], draft_addresses: list[str]) -> dict:
+        """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow."""
+        from saguaro_dist.engine.build import make_runner
+        group = self._join_group(master)
+        runner = make_runner(self.config.model, self.config, tp_group=group)
+        if self.rank > 0:
+            threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
+            return {}
+        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), draft_addresses)
+
+    def _join_group(self, master: tuple[str, int]):
+        world = self.config.tensor_parallel_size
+        if world == 1:
+            return None
+        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank, world_size=world)
+        return dist.group.WORLD
+
+    def _start_engine(self, runner, draft_addresses: list[str]) -> dict:
+        from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+        from saguaro_dist.engine.build import eos_ids, try_load_tokenizer
+        from saguaro_dist.engine.engine import Engine
+        from saguaro_dist.engine.loop_thread import EngineThread
+        tokenizer = try_load_tokenizer(self.config.model)
+        backend = GrpcDraftBackend(draft_addresses) if self.config.mode is not Mode.AR else None
+        engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
+        self.thread = EngineThread(engine)
+        return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}
+
+    # ---- rank 0: the engine's front door ------------------------------------------------------------
+    def submit(self, request: RemoteRequest) -> None:
+        from saguaro_dist.engine.sequence import Sequence
+        seq = Sequence(request.seq_id, request.request_id, request.prompt_token_ids, request.params)
+        self.thread.submit(seq, self._listener(request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self.thread.abort(request_id)
+
+    def poll(self, timeout_s: float) -> list[RemoteUpdate]:
+        """Updates since the last poll; waits up to timeout_s for the first one."""
+        try:
+            items = [self.updates.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while not self.updates.empty():
+            items.append(self.updates.get_nowait())
+        return items
+
+    def metrics(self):
+        return self.thread.metrics
+
+    def shutdown(self) -> None:
+        if self.thread is not None:
+            runner = self.thread.engine.target.runner
+            self.thread.stop()
+            if isinstance(runner, BroadcastRunner):
+                runner.stop_followers()
+
+    def _listener(self, request_id: str):
+        def on_update(item):
+            if isinstance(item, BaseException):
+                self.updates.put(RemoteUpdate(request_id, "", [], True, "abort", None, error=str(item)))
+                return
+            s = item.seq
+            reason = s.finish_reason.value if item.finished and s.finish_reason else None
+            self.updates.put(RemoteUpdate(request_id, item.text_delta, item.token_delta, item.finished, reason,
+                                          s.metrics if item.finished else None))
+        return on_update

@@ -1,0 +1,162 @@
+"""The engine on a Ray cluster: target ranks in a placement group, a pool of draft actors, and the
+driver-side RemoteEngine that LLM talks to (same surface as the one-host EngineThread)."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+
+import ray
+
+from saguaro_dist.config import Config, Mode
+from saguaro_dist.distributed.actors import DraftActor, TargetRank
+from saguaro_dist.distributed.placement import draft_options, rank_strategy, target_bundle, target_placement
+from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
+from saguaro_dist.engine.engine import Update
+from saguaro_dist.engine.loop_thread import EngineError
+from saguaro_dist.engine.sequence import FinishReason, SeqStatus
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2
+
+
+def connect(cluster: str, num_cpus_needed: int) -> bool:
+    """Join or start Ray; returns whether this process started it (and so must stop it)."""
+    if ray.is_initialized():
+        return False
+    if cluster == "local":
+        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False)
+        return True
+    ray.init(address=cluster, log_to_driver=False)  # "auto" or "ray://host:port"
+    return False
+
+
+@dataclass
+class Deployment:
+    """Everything the cluster engine holds, so shutdown can free all of it."""
+    ranks: list = field(default_factory=list)
+    drafts: list = field(default_factory=list)
+    placement_group: object = None
+    started_ray: bool = False
+
+    def kill(self) -> None:
+        for actor in self.ranks + self.drafts:
+            ray.kill(actor, no_restart=True)
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+        if self.started_ray:
+            ray.shutdown()
+
+
+def start_drafts(config: Config, resources: dict) -> list:
+    if config.mode is Mode.AR:
+        return []
+    actor = ray.remote(DraftActor).options(**draft_options(config, resources), max_restarts=0)
+    return [actor.remote(config) for _ in range(config.num_draft_workers)]
+
+
+def start_ranks(config: Config, resources: dict, pg) -> list:
+    bundle = target_bundle(config, resources)
+    opts = {"num_cpus": bundle.get("CPU", 0), "num_gpus": bundle.get("GPU", 0),
+            "resources": {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}, "max_concurrency": 8}
+    cls = ray.remote(TargetRank)
+    return [cls.options(**opts, scheduling_strategy=rank_strategy(pg, r)).remote(config, r)
+            for r in range(config.tensor_parallel_size)]
+
+
+def build_cluster_engine(config: Config):
+    """Start the actors and the engine on rank 0; returns (RemoteEngine, tokenizer)."""
+    from saguaro_dist.engine.build import try_load_tokenizer
+    needed = config.tensor_parallel_size + config.num_draft_workers + 1
+    deployment = Deployment(started_ray=connect(config.cluster, needed))
+    try:
+        resources = ray.cluster_resources()
+        deployment.drafts = start_drafts(config, resources)
+        deployment.placement_group = target_placement(config, resources)
+        deployment.ranks = start_ranks(config, resources, deployment.placement_group)
+        addresses = ray.get([d.address.remote() for d in deployment.drafts])
+        master = ray.get(deployment.ranks[0].rendezvous.remote())
+        info = ray.get([r.setup.remote(master, addresses) for r in deployment.ranks])[0]
+    except BaseException:
+        deployment.kill()
+        raise
+    return RemoteEngine(deployment, info), try_load_tokenizer(config.model)
+
+
+class RemoteEngine:
+    """Driver side: submits to rank 0 and routes its updates to each request's listener."""
+
+    def __init__(self, deployment: Deployment, info: dict):
+        self.deployment, self.rank0 = deployment, deployment.ranks[0]
+        self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
+        self._requests: dict[str, tuple] = {}   # request_id -> (Sequence, listener)
+        self._lock = threading.Lock()
+        self._dead: str | None = None
+        self._stopped = threading.Event()
+        self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="saguaro-remote-poll")
+        self._poller.start()
+
+    @property
+    def metrics(self):
+        return ray.get(self.rank0.metrics.remote())
+
+    def draft_node_ids(self) -> list[str]:
+        return ray.get([d.node_id.remote() for d in self.deployment.drafts])
+
+    def target_node_ids(self) -> list[str]:
+        return ray.get([r.node_id.remote() for r in self.deployment.ranks])
+
+    def submit(self, seq, listener) -> None:
+        if self._dead:
+            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
+        with self._lock:
+            self._requests[seq.request_id] = (seq, listener)
+        ray.get(self.rank0.submit.remote(RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params)))
+
+    def abort(self, request_id: str) -> None:
+        if not self._dead:
+            self.rank0.abort.remote(request_id)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if not self._dead:
+            try:
+                ray.get(self.rank0.shutdown.remote(), timeout=30)
+            except Exception as err:  # noqa: BLE001 - we are tearing down either way
+                log.warning("rank 0 did not shut down cleanly: %r", err)
+        self._poller.join(timeout=5)
+        self.deployment.kill()
+
+    def _poll_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                updates = ray.get(self.rank0.poll.remote(POLL_S))
+            except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
+                self._fail_all(f"target actor died: {err.__class__.__name__}")
+                return
+            for u in updates:
+                self._dispatch(u)
+
+    def _dispatch(self, u: RemoteUpdate) -> None:
+        with self._lock:
+            entry = self._requests.pop(u.request_id, None) if u.finished else self._requests.get(u.request_id)
+        if entry is None:
+            return
+        seq, listener = entry
+        if u.error:
+            listener(EngineError(u.error))
+            return
+        seq.output_token_ids += u.token_delta
+        seq.text += u.text_delta
+        if u.finished:
+            seq.status, seq.finish_reason, seq.metrics = SeqStatus.FINISHED, FinishReason(u.finish_reason), u.metrics
+        listener(Update(seq, u.text_delta, u.token_delta, u.finished))
+
+    def _fail_all(self, why: str) -> None:
+        self._dead = why
+        with self._lock:
+            entries, self._requests = list(self._requests.values()), {}
+        for _, listener in entries:
+            listener(EngineError(f"{why}; the request can be retried after LLM.rebuild()"))

@@ -1,0 +1,53 @@
+"""Where Ray puts the target ranks and the draft workers.
+
+Target ranks and draft workers ask for the custom resources named in saguaro_dist.placement when the
+cluster advertises them (the KubeRay worker groups do), so each pool lands on its own nodes; on a
+cluster without them (a laptop, CI) they take plain CPUs / GPUs, drafts spread over nodes.
+"""
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from saguaro_dist.config import Config
+from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
+
+
+def _device_resources(config: Config) -> dict:
+    return {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
+
+
+def target_bundle(config: Config, cluster_resources: dict) -> dict:
+    """One placement-group bundle per tensor-parallel rank."""
+    bundle = _device_resources(config) | dict(config.target_resources)
+    if TARGET_RESOURCE in cluster_resources:
+        bundle[TARGET_RESOURCE] = RESOURCE_PER_ACTOR
+    return bundle
+
+
+def draft_options(config: Config, cluster_resources: dict) -> dict:
+    """Ray actor options for one draft worker."""
+    resources = dict(config.draft_resources)
+    if DRAFT_RESOURCE in cluster_resources:
+        resources[DRAFT_RESOURCE] = RESOURCE_PER_ACTOR
+    device = _device_resources(config)
+    opts = {"num_cpus": device.get("CPU", 0), "num_gpus": device.get("GPU", 0), "resources": resources}
+    if not resources:
+        opts["scheduling_strategy"] = "SPREAD"  # no labels to go by: at least keep drafts apart
+    return opts
+
+
+def target_placement(config: Config, cluster_resources: dict, timeout_s: float = 120.0):
+    """A STRICT_PACK placement group of tensor_parallel_size bundles (one node, as NCCL/gloo TP wants)."""
+    pg = placement_group([target_bundle(config, cluster_resources)] * config.tensor_parallel_size,
+                         strategy="STRICT_PACK", name="")
+    if not pg.wait(timeout_s):
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"no node can host {config.tensor_parallel_size} target ranks with "
+                           f"{target_bundle(config, cluster_resources)} each (waited {timeout_s:.0f} s)")
+    return pg
+
+
+def rank_strategy(pg, rank: int) -> PlacementGroupSchedulingStrategy:
+    return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)

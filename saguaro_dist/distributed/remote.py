@@ -1,0 +1,26 @@
+"""Messages between the driver (LLM) and the target's rank 0, which runs the engine on the cluster."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from saguaro_dist.engine.metrics import RequestMetrics
+from saguaro_dist.sampling_params import SamplingParams
+
+
+@dataclass
+class RemoteRequest:
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class RemoteUpdate:
+    request_id: str
+    text_delta: str
+    token_delta: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None   # the engine failed this request (retriable)

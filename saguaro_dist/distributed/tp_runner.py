@@ -1,0 +1,47 @@
+"""Tensor-parallel target ranks: rank 0 drives, the others replay its runner calls.
+
+Every ModelRunner call that runs a forward or changes KV state must happen on all ranks in the same
+order (the layers all-reduce inside). Rank 0 broadcasts (method, args) over the group before running
+the call itself; followers loop on the broadcasts. Pure reads (length) stay local.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+REPLAYED = frozenset({"add", "free", "truncate", "extend"})
+STOP = "__stop__"
+
+
+class BroadcastRunner:
+    """Rank 0's view of a tensor-parallel runner: same API as ModelRunner."""
+
+    def __init__(self, runner, group):
+        self._runner, self._group = runner, group
+
+    def __getattr__(self, name):
+        attr = getattr(self._runner, name)
+        if name not in REPLAYED:
+            return attr
+
+        def replayed(*args):
+            dist.broadcast_object_list([(name, args)], src=0, group=self._group)
+            return attr(*args)
+        return replayed
+
+    def stop_followers(self) -> None:
+        dist.broadcast_object_list([(STOP, ())], src=0, group=self._group)
+
+
+def follow(runner, group) -> None:
+    """Followers: replay rank 0's calls until it says stop."""
+    while True:
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=group)
+        name, args = message[0]
+        if name == STOP:
+            return
+        getattr(runner, name)(*args)
