@@ -49,6 +49,7 @@ _DTYPES = {
     torch.int8: _DT.INT8, torch.uint8: _DT.UINT8, torch.bool: _DT.BOOL,
 }
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_ITEMSIZE = {d: d.itemsize for d in _DTYPES}
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
@@ -79,7 +80,7 @@ def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
     shape = list(msg.shape)
     if any(d < 0 for d in shape):
         raise CodecError(f"tensor shape {shape} has a negative dimension")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[dtype]
     numel = _numel(shape)
     if len(msg.data) != numel * itemsize:
         raise CodecError(f"tensor of shape {shape} and dtype {dtype} needs {numel * itemsize} bytes, got {len(msg.data)}")
