@@ -42,6 +42,10 @@ class Deployment:
     started_ray: bool = False
 
     def kill(self) -> None:
+        try:  # close the gRPC servers first, so their ports are free when we return
+            ray.get([d.stop.remote() for d in self.drafts], timeout=10)
+        except Exception as err:  # noqa: BLE001 - dead actors have nothing left to close
+            log.debug("draft stop: %r", err)
         for actor in self.ranks + self.drafts:
             ray.kill(actor, no_restart=True)
         if self.placement_group is not None:
@@ -113,7 +117,14 @@ class RemoteEngine:
             raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
         with self._lock:
             self._requests[seq.request_id] = (seq, listener)
-        ray.get(self.rank0.submit.remote(RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params)))
+        request = RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params)
+        try:
+            ray.get(self.rank0.submit.remote(request))
+        except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
+            with self._lock:
+                self._requests.pop(seq.request_id, None)
+            self._dead = f"target actor died: {err.__class__.__name__}"
+            raise EngineError(f"{self._dead}; the request can be retried after LLM.rebuild()") from None
 
     def abort(self, request_id: str) -> None:
         if not self._dead:

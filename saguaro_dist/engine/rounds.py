@@ -12,7 +12,7 @@ import time
 import torch
 
 from saguaro_dist.config import Config, FallbackPolicy, Mode
-from saguaro_dist.distributed.errors import DraftUnavailable
+from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
@@ -62,6 +62,7 @@ class SDLoop(ARLoop):
         return first
 
     def prepare(self, seqs):
+        self._readmit([s for s in seqs if s.draft_lost])
         self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def verify(self, seqs):
@@ -89,8 +90,26 @@ class SDLoop(ARLoop):
             return []
         except DraftUnavailable as err:  # a dead draft worker costs speed, never tokens
             log.warning("draft unavailable (%s): fast backup for %d sequences", err, len(err.seq_ids))
+            for s in seqs:
+                s.draft_lost = s.draft_lost or s.seq_id in err.seq_ids
             self._adopt(seqs, err.partial)
             return self._fast([s for s in seqs if s.seq_id not in err.partial], fast_kind)
+
+    def _readmit(self, seqs: list[Sequence]) -> None:
+        """Sequences whose draft worker died: prefill them on a live one, to restart at round 0."""
+        if not seqs:
+            return
+        try:
+            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling()) for s in seqs])
+        except (DraftUnavailable, DraftRpcError) as err:
+            log.warning("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
+            return
+        for s in seqs:
+            s.draft_lost, s.speculation, s.last_outcome = False, None, (0, s.tokens[-1])
+            self.forget(s)
+
+    def forget(self, s: Sequence) -> None:
+        """Drop target-side speculation state of a sequence (SSD keeps a cache)."""
 
     def _jit(self, seqs: list[Sequence]) -> None:
         """Neural draft for the real outcome: the first speculation is round 0, then one round per call."""
@@ -140,6 +159,7 @@ class SSDLoop(SDLoop):
         self.cache = SpeculationCache()
 
     def prepare(self, seqs):
+        self._readmit([s for s in seqs if s.draft_lost])
         new = [s for s in seqs if s.speculation is None]
         outcomes = self._draft_or_fast(new, FallbackPolicy.FAST)
         running = [s for s in seqs if s.speculation is not None and s not in new]
@@ -181,7 +201,10 @@ class SSDLoop(SDLoop):
     def release(self, seqs):
         super().release(seqs)
         for s in seqs:
-            self.cache.drop(s.seq_id)
+            self.forget(s)
+
+    def forget(self, s: Sequence) -> None:
+        self.cache.drop(s.seq_id)
 
     def _fallback(self, misses: list[Sequence], batch_size: int) -> list[Outcome]:
         if not misses:

@@ -46,6 +46,7 @@ class Sequence:
     speculation: Proposal | None = None    # what the target verifies this round
     speculation_kind: ProposalSource = ProposalSource.NEURAL  # where this round's speculation came from
     last_outcome: tuple[int, int] = (0, 0) # (k accepted, bonus token) of the last verification
+    draft_lost: bool = False               # its draft worker died: re-prefill it on a live one
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     arrival_time: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None

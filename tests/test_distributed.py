@@ -1,0 +1,166 @@
+"""The distributed runtime on a real local Ray cluster, drafts over real gRPC on loopback."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from engine_helpers import assert_greedy_equal, hf_greedy, llama_config, save_model, save_perturbed
+from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.engine.loop_thread import EngineError
+
+pytestmark = pytest.mark.slow
+PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [17]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("dist_pair")
+    target = save_model(root / "target", llama_config(96, 64, 2), seed=0)
+    save_perturbed(root / "draft", target, seed=1, noise=0.15)
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": target,
+            "reference": [hf_greedy(target, p, GREEDY.max_tokens) for p in PROMPTS]}
+
+
+def cluster_llm(pair, **kwargs) -> LLM:
+    settings = dict(mode="ssd", k=3, fan_out=12, cluster="auto", max_batch_size=4, num_draft_workers=2) | kwargs
+    return LLM(model=pair["target"], draft=pair["draft"], **settings)
+
+
+def check_greedy(pair, outputs):
+    for prompt, out, want in zip(PROMPTS, outputs, pair["reference"]):
+        assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
+
+
+def grpc_port_closed(address: str, within_s: float = 10.0) -> bool:
+    host, port = address.rsplit(":", 1)
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, int(port))) != 0:
+                return True
+        time.sleep(0.2)
+    return False
+
+
+def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
+    before = ray.available_resources().get("CPU")
+    llm = cluster_llm(pair, tensor_parallel_size=2)
+    remote = llm._thread
+    addresses = ray.get([d.address.remote() for d in remote.deployment.drafts])
+    check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+    assert llm.metrics.cache_hits > 0
+    actors = remote.deployment.ranks + remote.deployment.drafts
+    llm.shutdown()
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.node_id.remote(), timeout=30)
+    assert all(grpc_port_closed(a) for a in addresses)
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU") != before and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == before, "actors or placement groups were left behind"
+
+
+def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
+    with cluster_llm(pair, num_draft_workers=1) as llm:
+        results = [None] * len(PROMPTS)
+
+        def one(i):
+            results[i] = llm.generate(prompt_token_ids=[PROMPTS[i]], sampling_params=GREEDY)[0]
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        check_greedy(pair, results)
+
+
+def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair):
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
+    with cluster_llm(pair, num_draft_workers=2) as llm:
+        outputs = []
+        worker = threading.Thread(target=lambda: outputs.extend(
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=long)))
+        worker.start()
+        deadline = time.time() + 60
+        while llm.metrics.rounds < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        ray.kill(llm._thread.deployment.drafts[0], no_restart=True)
+        worker.join(timeout=180)
+        assert len(outputs) == len(PROMPTS), "generation did not complete after a draft worker died"
+        for prompt, out, want in zip(PROMPTS, outputs, reference):
+            assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
+        assert sum(llm.metrics.fallbacks.values()) > 0
+        # the pool recovered: the survivor serves the re-prefilled sequences, hits come back
+        again = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        check_greedy(pair, again)
+
+
+def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair):
+    llm = cluster_llm(pair, num_draft_workers=1)
+    try:
+        ray.kill(llm._thread.deployment.ranks[0], no_restart=True)
+        with pytest.raises(EngineError) as err:
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)
+        assert err.value.retriable
+        llm.rebuild()
+        check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+    finally:
+        llm.shutdown()
+
+
+MULTI_NODE = r'''
+import json, sys
+import ray
+from ray.cluster_utils import Cluster
+from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
+target, draft, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+target_node = cluster.add_node(num_cpus=2, resources={TARGET_RESOURCE: 2})
+draft_node = cluster.add_node(num_cpus=2, resources={DRAFT_RESOURCE: 2})
+ray.init(address=cluster.address, log_to_driver=False)
+llm = LLM(model=target, draft=draft, mode="ssd", k=3, fan_out=12, cluster="auto",
+          tensor_parallel_size=2, num_draft_workers=2)
+out = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+print(json.dumps({"tokens": [o.token_ids for o in out], "target_nodes": llm._thread.target_node_ids(),
+                  "draft_nodes": llm._thread.draft_node_ids(), "target_node": target_node.node_id,
+                  "draft_node": draft_node.node_id}))
+llm.shutdown(); ray.shutdown(); cluster.shutdown()
+'''
+
+
+def test_multi_node_placement_by_custom_resources(pair, tmp_path):
+    """Head, a 'target' node and a 'draft' node: three real raylets (in a fresh process)."""
+    script = tmp_path / "multi_node.py"
+    script.write_text(MULTI_NODE)
+    done = subprocess.run([sys.executable, str(script), pair["target"], pair["draft"], json.dumps(PROMPTS)],
+                          capture_output=True, text=True, timeout=400, cwd=Path(__file__).parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(result["target_nodes"]) == {result["target_node"]}
+    assert set(result["draft_nodes"]) == {result["draft_node"]}
+    for prompt, got, want in zip(PROMPTS, result["tokens"], pair["reference"]):
+        assert_greedy_equal(got, want, prompt, pair["model"])
