@@ -61,13 +61,13 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
     return joint
 
 
-def sample_joint(target: str, draft: str | None, params: SamplingParams, **kwargs):
+def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int = N, **kwargs):
     """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken)."""
     mode = kwargs.pop("mode", "ssd")
     with LLM(model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         seeded = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                 max_tokens=3, ignore_eos=True, seed=i) for i in range(N)]
-        outs = llm.generate(prompt_token_ids=[PROMPT] * N, sampling_params=seeded)
+                                 max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+        outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded)
         metrics = llm.metrics
     counts: dict[tuple[int, ...], int] = {}
     for o in outs:
@@ -76,14 +76,15 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, **kwarg
 
 
 def chi_square_pvalue(counts: dict, joint: dict, allow_impossible: bool = False) -> float:
+    n = sum(counts.values())
     impossible = {c: n for c, n in counts.items() if c not in joint}
     if impossible and allow_impossible:
         return 0.0  # impossible sequences: rejected outright
     assert not impossible, f"sequences with zero target probability were generated: {impossible}"
     cells = sorted(joint, key=joint.get, reverse=True)
-    big = [c for c in cells if joint[c] * N >= 5]
-    observed = [counts.get(c, 0) for c in big] + [N - sum(counts.get(c, 0) for c in big)]
-    expected = [joint[c] * N for c in big] + [N * (1 - sum(joint[c] for c in big))]
+    big = [c for c in cells if joint[c] * n >= 5]
+    observed = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    expected = [joint[c] * n for c in big] + [n * (1 - sum(joint[c] for c in big))]
     pairs = [(o, e) for o, e in zip(observed, expected) if e > 1e-9]
     stat = sum((o - e) ** 2 / e for o, e in pairs)
     return float(chi2.sf(stat, len(pairs) - 1))

@@ -16,6 +16,7 @@ class RequestMetrics:
     cache_hits: int = 0
     cache_misses: int = 0
     fallbacks: dict[str, int] = field(default_factory=dict)  # fallback kind -> times used
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that accepted draft token i+1
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
 
@@ -41,6 +42,10 @@ class RequestMetrics:
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
 
     def record_fallback(self, kind: str) -> None:
         self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1

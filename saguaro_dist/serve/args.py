@@ -3,6 +3,7 @@ turned into an engine Config. One parser for every entry point, so a manifest th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from saguaro_dist.config import Config
@@ -10,17 +11,47 @@ from saguaro_dist.config import Config
 API_KEY_ENV = "SAGUARO_API_KEY"
 # Serve-only arguments: everything else must be a Config field.
 SERVE_ONLY_ARGS = {"api_key", "api_key_env", "served_model_name", "max_request_bytes"}
+_NUMBERS = {"int": int, "float": float}
+
+
+def coerce(name: str, value, default, annotation: str = ""):
+    """`serve run app:build_app k=4` passes strings: convert them to the field's type."""
+    if not isinstance(value, str):
+        return value
+    if default is None and value.strip().lower() in ("none", "null", ""):
+        return None
+    if name == "fan_out":
+        parts = [int(v) for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
+        return parts[0] if len(parts) == 1 else parts
+    if isinstance(default, bool):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return type(default)(value)
+    if isinstance(default, dict):
+        return json.loads(value)
+    if default is None and annotation.startswith(("int", "float")):  # optional numbers, e.g. max_model_len
+        return _NUMBERS[annotation.split()[0]](value)
+    return value
 
 
 def config_from_args(args: dict) -> Config:
     """Build and validate the engine Config from app args; unknown keys are a ValueError naming them."""
-    config_fields = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(args) - config_fields - SERVE_ONLY_ARGS)
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    unknown = sorted(set(args) - set(fields) - SERVE_ONLY_ARGS)
     if unknown:
         raise ValueError(f"unknown saguaro app argument(s): {', '.join(unknown)}")
     if "model" not in args:
         raise ValueError("saguaro app arguments need 'model'")
-    return Config(**{k: v for k, v in args.items() if k in config_fields})
+    values = {}
+    for name, value in args.items():
+        if name in fields:
+            f = fields[name]
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            try:
+                values[name] = coerce(name, value, default, str(f.type))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"app argument {name}={value!r}: {err}") from None
+    return Config(**values)
 
 
 def api_key_from_args(args: dict) -> str | None:

@@ -1,0 +1,49 @@
+"""Config / SamplingParams / serve-args validation at the edges: clear ValueErrors, nothing started."""
+from __future__ import annotations
+
+import pytest
+
+from saguaro_dist import Config, FallbackPolicy, Mode, SamplingParams
+from saguaro_dist.serve.args import config_from_args
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(stop=[""]), "stop"),
+])
+def test_sampling_params_reject_bad_values(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(k=0), "k must be"), (dict(fan_out=3, k=4), "fan_out budget"), (dict(fan_out=[1, 2], k=4), "k\\+1"),
+    (dict(saguaro_c=1.5), "saguaro_c"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
+    (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
+])
+def test_config_rejects_bad_values(kwargs, message):
+    settings = dict(model="m", draft="d") | kwargs
+    with pytest.raises(ValueError, match=message):
+        Config(**settings)
+
+
+def test_config_parses_enums_and_lists():
+    c = Config(model="m", draft="d", mode="sd", fallback="fast", fan_out=[1, 2, 3, 4, 5])
+    assert c.mode is Mode.SD and c.fallback is FallbackPolicy.FAST and c.fan_out == (1, 2, 3, 4, 5)
+    assert c.fan_out_budget == 15
+    assert Config(model="m", mode="ar").draft is None
+
+
+def test_serve_args_from_strings_like_serve_run_passes_them():
+    c = config_from_args({"model": "m", "draft": "d", "k": "3", "fan_out": "2,2,2,2", "saguaro_c": "0.5",
+                          "max_model_len": "200", "draft_resources": '{"saguaro_draft": 1}'})
+    assert (c.k, c.fan_out, c.saguaro_c, c.max_model_len) == (3, (2, 2, 2, 2), 0.5, 200)
+    assert c.draft_resources == {"saguaro_draft": 1}
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"draft": "d"}, "need 'model'"), ({"model": "m", "beams": 4}, "unknown"), ({"model": "m", "k": "four"}, "k="),
+])
+def test_serve_args_errors_name_the_argument(args, message):
+    with pytest.raises(ValueError, match=message):
+        config_from_args(args)

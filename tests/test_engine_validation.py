@@ -1,0 +1,69 @@
+"""Bad input to LLM: a clear ValueError before any work, and the engine keeps serving afterwards."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine_helpers import llama_config, save_model
+from saguaro_dist import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_pair):
+    target, draft = tiny_llama_pair
+    with LLM(model=target, draft=draft, mode="ssd", k=2, fan_out=6, max_model_len=64) as engine:
+        yield engine
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prompt_token_ids=[[]]), "empty prompt"),
+    (dict(prompt_token_ids=[[1, 2, 999]]), "token ids must be in"),
+    (dict(prompt_token_ids=[[1] * 50], sampling_params=SamplingParams(max_tokens=30)), "exceeds"),
+    (dict(prompts=["hello"]), "no tokenizer"),
+    (dict(), "exactly one of"),
+    (dict(prompt_token_ids=[[1], [2]], sampling_params=[SamplingParams()]), "sampling_params for 2 prompts"),
+])
+def test_bad_requests_are_rejected_up_front(llm, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        llm.generate(**kwargs)
+    out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0, max_tokens=4))
+    assert len(out[0].token_ids) == 4
+
+
+def test_vocab_mismatch_between_target_and_draft(tiny_llama_pair, tmp_path):
+    target, _ = tiny_llama_pair
+    save_model(tmp_path / "other", llama_config(80, 32, 1), seed=5)
+    with pytest.raises(ValueError, match="vocab"):
+        LLM(model=target, draft=str(tmp_path / "other"), mode="sd")
+
+
+def test_stream_yields_deltas_that_add_up(llm):
+    async def collect():
+        deltas = []
+        async for d in llm.stream(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0, max_tokens=9)):
+            deltas.append(d)
+        return deltas
+    deltas = asyncio.run(collect())
+    full = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(temperature=0, max_tokens=9))[0]
+    assert sum((d.token_ids for d in deltas), []) == full.token_ids
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length" and deltas[-1].metrics is not None
+
+
+def test_closing_a_stream_early_aborts_the_request(llm):
+    async def first_only():
+        gen = llm.stream(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0, max_tokens=40))
+        async for _ in gen:
+            break
+        await gen.aclose()
+    asyncio.run(first_only())
+    out = llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(temperature=0, max_tokens=3))
+    assert len(out[0].token_ids) == 3
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(temperature=0.9, max_tokens=12, seed=7)
+    a = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params)[0].token_ids
+    b = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params)[0].token_ids
+    assert a == b
