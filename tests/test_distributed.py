@@ -180,3 +180,15 @@ def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_fa
     assert took_path(metrics), metrics
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > 1e-4, f"{case} on Ray: chi-square p = {p:.2e}"
+
+
+def test_cache_parallel_pool_grows_the_cache_at_batch_1(ray_cluster, pair):
+    """At batch 1 a pool of 3 splits one sequence's tree over 3 workers: 3x the branches, more hits."""
+    hit_rates = {}
+    for workers in (1, 3):
+        with cluster_llm(pair, fan_out=4, num_draft_workers=workers, max_batch_size=1) as llm:
+            outs = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=GREEDY)
+            check_greedy(pair, outs)
+            m = llm.metrics
+            hit_rates[workers] = m.cache_hits / max(1, m.cache_hits + m.cache_misses)
+    assert hit_rates[3] > hit_rates[1], hit_rates

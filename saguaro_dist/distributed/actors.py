@@ -75,12 +75,15 @@ class TargetRank:
         return dist.group.WORLD
 
     def _start_engine(self, runner, draft_addresses: list[str]) -> dict:
+        from saguaro_dist.distributed.draft_pool import DraftPool
         from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
         from saguaro_dist.engine.build import eos_ids, try_load_tokenizer
         from saguaro_dist.engine.engine import Engine
         from saguaro_dist.engine.loop_thread import EngineThread
         tokenizer = try_load_tokenizer(self.config.model)
-        backend = GrpcDraftBackend(draft_addresses) if self.config.mode is not Mode.AR else None
+        backend = None
+        if self.config.mode is not Mode.AR:
+            backend = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size)
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}

@@ -224,13 +224,16 @@ def _check_sparse(offsets, ids, values, k: int, vocab_size: int) -> None:
 # ---- one message per stage ----------------------------------------------------------------------
 def prefill_to_proto(r: PrefillRequest) -> pb.PrefillRequest:
     return pb.PrefillRequest(seq_id=_int64(r.seq_id, "seq_id"), prompt_token_ids=list(r.prompt_token_ids),
-                             sampling=sampling_to_proto(r.sampling))
+                             sampling=sampling_to_proto(r.sampling), shard=r.shard, num_shards=r.num_shards)
 
 
 def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
     sampling = sampling_from_proto(_required(msg, "sampling", "PrefillRequest"))
+    num_shards = max(1, msg.num_shards)  # 0: a sender that predates cache-parallel
+    if not 0 <= msg.shard < num_shards:
+        raise CodecError(f"PrefillRequest.shard must be in [0, num_shards={num_shards}), got {msg.shard}")
     return PrefillRequest(seq_id=msg.seq_id, prompt_token_ids=_token_ids(msg.prompt_token_ids, "prompt_token_ids"),
-                          sampling=sampling)
+                          sampling=sampling, shard=msg.shard, num_shards=num_shards)
 
 
 def jit_request_to_proto(r: JitDraftRequest) -> pb.JitDraftRequest:
@@ -245,7 +248,8 @@ def jit_request_from_proto(msg: pb.JitDraftRequest) -> JitDraftRequest:
 
 
 def outcome_to_proto(o: Outcome) -> pb.Outcome:
-    msg = pb.Outcome(seq_id=_int64(o.seq_id, "seq_id"), round=o.round, accepted=o.accepted, bonus_token=o.bonus_token)
+    msg = pb.Outcome(seq_id=_int64(o.seq_id, "seq_id"), round=o.round, accepted=o.accepted, bonus_token=o.bonus_token,
+                     cache_hit=o.cache_hit)
     if o.next_tokens is not None:
         msg.next_tokens.ids.extend(o.next_tokens)  # extend([]) still marks the field present
         msg.next_tokens.SetInParent()
@@ -256,7 +260,8 @@ def outcome_from_proto(msg: pb.Outcome) -> Outcome:
     next_tokens = _token_ids(msg.next_tokens.ids, "next_tokens") if msg.HasField("next_tokens") else None
     return Outcome(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
                    accepted=_non_negative(msg.accepted, "accepted"),
-                   bonus_token=_non_negative(msg.bonus_token, "bonus_token"), next_tokens=next_tokens)
+                   bonus_token=_non_negative(msg.bonus_token, "bonus_token"), next_tokens=next_tokens,
+                   cache_hit=msg.cache_hit)
 
 
 def branch_to_proto(b: Branch) -> pb.Branch:

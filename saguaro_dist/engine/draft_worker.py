@@ -36,6 +36,8 @@ class DraftSeq:
     round: int = 0
     pending: bool = False                    # a tree is owed for this round
     from_cache: bool = False                 # this round's speculation was a cache hit
+    shard: int = 0                           # cache-parallel slice of the tree this worker builds
+    num_shards: int = 1
     branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # last tree: (k, t) -> tokens
 
     def commit(self, accepted: int, bonus: int) -> None:
@@ -57,12 +59,16 @@ class DraftWorker:
     # ---- protocol calls -------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
         for r in reqs:
-            if r.seq_id in self.seqs:
-                raise OutOfOrder(f"sequence {r.seq_id} is already prefilled")
             if not r.prompt_token_ids:
                 raise ValueError(f"sequence {r.seq_id}: empty prompt")
+            if not 0 <= r.shard < r.num_shards:
+                raise ValueError(f"sequence {r.seq_id}: shard {r.shard} of {r.num_shards}")
+        for r in reqs:
+            if r.seq_id in self.seqs:  # a re-prefill (the target moved it after a worker died) restarts it
+                self.release([Release(r.seq_id)])
             self.runner.add(r.seq_id)
-            self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2), list(r.prompt_token_ids))
+            self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
+                                           list(r.prompt_token_ids), shard=r.shard, num_shards=r.num_shards)
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids for r in reqs], [1] * len(reqs))
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
@@ -80,28 +86,33 @@ class DraftWorker:
         return proposals
 
     def observe(self, outcomes: list[Outcome]) -> None:
-        """Commit outcomes; the next speculation is the cached branch (hit) or the target's tokens."""
-        for o in outcomes:
-            s = self._get(o.seq_id)
+        """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*)."""
+        states = [self._get(o.seq_id) for o in outcomes]
+        for s, o in zip(states, outcomes):  # validate the whole batch before changing any state
             if o.round != s.round:
                 raise OutOfOrder(f"sequence {o.seq_id}: outcome of round {o.round}, draft is at round {s.round}")
-            next_tokens = o.next_tokens if o.next_tokens is not None else s.branches.get((o.accepted, o.bonus_token))
-            if next_tokens is None:
+            if o.next_tokens is None and (o.accepted, o.bonus_token) not in s.branches:
                 raise OutOfOrder(f"sequence {o.seq_id} round {o.round}: outcome claims a hit on a branch never built")
-            hit = o.next_tokens is None
-            self.stats.record_lookups([self.last_fanout[o.accepted]], [hit])
+        for s, o in zip(states, outcomes):
+            self._observe_one(s, o)
+
+    def _observe_one(self, s: DraftSeq, o: Outcome) -> None:
+        next_tokens = o.next_tokens if o.next_tokens is not None else s.branches[(o.accepted, o.bonus_token)]
+        fresh = not s.speculation  # a cache-parallel shard learning the first (just-in-time) speculation
+        if not fresh:
+            self.stats.record_lookups([self.last_fanout[o.accepted]], [o.cache_hit])
             self.stats.record_verify([o.accepted], ProposalSource.CACHE if s.from_cache else ProposalSource.NEURAL)
-            s.from_cache = hit
-            s.commit(o.accepted, o.bonus_token)
-            s.speculation, s.round, s.pending = list(next_tokens), o.round + 1, True
+        s.commit(o.accepted, o.bonus_token)
+        s.speculation, s.round, s.pending, s.from_cache = list(next_tokens), 0 if fresh else o.round + 1, True, o.cache_hit
 
     def build_trees(self) -> list[SpeculationTree]:
         states = [s for s in self.seqs.values() if s.pending]
         if not states:
             return []
-        fanout = self.last_fanout = self._fanout()
-        ranking, k_idx, bonus = self._glue(states, fanout)
-        trees = self._decode_branches(states, fanout, k_idx, bonus)
+        fanouts = {g: self._fanout(g) for g in {s.num_shards for s in states}}
+        self.last_fanout = fanouts[min(fanouts)]
+        rows = self._glue(states, fanouts)
+        trees = self._decode_branches(states, fanouts, rows)
         for s in states:
             s.pending = False
         return trees
@@ -130,65 +141,76 @@ class DraftWorker:
         if missing:
             self.runner.extend(list(missing), list(missing.values()), [1] * len(missing))
 
-    def _fanout(self) -> list[int]:
-        return self.stats.fanout(self.config.fan_out_kind, self.config.fan_out, self.vocab_size)
+    def _fanout(self, num_shards: int = 1) -> list[int]:
+        """F_0..F_K for a tree of num_shards x the configured budget (cache-parallel shards split it)."""
+        budget = self.config.fan_out
+        budget = [f * num_shards for f in budget] if isinstance(budget, tuple) else budget * num_shards
+        return self.stats.fanout(self.config.fan_out_kind, budget, self.vocab_size)
 
-    def _proposal_probs(self, logits: torch.Tensor, states: list[DraftSeq], rows_per_seq: int, top_f: int) -> torch.Tensor:
-        """What the draft samples from: the request's sampling, then Saguaro sigma_{F,C} (T > 0 only)."""
-        probs = sampling_probs(logits, [s.sampling for s in states], rows_per_seq)
+    def _proposal_probs(self, logits: torch.Tensor, rows: list[DraftSeq], top_f: list[int]) -> torch.Tensor:
+        """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0)."""
+        probs = sampling_probs(logits, [s.sampling for s in rows])
         if self.config.saguaro_c < 1.0:
-            sampled = torch.tensor([s.sampling.temperature > 0 for s in states]).repeat_interleave(rows_per_seq)
-            probs = torch.where(sampled[:, None], saguaro_probs(probs, top_f, self.config.saguaro_c), probs)
+            sampled = torch.tensor([s.sampling.temperature > 0 for s in rows])
+            scaled = saguaro_probs(probs, torch.tensor(top_f), self.config.saguaro_c)
+            probs = torch.where(sampled[:, None], scaled, probs)
         return probs
+
+    def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step) -> list[Proposal]:
+        """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j."""
+        tokens, dists = [], []
+        for j in range(self.k):
+            probs = self._proposal_probs(logits, rows, [f[j] for f in fanouts])
+            drawn = sample(probs, [s.generator for s in rows])
+            tokens.append(drawn)
+            dists.append(probs)
+            if j + 1 < self.k:
+                logits = step(drawn)
+        tokens, dists = torch.stack(tokens, 1), torch.stack(dists, 1)   # [R, K], [R, K, V]
+        return [Proposal(tokens[i].clone(), None if s.sampling.temperature == 0 else dists[i].clone())
+                for i, s in enumerate(rows)]
 
     def _draft_sequentially(self, states: list[DraftSeq]) -> list[Proposal]:
         """K one-token forwards (the SD draft, and SSD's neural backup)."""
         self._sync(states)
-        fanout = self._fanout()
-        ids, inputs = [s.seq_id for s in states], [[s.committed[-1]] for s in states]
-        tokens, dists = [], []
-        for j in range(self.k):
-            logits = torch.cat(self.runner.extend(ids, inputs, [1] * len(ids)))
-            probs = self._proposal_probs(logits, states, 1, fanout[j])
-            drawn = sample(probs, [s.generator for s in states])
-            tokens.append(drawn)
-            dists.append(probs)
-            inputs = [[t] for t in drawn.tolist()]
-        return self._proposals(states, 1, torch.stack(tokens, 1), torch.stack(dists, 1))
+        ids = [s.seq_id for s in states]
+        fanouts = [self._fanout(s.num_shards) for s in states]
 
-    def _proposals(self, states, rows_per_seq, tokens, dists) -> list[Proposal]:
-        """tokens [R, K], dists [R, K, V] -> Proposals; greedy rows carry no distribution (one-hot)."""
-        greedy = [s.sampling.temperature == 0 for s in states for _ in range(rows_per_seq)]
-        return [Proposal(tokens[i].clone(), None if g else dists[i].clone()) for i, g in enumerate(greedy)]
+        def step(drawn):
+            return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
+        first = torch.cat(self.runner.extend(ids, [[s.committed[-1]] for s in states], [1] * len(ids)))
+        return self._draw_k(states, fanouts, first, step)
 
-    def _glue(self, states: list[DraftSeq], fanout: list[int]):
-        """Draft logits over [b, x_1..x_K]; pick the top-F_k candidate bonus tokens per position."""
+    def _glue(self, states: list[DraftSeq], fanouts: dict[int, list[int]]) -> list[tuple[int, int, int]]:
+        """Draft logits over [b, x_1..x_K]; the candidate bonus tokens of this worker's slice of the tree.
+
+        Returns one (state index, k, bonus token) per branch to build.
+        """
         self._sync(states)
         k = self.k
-        logits = self.runner.extend([s.seq_id for s in states], [[s.committed[-1]] + s.speculation for s in states], [k + 1] * len(states))
+        logits = self.runner.extend([s.seq_id for s in states], [[s.committed[-1]] + s.speculation for s in states],
+                                    [k + 1] * len(states))
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long)      # [B, K]
-        branch_set = select_branches(ranking, spec, fanout)
-        return ranking, branch_set.accepted, branch_set.bonus
+        rows = []
+        for i, s in enumerate(states):
+            chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanouts[s.num_shards])
+            ks, bonus = chosen.accepted[0, s.shard::s.num_shards], chosen.bonus[0, s.shard::s.num_shards]
+            rows += [(i, kk, t) for kk, t in zip(ks.tolist(), bonus.tolist())]
+        return rows
 
-    def _decode_branches(self, states, fanout, k_idx: torch.Tensor, bonus: torch.Tensor) -> list[SpeculationTree]:
-        """K steps for all B * N branches at once; branch (k, t) attends to P + x_1..x_k, then t."""
-        n = k_idx.shape[1]
-        seq_ids = [s.seq_id for s in states for _ in range(n)]
-        prefix = torch.tensor([len(s.committed) for s in states]).repeat_interleave(n) + k_idx.flatten()
-        state, logits = self.runner.branch_start(seq_ids, prefix.tolist(), bonus.flatten().tolist())
-        tokens, dists = [], []
-        for j in range(self.k):
-            probs = self._proposal_probs(logits, states, n, fanout[j])
-            drawn = sample(probs, [s.generator for s in states for _ in range(n)])
-            tokens.append(drawn)
-            dists.append(probs)
-            if j + 1 < self.k:
-                logits = self.runner.branch_step(state, drawn)
-        proposals = self._proposals(states, n, torch.stack(tokens, 1), torch.stack(dists, 1))
-        return [self._tree(s, k_idx[i], bonus[i], proposals[i * n:(i + 1) * n]) for i, s in enumerate(states)]
+    def _decode_branches(self, states, fanouts, rows) -> list[SpeculationTree]:
+        """K steps for all branches at once; branch (k, t) attends to P + x_1..x_k, then t."""
+        owners = [states[i] for i, _, _ in rows]
+        prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
+        state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
+        proposals = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
+                                 lambda drawn: self.runner.branch_step(state, drawn))
+        branches = {i: [] for i in range(len(states))}
+        for (i, k, t), p in zip(rows, proposals):
+            branches[i].append(Branch(k, t, p))
+        return [self._tree(s, branches[i]) for i, s in enumerate(states)]
 
-    def _tree(self, s: DraftSeq, k_row, bonus_row, proposals) -> SpeculationTree:
-        branches = [Branch(int(k), int(t), p) for k, t, p in zip(k_row.tolist(), bonus_row.tolist(), proposals)]
+    def _tree(self, s: DraftSeq, branches: list[Branch]) -> SpeculationTree:
         s.branches = {(b.accepted, b.bonus_token): b.proposal.tokens.tolist() for b in branches}
         return SpeculationTree(s.seq_id, s.round, branches)

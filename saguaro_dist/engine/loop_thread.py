@@ -94,10 +94,21 @@ class EngineThread:
             listener = self._listeners.get(u.seq.request_id)
             if u.finished:
                 self._listeners.pop(u.seq.request_id, None)
-            if listener is not None:
-                listener(u)
+            if listener is not None and not self._deliver(listener, u):
+                self._listeners.pop(u.seq.request_id, None)
+                self.abort(u.seq.request_id)  # nobody is listening: free the slot
 
     def _fail_all(self, err: BaseException) -> None:
         listeners, self._listeners = self._listeners, {}
         for listener in listeners.values():
-            listener(err)
+            self._deliver(listener, err)
+
+    @staticmethod
+    def _deliver(listener: Listener, item) -> bool:
+        """A caller that went away (e.g. its event loop closed) must not take the engine down."""
+        try:
+            listener(item)
+            return True
+        except Exception:  # noqa: BLE001
+            log.debug("a request listener failed; dropping it", exc_info=True)
+            return False

@@ -9,8 +9,10 @@ target has not run yet; s = the speculation x_1..x_K the target verifies this ro
      outcome (k, t) chosen by the fan-out, the speculation that would follow P + x_1..x_k + t;
   2. the draft pushes the tree; the target looks up its real outcome (k*, t*) there (hit) or asks
      the fallback (miss);
-  3. the target sends an Outcome naming (k*, t*) and, on a miss, the tokens it verifies next, so the
-     draft builds the next tree for the right speculation.
+  3. the target sends an Outcome naming (k*, t*) and the tokens it verifies next, so the draft
+     builds the next tree for the right speculation.
+Cache-parallel: one sequence may live on several draft workers (shards), each building a disjoint
+slice of a bigger tree; only shard 0 answers just-in-time drafts, the others learn them as Outcomes.
 """
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ class PrefillRequest:
     seq_id: int
     prompt_token_ids: list[int]
     sampling: DraftSampling
+    shard: int = 0        # cache-parallel: this worker builds branches shard, shard + num_shards, ...
+    num_shards: int = 1   # of a tree num_shards times the configured budget
 
 
 @dataclass
@@ -58,7 +62,8 @@ class Outcome:
     round: int
     accepted: int                    # k* in 0..K
     bonus_token: int                 # t*
-    next_tokens: list[int] | None    # the speculation verified next when it is not the cached branch; None on a hit
+    next_tokens: list[int] | None    # the speculation verified next; None: the cached branch (k*, t*) of this worker
+    cache_hit: bool = False          # the target found (k*, t*) in the speculation cache
 
 
 @dataclass

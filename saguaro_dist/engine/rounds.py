@@ -56,9 +56,14 @@ class SDLoop(ARLoop):
 
     def admit(self, seqs):
         first = self.target.prefill(seqs)
-        self.draft.prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling()) for s in seqs])
         for s, t in zip(seqs, first):
             s.last_outcome, s.speculation = (0, t), None
+        try:
+            self.draft.prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling()) for s in seqs])
+        except DraftUnavailable as err:  # no draft worker left: speculate with the fast backup until one is
+            log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(seqs))
+            for s in seqs:
+                s.draft_lost = True
         return first
 
     def prepare(self, seqs):
@@ -85,15 +90,17 @@ class SDLoop(ARLoop):
 
     def _draft_or_fast(self, seqs: list[Sequence], fast_kind: FallbackPolicy) -> list[Outcome]:
         """Neural drafts for `seqs`; the ones whose draft worker is gone get the fast backup."""
+        outcomes = self._fast([s for s in seqs if s.draft_lost], fast_kind)
+        live = [s for s in seqs if not s.draft_lost]
         try:
-            self._jit(seqs)
-            return []
+            self._jit(live)
+            return outcomes
         except DraftUnavailable as err:  # a dead draft worker costs speed, never tokens
             log.warning("draft unavailable (%s): fast backup for %d sequences", err, len(err.seq_ids))
-            for s in seqs:
-                s.draft_lost = s.draft_lost or s.seq_id in err.seq_ids
-            self._adopt(seqs, err.partial)
-            return self._fast([s for s in seqs if s.seq_id not in err.partial], fast_kind)
+            for s in live:
+                s.draft_lost = s.seq_id in err.seq_ids
+            self._adopt(live, err.partial)
+            return outcomes + self._fast([s for s in live if s.seq_id not in err.partial], fast_kind)
 
     def _readmit(self, seqs: list[Sequence]) -> None:
         """Sequences whose draft worker died: prefill them on a live one, to restart at round 0."""
@@ -188,7 +195,9 @@ class SSDLoop(SDLoop):
                 misses.append(s)
                 continue
             s.metrics.cache_hits += 1
-            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=None))
+            # The tokens travel too (K ints): a cache-parallel shard may not hold this branch.
+            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=branch.tokens.tolist(),
+                                    cache_hit=True))
             s.speculation, s.speculation_kind, s.round = branch, ProposalSource.CACHE, s.round + 1
         self._count_lookups(len(seqs), len(seqs) - len(misses))
         return outcomes + self._fallback(misses, len(seqs))

@@ -1,0 +1,165 @@
+"""The draft pool: sequences spread over draft workers, and cache-parallel speculation.
+
+When the pool is larger than the batch needs, one sequence lives on several workers (shards); each
+builds a disjoint slice of a tree num_shards times the configured budget, so at batch 1 a bigger pool
+means a bigger speculation cache. Shard 0 answers just-in-time drafts; the other shards learn those
+tokens as an Outcome, and every Outcome names the tokens verified next, so all shards stay in step.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+
+from saguaro_dist.distributed.errors import DraftUnavailable
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
+
+log = logging.getLogger(__name__)
+
+
+def merge_trees(trees: list[SpeculationTree]) -> SpeculationTree:
+    """One tree from the shards' slices (they hold disjoint branches of the same round)."""
+    return SpeculationTree(trees[0].seq_id, trees[0].round, [b for t in trees for b in t.branches])
+
+
+class DraftPool:
+    """A DraftBackend over several single-worker backends (engine/draft_backend.py's interface)."""
+
+    def __init__(self, backends: list, max_batch_size: int):
+        self.backends = backends
+        self.max_batch_size = max_batch_size
+        self.groups: dict[int, list[int]] = {}   # seq_id -> backend indices; [0] is shard 0
+        self.dead: set[int] = set()
+        self._calls = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="saguaro-pool")
+
+    # ---- placement ----------------------------------------------------------------------------------
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.backends)) if i not in self.dead]
+
+    def _load(self, i: int) -> int:
+        return sum(i in g for g in self.groups.values())
+
+    def _place(self, seq_ids: list[int]) -> None:
+        """Shards per sequence: the live workers shared out over the sequences that will be running."""
+        live = self._live()
+        if not live:
+            raise DraftUnavailable("no live draft worker", seq_ids)
+        active = len(set(self.groups) | set(seq_ids))
+        shards = max(1, min(len(live), len(live) // max(1, min(active, self.max_batch_size))))
+        for seq_id in seq_ids:
+            self.groups[seq_id] = sorted(live, key=self._load)[:shards]
+
+    # ---- DraftBackend -------------------------------------------------------------------------------
+    def prefill(self, reqs: list[PrefillRequest]) -> None:
+        """Place and prefill; a worker found dead on the way costs a retry on the others."""
+        todo = list(reqs)
+        while todo:
+            previous = {r.seq_id: self.groups.pop(r.seq_id, []) for r in todo}
+            self._place([r.seq_id for r in todo])
+            self._release_moved(previous)
+            parts = defaultdict(list)
+            for r in todo:
+                group = self.groups[r.seq_id]
+                for shard, i in enumerate(group):
+                    parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group)))
+            failed = self._each(parts, lambda b, part: b.prefill(part))
+            todo = [r for r in todo if set(self.groups[r.seq_id]) & failed]
+
+    def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
+        """Shard 0 drafts; the other shards are told the tokens as the outcome they follow from."""
+        parts = defaultdict(list)
+        for r in reqs:
+            parts[self.groups[r.seq_id][0] if self.groups.get(r.seq_id) else None].append(r)
+        homeless = [r.seq_id for r in parts.pop(None, [])]
+        found, failed = self._collect_jit(parts)
+        failed += homeless
+        self._tell_other_shards([r for r in reqs if r.seq_id in found], found)
+        if failed:
+            raise DraftUnavailable(f"draft worker unavailable for sequences {failed}", failed, found)
+        return [found[r.seq_id] for r in reqs]
+
+    def send_outcomes(self, outcomes: list[Outcome]) -> None:
+        parts = defaultdict(list)
+        for o in outcomes:
+            for i in self.groups.get(o.seq_id, []):
+                parts[i].append(o)
+        for i, part in parts.items():
+            self.backends[i].send_outcomes(part)
+
+    def wait_trees(self, keys, timeout_s: float) -> dict[int, SpeculationTree]:
+        deadline = time.monotonic() + timeout_s
+        parts = defaultdict(list)
+        for key in keys:
+            for i in self.groups.get(key[0], []):
+                parts[i].append(key)
+        slices = defaultdict(list)
+        for i, part in parts.items():
+            for seq_id, tree in self.backends[i].wait_trees(part, max(0.0, deadline - time.monotonic())).items():
+                slices[seq_id].append(tree)
+        return {seq_id: merge_trees(trees) for seq_id, trees in slices.items()}
+
+    def release(self, reqs: list[Release]) -> None:
+        self._forget([r.seq_id for r in reqs])
+
+    def close(self) -> None:
+        for b in self.backends:
+            b.close()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _each(self, parts: dict, call) -> set[int]:
+        """call(backend, part) on every backend at once; returns the workers found dead (left out from then on)."""
+        futures = {i: self._calls.submit(call, self.backends[i], part) for i, part in parts.items()}
+        failed = set()
+        for i, fut in futures.items():
+            try:
+                fut.result()
+            except DraftUnavailable:
+                self._mark_dead(i)
+                failed.add(i)
+        return failed
+
+    def _collect_jit(self, parts: dict) -> tuple[dict, list[int]]:
+        futures = {i: self._calls.submit(self.backends[i].jit_draft, part) for i, part in parts.items()}
+        found, failed = {}, []
+        for i, fut in futures.items():
+            try:
+                found.update({r.seq_id: p for r, p in zip(parts[i], fut.result())})
+            except DraftUnavailable as err:
+                self._mark_dead(i)
+                found.update(err.partial)
+                failed += [r.seq_id for r in parts[i] if r.seq_id not in err.partial]
+        return found, failed
+
+    def _tell_other_shards(self, reqs: list[JitDraftRequest], proposals: dict) -> None:
+        outcomes = [Outcome(r.seq_id, max(0, r.round - 1), r.accepted, r.bonus_token,
+                            next_tokens=proposals[r.seq_id].tokens.tolist()) for r in reqs]
+        parts = defaultdict(list)
+        for o in outcomes:
+            for i in self.groups[o.seq_id][1:]:
+                parts[i].append(o)
+        for i, part in parts.items():
+            self.backends[i].send_outcomes(part)
+
+    def _mark_dead(self, i: int) -> None:
+        if i not in self.dead:
+            log.warning("draft worker %d is gone; its sequences move to the others", i)
+            self.dead.add(i)
+
+    def _release_moved(self, previous: dict[int, list[int]]) -> None:
+        """Release a re-placed sequence on the live workers it left (a worker it stays on re-prefills it)."""
+        parts = defaultdict(list)
+        for seq_id, old in previous.items():
+            for i in set(old) - set(self.groups[seq_id]) - self.dead:
+                parts[i].append(Release(seq_id))
+        for i, part in parts.items():
+            self.backends[i].release(part)
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        parts = defaultdict(list)
+        for seq_id in seq_ids:
+            for i in self.groups.pop(seq_id, []):
+                parts[i].append(Release(seq_id))
+        for i, part in parts.items():
+            self.backends[i].release(part)
