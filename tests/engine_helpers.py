@@ -54,3 +54,14 @@ def assert_greedy_equal(got: list[int], want: list[int], prompt: list[int], mode
             gap = top2_gap(model, prompt + want[:i])
             assert gap < NEAR_TIE, f"greedy divergence at token {i} ({a} != {b}) with top-2 gap {gap:.2e}"
             return
+
+
+PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [17]]
+
+
+def close_pair(root) -> dict:
+    """A 2-layer target and a draft close to it (good acceptance), as the exactness tests use them."""
+    torch.set_num_threads(1)
+    target = save_model(root / "target", llama_config(96, 64, 2), seed=0)
+    save_perturbed(root / "close_draft", target, seed=1, noise=0.15)
+    return {"target": str(root / "target"), "close": str(root / "close_draft"), "model": target}

@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 import ray
-import torch
 
-from engine_helpers import assert_greedy_equal, hf_greedy, llama_config, save_model, save_perturbed
+from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model, save_perturbed
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.engine.loop_thread import EngineError
 
 pytestmark = pytest.mark.slow
-PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [17]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -34,12 +32,10 @@ def ray_cluster():
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("dist_pair")
-    target = save_model(root / "target", llama_config(96, 64, 2), seed=0)
-    save_perturbed(root / "draft", target, seed=1, noise=0.15)
-    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": target,
-            "reference": [hf_greedy(target, p, GREEDY.max_tokens) for p in PROMPTS]}
+    pair = close_pair(tmp_path_factory.mktemp("dist_pair"))
+    pair["draft"] = pair["close"]
+    pair["reference"] = [hf_greedy(pair["model"], p, GREEDY.max_tokens) for p in PROMPTS]
+    return pair
 
 
 def cluster_llm(pair, **kwargs) -> LLM:

@@ -2,24 +2,19 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from engine_helpers import assert_greedy_equal, hf_greedy, llama_config, save_model, save_perturbed
+from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
 
-PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [17]]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("greedy_pair")
-    target = save_model(root / "target", llama_config(96, 64, 2), seed=0)
-    save_perturbed(root / "close_draft", target, seed=1, noise=0.15)
+    pair = close_pair(root)
     save_model(root / "far_draft", llama_config(96, 32, 1), seed=2)
-    return {"target": str(root / "target"), "close": str(root / "close_draft"), "far": str(root / "far_draft"),
-            "model": target}
+    return pair | {"far": str(root / "far_draft")}
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ rejected at once; the verifier alone is tested with 10^5+ samples in tests/test_
 """
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

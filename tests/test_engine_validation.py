@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from engine_helpers import llama_config, save_model
 from saguaro_dist import LLM, SamplingParams

@@ -9,7 +9,6 @@ placement options ask for (saguaro_dist.placement), so ranks and drafts land on 
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 
