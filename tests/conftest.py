@@ -57,3 +57,19 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_llama_pair(tiny_checkpoint):
     """(target_path, draft_path): two different tiny Llama checkpoints with the same vocabulary (64)."""
     return tiny_checkpoint("llama"), tiny_checkpoint("draft")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the whole session (start-up costs seconds). address="local": never join
+    a neighbour's cluster. Logical CPUs above the machine's 2 cores only gate scheduling: the serve app,
+    tensor-parallel ranks and draft pools of the tests fit side by side."""
+    import ray
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    from ray import serve
+    serve.shutdown()
+    if started:
+        ray.shutdown()

@@ -2,6 +2,8 @@
 real implementation of the DraftWorker interface: calls, pushed trees, and status codes at the edge."""
 from __future__ import annotations
 
+import sys
+
 import queue
 import threading
 
@@ -194,7 +196,8 @@ def test_a_failing_worker_gets_internal_and_the_server_lives_on():
         s.close()
 
 
-def test_binds_loopback_without_ray_never_all_interfaces():
+def test_binds_loopback_without_ray_never_all_interfaces(monkeypatch):
+    monkeypatch.delitem(sys.modules, "ray", raising=False)  # as in a process that never started Ray
     assert default_bind_host() == "127.0.0.1"
     server, port = serve_draft(ToyWorker(), port=0)
     try:
@@ -202,3 +205,9 @@ def test_binds_loopback_without_ray_never_all_interfaces():
             grpc.channel_ready_future(ch).result(timeout=5)
     finally:
         server.stop(None)
+
+
+def test_binds_the_node_address_under_ray(ray_cluster):
+    import ray
+    host = default_bind_host()
+    assert host == ray.util.get_node_ip_address() and host != "0.0.0.0"

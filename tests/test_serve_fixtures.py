@@ -64,21 +64,6 @@ def serving_pair(tmp_path_factory) -> tuple[str, str]:
     return target, draft
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray cluster for the session; address="local" so we never join a neighbour's cluster."""
-    import ray
-    from ray import serve
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    serve.shutdown()
-    if started:
-        ray.shutdown()
-
-
 @dataclass(frozen=True)
 class Server:
     url: str          # http://127.0.0.1:PORT
