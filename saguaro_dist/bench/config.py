@@ -1,0 +1,128 @@
+"""Bench settings: systems, hardware settings (placements), the grid and the sweep."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# name -> what it is
+SYSTEMS = {
+    "ar": "ours, autoregressive (target only)",
+    "sd": "ours, speculative decoding (draft just in time, one process)",
+    "ssd": "ours, SSD one-host (draft on a thread of the target's process)",
+    "ssd-ray": "ours, SSD on local Ray (target actor + draft actor, gRPC)",
+    "hf": "transformers generate (AR)",
+    "hf-assisted": "transformers assisted generation (assistant_model=, SD peer)",
+}
+SETTINGS = {
+    "paper": "target on 1 core; SSD's draft on the other core",
+    "equal": "every system may use both cores",
+}
+OURS = ("ar", "sd", "ssd", "ssd-ray")
+SPECULATIVE = ("sd", "ssd", "ssd-ray", "hf-assisted")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a system's models run under one hardware setting."""
+    target_threads: int
+    draft_threads: int | None   # None: no draft
+    cores: int                  # cores the system may use (the tokens/s per core divisor)
+    where: str                  # human-readable: processes and threads
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def placement(system: str, setting: str, cores: int = 2) -> Placement:
+    """Thread counts and the process layout of `system` under `setting` on a `cores`-core host."""
+    one = 1 if setting == "paper" else cores
+    if system in ("ar", "hf"):
+        return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
+    if system in ("sd", "hf-assisted"):
+        return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")
+    if system == "ssd":  # two Python threads of one process, 1 torch thread each: one core each
+        return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); "
+                                  "draft: a thread of the same process (1 torch thread, shares the GIL)")
+    if system == "ssd-ray":
+        return Placement(1, 1, 2, "target: Ray actor process (1 torch thread, runs the engine); "
+                                  "draft: Ray actor process (1 torch thread), gRPC over loopback")
+    raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One `saguaro bench` run: the pair, the systems, the grid and the SSD settings."""
+    target: str | None = None             # None: the shipped demo pair
+    draft: str | None = None
+    systems: tuple[str, ...] = tuple(SYSTEMS)
+    settings: tuple[str, ...] = tuple(SETTINGS)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    temperatures: tuple[float, ...] = (0.0, 0.7)
+    max_new_tokens: int = 128
+    prompt_len: int = 64                  # prompts truncated to this many tokens
+    k: int = 4
+    fan_out: int = 12
+    fan_out_kind: str = "geometric"
+    saguaro_c: float = 1.0
+    fallback: str = "auto"
+    seed: int = 0
+    repeats: int = 1                      # timed repeats per cell (the best is kept); 1 warm-up first
+    cores: int = 2
+    out_dir: str = "bench-results"
+    plots: bool = True
+
+    def __post_init__(self):
+        bad = [s for s in self.systems if s not in SYSTEMS] + [s for s in self.settings if s not in SETTINGS]
+        if bad:
+            raise ValueError(f"unknown systems/settings {bad}; systems: {', '.join(SYSTEMS)}; settings: {', '.join(SETTINGS)}")
+        if min(self.batch_sizes, default=0) < 1 or self.max_new_tokens < 1 or self.prompt_len < 1:
+            raise ValueError("batch sizes, max_new_tokens and prompt_len must be >= 1")
+        if any(t < 0 for t in self.temperatures) or self.repeats < 1:
+            raise ValueError("temperatures must be >= 0 and repeats >= 1")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "BenchConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def engine_kwargs(self) -> dict:
+        return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind, saguaro_c=self.saguaro_c,
+                    fallback=self.fallback, max_batch_size=max(self.batch_sizes))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """One-factor-at-a-time sweep of the SSD knobs around `base`, plus budget x fan-out kind."""
+    base: BenchConfig = field(default_factory=BenchConfig)
+    system: str = "ssd"                   # ssd (one-host) or ssd-ray
+    setting: str = "paper"
+    batch_size: int = 1
+    temperature: float = 0.7              # Saguaro C acts only when sampling
+    ks: tuple[int, ...] = (2, 4, 6)
+    budgets: tuple[int, ...] = (6, 12, 24)
+    kinds: tuple[str, ...] = ("geometric", "uniform")
+    cs: tuple[float, ...] = (1.0, 0.8, 0.5, 0.2)
+    fallbacks: tuple[str, ...] = ("auto", "neural", "fast", "random")
+
+    def points(self) -> list[tuple[str, dict]]:
+        """(axis, engine overrides) per run; fan-out budgets are crossed with the kinds."""
+        pts = [("k", {"k": k, "fan_out": max(self.base.fan_out, k + 1)}) for k in self.ks]
+        pts += [("fan_out", {"fan_out": b, "fan_out_kind": kind}) for kind in self.kinds
+                for b in self.budgets if b >= self.base.k + 1]
+        pts += [("saguaro_c", {"saguaro_c": c}) for c in self.cs]
+        pts += [("fallback", {"fallback": f}) for f in self.fallbacks]
+        return pts
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+PRESETS = {
+    "full": dict(max_new_tokens=192, prompt_len=64, repeats=1),
+    "quick": dict(batch_sizes=(1, 2), temperatures=(0.0,), max_new_tokens=16, prompt_len=16,
+                  systems=("ar", "sd", "ssd", "hf", "hf-assisted"), settings=("paper",), plots=True),
+}

@@ -1,0 +1,74 @@
+"""PNG plots of bench results (matplotlib, Agg backend: no display needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def speedup_vs_batch(results: dict, path: Path) -> Path:
+    """Speedup over our ar vs batch size, one line per system, one panel per (setting, temperature)."""
+    plt = _pyplot()
+    cells = results["cells"]
+    panels = sorted({(c["setting"], c["temperature"]) for c in cells})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (setting, temp) in zip(axes[0], panels):
+        for system in dict.fromkeys(c["system"] for c in cells):
+            pts = sorted((c["batch"], c["speedup_vs_ar"]) for c in cells
+                         if (c["system"], c["setting"], c["temperature"]) == (system, setting, temp) and c["speedup_vs_ar"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=system)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set(title=f"{setting} setting, T={temp}", xlabel="batch size", ylabel="tokens/s / ours ar", xscale="log")
+        ax.set_xticks(sorted({c["batch"] for c in cells}), labels=[str(b) for b in sorted({c["batch"] for c in cells})])
+        ax.legend(fontsize=8)
+    return _save(fig, plt, path)
+
+
+def hit_rate_vs_budget(results: dict, path: Path) -> Path:
+    """Cache hit rate vs fan-out budget, geometric vs uniform (sweep points of the fan_out axis)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    points = [p for p in results["points"] if p["axis"] == "fan_out"]
+    for kind in dict.fromkeys(p["fan_out_kind"] for p in points):
+        pts = sorted((p["fan_out"], p["cache_hit_rate"]) for p in points if p["fan_out_kind"] == kind)
+        ax.plot(*zip(*pts), marker="o", label=kind)
+    ax.set(title=f"hit rate vs fan-out budget (T={results['sweep']['temperature']})", xlabel="fan-out budget B",
+           ylabel="cache hit rate", ylim=(0, 1.05))
+    ax.legend()
+    return _save(fig, plt, path)
+
+
+def acceptance_hit_vs_c(results: dict, path: Path) -> Path:
+    """Acceptance rate and cache hit rate vs Saguaro C (sweep points of the saguaro_c axis)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5, 4))
+    pts = sorted((p["saguaro_c"], p["acceptance_rate"], p["cache_hit_rate"]) for p in results["points"]
+                 if p["axis"] == "saguaro_c")
+    if pts:
+        cs, acc, hit = zip(*pts)
+        ax.plot(cs, acc, marker="o", label="acceptance rate")
+        ax.plot(cs, hit, marker="s", label="cache hit rate")
+    ax.set(title=f"Saguaro sampling (T={results['sweep']['temperature']})", xlabel="C", ylabel="rate", ylim=(0, 1.05))
+    ax.legend()
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_plots(results: dict, out_dir: Path) -> list[Path]:
+    if results["kind"] == "grid":
+        return [speedup_vs_batch(results, out_dir / "speedup_vs_batch.png")]
+    return [hit_rate_vs_budget(results, out_dir / "hit_rate_vs_budget.png"),
+            acceptance_hit_vs_c(results, out_dir / "acceptance_hit_vs_c.png")]

@@ -1,0 +1,70 @@
+"""Terminal tables (markdown) and JSON for bench results."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+GRID_COLUMNS = [("setting", "setting", "{}"), ("system", "system", "{}"), ("batch", "b", "{}"),
+                ("temperature", "T", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("cores", "cores", "{}"),
+                ("tokens_per_s_per_core", "tok/s/core", "{:.1f}"), ("speedup_vs_ar", "x ar", "{:.2f}"),
+                ("speedup_vs_sd", "x sd", "{:.2f}"), ("speedup_vs_hf-assisted", "x hf-asst", "{:.2f}"),
+                ("acceptance_rate", "accept", "{:.2f}"), ("cache_hit_rate", "hit", "{:.2f}"),
+                ("verify_ms_per_round", "verify ms/rd", "{:.2f}"), ("draft_wait_ms_per_round", "wait ms/rd", "{:.2f}"),
+                ("coordination_ms_per_round", "coord ms/rd", "{:.2f}"), ("greedy_same_as_ar", "=ar", "{:.2f}")]
+SWEEP_COLUMNS = [("axis", "axis", "{}"), ("k", "k", "{}"), ("fan_out", "budget", "{}"), ("fan_out_kind", "kind", "{}"),
+                 ("saguaro_c", "C", "{}"), ("fallback", "fallback", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"),
+                 ("acceptance_rate", "accept", "{:.2f}"), ("mean_accepted_length", "tok/rd/seq", "{:.2f}"),
+                 ("cache_hit_rate", "hit", "{:.2f}"), ("draft_wait_ms_per_round", "wait ms/rd", "{:.2f}")]
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None else spec.format(value)
+
+
+def markdown_table(rows: list[dict], columns) -> str:
+    head = "| " + " | ".join(title for _, title, _ in columns) + " |"
+    sep = "|" + "---|" * len(columns)
+    body = ["| " + " | ".join(fmt(r.get(key), spec) for key, _, spec in columns) + " |" for r in rows]
+    return "\n".join([head, sep] + body)
+
+
+def theorem7_lines(rows: list[dict]) -> list[str]:
+    """One line per SSD run: the prediction, its inputs and the measurement next to it."""
+    lines = []
+    for r in rows:
+        t = r.get("theorem7")
+        if not t:
+            continue
+        label = f"{r.get('setting', '')}/{r['system']} b={r['batch']} T={r['temperature']}"
+        if "axis" in r:
+            label += f" [{r['axis']}={_axis_value(r)}]"
+        lines.append(f"Theorem 7 {label}: predicted {t['predicted_tokens_per_s']:.1f} tok/s "
+                     f"(tokens/round {t['tokens_per_round']:.2f}, p {t['p_hit']:.2f}, verify {1e3 * t['verify_s']:.2f} ms, "
+                     f"T_p {t['tree_s'] / t['verify_s']:.2f}, T_b {t['backup_s'] / t['verify_s']:.2f}), measured "
+                     f"{t['measured_tokens_per_s']:.1f} tok/s = {100 * t['measured_over_predicted']:.0f}% of predicted")
+    return lines
+
+
+def _axis_value(r: dict):
+    return r["fan_out"] if r["axis"] == "fan_out" else r[r["axis"]]
+
+
+def placement_lines(results: dict) -> list[str]:
+    return [f"placement {key}: {p['where']} (cores counted: {p['cores']})" for key, p in results["placements"].items()]
+
+
+def render(results: dict) -> str:
+    """The full terminal report of a grid or sweep run."""
+    host = results["host"]
+    lines = [f"pair: target {results['pair']['target']}, draft {results['pair']['draft']}",
+             f"prompts: {results['prompts']}", f"host: {host['cpu_count']} CPUs, load average {host['load_average']}"]
+    lines += [f"setting {k}: {v}" for k, v in results["settings"].items()] + placement_lines(results)
+    rows = results["cells"] if results["kind"] == "grid" else results["points"]
+    table = markdown_table(rows, GRID_COLUMNS if results["kind"] == "grid" else SWEEP_COLUMNS)
+    return "\n".join(lines + ["", table, ""] + theorem7_lines(rows))
+
+
+def write_json(results: dict, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, sort_keys=False))
+    return path

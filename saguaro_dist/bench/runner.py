@@ -1,0 +1,148 @@
+"""Run the grid (systems x settings x temperatures x batch sizes) and the SSD sweep; results are plain dicts."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from saguaro_dist.bench.config import OURS, SETTINGS, SYSTEMS, BenchConfig, SweepConfig, placement
+from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
+from saguaro_dist.bench.systems import Measurement, make_system
+from saguaro_dist.bench.theory import calibrate_draft, predict_from_run
+
+log = logging.getLogger(__name__)
+SCHEMA_VERSION = 1
+
+
+def run_grid(cfg: BenchConfig, progress: bool = True) -> dict:
+    """Every system under every setting over the grid; SSD cells carry their Theorem-7 prediction."""
+    target, draft = resolve_pair(cfg.target, cfg.draft)
+    prompts, source = bench_prompts(target, max(cfg.batch_sizes), cfg.prompt_len, cfg.seed, vocab_size(target))
+    total = len(cfg.settings) * len(cfg.systems) * len(cfg.temperatures) * len(cfg.batch_sizes)
+    cells = []
+    with tqdm(total=total, desc="saguaro bench", unit="cell", disable=not progress) as bar:
+        for setting in cfg.settings:
+            for system in cfg.systems:
+                cells += run_system(cfg, system, setting, target, draft, prompts, bar)
+    calibs = calibrate_cells(cfg, cells, target, draft, prompts)
+    annotate(cells, calibs)
+    return {"schema": SCHEMA_VERSION, "kind": "grid", "config": cfg.to_dict(), **context(target, draft, source, cfg),
+            "calibration": [{"batch": b, "temperature": t, **c} for (b, t), c in calibs.items()], "cells": cells}
+
+
+def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
+    place = placement(system, setting, cfg.cores)
+    runner = make_system(system, target, draft, cfg.engine_kwargs())
+    bar.set_postfix_str(f"{setting}/{system}: loading")
+    runner.open(place)
+    cells = []
+    try:
+        for temperature in cfg.temperatures:
+            for b in cfg.batch_sizes:
+                bar.set_postfix_str(f"{setting}/{system} b={b} T={temperature}")
+                m = measure(runner, prompts[:b], temperature, cfg)
+                cells.append(cell_record(system, setting, place, b, temperature, m))
+                bar.update()
+    finally:
+        runner.close()
+    return cells
+
+
+def measure(runner, prompts, temperature: float, cfg: BenchConfig) -> Measurement:
+    """One short warm-up call, then `repeats` timed calls; the fastest is kept."""
+    runner.run(prompts, temperature, min(8, cfg.max_new_tokens), cfg.seed)
+    runs = [runner.run(prompts, temperature, cfg.max_new_tokens, cfg.seed) for _ in range(cfg.repeats)]
+    return max(runs, key=lambda m: m.tokens_per_s)
+
+
+def cell_record(system: str, setting: str, place, batch: int, temperature: float, m: Measurement) -> dict:
+    rounds = m.engine.get("rounds", 0)
+    timed = ("step_s",) if system == "ar" else ("verify_s", "draft_wait_s", "coordination_s", "step_s")  # ar: no split
+    per_round_ms = {f"{k[:-2]}_ms_per_round": 1e3 * m.engine[k] / rounds for k in timed} if rounds else {}
+    lookups = m.cache_hits + m.cache_misses
+    return {"system": system, "setting": setting, "batch": batch, "temperature": temperature,
+            "tokens": m.tokens, "seconds": m.seconds, "tokens_per_s": m.tokens_per_s, "cores": place.cores,
+            "tokens_per_s_per_core": m.tokens_per_s / place.cores, "placement": place.to_dict(),
+            "acceptance_rate": m.accepted / m.drafted if m.drafted else None,
+            "mean_accepted_length": (m.accepted + m.seq_rounds) / m.seq_rounds if m.seq_rounds else None,
+            "cache_hit_rate": m.cache_hits / lookups if lookups else None, "fallbacks": m.fallbacks,
+            "engine": m.engine, **per_round_ms, "outputs": m.outputs, "_measurement": m}
+
+
+def calibrate_cells(cfg: BenchConfig, cells: list[dict], target: str, draft: str, prompts) -> dict:
+    """Draft tree-build / just-in-time latencies per (batch, temperature) that an SSD cell ran at."""
+    keys = sorted({(c["batch"], c["temperature"]) for c in cells if c["system"] in ("ssd", "ssd-ray")})
+    calibs = {}
+    for b, t in tqdm(keys, desc="draft calibration", unit="cell", disable=not keys):
+        calibs[(b, t)] = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts[:b], t)
+    return calibs
+
+
+def annotate(cells: list[dict], calibs: dict) -> None:
+    """Speedups vs our ar / sd of the same setting and cell, greedy identity vs our ar, Theorem 7."""
+    index = {(c["system"], c["setting"], c["batch"], c["temperature"]): c for c in cells}
+    for c in cells:
+        key = (c["setting"], c["batch"], c["temperature"])
+        for base in ("ar", "sd", "hf-assisted"):
+            ref = index.get((base,) + key)
+            c[f"speedup_vs_{base}"] = c["tokens_per_s"] / ref["tokens_per_s"] if ref and ref["tokens_per_s"] else None
+        ar = index.get(("ar",) + key)
+        c["greedy_same_as_ar"] = (sum(a == b for a, b in zip(c["outputs"], ar["outputs"])) / len(ar["outputs"])
+                                  if ar and c["temperature"] == 0 else None)
+        m = c.pop("_measurement")
+        calib = calibs.get((c["batch"], c["temperature"]))
+        c["theorem7"] = predict_from_run(m, c["batch"], calib) if calib and c["system"] in ("ssd", "ssd-ray") else None
+    for c in cells:
+        c.pop("outputs")
+
+
+def context(target: str, draft: str, source: str, cfg: BenchConfig) -> dict:
+    return {"pair": {"target": target, "draft": draft}, "prompts": source,
+            "host": {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "python": platform.python_version(),
+                     "torch": torch.__version__, "machine": platform.machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+            "systems": {s: SYSTEMS[s] for s in cfg.systems if s in SYSTEMS},
+            "settings": {s: SETTINGS[s] for s in cfg.settings},
+            "placements": {f"{st}/{sy}": placement(sy, st, cfg.cores).to_dict() for st in cfg.settings for sy in cfg.systems}}
+
+
+def vocab_size(path: str) -> int:
+    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+
+
+def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
+    """One SSD run per sweep point (one knob changed from the base), each with its Theorem-7 prediction."""
+    cfg = sweep.base
+    target, draft = resolve_pair(cfg.target, cfg.draft)
+    prompts, source = bench_prompts(target, sweep.batch_size, cfg.prompt_len, cfg.seed, vocab_size(target))
+    place = placement(sweep.system, sweep.setting, cfg.cores)
+    points = []
+    for axis, overrides in tqdm(sweep.points(), desc="saguaro bench sweep", unit="run", disable=not progress):
+        point_cfg = dataclasses.replace(cfg, **overrides, batch_sizes=(sweep.batch_size,))
+        points.append(sweep_point(point_cfg, sweep, axis, overrides, place, target, draft, prompts))
+    return {"schema": SCHEMA_VERSION, "kind": "sweep", "config": cfg.to_dict(), "sweep": sweep.to_dict(),
+            **context(target, draft, source, dataclasses.replace(cfg, systems=(sweep.system,), settings=(sweep.setting,))),
+            "points": points}
+
+
+def sweep_point(cfg: BenchConfig, sweep: SweepConfig, axis: str, overrides: dict, place, target, draft, prompts) -> dict:
+    runner = make_system(sweep.system, target, draft, cfg.engine_kwargs())
+    runner.open(place)
+    try:
+        m = measure(runner, prompts, sweep.temperature, cfg)
+    finally:
+        runner.close()
+    cell = cell_record(sweep.system, sweep.setting, place, sweep.batch_size, sweep.temperature, m)
+    calib = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts, sweep.temperature)
+    cell.pop("_measurement"), cell.pop("outputs")
+    return {"axis": axis, "overrides": overrides, "k": cfg.k, "fan_out": cfg.fan_out, "fan_out_kind": cfg.fan_out_kind,
+            "saguaro_c": cfg.saguaro_c, "fallback": cfg.fallback, **cell, "theorem7": predict_from_run(m, sweep.batch_size, calib)}
+
+
+__all__ = ["run_grid", "run_sweep", "SCHEMA_VERSION", "OURS"]

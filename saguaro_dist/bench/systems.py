@@ -1,0 +1,138 @@
+"""The benched systems behind one surface: open(placement) once, run(prompts, ...) per grid cell, close()."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro_dist.bench.config import Placement
+
+log = logging.getLogger(__name__)
+ENGINE_FIELDS = ("rounds", "verify_s", "draft_wait_s", "prefill_s", "step_s", "coordination_s", "cache_hits", "cache_misses")
+
+
+@dataclass
+class Measurement:
+    """One timed generate call over a batch of prompts."""
+    tokens: int                       # generated tokens, all prompts
+    seconds: float
+    outputs: list[list[int]]
+    seq_rounds: int = 0               # verification rounds summed over sequences
+    drafted: int = 0
+    accepted: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
+    fallbacks: dict = field(default_factory=dict)
+    engine: dict = field(default_factory=dict)   # EngineMetrics delta of this call (ours only)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def sampling_kwargs(temperature: float) -> dict:
+    """transformers: plain sampling at `temperature` (no default top-k), greedy at 0."""
+    if temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+
+
+class OursSystem:
+    """saguaro_dist.LLM in one mode, one-host or on local Ray."""
+
+    def __init__(self, name: str, target: str, draft: str, engine_kwargs: dict):
+        self.name, self.target, self.draft, self.engine_kwargs = name, target, draft, engine_kwargs
+        self.llm = None
+
+    def open(self, place: Placement) -> None:
+        from saguaro_dist import LLM
+        mode = {"ar": "ar", "sd": "sd", "ssd": "ssd", "ssd-ray": "ssd"}[self.name]
+        self.llm = LLM(model=self.target, draft=None if mode == "ar" else self.draft, mode=mode,
+                       cluster="local" if self.name == "ssd-ray" else None, target_threads=place.target_threads,
+                       draft_threads=place.draft_threads, **self.engine_kwargs)
+        self.threads = place.target_threads
+
+    def run(self, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int) -> Measurement:
+        from saguaro_dist import SamplingParams
+        params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
+                  for i in range(len(prompts))]
+        before = self.llm.metrics.to_dict()
+        start = time.perf_counter()
+        outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        seconds = time.perf_counter() - start
+        after = self.llm.metrics.to_dict()
+        return measurement_from_outputs(outs, seconds, engine_delta(before, after))
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None
+
+
+def engine_delta(before: dict, after: dict) -> dict:
+    delta = {k: after[k] - before[k] for k in ENGINE_FIELDS}
+    delta["fallbacks"] = {k: v - before["fallbacks"].get(k, 0) for k, v in after["fallbacks"].items()}
+    return delta
+
+
+def measurement_from_outputs(outs, seconds: float, engine: dict) -> Measurement:
+    m = Measurement(tokens=sum(len(o.token_ids) for o in outs), seconds=seconds,
+                    outputs=[list(o.token_ids) for o in outs], engine=engine)
+    for o in outs:
+        r = o.metrics
+        m.seq_rounds += r.rounds
+        m.drafted += r.drafted_tokens
+        m.accepted += r.accepted_tokens
+        m.cache_hits += r.cache_hits
+        m.cache_misses += r.cache_misses
+        for kind, n in r.fallbacks.items():
+            m.fallbacks[kind] = m.fallbacks.get(kind, 0) + n
+    return m
+
+
+class HFSystem:
+    """transformers generate on the same checkpoints (fp32, CPU); assisted = with assistant_model=."""
+
+    def __init__(self, name: str, target: str, draft: str, k: int):
+        self.name, self.target_path, self.draft_path, self.k = name, target, draft, k
+        self.model = self.assistant = None
+
+    def open(self, place: Placement) -> None:
+        from transformers import AutoModelForCausalLM
+        torch.set_num_threads(place.target_threads)
+        self.threads = place.target_threads
+        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+        self.model = load(self.target_path)
+        if self.name == "hf-assisted":
+            self.assistant = load(self.draft_path)
+            self.assistant.generation_config.num_assistant_tokens = self.k
+
+    def run(self, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int) -> Measurement:
+        torch.set_num_threads(self.threads)
+        start = time.perf_counter()
+        if self.assistant is None:  # one batched call (prompts share one length: no padding)
+            outputs = self._generate(prompts, temperature, max_new_tokens, seed)
+        else:  # transformers' assisted generation takes one sequence at a time
+            outputs = [self._generate([p], temperature, max_new_tokens, seed + i)[0] for i, p in enumerate(prompts)]
+        seconds = time.perf_counter() - start
+        return Measurement(tokens=sum(map(len, outputs)), seconds=seconds, outputs=outputs)
+
+    def _generate(self, prompts, temperature, max_new_tokens, seed) -> list[list[int]]:
+        torch.manual_seed(seed)
+        ids = torch.tensor(prompts, dtype=torch.long)
+        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      min_new_tokens=max_new_tokens, pad_token_id=0, **sampling_kwargs(temperature), **extra)
+        return out[:, ids.shape[1]:].tolist()
+
+    def close(self) -> None:
+        self.model = self.assistant = None
+
+
+def make_system(name: str, target: str, draft: str, engine_kwargs: dict):
+    if name.startswith("hf"):
+        return HFSystem(name, target, draft, engine_kwargs["k"])
+    return OursSystem(name, target, draft, engine_kwargs)

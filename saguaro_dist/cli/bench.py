@@ -1,0 +1,81 @@
+"""`saguaro bench`: the grid (systems x settings x batch x temperature) or the SSD sweep; table, JSON, PNGs."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x)
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+# option -> (BenchConfig field, parser)
+GRID_OPTIONS = {"--systems": ("systems", _names), "--settings": ("settings", _names), "--batch": ("batch_sizes", _ints),
+                "--temperatures": ("temperatures", _floats), "--max-new-tokens": ("max_new_tokens", int),
+                "--prompt-len": ("prompt_len", int), "--k": ("k", int), "--fan-out": ("fan_out", int),
+                "--fan-out-kind": ("fan_out_kind", str), "--saguaro-c": ("saguaro_c", float),
+                "--fallback": ("fallback", str), "--seed": ("seed", int), "--repeats": ("repeats", int),
+                "--cores": ("cores", int)}
+SWEEP_OPTIONS = {"--sweep-ks": ("ks", _ints), "--sweep-budgets": ("budgets", _ints), "--sweep-kinds": ("kinds", _names),
+                 "--sweep-cs": ("cs", _floats), "--sweep-fallbacks": ("fallbacks", _names),
+                 "--sweep-batch": ("batch_size", int), "--sweep-temperature": ("temperature", float),
+                 "--sweep-system": ("system", str), "--sweep-setting": ("setting", str)}
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmark SSD against AR, SD and transformers (table, JSON, plots)",
+                              description=__doc__)
+    p.add_argument("--preset", choices=("full", "quick"), default="full", help="grid defaults (quick: CI-sized)")
+    p.add_argument("--sweep", action="store_true", help="sweep k, fan-out budget x kind, Saguaro C, fallback instead")
+    p.add_argument("--target", help="target checkpoint (default: the demo pair)")
+    p.add_argument("--draft", help="draft checkpoint (default: the demo pair)")
+    p.add_argument("--out", default="bench-results", help="directory for results.json / sweep.json and PNGs")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():
+        p.add_argument(flag, dest=field, help=f"comma-separated list" if field.endswith("s") and field not in ("cores", "repeats") else None)
+    p.set_defaults(run=run)
+
+
+def bench_config(args) -> "BenchConfig":
+    from saguaro_dist.bench import BenchConfig
+    overrides = {f: parse(getattr(args, f)) for f, parse in GRID_OPTIONS.values() if getattr(args, f) is not None}
+    return BenchConfig.preset(args.preset, target=args.target, draft=args.draft, out_dir=args.out,
+                              plots=not args.no_plots, **overrides)
+
+
+def sweep_config(args, base) -> "SweepConfig":
+    from saguaro_dist.bench import SweepConfig
+    overrides = {f: parse(getattr(args, f)) for f, parse in SWEEP_OPTIONS.values() if getattr(args, f) is not None}
+    if args.preset == "quick":
+        overrides = {"ks": (2, 4), "budgets": (6, 12), "cs": (1.0, 0.5), "fallbacks": ("neural", "fast"), **overrides}
+    return SweepConfig(base=base, **overrides)
+
+
+def run(args) -> int:
+    from saguaro_dist.bench import run_grid, run_sweep
+    from saguaro_dist.bench.plots import write_plots
+    from saguaro_dist.bench.report import render, write_json
+    cfg = bench_config(args)
+    out = Path(cfg.out_dir)
+    if args.sweep:
+        results = run_sweep(sweep_config(args, cfg), progress=not args.no_progress)
+    else:
+        results = run_grid(cfg, progress=not args.no_progress)
+    print(render(results))
+    path = write_json(results, out / ("sweep.json" if args.sweep else "results.json"))
+    plots = write_plots(results, out) if cfg.plots else []
+    print(f"\nwrote {path}" + "".join(f", {p}" for p in plots))
+    return 0
