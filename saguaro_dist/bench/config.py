@@ -72,6 +72,9 @@ class BenchConfig:
     plots: bool = True
 
     def __post_init__(self):
+        for name in ("target", "draft"):  # paths may come as Path objects
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, str(getattr(self, name)))
         bad = [s for s in self.systems if s not in SYSTEMS] + [s for s in self.settings if s not in SETTINGS]
         if bad:
             raise ValueError(f"unknown systems/settings {bad}; systems: {', '.join(SYSTEMS)}; settings: {', '.join(SETTINGS)}")

@@ -33,6 +33,7 @@ def text_prompts(tokenizer, n: int, length: int) -> list[list[int]] | None:
         texts = demo_prompts(len_of_demo_prompts())
     except (FileNotFoundError, ValueError):
         return None
+    tokenizer.model_max_length = 1 << 30  # we cut the ids ourselves: no length warning
     ids = [tokenizer.encode(t) for t in texts]
     ids = [p[:length] for p in ids if len(p) >= length][:n]
     if len(ids) < n:

@@ -1,0 +1,107 @@
+"""`saguaro bench` code paths in a tiny configuration: results schema, JSON, PNGs, CLI, sweep."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from saguaro_dist.bench import BenchConfig, SweepConfig, run_grid, run_sweep
+from saguaro_dist.bench.config import placement
+from saguaro_dist.bench.plots import write_plots
+from saguaro_dist.bench.report import render, write_json
+from saguaro_dist.cli import main
+
+CELL_KEYS = {"system", "setting", "batch", "temperature", "tokens", "seconds", "tokens_per_s", "cores",
+             "tokens_per_s_per_core", "placement", "acceptance_rate", "cache_hit_rate", "speedup_vs_ar",
+             "speedup_vs_sd", "greedy_same_as_ar", "theorem7", "engine"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def tiny_config(pair, tmp_path, **kw) -> BenchConfig:
+    base = dict(target=pair[0], draft=pair[1], systems=("ar", "sd", "ssd", "hf", "hf-assisted"), settings=("paper",),
+                batch_sizes=(1, 2), temperatures=(0.0, 0.7), max_new_tokens=8, prompt_len=6, k=2, fan_out=6,
+                out_dir=str(tmp_path))
+    return BenchConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def grid(tiny_llama_pair, tmp_path_factory):
+    return run_grid(tiny_config(tiny_llama_pair, tmp_path_factory.mktemp("grid")), progress=False)
+
+
+def test_grid_cells_cover_the_grid_with_the_schema(grid):
+    assert grid["kind"] == "grid" and grid["schema"] == 1
+    assert len(grid["cells"]) == 5 * 2 * 2
+    for cell in grid["cells"]:
+        assert CELL_KEYS <= set(cell), CELL_KEYS - set(cell)
+        assert cell["tokens"] == 8 * cell["batch"]
+        assert cell["tokens_per_s"] > 0 and cell["tokens_per_s_per_core"] == cell["tokens_per_s"] / cell["cores"]
+    assert set(grid["placements"]) == {f"paper/{s}" for s in ("ar", "sd", "ssd", "hf", "hf-assisted")}
+
+
+def test_greedy_outputs_match_ours_ar_and_ssd_cells_carry_theorem7(grid):
+    for cell in grid["cells"]:
+        if cell["temperature"] == 0:
+            assert cell["greedy_same_as_ar"] == 1.0, cell["system"]
+        if cell["system"] == "ssd":
+            t = cell["theorem7"]
+            assert t["predicted_tokens_per_s"] > 0 and 0 <= t["hit_rate"] <= 1
+            assert t["measured_tokens_per_s"] == pytest.approx(cell["tokens_per_s"])
+        else:
+            assert cell["theorem7"] is None
+
+
+def test_json_round_trips_and_table_and_plot_are_written(grid, tmp_path):
+    path = write_json(grid, tmp_path / "results.json")
+    assert json.loads(path.read_text())["cells"][0]["system"] == "ar"
+    text = render(grid)
+    assert "| paper | ssd | 1 | 0.0 |" in text and "Theorem 7 paper/ssd b=1 T=0.0: predicted" in text
+    assert "placement paper/ssd:" in text
+    (png,) = write_plots(grid, tmp_path)
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_sweep_points_plots_and_predictions(tiny_llama_pair, tmp_path):
+    sweep = SweepConfig(base=tiny_config(tiny_llama_pair, tmp_path), ks=(2,), budgets=(3, 6), cs=(1.0, 0.5),
+                        fallbacks=("fast",), temperature=0.7)
+    results = run_sweep(sweep, progress=False)
+    axes = [p["axis"] for p in results["points"]]
+    assert axes == ["k", "fan_out", "fan_out", "fan_out", "fan_out", "saguaro_c", "saguaro_c", "fallback"]
+    assert all(p["theorem7"]["predicted_tokens_per_s"] > 0 for p in results["points"])
+    pngs = write_plots(results, tmp_path)
+    assert [p.name for p in pngs] == ["hit_rate_vs_budget.png", "acceptance_hit_vs_c.png"]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+
+
+def test_cli_quick_run_writes_results(tiny_llama_pair, tmp_path, capsys):
+    code = main(["bench", "--preset", "quick", "--target", str(tiny_llama_pair[0]), "--draft", str(tiny_llama_pair[1]),
+                 "--out", str(tmp_path), "--no-progress", "--systems", "ar,ssd", "--batch", "1", "--k", "2",
+                 "--fan-out", "6", "--prompt-len", "4", "--max-new-tokens", "6"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "| paper | ssd | 1 | 0.0 |" in out and "Theorem 7" in out
+    assert json.loads((tmp_path / "results.json").read_text())["config"]["systems"] == ["ar", "ssd"]
+    assert (tmp_path / "speedup_vs_batch.png").is_file()
+
+
+def test_bad_options_are_value_errors(tiny_llama_pair, tmp_path):
+    with pytest.raises(ValueError, match="unknown systems"):
+        BenchConfig(systems=("vllm",))
+    with pytest.raises(ValueError, match="unknown preset"):
+        BenchConfig.preset("huge")
+    assert main(["bench", "--preset", "quick", "--target", str(tiny_llama_pair[0]), "--out", str(tmp_path)]) == 2
+
+
+def test_placement_counts_cores_per_setting():
+    assert placement("ar", "paper").cores == 1 and placement("ar", "equal").cores == 2
+    assert placement("sd", "equal").target_threads == 2
+    assert placement("ssd-ray", "paper") == placement("ssd-ray", "equal")
+    assert placement("ssd-ray", "paper").cores == 2 and "Ray actor" in placement("ssd-ray", "paper").where
+
+
+def test_ssd_on_ray_cell(tiny_llama_pair, tmp_path, ray_cluster):
+    cfg = tiny_config(tiny_llama_pair, tmp_path, systems=("ar", "ssd-ray"), batch_sizes=(1,), temperatures=(0.0,))
+    cells = {c["system"]: c for c in run_grid(cfg, progress=False)["cells"]}
+    ray_cell = cells["ssd-ray"]
+    assert ray_cell["greedy_same_as_ar"] == 1.0 and ray_cell["theorem7"]["predicted_tokens_per_s"] > 0
+    assert ray_cell["engine"]["rounds"] > 0 and ray_cell["cores"] == 2

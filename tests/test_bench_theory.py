@@ -1,0 +1,43 @@
+"""Theorem 7 as the bench applies it, against hand computations."""
+from __future__ import annotations
+
+import pytest
+
+from saguaro_dist.bench.systems import Measurement
+from saguaro_dist.bench.theory import predict_from_run, predicted_tokens_per_s
+
+
+def test_prediction_by_hand_when_the_tree_is_hidden():
+    # T_p = 5/10 < 1, T_b = 5/10: time = 0.8 * 1 + 0.2 * (1 + 0.5) = 1.1 verifies; 3 / (1.1 * 10 ms)
+    got = predicted_tokens_per_s(tokens_per_round=3.0, p_hit=0.8, verify_s=0.010, tree_s=0.005, backup_s=0.005)
+    assert got == pytest.approx(3.0 / (1.1 * 0.010))  # 272.73 tok/s
+
+
+def test_prediction_by_hand_when_the_tree_is_slower_than_verify():
+    # T_p = 1.5: time = 0.5 * 1.5 + 0.5 * (1 + 2.0) = 2.25 verifies of 4 ms; 4 tokens per round
+    got = predicted_tokens_per_s(tokens_per_round=4.0, p_hit=0.5, verify_s=0.004, tree_s=0.006, backup_s=0.008)
+    assert got == pytest.approx(4.0 / (2.25 * 0.004))  # 444.4 tok/s
+
+
+def test_all_hits_hide_the_draft_entirely():
+    assert predicted_tokens_per_s(5.0, 1.0, 0.01, 0.002, 1.0) == pytest.approx(500.0)
+
+
+def test_predict_from_run_reads_its_inputs_from_the_measurement():
+    # batch 2: 2 x 33 tokens (1 each from prefill), 16 rounds, 30 hits / 2 misses both neural
+    m = Measurement(tokens=66, seconds=0.5, outputs=[], cache_hits=30, cache_misses=2, fallbacks={"neural": 2},
+                    engine={"rounds": 16, "verify_s": 0.16})
+    got = predict_from_run(m, batch=2, calib={"tree_s": 0.005, "jit_s": 0.004})
+    hit = 30 / 32
+    p_round = hit ** 2                                   # every miss went neural
+    time = p_round * 1 + (1 - p_round) * (1 + 0.4)      # verify 10 ms, T_p 0.5, T_b 0.4
+    assert got["tokens_per_round"] == pytest.approx(64 / 16)
+    assert got["p_hit"] == pytest.approx(p_round)
+    assert got["predicted_tokens_per_s"] == pytest.approx(4.0 / (time * 0.010))
+    assert got["measured_over_predicted"] == pytest.approx(132.0 / got["predicted_tokens_per_s"])
+
+
+def test_fast_backups_cost_nothing_in_the_prediction():
+    m = Measurement(tokens=11, seconds=1.0, outputs=[], cache_hits=5, cache_misses=5, fallbacks={"fast": 5},
+                    engine={"rounds": 10, "verify_s": 0.1})
+    assert predict_from_run(m, 1, {"tree_s": 0.001, "jit_s": 1.0})["predicted_tokens_per_s"] == pytest.approx(100.0)
