@@ -1,0 +1,74 @@
+"""Issue 4 speed: the distributed path against one-host SSD on the same checkpoints, batch 1 greedy.
+
+    python benchmarks/bench_distributed.py [--target T --draft D] [--pools 1,2,3] [--repeats 3]
+
+Prints the placement, then: tokens/s and per-round coordination overhead (round wall time minus model
+forwards and draft waits, as the engine accounts it) of one-host SSD and SSD on local Ray (target actor
++ draft actor, gRPC over loopback), the distributed/one-host ratio, and the hit rate vs draft pool size
+(cache-parallel: a pool of n workers builds n x the fan-out budget for the one sequence).
+Goals: >= 95% of one-host SSD throughput; <= 1 ms overhead per round; hit rate rising with pool size.
+"""
+from __future__ import annotations
+
+import argparse
+
+from tqdm import tqdm
+
+from saguaro_dist.bench import BenchConfig, run_grid
+from saguaro_dist.bench.config import placement
+from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
+from saguaro_dist.bench.report import markdown_table, render
+from saguaro_dist.bench.runner import cell_record, measure, vocab_size
+from saguaro_dist.bench.systems import OursSystem
+
+POOL_COLUMNS = [("pool", "draft workers", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("cache_hit_rate", "hit", "{:.3f}"),
+                ("acceptance_rate", "accept", "{:.2f}"), ("coordination_ms_per_round", "coord ms/rd", "{:.2f}"),
+                ("draft_wait_ms_per_round", "wait ms/rd", "{:.2f}")]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target")
+    p.add_argument("--draft")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--pools", default="1,2,3", help="draft pool sizes for the hit-rate sweep")
+    return p.parse_args()
+
+
+def pool_sweep(cfg: BenchConfig, pools: list[int], temperature: float) -> list[dict]:
+    target, draft = resolve_pair(cfg.target, cfg.draft)
+    prompts, _ = bench_prompts(target, 1, cfg.prompt_len, cfg.seed, vocab_size(target))
+    place, rows = placement("ssd-ray", "paper", cfg.cores), []
+    for n in tqdm(pools, desc="draft pool sweep", unit="pool"):
+        system = OursSystem("ssd-ray", target, draft, {**cfg.engine_kwargs(), "num_draft_workers": n})
+        system.open(place)
+        try:
+            m = measure(system, prompts, temperature, cfg)
+        finally:
+            system.close()
+        row = cell_record("ssd-ray", "paper", place, 1, temperature, m)
+        rows.append({"pool": n, **{k: v for k, v in row.items() if k not in ("_measurement", "outputs")}})
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ssd", "ssd-ray"), settings=("paper",),
+                      batch_sizes=(1,), temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
+                      prompt_len=args.prompt_len, repeats=args.repeats, plots=False)
+    results = run_grid(cfg)
+    print(render(results))
+    cells = {c["system"]: c for c in results["cells"]}
+    ratio = cells["ssd-ray"]["tokens_per_s"] / cells["ssd"]["tokens_per_s"]
+    print(f"\ndistributed / one-host SSD tokens/s: {ratio:.2f} (goal >= 0.95); coordination ms/round: one-host "
+          f"{cells['ssd']['coordination_ms_per_round']:.3f}, Ray {cells['ssd-ray']['coordination_ms_per_round']:.3f} (goal <= 1)")
+    pools = [int(x) for x in args.pools.split(",")]
+    print("\nhit rate vs draft pool size (batch 1, cache-parallel shards):\n")
+    print(markdown_table(pool_sweep(cfg, pools, args.temperature), POOL_COLUMNS))
+
+
+if __name__ == "__main__":
+    main()
