@@ -38,20 +38,21 @@ def run_grid(cfg: BenchConfig, progress: bool = True) -> dict:
 
 
 def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
-    place = placement(system, setting, cfg.cores)
-    runner = make_system(system, target, draft, cfg.engine_kwargs())
-    bar.set_postfix_str(f"{setting}/{system}: loading")
-    runner.open(place)
-    cells = []
-    try:
-        for temperature in cfg.temperatures:
+    """A fresh engine per temperature: the online estimates (acceptance, r, b*) never carry over between
+    temperatures; within one temperature the batch sizes run in the given order on one engine."""
+    place, cells = placement(system, setting, cfg.cores), []
+    for temperature in cfg.temperatures:
+        runner = make_system(system, target, draft, cfg.engine_kwargs())
+        bar.set_postfix_str(f"{setting}/{system}: loading")
+        runner.open(place)
+        try:
             for b in cfg.batch_sizes:
                 bar.set_postfix_str(f"{setting}/{system} b={b} T={temperature}")
                 m = measure(runner, prompts[:b], temperature, cfg)
                 cells.append(cell_record(system, setting, place, b, temperature, m))
                 bar.update()
-    finally:
-        runner.close()
+        finally:
+            runner.close()
     return cells
 
 
