@@ -120,6 +120,12 @@ def test_tokenize_detokenize(server, reference_llm):
     assert chat["count"] == len(chat["tokens"]) > 0
 
 
+def test_ignore_eos_generates_exactly_max_tokens(server, oai):
+    out = oai.completions.create(model=server.model, prompt="the cat", max_tokens=60, seed=3,
+                                 extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 60 and out.choices[0].finish_reason == "length"
+
+
 # ---- concurrency and cancellation ---------------------------------------------------------------
 @pytest.mark.slow
 def test_16_concurrent_streams_complete_and_are_correct(server, reference_llm):
@@ -138,7 +144,8 @@ def test_16_concurrent_streams_complete_and_are_correct(server, reference_llm):
 
 def test_client_disconnect_cancels_generation(server):
     before = app_stats()["cancelled"]
-    body = {"prompt": "the cat", "max_tokens": 240, "stream": True}
+    # ignore_eos: a sampled end-of-sequence must not finish the generation before the hang-up lands
+    body = {"prompt": "the cat", "max_tokens": 240, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
         next(r.iter_lines())  # generation is under way; now hang up
     deadline = time.monotonic() + 20

@@ -44,7 +44,9 @@ class Recipe:
     weight_decay: float = 0.1
     ce_weight: float = 0.1  # share of plain CE in the draft's loss; the rest is KL to the target
     kd_temperature: float = 1.0
-    bf16_autocast: bool = True  # master weights and optimiser stay fp32
+    # None: autocast to bf16 only where the CPU computes it natively (AVX512-BF16/AMX); elsewhere
+    # emulated bf16 measured ~15x slower than fp32 (19.5 s vs 1.3 s a target step). Weights stay fp32.
+    bf16_autocast: bool | None = None
     target_steps: int | None = 1500
     draft_steps: int | None = 1500
     minutes: float | None = None  # if set, overrides the step counts: a wall-clock budget
@@ -114,7 +116,13 @@ def loop_spec(recipe: Recipe, role: str, work: Path, steps: int | None, budget_s
                     budget_s=budget_s, lr=getattr(recipe, f"{role}_lr"), warmup=recipe.warmup_steps,
                     weight_decay=recipe.weight_decay, checkpoint_s=recipe.checkpoint_minutes * 60,
                     seed=recipe.seed, fingerprint=recipe.fingerprint() | {"role": role},
-                    bf16=recipe.bf16_autocast)
+                    bf16=native_bf16() if recipe.bf16_autocast is None else recipe.bf16_autocast)
+
+
+def native_bf16() -> bool:
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def budgets(recipe: Recipe) -> tuple[float | None, float | None]:

@@ -48,6 +48,7 @@ class SamplingRequest(OpenAIModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = False  # vLLM's extra parameter: keep generating past end-of-sequence
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -67,6 +68,7 @@ class SamplingRequest(OpenAIModel):
             max_tokens=max_tokens,
             stop=self.stop or (),
             seed=self.seed,
+            ignore_eos=self.ignore_eos,
         )
 
     @property
