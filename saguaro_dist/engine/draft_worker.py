@@ -158,15 +158,20 @@ class DraftWorker:
 
     def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step) -> list[Proposal]:
         """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j."""
+        greedy = all(s.sampling.temperature == 0 for s in rows)
         tokens, dists = [], []
         for j in range(self.k):
-            probs = self._proposal_probs(logits, rows, [f[j] for f in fanouts])
-            drawn = sample(probs, [s.generator for s in rows])
+            if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
+                drawn = logits.argmax(-1)
+            else:
+                probs = self._proposal_probs(logits, rows, [f[j] for f in fanouts])
+                drawn = sample(probs, [s.generator for s in rows])
+                dists.append(probs)
             tokens.append(drawn)
-            dists.append(probs)
             if j + 1 < self.k:
                 logits = step(drawn)
-        tokens, dists = torch.stack(tokens, 1), torch.stack(dists, 1)   # [R, K], [R, K, V]
+        tokens = torch.stack(tokens, 1)                                       # [R, K]
+        dists = torch.stack(dists, 1) if dists else None                      # [R, K, V]
         return [Proposal(tokens[i].clone(), None if s.sampling.temperature == 0 else dists[i].clone())
                 for i, s in enumerate(rows)]
 

@@ -1,11 +1,13 @@
 """Build a model from a checkpoint directory: on the meta device first, so no parameter is ever
-random-initialised; tensor parallelism (if any) is applied before the weights load."""
+random-initialised; tensor parallelism (if any) is applied before the weights load, and the
+projections that share an input are fused after (model/fuse.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 
+from saguaro_dist.model.fuse import fuse_projections
 from saguaro_dist.model.hf_config import ModelConfig
 from saguaro_dist.model.layers import CausalLM
 from saguaro_dist.model.loader import load_weights
@@ -23,4 +25,5 @@ def build_model(cfg: ModelConfig, model_dir: Path, device, dtype, tp_group=None)
         model.lm_head.weight = model.model.embed_tokens.weight
         skip = frozenset({"lm_head.weight"})
     load_weights(model, model_dir, skip)
+    fuse_projections(model)
     return model.eval().requires_grad_(False)

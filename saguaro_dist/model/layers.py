@@ -17,8 +17,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fp32 statistics, then the weight in the input dtype, as transformers computes them
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        # fp32 statistics, then the weight in the input dtype, as transformers computes them. Spelled out:
+        # F.rms_norm measured ~1.5x slower on the tiny decode rows of CPU serving.
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -37,10 +39,12 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        """Runs on the fused `qkv_proj` that build_model makes from q/k/v_proj once the weights load."""
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        q = self.q_norm(q.view(b, t, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))
+        v = v.view(b, t, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
         return self.o_proj(ctx.attend(self.layer_idx, q, k, v))
 
@@ -53,7 +57,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        """Runs on the fused `gate_up_proj` that build_model makes from gate/up_proj."""
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
