@@ -42,6 +42,7 @@ class Config:
     k: int = 4                             # speculation length K
     fan_out: int | tuple[int, ...] = 12    # branch budget B, or explicit F_0..F_K (K+1 ints)
     fan_out_kind: FanOut = FanOut.GEOMETRIC
+    adaptive_fan_out: bool = True          # shrink the budget while tree builds outlast verifies (spec/budget.py)
     saguaro_c: float = 1.0                 # Saguaro sampling: scale of the draft's top-F probabilities
     fallback: FallbackPolicy = FallbackPolicy.AUTO
     max_batch_size: int = 8
@@ -78,6 +79,8 @@ class Config:
                 raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")
         elif not isinstance(self.fan_out, int) or self.fan_out < self.k + 1:
             raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
+        if not isinstance(self.adaptive_fan_out, bool):
+            raise ValueError(f"adaptive_fan_out must be true or false, got {self.adaptive_fan_out!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:

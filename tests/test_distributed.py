@@ -172,7 +172,7 @@ def test_cache_parallel_pool_grows_the_cache_at_batch_1(ray_cluster, pair):
     """At batch 1 a pool of 3 splits one sequence's tree over 3 workers: 3x the branches, more hits."""
     hit_rates = {}
     for workers in (1, 3):
-        with cluster_llm(pair, fan_out=4, num_draft_workers=workers, max_batch_size=1) as llm:
+        with cluster_llm(pair, fan_out=4, adaptive_fan_out=False, num_draft_workers=workers, max_batch_size=1) as llm:
             outs = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=GREEDY)
             check_greedy(pair, outs)
             m = llm.metrics

@@ -92,7 +92,7 @@ def chi_square_pvalue(counts: dict, joint: dict, allow_impossible: bool = False)
 # case -> (engine settings, a check that the path under test was really taken)
 CASES = {
     "sd": (dict(mode="sd", k=1), lambda m: m.rounds > 0),
-    "ssd_hit_path": (dict(k=1, fan_out=VOCAB * 2 - 1), lambda m: m.cache_hits > 0 and m.cache_misses == 0),
+    "ssd_hit_path": (dict(k=1, fan_out=VOCAB * 2 - 1, adaptive_fan_out=False), lambda m: m.cache_hits > 0 and m.cache_misses == 0),
     "ssd_miss_neural": (dict(k=1, fan_out=2, fallback="neural"), lambda m: m.fallbacks["neural"] > 0),
     "ssd_miss_fast": (dict(k=1, fan_out=2, fallback="fast"), lambda m: m.fallbacks["fast"] > 0),
     "ssd_miss_random": (dict(k=1, fan_out=2, fallback="random"), lambda m: m.fallbacks["random"] > 0),

@@ -63,6 +63,7 @@ class BenchConfig:
     k: int = 4
     fan_out: int = 12
     fan_out_kind: str = "geometric"
+    adaptive_fan_out: bool = True         # the engine default; sweep points over the budget pin it
     saguaro_c: float = 1.0
     fallback: str = "auto"
     seed: int = 0
@@ -90,7 +91,8 @@ class BenchConfig:
         return cls(**{**PRESETS[name], **overrides})
 
     def engine_kwargs(self) -> dict:
-        return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind, saguaro_c=self.saguaro_c,
+        return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
+                    adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c,
                     fallback=self.fallback, max_batch_size=max(self.batch_sizes))
 
     def to_dict(self) -> dict:
@@ -114,7 +116,7 @@ class SweepConfig:
     def points(self) -> list[tuple[str, dict]]:
         """(axis, engine overrides) per run; fan-out budgets are crossed with the kinds."""
         pts = [("k", {"k": k, "fan_out": max(self.base.fan_out, k + 1)}) for k in self.ks]
-        pts += [("fan_out", {"fan_out": b, "fan_out_kind": kind}) for kind in self.kinds
+        pts += [("fan_out", {"fan_out": b, "fan_out_kind": kind, "adaptive_fan_out": False}) for kind in self.kinds
                 for b in self.budgets if b >= self.base.k + 1]
         pts += [("saguaro_c", {"saguaro_c": c}) for c in self.cs]
         pts += [("fallback", {"fallback": f}) for f in self.fallbacks]

@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 APP_NAME = "saguaro"
 # flag dest -> Config field (flags default to None so a --config file's values are only overridden on purpose)
 ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "fan_out": "fan_out",
-                "fan_out_kind": "fan_out_kind", "saguaro_c": "saguaro_c", "fallback": "fallback",
+                "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "device": "device",
                 "dtype": "dtype", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster"}
@@ -40,6 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, help="speculation length K (default 4)")
     g.add_argument("--fan-out", type=fan_out_arg, help="branch budget B, or K+1 comma-separated counts")
     g.add_argument("--fan-out-kind", choices=[f.value for f in FanOut])
+    g.add_argument("--fixed-fan-out", dest="adaptive_fan_out", action="store_false", default=None,
+                   help="keep the fan-out budget fixed (default: shrink it while the draft is slower than verify)")
     g.add_argument("--saguaro-c", type=float, help="Saguaro sampling scale C in [0, 1]")
     g.add_argument("--fallback", choices=[f.value for f in FallbackPolicy])
     g.add_argument("--max-batch-size", type=int)

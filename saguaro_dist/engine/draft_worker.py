@@ -10,6 +10,7 @@ of the next forward).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,9 @@ from saguaro_dist.engine.messages import (
 )
 from saguaro_dist.engine.sequence import make_generator
 from saguaro_dist.engine.target import sampling_probs
-from saguaro_dist.spec import ProposalSource, SpecStats, sample, saguaro_probs, select_branches
+from saguaro_dist.spec import (
+    BudgetController, ProposalSource, SpecStats, sample, saguaro_probs, scaled_budget, select_branches,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ class DraftWorker:
         self.seqs: dict[int, DraftSeq] = {}
         self.stats = SpecStats(config.k)
         self.last_fanout = [1] * (config.k + 1)  # fan-out of the trees being built or last built
+        # An explicit per-position fan-out is the user's exact tree: only a budget B adapts.
+        adaptive = config.adaptive_fan_out and isinstance(config.fan_out, int)
+        self.budget = BudgetController(floor=(config.k + 1) / config.fan_out_budget, enabled=adaptive)
 
     # ---- protocol calls -------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
@@ -73,6 +79,7 @@ class DraftWorker:
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Neural backup: commit the real outcome, then draft K tokens one forward at a time."""
+        self.budget.interrupted()
         states = [self._get(r.seq_id) for r in reqs]
         for s, r in zip(states, reqs):
             first = s.round == 0 and not s.speculation
@@ -87,6 +94,7 @@ class DraftWorker:
 
     def observe(self, outcomes: list[Outcome]) -> None:
         """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*)."""
+        self.budget.outcomes_arrived()
         states = [self._get(o.seq_id) for o in outcomes]
         for s, o in zip(states, outcomes):  # validate the whole batch before changing any state
             if o.round != s.round:
@@ -109,12 +117,14 @@ class DraftWorker:
         states = [s for s in self.seqs.values() if s.pending]
         if not states:
             return []
+        start = time.perf_counter()
         fanouts = {g: self._fanout(g) for g in {s.num_shards for s in states}}
         self.last_fanout = fanouts[min(fanouts)]
         rows = self._glue(states, fanouts)
         trees = self._decode_branches(states, fanouts, rows)
         for s in states:
             s.pending = False
+        self.budget.tree_built(time.perf_counter() - start)
         return trees
 
     def release(self, reqs: list[Release]) -> None:
@@ -144,7 +154,10 @@ class DraftWorker:
     def _fanout(self, num_shards: int = 1) -> list[int]:
         """F_0..F_K for a tree of num_shards x the configured budget (cache-parallel shards split it)."""
         budget = self.config.fan_out
-        budget = [f * num_shards for f in budget] if isinstance(budget, tuple) else budget * num_shards
+        if isinstance(budget, tuple):
+            budget = [f * num_shards for f in budget]
+        else:
+            budget = scaled_budget(budget, self.budget.scale, self.k + 1) * num_shards
         return self.stats.fanout(self.config.fan_out_kind, budget, self.vocab_size)
 
     def _proposal_probs(self, logits: torch.Tensor, rows: list[DraftSeq], top_f: list[int]) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""Keep the tree build off the critical path: shrink the fan-out budget while the draft is slower
+than the target's verify, grow it back while the draft idles.
+
+Theorem 7's round time on a hit is max(1, T_p) verifies: once building the trees takes longer than a
+verify (T_p > 1), every branch past the break-even point costs the target time instead of hiding
+behind its verify. The draft sees this without any message from the target: when an outcome is
+already waiting the moment a build ends (idle ~ 0), the target is waiting on the draft.
+"""
+from __future__ import annotations
+
+import time
+
+SHRINK = 0.8          # multiplicative decrease: the draft is on the critical path
+GROW = 1.1            # slow increase back towards the configured budget
+BUSY_IDLE_SHARE = 0.1  # idle < 10% of a build: the outcome was waiting, the target waited on us
+SLACK_IDLE_SHARE = 0.5  # idle > 50% of a build: room for more branches
+
+
+def next_budget_scale(scale: float, build_s: float, idle_s: float, floor: float) -> float:
+    """scale' in [floor, 1]: x SHRINK if idle_s < 0.1 build_s, x GROW if idle_s > 0.5 build_s, else kept."""
+    if idle_s < BUSY_IDLE_SHARE * build_s:
+        scale *= SHRINK
+    elif idle_s > SLACK_IDLE_SHARE * build_s:
+        scale *= GROW
+    return min(1.0, max(floor, scale))
+
+
+def scaled_budget(budget: int, scale: float, minimum: int) -> int:
+    """round(budget x scale), never below `minimum` (one branch per position: K + 1)."""
+    return max(minimum, round(budget * scale))
+
+
+class BudgetController:
+    """The draft's budget scale. After each tree build the draft notes the time; when the next
+    outcomes arrive, the idle gap since then says whether that build outlasted the target's verify."""
+
+    def __init__(self, floor: float, enabled: bool = True):
+        self.scale, self.floor, self.enabled = 1.0, floor, enabled
+        self._built_at: float | None = None  # when the last tree build ended (None: no clean measurement)
+        self._build_s = 0.0
+
+    def tree_built(self, build_s: float) -> None:
+        self._build_s, self._built_at = build_s, time.perf_counter()
+
+    def interrupted(self) -> None:
+        """Other draft work (a just-in-time draft) ran after the build: the gap is not idle time."""
+        self._built_at = None
+
+    def outcomes_arrived(self) -> None:
+        if self._built_at is not None and self.enabled:
+            idle_s = time.perf_counter() - self._built_at
+            self.scale = next_budget_scale(self.scale, self._build_s, idle_s, self.floor)
+        self._built_at = None

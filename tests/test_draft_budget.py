@@ -1,0 +1,56 @@
+"""The real draft worker adapts its fan-out budget: smaller trees while outcomes are already waiting
+when a build ends (the draft is on the critical path), the configured tree otherwise."""
+import time
+
+import pytest
+
+from engine_helpers import llama_config, save_model
+from saguaro_dist.config import Config
+from saguaro_dist.engine.build import build_draft_worker
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest
+
+GREEDY = DraftSampling(0.0, 0, 1.0, None)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("budget_draft")
+    save_model(path, llama_config(vocab=64, hidden=32, layers=1), seed=0)
+    return str(path)
+
+
+def started_worker(draft_dir, **settings):
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=3, fan_out=16, **settings))
+    worker.prefill([PrefillRequest(0, [5, 6, 7], GREEDY)])
+    worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])
+    return worker
+
+
+def hit_outcome(tree, round_: int) -> Outcome:
+    branch = tree.branches[0]
+    return Outcome(0, round_, branch.accepted, branch.bonus_token, next_tokens=None, cache_hit=True)
+
+
+def run_rounds(worker, rounds: int, idle_s: float) -> list[int]:
+    """Budgets (branches per tree) of consecutive rounds whose outcomes come idle_s after each build."""
+    budgets = []
+    for r in range(rounds):
+        tree = worker.build_trees()[0]
+        budgets.append(len(tree.branches))
+        if idle_s:
+            time.sleep(idle_s)
+        worker.observe([hit_outcome(tree, r)])
+    return budgets
+
+
+def test_budget_shrinks_while_outcomes_wait_then_stays_at_one_branch_per_position(draft_dir):
+    worker = started_worker(draft_dir)
+    # 6 shrinks reach the floor; 20 rounds leave room for a few scheduler hiccups that read as idle time
+    budgets = run_rounds(worker, rounds=20, idle_s=0.0)
+    assert worker.budget.scale == pytest.approx(4 / 16)  # the floor: K + 1 = 4 branches, one per position
+    assert budgets[0] == 16 and budgets[-1] == 4, budgets
+
+
+def test_budget_holds_when_the_draft_idles_or_adaptation_is_off(draft_dir):
+    assert set(run_rounds(started_worker(draft_dir), rounds=4, idle_s=0.2)) == {16}
+    assert set(run_rounds(started_worker(draft_dir, adaptive_fan_out=False), rounds=4, idle_s=0.0)) == {16}

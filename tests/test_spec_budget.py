@@ -1,0 +1,46 @@
+"""The fan-out budget controller: shrink while the draft is on the critical path, grow back when idle."""
+import time
+
+import pytest
+
+from saguaro_dist.spec import BudgetController, next_budget_scale, scaled_budget
+
+
+@pytest.mark.parametrize("idle_s, expected", [(0.0, 0.72), (0.05, 0.72), (0.2, 0.9), (0.6, 0.99)])
+def test_next_scale_by_idle_share(idle_s, expected):
+    # build 1 s: idle < 0.1 s shrinks (x0.8), idle in [0.1, 0.5] s holds, idle > 0.5 s grows (x1.1)
+    assert next_budget_scale(0.9, 1.0, idle_s, floor=0.1) == pytest.approx(expected)
+
+
+def test_scale_stays_within_floor_and_one():
+    assert next_budget_scale(0.3, 1.0, 0.0, floor=0.3) == 0.3
+    assert next_budget_scale(1.0, 1.0, 5.0, floor=0.3) == 1.0
+
+
+def test_scaled_budget_keeps_one_branch_per_position():
+    assert scaled_budget(12, 0.5, 5) == 6
+    assert scaled_budget(12, 0.1, 5) == 5
+
+
+def test_controller_shrinks_when_outcomes_wait_and_recovers_when_idle():
+    c = BudgetController(floor=0.25)
+    for _ in range(3):  # outcomes arrive the moment each build ends: the target waited on the draft
+        c.tree_built(0.05)
+        c.outcomes_arrived()
+    assert c.scale == pytest.approx(0.8 ** 3)
+    c.tree_built(0.001)
+    time.sleep(0.01)  # idle for 10x the build: the draft has room
+    c.outcomes_arrived()
+    assert c.scale == pytest.approx(0.8 ** 3 * 1.1)
+
+
+def test_controller_ignores_gaps_filled_by_other_work_and_can_be_off():
+    c = BudgetController(floor=0.25)
+    c.tree_built(0.05)
+    c.interrupted()  # a just-in-time draft ran in the gap
+    c.outcomes_arrived()
+    assert c.scale == 1.0
+    off = BudgetController(floor=0.25, enabled=False)
+    off.tree_built(0.05)
+    off.outcomes_arrived()
+    assert off.scale == 1.0
