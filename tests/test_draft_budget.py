@@ -20,6 +20,7 @@ def draft_dir(tmp_path_factory):
 
 
 def started_worker(draft_dir, **settings):
+    settings = {"adaptive_fan_out": True, **settings}
     worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=3, fan_out=16, **settings))
     worker.prefill([PrefillRequest(0, [5, 6, 7], GREEDY)])
     worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])

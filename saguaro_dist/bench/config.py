@@ -63,7 +63,7 @@ class BenchConfig:
     k: int = 4
     fan_out: int = 12
     fan_out_kind: str = "geometric"
-    adaptive_fan_out: bool = True         # the engine default; sweep points over the budget pin it
+    adaptive_fan_out: bool = False        # the engine default; sweep points over the budget always pin it
     saguaro_c: float = 1.0
     fallback: str = "auto"
     seed: int = 0

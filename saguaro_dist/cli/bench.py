@@ -44,7 +44,7 @@ def register(subparsers) -> None:
     p.add_argument("--out", default="bench-results", help="directory for results.json / sweep.json and PNGs")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--fixed-fan-out", action="store_true", help="keep the fan-out budget fixed (no adaptation)")
+    p.add_argument("--adaptive-fan-out", action="store_true", help="let the draft shrink the fan-out budget (spec/budget.py)")
     for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():
         p.add_argument(flag, dest=field, help=f"comma-separated list" if field.endswith("s") and field not in ("cores", "repeats") else None)
     p.set_defaults(run=run)
@@ -55,7 +55,7 @@ def bench_config(args) -> "BenchConfig":
     overrides = {f: parse(getattr(args, f)) for f, parse in GRID_OPTIONS.values() if getattr(args, f) is not None}
     return BenchConfig.preset(args.preset, target=args.target, draft=args.draft, out_dir=args.out,
                               plots=not args.no_plots, **overrides,
-                              **({"adaptive_fan_out": False} if args.fixed_fan_out else {}))
+                              **({"adaptive_fan_out": True} if args.adaptive_fan_out else {}))
 
 
 def sweep_config(args, base) -> "SweepConfig":

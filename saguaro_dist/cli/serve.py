@@ -40,8 +40,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--k", type=int, help="speculation length K (default 4)")
     g.add_argument("--fan-out", type=fan_out_arg, help="branch budget B, or K+1 comma-separated counts")
     g.add_argument("--fan-out-kind", choices=[f.value for f in FanOut])
-    g.add_argument("--fixed-fan-out", dest="adaptive_fan_out", action="store_false", default=None,
-                   help="keep the fan-out budget fixed (default: shrink it while the draft is slower than verify)")
+    g.add_argument("--adaptive-fan-out", dest="adaptive_fan_out", action="store_true", default=None,
+                   help="let the draft shrink the fan-out budget while its tree builds outlast verifies")
     g.add_argument("--saguaro-c", type=float, help="Saguaro sampling scale C in [0, 1]")
     g.add_argument("--fallback", choices=[f.value for f in FallbackPolicy])
     g.add_argument("--max-batch-size", type=int)
