@@ -81,3 +81,19 @@ def test_theorem_7_hand_case():
     assert predicted_speedup(1.0, 4.0, 2.0, 0.3, 9.0) == pytest.approx(4.0)
     assert expected_tokens_per_round(0.5, 3) == pytest.approx(1.875)
     assert expected_tokens_per_round(1.0, 3) == 4.0
+
+
+def test_critical_batch_size_bisection_equals_the_definition():
+    """b* = the first b where fast >= neural, found by bisection; checked against the plain scan."""
+    import random
+
+    from saguaro_dist.spec.fallback import fast_backup_throughput, neural_backup_throughput
+
+    def scan(p, th, tn, tf, t, m):
+        return next((b for b in range(1, m + 1)
+                     if fast_backup_throughput(b, p, th, tf) >= neural_backup_throughput(b, p, th, tn, t)), m)
+    rng = random.Random(0)
+    for _ in range(2000):
+        args = (rng.random(), rng.uniform(1, 6), rng.uniform(1, 6), rng.uniform(1, 3),
+                rng.choice([0.0, rng.uniform(0, 5)]), rng.choice([8, 64, 1024]))
+        assert critical_batch_size(*args) == scan(*args), args

@@ -60,12 +60,21 @@ def fast_backup_throughput(b: int, p_hit: float, tokens_hit: float, tokens_fast_
 def critical_batch_size(p_hit: float, tokens_hit: float, tokens_neural_miss: float, tokens_fast_miss: float,
                         t_neural: float, max_batch: int = MAX_CRITICAL_BATCH) -> int:
     """b* = min{b >= 1 : fast_backup_throughput(b) >= neural_backup_throughput(b)}, or max_batch if none
-    up to it. The neural side's stall probability 1 - p^b grows with b, so past b* fast wins."""
-    for b in range(1, max_batch + 1):
+    up to it. The neural side's stall probability 1 - p^b grows with b, so past b* fast wins.
+
+    fast(b) / neural(b) = const x (1 + (1 - p^b) t_neural) is non-decreasing in b, so "fast wins" is
+    monotone and b* is found by bisection (the round loop asks every round: O(log max_batch), not O(b*))."""
+    def fast_wins(b: int) -> bool:
         fast = fast_backup_throughput(b, p_hit, tokens_hit, tokens_fast_miss)
-        if fast >= neural_backup_throughput(b, p_hit, tokens_hit, tokens_neural_miss, t_neural):
-            return b
-    return max_batch
+        return fast >= neural_backup_throughput(b, p_hit, tokens_hit, tokens_neural_miss, t_neural)
+    lo, hi = 1, max_batch  # invariant: b* in [lo, hi] (hi = max_batch also means "none up to it")
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fast_wins(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
 
 
 def choose_fallback(policy: FallbackPolicy, batch_size: int, b_star: int) -> FallbackPolicy:
