@@ -55,3 +55,15 @@ def test_budget_shrinks_while_outcomes_wait_then_stays_at_one_branch_per_positio
 def test_budget_holds_when_the_draft_idles_or_adaptation_is_off(draft_dir):
     assert set(run_rounds(started_worker(draft_dir), rounds=4, idle_s=0.2)) == {16}
     assert set(run_rounds(started_worker(draft_dir, adaptive_fan_out=False), rounds=4, idle_s=0.0)) == {16}
+
+
+def test_a_miss_reaching_the_draft_as_a_jit_request_feeds_its_statistics(draft_dir):
+    """Misses arrive as just-in-time requests, not outcomes; they must count, or the fitted fan-out sees
+    only hits (and the shards of one sequence, which learn of the miss differently, drift apart)."""
+    worker = started_worker(draft_dir)
+    worker.build_trees()
+    worker.jit_draft([JitDraftRequest(0, 1, 0, 63)])  # the round-0 speculation's outcome was not cached
+    assert worker.stats.hit_rate == 0.0
+    tree = worker.build_trees()[0]
+    worker.observe([hit_outcome(tree, 1)])
+    assert worker.stats.hit_rate == pytest.approx(1 / (1 + 0.99))  # one hit after one (decayed) miss

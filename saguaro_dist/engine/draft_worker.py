@@ -86,6 +86,8 @@ class DraftWorker:
             if r.round != s.round + 1 and not (first and r.round == 0):
                 raise OutOfOrder(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
         for s, r in zip(states, reqs):  # validate the whole batch before changing any state
+            if s.speculation:  # the target verified s.speculation; in SSD it looked the outcome up and missed
+                self._record_outcome(s, r.accepted, looked_up=self.config.mode is Mode.SSD, hit=False)
             s.commit(r.accepted, r.bonus_token)
         proposals = self._draft_sequentially(states)
         for s, r, p in zip(states, reqs, proposals):
@@ -108,10 +110,17 @@ class DraftWorker:
         next_tokens = o.next_tokens if o.next_tokens is not None else s.branches[(o.accepted, o.bonus_token)]
         fresh = not s.speculation  # a cache-parallel shard learning the first (just-in-time) speculation
         if not fresh:
-            self.stats.record_lookups([self.last_fanout[o.accepted]], [o.cache_hit])
-            self.stats.record_verify([o.accepted], ProposalSource.CACHE if s.from_cache else ProposalSource.NEURAL)
+            self._record_outcome(s, o.accepted, looked_up=True, hit=o.cache_hit)
         s.commit(o.accepted, o.bonus_token)
         s.speculation, s.round, s.pending, s.from_cache = list(next_tokens), 0 if fresh else o.round + 1, True, o.cache_hit
+
+    def _record_outcome(self, s: DraftSeq, accepted: int, looked_up: bool, hit: bool) -> None:
+        """Feed the fan-out estimates (a, r) from a verified round. Misses count too: they reach the
+        draft as a just-in-time request, and every shard of a sequence must record the same rounds or
+        their fan-outs, hence their slices of one tree, drift apart."""
+        if looked_up:
+            self.stats.record_lookups([self.last_fanout[accepted]], [hit])
+        self.stats.record_verify([accepted], ProposalSource.CACHE if s.from_cache else ProposalSource.NEURAL)
 
     def build_trees(self) -> list[SpeculationTree]:
         states = [s for s in self.seqs.values() if s.pending]
