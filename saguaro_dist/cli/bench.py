@@ -54,8 +54,7 @@ def bench_config(args) -> "BenchConfig":
     from saguaro_dist.bench import BenchConfig
     overrides = {f: parse(getattr(args, f)) for f, parse in GRID_OPTIONS.values() if getattr(args, f) is not None}
     return BenchConfig.preset(args.preset, target=args.target, draft=args.draft, out_dir=args.out,
-                              plots=not args.no_plots, **overrides,
-                              **({"adaptive_fan_out": True} if args.adaptive_fan_out else {}))
+                              plots=not args.no_plots, adaptive_fan_out=args.adaptive_fan_out, **overrides)
 
 
 def sweep_config(args, base) -> "SweepConfig":
