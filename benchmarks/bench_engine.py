@@ -1,5 +1,5 @@
-"""Issue 3 speed: batch-1 greedy tokens/s of ar / sd / ssd (one host), SSD acceptance, hit rate and the
-round loop's coordination overhead per round. A thin wrapper over `saguaro_dist.bench`.
+"""Issue 3 speed: batch-1 greedy tokens/s of ar / sd / ssd (one host; the draft in a child process, and
+on a thread as `ssd-thread`), SSD acceptance, hit rate and the round loop's coordination overhead per round. A thin wrapper over `saguaro_dist.bench`.
 
     python benchmarks/bench_engine.py [--target T --draft D] [--max-new-tokens 128] [--repeats 3]
 
@@ -28,9 +28,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def goal_lines(cells: dict) -> list[str]:
-    sd, ssd = cells["sd"], cells["ssd"]
+    sd, ssd, thread = cells["sd"], cells["ssd"], cells["ssd-thread"]
     draft_share = sd["draft_wait_ms_per_round"] / sd["step_ms_per_round"]
-    return [f"one-host SSD coordination: {ssd['coordination_ms_per_round']:.3f} ms/round (goal < 0.5)",
+    return [f"one-host SSD coordination: {ssd['coordination_ms_per_round']:.3f} ms/round (goal < 0.5); "
+            f"draft on a thread: {thread['coordination_ms_per_round']:.3f} ms/round",
+            f"SSD draft process / draft thread: {ssd['tokens_per_s'] / thread['tokens_per_s']:.2f} "
+            f"(verify {ssd['verify_ms_per_round']:.2f} vs {thread['verify_ms_per_round']:.2f} ms/round)",
             f"SD round: {sd['step_ms_per_round']:.2f} ms, drafting {sd['draft_wait_ms_per_round']:.2f} ms = "
             f"{100 * draft_share:.0f}% of it; SSD/SD = {ssd['tokens_per_s'] / sd['tokens_per_s']:.2f} "
             f"(goal: SSD > SD when drafting > 20% of an SD round)"]
@@ -38,7 +41,7 @@ def goal_lines(cells: dict) -> list[str]:
 
 def main() -> None:
     args = parse_args()
-    cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ar", "sd", "ssd"), settings=("paper",),
+    cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ar", "sd", "ssd", "ssd-thread"), settings=("paper",),
                       batch_sizes=(1,), temperatures=(0.0,), max_new_tokens=args.max_new_tokens,
                       prompt_len=args.prompt_len, repeats=args.repeats, k=args.k, fan_out=args.fan_out, plots=False)
     results = run_grid(cfg)

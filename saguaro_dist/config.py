@@ -12,8 +12,16 @@ class Mode(str, enum.Enum):
 
 
 class FanOut(str, enum.Enum):
-    GEOMETRIC = "geometric"  # Saguaro Theorem 12
+    GEOMETRIC = "geometric"  # Saguaro Theorem 12: i.i.d. acceptance a per token
+    OUTCOME = "outcome"      # Theorem 12's optimum for the measured distribution of k* (spec/fanout.py)
     UNIFORM = "uniform"
+
+
+class DraftExecutor(str, enum.Enum):
+    """Where the one-host engine runs its draft (the distributed runtime uses Ray actors instead)."""
+    AUTO = "auto"        # process for SSD (draft and target run at once), thread for SD (they never do)
+    PROCESS = "process"  # a child process behind a loopback DraftService: no GIL shared with the target
+    THREAD = "thread"    # a thread of this process: no start-up cost, but it competes for the GIL
 
 
 class FallbackPolicy(str, enum.Enum):
@@ -51,6 +59,7 @@ class Config:
     dtype: str = "float32"
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
     draft_threads: int | None = None
+    draft_executor: DraftExecutor = DraftExecutor.AUTO
     tree_timeout_s: float = 5.0            # how long the target waits for a late speculation tree
     # Distributed runtime (None: the one-host engine)
     cluster: str | None = None
@@ -62,6 +71,7 @@ class Config:
     def __post_init__(self):
         object.__setattr__(self, "mode", parse_enum(Mode, self.mode, "mode"))
         object.__setattr__(self, "fan_out_kind", parse_enum(FanOut, self.fan_out_kind, "fan_out_kind"))
+        object.__setattr__(self, "draft_executor", parse_enum(DraftExecutor, self.draft_executor, "draft_executor"))
         object.__setattr__(self, "fallback", parse_enum(FallbackPolicy, self.fallback, "fallback"))
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))

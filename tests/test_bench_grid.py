@@ -66,7 +66,7 @@ def test_sweep_points_plots_and_predictions(tiny_llama_pair, tmp_path):
                         fallbacks=("fast",), temperature=0.7)
     results = run_sweep(sweep, progress=False)
     axes = [p["axis"] for p in results["points"]]
-    assert axes == ["k", "fan_out", "fan_out", "fan_out", "fan_out", "saguaro_c", "saguaro_c", "fallback"]
+    assert axes == ["k"] + ["fan_out"] * 6 + ["saguaro_c", "saguaro_c", "fallback"]  # 2 budgets x 3 kinds
     assert all(p["theorem7"]["predicted_tokens_per_s"] > 0 for p in results["points"])
     pngs = write_plots(results, tmp_path)
     assert [p.name for p in pngs] == ["hit_rate_vs_budget.png", "acceptance_hit_vs_c.png"]

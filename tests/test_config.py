@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from saguaro_dist import Config, FallbackPolicy, Mode, SamplingParams
+from saguaro_dist import DraftExecutor, FanOut
 from saguaro_dist.serve.args import config_from_args
 
 
@@ -20,6 +21,7 @@ def test_sampling_params_reject_bad_values(kwargs, field):
     (dict(k=0), "k must be"), (dict(fan_out=3, k=4), "fan_out budget"), (dict(fan_out=[1, 2], k=4), "k\\+1"),
     (dict(saguaro_c=1.5), "saguaro_c"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
+    (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     settings = dict(model="m", draft="d") | kwargs
@@ -32,6 +34,15 @@ def test_config_parses_enums_and_lists():
     assert c.mode is Mode.SD and c.fallback is FallbackPolicy.FAST and c.fan_out == (1, 2, 3, 4, 5)
     assert c.fan_out_budget == 15
     assert Config(model="m", mode="ar").draft is None
+    c = Config(model="m", draft="d", draft_executor="thread", fan_out_kind="outcome")
+    assert c.draft_executor is DraftExecutor.THREAD and c.fan_out_kind is FanOut.OUTCOME
+
+
+def test_auto_draft_executor_is_a_process_for_ssd_and_a_thread_for_sd():
+    from saguaro_dist.engine.build import draft_executor
+    assert draft_executor(Config(model="m", draft="d", mode="ssd")) is DraftExecutor.PROCESS
+    assert draft_executor(Config(model="m", draft="d", mode="sd")) is DraftExecutor.THREAD
+    assert draft_executor(Config(model="m", draft="d", mode="sd", draft_executor="process")) is DraftExecutor.PROCESS
 
 
 def test_serve_args_from_strings_like_serve_run_passes_them():

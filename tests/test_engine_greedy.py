@@ -23,7 +23,10 @@ def reference(pair):
 
 
 def run(pair, batch: int, **kwargs) -> list[list[int]]:
+    """Variants run the draft on a thread (no child start-up per test): the DraftWorker and the round
+    loop are the same whatever carries their messages; test_draft_process_matches_ar covers the process."""
     draft = pair[kwargs.pop("draft", "close")] if kwargs.get("mode", "ssd") != "ar" else None
+    kwargs.setdefault("draft_executor", "thread")
     with LLM(model=pair["target"], draft=draft, max_batch_size=batch, **kwargs) as llm:
         return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
@@ -45,6 +48,7 @@ def test_sd_matches_ar(pair, reference, batch):
 SSD_VARIANTS = {
     "geometric": dict(fan_out=12),
     "uniform": dict(fan_out=12, fan_out_kind="uniform"),
+    "outcome": dict(fan_out=12, fan_out_kind="outcome"),
     "explicit_fanout": dict(fan_out=[3, 2, 2, 5]),
     "neural_fallback": dict(fan_out=4, fallback="neural"),
     "fast_fallback": dict(fan_out=4, fallback="fast"),
@@ -60,6 +64,19 @@ SSD_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(SSD_VARIANTS))
 def test_ssd_matches_ar(pair, reference, variant, batch):
     check(pair, reference, run(pair, batch=batch, mode="ssd", k=3, **SSD_VARIANTS[variant]))
+
+
+PROCESS_CASES = {
+    "sd_b4": dict(batch=4, mode="sd", k=3),
+    "ssd_b1": dict(batch=1, mode="ssd", k=3, fan_out=12),
+    "ssd_b4": dict(batch=4, mode="ssd", k=3, fan_out=12),
+    "ssd_neural_fallback_b1": dict(batch=1, mode="ssd", k=3, fan_out=4, fallback="neural"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROCESS_CASES))
+def test_draft_process_matches_ar(pair, reference, case):
+    check(pair, reference, run(pair, draft_executor="process", **PROCESS_CASES[case]))
 
 
 def test_ssd_hits_the_cache_with_a_close_draft(pair):

@@ -63,6 +63,7 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
 def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int = N, **kwargs):
     """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken)."""
     mode = kwargs.pop("mode", "ssd")
+    kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
     with LLM(model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         seeded = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                  max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
@@ -98,6 +99,8 @@ CASES = {
     "ssd_miss_random": (dict(k=1, fan_out=2, fallback="random"), lambda m: m.fallbacks["random"] > 0),
     "ssd_saguaro_c": (dict(k=1, fan_out=4, saguaro_c=0.3), lambda m: m.cache_hits > 0),
     "ssd_k2": (dict(k=2, fan_out=9), lambda m: m.cache_hits > 0),
+    "ssd_draft_process": (dict(k=1, fan_out=3, fallback="neural", draft_executor="process"),
+                          lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
 }
 PARAMS = {
     "t1": SamplingParams(temperature=1.0),

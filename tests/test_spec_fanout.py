@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from saguaro_dist.config import FanOut
-from saguaro_dist.spec import geometric_fanout, resolve_fanout, round_to_budget, select_branches, uniform_fanout
+from saguaro_dist.spec import (
+    geometric_fanout, geometric_outcome_probs, outcome_fanout, resolve_fanout, round_to_budget, select_branches, uniform_fanout,
+)
 
 torch.set_num_threads(1)
 
@@ -102,3 +104,24 @@ def test_branches_reject_impossible_fanout():
         select_branches(probs, torch.tensor([[0, 1]]), [4, 1, 1])  # only 3 non-drafted tokens
     with pytest.raises(ValueError):
         select_branches(probs, torch.tensor([[0, 1]]), [1, 1])
+
+
+@pytest.mark.parametrize("budget, k, a, r", list(itertools.product([8, 12, 64, 10_000], [1, 4], [0.3, 0.8, 0.95], [0.0, 0.5, 2.0])))
+def test_outcome_fanout_of_the_geometric_distribution_is_the_geometric_fanout(budget, k, a, r):
+    assert outcome_fanout(budget, geometric_outcome_probs(k, a), r) == geometric_fanout(budget, k, a, r)
+
+
+def test_outcome_fanout_follows_the_measured_distribution():
+    probs = [0.18, 0.06, 0.15, 0.46, 0.15]  # the demo pair's greedy k* at K = 4: the 4th token is often wrong
+    f = outcome_fanout(12, probs, 0.5)
+    assert sum(f) == 12 and min(f) >= 1 and f[3] == max(f)
+    big = outcome_fanout(100_000, probs, 0.5)
+    assert big[3] / big[0] == pytest.approx((0.46 / 0.18) ** (1 / 1.5), rel=1e-3)
+    with pytest.raises(ValueError):
+        outcome_fanout(12, [0.0] * 5, 0.5)
+
+
+def test_resolve_outcome_kind_uses_the_given_distribution_or_the_geometric_one():
+    probs = [0.1, 0.1, 0.1, 0.6, 0.1]
+    assert resolve_fanout(FanOut.OUTCOME, 12, 4, 0.8, 0.5, 100, probs) == outcome_fanout(12, probs, 0.5)
+    assert resolve_fanout("outcome", 12, 4, 0.8, 0.5, 100) == geometric_fanout(12, 4, 0.8, 0.5)

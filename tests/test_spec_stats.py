@@ -95,3 +95,17 @@ def test_decay_tracks_drift():
     for _ in range(20):
         s.record_verify([4] * 8, ProposalSource.NEURAL)
     assert s.accept_rate > 0.99
+
+
+def test_outcome_probs_start_geometric_and_follow_the_verified_rounds():
+    from saguaro_dist.spec import geometric_outcome_probs
+    stats = SpecStats(k=4)
+    assert stats.outcome_probs == pytest.approx(geometric_outcome_probs(4, stats.accept_rate))
+    for _ in range(50):
+        stats.record_verify([3, 3, 3, 0], ProposalSource.CACHE)
+        stats.record_verify([4], ProposalSource.FAST)  # fast rounds are not the draft's outcomes
+    p = stats.outcome_probs
+    assert sum(p) == pytest.approx(1.0)
+    assert p[3] > 0.65 and p[0] > 0.15 and p[4] < 0.1
+    f = stats.fanout(FanOut.OUTCOME, 12, vocab_size=100)
+    assert f[3] == max(f) and sum(f) == 12

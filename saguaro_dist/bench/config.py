@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 SYSTEMS = {
     "ar": "ours, autoregressive (target only)",
     "sd": "ours, speculative decoding (draft just in time, one process)",
-    "ssd": "ours, SSD one-host (draft on a thread of the target's process)",
+    "ssd": "ours, SSD one-host (draft in a child process, pipe)",
+    "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL)",
     "ssd-ray": "ours, SSD on local Ray (target actor + draft actor, gRPC)",
     "hf": "transformers generate (AR)",
     "hf-assisted": "transformers assisted generation (assistant_model=, SD peer)",
@@ -17,8 +18,9 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ssd", "ssd-ray")
-SPECULATIVE = ("sd", "ssd", "ssd-ray", "hf-assisted")
+OURS = ("ar", "sd", "ssd", "ssd-thread", "ssd-ray")
+SSD_SYSTEMS = ("ssd", "ssd-thread", "ssd-ray")
+SPECULATIVE = ("sd", *SSD_SYSTEMS, "hf-assisted")
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,10 @@ def placement(system: str, setting: str, cores: int = 2) -> Placement:
         return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
     if system in ("sd", "hf-assisted"):
         return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")
-    if system == "ssd":  # two Python threads of one process, 1 torch thread each: one core each
+    if system == "ssd":  # two processes, 1 torch thread each: one core each
+        return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); "
+                                  "draft: child process (1 torch thread), pipe")
+    if system == "ssd-thread":
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); "
                                   "draft: a thread of the same process (1 torch thread, shares the GIL)")
     if system == "ssd-ray":
@@ -109,7 +114,7 @@ class SweepConfig:
     temperature: float = 0.7              # Saguaro C acts only when sampling
     ks: tuple[int, ...] = (2, 4, 6)
     budgets: tuple[int, ...] = (6, 12, 24)
-    kinds: tuple[str, ...] = ("geometric", "uniform")
+    kinds: tuple[str, ...] = ("geometric", "outcome", "uniform")
     cs: tuple[float, ...] = (1.0, 0.8, 0.5, 0.2)
     fallbacks: tuple[str, ...] = ("auto", "neural", "fast", "random")
 

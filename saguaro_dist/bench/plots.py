@@ -31,7 +31,7 @@ def speedup_vs_batch(results: dict, path: Path) -> Path:
 
 
 def hit_rate_vs_budget(results: dict, path: Path) -> Path:
-    """Cache hit rate vs fan-out budget, geometric vs uniform (sweep points of the fan_out axis)."""
+    """Cache hit rate vs fan-out budget per fan-out kind (sweep points of the fan_out axis)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
     points = [p for p in results["points"] if p["axis"] == "fan_out"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from saguaro_dist.bench.config import OURS, SETTINGS, SYSTEMS, BenchConfig, SweepConfig, placement
+from saguaro_dist.bench.config import OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig, placement
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
 from saguaro_dist.bench.systems import Measurement, make_system
 from saguaro_dist.bench.theory import calibrate_draft, predict_from_run
@@ -79,7 +79,7 @@ def cell_record(system: str, setting: str, place, batch: int, temperature: float
 
 def calibrate_cells(cfg: BenchConfig, cells: list[dict], target: str, draft: str, prompts) -> dict:
     """Draft tree-build / just-in-time latencies per (batch, temperature) that an SSD cell ran at."""
-    keys = sorted({(c["batch"], c["temperature"]) for c in cells if c["system"] in ("ssd", "ssd-ray")})
+    keys = sorted({(c["batch"], c["temperature"]) for c in cells if c["system"] in SSD_SYSTEMS})
     calibs = {}
     for b, t in tqdm(keys, desc="draft calibration", unit="cell", disable=not keys):
         calibs[(b, t)] = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts[:b], t)
@@ -99,7 +99,7 @@ def annotate(cells: list[dict], calibs: dict) -> None:
                                   if ar and c["temperature"] == 0 else None)
         m = c.pop("_measurement")
         calib = calibs.get((c["batch"], c["temperature"]))
-        c["theorem7"] = predict_from_run(m, c["batch"], calib) if calib and c["system"] in ("ssd", "ssd-ray") else None
+        c["theorem7"] = predict_from_run(m, c["batch"], calib) if calib and c["system"] in SSD_SYSTEMS else None
     for c in cells:
         c.pop("outputs")
 

@@ -48,8 +48,9 @@ class OursSystem:
 
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
-        mode = {"ar": "ar", "sd": "sd", "ssd": "ssd", "ssd-ray": "ssd"}[self.name]
-        self.llm = LLM(model=self.target, draft=None if mode == "ar" else self.draft, mode=mode,
+        mode = {"ar": "ar", "sd": "sd", "ssd": "ssd", "ssd-thread": "ssd", "ssd-ray": "ssd"}[self.name]
+        executor = "thread" if self.name in ("sd", "ssd-thread") else "process"
+        self.llm = LLM(model=self.target, draft=None if mode == "ar" else self.draft, mode=mode, draft_executor=executor,
                        cluster="local" if self.name == "ssd-ray" else None, target_threads=place.target_threads,
                        draft_threads=place.draft_threads, **self.engine_kwargs)
         self.threads = place.target_threads

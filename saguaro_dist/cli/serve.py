@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from saguaro_dist.config import FallbackPolicy, FanOut, Mode
+from saguaro_dist.config import DraftExecutor, FallbackPolicy, FanOut, Mode
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "device": "device",
                 "dtype": "dtype", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
-                "cluster": "cluster"}
+                "cluster": "cluster", "draft_executor": "draft_executor"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes"}
 
@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
     g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
+    g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],
+                   help="one-host engine: run the draft in a child process or on a thread (default auto: "
+                        "process for ssd, thread for sd)")
     g.add_argument("--cluster", help="run the engine as Ray actors: auto, local or ray://host:port "
                                      "(default: one-host engine inside the server)")
 

@@ -5,11 +5,14 @@ import logging
 
 import torch
 
-from saguaro_dist.config import Config, Mode
+from saguaro_dist.config import Config, DraftExecutor, Mode
 from saguaro_dist.engine.draft_backend import LocalDraftBackend
+from saguaro_dist.engine.draft_process import DraftProcess
 from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.engine.engine import Engine
 from saguaro_dist.model import ModelRunner, check_same_vocab, load_tokenizer
+from saguaro_dist.model.hf_config import load_config
+from saguaro_dist.model.loader import resolve_model_dir
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,23 @@ def build_draft_worker(config: Config) -> DraftWorker:
     return DraftWorker(config, make_runner(config.draft, config))
 
 
+def draft_executor(config: Config) -> DraftExecutor:
+    """AUTO resolved: SSD overlaps draft and target, so its draft gets its own process (and GIL)."""
+    if config.draft_executor is not DraftExecutor.AUTO:
+        return config.draft_executor
+    return DraftExecutor.PROCESS if config.mode is Mode.SSD else DraftExecutor.THREAD
+
+
+def build_local_draft(config: Config, target: ModelRunner):
+    """The draft side of a one-host engine, on a thread or in a child process (config.draft_executor)."""
+    if draft_executor(config) is DraftExecutor.THREAD:
+        worker = build_draft_worker(config)
+        check_same_vocab(target, worker.runner)
+        return LocalDraftBackend(worker)
+    check_same_vocab(target, load_config(resolve_model_dir(config.draft)))  # fail here, before a child starts
+    return DraftProcess(config)
+
+
 def build_local_engine(config: Config) -> tuple[Engine, object]:
     """Returns (engine, tokenizer) with the draft on a thread of this process."""
     if config.target_threads:
@@ -57,8 +77,6 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
     tokenizer = try_load_tokenizer(config.model)
     backend = None
     if config.mode is not Mode.AR:
-        worker = build_draft_worker(config)
-        check_same_vocab(target, worker.runner)
         check_same_tokenizer(tokenizer, try_load_tokenizer(config.draft))
-        backend = LocalDraftBackend(worker)
+        backend = build_local_draft(config, target)
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer)), tokenizer

@@ -28,6 +28,7 @@ class TreeInbox:
     def __init__(self):
         self._trees: dict[TreeKey, SpeculationTree] = {}
         self._cond = threading.Condition()
+        self._abandoned = False
 
     def put(self, trees: list[SpeculationTree]) -> None:
         with self._cond:
@@ -39,13 +40,19 @@ class TreeInbox:
         """Wait until every key has arrived or the deadline passes; return (and forget) what came."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not all(k in self._trees for k in keys):
+            while not self._abandoned and not all(k in self._trees for k in keys):
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     break
             found = {k[0]: self._trees.pop(k) for k in keys if k in self._trees}
             self._drop_older_than(keys)
             return found
+
+    def abandon(self) -> None:
+        """No more trees will come (their builder is gone): waiters return what they have, at once."""
+        with self._cond:
+            self._abandoned = True
+            self._cond.notify_all()
 
     def _drop_older_than(self, keys: list[TreeKey]) -> None:
         """Late trees of past rounds will never be asked for again."""

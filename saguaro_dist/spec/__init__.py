@@ -13,7 +13,9 @@ from saguaro_dist.spec.fallback import (
     ngram_proposal,
     random_proposal,
 )
-from saguaro_dist.spec.fanout import geometric_fanout, resolve_fanout, round_to_budget, uniform_fanout, vocab_caps
+from saguaro_dist.spec.fanout import (
+    geometric_fanout, geometric_outcome_probs, outcome_fanout, resolve_fanout, round_to_budget, uniform_fanout, vocab_caps,
+)
 from saguaro_dist.spec.sampling import (
     one_hot_probs,
     row_uniforms,
@@ -41,7 +43,8 @@ __all__ = [
     "SpeculationCache",
     "choose_fallback", "critical_batch_size", "fast_backup_throughput", "neural_backup_throughput",
     "ngram_proposal", "random_proposal",
-    "geometric_fanout", "resolve_fanout", "round_to_budget", "uniform_fanout", "vocab_caps",
+    "geometric_fanout", "geometric_outcome_probs", "outcome_fanout", "resolve_fanout", "round_to_budget",
+    "uniform_fanout", "vocab_caps",
     "one_hot_probs", "row_uniforms", "saguaro_probs", "sample", "sample_with_uniforms", "target_probs",
     "top_f_mask",
     "ProposalSource", "SpecStats", "Timing",

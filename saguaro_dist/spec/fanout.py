@@ -46,6 +46,27 @@ def geometric_fanout(budget: int, k: int, accept_rate: float, r: float, caps: Se
     return round_to_budget([budget * x / total for x in w], budget, caps)
 
 
+def geometric_outcome_probs(k: int, accept_rate: float) -> list[float]:
+    """P(k* = j) when every token is accepted independently with probability a: a^j (1 - a) for
+    j < K, a^K for j = K (the model behind Theorem 12's geometric fan-out)."""
+    a = min(max(accept_rate, 0.0), 1.0)
+    return [a ** j * (1.0 - a) for j in range(k)] + [a ** k]
+
+
+def outcome_fanout(budget: int, outcome_probs: Sequence[float], r: float, caps: Sequence[int] | None = None) -> list[int]:
+    """Theorem 12's optimum for a measured outcome distribution: maximising sum_j P(j) (1 - F_j^-r)
+    subject to sum F = budget gives F_j proportional to P(j)^(1/(1+r)). With the geometric P of
+    geometric_outcome_probs this is geometric_fanout; with P counted from verified rounds it also fits
+    acceptance that is not i.i.d. over positions (e.g. a draft that is usually wrong at the K-th).
+    Rounded by largest remainder to ints >= 1 summing to `budget`. Returns len(outcome_probs) ints."""
+    e = 1.0 / (1.0 + max(r, 0.0))
+    w = [max(p, 0.0) ** e for p in outcome_probs]
+    total = sum(w)
+    if total <= 0:
+        raise ValueError(f"outcome probabilities must have positive mass, got {list(outcome_probs)}")
+    return round_to_budget([budget * x / total for x in w], budget, caps)
+
+
 def uniform_fanout(budget: int, k: int, caps: Sequence[int] | None = None) -> list[int]:
     """F_j = budget / (K+1), remainders to the lower positions first. Returns K+1 ints."""
     return round_to_budget([budget / (k + 1)] * (k + 1), budget, caps)
@@ -57,9 +78,10 @@ def vocab_caps(k: int, vocab_size: int) -> list[int]:
 
 
 def resolve_fanout(kind: FanOut, budget_or_list: int | Sequence[int], k: int, accept_rate: float, r: float,
-                   vocab_size: int) -> list[int]:
+                   vocab_size: int, outcome_probs: Sequence[float] | None = None) -> list[int]:
     """The fan-out F_0..F_K to use: an explicit list (K+1 ints) wins and is only capped to the
-    vocabulary; a budget is split by `kind` within the caps (see vocab_caps)."""
+    vocabulary; a budget is split by `kind` within the caps (see vocab_caps). OUTCOME needs the
+    measured P(k* = j), j = 0..K (the geometric one stands in when None)."""
     caps = vocab_caps(k, vocab_size)
     if not isinstance(budget_or_list, int):
         explicit = list(budget_or_list)
@@ -68,4 +90,7 @@ def resolve_fanout(kind: FanOut, budget_or_list: int | Sequence[int], k: int, ac
         return [min(f, c) for f, c in zip(explicit, caps)]
     if FanOut(kind) is FanOut.GEOMETRIC:
         return geometric_fanout(budget_or_list, k, accept_rate, r, caps)
+    if FanOut(kind) is FanOut.OUTCOME:
+        probs = outcome_probs if outcome_probs is not None else geometric_outcome_probs(k, accept_rate)
+        return outcome_fanout(budget_or_list, probs, r, caps)
     return uniform_fanout(budget_or_list, k, caps)

@@ -9,11 +9,12 @@ import torch
 
 from saguaro_dist.config import FanOut
 from saguaro_dist.spec.fallback import MAX_CRITICAL_BATCH, critical_batch_size
-from saguaro_dist.spec.fanout import resolve_fanout
+from saguaro_dist.spec.fanout import geometric_outcome_probs, resolve_fanout
 from saguaro_dist.spec.theory import expected_tokens_per_round
 
 MISS_CLAMP = (1e-3, 1.0 - 1e-3)  # a bin with no hits (or no misses) still gives a finite log
 R_RANGE = (0.05, 4.0)
+OUTCOME_PRIOR_ROUNDS = 8.0  # the geometric P(k*) counts as this many rounds in outcome_probs
 
 
 class ProposalSource(str, enum.Enum):
@@ -77,6 +78,7 @@ class SpecStats:
         self._tokens = {s: _Decayed(decay) for s in ProposalSource}
         self._times = {t: _Decayed(decay) for t in Timing}
         self._misses_by_f: dict[int, _Decayed] = {}
+        self._outcomes = [_Decayed(decay) for _ in range(k + 1)]  # rounds that ended with k* = j
 
     def record_verify(self, accepted, source: ProposalSource) -> None:
         """accepted: k* per row (list or [B] tensor) of rounds whose proposals came from `source`.
@@ -87,6 +89,9 @@ class SpecStats:
         source = ProposalSource(source)
         if source is not ProposalSource.FAST:
             self._accept.add(*acceptance_counts(accepted, self.k))
+            counts = torch.bincount(accepted.clamp(0, self.k), minlength=self.k + 1).tolist()
+            for d, c in zip(self._outcomes, counts):
+                d.add(float(c), float(c))
         self._tokens[source].add(float(accepted.sum()) + accepted.numel(), accepted.numel())
 
     def record_lookups(self, fanouts: Sequence[int], hits: Sequence[bool]) -> None:
@@ -106,6 +111,15 @@ class SpecStats:
     @property
     def accept_rate(self) -> float:
         return self._accept.mean(self.defaults["accept_rate"])
+
+    @property
+    def outcome_probs(self) -> list[float]:
+        """P(k* = j), j = 0..K, of the primary speculator's rounds (decayed counts), smoothed towards
+        the geometric model of the current a with OUTCOME_PRIOR_ROUNDS pseudo-rounds."""
+        prior = geometric_outcome_probs(self.k, self.accept_rate)
+        counts = [d.total for d in self._outcomes]
+        n = sum(counts) + OUTCOME_PRIOR_ROUNDS
+        return [(c + OUTCOME_PRIOR_ROUNDS * p) / n for c, p in zip(counts, prior)]
 
     @property
     def hit_rate(self) -> float:
@@ -140,7 +154,7 @@ class SpecStats:
 
     def fanout(self, kind: FanOut, budget_or_list: int | Sequence[int], vocab_size: int) -> list[int]:
         """resolve_fanout with the current a and r."""
-        return resolve_fanout(kind, budget_or_list, self.k, self.accept_rate, self.r, vocab_size)
+        return resolve_fanout(kind, budget_or_list, self.k, self.accept_rate, self.r, vocab_size, self.outcome_probs)
 
     def critical_batch_size(self, max_batch: int = MAX_CRITICAL_BATCH) -> int:
         """b* from the current estimates. Until the neural backup was timed t_neural = 0 (it never

@@ -1,0 +1,114 @@
+"""The one-host draft in a child process: exact, survives the child dying, leaves nothing behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy
+from saguaro_dist import LLM, SamplingParams
+
+LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+CHILD_MARK = "saguaro_dist.engine.draft_process"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return close_pair(tmp_path_factory.mktemp("process_pair"))
+
+
+def draft_children() -> set[int]:
+    """Pids of this process's draft children (read from /proc: no private handles). Other tests'
+    long-lived engines may own some: compare before and after."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+        except OSError:
+            continue
+        if ppid == os.getpid() and CHILD_MARK in cmdline:
+            pids.add(int(entry))
+    return pids
+
+
+def wait_for(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_killed_draft_process_costs_speed_not_tokens(pair):
+    want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
+    before = draft_children()
+    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4) as llm:
+        [child] = draft_children() - before
+        result = {}
+        worker = threading.Thread(target=lambda: result.update(
+            outs=llm.generate(prompt_token_ids=PROMPTS, sampling_params=LONG)))
+        worker.start()
+        wait_for(lambda: llm.metrics.cache_hits + llm.metrics.cache_misses >= 3)  # mid-generation
+        os.kill(child, signal.SIGKILL)
+        worker.join(timeout=120)
+        assert not worker.is_alive()
+        for prompt, out, ref in zip(PROMPTS, result["outs"], want):
+            assert_greedy_equal(out.token_ids, ref, prompt, pair["model"])
+        assert llm.metrics.fallbacks["fast"] > 0, "the kill landed after the generation"
+        # The next request re-admits its sequence: a new child, and the cache works again.
+        hits = llm.metrics.cache_hits
+        again = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=LONG)[0]
+        assert_greedy_equal(again.token_ids, want[0], PROMPTS[0], pair["model"])
+        assert llm.metrics.cache_hits > hits
+        assert len(draft_children() - before) == 1 and child not in draft_children()
+
+
+def test_shutdown_leaves_no_child(pair):
+    before = draft_children()
+    llm = LLM(model=pair["target"], draft=pair["close"], mode="sd", k=3, draft_executor="process")
+    assert len(draft_children() - before) == 1
+    llm.shutdown()
+    assert draft_children() == before
+
+
+def test_auto_runs_the_ssd_draft_in_a_process_and_the_sd_draft_on_a_thread(pair):
+    before = draft_children()
+    for mode, children in (("ssd", 1), ("sd", 0)):
+        with LLM(model=pair["target"], draft=pair["close"], mode=mode, k=3):
+            assert len(draft_children() - before) == children, mode
+
+
+def test_a_draft_that_cannot_load_fails_construction_clearly(pair, tmp_path):
+    broken = tmp_path / "broken_draft"
+    broken.mkdir()
+    (broken / "config.json").write_text((open(os.path.join(pair["close"], "config.json")).read()))
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    before = draft_children()
+    with pytest.raises(RuntimeError, match="draft process could not start"):
+        LLM(model=pair["target"], draft=str(broken), mode="ssd", k=3)
+    assert draft_children() == before
+
+
+def test_a_script_without_a_main_guard_works(pair, tmp_path):
+    """The child is `python -m`, not a multiprocessing spawn that re-runs the user's script."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(textwrap.dedent(f"""
+        from saguaro_dist import LLM, SamplingParams
+        llm = LLM(model={pair['target']!r}, draft={pair['close']!r}, mode="ssd", k=3)
+        out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0, max_tokens=8))
+        print("TOKENS", len(out[0].token_ids))
+        llm.shutdown()
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "TOKENS 8" in done.stdout
