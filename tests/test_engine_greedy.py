@@ -46,9 +46,9 @@ def test_sd_matches_ar(pair, reference, batch):
 
 
 SSD_VARIANTS = {
-    "geometric": dict(fan_out=12),
+    "geometric": dict(fan_out=12, fan_out_kind="geometric"),
     "uniform": dict(fan_out=12, fan_out_kind="uniform"),
-    "outcome": dict(fan_out=12, fan_out_kind="outcome"),
+    "outcome": dict(fan_out=12),  # the default kind
     "explicit_fanout": dict(fan_out=[3, 2, 2, 5]),
     "neural_fallback": dict(fan_out=4, fallback="neural"),
     "fast_fallback": dict(fan_out=4, fallback="fast"),

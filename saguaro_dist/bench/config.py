@@ -67,7 +67,7 @@ class BenchConfig:
     prompt_len: int = 64                  # prompts truncated to this many tokens
     k: int = 4
     fan_out: int = 12
-    fan_out_kind: str = "geometric"
+    fan_out_kind: str = "outcome"
     adaptive_fan_out: bool = False        # the engine default; sweep points over the budget always pin it
     saguaro_c: float = 1.0
     fallback: str = "auto"

@@ -28,7 +28,6 @@ class TreeInbox:
     def __init__(self):
         self._trees: dict[TreeKey, SpeculationTree] = {}
         self._cond = threading.Condition()
-        self._abandoned = False
 
     def put(self, trees: list[SpeculationTree]) -> None:
         with self._cond:
@@ -40,7 +39,7 @@ class TreeInbox:
         """Wait until every key has arrived or the deadline passes; return (and forget) what came."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not self._abandoned and not all(k in self._trees for k in keys):
+            while not all(k in self._trees for k in keys):
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     break
@@ -48,11 +47,9 @@ class TreeInbox:
             self._drop_older_than(keys)
             return found
 
-    def abandon(self) -> None:
-        """No more trees will come (their builder is gone): waiters return what they have, at once."""
+    def has(self, keys: list[TreeKey]) -> bool:
         with self._cond:
-            self._abandoned = True
-            self._cond.notify_all()
+            return all(k in self._trees for k in keys)
 
     def _drop_older_than(self, keys: list[TreeKey]) -> None:
         """Late trees of past rounds will never be asked for again."""

@@ -8,177 +8,204 @@ round trip a tenth of that, and one host needs neither deadlines nor a service.
 
 The child is `python -m saguaro_dist.engine.draft_process`, not a multiprocessing spawn (spawn
 re-imports the user's __main__, which breaks scripts without an `if __name__ == "__main__"` guard).
-It reads (call id, method, argument) from stdin and writes (call id, ok, result) to stdout; trees
-built after outcomes arrive unasked, with call id None. It ends when its stdin closes, so also when
-the parent dies. If it dies, its sequences fall back to the fast backup and the next prefill (the
+It reads calls from stdin and writes replies and pushed trees to stdout. The engine's own thread
+reads the pipe whenever it waits (for a reply or for trees): a background reader would have to win
+the GIL from the verifying engine thread first, which cost milliseconds a round. The child ends
+when its stdin closes, so also when the parent dies. If it dies, its sequences fall back to the fast backup and the next prefill (the
 engine re-admits them) starts a new child: speed is lost, never a token.
 """
 from __future__ import annotations
 
+import copyreg
+import io
 import itertools
 import logging
 import os
 import pickle
 import subprocess
 import sys
-import threading
-from concurrent.futures import Future
+import time
 from multiprocessing.connection import Connection
+
+import torch
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.engine.draft_backend import TreeInbox
 
 log = logging.getLogger(__name__)
-TREES = None  # call id of the unasked messages: trees built after outcomes arrived
 START_TIMEOUT_S = 120.0  # the child imports torch and loads the draft
+CALL_TIMEOUT_S = 120.0   # a child that answers no call this long is treated as dead
 
 
-def _send(conn: Connection, obj) -> None:
-    # Plain pickle: Connection.send's ForkingPickler would move tensors through shared-memory fds.
-    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+class Msg:
+    """Message kinds on the pipe. Parent -> child: CALL (id, method, arg) wants a REPLY (id, ok,
+    result); POST (method, arg) wants none. Child -> parent: READY (ok, detail) once, REPLY, TREES
+    (pushed after outcomes), POST_FAILED (method, text)."""
+    CALL, POST, READY, REPLY, TREES, POST_FAILED = "call", "post", "ready", "reply", "trees", "post_failed"
 
 
-def _recv(conn: Connection):
+def _tensor_as_array(t: torch.Tensor):
+    """Pickle CPU tensors as numpy arrays: torch's own reduction serialises each storage like
+    torch.save (a tree batch of 8 x 12 branches: 60 ms to pickle and unpickle, 12 ms this way)."""
+    if t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES or t.requires_grad:
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return torch.from_numpy, (t.contiguous().numpy(),)
+
+
+_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool}
+_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor_as_array}
+
+
+def _send(conn: Connection, *msg) -> None:
+    # Not Connection.send: its ForkingPickler would move tensors through shared-memory fds.
+    buf = io.BytesIO()
+    pickler = pickle.Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL)
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(msg)
+    conn.send_bytes(buf.getbuffer())
+
+
+def _recv(conn: Connection) -> tuple:
     return pickle.loads(conn.recv_bytes())
 
 
 class DraftProcess:
-    """A DraftBackend (engine/draft_backend.py) whose DraftWorker runs in a child process."""
+    """A DraftBackend (engine/draft_backend.py) whose DraftWorker runs in a child process.
+
+    Used from one thread at a time (the engine's), like every DraftBackend."""
 
     def __init__(self, config: Config):
         self.config = config
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # guards the pipe's write end and the calls in flight
-        self._life = threading.Lock()  # serialises start, restart and close
-        self._calls: dict[int, tuple[Future, list[int]]] = {}
-        self._known: set[int] = set()  # sequences the current child holds (the engine's thread only)
-        self._closed, self._gone, self._reader = False, True, None
+        self._known: set[int] = set()  # sequences the current child holds
+        self._gone = True
         self._start()
 
     # ---- DraftBackend ------------------------------------------------------------------------------
     def prefill(self, reqs):
         if self._gone:
-            try:
-                self._restart()
-            except RuntimeError as exc:  # the loop keeps these sequences on the fast backup
-                raise DraftUnavailable(str(exc), [r.seq_id for r in reqs]) from exc
-        self._call("prefill", reqs, [r.seq_id for r in reqs]).result()
+            self._restart([r.seq_id for r in reqs])
+        self._call("prefill", reqs, [r.seq_id for r in reqs])
         self._known.update(r.seq_id for r in reqs)
 
     def jit_draft(self, reqs):
         lost = [r.seq_id for r in reqs if r.seq_id not in self._known]
         if lost:
             raise DraftUnavailable(f"the draft process restarted without sequences {lost}", lost)
-        return self._call("jit_draft", reqs, [r.seq_id for r in reqs]).result()
+        return self._call("jit_draft", reqs, [r.seq_id for r in reqs])
 
     def send_outcomes(self, outcomes):
-        self._call("send_outcomes", [o for o in outcomes if o.seq_id in self._known], [])
+        self._post("send_outcomes", [o for o in outcomes if o.seq_id in self._known])
 
     def wait_trees(self, keys, timeout_s):
-        return self.inbox.take([k for k in keys if k[0] in self._known], timeout_s)
+        live = [k for k in keys if k[0] in self._known]
+        self._pump(lambda: self.inbox.has(live), time.monotonic() + timeout_s)
+        return self.inbox.take(live, 0.0)
 
     def release(self, reqs):
         held = [r for r in reqs if r.seq_id in self._known]
         self._known.difference_update(r.seq_id for r in reqs)
         if held:
-            self._call("release", held, [])
+            self._post("release", held)
 
     def close(self) -> None:
-        with self._life:
-            self._closed = True
-            self._stop()
+        self._stop()
 
-    # ---- the child ---------------------------------------------------------------------------------
+    # ---- the pipe ----------------------------------------------------------------------------------
+    def _call(self, method: str, arg, seq_ids: list[int]):
+        call_id = next(self._ids)
+        self._post(method, arg, call_id)
+        if not self._pump(lambda: call_id in self._replies, time.monotonic() + CALL_TIMEOUT_S) and not self._gone:
+            log.error("draft process pid %d answered no %s in %.0f s: stopping it", self._proc.pid, method, CALL_TIMEOUT_S)
+            self._stop()
+        if call_id not in self._replies:
+            raise DraftUnavailable(f"the draft process ended during {method}", seq_ids)
+        ok, result = self._replies.pop(call_id)
+        if not ok:
+            raise result
+        return result
+
+    def _post(self, method: str, arg, call_id: int | None = None) -> None:
+        if self._gone:
+            return  # the caller's call (if any) finds no reply: DraftUnavailable
+        try:
+            _send(self._tx, Msg.CALL, call_id, method, arg) if call_id is not None else _send(self._tx, Msg.POST, method, arg)
+        except OSError:  # the child died: its pipe is broken
+            self._child_ended()
+
+    def _pump(self, done, deadline: float) -> bool:
+        """Read the child's messages until done() or the deadline (False), or its end (False)."""
+        while not done():
+            left = deadline - time.monotonic()
+            try:
+                if self._gone or left <= 0 or not self._rx.poll(left):
+                    return False
+                self._dispatch(_recv(self._rx))
+            except (EOFError, OSError):
+                self._child_ended()
+                return False
+        return True
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind, *rest = msg
+        if kind == Msg.TREES:
+            self.inbox.put(rest[0])
+        elif kind == Msg.REPLY:
+            call_id, ok, result = rest
+            self._replies[call_id] = (ok, result)
+        elif kind == Msg.POST_FAILED:  # a failed build costs misses (the trees never come), never tokens
+            log.warning("draft %s failed: %s", *rest)
+
+    # ---- the child's life --------------------------------------------------------------------------
     def _start(self) -> None:
         self._proc = subprocess.Popen([sys.executable, "-m", __name__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._tx = Connection(os.dup(self._proc.stdin.fileno()), readable=False)
-        rx = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
+        self._rx = Connection(os.dup(self._proc.stdout.fileno()), writable=False)
         self._proc.stdin.close()
         self._proc.stdout.close()
-        self.inbox = TreeInbox()
+        self.inbox, self._replies = TreeInbox(), {}
         _send(self._tx, self.config)
-        self._handshake(rx)
+        self._handshake()
         self._gone = False
-        self._reader = threading.Thread(target=self._read, args=(rx, self._proc, self.inbox), daemon=True,
-                                        name="saguaro-draft-pipe")
-        self._reader.start()
         log.info("draft process pid %d ready", self._proc.pid)
 
-    def _handshake(self, rx: Connection) -> None:
+    def _handshake(self) -> None:
         """The child's first message says whether the draft loaded; a bad draft fails here, clearly."""
-        ready = rx.poll(START_TIMEOUT_S)
         try:
-            _, ok, detail = _recv(rx) if ready else (None, False, f"no answer within {START_TIMEOUT_S:.0f} s")
-        except EOFError:
+            ready = self._rx.poll(START_TIMEOUT_S)
+            _, ok, detail = _recv(self._rx) if ready else (None, False, f"no answer within {START_TIMEOUT_S:.0f} s")
+        except (EOFError, OSError):
             ok, detail = False, "it exited (its log is above)"
         if not ok:
-            rx.close()
             self._stop()
             raise RuntimeError(f"the draft process could not start: {detail}")
 
-    def _restart(self) -> None:
-        with self._life:
-            if self._closed or not self._gone:
-                return
-            log.warning("draft process exited (code %s): starting a new one", self._proc.poll())
-            self._stop()
-            self._known.clear()
+    def _restart(self, seq_ids: list[int]) -> None:
+        log.warning("draft process exited (code %s): starting a new one", self._proc.poll())
+        self._stop()
+        self._known.clear()
+        try:
             self._start()
+        except RuntimeError as exc:  # the loop keeps these sequences on the fast backup
+            raise DraftUnavailable(str(exc), seq_ids) from exc
+
+    def _child_ended(self) -> None:
+        if not self._gone:
+            log.error("draft process pid %d ended (code %s): its sequences use the fast backup until re-admitted",
+                      self._proc.pid, self._proc.poll())
+        self._gone = True
 
     def _stop(self) -> None:
-        if not self._tx.closed:
-            self._tx.close()  # the child's signal to stop
+        self._gone = True
+        for conn in (self._tx, self._rx):
+            conn.close()  # closing its stdin is the child's signal to stop
         try:
             self._proc.wait(timeout=10.0)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        if self._reader is not None:
-            self._reader.join(timeout=5.0)
-
-    def _call(self, method: str, arg, seq_ids: list[int]) -> Future:
-        fut = Future()
-        with self._lock:
-            if self._gone:
-                fut.set_exception(DraftUnavailable("the draft process ended", seq_ids))
-                return fut
-            call_id = next(self._ids)
-            self._calls[call_id] = (fut, seq_ids)
-            try:
-                _send(self._tx, (call_id, method, arg))
-            except (OSError, ValueError) as exc:  # the child died: its pipe is broken
-                del self._calls[call_id]
-                fut.set_exception(DraftUnavailable(f"the draft process ended ({exc})", seq_ids))
-        return fut
-
-    def _read(self, rx: Connection, proc: subprocess.Popen, inbox: TreeInbox) -> None:
-        """Replies to their futures, unasked trees to the inbox; at EOF every open call fails."""
-        try:
-            while True:
-                call_id, ok, result = _recv(rx)
-                if call_id is TREES:
-                    inbox.put(result)
-                    continue
-                with self._lock:
-                    fut, _ = self._calls.pop(call_id)
-                fut.set_result(result) if ok else fut.set_exception(result)
-        except (EOFError, OSError):
-            pass
-        finally:
-            rx.close()
-            self._child_ended(proc, inbox)
-
-    def _child_ended(self, proc: subprocess.Popen, inbox: TreeInbox) -> None:
-        with self._lock:
-            self._gone = True
-            calls, self._calls = self._calls, {}
-        if not self._closed:
-            log.error("draft process pid %d ended (code %s): its sequences use the fast backup until re-admitted",
-                      proc.pid, proc.poll())
-        for fut, seq_ids in calls.values():
-            fut.set_exception(DraftUnavailable("the draft process ended", seq_ids))
-        inbox.abandon()  # a waiter's trees will not come
 
 
 def _picklable(exc: Exception) -> Exception:
@@ -191,22 +218,39 @@ def _picklable(exc: Exception) -> Exception:
 
 
 class _Child:
-    """The child's side: one DraftWorker, one call at a time, in arrival order."""
+    """The child's side: one DraftWorker, one message at a time, in arrival order."""
 
     def __init__(self, worker, tx: Connection):
         self.worker, self.tx = worker, tx
 
     def serve(self, rx: Connection) -> None:
-        while True:
-            try:
-                call_id, method, arg = _recv(rx)
-            except EOFError:
-                return
-            try:
-                _send(self.tx, (call_id, True, getattr(self, method)(arg)))
-            except Exception as exc:  # the parent raises it where the call was made
-                log.info("draft %s failed: %s", method, exc)
-                _send(self.tx, (call_id, False, _picklable(exc)))
+        """Until the parent closes the pipe (or is gone): then exit quietly."""
+        try:
+            while True:
+                kind, *rest = _recv(rx)
+                if kind == Msg.CALL:
+                    self._answer(*rest)
+                else:
+                    self._run_posted(*rest)
+        except (EOFError, BrokenPipeError):
+            return
+
+    def _answer(self, call_id: int, method: str, arg) -> None:
+        try:
+            _send(self.tx, Msg.REPLY, call_id, True, getattr(self, method)(arg))
+        except BrokenPipeError:
+            raise  # the parent is gone: serve() ends
+        except Exception as exc:  # the parent raises it where the call was made
+            _send(self.tx, Msg.REPLY, call_id, False, _picklable(exc))
+
+    def _run_posted(self, method: str, arg) -> None:
+        try:
+            getattr(self, method)(arg)
+        except BrokenPipeError:
+            raise
+        except Exception as exc:
+            log.warning("draft %s failed", method, exc_info=exc)
+            _send(self.tx, Msg.POST_FAILED, method, f"{type(exc).__name__}: {exc}")
 
     def prefill(self, reqs):
         return self.worker.prefill(reqs)
@@ -218,9 +262,9 @@ class _Child:
         return self.worker.release(reqs)
 
     def send_outcomes(self, outcomes):
-        """Observe, build, and push the trees before answering (the answer is not waited for)."""
+        """Observe, build, push the trees (SSD's draft-side round)."""
         self.worker.observe(outcomes)
-        _send(self.tx, (TREES, True, self.worker.build_trees()))
+        _send(self.tx, Msg.TREES, self.worker.build_trees())
 
 
 def main() -> None:
@@ -230,11 +274,12 @@ def main() -> None:
     rx, tx = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     os.dup2(sys.stderr.fileno(), 1)
     try:
-        worker = build_draft_worker(_recv(rx))
+        (config,) = _recv(rx)
+        worker = build_draft_worker(config)
     except Exception as exc:
-        _send(tx, (None, False, f"{type(exc).__name__}: {exc}"))
+        _send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")
         raise
-    _send(tx, (None, True, "ready"))
+    _send(tx, Msg.READY, True, "ready")
     _Child(worker, tx).serve(rx)
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: nothing to save, and torch's pools can abort in it
