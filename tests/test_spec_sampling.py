@@ -96,6 +96,8 @@ def test_sample_never_draws_zero_probability_tokens():
     assert set(tokens.tolist()) == {1, 3}
     # u rounding up to the total lands on the last positive token, not on a trailing zero
     assert sample_with_uniforms(probs[:1], torch.tensor([1.0 - 1e-17])).item() == 3
+    mixed = torch.tensor([[0.2, 0.8, 0.0, 0.0, 0.0], [0.0, 0.5, 0.0, 0.5, 0.0], [0.0, 0.0, 0.3, 0.7, 0.0]])
+    assert sample_with_uniforms(mixed, torch.tensor([1.0, 0.1, 1.0])).tolist() == [1, 1, 3]
 
 
 def test_sample_frequencies_roughly_match():

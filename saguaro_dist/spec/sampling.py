@@ -64,6 +64,8 @@ def target_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tenso
         probs = torch.empty_like(scaled).scatter_(1, order, _filter_sorted(sorted_logits, top_k, top_p))
     else:  # no filtering on any row: skip the O(V log V) sort
         probs = torch.softmax(scaled, dim=-1)
+    if not bool(greedy.any()):  # three [N, V] passes saved on the sampled-only batches the draft makes
+        return probs
     one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), v).to(probs.dtype)
     return torch.where(greedy[:, None], one_hot, probs)
 
@@ -135,9 +137,14 @@ def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.to(torch.float64).cumsum(dim=-1)
     target = (u.to(cdf.device, torch.float64) * cdf[:, -1])[:, None]
     tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # searchsorted lands on a j with CDF(j) > CDF(j-1), i.e. probs(j) > 0, unless it ran off the
+    # end (j = V): only those rows need their last positive token (an [N, V] pass saved otherwise).
     v = probs.shape[-1]
-    last_positive = (v - 1) - (probs > 0).flip(-1).to(torch.int8).argmax(dim=-1)
-    return torch.minimum(tokens, last_positive)
+    off_end = tokens >= v
+    if bool(off_end.any()):
+        last_positive = (v - 1) - (probs[off_end] > 0).flip(-1).to(torch.int8).argmax(dim=-1)
+        tokens = tokens.masked_scatter(off_end, last_positive)
+    return tokens
 
 
 def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
