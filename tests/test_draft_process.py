@@ -112,3 +112,14 @@ def test_a_script_without_a_main_guard_works(pair, tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "TOKENS 8" in done.stdout
+
+
+@pytest.mark.parametrize("executor", ["process", "thread"])
+def test_finished_requests_leave_no_trees_behind(pair, executor):
+    """The last round's tree always arrives unasked; a server must not keep one per finished request."""
+    params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=0)
+    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_executor=executor) as llm:
+        for _ in range(4):
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)  # a round trip after the releases
+        wait_for(lambda: len(llm._thread.engine.loop.draft.inbox) == 0, timeout_s=10)

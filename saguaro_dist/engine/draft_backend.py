@@ -47,6 +47,17 @@ class TreeInbox:
             self._drop_older_than(keys)
             return found
 
+    def forget(self, seq_ids) -> None:
+        """Released sequences: drop their trees (the last round's tree always arrives unasked)."""
+        gone = set(seq_ids)
+        with self._cond:
+            for key in [k for k in self._trees if k[0] in gone]:
+                del self._trees[key]
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._trees)
+
     def has(self, keys: list[TreeKey]) -> bool:
         with self._cond:
             return all(k in self._trees for k in keys)
@@ -84,10 +95,14 @@ class LocalDraftBackend:
         return self.inbox.take(keys, timeout_s)
 
     def release(self, reqs):
-        self._call(self.worker.release, reqs)
+        self._call(self._release, reqs)  # on the worker thread: after any build that puts their trees
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def _release(self, reqs):
+        self.worker.release(reqs)
+        self.inbox.forget([r.seq_id for r in reqs])
 
     def _observe_and_build(self, outcomes):
         self.worker.observe(outcomes)

@@ -130,6 +130,7 @@ class DraftProcess:
     def release(self, reqs):
         held = [r for r in reqs if r.seq_id in self._known]
         self._known.difference_update(r.seq_id for r in reqs)
+        self.inbox.forget([r.seq_id for r in reqs])
         if held:
             self._post("release", held)
 
@@ -173,8 +174,8 @@ class DraftProcess:
 
     def _dispatch(self, msg: tuple) -> None:
         kind, *rest = msg
-        if kind == Msg.TREES:
-            self.inbox.put(rest[0])
+        if kind == Msg.TREES:  # a late tree of a released sequence would never leave the inbox
+            self.inbox.put([t for t in rest[0] if t.seq_id in self._known])
         elif kind == Msg.REPLY:
             call_id, ok, result = rest
             self._replies[call_id] = (ok, result)
