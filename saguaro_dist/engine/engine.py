@@ -111,7 +111,7 @@ class Engine:
         return self._delta(s)
 
     def _update_text(self, s: Sequence) -> None:
-        s.text = self.detok.decode(s.output_token_ids)
+        s.text += self.detok.decode_more(s.output_token_ids, s.decode_state, final=s.finished)
         cut = find_stop(s.text, s.params.stop)
         if cut is not None:
             s.text = s.text[:cut]

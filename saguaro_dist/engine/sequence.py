@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from saguaro_dist.engine.detokenizer import DecodeState
 from saguaro_dist.engine.messages import DraftSampling, Proposal
 from saguaro_dist.engine.metrics import RequestMetrics
 from saguaro_dist.sampling_params import SamplingParams
@@ -41,6 +42,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""                         # detokenized output, stop strings cut
+    decode_state: DecodeState = field(default_factory=DecodeState)
     finish_reason: FinishReason | None = None
     round: int = 0
     speculation: Proposal | None = None    # what the target verifies this round

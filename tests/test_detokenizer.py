@@ -1,0 +1,46 @@
+"""Incremental detokenization gives the full decode, piece by piece, with no partial characters."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from saguaro_dist.demo import PAIR_DIR
+from saguaro_dist.engine.detokenizer import DecodeState, Detokenizer
+
+TEXT = 'def café(x):\n    return "naïve ✓ 日本語 🙂" + x  # ok\n'
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(str(PAIR_DIR / "target"))
+
+
+def pieces(detok: Detokenizer, ids: list[int], chunks: list[int]) -> list[str]:
+    """Decode ids as the engine does: a few tokens a round, the last round final."""
+    state, out, end = DecodeState(), [], 0
+    for n in chunks:
+        end = min(end + n, len(ids))
+        out.append(detok.decode_more(ids[:end], state, final=end == len(ids)))
+        if end == len(ids):
+            break
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pieces_join_to_the_full_decode_and_are_never_taken_back(tokenizer, seed):
+    rng = random.Random(seed)
+    detok = Detokenizer(tokenizer)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    ids += [rng.randrange(len(tokenizer)) for _ in range(40)]  # arbitrary ids: partial UTF-8 bytes too
+    got, full = pieces(detok, ids, [rng.randint(1, 5) for _ in range(len(ids))]), detok.decode(ids)
+    assert "".join(got) == full
+    for i in range(1, len(got)):  # what was streamed is never taken back: each prefix stays a prefix
+        assert full.startswith("".join(got[:i]))
+
+
+def test_the_engine_streams_what_the_full_decode_says(tokenizer):
+    detok = Detokenizer(tokenizer)
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    assert "".join(pieces(detok, ids, [1] * len(ids))) == TEXT
