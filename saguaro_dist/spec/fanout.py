@@ -8,15 +8,6 @@ from saguaro_dist.config import FanOut
 ACCEPT_RATE_RANGE = (0.01, 0.99)  # keeps a^x and (1 - a)^x finite and the allocation non-degenerate
 
 
-def geometric_weights(k: int, accept_rate: float, r: float) -> list[float]:
-    """Theorem 12 up to the common factor F_0: w_j = a^(j/(1+r)) for j < K,
-    w_K = a^(K/(1+r)) (1-a)^(-1/(1+r)); a clamped to [0.01, 0.99], r to >= 0."""
-    a = min(max(accept_rate, ACCEPT_RATE_RANGE[0]), ACCEPT_RATE_RANGE[1])
-    e = 1.0 / (1.0 + max(r, 0.0))
-    weights = [a ** (j * e) for j in range(k)]
-    return weights + [a ** (k * e) * (1.0 - a) ** (-e)]
-
-
 def round_to_budget(ideal: Sequence[float], budget: int, caps: Sequence[int] | None = None) -> list[int]:
     """Largest-remainder rounding of `ideal` to integers 1 <= F_j <= cap_j with sum F = budget.
 
@@ -40,16 +31,15 @@ def round_to_budget(ideal: Sequence[float], budget: int, caps: Sequence[int] | N
 
 def geometric_fanout(budget: int, k: int, accept_rate: float, r: float, caps: Sequence[int] | None = None) -> list[int]:
     """F_k = F_0 a^(k/(1+r)) (k < K), F_K = F_0 a^(K/(1+r)) (1-a)^(-1/(1+r)), F_0 fixed by sum F = budget;
-    rounded by largest remainder to ints >= 1 summing to `budget`. Returns K+1 ints."""
-    w = geometric_weights(k, accept_rate, r)
-    total = sum(w)
-    return round_to_budget([budget * x / total for x in w], budget, caps)
+    rounded by largest remainder to ints >= 1 summing to `budget`. Returns K+1 ints. It is
+    outcome_fanout for the i.i.d. outcome distribution (the common factor (1-a)^(1/(1+r)) cancels)."""
+    return outcome_fanout(budget, geometric_outcome_probs(k, accept_rate), r, caps)
 
 
 def geometric_outcome_probs(k: int, accept_rate: float) -> list[float]:
     """P(k* = j) when every token is accepted independently with probability a: a^j (1 - a) for
-    j < K, a^K for j = K (the model behind Theorem 12's geometric fan-out)."""
-    a = min(max(accept_rate, 0.0), 1.0)
+    j < K, a^K for j = K (the model behind Theorem 12's geometric fan-out); a clamped to [0.01, 0.99]."""
+    a = min(max(accept_rate, ACCEPT_RATE_RANGE[0]), ACCEPT_RATE_RANGE[1])
     return [a ** j * (1.0 - a) for j in range(k)] + [a ** k]
 
 
