@@ -24,6 +24,12 @@ class DraftExecutor(str, enum.Enum):
     THREAD = "thread"    # a thread of this process: no start-up cost, but it competes for the GIL
 
 
+class TreePolicy(str, enum.Enum):
+    """Whether SSD's draft prepares a speculation tree every round (spec/tree_gate.py)."""
+    AUTO = "auto"      # measure rounds with and without trees per batch size, run the faster
+    ALWAYS = "always"  # a tree every round (the paper's SSD), even when building it outlasts the verify
+
+
 class FallbackPolicy(str, enum.Enum):
     AUTO = "auto"      # neural below the critical batch size b*, fast above (Saguaro Theorem 17)
     NEURAL = "neural"  # the draft drafts K tokens just in time for the real outcome
@@ -53,6 +59,7 @@ class Config:
     adaptive_fan_out: bool = False         # shrink the budget while tree builds outlast verifies (spec/budget.py)
     saguaro_c: float = 1.0                 # Saguaro sampling: scale of the draft's top-F probabilities
     fallback: FallbackPolicy = FallbackPolicy.AUTO
+    tree_policy: TreePolicy = TreePolicy.AUTO
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
     device: str = "cpu"
@@ -73,6 +80,7 @@ class Config:
         object.__setattr__(self, "fan_out_kind", parse_enum(FanOut, self.fan_out_kind, "fan_out_kind"))
         object.__setattr__(self, "draft_executor", parse_enum(DraftExecutor, self.draft_executor, "draft_executor"))
         object.__setattr__(self, "fallback", parse_enum(FallbackPolicy, self.fallback, "fallback"))
+        object.__setattr__(self, "tree_policy", parse_enum(TreePolicy, self.tree_policy, "tree_policy"))
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
         self._validate()

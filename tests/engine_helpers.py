@@ -65,3 +65,19 @@ def close_pair(root) -> dict:
     target = save_model(root / "target", llama_config(96, 64, 2), seed=0)
     save_perturbed(root / "close_draft", target, seed=1, noise=0.15)
     return {"target": str(root / "target"), "close": str(root / "close_draft"), "model": target}
+
+
+class CyclingGate:
+    """A tree gate on a fixed cycle trees, trees, just-in-time: every transition (a tree asked for
+    after a round without one, a tree looked up in a round that asks for none) happens every few rounds."""
+
+    def __init__(self):
+        from saguaro_dist.spec.tree_gate import RoundMode
+        self.cycle, self.rounds = [RoundMode.TREES, RoundMode.TREES, RoundMode.JUST_IN_TIME], 0
+
+    def mode(self, batch_size: int):
+        self.rounds += 1
+        return self.cycle[self.rounds % len(self.cycle)]
+
+    def record(self, *args) -> None:
+        pass

@@ -172,9 +172,22 @@ def test_cache_parallel_pool_grows_the_cache_at_batch_1(ray_cluster, pair):
     """At batch 1 a pool of 3 splits one sequence's tree over 3 workers: 3x the branches, more hits."""
     hit_rates = {}
     for workers in (1, 3):
-        with cluster_llm(pair, fan_out=4, adaptive_fan_out=False, num_draft_workers=workers, max_batch_size=1) as llm:
+        with cluster_llm(pair, fan_out=4, adaptive_fan_out=False, num_draft_workers=workers, max_batch_size=1,
+                         tree_policy="always") as llm:
             outs = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=GREEDY)
             check_greedy(pair, outs)
             m = llm.metrics
             hit_rates[workers] = m.cache_hits / max(1, m.cache_hits + m.cache_misses)
     assert hit_rates[3] > hit_rates[1], hit_rates
+
+
+def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair):
+    """The tree gate's schedule is fixed for its first rounds at a batch size (a burst with trees, then one
+    without), so one 60-token request takes both kinds of round, and skip_tree travels over gRPC."""
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = hf_greedy(pair["model"], PROMPTS[0], params.max_tokens)
+    with cluster_llm(pair, num_draft_workers=1, max_batch_size=1) as llm:
+        out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0]
+        m = llm.metrics
+    assert_greedy_equal(out.token_ids, want, PROMPTS[0], pair["model"])
+    assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m

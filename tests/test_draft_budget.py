@@ -67,3 +67,16 @@ def test_a_miss_reaching_the_draft_as_a_jit_request_feeds_its_statistics(draft_d
     tree = worker.build_trees()[0]
     worker.observe([hit_outcome(tree, 1)])
     assert worker.stats.hit_rate == pytest.approx(1 / (1 + 0.99))  # one hit after one (decayed) miss
+
+
+def test_skip_tree_builds_nothing_and_records_no_lookup(draft_dir):
+    """The tree gate's just-in-time rounds: the draft builds no tree and counts no cache lookup."""
+    worker = started_worker(draft_dir, adaptive_fan_out=False)
+    tree = worker.build_trees()[0]
+    worker.observe([Outcome(0, 0, tree.branches[0].accepted, tree.branches[0].bonus_token,
+                            next_tokens=None, cache_hit=True, skip_tree=True)])
+    assert worker.build_trees() == []
+    lookups = worker.stats._hits.count
+    worker.jit_draft([JitDraftRequest(0, 2, 0, 5, skip_tree=False)])  # no tree was built for round 1
+    assert worker.stats._hits.count == lookups  # untouched: nothing was looked up
+    assert len(worker.build_trees()) == 1

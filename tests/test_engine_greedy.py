@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
+import saguaro_dist.engine.rounds as rounds_module
+from engine_helpers import PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -85,3 +86,24 @@ def test_ssd_hits_the_cache_with_a_close_draft(pair):
     m = out.metrics
     assert m.rounds > 0 and m.cache_hits > 0, m
     assert m.acceptance_rate > 0.3, m
+
+
+@pytest.mark.parametrize("executor, batch", [("thread", 1), ("thread", 4), ("process", 4)])
+def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, executor, batch):
+    """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken."""
+    monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)
+    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
+             draft_executor=executor, tree_timeout_s=30.0) as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        m = llm.metrics
+    check(pair, reference, outputs)
+    assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m
+
+
+def test_tree_policy_always_never_skips_a_tree(pair, reference):
+    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
+             draft_executor="thread", tree_policy="always") as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        m = llm.metrics
+    check(pair, reference, outputs)
+    assert m.just_in_time_rounds == 0 and m.cache_hits + m.cache_misses == m.rounds - len(PROMPTS), m

@@ -13,8 +13,9 @@ import pytest
 import torch
 from scipy.stats import chi2
 
+import saguaro_dist.engine.rounds as rounds_module
 import saguaro_dist.engine.target as target_module
-from engine_helpers import llama_config, save_model, save_perturbed
+from engine_helpers import CyclingGate, llama_config, save_model, save_perturbed
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.spec import VerifyResult, verify
 
@@ -118,6 +119,16 @@ def test_first_tokens_follow_the_target(pair, case):
     assert took_path(metrics), f"{case}: the path under test was not taken: {metrics}"
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"{case}: chi-square p = {p:.2e}"
+
+
+def test_tree_gate_transitions_follow_the_target(pair, monkeypatch):
+    """Rounds with and without trees mixed: each sequence's 3 tokens span a transition."""
+    monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)
+    target, draft, model = pair
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4)
+    assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
+    p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
+    assert p > ALPHA, f"chi-square p = {p:.2e}"
 
 
 @pytest.mark.parametrize("name", ["t0.8_topk4", "t1_topp0.8"])

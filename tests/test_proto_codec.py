@@ -123,6 +123,8 @@ def test_sampling_and_messages_round_trip():
     cases = [
         (PrefillRequest(7, [1, 2, 3], s), codec.prefill_to_proto, codec.prefill_from_proto),
         (JitDraftRequest(7, 3, 2, 99), codec.jit_request_to_proto, codec.jit_request_from_proto),
+        (JitDraftRequest(7, 3, 2, 99, skip_tree=True), codec.jit_request_to_proto, codec.jit_request_from_proto),
+        (Outcome(7, 3, 2, 99, [1], cache_hit=True, skip_tree=True), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(7, 3, 2, 99, None), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(7, 3, 0, 99, []), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(-7, 0, 4, 0, [4, 5, 6]), codec.outcome_to_proto, codec.outcome_from_proto),

@@ -10,6 +10,7 @@ SYSTEMS = {
     "sd": "ours, speculative decoding (draft just in time, one process)",
     "ssd": "ours, SSD one-host (draft in a child process, pipe)",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL)",
+    "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
     "ssd-ray": "ours, SSD on local Ray (target actor + draft actor, gRPC)",
     "hf": "transformers generate (AR)",
     "hf-assisted": "transformers assisted generation (assistant_model=, SD peer)",
@@ -18,8 +19,8 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ssd", "ssd-thread", "ssd-ray")
-SSD_SYSTEMS = ("ssd", "ssd-thread", "ssd-ray")
+OURS = ("ar", "sd", "ssd", "ssd-thread", "ssd-trees", "ssd-ray")
+SSD_SYSTEMS = ("ssd", "ssd-thread", "ssd-trees", "ssd-ray")
 SPECULATIVE = ("sd", *SSD_SYSTEMS, "hf-assisted")
 
 
@@ -42,7 +43,7 @@ def placement(system: str, setting: str, cores: int = 2) -> Placement:
         return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
     if system in ("sd", "hf-assisted"):
         return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")
-    if system == "ssd":  # two processes, 1 torch thread each: one core each
+    if system in ("ssd", "ssd-trees"):  # two processes, 1 torch thread each: one core each
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); "
                                   "draft: child process (1 torch thread), pipe")
     if system == "ssd-thread":
@@ -71,6 +72,7 @@ class BenchConfig:
     adaptive_fan_out: bool = False        # the engine default; sweep points over the budget always pin it
     saguaro_c: float = 1.0
     fallback: str = "auto"
+    tree_policy: str = "auto"
     seed: int = 0
     repeats: int = 1                      # timed repeats per cell (the best is kept); 1 warm-up first
     cores: int = 2
@@ -98,7 +100,7 @@ class BenchConfig:
     def engine_kwargs(self) -> dict:
         return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
                     adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c,
-                    fallback=self.fallback, max_batch_size=max(self.batch_sizes))
+                    fallback=self.fallback, tree_policy=self.tree_policy, max_batch_size=max(self.batch_sizes))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

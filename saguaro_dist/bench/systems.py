@@ -10,7 +10,8 @@ import torch
 from saguaro_dist.bench.config import Placement
 
 log = logging.getLogger(__name__)
-ENGINE_FIELDS = ("rounds", "verify_s", "draft_wait_s", "prefill_s", "step_s", "coordination_s", "cache_hits", "cache_misses")
+ENGINE_FIELDS = ("rounds", "verify_s", "draft_wait_s", "prefill_s", "step_s", "coordination_s", "cache_hits", "cache_misses",
+                 "just_in_time_rounds")
 
 
 @dataclass
@@ -48,11 +49,12 @@ class OursSystem:
 
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
-        mode = {"ar": "ar", "sd": "sd", "ssd": "ssd", "ssd-thread": "ssd", "ssd-ray": "ssd"}[self.name]
+        mode = "ssd" if self.name.startswith("ssd") else self.name
         executor = "thread" if self.name in ("sd", "ssd-thread") else "process"
+        kwargs = {**self.engine_kwargs, **({"tree_policy": "always"} if self.name == "ssd-trees" else {})}
         self.llm = LLM(model=self.target, draft=None if mode == "ar" else self.draft, mode=mode, draft_executor=executor,
                        cluster="local" if self.name == "ssd-ray" else None, target_threads=place.target_threads,
-                       draft_threads=place.draft_threads, **self.engine_kwargs)
+                       draft_threads=place.draft_threads, **kwargs)
         self.threads = place.target_threads
 
     def run(self, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int) -> Measurement:

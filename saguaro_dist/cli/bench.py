@@ -26,7 +26,7 @@ GRID_OPTIONS = {"--systems": ("systems", _names), "--settings": ("settings", _na
                 "--temperatures": ("temperatures", _floats), "--max-new-tokens": ("max_new_tokens", int),
                 "--prompt-len": ("prompt_len", int), "--k": ("k", int), "--fan-out": ("fan_out", int),
                 "--fan-out-kind": ("fan_out_kind", str), "--saguaro-c": ("saguaro_c", float),
-                "--fallback": ("fallback", str), "--seed": ("seed", int), "--repeats": ("repeats", int),
+                "--fallback": ("fallback", str), "--tree-policy": ("tree_policy", str), "--seed": ("seed", int), "--repeats": ("repeats", int),
                 "--cores": ("cores", int)}
 SWEEP_OPTIONS = {"--sweep-ks": ("ks", _ints), "--sweep-budgets": ("budgets", _ints), "--sweep-kinds": ("kinds", _names),
                  "--sweep-cs": ("cs", _floats), "--sweep-fallbacks": ("fallbacks", _names),

@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from saguaro_dist.config import DraftExecutor, FallbackPolicy, FanOut, Mode
+from saguaro_dist.config import DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "device": "device",
                 "dtype": "dtype", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
-                "cluster": "cluster", "draft_executor": "draft_executor"}
+                "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes"}
 
@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="let the draft shrink the fan-out budget while its tree builds outlast verifies")
     g.add_argument("--saguaro-c", type=float, help="Saguaro sampling scale C in [0, 1]")
     g.add_argument("--fallback", choices=[f.value for f in FallbackPolicy])
+    g.add_argument("--tree-policy", choices=[t.value for t in TreePolicy],
+                   help="ssd: auto (default) runs rounds with or without speculation trees, whichever is measured "
+                        "faster at the batch size; always builds a tree every round")
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--device", help="cpu, cuda, cuda:0, ...")

@@ -238,18 +238,18 @@ def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
 
 def jit_request_to_proto(r: JitDraftRequest) -> pb.JitDraftRequest:
     return pb.JitDraftRequest(seq_id=_int64(r.seq_id, "seq_id"), round=r.round, accepted=r.accepted,
-                              bonus_token=r.bonus_token)
+                              bonus_token=r.bonus_token, skip_tree=r.skip_tree)
 
 
 def jit_request_from_proto(msg: pb.JitDraftRequest) -> JitDraftRequest:
     return JitDraftRequest(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
                            accepted=_non_negative(msg.accepted, "accepted"),
-                           bonus_token=_non_negative(msg.bonus_token, "bonus_token"))
+                           bonus_token=_non_negative(msg.bonus_token, "bonus_token"), skip_tree=msg.skip_tree)
 
 
 def outcome_to_proto(o: Outcome) -> pb.Outcome:
     msg = pb.Outcome(seq_id=_int64(o.seq_id, "seq_id"), round=o.round, accepted=o.accepted, bonus_token=o.bonus_token,
-                     cache_hit=o.cache_hit)
+                     cache_hit=o.cache_hit, skip_tree=o.skip_tree)
     if o.next_tokens is not None:
         msg.next_tokens.ids.extend(o.next_tokens)  # extend([]) still marks the field present
         msg.next_tokens.SetInParent()
@@ -261,7 +261,7 @@ def outcome_from_proto(msg: pb.Outcome) -> Outcome:
     return Outcome(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
                    accepted=_non_negative(msg.accepted, "accepted"),
                    bonus_token=_non_negative(msg.bonus_token, "bonus_token"), next_tokens=next_tokens,
-                   cache_hit=msg.cache_hit)
+                   cache_hit=msg.cache_hit, skip_tree=msg.skip_tree)
 
 
 def branch_to_proto(b: Branch) -> pb.Branch:

@@ -134,7 +134,7 @@ class DraftPool:
 
     def _tell_other_shards(self, reqs: list[JitDraftRequest], proposals: dict) -> None:
         outcomes = [Outcome(r.seq_id, max(0, r.round - 1), r.accepted, r.bonus_token,
-                            next_tokens=proposals[r.seq_id].tokens.tolist()) for r in reqs]
+                            next_tokens=proposals[r.seq_id].tokens.tolist(), skip_tree=r.skip_tree) for r in reqs]
         parts = defaultdict(list)
         for o in outcomes:
             for i in self.groups[o.seq_id][1:]:

@@ -290,7 +290,9 @@ class _Child:
     def send_outcomes(self, outcomes):
         """Observe, build, push the trees (SSD's draft-side round)."""
         self.worker.observe(outcomes)
-        _send(self.tx, Msg.TREES, self.worker.build_trees())
+        trees = self.worker.build_trees()
+        if trees:  # none when the target asked for no tree (skip_tree)
+            _send(self.tx, Msg.TREES, trees)
 
 
 def main() -> None:

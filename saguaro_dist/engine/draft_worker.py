@@ -39,6 +39,7 @@ class DraftSeq:
     round: int = 0
     pending: bool = False                    # a tree is owed for this round
     from_cache: bool = False                 # this round's speculation was a cache hit
+    tree_built: bool = False                 # a tree was built for this speculation (the target looks it up)
     shard: int = 0                           # cache-parallel slice of the tree this worker builds
     num_shards: int = 1
     branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # last tree: (k, t) -> tokens
@@ -86,12 +87,13 @@ class DraftWorker:
             if r.round != s.round + 1 and not (first and r.round == 0):
                 raise OutOfOrder(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
         for s, r in zip(states, reqs):  # validate the whole batch before changing any state
-            if s.speculation:  # the target verified s.speculation; in SSD it looked the outcome up and missed
-                self._record_outcome(s, r.accepted, looked_up=self.config.mode is Mode.SSD, hit=False)
+            if s.speculation:  # the target verified s.speculation; if a tree was built for it, it missed
+                self._record_outcome(s, r.accepted, looked_up=s.tree_built, hit=False)
             s.commit(r.accepted, r.bonus_token)
         proposals = self._draft_sequentially(states)
         for s, r, p in zip(states, reqs, proposals):
-            s.speculation, s.round, s.pending, s.from_cache = p.tokens.tolist(), r.round, self.config.mode is Mode.SSD, False
+            wants_tree = self.config.mode is Mode.SSD and not r.skip_tree
+            s.speculation, s.round, s.pending, s.from_cache, s.tree_built = p.tokens.tolist(), r.round, wants_tree, False, False
         return proposals
 
     def observe(self, outcomes: list[Outcome]) -> None:
@@ -110,9 +112,10 @@ class DraftWorker:
         next_tokens = o.next_tokens if o.next_tokens is not None else s.branches[(o.accepted, o.bonus_token)]
         fresh = not s.speculation  # a cache-parallel shard learning the first (just-in-time) speculation
         if not fresh:
-            self._record_outcome(s, o.accepted, looked_up=True, hit=o.cache_hit)
+            self._record_outcome(s, o.accepted, looked_up=s.tree_built, hit=o.cache_hit)
         s.commit(o.accepted, o.bonus_token)
-        s.speculation, s.round, s.pending, s.from_cache = list(next_tokens), 0 if fresh else o.round + 1, True, o.cache_hit
+        s.speculation, s.round, s.from_cache = list(next_tokens), 0 if fresh else o.round + 1, o.cache_hit
+        s.pending, s.tree_built = not o.skip_tree, False
 
     def _record_outcome(self, s: DraftSeq, accepted: int, looked_up: bool, hit: bool) -> None:
         """Feed the fan-out estimates (a, r) from a verified round. Misses count too: they reach the
@@ -132,7 +135,7 @@ class DraftWorker:
         rows = self._glue(states, fanouts)
         trees = self._decode_branches(states, fanouts, rows)
         for s in states:
-            s.pending = False
+            s.pending, s.tree_built = False, True
         self.budget.tree_built(time.perf_counter() - start)
         return trees
 

@@ -53,6 +53,7 @@ class JitDraftRequest:
     round: int
     accepted: int     # k*: draft tokens of the last speculation the target accepted (0 for the first round)
     bonus_token: int  # t*: the token the target sampled after them
+    skip_tree: bool = False  # SSD: the target will not look up a tree for this speculation; build none
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Outcome:
     bonus_token: int                 # t*
     next_tokens: list[int] | None    # the speculation verified next; None: the cached branch (k*, t*) of this worker
     cache_hit: bool = False          # the target found (k*, t*) in the speculation cache
+    skip_tree: bool = False          # the target will not look up a tree for next_tokens; build none
 
 
 @dataclass

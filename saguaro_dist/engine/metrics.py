@@ -67,6 +67,7 @@ class EngineMetrics:
     step_s: float = 0.0          # whole steps; coordination = step - verify - draft_wait - prefill
     cache_hits: int = 0
     cache_misses: int = 0
+    just_in_time_rounds: int = 0  # SSD rounds the tree gate ran without trees (spec/tree_gate.py)
     fallbacks: Counter = field(default_factory=Counter)
 
     @property

@@ -11,13 +11,14 @@ import time
 
 import torch
 
-from saguaro_dist.config import Config, FallbackPolicy, Mode
+from saguaro_dist.config import Config, FallbackPolicy, Mode, TreePolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, ngram_proposal, random_proposal
+from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ class SDLoop(ARLoop):
         if not seqs:
             return
         start = time.perf_counter()
-        reqs = [JitDraftRequest(s.seq_id, self._next_round(s), *s.last_outcome) for s in seqs]
+        reqs = [JitDraftRequest(s.seq_id, self._next_round(s), *s.last_outcome, skip_tree=not s.wants_tree) for s in seqs]
         try:
             self._adopt(seqs, {r.seq_id: p for r, p in zip(reqs, self.draft.jit_draft(reqs))})
         finally:
@@ -143,7 +144,8 @@ class SDLoop(ARLoop):
         outcomes = []
         for s in seqs:
             proposal = self._fast_proposal(s, kind)
-            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=proposal.tokens.tolist()))
+            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=proposal.tokens.tolist(),
+                                    skip_tree=not s.wants_tree))
             s.round, s.speculation, s.speculation_kind = self._next_round(s), proposal, ProposalSource.FAST
             s.metrics.record_fallback(kind.value)
             self.metrics.fallbacks[kind.value] += 1
@@ -158,19 +160,30 @@ class SDLoop(ARLoop):
 
 
 class SSDLoop(SDLoop):
-    """Speculative speculative decoding: trees are prepared while the target verifies."""
+    """Speculative speculative decoding: trees are prepared while the target verifies, in the rounds
+    the tree gate (spec/tree_gate.py) finds them faster than just-in-time drafts."""
 
     def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
         super().__init__(target, draft, metrics, config)
         self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
         self.cache = SpeculationCache()
+        self.gate = TreeGate() if config.tree_policy is TreePolicy.AUTO else None
+        self._mode, self._round_start = RoundMode.TREES, 0.0
 
     def prepare(self, seqs):
+        self._round_start = time.perf_counter()
         self._readmit([s for s in seqs if s.draft_lost])
+        self._mode = self.gate.mode(len(seqs)) if self.gate else RoundMode.TREES
         new = [s for s in seqs if s.speculation is None]
+        treed = [s for s in seqs if s.speculation is not None and s.wants_tree]
+        untreed = [s for s in seqs if s.speculation is not None and not s.wants_tree]
+        for s in seqs:  # what the draft prepares while this round verifies
+            s.wants_tree = self._mode is RoundMode.TREES
+        self.metrics.just_in_time_rounds += self._mode is RoundMode.JUST_IN_TIME
         outcomes = self._draft_or_fast(new, FallbackPolicy.FAST)
-        running = [s for s in seqs if s.speculation is not None and s not in new]
-        outcomes += self._next_speculations(running) if running else []
+        outcomes += self._next_speculations(treed) if treed else []
+        outcomes += self._without_tree(untreed) if untreed else []
+        # Even when empty: a one-host draft builds the trees of this round's just-in-time drafts on it.
         self.draft.send_outcomes(outcomes)  # the draft starts the next trees now, while we verify
 
     def verify(self, seqs):
@@ -179,7 +192,15 @@ class SSDLoop(SDLoop):
         self.stats.record_time(Timing.VERIFY, time.perf_counter() - start)
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
+        if self.gate:
+            self.gate.record(len(seqs), self._mode, sum(map(len, gained)), time.perf_counter() - self._round_start)
         return gained
+
+    def _without_tree(self, seqs: list[Sequence]) -> list[Outcome]:
+        """No tree was asked for: the draft drafts now (SD's round), or the forced fast backup."""
+        if self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM):
+            return self._fast(seqs, self.config.fallback)
+        return self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
         """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
@@ -197,7 +218,7 @@ class SSDLoop(SDLoop):
             s.metrics.cache_hits += 1
             # The tokens travel too (K ints): a cache-parallel shard may not hold this branch.
             outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=branch.tokens.tolist(),
-                                    cache_hit=True))
+                                    cache_hit=True, skip_tree=not s.wants_tree))
             s.speculation, s.speculation_kind, s.round = branch, ProposalSource.CACHE, s.round + 1
         self._count_lookups(len(seqs), len(seqs) - len(misses))
         return outcomes + self._fallback(misses, len(seqs))

@@ -49,6 +49,7 @@ class Sequence:
     speculation_kind: ProposalSource = ProposalSource.NEURAL  # where this round's speculation came from
     last_outcome: tuple[int, int] = (0, 0) # (k accepted, bonus token) of the last verification
     draft_lost: bool = False               # its draft worker died: re-prefill it on a live one
+    wants_tree: bool = False               # SSD: the draft was asked for a tree for this speculation
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     arrival_time: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None

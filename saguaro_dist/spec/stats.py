@@ -43,12 +43,12 @@ class _Decayed:
         return self.total / self.count if self.count > 0 else default
 
 
-def acceptance_counts(accepted: torch.Tensor, k: int) -> tuple[float, float]:
+def acceptance_counts(accepted: Sequence[int], k: int) -> tuple[float, float]:
     """(successes, trials) of the per-token acceptance test in a batch of rounds: each round tested
     its tokens until the first rejection, so successes = sum k*, trials = sum k* + #[k* < K].
     successes / trials is the maximum-likelihood a (sum k* / (B K) would be biased low)."""
-    accepted = accepted.to(torch.float64)
-    return float(accepted.sum()), float(accepted.sum() + (accepted < k).sum())
+    successes = float(sum(accepted))
+    return successes, successes + sum(1 for a in accepted if a < k)
 
 
 def fit_miss_exponent(fanouts: Sequence[int], misses: Sequence[float], lookups: Sequence[float]) -> float | None:
@@ -83,16 +83,19 @@ class SpecStats:
     def record_verify(self, accepted, source: ProposalSource) -> None:
         """accepted: k* per row (list or [B] tensor) of rounds whose proposals came from `source`.
         Only the primary speculator's rounds (CACHE, NEURAL) feed the acceptance rate a."""
-        accepted = torch.as_tensor(accepted, dtype=torch.int64).reshape(-1)
-        if accepted.numel() == 0:
+        # Plain Python: a batch is a few ints, and this runs for every round (torch ops cost ~10 us each).
+        accepted = accepted.reshape(-1).tolist() if isinstance(accepted, torch.Tensor) else [int(a) for a in accepted]
+        if not accepted:
             return
         source = ProposalSource(source)
         if source is not ProposalSource.FAST:
             self._accept.add(*acceptance_counts(accepted, self.k))
-            counts = torch.bincount(accepted.clamp(0, self.k), minlength=self.k + 1).tolist()
+            counts = [0] * (self.k + 1)
+            for a in accepted:
+                counts[min(max(a, 0), self.k)] += 1
             for d, c in zip(self._outcomes, counts):
                 d.add(float(c), float(c))
-        self._tokens[source].add(float(accepted.sum()) + accepted.numel(), accepted.numel())
+        self._tokens[source].add(float(sum(accepted) + len(accepted)), len(accepted))
 
     def record_lookups(self, fanouts: Sequence[int], hits: Sequence[bool]) -> None:
         """One entry per cache lookup: F_{k*}, the fan-out at the real outcome's position, and hit or not."""

@@ -90,16 +90,18 @@ class PrefillRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
 
 class JitDraftRequest(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_token")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "skip_tree")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TREE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: int
     bonus_token: int
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ...) -> None: ...
+    skip_tree: bool
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., skip_tree: _Optional[bool] = ...) -> None: ...
 
 class TokenList(_message.Message):
     __slots__ = ("ids",)
@@ -108,20 +110,22 @@ class TokenList(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit", "skip_tree")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    SKIP_TREE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: int
     bonus_token: int
     next_tokens: TokenList
     cache_hit: bool
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ...) -> None: ...
+    skip_tree: bool
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ...) -> None: ...
 
 class Branch(_message.Message):
     __slots__ = ("accepted", "bonus_token", "proposal")
