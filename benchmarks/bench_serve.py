@@ -1,11 +1,13 @@
 """HTTP + Ray Serve overhead against in-process `LLM.generate`, measured in one run.
 
-    python benchmarks/bench_serve.py [--model T --draft D] [--tokens 128] [--reps 5]
+    python benchmarks/bench_serve.py [--model T --draft D] [--tokens 128] [--reps 5] [--stream-intervals 0,50]
 
 Greedy decoding, so both paths generate the same tokens. Batch 1: mean end-to-end latency of one
 request (in-process generate vs streamed over HTTP) and time to the first non-empty text (in-process
 `LLM.stream` vs the first SSE chunk with text). Batch 8: wall time of
-8 concurrent requests (one generate() call of 8 prompts vs 8 concurrent HTTP streams).
+8 concurrent requests (one generate() call of 8 prompts vs 8 concurrent HTTP streams). The HTTP side
+runs once per Serve stream batching interval (`stream_interval_ms`: deltas closer than it share one SSE
+chunk; 0 sends one per engine round).
 """
 from __future__ import annotations
 
@@ -107,6 +109,7 @@ def main() -> None:
     p.add_argument("--mode", default="ssd"), p.add_argument("--k", type=int, default=4)
     p.add_argument("--tokens", type=int, default=128), p.add_argument("--reps", type=int, default=5)
     p.add_argument("--num-cpus", type=int, default=4)
+    p.add_argument("--stream-intervals", default="0,50", help="stream_interval_ms values to compare (comma-separated)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine, in both runs (a Serve "
                                                           "replica with num_cpus=1 gets 1 from Ray otherwise)")
     ns = p.parse_args()
@@ -126,22 +129,26 @@ def main() -> None:
     ray.init(address="local", num_cpus=ns.num_cpus, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(engine), name="bench", route_prefix="/")
+    http = {}
     try:
-        http = asyncio.run(over_http(f"http://127.0.0.1:{port}", ns.tokens, ns.reps))
+        for ms in [float(x) for x in ns.stream_intervals.split(",")]:
+            serve.run(build_app({**engine, "stream_interval_ms": ms}), name="bench", route_prefix="/")
+            http[ms] = asyncio.run(over_http(f"http://127.0.0.1:{port}", ns.tokens, ns.reps))
+            serve.delete("bench")
     finally:
         serve.shutdown()
         ray.shutdown()
     report(local, http, ns)
 
 
-def report(local: dict, http: dict, ns) -> None:
+def report(local: dict, http: dict[float, dict], ns) -> None:
     print(f"{ns.tokens}-token greedy outputs, mode {ns.mode}, k {ns.k}, {ns.reps} reps")
-    print(f"{'':28}{'in-process':>12}{'HTTP+Serve':>12}{'overhead':>10}")
+    print(f"{'':28}{'in-process':>12}" + "".join(f"{f'HTTP {ms:g} ms':>14}{'overhead':>10}" for ms in http))
     for key, label in (("b1_s", "batch 1 latency (s)"), ("b1_ttft_s", "batch 1 TTFT (s)"),
                        ("b8_s", "8 concurrent streams (s)")):
-        over = (http[key] / local[key] - 1) * 100 if local[key] else float("nan")
-        print(f"{label:28}{local[key]:12.4f}{http[key]:12.4f}{over:9.1f}%")
+        cells = "".join(f"{h[key]:14.4f}{(h[key] / local[key] - 1) * 100 if local[key] else float('nan'):9.1f}%"
+                        for h in http.values())
+        print(f"{label:28}{local[key]:12.4f}" + cells)
 
 
 if __name__ == "__main__":

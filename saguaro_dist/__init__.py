@@ -1,11 +1,11 @@
 """saguaro-dist: distributed Speculative Speculative Decoding with the Saguaro optimisations."""
 from __future__ import annotations
 
-from saguaro_dist.config import Config, DraftExecutor, FallbackPolicy, FanOut, Mode
+from saguaro_dist.config import Config, DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
 from saguaro_dist.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy"]
 
 
 def __getattr__(name):

@@ -22,7 +22,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "dtype": "dtype", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
-               "max_request_bytes": "max_request_bytes"}
+               "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms"}
 
 
 def fan_out_arg(text: str):
@@ -99,6 +99,9 @@ def register(subparsers) -> None:
     g.add_argument("--api-key", help=f"require this bearer key (default: ${API_KEY_ENV} if set)")
     g.add_argument("--served-model-name", help="the model name clients use (default: the model path)")
     g.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
+    g.add_argument("--stream-interval-ms", type=float,
+                   help="streamed tokens closer together than this go out as one SSE chunk (default 50; 0: "
+                        "a chunk per engine round)")
     g.add_argument("--config", help="a `serve run` YAML config (applications + http_options) or a "
                                     "mapping of app args; flags override it")
     g.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")

@@ -183,8 +183,10 @@ class SSDLoop(SDLoop):
         outcomes = self._draft_or_fast(new, FallbackPolicy.FAST)
         outcomes += self._next_speculations(treed) if treed else []
         outcomes += self._without_tree(untreed) if untreed else []
-        # Even when empty: a one-host draft builds the trees of this round's just-in-time drafts on it.
-        self.draft.send_outcomes(outcomes)  # the draft starts the next trees now, while we verify
+        # Even when empty if a tree is wanted: a one-host draft builds the trees of this round's
+        # just-in-time drafts on it. The draft starts the next trees now, while we verify.
+        if outcomes or self._mode is RoundMode.TREES:
+            self.draft.send_outcomes(outcomes)
 
     def verify(self, seqs):
         start = time.perf_counter()

@@ -17,6 +17,7 @@ from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest
 from saguaro_dist.serve.state import Job, ServingState, merge
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
+DEFAULT_STREAM_INTERVAL_MS = 50.0    # Ray Serve LLM's default stream batching interval
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize"})
 
 
@@ -25,12 +26,17 @@ class ServerOptions:
     served_model_name: str
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # 0: one SSE chunk per engine round
+
+    def __post_init__(self):
+        if not 0 <= self.stream_interval_ms <= 10_000:
+            raise ValueError(f"stream_interval_ms must be in [0, 10000], got {self.stream_interval_ms!r}")
 
 
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
     app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
-    app.state.saguaro = ServingState(engine, options.served_model_name, metrics)
+    app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3)
     install_error_handlers(app)
     app.include_router(_router())
     # Outermost last: count every request, then auth, then the size limit.
@@ -123,34 +129,37 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
 
 
 async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt) -> ClosingStreamingResponse:
-    deltas = merge([state.stream(job) for job in jobs])
+    batches = merge([state.stream(job) for job in jobs], state.stream_interval_s)
     # Wait for the first delta before answering, so a request the engine rejects still gets a 400.
-    first = await anext(deltas, None)
-    chunks = _sse_chunks(state, body, jobs, model, fmt, deltas, first)
+    first = await anext(batches, None)
+    chunks = _sse_chunks(state, body, jobs, model, fmt, batches, first)
     return ClosingStreamingResponse(chunks, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _sse_chunks(state, body, jobs, model, fmt, deltas, first):
+async def _sse_chunks(state, body, jobs, model, fmt, batches, first):
     request_id = fmt.new_id()
     counts, metrics, finished = [0] * len(jobs), [None] * len(jobs), 0
     if fmt.chat:
         yield responses.sse(fmt.chunk(request_id, model, [fmt.delta_choice(0, None, None, role=True)]))
     try:
-        async with aclosing(deltas):
-            item = first
-            while item is not None:
-                index, delta = item
-                counts[index] += len(delta.token_ids)
-                extra = {}
-                if delta.finished:
-                    metrics[index], finished = delta.metrics, finished + 1
-                    if finished == len(jobs):  # the final chunk carries usage and the speculation stats
-                        extra = _final_extra(state, jobs, counts, metrics)
-                if delta.text or delta.finished:
-                    choice = fmt.delta_choice(index, delta.text, delta.finish_reason if delta.finished else None)
-                    yield responses.sse(fmt.chunk(request_id, model, [choice], **extra))
-                item = await anext(deltas, None)
+        async with aclosing(batches):
+            batch = first
+            while batch is not None:
+                events = []  # one write per batch: one trip through Serve's proxy
+                for index, text, tokens, last in _per_choice(batch):
+                    counts[index] += tokens
+                    extra = {}
+                    if last.finished:
+                        metrics[index], finished = last.metrics, finished + 1
+                        if finished == len(jobs):  # the final chunk carries usage and the speculation stats
+                            extra = _final_extra(state, jobs, counts, metrics)
+                    if text or last.finished:
+                        choice = fmt.delta_choice(index, text, last.finish_reason if last.finished else None)
+                        events.append(responses.sse(fmt.chunk(request_id, model, [choice], **extra)))
+                if events:
+                    yield "".join(events)
+                batch = await anext(batches, None)
     except Exception as err:  # noqa: BLE001 - headers are sent: the error travels as an event, like vLLM's
         yield responses.sse(stream_error(err))
         yield responses.sse("[DONE]")
@@ -158,6 +167,14 @@ async def _sse_chunks(state, body, jobs, model, fmt, deltas, first):
     if body.include_usage_chunk:  # OpenAI's stream_options.include_usage: one more chunk, no choices
         yield responses.sse(fmt.chunk(request_id, model, [], usage=_final_extra(state, jobs, counts, metrics)["usage"]))
     yield responses.sse("[DONE]")
+
+
+def _per_choice(batch: list[tuple[int, object]]) -> list[tuple[int, str, int, object]]:
+    """A batch's deltas joined per choice: (index, text, token count, the last delta)."""
+    grouped: dict[int, list] = {}
+    for index, delta in batch:
+        grouped.setdefault(index, []).append(delta)
+    return [(i, "".join(d.text for d in ds), sum(len(d.token_ids) for d in ds), ds[-1]) for i, ds in grouped.items()]
 
 
 def _final_extra(state: ServingState, jobs: list[Job], counts: list[int], metrics: list) -> dict:

@@ -12,7 +12,7 @@ import logging
 from ray import serve
 from ray.serve import Application
 
-from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, ServerOptions, create_app
+from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STREAM_INTERVAL_MS, ServerOptions, create_app
 from saguaro_dist.serve.args import api_key_from_args, config_from_args
 from saguaro_dist.serve.metrics import ServeMetrics
 
@@ -59,13 +59,22 @@ def server_options(args: dict, model: str) -> ServerOptions:
         served_model_name=str(args.get("served_model_name") or model),
         api_key=api_key_from_args(args),
         max_request_bytes=int(args.get("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES),
+        stream_interval_ms=_number(args, "stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS),
     )
+
+
+def _number(args: dict, name: str, default: float) -> float:
+    value = args.get(name)
+    try:
+        return default if value is None else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 def build_app(args: dict, **deployment_options) -> Application:
     """Serve's application builder. Validates the arguments here, in the caller, so a bad manifest
     fails at deploy time with a clear message rather than in a crash-looping replica."""
-    config_from_args(args)
+    server_options(args, config_from_args(args).model)
     options = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": MAX_ONGOING_REQUESTS, **deployment_options}
     deployment = serve.deployment(serve.ingress()(SaguaroServer), **options)
     return deployment.bind(dict(args))
