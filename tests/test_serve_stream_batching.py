@@ -49,7 +49,7 @@ def test_stream_interval_is_validated():
         ServerOptions(served_model_name="m", stream_interval_ms=-1)
 
 
-@pytest.mark.parametrize("value, want", [(None, 50.0), ("0", 0.0), (20, 20.0)])
+@pytest.mark.parametrize("value, want", [(None, 0.0), ("0", 0.0), ("50", 50.0), (20, 20.0)])
 def test_stream_interval_from_app_args(value, want):
     from saguaro_dist.serve.app import server_options
     args = {} if value is None else {"stream_interval_ms": value}
@@ -61,3 +61,18 @@ def test_a_bad_stream_interval_fails_at_deploy_time(value):
     from saguaro_dist.serve.app import build_app
     with pytest.raises(ValueError, match="stream_interval_ms"):
         build_app({"model": "m", "draft": "d", "stream_interval_ms": value})
+
+
+async def silent_first(n: int, every_s: float):
+    yield ""  # e.g. a first delta whose text the detokenizer holds back
+    async for item in ticking("a", n, every_s):
+        yield item
+
+
+def test_batching_starts_after_the_first_shown_item():
+    async def first_shown_after() -> float:
+        start = time.monotonic()
+        async for batch in merge([silent_first(3, 0.01)], 0.5, shown=bool):
+            if any(x for _, x in batch):
+                return time.monotonic() - start
+    assert asyncio.run(first_shown_after()) < 0.3  # not held for the 0.5 s interval

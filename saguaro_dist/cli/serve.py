@@ -100,8 +100,8 @@ def register(subparsers) -> None:
     g.add_argument("--served-model-name", help="the model name clients use (default: the model path)")
     g.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
     g.add_argument("--stream-interval-ms", type=float,
-                   help="streamed tokens closer together than this go out as one SSE chunk (default 50; 0: "
-                        "a chunk per engine round)")
+                   help="streamed tokens closer together than this go out as one SSE chunk (default 0: a "
+                        "chunk per engine round; Ray Serve LLM uses 50)")
     g.add_argument("--config", help="a `serve run` YAML config (applications + http_options) or a "
                                     "mapping of app args; flags override it")
     g.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")

@@ -17,7 +17,9 @@ from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest
 from saguaro_dist.serve.state import Job, ServingState, merge
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
-DEFAULT_STREAM_INTERVAL_MS = 50.0    # Ray Serve LLM's default stream batching interval
+# Off by default: on the 2-core box batching did not measurably lower the HTTP overhead (docs/serving.md);
+# Ray Serve LLM batches at 50 ms, worth trying where Serve's proxy runs on other nodes than the replica.
+DEFAULT_STREAM_INTERVAL_MS = 0.0
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize"})
 
 
@@ -129,7 +131,7 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
 
 
 async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt) -> ClosingStreamingResponse:
-    batches = merge([state.stream(job) for job in jobs], state.stream_interval_s)
+    batches = merge([state.stream(job) for job in jobs], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
     # Wait for the first delta before answering, so a request the engine rejects still gets a 400.
     first = await anext(batches, None)
     chunks = _sse_chunks(state, body, jobs, model, fmt, batches, first)

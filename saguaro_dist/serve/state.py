@@ -112,11 +112,13 @@ class ServingState:
         self.metrics.running.set(self.running)
 
 
-async def merge(streams: list[AsyncIterator], interval_s: float = 0.0) -> AsyncIterator[list[tuple[int, object]]]:
-    """Items of several async iterators, tagged with the iterator's index, in batches: the first item
-    at once, then whatever arrived within interval_s of the previous batch. Why: each batch becomes one
-    SSE write, one trip through Serve's proxy, so a fast engine pays it per interval, not per round
-    (Ray Serve LLM batches its streams the same way, 50 ms by default)."""
+async def merge(streams: list[AsyncIterator], interval_s: float = 0.0,
+                shown=lambda item: True) -> AsyncIterator[list[tuple[int, object]]]:
+    """Items of several async iterators, tagged with the iterator's index, in batches: items go out at
+    once until one is `shown` (something the client sees, e.g. non-empty text), then in batches of
+    whatever arrived within interval_s of the last shown batch. Why: each batch becomes one SSE write,
+    one trip through Serve's proxy, so a fast engine pays it per interval, not per round (Ray Serve
+    LLM batches its streams the same way), while the first text is never held back."""
     queue: asyncio.Queue = asyncio.Queue()
     end = object()
 
@@ -135,8 +137,9 @@ async def merge(streams: list[AsyncIterator], interval_s: float = 0.0) -> AsyncI
     try:
         while batches.open:
             batch = await batches.next(last + interval_s)
-            if batch:
+            if any(shown(item) for _, item in batch):
                 last = loop.time()
+            if batch:
                 yield batch
     finally:
         for task in tasks:
