@@ -43,7 +43,8 @@ def pool_sweep(cfg: BenchConfig, pools: list[int], temperature: float) -> list[d
     prompts, _ = bench_prompts(target, 1, cfg.prompt_len, cfg.seed, vocab_size(target))
     place, rows = placement("ssd-ray", "paper", cfg.cores), []
     for n in tqdm(pools, desc="draft pool sweep", unit="pool"):
-        system = OursSystem("ssd-ray", target, draft, {**cfg.engine_kwargs(), "num_draft_workers": n})
+        # A tree every round: the sweep measures the cache (the tree gate could run rounds without one).
+        system = OursSystem("ssd-ray", target, draft, {**cfg.engine_kwargs(), "num_draft_workers": n, "tree_policy": "always"})
         system.open(place)
         try:
             m = measure(system, prompts, temperature, cfg)
