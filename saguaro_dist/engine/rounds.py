@@ -168,14 +168,15 @@ class SSDLoop(SDLoop):
         self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
         self.cache = SpeculationCache()
         self.gate = TreeGate() if config.tree_policy is TreePolicy.AUTO else None
-        self._mode, self._round_start, self._typical = RoundMode.TREES, 0.0, False
+        self._mode, self._round_start = RoundMode.TREES, 0.0
 
     def prepare(self, seqs):
         self._round_start = time.perf_counter()
         self._readmit([s for s in seqs if s.draft_lost])
         self._mode = self.gate.mode(len(seqs)) if self.gate else RoundMode.TREES
+        # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
+        # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
         new = [s for s in seqs if s.speculation is None]
-        self._typical = not new  # a new sequence's first speculation is just in time whatever the mode
         treed = [s for s in seqs if s.speculation is not None and s.wants_tree]
         untreed = [s for s in seqs if s.speculation is not None and not s.wants_tree]
         for s in seqs:  # what the draft prepares while this round verifies
@@ -195,7 +196,7 @@ class SSDLoop(SDLoop):
         self.stats.record_time(Timing.VERIFY, time.perf_counter() - start)
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
-        if self.gate and self._typical:
+        if self.gate:
             self.gate.record(len(seqs), self._mode, sum(map(len, gained)), time.perf_counter() - self._round_start)
         return gained
 
