@@ -25,6 +25,9 @@ def main() -> None:
             print(f"[{m.num_generated_tokens} tokens, {m.tokens_per_s:.1f} tok/s, acceptance {m.acceptance_rate:.2f}, "
                   f"mean accepted length {m.mean_accepted_length:.2f}, cache hit rate {m.cache_hit_rate:.2f}, "
                   f"fallbacks {m.fallbacks}]\n")
+        e = llm.metrics  # the cache hit rate counts rounds that looked a tree up; the tree gate may skip trees
+        print(f"engine: {e.rounds} rounds, {e.just_in_time_rounds} of them without a speculation tree "
+              f"(tree_policy='auto' measured them faster), {e.cache_hits} cache hits, {e.cache_misses} misses")
 
 
 if __name__ == "__main__":
