@@ -1,19 +1,24 @@
 """HTTP + Ray Serve overhead against in-process `LLM.generate`, measured in one run.
 
-    python benchmarks/bench_serve.py [--model T --draft D] [--tokens 128] [--reps 5] [--stream-intervals 0,50]
+    python benchmarks/bench_serve.py [--model T --draft D] [--tokens 128] [--reps 8] [--stream-intervals 0,50]
+    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 python benchmarks/bench_serve.py --stream-intervals 0   # + the replica's own port
 
-Greedy decoding, so both paths generate the same tokens. Batch 1: mean end-to-end latency of one
+Greedy decoding, so every path generates the same tokens. Batch 1: mean end-to-end latency of one
 request (in-process generate vs streamed over HTTP) and time to the first non-empty text (in-process
-`LLM.stream` vs the first SSE chunk with text). Batch 8: wall time of
-8 concurrent requests (one generate() call of 8 prompts vs 8 concurrent HTTP streams). The HTTP side
-runs once per Serve stream batching interval (`stream_interval_ms`: deltas closer than it share one SSE
-chunk; 0 sends one per engine round).
+`LLM.stream` vs the first SSE chunk with text). Batch 8: wall time of 8 concurrent requests (one
+generate() call of 8 prompts vs 8 concurrent HTTP streams). The systems run interleaved in one Ray
+session, the order rotating every rep: measured one after the other, minutes apart, the box's drift
+(20-30% here) swamped the difference. One Serve app per stream batching interval (`stream_interval_ms`:
+deltas closer than it share one SSE chunk). With Serve's direct ingress on and one app, the replica's
+own HTTP server (no proxy hop) is measured too. Last, the cores each process kept busy while each system ran.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
+import os
 import socket
 import statistics
 import tempfile
@@ -46,39 +51,65 @@ def tiny_pair(root: str) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def in_process(llm, tokens: int, reps: int) -> dict:
-    from saguaro_dist import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=tokens)
-    llm.generate(PROMPTS[:1], params)  # warm-up
-    single = [_timed(lambda: llm.generate(PROMPTS[:1], params)) for _ in range(reps)]
-    ttft = [asyncio.run(_first_text(llm, params)) for _ in range(reps)]
-    batch = [_timed(lambda: llm.generate(PROMPTS, params)) for _ in range(reps)]
-    return {"b1_s": statistics.mean(single), "b1_ttft_s": statistics.mean(ttft), "b8_s": statistics.mean(batch)}
-
-
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> tuple[float, float]:
     """(time to first token, total) of one streamed completion."""
     body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
     start, first = time.perf_counter(), None
     async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        r.raise_for_status()
         async for line in r.aiter_lines():
             if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
                 first = time.perf_counter() - start
     return first or 0.0, time.perf_counter() - start
 
 
-async def over_http(url: str, tokens: int, reps: int) -> dict:
-    async with httpx.AsyncClient(timeout=300) as client:
-        await _stream(client, url, PROMPTS[0], tokens)  # warm-up
-        single = [await _stream(client, url, PROMPTS[0], tokens) for _ in range(reps)]
-        batch = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            await asyncio.gather(*(_stream(client, url, p, tokens) for p in PROMPTS))
-            batch.append(time.perf_counter() - start)
-    return {"b1_s": statistics.mean(t for _, t in single), "b1_ttft_s": statistics.mean(f for f, _ in single),
-            "b8_s": statistics.mean(batch)}
+class InProcess:
+    """`LLM.generate` in the benchmark's own process (TTFT: the first text of `LLM.stream`)."""
+
+    def __init__(self, llm, tokens: int):
+        from saguaro_dist import SamplingParams
+
+        self.llm, self.params = llm, SamplingParams(temperature=0, max_tokens=tokens)
+
+    async def single(self) -> tuple[float, float]:
+        ttft = await _first_text(self.llm, self.params)
+        return ttft, await asyncio.to_thread(_timed, lambda: self.llm.generate(PROMPTS[:1], self.params))
+
+    async def batch(self) -> float:
+        return await asyncio.to_thread(_timed, lambda: self.llm.generate(PROMPTS, self.params))
+
+
+class OverHttp:
+    """Streamed completions from an OpenAI-compatible endpoint."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, tokens: int):
+        self.client, self.url, self.tokens = client, url, tokens
+
+    async def single(self) -> tuple[float, float]:
+        return await _stream(self.client, self.url, PROMPTS[0], self.tokens)
+
+    async def batch(self) -> float:
+        start = time.perf_counter()
+        await asyncio.gather(*(_stream(self.client, self.url, p, self.tokens) for p in PROMPTS))
+        return time.perf_counter() - start
+
+
+async def interleaved(systems: dict, reps: int) -> tuple[dict, dict]:
+    """Every system once per rep, the order rotating, so the box's drift and Ray's background work
+    fall on all of them alike. Returns each system's mean figures and the cores each role kept busy."""
+    names = list(systems)
+    for system in systems.values():  # warm-up
+        await system.single()
+    samples = {n: collections.defaultdict(list) for n in names}
+    usage = {n: Usage() for n in names}
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            with usage[name]:
+                ttft, total = await systems[name].single()
+                samples[name]["b1_s"].append(total), samples[name]["b1_ttft_s"].append(ttft)
+                samples[name]["b8_s"].append(await systems[name].batch())
+    means = {n: {key: statistics.mean(v) for key, v in samples[n].items()} for n in names}
+    return means, {n: usage[n].cores() for n in names}
 
 
 async def _first_text(llm, params) -> float:
@@ -97,19 +128,95 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def cpu_seconds() -> dict[int, tuple[str, float]]:
+    """CPU seconds (user + system) so far of this process and its descendants (Ray's daemons and
+    workers, the engines' draft processes), by pid, with each one's role."""
+    import psutil
+
+    me = psutil.Process()
+    seconds = {}
+    for proc in [me, *me.children(recursive=True)]:
+        try:
+            with proc.oneshot():
+                times = proc.cpu_times()
+                seconds[proc.pid] = (_role(proc, me.pid), times.user + times.system)
+        except psutil.Error:
+            continue  # exited (or unreadable) between the listing and the read
+    return seconds
+
+
+def _role(proc, driver_pid: int) -> str:
+    if proc.pid == driver_pid:
+        return "bench process (client; in-process engine)"
+    cmd = proc.cmdline()
+    if cmd and cmd[0].startswith("ray::"):  # a Ray worker's title names its task: keep the actor class
+        return cmd[0].split()[0].split(".")[0][:40]
+    if "multiprocessing" in " ".join(cmd) or proc.name() == "python":  # the engines' draft processes
+        parent = proc.parent()
+        owner = "bench process" if parent is None or parent.pid == driver_pid else _role(parent, driver_pid)
+        return f"  {owner}'s child (draft)"
+    return proc.name()
+
+
+class Usage:
+    """CPU seconds per role and wall seconds, summed over every `with` block."""
+
+    def __init__(self):
+        self.cpu: collections.Counter = collections.Counter()
+        self.wall = 0.0
+
+    def __enter__(self):
+        self._before, self._start = cpu_seconds(), time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.wall += time.perf_counter() - self._start
+        for pid, (role, t) in cpu_seconds().items():  # by pid: a Ray worker's title changes with its task
+            self.cpu[role] += t - self._before.get(pid, (role, 0.0))[1]
+
+    def cores(self) -> dict[str, float]:
+        """The cores each role kept busy on average: CPU seconds / wall seconds."""
+        return {role: t / self.wall for role, t in self.cpu.items()}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def direct_ingress_url() -> str | None:
+    """The replica's own HTTP server when Serve's direct ingress is on (RAY_SERVE_THROUGHPUT_OPTIMIZED=1
+    or RAY_SERVE_ENABLE_DIRECT_INGRESS=1): the first port of its range, as the only ingress replica."""
+    on = {os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED"), os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS")}
+    if "1" not in on:
+        return None
+    port = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        httpx.get(url + "/health", timeout=5).raise_for_status()
+    except httpx.HTTPError as err:
+        print(f"direct ingress is on but {url} did not answer ({err}); measuring through the proxy only")
+        return None
+    return url
+
+
+async def run_all(llm, proxy_urls: dict[float, str], direct_url: str | None, ns) -> tuple[dict, dict]:
+    async with httpx.AsyncClient(timeout=300) as client:
+        systems = {"in-process": InProcess(llm, ns.tokens)}
+        systems.update({f"proxy, {ms:g} ms": OverHttp(client, url, ns.tokens) for ms, url in proxy_urls.items()})
+        if direct_url:
+            systems["direct"] = OverHttp(client, direct_url, ns.tokens)
+        return await interleaved(systems, ns.reps)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model"), p.add_argument("--draft")
     p.add_argument("--mode", default="ssd"), p.add_argument("--k", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=128), p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=128), p.add_argument("--reps", type=int, default=8)
     p.add_argument("--num-cpus", type=int, default=4)
-    p.add_argument("--stream-intervals", default="0,50", help="stream_interval_ms values to compare (comma-separated)")
+    p.add_argument("--stream-intervals", default="0,50",
+                   help="Serve stream batching intervals in ms, one app each, comma-separated (0: a chunk per round)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine, in both runs (a Serve "
                                                           "replica with num_cpus=1 gets 1 from Ray otherwise)")
     ns = p.parse_args()
@@ -123,32 +230,43 @@ def main() -> None:
     from saguaro_dist import LLM
     from saguaro_dist.serve.app import build_app
 
-    # One engine at a time, so neither run competes with the other for the CPU.
-    with LLM(**engine) as llm:
-        local = in_process(llm, ns.tokens, ns.reps)
     ray.init(address="local", num_cpus=ns.num_cpus, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    http = {}
+    intervals = [float(x) for x in ns.stream_intervals.split(",")]
     try:
-        for ms in [float(x) for x in ns.stream_intervals.split(",")]:
-            serve.run(build_app({**engine, "stream_interval_ms": ms}), name="bench", route_prefix="/")
-            http[ms] = asyncio.run(over_http(f"http://127.0.0.1:{port}", ns.tokens, ns.reps))
-            serve.delete("bench")
+        for ms in intervals:  # one app per interval; every engine stays up, only the one measured has work
+            serve.run(build_app({**engine, "stream_interval_ms": ms}), name=f"bench-{ms:g}", route_prefix=f"/i{ms:g}")
+        urls = {ms: f"http://127.0.0.1:{port}/i{ms:g}" for ms in intervals}
+        direct = direct_ingress_url() if len(intervals) == 1 else None  # which port is whose is known for one app
+        with LLM(**engine) as llm:
+            means, cores = asyncio.run(run_all(llm, urls, direct, ns))
     finally:
         serve.shutdown()
         ray.shutdown()
-    report(local, http, ns)
+    report(means, ns)
+    report_cores(cores)
 
 
-def report(local: dict, http: dict[float, dict], ns) -> None:
-    print(f"{ns.tokens}-token greedy outputs, mode {ns.mode}, k {ns.k}, {ns.reps} reps")
-    print(f"{'':28}{'in-process':>12}" + "".join(f"{f'HTTP {ms:g} ms':>14}{'overhead':>10}" for ms in http))
+def report_cores(busy: dict[str, dict[str, float]]) -> None:
+    """Which processes kept the box's cores busy while each system ran (CPU seconds / wall seconds)."""
+    roles = sorted({r for cores in busy.values() for r in cores})
+    print(f"\ncores busy while each system ran, {os.cpu_count()} cores on this box")
+    print(f"{'':46}" + "".join(f"{run:>16}" for run in busy))
+    for role in roles:
+        if max(cores.get(role, 0.0) for cores in busy.values()) >= 0.005:
+            print(f"{role:46}" + "".join(f"{cores.get(role, 0.0):16.3f}" for cores in busy.values()))
+    print(f"{'total':46}" + "".join(f"{sum(cores.values()):16.3f}" for cores in busy.values()))
+
+
+def report(means: dict[str, dict], ns) -> None:
+    base = means["in-process"]
+    print(f"{ns.tokens}-token greedy outputs, mode {ns.mode}, k {ns.k}, {ns.reps} interleaved reps "
+          "(HTTP: through Serve's proxy with each stream batching interval; direct: the replica's own port)")
+    print(f"{'':28}" + "".join(f"{name:>16}{'overhead':>10}" for name in means))
     for key, label in (("b1_s", "batch 1 latency (s)"), ("b1_ttft_s", "batch 1 TTFT (s)"),
                        ("b8_s", "8 concurrent streams (s)")):
-        cells = "".join(f"{h[key]:14.4f}{(h[key] / local[key] - 1) * 100 if local[key] else float('nan'):9.1f}%"
-                        for h in http.values())
-        print(f"{label:28}{local[key]:12.4f}" + cells)
+        print(f"{label:28}" + "".join(f"{m[key]:16.4f}{(m[key] / base[key] - 1) * 100:9.1f}%" for m in means.values()))
 
 
 if __name__ == "__main__":
