@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from saguaro_dist.spec import (
-    VerifyResult, acceptance_ratios, bonus_probs, emitted_tokens, first_rejection, one_hot_probs, residual_probs,
-    target_probs, verify,
+    VerifyResult, acceptance_ratios, bonus_probs, emitted_tokens, first_rejection, greedy_tokens, greedy_verify,
+    one_hot_probs, residual_probs, target_probs, verify,
 )
 
 torch.set_num_threads(1)
@@ -103,3 +103,27 @@ def test_greedy_target_with_sampled_draft_emits_the_argmax_chain():
     for emitted in emitted_tokens(tokens, out):
         assert emitted == chain[:len(emitted)]
     assert set(out.accepted.tolist()) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("q_kind", ["one-hot", "uniform", "random"])
+def test_greedy_verify_gives_the_tokens_verify_gives(q_kind):
+    """The engine's greedy fast path against the general verifier on the one-hot p, for every q a
+    proposal can carry (draft argmax / n-gram: one-hot; random fallback: uniform; a sampled draft),
+    with tied logits and half-precision logits among the rows."""
+    gen = torch.Generator().manual_seed(3)
+    b, k = 400, 3
+    logits = torch.randint(0, 4, (b, k + 1, V), generator=gen).float()  # small integers: many ties
+    logits[: b // 2] = torch.randn(b // 2, k + 1, V, generator=gen)
+    best = greedy_tokens(logits)
+    # drafts that match the argmax chain for a random number of leading positions, then anything
+    tokens = torch.where(torch.rand(b, k, generator=gen) < 0.7, best[:, :k], torch.randint(0, V, (b, k), generator=gen))
+    q = {"one-hot": None, "uniform": torch.full((b, k, V), 1.0 / V),
+         "random": torch.softmax(torch.randn(b, k, V, generator=gen), dim=-1)}[q_kind]
+    p = target_probs(logits.flatten(0, 1), 0.0, 0, 1.0).view(b, k + 1, V)
+    want = verify(p, tokens, q, [torch.Generator().manual_seed(i) for i in range(b)])
+    got = greedy_verify(logits, tokens)
+    assert torch.equal(got.accepted, want.accepted) and torch.equal(got.bonus, want.bonus)
+    assert set(got.accepted.tolist()) == set(range(k + 1))
+    half = greedy_verify(logits.to(torch.bfloat16), tokens)  # exact up-cast: the same argmax as target_probs'
+    want_half = verify(target_probs(logits.to(torch.bfloat16).flatten(0, 1), 0.0, 0, 1.0).view(b, k + 1, V), tokens, q)
+    assert torch.equal(half.accepted, want_half.accepted) and torch.equal(half.bonus, want_half.bonus)

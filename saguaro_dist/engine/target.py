@@ -5,7 +5,7 @@ import torch
 
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
-from saguaro_dist.spec import sample, target_probs, verify
+from saguaro_dist.spec import greedy_tokens, greedy_verify, sample, target_probs, verify
 
 
 def sampling_probs(logits: torch.Tensor, settings: list, rows_per_seq: int = 1) -> torch.Tensor:
@@ -58,9 +58,12 @@ class TargetScorer:
         ids = [s.seq_id for s in seqs]
         inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
         logits = torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs)))     # [B, K+1, V]
-        p = sampling_probs(logits.flatten(0, 1), [s.params for s in seqs], k + 1).view(len(seqs), k + 1, -1)
-        tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)
-        result = verify(p, tokens, q, [s.generator for s in seqs])
+        if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
+            result = greedy_verify(logits, torch.stack([s.speculation.tokens for s in seqs]))
+        else:
+            p = sampling_probs(logits.flatten(0, 1), [s.params for s in seqs], k + 1).view(len(seqs), k + 1, -1)
+            tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)
+            result = verify(p, tokens, q, [s.generator for s in seqs])
         accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
         for s, n in zip(seqs, accepted):
             self.runner.truncate(s.seq_id, len(s.tokens) + n)
@@ -70,4 +73,10 @@ class TargetScorer:
         self.runner.free(seq.seq_id)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if _all_greedy(seqs):
+            return greedy_tokens(logits).tolist()
         return sample(sampling_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs]).tolist()
+
+
+def _all_greedy(seqs: list[Sequence]) -> bool:
+    return all(s.params.temperature == 0 for s in seqs)

@@ -17,6 +17,7 @@ from saguaro_dist.spec.fanout import (
     geometric_fanout, geometric_outcome_probs, outcome_fanout, resolve_fanout, round_to_budget, uniform_fanout, vocab_caps,
 )
 from saguaro_dist.spec.sampling import (
+    greedy_tokens,
     one_hot_probs,
     row_uniforms,
     saguaro_probs,
@@ -33,6 +34,7 @@ from saguaro_dist.spec.verify import (
     bonus_probs,
     emitted_tokens,
     first_rejection,
+    greedy_verify,
     residual_probs,
     verify,
 )
@@ -45,10 +47,10 @@ __all__ = [
     "ngram_proposal", "random_proposal",
     "geometric_fanout", "geometric_outcome_probs", "outcome_fanout", "resolve_fanout", "round_to_budget",
     "uniform_fanout", "vocab_caps",
-    "one_hot_probs", "row_uniforms", "saguaro_probs", "sample", "sample_with_uniforms", "target_probs",
+    "greedy_tokens", "one_hot_probs", "row_uniforms", "saguaro_probs", "sample", "sample_with_uniforms", "target_probs",
     "top_f_mask",
     "ProposalSource", "SpecStats", "Timing",
     "expected_tokens_per_round", "predicted_speedup",
-    "VerifyResult", "acceptance_ratios", "bonus_probs", "emitted_tokens", "first_rejection",
+    "VerifyResult", "acceptance_ratios", "bonus_probs", "emitted_tokens", "first_rejection", "greedy_verify",
     "residual_probs", "verify",
 ]

@@ -66,8 +66,14 @@ def target_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tenso
         probs = torch.softmax(scaled, dim=-1)
     if not bool(greedy.any()):  # three [N, V] passes saved on the sampled-only batches the draft makes
         return probs
-    one_hot = torch.nn.functional.one_hot(logits.argmax(dim=-1), v).to(probs.dtype)
+    one_hot = torch.nn.functional.one_hot(greedy_tokens(logits), v).to(probs.dtype)
     return torch.where(greedy[:, None], one_hot, probs)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """The token T = 0 picks (where target_probs puts its one-hot): argmax of the logits taken in at
+    least float32, ties to the lowest id. logits [..., V] -> tokens [...] int64."""
+    return _float(logits).argmax(dim=-1)
 
 
 def one_hot_probs(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro_dist.spec.sampling import Generators, one_hot_probs, row_uniforms, sample_with_uniforms
+from saguaro_dist.spec.sampling import Generators, greedy_tokens, one_hot_probs, row_uniforms, sample_with_uniforms
 
 
 @dataclass
@@ -91,6 +91,21 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: 
     accepted = first_rejection(acceptance_ratios(target_probs, draft_tokens, draft_probs), u[:, :k])
     probs = bonus_probs(target_probs, draft_tokens, draft_probs, accepted)
     return VerifyResult(accepted=accepted, bonus=sample_with_uniforms(probs, u[:, k]))
+
+
+def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyResult:
+    """verify() for rows that all decode greedily, from the logits. With p_i = one_hot(argmax logits_i),
+    ratio_i = min(1, p_i(x_i) / q_i(x_i)) = [x_i = argmax_i] whatever q is, so k* is the count of
+    leading matches; at a mismatch max(0, p - q) is zero off the argmax (and r falls back to p when it
+    is zero everywhere), so t* = argmax at position k* either way (p_{K+1} when all K match). The same
+    tokens as verify() on the one-hot p, without building [B, K+1, V] probabilities or drawing uniforms.
+
+    target_logits [B, K+1, V]; draft_tokens [B, K] int64.
+    """
+    k = draft_tokens.shape[1]
+    best = greedy_tokens(target_logits)                                                # [B, K+1]
+    accepted = (best[:, :k] == draft_tokens).to(torch.int64).cumprod(dim=-1).sum(dim=-1)
+    return VerifyResult(accepted=accepted, bonus=best.gather(1, accepted[:, None]).squeeze(1))
 
 
 def emitted_tokens(draft_tokens: torch.Tensor, result: VerifyResult) -> list[list[int]]:
