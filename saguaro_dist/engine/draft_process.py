@@ -16,82 +16,29 @@ engine re-admits them) starts a new child: speed is lost, never a token.
 """
 from __future__ import annotations
 
-import copyreg
-import fcntl
-import io
 import itertools
 import logging
 import os
 import pickle
-import struct
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
 
-import torch
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.engine.draft_backend import TreeInbox
+from saguaro_dist.engine.pipe_wire import recv, send, widen
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0  # the child imports torch and loads the draft
 CALL_TIMEOUT_S = 120.0   # a child that answers no call this long is treated as dead
-F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; Python < 3.10 lacks the name
-PIPE_BYTES = 1 << 20
-
-
 class Msg:
     """Message kinds on the pipe. Parent -> child: CALL (id, method, arg) wants a REPLY (id, ok,
     result); POST (method, arg) wants none. Child -> parent: READY (ok, detail) once, REPLY, TREES
     (pushed after outcomes), POST_FAILED (method, text)."""
     CALL, POST, READY, REPLY, TREES, POST_FAILED = "call", "post", "ready", "reply", "trees", "post_failed"
-
-
-def _tensor_as_array(t: torch.Tensor):
-    """Pickle CPU tensors as numpy arrays: torch's own reduction serialises each storage like
-    torch.save (a tree batch of 8 x 12 branches: 60 ms to pickle and unpickle, 12 ms this way)."""
-    if t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES or t.requires_grad:
-        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-    return torch.from_numpy, (t.contiguous().numpy(),)
-
-
-_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-                 torch.uint8, torch.bool}
-_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor_as_array}
-
-
-def _send(conn: Connection, *msg) -> None:
-    """A pickle header, then each array's bytes straight from its memory (protocol 5 out-of-band
-    buffers: a b = 8 tree batch at T > 0 carries ~6 MB of q, copied once instead of three times).
-    Not Connection.send: its ForkingPickler would move tensors through shared-memory fds."""
-    header, buffers = io.BytesIO(), []
-    pickler = pickle.Pickler(header, protocol=5, buffer_callback=buffers.append)
-    pickler.dispatch_table = _DISPATCH
-    pickler.dump(msg)
-    views = [b.raw() for b in buffers]
-    conn.send_bytes(struct.pack(f"<I{len(views)}Q", len(views), *(v.nbytes for v in views)) + header.getbuffer())
-    for view in views:
-        conn.send_bytes(view)
-
-
-def _recv(conn: Connection) -> tuple:
-    data = conn.recv_bytes()
-    (count,) = struct.unpack_from("<I", data)
-    sizes = struct.unpack_from(f"<{count}Q", data, 4)
-    buffers = [bytearray(size) for size in sizes]  # writable: tensors made from them may be written
-    for buf in buffers:
-        conn.recv_bytes_into(buf)
-    return pickle.loads(memoryview(data)[4 + 8 * count:], buffers=buffers)
-
-
-def _widen(fd: int) -> None:
-    """Pipes hold 64 KiB by default: a 6 MB message would take ~100 hand-offs between the processes."""
-    try:
-        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
-    except OSError:  # capped by /proc/sys/fs/pipe-max-size: the default size still works
-        pass
 
 
 class DraftProcess:
@@ -155,7 +102,7 @@ class DraftProcess:
         if self._gone:
             return  # the caller's call (if any) finds no reply: DraftUnavailable
         try:
-            _send(self._tx, Msg.CALL, call_id, method, arg) if call_id is not None else _send(self._tx, Msg.POST, method, arg)
+            send(self._tx, Msg.CALL, call_id, method, arg) if call_id is not None else send(self._tx, Msg.POST, method, arg)
         except OSError:  # the child died: its pipe is broken
             self._child_ended()
 
@@ -166,7 +113,7 @@ class DraftProcess:
             try:
                 if self._gone or left <= 0 or not self._rx.poll(left):
                     return False
-                self._dispatch(_recv(self._rx))
+                self._dispatch(recv(self._rx))
             except (EOFError, OSError):
                 self._child_ended()
                 return False
@@ -190,9 +137,9 @@ class DraftProcess:
         self._proc.stdin.close()
         self._proc.stdout.close()
         for conn in (self._tx, self._rx):
-            _widen(conn.fileno())
+            widen(conn.fileno())
         self.inbox, self._replies = TreeInbox(), {}
-        _send(self._tx, self.config)
+        send(self._tx, self.config)
         self._handshake()
         self._gone = False
         log.info("draft process pid %d ready", self._proc.pid)
@@ -201,7 +148,7 @@ class DraftProcess:
         """The child's first message says whether the draft loaded; a bad draft fails here, clearly."""
         try:
             ready = self._rx.poll(START_TIMEOUT_S)
-            _, ok, detail = _recv(self._rx) if ready else (None, False, f"no answer within {START_TIMEOUT_S:.0f} s")
+            _, ok, detail = recv(self._rx) if ready else (None, False, f"no answer within {START_TIMEOUT_S:.0f} s")
         except (EOFError, OSError):
             ok, detail = False, "it exited (its log is above)"
         if not ok:
@@ -253,7 +200,7 @@ class _Child:
         """Until the parent closes the pipe (or is gone): then exit quietly."""
         try:
             while True:
-                kind, *rest = _recv(rx)
+                kind, *rest = recv(rx)
                 if kind == Msg.CALL:
                     self._answer(*rest)
                 else:
@@ -263,11 +210,11 @@ class _Child:
 
     def _answer(self, call_id: int, method: str, arg) -> None:
         try:
-            _send(self.tx, Msg.REPLY, call_id, True, getattr(self, method)(arg))
+            send(self.tx, Msg.REPLY, call_id, True, getattr(self, method)(arg))
         except BrokenPipeError:
             raise  # the parent is gone: serve() ends
         except Exception as exc:  # the parent raises it where the call was made
-            _send(self.tx, Msg.REPLY, call_id, False, _picklable(exc))
+            send(self.tx, Msg.REPLY, call_id, False, _picklable(exc))
 
     def _run_posted(self, method: str, arg) -> None:
         try:
@@ -276,7 +223,7 @@ class _Child:
             raise
         except Exception as exc:
             log.warning("draft %s failed", method, exc_info=exc)
-            _send(self.tx, Msg.POST_FAILED, method, f"{type(exc).__name__}: {exc}")
+            send(self.tx, Msg.POST_FAILED, method, f"{type(exc).__name__}: {exc}")
 
     def prefill(self, reqs):
         return self.worker.prefill(reqs)
@@ -292,7 +239,7 @@ class _Child:
         self.worker.observe(outcomes)
         trees = self.worker.build_trees()
         if trees:  # none when the target asked for no tree (skip_tree)
-            _send(self.tx, Msg.TREES, trees)
+            send(self.tx, Msg.TREES, trees)
 
 
 def main() -> None:
@@ -302,12 +249,12 @@ def main() -> None:
     rx, tx = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     os.dup2(sys.stderr.fileno(), 1)
     try:
-        (config,) = _recv(rx)
+        (config,) = recv(rx)
         worker = build_draft_worker(config)
     except Exception as exc:
-        _send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")
+        send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")
         raise
-    _send(tx, Msg.READY, True, "ready")
+    send(tx, Msg.READY, True, "ready")
     _Child(worker, tx).serve(rx)
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: nothing to save, and torch's pools can abort in it

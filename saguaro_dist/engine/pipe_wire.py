@@ -1,0 +1,93 @@
+"""The wire format of the one-host draft's pipe (engine/draft_process.py): pickles whose large arrays
+travel as raw out-of-band buffers. A module of its own because the child runs draft_process as
+__main__, and a reduction function pickled from there would not be found by the parent.
+"""
+from __future__ import annotations
+
+import copyreg
+import fcntl
+import io
+import pickle
+import struct
+from multiprocessing.connection import Connection
+
+import torch
+
+from saguaro_dist.engine.messages import Branch, Proposal, SpeculationTree
+
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; Python < 3.10 lacks the name
+PIPE_BYTES = 1 << 20
+INBAND_BYTES = 1 << 16  # smaller arrays travel inside the pickle (see send)
+
+
+def _tensor_as_array(t: torch.Tensor):
+    """Pickle CPU tensors as numpy arrays: torch's own reduction serialises each storage like
+    torch.save (a tree batch of 8 x 12 branches: 60 ms to pickle and unpickle, 12 ms this way)."""
+    if t.device.type != "cpu" or t.dtype not in _NUMPY_DTYPES or t.requires_grad:
+        return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    return torch.from_numpy, (t.contiguous().numpy(),)
+
+
+_NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
+                 torch.uint8, torch.bool}
+def _tree_as_arrays(tree: SpeculationTree):
+    """A tree as one [N, K] token array (and one [N, K, V] q array) instead of N Branch objects with a
+    tensor each: every pickled tensor costs tens of microseconds each way, a greedy b = 1 tree has 12."""
+    probs = [b.proposal.probs for b in tree.branches]
+    if not tree.branches or (None in probs and any(p is not None for p in probs)):
+        return copyreg.__newobj__, (SpeculationTree,), tree.__dict__  # empty, or mixed q: field by field
+    keys = [(b.accepted, b.bonus_token) for b in tree.branches]
+    tokens = torch.stack([b.proposal.tokens for b in tree.branches])
+    return _tree_from_arrays, (tree.seq_id, tree.round, keys, tokens, None if probs[0] is None else torch.stack(probs))
+
+
+def _tree_from_arrays(seq_id, round, keys, tokens, probs) -> SpeculationTree:
+    rows = zip(tokens, [None] * len(keys) if probs is None else probs)
+    return SpeculationTree(seq_id, round, [Branch(k, t, Proposal(x, q)) for (k, t), (x, q) in zip(keys, rows)])
+
+
+_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor_as_array, SpeculationTree: _tree_as_arrays}
+
+
+def send(conn: Connection, *msg) -> None:
+    """A pickle header, then each large array's bytes straight from its memory (protocol 5
+    out-of-band buffers: a b = 8 tree batch at T > 0 carries ~6 MB of q, copied once instead of three
+    times). Arrays under INBAND_BYTES go inside the pickle: a greedy tree is a dozen 32-byte token
+    rows, and a pipe write and read each would cost more than the copy. Not Connection.send: its
+    ForkingPickler would move tensors through shared-memory fds."""
+    header, buffers = io.BytesIO(), []
+    pickler = pickle.Pickler(header, protocol=5, buffer_callback=_out_of_band(buffers))
+    pickler.dispatch_table = _DISPATCH
+    pickler.dump(msg)
+    views = [b.raw() for b in buffers]
+    conn.send_bytes(struct.pack(f"<I{len(views)}Q", len(views), *(v.nbytes for v in views)) + header.getbuffer())
+    for view in views:
+        conn.send_bytes(view)
+
+
+def _out_of_band(buffers: list):
+    """pickle's buffer_callback: a true return keeps the buffer in-band."""
+    def keep_small_in_band(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < INBAND_BYTES:
+            return True
+        buffers.append(buffer)
+        return False
+    return keep_small_in_band
+
+
+def recv(conn: Connection) -> tuple:
+    data = conn.recv_bytes()
+    (count,) = struct.unpack_from("<I", data)
+    sizes = struct.unpack_from(f"<{count}Q", data, 4)
+    buffers = [bytearray(size) for size in sizes]  # writable: tensors made from them may be written
+    for buf in buffers:
+        conn.recv_bytes_into(buf)
+    return pickle.loads(memoryview(data)[4 + 8 * count:], buffers=buffers)
+
+
+def widen(fd: int) -> None:
+    """Pipes hold 64 KiB by default: a 6 MB message would take ~100 hand-offs between the processes."""
+    try:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+    except OSError:  # capped by /proc/sys/fs/pipe-max-size: the default size still works
+        pass
