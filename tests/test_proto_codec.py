@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import numpy as np
 import torch
 
 from saguaro_dist.distributed import codec
@@ -73,11 +74,10 @@ def test_tensor_bytes_are_little_endian():
     assert msg.data == b"\x01\x00\x00\x00" and msg.dtype == pb.Tensor.INT32 and list(msg.shape) == [1]
 
 
-def test_big_endian_swap_reverses_each_element():
-    native_be = torch.tensor([0, 0, 0, 1, 0, 0, 1, 0], dtype=torch.uint8)  # int32 1 and 256, big-endian
-    little = codec.swap_to_little_endian(native_be, 4, byteorder="big")
-    assert little.tolist() == [1, 0, 0, 0, 0, 1, 0, 0]
-    assert codec.swap_to_little_endian(little, 4, byteorder="big").tolist() == native_be.tolist()
+def test_big_endian_elements_go_out_little_endian():
+    native_be = np.array([1, 256], dtype=">i4")  # what a big-endian host holds
+    assert native_be.tobytes() == b"\0\0\0\x01\0\0\x01\0"
+    assert codec.little_endian(native_be).tobytes() == b"\x01\0\0\0\0\x01\0\0"
 
 
 def test_greedy_proposal_sends_no_probs():
@@ -103,13 +103,20 @@ def test_full_support_proposal_travels_dense_and_exact():
     _assert_proposal_equal(p, back)
 
 
-def test_sparse_keeps_empty_rows_and_other_dtypes():
-    probs = torch.zeros(3, 50, dtype=torch.float16)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sparse_keeps_empty_rows_and_other_dtypes(dtype):
+    probs = torch.zeros(3, 50, dtype=dtype)
     probs[0, 3], probs[2, 49] = 0.25, 0.75
     p = Proposal(torch.tensor([3, 0, 49]), probs)
     back, kind = _roundtrip_proposal(p)
-    assert kind == "sparse"
+    assert kind == "sparse" and back.probs.dtype == dtype
     _assert_proposal_equal(p, back)
+
+
+def test_bfloat16_dense_probs_cross_bit_for_bit():
+    p = Proposal(torch.tensor([1, 2]), torch.softmax(torch.randn(2, 40), -1).to(torch.bfloat16))
+    back, kind = _roundtrip_proposal(p)
+    assert kind == "dense" and torch.equal(back.probs.view(torch.int16), p.probs.view(torch.int16))
 
 
 def test_sampling_and_messages_round_trip():

@@ -9,8 +9,7 @@ dense bytes otherwise. Every float crosses bit for bit.
 """
 from __future__ import annotations
 
-import sys
-
+import numpy as np
 import torch
 
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
@@ -49,45 +48,60 @@ _DTYPES = {
     torch.int8: _DT.INT8, torch.uint8: _DT.UINT8, torch.bool: _DT.BOOL,
 }
 _TORCH_DTYPES = {v: k for k, v in _DTYPES.items()}
+_INT32 = _DT.INT32
 _ITEMSIZE = {d: d.itemsize for d in _DTYPES}
+# Bytes move through numpy: a torch op costs ~10 us here, a numpy call ~1 us, and a tree is dozens of
+# small tensors. numpy has no bfloat16: its elements travel as their int16 bits.
+_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16, torch.float64: np.float64,
+          torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+          torch.uint8: np.uint8, torch.bool: np.bool_}
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
 
 
 # ---- tensors ------------------------------------------------------------------------------------
-def swap_to_little_endian(raw: torch.Tensor, itemsize: int, byteorder: str = sys.byteorder) -> torch.Tensor:
-    """Flat uint8 view of native-order elements -> little-endian bytes (a no-op on little-endian hosts).
+def little_endian(arr: np.ndarray) -> np.ndarray:
+    """arr with little-endian elements: the wire's byte order (a no-op on little-endian hosts)."""
+    return arr.astype(arr.dtype.newbyteorder("<"), copy=False)
 
-    The same swap converts back, so decoding uses it too.
-    """
-    if byteorder == "little" or itemsize == 1:
-        return raw
-    return raw.reshape(-1, itemsize).flip(-1).reshape(-1)
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """t's elements as a numpy array in host memory (bfloat16 as its int16 bits; strides kept)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
     dtype = _DTYPES.get(t.dtype)
     if dtype is None:
         raise CodecError(f"tensor dtype {t.dtype} has no wire form")
-    flat = t.detach().to("cpu").contiguous().reshape(-1)
-    raw = swap_to_little_endian(flat.view(torch.uint8), flat.element_size())
-    return pb.Tensor(dtype=dtype, shape=list(t.shape), data=raw.numpy().tobytes())
+    return _array_to_proto(host_array(t), dtype)
+
+
+def _array_to_proto(arr: np.ndarray, dtype) -> pb.Tensor:
+    return pb.Tensor(dtype=dtype, shape=list(arr.shape), data=little_endian(arr).tobytes())  # C order
 
 
 def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
     dtype = _TORCH_DTYPES.get(msg.dtype)
     if dtype is None:
         raise CodecError(f"tensor dtype {msg.dtype} is not supported")
+    t = torch.from_numpy(_array_from_proto(msg, dtype))
+    return t.view(torch.bfloat16) if dtype is torch.bfloat16 else t
+
+
+def _array_from_proto(msg: pb.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """A private, writable, native-order copy of the message's elements, shaped."""
     shape = list(msg.shape)
     if any(d < 0 for d in shape):
         raise CodecError(f"tensor shape {shape} has a negative dimension")
-    itemsize = _ITEMSIZE[dtype]
     numel = _numel(shape)
-    if len(msg.data) != numel * itemsize:
-        raise CodecError(f"tensor of shape {shape} and dtype {dtype} needs {numel * itemsize} bytes, got {len(msg.data)}")
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    raw = swap_to_little_endian(torch.frombuffer(bytearray(msg.data), dtype=torch.uint8), itemsize)
-    return raw.view(dtype).reshape(shape)  # bytearray: a private, writable copy of the message bytes
+    if len(msg.data) != numel * _ITEMSIZE[dtype]:
+        raise CodecError(f"tensor of shape {shape} and dtype {dtype} needs {numel * _ITEMSIZE[dtype]} bytes, "
+                         f"got {len(msg.data)}")
+    wire = np.dtype(_NUMPY[dtype]).newbyteorder("<")
+    return np.frombuffer(msg.data, dtype=wire).astype(wire.newbyteorder("="), copy=True).reshape(shape)
 
 
 def _numel(shape: list[int]) -> int:
@@ -141,46 +155,44 @@ def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
 # ---- Proposal -----------------------------------------------------------------------------------
 def proposal_to_proto(p: Proposal) -> pb.Proposal:
     # Token ids travel as int32: half the bytes, and every vocabulary is far below 2**31.
-    msg = pb.Proposal(tokens=tensor_to_proto(p.tokens.to(torch.int32)))
+    msg = pb.Proposal(tokens=_array_to_proto(host_array(p.tokens).astype(np.int32), _INT32))
     if p.probs is None:
         return msg
-    probs = p.probs.detach().to("cpu")  # one device copy; everything below runs on host memory
-    if probs.dim() != 2:
+    probs = host_array(p.probs)  # one device copy; everything below runs on host memory
+    if probs.ndim != 2:
         raise CodecError(f"proposal probs must be [K, V], got shape {list(probs.shape)}")
-    nnz = int(torch.count_nonzero(probs))
-    if _sparse_bytes(probs, nnz) < _dense_bytes(probs):
-        msg.sparse.CopyFrom(_sparse_to_proto(probs))
+    dtype = _DTYPES.get(p.probs.dtype)
+    if dtype is None:
+        raise CodecError(f"proposal probs dtype {p.probs.dtype} has no wire form")
+    nnz = int(np.count_nonzero(probs))  # (bfloat16 bits: nonzero iff the value is, for p >= 0)
+    if _sparse_bytes(probs, nnz) < probs.nbytes:
+        msg.sparse.CopyFrom(_sparse_to_proto(probs, dtype))
     else:
-        msg.dense.CopyFrom(tensor_to_proto(probs))
+        msg.dense.CopyFrom(_array_to_proto(probs, dtype))
     return msg
 
 
-def _sparse_bytes(probs: torch.Tensor, nnz: int) -> int:
-    return nnz * (4 + probs.element_size()) + (probs.shape[0] + 1) * 4
+def _sparse_bytes(probs: np.ndarray, nnz: int) -> int:
+    return nnz * (4 + probs.itemsize) + (probs.shape[0] + 1) * 4
 
 
-def _dense_bytes(probs: torch.Tensor) -> int:
-    return probs.numel() * probs.element_size()
-
-
-def _sparse_to_proto(probs: torch.Tensor) -> pb.SparseProbs:
-    rows, cols = torch.nonzero(probs, as_tuple=True)  # row-major order: rows ascending
-    counts = torch.bincount(rows, minlength=probs.shape[0])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(counts, 0)])
+def _sparse_to_proto(probs: np.ndarray, dtype) -> pb.SparseProbs:
+    rows, cols = np.nonzero(probs)  # row-major order: rows ascending
+    offsets = np.zeros(probs.shape[0] + 1, dtype=np.int32)
+    np.cumsum(np.bincount(rows, minlength=probs.shape[0]), out=offsets[1:])
     return pb.SparseProbs(
         vocab_size=probs.shape[1],
-        row_offsets=tensor_to_proto(offsets.to(torch.int32)),
-        token_ids=tensor_to_proto(cols.to(torch.int32)),
-        probs=tensor_to_proto(probs[rows, cols]),
+        row_offsets=_array_to_proto(offsets, _INT32),
+        token_ids=_array_to_proto(cols.astype(np.int32), _INT32),
+        probs=_array_to_proto(probs[rows, cols], dtype),
     )
 
 
 def proposal_from_proto(msg: pb.Proposal) -> Proposal:
-    tokens = tensor_from_proto(_required(msg, "tokens", "Proposal"))
-    if tokens.dim() != 1 or tokens.is_floating_point() or tokens.dtype == torch.bool:
-        raise CodecError(f"Proposal.tokens must be a 1-D integer tensor, got {tokens.dtype} {list(tokens.shape)}")
-    tokens = tokens.to(torch.int64)
-    if bool((tokens < 0).any()):
+    tokens = _integer_array(_required(msg, "tokens", "Proposal"), "Proposal.tokens")
+    if tokens.ndim != 1:
+        raise CodecError(f"Proposal.tokens must be 1-D, got shape {list(tokens.shape)}")
+    if (tokens < 0).any():
         raise CodecError("Proposal.tokens has a negative token id")
     kind = msg.WhichOneof("probs")
     probs = None
@@ -188,7 +200,14 @@ def proposal_from_proto(msg: pb.Proposal) -> Proposal:
         probs = _dense_from_proto(msg.dense, len(tokens))
     elif kind == "sparse":
         probs = _sparse_from_proto(msg.sparse, len(tokens))
-    return Proposal(tokens=tokens, probs=probs)
+    return Proposal(tokens=torch.from_numpy(tokens.astype(np.int64)), probs=probs)
+
+
+def _integer_array(msg: pb.Tensor, what: str) -> np.ndarray:
+    dtype = _TORCH_DTYPES.get(msg.dtype)
+    if dtype is None or dtype.is_floating_point or dtype == torch.bool:
+        raise CodecError(f"{what} must be an integer tensor, got dtype {dtype or msg.dtype}")
+    return _array_from_proto(msg, dtype)
 
 
 def _dense_from_proto(msg: pb.Tensor, k: int) -> torch.Tensor:
@@ -199,25 +218,29 @@ def _dense_from_proto(msg: pb.Tensor, k: int) -> torch.Tensor:
 
 
 def _sparse_from_proto(msg: pb.SparseProbs, k: int) -> torch.Tensor:
-    offsets = tensor_from_proto(_required(msg, "row_offsets", "SparseProbs")).to(torch.int64)
-    ids = tensor_from_proto(_required(msg, "token_ids", "SparseProbs")).to(torch.int64)
-    values = tensor_from_proto(_required(msg, "probs", "SparseProbs"))
+    offsets = _integer_array(_required(msg, "row_offsets", "SparseProbs"), "sparse probs: row_offsets").astype(np.int64)
+    ids = _integer_array(_required(msg, "token_ids", "SparseProbs"), "sparse probs: token_ids").astype(np.int64)
+    values_msg = _required(msg, "probs", "SparseProbs")
+    dtype = _TORCH_DTYPES.get(values_msg.dtype)
+    if dtype is None or not dtype.is_floating_point:
+        raise CodecError("sparse probs: probs must be float")
+    values = _array_from_proto(values_msg, dtype)
     _check_sparse(offsets, ids, values, k, msg.vocab_size)
-    rows = torch.repeat_interleave(torch.arange(k), offsets[1:] - offsets[:-1])
-    probs = torch.zeros((k, msg.vocab_size), dtype=values.dtype)
-    probs[rows, ids] = values
-    return probs
+    probs = np.zeros((k, msg.vocab_size), dtype=values.dtype)
+    probs[np.repeat(np.arange(k), np.diff(offsets)), ids] = values
+    probs = torch.from_numpy(probs)
+    return probs.view(torch.bfloat16) if dtype is torch.bfloat16 else probs
 
 
-def _check_sparse(offsets, ids, values, k: int, vocab_size: int) -> None:
+def _check_sparse(offsets: np.ndarray, ids: np.ndarray, values: np.ndarray, k: int, vocab_size: int) -> None:
     nnz = len(ids)
-    if offsets.dim() != 1 or len(offsets) != k + 1 or int(offsets[0]) != 0 or int(offsets[-1]) != nnz:
+    if offsets.ndim != 1 or len(offsets) != k + 1 or offsets[0] != 0 or offsets[-1] != nnz:
         raise CodecError(f"sparse probs: row_offsets must be [K+1={k + 1}] from 0 to nnz={nnz}")
-    if bool((offsets[1:] < offsets[:-1]).any()):
+    if (offsets[1:] < offsets[:-1]).any():
         raise CodecError("sparse probs: row_offsets must be non-decreasing")
-    if ids.dim() != 1 or values.dim() != 1 or len(values) != nnz or not values.is_floating_point():
+    if ids.ndim != 1 or values.ndim != 1 or len(values) != nnz:
         raise CodecError("sparse probs: token_ids and probs must be 1-D of the same length, probs float")
-    if vocab_size <= 0 or (nnz and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size)):
+    if vocab_size <= 0 or (nnz and (ids.min() < 0 or ids.max() >= vocab_size)):
         raise CodecError(f"sparse probs: token ids must lie in [0, vocab_size={vocab_size})")
 
 
