@@ -33,6 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--sequential", action="store_true", help="run each system's repeats together, one system after "
+                                                              "another (default: interleaved, the order rotating)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--pools", default="1,2,3", help="draft pool sizes for the hit-rate sweep")
     return p.parse_args()
@@ -59,7 +61,7 @@ def main() -> None:
     args = parse_args()
     cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ssd", "ssd-ray"), settings=("paper",),
                       batch_sizes=(1,), temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
-                      prompt_len=args.prompt_len, repeats=args.repeats, plots=False)
+                      prompt_len=args.prompt_len, repeats=args.repeats, interleave=not args.sequential, plots=False)
     results = run_grid(cfg)
     print(render(results))
     cells = {c["system"]: c for c in results["cells"]}

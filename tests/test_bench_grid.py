@@ -9,6 +9,8 @@ from saguaro_dist.bench import BenchConfig, SweepConfig, run_grid, run_sweep
 from saguaro_dist.bench.config import placement
 from saguaro_dist.bench.plots import write_plots
 from saguaro_dist.bench.report import render, write_json
+from saguaro_dist.bench.runner import measure_interleaved
+from saguaro_dist.bench.systems import Measurement
 from saguaro_dist.cli import main
 
 CELL_KEYS = {"system", "setting", "batch", "temperature", "tokens", "seconds", "tokens_per_s", "cores",
@@ -99,8 +101,38 @@ def test_placement_counts_cores_per_setting():
     assert placement("ssd-ray", "paper").cores == 2 and "Ray actor" in placement("ssd-ray", "paper").where
 
 
+def test_interleaved_grid_runs_every_system_in_turn(tiny_llama_pair, tmp_path):
+    cfg = tiny_config(tiny_llama_pair, tmp_path, systems=("ar", "sd", "ssd"), temperatures=(0.0,), repeats=3,
+                      interleave=True)
+    cells = run_grid(cfg, progress=False)["cells"]
+    assert [(c["system"], c["batch"]) for c in cells] == [(s, b) for b in (1, 2) for s in ("ar", "sd", "ssd")]
+    for c in cells:
+        assert c["greedy_same_as_ar"] == 1.0 and c["tokens"] == 8 * c["batch"]
+        assert c["system"] == "ar" or c["engine"]["rounds"] > 0
+
+
+def test_interleaved_repeats_rotate_the_order():
+    calls = []
+
+    class Recorder:  # stands in for a benched system: only the call order is under test
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, prompts, temperature, max_new_tokens, seed):
+            calls.append((self.name, max_new_tokens))
+            return Measurement(tokens=max_new_tokens, seconds=1.0, outputs=[])
+
+    cfg = BenchConfig(max_new_tokens=16, repeats=3)
+    best = measure_interleaved({n: Recorder(n) for n in "abc"}, [[1]], 0.0, cfg)
+    timed = [name for name, tokens in calls if tokens == 16]
+    assert [name for name, tokens in calls if tokens != 16] == ["a", "b", "c"]  # warm-ups first
+    assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert set(best) == {"a", "b", "c"}
+
+
 def test_ssd_on_ray_cell(tiny_llama_pair, tmp_path, ray_cluster):
-    cfg = tiny_config(tiny_llama_pair, tmp_path, systems=("ar", "ssd-ray"), batch_sizes=(1,), temperatures=(0.0,))
+    cfg = tiny_config(tiny_llama_pair, tmp_path, systems=("ar", "ssd-ray"), batch_sizes=(1,), temperatures=(0.0,),
+                      interleave=True)  # as bench_distributed.py runs it: a one-host engine beside the Ray one
     cells = {c["system"]: c for c in run_grid(cfg, progress=False)["cells"]}
     ray_cell = cells["ssd-ray"]
     assert ray_cell["greedy_same_as_ar"] == 1.0 and ray_cell["theorem7"]["predicted_tokens_per_s"] > 0

@@ -75,6 +75,7 @@ class BenchConfig:
     tree_policy: str = "auto"
     seed: int = 0
     repeats: int = 1                      # timed repeats per cell (the best is kept); 1 warm-up first
+    interleave: bool = False              # every system of a setting open at once, one repeat of each in turn
     cores: int = 2
     out_dir: str = "bench-results"
     plots: bool = True

@@ -29,6 +29,9 @@ def run_grid(cfg: BenchConfig, progress: bool = True) -> dict:
     cells = []
     with tqdm(total=total, desc="saguaro bench", unit="cell", disable=not progress) as bar:
         for setting in cfg.settings:
+            if cfg.interleave:
+                cells += run_interleaved(cfg, setting, target, draft, prompts, bar)
+                continue
             for system in cfg.systems:
                 cells += run_system(cfg, system, setting, target, draft, prompts, bar)
     calibs = calibrate_cells(cfg, cells, target, draft, prompts)
@@ -56,11 +59,43 @@ def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: 
     return cells
 
 
+def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
+    """run_system for every system at once: per temperature all engines are open (an idle one sleeps)
+    and each repeat runs every system once, the order rotating, so the box's drift (20% from minute
+    to minute here) falls on all of them alike instead of on whichever ran later."""
+    places, cells = {s: placement(s, setting, cfg.cores) for s in cfg.systems}, []
+    for temperature in cfg.temperatures:
+        runners = {s: make_system(s, target, draft, cfg.engine_kwargs()) for s in cfg.systems}
+        try:
+            for system, runner in runners.items():
+                bar.set_postfix_str(f"{setting}/{system}: loading")
+                runner.open(places[system])
+            for b in cfg.batch_sizes:
+                bar.set_postfix_str(f"{setting} b={b} T={temperature}, interleaved")
+                best = measure_interleaved(runners, prompts[:b], temperature, cfg)
+                cells += [cell_record(s, setting, places[s], b, temperature, best[s]) for s in cfg.systems]
+                bar.update(len(cfg.systems))
+        finally:
+            for runner in runners.values():
+                runner.close()
+    return cells
+
+
 def measure(runner, prompts, temperature: float, cfg: BenchConfig) -> Measurement:
     """One short warm-up call, then `repeats` timed calls; the fastest is kept."""
-    runner.run(prompts, temperature, min(8, cfg.max_new_tokens), cfg.seed)
-    runs = [runner.run(prompts, temperature, cfg.max_new_tokens, cfg.seed) for _ in range(cfg.repeats)]
-    return max(runs, key=lambda m: m.tokens_per_s)
+    return measure_interleaved({"one": runner}, prompts, temperature, cfg)["one"]
+
+
+def measure_interleaved(runners: dict, prompts, temperature: float, cfg: BenchConfig) -> dict[str, Measurement]:
+    """measure() for several systems: warm-ups, then repeat r runs them in the order rotated by r."""
+    names = list(runners)
+    for runner in runners.values():
+        runner.run(prompts, temperature, min(8, cfg.max_new_tokens), cfg.seed)
+    runs: dict[str, list[Measurement]] = {n: [] for n in names}
+    for r in range(cfg.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(runners[name].run(prompts, temperature, cfg.max_new_tokens, cfg.seed))
+    return {n: max(runs[n], key=lambda m: m.tokens_per_s) for n in names}
 
 
 def cell_record(system: str, setting: str, place, batch: int, temperature: float, m: Measurement) -> dict:

@@ -61,6 +61,7 @@ class OursSystem:
         from saguaro_dist import SamplingParams
         params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
                   for i in range(len(prompts))]
+        torch.set_num_threads(self.threads)  # process-wide: other systems open beside this one may differ
         before = self.llm.metrics.to_dict()
         start = time.perf_counter()
         outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -45,6 +45,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--adaptive-fan-out", action="store_true", help="let the draft shrink the fan-out budget (spec/budget.py)")
+    p.add_argument("--interleave", action="store_true",
+                   help="open every system of a setting at once and run their repeats in turn (drift falls on all alike)")
     for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():
         p.add_argument(flag, dest=field, help=f"comma-separated list" if field.endswith("s") and field not in ("cores", "repeats") else None)
     p.set_defaults(run=run)
@@ -54,7 +56,8 @@ def bench_config(args) -> "BenchConfig":
     from saguaro_dist.bench import BenchConfig
     overrides = {f: parse(getattr(args, f)) for f, parse in GRID_OPTIONS.values() if getattr(args, f) is not None}
     return BenchConfig.preset(args.preset, target=args.target, draft=args.draft, out_dir=args.out,
-                              plots=not args.no_plots, adaptive_fan_out=args.adaptive_fan_out, **overrides)
+                              plots=not args.no_plots, adaptive_fan_out=args.adaptive_fan_out,
+                              interleave=args.interleave, **overrides)
 
 
 def sweep_config(args, base) -> "SweepConfig":
