@@ -30,6 +30,8 @@ def _tensor_as_array(t: torch.Tensor):
 
 _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
                  torch.uint8, torch.bool}
+
+
 def _tree_as_arrays(tree: SpeculationTree):
     """A tree as one [N, K] token array (and one [N, K, V] q array) instead of N Branch objects with a
     tensor each: every pickled tensor costs tens of microseconds each way, a greedy b = 1 tree has 12."""
