@@ -1,10 +1,12 @@
 """`saguaro bench`: the grid (systems x settings x batch x temperature) or the SSD sweep; table, JSON, PNGs."""
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the bench package pulls in matplotlib and transformers: imported when a bench runs
+    from saguaro_dist.bench import BenchConfig, SweepConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +50,7 @@ def register(subparsers) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="open every system of a setting at once and run their repeats in turn (drift falls on all alike)")
     for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():
-        p.add_argument(flag, dest=field, help=f"comma-separated list" if field.endswith("s") and field not in ("cores", "repeats") else None)
+        p.add_argument(flag, dest=field, help="comma-separated list" if field.endswith("s") and field not in ("cores", "repeats") else None)
     p.set_defaults(run=run)
 
 
