@@ -151,7 +151,7 @@ def _role(proc, driver_pid: int) -> str:
     cmd = proc.cmdline()
     if cmd and cmd[0].startswith("ray::"):  # a Ray worker's title names its task: keep the actor class
         return cmd[0].split()[0].split(".")[0][:40]
-    if "multiprocessing" in " ".join(cmd) or proc.name() == "python":  # the engines' draft processes
+    if "saguaro_dist.engine.draft_process" in cmd:  # an engine's draft child
         parent = proc.parent()
         owner = "bench process" if parent is None or parent.pid == driver_pid else _role(parent, driver_pid)
         return f"  {owner}'s child (draft)"
@@ -235,9 +235,10 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     intervals = [float(x) for x in ns.stream_intervals.split(",")]
     try:
+        prefixes = {ms: "" if len(intervals) == 1 else f"/i{ms:g}" for ms in intervals}
         for ms in intervals:  # one app per interval; every engine stays up, only the one measured has work
-            serve.run(build_app({**engine, "stream_interval_ms": ms}), name=f"bench-{ms:g}", route_prefix=f"/i{ms:g}")
-        urls = {ms: f"http://127.0.0.1:{port}/i{ms:g}" for ms in intervals}
+            serve.run(build_app({**engine, "stream_interval_ms": ms}), name=f"bench-{ms:g}", route_prefix=prefixes[ms] or "/")
+        urls = {ms: f"http://127.0.0.1:{port}{prefixes[ms]}" for ms in intervals}
         direct = direct_ingress_url() if len(intervals) == 1 else None  # which port is whose is known for one app
         with LLM(**engine) as llm:
             means, cores = asyncio.run(run_all(llm, urls, direct, ns))
