@@ -25,7 +25,6 @@ import sys
 import time
 from multiprocessing.connection import Connection
 
-
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.engine.draft_backend import TreeInbox
@@ -34,6 +33,8 @@ from saguaro_dist.engine.pipe_wire import recv, send, widen
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0  # the child imports torch and loads the draft
 CALL_TIMEOUT_S = 120.0   # a child that answers no call this long is treated as dead
+
+
 class Msg:
     """Message kinds on the pipe. Parent -> child: CALL (id, method, arg) wants a REPLY (id, ok,
     result); POST (method, arg) wants none. Child -> parent: READY (ok, detail) once, REPLY, TREES
