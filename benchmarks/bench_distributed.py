@@ -33,6 +33,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per measurement, one at a time (batch 1)")
     p.add_argument("--sequential", action="store_true", help="run each system's repeats together, one system after "
                                                               "another (default: interleaved, the order rotating)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -42,14 +43,14 @@ def parse_args() -> argparse.Namespace:
 
 def pool_sweep(cfg: BenchConfig, pools: list[int], temperature: float) -> list[dict]:
     target, draft = resolve_pair(cfg.target, cfg.draft)
-    prompts, _ = bench_prompts(target, 1, cfg.prompt_len, cfg.seed, vocab_size(target))
+    prompts, _ = bench_prompts(target, cfg.prompt_count, cfg.prompt_len, cfg.seed, vocab_size(target))
     place, rows = placement("ssd-ray", "paper", cfg.cores), []
     for n in tqdm(pools, desc="draft pool sweep", unit="pool"):
         # A tree every round: the sweep measures the cache (the tree gate could run rounds without one).
         system = OursSystem("ssd-ray", target, draft, {**cfg.engine_kwargs(), "num_draft_workers": n, "tree_policy": "always"})
         system.open(place)
         try:
-            m = measure(system, prompts, temperature, cfg)
+            m = measure(system, prompts, 1, temperature, cfg)
         finally:
             system.close()
         row = cell_record("ssd-ray", "paper", place, 1, temperature, m)
@@ -61,7 +62,8 @@ def main() -> None:
     args = parse_args()
     cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ssd", "ssd-ray"), settings=("paper",),
                       batch_sizes=(1,), temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
-                      prompt_len=args.prompt_len, repeats=args.repeats, interleave=not args.sequential, plots=False)
+                      prompt_len=args.prompt_len, num_prompts=args.num_prompts, repeats=args.repeats,
+                      interleave=not args.sequential, plots=False)
     results = run_grid(cfg)
     print(render(results))
     cells = {c["system"]: c for c in results["cells"]}

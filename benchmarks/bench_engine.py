@@ -22,6 +22,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per measurement, one at a time (batch 1)")
     p.add_argument("--sequential", action="store_true", help="run each system's repeats together, one system after "
                                                               "another (default: interleaved, the order rotating)")
     p.add_argument("--k", type=int, default=4)
@@ -45,7 +46,8 @@ def main() -> None:
     args = parse_args()
     cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ar", "sd", "ssd", "ssd-thread"), settings=("paper",),
                       batch_sizes=(1,), temperatures=(0.0,), max_new_tokens=args.max_new_tokens,
-                      prompt_len=args.prompt_len, repeats=args.repeats, interleave=not args.sequential, k=args.k,
+                      prompt_len=args.prompt_len, num_prompts=args.num_prompts, repeats=args.repeats,
+                      interleave=not args.sequential, k=args.k,
                       fan_out=args.fan_out, plots=False)
     results = run_grid(cfg)
     print(render(results))

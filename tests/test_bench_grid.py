@@ -9,13 +9,13 @@ from saguaro_dist.bench import BenchConfig, SweepConfig, run_grid, run_sweep
 from saguaro_dist.bench.config import placement
 from saguaro_dist.bench.plots import write_plots
 from saguaro_dist.bench.report import render, write_json
-from saguaro_dist.bench.runner import measure_interleaved
+from saguaro_dist.bench.runner import measure_interleaved, run_batches
 from saguaro_dist.bench.systems import Measurement
 from saguaro_dist.cli import main
 
 CELL_KEYS = {"system", "setting", "batch", "temperature", "tokens", "seconds", "tokens_per_s", "cores",
              "tokens_per_s_per_core", "placement", "acceptance_rate", "cache_hit_rate", "speedup_vs_ar",
-             "speedup_vs_sd", "greedy_same_as_ar", "theorem7", "engine"}
+             "speedup_vs_sd", "greedy_same_as_ar", "theorem7", "engine", "prompts"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -36,7 +36,7 @@ def test_grid_cells_cover_the_grid_with_the_schema(grid):
     assert len(grid["cells"]) == 5 * 2 * 2
     for cell in grid["cells"]:
         assert CELL_KEYS <= set(cell), CELL_KEYS - set(cell)
-        assert cell["tokens"] == 8 * cell["batch"]
+        assert cell["prompts"] == 2 and cell["tokens"] == 8 * 2  # every batch size runs the same two prompts
         assert cell["tokens_per_s"] > 0 and cell["tokens_per_s_per_core"] == cell["tokens_per_s"] / cell["cores"]
     assert set(grid["placements"]) == {f"paper/{s}" for s in ("ar", "sd", "ssd", "hf", "hf-assisted")}
 
@@ -107,7 +107,7 @@ def test_interleaved_grid_runs_every_system_in_turn(tiny_llama_pair, tmp_path):
     cells = run_grid(cfg, progress=False)["cells"]
     assert [(c["system"], c["batch"]) for c in cells] == [(s, b) for b in (1, 2) for s in ("ar", "sd", "ssd")]
     for c in cells:
-        assert c["greedy_same_as_ar"] == 1.0 and c["tokens"] == 8 * c["batch"]
+        assert c["greedy_same_as_ar"] == 1.0 and c["prompts"] == 2 and c["tokens"] == 8 * 2  # every b: the same prompts
         assert c["system"] == "ar" or c["engine"]["rounds"] > 0
 
 
@@ -123,11 +123,33 @@ def test_interleaved_repeats_rotate_the_order():
             return Measurement(tokens=max_new_tokens, seconds=1.0, outputs=[])
 
     cfg = BenchConfig(max_new_tokens=16, repeats=3)
-    best = measure_interleaved({n: Recorder(n) for n in "abc"}, [[1]], 0.0, cfg)
+    best = measure_interleaved({n: Recorder(n) for n in "abc"}, [[1]], 1, 0.0, cfg)
     timed = [name for name, tokens in calls if tokens == 16]
     assert [name for name, tokens in calls if tokens != 16] == ["a", "b", "c"]  # warm-ups first
     assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert set(best) == {"a", "b", "c"}
+
+
+def test_a_cell_runs_every_prompt_in_batches_seeded_by_prompt():
+    calls = []
+
+    class Recorder:
+        def run(self, prompts, temperature, max_new_tokens, seed):
+            calls.append((prompts, seed))
+            return Measurement(tokens=len(prompts), seconds=0.5, outputs=prompts, drafted=2, fallbacks={"fast": 1},
+                               engine={"rounds": 3, "fallbacks": {"fast": 1}})
+
+    m = run_batches(Recorder(), [[0], [1], [2], [3], [4]], 2, 0.0, BenchConfig(seed=7))
+    assert calls == [([[0], [1]], 7), ([[2], [3]], 9)]  # the remainder short of a batch is left out
+    assert (m.tokens, m.seconds, m.outputs, m.drafted) == (4, 1.0, [[0], [1], [2], [3]], 4)
+    assert m.fallbacks == {"fast": 2} and m.engine == {"rounds": 6, "fallbacks": {"fast": 2}}
+
+
+def test_num_prompts_must_cover_the_largest_batch():
+    assert BenchConfig(batch_sizes=(1, 4)).prompt_count == 4
+    assert BenchConfig(batch_sizes=(1, 4), num_prompts=8).prompt_count == 8
+    with pytest.raises(ValueError, match="num_prompts"):
+        BenchConfig(batch_sizes=(1, 4), num_prompts=2)
 
 
 def test_ssd_on_ray_cell(tiny_llama_pair, tmp_path, ray_cluster):

@@ -66,6 +66,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_new_tokens: int = 128
     prompt_len: int = 64                  # prompts truncated to this many tokens
+    num_prompts: int | None = None        # prompts per cell, run b at a time (None: the largest batch size)
     k: int = 4
     fan_out: int = 12
     fan_out_kind: str = "outcome"
@@ -91,6 +92,14 @@ class BenchConfig:
             raise ValueError("batch sizes, max_new_tokens and prompt_len must be >= 1")
         if any(t < 0 for t in self.temperatures) or self.repeats < 1:
             raise ValueError("temperatures must be >= 0 and repeats >= 1")
+        if self.num_prompts is not None and self.num_prompts < max(self.batch_sizes):
+            raise ValueError(f"num_prompts ({self.num_prompts}) must be >= the largest batch size ({max(self.batch_sizes)})")
+
+    @property
+    def prompt_count(self) -> int:
+        """Every cell runs the same prompts, b at a time: batch 1 is measured on the text batch 8 sees,
+        not on the first prompt alone (one prompt's hit rate is not the pair's)."""
+        return self.num_prompts or max(self.batch_sizes)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BenchConfig":

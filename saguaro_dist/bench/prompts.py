@@ -58,5 +58,5 @@ def bench_prompts(target: str, n: int, length: int, seed: int, vocab_size: int) 
     if tokenizer is not None:
         ids = text_prompts(tokenizer, n, length)
         if ids is not None:
-            return ids, f"held-out stdlib snippets (demo prompts), first {length} tokens"
-    return random_prompts(vocab_size, n, length, seed), f"random token ids (seed {seed}), {length} tokens"
+            return ids, f"{n} held-out stdlib snippets (demo prompts), first {length} tokens; batch b runs them b at a time"
+    return random_prompts(vocab_size, n, length, seed), f"{n} random token-id prompts (seed {seed}), {length} tokens; b at a time"

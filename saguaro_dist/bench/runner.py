@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from saguaro_dist.bench.config import OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig, placement
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
-from saguaro_dist.bench.systems import Measurement, make_system
+from saguaro_dist.bench.systems import Measurement, combine, make_system
 from saguaro_dist.bench.theory import calibrate_draft, predict_from_run
 
 log = logging.getLogger(__name__)
@@ -24,7 +24,7 @@ SCHEMA_VERSION = 1
 def run_grid(cfg: BenchConfig, progress: bool = True) -> dict:
     """Every system under every setting over the grid; SSD cells carry their Theorem-7 prediction."""
     target, draft = resolve_pair(cfg.target, cfg.draft)
-    prompts, source = bench_prompts(target, max(cfg.batch_sizes), cfg.prompt_len, cfg.seed, vocab_size(target))
+    prompts, source = bench_prompts(target, cfg.prompt_count, cfg.prompt_len, cfg.seed, vocab_size(target))
     total = len(cfg.settings) * len(cfg.systems) * len(cfg.temperatures) * len(cfg.batch_sizes)
     cells = []
     with tqdm(total=total, desc="saguaro bench", unit="cell", disable=not progress) as bar:
@@ -51,7 +51,7 @@ def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: 
         try:
             for b in cfg.batch_sizes:
                 bar.set_postfix_str(f"{setting}/{system} b={b} T={temperature}")
-                m = measure(runner, prompts[:b], temperature, cfg)
+                m = measure(runner, prompts, b, temperature, cfg)
                 cells.append(cell_record(system, setting, place, b, temperature, m))
                 bar.update()
         finally:
@@ -72,7 +72,7 @@ def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, pro
                 runner.open(places[system])
             for b in cfg.batch_sizes:
                 bar.set_postfix_str(f"{setting} b={b} T={temperature}, interleaved")
-                best = measure_interleaved(runners, prompts[:b], temperature, cfg)
+                best = measure_interleaved(runners, prompts, b, temperature, cfg)
                 cells += [cell_record(s, setting, places[s], b, temperature, best[s]) for s in cfg.systems]
                 bar.update(len(cfg.systems))
         finally:
@@ -81,21 +81,29 @@ def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, pro
     return cells
 
 
-def measure(runner, prompts, temperature: float, cfg: BenchConfig) -> Measurement:
-    """One short warm-up call, then `repeats` timed calls; the fastest is kept."""
-    return measure_interleaved({"one": runner}, prompts, temperature, cfg)["one"]
+def measure(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> Measurement:
+    """One short warm-up call, then `repeats` timed passes over the prompts, `batch` at a time; the
+    fastest pass is kept."""
+    return measure_interleaved({"one": runner}, prompts, batch, temperature, cfg)["one"]
 
 
-def measure_interleaved(runners: dict, prompts, temperature: float, cfg: BenchConfig) -> dict[str, Measurement]:
+def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, cfg: BenchConfig) -> dict[str, Measurement]:
     """measure() for several systems: warm-ups, then repeat r runs them in the order rotated by r."""
     names = list(runners)
     for runner in runners.values():
-        runner.run(prompts, temperature, min(8, cfg.max_new_tokens), cfg.seed)
+        runner.run(prompts[:batch], temperature, min(8, cfg.max_new_tokens), cfg.seed)
     runs: dict[str, list[Measurement]] = {n: [] for n in names}
     for r in range(cfg.repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            runs[name].append(runners[name].run(prompts, temperature, cfg.max_new_tokens, cfg.seed))
+            runs[name].append(run_batches(runners[name], prompts, batch, temperature, cfg))
     return {n: max(runs[n], key=lambda m: m.tokens_per_s) for n in names}
+
+
+def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> Measurement:
+    """The prompts in consecutive batches of `batch` (a remainder short of a batch is left out); prompt i
+    is seeded seed + i whatever the batch size."""
+    starts = range(0, len(prompts) - batch + 1, batch)
+    return combine([runner.run(prompts[i:i + batch], temperature, cfg.max_new_tokens, cfg.seed + i) for i in starts])
 
 
 def cell_record(system: str, setting: str, place, batch: int, temperature: float, m: Measurement) -> dict:
@@ -109,6 +117,7 @@ def cell_record(system: str, setting: str, place, batch: int, temperature: float
             "acceptance_rate": m.accepted / m.drafted if m.drafted else None,
             "mean_accepted_length": (m.accepted + m.seq_rounds) / m.seq_rounds if m.seq_rounds else None,
             "cache_hit_rate": m.cache_hits / lookups if lookups else None, "fallbacks": m.fallbacks,
+            "prompts": len(m.outputs),
             "engine": m.engine, **per_round_ms, "outputs": m.outputs, "_measurement": m}
 
 
@@ -156,7 +165,8 @@ def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
     """One SSD run per sweep point (one knob changed from the base), each with its Theorem-7 prediction."""
     cfg = sweep.base
     target, draft = resolve_pair(cfg.target, cfg.draft)
-    prompts, source = bench_prompts(target, sweep.batch_size, cfg.prompt_len, cfg.seed, vocab_size(target))
+    count = max(sweep.batch_size, cfg.num_prompts or sweep.batch_size)
+    prompts, source = bench_prompts(target, count, cfg.prompt_len, cfg.seed, vocab_size(target))
     place = placement(sweep.system, sweep.setting, cfg.cores)
     points = []
     for axis, overrides in tqdm(sweep.points(), desc="saguaro bench sweep", unit="run", disable=not progress):
@@ -171,7 +181,7 @@ def sweep_point(cfg: BenchConfig, sweep: SweepConfig, axis: str, overrides: dict
     runner = make_system(sweep.system, target, draft, cfg.engine_kwargs())
     runner.open(place)
     try:
-        m = measure(runner, prompts, sweep.temperature, cfg)
+        m = measure(runner, prompts, sweep.batch_size, sweep.temperature, cfg)
     finally:
         runner.close()
     cell = cell_record(sweep.system, sweep.setting, place, sweep.batch_size, sweep.temperature, m)

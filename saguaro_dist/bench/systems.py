@@ -33,6 +33,24 @@ class Measurement:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def combine(parts: list[Measurement]) -> Measurement:
+    """One Measurement for generate calls run one after another (a cell's batches): counts and seconds add up."""
+    total = Measurement(tokens=0, seconds=0.0, outputs=[])
+    for m in parts:
+        for name in ("tokens", "seconds", "seq_rounds", "drafted", "accepted", "cache_hits", "cache_misses"):
+            setattr(total, name, getattr(total, name) + getattr(m, name))
+        total.outputs += m.outputs
+        total.fallbacks = _add(total.fallbacks, m.fallbacks)
+        total.engine = _add(total.engine, m.engine)
+    return total
+
+
+def _add(a: dict, b: dict) -> dict:
+    """Key-wise sum of two (nested) dicts of numbers; a key in one only keeps its value."""
+    return {k: _add(a.get(k, {}), b.get(k, {})) if isinstance(a.get(k, b.get(k)), dict) else a.get(k, 0) + b.get(k, 0)
+            for k in a.keys() | b.keys()}
+
+
 def sampling_kwargs(temperature: float) -> dict:
     """transformers: plain sampling at `temperature` (no default top-k), greedy at 0."""
     if temperature == 0:

@@ -26,7 +26,8 @@ def _names(text: str) -> tuple[str, ...]:
 # option -> (BenchConfig field, parser)
 GRID_OPTIONS = {"--systems": ("systems", _names), "--settings": ("settings", _names), "--batch": ("batch_sizes", _ints),
                 "--temperatures": ("temperatures", _floats), "--max-new-tokens": ("max_new_tokens", int),
-                "--prompt-len": ("prompt_len", int), "--k": ("k", int), "--fan-out": ("fan_out", int),
+                "--prompt-len": ("prompt_len", int), "--num-prompts": ("num_prompts", int), "--k": ("k", int),
+                "--fan-out": ("fan_out", int),
                 "--fan-out-kind": ("fan_out_kind", str), "--saguaro-c": ("saguaro_c", float),
                 "--fallback": ("fallback", str), "--tree-policy": ("tree_policy", str), "--seed": ("seed", int), "--repeats": ("repeats", int),
                 "--cores": ("cores", int)}
@@ -50,7 +51,7 @@ def register(subparsers) -> None:
     p.add_argument("--interleave", action="store_true",
                    help="open every system of a setting at once and run their repeats in turn (drift falls on all alike)")
     for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():
-        p.add_argument(flag, dest=field, help="comma-separated list" if field.endswith("s") and field not in ("cores", "repeats") else None)
+        p.add_argument(flag, dest=field, help="comma-separated list" if field.endswith("s") and field not in ("cores", "repeats", "num_prompts") else None)
     p.set_defaults(run=run)
 
 
