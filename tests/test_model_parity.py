@@ -102,3 +102,20 @@ def test_branch_decode_matches_each_branch_alone(pair):
     assert runner.length("x") == 12 and runner.length("y") == 6  # branches commit nothing
     for sid in seqs:
         runner.free(sid)
+
+
+def test_adopting_a_branch_continues_like_extending_its_tokens(pair):
+    runner, hf = pair
+    seq, paths = tokens(30, 10), [tokens(31, 4), tokens(32, 4)]
+    runner.add("z")
+    runner.extend(["z"], [seq], [1])
+    state, _ = runner.branch_start(["z", "z"], [10, 8], [paths[0][0], paths[1][0]])
+    for d in range(1, 4):
+        runner.branch_step(state, torch.tensor([paths[0][d], paths[1][d]]))
+    with pytest.raises(ValueError, match="branch starts at 8"):
+        runner.adopt_branch(state, 1, 3)  # the sequence holds 10 positions, not the branch's prefix 8
+    runner.truncate("z", 8)
+    runner.adopt_branch(state, 1, 3)
+    assert runner.length("z") == 11
+    close(runner.extend(["z"], [[7]], [1])[0], hf_logits(hf, seq[:8] + paths[1][:3] + [7])[-1:])
+    runner.free("z")

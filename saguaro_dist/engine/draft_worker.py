@@ -22,11 +22,20 @@ from saguaro_dist.engine.messages import (
 )
 from saguaro_dist.engine.sequence import make_generator
 from saguaro_dist.engine.target import sampling_probs
+from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, sample, saguaro_probs, scaled_budget, select_branches,
 )
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class LastTree:
+    """What the last tree's branch decode left behind: a hit on one of its branches then needs no glue
+    forward over the branch's tokens (their KV and draft logits are here)."""
+    state: BranchState                  # private KV of every branch built in that call
+    step_logits: list[torch.Tensor]     # K x [N, V]: the logits branch row i drew x_1..x_K from
 
 
 @dataclass
@@ -43,6 +52,9 @@ class DraftSeq:
     shard: int = 0                           # cache-parallel slice of the tree this worker builds
     num_shards: int = 1
     branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # last tree: (k, t) -> tokens
+    branch_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # last tree: (k, t) -> its row there
+    last_tree: LastTree | None = None
+    hit: tuple[int, int] | None = None       # this round's speculation is branch (k, t) of last_tree
 
     def commit(self, accepted: int, bonus: int) -> None:
         if not 0 <= accepted <= len(self.speculation):
@@ -94,6 +106,7 @@ class DraftWorker:
         for s, r, p in zip(states, reqs, proposals):
             wants_tree = self.config.mode is Mode.SSD and not r.skip_tree
             s.speculation, s.round, s.pending, s.from_cache, s.tree_built = p.tokens.tolist(), r.round, wants_tree, False, False
+            s.hit = None
         return proposals
 
     def observe(self, outcomes: list[Outcome]) -> None:
@@ -116,6 +129,8 @@ class DraftWorker:
         s.commit(o.accepted, o.bonus_token)
         s.speculation, s.round, s.from_cache = list(next_tokens), 0 if fresh else o.round + 1, o.cache_hit
         s.pending, s.tree_built = not o.skip_tree, False
+        key = (o.accepted, o.bonus_token)
+        s.hit = key if o.cache_hit and key in s.branch_rows and s.branches.get(key) == s.speculation else None
 
     def _record_outcome(self, s: DraftSeq, accepted: int, looked_up: bool, hit: bool) -> None:
         """Feed the fan-out estimates (a, r) from a verified round. Misses count too: they reach the
@@ -181,11 +196,14 @@ class DraftWorker:
             probs = torch.where(sampled[:, None], scaled, probs)
         return probs
 
-    def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step) -> list[Proposal]:
-        """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j."""
+    def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step
+                ) -> tuple[list[Proposal], list[torch.Tensor]]:
+        """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j.
+        Returns the proposals and the K logits [R, V] they were drawn from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
-        tokens, dists = [], []
+        tokens, dists, seen = [], [], []
         for j in range(self.k):
+            seen.append(logits)
             if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
                 drawn = logits.argmax(-1)
             else:
@@ -198,7 +216,7 @@ class DraftWorker:
         tokens = torch.stack(tokens, 1)                                       # [R, K]
         dists = torch.stack(dists, 1) if dists else None                      # [R, K, V]
         return [Proposal(tokens[i].clone(), None if s.sampling.temperature == 0 else dists[i].clone())
-                for i, s in enumerate(rows)]
+                for i, s in enumerate(rows)], seen
 
     def _draft_sequentially(self, states: list[DraftSeq]) -> list[Proposal]:
         """K one-token forwards (the SD draft, and SSD's neural backup)."""
@@ -209,17 +227,20 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [[s.committed[-1]] for s in states], [1] * len(ids)))
-        return self._draw_k(states, fanouts, first, step)
+        return self._draw_k(states, fanouts, first, step)[0]
 
     def _glue(self, states: list[DraftSeq], fanouts: dict[int, list[int]]) -> list[tuple[int, int, int]]:
         """Draft logits over [b, x_1..x_K]; the candidate bonus tokens of this worker's slice of the tree.
+        A speculation that is a branch of the last tree already ran b, x_1..x_{K-1} there: it adopts
+        that KV and those logits and runs x_K alone (one token instead of K + 1).
 
         Returns one (state index, k, bonus token) per branch to build.
         """
         self._sync(states)
-        k = self.k
-        logits = self.runner.extend([s.seq_id for s in states], [[s.committed[-1]] + s.speculation for s in states],
-                                    [k + 1] * len(states))
+        adopted = [self._adopt_hit(s) for s in states]                             # [K, V] each, or None
+        tokens = [[s.committed[-1]] + s.speculation if a is None else s.speculation[-1:] for s, a in zip(states, adopted)]
+        fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) for t in tokens])
+        logits = [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long)      # [B, K]
         rows = []
@@ -229,16 +250,30 @@ class DraftWorker:
             rows += [(i, kk, t) for kk, t in zip(ks.tolist(), bonus.tolist())]
         return rows
 
+    def _adopt_hit(self, s: DraftSeq) -> torch.Tensor | None:
+        """For a hit on this worker's own branch: its KV into the sequence, and the logits [K, V] its
+        tokens were drawn from (the draft's distributions after b, x_1..x_{K-1})."""
+        key, s.hit = s.hit, None
+        if key is None:
+            return None
+        row = s.branch_rows[key]
+        self.runner.adopt_branch(s.last_tree.state, row, self.k)
+        return torch.stack([step[row] for step in s.last_tree.step_logits])
+
     def _decode_branches(self, states, fanouts, rows) -> list[SpeculationTree]:
         """K steps for all branches at once; branch (k, t) attends to P + x_1..x_k, then t."""
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
-        proposals = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
-                                 lambda drawn: self.runner.branch_step(state, drawn))
+        proposals, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
+                                       lambda drawn: self.runner.branch_step(state, drawn))
+        last = LastTree(state, seen)
         branches = {i: [] for i in range(len(states))}
-        for (i, k, t), p in zip(rows, proposals):
+        for s in states:
+            s.last_tree, s.branch_rows = last, {}
+        for row, ((i, k, t), p) in enumerate(zip(rows, proposals)):
             branches[i].append(Branch(k, t, p))
+            states[i].branch_rows[(k, t)] = row
         return [self._tree(s, branches[i]) for i, s in enumerate(states)]
 
     def _tree(self, s: DraftSeq, branches: list[Branch]) -> SpeculationTree:

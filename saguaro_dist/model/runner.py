@@ -125,6 +125,23 @@ class ModelRunner:
             raise ValueError(f"branch_step: a branch would pass max_model_len {self.max_model_len}")
         return self._branch_forward(state, tokens)
 
+    @torch.inference_mode()
+    def adopt_branch(self, state: BranchState, branch: int, depth: int) -> None:
+        """Append the first `depth` tokens of branch `branch` to its sequence, their KV copied from the
+        branch's private slots (no forward). The sequence must still end where the branch starts."""
+        seq_id = state.seq_ids[branch]
+        seq = self._seq(seq_id)
+        u, j = divmod(int(state.out_index[branch]), state.prefix_len.shape[1])
+        if seq[1] != int(state.prefix_len[u, j]) or not 0 < depth <= state.depth:
+            raise ValueError(f"adopt_branch({seq_id!r}): the sequence holds {seq[1]} positions, the branch starts at "
+                             f"{int(state.prefix_len[u, j])} and ran {state.depth} tokens; asked for {depth}")
+        self.pool.reserve(seq[1] + depth)
+        q = state.prefix_len.shape[1]
+        slots = slice(j, depth * q, q)  # private slot d * Q + j holds the branch's token at depth d
+        self.pool.k[:, seq[0], :, seq[1]:seq[1] + depth] = state.private_k[:, u, :, slots]
+        self.pool.v[:, seq[0], :, seq[1]:seq[1] + depth] = state.private_v[:, u, :, slots]
+        seq[1] += depth
+
     def _branch_forward(self, state: BranchState, tokens) -> torch.Tensor:
         ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
         ids.view(-1)[state.out_index] = torch.as_tensor(tokens, device=self.device).long()

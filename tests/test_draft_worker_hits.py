@@ -1,0 +1,76 @@
+"""A hit on the draft's own branch skips the glue forward over that branch's tokens: the branch's KV
+and logits are adopted, and only x_K runs. The trees must be the ones a full glue would build."""
+import pytest
+
+from engine_helpers import llama_config, save_model
+from saguaro_dist.config import Config
+from saguaro_dist.engine.build import build_draft_worker
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest
+
+GREEDY = DraftSampling(0.0, 0, 1.0, None)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hits_draft")
+    save_model(path, llama_config(vocab=64, hidden=32, layers=2), seed=3)
+    return str(path)
+
+
+def started(draft_dir):
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=K, fan_out=8))
+    worker.prefill([PrefillRequest(0, [5, 6, 7, 8], GREEDY), PrefillRequest(1, [9, 3], GREEDY)])
+    worker.jit_draft([JitDraftRequest(0, 0, 0, 7), JitDraftRequest(1, 0, 0, 4)])
+    return worker
+
+
+def record_extends(worker) -> list[list[int]]:
+    """Token counts of every extend call the worker's runner makes from now on."""
+    calls, extend = [], worker.runner.extend
+
+    def spy(seq_ids, token_lists, num_logits):
+        calls.append([len(t) for t in token_lists])
+        return extend(seq_ids, token_lists, num_logits)
+    worker.runner.extend = spy
+    return calls
+
+
+def as_dict(trees):
+    return {t.seq_id: {(b.accepted, b.bonus_token): b.proposal.tokens.tolist() for b in t.branches} for t in trees}
+
+
+def test_hits_adopt_their_branch_and_build_the_trees_a_full_glue_builds(draft_dir):
+    adopting, full = started(draft_dir), started(draft_dir)
+    extends = record_extends(adopting)
+    trees_a, trees_f = adopting.build_trees(), full.build_trees()
+    for r in range(6):
+        assert as_dict(trees_a) == as_dict(trees_f)
+        # sequence 0 hits a different branch each round; sequence 1 alternates hit and a miss's JIT draft
+        picks = [t.branches[(r * 3 + i) % len(t.branches)] for i, t in enumerate(trees_a)]
+        outcomes = [Outcome(t.seq_id, t.round, b.accepted, b.bonus_token, None, cache_hit=True)
+                    for t, b in zip(trees_a, picks)]
+        if r % 2:
+            adopting.observe(outcomes[:1]), full.observe(outcomes[:1])
+            jit = [JitDraftRequest(1, trees_a[1].round + 1, picks[1].accepted, picks[1].bonus_token)]
+            assert adopting.jit_draft(jit)[0].tokens.tolist() == full.jit_draft(jit)[0].tokens.tolist()
+        else:
+            adopting.observe(outcomes), full.observe(outcomes)
+        for s in full.seqs.values():  # the reference runs the glue over [b, x_1..x_K] every round
+            s.hit = None
+        trees_a, trees_f = adopting.build_trees(), full.build_trees()
+        glue = extends[-1]
+        assert glue == ([1, 1] if r % 2 == 0 else [1, K + 1])  # hits run x_K alone; the JIT'd sequence all K+1
+    assert as_dict(trees_a) == as_dict(trees_f)
+    for sid in (0, 1):
+        assert adopting.runner.length(sid) == full.runner.length(sid)
+
+
+def test_a_branch_built_by_another_shard_is_not_adopted(draft_dir):
+    worker = started(draft_dir)
+    (tree, _) = worker.build_trees()
+    key = (tree.branches[0].accepted, tree.branches[0].bonus_token)
+    tokens = worker.seqs[0].branches.pop(key)  # as if another cache-parallel shard had built this branch
+    worker.seqs[0].branch_rows.pop(key)
+    worker.observe([Outcome(0, tree.round, *key, next_tokens=tokens, cache_hit=True)])
+    assert worker.seqs[0].hit is None
