@@ -81,7 +81,10 @@ class TreeGate:
         self._gates: dict[int, _BatchGate] = {}
 
     def mode(self, batch_size: int) -> RoundMode:
-        return self._gates.setdefault(batch_size, _BatchGate()).next_round()
+        gate = self._gates.get(batch_size)
+        if gate is None:  # not setdefault: that would build a _BatchGate every round
+            gate = self._gates[batch_size] = _BatchGate()
+        return gate.next_round()
 
     def record(self, batch_size: int, mode: RoundMode, tokens: int, seconds: float) -> None:
         """A finished round of `mode` at `batch_size`: `tokens` gained in `seconds` (prepare + verify)."""
