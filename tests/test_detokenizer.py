@@ -44,3 +44,41 @@ def test_the_engine_streams_what_the_full_decode_says(tokenizer):
     detok = Detokenizer(tokenizer)
     ids = tokenizer.encode(TEXT, add_special_tokens=False)
     assert "".join(pieces(detok, ids, [1] * len(ids))) == TEXT
+
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    from saguaro_dist import LLM
+    with LLM(model=str(PAIR_DIR / "target"), mode="ar", max_batch_size=2) as llm:
+        yield llm
+
+
+def count_decodes(llm) -> list[int]:
+    """Calls of the engine's incremental decode from now on (one entry per call)."""
+    detok, calls = llm._thread.engine.detok, []
+    decode_more = detok.decode_more
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return decode_more(*args, **kwargs)
+    detok.decode_more = spy
+    return calls
+
+
+def test_generate_decodes_once_at_the_end_streams_and_stop_strings_every_round(demo_llm, tokenizer):
+    import asyncio
+
+    from saguaro_dist import SamplingParams
+    prompt, params = "def add(a, b):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    calls = count_decodes(demo_llm)
+    (out,) = demo_llm.generate([prompt], params)
+    assert len(calls) == 1  # AR: 12 rounds, one decode
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+    async def streamed() -> str:
+        return "".join([d.text async for d in demo_llm.stream(prompt, params)])
+    calls.clear()
+    assert asyncio.run(streamed()) == out.text and len(calls) == 12
+    calls.clear()
+    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["\x00never"])
+    assert demo_llm.generate([prompt], stop)[0].text == out.text and len(calls) == 12

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from saguaro_dist.engine.metrics import RequestMetrics
+from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.sampling_params import SamplingParams
 
 
@@ -13,6 +14,7 @@ class RemoteRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_kind: OutputKind = OutputKind.DELTA
 
 
 @dataclass

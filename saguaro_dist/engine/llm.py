@@ -11,7 +11,7 @@ from saguaro_dist.config import Config, Mode
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
-from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.sampling_params import SamplingParams
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
@@ -62,6 +62,7 @@ class LLM:
         done = [threading.Event() for _ in requests]
         results: list = [None] * len(requests)
         for i, (seq, _) in enumerate(requests):
+            seq.output_kind = OutputKind.FINAL_ONLY
             self._thread.submit(seq, self._collector(i, results, done[i]))
         for event in done:
             event.wait()

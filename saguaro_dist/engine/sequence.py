@@ -20,6 +20,12 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class OutputKind(str, enum.Enum):
+    """What the caller reads while a request runs (vLLM's RequestOutputKind, in the two kinds we serve)."""
+    DELTA = "delta"            # text deltas every round (streams)
+    FINAL_ONLY = "final_only"  # the result at the end (generate): text is decoded once, when it finishes
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"      # eos or a stop string
     LENGTH = "length"  # max_tokens
@@ -39,6 +45,7 @@ class Sequence:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_kind: OutputKind = OutputKind.DELTA
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""                         # detokenized output, stop strings cut
