@@ -1,11 +1,14 @@
 """Greedy exactness: every mode and path gives the target's own greedy tokens."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import saguaro_dist.engine.rounds as rounds_module
 from engine_helpers import PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.engine.sequence import OutputKind, Sequence
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -107,3 +110,25 @@ def test_tree_policy_always_never_skips_a_tree(pair, reference):
         m = llm.metrics
     check(pair, reference, outputs)
     assert m.just_in_time_rounds == 0 and m.cache_hits + m.cache_misses == m.rounds - len(PROMPTS), m
+
+
+def test_final_only_requests_get_one_update_with_every_token(pair, reference):
+    """generate()'s requests are read only at the end: one update each (on Ray, an update is an actor
+    call each way), carrying every token; streamed (DELTA) requests get one per round."""
+    updates = {kind: [] for kind in OutputKind}
+    done = {kind: threading.Event() for kind in OutputKind}
+
+    def listener(kind):
+        def on_update(item):
+            updates[kind].append(item)
+            if isinstance(item, BaseException) or item.finished:
+                done[kind].set()
+        return on_update
+
+    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", draft_executor="thread") as llm:
+        for i, kind in enumerate(OutputKind):
+            llm._thread.submit(Sequence(1000 + i, f"kind-{kind.value}", PROMPTS[0], GREEDY, kind), listener(kind))
+        assert all(event.wait(60) for event in done.values())
+    final, streamed = updates[OutputKind.FINAL_ONLY], updates[OutputKind.DELTA]
+    assert len(final) == 1 and final[0].finished and final[0].token_delta == reference[0]
+    assert len(streamed) > 1 and [t for u in streamed for t in u.token_delta] == reference[0]

@@ -184,23 +184,32 @@ class DraftServicer:
             self._close_stream(stream)
 
     def _read_outcomes(self, requests, context, stream: _Stream) -> None:
-        """Outcome batches in arrival order -> observe + build on the worker thread -> push the trees."""
+        """Outcome batches in arrival order -> the worker thread, which observes, builds and pushes.
+
+        The reader does not wait for the build: the worker thread pushes the encoded trees itself, one
+        thread hand-off fewer between an outcome and its tree (each costs a wake-up on a busy box)."""
         try:
             for raw in requests:
                 outcomes = codec.outcome_batch_from_proto(pb.OutcomeBatch.FromString(raw))
-                trees = self._thread.call(self._observe_and_build, outcomes)
-                for batch in self._encode_trees(trees):
-                    stream.push(batch)
+                self._thread.submit(self._observe_build_push, outcomes, context, stream)
         except Exception as exc:
             if context.is_active():  # not a client that went away
-                self._log_failure(self._observe_and_build, exc)
+                self._log_failure(self._read_outcomes, exc)
                 stream.fail(*status_for(exc))
                 return
-        stream.finish()
+        self._thread.submit(stream.finish)  # after the builds queued before it
 
-    def _observe_and_build(self, outcomes):
-        self.worker.observe(outcomes)
-        return self.worker.build_trees()
+    def _observe_build_push(self, outcomes, context, stream: _Stream) -> None:
+        try:
+            self.worker.observe(outcomes)
+            batches = self._encode_trees(self.worker.build_trees())
+        except Exception as exc:
+            if context.is_active():
+                self._log_failure(self.worker.observe, exc)
+                stream.fail(*status_for(exc))
+            return
+        for batch in batches:
+            stream.push(batch)
 
     def _build_and_broadcast(self) -> None:
         try:

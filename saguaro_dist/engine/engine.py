@@ -61,7 +61,9 @@ class Engine:
         if running:
             self.loop.prepare(running)
             gained = self.loop.verify(running)
-            updates += [self._append(s, tokens) for s, tokens in zip(running, gained)]
+            for s, tokens in zip(running, gained):
+                self._append(s, tokens)
+            updates += self._updates(running)
             self.metrics.rounds += 1
         self._retire()
         self.metrics.step_s += time.perf_counter() - start
@@ -93,9 +95,16 @@ class Engine:
         for s in new:
             s.status = SeqStatus.RUNNING
         self.running += new
-        return [self._append(s, [t]) for s, t in zip(new, first)]
+        for s, t in zip(new, first):
+            self._append(s, [t])
+        return self._updates(new)
 
-    def _append(self, s: Sequence, tokens: list[int]) -> Update:
+    def _updates(self, seqs: list[Sequence]) -> list[Update]:
+        """Deltas for the readers that take them: every round for DELTA, only the end for FINAL_ONLY
+        (its one update carries all tokens; on Ray a per-round update costs an actor call each way)."""
+        return [self._delta(s) for s in seqs if s.finished or s.output_kind is not OutputKind.FINAL_ONLY]
+
+    def _append(self, s: Sequence, tokens: list[int]) -> None:
         """Add verified tokens up to the first stop condition; cut stop strings from the text."""
         if not s.output_token_ids:
             s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
@@ -108,7 +117,6 @@ class Engine:
             if s.finished:
                 break
         self._update_text(s)
-        return self._delta(s)
 
     def _update_text(self, s: Sequence) -> None:
         # A final-only request without stop strings has no reader for its text before it finishes; a
