@@ -32,15 +32,18 @@ def hit_outcome(tree, round_: int) -> Outcome:
     return Outcome(0, round_, branch.accepted, branch.bonus_token, next_tokens=None, cache_hit=True)
 
 
-def run_rounds(worker, rounds: int, idle_s: float) -> list[int]:
-    """Budgets (branches per tree) of consecutive rounds whose outcomes come idle_s after each build."""
+def run_rounds(worker, rounds: int, idle_s: float, target_wait_s: float = 0.0) -> list[int]:
+    """Budgets (branches per tree) of consecutive rounds whose outcomes come idle_s after each build,
+    each reporting that the target waited target_wait_s for that tree."""
     budgets = []
     for r in range(rounds):
         tree = worker.build_trees()[0]
         budgets.append(len(tree.branches))
         if idle_s:
             time.sleep(idle_s)
-        worker.observe([hit_outcome(tree, r)])
+        outcome = hit_outcome(tree, r)
+        outcome.tree_wait_s = target_wait_s
+        worker.observe([outcome])
     return budgets
 
 
@@ -55,6 +58,12 @@ def test_budget_shrinks_while_outcomes_wait_then_stays_at_one_branch_per_positio
 def test_budget_holds_when_the_draft_idles_or_adaptation_is_off(draft_dir):
     assert set(run_rounds(started_worker(draft_dir), rounds=4, idle_s=0.2)) == {16}
     assert set(run_rounds(started_worker(draft_dir, adaptive_fan_out=False), rounds=4, idle_s=0.0)) == {16}
+
+
+def test_budget_shrinks_when_the_target_reports_waiting_though_the_draft_idled(draft_dir):
+    # Over gRPC an outcome arrives a link round trip after the build: idle time the target spent waiting.
+    budgets = run_rounds(started_worker(draft_dir), rounds=3, idle_s=0.2, target_wait_s=10.0)
+    assert budgets[0] == 16 and budgets[1] < 16 and budgets[2] < budgets[1], budgets
 
 
 def test_a_miss_reaching_the_draft_as_a_jit_request_feeds_its_statistics(draft_dir):

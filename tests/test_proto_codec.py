@@ -131,7 +131,8 @@ def test_sampling_and_messages_round_trip():
         (PrefillRequest(7, [1, 2, 3], s), codec.prefill_to_proto, codec.prefill_from_proto),
         (JitDraftRequest(7, 3, 2, 99), codec.jit_request_to_proto, codec.jit_request_from_proto),
         (JitDraftRequest(7, 3, 2, 99, skip_tree=True), codec.jit_request_to_proto, codec.jit_request_from_proto),
-        (Outcome(7, 3, 2, 99, [1], cache_hit=True, skip_tree=True), codec.outcome_to_proto, codec.outcome_from_proto),
+        (Outcome(7, 3, 2, 99, [1], cache_hit=True, skip_tree=True, tree_wait_s=0.00125), codec.outcome_to_proto,
+         codec.outcome_from_proto),
         (Outcome(7, 3, 2, 99, None), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(7, 3, 0, 99, []), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(-7, 0, 4, 0, [4, 5, 6]), codec.outcome_to_proto, codec.outcome_from_proto),
@@ -171,6 +172,8 @@ def test_malformed_messages_raise_codec_error():
     _bad(lambda: codec.tensor_from_proto(pb.Tensor(dtype=pb.Tensor.INT32, shape=[-1], data=b"")))
     _bad(lambda: codec.prefill_from_proto(pb.PrefillRequest(seq_id=1, prompt_token_ids=[1])))  # no sampling
     _bad(lambda: codec.outcome_from_proto(pb.Outcome(seq_id=1, round=-1)))
+    for wait in (-0.001, float("nan"), float("inf")):
+        _bad(lambda: codec.outcome_from_proto(pb.Outcome(seq_id=1, tree_wait_s=wait)))
     _bad(lambda: codec.jit_request_from_proto(pb.JitDraftRequest(seq_id=1, accepted=-2)))
     _bad(lambda: codec.branch_from_proto(pb.Branch(accepted=0, bonus_token=1)))  # no proposal
     _bad(lambda: codec.proposal_from_proto(pb.Proposal()))  # no tokens

@@ -12,6 +12,12 @@ def test_next_scale_by_idle_share(idle_s, expected):
     assert next_budget_scale(0.9, 1.0, idle_s, floor=0.1) == pytest.approx(expected)
 
 
+@pytest.mark.parametrize("target_wait_s, expected", [(0.0, 0.99), (0.05, 0.99), (0.2, 0.72)])
+def test_a_target_that_reports_waiting_shrinks_the_scale_whatever_the_idle_gap(target_wait_s, expected):
+    # Over gRPC the idle gap holds the link's round trip: 0.6 s here would read as slack on its own.
+    assert next_budget_scale(0.9, 1.0, 0.6, floor=0.1, target_wait_s=target_wait_s) == pytest.approx(expected)
+
+
 def test_scale_stays_within_floor_and_one():
     assert next_budget_scale(0.3, 1.0, 0.0, floor=0.3) == 0.3
     assert next_budget_scale(1.0, 1.0, 5.0, floor=0.3) == 1.0

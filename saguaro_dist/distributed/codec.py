@@ -9,6 +9,8 @@ dense bytes otherwise. Every float crosses bit for bit.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -123,6 +125,12 @@ def _int64(value, what: str) -> int:
 def _non_negative(value: int, what: str) -> int:
     if value < 0:
         raise CodecError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def _duration(value: float, what: str) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise CodecError(f"{what} must be a finite number of seconds >= 0, got {value}")
     return value
 
 
@@ -272,7 +280,7 @@ def jit_request_from_proto(msg: pb.JitDraftRequest) -> JitDraftRequest:
 
 def outcome_to_proto(o: Outcome) -> pb.Outcome:
     msg = pb.Outcome(seq_id=_int64(o.seq_id, "seq_id"), round=o.round, accepted=o.accepted, bonus_token=o.bonus_token,
-                     cache_hit=o.cache_hit, skip_tree=o.skip_tree)
+                     cache_hit=o.cache_hit, skip_tree=o.skip_tree, tree_wait_s=o.tree_wait_s)
     if o.next_tokens is not None:
         msg.next_tokens.ids.extend(o.next_tokens)  # extend([]) still marks the field present
         msg.next_tokens.SetInParent()
@@ -284,7 +292,8 @@ def outcome_from_proto(msg: pb.Outcome) -> Outcome:
     return Outcome(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
                    accepted=_non_negative(msg.accepted, "accepted"),
                    bonus_token=_non_negative(msg.bonus_token, "bonus_token"), next_tokens=next_tokens,
-                   cache_hit=msg.cache_hit, skip_tree=msg.skip_tree)
+                   cache_hit=msg.cache_hit, skip_tree=msg.skip_tree,
+                   tree_wait_s=_duration(msg.tree_wait_s, "tree_wait_s"))
 
 
 def branch_to_proto(b: Branch) -> pb.Branch:

@@ -111,7 +111,7 @@ class DraftWorker:
 
     def observe(self, outcomes: list[Outcome]) -> None:
         """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*)."""
-        self.budget.outcomes_arrived()
+        self.budget.outcomes_arrived(max((o.tree_wait_s for o in outcomes), default=0.0))
         states = [self._get(o.seq_id) for o in outcomes]
         for s, o in zip(states, outcomes):  # validate the whole batch before changing any state
             if o.round != s.round:

@@ -66,6 +66,7 @@ class Outcome:
     next_tokens: list[int] | None    # the speculation verified next; None: the cached branch (k*, t*) of this worker
     cache_hit: bool = False          # the target found (k*, t*) in the speculation cache
     skip_tree: bool = False          # the target will not look up a tree for next_tokens; build none
+    tree_wait_s: float = 0.0         # how long the target waited for this round's tree (the draft's budget signal)
 
 
 @dataclass

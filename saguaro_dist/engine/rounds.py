@@ -210,7 +210,8 @@ class SSDLoop(SDLoop):
         """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
         start = time.perf_counter()
         trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s)
-        self.metrics.draft_wait_s += time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self.metrics.draft_wait_s += waited
         for tree in trees.values():
             self.cache.put_tree(tree)
         outcomes, misses = [], []
@@ -225,7 +226,10 @@ class SSDLoop(SDLoop):
                                     cache_hit=True, skip_tree=not s.wants_tree))
             s.speculation, s.speculation_kind, s.round = branch, ProposalSource.CACHE, s.round + 1
         self._count_lookups(len(seqs), len(seqs) - len(misses))
-        return outcomes + self._fallback(misses, len(seqs))
+        outcomes += self._fallback(misses, len(seqs))
+        for o in outcomes:  # the draft's budget signal: did its last trees make the target wait?
+            o.tree_wait_s = waited
+        return outcomes
 
     def _count_lookups(self, lookups: int, hits: int) -> None:
         self.stats.record_lookups([1] * lookups, [True] * hits + [False] * (lookups - hits))

@@ -3,8 +3,10 @@ than the target's verify, grow it back while the draft idles.
 
 Theorem 7's round time on a hit is max(1, T_p) verifies: once building the trees takes longer than a
 verify (T_p > 1), every branch past the break-even point costs the target time instead of hiding
-behind its verify. The draft sees this without any message from the target: when an outcome is
-already waiting the moment a build ends (idle ~ 0), the target is waiting on the draft.
+behind its verify. Two signals say the target waited on the draft: the target's own report (each
+outcome carries how long it waited for that round's tree), and, with no link between them, an outcome
+already waiting the moment a build ends (idle ~ 0). Over gRPC the idle gap alone misleads: it holds the
+link's round trip (~1 ms on loopback), so the target could wait every round while the draft saw slack.
 """
 from __future__ import annotations
 
@@ -16,9 +18,11 @@ BUSY_IDLE_SHARE = 0.1  # idle < 10% of a build: the outcome was waiting, the tar
 SLACK_IDLE_SHARE = 0.5  # idle > 50% of a build: room for more branches
 
 
-def next_budget_scale(scale: float, build_s: float, idle_s: float, floor: float) -> float:
-    """scale' in [floor, 1]: x SHRINK if idle_s < 0.1 build_s, x GROW if idle_s > 0.5 build_s, else kept."""
-    if idle_s < BUSY_IDLE_SHARE * build_s:
+def next_budget_scale(scale: float, build_s: float, idle_s: float, floor: float, target_wait_s: float = 0.0) -> float:
+    """scale' in [floor, 1]: x SHRINK if the target waited (target_wait_s or the idle gap under 0.1
+    build_s), x GROW if it did not and idle_s > 0.5 build_s, else kept."""
+    busy = BUSY_IDLE_SHARE * build_s
+    if target_wait_s > busy or idle_s < busy:
         scale *= SHRINK
     elif idle_s > SLACK_IDLE_SHARE * build_s:
         scale *= GROW
@@ -46,8 +50,9 @@ class BudgetController:
         """Other draft work (a just-in-time draft) ran after the build: the gap is not idle time."""
         self._built_at = None
 
-    def outcomes_arrived(self) -> None:
+    def outcomes_arrived(self, target_wait_s: float = 0.0) -> None:
+        """target_wait_s: how long the target waited for the last tree built (0: not reported)."""
         if self._built_at is not None and self.enabled:
             idle_s = time.perf_counter() - self._built_at
-            self.scale = next_budget_scale(self.scale, self._build_s, idle_s, self.floor)
+            self.scale = next_budget_scale(self.scale, self._build_s, idle_s, self.floor, target_wait_s)
         self._built_at = None

@@ -110,7 +110,7 @@ class TokenList(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit", "skip_tree")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit", "skip_tree", "tree_wait_s")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class Outcome(_message.Message):
     NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     SKIP_TREE_FIELD_NUMBER: _ClassVar[int]
+    TREE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: int
@@ -125,7 +126,8 @@ class Outcome(_message.Message):
     next_tokens: TokenList
     cache_hit: bool
     skip_tree: bool
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ...) -> None: ...
+    tree_wait_s: float
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ...) -> None: ...
 
 class Branch(_message.Message):
     __slots__ = ("accepted", "bonus_token", "proposal")
