@@ -4,6 +4,7 @@ import pytest
 
 from engine_helpers import llama_config, save_model
 from saguaro_dist.config import Config
+from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder
 from saguaro_dist.engine.build import build_draft_worker
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest
 
@@ -74,3 +75,13 @@ def test_a_branch_built_by_another_shard_is_not_adopted(draft_dir):
     worker.seqs[0].branch_rows.pop(key)
     worker.observe([Outcome(0, tree.round, *key, next_tokens=tokens, cache_hit=True)])
     assert worker.seqs[0].hit is None
+
+
+def test_a_jit_ahead_of_the_observed_outcomes_is_draft_behind_a_stale_one_out_of_order(draft_dir):
+    worker = started(draft_dir)  # both sequences at round 0
+    with pytest.raises(DraftBehind):  # round 1's outcome not seen yet: over gRPC it may be in flight
+        worker.jit_draft([JitDraftRequest(0, 2, 0, 7)])
+    with pytest.raises(OutOfOrder) as stale:
+        worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])
+    assert not isinstance(stale.value, DraftBehind)
+    assert worker.jit_draft([JitDraftRequest(0, 1, 0, 7)])[0].tokens.shape == (K,)  # nothing was changed

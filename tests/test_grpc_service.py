@@ -145,6 +145,24 @@ def test_unknown_sequence_and_out_of_order_get_their_codes(served):
     assert _code(lambda: _jit(served.stub, 1, 2)) is grpc.StatusCode.NOT_FOUND
 
 
+def test_a_jit_that_overtakes_its_outcome_waits_for_the_stream(served):
+    # The target streams round 0's outcome, then asks round 1's JIT as a unary call a verify later;
+    # on a busy host the JIT can arrive first. It must wait for the outcome, not fail the engine.
+    stream = StreamClient(served.stub)
+    _prefill(served.stub, 1)
+    (proposal,) = _jit(served.stub, 1, 0)
+    stream.get()
+    late = threading.Timer(0.3, stream.send, args=([Outcome(1, 0, 0, 9, toy_tokens([5, 6, 9, 9]))],))
+    late.start()
+    (nxt,) = _jit(served.stub, 1, 2)
+    late.join()
+    calls = served.worker.calls
+    assert nxt.tokens.shape == (K,)
+    assert calls.count("jit_draft") == 3  # round 0's, round 2's refused before the outcome, its retry
+    assert calls.index("observe") < len(calls) - 1 - calls[::-1].index("jit_draft")
+    stream.close()
+
+
 @pytest.mark.parametrize("bad, code", [
     (b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),
     ([Outcome(42, 0, 0, 1, None)], grpc.StatusCode.NOT_FOUND),

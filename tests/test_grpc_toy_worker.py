@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_dist.distributed.errors import OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.messages import Branch, DraftSampling, Proposal, SpeculationTree
 
 K, VOCAB = 3, 64
@@ -71,7 +71,8 @@ class ToyWorker:
         for s, r in zip(states, reqs):
             first = s.round == 0 and not s.speculation
             if r.round != s.round + 1 and not (first and r.round == 0):
-                raise OutOfOrder(f"sequence {r.seq_id}: jit for round {r.round}, draft is at round {s.round}")
+                error = DraftBehind if r.round > s.round + 1 else OutOfOrder
+                raise error(f"sequence {r.seq_id}: jit for round {r.round}, draft is at round {s.round}")
         proposals = []
         for s, r in zip(states, reqs):
             s.committed = s.committed + s.speculation[:r.accepted] + [r.bonus_token]

@@ -8,7 +8,8 @@ open stream while the caller already has its proposals).
 Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message, or a ValueError from
 the worker), RESOURCE_EXHAUSTED (over the message size limit; gRPC enforces it on receipt),
 NOT_FOUND (UnknownSequence / KeyError), FAILED_PRECONDITION (OutOfOrder), INTERNAL (anything else).
-A failed call never takes the server down.
+A failed call never takes the server down. A JitDraft that overtook its outcomes on the stream
+(DraftBehind) waits for them, up to JIT_CATCH_UP_S, before it fails.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import logging
 import queue
 import sys
 import threading
+import time
 import weakref
 from concurrent import futures
 
@@ -25,7 +27,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from saguaro_dist.distributed import codec
-from saguaro_dist.distributed.errors import OutOfOrder
+from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder
 from saguaro_dist.distributed.proto import SERVICE_NAME
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 
@@ -35,6 +37,7 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DraftServicer", "serve_draft", "default
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a dense [K, V] tree batch fits; anything larger is a bug
 _PENDING_BATCHES = 64  # tree batches kept while no stream is open (a reconnecting target picks them up)
+JIT_CATCH_UP_S = 2.0  # how long a just-in-time draft that overtook its outcomes waits for them
 
 
 def default_bind_host() -> str:
@@ -120,6 +123,8 @@ class DraftServicer:
         self._lock = threading.Lock()  # guards the open streams and the pending batches
         self._streams: list[_Stream] = []
         self._pending: collections.deque = collections.deque(maxlen=_PENDING_BATCHES)
+        self._observed = threading.Condition()  # notified after each outcome batch the worker observed
+        self._observed_batches = 0
 
     def close(self) -> None:
         self._thread.close()
@@ -132,7 +137,7 @@ class DraftServicer:
 
     def JitDraft(self, raw: bytes, context) -> pb.ProposalBatch:
         reqs = self._decode(context, raw, pb.JitDraftBatch, codec.jit_batch_from_proto)
-        proposals = self._call(context, self.worker.jit_draft, reqs)
+        proposals = self._call(context, self.worker.jit_draft, reqs, via=self._after_outcomes)
         # Queued behind the JIT on the worker thread; this reply goes out while the tree is built.
         self._thread.submit(self._build_and_broadcast)
         reply = codec.proposal_batch_to_proto(proposals)
@@ -140,6 +145,20 @@ class DraftServicer:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                           f"{reply.ByteSize()} byte reply exceeds the {self.max_message_bytes} byte limit")
         return reply
+
+    def _after_outcomes(self, jit_draft, reqs):
+        """The target sends round r's outcome on the stream and, a verify later, round r + 1's JIT as a
+        unary call: on a busy host the JIT can get here first. Then it waits for the stream's outcomes
+        (on this gRPC thread: the worker thread must stay free to observe them)."""
+        deadline = time.monotonic() + JIT_CATCH_UP_S
+        while True:
+            seen = self._observed_batches
+            try:
+                return self._thread.call(jit_draft, reqs)
+            except DraftBehind:
+                with self._observed:
+                    if not self._observed.wait_for(lambda: self._observed_batches > seen, deadline - time.monotonic()):
+                        raise
 
     def Release(self, raw: bytes, context) -> pb.ReleaseReply:
         reqs = self._decode(context, raw, pb.ReleaseBatch, codec.release_batch_from_proto)
@@ -153,9 +172,10 @@ class DraftServicer:
         except (DecodeError, ValueError) as exc:
             context.abort(*status_for(exc))
 
-    def _call(self, context, fn, reqs):
+    def _call(self, context, fn, reqs, via=None):
+        """fn(reqs) on the worker thread (through `via` if given); a failure becomes the call's status."""
         try:
-            return self._thread.call(fn, reqs)
+            return (via or self._thread.call)(fn, reqs)
         except Exception as exc:
             self._log_failure(fn, exc)
             context.abort(*status_for(exc))
@@ -202,6 +222,7 @@ class DraftServicer:
     def _observe_build_push(self, outcomes, context, stream: _Stream) -> None:
         try:
             self.worker.observe(outcomes)
+            self._note_observed()
             batches = self._encode_trees(self.worker.build_trees())
         except Exception as exc:
             if context.is_active():
@@ -210,6 +231,11 @@ class DraftServicer:
             return
         for batch in batches:
             stream.push(batch)
+
+    def _note_observed(self) -> None:
+        with self._observed:
+            self._observed_batches += 1
+            self._observed.notify_all()
 
     def _build_and_broadcast(self) -> None:
         try:

@@ -14,6 +14,12 @@ class OutOfOrder(RuntimeError):
     """A stale or out-of-order round for a known sequence. gRPC: FAILED_PRECONDITION."""
 
 
+class DraftBehind(OutOfOrder):
+    """A just-in-time draft for a round past the next one: the outcomes before it have not been
+    observed. Over gRPC they may still be on the Speculate stream (another call, so the JIT can
+    overtake them); the DraftService waits for them before it answers FAILED_PRECONDITION."""
+
+
 class DraftUnavailable(RuntimeError):
     """The draft server holding these sequences cannot answer (dead, unreachable or past the deadline).
 

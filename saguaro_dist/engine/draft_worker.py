@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro_dist.config import Config, Mode
-from saguaro_dist.distributed.errors import OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.messages import (
     Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
@@ -97,7 +97,8 @@ class DraftWorker:
         for s, r in zip(states, reqs):
             first = s.round == 0 and not s.speculation
             if r.round != s.round + 1 and not (first and r.round == 0):
-                raise OutOfOrder(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
+                error = DraftBehind if r.round > s.round + 1 else OutOfOrder
+                raise error(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
         for s, r in zip(states, reqs):  # validate the whole batch before changing any state
             if s.speculation:  # the target verified s.speculation; if a tree was built for it, it missed
                 self._record_outcome(s, r.accepted, looked_up=s.tree_built, hit=False)
