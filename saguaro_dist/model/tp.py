@@ -68,7 +68,9 @@ class VocabParallelEmbedding(_Sharded, nn.Embedding):
     split = {"weight": 0}
 
     def __init__(self, base: nn.Embedding, group):
-        super().__init__(-(-base.num_embeddings // dist.get_world_size(group)), base.embedding_dim, device="meta")
+        rows = -(-base.num_embeddings // dist.get_world_size(group))
+        # _weight: no random init (see layers.Decoder)
+        super().__init__(rows, base.embedding_dim, _weight=torch.empty(rows, base.embedding_dim, device="meta"))
         self._join(group)
         self.lo = self.rank * self.num_embeddings
 
