@@ -19,15 +19,6 @@ def unfold_heads(o: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def dense_attention(q, k, v, mask):
-    """q: [B, kv, Tg, D]; k, v: [B, kv, S, D]; mask: [B, 1, Tg, S] bool (True = attend) or None (all)."""
+    """q: [B, kv, Tg, D]; k, v: [B, kv, S, D]; mask: [B, 1, Tg, S], bool (True = attend) or float (added to
+    the scores: 0 / -inf), or None (all)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def two_part_attention(q, k1, v1, k2, v2, bias):
-    """One softmax over keys [k1 ‖ k2] without concatenating them (k1 is shared storage, never copied).
-    q: [U, kv, Qg, D]; k1, v1: [U, kv, P, D]; k2, v2: [U, kv, R, D]; bias: [U, 1, Qg, P + R] (0 / -inf)."""
-    scale = q.shape[-1] ** -0.5
-    scores = torch.cat([q @ k1.transpose(-1, -2), q @ k2.transpose(-1, -2)], dim=-1)
-    probs = torch.softmax(scores.float() * scale + bias, dim=-1).to(q.dtype)
-    p = k1.shape[2]
-    return probs[..., :p] @ v1 + probs[..., p:] @ v2

@@ -32,21 +32,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = nn.Identity()
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """Runs on the fused `qkv_proj` that build_model makes from q/k/v_proj once the weights load."""
         b, t, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        q = self.q_norm(q.view(b, t, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(b, t, self.num_kv_heads, self.head_dim))
-        v = v.view(b, t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, ctx.cos, ctx.sin), apply_rope(k, ctx.cos, ctx.sin)
-        return self.o_proj(ctx.attend(self.layer_idx, q, k, v))
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qk, v = self.qkv_proj(x).split([self.qkv_sizes[0] + self.qkv_sizes[1], self.qkv_sizes[2]], dim=-1)
+        qk = qk.view(b, t, heads + kv_heads, self.head_dim)
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
+        # q's and k's heads rotate by the same position: one RoPE pass over both (half the small ops).
+        qk = apply_rope(qk, ctx.cos, ctx.sin)
+        v = v.view(b, t, kv_heads, self.head_dim)
+        return self.o_proj(ctx.attend(self.layer_idx, qk[:, :, :heads], qk[:, :, heads:], v))
 
 
 class MLP(nn.Module):
