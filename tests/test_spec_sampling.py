@@ -7,6 +7,7 @@ import torch
 from saguaro_dist.spec import (
     one_hot_probs, row_uniforms, saguaro_probs, sample, sample_with_uniforms, target_probs, top_f_mask,
 )
+from saguaro_dist.spec.sampling import sort_descending
 
 torch.set_num_threads(1)
 
@@ -41,6 +42,28 @@ def test_top_k_keeps_k_tokens_renormalised():
 def test_top_p_hand_cases(top_p, want):
     p = target_probs(_logits([0.5, 0.3, 0.15, 0.05]), 1.0, 0, top_p)
     assert torch.allclose(p, torch.tensor([want], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sort_descending_is_torchs_stable_sort(dtype):
+    """The keyed integer sort of float32 rows orders exactly as torch's stable sort: ties (many equal
+    logits, +0.0 beside -0.0, rows of -inf) keep the lower token id first."""
+    torch.manual_seed(0)
+    x = (torch.randn(8, 301) * 5).to(dtype)
+    x[0, :40] = 1.5
+    x[1, 3], x[1, 4], x[1, 200] = -0.0, 0.0, -0.0
+    x[2] = float("-inf")
+    x[3, ::2] = float("-inf")
+    x[4] = x[4].round()  # many ties among small integers
+    x[5, 7], x[5, 8] = torch.finfo(dtype).max, torch.finfo(dtype).tiny
+    got, want = sort_descending(x), x.sort(dim=-1, descending=True, stable=True)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+
+
+def test_top_p_tie_at_the_cut_keeps_the_lower_id_in_float32():
+    # Tokens 1 and 2 tie at 0.366 each; top_p = 0.3 is reached by the first of them: only the lower id stays.
+    p = target_probs(torch.tensor([[0.0, 1.0, 1.0, 0.0]]), 1.0, 0, 0.3)
+    assert p[0, 1] == 1.0 and p.sum() == 1.0
 
 
 def test_top_p_applies_to_the_renormalised_top_k_distribution():
