@@ -3,7 +3,10 @@
     python benchmarks/bench_runtime.py [--prefix 128] [--k 7] [--reps 30]
 
 Prints a markdown table: ms per call (median) for decode(1), extend(K+1), and branch decode
-(branch_start, then each branch_step) with N branches, for a ~1M and a ~60M parameter Llama.
+(branch_start, then each branch_step) with N branches, for a ~1M and a ~60M parameter Llama; then
+the sampling distribution with top-p (what AR, the verifier and the draft compute every round) with
+our sort against torch's stable sort, on logits that vary from call to call (a fixed row would let the
+CPU's branch predictor learn torch's sort and flatter it ~4x).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from saguaro_dist.model import ModelRunner, set_torch_threads
+from saguaro_dist.spec import sampling
 
 CONFIGS = {
     "llama-1M": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
@@ -89,6 +93,24 @@ def hf_rows(model: LlamaForCausalLM, prompt: list[int], k: int, reps: int) -> di
     return rows
 
 
+def sampling_rows(reps: int, vocab: int = 2048) -> list[str]:
+    """target_probs at T 0.7, top-p 0.95 for 1..40 rows: ms per call with our sort and with torch's."""
+    pool = [torch.randn(40, vocab, generator=torch.Generator().manual_seed(i)) * 3 for i in range(16)]
+    ours = sampling.sort_descending
+    torch_sort = lambda x: x.sort(dim=-1, descending=True, stable=True)  # noqa: E731
+    lines = []
+    for rows in (1, 5, 12, 40):
+        calls = iter(range(10 ** 9))
+        probs = lambda: sampling.target_probs(pool[next(calls) % 16][:rows], 0.7, 0, 0.95)  # noqa: E731
+        times = {}
+        for name, sort in (("ours", ours), ("torch", torch_sort)):
+            sampling.sort_descending = sort
+            times[name] = median_ms(probs, reps)
+        sampling.sort_descending = ours
+        lines.append(f"| {rows} | {times['ours']:.3f} | {times['torch']:.3f} | {times['torch'] / times['ours']:.1f} |")
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefix", type=int, default=128, help="tokens already stored when timing")
@@ -111,6 +133,9 @@ def main():
         for call, ms in ours.items():
             hf = f"{theirs[call]:.3f}" if call in theirs else "-"
             print(f"| {name} | {params:.1f}M | {call} | {ms:.3f} | {hf} | {ms / ours['decode(1)']:.2f} |")
+    print("\n| rows (V = 2048, T 0.7, top-p 0.95) | target_probs ms | with torch's stable sort ms | ratio |")
+    print("|---|---|---|---|")
+    print("\n".join(sampling_rows(args.reps * 4)))
 
 
 if __name__ == "__main__":
