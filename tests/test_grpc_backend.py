@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
@@ -94,6 +95,25 @@ def test_a_stream_error_costs_one_batch_then_the_stream_is_reopened(pool):
     else:
         pytest.fail("no tree after the stream was reopened")
     assert backend.dead_addresses == []
+
+
+def test_a_release_that_overtakes_the_last_outcome_costs_nothing(pool):
+    """Release is a unary call, outcomes ride the stream: the target's last outcome of a finished
+    sequence can arrive after its release. That stale outcome is dropped; it must not end the stream,
+    whose other outcomes (here sequence 2's, in the same batch) would be lost with it."""
+    backend, workers = pool
+    _start(backend, [1, 2, 3])  # round-robin: 1 and 3 on the first server
+    assert len(backend.wait_trees([(1, 0), (3, 0)], timeout_s=5.0)) == 2 and 3 in workers[0].seqs
+    backend.release([Release(1)])
+    deadline = time.monotonic() + 5.0
+    while 1 in workers[0].seqs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The batch as it was queued on the stream before the release (send_outcomes now drops outcomes
+    # of released sequences, as it should): put on the wire directly.
+    stale = [Outcome(1, 0, 0, 3, [7, 8, 9]), Outcome(3, 0, 0, 3, [7, 8, 9])]
+    backend._links[0].pending.put(codec.outcome_batch_to_proto(stale))
+    assert list(backend.wait_trees([(3, 1)], timeout_s=5.0)) == [3]
+    assert workers[0].seqs[3].round == 1  # observed once: the stream was never torn down and reopened
 
 
 def _spawn_toy_server(tmp_path) -> tuple[subprocess.Popen, int]:

@@ -38,6 +38,7 @@ __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DraftServicer", "serve_draft", "default
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a dense [K, V] tree batch fits; anything larger is a bug
 _PENDING_BATCHES = 64  # tree batches kept while no stream is open (a reconnecting target picks them up)
 JIT_CATCH_UP_S = 2.0  # how long a just-in-time draft that overtook its outcomes waits for them
+_RELEASED_KEPT = 4096  # released sequence ids remembered, so that a late outcome of one is dropped
 
 
 def default_bind_host() -> str:
@@ -125,6 +126,7 @@ class DraftServicer:
         self._pending: collections.deque = collections.deque(maxlen=_PENDING_BATCHES)
         self._observed = threading.Condition()  # notified after each outcome batch the worker observed
         self._observed_batches = 0
+        self._released: dict[int, None] = {}  # recently released ids, oldest first; worker thread only
 
     def close(self) -> None:
         self._thread.close()
@@ -132,8 +134,13 @@ class DraftServicer:
     # ---- unary calls -------------------------------------------------------------------------------
     def Prefill(self, raw: bytes, context) -> pb.PrefillReply:
         reqs = self._decode(context, raw, pb.PrefillBatch, codec.prefill_batch_from_proto)
-        self._call(context, self.worker.prefill, reqs)
+        self._call(context, self._prefill, reqs)
         return pb.PrefillReply()
+
+    def _prefill(self, reqs) -> None:
+        self.worker.prefill(reqs)
+        for r in reqs:  # a sequence placed here again is live again
+            self._released.pop(r.seq_id, None)
 
     def JitDraft(self, raw: bytes, context) -> pb.ProposalBatch:
         reqs = self._decode(context, raw, pb.JitDraftBatch, codec.jit_batch_from_proto)
@@ -162,8 +169,18 @@ class DraftServicer:
 
     def Release(self, raw: bytes, context) -> pb.ReleaseReply:
         reqs = self._decode(context, raw, pb.ReleaseBatch, codec.release_batch_from_proto)
-        self._call(context, self.worker.release, reqs)
+        self._call(context, self._release, reqs)
         return pb.ReleaseReply()
+
+    def _release(self, reqs) -> None:
+        """Release travels as a unary call, outcomes on the stream: a finished sequence's last outcome
+        can arrive after its release. Remembering the released ids lets that outcome be dropped; as an
+        error it would end the stream, and the other sequences' outcomes queued on it with it."""
+        self.worker.release(reqs)
+        for r in reqs:
+            self._released[r.seq_id] = None
+        while len(self._released) > _RELEASED_KEPT:
+            del self._released[next(iter(self._released))]
 
     def _decode(self, context, raw: bytes, message_type, from_proto):
         """Parse and validate here, not in gRPC's deserializer, so bad bytes get INVALID_ARGUMENT."""
@@ -221,7 +238,7 @@ class DraftServicer:
 
     def _observe_build_push(self, outcomes, context, stream: _Stream) -> None:
         try:
-            self.worker.observe(outcomes)
+            self.worker.observe([o for o in outcomes if o.seq_id not in self._released])
             self._note_observed()
             batches = self._encode_trees(self.worker.build_trees())
         except Exception as exc:
