@@ -12,8 +12,9 @@ import time
 import pytest
 
 from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.draft_pool import DraftPool
 from saguaro_dist.distributed.draft_service import serve_draft
-from saguaro_dist.distributed.errors import DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
 from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_tokens
@@ -81,19 +82,34 @@ def test_worker_errors_come_back_as_the_same_exceptions(pool):
         backend.jit_draft([JitDraftRequest(1, 1, 0, 1)])
 
 
-def test_a_stream_error_costs_one_batch_then_the_stream_is_reopened(pool):
-    backend, _ = pool
-    _start(backend, [1])
-    backend.wait_trees([(1, 0)], timeout_s=5.0)
-    backend.send_outcomes([Outcome(1, 4, 0, 3, [7, 8, 9])])  # out of order: the server ends the stream
-    assert backend.wait_trees([(1, 5)], timeout_s=0.3) == {}
+def _break_the_stream(backend, workers) -> None:
+    """Sequences 1 and 3 on the first server; one batch with an out-of-order outcome for 1 and a good
+    one for 3: the server ends the stream, and 3's outcome is lost with the batch."""
+    _start(backend, [1, 2, 3])
+    assert len(backend.wait_trees([(1, 0), (3, 0)], timeout_s=5.0)) == 2 and 3 in workers[0].seqs
+    backend.send_outcomes([Outcome(1, 4, 0, 3, [7, 8, 9]), Outcome(3, 0, 0, 3, [7, 8, 9])])
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline:  # the reader reopens the stream in the background
-        backend.send_outcomes([Outcome(1, 0, 0, 3, [7, 8, 9])])
-        if backend.wait_trees([(1, 1)], timeout_s=0.2):
-            break
-    else:
-        pytest.fail("no tree after the stream was reopened")
+    while not backend._out_of_sync and time.monotonic() < deadline:  # the reader sees the stream end
+        time.sleep(0.01)
+
+
+def test_a_stream_error_reopens_the_stream_and_its_sequences_prefill_again(pool):
+    backend, workers = pool
+    _break_the_stream(backend, workers)
+    start = time.monotonic()
+    assert backend.wait_trees([(3, 1)], timeout_s=3.0) == {}  # its outcome is gone: not waited for
+    assert time.monotonic() - start < 1.0
+    with pytest.raises(DraftOutOfSync) as info:  # not OutOfOrder from the server, seconds later
+        backend.jit_draft([JitDraftRequest(3, 1, 0, 3), JitDraftRequest(2, 1, 0, 3)])
+    assert info.value.seq_ids == [3] and list(info.value.partial) == [2]  # 2 lives on the other server
+    backend.send_outcomes([Outcome(3, 1, 0, 3, [7, 8, 9])])  # dropped: the server is behind for 3
+    backend.release([Release(3)])  # the toy refuses a second prefill (a DraftWorker restarts the sequence)
+    deadline = time.monotonic() + 5.0
+    while 3 in workers[0].seqs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    backend.prefill([PrefillRequest(3, [5, 6, 9, 3], GREEDY)])  # what the engine does next round
+    assert backend.jit_draft([JitDraftRequest(3, 0, 0, 4)])[0].tokens.tolist() == toy_tokens([5, 6, 9, 3, 4])
+    assert list(backend.wait_trees([(3, 0)], timeout_s=5.0)) == [3]  # on the reopened stream
     assert backend.dead_addresses == []
 
 
@@ -114,6 +130,28 @@ def test_a_release_that_overtakes_the_last_outcome_costs_nothing(pool):
     backend._links[0].pending.put(codec.outcome_batch_to_proto(stale))
     assert list(backend.wait_trees([(3, 1)], timeout_s=5.0)) == [3]
     assert workers[0].seqs[3].round == 1  # observed once: the stream was never torn down and reopened
+
+
+def test_the_draft_pool_keeps_a_server_whose_stream_failed():
+    """DraftOutOfSync is a DraftUnavailable (the engine re-prefills those sequences) that does not
+    take the server out of the pool, as a dead one's DraftUnavailable does."""
+    worker = ToyWorker()
+    server, port = serve_draft(worker, "127.0.0.1", 0)
+    pool = DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=5.0)], max_batch_size=4)
+    try:
+        pool.prefill([PrefillRequest(s, [5, 6], GREEDY) for s in (1, 3)])
+        pool.jit_draft([JitDraftRequest(s, 0, 0, 9) for s in (1, 3)])
+        pool.wait_trees([(1, 0), (3, 0)], timeout_s=5.0)
+        pool.send_outcomes([Outcome(1, 4, 0, 3, [7, 8, 9]), Outcome(3, 0, 0, 3, [7, 8, 9])])  # ends the stream
+        deadline = time.monotonic() + 5.0
+        while not pool.backends[0]._out_of_sync and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(DraftUnavailable) as info:
+            pool.jit_draft([JitDraftRequest(3, 1, 0, 3)])
+        assert info.value.seq_ids == [3] and pool.dead == set()
+    finally:
+        pool.close()
+        server.stop(None)
 
 
 def _spawn_toy_server(tmp_path) -> tuple[subprocess.Popen, int]:

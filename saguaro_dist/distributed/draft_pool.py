@@ -12,7 +12,7 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
-from saguaro_dist.distributed.errors import DraftUnavailable
+from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
 
 log = logging.getLogger(__name__)
@@ -127,7 +127,8 @@ class DraftPool:
             try:
                 found.update({r.seq_id: p for r, p in zip(parts[i], fut.result())})
             except DraftUnavailable as err:
-                self._mark_dead(i)
+                if not isinstance(err, DraftOutOfSync):  # out of sync: its sequences re-prefill, it stays
+                    self._mark_dead(i)
                 found.update(err.partial)
                 failed += [r.seq_id for r in parts[i] if r.seq_id not in err.partial]
         return found, failed

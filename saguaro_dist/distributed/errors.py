@@ -33,6 +33,12 @@ class DraftUnavailable(RuntimeError):
         self.partial = dict(partial or {})
 
 
+class DraftOutOfSync(DraftUnavailable):
+    """The server is alive but lost these sequences' outcomes (they were queued on a Speculate stream
+    that failed), so it no longer knows what the target verifies. The engine treats them as it treats
+    sequences of a dead server, fast backup then a fresh prefill, but the server stays in the pool."""
+
+
 class DraftRpcError(RuntimeError):
     """Any other status a draft server answered (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, INTERNAL, ...)."""
 

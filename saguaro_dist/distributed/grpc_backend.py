@@ -8,7 +8,9 @@ the pushed trees into an inbox keyed by (seq_id, round), where wait_trees finds 
 A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
 trees are no longer waited for, and new prefills skip it. A protocol error on a stream (NOT_FOUND,
-FAILED_PRECONDITION, ...) only costs that batch's trees; the stream is reopened.
+FAILED_PRECONDITION, ...) ends it and the stream is reopened; the outcomes queued on the old one are
+lost, so every sequence of that server is out of sync until prefilled again: DraftOutOfSync from
+jit_draft (the engine re-prefills them), no tree waited for, their outcomes dropped.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import grpc
 
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
-from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2_grpc
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
 
@@ -33,6 +35,7 @@ __all__ = ["GrpcDraftBackend"]
 
 TreeKey = tuple[int, int]  # (seq_id, round)
 _CLOSE = object()
+_STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
 _TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 
 
@@ -104,6 +107,7 @@ class GrpcDraftBackend:
         self._cond = threading.Condition()  # guards the inbox, the owners and liveness
         self._trees: dict[TreeKey, SpeculationTree] = {}
         self._owner: dict[int, _Link] = {}
+        self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
         self._next = itertools.cycle(self._links)
         self._closed = False
         self._connect(connect_timeout_s)
@@ -165,6 +169,10 @@ class GrpcDraftBackend:
         link = self._owner.get(seq_id)
         return link if link is not None and link.alive else None
 
+    def _synced_owner(self, seq_id: int) -> _Link | None:
+        """The live server that can still serve the sequence (None: dead, or out of sync)."""
+        return None if seq_id in self._out_of_sync else self._live_owner(seq_id)
+
     # ---- DraftBackend ------------------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
         """Assign and prefill; a server found dead on the way costs a retry on another one."""
@@ -174,6 +182,8 @@ class GrpcDraftBackend:
             calls = {link: link.stub.Prefill.future(codec.prefill_batch_to_proto(part), timeout=self.prefill_deadline_s)
                      for link, part in groups.items()}
             todo = self._collect_prefill(calls, groups)
+        with self._cond:
+            self._out_of_sync.difference_update(r.seq_id for r in reqs)
 
     def _collect_prefill(self, calls, groups) -> list[PrefillRequest]:
         retry, error = [], None
@@ -194,19 +204,22 @@ class GrpcDraftBackend:
         """Proposals in request order; DraftUnavailable (with the others in .partial) if a server failed."""
         groups = self._group(reqs, self._owner_for_jit)
         calls = {link: link.stub.JitDraft.future(codec.jit_batch_to_proto(part), timeout=self.deadline_s)
-                 for link, part in groups.items() if link is not None}
+                 for link, part in groups.items() if link not in (None, _STALE)}
         found, failed, error = self._collect_jit(calls, groups)
         failed += [r.seq_id for r in groups.get(None, [])]
         if error is not None:
             raise error
         if failed:
             raise DraftUnavailable(f"draft server unavailable for sequences {failed}", failed, found)
+        if stale := [r.seq_id for r in groups.get(_STALE, [])]:
+            raise DraftOutOfSync(f"sequences {stale} lost their outcomes with a failed stream", stale, found)
         return [found[r.seq_id] for r in reqs]
 
     def _owner_for_jit(self, req: JitDraftRequest) -> _Link | None:
         if req.seq_id not in self._owner:
             raise UnknownSequence(f"unknown sequence {req.seq_id} (never prefilled through this backend)")
-        return self._live_owner(req.seq_id)
+        link = self._live_owner(req.seq_id)
+        return _STALE if link is not None and req.seq_id in self._out_of_sync else link
 
     def _collect_jit(self, calls, groups):
         found, failed, error = {}, [], None
@@ -226,10 +239,10 @@ class GrpcDraftBackend:
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
         """Queue each server's part on its stream; returns at once. Outcomes for dead servers are dropped."""
-        groups = self._group(outcomes, lambda o: self._live_owner(o.seq_id))
+        groups = self._group(outcomes, lambda o: self._synced_owner(o.seq_id))
         for link, part in groups.items():
             if link is None:
-                log.debug("outcomes for %d sequences without a live draft server dropped", len(part))
+                log.debug("outcomes for %d sequences without a live, in-sync draft server dropped", len(part))
                 continue
             link.pending.put(codec.outcome_batch_to_proto(part))
 
@@ -237,7 +250,7 @@ class GrpcDraftBackend:
         """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not self._closed and (missing := [k for k in keys if k not in self._trees and self._live_owner(k[0])]):
+            while not self._closed and (missing := [k for k in keys if k not in self._trees and self._synced_owner(k[0])]):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.debug("%d speculation trees late: %s", len(missing), missing[:8])
@@ -253,6 +266,7 @@ class GrpcDraftBackend:
         with self._cond:
             for r in reqs:
                 self._owner.pop(r.seq_id, None)
+                self._out_of_sync.discard(r.seq_id)
             self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
         for link, part in groups.items():
             if link is not None:
@@ -304,10 +318,20 @@ class GrpcDraftBackend:
             if code in _TRANSPORT_FAILURES:
                 self._mark_dead(link, f"Speculate stream: {code.name}: {details}")
                 return
-            log.warning("Speculate stream to %s ended (%s: %s); reopening it", link.address,
-                        code.name if code else "OK", details)
+            log.warning("Speculate stream to %s ended (%s: %s); reopening it, its sequences to be prefilled again",
+                        link.address, code.name if code else "OK", details)
+            self._lose_sync(link)  # before the new stream opens: no outcome of theirs may go out on it
             time.sleep(0.01)  # never spin on a server that ends every stream at once
-            link.open_stream()
+            try:
+                link.open_stream()
+            except ValueError:  # "Channel closed": close() ran meanwhile, on another thread
+                return
+
+    def _lose_sync(self, link: _Link) -> None:
+        """The outcomes queued on the failed stream are gone: the server is behind for all its sequences."""
+        with self._cond:
+            self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
+            self._cond.notify_all()  # waiters stop waiting for their trees
 
     def _drain_stream(self, link: _Link):
         """Read one stream to its end; returns its final (code, details)."""
