@@ -73,6 +73,30 @@ def test_killed_draft_process_costs_speed_not_tokens(pair):
         assert len(draft_children() - before) == 1 and child not in draft_children()
 
 
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_a_draft_out_of_step_costs_speed_not_the_request(pair, mode):
+    """A draft that lost track of a sequence's round (a lost outcome, say) answers OutOfOrder; the
+    engine gives those sequences the fast backup and prefills them again, as for a dead draft."""
+    want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
+    with LLM(model=pair["target"], draft=pair["close"], mode=mode, k=3, draft_executor="thread") as llm:
+        draft = llm._thread.engine.loop.draft.worker
+        calls = []
+
+        def out_of_step(method):  # on the draft's own thread, once: the 3rd call of either kind
+            def call(reqs):
+                calls.append(method)
+                if len(calls) == 3:
+                    for s in draft.seqs.values():
+                        s.round += 5  # as if it had observed outcomes the target never sent
+                return getattr(type(draft), method)(draft, reqs)
+            return call
+        draft.jit_draft, draft.observe = out_of_step("jit_draft"), out_of_step("observe")
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=LONG)
+        for prompt, out, ref in zip(PROMPTS, outs, want):
+            assert_greedy_equal(out.token_ids, ref, prompt, pair["model"])
+        assert len(calls) > 3 and llm.metrics.fallbacks["fast"] > 0
+
+
 def test_shutdown_leaves_no_child(pair):
     before = draft_children()
     llm = LLM(model=pair["target"], draft=pair["close"], mode="sd", k=3, draft_executor="process")

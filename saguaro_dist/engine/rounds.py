@@ -12,7 +12,7 @@ import time
 import torch
 
 from saguaro_dist.config import Config, FallbackPolicy, Mode, TreePolicy
-from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable
+from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
@@ -102,6 +102,11 @@ class SDLoop(ARLoop):
                 s.draft_lost = s.seq_id in err.seq_ids
             self._adopt(live, err.partial)
             return outcomes + self._fast([s for s in live if s.seq_id not in err.partial], fast_kind)
+        except (OutOfOrder, UnknownSequence) as err:  # the draft lost track of them (a lost message): restart them
+            log.warning("draft out of step (%s): fast backup, then a fresh prefill, for %d sequences", err, len(live))
+            for s in live:
+                s.draft_lost = True
+            return outcomes + self._fast(live, fast_kind)
 
     def _readmit(self, seqs: list[Sequence]) -> None:
         """Sequences whose draft worker died: prefill them on a live one, to restart at round 0."""
