@@ -97,6 +97,17 @@ def test_a_draft_out_of_step_costs_speed_not_the_request(pair, mode):
         assert len(calls) > 3 and llm.metrics.fallbacks["fast"] > 0
 
 
+def test_unset_draft_threads_are_warned_about(pair, caplog):
+    with caplog.at_level("WARNING", logger="saguaro_dist.engine.build"):
+        with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3):
+            pass
+        assert "set draft_threads" in caplog.text
+        caplog.clear()
+        with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, target_threads=1, draft_threads=1):
+            pass
+        assert "set draft_threads" not in caplog.text
+
+
 def test_shutdown_leaves_no_child(pair):
     before = draft_children()
     llm = LLM(model=pair["target"], draft=pair["close"], mode="sd", k=3, draft_executor="process")
