@@ -109,7 +109,8 @@ class SDLoop(ARLoop):
             return outcomes + self._fast(live, fast_kind)
 
     def _readmit(self, seqs: list[Sequence]) -> None:
-        """Sequences whose draft worker died: prefill them on a live one, to restart at round 0."""
+        """Sequences whose draft worker died or lost track of them: prefill them on a live one, to
+        restart at round 0."""
         if not seqs:
             return
         try:
