@@ -16,6 +16,7 @@ from saguaro_dist.distributed.draft_pool import DraftPool
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
 from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_tokens
 
@@ -113,23 +114,42 @@ def test_a_stream_error_reopens_the_stream_and_its_sequences_prefill_again(pool)
     assert backend.dead_addresses == []
 
 
-def test_a_release_that_overtakes_the_last_outcome_costs_nothing(pool):
-    """Release is a unary call, outcomes ride the stream: the target's last outcome of a finished
-    sequence can arrive after its release. That stale outcome is dropped; it must not end the stream,
-    whose other outcomes (here sequence 2's, in the same batch) would be lost with it."""
+def test_a_unary_release_that_overtakes_the_last_outcome_costs_nothing(pool):
+    """The backend releases on the stream, behind the sequence's outcomes; a client that releases with
+    the unary call can have its last outcome arrive after the release. That stale outcome is dropped;
+    it must not end the stream, whose other outcomes (here sequence 3's, in the same batch) would be
+    lost with it."""
     backend, workers = pool
     _start(backend, [1, 2, 3])  # round-robin: 1 and 3 on the first server
     assert len(backend.wait_trees([(1, 0), (3, 0)], timeout_s=5.0)) == 2 and 3 in workers[0].seqs
-    backend.release([Release(1)])
-    deadline = time.monotonic() + 5.0
-    while 1 in workers[0].seqs and time.monotonic() < deadline:
-        time.sleep(0.01)
-    # The batch as it was queued on the stream before the release (send_outcomes now drops outcomes
-    # of released sequences, as it should): put on the wire directly.
+    link = backend._links[0]
+    link.stub.Release(codec.release_batch_to_proto([Release(1)]), timeout=5)
     stale = [Outcome(1, 0, 0, 3, [7, 8, 9]), Outcome(3, 0, 0, 3, [7, 8, 9])]
-    backend._links[0].pending.put(codec.outcome_batch_to_proto(stale))
+    link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(stale)))
     assert list(backend.wait_trees([(3, 1)], timeout_s=5.0)) == [3]
     assert workers[0].seqs[3].round == 1  # observed once: the stream was never torn down and reopened
+    assert backend._out_of_sync == set()
+
+
+def test_jit_drafts_follow_their_outcomes_and_a_refused_one_leaves_the_stream_up(pool):
+    """A JIT rides the stream behind the outcomes sent before it: no server-side wait, no overtaking
+    (the server does not wait for outcomes on the stream: a round it is not at is refused at once).
+    A refused JIT is answered in band; the stream, and what is queued on it, lives on."""
+    backend, workers = pool
+    _start(backend, [1])
+    workers[0].build_delay_s = 0.3  # the outcome's tree is still building when the JIT is queued
+    backend.send_outcomes([Outcome(1, 0, 0, 3, [7, 8, 9])])
+    start = time.monotonic()
+    assert backend.jit_draft([JitDraftRequest(1, 2, 1, 4)])[0].tokens.shape == (K,)  # round 1's outcome + this
+    assert time.monotonic() - start < 2.0
+    calls = workers[0].calls
+    assert calls.count("jit_draft") == 2 and calls.index("observe") < len(calls) - 1 - calls[::-1].index("jit_draft")
+    with pytest.raises(OutOfOrder):
+        backend.jit_draft([JitDraftRequest(1, 9, 0, 1)])
+    workers[0].build_delay_s = 0.0
+    backend.send_outcomes([Outcome(1, 2, 0, 5, [7, 8, 9])])
+    assert list(backend.wait_trees([(1, 3)], timeout_s=5.0)) == [1]  # the same stream, still in sync
+    assert backend._out_of_sync == set() and backend.dead_addresses == []
 
 
 def test_the_draft_pool_keeps_a_server_whose_stream_failed():

@@ -40,27 +40,37 @@ class Served:
 
 
 class StreamClient:
-    """An open Speculate call: send outcome batches, read pushed tree batches with a timeout."""
+    """An open Speculate call: send outcomes / JITs / releases, read pushed trees and JIT answers."""
 
     def __init__(self, stub):
         self.requests: queue.SimpleQueue = queue.SimpleQueue()
         self.received: queue.SimpleQueue = queue.SimpleQueue()
+        self.answers: queue.SimpleQueue = queue.SimpleQueue()
         self.call = stub.Speculate(iter(self.requests.get, None))
         threading.Thread(target=self._read, daemon=True).start()
 
     def send(self, outcomes):
-        self.requests.put(codec.outcome_batch_to_proto(outcomes))
+        self.requests.put(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(outcomes)))
+
+    def jit(self, call_id, reqs):
+        self.requests.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=call_id, batch=codec.jit_batch_to_proto(reqs))))
+
+    def answer(self, timeout=5.0) -> pb.JitDraftResult:
+        return self.answers.get(timeout=timeout)
 
     def get(self, timeout=5.0):
         item = self.received.get(timeout=timeout)
         if isinstance(item, grpc.RpcError):
             raise item
-        return codec.tree_batch_from_proto(item)
+        return codec.tree_batch_from_proto(item.trees)
 
     def _read(self):
         try:
             for msg in self.call:
-                self.received.put(msg)
+                if msg.WhichOneof("kind") == "jit_draft":
+                    self.answers.put(msg.jit_draft)
+                else:
+                    self.received.put(msg)
         except grpc.RpcError as err:
             self.received.put(err)
 
@@ -165,6 +175,7 @@ def test_a_jit_that_overtakes_its_outcome_waits_for_the_stream(served):
 
 @pytest.mark.parametrize("bad, code", [
     (b"\xff\xff\xff\xff", grpc.StatusCode.INVALID_ARGUMENT),
+    (b"", grpc.StatusCode.INVALID_ARGUMENT),  # a SpeculateRequest that carries nothing
     ([Outcome(42, 0, 0, 1, None)], grpc.StatusCode.NOT_FOUND),
     ([Outcome(1, 3, 0, 1, None)], grpc.StatusCode.FAILED_PRECONDITION),
 ])
@@ -174,7 +185,8 @@ def test_bad_outcomes_end_the_stream_with_a_status_and_the_server_lives_on(serve
     raw = served.channel.stream_stream(f"/{SERVICE_NAME}/Speculate")  # bytes in, bytes out
     requests: queue.SimpleQueue = queue.SimpleQueue()
     call = raw(iter(requests.get, None))
-    requests.put(bad if isinstance(bad, bytes) else codec.outcome_batch_to_proto(bad).SerializeToString())
+    requests.put(bad if isinstance(bad, bytes)
+                 else pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(bad)).SerializeToString())
     with pytest.raises(grpc.RpcError) as info:
         for _ in call:  # the tree pending from the JIT may come first
             pass
@@ -229,3 +241,28 @@ def test_binds_the_node_address_under_ray(ray_cluster):
     import ray
     host = default_bind_host()
     assert host == ray.util.get_node_ip_address() and host != "0.0.0.0"
+
+
+def test_jit_drafts_on_the_stream_are_answered_in_band_and_leave_it_up(served):
+    """On the stream a JIT is answered with its call id, its tree follows, and a refused one (unknown
+    sequence, a round the draft is not at, a malformed request) gets its status without ending the
+    stream: the outcome sent after it is still observed."""
+    stream = StreamClient(served.stub)
+    _prefill(served.stub, 1, sampling=TOP_K)
+    stream.jit(7, [JitDraftRequest(1, 0, 0, 9)])
+    answer = stream.answer()
+    (proposal,) = codec.proposal_batch_from_proto(answer.proposals)
+    assert answer.call_id == 7 and proposal.tokens.tolist() == toy_tokens([5, 6, 9])
+    assert stream.get()[0].round == 0  # the tree that follows the JIT, on this stream
+    stream.jit(8, [JitDraftRequest(42, 0, 0, 9)])
+    stream.jit(9, [JitDraftRequest(1, 5, 0, 9)])
+    stream.requests.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=10)))  # no batch
+    codes = {a.call_id: a.error.code for a in (stream.answer() for _ in range(3))}
+    assert codes == {8: grpc.StatusCode.NOT_FOUND.value[0], 9: grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                     10: grpc.StatusCode.INVALID_ARGUMENT.value[0]}
+    stream.send([Outcome(1, 0, 0, 3, [1, 2, 3])])
+    assert stream.get()[0].round == 1
+    stream.requests.put(pb.SpeculateRequest(releases=codec.release_batch_to_proto([Release(1)])))
+    stream.jit(11, [JitDraftRequest(1, 2, 0, 9)])  # behind the release on the same stream
+    assert stream.answer().error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    stream.close()

@@ -36,6 +36,7 @@ __all__ = [
     "outcome_batch_to_proto", "outcome_batch_from_proto",
     "tree_batch_to_proto", "tree_batch_from_proto",
     "release_batch_to_proto", "release_batch_from_proto",
+    "jit_call_from_proto", "jit_result_to_proto", "jit_error_to_proto",
 ]
 
 
@@ -371,3 +372,18 @@ def release_batch_to_proto(reqs: list[Release]) -> pb.ReleaseBatch:
 
 def release_batch_from_proto(msg: pb.ReleaseBatch) -> list[Release]:
     return [release_from_proto(r) for r in msg.releases]
+
+
+# ---- the Speculate stream's envelopes (the one-of wrappers need no codec of their own) ---------------
+def jit_call_from_proto(msg: pb.JitDraftCall) -> tuple[int, list[JitDraftRequest]]:
+    """(call_id, requests) of a just-in-time draft sent on the stream."""
+    return msg.call_id, jit_batch_from_proto(_required(msg, "batch", "JitDraftCall"))
+
+
+def jit_result_to_proto(call_id: int, proposals: list[Proposal]) -> pb.SpeculateReply:
+    return pb.SpeculateReply(jit_draft=pb.JitDraftResult(call_id=call_id, proposals=proposal_batch_to_proto(proposals)))
+
+
+def jit_error_to_proto(call_id: int, code: int, message: str) -> pb.SpeculateReply:
+    """code: a gRPC status code's number (grpc.StatusCode.X.value[0])."""
+    return pb.SpeculateReply(jit_draft=pb.JitDraftResult(call_id=call_id, error=pb.CallError(code=code, message=message)))

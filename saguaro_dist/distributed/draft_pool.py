@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
@@ -108,9 +108,22 @@ class DraftPool:
         self._calls.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers ------------------------------------------------------------------------------------
+    def _run(self, parts: dict, call) -> dict[int, Future]:
+        """call(backend, part) for every part at once; a lone part runs inline (no thread hand-off:
+        at batch 1 with one worker, every just-in-time draft would pay two wake-ups for nothing)."""
+        if len(parts) != 1:
+            return {i: self._calls.submit(call, self.backends[i], part) for i, part in parts.items()}
+        ((i, part),) = parts.items()
+        done: Future = Future()
+        try:
+            done.set_result(call(self.backends[i], part))
+        except Exception as exc:  # raised where the caller reads it, as from a pool thread
+            done.set_exception(exc)
+        return {i: done}
+
     def _each(self, parts: dict, call) -> set[int]:
         """call(backend, part) on every backend at once; returns the workers found dead (left out from then on)."""
-        futures = {i: self._calls.submit(call, self.backends[i], part) for i, part in parts.items()}
+        futures = self._run(parts, call)
         failed = set()
         for i, fut in futures.items():
             try:
@@ -121,7 +134,7 @@ class DraftPool:
         return failed
 
     def _collect_jit(self, parts: dict) -> tuple[dict, list[int]]:
-        futures = {i: self._calls.submit(self.backends[i].jit_draft, part) for i, part in parts.items()}
+        futures = self._run(parts, lambda backend, part: backend.jit_draft(part))
         found, failed = {}, []
         for i, fut in futures.items():
             try:

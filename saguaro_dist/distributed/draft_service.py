@@ -1,14 +1,16 @@
 """The draft side over gRPC: a DraftService servicer around any object with the DraftWorker interface.
 
 The worker is single-threaded, so every call to it goes through one worker thread, in arrival order.
-The Speculate stream pushes each tree batch as soon as the worker has built it: after every outcome
-batch, and after every JitDraft call (its speculation is pending, so the tree for it follows on the
-open stream while the caller already has its proposals).
+The Speculate stream carries outcomes, just-in-time drafts and releases in the order the target sent
+them; it answers each just-in-time draft at once and pushes each tree batch as soon as the worker has
+built it: after every outcome batch, and after every just-in-time draft (its speculation is pending,
+so the tree for it follows while the target already has its proposals).
 
 Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message, or a ValueError from
 the worker), RESOURCE_EXHAUSTED (over the message size limit; gRPC enforces it on receipt),
 NOT_FOUND (UnknownSequence / KeyError), FAILED_PRECONDITION (OutOfOrder), INTERNAL (anything else).
-A failed call never takes the server down. A JitDraft that overtook its outcomes on the stream
+A just-in-time draft on the stream gets its status in its JitDraftResult and the stream lives on.
+A failed call never takes the server down. A unary JitDraft that overtook its outcomes on the stream
 (DraftBehind) waits for them, up to JIT_CATCH_UP_S, before it fails.
 """
 from __future__ import annotations
@@ -99,13 +101,13 @@ _END = object()
 
 
 class _Stream:
-    """One open Speculate call: encoded tree batches, then _END or a (code, details) failure."""
+    """One open Speculate call: encoded replies (tree batches, JIT results), then _END or a (code, details) failure."""
 
     def __init__(self):
         self.items: queue.SimpleQueue = queue.SimpleQueue()
 
-    def push(self, batch: pb.SpeculationTreeBatch) -> None:
-        self.items.put(batch)
+    def push(self, reply: pb.SpeculateReply) -> None:
+        self.items.put(reply)
 
     def fail(self, code: grpc.StatusCode, details: str) -> None:
         self.items.put((code, details))
@@ -221,30 +223,83 @@ class DraftServicer:
             self._close_stream(stream)
 
     def _read_outcomes(self, requests, context, stream: _Stream) -> None:
-        """Outcome batches in arrival order -> the worker thread, which observes, builds and pushes.
+        """Stream requests in arrival order -> the worker thread, which observes, drafts, builds and pushes.
 
-        The reader does not wait for the build: the worker thread pushes the encoded trees itself, one
+        The reader does not wait for the worker: the worker thread pushes what it encodes itself, one
         thread hand-off fewer between an outcome and its tree (each costs a wake-up on a busy box)."""
         try:
             for raw in requests:
-                outcomes = codec.outcome_batch_from_proto(pb.OutcomeBatch.FromString(raw))
-                self._thread.submit(self._observe_build_push, outcomes, context, stream)
+                self._dispatch(pb.SpeculateRequest.FromString(raw), context, stream)
         except Exception as exc:
             if context.is_active():  # not a client that went away
                 self._log_failure(self._read_outcomes, exc)
                 stream.fail(*status_for(exc))
                 return
-        self._thread.submit(stream.finish)  # after the builds queued before it
+        self._thread.submit(stream.finish)  # after the work queued before it
+
+    def _dispatch(self, msg: pb.SpeculateRequest, context, stream: _Stream) -> None:
+        kind = msg.WhichOneof("kind")
+        if kind == "outcomes":
+            self._thread.submit(self._observe_build_push, codec.outcome_batch_from_proto(msg.outcomes), context, stream)
+        elif kind == "jit_draft":
+            self._dispatch_jit(msg.jit_draft, stream)
+        elif kind == "releases":
+            self._thread.submit(self._release_logged, codec.release_batch_from_proto(msg.releases))
+        else:
+            raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases")
+
+    def _dispatch_jit(self, call: pb.JitDraftCall, stream: _Stream) -> None:
+        try:
+            call_id, reqs = codec.jit_call_from_proto(call)
+        except codec.CodecError as exc:  # answered in band: the stream and its queued outcomes live on
+            stream.push(self._jit_error(call.call_id, exc))
+            return
+        self._thread.submit(self._jit_build_push, call_id, reqs, stream)
+
+    def _jit_build_push(self, call_id: int, reqs, stream: _Stream) -> None:
+        """Worker thread: answer the just-in-time draft at once, then build the tree that follows it.
+
+        On the stream nothing can overtake the outcomes before it, so a round the worker is not at is a
+        real protocol error, answered FAILED_PRECONDITION without waiting."""
+        try:
+            reply = codec.jit_result_to_proto(call_id, self.worker.jit_draft(reqs))
+        except Exception as exc:
+            self._log_failure(self.worker.jit_draft, exc)
+            stream.push(self._jit_error(call_id, exc))
+            return
+        if reply.ByteSize() > self.max_message_bytes:
+            reply = codec.jit_error_to_proto(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                                             f"{reply.ByteSize()} byte reply exceeds the {self.max_message_bytes} byte limit")
+        stream.push(reply)
+        self._build_push(stream)
+
+    @staticmethod
+    def _jit_error(call_id: int, exc: BaseException) -> pb.SpeculateReply:
+        code, details = status_for(exc)
+        return codec.jit_error_to_proto(call_id, code.value[0], details)
+
+    def _release_logged(self, reqs) -> None:
+        try:
+            self._release(reqs)
+        except Exception as exc:  # nobody waits on a release; say what went wrong
+            self._log_failure(self._release, exc)
 
     def _observe_build_push(self, outcomes, context, stream: _Stream) -> None:
         try:
             self.worker.observe([o for o in outcomes if o.seq_id not in self._released])
             self._note_observed()
-            batches = self._encode_trees(self.worker.build_trees())
         except Exception as exc:
             if context.is_active():
                 self._log_failure(self.worker.observe, exc)
                 stream.fail(*status_for(exc))
+            return
+        self._build_push(stream)
+
+    def _build_push(self, stream: _Stream) -> None:
+        try:
+            batches = self._encode_trees(self.worker.build_trees())
+        except Exception:  # the target's wait times out and it falls back: a miss, never a wrong token
+            log.exception("building speculation trees failed")
             return
         for batch in batches:
             stream.push(batch)
@@ -255,6 +310,7 @@ class DraftServicer:
             self._observed.notify_all()
 
     def _build_and_broadcast(self) -> None:
+        """After a unary JitDraft: the tree goes to every open stream (or waits for one)."""
         try:
             batches = self._encode_trees(self.worker.build_trees())
         except Exception:  # the target's wait times out and it falls back: a miss, never a wrong token
@@ -267,20 +323,20 @@ class DraftServicer:
                 for stream in self._streams:
                     stream.push(batch)
 
-    def _encode_trees(self, trees) -> list[pb.SpeculationTreeBatch]:
+    def _encode_trees(self, trees) -> list[pb.SpeculateReply]:
         """Tree batches that each fit the size limit; a single tree over it is dropped (a miss)."""
-        batches, current = [], pb.SpeculationTreeBatch()
+        replies, current = [], pb.SpeculateReply()
         for tree in trees:
             msg = codec.tree_to_proto(tree)
-            size = msg.ByteSize() + 16  # field tag and length prefix
+            size = msg.ByteSize() + 16  # field tags and length prefixes
             if size > self.max_message_bytes:
                 log.error("tree of sequence %s round %s is %d bytes, over the %d byte limit: dropped",
                           tree.seq_id, tree.round, size, self.max_message_bytes)
                 continue
-            if current.trees and current.ByteSize() + size > self.max_message_bytes:
-                batches, current = batches + [current], pb.SpeculationTreeBatch()
-            current.trees.append(msg)
-        return batches + [current] if current.trees else batches
+            if current.HasField("trees") and current.ByteSize() + size > self.max_message_bytes:
+                replies, current = replies + [current], pb.SpeculateReply()
+            current.trees.trees.append(msg)
+        return replies + [current] if current.HasField("trees") else replies
 
     def _open_stream(self) -> _Stream:
         stream = _Stream()
@@ -315,7 +371,7 @@ def _handlers(servicer: DraftServicer) -> grpc.GenericRpcHandler:
         "JitDraft": unary(servicer.JitDraft, response_serializer=pb.ProposalBatch.SerializeToString),
         "Release": unary(servicer.Release, response_serializer=pb.ReleaseReply.SerializeToString),
         "Speculate": grpc.stream_stream_rpc_method_handler(
-            servicer.Speculate, response_serializer=pb.SpeculationTreeBatch.SerializeToString),
+            servicer.Speculate, response_serializer=pb.SpeculateReply.SerializeToString),
     })
 
 

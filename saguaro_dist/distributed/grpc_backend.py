@@ -1,16 +1,19 @@
 """GrpcDraftBackend: the target side's DraftBackend over a pool of DraftService servers.
 
 Sequences are assigned to servers round-robin on prefill and stay there; every batch call is split
-per server and the parts run concurrently. Outcomes go out on one long-lived Speculate stream per
-server (non-blocking: a queue feeds the stream's request iterator); a reader thread per server puts
-the pushed trees into an inbox keyed by (seq_id, round), where wait_trees finds them.
+per server and the parts run concurrently. Everything but prefill goes on one long-lived Speculate
+stream per server: outcomes, just-in-time drafts and releases, so the server sees them in the order
+the engine issued them (as separate calls a JIT or a release could overtake the outcomes before it).
+Outcomes and releases are queued and return at once; a JIT waits for its answer on the stream. A
+reader thread per server puts the pushed trees into an inbox keyed by (seq_id, round), where
+wait_trees finds them, and hands each JIT answer to its caller.
 
 A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
 trees are no longer waited for, and new prefills skip it. A protocol error on a stream (NOT_FOUND,
-FAILED_PRECONDITION, ...) ends it and the stream is reopened; the outcomes queued on the old one are
-lost, so every sequence of that server is out of sync until prefilled again: DraftOutOfSync from
-jit_draft (the engine re-prefills them), no tree waited for, their outcomes dropped.
+FAILED_PRECONDITION, ...) ends it and the stream is reopened; what was queued on the old one is lost,
+so every sequence of that server is out of sync until prefilled again: DraftOutOfSync from jit_draft
+(the engine re-prefills them), no tree waited for, their outcomes dropped.
 """
 from __future__ import annotations
 
@@ -20,13 +23,14 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import Future
 
 import grpc
 
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.distributed.proto import saguaro_pb2_grpc
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
 
 log = logging.getLogger(__name__)
@@ -37,6 +41,7 @@ TreeKey = tuple[int, int]  # (seq_id, round)
 _CLOSE = object()
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
 _TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -55,9 +60,8 @@ def _requests(pending: queue.SimpleQueue):
         yield item
 
 
-def _error_from_rpc(err: grpc.RpcError, address: str, seq_ids: list[int]) -> Exception:
+def _error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids: list[int]) -> Exception:
     """The exception the engine would have seen from an in-process DraftWorker (or DraftUnavailable)."""
-    code, details = err.code(), err.details()
     if code in _TRANSPORT_FAILURES or code is grpc.StatusCode.DEADLINE_EXCEEDED:
         return DraftUnavailable(f"draft server {address}: {code.name}: {details}", seq_ids)
     if code is grpc.StatusCode.NOT_FOUND:
@@ -67,25 +71,73 @@ def _error_from_rpc(err: grpc.RpcError, address: str, seq_ids: list[int]) -> Exc
     return DraftRpcError(f"draft server {address}: {code.name}: {details}", code)
 
 
+def _error_from_rpc(err: grpc.RpcError, address: str, seq_ids: list[int]) -> Exception:
+    return _error_from_status(err.code(), err.details(), address, seq_ids)
+
+
 class _Link:
-    """One DraftService: channel, stub, the open Speculate stream and whether it is alive."""
+    """One DraftService: channel, stub, the open Speculate stream, its JIT calls in flight, liveness."""
 
     def __init__(self, address: str, options):
         self.address = address
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = saguaro_pb2_grpc.DraftServiceStub(self.channel)
         self.alive = True
+        self.lock = threading.Lock()  # the request queue and the calls in flight change together
         self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.calls: dict[int, tuple[Future, list[int]]] = {}  # call_id -> (answer, its seq_ids)
         self.call = None
         self.reader: threading.Thread | None = None
+        self._call_ids = itertools.count(1)
 
     def open_stream(self) -> None:
-        # A fresh queue per stream: outcomes queued for a failed stream are gone with it.
-        self.pending = queue.SimpleQueue()
         self.call = self.stub.Speculate(_requests(self.pending))
 
+    def send(self, request: pb.SpeculateRequest) -> None:
+        with self.lock:
+            self.pending.put(request)
+
+    def call_jit(self, reqs: list[JitDraftRequest]) -> tuple[int, Future]:
+        """Queue a just-in-time draft: (call_id, a future of its proposals or the exception it maps to)."""
+        answer: Future = Future()
+        with self.lock:
+            call_id = next(self._call_ids)
+            self.calls[call_id] = (answer, [r.seq_id for r in reqs])
+            self.pending.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=call_id,
+                                                                           batch=codec.jit_batch_to_proto(reqs))))
+        return call_id, answer
+
+    def answer(self, result: pb.JitDraftResult) -> None:
+        with self.lock:
+            answer, seq_ids = self.calls.pop(result.call_id, (None, None))
+        if answer is None:  # it timed out meanwhile
+            return
+        if result.HasField("error"):
+            code = _STATUS_BY_NUMBER.get(result.error.code, grpc.StatusCode.UNKNOWN)
+            answer.set_exception(_error_from_status(code, result.error.message, self.address, seq_ids))
+            return
+        try:
+            answer.set_result(codec.proposal_batch_from_proto(result.proposals))
+        except codec.CodecError as exc:
+            answer.set_exception(DraftRpcError(f"draft server {self.address} answered a malformed proposal: {exc}"))
+
+    def forget(self, call_id: int) -> None:
+        with self.lock:
+            self.calls.pop(call_id, None)
+
+    def restart_queue(self, error) -> None:
+        """What was queued for the old stream is lost with it: fail its calls, start a fresh queue.
+
+        error(seq_ids) -> the exception each call in flight gets."""
+        with self.lock:
+            calls, self.calls = self.calls, {}
+            self.pending.put(_CLOSE)
+            self.pending = queue.SimpleQueue()
+        for answer, seq_ids in calls.values():
+            answer.set_exception(error(seq_ids))
+
     def end_stream(self) -> None:
-        self.pending.put(_CLOSE)
+        self.restart_queue(lambda seq_ids: DraftUnavailable(f"draft server {self.address}: stream closed", seq_ids))
         if self.call is not None:
             self.call.cancel()
 
@@ -203,15 +255,15 @@ class GrpcDraftBackend:
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Proposals in request order; DraftUnavailable (with the others in .partial) if a server failed."""
         groups = self._group(reqs, self._owner_for_jit)
-        calls = {link: link.stub.JitDraft.future(codec.jit_batch_to_proto(part), timeout=self.deadline_s)
-                 for link, part in groups.items() if link not in (None, _STALE)}
-        found, failed, error = self._collect_jit(calls, groups)
+        calls = {link: link.call_jit(part) for link, part in groups.items() if link not in (None, _STALE)}
+        found, failed, stale, error = self._collect_jit(calls, groups)
         failed += [r.seq_id for r in groups.get(None, [])]
+        stale += [r.seq_id for r in groups.get(_STALE, [])]
         if error is not None:
             raise error
         if failed:
             raise DraftUnavailable(f"draft server unavailable for sequences {failed}", failed, found)
-        if stale := [r.seq_id for r in groups.get(_STALE, [])]:
+        if stale:
             raise DraftOutOfSync(f"sequences {stale} lost their outcomes with a failed stream", stale, found)
         return [found[r.seq_id] for r in reqs]
 
@@ -221,21 +273,24 @@ class GrpcDraftBackend:
         link = self._live_owner(req.seq_id)
         return _STALE if link is not None and req.seq_id in self._out_of_sync else link
 
-    def _collect_jit(self, calls, groups):
-        found, failed, error = {}, [], None
-        for link, fut in calls.items():
+    def _collect_jit(self, calls: dict, groups: dict):
+        """Wait for every server's answer (one deadline for all); sort them into found / failed / stale."""
+        deadline = time.monotonic() + self.deadline_s
+        found, failed, stale, error = {}, [], [], None
+        for link, (call_id, answer) in calls.items():
             seq_ids = [r.seq_id for r in groups[link]]
             try:
-                found.update(zip(seq_ids, codec.proposal_batch_from_proto(fut.result())))
-            except grpc.RpcError as err:
-                if err.code() in _TRANSPORT_FAILURES:
-                    self._mark_dead(link, f"jit_draft: {err.code().name}: {err.details()}")
-                mapped = _error_from_rpc(err, link.address, seq_ids)
-                if isinstance(mapped, DraftUnavailable):
-                    failed += seq_ids
-                else:
-                    error = error or mapped
-        return found, failed, error
+                found.update(zip(seq_ids, answer.result(timeout=max(0.0, deadline - time.monotonic()))))
+            except TimeoutError:
+                link.forget(call_id)
+                failed += seq_ids
+            except DraftOutOfSync:
+                stale += seq_ids
+            except DraftUnavailable:
+                failed += seq_ids
+            except (UnknownSequence, OutOfOrder, DraftRpcError) as exc:
+                error = error or exc
+        return found, failed, stale, error
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
         """Queue each server's part on its stream; returns at once. Outcomes for dead servers are dropped."""
@@ -244,7 +299,7 @@ class GrpcDraftBackend:
             if link is None:
                 log.debug("outcomes for %d sequences without a live, in-sync draft server dropped", len(part))
                 continue
-            link.pending.put(codec.outcome_batch_to_proto(part))
+            link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
 
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
         """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for)."""
@@ -269,9 +324,8 @@ class GrpcDraftBackend:
                 self._out_of_sync.discard(r.seq_id)
             self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
         for link, part in groups.items():
-            if link is not None:
-                fut = link.stub.Release.future(codec.release_batch_to_proto(part), timeout=self.deadline_s)
-                fut.add_done_callback(lambda f, link=link: self._release_done(link, f))
+            if link is not None:  # behind the sequence's last outcome on the same stream
+                link.send(pb.SpeculateRequest(releases=codec.release_batch_to_proto(part)))
 
     def close(self) -> None:
         """End every stream, close every channel, join the reader threads."""
@@ -300,15 +354,6 @@ class GrpcDraftBackend:
         for k in [k for k in self._trees if k[0] in latest and k[1] <= latest[k[0]]]:
             del self._trees[k]
 
-    def _release_done(self, link: _Link, fut) -> None:
-        err = fut.exception()
-        if err is None or err.code() is grpc.StatusCode.NOT_FOUND:  # already gone is what we wanted
-            return
-        if err.code() in _TRANSPORT_FAILURES and not self._closed:
-            self._mark_dead(link, f"release: {err.code().name}: {err.details()}")
-        elif not self._closed:
-            log.warning("release on draft server %s failed: %s: %s", link.address, err.code().name, err.details())
-
     def _read_trees(self, link: _Link) -> None:
         """Reader thread: pushed tree batches into the inbox; reopen the stream after protocol errors."""
         while True:
@@ -320,7 +365,7 @@ class GrpcDraftBackend:
                 return
             log.warning("Speculate stream to %s ended (%s: %s); reopening it, its sequences to be prefilled again",
                         link.address, code.name if code else "OK", details)
-            self._lose_sync(link)  # before the new stream opens: no outcome of theirs may go out on it
+            self._lose_sync(link)  # before the new stream opens: nothing of theirs may go out on it
             time.sleep(0.01)  # never spin on a server that ends every stream at once
             try:
                 link.open_stream()
@@ -328,10 +373,11 @@ class GrpcDraftBackend:
                 return
 
     def _lose_sync(self, link: _Link) -> None:
-        """The outcomes queued on the failed stream are gone: the server is behind for all its sequences."""
+        """What was queued on the failed stream is gone: the server is behind for all its sequences."""
         with self._cond:
             self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
             self._cond.notify_all()  # waiters stop waiting for their trees
+        link.restart_queue(lambda seq_ids: DraftOutOfSync(f"draft server {link.address}: stream lost", seq_ids))
 
     def _drain_stream(self, link: _Link):
         """Read one stream to its end; returns its final (code, details)."""
@@ -342,9 +388,12 @@ class GrpcDraftBackend:
             return err.code(), err.details()
         return None, ""
 
-    def _store(self, link: _Link, msg) -> None:
+    def _store(self, link: _Link, msg: pb.SpeculateReply) -> None:
+        if msg.WhichOneof("kind") == "jit_draft":
+            link.answer(msg.jit_draft)
+            return
         try:
-            trees = codec.tree_batch_from_proto(msg)
+            trees = codec.tree_batch_from_proto(msg.trees)
         except codec.CodecError as exc:  # one bad batch is a few misses, not a dead stream
             log.error("draft server %s pushed a malformed tree batch: %s", link.address, exc)
             return

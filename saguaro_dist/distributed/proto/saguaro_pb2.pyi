@@ -198,3 +198,47 @@ class ReleaseBatch(_message.Message):
 class ReleaseReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class JitDraftCall(_message.Message):
+    __slots__ = ("call_id", "batch")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    batch: JitDraftBatch
+    def __init__(self, call_id: _Optional[int] = ..., batch: _Optional[_Union[JitDraftBatch, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class JitDraftResult(_message.Message):
+    __slots__ = ("call_id", "proposals", "error")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    proposals: ProposalBatch
+    error: CallError
+    def __init__(self, call_id: _Optional[int] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class SpeculateRequest(_message.Message):
+    __slots__ = ("outcomes", "jit_draft", "releases")
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    JIT_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    RELEASES_FIELD_NUMBER: _ClassVar[int]
+    outcomes: OutcomeBatch
+    jit_draft: JitDraftCall
+    releases: ReleaseBatch
+    def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ...) -> None: ...
+
+class SpeculateReply(_message.Message):
+    __slots__ = ("trees", "jit_draft")
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    JIT_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    trees: SpeculationTreeBatch
+    jit_draft: JitDraftResult
+    def __init__(self, trees: _Optional[_Union[SpeculationTreeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftResult, _Mapping]] = ...) -> None: ...

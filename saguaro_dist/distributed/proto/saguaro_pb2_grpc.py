@@ -28,8 +28,10 @@ if _version_not_supported:
 class DraftServiceStub:
     """Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message), RESOURCE_EXHAUSTED
     (message over the configured size limit), NOT_FOUND (unknown sequence), FAILED_PRECONDITION
-    (stale or out-of-order round), INTERNAL (the draft worker failed). A Speculate stream that hits
-    one of these ends with that status; the client may open a new one.
+    (stale or out-of-order round), INTERNAL (the draft worker failed). A unary call answers with that
+    status. On the Speculate stream a just-in-time draft that fails is answered in its JitDraftResult;
+    an undecodable request or an outcome batch the worker refuses ends the stream with that status,
+    and the client may open a new one.
     """
 
     def __init__(self, channel):
@@ -55,16 +57,18 @@ class DraftServiceStub:
                 _registered_method=True)
         self.Speculate = channel.stream_stream(
                 '/saguaro.v1.DraftService/Speculate',
-                request_serializer=saguaro__pb2.OutcomeBatch.SerializeToString,
-                response_deserializer=saguaro__pb2.SpeculationTreeBatch.FromString,
+                request_serializer=saguaro__pb2.SpeculateRequest.SerializeToString,
+                response_deserializer=saguaro__pb2.SpeculateReply.FromString,
                 _registered_method=True)
 
 
 class DraftServiceServicer:
     """Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message), RESOURCE_EXHAUSTED
     (message over the configured size limit), NOT_FOUND (unknown sequence), FAILED_PRECONDITION
-    (stale or out-of-order round), INTERNAL (the draft worker failed). A Speculate stream that hits
-    one of these ends with that status; the client may open a new one.
+    (stale or out-of-order round), INTERNAL (the draft worker failed). A unary call answers with that
+    status. On the Speculate stream a just-in-time draft that fails is answered in its JitDraftResult;
+    an undecodable request or an outcome batch the worker refuses ends the stream with that status,
+    and the client may open a new one.
     """
 
     def Prefill(self, request, context):
@@ -74,7 +78,10 @@ class DraftServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def JitDraft(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Unary forms of what the stream carries, for clients without a stream open. A unary JitDraft can
+        overtake outcomes still on the stream; the server waits for them (a bounded time) before it
+        answers FAILED_PRECONDITION.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -86,8 +93,9 @@ class DraftServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Speculate(self, request_iterator, context):
-        """The target streams outcomes; the draft pushes each tree batch as soon as it is built (after an
-        outcome batch, and after a JitDraft call).
+        """The target streams outcomes, just-in-time drafts and releases in order; the draft pushes each
+        tree batch as soon as it is built (after an outcome batch, and after a just-in-time draft) and
+        answers each just-in-time draft on the same stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,8 +121,8 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'Speculate': grpc.stream_stream_rpc_method_handler(
                     servicer.Speculate,
-                    request_deserializer=saguaro__pb2.OutcomeBatch.FromString,
-                    response_serializer=saguaro__pb2.SpeculationTreeBatch.SerializeToString,
+                    request_deserializer=saguaro__pb2.SpeculateRequest.FromString,
+                    response_serializer=saguaro__pb2.SpeculateReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -127,8 +135,10 @@ def add_DraftServiceServicer_to_server(servicer, server):
 class DraftService:
     """Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message), RESOURCE_EXHAUSTED
     (message over the configured size limit), NOT_FOUND (unknown sequence), FAILED_PRECONDITION
-    (stale or out-of-order round), INTERNAL (the draft worker failed). A Speculate stream that hits
-    one of these ends with that status; the client may open a new one.
+    (stale or out-of-order round), INTERNAL (the draft worker failed). A unary call answers with that
+    status. On the Speculate stream a just-in-time draft that fails is answered in its JitDraftResult;
+    an undecodable request or an outcome batch the worker refuses ends the stream with that status,
+    and the client may open a new one.
     """
 
     @staticmethod
@@ -227,8 +237,8 @@ class DraftService:
             request_iterator,
             target,
             '/saguaro.v1.DraftService/Speculate',
-            saguaro__pb2.OutcomeBatch.SerializeToString,
-            saguaro__pb2.SpeculationTreeBatch.FromString,
+            saguaro__pb2.SpeculateRequest.SerializeToString,
+            saguaro__pb2.SpeculateReply.FromString,
             options,
             channel_credentials,
             insecure,

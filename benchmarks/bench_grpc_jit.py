@@ -1,0 +1,104 @@
+"""What a just-in-time draft costs over gRPC: the demo draft served by a DraftService in another process
+(as a Ray draft actor serves it), called through DraftPool -> GrpcDraftBackend on loopback, against
+the same DraftWorker called in-process.
+
+    python benchmarks/bench_grpc_jit.py [--target T --draft D] [--rounds 400] [--verify-ms 4]
+
+Every round is a miss: a just-in-time draft of K tokens, then `--verify-ms` of idle time (the target's
+verify, during which the server builds the next tree), as at batch 1. Both sides use 1 torch thread.
+The difference between the two medians is the transport: thread hand-offs, gRPC, encode and decode.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SERVER = """
+import os, sys, torch
+torch.set_num_threads(1)
+from saguaro_dist.config import Config
+from saguaro_dist.distributed.draft_service import serve_draft
+from saguaro_dist.engine.build import build_draft_worker
+worker = build_draft_worker(Config(model=sys.argv[1], draft=sys.argv[2], mode="ssd", k=4, fan_out=12))
+server, port = serve_draft(worker, "127.0.0.1", 0)
+with open(sys.argv[3] + ".tmp", "w") as f:
+    f.write(str(port))
+os.replace(sys.argv[3] + ".tmp", sys.argv[3])
+server.wait_for_termination()
+"""
+
+
+def _rounds(backend, rounds: int, verify_s: float) -> list[float]:
+    """Seconds per just-in-time draft; a fresh sequence every 50 rounds keeps inside the context."""
+    from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest, Release
+    greedy = DraftSampling(temperature=0.0, top_k=0, top_p=1.0, seed=1)
+    times = []
+    for seq_id in range(rounds // 50):
+        backend.prefill([PrefillRequest(seq_id, list(range(5, 69)), greedy)])
+        for r in range(50):
+            start = time.perf_counter()
+            backend.jit_draft([JitDraftRequest(seq_id, r, 0, 7 + r % 50)])
+            times.append(time.perf_counter() - start)
+            time.sleep(verify_s)
+        backend.release([Release(seq_id)])
+    return times
+
+
+def _served(target: str, draft: str):
+    port_file = tempfile.mktemp(prefix="saguaro-jit-port-")
+    proc = subprocess.Popen([sys.executable, "-c", SERVER, target, draft, port_file])
+    while not os.path.exists(port_file):
+        if proc.poll() is not None:
+            raise SystemExit("the DraftService process failed to start")
+        time.sleep(0.05)
+    with open(port_file) as f:
+        port = int(f.read())
+    os.unlink(port_file)
+    return proc, f"127.0.0.1:{port}"
+
+
+def _summary(name: str, times: list[float]) -> str:
+    ms = sorted(t * 1e3 for t in times[len(times) // 10:])  # the first tenth warms up
+    return f"{name}: median {statistics.median(ms):.3f} ms, p90 {ms[int(len(ms) * 0.9)]:.3f} ms"
+
+
+def main() -> None:
+    from saguaro_dist.demo import demo_pair
+    default_target, default_draft = demo_pair()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default=str(default_target))
+    ap.add_argument("--draft", default=str(default_draft))
+    ap.add_argument("--rounds", type=int, default=400)
+    ap.add_argument("--verify-ms", type=float, default=4.0)
+    args = ap.parse_args()
+
+    import torch
+    torch.set_num_threads(1)
+    from saguaro_dist.config import Config
+    from saguaro_dist.distributed.draft_pool import DraftPool
+    from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+    from saguaro_dist.engine.build import build_draft_worker
+
+    print(f"placement: client (this process, 1 torch thread); DraftService process (1 torch thread); "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()}")
+    local = build_draft_worker(Config(model=args.target, draft=args.draft, mode="ssd", k=4, fan_out=12))
+    proc, address = _served(args.target, args.draft)
+    pool = DraftPool([GrpcDraftBackend([address])], max_batch_size=1)
+    try:
+        in_process = _rounds(local, args.rounds, args.verify_ms / 1e3)
+        over_grpc = _rounds(pool, args.rounds, args.verify_ms / 1e3)
+    finally:
+        pool.close()
+        proc.kill()
+    print(_summary("just-in-time draft, DraftWorker in-process", in_process))
+    print(_summary("just-in-time draft, DraftPool -> gRPC -> DraftService", over_grpc))
+    print(f"transport: {statistics.median(over_grpc) * 1e3 - statistics.median(in_process) * 1e3:.3f} ms a call (median difference)")
+
+
+if __name__ == "__main__":
+    main()
