@@ -1,7 +1,9 @@
 """The tree gate: trees first, then just-in-time rounds, then the faster one, re-trying the slower."""
 import pytest
 
-from saguaro_dist.spec.tree_gate import BURST, EXPLORE_EVERY, RoundMode, TreeGate, choose_mode
+from saguaro_dist.spec.tree_gate import (
+    BURST, EXPLORE_EVERY, MAX_STRETCH, RoundMode, TreeGate, choose_mode, explore_interval,
+)
 
 TREES, JIT = RoundMode.TREES, RoundMode.JUST_IN_TIME
 
@@ -14,30 +16,57 @@ def test_choose_mode(trees, jit, explore, want):
     assert choose_mode(trees, jit, explore) is want
 
 
-def drive(gate: TreeGate, rounds: int, tokens_per_s: dict, batch: int = 1) -> list[RoundMode]:
-    """Run `rounds` rounds in which mode m gains tokens_per_s[m] tokens per second."""
+def drive(gate: TreeGate, rounds: int, tokens_per_s: dict, batch: int = 1, tokens: dict | None = None) -> list[RoundMode]:
+    """Run `rounds` rounds in which a round of mode m lasts 10 / tokens_per_s[m] seconds and gains
+    tokens[m] tokens (default 10, so that its rate is tokens_per_s[m])."""
     modes = []
     for _ in range(rounds):
         mode = gate.mode(batch)
-        gate.record(batch, mode, tokens=int(tokens_per_s[mode]), seconds=1.0)
+        gate.record(batch, mode, tokens=(tokens or {}).get(mode, 10), seconds=10 / tokens_per_s[mode])
         modes.append(mode)
     return modes
 
 
+@pytest.mark.parametrize("trees, jit, bursts, want", [
+    (None, 5.0, 9, EXPLORE_EVERY), (10.0, 10.5, 9, EXPLORE_EVERY), (10.0, 9.0, 9, EXPLORE_EVERY),
+    (8.0, 10.0, 9, 4 * EXPLORE_EVERY), (10.0, 5.0, 99, MAX_STRETCH * EXPLORE_EVERY),
+    (10.0, 5.0, 1, EXPLORE_EVERY), (10.0, 5.0, 3, 3 * EXPLORE_EVERY),  # few bursts: a gap may be a fluke
+])
+def test_the_slower_mode_is_retried_less_often_the_further_behind_it_is(trees, jit, bursts, want):
+    assert explore_interval(trees, jit, bursts) == pytest.approx(want)
+
+
 def test_measures_both_then_runs_the_faster_and_explores_the_slower():
     gate = TreeGate()
-    modes = drive(gate, 2 * BURST + EXPLORE_EVERY, {TREES: 10, JIT: 20})
+    modes = drive(gate, 2 * BURST + 2 * EXPLORE_EVERY, {TREES: 18, JIT: 20})  # close: re-tried every EXPLORE_EVERY
     assert modes[:BURST] == [TREES] * BURST and modes[BURST:2 * BURST] == [JIT] * BURST
-    assert gate.rates(1) == {"trees": pytest.approx(10.0), "just_in_time": pytest.approx(20.0)}
+    assert gate.rates(1) == {"trees": pytest.approx(18.0), "just_in_time": pytest.approx(20.0)}
     later = modes[2 * BURST:]
-    assert later.count(TREES) == BURST  # one exploration burst in EXPLORE_EVERY rounds
+    assert later.count(TREES) == 2 * BURST  # one exploration burst in EXPLORE_EVERY rounds
     assert later[-1] is JIT
+
+
+def test_a_far_slower_mode_is_retried_ever_more_rarely():
+    gate = TreeGate()
+    modes = drive(gate, 2 * BURST + 6 * EXPLORE_EVERY, {TREES: 30, JIT: 10})
+    retries = [i for i in range(2 * BURST, len(modes)) if modes[i] is JIT and modes[i - 1] is TREES]
+    gaps = [b - a for a, b in zip(retries, retries[1:])]
+    assert len(retries) == 3 and gaps[1] > gaps[0]  # after 1, 2, 3 x EXPLORE_EVERY rounds
+
+
+def test_the_text_a_burst_happens_to_run_on_does_not_decide():
+    """Tokens per round come from the text (both modes propose with the same draft); a re-try of the
+    slower mode on an easy stretch (many tokens a round) must not make it look faster."""
+    gate = TreeGate()
+    drive(gate, 2 * BURST + EXPLORE_EVERY, {TREES: 30, JIT: 20})
+    modes = drive(gate, 4 * EXPLORE_EVERY, {TREES: 30, JIT: 20}, tokens={TREES: 10, JIT: 25})
+    assert modes.count(JIT) <= BURST
 
 
 def test_a_change_in_speed_is_followed():
     gate = TreeGate()
-    drive(gate, 4 * EXPLORE_EVERY, {TREES: 10, JIT: 20})
-    modes = drive(gate, 4 * EXPLORE_EVERY, {TREES: 30, JIT: 20})
+    drive(gate, 4 * EXPLORE_EVERY, {TREES: 18, JIT: 20})
+    modes = drive(gate, 4 * EXPLORE_EVERY, {TREES: 22, JIT: 20})
     assert modes[-EXPLORE_EVERY:].count(TREES) >= EXPLORE_EVERY - BURST  # all but an exploration burst
 
 

@@ -13,9 +13,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-BURST = 8            # rounds a mode keeps once chosen; the first is a transition and is not measured
-EXPLORE_EVERY = 96   # rounds at one batch size between re-tries of the slower mode
-DECAY = 0.9          # per measured round: a mode's rate follows its last ~10 rounds
+BURST = 8             # rounds a mode keeps once chosen; the first is a transition and is not measured
+EXPLORE_EVERY = 96    # rounds at one batch size between re-tries of the slower mode, while the two are close
+CLOSE_GAP = 0.1       # modes within 10% are close; a slower one g behind is re-tried (g / CLOSE_GAP)^2 ...
+MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good)
+SECONDS_DECAY = 0.9   # per measured round: a mode's round time follows its last ~10 rounds
+TOKENS_DECAY = 0.99   # tokens per round, over both modes' rounds, follow the last ~100
 
 
 class RoundMode(str, enum.Enum):
@@ -24,20 +27,20 @@ class RoundMode(str, enum.Enum):
 
 
 @dataclass
-class _Rate:
-    """Decayed tokens and seconds: rate = tokens / seconds, old rounds fading by DECAY each."""
-    tokens: float = 0.0
-    seconds: float = 0.0
-    rounds: int = 0
+class _DecayedMean:
+    """Mean of the values added, the older ones fading by `decay` per value."""
+    decay: float
+    total: float = 0.0
+    weight: float = 0.0
+    count: int = 0
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self.tokens, self.seconds = DECAY * self.tokens + tokens, DECAY * self.seconds + seconds
-        self.rounds += 1
+    def add(self, value: float) -> None:
+        self.total, self.weight = self.decay * self.total + value, self.decay * self.weight + 1.0
+        self.count += 1
 
     @property
-    def per_s(self) -> float | None:
-        """None until a burst's worth of rounds was measured."""
-        return self.tokens / self.seconds if self.rounds >= BURST - 1 and self.seconds > 0 else None
+    def mean(self) -> float | None:
+        return self.total / self.weight if self.weight else None
 
 
 def choose_mode(trees_per_s: float | None, jit_per_s: float | None, explore: bool) -> RoundMode:
@@ -52,26 +55,61 @@ def choose_mode(trees_per_s: float | None, jit_per_s: float | None, explore: boo
     return slower if explore else faster
 
 
+def explore_interval(trees_per_s: float | None, jit_per_s: float | None, slower_bursts: int) -> float:
+    """Rounds between re-tries of the slower mode: EXPLORE_EVERY while the modes are close, up to
+    MAX_STRETCH times that when one is far behind. A re-try costs in proportion to the gap and is
+    needed less the larger it is (noise and drift rarely close a 40% gap), as in a bandit's schedule;
+    but a gap seen in few bursts may be a fluke (a cold start), so the stretch grows by at most one
+    EXPLORE_EVERY per burst the slower mode has run."""
+    if not trees_per_s or not jit_per_s:
+        return EXPLORE_EVERY
+    gap = 1.0 - min(trees_per_s, jit_per_s) / max(trees_per_s, jit_per_s)
+    return EXPLORE_EVERY * min(MAX_STRETCH, max(1, slower_bursts), max(1.0, (gap / CLOSE_GAP) ** 2))
+
+
 @dataclass
 class _BatchGate:
+    """One batch size's choice. A mode's rate is tokens per round / its seconds per round, with tokens
+    per round pooled over both modes: both propose with the same draft, so a round's tokens depend on
+    the text, not on the mode (a miss's fast backup aside). A mode's own token count would compare the
+    text of its bursts: a re-try on an easy stretch looked faster and kept a slower mode for ~100 rounds."""
     mode: RoundMode = RoundMode.TREES
     left: int = BURST            # rounds the current mode still runs before the next choice
     since_explore: int = 0
     fresh: bool = True           # the current round is the first of its mode (a transition)
-    rates: dict = field(default_factory=lambda: {m: _Rate() for m in RoundMode})
+    seconds: dict = field(default_factory=lambda: {m: _DecayedMean(SECONDS_DECAY) for m in RoundMode})
+    tokens: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))
+
+    def rate(self, mode: RoundMode) -> float | None:
+        """Tokens per second of `mode`; None until a burst's worth of its rounds was measured."""
+        seconds = self.seconds[mode]
+        if seconds.count < BURST - 1 or not seconds.mean:
+            return None
+        return self.tokens.mean / seconds.mean
 
     def next_round(self) -> RoundMode:
         self.since_explore += 1
         if self.left > 0:
             self.left -= 1
             return self.mode
-        explore = self.since_explore >= EXPLORE_EVERY
-        mode = choose_mode(self.rates[RoundMode.TREES].per_s, self.rates[RoundMode.JUST_IN_TIME].per_s, explore)
+        trees, jit = self.rate(RoundMode.TREES), self.rate(RoundMode.JUST_IN_TIME)
+        slower = RoundMode.TREES if (trees or 0.0) < (jit or 0.0) else RoundMode.JUST_IN_TIME
+        explore = self.since_explore >= explore_interval(trees, jit, self.seconds[slower].count // (BURST - 1))
+        mode = choose_mode(trees, jit, explore)
         if explore:
             self.since_explore = 0
         if mode is not self.mode:
             self.mode, self.fresh, self.left = mode, True, BURST - 1
         return mode
+
+    def record(self, mode: RoundMode, tokens: int, seconds: float) -> None:
+        if mode is not self.mode:
+            return
+        if self.fresh:  # its cost belongs partly to the previous mode's last round
+            self.fresh = False
+            return
+        self.seconds[mode].add(seconds)
+        self.tokens.add(tokens)
 
 
 class TreeGate:
@@ -89,13 +127,9 @@ class TreeGate:
     def record(self, batch_size: int, mode: RoundMode, tokens: int, seconds: float) -> None:
         """A finished round of `mode` at `batch_size`: `tokens` gained in `seconds` (prepare + verify)."""
         gate = self._gates.get(batch_size)
-        if gate is None or gate.mode is not mode:
-            return
-        if gate.fresh:  # its cost belongs partly to the previous mode's last round
-            gate.fresh = False
-            return
-        gate.rates[mode].add(tokens, seconds)
+        if gate is not None:
+            gate.record(mode, tokens, seconds)
 
     def rates(self, batch_size: int) -> dict[str, float | None]:
         gate = self._gates.get(batch_size)
-        return {m.value: gate.rates[m].per_s if gate else None for m in RoundMode}
+        return {m.value: gate.rate(m) if gate else None for m in RoundMode}

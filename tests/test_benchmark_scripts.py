@@ -1,0 +1,34 @@
+"""The benchmark scripts that have no CLI twin run, in a tiny configuration (seconds)."""
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+BENCH = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+pytestmark = pytest.mark.timeout(120)
+
+
+def _run(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_tree_gate_replay_reports_the_gate_against_the_better_kind(tmp_path):
+    # Trees rounds: 4 tokens in 1 s; just-in-time: 4 tokens in 2 s. Two passes, one prompt group.
+    rounds = {"trees": [[[[4, 1.0]] * 60]] * 2, "just_in_time": [[[[4, 2.0]] * 60]] * 2}
+    path = tmp_path / "rounds.json"
+    path.write_text(json.dumps({"temperature": 0.0, "batch": 1, "rounds": rounds}))
+    out = _run(str(BENCH / "bench_tree_gate.py"), "replay", str(path), "--trials", "5")
+    assert "trees 4, just-in-time 2 tok/s" in out
+    mean = float(out.split("mean ")[1].split(",")[0])
+    assert 0.8 < mean < 1.0  # one burst of the slower kind, then trees
+
+
+def test_grpc_jit_bench_times_both_paths():
+    out = _run(str(BENCH / "bench_grpc_jit.py"), "--rounds", "50", "--verify-ms", "1")
+    assert "DraftWorker in-process: median" in out and "DraftService: median" in out and "transport:" in out
