@@ -150,10 +150,14 @@ class DraftServicer:
         # Queued behind the JIT on the worker thread; this reply goes out while the tree is built.
         self._thread.submit(self._build_and_broadcast)
         reply = codec.proposal_batch_to_proto(proposals)
-        if reply.ByteSize() > self.max_message_bytes:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{reply.ByteSize()} byte reply exceeds the {self.max_message_bytes} byte limit")
+        if too_big := self._oversize(reply):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
         return reply
+
+    def _oversize(self, reply) -> str | None:
+        """Why a reply may not be sent (over the size limit), or None."""
+        size = reply.ByteSize()
+        return f"{size} byte reply exceeds the {self.max_message_bytes} byte limit" if size > self.max_message_bytes else None
 
     def _after_outcomes(self, jit_draft, reqs):
         """The target sends round r's outcome on the stream and, a verify later, round r + 1's JIT as a
@@ -211,7 +215,7 @@ class DraftServicer:
     def Speculate(self, request_iterator, context):
         stream = self._open_stream()
         context.add_callback(stream.finish)  # a cancelled call wakes the loop below
-        reader = threading.Thread(target=self._read_outcomes, args=(request_iterator, context, stream),
+        reader = threading.Thread(target=self._read_requests, args=(request_iterator, context, stream),
                                   name="saguaro-speculate-reader", daemon=True)
         reader.start()
         try:
@@ -222,7 +226,7 @@ class DraftServicer:
         finally:
             self._close_stream(stream)
 
-    def _read_outcomes(self, requests, context, stream: _Stream) -> None:
+    def _read_requests(self, requests, context, stream: _Stream) -> None:
         """Stream requests in arrival order -> the worker thread, which observes, drafts, builds and pushes.
 
         The reader does not wait for the worker: the worker thread pushes what it encodes itself, one
@@ -232,7 +236,7 @@ class DraftServicer:
                 self._dispatch(pb.SpeculateRequest.FromString(raw), context, stream)
         except Exception as exc:
             if context.is_active():  # not a client that went away
-                self._log_failure(self._read_outcomes, exc)
+                self._log_failure(self._read_requests, exc)
                 stream.fail(*status_for(exc))
                 return
         self._thread.submit(stream.finish)  # after the work queued before it
@@ -267,9 +271,8 @@ class DraftServicer:
             self._log_failure(self.worker.jit_draft, exc)
             stream.push(self._jit_error(call_id, exc))
             return
-        if reply.ByteSize() > self.max_message_bytes:
-            reply = codec.jit_error_to_proto(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                                             f"{reply.ByteSize()} byte reply exceeds the {self.max_message_bytes} byte limit")
+        if too_big := self._oversize(reply):
+            reply = codec.jit_error_to_proto(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], too_big)
         stream.push(reply)
         self._build_push(stream)
 
@@ -296,13 +299,16 @@ class DraftServicer:
         self._build_push(stream)
 
     def _build_push(self, stream: _Stream) -> None:
+        for batch in self._built_trees():
+            stream.push(batch)
+
+    def _built_trees(self) -> list[pb.SpeculateReply]:
+        """Build the pending trees and encode them; none if that fails."""
         try:
-            batches = self._encode_trees(self.worker.build_trees())
+            return self._encode_trees(self.worker.build_trees())
         except Exception:  # the target's wait times out and it falls back: a miss, never a wrong token
             log.exception("building speculation trees failed")
-            return
-        for batch in batches:
-            stream.push(batch)
+            return []
 
     def _note_observed(self) -> None:
         with self._observed:
@@ -311,11 +317,7 @@ class DraftServicer:
 
     def _build_and_broadcast(self) -> None:
         """After a unary JitDraft: the tree goes to every open stream (or waits for one)."""
-        try:
-            batches = self._encode_trees(self.worker.build_trees())
-        except Exception:  # the target's wait times out and it falls back: a miss, never a wrong token
-            log.exception("building speculation trees after a just-in-time draft failed")
-            return
+        batches = self._built_trees()
         with self._lock:
             for batch in batches:
                 if not self._streams:

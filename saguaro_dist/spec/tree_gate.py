@@ -93,7 +93,7 @@ class _BatchGate:
             self.left -= 1
             return self.mode
         trees, jit = self.rate(RoundMode.TREES), self.rate(RoundMode.JUST_IN_TIME)
-        slower = RoundMode.TREES if (trees or 0.0) < (jit or 0.0) else RoundMode.JUST_IN_TIME
+        slower = choose_mode(trees, jit, explore=True)  # (while one is unmeasured, the interval ignores it)
         explore = self.since_explore >= explore_interval(trees, jit, self.seconds[slower].count // (BURST - 1))
         mode = choose_mode(trees, jit, explore)
         if explore:
