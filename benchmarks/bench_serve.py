@@ -1,16 +1,17 @@
 """HTTP + Ray Serve overhead against in-process `LLM.generate`, measured in one run.
 
-    python benchmarks/bench_serve.py [--model T --draft D] [--tokens 128] [--reps 8] [--stream-intervals 0,50]
-    RAY_SERVE_THROUGHPUT_OPTIMIZED=1 python benchmarks/bench_serve.py --stream-intervals 0   # + the replica's own port
+    python benchmarks/bench_serve.py [--model T --draft D | --tiny-pair] [--tokens 128] [--reps 8]
+    python benchmarks/bench_serve.py --stream-intervals 0,50      # SSE batching compared, proxy only
 
-Greedy decoding, so every path generates the same tokens. Batch 1: mean end-to-end latency of one
-request (in-process generate vs streamed over HTTP) and time to the first non-empty text (in-process
-`LLM.stream` vs the first SSE chunk with text). Batch 8: wall time of 8 concurrent requests (one
-generate() call of 8 prompts vs 8 concurrent HTTP streams). The systems run interleaved in one Ray
-session, the order rotating every rep: measured one after the other, minutes apart, the box's drift
-(20-30% here) swamped the difference. One Serve app per stream batching interval (`stream_interval_ms`:
-deltas closer than it share one SSE chunk). With Serve's direct ingress on and one app, the replica's
-own HTTP server (no proxy hop) is measured too. Last, the cores each process kept busy while each system ran.
+Greedy decoding, so every path generates the same tokens; by default the pair `saguaro serve` serves
+(the demo pair). Batch 1: mean end-to-end latency of one request (in-process generate vs streamed
+over HTTP) and time to the first non-empty text (in-process `LLM.stream` vs the first SSE chunk with
+text). Batch 8: wall time of 8 concurrent requests (one generate() call of 8 prompts vs 8 concurrent
+HTTP streams). The systems run interleaved in one Ray session, the order rotating every rep: measured
+one after the other, minutes apart, the box's drift (20-30% here) swamped the difference. One Serve app
+per stream batching interval (`stream_interval_ms`: deltas closer than it share one SSE chunk). With one
+app, both ingresses are measured: Serve's proxy, and the replica's own HTTP server (direct ingress, what
+`saguaro serve` runs on its embedded cluster). Last, the cores each process kept busy while each system ran.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import asyncio
 import collections
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -28,6 +28,12 @@ import httpx
 
 PROMPTS = ["def add(a, b):", "class Stack:", "import os", "for i in range(10):", "the cat sat on the",
            "hello world", "while True:", "return x"]
+
+
+def demo() -> tuple[str, str]:
+    from saguaro_dist.demo import demo_pair
+
+    return demo_pair()
 
 
 def tiny_pair(root: str) -> tuple[str, str]:
@@ -79,6 +85,27 @@ class InProcess:
         return await asyncio.to_thread(_timed, lambda: self.llm.generate(PROMPTS, self.params))
 
 
+class InProcessStream(InProcess):
+    """`LLM.stream` consumed by this process's event loop: the engine's streaming path without Serve."""
+
+    async def single(self) -> tuple[float, float]:
+        start, first = time.perf_counter(), None
+        async for delta in self.llm.stream(PROMPTS[0], self.params):
+            if first is None and delta.text:
+                first = time.perf_counter() - start
+        return first or 0.0, time.perf_counter() - start
+
+    async def batch(self) -> float:
+        start = time.perf_counter()
+        await asyncio.gather(*(_drain(self.llm.stream(p, self.params)) for p in PROMPTS))
+        return time.perf_counter() - start
+
+
+async def _drain(deltas) -> None:
+    async for _ in deltas:
+        pass
+
+
 class OverHttp:
     """Streamed completions from an OpenAI-compatible endpoint."""
 
@@ -109,6 +136,8 @@ async def interleaved(systems: dict, reps: int) -> tuple[dict, dict]:
                 samples[name]["b1_s"].append(total), samples[name]["b1_ttft_s"].append(ttft)
                 samples[name]["b8_s"].append(await systems[name].batch())
     means = {n: {key: statistics.mean(v) for key, v in samples[n].items()} for n in names}
+    for n in names:  # SSD's round timing makes single requests vary; the median is the steadier figure
+        means[n]["b1_median_s"] = statistics.median(samples[n]["b1_s"])
     return means, {n: usage[n].cores() for n in names}
 
 
@@ -178,31 +207,22 @@ class Usage:
         return {role: t / self.wall for role, t in self.cpu.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def start_ray(num_cpus: int, direct: bool) -> str | None:
+    """Ray, with Serve's direct ingress on a spare port when asked (its URL), as `saguaro serve` runs it."""
+    import ray
 
+    from saguaro_dist.serve.ingress import enable_direct_ingress, free_port
 
-def direct_ingress_url() -> str | None:
-    """The replica's own HTTP server when Serve's direct ingress is on (RAY_SERVE_THROUGHPUT_OPTIMIZED=1
-    or RAY_SERVE_ENABLE_DIRECT_INGRESS=1): the first port of its range, as the only ingress replica."""
-    on = {os.environ.get("RAY_SERVE_THROUGHPUT_OPTIMIZED"), os.environ.get("RAY_SERVE_ENABLE_DIRECT_INGRESS")}
-    if "1" not in on:
-        return None
-    port = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        httpx.get(url + "/health", timeout=5).raise_for_status()
-    except httpx.HTTPError as err:
-        print(f"direct ingress is on but {url} did not answer ({err}); measuring through the proxy only")
-        return None
-    return url
+    port = free_port() if direct else None
+    if port:
+        enable_direct_ingress(port)  # before Ray starts: Serve's processes read it from their environment
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+    return f"http://127.0.0.1:{port}" if port else None
 
 
 async def run_all(llm, proxy_urls: dict[float, str], direct_url: str | None, ns) -> tuple[dict, dict]:
     async with httpx.AsyncClient(timeout=300) as client:
-        systems = {"in-process": InProcess(llm, ns.tokens)}
+        systems = {"in-process": InProcess(llm, ns.tokens), "in-process stream": InProcessStream(llm, ns.tokens)}
         systems.update({f"proxy, {ms:g} ms": OverHttp(client, url, ns.tokens) for ms, url in proxy_urls.items()})
         if direct_url:
             systems["direct"] = OverHttp(client, direct_url, ns.tokens)
@@ -211,16 +231,18 @@ async def run_all(llm, proxy_urls: dict[float, str], direct_url: str | None, ns)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model"), p.add_argument("--draft")
+    p.add_argument("--model", help="target (default: the demo pair)"), p.add_argument("--draft")
+    p.add_argument("--tiny-pair", action="store_true", help="a random tiny pair with a byte-level tokenizer instead")
     p.add_argument("--mode", default="ssd"), p.add_argument("--k", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=128), p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=128), p.add_argument("--reps", type=int, default=24)
     p.add_argument("--num-cpus", type=int, default=4)
-    p.add_argument("--stream-intervals", default="0,50",
-                   help="Serve stream batching intervals in ms, one app each, comma-separated (0: a chunk per round)")
+    p.add_argument("--stream-intervals", default="50",
+                   help="Serve stream batching intervals in ms, one app each, comma-separated (0: a chunk per "
+                        "round); with one, the direct ingress is measured too")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the engine, in both runs (a Serve "
                                                           "replica with num_cpus=1 gets 1 from Ray otherwise)")
     ns = p.parse_args()
-    target, draft = (ns.model, ns.draft) if ns.model else tiny_pair(tempfile.mkdtemp())
+    target, draft = (ns.model, ns.draft) if ns.model else tiny_pair(tempfile.mkdtemp()) if ns.tiny_pair else demo()
     engine = {"model": target, "draft": draft, "mode": ns.mode, "k": ns.k, "max_batch_size": 8,
               "target_threads": ns.threads, "draft_threads": ns.threads}
 
@@ -229,17 +251,17 @@ def main() -> None:
 
     from saguaro_dist import LLM
     from saguaro_dist.serve.app import build_app
+    from saguaro_dist.serve.ingress import free_port
 
-    ray.init(address="local", num_cpus=ns.num_cpus, include_dashboard=False, log_to_driver=False)
-    port = _free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     intervals = [float(x) for x in ns.stream_intervals.split(",")]
+    direct = start_ray(ns.num_cpus, direct=len(intervals) == 1)  # one port: one ingress replica
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         prefixes = {ms: "" if len(intervals) == 1 else f"/i{ms:g}" for ms in intervals}
         for ms in intervals:  # one app per interval; every engine stays up, only the one measured has work
             serve.run(build_app({**engine, "stream_interval_ms": ms}), name=f"bench-{ms:g}", route_prefix=prefixes[ms] or "/")
         urls = {ms: f"http://127.0.0.1:{port}{prefixes[ms]}" for ms in intervals}
-        direct = direct_ingress_url() if len(intervals) == 1 else None  # which port is whose is known for one app
         with LLM(**engine) as llm:
             means, cores = asyncio.run(run_all(llm, urls, direct, ns))
     finally:
@@ -253,21 +275,22 @@ def report_cores(busy: dict[str, dict[str, float]]) -> None:
     """Which processes kept the box's cores busy while each system ran (CPU seconds / wall seconds)."""
     roles = sorted({r for cores in busy.values() for r in cores})
     print(f"\ncores busy while each system ran, {os.cpu_count()} cores on this box")
-    print(f"{'':46}" + "".join(f"{run:>16}" for run in busy))
+    print(f"{'':46}" + "".join(f"{run:>20}" for run in busy))
     for role in roles:
         if max(cores.get(role, 0.0) for cores in busy.values()) >= 0.005:
-            print(f"{role:46}" + "".join(f"{cores.get(role, 0.0):16.3f}" for cores in busy.values()))
-    print(f"{'total':46}" + "".join(f"{sum(cores.values()):16.3f}" for cores in busy.values()))
+            print(f"{role:46}" + "".join(f"{cores.get(role, 0.0):20.3f}" for cores in busy.values()))
+    print(f"{'total':46}" + "".join(f"{sum(cores.values()):20.3f}" for cores in busy.values()))
 
 
 def report(means: dict[str, dict], ns) -> None:
     base = means["in-process"]
     print(f"{ns.tokens}-token greedy outputs, mode {ns.mode}, k {ns.k}, {ns.reps} interleaved reps "
           "(HTTP: through Serve's proxy with each stream batching interval; direct: the replica's own port)")
-    print(f"{'':28}" + "".join(f"{name:>16}{'overhead':>10}" for name in means))
-    for key, label in (("b1_s", "batch 1 latency (s)"), ("b1_ttft_s", "batch 1 TTFT (s)"),
+    print(f"{'':28}" + "".join(f"{name:>20}{'overhead':>10}" for name in means))
+    for key, label in (("b1_s", "batch 1 latency (s)"), ("b1_median_s", "batch 1 latency, median (s)"),
+                       ("b1_ttft_s", "batch 1 TTFT (s)"),
                        ("b8_s", "8 concurrent streams (s)")):
-        print(f"{label:28}" + "".join(f"{m[key]:16.4f}{(m[key] / base[key] - 1) * 100:9.1f}%" for m in means.values()))
+        print(f"{label:28}" + "".join(f"{m[key]:20.4f}{(m[key] / base[key] - 1) * 100:9.1f}%" for m in means.values()))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def test_generate_against_a_server(server, reference_llm, capsys):
 
 
 @pytest.mark.slow
-def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path):
+@pytest.mark.parametrize("ingress, answers", [("auto", "direct"), ("proxy", "proxy")])
+def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path, ingress, answers):
     target, draft = serving_pair
     port = free_port()
     config = tmp_path / "serve.yaml"
@@ -75,7 +76,7 @@ def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path):
         "name": "saguaro", "route_prefix": "/", "import_path": APP_IMPORT_PATH,
         "args": {"model": target, "draft": draft, "mode": "ssd", "k": 2, "max_model_len": 256}}]}))
     cmd = [sys.executable, "-c", "import sys; from saguaro_dist.cli import main; sys.exit(main())", "serve", "--config", str(config), "--port", str(port),
-           "--num-cpus", "2", "--api-key", "cli-key", "--served-model-name", "tiny"]
+           "--num-cpus", "2", "--api-key", "cli-key", "--served-model-name", "tiny", "--ingress", ingress]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RAY_ADDRESS": ""})
     try:
@@ -89,6 +90,7 @@ def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path):
         output = proc.communicate(timeout=90)[0]
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
+    assert f"({answers} ingress;" in output, output[-3000:]  # who answered on --port
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:

@@ -49,7 +49,7 @@ def test_stream_interval_is_validated():
         ServerOptions(served_model_name="m", stream_interval_ms=-1)
 
 
-@pytest.mark.parametrize("value, want", [(None, 0.0), ("0", 0.0), ("50", 50.0), (20, 20.0)])
+@pytest.mark.parametrize("value, want", [(None, 50.0), ("0", 0.0), ("50", 50.0), (20, 20.0)])
 def test_stream_interval_from_app_args(value, want):
     from saguaro_dist.serve.app import server_options
     args = {} if value is None else {"stream_interval_ms": value}

@@ -11,6 +11,7 @@ import threading
 
 from saguaro_dist.config import DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
+from saguaro_dist.serve.ingress import Ingress, enable_direct_ingress, free_port, resolve
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +101,11 @@ def register(subparsers) -> None:
     g.add_argument("--served-model-name", help="the model name clients use (default: the model path)")
     g.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
     g.add_argument("--stream-interval-ms", type=float,
-                   help="streamed tokens closer together than this go out as one SSE chunk (default 0: a "
-                        "chunk per engine round; Ray Serve LLM uses 50)")
+                   help="streamed tokens closer together than this go out as one SSE chunk (default 50, as "
+                        "Ray Serve LLM; 0: a chunk per engine round)")
+    g.add_argument("--ingress", choices=[i.value for i in Ingress], default=Ingress.AUTO.value,
+                   help="who answers on --port: the replica's own HTTP server (direct) or Serve's proxy "
+                        "(default auto: direct on the embedded cluster with one replica, else the proxy)")
     g.add_argument("--config", help="a `serve run` YAML config (applications + http_options) or a "
                                     "mapping of app args; flags override it")
     g.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
@@ -130,20 +134,30 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     from saguaro_dist.serve.app import build_app
 
     embedded = not ns.address
+    ingress = resolve(Ingress(ns.ingress), embedded, deployment_options.get("num_replicas", 1))
+    proxy_port = _prepare_ingress(ingress, host, port)  # before Ray starts: its processes read the environment
     # address="local": a fresh embedded cluster, never one another process on this machine started.
     ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if embedded else None,
              include_dashboard=False, log_to_driver=False)
     stop = _stop_on_signals()
     try:
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": proxy_port})
         serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
         name = args.get("served_model_name") or args["model"]
-        log.warning("serving %r at http://%s:%d/v1 (Ctrl-C to stop)", name, host, port)
+        log.warning("serving %r at http://%s:%d/v1 (%s ingress; Ctrl-C to stop)", name, host, port, ingress.value)
         while not stop.wait(1.0):  # short waits keep signal delivery prompt
             pass
     finally:
         _shutdown(serve, ray, embedded)
     return 0
+
+
+def _prepare_ingress(ingress: Ingress, host: str, port: int) -> int:
+    """The port Serve's proxy listens on: the public one, or a spare one when the replica takes it."""
+    if ingress is not Ingress.DIRECT:
+        return port
+    enable_direct_ingress(port)
+    return free_port(host)
 
 
 def _stop_on_signals() -> threading.Event:
