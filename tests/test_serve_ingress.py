@@ -1,9 +1,13 @@
 """Which ingress `saguaro serve` runs, and the environment that makes Serve's replica answer on a port."""
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from saguaro_dist.serve.ingress import Ingress, direct_ingress_env, resolve
+
+pytest_plugins = ["test_serve_fixtures"]
 
 
 @pytest.mark.parametrize("embedded, replicas, want", [(True, 1, Ingress.DIRECT), (False, 1, Ingress.PROXY),
@@ -30,3 +34,14 @@ def test_direct_env_allocates_exactly_the_port_without_a_drain():
     assert list(range(int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"]),
                       int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]))) == [8123]
     assert float(env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"]) == 0
+
+
+def test_a_busy_port_is_a_clear_error_before_ray_starts(capsys, serving_pair):
+    from saguaro_dist.cli import main
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", serving_pair[0], "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot serve on 127.0.0.1:{port}" in err and "Traceback" not in err

@@ -11,7 +11,7 @@ import threading
 
 from saguaro_dist.config import DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
-from saguaro_dist.serve.ingress import Ingress, enable_direct_ingress, free_port, resolve
+from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, resolve
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,7 @@ def run(ns: argparse.Namespace) -> int:
     config_from_args(args)  # fail fast with a clear message, before Ray starts
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
+    check_port_free(host, port)
     return _serve(args, host, port, ns, file.deployment_options if file else {})
 
 

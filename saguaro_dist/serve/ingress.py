@@ -52,6 +52,16 @@ def enable_direct_ingress(port: int) -> None:
     os.environ.update(direct_ingress_env(port))
 
 
+def check_port_free(host: str, port: int) -> None:
+    """A clear error now, rather than a replica or proxy that fails to bind after Ray has started."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            s.bind((host, port))
+        except OSError as err:
+            raise ValueError(f"cannot serve on {host}:{port}: {err.strerror} (choose another --port)") from None
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, for the proxy when the replica takes the public one."""
     with socket.socket() as s:
