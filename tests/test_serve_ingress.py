@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from saguaro_dist.serve.ingress import Ingress, direct_ingress_env, resolve
+from saguaro_dist.serve.ingress import Ingress, direct_ingress_env, replica_count, resolve
 
 pytest_plugins = ["test_serve_fixtures"]
 
@@ -45,3 +45,9 @@ def test_a_busy_port_is_a_clear_error_before_ray_starts(capsys, serving_pair):
         assert main(["serve", serving_pair[0], "--port", str(port)]) == 2
     err = capsys.readouterr().err
     assert f"cannot serve on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("options, want", [({}, 1), ({"num_replicas": 3}, 3),
+                                           ({"autoscaling_config": {"max_replicas": 4}}, "auto")])
+def test_replica_count_of_a_config(options, want):
+    assert replica_count(options) == want

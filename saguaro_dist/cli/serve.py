@@ -11,7 +11,7 @@ import threading
 
 from saguaro_dist.config import DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
-from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, resolve
+from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     from saguaro_dist.serve.app import build_app
 
     embedded = not ns.address
-    ingress = resolve(Ingress(ns.ingress), embedded, deployment_options.get("num_replicas", 1))
+    ingress = resolve(Ingress(ns.ingress), embedded, replica_count(deployment_options))
     proxy_port = _prepare_ingress(ingress, host, port)  # before Ray starts: its processes read the environment
     # address="local": a fresh embedded cluster, never one another process on this machine started.
     ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if embedded else None,

@@ -19,7 +19,7 @@ from saguaro_dist.serve.state import Job, ServingState, merge
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
 # As Ray Serve LLM. Every SSE write costs the replica Serve's per-message work (and a proxy trip), on
 # the GIL the engine's round loop needs: with the demo pair at batch 1, a chunk per round made a request
-# ~1.5x as slow as in-process, 50 ms batches ~1.2x through the proxy and ~1.03x direct (docs/serving.md).
+# ~1.5x as slow as in-process through the proxy, 50 ms batches ~1.15x (and ~1.05x direct; docs/serving.md).
 DEFAULT_STREAM_INTERVAL_MS = 50.0
 ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize"})
 

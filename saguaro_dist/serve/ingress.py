@@ -22,7 +22,7 @@ class Ingress(str, enum.Enum):
     PROXY = "proxy"    # Serve's proxy answers on the port and forwards to the replica
 
 
-def resolve(ingress: Ingress, embedded: bool, num_replicas: int) -> Ingress:
+def resolve(ingress: Ingress, embedded: bool, num_replicas: int | str) -> Ingress:
     """The ingress to run. Direct needs the environment of a cluster we start ourselves, and a
     single replica: one port, one server, and no load balancer in front."""
     if ingress is Ingress.AUTO:
@@ -31,9 +31,16 @@ def resolve(ingress: Ingress, embedded: bool, num_replicas: int) -> Ingress:
         raise ValueError("--ingress direct needs the embedded cluster (no --address): Serve reads it from "
                          "the environment Ray starts with")
     if ingress is Ingress.DIRECT and num_replicas != 1:
-        raise ValueError(f"--ingress direct serves one replica on one port; the config asks for {num_replicas} "
+        raise ValueError(f"--ingress direct serves one replica on one port; the config asks for {num_replicas!r} replicas "
                          "(use --ingress proxy, or a load balancer in front of the replicas' ports)")
     return ingress
+
+
+def replica_count(deployment_options: dict) -> int | str:
+    """Replicas the deployment asks for; "auto" when an autoscaling config may add more."""
+    if "autoscaling_config" in deployment_options:
+        return "auto"
+    return deployment_options.get("num_replicas", 1)
 
 
 def direct_ingress_env(port: int) -> dict[str, str]:
