@@ -4,7 +4,7 @@ import torch
 
 from saguaro_dist.config import FanOut
 from saguaro_dist.spec import ProposalSource, SpecStats, Timing, critical_batch_size, geometric_fanout
-from saguaro_dist.spec.stats import acceptance_counts, fit_miss_exponent
+from saguaro_dist.spec.stats import FAST_PRIOR_ROUNDS, acceptance_counts, expected_tokens_per_round, fit_miss_exponent
 
 torch.set_num_threads(1)
 
@@ -19,7 +19,8 @@ def _geometric_rounds(a, k, n, seed):
 def test_defaults_before_data():
     s = SpecStats(k=4)
     assert (s.accept_rate, s.r, s.hit_rate) == (0.7, 0.5, 0.5)
-    assert s.tokens_per_round(ProposalSource.FAST) == 1.0
+    # untried, the fast backup is presumed as good as the draft: it gets tried before it is judged
+    assert s.tokens_per_round(ProposalSource.FAST) == pytest.approx(expected_tokens_per_round(0.7, 4))
     assert s.tokens_per_round(ProposalSource.CACHE) == pytest.approx((1 - 0.7 ** 5) / 0.3)
     assert s.time(Timing.VERIFY) is None and s.relative_time(Timing.DRAFT) is None
     assert s.critical_batch_size() == 1024  # neural until its cost is measured
@@ -42,7 +43,8 @@ def test_fast_rounds_do_not_move_the_primary_acceptance_rate():
     s.record_verify([4, 4, 4, 3], ProposalSource.CACHE)
     s.record_verify([0, 0, 0, 0, 0], ProposalSource.FAST)
     assert s.accept_rate == pytest.approx(15 / 16)
-    assert s.tokens_per_round(ProposalSource.FAST) == 1.0
+    prior = expected_tokens_per_round(15 / 16, 4)
+    assert s.tokens_per_round(ProposalSource.FAST) == pytest.approx((5 + FAST_PRIOR_ROUNDS * prior) / (5 + FAST_PRIOR_ROUNDS))
     assert s.tokens_per_round(ProposalSource.CACHE) == pytest.approx(4.75)
 
 
@@ -83,7 +85,8 @@ def test_times_feed_the_critical_batch_size_and_fanout():
     s.record_verify([2], ProposalSource.NEURAL)
     s.record_verify([0, 1], ProposalSource.FAST)
     s.record_lookups([3, 3, 3, 3], [True, True, True, False])
-    want = critical_batch_size(0.75, 14 / 3, 3.0, 1.5, 0.05)
+    fast = (3 + FAST_PRIOR_ROUNDS * expected_tokens_per_round(s.accept_rate, 4)) / (2 + FAST_PRIOR_ROUNDS)
+    want = critical_batch_size(0.75, 14 / 3, 3.0, fast, 0.05)
     assert s.critical_batch_size() == want
     assert s.fanout(FanOut.GEOMETRIC, 20, 1000) == geometric_fanout(20, 4, s.accept_rate, s.r)
 
@@ -109,3 +112,18 @@ def test_outcome_probs_start_geometric_and_follow_the_verified_rounds():
     assert p[3] > 0.65 and p[0] > 0.15 and p[4] < 0.1
     f = stats.fanout(FanOut.OUTCOME, 12, vocab_size=100)
     assert f[3] == max(f) and sum(f) == 12
+
+
+def test_the_fast_backup_is_tried_before_it_is_judged():
+    """At b = 1 with the neural backup timed, an untried fast backup is chosen (so it gets measured);
+    once measured poor (prompt lookup finding nothing: 1 token a round), the neural one is."""
+    s = SpecStats(k=4, decay=1.0)
+    s.record_time(Timing.VERIFY, 0.003)
+    s.record_time(Timing.NEURAL_BACKUP, 0.002)
+    s.record_verify([4, 3, 2, 4, 0], ProposalSource.CACHE)
+    s.record_verify([2, 3], ProposalSource.NEURAL)
+    s.record_lookups([3] * 10, [True] * 7 + [False] * 3)
+    assert s.critical_batch_size() == 1  # fast at every batch size: untried, presumed as good
+    for _ in range(12):
+        s.record_verify([0], ProposalSource.FAST)
+    assert s.critical_batch_size() > 1  # measured poor: neural at b = 1

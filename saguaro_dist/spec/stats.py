@@ -15,6 +15,7 @@ from saguaro_dist.spec.theory import expected_tokens_per_round
 MISS_CLAMP = (1e-3, 1.0 - 1e-3)  # a bin with no hits (or no misses) still gives a finite log
 R_RANGE = (0.05, 4.0)
 OUTCOME_PRIOR_ROUNDS = 8.0  # the geometric P(k*) counts as this many rounds in outcome_probs
+FAST_PRIOR_ROUNDS = 2.0     # the fast backup counts as this many rounds as good as the draft until measured
 
 
 class ProposalSource(str, enum.Enum):
@@ -138,9 +139,15 @@ class SpecStats:
         return self.defaults["r"] if fitted is None else min(max(fitted, R_RANGE[0]), R_RANGE[1])
 
     def tokens_per_round(self, source: ProposalSource) -> float:
-        """Mean k* + 1 for rounds from `source`; before data: sum_{i<=K} a^i (primary), 1 (FAST)."""
-        default = 1.0 if ProposalSource(source) is ProposalSource.FAST else expected_tokens_per_round(self.accept_rate, self.k)
-        return self._tokens[ProposalSource(source)].mean(default)
+        """Mean k* + 1 for rounds from `source`; before data: sum_{i<=K} a^i. The fast backup keeps
+        FAST_PRIOR_ROUNDS rounds of that prior, so it is tried before it is judged: with a pessimistic
+        prior (1 token) the neural backup won the choice at b = 1 before the fast one was ever measured,
+        and kept it for the engine's life, even on text where prompt lookup does well."""
+        source = ProposalSource(source)
+        prior, tokens = expected_tokens_per_round(self.accept_rate, self.k), self._tokens[source]
+        if source is ProposalSource.FAST:
+            return (tokens.total + FAST_PRIOR_ROUNDS * prior) / (tokens.count + FAST_PRIOR_ROUNDS)
+        return tokens.mean(prior)
 
     def mean_accepted(self, source: ProposalSource) -> float:
         return self.tokens_per_round(source) - 1.0
@@ -160,9 +167,11 @@ class SpecStats:
         return resolve_fanout(kind, budget_or_list, self.k, self.accept_rate, self.r, vocab_size, self.outcome_probs)
 
     def critical_batch_size(self, max_batch: int = MAX_CRITICAL_BATCH) -> int:
-        """b* from the current estimates. Until the neural backup was timed t_neural = 0 (it never
-        stalls), so b* = max_batch unless fast proposals are measured to be as good: stay neural."""
-        t_neural = self.relative_time(Timing.NEURAL_BACKUP) or 0.0
+        """b* from the current estimates. Neural (b* = max_batch) until the neural backup was timed
+        (its first misses time it); then the fast backup, presumed good until tried, gets tried too."""
+        t_neural = self.relative_time(Timing.NEURAL_BACKUP)
+        if t_neural is None:
+            return max_batch
         return critical_batch_size(self.hit_rate, self.tokens_per_round(ProposalSource.CACHE),
                                    self.tokens_per_round(ProposalSource.NEURAL),
                                    self.tokens_per_round(ProposalSource.FAST), t_neural, max_batch)
