@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -48,10 +49,29 @@ class Deployment:
             log.debug("draft stop: %r", err)
         for actor in self.ranks + self.drafts:
             ray.kill(actor, no_restart=True)
+        wait_dead(self.ranks + self.drafts)
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
         if self.started_ray:
             ray.shutdown()
+
+
+def wait_dead(actors: list, timeout_s: float = 10.0) -> None:
+    """ray.kill is asynchronous: a call made right after it could still reach the actor (a test saw
+    one answer). Shutdown returns once every actor refuses calls, or after timeout_s with a warning."""
+    deadline = time.monotonic() + timeout_s
+    for actor in actors:
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError:
+                break
+            except ray.exceptions.GetTimeoutError:  # hung, not yet gone: the deadline decides
+                continue
+            time.sleep(0.02)
+        else:
+            log.warning("an actor still answered %.0f s after ray.kill", timeout_s)
+            return
 
 
 def start_drafts(config: Config, resources: dict) -> list:
