@@ -6,10 +6,11 @@ to them, since serving needs text in and out.
 """
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 
 import pytest
+
+from saguaro_dist.serve.ingress import free_port  # noqa: F401 - the serve tests' spare ports come from here
 
 API_KEY = "sk-test-saguaro"
 MODEL_NAME = "tiny-ssd"
@@ -24,12 +25,6 @@ SENTENCES = [
     "def add ( a , b ) : return a + b", "class Stack : pass", "import os", "for i in range ( 10 ) :",
     "speculative decoding drafts tokens and the target verifies them", "saguaro cactus grows slowly",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_tokenizer():
