@@ -82,3 +82,38 @@ def test_generate_decodes_once_at_the_end_streams_and_stop_strings_every_round(d
     calls.clear()
     stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=["\x00never"])
     assert demo_llm.generate([prompt], stop)[0].text == out.text and len(calls) == 12
+
+
+def test_a_final_only_stream_is_one_delta_decoded_once(demo_llm):
+    """What the server's non-streamed requests read: generate()'s one decode, through the async API."""
+    import asyncio
+
+    from saguaro_dist import SamplingParams
+    prompt, params = "def add(a, b):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (out,) = demo_llm.generate([prompt], params)
+    calls = count_decodes(demo_llm)
+
+    async def final_only() -> list:
+        return [d async for d in demo_llm.stream(prompt, params, output_kind="final_only")]
+    (delta,) = asyncio.run(final_only())
+    assert len(calls) == 1
+    assert delta.finished and delta.text == out.text and delta.token_ids == out.token_ids
+    assert delta.metrics.time_to_first_token_s < delta.metrics.total_time_s
+
+
+def test_a_stream_interval_holds_deltas_back_after_the_first_text(demo_llm):
+    """Rounds closer than the interval share one delta once text went out; the text adds up the same."""
+    import asyncio
+
+    from saguaro_dist import SamplingParams
+    prompt, params = "def add(a, b):", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    (out,) = demo_llm.generate([prompt], params)
+    calls = count_decodes(demo_llm)
+
+    async def streamed() -> list:
+        return [d async for d in demo_llm.stream(prompt, params, stream_interval_s=60)]
+    deltas = asyncio.run(streamed())
+    first_text = next(i for i, d in enumerate(deltas) if d.text)
+    assert deltas[first_text + 1:] == deltas[-1:] and deltas[-1].finished  # then only the end
+    assert "".join(d.text for d in deltas) == out.text and sum((d.token_ids for d in deltas), []) == out.token_ids
+    assert len(calls) == len(deltas)  # one decode per delta, not per round

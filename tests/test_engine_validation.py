@@ -50,6 +50,15 @@ def test_stream_yields_deltas_that_add_up(llm):
     assert deltas[-1].finished and deltas[-1].finish_reason == "length" and deltas[-1].metrics is not None
 
 
+@pytest.mark.parametrize("bad", [{"output_kind": "everything"}, {"stream_interval_s": -1},
+                                 {"stream_interval_s": float("inf")}, {"stream_interval_s": "50"}])
+def test_stream_names_a_wrong_delivery_setting(llm, bad):
+    async def first():
+        return await anext(llm.stream(prompt_token_ids=[5, 6], **bad))
+    with pytest.raises(ValueError, match=str(list(bad.values())[0])):
+        asyncio.run(first())
+
+
 def test_closing_a_stream_early_aborts_the_request(llm):
     async def first_only():
         gen = llm.stream(prompt_token_ids=[5, 6, 7], sampling_params=SamplingParams(temperature=0, max_tokens=40))

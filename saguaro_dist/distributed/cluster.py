@@ -137,7 +137,8 @@ class RemoteEngine:
             raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
         with self._lock:
             self._requests[seq.request_id] = (seq, listener)
-        request = RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.output_kind)
+        request = RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.output_kind,
+                                seq.stream_interval_s)
         try:
             ray.get(self.rank0.submit.remote(request))
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:

@@ -15,6 +15,7 @@ class RemoteRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     output_kind: OutputKind = OutputKind.DELTA
+    stream_interval_s: float = 0.0
 
 
 @dataclass

@@ -61,9 +61,10 @@ class Engine:
         if running:
             self.loop.prepare(running)
             gained = self.loop.verify(running)
+            now = time.perf_counter()
             for s, tokens in zip(running, gained):
-                self._append(s, tokens)
-            updates += self._updates(running)
+                self._append(s, tokens, now)
+            updates += self._updates(running, now)
             self.metrics.rounds += 1
         self._retire()
         self.metrics.step_s += time.perf_counter() - start
@@ -95,16 +96,31 @@ class Engine:
         for s in new:
             s.status = SeqStatus.RUNNING
         self.running += new
+        now = time.perf_counter()
         for s, t in zip(new, first):
-            self._append(s, [t])
-        return self._updates(new)
+            self._append(s, [t], now)
+        return self._updates(new, now)
 
-    def _updates(self, seqs: list[Sequence]) -> list[Update]:
-        """Deltas for the readers that take them: every round for DELTA, only the end for FINAL_ONLY
-        (its one update carries all tokens; on Ray a per-round update costs an actor call each way)."""
-        return [self._delta(s) for s in seqs if s.finished or s.output_kind is not OutputKind.FINAL_ONLY]
+    def _updates(self, seqs: list[Sequence], now: float) -> list[Update]:
+        """Deltas for the readers due one (see _due)."""
+        due = [s for s in seqs if self._due(s, now)]
+        for s in due:
+            s.last_update_time = now
+        return [self._delta(s) for s in due]
 
-    def _append(self, s: Sequence, tokens: list[int]) -> None:
+    def _due(self, s: Sequence, now: float) -> bool:
+        """Whether s's reader gets an update this round: at the end; never before it for FINAL_ONLY (its
+        one update carries everything); for DELTA every round until text went out, then once per
+        stream_interval_s. Why: each update is a hand-off to the reader's thread (on Ray an actor call
+        each way), which shares the GIL with the round loop, and a text decode (40-100 us a sequence)."""
+        if s.finished:
+            return True
+        if s.output_kind is OutputKind.FINAL_ONLY:
+            return False
+        text_sent = self._emitted.get(s.seq_id, ("", 0))[0]
+        return not text_sent or now - s.last_update_time >= s.stream_interval_s
+
+    def _append(self, s: Sequence, tokens: list[int], now: float) -> None:
         """Add verified tokens up to the first stop condition; cut stop strings from the text."""
         if not s.output_token_ids:
             s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
@@ -116,13 +132,13 @@ class Engine:
                 self._finish(s, FinishReason.LENGTH)
             if s.finished:
                 break
-        self._update_text(s)
+        self._update_text(s, now)
 
-    def _update_text(self, s: Sequence) -> None:
-        # A final-only request without stop strings has no reader for its text before it finishes; a
-        # decode in the round loop costs 40-100 us a sequence (the tokenizer's tables are cold after a
-        # forward), so it decodes once, at the end.
-        if s.output_kind is OutputKind.FINAL_ONLY and not s.params.stop and not s.finished:
+    def _update_text(self, s: Sequence, now: float) -> None:
+        # Text nobody reads this round is decoded later, with the next update's (a decode in the round
+        # loop costs 40-100 us a sequence: the tokenizer's tables are cold after a forward). Stop
+        # strings need it every round.
+        if not s.params.stop and not self._due(s, now):
             return
         s.text += self.detok.decode_more(s.output_token_ids, s.decode_state, final=s.finished)
         cut = find_stop(s.text, s.params.stop)

@@ -72,11 +72,21 @@ class LLM:
         return [self._output(seq, text) for seq, (_, text) in zip(results, requests)]
 
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
-                     prompt_token_ids: list[int] | None = None, request_id: str | None = None
+                     prompt_token_ids: list[int] | None = None, request_id: str | None = None,
+                     output_kind: OutputKind | str = OutputKind.DELTA, stream_interval_s: float = 0.0
                      ) -> AsyncIterator[StreamDelta]:
-        """Deltas of one request as rounds finish; closing the iterator early aborts the request."""
+        """Deltas of one request as rounds finish; closing the iterator early aborts the request.
+
+        stream_interval_s: once some text went out, rounds closer than this share one delta (as vLLM's
+        stream_interval; the engine then decodes and hands off less often). output_kind FINAL_ONLY: one
+        delta, when the request finishes, with every token and the whole text, as generate() gets it."""
+        kind = OutputKind(output_kind)  # a ValueError names a wrong kind before any work
+        if isinstance(stream_interval_s, bool) or not (isinstance(stream_interval_s, (int, float))
+                                                       and 0 <= stream_interval_s < float("inf")):
+            raise ValueError(f"stream_interval_s must be a finite number >= 0, got {stream_interval_s!r}")
         seq, _ = self._requests(None if prompt is None else [prompt],
                                 None if prompt_token_ids is None else [prompt_token_ids], sampling_params)[0]
+        seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
         if request_id:
             seq.request_id = request_id
         queue: asyncio.Queue = asyncio.Queue()

@@ -46,6 +46,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     output_kind: OutputKind = OutputKind.DELTA
+    stream_interval_s: float = 0.0         # DELTA: rounds closer than this share one update, once text went out
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     text: str = ""                         # detokenized output, stop strings cut
@@ -59,6 +60,7 @@ class Sequence:
     wants_tree: bool = False               # SSD: the draft was asked for a tree for this speculation
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     arrival_time: float = field(default_factory=time.perf_counter)
+    last_update_time: float = 0.0          # when its reader last got an update
     generator: torch.Generator | None = None
 
     def __post_init__(self):
