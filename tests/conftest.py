@@ -63,12 +63,17 @@ def tiny_llama_pair(tiny_checkpoint):
 def ray_cluster():
     """One local Ray instance for the whole session (start-up costs seconds). address="local": never join
     a neighbour's cluster. Logical CPUs above the machine's 2 cores only gate scheduling: the serve app,
-    tensor-parallel ranks and draft pools of the tests fit side by side."""
+    tensor-parallel ranks and draft pools of the tests fit side by side. Yields the URL of its Prometheus
+    endpoint (None for a Ray someone else started), reported every second (Ray's default: 10 s)."""
     import ray
+
+    from saguaro_dist.serve.ingress import free_port
     started = not ray.is_initialized()
+    metrics_port = free_port()
     if started:
-        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield
+        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+    yield f"http://127.0.0.1:{metrics_port}/metrics" if started else None
     from ray import serve
     serve.shutdown()
     if started:

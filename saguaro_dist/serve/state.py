@@ -8,6 +8,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.metrics import ServeMetrics
@@ -65,12 +66,13 @@ class ServingState:
         return Job(prompt_ids, request.sampling_params(wanted or room))
 
     # ---- generation -------------------------------------------------------------------------
-    async def stream(self, job: Job) -> AsyncIterator:
+    async def stream(self, job: Job, output_kind: OutputKind = OutputKind.DELTA) -> AsyncIterator:
         """The engine's deltas for one job, with serving metrics; closing it aborts the generation."""
         start = last = time.monotonic()
         self._enter()
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
-                                           request_id=uuid.uuid4().hex)
+                                           request_id=uuid.uuid4().hex, output_kind=output_kind,
+                                           stream_interval_s=self.stream_interval_s)
         finished = False
         try:
             async with aclosing(engine_stream) as deltas:  # closing the engine's stream aborts the request
@@ -83,9 +85,11 @@ class ServingState:
             self._exit(cancelled=not finished)
 
     async def collect(self, job: Job) -> Finished:
+        """The whole result at once, as generate() gets it: no per-round deltas to the event loop, whose
+        work would share the replica's GIL with the engine's round loop."""
         out = Finished(prompt_tokens=len(job.prompt_ids))
         parts = []
-        async with aclosing(self.stream(job)) as deltas:
+        async with aclosing(self.stream(job, OutputKind.FINAL_ONLY)) as deltas:
             async for delta in deltas:
                 parts.append(delta.text)
                 out.num_tokens += len(delta.token_ids)
@@ -96,11 +100,22 @@ class ServingState:
 
     def _record(self, delta, start: float, last: float, now: float) -> None:
         first = last == start
-        if first and delta.token_ids:
+        if first and delta.finished and delta.metrics is not None and delta.token_ids:  # one delta for the whole request
+            self._record_whole(delta)
+        elif first and delta.token_ids:
             self.metrics.first_token(now - start)
-        self.metrics.tokens(len(delta.token_ids), None if first else now - last)
+            self.metrics.tokens(len(delta.token_ids), None)
+        else:
+            self.metrics.tokens(len(delta.token_ids), now - last)
         if delta.finished:
             self.metrics.finished(delta.metrics, now - start)
+
+    def _record_whole(self, delta) -> None:
+        """The engine's own clock for what no reader saw: its first token, and the tokens after it."""
+        m = delta.metrics
+        self.metrics.first_token(m.time_to_first_token_s)
+        self.metrics.tokens(1, None)
+        self.metrics.tokens(len(delta.token_ids) - 1, m.total_time_s - m.time_to_first_token_s)
 
     def _enter(self) -> None:
         self.running += 1

@@ -1,0 +1,82 @@
+"""The Serve app's Prometheus metrics, scraped from the session Ray node's real endpoint."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytest_plugins = ["test_serve_fixtures"]
+
+PREFIX = "ray_saguaro_"  # Ray prefixes every application metric with ray_
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of ours summed over its series (each worker reports its own): name -> value."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name.startswith(PREFIX) and "le" not in sample.labels:
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def scrape_settled(url: str) -> dict[str, float]:
+    """Once what earlier tests did has all been reported: two scrapes a report interval apart agree."""
+    deadline, last = time.monotonic() + 30, scrape(url)
+    while time.monotonic() < deadline:
+        time.sleep(1.5)
+        now = scrape(url)
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def scrape_after(url: str, before: dict[str, float], settled) -> dict[str, float]:
+    """Scrapes until settled(delta) holds (Ray reports every second here); the last delta otherwise."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = scrape(url)
+        delta = {k: now.get(k, 0.0) - before.get(k, 0.0) for k in now}
+        if settled(delta) or time.monotonic() > deadline:
+            return delta
+        time.sleep(0.5)
+
+
+def metric(delta: dict[str, float], name: str) -> float:
+    return delta.get(PREFIX + name, 0.0)
+
+
+@pytest.fixture(scope="module")
+def metrics_url(ray_cluster, server) -> str:
+    if ray_cluster is None:
+        pytest.skip("Ray was started outside the tests: its metrics port is unknown")
+    return ray_cluster
+
+
+def post(server, body: dict) -> httpx.Response:
+    r = httpx.post(server.url + "/v1/completions", json=body, headers=server.headers, timeout=60)
+    r.raise_for_status()
+    return r
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["in-one-piece", "streamed"])
+def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
+    before = scrape_settled(metrics_url)
+    body = {"prompt": "the cat sat on", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
+    post(server, body)
+    delta = scrape_after(metrics_url, before, lambda d: metric(d, "e2e_request_latency_seconds_count") >= 1
+                         and metric(d, "requests_total") >= 1)
+    assert metric(delta, "requests_total") == 1
+    assert metric(delta, "e2e_request_latency_seconds_count") == 1
+    assert metric(delta, "time_to_first_token_seconds_count") == 1
+    assert metric(delta, "generation_tokens_total") == 12
+    assert metric(delta, "inter_token_latency_seconds_count") == 11  # one per token after the first
+    assert metric(delta, "prompt_tokens_total") >= 1
+    assert metric(delta, "drafted_tokens_total") >= metric(delta, "accepted_tokens_total")
+    lookups = metric(delta, "speculation_cache_hits_total") + metric(delta, "speculation_cache_misses_total")
+    assert lookups >= 1  # a tree every round on this server: every round after the first looks one up
+    # The engine's clock when no reader saw the first token (a request answered in one piece).
+    assert metric(delta, "time_to_first_token_seconds_sum") < metric(delta, "e2e_request_latency_seconds_sum")
