@@ -5,9 +5,10 @@
 
 Greedy decoding, so every path generates the same tokens; by default the pair `saguaro serve` serves
 (the demo pair). Batch 1: mean end-to-end latency of one request (in-process generate vs streamed
-over HTTP) and time to the first non-empty text (in-process `LLM.stream` vs the first SSE chunk with
+over HTTP, streamed, and on the direct ingress answered in one piece too, the request that matches
+generate()) and time to the first non-empty text (in-process `LLM.stream` vs the first SSE chunk with
 text). Batch 8: wall time of 8 concurrent requests (one generate() call of 8 prompts vs 8 concurrent
-HTTP streams). The systems run interleaved in one Ray session, the order rotating every rep: measured
+HTTP requests). The systems run interleaved in one Ray session, the order rotating every rep: measured
 one after the other, minutes apart, the box's drift (20-30% here) swamped the difference. One Serve app
 per stream batching interval (`stream_interval_ms`: deltas closer than it share one SSE chunk). With one
 app, both ingresses are measured: Serve's proxy, and the replica's own HTTP server (direct ingress, what
@@ -19,6 +20,7 @@ import argparse
 import asyncio
 import collections
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -106,18 +108,26 @@ async def _drain(deltas) -> None:
         pass
 
 
-class OverHttp:
-    """Streamed completions from an OpenAI-compatible endpoint."""
+async def _complete(client: httpx.AsyncClient, url: str, prompt: str, tokens: int) -> tuple[float, float]:
+    """(no TTFT: nan, total) of one completion answered in one piece."""
+    start = time.perf_counter()
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0}
+    (await client.post(url + "/v1/completions", json=body)).raise_for_status()
+    return math.nan, time.perf_counter() - start
 
-    def __init__(self, client: httpx.AsyncClient, url: str, tokens: int):
-        self.client, self.url, self.tokens = client, url, tokens
+
+class OverHttp:
+    """Completions from an OpenAI-compatible endpoint: streamed (SSE), or answered in one piece."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, tokens: int, stream: bool = True):
+        self.client, self.url, self.tokens, self.request = client, url, tokens, _stream if stream else _complete
 
     async def single(self) -> tuple[float, float]:
-        return await _stream(self.client, self.url, PROMPTS[0], self.tokens)
+        return await self.request(self.client, self.url, PROMPTS[0], self.tokens)
 
     async def batch(self) -> float:
         start = time.perf_counter()
-        await asyncio.gather(*(_stream(self.client, self.url, p, self.tokens) for p in PROMPTS))
+        await asyncio.gather(*(self.request(self.client, self.url, p, self.tokens) for p in PROMPTS))
         return time.perf_counter() - start
 
 
@@ -227,6 +237,7 @@ async def run_all(llm, proxy_urls: dict[float, str], direct_url: str | None, ns)
         systems.update({f"proxy, {ms:g} ms": OverHttp(client, url, ns.tokens) for ms, url in proxy_urls.items()})
         if direct_url:
             systems["direct"] = OverHttp(client, direct_url, ns.tokens)
+            systems["direct, no stream"] = OverHttp(client, direct_url, ns.tokens, stream=False)
         return await interleaved(systems, ns.reps)
 
 
@@ -290,8 +301,14 @@ def report(means: dict[str, dict], ns) -> None:
     print(f"{'':28}" + "".join(f"{name:>20}{'overhead':>10}" for name in means))
     for key, label in (("b1_s", "batch 1 latency (s)"), ("b1_paired", "batch 1, paired (median)"),
                        ("b1_ttft_s", "batch 1 TTFT (s)"),
-                       ("b8_s", "8 concurrent streams (s)")):
-        print(f"{label:28}" + "".join(f"{m[key]:20.4f}{(m[key] / base[key] - 1) * 100:9.1f}%" for m in means.values()))
+                       ("b8_s", "8 concurrent requests (s)")):
+        print(f"{label:28}" + "".join(_cell(m[key], base[key]) for m in means.values()))
+
+
+def _cell(value: float, base: float) -> str:
+    if math.isnan(value):  # a completion answered in one piece has no time to first token
+        return f"{'-':>20}{'-':>10}"
+    return f"{value:20.4f}{(value / base - 1) * 100:9.1f}%"
 
 
 if __name__ == "__main__":
