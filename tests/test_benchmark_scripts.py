@@ -32,3 +32,9 @@ def test_tree_gate_replay_reports_the_gate_against_the_better_kind(tmp_path):
 def test_grpc_jit_bench_times_both_paths():
     out = _run(str(BENCH / "bench_grpc_jit.py"), "--rounds", "50", "--verify-ms", "1")
     assert "DraftWorker in-process: median" in out and "DraftService: median" in out and "transport:" in out
+
+
+def test_codec_bench_times_every_kind_of_tree():
+    out = _run(str(BENCH / "bench_codec.py"), "--reps", "3", "--vocab", "64")
+    rows = out.splitlines()[2:]
+    assert len(rows) == 6 and [row.count(q) for row in rows for q in ("greedy", "top-k 20", "dense")].count(1) == 6

@@ -266,3 +266,16 @@ def test_jit_drafts_on_the_stream_are_answered_in_band_and_leave_it_up(served):
     stream.jit(11, [JitDraftRequest(1, 2, 0, 9)])  # behind the release on the same stream
     assert stream.answer().error.code == grpc.StatusCode.NOT_FOUND.value[0]
     stream.close()
+
+
+def test_tree_batches_are_split_under_the_size_limit_and_an_oversized_tree_is_dropped():
+    from saguaro_dist.distributed.draft_service import DraftServicer
+    from saguaro_dist.engine.messages import Branch, Proposal, SpeculationTree
+
+    def tree(seq_id: int, vocab: int) -> SpeculationTree:  # one dense [K, vocab] q: ~4 * K * vocab bytes
+        return SpeculationTree(seq_id, 0, [Branch(0, 1, Proposal(torch.arange(K), torch.full((K, vocab), 1.0 / vocab)))])
+    servicer = DraftServicer(worker=None, max_message_bytes=4 * K * 300)
+    replies = servicer._encode_trees([tree(1, 100), tree(2, 100), tree(3, 1000), tree(4, 100), tree(5, 100)])
+    assert [[t.seq_id for t in r.trees.trees] for r in replies] == [[1, 2], [4, 5]]  # 3 is over the limit alone
+    assert all(r.ByteSize() <= servicer.max_message_bytes for r in replies)
+    servicer.close()

@@ -142,21 +142,68 @@ def test_sampling_and_messages_round_trip():
         assert from_proto(_wire(to_proto(obj))) == obj
 
 
-def test_tree_and_batches_round_trip():
-    branches = [Branch(0, 11, Proposal(torch.tensor([1, 2]), None)),
-                Branch(1, 12, Proposal(torch.tensor([3, 4]), _top_k_probs(2, 1000, 3))),
-                Branch(2, 13, Proposal(torch.tensor([5, 6]), torch.softmax(torch.randn(2, 1000), -1)))]
-    tree = SpeculationTree(5, 9, branches)
-    (back,) = codec.tree_batch_from_proto(_wire(codec.tree_batch_to_proto([tree])))
+def _tree(q: str, n: int = 3, k: int = 2, vocab: int = 1000) -> SpeculationTree:
+    g = torch.Generator().manual_seed(n)
+    probs = {"greedy": lambda i: None, "top-k": lambda i: _top_k_probs(k, vocab, 3, seed=i),
+             "dense": lambda i: torch.softmax(torch.randn(k, vocab, generator=g), -1)}[q]
+    return SpeculationTree(5, 9, [Branch(i, 11 + i, Proposal(torch.randint(0, vocab, (k,), generator=g), probs(i)))
+                                  for i in range(n)])
+
+
+@pytest.mark.parametrize("q,form", [("greedy", None), ("top-k", "sparse"), ("dense", "dense")])
+def test_a_tree_round_trips_bit_exact_as_columns(q, form):
+    tree = _tree(q)
+    msg = _wire(codec.tree_to_proto(tree))
+    assert msg.proposals.tokens.shape == [3, 2] and msg.proposals.WhichOneof("probs") == form  # one tensor each
+    back = codec.tree_from_proto(msg)
     assert (back.seq_id, back.round, len(back.branches)) == (5, 9, 3)
-    for a, b in zip(branches, back.branches):
+    for a, b in zip(tree.branches, back.branches):
         assert (a.accepted, a.bonus_token) == (b.accepted, b.bonus_token)
         _assert_proposal_equal(a.proposal, b.proposal)
+    empty = codec.tree_from_proto(_wire(codec.tree_to_proto(SpeculationTree(5, 9, []))))
+    assert empty == SpeculationTree(5, 9, [])
+
+
+def test_a_tree_mixing_one_hot_and_explicit_q_sends_the_one_hot_q():
+    """The one-hot q is what None means: the verifier sees the same distribution."""
+    tree = _tree("dense")
+    tree.branches[1].proposal.probs = None
+    back = codec.tree_from_proto(_wire(codec.tree_to_proto(tree)))
+    tokens = tree.branches[1].proposal.tokens
+    assert torch.equal(back.branches[1].proposal.probs, torch.nn.functional.one_hot(tokens, 1000).float())
+    for i in (0, 2):
+        _assert_proposal_equal(tree.branches[i].proposal, back.branches[i].proposal)
+
+
+def test_batches_round_trip():
+    trees = [_tree("greedy"), _tree("top-k", n=2)]
+    back = codec.tree_batch_from_proto(_wire(codec.tree_batch_to_proto(trees)))
+    assert [len(t.branches) for t in back] == [3, 2]
     outcomes = [Outcome(1, 0, 0, 3, None), Outcome(2, 4, 1, 5, [7])]
     assert codec.outcome_batch_from_proto(_wire(codec.outcome_batch_to_proto(outcomes))) == outcomes
-    props = codec.proposal_batch_from_proto(_wire(codec.proposal_batch_to_proto([b.proposal for b in branches])))
-    assert len(props) == 3
+    proposals = [b.proposal for t in trees for b in t.branches]
+    props = codec.proposal_batch_from_proto(_wire(codec.proposal_batch_to_proto(proposals)))
+    assert len(props) == 5
+    for a, b in zip(proposals, props):
+        _assert_proposal_equal(a, b)
     assert codec.release_batch_from_proto(_wire(codec.release_batch_to_proto([Release(1)]))) == [Release(1)]
+
+
+def test_malformed_trees_raise_codec_error():
+    good = codec.tree_to_proto(_tree("top-k"))
+    for mutate in (lambda m: m.ClearField("proposals"),                                   # branches without tokens
+                   lambda m: m.bonus_tokens.append(3),                                    # columns of unequal length
+                   lambda m: m.accepted.__setitem__(0, -1),                               # a negative k
+                   lambda m: m.proposals.tokens.CopyFrom(codec.tensor_to_proto(torch.tensor([1, 2, 3], dtype=torch.int32))),
+                   lambda m: m.proposals.tokens.CopyFrom(codec.tensor_to_proto(torch.ones(2, 2, dtype=torch.int32))),
+                   lambda m: m.proposals.sparse.row_offsets.CopyFrom(codec.tensor_to_proto(torch.tensor([0, 3], dtype=torch.int32)))):
+        bad = pb.SpeculationTree()
+        bad.CopyFrom(good)
+        mutate(bad)
+        _bad(lambda: codec.tree_from_proto(bad))
+    ragged = _tree("greedy")
+    ragged.branches[0].proposal.tokens = torch.tensor([1, 2, 3])
+    _bad(lambda: codec.tree_to_proto(ragged))
 
 
 def _bad(msg_factory):
@@ -175,7 +222,6 @@ def test_malformed_messages_raise_codec_error():
     for wait in (-0.001, float("nan"), float("inf")):
         _bad(lambda: codec.outcome_from_proto(pb.Outcome(seq_id=1, tree_wait_s=wait)))
     _bad(lambda: codec.jit_request_from_proto(pb.JitDraftRequest(seq_id=1, accepted=-2)))
-    _bad(lambda: codec.branch_from_proto(pb.Branch(accepted=0, bonus_token=1)))  # no proposal
     _bad(lambda: codec.proposal_from_proto(pb.Proposal()))  # no tokens
     _bad(lambda: codec.sampling_to_proto(DraftSampling(1.0, 0, 1.0, 2 ** 64)))
 

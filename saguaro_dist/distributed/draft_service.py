@@ -327,7 +327,7 @@ class DraftServicer:
 
     def _encode_trees(self, trees) -> list[pb.SpeculateReply]:
         """Tree batches that each fit the size limit; a single tree over it is dropped (a miss)."""
-        replies, current = [], pb.SpeculateReply()
+        replies, current, current_bytes = [], pb.SpeculateReply(), 0
         for tree in trees:
             msg = codec.tree_to_proto(tree)
             size = msg.ByteSize() + 16  # field tags and length prefixes
@@ -335,10 +335,12 @@ class DraftServicer:
                 log.error("tree of sequence %s round %s is %d bytes, over the %d byte limit: dropped",
                           tree.seq_id, tree.round, size, self.max_message_bytes)
                 continue
-            if current.HasField("trees") and current.ByteSize() + size > self.max_message_bytes:
-                replies, current = replies + [current], pb.SpeculateReply()
+            # A running sum: the batch's own ByteSize() would serialise it again for every tree added.
+            if current_bytes and current_bytes + size > self.max_message_bytes:
+                replies, current, current_bytes = replies + [current], pb.SpeculateReply(), 0
             current.trees.trees.append(msg)
-        return replies + [current] if current.HasField("trees") else replies
+            current_bytes += size
+        return replies + [current] if current_bytes else replies
 
     def _open_stream(self) -> _Stream:
         stream = _Stream()

@@ -1,7 +1,8 @@
 """The messages that cross between the target side and the draft side, one type per stage.
 
 Mirrored 1:1 by protos/saguaro.proto (package saguaro.v1); the gRPC transport converts between the
-two, the in-process transport passes these objects as they are.
+two, the in-process transport passes these objects as they are. One exception: a SpeculationTree's
+branches travel as columns (one Proposal of tokens [N, K]), so Branch has no message of its own.
 
 Round protocol for one sequence (P = committed tokens, ending with the last bonus token b that the
 target has not run yet; s = the speculation x_1..x_K the target verifies this round):

@@ -129,25 +129,19 @@ class Outcome(_message.Message):
     tree_wait_s: float
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ...) -> None: ...
 
-class Branch(_message.Message):
-    __slots__ = ("accepted", "bonus_token", "proposal")
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
-    accepted: int
-    bonus_token: int
-    proposal: Proposal
-    def __init__(self, accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
-
 class SpeculationTree(_message.Message):
-    __slots__ = ("seq_id", "round", "branches")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
-    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
-    branches: _containers.RepeatedCompositeFieldContainer[Branch]
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
+    proposals: Proposal
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_id",)
