@@ -55,6 +55,17 @@ def test_critical_batch_size_matches_closed_form():
     assert want > 1
 
 
+def test_a_round_that_waits_for_trees_makes_the_neural_wait_relatively_cheaper():
+    # Round cost c = max(1, T_p): fast >= neural  <=>  c + (1 - p^b) t >= c N / F, so t scales with c.
+    assert neural_backup_throughput(2, 0.9, 4.0, 3.0, 2.0, round_cost=1.5) == pytest.approx(7.8 / 1.88)
+    assert fast_backup_throughput(2, 0.9, 4.0, 1.0, round_cost=1.5) == pytest.approx(7.4 / 1.5)
+    # The measured b = 1, T = 0.7 case: p 0.44, 3.1 tokens a hit, 3.5 neural, 1.1 fast, JIT 1.25 verifies.
+    args = (0.44, 3.1, 3.5, 1.1, 1.25)
+    assert critical_batch_size(*args) == 1                      # counted as costing one verify: fast
+    assert critical_batch_size(*args, round_cost=1.5) > 1       # its trees made it 1.5: neural at b = 1
+    assert critical_batch_size(*args, round_cost=1.5) <= critical_batch_size(*args, round_cost=3.0)
+
+
 def test_critical_batch_size_edges():
     assert critical_batch_size(0.9, 4, 3.5, 1.0, 0.0) == 1024           # a free neural backup always wins
     assert critical_batch_size(0.9, 4, 3.5, 1.0, 0.0, max_batch=64) == 64

@@ -127,3 +127,22 @@ def test_the_fast_backup_is_tried_before_it_is_judged():
     for _ in range(12):
         s.record_verify([0], ProposalSource.FAST)
     assert s.critical_batch_size() > 1  # measured poor: neural at b = 1
+
+
+def test_the_wait_for_trees_is_the_round_cost_in_the_fallback_choice():
+    """A draft slower than the verify: every round with trees costs verify + wait, and the neural
+    backup's wait is judged against that (Theorem 7's max(1, T_p)), not against one verify."""
+    s = SpecStats(k=4, decay=1.0)
+    assert s.round_cost == 1.0
+    s.record_time(Timing.VERIFY, 0.010)
+    s.record_time(Timing.NEURAL_BACKUP, 0.014)
+    s.record_verify([4, 3, 2, 0], ProposalSource.CACHE)
+    s.record_verify([3, 2, 4, 2], ProposalSource.NEURAL)
+    s.record_lookups([3] * 10, [True] * 4 + [False] * 6)
+    for _ in range(20):
+        s.record_verify([0], ProposalSource.FAST)  # prompt lookup when sampling: ~1 token a round
+    assert s.critical_batch_size() == 1  # as if a round cost one verify: the fast backup at b = 1
+    for wait in (0.004, 0.006):
+        s.record_time(Timing.TREE_WAIT, wait)
+    assert s.round_cost == pytest.approx(1.5)
+    assert s.critical_batch_size() > 1  # the real cost: the neural backup at b = 1

@@ -218,6 +218,7 @@ class SSDLoop(SDLoop):
         trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s)
         waited = time.perf_counter() - start
         self.metrics.draft_wait_s += waited
+        self.stats.record_time(Timing.TREE_WAIT, waited)
         for tree in trees.values():
             self.cache.put_tree(tree)
         outcomes, misses = [], []

@@ -46,27 +46,31 @@ def random_proposal(vocab_size: int, k: int, generator: torch.Generator | None =
 
 
 def neural_backup_throughput(b: int, p_hit: float, tokens_hit: float, tokens_neural_miss: float,
-                             t_neural: float) -> float:
-    """Tokens per unit time (verify = 1) with a neural backup: the whole batch waits t_neural whenever
-    at least one of its b sequences misses: b [p E_hit + (1-p) E_neural] / (1 + (1 - p^b) t_neural)."""
-    return b * (p_hit * tokens_hit + (1 - p_hit) * tokens_neural_miss) / (1 + (1 - p_hit ** b) * t_neural)
+                             t_neural: float, round_cost: float = 1.0) -> float:
+    """Tokens per unit time (verify = 1) with a neural backup. A round costs round_cost = max(1, T_p)
+    (Theorem 7: the target waits for trees the draft builds slower than a verify), and the whole batch
+    waits t_neural more whenever at least one of its b sequences misses:
+    b [p E_hit + (1-p) E_neural] / (round_cost + (1 - p^b) t_neural)."""
+    return b * (p_hit * tokens_hit + (1 - p_hit) * tokens_neural_miss) / (round_cost + (1 - p_hit ** b) * t_neural)
 
 
-def fast_backup_throughput(b: int, p_hit: float, tokens_hit: float, tokens_fast_miss: float) -> float:
-    """Tokens per unit time with a free fast backup: b [p E_hit + (1-p) E_fast] / 1."""
-    return b * (p_hit * tokens_hit + (1 - p_hit) * tokens_fast_miss)
+def fast_backup_throughput(b: int, p_hit: float, tokens_hit: float, tokens_fast_miss: float,
+                           round_cost: float = 1.0) -> float:
+    """Tokens per unit time with a free fast backup: b [p E_hit + (1-p) E_fast] / round_cost."""
+    return b * (p_hit * tokens_hit + (1 - p_hit) * tokens_fast_miss) / round_cost
 
 
 def critical_batch_size(p_hit: float, tokens_hit: float, tokens_neural_miss: float, tokens_fast_miss: float,
-                        t_neural: float, max_batch: int = MAX_CRITICAL_BATCH) -> int:
+                        t_neural: float, max_batch: int = MAX_CRITICAL_BATCH, round_cost: float = 1.0) -> int:
     """b* = min{b >= 1 : fast_backup_throughput(b) >= neural_backup_throughput(b)}, or max_batch if none
     up to it. The neural side's stall probability 1 - p^b grows with b, so past b* fast wins.
-
-    fast(b) / neural(b) = const x (1 + (1 - p^b) t_neural) is non-decreasing in b, so "fast wins" is
-    monotone and b* is found by bisection (the round loop asks every round: O(log max_batch), not O(b*))."""
+    fast(b) / neural(b) = const x (round_cost + (1 - p^b) t_neural) is non-decreasing in b, so "fast
+    wins" is monotone and b* is found by bisection (the round loop asks every round: O(log max_batch),
+    not O(b*)). A round_cost above 1 (a draft slower than the verify) makes the neural backup's wait a
+    smaller share of the round, and b* larger."""
     def fast_wins(b: int) -> bool:
-        fast = fast_backup_throughput(b, p_hit, tokens_hit, tokens_fast_miss)
-        return fast >= neural_backup_throughput(b, p_hit, tokens_hit, tokens_neural_miss, t_neural)
+        fast = fast_backup_throughput(b, p_hit, tokens_hit, tokens_fast_miss, round_cost)
+        return fast >= neural_backup_throughput(b, p_hit, tokens_hit, tokens_neural_miss, t_neural, round_cost)
     lo, hi = 1, max_batch  # invariant: b* in [lo, hi] (hi = max_batch also means "none up to it")
     while lo < hi:
         mid = (lo + hi) // 2

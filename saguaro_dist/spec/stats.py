@@ -28,6 +28,7 @@ class Timing(str, enum.Enum):
     VERIFY = "verify"                # one target verification of K+1 positions
     DRAFT = "draft"                  # the primary speculator building a round's cache
     NEURAL_BACKUP = "neural_backup"  # a just-in-time K-token draft on a miss
+    TREE_WAIT = "tree_wait"          # the target's wait for a round's trees once its verify is done
 
 
 class _Decayed:
@@ -166,6 +167,15 @@ class SpecStats:
         """resolve_fanout with the current a and r."""
         return resolve_fanout(kind, budget_or_list, self.k, self.accept_rate, self.r, vocab_size, self.outcome_probs)
 
+    @property
+    def round_cost(self) -> float:
+        """Theorem 7's max(1, T_p) as the target lives it: a round with trees costs its verify plus its
+        wait for them (1 until both were measured). Why it matters: with a draft slower than the verify
+        (T > 0 on a CPU, where every branch draws from a [K, V] q) a round already costs ~1.5 verifies,
+        and b* taken as if it cost 1 chose the fast backup at b = 1, T = 0.7, whose n-gram proposals
+        are rarely accepted when sampling (acceptance 0.30 against the neural backup's 0.64)."""
+        return 1.0 + (self.relative_time(Timing.TREE_WAIT) or 0.0)
+
     def critical_batch_size(self, max_batch: int = MAX_CRITICAL_BATCH) -> int:
         """b* from the current estimates. Neural (b* = max_batch) until the neural backup was timed
         (its first misses time it); then the fast backup, presumed good until tried, gets tried too."""
@@ -174,4 +184,4 @@ class SpecStats:
             return max_batch
         return critical_batch_size(self.hit_rate, self.tokens_per_round(ProposalSource.CACHE),
                                    self.tokens_per_round(ProposalSource.NEURAL),
-                                   self.tokens_per_round(ProposalSource.FAST), t_neural, max_batch)
+                                   self.tokens_per_round(ProposalSource.FAST), t_neural, max_batch, self.round_cost)
