@@ -323,8 +323,13 @@ def _columns(branches: list[Branch]) -> Proposal:
     given = next((q for q in probs if q is not None), None)
     if given is None:
         return Proposal(torch.stack(tokens), None)
-    one_hot = lambda x: torch.zeros_like(given).scatter_(-1, x.to(given.device)[:, None], 1.0)  # noqa: E731
-    return Proposal(torch.stack(tokens), torch.stack([one_hot(x) if q is None else q for x, q in zip(tokens, probs)]))
+    return Proposal(torch.stack(tokens), torch.stack([_one_hot_like(given, x) if q is None else q
+                                                     for x, q in zip(tokens, probs)]))
+
+
+def _one_hot_like(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The q [K, V] of a deterministic proposal: probability 1 on each of its K tokens."""
+    return torch.zeros_like(q).scatter_(-1, tokens.to(q.device)[:, None], 1.0)
 
 
 def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
