@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import default_bind_host, serve_draft
 from saguaro_dist.distributed.proto import SERVICE_NAME, saguaro_pb2 as pb, saguaro_pb2_grpc
-from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release, Verified
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
 from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_probs, toy_tokens
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,21 +114,6 @@ def test_prefill_jit_then_trees_pushed_on_the_stream(served):
     stream.send([Outcome(1, 0, 1, bonus, None)])  # a hit: the draft continues with the cached branch
     (nxt,) = stream.get()
     assert (nxt.seq_id, nxt.round) == (1, 1)
-    stream.close()
-
-
-def test_verified_travels_on_the_stream_in_order_before_the_outcome(served):
-    stream = StreamClient(served.stub)
-    _prefill(served.stub, 1)
-    _jit(served.stub, 1, 0)
-    (tree,) = stream.get()
-    branch = tree.branches[1]
-    stream.requests.put(pb.SpeculateRequest(verified=codec.verified_batch_to_proto(
-        [Verified(1, 0, branch.accepted, branch.bonus_token)])))
-    stream.send([Outcome(1, 0, branch.accepted, branch.bonus_token, None)])
-    (nxt,) = stream.get()
-    assert nxt.round == 1 and served.worker.verified_seen == [Verified(1, 0, branch.accepted, branch.bonus_token)]
-    assert served.worker.calls.index("verified") < served.worker.calls.index("observe")
     stream.close()
 
 

@@ -48,14 +48,12 @@ class ToySeq:
 
 
 class ToyWorker:
-    """prefill / jit_draft / verified / observe / build_trees / release, like DraftWorker; single-threaded.
-    It presumes nothing from Verified messages (it only records them)."""
+    """prefill / jit_draft / observe / build_trees / release, like DraftWorker; single-threaded."""
 
     def __init__(self, build_delay_s: float = 0.0):
         self.seqs: dict[int, ToySeq] = {}
         self.build_delay_s = build_delay_s  # lets tests make trees late
         self.calls: list[str] = []
-        self.verified_seen: list = []
 
     def prefill(self, reqs):
         self.calls.append("prefill")
@@ -81,10 +79,6 @@ class ToyWorker:
             s.speculation, s.round, s.pending = toy_tokens(s.committed), r.round, True
             proposals.append(self._proposal(s, s.speculation))
         return proposals
-
-    def verified(self, msgs):
-        self.calls.append("verified")
-        self.verified_seen += msgs
 
     def observe(self, outcomes):
         self.calls.append("observe")

@@ -10,7 +10,7 @@ import torch
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, Verified,
+    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 
 
@@ -137,7 +137,6 @@ def test_sampling_and_messages_round_trip():
         (Outcome(7, 3, 0, 99, []), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(-7, 0, 4, 0, [4, 5, 6]), codec.outcome_to_proto, codec.outcome_from_proto),
         (Release(2 ** 40), codec.release_to_proto, codec.release_from_proto),
-        (Verified(-7, 3, 2, 99), codec.verified_to_proto, codec.verified_from_proto),
     ]
     for obj, to_proto, from_proto in cases:
         assert from_proto(_wire(to_proto(obj))) == obj
@@ -188,8 +187,6 @@ def test_batches_round_trip():
     for a, b in zip(proposals, props):
         _assert_proposal_equal(a, b)
     assert codec.release_batch_from_proto(_wire(codec.release_batch_to_proto([Release(1)]))) == [Release(1)]
-    verified = [Verified(1, 0, 0, 3), Verified(2, 4, 1, 5)]
-    assert codec.verified_batch_from_proto(_wire(codec.verified_batch_to_proto(verified))) == verified
 
 
 def test_malformed_trees_raise_codec_error():
@@ -225,8 +222,6 @@ def test_malformed_messages_raise_codec_error():
     for wait in (-0.001, float("nan"), float("inf")):
         _bad(lambda: codec.outcome_from_proto(pb.Outcome(seq_id=1, tree_wait_s=wait)))
     _bad(lambda: codec.jit_request_from_proto(pb.JitDraftRequest(seq_id=1, accepted=-2)))
-    for field in ("round", "accepted", "bonus_token"):
-        _bad(lambda: codec.verified_from_proto(pb.Verified(seq_id=1, **{field: -1})))
     _bad(lambda: codec.proposal_from_proto(pb.Proposal()))  # no tokens
     _bad(lambda: codec.sampling_to_proto(DraftSampling(1.0, 0, 1.0, 2 ** 64)))
 

@@ -16,7 +16,7 @@ import torch
 
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, Verified,
+    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 
 __all__ = [
@@ -27,14 +27,12 @@ __all__ = [
     "prefill_to_proto", "prefill_from_proto",
     "jit_request_to_proto", "jit_request_from_proto",
     "outcome_to_proto", "outcome_from_proto",
-    "verified_to_proto", "verified_from_proto",
     "tree_to_proto", "tree_from_proto",
     "release_to_proto", "release_from_proto",
     "prefill_batch_to_proto", "prefill_batch_from_proto",
     "jit_batch_to_proto", "jit_batch_from_proto",
     "proposal_batch_to_proto", "proposal_batch_from_proto",
     "outcome_batch_to_proto", "outcome_batch_from_proto",
-    "verified_batch_to_proto", "verified_batch_from_proto",
     "tree_batch_to_proto", "tree_batch_from_proto",
     "release_batch_to_proto", "release_batch_from_proto",
     "jit_call_from_proto", "jit_result_to_proto", "jit_error_to_proto",
@@ -381,24 +379,6 @@ def proposal_batch_to_proto(proposals: list[Proposal]) -> pb.ProposalBatch:
 
 def proposal_batch_from_proto(msg: pb.ProposalBatch) -> list[Proposal]:
     return [proposal_from_proto(p) for p in msg.proposals]
-
-
-def verified_to_proto(v: Verified) -> pb.Verified:
-    return pb.Verified(seq_id=_int64(v.seq_id, "seq_id"), round=v.round, accepted=v.accepted, bonus_token=v.bonus_token)
-
-
-def verified_from_proto(msg: pb.Verified) -> Verified:
-    return Verified(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
-                    accepted=_non_negative(msg.accepted, "accepted"),
-                    bonus_token=_non_negative(msg.bonus_token, "bonus_token"))
-
-
-def verified_batch_to_proto(verified: list[Verified]) -> pb.VerifiedBatch:
-    return pb.VerifiedBatch(verified=[verified_to_proto(v) for v in verified])
-
-
-def verified_batch_from_proto(msg: pb.VerifiedBatch) -> list[Verified]:
-    return [verified_from_proto(v) for v in msg.verified]
 
 
 def outcome_batch_to_proto(outcomes: list[Outcome]) -> pb.OutcomeBatch:

@@ -13,7 +13,7 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, Verified
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
 
 log = logging.getLogger(__name__)
 
@@ -79,21 +79,13 @@ class DraftPool:
             raise DraftUnavailable(f"draft worker unavailable for sequences {failed}", failed, found)
         return [found[r.seq_id] for r in reqs]
 
-    def send_verified(self, verified: list[Verified]) -> None:
-        for i, part in self._by_shard(verified).items():
-            self.backends[i].send_verified(part)
-
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
-        for i, part in self._by_shard(outcomes).items():
-            self.backends[i].send_outcomes(part)
-
-    def _by_shard(self, msgs) -> dict[int, list]:
-        """Each message to every shard of its sequence."""
         parts = defaultdict(list)
-        for m in msgs:
-            for i in self.groups.get(m.seq_id, []):
-                parts[i].append(m)
-        return parts
+        for o in outcomes:
+            for i in self.groups.get(o.seq_id, []):
+                parts[i].append(o)
+        for i, part in parts.items():
+            self.backends[i].send_outcomes(part)
 
     def wait_trees(self, keys, timeout_s: float) -> dict[int, SpeculationTree]:
         deadline = time.monotonic() + timeout_s

@@ -117,7 +117,7 @@ class _Stream:
 
 
 class DraftServicer:
-    """saguaro.v1.DraftService around `worker` (prefill / jit_draft / verified / observe / build_trees / release)."""
+    """saguaro.v1.DraftService around `worker` (prefill / jit_draft / observe / build_trees / release)."""
 
     def __init__(self, worker, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.worker = worker
@@ -249,10 +249,8 @@ class DraftServicer:
             self._dispatch_jit(msg.jit_draft, stream)
         elif kind == "releases":
             self._thread.submit(self._release_logged, codec.release_batch_from_proto(msg.releases))
-        elif kind == "verified":
-            self._thread.submit(self._presume_logged, codec.verified_batch_from_proto(msg.verified))
         else:
-            raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases, verified")
+            raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases")
 
     def _dispatch_jit(self, call: pb.JitDraftCall, stream: _Stream) -> None:
         try:
@@ -282,13 +280,6 @@ class DraftServicer:
     def _jit_error(call_id: int, exc: BaseException) -> pb.SpeculateReply:
         code, details = status_for(exc)
         return codec.jit_error_to_proto(call_id, code.value[0], details)
-
-    def _presume_logged(self, verified) -> None:
-        """Nobody waits on a Verified: a failure costs the presumed hits (the Outcome decides), never a token."""
-        try:
-            self.worker.verified(verified)
-        except Exception as exc:
-            self._log_failure(self.worker.verified, exc)
 
     def _release_logged(self, reqs) -> None:
         try:

@@ -31,7 +31,7 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, Verified
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
 
 log = logging.getLogger(__name__)
 
@@ -291,12 +291,6 @@ class GrpcDraftBackend:
             except (UnknownSequence, OutOfOrder, DraftRpcError) as exc:
                 error = error or exc
         return found, failed, stale, error
-
-    def send_verified(self, verified: list[Verified]) -> None:
-        """Like send_outcomes: queued on each server's stream, returns at once."""
-        for link, part in self._group(verified, lambda v: self._synced_owner(v.seq_id)).items():
-            if link is not None:
-                link.send(pb.SpeculateRequest(verified=codec.verified_batch_to_proto(part)))
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
         """Queue each server's part on its stream; returns at once. Outcomes for dead servers are dropped."""

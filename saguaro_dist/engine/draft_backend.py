@@ -7,7 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, Verified
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
 
 log = logging.getLogger(__name__)
 TreeKey = tuple[int, int]  # (seq_id, round)
@@ -16,7 +16,6 @@ TreeKey = tuple[int, int]  # (seq_id, round)
 class DraftBackend(Protocol):
     def prefill(self, reqs: list[PrefillRequest]) -> None: ...
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]: ...
-    def send_verified(self, verified: list[Verified]) -> None: ...
     def send_outcomes(self, outcomes: list[Outcome]) -> None: ...
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]: ...
     def release(self, reqs: list[Release]) -> None: ...
@@ -88,9 +87,6 @@ class LocalDraftBackend:
 
     def jit_draft(self, reqs):
         return self._call(self.worker.jit_draft, reqs).result()
-
-    def send_verified(self, verified):
-        self._call(self.worker.verified, verified)
 
     def send_outcomes(self, outcomes):
         self._call(self._observe_and_build, outcomes)

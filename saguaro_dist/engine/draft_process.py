@@ -67,9 +67,6 @@ class DraftProcess:
             raise DraftUnavailable(f"the draft process restarted without sequences {lost}", lost)
         return self._call("jit_draft", reqs, [r.seq_id for r in reqs])
 
-    def send_verified(self, verified):
-        self._post("verified", [v for v in verified if v.seq_id in self._known])
-
     def send_outcomes(self, outcomes):
         self._post("send_outcomes", [o for o in outcomes if o.seq_id in self._known])
 
@@ -237,10 +234,6 @@ class _Child:
 
     def release(self, reqs):
         return self.worker.release(reqs)
-
-    def verified(self, verified):
-        """Start the next trees of presumed hits (held until their outcomes arrive)."""
-        self.worker.verified(verified)
 
     def send_outcomes(self, outcomes):
         """Observe, build, push the trees (SSD's draft-side round)."""

@@ -9,7 +9,6 @@ of the next forward).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ import torch
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.messages import (
-    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, Verified,
+    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 from saguaro_dist.engine.sequence import make_generator
 from saguaro_dist.engine.target import sampling_probs
@@ -56,21 +55,11 @@ class DraftSeq:
     branch_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # last tree: (k, t) -> its row there
     last_tree: LastTree | None = None
     hit: tuple[int, int] | None = None       # this round's speculation is branch (k, t) of last_tree
-    outcome_recorded: bool = False           # this round's outcome is in the stats already (a presumed hit)
 
     def commit(self, accepted: int, bonus: int) -> None:
         if not 0 <= accepted <= len(self.speculation):
             raise OutOfOrder(f"sequence {self.seq_id}: accepted={accepted} but the speculation has {len(self.speculation)} tokens")
         self.committed = self.committed + self.speculation[:accepted] + [bonus]
-
-
-@dataclass
-class Presumed:
-    """A hit presumed from a Verified message: the sequence as it was, and the tree built for the branch."""
-    before: DraftSeq                 # restored if the Outcome says otherwise
-    key: tuple[int, int]             # (k*, t*)
-    generator_state: torch.Tensor    # the sampler's state then: the held tree's draws are undone too
-    tree: SpeculationTree | None = None  # built for the branch; None if none was built
 
 
 class DraftWorker:
@@ -85,9 +74,6 @@ class DraftWorker:
         # An explicit per-position fan-out is the user's exact tree: only a budget B adapts.
         adaptive = config.adaptive_fan_out and isinstance(config.fan_out, int)
         self.budget = BudgetController(floor=(config.k + 1) / config.fan_out_budget, enabled=adaptive)
-        self._presumed: dict[int, Presumed] = {}  # seq_id -> a hit presumed from Verified, awaiting its Outcome
-        self._released_trees: list[SpeculationTree] = []  # held trees whose Outcomes confirmed them
-        self.presumptions = {"confirmed": 0, "discarded": 0}  # hits presumed from Verified, by what the Outcome said
 
     # ---- protocol calls -------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
@@ -107,7 +93,6 @@ class DraftWorker:
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Neural backup: commit the real outcome, then draft K tokens one forward at a time."""
         self.budget.interrupted()
-        self._unpresume([r.seq_id for r in reqs])  # a just-in-time draft: the target missed
         states = [self._get(r.seq_id) for r in reqs]
         for s, r in zip(states, reqs):
             first = s.round == 0 and not s.speculation
@@ -115,20 +100,19 @@ class DraftWorker:
                 error = DraftBehind if r.round > s.round + 1 else OutOfOrder
                 raise error(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
         for s, r in zip(states, reqs):  # validate the whole batch before changing any state
-            if s.speculation and not s.outcome_recorded:  # the target verified it; if treed, it missed
+            if s.speculation:  # the target verified s.speculation; if a tree was built for it, it missed
                 self._record_outcome(s, r.accepted, looked_up=s.tree_built, hit=False)
             s.commit(r.accepted, r.bonus_token)
         proposals = self._draft_sequentially(states)
         for s, r, p in zip(states, reqs, proposals):
             wants_tree = self.config.mode is Mode.SSD and not r.skip_tree
             s.speculation, s.round, s.pending, s.from_cache, s.tree_built = p.tokens.tolist(), r.round, wants_tree, False, False
-            s.hit, s.outcome_recorded = None, False
+            s.hit = None
         return proposals
 
     def observe(self, outcomes: list[Outcome]) -> None:
         """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*)."""
         self.budget.outcomes_arrived(max((o.tree_wait_s for o in outcomes), default=0.0))
-        outcomes = [o for o in outcomes if not self._confirm(o)]
         states = [self._get(o.seq_id) for o in outcomes]
         for s, o in zip(states, outcomes):  # validate the whole batch before changing any state
             if o.round != s.round:
@@ -136,17 +120,16 @@ class DraftWorker:
             if o.next_tokens is None and (o.accepted, o.bonus_token) not in s.branches:
                 raise OutOfOrder(f"sequence {o.seq_id} round {o.round}: outcome claims a hit on a branch never built")
         for s, o in zip(states, outcomes):
-            if s.speculation and not s.outcome_recorded:  # else a shard learning its first speculation
-                self._record_outcome(s, o.accepted, looked_up=s.tree_built, hit=o.cache_hit)
-            self._advance(s, o)
+            self._observe_one(s, o)
 
-    def _advance(self, s: DraftSeq, o: Outcome) -> None:
-        """Commit the outcome; the next speculation is o.next_tokens or the cached branch (k*, t*)."""
+    def _observe_one(self, s: DraftSeq, o: Outcome) -> None:
         next_tokens = o.next_tokens if o.next_tokens is not None else s.branches[(o.accepted, o.bonus_token)]
-        fresh = not s.speculation
+        fresh = not s.speculation  # a cache-parallel shard learning the first (just-in-time) speculation
+        if not fresh:
+            self._record_outcome(s, o.accepted, looked_up=s.tree_built, hit=o.cache_hit)
         s.commit(o.accepted, o.bonus_token)
         s.speculation, s.round, s.from_cache = list(next_tokens), 0 if fresh else o.round + 1, o.cache_hit
-        s.pending, s.tree_built, s.outcome_recorded = not o.skip_tree, False, False
+        s.pending, s.tree_built = not o.skip_tree, False
         key = (o.accepted, o.bonus_token)
         s.hit = key if o.cache_hit and key in s.branch_rows and s.branches.get(key) == s.speculation else None
 
@@ -158,53 +141,7 @@ class DraftWorker:
             self.stats.record_lookups([self.last_fanout[accepted]], [hit])
         self.stats.record_verify([accepted], ProposalSource.CACHE if s.from_cache else ProposalSource.NEURAL)
 
-    def verified(self, msgs: list[Verified]) -> None:
-        """Presume a hit wherever (k*, t*) is one of this worker's branches of the round's tree, and build
-        the next trees now; they are held until the Outcomes confirm (build_trees returns them then)."""
-        for m in msgs:
-            s = self.seqs.get(m.seq_id)
-            key = (m.accepted, m.bonus_token)
-            if s is None or m.seq_id in self._presumed or m.round != s.round or not s.tree_built or key not in s.branch_rows:
-                continue  # nothing to presume: the Outcome will say what comes next
-            # Recorded now, as the plain path records before it builds, so both build the same tree. A hit
-            # the target then misses (the tree came late) still counts as one: the fan-out covered it.
-            self._presumed[m.seq_id] = Presumed(dataclasses.replace(s, outcome_recorded=True), key, s.generator.get_state())
-            self._record_outcome(s, m.accepted, looked_up=True, hit=True)
-            self._advance(s, Outcome(m.seq_id, m.round, m.accepted, m.bonus_token, None, cache_hit=True))
-        for tree in self._build():
-            self._presumed[tree.seq_id].tree = tree
-
-    def _confirm(self, o: Outcome) -> bool:
-        """An Outcome for a presumed hit: True if it is that hit (its held tree is released to build_trees),
-        else the sequence is restored to before the presumption and the Outcome is observed as usual."""
-        p = self._presumed.get(o.seq_id)
-        if p is None:
-            return False
-        s = self.seqs[o.seq_id]
-        if not (o.cache_hit and (o.accepted, o.bonus_token) == p.key and o.round == p.before.round
-                and o.next_tokens in (None, s.speculation)):
-            self._unpresume([o.seq_id])
-            return False
-        del self._presumed[o.seq_id]
-        self.presumptions["confirmed"] += 1
-        s.pending, s.tree_built = False, not o.skip_tree and p.tree is not None
-        if s.tree_built:
-            self._released_trees.append(p.tree)
-        return True
-
-    def _unpresume(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            p = self._presumed.pop(seq_id, None)
-            if p is not None and seq_id in self.seqs:
-                self.presumptions["discarded"] += 1
-                self.seqs[seq_id] = p.before  # its KV is cut back to what `before` holds before any forward
-                p.before.generator.set_state(p.generator_state)
-
     def build_trees(self) -> list[SpeculationTree]:
-        released, self._released_trees = self._released_trees, []
-        return released + self._build()
-
-    def _build(self) -> list[SpeculationTree]:
         states = [s for s in self.seqs.values() if s.pending]
         if not states:
             return []
@@ -220,7 +157,6 @@ class DraftWorker:
 
     def release(self, reqs: list[Release]) -> None:
         for r in reqs:
-            self._presumed.pop(r.seq_id, None)
             if self.seqs.pop(r.seq_id, None) is not None:
                 self.runner.free(r.seq_id)
 

@@ -11,9 +11,7 @@ target has not run yet; s = the speculation x_1..x_K the target verifies this ro
   2. the draft pushes the tree; the target looks up its real outcome (k*, t*) there (hit) or asks
      the fallback (miss);
   3. the target sends an Outcome naming (k*, t*) and the tokens it verifies next, so the draft
-     builds the next tree for the right speculation. It has already sent (k*, t*) alone (Verified)
-     when verification ended: a draft still building the round's tree then starts the next one for
-     its own branch (k*, t*) without waiting for the Outcome to come back, and the Outcome confirms.
+     builds the next tree for the right speculation.
 Cache-parallel: one sequence may live on several draft workers (shards), each building a disjoint
 slice of a bigger tree; only shard 0 answers just-in-time drafts, the others learn them as Outcomes.
 """
@@ -70,18 +68,6 @@ class Outcome:
     cache_hit: bool = False          # the target found (k*, t*) in the speculation cache
     skip_tree: bool = False          # the target will not look up a tree for next_tokens; build none
     tree_wait_s: float = 0.0         # how long the target waited for this round's tree (the draft's budget signal)
-
-
-@dataclass
-class Verified:
-    """Target -> draft, as soon as a round's verification decides (k*, t*), before the target waits for
-    and looks up that round's tree. When (k*, t*) is one of the draft's own branches it presumes a hit
-    and starts the next tree at once, holding it back; the round's Outcome decides: the same hit
-    releases the held tree, anything else (the tree came too late, a fallback) discards it."""
-    seq_id: int
-    round: int
-    accepted: int     # k*
-    bonus_token: int  # t*
 
 
 @dataclass

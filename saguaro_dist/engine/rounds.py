@@ -13,7 +13,7 @@ import torch
 
 from saguaro_dist.config import Config, FallbackPolicy, Mode, TreePolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, Verified
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
@@ -200,9 +200,6 @@ class SSDLoop(SDLoop):
         start = time.perf_counter()
         gained = super().verify(seqs)
         self.stats.record_time(Timing.VERIFY, time.perf_counter() - start)
-        # (k*, t*) now, before this round's trees are waited for: a draft still building them starts the
-        # next tree of its own branch (k*, t*) without the Outcome's round trip (messages.Verified).
-        self.draft.send_verified([Verified(s.seq_id, s.round, *s.last_outcome) for s in seqs if s.wants_tree])
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
         if self.gate:

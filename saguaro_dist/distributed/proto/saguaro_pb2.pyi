@@ -129,18 +129,6 @@ class Outcome(_message.Message):
     tree_wait_s: float
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ...) -> None: ...
 
-class Verified(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_token")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    ROUND_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
-    round: int
-    accepted: int
-    bonus_token: int
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ...) -> None: ...
-
 class SpeculationTree(_message.Message):
     __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -189,12 +177,6 @@ class OutcomeBatch(_message.Message):
     outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
     def __init__(self, outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
 
-class VerifiedBatch(_message.Message):
-    __slots__ = ("verified",)
-    VERIFIED_FIELD_NUMBER: _ClassVar[int]
-    verified: _containers.RepeatedCompositeFieldContainer[Verified]
-    def __init__(self, verified: _Optional[_Iterable[_Union[Verified, _Mapping]]] = ...) -> None: ...
-
 class SpeculationTreeBatch(_message.Message):
     __slots__ = ("trees",)
     TREES_FIELD_NUMBER: _ClassVar[int]
@@ -238,16 +220,14 @@ class JitDraftResult(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("outcomes", "jit_draft", "releases", "verified")
+    __slots__ = ("outcomes", "jit_draft", "releases")
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     JIT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
-    VERIFIED_FIELD_NUMBER: _ClassVar[int]
     outcomes: OutcomeBatch
     jit_draft: JitDraftCall
     releases: ReleaseBatch
-    verified: VerifiedBatch
-    def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., verified: _Optional[_Union[VerifiedBatch, _Mapping]] = ...) -> None: ...
+    def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ...) -> None: ...
 
 class SpeculateReply(_message.Message):
     __slots__ = ("trees", "jit_draft")
