@@ -41,3 +41,23 @@ def test_fast_backups_cost_nothing_in_the_prediction():
     m = Measurement(tokens=11, seconds=1.0, outputs=[], cache_hits=5, cache_misses=5, fallbacks={"fast": 5},
                     engine={"rounds": 10, "verify_s": 0.1})
     assert predict_from_run(m, 1, {"tree_s": 0.001, "jit_s": 1.0})["predicted_tokens_per_s"] == pytest.approx(100.0)
+
+
+def test_the_runs_own_tree_build_time_is_t_p_and_the_draft_alone_one_is_reported_beside_it():
+    # 10 rounds of 10 ms verify, all hits; the draft took 15 ms a tree in the run, 12 ms alone
+    m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=10, cache_misses=0,
+                    engine={"rounds": 10, "verify_s": 0.1, "tree_build_s": 0.15, "tree_builds": 10})
+    got = predict_from_run(m, 1, {"tree_s": 0.012, "jit_s": 0.005})
+    assert got["tree_s"] == pytest.approx(0.015) and got["tree_s_in_run"]
+    assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / 0.015)
+    assert got["tree_alone_s"] == 0.012 and got["predicted_alone_tokens_per_s"] == pytest.approx(3.0 / 0.012)
+
+
+def test_rounds_that_waited_for_a_just_in_time_draft_are_theorem_7s_misses():
+    # 10 rounds: 4 waited for a neural draft (the gate's rounds without trees, neural misses), 6 took trees
+    m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=6, cache_misses=0,
+                    engine={"rounds": 10, "verify_s": 0.1, "jit_rounds": 4, "tree_build_s": 0.06, "tree_builds": 6})
+    got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
+    assert got["p_hit"] == pytest.approx(0.6)
+    time = 0.6 * 1 + 0.4 * (1 + 0.5)  # T_p 0.6 hides behind the verify; T_b 0.5
+    assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / (time * 0.010))

@@ -191,3 +191,4 @@ def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair):
         m = llm.metrics
     assert_greedy_equal(out.token_ids, want, PROMPTS[0], pair["model"])
     assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m
+    assert m.tree_builds > 0 and m.tree_build_s > 0, m  # the draft's build time crossed gRPC

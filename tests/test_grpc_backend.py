@@ -10,14 +10,16 @@ import sys
 import time
 
 import pytest
+import torch
 
 from saguaro_dist.distributed import codec
-from saguaro_dist.distributed.draft_pool import DraftPool
+from saguaro_dist.distributed.draft_pool import DraftPool, merge_trees
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
-from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
+from saguaro_dist.engine.messages import (Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal,
+                                          Release, SpeculationTree)
 from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_tokens
 
 pytestmark = pytest.mark.timeout(60)
@@ -226,3 +228,11 @@ def test_unreachable_server_starts_dead_and_close_is_idempotent():
         backend.close()
         backend.close()
         local.stop(None)
+
+
+def test_merged_shard_slices_keep_every_branch_and_the_slowest_build():
+    slices = [SpeculationTree(7, 3, [Branch(k, 10 + k, Proposal(torch.tensor([k, k]), None))], build_s=s)
+              for k, s in ((0, 0.004), (1, 0.009))]
+    tree = merge_trees(slices)
+    assert (tree.seq_id, tree.round, tree.build_s) == (7, 3, 0.009)
+    assert [(b.accepted, b.bonus_token) for b in tree.branches] == [(0, 10), (1, 11)]

@@ -14,7 +14,7 @@ def _tree(n: int, vocab: int | None, seq_id: int = 0) -> SpeculationTree:
     gen = torch.Generator().manual_seed(seq_id)
     probs = (lambda: torch.rand(4, vocab, generator=gen)) if vocab else (lambda: None)
     return SpeculationTree(seq_id, 3, [Branch(i % 5, 100 + i, Proposal(torch.randint(0, 50, (4,), generator=gen), probs()))
-                                       for i in range(n)])
+                                       for i in range(n)], build_s=0.001 * (seq_id + 1))
 
 
 def _round_trip(*msg):
@@ -28,7 +28,7 @@ def _round_trip(*msg):
 
 
 def _assert_same(a: SpeculationTree, b: SpeculationTree) -> None:
-    assert (a.seq_id, a.round, len(a.branches)) == (b.seq_id, b.round, len(b.branches))
+    assert (a.seq_id, a.round, len(a.branches), a.build_s) == (b.seq_id, b.round, len(b.branches), b.build_s)
     for x, y in zip(a.branches, b.branches):
         assert (x.accepted, x.bonus_token) == (y.accepted, y.bonus_token)
         assert torch.equal(x.proposal.tokens, y.proposal.tokens)

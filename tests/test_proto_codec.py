@@ -147,7 +147,7 @@ def _tree(q: str, n: int = 3, k: int = 2, vocab: int = 1000) -> SpeculationTree:
     probs = {"greedy": lambda i: None, "top-k": lambda i: _top_k_probs(k, vocab, 3, seed=i),
              "dense": lambda i: torch.softmax(torch.randn(k, vocab, generator=g), -1)}[q]
     return SpeculationTree(5, 9, [Branch(i, 11 + i, Proposal(torch.randint(0, vocab, (k,), generator=g), probs(i)))
-                                  for i in range(n)])
+                                  for i in range(n)], build_s=0.0123)
 
 
 @pytest.mark.parametrize("q,form", [("greedy", None), ("top-k", "sparse"), ("dense", "dense")])
@@ -156,7 +156,7 @@ def test_a_tree_round_trips_bit_exact_as_columns(q, form):
     msg = _wire(codec.tree_to_proto(tree))
     assert msg.proposals.tokens.shape == [3, 2] and msg.proposals.WhichOneof("probs") == form  # one tensor each
     back = codec.tree_from_proto(msg)
-    assert (back.seq_id, back.round, len(back.branches)) == (5, 9, 3)
+    assert (back.seq_id, back.round, len(back.branches), back.build_s) == (5, 9, 3, 0.0123)
     for a, b in zip(tree.branches, back.branches):
         assert (a.accepted, a.bonus_token) == (b.accepted, b.bonus_token)
         _assert_proposal_equal(a.proposal, b.proposal)
@@ -194,6 +194,7 @@ def test_malformed_trees_raise_codec_error():
     for mutate in (lambda m: m.ClearField("proposals"),                                   # branches without tokens
                    lambda m: m.bonus_tokens.append(3),                                    # columns of unequal length
                    lambda m: m.accepted.__setitem__(0, -1),                               # a negative k
+                   lambda m: setattr(m, "build_s", float("nan")),                         # not a duration
                    lambda m: m.proposals.tokens.CopyFrom(codec.tensor_to_proto(torch.tensor([1, 2, 3], dtype=torch.int32))),
                    lambda m: m.proposals.tokens.CopyFrom(codec.tensor_to_proto(torch.ones(2, 2, dtype=torch.int32))),
                    lambda m: m.proposals.sparse.row_offsets.CopyFrom(codec.tensor_to_proto(torch.tensor([0, 3], dtype=torch.int32)))):

@@ -41,7 +41,9 @@ def theorem7_lines(rows: list[dict]) -> list[str]:
         lines.append(f"Theorem 7 {label}: predicted {t['predicted_tokens_per_s']:.1f} tok/s "
                      f"(tokens/round {t['tokens_per_round']:.2f}, p {t['p_hit']:.2f}, verify {1e3 * t['verify_s']:.2f} ms, "
                      f"T_p {t['tree_s'] / t['verify_s']:.2f}, T_b {t['backup_s'] / t['verify_s']:.2f}), measured "
-                     f"{t['measured_tokens_per_s']:.1f} tok/s = {100 * t['measured_over_predicted']:.0f}% of predicted")
+                     f"{t['measured_tokens_per_s']:.1f} tok/s = {100 * t['measured_over_predicted']:.0f}% of predicted; "
+                     f"draft alone: T_p {t['tree_alone_s'] / t['verify_s']:.2f}, "
+                     f"predicted {t['predicted_alone_tokens_per_s']:.1f} tok/s")
     return lines
 
 

@@ -1,5 +1,7 @@
-"""Theorem 7 next to the measurement: the predicted SSD tokens/s from a run's own acceptance, hit rate and
-verify time, with the draft's tree-build and just-in-time latencies timed on one thread (calibrate_draft)."""
+"""Theorem 7 next to the measurement: the predicted SSD tokens/s from a run's own acceptance, hit rate,
+verify time and tree-build time (the draft's own clock, beside the verifying target), with the
+just-in-time latency timed on one thread (calibrate_draft). The same prediction with the tree build timed
+on the draft alone is reported too: the two differ by what sharing the hardware costs the draft."""
 from __future__ import annotations
 
 import statistics
@@ -24,20 +26,32 @@ def predicted_tokens_per_s(tokens_per_round: float, p_hit: float, verify_s: floa
 def predict_from_run(m, batch: int, calib: dict) -> dict:
     """The prediction's inputs from Measurement `m` (engine deltas) and the draft calibration.
 
-    Per engine round the batch waits for a backup if any sequence missed and got the neural backup:
-    p (round without a neural wait) = hit_rate^batch when misses go neural; the backup's cost is weighted
-    by the share of misses that went neural (fast/random backups cost ~0)."""
+    T_p is the run's own: the draft's mean build time of the trees the target took (EngineMetrics
+    tree_build_s / tree_builds), like verify_s measured beside the other process on shared hardware;
+    the calibration's draft-alone build time stands in when the run took no tree.
+
+    p is the share of rounds that did not wait for a just-in-time draft (EngineMetrics jit_rounds): the
+    rounds whose misses took the neural backup, and the rounds the tree gate ran without trees (SD's
+    round, Theorem 7's 1 + T_b). Without that count, p is estimated from the lookups: a round waits if
+    any sequence missed and got the neural backup, p = 1 - (neural share of misses)(1 - hit_rate^batch)."""
     rounds = m.engine.get("rounds", 0)
     lookups = m.cache_hits + m.cache_misses
     if not rounds or not lookups:
         return {}
     hit = m.cache_hits / lookups
     neural_share = m.fallbacks.get("neural", 0) / m.cache_misses if m.cache_misses else 0.0
-    p_round = 1.0 - neural_share * (1.0 - hit ** batch)
+    if "jit_rounds" in m.engine:
+        p_round = 1.0 - m.engine["jit_rounds"] / rounds
+    else:
+        p_round = 1.0 - neural_share * (1.0 - hit ** batch)
+    builds = m.engine.get("tree_builds", 0)
+    tree_s = m.engine["tree_build_s"] / builds if builds else calib["tree_s"]
     inputs = {"tokens_per_round": (m.tokens - batch) / rounds, "p_hit": p_round,
-              "verify_s": m.engine["verify_s"] / rounds, "tree_s": calib["tree_s"], "backup_s": calib["jit_s"]}
+              "verify_s": m.engine["verify_s"] / rounds, "tree_s": tree_s, "backup_s": calib["jit_s"]}
     pred = predicted_tokens_per_s(**inputs)
-    return {**inputs, "hit_rate": hit, "neural_share": neural_share, "predicted_tokens_per_s": pred,
+    alone = predicted_tokens_per_s(**{**inputs, "tree_s": calib["tree_s"]})
+    return {**inputs, "tree_alone_s": calib["tree_s"], "tree_s_in_run": bool(builds), "hit_rate": hit,
+            "neural_share": neural_share, "predicted_tokens_per_s": pred, "predicted_alone_tokens_per_s": alone,
             "measured_tokens_per_s": m.tokens_per_s, "measured_over_predicted": m.tokens_per_s / pred if pred else 0.0}
 
 

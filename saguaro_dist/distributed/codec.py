@@ -308,7 +308,8 @@ def outcome_from_proto(msg: pb.Outcome) -> Outcome:
 def tree_to_proto(t: SpeculationTree) -> pb.SpeculationTree:
     """The branches as columns (see the .proto): one Proposal of tokens [N, K] and q [N, K, V]."""
     msg = pb.SpeculationTree(seq_id=_int64(t.seq_id, "seq_id"), round=t.round,
-                             accepted=[b.accepted for b in t.branches], bonus_tokens=[b.bonus_token for b in t.branches])
+                             accepted=[b.accepted for b in t.branches], bonus_tokens=[b.bonus_token for b in t.branches],
+                             build_s=t.build_s)
     if t.branches:
         msg.proposals.CopyFrom(proposal_to_proto(_columns(t.branches)))
     return msg
@@ -337,7 +338,8 @@ def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
     bonus = _non_negative_ints(msg.bonus_tokens, "SpeculationTree.bonus_tokens")
     if len(accepted) != len(bonus):
         raise CodecError(f"SpeculationTree: {len(accepted)} accepted counts but {len(bonus)} bonus tokens")
-    tree = SpeculationTree(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"), branches=[])
+    tree = SpeculationTree(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"), branches=[],
+                           build_s=_duration(msg.build_s, "build_s"))
     if not accepted:
         return tree
     columns = proposal_from_proto(_required(msg, "proposals", "SpeculationTree"), ndim=2)

@@ -19,8 +19,10 @@ log = logging.getLogger(__name__)
 
 
 def merge_trees(trees: list[SpeculationTree]) -> SpeculationTree:
-    """One tree from the shards' slices (they hold disjoint branches of the same round)."""
-    return SpeculationTree(trees[0].seq_id, trees[0].round, [b for t in trees for b in t.branches])
+    """One tree from the shards' slices (they hold disjoint branches of the same round, built in parallel:
+    the slowest shard's build is the tree's)."""
+    return SpeculationTree(trees[0].seq_id, trees[0].round, [b for t in trees for b in t.branches],
+                           max(t.build_s for t in trees))
 
 
 class DraftPool:

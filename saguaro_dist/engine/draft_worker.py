@@ -152,7 +152,10 @@ class DraftWorker:
         trees = self._decode_branches(states, fanouts, rows)
         for s in states:
             s.pending, s.tree_built = False, True
-        self.budget.tree_built(time.perf_counter() - start)
+        build_s = time.perf_counter() - start
+        self.budget.tree_built(build_s)
+        for tree in trees:
+            tree.build_s = build_s
         return trees
 
     def release(self, reqs: list[Release]) -> None:

@@ -83,6 +83,7 @@ class SpeculationTree:
     seq_id: int
     round: int
     branches: list[Branch]
+    build_s: float = 0.0  # the draft's wall time for the build that made this tree (all its trees; metrics only)
 
 
 @dataclass

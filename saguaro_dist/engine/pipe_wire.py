@@ -40,12 +40,14 @@ def _tree_as_arrays(tree: SpeculationTree):
         return copyreg.__newobj__, (SpeculationTree,), tree.__dict__  # empty, or mixed q: field by field
     keys = [(b.accepted, b.bonus_token) for b in tree.branches]
     tokens = torch.stack([b.proposal.tokens for b in tree.branches])
-    return _tree_from_arrays, (tree.seq_id, tree.round, keys, tokens, None if probs[0] is None else torch.stack(probs))
+    probs = None if probs[0] is None else torch.stack(probs)
+    return _tree_from_arrays, (tree.seq_id, tree.round, keys, tokens, probs, tree.build_s)
 
 
-def _tree_from_arrays(seq_id, round, keys, tokens, probs) -> SpeculationTree:
+def _tree_from_arrays(seq_id, round, keys, tokens, probs, build_s) -> SpeculationTree:
     rows = zip(tokens, [None] * len(keys) if probs is None else probs)
-    return SpeculationTree(seq_id, round, [Branch(k, t, Proposal(x, q)) for (k, t), (x, q) in zip(keys, rows)])
+    branches = [Branch(k, t, Proposal(x, q)) for (k, t), (x, q) in zip(keys, rows)]
+    return SpeculationTree(seq_id, round, branches, build_s)
 
 
 _DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor_as_array, SpeculationTree: _tree_as_arrays}

@@ -54,6 +54,7 @@ class SDLoop(ARLoop):
     def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
         super().__init__(target, metrics)
         self.draft, self.config = draft, config
+        self._drafted_this_round = False
 
     def admit(self, seqs):
         first = self.target.prefill(seqs)
@@ -68,6 +69,7 @@ class SDLoop(ARLoop):
         return first
 
     def prepare(self, seqs):
+        self._drafted_this_round = False
         self._readmit([s for s in seqs if s.draft_lost])
         self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
@@ -130,6 +132,8 @@ class SDLoop(ARLoop):
         if not seqs:
             return
         start = time.perf_counter()
+        self.metrics.jit_rounds += not self._drafted_this_round
+        self._drafted_this_round = True
         reqs = [JitDraftRequest(s.seq_id, self._next_round(s), *s.last_outcome, skip_tree=not s.wants_tree) for s in seqs]
         try:
             self._adopt(seqs, {r.seq_id: p for r, p in zip(reqs, self.draft.jit_draft(reqs))})
@@ -177,7 +181,7 @@ class SSDLoop(SDLoop):
         self._mode, self._round_start = RoundMode.TREES, 0.0
 
     def prepare(self, seqs):
-        self._round_start = time.perf_counter()
+        self._round_start, self._drafted_this_round = time.perf_counter(), False
         self._readmit([s for s in seqs if s.draft_lost])
         self._mode = self.gate.mode(len(seqs)) if self.gate else RoundMode.TREES
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
@@ -221,6 +225,9 @@ class SSDLoop(SDLoop):
         self.stats.record_time(Timing.TREE_WAIT, waited)
         for tree in trees.values():
             self.cache.put_tree(tree)
+        if trees:  # one build per draft worker, in parallel: the round waited on the slowest
+            self.metrics.tree_build_s += max(t.build_s for t in trees.values())
+            self.metrics.tree_builds += 1
         outcomes, misses = [], []
         for s in seqs:
             branch = self.cache.lookup(s.seq_id, s.round, *s.last_outcome)

@@ -130,18 +130,20 @@ class Outcome(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ...) -> None: ...
 
 class SpeculationTree(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals", "build_s")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    BUILD_S_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
     proposals: Proposal
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
+    build_s: float
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Union[Proposal, _Mapping]] = ..., build_s: _Optional[float] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_id",)
