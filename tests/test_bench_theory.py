@@ -61,3 +61,4 @@ def test_rounds_that_waited_for_a_just_in_time_draft_are_theorem_7s_misses():
     assert got["p_hit"] == pytest.approx(0.6)
     time = 0.6 * 1 + 0.4 * (1 + 0.5)  # T_p 0.6 hides behind the verify; T_b 0.5
     assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / (time * 0.010))
+    assert got["ceiling_tokens_per_s"] == pytest.approx(3.0 / 0.010)  # p = 1: every round one verify

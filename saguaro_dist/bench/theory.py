@@ -50,8 +50,11 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
               "verify_s": m.engine["verify_s"] / rounds, "tree_s": tree_s, "backup_s": calib["jit_s"]}
     pred = predicted_tokens_per_s(**inputs)
     alone = predicted_tokens_per_s(**{**inputs, "tree_s": calib["tree_s"]})
+    # SSD's best case with this draft on this hardware: no round ever waits for a just-in-time draft.
+    ceiling = predicted_tokens_per_s(**{**inputs, "p_hit": 1.0})
     return {**inputs, "tree_alone_s": calib["tree_s"], "tree_s_in_run": bool(builds), "hit_rate": hit,
             "neural_share": neural_share, "predicted_tokens_per_s": pred, "predicted_alone_tokens_per_s": alone,
+            "ceiling_tokens_per_s": ceiling,
             "measured_tokens_per_s": m.tokens_per_s, "measured_over_predicted": m.tokens_per_s / pred if pred else 0.0}
 
 
