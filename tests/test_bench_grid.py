@@ -49,7 +49,7 @@ def test_greedy_outputs_match_ours_ar_and_ssd_cells_carry_theorem7(grid):
             t = cell["theorem7"]
             assert t["predicted_tokens_per_s"] > 0 and 0 <= t["hit_rate"] <= 1
             assert t["measured_tokens_per_s"] == pytest.approx(cell["tokens_per_s"])
-            assert t["ceiling_tokens_per_s"] >= t["predicted_tokens_per_s"] and t["ceiling_vs_sd"] > 0
+            assert t["ceiling_tokens_per_s"] >= t["predicted_tokens_per_s"] * (1 - 1e-9) and t["ceiling_vs_sd"] > 0
         else:
             assert cell["theorem7"] is None
 
@@ -59,7 +59,7 @@ def test_json_round_trips_and_table_and_plot_are_written(grid, tmp_path):
     assert json.loads(path.read_text())["cells"][0]["system"] == "ar"
     text = render(grid)
     assert "| paper | ssd | 1 | 0.0 |" in text and "Theorem 7 paper/ssd b=1 T=0.0: predicted" in text
-    assert "every round a tree round:" in text
+    assert "best case:" in text
     assert "placement paper/ssd:" in text
     (png,) = write_plots(grid, tmp_path)
     assert png.read_bytes()[:8] == PNG_MAGIC
