@@ -61,7 +61,7 @@ def test_rounds_that_waited_for_a_just_in_time_draft_are_theorem_7s_misses():
     assert got["p_hit"] == pytest.approx(0.6)
     time = 0.6 * 1 + 0.4 * (1 + 0.5)  # T_p 0.6 hides behind the verify; T_b 0.5
     assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / (time * 0.010))
-    assert got["ceiling_tokens_per_s"] == pytest.approx(3.0 / 0.010)  # p = 1: every round one verify
+    assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / 0.010)  # p = 1: every round one verify
 
 
 def test_the_best_case_is_every_round_of_the_cheaper_kind():
@@ -69,5 +69,5 @@ def test_the_best_case_is_every_round_of_the_cheaper_kind():
     m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=6, cache_misses=0,
                     engine={"rounds": 10, "verify_s": 0.1, "jit_rounds": 4, "tree_build_s": 0.18, "tree_builds": 6})
     got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
-    assert got["ceiling_tokens_per_s"] == pytest.approx(3.0 / (1.5 * 0.010))
-    assert got["ceiling_tokens_per_s"] > got["predicted_tokens_per_s"]
+    assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / (1.5 * 0.010))
+    assert got["best_case_tokens_per_s"] > got["predicted_tokens_per_s"]

@@ -146,7 +146,7 @@ def annotate(cells: list[dict], calibs: dict) -> None:
         c["theorem7"] = predict_from_run(m, c["batch"], calib) if calib and c["system"] in SSD_SYSTEMS else None
         sd = index.get(("sd",) + key)
         if c["theorem7"] and sd and sd["tokens_per_s"]:
-            c["theorem7"]["ceiling_vs_sd"] = c["theorem7"]["ceiling_tokens_per_s"] / sd["tokens_per_s"]
+            c["theorem7"]["best_case_vs_sd"] = c["theorem7"]["best_case_tokens_per_s"] / sd["tokens_per_s"]
     for c in cells:
         c.pop("outputs")
 

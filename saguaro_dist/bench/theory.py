@@ -52,10 +52,10 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     alone = predicted_tokens_per_s(**{**inputs, "tree_s": calib["tree_s"]})
     # SSD's best case with this draft on this hardware: every round of the cheaper kind (Theorem 7 is
     # linear in p, so the best mix is all trees, p = 1, or all just-in-time drafts, p = 0).
-    ceiling = max(predicted_tokens_per_s(**{**inputs, "p_hit": p}) for p in (0.0, 1.0))
+    best_case = max(predicted_tokens_per_s(**{**inputs, "p_hit": p}) for p in (0.0, 1.0))
     return {**inputs, "tree_alone_s": calib["tree_s"], "tree_s_in_run": bool(builds), "hit_rate": hit,
             "neural_share": neural_share, "predicted_tokens_per_s": pred, "predicted_alone_tokens_per_s": alone,
-            "ceiling_tokens_per_s": ceiling,
+            "best_case_tokens_per_s": best_case,
             "measured_tokens_per_s": m.tokens_per_s, "measured_over_predicted": m.tokens_per_s / pred if pred else 0.0}
 
 
