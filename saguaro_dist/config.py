@@ -68,6 +68,7 @@ class Config:
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
     tree_timeout_s: float = 5.0            # how long the target waits for a late speculation tree
+    draft_spin_s: float = 0.05             # the draft busy-polls this long for its next message before it blocks
     # Distributed runtime (None: the one-host engine)
     cluster: str | None = None
     tensor_parallel_size: int = 1
@@ -99,6 +100,8 @@ class Config:
             raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
         if not isinstance(self.adaptive_fan_out, bool):
             raise ValueError(f"adaptive_fan_out must be true or false, got {self.adaptive_fan_out!r}")
+        if not isinstance(self.draft_spin_s, (int, float)) or not 0.0 <= self.draft_spin_s <= 1.0:
+            raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:

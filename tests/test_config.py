@@ -58,3 +58,9 @@ def test_serve_args_from_strings_like_serve_run_passes_them():
 def test_serve_args_errors_name_the_argument(args, message):
     with pytest.raises(ValueError, match=message):
         config_from_args(args)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 2.0, "0.05", None])
+def test_draft_spin_s_is_validated(bad):
+    with pytest.raises(ValueError, match="draft_spin_s"):
+        Config(model="m", draft="d", draft_spin_s=bad)

@@ -158,3 +158,29 @@ def test_finished_requests_leave_no_trees_behind(pair, executor):
             llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)  # a round trip after the releases
         wait_for(lambda: len(llm._thread.engine.loop.draft.inbox) == 0, timeout_s=10)
+
+
+def test_spin_until_readable_returns_on_data_and_gives_up_after_its_budget():
+    import time
+    from multiprocessing import Pipe
+    from saguaro_dist.engine.draft_process import spin_until_readable
+    rx, tx = Pipe(duplex=False)
+    start = time.perf_counter()
+    assert spin_until_readable(rx, 0.05) is False          # nothing came: it stops spinning (then blocks)
+    assert 0.04 <= time.perf_counter() - start < 2.0
+    assert spin_until_readable(rx, 0.0) is False            # 0 turns the spin off
+    tx.send_bytes(b"x")
+    assert spin_until_readable(rx, 5.0) is True              # data: returns at once, the message unread
+    assert rx.recv_bytes() == b"x"
+
+
+def test_draft_worker_thread_spins_then_still_runs_jobs():
+    from saguaro_dist.distributed.draft_service import _WorkerThread
+    worker = _WorkerThread(spin_s=0.05)
+    try:
+        assert worker.call(lambda: 41) == 41
+        import time
+        time.sleep(0.1)                                      # past the spin: the thread blocks, then wakes
+        assert worker.call(lambda x: x + 1, 1) == 2
+    finally:
+        worker.close()

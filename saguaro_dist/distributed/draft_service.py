@@ -71,7 +71,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 class _WorkerThread:
     """Runs callables one at a time, in submission order, on one daemon thread."""
 
-    def __init__(self, name: str = "saguaro-draft-worker"):
+    def __init__(self, name: str = "saguaro-draft-worker", spin_s: float = 0.0):
+        self.spin_s = spin_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -87,8 +88,19 @@ class _WorkerThread:
     def close(self) -> None:
         self._jobs.put(None)
 
+    def _next(self):
+        """The next job; polled for spin_s first so this CPU does not halt between rounds (a halted
+        vCPU is slow to wake: engine/draft_process.py). sleep(0) lets the gRPC threads take the GIL."""
+        end = time.perf_counter() + self.spin_s
+        while time.perf_counter() < end:
+            try:
+                return self._jobs.get_nowait()
+            except queue.Empty:
+                time.sleep(0)
+        return self._jobs.get()
+
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        while (job := self._next()) is not None:
             fut, fn, args = job
             if fut.set_running_or_notify_cancel():
                 try:
@@ -122,7 +134,8 @@ class DraftServicer:
     def __init__(self, worker, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.worker = worker
         self.max_message_bytes = max_message_bytes
-        self._thread = _WorkerThread()
+        config = getattr(worker, "config", None)
+        self._thread = _WorkerThread(spin_s=getattr(config, "draft_spin_s", 0.0))
         self._lock = threading.Lock()  # guards the open streams and the pending batches
         self._streams: list[_Stream] = []
         self._pending: collections.deque = collections.deque(maxlen=_PENDING_BATCHES)

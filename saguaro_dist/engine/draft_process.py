@@ -191,16 +191,32 @@ def _picklable(exc: Exception) -> Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def spin_until_readable(conn: Connection, spin_s: float) -> bool:
+    """Busy-poll `conn` for up to spin_s; True once it has data (the caller then reads, blocking).
+
+    Why: a process that blocks lets its CPU halt, and waking a halted virtual CPU is slow. Measured on
+    this project's 2-vCPU VM (no guest halt polling): a pipe round trip to a child that sat blocked
+    for 10 ms took 0.16 ms median, 0.46 ms p90, against 0.04 ms to a spinning child; a batch-4
+    just-in-time draft over the pipe 19.8 ms against 13.9. The draft's core is its own in SSD's
+    placement, so the spin costs nothing the target needed; after spin_s of silence it blocks."""
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        if conn.poll(0):
+            return True
+    return False
+
+
 class _Child:
     """The child's side: one DraftWorker, one message at a time, in arrival order."""
 
-    def __init__(self, worker, tx: Connection):
-        self.worker, self.tx = worker, tx
+    def __init__(self, worker, tx: Connection, spin_s: float = 0.0):
+        self.worker, self.tx, self.spin_s = worker, tx, spin_s
 
     def serve(self, rx: Connection) -> None:
         """Until the parent closes the pipe (or is gone): then exit quietly."""
         try:
             while True:
+                spin_until_readable(rx, self.spin_s)
                 kind, *rest = recv(rx)
                 if kind == Msg.CALL:
                     self._answer(*rest)
@@ -256,7 +272,7 @@ def main() -> None:
         send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")
         raise
     send(tx, Msg.READY, True, "ready")
-    _Child(worker, tx).serve(rx)
+    _Child(worker, tx, config.draft_spin_s).serve(rx)
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: nothing to save, and torch's pools can abort in it
 
