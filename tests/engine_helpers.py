@@ -1,9 +1,14 @@
 """Checkpoints and exactness checks shared by the engine tests (real HF checkpoints, no mocks)."""
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# The engine tests' device: SAGUARO_TEST_DEVICE=cuda runs the exactness suites on a GPU
+# (benchmarks/gpu_check.sh); CI has none and runs them on the CPU.
+DEVICE = os.environ.get("SAGUARO_TEST_DEVICE", "cpu")
 NEAR_TIE = 1e-4  # top-2 logit gap under which fp reordering may flip a greedy choice
 
 

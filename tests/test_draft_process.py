@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy
+from engine_helpers import DEVICE, PROMPTS, assert_greedy_equal, close_pair, hf_greedy
 from saguaro_dist import LLM, SamplingParams
 
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
@@ -52,7 +52,7 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 def test_killed_draft_process_costs_speed_not_tokens(pair):
     want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
     before = draft_children()
-    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4) as llm:
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4) as llm:
         [child] = draft_children() - before
         result = {}
         worker = threading.Thread(target=lambda: result.update(
@@ -153,7 +153,7 @@ def test_a_script_without_a_main_guard_works(pair, tmp_path):
 def test_finished_requests_leave_no_trees_behind(pair, executor):
     """The last round's tree always arrives unasked; a server must not keep one per finished request."""
     params = SamplingParams(temperature=0.8, max_tokens=6, ignore_eos=True, seed=0)
-    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_executor=executor) as llm:
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_executor=executor) as llm:
         for _ in range(4):
             llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)  # a round trip after the releases

@@ -6,7 +6,7 @@ import threading
 import pytest
 
 import saguaro_dist.engine.rounds as rounds_module
-from engine_helpers import PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
+from engine_helpers import DEVICE, PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 
@@ -31,7 +31,7 @@ def run(pair, batch: int, **kwargs) -> list[list[int]]:
     loop are the same whatever carries their messages; test_draft_process_matches_ar covers the process."""
     draft = pair[kwargs.pop("draft", "close")] if kwargs.get("mode", "ssd") != "ar" else None
     kwargs.setdefault("draft_executor", "thread")
-    with LLM(model=pair["target"], draft=draft, max_batch_size=batch, **kwargs) as llm:
+    with LLM(device=DEVICE, model=pair["target"], draft=draft, max_batch_size=batch, **kwargs) as llm:
         return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
 
@@ -84,7 +84,7 @@ def test_draft_process_matches_ar(pair, reference, case):
 
 
 def test_ssd_hits_the_cache_with_a_close_draft(pair):
-    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12) as llm:
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12) as llm:
         out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
     m = out.metrics
     assert m.rounds > 0 and m.cache_hits > 0, m
@@ -95,7 +95,7 @@ def test_ssd_hits_the_cache_with_a_close_draft(pair):
 def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, executor, batch):
     """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken."""
     monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)
-    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
              draft_executor=executor, tree_timeout_s=30.0) as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
         m = llm.metrics
@@ -104,7 +104,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, executor,
 
 
 def test_tree_policy_always_never_skips_a_tree(pair, reference):
-    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
              draft_executor="thread", tree_policy="always") as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
         m = llm.metrics
@@ -127,7 +127,7 @@ def test_final_only_requests_get_one_update_with_every_token(pair, reference):
                 done[kind].set()
         return on_update
 
-    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", draft_executor="thread") as llm:
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", draft_executor="thread") as llm:
         for i, kind in enumerate(OutputKind):
             llm._thread.submit(Sequence(1000 + i, f"kind-{kind.value}", PROMPTS[0], GREEDY, kind), listener(kind))
         assert all(event.wait(60) for event in done.values())

@@ -15,7 +15,7 @@ from scipy.stats import chi2
 
 import saguaro_dist.engine.rounds as rounds_module
 import saguaro_dist.engine.target as target_module
-from engine_helpers import CyclingGate, llama_config, save_model, save_perturbed
+from engine_helpers import DEVICE, CyclingGate, llama_config, save_model, save_perturbed
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.spec import VerifyResult, verify
 
@@ -65,7 +65,7 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
     """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken)."""
     mode = kwargs.pop("mode", "ssd")
     kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
-    with LLM(model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
+    with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         seeded = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                  max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
         outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded)

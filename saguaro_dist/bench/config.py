@@ -78,6 +78,8 @@ class BenchConfig:
     repeats: int = 1                      # timed repeats per cell (the best is kept); 1 warm-up first
     interleave: bool = False              # every system of a setting open at once, one repeat of each in turn
     cores: int = 2
+    device: str = "cpu"                   # every system's models (cuda: the GPU check, benchmarks/gpu_check.sh)
+    dtype: str = "float32"
     out_dir: str = "bench-results"
     plots: bool = True
 
@@ -110,7 +112,8 @@ class BenchConfig:
     def engine_kwargs(self) -> dict:
         return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
                     adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c,
-                    fallback=self.fallback, tree_policy=self.tree_policy, max_batch_size=max(self.batch_sizes))
+                    fallback=self.fallback, tree_policy=self.tree_policy, max_batch_size=max(self.batch_sizes),
+                    device=self.device, dtype=self.dtype)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -115,17 +115,18 @@ def measurement_from_outputs(outs, seconds: float, engine: dict) -> Measurement:
 
 
 class HFSystem:
-    """transformers generate on the same checkpoints (fp32, CPU); assisted = with assistant_model=."""
+    """transformers generate on the same checkpoints, device and dtype as ours; assisted = with assistant_model=."""
 
-    def __init__(self, name: str, target: str, draft: str, k: int):
+    def __init__(self, name: str, target: str, draft: str, k: int, device: str = "cpu", dtype: str = "float32"):
         self.name, self.target_path, self.draft_path, self.k = name, target, draft, k
+        self.device, self.dtype = device, getattr(torch, dtype)
         self.model = self.assistant = None
 
     def open(self, place: Placement) -> None:
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(place.target_threads)
         self.threads = place.target_threads
-        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=self.dtype).to(self.device).eval()  # noqa: E731
         self.model = load(self.target_path)
         if self.name == "hf-assisted":
             self.assistant = load(self.draft_path)
@@ -143,7 +144,7 @@ class HFSystem:
 
     def _generate(self, prompts, temperature, max_new_tokens, seed) -> list[list[int]]:
         torch.manual_seed(seed)
-        ids = torch.tensor(prompts, dtype=torch.long)
+        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -156,5 +157,5 @@ class HFSystem:
 
 def make_system(name: str, target: str, draft: str, engine_kwargs: dict):
     if name.startswith("hf"):
-        return HFSystem(name, target, draft, engine_kwargs["k"])
+        return HFSystem(name, target, draft, engine_kwargs["k"], engine_kwargs["device"], engine_kwargs["dtype"])
     return OursSystem(name, target, draft, engine_kwargs)

@@ -195,7 +195,7 @@ class DraftWorker:
         """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0)."""
         probs = sampling_probs(logits, [s.sampling for s in rows])
         if self.config.saguaro_c < 1.0:
-            sampled = torch.tensor([s.sampling.temperature > 0 for s in rows])
+            sampled = torch.tensor([s.sampling.temperature > 0 for s in rows], device=probs.device)
             scaled = saguaro_probs(probs, torch.tensor(top_f), self.config.saguaro_c)
             probs = torch.where(sampled[:, None], scaled, probs)
         return probs
@@ -217,8 +217,10 @@ class DraftWorker:
             tokens.append(drawn)
             if j + 1 < self.k:
                 logits = step(drawn)
-        tokens = torch.stack(tokens, 1)                                       # [R, K]
-        dists = torch.stack(dists, 1) if dists else None                      # [R, K, V]
+        # Proposals leave the worker on the CPU (one copy per step, not per row): they cross a pipe or
+        # gRPC, and the target moves them to its own device.
+        tokens = torch.stack(tokens, 1).cpu()                                 # [R, K]
+        dists = torch.stack(dists, 1).cpu() if dists else None                # [R, K, V]
         return [Proposal(tokens[i].clone(), None if s.sampling.temperature == 0 else dists[i].clone())
                 for i, s in enumerate(rows)], seen
 
@@ -246,7 +248,7 @@ class DraftWorker:
         fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) for t in tokens])
         logits = [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V]
-        spec = torch.tensor([s.speculation for s in states], dtype=torch.long)      # [B, K]
+        spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
         rows = []
         for i, s in enumerate(states):
             chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanouts[s.num_shards])

@@ -59,11 +59,12 @@ class TargetScorer:
         inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
         logits = torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs)))     # [B, K+1, V]
         if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
-            result = greedy_verify(logits, torch.stack([s.speculation.tokens for s in seqs]))
+            result = greedy_verify(logits, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
         else:
             p = sampling_probs(logits.flatten(0, 1), [s.params for s in seqs], k + 1).view(len(seqs), k + 1, -1)
-            tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)
-            result = verify(p, tokens, q, [s.generator for s in seqs])
+            tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)  # on the CPU, as they came
+            q = None if q is None else q.to(p.device)
+            result = verify(p, tokens.to(p.device), q, [s.generator for s in seqs])
         accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
         for s, n in zip(seqs, accepted):
             self.runner.truncate(s.seq_id, len(s.tokens) + n)

@@ -1,0 +1,81 @@
+"""What only a GPU can check: the model on CUDA against transformers, NCCL collectives in the
+tensor-parallel layers, and the verifier's law with its tensors on the device. CI has no GPU and
+skips these; benchmarks/gpu_check.sh runs them (and the engine suites with SAGUARO_TEST_DEVICE=cuda)
+on a lent one."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from test_model_tp import workload
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_check.sh)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double().cpu() - want.double()).norm() / want.double().norm())
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_cuda_logits_match_transformers(tiny_checkpoint, kind):
+    from transformers import AutoModelForCausalLM
+
+    from saguaro_dist.model import ModelRunner
+    path = tiny_checkpoint(kind)
+    tokens = [3, 17, 5, 42, 8, 1, 60, 2]
+    runner = ModelRunner(path, device="cuda")
+    runner.add("s")
+    [ours] = runner.extend(["s"], [tokens], [len(tokens)])
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()(torch.tensor([tokens])).logits[0]
+    assert ours.device.type == "cuda"
+    assert _relative_error(ours, ref) < 1e-4
+
+
+def test_nccl_tensor_parallel_layers_match_the_plain_model(tiny_checkpoint):
+    """One GPU holds one NCCL rank: the collectives of every parallel layer run for real (a world of
+    one), and the logits equal the unsplit model's. Two ranks need two GPUs (NCCL refuses two ranks
+    on one device); the gloo suite (test_model_tp.py) checks the splitting itself on the CPU."""
+    import torch.distributed as dist
+
+    from saguaro_dist.model import ModelRunner
+    path = tiny_checkpoint("llama")
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                            device_id=torch.device("cuda:0"))
+    try:
+        split = workload(ModelRunner(path, device="cuda", tp_group=dist.group.WORLD))
+    finally:
+        dist.destroy_process_group()
+    plain = workload(ModelRunner(path, device="cuda"))
+    for a, b in zip(split, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_verify_on_cuda_samples_the_target_distribution():
+    """Rejection sampling with p and q on the GPU (the generators stay on the CPU, as the engine's
+    do): the first emitted token of 200k rows follows p, and a verifier that keeps every draft fails."""
+    from saguaro_dist.spec import verify
+    gen = torch.Generator().manual_seed(0)
+    v, k, rows = 8, 2, 200_000
+    p = torch.softmax(torch.randn(v, generator=gen) * 1.5, -1)
+    q = torch.softmax(torch.randn(v, generator=gen) * 1.5, -1)
+    draft = torch.multinomial(q, rows * k, replacement=True, generator=gen).view(rows, k)
+    p_all = p.expand(rows, k + 1, v).cuda()
+    q_all = q.expand(rows, k, v).cuda()
+    result = verify(p_all, draft.cuda(), q_all, [torch.Generator().manual_seed(1)] + [None] * (rows - 1))
+    assert result.accepted.device.type == "cuda"
+    first = torch.where(result.accepted > 0, draft[:, 0].cuda(), result.bonus).cpu()
+    counts = torch.bincount(first, minlength=v).double()
+    assert chisquare(counts.numpy(), (p.double() * rows).numpy()).pvalue > 1e-4
+    keep_all = draft[:, 0]  # what a verifier that never rejects would emit: q's law, not p's
+    wrong = torch.bincount(keep_all, minlength=v).double()
+    assert chisquare(wrong.numpy(), (p.double() * rows).numpy()).pvalue < 1e-6
