@@ -88,11 +88,26 @@ def test_cli_quick_run_writes_results(tiny_llama_pair, tmp_path, capsys):
     assert (tmp_path / "speedup_vs_batch.png").is_file()
 
 
+def test_cli_runs_every_system_in_the_dtype_asked_for(tiny_llama_pair, tmp_path, capsys):
+    """--device / --dtype reach ours and transformers alike (benchmarks/gpu_check.sh passes cuda, bf16)."""
+    code = main(["bench", "--preset", "quick", "--target", str(tiny_llama_pair[0]), "--draft", str(tiny_llama_pair[1]),
+                 "--out", str(tmp_path), "--no-progress", "--no-plots", "--systems", "sd,hf-assisted", "--batch", "1",
+                 "--settings", "equal", "--k", "2", "--prompt-len", "4", "--max-new-tokens", "6",
+                 "--device", "cpu", "--dtype", "bfloat16"])
+    assert code == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (results["config"]["device"], results["config"]["dtype"]) == ("cpu", "bfloat16")
+    assert {c["system"] for c in results["cells"]} == {"sd", "hf-assisted"}
+    assert "| equal | hf-assisted | 1 | 0.0 |" in capsys.readouterr().out
+
+
 def test_bad_options_are_value_errors(tiny_llama_pair, tmp_path):
     with pytest.raises(ValueError, match="unknown systems"):
         BenchConfig(systems=("vllm",))
     with pytest.raises(ValueError, match="unknown preset"):
         BenchConfig.preset("huge")
+    with pytest.raises(ValueError, match="dtype"):
+        BenchConfig(dtype="int8")
     assert main(["bench", "--preset", "quick", "--target", str(tiny_llama_pair[0]), "--out", str(tmp_path)]) == 2
 
 

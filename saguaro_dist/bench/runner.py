@@ -53,6 +53,7 @@ def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: 
                 bar.set_postfix_str(f"{setting}/{system} b={b} T={temperature}")
                 m = measure(runner, prompts, b, temperature, cfg)
                 cells.append(cell_record(system, setting, place, b, temperature, m))
+                log_cell(cells[-1])
                 bar.update()
         finally:
             runner.close()
@@ -74,6 +75,8 @@ def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, pro
                 bar.set_postfix_str(f"{setting} b={b} T={temperature}, interleaved")
                 best = measure_interleaved(runners, prompts, b, temperature, cfg)
                 cells += [cell_record(s, setting, places[s], b, temperature, best[s]) for s in cfg.systems]
+                for cell in cells[-len(cfg.systems):]:
+                    log_cell(cell)
                 bar.update(len(cfg.systems))
         finally:
             for runner in runners.values():
@@ -104,6 +107,14 @@ def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfi
     is seeded seed + i whatever the batch size."""
     starts = range(0, len(prompts) - batch + 1, batch)
     return combine([runner.run(prompts[i:i + batch], temperature, cfg.max_new_tokens, cfg.seed + i) for i in starts])
+
+
+def log_cell(cell: dict) -> None:
+    """Each cell as it is measured (a long run cut short still tells what it saw)."""
+    per_round = {k: round(v, 2) for k, v in cell.items() if k.endswith("_ms_per_round")}
+    log.info("cell %s/%s b=%d T=%g: %.1f tok/s, acceptance %s, hit rate %s, %s", cell["setting"], cell["system"],
+             cell["batch"], cell["temperature"], cell["tokens_per_s"], cell["acceptance_rate"], cell["cache_hit_rate"],
+             per_round)
 
 
 def cell_record(system: str, setting: str, place, batch: int, temperature: float, m: Measurement) -> dict:
