@@ -22,6 +22,7 @@ class BranchState:
     private_k: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
     private_v: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
     depth: int = 0                # tokens already on every private path
+    max_prefix_len: int = 0       # max of prefix_len, kept on the host (no device sync per step)
 
     @property
     def num_branches(self) -> int:
@@ -56,7 +57,7 @@ def new_branch_state(seq_ids, seq_rows, prefix_lens, group: int, pool: KVPool, d
     layers, _, kv, _, hd = pool.k.shape
     priv = (layers, u_count, kv, depth_cap * q, hd)
     return BranchState(list(seq_ids), rows, plen, bias, u_idx * q + j_idx,
-                       pool.k.new_zeros(priv), pool.v.new_zeros(priv))
+                       pool.k.new_zeros(priv), pool.v.new_zeros(priv), max_prefix_len=max(prefix_lens))
 
 
 def _bias(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

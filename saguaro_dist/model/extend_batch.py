@@ -33,7 +33,8 @@ class ExtendBatch:
         valid = torch.arange(self.t, device=pos.device)[None, :] < torch.tensor(lens, device=pos.device)[:, None]
         row_t = torch.tensor(rows, device=pos.device)[:, None].expand(-1, self.t)
         self.write_rows, self.write_pos = row_t[valid], pos[valid]  # [n] each: only real tokens are stored
-        self.write_sel = None if bool(valid.all()) else valid.reshape(-1).nonzero().squeeze(1)
+        full = all(n == self.t for n in lens)  # decided on the host: no device sync per forward
+        self.write_sel = None if full else valid.reshape(-1).nonzero().squeeze(1)
 
     def _store(self, cache: torch.Tensor, x: torch.Tensor):
         """cache: [rows, kv, cap, D] of one layer; x: [B, T, kv, D] new keys or values."""

@@ -121,7 +121,7 @@ class ModelRunner:
         """One more token per branch (LongTensor [N]); logits [N, V] float32."""
         if len(tokens) != state.num_branches:
             raise ValueError(f"branch_step: {len(tokens)} tokens for {state.num_branches} branches")
-        if int(state.prefix_len.max()) + state.depth >= self.max_model_len:
+        if state.max_prefix_len + state.depth >= self.max_model_len:
             raise ValueError(f"branch_step: a branch would pass max_model_len {self.max_model_len}")
         return self._branch_forward(state, tokens)
 
