@@ -83,3 +83,20 @@ def test_the_first_round_of_a_mode_is_not_measured():
     gate.record(1, mode, tokens=1000, seconds=1.0)  # a transition round: whatever it cost is ignored
     drive(gate, BURST - 1, {TREES: 10, JIT: 10})
     assert gate.rates(1)["trees"] == pytest.approx(10.0)
+
+
+def test_a_batch_size_above_one_where_trees_clearly_lost_starts_just_in_time():
+    gate = TreeGate()
+    drive(gate, 3 * BURST, {TREES: 10, JIT: 30}, batch=2)          # trees lost at b = 2 by far
+    modes = drive(gate, EXPLORE_EVERY + BURST, {TREES: 10, JIT: 30}, batch=8)
+    assert modes[:EXPLORE_EVERY - 1] == [JIT] * (EXPLORE_EVERY - 1)  # no tree burst up front
+    assert TREES in modes[EXPLORE_EVERY - 1:]                        # but trees are still tried, on schedule
+    assert gate.rates(8)["trees"] is not None
+    assert drive(gate, 1, {TREES: 10, JIT: 30}, batch=1) == [TREES]  # smaller batch sizes: no prior
+
+
+@pytest.mark.parametrize("below", [{TREES: 30, JIT: 10}, {TREES: 19, JIT: 20}])
+def test_no_prior_when_trees_won_or_were_close_below(below):
+    gate = TreeGate()
+    drive(gate, 3 * BURST, below, batch=2)
+    assert drive(gate, BURST, {TREES: 10, JIT: 30}, batch=8) == [TREES] * BURST

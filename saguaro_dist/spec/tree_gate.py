@@ -79,6 +79,16 @@ class _BatchGate:
     fresh: bool = True           # the current round is the first of its mode (a transition)
     seconds: dict = field(default_factory=lambda: {m: _DecayedMean(SECONDS_DECAY) for m in RoundMode})
     tokens: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))
+    trees_deferred: bool = False  # start just-in-time; first try trees at the exploration schedule
+
+    @classmethod
+    def starting_just_in_time(cls) -> "_BatchGate":
+        return cls(mode=RoundMode.JUST_IN_TIME, trees_deferred=True)
+
+    def just_in_time_ahead(self) -> bool:
+        """Both modes measured and just-in-time faster by more than CLOSE_GAP."""
+        trees, jit = self.rate(RoundMode.TREES), self.rate(RoundMode.JUST_IN_TIME)
+        return trees is not None and jit is not None and jit > trees * (1 + CLOSE_GAP)
 
     def rate(self, mode: RoundMode) -> float | None:
         """Tokens per second of `mode`; None until a burst's worth of its rounds was measured."""
@@ -93,6 +103,8 @@ class _BatchGate:
             self.left -= 1
             return self.mode
         trees, jit = self.rate(RoundMode.TREES), self.rate(RoundMode.JUST_IN_TIME)
+        if self.trees_deferred and trees is None and self.since_explore < EXPLORE_EVERY:
+            return self.mode
         slower = choose_mode(trees, jit, explore=True)  # (while one is unmeasured, the interval ignores it)
         explore = self.since_explore >= explore_interval(trees, jit, self.seconds[slower].count // (BURST - 1))
         mode = choose_mode(trees, jit, explore)
@@ -121,8 +133,20 @@ class TreeGate:
     def mode(self, batch_size: int) -> RoundMode:
         gate = self._gates.get(batch_size)
         if gate is None:  # not setdefault: that would build a _BatchGate every round
-            gate = self._gates[batch_size] = _BatchGate()
+            gate = self._gates[batch_size] = self._new_gate(batch_size)
         return gate.next_round()
+
+    def _new_gate(self, batch_size: int) -> _BatchGate:
+        """Trees first, unless they clearly lost at the nearest smaller measured batch size: a tree's
+        draft work grows with the batch faster than a verify's (b x B branch rows a step against
+        b x (K + 1) rows scored over the same weights), so trees that lost at b' lose at b > b' too
+        (Saguaro's critical batch size). Then the first tree burst waits for the exploration
+        schedule instead of costing the first rounds."""
+        measured = [b for b, g in self._gates.items() if b < batch_size and g.rate(RoundMode.TREES) is not None
+                    and g.rate(RoundMode.JUST_IN_TIME) is not None]
+        if measured and self._gates[max(measured)].just_in_time_ahead():
+            return _BatchGate.starting_just_in_time()
+        return _BatchGate()
 
     def record(self, batch_size: int, mode: RoundMode, tokens: int, seconds: float) -> None:
         """A finished round of `mode` at `batch_size`: `tokens` gained in `seconds` (prepare + verify)."""
