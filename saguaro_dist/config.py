@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
+
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 class Mode(str, enum.Enum):
@@ -35,6 +38,13 @@ class FallbackPolicy(str, enum.Enum):
     NEURAL = "neural"  # the draft drafts K tokens just in time for the real outcome
     FAST = "fast"      # n-gram / prompt-lookup proposal from the sequence's own tokens
     RANDOM = "random"  # random tokens (the paper's fast backup), for comparison
+
+
+def check_device(device) -> None:
+    """cpu, cuda or cuda:N (the string only: whether that GPU exists is checked where the model loads,
+    which on a cluster is a worker's node, not the driver's)."""
+    if not isinstance(device, str) or not _DEVICE.fullmatch(device):
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 def parse_enum(enum_type: type[enum.Enum], value, field_name: str):
@@ -108,6 +118,7 @@ class Config:
             raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        check_device(self.device)
 
     @property
     def fan_out_budget(self) -> int:

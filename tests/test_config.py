@@ -22,6 +22,7 @@ def test_sampling_params_reject_bad_values(kwargs, field):
     (dict(saguaro_c=1.5), "saguaro_c"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
     (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
+    (dict(device="tpu"), "device must be"), (dict(device="cuda:x"), "device must be"), (dict(device=0), "device must be"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     settings = dict(model="m", draft="d") | kwargs

@@ -111,3 +111,10 @@ def test_bad_calls(tiny_checkpoint):
 def test_checkpoint_without_tokenizer_loads_as_model(tiny_checkpoint):
     assert load_tokenizer(tiny_checkpoint("llama")) is None
     assert ModelRunner(tiny_checkpoint("llama")).vocab_size == 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without a GPU")
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_a_gpu_this_process_cannot_see_is_a_clear_error(ckpt, device):
+    with pytest.raises(ValueError, match="sees no CUDA GPU"):
+        ModelRunner(ckpt, device=device)

@@ -18,3 +18,15 @@ def parse_dtype(dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or a torch.dtype, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def resolve_device(device) -> torch.device:
+    """torch.device(device), or a ValueError saying why this process cannot use it."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: this torch ({torch.__version__}) sees no CUDA GPU "
+                             "(a CPU build, or no GPU visible to this process)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    return dev

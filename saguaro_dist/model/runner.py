@@ -7,7 +7,7 @@ import torch
 
 from saguaro_dist.model.branch import BranchBatch, BranchState, new_branch_state
 from saguaro_dist.model.build import build_model
-from saguaro_dist.model.device import parse_dtype
+from saguaro_dist.model.device import parse_dtype, resolve_device
 from saguaro_dist.model.extend_batch import ExtendBatch
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.kv_cache import KVPool
@@ -24,7 +24,7 @@ class ModelRunner:
         if not 0 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in 1..{cfg.max_position_embeddings} "
                              f"(config.json max_position_embeddings), got {max_model_len}")
-        self.device, self.dtype = torch.device(device), parse_dtype(dtype)
+        self.device, self.dtype = resolve_device(device), parse_dtype(dtype)
         with torch.inference_mode():
             self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
             self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
