@@ -217,7 +217,7 @@ class DraftWorker:
             tokens.append(drawn)
             if j + 1 < self.k:
                 logits = step(drawn)
-        # Proposals leave the worker on the CPU (one copy per step, not per row): they cross a pipe or
+        # Proposals leave the worker on the CPU (one copy per draw, not per row): they cross a pipe or
         # gRPC, and the target moves them to its own device.
         tokens = torch.stack(tokens, 1).cpu()                                 # [R, K]
         dists = torch.stack(dists, 1).cpu() if dists else None                # [R, K, V]
