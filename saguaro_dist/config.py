@@ -40,6 +40,14 @@ class FallbackPolicy(str, enum.Enum):
     RANDOM = "random"  # random tokens (the paper's fast backup), for comparison
 
 
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_dtype(dtype) -> None:
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be {', '.join(DTYPES)}, got {dtype!r}")
+
+
 def check_device(device) -> None:
     """cpu, cuda or cuda:N (the string only: whether that GPU exists is checked where the model loads,
     which on a cluster is a worker's node, not the driver's)."""
@@ -116,8 +124,7 @@ class Config:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:
             raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        check_dtype(self.dtype)
         check_device(self.device)
 
     @property

@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from saguaro_dist.config import check_device
+from saguaro_dist.config import check_device, check_dtype
 
 # name -> what it is
 SYSTEMS = {
@@ -96,8 +96,7 @@ class BenchConfig:
             raise ValueError("batch sizes, max_new_tokens and prompt_len must be >= 1")
         if any(t < 0 for t in self.temperatures) or self.repeats < 1:
             raise ValueError("temperatures must be >= 0 and repeats >= 1")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float16 or bfloat16, got {self.dtype!r}")
+        check_dtype(self.dtype)
         check_device(self.device)
         if self.num_prompts is not None and self.num_prompts < max(self.batch_sizes):
             raise ValueError(f"num_prompts ({self.num_prompts}) must be >= the largest batch size ({max(self.batch_sizes)})")

@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from saguaro_dist.config import DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
+from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 
@@ -51,7 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
-    g.add_argument("--dtype", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--dtype", choices=DTYPES)
     g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],

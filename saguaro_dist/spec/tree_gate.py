@@ -85,10 +85,11 @@ class _BatchGate:
     def starting_just_in_time(cls) -> "_BatchGate":
         return cls(mode=RoundMode.JUST_IN_TIME, trees_deferred=True)
 
-    def just_in_time_ahead(self) -> bool:
-        """Both modes measured and just-in-time faster by more than CLOSE_GAP."""
+    def just_in_time_lead(self) -> float | None:
+        """How much faster just-in-time rounds run than tree rounds (negative: slower); None until both
+        were measured."""
         trees, jit = self.rate(RoundMode.TREES), self.rate(RoundMode.JUST_IN_TIME)
-        return trees is not None and jit is not None and jit > trees * (1 + CLOSE_GAP)
+        return None if trees is None or jit is None else jit / trees - 1.0
 
     def rate(self, mode: RoundMode) -> float | None:
         """Tokens per second of `mode`; None until a burst's worth of its rounds was measured."""
@@ -142,9 +143,9 @@ class TreeGate:
         b x (K + 1) rows scored over the same weights), so trees that lost at b' lose at b > b' too
         (Saguaro's critical batch size). Then the first tree burst waits for the exploration
         schedule instead of costing the first rounds."""
-        measured = [b for b, g in self._gates.items() if b < batch_size and g.rate(RoundMode.TREES) is not None
-                    and g.rate(RoundMode.JUST_IN_TIME) is not None]
-        if measured and self._gates[max(measured)].just_in_time_ahead():
+        leads = {b: g.just_in_time_lead() for b, g in self._gates.items() if b < batch_size}
+        measured = [b for b, lead in leads.items() if lead is not None]
+        if measured and leads[max(measured)] > CLOSE_GAP:
             return _BatchGate.starting_just_in_time()
         return _BatchGate()
 
