@@ -30,11 +30,14 @@ class ExtendBatch:
         if self.b == 1:
             self.write_at = slice(starts[0], starts[0] + lens[0])
             return
-        valid = torch.arange(self.t, device=pos.device)[None, :] < torch.tensor(lens, device=pos.device)[:, None]
-        row_t = torch.tensor(rows, device=pos.device)[:, None].expand(-1, self.t)
-        self.write_rows, self.write_pos = row_t[valid], pos[valid]  # [n] each: only real tokens are stored
-        full = all(n == self.t for n in lens)  # decided on the host: no device sync per forward
-        self.write_sel = None if full else valid.reshape(-1).nonzero().squeeze(1)
+        row_t = torch.tensor(rows, device=pos.device)[:, None].expand(-1, self.t).reshape(-1)
+        if all(n == self.t for n in lens):  # every token real (decode, verify): no selection at all
+            self.write_rows, self.write_pos, self.write_sel = row_t, pos.reshape(-1), None
+            return
+        # Mixed lengths: only real tokens are stored. The selection is built on the host (a boolean
+        # mask would make the device sync to count it).
+        sel = torch.tensor([i * self.t + j for i, n in enumerate(lens) for j in range(n)], device=pos.device)
+        self.write_rows, self.write_pos, self.write_sel = row_t[sel], pos.reshape(-1)[sel], sel  # [n] each
 
     def _store(self, cache: torch.Tensor, x: torch.Tensor):
         """cache: [rows, kv, cap, D] of one layer; x: [B, T, kv, D] new keys or values."""
