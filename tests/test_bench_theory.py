@@ -64,6 +64,16 @@ def test_rounds_that_waited_for_a_just_in_time_draft_are_theorem_7s_misses():
     assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / 0.010)  # p = 1: every round one verify
 
 
+def test_a_run_without_a_tree_is_predicted_as_sd_rounds():
+    """The tree gate may run a whole cell just-in-time (trees lost at a smaller batch): no lookups, so
+    no hit rate, but Theorem 7 still predicts it with p = 0 (every round 1 + T_b)."""
+    m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=0, cache_misses=0,
+                    engine={"rounds": 10, "verify_s": 0.1, "jit_rounds": 10, "tree_build_s": 0.0, "tree_builds": 0})
+    got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
+    assert got["hit_rate"] is None and got["p_hit"] == 0.0 and not got["tree_s_in_run"]
+    assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / (1.5 * 0.010))
+
+
 def test_the_best_case_is_every_round_of_the_cheaper_kind():
     # a tree takes 3 verifies, a just-in-time draft 0.5: rounds without trees are the best case
     m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=6, cache_misses=0,

@@ -36,9 +36,9 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     any sequence missed and got the neural backup, p = 1 - (neural share of misses)(1 - hit_rate^batch)."""
     rounds = m.engine.get("rounds", 0)
     lookups = m.cache_hits + m.cache_misses
-    if not rounds or not lookups:
+    if not rounds or (not lookups and "jit_rounds" not in m.engine):
         return {}
-    hit = m.cache_hits / lookups
+    hit = m.cache_hits / lookups if lookups else None  # None: the gate ran every round without trees
     neural_share = m.fallbacks.get("neural", 0) / m.cache_misses if m.cache_misses else 0.0
     if "jit_rounds" in m.engine:
         p_round = 1.0 - m.engine["jit_rounds"] / rounds
