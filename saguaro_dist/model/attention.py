@@ -9,6 +9,8 @@ import torch.nn.functional as F
 def fold_heads(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[B, T, H, D] -> [B, kv_heads, T * group, D]; row t * group + g is query head kv * group + g at t."""
     b, t, h, d = q.shape
+    if h == kv_heads:  # no grouping: a transposed view, no copy (SDPA takes strided queries)
+        return q.transpose(1, 2)
     return q.view(b, t, kv_heads, h // kv_heads, d).permute(0, 2, 1, 3, 4).reshape(b, kv_heads, -1, d)
 
 

@@ -87,26 +87,31 @@ def grow_private(state: BranchState, group: int):
 class BranchBatch:
     """The per-forward context of one branch step: one new token per branch slot, input layout [U, Q]."""
 
-    def __init__(self, state: BranchState, pool: KVPool, cos, sin, group: int):
+    def __init__(self, state: BranchState, pool: KVPool, cos, signed_sin, group: int):
         self.state, self.pool = state, pool
         u_count, self.q = state.prefix_len.shape
         if (state.depth + 1) * self.q > state.private_k.shape[3]:
             grow_private(state, group)
         pos = (state.prefix_len + state.depth).clamp_max(cos.shape[0] - 1)
-        self.cos, self.sin = cos[pos].unsqueeze(2), sin[pos].unsqueeze(2)  # [U, Q, 1, D]
-        self.rows = rows_index(state.rows, pool.k.device)
+        self.cos, self.signed_sin = cos[pos].unsqueeze(2), signed_sin[pos].unsqueeze(2)  # [U, Q, 1, D]
         self.p = state.bias.shape[-1] - state.private_k.shape[3]  # longest prefix
         self.bias = state.bias[..., :self.p + (state.depth + 1) * self.q]  # a view: built once per state
+        # Every layer's slices taken once per forward (a layer then indexes them: one op, not four).
+        # The prefix is read-only here, so scattered rows may be gathered before any store.
+        rows = rows_index(state.rows, pool.k.device)
+        lo, hi = state.depth * self.q, (state.depth + 1) * self.q
+        self.prefix = (pool.k[:, rows, :, :self.p], pool.v[:, rows, :, :self.p])   # [layers, U, kv, P, D]
+        self.write_to = (state.private_k[:, :, :, lo:hi], state.private_v[:, :, :, lo:hi])  # [layers, U, kv, Q, D]
+        self.private = (state.private_k[:, :, :, :hi], state.private_v[:, :, :, :hi])  # this step's included
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]."""
-        st, lo, hi = self.state, self.state.depth * self.q, (self.state.depth + 1) * self.q
-        st.private_k[layer, :, :, lo:hi] = k.transpose(1, 2)
-        st.private_v[layer, :, :, lo:hi] = v.transpose(1, 2)
-        kp, vp = self.pool.view(layer, self.rows, self.p)
+        self.write_to[0][layer].copy_(k.transpose(1, 2))
+        self.write_to[1][layer].copy_(v.transpose(1, 2))
+        kp, vp = self.prefix[0][layer], self.prefix[1][layer]
         # One fused attention over [prefix ‖ private] keys: copying the prefix costs less than the dozen
         # small ops of two partial softmaxes (draft branch step, P = 100: 17 vs 33 us a layer; equal at
         # P = 1500 and at 8 sequences; docs/architecture.md).
-        keys = torch.cat([kp, st.private_k[layer, :, :, :hi]], dim=2)
-        values = torch.cat([vp, st.private_v[layer, :, :, :hi]], dim=2)
+        keys = torch.cat([kp, self.private[0][layer]], dim=2)
+        values = torch.cat([vp, self.private[1][layer]], dim=2)
         return unfold_heads(dense_attention(fold_heads(q, kp.shape[1]), keys, values, self.bias), self.q)

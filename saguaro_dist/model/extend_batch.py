@@ -10,15 +10,17 @@ from saguaro_dist.model.kv_cache import KVPool, rows_index
 class ExtendBatch:
     """Appends T_b new tokens to each sequence b (stored lengths L_b): padded to T = max T_b, keys 0..S-1."""
 
-    def __init__(self, pool: KVPool, rows: list[int], starts: list[int], lens: list[int], cos, sin, group: int):
+    def __init__(self, pool: KVPool, rows: list[int], starts: list[int], lens: list[int], cos, signed_sin, group: int):
         dev = pool.k.device
         self.pool, self.b, self.t = pool, len(rows), max(lens)
         self.s = max(s + n for s, n in zip(starts, lens))
         self.rows = rows_index(rows, dev)
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(self.t, device=dev)  # [B, T]
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # padding may run past the table; its output is dropped
-        self.cos, self.sin = cos[pos_c].unsqueeze(2), sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
+        self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
         self.mask = self._mask(pos, group) if (self.b, self.t) != (1, 1) else None
+        # Consecutive rows (every batch the engine builds in order): all layers' keys as one view.
+        self.span = pool.span(self.rows, self.s) if isinstance(self.rows, slice) else None
         self._plan_writes(rows, starts, lens, pos)
 
     def _mask(self, pos: torch.Tensor, group: int) -> torch.Tensor:
@@ -27,8 +29,9 @@ class ExtendBatch:
         return (keys[None, None, :] <= pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
 
     def _plan_writes(self, rows, starts, lens, pos):
-        if self.b == 1:
-            self.write_at = slice(starts[0], starts[0] + lens[0])
+        if self.b == 1:  # where this forward's keys and values go, in every layer: [layers, kv, T, D]
+            at = slice(starts[0], starts[0] + lens[0])
+            self.write_to = (self.span[0][:, 0, :, at], self.span[1][:, 0, :, at])
             return
         row_t = torch.tensor(rows, device=pos.device)[:, None].expand(-1, self.t).reshape(-1)
         if all(n == self.t for n in lens):  # every token real (decode, verify): no selection at all
@@ -39,18 +42,25 @@ class ExtendBatch:
         sel = torch.tensor([i * self.t + j for i, n in enumerate(lens) for j in range(n)], device=pos.device)
         self.write_rows, self.write_pos, self.write_sel = row_t[sel], pos.reshape(-1)[sel], sel  # [n] each
 
-    def _store(self, cache: torch.Tensor, x: torch.Tensor):
-        """cache: [rows, kv, cap, D] of one layer; x: [B, T, kv, D] new keys or values."""
+    def _store(self, which: int, layer: int, x: torch.Tensor):
+        """x: [B, T, kv, D] new keys (which = 0) or values (1) of one layer."""
         if self.b == 1:
-            cache[self.rows.start, :, self.write_at] = x[0].transpose(0, 1)
+            self.write_to[which][layer].copy_(x[0].transpose(0, 1))
             return
         flat = x.reshape(-1, *x.shape[2:])
+        cache = (self.pool.k, self.pool.v)[which][layer]
         cache[self.write_rows, :, self.write_pos] = flat if self.write_sel is None else flat[self.write_sel]
+
+    def _stored(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's keys and values 0..S-1, the new ones included: [B, kv, S, D] each."""
+        if self.span is None:  # scattered rows: a gather, after the store
+            return self.pool.view(layer, self.rows, self.s)
+        return self.span[0][layer], self.span[1][layer]
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]."""
-        self._store(self.pool.k[layer], k)
-        self._store(self.pool.v[layer], v)
-        kc, vc = self.pool.view(layer, self.rows, self.s)
+        self._store(0, layer, k)
+        self._store(1, layer, v)
+        kc, vc = self._stored(layer)
         o = dense_attention(fold_heads(q, kc.shape[1]), kc, vc, self.mask)
         return unfold_heads(o, self.t)

@@ -45,6 +45,11 @@ class KVPool:
         v[:, :self.rows, :, :self.capacity] = self.v
         self.k, self.v, self.capacity = k, v, capacity
 
+    def span(self, rows: slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v of consecutive rows up to `length` in every layer: [layers, B, kv_heads, length, head_dim]
+        views. Taken once per forward, a layer's keys are then one index, not four slicing ops."""
+        return self.k[:, rows, :, :length], self.v[:, rows, :, :length]
+
     def view(self, layer: int, rows, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of `rows` up to `length`: [B, kv_heads, length, head_dim]; a view (no copy) when rows is a slice."""
         return self.k[layer, rows, :, :length], self.v[layer, rows, :, :length]

@@ -32,14 +32,17 @@ def inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
 
 
 def rope_tables(head_dim: int, rope: dict, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [max_len, head_dim] each, computed in fp32 then cast like transformers does."""
+    """cos, signed_sin: [max_len, head_dim] each, computed in fp32 then cast like transformers does.
+
+    signed_sin is sin with its first half negated: rotate_half(x) * sin == roll(x, D/2) * signed_sin,
+    bit for bit (negating a factor only flips the product's sign), in one op where rotate_half took four."""
     freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq(head_dim, rope)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), emb.sin().to(device=device, dtype=dtype)
+    sin, half = emb.sin(), head_dim // 2
+    signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+    return emb.cos().to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, H, D]; cos, sin: [B, T, 1, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. x: [B, T, H, D]; cos, signed_sin: [B, T, 1, D]."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -27,7 +27,7 @@ class ModelRunner:
         self.device, self.dtype = resolve_device(device), parse_dtype(dtype)
         with torch.inference_mode():
             self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
-            self.cos, self.sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
+            self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
             self.group = attn.num_heads // attn.num_kv_heads
             self.pool = KVPool(cfg.num_layers, attn.num_kv_heads, cfg.head_dim, self.max_model_len,
@@ -68,7 +68,7 @@ class ModelRunner:
         rows, starts = [s[0] for s in seqs], [s[1] for s in seqs]
         lens = [len(t) for t in token_lists]
         self.pool.reserve(max(s + n for s, n in zip(starts, lens)))
-        ctx = ExtendBatch(self.pool, rows, starts, lens, self.cos, self.sin, self.group)
+        ctx = ExtendBatch(self.pool, rows, starts, lens, self.cos, self.signed_sin, self.group)
         hidden = self.model(self._padded_ids(token_lists, ctx.t), ctx)  # [B, T, hidden]
         logits = self.model.logits(self._logit_rows(hidden, lens, num_logits)).float()
         for seq, n in zip(seqs, lens):
@@ -145,7 +145,7 @@ class ModelRunner:
     def _branch_forward(self, state: BranchState, tokens) -> torch.Tensor:
         ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
         ids.view(-1)[state.out_index] = torch.as_tensor(tokens, device=self.device).long()
-        ctx = BranchBatch(state, self.pool, self.cos, self.sin, self.group)
+        ctx = BranchBatch(state, self.pool, self.cos, self.signed_sin, self.group)
         hidden = self.model(ids, ctx)
         state.depth += 1
         return self.model.logits(hidden.reshape(-1, hidden.shape[-1])[state.out_index]).float()
