@@ -2,11 +2,14 @@
 (as a Ray draft actor serves it), called through DraftPool -> GrpcDraftBackend on loopback, against
 the same DraftWorker called in-process.
 
-    python benchmarks/bench_grpc_jit.py [--target T --draft D] [--rounds 400] [--verify-ms 4]
+    python benchmarks/bench_grpc_jit.py [--target T --draft D] [--rounds 400] [--verify-ms 20]
 
-Every round is a miss: a just-in-time draft of K tokens, then `--verify-ms` of idle time (the target's
-verify, during which the server builds the next tree), as at batch 1. Both sides use 1 torch thread.
-The difference between the two medians is the transport: thread hand-offs, gRPC, encode and decode.
+Every round is a miss: a just-in-time draft of K tokens, then `--verify-ms` of matmuls on this process's
+thread (the target's verify: a computing target, not a sleeping one, whose halted vCPU would be slower
+to wake), during which the server builds the next tree; the round then takes that tree as the engine
+does (wait_trees) and records how long it waited and the server's build time. A verify shorter than the
+build makes the next draft queue behind it: the script says so. Both sides use 1 torch thread. The
+difference between the two draft medians is the transport: thread hand-offs, gRPC, encode and decode.
 """
 from __future__ import annotations
 
@@ -33,20 +36,34 @@ server.wait_for_termination()
 """
 
 
-def _rounds(backend, rounds: int, verify_s: float) -> list[float]:
-    """Seconds per just-in-time draft; a fresh sequence every 50 rounds keeps inside the context."""
+def _verify(seconds: float) -> None:
+    """Keep this thread computing for `seconds`, as the target's verify does."""
+    import torch
+    a, end = torch.ones(128, 128), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ a
+
+
+def _rounds(backend, rounds: int, verify_s: float, trees: bool) -> tuple[list[float], list[float], list[float]]:
+    """Seconds per just-in-time draft, per wait for the tree after the verify, and per server tree build
+    (the last two only with `trees`); a fresh sequence every 50 rounds keeps inside the context."""
     from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest, Release
     greedy = DraftSampling(temperature=0.0, top_k=0, top_p=1.0, seed=1)
-    times = []
+    drafts, waits, builds = [], [], []
     for seq_id in range(rounds // 50):
         backend.prefill([PrefillRequest(seq_id, list(range(5, 69)), greedy)])
         for r in range(50):
             start = time.perf_counter()
             backend.jit_draft([JitDraftRequest(seq_id, r, 0, 7 + r % 50)])
-            times.append(time.perf_counter() - start)
-            time.sleep(verify_s)
+            drafts.append(time.perf_counter() - start)
+            _verify(verify_s)
+            if trees:
+                start = time.perf_counter()
+                tree = backend.wait_trees([(seq_id, r)], timeout_s=1.0).get(seq_id)
+                waits.append(time.perf_counter() - start)
+                builds += [tree.build_s] if tree is not None else []
         backend.release([Release(seq_id)])
-    return times
+    return drafts, waits, builds
 
 
 def _served(target: str, draft: str):
@@ -74,7 +91,7 @@ def main() -> None:
     ap.add_argument("--target", default=str(default_target))
     ap.add_argument("--draft", default=str(default_draft))
     ap.add_argument("--rounds", type=int, default=400)
-    ap.add_argument("--verify-ms", type=float, default=4.0)
+    ap.add_argument("--verify-ms", type=float, default=20.0)
     args = ap.parse_args()
 
     import torch
@@ -90,14 +107,19 @@ def main() -> None:
     proc, address = _served(args.target, args.draft)
     pool = DraftPool([GrpcDraftBackend([address])], max_batch_size=1)
     try:
-        in_process = _rounds(local, args.rounds, args.verify_ms / 1e3)
-        over_grpc = _rounds(pool, args.rounds, args.verify_ms / 1e3)
+        in_process, _, _ = _rounds(local, args.rounds, args.verify_ms / 1e3, trees=False)
+        over_grpc, waits, builds = _rounds(pool, args.rounds, args.verify_ms / 1e3, trees=True)
     finally:
         pool.close()
         proc.kill()
     print(_summary("just-in-time draft, DraftWorker in-process", in_process))
     print(_summary("just-in-time draft, DraftPool -> gRPC -> DraftService", over_grpc))
+    print(_summary("server's tree build after it", builds))
+    print(_summary("wait for that tree after the verify", waits))
     print(f"transport: {statistics.median(over_grpc) * 1e3 - statistics.median(in_process) * 1e3:.3f} ms a call (median difference)")
+    if statistics.median(builds) * 1e3 > args.verify_ms:
+        print(f"note: the tree build outlasts the {args.verify_ms} ms verify, so each draft queued behind it and "
+              "the transport above includes that queueing; raise --verify-ms")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,13 @@ def test_grpc_jit_bench_times_both_paths():
     assert "DraftWorker in-process: median" in out and "DraftService: median" in out and "transport:" in out
 
 
+def test_grpc_hops_bench_stamps_every_hand_off():
+    out = _run(str(BENCH / "bench_grpc_hops.py"), "--rounds", "20", "--verify-ms", "1")
+    hops = [line.split(" median")[0].strip() for line in out.splitlines() if " median " in line]
+    assert hops == ["send -> consume", "consume -> read", "read -> work", "work -> push", "push -> yield",
+                    "yield -> recv", "recv -> woke", "total", "draft (work)"]
+
+
 def test_codec_bench_times_every_kind_of_tree():
     out = _run(str(BENCH / "bench_codec.py"), "--reps", "3", "--vocab", "64")
     rows = out.splitlines()[2:]
