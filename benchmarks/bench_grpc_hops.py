@@ -21,7 +21,6 @@ wrapped function is renamed this script fails loudly (tests/test_benchmark_scrip
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import queue
@@ -31,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from bench_grpc_jit import busy_verify, parse_args  # this script's directory is on sys.path
 
 CLIENT_STAMPS = ["send", "consume", "recv", "woke"]
 SERVER_STAMPS = ["read", "work", "push", "yield"]
@@ -106,13 +107,6 @@ def _instrument_client(stamps: dict) -> None:
     _wrap(gb._Link, "answer", lambda: stamps["recv"].append(time.perf_counter()))
 
 
-def _verify(seconds: float) -> None:
-    import torch
-    a, end = torch.ones(128, 128), time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        a @ a
-
-
 def _start_server(target: str, draft: str) -> tuple[subprocess.Popen, str, str]:
     port_file, stamps_file = tempfile.mktemp(prefix="saguaro-hops-port-"), tempfile.mktemp(prefix="saguaro-hops-")
     proc = subprocess.Popen([sys.executable, __file__, "--serve", target, draft, port_file, stamps_file])
@@ -138,7 +132,7 @@ def _drive(address: str, rounds: int, verify_s: float, stamps: dict) -> None:
                 stamps["send"].append(time.perf_counter())
                 backend.jit_draft([JitDraftRequest(seq_id, r, 0, 7 + r)])
                 stamps["woke"].append(time.perf_counter())
-                _verify(verify_s)
+                busy_verify(verify_s)
             backend.release([Release(seq_id)])
     finally:
         backend.close()
@@ -162,14 +156,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":
         serve(*sys.argv[2:6])
         return
-    from saguaro_dist.demo import demo_pair
-    default_target, default_draft = demo_pair()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default=str(default_target))
-    ap.add_argument("--draft", default=str(default_draft))
-    ap.add_argument("--rounds", type=int, default=200)
-    ap.add_argument("--verify-ms", type=float, default=20.0)
-    args = ap.parse_args()
+    args = parse_args(__doc__, rounds=200)
     import torch
     torch.set_num_threads(1)
     stamps = {k: [] for k in CLIENT_STAMPS}

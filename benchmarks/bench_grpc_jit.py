@@ -36,7 +36,7 @@ server.wait_for_termination()
 """
 
 
-def _verify(seconds: float) -> None:
+def busy_verify(seconds: float) -> None:
     """Keep this thread computing for `seconds`, as the target's verify does."""
     import torch
     a, end = torch.ones(128, 128), time.perf_counter() + seconds
@@ -56,7 +56,7 @@ def _rounds(backend, rounds: int, verify_s: float, trees: bool) -> tuple[list[fl
             start = time.perf_counter()
             backend.jit_draft([JitDraftRequest(seq_id, r, 0, 7 + r % 50)])
             drafts.append(time.perf_counter() - start)
-            _verify(verify_s)
+            busy_verify(verify_s)
             if trees:
                 start = time.perf_counter()
                 tree = backend.wait_trees([(seq_id, r)], timeout_s=1.0).get(seq_id)
@@ -84,15 +84,20 @@ def _summary(name: str, times: list[float]) -> str:
     return f"{name}: median {statistics.median(ms):.3f} ms, p90 {ms[int(len(ms) * 0.9)]:.3f} ms"
 
 
-def main() -> None:
+def parse_args(doc: str, rounds: int) -> argparse.Namespace:
+    """The options this script and bench_grpc_hops.py share."""
     from saguaro_dist.demo import demo_pair
     default_target, default_draft = demo_pair()
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(default_target))
     ap.add_argument("--draft", default=str(default_draft))
-    ap.add_argument("--rounds", type=int, default=400)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--verify-ms", type=float, default=20.0)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = parse_args(__doc__, rounds=400)
 
     import torch
     torch.set_num_threads(1)
