@@ -8,10 +8,9 @@ system-wide monotonic clock on Linux) at each hand-off, by wrapping the function
 
     send     the engine thread queues the request         (GrpcDraftBackend.jit_draft -> _Link.call_jit)
     consume  gRPC's request thread takes it                (grpc_backend._requests)
-    read     the server's reader thread has it             (DraftServicer._dispatch)
-    work     the server's worker thread starts on it       (DraftServicer._jit_build_push)
-    push     the answer is queued for the stream           (_Stream.push)
-    yield    the stream's handler thread takes it          (_Stream.items.get)
+    read     the server's event loop has it                (DraftServicer._replies)
+    work     the worker starts drafting                    (worker.jit_draft)
+    drafted  the worker is done (its answer goes to gRPC)  (worker.jit_draft returns)
     recv     the client's reader thread has the answer     (_Link.answer)
     woke     jit_draft returns on the engine thread
 
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import statistics
 import subprocess
@@ -34,22 +32,26 @@ import time
 from bench_grpc_jit import busy_verify, parse_args  # this script's directory is on sys.path
 
 CLIENT_STAMPS = ["send", "consume", "recv", "woke"]
-SERVER_STAMPS = ["read", "work", "push", "yield"]
-CHAIN = ["send", "consume", "read", "work", "push", "yield", "recv", "woke"]
+SERVER_STAMPS = ["read", "work", "drafted"]
+CHAIN = ["send", "consume", "read", "work", "drafted", "recv", "woke"]
 
 
 def _is_jit(msg) -> bool:
     return hasattr(msg, "WhichOneof") and msg.WhichOneof("kind") == "jit_draft"
 
 
-def _wrap(owner, name: str, stamp, when=lambda *a: True) -> None:
-    """Replace owner.name by a function that stamps (when its arguments qualify) and then calls it."""
+def _wrap(owner, name: str, stamp_before, when=lambda *a: True, stamp_after=None) -> None:
+    """Replace owner.name by a function that stamps (when its arguments qualify), calls the original,
+    and stamps again after it (stamp_after, if given)."""
     original = getattr(owner, name)
 
     def stamped(*args, **kwargs):
         if when(*args):
-            stamp()
-        return original(*args, **kwargs)
+            stamp_before()
+        result = original(*args, **kwargs)
+        if stamp_after is not None:
+            stamp_after()
+        return result
     setattr(owner, name, stamped)
 
 
@@ -64,29 +66,15 @@ def serve(target: str, draft: str, port_file: str, stamps_file: str) -> None:
 
     def at(key):
         return lambda: stamps[key].append(time.perf_counter())
-    _wrap(ds.DraftServicer, "_dispatch", at("read"), when=lambda self, msg, *a: _is_jit(msg))
-    _wrap(ds.DraftServicer, "_jit_build_push", at("work"))
-    _wrap(ds._Stream, "push", at("push"), when=lambda self, reply: _is_jit(reply))
-
-    class StampedItems(queue.SimpleQueue):
-        def get(self, *args, **kwargs):
-            item = super().get(*args, **kwargs)
-            if _is_jit(item):
-                stamps["yield"].append(time.perf_counter())
-            return item
-    original_init = ds._Stream.__init__
-
-    def init(self):
-        original_init(self)
-        self.items = StampedItems()
-    ds._Stream.__init__ = init
+    _wrap(ds.DraftServicer, "_replies", at("read"), when=lambda self, raw: _is_jit(ds.pb.SpeculateRequest.FromString(raw)))
+    worker = build_draft_worker(Config(model=target, draft=draft, mode="ssd", k=4, fan_out=12))
+    _wrap(worker, "jit_draft", at("work"), stamp_after=at("drafted"))
 
     def dump(*_):
         with open(stamps_file, "w") as f:
             json.dump(stamps, f)
         os._exit(0)
     signal.signal(signal.SIGTERM, dump)
-    worker = build_draft_worker(Config(model=target, draft=draft, mode="ssd", k=4, fan_out=12))
     server, port = ds.serve_draft(worker, "127.0.0.1", 0)
     with open(port_file + ".tmp", "w") as f:
         f.write(str(port))
@@ -148,7 +136,7 @@ def report(stamps: dict) -> list[str]:
         return f"{name:<18} median {statistics.median(ms):7.3f} ms  p90 {ms[int(len(ms) * 0.9)]:7.3f} ms"
     lines = [line(f"{a} -> {b}", a, b) for a, b in zip(CHAIN, CHAIN[1:])]
     lines.append(line("total", "send", "woke"))
-    lines.append(line("draft (work)", "work", "push"))
+    lines.append(line("draft (work)", "work", "drafted"))
     return lines
 
 

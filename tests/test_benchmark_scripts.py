@@ -37,8 +37,8 @@ def test_grpc_jit_bench_times_both_paths():
 def test_grpc_hops_bench_stamps_every_hand_off():
     out = _run(str(BENCH / "bench_grpc_hops.py"), "--rounds", "20", "--verify-ms", "1")
     hops = [line.split(" median")[0].strip() for line in out.splitlines() if " median " in line]
-    assert hops == ["send -> consume", "consume -> read", "read -> work", "work -> push", "push -> yield",
-                    "yield -> recv", "recv -> woke", "total", "draft (work)"]
+    assert hops == ["send -> consume", "consume -> read", "read -> work", "work -> drafted", "drafted -> recv",
+                    "recv -> woke", "total", "draft (work)"]
 
 
 def test_codec_bench_times_every_kind_of_tree():

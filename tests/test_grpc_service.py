@@ -278,4 +278,3 @@ def test_tree_batches_are_split_under_the_size_limit_and_an_oversized_tree_is_dr
     replies = servicer._encode_trees([tree(1, 100), tree(2, 100), tree(3, 1000), tree(4, 100), tree(5, 100)])
     assert [[t.seq_id for t in r.trees.trees] for r in replies] == [[1, 2], [4, 5]]  # 3 is over the limit alone
     assert all(r.ByteSize() <= servicer.max_message_bytes for r in replies)
-    servicer.close()

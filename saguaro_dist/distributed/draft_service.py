@@ -1,10 +1,13 @@
 """The draft side over gRPC: a DraftService servicer around any object with the DraftWorker interface.
 
-The worker is single-threaded, so every call to it goes through one worker thread, in arrival order.
-The Speculate stream carries outcomes, just-in-time drafts and releases in the order the target sent
-them; it answers each just-in-time draft at once and pushes each tree batch as soon as the worker has
-built it: after every outcome batch, and after every just-in-time draft (its speculation is pending,
-so the tree for it follows while the target already has its proposals).
+One asyncio event loop serves every call (grpc.aio), and every call to the worker runs on that loop's
+thread, inline, in arrival order: the worker is single-threaded, and running it where the message
+arrives saves the thread hand-offs of a thread-per-call server (on the development VM each cost
+~0.3 ms; benchmarks/bench_grpc_hops.py). The Speculate stream carries outcomes, just-in-time drafts
+and releases in the order the target sent them; it answers each just-in-time draft at once and pushes
+each tree batch as soon as the worker has built it: after every outcome batch, and after every
+just-in-time draft (its speculation is pending, so the tree for it follows while the target already
+has its proposals).
 
 Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message, or a ValueError from
 the worker), RESOURCE_EXHAUSTED (over the message size limit; gRPC enforces it on receipt),
@@ -15,14 +18,14 @@ A failed call never takes the server down. A unary JitDraft that overtook its ou
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
-import queue
 import sys
 import threading
 import time
 import weakref
-from concurrent import futures
+from collections.abc import Iterator
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -35,14 +38,13 @@ from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DraftServicer", "serve_draft", "default_bind_host", "status_for", "format_address"]
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DraftServer", "DraftServicer", "serve_draft", "default_bind_host",
+           "status_for", "format_address"]
 
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a dense [K, V] tree batch fits; anything larger is a bug
 _PENDING_BATCHES = 64  # tree batches kept while no stream is open (a reconnecting target picks them up)
 JIT_CATCH_UP_S = 2.0  # how long a just-in-time draft that overtook its outcomes waits for them
 _RELEASED_KEPT = 4096  # released sequence ids remembered, so that a late outcome of one is dropped
-
-
 def default_bind_host() -> str:
     """The node's cluster address under Ray, else loopback; never 0.0.0.0 unless asked for."""
     ray = sys.modules.get("ray")  # Ray can only be initialised if something already imported it
@@ -68,88 +70,39 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"draft worker failed: {type(exc).__name__}: {exc}"
 
 
-class _WorkerThread:
-    """Runs callables one at a time, in submission order, on one daemon thread."""
+class _StreamFailed(Exception):
+    """Ends a Speculate stream with this status (raised where the handler cannot await an abort)."""
 
-    def __init__(self, name: str = "saguaro-draft-worker", spin_s: float = 0.0):
-        self.spin_s = spin_s
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, *args) -> futures.Future:
-        fut: futures.Future = futures.Future()
-        self._jobs.put((fut, fn, args))
-        return fut
-
-    def call(self, fn, *args):
-        return self.submit(fn, *args).result()
-
-    def close(self) -> None:
-        self._jobs.put(None)
-
-    def _next(self):
-        """The next job; polled for spin_s first so this CPU does not halt between rounds (a halted
-        vCPU is slow to wake: engine/draft_process.py). sleep(0) lets the gRPC threads take the GIL."""
-        end = time.perf_counter() + self.spin_s
-        while time.perf_counter() < end:
-            try:
-                return self._jobs.get_nowait()
-            except queue.Empty:
-                time.sleep(0)
-        return self._jobs.get()
-
-    def _loop(self) -> None:
-        while (job := self._next()) is not None:
-            fut, fn, args = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as exc:  # handed to the caller, who maps it to a status
-                    fut.set_exception(exc)
-
-
-_END = object()
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 class _Stream:
-    """One open Speculate call: encoded replies (tree batches, JIT results), then _END or a (code, details) failure."""
+    """One open Speculate call: tree batches pushed to it from elsewhere (after a unary JitDraft)."""
 
     def __init__(self):
-        self.items: queue.SimpleQueue = queue.SimpleQueue()
-
-    def push(self, reply: pb.SpeculateReply) -> None:
-        self.items.put(reply)
-
-    def fail(self, code: grpc.StatusCode, details: str) -> None:
-        self.items.put((code, details))
-
-    def finish(self) -> None:
-        self.items.put(_END)
+        self.pushed: asyncio.Queue = asyncio.Queue()
 
 
 class DraftServicer:
-    """saguaro.v1.DraftService around `worker` (prefill / jit_draft / observe / build_trees / release)."""
+    """saguaro.v1.DraftService around `worker` (prefill / jit_draft / observe / build_trees / release).
+    Every method runs on the server's event loop; the worker is called there, inline."""
 
     def __init__(self, worker, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         self.worker = worker
         self.max_message_bytes = max_message_bytes
-        config = getattr(worker, "config", None)
-        self._thread = _WorkerThread(spin_s=getattr(config, "draft_spin_s", 0.0))
-        self._lock = threading.Lock()  # guards the open streams and the pending batches
+        self.spin_s = getattr(getattr(worker, "config", None), "draft_spin_s", 0.0)
         self._streams: list[_Stream] = []
         self._pending: collections.deque = collections.deque(maxlen=_PENDING_BATCHES)
-        self._observed = threading.Condition()  # notified after each outcome batch the worker observed
-        self._observed_batches = 0
-        self._released: dict[int, None] = {}  # recently released ids, oldest first; worker thread only
-
-    def close(self) -> None:
-        self._thread.close()
+        self._observed: asyncio.Event | None = None  # set (and replaced) after each outcome batch observed
+        self._released: dict[int, None] = {}  # recently released ids, oldest first
+        self._spin_until = 0.0
 
     # ---- unary calls -------------------------------------------------------------------------------
-    def Prefill(self, raw: bytes, context) -> pb.PrefillReply:
-        reqs = self._decode(context, raw, pb.PrefillBatch, codec.prefill_batch_from_proto)
-        self._call(context, self._prefill, reqs)
+    async def Prefill(self, raw: bytes, context) -> pb.PrefillReply:
+        reqs = await self._decode(context, raw, pb.PrefillBatch, codec.prefill_batch_from_proto)
+        await self._call(context, self._prefill, reqs)
         return pb.PrefillReply()
 
     def _prefill(self, reqs) -> None:
@@ -157,14 +110,14 @@ class DraftServicer:
         for r in reqs:  # a sequence placed here again is live again
             self._released.pop(r.seq_id, None)
 
-    def JitDraft(self, raw: bytes, context) -> pb.ProposalBatch:
-        reqs = self._decode(context, raw, pb.JitDraftBatch, codec.jit_batch_from_proto)
-        proposals = self._call(context, self.worker.jit_draft, reqs, via=self._after_outcomes)
-        # Queued behind the JIT on the worker thread; this reply goes out while the tree is built.
-        self._thread.submit(self._build_and_broadcast)
+    async def JitDraft(self, raw: bytes, context) -> pb.ProposalBatch:
+        reqs = await self._decode(context, raw, pb.JitDraftBatch, codec.jit_batch_from_proto)
+        proposals = await self._call(context, self._jit_after_outcomes, reqs)
+        # The tree for this speculation is built once this handler has handed its reply to gRPC.
+        asyncio.get_running_loop().call_soon(self._build_and_broadcast)
         reply = codec.proposal_batch_to_proto(proposals)
         if too_big := self._oversize(reply):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, too_big)
         return reply
 
     def _oversize(self, reply) -> str | None:
@@ -172,23 +125,33 @@ class DraftServicer:
         size = reply.ByteSize()
         return f"{size} byte reply exceeds the {self.max_message_bytes} byte limit" if size > self.max_message_bytes else None
 
-    def _after_outcomes(self, jit_draft, reqs):
+    async def _jit_after_outcomes(self, reqs):
         """The target sends round r's outcome on the stream and, a verify later, round r + 1's JIT as a
-        unary call: on a busy host the JIT can get here first. Then it waits for the stream's outcomes
-        (on this gRPC thread: the worker thread must stay free to observe them)."""
+        unary call: on a busy host the JIT can get here first. Then it waits for the stream's outcomes."""
         deadline = time.monotonic() + JIT_CATCH_UP_S
         while True:
-            seen = self._observed_batches
+            observed = self._observed_event()
             try:
-                return self._thread.call(jit_draft, reqs)
+                return self.worker.jit_draft(reqs)
             except DraftBehind:
-                with self._observed:
-                    if not self._observed.wait_for(lambda: self._observed_batches > seen, deadline - time.monotonic()):
-                        raise
+                try:
+                    await asyncio.wait_for(observed.wait(), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise DraftBehind(f"just-in-time draft still ahead of its outcomes after {JIT_CATCH_UP_S} s") from None
 
-    def Release(self, raw: bytes, context) -> pb.ReleaseReply:
-        reqs = self._decode(context, raw, pb.ReleaseBatch, codec.release_batch_from_proto)
-        self._call(context, self._release, reqs)
+    def _observed_event(self) -> asyncio.Event:
+        if self._observed is None:
+            self._observed = asyncio.Event()
+        return self._observed
+
+    def _note_observed(self) -> None:
+        if self._observed is not None:
+            self._observed.set()
+            self._observed = None
+
+    async def Release(self, raw: bytes, context) -> pb.ReleaseReply:
+        reqs = await self._decode(context, raw, pb.ReleaseBatch, codec.release_batch_from_proto)
+        await self._call(context, self._release, reqs)
         return pb.ReleaseReply()
 
     def _release(self, reqs) -> None:
@@ -201,20 +164,21 @@ class DraftServicer:
         while len(self._released) > _RELEASED_KEPT:
             del self._released[next(iter(self._released))]
 
-    def _decode(self, context, raw: bytes, message_type, from_proto):
+    async def _decode(self, context, raw: bytes, message_type, from_proto):
         """Parse and validate here, not in gRPC's deserializer, so bad bytes get INVALID_ARGUMENT."""
         try:
             return from_proto(message_type.FromString(raw))
         except (DecodeError, ValueError) as exc:
-            context.abort(*status_for(exc))
+            await context.abort(*status_for(exc))
 
-    def _call(self, context, fn, reqs, via=None):
-        """fn(reqs) on the worker thread (through `via` if given); a failure becomes the call's status."""
+    async def _call(self, context, fn, reqs):
+        """fn(reqs) (awaited if it is a coroutine function); a failure becomes the call's status."""
         try:
-            return (via or self._thread.call)(fn, reqs)
+            result = fn(reqs)
+            return await result if asyncio.iscoroutine(result) else result
         except Exception as exc:
             self._log_failure(fn, exc)
-            context.abort(*status_for(exc))
+            await context.abort(*status_for(exc))
 
     @staticmethod
     def _log_failure(fn, exc: Exception) -> None:
@@ -225,69 +189,80 @@ class DraftServicer:
             log.info("draft worker %s refused a request (%s): %s", getattr(fn, "__name__", fn), code.name, exc)
 
     # ---- the Speculate stream ----------------------------------------------------------------------
-    def Speculate(self, request_iterator, context):
+    async def Speculate(self, request_iterator, context):
+        """Answers each request as it arrives (its replies go out before the next is read), and
+        forwards what other calls push to this stream meanwhile."""
         stream = self._open_stream()
-        context.add_callback(stream.finish)  # a cancelled call wakes the loop below
-        reader = threading.Thread(target=self._read_requests, args=(request_iterator, context, stream),
-                                  name="saguaro-speculate-reader", daemon=True)
-        reader.start()
+        requests = request_iterator.__aiter__()
+        incoming = asyncio.ensure_future(anext(requests))
+        pushed = asyncio.ensure_future(stream.pushed.get())
         try:
-            while (item := stream.items.get()) is not _END:
-                if isinstance(item, tuple):
-                    context.abort(*item)
-                yield item
+            while True:
+                done, _ = await asyncio.wait((incoming, pushed), return_when=asyncio.FIRST_COMPLETED)
+                if pushed in done:
+                    yield pushed.result()
+                    pushed = asyncio.ensure_future(stream.pushed.get())
+                if incoming in done:
+                    try:
+                        raw = incoming.result()
+                    except StopAsyncIteration:
+                        return
+                    try:
+                        for reply in self._replies(raw):
+                            yield reply
+                    except Exception as exc:
+                        await self._fail_stream(context, exc)
+                    self._keep_polling()
+                    incoming = asyncio.ensure_future(anext(requests))
         finally:
+            incoming.cancel()
+            pushed.cancel()
             self._close_stream(stream)
 
-    def _read_requests(self, requests, context, stream: _Stream) -> None:
-        """Stream requests in arrival order -> the worker thread, which observes, drafts, builds and pushes.
+    async def _fail_stream(self, context, exc: Exception) -> None:
+        if not isinstance(exc, _StreamFailed):  # a malformed request (the worker's own failures are logged)
+            self._log_failure(self.Speculate, exc)
+            exc = _StreamFailed(*status_for(exc))
+        await context.abort(exc.code, exc.details)
 
-        The reader does not wait for the worker: the worker thread pushes what it encodes itself, one
-        thread hand-off fewer between an outcome and its tree (each costs a wake-up on a busy box)."""
-        try:
-            for raw in requests:
-                self._dispatch(pb.SpeculateRequest.FromString(raw), context, stream)
-        except Exception as exc:
-            if context.is_active():  # not a client that went away
-                self._log_failure(self._read_requests, exc)
-                stream.fail(*status_for(exc))
-                return
-        self._thread.submit(stream.finish)  # after the work queued before it
-
-    def _dispatch(self, msg: pb.SpeculateRequest, context, stream: _Stream) -> None:
+    def _replies(self, raw: bytes) -> Iterator[pb.SpeculateReply]:
+        """One request's replies, computed lazily: a just-in-time draft's answer is sent before the
+        tree that follows it is built."""
+        msg = pb.SpeculateRequest.FromString(raw)
         kind = msg.WhichOneof("kind")
         if kind == "outcomes":
-            self._thread.submit(self._observe_build_push, codec.outcome_batch_from_proto(msg.outcomes), context, stream)
+            self._observe(codec.outcome_batch_from_proto(msg.outcomes))
+            yield from self._built_trees()
         elif kind == "jit_draft":
-            self._dispatch_jit(msg.jit_draft, stream)
+            yield from self._jit_on_stream(msg.jit_draft)
         elif kind == "releases":
-            self._thread.submit(self._release_logged, codec.release_batch_from_proto(msg.releases))
+            self._release_logged(codec.release_batch_from_proto(msg.releases))
         else:
             raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases")
 
-    def _dispatch_jit(self, call: pb.JitDraftCall, stream: _Stream) -> None:
+    def _observe(self, outcomes) -> None:
+        try:
+            self.worker.observe([o for o in outcomes if o.seq_id not in self._released])
+        except Exception as exc:
+            self._log_failure(self.worker.observe, exc)
+            raise _StreamFailed(*status_for(exc)) from exc
+        self._note_observed()
+
+    def _jit_on_stream(self, call: pb.JitDraftCall) -> Iterator[pb.SpeculateReply]:
+        """Answer the just-in-time draft, then build the tree that follows it. On the stream nothing can
+        overtake the outcomes before it, so a round the worker is not at is a real protocol error,
+        answered FAILED_PRECONDITION in band without waiting."""
         try:
             call_id, reqs = codec.jit_call_from_proto(call)
-        except codec.CodecError as exc:  # answered in band: the stream and its queued outcomes live on
-            stream.push(self._jit_error(call.call_id, exc))
-            return
-        self._thread.submit(self._jit_build_push, call_id, reqs, stream)
-
-    def _jit_build_push(self, call_id: int, reqs, stream: _Stream) -> None:
-        """Worker thread: answer the just-in-time draft at once, then build the tree that follows it.
-
-        On the stream nothing can overtake the outcomes before it, so a round the worker is not at is a
-        real protocol error, answered FAILED_PRECONDITION without waiting."""
-        try:
             reply = codec.jit_result_to_proto(call_id, self.worker.jit_draft(reqs))
         except Exception as exc:
             self._log_failure(self.worker.jit_draft, exc)
-            stream.push(self._jit_error(call_id, exc))
+            yield self._jit_error(call.call_id, exc)
             return
         if too_big := self._oversize(reply):
             reply = codec.jit_error_to_proto(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], too_big)
-        stream.push(reply)
-        self._build_push(stream)
+        yield reply
+        yield from self._built_trees()
 
     @staticmethod
     def _jit_error(call_id: int, exc: BaseException) -> pb.SpeculateReply:
@@ -300,21 +275,6 @@ class DraftServicer:
         except Exception as exc:  # nobody waits on a release; say what went wrong
             self._log_failure(self._release, exc)
 
-    def _observe_build_push(self, outcomes, context, stream: _Stream) -> None:
-        try:
-            self.worker.observe([o for o in outcomes if o.seq_id not in self._released])
-            self._note_observed()
-        except Exception as exc:
-            if context.is_active():
-                self._log_failure(self.worker.observe, exc)
-                stream.fail(*status_for(exc))
-            return
-        self._build_push(stream)
-
-    def _build_push(self, stream: _Stream) -> None:
-        for batch in self._built_trees():
-            stream.push(batch)
-
     def _built_trees(self) -> list[pb.SpeculateReply]:
         """Build the pending trees and encode them; none if that fails."""
         try:
@@ -323,20 +283,13 @@ class DraftServicer:
             log.exception("building speculation trees failed")
             return []
 
-    def _note_observed(self) -> None:
-        with self._observed:
-            self._observed_batches += 1
-            self._observed.notify_all()
-
     def _build_and_broadcast(self) -> None:
         """After a unary JitDraft: the tree goes to every open stream (or waits for one)."""
-        batches = self._built_trees()
-        with self._lock:
-            for batch in batches:
-                if not self._streams:
-                    self._pending.append(batch)
-                for stream in self._streams:
-                    stream.push(batch)
+        for batch in self._built_trees():
+            if not self._streams:
+                self._pending.append(batch)
+            for stream in self._streams:
+                stream.pushed.put_nowait(batch)
 
     def _encode_trees(self, trees) -> list[pb.SpeculateReply]:
         """Tree batches that each fit the size limit; a single tree over it is dropped (a miss)."""
@@ -357,15 +310,27 @@ class DraftServicer:
 
     def _open_stream(self) -> _Stream:
         stream = _Stream()
-        with self._lock:
-            self._streams.append(stream)
-            while self._pending:
-                stream.push(self._pending.popleft())
+        self._streams.append(stream)
+        while self._pending:
+            stream.pushed.put_nowait(self._pending.popleft())
         return stream
 
     def _close_stream(self, stream: _Stream) -> None:
-        with self._lock:
-            self._streams.remove(stream)
+        self._streams.remove(stream)
+
+    def _keep_polling(self) -> None:
+        """Keep the loop polling (a ready callback makes it poll its sockets without blocking) for
+        spin_s after each message, instead of blocking: a blocked process lets its virtual CPU halt,
+        and waking it is slow (docs/architecture.md, "Waiting without halting")."""
+        now = time.perf_counter()
+        idle = self._spin_until <= now
+        self._spin_until = max(self._spin_until, now + self.spin_s)
+        if idle and self.spin_s > 0:
+            asyncio.get_running_loop().call_soon(self._spin)
+
+    def _spin(self) -> None:
+        if time.perf_counter() < self._spin_until:
+            asyncio.get_running_loop().call_soon(self._spin)
 
 
 def _server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -392,34 +357,14 @@ def _handlers(servicer: DraftServicer) -> grpc.GenericRpcHandler:
     })
 
 
-def _add_health(server: grpc.Server) -> None:
-    checker = health.HealthServicer()
+async def _add_health(server: grpc.aio.Server) -> None:
+    checker = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
-        checker.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
 
 
-def serve_draft(worker, host: str | None = None, port: int = 0, *,
-                max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_workers: int = 16) -> tuple[grpc.Server, int]:
-    """Start a DraftService (plus grpc.health.v1) for `worker`; returns the started server and its port.
-
-    host: None binds the node's cluster address (default_bind_host()). port 0 picks a free port.
-    max_workers bounds concurrent calls; every open Speculate stream holds one for its lifetime.
-    """
-    host = default_bind_host() if host is None else host
-    servicer = DraftServicer(worker, max_message_bytes)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="saguaro-draft-rpc"),
-                         options=_server_options(max_message_bytes))
-    server.add_generic_rpc_handlers((_handlers(servicer),))
-    _add_health(server)
-    bound = _bind(server, host, port)
-    server.start()
-    weakref.finalize(server, servicer.close)  # the worker thread ends with the server object
-    log.info("DraftService listening on %s", format_address(host, bound))
-    return server, bound
-
-
-def _bind(server: grpc.Server, host: str, port: int) -> int:
+def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
     address = format_address(host, port)
     try:
         bound = server.add_insecure_port(address)
@@ -428,3 +373,73 @@ def _bind(server: grpc.Server, host: str, port: int) -> int:
     if bound == 0:
         raise OSError(f"cannot bind the DraftService to {address}")
     return bound
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The server thread: the loop until stopped, then its leftover tasks cancelled, then closed."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+        tasks = asyncio.all_tasks(loop)
+        for task in tasks:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+    finally:
+        loop.close()
+
+
+def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
+    if not loop.is_closed():
+        loop.call_soon_threadsafe(loop.stop)
+
+
+class DraftServer:
+    """A started DraftService: a grpc.aio server on an event loop of its own thread, where the worker
+    runs. stop() and wait_for_termination() behave like grpc.Server's."""
+
+    def __init__(self, servicer: DraftServicer, host: str, port: int, max_message_bytes: int,
+                 max_concurrent_rpcs: int | None):
+        self._loop = asyncio.new_event_loop()
+        self._stopped = threading.Event()
+        threading.Thread(target=_run_loop, args=(self._loop,), name="saguaro-draft-loop", daemon=True).start()
+        weakref.finalize(self, _stop_loop, self._loop)  # a server dropped without stop() ends its thread
+        try:
+            self.port = self._run(self._start(servicer, host, port, max_message_bytes, max_concurrent_rpcs))
+        except BaseException:
+            _stop_loop(self._loop)
+            raise
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _start(self, servicer, host, port, max_message_bytes, max_concurrent_rpcs) -> int:
+        self._server = grpc.aio.server(options=_server_options(max_message_bytes),
+                                       maximum_concurrent_rpcs=max_concurrent_rpcs)
+        self._server.add_generic_rpc_handlers((_handlers(servicer),))
+        await _add_health(self._server)
+        bound = _bind(self._server, host, port)
+        await self._server.start()
+        return bound
+
+    def stop(self, grace: float | None) -> threading.Event:
+        """Stop serving (in-flight calls get `grace` seconds); the Event is set once the loop is down."""
+        if not self._stopped.is_set() and not self._loop.is_closed():
+            done = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            done.add_done_callback(lambda _: (_stop_loop(self._loop), self._stopped.set()))
+        return self._stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return self._stopped.wait(timeout)
+
+
+def serve_draft(worker, host: str | None = None, port: int = 0, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                max_concurrent_rpcs: int | None = None) -> tuple[DraftServer, int]:
+    """Start a DraftService (plus grpc.health.v1) for `worker`; returns the started server and its port.
+
+    host: None binds the node's cluster address (default_bind_host()). port 0 picks a free port.
+    max_concurrent_rpcs: calls beyond it get RESOURCE_EXHAUSTED (None: no bound).
+    """
+    host = default_bind_host() if host is None else host
+    server = DraftServer(DraftServicer(worker, max_message_bytes), host, port, max_message_bytes, max_concurrent_rpcs)
+    log.info("DraftService listening on %s", format_address(host, server.port))
+    return server, server.port
