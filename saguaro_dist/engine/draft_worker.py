@@ -21,7 +21,7 @@ from saguaro_dist.engine.messages import (
     Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 from saguaro_dist.engine.sequence import make_generator
-from saguaro_dist.engine.target import sampling_probs
+from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, sample, saguaro_probs, scaled_budget, select_branches,
@@ -191,11 +191,11 @@ class DraftWorker:
             budget = scaled_budget(budget, self.budget.scale, self.k + 1) * num_shards
         return self.stats.fanout(self.config.fan_out_kind, budget, self.vocab_size)
 
-    def _proposal_probs(self, logits: torch.Tensor, rows: list[DraftSeq], top_f: list[int]) -> torch.Tensor:
+    def _proposal_probs(self, logits: torch.Tensor, rows: RowSampling, top_f: list[int]) -> torch.Tensor:
         """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0)."""
-        probs = sampling_probs(logits, [s.sampling for s in rows])
+        probs = sampling_probs(logits, rows)
         if self.config.saguaro_c < 1.0:
-            sampled = torch.tensor([s.sampling.temperature > 0 for s in rows], device=probs.device)
+            sampled = (rows.temperature > 0).to(probs.device)
             scaled = saguaro_probs(probs, torch.tensor(top_f), self.config.saguaro_c)
             probs = torch.where(sampled[:, None], scaled, probs)
         return probs
@@ -205,13 +205,14 @@ class DraftWorker:
         """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j.
         Returns the proposals and the K logits [R, V] they were drawn from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
+        sampling = None if greedy else RowSampling.of([s.sampling for s in rows])  # once for the K draws
         tokens, dists, seen = [], [], []
         for j in range(self.k):
             seen.append(logits)
             if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
                 drawn = logits.argmax(-1)
             else:
-                probs = self._proposal_probs(logits, rows, [f[j] for f in fanouts])
+                probs = self._proposal_probs(logits, sampling, [f[j] for f in fanouts])
                 drawn = sample(probs, [s.generator for s in rows])
                 dists.append(probs)
             tokens.append(drawn)

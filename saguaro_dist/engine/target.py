@@ -1,6 +1,8 @@
 """The target side's model work: prefill, plain decode and batched verification of speculations."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from saguaro_dist.engine.messages import Proposal
@@ -8,17 +10,26 @@ from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.spec import greedy_tokens, greedy_verify, sample, target_probs, verify
 
 
-def sampling_probs(logits: torch.Tensor, settings: list, rows_per_seq: int = 1) -> torch.Tensor:
-    """Each request's own temperature / top-k / top-p over logits [len(settings) * rows_per_seq, V].
+@dataclass(frozen=True)
+class RowSampling:
+    """Each row's temperature / top-k / top-p as tensors: built once, reused by every draw over those rows."""
+    temperature: torch.Tensor  # [N] float32, 0 = greedy
+    top_k: torch.Tensor        # [N] int64, 0 = off
+    top_p: torch.Tensor        # [N] float32
 
-    settings: SamplingParams or DraftSampling, one per sequence.
-    """
-    def per_row(values):
-        return torch.tensor(values, dtype=torch.float32).repeat_interleave(rows_per_seq)
-    temperature = per_row([s.temperature for s in settings])
-    top_k = per_row([s.top_k for s in settings]).long()
-    top_p = per_row([s.top_p for s in settings])
-    return target_probs(logits.float(), temperature, top_k, top_p)
+    @staticmethod
+    def of(settings: list, rows_per_seq: int = 1) -> RowSampling:
+        """settings: SamplingParams or DraftSampling, one per sequence, each repeated for rows_per_seq rows."""
+        def per_row(values, dtype):
+            return torch.tensor(values, dtype=dtype).repeat_interleave(rows_per_seq)
+        return RowSampling(per_row([s.temperature for s in settings], torch.float32),
+                           per_row([s.top_k for s in settings], torch.int64),
+                           per_row([s.top_p for s in settings], torch.float32))
+
+
+def sampling_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """Each row's own sampling distribution over logits [N, V] (spec.sampling.target_probs)."""
+    return target_probs(logits.float(), rows.temperature, rows.top_k, rows.top_p)
 
 
 def stack_proposals(proposals: list[Proposal], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -61,7 +72,8 @@ class TargetScorer:
         if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
             result = greedy_verify(logits, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
         else:
-            p = sampling_probs(logits.flatten(0, 1), [s.params for s in seqs], k + 1).view(len(seqs), k + 1, -1)
+            rows = RowSampling.of([s.params for s in seqs], rows_per_seq=k + 1)
+            p = sampling_probs(logits.flatten(0, 1), rows).view(len(seqs), k + 1, -1)
             tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)  # on the CPU, as they came
             q = None if q is None else q.to(p.device)
             result = verify(p, tokens.to(p.device), q, [s.generator for s in seqs])
@@ -76,7 +88,8 @@ class TargetScorer:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if _all_greedy(seqs):
             return greedy_tokens(logits).tolist()
-        return sample(sampling_probs(logits, [s.params for s in seqs]), [s.generator for s in seqs]).tolist()
+        probs = sampling_probs(logits, RowSampling.of([s.params for s in seqs]))
+        return sample(probs, [s.generator for s in seqs]).tolist()
 
 
 def _all_greedy(seqs: list[Sequence]) -> bool:
