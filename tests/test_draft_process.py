@@ -172,15 +172,3 @@ def test_spin_until_readable_returns_on_data_and_gives_up_after_its_budget():
     tx.send_bytes(b"x")
     assert spin_until_readable(rx, 5.0) is True              # data: returns at once, the message unread
     assert rx.recv_bytes() == b"x"
-
-
-def test_draft_worker_thread_spins_then_still_runs_jobs():
-    from saguaro_dist.distributed.draft_service import _WorkerThread
-    worker = _WorkerThread(spin_s=0.05)
-    try:
-        assert worker.call(lambda: 41) == 41
-        import time
-        time.sleep(0.1)                                      # past the spin: the thread blocks, then wakes
-        assert worker.call(lambda x: x + 1, 1) == 2
-    finally:
-        worker.close()

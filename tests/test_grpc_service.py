@@ -278,3 +278,29 @@ def test_tree_batches_are_split_under_the_size_limit_and_an_oversized_tree_is_dr
     replies = servicer._encode_trees([tree(1, 100), tree(2, 100), tree(3, 1000), tree(4, 100), tree(5, 100)])
     assert [[t.seq_id for t in r.trees.trees] for r in replies] == [[1, 2], [4, 5]]  # 3 is over the limit alone
     assert all(r.ByteSize() <= servicer.max_message_bytes for r in replies)
+
+
+def test_the_service_loop_polls_for_spin_s_after_a_message_then_idles():
+    """draft_spin_s: after each message the loop keeps polling (a self-rescheduling callback) instead of
+    blocking, so its vCPU does not halt between rounds; after spin_s it stops and the loop blocks."""
+    import asyncio
+    import time
+    from saguaro_dist.distributed.draft_service import DraftServicer
+
+    async def run():
+        servicer, calls = DraftServicer(worker=None), []
+        spin = servicer._spin
+        servicer._spin = lambda: (calls.append(time.perf_counter()), spin())
+        servicer.spin_s = 0.05
+        servicer._keep_polling()
+        await asyncio.sleep(0.02)
+        assert len(calls) > 10                       # polling while the spin lasts
+        await asyncio.sleep(0.08)
+        stopped = len(calls)
+        await asyncio.sleep(0.05)
+        assert len(calls) == stopped and calls[-1] - calls[0] < 0.1  # then no more callbacks: it blocks
+        servicer.spin_s, calls[:] = 0.0, []
+        servicer._keep_polling()
+        await asyncio.sleep(0.02)
+        assert calls == []                           # 0 turns the spin off
+    asyncio.run(run())
