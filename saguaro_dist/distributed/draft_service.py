@@ -45,6 +45,8 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a dense [K, V] tree batch fits; 
 _PENDING_BATCHES = 64  # tree batches kept while no stream is open (a reconnecting target picks them up)
 JIT_CATCH_UP_S = 2.0  # how long a just-in-time draft that overtook its outcomes waits for them
 _RELEASED_KEPT = 4096  # released sequence ids remembered, so that a late outcome of one is dropped
+
+
 def default_bind_host() -> str:
     """The node's cluster address under Ray, else loopback; never 0.0.0.0 unless asked for."""
     ray = sys.modules.get("ray")  # Ray can only be initialised if something already imported it
@@ -425,8 +427,12 @@ class DraftServer:
         """Stop serving (in-flight calls get `grace` seconds); the Event is set once the loop is down."""
         if not self._stopped.is_set() and not self._loop.is_closed():
             done = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
-            done.add_done_callback(lambda _: (_stop_loop(self._loop), self._stopped.set()))
+            done.add_done_callback(self._server_stopped)
         return self._stopped
+
+    def _server_stopped(self, _) -> None:
+        _stop_loop(self._loop)
+        self._stopped.set()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)
