@@ -15,7 +15,8 @@ from saguaro_dist.cli import main
 
 CELL_KEYS = {"system", "setting", "batch", "temperature", "tokens", "seconds", "tokens_per_s", "cores",
              "tokens_per_s_per_core", "placement", "acceptance_rate", "cache_hit_rate", "speedup_vs_ar",
-             "speedup_vs_sd", "greedy_same_as_ar", "theorem7", "engine", "prompts"}
+             "speedup_vs_sd", "greedy_same_as_ar", "theorem7", "engine", "prompts", "repeat_tokens_per_s",
+             "paired_vs_ar", "paired_vs_sd"}
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -129,6 +130,10 @@ def test_interleaved_grid_runs_every_system_in_turn(tiny_llama_pair, tmp_path):
     for c in cells:
         assert c["greedy_same_as_ar"] == 1.0 and c["prompts"] == 2 and c["tokens"] == 8 * 2  # every b: the same prompts
         assert c["system"] == "ar" or c["engine"]["rounds"] > 0
+        assert len(c["repeat_tokens_per_s"]) == 3 and max(c["repeat_tokens_per_s"]) == c["tokens_per_s"]
+        assert c["paired_vs_sd"]["n"] == 3 and c["paired_vs_sd"]["low"] <= c["paired_vs_sd"]["median"] <= c["paired_vs_sd"]["high"]
+    sd = next(c for c in cells if c["system"] == "sd")
+    assert sd["paired_vs_sd"] == {"median": 1.0, "low": 1.0, "high": 1.0, "n": 3}
 
 
 def test_interleaved_repeats_rotate_the_order():
@@ -148,6 +153,7 @@ def test_interleaved_repeats_rotate_the_order():
     assert [name for name, tokens in calls if tokens != 16] == ["a", "b", "c"]  # warm-ups first
     assert timed == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert set(best) == {"a", "b", "c"}
+    assert all(r.tokens_per_s == [16.0] * 3 and r.best.tokens == 16 for r in best.values())
 
 
 def test_a_cell_runs_every_prompt_in_batches_seeded_by_prompt():

@@ -4,10 +4,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from saguaro_dist.bench.paired import format_paired
+
 GRID_COLUMNS = [("setting", "setting", "{}"), ("system", "system", "{}"), ("batch", "b", "{}"),
                 ("temperature", "T", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("cores", "cores", "{}"),
                 ("tokens_per_s_per_core", "tok/s/core", "{:.1f}"), ("speedup_vs_ar", "x ar", "{:.2f}"),
-                ("speedup_vs_sd", "x sd", "{:.2f}"), ("speedup_vs_hf-assisted", "x hf-asst", "{:.2f}"),
+                ("speedup_vs_sd", "x sd", "{:.2f}"), ("paired_vs_sd", "x sd by repeat", format_paired),
+                ("speedup_vs_hf-assisted", "x hf-asst", "{:.2f}"),
                 ("acceptance_rate", "accept", "{:.2f}"), ("cache_hit_rate", "hit", "{:.2f}"),
                 ("verify_ms_per_round", "verify ms/rd", "{:.2f}"), ("draft_wait_ms_per_round", "wait ms/rd", "{:.2f}"),
                 ("coordination_ms_per_round", "coord ms/rd", "{:.2f}"), ("greedy_same_as_ar", "=ar", "{:.2f}")]
@@ -17,7 +20,10 @@ SWEEP_COLUMNS = [("axis", "axis", "{}"), ("k", "k", "{}"), ("fan_out", "budget",
                  ("cache_hit_rate", "hit", "{:.2f}"), ("draft_wait_ms_per_round", "wait ms/rd", "{:.2f}")]
 
 
-def fmt(value, spec: str) -> str:
+def fmt(value, spec) -> str:
+    """spec: a format string, or a function of the value (which then also formats None)."""
+    if callable(spec):
+        return spec(value)
     return "-" if value is None else spec.format(value)
 
 

@@ -13,8 +13,9 @@ import torch
 from tqdm import tqdm
 
 from saguaro_dist.bench.config import OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig, placement
+from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
-from saguaro_dist.bench.systems import Measurement, combine, make_system
+from saguaro_dist.bench.systems import Measurement, Repeats, combine, make_system
 from saguaro_dist.bench.theory import calibrate_draft, predict_from_run
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: 
         try:
             for b in cfg.batch_sizes:
                 bar.set_postfix_str(f"{setting}/{system} b={b} T={temperature}")
-                m = measure(runner, prompts, b, temperature, cfg)
-                cells.append(cell_record(system, setting, place, b, temperature, m))
+                timed = measure(runner, prompts, b, temperature, cfg)
+                cells.append(cell_record(system, setting, place, b, temperature, timed))
                 log_cell(cells[-1])
                 bar.update()
         finally:
@@ -73,8 +74,8 @@ def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, pro
                 runner.open(places[system])
             for b in cfg.batch_sizes:
                 bar.set_postfix_str(f"{setting} b={b} T={temperature}, interleaved")
-                best = measure_interleaved(runners, prompts, b, temperature, cfg)
-                cells += [cell_record(s, setting, places[s], b, temperature, best[s]) for s in cfg.systems]
+                timed = measure_interleaved(runners, prompts, b, temperature, cfg)
+                cells += [cell_record(s, setting, places[s], b, temperature, timed[s]) for s in cfg.systems]
                 for cell in cells[-len(cfg.systems):]:
                     log_cell(cell)
                 bar.update(len(cfg.systems))
@@ -84,13 +85,12 @@ def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, pro
     return cells
 
 
-def measure(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> Measurement:
-    """One short warm-up call, then `repeats` timed passes over the prompts, `batch` at a time; the
-    fastest pass is kept."""
+def measure(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> Repeats:
+    """One short warm-up call, then `repeats` timed passes over the prompts, `batch` at a time."""
     return measure_interleaved({"one": runner}, prompts, batch, temperature, cfg)["one"]
 
 
-def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, cfg: BenchConfig) -> dict[str, Measurement]:
+def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, cfg: BenchConfig) -> dict[str, Repeats]:
     """measure() for several systems: warm-ups, then repeat r runs them in the order rotated by r."""
     names = list(runners)
     for runner in runners.values():
@@ -99,7 +99,7 @@ def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, 
     for r in range(cfg.repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
             runs[name].append(run_batches(runners[name], prompts, batch, temperature, cfg))
-    return {n: max(runs[n], key=lambda m: m.tokens_per_s) for n in names}
+    return {n: Repeats.of(runs[n]) for n in names}
 
 
 def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> Measurement:
@@ -117,7 +117,9 @@ def log_cell(cell: dict) -> None:
              per_round)
 
 
-def cell_record(system: str, setting: str, place, batch: int, temperature: float, m: Measurement) -> dict:
+def cell_record(system: str, setting: str, place, batch: int, temperature: float, passes: Repeats) -> dict:
+    """The cell's figures from its fastest pass; every pass's tokens/s too (repeat_tokens_per_s)."""
+    m = passes.best
     rounds = m.engine.get("rounds", 0)
     timed = ("step_s",) if system == "ar" else ("verify_s", "draft_wait_s", "coordination_s", "step_s")  # ar: no split
     per_round_ms = {f"{k[:-2]}_ms_per_round": 1e3 * m.engine[k] / rounds for k in timed} if rounds else {}
@@ -128,7 +130,7 @@ def cell_record(system: str, setting: str, place, batch: int, temperature: float
             "acceptance_rate": m.accepted / m.drafted if m.drafted else None,
             "mean_accepted_length": (m.accepted + m.seq_rounds) / m.seq_rounds if m.seq_rounds else None,
             "cache_hit_rate": m.cache_hits / lookups if lookups else None, "fallbacks": m.fallbacks,
-            "prompts": len(m.outputs),
+            "prompts": len(m.outputs), "repeat_tokens_per_s": passes.tokens_per_s,
             "engine": m.engine, **per_round_ms, "outputs": m.outputs, "_measurement": m}
 
 
@@ -149,6 +151,7 @@ def annotate(cells: list[dict], calibs: dict) -> None:
         for base in ("ar", "sd", "hf-assisted"):
             ref = index.get((base,) + key)
             c[f"speedup_vs_{base}"] = c["tokens_per_s"] / ref["tokens_per_s"] if ref and ref["tokens_per_s"] else None
+            c[f"paired_vs_{base}"] = paired_ratios(c["repeat_tokens_per_s"], ref["repeat_tokens_per_s"]) if ref else None
         ar = index.get(("ar",) + key)
         c["greedy_same_as_ar"] = (sum(a == b for a, b in zip(c["outputs"], ar["outputs"])) / len(ar["outputs"])
                                   if ar and c["temperature"] == 0 else None)
@@ -195,14 +198,15 @@ def sweep_point(cfg: BenchConfig, sweep: SweepConfig, axis: str, overrides: dict
     runner = make_system(sweep.system, target, draft, cfg.engine_kwargs())
     runner.open(place)
     try:
-        m = measure(runner, prompts, sweep.batch_size, sweep.temperature, cfg)
+        timed = measure(runner, prompts, sweep.batch_size, sweep.temperature, cfg)
     finally:
         runner.close()
-    cell = cell_record(sweep.system, sweep.setting, place, sweep.batch_size, sweep.temperature, m)
+    cell = cell_record(sweep.system, sweep.setting, place, sweep.batch_size, sweep.temperature, timed)
     calib = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts, sweep.temperature)
     cell.pop("_measurement"), cell.pop("outputs")
     return {"axis": axis, "overrides": overrides, "k": cfg.k, "fan_out": cfg.fan_out, "fan_out_kind": cfg.fan_out_kind,
-            "saguaro_c": cfg.saguaro_c, "fallback": cfg.fallback, **cell, "theorem7": predict_from_run(m, sweep.batch_size, calib)}
+            "saguaro_c": cfg.saguaro_c, "fallback": cfg.fallback, **cell,
+            "theorem7": predict_from_run(timed.best, sweep.batch_size, calib)}
 
 
 __all__ = ["run_grid", "run_sweep", "SCHEMA_VERSION", "OURS"]

@@ -33,6 +33,18 @@ class Measurement:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass
+class Repeats:
+    """One system's timed passes over a cell's prompts: the fastest is the cell's figure; every pass's
+    tokens/s is kept, in repeat order, to pair with other systems' (bench/paired.py)."""
+    best: Measurement
+    tokens_per_s: list[float]
+
+    @classmethod
+    def of(cls, runs: list[Measurement]) -> "Repeats":
+        return cls(max(runs, key=lambda m: m.tokens_per_s), [m.tokens_per_s for m in runs])
+
+
 def combine(parts: list[Measurement]) -> Measurement:
     """One Measurement for generate calls run one after another (a cell's batches): counts and seconds add up."""
     total = Measurement(tokens=0, seconds=0.0, outputs=[])
