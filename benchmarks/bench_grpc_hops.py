@@ -7,7 +7,7 @@ one (as on Ray, over loopback). Both sides stamp each just-in-time draft with ti
 system-wide monotonic clock on Linux) at each hand-off, by wrapping the functions that run there:
 
     send     the engine thread queues the request         (GrpcDraftBackend.jit_draft -> _Link.call_jit)
-    consume  gRPC's request thread takes it                (grpc_backend._requests)
+    consume  gRPC's request thread takes it                (grpc_backend._Outbox.requests)
     read     the server's event loop has it                (DraftServicer._replies)
     work     the worker starts drafting                    (worker.jit_draft)
     drafted  the worker is done (its answer goes to gRPC)  (worker.jit_draft returns)
@@ -84,14 +84,14 @@ def serve(target: str, draft: str, port_file: str, stamps_file: str) -> None:
 
 def _instrument_client(stamps: dict) -> None:
     from saguaro_dist.distributed import grpc_backend as gb
-    original_requests = gb._requests
+    original_requests = gb._Outbox.requests
 
-    def requests(pending):
-        for item in original_requests(pending):
+    def requests(outbox):
+        for item in original_requests(outbox):
             if _is_jit(item):
                 stamps["consume"].append(time.perf_counter())
             yield item
-    gb._requests = requests
+    gb._Outbox.requests = requests
     _wrap(gb._Link, "answer", lambda: stamps["recv"].append(time.perf_counter()))
 
 

@@ -84,15 +84,15 @@ def _summary(name: str, times: list[float]) -> str:
     return f"{name}: median {statistics.median(ms):.3f} ms, p90 {ms[int(len(ms) * 0.9)]:.3f} ms"
 
 
-def parse_args(doc: str, rounds: int) -> argparse.Namespace:
-    """The options this script and bench_grpc_hops.py share."""
+def parse_args(doc: str, rounds: int, verify_ms: float = 20.0) -> argparse.Namespace:
+    """The options this script, bench_grpc_hops.py and bench_tree_trip.py share."""
     from saguaro_dist.demo import demo_pair
     default_target, default_draft = demo_pair()
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(default_target))
     ap.add_argument("--draft", default=str(default_draft))
     ap.add_argument("--rounds", type=int, default=rounds)
-    ap.add_argument("--verify-ms", type=float, default=20.0)
+    ap.add_argument("--verify-ms", type=float, default=verify_ms)
     return ap.parse_args()
 
 

@@ -41,6 +41,11 @@ def test_grpc_hops_bench_stamps_every_hand_off():
                     "recv -> woke", "total", "draft (work)"]
 
 
+def test_tree_trip_bench_times_both_backends():
+    out = _run(str(BENCH / "bench_tree_trip.py"), "--rounds", "40", "--verify-ms", "1")
+    assert "pipe (DraftProcess): mean" in out and "gRPC (GrpcDraftBackend -> DraftService): mean" in out
+
+
 def test_codec_bench_times_every_kind_of_tree():
     out = _run(str(BENCH / "bench_codec.py"), "--reps", "3", "--vocab", "64")
     rows = out.splitlines()[2:]

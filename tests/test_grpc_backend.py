@@ -16,7 +16,7 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_pool import DraftPool, merge_trees
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+from saguaro_dist.distributed.grpc_backend import _CLOSE, HANDOFF_S, GrpcDraftBackend, _Link, _Outbox
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal,
                                           Release, SpeculationTree)
@@ -236,3 +236,40 @@ def test_merged_shard_slices_keep_every_branch_and_the_slowest_build():
     tree = merge_trees(slices)
     assert (tree.seq_id, tree.round, tree.build_s) == (7, 3, 0.009)
     assert [(b.accepted, b.bonus_token) for b in tree.branches] == [(0, 10), (1, 11)]
+
+
+def test_the_outbox_counts_a_request_sent_when_grpc_asks_for_the_next():
+    box = _Outbox()
+    requests = box.requests()
+    assert box.put("a") == 1 and box.put("b") == 2  # tickets
+    assert next(requests) == "a" and box.sent == 0   # taken, not yet sent
+    assert next(requests) == "b" and box.sent == 1   # asked again: "a" went out
+    box.put(_CLOSE)
+    assert list(requests) == [] and box.sent == 2
+
+
+def test_hand_off_waits_for_the_send_but_not_longer_than_handoff_s():
+    link = _Link("127.0.0.1:1", [])  # no stream: nothing will ever send
+    try:
+        start = time.perf_counter()
+        link.hand_off(pb.SpeculateRequest())
+        assert HANDOFF_S <= time.perf_counter() - start < 1.0
+        assert (link.outbox.queued, link.outbox.sent) == (1, 0)
+    finally:
+        link.channel.close()
+
+
+def test_a_live_stream_counts_its_requests_sent(pool):
+    backend, _ = pool
+    backend.prefill([PrefillRequest(0, [5, 6, 7], GREEDY)])
+    backend.jit_draft([JitDraftRequest(0, 0, 0, 9)])
+    link = backend._owner[0]
+    tree = backend.wait_trees([(0, 0)], 5.0)[0]
+    branch = tree.branches[0]
+    for _ in range(20):  # each outcome's tree comes back, so each outcome was sent
+        backend.send_outcomes([Outcome(0, tree.round, branch.accepted, branch.bonus_token, cache_hit=True,
+                                       next_tokens=branch.proposal.tokens.tolist())])
+        tree = backend.wait_trees([(0, tree.round + 1)], 5.0)[0]
+        branch = tree.branches[0]
+    # Counted once gRPC asks for the next request: all but the last, or all of them (hand_off waited).
+    assert link.outbox.queued == 21 and link.outbox.sent >= 20

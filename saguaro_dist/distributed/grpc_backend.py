@@ -42,6 +42,7 @@ _CLOSE = object()
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
 _TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+HANDOFF_S = 0.002  # how long send_outcomes yields for gRPC's threads to send the outcomes (_Link.hand_off)
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -54,10 +55,26 @@ def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def _requests(pending: queue.SimpleQueue):
-    """The Speculate request iterator: whatever send_outcomes queued, until close()."""
-    while (item := pending.get()) is not _CLOSE:
-        yield item
+class _Outbox:
+    """One Speculate stream's requests: queued by the engine, taken and sent by gRPC's request thread."""
+
+    def __init__(self):
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.queued = 0  # requests put (the engine's thread writes it)
+        self.sent = 0    # requests sent (the request thread writes it)
+
+    def put(self, item) -> int:
+        """Queue `item`; returns its ticket: it is sent once `sent` reaches it."""
+        self.pending.put(item)
+        self.queued += 1
+        return self.queued
+
+    def requests(self):
+        """The stream's request iterator, until close. gRPC's request thread asks for the next request
+        only once the last one is sent, so each ask after the first counts one more sent."""
+        while (item := self.pending.get()) is not _CLOSE:
+            yield item
+            self.sent += 1
 
 
 def _error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids: list[int]) -> Exception:
@@ -84,18 +101,31 @@ class _Link:
         self.stub = saguaro_pb2_grpc.DraftServiceStub(self.channel)
         self.alive = True
         self.lock = threading.Lock()  # the request queue and the calls in flight change together
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.outbox = _Outbox()
         self.calls: dict[int, tuple[Future, list[int]]] = {}  # call_id -> (answer, its seq_ids)
         self.call = None
         self.reader: threading.Thread | None = None
         self._call_ids = itertools.count(1)
 
     def open_stream(self) -> None:
-        self.call = self.stub.Speculate(_requests(self.pending))
+        self.call = self.stub.Speculate(self.outbox.requests())
 
-    def send(self, request: pb.SpeculateRequest) -> None:
+    def send(self, request: pb.SpeculateRequest) -> tuple[_Outbox, int]:
+        """Queue `request` on the stream; returns its outbox and ticket (see hand_off)."""
         with self.lock:
-            self.pending.put(request)
+            return self.outbox, self.outbox.put(request)
+
+    def hand_off(self, request: pb.SpeculateRequest) -> None:
+        """send(), then yield the GIL until gRPC's threads have sent it (at most HANDOFF_S).
+
+        The engine verifies right after sending outcomes. Left to compete with that verify for the GIL
+        and a CPU, gRPC's threads put the outcome on the wire 0.4 ms after it was queued at the median
+        but 3.5-4.5 ms at the 90th percentile (a scheduler tick on this 2-vCPU VM), and the draft's
+        next tree came that much later (docs/benchmarks.md, session 19)."""
+        outbox, ticket = self.send(request)
+        end = time.perf_counter() + HANDOFF_S
+        while outbox.sent < ticket and time.perf_counter() < end:
+            time.sleep(0)
 
     def call_jit(self, reqs: list[JitDraftRequest]) -> tuple[int, Future]:
         """Queue a just-in-time draft: (call_id, a future of its proposals or the exception it maps to)."""
@@ -103,8 +133,8 @@ class _Link:
         with self.lock:
             call_id = next(self._call_ids)
             self.calls[call_id] = (answer, [r.seq_id for r in reqs])
-            self.pending.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=call_id,
-                                                                           batch=codec.jit_batch_to_proto(reqs))))
+            self.outbox.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=call_id,
+                                                                          batch=codec.jit_batch_to_proto(reqs))))
         return call_id, answer
 
     def answer(self, result: pb.JitDraftResult) -> None:
@@ -131,8 +161,8 @@ class _Link:
         error(seq_ids) -> the exception each call in flight gets."""
         with self.lock:
             calls, self.calls = self.calls, {}
-            self.pending.put(_CLOSE)
-            self.pending = queue.SimpleQueue()
+            self.outbox.put(_CLOSE)
+            self.outbox = _Outbox()
         for answer, seq_ids in calls.values():
             answer.set_exception(error(seq_ids))
 
@@ -299,7 +329,7 @@ class GrpcDraftBackend:
             if link is None:
                 log.debug("outcomes for %d sequences without a live, in-sync draft server dropped", len(part))
                 continue
-            link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
+            link.hand_off(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
 
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
         """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for)."""
