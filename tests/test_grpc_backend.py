@@ -16,7 +16,7 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_pool import DraftPool, merge_trees
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.distributed.grpc_backend import _CLOSE, HANDOFF_S, GrpcDraftBackend, _Link, _Outbox
+from saguaro_dist.distributed.grpc_backend import _CLOSE, HANDOFF_S, GrpcDraftBackend, _await_sent, _Link, _Outbox
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal,
                                           Release, SpeculationTree)
@@ -248,11 +248,11 @@ def test_the_outbox_counts_a_request_sent_when_grpc_asks_for_the_next():
     assert list(requests) == [] and box.sent == 2
 
 
-def test_hand_off_waits_for_the_send_but_not_longer_than_handoff_s():
+def test_sending_waits_for_grpc_but_not_longer_than_handoff_s():
     link = _Link("127.0.0.1:1", [])  # no stream: nothing will ever send
     try:
         start = time.perf_counter()
-        link.hand_off(pb.SpeculateRequest())
+        _await_sent([link.send(pb.SpeculateRequest())])
         assert HANDOFF_S <= time.perf_counter() - start < 1.0
         assert (link.outbox.queued, link.outbox.sent) == (1, 0)
     finally:
@@ -271,5 +271,5 @@ def test_a_live_stream_counts_its_requests_sent(pool):
                                        next_tokens=branch.proposal.tokens.tolist())])
         tree = backend.wait_trees([(0, tree.round + 1)], 5.0)[0]
         branch = tree.branches[0]
-    # Counted once gRPC asks for the next request: all but the last, or all of them (hand_off waited).
+    # Counted once gRPC asks for the next request: all but the last, or all of them (send_outcomes waited).
     assert link.outbox.queued == 21 and link.outbox.sent >= 20

@@ -86,8 +86,7 @@ class DraftPool:
         for o in outcomes:
             for i in self.groups.get(o.seq_id, []):
                 parts[i].append(o)
-        for i, part in parts.items():
-            self.backends[i].send_outcomes(part)
+        self._send(parts)
 
     def wait_trees(self, keys, timeout_s: float) -> dict[int, SpeculationTree]:
         deadline = time.monotonic() + timeout_s
@@ -155,8 +154,13 @@ class DraftPool:
         for o in outcomes:
             for i in self.groups[o.seq_id][1:]:
                 parts[i].append(o)
-        for i, part in parts.items():
-            self.backends[i].send_outcomes(part)
+        self._send(parts)
+
+    def _send(self, parts: dict) -> None:
+        """Outcomes to every worker at once: a gRPC backend returns once they are sent (its hand-off),
+        so one worker after another would add those waits up."""
+        for fut in self._run(parts, lambda backend, part: backend.send_outcomes(part)).values():
+            fut.result()
 
     def _mark_dead(self, i: int) -> None:
         if i not in self.dead:

@@ -4,9 +4,10 @@ Sequences are assigned to servers round-robin on prefill and stay there; every b
 per server and the parts run concurrently. Everything but prefill goes on one long-lived Speculate
 stream per server: outcomes, just-in-time drafts and releases, so the server sees them in the order
 the engine issued them (as separate calls a JIT or a release could overtake the outcomes before it).
-Outcomes and releases are queued and return at once; a JIT waits for its answer on the stream. A
-reader thread per server puts the pushed trees into an inbox keyed by (seq_id, round), where
-wait_trees finds them, and hands each JIT answer to its caller.
+Releases are queued and return at once; outcomes return once gRPC has sent them (the engine verifies
+next, see _await_sent); a JIT waits for its answer on the stream. A reader thread per server puts the
+pushed trees into an inbox keyed by (seq_id, round), where wait_trees finds them, and hands each JIT
+answer to its caller.
 
 A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
@@ -42,7 +43,7 @@ _CLOSE = object()
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
 _TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-HANDOFF_S = 0.002  # how long send_outcomes yields for gRPC's threads to send the outcomes (_Link.hand_off)
+HANDOFF_S = 0.002  # how long send_outcomes yields for gRPC's threads to send the outcomes (_await_sent)
 
 
 def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -75,6 +76,18 @@ class _Outbox:
         while (item := self.pending.get()) is not _CLOSE:
             yield item
             self.sent += 1
+
+
+def _await_sent(tickets: list[tuple[_Outbox, int]]) -> None:
+    """Yield the GIL until gRPC's request threads have sent every ticketed request (at most HANDOFF_S).
+
+    The engine verifies right after sending outcomes. Left to compete with that verify for the GIL and
+    a CPU, gRPC's threads put an outcome on the wire 0.4 ms after it was queued at the median but
+    3.5-4.5 ms at the 90th percentile (a scheduler tick on the 2-vCPU development VM), and the draft's
+    next tree came that much later (docs/architecture.md, "Sending outcomes before the verify")."""
+    end = time.perf_counter() + HANDOFF_S
+    while any(outbox.sent < ticket for outbox, ticket in tickets) and time.perf_counter() < end:
+        time.sleep(0)
 
 
 def _error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids: list[int]) -> Exception:
@@ -111,21 +124,9 @@ class _Link:
         self.call = self.stub.Speculate(self.outbox.requests())
 
     def send(self, request: pb.SpeculateRequest) -> tuple[_Outbox, int]:
-        """Queue `request` on the stream; returns its outbox and ticket (see hand_off)."""
+        """Queue `request` on the stream; returns its outbox and ticket (see _await_sent)."""
         with self.lock:
             return self.outbox, self.outbox.put(request)
-
-    def hand_off(self, request: pb.SpeculateRequest) -> None:
-        """send(), then yield the GIL until gRPC's threads have sent it (at most HANDOFF_S).
-
-        The engine verifies right after sending outcomes. Left to compete with that verify for the GIL
-        and a CPU, gRPC's threads put the outcome on the wire 0.4 ms after it was queued at the median
-        but 3.5-4.5 ms at the 90th percentile (a scheduler tick on this 2-vCPU VM), and the draft's
-        next tree came that much later (docs/benchmarks.md, session 19)."""
-        outbox, ticket = self.send(request)
-        end = time.perf_counter() + HANDOFF_S
-        while outbox.sent < ticket and time.perf_counter() < end:
-            time.sleep(0)
 
     def call_jit(self, reqs: list[JitDraftRequest]) -> tuple[int, Future]:
         """Queue a just-in-time draft: (call_id, a future of its proposals or the exception it maps to)."""
@@ -323,13 +324,13 @@ class GrpcDraftBackend:
         return found, failed, stale, error
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
-        """Queue each server's part on its stream; returns at once. Outcomes for dead servers are dropped."""
+        """Queue each server's part on its stream; returns once gRPC has sent them (or after HANDOFF_S).
+        Outcomes for dead servers are dropped."""
         groups = self._group(outcomes, lambda o: self._synced_owner(o.seq_id))
-        for link, part in groups.items():
-            if link is None:
-                log.debug("outcomes for %d sequences without a live, in-sync draft server dropped", len(part))
-                continue
-            link.hand_off(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
+        if None in groups:
+            log.debug("outcomes for %d sequences without a live, in-sync draft server dropped", len(groups.pop(None)))
+        _await_sent([link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
+                     for link, part in groups.items()])  # every server at once
 
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
         """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for)."""
