@@ -6,7 +6,7 @@ import json
 import pytest
 
 from saguaro_dist.bench import BenchConfig, SweepConfig, run_grid, run_sweep
-from saguaro_dist.bench.config import placement
+from saguaro_dist.bench.config import candidate_placements, placement
 from saguaro_dist.bench.plots import write_plots
 from saguaro_dist.bench.report import render, write_json
 from saguaro_dist.bench.runner import measure_interleaved, run_batches
@@ -185,3 +185,29 @@ def test_ssd_on_ray_cell(tiny_llama_pair, tmp_path, ray_cluster):
     ray_cell = cells["ssd-ray"]
     assert ray_cell["greedy_same_as_ar"] == 1.0 and ray_cell["theorem7"]["predicted_tokens_per_s"] > 0
     assert ray_cell["engine"]["rounds"] > 0 and ray_cell["cores"] == 2
+
+
+def test_equal_tries_one_process_systems_on_one_thread_too():
+    two, one = candidate_placements("sd", "equal")
+    assert (two.target_threads, one.target_threads, one.draft_threads) == (2, 1, 1)
+    assert two.cores == one.cores == 2  # the budget counts both cores, used or idle
+    assert candidate_placements("ar", "equal")[1].draft_threads is None
+    assert candidate_placements("sd", "paper") == [placement("sd", "paper")]
+    assert candidate_placements("ssd", "equal") == [placement("ssd", "equal")]
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_an_equal_cell_keeps_the_faster_thread_count(tiny_llama_pair, tmp_path, interleave):
+    cfg = tiny_config(tiny_llama_pair, tmp_path, systems=("ar", "sd", "ssd"), settings=("equal",), batch_sizes=(1,),
+                      temperatures=(0.0,), interleave=interleave)
+    results = run_grid(cfg, progress=False)
+    cells = {c["system"]: c for c in results["cells"]}
+    for name in ("ar", "sd"):
+        candidates = cells[name]["candidates"]
+        assert sorted(c["target_threads"] for c in candidates) == [1, 2]
+        fastest = max(candidates, key=lambda c: c["tokens_per_s"])
+        assert cells[name]["tokens_per_s"] == fastest["tokens_per_s"]
+        assert cells[name]["placement"]["target_threads"] == fastest["target_threads"]
+        assert cells[name]["cores"] == 2 and cells[name]["greedy_same_as_ar"] == 1.0
+    assert "candidates" not in cells["ssd"]
+    assert {"equal/sd [1 thread(s)]", "equal/sd [2 thread(s)]", "equal/ssd"} <= set(results["placements"])

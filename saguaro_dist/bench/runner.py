@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from saguaro_dist.bench.config import OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig, placement
+from saguaro_dist.bench.config import (OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig, candidate_placements,
+                                       placement)
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
 from saguaro_dist.bench.systems import Measurement, Repeats, combine, make_system
@@ -42,40 +43,57 @@ def run_grid(cfg: BenchConfig, progress: bool = True) -> dict:
 
 
 def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
-    """A fresh engine per temperature: the online estimates (acceptance, r, b*) never carry over between
-    temperatures; within one temperature the batch sizes run in the given order on one engine."""
-    place, cells = placement(system, setting, cfg.cores), []
+    """A fresh engine per temperature (and candidate placement): the online estimates (acceptance, r,
+    b*) never carry over between temperatures; within one the batch sizes run in order on one engine."""
+    places, cells = candidate_placements(system, setting, cfg.cores), []
     for temperature in cfg.temperatures:
-        runner = make_system(system, target, draft, cfg.engine_kwargs())
-        bar.set_postfix_str(f"{setting}/{system}: loading")
-        runner.open(place)
-        try:
-            for b in cfg.batch_sizes:
-                bar.set_postfix_str(f"{setting}/{system} b={b} T={temperature}")
-                timed = measure(runner, prompts, b, temperature, cfg)
-                cells.append(cell_record(system, setting, place, b, temperature, timed))
-                log_cell(cells[-1])
-                bar.update()
-        finally:
-            runner.close()
+        runs = [measure_batches(cfg, system, place, target, draft, prompts, temperature, bar) for place in places]
+        for j, b in enumerate(cfg.batch_sizes):
+            cells.append(fastest_cell(system, setting, places, [run[j] for run in runs], b, temperature))
+            log_cell(cells[-1])
+            bar.update()
     return cells
+
+
+def measure_batches(cfg: BenchConfig, system: str, place, target: str, draft: str, prompts, temperature: float,
+                    bar) -> list[Repeats]:
+    """One engine under `place`, measured at every batch size in turn."""
+    runner = make_system(system, target, draft, cfg.engine_kwargs())
+    bar.set_postfix_str(f"{system} ({place.target_threads} thread(s)): loading")
+    runner.open(place)
+    try:
+        return [measure(runner, prompts, b, temperature, cfg) for b in cfg.batch_sizes]
+    finally:
+        runner.close()
+
+
+def fastest_cell(system: str, setting: str, places: list, timed: list[Repeats], batch: int, temperature: float) -> dict:
+    """The cell of the fastest candidate placement; with several, each one's tok/s under "candidates"."""
+    i = max(range(len(places)), key=lambda j: timed[j].best.tokens_per_s)
+    cell = cell_record(system, setting, places[i], batch, temperature, timed[i])
+    if len(places) > 1:
+        cell["candidates"] = [{"target_threads": p.target_threads, "tokens_per_s": t.best.tokens_per_s}
+                              for p, t in zip(places, timed)]
+    return cell
 
 
 def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
     """run_system for every system at once: per temperature all engines are open (an idle one sleeps)
     and each repeat runs every system once, the order rotating, so the box's drift (20% from minute
     to minute here) falls on all of them alike instead of on whichever ran later."""
-    places, cells = {s: placement(s, setting, cfg.cores) for s in cfg.systems}, []
+    places, cells = {s: candidate_placements(s, setting, cfg.cores) for s in cfg.systems}, []
     for temperature in cfg.temperatures:
-        runners = {s: make_system(s, target, draft, cfg.engine_kwargs()) for s in cfg.systems}
+        runners = {(s, i): make_system(s, target, draft, cfg.engine_kwargs()) for s in cfg.systems
+                   for i in range(len(places[s]))}
         try:
-            for system, runner in runners.items():
+            for (system, i), runner in runners.items():
                 bar.set_postfix_str(f"{setting}/{system}: loading")
-                runner.open(places[system])
+                runner.open(places[system][i])
             for b in cfg.batch_sizes:
                 bar.set_postfix_str(f"{setting} b={b} T={temperature}, interleaved")
                 timed = measure_interleaved(runners, prompts, b, temperature, cfg)
-                cells += [cell_record(s, setting, places[s], b, temperature, timed[s]) for s in cfg.systems]
+                cells += [fastest_cell(s, setting, places[s], [timed[(s, i)] for i in range(len(places[s]))], b, temperature)
+                          for s in cfg.systems]
                 for cell in cells[-len(cfg.systems):]:
                     log_cell(cell)
                 bar.update(len(cfg.systems))
@@ -171,7 +189,9 @@ def context(target: str, draft: str, source: str, cfg: BenchConfig) -> dict:
                      "torch": torch.__version__, "machine": platform.machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")},
             "systems": {s: SYSTEMS[s] for s in cfg.systems if s in SYSTEMS},
             "settings": {s: SETTINGS[s] for s in cfg.settings},
-            "placements": {f"{st}/{sy}": placement(sy, st, cfg.cores).to_dict() for st in cfg.settings for sy in cfg.systems}}
+            "placements": {f"{st}/{sy}" + (f" [{p.target_threads} thread(s)]" if len(places) > 1 else ""): p.to_dict()
+                           for st in cfg.settings for sy in cfg.systems
+                           for places in [candidate_placements(sy, st, cfg.cores)] for p in places}}
 
 
 def vocab_size(path: str) -> int:
