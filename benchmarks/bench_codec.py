@@ -18,11 +18,11 @@ import torch
 
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
-from saguaro_dist.engine.messages import Branch, Proposal, SpeculationTree
+from saguaro_dist.engine.messages import Proposal, SpeculationTree
 
 
 def tree(seq_id: int, k: int, fan_out: int, vocab: int, q: str, gen: torch.Generator) -> SpeculationTree:
-    branches = []
+    rows = []
     for i in range(fan_out):
         tokens = torch.randint(0, vocab, (k,), generator=gen)
         probs = None
@@ -31,8 +31,8 @@ def tree(seq_id: int, k: int, fan_out: int, vocab: int, q: str, gen: torch.Gener
             if q == "top-k 20":
                 logits[logits < logits.topk(20, -1).values[:, -1:]] = float("-inf")
             probs = logits.softmax(-1)
-        branches.append(Branch(i % (k + 1), int(torch.randint(0, vocab, (1,), generator=gen)), Proposal(tokens, probs)))
-    return SpeculationTree(seq_id, 3, branches)
+        rows.append((i % (k + 1), int(torch.randint(0, vocab, (1,), generator=gen)), Proposal(tokens, probs)))
+    return SpeculationTree.from_rows(seq_id, 3, rows)
 
 
 def median_ms(fn, reps: int) -> float:
@@ -52,7 +52,7 @@ def measure(trees: list[SpeculationTree], reps: int) -> tuple[float, float, int]
 
     def decode():
         return codec.tree_batch_from_proto(pb.SpeculateReply.FromString(wire).trees)
-    assert [len(t.branches) for t in decode()] == [len(t.branches) for t in trees]
+    assert [t.keys() for t in decode()] == [t.keys() for t in trees]
     return median_ms(encode, reps), median_ms(decode, reps), len(wire)
 
 

@@ -28,10 +28,10 @@ def hit_rounds(backend, seq_id: int, rounds: int, verify_s: float) -> list[float
     backend.send_outcomes([])  # the one-host draft builds the first tree on this (the engine sends it too)
     tree, extra = backend.wait_trees([(seq_id, 0)], 10.0)[seq_id], []
     for r in range(rounds):
-        branch = tree.branches[r % len(tree.branches)]
+        i = r % tree.num_branches
         start = time.perf_counter()
-        backend.send_outcomes([Outcome(seq_id, tree.round, branch.accepted, branch.bonus_token,
-                                       next_tokens=branch.proposal.tokens.tolist(), cache_hit=True)])
+        backend.send_outcomes([Outcome(seq_id, tree.round, *tree.keys()[i], next_tokens=tree.proposal(i).tokens.tolist(),
+                                       cache_hit=True)])
         busy_verify(verify_s)
         tree = backend.wait_trees([(seq_id, tree.round + 1)], 10.0)[seq_id]
         extra.append(time.perf_counter() - start - tree.build_s)

@@ -28,8 +28,7 @@ def started_worker(draft_dir, **settings):
 
 
 def hit_outcome(tree, round_: int) -> Outcome:
-    branch = tree.branches[0]
-    return Outcome(0, round_, branch.accepted, branch.bonus_token, next_tokens=None, cache_hit=True)
+    return Outcome(0, round_, tree.accepted[0], tree.bonus_tokens[0], next_tokens=None, cache_hit=True)
 
 
 def run_rounds(worker, rounds: int, idle_s: float, target_wait_s: float = 0.0) -> list[int]:
@@ -38,7 +37,7 @@ def run_rounds(worker, rounds: int, idle_s: float, target_wait_s: float = 0.0) -
     budgets = []
     for r in range(rounds):
         tree = worker.build_trees()[0]
-        budgets.append(len(tree.branches))
+        budgets.append(tree.num_branches)
         if idle_s:
             time.sleep(idle_s)
         outcome = hit_outcome(tree, r)
@@ -82,7 +81,7 @@ def test_skip_tree_builds_nothing_and_records_no_lookup(draft_dir):
     """The tree gate's just-in-time rounds: the draft builds no tree and counts no cache lookup."""
     worker = started_worker(draft_dir, adaptive_fan_out=False)
     tree = worker.build_trees()[0]
-    worker.observe([Outcome(0, 0, tree.branches[0].accepted, tree.branches[0].bonus_token,
+    worker.observe([Outcome(0, 0, tree.accepted[0], tree.bonus_tokens[0],
                             next_tokens=None, cache_hit=True, skip_tree=True)])
     assert worker.build_trees() == []
     lookups = worker.stats._hits.count

@@ -38,7 +38,7 @@ def record_extends(worker) -> list[list[int]]:
 
 
 def as_dict(trees):
-    return {t.seq_id: {(b.accepted, b.bonus_token): b.proposal.tokens.tolist() for b in t.branches} for t in trees}
+    return {t.seq_id: dict(zip(t.keys(), t.proposals.tokens.tolist())) for t in trees}
 
 
 def test_hits_adopt_their_branch_and_build_the_trees_a_full_glue_builds(draft_dir):
@@ -48,12 +48,11 @@ def test_hits_adopt_their_branch_and_build_the_trees_a_full_glue_builds(draft_di
     for r in range(6):
         assert as_dict(trees_a) == as_dict(trees_f)
         # sequence 0 hits a different branch each round; sequence 1 alternates hit and a miss's JIT draft
-        picks = [t.branches[(r * 3 + i) % len(t.branches)] for i, t in enumerate(trees_a)]
-        outcomes = [Outcome(t.seq_id, t.round, b.accepted, b.bonus_token, None, cache_hit=True)
-                    for t, b in zip(trees_a, picks)]
+        picks = [t.keys()[(r * 3 + i) % t.num_branches] for i, t in enumerate(trees_a)]
+        outcomes = [Outcome(t.seq_id, t.round, *key, None, cache_hit=True) for t, key in zip(trees_a, picks)]
         if r % 2:
             adopting.observe(outcomes[:1]), full.observe(outcomes[:1])
-            jit = [JitDraftRequest(1, trees_a[1].round + 1, picks[1].accepted, picks[1].bonus_token)]
+            jit = [JitDraftRequest(1, trees_a[1].round + 1, *picks[1])]
             assert adopting.jit_draft(jit)[0].tokens.tolist() == full.jit_draft(jit)[0].tokens.tolist()
         else:
             adopting.observe(outcomes), full.observe(outcomes)
@@ -70,7 +69,7 @@ def test_hits_adopt_their_branch_and_build_the_trees_a_full_glue_builds(draft_di
 def test_a_branch_built_by_another_shard_is_not_adopted(draft_dir):
     worker = started(draft_dir)
     (tree, _) = worker.build_trees()
-    key = (tree.branches[0].accepted, tree.branches[0].bonus_token)
+    key = tree.keys()[0]
     tokens = worker.seqs[0].branches.pop(key)  # as if another cache-parallel shard had built this branch
     worker.seqs[0].branch_rows.pop(key)
     worker.observe([Outcome(0, tree.round, *key, next_tokens=tokens, cache_hit=True)])

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from saguaro_dist.distributed import codec
-from saguaro_dist.distributed.draft_pool import DraftPool, merge_trees
+from saguaro_dist.distributed.draft_pool import DraftPool
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_backend import _CLOSE, HANDOFF_S, GrpcDraftBackend, _await_sent, _Link, _Outbox
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
-from saguaro_dist.engine.messages import (Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal,
+from saguaro_dist.engine.messages import (DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal,
                                           Release, SpeculationTree)
 from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_tokens
 
@@ -50,7 +50,7 @@ def test_pool_round_robin_jit_and_pushed_trees(pool):
     assert sorted(workers[0].seqs) == [10, 12] and sorted(workers[1].seqs) == [11, 13]
     assert all(p.tokens.tolist() == toy_tokens([5, 6, 9]) for p in proposals)
     trees = backend.wait_trees([(s, 0) for s in (10, 11, 12, 13)], timeout_s=5.0)
-    assert sorted(trees) == [10, 11, 12, 13] and all(len(t.branches) == K + 1 for t in trees.values())
+    assert sorted(trees) == [10, 11, 12, 13] and all(t.num_branches == K + 1 for t in trees.values())
     spec = proposals[0].tokens.tolist()
     bonus, tokens = expected_branch([5, 6, 9], spec, 2)
     backend.send_outcomes([Outcome(s, 0, 2, bonus, None) for s in (10, 11, 12, 13)])  # hits
@@ -231,11 +231,11 @@ def test_unreachable_server_starts_dead_and_close_is_idempotent():
 
 
 def test_merged_shard_slices_keep_every_branch_and_the_slowest_build():
-    slices = [SpeculationTree(7, 3, [Branch(k, 10 + k, Proposal(torch.tensor([k, k]), None))], build_s=s)
-              for k, s in ((0, 0.004), (1, 0.009))]
-    tree = merge_trees(slices)
+    slices = [SpeculationTree.from_rows(7, 3, [(k, 10 + k, Proposal(torch.tensor([k, k]), None))], build_s=s)
+              for k, s in ((0, 0.004), (1, 0.009))] + [SpeculationTree(7, 3, build_s=0.001)]  # a shard with no branch
+    tree = SpeculationTree.concat(slices)
     assert (tree.seq_id, tree.round, tree.build_s) == (7, 3, 0.009)
-    assert [(b.accepted, b.bonus_token) for b in tree.branches] == [(0, 10), (1, 11)]
+    assert tree.keys() == [(0, 10), (1, 11)] and tree.proposals.tokens.tolist() == [[0, 0], [1, 1]]
 
 
 def test_the_outbox_counts_a_request_sent_when_grpc_asks_for_the_next():
@@ -265,11 +265,9 @@ def test_a_live_stream_counts_its_requests_sent(pool):
     backend.jit_draft([JitDraftRequest(0, 0, 0, 9)])
     link = backend._owner[0]
     tree = backend.wait_trees([(0, 0)], 5.0)[0]
-    branch = tree.branches[0]
     for _ in range(20):  # each outcome's tree comes back, so each outcome was sent
-        backend.send_outcomes([Outcome(0, tree.round, branch.accepted, branch.bonus_token, cache_hit=True,
-                                       next_tokens=branch.proposal.tokens.tolist())])
+        backend.send_outcomes([Outcome(0, tree.round, tree.accepted[0], tree.bonus_tokens[0], cache_hit=True,
+                                       next_tokens=tree.proposal(0).tokens.tolist())])
         tree = backend.wait_trees([(0, tree.round + 1)], 5.0)[0]
-        branch = tree.branches[0]
     # Counted once gRPC asks for the next request: all but the last, or all of them (send_outcomes waited).
     assert link.outbox.queued == 21 and link.outbox.sent >= 20

@@ -107,10 +107,10 @@ def test_prefill_jit_then_trees_pushed_on_the_stream(served):
     (proposal,) = _jit(served.stub, 1, 0)
     assert proposal.tokens.tolist() == toy_tokens([5, 6, 9]) and proposal.probs is not None
     (tree,) = stream.get()  # built after the JIT, pushed without being asked
-    assert (tree.seq_id, tree.round, len(tree.branches)) == (1, 0, K + 1)
+    assert (tree.seq_id, tree.round, tree.num_branches) == (1, 0, K + 1)
     bonus, tokens = expected_branch([5, 6, 9], proposal.tokens.tolist(), 1)
-    assert (tree.branches[1].bonus_token, tree.branches[1].proposal.tokens.tolist()) == (bonus, tokens)
-    assert torch.equal(tree.branches[1].proposal.probs, toy_probs(TOP_K, tokens))  # sparse top-k, exact over the wire
+    assert (tree.bonus_tokens[1], tree.proposal(1).tokens.tolist()) == (bonus, tokens)
+    assert torch.equal(tree.proposal(1).probs, toy_probs(TOP_K, tokens))  # sparse top-k, exact over the wire
     stream.send([Outcome(1, 0, 1, bonus, None)])  # a hit: the draft continues with the cached branch
     (nxt,) = stream.get()
     assert (nxt.seq_id, nxt.round) == (1, 1)
@@ -122,7 +122,7 @@ def test_trees_built_before_any_stream_wait_for_one(served):
     _jit(served.stub, 1, 0)
     stream = StreamClient(served.stub)  # opened after the JIT: the pending tree is delivered
     (tree,) = stream.get()
-    assert tree.round == 0 and tree.branches[0].proposal.probs is None
+    assert tree.round == 0 and tree.proposals.probs is None
     stream.close()
 
 
@@ -270,10 +270,10 @@ def test_jit_drafts_on_the_stream_are_answered_in_band_and_leave_it_up(served):
 
 def test_tree_batches_are_split_under_the_size_limit_and_an_oversized_tree_is_dropped():
     from saguaro_dist.distributed.draft_service import DraftServicer
-    from saguaro_dist.engine.messages import Branch, Proposal, SpeculationTree
+    from saguaro_dist.engine.messages import Proposal, SpeculationTree
 
     def tree(seq_id: int, vocab: int) -> SpeculationTree:  # one dense [K, vocab] q: ~4 * K * vocab bytes
-        return SpeculationTree(seq_id, 0, [Branch(0, 1, Proposal(torch.arange(K), torch.full((K, vocab), 1.0 / vocab)))])
+        return SpeculationTree.from_rows(seq_id, 0, [(0, 1, Proposal(torch.arange(K), torch.full((K, vocab), 1.0 / vocab)))])
     servicer = DraftServicer(worker=None, max_message_bytes=4 * K * 300)
     replies = servicer._encode_trees([tree(1, 100), tree(2, 100), tree(3, 1000), tree(4, 100), tree(5, 100)])
     assert [[t.seq_id for t in r.trees.trees] for r in replies] == [[1, 2], [4, 5]]  # 3 is over the limit alone

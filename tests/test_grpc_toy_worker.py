@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
-from saguaro_dist.engine.messages import Branch, DraftSampling, Proposal, SpeculationTree
+from saguaro_dist.engine.messages import DraftSampling, Proposal, SpeculationTree
 
 K, VOCAB = 3, 64
 
@@ -117,13 +117,13 @@ class ToyWorker:
 
     def _tree(self, seq_id: int, s: ToySeq) -> SpeculationTree:
         """One branch per outcome (k, t = the speculated token + 1), plus the all-accepted bonus."""
-        branches, s.branches = [], {}
+        rows, s.branches = [], {}
         for k in range(len(s.speculation) + 1):
             t = (s.speculation[k] + 1) % VOCAB if k < len(s.speculation) else 0
             tokens = toy_tokens(s.committed + s.speculation[:k] + [t])
             s.branches[(k, t)] = tokens
-            branches.append(Branch(k, t, self._proposal(s, tokens)))
-        return SpeculationTree(seq_id, s.round, branches)
+            rows.append((k, t, self._proposal(s, tokens)))
+        return SpeculationTree.from_rows(seq_id, s.round, rows)
 
 
 def expected_branch(committed: list[int], speculation: list[int], k: int) -> tuple[int, list[int]]:
@@ -139,10 +139,9 @@ def test_toy_worker_follows_the_round_protocol():
     (p,) = w.jit_draft([JitDraftRequest(1, 0, 0, 9)])
     assert p.tokens.tolist() == toy_tokens([5, 6, 9]) and p.probs is None
     (tree,) = w.build_trees()
-    assert (tree.seq_id, tree.round, len(tree.branches)) == (1, 0, K + 1)
-    b = tree.branches[1]
-    w.observe([Outcome(1, 0, b.accepted, b.bonus_token, None)])
-    assert w.seqs[1].speculation == b.proposal.tokens.tolist() and w.seqs[1].round == 1
+    assert (tree.seq_id, tree.round, tree.num_branches) == (1, 0, K + 1)
+    w.observe([Outcome(1, 0, *tree.keys()[1], None)])
+    assert w.seqs[1].speculation == tree.proposal(1).tokens.tolist() and w.seqs[1].round == 1
 
 
 def _serve_forever(port_file: str) -> None:

@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from saguaro_dist.engine import pipe_wire
-from saguaro_dist.engine.messages import Branch, Proposal, SpeculationTree
+from saguaro_dist.engine.messages import Proposal, SpeculationTree
 
 
 def _tree(n: int, vocab: int | None, seq_id: int = 0) -> SpeculationTree:
     gen = torch.Generator().manual_seed(seq_id)
     probs = (lambda: torch.rand(4, vocab, generator=gen)) if vocab else (lambda: None)
-    return SpeculationTree(seq_id, 3, [Branch(i % 5, 100 + i, Proposal(torch.randint(0, 50, (4,), generator=gen), probs()))
-                                       for i in range(n)], build_s=0.001 * (seq_id + 1))
+    return SpeculationTree.from_rows(seq_id, 3, [(i % 5, 100 + i, Proposal(torch.randint(0, 50, (4,), generator=gen), probs()))
+                                                 for i in range(n)], build_s=0.001 * (seq_id + 1))
 
 
 def _round_trip(*msg):
@@ -28,13 +28,13 @@ def _round_trip(*msg):
 
 
 def _assert_same(a: SpeculationTree, b: SpeculationTree) -> None:
-    assert (a.seq_id, a.round, len(a.branches), a.build_s) == (b.seq_id, b.round, len(b.branches), b.build_s)
-    for x, y in zip(a.branches, b.branches):
-        assert (x.accepted, x.bonus_token) == (y.accepted, y.bonus_token)
-        assert torch.equal(x.proposal.tokens, y.proposal.tokens)
-        assert (x.proposal.probs is None) == (y.proposal.probs is None)
-        if x.proposal.probs is not None:
-            assert torch.equal(x.proposal.probs, y.proposal.probs)
+    assert (a.seq_id, a.round, a.keys(), a.build_s) == (b.seq_id, b.round, b.keys(), b.build_s)
+    assert (a.proposals is None) == (b.proposals is None)
+    if a.proposals is not None:
+        assert torch.equal(a.proposals.tokens, b.proposals.tokens)
+        assert (a.proposals.probs is None) == (b.proposals.probs is None)
+        if a.proposals.probs is not None:
+            assert torch.equal(a.proposals.probs, b.proposals.probs)
 
 
 @pytest.mark.parametrize("n, vocab", [(12, None), (12, 2048), (0, None), (1, 7)])
@@ -44,14 +44,18 @@ def test_trees_round_trip(n, vocab):
     assert kind == "trees"
     for a, b in zip(trees, got):
         _assert_same(a, b)
-    for branch in (b for t in got for b in t.branches):
-        branch.proposal.tokens[0] = 1  # the engine may write what it received
+    for tree in (t for t in got if t.num_branches):
+        tree.proposals.tokens[0, 0] = 1  # the engine may write what it received
 
 
-def test_a_tree_with_mixed_proposals_round_trips():
-    tree = _tree(2, 5)
-    tree.branches[1].proposal.probs = None
-    _assert_same(tree, _round_trip(tree)[0])
+def test_a_view_of_a_bigger_tensor_sends_only_its_rows():
+    """The draft's trees are row slices of one build's columns: each must travel on its own."""
+    tree = _tree(12, 2048)
+    part = SpeculationTree(0, 3, tree.accepted[4:8], tree.bonus_tokens[4:8],
+                           Proposal(tree.proposals.tokens[4:8], tree.proposals.probs[4:8]))
+    got = _round_trip(part)[0]
+    _assert_same(part, got)
+    assert got.proposals.probs.untyped_storage().nbytes() == 4 * 4 * 2048 * 4
 
 
 def test_small_arrays_go_in_band_large_ones_out_of_band():

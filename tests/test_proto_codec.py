@@ -10,7 +10,7 @@ import torch
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 
 
@@ -146,8 +146,8 @@ def _tree(q: str, n: int = 3, k: int = 2, vocab: int = 1000) -> SpeculationTree:
     g = torch.Generator().manual_seed(n)
     probs = {"greedy": lambda i: None, "top-k": lambda i: _top_k_probs(k, vocab, 3, seed=i),
              "dense": lambda i: torch.softmax(torch.randn(k, vocab, generator=g), -1)}[q]
-    return SpeculationTree(5, 9, [Branch(i, 11 + i, Proposal(torch.randint(0, vocab, (k,), generator=g), probs(i)))
-                                  for i in range(n)], build_s=0.0123)
+    return SpeculationTree.from_rows(5, 9, [(i, 11 + i, Proposal(torch.randint(0, vocab, (k,), generator=g), probs(i)))
+                                            for i in range(n)], build_s=0.0123)
 
 
 @pytest.mark.parametrize("q,form", [("greedy", None), ("top-k", "sparse"), ("dense", "dense")])
@@ -156,32 +156,30 @@ def test_a_tree_round_trips_bit_exact_as_columns(q, form):
     msg = _wire(codec.tree_to_proto(tree))
     assert msg.proposals.tokens.shape == [3, 2] and msg.proposals.WhichOneof("probs") == form  # one tensor each
     back = codec.tree_from_proto(msg)
-    assert (back.seq_id, back.round, len(back.branches), back.build_s) == (5, 9, 3, 0.0123)
-    for a, b in zip(tree.branches, back.branches):
-        assert (a.accepted, a.bonus_token) == (b.accepted, b.bonus_token)
-        _assert_proposal_equal(a.proposal, b.proposal)
-    empty = codec.tree_from_proto(_wire(codec.tree_to_proto(SpeculationTree(5, 9, []))))
-    assert empty == SpeculationTree(5, 9, [])
+    assert (back.seq_id, back.round, back.keys(), back.build_s) == (5, 9, [(0, 11), (1, 12), (2, 13)], 0.0123)
+    _assert_proposal_equal(tree.proposals, back.proposals)
+    empty = codec.tree_from_proto(_wire(codec.tree_to_proto(SpeculationTree(5, 9))))
+    assert empty == SpeculationTree(5, 9)
 
 
-def test_a_tree_mixing_one_hot_and_explicit_q_sends_the_one_hot_q():
+def test_a_tree_made_from_one_hot_and_explicit_q_rows_holds_the_one_hot_q():
     """The one-hot q is what None means: the verifier sees the same distribution."""
-    tree = _tree("dense")
-    tree.branches[1].proposal.probs = None
+    rows = _tree("dense").rows()
+    one_hot = Proposal(rows[1][2].tokens, None)
+    tree = SpeculationTree.from_rows(5, 9, [rows[0], (1, 12, one_hot), rows[2]])
     back = codec.tree_from_proto(_wire(codec.tree_to_proto(tree)))
-    tokens = tree.branches[1].proposal.tokens
-    assert torch.equal(back.branches[1].proposal.probs, torch.nn.functional.one_hot(tokens, 1000).float())
+    assert torch.equal(back.proposal(1).probs, torch.nn.functional.one_hot(one_hot.tokens, 1000).float())
     for i in (0, 2):
-        _assert_proposal_equal(tree.branches[i].proposal, back.branches[i].proposal)
+        _assert_proposal_equal(rows[i][2], back.proposal(i))
 
 
 def test_batches_round_trip():
     trees = [_tree("greedy"), _tree("top-k", n=2)]
     back = codec.tree_batch_from_proto(_wire(codec.tree_batch_to_proto(trees)))
-    assert [len(t.branches) for t in back] == [3, 2]
+    assert [t.num_branches for t in back] == [3, 2]
     outcomes = [Outcome(1, 0, 0, 3, None), Outcome(2, 4, 1, 5, [7])]
     assert codec.outcome_batch_from_proto(_wire(codec.outcome_batch_to_proto(outcomes))) == outcomes
-    proposals = [b.proposal for t in trees for b in t.branches]
+    proposals = [p for t in trees for _, _, p in t.rows()]
     props = codec.proposal_batch_from_proto(_wire(codec.proposal_batch_to_proto(proposals)))
     assert len(props) == 5
     for a, b in zip(proposals, props):
@@ -202,9 +200,14 @@ def test_malformed_trees_raise_codec_error():
         bad.CopyFrom(good)
         mutate(bad)
         _bad(lambda: codec.tree_from_proto(bad))
-    ragged = _tree("greedy")
-    ragged.branches[0].proposal.tokens = torch.tensor([1, 2, 3])
-    _bad(lambda: codec.tree_to_proto(ragged))
+    for broken in (lambda t: t.accepted.append(4),                      # more outcomes than token rows
+                   lambda t: setattr(t, "proposals", None),              # branches without proposals
+                   lambda t: setattr(t.proposals, "tokens", t.proposals.tokens[0])):  # not [N, K]
+        tree = _tree("greedy")
+        broken(tree)
+        _bad(lambda: codec.tree_to_proto(tree))
+    with pytest.raises(ValueError, match="K tokens"):  # rows of a tree must have one K
+        SpeculationTree.from_rows(5, 9, [(0, 1, Proposal(torch.tensor([1, 2]), None)), (1, 2, Proposal(torch.tensor([1]), None))])
 
 
 def _bad(msg_factory):

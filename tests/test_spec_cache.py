@@ -1,7 +1,7 @@
 """SpeculationCache: keys (seq, k, t*), latest round only, counters."""
 import torch
 
-from saguaro_dist.engine.messages import Branch, Proposal, SpeculationTree
+from saguaro_dist.engine.messages import Proposal, SpeculationTree
 from saguaro_dist.spec import SpeculationCache
 
 
@@ -42,10 +42,11 @@ def test_drop_and_counters_reset():
 
 
 def test_put_tree_with_protocol_messages():
-    prop = Proposal(tokens=torch.tensor([4, 5]), probs=None)
-    tree = SpeculationTree(seq_id=9, round=2, branches=[Branch(accepted=1, bonus_token=6, proposal=prop)])
+    tree = SpeculationTree(seq_id=9, round=2, accepted=[0, 1], bonus_tokens=[3, 6],
+                           proposals=Proposal(tokens=torch.tensor([[1, 2], [4, 5]]), probs=None))
     cache = SpeculationCache()
     assert cache.put_tree(tree)
-    assert cache.lookup(9, 2, 1, 6) is prop
+    assert cache.lookup(9, 2, 1, 6).tokens.tolist() == [4, 5]
     # tensor keys from the verifier work too
-    assert cache.lookup(9, 2, torch.tensor(1), torch.tensor(6)) is prop
+    assert cache.lookup(9, 2, torch.tensor(1), torch.tensor(6)).tokens.tolist() == [4, 5]
+    assert cache.lookup(9, 2, 1, 3) is None and cache.lookup(9, 1, 0, 3) is None  # not a branch; a stale round

@@ -16,7 +16,7 @@ import torch
 
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 
 __all__ = [
@@ -306,31 +306,18 @@ def outcome_from_proto(msg: pb.Outcome) -> Outcome:
 
 
 def tree_to_proto(t: SpeculationTree) -> pb.SpeculationTree:
-    """The branches as columns (see the .proto): one Proposal of tokens [N, K] and q [N, K, V]."""
-    msg = pb.SpeculationTree(seq_id=_int64(t.seq_id, "seq_id"), round=t.round,
-                             accepted=[b.accepted for b in t.branches], bonus_tokens=[b.bonus_token for b in t.branches],
-                             build_s=t.build_s)
-    if t.branches:
-        msg.proposals.CopyFrom(proposal_to_proto(_columns(t.branches)))
+    """The tree's columns (see the .proto): accepted [N], bonus tokens [N], tokens [N, K], q [N, K, V]."""
+    n = t.num_branches
+    if len(t.bonus_tokens) != n or (n and (t.proposals is None or t.proposals.tokens.ndim != 2
+                                           or len(t.proposals.tokens) != n)):
+        shape = None if t.proposals is None else list(t.proposals.tokens.shape)
+        raise CodecError(f"SpeculationTree: {n} accepted counts, {len(t.bonus_tokens)} bonus tokens and tokens of "
+                         f"shape {shape}: each branch needs one of each (tokens [N, K])")
+    msg = pb.SpeculationTree(seq_id=_int64(t.seq_id, "seq_id"), round=t.round, accepted=t.accepted,
+                             bonus_tokens=t.bonus_tokens, build_s=t.build_s)
+    if n:
+        msg.proposals.CopyFrom(proposal_to_proto(t.proposals))
     return msg
-
-
-def _columns(branches: list[Branch]) -> Proposal:
-    """All branches' proposals stacked; a branch without q gets its one-hot q when another has one."""
-    tokens = [b.proposal.tokens for b in branches]
-    if len({len(x) for x in tokens}) > 1:
-        raise CodecError(f"the branches of one tree must all have K tokens, got lengths {sorted({len(x) for x in tokens})}")
-    probs = [b.proposal.probs for b in branches]
-    given = next((q for q in probs if q is not None), None)
-    if given is None:
-        return Proposal(torch.stack(tokens), None)
-    return Proposal(torch.stack(tokens), torch.stack([_one_hot_like(given, x) if q is None else q
-                                                     for x, q in zip(tokens, probs)]))
-
-
-def _one_hot_like(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The q [K, V] of a deterministic proposal: probability 1 on each of its K tokens."""
-    return torch.zeros_like(q).scatter_(-1, tokens.to(q.device)[:, None], 1.0)
 
 
 def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
@@ -338,15 +325,13 @@ def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
     bonus = _non_negative_ints(msg.bonus_tokens, "SpeculationTree.bonus_tokens")
     if len(accepted) != len(bonus):
         raise CodecError(f"SpeculationTree: {len(accepted)} accepted counts but {len(bonus)} bonus tokens")
-    tree = SpeculationTree(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"), branches=[],
-                           build_s=_duration(msg.build_s, "build_s"))
+    tree = SpeculationTree(msg.seq_id, _non_negative(msg.round, "round"), build_s=_duration(msg.build_s, "build_s"))
     if not accepted:
         return tree
     columns = proposal_from_proto(_required(msg, "proposals", "SpeculationTree"), ndim=2)
     if len(columns.tokens) != len(accepted):
         raise CodecError(f"SpeculationTree: {len(accepted)} branches but {len(columns.tokens)} proposals")
-    qs = [None] * len(accepted) if columns.probs is None else columns.probs.unbind(0)
-    tree.branches = [Branch(k, t, Proposal(x, q)) for k, t, x, q in zip(accepted, bonus, columns.tokens.unbind(0), qs)]
+    tree.accepted, tree.bonus_tokens, tree.proposals = accepted, bonus, columns
     return tree
 
 

@@ -18,13 +18,6 @@ from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillReques
 log = logging.getLogger(__name__)
 
 
-def merge_trees(trees: list[SpeculationTree]) -> SpeculationTree:
-    """One tree from the shards' slices (they hold disjoint branches of the same round, built in parallel:
-    the slowest shard's build is the tree's)."""
-    return SpeculationTree(trees[0].seq_id, trees[0].round, [b for t in trees for b in t.branches],
-                           max(t.build_s for t in trees))
-
-
 class DraftPool:
     """A DraftBackend over several single-worker backends (engine/draft_backend.py's interface)."""
 
@@ -98,7 +91,7 @@ class DraftPool:
         for i, part in parts.items():
             for seq_id, tree in self.backends[i].wait_trees(part, max(0.0, deadline - time.monotonic())).items():
                 slices[seq_id].append(tree)
-        return {seq_id: merge_trees(trees) for seq_id, trees in slices.items()}
+        return {seq_id: SpeculationTree.concat(trees) for seq_id, trees in slices.items()}
 
     def release(self, reqs: list[Release]) -> None:
         self._forget([r.seq_id for r in reqs])

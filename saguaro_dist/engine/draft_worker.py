@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.messages import (
-    Branch, DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 from saguaro_dist.engine.sequence import make_generator
 from saguaro_dist.engine.target import RowSampling, sampling_probs
@@ -201,9 +202,10 @@ class DraftWorker:
         return probs
 
     def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step
-                ) -> tuple[list[Proposal], list[torch.Tensor]]:
+                ) -> tuple[Proposal, list[torch.Tensor]]:
         """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j.
-        Returns the proposals and the K logits [R, V] they were drawn from."""
+        Returns the draws as columns (tokens [R, K], probs [R, K, V] or None when every row is greedy)
+        and the K logits [R, V] they were drawn from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
         sampling = None if greedy else RowSampling.of([s.sampling for s in rows])  # once for the K draws
         tokens, dists, seen = [], [], []
@@ -220,10 +222,13 @@ class DraftWorker:
                 logits = step(drawn)
         # Proposals leave the worker on the CPU (one copy per draw, not per row): they cross a pipe or
         # gRPC, and the target moves them to its own device.
-        tokens = torch.stack(tokens, 1).cpu()                                 # [R, K]
-        dists = torch.stack(dists, 1).cpu() if dists else None                # [R, K, V]
-        return [Proposal(tokens[i].clone(), None if s.sampling.temperature == 0 else dists[i].clone())
-                for i, s in enumerate(rows)], seen
+        return Proposal(torch.stack(tokens, 1).cpu(), torch.stack(dists, 1).cpu() if dists else None), seen
+
+    @staticmethod
+    def _rows_of(columns: Proposal, states: list[DraftSeq], lo: int, hi: int) -> Proposal:
+        """Rows lo:hi of the draws (one sequence's); no q for a greedy sequence (one-hot on its tokens)."""
+        greedy = columns.probs is None or states[lo].sampling.temperature == 0
+        return Proposal(columns.tokens[lo:hi], None if greedy else columns.probs[lo:hi])
 
     def _draft_sequentially(self, states: list[DraftSeq]) -> list[Proposal]:
         """K one-token forwards (the SD draft, and SSD's neural backup)."""
@@ -234,7 +239,11 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [[s.committed[-1]] for s in states], [1] * len(ids)))
-        return self._draw_k(states, fanouts, first, step)[0]
+        columns = self._draw_k(states, fanouts, first, step)[0]
+        # A copy per row: a view would keep every row's q alive as long as any one is.
+        return [Proposal(columns.tokens[i].clone(),
+                         None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
+                for i, s in enumerate(states)]
 
     def _glue(self, states: list[DraftSeq], fanouts: dict[int, list[int]]) -> list[tuple[int, int, int]]:
         """Draft logits over [b, x_1..x_K]; the candidate bonus tokens of this worker's slice of the tree.
@@ -268,21 +277,21 @@ class DraftWorker:
         return torch.stack([step[row] for step in s.last_tree.step_logits])
 
     def _decode_branches(self, states, fanouts, rows) -> list[SpeculationTree]:
-        """K steps for all branches at once; branch (k, t) attends to P + x_1..x_k, then t."""
+        """K steps for all branches at once; branch (k, t) attends to P + x_1..x_k, then t. Each state's
+        rows are contiguous (_glue lists them state by state): its tree is a slice of the columns."""
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
-        proposals, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
-                                       lambda drawn: self.runner.branch_step(state, drawn))
-        last = LastTree(state, seen)
-        branches = {i: [] for i in range(len(states))}
-        for s in states:
-            s.last_tree, s.branch_rows = last, {}
-        for row, ((i, k, t), p) in enumerate(zip(rows, proposals)):
-            branches[i].append(Branch(k, t, p))
-            states[i].branch_rows[(k, t)] = row
-        return [self._tree(s, branches[i]) for i, s in enumerate(states)]
-
-    def _tree(self, s: DraftSeq, branches: list[Branch]) -> SpeculationTree:
-        s.branches = {(b.accepted, b.bonus_token): b.proposal.tokens.tolist() for b in branches}
-        return SpeculationTree(s.seq_id, s.round, branches)
+        columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
+                                     lambda drawn: self.runner.branch_step(state, drawn))
+        last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
+        counts = Counter(i for i, _, _ in rows)
+        for i, s in enumerate(states):
+            hi = lo + counts[i]
+            keys = [(k, t) for _, k, t in rows[lo:hi]]
+            s.last_tree, s.branches = last, dict(zip(keys, token_lists[lo:hi]))
+            s.branch_rows = {key: lo + j for j, key in enumerate(keys)}
+            trees.append(SpeculationTree(s.seq_id, s.round, [k for k, _ in keys], [t for _, t in keys],
+                                         self._rows_of(columns, owners, lo, hi) if hi > lo else None))
+            lo = hi
+        return trees

@@ -1,8 +1,9 @@
 """The messages that cross between the target side and the draft side, one type per stage.
 
 Mirrored 1:1 by protos/saguaro.proto (package saguaro.v1); the gRPC transport converts between the
-two, the in-process transport passes these objects as they are. One exception: a SpeculationTree's
-branches travel as columns (one Proposal of tokens [N, K]), so Branch has no message of its own.
+two, the in-process transport passes these objects as they are. A SpeculationTree holds its branches as
+columns, as on the wire: one Proposal of tokens [N, K] for N branches, not N objects (a pickled or
+encoded tensor per branch cost more than the rest of a tree's trip; docs/architecture.md).
 
 Round protocol for one sequence (P = committed tokens, ending with the last bonus token b that the
 target has not run yet; s = the speculation x_1..x_K the target verifies this round):
@@ -17,7 +18,7 @@ slice of a bigger tree; only shard 0 answers just-in-time drafts, the others lea
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,19 +72,79 @@ class Outcome:
 
 
 @dataclass
-class Branch:
-    accepted: int      # k: the outcome this branch answers
-    bonus_token: int   # t
-    proposal: Proposal
-
-
-@dataclass
 class SpeculationTree:
-    """Draft -> target: prepared speculations for the likely outcomes of `round`."""
+    """Draft -> target: prepared speculations for the likely outcomes of `round`, one row per branch:
+    row i answers outcome (accepted[i], bonus_tokens[i]) with the speculation proposals.tokens[i]."""
     seq_id: int
     round: int
-    branches: list[Branch]
+    accepted: list[int] = field(default_factory=list)      # [N] k of each branch
+    bonus_tokens: list[int] = field(default_factory=list)  # [N] t of each branch
+    proposals: Proposal | None = None  # tokens [N, K] int64, probs [N, K, V] float32 or None; None iff N == 0
     build_s: float = 0.0  # the draft's wall time for the build that made this tree (all its trees; metrics only)
+
+    @property
+    def num_branches(self) -> int:
+        return len(self.accepted)
+
+    def keys(self) -> list[tuple[int, int]]:
+        return list(zip(self.accepted, self.bonus_tokens))
+
+    def proposal(self, i: int) -> Proposal:
+        """Branch i's proposal: tokens [K], probs [K, V] or None (views of the columns)."""
+        p = self.proposals
+        return Proposal(p.tokens[i], None if p.probs is None else p.probs[i])
+
+    def rows(self) -> list[tuple[int, int, Proposal]]:
+        """(k, t, proposal) per branch, as from_rows takes them."""
+        return [(k, t, self.proposal(i)) for i, (k, t) in enumerate(self.keys())]
+
+    def lookup(self, accepted: int, bonus_token: int) -> Proposal | None:
+        """The branch that answers outcome (accepted, bonus_token), or None."""
+        for i, key in enumerate(zip(self.accepted, self.bonus_tokens)):
+            if key == (accepted, bonus_token):
+                return self.proposal(i)
+        return None
+
+    @classmethod
+    def from_rows(cls, seq_id: int, round: int, rows: list[tuple[int, int, Proposal]], build_s: float = 0.0
+                  ) -> SpeculationTree:
+        """A tree from branches given one by one as (k, t, proposal), stacked into columns; a row without
+        q gets its one-hot q when another row has one."""
+        if not rows:
+            return cls(seq_id, round, build_s=build_s)
+        return cls(seq_id, round, [int(k) for k, _, _ in rows], [int(t) for _, t, _ in rows],
+                   stack_proposals([p for _, _, p in rows]), build_s)
+
+    @classmethod
+    def concat(cls, trees: list[SpeculationTree]) -> SpeculationTree:
+        """One tree from disjoint slices of the same round (cache-parallel shards, built in parallel:
+        the slowest slice's build is the tree's)."""
+        full = [t for t in trees if t.num_branches]
+        tree = cls(trees[0].seq_id, trees[0].round, build_s=max(t.build_s for t in trees))
+        if full:
+            tree.accepted = [k for t in full for k in t.accepted]
+            tree.bonus_tokens = [b for t in full for b in t.bonus_tokens]
+            tree.proposals = stack_proposals([t.proposals for t in full], cat=True)
+        return tree
+
+
+def stack_proposals(proposals: list[Proposal], cat: bool = False) -> Proposal:
+    """Proposals stacked (or, with cat, concatenated: columns of trees) along a first dimension; a proposal without q gets its
+    one-hot q when another has one. Every proposal must have the same K."""
+    join = torch.cat if cat else torch.stack
+    if len({tuple(p.tokens.shape[-1:]) for p in proposals}) > 1:
+        raise ValueError(f"proposals of one tree must all have K tokens, got {sorted({p.tokens.shape[-1] for p in proposals})}")
+    given = next((p.probs for p in proposals if p.probs is not None), None)
+    tokens = join([p.tokens for p in proposals])
+    if given is None:
+        return Proposal(tokens, None)
+    return Proposal(tokens, join([one_hot_like(given, p.tokens) if p.probs is None else p.probs for p in proposals]))
+
+
+def one_hot_like(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The q [..., K, V] of a deterministic proposal: probability 1 on each of its tokens [..., K]."""
+    shape = (*tokens.shape, q.shape[-1])
+    return torch.zeros(shape, dtype=q.dtype, device=q.device).scatter_(-1, tokens.to(q.device)[..., None], 1.0)
 
 
 @dataclass

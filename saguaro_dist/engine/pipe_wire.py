@@ -13,7 +13,6 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from saguaro_dist.engine.messages import Branch, Proposal, SpeculationTree
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; Python < 3.10 lacks the name
 PIPE_BYTES = 1 << 20
@@ -32,25 +31,7 @@ _NUMPY_DTYPES = {torch.float32, torch.float64, torch.float16, torch.int64, torch
                  torch.uint8, torch.bool}
 
 
-def _tree_as_arrays(tree: SpeculationTree):
-    """A tree as one [N, K] token array (and one [N, K, V] q array) instead of N Branch objects with a
-    tensor each: every pickled tensor costs tens of microseconds each way, a greedy b = 1 tree has 12."""
-    probs = [b.proposal.probs for b in tree.branches]
-    if not tree.branches or (None in probs and any(p is not None for p in probs)):
-        return copyreg.__newobj__, (SpeculationTree,), tree.__dict__  # empty, or mixed q: field by field
-    keys = [(b.accepted, b.bonus_token) for b in tree.branches]
-    tokens = torch.stack([b.proposal.tokens for b in tree.branches])
-    probs = None if probs[0] is None else torch.stack(probs)
-    return _tree_from_arrays, (tree.seq_id, tree.round, keys, tokens, probs, tree.build_s)
-
-
-def _tree_from_arrays(seq_id, round, keys, tokens, probs, build_s) -> SpeculationTree:
-    rows = zip(tokens, [None] * len(keys) if probs is None else probs)
-    branches = [Branch(k, t, Proposal(x, q)) for (k, t), (x, q) in zip(keys, rows)]
-    return SpeculationTree(seq_id, round, branches, build_s)
-
-
-_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor_as_array, SpeculationTree: _tree_as_arrays}
+_DISPATCH = {**copyreg.dispatch_table, torch.Tensor: _tensor_as_array}
 
 
 def send(conn: Connection, *msg) -> None:

@@ -2,27 +2,34 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any
 
 
 class SpeculationCache:
     """Per sequence, the branches of its latest round; older rounds are misses.
 
-    Thread-safe: a transport thread may `put` while the round loop looks up. Values are opaque
-    (the engine stores messages.Proposal).
+    Thread-safe: a transport thread may `put` while the round loop looks up. Values are opaque to
+    put(); put_tree() stores a messages.SpeculationTree whole, and its lookups return the branch's
+    messages.Proposal (made on lookup: one row, not one object per branch at every put).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._entries: dict[Hashable, tuple[int, dict[tuple[int, int], Any]]] = {}
+        self._entries: dict[Hashable, tuple[int, Callable[[tuple[int, int]], Any]]] = {}  # seq -> (round, key -> value)
         self.hits = 0
         self.misses = 0
 
     def put(self, seq_id: Hashable, round: int, branches: Mapping[tuple[int, int], Any]) -> bool:
         """Store {(k, bonus_token): value} as seq_id's round `round`, replacing an older round.
         A round older than the stored one (a late delivery) is ignored; returns whether it was stored."""
-        entry = {(int(k), int(t)): value for (k, t), value in branches.items()}
+        return self._store(seq_id, round, {(int(k), int(t)): value for (k, t), value in branches.items()}.get)
+
+    def put_tree(self, tree) -> bool:
+        """put() for a messages.SpeculationTree: outcome (accepted, bonus_token) -> that branch's proposal."""
+        return self._store(tree.seq_id, tree.round, lambda key: tree.lookup(*key))
+
+    def _store(self, seq_id: Hashable, round: int, entry: Callable[[tuple[int, int]], Any]) -> bool:
         with self._lock:
             current = self._entries.get(seq_id)
             if current is not None and current[0] > round:
@@ -30,15 +37,11 @@ class SpeculationCache:
             self._entries[seq_id] = (round, entry)
             return True
 
-    def put_tree(self, tree) -> bool:
-        """put() for a messages.SpeculationTree: its branches keyed by (accepted, bonus_token) -> proposal."""
-        return self.put(tree.seq_id, tree.round, _tree_branches(tree.branches))
-
     def lookup(self, seq_id: Hashable, round: int, k: int, bonus: int) -> Any | None:
         """The value for outcome (k, bonus) of `round`, or None (counted as a miss) if absent or stale."""
         with self._lock:
             entry = self._entries.get(seq_id)
-            value = entry[1].get((int(k), int(bonus))) if entry is not None and entry[0] == round else None
+            value = entry[1]((int(k), int(bonus))) if entry is not None and entry[0] == round else None
             if value is None:
                 self.misses += 1
             else:
@@ -71,6 +74,3 @@ class SpeculationCache:
             self.hits = 0
             self.misses = 0
 
-
-def _tree_branches(branches: Iterable) -> dict[tuple[int, int], Any]:
-    return {(b.accepted, b.bonus_token): b.proposal for b in branches}
