@@ -60,7 +60,7 @@ def record(temperature: float, batch: int, out: str) -> None:
 
 def _replay_once(data: dict, rng: random.Random, passes: int = 3) -> float:
     """One engine's life: `passes` times over every prompt group, each kind's pass drawn at random."""
-    from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
+    from saguaro_dist.spec.tree_gate import TreeGate
     gate, tokens, seconds = TreeGate(), 0.0, 0.0
     for _ in range(passes):
         for g in range(len(data["trees"][0])):
