@@ -86,6 +86,7 @@ class Config:
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
     tree_timeout_s: float = 5.0            # how long the target waits for a late speculation tree
+    startup_timeout_s: float = 600.0       # on Ray: how long start-up waits for its actors to be placed and load
     draft_spin_s: float = 0.05             # the draft busy-polls this long for its next message before it blocks
     # Distributed runtime (None: the one-host engine)
     cluster: str | None = None
@@ -120,6 +121,10 @@ class Config:
             raise ValueError(f"adaptive_fan_out must be true or false, got {self.adaptive_fan_out!r}")
         if not isinstance(self.draft_spin_s, (int, float)) or not 0.0 <= self.draft_spin_s <= 1.0:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
+        for name in ("tree_timeout_s", "startup_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:

@@ -192,3 +192,23 @@ def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair):
     assert_greedy_equal(out.token_ids, want, PROMPTS[0], pair["model"])
     assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m
     assert m.tree_builds > 0 and m.tree_build_s > 0, m  # the draft's build time crossed gRPC
+
+
+def test_drafts_no_node_can_host_fail_start_up_clearly_and_leave_nothing(ray_cluster, pair):
+    """A draft worker asking for a resource no node has would wait for it forever: start-up gives up
+    after startup_timeout_s with an error that says what could not be placed, and frees what it took."""
+    before = ray.available_resources().get("CPU")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"draft worker\(s\) asking .*no_such_node.*not started within startup_timeout_s"):
+        cluster_llm(pair, num_draft_workers=1, draft_resources={"no_such_node": 1}, startup_timeout_s=3)
+    assert time.monotonic() - start < 60
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU") != before and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == before, "actors or placement groups were left behind"
+
+
+def test_start_up_timeouts_must_be_positive(pair):
+    for bad in (0, -1.0, True, "5"):
+        with pytest.raises(ValueError, match="startup_timeout_s"):
+            LLM(model=pair["target"], draft=pair["draft"], mode="ssd", cluster="auto", startup_timeout_s=bad)

@@ -95,18 +95,31 @@ def build_cluster_engine(config: Config):
     from saguaro_dist.engine.build import try_load_tokenizer
     needed = config.tensor_parallel_size + config.num_draft_workers + 1
     deployment = Deployment(started_ray=connect(config.cluster, needed))
+    deadline = time.monotonic() + config.startup_timeout_s
     try:
         resources = ray.cluster_resources()
         deployment.drafts = start_drafts(config, resources)
-        deployment.placement_group = target_placement(config, resources)
+        deployment.placement_group = target_placement(config, resources, config.startup_timeout_s)
         deployment.ranks = start_ranks(config, resources, deployment.placement_group)
-        addresses = ray.get([d.address.remote() for d in deployment.drafts])
-        master = ray.get(deployment.ranks[0].rendezvous.remote())
-        info = ray.get([r.setup.remote(master, addresses) for r in deployment.ranks])[0]
+        addresses = started([d.address.remote() for d in deployment.drafts], deadline,
+                            f"{config.num_draft_workers} draft worker(s) asking {draft_options(config, resources)} each")
+        master = started(deployment.ranks[0].rendezvous.remote(), deadline, "target rank 0")
+        info = started([r.setup.remote(master, addresses) for r in deployment.ranks], deadline,
+                       f"{config.tensor_parallel_size} target rank(s) loading {config.model}")[0]
     except BaseException:
         deployment.kill()
         raise
     return RemoteEngine(deployment, info), try_load_tokenizer(config.model)
+
+
+def started(refs, deadline: float, what: str):
+    """ray.get for a start-up step, by the start-up deadline: an actor that no node can host waits for
+    resources forever (Ray only logs it), and the caller deserves an error, not a hang."""
+    try:
+        return ray.get(refs, timeout=max(0.0, deadline - time.monotonic()))
+    except ray.exceptions.GetTimeoutError:
+        raise RuntimeError(f"{what}: not started within startup_timeout_s. Can the cluster host them? "
+                           f"Free now: {ray.available_resources()}") from None
 
 
 class RemoteEngine:
