@@ -121,10 +121,10 @@ class Config:
             raise ValueError(f"adaptive_fan_out must be true or false, got {self.adaptive_fan_out!r}")
         if not isinstance(self.draft_spin_s, (int, float)) or not 0.0 <= self.draft_spin_s <= 1.0:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
-        for name in ("tree_timeout_s", "startup_timeout_s"):
+        for name, low in (("tree_timeout_s", 0.0), ("startup_timeout_s", 1e-9)):  # 0: never wait for a tree
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
+                raise ValueError(f"{name} must be a number of seconds >= {low:g}, got {value!r}")
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:

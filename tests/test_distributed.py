@@ -197,18 +197,20 @@ def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair):
 def test_drafts_no_node_can_host_fail_start_up_clearly_and_leave_nothing(ray_cluster, pair):
     """A draft worker asking for a resource no node has would wait for it forever: start-up gives up
     after startup_timeout_s with an error that says what could not be placed, and frees what it took."""
-    before = ray.available_resources().get("CPU")
+    before = ray.available_resources().get("CPU", 0)  # an earlier test's actors may still be freeing theirs
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"draft worker\(s\) asking .*no_such_node.*not started within startup_timeout_s"):
         cluster_llm(pair, num_draft_workers=1, draft_resources={"no_such_node": 1}, startup_timeout_s=3)
     assert time.monotonic() - start < 60
     deadline = time.time() + 30
-    while ray.available_resources().get("CPU") != before and time.time() < deadline:
+    while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
         time.sleep(0.2)
-    assert ray.available_resources().get("CPU") == before, "actors or placement groups were left behind"
+    assert ray.available_resources().get("CPU", 0) >= before, "actors or placement groups were left behind"
 
 
-def test_start_up_timeouts_must_be_positive(pair):
+def test_timeouts_are_checked(pair):
     for bad in (0, -1.0, True, "5"):
         with pytest.raises(ValueError, match="startup_timeout_s"):
             LLM(model=pair["target"], draft=pair["draft"], mode="ssd", cluster="auto", startup_timeout_s=bad)
+    with pytest.raises(ValueError, match="tree_timeout_s"):
+        LLM(model=pair["target"], draft=pair["draft"], mode="ssd", tree_timeout_s=-1)

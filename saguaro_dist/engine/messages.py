@@ -129,8 +129,8 @@ class SpeculationTree:
 
 
 def stack_proposals(proposals: list[Proposal], cat: bool = False) -> Proposal:
-    """Proposals stacked (or, with cat, concatenated: columns of trees) along a first dimension; a proposal without q gets its
-    one-hot q when another has one. Every proposal must have the same K."""
+    """Proposals stacked (or, with cat, columns of trees concatenated) along a first dimension; a
+    proposal without q gets its one-hot q when another has one. Every proposal must have the same K."""
     join = torch.cat if cat else torch.stack
     if len({tuple(p.tokens.shape[-1:]) for p in proposals}) > 1:
         raise ValueError(f"proposals of one tree must all have K tokens, got {sorted({p.tokens.shape[-1] for p in proposals})}")
