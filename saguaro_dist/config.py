@@ -64,6 +64,11 @@ def parse_enum(enum_type: type[enum.Enum], value, field_name: str):
         raise ValueError(f"{field_name} must be one of {choices}, got {value!r}") from None
 
 
+def check_seconds(name: str, value, zero_ok: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Config:
     """Everything the engine needs to know; validated once, never mutated afterwards."""
@@ -121,10 +126,8 @@ class Config:
             raise ValueError(f"adaptive_fan_out must be true or false, got {self.adaptive_fan_out!r}")
         if not isinstance(self.draft_spin_s, (int, float)) or not 0.0 <= self.draft_spin_s <= 1.0:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
-        for name, low in (("tree_timeout_s", 0.0), ("startup_timeout_s", 1e-9)):  # 0: never wait for a tree
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= low:
-                raise ValueError(f"{name} must be a number of seconds >= {low:g}, got {value!r}")
+        check_seconds("tree_timeout_s", self.tree_timeout_s, zero_ok=True)  # 0: never wait for a late tree
+        check_seconds("startup_timeout_s", self.startup_timeout_s, zero_ok=False)
         if self.max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:

@@ -209,7 +209,7 @@ def test_drafts_no_node_can_host_fail_start_up_clearly_and_leave_nothing(ray_clu
 
 
 def test_timeouts_are_checked(pair):
-    for bad in (0, -1.0, True, "5"):
+    for bad in (0, -1.0, float("nan"), True, "5"):
         with pytest.raises(ValueError, match="startup_timeout_s"):
             LLM(model=pair["target"], draft=pair["draft"], mode="ssd", cluster="auto", startup_timeout_s=bad)
     with pytest.raises(ValueError, match="tree_timeout_s"):

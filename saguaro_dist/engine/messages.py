@@ -119,6 +119,8 @@ class SpeculationTree:
     def concat(cls, trees: list[SpeculationTree]) -> SpeculationTree:
         """One tree from disjoint slices of the same round (cache-parallel shards, built in parallel:
         the slowest slice's build is the tree's)."""
+        if len(trees) == 1:  # one worker: nothing to join (and no copy of its columns every round)
+            return trees[0]
         full = [t for t in trees if t.num_branches]
         tree = cls(trees[0].seq_id, trees[0].round, build_s=max(t.build_s for t in trees))
         if full:
