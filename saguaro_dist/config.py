@@ -80,7 +80,7 @@ class Config:
     fan_out: int | tuple[int, ...] = 12    # branch budget B, or explicit F_0..F_K (K+1 ints)
     fan_out_kind: FanOut = FanOut.OUTCOME
     adaptive_fan_out: bool = False         # shrink the budget while tree builds outlast verifies (spec/budget.py)
-    saguaro_c: float = 1.0                 # Saguaro sampling: scale of the draft's top-F probabilities
+    saguaro_c: float = 1.0                 # Saguaro sampling (ssd; sd drafts unbiased): scale of the draft's top-F probabilities
     fallback: FallbackPolicy = FallbackPolicy.AUTO
     tree_policy: TreePolicy = TreePolicy.AUTO
     max_batch_size: int = 8

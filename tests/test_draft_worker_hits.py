@@ -1,6 +1,7 @@
 """A hit on the draft's own branch skips the glue forward over that branch's tokens: the branch's KV
 and logits are adopted, and only x_K runs. The trees must be the ones a full glue would build."""
 import pytest
+import torch
 
 from engine_helpers import llama_config, save_model
 from saguaro_dist.config import Config
@@ -84,3 +85,17 @@ def test_a_jit_ahead_of_the_observed_outcomes_is_draft_behind_a_stale_one_out_of
         worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])
     assert not isinstance(stale.value, DraftBehind)
     assert worker.jit_draft([JitDraftRequest(0, 1, 0, 7)])[0].tokens.shape == (K,)  # nothing was changed
+
+
+def jit_proposal(draft_dir, mode: str, saguaro_c: float):
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode=mode, k=K, fan_out=8, saguaro_c=saguaro_c))
+    worker.prefill([PrefillRequest(0, [5, 6, 7, 8], DraftSampling(1.0, 0, 1.0, 11))])
+    return worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])[0]
+
+
+@pytest.mark.parametrize("mode, biased", [("sd", False), ("ssd", True)])
+def test_saguaro_sampling_biases_the_draft_only_where_a_cache_can_use_it(draft_dir, mode, biased):
+    """sigma_{F,C} moves draft mass off the cached bonus candidates to raise SSD's hit rate; SD has no
+    cache, so there it would only cost acceptance: its draft samples the plain distribution."""
+    plain, scaled = jit_proposal(draft_dir, mode, 1.0), jit_proposal(draft_dir, mode, 0.3)
+    assert torch.equal(plain.probs, scaled.probs) is not biased

@@ -75,6 +75,8 @@ class DraftWorker:
         # An explicit per-position fan-out is the user's exact tree: only a budget B adapts.
         adaptive = config.adaptive_fan_out and isinstance(config.fan_out, int)
         self.budget = BudgetController(floor=(config.k + 1) / config.fan_out_budget, enabled=adaptive)
+        # Saguaro sampling trades acceptance for cache hits: SD has no cache, so its draft samples as is.
+        self.saguaro_c = config.saguaro_c if config.mode is Mode.SSD else 1.0
 
     # ---- protocol calls -------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
@@ -195,9 +197,9 @@ class DraftWorker:
     def _proposal_probs(self, logits: torch.Tensor, rows: RowSampling, top_f: list[int]) -> torch.Tensor:
         """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0)."""
         probs = sampling_probs(logits, rows)
-        if self.config.saguaro_c < 1.0:
+        if self.saguaro_c < 1.0:
             sampled = (rows.temperature > 0).to(probs.device)
-            scaled = saguaro_probs(probs, torch.tensor(top_f), self.config.saguaro_c)
+            scaled = saguaro_probs(probs, torch.tensor(top_f), self.saguaro_c)
             probs = torch.where(sampled[:, None], scaled, probs)
         return probs
 
