@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -13,6 +15,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # stop strings; the output excludes them
     ignore_eos: bool = False
     seed: int | None = None    # makes a sampled request reproducible
+    logprobs: int | None = None  # per generated token: its log-probability and the top-N's (0..20); None: none
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -29,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (or None), got {self.logprobs!r}")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
 

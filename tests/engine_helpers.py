@@ -61,6 +61,26 @@ def assert_greedy_equal(got: list[int], want: list[int], prompt: list[int], mode
             return
 
 
+def reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V]: transformers' log_softmax at each output position, teacher-forced."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    return torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+
+
+def check_logprobs(model, prompt: list[int], out, top: int) -> None:
+    """out.logprobs: per token, the chosen token's raw log-probability first, then the top `top`."""
+    want = reference_logprobs(model, prompt, out.token_ids)
+    assert len(out.logprobs) == len(out.token_ids)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert next(iter(entry)) == token  # the chosen token comes first
+        assert abs(entry[token] - float(want[i, token])) < 1e-4
+        top_ids = want[i].topk(top).indices.tolist()
+        assert set(top_ids) <= set(entry) and len(entry) <= top + 1
+        for t in top_ids:
+            assert abs(entry[t] - float(want[i, t])) < 1e-4
+
+
 PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [17]]
 
 

@@ -7,12 +7,14 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import ray
 
-from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model, save_perturbed
+from engine_helpers import (PROMPTS, assert_greedy_equal, check_logprobs, close_pair, hf_greedy, llama_config, save_model,
+                            save_perturbed)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.engine.loop_thread import EngineError
 
@@ -56,6 +58,10 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     addresses = ray.get([d.address.remote() for d in remote.deployment.drafts])
     check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     assert llm.metrics.cache_hits > 0
+    # Log-probabilities from the sharded target's gathered logits, carried back by the Ray updates.
+    scored = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=replace(GREEDY, max_tokens=8, logprobs=2))
+    for prompt, out in zip(PROMPTS, scored):
+        check_logprobs(pair["model"], prompt, out, 2)
     actors = remote.deployment.ranks + remote.deployment.drafts
     llm.shutdown()
     for actor in actors:

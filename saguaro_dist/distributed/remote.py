@@ -27,3 +27,4 @@ class RemoteUpdate:
     finish_reason: str | None
     metrics: RequestMetrics
     error: str | None = None   # the engine failed this request (retriable)
+    logprobs_delta: list[dict[int, float]] | None = None  # per token of token_delta, if the request asked

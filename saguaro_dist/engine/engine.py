@@ -23,6 +23,7 @@ class Update:
     text_delta: str
     token_delta: list[int]
     finished: bool
+    logprobs_delta: list[dict[int, float]] | None = None  # one per token of token_delta, if the request asked
 
 
 class Engine:
@@ -124,8 +125,11 @@ class Engine:
         """Add verified tokens up to the first stop condition; cut stop strings from the text."""
         if not s.output_token_ids:
             s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
-        for t in tokens:
+        logprobs, s.round_logprobs = s.round_logprobs, []
+        for i, t in enumerate(tokens):
             s.output_token_ids.append(t)
+            if logprobs:
+                s.output_logprobs.append(logprobs[i])
             if t in self.eos_token_ids and not s.params.ignore_eos:
                 self._finish(s, FinishReason.STOP)
             elif len(s.output_token_ids) >= s.params.max_tokens:
@@ -151,7 +155,8 @@ class Engine:
         visible = s.text if s.finished else stable_prefix(s.text, s.params.stop)
         visible = visible if visible.startswith(text_sent) else text_sent
         self._emitted[s.seq_id] = (visible, len(s.output_token_ids))
-        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished)
+        logprobs = s.output_logprobs[tokens_sent:] if s.params.logprobs is not None else None
+        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished, logprobs)
 
     def _finish(self, s: Sequence, reason: FinishReason) -> None:
         if not s.finished:

@@ -15,6 +15,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None   # "stop", "length" or "abort"
     metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None  # per token of token_ids: {token id: log p}, if asked for
 
 
 @dataclass
@@ -25,3 +26,4 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None  # on the final delta
+    logprobs: list[dict[int, float]] | None = None  # per token of token_ids, if the request asked for them

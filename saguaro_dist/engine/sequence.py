@@ -49,6 +49,8 @@ class Sequence:
     stream_interval_s: float = 0.0         # DELTA: rounds closer than this share one update, once text went out
     status: SeqStatus = SeqStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token if params.logprobs is set
+    round_logprobs: list[dict[int, float]] = field(default_factory=list)   # the target's, for the tokens it just decided
     text: str = ""                         # detokenized output, stop strings cut
     decode_state: DecodeState = field(default_factory=DecodeState)
     finish_reason: FinishReason | None = None

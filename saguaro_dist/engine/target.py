@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro_dist.engine.logprobs import token_logprobs
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.spec import greedy_tokens, greedy_verify, sample, target_probs, verify
@@ -78,18 +79,26 @@ class TargetScorer:
             q = None if q is None else q.to(p.device)
             result = verify(p, tokens.to(p.device), q, [s.generator for s in seqs])
         accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
-        for s, n in zip(seqs, accepted):
+        for i, (s, n, t) in enumerate(zip(seqs, accepted, bonus)):
             self.runner.truncate(s.seq_id, len(s.tokens) + n)
+            if s.params.logprobs is not None:  # positions 0..k scored x_1..x_k and then t*
+                s.round_logprobs = token_logprobs(logits[i, :n + 1], inputs[i][1:n + 1] + [t], s.params.logprobs)
         return accepted, bonus
 
     def release(self, seq: Sequence) -> None:
         self.runner.free(seq.seq_id)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """One token per sequence from its row of logits [B, V]."""
         if _all_greedy(seqs):
-            return greedy_tokens(logits).tolist()
-        probs = sampling_probs(logits, RowSampling.of([s.params for s in seqs]))
-        return sample(probs, [s.generator for s in seqs]).tolist()
+            tokens = greedy_tokens(logits).tolist()
+        else:
+            probs = sampling_probs(logits, RowSampling.of([s.params for s in seqs]))
+            tokens = sample(probs, [s.generator for s in seqs]).tolist()
+        for i, (s, t) in enumerate(zip(seqs, tokens)):
+            if s.params.logprobs is not None:
+                s.round_logprobs = token_logprobs(logits[i:i + 1], [t], s.params.logprobs)
+        return tokens
 
 
 def _all_greedy(seqs: list[Sequence]) -> bool:

@@ -1,0 +1,65 @@
+"""Log-probabilities: the target's raw log_softmax at each generated token, whichever mode and
+speculation decided it, checked against transformers' own forward over the same tokens."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine_helpers import DEVICE, PROMPTS, check_logprobs, close_pair
+from saguaro_dist import LLM, SamplingParams
+
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return close_pair(tmp_path_factory.mktemp("logprobs_pair"))
+
+
+def generate(pair, mode: str, params: SamplingParams, prompts=PROMPTS):
+    draft = None if mode == "ar" else pair["close"]
+    with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, fan_out=8,
+             draft_executor="thread", max_batch_size=4) as llm:
+        return llm.generate(prompt_token_ids=prompts, sampling_params=params)
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_greedy_logprobs_are_the_targets_whatever_proposed_the_tokens(pair, mode):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP)
+    for prompt, out in zip(PROMPTS, generate(pair, mode, params)):
+        check_logprobs(pair["model"], prompt, out, TOP)
+
+
+def test_sampled_logprobs_are_raw_not_tempered(pair):
+    """At T = 0.7 the figures are still log_softmax of the logits (vLLM's default), and logprobs=0
+    gives only the chosen token's."""
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_tokens=12, ignore_eos=True, seed=3, logprobs=0)
+    outs = generate(pair, "ssd", params)
+    for prompt, out in zip(PROMPTS, outs):
+        check_logprobs(pair["model"], prompt, out, 0)
+        assert all(len(entry) == 1 for entry in out.logprobs)
+
+
+def test_no_logprobs_unless_asked(pair):
+    out = generate(pair, "ssd", SamplingParams(temperature=0, max_tokens=4), prompts=PROMPTS[:1])[0]
+    assert out.logprobs is None
+
+
+def test_streamed_deltas_carry_the_logprobs_of_their_tokens(pair):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+
+    async def collect(llm):
+        return [d async for d in llm.stream(prompt_token_ids=PROMPTS[0], sampling_params=params)]
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3,
+             draft_executor="thread") as llm:
+        deltas = asyncio.run(collect(llm))
+        final = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params)[0]
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+    assert [e for d in deltas for e in d.logprobs] == final.logprobs
+
+
+@pytest.mark.parametrize("bad", [-1, 21, 1.5, True, "3"])
+def test_logprobs_out_of_range_is_refused(bad):
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=bad)
