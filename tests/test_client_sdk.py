@@ -35,6 +35,9 @@ def test_complete_and_chat(client, server, reference_llm):
     chat = client.chat("hello", max_tokens=6, temperature=0)
     assert chat.text and chat.finish_reason in ("stop", "length") and chat.model == server.model
     assert client.models() == [server.model] and client.health()
+    assert out.logprobs is None  # only when asked for; extra keywords go into the body
+    scored = client.chat("hello", max_tokens=4, temperature=0, logprobs=True, top_logprobs=1)
+    assert len(scored.logprobs["content"]) == scored.usage["completion_tokens"]
 
 
 def test_stream_yields_text_deltas_then_stats(client, reference_llm):

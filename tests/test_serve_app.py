@@ -84,6 +84,43 @@ def test_streamed_chat_chunks(server, oai):
     assert chunks[-2].choices[0].finish_reason in ("stop", "length")
 
 
+def reference_logprobs(reference_llm, prompt_ids: list[int], max_tokens: int, top: int):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=top)
+    return reference_llm.generate(prompt_token_ids=[prompt_ids], sampling_params=params)[0]
+
+
+def test_completion_logprobs_plain_and_streamed(server, oai, reference_llm):
+    """The legacy completions object (tokens, token_logprobs, top_logprobs, text_offset), equal to the
+    engine's own figures; streamed chunks carry the same, chunk by chunk."""
+    want = reference_logprobs(reference_llm, reference_llm.tokenizer.encode(PROMPTS[2]), 10, 2)
+    out = oai.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=10, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([next(iter(e.values())) for e in want.logprobs])
+    assert lp.tokens == [reference_llm.tokenizer.decode([t]) for t in want.token_ids]
+    assert all(len(top) == 2 and max(top.values()) >= chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(oai.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=10, temperature=0,
+                                         logprobs=2, stream=True))
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs)
+
+
+def test_chat_logprobs_and_their_validation(server, oai, reference_llm):
+    messages = [{"role": "user", "content": "the cat sat"}]
+    ids = encode_chat(reference_llm.tokenizer, [ChatMessage(**m) for m in messages])
+    want = reference_logprobs(reference_llm, ids, 8, 3)
+    out = oai.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0,
+                                      logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([next(iter(e.values())) for e in want.logprobs])
+    assert all(len(c.top_logprobs) == 3 and bytes(c.bytes).decode() == c.token for c in content)
+    plain = oai.chat.completions.create(model=server.model, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+    r = post(server, "/v1/chat/completions", {"messages": messages, "top_logprobs": 2})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "top_logprobs" and "logprobs set to true" in error["message"]
+
+
 def test_sse_wire_format(server):
     body = {"prompt": "hello", "max_tokens": 4, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
@@ -162,7 +199,9 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "n": 2}, "n"),
-    ({"prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
     ({"prompt": "hi", "max_tokens": 1000}, "prompt"),
     ({"prompt": " ".join(["cat"] * 300)}, "prompt"),
     ({"prompt": [1, 2, 10_000], "max_tokens": 2}, "prompt"),

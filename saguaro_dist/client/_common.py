@@ -75,13 +75,14 @@ class Completion:
     usage: dict | None = None
     speculation: dict | None = None  # saguaro servers' speculation stats; None elsewhere
     raw: dict = field(default_factory=dict, repr=False)
+    logprobs: dict | None = None     # the choice's OpenAI logprobs object, when the request asked (logprobs=...)
 
     @classmethod
     def from_body(cls, body: dict) -> "Completion":
         choice = (body.get("choices") or [{}])[0]
         text = choice.get("message", {}).get("content") if "message" in choice else choice.get("text")
         return cls(text or "", choice.get("finish_reason"), body.get("model"), body.get("id"),
-                   body.get("usage"), body.get("speculation"), body)
+                   body.get("usage"), body.get("speculation"), body, choice.get("logprobs"))
 
 
 class StreamAccumulator:

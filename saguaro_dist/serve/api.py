@@ -120,12 +120,20 @@ async def _detokenize(body: DetokenizeRequest, request: Request) -> dict:
 
 
 # ---- generation responses -------------------------------------------------------------------
+def _logprobs(state: ServingState, fmt: responses.Format, job: Job, entries: list | None, offset: int = 0):
+    """A choice's `logprobs` object, or None when its request asked for none."""
+    if job.params.logprobs is None or entries is None:
+        return None
+    return fmt.logprobs(state.tokenizer, entries, job.params.logprobs, offset)
+
+
 async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format):
     if body.stream:
         return await _stream_response(state, body, jobs, model, fmt)
     # Cancelling this handler (client gone) cancels the gathered generations, which abort in the engine.
     results = await asyncio.gather(*(state.collect(job) for job in jobs))
-    choices = [fmt.choice(i, r.text, r.finish_reason) for i, r in enumerate(results)]
+    choices = [fmt.choice(i, r.text, r.finish_reason, _logprobs(state, fmt, job, r.logprobs))
+               for i, (job, r) in enumerate(zip(jobs, results))]
     total = responses.usage(sum(r.prompt_tokens for r in results), sum(r.num_tokens for r in results))
     stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)
     return fmt.body(fmt.new_id(), model, choices, usage=total, speculation=stats)
@@ -169,6 +177,9 @@ class _SseEvents:
         self.state, self.body, self.jobs, self.model, self.fmt = state, body, jobs, model, fmt
         self.request_id = fmt.new_id()
         self.counts, self.metrics, self.finished = [0] * len(jobs), [None] * len(jobs), 0
+        # Log-probabilities of tokens whose text is held back (a possible stop string) wait for its chunk.
+        self.pending_logprobs: list[list] = [[] for _ in jobs]
+        self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
 
     @property
     def done(self) -> bool:
@@ -181,17 +192,24 @@ class _SseEvents:
 
     def of(self, batch) -> str:
         events = []
-        for index, text, tokens, last in _per_choice(batch):
+        for index, text, tokens, last, logprobs in _per_choice(batch):
             self.counts[index] += tokens
+            self.pending_logprobs[index] += logprobs
             extra = {}
             if last.finished:
                 self.metrics[index], self.finished = last.metrics, self.finished + 1
                 if self.done:  # the final chunk carries usage and the speculation stats
                     extra = _final_extra(self.state, self.jobs, self.counts, self.metrics)
             if text or last.finished:
-                choice = self.fmt.delta_choice(index, text, last.finish_reason if last.finished else None)
+                choice = self.fmt.delta_choice(index, text, last.finish_reason if last.finished else None,
+                                               logprobs=self._take_logprobs(index, text))
                 events.append(responses.sse(self.fmt.chunk(self.request_id, self.model, [choice], **extra)))
         return "".join(events)
+
+    def _take_logprobs(self, index: int, text: str) -> dict | None:
+        entries, self.pending_logprobs[index] = self.pending_logprobs[index], []
+        offset, self.text_sent[index] = self.text_sent[index], self.text_sent[index] + len(text)
+        return _logprobs(self.state, self.fmt, self.jobs[index], entries, offset)
 
     def closing(self) -> str:
         events = ""
@@ -201,12 +219,13 @@ class _SseEvents:
         return events + responses.sse("[DONE]")
 
 
-def _per_choice(batch: list[tuple[int, object]]) -> list[tuple[int, str, int, object]]:
-    """A batch's deltas joined per choice: (index, text, token count, the last delta)."""
+def _per_choice(batch: list[tuple[int, object]]) -> list[tuple[int, str, int, object, list]]:
+    """A batch's deltas joined per choice: (index, text, token count, the last delta, logprob entries)."""
     grouped: dict[int, list] = {}
     for index, delta in batch:
         grouped.setdefault(index, []).append(delta)
-    return [(i, "".join(d.text for d in ds), sum(len(d.token_ids) for d in ds), ds[-1]) for i, ds in grouped.items()]
+    return [(i, "".join(d.text for d in ds), sum(len(d.token_ids) for d in ds), ds[-1],
+             [e for d in ds for e in (d.logprobs or [])]) for i, ds in grouped.items()]
 
 
 def _final_extra(state: ServingState, jobs: list[Job], counts: list[int], metrics: list) -> dict:

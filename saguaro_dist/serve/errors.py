@@ -49,10 +49,12 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(loc) or None
+    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if param is None and first.get("type") == "value_error":  # a check across fields: it names the field first
+        return msg, _param_of(msg)
     if param is None:  # the body itself is wrong: not an object, or not JSON at all
         return "the request body must be a JSON object", None
-    msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
-    return (f"{param}: {msg}" if param else msg), param
+    return f"{param}: {msg}", param
 
 
 async def _on_validation(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -95,7 +97,7 @@ def stream_error(err: Exception) -> dict:
 def _param_of(message: str) -> str | None:
     """Our ValueErrors start with the field they concern ("max_tokens must be ...")."""
     head = message.split(" ", 1)[0]
-    known = {"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "prompt"}
+    known = {"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "prompt", "logprobs", "top_logprobs"}
     return head if head in known else None
 
 

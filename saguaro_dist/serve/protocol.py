@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (logprobs, n > 1, penalties, ...) are rejected rather than silently dropped.
+cannot honour (echo, n > 1, penalties, ...) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.sampling_params import MAX_LOGPROBS, SamplingParams
 from saguaro_dist.serve.errors import APIError
 
 # field -> the only value we support; a request giving anything else gets a 400 naming the field
 _UNSUPPORTED_UNLESS = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,),
 }
@@ -60,6 +60,10 @@ class SamplingRequest(OpenAIModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Top log-probabilities per token (0: the chosen token's only), or None for none."""
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -69,6 +73,7 @@ class SamplingRequest(OpenAIModel):
             stop=self.stop or (),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            logprobs=self.requested_logprobs(),
         )
 
     @property
@@ -78,6 +83,10 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: how many top tokens
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     @model_validator(mode="after")
     def _check_prompt(self):
@@ -115,9 +124,20 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer OpenAI name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class TokenizeRequest(OpenAIModel):

@@ -32,6 +32,15 @@ def speculation(metrics_list: list, mode: str) -> dict:
     return out
 
 
+def _ranked(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
+    """The top_n (id, log p) of an engine entry (the chosen token is listed first, ranked or not)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:top_n]
+
+
+def _chat_token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+
 def sse(data: dict | str) -> str:
     payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
     return f"data: {payload}\n\n"
@@ -46,17 +55,30 @@ class Format:
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    def choice(self, index: int, text: str, finish_reason: str | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         if self.chat:
             return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": None, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                    "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta_choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False) -> dict:
+    def delta_choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
+                     logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def logprobs(self, tokenizer, entries: list[dict[int, float]], top_n: int, text_offset: int = 0) -> dict:
+        """The choice's `logprobs` object for tokens whose engine entries are {chosen id: log p, top ids: log p}:
+        chat's {"content": [...]}, or the legacy completions' parallel lists (offsets from text_offset)."""
+        tokens = [[(tokenizer.decode([t]), lp) for t, lp in _ranked(entry, top_n)] for entry in entries]
+        chosen = [(tokenizer.decode([next(iter(entry))]), next(iter(entry.values()))) for entry in entries]
+        if self.chat:
+            return {"content": [{**_chat_token(text, lp), "top_logprobs": [_chat_token(t, v) for t, v in top]}
+                                for (text, lp), top in zip(chosen, tokens)]}
+        offsets = [text_offset + sum(len(text) for text, _ in chosen[:i]) for i in range(len(chosen))]
+        return {"tokens": [text for text, _ in chosen], "token_logprobs": [lp for _, lp in chosen],
+                "top_logprobs": [dict(top) for top in tokens], "text_offset": offsets}
 
     def body(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
         return {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model,

@@ -30,6 +30,7 @@ class Finished:
     finish_reason: str | None = None
     metrics: object = None  # the engine's RequestMetrics
     prompt_tokens: int = 0
+    logprobs: list | None = None  # one engine entry per token, when the request asked for them
 
 
 class ServingState:
@@ -93,6 +94,8 @@ class ServingState:
             async for delta in deltas:
                 parts.append(delta.text)
                 out.num_tokens += len(delta.token_ids)
+                if delta.logprobs is not None:
+                    out.logprobs = (out.logprobs or []) + delta.logprobs
                 if delta.finished:
                     out.finish_reason, out.metrics = delta.finish_reason, delta.metrics
         out.text = "".join(parts)
