@@ -16,6 +16,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None    # makes a sampled request reproducible
     logprobs: int | None = None  # per generated token: its log-probability and the top-N's (0..20); None: none
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (costs a [P, V] LM head)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -32,8 +33,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if self.logprobs is not None and (type(self.logprobs) is not int or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be an integer in 0..{MAX_LOGPROBS} (or None), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None), got {value!r}")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
 

@@ -59,9 +59,11 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     assert llm.metrics.cache_hits > 0
     # Log-probabilities from the sharded target's gathered logits, carried back by the Ray updates.
-    scored = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=replace(GREEDY, max_tokens=8, logprobs=2))
+    params = replace(GREEDY, max_tokens=8, logprobs=2, prompt_logprobs=0)
+    scored = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
     for prompt, out in zip(PROMPTS, scored):
         check_logprobs(pair["model"], prompt, out, 2)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     actors = remote.deployment.ranks + remote.deployment.drafts
     llm.shutdown()
     for actor in actors:

@@ -41,6 +41,17 @@ def test_sampled_logprobs_are_raw_not_tempered(pair):
         assert all(len(entry) == 1 for entry in out.logprobs)
 
 
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_prompt_logprobs_score_every_prompt_token_after_the_first(pair, mode):
+    """vLLM's prompt_logprobs (what lm-eval's loglikelihood needs): row i of the prefill scored token i + 1."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    for prompt, out in zip(PROMPTS, generate(pair, mode, params)):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        scored = type(out)(**{**vars(out), "token_ids": prompt[1:], "logprobs": out.prompt_logprobs[1:]})
+        check_logprobs(pair["model"], prompt[:1], scored, 2)
+        assert out.logprobs is None
+
+
 def test_no_logprobs_unless_asked(pair):
     out = generate(pair, "ssd", SamplingParams(temperature=0, max_tokens=4), prompts=PROMPTS[:1])[0]
     assert out.logprobs is None
@@ -60,6 +71,7 @@ def test_streamed_deltas_carry_the_logprobs_of_their_tokens(pair):
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 1.5, True, "3"])
-def test_logprobs_out_of_range_is_refused(bad):
-    with pytest.raises(ValueError, match="logprobs"):
-        SamplingParams(logprobs=bad)
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_out_of_range_is_refused(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: bad})

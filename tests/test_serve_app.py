@@ -105,6 +105,26 @@ def test_completion_logprobs_plain_and_streamed(server, oai, reference_llm):
     assert streamed == pytest.approx(lp.token_logprobs)
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, oai, reference_llm):
+    """lm-eval's loglikelihood request: echo, logprobs=1, max_tokens=1, temperature 0."""
+    ids = reference_llm.tokenizer.encode(PROMPTS[0])
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=1)
+    want = reference_llm.generate(prompt_token_ids=[ids], sampling_params=params)[0]
+    out = oai.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=1, temperature=0, logprobs=1,
+                                 echo=True)
+    choice = out.choices[0]
+    choice_lp = choice.logprobs
+    assert choice.text == reference_llm.tokenizer.decode(ids) + want.text
+    assert len(choice_lp.tokens) == len(ids) + 1 and choice_lp.token_logprobs[0] is None
+    expected = [e[t] for t, e in zip(ids[1:], want.prompt_logprobs[1:])] + [want.logprobs[0][want.token_ids[0]]]
+    assert choice_lp.token_logprobs[1:] == pytest.approx(expected)
+    plain = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2, "echo": True}).json()
+    assert plain["choices"][0]["text"].startswith(reference_llm.tokenizer.decode(ids))
+    assert plain["choices"][0]["logprobs"] is None
+    r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": True, "stream": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
 def test_chat_logprobs_and_their_validation(server, oai, reference_llm):
     messages = [{"role": "user", "content": "the cat sat"}]
     ids = encode_chat(reference_llm.tokenizer, [ChatMessage(**m) for m in messages])
@@ -200,7 +220,7 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "n": 2}, "n"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
-    ({"prompt": "hi", "echo": True}, "echo"),
+    ({"prompt": "hi", "best_of": 2}, "best_of"),
     ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
     ({"prompt": "hi", "max_tokens": 1000}, "prompt"),
     ({"prompt": " ".join(["cat"] * 300)}, "prompt"),

@@ -126,5 +126,6 @@ class TargetRank:
             s = item.seq
             reason = s.finish_reason.value if item.finished and s.finish_reason else None
             self.updates.put(RemoteUpdate(request_id, item.text_delta, item.token_delta, item.finished, reason,
-                                          s.metrics if item.finished else None, logprobs_delta=item.logprobs_delta))
+                                          s.metrics if item.finished else None, logprobs_delta=item.logprobs_delta,
+                                          prompt_logprobs=item.prompt_logprobs))
         return on_update

@@ -195,10 +195,11 @@ class RemoteEngine:
             return
         seq.output_token_ids += u.token_delta
         seq.output_logprobs += u.logprobs_delta or []
+        seq.prompt_logprobs = u.prompt_logprobs or seq.prompt_logprobs
         seq.text += u.text_delta
         if u.finished:
             seq.status, seq.finish_reason, seq.metrics = SeqStatus.FINISHED, FinishReason(u.finish_reason), u.metrics
-        listener(Update(seq, u.text_delta, u.token_delta, u.finished, u.logprobs_delta))
+        listener(Update(seq, u.text_delta, u.token_delta, u.finished, u.logprobs_delta, u.prompt_logprobs))
 
     def _fail_all(self, why: str) -> None:
         self._dead = why

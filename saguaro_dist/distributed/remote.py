@@ -28,3 +28,4 @@ class RemoteUpdate:
     metrics: RequestMetrics
     error: str | None = None   # the engine failed this request (retriable)
     logprobs_delta: list[dict[int, float]] | None = None  # per token of token_delta, if the request asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first update, if the request asked

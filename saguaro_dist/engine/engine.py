@@ -24,6 +24,7 @@ class Update:
     token_delta: list[int]
     finished: bool
     logprobs_delta: list[dict[int, float]] | None = None  # one per token of token_delta, if the request asked
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with a request's first update, if it asked
 
 
 class Engine:
@@ -156,7 +157,8 @@ class Engine:
         visible = visible if visible.startswith(text_sent) else text_sent
         self._emitted[s.seq_id] = (visible, len(s.output_token_ids))
         logprobs = s.output_logprobs[tokens_sent:] if s.params.logprobs is not None else None
-        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished, logprobs)
+        prompt_logprobs = s.prompt_logprobs if tokens_sent == 0 else None
+        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished, logprobs, prompt_logprobs)
 
     def _finish(self, s: Sequence, reason: FinishReason) -> None:
         if not s.finished:

@@ -181,10 +181,11 @@ class LLM:
     def _output(seq: Sequence, prompt: str | None) -> RequestOutput:
         return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, seq.text, list(seq.output_token_ids),
                              seq.finish_reason.value if seq.finish_reason else None, seq.metrics,
-                             list(seq.output_logprobs) if seq.params.logprobs is not None else None)
+                             list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                             seq.prompt_logprobs)
 
     @staticmethod
     def _delta(u: Update) -> StreamDelta:
         reason = u.seq.finish_reason.value if (u.finished and u.seq.finish_reason) else None
         return StreamDelta(u.seq.request_id, u.text_delta, u.token_delta, u.finished, reason,
-                           u.seq.metrics if u.finished else None, u.logprobs_delta)
+                           u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs)

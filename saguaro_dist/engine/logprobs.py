@@ -10,7 +10,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
     """One dict per row: the chosen token's log-probability first, then the row's top_n tokens' (the
     chosen one appears once). logits [R, V], tokens [R] -> R dicts of 1..top_n + 1 entries."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(-1).tolist()
+    chosen = logp.gather(-1, torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None]).squeeze(-1).tolist()
     if top_n == 0:
         return [{t: lp} for t, lp in zip(tokens, chosen)]
     values, ids = logp.topk(top_n, dim=-1)

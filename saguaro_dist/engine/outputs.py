@@ -16,6 +16,7 @@ class RequestOutput:
     finish_reason: str | None   # "stop", "length" or "abort"
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None  # per token of token_ids: {token id: log p}, if asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (the first: None), if asked for
 
 
 @dataclass
@@ -27,3 +28,4 @@ class StreamDelta:
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None  # on the final delta
     logprobs: list[dict[int, float]] | None = None  # per token of token_ids, if the request asked for them
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first delta, if asked for

@@ -51,6 +51,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token if params.logprobs is set
     round_logprobs: list[dict[int, float]] = field(default_factory=list)   # the target's, for the tokens it just decided
+    prompt_logprobs: list[dict[int, float] | None] | None = None          # if params.prompt_logprobs: None first
     text: str = ""                         # detokenized output, stop strings cut
     decode_state: DecodeState = field(default_factory=DecodeState)
     finish_reason: FinishReason | None = None

@@ -53,8 +53,13 @@ class TargetScorer:
         """Run the prompts; sample each sequence's first token (its KV then holds the prompt)."""
         for s in seqs:
             self.runner.add(s.seq_id)
-        logits = self.runner.extend([s.seq_id for s in seqs], [s.prompt_token_ids for s in seqs], [1] * len(seqs))
-        return self._sample(torch.cat(logits), seqs)
+        # Every prompt position's logits only for requests that asked for prompt log-probabilities.
+        rows = [len(s.prompt_token_ids) if s.params.prompt_logprobs is not None else 1 for s in seqs]
+        logits = self.runner.extend([s.seq_id for s in seqs], [s.prompt_token_ids for s in seqs], rows)
+        for s, scored in zip(seqs, logits):
+            if s.params.prompt_logprobs is not None:  # row i scored prompt token i + 1; the first has none
+                s.prompt_logprobs = [None] + token_logprobs(scored[:-1], s.prompt_token_ids[1:], s.params.prompt_logprobs)
+        return self._sample(torch.cat([scored[-1:] for scored in logits]), seqs)
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Plain autoregressive step: run each sequence's last token, sample the next."""

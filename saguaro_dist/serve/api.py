@@ -121,10 +121,23 @@ async def _detokenize(body: DetokenizeRequest, request: Request) -> dict:
 
 # ---- generation responses -------------------------------------------------------------------
 def _logprobs(state: ServingState, fmt: responses.Format, job: Job, entries: list | None, offset: int = 0):
-    """A choice's `logprobs` object, or None when its request asked for none."""
+    """A choice's `logprobs` object for generated tokens, or None when its request asked for none."""
     if job.params.logprobs is None or entries is None:
         return None
-    return fmt.logprobs(state.tokenizer, entries, job.params.logprobs, offset)
+    return fmt.logprobs(state.tokenizer, [next(iter(e)) for e in entries], entries, job.params.logprobs, offset)
+
+
+def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result) -> dict:
+    """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
+    if not getattr(body, "echo", False):
+        return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs))
+    prompt = state.tokenizer.decode(job.prompt_ids)
+    logprobs = None
+    if job.params.logprobs is not None:
+        ids = job.prompt_ids + [next(iter(e)) for e in result.logprobs or []]
+        entries = (result.prompt_logprobs or [None] * len(job.prompt_ids)) + (result.logprobs or [])
+        logprobs = fmt.logprobs(state.tokenizer, ids, entries, job.params.logprobs)
+    return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs)
 
 
 async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format):
@@ -132,8 +145,7 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
         return await _stream_response(state, body, jobs, model, fmt)
     # Cancelling this handler (client gone) cancels the gathered generations, which abort in the engine.
     results = await asyncio.gather(*(state.collect(job) for job in jobs))
-    choices = [fmt.choice(i, r.text, r.finish_reason, _logprobs(state, fmt, job, r.logprobs))
-               for i, (job, r) in enumerate(zip(jobs, results))]
+    choices = [_choice(state, fmt, body, i, job, r) for i, (job, r) in enumerate(zip(jobs, results))]
     total = responses.usage(sum(r.prompt_tokens for r in results), sum(r.num_tokens for r in results))
     stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)
     return fmt.body(fmt.new_id(), model, choices, usage=total, speculation=stats)

@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (echo, n > 1, penalties, ...) are rejected rather than silently dropped.
+cannot honour (n > 1, penalties, ...) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from saguaro_dist.serve.errors import APIError
 
 # field -> the only value we support; a request giving anything else gets a 400 naming the field
 _UNSUPPORTED_UNLESS = {
-    "echo": (None, False), "best_of": (None, 1),
+    "best_of": (None, 1),
     "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,),
 }
@@ -64,6 +64,9 @@ class SamplingRequest(OpenAIModel):
         """Top log-probabilities per token (0: the chosen token's only), or None for none."""
         return None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -74,6 +77,7 @@ class SamplingRequest(OpenAIModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
         )
 
     @property
@@ -84,9 +88,19 @@ class SamplingRequest(OpenAIModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: how many top tokens
+    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked): lm-eval's loglikelihood
+
+    @model_validator(mode="after")
+    def _check_echo(self):
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream")
+        return self
 
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
     @model_validator(mode="after")
     def _check_prompt(self):

@@ -68,17 +68,19 @@ class Format:
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def logprobs(self, tokenizer, entries: list[dict[int, float]], top_n: int, text_offset: int = 0) -> dict:
-        """The choice's `logprobs` object for tokens whose engine entries are {chosen id: log p, top ids: log p}:
-        chat's {"content": [...]}, or the legacy completions' parallel lists (offsets from text_offset)."""
-        tokens = [[(tokenizer.decode([t]), lp) for t, lp in _ranked(entry, top_n)] for entry in entries]
-        chosen = [(tokenizer.decode([next(iter(entry))]), next(iter(entry.values()))) for entry in entries]
+    def logprobs(self, tokenizer, token_ids: list[int], entries: list, top_n: int, text_offset: int = 0) -> dict:
+        """The choice's `logprobs` object for `token_ids`, whose engine entries are {chosen id: log p, top ids:
+        log p} (None for an echoed prompt's first token): chat's {"content": [...]}, or the legacy
+        completions' parallel lists (character offsets counted from text_offset)."""
+        texts = [tokenizer.decode([t]) for t in token_ids]
+        chosen = [entry[t] if entry else None for t, entry in zip(token_ids, entries)]
+        tops = [[(tokenizer.decode([t]), v) for t, v in _ranked(entry, top_n)] if entry else None for entry in entries]
         if self.chat:
             return {"content": [{**_chat_token(text, lp), "top_logprobs": [_chat_token(t, v) for t, v in top]}
-                                for (text, lp), top in zip(chosen, tokens)]}
-        offsets = [text_offset + sum(len(text) for text, _ in chosen[:i]) for i in range(len(chosen))]
-        return {"tokens": [text for text, _ in chosen], "token_logprobs": [lp for _, lp in chosen],
-                "top_logprobs": [dict(top) for top in tokens], "text_offset": offsets}
+                                for text, lp, top in zip(texts, chosen, tops)]}
+        offsets = [text_offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+        return {"tokens": texts, "token_logprobs": chosen, "top_logprobs": [None if top is None else dict(top) for top in tops],
+                "text_offset": offsets}
 
     def body(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
         return {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model,

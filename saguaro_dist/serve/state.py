@@ -31,6 +31,7 @@ class Finished:
     metrics: object = None  # the engine's RequestMetrics
     prompt_tokens: int = 0
     logprobs: list | None = None  # one engine entry per token, when the request asked for them
+    prompt_logprobs: list | None = None  # one per prompt token (None first), when the request asked for them
 
 
 class ServingState:
@@ -96,6 +97,8 @@ class ServingState:
                 out.num_tokens += len(delta.token_ids)
                 if delta.logprobs is not None:
                     out.logprobs = (out.logprobs or []) + delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
                     out.finish_reason, out.metrics = delta.finish_reason, delta.metrics
         out.text = "".join(parts)
