@@ -141,6 +141,25 @@ def test_chat_logprobs_and_their_validation(server, oai, reference_llm):
     assert r.status_code == 400 and error["param"] == "top_logprobs" and "logprobs set to true" in error["message"]
 
 
+def test_n_samples_per_prompt_in_openai_order_reproducibly(server, oai, reference_llm):
+    """n choices per prompt, prompt-major; sample i of a seeded request draws from seed + i, so a
+    request repeats exactly and its samples are the in-process engine's with those seeds."""
+    body = dict(model=server.model, prompt=PROMPTS[:2], max_tokens=8, temperature=1.0, seed=5, n=3)
+    first, second = oai.completions.create(**body), oai.completions.create(**body)
+    assert [c.index for c in first.choices] == list(range(6))
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    for j, choice in enumerate(first.choices):
+        params = SamplingParams(temperature=1.0, max_tokens=8, seed=5 + j % 3)
+        assert choice.text == reference_llm.generate([PROMPTS[j // 3]], params)[0].text
+    prompt_tokens = sum(len(reference_llm.tokenizer.encode(p)) for p in PROMPTS[:2])
+    assert first.usage.prompt_tokens == prompt_tokens  # each prompt once, as OpenAI counts it
+    chunks = list(oai.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=6, temperature=1.0, seed=1, n=2, stream=True))
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(roles) == [0, 1] and sorted(finished) == [0, 1]
+
+
 def test_sse_wire_format(server):
     body = {"prompt": "hello", "max_tokens": 4, "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
@@ -218,7 +237,9 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
+    ({"prompt": "hi", "n": 65}, "n"),
+    ({"prompt": ["a", "b", "c", "d", "e"], "n": 64, "max_tokens": 1}, "n"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "best_of": 2}, "best_of"),
     ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),

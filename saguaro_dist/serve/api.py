@@ -89,7 +89,7 @@ async def _completions(body: CompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    jobs = [state.job(state.encode(p), body, "prompt") for p in body.prompts()]
+    jobs = state.jobs([state.encode(p) for p in body.prompts()], body, "prompt")
     return await _respond(state, body, jobs, model, responses.COMPLETION)
 
 
@@ -97,7 +97,7 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    jobs = [state.job(encode_chat(state.tokenizer, body.messages), body, "messages")]
+    jobs = state.jobs([encode_chat(state.tokenizer, body.messages)], body, "messages")
     return await _respond(state, body, jobs, model, responses.CHAT)
 
 
@@ -146,7 +146,7 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
     # Cancelling this handler (client gone) cancels the gathered generations, which abort in the engine.
     results = await asyncio.gather(*(state.collect(job) for job in jobs))
     choices = [_choice(state, fmt, body, i, job, r) for i, (job, r) in enumerate(zip(jobs, results))]
-    total = responses.usage(sum(r.prompt_tokens for r in results), sum(r.num_tokens for r in results))
+    total = responses.usage(_prompt_tokens(jobs, body.n), sum(r.num_tokens for r in results))
     stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)
     return fmt.body(fmt.new_id(), model, choices, usage=total, speculation=stats)
 
@@ -200,7 +200,8 @@ class _SseEvents:
     def opening(self) -> str:
         if not self.fmt.chat:
             return ""
-        return responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.delta_choice(0, None, None, role=True)]))
+        return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.delta_choice(i, None, None, role=True)]))
+                       for i in range(len(self.jobs)))
 
     def of(self, batch) -> str:
         events = []
@@ -211,7 +212,7 @@ class _SseEvents:
             if last.finished:
                 self.metrics[index], self.finished = last.metrics, self.finished + 1
                 if self.done:  # the final chunk carries usage and the speculation stats
-                    extra = _final_extra(self.state, self.jobs, self.counts, self.metrics)
+                    extra = _final_extra(self.state, self.body, self.jobs, self.counts, self.metrics)
             if text or last.finished:
                 choice = self.fmt.delta_choice(index, text, last.finish_reason if last.finished else None,
                                                logprobs=self._take_logprobs(index, text))
@@ -226,7 +227,7 @@ class _SseEvents:
     def closing(self) -> str:
         events = ""
         if self.body.include_usage_chunk:  # OpenAI's stream_options.include_usage: one more chunk, no choices
-            usage = _final_extra(self.state, self.jobs, self.counts, self.metrics)["usage"]
+            usage = _final_extra(self.state, self.body, self.jobs, self.counts, self.metrics)["usage"]
             events += responses.sse(self.fmt.chunk(self.request_id, self.model, [], usage=usage))
         return events + responses.sse("[DONE]")
 
@@ -240,7 +241,11 @@ def _per_choice(batch: list[tuple[int, object]]) -> list[tuple[int, str, int, ob
              [e for d in ds for e in (d.logprobs or [])]) for i, ds in grouped.items()]
 
 
-def _final_extra(state: ServingState, jobs: list[Job], counts: list[int], metrics: list) -> dict:
-    prompt_tokens = sum(len(job.prompt_ids) for job in jobs)
-    return {"usage": responses.usage(prompt_tokens, sum(counts)),
+def _prompt_tokens(jobs: list[Job], n: int) -> int:
+    """Each prompt once, however many samples (n) it has, as OpenAI counts usage."""
+    return sum(len(job.prompt_ids) for job in jobs[::n])
+
+
+def _final_extra(state: ServingState, body, jobs: list[Job], counts: list[int], metrics: list) -> dict:
+    return {"usage": responses.usage(_prompt_tokens(jobs, body.n), sum(counts)),
             "speculation": responses.speculation(metrics, state.engine.config.mode.value)}

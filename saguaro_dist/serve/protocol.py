@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (n > 1, penalties, ...) are rejected rather than silently dropped.
+cannot honour (best_of, penalties, ...) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, SamplingParams
 from saguaro_dist.serve.errors import APIError
+
+MAX_CHOICES = 64  # n; a request's prompts x n generations are capped at MAX_GENERATIONS too
+MAX_GENERATIONS = 256
 
 # field -> the only value we support; a request giving anything else gets a 400 naming the field
 _UNSUPPORTED_UNLESS = {
@@ -42,7 +45,7 @@ class SamplingRequest(OpenAIModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0 disables, as in vLLM
-    n: int = Field(1, ge=1, le=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # samples per prompt; with a seed, sample i draws from seed + i
     stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False

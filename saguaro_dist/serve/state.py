@@ -5,7 +5,7 @@ import asyncio
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from saguaro_dist.engine.sequence import OutputKind
@@ -13,7 +13,7 @@ from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import encode_text
-from saguaro_dist.serve.protocol import SamplingRequest
+from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
 
 
 @dataclass
@@ -29,7 +29,6 @@ class Finished:
     num_tokens: int = 0
     finish_reason: str | None = None
     metrics: object = None  # the engine's RequestMetrics
-    prompt_tokens: int = 0
     logprobs: list | None = None  # one engine entry per token, when the request asked for them
     prompt_logprobs: list | None = None  # one per prompt token (None first), when the request asked for them
 
@@ -55,6 +54,19 @@ class ServingState:
         if isinstance(prompt, str):
             return encode_text(self.tokenizer, prompt)
         return list(prompt)
+
+    def jobs(self, prompts: list[list[int]], request: SamplingRequest, param: str) -> list[Job]:
+        """request.n jobs per prompt, prompt-major (OpenAI's choice order). Sample i of a seeded request
+        draws from seed + i: the n samples differ and the response is reproducible."""
+        if len(prompts) * request.n > MAX_GENERATIONS:
+            raise APIError(400, f"{len(prompts)} prompts x n = {request.n} asks for more than {MAX_GENERATIONS} "
+                                f"generations in one request", param="n")
+        jobs = []
+        for prompt_ids in prompts:
+            job = self.job(prompt_ids, request, param)
+            seeds = [None if job.params.seed is None else job.params.seed + i for i in range(request.n)]
+            jobs += [Job(job.prompt_ids, replace(job.params, seed=seed)) for seed in seeds]
+        return jobs
 
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
         """Sampling settings for one prompt; max_tokens defaults to the rest of the context (vLLM)."""
@@ -89,7 +101,7 @@ class ServingState:
     async def collect(self, job: Job) -> Finished:
         """The whole result at once, as generate() gets it: no per-round deltas to the event loop, whose
         work would share the replica's GIL with the engine's round loop."""
-        out = Finished(prompt_tokens=len(job.prompt_ids))
+        out = Finished()
         parts = []
         async with aclosing(self.stream(job, OutputKind.FINAL_ONLY)) as deltas:
             async for delta in deltas:
