@@ -123,6 +123,12 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, oai, refer
     assert plain["choices"][0]["logprobs"] is None
     r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": True, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    # max_tokens 0 with echo scores the prompt alone, as OpenAI's legacy API allowed
+    scored = oai.completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=0, temperature=0, logprobs=0,
+                                    echo=True)
+    assert scored.choices[0].text == reference_llm.tokenizer.decode(ids) and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(expected[:-1])
+    assert len(scored.choices[0].logprobs.tokens) == len(ids)
 
 
 def test_chat_logprobs_and_their_validation(server, oai, reference_llm):
@@ -237,6 +243,7 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "n": 65}, "n"),
     ({"prompt": ["a", "b", "c", "d", "e"], "n": 64, "max_tokens": 1}, "n"),
@@ -249,7 +256,7 @@ def test_client_disconnect_cancels_generation(server):
     ({"max_tokens": 2}, "prompt"),
 ])
 def test_bad_requests_get_400_envelope(server, body, param):
-    r = post(server, "/v1/completions", body)
+    r = post(server, "/v1/chat/completions" if "messages" in body else "/v1/completions", body)
     error = r.json()["error"]
     assert r.status_code == 400 and error["type"] == "invalid_request_error" and error["message"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param

@@ -14,7 +14,7 @@ from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from saguaro_dist.serve.prompts import encode_chat, encode_text
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from saguaro_dist.serve.state import Job, ServingState, merge
+from saguaro_dist.serve.state import Finished, Job, ServingState, merge
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
 # As Ray Serve LLM. Every SSE write costs the replica Serve's per-message work (and a proxy trip), on
@@ -145,6 +145,8 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
         return await _stream_response(state, body, jobs, model, fmt)
     # Cancelling this handler (client gone) cancels the gathered generations, which abort in the engine.
     results = await asyncio.gather(*(state.collect(job) for job in jobs))
+    results = [Finished(prompt_logprobs=r.prompt_logprobs, logprobs=[], finish_reason="length", metrics=r.metrics)
+               if job.scores_only else r for job, r in zip(jobs, results)]
     choices = [_choice(state, fmt, body, i, job, r) for i, (job, r) in enumerate(zip(jobs, results))]
     total = responses.usage(_prompt_tokens(jobs, body.n), sum(r.num_tokens for r in results))
     stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)

@@ -41,7 +41,7 @@ class SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (completions): score the prompt, generate nothing
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0 disables, as in vLLM
@@ -97,6 +97,8 @@ class CompletionRequest(SamplingRequest):
     def _check_echo(self):
         if self.echo and self.stream:
             raise ValueError("echo is not supported with stream")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 only with echo, to score the prompt alone)")
         return self
 
     def requested_logprobs(self) -> int | None:
@@ -148,6 +150,8 @@ class ChatCompletionRequest(SamplingRequest):
     def _check_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be >= 1")
         return self
 
     def requested_max_tokens(self) -> int | None:

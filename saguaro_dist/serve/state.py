@@ -21,6 +21,7 @@ class Job:
     """One prompt to generate for (one choice of the response)."""
     prompt_ids: list[int]
     params: SamplingParams
+    scores_only: bool = False  # max_tokens 0 with echo: the prompt's figures only (one token runs, unshown)
 
 
 @dataclass
@@ -65,7 +66,7 @@ class ServingState:
         for prompt_ids in prompts:
             job = self.job(prompt_ids, request, param)
             seeds = [None if job.params.seed is None else job.params.seed + i for i in range(request.n)]
-            jobs += [Job(job.prompt_ids, replace(job.params, seed=seed)) for seed in seeds]
+            jobs += [replace(job, params=replace(job.params, seed=seed)) for seed in seeds]
         return jobs
 
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
@@ -77,6 +78,8 @@ class ServingState:
                                 f"you requested {len(prompt_ids) + (wanted or 1)} tokens ({len(prompt_ids)} in the "
                                 f"{param}, {wanted or 1} in the completion). Please reduce the length of the "
                                 f"{param} or completion.", param=param, code="context_length_exceeded")
+        if wanted == 0:  # the engine always decides one token; the response leaves it out
+            return Job(prompt_ids, request.sampling_params(1), scores_only=True)
         return Job(prompt_ids, request.sampling_params(wanted or room))
 
     # ---- generation -------------------------------------------------------------------------
