@@ -13,6 +13,7 @@ class SamplingParams:
     top_k: int = 0             # 0 disables top-k
     max_tokens: int = 16
     stop: tuple[str, ...] = ()  # stop strings; the output excludes them
+    stop_token_ids: tuple[int, ...] = ()  # token ids that end the request like EOS (kept in token_ids, as vLLM)
     ignore_eos: bool = False
     seed: int | None = None    # makes a sampled request reproducible
     logprobs: int | None = None  # per generated token: its log-probability and the top-N's (0..20); None: none
@@ -25,6 +26,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", ())
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature is None or self.temperature < 0:

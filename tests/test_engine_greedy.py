@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -134,3 +135,15 @@ def test_final_only_requests_get_one_update_with_every_token(pair, reference):
     final, streamed = updates[OutputKind.FINAL_ONLY], updates[OutputKind.DELTA]
     assert len(final) == 1 and final[0].finished and final[0].token_delta == reference[0]
     assert len(streamed) > 1 and [t for u in streamed for t in u.token_delta] == reference[0]
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_stop_token_ids_end_a_request_like_eos(pair, reference, mode):
+    """vLLM's stop_token_ids: the request ends at the first one, which stays in token_ids; a speculation
+    round that ran past it gives back nothing after it."""
+    stop = reference[0][5]
+    want = reference[0][:reference[0].index(stop) + 1]
+    draft = None if mode == "ar" else pair["close"]
+    with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, draft_executor="thread") as llm:
+        out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=replace(GREEDY, stop_token_ids=[stop]))[0]
+    assert out.token_ids == want and out.finish_reason == "stop"

@@ -208,6 +208,13 @@ def test_ignore_eos_generates_exactly_max_tokens(server, oai):
     assert out.usage.completion_tokens == 60 and out.choices[0].finish_reason == "length"
 
 
+def test_stop_token_ids_end_generation(server, oai, reference_llm):
+    first = reference_llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    out = oai.completions.create(model=server.model, prompt="the cat", max_tokens=20, temperature=0,
+                                 extra_body={"stop_token_ids": [first]})
+    assert out.usage.completion_tokens == 1 and out.choices[0].finish_reason == "stop"
+
+
 # ---- concurrency and cancellation ---------------------------------------------------------------
 @pytest.mark.slow
 def test_16_concurrent_streams_complete_and_are_correct(server, reference_llm):
@@ -249,6 +256,8 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": ["a", "b", "c", "d", "e"], "n": 64, "max_tokens": 1}, "n"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "best_of": 2}, "best_of"),
+    ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "hi", "stop_token_ids": ["x"]}, "stop_token_ids.0"),
     ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
     ({"prompt": "hi", "max_tokens": 1000}, "prompt"),
     ({"prompt": " ".join(["cat"] * 300)}, "prompt"),

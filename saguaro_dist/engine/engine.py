@@ -131,7 +131,7 @@ class Engine:
             s.output_token_ids.append(t)
             if logprobs:
                 s.output_logprobs.append(logprobs[i])
-            if t in self.eos_token_ids and not s.params.ignore_eos:
+            if (t in self.eos_token_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids:
                 self._finish(s, FinishReason.STOP)
             elif len(s.output_token_ids) >= s.params.max_tokens:
                 self._finish(s, FinishReason.LENGTH)

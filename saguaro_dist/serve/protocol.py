@@ -52,6 +52,7 @@ class SamplingRequest(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extra parameter: keep generating past end-of-sequence
+    stop_token_ids: list[int] | None = None  # vLLM's extra parameter: ids that end generation like EOS
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -79,6 +80,7 @@ class SamplingRequest(OpenAIModel):
             stop=self.stop or (),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
         )
