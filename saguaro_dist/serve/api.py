@@ -131,7 +131,8 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
     if not getattr(body, "echo", False):
         return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs))
-    prompt = state.tokenizer.decode(job.prompt_ids)
+    given = body.prompts()[index // body.n]  # the text as sent; a token-id prompt is decoded
+    prompt = given if isinstance(given, str) else state.tokenizer.decode(job.prompt_ids)
     logprobs = None
     if job.params.logprobs is not None:
         ids = job.prompt_ids + [next(iter(e)) for e in result.logprobs or []]
