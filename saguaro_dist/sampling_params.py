@@ -12,6 +12,7 @@ class SamplingParams:
     top_p: float = 1.0         # nucleus mass in (0, 1]
     top_k: int = 0             # 0 disables top-k
     max_tokens: int = 16
+    min_tokens: int = 0        # EOS and stop_token_ids cannot end the request before this many tokens (vLLM's)
     stop: tuple[str, ...] = ()  # stop strings; the output excludes them
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the request like EOS (kept in token_ids, as vLLM)
     ignore_eos: bool = False
@@ -31,6 +32,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         if self.temperature is None or self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0.0 < self.top_p <= 1.0:

@@ -11,6 +11,9 @@ from saguaro_dist.serve.args import config_from_args
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(stop=[""]), "stop"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=["2"]), "stop_token_ids"),
+    (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
+    (dict(min_tokens=1.0), "min_tokens"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -5,6 +5,7 @@ import threading
 from dataclasses import replace
 
 import pytest
+import torch
 
 import saguaro_dist.engine.rounds as rounds_module
 from engine_helpers import DEVICE, PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
@@ -147,3 +148,29 @@ def test_stop_token_ids_end_a_request_like_eos(pair, reference, mode):
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, draft_executor="thread") as llm:
         out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=replace(GREEDY, stop_token_ids=[stop]))[0]
     assert out.token_ids == want and out.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_min_tokens_holds_back_the_end_as_transformers_min_new_tokens(pair, mode):
+    """min_tokens masks EOS and stop_token_ids in the target's distribution until that many tokens are
+    out, in every path (verify rows past the minimum included): the same tokens as transformers'
+    generate with min_new_tokens and that end token as EOS."""
+    stop, minimum = reference_end(pair)
+    draft = None if mode == "ar" else pair["close"]
+    params = replace(GREEDY, max_tokens=16, ignore_eos=False, min_tokens=minimum, stop_token_ids=[stop])
+    with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
+        got = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params)[0].token_ids
+    out = pair["model"].generate(torch.tensor([PROMPTS[0]]), max_new_tokens=16, min_new_tokens=minimum, do_sample=False,
+                                 eos_token_id=stop, pad_token_id=0)
+    want = out[0, len(PROMPTS[0]):].tolist()
+    assert stop in reference_tokens(pair)[:minimum]  # the unconstrained output would have ended earlier
+    assert_greedy_equal(got, want[:want.index(stop) + 1] if stop in want else want, PROMPTS[0], pair["model"])
+
+
+def reference_tokens(pair) -> list[int]:
+    return hf_greedy(pair["model"], PROMPTS[0], 16)
+
+
+def reference_end(pair) -> tuple[int, int]:
+    """An end token the unconstrained greedy output emits early (its 3rd token), and a minimum past it."""
+    return reference_tokens(pair)[2], 8

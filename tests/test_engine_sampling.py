@@ -8,6 +8,7 @@ rejected at once; the verifier alone is tested with 10^5+ samples in tests/test_
 """
 from __future__ import annotations
 
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,9 +33,12 @@ def pair(tmp_path_factory):
     return str(root / "target"), str(root / "draft"), target
 
 
-def reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Plain sampling's distribution, written independently of saguaro_dist.spec."""
+def reference_probs(logits: torch.Tensor, p: SamplingParams, position: int = 0) -> torch.Tensor:
+    """Plain sampling's distribution, written independently of saguaro_dist.spec; the stop tokens held
+    back while fewer than min_tokens are out (position: output tokens before this one)."""
     logits = logits.double() / p.temperature
+    if position < p.min_tokens:
+        logits[list(p.stop_token_ids)] = float("-inf")
     if p.top_k:
         kth = logits.topk(p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -54,7 +58,7 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
         for prefix, mass in joint.items():
             with torch.no_grad():
                 logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-            for t, q in enumerate(reference_probs(logits, params).tolist()):
+            for t, q in enumerate(reference_probs(logits, params, len(prefix)).tolist()):
                 if q > 0:
                     nxt[prefix + (t,)] = mass * q
         joint = nxt
@@ -66,8 +70,7 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
     mode = kwargs.pop("mode", "ssd")
     kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
     with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
-        seeded = [SamplingParams(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                                 max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+        seeded = [replace(params, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
         outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded)
         metrics = llm.metrics
     counts: dict[tuple[int, ...], int] = {}
@@ -138,6 +141,19 @@ def test_truncated_sampling_follows_the_target(pair, name):
     counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"{name}: chi-square p = {p:.2e}"
+
+
+def test_min_tokens_follows_the_held_back_target(pair):
+    """min_tokens = 2 with the target's likeliest first token as a stop token: it cannot come first or
+    second, may come third, and everything else keeps the target's (renormalised) odds."""
+    target, draft, model = pair
+    with torch.no_grad():
+        likeliest = int(model(torch.tensor([PROMPT])).logits[0, -1].argmax())
+    params = SamplingParams(temperature=1.0, max_tokens=3, min_tokens=2, stop_token_ids=[likeliest])
+    counts, metrics = sample_joint(target, draft, params, k=1, fan_out=4)
+    assert metrics.cache_hits > 0
+    p = chi_square_pvalue(counts, exact_joint(model, params))
+    assert p > ALPHA, f"chi-square p = {p:.2e}"
 
 
 def always_accept(target_probs, draft_tokens, draft_probs, generators):

@@ -213,6 +213,9 @@ def test_stop_token_ids_end_generation(server, oai, reference_llm):
     out = oai.completions.create(model=server.model, prompt="the cat", max_tokens=20, temperature=0,
                                  extra_body={"stop_token_ids": [first]})
     assert out.usage.completion_tokens == 1 and out.choices[0].finish_reason == "stop"
+    held = oai.completions.create(model=server.model, prompt="the cat", max_tokens=20, temperature=0,
+                                  extra_body={"stop_token_ids": [first], "min_tokens": 4})
+    assert held.usage.completion_tokens >= 4
 
 
 # ---- concurrency and cancellation ---------------------------------------------------------------
@@ -257,6 +260,7 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "best_of": 2}, "best_of"),
     ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "hi", "stop_token_ids": ["x"]}, "stop_token_ids.0"),
     ({"prompt": "hi", "stop": ["ok", ""]}, "stop"),
     ({"prompt": "hi", "max_tokens": 1000}, "prompt"),

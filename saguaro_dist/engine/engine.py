@@ -31,7 +31,7 @@ class Engine:
     def __init__(self, config: Config, target_runner, draft_backend, tokenizer, eos_token_ids: set[int]):
         self.config = config
         self.metrics = EngineMetrics()
-        self.target = TargetScorer(target_runner)
+        self.target = TargetScorer(target_runner, frozenset(eos_token_ids))
         self.vocab_size, self.max_model_len = target_runner.vocab_size, target_runner.max_model_len
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
         self.detok = Detokenizer(tokenizer)

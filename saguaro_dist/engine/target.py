@@ -45,9 +45,26 @@ def stack_proposals(proposals: list[Proposal], vocab_size: int) -> tuple[torch.T
 class TargetScorer:
     """Owns the target's ModelRunner; every call is batched over sequences."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, eos_token_ids: frozenset[int] = frozenset()):
         self.runner = runner
         self.vocab_size = runner.vocab_size
+        self.eos_token_ids = eos_token_ids  # with stop_token_ids, what min_tokens holds back
+
+    def _scored(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The target's distribution as the request constrains it: logits [B, T, V], row t deciding output
+        token len(output) + t + 1, with EOS and stop_token_ids at -inf where that is <= min_tokens (a copy
+        only then). Sampling and verification both use these, so every path samples the same
+        distribution; log-probabilities stay raw (vLLM's default)."""
+        early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs)]
+        early = [(b, n) for b, n in early if n > 0]
+        if not early:
+            return logits
+        logits = logits.clone()
+        for b, n in early:
+            s = seqs[b]
+            ends = sorted((self.eos_token_ids if not s.params.ignore_eos else set()) | set(s.params.stop_token_ids))
+            logits[b, :n, [t for t in ends if t < self.vocab_size]] = float("-inf")
+        return logits
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the prompts; sample each sequence's first token (its KV then holds the prompt)."""
@@ -75,11 +92,12 @@ class TargetScorer:
         ids = [s.seq_id for s in seqs]
         inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
         logits = torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs)))     # [B, K+1, V]
+        scored = self._scored(logits, seqs)
         if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
-            result = greedy_verify(logits, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
+            result = greedy_verify(scored, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
         else:
             rows = RowSampling.of([s.params for s in seqs], rows_per_seq=k + 1)
-            p = sampling_probs(logits.flatten(0, 1), rows).view(len(seqs), k + 1, -1)
+            p = sampling_probs(scored.flatten(0, 1), rows).view(len(seqs), k + 1, -1)
             tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)  # on the CPU, as they came
             q = None if q is None else q.to(p.device)
             result = verify(p, tokens.to(p.device), q, [s.generator for s in seqs])
@@ -95,10 +113,11 @@ class TargetScorer:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per sequence from its row of logits [B, V]."""
+        scored = self._scored(logits[:, None], seqs)[:, 0]
         if _all_greedy(seqs):
-            tokens = greedy_tokens(logits).tolist()
+            tokens = greedy_tokens(scored).tolist()
         else:
-            probs = sampling_probs(logits, RowSampling.of([s.params for s in seqs]))
+            probs = sampling_probs(scored, RowSampling.of([s.params for s in seqs]))
             tokens = sample(probs, [s.generator for s in seqs]).tolist()
         for i, (s, t) in enumerate(zip(seqs, tokens)):
             if s.params.logprobs is not None:

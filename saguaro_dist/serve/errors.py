@@ -98,7 +98,7 @@ def _param_of(message: str) -> str | None:
     """Our ValueErrors start with the field they concern ("max_tokens must be ...")."""
     head = message.split(" ", 1)[0]
     known = {"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "prompt", "logprobs", "top_logprobs", "echo",
-             "stop_token_ids"}
+             "stop_token_ids", "min_tokens"}
     return head if head in known else None
 
 

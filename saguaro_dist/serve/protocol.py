@@ -53,6 +53,7 @@ class SamplingRequest(OpenAIModel):
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extra parameter: keep generating past end-of-sequence
     stop_token_ids: list[int] | None = None  # vLLM's extra parameter: ids that end generation like EOS
+    min_tokens: int = Field(0, ge=0)  # vLLM's extra parameter: EOS / stop_token_ids held back until this many
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -81,6 +82,7 @@ class SamplingRequest(OpenAIModel):
             seed=self.seed,
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens,
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
         )
