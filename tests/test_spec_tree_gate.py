@@ -92,16 +92,7 @@ def test_a_batch_size_above_one_where_trees_clearly_lost_starts_just_in_time():
     assert modes[:EXPLORE_EVERY - 1] == [JIT] * (EXPLORE_EVERY - 1)  # no tree burst up front
     assert TREES in modes[EXPLORE_EVERY - 1:]                        # but trees are still tried, on schedule
     assert gate.rates(8)["trees"] is not None
-    assert drive(gate, 1, {TREES: 10, JIT: 30}, batch=1) == [JIT]  # from above too (a draining batch)
-
-
-def test_a_fresh_batch_size_follows_the_nearest_measured_one_ties_to_the_smaller():
-    gate = TreeGate()
-    drive(gate, 3 * BURST, {TREES: 30, JIT: 10}, batch=2)  # trees won at b = 2
-    drive(gate, 3 * BURST, {TREES: 10, JIT: 30}, batch=6)  # and lost at b = 6
-    assert drive(gate, 1, {TREES: 10, JIT: 30}, batch=5) == [JIT]    # nearest: 6
-    assert drive(gate, 1, {TREES: 10, JIT: 30}, batch=3) == [TREES]  # nearest: 2
-    assert drive(gate, 1, {TREES: 10, JIT: 30}, batch=4) == [TREES]  # 2 and 6 equally near: 2
+    assert drive(gate, 1, {TREES: 10, JIT: 30}, batch=1) == [TREES]  # smaller batch sizes: no prior
 
 
 @pytest.mark.parametrize("below", [{TREES: 30, JIT: 10}, {TREES: 19, JIT: 20}])

@@ -138,20 +138,16 @@ class TreeGate:
         return gate.next_round()
 
     def _new_gate(self, batch_size: int) -> _BatchGate:
-        """Trees first, unless they clearly lost at the nearest measured batch size; then the first tree
-        burst waits for the exploration schedule instead of costing the first rounds. From below that is
-        near-certain: a tree's draft work grows with the batch faster than a verify's (b x B branch rows
-        a step against b x (K + 1) rows scored over the same weights), so trees that lost at b' < b lose
-        at b too (Saguaro's critical batch size). From above it is a likely guess (a smaller batch is
-        where trees win first), and the schedule still tries them; what it saves is a tree burst at
-        every size a draining batch passes through (8, 7, ..., 1 as a generate call ends: a quarter of
-        the rounds at b = 8, T = 0.7). Equally near sizes: the smaller one's, the sounder evidence."""
-        leads = {b: g.just_in_time_lead() for b, g in self._gates.items()}
+        """Trees first, unless they clearly lost at the nearest smaller measured batch size: a tree's
+        draft work grows with the batch faster than a verify's (b x B branch rows a step against
+        b x (K + 1) rows scored over the same weights), so trees that lost at b' lose at b > b' too
+        (Saguaro's critical batch size). Then the first tree burst waits for the exploration
+        schedule instead of costing the first rounds."""
+        leads = {b: g.just_in_time_lead() for b, g in self._gates.items() if b < batch_size}
         measured = [b for b, lead in leads.items() if lead is not None]
-        if not measured:
-            return _BatchGate()
-        nearest = min(measured, key=lambda b: (abs(b - batch_size), b))
-        return _BatchGate.starting_just_in_time() if leads[nearest] > CLOSE_GAP else _BatchGate()
+        if measured and leads[max(measured)] > CLOSE_GAP:
+            return _BatchGate.starting_just_in_time()
+        return _BatchGate()
 
     def record(self, batch_size: int, mode: RoundMode, tokens: int, seconds: float) -> None:
         """A finished round of `mode` at `batch_size`: `tokens` gained in `seconds` (prepare + verify)."""
