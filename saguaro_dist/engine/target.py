@@ -55,7 +55,7 @@ class TargetScorer:
         token len(output) + t + 1, with EOS and stop_token_ids at -inf where that is <= min_tokens (a copy
         only then). Sampling and verification both use these, so every path samples the same
         distribution; log-probabilities stay raw (vLLM's default)."""
-        early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs)]
+        early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs) if s.params.min_tokens]
         early = [(b, n) for b, n in early if n > 0]
         if not early:
             return logits
