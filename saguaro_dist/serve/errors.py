@@ -5,6 +5,7 @@ trace and answered with a generic 500.
 """
 from __future__ import annotations
 
+import functools
 import logging
 
 from fastapi import FastAPI, Request
@@ -95,11 +96,17 @@ def stream_error(err: Exception) -> dict:
 
 
 def _param_of(message: str) -> str | None:
-    """Our ValueErrors start with the field they concern ("max_tokens must be ...")."""
+    """Our ValueErrors start with the field they concern ("max_tokens must be ..."): a request field."""
     head = message.split(" ", 1)[0]
-    known = {"temperature", "top_p", "top_k", "max_tokens", "stop", "seed", "prompt", "logprobs", "top_logprobs", "echo",
-             "stop_token_ids", "min_tokens"}
-    return head if head in known else None
+    return head if head in _request_fields() else None
+
+
+@functools.cache
+def _request_fields() -> frozenset[str]:
+    """Every field a generation request may name (derived, so a new field needs no entry here). Imported
+    on first use: the protocol module imports this one."""
+    from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest
+    return frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
 
 
 def install_error_handlers(app: FastAPI) -> None:
