@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # The GPU check (never in CI): on a machine with a CUDA GPU, from the repository root,
 #   OUT=gpu-check bash benchmarks/gpu_check.sh
-# Stages (STAGES=tests,inflated,bench by default, run in that order), each time-boxed, each run
+# Stages (STAGES=tests,graphs,bench,inflated by default, run in that order), each time-boxed, each run
 # whatever the last did:
 #   tests     the CUDA-only tests (tests/test_cuda.py: logits vs transformers, NCCL collectives, the
-#             verifier's law on the device) and the engine's exactness suites with every model on the GPU;
+#             verifier's law on the device, CUDA-graph replay) and the engine's exactness suites with
+#             every model on the GPU (short forwards replayed from CUDA graphs, the default there);
+#   graphs    latency eager vs CUDA graphs (benchmarks/bench_cuda_graphs.py), demo pair fp32 and the
+#             inflated target bf16;
+#   bench     `saguaro bench` on the demo pair itself (fp32), with CUDA graphs and then --enforce-eager;
 #   inflated  `saguaro bench` against the demo target inflated to a real model's cost (bench/inflate.py,
-#             bf16), where a target forward costs many draft forwards, as on real pairs;
-#   bench     `saguaro bench` on the demo pair itself (fp32).
+#             bf16), where a target forward costs many draft forwards, as on real pairs (INFLATED_EAGER=1:
+#             with --enforce-eager).
+# The image may lack pure-Python packages the tests import (grpcio-health-checking in session 17):
+# put them in a folder and name it in EXTRA_PATH.
 # Logs and results land under $OUT; each bench cell is logged as it is measured.
 set -uo pipefail
 set -f  # pytest node ids hold [brackets]: no globbing
 OUT=${OUT:-gpu-check}
-STAGES=${STAGES:-tests,inflated,bench}
+STAGES=${STAGES:-tests,graphs,bench,inflated}
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of the script itself
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD${EXTRA_PATH:+:$EXTRA_PATH}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 [ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -32,24 +38,35 @@ demo_draft() { $PY -c 'from saguaro_dist.demo import demo_pair; print(demo_pair(
 # The sampling suite's statistical cases take ~15 s each on a CPU and longer on a GPU: a GPU run takes
 # one per path kind (hit, Saguaro C < 1, the draft process, truncated sampling); CI runs them all.
 S=tests/test_engine_sampling.py
-TESTS=${TESTS:-"tests/test_cuda.py tests/test_engine_greedy.py tests/test_draft_process.py
+TESTS=${TESTS:-"tests/test_cuda.py tests/test_step_graphs.py tests/test_engine_greedy.py tests/test_engine_logprobs.py
+ tests/test_draft_process.py tests/test_draft_worker_hits.py
  $S::test_first_tokens_follow_the_target[ssd_hit_path] $S::test_first_tokens_follow_the_target[ssd_saguaro_c]
  $S::test_first_tokens_follow_the_target[ssd_draft_process] $S::test_truncated_sampling_follows_the_target[t0.8_topk4]"}
 stage_tests() {
     timeout "${TESTS_TIMEOUT:-200}" env SAGUARO_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
         --timeout 60 --maxfail 8 $TESTS 2>&1 | tee "$OUT/tests.log" | tail -30
 }
-stage_inflated() {
-    local big=${TMPDIR:-/tmp}/saguaro-inflated-target  # not under $OUT: gigabytes that need not come back
-    if timeout "${INFLATE_TIMEOUT:-90}" $PY -c "import sys; from saguaro_dist.bench.inflate import inflate_llama
+BIG=${TMPDIR:-/tmp}/saguaro-inflated-target  # not under $OUT: gigabytes that need not come back
+inflated_target() {  # writes $BIG once; false if that failed
+    [ -f "$BIG/config.json" ] || timeout "${INFLATE_TIMEOUT:-90}" $PY -c "from saguaro_dist.bench.inflate import inflate_llama
 from saguaro_dist.demo import demo_pair
-inflate_llama(demo_pair()[0], '$big', extra_layers=${INFLATE_LAYERS:-27}, intermediate_size=${INFLATE_WIDTH:-24576})"; then
-        bench inflated-bf16 "${INFLATED_TIMEOUT:-180}" --target "$big" --draft "$(demo_draft)" --dtype bfloat16 \
-            --systems ar,sd,ssd,hf-assisted --batch 1,8 --temperatures 0,0.7 --max-new-tokens 64
-    fi
+inflate_llama(demo_pair()[0], '$BIG', extra_layers=${INFLATE_LAYERS:-27}, intermediate_size=${INFLATE_WIDTH:-24576})"
+}
+stage_graphs() {
+    { timeout "${GRAPHS_TIMEOUT:-60}" $PY benchmarks/bench_cuda_graphs.py --device "$DEVICE"
+      inflated_target && timeout "${GRAPHS_TIMEOUT:-60}" $PY benchmarks/bench_cuda_graphs.py --device "$DEVICE" \
+          --models "$BIG,$(demo_draft)" --dtype bfloat16; } 2>&1 | tee "$OUT/graphs.log"
+}
+stage_inflated() {
+    inflated_target && bench inflated-bf16 "${INFLATED_TIMEOUT:-180}" --target "$BIG" --draft "$(demo_draft)" \
+        --dtype bfloat16 --systems ${INFLATED_SYSTEMS:-ar,sd,ssd,hf-assisted} --batch 1,8 \
+        --temperatures ${INFLATED_TEMPERATURES:-0,0.7} --max-new-tokens 64 ${INFLATED_EAGER:+--enforce-eager}
 }
 stage_bench() {
-    bench demo-fp32 "${BENCH_TIMEOUT:-110}" --systems ar,sd,ssd --batch 1,8 --temperatures 0,0.7 --max-new-tokens 64
+    for eager in "" --enforce-eager; do
+        bench "demo-fp32${eager:+-eager}" "${BENCH_TIMEOUT:-110}" --systems ar,sd,ssd --batch 1,8 \
+            --temperatures ${BENCH_TEMPERATURES:-0,0.7} --max-new-tokens 64 $eager
+    done
 }
 for stage in ${STAGES//,/ }; do
     "stage_$stage"

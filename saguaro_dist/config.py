@@ -87,6 +87,7 @@ class Config:
     max_model_len: int | None = None       # None: the target's max_position_embeddings
     device: str = "cpu"
     dtype: str = "float32"
+    enforce_eager: bool = False            # on CUDA: no graphs for uniform steps (vLLM's flag; model/cuda_graphs.py)
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
@@ -122,8 +123,9 @@ class Config:
                 raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")
         elif not isinstance(self.fan_out, int) or self.fan_out < self.k + 1:
             raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
-        if not isinstance(self.adaptive_fan_out, bool):
-            raise ValueError(f"adaptive_fan_out must be true or false, got {self.adaptive_fan_out!r}")
+        for flag in ("adaptive_fan_out", "enforce_eager"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.draft_spin_s, (int, float)) or not 0.0 <= self.draft_spin_s <= 1.0:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
         check_seconds("tree_timeout_s", self.tree_timeout_s, zero_ok=True)  # 0: never wait for a late tree

@@ -50,3 +50,11 @@ def test_codec_bench_times_every_kind_of_tree():
     out = _run(str(BENCH / "bench_codec.py"), "--reps", "3", "--vocab", "64")
     rows = out.splitlines()[2:]
     assert len(rows) == 6 and [row.count(q) for row in rows for q in ("greedy", "top-k 20", "dense")].count(1) == 6
+
+
+def test_cuda_graph_bench_dry_runs_on_the_cpu(tiny_checkpoint):
+    """Without a GPU the graph column runs the static forward uncaptured: the script itself is checked."""
+    out = _run(str(BENCH / "bench_cuda_graphs.py"), "--device", "cpu", "--models", str(tiny_checkpoint("llama")),
+               "--batch", "1,3", "--tokens", "1,5", "--reps", "2")
+    rows = [row.split(" | ")[2] for row in out.splitlines() if row.startswith("| ") and "model" not in row]
+    assert rows == ["1", "5", "tree"] * 2  # per batch size: two extend steps, then a tree

@@ -97,6 +97,7 @@ class BenchConfig:
     cores: int = 2
     device: str = "cpu"                   # every system's models (cuda: the GPU check, benchmarks/gpu_check.sh)
     dtype: str = "float32"
+    enforce_eager: bool = False           # on CUDA: no CUDA graphs (the eager baseline)
     out_dir: str = "bench-results"
     plots: bool = True
 
@@ -132,7 +133,7 @@ class BenchConfig:
         return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
                     adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c,
                     fallback=self.fallback, tree_policy=self.tree_policy, max_batch_size=max(self.batch_sizes),
-                    device=self.device, dtype=self.dtype)
+                    device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

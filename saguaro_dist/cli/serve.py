@@ -20,7 +20,7 @@ APP_NAME = "saguaro"
 ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "fan_out": "fan_out",
                 "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "device": "device",
-                "dtype": "dtype", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
+                "dtype": "dtype", "enforce_eager": "enforce_eager", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms"}
@@ -52,6 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
     g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
+                   help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
     g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],

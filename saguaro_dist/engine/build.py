@@ -18,8 +18,10 @@ log = logging.getLogger(__name__)
 
 
 def make_runner(path: str, config: Config, tp_group=None) -> ModelRunner:
+    cuda_graphs = config.device.startswith("cuda") and not config.enforce_eager
     return ModelRunner(path, device=config.device, dtype=getattr(torch, config.dtype),
-                       max_model_len=config.max_model_len, tp_group=tp_group)
+                       max_model_len=config.max_model_len, tp_group=tp_group,
+                       cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1)
 
 
 def eos_ids(runner, tokenizer) -> set[int]:

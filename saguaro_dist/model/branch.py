@@ -17,12 +17,13 @@ class BranchState:
     seq_ids: list                 # the sequence of each branch, in the caller's order
     rows: list[int]               # [U] pool row of each distinct sequence
     prefix_len: torch.Tensor      # [U, Q] int64; padding slots hold 0
-    bias: torch.Tensor            # [U, 1, Q * group, P + D_cap * Q] model dtype: 0 where a branch sees a key, else -inf
+    bias: torch.Tensor | None     # [U, 1, Q * group, P + D_cap * Q] model dtype: 0 where a branch sees a key, else -inf
     out_index: torch.Tensor       # [N] int64: branch i's slot u * Q + j in the [U, Q] layout
     private_k: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
     private_v: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
     depth: int = 0                # tokens already on every private path
     max_prefix_len: int = 0       # max of prefix_len, kept on the host (no device sync per step)
+    graph_key: tuple | None = None  # the CUDA-graph layout whose buffers hold private_k/v (bias unused); None: eager
 
     @property
     def num_branches(self) -> int:

@@ -7,6 +7,7 @@ import torch
 
 from saguaro_dist.model.branch import BranchBatch, BranchState, new_branch_state
 from saguaro_dist.model.build import build_model
+from saguaro_dist.model.cuda_graphs import StepGraphs
 from saguaro_dist.model.device import parse_dtype, resolve_device
 from saguaro_dist.model.extend_batch import ExtendBatch
 from saguaro_dist.model.hf_config import load_config
@@ -16,7 +17,8 @@ from saguaro_dist.model.rope import rope_tables
 
 
 class ModelRunner:
-    def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None):
+    def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
+                 cuda_graphs=False, max_batch_size=8, branch_depth=8):
         model_dir = resolve_model_dir(path_or_hf_id)
         self.config = cfg = load_config(model_dir)
         self.vocab_size = cfg.vocab_size
@@ -32,7 +34,19 @@ class ModelRunner:
             self.group = attn.num_heads // attn.num_kv_heads
             self.pool = KVPool(cfg.num_layers, attn.num_kv_heads, cfg.head_dim, self.max_model_len,
                                self.device, self.dtype)
+            self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
+
+    def _step_graphs(self, cuda_graphs: bool, tp_group, max_batch_size: int, branch_depth: int) -> StepGraphs | None:
+        """Short forwards replayed as CUDA graphs (model/cuda_graphs.py); None: every forward eager.
+        branch_depth: the most steps a branch state takes (the draft's K + 1)."""
+        if not cuda_graphs:
+            return None
+        if self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}")
+        if tp_group is not None:  # NCCL collectives inside a capture: not done yet, so TP ranks stay eager
+            return None
+        return StepGraphs(self.model, self.pool, self.cos, self.signed_sin, self.group, max_batch_size, branch_depth)
 
     # -- sequences -------------------------------------------------------------------------------
     def add(self, seq_id: Hashable):
@@ -68,11 +82,18 @@ class ModelRunner:
         rows, starts = [s[0] for s in seqs], [s[1] for s in seqs]
         lens = [len(t) for t in token_lists]
         self.pool.reserve(max(s + n for s, n in zip(starts, lens)))
+        if self.graphs is not None and self.graphs.supports_extend(starts, lens):
+            out = [x[n - k:n] for x, n, k in zip(self.graphs.extend(rows, starts, token_lists), lens, num_logits)]
+        else:
+            out = self._eager_extend(rows, starts, lens, token_lists, num_logits)
+        for seq, n in zip(seqs, lens):
+            seq[1] += n
+        return out
+
+    def _eager_extend(self, rows, starts, lens, token_lists, num_logits) -> list[torch.Tensor]:
         ctx = ExtendBatch(self.pool, rows, starts, lens, self.cos, self.signed_sin, self.group)
         hidden = self.model(self._padded_ids(token_lists, ctx.t), ctx)  # [B, T, hidden]
         logits = self.model.logits(self._logit_rows(hidden, lens, num_logits)).float()
-        for seq, n in zip(seqs, lens):
-            seq[1] += n
         return list(logits.split(list(num_logits)))
 
     def _padded_ids(self, token_lists, t: int) -> torch.Tensor:
@@ -113,7 +134,10 @@ class ModelRunner:
             if not 0 <= plen <= length or plen >= self.max_model_len:
                 raise ValueError(f"branch_start({sid!r}): prefix_len must be in 0..{length} (stored), got {plen}")
             rows.append(row)
-        state = new_branch_state(seq_ids, rows, list(prefix_lens), self.group, self.pool)
+        if self.graphs is not None and self.graphs.supports_branches(rows):
+            state = self.graphs.branch_state(seq_ids, rows, list(prefix_lens))
+        else:
+            state = new_branch_state(seq_ids, rows, list(prefix_lens), self.group, self.pool)
         return state, self._branch_forward(state, tokens)
 
     @torch.inference_mode()
@@ -143,6 +167,10 @@ class ModelRunner:
         seq[1] += depth
 
     def _branch_forward(self, state: BranchState, tokens) -> torch.Tensor:
+        if state.graph_key is not None:
+            logits = self.graphs.branch_forward(state, tokens)
+            state.depth += 1
+            return logits
         ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
         ids.view(-1)[state.out_index] = torch.as_tensor(tokens, device=self.device).long()
         ctx = BranchBatch(state, self.pool, self.cos, self.signed_sin, self.group)

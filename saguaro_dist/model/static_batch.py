@@ -1,0 +1,33 @@
+"""The per-forward context of a uniform step (every sequence adds T tokens: decode, verify) built from
+device tensors alone, so a CUDA graph can capture the whole forward and replay it with new inputs.
+
+Unlike ExtendBatch it attends over the pool's whole capacity under a mask (a fixed key length) and
+gathers each sequence's row by index (rows change between replays; a slice's view would not)."""
+from __future__ import annotations
+
+import torch
+
+from saguaro_dist.model.attention import dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.kv_cache import KVPool
+
+
+class StaticBatch:
+    """rows: [B] int64 pool rows; pos: [B, T] int64 positions of the new tokens (consecutive per row)."""
+
+    def __init__(self, pool: KVPool, rows: torch.Tensor, pos: torch.Tensor, cos, signed_sin, group: int):
+        self.pool, self.rows, self.t = pool, rows, pos.shape[1]
+        pos_c = pos.clamp_max(cos.shape[0] - 1)  # a padding row may run past the table; its output is dropped
+        self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
+        keys = torch.arange(pool.capacity, device=pos.device)
+        # [B, 1, T * group, capacity]: a query at position p sees its own row's keys 0..p, stale ones never.
+        self.mask = (keys[None, None, :] <= pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
+        self.write_rows = rows[:, None].expand(-1, self.t).reshape(-1)  # [B * T]
+        self.write_pos = pos.reshape(-1)                                # [B * T]
+
+    def attend(self, layer: int, q, k, v) -> torch.Tensor:
+        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]."""
+        kc, vc = self.pool.k[layer], self.pool.v[layer]  # [rows, kv, capacity, D]
+        kc[self.write_rows, :, self.write_pos] = k.reshape(-1, *k.shape[2:])
+        vc[self.write_rows, :, self.write_pos] = v.reshape(-1, *v.shape[2:])
+        keys, values = kc.index_select(0, self.rows), vc.index_select(0, self.rows)  # [B, kv, capacity, D]
+        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.mask), self.t)
