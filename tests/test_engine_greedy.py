@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import saguaro_dist.engine.rounds as rounds_module
-from engine_helpers import DEVICE, PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy, llama_config, save_model
+from engine_helpers import (BF16_NEAR_TIE, DEVICE, PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy,
+                            llama_config, save_model)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 
@@ -70,6 +71,16 @@ SSD_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(SSD_VARIANTS))
 def test_ssd_matches_ar(pair, reference, variant, batch):
     check(pair, reference, run(pair, batch=batch, mode="ssd", k=3, **SSD_VARIANTS[variant]))
+
+
+@pytest.mark.parametrize("mode, extra", [("sd", {}), ("ssd", dict(fan_out=12))], ids=["sd", "ssd"])
+def test_bf16_departs_from_ar_only_at_bf16_near_ties(pair, mode, extra):
+    """In bf16 (the usual GPU dtype) speculation is held to the same AR, with ties widened to the dtype's
+    rounding: a verifier that kept a wrong draft token would depart where the target is sure."""
+    want = run(pair, batch=4, mode="ar", dtype="bfloat16")
+    got = run(pair, batch=4, mode=mode, k=3, dtype="bfloat16", **extra)
+    for prompt, g, w in zip(PROMPTS, got, want):
+        assert_greedy_equal(g, w, prompt, pair["model"], rel_tie=BF16_NEAR_TIE)
 
 
 PROCESS_CASES = {
