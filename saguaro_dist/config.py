@@ -85,6 +85,7 @@ class Config:
     tree_policy: TreePolicy = TreePolicy.AUTO
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
+    max_num_batched_tokens: int = 2048     # most tokens (batch x tokens a sequence) in one forward; longer prefills run in chunks
     device: str = "cpu"
     dtype: str = "float32"
     enforce_eager: bool = False            # on CUDA: no graphs for uniform steps (vLLM's flag; model/cuda_graphs.py)
@@ -130,8 +131,9 @@ class Config:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
         check_seconds("tree_timeout_s", self.tree_timeout_s, zero_ok=True)  # 0: never wait for a late tree
         check_seconds("startup_timeout_s", self.startup_timeout_s, zero_ok=False)
-        if self.max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        for name in ("max_batch_size", "max_num_batched_tokens"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:
             raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
         check_dtype(self.dtype)

@@ -73,6 +73,13 @@ def test_ssd_matches_ar(pair, reference, variant, batch):
     check(pair, reference, run(pair, batch=batch, mode="ssd", k=3, **SSD_VARIANTS[variant]))
 
 
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_chunked_forwards_match_ar(pair, reference, mode):
+    """max_num_batched_tokens = 6 at batch 4: every prefill, verify and glue forward runs in chunks of
+    one token a sequence, and the tokens stay the target's."""
+    check(pair, reference, run(pair, batch=4, mode=mode, k=3, max_num_batched_tokens=6))
+
+
 @pytest.mark.parametrize("mode, extra", [("sd", {}), ("ssd", dict(fan_out=12))], ids=["sd", "ssd"])
 def test_bf16_departs_from_ar_only_at_bf16_near_ties(pair, mode, extra):
     """In bf16 (the usual GPU dtype) speculation is held to the same AR, with ties widened to the dtype's

@@ -119,3 +119,20 @@ def test_adopting_a_branch_continues_like_extending_its_tokens(pair):
     assert runner.length("z") == 11
     close(runner.extend(["z"], [[7]], [1])[0], hf_logits(hf, seq[:8] + paths[1][:3] + [7])[-1:])
     runner.free("z")
+
+
+def test_chunked_prefill_gives_the_one_forward_logits(pair):
+    """A forward of at most 5 tokens: two prompts of 12 and 7 (plus a decode row) run in chunks of 2
+    tokens a sequence; every requested logit row, across chunk boundaries, equals transformers'."""
+    _, hf = pair
+    chunked = ModelRunner(hf.name_or_path, max_num_batched_tokens=5)
+    long, short = tokens(5, 12), tokens(6, 7)
+    chunked.add("l")
+    chunked.add("s")
+    got = chunked.extend(["l", "s"], [long, short], [12, 3])
+    close(got[0], hf_logits(hf, long))
+    close(got[1], hf_logits(hf, short)[4:])
+    more = chunked.extend(["l", "s"], [[9, 10, 11], [12]], [3, 1])  # 3 + 1 tokens: chunks of 2 again
+    close(more[0], hf_logits(hf, long + [9, 10, 11])[12:])
+    close(more[1], hf_logits(hf, short + [12])[7:])
+    assert chunked.length("l") == 15 and chunked.length("s") == 8

@@ -21,7 +21,8 @@ def make_runner(path: str, config: Config, tp_group=None) -> ModelRunner:
     cuda_graphs = config.device.startswith("cuda") and not config.enforce_eager
     return ModelRunner(path, device=config.device, dtype=getattr(torch, config.dtype),
                        max_model_len=config.max_model_len, tp_group=tp_group,
-                       cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1)
+                       cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
+                       max_num_batched_tokens=config.max_num_batched_tokens)
 
 
 def eos_ids(runner, tokenizer) -> set[int]:

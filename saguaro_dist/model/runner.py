@@ -18,7 +18,7 @@ from saguaro_dist.model.rope import rope_tables
 
 class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
-                 cuda_graphs=False, max_batch_size=8, branch_depth=8):
+                 cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048):
         model_dir = resolve_model_dir(path_or_hf_id)
         self.config = cfg = load_config(model_dir)
         self.vocab_size = cfg.vocab_size
@@ -27,6 +27,9 @@ class ModelRunner:
             raise ValueError(f"max_model_len must be in 1..{cfg.max_position_embeddings} "
                              f"(config.json max_position_embeddings), got {max_model_len}")
         self.device, self.dtype = resolve_device(device), parse_dtype(dtype)
+        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
+        self.max_num_batched_tokens = max_num_batched_tokens
         with torch.inference_mode():
             self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
             self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
@@ -77,8 +80,25 @@ class ModelRunner:
     # -- forwards --------------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(self, seq_ids: Sequence, token_lists: Sequence[Sequence[int]], num_logits: Sequence[int]) -> list[torch.Tensor]:
-        """Append token_lists[i] to sequence i in one forward; logits [num_logits[i], V] (float32) each."""
+        """Append token_lists[i] to sequence i; logits [num_logits[i], V] (float32) each. One forward, or
+        chunks of at most max_num_batched_tokens // batch tokens a sequence (a long prefill's attention
+        scores and activations grow with its length times the keys: chunks bound them)."""
         seqs = self._check_extend(seq_ids, token_lists, num_logits)
+        chunk = max(1, self.max_num_batched_tokens // len(seqs))
+        if max(len(t) for t in token_lists) <= chunk:
+            return self._extend(seqs, token_lists, num_logits)
+        out = [[] for _ in seqs]
+        for lo in range(0, max(len(t) for t in token_lists), chunk):
+            part = [i for i, t in enumerate(token_lists) if len(t) > lo]
+            pieces = [token_lists[i][lo:lo + chunk] for i in part]
+            # Logits wanted from this chunk: the requested tail's overlap with it (always its own tail).
+            wanted = [max(0, lo + len(p) - max(lo, len(token_lists[i]) - num_logits[i])) for i, p in zip(part, pieces)]
+            for i, logits in zip(part, self._extend([seqs[i] for i in part], pieces, wanted)):
+                out[i].append(logits)
+        return [torch.cat(x) for x in out]
+
+    def _extend(self, seqs: list[list[int]], token_lists, num_logits) -> list[torch.Tensor]:
+        """One forward over checked sequences; num_logits[i] may be 0 here (a chunk before the tail)."""
         rows, starts = [s[0] for s in seqs], [s[1] for s in seqs]
         lens = [len(t) for t in token_lists]
         self.pool.reserve(max(s + n for s, n in zip(starts, lens)))
@@ -106,7 +126,7 @@ class ModelRunner:
         if b == 1:
             return hidden[0, t - num_logits[0]:]
         idx = [i * t + j for i, (n, k) in enumerate(zip(lens, num_logits)) for j in range(n - k, n)]
-        return hidden.reshape(b * t, d)[torch.tensor(idx, device=hidden.device)]
+        return hidden.reshape(b * t, d)[torch.tensor(idx, dtype=torch.long, device=hidden.device)]
 
     def _check_extend(self, seq_ids, token_lists, num_logits) -> list[list[int]]:
         if not len(seq_ids) == len(token_lists) == len(num_logits) or not seq_ids:
