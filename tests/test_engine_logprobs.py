@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from engine_helpers import DEVICE, PROMPTS, check_logprobs, close_pair
+import saguaro_dist.engine.target as target_module
 from saguaro_dist import LLM, SamplingParams
 
 TOP = 3
@@ -41,11 +42,17 @@ def test_sampled_logprobs_are_raw_not_tempered(pair):
         assert all(len(entry) == 1 for entry in out.logprobs)
 
 
-@pytest.mark.parametrize("mode", ["ar", "ssd"])
-def test_prompt_logprobs_score_every_prompt_token_after_the_first(pair, mode):
-    """vLLM's prompt_logprobs (what lm-eval's loglikelihood needs): row i of the prefill scored token i + 1."""
-    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
-    for prompt, out in zip(PROMPTS, generate(pair, mode, params)):
+@pytest.mark.parametrize("mode, rows", [("ar", 512), ("ssd", 512), ("ssd", 2)])
+def test_prompt_logprobs_score_every_prompt_token_after_the_first(pair, mode, rows, monkeypatch):
+    """vLLM's prompt_logprobs (what lm-eval's loglikelihood needs): row i of the prefill scored token i + 1.
+    rows = 2: the prompt is scored in pieces of two logit rows (bounded memory for long prompts); pieces
+    meet at the right tokens, and prompts without prompt_logprobs in the batch prefill as usual."""
+    monkeypatch.setattr(target_module, "PROMPT_LOGPROBS_ROWS", rows)
+    params = [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2 if i % 3 else None) for i in range(len(PROMPTS))]
+    for i, (prompt, out) in enumerate(zip(PROMPTS, generate(pair, mode, params))):
+        if not i % 3:
+            assert out.prompt_logprobs is None
+            continue
         assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
         scored = type(out)(**{**vars(out), "token_ids": prompt[1:], "logprobs": out.prompt_logprobs[1:]})
         check_logprobs(pair["model"], prompt[:1], scored, 2)

@@ -42,6 +42,9 @@ def stack_proposals(proposals: list[Proposal], vocab_size: int) -> tuple[torch.T
     return tokens, torch.stack([p.probs if p.probs is not None else one_hot(p) for p in proposals])
 
 
+PROMPT_LOGPROBS_ROWS = 512  # logit rows alive at once while scoring a prompt (512 x 128k vocab x 4 B = 256 MB)
+
+
 class TargetScorer:
     """Owns the target's ModelRunner; every call is batched over sequences."""
 
@@ -70,13 +73,26 @@ class TargetScorer:
         """Run the prompts; sample each sequence's first token (its KV then holds the prompt)."""
         for s in seqs:
             self.runner.add(s.seq_id)
-        # Every prompt position's logits only for requests that asked for prompt log-probabilities.
-        rows = [len(s.prompt_token_ids) if s.params.prompt_logprobs is not None else 1 for s in seqs]
-        logits = self.runner.extend([s.seq_id for s in seqs], [s.prompt_token_ids for s in seqs], rows)
-        for s, scored in zip(seqs, logits):
-            if s.params.prompt_logprobs is not None:  # row i scored prompt token i + 1; the first has none
-                s.prompt_logprobs = [None] + token_logprobs(scored[:-1], s.prompt_token_ids[1:], s.params.prompt_logprobs)
-        return self._sample(torch.cat([scored[-1:] for scored in logits]), seqs)
+        plain = [s for s in seqs if s.params.prompt_logprobs is None]
+        last = dict(zip((s.seq_id for s in plain), self.runner.extend(
+            [s.seq_id for s in plain], [s.prompt_token_ids for s in plain], [1] * len(plain)))) if plain else {}
+        for s in seqs:
+            if s.params.prompt_logprobs is not None:
+                last[s.seq_id] = self._prefill_scoring_prompt(s)
+        return self._sample(torch.cat([last[s.seq_id] for s in seqs]), seqs)
+
+    def _prefill_scoring_prompt(self, s: Sequence) -> torch.Tensor:
+        """Prefill in pieces of PROMPT_LOGPROBS_ROWS, each piece's logits reduced to log-probabilities at
+        once: [P, V] logits would not fit for a long prompt on a large vocabulary. Row i scores prompt
+        token i + 1 (the first token has none). Returns the last row's logits [1, V]."""
+        prompt, entries = s.prompt_token_ids, [None]
+        for lo in range(0, len(prompt), PROMPT_LOGPROBS_ROWS):
+            piece = prompt[lo:lo + PROMPT_LOGPROBS_ROWS]
+            [logits] = self.runner.extend([s.seq_id], [piece], [len(piece)])
+            following = prompt[lo + 1:lo + 1 + len(piece)]  # the last piece's last row scores no prompt token
+            entries += token_logprobs(logits[:len(following)], following, s.params.prompt_logprobs)
+        s.prompt_logprobs = entries
+        return logits[-1:]
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Plain autoregressive step: run each sequence's last token, sample the next."""
