@@ -1,0 +1,65 @@
+"""One long prefill by max_num_batched_tokens: seconds and peak memory (each setting in a fresh process,
+so one setting's peak does not hide the next's).
+
+    python benchmarks/bench_prefill_chunks.py [--tokens 4000,8000] [--budgets 8192,2048,512]
+
+A 4-layer Llama (hidden 256, 8 heads, 2 KV heads, vocab 4096) written by transformers; one sequence,
+one torch thread, on the CPU. Prints a markdown table with time and peak RSS relative to one forward.
+"""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import resource, sys, time, torch
+from saguaro_dist.model import ModelRunner
+torch.set_num_threads(1)
+path, budget, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+runner = ModelRunner(path, max_num_batched_tokens=budget)
+runner.add(0)
+start = time.perf_counter()
+[logits] = runner.extend([0], [[(7 * i) % runner.vocab_size for i in range(n)]], [1])
+print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, float(logits.sum()))
+"""
+
+
+def checkpoint(max_len: int, layers: int) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path = tempfile.mkdtemp(prefix="prefill-chunks-")
+    cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max_len,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def measure(path: str, budget: int, tokens: int) -> tuple[float, float, float]:
+    out = subprocess.run([sys.executable, "-c", CHILD, path, str(budget), str(tokens)],
+                         check=True, capture_output=True, text=True).stdout.split()
+    return float(out[0]), float(out[1]), float(out[2])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", default="4000,8000")
+    ap.add_argument("--budgets", default="8192,2048,512", help="max_num_batched_tokens; the first should fit a prompt whole")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+    lengths, budgets = [int(x) for x in args.tokens.split(",")], [int(x) for x in args.budgets.split(",")]
+    path = checkpoint(max(lengths), args.layers)
+    print("| prompt tokens | max_num_batched_tokens | seconds | peak RSS MB | x time | x peak | same logits |")
+    print("|---|---|---|---|---|---|---|")
+    for n in lengths:
+        base = None
+        for budget in budgets:
+            secs, peak, checksum = measure(path, budget, n)
+            base = base or (secs, peak, checksum)
+            print(f"| {n} | {budget} | {secs:.2f} | {peak:.0f} | {secs / base[0]:.2f} | {peak / base[1]:.2f} | "
+                  f"{abs(checksum - base[2]) <= 1e-3 * abs(base[2])} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
