@@ -48,11 +48,11 @@ def check_dtype(dtype) -> None:
         raise ValueError(f"dtype must be {', '.join(DTYPES)}, got {dtype!r}")
 
 
-def check_device(device) -> None:
+def check_device(device, name: str = "device") -> None:
     """cpu, cuda or cuda:N (the string only: whether that GPU exists is checked where the model loads,
     which on a cluster is a worker's node, not the driver's)."""
     if not isinstance(device, str) or not _DEVICE.fullmatch(device):
-        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+        raise ValueError(f"{name} must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
 
 
 def parse_enum(enum_type: type[enum.Enum], value, field_name: str):
@@ -87,6 +87,7 @@ class Config:
     max_model_len: int | None = None       # None: the target's max_position_embeddings
     max_num_batched_tokens: int = 2048     # most tokens (batch x tokens a sequence) in one forward; longer prefills run in chunks
     device: str = "cpu"
+    draft_device: str | None = None        # the draft's own device (None: `device`), e.g. cuda:1 beside a target on cuda:0
     dtype: str = "float32"
     enforce_eager: bool = False            # on CUDA: no graphs for uniform steps (vLLM's flag; model/cuda_graphs.py)
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
@@ -138,6 +139,12 @@ class Config:
             raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
         check_dtype(self.dtype)
         check_device(self.device)
+        if self.draft_device is not None:
+            check_device(self.draft_device, "draft_device")
+
+    @property
+    def draft_device_resolved(self) -> str:
+        return self.draft_device or self.device
 
     @property
     def fan_out_budget(self) -> int:

@@ -27,7 +27,7 @@ def test_sampling_params_reject_bad_values(kwargs, field):
     (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
     (dict(device="tpu"), "device must be"), (dict(device="cuda:x"), "device must be"), (dict(device=0), "device must be"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be"), (dict(max_batch_size=2.5), "max_batch_size must be"),
-    (dict(enforce_eager="yes"), "enforce_eager must be true or false"),
+    (dict(enforce_eager="yes"), "enforce_eager must be true or false"), (dict(draft_device="gpu"), "draft_device must be"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     settings = dict(model="m", draft="d") | kwargs
@@ -70,3 +70,14 @@ def test_serve_args_errors_name_the_argument(args, message):
 def test_draft_spin_s_is_validated(bad):
     with pytest.raises(ValueError, match="draft_spin_s"):
         Config(model="m", draft="d", draft_spin_s=bad)
+
+
+def test_a_cpu_draft_pool_can_serve_a_gpu_target():
+    """draft_device: the draft's runner and its Ray actors follow it, the target keeps `device`."""
+    from saguaro_dist.distributed.placement import draft_options, target_bundle
+    config = Config(model="m", draft="d", device="cuda", draft_device="cpu")
+    assert config.draft_device_resolved == "cpu" and Config(model="m", draft="d").draft_device_resolved == "cpu"
+    assert target_bundle(config, {}) == {"GPU": 1}
+    assert (draft_options(config, {})["num_gpus"], draft_options(config, {})["num_cpus"]) == (0, 1)
+    same = Config(model="m", draft="d", device="cuda")
+    assert (draft_options(same, {})["num_gpus"], draft_options(same, {})["num_cpus"]) == (1, 0)

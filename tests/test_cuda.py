@@ -98,3 +98,17 @@ def test_cuda_graph_steps_replay_the_static_forward(tiny_checkpoint, dtype):
     if dtype == torch.float32:
         for a, b in zip(got, steps(ModelRunner(path, device="cuda", dtype=dtype))):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_a_cpu_draft_beside_a_cuda_target_keeps_greedy_exact(tiny_llama_pair, mode):
+    """draft_device="cpu": proposals cross to the target's device; the tokens stay the target's own."""
+    from saguaro_dist import LLM, SamplingParams
+    target, draft = tiny_llama_pair
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [[3, 17, 5, 42], [8, 1, 60, 2, 9]]
+    outs = {}
+    for name, kw in (("ar", dict(mode="ar")), (mode, dict(mode=mode, draft=draft, draft_device="cpu", k=3))):
+        with LLM(model=target, device="cuda", draft_executor="thread", **kw) as llm:
+            outs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    assert outs[mode] == outs["ar"]

@@ -19,7 +19,7 @@ APP_NAME = "saguaro"
 # flag dest -> Config field (flags default to None so a --config file's values are only overridden on purpose)
 ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "fan_out": "fan_out",
                 "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
-                "max_batch_size": "max_batch_size", "max_model_len": "max_model_len",
+                "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "draft_device": "draft_device",
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy"}
@@ -54,6 +54,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="most tokens (batch x tokens a sequence) in one forward; longer prefills run in chunks (default 2048)")
     g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
+    g.add_argument("--draft-device", help="the draft's own device (default: --device), e.g. cuda:1")
     g.add_argument("--dtype", choices=DTYPES)
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")

@@ -14,13 +14,13 @@ from saguaro_dist.config import Config
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 
 
-def _device_resources(config: Config) -> dict:
-    return {"GPU": 1} if config.device.startswith("cuda") else {"CPU": 1}
+def _device_resources(device: str) -> dict:
+    return {"GPU": 1} if device.startswith("cuda") else {"CPU": 1}
 
 
 def target_bundle(config: Config, cluster_resources: dict) -> dict:
     """One placement-group bundle per tensor-parallel rank."""
-    bundle = _device_resources(config) | dict(config.target_resources)
+    bundle = _device_resources(config.device) | dict(config.target_resources)
     if TARGET_RESOURCE in cluster_resources:
         bundle[TARGET_RESOURCE] = RESOURCE_PER_ACTOR
     return bundle
@@ -31,7 +31,7 @@ def draft_options(config: Config, cluster_resources: dict) -> dict:
     resources = dict(config.draft_resources)
     if DRAFT_RESOURCE in cluster_resources:
         resources[DRAFT_RESOURCE] = RESOURCE_PER_ACTOR
-    device = _device_resources(config)
+    device = _device_resources(config.draft_device_resolved)  # a CPU draft pool may serve a GPU target
     opts = {"num_cpus": device.get("CPU", 0), "num_gpus": device.get("GPU", 0), "resources": resources}
     if not resources:
         opts["scheduling_strategy"] = "SPREAD"  # no labels to go by: at least keep drafts apart

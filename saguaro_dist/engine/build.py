@@ -17,9 +17,11 @@ from saguaro_dist.model.loader import resolve_model_dir
 log = logging.getLogger(__name__)
 
 
-def make_runner(path: str, config: Config, tp_group=None) -> ModelRunner:
-    cuda_graphs = config.device.startswith("cuda") and not config.enforce_eager
-    return ModelRunner(path, device=config.device, dtype=getattr(torch, config.dtype),
+def make_runner(path: str, config: Config, tp_group=None, device: str | None = None) -> ModelRunner:
+    """A runner on `device` (default: the target's, config.device) with the config's settings."""
+    device = device or config.device
+    cuda_graphs = device.startswith("cuda") and not config.enforce_eager
+    return ModelRunner(path, device=device, dtype=getattr(torch, config.dtype),
                        max_model_len=config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
                        max_num_batched_tokens=config.max_num_batched_tokens)
@@ -52,7 +54,7 @@ def check_same_tokenizer(target_tok, draft_tok) -> None:
 def build_draft_worker(config: Config) -> DraftWorker:
     if config.draft_threads:
         torch.set_num_threads(config.draft_threads)
-    return DraftWorker(config, make_runner(config.draft, config))
+    return DraftWorker(config, make_runner(config.draft, config, device=config.draft_device_resolved))
 
 
 def draft_executor(config: Config) -> DraftExecutor:
@@ -69,7 +71,7 @@ def build_local_draft(config: Config, target: ModelRunner):
         check_same_vocab(target, worker.runner)
         return LocalDraftBackend(worker)
     check_same_vocab(target, load_config(resolve_model_dir(config.draft)))  # fail here, before a child starts
-    if config.device == "cpu" and config.draft_threads is None:
+    if config.draft_device_resolved == "cpu" and config.draft_threads is None:
         # A fresh process takes torch's default, every core, beside the target's own threads: on a
         # 2-core box that made rounds ~1.5x as long (docs/benchmarks.md, session 9).
         log.warning("the SSD draft process will run torch on every core (its default) beside the target's %d "
