@@ -5,6 +5,8 @@ so one setting's peak does not hide the next's).
 
 A 4-layer Llama (hidden 256, 8 heads, 2 KV heads, vocab 4096) written by transformers; one sequence,
 one torch thread, on the CPU. Prints a markdown table with time and peak RSS relative to one forward.
+Then the engine (ar): a long prompt arrives while one sequence decodes; the running sequence's longest
+pause between tokens and the long prompt's time to first token, by max_num_batched_tokens.
 """
 from __future__ import annotations
 
@@ -42,6 +44,31 @@ def measure(path: str, budget: int, tokens: int) -> tuple[float, float, float]:
     return float(out[0]), float(out[1]), float(out[2])
 
 
+def engine_pause(path: str, budget: int, tokens: int) -> tuple[float, float]:
+    """(longest step while the long prompt prefills, its time to first token), in ms."""
+    import time
+
+    from saguaro_dist import SamplingParams
+    from saguaro_dist.config import Config
+    from saguaro_dist.engine.build import build_local_engine
+    from saguaro_dist.engine.sequence import Sequence, SeqStatus
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine, _ = build_local_engine(Config(model=path, mode="ar", max_num_batched_tokens=budget, target_threads=1))
+    try:
+        engine.add(Sequence(1, "running", list(range(1, 33)), params))
+        engine.step()
+        long = Sequence(2, "long", [(7 * i) % 4096 for i in range(tokens)], params)
+        engine.add(long)
+        steps = []
+        while long.status is not SeqStatus.RUNNING:
+            start = time.perf_counter()
+            engine.step()
+            steps.append(time.perf_counter() - start)
+        return 1e3 * max(steps), 1e3 * sum(steps)
+    finally:
+        engine.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="4000,8000")
@@ -49,7 +76,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     lengths, budgets = [int(x) for x in args.tokens.split(",")], [int(x) for x in args.budgets.split(",")]
-    path = checkpoint(max(lengths), args.layers)
+    path = checkpoint(max(lengths) + 256, args.layers)  # room to decode after the longest prompt
     print("| prompt tokens | max_num_batched_tokens | seconds | peak RSS MB | x time | x peak | same logits |")
     print("|---|---|---|---|---|---|---|")
     for n in lengths:
@@ -59,6 +86,12 @@ def main() -> None:
             base = base or (secs, peak, checksum)
             print(f"| {n} | {budget} | {secs:.2f} | {peak:.0f} | {secs / base[0]:.2f} | {peak / base[1]:.2f} | "
                   f"{abs(checksum - base[2]) <= 1e-3 * abs(base[2])} |", flush=True)
+    print("\n| prompt tokens | max_num_batched_tokens | running sequence's longest pause ms | long prompt's TTFT ms |")
+    print("|---|---|---|---|")
+    for n in lengths:
+        for budget in budgets:
+            pause, ttft = engine_pause(path, budget, n)
+            print(f"| {n} | {budget} | {pause:.0f} | {ttft:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ import saguaro_dist.engine.rounds as rounds_module
 from engine_helpers import (BF16_NEAR_TIE, DEVICE, PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy,
                             llama_config, save_model)
 from saguaro_dist import LLM, SamplingParams
-from saguaro_dist.engine.sequence import OutputKind, Sequence
+from saguaro_dist.config import Config
+from saguaro_dist.engine.build import build_local_engine
+from saguaro_dist.engine.sequence import OutputKind, Sequence, SeqStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -78,6 +80,54 @@ def test_chunked_forwards_match_ar(pair, reference, mode):
     """max_num_batched_tokens = 6 at batch 4: every prefill, verify and glue forward runs in chunks of
     one token a sequence, and the tokens stay the target's."""
     check(pair, reference, run(pair, batch=4, mode=mode, k=3, max_num_batched_tokens=6))
+
+
+LONG_PROMPT = (PROMPTS[2] * 4)[:40]
+
+
+@pytest.fixture
+def small_budget_engine(pair, request):
+    """An engine driven step by step, max_num_batched_tokens = 8 (mode: the test's parameter)."""
+    mode = request.param
+    engine, _ = build_local_engine(Config(model=pair["target"], draft=None if mode == "ar" else pair["close"], mode=mode,
+                                          k=3, device=DEVICE, draft_executor="thread", max_num_batched_tokens=8))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("small_budget_engine", ["ar", "ssd"], indirect=True)
+def test_a_long_prompt_prefills_between_the_rounds_of_running_sequences(pair, reference, small_budget_engine):
+    """A 40-token prompt arriving while a sequence decodes runs 8 prompt tokens a step (vLLM's chunked
+    prefill): the running sequence gains tokens at each of those steps, and both outputs stay the target's."""
+    engine = small_budget_engine
+    short, long = Sequence(1, "short", PROMPTS[0], GREEDY), Sequence(2, "long", LONG_PROMPT, GREEDY)
+    engine.add(short)
+    engine.step()
+    engine.add(long)
+    gained = []
+    while long.status is not SeqStatus.RUNNING:
+        before = len(short.output_token_ids)
+        engine.step()
+        gained.append(len(short.output_token_ids) - before)
+    assert len(gained) == 5 and min(gained) >= 1, gained  # 4 parts of 8 tokens, then the last 8 and its first token
+    while engine.has_work():
+        engine.step()
+    assert_greedy_equal(short.output_token_ids, reference[0], PROMPTS[0], pair["model"])
+    want = hf_greedy(pair["model"], LONG_PROMPT, GREEDY.max_tokens)
+    assert_greedy_equal(long.output_token_ids, want, LONG_PROMPT, pair["model"])
+
+
+@pytest.mark.parametrize("small_budget_engine", ["ar"], indirect=True)
+def test_aborting_a_prompt_half_prefilled_frees_its_slot_and_kv(small_budget_engine):
+    engine = small_budget_engine
+    long = Sequence(2, "long", LONG_PROMPT, GREEDY)
+    engine.add(long)
+    engine.step()
+    assert long.status is SeqStatus.PREFILLING and engine.target.runner.length(2) == 8
+    [update] = engine.abort("long")
+    assert update.finished and not engine.has_work() and long.finish_reason.value == "abort"
+    with pytest.raises(ValueError, match="unknown sequence"):
+        engine.target.runner.length(2)
 
 
 @pytest.mark.parametrize("mode, extra", [("sd", {}), ("ssd", dict(fan_out=12))], ids=["sd", "ssd"])

@@ -37,6 +37,7 @@ class Engine:
         self.detok = Detokenizer(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
+        self.prefilling: list[Sequence] = []  # hold batch slots; their prompts run part by part (_prefill_in_budget)
         self.running: list[Sequence] = []
         self._emitted: dict[int, tuple[str, int]] = {}  # seq_id -> (text, tokens) already streamed
 
@@ -44,14 +45,15 @@ class Engine:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def abort(self, request_id: str) -> list[Update]:
         """Drop a request wherever it is; its slot is free at once."""
-        gone = [s for s in list(self.waiting) + self.running if s.request_id == request_id]
+        gone = [s for s in list(self.waiting) + self.prefilling + self.running if s.request_id == request_id]
         for s in gone:
             self._finish(s, FinishReason.ABORT)
         self.waiting = deque(s for s in self.waiting if not s.finished)
+        self._drop_prefilling()
         self._retire()
         return [Update(s, "", [], True) for s in gone]
 
@@ -77,24 +79,28 @@ class Engine:
 
     def reset(self) -> None:
         """After a failed step: drop every request (their callers were told) and free their state."""
-        for s in list(self.waiting) + self.running:
+        for s in list(self.waiting) + self.prefilling + self.running:
             self._finish(s, FinishReason.ABORT)
         self.waiting.clear()
         try:
+            self._drop_prefilling()
             self._retire()
         except Exception:  # noqa: BLE001 - the failure may have taken the model with it
             log.exception("could not release state after a failed step")
-            self.running = []
+            self.prefilling, self.running = [], []
 
     # ---- steps ------------------------------------------------------------------------------
     def _admit(self) -> list[Update]:
-        free = self.config.max_batch_size - len(self.running)
-        new = [self.waiting.popleft() for _ in range(min(free, len(self.waiting)))]
+        free = self.config.max_batch_size - len(self.running) - len(self.prefilling)
+        for _ in range(min(free, len(self.waiting))):
+            self.waiting[0].status = SeqStatus.PREFILLING
+            self.prefilling.append(self.waiting.popleft())
+        start = time.perf_counter()
+        new = self._prefill_in_budget()
+        first = self.loop.admit(new) if new else []
+        self.metrics.prefill_s += time.perf_counter() - start
         if not new:
             return []
-        start = time.perf_counter()
-        first = self.loop.admit(new)
-        self.metrics.prefill_s += time.perf_counter() - start
         for s in new:
             s.status = SeqStatus.RUNNING
         self.running += new
@@ -102,6 +108,31 @@ class Engine:
         for s, t in zip(new, first):
             self._append(s, [t], now)
         return self._updates(new, now)
+
+    def _prefill_in_budget(self) -> list[Sequence]:
+        """The sequences whose prompts finish this step, first come first served, within
+        max_num_batched_tokens prompt tokens a step. A prompt longer than what is left runs that much
+        now (its last token always waits for the final prefill) and goes on next step: a long prompt
+        costs the running sequences' rounds a bounded pause a step, not its whole prefill (vLLM's
+        chunked prefill). Their first tokens come from loop.admit, which also prefills the draft."""
+        budget, ready = self.config.max_num_batched_tokens, []
+        for s in self.prefilling:
+            left = len(s.prompt_token_ids) - s.prefilled
+            if left > budget:
+                if budget > 0:
+                    self.target.prefill_part(s, budget)
+                break
+            ready.append(s)
+            budget -= left
+        self.prefilling = self.prefilling[len(ready):]
+        return ready
+
+    def _drop_prefilling(self) -> None:
+        """Finished (aborted) sequences leave the prefill queue; the target frees what they had run."""
+        for s in self.prefilling:
+            if s.finished and s.prefilled:
+                self.target.release(s)
+        self.prefilling = [s for s in self.prefilling if not s.finished]
 
     def _updates(self, seqs: list[Sequence], now: float) -> list[Update]:
         """Deltas for the readers due one (see _due)."""

@@ -16,6 +16,7 @@ from saguaro_dist.spec.stats import ProposalSource
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
+    PREFILLING = "prefilling"  # holds a batch slot; a long prompt runs part by part between rounds
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -48,6 +49,7 @@ class Sequence:
     output_kind: OutputKind = OutputKind.DELTA
     stream_interval_s: float = 0.0         # DELTA: rounds closer than this share one update, once text went out
     status: SeqStatus = SeqStatus.WAITING
+    prefilled: int = 0                     # prompt tokens already in the target's KV
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per output token if params.logprobs is set
     round_logprobs: list[dict[int, float]] = field(default_factory=list)   # the target's, for the tokens it just decided

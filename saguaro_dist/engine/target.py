@@ -70,28 +70,46 @@ class TargetScorer:
         return logits
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
-        """Run the prompts; sample each sequence's first token (its KV then holds the prompt)."""
+        """Run the rest of the prompts; sample each sequence's first token (its KV then holds the prompt)."""
         for s in seqs:
-            self.runner.add(s.seq_id)
+            self._start(s)
         plain = [s for s in seqs if s.params.prompt_logprobs is None]
         last = dict(zip((s.seq_id for s in plain), self.runner.extend(
-            [s.seq_id for s in plain], [s.prompt_token_ids for s in plain], [1] * len(plain)))) if plain else {}
+            [s.seq_id for s in plain], [s.prompt_token_ids[s.prefilled:] for s in plain], [1] * len(plain)))) if plain else {}
         for s in seqs:
             if s.params.prompt_logprobs is not None:
-                last[s.seq_id] = self._prefill_scoring_prompt(s)
+                last[s.seq_id] = self._score_prompt(s, len(s.prompt_token_ids))
+            s.prefilled = len(s.prompt_token_ids)
         return self._sample(torch.cat([last[s.seq_id] for s in seqs]), seqs)
 
-    def _prefill_scoring_prompt(self, s: Sequence) -> torch.Tensor:
-        """Prefill in pieces of PROMPT_LOGPROBS_ROWS, each piece's logits reduced to log-probabilities at
-        once: [P, V] logits would not fit for a long prompt on a large vocabulary. Row i scores prompt
-        token i + 1 (the first token has none). Returns the last row's logits [1, V]."""
-        prompt, entries = s.prompt_token_ids, [None]
-        for lo in range(0, len(prompt), PROMPT_LOGPROBS_ROWS):
-            piece = prompt[lo:lo + PROMPT_LOGPROBS_ROWS]
+    def prefill_part(self, s: Sequence, n: int) -> None:
+        """Run the next n prompt tokens of s, never its last one (prefill samples the first token from it),
+        so that a long prompt takes several engine steps and the running sequences' rounds go on between."""
+        if not 0 < n < len(s.prompt_token_ids) - s.prefilled:
+            raise ValueError(f"prefill_part: {n} tokens of the {len(s.prompt_token_ids) - s.prefilled} left")
+        self._start(s)
+        if s.params.prompt_logprobs is not None:
+            self._score_prompt(s, s.prefilled + n)
+        else:
+            self.runner.extend([s.seq_id], [s.prompt_token_ids[s.prefilled:s.prefilled + n]], [1])
+        s.prefilled += n
+
+    def _start(self, s: Sequence) -> None:
+        if s.prefilled == 0:
+            self.runner.add(s.seq_id)
+
+    def _score_prompt(self, s: Sequence, end: int) -> torch.Tensor:
+        """Run prompt tokens s.prefilled..end-1 in pieces of PROMPT_LOGPROBS_ROWS, each piece's logits
+        reduced to log-probabilities at once: [P, V] logits would not fit for a long prompt on a large
+        vocabulary. Row i scores prompt token i + 1 (the first has none). Returns the last row's logits [1, V]."""
+        prompt = s.prompt_token_ids
+        if s.prefilled == 0:
+            s.prompt_logprobs = [None]
+        for lo in range(s.prefilled, end, PROMPT_LOGPROBS_ROWS):
+            piece = prompt[lo:min(lo + PROMPT_LOGPROBS_ROWS, end)]
             [logits] = self.runner.extend([s.seq_id], [piece], [len(piece)])
-            following = prompt[lo + 1:lo + 1 + len(piece)]  # the last piece's last row scores no prompt token
-            entries += token_logprobs(logits[:len(following)], following, s.params.prompt_logprobs)
-        s.prompt_logprobs = entries
+            following = prompt[lo + 1:lo + 1 + len(piece)]  # the prompt's last row scores no prompt token
+            s.prompt_logprobs += token_logprobs(logits[:len(following)], following, s.params.prompt_logprobs)
         return logits[-1:]
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
