@@ -18,10 +18,10 @@ def pair(tmp_path_factory):
     return close_pair(tmp_path_factory.mktemp("logprobs_pair"))
 
 
-def generate(pair, mode: str, params: SamplingParams, prompts=PROMPTS):
+def generate(pair, mode: str, params: SamplingParams, prompts=PROMPTS, **engine):
     draft = None if mode == "ar" else pair["close"]
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, fan_out=8,
-             draft_executor="thread", max_batch_size=4) as llm:
+             draft_executor="thread", max_batch_size=4, **engine) as llm:
         return llm.generate(prompt_token_ids=prompts, sampling_params=params)
 
 
@@ -42,14 +42,16 @@ def test_sampled_logprobs_are_raw_not_tempered(pair):
         assert all(len(entry) == 1 for entry in out.logprobs)
 
 
-@pytest.mark.parametrize("mode, rows", [("ar", 512), ("ssd", 512), ("ssd", 2)])
-def test_prompt_logprobs_score_every_prompt_token_after_the_first(pair, mode, rows, monkeypatch):
+@pytest.mark.parametrize("mode, rows, budget", [("ar", 512, 2048), ("ssd", 512, 2048), ("ssd", 2, 2048), ("ssd", 2, 5)])
+def test_prompt_logprobs_score_every_prompt_token_after_the_first(pair, mode, rows, budget, monkeypatch):
     """vLLM's prompt_logprobs (what lm-eval's loglikelihood needs): row i of the prefill scored token i + 1.
     rows = 2: the prompt is scored in pieces of two logit rows (bounded memory for long prompts); pieces
-    meet at the right tokens, and prompts without prompt_logprobs in the batch prefill as usual."""
+    meet at the right tokens, and prompts without prompt_logprobs in the batch prefill as usual. budget = 5
+    (max_num_batched_tokens): the 11-token prompt prefills over three engine steps."""
     monkeypatch.setattr(target_module, "PROMPT_LOGPROBS_ROWS", rows)
     params = [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2 if i % 3 else None) for i in range(len(PROMPTS))]
-    for i, (prompt, out) in enumerate(zip(PROMPTS, generate(pair, mode, params))):
+    outs = generate(pair, mode, params, max_num_batched_tokens=budget)
+    for i, (prompt, out) in enumerate(zip(PROMPTS, outs)):
         if not i % 3:
             assert out.prompt_logprobs is None
             continue
