@@ -105,3 +105,16 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> N
             pass
         time.sleep(0.5)
     raise AssertionError("saguaro serve did not become healthy in time")
+
+
+def test_draft_device_chunk_budget_and_eager_flags_reach_the_config():
+    import argparse
+
+    from saguaro_dist.cli.serve import add_engine_args, engine_args
+    from saguaro_dist.config import Config
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = engine_args(parser.parse_args(["--draft-device", "cpu", "--max-num-batched-tokens", "512", "--enforce-eager"]))
+    config = Config(**args)
+    assert (config.draft_device, config.max_num_batched_tokens, config.enforce_eager) == ("cpu", 512, True)
+    assert Config(**engine_args(parser.parse_args([]))).enforce_eager is False  # flags left out keep the defaults
