@@ -35,8 +35,11 @@ class ModelRunner:
             self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
             self.group = attn.num_heads // attn.num_kv_heads
+            # With graphs, rows for a full batch and the scratch row from the start: a pool that grows
+            # drops every captured graph.
+            rows = max(4, max_batch_size + 1) if cuda_graphs else 4
             self.pool = KVPool(cfg.num_layers, attn.num_kv_heads, cfg.head_dim, self.max_model_len,
-                               self.device, self.dtype)
+                               self.device, self.dtype, rows=rows)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
 
