@@ -85,11 +85,11 @@ class Config:
     tree_policy: TreePolicy = TreePolicy.AUTO
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
-    max_num_batched_tokens: int = 2048     # most tokens (batch x tokens a sequence) in one forward; longer prefills run in chunks
+    max_num_batched_tokens: int = 2048     # prompt tokens an engine step prefills, tokens one forward takes: longer prompts run in chunks
     device: str = "cpu"
     draft_device: str | None = None        # the draft's own device (None: `device`), e.g. cuda:1 beside a target on cuda:0
     dtype: str = "float32"
-    enforce_eager: bool = False            # on CUDA: no graphs for uniform steps (vLLM's flag; model/cuda_graphs.py)
+    enforce_eager: bool = False            # on CUDA: every forward eager (default: short ones replay CUDA graphs; model/cuda_graphs.py)
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO

@@ -52,7 +52,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-batch-size", type=int)
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-batched-tokens", type=int,
-                   help="most tokens (batch x tokens a sequence) in one forward; longer prefills run in chunks (default 2048)")
+                   help="prompt tokens an engine step prefills and tokens one forward takes; longer prompts run in "
+                        "chunks between decoding rounds (default 2048)")
     g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
     g.add_argument("--draft-device", help="the draft's own device (default: --device), e.g. cuda:1")
     g.add_argument("--dtype", choices=DTYPES)
