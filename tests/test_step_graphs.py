@@ -79,3 +79,17 @@ def test_static_steps_give_the_eager_logits(tiny_checkpoint, kind):
 def test_graphs_need_a_cuda_device(tiny_checkpoint):
     with pytest.raises(ValueError, match="cuda_graphs needs a CUDA device"):
         ModelRunner(tiny_checkpoint("llama"), cuda_graphs=True)
+
+
+def test_a_tree_whose_layout_was_claimed_again_cannot_step(tiny_checkpoint):
+    """The layout's buffers now hold the newer tree: stepping the older one would read the wrong KV, so
+    it is refused (it can still be adopted from: it got its own copy)."""
+    runner = static_runner(tiny_checkpoint("llama"))
+    runner.add("a")
+    runner.extend(["a"], [[1, 2, 3, 4]], [1])
+    first, _ = runner.branch_start(["a", "a"], [4, 3], [5, 6])
+    second, _ = runner.branch_start(["a", "a"], [4, 2], [7, 8])
+    with pytest.raises(ValueError, match="reused"):
+        runner.branch_step(first, torch.tensor([9, 9]))
+    runner.branch_step(second, torch.tensor([9, 9]))
+    assert first.private_k is not second.private_k
