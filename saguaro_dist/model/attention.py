@@ -24,3 +24,10 @@ def dense_attention(q, k, v, mask):
     """q: [B, kv, Tg, D]; k, v: [B, kv, S, D]; mask: [B, 1, Tg, S], bool (True = attend) or float (added to
     the scores: 0 / -inf), or None (all)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def causal_mask(pos: torch.Tensor, num_keys: int, group: int) -> torch.Tensor:
+    """[B, 1, T * group, num_keys] bool: the query at position pos[b, t] sees its own sequence's keys
+    0..pos[b, t], its rows repeated per grouped head (fold_heads' layout). pos: [B, T]."""
+    keys = torch.arange(num_keys, device=pos.device)
+    return (keys[None, None, :] <= pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro_dist.model.attention import dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.attention import causal_mask, dense_attention, fold_heads, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool, rows_index
 
 
@@ -18,15 +18,10 @@ class ExtendBatch:
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(self.t, device=dev)  # [B, T]
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # padding may run past the table; its output is dropped
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
-        self.mask = self._mask(pos, group) if (self.b, self.t) != (1, 1) else None
+        self.mask = causal_mask(pos, self.s, group) if (self.b, self.t) != (1, 1) else None
         # Consecutive rows (every batch the engine builds in order): all layers' keys as one view.
         self.span = pool.span(self.rows, self.s) if isinstance(self.rows, slice) else None
         self._plan_writes(rows, starts, lens, pos)
-
-    def _mask(self, pos: torch.Tensor, group: int) -> torch.Tensor:
-        """[B, 1, T * group, S]: query at position p sees keys 0..p (its own sequence's past and itself)."""
-        keys = torch.arange(self.s, device=pos.device)
-        return (keys[None, None, :] <= pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
 
     def _plan_writes(self, rows, starts, lens, pos):
         if self.b == 1:  # where this forward's keys and values go, in every layer: [layers, kv, T, D]

@@ -87,11 +87,11 @@ class ModelRunner:
         chunks of at most max_num_batched_tokens // batch tokens a sequence (a long prefill's attention
         scores and activations grow with its length times the keys: chunks bound them)."""
         seqs = self._check_extend(seq_ids, token_lists, num_logits)
-        chunk = max(1, self.max_num_batched_tokens // len(seqs))
-        if max(len(t) for t in token_lists) <= chunk:
+        chunk, longest = max(1, self.max_num_batched_tokens // len(seqs)), max(len(t) for t in token_lists)
+        if longest <= chunk:
             return self._extend(seqs, token_lists, num_logits)
         out = [[] for _ in seqs]
-        for lo in range(0, max(len(t) for t in token_lists), chunk):
+        for lo in range(0, longest, chunk):
             part = [i for i, t in enumerate(token_lists) if len(t) > lo]
             pieces = [token_lists[i][lo:lo + chunk] for i in part]
             # Logits wanted from this chunk: the requested tail's overlap with it (always its own tail).

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro_dist.model.attention import dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.attention import causal_mask, dense_attention, fold_heads, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool
 
 
@@ -18,9 +18,8 @@ class StaticBatch:
         self.pool, self.rows, self.t = pool, rows, pos.shape[1]
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # a padding row may run past the table; its output is dropped
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
-        keys = torch.arange(pool.capacity, device=pos.device)
-        # [B, 1, T * group, capacity]: a query at position p sees its own row's keys 0..p, stale ones never.
-        self.mask = (keys[None, None, :] <= pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
+        # Over the whole capacity: keys past a query's position (stale or padding) are never seen.
+        self.mask = causal_mask(pos, pool.capacity, group)  # [B, 1, T * group, capacity]
         self.write_rows = rows[:, None].expand(-1, self.t).reshape(-1)  # [B * T]
         self.write_pos = pos.reshape(-1)                                # [B * T]
 
