@@ -22,7 +22,7 @@ class FanOut(str, enum.Enum):
 
 class DraftExecutor(str, enum.Enum):
     """Where the one-host engine runs its draft (the distributed runtime uses Ray actors instead)."""
-    AUTO = "auto"        # process for SSD (draft and target run at once), thread for SD (they never do)
+    AUTO = "auto"        # thread for SD (draft and target never run at once); for SSD a process, or a thread on the target's GPU
     PROCESS = "process"  # a child process spoken to over a pipe: no GIL shared with the target
     THREAD = "thread"    # a thread of this process: no start-up cost, but it competes for the GIL
 

@@ -48,6 +48,16 @@ def test_auto_draft_executor_is_a_process_for_ssd_and_a_thread_for_sd():
     from saguaro_dist.engine.build import draft_executor
     assert draft_executor(Config(model="m", draft="d", mode="ssd")) is DraftExecutor.PROCESS
     assert draft_executor(Config(model="m", draft="d", mode="sd")) is DraftExecutor.THREAD
+
+
+@pytest.mark.parametrize("device, draft_device, want", [
+    ("cuda", None, "thread"), ("cuda:0", "cuda", "thread"), ("cuda:1", "cuda:1", "thread"),
+    ("cuda:0", "cuda:1", "process"), ("cuda", "cpu", "process"), ("cpu", "cpu", "process")])
+def test_auto_ssd_draft_shares_the_targets_gpu_on_a_thread(device, draft_device, want):
+    """One GPU: a thread (its own CUDA stream overlaps the target's); another device or the CPU: a process."""
+    from saguaro_dist.engine.build import draft_executor
+    config = Config(model="m", draft="d", mode="ssd", device=device, draft_device=draft_device)
+    assert draft_executor(config) is DraftExecutor(want)
     assert draft_executor(Config(model="m", draft="d", mode="sd", draft_executor="process")) is DraftExecutor.PROCESS
 
 

@@ -112,3 +112,21 @@ def test_a_cpu_draft_beside_a_cuda_target_keeps_greedy_exact(tiny_llama_pair, mo
         with LLM(model=target, device="cuda", draft_executor="thread", **kw) as llm:
             outs[name] = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
     assert outs[mode] == outs["ar"]
+
+
+def test_a_draft_thread_runs_on_its_own_stream_and_stays_exact(tiny_llama_pair):
+    """The one-host draft thread queues its kernels on a stream of its own (so a tree build can overlap
+    the target's verify on one GPU), and the cross-stream hand-offs keep greedy ssd equal to ar."""
+    from saguaro_dist import LLM, SamplingParams
+    target, draft = tiny_llama_pair
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [[3, 17, 5, 42], [8, 1, 60, 2, 9]]
+    with LLM(model=target, device="cuda", mode="ar") as llm:
+        want = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+    with LLM(model=target, draft=draft, device="cuda", mode="ssd", k=3, draft_executor="thread",
+             tree_policy="always") as llm:
+        got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+        backend = llm._thread.engine.loop.draft
+        seen = backend._call(lambda _: torch.cuda.current_stream(), None).result()
+    assert got == want
+    assert seen == backend.stream.stream and seen != torch.cuda.default_stream()

@@ -11,7 +11,7 @@ SYSTEMS = {
     "ar": "ours, autoregressive (target only)",
     "sd": "ours, speculative decoding (draft just in time, one process)",
     "ssd": "ours, SSD one-host (draft in a child process, pipe)",
-    "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL)",
+    "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
     "ssd-ray": "ours, SSD on local Ray (target actor + draft actor, gRPC)",
     "hf": "transformers generate (AR)",

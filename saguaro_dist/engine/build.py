@@ -58,10 +58,21 @@ def build_draft_worker(config: Config) -> DraftWorker:
 
 
 def draft_executor(config: Config) -> DraftExecutor:
-    """AUTO resolved: SSD overlaps draft and target, so its draft gets its own process (and GIL)."""
+    """AUTO resolved. SD's draft and target never run at once: a thread. SSD overlaps them: on the CPU
+    its draft gets a process (and a GIL) of its own; on the target's own GPU a thread, whose CUDA
+    stream runs beside the target's, where a second process's CUDA context would take turns with the
+    target's (docs/benchmarks.md, "GPU, session 23")."""
     if config.draft_executor is not DraftExecutor.AUTO:
         return config.draft_executor
-    return DraftExecutor.PROCESS if config.mode is Mode.SSD else DraftExecutor.THREAD
+    if config.mode is not Mode.SSD or same_gpu(config.device, config.draft_device_resolved):
+        return DraftExecutor.THREAD
+    return DraftExecutor.PROCESS
+
+
+def same_gpu(a: str, b: str) -> bool:
+    """Whether two device strings name one CUDA device ("cuda" is device 0 unless set otherwise)."""
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type == "cuda" and (da.index or 0) == (db.index or 0)
 
 
 def build_local_draft(config: Config, target: ModelRunner):

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
+from saguaro_dist.model.device import OwnStream
 
 log = logging.getLogger(__name__)
 TreeKey = tuple[int, int]  # (seq_id, round)
@@ -73,11 +74,13 @@ class LocalDraftBackend:
     """A DraftWorker on its own thread in this process: the one-host engine.
 
     One worker thread serialises every call, so the worker needs no locks; tree building runs
-    there while the target verifies on the caller's thread (torch releases the GIL in its ops).
+    there while the target verifies on the caller's thread (torch releases the GIL in its ops). On a
+    GPU the thread has a CUDA stream of its own, so its kernels overlap the target's.
     """
 
     def __init__(self, worker):
         self.worker = worker
+        self.stream = OwnStream(worker.runner.device)
         self.inbox = TreeInbox()
         self.busy_s = 0.0  # time the draft thread spent working
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
@@ -112,7 +115,8 @@ class LocalDraftBackend:
         def timed():
             start = time.perf_counter()
             try:
-                return fn(arg)
+                with self.stream():
+                    return fn(arg)
             except Exception:
                 # A failed tree build costs a miss (the target falls back), never a token.
                 log.exception("draft worker call %s failed", getattr(fn, "__name__", fn))

@@ -1,6 +1,8 @@
 """Device and dtype helpers."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -30,3 +32,18 @@ def resolve_device(device) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
     return dev
+
+
+class OwnStream:
+    """One thread's GPU work on a CUDA stream of its own (a no-op off CUDA). On the default stream a
+    draft thread's kernels queue behind the target's; on its own stream they can run beside them on
+    the same GPU, which is what SSD's overlap of tree building and verification needs there."""
+
+    def __init__(self, device):
+        device = torch.device(device)
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        if self.stream is not None:  # the model and KV written so far (on the builder's stream) come first
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+
+    def __call__(self):
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
