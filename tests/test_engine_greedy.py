@@ -173,6 +173,24 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, executor,
     assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m
 
 
+@pytest.mark.parametrize("capturing", [False, True])
+def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monkeypatch, capturing):
+    """A round during which a CUDA graph was captured timed the capture: the gate does not measure it
+    (here every round 'captures', so no mode gets a rate; without captures both modes do)."""
+    if capturing:
+        moving = iter(range(10**9))
+        monkeypatch.setattr(rounds_module, "graph_captures", lambda: next(moving))
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
+             draft_executor="thread") as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        rates = llm._thread.engine.loop.gate.rates(1)
+    check(pair, reference, outputs)
+    if capturing:
+        assert rates == {"trees": None, "just_in_time": None}
+    else:
+        assert all(r is not None for r in rates.values()), rates
+
+
 def test_tree_policy_always_never_skips_a_tree(pair, reference):
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
              draft_executor="thread", tree_policy="always") as llm:

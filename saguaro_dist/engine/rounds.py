@@ -17,6 +17,7 @@ from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillReques
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
+from saguaro_dist.model.cuda_graphs import graph_captures
 from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, ngram_proposal, random_proposal
 from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
 
@@ -178,10 +179,11 @@ class SSDLoop(SDLoop):
         self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
         self.cache = SpeculationCache()
         self.gate = TreeGate() if config.tree_policy is TreePolicy.AUTO else None
-        self._mode, self._round_start = RoundMode.TREES, 0.0
+        self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
 
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
+        self._captures = graph_captures()
         self._readmit([s for s in seqs if s.draft_lost])
         self._mode = self.gate.mode(len(seqs)) if self.gate else RoundMode.TREES
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
@@ -206,7 +208,7 @@ class SSDLoop(SDLoop):
         self.stats.record_time(Timing.VERIFY, time.perf_counter() - start)
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
-        if self.gate:
+        if self.gate and graph_captures() == self._captures:  # a round that captured a graph timed the capture
             self.gate.record(len(seqs), self._mode, sum(map(len, gained)), time.perf_counter() - self._round_start)
         return gained
 

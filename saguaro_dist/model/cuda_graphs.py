@@ -11,6 +11,7 @@ KV pool's addresses, so a pool resize (rows or capacity doubling, amortised) dro
 are captured again."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -28,6 +29,24 @@ log = logging.getLogger(__name__)
 # GPU. Captures are also thread-local (capture_error_mode), so the other thread's kernels, which run on
 # other streams than the capture's, may go on meanwhile.
 _CAPTURE_LOCK = threading.Lock()
+_capture_events = [0]  # starts and ends of captures in this process (under the lock): see graph_captures
+
+
+def graph_captures() -> int:
+    """A count that moves whenever a CUDA-graph capture in this process starts or ends. A capture
+    synchronises the device and stalls every thread for milliseconds (first use of a shape, and after
+    each KV pool growth): a round during which the count moved measures the capture, not its mode, and
+    the tree gate leaves it out (engine/rounds.py)."""
+    return _capture_events[0]
+
+
+@contextlib.contextmanager
+def _counted():
+    _capture_events[0] += 1
+    try:
+        yield
+    finally:
+        _capture_events[0] += 1
 MAX_GRAPH_TOKENS = 16   # longest extend row worth a graph; longer ones (prefills) run eagerly
 MAX_GRAPH_BRANCHES = 64  # most branches of one sequence in a graphed branch step
 
@@ -187,7 +206,7 @@ class StepGraphs:
         return step.logits
 
     def _capture(self, step) -> None:
-        with _CAPTURE_LOCK:
+        with _CAPTURE_LOCK, _counted():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, lazy inits
