@@ -68,3 +68,17 @@ def test_branch_decode_on_scattered_rows_equals_contiguous_rows(tiny_checkpoint)
     scattered, contiguous = run(scatter=True), run(scatter=False)  # rows 0, 2 (a gather) vs 0, 1 (a view)
     for got, want in zip(scattered, contiguous):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
+def test_causal_kernel_equals_the_masked_attention_for_prompts_from_position_0(heads, kv_heads):
+    """ExtendBatch runs whole prompts (every row from position 0) through SDPA's causal kernel: the same
+    output as the masked dense attention over the folded heads, for every real query of a padded row."""
+    from saguaro_dist.model.attention import causal_attention, causal_mask, dense_attention, fold_heads, unfold_heads
+    gen = torch.Generator().manual_seed(0)
+    b, t, d = 2, 9, 16
+    q = torch.randn(b, t, heads, d, generator=gen)
+    k, v = (torch.randn(b, kv_heads, t, d, generator=gen) for _ in range(2))
+    pos = torch.arange(t).expand(b, t)
+    masked = unfold_heads(dense_attention(fold_heads(q, kv_heads), k, v, causal_mask(pos, t, heads // kv_heads)), t)
+    torch.testing.assert_close(causal_attention(q, k, v), masked, atol=1e-6, rtol=0)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro_dist.model.attention import causal_mask, dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.attention import causal_attention, causal_mask, dense_attention, fold_heads, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool, rows_index
 
 
@@ -18,7 +18,8 @@ class ExtendBatch:
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(self.t, device=dev)  # [B, T]
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # padding may run past the table; its output is dropped
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
-        self.mask = causal_mask(pos, self.s, group) if (self.b, self.t) != (1, 1) else None
+        self.from_start = self.t > 1 and not any(starts)  # whole prompts: the causal kernel, no mask
+        self.mask = causal_mask(pos, self.s, group) if (self.b, self.t) != (1, 1) and not self.from_start else None
         # Consecutive rows (every batch the engine builds in order): all layers' keys as one view.
         self.span = pool.span(self.rows, self.s) if isinstance(self.rows, slice) else None
         self._plan_writes(rows, starts, lens, pos)
@@ -57,5 +58,7 @@ class ExtendBatch:
         self._store(0, layer, k)
         self._store(1, layer, v)
         kc, vc = self._stored(layer)
+        if self.from_start:
+            return causal_attention(q, kc, vc)
         o = dense_attention(fold_heads(q, kc.shape[1]), kc, vc, self.mask)
         return unfold_heads(o, self.t)
