@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 # other streams than the capture's, may go on meanwhile.
 _CAPTURE_LOCK = threading.Lock()
 _capture_events = [0]  # starts and ends of captures in this process (under the lock): see graph_captures
+MAX_GRAPH_TOKENS = 16   # longest extend row worth a graph; longer ones (prefills) run eagerly
+MAX_GRAPH_BRANCHES = 64  # most branches of one sequence in a graphed branch step
 
 
 def graph_captures() -> int:
@@ -47,8 +49,6 @@ def _counted():
         yield
     finally:
         _capture_events[0] += 1
-MAX_GRAPH_TOKENS = 16   # longest extend row worth a graph; longer ones (prefills) run eagerly
-MAX_GRAPH_BRANCHES = 64  # most branches of one sequence in a graphed branch step
 
 
 def buckets(largest: int) -> list[int]:
