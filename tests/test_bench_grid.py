@@ -23,7 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def tiny_config(pair, tmp_path, **kw) -> BenchConfig:
     base = dict(target=pair[0], draft=pair[1], systems=("ar", "sd", "ssd", "hf", "hf-assisted"), settings=("paper",),
                 batch_sizes=(1, 2), temperatures=(0.0, 0.7), max_new_tokens=8, prompt_len=6, k=2, fan_out=6,
-                out_dir=str(tmp_path))
+                num_prompts=2, out_dir=str(tmp_path))
     return BenchConfig(**{**base, **kw})
 
 
@@ -172,8 +172,9 @@ def test_a_cell_runs_every_prompt_in_batches_seeded_by_prompt():
 
 
 def test_num_prompts_must_cover_the_largest_batch():
-    assert BenchConfig(batch_sizes=(1, 4)).prompt_count == 4
-    assert BenchConfig(batch_sizes=(1, 4), num_prompts=8).prompt_count == 8
+    assert BenchConfig(batch_sizes=(1, 4)).prompt_count == 8  # never one prompt by default (--batch 1 alone)
+    assert BenchConfig(batch_sizes=(1,)).prompt_count == 8 and BenchConfig(batch_sizes=(16,)).prompt_count == 16
+    assert BenchConfig(batch_sizes=(1, 4), num_prompts=4).prompt_count == 4
     with pytest.raises(ValueError, match="num_prompts"):
         BenchConfig(batch_sizes=(1, 4), num_prompts=2)
 

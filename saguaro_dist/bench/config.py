@@ -83,7 +83,7 @@ class BenchConfig:
     temperatures: tuple[float, ...] = (0.0, 0.7)
     max_new_tokens: int = 128
     prompt_len: int = 64                  # prompts truncated to this many tokens
-    num_prompts: int | None = None        # prompts per cell, run b at a time (None: the largest batch size)
+    num_prompts: int | None = None        # prompts per cell, run b at a time (None: MIN_PROMPTS or the largest batch)
     k: int = 4
     fan_out: int = 12
     fan_out_kind: str = "outcome"
@@ -120,8 +120,9 @@ class BenchConfig:
     @property
     def prompt_count(self) -> int:
         """Every cell runs the same prompts, b at a time: batch 1 is measured on the text batch 8 sees,
-        not on the first prompt alone (one prompt's hit rate is not the pair's)."""
-        return self.num_prompts or max(self.batch_sizes)
+        not on the first prompt alone (one prompt's hit rate is not the pair's), also when 1 is the only
+        batch size asked for (`--batch 1` alone measured one prompt: ~20 rounds at 64 tokens)."""
+        return self.num_prompts or max(MIN_PROMPTS, *self.batch_sizes)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BenchConfig":
@@ -165,6 +166,8 @@ class SweepConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+MIN_PROMPTS = 8  # prompts a cell runs unless num_prompts says otherwise: the default grid's largest batch
 
 PRESETS = {
     "full": dict(max_new_tokens=192, prompt_len=64, repeats=1),
