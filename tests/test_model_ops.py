@@ -80,5 +80,5 @@ def test_causal_kernel_equals_the_masked_attention_for_prompts_from_position_0(h
     q = torch.randn(b, t, heads, d, generator=gen)
     k, v = (torch.randn(b, kv_heads, t, d, generator=gen) for _ in range(2))
     pos = torch.arange(t).expand(b, t)
-    masked = unfold_heads(dense_attention(fold_heads(q, kv_heads), k, v, causal_mask(pos, t, heads // kv_heads)), t)
+    masked = unfold_heads(dense_attention(fold_heads(q, kv_heads), k, v, causal_mask(pos, t, heads // kv_heads, q.dtype)), t)
     torch.testing.assert_close(causal_attention(q, k, v), masked, atol=1e-6, rtol=0)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro_dist.model.attention import dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.attention import additive_mask, dense_attention, fold_heads, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool, rows_index
 
 
@@ -54,22 +54,17 @@ def new_branch_state(seq_ids, seq_rows, prefix_lens, group: int, pool: KVPool, d
     plen[u_idx, j_idx] = torch.tensor(prefix_lens, device=dev)
     keys = torch.arange(max(prefix_lens), device=dev)
     seen = (keys[None, None, :] < plen[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
-    bias = torch.cat([_bias(seen, pool.k.dtype), private_bias(u_count, q, group, depth_cap, pool.k)], dim=-1)
+    bias = torch.cat([additive_mask(seen, pool.k.dtype), private_bias(u_count, q, group, depth_cap, pool.k)], dim=-1)
     layers, _, kv, _, hd = pool.k.shape
     priv = (layers, u_count, kv, depth_cap * q, hd)
     return BranchState(list(seq_ids), rows, plen, bias, u_idx * q + j_idx,
                        pool.k.new_zeros(priv), pool.v.new_zeros(priv), max_prefix_len=max(prefix_lens))
 
 
-def _bias(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An additive attention mask in the model's dtype (what the fused attention takes with its query)."""
-    return torch.zeros(seen.shape, device=seen.device, dtype=dtype).masked_fill_(~seen, float("-inf"))
-
-
 def private_bias(u_count: int, q: int, group: int, depth: int, like: torch.Tensor) -> torch.Tensor:
     """[U, 1, Q * group, depth * Q]: private slot d * Q + j' is visible to branch j iff j' == j."""
     own = torch.eye(q, dtype=torch.bool, device=like.device).repeat_interleave(group, dim=0).repeat(1, depth)
-    return _bias(own, like.dtype).expand(u_count, 1, -1, -1)
+    return additive_mask(own, like.dtype).expand(u_count, 1, -1, -1)
 
 
 def grow_private(state: BranchState, group: int):

@@ -19,7 +19,7 @@ class ExtendBatch:
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # padding may run past the table; its output is dropped
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
         self.from_start = self.t > 1 and not any(starts)  # whole prompts: the causal kernel, no mask
-        self.mask = causal_mask(pos, self.s, group) if (self.b, self.t) != (1, 1) and not self.from_start else None
+        self.mask = causal_mask(pos, self.s, group, pool.k.dtype) if (self.b, self.t) != (1, 1) and not self.from_start else None
         # Consecutive rows (every batch the engine builds in order): all layers' keys as one view.
         self.span = pool.span(self.rows, self.s) if isinstance(self.rows, slice) else None
         self._plan_writes(rows, starts, lens, pos)

@@ -19,7 +19,7 @@ class StaticBatch:
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # a padding row may run past the table; its output is dropped
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
         # Over the whole capacity: keys past a query's position (stale or padding) are never seen.
-        self.mask = causal_mask(pos, pool.capacity, group)  # [B, 1, T * group, capacity]
+        self.mask = causal_mask(pos, pool.capacity, group, pool.k.dtype)  # [B, 1, T * group, capacity]
         self.write_rows = rows[:, None].expand(-1, self.t).reshape(-1)  # [B * T]
         self.write_pos = pos.reshape(-1)                                # [B * T]
 
