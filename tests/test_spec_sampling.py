@@ -159,3 +159,18 @@ def test_rows_sharing_a_generator_take_consecutive_draws():
     want = torch.rand((2, 2), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     assert torch.equal(u[[0, 2]], want)
     assert not torch.equal(u[0], u[2])
+
+
+def test_greedy_tokens_is_torch_argmax_on_every_layout():
+    """The CPU numpy path picks what torch.argmax picks: the first maximum among ties, the first NaN,
+    -0.0 equal to 0.0; on 1-D, 3-D, strided, half-precision (up-cast) and float64 (torch's own) input."""
+    from saguaro_dist.spec import greedy_tokens
+    gen = torch.Generator().manual_seed(5)
+    ties = torch.randint(0, 3, (64, 7, 50), generator=gen).float()  # many ties per row
+    ties[0, 0, 3], ties[1, 0, :2], ties[2, 0, 9] = float("nan"), torch.tensor([-0.0, 0.0]), float("-inf")
+    ties[1, 0, 2:] = -1.0
+    cases = [ties, ties[:, :, ::2], ties[0, 0], ties.transpose(0, 1), ties.to(torch.bfloat16), ties.double(),
+             torch.randn(12, 2048, generator=gen), torch.empty(0, 9)]
+    for x in cases:
+        got = greedy_tokens(x)
+        assert got.dtype == torch.int64 and torch.equal(got, x.float().argmax(dim=-1) if x.dtype != torch.double else x.argmax(-1)), x.shape

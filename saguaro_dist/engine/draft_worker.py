@@ -25,7 +25,7 @@ from saguaro_dist.engine.sequence import make_generator
 from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
-    BudgetController, ProposalSource, SpecStats, sample, saguaro_probs, scaled_budget, select_branches,
+    BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
 )
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ class DraftWorker:
         for j in range(self.k):
             seen.append(logits)
             if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
-                drawn = logits.argmax(-1)
+                drawn = greedy_tokens(logits)
             else:
                 probs = self._proposal_probs(logits, sampling, [f[j] for f in fanouts])
                 drawn = sample(probs, [s.generator for s in rows])
