@@ -170,7 +170,7 @@ def test_greedy_tokens_is_torch_argmax_on_every_layout():
     ties[0, 0, 3], ties[1, 0, :2], ties[2, 0, 9] = float("nan"), torch.tensor([-0.0, 0.0]), float("-inf")
     ties[1, 0, 2:] = -1.0
     cases = [ties, ties[:, :, ::2], ties[0, 0], ties.transpose(0, 1), ties.to(torch.bfloat16), ties.double(),
-             torch.randn(12, 2048, generator=gen), torch.empty(0, 9)]
+             torch.randn(12, 2048, generator=gen), torch.empty(0, 9), torch.randn(3, 9, requires_grad=True)]
     for x in cases:
         got = greedy_tokens(x)
         assert got.dtype == torch.int64 and torch.equal(got, x.float().argmax(dim=-1) if x.dtype != torch.double else x.argmax(-1)), x.shape

@@ -100,7 +100,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     x = _float(logits)
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return x.argmax(dim=-1)
-    return torch.from_numpy(np.asarray(np.argmax(x.numpy(), axis=-1), dtype=np.int64))
+    return torch.from_numpy(np.asarray(np.argmax(x.detach().numpy(), axis=-1), dtype=np.int64))
 
 
 def one_hot_probs(tokens: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
