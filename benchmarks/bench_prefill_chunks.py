@@ -67,13 +67,12 @@ def engine_pause(path: str, budget: int, tokens: int, device: str, dtype: str) -
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     engine, _ = build_local_engine(Config(model=path, mode="ar", max_num_batched_tokens=budget, target_threads=1,
                                           device=device, dtype=dtype))
-    vocab = engine.target.runner.vocab_size
 
     def once(first_id: int) -> tuple[float, float]:
         running = Sequence(first_id, "running", list(range(1, 33)), params)
         engine.add(running)
         engine.step()
-        long = Sequence(first_id + 1, "long", [(7 * i) % vocab for i in range(tokens)], params)
+        long = Sequence(first_id + 1, "long", [(7 * i) % engine.vocab_size for i in range(tokens)], params)
         engine.add(long)
         steps = []
         while long.status is not SeqStatus.RUNNING:

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from saguaro_dist.bench.config import (MIN_PROMPTS, OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig,
-                                       candidate_placements, placement)
+from saguaro_dist.bench.config import (OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig, candidate_placements,
+                                       placement)
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
 from saguaro_dist.bench.systems import Measurement, Repeats, combine, make_system
@@ -202,7 +202,7 @@ def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
     """One SSD run per sweep point (one knob changed from the base), each with its Theorem-7 prediction."""
     cfg = sweep.base
     target, draft = resolve_pair(cfg.target, cfg.draft)
-    count = max(sweep.batch_size, cfg.num_prompts or MIN_PROMPTS)  # before session 23: one prompt at batch 1
+    count = max(sweep.batch_size, cfg.prompt_count)  # before session 23: one prompt at b = 1
     prompts, source = bench_prompts(target, count, cfg.prompt_len, cfg.seed, vocab_size(target))
     place = placement(sweep.system, sweep.setting, cfg.cores)
     points = []
