@@ -84,7 +84,7 @@ def build_local_draft(config: Config, target: ModelRunner):
     check_same_vocab(target, load_config(resolve_model_dir(config.draft)))  # fail here, before a child starts
     if config.draft_device_resolved == "cpu" and config.draft_threads is None:
         # A fresh process takes torch's default, every core, beside the target's own threads: on a
-        # 2-core box that made rounds ~1.5x as long (docs/benchmarks.md, session 9).
+        # 2-core box that made rounds ~1.5x as long (docs/benchmark-history.md, session 9).
         log.warning("the SSD draft process will run torch on every core (its default) beside the target's %d "
                     "threads; set draft_threads (and target_threads) to split the cores", torch.get_num_threads())
     return DraftProcess(config)

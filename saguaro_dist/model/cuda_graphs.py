@@ -1,6 +1,6 @@
 """CUDA graphs for a model's short forwards: extend steps of at most MAX_GRAPH_TOKENS tokens a sequence
 (decode, verify at K + 1, the draft's glue and just-in-time steps) and branch steps (the draft's tree).
-A small model's eager forward is launch-bound on a GPU (~0.5 ms of host time a layer, docs/benchmarks.md
+A small model's eager forward is launch-bound on a GPU (~0.5 ms of host time a layer, docs/benchmark-history.md
 "GPU, session 17"); a replayed graph launches the whole forward at once.
 
 A graph is captured per padded layout on first use, as vLLM and gpt-fast do: extend per (batch bucket,
