@@ -19,6 +19,10 @@ class SamplingParams:
     seed: int | None = None    # makes a sampled request reproducible
     logprobs: int | None = None  # per generated token: its log-probability and the top-N's (0..20); None: none
     prompt_logprobs: int | None = None  # the same for each prompt token after the first (costs a [P, V] LM head)
+    # vLLM's penalties on the target's logits (spec/penalties.py), before temperature / top-k / top-p:
+    presence_penalty: float = 0.0    # minus this for a token already in the output (-2..2; > 0 discourages)
+    frequency_penalty: float = 0.0   # minus this times the token's count in the output (-2..2)
+    repetition_penalty: float = 1.0  # > 1 shrinks the logits of tokens in the prompt or the output (HF's rule)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -46,7 +50,26 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None), got {value!r}")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+
+    @property
+    def penalized(self) -> bool:
+        """Any penalty changes the target's distribution."""
+        return penalized(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def check_penalties(presence: float, frequency: float, repetition: float) -> None:
+    """vLLM's ranges: presence and frequency in [-2, 2], repetition finite and > 0 (1 disables it)."""
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+            raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+    if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0.0 < repetition < float("inf"):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition!r}")
+
+
+def penalized(presence: float, frequency: float, repetition: float) -> bool:
+    return presence != 0 or frequency != 0 or repetition != 1

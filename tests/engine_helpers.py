@@ -48,22 +48,26 @@ def hf_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def top2(model: LlamaForCausalLM, tokens: list[int]) -> tuple[float, float]:
-    """The target's (fp32) top logit and its gap to the second at the next position."""
+def top2(model: LlamaForCausalLM, tokens: list[int], adjust=None) -> tuple[float, float]:
+    """The target's (fp32) top logit and its gap to the second at the next position; adjust(tokens,
+    logits) -> logits first, when the request changes the distribution (penalties)."""
     with torch.no_grad():
         logits = model(torch.tensor([tokens])).logits[0, -1]
+    if adjust is not None:
+        logits = adjust(tokens, logits)
     top = logits.topk(2).values
     return float(top[0]), float(top[0] - top[1])
 
 
 def assert_greedy_equal(got: list[int], want: list[int], prompt: list[int], model: LlamaForCausalLM,
-                        rel_tie: float = 0.0) -> None:
+                        rel_tie: float = 0.0, adjust=None) -> None:
     """Token-identical, except a divergence at a genuine near-tie of the target's top two logits: a gap
-    under NEAR_TIE + rel_tie * |top logit| (rel_tie: the rounding of a lower-precision dtype)."""
+    under NEAR_TIE + rel_tie * |top logit| (rel_tie: the rounding of a lower-precision dtype; adjust:
+    as top2's)."""
     assert len(got) == len(want), (got, want)
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
-            top, gap = top2(model, prompt + want[:i])
+            top, gap = top2(model, prompt + want[:i], adjust)
             tie = NEAR_TIE + rel_tie * abs(top)
             assert gap < tie, f"greedy divergence at token {i} ({a} != {b}) with top-2 gap {gap:.2e} (tie < {tie:.2e})"
             return

@@ -60,8 +60,9 @@ def test_generate_in_process_matches_llm(serving_pair, reference_llm, capsys):
 
 def test_generate_against_a_server(server, reference_llm, capsys):
     code = main(["generate", "--url", server.url, "--api-key", server.api_key, "--prompt", "hello world",
-                 "--max-tokens", "10"])
-    expected = reference_llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=10))[0].text
+                 "--max-tokens", "10", "--repetition-penalty", "1.5", "--presence-penalty", "0.5"])
+    expected = reference_llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5,
+                                                                      presence_penalty=0.5))[0].text
     assert code == 0 and capsys.readouterr().out == expected + "\n"
     assert main(["generate", "--url", server.url, "--prompt", "hi"]) == 2  # no key: the server's 401, cleanly
 

@@ -13,7 +13,10 @@ from saguaro_dist.serve.args import config_from_args
     (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=["2"]), "stop_token_ids"),
     (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
-    (dict(min_tokens=1.0), "min_tokens"),
+    (dict(min_tokens=1.0), "min_tokens"), (dict(presence_penalty=2.1), "presence_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(frequency_penalty="0.5"), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(repetition_penalty=True), "repetition_penalty"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -260,3 +260,68 @@ def reference_tokens(pair) -> list[int]:
 def reference_end(pair) -> tuple[int, int]:
     """An end token the unconstrained greedy output emits early (its 3rd token), and a minimum past it."""
     return reference_tokens(pair)[2], 8
+
+
+PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4)
+
+
+class OutputPenalties:
+    """transformers has no presence / frequency penalty: vLLM's, as a logits processor (tokens after
+    the prompt only), written here independently of saguaro_dist.spec."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids[:, self.prompt_len:].tolist()):
+            for t in set(ids):
+                scores[row, t] -= self.frequency * ids.count(t) + self.presence
+        return scores
+
+
+def penalized_reference(pair, prompt: list[int], n: int) -> tuple[list[int], callable]:
+    """transformers' greedy tokens under PENALTIES, and the same penalties as an `adjust` for near-ties."""
+    from transformers import LogitsProcessorList
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    output_penalties = OutputPenalties(len(prompt), PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"])
+    out = pair["model"].generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None, repetition_penalty=PENALTIES["repetition_penalty"],
+                                 logits_processor=LogitsProcessorList([output_penalties]))
+    repetition = RepetitionPenaltyLogitsProcessor(PENALTIES["repetition_penalty"])
+
+    def adjust(tokens, logits):
+        ids = torch.tensor([tokens])
+        return output_penalties(ids, repetition(ids, logits[None].clone()))[0]
+    return out[0, len(prompt):].tolist(), adjust
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
+    """Presence, frequency and repetition penalties change the target's distribution, so the verifier
+    must score each speculated position with the counts up to it: every mode gives transformers'
+    greedy tokens under the same penalties (and they differ from the unpenalized ones)."""
+    draft = None if mode == "ar" else pair["close"]
+    params = replace(GREEDY, **PENALTIES)
+    with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    for prompt, out, plain in zip(PROMPTS, outs, reference):
+        want, adjust = penalized_reference(pair, prompt, GREEDY.max_tokens)
+        assert want != plain  # the penalties bite on this model
+        assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_the_draft_proposes_under_the_requests_penalties(pair, monkeypatch, mode):
+    """A draft that is the target itself, told the request's penalties, proposes exactly the penalized
+    target's choices (all accepted, up to fp near-ties); proposing unpenalized, it is rejected wherever
+    a penalty moved the target's choice."""
+    import saguaro_dist.engine.draft_worker as draft_worker
+
+    def acceptance() -> float:
+        with LLM(device=DEVICE, model=pair["target"], draft=pair["target"], mode=mode, k=3,
+                 draft_executor="thread") as llm:
+            outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=replace(GREEDY, **PENALTIES))
+        return sum(o.metrics.accepted_tokens for o in outs) / sum(o.metrics.drafted_tokens for o in outs)
+    told = acceptance()
+    monkeypatch.setattr(draft_worker.DraftWorker, "_penalties", lambda self, owners, paths: None)
+    assert told > 0.95 and acceptance() < 0.8  # seen: 1.0 and 0.34

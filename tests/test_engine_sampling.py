@@ -33,11 +33,17 @@ def pair(tmp_path_factory):
     return str(root / "target"), str(root / "draft"), target
 
 
-def reference_probs(logits: torch.Tensor, p: SamplingParams, position: int = 0) -> torch.Tensor:
-    """Plain sampling's distribution, written independently of saguaro_dist.spec; the stop tokens held
-    back while fewer than min_tokens are out (position: output tokens before this one)."""
-    logits = logits.double() / p.temperature
-    if position < p.min_tokens:
+def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, ...] = ()) -> torch.Tensor:
+    """Plain sampling's distribution, written independently of saguaro_dist.spec: vLLM's penalties
+    (output: the tokens generated before this one), then temperature, the stop tokens held back while
+    fewer than min_tokens are out, top-k, top-p."""
+    logits = logits.double()
+    for t in set(PROMPT) | set(output):  # repetition: tokens of the prompt or the output
+        logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
+    for t in set(output):
+        logits[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
+    logits = logits / p.temperature
+    if len(output) < p.min_tokens:
         logits[list(p.stop_token_ids)] = float("-inf")
     if p.top_k:
         kth = logits.topk(p.top_k).values[-1]
@@ -58,7 +64,7 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
         for prefix, mass in joint.items():
             with torch.no_grad():
                 logits = model(torch.tensor([PROMPT + list(prefix)])).logits[0, -1]
-            for t, q in enumerate(reference_probs(logits, params, len(prefix)).tolist()):
+            for t, q in enumerate(reference_probs(logits, params, prefix).tolist()):
                 if q > 0:
                     nxt[prefix + (t,)] = mass * q
         joint = nxt
@@ -110,18 +116,23 @@ PARAMS = {
     "t1": SamplingParams(temperature=1.0),
     "t0.8_topk4": SamplingParams(temperature=0.8, top_k=4),
     "t1_topp0.8": SamplingParams(temperature=1.0, top_p=0.8),
+    "t1_penalties": SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.5, repetition_penalty=1.6),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_first_tokens_follow_the_target(pair, case):
+def check_case(pair, case: str, params: SamplingParams) -> None:
+    """The case's path is taken, and the joint it samples is the target's under params."""
     target, draft, model = pair
-    params = PARAMS["t1"]
     settings, took_path = CASES[case]
     counts, metrics = sample_joint(target, draft, params, **settings)
     assert took_path(metrics), f"{case}: the path under test was not taken: {metrics}"
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"{case}: chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_first_tokens_follow_the_target(pair, case):
+    check_case(pair, case, PARAMS["t1"])
 
 
 def test_tree_gate_transitions_follow_the_target(pair, monkeypatch):
@@ -154,6 +165,22 @@ def test_min_tokens_follows_the_held_back_target(pair):
     assert metrics.cache_hits > 0
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
+def test_penalties_follow_the_penalized_target(pair, case):
+    """Each verify row is penalized with the counts of the output before it, speculated tokens included."""
+    check_case(pair, case, PARAMS["t1_penalties"])
+
+
+def test_the_test_catches_ignored_penalties(pair, monkeypatch):
+    """The penalized joint differs from the plain one by far more than this test can miss."""
+    target, draft, model = pair
+    monkeypatch.setattr(target_module, "apply_penalties", lambda logits, *args: logits)
+    params = PARAMS["t1_penalties"]
+    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
+    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
+    assert p < ALPHA, f"penalties ignored went unnoticed (p = {p:.2e})"
 
 
 def always_accept(target_probs, draft_tokens, draft_probs, generators):

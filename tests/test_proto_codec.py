@@ -127,6 +127,8 @@ def test_sampling_and_messages_round_trip():
     for seed in (0, -3):
         s1 = DraftSampling(1.0, 0, 1.0, seed)
         assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s1))).seed == seed  # 0 is not None
+    penalized = DraftSampling(0.0, 0, 1.0, None, presence_penalty=-0.5, frequency_penalty=1.25, repetition_penalty=1.1)
+    assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(penalized))) == penalized
     cases = [
         (PrefillRequest(7, [1, 2, 3], s), codec.prefill_to_proto, codec.prefill_from_proto),
         (JitDraftRequest(7, 3, 2, 99), codec.jit_request_to_proto, codec.jit_request_from_proto),
@@ -228,6 +230,9 @@ def test_malformed_messages_raise_codec_error():
     _bad(lambda: codec.jit_request_from_proto(pb.JitDraftRequest(seq_id=1, accepted=-2)))
     _bad(lambda: codec.proposal_from_proto(pb.Proposal()))  # no tokens
     _bad(lambda: codec.sampling_to_proto(DraftSampling(1.0, 0, 1.0, 2 ** 64)))
+    for bad in (dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")), dict(presence_penalty=2.5),
+                dict(frequency_penalty=float("inf"))):  # the penalties would poison the draft's logits
+        _bad(lambda: codec.sampling_from_proto(pb.DraftSampling(temperature=1.0, top_p=1.0, **bad)))
 
 
 def test_malformed_sparse_probs_raise_codec_error():

@@ -218,6 +218,17 @@ def test_stop_token_ids_end_generation(server, oai, reference_llm):
     assert held.usage.completion_tokens >= 4
 
 
+def test_penalties_reach_the_engine(server, oai, reference_llm):
+    """OpenAI's presence / frequency penalties and vLLM's repetition_penalty: the server's greedy text
+    is the in-process engine's under the same penalties (which change it)."""
+    penalties = dict(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.5)
+    want, plain = [reference_llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=24, **extra))[0].text
+                   for extra in (penalties, {})]
+    out = oai.completions.create(model=server.model, prompt="the cat", max_tokens=24, temperature=0,
+                                 presence_penalty=1.0, frequency_penalty=0.5, extra_body={"repetition_penalty": 1.5})
+    assert out.choices[0].text == want != plain
+
+
 # ---- concurrency and cancellation ---------------------------------------------------------------
 @pytest.mark.slow
 def test_16_concurrent_streams_complete_and_are_correct(server, reference_llm):
@@ -259,6 +270,8 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": ["a", "b", "c", "d", "e"], "n": 64, "max_tokens": 1}, "n"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "best_of": 2}, "best_of"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "hi", "stop_token_ids": ["x"]}, "stop_token_ids.0"),

@@ -22,6 +22,9 @@ def register(subparsers) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, on tokens already in the output")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, times a token's count in the output")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; > 1 discourages prompt and output tokens")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per prompt, with speculation metrics")
     o.add_argument("--url", help="use this OpenAI-compatible server instead of loading the model")
@@ -41,7 +44,8 @@ def run(ns: argparse.Namespace) -> int:
 
 def _sampling(ns: argparse.Namespace) -> dict:
     return {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
-            "seed": ns.seed, "stop": ns.stop}
+            "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
+            "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty}
 
 
 def _local(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:

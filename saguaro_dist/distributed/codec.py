@@ -150,15 +150,24 @@ def _required(msg, field: str, owner: str):
 
 # ---- DraftSampling ------------------------------------------------------------------------------
 def sampling_to_proto(s: DraftSampling) -> pb.DraftSampling:
-    msg = pb.DraftSampling(temperature=float(s.temperature), top_k=_int64(s.top_k, "top_k"), top_p=float(s.top_p))
+    msg = pb.DraftSampling(temperature=float(s.temperature), top_k=_int64(s.top_k, "top_k"), top_p=float(s.top_p),
+                           presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty))
     if s.seed is not None:
         msg.seed = _int64(s.seed, "seed")
+    if s.repetition_penalty != 1:
+        msg.repetition_penalty = float(s.repetition_penalty)
     return msg
 
 
 def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
     seed = msg.seed if msg.HasField("seed") else None
-    return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=seed)
+    repetition = msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0
+    try:
+        return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=seed,
+                             presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
+                             repetition_penalty=repetition)
+    except ValueError as exc:
+        raise CodecError(f"DraftSampling: {exc}") from None
 
 
 # ---- Proposal -----------------------------------------------------------------------------------

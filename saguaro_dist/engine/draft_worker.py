@@ -27,6 +27,7 @@ from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
 )
+from saguaro_dist.spec.penalties import RowPenalties, row_penalties
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class DraftSeq:
     sampling: DraftSampling
     generator: torch.Generator
     committed: list[int]                     # P: tokens both sides agree on, ending with the pending bonus
+    prompt_len: int = 0                      # committed[:prompt_len] is the prompt (penalties tell it apart)
     speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
     round: int = 0
     pending: bool = False                    # a tree is owed for this round
@@ -90,7 +92,8 @@ class DraftWorker:
                 self.release([Release(r.seq_id)])
             self.runner.add(r.seq_id)
             self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
-                                           list(r.prompt_token_ids), shard=r.shard, num_shards=r.num_shards)
+                                           list(r.prompt_token_ids), len(r.prompt_token_ids), shard=r.shard,
+                                           num_shards=r.num_shards)
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids for r in reqs], [1] * len(reqs))
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
@@ -203,23 +206,26 @@ class DraftWorker:
             probs = torch.where(sampled[:, None], scaled, probs)
         return probs
 
-    def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step
-                ) -> tuple[Proposal, list[torch.Tensor]]:
-        """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j.
-        Returns the draws as columns (tokens [R, K], probs [R, K, V] or None when every row is greedy)
-        and the K logits [R, V] they were drawn from."""
+    def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step,
+                penalties: RowPenalties | None = None) -> tuple[Proposal, list[torch.Tensor]]:
+        """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j; the
+        requests' penalties, if any, apply to every draw. Returns the draws as columns (tokens [R, K],
+        probs [R, K, V] or None when every row is greedy) and the K raw logits [R, V] they came from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
         sampling = None if greedy else RowSampling.of([s.sampling for s in rows])  # once for the K draws
         tokens, dists, seen = [], [], []
         for j in range(self.k):
             seen.append(logits)
+            scored = logits if penalties is None else penalties.apply(logits)
             if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
-                drawn = greedy_tokens(logits)
+                drawn = greedy_tokens(scored)
             else:
-                probs = self._proposal_probs(logits, sampling, [f[j] for f in fanouts])
+                probs = self._proposal_probs(scored, sampling, [f[j] for f in fanouts])
                 drawn = sample(probs, [s.generator for s in rows])
                 dists.append(probs)
             tokens.append(drawn)
+            if penalties is not None:
+                penalties.drew(drawn)
             if j + 1 < self.k:
                 logits = step(drawn)
         # Proposals leave the worker on the CPU (one copy per draw, not per row): they cross a pipe or
@@ -241,7 +247,7 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [[s.committed[-1]] for s in states], [1] * len(ids)))
-        columns = self._draw_k(states, fanouts, first, step)[0]
+        columns = self._draw_k(states, fanouts, first, step, self._penalties(states, [[] for _ in states]))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
@@ -258,7 +264,8 @@ class DraftWorker:
         adopted = [self._adopt_hit(s) for s in states]                             # [K, V] each, or None
         tokens = [[s.committed[-1]] + s.speculation if a is None else s.speculation[-1:] for s, a in zip(states, adopted)]
         fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) for t in tokens])
-        logits = [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
+        logits = [self._penalized_positions(s, f if a is None else torch.cat([a, f]))
+                  for s, f, a in zip(states, fresh, adopted)]
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
         rows = []
@@ -267,6 +274,23 @@ class DraftWorker:
             ks, bonus = chosen.accepted[0, s.shard::s.num_shards], chosen.bonus[0, s.shard::s.num_shards]
             rows += [(i, kk, t) for kk, t in zip(ks.tolist(), bonus.tolist())]
         return rows
+
+    def _penalties(self, owners: list[DraftSeq], paths: list[list[int]]) -> RowPenalties | None:
+        """Rows drawing for owners[i] after its committed output and paths[i] (a branch's own tokens), when
+        a request has penalties: the draft then proposes what the penalized target would choose."""
+        if not any(s.sampling.penalized for s in owners):
+            return None
+        prompts = {id(s): s.committed[:s.prompt_len] for s in owners}  # one list (one scan) per sequence
+        settings = [(s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty)
+                    for s in owners]
+        return row_penalties([prompts[id(s)] for s in owners],
+                             [s.committed[s.prompt_len:] + path for s, path in zip(owners, paths)], settings, self.vocab_size)
+
+    def _penalized_positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
+        """The glue's logits [K+1, V] over [b, x_1..x_K] as the penalized target would rank them: row j
+        counts the output and x_1..x_j."""
+        penalties = self._penalties([s] * len(logits), [s.speculation[:j] for j in range(len(logits))])
+        return logits if penalties is None else penalties.apply(logits)
 
     def _adopt_hit(self, s: DraftSeq) -> torch.Tensor | None:
         """For a hit on this worker's own branch: its KV into the sequence, and the logits [K, V] its
@@ -284,8 +308,9 @@ class DraftWorker:
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
+        paths = [s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows)]
         columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
-                                     lambda drawn: self.runner.branch_step(state, drawn))
+                                     lambda drawn: self.runner.branch_step(state, drawn), self._penalties(owners, paths))
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
         counts = Counter(i for i, _, _ in rows)
         for i, s in enumerate(states):

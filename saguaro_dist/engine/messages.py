@@ -22,14 +22,27 @@ from dataclasses import dataclass, field
 
 import torch
 
+from saguaro_dist.sampling_params import check_penalties, penalized
+
 
 @dataclass(frozen=True)
 class DraftSampling:
-    """What the draft needs of a request's sampling settings to draw its proposals."""
+    """What the draft needs of a request's sampling settings to draw its proposals. The penalties are
+    the target's: a draft that applies them too proposes what the penalized target would choose."""
     temperature: float
     top_k: int
     top_p: float
     seed: int | None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):  # a protocol edge (gRPC, the pipe): NaN or 0 would poison the draft's logits
+        check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+
+    @property
+    def penalized(self) -> bool:
+        return penalized(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
 
 
 @dataclass

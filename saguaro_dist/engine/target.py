@@ -8,7 +8,9 @@ import torch
 from saguaro_dist.engine.logprobs import token_logprobs
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
-from saguaro_dist.spec import greedy_tokens, greedy_verify, sample, target_probs, verify
+from saguaro_dist.spec import (
+    apply_penalties, greedy_tokens, greedy_verify, position_counts, prompt_mask, sample, target_probs, verify,
+)
 
 
 @dataclass(frozen=True)
@@ -53,21 +55,32 @@ class TargetScorer:
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids  # with stop_token_ids, what min_tokens holds back
 
-    def _scored(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _scored(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]] | None = None) -> torch.Tensor:
         """The target's distribution as the request constrains it: logits [B, T, V], row t deciding output
-        token len(output) + t + 1, with EOS and stop_token_ids at -inf where that is <= min_tokens (a copy
-        only then). Sampling and verification both use these, so every path samples the same
-        distribution; log-probabilities stay raw (vLLM's default)."""
+        token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). Penalties
+        first (spec/penalties.py), then EOS and stop_token_ids at -inf where that is <= min_tokens; a
+        copy only when a request asks for either. Sampling and verification both use these, so every
+        path samples the same distribution; log-probabilities stay raw (vLLM's default)."""
+        penalized = [b for b, s in enumerate(seqs) if s.params.penalized]
         early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs) if s.params.min_tokens]
         early = [(b, n) for b, n in early if n > 0]
-        if not early:
+        if not early and not penalized:
             return logits
         logits = logits.clone()
+        for b in penalized:
+            logits[b] = self._penalized(logits[b], seqs[b], drafted[b] if drafted else [])
         for b, n in early:
             s = seqs[b]
             ends = sorted((self.eos_token_ids if not s.params.ignore_eos else set()) | set(s.params.stop_token_ids))
             logits[b, :n, [t for t in ends if t < self.vocab_size]] = float("-inf")
         return logits
+
+    def _penalized(self, rows: torch.Tensor, s: Sequence, drafted: list[int]) -> torch.Tensor:
+        """rows [T, V] of one sequence with its penalties, each row counting the output before it."""
+        p, vocab = s.params, self.vocab_size
+        counts = position_counts(s.output_token_ids, drafted, rows.shape[0], vocab).to(rows.device)
+        in_prompt = prompt_mask(s.prompt_token_ids, vocab).to(rows.device)
+        return apply_penalties(rows, in_prompt, counts, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the prompts; sample each sequence's first token (its KV then holds the prompt)."""
@@ -126,7 +139,7 @@ class TargetScorer:
         ids = [s.seq_id for s in seqs]
         inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
         logits = torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs)))     # [B, K+1, V]
-        scored = self._scored(logits, seqs)
+        scored = self._scored(logits, seqs, [x[1:] for x in inputs])
         if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
             result = greedy_verify(scored, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
         else:

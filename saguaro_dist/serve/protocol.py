@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (best_of, penalties, ...) are rejected rather than silently dropped.
+cannot honour (best_of, logit_bias, ...) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ MAX_GENERATIONS = 256
 # field -> the only value we support; a request giving anything else gets a 400 naming the field
 _UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
-    "suffix": (None, ""), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "suffix": (None, ""),
     "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,),
 }
 
@@ -54,6 +54,9 @@ class SamplingRequest(OpenAIModel):
     ignore_eos: bool = False  # vLLM's extra parameter: keep generating past end-of-sequence
     stop_token_ids: list[int] | None = None  # vLLM's extra parameter: ids that end generation like EOS
     min_tokens: int = Field(0, ge=0)  # vLLM's extra parameter: EOS / stop_token_ids held back until this many
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extra parameter (1: off)
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -83,6 +86,9 @@ class SamplingRequest(OpenAIModel):
             ignore_eos=self.ignore_eos,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
         )
