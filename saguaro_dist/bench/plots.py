@@ -26,6 +26,7 @@ def speedup_vs_batch(results: dict, path: Path) -> Path:
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set(title=f"{setting} setting, T={temp}", xlabel="batch size", ylabel="tokens/s / ours ar", xscale="log")
         ax.set_xticks(sorted({c["batch"] for c in cells}), labels=[str(b) for b in sorted({c["batch"] for c in cells})])
+        ax.minorticks_off()  # a log axis labels its minor ticks (3 x 10^0) between the batch sizes otherwise
         ax.legend(fontsize=8)
     return _save(fig, plt, path)
 
