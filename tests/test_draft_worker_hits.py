@@ -99,3 +99,36 @@ def test_saguaro_sampling_biases_the_draft_only_where_a_cache_can_use_it(draft_d
     cache, so there it would only cost acceptance: its draft samples the plain distribution."""
     plain, scaled = jit_proposal(draft_dir, mode, 1.0), jit_proposal(draft_dir, mode, 0.3)
     assert torch.equal(plain.probs, scaled.probs) is not biased
+
+
+def separate_catch_up(worker):
+    """The reference: committed tokens the KV lacks run in a forward of their own, before the next one."""
+    cut_back = worker._cut_back
+
+    def run_first(states):
+        lacking = {s.seq_id: m for s, m in zip(states, cut_back(states)) if m}
+        if lacking:
+            worker.runner.extend(list(lacking), list(lacking.values()), [1] * len(lacking))
+        return [[] for _ in states]
+    worker._cut_back = run_first
+    return worker
+
+
+def test_committed_tokens_the_kv_lacks_run_in_the_next_forward(draft_dir):
+    """x_K after a fully accepted round, and every token of rounds without a tree (the draft only
+    observed them), run ahead of the next forward's own tokens, in that forward: the same proposals and
+    trees as running them first, one forward fewer."""
+    merged, reference = started(draft_dir), separate_catch_up(started(draft_dir))
+    extends = record_extends(merged)
+    jit = [JitDraftRequest(0, 1, K, 9)]  # all K accepted: x_K was drawn, never run
+    assert merged.jit_draft(jit)[0].tokens.tolist() == reference.jit_draft(jit)[0].tokens.tolist()
+    assert extends == [[2]] + [[1]] * (K - 1)
+    for r, skip in ((1, True), (2, True), (3, False)):  # two rounds without trees, then one with
+        outcome = [Outcome(0, r, K, 11 + r, next_tokens=[20 + r, 21, 22][:K], skip_tree=skip)]
+        merged.observe(outcome), reference.observe(outcome)
+    extends.clear()
+    assert as_dict(merged.build_trees()) == as_dict(reference.build_trees())
+    # x_K and bonus of round 1, round 2's K + 1, round 3's K, then b, x_1..x_K: 3K + 4 tokens in one forward
+    # (sequence 1's glue, K + 1 tokens, beside it)
+    assert extends == [[3 * K + 4, K + 1]]  # the branches then run through branch_start and branch_step
+    assert merged.runner.length(0) == reference.runner.length(0)

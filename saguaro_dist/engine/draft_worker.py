@@ -5,7 +5,7 @@ runtime behind a gRPC DraftService. See engine/messages.py for the round protoco
 
 KV invariant per sequence: the draft's KV holds a prefix of `committed + speculation`, and before
 any forward it is cut back to `committed[:-1]` (the last committed token, the bonus, is the input
-of the next forward).
+of the next forward); committed tokens it lacks run in that next forward, ahead of the bonus.
 """
 from __future__ import annotations
 
@@ -176,17 +176,15 @@ class DraftWorker:
             raise UnknownSequence(f"unknown sequence {seq_id}")
         return s
 
-    def _sync(self, states: list[DraftSeq]) -> None:
-        """Cut each KV back to committed[:-1], running any committed tokens it does not hold yet."""
-        missing = {}
+    def _cut_back(self, states: list[DraftSeq]) -> list[list[int]]:
+        """Cut each KV back to committed[:-1] if it holds more; the committed tokens it lacks (to run)."""
+        missing = []
         for s in states:
             stored, want = self.runner.length(s.seq_id), len(s.committed) - 1
             if stored > want:
                 self.runner.truncate(s.seq_id, want)
-            elif stored < want:
-                missing[s.seq_id] = s.committed[stored:want]
-        if missing:
-            self.runner.extend(list(missing), list(missing.values()), [1] * len(missing))
+            missing.append(s.committed[stored:want])
+        return missing
 
     def _fanout(self, num_shards: int = 1) -> list[int]:
         """F_0..F_K for a tree of num_shards x the configured budget (cache-parallel shards split it)."""
@@ -239,14 +237,15 @@ class DraftWorker:
         return Proposal(columns.tokens[lo:hi], None if greedy else columns.probs[lo:hi])
 
     def _draft_sequentially(self, states: list[DraftSeq]) -> list[Proposal]:
-        """K one-token forwards (the SD draft, and SSD's neural backup)."""
-        self._sync(states)
+        """K forwards (the SD draft, and SSD's neural backup). The first also runs the committed tokens
+        the KV lacks (x_K after a fully accepted round: one forward of 2 tokens, not 2 of 1)."""
+        missing = self._cut_back(states)
         ids = [s.seq_id for s in states]
         fanouts = [self._fanout(s.num_shards) for s in states]
 
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
-        first = torch.cat(self.runner.extend(ids, [[s.committed[-1]] for s in states], [1] * len(ids)))
+        first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
         columns = self._draw_k(states, fanouts, first, step, self._penalties(states, [[] for _ in states]))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
@@ -260,12 +259,7 @@ class DraftWorker:
 
         Returns one (state index, k, bonus token) per branch to build.
         """
-        self._sync(states)
-        adopted = [self._adopt_hit(s) for s in states]                             # [K, V] each, or None
-        tokens = [[s.committed[-1]] + s.speculation if a is None else s.speculation[-1:] for s, a in zip(states, adopted)]
-        fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) for t in tokens])
-        logits = [self._penalized_positions(s, f if a is None else torch.cat([a, f]))
-                  for s, f, a in zip(states, fresh, adopted)]
+        logits = [self._penalized_positions(s, x) for s, x in zip(states, self._glue_logits(states))]
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
         rows = []
@@ -274,6 +268,19 @@ class DraftWorker:
             ks, bonus = chosen.accepted[0, s.shard::s.num_shards], chosen.bonus[0, s.shard::s.num_shards]
             rows += [(i, kk, t) for kk, t in zip(ks.tolist(), bonus.tolist())]
         return rows
+
+    def _glue_logits(self, states: list[DraftSeq]) -> list[torch.Tensor]:
+        """Draft logits [K+1, V] over [b, x_1..x_K] per state, from one forward: it runs first the committed
+        tokens the KV lacks (after a fast-backup round), or x_K alone after a hit on its own branch."""
+        missing = self._cut_back(states)
+        for s, m in zip(states, missing):
+            if m:  # a branch is adopted where the KV holds committed[:-1]; this KV lacks some of it
+                s.hit = None
+        adopted = [self._adopt_hit(s) for s in states]                             # [K, V] each, or None
+        tokens = [m + s.committed[-1:] + s.speculation if a is None else s.speculation[-1:]
+                  for s, m, a in zip(states, missing, adopted)]
+        fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) - len(m) for t, m in zip(tokens, missing)])
+        return [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
 
     def _penalties(self, owners: list[DraftSeq], paths: list[list[int]]) -> RowPenalties | None:
         """Rows drawing for owners[i] after its committed output and paths[i] (a branch's own tokens), when
