@@ -4,7 +4,8 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 # The engine tests' device: SAGUARO_TEST_DEVICE=cuda runs the exactness suites on a GPU
 # (benchmarks/gpu_check.sh); CI has none and runs them on the CPU.
@@ -118,3 +119,34 @@ class CyclingGate:
 
     def record(self, *args) -> None:
         pass
+
+
+PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4)
+
+
+class OutputPenalties:
+    """transformers has no presence / frequency penalty: vLLM's, as a logits processor (tokens after
+    the prompt only), written here independently of saguaro_dist.spec."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float):
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids, scores):
+        for row, ids in enumerate(input_ids[:, self.prompt_len:].tolist()):
+            for t in set(ids):
+                scores[row, t] -= self.frequency * ids.count(t) + self.presence
+        return scores
+
+
+def penalized_reference(model: LlamaForCausalLM, prompt: list[int], n: int) -> tuple[list[int], callable]:
+    """transformers' greedy tokens under PENALTIES, and the same penalties as an `adjust` for near-ties."""
+    output_penalties = OutputPenalties(len(prompt), PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"])
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None, repetition_penalty=PENALTIES["repetition_penalty"],
+                         logits_processor=LogitsProcessorList([output_penalties]))
+    repetition = RepetitionPenaltyLogitsProcessor(PENALTIES["repetition_penalty"])
+
+    def adjust(tokens, logits):
+        ids = torch.tensor([tokens])
+        return output_penalties(ids, repetition(ids, logits[None].clone()))[0]
+    return out[0, len(prompt):].tolist(), adjust

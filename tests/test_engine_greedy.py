@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import saguaro_dist.engine.rounds as rounds_module
-from engine_helpers import (BF16_NEAR_TIE, DEVICE, PROMPTS, CyclingGate, assert_greedy_equal, close_pair, hf_greedy,
-                            llama_config, save_model)
+from engine_helpers import (BF16_NEAR_TIE, DEVICE, PENALTIES, PROMPTS, CyclingGate, assert_greedy_equal, close_pair,
+                            hf_greedy, llama_config, penalized_reference, save_model)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.engine.build import build_local_engine
@@ -262,39 +262,6 @@ def reference_end(pair) -> tuple[int, int]:
     return reference_tokens(pair)[2], 8
 
 
-PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4)
-
-
-class OutputPenalties:
-    """transformers has no presence / frequency penalty: vLLM's, as a logits processor (tokens after
-    the prompt only), written here independently of saguaro_dist.spec."""
-
-    def __init__(self, prompt_len: int, presence: float, frequency: float):
-        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
-
-    def __call__(self, input_ids, scores):
-        for row, ids in enumerate(input_ids[:, self.prompt_len:].tolist()):
-            for t in set(ids):
-                scores[row, t] -= self.frequency * ids.count(t) + self.presence
-        return scores
-
-
-def penalized_reference(pair, prompt: list[int], n: int) -> tuple[list[int], callable]:
-    """transformers' greedy tokens under PENALTIES, and the same penalties as an `adjust` for near-ties."""
-    from transformers import LogitsProcessorList
-    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
-    output_penalties = OutputPenalties(len(prompt), PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"])
-    out = pair["model"].generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 pad_token_id=0, eos_token_id=None, repetition_penalty=PENALTIES["repetition_penalty"],
-                                 logits_processor=LogitsProcessorList([output_penalties]))
-    repetition = RepetitionPenaltyLogitsProcessor(PENALTIES["repetition_penalty"])
-
-    def adjust(tokens, logits):
-        ids = torch.tensor([tokens])
-        return output_penalties(ids, repetition(ids, logits[None].clone()))[0]
-    return out[0, len(prompt):].tolist(), adjust
-
-
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
     """Presence, frequency and repetition penalties change the target's distribution, so the verifier
@@ -305,7 +272,7 @@ def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
     for prompt, out, plain in zip(PROMPTS, outs, reference):
-        want, adjust = penalized_reference(pair, prompt, GREEDY.max_tokens)
+        want, adjust = penalized_reference(pair["model"], prompt, GREEDY.max_tokens)
         assert want != plain  # the penalties bite on this model
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
 
