@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -246,7 +247,7 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
-        columns = self._draw_k(states, fanouts, first, step, self._penalties(states, [[] for _ in states]))[0]
+        columns = self._draw_k(states, fanouts, first, step, self._penalties(states, ([] for _ in states)))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
@@ -282,9 +283,10 @@ class DraftWorker:
         fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) - len(m) for t, m in zip(tokens, missing)])
         return [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
 
-    def _penalties(self, owners: list[DraftSeq], paths: list[list[int]]) -> RowPenalties | None:
-        """Rows drawing for owners[i] after its committed output and paths[i] (a branch's own tokens), when
-        a request has penalties: the draft then proposes what the penalized target would choose."""
+    def _penalties(self, owners: list[DraftSeq], paths: Iterable[list[int]]) -> RowPenalties | None:
+        """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;
+        read only when a request has penalties): the draft then proposes what the penalized target would
+        choose. None when no request has any."""
         if not any(s.sampling.penalized for s in owners):
             return None
         prompts = {id(s): s.committed[:s.prompt_len] for s in owners}  # one list (one scan) per sequence
@@ -296,8 +298,9 @@ class DraftWorker:
     def _penalized_positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
         """The glue's logits [K+1, V] over [b, x_1..x_K] as the penalized target would rank them: row j
         counts the output and x_1..x_j."""
-        penalties = self._penalties([s] * len(logits), [s.speculation[:j] for j in range(len(logits))])
-        return logits if penalties is None else penalties.apply(logits)
+        if not s.sampling.penalized:  # every round of every sequence passes here: no lists built for nothing
+            return logits
+        return self._penalties([s] * len(logits), (s.speculation[:j] for j in range(len(logits)))).apply(logits)
 
     def _adopt_hit(self, s: DraftSeq) -> torch.Tensor | None:
         """For a hit on this worker's own branch: its KV into the sequence, and the logits [K, V] its
@@ -315,7 +318,7 @@ class DraftWorker:
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
-        paths = [s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows)]
+        paths = (s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows))  # built only under penalties
         columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
                                      lambda drawn: self.runner.branch_step(state, drawn), self._penalties(owners, paths))
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
