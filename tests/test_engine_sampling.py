@@ -176,7 +176,7 @@ def test_penalties_follow_the_penalized_target(pair, case):
 def test_the_test_catches_ignored_penalties(pair, monkeypatch):
     """The penalized joint differs from the plain one by far more than this test can miss."""
     target, draft, model = pair
-    monkeypatch.setattr(target_module, "apply_penalties", lambda logits, *args: logits)
+    monkeypatch.setattr(target_module, "penalize_positions", lambda logits, *args: logits)
     params = PARAMS["t1_penalties"]
     counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
     p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)

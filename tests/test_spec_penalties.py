@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from saguaro_dist.spec import apply_penalties, position_counts, prompt_mask
+from saguaro_dist.spec import penalize_positions, position_counts
 
 V = 12
 
@@ -23,8 +23,7 @@ def reference(logits: torch.Tensor, prompt: list[int], output: list[int], presen
 
 
 def penalized_rows(logits, prompt, output, drafted, presence, frequency, repetition):
-    counts = position_counts(output, drafted, logits.shape[0], V)
-    return apply_penalties(logits, prompt_mask(prompt, V), counts, presence, frequency, repetition)
+    return penalize_positions(logits, prompt, output, drafted, presence, frequency, repetition)
 
 
 @pytest.mark.parametrize("presence,frequency,repetition", [(0.5, 0.3, 1.3), (-0.4, 0.0, 1.0), (0.0, -1.2, 0.7),

@@ -28,7 +28,7 @@ from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
 )
-from saguaro_dist.spec.penalties import RowPenalties, row_penalties
+from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
 
 log = logging.getLogger(__name__)
 
@@ -298,9 +298,11 @@ class DraftWorker:
     def _penalized_positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
         """The glue's logits [K+1, V] over [b, x_1..x_K] as the penalized target would rank them: row j
         counts the output and x_1..x_j."""
-        if not s.sampling.penalized:  # every round of every sequence passes here: no lists built for nothing
+        if not s.sampling.penalized:
             return logits
-        return self._penalties([s] * len(logits), (s.speculation[:j] for j in range(len(logits)))).apply(logits)
+        p = s.sampling
+        return penalize_positions(logits, s.committed[:s.prompt_len], s.committed[s.prompt_len:], s.speculation,
+                                  p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
 
     def _adopt_hit(self, s: DraftSeq) -> torch.Tensor | None:
         """For a hit on this worker's own branch: its KV into the sequence, and the logits [K, V] its

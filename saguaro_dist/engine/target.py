@@ -9,7 +9,7 @@ from saguaro_dist.engine.logprobs import token_logprobs
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.spec import (
-    apply_penalties, greedy_tokens, greedy_verify, position_counts, prompt_mask, sample, target_probs, verify,
+    greedy_tokens, greedy_verify, penalize_positions, sample, target_probs, verify,
 )
 
 
@@ -68,19 +68,14 @@ class TargetScorer:
             return logits
         logits = logits.clone()
         for b in penalized:
-            logits[b] = self._penalized(logits[b], seqs[b], drafted[b] if drafted else [])
+            s = seqs[b]
+            logits[b] = penalize_positions(logits[b], s.prompt_token_ids, s.output_token_ids, drafted[b] if drafted else [],
+                                           s.params.presence_penalty, s.params.frequency_penalty, s.params.repetition_penalty)
         for b, n in early:
             s = seqs[b]
             ends = sorted((self.eos_token_ids if not s.params.ignore_eos else set()) | set(s.params.stop_token_ids))
             logits[b, :n, [t for t in ends if t < self.vocab_size]] = float("-inf")
         return logits
-
-    def _penalized(self, rows: torch.Tensor, s: Sequence, drafted: list[int]) -> torch.Tensor:
-        """rows [T, V] of one sequence with its penalties, each row counting the output before it."""
-        p, vocab = s.params, self.vocab_size
-        counts = position_counts(s.output_token_ids, drafted, rows.shape[0], vocab).to(rows.device)
-        in_prompt = prompt_mask(s.prompt_token_ids, vocab).to(rows.device)
-        return apply_penalties(rows, in_prompt, counts, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the prompts; sample each sequence's first token (its KV then holds the prompt)."""

@@ -49,6 +49,16 @@ def apply_penalties(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch
     return logits - frequency * counts - presence * in_output.to(logits.dtype)
 
 
+def penalize_positions(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], drafted: list[int],
+                       presence: float, frequency: float, repetition: float) -> torch.Tensor:
+    """logits [T, V] of one sequence, row t scoring the token after output_ids + drafted[:t] (a verify's
+    rows, or the draft's glue over [b, x_1..x_K]), with its penalties."""
+    rows, vocab = logits.shape
+    counts = position_counts(output_ids, drafted, rows, vocab).to(logits.device)
+    in_prompt = prompt_mask(prompt_ids, vocab).to(logits.device)
+    return apply_penalties(logits, in_prompt, counts, presence, frequency, repetition)
+
+
 @dataclass
 class RowPenalties:
     """Penalty state of rows that each draw one token a step (the draft's K draws): apply() to a step's
