@@ -90,11 +90,15 @@ def test_a_draft_out_of_step_costs_speed_not_the_request(pair, mode):
                         s.round += 5  # as if it had observed outcomes the target never sent
                 return getattr(type(draft), method)(draft, reqs)
             return call
+        prefills = []
         draft.jit_draft, draft.observe = out_of_step("jit_draft"), out_of_step("observe")
+        draft.prefill = lambda reqs: prefills.extend(reqs) or type(draft).prefill(draft, reqs)
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=LONG)
         for prompt, out, ref in zip(PROMPTS, outs, want):
             assert_greedy_equal(out.token_ids, ref, prompt, pair["model"])
         assert len(calls) > 3 and llm.metrics.fallbacks["fast"] > 0
+        again = prefills[len(PROMPTS):]  # the re-prefills carry output: the prompt is marked (penalties)
+        assert again and all(0 < r.prompt_len < len(r.prompt_token_ids) for r in again)
 
 
 def test_unset_draft_threads_are_warned_about(pair, caplog):

@@ -132,3 +132,16 @@ def test_committed_tokens_the_kv_lacks_run_in_the_next_forward(draft_dir):
     # (sequence 1's glue, K + 1 tokens, beside it)
     assert extends == [[3 * K + 4, K + 1]]  # the branches then run through branch_start and branch_step
     assert merged.runner.length(0) == reference.runner.length(0)
+
+
+def test_a_re_prefill_keeps_the_prompt_apart_from_earlier_output(draft_dir):
+    # presence/frequency penalties count output tokens only: a sequence re-prefilled with its output
+    # (after its worker died) must not count that output as prompt.
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=K, fan_out=8))
+    penalized = DraftSampling(0.0, 0, 1.0, None, presence_penalty=1.5, frequency_penalty=0.5)
+    worker.prefill([PrefillRequest(0, [5, 6, 7, 8, 9, 9], penalized, prompt_len=4), PrefillRequest(1, [9, 3], penalized)])
+    assert (worker.seqs[0].prompt_len, worker.seqs[1].prompt_len) == (4, 2)
+    for bad in (-1, 7):
+        with pytest.raises(ValueError, match="prompt_len"):
+            worker.prefill([PrefillRequest(2, [5, 6, 7, 8, 9, 9], penalized, prompt_len=bad)])
+    assert 2 not in worker.seqs  # nothing half-admitted

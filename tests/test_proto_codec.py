@@ -131,6 +131,7 @@ def test_sampling_and_messages_round_trip():
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(penalized))) == penalized
     cases = [
         (PrefillRequest(7, [1, 2, 3], s), codec.prefill_to_proto, codec.prefill_from_proto),
+        (PrefillRequest(7, [1, 2, 3], s, 1, 2, prompt_len=2), codec.prefill_to_proto, codec.prefill_from_proto),
         (JitDraftRequest(7, 3, 2, 99), codec.jit_request_to_proto, codec.jit_request_from_proto),
         (JitDraftRequest(7, 3, 2, 99, skip_tree=True), codec.jit_request_to_proto, codec.jit_request_from_proto),
         (Outcome(7, 3, 2, 99, [1], cache_hit=True, skip_tree=True, tree_wait_s=0.00125), codec.outcome_to_proto,
@@ -224,6 +225,9 @@ def test_malformed_messages_raise_codec_error():
     _bad(lambda: codec.tensor_from_proto(pb.Tensor(dtype=0, shape=[1], data=b"\0" * 4)))
     _bad(lambda: codec.tensor_from_proto(pb.Tensor(dtype=pb.Tensor.INT32, shape=[-1], data=b"")))
     _bad(lambda: codec.prefill_from_proto(pb.PrefillRequest(seq_id=1, prompt_token_ids=[1])))  # no sampling
+    for prompt_len in (-1, 2):  # more prompt than tokens sent
+        _bad(lambda: codec.prefill_from_proto(pb.PrefillRequest(seq_id=1, prompt_token_ids=[1], prompt_len=prompt_len,
+                                                                sampling=pb.DraftSampling(temperature=1.0, top_p=1.0))))
     _bad(lambda: codec.outcome_from_proto(pb.Outcome(seq_id=1, round=-1)))
     for wait in (-0.001, float("nan"), float("inf")):
         _bad(lambda: codec.outcome_from_proto(pb.Outcome(seq_id=1, tree_wait_s=wait)))

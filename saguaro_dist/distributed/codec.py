@@ -273,7 +273,8 @@ def _check_sparse(offsets: np.ndarray, ids: np.ndarray, values: np.ndarray, k: i
 # ---- one message per stage ----------------------------------------------------------------------
 def prefill_to_proto(r: PrefillRequest) -> pb.PrefillRequest:
     return pb.PrefillRequest(seq_id=_int64(r.seq_id, "seq_id"), prompt_token_ids=list(r.prompt_token_ids),
-                             sampling=sampling_to_proto(r.sampling), shard=r.shard, num_shards=r.num_shards)
+                             sampling=sampling_to_proto(r.sampling), shard=r.shard, num_shards=r.num_shards,
+                             prompt_len=r.prompt_len)
 
 
 def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
@@ -281,8 +282,11 @@ def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
     num_shards = max(1, msg.num_shards)  # 0: a sender that predates cache-parallel
     if not 0 <= msg.shard < num_shards:
         raise CodecError(f"PrefillRequest.shard must be in [0, num_shards={num_shards}), got {msg.shard}")
+    if not 0 <= msg.prompt_len <= len(msg.prompt_token_ids):
+        raise CodecError(f"PrefillRequest.prompt_len must be in [0, {len(msg.prompt_token_ids)}] "
+                         f"(the tokens sent), got {msg.prompt_len}")
     return PrefillRequest(seq_id=msg.seq_id, prompt_token_ids=_non_negative_ints(msg.prompt_token_ids, "prompt_token_ids"),
-                          sampling=sampling, shard=msg.shard, num_shards=num_shards)
+                          sampling=sampling, shard=msg.shard, num_shards=num_shards, prompt_len=msg.prompt_len)
 
 
 def jit_request_to_proto(r: JitDraftRequest) -> pb.JitDraftRequest:

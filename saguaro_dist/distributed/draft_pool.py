@@ -57,7 +57,7 @@ class DraftPool:
             for r in todo:
                 group = self.groups[r.seq_id]
                 for shard, i in enumerate(group):
-                    parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group)))
+                    parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group), r.prompt_len))
             failed = self._each(parts, lambda b, part: b.prefill(part))
             todo = [r for r in todo if set(self.groups[r.seq_id]) & failed]
 

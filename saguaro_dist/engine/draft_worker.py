@@ -88,12 +88,14 @@ class DraftWorker:
                 raise ValueError(f"sequence {r.seq_id}: empty prompt")
             if not 0 <= r.shard < r.num_shards:
                 raise ValueError(f"sequence {r.seq_id}: shard {r.shard} of {r.num_shards}")
+            if not 0 <= r.prompt_len <= len(r.prompt_token_ids):
+                raise ValueError(f"sequence {r.seq_id}: prompt_len {r.prompt_len} of {len(r.prompt_token_ids)} tokens")
         for r in reqs:
             if r.seq_id in self.seqs:  # a re-prefill (the target moved it after a worker died) restarts it
                 self.release([Release(r.seq_id)])
             self.runner.add(r.seq_id)
             self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
-                                           list(r.prompt_token_ids), len(r.prompt_token_ids), shard=r.shard,
+                                           list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids), shard=r.shard,
                                            num_shards=r.num_shards)
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids for r in reqs], [1] * len(reqs))
 

@@ -59,6 +59,7 @@ class PrefillRequest:
     sampling: DraftSampling
     shard: int = 0        # cache-parallel: this worker builds branches shard, shard + num_shards, ...
     num_shards: int = 1   # of a tree num_shards times the configured budget
+    prompt_len: int = 0   # prompt_token_ids[:prompt_len] is the prompt, the rest output (a re-prefill); 0: all
 
 
 @dataclass

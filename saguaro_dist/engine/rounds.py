@@ -117,7 +117,8 @@ class SDLoop(ARLoop):
         if not seqs:
             return
         try:
-            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling()) for s in seqs])
+            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling(),
+                                               prompt_len=len(s.prompt_token_ids)) for s in seqs])
         except (DraftUnavailable, DraftRpcError) as err:
             log.warning("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
             return

@@ -82,18 +82,20 @@ class Proposal(_message.Message):
     def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., dense: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "shard", "num_shards")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "shard", "num_shards", "prompt_len")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DraftSampling
     shard: int
     num_shards: int
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+    prompt_len: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class JitDraftRequest(_message.Message):
     __slots__ = ("seq_id", "round", "accepted", "bonus_token", "skip_tree")
