@@ -1,9 +1,13 @@
 """Per-request sampling settings, validated at construction (the API edge)."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
+
+TokenBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, sorted by id
 
 
 @dataclass(frozen=True)
@@ -23,6 +27,9 @@ class SamplingParams:
     presence_penalty: float = 0.0    # minus this for a token already in the output (-2..2; > 0 discourages)
     frequency_penalty: float = 0.0   # minus this times the token's count in the output (-2..2)
     repetition_penalty: float = 1.0  # > 1 shrinks the logits of tokens in the prompt or the output (HF's rule)
+    # Before the penalties, as vLLM orders them (spec/logit_bias.py):
+    logit_bias: TokenBias = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated (vLLM's); None: any
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,6 +58,13 @@ class SamplingParams:
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
+
+    @property
+    def biased(self) -> bool:
+        """A logit bias or an allowed-token list changes the target's distribution."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def penalized(self) -> bool:
@@ -73,3 +87,38 @@ def check_penalties(presence: float, frequency: float, repetition: float) -> Non
 
 def penalized(presence: float, frequency: float, repetition: float) -> bool:
     return presence != 0 or frequency != 0 or repetition != 1
+
+
+def _token_id(t) -> bool:
+    return type(t) is int and t >= 0
+
+
+def token_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]] | None) -> TokenBias:
+    """{token id: bias} (or pairs) -> (id, float bias) pairs sorted by id; ids ints >= 0, biases in [-100, 100]."""
+    pairs = [tuple(p) for p in ((bias or {}).items() if isinstance(bias, Mapping) else bias or ())]
+    for pair in pairs:
+        if len(pair) != 2 or not _token_id(pair[0]):
+            raise ValueError(f"logit_bias maps token ids (ints >= 0) to biases, got {pair!r}")
+        value = pair[1]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias of token {pair[0]} must be a number in [-100, 100], got {value!r}")
+    if len({t for t, _ in pairs}) != len(pairs):
+        raise ValueError("logit_bias names a token twice")
+    return tuple(sorted((t, float(b)) for t, b in pairs))
+
+
+def allowed_tokens(ids: Iterable[int] | None) -> tuple[int, ...] | None:
+    """None (any token) or a non-empty tuple of distinct token ids, sorted."""
+    if ids is None:
+        return None
+    ids = tuple(ids) if not isinstance(ids, (str, bytes, int)) else ids
+    if not isinstance(ids, tuple) or not ids or not all(_token_id(t) for t in ids):
+        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {ids!r}")
+    return tuple(sorted(set(ids)))
+
+
+def check_vocabulary(params, vocab_size: int) -> None:
+    """The token ids a request names (logit_bias, allowed_token_ids) exist in the model's vocabulary."""
+    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids)):
+        if ids and max(ids) >= vocab_size:
+            raise ValueError(f"{name} names token {max(ids)}, outside the vocabulary (ids 0..{vocab_size - 1})")

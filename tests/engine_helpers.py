@@ -150,3 +150,40 @@ def penalized_reference(model: LlamaForCausalLM, prompt: list[int], n: int) -> t
         ids = torch.tensor([tokens])
         return output_penalties(ids, repetition(ids, logits[None].clone()))[0]
     return out[0, len(prompt):].tolist(), adjust
+
+
+# vocabulary 96: a third of the tokens allowed, a few pushed up or down
+BIAS = dict(logit_bias={4: 3.0, 12: 2.0, 30: -100.0, 33: 1.5}, allowed_token_ids=tuple(range(0, 96, 3)) + (4,))
+
+
+class TokenBias:
+    """OpenAI's logit_bias and vLLM's allowed_token_ids as a transformers logits processor, written here
+    independently of saguaro_dist.spec."""
+
+    def __init__(self, logit_bias: dict[int, float], allowed_token_ids):
+        self.logit_bias, self.allowed = logit_bias, set(allowed_token_ids)
+
+    def __call__(self, input_ids, scores):
+        scores = scores.clone()
+        for t, b in self.logit_bias.items():
+            scores[:, t] += b
+        scores[:, [t for t in range(scores.shape[1]) if t not in self.allowed]] = float("-inf")
+        return scores
+
+
+def biased_reference(model: LlamaForCausalLM, prompt: list[int], n: int, penalties: bool = False):
+    """transformers' greedy tokens under BIAS (then PENALTIES, in vLLM's order, if asked), and the same
+    processors as an `adjust` for near-ties."""
+    processors = [TokenBias(**BIAS)]
+    if penalties:
+        processors += [RepetitionPenaltyLogitsProcessor(PENALTIES["repetition_penalty"]),
+                       OutputPenalties(len(prompt), PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"])]
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         pad_token_id=0, eos_token_id=None, logits_processor=LogitsProcessorList(processors))
+
+    def adjust(tokens, logits):
+        ids, scores = torch.tensor([tokens]), logits[None].clone()
+        for p in processors:
+            scores = p(ids, scores)
+        return scores[0]
+    return out[0, len(prompt):].tolist(), adjust

@@ -59,12 +59,20 @@ def test_generate_in_process_matches_llm(serving_pair, reference_llm, capsys):
 
 
 def test_generate_against_a_server(server, reference_llm, capsys):
+    banned = reference_llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    allowed = [t for t in range(len(reference_llm.tokenizer)) if t != banned + 1]
     code = main(["generate", "--url", server.url, "--api-key", server.api_key, "--prompt", "hello world",
-                 "--max-tokens", "10", "--repetition-penalty", "1.5", "--presence-penalty", "0.5"])
-    expected = reference_llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5,
-                                                                      presence_penalty=0.5))[0].text
-    assert code == 0 and capsys.readouterr().out == expected + "\n"
+                 "--max-tokens", "10", "--repetition-penalty", "1.5", "--presence-penalty", "0.5",
+                 "--logit-bias", f"{banned}=-100", "--allowed-token-ids", ",".join(map(str, allowed))])
+    expected = reference_llm.generate(["hello world"], SamplingParams(
+        temperature=0, max_tokens=10, repetition_penalty=1.5, presence_penalty=0.5, logit_bias={banned: -100},
+        allowed_token_ids=allowed))[0]
+    assert code == 0 and capsys.readouterr().out == expected.text + "\n" and banned not in expected.token_ids
     assert main(["generate", "--url", server.url, "--prompt", "hi"]) == 2  # no key: the server's 401, cleanly
+    for bad in (["--logit-bias", "5"], ["--logit-bias", "x=1"], ["--allowed-token-ids", "1,a"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["generate", "--url", server.url, "--prompt", "hi", *bad])
+        assert exit_info.value.code == 2 and "expected" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -17,10 +17,22 @@ from saguaro_dist.serve.args import config_from_args
     (dict(frequency_penalty=float("nan")), "frequency_penalty"), (dict(frequency_penalty="0.5"), "frequency_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=float("inf")), "repetition_penalty"),
     (dict(repetition_penalty=True), "repetition_penalty"),
+    (dict(logit_bias={3: 100.5}), "logit_bias"), (dict(logit_bias={3: float("nan")}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={"3": 1.0}), "logit_bias"),
+    (dict(logit_bias=[(3, 1.0), (3, 2.0)]), "logit_bias"), (dict(logit_bias={3: True}), "logit_bias"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
+    (dict(allowed_token_ids=7), "allowed_token_ids"), (dict(allowed_token_ids=[1.0]), "allowed_token_ids"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
+    params = SamplingParams(logit_bias={9: -100, 2: 0.5}, allowed_token_ids=[7, 2, 7])
+    assert params.logit_bias == ((2, 0.5), (9, -100.0)) and params.allowed_token_ids == (2, 7)
+    assert params.biased and not SamplingParams().biased and hash(params) == hash(SamplingParams(
+        logit_bias=[(2, 0.5), (9, -100.0)], allowed_token_ids=(2, 7)))
 
 
 @pytest.mark.parametrize("kwargs, message", [

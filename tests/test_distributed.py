@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import ray
 
-from engine_helpers import (PENALTIES, PROMPTS, assert_greedy_equal, check_logprobs, close_pair, hf_greedy, llama_config,
-                            penalized_reference, save_model, save_perturbed)
+from engine_helpers import (BIAS, PENALTIES, PROMPTS, assert_greedy_equal, biased_reference, check_logprobs, close_pair,
+                            hf_greedy, llama_config, save_model, save_perturbed)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.engine.loop_thread import EngineError
 
@@ -58,9 +58,11 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     addresses = ray.get([d.address.remote() for d in remote.deployment.drafts])
     check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     assert llm.metrics.cache_hits > 0
-    # Penalties: the drafts are told over gRPC, the sharded target verifies with them.
-    for prompt, out in zip(PROMPTS, llm.generate(prompt_token_ids=PROMPTS, sampling_params=replace(GREEDY, **PENALTIES))):
-        want, adjust = penalized_reference(pair["model"], prompt, GREEDY.max_tokens)
+    # Logit bias, allowed tokens and penalties: the drafts are told over gRPC, the sharded target
+    # verifies with them.
+    constrained = replace(GREEDY, **BIAS, **PENALTIES)
+    for prompt, out in zip(PROMPTS, llm.generate(prompt_token_ids=PROMPTS, sampling_params=constrained)):
+        want, adjust = biased_reference(pair["model"], prompt, GREEDY.max_tokens, penalties=True)
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
     # Log-probabilities from the sharded target's gathered logits, carried back by the Ray updates.
     params = replace(GREEDY, max_tokens=8, logprobs=2, prompt_logprobs=0)

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import saguaro_dist.engine.rounds as rounds_module
-from engine_helpers import (BF16_NEAR_TIE, DEVICE, PENALTIES, PROMPTS, CyclingGate, assert_greedy_equal, close_pair,
-                            hf_greedy, llama_config, penalized_reference, save_model)
+from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, CyclingGate, assert_greedy_equal, close_pair,
+                            biased_reference, hf_greedy, llama_config, penalized_reference,
+                            save_model)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.engine.build import build_local_engine
@@ -277,18 +278,36 @@ def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
 
 
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_logit_bias_and_allowed_tokens_follow_transformers_in_every_mode(pair, reference, mode):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids change the target's distribution: every mode gives
+    transformers' greedy tokens under the same processors, alone and before the penalties (vLLM's order:
+    the repetition penalty divides a biased logit), and only allowed tokens come out."""
+    draft = None if mode == "ar" else pair["close"]
+    with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
+        for penalties in (False, True):
+            params = replace(GREEDY, **BIAS, **(PENALTIES if penalties else {}))
+            outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+            for prompt, out, plain in zip(PROMPTS, outs, reference):
+                want, adjust = biased_reference(pair["model"], prompt, GREEDY.max_tokens, penalties)
+                assert want != plain and set(out.token_ids) <= set(BIAS["allowed_token_ids"])
+                assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
+
+
+@pytest.mark.parametrize("constraint", ["penalties", "bias"])
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_the_draft_proposes_under_the_requests_penalties(pair, monkeypatch, mode):
-    """A draft that is the target itself, told the request's penalties, proposes exactly the penalized
-    target's choices (all accepted, up to fp near-ties); proposing unpenalized, it is rejected wherever
-    a penalty moved the target's choice."""
+def test_the_draft_proposes_under_the_requests_constraints(pair, monkeypatch, mode, constraint):
+    """A draft that is the target itself, told the request's penalties (or logit bias and allowed
+    tokens), proposes exactly the constrained target's choices (all accepted, up to fp near-ties);
+    proposing unconstrained, it is rejected wherever a constraint moved the target's choice."""
     import saguaro_dist.engine.draft_worker as draft_worker
+    params = replace(GREEDY, **(PENALTIES if constraint == "penalties" else BIAS))
 
     def acceptance() -> float:
         with LLM(device=DEVICE, model=pair["target"], draft=pair["target"], mode=mode, k=3,
                  draft_executor="thread") as llm:
-            outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=replace(GREEDY, **PENALTIES))
+            outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         return sum(o.metrics.accepted_tokens for o in outs) / sum(o.metrics.drafted_tokens for o in outs)
     told = acceptance()
     monkeypatch.setattr(draft_worker.DraftWorker, "_penalties", lambda self, owners, paths: None)
-    assert told > 0.95 and acceptance() < 0.8  # seen: 1.0 and 0.34
+    assert told > 0.95 and acceptance() < 0.8  # seen: 1.0 and 0.34 (penalties), 1.0 and 0.0 (bias)

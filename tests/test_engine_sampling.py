@@ -34,10 +34,14 @@ def pair(tmp_path_factory):
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, ...] = ()) -> torch.Tensor:
-    """Plain sampling's distribution, written independently of saguaro_dist.spec: vLLM's penalties
-    (output: the tokens generated before this one), then temperature, the stop tokens held back while
-    fewer than min_tokens are out, top-k, top-p."""
+    """Plain sampling's distribution, written independently of saguaro_dist.spec: the logit bias and
+    allowed tokens, vLLM's penalties (output: the tokens generated before this one), then temperature,
+    the stop tokens held back while fewer than min_tokens are out, top-k, top-p."""
     logits = logits.double()
+    for t, bias in p.logit_bias:
+        logits[t] += bias
+    if p.allowed_token_ids is not None:
+        logits[[t for t in range(len(logits)) if t not in p.allowed_token_ids]] = float("-inf")
     for t in set(PROMPT) | set(output):  # repetition: tokens of the prompt or the output
         logits[t] = logits[t] / p.repetition_penalty if logits[t] > 0 else logits[t] * p.repetition_penalty
     for t in set(output):
@@ -117,6 +121,9 @@ PARAMS = {
     "t0.8_topk4": SamplingParams(temperature=0.8, top_k=4),
     "t1_topp0.8": SamplingParams(temperature=1.0, top_p=0.8),
     "t1_penalties": SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.5, repetition_penalty=1.6),
+    # the bias before the repetition penalty (vLLM's order): the penalty divides a biased logit
+    "t1_bias": SamplingParams(temperature=1.0, logit_bias={0: 1.5, 2: -1.0, 4: 0.8}, allowed_token_ids=[0, 1, 2, 4, 5],
+                              repetition_penalty=1.6),
 }
 
 
@@ -181,6 +188,21 @@ def test_the_test_catches_ignored_penalties(pair, monkeypatch):
     counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
     p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
     assert p < ALPHA, f"penalties ignored went unnoticed (p = {p:.2e})"
+
+
+@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
+def test_logit_bias_and_allowed_tokens_follow_the_biased_target(pair, case):
+    check_case(pair, case, PARAMS["t1_bias"])
+
+
+def test_the_test_catches_an_ignored_bias(pair, monkeypatch):
+    """With every token allowed, a target that drops the bias samples a joint this test rejects."""
+    target, draft, model = pair
+    params = replace(PARAMS["t1_bias"], allowed_token_ids=None)
+    monkeypatch.setattr(target_module, "bias_row", lambda bias, allowed, vocab_size: torch.zeros(vocab_size))
+    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
+    p = chi_square_pvalue(counts, exact_joint(model, params))
+    assert p < ALPHA, f"the bias ignored went unnoticed (p = {p:.2e})"
 
 
 def always_accept(target_probs, draft_tokens, draft_probs, generators):

@@ -23,6 +23,8 @@ def llm(tiny_llama_pair):
     (dict(prompts=["hello"]), "no tokenizer"),
     (dict(), "exactly one of"),
     (dict(prompt_token_ids=[[1], [2]], sampling_params=[SamplingParams()]), "sampling_params for 2 prompts"),
+    (dict(prompt_token_ids=[[1]], sampling_params=SamplingParams(logit_bias={999: 1.0})), "logit_bias names token 999"),
+    (dict(prompt_token_ids=[[1]], sampling_params=SamplingParams(allowed_token_ids=[1, 999])), "allowed_token_ids names"),
 ])
 def test_bad_requests_are_rejected_up_front(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):

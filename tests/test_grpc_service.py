@@ -140,6 +140,12 @@ def test_malformed_requests_get_invalid_argument(served):
     zero_penalty = pb.PrefillBatch(requests=[pb.PrefillRequest(seq_id=1, prompt_token_ids=[1], sampling=pb.DraftSampling(
         temperature=1.0, top_p=1.0, repetition_penalty=0.0))])
     assert _code(lambda: served.stub.Prefill(zero_penalty, timeout=5)) is grpc.StatusCode.INVALID_ARGUMENT
+    huge_bias = pb.PrefillBatch(requests=[pb.PrefillRequest(seq_id=1, prompt_token_ids=[1], sampling=pb.DraftSampling(
+        temperature=1.0, top_p=1.0, logit_bias={3: 1e9}))])
+    assert _code(lambda: served.stub.Prefill(huge_bias, timeout=5)) is grpc.StatusCode.INVALID_ARGUMENT
+    past_prompt = pb.PrefillBatch(requests=[pb.PrefillRequest(seq_id=1, prompt_token_ids=[1], prompt_len=2,
+                                                              sampling=pb.DraftSampling(temperature=1.0, top_p=1.0))])
+    assert _code(lambda: served.stub.Prefill(past_prompt, timeout=5)) is grpc.StatusCode.INVALID_ARGUMENT
     negative = pb.JitDraftBatch(requests=[pb.JitDraftRequest(seq_id=1, round=-4)])
     assert _code(lambda: served.stub.JitDraft(negative, timeout=5)) is grpc.StatusCode.INVALID_ARGUMENT
     assert _code(lambda: _prefill(served.stub, 2, prompt=())) is grpc.StatusCode.INVALID_ARGUMENT  # worker's ValueError

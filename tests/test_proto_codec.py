@@ -129,6 +129,8 @@ def test_sampling_and_messages_round_trip():
         assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s1))).seed == seed  # 0 is not None
     penalized = DraftSampling(0.0, 0, 1.0, None, presence_penalty=-0.5, frequency_penalty=1.25, repetition_penalty=1.1)
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(penalized))) == penalized
+    biased = DraftSampling(0.5, 0, 1.0, 3, logit_bias={5: 2.5, 1: -100}, allowed_token_ids=[9, 1, 5])
+    assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(biased))) == biased
     cases = [
         (PrefillRequest(7, [1, 2, 3], s), codec.prefill_to_proto, codec.prefill_from_proto),
         (PrefillRequest(7, [1, 2, 3], s, 1, 2, prompt_len=2), codec.prefill_to_proto, codec.prefill_from_proto),
@@ -235,7 +237,8 @@ def test_malformed_messages_raise_codec_error():
     _bad(lambda: codec.proposal_from_proto(pb.Proposal()))  # no tokens
     _bad(lambda: codec.sampling_to_proto(DraftSampling(1.0, 0, 1.0, 2 ** 64)))
     for bad in (dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")), dict(presence_penalty=2.5),
-                dict(frequency_penalty=float("inf"))):  # the penalties would poison the draft's logits
+                dict(frequency_penalty=float("inf")), dict(logit_bias={3: 101.0}), dict(logit_bias={-3: 1.0}),
+                dict(logit_bias={3: float("nan")}), dict(allowed_token_ids=[-1])):  # they would poison the draft's logits
         _bad(lambda: codec.sampling_from_proto(pb.DraftSampling(temperature=1.0, top_p=1.0, **bad)))
 
 

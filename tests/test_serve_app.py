@@ -229,6 +229,20 @@ def test_penalties_reach_the_engine(server, oai, reference_llm):
     assert out.choices[0].text == want != plain
 
 
+def test_logit_bias_and_allowed_tokens_reach_the_engine(server, oai, reference_llm):
+    """OpenAI's logit_bias (token ids as JSON string keys) and vLLM's allowed_token_ids: the server's
+    greedy text is the in-process engine's under the same constraints (which change it)."""
+    tokenizer = reference_llm.tokenizer
+    plain = reference_llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=12))[0]
+    banned = plain.token_ids[0]
+    allowed = [t for t in range(len(tokenizer)) if t != banned]
+    want = reference_llm.generate(["the cat"], SamplingParams(temperature=0, max_tokens=12, logit_bias={banned: -100.0},
+                                                              allowed_token_ids=allowed))[0]
+    out = oai.completions.create(model=server.model, prompt="the cat", max_tokens=12, temperature=0,
+                                 logit_bias={str(banned): -100}, extra_body={"allowed_token_ids": allowed})
+    assert out.choices[0].text == want.text != plain.text and banned not in want.token_ids
+
+
 # ---- concurrency and cancellation ---------------------------------------------------------------
 @pytest.mark.slow
 def test_16_concurrent_streams_complete_and_are_correct(server, reference_llm):
@@ -272,6 +286,11 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "best_of": 2}, "best_of"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, "logit_bias.x.[key]"),
+    ({"prompt": "hi", "logit_bias": {"10000": 1}}, "logit_bias"),
+    ({"prompt": "hi", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [3, 10000]}, "allowed_token_ids"),
     ({"prompt": "hi", "stop_token_ids": [-1]}, "stop_token_ids"),
     ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": "hi", "stop_token_ids": ["x"]}, "stop_token_ids.0"),

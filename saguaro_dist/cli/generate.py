@@ -25,6 +25,9 @@ def register(subparsers) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, on tokens already in the output")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, times a token's count in the output")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; > 1 discourages prompt and output tokens")
+    g.add_argument("--logit-bias", action="append", type=_bias_pair, metavar="ID=BIAS",
+                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
+    g.add_argument("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...", help="only these tokens may be generated")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per prompt, with speculation metrics")
     o.add_argument("--url", help="use this OpenAI-compatible server instead of loading the model")
@@ -45,7 +48,23 @@ def run(ns: argparse.Namespace) -> int:
 def _sampling(ns: argparse.Namespace) -> dict:
     return {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
             "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
-            "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty}
+            "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty,
+            "logit_bias": dict(ns.logit_bias) if ns.logit_bias else None, "allowed_token_ids": ns.allowed_token_ids}
+
+
+def _bias_pair(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (say 42=-100), got {text!r}") from None
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids separated by commas (say 5,9,12), got {text!r}") from None
 
 
 def _local(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:

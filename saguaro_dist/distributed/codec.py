@@ -156,6 +156,8 @@ def sampling_to_proto(s: DraftSampling) -> pb.DraftSampling:
         msg.seed = _int64(s.seed, "seed")
     if s.repetition_penalty != 1:
         msg.repetition_penalty = float(s.repetition_penalty)
+    msg.logit_bias.update({_int64(t, "logit_bias token id"): b for t, b in s.logit_bias})
+    msg.allowed_token_ids.extend(s.allowed_token_ids or ())
     return msg
 
 
@@ -165,7 +167,8 @@ def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
     try:
         return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=seed,
                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
-                             repetition_penalty=repetition)
+                             repetition_penalty=repetition, logit_bias=dict(msg.logit_bias),
+                             allowed_token_ids=list(msg.allowed_token_ids) or None)
     except ValueError as exc:
         raise CodecError(f"DraftSampling: {exc}") from None
 

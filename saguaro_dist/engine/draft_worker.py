@@ -28,6 +28,7 @@ from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
 )
+from saguaro_dist.spec.logit_bias import bias_row
 from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class DraftSeq:
     generator: torch.Generator
     committed: list[int]                     # P: tokens both sides agree on, ending with the pending bonus
     prompt_len: int = 0                      # committed[:prompt_len] is the prompt (penalties tell it apart)
+    bias: torch.Tensor | None = None         # [V] its logit bias and allowed tokens, built at first use
     speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
     round: int = 0
     pending: bool = False                    # a tree is owed for this round
@@ -262,7 +264,7 @@ class DraftWorker:
 
         Returns one (state index, k, bonus token) per branch to build.
         """
-        logits = [self._penalized_positions(s, x) for s, x in zip(states, self._glue_logits(states))]
+        logits = [self._constrained_positions(s, x) for s, x in zip(states, self._glue_logits(states))]
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
         rows = []
@@ -287,19 +289,28 @@ class DraftWorker:
 
     def _penalties(self, owners: list[DraftSeq], paths: Iterable[list[int]]) -> RowPenalties | None:
         """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;
-        read only when a request has penalties): the draft then proposes what the penalized target would
-        choose. None when no request has any."""
-        if not any(s.sampling.penalized for s in owners):
+        read only when a request has penalties): the draft then proposes what the penalized (and biased)
+        target would choose. None when no request has penalties, a logit bias or allowed tokens."""
+        if not any(s.sampling.penalized or s.sampling.biased for s in owners):
             return None
         prompts = {id(s): s.committed[:s.prompt_len] for s in owners}  # one list (one scan) per sequence
         settings = [(s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty)
                     for s in owners]
+        bias = torch.stack([self._bias_row(s) for s in owners]) if any(s.sampling.biased for s in owners) else None
         return row_penalties([prompts[id(s)] for s in owners],
-                             [s.committed[s.prompt_len:] + path for s, path in zip(owners, paths)], settings, self.vocab_size)
+                             [s.committed[s.prompt_len:] + path for s, path in zip(owners, paths)], settings,
+                             self.vocab_size, bias)
 
-    def _penalized_positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
-        """The glue's logits [K+1, V] over [b, x_1..x_K] as the penalized target would rank them: row j
-        counts the output and x_1..x_j."""
+    def _bias_row(self, s: DraftSeq) -> torch.Tensor:
+        if s.bias is None:
+            s.bias = bias_row(s.sampling.logit_bias, s.sampling.allowed_token_ids, self.vocab_size)
+        return s.bias
+
+    def _constrained_positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
+        """The glue's logits [K+1, V] over [b, x_1..x_K] as the constrained target would rank them: biased,
+        then penalized with row j counting the output and x_1..x_j."""
+        if s.sampling.biased:
+            logits = logits + self._bias_row(s).to(logits.device)
         if not s.sampling.penalized:
             return logits
         p = s.sampling

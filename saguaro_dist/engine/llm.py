@@ -12,7 +12,7 @@ from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
-from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.sampling_params import SamplingParams, check_vocabulary
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
 
@@ -162,6 +162,7 @@ class LLM:
             raise ValueError("empty prompt")
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_vocabulary(params, self.vocab_size)
         if len(tokens) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's max length {self.max_model_len}")

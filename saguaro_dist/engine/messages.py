@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_dist.sampling_params import check_penalties, penalized
+from saguaro_dist.sampling_params import TokenBias, allowed_tokens, check_penalties, penalized, token_bias
 
 
 @dataclass(frozen=True)
 class DraftSampling:
-    """What the draft needs of a request's sampling settings to draw its proposals. The penalties are
-    the target's: a draft that applies them too proposes what the penalized target would choose."""
+    """What the draft needs of a request's sampling settings to draw its proposals. The penalties, the
+    logit bias and the allowed tokens are the target's: a draft that applies them too proposes what the
+    constrained target would choose."""
     temperature: float
     top_k: int
     top_p: float
@@ -36,9 +37,17 @@ class DraftSampling:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: TokenBias = ()                        # (token id, bias) pairs, sorted
+    allowed_token_ids: tuple[int, ...] | None = None  # None: any token
 
     def __post_init__(self):  # a protocol edge (gRPC, the pipe): NaN or 0 would poison the draft's logits
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
+        object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
+
+    @property
+    def biased(self) -> bool:
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
 
     @property
     def penalized(self) -> bool:

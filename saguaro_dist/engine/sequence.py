@@ -67,6 +67,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     last_update_time: float = 0.0          # when its reader last got an update
     generator: torch.Generator | None = None
+    logit_bias_row: torch.Tensor | None = None  # [V]: params' logit bias and allowed tokens, built at first use
 
     def __post_init__(self):
         self.generator = make_generator(self.params.seed, salt=1)
@@ -84,4 +85,5 @@ class Sequence:
         p = self.params
         return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                             repetition_penalty=p.repetition_penalty)
+                             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+                             allowed_token_ids=p.allowed_token_ids)

@@ -9,7 +9,7 @@ from saguaro_dist.engine.logprobs import token_logprobs
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.spec import (
-    greedy_tokens, greedy_verify, penalize_positions, sample, target_probs, verify,
+    bias_row, greedy_tokens, greedy_verify, penalize_positions, sample, target_probs, verify,
 )
 
 
@@ -57,16 +57,20 @@ class TargetScorer:
 
     def _scored(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]] | None = None) -> torch.Tensor:
         """The target's distribution as the request constrains it: logits [B, T, V], row t deciding output
-        token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). Penalties
-        first (spec/penalties.py), then EOS and stop_token_ids at -inf where that is <= min_tokens; a
-        copy only when a request asks for either. Sampling and verification both use these, so every
-        path samples the same distribution; log-probabilities stay raw (vLLM's default)."""
+        token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). vLLM's order:
+        logit bias and allowed tokens (spec/logit_bias.py), penalties (spec/penalties.py), then EOS and
+        stop_token_ids at -inf where that is <= min_tokens; a copy only when a request asks for any.
+        Sampling and verification both use these, so every path samples the same distribution;
+        log-probabilities stay raw (vLLM's default)."""
+        biased = [b for b, s in enumerate(seqs) if s.params.biased]
         penalized = [b for b, s in enumerate(seqs) if s.params.penalized]
         early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs) if s.params.min_tokens]
         early = [(b, n) for b, n in early if n > 0]
-        if not early and not penalized:
+        if not early and not penalized and not biased:
             return logits
         logits = logits.clone()
+        for b in biased:  # one row, added to every position of the sequence
+            logits[b] += self._bias_row(seqs[b], logits.device)
         for b in penalized:
             s = seqs[b]
             logits[b] = penalize_positions(logits[b], s.prompt_token_ids, s.output_token_ids, drafted[b] if drafted else [],
@@ -76,6 +80,12 @@ class TargetScorer:
             ends = sorted((self.eos_token_ids if not s.params.ignore_eos else set()) | set(s.params.stop_token_ids))
             logits[b, :n, [t for t in ends if t < self.vocab_size]] = float("-inf")
         return logits
+
+    def _bias_row(self, s: Sequence, device) -> torch.Tensor:
+        """The request's logit bias and allowed tokens as one [V] row, built at its first use."""
+        if s.logit_bias_row is None:
+            s.logit_bias_row = bias_row(s.params.logit_bias, s.params.allowed_token_ids, self.vocab_size).to(device)
+        return s.logit_bias_row
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the prompts; sample each sequence's first token (its KV then holds the prompt)."""

@@ -1,15 +1,15 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (best_of, logit_bias, ...) are rejected rather than silently dropped.
+cannot honour (best_of, tools, ...) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from saguaro_dist.sampling_params import MAX_LOGPROBS, SamplingParams
+from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from saguaro_dist.serve.errors import APIError
 
 MAX_CHOICES = 64  # n; a request's prompts x n generations are capped at MAX_GENERATIONS too
@@ -19,7 +19,7 @@ MAX_GENERATIONS = 256
 _UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "logit_bias": (None, {}), "tools": (None, []), "response_format": (None,),
+    "tools": (None, []), "response_format": (None,),
 }
 
 
@@ -57,6 +57,9 @@ class SamplingRequest(OpenAIModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extra parameter (1: off)
+    # OpenAI's: JSON keys are token ids as strings ({"50256": -100})
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # vLLM's extra parameter
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -89,6 +92,8 @@ class SamplingRequest(OpenAIModel):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
         )

@@ -68,9 +68,12 @@ class RowPenalties:
     presence: torch.Tensor    # [R, 1] float32
     frequency: torch.Tensor   # [R, 1] float32
     repetition: torch.Tensor  # [R, 1] float32
+    bias: torch.Tensor | None = None  # [R, V] float32: logit bias and allowed tokens (spec/logit_bias.py), added first
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         self._to(logits.device)
+        if self.bias is not None:
+            logits = logits + self.bias
         return apply_penalties(logits, self.in_prompt, self.counts, self.presence, self.frequency, self.repetition)
 
     def drew(self, tokens: torch.Tensor) -> None:
@@ -78,14 +81,16 @@ class RowPenalties:
         self.counts[torch.arange(len(tokens), device=self.counts.device), tokens.to(self.counts.device)] += 1
 
     def _to(self, device) -> None:
-        for name in ("in_prompt", "counts", "presence", "frequency", "repetition"):
-            setattr(self, name, getattr(self, name).to(device))
+        for name in ("in_prompt", "counts", "presence", "frequency", "repetition", "bias"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name).to(device))
 
 
 def row_penalties(prompts: list[list[int]], outputs: list[list[int]], settings: list[tuple[float, float, float]],
-                  vocab_size: int) -> RowPenalties:
+                  vocab_size: int, bias: torch.Tensor | None = None) -> RowPenalties:
     """RowPenalties of rows whose context is prompts[i] + outputs[i]; settings[i] = (presence,
-    frequency, repetition). Rows of one sequence may share their prompt list (it is scanned once)."""
+    frequency, repetition); bias [R, V] or None. Rows of one sequence may share their prompt list (it
+    is scanned once)."""
     masks: dict[int, torch.Tensor] = {}
     in_prompt = torch.stack([masks.setdefault(id(p), prompt_mask(p, vocab_size)) for p in prompts])
     rows = torch.tensor([i for i, out in enumerate(outputs) for _ in out], dtype=torch.long)
@@ -93,4 +98,4 @@ def row_penalties(prompts: list[list[int]], outputs: list[list[int]], settings: 
     counts = torch.zeros(len(outputs), vocab_size)
     counts.index_put_((rows, tokens), torch.ones(len(tokens)), accumulate=True)
     column = lambda i: torch.tensor([s[i] for s in settings], dtype=torch.float32)[:, None]  # noqa: E731
-    return RowPenalties(in_prompt, counts, column(0), column(1), column(2))
+    return RowPenalties(in_prompt, counts, column(0), column(1), column(2), bias)
