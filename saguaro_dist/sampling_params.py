@@ -117,8 +117,13 @@ def allowed_tokens(ids: Iterable[int] | None) -> tuple[int, ...] | None:
     return tuple(sorted(set(ids)))
 
 
-def check_vocabulary(params, vocab_size: int) -> None:
-    """The token ids a request names (logit_bias, allowed_token_ids) exist in the model's vocabulary."""
+def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+    """What only the model can tell: the token ids a request names (logit_bias, allowed_token_ids) are in
+    its vocabulary, and allowed_token_ids leaves a token to generate while min_tokens holds the ends back."""
     for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids)):
         if ids and max(ids) >= vocab_size:
             raise ValueError(f"{name} names token {max(ids)}, outside the vocabulary (ids 0..{vocab_size - 1})")
+    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ends:
+        raise ValueError(f"allowed_token_ids holds only end tokens (EOS / stop_token_ids), which min_tokens = "
+                         f"{params.min_tokens} holds back: nothing could be generated")

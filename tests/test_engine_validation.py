@@ -25,6 +25,8 @@ def llm(tiny_llama_pair):
     (dict(prompt_token_ids=[[1], [2]], sampling_params=[SamplingParams()]), "sampling_params for 2 prompts"),
     (dict(prompt_token_ids=[[1]], sampling_params=SamplingParams(logit_bias={999: 1.0})), "logit_bias names token 999"),
     (dict(prompt_token_ids=[[1]], sampling_params=SamplingParams(allowed_token_ids=[1, 999])), "allowed_token_ids names"),
+    (dict(prompt_token_ids=[[1]], sampling_params=SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2)),
+     "only end tokens"),
 ])
 def test_bad_requests_are_rejected_up_front(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -86,7 +86,8 @@ class TargetRank:
             backend = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size)
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
         self.thread = EngineThread(engine)
-        return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len}
+        return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
+                "eos_token_ids": sorted(engine.eos_token_ids)}
 
     # ---- rank 0: the engine's front door ------------------------------------------------------------
     def submit(self, request: RemoteRequest) -> None:

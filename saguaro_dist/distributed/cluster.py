@@ -128,6 +128,7 @@ class RemoteEngine:
     def __init__(self, deployment: Deployment, info: dict):
         self.deployment, self.rank0 = deployment, deployment.ranks[0]
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
+        self.eos_token_ids = frozenset(info["eos_token_ids"])
         self._requests: dict[str, tuple] = {}   # request_id -> (Sequence, listener)
         self._lock = threading.Lock()
         self._dead: str | None = None

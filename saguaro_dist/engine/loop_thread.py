@@ -41,6 +41,10 @@ class EngineThread:
     def vocab_size(self) -> int:
         return self.engine.vocab_size
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.engine.eos_token_ids)
+
     def submit(self, seq: Sequence, listener: Listener) -> None:
         with self._cond:
             if self._stopped:
