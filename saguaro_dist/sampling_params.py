@@ -1,13 +1,43 @@
 """Per-request sampling settings, validated at construction (the API edge)."""
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
 
 TokenBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, sorted by id
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain the output to a language (vLLM's `structured_outputs`): exactly one of a JSON schema, any
+    JSON object, a regular expression, a choice of strings, or a Lark grammar (llguidance's dialect).
+    The target's distribution is masked to the tokens the language allows at each position
+    (engine/structured.py), on every path, so speculation stays exact."""
+    json: str | None = None                  # a JSON schema (a dict is accepted and kept as its JSON text)
+    json_object: bool = False                # any JSON object (OpenAI's response_format json_object)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None    # one of these strings, exactly
+    grammar: str | None = None               # a Lark grammar
+
+    def __post_init__(self):
+        if isinstance(self.json, Mapping):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice) if not isinstance(self.choice, str) else self.choice)
+        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {given or 'none'}")
+        for name in ("json", "regex", "grammar"):
+            if getattr(self, name) is not None and (not isinstance(getattr(self, name), str) or not getattr(self, name)):
+                raise ValueError(f"structured_outputs {name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError(f"structured_outputs choice must be a non-empty list of non-empty strings, got {self.choice!r}")
 
 
 @dataclass(frozen=True)
@@ -30,6 +60,7 @@ class SamplingParams:
     # Before the penalties, as vLLM orders them (spec/logit_bias.py):
     logit_bias: TokenBias = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated (vLLM's); None: any
+    structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar (vLLM's)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -60,6 +91,8 @@ class SamplingParams:
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
     @property
     def biased(self) -> bool:

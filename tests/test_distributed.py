@@ -228,3 +228,20 @@ def test_timeouts_are_checked(pair):
             LLM(model=pair["target"], draft=pair["draft"], mode="ssd", cluster="auto", startup_timeout_s=bad)
     with pytest.raises(ValueError, match="tree_timeout_s"):
         LLM(model=pair["target"], draft=pair["draft"], mode="ssd", tree_timeout_s=-1)
+
+
+def test_structured_outputs_on_ray_equal_the_one_host_engine(ray_cluster):
+    """The grammar travels in the request to rank 0, whose engine masks what it verifies (tp = 2 here):
+    greedy text equal to the one-host engine's on the demo pair (whose tokenizer llguidance reads)."""
+    from saguaro_dist.demo import demo_pair
+    from saguaro_dist.sampling_params import StructuredOutputsParams
+
+    target, draft = demo_pair()
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(**spec))
+              for spec in ({"regex": r"[a-z_]{1,12}\([a-z, ]{0,20}\)"}, {"choice": ["pass", "return None"]})]
+    prompts = ["def add(a, b):\n    ", "class Stack:\n    "]
+    with LLM(model=target, draft=draft, mode="sd", k=4) as local:
+        want = [o.text for o in local.generate(prompts, params)]
+    with LLM(model=target, draft=draft, mode="ssd", k=4, cluster="auto", tensor_parallel_size=2,
+             num_draft_workers=1, max_batch_size=4) as remote:
+        assert [o.text for o in remote.generate(prompts, params)] == want

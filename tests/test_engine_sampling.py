@@ -18,6 +18,9 @@ import saguaro_dist.engine.rounds as rounds_module
 import saguaro_dist.engine.target as target_module
 from engine_helpers import DEVICE, CyclingGate, llama_config, save_model, save_perturbed
 from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.engine.loop_thread import EngineError
+from saguaro_dist.engine.structured import GrammarState
+from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.spec import VerifyResult, verify
 
 VOCAB, PROMPT, N, ALPHA = 6, [1, 2, 3], 20000, 1e-4
@@ -29,8 +32,27 @@ def pair(tmp_path_factory):
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("sampling_pair")
     target = save_model(root / "target", llama_config(VOCAB, 32, 1), seed=3, sharpen=2.0)
+    save_tiny_tokenizer(root / "target")
     save_perturbed(root / "draft", target, seed=4, noise=0.6)
     return str(root / "target"), str(root / "draft"), target
+
+
+# Structured outputs over the tiny vocabulary a..e (0-4) and <eos> (5): this regex allows {a, b}, then
+# {a, b, c, d}, then {b, c, d} (never the end within 3 tokens), written out by hand as GRAMMAR_STEPS.
+TINY_VOCAB = {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4, "<eos>": 5}
+GRAMMAR = StructuredOutputsParams(regex="[ab][a-d][bcd]+")
+GRAMMAR_STEPS = [{0, 1}, {0, 1, 2, 3}, {1, 2, 3}]
+
+
+def save_tiny_tokenizer(path) -> None:
+    """A byte-level BPE tokenizer of the six tokens (what llguidance needs to read token bytes)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(vocab=TINY_VOCAB, merges=[], unk_token=None))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>").save_pretrained(path)
 
 
 def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, ...] = ()) -> torch.Tensor:
@@ -38,6 +60,8 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, 
     allowed tokens, vLLM's penalties (output: the tokens generated before this one), then temperature,
     the stop tokens held back while fewer than min_tokens are out, top-k, top-p."""
     logits = logits.double()
+    if p.structured_outputs is not None:
+        logits[[t for t in range(len(logits)) if t not in GRAMMAR_STEPS[len(output)]]] = float("-inf")
     for t, bias in p.logit_bias:
         logits[t] += bias
     if p.allowed_token_ids is not None:
@@ -76,11 +100,13 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
 
 
 def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int = N, **kwargs):
-    """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken)."""
+    """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken).
+    EOS is ignored (a grammar's own end is never allowed within 3 tokens here)."""
     mode = kwargs.pop("mode", "ssd")
     kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
     with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
-        seeded = [replace(params, max_tokens=3, ignore_eos=True, seed=i) for i in range(n)]
+        ignore_eos = params.structured_outputs is None
+        seeded = [replace(params, max_tokens=3, ignore_eos=ignore_eos, seed=i) for i in range(n)]
         outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded)
         metrics = llm.metrics
     counts: dict[tuple[int, ...], int] = {}
@@ -203,6 +229,24 @@ def test_the_test_catches_an_ignored_bias(pair, monkeypatch):
     counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p < ALPHA, f"the bias ignored went unnoticed (p = {p:.2e})"
+
+
+@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
+def test_structured_outputs_follow_the_masked_target(pair, case):
+    """Verify row t masked by the grammar after the output and x_1..x_t: the joint is the target's
+    renormalised over what the regex allows at each step."""
+    check_case(pair, case, SamplingParams(temperature=1.0, structured_outputs=GRAMMAR))
+
+
+def test_the_test_catches_a_grammar_mask_that_ignores_the_speculation(pair, monkeypatch):
+    """Every verify row masked as the first one (the drafted tokens not consumed): a token the grammar
+    forbids gets out, and the engine's check at commit fails the step rather than emit it."""
+    target, draft, _ = pair
+    params = SamplingParams(temperature=1.0, structured_outputs=GRAMMAR)
+    row_masks = GrammarState.row_masks
+    monkeypatch.setattr(GrammarState, "row_masks", lambda self, drafted, rows: row_masks(self, [], rows))
+    with pytest.raises(EngineError, match="does not satisfy the requested grammar"):
+        sample_joint(target, draft, params, k=1, fan_out=4)
 
 
 def always_accept(target_probs, draft_tokens, draft_probs, generators):

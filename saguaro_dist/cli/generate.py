@@ -28,6 +28,12 @@ def register(subparsers) -> None:
     g.add_argument("--logit-bias", action="append", type=_bias_pair, metavar="ID=BIAS",
                    help="add BIAS (-100..100) to token ID's logit (repeatable)")
     g.add_argument("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...", help="only these tokens may be generated")
+    s = p.add_argument_group("structured outputs (one of)")
+    s.add_argument("--json-schema", type=_json_schema, metavar="SCHEMA", help="JSON following this schema (JSON text)")
+    s.add_argument("--json-object", action="store_true", help="any JSON object")
+    s.add_argument("--regex", help="text matching this regular expression")
+    s.add_argument("--choice", action="append", help="one of these strings (repeatable)")
+    s.add_argument("--grammar", help="text in this Lark grammar")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per prompt, with speculation metrics")
     o.add_argument("--url", help="use this OpenAI-compatible server instead of loading the model")
@@ -49,7 +55,26 @@ def _sampling(ns: argparse.Namespace) -> dict:
     return {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
             "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
             "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty,
-            "logit_bias": dict(ns.logit_bias) if ns.logit_bias else None, "allowed_token_ids": ns.allowed_token_ids}
+            "logit_bias": dict(ns.logit_bias) if ns.logit_bias else None, "allowed_token_ids": ns.allowed_token_ids,
+            "structured_outputs": _structured(ns)}
+
+
+def _structured(ns: argparse.Namespace) -> dict | None:
+    """vLLM's structured_outputs body from the flags given (StructuredOutputsParams checks there is one)."""
+    given = {"json": ns.json_schema, "json_object": ns.json_object or None, "regex": ns.regex, "choice": ns.choice,
+             "grammar": ns.grammar}
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
+
+
+def _json_schema(text: str) -> dict:
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"expected a JSON schema as JSON text: {err}") from None
+    if not isinstance(schema, dict):
+        raise argparse.ArgumentTypeError("expected a JSON schema (an object)")
+    return schema
 
 
 def _bias_pair(text: str) -> tuple[int, float]:
@@ -71,7 +96,12 @@ def _local(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
     from saguaro_dist import LLM, SamplingParams
     from saguaro_dist.config import Config
 
-    params = SamplingParams(**{k: v for k, v in _sampling(ns).items() if v is not None})
+    from saguaro_dist.sampling_params import StructuredOutputsParams
+
+    sampling = {k: v for k, v in _sampling(ns).items() if v is not None}
+    if "structured_outputs" in sampling:
+        sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
+    params = SamplingParams(**sampling)
     with LLM.from_config(Config(**engine_args(ns))) as llm:
         outputs = llm.generate(prompts, params)
     return [{"prompt": o.prompt, "text": o.text, "finish_reason": o.finish_reason, "metrics": o.metrics.to_dict()}

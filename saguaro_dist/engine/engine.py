@@ -11,6 +11,7 @@ from saguaro_dist.engine.detokenizer import Detokenizer, find_stop, stable_prefi
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
+from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.engine.target import TargetScorer
 
 log = logging.getLogger(__name__)
@@ -36,12 +37,15 @@ class Engine:
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
         self.detok = Detokenizer(tokenizer)
         self.eos_token_ids = eos_token_ids
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # hold batch slots; their prompts run part by part (_prefill_in_budget)
         self.running: list[Sequence] = []
         self._emitted: dict[int, tuple[str, int]] = {}  # seq_id -> (text, tokens) already streamed
 
     def add(self, seq: Sequence) -> None:
+        if seq.params.structured_outputs is not None:
+            seq.grammar = self.grammars.state(seq.params)
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
@@ -162,6 +166,8 @@ class Engine:
             s.round_logprobs = []
         for i, t in enumerate(tokens):
             s.output_token_ids.append(t)
+            if s.grammar is not None:
+                s.grammar.commit(t)
             if logprobs:
                 s.output_logprobs.append(logprobs[i])
             if (t in self.eos_token_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids:

@@ -12,6 +12,7 @@ from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
+from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.sampling_params import SamplingParams, check_against_model
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
@@ -47,6 +48,7 @@ class LLM:
         headroom = 0 if config.mode is Mode.AR else config.k + 1
         self.max_model_len = self._thread.max_model_len - headroom
         self.vocab_size, self.eos_token_ids = self._thread.vocab_size, self._thread.eos_token_ids
+        self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     @property
     def metrics(self):
@@ -163,6 +165,7 @@ class LLM:
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         check_against_model(params, self.vocab_size, self.eos_token_ids)
+        self._grammars.check(params)
         if len(tokens) + params.max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                              f"the model's max length {self.max_model_len}")

@@ -10,6 +10,7 @@ import torch
 from saguaro_dist.engine.detokenizer import DecodeState
 from saguaro_dist.engine.messages import DraftSampling, Proposal
 from saguaro_dist.engine.metrics import RequestMetrics
+from saguaro_dist.engine.structured import GrammarState
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.spec.stats import ProposalSource
 
@@ -68,6 +69,7 @@ class Sequence:
     last_update_time: float = 0.0          # when its reader last got an update
     generator: torch.Generator | None = None
     logit_bias_row: torch.Tensor | None = None  # [V]: params' logit bias and allowed tokens, built at first use
+    grammar: GrammarState | None = None    # structured outputs: the matcher, advanced by the committed tokens
 
     def __post_init__(self):
         self.generator = make_generator(self.params.seed, salt=1)

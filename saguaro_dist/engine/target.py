@@ -58,17 +58,22 @@ class TargetScorer:
     def _scored(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]] | None = None) -> torch.Tensor:
         """The target's distribution as the request constrains it: logits [B, T, V], row t deciding output
         token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). vLLM's order:
-        logit bias and allowed tokens (spec/logit_bias.py), penalties (spec/penalties.py), then EOS and
+        the structured-output grammar's masks (engine/structured.py), logit bias and allowed tokens
+        (spec/logit_bias.py), penalties (spec/penalties.py), then EOS and
         stop_token_ids at -inf where that is <= min_tokens; a copy only when a request asks for any.
         Sampling and verification both use these, so every path samples the same distribution;
         log-probabilities stay raw (vLLM's default)."""
         biased = [b for b, s in enumerate(seqs) if s.params.biased]
+        constrained = [b for b, s in enumerate(seqs) if s.grammar is not None]
         penalized = [b for b, s in enumerate(seqs) if s.params.penalized]
         early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs) if s.params.min_tokens]
         early = [(b, n) for b, n in early if n > 0]
-        if not early and not penalized and not biased:
+        if not early and not penalized and not biased and not constrained:
             return logits
         logits = logits.clone()
+        for b in constrained:  # row t: what the grammar allows after the output and drafted[b][:t]
+            masks = seqs[b].grammar.row_masks(drafted[b] if drafted else [], logits.shape[1])
+            logits[b].masked_fill_(~masks.to(logits.device), float("-inf"))
         for b in biased:  # one row, added to every position of the sequence
             logits[b] += self._bias_row(seqs[b], logits.device)
         for b in penalized:

@@ -2,6 +2,7 @@
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
 cannot honour (best_of, tools, ...) are rejected rather than silently dropped.
+
 """
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from saguaro_dist.serve.errors import APIError
 
 MAX_CHOICES = 64  # n; a request's prompts x n generations are capped at MAX_GENERATIONS too
@@ -19,7 +20,7 @@ MAX_GENERATIONS = 256
 _UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []), "response_format": (None,),
+    "tools": (None, []),
 }
 
 
@@ -35,6 +36,35 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: plain text, any JSON object, or JSON following a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class SamplingRequest(OpenAIModel):
@@ -60,6 +90,12 @@ class SamplingRequest(OpenAIModel):
     # OpenAI's: JSON keys are token ids as strings ({"50256": -100})
     logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # vLLM's extra parameter
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
+    guided_json: dict | str | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -70,6 +106,23 @@ class SamplingRequest(OpenAIModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def requested_structure(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint asked for: response_format, structured_outputs or guided_*."""
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        asked = [name for name, given in (("response_format", self.response_format and self.response_format.type != "text"),
+                                          ("structured_outputs", self.structured_outputs), ("guided_*", guided)) if given]
+        if len(asked) > 1:
+            raise ValueError(f"structured_outputs can be asked for once (response_format, structured_outputs or guided_*), got {asked}")
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams(**self.structured_outputs.model_dump(by_alias=True, exclude_none=True))
+        if guided:
+            return StructuredOutputsParams(**guided)
+        if asked:  # response_format
+            schema = self.response_format.json_schema
+            return StructuredOutputsParams(json=schema.schema_) if schema else StructuredOutputsParams(json_object=True)
+        return None
 
     def requested_logprobs(self) -> int | None:
         """Top log-probabilities per token (0: the chosen token's only), or None for none."""
@@ -94,6 +147,7 @@ class SamplingRequest(OpenAIModel):
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.requested_structure(),
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
         )

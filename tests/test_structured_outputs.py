@@ -1,0 +1,128 @@
+"""Structured outputs (engine/structured.py): greedy ar / sd / ssd on the demo pair give exactly the
+tokens of an independent reference (transformers' model, llguidance's matcher, one token at a time), and
+the text is in the language asked for. Sampling exactness under a grammar: tests/test_engine_sampling.py."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from engine_helpers import assert_greedy_equal
+from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.demo import demo_pair
+from saguaro_dist.engine.structured import GrammarCompiler, allowed_tokens, grammar_of
+from saguaro_dist.sampling_params import StructuredOutputsParams as SO
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
+          "required": ["name", "n"], "additionalProperties": False}
+SPECS = {
+    "regex": SO(regex=r"[a-z_]{1,12}\([a-z, ]{0,20}\)"),
+    "choice": SO(choice=["return None", "pass", "raise ValueError"]),
+    "json": SO(json=SCHEMA),
+}
+PROMPTS = ["def add(a, b):\n    ", "class Stack:\n    def push(self, x):\n        "]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def demo():
+    target, draft = demo_pair()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = LlamaForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    return target, draft, tokenizer, model
+
+
+def reference(model, tokenizer, prompt: list[int], spec: SO) -> tuple[list[int], callable]:
+    """Greedy under the grammar, token by token, with llguidance's matcher used directly; and the same
+    mask as an `adjust` (for assert_greedy_equal's near-tie check)."""
+    ll = llguidance.hf.from_tokenizer(tokenizer, n_vocab=model.config.vocab_size)
+    grammar = grammar_of(spec)
+
+    def masked(tokens, logits):
+        matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
+        assert matcher.consume_tokens(tokens[len(prompt):])
+        allowed = allowed_tokens(matcher.compute_bitmask(), logits.shape[-1])
+        return logits.masked_fill(~allowed, float("-inf"))
+    tokens = list(prompt)
+    for _ in range(MAX_TOKENS):
+        with torch.no_grad():
+            logits = model(torch.tensor([tokens])).logits[0, -1]
+        tokens.append(int(masked(tokens, logits).argmax()))
+        if tokens[-1] == tokenizer.eos_token_id:
+            break
+    return tokens[len(prompt):], masked
+
+
+def in_language(text: str, spec: SO) -> bool:
+    if spec.regex is not None:
+        return re.fullmatch(spec.regex, text) is not None
+    if spec.choice is not None:
+        return text in spec.choice
+    jsonschema.validate(json.loads(text), SCHEMA)
+    return True
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_greedy_follows_the_masked_target_in_every_mode(demo, mode):
+    target, draft, tokenizer, model = demo
+    with LLM(model=target, draft=None if mode == "ar" else draft, mode=mode, k=4, draft_executor="thread") as llm:
+        for name, spec in SPECS.items():
+            params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=spec)
+            for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params)):
+                ids = tokenizer.encode(prompt)
+                want, masked = reference(model, tokenizer, ids, spec)
+                assert_greedy_equal(out.token_ids, want, ids, model, adjust=masked)
+                if out.finish_reason == "stop" or name == "choice":  # the grammar ended it: in the language
+                    assert out.finish_reason == "stop" and in_language(out.text, spec), (name, out.text)
+
+
+def test_row_masks_follow_the_speculation_and_roll_back(demo):
+    """Row t is the mask after the output and drafted[:t]; after a forbidden drafted token the rows repeat
+    (they are never used); the matcher is where it was afterwards."""
+    target, _, tokenizer, model = demo
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, {tokenizer.eos_token_id})
+    state = compiler.state(SamplingParams(structured_outputs=SPECS["choice"]))
+    ok = tokenizer.encode("raise ValueError", add_special_tokens=False)
+    masks = state.row_masks(ok[:2] + [tokenizer.encode("x", add_special_tokens=False)[0]], 5)
+    fresh = [compiler.state(SamplingParams(structured_outputs=SPECS["choice"])) for _ in range(3)]
+    for t, f in enumerate(fresh):
+        for token in ok[:t]:
+            f.commit(token)
+        assert torch.equal(masks[t], f.row_masks([], 1)[0])
+    assert torch.equal(masks[3], masks[2]) and torch.equal(masks[4], masks[2])
+    assert torch.equal(state.row_masks([], 1)[0], masks[0])  # rolled back to the start
+
+
+@pytest.mark.parametrize("spec, message", [
+    (SO(regex="(("), "not valid"), (SO(grammar="start: undefined_rule"), "not valid"),
+    (SO(json="{not json"), "not valid"),
+])
+def test_bad_grammars_are_a_clear_value_error(demo, spec, message):
+    target, _, _, _ = demo
+    with LLM(model=target, mode="ar") as llm:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(["x"], SamplingParams(structured_outputs=spec))
+        with pytest.raises(ValueError, match="ignore_eos"):
+            llm.generate(["x"], SamplingParams(structured_outputs=SPECS["choice"], ignore_eos=True))
+        assert llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=3, structured_outputs=SPECS["choice"]))
+
+
+def test_cli_flags_constrain_the_output(demo, capsys):
+    from saguaro_dist.cli import main
+
+    target, _, _, _ = demo
+    code = main(["generate", target, "--mode", "ar", "--prompt", "def f(x):\n    ", "--max-tokens", "16",
+                 "--choice", "pass", "--choice", "return x", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["text"] in ("pass", "return x")
+    code = main(["generate", target, "--mode", "ar", "--prompt", "x = ", "--max-tokens", "24",
+                 "--json-schema", json.dumps(SCHEMA)])
+    assert code == 0
+    jsonschema.validate(json.loads(capsys.readouterr().out), SCHEMA)
+    assert main(["generate", target, "--mode", "ar", "--prompt", "x", "--regex", "a", "--json-object"]) == 2
+    assert "exactly one" in capsys.readouterr().err
