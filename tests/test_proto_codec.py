@@ -129,7 +129,8 @@ def test_sampling_and_messages_round_trip():
         assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s1))).seed == seed  # 0 is not None
     penalized = DraftSampling(0.0, 0, 1.0, None, presence_penalty=-0.5, frequency_penalty=1.25, repetition_penalty=1.1)
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(penalized))) == penalized
-    biased = DraftSampling(0.5, 0, 1.0, 3, logit_bias={5: 2.5, 1: -100}, allowed_token_ids=[9, 1, 5])
+    biased = DraftSampling(0.5, 0, 1.0, 3, logit_bias={5: 2.5, 1: -100}, allowed_token_ids=[9, 1, 5],
+                           grammar='start: "yes" | "no"')
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(biased))) == biased
     cases = [
         (PrefillRequest(7, [1, 2, 3], s), codec.prefill_to_proto, codec.prefill_from_proto),

@@ -158,6 +158,7 @@ def sampling_to_proto(s: DraftSampling) -> pb.DraftSampling:
         msg.repetition_penalty = float(s.repetition_penalty)
     msg.logit_bias.update({_int64(t, "logit_bias token id"): b for t, b in s.logit_bias})
     msg.allowed_token_ids.extend(s.allowed_token_ids or ())
+    msg.grammar = s.grammar or ""
     return msg
 
 
@@ -168,7 +169,7 @@ def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
         return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=seed,
                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                              repetition_penalty=repetition, logit_bias=dict(msg.logit_bias),
-                             allowed_token_ids=list(msg.allowed_token_ids) or None)
+                             allowed_token_ids=list(msg.allowed_token_ids) or None, grammar=msg.grammar or None)
     except ValueError as exc:
         raise CodecError(f"DraftSampling: {exc}") from None
 

@@ -54,7 +54,9 @@ def check_same_tokenizer(target_tok, draft_tok) -> None:
 def build_draft_worker(config: Config) -> DraftWorker:
     if config.draft_threads:
         torch.set_num_threads(config.draft_threads)
-    return DraftWorker(config, make_runner(config.draft, config, device=config.draft_device_resolved))
+    def tokenizer():  # for structured outputs, at the first request with a grammar: the draft's, else the target's
+        return try_load_tokenizer(config.draft) or try_load_tokenizer(config.model)
+    return DraftWorker(config, make_runner(config.draft, config, device=config.draft_device_resolved), tokenizer)
 
 
 def draft_executor(config: Config) -> DraftExecutor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,6 +23,7 @@ from saguaro_dist.engine.messages import (
     DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 from saguaro_dist.engine.sequence import make_generator
+from saguaro_dist.engine.structured import GrammarCompiler, GrammarState, grammar_masked, masked_rows
 from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
@@ -50,6 +51,7 @@ class DraftSeq:
     committed: list[int]                     # P: tokens both sides agree on, ending with the pending bonus
     prompt_len: int = 0                      # committed[:prompt_len] is the prompt (penalties tell it apart)
     bias: torch.Tensor | None = None         # [V] its logit bias and allowed tokens, built at first use
+    grammar: GrammarState | None = None      # structured outputs: the matcher after committed[prompt_len:]
     speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
     round: int = 0
     pending: bool = False                    # a tree is owed for this round
@@ -66,12 +68,17 @@ class DraftSeq:
         if not 0 <= accepted <= len(self.speculation):
             raise OutOfOrder(f"sequence {self.seq_id}: accepted={accepted} but the speculation has {len(self.speculation)} tokens")
         self.committed = self.committed + self.speculation[:accepted] + [bonus]
+        if self.grammar is not None and not self.grammar.advance(self.speculation[:accepted] + [bonus]):
+            self.grammar = None  # the target's tokenizer reads the grammar differently: propose unconstrained
 
 
 class DraftWorker:
-    def __init__(self, config: Config, runner):
+    def __init__(self, config: Config, runner, tokenizer_loader: Callable[[], object] | None = None):
+        """tokenizer_loader: the draft's tokenizer, loaded on the first request with a grammar (None: it
+        has none, and grammars are not followed: acceptance only)."""
         self.config = config
         self.runner = runner
+        self._tokenizer_loader, self._grammars = tokenizer_loader, None
         self.k = config.k
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
@@ -96,9 +103,10 @@ class DraftWorker:
             if r.seq_id in self.seqs:  # a re-prefill (the target moved it after a worker died) restarts it
                 self.release([Release(r.seq_id)])
             self.runner.add(r.seq_id)
-            self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
-                                           list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids), shard=r.shard,
-                                           num_shards=r.num_shards)
+            s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
+                                               list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
+                                               shard=r.shard, num_shards=r.num_shards)
+            s.grammar = self._grammar_state(r.sampling.grammar, s.committed[s.prompt_len:])
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids for r in reqs], [1] * len(reqs))
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
@@ -175,6 +183,21 @@ class DraftWorker:
                 self.runner.free(r.seq_id)
 
     # ---- steps ------------------------------------------------------------------------------
+    def _grammar_state(self, grammar: str | None, output: list[int]) -> GrammarState | None:
+        """The request's grammar after its output so far, or None: none asked, or this draft cannot
+        follow it (no tokenizer, a grammar it cannot compile): it then proposes unconstrained."""
+        if grammar is None:
+            return None
+        try:
+            if self._grammars is None:
+                tokenizer = self._tokenizer_loader() if self._tokenizer_loader else None
+                self._grammars = GrammarCompiler(tokenizer, self.vocab_size, ())
+            state = self._grammars.state_of(grammar)
+        except ValueError as err:
+            log.warning("the draft does not follow this grammar (%s): it proposes unconstrained", err)
+            return None
+        return state if state.advance(output) else None
+
     def _get(self, seq_id: int) -> DraftSeq:
         s = self.seqs.get(seq_id)
         if s is None:
@@ -210,16 +233,20 @@ class DraftWorker:
         return probs
 
     def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step,
-                penalties: RowPenalties | None = None) -> tuple[Proposal, list[torch.Tensor]]:
+                penalties: RowPenalties | None = None,
+                grammars: list[GrammarState | None] | None = None) -> tuple[Proposal, list[torch.Tensor]]:
         """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j; the
-        requests' penalties, if any, apply to every draw. Returns the draws as columns (tokens [R, K],
-        probs [R, K, V] or None when every row is greedy) and the K raw logits [R, V] they came from."""
+        requests' penalties and grammars (each row on its own matcher), if any, apply to every draw.
+        Returns the draws as columns (tokens [R, K], probs [R, K, V] or None when every row is greedy)
+        and the K raw logits [R, V] they came from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
         sampling = None if greedy else RowSampling.of([s.sampling for s in rows])  # once for the K draws
         tokens, dists, seen = [], [], []
         for j in range(self.k):
             seen.append(logits)
             scored = logits if penalties is None else penalties.apply(logits)
+            if grammars is not None:
+                scored = grammar_masked(scored, grammars)
             if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
                 drawn = greedy_tokens(scored)
             else:
@@ -229,6 +256,8 @@ class DraftWorker:
             tokens.append(drawn)
             if penalties is not None:
                 penalties.drew(drawn)
+            if grammars is not None:
+                grammars = [g if g is not None and g.advance([t]) else None for g, t in zip(grammars, drawn.tolist())]
             if j + 1 < self.k:
                 logits = step(drawn)
         # Proposals leave the worker on the CPU (one copy per draw, not per row): they cross a pipe or
@@ -251,7 +280,8 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
-        columns = self._draw_k(states, fanouts, first, step, self._penalties(states, ([] for _ in states)))[0]
+        columns = self._draw_k(states, fanouts, first, step, self._penalties(states, ([] for _ in states)),
+                               self._row_grammars(states, [[] for _ in states]))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
@@ -306,9 +336,21 @@ class DraftWorker:
             s.bias = bias_row(s.sampling.logit_bias, s.sampling.allowed_token_ids, self.vocab_size)
         return s.bias
 
+    @staticmethod
+    def _row_grammars(owners: list[DraftSeq], paths: list[list[int]]) -> list[GrammarState | None] | None:
+        """Each row's own matcher after its sequence's output and its path (None for a row whose path the
+        grammar forbids: it draws unconstrained); None when no request has a grammar."""
+        if all(s.grammar is None for s in owners):
+            return None
+        rows = [s.grammar.copy() if s.grammar is not None else None for s in owners]
+        return [g if g is not None and g.advance(path) else None for g, path in zip(rows, paths)]
+
     def _constrained_positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
-        """The glue's logits [K+1, V] over [b, x_1..x_K] as the constrained target would rank them: biased,
-        then penalized with row j counting the output and x_1..x_j."""
+        """The glue's logits [K+1, V] over [b, x_1..x_K] as the constrained target would rank them: masked
+        by the grammar (row j after x_1..x_j), biased, then penalized with row j counting the output and
+        x_1..x_j."""
+        if s.grammar is not None:
+            logits = masked_rows(logits, s.grammar.row_masks(s.speculation, logits.shape[0]))
         if s.sampling.biased:
             logits = logits + self._bias_row(s).to(logits.device)
         if not s.sampling.penalized:
@@ -333,9 +375,11 @@ class DraftWorker:
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
-        paths = (s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows))  # built only under penalties
+        constrained = any(s.grammar is not None or s.sampling.penalized or s.sampling.biased for s in owners)
+        paths = [s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows)] if constrained else None  # read only then
         columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
-                                     lambda drawn: self.runner.branch_step(state, drawn), self._penalties(owners, paths))
+                                     lambda drawn: self.runner.branch_step(state, drawn), self._penalties(owners, paths),
+                                     self._row_grammars(owners, paths))
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
         counts = Counter(i for i, _, _ in rows)
         for i, s in enumerate(states):

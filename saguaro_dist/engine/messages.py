@@ -39,11 +39,14 @@ class DraftSampling:
     repetition_penalty: float = 1.0
     logit_bias: TokenBias = ()                        # (token id, bias) pairs, sorted
     allowed_token_ids: tuple[int, ...] | None = None  # None: any token
+    grammar: str | None = None                        # structured outputs: llguidance grammar text; None: none
 
     def __post_init__(self):  # a protocol edge (gRPC, the pipe): NaN or 0 would poison the draft's logits
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError("grammar must be non-empty llguidance grammar text (or None)")
 
     @property
     def biased(self) -> bool:

@@ -10,7 +10,7 @@ import torch
 from saguaro_dist.engine.detokenizer import DecodeState
 from saguaro_dist.engine.messages import DraftSampling, Proposal
 from saguaro_dist.engine.metrics import RequestMetrics
-from saguaro_dist.engine.structured import GrammarState
+from saguaro_dist.engine.structured import GrammarState, grammar_of
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.spec.stats import ProposalSource
 
@@ -88,4 +88,5 @@ class Sequence:
         return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                             allowed_token_ids=p.allowed_token_ids)
+                             allowed_token_ids=p.allowed_token_ids,
+                             grammar=None if p.structured_outputs is None else grammar_of(p.structured_outputs))

@@ -5,7 +5,8 @@ Like the penalties it changes the target's distribution, so the target side appl
 samples or verifies: verify row t gets the mask after the output and x_1..x_t (the matcher consumes the
 speculated tokens, then rolls them back), and a speculated token the grammar forbids has probability 0
 there, so it is rejected whatever the draft's q. Every path (AR, SD, SSD hit, miss, fallback) samples
-the constrained target exactly; the draft is not told (a forbidden proposal costs acceptance only).
+the constrained target exactly. The draft is told the grammar (its llguidance text, in DraftSampling)
+and masks its own draws with it, each row on its own copy of the matcher: that is acceptance only.
 """
 from __future__ import annotations
 
@@ -43,6 +44,19 @@ def allowed_tokens(bitmask: bytes, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(bits.astype(bool))
 
 
+def masked_rows(logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+    """logits [R, V] at -inf where masks [R, V] is False; a row whose mask allows nothing (a grammar that
+    has ended) is left as it is, so a draft never samples from an empty distribution."""
+    masks = masks | ~masks.any(-1, keepdim=True)
+    return logits.masked_fill(~masks.to(logits.device), float("-inf"))
+
+
+def grammar_masked(logits: torch.Tensor, grammars: list) -> torch.Tensor:
+    """logits [R, V], row r masked by grammars[r] (a GrammarState, or None: unconstrained)."""
+    allow_all = torch.ones(logits.shape[-1], dtype=torch.bool)
+    return masked_rows(logits, torch.stack([g.mask() if g is not None else allow_all for g in grammars]))
+
+
 class GrammarState:
     """One request's matcher, advanced by the tokens the engine commits."""
 
@@ -55,10 +69,21 @@ class GrammarState:
         consumed = self.matcher.try_consume_tokens(list(drafted[:rows - 1])) if rows > 1 else 0
         masks = [None] * (consumed + 1)
         for t in range(consumed, -1, -1):  # the deepest state first, then roll back one token at a time
-            masks[t] = allowed_tokens(self.matcher.compute_bitmask(), self.vocab_size)
+            masks[t] = self.mask()
             if t:
                 self.matcher.rollback(1)
         return torch.stack(masks + [masks[-1]] * (rows - consumed - 1))
+
+    def copy(self) -> GrammarState:
+        return GrammarState(self.matcher.deep_copy(), self.vocab_size)
+
+    def mask(self) -> torch.Tensor:
+        """[V] bool: what the grammar allows next."""
+        return allowed_tokens(self.matcher.compute_bitmask(), self.vocab_size)
+
+    def advance(self, tokens: list[int]) -> bool:
+        """Consume tokens as far as the grammar allows them; whether all were (the draft's paths)."""
+        return self.matcher.try_consume_tokens(list(tokens)) == len(tokens)
 
     def commit(self, token: int) -> None:
         if not self.matcher.consume_token(token):  # only a bug can get here: the target never samples it
@@ -76,7 +101,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None
-        self._compiled: OrderedDict[StructuredOutputsParams, object] = OrderedDict()  # least recently used first
+        self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher, least recently used first
 
     def check(self, params: SamplingParams) -> None:
         """A clear ValueError for a grammar the tokenizer cannot follow (bad regex, bad schema, ...)."""
@@ -96,18 +121,22 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs is not valid: {error.strip()}")
 
     def state(self, params: SamplingParams) -> GrammarState:
-        return GrammarState(self._compile(params.structured_outputs).deep_copy(), self.vocab_size)
+        return self.state_of(grammar_of(params.structured_outputs))
 
-    def _compile(self, spec: StructuredOutputsParams):
-        if spec in self._compiled:
-            self._compiled.move_to_end(spec)
-            return self._compiled[spec]
+    def state_of(self, grammar: str) -> GrammarState:
+        """A fresh matcher of llguidance grammar text (a copy of the compiled one)."""
+        return GrammarState(self._compile(grammar).deep_copy(), self.vocab_size)
+
+    def _compile(self, grammar: str):
+        if grammar in self._compiled:
+            self._compiled.move_to_end(grammar)
+            return self._compiled[grammar]
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_of(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"structured_outputs is not valid: {matcher.get_error()}")
-        self._compiled[spec] = matcher
+        self._compiled[grammar] = matcher
         if len(self._compiled) > self.CACHED_GRAMMARS:
             self._compiled.popitem(last=False)
         return matcher
