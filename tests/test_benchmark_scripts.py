@@ -64,3 +64,9 @@ def test_prefill_chunk_bench_reports_every_budget():
     out = _run(str(BENCH / "bench_prefill_chunks.py"), "--tokens", "40", "--budgets", "64,8", "--layers", "1")
     rows = [row.split(" | ") for row in out.splitlines() if row.startswith("| 40 ")]
     assert [r[1] for r in rows] == ["64", "8"] * 2 and all(r[-1].startswith("True") for r in rows[:2])
+
+
+def test_structured_bench_reports_every_system_plain_and_under_a_schema():
+    out = _run(str(BENCH / "bench_structured.py"), "--max-new-tokens", "6", "--num-prompts", "1", "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "system" not in line]
+    assert len(rows) == 7 and "ssd / sd" in out and "sd told / untold" in out

@@ -162,3 +162,16 @@ def test_a_draft_that_cannot_follow_the_grammar_proposes_unconstrained(demo, cap
         worker.prefill([PrefillRequest(0, tokenizer.encode(PROMPTS[0]), DraftSampling(0.0, 0, 1.0, None, grammar=grammar))])
     assert "does not follow this grammar" in caplog.text and worker.seqs[0].grammar is None
     assert len(worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])[0].tokens) == 4
+
+
+def test_a_request_the_engine_cannot_admit_fails_alone(demo, monkeypatch):
+    """A grammar that passed the front door's check but not the engine's (a different llguidance build
+    on a Ray node, say): that request gets the ValueError, the engine goes on serving."""
+    target, _, _, _ = demo
+    with LLM(model=target, mode="ar") as llm:
+        def refuse(self, params):
+            raise ValueError("structured_outputs is not valid: refused")
+        monkeypatch.setattr(GrammarCompiler, "state", refuse)
+        with pytest.raises(ValueError, match="refused"):
+            llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=SPECS["choice"]))
+        assert len(llm.generate(["x"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3

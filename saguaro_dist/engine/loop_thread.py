@@ -78,8 +78,12 @@ class EngineThread:
 
     def _take(self, inbox, aborts) -> None:
         for seq, listener in inbox:
+            try:
+                self.engine.add(seq)
+            except ValueError as err:  # a request the engine cannot take (say its grammar): its caller learns why
+                listener(err)
+                continue
             self._listeners[seq.request_id] = listener
-            self.engine.add(seq)
         for request_id in aborts:
             self._publish(self.engine.abort(request_id))
 
