@@ -4,7 +4,7 @@
 """
 import logging
 
-from saguaro_dist import LLM, SamplingParams
+from saguaro_dist import LLM, SamplingParams, StructuredOutputsParams
 from saguaro_dist.demo import demo_pair, demo_prompts
 
 
@@ -25,6 +25,13 @@ def main() -> None:
             print(f"[{m.num_generated_tokens} tokens, {m.tokens_per_s:.1f} tok/s, acceptance {m.acceptance_rate:.2f}, "
                   f"mean accepted length {m.mean_accepted_length:.2f}, cache hit rate {m.cache_hit_rate:.2f}, "
                   f"fallbacks {m.fallbacks}]\n")
+        # Structured outputs: the target's distribution masked to a JSON schema on every path (the draft is
+        # told the schema too, so its proposals fit it); any of regex=, choice=[...], grammar= works the same.
+        schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"}},
+                  "required": ["name", "size"], "additionalProperties": False}
+        answer = llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=48,
+                                                       structured_outputs=StructuredOutputsParams(json=schema)))[0]
+        print(f"JSON under a schema: {answer.text}\n")
         e = llm.metrics  # the cache hit rate counts rounds that looked a tree up; the tree gate may skip trees
         print(f"engine: {e.rounds} rounds, {e.just_in_time_rounds} of them without a speculation tree "
               f"(tree_policy='auto' measured them faster), {e.cache_hits} cache hits, {e.cache_misses} misses")

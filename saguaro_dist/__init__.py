@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 from saguaro_dist.config import Config, DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
-from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy"]
 
 
 def __getattr__(name):

@@ -16,4 +16,5 @@ def test_example_runs_and_reports_its_speculation():
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("--- continuation ---") == 2
     assert "tok/s, acceptance" in done.stdout and "engine:" in done.stdout
+    assert "JSON under a schema: {" in done.stdout
     assert "the draft built a tree in" in done.stdout  # its build time crossed gRPC from the draft actor
