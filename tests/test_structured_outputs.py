@@ -109,8 +109,9 @@ def test_bad_grammars_are_a_clear_value_error(demo, spec, message):
     with LLM(model=target, mode="ar") as llm:
         with pytest.raises(ValueError, match=message):
             llm.generate(["x"], SamplingParams(structured_outputs=spec))
-        with pytest.raises(ValueError, match="ignore_eos"):
-            llm.generate(["x"], SamplingParams(structured_outputs=SPECS["choice"], ignore_eos=True))
+        for clash in (dict(ignore_eos=True), dict(min_tokens=2), dict(allowed_token_ids=[1, 2])):
+            with pytest.raises(ValueError, match=f"cannot be combined with {next(iter(clash))}"):
+                llm.generate(["x"], SamplingParams(structured_outputs=SPECS["choice"], **clash))
         assert llm.generate(["x = "], SamplingParams(temperature=0, max_tokens=3, structured_outputs=SPECS["choice"]))
 
 

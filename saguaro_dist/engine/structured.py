@@ -112,8 +112,12 @@ class GrammarCompiler:
             grammar = grammar_of(spec)
         except ValueError as err:
             raise ValueError(f"structured_outputs is not valid: {err}") from None
-        if params.ignore_eos:  # a finished grammar allows only EOS: past it nothing is allowed
-            raise ValueError("structured_outputs cannot be combined with ignore_eos")
+        # Each of these can leave a row where nothing is allowed: a finished grammar allows only EOS (which
+        # ignore_eos would pass and min_tokens holds back), and allowed_token_ids may miss what it needs.
+        for clash, name in ((params.ignore_eos, "ignore_eos"), (params.min_tokens, "min_tokens"),
+                            (params.allowed_token_ids is not None, "allowed_token_ids")):
+            if clash:
+                raise ValueError(f"structured_outputs cannot be combined with {name}")
         import llguidance
 
         error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
