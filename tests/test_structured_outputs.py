@@ -177,3 +177,23 @@ def test_a_request_the_engine_cannot_admit_fails_alone(demo, monkeypatch):
         with pytest.raises(ValueError, match="refused"):
             llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=SPECS["choice"]))
         assert len(llm.generate(["x"], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3
+
+
+def test_greedy_in_grammar_is_the_masked_argmax(demo):
+    """The draft's shortcut (the unmasked argmax when the grammar allows it) draws what the full mask would."""
+    from saguaro_dist.engine.structured import greedy_in_grammar, masked_rows
+
+    _, _, tokenizer, model = demo
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, {tokenizer.eos_token_id})
+    states = [compiler.state(SamplingParams(structured_outputs=SPECS[name])) for name in ("json", "regex", "choice")]
+    states[0].advance(tokenizer.encode('{"name": "a', add_special_tokens=False))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(4, model.config.vocab_size, generator=gen) * 3
+        rows = states + [None]
+        want = torch.stack([masked_rows(logits[r:r + 1], g.mask()[None])[0] if g else logits[r] for r, g in enumerate(rows)])
+        assert torch.equal(greedy_in_grammar(logits, rows), want.argmax(-1))
+    allowed = states[2].mask().nonzero().flatten()
+    logits = torch.zeros(1, model.config.vocab_size)
+    logits[0, allowed[0]] = 5.0  # the unmasked argmax is allowed: no mask needed, the same token
+    assert greedy_in_grammar(logits, [states[2]]).tolist() == [int(allowed[0])]

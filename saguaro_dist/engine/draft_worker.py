@@ -23,7 +23,9 @@ from saguaro_dist.engine.messages import (
     DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
 )
 from saguaro_dist.engine.sequence import make_generator
-from saguaro_dist.engine.structured import GrammarCompiler, GrammarState, grammar_masked, masked_rows
+from saguaro_dist.engine.structured import (
+    GrammarCompiler, GrammarState, grammar_masked, greedy_in_grammar, masked_rows,
+)
 from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import (
@@ -245,11 +247,11 @@ class DraftWorker:
         for j in range(self.k):
             seen.append(logits)
             scored = logits if penalties is None else penalties.apply(logits)
-            if grammars is not None:
-                scored = grammar_masked(scored, grammars)
             if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
-                drawn = greedy_tokens(scored)
+                drawn = greedy_tokens(scored) if grammars is None else greedy_in_grammar(scored, grammars)
             else:
+                if grammars is not None:
+                    scored = grammar_masked(scored, grammars)
                 probs = self._proposal_probs(scored, sampling, [f[j] for f in fanouts])
                 drawn = sample(probs, [s.generator for s in rows])
                 dists.append(probs)

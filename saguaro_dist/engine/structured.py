@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
+from saguaro_dist.spec.sampling import greedy_tokens
 
 
 # JSON without free whitespace between tokens (", " and ": " separate): with it a small model can pad
@@ -57,6 +58,17 @@ def grammar_masked(logits: torch.Tensor, grammars: list) -> torch.Tensor:
     return masked_rows(logits, torch.stack([g.mask() if g is not None else allow_all for g in grammars]))
 
 
+def greedy_in_grammar(logits: torch.Tensor, grammars: list) -> torch.Tensor:
+    """[R] argmax of each row of logits [R, V] among what grammars[r] allows (None: unconstrained). The
+    unmasked argmax where the grammar allows it (one token checked, no [V] mask built), else the masked
+    one: the same token either way."""
+    drawn = greedy_tokens(logits)
+    refused = [r for r, (g, t) in enumerate(zip(grammars, drawn.tolist())) if g is not None and not g.allows(t)]
+    if refused:  # one masked argmax over the rows whose grammar refused their argmax
+        drawn[refused] = greedy_tokens(masked_rows(logits[refused], torch.stack([grammars[r].mask() for r in refused])))
+    return drawn
+
+
 class GrammarState:
     """One request's matcher, advanced by the tokens the engine commits."""
 
@@ -80,6 +92,9 @@ class GrammarState:
     def mask(self) -> torch.Tensor:
         """[V] bool: what the grammar allows next."""
         return allowed_tokens(self.matcher.compute_bitmask(), self.vocab_size)
+
+    def allows(self, token: int) -> bool:
+        return self.matcher.validate_tokens([token]) == 1
 
     def advance(self, tokens: list[int]) -> bool:
         """Consume tokens as far as the grammar allows them; whether all were (the draft's paths)."""
