@@ -2,7 +2,6 @@
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
 cannot honour (best_of, tools, ...) are rejected rather than silently dropped.
-
 """
 from __future__ import annotations
 
