@@ -97,7 +97,7 @@ class SamplingParams:
     @property
     def biased(self) -> bool:
         """A logit bias or an allowed-token list changes the target's distribution."""
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        return biased(self.logit_bias, self.allowed_token_ids)
 
     @property
     def penalized(self) -> bool:
@@ -120,6 +120,10 @@ def check_penalties(presence: float, frequency: float, repetition: float) -> Non
 
 def penalized(presence: float, frequency: float, repetition: float) -> bool:
     return presence != 0 or frequency != 0 or repetition != 1
+
+
+def biased(logit_bias: TokenBias, allowed_token_ids: tuple[int, ...] | None) -> bool:
+    return bool(logit_bias) or allowed_token_ids is not None
 
 
 def _token_id(t) -> bool:

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from engine_helpers import assert_greedy_equal
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.demo import demo_pair
-from saguaro_dist.engine.structured import GrammarCompiler, allowed_tokens, grammar_of
+from saguaro_dist.engine.structured import GrammarCompiler, bitmask_to_bool, grammar_of
 from saguaro_dist.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
@@ -47,7 +47,7 @@ def reference(model, tokenizer, prompt: list[int], spec: SO) -> tuple[list[int],
     def masked(tokens, logits):
         matcher = llguidance.LLMatcher(ll, grammar, log_level=0)
         assert matcher.consume_tokens(tokens[len(prompt):])
-        allowed = allowed_tokens(matcher.compute_bitmask(), logits.shape[-1])
+        allowed = bitmask_to_bool(matcher.compute_bitmask(), logits.shape[-1])
         return logits.masked_fill(~allowed, float("-inf"))
     tokens = list(prompt)
     for _ in range(MAX_TOKENS):

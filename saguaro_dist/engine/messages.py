@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_dist.sampling_params import TokenBias, allowed_tokens, check_penalties, penalized, token_bias
+from saguaro_dist.sampling_params import TokenBias, allowed_tokens, biased, check_penalties, penalized, token_bias
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class DraftSampling:
 
     @property
     def biased(self) -> bool:
-        return bool(self.logit_bias) or self.allowed_token_ids is not None
+        return biased(self.logit_bias, self.allowed_token_ids)
 
     @property
     def penalized(self) -> bool:

@@ -39,7 +39,7 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
 
 
-def allowed_tokens(bitmask: bytes, vocab_size: int) -> torch.Tensor:
+def bitmask_to_bool(bitmask: bytes, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask (bit j of little-endian 32-bit word j // 32: token j allowed) -> [V] bool."""
     bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab_size]
     return torch.from_numpy(bits.astype(bool))
@@ -91,7 +91,7 @@ class GrammarState:
 
     def mask(self) -> torch.Tensor:
         """[V] bool: what the grammar allows next."""
-        return allowed_tokens(self.matcher.compute_bitmask(), self.vocab_size)
+        return bitmask_to_bool(self.matcher.compute_bitmask(), self.vocab_size)
 
     def allows(self, token: int) -> bool:
         return self.matcher.validate_tokens([token]) == 1
