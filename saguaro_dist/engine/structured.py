@@ -11,6 +11,7 @@ and masks its own draws with it, each row on its own copy of the matcher: that i
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -117,6 +118,7 @@ class GrammarCompiler:
         self.eos_token_ids = sorted(eos_token_ids)
         self._ll_tokenizer = None
         self._compiled: OrderedDict[str, object] = OrderedDict()  # grammar text -> matcher, least recently used first
+        self._lock = threading.Lock()
 
     def check(self, params: SamplingParams) -> None:
         """A clear ValueError for a grammar the tokenizer cannot follow (bad regex, bad schema, ...)."""
@@ -133,11 +135,7 @@ class GrammarCompiler:
                             (params.allowed_token_ids is not None, "allowed_token_ids")):
             if clash:
                 raise ValueError(f"structured_outputs cannot be combined with {name}")
-        import llguidance
-
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tokenizer())
-        if error:
-            raise ValueError(f"structured_outputs is not valid: {error.strip()}")
+        self._compile(grammar)  # compiling is the check; kept, a served schema is checked once
 
     def state(self, params: SamplingParams) -> GrammarState:
         return self.state_of(grammar_of(params.structured_outputs))
@@ -147,18 +145,21 @@ class GrammarCompiler:
         return GrammarState(self._compile(grammar).deep_copy(), self.vocab_size)
 
     def _compile(self, grammar: str):
-        if grammar in self._compiled:
-            self._compiled.move_to_end(grammar)
-            return self._compiled[grammar]
-        import llguidance
+        """The compiled matcher of grammar text (callers copy it). Thread-safe: LLM checks requests on its
+        callers' threads."""
+        with self._lock:
+            if grammar in self._compiled:
+                self._compiled.move_to_end(grammar)
+                return self._compiled[grammar]
+            import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"structured_outputs is not valid: {matcher.get_error()}")
-        self._compiled[grammar] = matcher
-        if len(self._compiled) > self.CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
-        return matcher
+            matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0)
+            if matcher.is_error():
+                raise ValueError(f"structured_outputs is not valid: {matcher.get_error().strip()}")
+            self._compiled[grammar] = matcher
+            if len(self._compiled) > self.CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+            return matcher
 
     def _tokenizer(self):
         """llguidance's view of the tokenizer (built once: ~1 s for a large vocabulary)."""
