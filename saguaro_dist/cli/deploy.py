@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from saguaro_dist.deploy import k8s
+from saguaro_dist.serve.tools import ToolCallParser
 
 DEFAULTS = k8s.K8sSettings()
 BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
@@ -34,6 +35,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--served-model-name", help="model name the OpenAI API reports (default: --model)")
+    parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
+                        help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes)')
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:

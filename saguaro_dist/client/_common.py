@@ -76,13 +76,16 @@ class Completion:
     speculation: dict | None = None  # saguaro servers' speculation stats; None elsewhere
     raw: dict = field(default_factory=dict, repr=False)
     logprobs: dict | None = None     # the choice's OpenAI logprobs object, when the request asked (logprobs=...)
+    tool_calls: list[dict] = field(default_factory=list)  # chat: OpenAI tool calls (id, type, function)
 
     @classmethod
     def from_body(cls, body: dict) -> "Completion":
         choice = (body.get("choices") or [{}])[0]
-        text = choice.get("message", {}).get("content") if "message" in choice else choice.get("text")
+        message = choice.get("message") or {}
+        text = message.get("content") if "message" in choice else choice.get("text")
         return cls(text or "", choice.get("finish_reason"), body.get("model"), body.get("id"),
-                   body.get("usage"), body.get("speculation"), body, choice.get("logprobs"))
+                   body.get("usage"), body.get("speculation"), body, choice.get("logprobs"),
+                   message.get("tool_calls") or [])
 
 
 class StreamAccumulator:
@@ -94,6 +97,7 @@ class StreamAccumulator:
         self.speculation: dict | None = None
         self.model: str | None = None
         self.id: str | None = None
+        self.tool_calls: list[dict] = []  # chat: tool calls assembled from their deltas
 
     def feed(self, line: str):
         """The text delta in `line` (possibly ""), DONE at the end, or None for non-data lines."""
@@ -114,9 +118,22 @@ class StreamAccumulator:
         self.speculation = chunk.get("speculation") or self.speculation
         text = ""
         for choice in chunk.get("choices") or []:
-            text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+            delta = choice.get("delta") or {}
+            text += delta.get("content") or choice.get("text") or ""
+            for call in delta.get("tool_calls") or []:
+                self._add_call_delta(call)
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         return text
+
+    def _add_call_delta(self, delta: dict) -> None:
+        """OpenAI streams a call as deltas by index: the first names it, later ones append arguments."""
+        index = delta.get("index", len(self.tool_calls))
+        while len(self.tool_calls) <= index:
+            self.tool_calls.append({"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+        call, function = self.tool_calls[index], delta.get("function") or {}
+        call["id"] = delta.get("id") or call["id"]
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
 
 
 def _stream_error_status(err: dict) -> int:

@@ -45,6 +45,7 @@ class K8sSettings:
     max_batch_size: int = 8
     dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU
     served_model_name: str | None = None
+    tool_call_parser: str | None = None  # tool_choice "auto": hermes for Qwen 2.5 / 3 and Hermes models
     tp: int = 1
     draft_workers: int = 1
     image: str = f"saguaro-dist:{APP_VERSION}-cpu"
@@ -108,7 +109,8 @@ def serve_args(s: K8sSettings) -> dict:
             "saguaro_c": s.saguaro_c, "fallback": s.fallback,
             "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,
             "max_batch_size": s.max_batch_size, "device": s.device, "dtype": s.engine_dtype,
-            "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name}
+            "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name,
+            "tool_call_parser": s.tool_call_parser}
     return {key: value for key, value in args.items() if value is not None}
 
 
@@ -311,7 +313,8 @@ def helm_values(s: K8sSettings) -> dict:
     return {
         "fullnameOverride": s.name,
         "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},
-        "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or ""},
+        "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or "",
+                  "toolCallParser": s.tool_call_parser or ""},
         "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
                         "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
         "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or ""},

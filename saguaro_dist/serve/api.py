@@ -9,12 +9,13 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from saguaro_dist.serve import responses
-from saguaro_dist.serve.errors import install_error_handlers, stream_error
+from saguaro_dist.serve.errors import APIError, install_error_handlers, stream_error
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from saguaro_dist.serve.prompts import encode_chat, encode_text
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from saguaro_dist.serve.state import Finished, Job, ServingState, merge
+from saguaro_dist.serve.tools import ToolCallParser, ToolChoiceKind, ToolStream
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
 # As Ray Serve LLM. Every SSE write costs the replica Serve's per-message work (and a proxy trip), on
@@ -30,16 +31,21 @@ class ServerOptions:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # 0: one SSE chunk per engine round
+    tool_call_parser: str | None = None  # reads tool_choice "auto" replies (tools.ToolCallParser); None: auto is a 400
 
     def __post_init__(self):
         if not 0 <= self.stream_interval_ms <= 10_000:
             raise ValueError(f"stream_interval_ms must be in [0, 10000], got {self.stream_interval_ms!r}")
+        parsers = [p.value for p in ToolCallParser]
+        if self.tool_call_parser is not None and self.tool_call_parser not in parsers:
+            raise ValueError(f"tool_call_parser must be one of {parsers}, got {self.tool_call_parser!r}")
 
 
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
     app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
-    app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3)
+    app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
+                                     options.tool_call_parser)
     install_error_handlers(app)
     app.include_router(_router())
     # Outermost last: count every request, then auth, then the size limit.
@@ -97,7 +103,12 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    jobs = state.jobs([encode_chat(state.tokenizer, body.messages)], body, "messages")
+    plan = body.tool_plan()
+    if plan.kind is ToolChoiceKind.AUTO and state.tool_call_parser is None:
+        raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
+                            'hermes); name a function or use "required" instead', param="tool_choice")
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    jobs = state.jobs([encode_chat(state.tokenizer, body.messages, tools)], body, "messages")
     return await _respond(state, body, jobs, model, responses.CHAT)
 
 
@@ -105,7 +116,7 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = _state(request)
     state.check_model(body.model)
     if body.messages is not None:
-        tokens = encode_chat(state.tokenizer, body.messages)
+        tokens = encode_chat(state.tokenizer, body.messages, [t.model_dump(exclude_none=True) for t in body.tools or []])
     else:
         tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
@@ -129,7 +140,12 @@ def _logprobs(state: ServingState, fmt: responses.Format, job: Job, entries: lis
 
 def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result) -> dict:
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
-    if not getattr(body, "echo", False):
+    if fmt.chat:
+        plan = body.tool_plan()
+        content, calls = plan.parse(result.text)
+        return fmt.choice(index, content, plan.finish_reason(result.finish_reason, calls),
+                          _logprobs(state, fmt, job, result.logprobs), calls)
+    if not body.echo:
         return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs))
     given = body.prompts()[index // body.n]  # the text as sent; a token-id prompt is decoded
     prompt = given if isinstance(given, str) else state.tokenizer.decode(job.prompt_ids)
@@ -195,6 +211,7 @@ class _SseEvents:
         # Log-probabilities of tokens whose text is held back (a possible stop string) wait for its chunk.
         self.pending_logprobs: list[list] = [[] for _ in jobs]
         self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
+        self.tool_streams = [ToolStream(body.tool_plan()) for _ in jobs]  # chat: content and tool-call deltas
 
     @property
     def done(self) -> bool:
@@ -203,7 +220,8 @@ class _SseEvents:
     def opening(self) -> str:
         if not self.fmt.chat:
             return ""
-        return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.delta_choice(i, None, None, role=True)]))
+        role = {"role": "assistant", "content": ""}
+        return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.chat_delta(i, role, None)]))
                        for i in range(len(self.jobs)))
 
     def of(self, batch) -> str:
@@ -216,11 +234,24 @@ class _SseEvents:
                 self.metrics[index], self.finished = last.metrics, self.finished + 1
                 if self.done:  # the final chunk carries usage and the speculation stats
                     extra = _final_extra(self.state, self.body, self.jobs, self.counts, self.metrics)
-            if text or last.finished:
-                choice = self.fmt.delta_choice(index, text, last.finish_reason if last.finished else None,
-                                               logprobs=self._take_logprobs(index, text))
+            choice = self._choice(index, text, last)
+            if choice is not None:
                 events.append(responses.sse(self.fmt.chunk(self.request_id, self.model, [choice], **extra)))
         return "".join(events)
+
+    def _choice(self, index: int, text: str, last) -> dict | None:
+        """This batch's choice for one index, or None when it has nothing to send yet."""
+        reason = last.finish_reason if last.finished else None
+        if not self.fmt.chat:
+            if not (text or last.finished):
+                return None
+            return self.fmt.delta_choice(index, text, reason, logprobs=self._take_logprobs(index, text))
+        tools = self.tool_streams[index]
+        delta = tools.step(text, last.finished)
+        if not (delta or last.finished):
+            return None  # text held back (a tool call may be starting): its log-probabilities wait too
+        reason = tools.plan.finish_reason(reason, tools.calls) if last.finished else None
+        return self.fmt.chat_delta(index, delta, reason, logprobs=self._take_logprobs(index, text))
 
     def _take_logprobs(self, index: int, text: str) -> dict | None:
         entries, self.pending_logprobs[index] = self.pending_logprobs[index], []

@@ -60,6 +60,7 @@ def server_options(args: dict, model: str) -> ServerOptions:
         api_key=api_key_from_args(args),
         max_request_bytes=int(args.get("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES),
         stream_interval_ms=_number(args, "stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS),
+        tool_call_parser=args.get("tool_call_parser") or None,
     )
 
 

@@ -1,7 +1,10 @@
 """Turning request prompts and chat messages into token ids, the same way `LLM.generate` does."""
 from __future__ import annotations
 
+import json
+
 from saguaro_dist.serve.protocol import ChatMessage
+from saguaro_dist.serve.tools import HERMES_CLOSE, HERMES_OPEN
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -9,21 +12,29 @@ def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[i
     return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
-def render_chat(tokenizer, messages: list[ChatMessage]) -> tuple[str, bool]:
-    """The prompt text for `messages` and whether it already carries the special tokens.
+def render_chat(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None) -> tuple[str, bool]:
+    """The prompt text for `messages` (and the tools the model may call) and whether it already carries
+    the special tokens.
 
-    The tokenizer's own chat template when it has one; otherwise a plain "Role: text" transcript
-    ending with "Assistant:", so base models without a template can still be chatted with.
+    The tokenizer's own chat template when it has one (tools go to it as transformers' `tools=`);
+    otherwise a plain "Role: text" transcript ending with "Assistant:", so base models without a
+    template can still be chatted with (tools as a JSON line first, earlier calls in hermes tags).
     """
-    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    turns = [m.for_template() for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, add_generation_prompt=True)
         return text, True
-    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in plain]
+    lines = [f"Tools: {json.dumps(tools)}"] if tools else []
+    lines += [f"{turn['role'].capitalize()}: {_plain_content(turn)}" for turn in turns]
     return "\n".join(lines + ["Assistant:"]), False
 
 
-def encode_chat(tokenizer, messages: list[ChatMessage]) -> list[int]:
-    text, templated = render_chat(tokenizer, messages)
+def _plain_content(turn: dict) -> str:
+    calls = [f"{HERMES_OPEN}{json.dumps(c['function'])}{HERMES_CLOSE}" for c in turn.get("tool_calls", ())]
+    return "".join([turn["content"], *calls])
+
+
+def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None) -> list[int]:
+    text, templated = render_chat(tokenizer, messages, tools)
     # A chat template writes BOS etc. itself; adding them again would double them (as vLLM avoids).
     return encode_text(tokenizer, text, add_special_tokens=not templated)

@@ -1,16 +1,18 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (best_of, tools, ...) are rejected rather than silently dropped.
+cannot honour (best_of, suffix) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
 MAX_CHOICES = 64  # n; a request's prompts x n generations are capped at MAX_GENERATIONS too
 MAX_GENERATIONS = 256
@@ -19,8 +21,8 @@ MAX_GENERATIONS = 256
 _UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
 }
+MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
 
 
 class OpenAIModel(BaseModel):
@@ -127,6 +129,9 @@ class SamplingRequest(OpenAIModel):
         """Top log-probabilities per token (0: the chosen token's only), or None for none."""
         return None
 
+    def tool_plan(self) -> ToolPlan:
+        return ToolPlan(ToolChoiceKind.NONE)  # chat requests may declare tools
+
     def requested_prompt_logprobs(self) -> int | None:
         return None
 
@@ -195,17 +200,79 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant turn made, sent back in the history."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """Chat templates (transformers' convention) read the arguments as a mapping, as vLLM passes them."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            raise ValueError(f"tool call {self.function.name!r}: arguments must be JSON text") from None
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant turns
+    tool_call_id: str | None = None                  # tool turns: the call this answers
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -213,6 +280,39 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer OpenAI name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice {_choice_name(choice)!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        return self
+
+    def tool_plan(self) -> ToolPlan:
+        """What the tools ask for; a request without tools gets a plain-text plan."""
+        if not self.tools:
+            return ToolPlan(ToolChoiceKind.NONE)
+        functions = tuple(t.function.model_dump(exclude_none=True) for t in self.tools)
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            return ToolPlan(ToolChoiceKind.NAMED, functions, choice.function.name)
+        return ToolPlan(ToolChoiceKind(choice), functions, parallel=self.parallel_tool_calls)
+
+    def requested_structure(self) -> StructuredOutputsParams | None:
+        asked = super().requested_structure()
+        forced = self.tool_plan().structure()
+        if asked is not None and forced is not None:
+            raise ValueError(f"tool_choice {_choice_name(self.tool_choice)!r} constrains the reply itself; it cannot "
+                             "be combined with response_format or structured outputs")
+        return forced or asked
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -229,12 +329,17 @@ class ChatCompletionRequest(SamplingRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+def _choice_name(choice) -> str:
+    return choice.function.name if isinstance(choice, NamedToolChoice) else choice
+
+
 class TokenizeRequest(OpenAIModel):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered with messages, as chat does
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

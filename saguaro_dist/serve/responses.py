@@ -55,17 +55,21 @@ class Format:
     def new_id(self) -> str:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+               tool_calls: list | None = None) -> dict:
         if self.chat:
-            return {"index": index, "message": {"role": "assistant", "content": text},
-                    "logprobs": logprobs, "finish_reason": finish_reason}
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = [call.message() for call in tool_calls]
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def delta_choice(self, index: int, text: str | None, finish_reason: str | None, role: bool = False,
-                     logprobs: dict | None = None) -> dict:
-        if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
-        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+    def delta_choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        """A completions stream choice."""
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def chat_delta(self, index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+        """A chat stream choice; `delta` holds content and / or tool_calls (tools.ToolStream)."""
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def logprobs(self, tokenizer, token_ids: list[int], entries: list, top_n: int, text_offset: int = 0) -> dict:

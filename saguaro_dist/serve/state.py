@@ -35,8 +35,10 @@ class Finished:
 
 
 class ServingState:
-    def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0):
+    def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
+                 tool_call_parser: str | None = None):
         self.engine = engine
+        self.tool_call_parser = tool_call_parser
         self.stream_interval_s = stream_interval_s  # streamed deltas closer than this share one SSE write
         self.tokenizer = engine.tokenizer
         self.model_name = model_name

@@ -1,0 +1,289 @@
+"""Tool calling on /v1/chat/completions: the pure parts (schemas, the hermes parser, the streamed deltas)
+and the real thing — the serving app under uvicorn on loopback in front of the demo pair's SSD engine,
+spoken to by the `openai` client and our SDK."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import uvicorn
+from transformers import AutoTokenizer
+
+from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.cli import main
+from saguaro_dist.client import Client
+from saguaro_dist.demo import demo_pair
+from saguaro_dist.sampling_params import StructuredOutputsParams
+from saguaro_dist.serve.api import ServerOptions, create_app
+from saguaro_dist.serve.app import build_app, server_options
+from saguaro_dist.serve.prompts import encode_chat, render_chat
+from saguaro_dist.serve.protocol import ChatCompletionRequest, ChatMessage
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan, ToolStream, parse_hermes
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Tucson", "Phoenix"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "MST"]}},
+         "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+MESSAGES = [{"role": "user", "content": "def forecast(city):"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+# ---- pure parts ---------------------------------------------------------------------------------
+def _plan(**fields) -> ToolPlan:
+    return ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, **fields).tool_plan()
+
+
+def test_named_and_required_constrain_to_the_functions_schemas():
+    named = _plan(tool_choice=NAMED)
+    assert named.kind is ToolChoiceKind.NAMED and json.loads(named.structure().json) == WEATHER
+    schema = json.loads(_plan(tool_choice="required").structure().json)
+    calls = [{"name": "get_time", "parameters": {"zone": "MST"}}, {"name": "get_weather", "parameters": {"city": "Tucson", "days": 2}}]
+    jsonschema.validate(calls, schema)
+    for bad in ([], [{"name": "get_time", "parameters": {"city": "Tucson", "days": 2}}], [{"name": "rm", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
+    one = json.loads(_plan(tool_choice="required", parallel_tool_calls=False).structure().json)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(calls, one)
+    assert _plan().kind is ToolChoiceKind.AUTO and _plan().structure() is None  # OpenAI's default with tools
+    assert _plan(tool_choice="none").structure() is None
+
+
+def test_required_reply_becomes_calls_and_a_cut_reply_stays_text():
+    plan = _plan(tool_choice="required")
+    content, calls = plan.parse('[{"name": "get_time", "parameters": {"zone": "UTC"}}]')
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"})]
+    assert plan.finish_reason("stop", calls) == "tool_calls" and plan.finish_reason("length", calls) == "length"
+    assert plan.parse('[{"name": "get_ti') == ('[{"name": "get_ti', [])
+    assert _plan(tool_choice=NAMED).finish_reason("stop", calls) == "stop"  # a forced call ends as OpenAI's: stop
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ("no calls here", "no calls here", []),
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', None, [("get_time", {"zone": "UTC"})]),
+    ('Let me look. <tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": [1]}}',
+     "Let me look. ", [("a", {}), ("b", {"x": [1]})]),  # the last block may lack its close tag (EOS came first)
+    ('<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),  # broken JSON stays text
+    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+])
+def test_hermes_parser(text, content, calls):
+    got_content, got = parse_hermes(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+def _streamed(plan: ToolPlan, text: str, piece: int) -> tuple[str, list[dict]]:
+    """Feed `text` in pieces; the content and the tool-call deltas that come out."""
+    stream, content, calls = ToolStream(plan), "", []
+    for start in range(0, len(text), piece):
+        delta = stream.step(text[start:start + piece], start + piece >= len(text))
+        content += delta.get("content", "")
+        calls += delta.get("tool_calls", [])
+    return content, calls
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 11, 1000])
+def test_auto_streams_content_and_holds_back_what_may_start_a_call(piece):
+    plan = ToolPlan(ToolChoiceKind.AUTO, ({"name": "a"},))
+    text = 'x < y <tool_ <tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>'
+    content, calls = _streamed(plan, text, piece)
+    assert content == "x < y <tool_ " and len(calls) == 1 and calls[0]["index"] == 0
+    assert calls[0]["function"] == {"name": "a", "arguments": '{"k": 1}'} and calls[0]["id"].startswith("chatcmpl-tool-")
+    assert _streamed(plan, "ends with <tool_c", piece) == ("ends with <tool_c", [])  # held back, then released
+    assert _streamed(plan, '<tool_call>{"nam', piece) == ('<tool_call>{"nam', [])
+
+
+@pytest.mark.parametrize("piece", [1, 3, 1000])
+def test_named_streams_the_arguments_as_they_come(piece):
+    text = '{"city": "Tucson", "days": 3}'
+    content, calls = _streamed(_plan(tool_choice=NAMED), text, piece)
+    assert content == "" and calls[0]["function"]["name"] == "get_weather" and "id" in calls[0]
+    assert all("id" not in c and c["index"] == 0 for c in calls[1:])
+    assert "".join(c["function"]["arguments"] for c in calls) == text
+
+
+def test_tools_reach_the_chat_template_and_history_calls_are_mappings():
+    target, _ = demo_pair()
+    tok = AutoTokenizer.from_pretrained(target)
+    history = [ChatMessage(**m) for m in [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tucson", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "hot"}]]
+    plain, templated = render_chat(tok, history, TOOLS)
+    assert not templated and plain.splitlines()[0] == f"Tools: {json.dumps(TOOLS)}"
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Tucson", "days": 1}}</tool_call>' in plain
+    assert "Tool: hot" in plain and plain.endswith("Assistant:")
+    tok.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
+                         "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
+                         "call {{ c.function.name }} days={{ c.function.arguments.days }}{% endfor %};{% endfor %}")
+    text, templated = render_chat(tok, history, TOOLS)
+    assert templated and text == "[get_weather][get_time]user:weather?;assistant:call get_weather days=1;tool:hot;"
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "rm"}}}, "not among the tools"),
+    ({"tools": None, "tool_choice": "required"}, "needs tools"),
+    ({"tools": TOOLS + TOOLS[:1]}, "distinct"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "pattern"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]},
+     "only assistant"),
+])
+def test_bad_tool_requests_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ChatCompletionRequest(**{"messages": MESSAGES, "tools": TOOLS, **fields})
+
+
+# ---- over HTTP ----------------------------------------------------------------------------------
+@contextmanager
+def _server(app):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def served():
+    """One SSD engine behind two apps: one with the hermes parser (tool_choice auto works), one without."""
+    target, draft = demo_pair()
+    llm = LLM(model=target, draft=draft, mode="ssd", k=4, draft_executor="thread")
+    with _server(create_app(llm, ServerOptions("demo", tool_call_parser="hermes"))) as hermes, \
+            _server(create_app(llm, ServerOptions("demo"))) as plain:
+        yield llm, openai.OpenAI(base_url=hermes, api_key="none", max_retries=0), \
+            openai.OpenAI(base_url=plain, api_key="none", max_retries=0), hermes
+    llm.shutdown()
+
+
+def _engine_text(llm, messages, schema: dict) -> str:
+    """What the engine itself generates for the rendered chat under the schema: the tool call's source."""
+    ids = encode_chat(llm.tokenizer, [ChatMessage(**m) for m in messages], TOOLS)
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
+    return llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].text
+
+
+def test_named_tool_choice_calls_that_function_with_valid_arguments(served):
+    llm, client, _, _ = served
+    out = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                                         max_tokens=64, temperature=0)
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("chatcmpl-tool-")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    assert call.function.arguments == _engine_text(llm, MESSAGES, WEATHER)
+    streamed = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                                              max_tokens=64, temperature=0, stream=True)
+    deltas = [d for chunk in streamed for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_required_tool_choice_calls_given_functions(served):
+    """The demo model repeats its call until max_tokens unless held to one (parallel_tool_calls false) or
+    penalised for repeating itself (then it calls both functions and closes the list)."""
+    llm, client, _, _ = served
+    for parallel, penalty in ((False, 0.0), (True, 1.0)):
+        out = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=parallel, frequency_penalty=penalty, max_tokens=96,
+                                             temperature=0)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        names = [call.function.name for call in choice.message.tool_calls]
+        assert len(names) == 1 if not parallel else set(names) == set(SCHEMAS)
+        for call in choice.message.tool_calls:
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    streamed = list(client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                                   frequency_penalty=1.0, max_tokens=96, temperature=0, stream=True))
+    calls = [d for chunk in streamed for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(choice.message.tool_calls)]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_needs_a_parser_and_plain_text_stays_content(served):
+    _, client, plain, _ = served
+    with pytest.raises(openai.BadRequestError, match="tool-call-parser"):
+        plain.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=8)
+    none = plain.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                         max_tokens=8, temperature=0)
+    auto = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0)
+    streamed = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=8,
+                                              temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed)
+    assert "<tool_call>" not in auto.choices[0].message.content  # the demo model knows nothing of tools
+    assert auto.choices[0].message.content == none.choices[0].message.content == text
+    assert not auto.choices[0].message.tool_calls and auto.choices[0].finish_reason == "length"
+
+
+def test_a_conversation_with_tool_results_goes_on(served):
+    _, client, _, _ = served
+    history = MESSAGES + [
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "get_weather", "arguments": '{"city": "Tucson", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    out = client.chat.completions.create(model="demo", messages=history, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert out.choices[0].message.content is not None and out.usage.completion_tokens == 4
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"tool_choice": {"type": "function", "function": {"name": "rm"}}}, "not among the tools"),
+    ({"tool_choice": NAMED, "response_format": {"type": "json_object"}}, "cannot be combined"),
+    ({"messages": MESSAGES + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": "{zone"}}]}]}, "JSON text"),
+])
+def test_bad_tool_requests_get_a_400(served, extra, message):
+    _, client, _, _ = served
+    body = {"model": "demo", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 4, **extra}
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.chat.completions.create(**body)
+    assert client.chat.completions.create(model="demo", messages=MESSAGES, max_tokens=2).choices[0].message.content is not None
+
+
+def test_sdk_returns_tool_calls(served):
+    _, _, _, base_url = served
+    with Client(base_url) as sdk:
+        done = sdk.chat(MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=64, temperature=0)
+        assert done.tool_calls[0]["function"]["name"] == "get_weather"
+        stream = sdk.chat(MESSAGES, tools=TOOLS, tool_choice=NAMED, max_tokens=64, temperature=0, stream=True)
+        assert "".join(stream) == ""  # no content: the call is all there is
+        assert [c["function"] for c in stream.tool_calls] == [c["function"] for c in done.tool_calls]
+
+
+def test_tokenize_renders_the_tools_as_chat_does(served):
+    llm, _, _, base_url = served
+    body = {"messages": MESSAGES, "tools": TOOLS}
+    got = httpx.post(base_url.removesuffix("/v1") + "/tokenize", json=body, timeout=30).json()
+    assert got["tokens"] == encode_chat(llm.tokenizer, [ChatMessage(**m) for m in MESSAGES], TOOLS)
+    assert got["tokens"] != encode_chat(llm.tokenizer, [ChatMessage(**m) for m in MESSAGES])
+
+
+def test_the_parser_option_is_checked_where_it_is_given(capsys):
+    assert server_options({"tool_call_parser": "hermes"}, "m").tool_call_parser == "hermes"
+    assert server_options({}, "m").tool_call_parser is None
+    with pytest.raises(ValueError, match="tool_call_parser must be one of"):
+        build_app({"model": "m", "draft": "d", "tool_call_parser": "xml"})  # at deploy time, not in a replica
+    with pytest.raises(SystemExit):
+        main(["serve", "--tool-call-parser", "xml"])
+    assert "invalid choice" in capsys.readouterr().err
