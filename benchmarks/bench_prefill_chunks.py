@@ -66,7 +66,7 @@ def engine_pause(path: str, budget: int, tokens: int, device: str, dtype: str) -
     from saguaro_dist.engine.sequence import Sequence, SeqStatus
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     engine, _ = build_local_engine(Config(model=path, mode="ar", max_num_batched_tokens=budget, target_threads=1,
-                                          device=device, dtype=dtype))
+                                          device=device, dtype=dtype, enable_prefix_caching=False))  # repeats prefill for real
 
     def once(first_id: int) -> tuple[float, float]:
         running = Sequence(first_id, "running", list(range(1, 33)), params)

@@ -256,7 +256,8 @@ def main() -> None:
     ns = p.parse_args()
     target, draft = (ns.model, ns.draft) if ns.model else tiny_pair(tempfile.mkdtemp()) if ns.tiny_pair else demo()
     engine = {"model": target, "draft": draft, "mode": ns.mode, "k": ns.k, "max_batch_size": 8,
-              "target_threads": ns.threads, "draft_threads": ns.threads}
+              "target_threads": ns.threads, "draft_threads": ns.threads,
+              "enable_prefix_caching": False}  # repeated prompts: every request prefills, as before it existed
 
     import ray
     from ray import serve

@@ -90,6 +90,7 @@ class Config:
     draft_device: str | None = None        # the draft's own device (None: `device`), e.g. cuda:1 beside a target on cuda:0
     dtype: str = "float32"
     enforce_eager: bool = False            # on CUDA: every forward eager (default: short ones replay CUDA graphs; model/cuda_graphs.py)
+    enable_prefix_caching: bool = True     # finished sequences' KV rows are reused by prompts that start alike (model/prefix_cache.py)
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
@@ -125,7 +126,7 @@ class Config:
                 raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")
         elif not isinstance(self.fan_out, int) or self.fan_out < self.k + 1:
             raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
-        for flag in ("adaptive_fan_out", "enforce_eager"):
+        for flag in ("adaptive_fan_out", "enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if not isinstance(self.draft_spin_s, (int, float)) or not 0.0 <= self.draft_spin_s <= 1.0:

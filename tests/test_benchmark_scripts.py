@@ -70,3 +70,12 @@ def test_structured_bench_reports_every_system_plain_and_under_a_schema():
     out = _run(str(BENCH / "bench_structured.py"), "--max-new-tokens", "6", "--num-prompts", "1", "--repeats", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "system" not in line]
     assert len(rows) == 7 and "ssd / sd" in out and "sd told / untold" in out
+
+
+def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off():
+    out = _run(str(BENCH / "bench_prefix_cache.py"), "--prefix-tokens", "24", "--requests", "2", "--max-new-tokens", "3",
+               "--repeats", "1")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "workload" not in line]
+    assert len(rows) == 8 and "chat ssd: off / on TTFT" in out
+    reused = {(r.split("|")[1].strip(), r.split("|")[2].strip(), r.split("|")[3].strip()): float(r.split("|")[6]) for r in rows}
+    assert reused[("chat", "ar", "off")] == 0 and reused[("chat", "ar", "on")] > 24

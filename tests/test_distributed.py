@@ -64,6 +64,14 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     for prompt, out in zip(PROMPTS, llm.generate(prompt_token_ids=PROMPTS, sampling_params=constrained)):
         want, adjust = biased_reference(pair["model"], prompt, GREEDY.max_tokens, penalties=True)
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
+    # Prefix caching on the sharded target (every rank renames and copies the same rows) and the drafts:
+    # a repeated long prompt, then a next turn holding its reply, reuse what they hold and stay exact.
+    long = PROMPTS[2] * 3
+    first = llm.generate(prompt_token_ids=[long], sampling_params=GREEDY)[0]
+    for prompt, reused in ((long, len(long) - 1), (long + first.token_ids + [5], len(long) + len(first.token_ids) - 1)):
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
+        assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, GREEDY.max_tokens), prompt, pair["model"])
+        assert out.metrics.num_cached_tokens == reused
     # Log-probabilities from the sharded target's gathered logits, carried back by the Ray updates.
     params = replace(GREEDY, max_tokens=8, logprobs=2, prompt_logprobs=0)
     scored = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)

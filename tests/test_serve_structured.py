@@ -3,15 +3,12 @@ uvicorn on loopback, in front of the demo pair's SSD engine, spoken to by the `o
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import jsonschema
 import openai
 import pytest
-import uvicorn
 
+from http_helpers import serve_on_loopback
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.demo import demo_pair
 from saguaro_dist.sampling_params import StructuredOutputsParams
@@ -25,19 +22,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def served():
     target, draft = demo_pair()
     llm = LLM(model=target, draft=draft, mode="ssd", k=4, draft_executor="thread")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, ServerOptions("demo")), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    yield llm, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-    server.should_exit = True
-    thread.join(timeout=10)
+    with serve_on_loopback(create_app(llm, ServerOptions("demo"))) as base_url:
+        yield llm, openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
     llm.shutdown()
 
 

@@ -4,18 +4,14 @@ spoken to by the `openai` client and our SDK."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
-from contextlib import contextmanager
 
 import httpx
 import jsonschema
 import openai
 import pytest
-import uvicorn
 from transformers import AutoTokenizer
 
+from http_helpers import serve_on_loopback
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.cli import main
 from saguaro_dist.client import Client
@@ -146,31 +142,13 @@ def test_bad_tool_requests_are_refused(fields, message):
 
 
 # ---- over HTTP ----------------------------------------------------------------------------------
-@contextmanager
-def _server(app):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
 def served():
     """One SSD engine behind two apps: one with the hermes parser (tool_choice auto works), one without."""
     target, draft = demo_pair()
     llm = LLM(model=target, draft=draft, mode="ssd", k=4, draft_executor="thread")
-    with _server(create_app(llm, ServerOptions("demo", tool_call_parser="hermes"))) as hermes, \
-            _server(create_app(llm, ServerOptions("demo"))) as plain:
+    with serve_on_loopback(create_app(llm, ServerOptions("demo", tool_call_parser="hermes"))) as hermes, \
+            serve_on_loopback(create_app(llm, ServerOptions("demo"))) as plain:
         yield llm, openai.OpenAI(base_url=hermes, api_key="none", max_retries=0), \
             openai.OpenAI(base_url=plain, api_key="none", max_retries=0), hermes
     llm.shutdown()

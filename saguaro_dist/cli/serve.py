@@ -23,7 +23,8 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "draft_device": "draft_device",
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
-                "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy"}
+                "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy",
+                "enable_prefix_caching": "enable_prefix_caching"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser"}
@@ -61,6 +62,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES)
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse finished sequences' KV for prompts that start with their tokens (default on)")
     g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-REPLAYED = frozenset({"add", "free", "truncate", "extend"})
+REPLAYED = frozenset({"add", "free", "truncate", "extend", "rename", "copy_prefix"})
 STOP = "__stop__"
 
 

@@ -28,6 +28,7 @@ from saguaro_dist.engine.structured import (
 )
 from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.branch import BranchState
+from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
 )
@@ -80,6 +81,7 @@ class DraftWorker:
         has none, and grammars are not followed: acceptance only)."""
         self.config = config
         self.runner = runner
+        self.prefixes = PrefixCache(runner, enabled=config.enable_prefix_caching)  # a sequence's add / free
         self._tokenizer_loader, self._grammars = tokenizer_loader, None
         self.k = config.k
         self.vocab_size = runner.vocab_size
@@ -101,15 +103,16 @@ class DraftWorker:
                 raise ValueError(f"sequence {r.seq_id}: shard {r.shard} of {r.num_shards}")
             if not 0 <= r.prompt_len <= len(r.prompt_token_ids):
                 raise ValueError(f"sequence {r.seq_id}: prompt_len {r.prompt_len} of {len(r.prompt_token_ids)} tokens")
+        cached = []
         for r in reqs:
             if r.seq_id in self.seqs:  # a re-prefill (the target moved it after a worker died) restarts it
                 self.release([Release(r.seq_id)])
-            self.runner.add(r.seq_id)
+            cached.append(self.prefixes.start(r.seq_id, r.prompt_token_ids))
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
                                                shard=r.shard, num_shards=r.num_shards)
             s.grammar = self._grammar_state(r.sampling.grammar, s.committed[s.prompt_len:])
-        self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids for r in reqs], [1] * len(reqs))
+        self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids[n:] for r, n in zip(reqs, cached)], [1] * len(reqs))
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Neural backup: commit the real outcome, then draft K tokens one forward at a time."""
@@ -181,8 +184,9 @@ class DraftWorker:
 
     def release(self, reqs: list[Release]) -> None:
         for r in reqs:
-            if self.seqs.pop(r.seq_id, None) is not None:
-                self.runner.free(r.seq_id)
+            s = self.seqs.pop(r.seq_id, None)
+            if s is not None:  # its KV holds committed[:-1] at most (the pending bonus is never run yet)
+                self.prefixes.finish(r.seq_id, s.committed[:-1])
 
     # ---- steps ------------------------------------------------------------------------------
     def _grammar_state(self, grammar: str | None, output: list[int]) -> GrammarState | None:

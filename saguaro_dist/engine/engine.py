@@ -32,7 +32,7 @@ class Engine:
     def __init__(self, config: Config, target_runner, draft_backend, tokenizer, eos_token_ids: set[int]):
         self.config = config
         self.metrics = EngineMetrics()
-        self.target = TargetScorer(target_runner, frozenset(eos_token_ids))
+        self.target = TargetScorer(target_runner, frozenset(eos_token_ids), config.enable_prefix_caching)
         self.vocab_size, self.max_model_len = target_runner.vocab_size, target_runner.max_model_len
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
         self.detok = Detokenizer(tokenizer)
@@ -89,6 +89,7 @@ class Engine:
         try:
             self._drop_prefilling()
             self._retire()
+            self.target.prefixes.clear()  # a failed forward may have left rows half written
         except Exception:  # noqa: BLE001 - the failure may have taken the model with it
             log.exception("could not release state after a failed step")
             self.prefilling, self.running = [], []
@@ -97,8 +98,7 @@ class Engine:
     def _admit(self) -> list[Update]:
         free = self.config.max_batch_size - len(self.running) - len(self.prefilling)
         for _ in range(min(free, len(self.waiting))):
-            self.waiting[0].status = SeqStatus.PREFILLING
-            self.prefilling.append(self.waiting.popleft())
+            self._start(self.waiting.popleft())
         start = time.perf_counter()
         new = self._prefill_in_budget()
         first = self.loop.admit(new) if new else []
@@ -112,6 +112,14 @@ class Engine:
         for s, t in zip(new, first):
             self._append(s, [t], now)
         return self._updates(new, now)
+
+    def _start(self, s: Sequence) -> None:
+        """s takes a batch slot and its KV row, with whatever prompt prefix the cache holds."""
+        s.status = SeqStatus.PREFILLING
+        self.target.start(s)
+        self.prefilling.append(s)
+        self.metrics.prefix_cache_queries += len(s.prompt_token_ids)
+        self.metrics.prefix_cache_hits += s.prefilled
 
     def _prefill_in_budget(self) -> list[Sequence]:
         """The sequences whose prompts finish this step, first come first served, within
@@ -134,7 +142,7 @@ class Engine:
     def _drop_prefilling(self) -> None:
         """Finished (aborted) sequences leave the prefill queue; the target frees what they had run."""
         for s in self.prefilling:
-            if s.finished and s.prefilled:
+            if s.finished:
                 self.target.release(s)
         self.prefilling = [s for s in self.prefilling if not s.finished]
 

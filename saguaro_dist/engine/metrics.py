@@ -19,6 +19,7 @@ class RequestMetrics:
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that accepted draft token i+1
     time_to_first_token_s: float = 0.0
     total_time_s: float = 0.0
+    num_cached_tokens: int = 0       # prompt tokens whose KV the prefix cache supplied (vLLM's name)
 
     @property
     def acceptance_rate(self) -> float:
@@ -71,6 +72,8 @@ class EngineMetrics:
     jit_rounds: int = 0          # rounds that waited for a just-in-time draft (SD: all; SSD: Theorem 7's 1 - p)
     tree_build_s: float = 0.0    # SSD: the draft's own build time of the trees the target took, summed ...
     tree_builds: int = 0         # ... over the rounds that took trees (Theorem 7's T_p, measured in the run)
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache ...
+    prefix_cache_hits: int = 0     # ... and of them, tokens whose KV it supplied (vLLM's counters)
     fallbacks: Counter = field(default_factory=Counter)
 
     @property

@@ -8,6 +8,7 @@ import torch
 from saguaro_dist.engine.logprobs import token_logprobs
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
     bias_row, greedy_tokens, greedy_verify, penalize_positions, sample, target_probs, verify,
 )
@@ -50,8 +51,9 @@ PROMPT_LOGPROBS_ROWS = 512  # logit rows alive at once while scoring a prompt (5
 class TargetScorer:
     """Owns the target's ModelRunner; every call is batched over sequences."""
 
-    def __init__(self, runner, eos_token_ids: frozenset[int] = frozenset()):
+    def __init__(self, runner, eos_token_ids: frozenset[int] = frozenset(), prefix_caching: bool = True):
         self.runner = runner
+        self.prefixes = PrefixCache(runner, enabled=prefix_caching)  # add / free of whole sequences go through it
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids  # with stop_token_ids, what min_tokens holds back
 
@@ -92,10 +94,14 @@ class TargetScorer:
             s.logit_bias_row = bias_row(s.params.logit_bias, s.params.allowed_token_ids, self.vocab_size).to(device)
         return s.logit_bias_row
 
+    def start(self, s: Sequence) -> None:
+        """Give s its KV row, holding what the prefix cache has of its prompt (s.prefilled tokens). A
+        request for prompt log-probabilities needs every prompt row's logits: it reuses nothing."""
+        wanted = s.prompt_token_ids if s.params.prompt_logprobs is None else ()
+        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted)
+
     def prefill(self, seqs: list[Sequence]) -> list[int]:
-        """Run the rest of the prompts; sample each sequence's first token (its KV then holds the prompt)."""
-        for s in seqs:
-            self._start(s)
+        """Run the rest of the (started) prompts; sample each sequence's first token (its KV then holds the prompt)."""
         plain = [s for s in seqs if s.params.prompt_logprobs is None]
         last = dict(zip((s.seq_id for s in plain), self.runner.extend(
             [s.seq_id for s in plain], [s.prompt_token_ids[s.prefilled:] for s in plain], [1] * len(plain)))) if plain else {}
@@ -110,16 +116,11 @@ class TargetScorer:
         so that a long prompt takes several engine steps and the running sequences' rounds go on between."""
         if not 0 < n < len(s.prompt_token_ids) - s.prefilled:
             raise ValueError(f"prefill_part: {n} tokens of the {len(s.prompt_token_ids) - s.prefilled} left")
-        self._start(s)
         if s.params.prompt_logprobs is not None:
             self._score_prompt(s, s.prefilled + n)
         else:
             self.runner.extend([s.seq_id], [s.prompt_token_ids[s.prefilled:s.prefilled + n]], [1])
         s.prefilled += n
-
-    def _start(self, s: Sequence) -> None:
-        if s.prefilled == 0:
-            self.runner.add(s.seq_id)
 
     def _score_prompt(self, s: Sequence, end: int) -> torch.Tensor:
         """Run prompt tokens s.prefilled..end-1 in pieces of PROMPT_LOGPROBS_ROWS, each piece's logits
@@ -166,7 +167,7 @@ class TargetScorer:
         return accepted, bonus
 
     def release(self, seq: Sequence) -> None:
-        self.runner.free(seq.seq_id)
+        self.prefixes.finish(seq.seq_id, seq.tokens)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per sequence from its row of logits [B, V]."""

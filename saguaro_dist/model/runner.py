@@ -68,6 +68,28 @@ class ModelRunner:
     def length(self, seq_id: Hashable) -> int:
         return self._seq(seq_id)[1]
 
+    def spare_rows(self) -> int:
+        """Pool rows free now (a sequence added beyond them grows the pool)."""
+        return len(self.pool.free_rows)
+
+    def rename(self, seq_id: Hashable, new_id: Hashable) -> None:
+        """The same row and KV under another id (the prefix cache keeps finished rows this way)."""
+        if new_id in self._seqs:
+            raise ValueError(f"sequence {new_id!r} already exists")
+        self._seqs[new_id] = self._seq(seq_id)
+        del self._seqs[seq_id]
+
+    @torch.inference_mode()
+    def copy_prefix(self, src_id: Hashable, dst_id: Hashable, length: int) -> None:
+        """dst_id (empty) gets src_id's first `length` positions, KV copied row to row (no forward)."""
+        src, dst = self._seq(src_id), self._seq(dst_id)
+        if dst[1] != 0 or not 0 < length <= src[1]:
+            raise ValueError(f"copy_prefix({src_id!r} -> {dst_id!r}, {length}): the source holds {src[1]} positions, "
+                             f"the destination {dst[1]} (must be 0)")
+        self.pool.k[:, dst[0], :, :length] = self.pool.k[:, src[0], :, :length]
+        self.pool.v[:, dst[0], :, :length] = self.pool.v[:, src[0], :, :length]
+        dst[1] = length
+
     def truncate(self, seq_id: Hashable, length: int):
         seq = self._seq(seq_id)
         if not 0 <= length <= seq[1]:

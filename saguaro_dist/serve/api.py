@@ -165,7 +165,8 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
     results = [Finished(prompt_logprobs=r.prompt_logprobs, logprobs=[], finish_reason="length", metrics=r.metrics)
                if job.scores_only else r for job, r in zip(jobs, results)]
     choices = [_choice(state, fmt, body, i, job, r) for i, (job, r) in enumerate(zip(jobs, results))]
-    total = responses.usage(_prompt_tokens(jobs, body.n), sum(r.num_tokens for r in results))
+    total = responses.usage(_prompt_tokens(jobs, body.n), sum(r.num_tokens for r in results),
+                            _cached_tokens([r.metrics for r in results], body.n))
     stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)
     return fmt.body(fmt.new_id(), model, choices, usage=total, speculation=stats)
 
@@ -280,6 +281,11 @@ def _prompt_tokens(jobs: list[Job], n: int) -> int:
     return sum(len(job.prompt_ids) for job in jobs[::n])
 
 
+def _cached_tokens(metrics: list, n: int) -> int:
+    """Counted as the prompts are: once per prompt (its first sample's)."""
+    return sum(m.num_cached_tokens for m in metrics[::n] if m is not None)
+
+
 def _final_extra(state: ServingState, body, jobs: list[Job], counts: list[int], metrics: list) -> dict:
-    return {"usage": responses.usage(_prompt_tokens(jobs, body.n), sum(counts)),
+    return {"usage": responses.usage(_prompt_tokens(jobs, body.n), sum(counts), _cached_tokens(metrics, body.n)),
             "speculation": responses.speculation(metrics, state.engine.config.mode.value)}

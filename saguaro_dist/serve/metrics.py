@@ -29,6 +29,8 @@ class ServeMetrics:
                                    ("model", "route", "status"))
         self.running = self._make(make, "gauge", "saguaro_num_requests_running", "Generations in flight")
         self.prompt_tokens = self._make(make, "counter", "saguaro_prompt_tokens", "Prompt tokens processed")
+        self.cached_prompt_tokens = self._make(make, "counter", "saguaro_prefix_cache_hits",
+                                               "Prompt tokens whose KV the prefix cache supplied")
         self.generation_tokens = self._make(make, "counter", "saguaro_generation_tokens", "Tokens generated")
         self.ttft = self._make(make, "histogram", "saguaro_time_to_first_token_seconds", "Time to first token")
         self.itl = self._make(make, "histogram", "saguaro_inter_token_latency_seconds", "Time per output token")
@@ -69,6 +71,7 @@ class ServeMetrics:
         if engine_metrics is None:
             return
         self.prompt_tokens.inc(engine_metrics.num_prompt_tokens)
+        self._inc_positive(self.cached_prompt_tokens, engine_metrics.num_cached_tokens)
         self._inc_positive(self.drafted, engine_metrics.drafted_tokens)
         self._inc_positive(self.accepted, engine_metrics.accepted_tokens)
         self._inc_positive(self.cache_hits, engine_metrics.cache_hits)

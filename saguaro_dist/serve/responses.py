@@ -9,9 +9,10 @@ _STAT_COUNTS = ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted_
                 "cache_hits", "cache_misses")
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache supplied (OpenAI's prompt_tokens_details)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def speculation(metrics_list: list, mode: str) -> dict:

@@ -1,0 +1,83 @@
+"""Automatic prefix caching: finished sequences' KV rows stay in the pool, and a new sequence whose
+tokens begin with a kept sequence's copies that KV instead of computing it again (vLLM's automatic
+prefix caching; here per stored sequence, as the pool holds a row per sequence, not blocks).
+
+What it saves: a repeated system prompt, a chat's next turn (the previous prompt and reply), the n
+samples of one prompt arriving one after another. The copy is of the same keys and values a prefill
+of those tokens at those positions computes, so outputs do not change (up to the last bits: a kept
+row's later positions may have been computed by a verify rather than a prefill).
+
+Kept rows only ever use rows the pool has spare: a new sequence that finds none evicts the least
+recently used entry rather than growing the pool (which on CUDA would drop every captured graph).
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+
+import numpy as np
+
+MIN_REUSE = 16        # shorter matches are not worth a copy (vLLM's block size)
+MAX_ENTRIES = 64      # bounds the lookup's scan
+
+
+class PrefixCache:
+    """Wraps a ModelRunner's add / free for whole sequences; `enabled=False` is plain add / free."""
+
+    def __init__(self, runner, enabled: bool = True, min_reuse: int = MIN_REUSE, max_entries: int = MAX_ENTRIES):
+        self.runner, self.enabled = runner, enabled
+        self.min_reuse, self.max_entries = min_reuse, max_entries
+        self.entries: OrderedDict[tuple, np.ndarray] = OrderedDict()  # runner id -> its tokens; oldest first
+        self._ids = itertools.count()
+
+    def start(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
+        """Add seq_id to the runner with as much of `tokens`' KV as a kept entry holds (never the last
+        token: its logits are what a prefill is for). Returns how many positions it holds."""
+        if self.enabled and self.runner.spare_rows() == 0 and self.entries:
+            self._evict()
+        self.runner.add(seq_id)
+        if not self.enabled:
+            return 0
+        entry, length = self._longest_match(tokens)
+        length = min(length, len(tokens) - 1)
+        if length < self.min_reuse:
+            return 0
+        self.entries.move_to_end(entry)
+        self.runner.copy_prefix(entry, seq_id, length)
+        return length
+
+    def finish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
+        """seq_id is done; keep its row while its KV holds `tokens`' first min(stored, len) positions."""
+        length = min(self.runner.length(seq_id), len(tokens))
+        if not self.enabled or length < self.min_reuse:
+            self.runner.free(seq_id)
+            return
+        key = ("prefix", next(self._ids))
+        self.runner.rename(seq_id, key)
+        self.runner.truncate(key, length)
+        self.entries[key] = np.asarray(tokens[:length], dtype=np.int64)
+        while len(self.entries) > self.max_entries:
+            self._evict()
+
+    def clear(self) -> None:
+        while self.entries:
+            self._evict()
+
+    def _evict(self) -> None:
+        key, _ = self.entries.popitem(last=False)
+        self.runner.free(key)
+
+    def _longest_match(self, tokens: Sequence[int]) -> tuple[tuple | None, int]:
+        """The entry sharing the longest prefix with tokens, and that length."""
+        if not self.entries:
+            return None, 0
+        query = np.asarray(tokens, dtype=np.int64)
+        best, best_len = None, 0
+        for key, stored in self.entries.items():
+            n = min(len(stored), len(query))
+            differ = np.flatnonzero(stored[:n] != query[:n])
+            match = int(differ[0]) if differ.size else n
+            if match > best_len:
+                best, best_len = key, match
+        return best, best_len
