@@ -196,3 +196,35 @@ def test_usage_reports_cached_prompt_tokens_over_http():
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     assert first.choices[0].text == again.choices[0].text
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_running_sequences_lend_their_prefix(pair, mode):
+    """A request arriving while another with the same system prompt is still generating copies the
+    prompt from the running one (the target's row and, for ssd, the draft's), and stays exact."""
+    config = Config(model=pair["target"], draft=None if mode == "ar" else pair["close"], mode=mode, k=3,
+                    draft_executor="thread")  # the draft's runner in reach
+    engine, _ = build_local_engine(config)
+    long = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    first, second = Sequence(0, "r0", SYSTEM + [11], long), Sequence(1, "r1", SYSTEM + [12, 13], long)
+    engine.add(first)
+    engine.step()
+    engine.step()
+    assert first.output_token_ids and not first.finished
+    engine.add(second)
+    if mode == "ssd":
+        draft = engine.loop.draft.worker
+        extend = draft.runner.extend
+        prefilled = []
+        draft.runner.extend = lambda ids, tokens, n: prefilled.append(dict(zip(ids, map(len, tokens)))) or extend(ids, tokens, n)
+    engine.step()
+    assert second.metrics.num_cached_tokens == len(SYSTEM)
+    if mode == "ssd":
+        draft.runner.extend = extend
+        # the draft copied the shared 40 tokens from its own running row too (its first forward of r1 runs 2)
+        assert next(lens[1] for lens in prefilled if 1 in lens) == 2
+    while engine.has_work():
+        engine.step()
+    for seq in (first, second):
+        want = hf_greedy(pair["model"], seq.prompt_token_ids, long.max_tokens)
+        assert_greedy_equal(seq.output_token_ids, want, seq.prompt_token_ids, pair["model"])

@@ -107,7 +107,9 @@ class DraftWorker:
         for r in reqs:
             if r.seq_id in self.seqs:  # a re-prefill (the target moved it after a worker died) restarts it
                 self.release([Release(r.seq_id)])
-            cached.append(self.prefixes.start(r.seq_id, r.prompt_token_ids))
+            # Live sources: each sequence's KV holds committed[:-1] as far as it goes (the pending bonus never).
+            live = {sid: s.committed[:-1] for sid, s in self.seqs.items()}
+            cached.append(self.prefixes.start(r.seq_id, r.prompt_token_ids, live))
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
                                                shard=r.shard, num_shards=r.num_shards)

@@ -116,7 +116,7 @@ class Engine:
     def _start(self, s: Sequence) -> None:
         """s takes a batch slot and its KV row, with whatever prompt prefix the cache holds."""
         s.status = SeqStatus.PREFILLING
-        self.target.start(s)
+        self.target.start(s, self.running + self.prefilling)
         self.prefilling.append(s)
         self.metrics.prefix_cache_queries += len(s.prompt_token_ids)
         self.metrics.prefix_cache_hits += s.prefilled

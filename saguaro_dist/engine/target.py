@@ -94,11 +94,13 @@ class TargetScorer:
             s.logit_bias_row = bias_row(s.params.logit_bias, s.params.allowed_token_ids, self.vocab_size).to(device)
         return s.logit_bias_row
 
-    def start(self, s: Sequence) -> None:
-        """Give s its KV row, holding what the prefix cache has of its prompt (s.prefilled tokens). A
-        request for prompt log-probabilities needs every prompt row's logits: it reuses nothing."""
+    def start(self, s: Sequence, live: list[Sequence]) -> None:
+        """Give s its KV row, holding what the prefix cache or a live sequence (running or prefilling) has
+        of its prompt (s.prefilled tokens). A request for prompt log-probabilities needs every prompt row's
+        logits: it reuses nothing."""
         wanted = s.prompt_token_ids if s.params.prompt_logprobs is None else ()
-        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted)
+        sources = {x.seq_id: x.tokens for x in live}
+        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources)
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the (started) prompts; sample each sequence's first token (its KV then holds the prompt)."""

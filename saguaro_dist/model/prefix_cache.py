@@ -3,7 +3,8 @@ tokens begin with a kept sequence's copies that KV instead of computing it again
 prefix caching; here per stored sequence, as the pool holds a row per sequence, not blocks).
 
 What it saves: a repeated system prompt, a chat's next turn (the previous prompt and reply), the n
-samples of one prompt arriving one after another. The copy is of the same keys and values a prefill
+samples of one prompt arriving one after another. Running sequences are sources too (`live`): requests
+that share a system prompt while others with it are still generating copy it from them. The copy is of the same keys and values a prefill
 of those tokens at those positions computes, so outputs do not change (up to the last bits: a kept
 row's later positions may have been computed by a verify rather than a prefill).
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -31,20 +32,22 @@ class PrefixCache:
         self.entries: OrderedDict[tuple, np.ndarray] = OrderedDict()  # runner id -> its tokens; oldest first
         self._ids = itertools.count()
 
-    def start(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
-        """Add seq_id to the runner with as much of `tokens`' KV as a kept entry holds (never the last
-        token: its logits are what a prefill is for). Returns how many positions it holds."""
+    def start(self, seq_id: Hashable, tokens: Sequence[int], live: Mapping[Hashable, Sequence[int]] = {}) -> int:
+        """Add seq_id to the runner with as much of `tokens`' KV as a kept entry or a live sequence holds
+        (never the last token: its logits are what a prefill is for). live: the caller's sequences in the
+        runner -> their tokens (valid as far as each one's KV goes). Returns how many positions it holds."""
         if self.enabled and self.runner.spare_rows() == 0 and self.entries:
             self._evict()
         self.runner.add(seq_id)
-        if not self.enabled:
+        if not self.enabled or len(tokens) <= self.min_reuse:
             return 0
-        entry, length = self._longest_match(tokens)
+        source, length = self._longest_match(tokens, self._candidates(live))
         length = min(length, len(tokens) - 1)
         if length < self.min_reuse:
             return 0
-        self.entries.move_to_end(entry)
-        self.runner.copy_prefix(entry, seq_id, length)
+        if source in self.entries:
+            self.entries.move_to_end(source)
+        self.runner.copy_prefix(source, seq_id, length)
         return length
 
     def finish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
@@ -68,13 +71,19 @@ class PrefixCache:
         key, _ = self.entries.popitem(last=False)
         self.runner.free(key)
 
-    def _longest_match(self, tokens: Sequence[int]) -> tuple[tuple | None, int]:
-        """The entry sharing the longest prefix with tokens, and that length."""
-        if not self.entries:
-            return None, 0
+    def _candidates(self, live: Mapping[Hashable, Sequence[int]]) -> Iterable[tuple[Hashable, np.ndarray]]:
+        yield from self.entries.items()
+        for key, tokens in live.items():
+            stored = min(self.runner.length(key), len(tokens))
+            if stored >= self.min_reuse:
+                yield key, np.asarray(tokens[:stored], dtype=np.int64)
+
+    @staticmethod
+    def _longest_match(tokens: Sequence[int], candidates: Iterable[tuple[Hashable, np.ndarray]]) -> tuple[Hashable, int]:
+        """The candidate sharing the longest prefix with tokens, and that length."""
         query = np.asarray(tokens, dtype=np.int64)
         best, best_len = None, 0
-        for key, stored in self.entries.items():
+        for key, stored in candidates:
             n = min(len(stored), len(query))
             differ = np.flatnonzero(stored[:n] != query[:n])
             match = int(differ[0]) if differ.size else n
