@@ -265,3 +265,19 @@ def test_the_parser_option_is_checked_where_it_is_given(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--tool-call-parser", "xml"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_llm_chat_renders_as_the_server_does(served):
+    """LLM.chat (vLLM's offline API) gives the text the chat endpoint gives for the same conversation."""
+    llm, client, _, _ = served
+    params = SamplingParams(temperature=0, max_tokens=8)
+    over_http = client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                               max_tokens=8, temperature=0)
+    one, two = llm.chat([MESSAGES, MESSAGES + [{"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}]],
+                        params, tools=TOOLS)
+    assert one.text == over_http.choices[0].message.content and two.text is not None
+    assert llm.chat(MESSAGES, params, tools=TOOLS)[0].text == one.text
+    with pytest.raises(ValueError, match="tool_call_id"):
+        llm.chat([{"role": "tool", "content": "x"}], params)
+    with pytest.raises(ValueError, match="not be empty"):
+        llm.chat([], params)
