@@ -68,10 +68,11 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     # a repeated long prompt, then a next turn holding its reply, reuse what they hold and stay exact.
     long = PROMPTS[2] * 3
     first = llm.generate(prompt_token_ids=[long], sampling_params=GREEDY)[0]
-    for prompt, reused in ((long, len(long) - 1), (long + first.token_ids + [5], len(long) + len(first.token_ids) - 1)):
+    held = len(long) + len(first.token_ids)  # the last token is in the KV only if a round ran past max_tokens
+    for prompt, reused in ((long, {len(long) - 1}), (long + first.token_ids + [5], {held - 1, held})):
         out = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
         assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, GREEDY.max_tokens), prompt, pair["model"])
-        assert out.metrics.num_cached_tokens == reused
+        assert out.metrics.num_cached_tokens in reused
     # Log-probabilities from the sharded target's gathered logits, carried back by the Ray updates.
     params = replace(GREEDY, max_tokens=8, logprobs=2, prompt_logprobs=0)
     scored = llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=params)
