@@ -76,6 +76,6 @@ def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off():
     out = _run(str(BENCH / "bench_prefix_cache.py"), "--prefix-tokens", "24", "--requests", "2", "--max-new-tokens", "3",
                "--repeats", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "workload" not in line]
-    assert len(rows) == 8 and "chat ssd: off / on TTFT" in out
+    assert len(rows) == 12 and "chat ssd: off / on TTFT" in out and "batch ar: off / on" in out
     reused = {(r.split("|")[1].strip(), r.split("|")[2].strip(), r.split("|")[3].strip()): float(r.split("|")[6]) for r in rows}
     assert reused[("chat", "ar", "off")] == 0 and reused[("chat", "ar", "on")] > 24

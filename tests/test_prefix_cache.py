@@ -230,3 +230,16 @@ def test_running_sequences_lend_their_prefix(pair, mode):
     for seq in (first, second):
         want = hf_greedy(pair["model"], seq.prompt_token_ids, long.max_tokens)
         assert_greedy_equal(seq.output_token_ids, want, seq.prompt_token_ids, pair["model"])
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_prompts_arriving_together_compute_a_shared_prefix_once(pair, mode):
+    """Prompts that share a system prompt, and n copies of one prompt, admitted in one step: the first
+    computes the prefix, the others wait a step and copy it; outputs stay exact."""
+    llm = LLM(model=pair["target"], draft=None if mode == "ar" else pair["close"], mode=mode, k=3)
+    prompts = [SYSTEM + [11], SYSTEM + [12, 13], SYSTEM[:30] + [14], SYSTEM + [11], SYSTEM[:10] + [15]]
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY)
+    assert [o.metrics.num_cached_tokens for o in outs] == [0, len(SYSTEM), 30, len(SYSTEM), 0]
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, GREEDY.max_tokens), prompt, pair["model"])
+    llm.shutdown()

@@ -13,6 +13,7 @@ from saguaro_dist.engine.rounds import build_loop
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
 from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.engine.target import TargetScorer
+from saguaro_dist.model.prefix_cache import MIN_REUSE, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +98,15 @@ class Engine:
     # ---- steps ------------------------------------------------------------------------------
     def _admit(self) -> list[Update]:
         free = self.config.max_batch_size - len(self.running) - len(self.prefilling)
-        for _ in range(min(free, len(self.waiting))):
-            self._start(self.waiting.popleft())
+        deferred = []
+        while self.waiting and free > 0 and len(deferred) < self.config.max_batch_size:  # a bounded scan
+            s = self.waiting.popleft()
+            if self._prefix_coming(s):
+                deferred.append(s)
+                continue
+            self._start(s)
+            free -= 1
+        self.waiting.extendleft(reversed(deferred))
         start = time.perf_counter()
         new = self._prefill_in_budget()
         first = self.loop.admit(new) if new else []
@@ -112,6 +120,15 @@ class Engine:
         for s, t in zip(new, first):
             self._append(s, [t], now)
         return self._updates(new, now)
+
+    def _prefix_coming(self, s: Sequence) -> bool:
+        """Whether a sequence admitted before s, still prefilling, is about to compute a prefix of s's
+        prompt (n samples of one prompt, a batch sharing a system prompt): s then waits a step and
+        copies it (prefix caching's live sources) instead of computing it alongside."""
+        if not self.config.enable_prefix_caching or s.params.prompt_logprobs is not None:
+            return False
+        return any(common_prefix_len(x.prompt_token_ids, s.prompt_token_ids) - x.prefilled >= MIN_REUSE
+                   for x in self.prefilling)
 
     def _start(self, s: Sequence) -> None:
         """s takes a batch slot and its KV row, with whatever prompt prefix the cache holds."""

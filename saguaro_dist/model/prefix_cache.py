@@ -84,9 +84,13 @@ class PrefixCache:
         query = np.asarray(tokens, dtype=np.int64)
         best, best_len = None, 0
         for key, stored in candidates:
-            n = min(len(stored), len(query))
-            differ = np.flatnonzero(stored[:n] != query[:n])
-            match = int(differ[0]) if differ.size else n
+            match = common_prefix_len(stored, query)
             if match > best_len:
                 best, best_len = key, match
         return best, best_len
+
+
+def common_prefix_len(a: np.ndarray | Sequence[int], b: np.ndarray | Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if differ.size else n
