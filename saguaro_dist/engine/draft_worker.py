@@ -108,7 +108,7 @@ class DraftWorker:
             if r.seq_id in self.seqs:  # a re-prefill (the target moved it after a worker died) restarts it
                 self.release([Release(r.seq_id)])
             # Live sources: each sequence's KV holds committed[:-1] as far as it goes (the pending bonus never).
-            live = {sid: s.committed[:-1] for sid, s in self.seqs.items()}
+            live = {sid: s.committed[:-1] for sid, s in self.seqs.items()} if self.prefixes.enabled else {}
             cached.append(self.prefixes.start(r.seq_id, r.prompt_token_ids, live))
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),

@@ -99,7 +99,7 @@ class TargetScorer:
         of its prompt (s.prefilled tokens). A request for prompt log-probabilities needs every prompt row's
         logits: it reuses nothing."""
         wanted = s.prompt_token_ids if s.params.prompt_logprobs is None else ()
-        sources = {x.seq_id: x.tokens for x in live}
+        sources = {x.seq_id: x.tokens for x in live} if self.prefixes.enabled else {}
         s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources)
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
