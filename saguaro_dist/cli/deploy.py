@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from saguaro_dist.deploy import k8s
+from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tools import ToolCallParser
 
 DEFAULTS = k8s.K8sSettings()
@@ -37,6 +38,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", help="model name the OpenAI API reports (default: --model)")
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                         help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes)')
+    parser.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
+                        help="return <think> text as the chat message's reasoning (qwen3, deepseek_r1)")
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:

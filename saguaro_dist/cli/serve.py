@@ -12,6 +12,7 @@ import threading
 from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
+from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tools import ToolCallParser
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "enable_prefix_caching": "enable_prefix_caching"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
-               "tool_call_parser": "tool_call_parser"}
+               "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser"}
 
 
 def fan_out_arg(text: str):
@@ -118,6 +119,9 @@ def register(subparsers) -> None:
     g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                    help='read tool calls out of tool_choice "auto" replies in this format (hermes: <tool_call> JSON '
                         '</tool_call>, as Hermes and Qwen 2.5 / 3 chat templates ask); without it "auto" is a 400')
+    g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
+                   help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
+                        "deepseek_r1: DeepSeek-R1, QwQ)")
     g.add_argument("--ingress", choices=[i.value for i in Ingress], default=Ingress.AUTO.value,
                    help="who answers on --port: the replica's own HTTP server (direct) or Serve's proxy "
                         "(default auto: direct on the embedded cluster with one replica, else the proxy)")

@@ -46,6 +46,7 @@ class K8sSettings:
     dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU
     served_model_name: str | None = None
     tool_call_parser: str | None = None  # tool_choice "auto": hermes for Qwen 2.5 / 3 and Hermes models
+    reasoning_parser: str | None = None  # <think> text as the message's reasoning: qwen3, deepseek_r1
     tp: int = 1
     draft_workers: int = 1
     image: str = f"saguaro-dist:{APP_VERSION}-cpu"
@@ -110,7 +111,7 @@ def serve_args(s: K8sSettings) -> dict:
             "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,
             "max_batch_size": s.max_batch_size, "device": s.device, "dtype": s.engine_dtype,
             "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name,
-            "tool_call_parser": s.tool_call_parser}
+            "tool_call_parser": s.tool_call_parser, "reasoning_parser": s.reasoning_parser}
     return {key: value for key, value in args.items() if value is not None}
 
 
@@ -314,7 +315,7 @@ def helm_values(s: K8sSettings) -> dict:
         "fullnameOverride": s.name,
         "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},
         "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or "",
-                  "toolCallParser": s.tool_call_parser or ""},
+                  "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or ""},
         "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
                         "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
         "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or ""},

@@ -74,7 +74,7 @@ class LLM:
         return [self._output(seq, text) for seq, (_, text) in zip(results, requests)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI messages: role, content, tool_calls, tool_call_id) or a
         list of them, rendered as the server renders /v1/chat/completions (the tokenizer's chat template
         with `tools`; a plain transcript without one), then generated; outputs in conversation order."""
@@ -86,7 +86,8 @@ class LLM:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         tools = [Tool(**t).model_dump(exclude_none=True) for t in tools or []]
-        ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools) for conv in conversations]
+        ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs)
+               for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
 
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,

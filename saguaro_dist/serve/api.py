@@ -14,6 +14,7 @@ from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from saguaro_dist.serve.prompts import encode_chat, encode_text
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, merge
 from saguaro_dist.serve.tools import ToolCallParser, ToolChoiceKind, ToolStream
 
@@ -32,20 +33,22 @@ class ServerOptions:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # 0: one SSE chunk per engine round
     tool_call_parser: str | None = None  # reads tool_choice "auto" replies (tools.ToolCallParser); None: auto is a 400
+    reasoning_parser: str | None = None  # splits a thinking model's reasoning from its content (reasoning.ReasoningParser)
 
     def __post_init__(self):
         if not 0 <= self.stream_interval_ms <= 10_000:
             raise ValueError(f"stream_interval_ms must be in [0, 10000], got {self.stream_interval_ms!r}")
-        parsers = [p.value for p in ToolCallParser]
-        if self.tool_call_parser is not None and self.tool_call_parser not in parsers:
-            raise ValueError(f"tool_call_parser must be one of {parsers}, got {self.tool_call_parser!r}")
+        for name, kind in (("tool_call_parser", ToolCallParser), ("reasoning_parser", ReasoningParser)):
+            choices = [p.value for p in kind]
+            if getattr(self, name) is not None and getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
 
 
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
     app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
-                                     options.tool_call_parser)
+                                     options.tool_call_parser, options.reasoning_parser)
     install_error_handlers(app)
     app.include_router(_router())
     # Outermost last: count every request, then auth, then the size limit.
@@ -108,7 +111,7 @@ async def _chat(body: ChatCompletionRequest, request: Request):
         raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
                             'hermes); name a function or use "required" instead', param="tool_choice")
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-    jobs = state.jobs([encode_chat(state.tokenizer, body.messages, tools)], body, "messages")
+    jobs = state.jobs([encode_chat(state.tokenizer, body.messages, tools, body.chat_template_kwargs)], body, "messages")
     return await _respond(state, body, jobs, model, responses.CHAT)
 
 
@@ -116,7 +119,8 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = _state(request)
     state.check_model(body.model)
     if body.messages is not None:
-        tokens = encode_chat(state.tokenizer, body.messages, [t.model_dump(exclude_none=True) for t in body.tools or []])
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        tokens = encode_chat(state.tokenizer, body.messages, tools, body.chat_template_kwargs)
     else:
         tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
@@ -142,9 +146,11 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
     if fmt.chat:
         plan = body.tool_plan()
-        content, calls = plan.parse(result.text)
-        return fmt.choice(index, content, plan.finish_reason(result.finish_reason, calls),
-                          _logprobs(state, fmt, job, result.logprobs), calls)
+        reasoning, text = split_reasoning(state.reasoning_parser_for(body), result.text)
+        content, calls = plan.parse(text)
+        return fmt.choice(index, content if content or reasoning is None else None,
+                          plan.finish_reason(result.finish_reason, calls), _logprobs(state, fmt, job, result.logprobs),
+                          calls, reasoning)
     if not body.echo:
         return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs))
     given = body.prompts()[index // body.n]  # the text as sent; a token-id prompt is decoded
@@ -213,6 +219,7 @@ class _SseEvents:
         self.pending_logprobs: list[list] = [[] for _ in jobs]
         self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
         self.tool_streams = [ToolStream(body.tool_plan()) for _ in jobs]  # chat: content and tool-call deltas
+        self.reasoning_streams = [ReasoningStream(state.reasoning_parser_for(body)) for _ in jobs]  # chat
 
     @property
     def done(self) -> bool:
@@ -248,7 +255,8 @@ class _SseEvents:
                 return None
             return self.fmt.delta_choice(index, text, reason, logprobs=self._take_logprobs(index, text))
         tools = self.tool_streams[index]
-        delta = tools.step(text, last.finished)
+        reasoning, text = self.reasoning_streams[index].feed(text, last.finished)
+        delta = {**({"reasoning": reasoning} if reasoning else {}), **tools.step(text, last.finished)}
         if not (delta or last.finished):
             return None  # text held back (a tool call may be starting): its log-probabilities wait too
         reason = tools.plan.finish_reason(reason, tools.calls) if last.finished else None

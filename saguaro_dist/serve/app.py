@@ -61,6 +61,7 @@ def server_options(args: dict, model: str) -> ServerOptions:
         max_request_bytes=int(args.get("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES),
         stream_interval_ms=_number(args, "stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS),
         tool_call_parser=args.get("tool_call_parser") or None,
+        reasoning_parser=args.get("reasoning_parser") or None,
     )
 
 

@@ -283,6 +283,7 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
 
     @model_validator(mode="after")
     def _check_tools(self):
@@ -340,6 +341,7 @@ class TokenizeRequest(OpenAIModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered with messages, as chat does
+    chat_template_kwargs: dict | None = None
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -57,9 +57,11 @@ class Format:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
     def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
-               tool_calls: list | None = None) -> dict:
+               tool_calls: list | None = None, reasoning: str | None = None) -> dict:
         if self.chat:
             message = {"role": "assistant", "content": text}
+            if reasoning is not None:
+                message["reasoning"] = reasoning  # vLLM's name (formerly reasoning_content)
             if tool_calls:
                 message["tool_calls"] = [call.message() for call in tool_calls]
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

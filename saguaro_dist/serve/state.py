@@ -14,6 +14,7 @@ from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import encode_text
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
+from saguaro_dist.serve.reasoning import ReasoningParser
 
 
 @dataclass
@@ -36,9 +37,10 @@ class Finished:
 
 class ServingState:
     def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
-                 tool_call_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine = engine
         self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.stream_interval_s = stream_interval_s  # streamed deltas closer than this share one SSE write
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
@@ -46,6 +48,10 @@ class ServingState:
         self.metrics = metrics
         self.running = 0
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
+
+    def reasoning_parser_for(self, request: SamplingRequest) -> ReasoningParser | None:
+        """The server's reasoning parser, unless the request's reply is constrained (its grammar covers it all)."""
+        return None if request.requested_structure() is not None else self.reasoning_parser
 
     def check_model(self, requested: str | None) -> str:
         # A missing model means the only one served, as with vLLM.

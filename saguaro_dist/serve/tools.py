@@ -177,13 +177,13 @@ class ToolStream:
         if start >= 0:
             out, self.held, self.sent = self.held[:start], self.held[start:], -1
         else:
-            keep = _partial_suffix(self.held, HERMES_OPEN)
+            keep = partial_suffix(self.held, HERMES_OPEN)
             out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
             self.sent += len(out)
         return {"content": out} if out else {}
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that is a proper beginning of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

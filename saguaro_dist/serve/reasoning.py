@@ -1,0 +1,75 @@
+"""Reasoning outputs on /v1/chat/completions (vLLM's `--reasoning-parser`): a thinking model's
+<think> ... </think> text comes back as the message's `reasoning`, the rest as its `content`.
+
+  qwen3        reasoning only when the reply closes it with </think> (a leading <think> is dropped);
+               without one the whole reply is content (thinking switched off: enable_thinking=False)
+  deepseek_r1  the chat template opens <think> in the prompt: everything before </think> is reasoning,
+               and a reply cut before it is all reasoning
+
+A request whose reply is constrained (structured outputs, a named or required tool call) is not split:
+its grammar covers the whole reply.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from saguaro_dist.serve.tools import partial_suffix
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+class ReasoningParser(Enum):
+    QWEN3 = "qwen3"
+    DEEPSEEK_R1 = "deepseek_r1"
+
+    @property
+    def open_by_default(self) -> bool:
+        """Whether text before any </think> is reasoning (the template opened <think> in the prompt)."""
+        return self is ReasoningParser.DEEPSEEK_R1
+
+
+def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | None, str]:
+    """(reasoning, content) of a finished reply."""
+    if parser is None:
+        return None, text
+    end = text.find(THINK_CLOSE)
+    if end < 0:
+        return (text or None, "") if parser.open_by_default else (None, text)
+    reasoning = text[:end].removeprefix(THINK_OPEN)
+    return reasoning or None, text[end + len(THINK_CLOSE):]
+
+
+@dataclass
+class ReasoningStream:
+    """Splits a streamed reply: `feed` each text piece, get (reasoning, content) pieces back. Text that
+    might begin </think> is held back until it cannot; for qwen3 the reasoning is held until </think>
+    shows it was reasoning (a reply without one is content, which then goes out at the end)."""
+    parser: ReasoningParser | None
+    held: str = ""
+    thinking: bool = True  # before </think>
+    opened: bool = False   # a leading <think> was looked for (and dropped)
+
+    def feed(self, text: str, final: bool) -> tuple[str, str]:
+        if self.parser is None or not self.thinking:
+            return "", text
+        self.held += text
+        end = self.held.find(THINK_CLOSE)
+        if end >= 0:
+            self.thinking = False
+            reasoning, rest = self.held[:end].removeprefix(THINK_OPEN), self.held[end + len(THINK_CLOSE):]
+            self.held = ""
+            return reasoning, rest
+        if final:
+            reasoning, content = split_reasoning(self.parser, self.held)
+            self.held = ""
+            return reasoning or "", content
+        if not self.parser.open_by_default:
+            return "", ""  # qwen3: reasoning or content? only </think> (or the end) tells
+        if not self.opened:
+            if THINK_OPEN.startswith(self.held):
+                return "", ""  # may still become a leading <think>
+            self.held, self.opened = self.held.removeprefix(THINK_OPEN), True
+        keep = partial_suffix(self.held, THINK_CLOSE)
+        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out, ""

@@ -1,0 +1,106 @@
+"""Reasoning outputs (serve/reasoning.py): the <think> split finished and streamed, for both parsers,
+and over real HTTP (the serving app under uvicorn, the demo pair, the `openai` client); Qwen3's
+enable_thinking reaches the chat template through chat_template_kwargs."""
+from __future__ import annotations
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from http_helpers import serve_on_loopback
+from saguaro_dist import LLM
+from saguaro_dist.demo import demo_pair
+from saguaro_dist.serve.api import ServerOptions, create_app
+from saguaro_dist.serve.prompts import render_chat
+from saguaro_dist.serve.protocol import ChatMessage
+from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
+
+QWEN3, R1 = ReasoningParser.QWEN3, ReasoningParser.DEEPSEEK_R1
+
+
+@pytest.mark.parametrize("parser, text, reasoning, content", [
+    (QWEN3, "<think>\nadd them</think>\n\n4", "\nadd them", "\n\n4"),
+    (QWEN3, "4, plainly", None, "4, plainly"),              # thinking off: no </think>, all content
+    (R1, "add them</think>4", "add them", "4"),             # the template opened <think> in the prompt
+    (R1, "<think>add them</think>4", "add them", "4"),
+    (R1, "still thinking when max_tokens came", "still thinking when max_tokens came", ""),
+    (None, "<think>a</think>b", None, "<think>a</think>b"),  # no parser: the text as it came
+])
+def test_split(parser, text, reasoning, content):
+    assert split_reasoning(parser, text) == (reasoning, content)
+
+
+@pytest.mark.parametrize("piece", [1, 2, 3, 7, 1000])
+@pytest.mark.parametrize("parser, text", [
+    (QWEN3, "<think>\nadd </thin them</think>\n\n4 </think> 5"), (QWEN3, "4, plainly </thi"),
+    (R1, "<think>add </thin them</think>4"), (R1, "add them</think>4"), (R1, "<thin"), (R1, "cut </thi"),
+])
+def test_streamed_pieces_join_to_the_split(parser, text, piece):
+    stream, reasoning, content = ReasoningStream(parser), "", ""
+    for start in range(0, len(text), piece):
+        r, c = stream.feed(text[start:start + piece], start + piece >= len(text))
+        reasoning, content = reasoning + r, content + c
+    want_reasoning, want_content = split_reasoning(parser, text)
+    assert (reasoning, content) == (want_reasoning or "", want_content)
+
+
+def test_chat_template_kwargs_reach_the_template():
+    target, _ = demo_pair()
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                         "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}")
+    messages = [ChatMessage(role="user", content="hi")]
+    assert render_chat(tok, messages)[0] == "hi"
+    assert render_chat(tok, messages, template_kwargs={"enable_thinking": False})[0] == "hi<think>\n\n</think>"
+    with pytest.raises(ValueError, match="may not set"):
+        render_chat(tok, messages, template_kwargs={"tokenize": True})
+
+
+@pytest.fixture(scope="module")
+def served():
+    target, _ = demo_pair()
+    llm = LLM(model=target, mode="ar")
+    apps = {parser: create_app(llm, ServerOptions("demo", reasoning_parser=parser)) for parser in ("qwen3", "deepseek_r1")}
+    with serve_on_loopback(apps["qwen3"]) as qwen3, serve_on_loopback(apps["deepseek_r1"]) as r1:
+        yield {name: openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+               for name, url in (("qwen3", qwen3), ("deepseek_r1", r1))}
+    llm.shutdown()
+
+
+def _ask(client, **extra):
+    return client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "def f(x):"}],
+                                          max_tokens=12, temperature=0, **extra)
+
+
+def test_replies_are_split_over_http(served):
+    """The demo model never writes </think>: under qwen3 its reply is content, under deepseek_r1 (whose
+    template would have opened <think>) it is all reasoning; streamed the same."""
+    plain = _ask(served["qwen3"]).choices[0].message
+    thought = _ask(served["deepseek_r1"]).choices[0].message
+    assert plain.content and getattr(plain, "reasoning", None) is None
+    assert thought.content is None and thought.reasoning == plain.content
+    chunks = list(_ask(served["deepseek_r1"], stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == plain.content
+    assert not "".join(d.content or "" for d in deltas)
+
+
+def test_a_constrained_reply_is_not_split(served):
+    out = _ask(served["deepseek_r1"], extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert out.choices[0].message.content in ("yes", "no") and getattr(out.choices[0].message, "reasoning", None) is None
+
+
+def test_bad_chat_template_kwargs_get_a_400(served):
+    with pytest.raises(openai.BadRequestError, match="may not set"):
+        _ask(served["qwen3"], extra_body={"chat_template_kwargs": {"add_generation_prompt": False}})
+
+
+def test_the_parser_option_is_checked_where_it_is_given(capsys):
+    from saguaro_dist.cli import main
+    from saguaro_dist.serve.app import build_app, server_options
+    assert server_options({"reasoning_parser": "qwen3"}, "m").reasoning_parser == "qwen3"
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        build_app({"model": "m", "draft": "d", "reasoning_parser": "o1"})
+    with pytest.raises(SystemExit):
+        main(["serve", "--reasoning-parser", "o1"])
+    assert "invalid choice" in capsys.readouterr().err
