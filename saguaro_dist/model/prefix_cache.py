@@ -4,9 +4,10 @@ prefix caching; here per stored sequence, as the pool holds a row per sequence, 
 
 What it saves: a repeated system prompt, a chat's next turn (the previous prompt and reply), the n
 samples of one prompt arriving one after another. Running sequences are sources too (`live`): requests
-that share a system prompt while others with it are still generating copy it from them. The copy is of the same keys and values a prefill
-of those tokens at those positions computes, so outputs do not change (up to the last bits: a kept
-row's later positions may have been computed by a verify rather than a prefill).
+that share a system prompt while others with it are still generating copy it from them. The copy is of
+the same keys and values a prefill of those tokens at those positions computes, so outputs do not
+change (up to the last bits: a kept row's later positions may have been computed by a verify rather
+than a prefill).
 
 Kept rows only ever use rows the pool has spare: a new sequence that finds none evicts the least
 recently used entry rather than growing the pool (which on CUDA would drop every captured graph).
@@ -32,7 +33,7 @@ class PrefixCache:
         self.entries: OrderedDict[tuple, np.ndarray] = OrderedDict()  # runner id -> its tokens; oldest first
         self._ids = itertools.count()
 
-    def start(self, seq_id: Hashable, tokens: Sequence[int], live: Mapping[Hashable, Sequence[int]] = {}) -> int:
+    def start(self, seq_id: Hashable, tokens: Sequence[int], live: Mapping[Hashable, Sequence[int]] | None = None) -> int:
         """Add seq_id to the runner with as much of `tokens`' KV as a kept entry or a live sequence holds
         (never the last token: its logits are what a prefill is for). live: the caller's sequences in the
         runner -> their tokens (valid as far as each one's KV goes). Returns how many positions it holds."""
@@ -41,7 +42,7 @@ class PrefixCache:
         self.runner.add(seq_id)
         if not self.enabled or len(tokens) <= self.min_reuse:
             return 0
-        source, length = self._longest_match(tokens, self._candidates(live))
+        source, length = self._longest_match(tokens, self._candidates(live or {}))
         length = min(length, len(tokens) - 1)
         if length < self.min_reuse:
             return 0
