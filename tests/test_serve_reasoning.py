@@ -104,3 +104,24 @@ def test_the_parser_option_is_checked_where_it_is_given(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--reasoning-parser", "o1"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_sdks_return_the_reasoning(served):
+    """Our Client and AsyncClient read `reasoning` from whole replies and from streamed deltas."""
+    import asyncio
+
+    from saguaro_dist.client import AsyncClient, Client
+    base_url = str(served["deepseek_r1"].base_url)
+    messages = [{"role": "user", "content": "def f(x):"}]
+    with Client(base_url) as sdk:
+        done = sdk.chat(messages, max_tokens=12, temperature=0)
+        stream = sdk.chat(messages, max_tokens=12, temperature=0, stream=True)
+        assert "".join(stream) == "" and done.text == ""
+        assert done.reasoning and stream.reasoning == done.reasoning
+
+    async def streamed():
+        async with AsyncClient(base_url) as client:
+            s = await client.chat(messages, max_tokens=12, temperature=0, stream=True)
+            [_ async for _ in s]
+            return s.reasoning
+    assert asyncio.run(streamed()) == done.reasoning

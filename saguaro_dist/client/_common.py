@@ -77,6 +77,7 @@ class Completion:
     raw: dict = field(default_factory=dict, repr=False)
     logprobs: dict | None = None     # the choice's OpenAI logprobs object, when the request asked (logprobs=...)
     tool_calls: list[dict] = field(default_factory=list)  # chat: OpenAI tool calls (id, type, function)
+    reasoning: str | None = None     # chat, from a server with a reasoning parser: the <think> text
 
     @classmethod
     def from_body(cls, body: dict) -> "Completion":
@@ -85,7 +86,7 @@ class Completion:
         text = message.get("content") if "message" in choice else choice.get("text")
         return cls(text or "", choice.get("finish_reason"), body.get("model"), body.get("id"),
                    body.get("usage"), body.get("speculation"), body, choice.get("logprobs"),
-                   message.get("tool_calls") or [])
+                   message.get("tool_calls") or [], message.get("reasoning") or message.get("reasoning_content"))
 
 
 class StreamAccumulator:
@@ -98,6 +99,7 @@ class StreamAccumulator:
         self.model: str | None = None
         self.id: str | None = None
         self.tool_calls: list[dict] = []  # chat: tool calls assembled from their deltas
+        self.reasoning: str | None = None  # chat: reasoning deltas joined (the text iterated is the content)
 
     def feed(self, line: str):
         """The text delta in `line` (possibly ""), DONE at the end, or None for non-data lines."""
@@ -122,6 +124,9 @@ class StreamAccumulator:
             text += delta.get("content") or choice.get("text") or ""
             for call in delta.get("tool_calls") or []:
                 self._add_call_delta(call)
+            thought = delta.get("reasoning") or delta.get("reasoning_content")
+            if thought:
+                self.reasoning = (self.reasoning or "") + thought
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
         return text
 

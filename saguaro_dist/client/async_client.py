@@ -12,7 +12,7 @@ from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, stat
 
 
 class AsyncStream:
-    """`async for` over text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls`."""
+    """`async for` over text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls`, `reasoning`."""
 
     def __init__(self, response: httpx.Response):
         self._response = response

@@ -11,7 +11,7 @@ from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, stat
 
 
 class Stream:
-    """Iterates text deltas; afterwards `finish_reason`, `usage`, `speculation` and `tool_calls` hold what the stream said."""
+    """Iterates text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls` and `reasoning` hold what the stream said."""
 
     def __init__(self, response: httpx.Response):
         self._response = response
