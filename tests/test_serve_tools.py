@@ -20,7 +20,7 @@ from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.serve.api import ServerOptions, create_app
 from saguaro_dist.serve.app import build_app, server_options
 from saguaro_dist.serve.prompts import encode_chat, render_chat
-from saguaro_dist.serve.protocol import ChatCompletionRequest, ChatMessage
+from saguaro_dist.serve.protocol import ChatCompletionRequest, ChatMessage, Tool
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan, ToolStream, parse_hermes
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Tucson", "Phoenix"]},
@@ -31,6 +31,7 @@ CLOCK = {"type": "object", "properties": {"zone": {"type": "string", "enum": ["U
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "forecast", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_time", "parameters": CLOCK}}]
 SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
+TOOL_MODELS = [Tool(**t) for t in TOOLS]
 MESSAGES = [{"role": "user", "content": "def forecast(city):"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
@@ -116,14 +117,14 @@ def test_tools_reach_the_chat_template_and_history_calls_are_mappings():
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tucson", "days": 1}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "hot"}]]
-    plain, templated = render_chat(tok, history, TOOLS)
+    plain, templated = render_chat(tok, history, TOOL_MODELS)
     assert not templated and plain.splitlines()[0] == f"Tools: {json.dumps(TOOLS)}"
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Tucson", "days": 1}}</tool_call>' in plain
     assert "Tool: hot" in plain and plain.endswith("Assistant:")
     tok.chat_template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}"
                          "{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
                          "call {{ c.function.name }} days={{ c.function.arguments.days }}{% endfor %};{% endfor %}")
-    text, templated = render_chat(tok, history, TOOLS)
+    text, templated = render_chat(tok, history, TOOL_MODELS)
     assert templated and text == "[get_weather][get_time]user:weather?;assistant:call get_weather days=1;tool:hot;"
 
 
@@ -156,7 +157,7 @@ def served():
 
 def _engine_text(llm, messages, schema: dict) -> str:
     """What the engine itself generates for the rendered chat under the schema: the tool call's source."""
-    ids = encode_chat(llm.tokenizer, [ChatMessage(**m) for m in messages], TOOLS)
+    ids = encode_chat(llm.tokenizer, [ChatMessage(**m) for m in messages], TOOL_MODELS)
     params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(json=schema))
     return llm.generate(prompt_token_ids=[ids], sampling_params=params)[0].text
 
@@ -253,7 +254,7 @@ def test_tokenize_renders_the_tools_as_chat_does(served):
     llm, _, _, base_url = served
     body = {"messages": MESSAGES, "tools": TOOLS}
     got = httpx.post(base_url.removesuffix("/v1") + "/tokenize", json=body, timeout=30).json()
-    assert got["tokens"] == encode_chat(llm.tokenizer, [ChatMessage(**m) for m in MESSAGES], TOOLS)
+    assert got["tokens"] == encode_chat(llm.tokenizer, [ChatMessage(**m) for m in MESSAGES], TOOL_MODELS)
     assert got["tokens"] != encode_chat(llm.tokenizer, [ChatMessage(**m) for m in MESSAGES])
 
 

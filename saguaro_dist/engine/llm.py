@@ -85,7 +85,7 @@ class LLM:
         if not messages:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        tools = [Tool(**t).model_dump(exclude_none=True) for t in tools or []]
+        tools = [Tool(**t) for t in tools or []]
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs)
                for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)

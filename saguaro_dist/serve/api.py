@@ -110,8 +110,8 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     if plan.kind is ToolChoiceKind.AUTO and state.tool_call_parser is None:
         raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
                             'hermes); name a function or use "required" instead', param="tool_choice")
-    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-    jobs = state.jobs([encode_chat(state.tokenizer, body.messages, tools, body.chat_template_kwargs)], body, "messages")
+    jobs = state.jobs([encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs)], body,
+                      "messages")
     return await _respond(state, body, jobs, model, responses.CHAT)
 
 
@@ -119,8 +119,7 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = _state(request)
     state.check_model(body.model)
     if body.messages is not None:
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        tokens = encode_chat(state.tokenizer, body.messages, tools, body.chat_template_kwargs)
+        tokens = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs)
     else:
         tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}

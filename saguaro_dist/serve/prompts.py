@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from saguaro_dist.serve.protocol import ChatMessage
+from saguaro_dist.serve.protocol import ChatMessage, Tool
 from saguaro_dist.serve.tools import HERMES_CLOSE, HERMES_OPEN
 
 
@@ -17,7 +17,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_
                                       "return_dict", "return_tensors", "continue_final_message", "documents"})
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None,
+def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
                 template_kwargs: dict | None = None) -> tuple[str, bool]:
     """The prompt text for `messages` (and the tools the model may call) and whether it already carries
     the special tokens.
@@ -31,6 +31,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[dict] | None
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {clash}")
     turns = [m.for_template() for m in messages]
+    tools = [t.model_dump(exclude_none=True) for t in tools or []]
     if getattr(tokenizer, "chat_template", None):
         text = tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, add_generation_prompt=True,
                                              **(template_kwargs or {}))
@@ -45,7 +46,7 @@ def _plain_content(turn: dict) -> str:
     return "".join([turn["content"], *calls])
 
 
-def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[dict] | None = None,
+def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
                 template_kwargs: dict | None = None) -> list[int]:
     text, templated = render_chat(tokenizer, messages, tools, template_kwargs)
     # A chat template writes BOS etc. itself; adding them again would double them (as vLLM avoids).
