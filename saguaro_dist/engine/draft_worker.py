@@ -103,13 +103,12 @@ class DraftWorker:
                 raise ValueError(f"sequence {r.seq_id}: shard {r.shard} of {r.num_shards}")
             if not 0 <= r.prompt_len <= len(r.prompt_token_ids):
                 raise ValueError(f"sequence {r.seq_id}: prompt_len {r.prompt_len} of {len(r.prompt_token_ids)} tokens")
-        cached = []
+        # A re-prefill (the target moved it after a worker died) restarts the sequence.
+        self.release([Release(r.seq_id) for r in reqs if r.seq_id in self.seqs])
+        # Live sources, listed once: each sequence's KV holds committed[:-1] as far as it goes (never the pending bonus).
+        live = {sid: s.committed[:-1] for sid, s in self.seqs.items()} if self.prefixes.enabled else {}
+        cached = [self.prefixes.start(r.seq_id, r.prompt_token_ids, live) for r in reqs]
         for r in reqs:
-            if r.seq_id in self.seqs:  # a re-prefill (the target moved it after a worker died) restarts it
-                self.release([Release(r.seq_id)])
-            # Live sources: each sequence's KV holds committed[:-1] as far as it goes (the pending bonus never).
-            live = {sid: s.committed[:-1] for sid, s in self.seqs.items()} if self.prefixes.enabled else {}
-            cached.append(self.prefixes.start(r.seq_id, r.prompt_token_ids, live))
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
                                                shard=r.shard, num_shards=r.num_shards)
