@@ -45,6 +45,7 @@ class SamplingParams:
     temperature: float = 1.0   # 0 means greedy
     top_p: float = 1.0         # nucleus mass in (0, 1]
     top_k: int = 0             # 0 disables top-k
+    min_p: float = 0.0         # drop tokens below min_p x the likeliest's probability (vLLM's; 0 disables)
     max_tokens: int = 16
     min_tokens: int = 0        # EOS and stop_token_ids cannot end the request before this many tokens (vLLM's)
     stop: tuple[str, ...] = ()  # stop strings; the output excludes them
@@ -82,6 +83,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        check_min_p(self.min_p)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
@@ -116,6 +118,11 @@ def check_penalties(presence: float, frequency: float, repetition: float) -> Non
             raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
     if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0.0 < repetition < float("inf"):
         raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition!r}")
+
+
+def check_min_p(min_p: float) -> None:
+    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be a number in [0, 1] (0 disables it), got {min_p!r}")
 
 
 def penalized(presence: float, frequency: float, repetition: float) -> bool:

@@ -63,6 +63,7 @@ def test_generate_against_a_server(server, reference_llm, capsys):
     allowed = [t for t in range(len(reference_llm.tokenizer)) if t != banned + 1]
     code = main(["generate", "--url", server.url, "--api-key", server.api_key, "--prompt", "hello world",
                  "--max-tokens", "10", "--repetition-penalty", "1.5", "--presence-penalty", "0.5",
+                 "--temperature", "1.0", "--min-p", "1.0",  # only the likeliest token left: the greedy reply
                  "--logit-bias", f"{banned}=-100", "--allowed-token-ids", ",".join(map(str, allowed))])
     expected = reference_llm.generate(["hello world"], SamplingParams(
         temperature=0, max_tokens=10, repetition_penalty=1.5, presence_penalty=0.5, logit_bias={banned: -100},

@@ -22,6 +22,7 @@ from saguaro_dist.serve.args import config_from_args
     (dict(logit_bias=[(3, 1.0), (3, 2.0)]), "logit_bias"), (dict(logit_bias={3: True}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
     (dict(allowed_token_ids=7), "allowed_token_ids"), (dict(allowed_token_ids=[1.0]), "allowed_token_ids"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=1.5), "min_p"), (dict(min_p=float("nan")), "min_p"), (dict(min_p="0.1"), "min_p"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):

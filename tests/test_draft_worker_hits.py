@@ -87,10 +87,21 @@ def test_a_jit_ahead_of_the_observed_outcomes_is_draft_behind_a_stale_one_out_of
     assert worker.jit_draft([JitDraftRequest(0, 1, 0, 7)])[0].tokens.shape == (K,)  # nothing was changed
 
 
-def jit_proposal(draft_dir, mode: str, saguaro_c: float):
+def jit_proposal(draft_dir, mode: str, saguaro_c: float, min_p: float = 0.0):
     worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode=mode, k=K, fan_out=8, saguaro_c=saguaro_c))
-    worker.prefill([PrefillRequest(0, [5, 6, 7, 8], DraftSampling(1.0, 0, 1.0, 11))])
+    worker.prefill([PrefillRequest(0, [5, 6, 7, 8], DraftSampling(1.0, 0, 1.0, 11, min_p=min_p))])
     return worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])[0]
+
+
+def test_the_draft_samples_under_the_requests_min_p(draft_dir):
+    """Told min_p, the draft proposes from its own min-p'd distribution (q is what it drew from, and its
+    support is what the target can accept): every kept token within min_p of the row's likeliest."""
+    plain, truncated = jit_proposal(draft_dir, "sd", 1.0), jit_proposal(draft_dir, "sd", 1.0, min_p=0.5)
+    assert bool((plain.probs > 0).all())
+    kept = truncated.probs > 0
+    assert bool(kept.any(dim=-1).all()) and int(kept.sum()) < kept.numel() // 2
+    q = truncated.probs.gather(-1, truncated.tokens[:, None])
+    assert bool((q > 0).all())  # each proposed token is inside its own row's support
 
 
 @pytest.mark.parametrize("mode, biased", [("sd", False), ("ssd", True)])

@@ -58,7 +58,7 @@ def save_tiny_tokenizer(path) -> None:
 def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, ...] = ()) -> torch.Tensor:
     """Plain sampling's distribution, written independently of saguaro_dist.spec: the logit bias and
     allowed tokens, vLLM's penalties (output: the tokens generated before this one), then temperature,
-    the stop tokens held back while fewer than min_tokens are out, top-k, top-p."""
+    the stop tokens held back while fewer than min_tokens are out, min-p, top-k, top-p (vLLM's order)."""
     logits = logits.double()
     if p.structured_outputs is not None:
         logits[[t for t in range(len(logits)) if t not in GRAMMAR_STEPS[len(output)]]] = float("-inf")
@@ -73,6 +73,9 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, 
     logits = logits / p.temperature
     if len(output) < p.min_tokens:
         logits[list(p.stop_token_ids)] = float("-inf")
+    if p.min_p:  # below min_p x the likeliest's tempered probability: out
+        tempered = logits.softmax(-1)
+        logits = logits.masked_fill(tempered < p.min_p * tempered.max(), float("-inf"))
     if p.top_k:
         kth = logits.topk(p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -146,6 +149,7 @@ PARAMS = {
     "t1": SamplingParams(temperature=1.0),
     "t0.8_topk4": SamplingParams(temperature=0.8, top_k=4),
     "t1_topp0.8": SamplingParams(temperature=1.0, top_p=0.8),
+    "t1_minp0.85": SamplingParams(temperature=1.0, min_p=0.85),  # this near-uniform target: about half its tokens stay
     "t1_penalties": SamplingParams(temperature=1.0, presence_penalty=0.7, frequency_penalty=0.5, repetition_penalty=1.6),
     # the bias before the repetition penalty (vLLM's order): the penalty divides a biased logit
     "t1_bias": SamplingParams(temperature=1.0, logit_bias={0: 1.5, 2: -1.0, 4: 0.8}, allowed_token_ids=[0, 1, 2, 4, 5],
@@ -214,6 +218,24 @@ def test_the_test_catches_ignored_penalties(pair, monkeypatch):
     counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
     p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
     assert p < ALPHA, f"penalties ignored went unnoticed (p = {p:.2e})"
+
+
+@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
+def test_min_p_follows_the_truncated_target(pair, case):
+    """min-p on the tempered target (and told to the draft, whose q is its own min-p'd distribution)."""
+    check_case(pair, case, PARAMS["t1_minp0.85"])
+
+
+def test_the_test_catches_a_target_that_ignores_min_p(pair, monkeypatch):
+    """A target sampling without min-p emits tokens min-p forbids: the test sees them."""
+    target, draft, model = pair
+    plain = target_module.sampling_probs
+    monkeypatch.setattr(target_module, "sampling_probs",
+                        lambda logits, rows: plain(logits, replace(rows, min_p=torch.zeros_like(rows.min_p))))
+    params = PARAMS["t1_minp0.85"]
+    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
+    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
+    assert p < ALPHA, f"min_p ignored went unnoticed (p = {p:.2e})"
 
 
 @pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])

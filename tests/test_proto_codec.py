@@ -122,6 +122,8 @@ def test_bfloat16_dense_probs_cross_bit_for_bit():
 def test_sampling_and_messages_round_trip():
     s = DraftSampling(temperature=0.7000000000000001, top_k=0, top_p=0.95, seed=2 ** 62)
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s))) == s
+    truncated = DraftSampling(0.8, 0, 1.0, None, min_p=0.05)
+    assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(truncated))) == truncated
     s0 = DraftSampling(0.0, 5, 1.0, None)
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s0))) == s0
     for seed in (0, -3):
@@ -239,7 +241,8 @@ def test_malformed_messages_raise_codec_error():
     _bad(lambda: codec.sampling_to_proto(DraftSampling(1.0, 0, 1.0, 2 ** 64)))
     for bad in (dict(repetition_penalty=0.0), dict(repetition_penalty=float("nan")), dict(presence_penalty=2.5),
                 dict(frequency_penalty=float("inf")), dict(logit_bias={3: 101.0}), dict(logit_bias={-3: 1.0}),
-                dict(logit_bias={3: float("nan")}), dict(allowed_token_ids=[-1])):  # they would poison the draft's logits
+                dict(logit_bias={3: float("nan")}), dict(allowed_token_ids=[-1]), dict(min_p=1.5),
+                dict(min_p=float("nan"))):  # they would poison the draft's logits
         _bad(lambda: codec.sampling_from_proto(pb.DraftSampling(temperature=1.0, top_p=1.0, **bad)))
 
 

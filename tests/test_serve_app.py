@@ -183,6 +183,16 @@ def test_missing_model_means_the_served_one_and_sampling_with_seed(server, refer
     assert first["choices"][0]["text"] == second["choices"][0]["text"]  # a seed makes sampling reproducible
 
 
+def test_min_p_reaches_the_engine(server, reference_llm):
+    """vLLM's min_p: sampled with a seed, the reply is the in-process engine's under the same settings;
+    min_p = 1 keeps only the likeliest token, so a sample at T = 1 is the greedy reply."""
+    body = {"prompt": "the cat", "max_tokens": 8, "temperature": 1.0, "min_p": 0.3, "seed": 3}
+    params = SamplingParams(temperature=1.0, min_p=0.3, max_tokens=8, seed=3)
+    assert post(server, "/v1/completions", body).json()["choices"][0]["text"] == reference_llm.generate(["the cat"], params)[0].text
+    only_top = post(server, "/v1/completions", {**body, "min_p": 1.0}).json()["choices"][0]["text"]
+    assert only_top == greedy(reference_llm, "the cat", 8)
+
+
 def test_token_id_prompts_and_batched_prompts(server, reference_llm):
     expected = [greedy(reference_llm, "the cat sat on", 10), greedy(reference_llm, "hello world", 10)]
     ids = [reference_llm.tokenizer.encode(p) for p in ("the cat sat on", "hello world")]
@@ -277,6 +287,7 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "min_p": 1.5}, "min_p"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "n": 0}, "n"),

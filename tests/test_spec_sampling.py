@@ -44,6 +44,35 @@ def test_top_p_hand_cases(top_p, want):
     assert torch.allclose(p, torch.tensor([want], dtype=torch.float64))
 
 
+@pytest.mark.parametrize("min_p, want", [
+    (0.5, [0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0]),   # 0.15 < 0.5 x 0.5: dropped; 0.3 >= 0.25 stays
+    (0.3, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0]),  # 0.15 >= 0.15 stays (the rule is "below")
+    (1.0, [1.0, 0.0, 0.0, 0.0]),              # only the likeliest
+    (0.0, [0.5, 0.3, 0.15, 0.05]),            # off
+])
+def test_min_p_hand_cases(min_p, want):
+    p = target_probs(_logits([0.5, 0.3, 0.15, 0.05]), 1.0, 0, 1.0, min_p)
+    assert torch.allclose(p, torch.tensor([want], dtype=torch.float64))
+
+
+def test_min_p_applies_to_the_tempered_distribution_before_top_k_and_top_p():
+    """vLLM's order: temperature, min-p, then top-k / top-p on what min-p left. At T = 0.5 the
+    probabilities [0.5, 0.3, 0.15, 0.05] sharpen to [25, 9, 2.25, 0.25] / 36.5, so min_p = 0.2 (threshold
+    5 / 36.5) drops the last two, which min_p on the untempered row would have kept; top_p = 0.7 then cuts
+    [25, 9] / 34 after the first (0.735 >= 0.7)."""
+    tempered = target_probs(_logits([0.5, 0.3, 0.15, 0.05]), 0.5, 0, 1.0, 0.2)
+    assert torch.allclose(tempered, torch.tensor([[25 / 34, 9 / 34, 0.0, 0.0]], dtype=torch.float64))
+    both = target_probs(_logits([0.5, 0.3, 0.15, 0.05]), 0.5, 0, 0.7, 0.2)
+    assert torch.equal(both, torch.tensor([[1.0, 0.0, 0.0, 0.0]], dtype=torch.float64))
+
+
+def test_min_p_is_per_row_and_leaves_greedy_rows_alone():
+    logits = torch.randn(3, 50)
+    p = target_probs(logits, [1.0, 1.0, 0.0], 0, 1.0, [0.0, 0.9, 0.9])
+    assert bool((p[0] > 0).all()) and 1 <= int((p[1] > 0).sum()) < 50
+    assert p[2].argmax() == logits[2].argmax() and p[2].max() == 1.0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sort_descending_is_torchs_stable_sort(dtype):
     """The keyed integer sort of float32 rows orders exactly as torch's stable sort: ties (many equal

@@ -20,6 +20,7 @@ def register(subparsers) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the likeliest's probability (0: off)")
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, on tokens already in the output")
@@ -53,7 +54,7 @@ def run(ns: argparse.Namespace) -> int:
 
 def _sampling(ns: argparse.Namespace) -> dict:
     return {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
-            "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
+            "min_p": ns.min_p, "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
             "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty,
             "logit_bias": dict(ns.logit_bias) if ns.logit_bias else None, "allowed_token_ids": ns.allowed_token_ids,
             "structured_outputs": _structured(ns)}

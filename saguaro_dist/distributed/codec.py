@@ -151,7 +151,7 @@ def _required(msg, field: str, owner: str):
 # ---- DraftSampling ------------------------------------------------------------------------------
 def sampling_to_proto(s: DraftSampling) -> pb.DraftSampling:
     msg = pb.DraftSampling(temperature=float(s.temperature), top_k=_int64(s.top_k, "top_k"), top_p=float(s.top_p),
-                           presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty))
+                           min_p=float(s.min_p), presence_penalty=float(s.presence_penalty), frequency_penalty=float(s.frequency_penalty))
     if s.seed is not None:
         msg.seed = _int64(s.seed, "seed")
     if s.repetition_penalty != 1:
@@ -166,7 +166,7 @@ def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
     seed = msg.seed if msg.HasField("seed") else None
     repetition = msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0
     try:
-        return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, seed=seed,
+        return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p, seed=seed,
                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                              repetition_penalty=repetition, logit_bias=dict(msg.logit_bias),
                              allowed_token_ids=list(msg.allowed_token_ids) or None, grammar=msg.grammar or None)

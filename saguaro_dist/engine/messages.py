@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_dist.sampling_params import TokenBias, allowed_tokens, biased, check_penalties, penalized, token_bias
+from saguaro_dist.sampling_params import (
+    TokenBias, allowed_tokens, biased, check_min_p, check_penalties, penalized, token_bias,
+)
 
 
 @dataclass(frozen=True)
@@ -40,9 +42,11 @@ class DraftSampling:
     logit_bias: TokenBias = ()                        # (token id, bias) pairs, sorted
     allowed_token_ids: tuple[int, ...] | None = None  # None: any token
     grammar: str | None = None                        # structured outputs: llguidance grammar text; None: none
+    min_p: float = 0.0                                # the target's min-p (0: off)
 
     def __post_init__(self):  # a protocol edge (gRPC, the pipe): NaN or 0 would poison the draft's logits
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+        check_min_p(self.min_p)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):

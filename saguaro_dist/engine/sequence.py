@@ -85,7 +85,7 @@ class Sequence:
 
     def draft_sampling(self) -> DraftSampling:
         p = self.params
-        return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=p.seed,
+        return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
                              allowed_token_ids=p.allowed_token_ids,

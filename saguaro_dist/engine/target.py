@@ -16,10 +16,11 @@ from saguaro_dist.spec import (
 
 @dataclass(frozen=True)
 class RowSampling:
-    """Each row's temperature / top-k / top-p as tensors: built once, reused by every draw over those rows."""
+    """Each row's temperature / top-k / top-p / min-p as tensors: built once, reused by every draw over those rows."""
     temperature: torch.Tensor  # [N] float32, 0 = greedy
     top_k: torch.Tensor        # [N] int64, 0 = off
     top_p: torch.Tensor        # [N] float32
+    min_p: torch.Tensor        # [N] float32, 0 = off
 
     @staticmethod
     def of(settings: list, rows_per_seq: int = 1) -> RowSampling:
@@ -28,12 +29,13 @@ class RowSampling:
             return torch.tensor(values, dtype=dtype).repeat_interleave(rows_per_seq)
         return RowSampling(per_row([s.temperature for s in settings], torch.float32),
                            per_row([s.top_k for s in settings], torch.int64),
-                           per_row([s.top_p for s in settings], torch.float32))
+                           per_row([s.top_p for s in settings], torch.float32),
+                           per_row([s.min_p for s in settings], torch.float32))
 
 
 def sampling_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """Each row's own sampling distribution over logits [N, V] (spec.sampling.target_probs)."""
-    return target_probs(logits.float(), rows.temperature, rows.top_k, rows.top_p)
+    return target_probs(logits.float(), rows.temperature, rows.top_k, rows.top_p, rows.min_p)
 
 
 def stack_proposals(proposals: list[Proposal], vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -76,6 +76,7 @@ class SamplingRequest(OpenAIModel):
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0 disables, as in vLLM
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extra parameter (0: off)
     n: int = Field(1, ge=1, le=MAX_CHOICES)  # samples per prompt; with a seed, sample i draws from seed + i
     stop: str | list[str] | None = None
     seed: int | None = None
@@ -140,6 +141,7 @@ class SamplingRequest(OpenAIModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(0, self.top_k or 0),
+            min_p=self.min_p or 0.0,
             max_tokens=max_tokens,
             stop=self.stop or (),
             seed=self.seed,

@@ -42,6 +42,15 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def _min_p_filter(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min-p on tempered logits [N, V]: a token whose probability is below min_p times its row's
+    largest is dropped, keep(j) = softmax(scaled)(j) >= min_p * max_i softmax(scaled)(i) (min_p = 0:
+    all). The likeliest token always stays, so greedy choices never change."""
+    probs = torch.softmax(scaled, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return scaled.masked_fill(probs < threshold, float("-inf"))
+
+
 def sort_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x.sort(dim=-1, descending=True, stable=True): ties keep the lower index first. x [N, V].
 
@@ -61,24 +70,27 @@ def sort_descending(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.gather(-1, order), order
 
 
-def target_probs(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+def target_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p=0.0) -> torch.Tensor:
     """The distribution plain sampling draws from, per row (used for the target and the draft alike).
 
-    T = 0: one_hot(argmax logits). Otherwise p = norm(top_p(top_k(softmax(logits / T)))), i.e. top-k on
-    the tempered logits, then the smallest prefix (by descending probability) of the renormalised
-    top-k distribution whose mass reaches top_p, renormalised. Ties at a cut-off are broken by a
-    stable sort (lower token id first).
+    T = 0: one_hot(argmax logits). Otherwise p = norm(top_p(top_k(min_p(softmax(logits / T))))), vLLM's
+    order: min-p on the tempered distribution, then top-k, then the smallest prefix (by descending
+    probability) of the renormalised top-k distribution whose mass reaches top_p, renormalised. Ties at
+    a cut-off are broken by a stable sort (lower token id first).
 
-    logits [N, V]; temperature [N] float (or scalar); top_k [N] int, 0 = off; top_p [N] float in (0, 1].
-    Returns probs [N, V] (float32, or float64 for float64 logits).
+    logits [N, V]; temperature [N] float (or scalar); top_k [N] int, 0 = off; top_p [N] float in (0, 1];
+    min_p [N] float in [0, 1], 0 = off. Returns probs [N, V] (float32, or float64 for float64 logits).
     """
     logits = _float(logits)
     n, v = logits.shape
     temperature = _per_row(temperature, n, logits.dtype, logits.device)
     top_k = _per_row(top_k, n, torch.int64, logits.device)
     top_p = _per_row(top_p, n, logits.dtype, logits.device)
+    min_p = _per_row(min_p, n, logits.dtype, logits.device)
     greedy = temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
+    if bool((min_p > 0).any()):  # one more softmax, only for the batches that ask for it
+        scaled = _min_p_filter(scaled, min_p)
     if bool(((top_k > 0) & (top_k < v)).any()) or bool((top_p < 1.0).any()):
         sorted_logits, order = sort_descending(scaled)
         probs = torch.empty_like(scaled).scatter_(1, order, _filter_sorted(sorted_logits, top_k, top_p))
