@@ -62,6 +62,10 @@ class SamplingParams:
     logit_bias: TokenBias = ()  # {token id: bias in [-100, 100]} added to the logits (OpenAI's); kept as sorted pairs
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be generated (vLLM's); None: any
     structured_outputs: StructuredOutputsParams | None = None  # JSON schema, regex, choice or grammar (vLLM's)
+    # vLLM's output and prompt settings (they never change what is sampled):
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays at its end
+    skip_special_tokens: bool = True          # special tokens are left out of the text
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: the model's max length)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -93,6 +97,12 @@ class SamplingParams:
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
+        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        keep = self.truncate_prompt_tokens
+        if keep is not None and (type(keep) is not int or not (keep >= 1 or keep == -1)):
+            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's max length, got {keep!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
 
@@ -118,6 +128,14 @@ def check_penalties(presence: float, frequency: float, repetition: float) -> Non
             raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
     if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0.0 < repetition < float("inf"):
         raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition!r}")
+
+
+def truncate_prompt(tokens: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the model's max length; None: all)."""
+    if keep is None:
+        return tokens
+    keep = max_model_len if keep == -1 else keep
+    return tokens[-keep:]
 
 
 def check_min_p(min_p: float) -> None:

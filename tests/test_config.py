@@ -22,6 +22,9 @@ from saguaro_dist.serve.args import config_from_args
     (dict(logit_bias=[(3, 1.0), (3, 2.0)]), "logit_bias"), (dict(logit_bias={3: True}), "logit_bias"),
     (dict(allowed_token_ids=[]), "allowed_token_ids"), (dict(allowed_token_ids=[1, -2]), "allowed_token_ids"),
     (dict(allowed_token_ids=7), "allowed_token_ids"), (dict(allowed_token_ids=[1.0]), "allowed_token_ids"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"), (dict(skip_special_tokens=None), "skip_special_tokens"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens"), (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens"),
+    (dict(truncate_prompt_tokens=2.0), "truncate_prompt_tokens"),
     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.5), "min_p"), (dict(min_p=float("nan")), "min_p"), (dict(min_p="0.1"), "min_p"),
 ])
 def test_sampling_params_reject_bad_values(kwargs, field):

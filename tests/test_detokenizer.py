@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 from transformers import AutoTokenizer
@@ -117,3 +118,64 @@ def test_a_stream_interval_holds_deltas_back_after_the_first_text(demo_llm):
     assert deltas[first_text + 1:] == deltas[-1:] and deltas[-1].finished  # then only the end
     assert "".join(d.text for d in deltas) == out.text and sum((d.token_ids for d in deltas), []) == out.token_ids
     assert len(calls) == len(deltas)  # one decode per delta, not per round
+
+
+def test_a_stop_string_is_cut_or_kept_and_named(demo_llm):
+    """vLLM's include_stop_str_in_output and stop_reason: the text ends before the earliest stop string, or
+    after it when asked, whole and streamed alike; the output names the string that ended it."""
+    import asyncio
+
+    from saguaro_dist import SamplingParams
+    prompt, plain = "def add(a, b):", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    full = demo_llm.generate([prompt], plain)[0].text
+    stop = full[5:8]
+    at = full.index(stop)
+    for keep, want in ((False, full[:at]), (True, full[:at + len(stop)])):
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=["\x00never", stop],
+                                include_stop_str_in_output=keep)
+        out = demo_llm.generate([prompt], params)[0]
+        assert (out.text, out.stop_reason, out.finish_reason) == (want, stop, "stop")
+
+        async def streamed():
+            return [d async for d in demo_llm.stream(prompt, params)]
+        deltas = asyncio.run(streamed())
+        assert "".join(d.text for d in deltas) == want and deltas[-1].stop_reason == stop
+    assert demo_llm.generate([prompt], plain)[0].stop_reason is None  # ended by length
+
+
+def test_the_token_that_ends_a_request_is_not_text_unless_asked(demo_llm, tokenizer):
+    """A stop_token_id ends the request and stays in token_ids, but its text is left out (vLLM's rule, so a
+    stop token never leaks into the reply) unless include_stop_str_in_output; stop_reason names it."""
+    from saguaro_dist import SamplingParams
+    prompt = "def add(a, b):"
+    tokens = demo_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].token_ids
+    end = tokens[3]
+    upto = tokens[:tokens.index(end) + 1]
+    for keep, text_ids in ((False, upto[:-1]), (True, upto)):
+        params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[end], include_stop_str_in_output=keep)
+        out = demo_llm.generate([prompt], params)[0]
+        assert out.token_ids == upto and out.stop_reason == end
+        assert out.text == tokenizer.decode(text_ids, skip_special_tokens=True)
+
+
+def test_special_tokens_are_text_when_not_skipped(demo_llm, tokenizer):
+    """skip_special_tokens=False (vLLM's) keeps special tokens in the text; the default leaves them out."""
+    from saguaro_dist import SamplingParams
+    eos = tokenizer.eos_token_id
+    forced = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    skipped = demo_llm.generate(["x = 1"], SamplingParams(**forced))[0]
+    kept = demo_llm.generate(["x = 1"], SamplingParams(**forced, skip_special_tokens=False))[0]
+    assert skipped.token_ids == kept.token_ids == [eos] * 3
+    assert skipped.text == "" and kept.text == tokenizer.eos_token * 3
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(demo_llm, tokenizer):
+    """vLLM's truncate_prompt_tokens: the prompt's last N tokens are what the engine sees."""
+    from saguaro_dist import SamplingParams
+    ids = tokenizer.encode("import os\nimport sys\n\ndef main(argv):\n    return 0\n")
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    cut = demo_llm.generate(prompt_token_ids=[ids], sampling_params=replace(params, truncate_prompt_tokens=5))[0]
+    assert cut.prompt_token_ids == ids[-5:]
+    assert cut.token_ids == demo_llm.generate(prompt_token_ids=[ids[-5:]], sampling_params=params)[0].token_ids
+    whole = demo_llm.generate(prompt_token_ids=[ids], sampling_params=replace(params, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == ids  # -1: the model's max length, longer than this prompt

@@ -103,6 +103,10 @@ def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
         for t in threads:
             t.join(timeout=120)
         check_greedy(pair, results)
+        # what ended a request crosses from the target actor too (vLLM's stop_reason)
+        tokens = results[0].token_ids
+        stopped = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=replace(GREEDY, stop_token_ids=[tokens[2]]))[0]
+        assert stopped.stop_reason == tokens[2] and stopped.token_ids == tokens[:tokens.index(tokens[2]) + 1]
 
 
 def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair):

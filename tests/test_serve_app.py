@@ -223,9 +223,37 @@ def test_stop_token_ids_end_generation(server, oai, reference_llm):
     out = oai.completions.create(model=server.model, prompt="the cat", max_tokens=20, temperature=0,
                                  extra_body={"stop_token_ids": [first]})
     assert out.usage.completion_tokens == 1 and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].stop_reason == first and out.choices[0].text == ""  # the ending token is not text (vLLM)
     held = oai.completions.create(model=server.model, prompt="the cat", max_tokens=20, temperature=0,
                                   extra_body={"stop_token_ids": [first], "min_tokens": 4})
     assert held.usage.completion_tokens >= 4
+
+
+def test_stop_strings_kept_when_asked_and_named_in_stop_reason(server, oai, reference_llm):
+    """vLLM's include_stop_str_in_output and stop_reason, whole and streamed, completions and chat."""
+    full = greedy(reference_llm, "the cat", 16)
+    stop = full[4:7]
+    kept = full[:full.index(stop) + len(stop)]
+    body = dict(model=server.model, max_tokens=16, temperature=0, stop=[stop], extra_body={"include_stop_str_in_output": True})
+    out = oai.completions.create(prompt="the cat", **body)
+    assert (out.choices[0].text, out.choices[0].stop_reason) == (kept, stop)
+    chunks = list(oai.completions.create(prompt="the cat", stream=True, **body))
+    assert "".join(c.choices[0].text for c in chunks) == kept and chunks[-1].choices[0].stop_reason == stop
+    plain = oai.completions.create(model=server.model, prompt="the cat", max_tokens=16, temperature=0, stop=[stop])
+    assert plain.choices[0].text == full[:full.index(stop)] and plain.choices[0].stop_reason == stop
+    chat = oai.chat.completions.create(messages=[{"role": "user", "content": "hi"}], model=server.model, max_tokens=4,
+                                       temperature=0)
+    assert chat.choices[0].stop_reason is None and chat.choices[0].finish_reason == "length"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server, oai, reference_llm):
+    ids = reference_llm.tokenizer.encode("import os\nimport sys\n\ndef main(argv):\n    return 0\n")
+    out = oai.completions.create(model=server.model, prompt=ids, max_tokens=6, temperature=0,
+                                 extra_body={"truncate_prompt_tokens": 4})
+    want = reference_llm.generate(prompt_token_ids=[ids[-4:]], sampling_params=SamplingParams(temperature=0, max_tokens=6))
+    assert out.usage.prompt_tokens == 4 and out.choices[0].text == want[0].text
+    r = post(server, "/v1/completions", {"prompt": ids, "truncate_prompt_tokens": 0})
+    assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"]
 
 
 def test_penalties_reach_the_engine(server, oai, reference_llm):

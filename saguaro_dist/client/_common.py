@@ -78,6 +78,7 @@ class Completion:
     logprobs: dict | None = None     # the choice's OpenAI logprobs object, when the request asked (logprobs=...)
     tool_calls: list[dict] = field(default_factory=list)  # chat: OpenAI tool calls (id, type, function)
     reasoning: str | None = None     # chat, from a server with a reasoning parser: the <think> text
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or stop string that ended it
 
     @classmethod
     def from_body(cls, body: dict) -> "Completion":
@@ -86,7 +87,8 @@ class Completion:
         text = message.get("content") if "message" in choice else choice.get("text")
         return cls(text or "", choice.get("finish_reason"), body.get("model"), body.get("id"),
                    body.get("usage"), body.get("speculation"), body, choice.get("logprobs"),
-                   message.get("tool_calls") or [], message.get("reasoning") or message.get("reasoning_content"))
+                   message.get("tool_calls") or [], message.get("reasoning") or message.get("reasoning_content"),
+                   choice.get("stop_reason"))
 
 
 class StreamAccumulator:
@@ -100,6 +102,7 @@ class StreamAccumulator:
         self.id: str | None = None
         self.tool_calls: list[dict] = []  # chat: tool calls assembled from their deltas
         self.reasoning: str | None = None  # chat: reasoning deltas joined (the text iterated is the content)
+        self.stop_reason: int | str | None = None  # vLLM's, from the finishing chunk
 
     def feed(self, line: str):
         """The text delta in `line` (possibly ""), DONE at the end, or None for non-data lines."""
@@ -128,6 +131,7 @@ class StreamAccumulator:
             if thought:
                 self.reasoning = (self.reasoning or "") + thought
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            self.stop_reason = choice.get("stop_reason", self.stop_reason) if choice.get("finish_reason") else self.stop_reason
         return text
 
     def _add_call_delta(self, delta: dict) -> None:

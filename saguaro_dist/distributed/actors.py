@@ -128,5 +128,6 @@ class TargetRank:
             reason = s.finish_reason.value if item.finished and s.finish_reason else None
             self.updates.put(RemoteUpdate(request_id, item.text_delta, item.token_delta, item.finished, reason,
                                           s.metrics if item.finished else None, logprobs_delta=item.logprobs_delta,
-                                          prompt_logprobs=item.prompt_logprobs))
+                                          prompt_logprobs=item.prompt_logprobs,
+                                          stop_reason=s.stop_reason if item.finished else None))
         return on_update

@@ -200,6 +200,7 @@ class RemoteEngine:
         seq.text += u.text_delta
         if u.finished:
             seq.status, seq.finish_reason, seq.metrics = SeqStatus.FINISHED, FinishReason(u.finish_reason), u.metrics
+            seq.stop_reason = u.stop_reason
         listener(Update(seq, u.text_delta, u.token_delta, u.finished, u.logprobs_delta, u.prompt_logprobs))
 
     def _fail_all(self, why: str) -> None:

@@ -29,3 +29,4 @@ class RemoteUpdate:
     error: str | None = None   # the engine failed this request (retriable)
     logprobs_delta: list[dict[int, float]] | None = None  # per token of token_delta, if the request asked
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first update, if the request asked
+    stop_reason: int | str | None = None  # with the last update: the stop_token_id or stop string that ended it

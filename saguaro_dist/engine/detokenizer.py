@@ -4,10 +4,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def find_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    """Index where the earliest stop string starts, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+def find_stop(text: str, stops: tuple[str, ...], keep: bool = False) -> tuple[int, str] | None:
+    """The earliest stop string in the text (at one place, the first listed) and where the text ends: where
+    that string starts, or where it ends when `keep` (vLLM's include_stop_str_in_output). None: none there."""
+    hits = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+    if not hits:
+        return None
+    start, stop = min(hits, key=lambda hit: hit[0])
+    return (start + len(stop) if keep else start), stop
 
 
 def stable_prefix(text: str, stops: tuple[str, ...]) -> str:
@@ -30,12 +34,13 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
-    def decode_more(self, token_ids: list[int], state: DecodeState, final: bool = False) -> str:
+    def decode_more(self, token_ids: list[int], state: DecodeState, final: bool = False,
+                    skip_special_tokens: bool = True) -> str:
         """The text that ids[state.read_offset:] add, decoded with the last piece as context (a
         tokenizer may render a token differently at the start of a string, e.g. SentencePiece's
         leading space), so each round costs a few tokens, not the whole output (re-decoding it all:
@@ -43,8 +48,8 @@ class Detokenizer:
         end (U+FFFD) waits for its next bytes unless `final`."""
         if self.tokenizer is None:
             return ""
-        context = self.decode(token_ids[state.prefix_offset:state.read_offset])
-        text = self.decode(token_ids[state.prefix_offset:])
+        context = self.decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
+        text = self.decode(token_ids[state.prefix_offset:], skip_special_tokens)
         if not final and (len(text) <= len(context) or text.endswith("\ufffd")):
             return ""
         state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)

@@ -195,7 +195,10 @@ class Engine:
                 s.grammar.commit(t)
             if logprobs:
                 s.output_logprobs.append(logprobs[i])
-            if (t in self.eos_token_ids and not s.params.ignore_eos) or t in s.params.stop_token_ids:
+            if t in self.eos_token_ids and not s.params.ignore_eos:
+                self._finish(s, FinishReason.STOP)
+            elif t in s.params.stop_token_ids:
+                s.stop_reason = t
                 self._finish(s, FinishReason.STOP)
             elif len(s.output_token_ids) >= s.params.max_tokens:
                 self._finish(s, FinishReason.LENGTH)
@@ -209,10 +212,14 @@ class Engine:
         # strings need it every round.
         if not s.params.stop and not self._due(s, now):
             return
-        s.text += self.detok.decode_more(s.output_token_ids, s.decode_state, final=s.finished)
-        cut = find_stop(s.text, s.params.stop)
-        if cut is not None:
-            s.text = s.text[:cut]
+        ids = s.output_token_ids
+        if s.finish_reason is FinishReason.STOP and not s.params.include_stop_str_in_output:
+            ids = ids[:-1]  # the token that ended it (EOS, a stop_token_id) is not text, as in vLLM
+        s.text += self.detok.decode_more(ids, s.decode_state, final=s.finished,
+                                         skip_special_tokens=s.params.skip_special_tokens)
+        stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output)
+        if stop is not None:
+            s.text, s.stop_reason = s.text[:stop[0]], stop[1]
             self._finish(s, FinishReason.STOP)
 
     def _delta(self, s: Sequence) -> Update:

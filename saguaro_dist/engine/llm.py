@@ -13,7 +13,7 @@ from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
-from saguaro_dist.sampling_params import SamplingParams, check_against_model
+from saguaro_dist.sampling_params import SamplingParams, check_against_model, truncate_prompt
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
 
@@ -150,6 +150,7 @@ class LLM:
         params = self._params(sampling_params, len(ids))
         out = []
         for text, tokens, p in zip(texts, ids, params):
+            tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
             self._check_prompt(tokens, p)
             seq = Sequence(next(self._ids), uuid.uuid4().hex, tokens, p)
             out.append((seq, text))
@@ -203,10 +204,11 @@ class LLM:
         return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, seq.text, list(seq.output_token_ids),
                              seq.finish_reason.value if seq.finish_reason else None, seq.metrics,
                              list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                             seq.prompt_logprobs)
+                             seq.prompt_logprobs, seq.stop_reason)
 
     @staticmethod
     def _delta(u: Update) -> StreamDelta:
         reason = u.seq.finish_reason.value if (u.finished and u.seq.finish_reason) else None
         return StreamDelta(u.seq.request_id, u.text_delta, u.token_delta, u.finished, reason,
-                           u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs)
+                           u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs,
+                           u.seq.stop_reason if u.finished else None)

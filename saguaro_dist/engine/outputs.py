@@ -17,6 +17,7 @@ class RequestOutput:
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None  # per token of token_ids: {token id: log p}, if asked for
     prompt_logprobs: list[dict[int, float] | None] | None = None  # per prompt token (the first: None), if asked for
+    stop_reason: int | str | None = None  # the stop_token_id or stop string that ended it (vLLM's); None otherwise
 
 
 @dataclass
@@ -29,3 +30,4 @@ class StreamDelta:
     metrics: RequestMetrics | None = None  # on the final delta
     logprobs: list[dict[int, float]] | None = None  # per token of token_ids, if the request asked for them
     prompt_logprobs: list[dict[int, float] | None] | None = None  # on the first delta, if asked for
+    stop_reason: int | str | None = None  # on the final delta: the stop_token_id or stop string that ended it

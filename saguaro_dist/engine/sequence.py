@@ -58,6 +58,7 @@ class Sequence:
     text: str = ""                         # detokenized output, stop strings cut
     decode_state: DecodeState = field(default_factory=DecodeState)
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None   # vLLM's: the stop_token_id or stop string that ended it; None: EOS, length
     round: int = 0
     speculation: Proposal | None = None    # what the target verifies this round
     speculation_kind: ProposalSource = ProposalSource.NEURAL  # where this round's speculation came from

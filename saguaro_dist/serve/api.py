@@ -149,9 +149,10 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
         content, calls = plan.parse(text)
         return fmt.choice(index, content if content or reasoning is None else None,
                           plan.finish_reason(result.finish_reason, calls), _logprobs(state, fmt, job, result.logprobs),
-                          calls, reasoning)
+                          calls, reasoning, result.stop_reason)
     if not body.echo:
-        return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs))
+        return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs),
+                          stop_reason=result.stop_reason)
     given = body.prompts()[index // body.n]  # the text as sent; a token-id prompt is decoded
     prompt = given if isinstance(given, str) else state.tokenizer.decode(job.prompt_ids)
     logprobs = None
@@ -159,7 +160,7 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
         ids = job.prompt_ids + [next(iter(e)) for e in result.logprobs or []]
         entries = (result.prompt_logprobs or [None] * len(job.prompt_ids)) + (result.logprobs or [])
         logprobs = fmt.logprobs(state.tokenizer, ids, entries, job.params.logprobs)
-    return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs)
+    return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs, stop_reason=result.stop_reason)
 
 
 async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format):
@@ -249,17 +250,18 @@ class _SseEvents:
     def _choice(self, index: int, text: str, last) -> dict | None:
         """This batch's choice for one index, or None when it has nothing to send yet."""
         reason = last.finish_reason if last.finished else None
+        stop_reason = last.stop_reason if last.finished else None
         if not self.fmt.chat:
             if not (text or last.finished):
                 return None
-            return self.fmt.delta_choice(index, text, reason, logprobs=self._take_logprobs(index, text))
+            return self.fmt.delta_choice(index, text, reason, self._take_logprobs(index, text), stop_reason)
         tools = self.tool_streams[index]
         reasoning, text = self.reasoning_streams[index].feed(text, last.finished)
         delta = {**({"reasoning": reasoning} if reasoning else {}), **tools.step(text, last.finished)}
         if not (delta or last.finished):
             return None  # text held back (a tool call may be starting): its log-probabilities wait too
         reason = tools.plan.finish_reason(reason, tools.calls) if last.finished else None
-        return self.fmt.chat_delta(index, delta, reason, logprobs=self._take_logprobs(index, text))
+        return self.fmt.chat_delta(index, delta, reason, self._take_logprobs(index, text), stop_reason)
 
     def _take_logprobs(self, index: int, text: str) -> dict | None:
         entries, self.pending_logprobs[index] = self.pending_logprobs[index], []

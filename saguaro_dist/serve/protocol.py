@@ -98,6 +98,9 @@ class SamplingRequest(OpenAIModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    include_stop_str_in_output: bool = False  # vLLM's extra parameters on the text and the prompt
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last N tokens; -1: the model's max length
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -156,6 +159,9 @@ class SamplingRequest(OpenAIModel):
             structured_outputs=self.requested_structure(),
             logprobs=self.requested_logprobs(),
             prompt_logprobs=self.requested_prompt_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     @property

@@ -57,23 +57,29 @@ class Format:
         return f"{self.id_prefix}-{uuid.uuid4().hex}"
 
     def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
-               tool_calls: list | None = None, reasoning: str | None = None) -> dict:
+               tool_calls: list | None = None, reasoning: str | None = None, stop_reason: int | str | None = None) -> dict:
+        """stop_reason (vLLM's): the stop_token_id or stop string that ended the choice; None otherwise."""
         if self.chat:
             message = {"role": "assistant", "content": text}
             if reasoning is not None:
                 message["reasoning"] = reasoning  # vLLM's name (formerly reasoning_content)
             if tool_calls:
                 message["tool_calls"] = [call.message() for call in tool_calls]
-            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
 
-    def delta_choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    def delta_choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                     stop_reason: int | str | None = None) -> dict:
         """A completions stream choice."""
-        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
-    def chat_delta(self, index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    def chat_delta(self, index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None,
+                   stop_reason: int | str | None = None) -> dict:
         """A chat stream choice; `delta` holds content and / or tool_calls (tools.ToolStream)."""
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": stop_reason}
 
     def logprobs(self, tokenizer, token_ids: list[int], entries: list, top_n: int, text_offset: int = 0) -> dict:
         """The choice's `logprobs` object for `token_ids`, whose engine entries are {chosen id: log p, top ids:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from saguaro_dist.engine.sequence import OutputKind
-from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.sampling_params import SamplingParams, truncate_prompt
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import encode_text
@@ -33,6 +33,7 @@ class Finished:
     metrics: object = None  # the engine's RequestMetrics
     logprobs: list | None = None  # one engine entry per token, when the request asked for them
     prompt_logprobs: list | None = None  # one per prompt token (None first), when the request asked for them
+    stop_reason: int | str | None = None  # the stop_token_id or stop string that ended it (vLLM's)
 
 
 class ServingState:
@@ -79,6 +80,7 @@ class ServingState:
 
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
         """Sampling settings for one prompt; max_tokens defaults to the rest of the context (vLLM)."""
+        prompt_ids = truncate_prompt(prompt_ids, request.truncate_prompt_tokens, self.max_model_len)
         room = self.max_model_len - len(prompt_ids)
         wanted = request.requested_max_tokens()
         if room < 1 or (wanted is not None and wanted > room):
@@ -123,7 +125,7 @@ class ServingState:
                 if delta.prompt_logprobs is not None:
                     out.prompt_logprobs = delta.prompt_logprobs
                 if delta.finished:
-                    out.finish_reason, out.metrics = delta.finish_reason, delta.metrics
+                    out.finish_reason, out.metrics, out.stop_reason = delta.finish_reason, delta.metrics, delta.stop_reason
         out.text = "".join(parts)
         return out
 
