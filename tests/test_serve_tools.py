@@ -21,7 +21,8 @@ from saguaro_dist.serve.api import ServerOptions, create_app
 from saguaro_dist.serve.app import build_app, server_options
 from saguaro_dist.serve.prompts import encode_chat, render_chat
 from saguaro_dist.serve.protocol import ChatCompletionRequest, ChatMessage, Tool
-from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan, ToolStream, parse_hermes
+from saguaro_dist.serve.tool_parsers import ToolCallParser, parse_hermes, parse_llama3_json, parse_mistral
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan, ToolStream
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Tucson", "Phoenix"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 9}},
@@ -79,6 +80,44 @@ def test_hermes_parser(text, content, calls):
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
+    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}\n', None,
+     [("a", {}), ("b", {"x": 1})]),  # Llama writes "parameters"; "arguments" is read too
+    ('Sure: {"name": "a", "parameters": {}}', 'Sure: {"name": "a", "parameters": {}}', []),  # calls open the reply
+    ('{"name": "a", "parameters": {}} and more', '{"name": "a", "parameters": {}} and more', []),
+    ('{"name": "a", "param', '{"name": "a", "param', []),  # cut short
+    ('{"city": "Tucson"}', '{"city": "Tucson"}', []),  # JSON that is not a call
+    ('[1, 2]', '[1, 2]', []),
+])
+def test_llama3_json_parser(text, content, calls):
+    got_content, got = parse_llama3_json(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]', None, [("get_time", {"zone": "UTC"})]),
+    ('Let me check.[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1]}}]',
+     "Let me check.", [("a", {}), ("b", {"x": [1]})]),
+    ('[TOOL_CALLS]{"name": "a", "arguments": {}}', None, [("a", {})]),  # one object, no list
+    ('no calls', 'no calls', []),
+    ('[TOOL_CALLS][{"name": "a", "argu', '[TOOL_CALLS][{"name": "a", "argu', []),
+    ('[TOOL_CALLS][]', '[TOOL_CALLS][]', []),
+])
+def test_mistral_parser(text, content, calls):
+    got_content, got = parse_mistral(text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in got)  # Mistral's templates refuse other ids
+
+
+def test_only_a_parser_whose_marker_is_a_special_token_keeps_special_tokens():
+    params = SamplingParams()
+    for parser in ToolCallParser:
+        plan = ToolPlan(ToolChoiceKind.AUTO, ({"name": "a"},), parser=parser)
+        assert plan.adjust(params).skip_special_tokens is (parser is not ToolCallParser.MISTRAL)
+    assert ToolPlan(ToolChoiceKind.REQUIRED, ({"name": "a"},), parser=ToolCallParser.MISTRAL).adjust(params) == params
+
+
 def _streamed(plan: ToolPlan, text: str, piece: int) -> tuple[str, list[dict]]:
     """Feed `text` in pieces; the content and the tool-call deltas that come out."""
     stream, content, calls = ToolStream(plan), "", []
@@ -90,14 +129,30 @@ def _streamed(plan: ToolPlan, text: str, piece: int) -> tuple[str, list[dict]]:
 
 
 @pytest.mark.parametrize("piece", [1, 2, 5, 11, 1000])
-def test_auto_streams_content_and_holds_back_what_may_start_a_call(piece):
-    plan = ToolPlan(ToolChoiceKind.AUTO, ({"name": "a"},))
-    text = 'x < y <tool_ <tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>'
-    content, calls = _streamed(plan, text, piece)
-    assert content == "x < y <tool_ " and len(calls) == 1 and calls[0]["index"] == 0
-    assert calls[0]["function"] == {"name": "a", "arguments": '{"k": 1}'} and calls[0]["id"].startswith("chatcmpl-tool-")
-    assert _streamed(plan, "ends with <tool_c", piece) == ("ends with <tool_c", [])  # held back, then released
-    assert _streamed(plan, '<tool_call>{"nam', piece) == ('<tool_call>{"nam', [])
+@pytest.mark.parametrize("parser, marker, call", [
+    (ToolCallParser.HERMES, "<tool_call>", '<tool_call>{"name": "a", "arguments": {"k": 1}}</tool_call>'),
+    (ToolCallParser.MISTRAL, "[TOOL_CALLS]", '[TOOL_CALLS][{"name": "a", "arguments": {"k": 1}}]'),
+])
+def test_auto_streams_content_and_holds_back_what_may_start_a_call(piece, parser, marker, call):
+    plan = ToolPlan(ToolChoiceKind.AUTO, ({"name": "a"},), parser=parser)
+    lead = f"x < y {marker[:5]} "
+    content, calls = _streamed(plan, lead + call, piece)
+    assert content == lead and len(calls) == 1 and calls[0]["index"] == 0
+    assert calls[0]["function"] == {"name": "a", "arguments": '{"k": 1}'} and calls[0]["type"] == "function"
+    assert _streamed(plan, f"ends with {marker[:7]}", piece) == (f"ends with {marker[:7]}", [])  # held, then released
+    assert _streamed(plan, f'{marker}{{"nam', piece) == (f'{marker}{{"nam', [])
+
+
+@pytest.mark.parametrize("piece", [1, 2, 5, 1000])
+def test_llama3_json_streams_a_reply_that_does_not_open_with_a_call(piece):
+    plan = ToolPlan(ToolChoiceKind.AUTO, ({"name": "a"},), parser=ToolCallParser.LLAMA3_JSON)
+    content, calls = _streamed(plan, ' \n<|python_tag|>{"name": "a", "parameters": {"k": 1}}', piece)
+    assert content == "" and [c["function"] for c in calls] == [{"name": "a", "arguments": '{"k": 1}'}]
+    assert _streamed(plan, "Sure: {} is empty", piece) == ("Sure: {} is empty", [])
+    assert _streamed(plan, ' {"city": "Tucson"}', piece) == (' {"city": "Tucson"}', [])  # held to the end: not a call
+    assert _streamed(plan, "<|python", piece) == ("<|python", [])
+    stream = ToolStream(plan)  # text streams as soon as it cannot open a call
+    assert stream.step(" Su", False) == {"content": " Su"} and stream.step('{"name"', False) == {"content": '{"name"'}
 
 
 @pytest.mark.parametrize("piece", [1, 3, 1000])
@@ -214,6 +269,34 @@ def test_auto_needs_a_parser_and_plain_text_stays_content(served):
     assert "<tool_call>" not in auto.choices[0].message.content  # the demo model knows nothing of tools
     assert auto.choices[0].message.content == none.choices[0].message.content == text
     assert not auto.choices[0].message.tool_calls and auto.choices[0].finish_reason == "length"
+
+
+FORCED_CALLS = {  # a regex that makes the demo model write one call in each family's syntax
+    "hermes": r'<tool_call>\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}</tool_call>',
+    "llama3_json": r'\{"name": "get_time", "parameters": \{"zone": "UTC"\}\}',
+    "mistral": r'Checking\.\[TOOL_CALLS\]\[\{"name": "get_time", "arguments": \{"zone": "UTC"\}\}\]',
+}
+
+
+@pytest.mark.parametrize("parser", sorted(FORCED_CALLS))
+def test_each_parser_reads_its_familys_calls_over_http(served, parser):
+    """tool_choice auto with a regex that writes the family's syntax (a model that knows no tools has to be
+    told what to say): the server's parser turns the reply into a call, whole and streamed."""
+    llm = served[0]
+    with serve_on_loopback(create_app(llm, ServerOptions("demo", tool_call_parser=parser))) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        body = dict(model="demo", messages=MESSAGES, tools=TOOLS, max_tokens=64, temperature=0,
+                    extra_body={"structured_outputs": {"regex": FORCED_CALLS[parser]}})
+        out = client.chat.completions.create(**body)
+        chunks = list(client.chat.completions.create(stream=True, **body))
+    (call,) = out.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"zone": "UTC"})
+    assert out.choices[0].finish_reason == "tool_calls"
+    assert out.choices[0].message.content == ("Checking." if parser == "mistral" else None)
+    streamed = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []] if chunks else []
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [("get_time", call.function.arguments)]
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == (out.choices[0].message.content or "")
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_a_conversation_with_tool_results_goes_on(served):

@@ -6,7 +6,7 @@ import sys
 
 from saguaro_dist.deploy import k8s
 from saguaro_dist.serve.reasoning import ReasoningParser
-from saguaro_dist.serve.tools import ToolCallParser
+from saguaro_dist.serve.tool_parsers import ToolCallParser
 
 DEFAULTS = k8s.K8sSettings()
 BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
@@ -37,7 +37,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--served-model-name", help="model name the OpenAI API reports (default: --model)")
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
-                        help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes)')
+                        help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes; '
+                             'llama3_json: Llama 3.1-3.3; mistral)')
     parser.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                         help="return <think> text as the chat message's reasoning (qwen3, deepseek_r1)")
 

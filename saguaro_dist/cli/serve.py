@@ -13,7 +13,7 @@ from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, M
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 from saguaro_dist.serve.reasoning import ReasoningParser
-from saguaro_dist.serve.tools import ToolCallParser
+from saguaro_dist.serve.tool_parsers import ToolCallParser
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,8 @@ def register(subparsers) -> None:
                         "Ray Serve LLM; 0: a chunk per engine round)")
     g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                    help='read tool calls out of tool_choice "auto" replies in this format (hermes: <tool_call> JSON '
-                        '</tool_call>, as Hermes and Qwen 2.5 / 3 chat templates ask); without it "auto" is a 400')
+                        '</tool_call>, Hermes and Qwen 2.5 / 3; llama3_json: Llama 3.1-3.3 JSON calls; mistral: '
+                        '[TOOL_CALLS] lists); without it "auto" is a 400')
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                    help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
                         "deepseek_r1: DeepSeek-R1, QwQ)")

@@ -45,7 +45,7 @@ class K8sSettings:
     max_batch_size: int = 8
     dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU
     served_model_name: str | None = None
-    tool_call_parser: str | None = None  # tool_choice "auto": hermes for Qwen 2.5 / 3 and Hermes models
+    tool_call_parser: str | None = None  # tool_choice "auto": hermes (Qwen 2.5 / 3, Hermes), llama3_json, mistral
     reasoning_parser: str | None = None  # <think> text as the message's reasoning: qwen3, deepseek_r1
     tp: int = 1
     draft_workers: int = 1

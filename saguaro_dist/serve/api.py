@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -16,7 +16,8 @@ from saguaro_dist.serve.prompts import encode_chat, encode_text
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, merge
-from saguaro_dist.serve.tools import ToolCallParser, ToolChoiceKind, ToolStream
+from saguaro_dist.serve.tool_parsers import ToolCallParser
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolStream
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
 # As Ray Serve LLM. Every SSE write costs the replica Serve's per-message work (and a proxy trip), on
@@ -32,7 +33,7 @@ class ServerOptions:
     api_key: str | None = None
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # 0: one SSE chunk per engine round
-    tool_call_parser: str | None = None  # reads tool_choice "auto" replies (tools.ToolCallParser); None: auto is a 400
+    tool_call_parser: str | None = None  # reads tool_choice "auto" replies (tool_parsers.ToolCallParser); None: auto is a 400
     reasoning_parser: str | None = None  # splits a thinking model's reasoning from its content (reasoning.ReasoningParser)
 
     def __post_init__(self):
@@ -106,12 +107,14 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    plan = body.tool_plan()
-    if plan.kind is ToolChoiceKind.AUTO and state.tool_call_parser is None:
+    plan = state.tool_plan_for(body)
+    if plan.kind is ToolChoiceKind.AUTO and plan.parser is None:
         raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
-                            'hermes); name a function or use "required" instead', param="tool_choice")
+                            f'{" | ".join(p.value for p in ToolCallParser)}); name a function or use "required" instead',
+                       param="tool_choice")
     jobs = state.jobs([encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs)], body,
                       "messages")
+    jobs = [replace(job, params=plan.adjust(job.params)) for job in jobs]
     return await _respond(state, body, jobs, model, responses.CHAT)
 
 
@@ -144,7 +147,7 @@ def _logprobs(state: ServingState, fmt: responses.Format, job: Job, entries: lis
 def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result) -> dict:
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
     if fmt.chat:
-        plan = body.tool_plan()
+        plan = state.tool_plan_for(body)
         reasoning, text = split_reasoning(state.reasoning_parser_for(body), result.text)
         content, calls = plan.parse(text)
         return fmt.choice(index, content if content or reasoning is None else None,
@@ -218,7 +221,7 @@ class _SseEvents:
         # Log-probabilities of tokens whose text is held back (a possible stop string) wait for its chunk.
         self.pending_logprobs: list[list] = [[] for _ in jobs]
         self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
-        self.tool_streams = [ToolStream(body.tool_plan()) for _ in jobs]  # chat: content and tool-call deltas
+        self.tool_streams = [ToolStream(state.tool_plan_for(body)) for _ in jobs]  # chat: content and tool-call deltas
         self.reasoning_streams = [ReasoningStream(state.reasoning_parser_for(body)) for _ in jobs]  # chat
 
     @property

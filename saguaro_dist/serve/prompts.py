@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from saguaro_dist.serve.protocol import ChatMessage, Tool
-from saguaro_dist.serve.tools import HERMES_CLOSE, HERMES_OPEN
+from saguaro_dist.serve.tool_parsers import HERMES_CLOSE, HERMES_OPEN
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

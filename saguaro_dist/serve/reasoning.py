@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from saguaro_dist.serve.tools import partial_suffix
+from saguaro_dist.serve.tool_parsers import partial_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 

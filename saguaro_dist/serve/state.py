@@ -15,6 +15,8 @@ from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import encode_text
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
 from saguaro_dist.serve.reasoning import ReasoningParser
+from saguaro_dist.serve.tool_parsers import ToolCallParser
+from saguaro_dist.serve.tools import ToolPlan
 
 
 @dataclass
@@ -40,7 +42,7 @@ class ServingState:
     def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         self.engine = engine
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = ToolCallParser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.stream_interval_s = stream_interval_s  # streamed deltas closer than this share one SSE write
         self.tokenizer = engine.tokenizer
@@ -49,6 +51,10 @@ class ServingState:
         self.metrics = metrics
         self.running = 0
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
+
+    def tool_plan_for(self, request) -> ToolPlan:
+        """The chat request's tool plan, read by this server's tool-call parser."""
+        return replace(request.tool_plan(), parser=self.tool_call_parser)
 
     def reasoning_parser_for(self, request: SamplingRequest) -> ReasoningParser | None:
         """The server's reasoning parser, unless the request's reply is constrained (its grammar covers it all)."""

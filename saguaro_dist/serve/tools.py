@@ -4,21 +4,21 @@
   none      the tools are shown to the chat template; the reply is text.
   named     the reply is that function's arguments, constrained to its JSON schema.
   required  the reply is a JSON array of {"name", "parameters"} calls, constrained to the given functions.
-  auto      the model decides; the server's tool-call parser reads its text (`hermes`: the
-            <tool_call>{"name", "arguments"}</tool_call> blocks of Hermes and Qwen 2.5 / 3 chat
-            templates). A server without a parser answers 400, as vLLM does.
+  auto      the model decides; the server's tool-call parser reads its text (serve/tool_parsers.py:
+            hermes, llama3_json, mistral). A server without a parser answers 400, as vLLM does.
 named and required constrain through structured outputs, which every path (sd, ssd hit or miss, Ray)
 samples exactly, so a tool call is the target's own distribution under the schema.
 """
 from __future__ import annotations
 
 import json
-import re
-import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
-from saguaro_dist.sampling_params import StructuredOutputsParams
+from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
+from saguaro_dist.serve.tool_parsers import ToolCall, ToolCallParser
+
+ANY_OBJECT = {"type": "object"}  # a function declared without parameters
 
 
 class ToolChoiceKind(Enum):
@@ -28,32 +28,6 @@ class ToolChoiceKind(Enum):
     NAMED = "named"
 
 
-class ToolCallParser(Enum):
-    HERMES = "hermes"
-
-
-HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
-ANY_OBJECT = {"type": "object"}  # a function declared without parameters
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    id: str
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-    @classmethod
-    def new(cls, name: str, arguments: str) -> "ToolCall":
-        return cls(f"chatcmpl-tool-{uuid.uuid4().hex}", name, arguments)
-
-    def message(self) -> dict:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
-
-    def delta(self, index: int) -> dict:
-        return {"index": index, **self.message()}
-
-
 @dataclass(frozen=True)
 class ToolPlan:
     """What a chat request's tools ask of the engine and how its text becomes tool calls."""
@@ -61,6 +35,7 @@ class ToolPlan:
     functions: tuple[dict, ...] = ()  # OpenAI function definitions: name, description, parameters
     name: str | None = None           # the named function
     parallel: bool = True             # required: more than one call allowed
+    parser: ToolCallParser | None = None  # auto: how the server reads calls in the reply
 
     def structure(self) -> StructuredOutputsParams | None:
         """The constraint named and required generate under (none for auto and none)."""
@@ -87,9 +62,15 @@ class ToolPlan:
             return None, [ToolCall.new(self.name, text)]
         if self.kind is ToolChoiceKind.REQUIRED:
             return _parse_required(text)
-        if self.kind is ToolChoiceKind.AUTO:
-            return parse_hermes(text)
+        if self.kind is ToolChoiceKind.AUTO and self.parser is not None:
+            return self.parser.parse(text)
         return text, []
+
+    def adjust(self, params: SamplingParams) -> SamplingParams:
+        """A parser whose call marker is a special token needs special tokens kept in the text."""
+        if self.kind is ToolChoiceKind.AUTO and self.parser is not None and self.parser.keeps_special_tokens:
+            return replace(params, skip_special_tokens=False)
+        return params
 
     def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
         # OpenAI: "tool_calls" when the model chose to call; a forced (named) call ends with "stop".
@@ -100,22 +81,9 @@ class ToolPlan:
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
     try:
         calls = json.loads(text)
-        return None, [ToolCall.new(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        return None, [ToolCall.new(c["name"], c["parameters"]) for c in calls]
     except (ValueError, TypeError, KeyError):  # cut short by max_tokens: the text is all there is
         return text, []
-
-
-def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
-    """Hermes-format tool calls: the text before the first <tool_call> is content."""
-    start = text.find(HERMES_OPEN)
-    if start < 0:
-        return text, []
-    try:
-        blocks = [json.loads(m.group(1)) for m in _HERMES_BLOCK.finditer(text, start)]
-        calls = [ToolCall.new(b["name"], json.dumps(b.get("arguments", {}), ensure_ascii=False)) for b in blocks]
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return text, []
-    return text[:start] or None, calls
 
 
 class ToolStream:
@@ -124,7 +92,7 @@ class ToolStream:
 
     named: the text is the arguments, streamed as they come (the first delta names the call). required
     and auto's calls are sent whole when the reply ends (a half-written call has no name to send);
-    auto's content streams until a <tool_call> starts, holding back text that could begin one."""
+    auto's content streams until the parser's calls start, holding back text that could begin them."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
@@ -170,22 +138,15 @@ class ToolStream:
         return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
 
     def _auto_content(self) -> dict:
-        """Content up to where a <tool_call> starts or might start; after one, nothing until the end."""
-        if self.sent < 0:
+        """Content up to where the calls start or might start; after they start, nothing until the end."""
+        if self.sent < 0 or self.plan.parser is None:
             return {}
-        start = self.held.find(HERMES_OPEN)
+        syntax, at_start = self.plan.parser.syntax, self.sent == 0
+        start = syntax.start(self.held, at_start)
         if start >= 0:
             out, self.held, self.sent = self.held[:start], self.held[start:], -1
         else:
-            keep = partial_suffix(self.held, HERMES_OPEN)
+            keep = syntax.undecided(self.held, at_start)
             out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
             self.sent += len(out)
         return {"content": out} if out else {}
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0

@@ -1,0 +1,171 @@
+"""Tool-call parsers for tool_choice "auto" (vLLM's names): how a model family writes calls in its reply.
+
+  hermes       <tool_call>{"name", "arguments"}</tool_call> blocks, anywhere after some content
+               (Hermes, Qwen 2.5 / 3 chat templates).
+  llama3_json  the whole reply is {"name", "parameters"} objects, "; " between them, optionally after
+               <|python_tag|> (Llama 3.1 - 3.3's JSON tool calling).
+  mistral      [TOOL_CALLS] then a JSON list of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo).
+               [TOOL_CALLS] is a special token there, so replies keep special tokens in their text, and
+               call ids are 9 letters or digits, as Mistral's chat templates insist.
+
+A reply that does not parse stays content: the model's text is never lost.
+"""
+from __future__ import annotations
+
+import json
+import random
+import re
+import string
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+MISTRAL_CALLS = "[TOOL_CALLS]"
+_MISTRAL_ID_CHARS = string.ascii_letters + string.digits
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    @classmethod
+    def new(cls, name: str, arguments, id: str | None = None) -> "ToolCall":
+        """arguments: JSON text, or a mapping to write as JSON."""
+        text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        return cls(id or f"chatcmpl-tool-{uuid.uuid4().hex}", name, text)
+
+    def message(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def delta(self, index: int) -> dict:
+        return {"index": index, **self.message()}
+
+
+Parsed = tuple[str | None, list[ToolCall]]  # (content, calls) of a finished reply
+
+
+def parse_hermes(text: str) -> Parsed:
+    """Hermes-format tool calls: the text before the first <tool_call> is content; the last block may lack
+    its close tag (EOS came first)."""
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return text, []
+    try:
+        blocks = [json.loads(m.group(1)) for m in _HERMES_BLOCK.finditer(text, start)]
+        calls = [ToolCall.new(b["name"], b.get("arguments", {})) for b in blocks]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return text, []
+    return text[:start] or None, calls
+
+
+def parse_llama3_json(text: str) -> Parsed:
+    """Llama 3's JSON calls: the reply (after an optional <|python_tag|>) is one or more {"name", "parameters"}
+    objects separated by ";"; anything else in it makes the whole reply content."""
+    body = text.strip()
+    body = body[len(LLAMA_PYTHON_TAG):] if body.startswith(LLAMA_PYTHON_TAG) else body
+    try:
+        objects = _json_objects(body, separator=";")
+        calls = [ToolCall.new(o["name"], o.get("parameters", o.get("arguments", {}))) for o in objects]
+    except (ValueError, TypeError, KeyError):
+        return text, []
+    return (None, calls) if calls else (text, [])
+
+
+def parse_mistral(text: str) -> Parsed:
+    """Mistral's calls: content, then [TOOL_CALLS] and a JSON list (or one object) of {"name", "arguments"}."""
+    start = text.find(MISTRAL_CALLS)
+    if start < 0:
+        return text, []
+    try:
+        given = json.loads(text[start + len(MISTRAL_CALLS):].strip())
+        given = [given] if isinstance(given, dict) else given
+        calls = [ToolCall.new(c["name"], c.get("arguments", {}), id=mistral_call_id()) for c in given]
+    except (ValueError, TypeError, KeyError):
+        return text, []
+    return (text[:start] or None, calls) if calls else (text, [])
+
+
+def mistral_call_id() -> str:
+    return "".join(random.choices(_MISTRAL_ID_CHARS, k=9))
+
+
+def _json_objects(text: str, separator: str) -> list[dict]:
+    """The JSON objects `text` is made of, in order, whitespace and `separator` between them (ValueError
+    for anything else, or an object that is not a mapping)."""
+    decoder, objects, i = json.JSONDecoder(), [], 0
+    while True:
+        i = _skip(text, i, " \t\r\n" + separator)
+        if i == len(text):
+            return objects
+        obj, i = decoder.raw_decode(text, i)
+        if not isinstance(obj, dict):
+            raise ValueError("a tool call must be a JSON object")
+        objects.append(obj)
+
+
+def _skip(text: str, i: int, chars: str) -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
+
+
+@dataclass(frozen=True)
+class CallSyntax:
+    """Where a family's calls begin in a reply, for streaming content before them: `markers` open the
+    calls; with `leading_only` they count only at the reply's start (after whitespace)."""
+    markers: tuple[str, ...]
+    leading_only: bool = False
+
+    def start(self, text: str, at_reply_start: bool) -> int:
+        """Where the calls begin in `text` (the unsent rest of the reply), or -1 for not (yet). Calls that
+        must open the reply take its leading whitespace with them: such a reply has no content."""
+        if self.leading_only:
+            rest = text.lstrip()
+            return 0 if at_reply_start and any(rest.startswith(m) for m in self.markers) else -1
+        hits = [i for i in (text.find(m) for m in self.markers) if i >= 0]
+        return min(hits) if hits else -1
+
+    def undecided(self, text: str, at_reply_start: bool) -> int:
+        """How many characters at the end of `text` could still begin the calls (held back from content)."""
+        if self.leading_only:
+            rest = text.lstrip()
+            return len(text) if at_reply_start and any(m.startswith(rest) for m in self.markers) else 0
+        return max(partial_suffix(text, m) for m in self.markers)
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+class ToolCallParser(Enum):
+    HERMES = "hermes"
+    LLAMA3_JSON = "llama3_json"
+    MISTRAL = "mistral"
+
+    def parse(self, text: str) -> Parsed:
+        return _PARSE[self](text)
+
+    @property
+    def syntax(self) -> CallSyntax:
+        return _SYNTAX[self]
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Its call marker is a special token in its family's tokenizers: replies must keep them as text."""
+        return self is ToolCallParser.MISTRAL
+
+
+_PARSE = {ToolCallParser.HERMES: parse_hermes, ToolCallParser.LLAMA3_JSON: parse_llama3_json,
+          ToolCallParser.MISTRAL: parse_mistral}
+_SYNTAX = {ToolCallParser.HERMES: CallSyntax((HERMES_OPEN,)),
+           ToolCallParser.LLAMA3_JSON: CallSyntax((LLAMA_PYTHON_TAG, "{"), leading_only=True),
+           ToolCallParser.MISTRAL: CallSyntax((MISTRAL_CALLS,))}
