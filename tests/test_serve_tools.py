@@ -67,47 +67,37 @@ def test_required_reply_becomes_calls_and_a_cut_reply_stays_text():
     assert _plan(tool_choice=NAMED).finish_reason("stop", calls) == "stop"  # a forced call ends as OpenAI's: stop
 
 
-@pytest.mark.parametrize("text, content, calls", [
-    ("no calls here", "no calls here", []),
-    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', None, [("get_time", {"zone": "UTC"})]),
-    ('Let me look. <tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": [1]}}',
+H, L, M = parse_hermes, parse_llama3_json, parse_mistral
+
+
+@pytest.mark.parametrize("parse, text, content, calls", [
+    (H, "no calls here", "no calls here", []),
+    (H, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', None, [("get_time", {"zone": "UTC"})]),
+    (H, 'Let me look. <tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>{"name": "b", "arguments": {"x": [1]}}',
      "Let me look. ", [("a", {}), ("b", {"x": [1]})]),  # the last block may lack its close tag (EOS came first)
-    ('<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),  # broken JSON stays text
-    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
-])
-def test_hermes_parser(text, content, calls):
-    got_content, got = parse_hermes(text)
-    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
-
-
-@pytest.mark.parametrize("text, content, calls", [
-    ('{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
-    ('<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}\n', None,
+    (H, '<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),  # broken JSON stays text
+    (H, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    (L, '{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
+    (L, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}\n', None,
      [("a", {}), ("b", {"x": 1})]),  # Llama writes "parameters"; "arguments" is read too
-    ('Sure: {"name": "a", "parameters": {}}', 'Sure: {"name": "a", "parameters": {}}', []),  # calls open the reply
-    ('{"name": "a", "parameters": {}} and more', '{"name": "a", "parameters": {}} and more', []),
-    ('{"name": "a", "param', '{"name": "a", "param', []),  # cut short
-    ('{"city": "Tucson"}', '{"city": "Tucson"}', []),  # JSON that is not a call
-    ('[1, 2]', '[1, 2]', []),
-])
-def test_llama3_json_parser(text, content, calls):
-    got_content, got = parse_llama3_json(text)
-    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
-
-
-@pytest.mark.parametrize("text, content, calls", [
-    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]', None, [("get_time", {"zone": "UTC"})]),
-    ('Let me check.[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1]}}]',
+    (L, 'Sure: {"name": "a", "parameters": {}}', 'Sure: {"name": "a", "parameters": {}}', []),  # calls open the reply
+    (L, '{"name": "a", "parameters": {}} and more', '{"name": "a", "parameters": {}} and more', []),
+    (L, '{"name": "a", "param', '{"name": "a", "param', []),  # cut short
+    (L, '{"city": "Tucson"}', '{"city": "Tucson"}', []),  # JSON that is not a call
+    (L, '[1, 2]', '[1, 2]', []),
+    (M, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]', None, [("get_time", {"zone": "UTC"})]),
+    (M, 'Let me check.[TOOL_CALLS] [{"name": "a", "arguments": {}}, {"name": "b", "arguments": {"x": [1]}}]',
      "Let me check.", [("a", {}), ("b", {"x": [1]})]),
-    ('[TOOL_CALLS]{"name": "a", "arguments": {}}', None, [("a", {})]),  # one object, no list
-    ('no calls', 'no calls', []),
-    ('[TOOL_CALLS][{"name": "a", "argu', '[TOOL_CALLS][{"name": "a", "argu', []),
-    ('[TOOL_CALLS][]', '[TOOL_CALLS][]', []),
+    (M, '[TOOL_CALLS]{"name": "a", "arguments": {}}', None, [("a", {})]),  # one object, no list
+    (M, 'no calls', 'no calls', []),
+    (M, '[TOOL_CALLS][{"name": "a", "argu', '[TOOL_CALLS][{"name": "a", "argu', []),
+    (M, '[TOOL_CALLS][]', '[TOOL_CALLS][]', []),
 ])
-def test_mistral_parser(text, content, calls):
-    got_content, got = parse_mistral(text)
+def test_parsers(parse, text, content, calls):
+    got_content, got = parse(text)
     assert got_content == content and [(c.name, json.loads(c.arguments)) for c in got] == calls
-    assert all(len(c.id) == 9 and c.id.isalnum() for c in got)  # Mistral's templates refuse other ids
+    if parse is M:
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in got)  # Mistral's templates refuse other ids
 
 
 def test_only_a_parser_whose_marker_is_a_special_token_keeps_special_tokens():
