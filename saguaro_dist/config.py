@@ -40,6 +40,12 @@ class FallbackPolicy(str, enum.Enum):
     RANDOM = "random"  # random tokens (the paper's fast backup), for comparison
 
 
+class SchedulingPolicy(str, enum.Enum):
+    """Which waiting request takes a free batch slot (vLLM's --scheduling-policy)."""
+    FCFS = "fcfs"          # first come, first served
+    PRIORITY = "priority"  # the lowest `priority` value first, then first come; running requests are not preempted
+
+
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -91,6 +97,7 @@ class Config:
     dtype: str = "float32"
     enforce_eager: bool = False            # on CUDA: every forward eager (default: short ones replay CUDA graphs; model/cuda_graphs.py)
     enable_prefix_caching: bool = True     # finished sequences' KV rows are reused by prompts that start alike (model/prefix_cache.py)
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
@@ -110,6 +117,7 @@ class Config:
         object.__setattr__(self, "draft_executor", parse_enum(DraftExecutor, self.draft_executor, "draft_executor"))
         object.__setattr__(self, "fallback", parse_enum(FallbackPolicy, self.fallback, "fallback"))
         object.__setattr__(self, "tree_policy", parse_enum(TreePolicy, self.tree_policy, "tree_policy"))
+        object.__setattr__(self, "scheduling_policy", parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy"))
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
         self._validate()

@@ -27,6 +27,8 @@ def llm(tiny_llama_pair):
     (dict(prompt_token_ids=[[1]], sampling_params=SamplingParams(allowed_token_ids=[1, 999])), "allowed_token_ids names"),
     (dict(prompt_token_ids=[[1]], sampling_params=SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2)),
      "only end tokens"),
+    (dict(prompt_token_ids=[[1]], priority=[1]), "scheduling_policy='priority'"),
+    (dict(prompt_token_ids=[[1], [2]], priority=[0]), "one int per prompt"),
 ])
 def test_bad_requests_are_rejected_up_front(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -316,6 +316,7 @@ def test_client_disconnect_cancels_generation(server):
     ({"prompt": "hi", "temperature": -0.5}, "temperature"),
     ({"prompt": "hi", "top_p": 0}, "top_p"),
     ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ({"prompt": "hi", "priority": 2}, "priority"),  # this server serves first come, first served
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "n": 0}, "n"),

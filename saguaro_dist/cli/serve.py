@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, TreePolicy
+from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, SchedulingPolicy, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -25,7 +25,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy",
-                "enable_prefix_caching": "enable_prefix_caching"}
+                "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser"}
@@ -65,6 +65,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse finished sequences' KV for prompts that start with their tokens (default on)")
+    g.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
+                   help="which waiting request takes a free batch slot: fcfs (default) or priority (the request's "
+                        "`priority`, lower first; running requests are not preempted)")
     g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],

@@ -93,7 +93,7 @@ class TargetRank:
     def submit(self, request: RemoteRequest) -> None:
         from saguaro_dist.engine.sequence import Sequence
         seq = Sequence(request.seq_id, request.request_id, request.prompt_token_ids, request.params, request.output_kind,
-                       request.stream_interval_s)
+                       request.stream_interval_s, request.priority)
         self.thread.submit(seq, self._listener(request.request_id))
 
     def abort(self, request_id: str) -> None:

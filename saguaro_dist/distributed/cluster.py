@@ -152,7 +152,7 @@ class RemoteEngine:
         with self._lock:
             self._requests[seq.request_id] = (seq, listener)
         request = RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.output_kind,
-                                seq.stream_interval_s)
+                                seq.stream_interval_s, seq.priority)
         try:
             ray.get(self.rank0.submit.remote(request))
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:

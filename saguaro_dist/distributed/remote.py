@@ -16,6 +16,7 @@ class RemoteRequest:
     params: SamplingParams
     output_kind: OutputKind = OutputKind.DELTA
     stream_interval_s: float = 0.0
+    priority: int = 0
 
 
 @dataclass

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from saguaro_dist.config import Config
+from saguaro_dist.config import Config, SchedulingPolicy
 from saguaro_dist.engine.detokenizer import Detokenizer, find_stop, stable_prefix
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
@@ -47,7 +47,12 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         if seq.params.structured_outputs is not None:
             seq.grammar = self.grammars.state(seq.params)
-        self.waiting.append(seq)
+        if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
+            # behind every waiting request of the same or a more urgent priority: stable, so FCFS within one
+            place = next((i for i, w in enumerate(self.waiting) if w.priority > seq.priority), len(self.waiting))
+            self.waiting.insert(place, seq)
+        else:
+            self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)

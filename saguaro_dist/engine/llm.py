@@ -7,7 +7,7 @@ import threading
 import uuid
 from typing import AsyncIterator
 
-from saguaro_dist.config import Config, Mode
+from saguaro_dist.config import Config, Mode, SchedulingPolicy
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
@@ -58,9 +58,10 @@ class LLM:
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (continuously batched); outputs in prompt order."""
-        requests = self._requests(prompts, prompt_token_ids, sampling_params)
+                 prompt_token_ids: list[list[int]] | None = None, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (continuously batched); outputs in prompt order. priority: one int per
+        prompt, lower admitted first (needs scheduling_policy="priority", as vLLM)."""
+        requests = self._requests(prompts, prompt_token_ids, sampling_params, priority)
         done = [threading.Event() for _ in requests]
         results: list = [None] * len(requests)
         for i, (seq, _) in enumerate(requests):
@@ -74,7 +75,8 @@ class LLM:
         return [self._output(seq, text) for seq, (_, text) in zip(results, requests)]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             priority: list[int] | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI messages: role, content, tool_calls, tool_call_id) or a
         list of them, rendered as the server renders /v1/chat/completions (the tokenizer's chat template
         with `tools`; a plain transcript without one), then generated; outputs in conversation order."""
@@ -88,12 +90,12 @@ class LLM:
         tools = [Tool(**t) for t in tools or []]
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs)
                for conv in conversations]
-        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority)
 
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
-                     output_kind: OutputKind | str = OutputKind.DELTA, stream_interval_s: float = 0.0
-                     ) -> AsyncIterator[StreamDelta]:
+                     output_kind: OutputKind | str = OutputKind.DELTA, stream_interval_s: float = 0.0,
+                     priority: int = 0) -> AsyncIterator[StreamDelta]:
         """Deltas of one request as rounds finish; closing the iterator early aborts the request.
 
         stream_interval_s: once some text went out, rounds closer than this share one delta (as vLLM's
@@ -104,7 +106,7 @@ class LLM:
                                                        and 0 <= stream_interval_s < float("inf")):
             raise ValueError(f"stream_interval_s must be a finite number >= 0, got {stream_interval_s!r}")
         seq, _ = self._requests(None if prompt is None else [prompt],
-                                None if prompt_token_ids is None else [prompt_token_ids], sampling_params)[0]
+                                None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority])[0]
         seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
         if request_id:
             seq.request_id = request_id
@@ -144,15 +146,16 @@ class LLM:
         self.shutdown()
 
     # ---- edges ------------------------------------------------------------------------------
-    def _requests(self, prompts, prompt_token_ids, sampling_params) -> list[tuple[Sequence, str | None]]:
+    def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None) -> list[tuple[Sequence, str | None]]:
         """Validate everything before any work; one Sequence per prompt."""
         texts, ids = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids))
+        priorities = self._priorities(priority, len(ids))
         out = []
-        for text, tokens, p in zip(texts, ids, params):
+        for text, tokens, p, rank in zip(texts, ids, params, priorities):
             tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
             self._check_prompt(tokens, p)
-            seq = Sequence(next(self._ids), uuid.uuid4().hex, tokens, p)
+            seq = Sequence(next(self._ids), uuid.uuid4().hex, tokens, p, priority=rank)
             out.append((seq, text))
         return out
 
@@ -176,6 +179,15 @@ class LLM:
         if len(sampling_params) != n:
             raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
         return list(sampling_params)
+
+    def _priorities(self, priority, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        if len(priority) != n or any(type(p) is not int for p in priority):
+            raise ValueError(f"priority must be one int per prompt ({n}), got {priority!r}")
+        if any(priority) and self.config.scheduling_policy is not SchedulingPolicy.PRIORITY:
+            raise ValueError("priority needs scheduling_policy='priority' (this engine serves first come, first served)")
+        return list(priority)
 
     def _check_prompt(self, tokens: list[int], params: SamplingParams) -> None:
         if not tokens:

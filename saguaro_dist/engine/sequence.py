@@ -49,6 +49,7 @@ class Sequence:
     params: SamplingParams
     output_kind: OutputKind = OutputKind.DELTA
     stream_interval_s: float = 0.0         # DELTA: rounds closer than this share one update, once text went out
+    priority: int = 0                      # scheduling_policy "priority": lower is admitted first (vLLM's)
     status: SeqStatus = SeqStatus.WAITING
     prefilled: int = 0                     # prompt tokens already in the target's KV
     output_token_ids: list[int] = field(default_factory=list)

@@ -101,6 +101,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False  # vLLM's extra parameters on the text and the prompt
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last N tokens; -1: the model's max length
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is admitted first
 
     @model_validator(mode="after")
     def _check_stop(self):

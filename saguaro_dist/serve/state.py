@@ -25,6 +25,7 @@ class Job:
     prompt_ids: list[int]
     params: SamplingParams
     scores_only: bool = False  # max_tokens 0 with echo: the prompt's figures only (one token runs, unshown)
+    priority: int = 0          # with scheduling_policy "priority": lower is admitted first
 
 
 @dataclass
@@ -95,8 +96,8 @@ class ServingState:
                                 f"{param}, {wanted or 1} in the completion). Please reduce the length of the "
                                 f"{param} or completion.", param=param, code="context_length_exceeded")
         if wanted == 0:  # the engine always decides one token; the response leaves it out
-            return Job(prompt_ids, request.sampling_params(1), scores_only=True)
-        return Job(prompt_ids, request.sampling_params(wanted or room))
+            return Job(prompt_ids, request.sampling_params(1), scores_only=True, priority=request.priority)
+        return Job(prompt_ids, request.sampling_params(wanted or room), priority=request.priority)
 
     # ---- generation -------------------------------------------------------------------------
     async def stream(self, job: Job, output_kind: OutputKind = OutputKind.DELTA) -> AsyncIterator:
@@ -105,7 +106,7 @@ class ServingState:
         self._enter()
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                            request_id=uuid.uuid4().hex, output_kind=output_kind,
-                                           stream_interval_s=self.stream_interval_s)
+                                           stream_interval_s=self.stream_interval_s, priority=job.priority)
         finished = False
         try:
             async with aclosing(engine_stream) as deltas:  # closing the engine's stream aborts the request
