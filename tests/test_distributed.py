@@ -138,7 +138,10 @@ def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair):
         with pytest.raises(EngineError) as err:
             llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)
         assert err.value.retriable
+        with pytest.raises(EngineError, match="target is gone"):
+            llm.check_health()  # what a serving replica reports to Ray Serve, which then replaces it
         llm.rebuild()
+        llm.check_health()
         check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     finally:
         llm.shutdown()

@@ -146,6 +146,14 @@ class RemoteEngine:
     def target_node_ids(self) -> list[str]:
         return ray.get([r.node_id.remote() for r in self.deployment.ranks])
 
+    def check_health(self) -> None:
+        """Raise EngineError once the target is gone (its actors died: LLM.rebuild(), or a fresh replica) or the
+        engine was shut down. A draft worker's death is not fatal: the pool goes on without it."""
+        if self._dead:
+            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
+        if self._stopped.is_set() or not self._poller.is_alive():
+            raise EngineError("the engine is shut down")
+
     def submit(self, seq, listener) -> None:
         if self._dead:
             raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")

@@ -128,6 +128,11 @@ class LLM:
     def abort(self, request_id: str) -> None:
         self._thread.abort(request_id)
 
+    def check_health(self) -> None:
+        """Raise EngineError (retriable) when the engine cannot serve: shut down, or on Ray its target actors
+        died (LLM.rebuild() makes a fresh one). Serving replicas report it to Ray Serve and on /health."""
+        self._thread.check_health()
+
     def shutdown(self) -> None:
         """Stop the engine and free everything it holds (threads; on Ray: actors, servers, ports)."""
         self._thread.stop()

@@ -45,6 +45,11 @@ class EngineThread:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset(self.engine.eos_token_ids)
 
+    def check_health(self) -> None:
+        """Raise EngineError when this engine can serve no more (shut down, or its loop thread gone)."""
+        if self._stopped or not self._thread.is_alive():
+            raise EngineError("the engine is shut down")
+
     def submit(self, seq: Sequence, listener: Listener) -> None:
         with self._cond:
             if self._stopped:

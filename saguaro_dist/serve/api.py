@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError, install_error_handlers, stream_error
 from saguaro_dist.serve.metrics import ServeMetrics
@@ -84,7 +85,13 @@ def _router() -> APIRouter:
     return router
 
 
-async def _health() -> JSONResponse:
+async def _health(request: Request) -> JSONResponse:
+    """200 while the engine serves; 503 once it cannot (vLLM's rule), so a load balancer or a Kubernetes probe
+    stops sending it traffic while Ray Serve replaces the replica (SaguaroServer.check_health)."""
+    try:
+        _state(request).engine.check_health()
+    except EngineError as err:
+        raise APIError(503, f"the engine cannot serve: {err}") from None
     return JSONResponse({"status": "ok"})
 
 

@@ -43,6 +43,11 @@ class SaguaroServer:
         self._app = create_app(self._engine, self._options, metrics)
         return self._app
 
+    def check_health(self) -> None:
+        """Ray Serve's replica health check (every health_check_period_s): a replica whose engine is gone (its
+        target actors died) fails it, and Serve replaces the replica with a fresh one, engine and all."""
+        self._engine.check_health()
+
     def stats(self) -> dict:
         """Generations in flight and cancelled on this replica (a deployment-handle call, not a route)."""
         state = self._app.state.saguaro

@@ -11,6 +11,13 @@ from saguaro_dist.serve.errors import error_body
 OPEN_PATHS = frozenset({"/health"})  # reachable without the API key, for load balancers and probes
 
 
+def app_path(scope) -> str:
+    """The request's path inside this app: without the prefix it is mounted under (a Serve route_prefix
+    arrives as the ASGI root_path, which `path` includes)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
+
+
 async def send_error(send, status: int, message: str, headers: list | None = None) -> None:
     body = json.dumps(error_body(status, message)).encode()
     await send({"type": "http.response.start", "status": status,
@@ -27,7 +34,7 @@ class ApiKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or app_path(scope) in OPEN_PATHS or self._authorized(scope):
             return await self.app(scope, receive, send)
         await send_error(send, 401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
                          [(b"www-authenticate", b"Bearer")])
@@ -91,5 +98,5 @@ class RequestCountMiddleware:
             await self.app(scope, receive, capture)
         finally:
             # Unknown paths share one label so scanners cannot blow up the metric's cardinality.
-            route = scope["path"] if scope["path"] in self.known_paths else "other"
+            route = app_path(scope) if app_path(scope) in self.known_paths else "other"
             self.metrics.request(route, status)
