@@ -107,6 +107,13 @@ def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
         tokens = results[0].token_ids
         stopped = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=replace(GREEDY, stop_token_ids=[tokens[2]]))[0]
         assert stopped.stop_reason == tokens[2] and stopped.token_ids == tokens[:tokens.index(tokens[2]) + 1]
+        # a prefix-cache reset goes through rank 0's engine thread and the draft server's stream
+        long = [PROMPTS[2] * 2]  # over the prefix cache's 16-token minimum
+        first = llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0]
+        assert llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0].metrics.num_cached_tokens > 0
+        assert llm.reset_prefix_cache()
+        cold = llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0]
+        assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
 
 
 def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair):

@@ -19,7 +19,7 @@ from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, Ou
 from saguaro_dist.distributed.grpc_backend import _CLOSE, HANDOFF_S, GrpcDraftBackend, _await_sent, _Link, _Outbox
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal,
-                                          Release, SpeculationTree)
+                                          Release, ResetPrefixCache, SpeculationTree)
 from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_tokens
 
 pytestmark = pytest.mark.timeout(60)
@@ -131,6 +131,19 @@ def test_a_unary_release_that_overtakes_the_last_outcome_costs_nothing(pool):
     assert list(backend.wait_trees([(3, 1)], timeout_s=5.0)) == [3]
     assert workers[0].seqs[3].round == 1  # observed once: the stream was never torn down and reopened
     assert backend._out_of_sync == set()
+
+
+def test_a_prefix_cache_reset_reaches_every_server_behind_what_came_before(pool):
+    backend, workers = pool
+    _start(backend, [1, 2])
+    backend.release([Release(1), Release(2)])
+    backend.reset_prefix_cache(ResetPrefixCache())
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all("reset_prefix_cache" in w.calls for w in workers):
+        time.sleep(0.01)
+    for w in workers:
+        assert w.calls[-2:] == ["release", "reset_prefix_cache"]  # in order on the stream
+    assert _start(backend, [3])  # the streams stay up
 
 
 def test_jit_drafts_follow_their_outcomes_and_a_refused_one_leaves_the_stream_up(pool):

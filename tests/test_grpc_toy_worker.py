@@ -107,6 +107,9 @@ class ToyWorker:
         for r in reqs:
             self.seqs.pop(r.seq_id, None)
 
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
     def _get(self, seq_id):
         if seq_id not in self.seqs:
             raise UnknownSequence(f"unknown sequence {seq_id}")

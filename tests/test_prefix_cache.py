@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import httpx
 import openai
 import pytest
 import torch
@@ -194,10 +195,13 @@ def test_usage_reports_cached_prompt_tokens_over_http():
         first, again = (client.completions.create(model="demo", prompt=prompt, max_tokens=4, temperature=0) for _ in range(2))
         streamed = list(client.completions.create(model="demo", prompt=prompt, max_tokens=4, temperature=0, stream=True,
                                                   stream_options={"include_usage": True}))
+        assert httpx.post(base_url.removesuffix("/v1") + "/reset_prefix_cache", timeout=30).status_code == 200
+        cold = client.completions.create(model="demo", prompt=prompt, max_tokens=4, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
     assert streamed[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
-    assert first.choices[0].text == again.choices[0].text
+    assert first.choices[0].text == again.choices[0].text == cold.choices[0].text
+    assert cold.usage.prompt_tokens_details.cached_tokens == 0  # vLLM's /reset_prefix_cache
 
 
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
@@ -243,3 +247,23 @@ def test_prompts_arriving_together_compute_a_shared_prefix_once(pair, mode):
     for prompt, out in zip(prompts, outs):
         assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, GREEDY.max_tokens), prompt, pair["model"])
     llm.shutdown()
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_reset_prefix_cache_forgets_every_kept_prefix(pair, executor, caplog):
+    """vLLM's LLM.reset_prefix_cache(): the target's and the draft's kept rows go, the next identical prompt
+    computes its prefix afresh, and the output stays greedy-identical."""
+    caplog.set_level("WARNING")
+    with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_executor=executor) as llm:
+        prompt = SYSTEM + [11, 12]
+        first = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
+        assert llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0].metrics.num_cached_tokens > 0
+        assert llm.reset_prefix_cache() is True
+        engine = llm._thread.engine
+        assert not engine.target.prefixes.entries
+        if executor == "thread":
+            engine.loop.draft._call(lambda _: None, None).result()  # the draft thread is past the reset
+            assert not engine.loop.draft.worker.prefixes.entries
+        again = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
+    assert again.metrics.num_cached_tokens == 0 and again.token_ids == first.token_ids
+    assert not [r for r in caplog.records if "reset_prefix_cache" in r.getMessage()]  # the child knew the message

@@ -10,7 +10,7 @@ import torch
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
 )
 
 
@@ -122,6 +122,7 @@ def test_bfloat16_dense_probs_cross_bit_for_bit():
 def test_sampling_and_messages_round_trip():
     s = DraftSampling(temperature=0.7000000000000001, top_k=0, top_p=0.95, seed=2 ** 62)
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(s))) == s
+    assert codec.reset_prefix_cache_from_proto(_wire(codec.reset_prefix_cache_to_proto(ResetPrefixCache()))) == ResetPrefixCache()
     truncated = DraftSampling(0.8, 0, 1.0, None, min_p=0.05)
     assert codec.sampling_from_proto(_wire(codec.sampling_to_proto(truncated))) == truncated
     s0 = DraftSampling(0.0, 5, 1.0, None)

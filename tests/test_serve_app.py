@@ -39,6 +39,8 @@ def post(server, path: str, body=None, headers=None, **kwargs) -> httpx.Response
 def test_models_and_health(server, oai):
     assert [m.id for m in oai.models.list().data] == [server.model]
     assert httpx.get(server.url + "/health").status_code == 200  # open without the key
+    from saguaro_dist import __version__
+    assert httpx.get(server.url + "/version", headers=server.headers).json() == {"version": __version__}
 
 
 def test_completion_greedy_matches_llm_generate(server, oai, reference_llm):

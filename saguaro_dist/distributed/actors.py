@@ -112,6 +112,9 @@ class TargetRank:
     def metrics(self):
         return self.thread.metrics
 
+    def reset_prefix_cache(self) -> None:
+        self.thread.reset_prefix_cache()
+
     def shutdown(self) -> None:
         if self.thread is not None:
             runner = self.thread.engine.target.runner

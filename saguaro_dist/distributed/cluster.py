@@ -173,6 +173,10 @@ class RemoteEngine:
         if not self._dead:
             self.rank0.abort.remote(request_id)
 
+    def reset_prefix_cache(self) -> None:
+        self.check_health()
+        ray.get(self.rank0.reset_prefix_cache.remote())
+
     def stop(self) -> None:
         self._stopped.set()
         if not self._dead:

@@ -16,7 +16,7 @@ import torch
 
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
 )
 
 __all__ = [
@@ -361,6 +361,14 @@ def release_from_proto(msg: pb.Release) -> Release:
 
 
 # ---- batch wrappers -----------------------------------------------------------------------------
+def reset_prefix_cache_to_proto(_: ResetPrefixCache) -> pb.ResetPrefixCache:
+    return pb.ResetPrefixCache()
+
+
+def reset_prefix_cache_from_proto(_: pb.ResetPrefixCache) -> ResetPrefixCache:
+    return ResetPrefixCache()
+
+
 def prefill_batch_to_proto(reqs: list[PrefillRequest]) -> pb.PrefillBatch:
     return pb.PrefillBatch(requests=[prefill_to_proto(r) for r in reqs])
 

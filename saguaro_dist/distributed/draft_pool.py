@@ -13,7 +13,9 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
+from saguaro_dist.engine.messages import (
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,10 @@ class DraftPool:
 
     def release(self, reqs: list[Release]) -> None:
         self._forget([r.seq_id for r in reqs])
+
+    def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
+        for i in self._live():
+            self.backends[i].reset_prefix_cache(msg)
 
     def close(self) -> None:
         for b in self.backends:

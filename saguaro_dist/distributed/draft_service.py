@@ -239,8 +239,11 @@ class DraftServicer:
             yield from self._jit_on_stream(msg.jit_draft)
         elif kind == "releases":
             self._release_logged(codec.release_batch_from_proto(msg.releases))
+        elif kind == "reset_prefix_cache":
+            codec.reset_prefix_cache_from_proto(msg.reset_prefix_cache)
+            self.worker.reset_prefix_cache()
         else:
-            raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases")
+            raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases, reset_prefix_cache")
 
     def _observe(self, outcomes) -> None:
         try:

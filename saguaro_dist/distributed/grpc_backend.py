@@ -32,7 +32,9 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
+from saguaro_dist.engine.messages import (
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+)
 
 log = logging.getLogger(__name__)
 
@@ -357,6 +359,13 @@ class GrpcDraftBackend:
         for link, part in groups.items():
             if link is not None:  # behind the sequence's last outcome on the same stream
                 link.send(pb.SpeculateRequest(releases=codec.release_batch_to_proto(part)))
+
+    def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
+        """On every live server's stream, behind what was sent before it; fire and forget."""
+        request = pb.SpeculateRequest(reset_prefix_cache=codec.reset_prefix_cache_to_proto(msg))
+        for link in self._links:
+            if link.alive:
+                link.send(request)
 
     def close(self) -> None:
         """End every stream, close every channel, join the reader threads."""

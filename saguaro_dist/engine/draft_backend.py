@@ -7,7 +7,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree
+from saguaro_dist.engine.messages import (
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+)
 from saguaro_dist.model.device import OwnStream
 
 log = logging.getLogger(__name__)
@@ -20,6 +22,7 @@ class DraftBackend(Protocol):
     def send_outcomes(self, outcomes: list[Outcome]) -> None: ...
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]: ...
     def release(self, reqs: list[Release]) -> None: ...
+    def reset_prefix_cache(self, msg: ResetPrefixCache) -> None: ...  # fire and forget, after what came before
     def close(self) -> None: ...
 
 
@@ -99,6 +102,9 @@ class LocalDraftBackend:
 
     def release(self, reqs):
         self._call(self._release, reqs)  # on the worker thread: after any build that puts their trees
+
+    def reset_prefix_cache(self, msg):
+        self._call(lambda _: self.worker.reset_prefix_cache(), msg)
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -82,6 +82,9 @@ class DraftProcess:
         if held:
             self._post("release", held)
 
+    def reset_prefix_cache(self, msg):
+        self._post("reset_prefix_cache", msg)  # a child that restarted holds nothing to forget
+
     def close(self) -> None:
         self._stop()
 
@@ -250,6 +253,9 @@ class _Child:
 
     def release(self, reqs):
         return self.worker.release(reqs)
+
+    def reset_prefix_cache(self, msg):
+        return self.worker.reset_prefix_cache()
 
     def send_outcomes(self, outcomes):
         """Observe, build, push the trees (SSD's draft-side round)."""

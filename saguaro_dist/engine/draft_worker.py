@@ -183,6 +183,10 @@ class DraftWorker:
             tree.build_s = build_s
         return trees
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every kept prefix (its rows go back to the pool); running sequences are untouched."""
+        self.prefixes.clear()
+
     def release(self, reqs: list[Release]) -> None:
         for r in reqs:
             s = self.seqs.pop(r.seq_id, None)

@@ -87,6 +87,11 @@ class Engine:
     def close(self) -> None:
         self.loop.close()
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every kept prefix, target and draft (vLLM's reset_prefix_cache): later prompts compute
+        theirs afresh. Running sequences keep their rows; only finished ones' kept rows go."""
+        self.loop.reset_prefix_cache()
+
     def reset(self) -> None:
         """After a failed step: drop every request (their callers were told) and free their state."""
         for s in list(self.waiting) + self.prefilling + self.running:

@@ -128,6 +128,12 @@ class LLM:
     def abort(self, request_id: str) -> None:
         self._thread.abort(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forget every kept prefix, target and draft, so later prompts compute theirs afresh (a cold
+        start for benchmarks, or after changing what prompts share). Running requests are untouched."""
+        self._thread.reset_prefix_cache()
+        return True
+
     def check_health(self) -> None:
         """Raise EngineError (retriable) when the engine cannot serve: shut down, or on Ray its target actors
         died (LLM.rebuild() makes a fresh one). Serving replicas report it to Ray Serve and on /health."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future
 from typing import Callable
 
 from saguaro_dist.engine.engine import Engine, Update
@@ -24,6 +25,7 @@ class EngineThread:
         self._listeners: dict[str, Listener] = {}
         self._inbox: list[tuple[Sequence, Listener]] = []
         self._aborts: list[str] = []
+        self._chores: list[tuple[Callable[[], object], Future]] = []  # run on the loop thread between steps
         self._cond = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="saguaro-engine", daemon=True)
@@ -62,6 +64,19 @@ class EngineThread:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    def reset_prefix_cache(self) -> None:
+        self._on_loop(self.engine.reset_prefix_cache)
+
+    def _on_loop(self, chore: Callable[[], object], timeout_s: float = 60.0):
+        """chore() on the engine's own thread between two steps (the engine has no locks); its result."""
+        done: Future = Future()
+        with self._cond:
+            if self._stopped:
+                raise EngineError("the engine is shut down")
+            self._chores.append((chore, done))
+            self._cond.notify()
+        return done.result(timeout=timeout_s)
+
     def stop(self) -> None:
         with self._cond:
             self._stopped = True
@@ -72,14 +87,26 @@ class EngineThread:
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._stopped or self._inbox or self._aborts or self.engine.has_work())
+                self._cond.wait_for(lambda: self._stopped or self._inbox or self._aborts or self._chores
+                                    or self.engine.has_work())
                 if self._stopped:
                     break
-                inbox, aborts = self._inbox, self._aborts
-                self._inbox, self._aborts = [], []
+                inbox, aborts, chores = self._inbox, self._aborts, self._chores
+                self._inbox, self._aborts, self._chores = [], [], []
             self._take(inbox, aborts)
+            self._run_chores(chores)
             self._step()
         self._fail_all(EngineError("the engine was shut down"))
+        for _, done in self._chores:
+            done.set_exception(EngineError("the engine was shut down"))
+
+    @staticmethod
+    def _run_chores(chores) -> None:
+        for chore, done in chores:
+            try:
+                done.set_result(chore())
+            except Exception as err:  # noqa: BLE001 - the caller raises it
+                done.set_exception(err)
 
     def _take(self, inbox, aborts) -> None:
         for seq, listener in inbox:

@@ -182,3 +182,8 @@ def one_hot_like(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Release:
     seq_id: int
+
+
+@dataclass
+class ResetPrefixCache:
+    """Drop every kept prefix (model/prefix_cache.py): prompts are then computed afresh (LLM.reset_prefix_cache)."""

@@ -13,7 +13,7 @@ import torch
 
 from saguaro_dist.config import Config, FallbackPolicy, Mode, TreePolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
@@ -44,6 +44,9 @@ class ARLoop:
     def release(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             self.target.release(s)
+
+    def reset_prefix_cache(self) -> None:
+        self.target.prefixes.clear()
 
     def close(self) -> None:
         pass
@@ -88,6 +91,10 @@ class SDLoop(ARLoop):
     def release(self, seqs):
         super().release(seqs)
         self.draft.release([Release(s.seq_id) for s in seqs])
+
+    def reset_prefix_cache(self):
+        super().reset_prefix_cache()
+        self.draft.reset_prefix_cache(ResetPrefixCache())
 
     def close(self):
         self.draft.close()

@@ -6,7 +6,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.serve import responses
@@ -25,7 +25,8 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context win
 # the GIL the engine's round loop needs: with the demo pair at batch 1, a chunk per round made a request
 # ~1.5x as slow as in-process through the proxy, 50 ms batches ~1.15x (and ~1.05x direct; docs/serving.md).
 DEFAULT_STREAM_INTERVAL_MS = 50.0
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize"})
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize",
+                    "/reset_prefix_cache", "/version"})
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def _router() -> APIRouter:
     router.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
     router.add_api_route("/tokenize", _tokenize, methods=["POST"])
     router.add_api_route("/detokenize", _detokenize, methods=["POST"])
+    router.add_api_route("/reset_prefix_cache", _reset_prefix_cache, methods=["POST"])
+    router.add_api_route("/version", _version, methods=["GET"])
     return router
 
 
@@ -93,6 +96,17 @@ async def _health(request: Request) -> JSONResponse:
     except EngineError as err:
         raise APIError(503, f"the engine cannot serve: {err}") from None
     return JSONResponse({"status": "ok"})
+
+
+async def _reset_prefix_cache(request: Request) -> Response:
+    """vLLM's admin route: forget every kept prefix (target and draft); 200 with no body."""
+    await asyncio.to_thread(_state(request).engine.reset_prefix_cache)  # waits for the engine's loop thread
+    return Response(status_code=200)
+
+
+async def _version() -> dict:
+    from saguaro_dist import __version__
+    return {"version": __version__}
 
 
 async def _models(request: Request) -> dict:

@@ -218,6 +218,10 @@ class ReleaseReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ResetPrefixCache(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class JitDraftCall(_message.Message):
     __slots__ = ("call_id", "batch")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -245,14 +249,16 @@ class JitDraftResult(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("outcomes", "jit_draft", "releases")
+    __slots__ = ("outcomes", "jit_draft", "releases", "reset_prefix_cache")
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     JIT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     outcomes: OutcomeBatch
     jit_draft: JitDraftCall
     releases: ReleaseBatch
-    def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ...) -> None: ...
+    reset_prefix_cache: ResetPrefixCache
+    def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCache, _Mapping]] = ...) -> None: ...
 
 class SpeculateReply(_message.Message):
     __slots__ = ("trees", "jit_draft")
