@@ -13,7 +13,8 @@ from saguaro_dist.demo import demo_pair
 from saguaro_dist.serve.api import ServerOptions, create_app
 from saguaro_dist.serve.prompts import render_chat
 from saguaro_dist.serve.protocol import ChatMessage
-from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
+from saguaro_dist.sampling_params import StructuredOutputsParams
+from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, reasoning_first, split_reasoning
 
 QWEN3, R1 = ReasoningParser.QWEN3, ReasoningParser.DEEPSEEK_R1
 
@@ -85,9 +86,50 @@ def test_replies_are_split_over_http(served):
     assert not "".join(d.content or "" for d in deltas)
 
 
-def test_a_constrained_reply_is_not_split(served):
+def test_a_constrained_reply_reasons_first(served):
+    """vLLM applies structured outputs once reasoning ends: the grammar lets any text up to </think> come
+    first, so the demo model (which never writes </think>) reasons as it would unconstrained; a server
+    without a reasoning parser constrains the whole reply."""
+    plain = _ask(served["qwen3"]).choices[0].message.content
     out = _ask(served["deepseek_r1"], extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    assert out.choices[0].message.content in ("yes", "no") and getattr(out.choices[0].message, "reasoning", None) is None
+    assert out.choices[0].message.content is None and out.choices[0].message.reasoning == plain
+    streamed = [c.choices[0].delta for c in _ask(served["deepseek_r1"], stream=True,
+                                                 extra_body={"structured_outputs": {"choice": ["yes", "no"]}}) if c.choices]
+    assert "".join(getattr(d, "reasoning", None) or "" for d in streamed) == plain
+
+
+def _matches(grammar: str, text: str) -> bool:
+    """Whether llguidance takes `text` (the demo tokenizer's tokens) to an accepting state of `grammar`."""
+    import llguidance
+    import llguidance.hf
+
+    from saguaro_dist.engine.structured import grammar_of
+    tok = AutoTokenizer.from_pretrained(demo_pair()[0])
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tok), grammar_of(StructuredOutputsParams(grammar=grammar)))
+    return matcher.consume_tokens(tok.encode(text, add_special_tokens=False)) and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("spec, good, bad", [
+    (StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                                   "additionalProperties": False}),
+     ['<think>so a = 1\n</think>\n\n{"a": 1}', '</think>{"a": 2}'],
+     ['{"a": 1}', '<think>x</think>\n\n{"a":1}', '<think>x</think>yes', '<think>x</think>{"a": 1}</think>']),
+    (StructuredOutputsParams(regex="[0-9]+"), ["think </think> 42"], ["42", "</think>4x"]),
+    (StructuredOutputsParams(choice=("yes", "no")), ["hmm</think>\nno"], ["yes", "hmm</think>maybe"]),
+])
+def test_reasoning_first_grammars(spec, good, bad):
+    """Any text up to the first </think>, optional whitespace, then exactly what the request allows (JSON with
+    our separators, as grammar_of writes it)."""
+    grammar = reasoning_first(spec, "<|user|>hi<|assistant|>").grammar
+    assert all(_matches(grammar, text) for text in good)
+    assert not any(_matches(grammar, text) for text in bad)
+
+
+def test_reasoning_is_not_added_where_it_cannot_be():
+    choice = StructuredOutputsParams(choice=("yes",))
+    assert reasoning_first(choice, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # the template closed it
+    assert reasoning_first(choice, "<|im_start|>assistant\n<think>\n") is not None               # deepseek_r1 opened it
+    assert reasoning_first(StructuredOutputsParams(grammar='start: "a"'), "") is None             # a request's own Lark
 
 
 def test_bad_chat_template_kwargs_get_a_400(served):

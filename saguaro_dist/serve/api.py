@@ -135,7 +135,7 @@ async def _chat(body: ChatCompletionRequest, request: Request):
                        param="tool_choice")
     jobs = state.jobs([encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs)], body,
                       "messages")
-    jobs = [replace(job, params=plan.adjust(job.params)) for job in jobs]
+    jobs = [replace(job, params=plan.adjust(job.params)) for job in map(state.reason_first, jobs)]
     return await _respond(state, body, jobs, model, responses.CHAT)
 
 
@@ -169,7 +169,7 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
     if fmt.chat:
         plan = state.tool_plan_for(body)
-        reasoning, text = split_reasoning(state.reasoning_parser_for(body), result.text)
+        reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
         content, calls = plan.parse(text)
         return fmt.choice(index, content if content or reasoning is None else None,
                           plan.finish_reason(result.finish_reason, calls), _logprobs(state, fmt, job, result.logprobs),
@@ -243,7 +243,7 @@ class _SseEvents:
         self.pending_logprobs: list[list] = [[] for _ in jobs]
         self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
         self.tool_streams = [ToolStream(state.tool_plan_for(body)) for _ in jobs]  # chat: content and tool-call deltas
-        self.reasoning_streams = [ReasoningStream(state.reasoning_parser_for(body)) for _ in jobs]  # chat
+        self.reasoning_streams = [ReasoningStream(state.reasoning_parser_for(job)) for job in jobs]  # chat
 
     @property
     def done(self) -> bool:

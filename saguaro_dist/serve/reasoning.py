@@ -6,14 +6,20 @@
   deepseek_r1  the chat template opens <think> in the prompt: everything before </think> is reasoning,
                and a reply cut before it is all reasoning
 
-A request whose reply is constrained (structured outputs, a named or required tool call) is not split:
-its grammar covers the whole reply.
+A constrained reply (structured outputs, a named or required tool call) lets the model reason first, as
+vLLM applies structured outputs once reasoning ends: `reasoning_first` makes one grammar of "any text up to
+the first </think>, whitespace, then what the request allows", so every speculation path samples it
+exactly. Not when the prompt already closed the reasoning (Qwen3 with enable_thinking off), nor for a
+request's own Lark grammar (it is not nested): such replies are constrained whole and not split.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from enum import Enum
 
+from saguaro_dist.engine.structured import JSON_DEFAULTS
+from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.serve.tool_parsers import partial_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -38,6 +44,40 @@ def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | No
         return (text or None, "") if parser.open_by_default else (None, text)
     reasoning = text[:end].removeprefix(THINK_OPEN)
     return reasoning or None, text[end + len(THINK_CLOSE):]
+
+
+# Lark for llguidance: the lazy rule ends at the first </think>; the answer follows, after optional whitespace.
+_REASONING_THEN = ('start: reasoning answer | reasoning WS answer\n'
+                   'reasoning[lazy]: /(.|\\n)*<\\/think>/\n'
+                   'WS: /[ \\t\\r\\n]+/\n')
+
+
+def reasoning_first(spec: StructuredOutputsParams, prompt_text: str) -> StructuredOutputsParams | None:
+    """spec with the model's reasoning allowed before it (see the module's note); None when the prompt
+    already closed the reasoning or spec is a Lark grammar of the request's own."""
+    if spec.grammar is not None or _reasoning_closed(prompt_text):
+        return None
+    return StructuredOutputsParams(grammar=_REASONING_THEN + "answer: " + _answer(spec))
+
+
+def _reasoning_closed(prompt_text: str) -> bool:
+    """The prompt's last <think> is closed: its template switched reasoning off (Qwen3's empty think block)."""
+    opened = prompt_text.rfind(THINK_OPEN)
+    return opened >= 0 and prompt_text.find(THINK_CLOSE, opened) >= 0
+
+
+def _answer(spec: StructuredOutputsParams) -> str:
+    """spec's language as a Lark rule body: JSON through %json (our JSON defaults unless the schema's
+    x-guidance says otherwise, as grammar_of applies them), a regex, or a choice of literals."""
+    import llguidance
+
+    if spec.json is not None or spec.json_object:
+        schema = json.loads(spec.json) if spec.json is not None else {"type": "object"}
+        schema = {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {})}}
+        return "%json " + json.dumps(schema)
+    if spec.regex is not None:
+        return "/" + llguidance.regex_to_lark(spec.regex) + "/"
+    return " | ".join(json.dumps(c) for c in spec.choice)
 
 
 @dataclass

@@ -14,9 +14,12 @@ from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import encode_text
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
-from saguaro_dist.serve.reasoning import ReasoningParser
+from saguaro_dist.serve.reasoning import ReasoningParser, reasoning_first
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 from saguaro_dist.serve.tools import ToolPlan
+
+
+PROMPT_TAIL_TOKENS = 64  # where a chat template closes or opens the reply's reasoning (reasoning_first)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Job:
     params: SamplingParams
     scores_only: bool = False  # max_tokens 0 with echo: the prompt's figures only (one token runs, unshown)
     priority: int = 0          # with scheduling_policy "priority": lower is admitted first
+    reasoned: bool = False     # its constraint lets the model reason first (reasoning.reasoning_first)
 
 
 @dataclass
@@ -57,9 +61,19 @@ class ServingState:
         """The chat request's tool plan, read by this server's tool-call parser."""
         return replace(request.tool_plan(), parser=self.tool_call_parser)
 
-    def reasoning_parser_for(self, request: SamplingRequest) -> ReasoningParser | None:
-        """The server's reasoning parser, unless the request's reply is constrained (its grammar covers it all)."""
-        return None if request.requested_structure() is not None else self.reasoning_parser
+    def reasoning_parser_for(self, job: Job) -> ReasoningParser | None:
+        """The server's reasoning parser, unless the job's whole reply is constrained (no reasoning in it)."""
+        return self.reasoning_parser if job.params.structured_outputs is None or job.reasoned else None
+
+    def reason_first(self, job: Job) -> Job:
+        """With a reasoning parser, a constrained chat reply may reason before what it is held to."""
+        spec = job.params.structured_outputs
+        if self.reasoning_parser is None or spec is None:
+            return job
+        wrapped = reasoning_first(spec, self.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        if wrapped is None:
+            return job
+        return replace(job, params=replace(job.params, structured_outputs=wrapped), reasoned=True)
 
     def check_model(self, requested: str | None) -> str:
         # A missing model means the only one served, as with vLLM.

@@ -58,8 +58,8 @@ class ToolPlan:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished reply. Text that does not parse stays content."""
-        if self.kind is ToolChoiceKind.NAMED:
-            return None, [ToolCall.new(self.name, text)]
+        if self.kind is ToolChoiceKind.NAMED:  # stripped: after reasoning, whitespace may lead the arguments
+            return (None, [ToolCall.new(self.name, text.strip())]) if text.strip() else (None, [])
         if self.kind is ToolChoiceKind.REQUIRED:
             return _parse_required(text)
         if self.kind is ToolChoiceKind.AUTO and self.parser is not None:
@@ -129,6 +129,8 @@ class ToolStream:
         return delta
 
     def _named(self, text: str) -> dict:
+        if self.named_call is None:
+            text = text.lstrip()  # whitespace after reasoning is not part of the arguments
         if not text:
             return {}
         if self.named_call is None:
