@@ -167,3 +167,16 @@ def test_sdks_return_the_reasoning(served):
             [_ async for _ in s]
             return s.reasoning
     assert asyncio.run(streamed()) == done.reasoning
+
+
+def test_a_reasoning_first_grammar_is_followed_alike_by_every_mode():
+    """The composed grammar is an ordinary structured output: ssd (the draft told it too) and ar agree."""
+    from saguaro_dist import SamplingParams
+    target, draft = demo_pair()
+    spec = reasoning_first(StructuredOutputsParams(regex="[0-9]+"), "")
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec)
+    outs = {}
+    for mode in ("ar", "ssd"):
+        with LLM(model=target, draft=None if mode == "ar" else draft, mode=mode, draft_executor="thread") as llm:
+            outs[mode] = llm.generate(["def f(x):"], params)[0]
+    assert outs["ssd"].token_ids == outs["ar"].token_ids and outs["ar"].metrics.num_generated_tokens == 24
