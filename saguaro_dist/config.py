@@ -98,6 +98,7 @@ class Config:
     enforce_eager: bool = False            # on CUDA: every forward eager (default: short ones replay CUDA graphs; model/cuda_graphs.py)
     enable_prefix_caching: bool = True     # finished sequences' KV rows are reused by prompts that start alike (model/prefix_cache.py)
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
+    log_stats_interval_s: float = 10.0     # an INFO line of throughput, queue and speculation figures this often (0: off)
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
@@ -141,6 +142,7 @@ class Config:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
         check_seconds("tree_timeout_s", self.tree_timeout_s, zero_ok=True)  # 0: never wait for a late tree
         check_seconds("startup_timeout_s", self.startup_timeout_s, zero_ok=False)
+        check_seconds("log_stats_interval_s", self.log_stats_interval_s, zero_ok=True)
         for name in ("max_batch_size", "max_num_batched_tokens"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")

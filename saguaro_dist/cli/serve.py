@@ -25,7 +25,8 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy",
-                "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy"}
+                "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
+                "log_stats_interval_s": "log_stats_interval_s"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser"}
@@ -68,6 +69,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
                    help="which waiting request takes a free batch slot: fcfs (default) or priority (the request's "
                         "`priority`, lower first; running requests are not preempted)")
+    g.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0, default=None,
+                   help="no periodic engine stats line (default: one every 10 s while serving, as vLLM)")
     g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],

@@ -201,6 +201,7 @@ class Engine:
             s.round_logprobs = []
         for i, t in enumerate(tokens):
             s.output_token_ids.append(t)
+            self.metrics.generated_tokens += 1
             if s.grammar is not None:
                 s.grammar.commit(t)
             if logprobs:

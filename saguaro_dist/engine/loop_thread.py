@@ -8,6 +8,7 @@ from typing import Callable
 
 from saguaro_dist.engine.engine import Engine, Update
 from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.stats_log import StatsLogger
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class EngineThread:
         self._chores: list[tuple[Callable[[], object], Future]] = []  # run on the loop thread between steps
         self._cond = threading.Condition()
         self._stopped = False
+        self._stats = StatsLogger(engine.config.log_stats_interval_s)
         self._thread = threading.Thread(target=self._run, name="saguaro-engine", daemon=True)
         self._thread.start()
 
@@ -124,6 +126,8 @@ class EngineThread:
             return
         try:
             self._publish(self.engine.step())
+            engine = self.engine
+            self._stats.maybe_log(engine.metrics, len(engine.running) + len(engine.prefilling), len(engine.waiting))
         except Exception as err:  # noqa: BLE001 - every in-flight request learns of it
             log.exception("engine step failed; failing in-flight requests")
             self._fail_all(EngineError(f"engine step failed: {err!r}"))

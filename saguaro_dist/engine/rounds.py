@@ -84,6 +84,8 @@ class SDLoop(ARLoop):
         gained = []
         for s, k, t in zip(seqs, accepted, bonus):
             s.metrics.record_round(drafted=len(s.speculation.tokens), accepted=k)
+            self.metrics.drafted_tokens += len(s.speculation.tokens)
+            self.metrics.accepted_tokens += k
             gained.append(s.speculation.tokens[:k].tolist() + [t])
             s.last_outcome = (k, t)
         return gained

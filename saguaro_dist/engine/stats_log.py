@@ -1,0 +1,45 @@
+"""vLLM's periodic engine log line: what the engine did in the last interval, for operators reading logs."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from saguaro_dist.engine.metrics import EngineMetrics
+
+log = logging.getLogger("saguaro_dist.engine.stats")
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+class StatsLogger:
+    """Every `interval_s` (0: never) while the engine works, one INFO line of the interval's throughput,
+    queue and speculation figures, from the engine's own counters (differences since the last line)."""
+
+    def __init__(self, interval_s: float):
+        self.interval_s = interval_s
+        self._last_time = time.monotonic()
+        self._last = EngineMetrics()
+
+    def maybe_log(self, metrics: EngineMetrics, running: int, waiting: int) -> None:
+        now = time.monotonic()
+        if not self.interval_s or now - self._last_time < self.interval_s:
+            return
+        log.info(self.line(metrics, running, waiting, now - self._last_time))
+        self._last_time, self._last = now, dataclasses.replace(metrics, fallbacks=metrics.fallbacks.copy())
+
+    def line(self, metrics: EngineMetrics, running: int, waiting: int, seconds: float) -> str:
+        d = {f: getattr(metrics, f) - getattr(self._last, f) for f in (
+            "prefix_cache_queries", "prefix_cache_hits", "generated_tokens", "drafted_tokens", "accepted_tokens",
+            "rounds", "cache_hits", "cache_misses")}
+        fallbacks = dict(metrics.fallbacks - self._last.fallbacks)
+        return (f"Avg prompt throughput: {d['prefix_cache_queries'] / seconds:.1f} tokens/s, "
+                f"Avg generation throughput: {d['generated_tokens'] / seconds:.1f} tokens/s, "
+                f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"Prefix cache hit rate: {100 * _ratio(d['prefix_cache_hits'], d['prefix_cache_queries']):.1f}%, "
+                f"Speculation: acceptance {100 * _ratio(d['accepted_tokens'], d['drafted_tokens']):.1f}%, "
+                f"tokens per step {_ratio(d['generated_tokens'], d['rounds']):.2f}, "
+                f"tree hit rate {100 * _ratio(d['cache_hits'], d['cache_hits'] + d['cache_misses']):.1f}%, "
+                f"fallbacks {fallbacks or 0}")
