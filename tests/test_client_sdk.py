@@ -35,6 +35,9 @@ def test_complete_and_chat(client, server, reference_llm):
     chat = client.chat("hello", max_tokens=6, temperature=0)
     assert chat.text and chat.finish_reason in ("stop", "length") and chat.model == server.model
     assert client.models() == [server.model] and client.health()
+    from saguaro_dist import __version__
+    assert client.version() == __version__ and client.reset_prefix_cache() is None
+    assert client.complete("the cat sat", max_tokens=12, temperature=0, min_p=0.5).text == out.text  # extra fields
     assert out.logprobs is None  # only when asked for; extra keywords go into the body
     scored = client.chat("hello", max_tokens=4, temperature=0, logprobs=True, top_logprobs=1)
     assert len(scored.logprobs["content"]) == scored.usage["completion_tokens"]
@@ -54,6 +57,7 @@ def test_async_client(server, reference_llm):
             plain = await c.complete("the mat", max_tokens=10, temperature=0)
             stream = await c.chat([{"role": "user", "content": "the cat sat"}], max_tokens=8, temperature=0, stream=True)
             deltas = [d async for d in stream]
+            assert await c.version() and await c.reset_prefix_cache() is None
             return plain, deltas, stream
     plain, deltas, stream = asyncio.run(go())
     assert plain.text == expected(reference_llm, "the mat", 10)

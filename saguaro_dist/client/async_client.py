@@ -76,6 +76,13 @@ class AsyncClient:
         except httpx.TransportError:
             return False
 
+    async def version(self) -> str:
+        return (await self._send("GET", common.server_root(self._root) + "/version")).json()["version"]
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget the server's kept prompt prefixes (a cold cache, e.g. before a benchmark)."""
+        await self._send("POST", common.server_root(self._root) + "/reset_prefix_cache")
+
     async def _generate(self, path: str, body: dict, stream: bool) -> Completion | AsyncStream:
         if stream:
             return AsyncStream(await self._send("POST", self._root + path, {**body, "stream": True}, stream=True))

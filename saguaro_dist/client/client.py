@@ -79,6 +79,13 @@ class Client:
         except httpx.TransportError:
             return False
 
+    def version(self) -> str:
+        return self._send("GET", common.server_root(self._root) + "/version").json()["version"]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the server's kept prompt prefixes (a cold cache, e.g. before a benchmark)."""
+        self._send("POST", common.server_root(self._root) + "/reset_prefix_cache")
+
     def _generate(self, path: str, body: dict, stream: bool) -> Completion | Stream:
         if stream:
             return Stream(self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
