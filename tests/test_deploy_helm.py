@@ -27,7 +27,8 @@ SETTINGS = {
                                image="registry.example:5000/team/saguaro-dist:0.1.0-cuda"),
     "autoscaling-fanout-list": k8s.K8sSettings(gpu=True, k=3, fan_out=(4, 3, 2, 1), draft_max_workers=5,
                                                autoscaling=True, mode="sd", fallback="fast", dtype="float16",
-                                               saguaro_c=0.5, max_batch_size=16, idle_timeout_s=120),
+                                               saguaro_c=0.5, max_batch_size=16, idle_timeout_s=120,
+                                               scheduling_policy="priority"),
     "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain", head_cpu="1", head_memory="2Gi"),
 }
 

@@ -34,6 +34,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--saguaro-c", type=float, default=DEFAULTS.saguaro_c)
     parser.add_argument("--fallback", default=DEFAULTS.fallback, choices=["auto", "neural", "fast", "random"])
     parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
+    parser.add_argument("--scheduling-policy", default=DEFAULTS.scheduling_policy, choices=["fcfs", "priority"],
+                        help="priority: requests' `priority` field orders the waiting queue (lower first)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--served-model-name", help="model name the OpenAI API reports (default: --model)")
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],

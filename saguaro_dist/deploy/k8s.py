@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from saguaro_dist.config import FallbackPolicy, Mode, parse_enum
+from saguaro_dist.config import FallbackPolicy, Mode, SchedulingPolicy, parse_enum
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 from saguaro_dist.serve.args import API_KEY_ENV, config_from_args
 
@@ -43,6 +43,7 @@ class K8sSettings:
     saguaro_c: float = 1.0
     fallback: str = "auto"
     max_batch_size: int = 8
+    scheduling_policy: str = "fcfs"   # or "priority": requests' `priority` orders the waiting queue
     dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU
     served_model_name: str | None = None
     tool_call_parser: str | None = None  # tool_choice "auto": hermes (Qwen 2.5 / 3, Hermes), llama3_json, mistral
@@ -80,6 +81,7 @@ class K8sSettings:
     def _validate(self):
         parse_enum(Mode, self.mode, "mode")
         parse_enum(FallbackPolicy, self.fallback, "fallback")
+        parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy")
         if self.tp < 1 or self.draft_workers < 1:
             raise ValueError(f"tp and draft_workers must be >= 1, got tp={self.tp}, draft_workers={self.draft_workers}")
         if self.draft_max_workers is not None and self.draft_max_workers < self.draft_workers:
@@ -111,7 +113,8 @@ def serve_args(s: K8sSettings) -> dict:
             "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,
             "max_batch_size": s.max_batch_size, "device": s.device, "dtype": s.engine_dtype,
             "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name,
-            "tool_call_parser": s.tool_call_parser, "reasoning_parser": s.reasoning_parser}
+            "tool_call_parser": s.tool_call_parser, "reasoning_parser": s.reasoning_parser,
+            "scheduling_policy": None if s.scheduling_policy == "fcfs" else s.scheduling_policy}
     return {key: value for key, value in args.items() if value is not None}
 
 
@@ -318,7 +321,7 @@ def helm_values(s: K8sSettings) -> dict:
                   "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or ""},
         "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
                         "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
-        "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or ""},
+        "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or "", "schedulingPolicy": s.scheduling_policy},
         "gpu": {"enabled": s.gpu, "type": s.gpu_type or ""},
         "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
         "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},
