@@ -189,8 +189,9 @@ def test_multi_node_placement_by_custom_resources(pair, tmp_path):
         assert_greedy_equal(got, want, prompt, pair["model"])
 
 
-@pytest.mark.parametrize("case", ["ssd_hit_path", "ssd_miss_neural"])
-def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case):
+@pytest.mark.parametrize("case, params", [("ssd_hit_path", "t1"), ("ssd_miss_neural", "t1"),
+                                          ("ssd_hit_path", "t1_minp0.85")])  # min_p crosses to the drafts over gRPC
+def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case, params):
     """The exact-core chi-square test, with the drafts behind gRPC in Ray actors (8000 samples per path:
     the single-process test carries the 20000-sample power; this one proves the transport changes nothing)."""
     from test_engine_sampling import CASES, PARAMS, VOCAB, chi_square_pvalue, exact_joint, sample_joint
@@ -198,10 +199,10 @@ def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_fa
     model = save_model(root / "target", llama_config(VOCAB, 32, 1), seed=3, sharpen=2.0)
     save_perturbed(root / "draft", model, seed=4, noise=0.6)
     settings, took_path = CASES[case]
-    counts, metrics = sample_joint(str(root / "target"), str(root / "draft"), PARAMS["t1"], n=8000,
+    counts, metrics = sample_joint(str(root / "target"), str(root / "draft"), PARAMS[params], n=8000,
                                    cluster="auto", num_draft_workers=2, **settings)
     assert took_path(metrics), metrics
-    p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
+    p = chi_square_pvalue(counts, exact_joint(model, PARAMS[params]))
     assert p > 1e-4, f"{case} on Ray: chi-square p = {p:.2e}"
 
 
