@@ -129,6 +129,7 @@ def test_reasoning_is_not_added_where_it_cannot_be():
     choice = StructuredOutputsParams(choice=("yes",))
     assert reasoning_first(choice, "<|im_start|>assistant\n<think>\n\n</think>\n\n") is None  # the template closed it
     assert reasoning_first(choice, "<|im_start|>assistant\n<think>\n") is not None               # deepseek_r1 opened it
+    assert reasoning_first(choice, "<think>a</think>b<|im_start|>user\nok<|im_start|>assistant\n") is not None  # an earlier turn's
     assert reasoning_first(StructuredOutputsParams(grammar='start: "a"'), "") is None             # a request's own Lark
 
 

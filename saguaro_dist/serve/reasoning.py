@@ -61,9 +61,9 @@ def reasoning_first(spec: StructuredOutputsParams, prompt_text: str) -> Structur
 
 
 def _reasoning_closed(prompt_text: str) -> bool:
-    """The prompt's last <think> is closed: its template switched reasoning off (Qwen3's empty think block)."""
-    opened = prompt_text.rfind(THINK_OPEN)
-    return opened >= 0 and prompt_text.find(THINK_CLOSE, opened) >= 0
+    """The prompt ends with a closed think block: its template switched reasoning off (Qwen3's empty block
+    with enable_thinking off). An earlier turn's block, followed by more of the conversation, does not count."""
+    return prompt_text.rstrip().endswith(THINK_CLOSE)
 
 
 def _answer(spec: StructuredOutputsParams) -> str:
