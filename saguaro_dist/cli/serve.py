@@ -29,7 +29,8 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "log_stats_interval_s": "log_stats_interval_s"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
-               "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser"}
+               "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
+               "log_requests": "log_requests"}
 
 
 def fan_out_arg(text: str):
@@ -129,6 +130,9 @@ def register(subparsers) -> None:
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                    help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
                         "deepseek_r1: DeepSeek-R1, QwQ)")
+    g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=None,
+                   help="log an INFO line as each generation starts and ends (request id, prompt tokens, settings, "
+                        "finish reason, timings, acceptance)")
     g.add_argument("--ingress", choices=[i.value for i in Ingress], default=Ingress.AUTO.value,
                    help="who answers on --port: the replica's own HTTP server (direct) or Serve's proxy "
                         "(default auto: direct on the embedded cluster with one replica, else the proxy)")

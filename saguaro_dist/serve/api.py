@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
@@ -37,6 +39,7 @@ class ServerOptions:
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # 0: one SSE chunk per engine round
     tool_call_parser: str | None = None  # reads tool_choice "auto" replies (tool_parsers.ToolCallParser); None: auto is a 400
     reasoning_parser: str | None = None  # splits a thinking model's reasoning from its content (reasoning.ReasoningParser)
+    log_requests: bool = False  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
 
     def __post_init__(self):
         if not 0 <= self.stream_interval_ms <= 10_000:
@@ -51,7 +54,7 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
-                                     options.tool_call_parser, options.reasoning_parser)
+                                     options.tool_call_parser, options.reasoning_parser, options.log_requests)
     install_error_handlers(app)
     app.include_router(_router())
     # Outermost last: count every request, then auth, then the size limit.
@@ -121,7 +124,7 @@ async def _completions(body: CompletionRequest, request: Request):
     body.reject_unsupported()
     model = state.check_model(body.model)
     jobs = state.jobs([state.encode(p) for p in body.prompts()], body, "prompt")
-    return await _respond(state, body, jobs, model, responses.COMPLETION)
+    return await _respond(state, body, jobs, model, responses.COMPLETION, _request_id(request))
 
 
 async def _chat(body: ChatCompletionRequest, request: Request):
@@ -136,7 +139,22 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     jobs = state.jobs([encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs)], body,
                       "messages")
     jobs = [replace(job, params=plan.adjust(job.params)) for job in map(state.reason_first, jobs)]
-    return await _respond(state, body, jobs, model, responses.CHAT)
+    return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request))
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id (vLLM's), or a fresh one: the response's id is "<cmpl|chatcmpl>-<it>" and the
+    logs name the request's generations by it. Ray Serve echoes the header in the response (and, when the
+    client sent none, forwards one of its own, which this then reads)."""
+    given = request.headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise APIError(400, "X-Request-Id must be 1-128 letters, digits, '.', '_', ':' or '-'", param="X-Request-Id")
+    return given
 
 
 async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
@@ -187,9 +205,10 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
     return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs, stop_reason=result.stop_reason)
 
 
-async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format):
+async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, request_id: str):
+    jobs = state.named(jobs, request_id)
     if body.stream:
-        return await _stream_response(state, body, jobs, model, fmt)
+        return await _stream_response(state, body, jobs, model, fmt, request_id)
     # Cancelling this handler (client gone) cancels the gathered generations, which abort in the engine.
     results = await asyncio.gather(*(state.collect(job) for job in jobs))
     results = [Finished(prompt_logprobs=r.prompt_logprobs, logprobs=[], finish_reason="length", metrics=r.metrics)
@@ -198,20 +217,20 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
     total = responses.usage(_prompt_tokens(jobs, body.n), sum(r.num_tokens for r in results),
                             _cached_tokens([r.metrics for r in results], body.n))
     stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)
-    return fmt.body(fmt.new_id(), model, choices, usage=total, speculation=stats)
+    return fmt.body(fmt.id_of(request_id), model, choices, usage=total, speculation=stats)
 
 
-async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt) -> ClosingStreamingResponse:
+async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt,
+                           request_id: str) -> ClosingStreamingResponse:
     batches = merge([state.stream(job) for job in jobs], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
     # Wait for the first delta before answering, so a request the engine rejects still gets a 400.
     first = await anext(batches, None)
-    chunks = _sse_chunks(state, body, jobs, model, fmt, batches, first)
+    chunks = _sse_chunks(_SseEvents(state, body, jobs, model, fmt, fmt.id_of(request_id)), batches, first)
     return ClosingStreamingResponse(chunks, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _sse_chunks(state, body, jobs, model, fmt, batches, first):
-    events = _SseEvents(state, body, jobs, model, fmt)
+async def _sse_chunks(events, batches, first):
     pending = events.opening()  # the chat role chunk leaves with the first text: one write fewer
     try:
         async with aclosing(batches):
@@ -235,9 +254,9 @@ class _SseEvents:
     """The SSE text of one streamed response: one write per batch of deltas, each write one trip
     through Serve's streaming path (~1.4 ms of replica CPU on the engine's GIL, docs/serving.md)."""
 
-    def __init__(self, state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format):
+    def __init__(self, state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, response_id: str):
         self.state, self.body, self.jobs, self.model, self.fmt = state, body, jobs, model, fmt
-        self.request_id = fmt.new_id()
+        self.request_id = response_id
         self.counts, self.metrics, self.finished = [0] * len(jobs), [None] * len(jobs), 0
         # Log-probabilities of tokens whose text is held back (a possible stop string) wait for its chunk.
         self.pending_logprobs: list[list] = [[] for _ in jobs]

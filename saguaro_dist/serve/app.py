@@ -67,7 +67,15 @@ def server_options(args: dict, model: str) -> ServerOptions:
         stream_interval_ms=_number(args, "stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS),
         tool_call_parser=args.get("tool_call_parser") or None,
         reasoning_parser=args.get("reasoning_parser") or None,
+        log_requests=_flag(args, "log_requests"),
     )
+
+
+def _flag(args: dict, name: str) -> bool:
+    value = args.get(name, False)
+    if isinstance(value, str):  # `serve run app:build_app log_requests=true` passes strings
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
 
 
 def _number(args: dict, name: str, default: float) -> float:

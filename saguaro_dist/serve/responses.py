@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 
 _STAT_COUNTS = ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted_tokens", "accepted_tokens",
                 "cache_hits", "cache_misses")
@@ -53,8 +52,9 @@ class Format:
     def __init__(self, object_name: str, chunk_object: str, id_prefix: str, chat: bool):
         self.object_name, self.chunk_object, self.id_prefix, self.chat = object_name, chunk_object, id_prefix, chat
 
-    def new_id(self) -> str:
-        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+    def id_of(self, request_id: str) -> str:
+        """The response's id for a request id (vLLM's "cmpl-<id>" / "chatcmpl-<id>")."""
+        return f"{self.id_prefix}-{request_id}"
 
     def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
                tool_calls: list | None = None, reasoning: str | None = None, stop_reason: int | str | None = None) -> dict:

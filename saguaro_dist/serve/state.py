@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from contextlib import aclosing
@@ -19,6 +20,7 @@ from saguaro_dist.serve.tool_parsers import ToolCallParser
 from saguaro_dist.serve.tools import ToolPlan
 
 
+log = logging.getLogger(__name__)
 PROMPT_TAIL_TOKENS = 64  # where a chat template closes or opens the reply's reasoning (reasoning_first)
 
 
@@ -30,6 +32,7 @@ class Job:
     scores_only: bool = False  # max_tokens 0 with echo: the prompt's figures only (one token runs, unshown)
     priority: int = 0          # with scheduling_policy "priority": lower is admitted first
     reasoned: bool = False     # its constraint lets the model reason first (reasoning.reasoning_first)
+    request_id: str = ""       # the engine's id for it: the response's id and the choice index ("" = a fresh one)
 
 
 @dataclass
@@ -45,8 +48,9 @@ class Finished:
 
 class ServingState:
     def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, log_requests: bool = False):
         self.engine = engine
+        self.log_requests = log_requests  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
         self.tool_call_parser = ToolCallParser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.stream_interval_s = stream_interval_s  # streamed deltas closer than this share one SSE write
@@ -86,6 +90,12 @@ class ServingState:
             return encode_text(self.tokenizer, prompt)
         return list(prompt)
 
+    @staticmethod
+    def named(jobs: list[Job], request_id: str) -> list[Job]:
+        """The jobs of one response, named after it for the logs: "<request id>-<choice index>-<random>" (the
+        random part keeps two requests sent with one X-Request-Id apart: the engine aborts by id)."""
+        return [replace(job, request_id=f"{request_id}-{i}-{uuid.uuid4().hex[:8]}") for i, job in enumerate(jobs)]
+
     def jobs(self, prompts: list[list[int]], request: SamplingRequest, param: str) -> list[Job]:
         """request.n jobs per prompt, prompt-major (OpenAI's choice order). Sample i of a seeded request
         draws from seed + i: the n samples differ and the response is reproducible."""
@@ -117,9 +127,12 @@ class ServingState:
     async def stream(self, job: Job, output_kind: OutputKind = OutputKind.DELTA) -> AsyncIterator:
         """The engine's deltas for one job, with serving metrics; closing it aborts the generation."""
         start = last = time.monotonic()
+        request_id = job.request_id or uuid.uuid4().hex
         self._enter()
+        if self.log_requests:
+            log.info("request %s: %d prompt tokens, priority %d, %s", request_id, len(job.prompt_ids), job.priority, job.params)
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
-                                           request_id=uuid.uuid4().hex, output_kind=output_kind,
+                                           request_id=request_id, output_kind=output_kind,
                                            stream_interval_s=self.stream_interval_s, priority=job.priority)
         finished = False
         try:
@@ -128,9 +141,13 @@ class ServingState:
                     now = time.monotonic()
                     self._record(delta, start, last, now)
                     last, finished = now, delta.finished
+                    if finished and self.log_requests:
+                        _log_finished(request_id, delta, now - start)
                     yield delta
         finally:
             self._exit(cancelled=not finished)
+            if not finished and self.log_requests:
+                log.info("request %s: aborted (the client went away)", request_id)
 
     async def collect(self, job: Job) -> Finished:
         """The whole result at once, as generate() gets it: no per-round deltas to the event loop, whose
@@ -177,6 +194,13 @@ class ServingState:
         self.running -= 1
         self.cancelled += int(cancelled)
         self.metrics.running.set(self.running)
+
+
+def _log_finished(request_id: str, delta, seconds: float) -> None:
+    m = delta.metrics
+    log.info("request %s: finished (%s) in %.3f s, %d tokens, first after %.3f s, %d prompt tokens cached, "
+             "acceptance %.2f, tree hit rate %.2f", request_id, delta.finish_reason, seconds, m.num_generated_tokens,
+             m.time_to_first_token_s, m.num_cached_tokens, m.acceptance_rate, m.cache_hit_rate)
 
 
 async def merge(streams: list[AsyncIterator], interval_s: float = 0.0,
