@@ -6,7 +6,6 @@ import json
 import logging
 
 import httpx
-import pytest
 
 from test_serve_fixtures import MODEL_NAME
 
