@@ -13,7 +13,7 @@ from ray import serve
 from ray.serve import Application
 
 from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STREAM_INTERVAL_MS, ServerOptions, create_app
-from saguaro_dist.serve.args import api_key_from_args, config_from_args
+from saguaro_dist.serve.args import api_key_from_args, coerce, config_from_args
 from saguaro_dist.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
@@ -67,15 +67,8 @@ def server_options(args: dict, model: str) -> ServerOptions:
         stream_interval_ms=_number(args, "stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS),
         tool_call_parser=args.get("tool_call_parser") or None,
         reasoning_parser=args.get("reasoning_parser") or None,
-        log_requests=_flag(args, "log_requests"),
+        log_requests=bool(coerce("log_requests", args.get("log_requests", False), False)),  # "true" from `serve run`
     )
-
-
-def _flag(args: dict, name: str) -> bool:
-    value = args.get(name, False)
-    if isinstance(value, str):  # `serve run app:build_app log_requests=true` passes strings
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
 
 
 def _number(args: dict, name: str, default: float) -> float:
