@@ -129,15 +129,14 @@ class ToolStream:
         return delta
 
     def _named(self, text: str) -> dict:
-        if self.named_call is None:
-            text = text.lstrip()  # whitespace after reasoning is not part of the arguments
+        if self.named_call is not None:
+            return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]} if text else {}
+        text = text.lstrip()  # whitespace after reasoning is not part of the arguments
         if not text:
             return {}
-        if self.named_call is None:
-            self.named_call = ToolCall.new(self.plan.name, "")
-            self.calls = [self.named_call]
-            return {"tool_calls": [{**self.named_call.delta(0), "function": {"name": self.plan.name, "arguments": text}}]}
-        return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
+        self.named_call = ToolCall.new(self.plan.name, "")
+        self.calls = [self.named_call]
+        return {"tool_calls": [{**self.named_call.delta(0), "function": {"name": self.plan.name, "arguments": text}}]}
 
     def _auto_content(self) -> dict:
         """Content up to where the calls start or might start; after they start, nothing until the end."""
