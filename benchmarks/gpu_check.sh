@@ -14,7 +14,8 @@
 #             with --enforce-eager).
 # The image may lack pure-Python packages the tests import (grpcio-health-checking in session 17):
 # put them in a folder and name it in EXTRA_PATH.
-# Logs and results land under $OUT; each bench cell is logged as it is measured.
+# Logs and results land under $OUT; each bench cell is logged as it is measured. REPEATS=N: timed passes
+# per cell (each bench warms up with one whole untimed pass on a GPU first).
 set -uo pipefail
 set -f  # pytest node ids hold [brackets]: no globbing
 OUT=${OUT:-gpu-check}
@@ -30,7 +31,7 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, 'transform
 bench() {  # bench NAME TIMEOUT ARGS...: one interleaved `saguaro bench` run; cells and table shown
     local name=$1 limit=$2; shift 2
     timeout "$limit" $PY -m saguaro_dist.cli --log-level INFO bench --device "$DEVICE" --settings equal --no-plots \
-        --no-progress --interleave --out "$OUT/$name" "$@" 2>&1 | tee "$OUT/$name.log" \
+        --no-progress --interleave --out "$OUT/$name" ${REPEATS:+--repeats $REPEATS} "$@" 2>&1 | tee "$OUT/$name.log" \
         | grep --line-buffered -E "cell |^\|"
 }
 demo_draft() { $PY -c 'from saguaro_dist.demo import demo_pair; print(demo_pair()[1])'; }

@@ -156,6 +156,22 @@ def test_interleaved_repeats_rotate_the_order():
     assert all(r.tokens_per_s == [16.0] * 3 and r.best.tokens == 16 for r in best.values())
 
 
+def test_on_a_gpu_the_warm_up_is_a_whole_untimed_pass():
+    calls = []
+
+    class Recorder:  # only the calls are under test: a GPU captures a graph per shape a pass meets
+        def run(self, prompts, temperature, max_new_tokens, seed):
+            calls.append((len(prompts), max_new_tokens))
+            return Measurement(tokens=max_new_tokens, seconds=1.0, outputs=[])
+
+    prompts = [[0], [1], [2], [3]]
+    measure_interleaved({"a": Recorder()}, prompts, 2, 0.0, BenchConfig(max_new_tokens=16, device="cuda"))
+    assert calls == [(2, 16)] * 4  # a whole pass warms up, one is timed
+    calls.clear()
+    measure_interleaved({"a": Recorder()}, prompts, 2, 0.0, BenchConfig(max_new_tokens=16))
+    assert calls == [(2, 8), (2, 16), (2, 16)]  # on the CPU one short call
+
+
 def test_a_cell_runs_every_prompt_in_batches_seeded_by_prompt():
     calls = []
 

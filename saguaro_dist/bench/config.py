@@ -92,7 +92,7 @@ class BenchConfig:
     fallback: str = "auto"
     tree_policy: str = "auto"
     seed: int = 0
-    repeats: int = 1                      # timed repeats per cell (the best is kept); 1 warm-up first
+    repeats: int = 1                      # timed repeats per cell (the best is kept) after an untimed warm-up (runner.warm_up)
     interleave: bool = False              # every system of a setting open at once, one repeat of each in turn
     cores: int = 2
     device: str = "cpu"                   # every system's models (cuda: the GPU check, benchmarks/gpu_check.sh)
