@@ -21,7 +21,7 @@ from test_serve_fixtures import free_port
 pytest_plugins = ["test_serve_fixtures"]
 
 
-@pytest.mark.parametrize("command", ["serve", "generate"])
+@pytest.mark.parametrize("command", ["serve", "generate", "run-batch"])
 def test_help(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])

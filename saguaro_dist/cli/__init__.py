@@ -7,7 +7,7 @@ import logging
 import sys
 
 # module name -> subcommand; each module defines register(subparsers) and sets a handler via set_defaults(run=...)
-SUBCOMMANDS = ("generate", "serve", "bench", "demo", "deploy")
+SUBCOMMANDS = ("generate", "run_batch", "serve", "bench", "demo", "deploy")
 
 
 def build_parser() -> argparse.ArgumentParser:

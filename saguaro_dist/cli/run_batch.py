@@ -1,0 +1,85 @@
+"""`saguaro run-batch -i requests.jsonl -o results.jsonl`: offline batch inference in OpenAI's batch file
+format (vLLM's run_batch), on an engine of its own (serve/batch.py)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from contextlib import contextmanager
+
+from saguaro_dist.cli.serve import add_engine_args, engine_args
+from saguaro_dist.serve.reasoning import ReasoningParser
+from saguaro_dist.serve.tool_parsers import ToolCallParser
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run-batch", help="run a JSONL file of OpenAI requests (OpenAI's batch format)",
+                              description="Answer each line of INPUT ({custom_id, method: POST, url: "
+                                          "/v1/chat/completions or /v1/completions, body}) with the serving app "
+                                          "in-process, writing one result line each to OUTPUT, in input order.")
+    g = p.add_argument_group("batch")
+    g.add_argument("-i", "--input-file", required=True, help="requests, one JSON object a line ('-': stdin)")
+    g.add_argument("-o", "--output-file", required=True, help="results, one JSON object a line ('-': stdout)")
+    g.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests handed to the engine at once (default 256; the engine batches up to "
+                        "--max-batch-size of them, the rest wait in its queue)")
+    g.add_argument("--served-model-name", help="the model name request bodies may give (default: the model path)")
+    g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser], help="as for `saguaro serve`")
+    g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser], help="as for `saguaro serve`")
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from saguaro_dist import LLM
+    from saguaro_dist.serve.args import config_from_args
+
+    _check_files(ns)
+    config = config_from_args(engine_args(ns))
+    with LLM.from_config(config) as llm, _lines(ns.input_file) as lines, _writer(ns.output_file) as write:
+        summary = asyncio.run(_run(llm, ns, lines, write))
+    sys.stderr.write(f"saguaro run-batch: {summary.requests} requests, {summary.failed} failed, "
+                     f"{summary.completion_tokens} tokens generated in {summary.seconds:.1f} s\n")
+    return 0
+
+
+async def _run(llm, ns: argparse.Namespace, lines, write):
+    from saguaro_dist.serve.api import ServerOptions, create_app
+    from saguaro_dist.serve.batch import run_batch
+
+    options = ServerOptions(served_model_name=ns.served_model_name or llm.config.model,
+                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+    return await run_batch(create_app(llm, options), lines, write, ns.max_in_flight)
+
+
+def _check_files(ns: argparse.Namespace) -> None:
+    """Before any model loads: the input exists and the output will not overwrite it."""
+    if ns.max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
+    if ns.input_file != "-" and not os.path.isfile(ns.input_file):
+        raise ValueError(f"input file {ns.input_file!r} does not exist")
+    if "-" not in (ns.input_file, ns.output_file) and os.path.exists(ns.output_file) \
+            and os.path.samefile(ns.input_file, ns.output_file):
+        raise ValueError("the output file would overwrite the input file")
+
+
+@contextmanager
+def _lines(path: str):
+    if path == "-":
+        yield sys.stdin
+        return
+    with open(path, encoding="utf-8") as f:
+        yield f
+
+
+@contextmanager
+def _writer(path: str):
+    """write(record): one JSON line, flushed, so a long batch's finished results are on disk as they come."""
+    f = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+    try:
+        yield lambda record: (f.write(json.dumps(record) + "\n"), f.flush())
+    finally:
+        if f is not sys.stdout:
+            f.close()

@@ -1,0 +1,128 @@
+"""Offline batch inference in OpenAI's batch file format (vLLM's `run_batch`): one JSON request a line in,
+one JSON result a line out, in input order.
+
+Every request goes through the serving app itself (create_app, over an in-process ASGI transport, no
+port): the same validation, replies and error bodies as `saguaro serve`, and all of a file's requests
+share one continuously batched engine. A line that is not a request gets an error record, as does a
+request the app refuses; the other lines run on. Nothing is dropped: each input line gets one record.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import httpx
+
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One input line, checked: a request for the app, or why it is not one."""
+    line: int                 # 1-based, in the input
+    custom_id: str | None
+    url: str = ""
+    body: dict = field(default_factory=dict)
+    error: str | None = None  # set: the line gets an error record and never reaches the app
+
+
+@dataclass
+class BatchSummary:
+    requests: int = 0
+    failed: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+
+    def add(self, record: dict) -> None:
+        self.requests += 1
+        response = record["response"]
+        if record["error"] is not None or response["status_code"] != 200:
+            self.failed += 1
+        else:
+            self.completion_tokens += response["body"].get("usage", {}).get("completion_tokens", 0)
+
+
+def parse_request(line: int, text: str, seen: set[str]) -> BatchRequest:
+    """One line of the input file. `seen` holds the custom_ids before it (they must be unique)."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        return BatchRequest(line, None, error=f"line {line} is not JSON: {err}")
+    if not isinstance(raw, dict):
+        return BatchRequest(line, None, error=f"line {line} must be a JSON object")
+    custom_id = raw.get("custom_id")
+    error = _request_error(raw, custom_id, seen)
+    if isinstance(custom_id, str):
+        seen.add(custom_id)
+    if error:
+        return BatchRequest(line, custom_id if isinstance(custom_id, str) else None, error=f"line {line}: {error}")
+    return BatchRequest(line, custom_id, raw["url"], raw["body"])
+
+
+def _request_error(raw: dict, custom_id, seen: set[str]) -> str | None:
+    if not isinstance(custom_id, str) or not custom_id:
+        return "custom_id must be a non-empty string"
+    if custom_id in seen:
+        return f"custom_id {custom_id!r} is not unique"
+    if raw.get("method", "POST") != "POST":
+        return f"method must be POST, got {raw.get('method')!r}"
+    if raw.get("url") not in BATCH_URLS:
+        return f"url must be one of {list(BATCH_URLS)}, got {raw.get('url')!r}"
+    if not isinstance(raw.get("body"), dict):
+        return "body must be a JSON object (the request)"
+    if raw["body"].get("stream"):
+        return "stream is not supported in a batch (each result is one JSON line)"
+    return None
+
+
+def result_record(request: BatchRequest, status: int | None, body: dict | None, request_id: str) -> dict:
+    """OpenAI's batch output line: `response` for whatever the app answered (errors included, with their
+    status and body), `error` only for a line that never reached it."""
+    response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
+    error = {"code": "invalid_request", "message": request.error} if request.error else None
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id, "response": response, "error": error}
+
+
+async def answer(client: httpx.AsyncClient, request: BatchRequest) -> dict:
+    """The app's reply to one request (or the line's error record). The request id names the generation
+    in the server's logs and the reply's id."""
+    request_id = f"batch-{uuid.uuid4().hex}"
+    if request.error:
+        return result_record(request, None, None, request_id)
+    reply = await client.post(request.url, json=request.body, headers={"X-Request-Id": request_id})
+    return result_record(request, reply.status_code, _json_body(reply), request_id)
+
+
+def _json_body(reply: httpx.Response) -> dict:
+    try:
+        return reply.json()
+    except ValueError:  # not the app's JSON (an unhandled failure): keep its text
+        return {"error": {"message": reply.text, "type": "InternalServerError", "code": reply.status_code}}
+
+
+async def run_batch(app, lines: Iterable[str], write: Callable[[dict], None], max_in_flight: int) -> BatchSummary:
+    """Answer every non-blank line, at most max_in_flight at once, writing the records in input order
+    as the earliest outstanding one completes. Returns what ran."""
+    summary, seen, pending = BatchSummary(), set(), deque()
+    start = time.perf_counter()
+
+    def flush(record: dict) -> None:
+        summary.add(record)
+        write(record)
+
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a failure is that line's 500
+    async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
+        for number, text in enumerate(lines, 1):
+            if text.strip():
+                pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
+            while pending and (len(pending) >= max_in_flight or pending[0].done()):
+                flush(await pending.popleft())
+        while pending:
+            flush(await pending.popleft())
+    summary.seconds = time.perf_counter() - start
+    return summary
