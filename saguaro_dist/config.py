@@ -99,6 +99,7 @@ class Config:
     enable_prefix_caching: bool = True     # finished sequences' KV rows are reused by prompts that start alike (model/prefix_cache.py)
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     log_stats_interval_s: float = 10.0     # an INFO line of throughput, queue and speculation figures this often (0: off)
+    generation_config: str = "auto"        # requests' sampling defaults: the model's generation_config.json, "vllm" (none) or a folder
     target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
@@ -148,6 +149,8 @@ class Config:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:
             raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
         check_dtype(self.dtype)
         check_device(self.device)
         if self.draft_device is not None:

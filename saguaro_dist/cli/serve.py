@@ -26,7 +26,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
-                "log_stats_interval_s": "log_stats_interval_s"}
+                "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
@@ -55,7 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-policy", choices=[t.value for t in TreePolicy],
                    help="ssd: auto (default) runs rounds with or without speculation trees, whichever is measured "
                         "faster at the batch size; always builds a tree every round")
-    g.add_argument("--max-batch-size", type=int)
+    g.add_argument("--max-batch-size", "--max-num-seqs", type=int, dest="max_batch_size",
+                   help="sequences decoded together (vLLM's --max-num-seqs; default 8)")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="prompt tokens an engine step prefills and tokens one forward takes; longer prompts run in "
@@ -70,9 +71,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
                    help="which waiting request takes a free batch slot: fcfs (default) or priority (the request's "
                         "`priority`, lower first; running requests are not preempted)")
+    g.add_argument("--generation-config",
+                   help="requests' default temperature, top_p, top_k, min_p, repetition_penalty and max_tokens: "
+                        "auto (default) from the model's generation_config.json, as vLLM; vllm: none (temperature "
+                        "1, no truncation); or a folder holding a generation_config.json")
     g.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0, default=None,
                    help="no periodic engine stats line (default: one every 10 s while serving, as vLLM)")
-    g.add_argument("--tp", type=int, help="tensor-parallel size of the target (implies --cluster auto)")
+    g.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, dest="tp",
+                   help="tensor-parallel size of the target (implies --cluster auto)")
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],
                    help="one-host engine: run the draft in a child process or on a thread (default auto: "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 import uuid
 from typing import AsyncIterator
@@ -13,9 +14,11 @@ from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
+from saguaro_dist.model.loader import load_generation_defaults
 from saguaro_dist.sampling_params import SamplingParams, check_against_model, truncate_prompt
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -49,6 +52,25 @@ class LLM:
         self.max_model_len = self._thread.max_model_len - headroom
         self.vocab_size, self.eos_token_ids = self._thread.vocab_size, self._thread.eos_token_ids
         self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.generation_defaults = self._generation_defaults(config)
+
+    @staticmethod
+    def _generation_defaults(config: Config) -> dict:
+        """What the model's generation config makes the default (vLLM's): checked once, here."""
+        defaults = load_generation_defaults(config.model, config.generation_config)
+        try:
+            SamplingParams(**defaults)
+        except ValueError as err:
+            raise ValueError(f"the generation config of {config.model!r} ({config.generation_config}): {err}") from None
+        if defaults:
+            log.info("requests' sampling defaults come from the model's generation config: %s "
+                     "(generation_config='vllm' to ignore it)", defaults)
+        return defaults
+
+    def default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams generate / chat / stream use when given none: the generation config's
+        defaults (vLLM's get_default_sampling_params)."""
+        return SamplingParams(**self.generation_defaults)
 
     @property
     def metrics(self):
@@ -184,7 +206,7 @@ class LLM:
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams()] * n
+            return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if len(sampling_params) != n:

@@ -88,3 +88,28 @@ def load_tokenizer(path_or_id: str | Path):
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# generation_config.json field -> SamplingParams field: what vLLM takes from a model's generation config
+GENERATION_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                             "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def load_generation_defaults(model: str | Path, source: str = "auto") -> dict:
+    """The sampling defaults a checkpoint's generation_config.json sets (vLLM's --generation-config):
+    source "auto" reads the model's own file ({} when it ships none), "vllm" none (the neutral defaults),
+    anything else is a folder that must hold one. Only the fields vLLM takes, under SamplingParams' names;
+    do_sample is ignored, as vLLM does."""
+    if source == "vllm":
+        return {}
+    folder = resolve_model_dir(model if source == "auto" else source)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if source != "auto":
+            raise ValueError(f"generation_config folder {source!r} has no generation_config.json")
+        return {}
+    raw = json.loads(path.read_text())
+    defaults = {ours: raw[theirs] for theirs, ours in GENERATION_DEFAULT_FIELDS.items() if raw.get(theirs) is not None}
+    if isinstance(defaults.get("top_k"), int) and defaults["top_k"] < 0:
+        defaults["top_k"] = 0  # transformers' and vLLM's -1 is our 0: no top-k
+    return defaults

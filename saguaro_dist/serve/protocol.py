@@ -140,12 +140,15 @@ class SamplingRequest(OpenAIModel):
     def requested_prompt_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's settings; `defaults` (the model's generation config, LLM.generation_defaults) fill
+        the sampling fields the request left out, as vLLM's do."""
+        given = self._given_sampling(defaults or {})
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=max(0, self.top_k or 0),
-            min_p=self.min_p or 0.0,
+            temperature=given["temperature"],
+            top_p=given["top_p"],
+            top_k=max(0, given["top_k"] or 0),
+            min_p=given["min_p"] or 0.0,
             max_tokens=max_tokens,
             stop=self.stop or (),
             seed=self.seed,
@@ -154,7 +157,7 @@ class SamplingRequest(OpenAIModel):
             min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=given["repetition_penalty"],
             logit_bias=self.logit_bias,
             allowed_token_ids=self.allowed_token_ids,
             structured_outputs=self.requested_structure(),
@@ -164,6 +167,12 @@ class SamplingRequest(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+    def _given_sampling(self, defaults: dict) -> dict:
+        """Each generation-config field: the request's value, else the model's default, else the neutral one."""
+        neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        return {name: getattr(self, name) if getattr(self, name) is not None else defaults.get(name, value)
+                for name, value in neutral.items()}
 
     @property
     def include_usage_chunk(self) -> bool:

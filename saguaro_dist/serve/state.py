@@ -57,6 +57,7 @@ class ServingState:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = int(engine.max_model_len)
+        self.defaults = dict(getattr(engine, "generation_defaults", {}))  # the model's generation config (vLLM's)
         self.metrics = metrics
         self.running = 0
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
@@ -110,7 +111,8 @@ class ServingState:
         return jobs
 
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
-        """Sampling settings for one prompt; max_tokens defaults to the rest of the context (vLLM)."""
+        """Sampling settings for one prompt; max_tokens defaults to the rest of the context, or the
+        generation config's max_new_tokens if that is less (vLLM)."""
         prompt_ids = truncate_prompt(prompt_ids, request.truncate_prompt_tokens, self.max_model_len)
         room = self.max_model_len - len(prompt_ids)
         wanted = request.requested_max_tokens()
@@ -120,8 +122,9 @@ class ServingState:
                                 f"{param}, {wanted or 1} in the completion). Please reduce the length of the "
                                 f"{param} or completion.", param=param, code="context_length_exceeded")
         if wanted == 0:  # the engine always decides one token; the response leaves it out
-            return Job(prompt_ids, request.sampling_params(1), scores_only=True, priority=request.priority)
-        return Job(prompt_ids, request.sampling_params(wanted or room), priority=request.priority)
+            return Job(prompt_ids, request.sampling_params(1, self.defaults), scores_only=True, priority=request.priority)
+        max_tokens = wanted or min(room, self.defaults.get("max_tokens", room))
+        return Job(prompt_ids, request.sampling_params(max_tokens, self.defaults), priority=request.priority)
 
     # ---- generation -------------------------------------------------------------------------
     async def stream(self, job: Job, output_kind: OutputKind = OutputKind.DELTA) -> AsyncIterator:
