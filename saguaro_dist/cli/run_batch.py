@@ -9,7 +9,8 @@ import os
 import sys
 from contextlib import contextmanager
 
-from saguaro_dist.cli.serve import add_engine_args, engine_args
+from saguaro_dist.cli.serve import CHAT_TEMPLATE_HELP, add_engine_args, engine_args
+from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -28,6 +29,7 @@ def register(subparsers) -> None:
     g.add_argument("--served-model-name", help="the model name request bodies may give (default: the model path)")
     g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser], help="as for `saguaro serve`")
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser], help="as for `saguaro serve`")
+    g.add_argument("--chat-template", help=CHAT_TEMPLATE_HELP)
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -37,20 +39,22 @@ def run(ns: argparse.Namespace) -> int:
     from saguaro_dist.serve.args import config_from_args
 
     _check_files(ns)
+    template = load_chat_template(ns.chat_template) if ns.chat_template else None
     config = config_from_args(engine_args(ns))
     with LLM.from_config(config) as llm, _lines(ns.input_file) as lines, _writer(ns.output_file) as write:
-        summary = asyncio.run(_run(llm, ns, lines, write))
+        summary = asyncio.run(_run(llm, ns, template, lines, write))
     sys.stderr.write(f"saguaro run-batch: {summary.requests} requests, {summary.failed} failed, "
                      f"{summary.completion_tokens} tokens generated in {summary.seconds:.1f} s\n")
     return 0
 
 
-async def _run(llm, ns: argparse.Namespace, lines, write):
+async def _run(llm, ns: argparse.Namespace, template: str | None, lines, write):
     from saguaro_dist.serve.api import ServerOptions, create_app
     from saguaro_dist.serve.batch import run_batch
 
     options = ServerOptions(served_model_name=ns.served_model_name or llm.config.model,
-                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser)
+                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                            chat_template=template)
     return await run_batch(create_app(llm, options), lines, write, ns.max_in_flight)
 
 

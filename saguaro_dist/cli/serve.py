@@ -12,6 +12,7 @@ import threading
 from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, SchedulingPolicy, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
+from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -30,7 +31,9 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "mode": "mode", "k": "k", "f
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
-               "log_requests": "log_requests"}
+               "log_requests": "log_requests", "chat_template": "chat_template"}
+CHAT_TEMPLATE_HELP = ("a Jinja chat template, or a file holding one, used instead of the tokenizer's (vLLM's "
+                      "--chat-template; for models that ship none)")
 
 
 def fan_out_arg(text: str):
@@ -136,6 +139,7 @@ def register(subparsers) -> None:
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                    help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
                         "deepseek_r1: DeepSeek-R1, QwQ)")
+    g.add_argument("--chat-template", help=CHAT_TEMPLATE_HELP)
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=None,
                    help="log an INFO line as each generation starts and ends (request id, prompt tokens, settings, "
                         "finish reason, timings, acceptance)")
@@ -157,6 +161,8 @@ def run(ns: argparse.Namespace) -> int:
     args.update({field: getattr(ns, dest) for dest, field in SERVE_FLAGS.items() if getattr(ns, dest) is not None})
     if api_key_from_args(args):
         args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment
+    if args.get("chat_template"):
+        args["chat_template"] = load_chat_template(args["chat_template"])  # the text: replicas may lack the file
     config_from_args(args)  # fail fast with a clear message, before Ray starts
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000

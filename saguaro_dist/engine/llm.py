@@ -98,10 +98,12 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             priority: list[int] | None = None) -> list[RequestOutput]:
+             priority: list[int] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI messages: role, content, tool_calls, tool_call_id) or a
-        list of them, rendered as the server renders /v1/chat/completions (the tokenizer's chat template
-        with `tools`; a plain transcript without one), then generated; outputs in conversation order."""
+        list of them, rendered as the server renders /v1/chat/completions (`chat_template`, a Jinja
+        template or a file of one, else the tokenizer's, with `tools`; a plain transcript without one),
+        then generated; outputs in conversation order."""
+        from saguaro_dist.serve.prompts import load_chat_template
         from saguaro_dist.serve.prompts import encode_chat  # the HTTP layer's message model: one rendering
         from saguaro_dist.serve.protocol import ChatMessage, Tool
         if self.tokenizer is None:
@@ -110,7 +112,8 @@ class LLM:
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         tools = [Tool(**t) for t in tools or []]
-        ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs)
+        template = load_chat_template(chat_template) if chat_template else None
+        ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template)
                for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority)
 

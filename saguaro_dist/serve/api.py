@@ -40,6 +40,7 @@ class ServerOptions:
     tool_call_parser: str | None = None  # reads tool_choice "auto" replies (tool_parsers.ToolCallParser); None: auto is a 400
     reasoning_parser: str | None = None  # splits a thinking model's reasoning from its content (reasoning.ReasoningParser)
     log_requests: bool = False  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
+    chat_template: str | None = None  # a Jinja chat template (the text) used instead of the tokenizer's
 
     def __post_init__(self):
         if not 0 <= self.stream_interval_ms <= 10_000:
@@ -54,7 +55,8 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None)
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
-                                     options.tool_call_parser, options.reasoning_parser, options.log_requests)
+                                     options.tool_call_parser, options.reasoning_parser, options.log_requests,
+                                     options.chat_template)
     install_error_handlers(app)
     app.include_router(_router())
     # Outermost last: count every request, then auth, then the size limit.
@@ -136,8 +138,8 @@ async def _chat(body: ChatCompletionRequest, request: Request):
         raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
                             f'{" | ".join(p.value for p in ToolCallParser)}); name a function or use "required" instead',
                        param="tool_choice")
-    jobs = state.jobs([encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs)], body,
-                      "messages")
+    prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template)
+    jobs = state.jobs([prompt], body, "messages")
     jobs = [replace(job, params=plan.adjust(job.params)) for job in map(state.reason_first, jobs)]
     return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request))
 
@@ -161,7 +163,7 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = _state(request)
     state.check_model(body.model)
     if body.messages is not None:
-        tokens = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs)
+        tokens = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template)
     else:
         tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}

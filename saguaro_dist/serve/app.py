@@ -15,6 +15,7 @@ from ray.serve import Application
 from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STREAM_INTERVAL_MS, ServerOptions, create_app
 from saguaro_dist.serve.args import api_key_from_args, coerce, config_from_args
 from saguaro_dist.serve.metrics import ServeMetrics
+from saguaro_dist.serve.prompts import load_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ def server_options(args: dict, model: str) -> ServerOptions:
         tool_call_parser=args.get("tool_call_parser") or None,
         reasoning_parser=args.get("reasoning_parser") or None,
         log_requests=bool(coerce("log_requests", args.get("log_requests", False), False)),  # "true" from `serve run`
+        chat_template=load_chat_template(args["chat_template"]) if args.get("chat_template") else None,
     )
 
 

@@ -11,7 +11,7 @@ from saguaro_dist.config import Config
 API_KEY_ENV = "SAGUARO_API_KEY"
 # Serve-only arguments: everything else must be a Config field.
 SERVE_ONLY_ARGS = {"api_key", "api_key_env", "served_model_name", "max_request_bytes", "stream_interval_ms",
-                   "tool_call_parser", "reasoning_parser", "log_requests"}
+                   "tool_call_parser", "reasoning_parser", "log_requests", "chat_template"}
 _NUMBERS = {"int": int, "float": float}
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from saguaro_dist.serve.protocol import ChatMessage, Tool
 from saguaro_dist.serve.tool_parsers import HERMES_CLOSE, HERMES_OPEN
@@ -18,27 +19,54 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
-                template_kwargs: dict | None = None) -> tuple[str, bool]:
+                template_kwargs: dict | None = None, chat_template: str | None = None) -> tuple[str, bool]:
     """The prompt text for `messages` (and the tools the model may call) and whether it already carries
     the special tokens.
 
-    The tokenizer's own chat template when it has one (tools go to it as transformers' `tools=`);
-    otherwise a plain "Role: text" transcript ending with "Assistant:", so base models without a
-    template can still be chatted with (tools as a JSON line first, earlier calls in hermes tags).
-    template_kwargs: extra variables for the template (Qwen3's enable_thinking), unused by the transcript.
+    `chat_template` (the server's --chat-template) or else the tokenizer's own when it has one (tools go
+    to it as transformers' `tools=`); otherwise a plain "Role: text" transcript ending with "Assistant:",
+    so base models without a template can still be chatted with (tools as a JSON line first, earlier
+    calls in hermes tags). template_kwargs: extra variables for the template (Qwen3's enable_thinking),
+    unused by the transcript.
     """
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {clash}")
     turns = [m.for_template() for m in messages]
     tools = [t.model_dump(exclude_none=True) for t in tools or []]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
-        return text, True
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        return _apply_template(tokenizer, template, turns, tools, template_kwargs or {}), True
     lines = [f"Tools: {json.dumps(tools)}"] if tools else []
     lines += [f"{turn['role'].capitalize()}: {_plain_content(turn)}" for turn in turns]
     return "\n".join(lines + ["Assistant:"]), False
+
+
+def _apply_template(tokenizer, template: str, turns: list[dict], tools: list[dict], kwargs: dict) -> str:
+    """The template's text; one that refuses the conversation (raise_exception: "roles must alternate")
+    is the request's fault, a 400 naming the template's message, as vLLM answers."""
+    from jinja2 import TemplateError
+    try:
+        return tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, add_generation_prompt=True,
+                                             chat_template=template, **kwargs)
+    except TemplateError as err:
+        raise ValueError(f"messages: the chat template refused them: {err}") from None
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template: a Jinja template given inline or as a file (vLLM's rule: text holding '{', '}'
+    or a newline is the template itself), checked to compile, so a typo fails at start-up."""
+    import jinja2
+    if not any(c in value for c in "{}\n"):
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
+        value = path.read_text(encoding="utf-8")
+    try:
+        jinja2.Environment().parse(value)
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"chat_template does not compile: {err} (line {err.lineno})") from None
+    return value
 
 
 def _plain_content(turn: dict) -> str:
@@ -47,7 +75,7 @@ def _plain_content(turn: dict) -> str:
 
 
 def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
-                template_kwargs: dict | None = None) -> list[int]:
-    text, templated = render_chat(tokenizer, messages, tools, template_kwargs)
+                template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
+    text, templated = render_chat(tokenizer, messages, tools, template_kwargs, chat_template)
     # A chat template writes BOS etc. itself; adding them again would double them (as vLLM avoids).
     return encode_text(tokenizer, text, add_special_tokens=not templated)

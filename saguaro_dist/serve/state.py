@@ -48,8 +48,10 @@ class Finished:
 
 class ServingState:
     def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
-                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, log_requests: bool = False):
+                 tool_call_parser: str | None = None, reasoning_parser: str | None = None, log_requests: bool = False,
+                 chat_template: str | None = None):
         self.engine = engine
+        self.chat_template = chat_template  # the server's --chat-template (None: the tokenizer's)
         self.log_requests = log_requests  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
         self.tool_call_parser = ToolCallParser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
