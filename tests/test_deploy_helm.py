@@ -29,7 +29,8 @@ SETTINGS = {
                                                autoscaling=True, mode="sd", fallback="fast", dtype="float16",
                                                saguaro_c=0.5, max_batch_size=16, idle_timeout_s=120,
                                                scheduling_policy="priority"),
-    "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain", head_cpu="1", head_memory="2Gi"),
+    "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain", head_cpu="1", head_memory="2Gi",
+                                   generation_config="vllm", chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}"),
 }
 
 

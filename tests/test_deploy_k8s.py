@@ -228,6 +228,20 @@ def test_cli_serve_config_and_fan_out_list(capsys):
     assert config_from_args(config["applications"][0]["args"]).mode is Mode.SSD
 
 
+def test_cli_puts_the_chat_template_text_and_generation_config_in_the_app_args(tmp_path, capsys):
+    from saguaro_dist.serve.app import server_options
+    template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
+    (tmp_path / "chat.jinja").write_text(template)
+    argv = ["deploy", "k8s", "--kind", "serve-config", "--chat-template", str(tmp_path / "chat.jinja"),
+            "--generation-config", "vllm"]
+    assert main(argv) == 0
+    args = yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"]
+    assert args["chat_template"] == template  # the text: the pods need not have the file
+    assert config_from_args(args).generation_config == "vllm" and server_options(args, "m").chat_template == template
+    assert main(["deploy", "k8s", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "neither a file nor a Jinja template" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "sd", "--draft", ""], "needs a draft model"),
     (["--k", "4", "--fan-out", "1,2"], "k+1"),

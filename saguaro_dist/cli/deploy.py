@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from saguaro_dist.deploy import k8s
+from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -43,6 +44,11 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              'llama3_json: Llama 3.1-3.3; mistral)')
     parser.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                         help="return <think> text as the chat message's reasoning (qwen3, deepseek_r1)")
+    parser.add_argument("--generation-config", default=DEFAULTS.generation_config,
+                        help="requests' sampling defaults: auto (the model's generation_config.json, as vLLM), "
+                             "vllm (none), or a folder in the image / under /models")
+    parser.add_argument("--chat-template",
+                        help="a Jinja chat template, or a local file of one: its text goes into the manifest")
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +87,8 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
     """The CLI options whose names are K8sSettings fields, as settings."""
     fields = {f for f in k8s.K8sSettings.__dataclass_fields__}
     given = {key: value for key, value in vars(args).items() if key in fields and value is not None}
+    if given.get("chat_template"):
+        given["chat_template"] = load_chat_template(given["chat_template"])  # the text: the pods lack the file
     return k8s.K8sSettings(**given)
 
 

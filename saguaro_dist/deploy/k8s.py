@@ -48,6 +48,8 @@ class K8sSettings:
     served_model_name: str | None = None
     tool_call_parser: str | None = None  # tool_choice "auto": hermes (Qwen 2.5 / 3, Hermes), llama3_json, mistral
     reasoning_parser: str | None = None  # <think> text as the message's reasoning: qwen3, deepseek_r1
+    generation_config: str = "auto"   # requests' sampling defaults: the model's generation_config.json, or "vllm" (none)
+    chat_template: str | None = None  # a Jinja chat template (the text) instead of the tokenizer's
     tp: int = 1
     draft_workers: int = 1
     image: str = f"saguaro-dist:{APP_VERSION}-cpu"
@@ -114,7 +116,9 @@ def serve_args(s: K8sSettings) -> dict:
             "max_batch_size": s.max_batch_size, "device": s.device, "dtype": s.engine_dtype,
             "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name,
             "tool_call_parser": s.tool_call_parser, "reasoning_parser": s.reasoning_parser,
-            "scheduling_policy": None if s.scheduling_policy == "fcfs" else s.scheduling_policy}
+            "scheduling_policy": None if s.scheduling_policy == "fcfs" else s.scheduling_policy,
+            "generation_config": None if s.generation_config == "auto" else s.generation_config,
+            "chat_template": s.chat_template}
     return {key: value for key, value in args.items() if value is not None}
 
 
@@ -318,7 +322,8 @@ def helm_values(s: K8sSettings) -> dict:
         "fullnameOverride": s.name,
         "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},
         "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or "",
-                  "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or ""},
+                  "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or "",
+                  "generationConfig": s.generation_config, "chatTemplate": s.chat_template or ""},
         "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
                         "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
         "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or "", "schedulingPolicy": s.scheduling_policy},

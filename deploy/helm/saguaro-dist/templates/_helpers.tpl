@@ -50,6 +50,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" .Values.model.servedModelName }}{{ end -}}
 {{- if .Values.model.toolCallParser }}{{ $_ := set $args "tool_call_parser" .Values.model.toolCallParser }}{{ end -}}
 {{- if .Values.model.reasoningParser }}{{ $_ := set $args "reasoning_parser" .Values.model.reasoningParser }}{{ end -}}
+{{- if ne (.Values.model.generationConfig | default "auto") "auto" }}{{ $_ := set $args "generation_config" .Values.model.generationConfig }}{{ end -}}
+{{- if .Values.model.chatTemplate }}{{ $_ := set $args "chat_template" .Values.model.chatTemplate }}{{ end -}}
 {{- if eq (.Values.engine.schedulingPolicy | default "fcfs") "priority" }}{{ $_ := set $args "scheduling_policy" "priority" }}{{ end -}}
 {{- $app := dict "name" "saguaro" "route_prefix" "/" "import_path" "saguaro_dist.serve.app:build_app" "args" $args -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
