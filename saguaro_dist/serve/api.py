@@ -16,6 +16,8 @@ from saguaro_dist.serve.errors import APIError, install_error_handlers, stream_e
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from saguaro_dist.serve.prompts import encode_chat, encode_text
+from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
+from saguaro_dist.serve.openai_responses import usage as responses_usage
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, merge
@@ -27,8 +29,8 @@ DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context win
 # the GIL the engine's round loop needs: with the demo pair at batch 1, a chunk per round made a request
 # ~1.5x as slow as in-process through the proxy, 50 ms batches ~1.15x (and ~1.05x direct; docs/serving.md).
 DEFAULT_STREAM_INTERVAL_MS = 50.0
-ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize",
-                    "/reset_prefix_cache", "/version"})
+ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/tokenize",
+                    "/detokenize", "/reset_prefix_cache", "/version"})
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,7 @@ def _router() -> APIRouter:
     router.add_api_route("/v1/models", _models, methods=["GET"])
     router.add_api_route("/v1/completions", _completions, methods=["POST"])
     router.add_api_route("/v1/chat/completions", _chat, methods=["POST"])
+    router.add_api_route("/v1/responses", _responses, methods=["POST"])
     router.add_api_route("/tokenize", _tokenize, methods=["POST"])
     router.add_api_route("/detokenize", _detokenize, methods=["POST"])
     router.add_api_route("/reset_prefix_cache", _reset_prefix_cache, methods=["POST"])
@@ -142,6 +145,51 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     jobs = state.jobs([prompt], body, "messages")
     jobs = [replace(job, params=plan.adjust(job.params)) for job in map(state.reason_first, jobs)]
     return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request))
+
+
+async def _responses(body: ResponsesRequest, request: Request):
+    """OpenAI's Responses API, text only (serve/openai_responses.py): the input runs as a chat would."""
+    state = _state(request)
+    body.reject_unsupported()
+    model = state.check_model(body.model)
+    prompt = encode_chat(state.tokenizer, body.messages(), None, body.chat_template_kwargs, state.chat_template)
+    request_id = _request_id(request)
+    (job,) = state.named([state.reason_first(job) for job in state.jobs([prompt], body, "input")], request_id)
+    response_id = f"resp_{request_id}"
+    if body.stream:
+        batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
+        first = await anext(batches, None)  # before answering: a request the engine rejects still gets a 400
+        events = _response_events(state, job, ResponseEvents(response_id, model, body), batches, first)
+        return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    result = await state.collect(job)
+    reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
+    return response_body(response_id, model, body, output_items(reasoning, text), "completed", result.finish_reason,
+                         **_response_extra(state, job, result.num_tokens, result.metrics))
+
+
+def _response_extra(state: ServingState, job: Job, tokens: int, metrics) -> dict:
+    """A response's usage and our speculation stats."""
+    cached = metrics.num_cached_tokens if metrics is not None else 0
+    return {"usage": responses_usage(len(job.prompt_ids), tokens, cached),
+            "speculation": responses.speculation([metrics], state.engine.config.mode.value)}
+
+
+async def _response_events(state: ServingState, job: Job, events: ResponseEvents, batches, first):
+    reasoning, tokens, pending = ReasoningStream(state.reasoning_parser_for(job)), 0, events.opening()
+    try:
+        async with aclosing(batches):
+            batch = first
+            while batch is not None:
+                for _, text, count, last, _ in _per_choice(batch):
+                    tokens += count
+                    pending += events.text(*reasoning.feed(text, last.finished))
+                    if last.finished:
+                        pending += events.closing(last.finish_reason, **_response_extra(state, job, tokens, last.metrics))
+                yield pending
+                pending = ""
+                batch = await anext(batches, None)
+    except Exception as err:  # noqa: BLE001 - headers are sent: the error travels as an event
+        yield events.error(stream_error(err))
 
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")

@@ -1,0 +1,223 @@
+"""OpenAI's Responses API (`POST /v1/responses`), the text subset vLLM serves: `input` (a string or
+messages) after `instructions`, sampling fields, `max_output_tokens`, `text.format` (structured
+outputs), `stream`; the reply as a `reasoning` item (with a reasoning parser) and a `message` item.
+
+Nothing is stored: `previous_response_id`, `background` and tools are refused with a 400 naming them
+(tools: use /v1/chat/completions). The request becomes a chat conversation and runs as chat does.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from saguaro_dist.sampling_params import StructuredOutputsParams
+from saguaro_dist.serve import responses
+from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.protocol import ChatMessage, SamplingRequest
+
+# field -> why it is refused (a 400 naming it) when given a value other than these
+_REFUSED = {"previous_response_id": ((None,), "this server stores no responses"),
+            "background": ((None, False), "this server runs no background responses"),
+            "tools": ((None, []), "tools are served on /v1/chat/completions"),
+            "conversation": ((None,), "this server stores no conversations"),
+            "prompt": ((None,), "this server stores no prompt templates")}
+
+
+class InputPart(BaseModel):
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[InputPart]
+    id: str | None = None      # items echoed back from an earlier response carry these
+    status: str | None = None
+
+    def chat_message(self) -> ChatMessage:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return ChatMessage(role=self.role, content=text)
+
+
+class TextFormat(BaseModel):
+    """Responses' text.format: OpenAI's response_format with the schema fields inline."""
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class TextOptions(BaseModel):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(SamplingRequest):
+    input: str | list[InputMessage] = Field(min_length=1)
+    instructions: str | None = None  # a system message before the input
+    max_output_tokens: int | None = Field(None, ge=1)
+    text: TextOptions | None = None
+    store: bool | None = None  # accepted (the SDK sends it); nothing is stored either way
+    reasoning: dict | None = None  # accepted; a reasoning model's effort is its chat template's business
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template
+
+    @model_validator(mode="after")
+    def _check_fields(self):
+        if self.n != 1:
+            raise ValueError("n is not a Responses API field (one output a response)")
+        if self.max_tokens is not None:
+            raise ValueError("max_tokens is max_output_tokens on /v1/responses")
+        return self
+
+    def reject_unsupported(self) -> None:
+        super().reject_unsupported()
+        extra = self.model_extra or {}
+        for name, (allowed, why) in _REFUSED.items():
+            if extra.get(name) not in allowed:
+                raise APIError(400, f"'{name}' is not supported: {why}", param=name)
+
+    def messages(self) -> list[ChatMessage]:
+        turns = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
+        if isinstance(self.input, str):
+            return turns + [ChatMessage(role="user", content=self.input)]
+        return turns + [m.chat_message() for m in self.input]
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_output_tokens
+
+    def requested_structure(self) -> StructuredOutputsParams | None:
+        fmt = self.text.format if self.text else None
+        if fmt is None or fmt.type == "text":
+            return super().requested_structure()
+        if self.response_format is not None or self.structured_outputs is not None:
+            raise ValueError("structured_outputs can be asked for once (text.format, response_format or structured_outputs)")
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if fmt.schema_ is None:
+            raise ValueError("text.format of type json_schema needs a schema")
+        return StructuredOutputsParams(json=fmt.schema_)
+
+
+# ---- the reply ---------------------------------------------------------------------------------
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+    content = [] if text is None else [text_part(text)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def new_item_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def response_body(response_id: str, model: str, body: ResponsesRequest, output: list[dict], status: str,
+                  finish_reason: str | None = None, **extra) -> dict:
+    """The Response object: status completed, incomplete (max_output_tokens reached) or in_progress."""
+    if status == "completed" and finish_reason == "length":
+        status = "incomplete"
+    fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {"type": "text"}
+    return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
+            "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "metadata": {},
+            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "temperature": body.temperature,
+            "top_p": body.top_p, "text": {"format": fmt}, "store": False, **extra}
+
+
+def output_items(reasoning: str | None, text: str | None) -> list[dict]:
+    items = [] if reasoning is None else [reasoning_item(new_item_id("rs"), reasoning)]
+    return items + [message_item(new_item_id("msg"), text or "")]
+
+
+class ResponseEvents:
+    """The SSE events of one streamed response, in OpenAI's order: created, in_progress, then per output
+    item added / its text deltas / done (a reasoning item first when the model reasons), completed."""
+
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest):
+        self.response_id, self.model, self.body = response_id, model, body
+        self.sequence = 0
+        self.items: list[dict] = []  # finished items, for the completed response
+        self.open: dict | None = None  # the item being streamed: {"kind", "id", "text"}
+
+    def error(self, envelope: dict) -> str:
+        """A failure after the headers went out (errors.stream_error's envelope), as Responses streams it."""
+        err = envelope["error"]
+        return self.event("error", code=err.get("code"), message=err["message"], param=err.get("param"))
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\n" + responses.sse(data)
+
+    def opening(self) -> str:
+        body = response_body(self.response_id, self.model, self.body, [], "in_progress")
+        return self.event("response.created", response=body) + self.event("response.in_progress", response=body)
+
+    def text(self, reasoning: str, content: str) -> str:
+        """Events for one batch: reasoning text, then content (which closes the reasoning item)."""
+        out = self._delta("reasoning", reasoning) if reasoning else ""
+        return out + (self._delta("message", content) if content else "")
+
+    def _delta(self, kind: str, text: str) -> str:
+        out = ""
+        if self.open is None or self.open["kind"] != kind:
+            out += self._close() + self._open(kind)
+        self.open["text"] += text
+        index, ids = len(self.items), {"item_id": self.open["id"], "content_index": 0}
+        if kind == "reasoning":
+            return out + self.event("response.reasoning_text.delta", output_index=index, delta=text, **ids)
+        return out + self.event("response.output_text.delta", output_index=index, delta=text, logprobs=[], **ids)
+
+    def _open(self, kind: str) -> str:
+        self.open = {"kind": kind, "id": new_item_id("rs" if kind == "reasoning" else "msg"), "text": ""}
+        index, item_key = len(self.items), {"item_id": self.open["id"], "content_index": 0}
+        if kind == "reasoning":
+            return self.event("response.output_item.added", output_index=index,
+                              item=reasoning_item(self.open["id"], "", "in_progress"))
+        return (self.event("response.output_item.added", output_index=index,
+                           item=message_item(self.open["id"], None, "in_progress"))
+                + self.event("response.content_part.added", output_index=index, part=text_part(""), **item_key))
+
+    def _close(self) -> str:
+        if self.open is None:
+            return ""
+        kind, text, ident = self.open["kind"], self.open["text"], self.open["id"]
+        index, ids = len(self.items), {"item_id": ident, "content_index": 0}
+        if kind == "reasoning":
+            item = reasoning_item(ident, text)
+            out = self.event("response.reasoning_text.done", output_index=index, text=text, **ids)
+        else:
+            item = message_item(ident, text)
+            out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=[], **ids)
+                   + self.event("response.content_part.done", output_index=index, part=text_part(text), **ids))
+        self.items.append(item)
+        self.open = None
+        return out + self.event("response.output_item.done", output_index=index, item=item)
+
+    def closing(self, finish_reason: str | None, **extra) -> str:
+        """The last events: the open item closed (an empty message if no text came), then completed
+        (incomplete when max_output_tokens ended it)."""
+        has_message = (self.open or {}).get("kind") == "message" or any(i["type"] == "message" for i in self.items)
+        out = self._close()
+        if not has_message:
+            out += self._open("message") + self._close()
+        body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason, **extra)
+        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+        return out + self.event(kind, response=body)

@@ -1,0 +1,107 @@
+"""OpenAI's Responses API (/v1/responses) over real HTTP: the serving app under uvicorn, the demo model,
+the `openai` client's own types and stream parser."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from http_helpers import serve_on_loopback
+from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.demo import demo_pair
+from saguaro_dist.serve.api import ServerOptions, create_app
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
+          "required": ["name", "size"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def served():
+    target, _ = demo_pair()
+    llm = LLM(model=target, mode="ar")
+    plain, reasoning = create_app(llm, ServerOptions("demo")), create_app(llm, ServerOptions("demo", reasoning_parser="deepseek_r1"))
+    with serve_on_loopback(plain) as url, serve_on_loopback(reasoning) as r1_url:
+        yield llm, openai.OpenAI(base_url=url, api_key="none", max_retries=0), \
+            openai.OpenAI(base_url=r1_url, api_key="none", max_retries=0), url
+    llm.shutdown()
+
+
+def greedy_chat(llm, messages, max_tokens):
+    return llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+
+
+def test_a_reply_is_the_chat_reply(served):
+    llm, client, _, _ = served
+    resp = client.responses.create(model="demo", input="def add(a, b):", max_output_tokens=10, temperature=0)
+    expected = greedy_chat(llm, [{"role": "user", "content": "def add(a, b):"}], 10)
+    assert resp.output_text == expected.text and resp.id.startswith("resp_") and resp.object == "response"
+    assert (resp.usage.input_tokens, resp.usage.output_tokens) == (len(expected.prompt_token_ids), len(expected.token_ids))
+    assert resp.status == ("incomplete" if expected.finish_reason == "length" else "completed")
+    assert [item.type for item in resp.output] == ["message"]
+
+
+def test_instructions_and_message_items(served):
+    llm, client, _, _ = served
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "import os"}]},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "import sys"}]},
+             {"type": "message", "role": "user", "content": "and json?"}]
+    resp = client.responses.create(model="demo", instructions="Write Python.", input=items, max_output_tokens=8,
+                                   temperature=0)
+    expected = greedy_chat(llm, [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "import os"},
+                                 {"role": "assistant", "content": "import sys"}, {"role": "user", "content": "and json?"}], 8)
+    assert resp.output_text == expected.text and resp.instructions == "Write Python."
+
+
+def test_streamed_events_in_openai_order(served):
+    _, client, _, _ = served
+    whole = client.responses.create(model="demo", input="class Stack:", max_output_tokens=12, temperature=0)
+    events = list(client.responses.create(model="demo", input="class Stack:", max_output_tokens=12, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{'incomplete' if whole.status == 'incomplete' else 'completed'}"]
+    assert set(kinds[4:-4]) == {"response.output_text.delta"} and "".join(deltas) == whole.output_text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == whole.output_text and events[-1].response.usage.output_tokens == 12
+
+
+def test_text_format_json_schema(served):
+    _, client, _, _ = served
+    resp = client.responses.create(model="demo", input="a config:", max_output_tokens=60, temperature=0,
+                                   text={"format": {"type": "json_schema", "name": "cfg", "schema": SCHEMA}})
+    jsonschema.validate(json.loads(resp.output_text), SCHEMA)
+
+
+def test_reasoning_comes_as_its_own_item(served):
+    """Under deepseek_r1 the demo model's reply (it never writes </think>) is all reasoning, as in chat."""
+    _, client, r1, _ = served
+    plain = client.responses.create(model="demo", input="def f(x):", max_output_tokens=12, temperature=0).output_text
+    resp = r1.responses.create(model="demo", input="def f(x):", max_output_tokens=12, temperature=0)
+    assert [item.type for item in resp.output] == ["reasoning", "message"] and resp.output_text == ""
+    assert resp.output[0].content[0].text == plain
+    events = list(r1.responses.create(model="demo", input="def f(x):", max_output_tokens=12, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == plain
+    assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"background": True}, "background"),
+    ({"n": 2}, "n"),
+    ({"max_tokens": 5}, "max_tokens"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, None),
+    ({"input": ""}, "input"),
+])
+def test_refused_with_a_400_naming_the_field(served, extra, param):
+    url = served[3]
+    reply = httpx.post(f"{url}/responses", json={"model": "demo", "input": "hi", **extra}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    if param:
+        assert param in reply.json()["error"]["message"] or reply.json()["error"]["param"] == param
