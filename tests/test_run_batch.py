@@ -34,6 +34,7 @@ def test_every_line_gets_one_record_in_input_order(serving_pair, reference_llm, 
     lines = [line(f"p{i}", {"prompt": p, "max_tokens": 8, "temperature": 0}) for i, p in enumerate(PROMPTS)]
     lines += [line("chat", {"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 5},
                    url="/v1/chat/completions"),
+              line("resp", {"input": "hello world", "max_output_tokens": 5}, url="/v1/responses"),
               "", "{not json", line("p0", {"prompt": "twice", "max_tokens": 2}),  # blank: skipped; bad; duplicate id
               line("stream", {"prompt": "x", "stream": True}), line("url", {"prompt": "x"}, url="/v1/embeddings"),
               line("range", {"prompt": "x", "temperature": -1}), line("model", {"prompt": "x", "model": "other"}),
@@ -43,15 +44,17 @@ def test_every_line_gets_one_record_in_input_order(serving_pair, reference_llm, 
     code = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--max-in-flight", "3",
                  *engine_flags(serving_pair)])
     records = [json.loads(r) for r in out.read_text().splitlines()]
-    assert code == 0 and "14 requests, 6 failed" in capsys.readouterr().err
+    assert code == 0 and "15 requests, 6 failed" in capsys.readouterr().err
     assert [r["custom_id"] for r in records] == [f"p{i}" for i in range(6)] + [
-        "chat", None, "p0", "stream", "url", "range", "model", "last"]
+        "chat", "resp", None, "p0", "stream", "url", "range", "model", "last"]
     greedy = SamplingParams(temperature=0, max_tokens=8)
     for r, expected in zip(records, reference_llm.generate(PROMPTS, greedy)):  # exact, as served
         assert r["response"]["status_code"] == 200 and r["error"] is None
         assert r["response"]["body"]["choices"][0]["text"] == expected.text
         assert r["response"]["body"]["id"] == "cmpl-" + r["response"]["request_id"]
     assert records[6]["response"]["body"]["object"] == "chat.completion"
+    assert records[7]["response"]["body"]["object"] == "response" and records[7]["response"]["status_code"] == 200
+    records.pop(7)
     assert records[-1]["response"]["body"]["choices"][0]["text"] == reference_llm.generate(
         ["the mat"], SamplingParams(temperature=0, max_tokens=4))[0].text
     for r, message in zip(records[7:11], ["is not JSON", "is not unique", "stream is not supported", "url must be"]):

@@ -18,7 +18,7 @@ from saguaro_dist.serve.tool_parsers import ToolCallParser
 def register(subparsers) -> None:
     p = subparsers.add_parser("run-batch", help="run a JSONL file of OpenAI requests (OpenAI's batch format)",
                               description="Answer each line of INPUT ({custom_id, method: POST, url: "
-                                          "/v1/chat/completions or /v1/completions, body}) with the serving app "
+                                          "/v1/chat/completions, /v1/completions or /v1/responses, body}) with the serving app "
                                           "in-process, writing one result line each to OUTPUT, in input order.")
     g = p.add_argument_group("batch")
     g.add_argument("-i", "--input-file", required=True, help="requests, one JSON object a line ('-': stdin)")

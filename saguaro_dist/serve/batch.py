@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 @dataclass(frozen=True)
