@@ -29,6 +29,13 @@ def served():
     llm.shutdown()
 
 
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Tucson", "Phoenix"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "forecast", "parameters": WEATHER},
+         {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}]
+
+
 def greedy_chat(llm, messages, max_tokens):
     return llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
 
@@ -92,7 +99,8 @@ def test_reasoning_comes_as_its_own_item(served):
 
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, None),  # built-in tools: only functions run here
+    ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice"),  # auto without a tool-call parser
     ({"background": True}, "background"),
     ({"n": 2}, "n"),
     ({"max_tokens": 5}, "max_tokens"),
@@ -105,3 +113,53 @@ def test_refused_with_a_400_naming_the_field(served, extra, param):
     assert reply.status_code == 400, reply.text
     if param:
         assert param in reply.json()["error"]["message"] or reply.json()["error"]["param"] == param
+
+
+def test_a_named_function_call_whole_and_streamed(served):
+    """tool_choice naming a function: chat's constrained call, as a function_call item."""
+    _, client, _, _ = served
+    body = dict(model="demo", input="def forecast(city):", tools=TOOLS, max_output_tokens=60, temperature=0,
+                tool_choice={"type": "function", "name": "get_weather"})
+    resp = client.responses.create(**body)
+    (call,) = resp.output
+    assert (call.type, call.name, call.status) == ("function_call", "get_weather", "completed")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    events = list(client.responses.create(stream=True, **body))
+    added = next(e for e in events if e.type == "response.output_item.added")
+    assert (added.item.type, added.item.name) == ("function_call", "get_weather")
+    arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    assert arguments == done.arguments == call.arguments
+    assert [i.type for i in events[-1].response.output] == ["function_call"]
+    assert events[-1].response.output[0].call_id == added.item.call_id
+
+
+def test_required_calls_come_as_items(served):
+    """The demo model repeats its call until max tokens unless held to one (as on chat): parallel_tool_calls
+    false gives one item; penalised, it calls both functions and closes the list (streamed: an item per call)."""
+    _, client, _, _ = served
+    body = dict(model="demo", input="def forecast(city):", tools=TOOLS, max_output_tokens=96, temperature=0,
+                tool_choice="required")
+    (one,) = client.responses.create(parallel_tool_calls=False, **body).output
+    assert one.type == "function_call" and one.name in ("get_weather", "get_time")
+    both = client.responses.create(extra_body={"frequency_penalty": 1.0}, **body)
+    assert {i.type for i in both.output} == {"function_call"} and {i.name for i in both.output} == {"get_weather", "get_time"}
+    events = list(client.responses.create(extra_body={"frequency_penalty": 1.0}, stream=True, **body))
+    assert [(i.name, i.arguments) for i in events[-1].response.output] == [(i.name, i.arguments) for i in both.output]
+    assert [e.item.name for e in events if e.type == "response.output_item.added"] == [i.name for i in both.output]
+
+
+def test_calls_and_their_outputs_go_back_as_chat_turns(served):
+    llm, client, _, _ = served
+    items = [{"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Tucson", "days": 1}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]
+    resp = client.responses.create(model="demo", input=items, tools=TOOLS, tool_choice="none", max_output_tokens=6,
+                                   temperature=0)
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Tucson", "days": 1}'}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
+    expected = llm.chat(history, SamplingParams(temperature=0, max_tokens=6), tools=chat_tools)[0]
+    assert resp.output_text == expected.text and resp.usage.input_tokens == len(expected.prompt_token_ids)

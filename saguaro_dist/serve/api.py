@@ -136,15 +136,20 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
+    prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template)
+    jobs = _chat_jobs(state, body, prompt, "messages")
+    return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request))
+
+
+def _chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[Job]:
+    """A chat turn's jobs under its tool plan (chat completions and responses alike)."""
     plan = state.tool_plan_for(body)
     if plan.kind is ToolChoiceKind.AUTO and plan.parser is None:
         raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
                             f'{" | ".join(p.value for p in ToolCallParser)}); name a function or use "required" instead',
                        param="tool_choice")
-    prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template)
-    jobs = state.jobs([prompt], body, "messages")
-    jobs = [replace(job, params=plan.adjust(job.params)) for job in map(state.reason_first, jobs)]
-    return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request))
+    jobs = map(state.reason_first, state.jobs([prompt], body, param))
+    return [replace(job, params=plan.adjust(job.params)) for job in jobs]
 
 
 async def _responses(body: ResponsesRequest, request: Request):
@@ -152,9 +157,10 @@ async def _responses(body: ResponsesRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    prompt = encode_chat(state.tokenizer, body.messages(), None, body.chat_template_kwargs, state.chat_template)
+    prompt = encode_chat(state.tokenizer, body.messages(), body.chat_tools(), body.chat_template_kwargs,
+                         state.chat_template)
     request_id = _request_id(request)
-    (job,) = state.named([state.reason_first(job) for job in state.jobs([prompt], body, "input")], request_id)
+    (job,) = state.named(_chat_jobs(state, body, prompt, "input"), request_id)
     response_id = f"resp_{request_id}"
     if body.stream:
         batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
@@ -163,8 +169,9 @@ async def _responses(body: ResponsesRequest, request: Request):
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await state.collect(job)
     reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
-    return response_body(response_id, model, body, output_items(reasoning, text), "completed", result.finish_reason,
-                         **_response_extra(state, job, result.num_tokens, result.metrics))
+    content, calls = state.tool_plan_for(body).parse(text)
+    return response_body(response_id, model, body, output_items(reasoning, content, calls), "completed",
+                         result.finish_reason, **_response_extra(state, job, result.num_tokens, result.metrics))
 
 
 def _response_extra(state: ServingState, job: Job, tokens: int, metrics) -> dict:
@@ -175,14 +182,17 @@ def _response_extra(state: ServingState, job: Job, tokens: int, metrics) -> dict
 
 
 async def _response_events(state: ServingState, job: Job, events: ResponseEvents, batches, first):
-    reasoning, tokens, pending = ReasoningStream(state.reasoning_parser_for(job)), 0, events.opening()
+    reasoning, tools = ReasoningStream(state.reasoning_parser_for(job)), ToolStream(state.tool_plan_for(events.body))
+    tokens, pending = 0, events.opening()
     try:
         async with aclosing(batches):
             batch = first
             while batch is not None:
                 for _, text, count, last, _ in _per_choice(batch):
                     tokens += count
-                    pending += events.text(*reasoning.feed(text, last.finished))
+                    thought, text = reasoning.feed(text, last.finished)
+                    delta = tools.step(text, last.finished)
+                    pending += events.text(thought, delta.get("content", "")) + events.calls(delta.get("tool_calls", []))
                     if last.finished:
                         pending += events.closing(last.finish_reason, **_response_extra(state, job, tokens, last.metrics))
                 yield pending

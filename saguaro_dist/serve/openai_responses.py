@@ -1,9 +1,11 @@
-"""OpenAI's Responses API (`POST /v1/responses`), the text subset vLLM serves: `input` (a string or
-messages) after `instructions`, sampling fields, `max_output_tokens`, `text.format` (structured
-outputs), `stream`; the reply as a `reasoning` item (with a reasoning parser) and a `message` item.
+"""OpenAI's Responses API (`POST /v1/responses`), the subset vLLM serves: `input` (a string, or message,
+function_call and function_call_output items) after `instructions`, sampling fields, `max_output_tokens`,
+`text.format` (structured outputs), function `tools` / `tool_choice`, `stream`; the reply as a `reasoning`
+item (with a reasoning parser), a `message` item and `function_call` items.
 
-Nothing is stored: `previous_response_id`, `background` and tools are refused with a 400 naming them
-(tools: use /v1/chat/completions). The request becomes a chat conversation and runs as chat does.
+The request becomes a chat conversation and runs exactly as chat does (the same tool plans and
+parsers). Nothing is stored: `previous_response_id`, `background`, `conversation` and stored prompts are
+refused with a 400 naming them, as are built-in tools (only functions run here).
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError
-from saguaro_dist.serve.protocol import ChatMessage, SamplingRequest
+from saguaro_dist.serve.protocol import (MAX_TOOLS, ChatMessage, FunctionCall, FunctionDefinition, SamplingRequest,
+                                         Tool, ToolCallMessage)
+from saguaro_dist.serve.tool_parsers import ToolCall
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
 # field -> why it is refused (a 400 naming it) when given a value other than these
 _REFUSED = {"previous_response_id": ((None,), "this server stores no responses"),
             "background": ((None, False), "this server runs no background responses"),
-            "tools": ((None, []), "tools are served on /v1/chat/completions"),
             "conversation": ((None,), "this server stores no conversations"),
             "prompt": ((None,), "this server stores no prompt templates")}
 
@@ -44,6 +48,45 @@ class InputMessage(BaseModel):
         return ChatMessage(role=self.role, content=text)
 
 
+class FunctionCallItem(BaseModel):
+    """A call an earlier response made, sent back in the input."""
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+    def chat_call(self) -> ToolCallMessage:
+        return ToolCallMessage(id=self.call_id, function=FunctionCall(name=self.name, arguments=self.arguments))
+
+
+class FunctionCallOutputItem(BaseModel):
+    """What the caller's function returned for a call."""
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionTool(BaseModel):
+    """Responses' function tool: chat's definition, flat. Built-in tools (web search, ...) fail validation."""
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+    def chat_tool(self) -> Tool:
+        return Tool(type="function", function=FunctionDefinition(**self.model_dump(exclude={"type"})))
+
+
+class FunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
 class TextFormat(BaseModel):
     """Responses' text.format: OpenAI's response_format with the schema fields inline."""
     type: Literal["text", "json_object", "json_schema"]
@@ -57,13 +100,16 @@ class TextOptions(BaseModel):
 
 
 class ResponsesRequest(SamplingRequest):
-    input: str | list[InputMessage] = Field(min_length=1)
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem] = Field(min_length=1)
     instructions: str | None = None  # a system message before the input
     max_output_tokens: int | None = Field(None, ge=1)
     text: TextOptions | None = None
     store: bool | None = None  # accepted (the SDK sends it); nothing is stored either way
     reasoning: dict | None = None  # accepted; a reasoning model's effort is its chat template's business
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template
+    tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_fields(self):
@@ -71,7 +117,28 @@ class ResponsesRequest(SamplingRequest):
             raise ValueError("n is not a Responses API field (one output a response)")
         if self.max_tokens is not None:
             raise ValueError("max_tokens is max_output_tokens on /v1/responses")
+        names = [t.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct names")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, FunctionChoice) and choice.name not in names:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools {names}")
         return self
+
+    def tool_plan(self) -> ToolPlan:
+        """As chat's: what the tools ask for (chat's plans, parsers and constraints run them)."""
+        if not self.tools:
+            return ToolPlan(ToolChoiceKind.NONE)
+        functions = tuple(t.chat_tool().function.model_dump(exclude_none=True) for t in self.tools)
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, FunctionChoice):
+            return ToolPlan(ToolChoiceKind.NAMED, functions, choice.name)
+        return ToolPlan(ToolChoiceKind(choice), functions, parallel=self.parallel_tool_calls)
+
+    def chat_tools(self) -> list[Tool]:
+        return [t.chat_tool() for t in self.tools or []]
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
@@ -81,15 +148,33 @@ class ResponsesRequest(SamplingRequest):
                 raise APIError(400, f"'{name}' is not supported: {why}", param=name)
 
     def messages(self) -> list[ChatMessage]:
+        """The conversation as chat messages: calls join the assistant turn before them (or start one),
+        their outputs become tool turns."""
         turns = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
-        if isinstance(self.input, str):
-            return turns + [ChatMessage(role="user", content=self.input)]
-        return turns + [m.chat_message() for m in self.input]
+        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        for item in items:
+            if isinstance(item, FunctionCallItem):
+                if not turns or turns[-1].role != "assistant":
+                    turns.append(ChatMessage(role="assistant", content=None))
+                turns[-1].tool_calls = [*(turns[-1].tool_calls or []), item.chat_call()]
+            elif isinstance(item, FunctionCallOutputItem):
+                turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+            else:
+                turns.append(item.chat_message())
+        return turns
 
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
 
     def requested_structure(self) -> StructuredOutputsParams | None:
+        """text.format (or chat's spellings), or the constraint a named / required tool choice writes under."""
+        asked, forced = self._asked_structure(), self.tool_plan().structure()
+        if asked is not None and forced is not None:
+            raise ValueError("tool_choice constrains the reply itself; it cannot be combined with text.format "
+                             "or structured outputs")
+        return forced or asked
+
+    def _asked_structure(self) -> StructuredOutputsParams | None:
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return super().requested_structure()
@@ -121,6 +206,11 @@ def new_item_id(kind: str) -> str:
     return f"{kind}_{uuid.uuid4().hex}"
 
 
+def function_call_item(call: ToolCall, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}
+
+
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
@@ -137,13 +227,22 @@ def response_body(response_id: str, model: str, body: ResponsesRequest, output: 
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "metadata": {},
-            "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "temperature": body.temperature,
+            "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": _tool_choice(body),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "temperature": body.temperature,
             "top_p": body.top_p, "text": {"format": fmt}, "store": False, **extra}
 
 
-def output_items(reasoning: str | None, text: str | None) -> list[dict]:
+def _tool_choice(body: ResponsesRequest):
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall]) -> list[dict]:
+    """reasoning (if any), the message (unless calls came without content), then the calls."""
     items = [] if reasoning is None else [reasoning_item(new_item_id("rs"), reasoning)]
-    return items + [message_item(new_item_id("msg"), text or "")]
+    if content or not calls:
+        items.append(message_item(new_item_id("msg"), content or ""))
+    return items + [function_call_item(call) for call in calls]
 
 
 class ResponseEvents:
@@ -175,6 +274,24 @@ class ResponseEvents:
         out = self._delta("reasoning", reasoning) if reasoning else ""
         return out + (self._delta("message", content) if content else "")
 
+    def calls(self, entries: list[dict]) -> str:
+        """Events for chat's tool_calls deltas (tools.ToolStream): an entry with an id starts a call."""
+        out = ""
+        for entry in entries:
+            function = entry.get("function", {})
+            if "id" in entry:
+                out += self._close() + self._open_call(ToolCall(entry["id"], function["name"], ""))
+            if function.get("arguments"):
+                self.open["text"] += function["arguments"]
+                out += self.event("response.function_call_arguments.delta", output_index=len(self.items),
+                                  item_id=self.open["id"], delta=function["arguments"])
+        return out
+
+    def _open_call(self, call: ToolCall) -> str:
+        item = function_call_item(call, "in_progress")
+        self.open = {"kind": "function_call", "id": item["id"], "text": "", "call": call}
+        return self.event("response.output_item.added", output_index=len(self.items), item=item)
+
     def _delta(self, kind: str, text: str) -> str:
         out = ""
         if self.open is None or self.open["kind"] != kind:
@@ -203,6 +320,9 @@ class ResponseEvents:
         if kind == "reasoning":
             item = reasoning_item(ident, text)
             out = self.event("response.reasoning_text.done", output_index=index, text=text, **ids)
+        elif kind == "function_call":
+            item = function_call_item(ToolCall(self.open["call"].id, self.open["call"].name, text))
+            out = self.event("response.function_call_arguments.done", output_index=index, item_id=ident, arguments=text)
         else:
             item = message_item(ident, text)
             out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=[], **ids)
@@ -214,9 +334,9 @@ class ResponseEvents:
     def closing(self, finish_reason: str | None, **extra) -> str:
         """The last events: the open item closed (an empty message if no text came), then completed
         (incomplete when max_output_tokens ended it)."""
-        has_message = (self.open or {}).get("kind") == "message" or any(i["type"] == "message" for i in self.items)
+        kinds = {i["type"] for i in self.items} | {(self.open or {}).get("kind")}
         out = self._close()
-        if not has_message:
+        if not kinds & {"message", "function_call"}:
             out += self._open("message") + self._close()
         body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason, **extra)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
