@@ -163,3 +163,18 @@ def test_calls_and_their_outputs_go_back_as_chat_turns(served):
     chat_tools = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
     expected = llm.chat(history, SamplingParams(temperature=0, max_tokens=6), tools=chat_tools)[0]
     assert resp.output_text == expected.text and resp.usage.input_tokens == len(expected.prompt_token_ids)
+
+
+def test_auto_reads_the_parsers_calls(served):
+    """tool_choice auto on a server with the hermes parser, the demo model made to write a call by a regex
+    (it knows no tools): one function_call item, whole and streamed."""
+    llm = served[0]
+    with serve_on_loopback(create_app(llm, ServerOptions("demo", tool_call_parser="hermes"))) as url:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        body = dict(model="demo", input="what time is it?", tools=TOOLS, max_output_tokens=40, temperature=0,
+                    extra_body={"structured_outputs": {"regex": r'<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'}})
+        (call,) = client.responses.create(**body).output
+        events = list(client.responses.create(stream=True, **body))
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_time", {})
+    assert [(i.type, i.name, i.arguments) for i in events[-1].response.output] == [("function_call", "get_time", call.arguments)]
+    assert not [e for e in events if e.type == "response.output_text.delta"]
