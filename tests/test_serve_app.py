@@ -65,6 +65,18 @@ def test_chat_greedy_matches_llm_generate(server, oai, reference_llm):
     assert out.usage.prompt_tokens == len(ids)
 
 
+def test_responses_through_serve_equal_the_chat_reply(server, oai, reference_llm):
+    """/v1/responses on the Ray Serve deployment (SSD behind it): the chat turn's greedy reply, whole and streamed."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]
+    ids = encode_chat(reference_llm.tokenizer, [ChatMessage(**m) for m in messages])
+    expected = reference_llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(temperature=0, max_tokens=20))[0]
+    body = dict(model=server.model, instructions="be brief", input="the cat sat", max_output_tokens=20, temperature=0)
+    resp = oai.responses.create(**body)
+    events = list(oai.responses.create(stream=True, **body))
+    assert resp.output_text == expected.text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert resp.usage.input_tokens == len(ids) and resp.model_extra["speculation"]["rounds"] >= 1
+
+
 def test_streamed_completion_equals_generate_and_ends_with_stats(server, oai, reference_llm):
     stream = oai.completions.create(model=server.model, prompt=PROMPTS[1], max_tokens=24, temperature=0,
                                     stream=True)
