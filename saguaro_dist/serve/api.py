@@ -15,9 +15,9 @@ from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError, install_error_handlers, stream_error
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
-from saguaro_dist.serve.prompts import encode_chat, encode_text
 from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
 from saguaro_dist.serve.openai_responses import usage as responses_usage
+from saguaro_dist.serve.prompts import encode_chat, encode_text
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, merge
@@ -153,7 +153,7 @@ def _chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list
 
 
 async def _responses(body: ResponsesRequest, request: Request):
-    """OpenAI's Responses API, text only (serve/openai_responses.py): the input runs as a chat would."""
+    """OpenAI's Responses API (serve/openai_responses.py): the input runs as a chat turn would."""
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
