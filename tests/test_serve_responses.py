@@ -97,6 +97,21 @@ def test_reasoning_comes_as_its_own_item(served):
     assert [i.type for i in events[-1].response.output] == ["reasoning", "message"]
 
 
+def test_an_earlier_output_goes_back_in_as_is(served):
+    """`input = [...] + response.output + [...]`, the SDK's way of going on: the reasoning item is accepted
+    and left out of the prompt (as chat templates leave earlier reasoning out), the message is the
+    assistant's turn."""
+    llm, _, r1, _ = served
+    first = r1.responses.create(model="demo", input="def f(x):", max_output_tokens=6, temperature=0)
+    assert [item.type for item in first.output] == ["reasoning", "message"]
+    follow = r1.responses.create(model="demo", input=[{"role": "user", "content": "def f(x):"}, *first.output,
+                                                      {"role": "user", "content": "and g?"}],
+                                 max_output_tokens=6, temperature=0)
+    history = [{"role": "user", "content": "def f(x):"}, {"role": "assistant", "content": ""},
+               {"role": "user", "content": "and g?"}]
+    assert follow.output[0].content[0].text == greedy_chat(llm, history, 6).text
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, None),  # built-in tools: only functions run here

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.serve import responses
@@ -36,7 +36,6 @@ class InputPart(BaseModel):
 
 
 class InputMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[InputPart]
@@ -59,6 +58,12 @@ class FunctionCallItem(BaseModel):
 
     def chat_call(self) -> ToolCallMessage:
         return ToolCallMessage(id=self.call_id, function=FunctionCall(name=self.name, arguments=self.arguments))
+
+
+class ReasoningInputItem(BaseModel):
+    """A reasoning item of an earlier response, sent back with its output: accepted and left out of the
+    prompt, as chat templates leave earlier turns' reasoning out."""
+    type: Literal["reasoning"]
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -100,7 +105,7 @@ class TextOptions(BaseModel):
 
 
 class ResponsesRequest(SamplingRequest):
-    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem] = Field(min_length=1)
+    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem] = Field(min_length=1)
     instructions: str | None = None  # a system message before the input
     max_output_tokens: int | None = Field(None, ge=1)
     text: TextOptions | None = None
@@ -159,7 +164,7 @@ class ResponsesRequest(SamplingRequest):
                 turns[-1].tool_calls = [*(turns[-1].tool_calls or []), item.chat_call()]
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
-            else:
+            elif isinstance(item, InputMessage):
                 turns.append(item.chat_message())
         return turns
 
