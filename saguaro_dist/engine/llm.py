@@ -4,9 +4,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
+import queue
+import time
 import uuid
 from typing import AsyncIterator
+
+from tqdm import tqdm
 
 from saguaro_dist.config import Config, Mode, SchedulingPolicy
 from saguaro_dist.engine.engine import Update
@@ -80,17 +83,18 @@ class LLM:
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None, priority: list[int] | None = None) -> list[RequestOutput]:
+                 prompt_token_ids: list[list[int]] | None = None, priority: list[int] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (continuously batched); outputs in prompt order. priority: one int per
-        prompt, lower admitted first (needs scheduling_policy="priority", as vLLM)."""
+        prompt, lower admitted first (needs scheduling_policy="priority", as vLLM). use_tqdm: vLLM's progress
+        bar of finished prompts and output tokens/s, on stderr when it is a terminal."""
         requests = self._requests(prompts, prompt_token_ids, sampling_params, priority)
-        done = [threading.Event() for _ in requests]
+        finished: queue.Queue[int] = queue.Queue()
         results: list = [None] * len(requests)
         for i, (seq, _) in enumerate(requests):
             seq.output_kind = OutputKind.FINAL_ONLY
-            self._thread.submit(seq, self._collector(i, results, done[i]))
-        for event in done:
-            event.wait()
+            self._thread.submit(seq, self._collector(i, results, finished))
+        self._wait(results, finished, use_tqdm)
         for r in results:
             if isinstance(r, BaseException):
                 raise r
@@ -98,7 +102,8 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             priority: list[int] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+             priority: list[int] | None = None, chat_template: str | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI messages: role, content, tool_calls, tool_call_id) or a
         list of them, rendered as the server renders /v1/chat/completions (`chat_template`, a Jinja
         template or a file of one, else the tokenizer's, with `tools`; a plain transcript without one),
@@ -115,7 +120,7 @@ class LLM:
         template = load_chat_template(chat_template) if chat_template else None
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template)
                for conv in conversations]
-        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority)
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority, use_tqdm=use_tqdm)
 
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
@@ -237,15 +242,23 @@ class LLM:
                              f"the model's max length {self.max_model_len}")
 
     @staticmethod
-    def _collector(i: int, results: list, done: threading.Event):
+    def _collector(i: int, results: list, finished: queue.Queue):
         def listener(item):
-            if isinstance(item, BaseException):
-                results[i] = item
-                done.set()
-            elif item.finished:
-                results[i] = item.seq
-                done.set()
+            if isinstance(item, BaseException) or item.finished:
+                results[i] = item if isinstance(item, BaseException) else item.seq
+                finished.put(i)
         return listener
+
+    @staticmethod
+    def _wait(results: list, finished: queue.Queue, use_tqdm: bool) -> None:
+        """Until every request finished; the bar counts them (disable=None: only on a terminal)."""
+        start, tokens = time.perf_counter(), 0
+        with tqdm(total=len(results), desc="Processed prompts", unit="prompt", disable=None if use_tqdm else True) as bar:
+            for _ in results:
+                seq = results[finished.get()]
+                tokens += 0 if isinstance(seq, BaseException) else len(seq.output_token_ids)
+                bar.set_postfix_str(f"output: {tokens / max(time.perf_counter() - start, 1e-9):.0f} toks/s", refresh=False)
+                bar.update(1)
 
     @staticmethod
     def _output(seq: Sequence, prompt: str | None) -> RequestOutput:
