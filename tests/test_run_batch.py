@@ -75,6 +75,7 @@ def test_stdin_to_stdout(serving_pair, reference_llm, monkeypatch, capsys):
     (["-i", "/no/such.jsonl", "-o", "-"], "does not exist"),
     (["-i", "-", "-o", "-", "--max-in-flight", "0"], "--max-in-flight must be >= 1"),
     (["-i", "SAME", "-o", "SAME"], "would overwrite the input"),
+    (["-i", "SAME", "-o", "/no/such/folder/out.jsonl"], "folder that does not exist"),
 ])
 def test_bad_files_fail_before_any_model_loads(flags, message, tmp_path, capsys):
     same = tmp_path / "requests.jsonl"
@@ -106,4 +107,5 @@ def test_records_follow_openai_batch_output():
     summary = BatchSummary()
     summary.add(record)
     summary.add(result_record(parse_request(2, "{", set()), None, None, "batch-2"))
-    assert (summary.requests, summary.failed, summary.completion_tokens) == (2, 1, 4)
+    summary.add(result_record(ok, 200, {"usage": {"output_tokens": 3}}, "batch-3"))  # a /v1/responses reply
+    assert (summary.requests, summary.failed, summary.completion_tokens) == (3, 1, 7)

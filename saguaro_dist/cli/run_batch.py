@@ -64,6 +64,8 @@ def _check_files(ns: argparse.Namespace) -> None:
         raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
     if ns.input_file != "-" and not os.path.isfile(ns.input_file):
         raise ValueError(f"input file {ns.input_file!r} does not exist")
+    if ns.output_file != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(ns.output_file))):
+        raise ValueError(f"output file {ns.output_file!r} is in a folder that does not exist")
     if "-" not in (ns.input_file, ns.output_file) and os.path.exists(ns.output_file) \
             and os.path.samefile(ns.input_file, ns.output_file):
         raise ValueError("the output file would overwrite the input file")

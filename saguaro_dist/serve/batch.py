@@ -44,7 +44,8 @@ class BatchSummary:
         if record["error"] is not None or response["status_code"] != 200:
             self.failed += 1
         else:
-            self.completion_tokens += response["body"].get("usage", {}).get("completion_tokens", 0)
+            usage = response["body"].get("usage", {})  # /v1/responses counts output_tokens
+            self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
 
 
 def parse_request(line: int, text: str, seen: set[str]) -> BatchRequest:
