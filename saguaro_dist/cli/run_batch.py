@@ -26,7 +26,8 @@ def register(subparsers) -> None:
     g.add_argument("--max-in-flight", type=int, default=256,
                    help="requests handed to the engine at once (default 256; the engine batches up to "
                         "--max-batch-size of them, the rest wait in its queue)")
-    g.add_argument("--served-model-name", help="the model name request bodies may give (default: the model path)")
+    g.add_argument("--served-model-name", nargs="+", help="the model name(s) request bodies may give (default: "
+                                                          "the model path)")
     g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser], help="as for `saguaro serve`")
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser], help="as for `saguaro serve`")
     g.add_argument("--chat-template", help=CHAT_TEMPLATE_HELP)
@@ -50,11 +51,12 @@ def run(ns: argparse.Namespace) -> int:
 
 async def _run(llm, ns: argparse.Namespace, template: str | None, lines, write):
     from saguaro_dist.serve.api import ServerOptions, create_app
+    from saguaro_dist.serve.args import served_model_names
     from saguaro_dist.serve.batch import run_batch
 
-    options = ServerOptions(served_model_name=ns.served_model_name or llm.config.model,
-                            tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                            chat_template=template)
+    names = served_model_names(ns.served_model_name, llm.config.model)
+    options = ServerOptions(served_model_name=names[0], model_aliases=names[1:], tool_call_parser=ns.tool_call_parser,
+                            reasoning_parser=ns.reasoning_parser, chat_template=template)
     return await run_batch(create_app(llm, options), lines, write, ns.max_in_flight)
 
 

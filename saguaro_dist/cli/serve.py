@@ -10,7 +10,7 @@ import signal
 import threading
 
 from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, SchedulingPolicy, TreePolicy
-from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args
+from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -127,7 +127,8 @@ def register(subparsers) -> None:
     g.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=int, help="HTTP port (default 8000)")
     g.add_argument("--api-key", help=f"require this bearer key (default: ${API_KEY_ENV} if set)")
-    g.add_argument("--served-model-name", help="the model name clients use (default: the model path)")
+    g.add_argument("--served-model-name", nargs="+", help="the model name clients use (default: the model path); "
+                                                          "several: requests may give any, replies name the first")
     g.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
     g.add_argument("--stream-interval-ms", type=float,
                    help="streamed tokens closer together than this go out as one SSE chunk (default 50, as "
@@ -164,6 +165,7 @@ def run(ns: argparse.Namespace) -> int:
     if args.get("chat_template"):
         args["chat_template"] = load_chat_template(args["chat_template"])  # the text: replicas may lack the file
     config_from_args(args)  # fail fast with a clear message, before Ray starts
+    served_model_names(args.get("served_model_name"), args["model"])
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
     check_port_free(host, port)
@@ -186,7 +188,7 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     try:
         serve.start(http_options={"host": host, "port": proxy_port})
         serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
-        name = args.get("served_model_name") or args["model"]
+        name = served_model_names(args.get("served_model_name"), args["model"])[0]
         log.warning("serving %r at http://%s:%d/v1 (%s ingress; Ctrl-C to stop)", name, host, port, ingress.value)
         while not stop.wait(1.0):  # short waits keep signal delivery prompt
             pass

@@ -43,6 +43,7 @@ class ServerOptions:
     reasoning_parser: str | None = None  # splits a thinking model's reasoning from its content (reasoning.ReasoningParser)
     log_requests: bool = False  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
     chat_template: str | None = None  # a Jinja chat template (the text) used instead of the tokenizer's
+    model_aliases: tuple[str, ...] = ()  # more names requests may give (vLLM's several --served-model-name)
 
     def __post_init__(self):
         if not 0 <= self.stream_interval_ms <= 10_000:
@@ -58,7 +59,7 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
-                                     options.chat_template)
+                                     options.chat_template, options.model_aliases)
     install_error_handlers(app)
     app.include_router(_router())
     # Outermost last: count every request, then auth, then the size limit.
@@ -119,9 +120,9 @@ async def _version() -> dict:
 
 async def _models(request: Request) -> dict:
     state = _state(request)
-    card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "saguaro-dist",
-            "root": state.engine.config.model, "max_model_len": state.max_model_len}
-    return {"object": "list", "data": [card]}
+    cards = [{"id": name, "object": "model", "created": 0, "owned_by": "saguaro-dist",
+              "root": state.engine.config.model, "max_model_len": state.max_model_len} for name in state.model_names]
+    return {"object": "list", "data": cards}
 
 
 async def _completions(body: CompletionRequest, request: Request):

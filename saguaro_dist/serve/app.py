@@ -13,7 +13,7 @@ from ray import serve
 from ray.serve import Application
 
 from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STREAM_INTERVAL_MS, ServerOptions, create_app
-from saguaro_dist.serve.args import api_key_from_args, coerce, config_from_args
+from saguaro_dist.serve.args import api_key_from_args, coerce, config_from_args, served_model_names
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import load_chat_template
 
@@ -61,8 +61,10 @@ class SaguaroServer:
 
 
 def server_options(args: dict, model: str) -> ServerOptions:
+    names = served_model_names(args.get("served_model_name"), model)
     return ServerOptions(
-        served_model_name=str(args.get("served_model_name") or model),
+        served_model_name=names[0],
+        model_aliases=names[1:],
         api_key=api_key_from_args(args),
         max_request_bytes=int(args.get("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES),
         stream_interval_ms=_number(args, "stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS),

@@ -55,6 +55,14 @@ def config_from_args(args: dict) -> Config:
     return Config(**values)
 
 
+def served_model_names(given, model: str) -> tuple[str, ...]:
+    """--served-model-name: one name or several (vLLM's: requests may give any, replies name the first)."""
+    names = [given] if isinstance(given, str) else list(given or [])
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"served_model_name must be a non-empty name or a list of them, got {given!r}")
+    return tuple(names) or (str(model),)
+
+
 def api_key_from_args(args: dict) -> str | None:
     """The API key: given directly, or read from the environment variable the args name."""
     if args.get("api_key"):

@@ -49,7 +49,7 @@ class Finished:
 class ServingState:
     def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None, log_requests: bool = False,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, model_aliases: tuple[str, ...] = ()):
         self.engine = engine
         self.chat_template = chat_template  # the server's --chat-template (None: the tokenizer's)
         self.log_requests = log_requests  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
@@ -57,7 +57,8 @@ class ServingState:
         self.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
         self.stream_interval_s = stream_interval_s  # streamed deltas closer than this share one SSE write
         self.tokenizer = engine.tokenizer
-        self.model_name = model_name
+        self.model_name = model_name  # what replies name; requests may give an alias too
+        self.model_names = (model_name, *model_aliases)
         self.max_model_len = int(engine.max_model_len)
         self.defaults = dict(getattr(engine, "generation_defaults", {}))  # the model's generation config (vLLM's)
         self.metrics = metrics
@@ -84,7 +85,7 @@ class ServingState:
 
     def check_model(self, requested: str | None) -> str:
         # A missing model means the only one served, as with vLLM.
-        if requested not in (None, "", self.model_name):
+        if requested not in (None, "", *self.model_names):
             raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return self.model_name
 
