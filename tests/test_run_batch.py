@@ -71,6 +71,31 @@ def test_stdin_to_stdout(serving_pair, reference_llm, monkeypatch, capsys):
     assert record["custom_id"] == "a" and record["response"]["body"]["choices"][0]["text"] == expected
 
 
+def test_against_a_running_server(server, reference_llm, tmp_path, capsys):
+    """--url: the lines go to the Ray Serve deployment (the API key from the flag), not to an engine here."""
+    (tmp_path / "in.jsonl").write_text("\n".join(
+        line(f"p{i}", {"prompt": p, "max_tokens": 6, "temperature": 0}) for i, p in enumerate(PROMPTS[:3])) + "\n")
+    out = tmp_path / "out.jsonl"
+    argv = ["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--url", server.url + "/v1"]
+    assert main([*argv, "--api-key", server.api_key]) == 0
+    texts = [json.loads(r)["response"]["body"]["choices"][0]["text"] for r in out.read_text().splitlines()]
+    assert texts == [o.text for o in reference_llm.generate(PROMPTS[:3], SamplingParams(temperature=0, max_tokens=6))]
+    assert main(argv) == 0  # no key: each line carries the server's 401
+    assert {json.loads(r)["response"]["status_code"] for r in out.read_text().splitlines()} == {401}
+    assert "3 requests, 3 failed" in capsys.readouterr().err
+
+
+def test_a_server_that_cannot_be_reached_fails_each_line_not_the_batch(tmp_path, capsys):
+    from saguaro_dist.serve.ingress import free_port
+    (tmp_path / "in.jsonl").write_text(line("a", {"prompt": "x"}) + "\n" + line("b", {"prompt": "y"}) + "\n")
+    out = tmp_path / "out.jsonl"
+    assert main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--url",
+                 f"http://127.0.0.1:{free_port()}"]) == 0
+    records = [json.loads(r) for r in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in records] == ["a", "b"] and all(r["response"] is None for r in records)
+    assert {r["error"]["code"] for r in records} == {"request_failed"} and "did not complete" in records[0]["error"]["message"]
+
+
 @pytest.mark.parametrize("flags, message", [
     (["-i", "/no/such.jsonl", "-o", "-"], "does not exist"),
     (["-i", "-", "-o", "-", "--max-in-flight", "0"], "--max-in-flight must be >= 1"),

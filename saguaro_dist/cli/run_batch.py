@@ -10,6 +10,8 @@ import sys
 from contextlib import contextmanager
 
 from saguaro_dist.cli.serve import CHAT_TEMPLATE_HELP, add_engine_args, engine_args
+from saguaro_dist.serve.args import API_KEY_ENV
+from saguaro_dist.serve.batch import app_client, run_batch, server_client
 from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
@@ -31,6 +33,9 @@ def register(subparsers) -> None:
     g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser], help="as for `saguaro serve`")
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser], help="as for `saguaro serve`")
     g.add_argument("--chat-template", help=CHAT_TEMPLATE_HELP)
+    g.add_argument("--url", help="send the lines to this running server (say a RayService) instead of loading "
+                                 "the model here; the engine flags are then its business")
+    g.add_argument("--api-key", help=f"the server's key with --url (default: ${API_KEY_ENV} if set)")
     add_engine_args(p)
     p.set_defaults(run=run)
 
@@ -40,24 +45,31 @@ def run(ns: argparse.Namespace) -> int:
     from saguaro_dist.serve.args import config_from_args
 
     _check_files(ns)
-    template = load_chat_template(ns.chat_template) if ns.chat_template else None
-    config = config_from_args(engine_args(ns))
-    with LLM.from_config(config) as llm, _lines(ns.input_file) as lines, _writer(ns.output_file) as write:
-        summary = asyncio.run(_run(llm, ns, template, lines, write))
+    if ns.url:
+        summary = _batch(ns, server_client(ns.url, ns.api_key or os.environ.get(API_KEY_ENV)))
+    else:
+        template = load_chat_template(ns.chat_template) if ns.chat_template else None
+        with LLM.from_config(config_from_args(engine_args(ns))) as llm:  # before the output file is opened
+            summary = _batch(ns, app_client(_app(llm, ns, template)))
     sys.stderr.write(f"saguaro run-batch: {summary.requests} requests, {summary.failed} failed, "
                      f"{summary.completion_tokens} tokens generated in {summary.seconds:.1f} s\n")
     return 0
 
 
-async def _run(llm, ns: argparse.Namespace, template: str | None, lines, write):
+def _batch(ns: argparse.Namespace, client):
+    with _lines(ns.input_file) as lines, _writer(ns.output_file) as write:
+        return asyncio.run(run_batch(client, lines, write, ns.max_in_flight))
+
+
+def _app(llm, ns: argparse.Namespace, template: str | None):
+    """The serving app over this process's engine, with the serving flags given."""
     from saguaro_dist.serve.api import ServerOptions, create_app
     from saguaro_dist.serve.args import served_model_names
-    from saguaro_dist.serve.batch import run_batch
 
     names = served_model_names(ns.served_model_name, llm.config.model)
-    options = ServerOptions(served_model_name=names[0], model_aliases=names[1:], tool_call_parser=ns.tool_call_parser,
-                            reasoning_parser=ns.reasoning_parser, chat_template=template)
-    return await run_batch(create_app(llm, options), lines, write, ns.max_in_flight)
+    return create_app(llm, ServerOptions(served_model_name=names[0], model_aliases=names[1:],
+                                         tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
+                                         chat_template=template))
 
 
 def _check_files(ns: argparse.Namespace) -> None:

@@ -1,10 +1,11 @@
 """Offline batch inference in OpenAI's batch file format (vLLM's `run_batch`): one JSON request a line in,
 one JSON result a line out, in input order.
 
-Every request goes through the serving app itself (create_app, over an in-process ASGI transport, no
-port): the same validation, replies and error bodies as `saguaro serve`, and all of a file's requests
-share one continuously batched engine. A line that is not a request gets an error record, as does a
-request the app refuses; the other lines run on. Nothing is dropped: each input line gets one record.
+Every request goes through the serving app itself: in-process over an ASGI transport (app_client, no
+port), or a running server's (server_client, `--url`). So a line means what it means to `saguaro serve`
+(the same validation, replies and error bodies), and all of a file's requests share one continuously
+batched engine. A line that is not a request gets an error record, as do a request the app refuses and
+one that never reached the server; the other lines run on. Each input line gets exactly one record.
 """
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import httpx
+
+from saguaro_dist.client._common import auth_headers, server_root
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
@@ -81,11 +84,12 @@ def _request_error(raw: dict, custom_id, seen: set[str]) -> str | None:
     return None
 
 
-def result_record(request: BatchRequest, status: int | None, body: dict | None, request_id: str) -> dict:
+def result_record(request: BatchRequest, status: int | None, body: dict | None, request_id: str,
+                  code: str = "invalid_request") -> dict:
     """OpenAI's batch output line: `response` for whatever the app answered (errors included, with their
-    status and body), `error` only for a line that never reached it."""
+    status and body), `error` (code, message) only for a line that never reached it."""
     response = None if status is None else {"status_code": status, "request_id": request_id, "body": body}
-    error = {"code": "invalid_request", "message": request.error} if request.error else None
+    error = {"code": code, "message": request.error} if request.error else None
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": request.custom_id, "response": response, "error": error}
 
 
@@ -95,7 +99,11 @@ async def answer(client: httpx.AsyncClient, request: BatchRequest) -> dict:
     request_id = f"batch-{uuid.uuid4().hex}"
     if request.error:
         return result_record(request, None, None, request_id)
-    reply = await client.post(request.url, json=request.body, headers={"X-Request-Id": request_id})
+    try:
+        reply = await client.post(request.url, json=request.body, headers={"X-Request-Id": request_id})
+    except httpx.HTTPError as err:  # a server that went away: this line's record says so, the rest go on
+        failed = replace(request, error=f"line {request.line}: the request did not complete: {err!r}")
+        return result_record(failed, None, None, request_id, code="request_failed")
     return result_record(request, reply.status_code, _json_body(reply), request_id)
 
 
@@ -106,7 +114,19 @@ def _json_body(reply: httpx.Response) -> dict:
         return {"error": {"message": reply.text, "type": "InternalServerError", "code": reply.status_code}}
 
 
-async def run_batch(app, lines: Iterable[str], write: Callable[[dict], None], max_in_flight: int) -> BatchSummary:
+def app_client(app) -> httpx.AsyncClient:
+    """The serving app in-process: no port, no network."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a failure is that line's 500
+    return httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None)
+
+
+def server_client(url: str, api_key: str | None) -> httpx.AsyncClient:
+    """A running server ("http://host:8000" or ".../v1"); generations take as long as they take."""
+    return httpx.AsyncClient(base_url=server_root(url), headers=auth_headers(api_key), timeout=None)
+
+
+async def run_batch(client: httpx.AsyncClient, lines: Iterable[str], write: Callable[[dict], None],
+                    max_in_flight: int) -> BatchSummary:
     """Answer every non-blank line, at most max_in_flight at once, writing the records in input order
     as the earliest outstanding one completes. Returns what ran."""
     summary, seen, pending = BatchSummary(), set(), deque()
@@ -116,8 +136,7 @@ async def run_batch(app, lines: Iterable[str], write: Callable[[dict], None], ma
         summary.add(record)
         write(record)
 
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # a failure is that line's 500
-    async with httpx.AsyncClient(transport=transport, base_url="http://batch", timeout=None) as client:
+    async with client:
         for number, text in enumerate(lines, 1):
             if text.strip():
                 pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
