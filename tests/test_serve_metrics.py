@@ -71,6 +71,7 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
                          and metric(d, "requests_total") >= 1)
     assert metric(delta, "requests_total") == 1
     assert metric(delta, "e2e_request_latency_seconds_count") == 1
+    assert metric(delta, "request_success_total") == 1  # finished_reason "length" (vLLM's request_success)
     assert metric(delta, "time_to_first_token_seconds_count") == 1
     assert metric(delta, "generation_tokens_total") == 12
     assert metric(delta, "inter_token_latency_seconds_count") == 11  # one per token after the first

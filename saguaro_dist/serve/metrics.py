@@ -35,6 +35,8 @@ class ServeMetrics:
         self.ttft = self._make(make, "histogram", "saguaro_time_to_first_token_seconds", "Time to first token")
         self.itl = self._make(make, "histogram", "saguaro_inter_token_latency_seconds", "Time per output token")
         self.e2e = self._make(make, "histogram", "saguaro_e2e_request_latency_seconds", "Request latency")
+        self.success = self._make(make, "counter", "saguaro_request_success", "Generations finished, by reason "
+                                  "(stop, length, abort, ...)", ("model", "finished_reason"))
         self.drafted = self._make(make, "counter", "saguaro_drafted_tokens", "Draft tokens proposed")
         self.accepted = self._make(make, "counter", "saguaro_accepted_tokens", "Draft tokens accepted")
         self.accepted_at = self._make(make, "counter", "saguaro_accepted_tokens_per_position",
@@ -66,8 +68,9 @@ class ServeMetrics:
             for _ in range(count):
                 self.itl.observe(seconds_since_last / count)
 
-    def finished(self, engine_metrics, seconds: float) -> None:
+    def finished(self, engine_metrics, seconds: float, finish_reason: str | None = None) -> None:
         self.e2e.observe(seconds)
+        self.success.inc(1, {"finished_reason": str(finish_reason)})
         if engine_metrics is None:
             return
         self.prompt_tokens.inc(engine_metrics.num_prompt_tokens)

@@ -183,7 +183,7 @@ class ServingState:
         else:
             self.metrics.tokens(len(delta.token_ids), now - last)
         if delta.finished:
-            self.metrics.finished(delta.metrics, now - start)
+            self.metrics.finished(delta.metrics, now - start, delta.finish_reason)
 
     def _record_whole(self, delta) -> None:
         """The engine's own clock for what no reader saw: its first token, and the tokens after it."""
