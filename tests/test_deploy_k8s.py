@@ -242,7 +242,27 @@ def test_cli_puts_the_chat_template_text_and_generation_config_in_the_app_args(t
     assert "neither a file nor a Jinja template" in capsys.readouterr().err
 
 
+def test_a_batch_job_runs_run_batch_against_the_rayservice(capsys):
+    assert main(["deploy", "k8s", "--kind", "batch-job", "--name", "qwen", "--batch-pvc", "data",
+                 "--batch-input", "in/q.jsonl", "--batch-output", "out/r.jsonl"]) == 0
+    (job,) = list(yaml.safe_load_all(capsys.readouterr().out))
+    validation.validate_builtin(job)  # Kubernetes' own schema, strict
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    service = k8s.serve_service(k8s.K8sSettings(name="qwen"))["metadata"]["name"]
+    assert container["command"] == ["saguaro", "run-batch", "-i", "/data/in/q.jsonl", "-o", "/data/out/r.jsonl",
+                                    "--url", f"http://{service}:{k8s.SERVE_PORT}"]
+    assert container["env"][0]["name"] == API_KEY_ENV and pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == "data"
+    selector = k8s.metrics_service(k8s.K8sSettings(name="qwen"))["spec"]["selector"]
+    assert not selector.items() <= job["spec"]["template"]["metadata"]["labels"].items()  # nothing to scrape there
+    ns = build_parser().parse_args(container["command"][1:])  # the command the Job runs takes these flags
+    assert (ns.command, ns.url, ns.input_file) == ("run-batch", f"http://{service}:{k8s.SERVE_PORT}", "/data/in/q.jsonl")
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--kind", "batch-job"], "needs --batch-pvc"),
+    (["--kind", "batch-job", "--batch-pvc", "d", "--batch-input", "/etc/passwd"], "must be a path inside the PVC"),
+    (["--kind", "batch-job", "--batch-pvc", "d", "--batch-output", "../x.jsonl"], "must be a path inside the PVC"),
     (["--mode", "sd", "--draft", ""], "needs a draft model"),
     (["--k", "4", "--fan-out", "1,2"], "k+1"),
     (["--draft-workers", "3", "--draft-max-workers", "2"], "draft_max_workers"),

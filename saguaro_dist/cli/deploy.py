@@ -10,7 +10,8 @@ from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
 DEFAULTS = k8s.K8sSettings()
-BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
+BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config,
+            "batch-job": None}  # built from the --batch-* options too (_batch_job)
 
 
 def register(subparsers) -> None:
@@ -70,7 +71,12 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", choices=sorted(BUILDERS), default="rayservice",
                         help="raycluster: the same cluster without Serve, for batch jobs; "
-                             "serve-config: the Serve config alone, for `serve deploy` on a VM cluster")
+                             "serve-config: the Serve config alone, for `serve deploy` on a VM cluster; "
+                             "batch-job: a Job running `saguaro run-batch --url` against the RayService --name")
+    g = parser.add_argument_group("batch-job")
+    g.add_argument("--batch-pvc", help="PVC holding the batch files, mounted at /data")
+    g.add_argument("--batch-input", default="requests.jsonl", help="the OpenAI batch file, relative to the PVC")
+    g.add_argument("--batch-output", default="results.jsonl", help="where the results go, relative to the PVC")
     parser.add_argument("--service-monitor", action="store_true",
                         help="also write the metrics Service and a prometheus-operator ServiceMonitor")
 
@@ -94,10 +100,20 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
 
 def manifests(args: argparse.Namespace) -> list[dict]:
     settings = settings_from_args(args)
-    docs = [BUILDERS[args.kind](settings)]
+    docs = [_batch_job(settings, args) if args.kind == "batch-job" else BUILDERS[args.kind](settings)]
     if args.service_monitor:
         docs += [k8s.metrics_service(settings), k8s.service_monitor(settings)]
     return docs
+
+
+def _batch_job(settings: k8s.K8sSettings, args: argparse.Namespace) -> dict:
+    if not args.batch_pvc:
+        raise ValueError("--kind batch-job needs --batch-pvc (the PVC holding the batch files)")
+    for name in ("batch_input", "batch_output"):
+        path = getattr(args, name)
+        if not path or path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"--{name.replace('_', '-')} must be a path inside the PVC, got {path!r}")
+    return k8s.batch_job(settings, args.batch_pvc, args.batch_input, args.batch_output)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -290,6 +290,30 @@ def raycluster(s: K8sSettings) -> dict:
             "metadata": _metadata(s, f"{s.name}-batch"), "spec": ray_cluster_spec(s)}
 
 
+BATCH_MOUNT = "/data"
+
+
+def batch_job(s: K8sSettings, pvc: str, input_file: str, output_file: str) -> dict:
+    """A Job that runs `saguaro run-batch --url` against the RayService's Serve Service: an OpenAI batch
+    file on a PVC (mounted at /data) in, its results beside it. No GPU and no model in the Job's pod; the
+    RayService does the work. backoffLimit 0: a retry would resend every line, so a rerun is the user's call."""
+    command = ["saguaro", "run-batch", "-i", f"{BATCH_MOUNT}/{input_file}", "-o", f"{BATCH_MOUNT}/{output_file}",
+               "--url", f"http://{s.name}-serve:{SERVE_PORT}"]
+    container = {"name": "run-batch", "image": s.image, "imagePullPolicy": s.image_pull_policy, "command": command,
+                 "env": _env(s)[:1], "resources": _compute("1", "1Gi", 0), "securityContext": _security_context(),
+                 "volumeMounts": [{"name": "data", "mountPath": BATCH_MOUNT}]}
+    pod = {"restartPolicy": "Never", "containers": [container], "securityContext": {"fsGroup": RAY_UID},
+           "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}}]}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(s, f"{s.name}-run-batch"),
+            "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": _job_pod_labels(s)}, "spec": pod}}}
+
+
+def _job_pod_labels(s: K8sSettings) -> dict:
+    """Not selector_labels: the metrics Service selects by those, and this pod has no metrics to scrape."""
+    return {"app.kubernetes.io/name": f"{CHART_NAME}-run-batch", "app.kubernetes.io/instance": s.name,
+            "app.kubernetes.io/managed-by": "saguaro"}
+
+
 def metrics_service(s: K8sSettings) -> dict:
     """A headless Service over every Ray pod's metrics port, for Prometheus to scrape."""
     spec = {"clusterIP": "None", "selector": selector_labels(s),
