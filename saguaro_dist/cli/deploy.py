@@ -10,8 +10,8 @@ from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
 DEFAULTS = k8s.K8sSettings()
-BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config,
-            "batch-job": None}  # built from the --batch-* options too (_batch_job)
+BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
+KINDS = sorted([*BUILDERS, "batch-job"])  # batch-job is built from the --batch-* options too (_batch_job)
 
 
 def register(subparsers) -> None:
@@ -69,7 +69,7 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", choices=sorted(BUILDERS), default="rayservice",
+    parser.add_argument("--kind", choices=KINDS, default="rayservice",
                         help="raycluster: the same cluster without Serve, for batch jobs; "
                              "serve-config: the Serve config alone, for `serve deploy` on a VM cluster; "
                              "batch-job: a Job running `saguaro run-batch --url` against the RayService --name")
