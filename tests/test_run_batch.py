@@ -64,7 +64,8 @@ def test_every_line_gets_one_record_in_input_order(serving_pair, reference_llm, 
 
 
 def test_stdin_to_stdout(serving_pair, reference_llm, monkeypatch, capsys):
-    monkeypatch.setattr("sys.stdin", io.StringIO(line("a", {"prompt": "hello world", "max_tokens": 6, "temperature": 0}) + "\n"))
+    given = line("a", {"prompt": "hello world", "max_tokens": 6, "temperature": 0}) + "\n"
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(given.encode())))
     assert main(["run-batch", "-i", "-", "-o", "-", *engine_flags(serving_pair)]) == 0
     (record,) = [json.loads(r) for r in capsys.readouterr().out.splitlines()]
     expected = reference_llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=6))[0].text
@@ -122,6 +123,12 @@ def test_bad_files_fail_before_any_model_loads(flags, message, tmp_path, capsys)
 def test_parse_request(text, error):
     request = parse_request(3, text, set())
     assert request.error is None if error is None else error in request.error and "line 3" in request.error
+
+
+def test_a_line_that_is_not_utf8_is_that_lines_error():
+    assert parse_request(4, b'{"custom_id": "a", "url": "/v1/completions", "body": {}}', set()).error is None
+    bad = parse_request(5, b'{"custom_id": "\xff"}', set())
+    assert bad.custom_id is None and "line 5 is not UTF-8" in bad.error
 
 
 def test_records_follow_openai_batch_output():

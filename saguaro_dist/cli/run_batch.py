@@ -87,10 +87,11 @@ def _check_files(ns: argparse.Namespace) -> None:
 
 @contextmanager
 def _lines(path: str):
+    """The input's lines as bytes: each is decoded on its own, so one bad line is that line's error."""
     if path == "-":
-        yield sys.stdin
+        yield sys.stdin.buffer
         return
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         yield f
 
 

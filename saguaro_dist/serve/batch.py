@@ -51,10 +51,13 @@ class BatchSummary:
             self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
 
 
-def parse_request(line: int, text: str, seen: set[str]) -> BatchRequest:
-    """One line of the input file. `seen` holds the custom_ids before it (they must be unique)."""
+def parse_request(line: int, text: str | bytes, seen: set[str]) -> BatchRequest:
+    """One line of the input file (bytes as read: a line that is not UTF-8 is that line's error). `seen`
+    holds the custom_ids before it (they must be unique)."""
     try:
-        raw = json.loads(text)
+        raw = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except UnicodeDecodeError as err:
+        return BatchRequest(line, None, error=f"line {line} is not UTF-8 text: {err}")
     except json.JSONDecodeError as err:
         return BatchRequest(line, None, error=f"line {line} is not JSON: {err}")
     if not isinstance(raw, dict):
@@ -125,7 +128,7 @@ def server_client(url: str, api_key: str | None) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=server_root(url), headers=auth_headers(api_key), timeout=None)
 
 
-async def run_batch(client: httpx.AsyncClient, lines: Iterable[str], write: Callable[[dict], None],
+async def run_batch(client: httpx.AsyncClient, lines: Iterable[str | bytes], write: Callable[[dict], None],
                     max_in_flight: int) -> BatchSummary:
     """Answer every non-blank line, at most max_in_flight at once, writing the records in input order
     as the earliest outstanding one completes. Returns what ran."""
