@@ -42,6 +42,7 @@ class LLM:
 
     def _setup(self, config: Config) -> None:
         self.config = config
+        self.generation_defaults = self._generation_defaults(config)  # before any engine starts: a bad file leaks nothing
         self._ids = itertools.count()
         if config.cluster is None:
             from saguaro_dist.engine.build import build_local_engine
@@ -55,7 +56,6 @@ class LLM:
         self.max_model_len = self._thread.max_model_len - headroom
         self.vocab_size, self.eos_token_ids = self._thread.vocab_size, self._thread.eos_token_ids
         self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.generation_defaults = self._generation_defaults(config)
 
     @staticmethod
     def _generation_defaults(config: Config) -> dict:
