@@ -63,10 +63,20 @@ def test_every_line_gets_one_record_in_input_order(serving_pair, reference_llm, 
     assert records[11]["response"]["body"]["error"]["param"] == "temperature"
 
 
+class Terminal(io.StringIO):
+    """stderr as a terminal would be: the progress bar shows only where isatty() holds (tqdm's disable=None)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
 def test_stdin_to_stdout(serving_pair, reference_llm, monkeypatch, capsys):
     given = line("a", {"prompt": "hello world", "max_tokens": 6, "temperature": 0}) + "\n"
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(given.encode())))
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
     assert main(["run-batch", "-i", "-", "-o", "-", *engine_flags(serving_pair)]) == 0
+    assert "Processed requests" in terminal.getvalue() and "1req" in terminal.getvalue().replace(" ", "")
     (record,) = [json.loads(r) for r in capsys.readouterr().out.splitlines()]
     expected = reference_llm.generate(["hello world"], SamplingParams(temperature=0, max_tokens=6))[0].text
     assert record["custom_id"] == "a" and record["response"]["body"]["choices"][0]["text"] == expected

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import httpx
+from tqdm import tqdm
 
 from saguaro_dist.client._common import auth_headers, server_root
 
@@ -134,18 +135,22 @@ async def run_batch(client: httpx.AsyncClient, lines: Iterable[str | bytes], wri
     as the earliest outstanding one completes. Returns what ran."""
     summary, seen, pending = BatchSummary(), set(), deque()
     start = time.perf_counter()
+    bar = tqdm(desc="Processed requests", unit="req", disable=None)  # shown only when stderr is a terminal
 
     def flush(record: dict) -> None:
         summary.add(record)
         write(record)
+        bar.update(1)
+        bar.set_postfix_str(f"failed {summary.failed}, output {summary.completion_tokens} tokens", refresh=False)
 
-    async with client:
-        for number, text in enumerate(lines, 1):
-            if text.strip():
-                pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
-            while pending and (len(pending) >= max_in_flight or pending[0].done()):
+    with bar:
+        async with client:
+            for number, text in enumerate(lines, 1):
+                if text.strip():
+                    pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
+                while pending and (len(pending) >= max_in_flight or pending[0].done()):
+                    flush(await pending.popleft())
+            while pending:
                 flush(await pending.popleft())
-        while pending:
-            flush(await pending.popleft())
     summary.seconds = time.perf_counter() - start
     return summary
