@@ -1,6 +1,7 @@
 """Checkpoints and exactness checks shared by the engine tests (real HF checkpoints, no mocks)."""
 from __future__ import annotations
 
+import io
 import os
 
 import torch
@@ -187,3 +188,10 @@ def biased_reference(model: LlamaForCausalLM, prompt: list[int], n: int, penalti
             scores = p(ids, scores)
         return scores[0]
     return out[0, len(prompt):].tolist(), adjust
+
+
+class Terminal(io.StringIO):
+    """stderr as a terminal would be: tqdm's progress bars (disable=None) show only where isatty() holds."""
+
+    def isatty(self) -> bool:
+        return True

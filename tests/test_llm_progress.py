@@ -4,14 +4,8 @@ from __future__ import annotations
 import io
 import sys
 
+from engine_helpers import Terminal
 from saguaro_dist import LLM, SamplingParams
-
-
-class Terminal(io.StringIO):
-    """stderr as a terminal would be: tqdm shows its bar only where isatty() holds (disable=None)."""
-
-    def isatty(self) -> bool:
-        return True
 
 
 def test_the_bar_counts_prompts_on_a_terminal_and_changes_nothing(tiny_checkpoint, monkeypatch):

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from engine_helpers import Terminal
 from saguaro_dist.cli import main
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.serve.batch import BatchSummary, parse_request, result_record
@@ -61,13 +62,6 @@ def test_every_line_gets_one_record_in_input_order(serving_pair, reference_llm, 
         assert r["response"] is None and r["error"]["code"] == "invalid_request" and message in r["error"]["message"]
     assert [records[11]["response"]["status_code"], records[12]["response"]["status_code"]] == [400, 404]
     assert records[11]["response"]["body"]["error"]["param"] == "temperature"
-
-
-class Terminal(io.StringIO):
-    """stderr as a terminal would be: the progress bar shows only where isatty() holds (tqdm's disable=None)."""
-
-    def isatty(self) -> bool:
-        return True
 
 
 def test_stdin_to_stdout(serving_pair, reference_llm, monkeypatch, capsys):

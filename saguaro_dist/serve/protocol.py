@@ -147,8 +147,8 @@ class SamplingRequest(OpenAIModel):
         return SamplingParams(
             temperature=given["temperature"],
             top_p=given["top_p"],
-            top_k=max(0, given["top_k"] or 0),
-            min_p=given["min_p"] or 0.0,
+            top_k=max(0, given["top_k"]),  # -1 (vLLM's off) is our 0
+            min_p=given["min_p"],
             max_tokens=max_tokens,
             stop=self.stop or (),
             seed=self.seed,
