@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from scipy.stats import chi2
+from transformers import LlamaForCausalLM
 
 import saguaro_dist.engine.rounds as rounds_module
 import saguaro_dist.engine.target as target_module
@@ -170,6 +171,34 @@ def check_case(pair, case: str, params: SamplingParams) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_first_tokens_follow_the_target(pair, case):
     check_case(pair, case, PARAMS["t1"])
+
+
+@pytest.fixture(scope="module")
+def padded_pairs(tmp_path_factory):
+    """Qwen2.5's case in small: one tokenizer of VOCAB ids; the target has two padding rows more
+    (random, so it samples them), one draft has none, another four (tests/test_vocab_padding.py)."""
+    root = tmp_path_factory.mktemp("padded_sampling_pair")
+    target = save_model(root / "target", llama_config(VOCAB + 2, 32, 1), seed=5, sharpen=2.0)
+    save_tiny_tokenizer(root / "target")
+    for rows in (VOCAB, VOCAB + 4):
+        save_perturbed(root / f"draft{rows}", target, seed=6, noise=0.6)
+        resized = LlamaForCausalLM.from_pretrained(root / f"draft{rows}")
+        resized.resize_token_embeddings(rows, mean_resizing=False)
+        resized.save_pretrained(root / f"draft{rows}")
+        save_tiny_tokenizer(root / f"draft{rows}")
+    return {rows: (str(root / "target"), str(root / f"draft{rows}"), target) for rows in (VOCAB, VOCAB + 4)}
+
+
+@pytest.mark.parametrize("case,draft_rows", [("ssd_draft_process", VOCAB), ("ssd_miss_neural", VOCAB + 4)])
+def test_a_draft_with_other_padding_rows_follows_the_target(padded_pairs, case, draft_rows):
+    """The draft's q is zero on the target's padding ids, which the target still samples (and the draft
+    then reads as a placeholder): the joint over every id the target has is the target's."""
+    target, draft, model = padded_pairs[draft_rows]
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], **CASES[case][0])
+    assert CASES[case][1](metrics), metrics
+    assert any(t >= VOCAB for seq in counts for t in seq), "the target never sampled a padding id"
+    p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
+    assert p > ALPHA, f"{case}, draft of {draft_rows} rows: chi-square p = {p:.2e}"
 
 
 def test_tree_gate_transitions_follow_the_target(pair, monkeypatch):

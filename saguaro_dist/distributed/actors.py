@@ -21,15 +21,19 @@ log = logging.getLogger(__name__)
 class DraftActor:
     """One draft worker: the draft model behind a DraftService on this node's cluster address."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, vocab_size: int | None = None):
+        """vocab_size: the target's, when the draft's own differs (engine/build.py: draft_vocab_size)."""
         from saguaro_dist.engine.build import build_draft_worker
         torch.set_num_threads(config.draft_threads or 1)
-        self.worker = build_draft_worker(config)
+        self.worker = build_draft_worker(config, vocab_size)
         self.server, port = serve_draft(self.worker)
         self._address = format_address(default_bind_host(), port)
 
     def address(self) -> str:
         return self._address
+
+    def vocab_size(self) -> int:
+        return self.worker.vocab_size
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

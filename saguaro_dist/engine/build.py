@@ -10,21 +10,24 @@ from saguaro_dist.engine.draft_backend import LocalDraftBackend
 from saguaro_dist.engine.draft_process import DraftProcess
 from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.engine.engine import Engine
-from saguaro_dist.model import ModelRunner, check_same_vocab, load_tokenizer
+from saguaro_dist.model import ModelRunner, load_tokenizer
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.loader import resolve_model_dir
+from saguaro_dist.model.vocab import check_pair_vocab, vocab_size_of
 
 log = logging.getLogger(__name__)
 
 
-def make_runner(path: str, config: Config, tp_group=None, device: str | None = None) -> ModelRunner:
-    """A runner on `device` (default: the target's, config.device) with the config's settings."""
+def make_runner(path: str, config: Config, tp_group=None, device: str | None = None,
+                vocab_size: int | None = None) -> ModelRunner:
+    """A runner on `device` (default: the target's, config.device) with the config's settings;
+    vocab_size: the ids it speaks when not its own (a draft matched to its target, model/vocab.py)."""
     device = device or config.device
     cuda_graphs = device.startswith("cuda") and not config.enforce_eager
     return ModelRunner(path, device=device, dtype=getattr(torch, config.dtype),
                        max_model_len=config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
-                       max_num_batched_tokens=config.max_num_batched_tokens)
+                       max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=vocab_size)
 
 
 def eos_ids(runner, tokenizer) -> set[int]:
@@ -44,19 +47,28 @@ def try_load_tokenizer(path: str):
         return None
 
 
-def check_same_tokenizer(target_tok, draft_tok) -> None:
-    if target_tok is None or draft_tok is None:
-        return
-    if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ValueError("target and draft tokenizers differ: speculative decoding needs one shared vocabulary")
+def model_vocab_size(path: str) -> int:
+    """config.json's vocab_size (for a Hugging Face id, without fetching the weights)."""
+    return vocab_size_of(load_config(resolve_model_dir(path, weights=False)))
 
 
-def build_draft_worker(config: Config) -> DraftWorker:
+def draft_vocab_size(config: Config, target_tokenizer) -> int:
+    """The vocabulary the draft speaks: the target's. Checks first that the pair shares one (the same
+    tokenizer; embedding sizes that differ only by padding are matched, model/vocab.py), reading
+    config.json and the tokenizers only: a bad pair fails before any weights load."""
+    target_size = model_vocab_size(config.model)
+    check_pair_vocab(target_size, model_vocab_size(config.draft), target_tokenizer, try_load_tokenizer(config.draft))
+    return target_size
+
+
+def build_draft_worker(config: Config, vocab_size: int | None = None) -> DraftWorker:
+    """vocab_size: the target's, when the draft's own differs (draft_vocab_size); None: the draft's."""
     if config.draft_threads:
         torch.set_num_threads(config.draft_threads)
     def tokenizer():  # for structured outputs, at the first request with a grammar: the draft's, else the target's
         return try_load_tokenizer(config.draft) or try_load_tokenizer(config.model)
-    return DraftWorker(config, make_runner(config.draft, config, device=config.draft_device_resolved), tokenizer)
+    runner = make_runner(config.draft, config, device=config.draft_device_resolved, vocab_size=vocab_size)
+    return DraftWorker(config, runner, tokenizer)
 
 
 def draft_executor(config: Config) -> DraftExecutor:
@@ -77,29 +89,25 @@ def same_gpu(a: str, b: str) -> bool:
     return da.type == db.type == "cuda" and (da.index or 0) == (db.index or 0)
 
 
-def build_local_draft(config: Config, target: ModelRunner):
-    """The draft side of a one-host engine, on a thread or in a child process (config.draft_executor)."""
+def build_local_draft(config: Config, vocab_size: int):
+    """The draft side of a one-host engine, on a thread or in a child process (config.draft_executor),
+    speaking the target's `vocab_size` ids."""
     if draft_executor(config) is DraftExecutor.THREAD:
-        worker = build_draft_worker(config)
-        check_same_vocab(target, worker.runner)
-        return LocalDraftBackend(worker)
-    check_same_vocab(target, load_config(resolve_model_dir(config.draft)))  # fail here, before a child starts
+        return LocalDraftBackend(build_draft_worker(config, vocab_size))
     if config.draft_device_resolved == "cpu" and config.draft_threads is None:
         # A fresh process takes torch's default, every core, beside the target's own threads: on a
         # 2-core box that made rounds ~1.5x as long (docs/benchmark-history.md, session 9).
         log.warning("the SSD draft process will run torch on every core (its default) beside the target's %d "
                     "threads; set draft_threads (and target_threads) to split the cores", torch.get_num_threads())
-    return DraftProcess(config)
+    return DraftProcess(config, vocab_size)
 
 
 def build_local_engine(config: Config) -> tuple[Engine, object]:
     """Returns (engine, tokenizer) with the draft on a thread of this process."""
     if config.target_threads:
         torch.set_num_threads(config.target_threads)
-    target = make_runner(config.model, config)
     tokenizer = try_load_tokenizer(config.model)
-    backend = None
-    if config.mode is not Mode.AR:
-        check_same_tokenizer(tokenizer, try_load_tokenizer(config.draft))
-        backend = build_local_draft(config, target)
+    vocab_size = draft_vocab_size(config, tokenizer) if config.mode is not Mode.AR else None
+    target = make_runner(config.model, config)
+    backend = build_local_draft(config, vocab_size) if vocab_size else None
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer)), tokenizer

@@ -5,7 +5,7 @@ from saguaro_dist.model.device import set_torch_threads
 from saguaro_dist.model.hf_config import ModelConfig, load_config
 from saguaro_dist.model.loader import load_tokenizer, resolve_model_dir
 from saguaro_dist.model.runner import ModelRunner
-from saguaro_dist.model.vocab import check_same_vocab
+from saguaro_dist.model.vocab import check_pair_vocab
 
 __all__ = ["ModelRunner", "BranchState", "ModelConfig", "load_config", "load_tokenizer", "resolve_model_dir",
-           "check_same_vocab", "set_torch_threads"]
+           "check_pair_vocab", "set_torch_threads"]

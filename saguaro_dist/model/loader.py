@@ -12,11 +12,13 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 _INDEX = "model.safetensors.index.json"
-_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+_METADATA_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # config, tokenizer, generation config
 
 
-def resolve_model_dir(path_or_id: str | Path) -> Path:
-    """A local directory as it is; otherwise a Hugging Face id fetched into (or found in) the usual HF cache."""
+def resolve_model_dir(path_or_id: str | Path, weights: bool = True) -> Path:
+    """A local directory as it is; otherwise a Hugging Face id fetched into (or found in) the usual HF cache.
+    weights=False fetches only the small files (config, tokenizer, generation config): what a driver
+    or an API replica reads of a model whose weights load elsewhere."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
         return path
@@ -24,8 +26,9 @@ def resolve_model_dir(path_or_id: str | Path) -> Path:
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"model path {name!r} is not a directory and not a Hugging Face id (owner/name)")
     from huggingface_hub import snapshot_download
-    log.info("resolving %s via the Hugging Face cache", name)
-    return Path(snapshot_download(name, allow_patterns=_DOWNLOAD_PATTERNS))
+    log.info("resolving %s via the Hugging Face cache%s", name, "" if weights else " (config and tokenizer only)")
+    patterns = _METADATA_PATTERNS + (["*.safetensors"] if weights else [])
+    return Path(snapshot_download(name, allow_patterns=patterns))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -82,7 +85,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 def load_tokenizer(path_or_id: str | Path):
     """The checkpoint's tokenizer via transformers.AutoTokenizer; None when the checkpoint ships none
     (such a checkpoint still loads as a model, e.g. the tiny ones the tests write)."""
-    model_dir = resolve_model_dir(path_or_id)
+    model_dir = resolve_model_dir(path_or_id, weights=False)
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         log.info("no tokenizer files in %s", model_dir)
         return None
@@ -102,7 +105,7 @@ def load_generation_defaults(model: str | Path, source: str = "auto") -> dict:
     do_sample is ignored, as vLLM does."""
     if source == "vllm":
         return {}
-    folder = resolve_model_dir(model if source == "auto" else source)
+    folder = resolve_model_dir(model if source == "auto" else source, weights=False)
     path = folder / "generation_config.json"
     if not path.is_file():
         if source != "auto":

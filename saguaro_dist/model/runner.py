@@ -14,14 +14,17 @@ from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.kv_cache import KVPool
 from saguaro_dist.model.loader import resolve_model_dir
 from saguaro_dist.model.rope import rope_tables
+from saguaro_dist.model.vocab import match_vocab
 
 
 class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
-                 cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048):
+                 cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None):
+        """vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
+        matched to its target's padded vocabulary, model/vocab.py)."""
         model_dir = resolve_model_dir(path_or_hf_id)
         self.config = cfg = load_config(model_dir)
-        self.vocab_size = cfg.vocab_size
+        self.vocab_size = vocab_size or cfg.vocab_size
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         if not 0 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in 1..{cfg.max_position_embeddings} "
@@ -32,6 +35,7 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         with torch.inference_mode():
             self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
+            match_vocab(self.model, cfg.vocab_size, self.vocab_size)
             self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
             self.group = attn.num_heads // attn.num_kv_heads
