@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 TINY_VOCAB = 64
 _COMMON = dict(vocab_size=TINY_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -19,6 +19,8 @@ CHECKPOINT_KINDS = {
     "llama3": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False, rope_scaling=_LLAMA3_ROPE)),
     "tied": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON, tie_word_embeddings=True)),
     "sharded": (LlamaForCausalLM, lambda: LlamaConfig(**_COMMON, tie_word_embeddings=False)),
+    # Mistral v0.1's sliding window, longer than every context the tests use (so it is full attention)
+    "mistral": (MistralForCausalLM, lambda: MistralConfig(**{**_COMMON, "sliding_window": 200}, tie_word_embeddings=False)),
     "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**_COMMON, tie_word_embeddings=False)),
     "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=False)),
     "draft": (LlamaForCausalLM, lambda: LlamaConfig(**{**_COMMON, "hidden_size": 16, "intermediate_size": 32,
@@ -43,7 +45,7 @@ def write_checkpoint(kind: str, path, seed: int = 0):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """Factory: tiny_checkpoint(kind) -> path of a checkpoint of that kind (written once per session).
-    Kinds: llama, llama3 (rope_scaling llama3), tied, sharded, qwen2, qwen3, draft."""
+    Kinds: llama, llama3 (rope_scaling llama3), tied, sharded, mistral, qwen2, qwen3, draft."""
     made = {}
 
     def get(kind: str):

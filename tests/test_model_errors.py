@@ -70,6 +70,19 @@ def test_old_style_rope_fields_are_read(ckpt):
     assert load_config(ckpt).rope["rope_type"] == "llama3"
 
 
+@pytest.mark.parametrize("kind, window_fields", [("mistral", {}), ("qwen2", {"use_sliding_window": True})])
+def test_a_sliding_window_shorter_than_the_context_bounds_it(tiny_checkpoint, tmp_path, kind, window_fields):
+    """Within the window sliding attention is full attention (what the runtime computes): the window is
+    the longest context, the default and the bound of max_model_len. Qwen's window only when used."""
+    ckpt = shutil.copytree(tiny_checkpoint(kind), tmp_path / kind)
+    edit_config(ckpt, sliding_window=32, **window_fields)
+    assert ModelRunner(ckpt).max_model_len == 32
+    with pytest.raises(ValueError, match="max_model_len must be in 1..32.*sliding_window"):
+        ModelRunner(ckpt, max_model_len=64)
+    edit_config(ckpt, sliding_window=None, use_sliding_window=False)
+    assert ModelRunner(ckpt).max_model_len == 256
+
+
 def test_not_a_directory_nor_an_id(tmp_path):
     with pytest.raises(ValueError, match="not a directory"):
         ModelRunner(tmp_path / "nowhere")

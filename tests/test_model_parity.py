@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from saguaro_dist.model import ModelRunner
 
-KINDS = ["llama", "llama3", "qwen2", "qwen3", "tied", "sharded"]
+KINDS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "tied", "sharded"]
 ATOL = 1e-4
 
 

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # model_type -> (q/k/v bias field, o_proj bias with it, q/k RMSNorm)
-_FAMILIES = {"llama": ("attention_bias", True, False), "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True)}
+_FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
+             "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True)}
 _ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -21,7 +22,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    max_position_embeddings: int
+    max_position_embeddings: int   # the longest context computed exactly (see context_limit)
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -62,14 +63,21 @@ def rope_params(hf: dict) -> dict:
     return rope
 
 
+def context_limit(hf: dict) -> int:
+    """max_position_embeddings, or a sliding window shorter than it (Mistral v0.1's 4096 of 32768): within
+    the window, sliding attention is full attention, which is what this runtime computes."""
+    limit = _require(hf, "max_position_embeddings")
+    applies = hf["model_type"] == "mistral" or (hf["model_type"] in ("qwen2", "qwen3") and hf.get("use_sliding_window"))
+    window = hf.get("sliding_window") if applies else None  # Mistral's applies unless null; Qwen's only when used
+    return min(limit, window) if window else limit
+
+
 def _model_type(hf: dict) -> str:
     model_type = hf.get("model_type")
     if model_type not in _FAMILIES:
         archs = hf.get("architectures")
         raise ValueError(f"unsupported architecture {archs or model_type!r} (model_type {model_type!r}); "
                          f"supported model_type: {', '.join(_FAMILIES)}")
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json use_sliding_window=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported (only 'silu')")
     return model_type
@@ -87,7 +95,7 @@ def parse_config(hf: dict) -> ModelConfig:
         intermediate_size=_require(hf, "intermediate_size"), num_layers=_require(hf, "num_hidden_layers"),
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hidden // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=_require(hf, "max_position_embeddings"),
+        max_position_embeddings=context_limit(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
         rope=rope_params(hf), eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),

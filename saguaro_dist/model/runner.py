@@ -28,7 +28,7 @@ class ModelRunner:
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         if not 0 < self.max_model_len <= cfg.max_position_embeddings:
             raise ValueError(f"max_model_len must be in 1..{cfg.max_position_embeddings} "
-                             f"(config.json max_position_embeddings), got {max_model_len}")
+                             f"(config.json max_position_embeddings, or a shorter sliding_window), got {max_model_len}")
         self.device, self.dtype = resolve_device(device), parse_dtype(dtype)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
