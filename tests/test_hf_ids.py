@@ -11,7 +11,8 @@ import pytest
 
 from engine_helpers import llama_config, save_model, save_perturbed
 from saguaro_dist import LLM, SamplingParams
-from saguaro_dist.engine.build import model_vocab_size
+from saguaro_dist.config import Config
+from saguaro_dist.engine.build import fit_draft
 from saguaro_dist.model import ModelRunner, load_tokenizer
 from test_engine_sampling import save_tiny_tokenizer
 
@@ -65,7 +66,9 @@ def test_a_pair_named_by_hub_ids_generates_what_the_local_folders_do(hub_cache, 
 
 
 def test_what_a_driver_reads_needs_no_weights(hub_cache):
-    assert model_vocab_size("tiny-org/weightless") == 6
-    assert len(load_tokenizer("tiny-org/weightless")) == 6
+    tokenizer = load_tokenizer("tiny-org/weightless")
+    assert len(tokenizer) == 6
+    config = Config(model="tiny-org/weightless", draft="tiny-org/weightless", mode="ssd")
+    assert fit_draft(config, tokenizer).vocab_size == 6  # the driver's check of a pair, before Ray starts
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         ModelRunner("tiny-org/weightless")

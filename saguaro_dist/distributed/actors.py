@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 class DraftActor:
     """One draft worker: the draft model behind a DraftService on this node's cluster address."""
 
-    def __init__(self, config: Config, vocab_size: int | None = None):
-        """vocab_size: the target's, when the draft's own differs (engine/build.py: draft_vocab_size)."""
+    def __init__(self, config: Config, fit=None):
+        """fit: the DraftFit to build the draft to (engine/build.py: fit_draft, on the driver)."""
         from saguaro_dist.engine.build import build_draft_worker
         torch.set_num_threads(config.draft_threads or 1)
-        self.worker = build_draft_worker(config, vocab_size)
+        self.worker = build_draft_worker(config, fit)
         self.server, port = serve_draft(self.worker)
         self._address = format_address(default_bind_host(), port)
 
@@ -60,15 +60,17 @@ class TargetRank:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], draft_addresses: list[str]) -> dict:
-        """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow."""
+    def setup(self, master: tuple[str, int], draft_addresses: list[str], draft_max_model_len: int) -> dict:
+        """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow.
+        draft_max_model_len: the longest sequence the drafts hold (the fit the driver gave them)."""
         from saguaro_dist.engine.build import make_runner
         group = self._join_group(master)
         runner = make_runner(self.config.model, self.config, tp_group=group)
         if self.rank > 0:
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
-        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), draft_addresses)
+        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), draft_addresses,
+                                  draft_max_model_len)
 
     def _join_group(self, master: tuple[str, int]):
         world = self.config.tensor_parallel_size
@@ -78,7 +80,7 @@ class TargetRank:
         dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank, world_size=world)
         return dist.group.WORLD
 
-    def _start_engine(self, runner, draft_addresses: list[str]) -> dict:
+    def _start_engine(self, runner, draft_addresses: list[str], draft_max_model_len: int) -> dict:
         from saguaro_dist.distributed.draft_pool import DraftPool
         from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
         from saguaro_dist.engine.build import eos_ids, try_load_tokenizer
@@ -87,7 +89,8 @@ class TargetRank:
         tokenizer = try_load_tokenizer(self.config.model)
         backend = None
         if self.config.mode is not Mode.AR:
-            backend = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size)
+            backend = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size,
+                                draft_max_model_len)
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,

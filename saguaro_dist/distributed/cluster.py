@@ -74,11 +74,11 @@ def wait_dead(actors: list, timeout_s: float = 10.0) -> None:
             return
 
 
-def start_drafts(config: Config, resources: dict, vocab_size: int | None) -> list:
+def start_drafts(config: Config, resources: dict, fit) -> list:
     if config.mode is Mode.AR:
         return []
     actor = ray.remote(DraftActor).options(**draft_options(config, resources), max_restarts=0)
-    return [actor.remote(config, vocab_size) for _ in range(config.num_draft_workers)]
+    return [actor.remote(config, fit) for _ in range(config.num_draft_workers)]
 
 
 def start_ranks(config: Config, resources: dict, pg) -> list:
@@ -92,21 +92,22 @@ def start_ranks(config: Config, resources: dict, pg) -> list:
 
 def build_cluster_engine(config: Config):
     """Start the actors and the engine on rank 0; returns (RemoteEngine, tokenizer)."""
-    from saguaro_dist.engine.build import draft_vocab_size, try_load_tokenizer
+    from saguaro_dist.engine.build import fit_draft, try_load_tokenizer
     tokenizer = try_load_tokenizer(config.model)
-    vocab_size = draft_vocab_size(config, tokenizer) if config.mode is not Mode.AR else None  # a bad pair: before Ray
+    fit = fit_draft(config, tokenizer) if config.mode is not Mode.AR else None  # a bad pair fails before Ray starts
     needed = config.tensor_parallel_size + config.num_draft_workers + 1
     deployment = Deployment(started_ray=connect(config.cluster, needed))
     deadline = time.monotonic() + config.startup_timeout_s
     try:
         resources = ray.cluster_resources()
-        deployment.drafts = start_drafts(config, resources, vocab_size)
+        deployment.drafts = start_drafts(config, resources, fit)
         deployment.placement_group = target_placement(config, resources, config.startup_timeout_s)
         deployment.ranks = start_ranks(config, resources, deployment.placement_group)
         addresses = started([d.address.remote() for d in deployment.drafts], deadline,
                             f"{config.num_draft_workers} draft worker(s) asking {draft_options(config, resources)} each")
         master = started(deployment.ranks[0].rendezvous.remote(), deadline, "target rank 0")
-        info = started([r.setup.remote(master, addresses) for r in deployment.ranks], deadline,
+        draft_max_model_len = fit.max_model_len if fit else 0
+        info = started([r.setup.remote(master, addresses, draft_max_model_len) for r in deployment.ranks], deadline,
                        f"{config.tensor_parallel_size} target rank(s) loading {config.model}")[0]
     except BaseException:
         deployment.kill()

@@ -8,6 +8,7 @@ tokens as an Outcome, and every Outcome names the tokens verified next, so all s
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -23,9 +24,10 @@ log = logging.getLogger(__name__)
 class DraftPool:
     """A DraftBackend over several single-worker backends (engine/draft_backend.py's interface)."""
 
-    def __init__(self, backends: list, max_batch_size: int):
+    def __init__(self, backends: list, max_batch_size: int, max_model_len: int = sys.maxsize):
+        """max_model_len: the longest sequence the workers hold (the DraftFit they were built to)."""
         self.backends = backends
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.groups: dict[int, list[int]] = {}   # seq_id -> backend indices; [0] is shard 0
         self.dead: set[int] = set()
         self._calls = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="saguaro-pool")

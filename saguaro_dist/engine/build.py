@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -13,21 +14,28 @@ from saguaro_dist.engine.engine import Engine
 from saguaro_dist.model import ModelRunner, load_tokenizer
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.loader import resolve_model_dir
-from saguaro_dist.model.vocab import check_pair_vocab, vocab_size_of
+from saguaro_dist.model.vocab import check_pair_vocab
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class DraftFit:
+    """What the draft is built to: the target's vocabulary, and the longest sequence it holds."""
+    vocab_size: int      # the target's (a draft's own may differ by padding rows, model/vocab.py)
+    max_model_len: int   # the engine's, or the draft's own context when shorter (then the fast backup goes on)
+
+
 def make_runner(path: str, config: Config, tp_group=None, device: str | None = None,
-                vocab_size: int | None = None) -> ModelRunner:
-    """A runner on `device` (default: the target's, config.device) with the config's settings;
-    vocab_size: the ids it speaks when not its own (a draft matched to its target, model/vocab.py)."""
+                fit: DraftFit | None = None) -> ModelRunner:
+    """A runner on `device` (default: the target's, config.device) with the config's settings; a draft's
+    `fit` sets the vocabulary it speaks and the longest sequence it holds (fit_draft)."""
     device = device or config.device
     cuda_graphs = device.startswith("cuda") and not config.enforce_eager
     return ModelRunner(path, device=device, dtype=getattr(torch, config.dtype),
-                       max_model_len=config.max_model_len, tp_group=tp_group,
+                       max_model_len=fit.max_model_len if fit else config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
-                       max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=vocab_size)
+                       max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None)
 
 
 def eos_ids(runner, tokenizer) -> set[int]:
@@ -47,27 +55,26 @@ def try_load_tokenizer(path: str):
         return None
 
 
-def model_vocab_size(path: str) -> int:
-    """config.json's vocab_size (for a Hugging Face id, without fetching the weights)."""
-    return vocab_size_of(load_config(resolve_model_dir(path, weights=False)))
+def fit_draft(config: Config, target_tokenizer) -> DraftFit:
+    """Check that the pair shares one vocabulary (the same tokenizer; embedding sizes that differ only by
+    padding are matched) and size the draft, from config.json and the tokenizers only: a bad pair fails
+    before any weights load, and on Ray before any actor starts."""
+    target, draft = (load_config(resolve_model_dir(p, weights=False)) for p in (config.model, config.draft))
+    check_pair_vocab(target.vocab_size, draft.vocab_size, target_tokenizer, try_load_tokenizer(config.draft))
+    wanted = config.max_model_len or target.max_position_embeddings
+    if draft.max_position_embeddings < wanted:
+        log.info("the draft's context is %d tokens, the engine's %d: longer sequences go on with the fast "
+                 "(n-gram) backup instead of the draft", draft.max_position_embeddings, wanted)
+    return DraftFit(target.vocab_size, min(wanted, draft.max_position_embeddings))
 
 
-def draft_vocab_size(config: Config, target_tokenizer) -> int:
-    """The vocabulary the draft speaks: the target's. Checks first that the pair shares one (the same
-    tokenizer; embedding sizes that differ only by padding are matched, model/vocab.py), reading
-    config.json and the tokenizers only: a bad pair fails before any weights load."""
-    target_size = model_vocab_size(config.model)
-    check_pair_vocab(target_size, model_vocab_size(config.draft), target_tokenizer, try_load_tokenizer(config.draft))
-    return target_size
-
-
-def build_draft_worker(config: Config, vocab_size: int | None = None) -> DraftWorker:
-    """vocab_size: the target's, when the draft's own differs (draft_vocab_size); None: the draft's."""
+def build_draft_worker(config: Config, fit: DraftFit | None = None) -> DraftWorker:
+    """fit: from fit_draft (None: the draft's own vocabulary, and config.max_model_len)."""
     if config.draft_threads:
         torch.set_num_threads(config.draft_threads)
     def tokenizer():  # for structured outputs, at the first request with a grammar: the draft's, else the target's
         return try_load_tokenizer(config.draft) or try_load_tokenizer(config.model)
-    runner = make_runner(config.draft, config, device=config.draft_device_resolved, vocab_size=vocab_size)
+    runner = make_runner(config.draft, config, device=config.draft_device_resolved, fit=fit)
     return DraftWorker(config, runner, tokenizer)
 
 
@@ -89,17 +96,16 @@ def same_gpu(a: str, b: str) -> bool:
     return da.type == db.type == "cuda" and (da.index or 0) == (db.index or 0)
 
 
-def build_local_draft(config: Config, vocab_size: int):
-    """The draft side of a one-host engine, on a thread or in a child process (config.draft_executor),
-    speaking the target's `vocab_size` ids."""
+def build_local_draft(config: Config, fit: DraftFit):
+    """The draft side of a one-host engine, on a thread or in a child process (config.draft_executor)."""
     if draft_executor(config) is DraftExecutor.THREAD:
-        return LocalDraftBackend(build_draft_worker(config, vocab_size))
+        return LocalDraftBackend(build_draft_worker(config, fit))
     if config.draft_device_resolved == "cpu" and config.draft_threads is None:
         # A fresh process takes torch's default, every core, beside the target's own threads: on a
         # 2-core box that made rounds ~1.5x as long (docs/benchmark-history.md, session 9).
         log.warning("the SSD draft process will run torch on every core (its default) beside the target's %d "
                     "threads; set draft_threads (and target_threads) to split the cores", torch.get_num_threads())
-    return DraftProcess(config, vocab_size)
+    return DraftProcess(config, fit)
 
 
 def build_local_engine(config: Config) -> tuple[Engine, object]:
@@ -107,7 +113,7 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
     if config.target_threads:
         torch.set_num_threads(config.target_threads)
     tokenizer = try_load_tokenizer(config.model)
-    vocab_size = draft_vocab_size(config, tokenizer) if config.mode is not Mode.AR else None
+    fit = fit_draft(config, tokenizer) if config.mode is not Mode.AR else None
     target = make_runner(config.model, config)
-    backend = build_local_draft(config, vocab_size) if vocab_size else None
+    backend = build_local_draft(config, fit) if fit else None
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer)), tokenizer

@@ -17,6 +17,8 @@ TreeKey = tuple[int, int]  # (seq_id, round)
 
 
 class DraftBackend(Protocol):
+    max_model_len: int  # the longest sequence the draft side holds (longer ones: the fast backup, engine/rounds.py)
+
     def prefill(self, reqs: list[PrefillRequest]) -> None: ...
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]: ...
     def send_outcomes(self, outcomes: list[Outcome]) -> None: ...
@@ -83,6 +85,7 @@ class LocalDraftBackend:
 
     def __init__(self, worker):
         self.worker = worker
+        self.max_model_len = worker.runner.max_model_len
         self.stream = OwnStream(worker.runner.device)
         self.inbox = TreeInbox()
         self.busy_s = 0.0  # time the draft thread spent working

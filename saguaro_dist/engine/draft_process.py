@@ -47,9 +47,10 @@ class DraftProcess:
 
     Used from one thread at a time (the engine's), like every DraftBackend."""
 
-    def __init__(self, config: Config, vocab_size: int | None = None):
-        """vocab_size: the target's, when the draft's own differs (engine/build.py: draft_vocab_size)."""
-        self.config, self.vocab_size = config, vocab_size
+    def __init__(self, config: Config, fit=None):
+        """fit: the DraftFit the child builds its draft to (engine/build.py: fit_draft; None: its own)."""
+        self.config, self.fit = config, fit
+        self.max_model_len = fit.max_model_len if fit else sys.maxsize  # the longest sequence the draft holds
         self._ids = itertools.count()
         self._known: set[int] = set()  # sequences the current child holds
         self._gone = True
@@ -144,7 +145,7 @@ class DraftProcess:
         for conn in (self._tx, self._rx):
             widen(conn.fileno())
         self.inbox, self._replies = TreeInbox(), {}
-        send(self._tx, self.config, self.vocab_size)
+        send(self._tx, self.config, self.fit)
         self._handshake()
         self._gone = False
         log.info("draft process pid %d ready", self._proc.pid)
@@ -273,8 +274,8 @@ def main() -> None:
     rx, tx = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     os.dup2(sys.stderr.fileno(), 1)
     try:
-        config, vocab_size = recv(rx)
-        worker = build_draft_worker(config, vocab_size)
+        config, fit = recv(rx)
+        worker = build_draft_worker(config, fit)
     except Exception as exc:
         send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")
         raise

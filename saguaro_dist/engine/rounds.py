@@ -64,17 +64,20 @@ class SDLoop(ARLoop):
         first = self.target.prefill(seqs)
         for s, t in zip(seqs, first):
             s.last_outcome, s.speculation = (0, t), None
+            s.beyond_draft = s.draft_lost = self._outgrows_draft(s)
+        drafted = [s for s in seqs if not s.beyond_draft]
         try:
-            self.draft.prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling()) for s in seqs])
+            if drafted:
+                self.draft.prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling()) for s in drafted])
         except DraftUnavailable as err:  # no draft worker left: speculate with the fast backup until one is
-            log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(seqs))
-            for s in seqs:
+            log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(drafted))
+            for s in drafted:
                 s.draft_lost = True
         return first
 
     def prepare(self, seqs):
         self._drafted_this_round = False
-        self._readmit([s for s in seqs if s.draft_lost])
+        self._track_draft(seqs)
         self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def verify(self, seqs):
@@ -92,7 +95,7 @@ class SDLoop(ARLoop):
 
     def release(self, seqs):
         super().release(seqs)
-        self.draft.release([Release(s.seq_id) for s in seqs])
+        self.draft.release([Release(s.seq_id) for s in seqs if not s.beyond_draft])
 
     def reset_prefix_cache(self):
         super().reset_prefix_cache()
@@ -119,6 +122,29 @@ class SDLoop(ARLoop):
             for s in live:
                 s.draft_lost = True
             return outcomes + self._fast(live, fast_kind)
+
+    def _track_draft(self, seqs: list[Sequence]) -> None:
+        """Before a round: sequences outgrowing the draft leave it, those whose worker was lost rejoin one."""
+        self._leave_draft(seqs)
+        self._readmit([s for s in seqs if s.draft_lost and not s.beyond_draft])
+
+    def _outgrows_draft(self, s: Sequence) -> bool:
+        """Whether the draft's next work for `s` could pass its context: a tree's branch reaches K + 1
+        tokens past the sequence (K accepted and the bonus), then K draft tokens more."""
+        return s.num_tokens + 2 * (self.config.k + 1) > self.draft.max_model_len
+
+    def _leave_draft(self, seqs: list[Sequence]) -> None:
+        """Sequences about to outgrow the draft's context (a draft trained on a shorter one than the
+        target's) are released there; the fast backup speculates for them until they end. (vLLM stops
+        speculating for them; n-gram proposals cost nothing and still accept on repetitive text.)"""
+        leaving = [s for s in seqs if not s.beyond_draft and self._outgrows_draft(s)]
+        if not leaving:
+            return
+        for s in leaving:
+            s.beyond_draft = s.draft_lost = True
+            s.wants_tree = False
+            self.forget(s)
+        self.draft.release([Release(s.seq_id) for s in leaving])
 
     def _readmit(self, seqs: list[Sequence]) -> None:
         """Sequences whose draft worker died or lost track of them: prefill them on a live one, to
@@ -165,8 +191,9 @@ class SDLoop(ARLoop):
         outcomes = []
         for s in seqs:
             proposal = self._fast_proposal(s, kind)
-            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=proposal.tokens.tolist(),
-                                    skip_tree=not s.wants_tree))
+            if not s.beyond_draft:  # the draft holds it: it learns what is verified next
+                outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=proposal.tokens.tolist(),
+                                        skip_tree=not s.wants_tree))
             s.round, s.speculation, s.speculation_kind = self._next_round(s), proposal, ProposalSource.FAST
             s.metrics.record_fallback(kind.value)
             self.metrics.fallbacks[kind.value] += 1
@@ -194,7 +221,7 @@ class SSDLoop(SDLoop):
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
         self._captures = graph_captures()
-        self._readmit([s for s in seqs if s.draft_lost])
+        self._track_draft(seqs)
         self._mode = self.gate.mode(len(seqs)) if self.gate else RoundMode.TREES
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
         # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
@@ -202,7 +229,7 @@ class SSDLoop(SDLoop):
         treed = [s for s in seqs if s.speculation is not None and s.wants_tree]
         untreed = [s for s in seqs if s.speculation is not None and not s.wants_tree]
         for s in seqs:  # what the draft prepares while this round verifies
-            s.wants_tree = self._mode is RoundMode.TREES
+            s.wants_tree = self._mode is RoundMode.TREES and not s.beyond_draft
         self.metrics.just_in_time_rounds += self._mode is RoundMode.JUST_IN_TIME
         outcomes = self._draft_or_fast(new, FallbackPolicy.FAST)
         outcomes += self._next_speculations(treed) if treed else []

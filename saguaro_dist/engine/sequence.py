@@ -65,6 +65,7 @@ class Sequence:
     speculation_kind: ProposalSource = ProposalSource.NEURAL  # where this round's speculation came from
     last_outcome: tuple[int, int] = (0, 0) # (k accepted, bonus token) of the last verification
     draft_lost: bool = False               # its draft worker died: re-prefill it on a live one
+    beyond_draft: bool = False             # it outgrew the draft's context: the fast backup speculates to its end
     wants_tree: bool = False               # SSD: the draft was asked for a tree for this speculation
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -80,6 +81,10 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def finished(self) -> bool:
