@@ -15,7 +15,6 @@ from engine_helpers import DEVICE, llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.bench.prompts import resolve_pair
 from saguaro_dist.model import ModelRunner, check_pair_vocab
-from saguaro_dist.model.vocab import PLACEHOLDER_ID
 from test_engine_sampling import TINY_VOCAB, save_tiny_tokenizer
 
 USED = len(TINY_VOCAB)          # ids the tokenizer makes
@@ -93,19 +92,26 @@ def test_on_ray_the_draft_actors_speak_the_targets_vocabulary(pairs, references,
 
 
 def test_a_matched_runner_scores_the_targets_ids(pairs):
-    """Its own ids score as before; the target's extra ids get -inf and read the placeholder's row."""
+    """Its own ids score as before and the target's extra ids get -inf; an id it has no row for is
+    taken (it reads a zero row); a longer table is cut to the target's ids."""
     own = ModelRunner(pairs["short"])
     matched = ModelRunner(pairs["short"], vocab_size=TARGET_ROWS)
     assert (own.vocab_size, matched.vocab_size) == (SHORT_ROWS, TARGET_ROWS)
     for runner in (own, matched):
         runner.add("a")
-    [plain] = own.extend(["a"], [[1, 2, PLACEHOLDER_ID]], [1])
-    [padded] = matched.extend(["a"], [[1, 2, USED + 1]], [1])  # an id the draft has no row for
+    [plain] = own.extend(["a"], [[1, 2, 3]], [1])
+    [padded] = matched.extend(["a"], [[1, 2, 3]], [1])
     torch.testing.assert_close(padded[..., :SHORT_ROWS], plain)
     assert torch.isneginf(padded[..., SHORT_ROWS:]).all()
-    cut = ModelRunner(pairs["long"], vocab_size=TARGET_ROWS)
-    cut.add("a")
-    assert cut.extend(["a"], [[1, 2, 3]], [1])[0].shape == (1, TARGET_ROWS)
+    [after_padding_id] = matched.extend(["a"], [[USED + 1]], [1])
+    assert torch.isfinite(after_padding_id[..., :SHORT_ROWS]).all()
+    longer, cut = ModelRunner(pairs["long"]), ModelRunner(pairs["long"], vocab_size=TARGET_ROWS)
+    for runner in (longer, cut):
+        runner.add("a")
+    [full] = longer.extend(["a"], [[1, 2, 3]], [1])
+    [short] = cut.extend(["a"], [[1, 2, 3]], [1])
+    assert short.shape == (1, TARGET_ROWS)
+    torch.testing.assert_close(short, full[..., :TARGET_ROWS])
 
 
 def test_pairs_that_share_no_tokenizer_are_refused_before_weights_load(pairs, tmp_path):

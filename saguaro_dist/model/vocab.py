@@ -3,9 +3,9 @@
 "Share" means the same tokenizer. The embedding tables may still differ in size: model families pad
 them to a multiple that depends on how each size was trained (Qwen2.5: 151936 rows up to 7B, 152064
 from 14B, over one 151665-token tokenizer). Such a draft is made to speak the target's vocabulary
-(match_vocab): its logits are cut or padded with -inf to the target's rows, so its proposal
-distribution q is zero on the ids it lacks, and an id it has no row for (a padding row the target
-sampled: untrained, so vanishingly rare) reads a placeholder row. Rejection sampling stays exact
+(match_vocab): its tables are cut to the target's rows, or padded with zero rows whose logits are
+masked to -inf, so its proposal distribution q is zero on the ids it lacks, and an id it has no row for
+(a padding row the target sampled: untrained, so vanishingly rare) reads a zero embedding. Rejection sampling stays exact
 whatever q is, as long as q is what the draft sampled from; the target's distribution covers every row.
 """
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
-PLACEHOLDER_ID = 0  # the row the draft reads for an id beyond its table
 
 
 def vocab_size_of(x) -> int:
@@ -48,35 +47,38 @@ def check_pair_vocab(target_size: int, draft_size: int, target_tokenizer, draft_
              "target's (padding rows only)", target_size, draft_size, used)
 
 
-class PaddedEmbedding(nn.Module):
-    """An embedding of `own_size` rows that reads PLACEHOLDER_ID's row for the ids beyond them."""
+class MaskedLMHead(nn.Module):
+    """An LM head over a table padded with zero rows: their logits are set to -inf (q = 0 there)."""
 
     def __init__(self, base: nn.Module, own_size: int):
         super().__init__()
         self.base, self.own_size = base, own_size
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.base(ids.masked_fill(ids >= self.own_size, PLACEHOLDER_ID))
-
-
-class MatchedLMHead(nn.Module):
-    """The LM head's logits cut, or padded with -inf, to `vocab_size` columns."""
-
-    def __init__(self, base: nn.Module, own_size: int, vocab_size: int):
-        super().__init__()
-        self.base, self.own_size, self.vocab_size = base, own_size, vocab_size
-
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.base(hidden)
-        if self.vocab_size <= self.own_size:
-            return logits[..., :self.vocab_size]
-        pad = logits.new_full((*logits.shape[:-1], self.vocab_size - self.own_size), float("-inf"))
-        return torch.cat([logits, pad], dim=-1)
+        logits[..., self.own_size:] = float("-inf")  # in place: 128 columns, where a cat copied all 152k
+        return logits
+
+
+def _padded(weight: torch.Tensor, rows: int) -> nn.Parameter:
+    extra = weight.new_zeros(rows - weight.shape[0], weight.shape[1])
+    return nn.Parameter(torch.cat([weight, extra]), requires_grad=False)
 
 
 def match_vocab(model: nn.Module, own_size: int, vocab_size: int) -> None:
-    """Make a built (loaded) CausalLM of `own_size` ids speak `vocab_size` ids (module docstring)."""
+    """Make a built (loaded) CausalLM of `own_size` ids speak `vocab_size` ids (module docstring), by
+    editing its tables once: more ids get zero rows (an id beyond its own reads a zero embedding, its
+    logit is masked), fewer ids score only the first rows. A tied table stays tied."""
+    head, embed = model.lm_head, model.model.embed_tokens
     if own_size == vocab_size:
         return
-    model.model.embed_tokens = PaddedEmbedding(model.model.embed_tokens, own_size)
-    model.lm_head = MatchedLMHead(model.lm_head, own_size, vocab_size)
+    if vocab_size < own_size:  # the rows beyond are never fed (the tokenizer's ids lie below) nor scored
+        head.weight = nn.Parameter(head.weight[:vocab_size], requires_grad=False)
+        head.out_features = vocab_size
+        return
+    tied = head.weight is embed.weight
+    embed.weight = _padded(embed.weight, vocab_size)
+    embed.num_embeddings = vocab_size
+    head.weight = embed.weight if tied else _padded(head.weight, vocab_size)
+    head.out_features = vocab_size
+    model.lm_head = MaskedLMHead(head, own_size)
