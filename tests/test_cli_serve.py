@@ -34,6 +34,14 @@ def test_bad_flags_exit_2_without_trace(capsys, serving_pair):
     assert "k must be an integer >= 1" in err and "Traceback" not in err
 
 
+def test_a_pair_that_cannot_speculate_exits_2_before_ray_starts(capsys, serving_pair, tiny_checkpoint):
+    """The serving pair has a tokenizer; a bare checkpoint of another vocabulary size cannot show that its
+    rows differ only by padding (tests/test_vocab_padding.py)."""
+    assert main(["serve", serving_pair[0], "--draft", str(tiny_checkpoint("draft")), "--mode", "sd"]) == 2
+    err = capsys.readouterr().err
+    assert "without both tokenizers" in err and "Traceback" not in err
+
+
 def test_serve_config_file_parsing(tmp_path):
     path = tmp_path / "serve.yaml"
     path.write_text(yaml.safe_dump({

@@ -154,6 +154,17 @@ def register(subparsers) -> None:
     p.set_defaults(run=run)
 
 
+def check_pair_here(config) -> None:
+    """A pair that cannot speculate (tokenizers differ, ...) is found before Ray starts when both models are
+    folders on this machine; otherwise the replica finds it (with --address they may live on the cluster only)."""
+    from pathlib import Path
+
+    from saguaro_dist.config import Mode
+    from saguaro_dist.engine.build import fit_draft, try_load_tokenizer
+    if config.mode is not Mode.AR and all(Path(p).expanduser().is_dir() for p in (config.model, config.draft)):
+        fit_draft(config, try_load_tokenizer(config.model))
+
+
 def run(ns: argparse.Namespace) -> int:
     from saguaro_dist.serve.config_file import load_serve_config
 
@@ -164,7 +175,7 @@ def run(ns: argparse.Namespace) -> int:
         args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment
     if args.get("chat_template"):
         args["chat_template"] = load_chat_template(args["chat_template"])  # the text: replicas may lack the file
-    config_from_args(args)  # fail fast with a clear message, before Ray starts
+    check_pair_here(config_from_args(args))  # fail fast with a clear message, before Ray starts
     served_model_names(args.get("served_model_name"), args["model"])
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
