@@ -81,6 +81,8 @@ class Config:
 
     model: str
     draft: str | None = None
+    revision: str | None = None            # the target's Hub revision (branch, tag or commit; None: main)
+    draft_revision: str | None = None      # the draft's
     mode: Mode = Mode.SSD
     k: int = 4                             # speculation length K
     fan_out: int | tuple[int, ...] = 12    # branch budget B, or explicit F_0..F_K (K+1 ints)
@@ -129,6 +131,10 @@ class Config:
             raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
         if self.mode is not Mode.AR and not self.draft:
             raise ValueError(f"mode {self.mode.value!r} needs a draft model (draft=...)")
+        for name in ("revision", "draft_revision"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ValueError(f"{name} must be a branch, tag or commit of the Hub repository, got {value!r}")
         if not 0.0 <= float(self.saguaro_c) <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
         if isinstance(self.fan_out, tuple):

@@ -136,3 +136,5 @@ def test_draft_device_chunk_budget_and_eager_flags_reach_the_config():
     config = Config(**args)
     assert (config.draft_device, config.max_num_batched_tokens, config.enforce_eager) == ("cpu", 512, True)
     assert Config(**engine_args(parser.parse_args([]))).enforce_eager is False  # flags left out keep the defaults
+    pinned = Config(**engine_args(parser.parse_args(["--revision", "v1.0", "--draft-revision", "abc123"])))
+    assert (pinned.revision, pinned.draft_revision) == ("v1.0", "abc123")

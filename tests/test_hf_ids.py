@@ -17,16 +17,19 @@ from saguaro_dist.model import ModelRunner, load_tokenizer
 from test_engine_sampling import save_tiny_tokenizer
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
+OTHER_COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[1, 2, 3], [4, 0, 5]]
 
 
-def cache_model(cache, repo_id: str, files) -> None:
-    """Copy `files` into the cache as the snapshot of repo_id's main branch."""
+def cache_model(cache, repo_id: str, files, commit: str = COMMIT) -> None:
+    """Copy `files` into the cache as the snapshot of `commit`, which the main branch names unless it
+    already names another."""
     folder = cache / f"models--{repo_id.replace('/', '--')}"
-    (folder / "refs").mkdir(parents=True)
-    (folder / "refs" / "main").write_text(COMMIT)
-    snapshot = folder / "snapshots" / COMMIT
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    if not (folder / "refs" / "main").exists():
+        (folder / "refs" / "main").write_text(commit)
+    snapshot = folder / "snapshots" / commit
     snapshot.mkdir(parents=True)
     for f in files:
         shutil.copy(f, snapshot / f.name)
@@ -34,20 +37,23 @@ def cache_model(cache, repo_id: str, files) -> None:
 
 @pytest.fixture(scope="module")
 def local_pair(tmp_path_factory):
+    """(target, draft, another target: an older commit of tiny-org/target)"""
     root = tmp_path_factory.mktemp("hub_pair")
     target = save_model(root / "target", llama_config(6, 32, 2), seed=21)
     save_perturbed(root / "draft", target, seed=22, noise=0.3)
-    for name in ("target", "draft"):
+    save_model(root / "older", llama_config(6, 32, 2), seed=23)
+    for name in ("target", "draft", "older"):
         save_tiny_tokenizer(root / name)
-    return root / "target", root / "draft"
+    return root / "target", root / "draft", root / "older"
 
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch, local_pair):
     """An offline Hub cache holding tiny-org/target, tiny-org/draft and tiny-org/weightless (no weights)."""
     cache = tmp_path / "hub"
-    target, draft = local_pair
+    target, draft, older = local_pair
     cache_model(cache, "tiny-org/target", target.iterdir())
+    cache_model(cache, "tiny-org/target", older.iterdir(), OTHER_COMMIT)
     cache_model(cache, "tiny-org/draft", draft.iterdir())
     cache_model(cache, "tiny-org/weightless", [f for f in target.iterdir() if f.suffix != ".safetensors"])
     for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", True)):
@@ -72,3 +78,21 @@ def test_what_a_driver_reads_needs_no_weights(hub_cache):
     assert fit_draft(config, tokenizer).vocab_size == 6  # the driver's check of a pair, before Ray starts
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         ModelRunner("tiny-org/weightless")
+
+
+def test_a_revision_pins_the_commit(hub_cache, local_pair):
+    """revision / draft_revision (vLLM's --revision): the older commit's weights, not main's."""
+    with LLM(model=str(local_pair[2]), mode="ar") as llm:
+        older = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+    with LLM(model="tiny-org/target", revision=OTHER_COMMIT, mode="ar") as llm:
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == older
+    with LLM(model="tiny-org/target", revision=OTHER_COMMIT, draft="tiny-org/target", draft_revision=COMMIT,
+             mode="sd", k=2) as llm:
+        assert [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)] == older
+
+
+def test_a_revision_of_a_local_folder_is_a_clear_error(local_pair):
+    with pytest.raises(ValueError, match="names a Hub revision.*local folder"):
+        LLM(model=str(local_pair[0]), revision="main", mode="ar")
+    with pytest.raises(ValueError, match="revision must be a branch, tag or commit"):
+        Config(model="tiny-org/target", revision="", mode="ar")

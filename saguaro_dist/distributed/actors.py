@@ -65,7 +65,7 @@ class TargetRank:
         draft_max_model_len: the longest sequence the drafts hold (the fit the driver gave them)."""
         from saguaro_dist.engine.build import make_runner
         group = self._join_group(master)
-        runner = make_runner(self.config.model, self.config, tp_group=group)
+        runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision)
         if self.rank > 0:
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
@@ -86,7 +86,7 @@ class TargetRank:
         from saguaro_dist.engine.build import eos_ids, try_load_tokenizer
         from saguaro_dist.engine.engine import Engine
         from saguaro_dist.engine.loop_thread import EngineThread
-        tokenizer = try_load_tokenizer(self.config.model)
+        tokenizer = try_load_tokenizer(self.config.model, self.config.revision)
         backend = None
         if self.config.mode is not Mode.AR:
             backend = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size,

@@ -27,7 +27,7 @@ class DraftFit:
 
 
 def make_runner(path: str, config: Config, tp_group=None, device: str | None = None,
-                fit: DraftFit | None = None) -> ModelRunner:
+                fit: DraftFit | None = None, revision: str | None = None) -> ModelRunner:
     """A runner on `device` (default: the target's, config.device) with the config's settings; a draft's
     `fit` sets the vocabulary it speaks and the longest sequence it holds (fit_draft)."""
     device = device or config.device
@@ -35,7 +35,8 @@ def make_runner(path: str, config: Config, tp_group=None, device: str | None = N
     return ModelRunner(path, device=device, dtype=getattr(torch, config.dtype),
                        max_model_len=fit.max_model_len if fit else config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
-                       max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None)
+                       max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None,
+                       revision=revision)
 
 
 def eos_ids(runner, tokenizer) -> set[int]:
@@ -46,10 +47,10 @@ def eos_ids(runner, tokenizer) -> set[int]:
     return ids
 
 
-def try_load_tokenizer(path: str):
+def try_load_tokenizer(path: str, revision: str | None = None):
     """The checkpoint's tokenizer, or None for a bare checkpoint (then only token-id prompts work)."""
     try:
-        return load_tokenizer(path)
+        return load_tokenizer(path, revision)
     except (OSError, ValueError, TypeError) as err:
         log.info("no tokenizer at %s (%s): token-id prompts only", path, err)
         return None
@@ -59,8 +60,10 @@ def fit_draft(config: Config, target_tokenizer) -> DraftFit:
     """Check that the pair shares one vocabulary (the same tokenizer; embedding sizes that differ only by
     padding are matched) and size the draft, from config.json and the tokenizers only: a bad pair fails
     before any weights load, and on Ray before any actor starts."""
-    target, draft = (load_config(resolve_model_dir(p, weights=False)) for p in (config.model, config.draft))
-    check_pair_vocab(target.vocab_size, draft.vocab_size, target_tokenizer, try_load_tokenizer(config.draft))
+    target, draft = (load_config(resolve_model_dir(p, weights=False, revision=r))
+                     for p, r in ((config.model, config.revision), (config.draft, config.draft_revision)))
+    check_pair_vocab(target.vocab_size, draft.vocab_size, target_tokenizer,
+                     try_load_tokenizer(config.draft, config.draft_revision))
     wanted = config.max_model_len or target.max_position_embeddings
     if draft.max_position_embeddings < wanted:
         log.info("the draft's context is %d tokens, the engine's %d: longer sequences go on with the fast "
@@ -73,8 +76,8 @@ def build_draft_worker(config: Config, fit: DraftFit | None = None) -> DraftWork
     if config.draft_threads:
         torch.set_num_threads(config.draft_threads)
     def tokenizer():  # for structured outputs, at the first request with a grammar: the draft's, else the target's
-        return try_load_tokenizer(config.draft) or try_load_tokenizer(config.model)
-    runner = make_runner(config.draft, config, device=config.draft_device_resolved, fit=fit)
+        return try_load_tokenizer(config.draft, config.draft_revision) or try_load_tokenizer(config.model, config.revision)
+    runner = make_runner(config.draft, config, device=config.draft_device_resolved, fit=fit, revision=config.draft_revision)
     return DraftWorker(config, runner, tokenizer)
 
 
@@ -112,8 +115,8 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
     """Returns (engine, tokenizer) with the draft on a thread of this process."""
     if config.target_threads:
         torch.set_num_threads(config.target_threads)
-    tokenizer = try_load_tokenizer(config.model)
+    tokenizer = try_load_tokenizer(config.model, config.revision)
     fit = fit_draft(config, tokenizer) if config.mode is not Mode.AR else None
-    target = make_runner(config.model, config)
+    target = make_runner(config.model, config, revision=config.revision)
     backend = build_local_draft(config, fit) if fit else None
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer)), tokenizer

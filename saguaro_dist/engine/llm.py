@@ -60,7 +60,7 @@ class LLM:
     @staticmethod
     def _generation_defaults(config: Config) -> dict:
         """What the model's generation config makes the default (vLLM's): checked once, here."""
-        defaults = load_generation_defaults(config.model, config.generation_config)
+        defaults = load_generation_defaults(config.model, config.generation_config, config.revision)
         try:
             SamplingParams(**defaults)
         except ValueError as err:

@@ -15,20 +15,23 @@ _INDEX = "model.safetensors.index.json"
 _METADATA_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # config, tokenizer, generation config
 
 
-def resolve_model_dir(path_or_id: str | Path, weights: bool = True) -> Path:
-    """A local directory as it is; otherwise a Hugging Face id fetched into (or found in) the usual HF cache.
-    weights=False fetches only the small files (config, tokenizer, generation config): what a driver
-    or an API replica reads of a model whose weights load elsewhere."""
+def resolve_model_dir(path_or_id: str | Path, weights: bool = True, revision: str | None = None) -> Path:
+    """A local directory as it is; otherwise a Hugging Face id fetched into (or found in) the usual HF cache,
+    at `revision` (a branch, tag or commit; None: main). weights=False fetches only the small files (config,
+    tokenizer, generation config): what a driver or an API replica reads of a model whose weights load elsewhere."""
     path = Path(path_or_id).expanduser()
     if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"revision {revision!r} names a Hub revision, but {path} is a local folder")
         return path
     name = str(path_or_id)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"model path {name!r} is not a directory and not a Hugging Face id (owner/name)")
     from huggingface_hub import snapshot_download
-    log.info("resolving %s via the Hugging Face cache%s", name, "" if weights else " (config and tokenizer only)")
+    log.info("resolving %s%s via the Hugging Face cache%s", name, f"@{revision}" if revision else "",
+             "" if weights else " (config and tokenizer only)")
     patterns = _METADATA_PATTERNS + (["*.safetensors"] if weights else [])
-    return Path(snapshot_download(name, allow_patterns=patterns))
+    return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -82,10 +85,10 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(path_or_id: str | Path):
+def load_tokenizer(path_or_id: str | Path, revision: str | None = None):
     """The checkpoint's tokenizer via transformers.AutoTokenizer; None when the checkpoint ships none
     (such a checkpoint still loads as a model, e.g. the tiny ones the tests write)."""
-    model_dir = resolve_model_dir(path_or_id, weights=False)
+    model_dir = resolve_model_dir(path_or_id, weights=False, revision=revision)
     if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
         log.info("no tokenizer files in %s", model_dir)
         return None
@@ -98,14 +101,15 @@ GENERATION_DEFAULT_FIELDS = {"temperature": "temperature", "top_p": "top_p", "to
                              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
-def load_generation_defaults(model: str | Path, source: str = "auto") -> dict:
+def load_generation_defaults(model: str | Path, source: str = "auto", revision: str | None = None) -> dict:
     """The sampling defaults a checkpoint's generation_config.json sets (vLLM's --generation-config):
     source "auto" reads the model's own file ({} when it ships none), "vllm" none (the neutral defaults),
     anything else is a folder that must hold one. Only the fields vLLM takes, under SamplingParams' names;
     do_sample is ignored, as vLLM does."""
     if source == "vllm":
         return {}
-    folder = resolve_model_dir(model if source == "auto" else source, weights=False)
+    folder = (resolve_model_dir(model, weights=False, revision=revision) if source == "auto"
+              else resolve_model_dir(source, weights=False))
     path = folder / "generation_config.json"
     if not path.is_file():
         if source != "auto":

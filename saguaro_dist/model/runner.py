@@ -19,10 +19,11 @@ from saguaro_dist.model.vocab import match_vocab
 
 class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
-                 cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None):
+                 cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None,
+                 revision=None):
         """vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
-        matched to its target's padded vocabulary, model/vocab.py)."""
-        model_dir = resolve_model_dir(path_or_hf_id)
+        matched to its target's padded vocabulary, model/vocab.py). revision: a Hub id's branch, tag or commit."""
+        model_dir = resolve_model_dir(path_or_hf_id, revision=revision)
         self.config = cfg = load_config(model_dir)
         self.vocab_size = vocab_size or cfg.vocab_size
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
