@@ -242,6 +242,12 @@ def test_cli_puts_the_chat_template_text_and_generation_config_in_the_app_args(t
     assert "neither a file nor a Jinja template" in capsys.readouterr().err
 
 
+def test_cli_pins_hub_revisions_in_the_app_args(capsys):
+    assert main(["deploy", "k8s", "--kind", "serve-config", "--revision", "v2.0", "--draft-revision", "0123abc"]) == 0
+    config = config_from_args(yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"])
+    assert (config.revision, config.draft_revision) == ("v2.0", "0123abc")
+
+
 def test_a_batch_job_runs_run_batch_against_the_rayservice(capsys):
     assert main(["deploy", "k8s", "--kind", "batch-job", "--name", "qwen", "--batch-pvc", "data",
                  "--batch-input", "in/q.jsonl", "--batch-output", "out/r.jsonl"]) == 0

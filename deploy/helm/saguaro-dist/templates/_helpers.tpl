@@ -47,6 +47,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $args "device" (ternary "cuda" "cpu" (eq (include "saguaro.gpu" .) "true")) -}}
 {{- $_ := set $args "dtype" (include "saguaro.dtype" .) -}}
 {{- $_ := set $args "api_key_env" "SAGUARO_API_KEY" -}}
+{{- if .Values.model.revision }}{{ $_ := set $args "revision" .Values.model.revision }}{{ end -}}
+{{- if .Values.model.draftRevision }}{{ $_ := set $args "draft_revision" .Values.model.draftRevision }}{{ end -}}
 {{- if .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" .Values.model.servedModelName }}{{ end -}}
 {{- if .Values.model.toolCallParser }}{{ $_ := set $args "tool_call_parser" .Values.model.toolCallParser }}{{ end -}}
 {{- if .Values.model.reasoningParser }}{{ $_ := set $args "reasoning_parser" .Values.model.reasoningParser }}{{ end -}}
