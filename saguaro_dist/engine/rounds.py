@@ -58,6 +58,9 @@ class SDLoop(ARLoop):
     def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
         super().__init__(target, metrics)
         self.draft, self.config = draft, config
+        # A sequence longer than this leaves the draft (_leave_draft): a tree's branch reaches K + 1 tokens
+        # past it (K accepted and the bonus), then K draft tokens more, inside the draft's context.
+        self._draft_room = draft.max_model_len - 2 * (config.k + 1)
         self._drafted_this_round = False
 
     def admit(self, seqs):
@@ -129,9 +132,7 @@ class SDLoop(ARLoop):
         self._readmit([s for s in seqs if s.draft_lost and not s.beyond_draft])
 
     def _outgrows_draft(self, s: Sequence) -> bool:
-        """Whether the draft's next work for `s` could pass its context: a tree's branch reaches K + 1
-        tokens past the sequence (K accepted and the bonus), then K draft tokens more."""
-        return s.num_tokens + 2 * (self.config.k + 1) > self.draft.max_model_len
+        return s.num_tokens > self._draft_room
 
     def _leave_draft(self, seqs: list[Sequence]) -> None:
         """Sequences about to outgrow the draft's context (a draft trained on a shorter one than the
