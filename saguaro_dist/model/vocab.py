@@ -18,14 +18,6 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
-def vocab_size_of(x) -> int:
-    """A ModelRunner, a ModelConfig, a config.json dict or any object with `vocab_size`."""
-    size = x.get("vocab_size") if isinstance(x, dict) else getattr(x, "vocab_size", None)
-    if not isinstance(size, int):
-        raise ValueError(f"cannot read a vocab_size from {type(x).__name__}")
-    return size
-
-
 def check_pair_vocab(target_size: int, draft_size: int, target_tokenizer, draft_tokenizer) -> None:
     """Can this pair speculate? The same tokenizer (when both ship one) and, when the embedding sizes
     differ, proof that only padding differs: both tokenizers present, equal, and every id they make
