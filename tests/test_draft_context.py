@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import llama_config, save_model
+from engine_helpers import DEVICE, llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.engine.build import fit_draft
@@ -30,7 +30,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(pair):
-    with LLM(model=pair[0], mode="ar") as llm:
+    with LLM(model=pair[0], mode="ar", device=DEVICE) as llm:
         return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
 
 
@@ -42,7 +42,7 @@ def test_the_draft_is_fitted_to_its_own_context(pair):
 
 @pytest.mark.parametrize("mode,executor", [("sd", "thread"), ("ssd", "thread"), ("ssd", "process")])
 def test_sequences_outgrowing_the_draft_go_on_exactly(pair, reference, mode, executor):
-    with LLM(model=pair[0], draft=pair[1], mode=mode, k=K, fan_out=6, draft_executor=executor) as llm:
+    with LLM(model=pair[0], draft=pair[1], mode=mode, k=K, fan_out=6, draft_executor=executor, device=DEVICE) as llm:
         assert llm.max_model_len == 256 - (K + 1)  # the target's context (less the room of one round)
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
         metrics = llm.metrics
