@@ -1,14 +1,15 @@
 """The tree gate against its ideal: replay measured rounds of both kinds through spec.tree_gate.TreeGate.
 
     python benchmarks/bench_tree_gate.py record [--temperature 0] [--batch 1] [--out rounds.json]
-    python benchmarks/bench_tree_gate.py replay rounds.json [--trials 200]
+    python benchmarks/bench_tree_gate.py replay rounds.json [--trials 200] [--paired]
 
 `record` runs one-host SSD on the demo pair (8 held-out prompts, 128 tokens, 3 passes) with every
 round forced to trees, then to just-in-time drafts, and saves each round's (tokens, seconds).
 `replay` runs the gate over that data: at every round it picks a kind, and the round of that kind
 recorded at the same point of the same text (greedy: both kinds generate the same tokens) is what
-it gets. It prints the gate's tok/s over the better kind's (mean, p10, min over random passes):
-what the gate's choices cost or gain, without the box's minute-to-minute drift.
+it gets. It prints the gate's tok/s over the better fixed kind's on the same drawn passes (mean, p10,
+min over random lives): what the gate's choices cost or gain. Passes are drawn per kind (the box's drift
+hits one kind and not the other) or, with --paired, once for both.
 """
 from __future__ import annotations
 
@@ -58,13 +59,20 @@ def record(temperature: float, batch: int, out: str) -> None:
         print(f"{mode}: {len(rounds_)} rounds, {sum(t for t, _ in rounds_) / sum(s for _, s in rounds_):.1f} tok/s")
 
 
-def _replay_once(data: dict, rng: random.Random, passes: int = 3) -> float:
-    """One engine's life: `passes` times over every prompt group, each kind's pass drawn at random."""
-    from saguaro_dist.spec.tree_gate import TreeGate
-    gate, tokens, seconds = TreeGate(), 0.0, 0.0
+def _replay_once(data: dict, rng: random.Random, paired: bool, passes: int = 3) -> tuple[float, float]:
+    """One engine's life: `passes` times over every prompt group, each kind's pass drawn at random (with
+    `paired`, one pass for both kinds: recorded a few seconds apart, they share the box's drift). Returns
+    the gate's tok/s over the better fixed kind's on the same draws, and the share of tree rounds."""
+    from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
+    gate, tokens, seconds, trees = TreeGate(), 0.0, 0.0, 0
+    fixed = {m: [0.0, 0.0] for m in data}  # kind -> [tokens, seconds] of running it every round
     for _ in range(passes):
         for g in range(len(data["trees"][0])):
-            runs = {m: data[m][rng.randrange(len(data[m]))][g] for m in data}
+            shared = rng.randrange(len(data["trees"]))
+            runs = {m: data[m][shared if paired else rng.randrange(len(data[m]))][g] for m in data}
+            for m, r in runs.items():
+                fixed[m][0] += sum(t for t, _ in r)
+                fixed[m][1] += sum(x for _, x in r)
             starts = {m: _starts(r) for m, r in runs.items()}
             pos, end, idx = 0, sum(t for t, _ in runs["trees"]), {m: 0 for m in runs}
             while pos < end:
@@ -75,8 +83,9 @@ def _replay_once(data: dict, rng: random.Random, passes: int = 3) -> float:
                 idx[m] = i
                 t, s = runs[m][i]
                 gate.record(1, mode, t, s)
-                tokens, seconds, pos = tokens + t, seconds + s, pos + t
-    return tokens / seconds
+                tokens, seconds, pos, trees = tokens + t, seconds + s, pos + t, trees + (mode is RoundMode.TREES)
+    rounds = sum(len(r) for p in data["trees"] for r in p) * passes / len(data["trees"])
+    return tokens / seconds / max(t / x for t, x in fixed.values()), trees / rounds
 
 
 def _starts(rounds: list) -> list[int]:
@@ -87,16 +96,17 @@ def _starts(rounds: list) -> list[int]:
     return out
 
 
-def replay(path: str, trials: int) -> None:
+def replay(path: str, trials: int, paired: bool) -> None:
     with open(path) as f:
         saved = json.load(f)
     data = saved["rounds"]
     fixed = {m: sum(t for p in v for g in p for t, _ in g) / sum(s for p in v for g in p for _, s in g) for m, v in data.items()}
     rng = random.Random(0)
-    rel = sorted(_replay_once(data, rng) / max(fixed.values()) for _ in range(trials))
-    print(f"T {saved['temperature']} b {saved['batch']}: trees {fixed['trees']:.0f}, just-in-time "
-          f"{fixed['just_in_time']:.0f} tok/s; gate / better: mean {statistics.mean(rel):.3f}, "
-          f"p10 {rel[len(rel) // 10]:.3f}, min {rel[0]:.3f}")
+    runs = [_replay_once(data, rng, paired) for _ in range(trials)]
+    rel, share = sorted(r for r, _ in runs), statistics.mean(s for _, s in runs)
+    print(f"T {saved['temperature']} b {saved['batch']}{' paired' if paired else ''}: trees {fixed['trees']:.0f}, "
+          f"just-in-time {fixed['just_in_time']:.0f} tok/s; gate / better on the same draws: mean "
+          f"{statistics.mean(rel):.3f}, p10 {rel[len(rel) // 10]:.3f}, min {rel[0]:.3f}; tree rounds {share:.2f}")
 
 
 def main() -> None:
@@ -109,11 +119,12 @@ def main() -> None:
     rep = sub.add_parser("replay")
     rep.add_argument("path")
     rep.add_argument("--trials", type=int, default=200)
+    rep.add_argument("--paired", action="store_true", help="one recorded pass for both kinds per prompt group")
     args = ap.parse_args()
     if args.command == "record":
         record(args.temperature, args.batch, args.out)
     else:
-        replay(args.path, args.trials)
+        replay(args.path, args.trials, args.paired)
 
 
 if __name__ == "__main__":

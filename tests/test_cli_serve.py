@@ -28,6 +28,15 @@ def test_help(command, capsys):
     assert exit_.value.code == 0 and "--model" in capsys.readouterr().out
 
 
+def test_the_command_line_loads_without_the_serving_stack():
+    """`saguaro bench` / `generate` / `--help` run where only the engine's packages are installed (a GPU
+    image without pydantic, FastAPI or Ray): the serving stack is imported by the commands that serve."""
+    code = ("import sys; from saguaro_dist.cli import build_parser; build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'pydantic', 'fastapi', 'ray', 'starlette'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_bad_flags_exit_2_without_trace(capsys, serving_pair):
     assert main(["serve", serving_pair[0], "--k", "0"]) == 2
     err = capsys.readouterr().err

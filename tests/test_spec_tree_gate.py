@@ -100,3 +100,14 @@ def test_no_prior_when_trees_won_or_were_close_below(below):
     gate = TreeGate()
     drive(gate, 3 * BURST, below, batch=2)
     assert drive(gate, BURST, {TREES: 10, JIT: 30}, batch=8) == [TREES] * BURST
+
+
+def test_one_stall_of_the_box_does_not_lose_the_faster_mode():
+    """A round 20x its mode's usual length (another process took the core) counts as at most CLIP x:
+    unclipped, it doubled a ~10-round mean and handed the slower mode the next ~100 rounds."""
+    gate = TreeGate()
+    drive(gate, 2 * BURST + BURST // 2, {TREES: 30, JIT: 22})
+    assert gate.mode(1) is TREES
+    gate.record(1, TREES, tokens=10, seconds=20 * 10 / 30)  # the stall
+    modes = drive(gate, EXPLORE_EVERY - 3 * BURST, {TREES: 30, JIT: 22})  # (up to the next exploration)
+    assert modes == [TREES] * len(modes)

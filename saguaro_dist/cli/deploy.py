@@ -5,7 +5,6 @@ import argparse
 import sys
 
 from saguaro_dist.deploy import k8s
-from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -96,6 +95,7 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
     fields = {f for f in k8s.K8sSettings.__dataclass_fields__}
     given = {key: value for key, value in vars(args).items() if key in fields and value is not None}
     if given.get("chat_template"):
+        from saguaro_dist.serve.prompts import load_chat_template
         given["chat_template"] = load_chat_template(given["chat_template"])  # the text: the pods lack the file
     return k8s.K8sSettings(**given)
 

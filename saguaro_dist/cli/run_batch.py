@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from saguaro_dist.cli.serve import CHAT_TEMPLATE_HELP, add_engine_args, engine_args
 from saguaro_dist.serve.args import API_KEY_ENV
 from saguaro_dist.serve.batch import app_client, run_batch, server_client
-from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -48,6 +47,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.url:
         summary = _batch(ns, server_client(ns.url, ns.api_key or os.environ.get(API_KEY_ENV)))
     else:
+        from saguaro_dist.serve.prompts import load_chat_template
         template = load_chat_template(ns.chat_template) if ns.chat_template else None
         with LLM.from_config(config_from_args(engine_args(ns))) as llm:  # before the output file is opened
             summary = _batch(ns, app_client(_app(llm, ns, template)))

@@ -12,7 +12,6 @@ import threading
 from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, SchedulingPolicy, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
-from saguaro_dist.serve.prompts import load_chat_template
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -169,6 +168,7 @@ def check_pair_here(config) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     from saguaro_dist.serve.config_file import load_serve_config
+    from saguaro_dist.serve.prompts import load_chat_template  # (pydantic: not for `saguaro --help`)
 
     file = load_serve_config(ns.config) if ns.config else None
     args = engine_args(ns, file.args if file else None)

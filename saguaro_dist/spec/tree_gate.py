@@ -19,6 +19,8 @@ CLOSE_GAP = 0.1       # modes within 10% are close; a slower one g behind is re-
 MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good)
 SECONDS_DECAY = 0.9   # per measured round: a mode's round time follows its last ~10 rounds
 TOKENS_DECAY = 0.99   # tokens per round, over both modes' rounds, follow the last ~100
+CLIP = 1.5            # a round is counted at most 1.5x its mode's mean round ...
+CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall is not the mode's cost)
 
 
 class RoundMode(str, enum.Enum):
@@ -33,6 +35,14 @@ class _DecayedMean:
     total: float = 0.0
     weight: float = 0.0
     count: int = 0
+
+    def add_clipped(self, value: float) -> None:
+        """Winsorized: one stall of the box (another process, a page fault; tens of ms against a round of
+        a few) would move a ~10-round mean by more than the modes differ, and a mode measured during a
+        stall then lost for hundreds of rounds. A miss's round (a just-in-time draft, ~1.5x a hit's at
+        b = 1) is mostly under the clip: trees are favoured only where misses cost more than that."""
+        mean = self.mean
+        self.add(min(value, CLIP * mean) if self.count >= CLIP_AFTER and mean else value)
 
     def add(self, value: float) -> None:
         self.total, self.weight = self.decay * self.total + value, self.decay * self.weight + 1.0
@@ -121,7 +131,7 @@ class _BatchGate:
         if self.fresh:  # its cost belongs partly to the previous mode's last round
             self.fresh = False
             return
-        self.seconds[mode].add(seconds)
+        self.seconds[mode].add_clipped(seconds)
         self.tokens.add(tokens)
 
 
