@@ -83,6 +83,8 @@ class Config:
     draft: str | None = None
     revision: str | None = None            # the target's Hub revision (branch, tag or commit; None: main)
     draft_revision: str | None = None      # the draft's
+    tokenizer: str | None = None           # a tokenizer (folder or Hub id) used instead of the target's own (vLLM's --tokenizer)
+    tokenizer_revision: str | None = None  # its Hub revision (default: revision, when the tokenizer is the model's)
     mode: Mode = Mode.SSD
     k: int = 4                             # speculation length K
     fan_out: int | tuple[int, ...] = 12    # branch budget B, or explicit F_0..F_K (K+1 ints)
@@ -126,12 +128,21 @@ class Config:
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
         self._validate()
 
+    @property
+    def tokenizer_source(self) -> tuple[str, str | None]:
+        """(path or Hub id, revision) of the tokenizer the engine speaks: `tokenizer`, else the model's."""
+        if self.tokenizer is None:
+            return self.model, self.tokenizer_revision or self.revision
+        return self.tokenizer, self.tokenizer_revision
+
     def _validate(self):
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
         if self.mode is not Mode.AR and not self.draft:
             raise ValueError(f"mode {self.mode.value!r} needs a draft model (draft=...)")
-        for name in ("revision", "draft_revision"):
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer.strip()):
+            raise ValueError(f"tokenizer must be a folder or a Hugging Face id, got {self.tokenizer!r}")
+        for name in ("revision", "draft_revision", "tokenizer_revision"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a branch, tag or commit of the Hub repository, got {value!r}")

@@ -22,7 +22,8 @@ RELEASE = "saguaro"
 
 SETTINGS = {
     "cpu-default": k8s.K8sSettings(),
-    "pinned-revisions": k8s.K8sSettings(revision="v2.0", draft_revision="0123abc"),
+    "pinned-revisions": k8s.K8sSettings(revision="v2.0", draft_revision="0123abc", tokenizer="org/tok",
+                                        tokenizer_revision="v3"),
     "gpu-tp4": k8s.K8sSettings(tp=4, draft_workers=3, gpu_type="NVIDIA-H100-80GB-HBM3", models_pvc="weights",
                                model="/models/target", draft="/models/draft", served_model_name="t",
                                image="registry.example:5000/team/saguaro-dist:0.1.0-cuda"),

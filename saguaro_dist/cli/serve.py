@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 APP_NAME = "saguaro"
 # flag dest -> Config field (flags default to None so a --config file's values are only overridden on purpose)
-ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision", "mode": "mode", "k": "k", "fan_out": "fan_out",
+ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
+                "tokenizer": "tokenizer", "tokenizer_revision": "tokenizer_revision", "mode": "mode", "k": "k", "fan_out": "fan_out",
                 "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "draft_device": "draft_device",
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
@@ -48,6 +49,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", help="draft model (needed for sd / ssd; default: the demo draft with the demo pair)")
     g.add_argument("--revision", help="the target's Hub revision: a branch, tag or commit (vLLM's; default main)")
     g.add_argument("--draft-revision", help="the draft's Hub revision")
+    g.add_argument("--tokenizer", help="a tokenizer (folder or HF id) used instead of the target's own (vLLM's)")
+    g.add_argument("--tokenizer-revision", help="the tokenizer's Hub revision")
     g.add_argument("--mode", choices=[m.value for m in Mode], help="ar, sd or ssd (default ssd; ar without draft)")
     g.add_argument("--k", type=int, help="speculation length K (default 4)")
     g.add_argument("--fan-out", type=fan_out_arg, help="branch budget B, or K+1 comma-separated counts")
@@ -161,9 +164,10 @@ def check_pair_here(config) -> None:
     from pathlib import Path
 
     from saguaro_dist.config import Mode
-    from saguaro_dist.engine.build import fit_draft, try_load_tokenizer
-    if config.mode is not Mode.AR and all(Path(p).expanduser().is_dir() for p in (config.model, config.draft)):
-        fit_draft(config, try_load_tokenizer(config.model, config.revision))
+    from saguaro_dist.engine.build import fit_draft, target_tokenizer
+    local = (config.model, config.draft, config.tokenizer or config.model)
+    if config.mode is not Mode.AR and all(Path(p).expanduser().is_dir() for p in local):
+        fit_draft(config, target_tokenizer(config))
 
 
 def run(ns: argparse.Namespace) -> int:

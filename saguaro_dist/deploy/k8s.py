@@ -51,6 +51,8 @@ class K8sSettings:
     generation_config: str = "auto"   # requests' sampling defaults: the model's generation_config.json, or "vllm" (none)
     revision: str | None = None       # the target's Hub revision (branch, tag or commit) when model is a Hub id
     draft_revision: str | None = None
+    tokenizer: str | None = None      # a tokenizer (HF id or a path under /models) instead of the target's own
+    tokenizer_revision: str | None = None
     chat_template: str | None = None  # a Jinja chat template (the text) instead of the tokenizer's
     tp: int = 1
     draft_workers: int = 1
@@ -112,6 +114,7 @@ class K8sSettings:
 def serve_args(s: K8sSettings) -> dict:
     """The app args of serveConfigV2; saguaro_dist.serve.args.config_from_args parses them."""
     args = {"model": s.model, "draft": s.draft, "revision": s.revision, "draft_revision": s.draft_revision,
+            "tokenizer": s.tokenizer, "tokenizer_revision": s.tokenizer_revision,
             "mode": s.mode, "k": s.k,
             "fan_out": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
             "saguaro_c": s.saguaro_c, "fallback": s.fallback,
@@ -351,7 +354,8 @@ def helm_values(s: K8sSettings) -> dict:
         "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or "",
                   "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or "",
                   "generationConfig": s.generation_config, "chatTemplate": s.chat_template or "",
-                  "revision": s.revision or "", "draftRevision": s.draft_revision or ""},
+                  "revision": s.revision or "", "draftRevision": s.draft_revision or "",
+                  "tokenizer": s.tokenizer or "", "tokenizerRevision": s.tokenizer_revision or ""},
         "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
                         "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
         "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or "", "schedulingPolicy": s.scheduling_policy},

@@ -83,10 +83,10 @@ class TargetRank:
     def _start_engine(self, runner, draft_addresses: list[str], draft_max_model_len: int) -> dict:
         from saguaro_dist.distributed.draft_pool import DraftPool
         from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
-        from saguaro_dist.engine.build import eos_ids, try_load_tokenizer
+        from saguaro_dist.engine.build import eos_ids, target_tokenizer
         from saguaro_dist.engine.engine import Engine
         from saguaro_dist.engine.loop_thread import EngineThread
-        tokenizer = try_load_tokenizer(self.config.model, self.config.revision)
+        tokenizer = target_tokenizer(self.config)
         backend = None
         if self.config.mode is not Mode.AR:
             backend = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size,

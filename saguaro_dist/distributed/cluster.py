@@ -92,8 +92,8 @@ def start_ranks(config: Config, resources: dict, pg) -> list:
 
 def build_cluster_engine(config: Config):
     """Start the actors and the engine on rank 0; returns (RemoteEngine, tokenizer)."""
-    from saguaro_dist.engine.build import fit_draft, try_load_tokenizer
-    tokenizer = try_load_tokenizer(config.model, config.revision)
+    from saguaro_dist.engine.build import fit_draft, target_tokenizer
+    tokenizer = target_tokenizer(config)
     fit = fit_draft(config, tokenizer) if config.mode is not Mode.AR else None  # a bad pair fails before Ray starts
     needed = config.tensor_parallel_size + config.num_draft_workers + 1
     deployment = Deployment(started_ray=connect(config.cluster, needed))

@@ -13,7 +13,7 @@ from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.engine.engine import Engine
 from saguaro_dist.model import ModelRunner, load_tokenizer
 from saguaro_dist.model.hf_config import load_config
-from saguaro_dist.model.loader import resolve_model_dir
+from saguaro_dist.model.loader import TOKENIZER_FILES, resolve_model_dir
 from saguaro_dist.model.vocab import check_pair_vocab
 
 log = logging.getLogger(__name__)
@@ -56,14 +56,35 @@ def try_load_tokenizer(path: str, revision: str | None = None):
         return None
 
 
+def target_tokenizer(config: Config):
+    """The tokenizer the engine speaks: config.tokenizer when named (then failing to load it is an error,
+    not a bare checkpoint's token-id-only mode), else the target checkpoint's own, if it ships one."""
+    path, revision = config.tokenizer_source
+    if config.tokenizer is None:
+        return try_load_tokenizer(path, revision)
+    try:
+        tokenizer = load_tokenizer(path, revision)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"tokenizer {path!r} could not be loaded: {err}") from None
+    if tokenizer is None:
+        raise ValueError(f"tokenizer {path!r} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    return tokenizer
+
+
+def draft_tokenizer(config: Config, target_tok):
+    """The draft checkpoint's own tokenizer; a draft that ships none beside a named tokenizer is taken to
+    speak that one (naming one tokenizer for the pair says so, as vLLM's --tokenizer does)."""
+    own = try_load_tokenizer(config.draft, config.draft_revision)
+    return target_tok if own is None and config.tokenizer is not None else own
+
+
 def fit_draft(config: Config, target_tokenizer) -> DraftFit:
     """Check that the pair shares one vocabulary (the same tokenizer; embedding sizes that differ only by
     padding are matched) and size the draft, from config.json and the tokenizers only: a bad pair fails
     before any weights load, and on Ray before any actor starts."""
     target, draft = (load_config(resolve_model_dir(p, weights=False, revision=r))
                      for p, r in ((config.model, config.revision), (config.draft, config.draft_revision)))
-    check_pair_vocab(target.vocab_size, draft.vocab_size, target_tokenizer,
-                     try_load_tokenizer(config.draft, config.draft_revision))
+    check_pair_vocab(target.vocab_size, draft.vocab_size, target_tokenizer, draft_tokenizer(config, target_tokenizer))
     wanted = config.max_model_len or target.max_position_embeddings
     if draft.max_position_embeddings < wanted:
         log.info("the draft's context is %d tokens, the engine's %d: longer sequences go on with the fast "
@@ -76,7 +97,7 @@ def build_draft_worker(config: Config, fit: DraftFit | None = None) -> DraftWork
     if config.draft_threads:
         torch.set_num_threads(config.draft_threads)
     def tokenizer():  # for structured outputs, at the first request with a grammar: the draft's, else the target's
-        return try_load_tokenizer(config.draft, config.draft_revision) or try_load_tokenizer(config.model, config.revision)
+        return try_load_tokenizer(config.draft, config.draft_revision) or target_tokenizer(config)
     runner = make_runner(config.draft, config, device=config.draft_device_resolved, fit=fit, revision=config.draft_revision)
     return DraftWorker(config, runner, tokenizer)
 
@@ -115,7 +136,7 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
     """Returns (engine, tokenizer) with the draft on a thread of this process."""
     if config.target_threads:
         torch.set_num_threads(config.target_threads)
-    tokenizer = try_load_tokenizer(config.model, config.revision)
+    tokenizer = target_tokenizer(config)
     fit = fit_draft(config, tokenizer) if config.mode is not Mode.AR else None
     target = make_runner(config.model, config, revision=config.revision)
     backend = build_local_draft(config, fit) if fit else None

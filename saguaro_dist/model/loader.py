@@ -82,14 +82,14 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
                          + (" ..." if len(missing) > 8 else ""))
 
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(path_or_id: str | Path, revision: str | None = None):
     """The checkpoint's tokenizer via transformers.AutoTokenizer; None when the checkpoint ships none
     (such a checkpoint still loads as a model, e.g. the tiny ones the tests write)."""
     model_dir = resolve_model_dir(path_or_id, weights=False, revision=revision)
-    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+    if not any((model_dir / f).is_file() for f in TOKENIZER_FILES):
         log.info("no tokenizer files in %s", model_dir)
         return None
     from transformers import AutoTokenizer

@@ -49,6 +49,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $args "api_key_env" "SAGUARO_API_KEY" -}}
 {{- if .Values.model.revision }}{{ $_ := set $args "revision" .Values.model.revision }}{{ end -}}
 {{- if .Values.model.draftRevision }}{{ $_ := set $args "draft_revision" .Values.model.draftRevision }}{{ end -}}
+{{- if .Values.model.tokenizer }}{{ $_ := set $args "tokenizer" .Values.model.tokenizer }}{{ end -}}
+{{- if .Values.model.tokenizerRevision }}{{ $_ := set $args "tokenizer_revision" .Values.model.tokenizerRevision }}{{ end -}}
 {{- if .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" .Values.model.servedModelName }}{{ end -}}
 {{- if .Values.model.toolCallParser }}{{ $_ := set $args "tool_call_parser" .Values.model.toolCallParser }}{{ end -}}
 {{- if .Values.model.reasoningParser }}{{ $_ := set $args "reasoning_parser" .Values.model.reasoningParser }}{{ end -}}
