@@ -112,7 +112,31 @@ def test_an_earlier_output_goes_back_in_as_is(served):
     assert follow.output[0].content[0].text == greedy_chat(llm, history, 6).text
 
 
+def test_logprobs_are_chats_on_the_output_text_whole_and_streamed(served):
+    """top_logprobs with include message.output_text.logprobs (OpenAI's pair): the entries chat returns for the
+    same turn, on the message's output_text; streamed, each delta carries its tokens' and done all of them."""
+    _, client, _, url = served
+    ask = {"model": "demo", "input": "import os", "max_output_tokens": 8, "temperature": 0, "top_logprobs": 2,
+           "include": ["message.output_text.logprobs", "reasoning.encrypted_content"]}
+    chat = httpx.post(f"{url}/chat/completions", json={"model": "demo", "messages": [{"role": "user", "content": "import os"}],
+                                                      "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+                      timeout=60).json()["choices"][0]["logprobs"]["content"]
+    resp = client.responses.create(**ask)
+    logprobs = resp.output[0].content[0].logprobs
+    assert [lp.model_dump() for lp in logprobs] == chat and len(chat) == resp.usage.output_tokens
+    assert all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    events = list(client.responses.create(**ask, stream=True))
+    streamed = [lp.model_dump() for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert streamed == chat and [lp.model_dump() for lp in done.logprobs] == chat
+    assert [lp.model_dump() for lp in events[-1].response.output[0].content[0].logprobs] == chat
+    plain = client.responses.create(**{**ask, "include": None})  # top_logprobs alone asks for nothing (OpenAI's)
+    assert plain.output[0].content[0].logprobs == []
+
+
 @pytest.mark.parametrize("extra, param", [
+    ({"include": ["message.output_text.logprobs", "file_search_call.result"]}, "include"),
+    ({"top_logprobs": 21}, "top_logprobs"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"tools": [{"type": "web_search"}]}, None),  # built-in tools: only functions run here
     ({"tools": [{"type": "function", "name": "f"}]}, "tool_choice"),  # auto without a tool-call parser

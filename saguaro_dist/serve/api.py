@@ -166,13 +166,23 @@ async def _responses(body: ResponsesRequest, request: Request):
     if body.stream:
         batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
         first = await anext(batches, None)  # before answering: a request the engine rejects still gets a 400
-        events = _response_events(state, job, ResponseEvents(response_id, model, body), batches, first)
+        events = ResponseEvents(response_id, model, body, _logprob_items(state, job))
+        events = _response_events(state, job, events, batches, first)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await state.collect(job)
     reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
     content, calls = state.tool_plan_for(body).parse(text)
-    return response_body(response_id, model, body, output_items(reasoning, content, calls), "completed",
+    items = output_items(reasoning, content, calls, _logprob_items(state, job)(result.logprobs or []))
+    return response_body(response_id, model, body, items, "completed",
                          result.finish_reason, **_response_extra(state, job, result.num_tokens, result.metrics))
+
+
+def _logprob_items(state: ServingState, job: Job):
+    """Engine logprob entries -> Responses' logprobs items, which are chat's `logprobs.content` entries."""
+    def items(entries: list) -> list:
+        logprobs = _logprobs(state, responses.CHAT, job, entries)
+        return logprobs["content"] if logprobs else []
+    return items
 
 
 def _response_extra(state: ServingState, job: Job, tokens: int, metrics) -> dict:
@@ -189,11 +199,12 @@ async def _response_events(state: ServingState, job: Job, events: ResponseEvents
         async with aclosing(batches):
             batch = first
             while batch is not None:
-                for _, text, count, last, _ in _per_choice(batch):
+                for _, text, count, last, logprobs in _per_choice(batch):
                     tokens += count
                     thought, text = reasoning.feed(text, last.finished)
                     delta = tools.step(text, last.finished)
-                    pending += events.text(thought, delta.get("content", "")) + events.calls(delta.get("tool_calls", []))
+                    pending += (events.text(thought, delta.get("content", ""), logprobs)
+                                + events.calls(delta.get("tool_calls", [])))
                     if last.finished:
                         pending += events.closing(last.finish_reason, **_response_extra(state, job, tokens, last.metrics))
                 yield pending

@@ -1,7 +1,8 @@
 """OpenAI's Responses API (`POST /v1/responses`), the subset vLLM serves: `input` (a string, or message,
 function_call and function_call_output items) after `instructions`, sampling fields, `max_output_tokens`,
-`text.format` (structured outputs), function `tools` / `tool_choice`, `stream`; the reply as a `reasoning`
-item (with a reasoning parser), a `message` item and `function_call` items.
+`text.format` (structured outputs), function `tools` / `tool_choice`, `stream`, `top_logprobs` with
+`include: ["message.output_text.logprobs"]`; the reply as a `reasoning` item (with a reasoning parser), a
+`message` item and `function_call` items.
 
 The request becomes a chat conversation and runs exactly as chat does (the same tool plans and
 parsers). Nothing is stored: `previous_response_id`, `background`, `conversation` and stored prompts are
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Callable, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from saguaro_dist.sampling_params import StructuredOutputsParams
+from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.protocol import (MAX_TOOLS, ChatMessage, FunctionCall, FunctionDefinition, SamplingRequest,
@@ -28,6 +29,12 @@ _REFUSED = {"previous_response_id": ((None,), "this server stores no responses")
             "background": ((None, False), "this server runs no background responses"),
             "conversation": ((None,), "this server stores no conversations"),
             "prompt": ((None,), "this server stores no prompt templates")}
+LOGPROBS_INCLUDE = "message.output_text.logprobs"  # log-probabilities on the message's output_text
+# OpenAI's other `include` values name outputs this server never makes (built-in tools, images, encrypted
+# reasoning): accepted and empty, since clients send them by default (agents ask for encrypted reasoning).
+_INCLUDE_EMPTY = {"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+                  "web_search_call.action.sources", "message.input_image.image_url",
+                  "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
 
 
 class InputPart(BaseModel):
@@ -115,9 +122,14 @@ class ResponsesRequest(SamplingRequest):
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives a token, with LOGPROBS_INCLUDE
+    include: list[str] | None = None
 
     @model_validator(mode="after")
     def _check_fields(self):
+        unknown = sorted(set(self.include or ()) - _INCLUDE_EMPTY - {LOGPROBS_INCLUDE})
+        if unknown:
+            raise ValueError(f"include {unknown} is not supported (this server includes {LOGPROBS_INCLUDE!r})")
         if self.n != 1:
             raise ValueError("n is not a Responses API field (one output a response)")
         if self.max_tokens is not None:
@@ -171,6 +183,10 @@ class ResponsesRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """As OpenAI's: top_logprobs alone asks for nothing; the include entry asks for the chosen tokens'."""
+        return (self.top_logprobs or 0) if LOGPROBS_INCLUDE in (self.include or ()) else None
+
     def requested_structure(self) -> StructuredOutputsParams | None:
         """text.format (or chat's spellings), or the constraint a named / required tool choice writes under."""
         asked, forced = self._asked_structure(), self.tool_plan().structure()
@@ -198,12 +214,13 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
             "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list | None = None) -> dict:
+    """logprobs: chat's `logprobs.content` entries ({token, logprob, bytes, top_logprobs}), Responses' shape."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
-def message_item(item_id: str, text: str | None, status: str = "completed") -> dict:
-    content = [] if text is None else [text_part(text)]
+def message_item(item_id: str, text: str | None, status: str = "completed", logprobs: list | None = None) -> dict:
+    content = [] if text is None else [text_part(text, logprobs)]
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
@@ -242,11 +259,13 @@ def _tool_choice(body: ResponsesRequest):
     return choice if isinstance(choice, str) else choice.model_dump()
 
 
-def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall]) -> list[dict]:
-    """reasoning (if any), the message (unless calls came without content), then the calls."""
+def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall],
+                 logprobs: list | None = None) -> list[dict]:
+    """reasoning (if any), the message (unless calls came without content), then the calls. logprobs, of
+    every generated token as chat's are, ride on the message."""
     items = [] if reasoning is None else [reasoning_item(new_item_id("rs"), reasoning)]
     if content or not calls:
-        items.append(message_item(new_item_id("msg"), content or ""))
+        items.append(message_item(new_item_id("msg"), content or "", logprobs=logprobs))
     return items + [function_call_item(call) for call in calls]
 
 
@@ -254,8 +273,11 @@ class ResponseEvents:
     """The SSE events of one streamed response, in OpenAI's order: created, in_progress, then per output
     item added / its text deltas / done (a reasoning item first when the model reasons), completed."""
 
-    def __init__(self, response_id: str, model: str, body: ResponsesRequest):
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest,
+                 logprob_items: Callable[[list], list] = lambda entries: []):
         self.response_id, self.model, self.body = response_id, model, body
+        self.logprob_items = logprob_items  # the engine's logprob entries as Responses' logprobs items
+        self.pending_logprobs: list = []  # entries of tokens whose text has not gone out in a message delta
         self.sequence = 0
         self.items: list[dict] = []  # finished items, for the completed response
         self.open: dict | None = None  # the item being streamed: {"kind", "id", "text"}
@@ -274,8 +296,10 @@ class ResponseEvents:
         body = response_body(self.response_id, self.model, self.body, [], "in_progress")
         return self.event("response.created", response=body) + self.event("response.in_progress", response=body)
 
-    def text(self, reasoning: str, content: str) -> str:
-        """Events for one batch: reasoning text, then content (which closes the reasoning item)."""
+    def text(self, reasoning: str, content: str, logprob_entries: list = ()) -> str:
+        """Events for one batch: reasoning text, then content (which closes the reasoning item); the
+        batch's log-probabilities go out with the next content delta."""
+        self.pending_logprobs += logprob_entries
         out = self._delta("reasoning", reasoning) if reasoning else ""
         return out + (self._delta("message", content) if content else "")
 
@@ -305,10 +329,12 @@ class ResponseEvents:
         index, ids = len(self.items), {"item_id": self.open["id"], "content_index": 0}
         if kind == "reasoning":
             return out + self.event("response.reasoning_text.delta", output_index=index, delta=text, **ids)
-        return out + self.event("response.output_text.delta", output_index=index, delta=text, logprobs=[], **ids)
+        logprobs, self.pending_logprobs = self.logprob_items(self.pending_logprobs), []
+        self.open["logprobs"] += logprobs
+        return out + self.event("response.output_text.delta", output_index=index, delta=text, logprobs=logprobs, **ids)
 
     def _open(self, kind: str) -> str:
-        self.open = {"kind": kind, "id": new_item_id("rs" if kind == "reasoning" else "msg"), "text": ""}
+        self.open = {"kind": kind, "id": new_item_id("rs" if kind == "reasoning" else "msg"), "text": "", "logprobs": []}
         index, item_key = len(self.items), {"item_id": self.open["id"], "content_index": 0}
         if kind == "reasoning":
             return self.event("response.output_item.added", output_index=index,
@@ -329,9 +355,10 @@ class ResponseEvents:
             item = function_call_item(ToolCall(self.open["call"].id, self.open["call"].name, text))
             out = self.event("response.function_call_arguments.done", output_index=index, item_id=ident, arguments=text)
         else:
-            item = message_item(ident, text)
-            out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=[], **ids)
-                   + self.event("response.content_part.done", output_index=index, part=text_part(text), **ids))
+            logprobs = self.open["logprobs"]
+            item = message_item(ident, text, logprobs=logprobs)
+            out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=logprobs, **ids)
+                   + self.event("response.content_part.done", output_index=index, part=text_part(text, logprobs), **ids))
         self.items.append(item)
         self.open = None
         return out + self.event("response.output_item.done", output_index=index, item=item)
