@@ -186,6 +186,9 @@ def test_required_calls_come_as_items(served):
     events = list(client.responses.create(extra_body={"frequency_penalty": 1.0}, stream=True, **body))
     assert [(i.name, i.arguments) for i in events[-1].response.output] == [(i.name, i.arguments) for i in both.output]
     assert [e.item.name for e in events if e.type == "response.output_item.added"] == [i.name for i in both.output]
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    streamed = events[-1].response.output
+    assert ["".join(e.delta for e in deltas if e.item_id == i.id) for i in streamed] == [i.arguments for i in both.output]
 
 
 def test_calls_and_their_outputs_go_back_as_chat_turns(served):

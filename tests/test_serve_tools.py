@@ -67,6 +67,23 @@ def test_required_reply_becomes_calls_and_a_cut_reply_stays_text():
     assert _plan(tool_choice=NAMED).finish_reason("stop", calls) == "stop"  # a forced call ends as OpenAI's: stop
 
 
+def test_a_required_call_opens_when_its_name_is_written_and_its_arguments_stream():
+    plan = _plan(tool_choice="required")
+    reply = '[{"name": "get_time", "parameters": {"zone": "a \\"}\\" b"}}, {"name": "get_weather", "parameters": {}}]'
+    stream, deltas, opened_at = ToolStream(plan), [], {}
+    for end in range(0, len(reply), 4):
+        for d in stream.step(reply[end:end + 4], end + 4 >= len(reply)).get("tool_calls", []):
+            deltas.append(d)
+            opened_at.setdefault(d["index"], end + 4)
+    assert opened_at[0] < reply.index(' b"}}')  # opened while its arguments were still being written
+    args = ["".join(d["function"]["arguments"] for d in deltas if d["index"] == i) for i in (0, 1)]
+    _, whole = plan.parse(reply)
+    assert args == [c.arguments for c in whole] == ['{"zone": "a \\"}\\" b"}', "{}"]
+    assert [c.name for c in stream.calls] == ["get_time", "get_weather"] and len(deltas) > 4
+    cut = ToolStream(plan)  # max_tokens before any call opened: the text, as the unstreamed reply gives it
+    assert cut.step('[{"name": "get_ti', True) == {"content": '[{"name": "get_ti'} and not cut.calls
+
+
 H, L, M = parse_hermes, parse_llama3_json, parse_mistral
 
 
@@ -240,9 +257,12 @@ def test_required_tool_choice_calls_given_functions(served):
             jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     streamed = list(client.chat.completions.create(model="demo", messages=MESSAGES, tools=TOOLS, tool_choice="required",
                                                    frequency_penalty=1.0, max_tokens=96, temperature=0, stream=True))
-    calls = [d for chunk in streamed for c in chunk.choices for d in (c.delta.tool_calls or [])]
-    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == \
-        [(i, c.function.name, c.function.arguments) for i, c in enumerate(choice.message.tool_calls)]
+    deltas = [d for chunk in streamed for c in chunk.choices for d in (c.delta.tool_calls or [])]
+    opened = [(d.index, d.function.name) for d in deltas if d.id]  # a call opens with its id and name ...
+    arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i, _ in enumerate(opened)]
+    assert opened == [(i, c.function.name) for i, c in enumerate(choice.message.tool_calls)]
+    assert arguments == [c.function.arguments for c in choice.message.tool_calls]  # ... its arguments follow
+    assert len(deltas) > len(opened)  # as they are generated, not whole at the end (pieces are batched)
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
 

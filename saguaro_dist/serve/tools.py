@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
+from saguaro_dist.serve.required_calls import RequiredCalls
 from saguaro_dist.serve.tool_parsers import ToolCall, ToolCallParser
 
 ANY_OBJECT = {"type": "object"}  # a function declared without parameters
@@ -79,26 +80,29 @@ class ToolPlan:
 
 
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
-    try:
-        calls = json.loads(text)
-        return None, [ToolCall.new(c["name"], c["parameters"]) for c in calls]
-    except (ValueError, TypeError, KeyError):  # cut short by max_tokens: the text is all there is
-        return text, []
+    """The calls with their arguments as the model wrote them (what a stream of the same reply sends)."""
+    reader = RequiredCalls()
+    reader.feed(text)
+    if not reader.complete() or len(reader.calls) != len(json.loads(text)):
+        return text, []  # cut short by max_tokens: the text is all there is
+    return None, reader.calls
 
 
 class ToolStream:
     """One streamed choice's deltas under a ToolPlan: `feed` each text piece, `finish` at the end; each
     returns the chat delta to send ({} for nothing yet).
 
-    named: the text is the arguments, streamed as they come (the first delta names the call). required
-    and auto's calls are sent whole when the reply ends (a half-written call has no name to send);
-    auto's content streams until the parser's calls start, holding back text that could begin them."""
+    named: the text is the arguments, streamed as they come (the first delta names the call). required:
+    each call opens once its name is written and its arguments stream as they grow (required_calls.py).
+    auto's calls are sent whole when the reply ends (a half-written call has no name to send); its
+    content streams until the parser's calls start, holding back text that could begin them."""
 
     def __init__(self, plan: ToolPlan):
         self.plan = plan
         self.held = ""   # text not sent yet
         self.sent = 0    # characters of content sent (auto)
         self.named_call: ToolCall | None = None
+        self.required = RequiredCalls() if plan.kind is ToolChoiceKind.REQUIRED else None
         self.calls: list[ToolCall] = []
 
     def step(self, text: str, final: bool) -> dict:
@@ -116,12 +120,19 @@ class ToolStream:
             return {"content": text} if text else {}
         if kind is ToolChoiceKind.NAMED:
             return self._named(text)
+        if kind is ToolChoiceKind.REQUIRED:
+            deltas = self.required.feed(text)
+            self.calls = self.required.calls
+            return {"tool_calls": deltas} if deltas else {}
         self.held += text
         return self._auto_content() if kind is ToolChoiceKind.AUTO else {}
 
     def finish(self) -> dict:
         if self.plan.kind in (ToolChoiceKind.NONE, ToolChoiceKind.NAMED):
             return {}
+        if self.plan.kind is ToolChoiceKind.REQUIRED:  # cut before any call opened: the text, as unstreamed
+            text = self.required.text
+            return {"content": text} if text and not self.calls and not self.required.complete() else {}
         content, self.calls = self.plan.parse(self.held)
         delta = {"content": content} if content and not self.calls else {}
         if self.calls:
