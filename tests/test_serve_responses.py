@@ -134,6 +134,16 @@ def test_logprobs_are_chats_on_the_output_text_whole_and_streamed(served):
     assert plain.output[0].content[0].logprobs == []
 
 
+def test_a_reply_that_is_all_reasoning_keeps_its_logprobs_streamed_too(served):
+    _, _, r1, _ = served
+    ask = {"model": "demo", "input": "def f(x):", "max_output_tokens": 6, "temperature": 0,
+           "include": ["message.output_text.logprobs"]}
+    whole = r1.responses.create(**ask)
+    assert [i.type for i in whole.output] == ["reasoning", "message"] and len(whole.output[1].content[0].logprobs) == 6
+    streamed = list(r1.responses.create(**ask, stream=True))[-1].response.output[1].content[0].logprobs
+    assert [lp.model_dump() for lp in streamed] == [lp.model_dump() for lp in whole.output[1].content[0].logprobs]
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"include": ["message.output_text.logprobs", "file_search_call.result"]}, "include"),
     ({"top_logprobs": 21}, "top_logprobs"),
