@@ -120,12 +120,18 @@ def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, 
     return {n: Repeats.of(runs[n]) for n in names}
 
 
+GPU_WARM_UP_PASSES = 2
+
+
 def warm_up(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> None:
-    """Untimed. On a GPU one whole pass: CUDA graphs are captured per shape as the rounds first meet them,
-    and a short call leaves most shapes to the first timed pass (session 28, an H200: ssd-thread b = 8 ran
-    765 tok/s in it, then 2973). Elsewhere one short call (loads, allocator, first kernels)."""
+    """Untimed. On a GPU two whole passes: CUDA graphs are captured per shape as the rounds first meet them
+    (a short call left most shapes to the first timed pass: session 28, an H200, ssd-thread b = 8 ran 765
+    tok/s in it, then 2973), and the pass after the captures is still slow without any (session 30, an
+    H200: sd b = 8 126, 585, 2731 tok/s in passes 0-2, graphs captured in pass 0 only; ssd 236, 1671,
+    2827). Elsewhere one short call (loads, allocator, first kernels)."""
     if cfg.device.startswith("cuda"):
-        run_batches(runner, prompts, batch, temperature, cfg)
+        for _ in range(GPU_WARM_UP_PASSES):
+            run_batches(runner, prompts, batch, temperature, cfg)
     else:
         runner.run(prompts[:batch], temperature, min(8, cfg.max_new_tokens), cfg.seed)
 
