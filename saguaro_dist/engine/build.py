@@ -78,13 +78,13 @@ def draft_tokenizer(config: Config, target_tok):
     return target_tok if own is None and config.tokenizer is not None else own
 
 
-def fit_draft(config: Config, target_tokenizer) -> DraftFit:
+def fit_draft(config: Config, target_tok) -> DraftFit:
     """Check that the pair shares one vocabulary (the same tokenizer; embedding sizes that differ only by
     padding are matched) and size the draft, from config.json and the tokenizers only: a bad pair fails
     before any weights load, and on Ray before any actor starts."""
     target, draft = (load_config(resolve_model_dir(p, weights=False, revision=r))
                      for p, r in ((config.model, config.revision), (config.draft, config.draft_revision)))
-    check_pair_vocab(target.vocab_size, draft.vocab_size, target_tokenizer, draft_tokenizer(config, target_tokenizer))
+    check_pair_vocab(target.vocab_size, draft.vocab_size, target_tok, draft_tokenizer(config, target_tok))
     wanted = config.max_model_len or target.max_position_embeddings
     if draft.max_position_embeddings < wanted:
         log.info("the draft's context is %d tokens, the engine's %d: longer sequences go on with the fast "

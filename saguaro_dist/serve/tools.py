@@ -83,9 +83,11 @@ def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
     """The calls with their arguments as the model wrote them (what a stream of the same reply sends)."""
     reader = RequiredCalls()
     reader.feed(text)
-    if not reader.complete() or len(reader.calls) != len(json.loads(text)):
-        return text, []  # cut short by max_tokens: the text is all there is
-    return None, reader.calls
+    try:
+        whole = json.loads(text)
+    except ValueError:  # cut short by max_tokens: the text is all there is
+        return text, []
+    return (None, reader.calls) if isinstance(whole, list) and len(reader.calls) == len(whole) else (text, [])
 
 
 class ToolStream:
