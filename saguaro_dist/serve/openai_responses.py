@@ -343,13 +343,12 @@ class ResponseEvents:
                            item=message_item(self.open["id"], None, "in_progress"))
                 + self.event("response.content_part.added", output_index=index, part=text_part(""), **item_key))
 
-    def _flush_logprobs(self) -> str:
-        """The open message takes the log-probabilities no content delta took (a reply that is all
-        reasoning, text held back to the end), as the unstreamed message has every token's; then closes."""
-        if self.open is None or self.open["kind"] != "message":
-            return ""
-        self.open["logprobs"] += self.logprob_items(self.pending_logprobs)
-        self.pending_logprobs = []
+    def _close_taking_logprobs(self) -> str:
+        """_close, a message first taking the log-probabilities no content delta took (a reply that is all
+        reasoning, text held back to the end), as the unstreamed message has every token's."""
+        if self.open is not None and self.open["kind"] == "message":
+            self.open["logprobs"] += self.logprob_items(self.pending_logprobs)
+            self.pending_logprobs = []
         return self._close()
 
     def _close(self) -> str:
@@ -376,10 +375,9 @@ class ResponseEvents:
         """The last events: the open item closed (an empty message if no text came), then completed
         (incomplete when max_output_tokens ended it)."""
         kinds = {i["type"] for i in self.items} | {(self.open or {}).get("kind")}
-        out = self._flush_logprobs() or self._close()
+        out = self._close_taking_logprobs()
         if not kinds & {"message", "function_call"}:
-            out += self._open("message")
-            out += self._flush_logprobs() or self._close()
+            out += self._open("message") + self._close_taking_logprobs()
         body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason, **extra)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return out + self.event(kind, response=body)
