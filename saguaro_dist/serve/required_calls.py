@@ -6,10 +6,9 @@ Arguments are the model's own text, streamed or not, so the two agree character 
 from __future__ import annotations
 
 import json
-import uuid
 from dataclasses import dataclass, field
 
-from saguaro_dist.serve.tool_parsers import ToolCall
+from saguaro_dist.serve.tool_parsers import ToolCall, new_call_id
 
 _IN_CALL = 2  # depth inside one call object: [ is depth 1, its {"name": ..., "parameters": ...} depth 2
 
@@ -23,7 +22,7 @@ class _Call:
     name: str | None = None
     args_start: int | None = None    # where the parameters' text starts in the reply
     args_end: int | None = None      # where it ends (None: still being written)
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    id: str = field(default_factory=new_call_id)
     sent: int = -1                   # characters of arguments sent (-1: the call is not opened yet)
 
 

@@ -27,6 +27,11 @@ MISTRAL_CALLS = "[TOOL_CALLS]"
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
 
 
+def new_call_id() -> str:
+    """A tool call's id, as vLLM writes them (mistral's parser makes its own 9-character ids)."""
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     id: str
@@ -37,7 +42,7 @@ class ToolCall:
     def new(cls, name: str, arguments, id: str | None = None) -> "ToolCall":
         """arguments: JSON text, or a mapping to write as JSON."""
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-        return cls(id or f"chatcmpl-tool-{uuid.uuid4().hex}", name, text)
+        return cls(id or new_call_id(), name, text)
 
     def message(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
