@@ -70,6 +70,11 @@ def parse_enum(enum_type: type[enum.Enum], value, field_name: str):
         raise ValueError(f"{field_name} must be one of {choices}, got {value!r}") from None
 
 
+def check_memory_utilization(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {value!r}")
+
+
 def check_seconds(name: str, value, zero_ok: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or (value == 0 and not zero_ok):
         raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {value!r}")
@@ -100,6 +105,7 @@ class Config:
     draft_device: str | None = None        # the draft's own device (None: `device`), e.g. cuda:1 beside a target on cuda:0
     dtype: str = "float32"
     enforce_eager: bool = False            # on CUDA: every forward eager (default: short ones replay CUDA graphs; model/cuda_graphs.py)
+    gpu_memory_utilization: float = 0.9    # share of the device's memory the engine may use; its KV cache must fit (model/memory.py)
     enable_prefix_caching: bool = True     # finished sequences' KV rows are reused by prompts that start alike (model/prefix_cache.py)
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     log_stats_interval_s: float = 10.0     # an INFO line of throughput, queue and speculation figures this often (0: off)
@@ -168,6 +174,7 @@ class Config:
             raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        check_memory_utilization(self.gpu_memory_utilization)
         check_dtype(self.dtype)
         check_device(self.device)
         if self.draft_device is not None:

@@ -141,9 +141,12 @@ def test_draft_device_chunk_budget_and_eager_flags_reach_the_config():
     from saguaro_dist.config import Config
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = engine_args(parser.parse_args(["--draft-device", "cpu", "--max-num-batched-tokens", "512", "--enforce-eager"]))
+    args = engine_args(parser.parse_args(["--draft-device", "cpu", "--max-num-batched-tokens", "512", "--enforce-eager",
+                                          "--gpu-memory-utilization", "0.5"]))
     config = Config(**args)
     assert (config.draft_device, config.max_num_batched_tokens, config.enforce_eager) == ("cpu", 512, True)
-    assert Config(**engine_args(parser.parse_args([]))).enforce_eager is False  # flags left out keep the defaults
+    assert config.gpu_memory_utilization == 0.5
+    defaults = Config(**engine_args(parser.parse_args([])))  # flags left out keep the defaults
+    assert (defaults.enforce_eager, defaults.gpu_memory_utilization) == (False, 0.9)
     pinned = Config(**engine_args(parser.parse_args(["--revision", "v1.0", "--draft-revision", "abc123"])))
     assert (pinned.revision, pinned.draft_revision) == ("v1.0", "abc123")

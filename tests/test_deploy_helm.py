@@ -30,6 +30,7 @@ SETTINGS = {
     "autoscaling-fanout-list": k8s.K8sSettings(gpu=True, k=3, fan_out=(4, 3, 2, 1), draft_max_workers=5,
                                                autoscaling=True, mode="sd", fallback="fast", dtype="float16",
                                                saguaro_c=0.5, max_batch_size=16, idle_timeout_s=120,
+                                               max_model_len=8192, gpu_memory_utilization=0.8,
                                                scheduling_policy="priority"),
     "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain", head_cpu="1", head_memory="2Gi",
                                    generation_config="vllm", chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}"),

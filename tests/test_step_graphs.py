@@ -62,11 +62,12 @@ def test_buckets_cover_every_size_up_to_the_largest():
     assert buckets(12) == [1, 2, 4, 8, 12]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_static_steps_give_the_eager_logits(tiny_checkpoint, kind):
+@pytest.mark.parametrize("kind, preallocate", [("llama", False), ("qwen3", False), ("llama", True)])
+def test_static_steps_give_the_eager_logits(tiny_checkpoint, kind, preallocate):
+    """preallocate: the pool as CUDA has it, its views of a store held whole from the start (model/memory.py)."""
     path = tiny_checkpoint(kind)
     eager = ModelRunner(path)
-    static = static_runner(path)
+    static = static_runner(path, preallocate_kv=preallocate)
     first_capacity = static.pool.capacity
     got, want = steps(static), steps(eager)
     assert static.pool.capacity > first_capacity

@@ -39,6 +39,10 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--saguaro-c", type=float, default=DEFAULTS.saguaro_c)
     parser.add_argument("--fallback", default=DEFAULTS.fallback, choices=["auto", "neural", "fast", "random"])
     parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
+    parser.add_argument("--max-model-len", type=int, help="default: the model's own context")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization,
+                        help="share of the GPU's memory (of the pod's on CPU) the engine may use; the KV cache's "
+                             "worst case, max-batch-size x max-model-len, must fit what the weights leave of it")
     parser.add_argument("--scheduling-policy", default=DEFAULTS.scheduling_policy, choices=["fcfs", "priority"],
                         help="priority: requests' `priority` field orders the waiting queue (lower first)")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")

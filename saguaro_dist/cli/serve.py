@@ -24,7 +24,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
                 "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "draft_device": "draft_device",
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
-                "dtype": "dtype", "enforce_eager": "enforce_eager", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
+                "dtype": "dtype", "enforce_eager": "enforce_eager", "gpu_memory_utilization": "gpu_memory_utilization", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
                 "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config"}
@@ -73,6 +73,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", choices=DTYPES)
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   help="share of the device's memory the engine may use (vLLM's; default 0.9). The KV cache's worst "
+                        "case (max-num-seqs x max-model-len) must fit what the weights leave of it: on CUDA it is "
+                        "allocated at start-up and a shortfall is an error naming what fits; on the CPU a warning")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse finished sequences' KV for prompts that start with their tokens (default on)")
     g.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],

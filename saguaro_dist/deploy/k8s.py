@@ -43,6 +43,8 @@ class K8sSettings:
     saguaro_c: float = 1.0
     fallback: str = "auto"
     max_batch_size: int = 8
+    max_model_len: int | None = None  # None: the model's own context; the KV cache's worst case must fit (model/memory.py)
+    gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"   # or "priority": requests' `priority` orders the waiting queue
     dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU
     served_model_name: str | None = None
@@ -119,7 +121,8 @@ def serve_args(s: K8sSettings) -> dict:
             "fan_out": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
             "saguaro_c": s.saguaro_c, "fallback": s.fallback,
             "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,
-            "max_batch_size": s.max_batch_size, "device": s.device, "dtype": s.engine_dtype,
+            "max_batch_size": s.max_batch_size, "max_model_len": s.max_model_len,
+            "gpu_memory_utilization": s.gpu_memory_utilization, "device": s.device, "dtype": s.engine_dtype,
             "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name,
             "tool_call_parser": s.tool_call_parser, "reasoning_parser": s.reasoning_parser,
             "scheduling_policy": None if s.scheduling_policy == "fcfs" else s.scheduling_policy,
@@ -358,7 +361,9 @@ def helm_values(s: K8sSettings) -> dict:
                   "tokenizer": s.tokenizer or "", "tokenizerRevision": s.tokenizer_revision or ""},
         "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
                         "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
-        "engine": {"maxBatchSize": s.max_batch_size, "dtype": s.dtype or "", "schedulingPolicy": s.scheduling_policy},
+        "engine": {"maxBatchSize": s.max_batch_size, "maxModelLen": s.max_model_len or 0,
+                   "gpuMemoryUtilization": s.gpu_memory_utilization, "dtype": s.dtype or "",
+                   "schedulingPolicy": s.scheduling_policy},
         "gpu": {"enabled": s.gpu, "type": s.gpu_type or ""},
         "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
         "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},

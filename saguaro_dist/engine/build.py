@@ -36,7 +36,7 @@ def make_runner(path: str, config: Config, tp_group=None, device: str | None = N
                        max_model_len=fit.max_model_len if fit else config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
                        max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None,
-                       revision=revision)
+                       revision=revision, gpu_memory_utilization=config.gpu_memory_utilization)
 
 
 def eos_ids(runner, tokenizer) -> set[int]:

@@ -7,20 +7,31 @@ import torch
 
 
 class KVPool:
-    """k, v: [layers, rows, kv_heads, capacity, head_dim]; row r holds one sequence's positions 0..capacity-1."""
+    """k, v: [layers, rows, kv_heads, capacity, head_dim]; row r holds one sequence's positions 0..capacity-1.
+
+    They are views of a store. A growing pool's store is exactly k and v, replaced by a larger copy when
+    they grow. A preallocated one (reserve=True; CUDA's, model/memory.py) holds `rows` rows of max_len
+    positions from the start, and growing to a capacity within it only widens the views: no copy and no
+    new memory. Capacity still grows as the longest sequence does, not at once: the CUDA graphs attend
+    over the whole capacity (model/cuda_graphs.py)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, device, dtype,
-                 rows: int = 4, capacity: int = 128):
+                 rows: int = 4, capacity: int = 128, reserve: bool = False):
         self.max_len = max_len
-        self.capacity = min(capacity, max_len)
-        shape = (layers, rows, kv_heads, self.capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        store = (layers, rows, kv_heads, max_len if reserve else min(capacity, max_len), head_dim)
+        self._k_store = torch.zeros(store, device=device, dtype=dtype)
+        self._v_store = torch.zeros(store, device=device, dtype=dtype)
+        self._view(rows, min(capacity, max_len))
         self.free_rows = list(range(rows))  # a heap: lowest rows first keeps a batch's rows contiguous
 
     @property
     def rows(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Memory the pool holds (its store, not just the views)."""
+        return self._k_store.nbytes + self._v_store.nbytes
 
     def take_row(self) -> int:
         if not self.free_rows:
@@ -37,13 +48,21 @@ class KVPool:
         if length > self.capacity:
             self._resize(self.rows, min(max(length, 2 * self.capacity), self.max_len))
 
+    def _view(self, rows: int, capacity: int) -> None:
+        self.k = self._k_store[:, :rows, :, :capacity]
+        self.v = self._v_store[:, :rows, :, :capacity]
+        self.capacity = capacity
+
     def _resize(self, rows: int, capacity: int):
-        shape = list(self.k.shape)
-        shape[1], shape[3] = rows, capacity
-        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
-        k[:, :self.rows, :, :self.capacity] = self.k
-        v[:, :self.rows, :, :self.capacity] = self.v
-        self.k, self.v, self.capacity = k, v, capacity
+        """Widen the views within the store, or copy into a larger store."""
+        if rows > self._k_store.shape[1] or capacity > self._k_store.shape[3]:
+            shape = list(self._k_store.shape)
+            shape[1], shape[3] = max(rows, shape[1]), max(capacity, shape[3])
+            k, v = self._k_store.new_zeros(shape), self._v_store.new_zeros(shape)
+            k[:, :self.rows, :, :self.capacity] = self.k
+            v[:, :self.rows, :, :self.capacity] = self.v
+            self._k_store, self._v_store = k, v
+        self._view(rows, capacity)
 
     def span(self, rows: slice, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v of consecutive rows up to `length` in every layer: [layers, B, kv_heads, length, head_dim]

@@ -5,6 +5,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
+from saguaro_dist.config import check_memory_utilization
 from saguaro_dist.model.branch import BranchBatch, BranchState, new_branch_state
 from saguaro_dist.model.build import build_model
 from saguaro_dist.model.cuda_graphs import StepGraphs
@@ -13,6 +14,7 @@ from saguaro_dist.model.extend_batch import ExtendBatch
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.kv_cache import KVPool
 from saguaro_dist.model.loader import resolve_model_dir
+from saguaro_dist.model.memory import KVNeed, check_kv_fits, kv_bytes_per_token
 from saguaro_dist.model.rope import rope_tables
 from saguaro_dist.model.vocab import match_vocab
 
@@ -20,9 +22,11 @@ from saguaro_dist.model.vocab import match_vocab
 class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
                  cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None,
-                 revision=None):
+                 revision=None, gpu_memory_utilization=0.9, preallocate_kv=None):
         """vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
-        matched to its target's padded vocabulary, model/vocab.py). revision: a Hub id's branch, tag or commit."""
+        matched to its target's padded vocabulary, model/vocab.py). revision: a Hub id's branch, tag or commit.
+        preallocate_kv: allocate the KV pool's worst case now, failing if it does not fit the memory
+        gpu_memory_utilization allows (None: on CUDA; else it grows on demand); model/memory.py."""
         model_dir = resolve_model_dir(path_or_hf_id, revision=revision)
         self.config = cfg = load_config(model_dir)
         self.vocab_size = vocab_size or cfg.vocab_size
@@ -34,19 +38,31 @@ class ModelRunner:
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
         self.max_num_batched_tokens = max_num_batched_tokens
+        check_memory_utilization(gpu_memory_utilization)
         with torch.inference_mode():
             self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
             match_vocab(self.model, cfg.vocab_size, self.vocab_size)
-            self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
             self.group = attn.num_heads // attn.num_kv_heads
-            # With graphs, rows for a full batch and the scratch row from the start: a pool that grows
-            # drops every captured graph.
-            rows = max(4, max_batch_size + 1) if cuda_graphs else 4
-            self.pool = KVPool(cfg.num_layers, attn.num_kv_heads, cfg.head_dim, self.max_model_len,
-                               self.device, self.dtype, rows=rows)
+            preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
+            self.pool = self._kv_pool(attn.num_kv_heads, max_batch_size, cuda_graphs, preallocate, gpu_memory_utilization)
+            self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
+
+    def _kv_pool(self, kv_heads: int, max_batch_size: int, cuda_graphs: bool, preallocate: bool,
+                 utilization: float) -> KVPool:
+        """Checked against the memory left after the weights (model/memory.py). Preallocated: memory for
+        every row at max_model_len now (the pool's capacity still grows within it); else 4 rows of 128
+        positions, grown on demand. With graphs, rows for a full batch and the scratch row from the start
+        either way: a pool that grows drops every captured graph."""
+        cfg = self.config
+        need = KVNeed(max_batch_size, int(cuda_graphs), self.max_model_len,
+                      kv_bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype))
+        check_kv_fits(need, self.device, utilization, strict=preallocate)
+        rows = need.rows if preallocate or cuda_graphs else 4
+        return KVPool(cfg.num_layers, kv_heads, cfg.head_dim, self.max_model_len, self.device, self.dtype,
+                      rows=rows, reserve=preallocate)
 
     def _step_graphs(self, cuda_graphs: bool, tp_group, max_batch_size: int, branch_depth: int) -> StepGraphs | None:
         """Short forwards replayed as CUDA graphs (model/cuda_graphs.py); None: every forward eager.

@@ -44,6 +44,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $args "tensor_parallel_size" (int .Values.target.tensorParallelSize) -}}
 {{- $_ := set $args "num_draft_workers" (int .Values.draft.workers) -}}
 {{- $_ := set $args "max_batch_size" (int .Values.engine.maxBatchSize) -}}
+{{- if .Values.engine.maxModelLen }}{{ $_ := set $args "max_model_len" (int .Values.engine.maxModelLen) }}{{ end -}}
+{{- $_ := set $args "gpu_memory_utilization" (float64 .Values.engine.gpuMemoryUtilization) -}}
 {{- $_ := set $args "device" (ternary "cuda" "cpu" (eq (include "saguaro.gpu" .) "true")) -}}
 {{- $_ := set $args "dtype" (include "saguaro.dtype" .) -}}
 {{- $_ := set $args "api_key_env" "SAGUARO_API_KEY" -}}
