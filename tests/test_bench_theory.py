@@ -9,18 +9,18 @@ from saguaro_dist.bench.theory import predict_from_run, predicted_tokens_per_s
 
 def test_prediction_by_hand_when_the_tree_is_hidden():
     # T_p = 5/10 < 1, T_b = 5/10: time = 0.8 * 1 + 0.2 * (1 + 0.5) = 1.1 verifies; 3 / (1.1 * 10 ms)
-    got = predicted_tokens_per_s(tokens_per_round=3.0, p_hit=0.8, verify_s=0.010, tree_s=0.005, backup_s=0.005)
+    got = predicted_tokens_per_s(tokens_hit=3.0, tokens_miss=3.0, p_hit=0.8, verify_s=0.010, tree_s=0.005, backup_s=0.005)
     assert got == pytest.approx(3.0 / (1.1 * 0.010))  # 272.73 tok/s
 
 
 def test_prediction_by_hand_when_the_tree_is_slower_than_verify():
     # T_p = 1.5: time = 0.5 * 1.5 + 0.5 * (1 + 2.0) = 2.25 verifies of 4 ms; 4 tokens per round
-    got = predicted_tokens_per_s(tokens_per_round=4.0, p_hit=0.5, verify_s=0.004, tree_s=0.006, backup_s=0.008)
+    got = predicted_tokens_per_s(tokens_hit=4.0, tokens_miss=4.0, p_hit=0.5, verify_s=0.004, tree_s=0.006, backup_s=0.008)
     assert got == pytest.approx(4.0 / (2.25 * 0.004))  # 444.4 tok/s
 
 
 def test_all_hits_hide_the_draft_entirely():
-    assert predicted_tokens_per_s(5.0, 1.0, 0.01, 0.002, 1.0) == pytest.approx(500.0)
+    assert predicted_tokens_per_s(5.0, 0.0, 1.0, 0.01, 0.002, 1.0) == pytest.approx(500.0)
 
 
 def test_predict_from_run_reads_its_inputs_from_the_measurement():
@@ -81,3 +81,31 @@ def test_the_best_case_is_every_round_of_the_cheaper_kind():
     got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
     assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / (1.5 * 0.010))
     assert got["best_case_tokens_per_s"] > got["predicted_tokens_per_s"]
+
+
+def test_each_kind_of_round_brings_its_own_tokens():
+    """10 rounds, 31 tokens after the prefill's: 4 waited for a neural draft and verified 4 tokens each, the
+    6 tree rounds (some misses on the fast backup) 2.5 each. At the run's p the mix is its mean; the best
+    case gives every round one kind with that kind's tokens, not the mean."""
+    m = Measurement(tokens=32, seconds=1.0, outputs=[], cache_hits=4, cache_misses=2, fallbacks={"fast": 2},
+                    engine={"rounds": 10, "verify_s": 0.1, "jit_rounds": 4, "jit_round_tokens": 16,
+                            "tree_build_s": 0.06, "tree_builds": 6})
+    got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.004})
+    assert (got["tokens_per_hit_round"], got["tokens_per_miss_round"]) == (2.5, 4.0)
+    assert got["tokens_per_round"] == pytest.approx(3.1)
+    time = 0.6 * 1 + 0.4 * (1 + 0.4)
+    assert got["predicted_tokens_per_s"] == pytest.approx(3.1 / (time * 0.010))  # the measured mix: the mean
+    # just-in-time every round: 4 tokens in 1.4 verifies (286/s) beats trees' 2.5 in one (250/s); with the
+    # mean for both kinds, trees would have looked best (310/s)
+    assert got["best_case_tokens_per_s"] == pytest.approx(4.0 / (1.4 * 0.010))
+
+
+def test_a_best_case_is_never_claimed_for_a_kind_the_run_did_not_run():
+    """Every round waited for a just-in-time draft (b = 8, T = 0.7 on the demo pair): how many tokens a round
+    of trees would verify is unknown, so the best case is the measured kind's."""
+    m = Measurement(tokens=248, seconds=1.0, outputs=[], cache_hits=36, cache_misses=64, fallbacks={"neural": 64},
+                    engine={"rounds": 10, "verify_s": 0.1, "jit_rounds": 10, "jit_round_tokens": 240,
+                            "tree_build_s": 0.01, "tree_builds": 10})
+    got = predict_from_run(m, 8, {"tree_s": 0.005, "jit_s": 0.005})
+    assert got["p_hit"] == 0.0 and got["tokens_per_hit_round"] is None and got["tokens_per_miss_round"] == 24.0
+    assert got["best_case_tokens_per_s"] == pytest.approx(got["predicted_tokens_per_s"])

@@ -201,6 +201,7 @@ def test_tree_policy_always_never_skips_a_tree(pair, reference):
     assert m.just_in_time_rounds == 0 and m.cache_hits + m.cache_misses == m.rounds - len(PROMPTS), m
     assert 0 < m.tree_builds <= m.cache_hits + m.cache_misses and m.tree_build_s > 0, m  # the draft's own clock
     assert len(PROMPTS) <= m.jit_rounds < m.rounds, m  # first drafts, and misses that took the neural backup
+    assert m.jit_rounds <= m.jit_round_tokens <= m.jit_rounds * (3 + 1), m  # each verified 1 to K + 1 tokens
 
 
 def test_final_only_requests_get_one_update_with_every_token(pair, reference):

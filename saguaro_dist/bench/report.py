@@ -45,12 +45,19 @@ def theorem7_lines(rows: list[dict]) -> list[str]:
         if "axis" in r:
             label += f" [{r['axis']}={_axis_value(r)}]"
         lines.append(f"Theorem 7 {label}: predicted {t['predicted_tokens_per_s']:.1f} tok/s "
-                     f"(tokens/round {t['tokens_per_round']:.2f}, p {t['p_hit']:.2f}, verify {1e3 * t['verify_s']:.2f} ms, "
+                     f"(tokens/round {t['tokens_per_round']:.2f}{_by_kind(t)}, p {t['p_hit']:.2f}, "
+                     f"verify {1e3 * t['verify_s']:.2f} ms, "
                      f"T_p {t['tree_s'] / t['verify_s']:.2f}, T_b {t['backup_s'] / t['verify_s']:.2f}), measured "
                      f"{t['measured_tokens_per_s']:.1f} tok/s = {100 * t['measured_over_predicted']:.0f}% of predicted; "
                      f"draft alone: T_p {t['tree_alone_s'] / t['verify_s']:.2f}, "
                      f"predicted {t['predicted_alone_tokens_per_s']:.1f} tok/s" + _best_case(t))
     return lines
+
+
+def _by_kind(t: dict) -> str:
+    """Tokens per round of either kind, where the run had both (older results: no split)."""
+    hit, miss = t.get("tokens_per_hit_round"), t.get("tokens_per_miss_round")
+    return f" [{hit:.2f} without a wait, {miss:.2f} waiting for a draft]" if hit is not None and miss is not None else ""
 
 
 def _best_case(t: dict) -> str:

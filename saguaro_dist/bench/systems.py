@@ -11,7 +11,7 @@ from saguaro_dist.bench.config import Placement
 
 log = logging.getLogger(__name__)
 ENGINE_FIELDS = ("rounds", "verify_s", "draft_wait_s", "prefill_s", "step_s", "coordination_s", "cache_hits", "cache_misses",
-                 "just_in_time_rounds", "jit_rounds", "tree_build_s", "tree_builds")
+                 "just_in_time_rounds", "jit_rounds", "jit_round_tokens", "tree_build_s", "tree_builds")
 
 
 @dataclass

@@ -12,15 +12,25 @@ import torch
 from saguaro_dist.spec.theory import predicted_speedup
 
 
-def predicted_tokens_per_s(tokens_per_round: float, p_hit: float, verify_s: float, tree_s: float,
+def predicted_tokens_per_s(tokens_hit: float, tokens_miss: float, p_hit: float, verify_s: float, tree_s: float,
                            backup_s: float) -> float:
-    """Theorem 7 in seconds: tokens per round / (verify_s x [p max(1, T_p) + (1 - p)(1 + T_b)]),
-    T_p = tree_s / verify_s, T_b = backup_s / verify_s. The run's mean tokens per round stands for both
-    E[tokens | hit] and E[tokens | miss] (their p-weighted mean is exactly what the run measured)."""
+    """Theorem 7 in seconds: [p E_hit + (1 - p) E_miss] / (verify_s x [p max(1, T_p) + (1 - p)(1 + T_b)]),
+    T_p = tree_s / verify_s, T_b = backup_s / verify_s; E_hit, E_miss: tokens a round of either kind verifies."""
     if verify_s <= 0:
         return 0.0
-    rel = predicted_speedup(p_hit, tokens_per_round, tokens_per_round, tree_s / verify_s, backup_s / verify_s)
-    return rel / verify_s
+    return predicted_speedup(p_hit, tokens_hit, tokens_miss, tree_s / verify_s, backup_s / verify_s) / verify_s
+
+
+def tokens_by_round_kind(m, batch: int, rounds: int) -> tuple[float | None, float | None]:
+    """E[tokens | a round that did not wait for a just-in-time draft] and E[tokens | one that did] (None:
+    the run had no such round), from EngineMetrics jit_round_tokens; without it the run's mean stands for
+    both. Misses that took the fast backup verify fewer tokens than a neural draft's rounds: a best case
+    that gave every round the mean (what this once did) overstated the kind the run did not run."""
+    total, jit = m.tokens - batch, m.engine.get("jit_rounds")
+    if jit is None or "jit_round_tokens" not in m.engine:
+        return total / rounds, total / rounds
+    waited = min(m.engine["jit_round_tokens"], total)  # a last round's tokens past max_tokens are not output
+    return ((total - waited) / (rounds - jit) if rounds > jit else None), (waited / jit if jit else None)
 
 
 def predict_from_run(m, batch: int, calib: dict) -> dict:
@@ -33,7 +43,9 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     p is the share of rounds that did not wait for a just-in-time draft (EngineMetrics jit_rounds): the
     rounds whose misses took the neural backup, and the rounds the tree gate ran without trees (SD's
     round, Theorem 7's 1 + T_b). Without that count, p is estimated from the lookups: a round waits if
-    any sequence missed and got the neural backup, p = 1 - (neural share of misses)(1 - hit_rate^batch)."""
+    any sequence missed and got the neural backup, p = 1 - (neural share of misses)(1 - hit_rate^batch).
+    E_hit and E_miss are the two kinds' own tokens per round (tokens_by_round_kind): at the run's p their
+    mix is exactly its measured tokens per round."""
     rounds = m.engine.get("rounds", 0)
     lookups = m.cache_hits + m.cache_misses
     if not rounds or (not lookups and "jit_rounds" not in m.engine):
@@ -46,16 +58,20 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
         p_round = 1.0 - neural_share * (1.0 - hit ** batch)
     builds = m.engine.get("tree_builds", 0)
     tree_s = m.engine["tree_build_s"] / builds if builds else calib["tree_s"]
-    inputs = {"tokens_per_round": (m.tokens - batch) / rounds, "p_hit": p_round,
-              "verify_s": m.engine["verify_s"] / rounds, "tree_s": tree_s, "backup_s": calib["jit_s"]}
-    pred = predicted_tokens_per_s(**inputs)
-    alone = predicted_tokens_per_s(**{**inputs, "tree_s": calib["tree_s"]})
+    tokens_hit, tokens_miss = tokens_by_round_kind(m, batch, rounds)
+    inputs = {"p_hit": p_round, "verify_s": m.engine["verify_s"] / rounds, "tree_s": tree_s, "backup_s": calib["jit_s"]}
+    tokens = {"tokens_hit": tokens_hit or 0.0, "tokens_miss": tokens_miss or 0.0}  # None: p puts no weight there
+    pred = predicted_tokens_per_s(**tokens, **inputs)
+    alone = predicted_tokens_per_s(**tokens, **{**inputs, "tree_s": calib["tree_s"]})
     # SSD's best case with this draft on this hardware: every round of the cheaper kind (Theorem 7 is
-    # linear in p, so the best mix is all trees, p = 1, or all just-in-time drafts, p = 0).
-    best_case = max(predicted_tokens_per_s(**{**inputs, "p_hit": p}) for p in (0.0, 1.0))
-    return {**inputs, "tree_alone_s": calib["tree_s"], "tree_s_in_run": bool(builds), "hit_rate": hit,
-            "neural_share": neural_share, "predicted_tokens_per_s": pred, "predicted_alone_tokens_per_s": alone,
-            "best_case_tokens_per_s": best_case,
+    # linear in p, so the best mix is all trees, p = 1, or all just-in-time drafts, p = 0), among the
+    # kinds the run measured: the tokens of a kind it never ran are not known.
+    measured = [p for p, kind in ((1.0, tokens_hit), (0.0, tokens_miss)) if kind is not None]
+    best_case = max(predicted_tokens_per_s(**tokens, **{**inputs, "p_hit": p}) for p in measured)
+    return {**inputs, "tokens_per_round": (m.tokens - batch) / rounds, "tokens_per_hit_round": tokens_hit,
+            "tokens_per_miss_round": tokens_miss, "tree_alone_s": calib["tree_s"], "tree_s_in_run": bool(builds),
+            "hit_rate": hit, "neural_share": neural_share, "predicted_tokens_per_s": pred,
+            "predicted_alone_tokens_per_s": alone, "best_case_tokens_per_s": best_case,
             "measured_tokens_per_s": m.tokens_per_s, "measured_over_predicted": m.tokens_per_s / pred if pred else 0.0}
 
 

@@ -69,7 +69,8 @@ class EngineMetrics:
     cache_hits: int = 0
     cache_misses: int = 0
     just_in_time_rounds: int = 0  # SSD rounds the tree gate ran without trees (spec/tree_gate.py)
-    jit_rounds: int = 0          # rounds that waited for a just-in-time draft (SD: all; SSD: Theorem 7's 1 - p)
+    jit_rounds: int = 0          # rounds that waited for a just-in-time draft (SD: all; SSD: Theorem 7's 1 - p) ...
+    jit_round_tokens: int = 0    # ... and the tokens those rounds verified (Theorem 7's E[tokens | miss])
     tree_build_s: float = 0.0    # SSD: the draft's own build time of the trees the target took, summed ...
     tree_builds: int = 0         # ... over the rounds that took trees (Theorem 7's T_p, measured in the run)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (every admitted prompt's) ...

@@ -94,6 +94,8 @@ class SDLoop(ARLoop):
             self.metrics.accepted_tokens += k
             gained.append(s.speculation.tokens[:k].tolist() + [t])
             s.last_outcome = (k, t)
+        if self._drafted_this_round:
+            self.metrics.jit_round_tokens += sum(map(len, gained))
         return gained
 
     def release(self, seqs):
