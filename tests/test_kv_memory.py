@@ -24,8 +24,10 @@ def checkpoint(tmp_path_factory):
     return str(path)
 
 
-def test_the_formula_is_what_a_preallocated_pool_holds(checkpoint):
-    runner = ModelRunner(checkpoint, max_batch_size=3, preallocate_kv=True)
+def test_the_formula_is_what_a_preallocated_pool_holds(checkpoint, caplog):
+    with caplog.at_level(logging.INFO, logger="saguaro_dist.model.memory"):
+        runner = ModelRunner(checkpoint, max_batch_size=3, preallocate_kv=True)
+    assert "KV cache on cpu: up to 3 rows x 256 positions = 0.2 MiB (allocated now)" in caplog.text  # vLLM's line
     pool = runner.pool
     per_token = kv_bytes_per_token(2, 2, 8, torch.float32)
     assert per_token == 2 * 2 * 2 * 8 * 4

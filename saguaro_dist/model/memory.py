@@ -2,10 +2,10 @@
 
 The pool (model/kv_cache.py) holds a row per sequence, every row as long as the longest sequence, so
 its worst case is known before any request: rows x max_model_len positions. On CUDA the runner
-allocates that at start-up (vLLM's way: no growth, which would drop every captured graph, and no
-out-of-memory error an hour into serving), so a worst case over the budget is a start-up error that
-names what would fit. On the CPU the pool grows as sequences do, in memory the OS shares, so the same
-finding is a warning: a deployment whose requests stay short runs as before.
+allocates that at start-up (vLLM's way: no copy as the pool grows, and no out-of-memory error an hour
+into serving that fails every request of the step), so a worst case over the budget is a start-up
+error that names what would fit. On the CPU the pool grows as sequences do, in memory the OS shares,
+so the same finding is a warning: a deployment whose requests stay short runs as before.
 
 Budget (vLLM's gpu_memory_utilization): on CUDA the engine may use that share of the GPU's memory, so
 the KV may take what is free now less the share it must leave; on the CPU, that share of the memory
@@ -105,8 +105,12 @@ def shortfall(need: KVNeed, budget: int, device: torch.device, utilization: floa
 
 def check_kv_fits(need: KVNeed, device: torch.device, utilization: float, strict: bool) -> None:
     """Raise (strict: the pool is allocated whole now) or warn (it grows on demand) when it does not fit."""
-    why = shortfall(need, kv_budget(device, utilization), device, utilization)
-    if why is None:
+    budget = kv_budget(device, utilization)
+    why = shortfall(need, budget, device, utilization)
+    if why is None:  # vLLM's start-up line on its KV cache, in this pool's terms
+        log.info("KV cache on %s: up to %d rows x %d positions = %s (%s), %s free for it at gpu_memory_utilization %s",
+                 device, need.rows, need.max_len, _size(need.bytes), "allocated now" if strict else "grown on demand",
+                 _size(budget), utilization)
         return
     if strict:
         raise ValueError(why)
