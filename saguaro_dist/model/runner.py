@@ -45,22 +45,23 @@ class ModelRunner:
             attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
             self.group = attn.num_heads // attn.num_kv_heads
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
-            self.pool = self._kv_pool(attn.num_kv_heads, max_batch_size, cuda_graphs, preallocate, gpu_memory_utilization)
+            graphed = cuda_graphs and tp_group is None  # see _step_graphs
+            self.pool = self._kv_pool(attn.num_kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
             self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
 
-    def _kv_pool(self, kv_heads: int, max_batch_size: int, cuda_graphs: bool, preallocate: bool,
+    def _kv_pool(self, kv_heads: int, max_batch_size: int, graphed: bool, preallocate: bool,
                  utilization: float) -> KVPool:
         """Checked against the memory left after the weights (model/memory.py). Preallocated: memory for
         every row at max_model_len now (the pool's capacity still grows within it); else 4 rows of 128
         positions, grown on demand. With graphs, rows for a full batch and the scratch row from the start
         either way: a pool that grows drops every captured graph."""
         cfg = self.config
-        need = KVNeed(max_batch_size, int(cuda_graphs), self.max_model_len,
+        need = KVNeed(max_batch_size, int(graphed), self.max_model_len,
                       kv_bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype))
         check_kv_fits(need, self.device, utilization, strict=preallocate)
-        rows = need.rows if preallocate or cuda_graphs else 4
+        rows = need.rows if preallocate or graphed else 4
         return KVPool(cfg.num_layers, kv_heads, cfg.head_dim, self.max_model_len, self.device, self.dtype,
                       rows=rows, reserve=preallocate)
 
