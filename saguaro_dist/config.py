@@ -167,9 +167,12 @@ class Config:
         check_seconds("tree_timeout_s", self.tree_timeout_s, zero_ok=True)  # 0: never wait for a late tree
         check_seconds("startup_timeout_s", self.startup_timeout_s, zero_ok=False)
         check_seconds("log_stats_interval_s", self.log_stats_interval_s, zero_ok=True)
-        for name in ("max_batch_size", "max_num_batched_tokens"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("max_batch_size", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if name == "max_model_len" and value is None:
+                continue  # the model's own context
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:
             raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
         if not isinstance(self.generation_config, str) or not self.generation_config:

@@ -45,7 +45,8 @@ def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
     (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
     (dict(device="tpu"), "device must be"), (dict(device="cuda:x"), "device must be"), (dict(device=0), "device must be"),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be"), (dict(max_batch_size=2.5), "max_batch_size must be"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be"), (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
+    (dict(max_model_len=2.5), "max_model_len must be"), (dict(max_batch_size=2.5), "max_batch_size must be"),
     (dict(enforce_eager="yes"), "enforce_eager must be true or false"), (dict(draft_device="gpu"), "draft_device must be"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
