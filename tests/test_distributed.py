@@ -40,6 +40,16 @@ def check_greedy(pair, outputs):
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
 
 
+def wait_idle_load(llm: LLM, within_s: float = 10.0):
+    """The engine's load once it shows nothing running (a poll may carry the snapshot of the step before)."""
+    deadline = time.time() + within_s
+    while (llm.load.num_running or llm.load.kv_cache_tokens) and time.time() < deadline:
+        time.sleep(0.05)
+    load = llm.load
+    assert (load.num_running, load.num_waiting, load.kv_cache_tokens) == (0, 0, 0)
+    return load
+
+
 def grpc_port_closed(address: str, within_s: float = 10.0) -> bool:
     host, port = address.rsplit(":", 1)
     deadline = time.time() + within_s
@@ -58,6 +68,7 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     addresses = ray.get([d.address.remote() for d in remote.deployment.drafts])
     check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     assert llm.metrics.cache_hits > 0
+    assert wait_idle_load(llm).kv_cache_capacity_tokens >= 4 * llm.max_model_len  # rank 0's, through its polls
     # Logit bias, allowed tokens and penalties: the drafts are told over gRPC, the sharded target
     # verifies with them.
     constrained = replace(GREEDY, **BIAS, **PENALTIES)

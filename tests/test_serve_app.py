@@ -318,10 +318,12 @@ def test_client_disconnect_cancels_generation(server):
     with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
         next(r.iter_lines())  # generation is under way; now hang up
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and (app_stats()["cancelled"] == before or app_stats()["running"]):
+    while time.monotonic() < deadline and (app_stats()["cancelled"] == before or app_stats()["running"]
+                                           or app_stats()["engine"]["num_running"]):
         time.sleep(0.1)
     stats = app_stats()
     assert stats["cancelled"] == before + 1 and stats["running"] == 0
+    assert stats["engine"]["num_running"] == 0 and stats["engine"]["kv_cache_tokens"] == 0  # its slot and KV are free
 
 
 # ---- validation and security --------------------------------------------------------------------

@@ -81,3 +81,26 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
     assert lookups >= 1  # a tree every round on this server: every round after the first looks one up
     # The engine's clock when no reader saw the first token (a request answered in one piece).
     assert metric(delta, "time_to_first_token_seconds_sum") < metric(delta, "e2e_request_latency_seconds_sum")
+
+
+def gauges(url: str, model: str) -> dict[str, float]:
+    """This app's engine gauges: name -> value (every replica's, summed)."""
+    names = {PREFIX + n for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for sample in family.samples:
+            if sample.name in names and sample.labels.get("model") == model:
+                found[sample.name] = found.get(sample.name, 0.0) + sample.value
+    return found
+
+
+def test_the_engine_gauges_are_exported_and_idle_after_the_work(server, metrics_url):
+    """vLLM's scheduler gauges (running, waiting, KV cache usage) from the engine's own load, refreshed by
+    the replica every second; once the requests are done they read an idle engine."""
+    post(server, {"prompt": "the cat sat on", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    deadline, found = time.monotonic() + 30, {}
+    while time.monotonic() < deadline and (len(found) < 3 or any(found.values())):
+        time.sleep(0.5)
+        found = gauges(metrics_url, server.model)
+    assert found == {PREFIX + "num_requests_running": 0.0, PREFIX + "num_requests_waiting": 0.0,
+                     PREFIX + "kv_cache_usage_perc": 0.0}

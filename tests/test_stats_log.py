@@ -5,7 +5,7 @@ import logging
 from collections import Counter
 
 from saguaro_dist import LLM, SamplingParams
-from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 from saguaro_dist.engine.stats_log import StatsLogger
 
 
@@ -14,9 +14,10 @@ def test_the_line_reports_the_interval_not_the_totals():
     stats._last = EngineMetrics(prefix_cache_queries=100, generated_tokens=50, rounds=10, fallbacks=Counter(fast=1))
     now = EngineMetrics(prefix_cache_queries=300, prefix_cache_hits=150, generated_tokens=250, drafted_tokens=160,
                         accepted_tokens=120, rounds=50, cache_hits=30, cache_misses=10, fallbacks=Counter(fast=3, neural=1))
-    line = stats.line(now, running=3, waiting=2, seconds=2.0)
+    load = EngineLoad(num_running=3, num_waiting=2, kv_cache_tokens=123, kv_cache_capacity_tokens=1000)
+    line = stats.line(now, load, seconds=2.0)
     assert line == ("Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 100.0 tokens/s, Running: 3 reqs, "
-                    "Waiting: 2 reqs, Prefix cache hit rate: 75.0%, Speculation: acceptance 75.0%, tokens per step 5.00, "
+                    "Waiting: 2 reqs, KV cache usage: 12.3%, Prefix cache hit rate: 75.0%, Speculation: acceptance 75.0%, tokens per step 5.00, "
                     "tree hit rate 75.0%, fallbacks {'fast': 2, 'neural': 1}")
 
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.draft_service import default_bind_host, format_address, serve_draft
-from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
+from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
 
 log = logging.getLogger(__name__)
@@ -106,15 +106,15 @@ class TargetRank:
     def abort(self, request_id: str) -> None:
         self.thread.abort(request_id)
 
-    def poll(self, timeout_s: float) -> list[RemoteUpdate]:
-        """Updates since the last poll; waits up to timeout_s for the first one."""
+    def poll(self, timeout_s: float) -> RemotePoll:
+        """Updates since the last poll (waiting up to timeout_s for the first one), and the engine's load."""
         try:
             items = [self.updates.get(timeout=timeout_s)]
         except queue.Empty:
-            return []
+            items = []
         while not self.updates.empty():
             items.append(self.updates.get_nowait())
-        return items
+        return RemotePoll(items, self.thread.load)
 
     def metrics(self):
         return self.thread.metrics

@@ -16,6 +16,7 @@ from saguaro_dist.distributed.placement import draft_options, rank_strategy, tar
 from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineError
+from saguaro_dist.engine.metrics import EngineLoad
 from saguaro_dist.engine.sequence import FinishReason, SeqStatus
 
 log = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ class RemoteEngine:
         self._lock = threading.Lock()
         self._dead: str | None = None
         self._stopped = threading.Event()
+        self.load = EngineLoad()  # rank 0's, as of its last poll (at most POLL_S old while it runs)
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="saguaro-remote-poll")
         self._poller.start()
 
@@ -193,11 +195,12 @@ class RemoteEngine:
     def _poll_loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                updates = ray.get(self.rank0.poll.remote(POLL_S))
+                polled = ray.get(self.rank0.poll.remote(POLL_S))
             except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
                 self._fail_all(f"target actor died: {err.__class__.__name__}")
                 return
-            for u in updates:
+            self.load = polled.load
+            for u in polled.updates:
                 self._dispatch(u)
 
     def _dispatch(self, u: RemoteUpdate) -> None:

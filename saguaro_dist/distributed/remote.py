@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from saguaro_dist.engine.metrics import RequestMetrics
+from saguaro_dist.engine.metrics import EngineLoad, RequestMetrics
 from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.sampling_params import SamplingParams
 
@@ -31,3 +31,10 @@ class RemoteUpdate:
     logprobs_delta: list[dict[int, float]] | None = None  # per token of token_delta, if the request asked
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first update, if the request asked
     stop_reason: int | str | None = None  # with the last update: the stop_token_id or stop string that ended it
+
+
+@dataclass
+class RemotePoll:
+    """Rank 0's answer to a poll: the updates since the last one, and what its engine holds now."""
+    updates: list[RemoteUpdate]
+    load: EngineLoad

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from saguaro_dist.config import Config, SchedulingPolicy
 from saguaro_dist.engine.detokenizer import Detokenizer, find_stop, stable_prefix
-from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
 from saguaro_dist.engine.structured import GrammarCompiler
@@ -56,6 +56,13 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
+
+    def load(self) -> EngineLoad:
+        """Requests by state, and the target KV they hold (a running request's: all its tokens but the
+        pending last one; a prefilling one's: what of its prompt has run)."""
+        held = sum(s.num_tokens - 1 for s in self.running) + sum(s.prefilled for s in self.prefilling)
+        return EngineLoad(len(self.running) + len(self.prefilling), len(self.waiting), held,
+                          self.config.max_batch_size * self.max_model_len)
 
     def abort(self, request_id: str) -> list[Update]:
         """Drop a request wherever it is; its slot is free at once."""

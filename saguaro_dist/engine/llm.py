@@ -14,6 +14,7 @@ from tqdm import tqdm
 from saguaro_dist.config import Config, Mode, SchedulingPolicy
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
+from saguaro_dist.engine.metrics import EngineLoad
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
@@ -79,6 +80,12 @@ class LLM:
     def metrics(self):
         """Engine-wide counters and the time split of the round loop."""
         return self._thread.metrics
+
+    @property
+    def load(self) -> EngineLoad:
+        """What the engine holds now: requests running and waiting, and the share of the KV budget they use
+        (a snapshot as of the engine's last step; on Ray, of rank 0's last poll)."""
+        return self._thread.load
 
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | None = None,

@@ -30,6 +30,7 @@ class EngineThread:
         self._cond = threading.Condition()
         self._stopped = False
         self._stats = StatsLogger(engine.config.log_stats_interval_s)
+        self.load = engine.load()  # a snapshot, replaced after each step: read from any thread without a lock
         self._thread = threading.Thread(target=self._run, name="saguaro-engine", daemon=True)
         self._thread.start()
 
@@ -98,6 +99,7 @@ class EngineThread:
             self._take(inbox, aborts)
             self._run_chores(chores)
             self._step()
+            self.load = self.engine.load()
         self._fail_all(EngineError("the engine was shut down"))
         for _, done in self._chores:
             done.set_exception(EngineError("the engine was shut down"))
@@ -126,8 +128,7 @@ class EngineThread:
             return
         try:
             self._publish(self.engine.step())
-            engine = self.engine
-            self._stats.maybe_log(engine.metrics, len(engine.running) + len(engine.prefilling), len(engine.waiting))
+            self._stats.maybe_log(self.engine.metrics, self.engine.load())
         except Exception as err:  # noqa: BLE001 - every in-flight request learns of it
             log.exception("engine step failed; failing in-flight requests")
             self._fail_all(EngineError(f"engine step failed: {err!r}"))

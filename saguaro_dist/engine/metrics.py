@@ -58,6 +58,21 @@ class RequestMetrics:
         return out
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds at one moment (vLLM's scheduler gauges: the signals autoscalers read)."""
+    num_running: int = 0               # requests holding a batch slot (generating or prefilling)
+    num_waiting: int = 0               # requests queued for a slot
+    kv_cache_tokens: int = 0           # positions of the running requests' KV in the target's pool ...
+    kv_cache_capacity_tokens: int = 0  # ... of max_batch_size x max_model_len, the worst case sized at start-up
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of the KV budget in use, 0..1 (vLLM's kv_cache_usage_perc). The pool is a row per batch
+        slot, so a full batch of short requests reads low here and is bounded by num_running instead."""
+        return self.kv_cache_tokens / self.kv_cache_capacity_tokens if self.kv_cache_capacity_tokens else 0.0
+
+
 @dataclass
 class EngineMetrics:
     """Wall time split of the round loop, summed over rounds (seconds)."""

@@ -5,7 +5,7 @@ import dataclasses
 import logging
 import time
 
-from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 
 log = logging.getLogger("saguaro_dist.engine.stats")
 
@@ -23,21 +23,22 @@ class StatsLogger:
         self._last_time = time.monotonic()
         self._last = EngineMetrics()
 
-    def maybe_log(self, metrics: EngineMetrics, running: int, waiting: int) -> None:
+    def maybe_log(self, metrics: EngineMetrics, load: EngineLoad) -> None:
         now = time.monotonic()
         if not self.interval_s or now - self._last_time < self.interval_s:
             return
-        log.info(self.line(metrics, running, waiting, now - self._last_time))
+        log.info(self.line(metrics, load, now - self._last_time))
         self._last_time, self._last = now, dataclasses.replace(metrics, fallbacks=metrics.fallbacks.copy())
 
-    def line(self, metrics: EngineMetrics, running: int, waiting: int, seconds: float) -> str:
+    def line(self, metrics: EngineMetrics, load: EngineLoad, seconds: float) -> str:
         d = {f: getattr(metrics, f) - getattr(self._last, f) for f in (
             "prefix_cache_queries", "prefix_cache_hits", "generated_tokens", "drafted_tokens", "accepted_tokens",
             "rounds", "cache_hits", "cache_misses")}
         fallbacks = dict(metrics.fallbacks - self._last.fallbacks)
         return (f"Avg prompt throughput: {d['prefix_cache_queries'] / seconds:.1f} tokens/s, "
                 f"Avg generation throughput: {d['generated_tokens'] / seconds:.1f} tokens/s, "
-                f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"Running: {load.num_running} reqs, Waiting: {load.num_waiting} reqs, "
+                f"KV cache usage: {100 * load.kv_cache_usage:.1f}%, "
                 f"Prefix cache hit rate: {100 * _ratio(d['prefix_cache_hits'], d['prefix_cache_queries']):.1f}%, "
                 f"Speculation: acceptance {100 * _ratio(d['accepted_tokens'], d['drafted_tokens']):.1f}%, "
                 f"tokens per step {_ratio(d['generated_tokens'], d['rounds']):.2f}, "

@@ -7,6 +7,7 @@ or, in a Serve config / KubeRay serveConfigV2:
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from ray import serve
@@ -50,9 +51,10 @@ class SaguaroServer:
         self._engine.check_health()
 
     def stats(self) -> dict:
-        """Generations in flight and cancelled on this replica (a deployment-handle call, not a route)."""
+        """Generations in flight and cancelled on this replica, and its engine's load (a deployment-handle
+        call, not a route)."""
         state = self._app.state.saguaro
-        return {"running": state.running, "cancelled": state.cancelled}
+        return {"running": state.running, "cancelled": state.cancelled, "engine": dataclasses.asdict(self._engine.load)}
 
     def __del__(self):
         engine = getattr(self, "_engine", None)

@@ -24,10 +24,14 @@ class _Noop:
 class ServeMetrics:
     def __init__(self, model_name: str, enabled: bool = True):
         self._tags = {"model": model_name}
+        self.enabled = enabled
         make = _ray_factories() if enabled else None
         self.requests = self._make(make, "counter", "saguaro_requests", "HTTP requests by route and status",
                                    ("model", "route", "status"))
-        self.running = self._make(make, "gauge", "saguaro_num_requests_running", "Generations in flight")
+        self.running = self._make(make, "gauge", "saguaro_num_requests_running", "Requests holding a batch slot")
+        self.waiting = self._make(make, "gauge", "saguaro_num_requests_waiting", "Requests queued for a batch slot")
+        self.kv_usage = self._make(make, "gauge", "saguaro_kv_cache_usage_perc",
+                                   "Share of the KV budget (max_batch_size x max_model_len) in use, 0-1")
         self.prompt_tokens = self._make(make, "counter", "saguaro_prompt_tokens", "Prompt tokens processed")
         self.cached_prompt_tokens = self._make(make, "counter", "saguaro_prefix_cache_hits",
                                                "Prompt tokens whose KV the prefix cache supplied")
@@ -53,6 +57,12 @@ class ServeMetrics:
         return metric
 
     # ---- recording --------------------------------------------------------------------------
+    def load(self, load) -> None:
+        """The engine's scheduler gauges (an EngineLoad), as vLLM exports them."""
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
+        self.kv_usage.set(load.kv_cache_usage)
+
     def request(self, route: str, status: int) -> None:
         self.requests.inc(1, {"route": route, "status": str(status)})
 

@@ -21,6 +21,7 @@ from saguaro_dist.serve.tools import ToolPlan
 
 
 log = logging.getLogger(__name__)
+LOAD_REPORT_S = 1.0  # how often the engine's running / waiting / KV gauges are refreshed
 PROMPT_TAIL_TOKENS = 64  # where a chat template closes or opens the reply's reasoning (reasoning_first)
 
 
@@ -62,7 +63,8 @@ class ServingState:
         self.max_model_len = int(engine.max_model_len)
         self.defaults = dict(getattr(engine, "generation_defaults", {}))  # the model's generation config (vLLM's)
         self.metrics = metrics
-        self.running = 0
+        self._load_reporter: asyncio.Task | None = None
+        self.running = 0   # generations in flight on this replica (the engine's own split: engine.load)
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
 
     def tool_plan_for(self, request) -> ToolPlan:
@@ -194,12 +196,18 @@ class ServingState:
 
     def _enter(self) -> None:
         self.running += 1
-        self.metrics.running.set(self.running)
+        if self._load_reporter is None and self.metrics.enabled:  # on the replica's event loop, from its first request
+            self._load_reporter = asyncio.get_running_loop().create_task(self._report_load())
 
     def _exit(self, cancelled: bool) -> None:
         self.running -= 1
         self.cancelled += int(cancelled)
-        self.metrics.running.set(self.running)
+
+    async def _report_load(self) -> None:
+        """The engine's gauges every LOAD_REPORT_S: a snapshot read, so it costs the engine nothing."""
+        while True:
+            self.metrics.load(self.engine.load)
+            await asyncio.sleep(LOAD_REPORT_S)
 
 
 def _log_finished(request_id: str, delta, seconds: float) -> None:
