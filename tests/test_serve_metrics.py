@@ -96,8 +96,14 @@ def gauges(url: str, model: str) -> dict[str, float]:
 
 def test_the_engine_gauges_are_exported_and_idle_after_the_work(server, metrics_url):
     """vLLM's scheduler gauges (running, waiting, KV cache usage) from the engine's own load, refreshed by
-    the replica every second; once the requests are done they read an idle engine."""
+    the replica every second; once the requests are done they read an idle engine. The round loop's time
+    split grows with the work, its parts within the whole."""
+    before = scrape_settled(metrics_url)
     post(server, {"prompt": "the cat sat on", "max_tokens": 12, "temperature": 0, "ignore_eos": True})
+    delta = scrape_after(metrics_url, before, lambda d: metric(d, "rounds_total") >= 1)
+    assert metric(delta, "rounds_total") >= 1 and metric(delta, "verify_seconds_total") > 0
+    parts = sum(metric(delta, f"{name}_seconds_total") for name in ("verify", "draft_wait", "prefill"))
+    assert metric(delta, "round_seconds_total") >= parts * 0.999  # coordination: the rest of the step
     deadline, found = time.monotonic() + 30, {}
     while time.monotonic() < deadline and (len(found) < 3 or any(found.values())):
         time.sleep(0.5)

@@ -8,6 +8,16 @@ from __future__ import annotations
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0]
 
 
+# EngineMetrics field -> counter name and help text.
+ENGINE_TIME_COUNTERS = (
+    ("rounds", "saguaro_rounds", "Engine steps that ran a round (verification) for the running requests"),
+    ("step_s", "saguaro_round_seconds", "Wall time of those steps"),
+    ("verify_s", "saguaro_verify_seconds", "Of it, target forwards and verification"),
+    ("draft_wait_s", "saguaro_draft_wait_seconds", "Of it, the target waiting for trees or just-in-time drafts"),
+    ("prefill_s", "saguaro_prefill_seconds", "Of it, prefills"),
+)
+
+
 class _Noop:
     """Stands in for a Ray metric when the app runs outside Ray (plain uvicorn)."""
 
@@ -48,6 +58,9 @@ class ServeMetrics:
         self.cache_hits = self._make(make, "counter", "saguaro_speculation_cache_hits", "Speculation cache hits")
         self.cache_misses = self._make(make, "counter", "saguaro_speculation_cache_misses", "Speculation cache misses")
         self.fallbacks = self._make(make, "counter", "saguaro_fallbacks", "Fallbacks by kind", ("model", "kind"))
+        # The round loop's time split: draft_wait over round seconds is the share the target waited for the
+        # draft side (trees or just-in-time drafts): the signal that the draft pool is too small or slow.
+        self.engine_time = {field: self._make(make, "counter", name, doc) for field, name, doc in ENGINE_TIME_COUNTERS}
 
     def _make(self, make, kind: str, name: str, doc: str, tag_keys=("model",)):
         if make is None:
@@ -77,6 +90,11 @@ class ServeMetrics:
         if seconds_since_last is not None:
             for _ in range(count):
                 self.itl.observe(seconds_since_last / count)
+
+    def engine_times(self, delta: dict[str, float]) -> None:
+        """Engine-wide round counters since the last report (EngineMetrics fields -> increments)."""
+        for field, metric in self.engine_time.items():
+            self._inc_positive(metric, delta.get(field))
 
     def finished(self, engine_metrics, seconds: float, finish_reason: str | None = None) -> None:
         self.e2e.observe(seconds)

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.sampling_params import SamplingParams, truncate_prompt
 from saguaro_dist.serve.errors import APIError
-from saguaro_dist.serve.metrics import ServeMetrics
+from saguaro_dist.serve.metrics import ENGINE_TIME_COUNTERS, ServeMetrics
 from saguaro_dist.serve.prompts import encode_text
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, reasoning_first
@@ -21,7 +21,7 @@ from saguaro_dist.serve.tools import ToolPlan
 
 
 log = logging.getLogger(__name__)
-LOAD_REPORT_S = 1.0  # how often the engine's running / waiting / KV gauges are refreshed
+ENGINE_REPORT_S = 1.0  # how often the engine's gauges and round counters are reported
 PROMPT_TAIL_TOKENS = 64  # where a chat template closes or opens the reply's reasoning (reasoning_first)
 
 
@@ -63,7 +63,7 @@ class ServingState:
         self.max_model_len = int(engine.max_model_len)
         self.defaults = dict(getattr(engine, "generation_defaults", {}))  # the model's generation config (vLLM's)
         self.metrics = metrics
-        self._load_reporter: asyncio.Task | None = None
+        self._engine_reporter: asyncio.Task | None = None
         self.running = 0   # generations in flight on this replica (the engine's own split: engine.load)
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
 
@@ -196,18 +196,28 @@ class ServingState:
 
     def _enter(self) -> None:
         self.running += 1
-        if self._load_reporter is None and self.metrics.enabled:  # on the replica's event loop, from its first request
-            self._load_reporter = asyncio.get_running_loop().create_task(self._report_load())
+        if self._engine_reporter is None and self.metrics.enabled:  # on the replica's event loop, from its first request
+            self._engine_reporter = asyncio.get_running_loop().create_task(self._report_engine())
 
     def _exit(self, cancelled: bool) -> None:
         self.running -= 1
         self.cancelled += int(cancelled)
 
-    async def _report_load(self) -> None:
-        """The engine's gauges every LOAD_REPORT_S: a snapshot read, so it costs the engine nothing."""
+    async def _report_engine(self) -> None:
+        """Every ENGINE_REPORT_S: the engine's gauges (a snapshot read: it costs the engine nothing) and its
+        round counters' growth (on Ray a call to rank 0, made off the event loop)."""
+        last = None
         while True:
             self.metrics.load(self.engine.load)
-            await asyncio.sleep(LOAD_REPORT_S)
+            try:
+                now = await asyncio.to_thread(lambda: self.engine.metrics.to_dict())
+            except Exception:  # noqa: BLE001 - a gone engine fails its requests and health check, not this
+                log.debug("engine metrics unavailable", exc_info=True)
+            else:
+                if last is not None:
+                    self.metrics.engine_times({k: now[k] - last[k] for k, _, _ in ENGINE_TIME_COUNTERS})
+                last = now
+            await asyncio.sleep(ENGINE_REPORT_S)
 
 
 def _log_finished(request_id: str, delta, seconds: float) -> None:
