@@ -34,7 +34,9 @@ def test_predict_from_run_reads_its_inputs_from_the_measurement():
     assert got["tokens_per_round"] == pytest.approx(64 / 16)
     assert got["p_hit"] == pytest.approx(p_round)
     assert got["predicted_tokens_per_s"] == pytest.approx(4.0 / (time * 0.010))
-    assert got["measured_over_predicted"] == pytest.approx(132.0 / got["predicted_tokens_per_s"])
+    # the run: 2 first tokens from the prefills (no prefill time recorded here), 64 at the predicted rate
+    assert got["predicted_run_tokens_per_s"] == pytest.approx(66 / (64 / got["predicted_tokens_per_s"]))
+    assert got["measured_over_predicted"] == pytest.approx(132.0 / got["predicted_run_tokens_per_s"])
 
 
 def test_fast_backups_cost_nothing_in_the_prediction():
@@ -50,7 +52,7 @@ def test_the_runs_own_tree_build_time_is_t_p_and_the_draft_alone_one_is_reported
     got = predict_from_run(m, 1, {"tree_s": 0.012, "jit_s": 0.005})
     assert got["tree_s"] == pytest.approx(0.015) and got["tree_s_in_run"]
     assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / 0.015)
-    assert got["tree_alone_s"] == 0.012 and got["predicted_alone_tokens_per_s"] == pytest.approx(3.0 / 0.012)
+    assert got["tree_alone_s"] == 0.012 and got["predicted_alone_tokens_per_s"] == pytest.approx(3.0 / 0.012 * 31 / 30)
 
 
 def test_rounds_that_waited_for_a_just_in_time_draft_are_theorem_7s_misses():
@@ -61,7 +63,7 @@ def test_rounds_that_waited_for_a_just_in_time_draft_are_theorem_7s_misses():
     assert got["p_hit"] == pytest.approx(0.6)
     time = 0.6 * 1 + 0.4 * (1 + 0.5)  # T_p 0.6 hides behind the verify; T_b 0.5
     assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / (time * 0.010))
-    assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / 0.010)  # p = 1: every round one verify
+    assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / 0.010 * 31 / 30)  # p = 1: every round one verify
 
 
 def test_a_run_without_a_tree_is_predicted_as_sd_rounds():
@@ -79,8 +81,8 @@ def test_the_best_case_is_every_round_of_the_cheaper_kind():
     m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=6, cache_misses=0,
                     engine={"rounds": 10, "verify_s": 0.1, "jit_rounds": 4, "tree_build_s": 0.18, "tree_builds": 6})
     got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
-    assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / (1.5 * 0.010))
-    assert got["best_case_tokens_per_s"] > got["predicted_tokens_per_s"]
+    assert got["best_case_tokens_per_s"] == pytest.approx(3.0 / (1.5 * 0.010) * 31 / 30)
+    assert got["best_case_tokens_per_s"] > got["predicted_run_tokens_per_s"]
 
 
 def test_each_kind_of_round_brings_its_own_tokens():
@@ -97,7 +99,7 @@ def test_each_kind_of_round_brings_its_own_tokens():
     assert got["predicted_tokens_per_s"] == pytest.approx(3.1 / (time * 0.010))  # the measured mix: the mean
     # just-in-time every round: 4 tokens in 1.4 verifies (286/s) beats trees' 2.5 in one (250/s); with the
     # mean for both kinds, trees would have looked best (310/s)
-    assert got["best_case_tokens_per_s"] == pytest.approx(4.0 / (1.4 * 0.010))
+    assert got["best_case_tokens_per_s"] == pytest.approx(4.0 / (1.4 * 0.010) * 32 / 31)
 
 
 def test_a_best_case_is_never_claimed_for_a_kind_the_run_did_not_run():
@@ -108,4 +110,16 @@ def test_a_best_case_is_never_claimed_for_a_kind_the_run_did_not_run():
                             "tree_build_s": 0.01, "tree_builds": 10})
     got = predict_from_run(m, 8, {"tree_s": 0.005, "jit_s": 0.005})
     assert got["p_hit"] == 0.0 and got["tokens_per_hit_round"] is None and got["tokens_per_miss_round"] == 24.0
-    assert got["best_case_tokens_per_s"] == pytest.approx(got["predicted_tokens_per_s"])
+    assert got["best_case_tokens_per_s"] == pytest.approx(got["predicted_run_tokens_per_s"])
+
+
+def test_the_run_is_predicted_with_its_own_prefills_and_first_tokens():
+    """Theorem 7 predicts decoding; the measured tok/s is the whole call's. 8 prompts run one at a time
+    (b = 1): 8 first tokens came from prefills that took 0.1 s, the other 1016 from rounds."""
+    m = Measurement(tokens=1024, seconds=2.3, outputs=[[0] * 128] * 8, cache_hits=254, cache_misses=0,
+                    engine={"rounds": 254, "verify_s": 1.27, "prefill_s": 0.1, "tree_build_s": 0.254, "tree_builds": 254})
+    got = predict_from_run(m, 1, {"tree_s": 0.001, "jit_s": 0.004})
+    assert got["tokens_per_round"] == pytest.approx(1016 / 254)                 # 4 a round, not (1024 - 1) / 254
+    assert got["predicted_tokens_per_s"] == pytest.approx(4.0 / 0.005)          # every round one 5 ms verify
+    assert got["predicted_run_tokens_per_s"] == pytest.approx(1024 / (0.1 + 1016 / 800.0))
+    assert got["measured_over_predicted"] == pytest.approx((1024 / 2.3) / got["predicted_run_tokens_per_s"])

@@ -44,14 +44,21 @@ def theorem7_lines(rows: list[dict]) -> list[str]:
         label = f"{r.get('setting', '')}/{r['system']} b={r['batch']} T={r['temperature']}"
         if "axis" in r:
             label += f" [{r['axis']}={_axis_value(r)}]"
-        lines.append(f"Theorem 7 {label}: predicted {t['predicted_tokens_per_s']:.1f} tok/s "
+        lines.append(f"Theorem 7 {label}: predicted {t['predicted_tokens_per_s']:.1f} tok/s decoding "
                      f"(tokens/round {t['tokens_per_round']:.2f}{_by_kind(t)}, p {t['p_hit']:.2f}, "
                      f"verify {1e3 * t['verify_s']:.2f} ms, "
-                     f"T_p {t['tree_s'] / t['verify_s']:.2f}, T_b {t['backup_s'] / t['verify_s']:.2f}), measured "
+                     f"T_p {t['tree_s'] / t['verify_s']:.2f}, T_b {t['backup_s'] / t['verify_s']:.2f})"
+                     f"{_with_prefill(t)}, measured "
                      f"{t['measured_tokens_per_s']:.1f} tok/s = {100 * t['measured_over_predicted']:.0f}% of predicted; "
                      f"draft alone: T_p {t['tree_alone_s'] / t['verify_s']:.2f}, "
                      f"predicted {t['predicted_alone_tokens_per_s']:.1f} tok/s" + _best_case(t))
     return lines
+
+
+def _with_prefill(t: dict) -> str:
+    """The run's prediction: its prefills' own seconds added (older results: none)."""
+    run = t.get("predicted_run_tokens_per_s")
+    return f", {run:.1f} tok/s with the run's {t['prefill_s']:.3f} s of prefill" if run is not None else ""
 
 
 def _by_kind(t: dict) -> str:
