@@ -123,3 +123,18 @@ def test_the_run_is_predicted_with_its_own_prefills_and_first_tokens():
     assert got["predicted_tokens_per_s"] == pytest.approx(4.0 / 0.005)          # every round one 5 ms verify
     assert got["predicted_run_tokens_per_s"] == pytest.approx(1024 / (0.1 + 1016 / 800.0))
     assert got["measured_over_predicted"] == pytest.approx((1024 / 2.3) / got["predicted_run_tokens_per_s"])
+
+
+def test_the_trees_best_case_keeps_the_misses_that_waited():
+    """Trees every round cannot beat the tree rounds the run measured: at b = 1, T = 0.7 most lookups miss and
+    the neural backup makes those rounds wait. 10 rounds, 4 of them the gate's just-in-time ones; of the 6 tree
+    rounds 3 missed onto the neural backup: "trees every round" is p = 0.5, not 1."""
+    m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=3, cache_misses=3, fallbacks={"neural": 3},
+                    engine={"rounds": 10, "verify_s": 0.1, "just_in_time_rounds": 4, "jit_rounds": 7,
+                            "jit_round_tokens": 21, "tree_build_s": 0.06, "tree_builds": 6})
+    got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.008})
+    assert (got["tokens_per_hit_round"], got["tokens_per_miss_round"]) == (3.0, 3.0)
+    trees = 3.0 / ((0.5 * 1 + 0.5 * 1.8) * 0.010)    # T_p 0.6 hidden; T_b 0.8 on the waiting half
+    just_in_time = 3.0 / (1.8 * 0.010)
+    assert got["best_case_tokens_per_s"] == pytest.approx(max(trees, just_in_time) * 31 / 30)
+    assert got["best_case_tokens_per_s"] < 3.0 / 0.010 * 31 / 30    # what p = 1 claimed

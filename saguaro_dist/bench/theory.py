@@ -38,6 +38,20 @@ def tokens_by_round_kind(m, batch: int, rounds: int) -> tuple[float | None, floa
     return ((total - waited) / (rounds - jit) if rounds > jit else None), (waited / jit if jit else None)
 
 
+def tree_mode_p(m, rounds: int) -> float | None:
+    """p of "trees every round": the share of the rounds the tree gate ran with trees that waited for no
+    draft (a miss that took the neural backup waits, at any p); None if the run had no such round. Runs
+    from before the gate's count (no just_in_time_rounds): every tree round taken as one without a wait."""
+    gate_jit = m.engine.get("just_in_time_rounds")
+    if gate_jit is None:
+        return 1.0
+    tree_rounds = rounds - gate_jit
+    if tree_rounds <= 0:
+        return None
+    waited = max(0, m.engine.get("jit_rounds", 0) - gate_jit)  # the gate's own rounds all drafted just in time
+    return 1.0 - min(waited, tree_rounds) / tree_rounds
+
+
 def predict_from_run(m, batch: int, calib: dict) -> dict:
     """The prediction's inputs from Measurement `m` (engine deltas) and the draft calibration.
 
@@ -73,10 +87,11 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     tokens = {"tokens_hit": tokens_hit or 0.0, "tokens_miss": tokens_miss or 0.0}  # None: p puts no weight there
     pred = predicted_tokens_per_s(**tokens, **inputs)
     alone = predicted_tokens_per_s(**tokens, **{**inputs, "tree_s": calib["tree_s"]})
-    # SSD's best case with this draft on this hardware: every round of the cheaper kind (Theorem 7 is
-    # linear in p, so the best mix is all trees, p = 1, or all just-in-time drafts, p = 0), among the
-    # kinds the run measured: the tokens of a kind it never ran are not known.
-    measured = [p for p, kind in ((1.0, tokens_hit), (0.0, tokens_miss)) if kind is not None]
+    # SSD's best case with this draft on this hardware: every round of the cheaper mode (Theorem 7 is
+    # linear in p, so the best mix is all trees or all just-in-time drafts, p = 0), among the modes the run
+    # measured: the tokens of a kind it never ran are not known.
+    modes = ((tree_mode_p(m, rounds), tokens_hit), (0.0, tokens_miss))
+    measured = [p for p, kind in modes if p is not None and kind is not None]
     best_case = max(predicted_tokens_per_s(**tokens, **{**inputs, "p_hit": p}) for p in measured)
     decoded, prefill_s = m.tokens - first_tokens(m, batch), m.engine.get("prefill_s", 0.0)
     run = lambda rate: m.tokens / (prefill_s + decoded / rate) if rate else 0.0  # noqa: E731 - the run at that rate
