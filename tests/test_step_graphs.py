@@ -94,3 +94,46 @@ def test_a_tree_whose_layout_was_claimed_again_cannot_step(tiny_checkpoint):
         runner.branch_step(first, torch.tensor([9, 9]))
     runner.branch_step(second, torch.tensor([9, 9]))
     assert first.private_k is not second.private_k
+
+
+@pytest.mark.parametrize("preallocate", [False, True])
+def test_the_pool_narrows_once_a_long_sequence_leaves_and_stays_exact(tiny_checkpoint, preallocate):
+    """The static forwards attend over the pool's whole capacity: after a long sequence finishes (kept by the
+    prefix cache under a new name) the pool narrows to what the live ones need, the short one's static
+    steps still give the eager logits, and a prefix copied later from the long kept row is whole."""
+    path = tiny_checkpoint("llama")
+    long_prompt = [(7 * i) % 60 + 2 for i in range(200)]
+    static, eager = static_runner(path, preallocate_kv=preallocate), ModelRunner(path)
+    got, want = [], []
+    for runner, out in ((static, got), (eager, want)):
+        runner.add("long"), runner.add("short")
+        runner.extend(["long", "short"], [long_prompt, [3, 4, 5, 6]], [1, 1])
+        assert runner.pool.capacity == 256
+        runner.rename("long", ("prefix", 0))  # finished, kept for its prefix
+        assert runner.pool.capacity == 128
+        for t in (8, 9, 10):
+            out += runner.extend(["short"], [[t]], [1])
+        if runner is static:  # those steps were static, over the narrowed pool
+            assert ("extend", 1, 1) in static.graphs._steps and static.graphs._pool_key[1] == 128
+        runner.add("again")
+        runner.copy_prefix(("prefix", 0), "again", 150)
+        out += runner.extend(["again", "short"], [[11], [12]], [1, 1])
+    fresh = ModelRunner(path)
+    fresh.add("x")
+    [whole] = fresh.extend(["x"], [long_prompt[:150] + [11]], [1])
+    torch.testing.assert_close(got[-2], whole, rtol=1e-5, atol=1e-5)  # the kept row's positions past 128 survived
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ("extend", 2, 1) in static.graphs._steps  # the last step took the static path (the widening dropped the rest)
+
+
+def test_a_pool_narrowed_then_grown_past_its_store_keeps_every_position():
+    from saguaro_dist.model.kv_cache import KVPool
+    pool = KVPool(layers=1, kv_heads=1, head_dim=2, max_len=1024, device="cpu", dtype=torch.float32, rows=2)
+    pool.reserve(300)
+    pool.k[0, 1, 0, :300] = torch.arange(300.0)[:, None]
+    pool.shrink(128)
+    assert pool.capacity == 128 and pool.k.shape[3] == 128
+    pool.reserve(1000)  # beyond the store: copied into a larger one, the hidden positions too
+    assert pool.capacity == 1000
+    torch.testing.assert_close(pool.k[0, 1, 0, :300], torch.arange(300.0)[:, None].expand(300, 2))

@@ -6,6 +6,9 @@ import heapq
 import torch
 
 
+MIN_KV_CAPACITY = 128  # positions a pool starts with, and the least it narrows to
+
+
 class KVPool:
     """k, v: [layers, rows, kv_heads, capacity, head_dim]; row r holds one sequence's positions 0..capacity-1.
 
@@ -16,7 +19,7 @@ class KVPool:
     over the whole capacity (model/cuda_graphs.py)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, device, dtype,
-                 rows: int = 4, capacity: int = 128, reserve: bool = False):
+                 rows: int = 4, capacity: int = MIN_KV_CAPACITY, reserve: bool = False):
         self.max_len = max_len
         store = (layers, rows, kv_heads, max_len if reserve else min(capacity, max_len), head_dim)
         self._k_store = torch.zeros(store, device=device, dtype=dtype)
@@ -48,19 +51,28 @@ class KVPool:
         if length > self.capacity:
             self._resize(self.rows, min(max(length, 2 * self.capacity), self.max_len))
 
+    def shrink(self, capacity: int) -> None:
+        """Narrow the views to `capacity` positions; the store keeps what lies beyond (no copy, no memory
+        freed), so a row read later past it (a kept prefix) is whole again once reserve() widens the views.
+        Why: the static forwards that CUDA graphs capture attend over the whole capacity, so after one long
+        sequence every later step would attend over its length."""
+        if capacity < self.capacity:
+            self._view(self.rows, capacity)
+
     def _view(self, rows: int, capacity: int) -> None:
         self.k = self._k_store[:, :rows, :, :capacity]
         self.v = self._v_store[:, :rows, :, :capacity]
         self.capacity = capacity
 
     def _resize(self, rows: int, capacity: int):
-        """Widen the views within the store, or copy into a larger store."""
+        """Widen the views within the store, or copy the whole store (views narrowed by shrink() hide positions
+        still wanted) into a larger one."""
         if rows > self._k_store.shape[1] or capacity > self._k_store.shape[3]:
-            shape = list(self._k_store.shape)
-            shape[1], shape[3] = max(rows, shape[1]), max(capacity, shape[3])
+            old = self._k_store.shape
+            shape = [old[0], max(rows, old[1]), old[2], max(capacity, old[3]), old[4]]
             k, v = self._k_store.new_zeros(shape), self._v_store.new_zeros(shape)
-            k[:, :self.rows, :, :self.capacity] = self.k
-            v[:, :self.rows, :, :self.capacity] = self.v
+            k[:, :old[1], :, :old[3]] = self._k_store
+            v[:, :old[1], :, :old[3]] = self._v_store
             self._k_store, self._v_store = k, v
         self._view(rows, capacity)
 

@@ -12,7 +12,7 @@ from saguaro_dist.model.cuda_graphs import StepGraphs
 from saguaro_dist.model.device import parse_dtype, resolve_device
 from saguaro_dist.model.extend_batch import ExtendBatch
 from saguaro_dist.model.hf_config import load_config
-from saguaro_dist.model.kv_cache import KVPool
+from saguaro_dist.model.kv_cache import MIN_KV_CAPACITY, KVPool
 from saguaro_dist.model.loader import resolve_model_dir
 from saguaro_dist.model.memory import KVNeed, check_kv_fits, kv_bytes_per_token
 from saguaro_dist.model.rope import rope_tables
@@ -50,6 +50,7 @@ class ModelRunner:
             self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
+        self._kept: set[Hashable] = set()  # renamed ones: finished rows the prefix cache keeps
 
     def _kv_pool(self, kv_heads: int, max_batch_size: int, graphed: bool, preallocate: bool,
                  utilization: float) -> KVPool:
@@ -86,6 +87,8 @@ class ModelRunner:
     def free(self, seq_id: Hashable):
         self.pool.give_row(self._seq(seq_id)[0])
         del self._seqs[seq_id]
+        self._kept.discard(seq_id)
+        self._fit_capacity()
 
     def length(self, seq_id: Hashable) -> int:
         return self._seq(seq_id)[1]
@@ -100,6 +103,18 @@ class ModelRunner:
             raise ValueError(f"sequence {new_id!r} already exists")
         self._seqs[new_id] = self._seq(seq_id)
         del self._seqs[seq_id]
+        self._kept.add(new_id)
+        self._fit_capacity()
+
+    def _fit_capacity(self) -> None:
+        """Once the live sequences (not the kept rows, which copy_prefix reads after a reserve) are all a
+        quarter of the pool's capacity or less, narrow it to the next power of two at twice the longest.
+        The static forwards then stop attending over a long sequence that has gone; the margin (2x, and
+        shrinking only from 4x) keeps a pool from narrowing and widening again round after round."""
+        longest = max((n for key, (_, n) in self._seqs.items() if key not in self._kept), default=0)
+        target = max(MIN_KV_CAPACITY, 1 << (2 * longest - 1).bit_length())
+        if self.pool.capacity >= 2 * target:
+            self.pool.shrink(target)
 
     @torch.inference_mode()
     def copy_prefix(self, src_id: Hashable, dst_id: Hashable, length: int) -> None:
@@ -108,6 +123,7 @@ class ModelRunner:
         if dst[1] != 0 or not 0 < length <= src[1]:
             raise ValueError(f"copy_prefix({src_id!r} -> {dst_id!r}, {length}): the source holds {src[1]} positions, "
                              f"the destination {dst[1]} (must be 0)")
+        self.pool.reserve(length)  # a kept row may be longer than a narrowed pool's views
         self.pool.k[:, dst[0], :, :length] = self.pool.k[:, src[0], :, :length]
         self.pool.v[:, dst[0], :, :length] = self.pool.v[:, src[0], :, :length]
         dst[1] = length
