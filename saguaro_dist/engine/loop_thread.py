@@ -99,7 +99,6 @@ class EngineThread:
             self._take(inbox, aborts)
             self._run_chores(chores)
             self._step()
-            self.load = self.engine.load()
         self._fail_all(EngineError("the engine was shut down"))
         for _, done in self._chores:
             done.set_exception(EngineError("the engine was shut down"))
@@ -124,15 +123,21 @@ class EngineThread:
             self._publish(self.engine.abort(request_id))
 
     def _step(self) -> None:
+        """One engine step if it has work; the load snapshot is refreshed either way (an abort may have
+        emptied it)."""
         if not self.engine.has_work():
+            self.load = self.engine.load()
             return
         try:
-            self._publish(self.engine.step())
-            self._stats.maybe_log(self.engine.metrics, self.engine.load())
+            updates = self.engine.step()
+            self.load = self.engine.load()  # before the updates: a caller woken by its last one sees it gone
+            self._publish(updates)
+            self._stats.maybe_log(self.engine.metrics, self.load)
         except Exception as err:  # noqa: BLE001 - every in-flight request learns of it
             log.exception("engine step failed; failing in-flight requests")
             self._fail_all(EngineError(f"engine step failed: {err!r}"))
             self.engine.reset()
+            self.load = self.engine.load()
 
     def _publish(self, updates: list[Update]) -> None:
         for u in updates:
