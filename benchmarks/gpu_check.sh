@@ -7,7 +7,8 @@
 #             verifier's law on the device, CUDA-graph replay) and the engine's exactness suites with
 #             every model on the GPU (short forwards replayed from CUDA graphs, the default there);
 #   graphs    latency eager vs CUDA graphs (benchmarks/bench_cuda_graphs.py), demo pair fp32 and the
-#             inflated target bf16;
+#             inflated target bf16; a graphed decode beside a long request's wide KV pool vs the narrowed
+#             pool (benchmarks/bench_kv_narrowing.py);
 #   bench     `saguaro bench` on the demo pair itself (fp32), with CUDA graphs and then --enforce-eager;
 #   inflated  `saguaro bench` against the demo target inflated to a real model's cost (bench/inflate.py,
 #             bf16), where a target forward costs many draft forwards, as on real pairs (INFLATED_EAGER=1:
@@ -56,7 +57,9 @@ inflate_llama(demo_pair()[0], '$BIG', extra_layers=${INFLATE_LAYERS:-27}, interm
 stage_graphs() {
     { timeout "${GRAPHS_TIMEOUT:-60}" $PY benchmarks/bench_cuda_graphs.py --device "$DEVICE"
       inflated_target && timeout "${GRAPHS_TIMEOUT:-60}" $PY benchmarks/bench_cuda_graphs.py --device "$DEVICE" \
-          --models "$BIG,$(demo_draft)" --dtype bfloat16; } 2>&1 | tee "$OUT/graphs.log"
+          --models "$BIG,$(demo_draft)" --dtype bfloat16
+      timeout "${GRAPHS_TIMEOUT:-60}" $PY benchmarks/bench_kv_narrowing.py --device "$DEVICE" --long 8000; } 2>&1 \
+        | tee "$OUT/graphs.log"
 }
 stage_inflated() {
     inflated_target && bench inflated-bf16 "${INFLATED_TIMEOUT:-180}" --target "$BIG" --draft "$(demo_draft)" \

@@ -79,3 +79,8 @@ def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off():
     assert len(rows) == 12 and "chat ssd: off / on TTFT" in out and "batch ar: off / on" in out
     reused = {(r.split("|")[1].strip(), r.split("|")[2].strip(), r.split("|")[3].strip()): float(r.split("|")[6]) for r in rows}
     assert reused[("chat", "ar", "off")] == 0 and reused[("chat", "ar", "on")] > 24
+
+
+def test_kv_narrowing_bench_times_the_wide_and_the_narrowed_pool():
+    out = _run(str(BENCH / "bench_kv_narrowing.py"), "--batch", "2", "--long", "300", "--steps", "3")
+    assert "KV capacity 300)" in out and out.count("KV capacity 128)") == 2 and "wide / narrowed" in out
