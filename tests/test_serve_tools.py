@@ -262,7 +262,8 @@ def test_required_tool_choice_calls_given_functions(served):
     arguments = ["".join(d.function.arguments or "" for d in deltas if d.index == i) for i, _ in enumerate(opened)]
     assert opened == [(i, c.function.name) for i, c in enumerate(choice.message.tool_calls)]
     assert arguments == [c.function.arguments for c in choice.message.tool_calls]  # ... its arguments follow
-    assert len(deltas) > len(opened)  # as they are generated, not whole at the end (pieces are batched)
+    # Whether a call's arguments arrive in one delta or several depends on how the server batches deltas by
+    # time (a loaded machine may see the whole reply at once), so that is tested on ToolStream itself above.
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
 
