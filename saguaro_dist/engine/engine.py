@@ -144,7 +144,10 @@ class Engine:
         copies it (prefix caching's live sources) instead of computing it alongside."""
         if not self.config.enable_prefix_caching or s.params.prompt_logprobs is not None:
             return False
-        return any(common_prefix_len(x.prompt_token_ids, s.prompt_token_ids) - x.prefilled >= MIN_REUSE
+        # Lengths first: a step admitting a batch of short prompts would else compare every pair of them.
+        n = len(s.prompt_token_ids)
+        return any(min(n, len(x.prompt_token_ids)) - x.prefilled >= MIN_REUSE
+                   and common_prefix_len(x.prompt_token_ids, s.prompt_token_ids) - x.prefilled >= MIN_REUSE
                    for x in self.prefilling)
 
     def _start(self, s: Sequence) -> None:
