@@ -96,6 +96,7 @@ class Config:
     fan_out_kind: FanOut = FanOut.OUTCOME
     adaptive_fan_out: bool = False         # shrink the budget while tree builds outlast verifies (spec/budget.py)
     saguaro_c: float = 1.0                 # Saguaro sampling (ssd; sd drafts unbiased): scale of the draft's top-F probabilities
+    proposal_top_k: int = 0                # the draft proposes from its k likeliest tokens (T > 0; 0: all): still exact, q travels sparse
     fallback: FallbackPolicy = FallbackPolicy.AUTO
     tree_policy: TreePolicy = TreePolicy.AUTO
     max_batch_size: int = 8
@@ -154,6 +155,8 @@ class Config:
                 raise ValueError(f"{name} must be a branch, tag or commit of the Hub repository, got {value!r}")
         if not 0.0 <= float(self.saguaro_c) <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
+        if isinstance(self.proposal_top_k, bool) or not isinstance(self.proposal_top_k, int) or self.proposal_top_k < 0:
+            raise ValueError(f"proposal_top_k must be an integer >= 0 (0: off), got {self.proposal_top_k!r}")
         if isinstance(self.fan_out, tuple):
             if len(self.fan_out) != self.k + 1 or any((not isinstance(f, int)) or f < 1 for f in self.fan_out):
                 raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")

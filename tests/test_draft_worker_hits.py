@@ -156,3 +156,16 @@ def test_a_re_prefill_keeps_the_prompt_apart_from_earlier_output(draft_dir):
         with pytest.raises(ValueError, match="prompt_len"):
             worker.prefill([PrefillRequest(2, [5, 6, 7, 8, 9, 9], penalized, prompt_len=bad)])
     assert 2 not in worker.seqs  # nothing half-admitted
+
+
+def test_proposal_top_k_keeps_the_trees_q_to_k_tokens_and_it_travels_sparse(draft_dir):
+    from saguaro_dist.distributed import codec
+    sampled = DraftSampling(1.0, 0, 1.0, 7)
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=K, fan_out=8, proposal_top_k=3))
+    worker.prefill([PrefillRequest(0, [5, 6, 7, 8], sampled)])
+    jit = worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])[0]
+    (tree,) = worker.build_trees()
+    for q in (jit.probs, tree.proposals.probs):
+        support = (q > 0).sum(-1)
+        assert support.max() <= 3 and support.min() >= 1 and torch.allclose(q.sum(-1), torch.ones(q.shape[:-1]))
+    assert codec.tree_to_proto(tree).proposals.WhichOneof("probs") == "sparse"

@@ -143,6 +143,9 @@ CASES = {
     "ssd_miss_random": (dict(k=1, fan_out=2, fallback="random"), lambda m: m.fallbacks["random"] > 0),
     "ssd_saguaro_c": (dict(k=1, fan_out=4, saguaro_c=0.3), lambda m: m.cache_hits > 0),
     "ssd_k2": (dict(k=2, fan_out=9), lambda m: m.cache_hits > 0),
+    # The draft proposes from its 2 likeliest of 6 tokens: any q is exact when the verifier is given it.
+    "ssd_proposal_top_k": (dict(k=2, fan_out=6, proposal_top_k=2, fallback="neural"), lambda m: m.cache_hits > 0),
+    "sd_proposal_top_k": (dict(mode="sd", k=2, proposal_top_k=2), lambda m: m.rounds > 0),
     "ssd_draft_process": (dict(k=1, fan_out=3, fallback="neural", draft_executor="process"),
                           lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
 }

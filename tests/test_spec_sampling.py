@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from saguaro_dist.spec import (
-    one_hot_probs, row_uniforms, saguaro_probs, sample, sample_with_uniforms, target_probs, top_f_mask,
+    one_hot_probs, row_uniforms, saguaro_probs, sample, sample_with_uniforms, target_probs, top_f_mask, top_k_proposal,
 )
 from saguaro_dist.spec.sampling import sort_descending
 
@@ -203,3 +203,10 @@ def test_greedy_tokens_is_torch_argmax_on_every_layout():
     for x in cases:
         got = greedy_tokens(x)
         assert got.dtype == torch.int64 and torch.equal(got, x.float().argmax(dim=-1) if x.dtype != torch.double else x.argmax(-1)), x.shape
+
+
+def test_top_k_proposal_keeps_each_rows_k_likeliest_renormalised():
+    probs = torch.tensor([[0.1, 0.5, 0.3, 0.1], [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    kept = top_k_proposal(probs, 2)
+    assert torch.allclose(kept, torch.tensor([[0.0, 0.625, 0.375, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0] * 4]))
+    assert top_k_proposal(probs, 0) is probs and top_k_proposal(probs, 4) is probs  # off, and nothing to cut

@@ -89,6 +89,7 @@ class BenchConfig:
     fan_out_kind: str = "outcome"
     adaptive_fan_out: bool = False        # the engine default; sweep points over the budget always pin it
     saguaro_c: float = 1.0
+    proposal_top_k: int = 0               # the draft proposes from its k likeliest tokens (0: all)
     fallback: str = "auto"
     tree_policy: str = "auto"
     seed: int = 0
@@ -132,7 +133,7 @@ class BenchConfig:
 
     def engine_kwargs(self) -> dict:
         return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
-                    adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c,
+                    adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c, proposal_top_k=self.proposal_top_k,
                     fallback=self.fallback, tree_policy=self.tree_policy, max_batch_size=max(self.batch_sizes),
                     device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager)
 

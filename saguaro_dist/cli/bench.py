@@ -29,6 +29,7 @@ GRID_OPTIONS = {"--systems": ("systems", _names), "--settings": ("settings", _na
                 "--prompt-len": ("prompt_len", int), "--num-prompts": ("num_prompts", int), "--k": ("k", int),
                 "--fan-out": ("fan_out", int),
                 "--fan-out-kind": ("fan_out_kind", str), "--saguaro-c": ("saguaro_c", float),
+                "--proposal-top-k": ("proposal_top_k", int),
                 "--fallback": ("fallback", str), "--tree-policy": ("tree_policy", str), "--seed": ("seed", int), "--repeats": ("repeats", int),
                 "--cores": ("cores", int), "--device": ("device", str), "--dtype": ("dtype", str)}
 SWEEP_OPTIONS = {"--sweep-ks": ("ks", _ints), "--sweep-budgets": ("budgets", _ints), "--sweep-kinds": ("kinds", _names),

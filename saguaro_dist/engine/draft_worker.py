@@ -31,6 +31,7 @@ from saguaro_dist.model.branch import BranchState
 from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
+    top_k_proposal,
 )
 from saguaro_dist.spec.logit_bias import bias_row
 from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
@@ -235,13 +236,14 @@ class DraftWorker:
         return self.stats.fanout(self.config.fan_out_kind, budget, self.vocab_size)
 
     def _proposal_probs(self, logits: torch.Tensor, rows: RowSampling, top_f: list[int]) -> torch.Tensor:
-        """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0)."""
+        """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0),
+        then its top proposal_top_k tokens (a greedy row is one-hot: both leave it as it is)."""
         probs = sampling_probs(logits, rows)
         if self.saguaro_c < 1.0:
             sampled = (rows.temperature > 0).to(probs.device)
             scaled = saguaro_probs(probs, torch.tensor(top_f), self.saguaro_c)
             probs = torch.where(sampled[:, None], scaled, probs)
-        return probs
+        return top_k_proposal(probs, self.config.proposal_top_k)
 
     def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step,
                 penalties: RowPenalties | None = None,

@@ -27,6 +27,7 @@ from saguaro_dist.spec.sampling import (
     sample_with_uniforms,
     target_probs,
     top_f_mask,
+    top_k_proposal,
 )
 from saguaro_dist.spec.stats import ProposalSource, SpecStats, Timing
 from saguaro_dist.spec.theory import expected_tokens_per_round, predicted_speedup
