@@ -22,9 +22,11 @@ class FanOut(str, enum.Enum):
 
 class DraftExecutor(str, enum.Enum):
     """Where the one-host engine runs its draft (the distributed runtime uses Ray actors instead)."""
-    AUTO = "auto"        # thread for SD (draft and target never run at once); for SSD a process, or a thread on the target's GPU
+    AUTO = "auto"        # thread for SD (draft and target never run at once); for SSD split on the CPU, a process on
+                         # another GPU, a thread on the target's GPU
     PROCESS = "process"  # a child process spoken to over a pipe: no GIL shared with the target
     THREAD = "thread"    # a thread of this process: no start-up cost, but it competes for the GIL
+    SPLIT = "split"      # SSD: just-in-time drafts on a thread (SD's rounds, no hop), trees in a child process
 
 
 class TreePolicy(str, enum.Enum):
@@ -153,6 +155,8 @@ class Config:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a branch, tag or commit of the Hub repository, got {value!r}")
+        if self.draft_executor is DraftExecutor.SPLIT and self.mode is not Mode.SSD:
+            raise ValueError(f"draft_executor 'split' splits SSD's draft (drafts here, trees in a child); mode is {self.mode.value!r}")
         if not 0.0 <= float(self.saguaro_c) <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
         if isinstance(self.proposal_top_k, bool) or not isinstance(self.proposal_top_k, int) or self.proposal_top_k < 0:

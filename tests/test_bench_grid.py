@@ -77,6 +77,7 @@ def test_sweep_points_plots_and_predictions(tiny_llama_pair, tmp_path):
     axes = [p["axis"] for p in results["points"]]
     assert axes == ["k"] + ["fan_out"] * 6 + ["saguaro_c", "saguaro_c", "fallback"]  # 2 budgets x 3 kinds
     assert all(p["theorem7"]["predicted_tokens_per_s"] > 0 for p in results["points"])
+    assert all(p["calibration"]["batch"] == sweep.batch_size for p in results["points"])  # not every prompt at once
     pngs = write_plots(results, tmp_path)
     assert [p.name for p in pngs] == ["hit_rate_vs_budget.png", "acceptance_hit_vs_c.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)

@@ -43,7 +43,7 @@ def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
     (dict(k=0), "k must be"), (dict(fan_out=3, k=4), "fan_out budget"), (dict(fan_out=[1, 2], k=4), "k\\+1"),
     (dict(saguaro_c=1.5), "saguaro_c"), (dict(proposal_top_k=-1), "proposal_top_k"), (dict(proposal_top_k=2.0), "proposal_top_k"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
-    (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
+    (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(mode="sd", draft_executor="split"), "splits SSD's draft"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
     (dict(device="tpu"), "device must be"), (dict(device="cuda:x"), "device must be"), (dict(device=0), "device must be"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be"), (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
     (dict(max_model_len=2.5), "max_model_len must be"), (dict(max_batch_size=2.5), "max_batch_size must be"),
@@ -64,17 +64,18 @@ def test_config_parses_enums_and_lists():
     assert c.draft_executor is DraftExecutor.THREAD and c.fan_out_kind is FanOut.OUTCOME
 
 
-def test_auto_draft_executor_is_a_process_for_ssd_and_a_thread_for_sd():
+def test_auto_draft_executor_is_split_for_ssd_and_a_thread_for_sd():
     from saguaro_dist.engine.build import draft_executor
-    assert draft_executor(Config(model="m", draft="d", mode="ssd")) is DraftExecutor.PROCESS
+    assert draft_executor(Config(model="m", draft="d", mode="ssd")) is DraftExecutor.SPLIT
     assert draft_executor(Config(model="m", draft="d", mode="sd")) is DraftExecutor.THREAD
 
 
 @pytest.mark.parametrize("device, draft_device, want", [
     ("cuda", None, "thread"), ("cuda:0", "cuda", "thread"), ("cuda:1", "cuda:1", "thread"),
-    ("cuda:0", "cuda:1", "process"), ("cuda", "cpu", "process"), ("cpu", "cpu", "process")])
+    ("cuda:0", "cuda:1", "process"), ("cuda", "cpu", "split"), ("cpu", "cpu", "split")])
 def test_auto_ssd_draft_shares_the_targets_gpu_on_a_thread(device, draft_device, want):
-    """One GPU: a thread (its own CUDA stream overlaps the target's); another device or the CPU: a process."""
+    """One GPU: a thread (its own CUDA stream overlaps the target's); another GPU: a process; the CPU: split
+    (trees in a process, just-in-time drafts on a thread)."""
     from saguaro_dist.engine.build import draft_executor
     config = Config(model="m", draft="d", mode="ssd", device=device, draft_device=draft_device)
     assert draft_executor(config) is DraftExecutor(want)

@@ -127,6 +127,6 @@ def test_a_draft_thread_runs_on_its_own_stream_and_stays_exact(tiny_llama_pair):
              tree_policy="always") as llm:
         got = [o.token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
         backend = llm._thread.engine.loop.draft
-        seen = backend._call(lambda _: torch.cuda.current_stream(), None).result()
+        seen = backend.submit(lambda _: torch.cuda.current_stream(), None).result()
     assert got == want
     assert seen == backend.stream.stream and seen != torch.cuda.default_stream()

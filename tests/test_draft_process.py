@@ -49,10 +49,12 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-def test_killed_draft_process_costs_speed_not_tokens(pair):
+@pytest.mark.parametrize("executor", ["process", "split"])
+def test_killed_draft_process_costs_speed_not_tokens(pair, executor):
     want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
     before = draft_children()
-    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4) as llm:
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4,
+             draft_executor=executor) as llm:
         [child] = draft_children() - before
         result = {}
         worker = threading.Thread(target=lambda: result.update(

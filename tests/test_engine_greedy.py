@@ -154,6 +154,12 @@ def test_draft_process_matches_ar(pair, reference, case):
     check(pair, reference, run(pair, draft_executor="process", **PROCESS_CASES[case]))
 
 
+@pytest.mark.parametrize("case", sorted(c for c in PROCESS_CASES if c.startswith("ssd")))
+def test_split_draft_matches_ar(pair, reference, case):
+    """Just-in-time drafts on a thread, trees in the child: both halves follow every outcome."""
+    check(pair, reference, run(pair, draft_executor="split", **PROCESS_CASES[case]))
+
+
 def test_ssd_hits_the_cache_with_a_close_draft(pair):
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12) as llm:
         out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
@@ -162,7 +168,7 @@ def test_ssd_hits_the_cache_with_a_close_draft(pair):
     assert m.acceptance_rate > 0.3, m
 
 
-@pytest.mark.parametrize("executor, batch", [("thread", 1), ("thread", 4), ("process", 4)])
+@pytest.mark.parametrize("executor, batch", [("thread", 1), ("thread", 4), ("process", 4), ("split", 1), ("split", 4)])
 def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, executor, batch):
     """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken."""
     monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)

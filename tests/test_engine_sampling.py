@@ -148,6 +148,8 @@ CASES = {
     "sd_proposal_top_k": (dict(mode="sd", k=2, proposal_top_k=2), lambda m: m.rounds > 0),
     "ssd_draft_process": (dict(k=1, fan_out=3, fallback="neural", draft_executor="process"),
                           lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
+    "ssd_split_draft": (dict(k=1, fan_out=3, fallback="neural", draft_executor="split"),
+                        lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
 }
 PARAMS = {
     "t1": SamplingParams(temperature=1.0),
@@ -204,11 +206,13 @@ def test_a_draft_with_other_padding_rows_follows_the_target(padded_pairs, case, 
     assert p > ALPHA, f"{case}, draft of {draft_rows} rows: chi-square p = {p:.2e}"
 
 
-def test_tree_gate_transitions_follow_the_target(pair, monkeypatch):
-    """Rounds with and without trees mixed: each sequence's 3 tokens span a transition."""
+@pytest.mark.parametrize("executor", ["thread", "split"])
+def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
+    """Rounds with and without trees mixed: each sequence's 3 tokens span a transition (split: the
+    rounds without trees drafted on the thread, the others' trees built in the child)."""
     monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)
     target, draft, model = pair
-    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4)
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
     assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"

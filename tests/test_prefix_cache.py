@@ -249,7 +249,7 @@ def test_prompts_arriving_together_compute_a_shared_prefix_once(pair, mode):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.parametrize("executor", ["thread", "process", "split"])
 def test_reset_prefix_cache_forgets_every_kept_prefix(pair, executor, caplog):
     """vLLM's LLM.reset_prefix_cache(): the target's and the draft's kept rows go, the next identical prompt
     computes its prefix afresh, and the output stays greedy-identical."""
@@ -261,9 +261,10 @@ def test_reset_prefix_cache_forgets_every_kept_prefix(pair, executor, caplog):
         assert llm.reset_prefix_cache() is True
         engine = llm._thread.engine
         assert not engine.target.prefixes.entries
-        if executor == "thread":
-            engine.loop.draft._call(lambda _: None, None).result()  # the draft thread is past the reset
-            assert not engine.loop.draft.worker.prefixes.entries
+        thread = {"thread": engine.loop.draft, "split": getattr(engine.loop.draft, "jit", None)}.get(executor)
+        if thread is not None:
+            thread.submit(lambda _: None, None).result()  # the draft thread is past the reset
+            assert not thread.worker.prefixes.entries
         again = llm.generate(prompt_token_ids=[prompt], sampling_params=GREEDY)[0]
     assert again.metrics.num_cached_tokens == 0 and again.token_ids == first.token_ids
     assert not [r for r in caplog.records if "reset_prefix_cache" in r.getMessage()]  # the child knew the message

@@ -10,7 +10,8 @@ from saguaro_dist.config import check_device, check_dtype
 SYSTEMS = {
     "ar": "ours, autoregressive (target only)",
     "sd": "ours, speculative decoding (draft just in time, one process)",
-    "ssd": "ours, SSD one-host (draft in a child process, pipe)",
+    "ssd": "ours, SSD one-host (the default split: trees in a child process over a pipe, just-in-time drafts on a thread)",
+    "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
     "ssd-ray": "ours, SSD on local Ray (target actor + draft actor, gRPC)",
@@ -21,8 +22,8 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ssd", "ssd-thread", "ssd-trees", "ssd-ray")
-SSD_SYSTEMS = ("ssd", "ssd-thread", "ssd-trees", "ssd-ray")
+OURS = ("ar", "sd", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray")
+SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray")
 SPECULATIVE = ("sd", *SSD_SYSTEMS, "hf-assisted")
 ONE_PROCESS = ("ar", "hf", "sd", "hf-assisted")  # target (and draft) on one thread of the bench process
 
@@ -47,6 +48,9 @@ def placement(system: str, setting: str, cores: int = 2) -> Placement:
     if system in ("sd", "hf-assisted"):
         return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")
     if system in ("ssd", "ssd-trees"):  # two processes, 1 torch thread each: one core each
+        return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); draft: trees in a child "
+                                  "process (1 torch thread), pipe; just-in-time drafts on a thread beside the target")
+    if system == "ssd-process":
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); "
                                   "draft: child process (1 torch thread), pipe")
     if system == "ssd-thread":

@@ -238,10 +238,11 @@ def sweep_point(cfg: BenchConfig, sweep: SweepConfig, axis: str, overrides: dict
     finally:
         runner.close()
     cell = cell_record(sweep.system, sweep.setting, place, sweep.batch_size, sweep.temperature, timed)
-    calib = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts, sweep.temperature)
+    # The draft alone at the sweep's batch size (the point's prompts run batch_size at a time).
+    calib = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts[:sweep.batch_size], sweep.temperature)
     cell.pop("_measurement"), cell.pop("outputs")
     return {"axis": axis, "overrides": overrides, "k": cfg.k, "fan_out": cfg.fan_out, "fan_out_kind": cfg.fan_out_kind,
-            "saguaro_c": cfg.saguaro_c, "fallback": cfg.fallback, **cell,
+            "saguaro_c": cfg.saguaro_c, "fallback": cfg.fallback, **cell, "calibration": calib,
             "theorem7": predict_from_run(timed.best, sweep.batch_size, calib)}
 
 

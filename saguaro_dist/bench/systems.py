@@ -80,7 +80,8 @@ class OursSystem:
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
         mode = "ssd" if self.name.startswith("ssd") else self.name
-        executor = "thread" if self.name in ("sd", "ssd-thread") else "process"
+        executor = {"sd": "thread", "ssd": "split", "ssd-trees": "split", "ssd-process": "process",
+                    "ssd-thread": "thread"}.get(self.name, "auto")
         # Every repeat runs the same prompts: a prefix cache would skip our systems' prefills from the
         # second on (not transformers'), so it is off here, as in the runs before it existed.
         kwargs = {"enable_prefix_caching": False, **self.engine_kwargs,

@@ -119,7 +119,8 @@ def calibrate_draft(target: str, draft: str, engine_kwargs: dict, prompts: list[
         reqs = [JitDraftRequest(i, r, 0 if r == 0 else 1, p[-1]) for i, p in enumerate(prompts)]
         jit.append(_timed(worker.jit_draft, reqs))
         tree.append(_timed(worker.build_trees))
-    return {"tree_s": statistics.median(tree[1:]), "jit_s": statistics.median(jit[1:]), "threads": torch.get_num_threads()}
+    return {"batch": len(prompts), "tree_s": statistics.median(tree[1:]), "jit_s": statistics.median(jit[1:]),
+            "threads": torch.get_num_threads()}
 
 
 def _timed(fn, *args) -> float:

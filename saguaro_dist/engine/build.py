@@ -11,6 +11,7 @@ from saguaro_dist.engine.draft_backend import LocalDraftBackend
 from saguaro_dist.engine.draft_process import DraftProcess
 from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.engine.engine import Engine
+from saguaro_dist.engine.split_draft import SplitDraftBackend
 from saguaro_dist.model import ModelRunner, load_tokenizer
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.loader import TOKENIZER_FILES, resolve_model_dir
@@ -103,14 +104,17 @@ def build_draft_worker(config: Config, fit: DraftFit | None = None) -> DraftWork
 
 
 def draft_executor(config: Config) -> DraftExecutor:
-    """AUTO resolved. SD's draft and target never run at once: a thread. SSD overlaps them: on the CPU
-    its draft gets a process (and a GIL) of its own; on the target's own GPU a thread, whose CUDA
-    stream runs beside the target's, where a second process's CUDA context would take turns with the
-    target's (docs/benchmarks.md, "GPU, session 23")."""
+    """AUTO resolved. SD's draft and target never run at once: a thread. SSD overlaps them: a draft on
+    the CPU builds its trees in a process (and a GIL) of its own and drafts just in time on a thread, as
+    SD does (split: docs/architecture.md); on another GPU a process; on the target's own GPU a thread,
+    whose CUDA stream runs beside the target's, where a second process's CUDA context would take turns
+    with the target's (docs/benchmarks.md, "GPU, session 23")."""
     if config.draft_executor is not DraftExecutor.AUTO:
         return config.draft_executor
     if config.mode is not Mode.SSD or same_gpu(config.device, config.draft_device_resolved):
         return DraftExecutor.THREAD
+    if torch.device(config.draft_device_resolved).type == "cpu":
+        return DraftExecutor.SPLIT
     return DraftExecutor.PROCESS
 
 
@@ -121,15 +125,24 @@ def same_gpu(a: str, b: str) -> bool:
 
 
 def build_local_draft(config: Config, fit: DraftFit):
-    """The draft side of a one-host engine, on a thread or in a child process (config.draft_executor)."""
-    if draft_executor(config) is DraftExecutor.THREAD:
+    """The draft side of a one-host engine: on a thread, in a child process, or split between the two
+    (config.draft_executor)."""
+    executor = draft_executor(config)
+    if executor is DraftExecutor.THREAD:
         return LocalDraftBackend(build_draft_worker(config, fit))
     if config.draft_device_resolved == "cpu" and config.draft_threads is None:
         # A fresh process takes torch's default, every core, beside the target's own threads: on a
         # 2-core box that made rounds ~1.5x as long (docs/benchmark-history.md, session 9).
         log.warning("the SSD draft process will run torch on every core (its default) beside the target's %d "
                     "threads; set draft_threads (and target_threads) to split the cores", torch.get_num_threads())
-    return DraftProcess(config, fit)
+    trees = DraftProcess(config, fit)  # first: a draft that cannot load fails here, with the child's clear error
+    if executor is DraftExecutor.SPLIT:
+        try:
+            return SplitDraftBackend(LocalDraftBackend(build_draft_worker(config, fit)), trees)
+        except BaseException:
+            trees.close()
+            raise
+    return trees
 
 
 def build_local_engine(config: Config) -> tuple[Engine, object]:

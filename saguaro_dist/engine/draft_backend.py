@@ -92,22 +92,22 @@ class LocalDraftBackend:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
 
     def prefill(self, reqs):
-        self._call(self.worker.prefill, reqs).result()
+        self.submit(self.worker.prefill, reqs).result()
 
     def jit_draft(self, reqs):
-        return self._call(self.worker.jit_draft, reqs).result()
+        return self.submit(self.worker.jit_draft, reqs).result()
 
     def send_outcomes(self, outcomes):
-        self._call(self._observe_and_build, outcomes)
+        self.submit(self._observe_and_build, outcomes)
 
     def wait_trees(self, keys, timeout_s):
         return self.inbox.take(keys, timeout_s)
 
     def release(self, reqs):
-        self._call(self._release, reqs)  # on the worker thread: after any build that puts their trees
+        self.submit(self._release, reqs)  # on the worker thread: after any build that puts their trees
 
     def reset_prefix_cache(self, msg):
-        self._call(lambda _: self.worker.reset_prefix_cache(), msg)
+        self.submit(lambda _: self.worker.reset_prefix_cache(), msg)
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -120,7 +120,8 @@ class LocalDraftBackend:
         self.worker.observe(outcomes)
         self.inbox.put(self.worker.build_trees())
 
-    def _call(self, fn, arg):
+    def submit(self, fn, arg):
+        """fn(arg) on the worker thread, after every call before it; returns its Future."""
         def timed():
             start = time.perf_counter()
             try:

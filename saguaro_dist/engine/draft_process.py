@@ -64,7 +64,7 @@ class DraftProcess:
         self._known.update(r.seq_id for r in reqs)
 
     def jit_draft(self, reqs):
-        lost = [r.seq_id for r in reqs if r.seq_id not in self._known]
+        lost = self.lost([r.seq_id for r in reqs])
         if lost:
             raise DraftUnavailable(f"the draft process restarted without sequences {lost}", lost)
         return self._call("jit_draft", reqs, [r.seq_id for r in reqs])
@@ -89,6 +89,10 @@ class DraftProcess:
 
     def close(self) -> None:
         self._stop()
+
+    def lost(self, seq_ids: list[int]) -> list[int]:
+        """Those of seq_ids the child does not hold (it restarted without them)."""
+        return [sid for sid in seq_ids if sid not in self._known]
 
     # ---- the pipe ----------------------------------------------------------------------------------
     def _call(self, method: str, arg, seq_ids: list[int]):

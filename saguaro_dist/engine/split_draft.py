@@ -1,0 +1,94 @@
+"""SSD's one-host draft split in two: just-in-time drafts on a thread of the engine's process, trees in
+a child process (config.draft_executor = "split").
+
+Why: a round the tree gate runs without trees is SD's round, and SD drafts on its own thread. Sent to
+the child instead, each such draft pays a pipe round trip and its q's copy (b = 8, T = 0.7: 0.7 ms a
+round more draft wait than SD's, docs/benchmarks.md). Here both halves hold every sequence and see every
+outcome: the thread's worker drafts, the child's builds trees; each runs the committed tokens it has not
+seen in its next forward (the DraftWorker's KV invariant), so switching between the two costs no
+extra forward pass. The price is a second copy of the draft's weights and KV in the engine's process.
+"""
+from __future__ import annotations
+
+from saguaro_dist.distributed.errors import DraftUnavailable
+from saguaro_dist.engine.draft_backend import LocalDraftBackend
+from saguaro_dist.engine.draft_process import DraftProcess
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, Proposal
+
+MAX_UNOBSERVED = 4096  # outcomes the thread's worker may lag behind before it is sent them anyway
+
+
+class SplitDraftBackend:
+    """A DraftBackend: `jit` drafts, `trees` builds; both observe every outcome."""
+
+    def __init__(self, jit: LocalDraftBackend, trees: DraftProcess):
+        self.jit, self.trees = jit, trees
+        self.max_model_len = min(jit.max_model_len, trees.max_model_len)
+        self._unsent: list[Outcome] = []  # the just-in-time drafts' outcomes, sent with the next outcomes
+        # Outcomes the thread's worker has not observed: it learns them right before its next draft, so a
+        # round with trees costs the engine's process nothing (no work beside its verify, no GIL taken).
+        self._unobserved: list[Outcome] = []
+
+    def prefill(self, reqs):
+        self._forget([r.seq_id for r in reqs])  # a re-prefill restarts the sequence
+        local = self.jit.submit(self.jit.worker.prefill, reqs)  # both prefills at once
+        try:
+            self.trees.prefill(reqs)
+        finally:
+            local.result()
+
+    def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
+        lost = self.trees.lost([r.seq_id for r in reqs])
+        if lost:  # the child restarted without them: the engine re-prefills them on both halves
+            raise DraftUnavailable(f"the draft process restarted without sequences {lost}", lost)
+        observed, self._unobserved = self._unobserved, []
+        proposals = self.jit.submit(self._observe_then_draft, (observed, reqs)).result()
+        self._unsent += [_as_outcome(r, p) for r, p in zip(reqs, proposals)]
+        if all(r.skip_tree for r in reqs):  # no tree wanted: no send_outcomes need follow this round
+            self._flush([])
+        return proposals
+
+    def send_outcomes(self, outcomes):
+        self._unobserved += outcomes
+        if len(self._unobserved) > MAX_UNOBSERVED:  # a long run of rounds with trees: keep the list short
+            observed, self._unobserved = self._unobserved, []
+            self.jit.submit(self.jit.worker.observe, observed)
+        self._flush(outcomes)
+
+    def wait_trees(self, keys, timeout_s):
+        return self.trees.wait_trees(keys, timeout_s)
+
+    def release(self, reqs):
+        self._forget([r.seq_id for r in reqs])
+        self.jit.release(reqs)
+        self.trees.release(reqs)
+
+    def reset_prefix_cache(self, msg):
+        self.jit.reset_prefix_cache(msg)
+        self.trees.reset_prefix_cache(msg)
+
+    def close(self) -> None:
+        self.jit.close()
+        self.trees.close()
+
+    def _observe_then_draft(self, arg: tuple[list[Outcome], list[JitDraftRequest]]) -> list[Proposal]:
+        observed, reqs = arg
+        self.jit.worker.observe(observed)
+        return self.jit.worker.jit_draft(reqs)
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        gone = set(seq_ids)
+        self._unobserved = [o for o in self._unobserved if o.seq_id not in gone]
+
+    def _flush(self, outcomes: list[Outcome]) -> None:
+        """One message: the child then builds this round's trees, drafted or cached, in one batch."""
+        batch, self._unsent = self._unsent + outcomes, []
+        if batch:
+            self.trees.send_outcomes(batch)
+
+
+def _as_outcome(r: JitDraftRequest, p: Proposal) -> Outcome:
+    """The child learns a just-in-time draft as an outcome whose next speculation is its tokens (round
+    R's draft follows round R - 1's outcome; a sequence's first draft is round 0 on both sides)."""
+    return Outcome(r.seq_id, max(r.round - 1, 0), r.accepted, r.bonus_token, next_tokens=p.tokens.tolist(),
+                   skip_tree=r.skip_tree)
