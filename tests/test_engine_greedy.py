@@ -155,9 +155,12 @@ def test_draft_process_matches_ar(pair, reference, case):
 
 
 @pytest.mark.parametrize("case", sorted(c for c in PROCESS_CASES if c.startswith("ssd")))
-def test_split_draft_matches_ar(pair, reference, case):
-    """Just-in-time drafts on a thread, trees in the child: both halves follow every outcome."""
+def test_split_draft_matches_ar(pair, reference, case, caplog):
+    """Just-in-time drafts on a thread, trees in the child: both halves follow every outcome, never out
+    of step (the engine would recover from that with the fast backup and a re-prefill, tokens intact)."""
+    caplog.set_level("WARNING")
     check(pair, reference, run(pair, draft_executor="split", **PROCESS_CASES[case]))
+    assert not [r for r in caplog.records if "out of step" in r.getMessage() or "failed" in r.getMessage()]
 
 
 def test_ssd_hits_the_cache_with_a_close_draft(pair):
@@ -169,8 +172,10 @@ def test_ssd_hits_the_cache_with_a_close_draft(pair):
 
 
 @pytest.mark.parametrize("executor, batch", [("thread", 1), ("thread", 4), ("process", 4), ("split", 1), ("split", 4)])
-def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, executor, batch):
-    """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken."""
+def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, executor, batch):
+    """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken,
+    and the draft never out of step."""
+    caplog.set_level("WARNING")
     monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
              draft_executor=executor, tree_timeout_s=30.0) as llm:
@@ -178,6 +183,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, executor,
         m = llm.metrics
     check(pair, reference, outputs)
     assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m
+    assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 
 @pytest.mark.parametrize("capturing", [False, True])

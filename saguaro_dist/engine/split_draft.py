@@ -15,7 +15,7 @@ from saguaro_dist.engine.draft_backend import LocalDraftBackend
 from saguaro_dist.engine.draft_process import DraftProcess
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, Proposal
 
-MAX_UNOBSERVED = 4096  # outcomes the thread's worker may lag behind before it is sent them anyway
+MAX_UNOBSERVED = 1024  # rounds of outcomes the thread's worker may lag behind before it is sent them anyway
 
 
 class SplitDraftBackend:
@@ -25,9 +25,10 @@ class SplitDraftBackend:
         self.jit, self.trees = jit, trees
         self.max_model_len = min(jit.max_model_len, trees.max_model_len)
         self._unsent: list[Outcome] = []  # the just-in-time drafts' outcomes, sent with the next outcomes
-        # Outcomes the thread's worker has not observed: it learns them right before its next draft, so a
-        # round with trees costs the engine's process nothing (no work beside its verify, no GIL taken).
-        self._unobserved: list[Outcome] = []
+        # Outcomes the thread's worker has not observed, one batch a round (a batch holds a sequence once,
+        # as DraftWorker.observe expects): it learns them right before its next draft, so a round with
+        # trees costs the engine's process nothing (no work beside its verify, no GIL taken).
+        self._unobserved: list[list[Outcome]] = []
 
     def prefill(self, reqs):
         self._forget([r.seq_id for r in reqs])  # a re-prefill restarts the sequence
@@ -49,10 +50,11 @@ class SplitDraftBackend:
         return proposals
 
     def send_outcomes(self, outcomes):
-        self._unobserved += outcomes
+        if outcomes:
+            self._unobserved.append(outcomes)
         if len(self._unobserved) > MAX_UNOBSERVED:  # a long run of rounds with trees: keep the list short
             observed, self._unobserved = self._unobserved, []
-            self.jit.submit(self.jit.worker.observe, observed)
+            self.jit.submit(self._observe, observed)
         self._flush(outcomes)
 
     def wait_trees(self, keys, timeout_s):
@@ -71,14 +73,19 @@ class SplitDraftBackend:
         self.jit.close()
         self.trees.close()
 
-    def _observe_then_draft(self, arg: tuple[list[Outcome], list[JitDraftRequest]]) -> list[Proposal]:
+    def _observe_then_draft(self, arg: tuple[list[list[Outcome]], list[JitDraftRequest]]) -> list[Proposal]:
         observed, reqs = arg
-        self.jit.worker.observe(observed)
+        self._observe(observed)
         return self.jit.worker.jit_draft(reqs)
+
+    def _observe(self, rounds: list[list[Outcome]]) -> None:
+        for outcomes in rounds:  # in order: a later round's outcome of a sequence needs the earlier one
+            self.jit.worker.observe(outcomes)
 
     def _forget(self, seq_ids: list[int]) -> None:
         gone = set(seq_ids)
-        self._unobserved = [o for o in self._unobserved if o.seq_id not in gone]
+        kept = ([o for o in outcomes if o.seq_id not in gone] for outcomes in self._unobserved)
+        self._unobserved = [outcomes for outcomes in kept if outcomes]
 
     def _flush(self, outcomes: list[Outcome]) -> None:
         """One message: the child then builds this round's trees, drafted or cached, in one batch."""
