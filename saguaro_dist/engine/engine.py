@@ -206,6 +206,7 @@ class Engine:
         """Add verified tokens up to the first stop condition; cut stop strings from the text."""
         if not s.output_token_ids:
             s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
+            s.metrics.first_token_time = time.time()
         logprobs = s.round_logprobs  # the target's, for these tokens (only when the request asked)
         if logprobs:
             s.round_logprobs = []

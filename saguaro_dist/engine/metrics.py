@@ -18,6 +18,7 @@ class RequestMetrics:
     fallbacks: dict[str, int] = field(default_factory=dict)  # fallback kind -> times used
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: rounds that accepted draft token i+1
     time_to_first_token_s: float = 0.0
+    first_token_time: float = 0.0    # wall clock (time.time()) when the first token came, vLLM's name
     total_time_s: float = 0.0
     num_cached_tokens: int = 0       # prompt tokens whose KV the prefix cache supplied (vLLM's name)
 
