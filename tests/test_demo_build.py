@@ -84,3 +84,18 @@ def test_cli_rejects_non_positive_steps():
     args = build_parser().parse_args(["demo", "build", "--steps", "0"])
     with pytest.raises(ValueError, match="positive"):
         recipe_from_args(args)
+
+
+def test_greedy_with_its_kv_cache_is_transformers_greedy(tiny_checkpoint):
+    """The acceptance measurement's own cached greedy loop against transformers' generate, without
+    transformers' deprecation warning for the cache argument (removed in 5.40)."""
+    import warnings
+
+    from saguaro_dist.demo.evaluate import greedy
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint("llama")).eval()
+    ids = [1, 5, 9, 2, 7]
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, min_new_tokens=12)[0, 5:].tolist()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert greedy(model, ids, 12, eos_id=-1) == want

@@ -1,6 +1,8 @@
 """Measurements of a built pair: held-out loss and greedy speculative acceptance."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -20,18 +22,23 @@ def heldout_loss(model, tokens: torch.Tensor, seq_len: int, windows: int) -> flo
     return sum(losses) / len(losses)
 
 
+def cache_arg(model) -> str:
+    """The forward's KV-cache argument: transformers 5.x calls it `cache` (`past_key_values`, deprecated
+    there, goes in 5.40); 4.x only knows `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def greedy(model, ids: list[int], n: int, eos_id: int) -> list[int]:
     """Greedy continuation of ids (up to n tokens, stops after EOS), with a KV cache."""
+    name, new = cache_arg(model), []
     out = model(input_ids=torch.tensor([ids]), use_cache=True)
-    past, new = out.past_key_values, []
     for _ in range(n):
         token = int(out.logits[0, -1].argmax())
         new.append(token)
         if token == eos_id:
             break
-        out = model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=torch.tensor([[token]]), use_cache=True, **{name: getattr(out, name)})
     return new
 
 
