@@ -18,6 +18,7 @@ import time
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from saguaro_dist.demo.evaluate import cache_arg
 from saguaro_dist.model import ModelRunner, set_torch_threads
 from saguaro_dist.spec import sampling
 
@@ -70,24 +71,25 @@ def ours_rows(runner: ModelRunner, prompt: list[int], k: int, reps: int) -> dict
 
 
 def hf_rows(model: LlamaForCausalLM, prompt: list[int], k: int, reps: int) -> dict[str, float]:
+    kv = cache_arg(model)
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
-        model(torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        model(torch.tensor([prompt]), use_cache=True, **{kv: cache})
 
         def extend(m):
             def go():
-                model(torch.tensor([prompt[:m]]), past_key_values=cache, use_cache=True)
+                model(torch.tensor([prompt[:m]]), use_cache=True, **{kv: cache})
                 cache.crop(-m)  # transformers 5: a negative count drops that many positions
             return go
         rows = {"decode(1)": median_ms(extend(1), reps)}
         rows.update({f"extend(K+1={j + 1})": median_ms(extend(j + 1), reps) for j in range(3, k + 1)})
         for branches in (8, 21, 42):  # transformers has no shared-prefix branches: a batch of N copied caches
             batch = DynamicCache(config=model.config)
-            model(torch.tensor([prompt] * branches), past_key_values=batch, use_cache=True)
+            model(torch.tensor([prompt] * branches), use_cache=True, **{kv: batch})
             ids = torch.tensor([[t] for t in (prompt * 8)[:branches]])
 
             def step():
-                model(ids, past_key_values=batch, use_cache=True)
+                model(ids, use_cache=True, **{kv: batch})
                 batch.crop(-1)
             rows[f"branch_step N={branches}"] = median_ms(step, reps)
     return rows
