@@ -35,6 +35,14 @@ class TreePolicy(str, enum.Enum):
     ALWAYS = "always"  # a tree every round (the paper's SSD), even when building it outlasts the verify
 
 
+class HitGlue(str, enum.Enum):
+    """Whether a tree built right after a hit also covers the all-accepted outcome (k = K): that needs the draft's
+    distribution after x_K, one more sequential draft forward (spec/budget.py: DraftLoad)."""
+    AUTO = "auto"      # skip that forward while the target waits for trees; run it again once the draft has slack
+    ALWAYS = "always"  # every tree covers k = 0..K (the paper's)
+    SKIP = "skip"      # trees after a hit cover k < K only; F_K's branches go to k = K - 1
+
+
 class FallbackPolicy(str, enum.Enum):
     AUTO = "auto"      # neural below the critical batch size b*, fast above (Saguaro Theorem 17)
     NEURAL = "neural"  # the draft drafts K tokens just in time for the real outcome
@@ -101,6 +109,7 @@ class Config:
     proposal_top_k: int = 0                # the draft proposes from its k likeliest tokens (T > 0; 0: all): still exact, q travels sparse
     fallback: FallbackPolicy = FallbackPolicy.AUTO
     tree_policy: TreePolicy = TreePolicy.AUTO
+    hit_glue: HitGlue = HitGlue.AUTO       # ssd: after a hit, whether the tree covers k = K too (one draft forward more)
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
     max_num_batched_tokens: int = 2048     # prompt tokens an engine step prefills, tokens one forward takes: longer prompts run in chunks
@@ -132,6 +141,7 @@ class Config:
         object.__setattr__(self, "draft_executor", parse_enum(DraftExecutor, self.draft_executor, "draft_executor"))
         object.__setattr__(self, "fallback", parse_enum(FallbackPolicy, self.fallback, "fallback"))
         object.__setattr__(self, "tree_policy", parse_enum(TreePolicy, self.tree_policy, "tree_policy"))
+        object.__setattr__(self, "hit_glue", parse_enum(HitGlue, self.hit_glue, "hit_glue"))
         object.__setattr__(self, "scheduling_policy", parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy"))
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))

@@ -64,6 +64,20 @@ def test_config_parses_enums_and_lists():
     assert c.draft_executor is DraftExecutor.THREAD and c.fan_out_kind is FanOut.OUTCOME
 
 
+def test_hit_glue_from_the_api_and_the_cli():
+    import argparse
+
+    from saguaro_dist import HitGlue
+    from saguaro_dist.cli.serve import add_engine_args, engine_args
+    assert Config(model="m", draft="d").hit_glue is HitGlue.AUTO
+    assert Config(model="m", draft="d", hit_glue="skip").hit_glue is HitGlue.SKIP
+    with pytest.raises(ValueError, match="hit_glue"):
+        Config(model="m", draft="d", hit_glue="sometimes")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(engine_args(parser.parse_args(["--hit-glue", "always"]))).hit_glue is HitGlue.ALWAYS
+
+
 def test_auto_draft_executor_is_split_for_ssd_and_a_thread_for_sd():
     from saguaro_dist.engine.build import draft_executor
     assert draft_executor(Config(model="m", draft="d", mode="ssd")) is DraftExecutor.SPLIT

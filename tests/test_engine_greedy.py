@@ -216,6 +216,25 @@ def test_tree_policy_always_never_skips_a_tree(pair, reference):
     assert m.jit_rounds <= m.jit_round_tokens <= m.jit_rounds * (3 + 1), m  # each verified 1 to K + 1 tokens
 
 
+@pytest.mark.parametrize("hit_glue", ["skip", "always"])
+def test_hit_glue_skip_drops_k_equals_K_after_hits_and_stays_exact(pair, reference, monkeypatch, hit_glue):
+    """HitGlue.SKIP: a tree built right after every sequence hit its own branch leaves out x_K's forward and
+    so the all-accepted outcome; the outputs are the target's either way. (The real build runs: the spy
+    only keeps what it returned.)"""
+    from saguaro_dist.engine.draft_worker import DraftWorker
+    trees, build = [], DraftWorker.build_trees
+
+    def spy(self):
+        built = build(self)
+        trees.extend(built)
+        return built
+    monkeypatch.setattr(DraftWorker, "build_trees", spy)
+    outputs = run(pair, batch=1, mode="ssd", k=3, fan_out=12, tree_policy="always", hit_glue=hit_glue)
+    check(pair, reference, outputs)
+    without_k = [t for t in trees if t.accepted and max(t.accepted) < 3]
+    assert trees and (without_k if hit_glue == "skip" else not without_k), [t.accepted for t in trees]
+
+
 def test_final_only_requests_get_one_update_with_every_token(pair, reference):
     """generate()'s requests are read only at the end: one update each (on Ray, an update is an actor
     call each way), carrying every token; streamed (DELTA) requests get one per round."""

@@ -105,17 +105,18 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
 
 def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int = N, **kwargs):
     """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken).
-    EOS is ignored (a grammar's own end is never allowed within 3 tokens here)."""
-    mode = kwargs.pop("mode", "ssd")
+    EOS is ignored (a grammar's own end is never allowed within 3 tokens here). `max_tokens` (a kwarg)
+    generates longer and counts the first 3, for paths that only later rounds take."""
+    mode, max_tokens = kwargs.pop("mode", "ssd"), kwargs.pop("max_tokens", 3)
     kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
     with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         ignore_eos = params.structured_outputs is None
-        seeded = [replace(params, max_tokens=3, ignore_eos=ignore_eos, seed=i) for i in range(n)]
+        seeded = [replace(params, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i) for i in range(n)]
         outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded)
         metrics = llm.metrics
     counts: dict[tuple[int, ...], int] = {}
     for o in outs:
-        counts[tuple(o.token_ids)] = counts.get(tuple(o.token_ids), 0) + 1
+        counts[tuple(o.token_ids[:3])] = counts.get(tuple(o.token_ids[:3]), 0) + 1
     return counts, metrics
 
 
@@ -141,6 +142,10 @@ CASES = {
     "ssd_miss_neural": (dict(k=1, fan_out=2, fallback="neural"), lambda m: m.fallbacks["neural"] > 0),
     "ssd_miss_fast": (dict(k=1, fan_out=2, fallback="fast"), lambda m: m.fallbacks["fast"] > 0),
     "ssd_miss_random": (dict(k=1, fan_out=2, fallback="random"), lambda m: m.fallbacks["random"] > 0),
+    # Full coverage hits every round, so every glue after a hit skips x_K: k = K then always misses.
+    "ssd_hit_glue_skip": (dict(k=1, fan_out=VOCAB * 2 - 1, adaptive_fan_out=False, hit_glue="skip", fallback="neural",
+                               tree_policy="always", max_tokens=5),
+                          lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
     "ssd_saguaro_c": (dict(k=1, fan_out=4, saguaro_c=0.3), lambda m: m.cache_hits > 0),
     "ssd_k2": (dict(k=2, fan_out=9), lambda m: m.cache_hits > 0),
     # The draft proposes from its 2 likeliest of 6 tokens: any q is exact when the verifier is given it.

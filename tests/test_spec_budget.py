@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from saguaro_dist.spec import BudgetController, next_budget_scale, scaled_budget
+from saguaro_dist.spec import BudgetController, DraftLoad, draft_load, next_budget_scale, scaled_budget
 
 
 @pytest.mark.parametrize("idle_s, expected", [(0.0, 0.72), (0.05, 0.72), (0.2, 0.9), (0.6, 0.99)])
@@ -50,3 +50,26 @@ def test_controller_ignores_gaps_filled_by_other_work_and_can_be_off():
     off.tree_built(0.05)
     off.outcomes_arrived()
     assert off.scale == 1.0
+
+
+@pytest.mark.parametrize("idle_s, target_wait_s, load", [(0.05, 0.0, DraftLoad.BUSY), (0.6, 0.2, DraftLoad.BUSY),
+                                                         (0.3, 0.0, DraftLoad.EVEN), (0.6, 0.0, DraftLoad.SLACK)])
+def test_draft_load_by_idle_share_and_reported_wait(idle_s, target_wait_s, load):
+    assert draft_load(1.0, idle_s, target_wait_s) is load
+
+
+def test_busy_turns_on_when_the_target_waits_and_off_only_at_slack_even_with_adaptation_off():
+    """HitGlue.AUTO reads `busy`: hysteresis, so a tree that got fast enough by skipping x_K (the draft now
+    about even with the verify) does not flip back to the slower tree every other round."""
+    c = BudgetController(floor=0.25, enabled=False)
+    c.tree_built(1.0)
+    c.outcomes_arrived(target_wait_s=0.5)
+    assert c.busy and c.scale == 1.0
+    c.tree_built(1.0)
+    c._built_at -= 0.3  # idle 0.3 of a build: EVEN
+    c.outcomes_arrived()
+    assert c.busy
+    c.tree_built(0.001)
+    time.sleep(0.01)  # idle 10x the build: SLACK
+    c.outcomes_arrived()
+    assert not c.busy

@@ -7,6 +7,7 @@ import torch
 from saguaro_dist.config import FanOut
 from saguaro_dist.spec import (
     geometric_fanout, geometric_outcome_probs, outcome_fanout, resolve_fanout, round_to_budget, select_branches, uniform_fanout,
+    full_acceptance_worth_skipping, without_full_acceptance,
 )
 
 torch.set_num_threads(1)
@@ -125,3 +126,39 @@ def test_resolve_outcome_kind_uses_the_given_distribution_or_the_geometric_one()
     probs = [0.1, 0.1, 0.1, 0.6, 0.1]
     assert resolve_fanout(FanOut.OUTCOME, 12, 4, 0.8, 0.5, 100, probs) == outcome_fanout(12, probs, 0.5)
     assert resolve_fanout("outcome", 12, 4, 0.8, 0.5, 100) == geometric_fanout(12, 4, 0.8, 0.5)
+
+
+def test_a_tree_without_full_acceptance_keeps_the_budget_and_answers_k_below_K():
+    assert without_full_acceptance([5, 3, 2, 1, 1], vocab_size=10) == [5, 3, 2, 2]
+    assert without_full_acceptance([8, 6], vocab_size=10) == [9]  # k = K - 1 still excludes x_K: V - 1 at most
+    probs = torch.softmax(torch.randn(1, 3, 10), -1)  # K = 3, the glue's rows after b, x_1, x_2: none after x_3
+    chosen = select_branches(probs, torch.tensor([[1, 2, 3]]), without_full_acceptance([3, 2, 2, 1], vocab_size=10))
+    assert chosen.accepted.tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert 3 not in chosen.bonus[0, 5:].tolist()  # a rejected x_3 is never the bonus at k = 2
+    full = select_branches(torch.full((1, 2, 10), 0.1), torch.tensor([[4, 5]]), without_full_acceptance([2, 8, 3], 10))
+    assert sorted(full.bonus[0, 2:].tolist()) == [t for t in range(10) if t != 5]
+
+
+def test_full_acceptance_is_skipped_only_while_its_hits_are_worth_less_than_a_forward():
+    fanout = [5, 3, 2, 1, 1]  # K = 4
+
+    def model(r):
+        return lambda f: 1 - f ** -r if f > 1 else (0.8 if f == 1 else 0.0)
+    # a draft right to the end in 60% of rounds (the target as its own draft): keep k = K
+    assert not full_acceptance_worth_skipping([0.1, 0.1, 0.1, 0.1, 0.6], fanout, model(1.0))
+    # k = K rare, or its one branch rarely hits: skip
+    assert full_acceptance_worth_skipping([0.3, 0.25, 0.2, 0.15, 0.1], fanout, model(1.0))
+    assert full_acceptance_worth_skipping([0.1, 0.1, 0.1, 0.3, 0.4], fanout, lambda f: 0.05)
+    # the lost hits net of what the moved branch gains at k = K - 1, times K, against 1
+    probs, hit = [0.2, 0.2, 0.2, 0.2, 0.2], model(1.0)
+    lost = 0.2 * hit(2) - 0.2 * (hit(4) - hit(2))
+    assert full_acceptance_worth_skipping(probs, [2, 2, 2, 2, 2], hit) == (lost * 4 < 1)
+
+
+def test_hit_probability_is_measured_where_seen_and_modelled_elsewhere():
+    from saguaro_dist.spec import SpecStats
+    stats = SpecStats(k=4, min_lookups=4)
+    stats.record_lookups([1] * 10, [True] * 9 + [False])
+    assert stats.hit_probability(1) == pytest.approx(0.9, abs=0.01)
+    assert stats.hit_probability(4) == pytest.approx(1 - 4 ** -stats.r)
+    assert stats.hit_probability(0) == 0.0

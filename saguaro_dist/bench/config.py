@@ -96,6 +96,7 @@ class BenchConfig:
     proposal_top_k: int = 0               # the draft proposes from its k likeliest tokens (0: all)
     fallback: str = "auto"
     tree_policy: str = "auto"
+    hit_glue: str = "auto"                # after a hit, whether trees cover k = K (Config.hit_glue)
     seed: int = 0
     repeats: int = 1                      # timed repeats per cell (the best is kept) after an untimed warm-up (runner.warm_up)
     interleave: bool = False              # every system of a setting open at once, one repeat of each in turn
@@ -138,7 +139,8 @@ class BenchConfig:
     def engine_kwargs(self) -> dict:
         return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
                     adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c, proposal_top_k=self.proposal_top_k,
-                    fallback=self.fallback, tree_policy=self.tree_policy, max_batch_size=max(self.batch_sizes),
+                    fallback=self.fallback, tree_policy=self.tree_policy, hit_glue=self.hit_glue,
+                    max_batch_size=max(self.batch_sizes),
                     device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager)
 
     def to_dict(self) -> dict:

@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, Mode, SchedulingPolicy, TreePolicy
+from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode, SchedulingPolicy, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -26,7 +26,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "draft_device": "draft_device",
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "gpu_memory_utilization": "gpu_memory_utilization", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
-                "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy",
+                "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy", "hit_glue": "hit_glue",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
                 "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
@@ -66,6 +66,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-policy", choices=[t.value for t in TreePolicy],
                    help="ssd: auto (default) runs rounds with or without speculation trees, whichever is measured "
                         "faster at the batch size; always builds a tree every round")
+    g.add_argument("--hit-glue", choices=[h.value for h in HitGlue],
+                   help="ssd: after a hit, whether the tree covers the all-accepted outcome too (one draft forward "
+                        "more); auto (default) skips it while the target waits for trees")
     g.add_argument("--max-batch-size", "--max-num-seqs", type=int, dest="max_batch_size",
                    help="sequences decoded together (vLLM's --max-num-seqs; default 8)")
     g.add_argument("--max-model-len", type=int)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_dist.config import Config, Mode
+from saguaro_dist.config import Config, HitGlue, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.messages import (
     DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
@@ -30,7 +30,7 @@ from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
-    BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
+    BudgetController, ProposalSource, full_acceptance_worth_skipping, without_full_acceptance, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
     top_k_proposal,
 )
 from saguaro_dist.spec.logit_bias import bias_row
@@ -308,8 +308,10 @@ class DraftWorker:
         Returns one (state index, k, bonus token) per branch to build.
         """
         logits = [self._constrained_positions(s, x) for s, x in zip(states, self._glue_logits(states))]
-        ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V]
+        ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V], or [B, K, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
+        if ranking.shape[1] == self.k:  # x_K not run (_glue_logits): outcomes k < K only
+            fanouts = {g: without_full_acceptance(f, self.vocab_size) for g, f in fanouts.items()}
         rows = []
         for i, s in enumerate(states):
             chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanouts[s.num_shards])
@@ -325,10 +327,26 @@ class DraftWorker:
             if m:  # a branch is adopted where the KV holds committed[:-1]; this KV lacks some of it
                 s.hit = None
         adopted = [self._adopt_hit(s) for s in states]                             # [K, V] each, or None
+        if self._skips_x_k(states, adopted):
+            return adopted
         tokens = [m + s.committed[-1:] + s.speculation if a is None else s.speculation[-1:]
                   for s, m, a in zip(states, missing, adopted)]
         fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) - len(m) for t, m in zip(tokens, missing)])
         return [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
+
+    def _skips_x_k(self, states: list[DraftSeq], adopted: list) -> bool:
+        """Whether this glue forward, which would run x_K alone for every sequence (each hit its own
+        branch), is left out: the trees then skip k = K (HitGlue; AUTO: while the target waits for trees and
+        the hits at k = K are worth less than the forward). Never for cache-parallel shards, whose workers
+        must slice one branch list alike."""
+        policy = self.config.hit_glue
+        if policy is HitGlue.ALWAYS or any(a is None or s.num_shards > 1 for s, a in zip(states, adopted)):
+            return False
+        if policy is HitGlue.AUTO and not (self.budget.busy and full_acceptance_worth_skipping(
+                self.stats.outcome_probs, self.last_fanout, self.stats.hit_probability)):
+            return False
+        self.last_fanout = [*without_full_acceptance(self.last_fanout, self.vocab_size), 0]  # k = K: looked up at F = 0
+        return True
 
     def _penalties(self, owners: list[DraftSeq], paths: Iterable[list[int]]) -> RowPenalties | None:
         """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;

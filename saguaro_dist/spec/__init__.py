@@ -2,8 +2,8 @@
 engine keeps (SpeculationCache, SpecStats). See each function's docstring for its formula."""
 from __future__ import annotations
 
-from saguaro_dist.spec.branches import BranchSet, select_branches
-from saguaro_dist.spec.budget import BudgetController, next_budget_scale, scaled_budget
+from saguaro_dist.spec.branches import BranchSet, full_acceptance_worth_skipping, select_branches, without_full_acceptance
+from saguaro_dist.spec.budget import BudgetController, DraftLoad, draft_load, next_budget_scale, scaled_budget
 from saguaro_dist.spec.cache import SpeculationCache
 from saguaro_dist.spec.fallback import (
     choose_fallback,
@@ -44,7 +44,7 @@ from saguaro_dist.spec.verify import (
 
 __all__ = [
     "BranchSet", "select_branches",
-    "BudgetController", "next_budget_scale", "scaled_budget",
+    "without_full_acceptance", "full_acceptance_worth_skipping", "BudgetController", "DraftLoad", "draft_load", "next_budget_scale", "scaled_budget",
     "SpeculationCache",
     "choose_fallback", "critical_batch_size", "fast_backup_throughput", "neural_backup_throughput",
     "ngram_proposal", "random_proposal",

@@ -10,6 +10,7 @@ link's round trip (~1 ms on loopback), so the target could wait every round whil
 """
 from __future__ import annotations
 
+import enum
 import time
 
 SHRINK = 0.8          # multiplicative decrease: the draft is on the critical path
@@ -18,14 +19,25 @@ BUSY_IDLE_SHARE = 0.1  # idle < 10% of a build: the outcome was waiting, the tar
 SLACK_IDLE_SHARE = 0.5  # idle > 50% of a build: room for more branches
 
 
-def next_budget_scale(scale: float, build_s: float, idle_s: float, floor: float, target_wait_s: float = 0.0) -> float:
-    """scale' in [floor, 1]: x SHRINK if the target waited (target_wait_s or the idle gap under 0.1
-    build_s), x GROW if it did not and idle_s > 0.5 build_s, else kept."""
+class DraftLoad(enum.Enum):
+    BUSY = "busy"    # the target waited for the tree: the draft is on the critical path
+    SLACK = "slack"  # the draft idled over half a build: room for more work
+    EVEN = "even"    # neither: keep what you do
+
+
+def draft_load(build_s: float, idle_s: float, target_wait_s: float = 0.0) -> DraftLoad:
+    """BUSY if the target waited (target_wait_s or the idle gap under 0.1 build_s), SLACK if it did not
+    and idle_s > 0.5 build_s, else EVEN."""
     busy = BUSY_IDLE_SHARE * build_s
     if target_wait_s > busy or idle_s < busy:
-        scale *= SHRINK
-    elif idle_s > SLACK_IDLE_SHARE * build_s:
-        scale *= GROW
+        return DraftLoad.BUSY
+    return DraftLoad.SLACK if idle_s > SLACK_IDLE_SHARE * build_s else DraftLoad.EVEN
+
+
+def next_budget_scale(scale: float, build_s: float, idle_s: float, floor: float, target_wait_s: float = 0.0) -> float:
+    """scale' in [floor, 1]: x SHRINK when the draft is BUSY, x GROW when it has SLACK, else kept."""
+    load = draft_load(build_s, idle_s, target_wait_s)
+    scale *= SHRINK if load is DraftLoad.BUSY else GROW if load is DraftLoad.SLACK else 1.0
     return min(1.0, max(floor, scale))
 
 
@@ -40,6 +52,7 @@ class BudgetController:
 
     def __init__(self, floor: float, enabled: bool = True):
         self.scale, self.floor, self.enabled = 1.0, floor, enabled
+        self.busy = False  # the target waited for a recent tree and the draft has had no slack since (HitGlue.AUTO)
         self._built_at: float | None = None  # when the last tree build ended (None: no clean measurement)
         self._build_s = 0.0
 
@@ -52,7 +65,10 @@ class BudgetController:
 
     def outcomes_arrived(self, target_wait_s: float = 0.0) -> None:
         """target_wait_s: how long the target waited for the last tree built (0: not reported)."""
-        if self._built_at is not None and self.enabled:
+        if self._built_at is not None:
             idle_s = time.perf_counter() - self._built_at
-            self.scale = next_budget_scale(self.scale, self._build_s, idle_s, self.floor, target_wait_s)
+            load = draft_load(self._build_s, idle_s, target_wait_s)
+            self.busy = load is DraftLoad.BUSY or (self.busy and load is DraftLoad.EVEN)  # off only at SLACK
+            if self.enabled:
+                self.scale = next_budget_scale(self.scale, self._build_s, idle_s, self.floor, target_wait_s)
         self._built_at = None

@@ -139,6 +139,17 @@ class SpecStats:
         fitted = fit_miss_exponent(*zip(*bins))
         return self.defaults["r"] if fitted is None else min(max(fitted, R_RANGE[0]), R_RANGE[1])
 
+    def hit_probability(self, fanout: int) -> float:
+        """P(hit) for an outcome prepared with `fanout` branches: as measured at that fan-out once
+        min_lookups were seen there (one branch is common and the model's 1 - F^-r says 0 for it), else
+        the model's."""
+        if fanout <= 0:
+            return 0.0
+        seen = self._misses_by_f.get(fanout)
+        if seen is not None and seen.count >= self.min_lookups:
+            return 1.0 - seen.total / seen.count
+        return 1.0 - fanout ** -self.r if fanout > 1 else self.hit_rate
+
     def tokens_per_round(self, source: ProposalSource) -> float:
         """Mean k* + 1 for rounds from `source`; before data: sum_{i<=K} a^i. The fast backup keeps
         FAST_PRIOR_ROUNDS rounds of that prior, so it is tried before it is judged: with a pessimistic
