@@ -82,7 +82,7 @@ def test_seeded_sampling_is_reproducible_on_a_fixed_path(tiny_llama_pair):
     target, draft = tiny_llama_pair
     params = SamplingParams(temperature=0.9, max_tokens=12, seed=7)
     with LLM(model=target, draft=draft, mode="ssd", k=2, fan_out=[3, 2, 1], tree_policy="always",
-             fallback="neural", max_model_len=64) as engine:
+             hit_glue="always", fallback="neural", max_model_len=64) as engine:
         a = engine.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params)[0].token_ids
         b = engine.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params)[0].token_ids
     assert a == b

@@ -21,7 +21,7 @@ def engine_flags(serving_pair) -> list[str]:
     return [target, "--draft", draft, "--mode", ENGINE_ARGS["mode"], "--k", str(ENGINE_ARGS["k"]),
             "--max-batch-size", "4", "--max-model-len", str(ENGINE_ARGS["max_model_len"]),
             "--fan-out", ",".join(map(str, ENGINE_ARGS["fan_out"])), "--tree-policy", ENGINE_ARGS["tree_policy"],
-            "--fallback", ENGINE_ARGS["fallback"]]
+            "--hit-glue", ENGINE_ARGS["hit_glue"], "--fallback", ENGINE_ARGS["fallback"]]
 
 
 def line(custom_id, body, url="/v1/completions", **extra) -> str:

@@ -16,10 +16,11 @@ API_KEY = "sk-test-saguaro"
 MODEL_NAME = "tiny-ssd"
 APP_NAME = "saguaro"
 # The engine settings of the shared server; the reference LLM uses the same ones.
-# A fixed speculation path (explicit fan-out, a tree every round, neural fallback): a seeded request then
-# reproduces exactly, which one test checks over HTTP (README: "Reproducible sampling").
+# A fixed speculation path (explicit fan-out, a tree every round, x_K always run after a hit, neural
+# fallback): a seeded request then reproduces exactly, which one test checks over HTTP (README:
+# "Reproducible sampling").
 ENGINE_ARGS = {"mode": "ssd", "k": 2, "max_batch_size": 16, "max_model_len": 256, "fan_out": [3, 3, 3],
-               "tree_policy": "always", "fallback": "neural"}
+               "tree_policy": "always", "hit_glue": "always", "fallback": "neural"}
 SENTENCES = [
     "the cat sat on the mat", "a dog ran in the park", "hello world from the desert",
     "def add ( a , b ) : return a + b", "class Stack : pass", "import os", "for i in range ( 10 ) :",
