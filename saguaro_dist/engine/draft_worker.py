@@ -30,8 +30,8 @@ from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
-    BudgetController, ProposalSource, full_acceptance_worth_skipping, without_full_acceptance, SpecStats, greedy_tokens, sample, saguaro_probs, scaled_budget, select_branches,
-    top_k_proposal,
+    BudgetController, ProposalSource, SpecStats, full_acceptance_worth_skipping, greedy_tokens, sample, saguaro_probs,
+    scaled_budget, select_branches, top_k_proposal, without_full_acceptance,
 )
 from saguaro_dist.spec.logit_bias import bias_row
 from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
@@ -312,6 +312,7 @@ class DraftWorker:
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
         if ranking.shape[1] == self.k:  # x_K not run (_glue_logits): outcomes k < K only
             fanouts = {g: without_full_acceptance(f, self.vocab_size) for g, f in fanouts.items()}
+            self.last_fanout = [*fanouts[min(fanouts)], 0]  # a lookup at k = K meets F = 0
         rows = []
         for i, s in enumerate(states):
             chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanouts[s.num_shards])
@@ -342,11 +343,8 @@ class DraftWorker:
         policy = self.config.hit_glue
         if policy is HitGlue.ALWAYS or any(a is None or s.num_shards > 1 for s, a in zip(states, adopted)):
             return False
-        if policy is HitGlue.AUTO and not (self.budget.busy and full_acceptance_worth_skipping(
-                self.stats.outcome_probs, self.last_fanout, self.stats.hit_probability)):
-            return False
-        self.last_fanout = [*without_full_acceptance(self.last_fanout, self.vocab_size), 0]  # k = K: looked up at F = 0
-        return True
+        return policy is HitGlue.SKIP or (self.budget.busy and full_acceptance_worth_skipping(
+            self.stats.outcome_probs, self.last_fanout, self.stats.hit_probability))
 
     def _penalties(self, owners: list[DraftSeq], paths: Iterable[list[int]]) -> RowPenalties | None:
         """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;

@@ -43,8 +43,8 @@ from saguaro_dist.spec.verify import (
 )
 
 __all__ = [
-    "BranchSet", "select_branches",
-    "without_full_acceptance", "full_acceptance_worth_skipping", "BudgetController", "DraftLoad", "draft_load", "next_budget_scale", "scaled_budget",
+    "BranchSet", "select_branches", "without_full_acceptance", "full_acceptance_worth_skipping",
+    "BudgetController", "DraftLoad", "draft_load", "next_budget_scale", "scaled_budget",
     "SpeculationCache",
     "choose_fallback", "critical_batch_size", "fast_backup_throughput", "neural_backup_throughput",
     "ngram_proposal", "random_proposal",
