@@ -36,7 +36,10 @@ def draft_load(build_s: float, idle_s: float, target_wait_s: float = 0.0) -> Dra
 
 def next_budget_scale(scale: float, build_s: float, idle_s: float, floor: float, target_wait_s: float = 0.0) -> float:
     """scale' in [floor, 1]: x SHRINK when the draft is BUSY, x GROW when it has SLACK, else kept."""
-    load = draft_load(build_s, idle_s, target_wait_s)
+    return _rescaled(scale, draft_load(build_s, idle_s, target_wait_s), floor)
+
+
+def _rescaled(scale: float, load: DraftLoad, floor: float) -> float:
     scale *= SHRINK if load is DraftLoad.BUSY else GROW if load is DraftLoad.SLACK else 1.0
     return min(1.0, max(floor, scale))
 
@@ -70,5 +73,5 @@ class BudgetController:
             load = draft_load(self._build_s, idle_s, target_wait_s)
             self.busy = load is DraftLoad.BUSY or (self.busy and load is DraftLoad.EVEN)  # off only at SLACK
             if self.enabled:
-                self.scale = next_budget_scale(self.scale, self._build_s, idle_s, self.floor, target_wait_s)
+                self.scale = _rescaled(self.scale, load, self.floor)
         self._built_at = None
