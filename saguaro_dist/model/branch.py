@@ -1,7 +1,10 @@
 """Branch decode: many private paths hanging off the stored prefixes of a few sequences.
 
 Branches of one sequence are laid out as extra query rows of that sequence (its prefix KV is read once
-for all of them); each branch's private KV lives in the BranchState, slot depth * Q + j."""
+for all of them); each branch's private KV lives in the BranchState, slot depth * Q + j. An eager state
+copies its sequences' prefix KV once, right before the private slots (`keys`, `values`): every step then
+attends over a view of one buffer, where it gathered the prefix and concatenated it to the private KV in
+every layer (demo draft, b = 1, 12 branches: docs/benchmark-history.md, session 36)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,11 +22,13 @@ class BranchState:
     prefix_len: torch.Tensor      # [U, Q] int64; padding slots hold 0
     bias: torch.Tensor | None     # [U, 1, Q * group, P + D_cap * Q] model dtype: 0 where a branch sees a key, else -inf
     out_index: torch.Tensor       # [N] int64: branch i's slot u * Q + j in the [U, Q] layout
-    private_k: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
-    private_v: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim]
+    private_k: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim] (eager: a view into keys)
+    private_v: torch.Tensor       # [layers, U, kv_heads, D_cap * Q, head_dim] (eager: a view into values)
     depth: int = 0                # tokens already on every private path
     max_prefix_len: int = 0       # max of prefix_len, kept on the host (no device sync per step)
     graph_key: tuple | None = None  # the CUDA-graph layout whose buffers hold private_k/v (bias unused); None: eager
+    keys: torch.Tensor | None = None    # eager: [layers, U, kv_heads, P + D_cap * Q, head_dim], the prefix, then private_k
+    values: torch.Tensor | None = None  # eager: the same for V
 
     @property
     def num_branches(self) -> int:
@@ -46,19 +51,26 @@ def group_branches(seq_rows: list[int]) -> tuple[list[int], list[tuple[int, int]
 
 def new_branch_state(seq_ids, seq_rows, prefix_lens, group: int, pool: KVPool, depth_cap: int = 8) -> BranchState:
     rows, uj = group_branches(seq_rows)
-    dev = pool.k.device
+    dev, p = pool.k.device, max(prefix_lens)
     u_count, q = len(rows), 1 + max(j for _, j in uj)
     u_idx = torch.tensor([u for u, _ in uj], device=dev)
     j_idx = torch.tensor([j for _, j in uj], device=dev)
     plen = torch.zeros(u_count, q, dtype=torch.long, device=dev)
     plen[u_idx, j_idx] = torch.tensor(prefix_lens, device=dev)
-    keys = torch.arange(max(prefix_lens), device=dev)
-    seen = (keys[None, None, :] < plen[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
+    seen = (torch.arange(p, device=dev)[None, None, :] < plen[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1)
     bias = torch.cat([additive_mask(seen, pool.k.dtype), private_bias(u_count, q, group, depth_cap, pool.k)], dim=-1)
-    layers, _, kv, _, hd = pool.k.shape
-    priv = (layers, u_count, kv, depth_cap * q, hd)
-    return BranchState(list(seq_ids), rows, plen, bias, u_idx * q + j_idx,
-                       pool.k.new_zeros(priv), pool.v.new_zeros(priv), max_prefix_len=max(prefix_lens))
+    keys, values = (_window(stored, rows_index(rows, dev), u_count, p, depth_cap * q) for stored in (pool.k, pool.v))
+    return BranchState(list(seq_ids), rows, plen, bias, u_idx * q + j_idx, keys[:, :, :, p:], values[:, :, :, p:],
+                       max_prefix_len=p, keys=keys, values=values)
+
+
+def _window(stored: torch.Tensor, rows, u_count: int, p: int, private: int) -> torch.Tensor:
+    """[layers, U, kv, p + private, D]: the U rows' (rows_index) first p positions, then `private` zeroed slots (zeros, not
+    garbage: a masked key still enters the product, and 0 x NaN is NaN)."""
+    layers, _, kv, _, hd = stored.shape
+    window = stored.new_zeros((layers, u_count, kv, p + private, hd))
+    window[:, :, :, :p] = stored[:, rows, :, :p]
+    return window
 
 
 def private_bias(u_count: int, q: int, group: int, depth: int, like: torch.Tensor) -> torch.Tensor:
@@ -68,16 +80,23 @@ def private_bias(u_count: int, q: int, group: int, depth: int, like: torch.Tenso
 
 
 def grow_private(state: BranchState, group: int):
-    """Double the private depth capacity (amortised: once per doubling, never per step)."""
-    k, v = state.private_k, state.private_v
+    """Double the private depth capacity of an eager state (amortised: once per doubling, never per step)."""
+    p, cap = state.keys.shape[3] - state.private_k.shape[3], state.private_k.shape[3]
     u_count, q = state.prefix_len.shape
-    shape = list(k.shape)
-    shape[3] *= 2
-    state.private_k, state.private_v = k.new_zeros(shape), v.new_zeros(shape)
-    state.private_k[:, :, :, :k.shape[3]] = k
-    state.private_v[:, :, :, :v.shape[3]] = v
-    extra = private_bias(u_count, q, group, k.shape[3] // q, k)
+    state.keys, state.private_k = _grown(state.keys, cap), None
+    state.values = _grown(state.values, cap)
+    state.private_k, state.private_v = state.keys[:, :, :, p:], state.values[:, :, :, p:]
+    extra = private_bias(u_count, q, group, cap // q, state.keys)
     state.bias = torch.cat([state.bias, extra], dim=-1)
+
+
+def _grown(buffer: torch.Tensor, extra: int) -> torch.Tensor:
+    """buffer with `extra` more zeroed positions (dim 3) after its own."""
+    shape = list(buffer.shape)
+    shape[3] += extra
+    grown = buffer.new_zeros(shape)
+    grown[:, :, :, :buffer.shape[3]] = buffer
+    return grown
 
 
 class BranchBatch:
@@ -91,23 +110,17 @@ class BranchBatch:
         pos = (state.prefix_len + state.depth).clamp_max(cos.shape[0] - 1)
         self.cos, self.signed_sin = cos[pos].unsqueeze(2), signed_sin[pos].unsqueeze(2)  # [U, Q, 1, D]
         self.p = state.bias.shape[-1] - state.private_k.shape[3]  # longest prefix
-        self.bias = state.bias[..., :self.p + (state.depth + 1) * self.q]  # a view: built once per state
+        seen = self.p + (state.depth + 1) * self.q
+        self.bias = state.bias[..., :seen]  # a view: built once per state
         # Every layer's slices taken once per forward (a layer then indexes them: one op, not four).
-        # The prefix is read-only here, so scattered rows may be gathered before any store.
-        rows = rows_index(state.rows, pool.k.device)
         lo, hi = state.depth * self.q, (state.depth + 1) * self.q
-        self.prefix = (pool.k[:, rows, :, :self.p], pool.v[:, rows, :, :self.p])   # [layers, U, kv, P, D]
         self.write_to = (state.private_k[:, :, :, lo:hi], state.private_v[:, :, :, lo:hi])  # [layers, U, kv, Q, D]
-        self.private = (state.private_k[:, :, :, :hi], state.private_v[:, :, :, :hi])  # this step's included
+        self.window = (state.keys[:, :, :, :seen], state.values[:, :, :, :seen])  # prefix + this step's private
 
     def attend(self, layer: int, q, k, v) -> torch.Tensor:
         """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]."""
         self.write_to[0][layer].copy_(k.transpose(1, 2))
         self.write_to[1][layer].copy_(v.transpose(1, 2))
-        kp, vp = self.prefix[0][layer], self.prefix[1][layer]
-        # One fused attention over [prefix ‖ private] keys: copying the prefix costs less than the dozen
-        # small ops of two partial softmaxes (draft branch step, P = 100: 17 vs 33 us a layer; equal at
-        # P = 1500 and at 8 sequences; docs/architecture.md).
-        keys = torch.cat([kp, self.private[0][layer]], dim=2)
-        values = torch.cat([vp, self.private[1][layer]], dim=2)
-        return unfold_heads(dense_attention(fold_heads(q, kp.shape[1]), keys, values, self.bias), self.q)
+        # One fused attention over [prefix ‖ private] keys, a strided view SDPA reads as it is.
+        keys, values = self.window[0][layer], self.window[1][layer]
+        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.bias), self.q)
