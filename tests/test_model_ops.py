@@ -28,13 +28,14 @@ def test_rope_with_signed_sin_is_rotate_half_bit_for_bit(dtype):
     assert torch.equal(apply_rope(x, c, ss), x * c + rotate_half(x) * s)
 
 
+@pytest.mark.parametrize("hidden", [96, 4096])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_is_transformers_formula_bit_for_bit(dtype):
-    norm = RMSNorm(96, 1e-6).to(dtype)
+def test_rms_norm_is_transformers_formula_bit_for_bit(dtype, hidden):
+    norm = RMSNorm(hidden, 1e-6).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(96, generator=torch.Generator().manual_seed(1)))
+        norm.weight.copy_(torch.randn(hidden, generator=torch.Generator().manual_seed(1)))
     for scale in (0.01, 1.0, 30.0):
-        x = (torch.randn(3, 7, 96, generator=torch.Generator().manual_seed(2)) * scale).to(dtype)
+        x = (torch.randn(3, 7, hidden, generator=torch.Generator().manual_seed(2)) * scale).to(dtype)
         h = x.float()
         expected = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
         with torch.no_grad():

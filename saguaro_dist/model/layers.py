@@ -18,9 +18,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As transformers computes it: normalised in fp32, cast back, then the weight in the input dtype.
-        # F.rms_norm is one op where the spelled-out form was five (bitwise equal in fp32, fp16 and bf16
-        # on torch 2.13; tests/test_model_ops.py), so no weight inside it: that would change the rounding.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        # mean is sum then div_ in ATen, and pow(2) is x * x: bitwise the same (tests/test_model_ops.py),
+        # in fewer ops than F.rms_norm, whose CPU kernel is the spelled-out form plus two dtype copies
+        # (a demo-draft tree 3.6% faster, session 36). No weight inside: that would change the rounding.
+        h = x.float()
+        return self.weight * (h * (h * h).sum(-1, keepdim=True).div_(h.shape[-1]).add_(self.eps).rsqrt_()).to(x.dtype)
 
 
 class Attention(nn.Module):
