@@ -204,6 +204,22 @@ def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monk
         assert all(r is not None for r in rates.values()), rates
 
 
+def test_auto_fallback_still_tries_the_backup_it_judged_slower(pair, reference):
+    """A neural backup once timed as hopelessly slow (seeded here) loses every automatic choice; one in
+    EXPLORE_EVERY still takes it, so its estimate can recover; outputs stay the target's."""
+    from saguaro_dist.spec import Timing
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["far"], mode="ssd", k=3, fan_out=4, max_batch_size=1,
+             draft_executor="thread", tree_policy="always", fallback="auto") as llm:
+        stats = llm._thread.engine.loop.stats
+        stats.record_time(Timing.VERIFY, 0.001)
+        stats.record_time(Timing.NEURAL_BACKUP, 100.0)
+        outputs = [o.token_ids for _ in range(2) for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        fallbacks = llm.metrics.fallbacks
+    check(pair, reference, outputs[:len(PROMPTS)])
+    check(pair, reference, outputs[len(PROMPTS):])
+    assert fallbacks["fast"] >= 15 and 1 <= fallbacks["neural"] <= fallbacks["fast"] // 15 + len(PROMPTS) * 2, fallbacks
+
+
 def test_tree_policy_always_never_skips_a_tree(pair, reference):
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
              draft_executor="thread", tree_policy="always") as llm:

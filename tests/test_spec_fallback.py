@@ -6,7 +6,7 @@ import torch
 
 from saguaro_dist.config import FallbackPolicy
 from saguaro_dist.spec import (
-    choose_fallback, critical_batch_size, expected_tokens_per_round, fast_backup_throughput,
+    choose_fallback, critical_batch_size, expected_tokens_per_round, explore_fallback, fast_backup_throughput,
     neural_backup_throughput, ngram_proposal, predicted_speedup, random_proposal,
 )
 
@@ -83,6 +83,16 @@ def test_choose_fallback_small_batch_neural_large_batch_fast():
     for fixed in (FallbackPolicy.NEURAL, FallbackPolicy.FAST, FallbackPolicy.RANDOM):
         assert choose_fallback(fixed, 1, 2) is fixed
         assert choose_fallback(fixed, 1000, 2) is fixed
+
+
+def test_every_sixteenth_automatic_choice_takes_the_other_backup():
+    """So the losing backup's cost and tokens are measured again: one slow first measurement must not
+    settle the choice for good."""
+    NEURAL, FAST = FallbackPolicy.NEURAL, FallbackPolicy.FAST
+    chosen = [explore_fallback(FAST, d) for d in range(48)]
+    assert [d for d, kind in enumerate(chosen) if kind is NEURAL] == [15, 31, 47]
+    assert [explore_fallback(NEURAL, d, every=4) for d in range(4)] == [NEURAL, NEURAL, NEURAL, FAST]
+    assert explore_fallback(FallbackPolicy.RANDOM, 15) is FallbackPolicy.RANDOM
 
 
 def test_theorem_7_hand_case():

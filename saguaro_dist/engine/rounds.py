@@ -18,7 +18,9 @@ from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.cuda_graphs import graph_captures
-from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, ngram_proposal, random_proposal
+from saguaro_dist.spec import (
+    ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback, ngram_proposal, random_proposal,
+)
 from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
 
 log = logging.getLogger(__name__)
@@ -220,6 +222,7 @@ class SSDLoop(SDLoop):
         self.cache = SpeculationCache()
         self.gate = TreeGate() if config.tree_policy is TreePolicy.AUTO else None
         self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
+        self._fallback_choices = 0  # automatic fallback choices made (explore_fallback)
 
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
@@ -306,6 +309,8 @@ class SSDLoop(SDLoop):
         for s in misses:
             s.metrics.cache_misses += 1
         kind = choose_fallback(self.config.fallback, batch_size, self.stats.critical_batch_size())
+        if self.config.fallback is FallbackPolicy.AUTO:
+            kind, self._fallback_choices = explore_fallback(kind, self._fallback_choices), self._fallback_choices + 1
         if kind is not FallbackPolicy.NEURAL:
             return self._fast(misses, kind)
         start = time.perf_counter()

@@ -8,6 +8,7 @@ from saguaro_dist.spec.cache import SpeculationCache
 from saguaro_dist.spec.fallback import (
     choose_fallback,
     critical_batch_size,
+    explore_fallback,
     fast_backup_throughput,
     neural_backup_throughput,
     ngram_proposal,
@@ -46,7 +47,7 @@ __all__ = [
     "BranchSet", "select_branches", "without_full_acceptance", "full_acceptance_worth_skipping",
     "BudgetController", "DraftLoad", "draft_load", "next_budget_scale", "scaled_budget",
     "SpeculationCache",
-    "choose_fallback", "critical_batch_size", "fast_backup_throughput", "neural_backup_throughput",
+    "choose_fallback", "explore_fallback", "critical_batch_size", "fast_backup_throughput", "neural_backup_throughput",
     "ngram_proposal", "random_proposal",
     "geometric_fanout", "geometric_outcome_probs", "outcome_fanout", "resolve_fanout", "round_to_budget",
     "uniform_fanout", "vocab_caps",
