@@ -112,6 +112,10 @@ def test_adopting_a_branch_continues_like_extending_its_tokens(pair):
     state, _ = runner.branch_start(["z", "z"], [10, 8], [paths[0][0], paths[1][0]])
     for d in range(1, 4):
         runner.branch_step(state, torch.tensor([paths[0][d], paths[1][d]]))
+    runner.branch_end(state)  # frees the prefixes' copy; what adoption reads stays
+    assert state.keys is None and state.private_k.shape[3] == 4 * 2
+    with pytest.raises(ValueError, match="were ended"):
+        runner.branch_step(state, torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="branch starts at 8"):
         runner.adopt_branch(state, 1, 3)  # the sequence holds 10 positions, not the branch's prefix 8
     runner.truncate("z", 8)

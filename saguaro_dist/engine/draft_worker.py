@@ -409,6 +409,7 @@ class DraftWorker:
         columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
                                      lambda drawn: self.runner.branch_step(state, drawn), self._penalties(owners, paths),
                                      self._row_grammars(owners, paths))
+        self.runner.branch_end(state)
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
         counts = Counter(i for i, _, _ in rows)
         for i, s in enumerate(states):

@@ -73,6 +73,16 @@ def _window(stored: torch.Tensor, rows, u_count: int, p: int, private: int) -> t
     return window
 
 
+def end_branches(state: BranchState) -> None:
+    """The decode is over: an eager state keeps only its private KV (what adoption reads), so the copy of
+    its sequences' prefixes is not held between rounds (a draft keeps the last tree for the next hit)."""
+    if state.keys is None:
+        return
+    used = state.depth * state.prefix_len.shape[1]
+    state.private_k, state.private_v = state.private_k[:, :, :, :used].clone(), state.private_v[:, :, :, :used].clone()
+    state.keys = state.values = None
+
+
 def private_bias(u_count: int, q: int, group: int, depth: int, like: torch.Tensor) -> torch.Tensor:
     """[U, 1, Q * group, depth * Q]: private slot d * Q + j' is visible to branch j iff j' == j."""
     own = torch.eye(q, dtype=torch.bool, device=like.device).repeat_interleave(group, dim=0).repeat(1, depth)

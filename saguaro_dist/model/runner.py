@@ -6,7 +6,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from saguaro_dist.config import check_memory_utilization
-from saguaro_dist.model.branch import BranchBatch, BranchState, new_branch_state
+from saguaro_dist.model.branch import BranchBatch, BranchState, end_branches, new_branch_state
 from saguaro_dist.model.build import build_model
 from saguaro_dist.model.cuda_graphs import StepGraphs
 from saguaro_dist.model.device import parse_dtype, resolve_device
@@ -228,9 +228,16 @@ class ModelRunner:
         """One more token per branch (LongTensor [N]); logits [N, V] float32."""
         if len(tokens) != state.num_branches:
             raise ValueError(f"branch_step: {len(tokens)} tokens for {state.num_branches} branches")
+        if state.graph_key is None and state.keys is None:
+            raise ValueError("branch_step: these branches were ended (branch_end)")
         if state.max_prefix_len + state.depth >= self.max_model_len:
             raise ValueError(f"branch_step: a branch would pass max_model_len {self.max_model_len}")
         return self._branch_forward(state, tokens)
+
+    @torch.inference_mode()
+    def branch_end(self, state: BranchState) -> None:
+        """No more steps on `state`: what only steps needed is freed; adopt_branch still reads it."""
+        end_branches(state)
 
     @torch.inference_mode()
     def adopt_branch(self, state: BranchState, branch: int, depth: int) -> None:
