@@ -4,7 +4,8 @@ Branches of one sequence are laid out as extra query rows of that sequence (its 
 for all of them); each branch's private KV lives in the BranchState, slot depth * Q + j. An eager state
 copies its sequences' prefix KV once, right before the private slots (`keys`, `values`): every step then
 attends over a view of one buffer, where it gathered the prefix and concatenated it to the private KV in
-every layer (demo draft, b = 1, 12 branches: docs/benchmark-history.md, session 36)."""
+every layer (demo draft, b = 1, 12 branches: docs/benchmarks.md, session 36). Once the decode is over
+(`end_branches`) only the private slots, which adoption reads, are kept."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,8 +66,8 @@ def new_branch_state(seq_ids, seq_rows, prefix_lens, group: int, pool: KVPool, d
 
 
 def _window(stored: torch.Tensor, rows, u_count: int, p: int, private: int) -> torch.Tensor:
-    """[layers, U, kv, p + private, D]: the U rows' (rows_index) first p positions, then `private` zeroed slots (zeros, not
-    garbage: a masked key still enters the product, and 0 x NaN is NaN)."""
+    """[layers, U, kv, p + private, D]: the U rows' (rows_index) first p positions, then `private` zeroed
+    slots (zeros, not garbage: a masked key still enters the product, and 0 x NaN is NaN)."""
     layers, _, kv, _, hd = stored.shape
     window = stored.new_zeros((layers, u_count, kv, p + private, hd))
     window[:, :, :, :p] = stored[:, rows, :, :p]
@@ -93,8 +94,7 @@ def grow_private(state: BranchState, group: int):
     """Double the private depth capacity of an eager state (amortised: once per doubling, never per step)."""
     p, cap = state.keys.shape[3] - state.private_k.shape[3], state.private_k.shape[3]
     u_count, q = state.prefix_len.shape
-    state.keys, state.private_k = _grown(state.keys, cap), None
-    state.values = _grown(state.values, cap)
+    state.keys, state.values = _grown(state.keys, cap), _grown(state.values, cap)
     state.private_k, state.private_v = state.keys[:, :, :, p:], state.values[:, :, :, p:]
     extra = private_bias(u_count, q, group, cap // q, state.keys)
     state.bias = torch.cat([state.bias, extra], dim=-1)
