@@ -112,8 +112,8 @@ def _grown(buffer: torch.Tensor, extra: int) -> torch.Tensor:
 class BranchBatch:
     """The per-forward context of one branch step: one new token per branch slot, input layout [U, Q]."""
 
-    def __init__(self, state: BranchState, pool: KVPool, cos, signed_sin, group: int):
-        self.state, self.pool = state, pool
+    def __init__(self, state: BranchState, cos, signed_sin, group: int):
+        self.state = state
         u_count, self.q = state.prefix_len.shape
         if (state.depth + 1) * self.q > state.private_k.shape[3]:
             grow_private(state, group)

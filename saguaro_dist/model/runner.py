@@ -263,7 +263,7 @@ class ModelRunner:
             return logits
         ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
         ids.view(-1)[state.out_index] = torch.as_tensor(tokens, device=self.device).long()
-        ctx = BranchBatch(state, self.pool, self.cos, self.signed_sin, self.group)
+        ctx = BranchBatch(state, self.cos, self.signed_sin, self.group)
         hidden = self.model(ids, ctx)
         state.depth += 1
         return self.model.logits(hidden.reshape(-1, hidden.shape[-1])[state.out_index]).float()
