@@ -4,7 +4,8 @@
     python benchmarks/bench_tree_gate.py replay rounds.json [--trials 200] [--paired]
 
 `record` runs one-host SSD on the demo pair (8 held-out prompts, 128 tokens, 3 passes) with every
-round forced to trees, then to just-in-time drafts, and saves each round's (tokens, seconds).
+round forced to trees, then to just-in-time drafts, and saves each round's (tokens, seconds, rows,
+fast-backup rows, their tokens).
 `replay` runs the gate over that data: at every round it picks a kind, and the round of that kind
 recorded at the same point of the same text (greedy: both kinds generate the same tokens) is what
 it gets. It prints the gate's tok/s over the better fixed kind's on the same drawn passes (mean, p10,
@@ -36,14 +37,14 @@ def record(temperature: float, batch: int, out: str) -> None:
         def mode(self, batch_size):
             return forced["mode"]
 
-        def record(self, batch_size, mode, tokens, seconds):
-            log.append((tokens, seconds))
+        def record(self, batch_size, mode, gained, seconds):
+            log.append((gained.tokens, seconds, gained.rows, gained.fast_rows, gained.fast_tokens))
 
     rounds.TreeGate = ForcedGate  # the SSD loop builds its gate from this name
     llm = LLM(model=target, draft=draft, mode="ssd", k=4, fan_out=12, target_threads=1, draft_threads=1)
     params = SamplingParams(temperature=temperature, max_tokens=128, ignore_eos=True, seed=0)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=temperature, max_tokens=16))
-    data = {m.value: [] for m in RoundMode}  # mode -> [pass][group] -> [(tokens, seconds)]
+    data = {m.value: [] for m in RoundMode}  # mode -> [pass][group] -> [(tokens, seconds, rows, fast_rows, fast_tokens)]
     for _ in range(3):
         for mode in RoundMode:
             forced["mode"], groups = mode, []
@@ -56,14 +57,14 @@ def record(temperature: float, batch: int, out: str) -> None:
         json.dump({"temperature": temperature, "batch": batch, "rounds": data}, f)
     for mode, passes in data.items():
         rounds_ = [r for p in passes for g in p for r in g]
-        print(f"{mode}: {len(rounds_)} rounds, {sum(t for t, _ in rounds_) / sum(s for _, s in rounds_):.1f} tok/s")
+        print(f"{mode}: {len(rounds_)} rounds, {sum(r[0] for r in rounds_) / sum(r[1] for r in rounds_):.1f} tok/s")
 
 
 def _replay_once(data: dict, rng: random.Random, paired: bool, passes: int = 3) -> tuple[float, float]:
     """One engine's life: `passes` times over every prompt group, each kind's pass drawn at random (with
     `paired`, one pass for both kinds: recorded a few seconds apart, they share the box's drift). Returns
     the gate's tok/s over the better fixed kind's on the same draws, and the share of tree rounds."""
-    from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
+    from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
     gate, tokens, seconds, trees = TreeGate(), 0.0, 0.0, 0
     fixed = {m: [0.0, 0.0] for m in data}  # kind -> [tokens, seconds] of running it every round
     for _ in range(passes):
@@ -71,18 +72,18 @@ def _replay_once(data: dict, rng: random.Random, paired: bool, passes: int = 3) 
             shared = rng.randrange(len(data["trees"]))
             runs = {m: data[m][shared if paired else rng.randrange(len(data[m]))][g] for m in data}
             for m, r in runs.items():
-                fixed[m][0] += sum(t for t, _ in r)
-                fixed[m][1] += sum(x for _, x in r)
+                fixed[m][0] += sum(x[0] for x in r)
+                fixed[m][1] += sum(x[1] for x in r)
             starts = {m: _starts(r) for m, r in runs.items()}
-            pos, end, idx = 0, sum(t for t, _ in runs["trees"]), {m: 0 for m in runs}
+            pos, end, idx = 0, sum(x[0] for x in runs["trees"]), {m: 0 for m in runs}
             while pos < end:
                 mode = gate.mode(1)
                 m, i = mode.value, idx[mode.value]
                 while i < len(starts[m]) - 1 and starts[m][i + 1] <= pos:
                     i += 1
                 idx[m] = i
-                t, s = runs[m][i]
-                gate.record(1, mode, t, s)
+                t, s, *fast = runs[m][i]  # (recordings before the fast-row fields: 2 fields)
+                gate.record(1, mode, RoundYield(*fast[:1] or [1], t, *fast[1:]), s)
                 tokens, seconds, pos, trees = tokens + t, seconds + s, pos + t, trees + (mode is RoundMode.TREES)
     rounds = sum(len(r) for p in data["trees"] for r in p) * passes / len(data["trees"])
     return tokens / seconds / max(t / x for t, x in fixed.values()), trees / rounds
@@ -90,9 +91,9 @@ def _replay_once(data: dict, rng: random.Random, paired: bool, passes: int = 3) 
 
 def _starts(rounds: list) -> list[int]:
     out, pos = [], 0
-    for t, _ in rounds:
+    for r in rounds:
         out.append(pos)
-        pos += t
+        pos += r[0]
     return out
 
 
@@ -100,7 +101,7 @@ def replay(path: str, trials: int, paired: bool) -> None:
     with open(path) as f:
         saved = json.load(f)
     data = saved["rounds"]
-    fixed = {m: sum(t for p in v for g in p for t, _ in g) / sum(s for p in v for g in p for _, s in g) for m, v in data.items()}
+    fixed = {m: sum(r[0] for p in v for g in p for r in g) / sum(r[1] for p in v for g in p for r in g) for m, v in data.items()}
     rng = random.Random(0)
     runs = [_replay_once(data, rng, paired) for _ in range(trials)]
     rel, share = sorted(r for r, _ in runs), statistics.mean(s for _, s in runs)

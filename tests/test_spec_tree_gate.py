@@ -2,7 +2,7 @@
 import pytest
 
 from saguaro_dist.spec.tree_gate import (
-    BURST, EXPLORE_EVERY, MAX_STRETCH, RoundMode, TreeGate, choose_mode, explore_interval,
+    BURST, EXPLORE_EVERY, MAX_STRETCH, RoundMode, RoundYield, TreeGate, choose_mode, explore_interval,
 )
 
 TREES, JIT = RoundMode.TREES, RoundMode.JUST_IN_TIME
@@ -22,7 +22,7 @@ def drive(gate: TreeGate, rounds: int, tokens_per_s: dict, batch: int = 1, token
     modes = []
     for _ in range(rounds):
         mode = gate.mode(batch)
-        gate.record(batch, mode, tokens=(tokens or {}).get(mode, 10), seconds=10 / tokens_per_s[mode])
+        gate.record(batch, mode, RoundYield(batch, (tokens or {}).get(mode, 10)), seconds=10 / tokens_per_s[mode])
         modes.append(mode)
     return modes
 
@@ -80,7 +80,7 @@ def test_batch_sizes_are_measured_apart():
 def test_the_first_round_of_a_mode_is_not_measured():
     gate = TreeGate()
     mode = gate.mode(1)
-    gate.record(1, mode, tokens=1000, seconds=1.0)  # a transition round: whatever it cost is ignored
+    gate.record(1, mode, RoundYield(1, 1000), seconds=1.0)  # a transition round: whatever it cost is ignored
     drive(gate, BURST - 1, {TREES: 10, JIT: 10})
     assert gate.rates(1)["trees"] == pytest.approx(10.0)
 
@@ -108,6 +108,23 @@ def test_one_stall_of_the_box_does_not_lose_the_faster_mode():
     gate = TreeGate()
     drive(gate, 2 * BURST + BURST // 2, {TREES: 30, JIT: 22})
     assert gate.mode(1) is TREES
-    gate.record(1, TREES, tokens=10, seconds=20 * 10 / 30)  # the stall
+    gate.record(1, TREES, RoundYield(1, 10), seconds=20 * 10 / 30)  # the stall
     modes = drive(gate, EXPLORE_EVERY - 3 * BURST, {TREES: 30, JIT: 22})  # (up to the next exploration)
     assert modes == [TREES] * len(modes)
+
+
+def test_rows_the_fast_backup_proposed_count_against_the_mode_that_has_them():
+    """At T > 0 past the critical batch size, a tree round's misses go to the fast backup, whose rows
+    gain ~1 token against the draft's ~3. A tree round here is a little shorter than a just-in-time
+    one but gains 2 tokens a row, not 3: just-in-time is faster. Pooled over all rows, tokens per
+    round made both modes look equally productive, and trees won on time alone."""
+    gate, batch, modes = TreeGate(), 8, []
+    for _ in range(2 * BURST + 2 * EXPLORE_EVERY):
+        mode = gate.mode(batch)
+        if mode is TREES:  # half the rows missed and took the fast backup
+            gate.record(batch, mode, RoundYield(batch, 4 * 3 + 4 * 1, fast_rows=4, fast_tokens=4), seconds=1.0)
+        else:
+            gate.record(batch, mode, RoundYield(batch, 8 * 3), seconds=1.2)
+        modes.append(mode)
+    assert gate.rates(batch) == {"trees": pytest.approx(16.0), "just_in_time": pytest.approx(20.0)}
+    assert modes[-1] is JIT and modes[2 * BURST:].count(TREES) <= 2 * BURST

@@ -21,7 +21,7 @@ from saguaro_dist.model.cuda_graphs import graph_captures
 from saguaro_dist.spec import (
     ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback, ngram_proposal, random_proposal,
 )
-from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
+from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class SSDLoop(SDLoop):
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
         if self.gate and graph_captures() == self._captures:  # a round that captured a graph timed the capture
-            self.gate.record(len(seqs), self._mode, sum(map(len, gained)), time.perf_counter() - self._round_start)
+            self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), time.perf_counter() - self._round_start)
         return gained
 
     def _without_tree(self, seqs: list[Sequence]) -> list[Outcome]:
@@ -321,6 +321,12 @@ class SSDLoop(SDLoop):
                 s.metrics.record_fallback(FallbackPolicy.NEURAL.value)
                 self.metrics.fallbacks[FallbackPolicy.NEURAL.value] += 1
         return outcomes
+
+
+def round_yield(seqs: list[Sequence], gained: list[list[int]]) -> RoundYield:
+    """The round's tokens for the tree gate, with those of the rows the fast backup proposed apart."""
+    fast = [len(g) for s, g in zip(seqs, gained) if s.speculation_kind is ProposalSource.FAST]
+    return RoundYield(len(seqs), sum(map(len, gained)), len(fast), sum(fast))
 
 
 def build_loop(config: Config, target: TargetScorer, draft, metrics: EngineMetrics):

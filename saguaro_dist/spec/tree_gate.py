@@ -18,9 +18,19 @@ EXPLORE_EVERY = 96    # rounds at one batch size between re-tries of the slower 
 CLOSE_GAP = 0.1       # modes within 10% are close; a slower one g behind is re-tried (g / CLOSE_GAP)^2 ...
 MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good)
 SECONDS_DECAY = 0.9   # per measured round: a mode's round time follows its last ~10 rounds
-TOKENS_DECAY = 0.99   # tokens per round, over both modes' rounds, follow the last ~100
+TOKENS_DECAY = 0.99   # tokens per row, and the fast backup's share of rows, follow the last ~100 rounds
 CLIP = 1.5            # a round is counted at most 1.5x its mode's mean round ...
 CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall is not the mode's cost)
+
+
+@dataclass(frozen=True)
+class RoundYield:
+    """What a round gained: `tokens` over its `rows` (sequences), of which `fast_tokens` over
+    `fast_rows` rows whose proposals came from the fast backup (n-gram or random)."""
+    rows: int
+    tokens: int
+    fast_rows: int = 0
+    fast_tokens: int = 0
 
 
 class RoundMode(str, enum.Enum):
@@ -44,8 +54,9 @@ class _DecayedMean:
         mean = self.mean
         self.add(min(value, CLIP * mean) if self.count >= CLIP_AFTER and mean else value)
 
-    def add(self, value: float) -> None:
-        self.total, self.weight = self.decay * self.total + value, self.decay * self.weight + 1.0
+    def add(self, value: float, weight: float = 1.0) -> None:
+        """`value` is the sum of `weight` observations (tokens over rows, say); the mean is per weight."""
+        self.total, self.weight = self.decay * self.total + value, self.decay * self.weight + weight
         self.count += 1
 
     @property
@@ -79,21 +90,27 @@ def explore_interval(trees_per_s: float | None, jit_per_s: float | None, slower_
 
 @dataclass
 class _BatchGate:
-    """One batch size's choice. A mode's rate is tokens per round / its seconds per round, with tokens
-    per round pooled over both modes: both propose with the same draft, so a round's tokens depend on
-    the text, not on the mode (a miss's fast backup aside). A mode's own token count would compare the
-    text of its bursts: a re-try on an easy stretch looked faster and kept a slower mode for ~100 rounds."""
+    """One batch size's choice. A mode's rate is its expected tokens per round over its seconds per
+    round. Tokens per row are pooled over both modes, per proposal source: the draft's rows (cache hits
+    and just-in-time drafts) gain what the text allows whichever mode drafted them, so a mode's own
+    count would compare the text of its bursts (a re-try on an easy stretch looked faster and kept a
+    slower mode for ~100 rounds). Rows the fast backup proposed (a tree round's misses) are counted
+    apart, with each mode's share of them: at T > 0 past the critical batch size they gain far less,
+    and pooled with the draft's rows they made tree rounds look as productive as just-in-time ones."""
+    batch_size: int = 1
     mode: RoundMode = RoundMode.TREES
     left: int = BURST            # rounds the current mode still runs before the next choice
     since_explore: int = 0
     fresh: bool = True           # the current round is the first of its mode (a transition)
     seconds: dict = field(default_factory=lambda: {m: _DecayedMean(SECONDS_DECAY) for m in RoundMode})
-    tokens: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))
+    draft_yield: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))  # tokens per draft row
+    fast_yield: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))   # tokens per fast row
+    fast_share: dict = field(default_factory=lambda: {m: _DecayedMean(TOKENS_DECAY) for m in RoundMode})
     trees_deferred: bool = False  # start just-in-time; first try trees at the exploration schedule
 
     @classmethod
-    def starting_just_in_time(cls) -> "_BatchGate":
-        return cls(mode=RoundMode.JUST_IN_TIME, trees_deferred=True)
+    def starting_just_in_time(cls, batch_size: int) -> "_BatchGate":
+        return cls(batch_size, mode=RoundMode.JUST_IN_TIME, trees_deferred=True)
 
     def just_in_time_lead(self) -> float | None:
         """How much faster just-in-time rounds run than tree rounds (negative: slower); None until both
@@ -106,7 +123,15 @@ class _BatchGate:
         seconds = self.seconds[mode]
         if seconds.count < BURST - 1 or not seconds.mean:
             return None
-        return self.tokens.mean / seconds.mean
+        return self.batch_size * self.tokens_per_row(mode) / seconds.mean
+
+    def tokens_per_row(self, mode: RoundMode) -> float:
+        """Expected tokens per row of a `mode` round: its share of fast-backup rows at their yield, the
+        rest at the draft's (a yield not yet seen takes the other's)."""
+        draft = self.draft_yield.mean if self.draft_yield.weight else self.fast_yield.mean
+        fast = self.fast_yield.mean if self.fast_yield.weight else draft
+        share = self.fast_share[mode].mean or 0.0
+        return (1.0 - share) * draft + share * fast
 
     def next_round(self) -> RoundMode:
         self.since_explore += 1
@@ -125,14 +150,18 @@ class _BatchGate:
             self.mode, self.fresh, self.left = mode, True, BURST - 1
         return mode
 
-    def record(self, mode: RoundMode, tokens: int, seconds: float) -> None:
+    def record(self, mode: RoundMode, gained: "RoundYield", seconds: float) -> None:
         if mode is not self.mode:
             return
         if self.fresh:  # its cost belongs partly to the previous mode's last round
             self.fresh = False
             return
         self.seconds[mode].add_clipped(seconds)
-        self.tokens.add(tokens)
+        if gained.rows > gained.fast_rows:
+            self.draft_yield.add(gained.tokens - gained.fast_tokens, gained.rows - gained.fast_rows)
+        if gained.fast_rows:
+            self.fast_yield.add(gained.fast_tokens, gained.fast_rows)
+        self.fast_share[mode].add(gained.fast_rows, gained.rows)
 
 
 class TreeGate:
@@ -156,14 +185,14 @@ class TreeGate:
         leads = {b: g.just_in_time_lead() for b, g in self._gates.items() if b < batch_size}
         measured = [b for b, lead in leads.items() if lead is not None]
         if measured and leads[max(measured)] > CLOSE_GAP:
-            return _BatchGate.starting_just_in_time()
-        return _BatchGate()
+            return _BatchGate.starting_just_in_time(batch_size)
+        return _BatchGate(batch_size)
 
-    def record(self, batch_size: int, mode: RoundMode, tokens: int, seconds: float) -> None:
-        """A finished round of `mode` at `batch_size`: `tokens` gained in `seconds` (prepare + verify)."""
+    def record(self, batch_size: int, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
+        """A finished round of `mode` at `batch_size`: `gained` in `seconds` (prepare + verify)."""
         gate = self._gates.get(batch_size)
         if gate is not None:
-            gate.record(mode, tokens, seconds)
+            gate.record(mode, gained, seconds)
 
     def rates(self, batch_size: int) -> dict[str, float | None]:
         gate = self._gates.get(batch_size)
