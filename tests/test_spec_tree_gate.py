@@ -2,7 +2,7 @@
 import pytest
 
 from saguaro_dist.spec.tree_gate import (
-    BURST, EXPLORE_EVERY, MAX_STRETCH, RoundMode, RoundYield, TreeGate, choose_mode, explore_interval,
+    BURST, EXPLORE_EVERY, MAX_STRETCH, RETRY_BURST, RoundMode, RoundYield, TreeGate, choose_mode, explore_interval,
 )
 
 TREES, JIT = RoundMode.TREES, RoundMode.JUST_IN_TIME
@@ -128,3 +128,18 @@ def test_rows_the_fast_backup_proposed_count_against_the_mode_that_has_them():
         modes.append(mode)
     assert gate.rates(batch) == {"trees": pytest.approx(16.0), "just_in_time": pytest.approx(20.0)}
     assert modes[-1] is JIT and modes[2 * BURST:].count(TREES) <= 2 * BURST
+
+
+@pytest.mark.parametrize("jit, want", [(20, BURST), (10, RETRY_BURST)])
+def test_a_retry_of_a_mode_far_behind_is_short(jit, want):
+    """Close modes (10%) are re-tried for a full burst; one 67% behind only long enough to notice a change."""
+    modes = drive(TreeGate(), 2 * BURST + 8 * EXPLORE_EVERY, {TREES: 22, JIT: jit})[2 * BURST:]
+    runs = "".join("j" if m is JIT else "t" for m in modes).split("t")
+    assert {len(r) for r in runs if r} == {want}
+
+
+def test_a_short_retry_still_notices_that_the_gap_closed():
+    gate = TreeGate()
+    drive(gate, 2 * BURST + 2 * EXPLORE_EVERY, {TREES: 30, JIT: 10})
+    modes = drive(gate, 8 * EXPLORE_EVERY, {TREES: 30, JIT: 40})
+    assert modes[-EXPLORE_EVERY:].count(JIT) >= EXPLORE_EVERY - BURST

@@ -14,10 +14,12 @@ import enum
 from dataclasses import dataclass, field
 
 BURST = 8             # rounds a mode keeps once chosen; the first is a transition and is not measured
+RETRY_BURST = 4       # rounds of a re-try of a mode that was far behind (more than 2 x CLOSE_GAP)
 EXPLORE_EVERY = 96    # rounds at one batch size between re-tries of the slower mode, while the two are close
 CLOSE_GAP = 0.1       # modes within 10% are close; a slower one g behind is re-tried (g / CLOSE_GAP)^2 ...
 MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good)
-SECONDS_DECAY = 0.9   # per measured round: a mode's round time follows its last ~10 rounds
+SECONDS_DECAY = 0.9   # per round at the batch size: a mode's round time follows its last ~10 rounds, and a
+                      # re-try after 96 rounds of the other replaces what was measured before
 TOKENS_DECAY = 0.99   # tokens per row, and the fast backup's share of rows, follow the last ~100 rounds
 CLIP = 1.5            # a round is counted at most 1.5x its mode's mean round ...
 CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall is not the mode's cost)
@@ -54,6 +56,10 @@ class _DecayedMean:
         mean = self.mean
         self.add(min(value, CLIP * mean) if self.count >= CLIP_AFTER and mean else value)
 
+    def fade(self, steps: int) -> None:
+        """Age the values by `steps` more decays without adding any (the mean stays where it was)."""
+        self.total, self.weight = self.total * self.decay ** steps, self.weight * self.decay ** steps
+
     def add(self, value: float, weight: float = 1.0) -> None:
         """`value` is the sum of `weight` observations (tokens over rows, say); the mean is per weight."""
         self.total, self.weight = self.decay * self.total + value, self.decay * self.weight + weight
@@ -74,6 +80,16 @@ def choose_mode(trees_per_s: float | None, jit_per_s: float | None, explore: boo
     faster = RoundMode.TREES if trees_per_s >= jit_per_s else RoundMode.JUST_IN_TIME
     slower = RoundMode.JUST_IN_TIME if faster is RoundMode.TREES else RoundMode.TREES
     return slower if explore else faster
+
+
+def burst_length(trees_per_s: float | None, jit_per_s: float | None, explore: bool) -> int:
+    """Rounds a newly chosen mode keeps: BURST, or RETRY_BURST for a re-try of a mode far behind. Such a
+    re-try costs in proportion to its length and only has to notice that the gap closed (then the next
+    re-try comes sooner, and is a full burst); three measured rounds do, against a gap over 20%."""
+    if not explore or not trees_per_s or not jit_per_s:
+        return BURST
+    gap = 1.0 - min(trees_per_s, jit_per_s) / max(trees_per_s, jit_per_s)
+    return RETRY_BURST if gap > 2 * CLOSE_GAP else BURST
 
 
 def explore_interval(trees_per_s: float | None, jit_per_s: float | None, slower_bursts: int) -> float:
@@ -102,11 +118,17 @@ class _BatchGate:
     left: int = BURST            # rounds the current mode still runs before the next choice
     since_explore: int = 0
     fresh: bool = True           # the current round is the first of its mode (a transition)
+    bursts: dict = field(default_factory=lambda: {m: 0 for m in RoundMode})  # bursts each mode has run
+    rounds: int = 0              # rounds at this batch size so far
+    measured_at: dict = field(default_factory=lambda: {m: 0 for m in RoundMode})  # its last measured round
     seconds: dict = field(default_factory=lambda: {m: _DecayedMean(SECONDS_DECAY) for m in RoundMode})
     draft_yield: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))  # tokens per draft row
     fast_yield: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))   # tokens per fast row
     fast_share: dict = field(default_factory=lambda: {m: _DecayedMean(TOKENS_DECAY) for m in RoundMode})
     trees_deferred: bool = False  # start just-in-time; first try trees at the exploration schedule
+
+    def __post_init__(self):
+        self.bursts[self.mode] += 1  # the one it starts with
 
     @classmethod
     def starting_just_in_time(cls, batch_size: int) -> "_BatchGate":
@@ -135,6 +157,7 @@ class _BatchGate:
 
     def next_round(self) -> RoundMode:
         self.since_explore += 1
+        self.rounds += 1
         if self.left > 0:
             self.left -= 1
             return self.mode
@@ -142,12 +165,13 @@ class _BatchGate:
         if self.trees_deferred and trees is None and self.since_explore < EXPLORE_EVERY:
             return self.mode
         slower = choose_mode(trees, jit, explore=True)  # (while one is unmeasured, the interval ignores it)
-        explore = self.since_explore >= explore_interval(trees, jit, self.seconds[slower].count // (BURST - 1))
+        explore = self.since_explore >= explore_interval(trees, jit, self.bursts[slower])
         mode = choose_mode(trees, jit, explore)
         if explore:
             self.since_explore = 0
         if mode is not self.mode:
-            self.mode, self.fresh, self.left = mode, True, BURST - 1
+            self.mode, self.fresh, self.left = mode, True, burst_length(trees, jit, explore) - 1
+            self.bursts[mode] += 1
         return mode
 
     def record(self, mode: RoundMode, gained: "RoundYield", seconds: float) -> None:
@@ -156,6 +180,10 @@ class _BatchGate:
         if self.fresh:  # its cost belongs partly to the previous mode's last round
             self.fresh = False
             return
+        # Seconds decay by rounds, not by measurements: a mode last run long ago was measured on another
+        # load and text, and a short re-try must be able to replace that, not nudge it.
+        self.seconds[mode].fade(max(0, self.rounds - self.measured_at[mode] - 1))
+        self.measured_at[mode] = self.rounds
         self.seconds[mode].add_clipped(seconds)
         if gained.rows > gained.fast_rows:
             self.draft_yield.add(gained.tokens - gained.fast_tokens, gained.rows - gained.fast_rows)
