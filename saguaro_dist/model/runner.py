@@ -15,6 +15,7 @@ from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.kv_cache import MIN_KV_CAPACITY, KVPool
 from saguaro_dist.model.loader import resolve_model_dir
 from saguaro_dist.model.memory import KVNeed, check_kv_fits, kv_bytes_per_token
+from saguaro_dist.model.pretranspose import pretranspose_linears
 from saguaro_dist.model.rope import rope_tables
 from saguaro_dist.model.vocab import match_vocab
 
@@ -42,6 +43,8 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
             match_vocab(self.model, cfg.vocab_size, self.vocab_size)
+            if self.device.type == "cpu":
+                pretranspose_linears(self.model)
             attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
             self.group = attn.num_heads // attn.num_kv_heads
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
