@@ -43,7 +43,7 @@ class SplitDraftBackend:
         if lost:  # the child restarted without them: the engine re-prefills them on both halves
             raise DraftUnavailable(f"the draft process restarted without sequences {lost}", lost)
         observed, self._unobserved = self._unobserved, []
-        proposals = self.jit.submit(self._observe_then_draft, (observed, reqs)).result()
+        proposals = self.jit.call(self._observe_then_draft, (observed, reqs))
         self._unsent += [_as_outcome(r, p) for r, p in zip(reqs, proposals)]
         if all(r.skip_tree for r in reqs):  # no tree wanted: no send_outcomes need follow this round
             self._flush([])
