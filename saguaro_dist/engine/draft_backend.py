@@ -92,7 +92,7 @@ class LocalDraftBackend:
         self.max_model_len = worker.runner.max_model_len
         self.stream = OwnStream(worker.runner.device)
         self.inbox = TreeInbox()
-        self.busy_s = 0.0  # time the draft thread spent working
+        self.busy_s = 0.0  # time the draft worker spent working (on either thread)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
         self._queued = 0                   # calls submitted and not finished (under _lock)
         self._lock = threading.Lock()

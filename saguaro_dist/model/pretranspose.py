@@ -36,7 +36,7 @@ def _worth_it(linear: nn.Linear, shared: set[int]) -> bool:
 
 def pretranspose_linears(model: nn.Module) -> None:
     """Swap every plain nn.Linear (not the tensor-parallel ones, which all-reduce) in place."""
-    shared = {id(p) for name, m in model.named_modules() if type(m) is not nn.Linear for p in m.parameters(recurse=False)}
+    shared = {id(p) for m in model.modules() if type(m) is not nn.Linear for p in m.parameters(recurse=False)}
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and _worth_it(child, shared):
