@@ -82,8 +82,9 @@ def _replay_once(data: dict, rng: random.Random, paired: bool, passes: int = 3) 
                 while i < len(starts[m]) - 1 and starts[m][i + 1] <= pos:
                     i += 1
                 idx[m] = i
-                t, s, *fast = runs[m][i]  # (recordings before the fast-row fields: 2 fields)
-                gate.record(1, mode, RoundYield(*fast[:1] or [1], t, *fast[1:]), s)
+                # (tokens, seconds, rows, fast rows, their tokens); older recordings hold the first two
+                t, s, rows, fast_rows, fast_tokens = (*runs[m][i], 1, 0, 0)[:5]
+                gate.record(1, mode, RoundYield(rows, t, fast_rows, fast_tokens), s)
                 tokens, seconds, pos, trees = tokens + t, seconds + s, pos + t, trees + (mode is RoundMode.TREES)
     rounds = sum(len(r) for p in data["trees"] for r in p) * passes / len(data["trees"])
     return tokens / seconds / max(t / x for t, x in fixed.values()), trees / rounds

@@ -178,7 +178,7 @@ class _BatchGate:
             self.bursts[mode] += 1
         return mode
 
-    def record(self, mode: RoundMode, gained: "RoundYield", seconds: float) -> None:
+    def record(self, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         if mode is not self.mode:
             return
         if self.fresh:  # its cost belongs partly to the previous mode's last round
