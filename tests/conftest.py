@@ -1,6 +1,8 @@
 """Shared fixtures: tiny real checkpoints written by transformers (no mocks, no downloads)."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -61,6 +63,25 @@ def tiny_llama_pair(tiny_checkpoint):
     return tiny_checkpoint("llama"), tiny_checkpoint("draft")
 
 
+RAY_START_ATTEMPTS = 3
+
+
+def _start_ray(ray, metrics_port: int) -> None:
+    """ray.init, tried again after a failed start: on the 2-vCPU CI box the raylet once took longer to
+    register than Ray's own fixed 30 s wait, and every Ray test of that run errored at setup."""
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False, _metrics_export_port=metrics_port,
+                     _system_config={"metrics_report_interval_ms": 1000})
+            return
+        except Exception:  # Ray raises TimeoutError, RuntimeError or ConnectionError here, by version
+            ray.shutdown()
+            if attempt == RAY_START_ATTEMPTS:
+                raise
+            logging.getLogger(__name__).warning("ray.init failed (attempt %d), starting again", attempt, exc_info=True)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """One local Ray instance for the whole session (start-up costs seconds). address="local": never join
@@ -73,8 +94,7 @@ def ray_cluster():
     started = not ray.is_initialized()
     metrics_port = free_port()
     if started:
-        ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False, configure_logging=False,
-                 _metrics_export_port=metrics_port, _system_config={"metrics_report_interval_ms": 1000})
+        _start_ray(ray, metrics_port)
     yield f"http://127.0.0.1:{metrics_port}/metrics" if started else None
     from ray import serve
     serve.shutdown()
