@@ -104,6 +104,37 @@ def test_branch_decode_matches_each_branch_alone(pair):
         runner.free(sid)
 
 
+@pytest.mark.parametrize("gap", [False, True], ids=["rows-in-a-run", "rows-apart"])
+def test_branches_leave_the_stored_kv_as_it_was(pair, gap):
+    """Branches shorter than what their sequences store (a tree after the glue ran x_1..x_K): the private
+    slots live in the pool rows' unused tails when the rows are consecutive, a copy when they are not;
+    either way every stored position is untouched and the branches see only their own prefixes."""
+    runner, hf = pair
+    names = ["u", "gap", "v"] if gap else ["u", "v"]
+    for sid in names:
+        runner.add(sid)
+    if gap:
+        runner.free("gap")
+    seqs = {"u": tokens(40, 10), "v": tokens(41, 7)}
+    runner.extend(list(seqs), list(seqs.values()), [1, 1])
+    rows = [runner._seq(sid)[0] for sid in seqs]
+    stored = [(runner.pool.k[:, r, :, :10].clone(), runner.pool.v[:, r, :, :10].clone()) for r in rows]
+    owners, plens = ["u", "u", "v", "u"], [4, 6, 3, 9]
+    paths = [tokens(50 + i, 5) for i in range(len(owners))]
+    state, logits = runner.branch_start(owners, plens, [p[0] for p in paths])
+    in_pool = state.keys.untyped_storage().data_ptr() == runner.pool.k.untyped_storage().data_ptr()
+    assert in_pool is not gap
+    got = [logits] + [runner.branch_step(state, torch.tensor([p[d] for p in paths])) for d in range(1, 5)]
+    runner.branch_end(state)
+    for i, (sid, plen, path) in enumerate(zip(owners, plens, paths)):
+        close(torch.stack([g[i] for g in got]), hf_logits(hf, seqs[sid][:plen] + path)[plen:])
+    for r, (k, v) in zip(rows, stored):
+        assert torch.equal(runner.pool.k[:, r, :, :10], k) and torch.equal(runner.pool.v[:, r, :, :10], v)
+    close(runner.extend(["u"], [[7]], [1])[0], hf_logits(hf, seqs["u"] + [7])[-1:])
+    for sid in seqs:
+        runner.free(sid)
+
+
 def test_adopting_a_branch_continues_like_extending_its_tokens(pair):
     runner, hf = pair
     seq, paths = tokens(30, 10), [tokens(31, 4), tokens(32, 4)]

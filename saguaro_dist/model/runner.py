@@ -214,16 +214,17 @@ class ModelRunner:
         """N branches over shared prefixes; returns (state, next-token logits [N, V] float32)."""
         if not len(seq_ids) == len(prefix_lens) == len(tokens) or not seq_ids:
             raise ValueError("branch_start needs equally long, non-empty seq_ids, prefix_lens and tokens")
-        rows = []
+        rows, stored = [], 0
         for sid, plen in zip(seq_ids, prefix_lens):
             row, length = self._seq(sid)
             if not 0 <= plen <= length or plen >= self.max_model_len:
                 raise ValueError(f"branch_start({sid!r}): prefix_len must be in 0..{length} (stored), got {plen}")
             rows.append(row)
+            stored = max(stored, length)
         if self.graphs is not None and self.graphs.supports_branches(rows):
             state = self.graphs.branch_state(seq_ids, rows, list(prefix_lens))
         else:
-            state = new_branch_state(seq_ids, rows, list(prefix_lens), self.group, self.pool)
+            state = new_branch_state(seq_ids, rows, list(prefix_lens), self.group, self.pool, stored_len=stored)
         return state, self._branch_forward(state, tokens)
 
     @torch.inference_mode()
@@ -264,9 +265,14 @@ class ModelRunner:
             logits = self.graphs.branch_forward(state, tokens)
             state.depth += 1
             return logits
-        ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
-        ids.view(-1)[state.out_index] = torch.as_tensor(tokens, device=self.device).long()
+        tokens = torch.as_tensor(tokens, device=self.device).long()
+        if state.dense:  # the tokens are already in the [U, Q] layout: no scatter in, no gather out
+            ids = tokens.reshape(state.prefix_len.shape)
+        else:
+            ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
+            ids.view(-1)[state.out_index] = tokens
         ctx = BranchBatch(state, self.cos, self.signed_sin, self.group)
         hidden = self.model(ids, ctx)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
         state.depth += 1
-        return self.model.logits(hidden.reshape(-1, hidden.shape[-1])[state.out_index]).float()
+        return self.model.logits(hidden if state.dense else hidden[state.out_index]).float()
