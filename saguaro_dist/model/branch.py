@@ -2,10 +2,12 @@
 
 Branches of one sequence are laid out as extra query rows of that sequence (its prefix KV is read once
 for all of them); each branch's private KV lives in the BranchState, slot depth * Q + j. An eager state
-copies its sequences' prefix KV once, right before the private slots (`keys`, `values`): every step then
-attends over a view of one buffer, where it gathered the prefix and concatenated it to the private KV in
-every layer (demo draft, b = 1, 12 branches: docs/benchmarks.md, session 36). Once the decode is over
-(`end_branches`) only the private slots, which adoption reads, are kept."""
+holds one buffer per K and V, its sequences' prefix KV followed by the private slots (`keys`, `values`):
+every step attends over a view of it, where it once gathered the prefix and concatenated it to the
+private KV in every layer (demo draft, b = 1, 12 branches: docs/benchmarks.md, session 36). That buffer
+is the pool itself when the rows are consecutive (the private slots in the rows' unused tails), else a
+copy (`_windows`). Once the decode is over (`end_branches`) only the private slots, which adoption reads,
+are kept."""
 from __future__ import annotations
 
 import functools
@@ -77,9 +79,11 @@ def _windows(pool: KVPool, rows, u_count: int, p: int, stored_len: int, private:
     each row's unused tail (no copy, no allocation: a demo-draft tree's start paid 0.15-0.29 ms for them).
     The tail holds stale KV or the pool's zeros, finite either way: a masked key still enters the
     product, and only a NaN or inf there (0 x NaN is NaN) would leak through the mask.
-    Otherwise a copy, w = p: the rows gathered, then zeroed slots."""
+    Otherwise a copy, w = p: the rows gathered, then zeroed slots. On CUDA only within the pool's current
+    capacity: widening it there drops every captured graph (model/cuda_graphs.py)."""
     w = max(p, stored_len)
-    if isinstance(rows, slice) and w + private <= pool.max_len:
+    room = pool.max_len if pool.k.device.type == "cpu" else pool.capacity
+    if isinstance(rows, slice) and w + private <= room:
         pool.reserve(w + private)
         return pool.k[:, rows, :, :w + private], pool.v[:, rows, :, :w + private]
     return tuple(_window(stored, rows, u_count, p, private) for stored in (pool.k, pool.v))
@@ -95,8 +99,9 @@ def _window(stored: torch.Tensor, rows, u_count: int, p: int, private: int) -> t
 
 
 def end_branches(state: BranchState) -> None:
-    """The decode is over: an eager state keeps only its private KV (what adoption reads), so the copy of
-    its sequences' prefixes is not held between rounds (a draft keeps the last tree for the next hit)."""
+    """The decode is over: an eager state keeps only its private KV (what adoption reads), cloned: a copy
+    of its sequences' prefixes is not held between rounds (a draft keeps the last tree for the next hit),
+    and slots in the pool's tails are overwritten by the sequences' next tokens."""
     if state.keys is None:
         return
     used = state.depth * state.prefix_len.shape[1]
