@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -16,7 +17,10 @@ import ray
 from engine_helpers import (BIAS, PENALTIES, PROMPTS, assert_greedy_equal, biased_reference, check_logprobs, close_pair,
                             hf_greedy, llama_config, save_model, save_perturbed)
 from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.config import Config, Mode
+from saguaro_dist.distributed.placement import engine_needs, shortfall
 from saguaro_dist.engine.loop_thread import EngineError
+from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -243,18 +247,34 @@ def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair):
     assert m.tree_builds > 0 and m.tree_build_s > 0, m  # the draft's build time crossed gRPC
 
 
-def test_drafts_no_node_can_host_fail_start_up_clearly_and_leave_nothing(ray_cluster, pair):
-    """A draft worker asking for a resource no node has would wait for it forever: start-up gives up
-    after startup_timeout_s with an error that says what could not be placed, and frees what it took."""
+def test_drafts_no_node_can_host_fail_start_up_clearly_and_leave_nothing(ray_cluster, pair, caplog):
+    """A draft worker asking for a resource no node has would wait for it forever: start-up says so at
+    once, gives up after startup_timeout_s with an error that says what could not be placed, and frees
+    what it took."""
     before = ray.available_resources().get("CPU", 0)  # an earlier test's actors may still be freeing theirs
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"draft worker\(s\) asking .*no_such_node.*not started within startup_timeout_s"):
+    with caplog.at_level(logging.WARNING, logger="saguaro_dist.distributed.cluster"), \
+            pytest.raises(RuntimeError, match=r"draft worker\(s\) asking .*no_such_node.*not started within startup_timeout_s"):
         cluster_llm(pair, num_draft_workers=1, draft_resources={"no_such_node": 1}, startup_timeout_s=3)
+    assert "lacks {'no_such_node': 1" in caplog.text and "waits up to startup_timeout_s (3 s)" in caplog.text
     assert time.monotonic() - start < 60
     deadline = time.time() + 30
     while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:
         time.sleep(0.2)
     assert ray.available_resources().get("CPU", 0) >= before, "actors or placement groups were left behind"
+
+
+def test_engine_needs_count_every_actor_and_the_shortfall_names_what_is_missing():
+    """What start-up compares with the free resources before it waits: tp target bundles, the draft pool
+    (none for AR), the pools' labels when the cluster advertises them."""
+    config = Config(model="m", draft="d", cluster="auto", tensor_parallel_size=2, num_draft_workers=3,
+                    draft_resources={"fast_cpu": 1})
+    assert engine_needs(config, {}) == {"CPU": 5, "fast_cpu": 3}
+    labelled = engine_needs(config, {TARGET_RESOURCE: 8, DRAFT_RESOURCE: 8})
+    assert labelled == {"CPU": 5, "fast_cpu": 3, TARGET_RESOURCE: 2, DRAFT_RESOURCE: 3}
+    assert engine_needs(replace(config, mode=Mode.AR), {}) == {"CPU": 2}
+    assert shortfall({"CPU": 5, "fast_cpu": 3}, {"CPU": 4.0}) == {"CPU": 1.0, "fast_cpu": 3}
+    assert shortfall({"CPU": 5}, {"CPU": 16.0, "GPU": 1.0}) == {}
 
 
 def test_timeouts_are_checked(pair):

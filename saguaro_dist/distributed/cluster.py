@@ -12,7 +12,8 @@ import ray
 
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.actors import DraftActor, TargetRank
-from saguaro_dist.distributed.placement import draft_options, rank_strategy, target_bundle, target_placement
+from saguaro_dist.distributed.placement import (draft_options, engine_needs, rank_strategy, shortfall, target_bundle,
+                                                 target_placement)
 from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineError
@@ -101,6 +102,7 @@ def build_cluster_engine(config: Config):
     deadline = time.monotonic() + config.startup_timeout_s
     try:
         resources = ray.cluster_resources()
+        warn_if_short(config, resources)
         deployment.drafts = start_drafts(config, resources, fit)
         deployment.placement_group = target_placement(config, resources, config.startup_timeout_s)
         deployment.ranks = start_ranks(config, resources, deployment.placement_group)
@@ -114,6 +116,15 @@ def build_cluster_engine(config: Config):
         deployment.kill()
         raise
     return RemoteEngine(deployment, info), tokenizer
+
+
+def warn_if_short(config: Config, resources: dict) -> None:
+    """Say at once when the free resources cannot host the engine's actors (another engine holds them, a
+    label no node has): start-up would otherwise wait startup_timeout_s in silence before failing."""
+    short = shortfall(engine_needs(config, resources), ray.available_resources())
+    if short:
+        log.warning("the cluster lacks %s free for this engine's actors; start-up waits up to "
+                    "startup_timeout_s (%.0f s) for them", short, config.startup_timeout_s)
 
 
 def started(refs, deadline: float, what: str):

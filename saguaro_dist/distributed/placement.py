@@ -10,7 +10,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from saguaro_dist.config import Config
+from saguaro_dist.config import Config, Mode
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 
 
@@ -36,6 +36,24 @@ def draft_options(config: Config, cluster_resources: dict) -> dict:
     if not resources:
         opts["scheduling_strategy"] = "SPREAD"  # no labels to go by: at least keep drafts apart
     return opts
+
+
+def engine_needs(config: Config, cluster_resources: dict) -> dict:
+    """Resources the engine's actors ask for in all: tensor_parallel_size target bundles and, unless AR,
+    num_draft_workers draft workers (Ray's names: CPU, GPU, custom ones)."""
+    need: dict[str, float] = {}
+    for name, amount in target_bundle(config, cluster_resources).items():
+        need[name] = need.get(name, 0) + amount * config.tensor_parallel_size
+    if config.mode is not Mode.AR:
+        opts = draft_options(config, cluster_resources)
+        for name, amount in {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}.items():
+            need[name] = need.get(name, 0) + amount * config.num_draft_workers
+    return {name: amount for name, amount in need.items() if amount}
+
+
+def shortfall(need: dict, free: dict) -> dict:
+    """What `need` asks beyond `free`, per resource (empty: it fits, as far as totals go)."""
+    return {name: amount - free.get(name, 0) for name, amount in need.items() if amount > free.get(name, 0)}
 
 
 def target_placement(config: Config, cluster_resources: dict, timeout_s: float = 120.0):
