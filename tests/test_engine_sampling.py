@@ -241,7 +241,7 @@ def test_min_tokens_follows_the_held_back_target(pair):
     with torch.no_grad():
         likeliest = int(model(torch.tensor([PROMPT])).logits[0, -1].argmax())
     params = SamplingParams(temperature=1.0, max_tokens=3, min_tokens=2, stop_token_ids=[likeliest])
-    counts, metrics = sample_joint(target, draft, params, k=1, fan_out=4)
+    counts, metrics = sample_joint(target, draft, params, k=1, fan_out=4, tree_policy="always")
     assert metrics.cache_hits > 0
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
