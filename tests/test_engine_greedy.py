@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,6 +15,7 @@ from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, Cyc
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.engine.build import build_local_engine
+from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.engine.sequence import OutputKind, Sequence, SeqStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -74,6 +76,27 @@ SSD_VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(SSD_VARIANTS))
 def test_ssd_matches_ar(pair, reference, variant, batch):
     check(pair, reference, run(pair, batch=batch, mode="ssd", k=3, **SSD_VARIANTS[variant]))
+
+
+def test_trees_later_than_the_timeout_are_counted_and_said_once(pair, reference, monkeypatch, caplog):
+    """A draft side that stalls (here every tree build sleeps 50 ms, the timeout is 10 ms): each late tree
+    is a miss, counted, and one warning says so; the tokens stay the target's."""
+    build = DraftWorker.build_trees
+
+    def stalled(self, *args, **kwargs):
+        time.sleep(0.05)
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(DraftWorker, "build_trees", stalled)
+    caplog.set_level("WARNING", logger="saguaro_dist.engine.rounds")
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4,
+             draft_executor="thread", tree_policy="always", tree_timeout_s=0.01) as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        m = llm.metrics
+    check(pair, reference, outputs)
+    assert m.late_trees > 0 and m.late_trees <= m.cache_misses, m
+    warnings = [r for r in caplog.records if "did not arrive within tree_timeout_s" in r.getMessage()]
+    assert len(warnings) == 1, warnings
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])

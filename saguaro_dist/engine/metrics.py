@@ -89,6 +89,7 @@ class EngineMetrics:
     jit_round_tokens: int = 0    # ... and the tokens those rounds verified (Theorem 7's E[tokens | miss])
     tree_build_s: float = 0.0    # SSD: the draft's own build time of the trees the target took, summed ...
     tree_builds: int = 0         # ... over the rounds that took trees (Theorem 7's T_p, measured in the run)
+    late_trees: int = 0          # SSD: trees the target stopped waiting for after tree_timeout_s (a miss each)
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (every admitted prompt's) ...
     prefix_cache_hits: int = 0     # ... and of them, tokens whose KV it supplied (vLLM's counters)
     generated_tokens: int = 0    # output tokens of every request

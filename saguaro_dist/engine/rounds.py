@@ -24,6 +24,7 @@ from saguaro_dist.spec import (
 from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
+LATE_TREE_WARN_EVERY_S = 60.0
 
 
 class ARLoop:
@@ -223,6 +224,7 @@ class SSDLoop(SDLoop):
         self.gate = TreeGate() if config.tree_policy is TreePolicy.AUTO else None
         self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
         self._fallback_choices = 0  # automatic fallback choices made (explore_fallback)
+        self._late_warned_at = -LATE_TREE_WARN_EVERY_S
 
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
@@ -267,6 +269,8 @@ class SSDLoop(SDLoop):
         trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s)
         waited = time.perf_counter() - start
         self.metrics.draft_wait_s += waited
+        if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:
+            self._note_late_trees(len(seqs) - len(trees))
         self.stats.record_time(Timing.TREE_WAIT, waited)
         for tree in trees.values():
             self.cache.put_tree(tree)
@@ -289,6 +293,17 @@ class SSDLoop(SDLoop):
         for o in outcomes:  # the draft's budget signal: did its last trees make the target wait?
             o.tree_wait_s = waited
         return outcomes
+
+    def _note_late_trees(self, late: int) -> None:
+        """Trees that outlasted tree_timeout_s: a miss each, never a wrong token, but a round that waited the
+        whole timeout; said at most once a minute, as a stalled or overloaded draft side causes it."""
+        self.metrics.late_trees += late
+        now = time.monotonic()
+        if now - self._late_warned_at >= LATE_TREE_WARN_EVERY_S:
+            self._late_warned_at = now
+            log.warning("%d speculation tree(s) did not arrive within tree_timeout_s = %.1f s (%d so far): those "
+                        "sequences fell back; is the draft side stalled or overloaded?", late,
+                        self.config.tree_timeout_s, self.metrics.late_trees)
 
     def _count_lookups(self, lookups: int, hits: int) -> None:
         self.stats.record_lookups([1] * lookups, [True] * hits + [False] * (lookups - hits))
