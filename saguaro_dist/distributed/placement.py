@@ -6,6 +6,8 @@ cluster without them (a laptop, CI) they take plain CPUs / GPUs, drafts spread o
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -41,13 +43,12 @@ def draft_options(config: Config, cluster_resources: dict) -> dict:
 def engine_needs(config: Config, cluster_resources: dict) -> dict:
     """Resources the engine's actors ask for in all: tensor_parallel_size target bundles and, unless AR,
     num_draft_workers draft workers (Ray's names: CPU, GPU, custom ones)."""
-    need: dict[str, float] = {}
-    for name, amount in target_bundle(config, cluster_resources).items():
-        need[name] = need.get(name, 0) + amount * config.tensor_parallel_size
+    need = Counter({name: amount * config.tensor_parallel_size
+                    for name, amount in target_bundle(config, cluster_resources).items()})
     if config.mode is not Mode.AR:
         opts = draft_options(config, cluster_resources)
-        for name, amount in {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}.items():
-            need[name] = need.get(name, 0) + amount * config.num_draft_workers
+        draft = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
+        need.update({name: amount * config.num_draft_workers for name, amount in draft.items()})
     return {name: amount for name, amount in need.items() if amount}
 
 
