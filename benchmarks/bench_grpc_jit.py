@@ -25,12 +25,13 @@ SERVER = """
 import os, sys, torch
 torch.set_num_threads(1)
 from saguaro_dist.config import Config
-from saguaro_dist.distributed.draft_service import serve_draft
+from saguaro_dist.distributed.draft_service import local_address, serve_draft
 from saguaro_dist.engine.build import build_draft_worker
 worker = build_draft_worker(Config(model=sys.argv[1], draft=sys.argv[2], mode="ssd", k=4, fan_out=12))
-server, port = serve_draft(worker, "127.0.0.1", 0)
+local = local_address()
+server, port = serve_draft(worker, "127.0.0.1", 0, local=local)
 with open(sys.argv[3] + ".tmp", "w") as f:
-    f.write(str(port))
+    f.write(f"{port} {local or ''}")
 os.replace(sys.argv[3] + ".tmp", sys.argv[3])
 server.wait_for_termination()
 """
@@ -66,7 +67,8 @@ def _rounds(backend, rounds: int, verify_s: float, trees: bool) -> tuple[list[fl
     return drafts, waits, builds
 
 
-def _served(target: str, draft: str):
+def _served(target: str, draft: str) -> tuple[subprocess.Popen, str, str | None]:
+    """A DraftService process; returns it, its loopback address and its local socket (None: not Linux)."""
     port_file = tempfile.mktemp(prefix="saguaro-jit-port-")
     proc = subprocess.Popen([sys.executable, "-c", SERVER, target, draft, port_file])
     while not os.path.exists(port_file):
@@ -74,9 +76,9 @@ def _served(target: str, draft: str):
             raise SystemExit("the DraftService process failed to start")
         time.sleep(0.05)
     with open(port_file) as f:
-        port = int(f.read())
+        port, *local = f.read().split()
     os.unlink(port_file)
-    return proc, f"127.0.0.1:{port}"
+    return proc, f"127.0.0.1:{port}", local[0] if local else None
 
 
 def _summary(name: str, times: list[float]) -> str:
@@ -109,7 +111,7 @@ def main() -> None:
     print(f"placement: client (this process, 1 torch thread); DraftService process (1 torch thread); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()}")
     local = build_draft_worker(Config(model=args.target, draft=args.draft, mode="ssd", k=4, fan_out=12))
-    proc, address = _served(args.target, args.draft)
+    proc, address, _ = _served(args.target, args.draft)
     pool = DraftPool([GrpcDraftBackend([address])], max_batch_size=1)
     try:
         in_process, _, _ = _rounds(local, args.rounds, args.verify_ms / 1e3, trees=False)

@@ -8,8 +8,8 @@ round waits for the tree and the whole trip is timed), then it takes the next tr
 outcome sent -> tree in hand, minus the draft's own build time (SpeculationTree.build_s): the transport,
 both sides' message handling and every thread hand-off on the way. Backends: DraftProcess (the
 one-host engine's draft child over a pipe) and GrpcDraftBackend -> a DraftService in another process
-over loopback (as the Ray draft actor serves it); blocks of rounds alternate between them. Both drafts
-use 1 torch thread.
+over loopback TCP and over its local (abstract unix) socket, as a Ray target reaches a draft actor on
+another node and on its own; blocks of rounds alternate between them. The drafts use 1 torch thread.
 """
 from __future__ import annotations
 
@@ -53,18 +53,20 @@ def main() -> None:
     from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
     from saguaro_dist.engine.draft_process import DraftProcess
     print(f"placement: target side (this process, 1 torch thread, computing {args.verify_ms} ms a round); draft: "
-          f"child process over a pipe, or DraftService process over loopback gRPC (1 torch thread); "
+          f"child process over a pipe, or DraftService process over gRPC (1 torch thread); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()}")
-    proc, address = _served(args.target, args.draft)
+    proc, address, local = _served(args.target, args.draft)
     backends = {"pipe (DraftProcess)": DraftProcess(Config(model=args.target, draft=args.draft, mode="ssd", k=4,
                                                            fan_out=12, draft_threads=1)),
-                "gRPC (GrpcDraftBackend -> DraftService)": GrpcDraftBackend([address])}
+                "gRPC over TCP loopback": GrpcDraftBackend([address])}
+    if local is not None:
+        backends["gRPC over the local socket"] = GrpcDraftBackend([local])
     extra = {name: [] for name in backends}
     block = 40
     try:
         for i in range(max(1, args.rounds // block)):
             for j, (name, backend) in enumerate(backends.items()):
-                extra[name] += hit_rounds(backend, 2 * i + j, block, args.verify_ms / 1e3)
+                extra[name] += hit_rounds(backend, len(backends) * i + j, block, args.verify_ms / 1e3)
     finally:
         for backend in backends.values():
             backend.close()

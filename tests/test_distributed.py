@@ -70,6 +70,8 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     llm = cluster_llm(pair, tensor_parallel_size=2)
     remote = llm._thread
     addresses = ray.get([d.address.remote() for d in remote.deployment.drafts])
+    if sys.platform == "linux":  # one node: rank 0 dials the drafts' local sockets, not TCP
+        assert all(a.startswith("unix-abstract:") for a in remote.draft_addresses), remote.draft_addresses
     check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
     assert llm.metrics.cache_hits > 0
     assert wait_idle_load(llm).kv_cache_capacity_tokens >= 4 * llm.max_model_len  # rank 0's, through its polls
@@ -185,7 +187,7 @@ llm = LLM(model=target, draft=draft, mode="ssd", k=3, fan_out=12, cluster="auto"
 out = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
 print(json.dumps({"tokens": [o.token_ids for o in out], "target_nodes": llm._thread.target_node_ids(),
                   "draft_nodes": llm._thread.draft_node_ids(), "target_node": target_node.node_id,
-                  "draft_node": draft_node.node_id}))
+                  "draft_node": draft_node.node_id, "dialed": llm._thread.draft_addresses}))
 llm.shutdown(); ray.shutdown(); cluster.shutdown()
 '''
 
@@ -200,6 +202,7 @@ def test_multi_node_placement_by_custom_resources(pair, tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(result["target_nodes"]) == {result["target_node"]}
     assert set(result["draft_nodes"]) == {result["draft_node"]}
+    assert not any(a.startswith("unix") for a in result["dialed"])  # drafts on another node: over TCP
     for prompt, got, want in zip(PROMPTS, result["tokens"], pair["reference"]):
         assert_greedy_equal(got, want, prompt, pair["model"])
 

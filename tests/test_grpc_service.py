@@ -13,7 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from saguaro_dist.distributed import codec
-from saguaro_dist.distributed.draft_service import default_bind_host, serve_draft
+from saguaro_dist.distributed.draft_service import default_bind_host, local_address, serve_draft
 from saguaro_dist.distributed.proto import SERVICE_NAME, saguaro_pb2 as pb, saguaro_pb2_grpc
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
 from test_grpc_toy_worker import K, ToyWorker, expected_branch, toy_probs, toy_tokens
@@ -244,6 +244,30 @@ def test_binds_loopback_without_ray_never_all_interfaces(monkeypatch):
             grpc.channel_ready_future(ch).result(timeout=5)
     finally:
         server.stop(None)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="abstract unix sockets are Linux's")
+def test_serves_a_local_socket_too_and_it_goes_with_the_server():
+    local = local_address()
+    server, port = serve_draft(ToyWorker(), "127.0.0.1", 0, local=local)
+    try:
+        for address in (local, f"127.0.0.1:{port}"):
+            with grpc.insecure_channel(address) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=5)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        server.stop(None).wait(10)
+    with grpc.insecure_channel(local) as ch:  # nothing listens there any more
+        with pytest.raises(grpc.FutureTimeoutError):
+            grpc.channel_ready_future(ch).result(timeout=0.5)
+
+
+def test_a_client_dials_the_local_socket_only_on_the_draft_s_node():
+    from saguaro_dist.distributed.actors import DraftEndpoint
+    endpoint = DraftEndpoint("node-a", "10.0.0.5:4000", "unix-abstract:saguaro-draft-1")
+    assert endpoint.for_client_on("node-a") == "unix-abstract:saguaro-draft-1"
+    assert endpoint.for_client_on("node-b") == "10.0.0.5:4000"
+    assert DraftEndpoint("node-a", "10.0.0.5:4000", None).for_client_on("node-a") == "10.0.0.5:4000"
 
 
 def test_binds_the_node_address_under_ray(ray_cluster):

@@ -5,32 +5,51 @@ import logging
 import queue
 import socket
 import threading
+from dataclasses import dataclass
 
 import ray
 import torch
 import torch.distributed as dist
 
 from saguaro_dist.config import Config, Mode
-from saguaro_dist.distributed.draft_service import default_bind_host, format_address, serve_draft
+from saguaro_dist.distributed.draft_service import default_bind_host, format_address, local_address, serve_draft
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class DraftEndpoint:
+    """Where a draft worker serves its DraftService."""
+    node_id: str        # the Ray node it runs on
+    address: str        # host:port on the node's cluster address, for clients anywhere
+    local: str | None   # unix-abstract:..., for clients on the same node (None: not served)
+
+    def for_client_on(self, node_id: str) -> str:
+        """The address a client on `node_id` dials: the local socket on the same node (no TCP stack on
+        the tree's way), the cluster address otherwise."""
+        return self.local if self.local is not None and node_id == self.node_id else self.address
+
+
 class DraftActor:
-    """One draft worker: the draft model behind a DraftService on this node's cluster address."""
+    """One draft worker: the draft model behind a DraftService on this node's cluster address, and on
+    a local socket for a target on the same node."""
 
     def __init__(self, config: Config, fit=None):
         """fit: the DraftFit to build the draft to (engine/build.py: fit_draft, on the driver)."""
         from saguaro_dist.engine.build import build_draft_worker
         torch.set_num_threads(config.draft_threads or 1)
         self.worker = build_draft_worker(config, fit)
-        self.server, port = serve_draft(self.worker)
-        self._address = format_address(default_bind_host(), port)
+        local = local_address()
+        self.server, port = serve_draft(self.worker, local=local)
+        self._endpoint = DraftEndpoint(self.node_id(), format_address(default_bind_host(), port), local)
 
     def address(self) -> str:
-        return self._address
+        return self._endpoint.address
+
+    def endpoint(self) -> DraftEndpoint:
+        return self._endpoint
 
     def vocab_size(self) -> int:
         return self.worker.vocab_size
@@ -60,7 +79,7 @@ class TargetRank:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], draft_addresses: list[str], draft_max_model_len: int) -> dict:
+    def setup(self, master: tuple[str, int], drafts: list[DraftEndpoint], draft_max_model_len: int) -> dict:
         """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow.
         draft_max_model_len: the longest sequence the drafts hold (the fit the driver gave them)."""
         from saguaro_dist.engine.build import make_runner
@@ -69,7 +88,8 @@ class TargetRank:
         if self.rank > 0:
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
-        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), draft_addresses,
+        addresses = [d.for_client_on(self.node_id()) for d in drafts]
+        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses,
                                   draft_max_model_len)
 
     def _join_group(self, master: tuple[str, int]):
@@ -94,7 +114,7 @@ class TargetRank:
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
-                "eos_token_ids": sorted(engine.eos_token_ids)}
+                "eos_token_ids": sorted(engine.eos_token_ids), "draft_addresses": draft_addresses}
 
     # ---- rank 0: the engine's front door ------------------------------------------------------------
     def submit(self, request: RemoteRequest) -> None:

@@ -106,11 +106,11 @@ def build_cluster_engine(config: Config):
         deployment.drafts = start_drafts(config, resources, fit)
         deployment.placement_group = target_placement(config, resources, config.startup_timeout_s)
         deployment.ranks = start_ranks(config, resources, deployment.placement_group)
-        addresses = started([d.address.remote() for d in deployment.drafts], deadline,
+        endpoints = started([d.endpoint.remote() for d in deployment.drafts], deadline,
                             f"{config.num_draft_workers} draft worker(s) asking {draft_options(config, resources)} each")
         master = started(deployment.ranks[0].rendezvous.remote(), deadline, "target rank 0")
         draft_max_model_len = fit.max_model_len if fit else 0
-        info = started([r.setup.remote(master, addresses, draft_max_model_len) for r in deployment.ranks], deadline,
+        info = started([r.setup.remote(master, endpoints, draft_max_model_len) for r in deployment.ranks], deadline,
                        f"{config.tensor_parallel_size} target rank(s) loading {config.model}")[0]
     except BaseException:
         deployment.kill()
@@ -144,6 +144,7 @@ class RemoteEngine:
         self.deployment, self.rank0 = deployment, deployment.ranks[0]
         self.vocab_size, self.max_model_len = info["vocab_size"], info["max_model_len"]
         self.eos_token_ids = frozenset(info["eos_token_ids"])
+        self.draft_addresses: list[str] = info["draft_addresses"]  # as rank 0 dials them
         self._requests: dict[str, tuple] = {}   # request_id -> (Sequence, listener)
         self._lock = threading.Lock()
         self._dead: str | None = None
