@@ -188,6 +188,25 @@ def test_rows_sharing_a_generator_take_consecutive_draws():
     want = torch.rand((2, 2), generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     assert torch.equal(u[[0, 2]], want)
     assert not torch.equal(u[0], u[2])
+    # Every row on one generator (a tree's branches) takes the one-group path: still consecutive draws,
+    # the same numbers as those rows among others'.
+    alone = row_uniforms([torch.Generator().manual_seed(4)] * 2, 2, 2)
+    assert torch.equal(alone, want)
+
+
+def test_tempered_only_rows_get_target_probs_own_bits():
+    from saguaro_dist.engine.messages import DraftSampling
+    from saguaro_dist.engine.target import RowSampling, sampling_probs
+    logits = torch.randn(12, 2048, generator=torch.Generator().manual_seed(5)) * 4
+    plain = [DraftSampling(0.7, 0, 1.0, 1), DraftSampling(1.3, 0, 1.0, 2)]
+    rows = RowSampling.of(plain, rows_per_seq=6)
+    assert rows.tempered_only
+    want = target_probs(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p)
+    assert torch.equal(sampling_probs(logits, rows), want)
+    filtered = [DraftSampling(0.0, 0, 1.0, 1), DraftSampling(0.7, 5, 1.0, 1), DraftSampling(0.7, 0, 0.9, 1),
+                DraftSampling(0.7, 0, 1.0, 1, min_p=0.1)]
+    for other in filtered:  # one greedy or filtered sequence among tempered ones: target_probs decides
+        assert not RowSampling.of(plain + [other]).tempered_only
 
 
 def test_greedy_tokens_is_torch_argmax_on_every_layout():

@@ -21,20 +21,28 @@ class RowSampling:
     top_k: torch.Tensor        # [N] int64, 0 = off
     top_p: torch.Tensor        # [N] float32
     min_p: torch.Tensor        # [N] float32, 0 = off
+    tempered_only: bool = False  # every row T > 0 and unfiltered (no min-p, top-k or top-p): p = softmax(logits / T)
 
     @staticmethod
     def of(settings: list, rows_per_seq: int = 1) -> RowSampling:
         """settings: SamplingParams or DraftSampling, one per sequence, each repeated for rows_per_seq rows."""
         def per_row(values, dtype):
             return torch.tensor(values, dtype=dtype).repeat_interleave(rows_per_seq)
+        tempered_only = all(s.temperature > 0 and s.min_p == 0 and s.top_k <= 0 and s.top_p >= 1.0 for s in settings)
         return RowSampling(per_row([s.temperature for s in settings], torch.float32),
                            per_row([s.top_k for s in settings], torch.int64),
                            per_row([s.top_p for s in settings], torch.float32),
-                           per_row([s.min_p for s in settings], torch.float32))
+                           per_row([s.min_p for s in settings], torch.float32), tempered_only)
 
 
 def sampling_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
-    """Each row's own sampling distribution over logits [N, V] (spec.sampling.target_probs)."""
+    """Each row's own sampling distribution over logits [N, V] (spec.sampling.target_probs).
+
+    Rows that are only tempered skip target_probs' per-call checks of which filters apply (four host
+    reads of [N] tensors, ~90 us of a 12-row draw at V = 2048; a T > 0 tree draws K times): the same
+    division and softmax, so the same bits."""
+    if rows.tempered_only:
+        return torch.softmax(logits.float() / rows.temperature[:, None], dim=-1)
     return target_probs(logits.float(), rows.temperature, rows.top_k, rows.top_p, rows.min_p)
 
 

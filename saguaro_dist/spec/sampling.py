@@ -179,14 +179,21 @@ def row_uniforms(generators: Generators, n: int, m: int, device=None) -> torch.T
     gens = list(generators) if generators is not None else [None] * n
     if len(gens) != n:
         raise ValueError(f"need one generator (or None) per row: {n} rows, {len(gens)} generators")
+    if n and all(g is gens[0] for g in gens):  # one group (a tree's branches): the same draws, no row scatter
+        return _uniforms(gens[0], n, m, device)
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for i, g in enumerate(gens):
         groups.setdefault(id(g), (g, []))[1].append(i)
     out = torch.empty((n, m), dtype=torch.float64, device=device)
     for g, rows in groups.values():
-        gen_device = g.device if g is not None else device
-        out[rows] = torch.rand((len(rows), m), generator=g, dtype=torch.float64, device=gen_device).to(device)
+        out[rows] = _uniforms(g, len(rows), m, device)
     return out
+
+
+def _uniforms(generator: torch.Generator | None, n: int, m: int, device) -> torch.Tensor:
+    """[n, m] float64 uniforms from `generator` (None: the default generator of `device`), on `device`."""
+    gen_device = generator.device if generator is not None else device
+    return torch.rand((n, m), generator=generator, dtype=torch.float64, device=gen_device).to(device)
 
 
 def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
