@@ -33,6 +33,7 @@ class TreePolicy(str, enum.Enum):
     """Whether SSD's draft prepares a speculation tree every round (spec/tree_gate.py)."""
     AUTO = "auto"      # measure rounds with and without trees per batch size, run the faster
     ALWAYS = "always"  # a tree every round (the paper's SSD), even when building it outlasts the verify
+    NEVER = "never"    # no trees: SD's rounds on SSD's placement (in two cohorts where that is faster, jit_cohorts)
 
 
 class HitGlue(str, enum.Enum):
@@ -109,6 +110,7 @@ class Config:
     proposal_top_k: int = 0                # the draft proposes from its k likeliest tokens (T > 0; 0: all): still exact, q travels sparse
     fallback: FallbackPolicy = FallbackPolicy.AUTO
     tree_policy: TreePolicy = TreePolicy.AUTO
+    jit_cohorts: int = 2                   # ssd rounds without trees: 2 = the batch in two cohorts, one drafted while the other verifies, where measured faster (spec/cohorts.py); 1 = whole
     hit_glue: HitGlue = HitGlue.AUTO       # ssd: after a hit, whether the tree covers k = K too (one draft forward more)
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
@@ -169,6 +171,8 @@ class Config:
             raise ValueError(f"draft_executor 'split' splits SSD's draft (drafts here, trees in a child); mode is {self.mode.value!r}")
         if not 0.0 <= float(self.saguaro_c) <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
+        if self.jit_cohorts not in (1, 2) or isinstance(self.jit_cohorts, bool):
+            raise ValueError(f"jit_cohorts must be 1 (the batch whole) or 2 (two cohorts), got {self.jit_cohorts!r}")
         if isinstance(self.proposal_top_k, bool) or not isinstance(self.proposal_top_k, int) or self.proposal_top_k < 0:
             raise ValueError(f"proposal_top_k must be an integer >= 0 (0: off), got {self.proposal_top_k!r}")
         if isinstance(self.fan_out, tuple):

@@ -50,37 +50,38 @@ def wait_for(predicate, timeout_s: float = 30.0) -> None:
 
 
 @pytest.mark.parametrize("executor", ["process", "split"])
-def test_killed_draft_process_costs_speed_not_tokens(pair, executor):
+@pytest.mark.parametrize("tree_policy", ["auto", "never"])  # never: two cohorts, one's drafts in flight at the kill
+def test_killed_draft_process_costs_speed_not_tokens(pair, executor, tree_policy):
     want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
     before = draft_children()
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4,
-             draft_executor=executor) as llm:
+             draft_executor=executor, tree_policy=tree_policy) as llm:
         [child] = draft_children() - before
         result = {}
         worker = threading.Thread(target=lambda: result.update(
             outs=llm.generate(prompt_token_ids=PROMPTS, sampling_params=LONG)))
         worker.start()
-        wait_for(lambda: llm.metrics.cache_hits + llm.metrics.cache_misses >= 3)  # mid-generation
+        wait_for(lambda: (m := llm.metrics).cache_hits + m.cache_misses + m.cohort_rounds >= 3)  # mid-generation
         os.kill(child, signal.SIGKILL)
         worker.join(timeout=120)
         assert not worker.is_alive()
         for prompt, out, ref in zip(PROMPTS, result["outs"], want):
             assert_greedy_equal(out.token_ids, ref, prompt, pair["model"])
         assert llm.metrics.fallbacks["fast"] > 0, "the kill landed after the generation"
-        # The next request re-admits its sequence: a new child, and the cache works again.
-        hits = llm.metrics.cache_hits
+        # The next request re-admits its sequence: a new child, drafting again.
+        drafts = llm.metrics.jit_rounds
         again = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=LONG)[0]
         assert_greedy_equal(again.token_ids, want[0], PROMPTS[0], pair["model"])
-        assert llm.metrics.cache_hits > hits
+        assert llm.metrics.jit_rounds > drafts  # the draft drafts again (a lost one never is asked)
         assert len(draft_children() - before) == 1 and child not in draft_children()
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_a_draft_out_of_step_costs_speed_not_the_request(pair, mode):
+@pytest.mark.parametrize("mode, extra", [("sd", {}), ("ssd", {}), ("ssd", {"tree_policy": "never"})])
+def test_a_draft_out_of_step_costs_speed_not_the_request(pair, mode, extra):
     """A draft that lost track of a sequence's round (a lost outcome, say) answers OutOfOrder; the
     engine gives those sequences the fast backup and prefills them again, as for a dead draft."""
     want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
-    with LLM(model=pair["target"], draft=pair["close"], mode=mode, k=3, draft_executor="thread") as llm:
+    with LLM(model=pair["target"], draft=pair["close"], mode=mode, k=3, draft_executor="thread", **extra) as llm:
         draft = llm._thread.engine.loop.draft.worker
         calls = []
 

@@ -186,6 +186,23 @@ def test_split_draft_matches_ar(pair, reference, case, caplog):
     assert not [r for r in caplog.records if "out of step" in r.getMessage() or "failed" in r.getMessage()]
 
 
+@pytest.mark.parametrize("executor", ["thread", "process", "split"])
+def test_two_cohorts_match_ar(pair, executor, caplog):
+    """SSD's rounds without trees as two cohorts, each drafted while the other verifies (the cohort gate
+    also tries the batch whole): requests end mid-flight and waiting ones join (6 prompts of different
+    lengths, batch 4). Same tokens as greedy decoding, and the draft never out of step."""
+    caplog.set_level("WARNING")
+    prompts, lengths = PROMPTS + [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]], [20, 7, 13, 3, 17, 9]
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, max_batch_size=4,
+             draft_executor=executor, tree_policy="never") as llm:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=[replace(GREEDY, max_tokens=n) for n in lengths])
+        m = llm.metrics
+    for prompt, out, n in zip(prompts, outs, lengths):
+        assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, n), prompt, pair["model"])
+    assert m.cohort_rounds > 0 and m.cache_hits + m.cache_misses == 0 and m.just_in_time_rounds == m.rounds, m
+    assert not [r for r in caplog.records if "out of step" in r.getMessage() or "unavailable" in r.getMessage()]
+
+
 def test_ssd_hits_the_cache_with_a_close_draft(pair):
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12) as llm:
         out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
@@ -206,6 +223,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, e
         m = llm.metrics
     check(pair, reference, outputs)
     assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m
+    assert (m.cohort_rounds > 0) == (batch > 1), m  # cohorts drafted in a round without trees, landed in one with
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 

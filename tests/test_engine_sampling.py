@@ -158,6 +158,9 @@ CASES = {
                           lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
     "ssd_split_draft": (dict(k=1, fan_out=3, fallback="neural", draft_executor="split", tree_policy="always"),
                         lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
+    # No trees: two cohorts, one drafted (on the draft's thread / in the child) while the other verifies.
+    "ssd_cohorts": (dict(k=1, tree_policy="never"), lambda m: m.cohort_rounds > 0),
+    "ssd_cohorts_split": (dict(k=1, tree_policy="never", draft_executor="split"), lambda m: m.cohort_rounds > 0),
 }
 PARAMS = {
     "t1": SamplingParams(temperature=1.0),

@@ -26,7 +26,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "draft_device": "draft_device",
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "gpu_memory_utilization": "gpu_memory_utilization", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
-                "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy", "hit_glue": "hit_glue",
+                "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy", "jit_cohorts": "jit_cohorts", "hit_glue": "hit_glue",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
                 "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
@@ -65,7 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fallback", choices=[f.value for f in FallbackPolicy])
     g.add_argument("--tree-policy", choices=[t.value for t in TreePolicy],
                    help="ssd: auto (default) runs rounds with or without speculation trees, whichever is measured "
-                        "faster at the batch size; always builds a tree every round")
+                        "faster at the batch size; always builds a tree every round; never builds none (SD's rounds)")
+    g.add_argument("--jit-cohorts", type=int, choices=[1, 2], dest="jit_cohorts",
+                   help="ssd rounds without trees: 2 (default) verifies the batch as two cohorts, the draft drafting "
+                        "one while the target verifies the other, where measured faster; 1: the batch whole")
     g.add_argument("--hit-glue", choices=[h.value for h in HitGlue],
                    help="ssd: after a hit, whether the tree covers the all-accepted outcome too (one draft forward "
                         "more); auto (default) skips it while the target waits for trees")

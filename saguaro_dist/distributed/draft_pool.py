@@ -14,6 +14,7 @@ from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
+from saguaro_dist.engine.draft_backend import DraftLater
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
 )
@@ -23,6 +24,8 @@ log = logging.getLogger(__name__)
 
 class DraftPool:
     """A DraftBackend over several single-worker backends (engine/draft_backend.py's interface)."""
+
+    drafts_beside = False  # a just-in-time draft is taken whole (the round's cohorts would only add a verify)
 
     def __init__(self, backends: list, max_batch_size: int, max_model_len: int = sys.maxsize):
         """max_model_len: the longest sequence the workers hold (the DraftFit they were built to)."""
@@ -77,6 +80,9 @@ class DraftPool:
         if failed:
             raise DraftUnavailable(f"draft worker unavailable for sequences {failed}", failed, found)
         return [found[r.seq_id] for r in reqs]
+
+    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater:
+        return DraftLater(self.jit_draft, reqs)  # drafted when taken (drafts_beside is False)
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
         parts = defaultdict(list)

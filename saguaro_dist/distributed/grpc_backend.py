@@ -32,6 +32,7 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
+from saguaro_dist.engine.draft_backend import DraftLater
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
 )
@@ -183,6 +184,8 @@ class GrpcDraftBackend:
     whole prompts). Servers not reachable within connect_timeout_s start out dead.
     """
 
+    drafts_beside = False  # a just-in-time draft is taken whole (the round's cohorts would only add a verify)
+
     def __init__(self, addresses: list[str], deadline_s: float = 10.0, *, prefill_deadline_s: float = 60.0,
                  connect_timeout_s: float = 10.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
         if not addresses:
@@ -300,6 +303,9 @@ class GrpcDraftBackend:
         if stale:
             raise DraftOutOfSync(f"sequences {stale} lost their outcomes with a failed stream", stale, found)
         return [found[r.seq_id] for r in reqs]
+
+    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater:
+        return DraftLater(self.jit_draft, reqs)  # drafted when taken (drafts_beside is False)
 
     def _owner_for_jit(self, req: JitDraftRequest) -> _Link | None:
         if req.seq_id not in self._owner:

@@ -16,16 +16,35 @@ log = logging.getLogger(__name__)
 TreeKey = tuple[int, int]  # (seq_id, round)
 
 
+class PendingDrafts(Protocol):
+    def result(self) -> list[Proposal]: ...  # what jit_draft would have returned, or raised
+
+
 class DraftBackend(Protocol):
     max_model_len: int  # the longest sequence the draft side holds (longer ones: the fast backup, engine/rounds.py)
+    drafts_beside: bool  # start_jit_draft drafts while the caller goes on (else only when taken: no cohorts)
 
     def prefill(self, reqs: list[PrefillRequest]) -> None: ...
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]: ...
+    # The same draft, begun now and taken later, so the target can verify other sequences meanwhile
+    # (engine/rounds.py: two cohorts). A backend that cannot draft beside its caller (drafts_beside
+    # False) drafts when the result is taken (DraftLater).
+    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> PendingDrafts: ...
     def send_outcomes(self, outcomes: list[Outcome]) -> None: ...
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]: ...
     def release(self, reqs: list[Release]) -> None: ...
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None: ...  # fire and forget, after what came before
     def close(self) -> None: ...
+
+
+class DraftLater:
+    """PendingDrafts of a backend that drafts on its caller's thread: the draft runs when it is taken."""
+
+    def __init__(self, jit_draft, reqs: list[JitDraftRequest]):
+        self._jit_draft, self._reqs = jit_draft, reqs
+
+    def result(self) -> list[Proposal]:
+        return self._jit_draft(self._reqs)
 
 
 class TreeInbox:
@@ -87,6 +106,8 @@ class LocalDraftBackend:
     stream of their own, so tree kernels overlap the target's.
     """
 
+    drafts_beside = True  # on the worker thread (torch ops release the GIL) or its CUDA stream
+
     def __init__(self, worker):
         self.worker = worker
         self.max_model_len = worker.runner.max_model_len
@@ -103,6 +124,9 @@ class LocalDraftBackend:
 
     def jit_draft(self, reqs):
         return self.call(self.worker.jit_draft, reqs)
+
+    def start_jit_draft(self, reqs):
+        return self.submit(self.worker.jit_draft, reqs)  # a Future: torch ops release the GIL
 
     def send_outcomes(self, outcomes):
         self.submit(self._observe_and_build, outcomes)

@@ -47,6 +47,8 @@ class DraftProcess:
 
     Used from one thread at a time (the engine's), like every DraftBackend."""
 
+    drafts_beside = True  # in the child, on its own core
+
     def __init__(self, config: Config, fit=None):
         """fit: the DraftFit the child builds its draft to (engine/build.py: fit_draft; None: its own)."""
         self.config, self.fit = config, fit
@@ -64,10 +66,14 @@ class DraftProcess:
         self._known.update(r.seq_id for r in reqs)
 
     def jit_draft(self, reqs):
+        return self.start_jit_draft(reqs).result()
+
+    def start_jit_draft(self, reqs):
+        """The child drafts while the caller goes on; result() reads its reply (pushed trees on the way)."""
         lost = self.lost([r.seq_id for r in reqs])
         if lost:
-            raise DraftUnavailable(f"the draft process restarted without sequences {lost}", lost)
-        return self._call("jit_draft", reqs, [r.seq_id for r in reqs])
+            return _Failed(DraftUnavailable(f"the draft process restarted without sequences {lost}", lost))
+        return _Reply(self, self._ask("jit_draft", reqs), "jit_draft", [r.seq_id for r in reqs])
 
     def send_outcomes(self, outcomes):
         self._post("send_outcomes", [o for o in outcomes if o.seq_id in self._known])
@@ -96,8 +102,18 @@ class DraftProcess:
 
     # ---- the pipe ----------------------------------------------------------------------------------
     def _call(self, method: str, arg, seq_ids: list[int]):
+        return self._reply(self._ask(method, arg), method, seq_ids)
+
+    def _ask(self, method: str, arg) -> int:
+        """Post a call; returns its id, for _reply."""
         call_id = next(self._ids)
         self._post(method, arg, call_id)
+        return call_id
+
+    def _reply(self, call_id: int, method: str, seq_ids: list[int]):
+        """The result of call `call_id` (raised if it failed), reading the pipe until it comes."""
+        if call_id < self._first_call_id:  # posted to a child that has since been replaced
+            raise DraftUnavailable(f"the draft process restarted during {method}", seq_ids)
         if not self._pump(lambda: call_id in self._replies, time.monotonic() + CALL_TIMEOUT_S) and not self._gone:
             log.error("draft process pid %d answered no %s in %.0f s: stopping it", self._proc.pid, method, CALL_TIMEOUT_S)
             self._stop()
@@ -149,6 +165,7 @@ class DraftProcess:
         for conn in (self._tx, self._rx):
             widen(conn.fileno())
         self.inbox, self._replies = TreeInbox(), {}
+        self._first_call_id = next(self._ids)  # calls before it went to an earlier child
         send(self._tx, self.config, self.fit)
         self._handshake()
         self._gone = False
@@ -189,6 +206,26 @@ class DraftProcess:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+class _Reply:
+    """PendingDrafts: a call the child is answering."""
+
+    def __init__(self, process: DraftProcess, call_id: int, method: str, seq_ids: list[int]):
+        self._process, self._call_id, self._method, self._seq_ids = process, call_id, method, seq_ids
+
+    def result(self):
+        return self._process._reply(self._call_id, self._method, self._seq_ids)
+
+
+class _Failed:
+    """PendingDrafts that failed before it was sent."""
+
+    def __init__(self, error: Exception):
+        self._error = error
+
+    def result(self):
+        raise self._error
 
 
 def _picklable(exc: Exception) -> Exception:

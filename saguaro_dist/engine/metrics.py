@@ -84,7 +84,8 @@ class EngineMetrics:
     step_s: float = 0.0          # whole steps; coordination = step - verify - draft_wait - prefill
     cache_hits: int = 0
     cache_misses: int = 0
-    just_in_time_rounds: int = 0  # SSD rounds the tree gate ran without trees (spec/tree_gate.py)
+    just_in_time_rounds: int = 0  # SSD rounds the tree gate ran without trees (spec/tree_gate.py) ...
+    cohort_rounds: int = 0        # ... of them, those verified as two cohorts, one drafted beside the other's verify (spec/cohorts.py)
     jit_rounds: int = 0          # rounds that waited for a just-in-time draft (SD: all; SSD: Theorem 7's 1 - p) ...
     jit_round_tokens: int = 0    # ... and the tokens those rounds verified (Theorem 7's E[tokens | miss])
     tree_build_s: float = 0.0    # SSD: the draft's own build time of the trees the target took, summed ...

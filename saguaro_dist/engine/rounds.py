@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from saguaro_dist.config import Config, FallbackPolicy, Mode, TreePolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
@@ -21,6 +23,7 @@ from saguaro_dist.model.cuda_graphs import graph_captures
 from saguaro_dist.spec import (
     ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback, ngram_proposal, random_proposal,
 )
+from saguaro_dist.spec.cohorts import CohortGate
 from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
@@ -114,22 +117,43 @@ class SDLoop(ARLoop):
 
     def _draft_or_fast(self, seqs: list[Sequence], fast_kind: FallbackPolicy) -> list[Outcome]:
         """Neural drafts for `seqs`; the ones whose draft worker is gone get the fast backup."""
-        outcomes = self._fast([s for s in seqs if s.draft_lost], fast_kind)
+        return self._take_drafts(self._ask_drafts(seqs, beside=False), fast_kind)
+
+    def _ask_drafts(self, seqs: list[Sequence], beside: bool) -> AskedDrafts:
+        """Ask the draft for `seqs`' next speculations (not of those whose worker is lost). beside: it
+        drafts while this thread verifies others; else when taken, on this thread if the backend can."""
         live = [s for s in seqs if not s.draft_lost]
+        reqs = [JitDraftRequest(s.seq_id, self._next_round(s), *s.last_outcome, skip_tree=not s.wants_tree) for s in live]
+        if not reqs:
+            return AskedDrafts(seqs, live, reqs, None)
+        self.metrics.jit_rounds += not self._drafted_this_round
+        self._drafted_this_round = True
+        pending = self.draft.start_jit_draft(reqs) if beside else DraftLater(self.draft.jit_draft, reqs)
+        return AskedDrafts(seqs, live, reqs, pending)
+
+    def _take_drafts(self, asked: AskedDrafts, fast_kind: FallbackPolicy) -> list[Outcome]:
+        """Adopt what the draft answered; sequences it could not draft for get the fast backup."""
+        live_ids = {s.seq_id for s in asked.live}
+        outcomes = self._fast([s for s in asked.seqs if s.seq_id not in live_ids], fast_kind)
+        if asked.pending is None:
+            return outcomes
+        start = time.perf_counter()
         try:
-            self._jit(live)
+            self._adopt(asked.live, dict(zip((r.seq_id for r in asked.reqs), asked.pending.result())))
             return outcomes
         except DraftUnavailable as err:  # a dead draft worker costs speed, never tokens
             log.warning("draft unavailable (%s): fast backup for %d sequences", err, len(err.seq_ids))
-            for s in live:
+            for s in asked.live:
                 s.draft_lost = s.seq_id in err.seq_ids
-            self._adopt(live, err.partial)
-            return outcomes + self._fast([s for s in live if s.seq_id not in err.partial], fast_kind)
+            self._adopt(asked.live, err.partial)
+            return outcomes + self._fast([s for s in asked.live if s.seq_id not in err.partial], fast_kind)
         except (OutOfOrder, UnknownSequence) as err:  # the draft lost track of them (a lost message): restart them
-            log.warning("draft out of step (%s): fast backup, then a fresh prefill, for %d sequences", err, len(live))
-            for s in live:
+            log.warning("draft out of step (%s): fast backup, then a fresh prefill, for %d sequences", err, len(asked.live))
+            for s in asked.live:
                 s.draft_lost = True
-            return outcomes + self._fast(live, fast_kind)
+            return outcomes + self._fast(asked.live, fast_kind)
+        finally:
+            self.metrics.draft_wait_s += time.perf_counter() - start
 
     def _track_draft(self, seqs: list[Sequence]) -> None:
         """Before a round: sequences outgrowing the draft leave it, those whose worker was lost rejoin one."""
@@ -170,21 +194,9 @@ class SDLoop(ARLoop):
     def forget(self, s: Sequence) -> None:
         """Drop target-side speculation state of a sequence (SSD keeps a cache)."""
 
-    def _jit(self, seqs: list[Sequence]) -> None:
-        """Neural draft for the real outcome: the first speculation is round 0, then one round per call."""
-        if not seqs:
-            return
-        start = time.perf_counter()
-        self.metrics.jit_rounds += not self._drafted_this_round
-        self._drafted_this_round = True
-        reqs = [JitDraftRequest(s.seq_id, self._next_round(s), *s.last_outcome, skip_tree=not s.wants_tree) for s in seqs]
-        try:
-            self._adopt(seqs, {r.seq_id: p for r, p in zip(reqs, self.draft.jit_draft(reqs))})
-        finally:
-            self.metrics.draft_wait_s += time.perf_counter() - start
-
     @staticmethod
     def _next_round(s: Sequence) -> int:
+        """A just-in-time draft follows the real outcome: the first speculation is round 0, then one a round."""
         return s.round + 1 if s.speculation is not None else 0
 
     def _adopt(self, seqs: list[Sequence], proposals: dict) -> None:
@@ -222,7 +234,11 @@ class SSDLoop(SDLoop):
         self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
         self.cache = SpeculationCache()
         self.gate = TreeGate() if config.tree_policy is TreePolicy.AUTO else None
+        self.cohort_gate = CohortGate() if config.jit_cohorts == 2 else None
         self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
+        self._split: bool | None = None  # this round verifies two cohorts (None: not a choice this round)
+        self._cohorts: tuple[list[Sequence], list[Sequence], AskedDrafts] | None = None  # first, second, the second's drafts
+        self._in_flight: AskedDrafts | None = None  # the last round's first cohort's drafts, asked beside the second's verify
         self._fallback_choices = 0  # automatic fallback choices made (explore_fallback)
         self._late_warned_at = -LATE_TREE_WARN_EVERY_S
 
@@ -230,18 +246,25 @@ class SSDLoop(SDLoop):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
         self._captures = graph_captures()
         self._track_draft(seqs)
-        self._mode = self.gate.mode(len(seqs)) if self.gate else RoundMode.TREES
+        outcomes, landed = self._land(seqs)
+        self._mode = self._round_mode(len(seqs))
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
         # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
-        new = [s for s in seqs if s.speculation is None]
-        treed = [s for s in seqs if s.speculation is not None and s.wants_tree]
-        untreed = [s for s in seqs if s.speculation is not None and not s.wants_tree]
-        for s in seqs:  # what the draft prepares while this round verifies
-            s.wants_tree = self._mode is RoundMode.TREES and not s.beyond_draft
+        waiting = [s for s in seqs if s.seq_id not in landed]
+        new = [s for s in waiting if s.speculation is None]
+        treed = [s for s in waiting if s.speculation is not None and s.wants_tree]
+        untreed = [s for s in waiting if s.speculation is not None and not s.wants_tree]
+        for s in seqs:  # what the draft prepares while this round verifies (a landed draft asked for no tree)
+            s.wants_tree = self._mode is RoundMode.TREES and not s.beyond_draft and s.seq_id not in landed
         self.metrics.just_in_time_rounds += self._mode is RoundMode.JUST_IN_TIME
-        outcomes = self._draft_or_fast(new, FallbackPolicy.FAST)
-        outcomes += self._next_speculations(treed) if treed else []
-        outcomes += self._without_tree(untreed) if untreed else []
+        self._split = self._cohort_choice(len(seqs))
+        if self._split:
+            outcomes += self._next_speculations(treed) if treed else []
+            outcomes += self._start_cohorts(seqs, new + untreed)
+        else:
+            outcomes += self._draft_or_fast(new, FallbackPolicy.FAST)
+            outcomes += self._next_speculations(treed) if treed else []
+            outcomes += self._without_tree(untreed) if untreed else []
         # Even when empty if a tree is wanted: a one-host draft builds the trees of this round's
         # just-in-time drafts on it. The draft starts the next trees now, while we verify.
         if outcomes or self._mode is RoundMode.TREES:
@@ -249,13 +272,65 @@ class SSDLoop(SDLoop):
 
     def verify(self, seqs):
         start = time.perf_counter()
-        gained = super().verify(seqs)
+        gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
         self.stats.record_time(Timing.VERIFY, time.perf_counter() - start)
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
-        if self.gate and graph_captures() == self._captures:  # a round that captured a graph timed the capture
-            self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), time.perf_counter() - self._round_start)
+        if graph_captures() == self._captures:  # a round that captured a graph timed the capture
+            seconds = time.perf_counter() - self._round_start
+            if self.gate:
+                self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), seconds)
+            if self._split is not None:
+                self.cohort_gate.record(len(seqs), self._split, seconds)
         return gained
+
+    def _round_mode(self, batch_size: int) -> RoundMode:
+        if self.gate:
+            return self.gate.mode(batch_size)
+        return RoundMode.JUST_IN_TIME if self.config.tree_policy is TreePolicy.NEVER else RoundMode.TREES
+
+    def _cohort_choice(self, batch_size: int) -> bool | None:
+        """Whether this round, without trees, verifies two cohorts (spec/cohorts.py); None where there is
+        no choice: trees, one sequence, misses proposed by the fast backup alone, or a draft side that
+        cannot draft beside the verify (over gRPC, for now)."""
+        if (self._mode is not RoundMode.JUST_IN_TIME or self.cohort_gate is None or batch_size < 2
+                or self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM) or not self.draft.drafts_beside):
+            return None
+        return self.cohort_gate.split(batch_size)
+
+    def _start_cohorts(self, seqs: list[Sequence], need: list[Sequence]) -> list[Outcome]:
+        """Split the round: a first cohort of those holding their speculation (landed, looked up), a second
+        of the rest, whose drafts are asked for now, to be drafted while the first verifies."""
+        self.metrics.cohort_rounds += 1
+        needed = {s.seq_id for s in need}
+        ready, outcomes = [s for s in seqs if s.seq_id not in needed], []
+        if not ready:  # the cohorts start: the first one's drafts now
+            ready, need = need[:len(need) // 2], need[len(need) // 2:]
+            outcomes = self._draft_or_fast(ready, FallbackPolicy.FAST)
+        half = max(1, len(seqs) // 2)
+        self._cohorts = (ready[:half], ready[half:] + need, self._ask_drafts(need, beside=True))
+        return outcomes
+
+    def _verify_cohorts(self, seqs: list[Sequence]) -> list[list[int]]:
+        """The first cohort verifies while the second's drafts are made; then the first's next drafts are
+        asked for (taken next round, _land) while the second verifies."""
+        first, second, asked = self._cohorts
+        self._cohorts = None
+        gained = dict(zip([s.seq_id for s in first], super().verify(first)))
+        self._in_flight = self._ask_drafts(first, beside=True)
+        outcomes = self._take_drafts(asked, FallbackPolicy.FAST)
+        if outcomes:
+            self.draft.send_outcomes(outcomes)
+        gained.update(zip([s.seq_id for s in second], super().verify(second)))
+        return [gained[s.seq_id] for s in seqs]
+
+    def _land(self, seqs: list[Sequence]) -> tuple[list[Outcome], set[int]]:
+        """The drafts asked for the last round's first cohort: their outcomes (fast backups) to send and
+        the ids of the sequences that now hold this round's speculation."""
+        if self._in_flight is None:
+            return [], set()
+        asked, self._in_flight = self._in_flight.among({s.seq_id for s in seqs}), None
+        return self._take_drafts(asked, FallbackPolicy.FAST), {s.seq_id for s in asked.seqs}
 
     def _without_tree(self, seqs: list[Sequence]) -> list[Outcome]:
         """No tree was asked for: the draft drafts now (SD's round), or the forced fast backup."""
@@ -336,6 +411,21 @@ class SSDLoop(SDLoop):
                 s.metrics.record_fallback(FallbackPolicy.NEURAL.value)
                 self.metrics.fallbacks[FallbackPolicy.NEURAL.value] += 1
         return outcomes
+
+
+@dataclass
+class AskedDrafts:
+    """Just-in-time drafts asked for: of `seqs`, the `live` ones were sent as `reqs` and `pending` will
+    answer; the others (their draft worker lost) get the fast backup when the drafts are taken."""
+    seqs: list[Sequence]
+    live: list[Sequence]
+    reqs: list[JitDraftRequest]
+    pending: PendingDrafts | None
+
+    def among(self, seq_ids: set[int]) -> AskedDrafts:
+        """Only the sequences still running (the answer still covers every request: it is taken whole)."""
+        return AskedDrafts([s for s in self.seqs if s.seq_id in seq_ids], [s for s in self.live if s.seq_id in seq_ids],
+                           self.reqs, self.pending)
 
 
 def round_yield(seqs: list[Sequence], gained: list[list[int]]) -> RoundYield:

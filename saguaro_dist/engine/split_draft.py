@@ -19,7 +19,10 @@ MAX_UNOBSERVED = 1024  # rounds of outcomes the thread's worker may lag behind b
 
 
 class SplitDraftBackend:
-    """A DraftBackend: `jit` drafts, `trees` builds; both observe every outcome."""
+    """A DraftBackend: `jit` drafts, `trees` builds; both observe every outcome (and the child drafts the
+    cohorts, beside the engine's verify)."""
+
+    drafts_beside = True
 
     def __init__(self, jit: LocalDraftBackend, trees: DraftProcess):
         self.jit, self.trees = jit, trees
@@ -48,6 +51,12 @@ class SplitDraftBackend:
         if all(r.skip_tree for r in reqs):  # no tree wanted: no send_outcomes need follow this round
             self._flush([])
         return proposals
+
+    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> "_ChildDrafts":
+        """The child drafts these while the engine verifies others (two cohorts in flight); the thread's
+        worker learns them as outcomes before its next draft."""
+        self._flush([])  # the child drafts after every outcome before these
+        return _ChildDrafts(self, reqs, self.trees.start_jit_draft(reqs))
 
     def send_outcomes(self, outcomes):
         if outcomes:
@@ -92,6 +101,22 @@ class SplitDraftBackend:
         batch, self._unsent = self._unsent + outcomes, []
         if batch:
             self.trees.send_outcomes(batch)
+
+
+class _ChildDrafts:
+    """PendingDrafts drafted by the child: once taken, queued for the thread's worker to observe (those of
+    sequences released meanwhile dropped: that worker no longer holds them)."""
+
+    def __init__(self, split: SplitDraftBackend, reqs: list[JitDraftRequest], pending):
+        self._split, self._reqs, self._pending = split, reqs, pending
+
+    def result(self) -> list[Proposal]:
+        proposals = self._pending.result()
+        gone = set(self._split.trees.lost([r.seq_id for r in self._reqs]))
+        learned = [_as_outcome(r, p) for r, p in zip(self._reqs, proposals) if r.seq_id not in gone]
+        if learned:
+            self._split._unobserved.append(learned)
+        return proposals
 
 
 def _as_outcome(r: JitDraftRequest, p: Proposal) -> Outcome:

@@ -41,12 +41,13 @@ class RoundMode(str, enum.Enum):
 
 
 @dataclass
-class _DecayedMean:
+class DecayedMean:
     """Mean of the values added, the older ones fading by `decay` per value."""
     decay: float
     total: float = 0.0
     weight: float = 0.0
     count: int = 0
+    last_round: int = 0  # add_round's: the round of the last value added
 
     def add_clipped(self, value: float) -> None:
         """Winsorized: one stall of the box (another process, a page fault; tens of ms against a round of
@@ -55,6 +56,15 @@ class _DecayedMean:
         b = 1) is mostly under the clip: trees are favoured only where misses cost more than that."""
         mean = self.mean
         self.add(min(value, CLIP * mean) if self.count >= CLIP_AFTER and mean else value)
+
+    def add_round(self, value: float, round_no: int) -> None:
+        """add_clipped a round's seconds, `round_no` rounds into its batch size, first fading the mean by
+        the rounds since the last one added. Seconds decay by rounds, not by measurements: a way last run
+        long ago was measured on another load and text, and a short re-try must be able to replace that,
+        not nudge it."""
+        self.fade(max(0, round_no - self.last_round - 1))
+        self.last_round = round_no
+        self.add_clipped(value)
 
     def fade(self, steps: int) -> None:
         """Age the values by `steps` more decays without adding any (the mean stays where it was)."""
@@ -124,11 +134,10 @@ class _BatchGate:
     fresh: bool = True           # the current round is the first of its mode (a transition)
     bursts: dict = field(default_factory=lambda: {m: 0 for m in RoundMode})  # bursts each mode has run
     rounds: int = 0              # rounds at this batch size so far
-    measured_at: dict = field(default_factory=lambda: {m: 0 for m in RoundMode})  # its last measured round
-    seconds: dict = field(default_factory=lambda: {m: _DecayedMean(SECONDS_DECAY) for m in RoundMode})
-    draft_yield: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))  # tokens per draft row
-    fast_yield: _DecayedMean = field(default_factory=lambda: _DecayedMean(TOKENS_DECAY))   # tokens per fast row
-    fast_share: dict = field(default_factory=lambda: {m: _DecayedMean(TOKENS_DECAY) for m in RoundMode})
+    seconds: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
+    draft_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per draft row
+    fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row
+    fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
     trees_deferred: bool = False  # start just-in-time; first try trees at the exploration schedule
 
     def __post_init__(self):
@@ -184,11 +193,7 @@ class _BatchGate:
         if self.fresh:  # its cost belongs partly to the previous mode's last round
             self.fresh = False
             return
-        # Seconds decay by rounds, not by measurements: a mode last run long ago was measured on another
-        # load and text, and a short re-try must be able to replace that, not nudge it.
-        self.seconds[mode].fade(max(0, self.rounds - self.measured_at[mode] - 1))
-        self.measured_at[mode] = self.rounds
-        self.seconds[mode].add_clipped(seconds)
+        self.seconds[mode].add_round(seconds, self.rounds)
         if gained.rows > gained.fast_rows:
             self.draft_yield.add(gained.tokens - gained.fast_tokens, gained.rows - gained.fast_rows)
         if gained.fast_rows:

@@ -1,0 +1,88 @@
+"""SSD's rounds without trees: the batch verified whole (SD's round) or as two cohorts, by measurement.
+
+A round without a tree is SD's: the draft drafts, then the target verifies, and each waits for the
+other. With the draft on hardware of its own, the batch can instead be verified as two cohorts A and
+B: the draft drafts B's next speculation while the target verifies A, and A's while it verifies B.
+Per round that costs max(V(A), D(B)) + max(V(B), D(A)) against SD's V(A + B) + D(A + B) (V a verify,
+D a draft). Where a forward's cost grows with its batch (a CPU) the cohorts win; where it hardly does
+(a GPU below its memory-bound limit) two half verifies cost nearly two whole ones and they lose. So
+the choice is measured per batch size, as the tree gate does: both ways gain the same tokens per row
+(the same drafts, verified alike), so seconds per round decide. Every token is verified exactly
+either way; only the order of the work changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from saguaro_dist.spec.tree_gate import CLIP_AFTER, DecayedMean
+
+TRY_ROUNDS = 6        # rounds each way when it is (re-)tried; the first, a transition, is not measured
+RETRY_EVERY = 128     # rounds at one batch size between re-tries of the slower way
+SECONDS_DECAY = 0.9   # a way's round time follows its last ~10 rounds
+
+
+@dataclass
+class _BatchChoice:
+    cohorts: bool = True        # the way the current rounds run
+    left: int = TRY_ROUNDS      # rounds it keeps before the next choice
+    fresh: bool = True          # the current round is the first of its way (a transition)
+    rounds: int = 0             # rounds at this batch size so far
+    retried_at: int = 0
+    seconds: dict = field(default_factory=lambda: {w: DecayedMean(SECONDS_DECAY) for w in (True, False)})
+
+    def next_round(self) -> bool:
+        """The current way while its turn lasts; then the faster, an unmeasured one first, and the slower
+        for TRY_ROUNDS every RETRY_EVERY rounds (the box, the batch mix and the text change)."""
+        self.rounds += 1
+        if self.left > 0:
+            self.left -= 1
+            return self.cohorts
+        faster = self._faster()
+        if faster is None:
+            way = not self.cohorts
+        elif self.rounds - self.retried_at >= RETRY_EVERY:
+            way, self.retried_at = not faster, self.rounds
+        else:
+            way = faster
+        if way is not self.cohorts:
+            self.cohorts, self.fresh, self.left = way, True, TRY_ROUNDS - 1
+        return way
+
+    def record(self, cohorts: bool, seconds: float) -> None:
+        if cohorts is not self.cohorts:
+            return
+        if self.fresh:  # its time belongs partly to the other way's last round
+            self.fresh = False
+            return
+        self.seconds[cohorts].add_round(seconds, self.rounds)
+
+    def _faster(self) -> bool | None:
+        """Whether cohorts run the shorter round; None while either way has fewer than CLIP_AFTER rounds."""
+        split, whole = self.seconds[True], self.seconds[False]
+        if split.count < CLIP_AFTER or whole.count < CLIP_AFTER:
+            return None
+        return split.mean < whole.mean
+
+
+class CohortGate:
+    """Per batch size: whether the next round without a tree verifies the batch as two cohorts."""
+
+    def __init__(self):
+        self._choices: dict[int, _BatchChoice] = {}
+
+    def split(self, batch_size: int) -> bool:
+        choice = self._choices.get(batch_size)
+        if choice is None:
+            choice = self._choices[batch_size] = _BatchChoice()
+        return choice.next_round()
+
+    def record(self, batch_size: int, cohorts: bool, seconds: float) -> None:
+        """A finished round without a tree at `batch_size`, verified as two cohorts or not, in `seconds`."""
+        choice = self._choices.get(batch_size)
+        if choice is not None:
+            choice.record(cohorts, seconds)
+
+    def means(self, batch_size: int) -> dict[str, float | None]:
+        """Mean seconds per round each way ("cohorts", "whole"); None until measured."""
+        choice = self._choices.get(batch_size)
+        return {("cohorts" if w else "whole"): (choice.seconds[w].mean if choice else None) for w in (True, False)}

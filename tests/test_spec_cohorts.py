@@ -1,0 +1,45 @@
+"""The cohort gate: both ways tried, then the one with the shorter round, the other re-tried now and then."""
+import pytest
+
+from saguaro_dist.spec.cohorts import RETRY_EVERY, TRY_ROUNDS, CohortGate
+
+
+def drive(gate: CohortGate, rounds: int, seconds: dict[bool, float], batch: int = 4) -> list[bool]:
+    ways = []
+    for _ in range(rounds):
+        way = gate.split(batch)
+        gate.record(batch, way, seconds[way])
+        ways.append(way)
+    return ways
+
+
+@pytest.mark.parametrize("cohorts_faster", [True, False])
+def test_tries_both_then_keeps_the_faster(cohorts_faster):
+    gate = CohortGate()
+    fast, slow = 0.010, 0.015
+    ways = drive(gate, RETRY_EVERY - 1, {cohorts_faster: fast, not cohorts_faster: slow})
+    assert ways[:TRY_ROUNDS] == [True] * TRY_ROUNDS and ways[TRY_ROUNDS:2 * TRY_ROUNDS] == [False] * TRY_ROUNDS
+    assert set(ways[2 * TRY_ROUNDS:]) == {cohorts_faster}
+    means = gate.means(4)
+    assert means["cohorts" if cohorts_faster else "whole"] == pytest.approx(fast)
+
+
+def test_retries_the_slower_way_and_follows_a_change():
+    gate = CohortGate()
+    drive(gate, RETRY_EVERY + 2 * TRY_ROUNDS, {True: 0.010, False: 0.015})
+    # Whole rounds got faster (another load, another text): the next re-try notices and switches.
+    ways = drive(gate, 2 * RETRY_EVERY, {True: 0.010, False: 0.005})
+    assert False in ways and ways[-1] is False
+
+
+def test_the_first_round_of_a_switch_is_not_measured():
+    gate = CohortGate()
+    drive(gate, TRY_ROUNDS, {True: 0.010, False: 0.0})
+    gate.record(4, gate.split(4), 100.0)  # the switch to whole: a transition, ignored
+    assert gate.means(4)["whole"] is None
+
+
+def test_batch_sizes_choose_apart():
+    gate = CohortGate()
+    drive(gate, 3 * TRY_ROUNDS, {True: 0.010, False: 0.015}, batch=4)
+    assert gate.means(2) == {"cohorts": None, "whole": None}
