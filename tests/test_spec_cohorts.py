@@ -1,7 +1,7 @@
 """The cohort gate: both ways tried, then the one with the shorter round, the other re-tried now and then."""
 import pytest
 
-from saguaro_dist.spec.cohorts import RETRY_EVERY, TRY_ROUNDS, CohortGate
+from saguaro_dist.spec.cohorts import MAX_STRETCH, RETRY_EVERY, TRY_ROUNDS, CohortGate
 
 
 def drive(gate: CohortGate, rounds: int, seconds: dict[bool, float], batch: int = 4) -> list[bool]:
@@ -26,10 +26,19 @@ def test_tries_both_then_keeps_the_faster(cohorts_faster):
 
 def test_retries_the_slower_way_and_follows_a_change():
     gate = CohortGate()
-    drive(gate, RETRY_EVERY + 2 * TRY_ROUNDS, {True: 0.010, False: 0.015})
+    drive(gate, RETRY_EVERY + 2 * TRY_ROUNDS, {True: 0.010, False: 0.0105})
     # Whole rounds got faster (another load, another text): the next re-try notices and switches.
     ways = drive(gate, 2 * RETRY_EVERY, {True: 0.010, False: 0.005})
     assert False in ways and ways[-1] is False
+
+
+@pytest.mark.parametrize("whole_s, interval", [(0.0105, RETRY_EVERY), (0.0115, 1.70 * RETRY_EVERY),  # gap 1 - 10 / 11.5 = 0.13: (0.13 / 0.1)^2
+                                                (0.020, MAX_STRETCH * RETRY_EVERY)])
+def test_a_slower_way_far_behind_is_retried_less_often(whole_s, interval):
+    gate = CohortGate()
+    ways = drive(gate, 2 * TRY_ROUNDS + 3 * MAX_STRETCH * RETRY_EVERY, {True: 0.010, False: whole_s})
+    retries = [i for i in range(2 * TRY_ROUNDS + 1, len(ways)) if not ways[i] and ways[i - 1]]
+    assert retries and all(b - a == pytest.approx(interval, abs=TRY_ROUNDS + 1) for a, b in zip(retries, retries[1:]))
 
 
 def test_the_first_round_of_a_switch_is_not_measured():

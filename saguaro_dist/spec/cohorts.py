@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 from saguaro_dist.spec.tree_gate import CLIP_AFTER, DecayedMean
 
 TRY_ROUNDS = 6        # rounds each way when it is (re-)tried; the first, a transition, is not measured
-RETRY_EVERY = 128     # rounds at one batch size between re-tries of the slower way
+RETRY_EVERY = 128     # rounds at one batch size between re-tries of the slower way, while the two are close;
+MAX_STRETCH = 4       # up to 4x less often the further behind it is (a re-try costs in proportion to the gap)
+CLOSE_GAP = 0.1       # ways within 10% of each other's round time are close
 SECONDS_DECAY = 0.9   # a way's round time follows its last ~10 rounds
 
 
@@ -40,7 +42,7 @@ class _BatchChoice:
         faster = self._faster()
         if faster is None:
             way = not self.cohorts
-        elif self.rounds - self.retried_at >= RETRY_EVERY:
+        elif self.rounds - self.retried_at >= self._retry_interval():
             way, self.retried_at = not faster, self.rounds
         else:
             way = faster
@@ -55,6 +57,12 @@ class _BatchChoice:
             self.fresh = False
             return
         self.seconds[cohorts].add_round(seconds, self.rounds)
+
+    def _retry_interval(self) -> float:
+        """RETRY_EVERY x (gap / CLOSE_GAP)^2, between 1x and MAX_STRETCH x: noise rarely closes a wide gap."""
+        split, whole = self.seconds[True].mean, self.seconds[False].mean
+        gap = 1.0 - min(split, whole) / max(split, whole)
+        return RETRY_EVERY * min(MAX_STRETCH, max(1.0, (gap / CLOSE_GAP) ** 2))
 
     def _faster(self) -> bool | None:
         """Whether cohorts run the shorter round; None while either way has fewer than CLIP_AFTER rounds."""
