@@ -250,6 +250,33 @@ def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair):
     assert m.tree_builds > 0 and m.tree_build_s > 0, m  # the draft's build time crossed gRPC
 
 
+def test_two_cohorts_over_grpc_are_exact_and_outlive_a_killed_draft(ray_cluster, pair):
+    """Rounds without trees as two cohorts, each's drafts on the Speculate stream while the other
+    verifies: exact with requests of different lengths (no fallback taken), and exact when a draft
+    worker dies with drafts in flight."""
+    lengths = [40, 12, 27, 5]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    with cluster_llm(pair, tree_policy="never", num_draft_workers=2) as llm:
+        for prompt, out, n in zip(PROMPTS, llm.generate(prompt_token_ids=PROMPTS, sampling_params=params), lengths):
+            assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, n), prompt, pair["model"])
+        m = llm.metrics
+        assert m.cohort_rounds > 0 and sum(m.fallbacks.values()) == 0, m
+        long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+        outputs = []
+        worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompt_token_ids=PROMPTS, sampling_params=long)))
+        worker.start()
+        rounds = llm.metrics.cohort_rounds
+        deadline = time.time() + 60
+        while llm.metrics.cohort_rounds < rounds + 3 and time.time() < deadline:
+            time.sleep(0.01)
+        ray.kill(llm._thread.deployment.drafts[0], no_restart=True)
+        worker.join(timeout=180)
+        assert len(outputs) == len(PROMPTS), "generation did not complete after a draft worker died"
+        for prompt, out in zip(PROMPTS, outputs):
+            assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, long.max_tokens), prompt, pair["model"])
+        assert sum(llm.metrics.fallbacks.values()) > 0
+
+
 def test_drafts_no_node_can_host_fail_start_up_clearly_and_leave_nothing(ray_cluster, pair, caplog):
     """A draft worker asking for a resource no node has would wait for it forever: start-up says so at
     once, gives up after startup_timeout_s with an error that says what could not be placed, and frees

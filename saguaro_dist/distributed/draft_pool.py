@@ -12,6 +12,7 @@ import sys
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
 from saguaro_dist.engine.draft_backend import DraftLater
@@ -25,11 +26,10 @@ log = logging.getLogger(__name__)
 class DraftPool:
     """A DraftBackend over several single-worker backends (engine/draft_backend.py's interface)."""
 
-    drafts_beside = False  # a just-in-time draft is taken whole (the round's cohorts would only add a verify)
-
     def __init__(self, backends: list, max_batch_size: int, max_model_len: int = sys.maxsize):
         """max_model_len: the longest sequence the workers hold (the DraftFit they were built to)."""
         self.backends = backends
+        self.drafts_beside = all(b.drafts_beside for b in backends)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.groups: dict[int, list[int]] = {}   # seq_id -> backend indices; [0] is shard 0
         self.dead: set[int] = set()
@@ -70,19 +70,25 @@ class DraftPool:
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Shard 0 drafts; the other shards are told the tokens as the outcome they follow from."""
+        return self.start_jit_draft(reqs).result()
+
+    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater:
+        """Each worker's part asked at once (its backend drafts beside the caller); result() gathers them."""
         parts = defaultdict(list)
         for r in reqs:
             parts[self.groups[r.seq_id][0] if self.groups.get(r.seq_id) else None].append(r)
         homeless = [r.seq_id for r in parts.pop(None, [])]
-        found, failed = self._collect_jit(parts)
+        pending = {i: self.backends[i].start_jit_draft(part) for i, part in parts.items()}
+        return DraftLater(partial(self._answers, parts=parts, pending=pending, homeless=homeless), reqs)
+
+    def _answers(self, reqs: list[JitDraftRequest], parts: dict, pending: dict, homeless: list[int]) -> list[Proposal]:
+        found, failed = self._collect_jit(parts, pending)
         failed += homeless
-        self._tell_other_shards([r for r in reqs if r.seq_id in found], found)
+        # (a sequence released since the draft was asked, two cohorts in flight, has no shards left to tell)
+        self._tell_other_shards([r for r in reqs if r.seq_id in found and r.seq_id in self.groups], found)
         if failed:
             raise DraftUnavailable(f"draft worker unavailable for sequences {failed}", failed, found)
         return [found[r.seq_id] for r in reqs]
-
-    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater:
-        return DraftLater(self.jit_draft, reqs)  # drafted when taken (drafts_beside is False)
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
         parts = defaultdict(list)
@@ -141,12 +147,11 @@ class DraftPool:
                 failed.add(i)
         return failed
 
-    def _collect_jit(self, parts: dict) -> tuple[dict, list[int]]:
-        futures = self._run(parts, lambda backend, part: backend.jit_draft(part))
+    def _collect_jit(self, parts: dict, pending: dict) -> tuple[dict, list[int]]:
         found, failed = {}, []
-        for i, fut in futures.items():
+        for i, answer in pending.items():
             try:
-                found.update({r.seq_id: p for r, p in zip(parts[i], fut.result())})
+                found.update({r.seq_id: p for r, p in zip(parts[i], answer.result())})
             except DraftUnavailable as err:
                 if not isinstance(err, DraftOutOfSync):  # out of sync: its sequences re-prefill, it stays
                     self._mark_dead(i)

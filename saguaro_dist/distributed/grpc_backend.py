@@ -25,6 +25,7 @@ import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future
+from functools import partial
 
 import grpc
 
@@ -32,7 +33,7 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
-from saguaro_dist.engine.draft_backend import DraftLater
+from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
 )
@@ -184,7 +185,7 @@ class GrpcDraftBackend:
     whole prompts). Servers not reachable within connect_timeout_s start out dead.
     """
 
-    drafts_beside = False  # a just-in-time draft is taken whole (the round's cohorts would only add a verify)
+    drafts_beside = True  # a just-in-time draft goes out on the stream; its answer is read when taken
 
     def __init__(self, addresses: list[str], deadline_s: float = 10.0, *, prefill_deadline_s: float = 60.0,
                  connect_timeout_s: float = 10.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
@@ -291,8 +292,20 @@ class GrpcDraftBackend:
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Proposals in request order; DraftUnavailable (with the others in .partial) if a server failed."""
-        groups = self._group(reqs, self._owner_for_jit)
+        return self.start_jit_draft(reqs).result()
+
+    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater | FailedDrafts:
+        """Queue the draft on each server's stream and return once gRPC has sent it (as send_outcomes
+        does: the caller verifies next); result() reads the answers, under one deadline from then."""
+        try:
+            groups = self._group(reqs, self._owner_for_jit)
+        except UnknownSequence as exc:
+            return FailedDrafts(exc)
         calls = {link: link.call_jit(part) for link, part in groups.items() if link not in (None, _STALE)}
+        _await_sent([(link.outbox, link.outbox.queued) for link in calls])  # each stream's last request: this one
+        return DraftLater(partial(self._answers, groups=groups, calls=calls), reqs)
+
+    def _answers(self, reqs: list[JitDraftRequest], groups: dict, calls: dict) -> list[Proposal]:
         found, failed, stale, error = self._collect_jit(calls, groups)
         failed += [r.seq_id for r in groups.get(None, [])]
         stale += [r.seq_id for r in groups.get(_STALE, [])]
@@ -303,9 +316,6 @@ class GrpcDraftBackend:
         if stale:
             raise DraftOutOfSync(f"sequences {stale} lost their outcomes with a failed stream", stale, found)
         return [found[r.seq_id] for r in reqs]
-
-    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater:
-        return DraftLater(self.jit_draft, reqs)  # drafted when taken (drafts_beside is False)
 
     def _owner_for_jit(self, req: JitDraftRequest) -> _Link | None:
         if req.seq_id not in self._owner:

@@ -47,6 +47,16 @@ class DraftLater:
         return self._jit_draft(self._reqs)
 
 
+class FailedDrafts:
+    """PendingDrafts that failed before the draft was asked: result() raises it."""
+
+    def __init__(self, error: Exception):
+        self._error = error
+
+    def result(self) -> list[Proposal]:
+        raise self._error
+
+
 class TreeInbox:
     """Trees as they arrive, keyed by (seq_id, round); waiters wake when theirs land."""
 

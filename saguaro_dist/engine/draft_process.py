@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.errors import DraftUnavailable
-from saguaro_dist.engine.draft_backend import TreeInbox
+from saguaro_dist.engine.draft_backend import FailedDrafts, TreeInbox
 from saguaro_dist.engine.pipe_wire import recv, send, widen
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class DraftProcess:
         """The child drafts while the caller goes on; result() reads its reply (pushed trees on the way)."""
         lost = self.lost([r.seq_id for r in reqs])
         if lost:
-            return _Failed(DraftUnavailable(f"the draft process restarted without sequences {lost}", lost))
+            return FailedDrafts(DraftUnavailable(f"the draft process restarted without sequences {lost}", lost))
         return _Reply(self, self._ask("jit_draft", reqs), "jit_draft", [r.seq_id for r in reqs])
 
     def send_outcomes(self, outcomes):
@@ -216,16 +216,6 @@ class _Reply:
 
     def result(self):
         return self._process._reply(self._call_id, self._method, self._seq_ids)
-
-
-class _Failed:
-    """PendingDrafts that failed before it was sent."""
-
-    def __init__(self, error: Exception):
-        self._error = error
-
-    def result(self):
-        raise self._error
 
 
 def _picklable(exc: Exception) -> Exception:
