@@ -128,12 +128,12 @@ def warm_up(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -
     (a short call left most shapes to the first timed pass: session 28, an H200, ssd-thread b = 8 ran 765
     tok/s in it, then 2973), and the pass after the captures is still slow without any (session 30, an
     H200: sd b = 8 126, 585, 2731 tok/s in passes 0-2, graphs captured in pass 0 only; ssd 236, 1671,
-    2827). Elsewhere one short call (loads, allocator, first kernels)."""
-    if cfg.device.startswith("cuda"):
-        for _ in range(GPU_WARM_UP_PASSES):
-            run_batches(runner, prompts, batch, temperature, cfg)
-    else:
-        runner.run(prompts[:batch], temperature, min(8, cfg.max_new_tokens), cfg.seed)
+    2827). Elsewhere one whole pass: SSD chooses its rounds by measurement per batch size (spec/tree_gate.py,
+    spec/cohorts.py) and a timed pass at b = 8 is only ~40 rounds, of which its first tries of each kind
+    would be most (session 40: T = 0.7, b = 4 / 8 ssd / sd 0.92 / 1.00 in the bench, 1.03-1.08 after
+    ~100 rounds in-process)."""
+    for _ in range(GPU_WARM_UP_PASSES if cfg.device.startswith("cuda") else 1):
+        run_batches(runner, prompts, batch, temperature, cfg)
 
 
 def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> Measurement:
