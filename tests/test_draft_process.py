@@ -115,6 +115,33 @@ def test_unset_draft_threads_are_warned_about(pair, caplog):
         assert "set draft_threads" not in caplog.text
 
 
+def test_a_draft_asked_of_a_child_since_replaced_fails_at_once(pair):
+    """Two cohorts leave a draft in flight across rounds; if the child dies and a prefill starts a new one
+    before the draft is taken, the new child never got that call: taking it raises DraftUnavailable at
+    once (the engine's fast backup), not after CALL_TIMEOUT_S."""
+    from saguaro_dist.config import Config
+    from saguaro_dist.distributed.errors import DraftUnavailable
+    from saguaro_dist.engine.draft_process import DraftProcess
+    from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
+    greedy = DraftSampling(0.0, 0, 1.0, None)
+    process = DraftProcess(Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_threads=1))
+    try:
+        process.prefill([PrefillRequest(1, PROMPTS[0], greedy)])
+        assert len(process.start_jit_draft([JitDraftRequest(1, 0, 0, 7)]).result()[0].tokens) == 3
+        pending = process.start_jit_draft([JitDraftRequest(1, 1, 0, 7)])
+        os.kill(process._proc.pid, signal.SIGKILL)
+        process._proc.wait()
+        with pytest.raises(DraftUnavailable):  # the dead child's pipe: the next prefill starts another
+            process.prefill([PrefillRequest(2, PROMPTS[1], greedy)])
+        process.prefill([PrefillRequest(2, PROMPTS[1], greedy)])
+        start = time.monotonic()
+        with pytest.raises(DraftUnavailable, match="restarted"):
+            pending.result()
+        assert time.monotonic() - start < 1.0
+    finally:
+        process.close()
+
+
 def test_shutdown_leaves_no_child(pair):
     before = draft_children()
     llm = LLM(model=pair["target"], draft=pair["close"], mode="sd", k=3, draft_executor="process")
