@@ -76,6 +76,19 @@ def test_a_run_without_a_tree_is_predicted_as_sd_rounds():
     assert got["predicted_tokens_per_s"] == pytest.approx(3.0 / (1.5 * 0.010))
 
 
+def test_rounds_run_as_two_cohorts_are_reported_beside_the_prediction():
+    """Theorem 7 counts a round without a tree as SD's (1 + T_b); two cohorts overlap that draft with a
+    verify, so the report names their share next to the prediction."""
+    from saguaro_dist.bench.report import theorem7_lines
+    m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=0, cache_misses=0,
+                    engine={"rounds": 10, "verify_s": 0.1, "jit_rounds": 10, "cohort_rounds": 6, "tree_build_s": 0.0,
+                            "tree_builds": 0})
+    got = predict_from_run(m, 2, {"tree_s": 0.02, "jit_s": 0.005})
+    assert got["cohort_share"] == pytest.approx(0.6)
+    [line] = theorem7_lines([{"system": "ssd", "batch": 2, "temperature": 0.7, "theorem7": got}])
+    assert line.endswith("; 60% of rounds two cohorts (Theorem 7 counts them as whole SD rounds)")
+
+
 def test_the_best_case_is_every_round_of_the_cheaper_kind():
     # a tree takes 3 verifies, a just-in-time draft 0.5: rounds without trees are the best case
     m = Measurement(tokens=31, seconds=1.0, outputs=[], cache_hits=6, cache_misses=0,
