@@ -206,3 +206,57 @@ def test_spin_until_readable_returns_on_data_and_gives_up_after_its_budget():
     tx.send_bytes(b"x")
     assert spin_until_readable(rx, 5.0) is True              # data: returns at once, the message unread
     assert rx.recv_bytes() == b"x"
+
+
+def child_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_split_rounds_without_trees_reach_the_child_with_the_next_that_wants_one(pair):
+    """A round that asks the child for no tree posts nothing (a woken core slows the target's); the next
+    round that wants a tree sends them all first, in order, and its tree is the one a draft that saw every
+    round builds. The child blocks when nothing is asked of it and spins once it built a tree."""
+    from saguaro_dist.config import Config
+    from saguaro_dist.engine.build import build_draft_worker
+    from saguaro_dist.engine.draft_backend import LocalDraftBackend
+    from saguaro_dist.engine.draft_process import DraftProcess
+    from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
+    from saguaro_dist.engine.split_draft import SplitDraftBackend
+    config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1,
+                    draft_spin_s=0.5)
+    prefill = [PrefillRequest(1, PROMPTS[0], DraftSampling(0.0, 0, 1.0, None))]
+    split = SplitDraftBackend(LocalDraftBackend(build_draft_worker(config)), DraftProcess(config))
+    seen_all = LocalDraftBackend(build_draft_worker(config))
+    posted = []
+    post = split.trees._post
+    split.trees._post = lambda method, *rest: (posted.append(method), post(method, *rest))
+    try:
+        for backend in (split, seen_all):
+            backend.prefill(prefill)
+        posted.clear()
+        bonus = 5
+        for r in range(6):
+            reqs = [JitDraftRequest(1, r, r % 3, bonus, skip_tree=True)]
+            assert split.jit_draft(reqs)[0].tokens.tolist() == seen_all.jit_draft(reqs)[0].tokens.tolist()
+            bonus = (bonus * 7 + 3) % 64
+        assert posted == []
+        pid = split.trees._proc.pid
+        idle = child_cpu_s(pid)
+        time.sleep(0.4)
+        assert child_cpu_s(pid) - idle < 0.1  # nothing asked of it since the prefill: it blocks, not spins
+        wanted = [JitDraftRequest(1, 6, 1, bonus)]
+        assert split.jit_draft(wanted)[0].tokens.tolist() == seen_all.jit_draft(wanted)[0].tokens.tolist()
+        split.send_outcomes([])
+        seen_all.send_outcomes([])
+        assert posted == ["catch_up", "send_outcomes"]
+        got, want = split.wait_trees([(1, 6)], 30.0)[1], seen_all.wait_trees([(1, 6)], 30.0)[1]
+        assert got.proposals.tokens.tolist() == want.proposals.tokens.tolist()
+        assert (got.accepted, got.bonus_tokens) == (want.accepted, want.bonus_tokens)
+        spinning = child_cpu_s(pid)
+        time.sleep(0.4)
+        assert child_cpu_s(pid) - spinning > 0.2  # it built a tree: it spins, waiting for the next outcome
+    finally:
+        split.close()
+        seen_all.close()

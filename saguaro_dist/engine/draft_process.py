@@ -28,6 +28,7 @@ from multiprocessing.connection import Connection
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.engine.draft_backend import FailedDrafts, TreeInbox
+from saguaro_dist.engine.messages import Outcome
 from saguaro_dist.engine.pipe_wire import recv, send, widen
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,12 @@ class DraftProcess:
 
     def send_outcomes(self, outcomes):
         self._post("send_outcomes", [o for o in outcomes if o.seq_id in self._known])
+
+    def catch_up(self, rounds: list[list[Outcome]]) -> None:
+        """Rounds of outcomes that want no tree, in order, in one message: the child only observes them."""
+        known = [[o for o in outcomes if o.seq_id in self._known] for outcomes in rounds]
+        if any(known):
+            self._post("catch_up", [outcomes for outcomes in known if outcomes])
 
     def wait_trees(self, keys, timeout_s):
         live = [k for k in keys if k[0] in self._known]
@@ -247,13 +254,18 @@ class _Child:
 
     def __init__(self, worker, tx: Connection, spin_s: float = 0.0):
         self.worker, self.tx, self.spin_s = worker, tx, spin_s
+        # Whether the parent will want us again within a round: after trees or a draft it will, so we
+        # spin; after anything else we block, as a spinning core slows the target's (~4% here).
+        self.wanted_soon = False
 
     def serve(self, rx: Connection) -> None:
         """Until the parent closes the pipe (or is gone): then exit quietly."""
         try:
             while True:
-                spin_until_readable(rx, self.spin_s)
+                if self.wanted_soon:
+                    spin_until_readable(rx, self.spin_s)
                 kind, *rest = recv(rx)
+                self.wanted_soon = False
                 if kind == Msg.CALL:
                     self._answer(*rest)
                 else:
@@ -282,6 +294,7 @@ class _Child:
         return self.worker.prefill(reqs)
 
     def jit_draft(self, reqs):
+        self.wanted_soon = True
         return self.worker.jit_draft(reqs)
 
     def release(self, reqs):
@@ -296,6 +309,11 @@ class _Child:
         trees = self.worker.build_trees()
         if trees:  # none when the target asked for no tree (skip_tree)
             send(self.tx, Msg.TREES, trees)
+        self.wanted_soon = bool(trees)
+
+    def catch_up(self, rounds):
+        for outcomes in rounds:  # in order: a later round's outcome of a sequence needs the earlier one
+            self.worker.observe(outcomes)
 
 
 def main() -> None:
