@@ -130,6 +130,7 @@ class Config:
     tree_timeout_s: float = 5.0            # how long the target waits for a late speculation tree
     startup_timeout_s: float = 600.0       # on Ray: how long start-up waits for its actors to be placed and load
     draft_spin_s: float = 0.05             # the draft busy-polls this long for its next message before it blocks
+                                           # (the one-host engine its draft's pipe, up to 10 ms of it); 0: off
     # Distributed runtime (None: the one-host engine)
     cluster: str | None = None
     tensor_parallel_size: int = 1

@@ -34,6 +34,7 @@ from saguaro_dist.engine.pipe_wire import recv, send, widen
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0  # the child imports torch and loads the draft
 CALL_TIMEOUT_S = 120.0   # a child that answers no call this long is treated as dead
+WAIT_SPIN_S = 0.01       # the engine busy-polls the pipe this long (at most draft_spin_s) before it blocks
 
 
 class Msg:
@@ -57,6 +58,9 @@ class DraftProcess:
         self._ids = itertools.count()
         self._known: set[int] = set()  # sequences the current child holds
         self._gone = True
+        # Why the engine spins too: its wait for a tree (~1 ms a round) halted its vCPU, and waking it cost
+        # more than the spin takes from the draft's core (b = 1 greedy +5-7%, b = 8 T = 0.7 cohorts +7%).
+        self._spin_s = min(config.draft_spin_s, WAIT_SPIN_S)
         self._start()
 
     # ---- DraftBackend ------------------------------------------------------------------------------
@@ -144,13 +148,19 @@ class DraftProcess:
         while not done():
             left = deadline - time.monotonic()
             try:
-                if self._gone or left <= 0 or not self._rx.poll(left):
+                if self._gone or left <= 0 or not self._readable(left):
                     return False
                 self._dispatch(recv(self._rx))
             except (EOFError, OSError):
                 self._child_ended()
                 return False
         return True
+
+    def _readable(self, timeout_s: float) -> bool:
+        """Whether the child wrote within timeout_s: busy-polled for its first _spin_s, then blocked."""
+        start = time.monotonic()
+        return (spin_until_readable(self._rx, min(timeout_s, self._spin_s))
+                or self._rx.poll(max(0.0, timeout_s - (time.monotonic() - start))))
 
     def _dispatch(self, msg: tuple) -> None:
         kind, *rest = msg
