@@ -1,6 +1,6 @@
 """Issue 4 speed: the distributed path against one-host SSD on the same checkpoints, batch 1 greedy.
 
-    python benchmarks/bench_distributed.py [--target T --draft D] [--pools 1,2,3] [--repeats 3]
+    python benchmarks/bench_distributed.py [--target T --draft D] [--pools 1,2,3] [--repeats 3] [--batch 1,8]
 
 Prints the placement, then: tokens/s and per-round coordination overhead (round wall time minus model
 forwards and draft waits, as the engine accounts it) of one-host SSD and SSD on local Ray (target actor
@@ -34,11 +34,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--num-prompts", type=int, default=4, help="prompts per measurement, one at a time (batch 1)")
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts per measurement, b at a time (at least b)")
     p.add_argument("--sequential", action="store_true", help="run each system's repeats together, one system after "
                                                               "another (default: interleaved, the order rotating)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--pools", default="1,2,3", help="draft pool sizes for the hit-rate sweep")
+    p.add_argument("--batch", default="1", help="batch sizes of the Ray vs one-host comparison (the goals are "
+                                                 "at 1; above it the gates may run two cohorts)")
     return p.parse_args()
 
 
@@ -59,20 +61,25 @@ def pool_sweep(cfg: BenchConfig, pools: list[int], temperature: float) -> list[d
     return rows
 
 
+def print_ratio(batch_size: int, cells: dict) -> None:
+    ratio = cells["ssd-ray"]["tokens_per_s"] / cells["ssd"]["tokens_per_s"]
+    by_repeat = format_paired(paired_ratios(cells["ssd-ray"]["repeat_tokens_per_s"], cells["ssd"]["repeat_tokens_per_s"]))
+    print(f"\nb={batch_size}: distributed / one-host SSD tokens/s: {ratio:.2f} (goal >= 0.95 at b=1; best passes), "
+          f"by repeat {by_repeat} (median, range); coordination ms/round: one-host "
+          f"{cells['ssd']['coordination_ms_per_round']:.3f}, Ray {cells['ssd-ray']['coordination_ms_per_round']:.3f} (goal <= 1)")
+
+
 def main() -> None:
     args = parse_args()
+    batch_sizes = tuple(int(b) for b in args.batch.split(","))
     cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ssd", "ssd-ray"), settings=("paper",),
-                      batch_sizes=(1,), temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
-                      prompt_len=args.prompt_len, num_prompts=args.num_prompts, repeats=args.repeats,
+                      batch_sizes=batch_sizes, temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
+                      prompt_len=args.prompt_len, num_prompts=max(args.num_prompts, *batch_sizes), repeats=args.repeats,
                       interleave=not args.sequential, plots=False)
     results = run_grid(cfg)
     print(render(results))
-    cells = {c["system"]: c for c in results["cells"]}
-    ratio = cells["ssd-ray"]["tokens_per_s"] / cells["ssd"]["tokens_per_s"]
-    by_repeat = format_paired(paired_ratios(cells["ssd-ray"]["repeat_tokens_per_s"], cells["ssd"]["repeat_tokens_per_s"]))
-    print(f"\ndistributed / one-host SSD tokens/s: {ratio:.2f} (goal >= 0.95; best passes), by repeat {by_repeat} "
-          f"(median, range); coordination ms/round: one-host "
-          f"{cells['ssd']['coordination_ms_per_round']:.3f}, Ray {cells['ssd-ray']['coordination_ms_per_round']:.3f} (goal <= 1)")
+    for b in cfg.batch_sizes:
+        print_ratio(b, {c["system"]: c for c in results["cells"] if c["batch"] == b})
     pools = [int(x) for x in args.pools.split(",")]
     print("\nhit rate vs draft pool size (batch 1, cache-parallel shards):\n")
     print(markdown_table(pool_sweep(cfg, pools, args.temperature), POOL_COLUMNS))
