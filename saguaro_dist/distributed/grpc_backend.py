@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -83,16 +84,21 @@ class _Outbox:
             self.sent += 1
 
 
+_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))  # releases the GIL as it yields
+
+
 def _await_sent(tickets: list[tuple[_Outbox, int]]) -> None:
     """Yield the GIL until gRPC's request threads have sent every ticketed request (at most HANDOFF_S).
 
     The engine verifies right after sending outcomes. Left to compete with that verify for the GIL and
     a CPU, gRPC's threads put an outcome on the wire 0.4 ms after it was queued at the median but
     3.5-4.5 ms at the 90th percentile (a scheduler tick on the 2-vCPU development VM), and the draft's
-    next tree came that much later (docs/architecture.md, "Sending outcomes before the verify")."""
+    next tree came that much later (docs/architecture.md, "Sending outcomes before the verify"). The
+    wait yields the CPU too, not only the GIL: gRPC's threads are then runnable on the engine's vCPU
+    (the other one is the draft's), and time.sleep(0) kept it from them until the scheduler stepped in."""
     end = time.perf_counter() + HANDOFF_S
     while any(outbox.sent < ticket for outbox, ticket in tickets) and time.perf_counter() < end:
-        time.sleep(0)
+        _yield_cpu()
 
 
 def _error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids: list[int]) -> Exception:
