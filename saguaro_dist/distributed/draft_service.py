@@ -34,6 +34,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder
 from saguaro_dist.distributed.proto import SERVICE_NAME
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
@@ -344,6 +345,9 @@ class DraftServicer:
 
     def _spin(self) -> None:
         if time.perf_counter() < self._spin_until:
+            # Yield the CPU as well: gRPC's poller thread, which hands the loop its next message, runs on
+            # this vCPU (b = 1 greedy on Ray: tok/s +0.7-3.8% in three alternated process pairs).
+            yield_cpu()
             asyncio.get_running_loop().call_soon(self._spin)
 
 

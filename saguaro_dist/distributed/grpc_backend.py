@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -31,6 +30,7 @@ from functools import partial
 import grpc
 
 from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
@@ -84,9 +84,6 @@ class _Outbox:
             self.sent += 1
 
 
-_yield_cpu = getattr(os, "sched_yield", lambda: time.sleep(0))  # releases the GIL as it yields
-
-
 def _await_sent(tickets: list[tuple[_Outbox, int]]) -> None:
     """Yield the GIL until gRPC's request threads have sent every ticketed request (at most HANDOFF_S).
 
@@ -98,7 +95,7 @@ def _await_sent(tickets: list[tuple[_Outbox, int]]) -> None:
     (the other one is the draft's), and time.sleep(0) kept it from them until the scheduler stepped in."""
     end = time.perf_counter() + HANDOFF_S
     while any(outbox.sent < ticket for outbox, ticket in tickets) and time.perf_counter() < end:
-        _yield_cpu()
+        yield_cpu()
 
 
 def _error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids: list[int]) -> Exception:
