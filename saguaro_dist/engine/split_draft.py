@@ -106,11 +106,10 @@ class SplitDraftBackend:
         batch, self._unsent = self._unsent + outcomes, []
         if batch and all(o.skip_tree for o in batch) and len(self._deferred) < MAX_DEFERRED:
             self._deferred.append(batch)
-        elif batch:
-            self._send_deferred()
+            return
+        self._send_deferred()
+        if batch:
             self.trees.send_outcomes(batch)
-        else:
-            self._send_deferred()
 
     def _send_deferred(self) -> None:
         rounds, self._deferred = self._deferred, []
