@@ -235,7 +235,7 @@ class DraftWorker:
             budget = scaled_budget(budget, self.budget.scale, self.k + 1) * num_shards
         return self.stats.fanout(self.config.fan_out_kind, budget, self.vocab_size)
 
-    def _proposal_probs(self, logits: torch.Tensor, rows: RowSampling, top_f: list[int]) -> torch.Tensor:
+    def _proposal_probs(self, logits: torch.Tensor, rows: RowSampling, top_f: list[int] | None) -> torch.Tensor:
         """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0),
         then its top proposal_top_k tokens (a greedy row is one-hot: both leave it as it is)."""
         probs = sampling_probs(logits, rows)
@@ -245,11 +245,12 @@ class DraftWorker:
             probs = torch.where(sampled[:, None], scaled, probs)
         return top_k_proposal(probs, self.config.proposal_top_k)
 
-    def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]], logits: torch.Tensor, step,
+    def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]] | None, logits: torch.Tensor, step,
                 penalties: RowPenalties | None = None,
                 grammars: list[GrammarState | None] | None = None) -> tuple[Proposal, list[torch.Tensor]]:
-        """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j; the
-        requests' penalties and grammars (each row on its own matcher), if any, apply to every draw.
+        """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j (fanouts
+        None: C = 1, no sigma to apply); the requests' penalties and grammars (each row on its own
+        matcher), if any, apply to every draw.
         Returns the draws as columns (tokens [R, K], probs [R, K, V] or None when every row is greedy)
         and the K raw logits [R, V] they came from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
@@ -263,7 +264,7 @@ class DraftWorker:
             else:
                 if grammars is not None:
                     scored = grammar_masked(scored, grammars)
-                probs = self._proposal_probs(scored, sampling, [f[j] for f in fanouts])
+                probs = self._proposal_probs(scored, sampling, None if fanouts is None else [f[j] for f in fanouts])
                 drawn = sample(probs, [s.generator for s in rows])
                 dists.append(probs)
             tokens.append(drawn)
@@ -288,7 +289,9 @@ class DraftWorker:
         the KV lacks (x_K after a fully accepted round: one forward of 2 tokens, not 2 of 1)."""
         missing = self._cut_back(states)
         ids = [s.seq_id for s in states]
-        fanouts = [self._fanout(s.num_shards) for s in states]
+        # Only Saguaro's sigma (C < 1) reads a just-in-time draft's fan-out: ~10 us a shard count a round.
+        by_shards = {g: self._fanout(g) for g in {s.num_shards for s in states}} if self.saguaro_c < 1.0 else None
+        fanouts = [by_shards[s.num_shards] for s in states] if by_shards else None
 
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
