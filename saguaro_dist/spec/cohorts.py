@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from saguaro_dist.spec.tree_gate import CLIP_AFTER, DecayedMean
+from saguaro_dist.spec.tree_gate import CLIP_AFTER, CLOSE_GAP, DecayedMean, relative_gap
 
 TRY_ROUNDS = 6        # rounds each way when it is (re-)tried; the first, a transition, is not measured
 RETRY_EVERY = 128     # rounds at one batch size between re-tries of the slower way, while the two are close;
 MAX_STRETCH = 4       # up to 4x less often the further behind it is (a re-try costs in proportion to the gap)
-CLOSE_GAP = 0.1       # ways within 10% of each other's round time are close
 SECONDS_DECAY = 0.9   # a way's round time follows its last ~10 rounds
 
 
@@ -60,8 +59,7 @@ class _BatchChoice:
 
     def _retry_interval(self) -> float:
         """RETRY_EVERY x (gap / CLOSE_GAP)^2, between 1x and MAX_STRETCH x: noise rarely closes a wide gap."""
-        split, whole = self.seconds[True].mean, self.seconds[False].mean
-        gap = 1.0 - min(split, whole) / max(split, whole)
+        gap = relative_gap(self.seconds[True].mean, self.seconds[False].mean)
         return RETRY_EVERY * min(MAX_STRETCH, max(1.0, (gap / CLOSE_GAP) ** 2))
 
     def _faster(self) -> bool | None:

@@ -92,9 +92,9 @@ def choose_mode(trees_per_s: float | None, jit_per_s: float | None, explore: boo
     return slower if explore else faster
 
 
-def _gap(trees_per_s: float, jit_per_s: float) -> float:
-    """How far the slower mode is behind the faster, as a share of the faster's rate."""
-    return 1.0 - min(trees_per_s, jit_per_s) / max(trees_per_s, jit_per_s)
+def relative_gap(a: float, b: float) -> float:
+    """How far the slower of two rates (or round times) is behind the faster, as a share of the faster."""
+    return 1.0 - min(a, b) / max(a, b)
 
 
 def burst_length(trees_per_s: float | None, jit_per_s: float | None, explore: bool) -> int:
@@ -103,7 +103,7 @@ def burst_length(trees_per_s: float | None, jit_per_s: float | None, explore: bo
     re-try comes sooner, and is a full burst); three measured rounds do, against a gap over 20%."""
     if not explore or not trees_per_s or not jit_per_s:
         return BURST
-    return RETRY_BURST if _gap(trees_per_s, jit_per_s) > 2 * CLOSE_GAP else BURST
+    return RETRY_BURST if relative_gap(trees_per_s, jit_per_s) > 2 * CLOSE_GAP else BURST
 
 
 def explore_interval(trees_per_s: float | None, jit_per_s: float | None, slower_bursts: int) -> float:
@@ -114,7 +114,7 @@ def explore_interval(trees_per_s: float | None, jit_per_s: float | None, slower_
     EXPLORE_EVERY per burst the slower mode has run."""
     if not trees_per_s or not jit_per_s:
         return EXPLORE_EVERY
-    by_gap = (_gap(trees_per_s, jit_per_s) / CLOSE_GAP) ** 2
+    by_gap = (relative_gap(trees_per_s, jit_per_s) / CLOSE_GAP) ** 2
     return EXPLORE_EVERY * min(MAX_STRETCH, max(1, slower_bursts), max(1.0, by_gap))
 
 
