@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pools", default="1,2,3", help="draft pool sizes for the hit-rate sweep")
     p.add_argument("--batch", default="1", help="batch sizes of the Ray vs one-host comparison (the goals are "
                                                  "at 1; above it the gates may run two cohorts)")
+    p.add_argument("--ray-systems", default="ssd-ray", help="the Ray systems set against one-host ssd: ssd-ray (the "
+                   "split default on the CPU) and/or ssd-ray-process (the whole draft in the draft actors)")
     return p.parse_args()
 
 
@@ -61,25 +63,27 @@ def pool_sweep(cfg: BenchConfig, pools: list[int], temperature: float) -> list[d
     return rows
 
 
-def print_ratio(batch_size: int, cells: dict) -> None:
-    ratio = cells["ssd-ray"]["tokens_per_s"] / cells["ssd"]["tokens_per_s"]
-    by_repeat = format_paired(paired_ratios(cells["ssd-ray"]["repeat_tokens_per_s"], cells["ssd"]["repeat_tokens_per_s"]))
-    print(f"\nb={batch_size}: distributed / one-host SSD tokens/s: {ratio:.2f} (goal >= 0.95 at b=1; best passes), "
+def print_ratio(batch_size: int, cells: dict, ray: str) -> None:
+    ratio = cells[ray]["tokens_per_s"] / cells["ssd"]["tokens_per_s"]
+    by_repeat = format_paired(paired_ratios(cells[ray]["repeat_tokens_per_s"], cells["ssd"]["repeat_tokens_per_s"]))
+    print(f"\nb={batch_size}: {ray} / one-host SSD tokens/s: {ratio:.2f} (goal >= 0.95 at b=1; best passes), "
           f"by repeat {by_repeat} (median, range); coordination ms/round: one-host "
-          f"{cells['ssd']['coordination_ms_per_round']:.3f}, Ray {cells['ssd-ray']['coordination_ms_per_round']:.3f} (goal <= 1)")
+          f"{cells['ssd']['coordination_ms_per_round']:.3f}, Ray {cells[ray]['coordination_ms_per_round']:.3f} (goal <= 1)")
 
 
 def main() -> None:
     args = parse_args()
     batch_sizes = tuple(int(b) for b in args.batch.split(","))
-    cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ssd", "ssd-ray"), settings=("paper",),
+    ray_systems = tuple(args.ray_systems.split(","))
+    cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ssd", *ray_systems), settings=("paper",),
                       batch_sizes=batch_sizes, temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
                       prompt_len=args.prompt_len, num_prompts=max(args.num_prompts, *batch_sizes), repeats=args.repeats,
                       interleave=not args.sequential, plots=False)
     results = run_grid(cfg)
     print(render(results))
     for b in cfg.batch_sizes:
-        print_ratio(b, {c["system"]: c for c in results["cells"] if c["batch"] == b})
+        for ray in ray_systems:
+            print_ratio(b, {c["system"]: c for c in results["cells"] if c["batch"] == b}, ray)
     pools = [int(x) for x in args.pools.split(",")]
     print("\nhit rate vs draft pool size (batch 1, cache-parallel shards):\n")
     print(markdown_table(pool_sweep(cfg, pools, args.temperature), POOL_COLUMNS))

@@ -21,12 +21,14 @@ class FanOut(str, enum.Enum):
 
 
 class DraftExecutor(str, enum.Enum):
-    """Where the one-host engine runs its draft (the distributed runtime uses Ray actors instead)."""
+    """Where the engine runs its draft. One host: a thread or a child process. On Ray the draft actors
+    are the "process"; "split" also keeps a draft copy beside the target (its rank 0) for the drafts."""
     AUTO = "auto"        # thread for SD (draft and target never run at once); for SSD split on the CPU, a process on
-                         # another GPU, a thread on the target's GPU
-    PROCESS = "process"  # a child process spoken to over a pipe: no GIL shared with the target
-    THREAD = "thread"    # a thread of this process: no start-up cost, but it competes for the GIL
+                         # another GPU, a thread on the target's GPU; on Ray split on the CPU, else process
+    PROCESS = "process"  # a child process spoken to over a pipe (on Ray: the pool of draft actors does all)
+    THREAD = "thread"    # a thread of this process: no start-up cost, but it competes for the GIL (one host only)
     SPLIT = "split"      # SSD: just-in-time drafts on a thread (SD's rounds, no hop), trees in a child process
+                         # (on Ray: in the pool of draft actors)
 
 
 class TreePolicy(str, enum.Enum):
@@ -170,6 +172,9 @@ class Config:
                 raise ValueError(f"{name} must be a branch, tag or commit of the Hub repository, got {value!r}")
         if self.draft_executor is DraftExecutor.SPLIT and self.mode is not Mode.SSD:
             raise ValueError(f"draft_executor 'split' splits SSD's draft (drafts here, trees in a child); mode is {self.mode.value!r}")
+        if self.draft_executor is DraftExecutor.THREAD and self.cluster is not None:
+            raise ValueError("draft_executor 'thread' is one-host only: on Ray the draft actors build the trees "
+                             "('process'), and 'split' also drafts beside the target")
         if not 0.0 <= float(self.saguaro_c) <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
         if self.jit_cohorts not in (1, 2) or isinstance(self.jit_cohorts, bool):

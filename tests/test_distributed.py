@@ -133,10 +133,11 @@ def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
         assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
 
 
-def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair):
+@pytest.mark.parametrize("executor", ["split", "process"])
+def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair, executor):
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
-    with cluster_llm(pair, num_draft_workers=2) as llm:
+    with cluster_llm(pair, num_draft_workers=2, draft_executor=executor) as llm:
         outputs = []
         worker = threading.Thread(target=lambda: outputs.extend(
             llm.generate(prompt_token_ids=PROMPTS, sampling_params=long)))
@@ -207,9 +208,11 @@ def test_multi_node_placement_by_custom_resources(pair, tmp_path):
         assert_greedy_equal(got, want, prompt, pair["model"])
 
 
-@pytest.mark.parametrize("case, params", [("ssd_hit_path", "t1"), ("ssd_miss_neural", "t1"),
-                                          ("ssd_hit_path", "t1_minp0.85")])  # min_p crosses to the drafts over gRPC
-def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case, params):
+@pytest.mark.parametrize("case, params, executor", [
+    ("ssd_hit_path", "t1", "split"), ("ssd_miss_neural", "t1", "split"),  # drafts beside the target, trees over gRPC
+    ("ssd_hit_path", "t1", "process"), ("ssd_miss_neural", "t1", "process"),  # everything over gRPC
+    ("ssd_hit_path", "t1_minp0.85", "process")])  # min_p crosses to the drafts over gRPC
+def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case, params, executor):
     """The exact-core chi-square test, with the drafts behind gRPC in Ray actors (8000 samples per path:
     the single-process test carries the 20000-sample power; this one proves the transport changes nothing)."""
     from test_engine_sampling import CASES, PARAMS, VOCAB, chi_square_pvalue, exact_joint, sample_joint
@@ -218,7 +221,7 @@ def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_fa
     save_perturbed(root / "draft", model, seed=4, noise=0.6)
     settings, took_path = CASES[case]
     counts, metrics = sample_joint(str(root / "target"), str(root / "draft"), PARAMS[params], n=8000,
-                                   cluster="auto", num_draft_workers=2, **settings)
+                                   cluster="auto", num_draft_workers=2, **(settings | {"draft_executor": executor}))
     assert took_path(metrics), metrics
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS[params]))
     assert p > 1e-4, f"{case} on Ray: chi-square p = {p:.2e}"
@@ -237,12 +240,14 @@ def test_cache_parallel_pool_grows_the_cache_at_batch_1(ray_cluster, pair):
     assert hit_rates[3] > hit_rates[1], hit_rates
 
 
-def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair):
+@pytest.mark.parametrize("executor", ["split", "process"])
+def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair, executor):
     """The tree gate's schedule is fixed for its first rounds at a batch size (a burst with trees, then one
-    without), so one 60-token request takes both kinds of round, and skip_tree travels over gRPC."""
+    without), so one 60-token request takes both kinds of round, and skip_tree travels over gRPC (split:
+    the rounds without trees as one catch_up)."""
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     want = hf_greedy(pair["model"], PROMPTS[0], params.max_tokens)
-    with cluster_llm(pair, num_draft_workers=1, max_batch_size=1) as llm:
+    with cluster_llm(pair, num_draft_workers=1, max_batch_size=1, draft_executor=executor) as llm:
         out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)[0]
         m = llm.metrics
     assert_greedy_equal(out.token_ids, want, PROMPTS[0], pair["model"])

@@ -108,7 +108,8 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
     EOS is ignored (a grammar's own end is never allowed within 3 tokens here). `max_tokens` (a kwarg)
     generates longer and counts the first 3, for paths that only later rounds take."""
     mode, max_tokens = kwargs.pop("mode", "ssd"), kwargs.pop("max_tokens", 3)
-    kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
+    if "cluster" not in kwargs:  # (on Ray the drafts are actors: "process", or "split" with a copy beside the target)
+        kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
     with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         ignore_eos = params.structured_outputs is None
         seeded = [replace(params, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i) for i in range(n)]

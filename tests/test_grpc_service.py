@@ -187,6 +187,10 @@ def test_a_jit_that_overtakes_its_outcome_waits_for_the_stream(served):
     (b"", grpc.StatusCode.INVALID_ARGUMENT),  # a SpeculateRequest that carries nothing
     ([Outcome(42, 0, 0, 1, None)], grpc.StatusCode.NOT_FOUND),
     ([Outcome(1, 3, 0, 1, None)], grpc.StatusCode.FAILED_PRECONDITION),
+    (pb.SpeculateRequest(catch_up=codec.outcome_rounds_to_proto([[Outcome(1, 0, 0, 3, [1, 2, 3])]])).SerializeToString(),
+     grpc.StatusCode.INVALID_ARGUMENT),  # an outcome caught up on must want no tree
+    (pb.SpeculateRequest(catch_up=codec.outcome_rounds_to_proto([[Outcome(42, 0, 0, 3, [1, 2, 3], skip_tree=True)]]))
+     .SerializeToString(), grpc.StatusCode.NOT_FOUND),
 ])
 def test_bad_outcomes_end_the_stream_with_a_status_and_the_server_lives_on(served, bad, code):
     _prefill(served.stub, 1)

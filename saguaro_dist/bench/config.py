@@ -14,7 +14,9 @@ SYSTEMS = {
     "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
-    "ssd-ray": "ours, SSD on local Ray (target actor + draft actor, gRPC)",
+    "ssd-ray": "ours, SSD on local Ray (the default split: trees from the draft actor over gRPC, just-in-time drafts on a "
+               "draft copy in the target actor)",
+    "ssd-ray-process": "ours, SSD on local Ray with the whole draft in the draft actor (just-in-time drafts over gRPC too)",
     "hf": "transformers generate (AR)",
     "hf-assisted": "transformers assisted generation (assistant_model=, SD peer)",
 }
@@ -22,8 +24,8 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray")
-SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray")
+OURS = ("ar", "sd", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray", "ssd-ray-process")
+SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray", "ssd-ray-process")
 SPECULATIVE = ("sd", *SSD_SYSTEMS, "hf-assisted")
 ONE_PROCESS = ("ar", "hf", "sd", "hf-assisted")  # target (and draft) on one thread of the bench process
 
@@ -57,6 +59,9 @@ def placement(system: str, setting: str, cores: int = 2) -> Placement:
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); "
                                   "draft: a thread of the same process (1 torch thread, shares the GIL)")
     if system == "ssd-ray":
+        return Placement(1, 1, 2, "target: Ray actor process (1 torch thread, runs the engine; just-in-time drafts "
+                                  "on a draft copy there); draft: Ray actor process (1 torch thread), trees over gRPC")
+    if system == "ssd-ray-process":
         return Placement(1, 1, 2, "target: Ray actor process (1 torch thread, runs the engine); "
                                   "draft: Ray actor process (1 torch thread), gRPC over loopback")
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")

@@ -81,13 +81,13 @@ class OursSystem:
         from saguaro_dist import LLM
         mode = "ssd" if self.name.startswith("ssd") else self.name
         executor = {"sd": "thread", "ssd": "split", "ssd-trees": "split", "ssd-process": "process",
-                    "ssd-thread": "thread"}.get(self.name, "auto")
+                    "ssd-thread": "thread", "ssd-ray-process": "process"}.get(self.name, "auto")
         # Every repeat runs the same prompts: a prefix cache would skip our systems' prefills from the
         # second on (not transformers'), so it is off here, as in the runs before it existed.
         kwargs = {"enable_prefix_caching": False, **self.engine_kwargs,
                   **({"tree_policy": "always"} if self.name == "ssd-trees" else {})}
         self.llm = LLM(model=self.target, draft=None if mode == "ar" else self.draft, mode=mode, draft_executor=executor,
-                       cluster="local" if self.name == "ssd-ray" else None, target_threads=place.target_threads,
+                       cluster="local" if self.name.startswith("ssd-ray") else None, target_threads=place.target_threads,
                        draft_threads=place.draft_threads, **kwargs)
         self.threads = place.target_threads
 

@@ -115,6 +115,7 @@ def calibrate_draft(target: str, draft: str, engine_kwargs: dict, prompts: list[
     from saguaro_dist.engine.build import build_draft_worker
     from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
     config = Config(model=target, draft=draft, mode="ssd", draft_threads=1, **engine_kwargs)
+    torch.set_num_threads(1)  # process-wide: the bench sets each system's own before it runs
     worker = build_draft_worker(config)
     sampling = DraftSampling(temperature, 0, 1.0, 0)
     worker.prefill([PrefillRequest(i, p, sampling) for i, p in enumerate(prompts)])

@@ -79,9 +79,9 @@ class TargetRank:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], drafts: list[DraftEndpoint], draft_max_model_len: int) -> dict:
+    def setup(self, master: tuple[str, int], drafts: list[DraftEndpoint], fit) -> dict:
         """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow.
-        draft_max_model_len: the longest sequence the drafts hold (the fit the driver gave them)."""
+        fit: the DraftFit the driver gave the drafts (None: no draft)."""
         from saguaro_dist.engine.build import make_runner
         group = self._join_group(master)
         runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision)
@@ -89,8 +89,7 @@ class TargetRank:
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
         addresses = [d.for_client_on(self.node_id()) for d in drafts]
-        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses,
-                                  draft_max_model_len)
+        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses, fit)
 
     def _join_group(self, master: tuple[str, int]):
         world = self.config.tensor_parallel_size
@@ -100,21 +99,33 @@ class TargetRank:
         dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank, world_size=world)
         return dist.group.WORLD
 
-    def _start_engine(self, runner, draft_addresses: list[str], draft_max_model_len: int) -> dict:
-        from saguaro_dist.distributed.draft_pool import DraftPool
-        from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+    def _start_engine(self, runner, draft_addresses: list[str], fit) -> dict:
         from saguaro_dist.engine.build import eos_ids, target_tokenizer
         from saguaro_dist.engine.engine import Engine
         from saguaro_dist.engine.loop_thread import EngineThread
         tokenizer = target_tokenizer(self.config)
-        backend = None
-        if self.config.mode is not Mode.AR:
-            backend = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size,
-                                draft_max_model_len)
+        backend = self._draft_side(draft_addresses, fit) if self.config.mode is not Mode.AR else None
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                 "eos_token_ids": sorted(engine.eos_token_ids), "draft_addresses": draft_addresses}
+
+    def _draft_side(self, draft_addresses: list[str], fit):
+        """The pool of draft actors; split: with a draft copy here for the just-in-time drafts."""
+        from saguaro_dist.config import DraftExecutor
+        from saguaro_dist.distributed.draft_pool import DraftPool
+        from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+        from saguaro_dist.engine.build import build_draft_worker, ray_draft_executor
+        from saguaro_dist.engine.draft_backend import LocalDraftBackend
+        from saguaro_dist.engine.split_draft import SplitDraftBackend
+        pool = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size, fit.max_model_len)
+        if ray_draft_executor(self.config) is not DraftExecutor.SPLIT:
+            return pool
+        try:  # the copy on this rank's device, on the target's torch threads (the drafts take turns with its verify)
+            return SplitDraftBackend(LocalDraftBackend(build_draft_worker(self.config, fit, device=self.config.device)), pool)
+        except BaseException:
+            pool.close()
+            raise
 
     # ---- rank 0: the engine's front door ------------------------------------------------------------
     def submit(self, request: RemoteRequest) -> None:

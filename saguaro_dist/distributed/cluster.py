@@ -120,8 +120,7 @@ def build_cluster_engine(config: Config):
         endpoints = started([d.endpoint.remote() for d in deployment.drafts], deadline,
                             f"{config.num_draft_workers} draft worker(s) asking {draft_options(config, resources)} each")
         master = started(deployment.ranks[0].rendezvous.remote(), deadline, "target rank 0")
-        draft_max_model_len = fit.max_model_len if fit else 0
-        info = started([r.setup.remote(master, endpoints, draft_max_model_len) for r in deployment.ranks], deadline,
+        info = started([r.setup.remote(master, endpoints, fit) for r in deployment.ranks], deadline,
                        f"{config.tensor_parallel_size} target rank(s) loading {config.model}")[0]
     except BaseException:
         deployment.kill()

@@ -401,6 +401,18 @@ def outcome_batch_from_proto(msg: pb.OutcomeBatch) -> list[Outcome]:
     return [outcome_from_proto(o) for o in msg.outcomes]
 
 
+def outcome_rounds_to_proto(rounds: list[list[Outcome]]) -> pb.OutcomeRounds:
+    return pb.OutcomeRounds(rounds=[outcome_batch_to_proto(r) for r in rounds])
+
+
+def outcome_rounds_from_proto(msg: pb.OutcomeRounds) -> list[list[Outcome]]:
+    rounds = [outcome_batch_from_proto(r) for r in msg.rounds]
+    if any(not o.skip_tree for outcomes in rounds for o in outcomes):
+        raise CodecError("OutcomeRounds: every outcome caught up on must want no tree (skip_tree); send the others "
+                         "as outcomes")
+    return rounds
+
+
 def tree_batch_to_proto(trees: list[SpeculationTree]) -> pb.SpeculationTreeBatch:
     return pb.SpeculationTreeBatch(trees=[tree_to_proto(t) for t in trees])
 

@@ -91,11 +91,21 @@ class DraftPool:
         return [found[r.seq_id] for r in reqs]
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
+        self._send(self._by_worker(outcomes))
+
+    def catch_up(self, rounds: list[list[Outcome]]) -> None:
+        """Rounds of outcomes that want no tree, in order, to every shard of their sequences."""
         parts = defaultdict(list)
-        for o in outcomes:
-            for i in self.groups.get(o.seq_id, []):
-                parts[i].append(o)
-        self._send(parts)
+        for outcomes in rounds:
+            for i, part in self._by_worker(outcomes).items():
+                parts[i].append(part)
+        for i, part in parts.items():
+            self.backends[i].catch_up(part)
+
+    def lost(self, seq_ids: list[int]) -> list[int]:
+        """Those of seq_ids not held by every worker they were placed on: prefill them again."""
+        return [sid for sid in seq_ids if not self.groups.get(sid)
+                or any(i in self.dead or self.backends[i].lost([sid]) for i in self.groups[sid])]
 
     def wait_trees(self, keys, timeout_s: float) -> dict[int, SpeculationTree]:
         deadline = time.monotonic() + timeout_s
@@ -173,6 +183,14 @@ class DraftPool:
         so one worker after another would add those waits up."""
         for fut in self._run(parts, lambda backend, part: backend.send_outcomes(part)).values():
             fut.result()
+
+    def _by_worker(self, outcomes: list[Outcome]) -> dict[int, list[Outcome]]:
+        """Each worker's part: the outcomes of the sequences it holds a shard of."""
+        parts = defaultdict(list)
+        for o in outcomes:
+            for i in self.groups.get(o.seq_id, []):
+                parts[i].append(o)
+        return parts
 
     def _mark_dead(self, i: int) -> None:
         if i not in self.dead:

@@ -252,8 +252,12 @@ class DraftServicer:
         elif kind == "reset_prefix_cache":
             codec.reset_prefix_cache_from_proto(msg.reset_prefix_cache)
             self.worker.reset_prefix_cache()
+        elif kind == "catch_up":
+            for outcomes in codec.outcome_rounds_from_proto(msg.catch_up):  # in order: each follows the one before
+                self._observe(outcomes)
         else:
-            raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases, reset_prefix_cache")
+            raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases, reset_prefix_cache, "
+                                   "catch_up")
 
     def _observe(self, outcomes) -> None:
         try:

@@ -354,6 +354,23 @@ class GrpcDraftBackend:
         _await_sent([link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
                      for link, part in groups.items()])  # every server at once
 
+    def catch_up(self, rounds: list[list[Outcome]]) -> None:
+        """Rounds of outcomes that want no tree, in order, one message per server (a target that drafts
+        just in time itself holds them back: engine/split_draft.py); returns once they are queued: the
+        next outcomes or draft on the same stream wait for the send. Those of dead servers are dropped."""
+        parts = defaultdict(list)
+        for outcomes in rounds:
+            for link, part in self._group(outcomes, lambda o: self._synced_owner(o.seq_id)).items():
+                if link is not None:
+                    parts[link].append(part)
+        for link, part in parts.items():
+            link.send(pb.SpeculateRequest(catch_up=codec.outcome_rounds_to_proto(part)))
+
+    def lost(self, seq_ids: list[int]) -> list[int]:
+        """Those of seq_ids no live, in-sync server holds (never prefilled, released, its server dead or
+        its stream lost): prefill them again."""
+        return [sid for sid in seq_ids if self._synced_owner(sid) is None]
+
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
         """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for)."""
         deadline = time.monotonic() + timeout_s

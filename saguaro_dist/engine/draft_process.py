@@ -328,12 +328,16 @@ class _Child:
 
 def main() -> None:
     """Child entry point: the pipe is the original stdin/stdout; prints go to stderr from here on."""
+    import torch
+
     from saguaro_dist.engine.build import build_draft_worker
     logging.basicConfig(level=logging.WARNING, format="saguaro-draft %(levelname)s %(name)s: %(message)s")
     rx, tx = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     os.dup2(sys.stderr.fileno(), 1)
     try:
         config, fit = recv(rx)
+        if config.draft_threads:
+            torch.set_num_threads(config.draft_threads)
         worker = build_draft_worker(config, fit)
     except Exception as exc:
         send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")

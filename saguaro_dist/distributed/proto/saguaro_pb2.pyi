@@ -202,6 +202,12 @@ class OutcomeBatch(_message.Message):
     outcomes: _containers.RepeatedCompositeFieldContainer[Outcome]
     def __init__(self, outcomes: _Optional[_Iterable[_Union[Outcome, _Mapping]]] = ...) -> None: ...
 
+class OutcomeRounds(_message.Message):
+    __slots__ = ("rounds",)
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedCompositeFieldContainer[OutcomeBatch]
+    def __init__(self, rounds: _Optional[_Iterable[_Union[OutcomeBatch, _Mapping]]] = ...) -> None: ...
+
 class SpeculationTreeBatch(_message.Message):
     __slots__ = ("trees",)
     TREES_FIELD_NUMBER: _ClassVar[int]
@@ -249,16 +255,18 @@ class JitDraftResult(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
-    __slots__ = ("outcomes", "jit_draft", "releases", "reset_prefix_cache")
+    __slots__ = ("outcomes", "jit_draft", "releases", "reset_prefix_cache", "catch_up")
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     JIT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     RELEASES_FIELD_NUMBER: _ClassVar[int]
     RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_FIELD_NUMBER: _ClassVar[int]
     outcomes: OutcomeBatch
     jit_draft: JitDraftCall
     releases: ReleaseBatch
     reset_prefix_cache: ResetPrefixCache
-    def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCache, _Mapping]] = ...) -> None: ...
+    catch_up: OutcomeRounds
+    def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCache, _Mapping]] = ..., catch_up: _Optional[_Union[OutcomeRounds, _Mapping]] = ...) -> None: ...
 
 class SpeculateReply(_message.Message):
     __slots__ = ("trees", "jit_draft")
