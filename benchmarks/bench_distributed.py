@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 
+import ray
 from tqdm import tqdm
 
 from saguaro_dist.bench import BenchConfig, run_grid
@@ -21,6 +22,7 @@ from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
 from saguaro_dist.bench.report import markdown_table, render
 from saguaro_dist.bench.runner import cell_record, measure, vocab_size
 from saguaro_dist.bench.systems import OursSystem
+from saguaro_dist.distributed.cluster import LOCAL_RAY_SYSTEM_CONFIG
 
 POOL_COLUMNS = [("pool", "draft workers", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("cache_hit_rate", "hit", "{:.3f}"),
                 ("acceptance_rate", "accept", "{:.2f}"), ("coordination_ms_per_round", "coord ms/rd", "{:.2f}"),
@@ -79,11 +81,14 @@ def main() -> None:
                       batch_sizes=batch_sizes, temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
                       prompt_len=args.prompt_len, num_prompts=max(args.num_prompts, *batch_sizes), repeats=args.repeats,
                       interleave=not args.sequential, plots=False)
+    if len(ray_systems) > 1:  # open at once (interleaved): logical room for every engine's actors on this host
+        ray.init(num_cpus=2 * len(ray_systems), include_dashboard=False, log_to_driver=False, configure_logging=False,
+                 _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     results = run_grid(cfg)
     print(render(results))
     for b in cfg.batch_sizes:
-        for ray in ray_systems:
-            print_ratio(b, {c["system"]: c for c in results["cells"] if c["batch"] == b}, ray)
+        for system in ray_systems:
+            print_ratio(b, {c["system"]: c for c in results["cells"] if c["batch"] == b}, system)
     pools = [int(x) for x in args.pools.split(",")]
     print("\nhit rate vs draft pool size (batch 1, cache-parallel shards):\n")
     print(markdown_table(pool_sweep(cfg, pools, args.temperature), POOL_COLUMNS))

@@ -43,7 +43,7 @@ def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
     (dict(k=0), "k must be"), (dict(fan_out=3, k=4), "fan_out budget"), (dict(fan_out=[1, 2], k=4), "k\\+1"),
     (dict(saguaro_c=1.5), "saguaro_c"), (dict(proposal_top_k=-1), "proposal_top_k"), (dict(jit_cohorts=3), "jit_cohorts"), (dict(jit_cohorts=True), "jit_cohorts"), (dict(tree_policy="sometimes"), "tree_policy"), (dict(proposal_top_k=2.0), "proposal_top_k"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
-    (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(mode="sd", draft_executor="split"), "splits SSD's draft"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
+    (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(mode="sd", draft_executor="split"), "splits SSD's draft"), (dict(cluster="local", draft_executor="thread"), "one-host only"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
     (dict(device="tpu"), "device must be"), (dict(device="cuda:x"), "device must be"), (dict(device=0), "device must be"),
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be"), (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
     (dict(max_model_len=2.5), "max_model_len must be"), (dict(max_batch_size=2.5), "max_batch_size must be"),
@@ -94,6 +94,15 @@ def test_auto_ssd_draft_shares_the_targets_gpu_on_a_thread(device, draft_device,
     config = Config(model="m", draft="d", mode="ssd", device=device, draft_device=draft_device)
     assert draft_executor(config) is DraftExecutor(want)
     assert draft_executor(Config(model="m", draft="d", mode="sd", draft_executor="process")) is DraftExecutor.PROCESS
+
+
+@pytest.mark.parametrize("mode, device, executor, want", [
+    ("ssd", "cpu", "auto", "split"), ("ssd", "cuda", "auto", "process"), ("sd", "cpu", "auto", "process"),
+    ("ssd", "cpu", "process", "process"), ("ssd", "cuda", "split", "split")])
+def test_on_ray_auto_splits_ssd_on_the_cpu_and_leaves_gpus_to_the_pool(mode, device, executor, want):
+    from saguaro_dist.engine.build import ray_draft_executor
+    config = Config(model="m", draft="d", mode=mode, device=device, cluster="local", draft_executor=executor)
+    assert ray_draft_executor(config) is DraftExecutor(want)
 
 
 def test_serve_args_from_strings_like_serve_run_passes_them():

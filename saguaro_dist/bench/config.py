@@ -14,8 +14,8 @@ SYSTEMS = {
     "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
-    "ssd-ray": "ours, SSD on local Ray (the default split: trees from the draft actor over gRPC, just-in-time drafts on a "
-               "draft copy in the target actor)",
+    "ssd-ray": "ours, SSD on local Ray (on the CPU the default split: trees from the draft actor over gRPC, just-in-time "
+               "drafts on a draft copy in the target actor)",
     "ssd-ray-process": "ours, SSD on local Ray with the whole draft in the draft actor (just-in-time drafts over gRPC too)",
     "hf": "transformers generate (AR)",
     "hf-assisted": "transformers assisted generation (assistant_model=, SD peer)",
