@@ -13,8 +13,12 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-BURST = 8             # rounds a mode keeps once chosen; the first is a transition and is not measured
-RETRY_BURST = 4       # rounds of a re-try of a mode that was far behind (more than 2 x CLOSE_GAP)
+BURST = 8             # rounds a mode keeps once chosen; the first TRANSITION_ROUNDS are not measured
+TRANSITION_ROUNDS = 2  # a mode's first round is partly the last one's; its second pays the catch-up of the
+                       # draft that sat idle (the tree side's KV, or the just-in-time worker's, runs every token
+                       # since its last forward): one-host b = 1 greedy, a tree round 5.1 ms there against 3.6
+                       # from the third on, a just-in-time round 4.9 against 4.4 (session 42)
+RETRY_BURST = 5       # rounds of a re-try of a mode that was far behind (more than 2 x CLOSE_GAP)
 EXPLORE_EVERY = 96    # rounds at one batch size between re-tries of the slower mode, while the two are close
 CLOSE_GAP = 0.1       # modes within 10% are close; a slower one g behind is re-tried (g / CLOSE_GAP)^2 ...
 MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good)
@@ -131,7 +135,7 @@ class _BatchGate:
     mode: RoundMode = RoundMode.TREES
     left: int = BURST            # rounds the current mode still runs before the next choice
     since_explore: int = 0
-    fresh: bool = True           # the current round is the first of its mode (a transition)
+    unmeasured: int = TRANSITION_ROUNDS  # rounds of the current mode still left out of its measurement
     bursts: dict = field(default_factory=lambda: {m: 0 for m in RoundMode})  # bursts each mode has run
     rounds: int = 0              # rounds at this batch size so far
     seconds: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
@@ -156,7 +160,7 @@ class _BatchGate:
     def rate(self, mode: RoundMode) -> float | None:
         """Tokens per second of `mode`; None until a burst's worth of its rounds was measured."""
         seconds = self.seconds[mode]
-        if seconds.count < BURST - 1 or not seconds.mean:
+        if seconds.count < BURST - TRANSITION_ROUNDS or not seconds.mean:
             return None
         return self.batch_size * self.tokens_per_row(mode) / seconds.mean
 
@@ -183,15 +187,15 @@ class _BatchGate:
         if explore:
             self.since_explore = 0
         if mode is not self.mode:
-            self.mode, self.fresh, self.left = mode, True, burst_length(trees, jit, explore) - 1
+            self.mode, self.unmeasured, self.left = mode, TRANSITION_ROUNDS, burst_length(trees, jit, explore) - 1
             self.bursts[mode] += 1
         return mode
 
     def record(self, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         if mode is not self.mode:
             return
-        if self.fresh:  # its cost belongs partly to the previous mode's last round
-            self.fresh = False
+        if self.unmeasured:  # a transition: its cost is the switch's, not the mode's (TRANSITION_ROUNDS)
+            self.unmeasured -= 1
             return
         self.seconds[mode].add_round(seconds, self.rounds)
         if gained.rows > gained.fast_rows:
