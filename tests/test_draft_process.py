@@ -260,3 +260,28 @@ def test_split_rounds_without_trees_reach_the_child_with_the_next_that_wants_one
     finally:
         split.close()
         seen_all.close()
+
+
+def test_the_child_prefills_beside_the_target_and_forgets_what_a_failed_target_prefill_began(pair):
+    """The child's prefill is posted before the target's prefill and taken after it. When the target's
+    prefill fails, both halves of the split draft release what they began to hold, and the next request
+    is exact."""
+    from saguaro_dist.engine.loop_thread import EngineError
+    short = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_executor="split") as llm:
+        loop = llm._thread.engine.loop
+        split, target_prefill, order = loop.draft, loop.target.prefill, []
+        post = split.trees._post
+        split.trees._post = lambda method, *rest: (order.append(method), post(method, *rest))
+
+        def failing(seqs):
+            order.append("target")
+            raise RuntimeError("injected target prefill failure")
+        loop.target.prefill = failing
+        with pytest.raises(EngineError):
+            llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=short)
+        assert order[:2] == ["prefill", "target"] and "release" in order
+        assert split.trees._known == set() and split.jit.worker.seqs == {}
+        loop.target.prefill = target_prefill
+        out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=short)[0]
+    assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], PROMPTS[0], short.max_tokens), PROMPTS[0], pair["model"])

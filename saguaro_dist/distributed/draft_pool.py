@@ -15,7 +15,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
-from saguaro_dist.engine.draft_backend import DraftLater
+from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
 )
@@ -55,18 +55,36 @@ class DraftPool:
     # ---- DraftBackend -------------------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
         """Place and prefill; a worker found dead on the way costs a retry on the others."""
-        todo = list(reqs)
-        while todo:
-            previous = {r.seq_id: self.groups.pop(r.seq_id, []) for r in todo}
-            self._place([r.seq_id for r in todo])
-            self._release_moved(previous)
-            parts = defaultdict(list)
-            for r in todo:
-                group = self.groups[r.seq_id]
-                for shard, i in enumerate(group):
-                    parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group), r.prompt_len))
-            failed = self._each(parts, lambda b, part: b.prefill(part))
-            todo = [r for r in todo if set(self.groups[r.seq_id]) & failed]
+        self.start_prefill(reqs).result()
+
+    def start_prefill(self, reqs: list[PrefillRequest]) -> DraftLater | FailedDrafts:
+        """Place now and start every worker's part (the target prefills meanwhile); result() waits for
+        them, retrying on the others what a worker found dead had."""
+        previous = {r.seq_id: self.groups.pop(r.seq_id, []) for r in reqs}
+        try:
+            self._place([r.seq_id for r in reqs])
+        except DraftUnavailable as exc:
+            return FailedDrafts(exc)
+        self._release_moved(previous)
+        parts = defaultdict(list)
+        for r in reqs:
+            group = self.groups[r.seq_id]
+            for shard, i in enumerate(group):
+                parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group), r.prompt_len))
+        pending = {i: self.backends[i].start_prefill(part) for i, part in parts.items()}
+        return DraftLater(partial(self._prefilled, pending=pending), reqs)
+
+    def _prefilled(self, reqs: list[PrefillRequest], pending: dict) -> None:
+        failed = set()
+        for i, part in pending.items():
+            try:
+                part.result()
+            except DraftUnavailable:
+                self._mark_dead(i)
+                failed.add(i)
+        retry = [r for r in reqs if set(self.groups[r.seq_id]) & failed]
+        if retry:
+            self.prefill(retry)
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Shard 0 drafts; the other shards are told the tokens as the outcome they follow from."""
@@ -144,18 +162,6 @@ class DraftPool:
         except Exception as exc:  # raised where the caller reads it, as from a pool thread
             done.set_exception(exc)
         return {i: done}
-
-    def _each(self, parts: dict, call) -> set[int]:
-        """call(backend, part) on every backend at once; returns the workers found dead (left out from then on)."""
-        futures = self._run(parts, call)
-        failed = set()
-        for i, fut in futures.items():
-            try:
-                fut.result()
-            except DraftUnavailable:
-                self._mark_dead(i)
-                failed.add(i)
-        return failed
 
     def _collect_jit(self, parts: dict, pending: dict) -> tuple[dict, list[int]]:
         found, failed = {}, []

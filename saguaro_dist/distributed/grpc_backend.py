@@ -269,12 +269,23 @@ class GrpcDraftBackend:
     # ---- DraftBackend ------------------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
         """Assign and prefill; a server found dead on the way costs a retry on another one."""
-        todo = list(reqs)
-        while todo:
-            groups = self._group(todo, lambda r: self._assign(r.seq_id))
-            calls = {link: link.stub.Prefill.future(codec.prefill_batch_to_proto(part), timeout=self.prefill_deadline_s)
-                     for link, part in groups.items()}
-            todo = self._collect_prefill(calls, groups)
+        self.start_prefill(reqs).result()
+
+    def start_prefill(self, reqs: list[PrefillRequest]) -> DraftLater | FailedDrafts:
+        """The calls go out now (the target prefills meanwhile); result() waits, retrying what a server
+        found dead on the way had, on the others."""
+        try:
+            groups = self._group(reqs, lambda r: self._assign(r.seq_id))
+        except DraftUnavailable as exc:
+            return FailedDrafts(exc)
+        calls = {link: link.stub.Prefill.future(codec.prefill_batch_to_proto(part), timeout=self.prefill_deadline_s)
+                 for link, part in groups.items()}
+        return DraftLater(partial(self._prefilled, calls=calls, groups=groups), reqs)
+
+    def _prefilled(self, reqs: list[PrefillRequest], calls: dict, groups: dict) -> None:
+        retry = self._collect_prefill(calls, groups)
+        if retry:
+            self.prefill(retry)
         with self._cond:
             self._out_of_sync.difference_update(r.seq_id for r in reqs)
 

@@ -25,6 +25,9 @@ class DraftBackend(Protocol):
     drafts_beside: bool  # start_jit_draft drafts while the caller goes on (else only when taken: no cohorts)
 
     def prefill(self, reqs: list[PrefillRequest]) -> None: ...
+    # The same prefill, begun now and finished when taken (result() returns None or raises), so a draft
+    # on other hardware prefills while the target does (engine/rounds.py: admit).
+    def start_prefill(self, reqs: list[PrefillRequest]) -> PendingDrafts: ...
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]: ...
     # The same draft, begun now and taken later, so the target can verify other sequences meanwhile
     # (engine/rounds.py: two cohorts). A backend that cannot draft beside its caller (drafts_beside
@@ -131,6 +134,9 @@ class LocalDraftBackend:
 
     def prefill(self, reqs):
         self.call(self.worker.prefill, reqs)
+
+    def start_prefill(self, reqs):
+        return DraftLater(self.prefill, reqs)  # on the caller's thread when taken (after the target's, as SD's draft)
 
     def jit_draft(self, reqs):
         return self.call(self.worker.jit_draft, reqs)

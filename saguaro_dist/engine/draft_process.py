@@ -27,7 +27,7 @@ from multiprocessing.connection import Connection
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.errors import DraftUnavailable
-from saguaro_dist.engine.draft_backend import FailedDrafts, TreeInbox
+from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, TreeInbox
 from saguaro_dist.engine.messages import Outcome
 from saguaro_dist.engine.pipe_wire import recv, send, widen
 
@@ -65,10 +65,22 @@ class DraftProcess:
 
     # ---- DraftBackend ------------------------------------------------------------------------------
     def prefill(self, reqs):
+        self.start_prefill(reqs).result()
+
+    def start_prefill(self, reqs):
+        """The child prefills while the caller goes on (the target's own prefill); result() waits for it."""
+        seq_ids = [r.seq_id for r in reqs]
         if self._gone:
-            self._restart([r.seq_id for r in reqs])
-        self._call("prefill", reqs, [r.seq_id for r in reqs])
-        self._known.update(r.seq_id for r in reqs)
+            try:
+                self._restart(seq_ids)
+            except DraftUnavailable as exc:
+                return FailedDrafts(exc)
+        call_id = self._ask("prefill", reqs)
+        return DraftLater(lambda _: self._prefilled(call_id, seq_ids), reqs)
+
+    def _prefilled(self, call_id: int, seq_ids: list[int]) -> None:
+        self._reply(call_id, "prefill", seq_ids)
+        self._known.update(seq_ids)
 
     def jit_draft(self, reqs):
         return self.start_jit_draft(reqs).result()

@@ -70,19 +70,41 @@ class SDLoop(ARLoop):
         self._drafted_this_round = False
 
     def admit(self, seqs):
-        first = self.target.prefill(seqs)
+        """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
+        target's prefill to after it, a draft on the target's thread after it."""
+        drafted = [s for s in seqs if s.num_tokens + 1 <= self._draft_room]  # once prefill adds the first token
+        pending = self.draft.start_prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling())
+                                            for s in drafted]) if drafted else None
+        try:
+            first = self.target.prefill(seqs)
+        except BaseException:
+            self._abandon_prefill(pending, drafted)
+            raise
+        held = {s.seq_id for s in drafted}
         for s, t in zip(seqs, first):
             s.last_outcome, s.speculation = (0, t), None
-            s.beyond_draft = s.draft_lost = self._outgrows_draft(s)
-        drafted = [s for s in seqs if not s.beyond_draft]
+            s.beyond_draft = s.draft_lost = s.seq_id not in held
+        self._finish_prefill(pending, drafted)
+        return first
+
+    def _finish_prefill(self, pending, drafted: list[Sequence]) -> None:
         try:
-            if drafted:
-                self.draft.prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling()) for s in drafted])
+            if pending is not None:
+                pending.result()
         except DraftUnavailable as err:  # no draft worker left: speculate with the fast backup until one is
             log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(drafted))
             for s in drafted:
                 s.draft_lost = True
-        return first
+
+    def _abandon_prefill(self, pending, drafted: list[Sequence]) -> None:
+        """The target's prefill failed: the draft forgets what it began to hold (the engine drops them)."""
+        if pending is None:
+            return
+        try:
+            pending.result()
+            self.draft.release([Release(s.seq_id) for s in drafted])
+        except Exception:  # noqa: BLE001 - the target's failure is the one to report
+            log.exception("could not release the draft's sequences after a failed prefill")
 
     def prepare(self, seqs):
         self._drafted_this_round = False
