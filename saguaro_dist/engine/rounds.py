@@ -102,6 +102,9 @@ class SDLoop(ARLoop):
             return
         try:
             pending.result()
+        except Exception as exc:  # noqa: BLE001 - the target's failure is the one to report; release anyway
+            log.info("the draft's prefill failed too: %s", exc)
+        try:
             self.draft.release([Release(s.seq_id) for s in drafted])
         except Exception:  # noqa: BLE001 - the target's failure is the one to report
             log.exception("could not release the draft's sequences after a failed prefill")
