@@ -16,7 +16,8 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_pool import DraftPool
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.distributed.grpc_backend import _CLOSE, HANDOFF_S, GrpcDraftBackend, _await_sent, _Link, _Outbox
+from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+from saguaro_dist.distributed.grpc_link import CLOSE, HANDOFF_S, Link, Outbox, await_sent
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal,
                                           Release, ResetPrefixCache, SpeculationTree)
@@ -252,20 +253,20 @@ def test_merged_shard_slices_keep_every_branch_and_the_slowest_build():
 
 
 def test_the_outbox_counts_a_request_sent_when_grpc_asks_for_the_next():
-    box = _Outbox()
+    box = Outbox()
     requests = box.requests()
     assert box.put("a") == 1 and box.put("b") == 2  # tickets
     assert next(requests) == "a" and box.sent == 0   # taken, not yet sent
     assert next(requests) == "b" and box.sent == 1   # asked again: "a" went out
-    box.put(_CLOSE)
+    box.put(CLOSE)
     assert list(requests) == [] and box.sent == 2
 
 
 def test_sending_waits_for_grpc_but_not_longer_than_handoff_s():
-    link = _Link("127.0.0.1:1", [])  # no stream: nothing will ever send
+    link = Link("127.0.0.1:1", [])  # no stream: nothing will ever send
     try:
         start = time.perf_counter()
-        _await_sent([link.send(pb.SpeculateRequest())])
+        await_sent([link.send(pb.SpeculateRequest())])
         assert HANDOFF_S <= time.perf_counter() - start < 1.0
         assert (link.outbox.queued, link.outbox.sent) == (1, 0)
     finally:

@@ -5,7 +5,7 @@ per server and the parts run concurrently. Everything but prefill goes on one lo
 stream per server: outcomes, just-in-time drafts and releases, so the server sees them in the order
 the engine issued them (as separate calls a JIT or a release could overtake the outcomes before it).
 Releases are queued and return at once; outcomes return once gRPC has sent them (the engine verifies
-next, see _await_sent); a JIT waits for its answer on the stream. A reader thread per server puts the
+next, see await_sent); a JIT waits for its answer on the stream. A reader thread per server puts the
 pushed trees into an inbox keyed by (seq_id, round), where wait_trees finds them, and hands each JIT
 answer to its caller.
 
@@ -20,20 +20,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future
 from functools import partial
 
 import grpc
 
 from saguaro_dist.distributed import codec
-from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
+from saguaro_dist.distributed.grpc_link import TRANSPORT_FAILURES, Link, await_sent, channel_options, error_from_rpc
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
@@ -44,141 +42,8 @@ log = logging.getLogger(__name__)
 __all__ = ["GrpcDraftBackend"]
 
 TreeKey = tuple[int, int]  # (seq_id, round)
-_CLOSE = object()
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
-_TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-HANDOFF_S = 0.002  # how long send_outcomes yields for gRPC's threads to send the outcomes (_await_sent)
 TREE_SPIN_S = 0.005  # how long wait_trees polls (yielding the GIL) before it sleeps on the condition
-
-
-def _channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),  # a server that vanished without a reset is found in ~15 s
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-    ]
-
-
-class _Outbox:
-    """One Speculate stream's requests: queued by the engine, taken and sent by gRPC's request thread."""
-
-    def __init__(self):
-        self.pending: queue.SimpleQueue = queue.SimpleQueue()
-        self.queued = 0  # requests put (the engine's thread writes it)
-        self.sent = 0    # requests sent (the request thread writes it)
-
-    def put(self, item) -> int:
-        """Queue `item`; returns its ticket: it is sent once `sent` reaches it."""
-        self.pending.put(item)
-        self.queued += 1
-        return self.queued
-
-    def requests(self):
-        """The stream's request iterator, until close. gRPC's request thread asks for the next request
-        only once the last one is sent, so each ask after the first counts one more sent."""
-        while (item := self.pending.get()) is not _CLOSE:
-            yield item
-            self.sent += 1
-
-
-def _await_sent(tickets: list[tuple[_Outbox, int]]) -> None:
-    """Yield the GIL until gRPC's request threads have sent every ticketed request (at most HANDOFF_S).
-
-    The engine verifies right after sending outcomes. Left to compete with that verify for the GIL and
-    a CPU, gRPC's threads put an outcome on the wire 0.4 ms after it was queued at the median but
-    3.5-4.5 ms at the 90th percentile (a scheduler tick on the 2-vCPU development VM), and the draft's
-    next tree came that much later (docs/architecture.md, "Sending outcomes before the verify"). The
-    wait yields the CPU too, not only the GIL: gRPC's threads are then runnable on the engine's vCPU
-    (the other one is the draft's), and time.sleep(0) kept it from them until the scheduler stepped in."""
-    end = time.perf_counter() + HANDOFF_S
-    while any(outbox.sent < ticket for outbox, ticket in tickets) and time.perf_counter() < end:
-        yield_cpu()
-
-
-def _error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids: list[int]) -> Exception:
-    """The exception the engine would have seen from an in-process DraftWorker (or DraftUnavailable)."""
-    if code in _TRANSPORT_FAILURES or code is grpc.StatusCode.DEADLINE_EXCEEDED:
-        return DraftUnavailable(f"draft server {address}: {code.name}: {details}", seq_ids)
-    if code is grpc.StatusCode.NOT_FOUND:
-        return UnknownSequence(details)
-    if code is grpc.StatusCode.FAILED_PRECONDITION:
-        return OutOfOrder(details)
-    return DraftRpcError(f"draft server {address}: {code.name}: {details}", code)
-
-
-def _error_from_rpc(err: grpc.RpcError, address: str, seq_ids: list[int]) -> Exception:
-    return _error_from_status(err.code(), err.details(), address, seq_ids)
-
-
-class _Link:
-    """One DraftService: channel, stub, the open Speculate stream, its JIT calls in flight, liveness."""
-
-    def __init__(self, address: str, options):
-        self.address = address
-        self.channel = grpc.insecure_channel(address, options=options)
-        self.stub = saguaro_pb2_grpc.DraftServiceStub(self.channel)
-        self.alive = True
-        self.lock = threading.Lock()  # the request queue and the calls in flight change together
-        self.outbox = _Outbox()
-        self.calls: dict[int, tuple[Future, list[int]]] = {}  # call_id -> (answer, its seq_ids)
-        self.call = None
-        self.reader: threading.Thread | None = None
-        self._call_ids = itertools.count(1)
-
-    def open_stream(self) -> None:
-        self.call = self.stub.Speculate(self.outbox.requests())
-
-    def send(self, request: pb.SpeculateRequest) -> tuple[_Outbox, int]:
-        """Queue `request` on the stream; returns its outbox and ticket (see _await_sent)."""
-        with self.lock:
-            return self.outbox, self.outbox.put(request)
-
-    def call_jit(self, reqs: list[JitDraftRequest]) -> tuple[int, Future]:
-        """Queue a just-in-time draft: (call_id, a future of its proposals or the exception it maps to)."""
-        answer: Future = Future()
-        with self.lock:
-            call_id = next(self._call_ids)
-            self.calls[call_id] = (answer, [r.seq_id for r in reqs])
-            self.outbox.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=call_id,
-                                                                          batch=codec.jit_batch_to_proto(reqs))))
-        return call_id, answer
-
-    def answer(self, result: pb.JitDraftResult) -> None:
-        with self.lock:
-            answer, seq_ids = self.calls.pop(result.call_id, (None, None))
-        if answer is None:  # it timed out meanwhile
-            return
-        if result.HasField("error"):
-            code = _STATUS_BY_NUMBER.get(result.error.code, grpc.StatusCode.UNKNOWN)
-            answer.set_exception(_error_from_status(code, result.error.message, self.address, seq_ids))
-            return
-        try:
-            answer.set_result(codec.proposal_batch_from_proto(result.proposals))
-        except codec.CodecError as exc:
-            answer.set_exception(DraftRpcError(f"draft server {self.address} answered a malformed proposal: {exc}"))
-
-    def forget(self, call_id: int) -> None:
-        with self.lock:
-            self.calls.pop(call_id, None)
-
-    def restart_queue(self, error) -> None:
-        """What was queued for the old stream is lost with it: fail its calls, start a fresh queue.
-
-        error(seq_ids) -> the exception each call in flight gets."""
-        with self.lock:
-            calls, self.calls = self.calls, {}
-            self.outbox.put(_CLOSE)
-            self.outbox = _Outbox()
-        for answer, seq_ids in calls.values():
-            answer.set_exception(error(seq_ids))
-
-    def end_stream(self) -> None:
-        self.restart_queue(lambda seq_ids: DraftUnavailable(f"draft server {self.address}: stream closed", seq_ids))
-        if self.call is not None:
-            self.call.cancel()
 
 
 class GrpcDraftBackend:
@@ -195,11 +60,11 @@ class GrpcDraftBackend:
         if not addresses:
             raise ValueError("GrpcDraftBackend needs at least one DraftService address")
         self.deadline_s, self.prefill_deadline_s = deadline_s, prefill_deadline_s
-        options = _channel_options(max_message_bytes)
-        self._links = [_Link(a, options) for a in addresses]
+        options = channel_options(max_message_bytes)
+        self._links = [Link(a, options) for a in addresses]
         self._cond = threading.Condition()  # guards the inbox, the owners and liveness
         self._trees: dict[TreeKey, SpeculationTree] = {}
-        self._owner: dict[int, _Link] = {}
+        self._owner: dict[int, Link] = {}
         self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
         self._next = itertools.cycle(self._links)
         self._closed = False
@@ -230,13 +95,13 @@ class GrpcDraftBackend:
                 continue
             self._start_reader(link)
 
-    def _start_reader(self, link: _Link) -> None:
+    def _start_reader(self, link: Link) -> None:
         link.open_stream()
         link.reader = threading.Thread(target=self._read_trees, args=(link,), daemon=True,
                                        name=f"saguaro-trees-{link.address}")
         link.reader.start()
 
-    def _mark_dead(self, link: _Link, why: str) -> None:
+    def _mark_dead(self, link: Link, why: str) -> None:
         with self._cond:
             if not link.alive:
                 return
@@ -245,7 +110,7 @@ class GrpcDraftBackend:
         log.warning("draft server %s marked dead: %s", link.address, why)
         link.end_stream()
 
-    def _assign(self, seq_id: int) -> _Link:
+    def _assign(self, seq_id: int) -> Link:
         """The sequence's server: its current one while alive, else the next live one round-robin."""
         with self._cond:
             link = self._owner.get(seq_id)
@@ -258,11 +123,11 @@ class GrpcDraftBackend:
                     return link
         raise DraftUnavailable("no live draft server", [seq_id])
 
-    def _live_owner(self, seq_id: int) -> _Link | None:
+    def _live_owner(self, seq_id: int) -> Link | None:
         link = self._owner.get(seq_id)
         return link if link is not None and link.alive else None
 
-    def _synced_owner(self, seq_id: int) -> _Link | None:
+    def _synced_owner(self, seq_id: int) -> Link | None:
         """The live server that can still serve the sequence (None: dead, or out of sync)."""
         return None if seq_id in self._out_of_sync else self._live_owner(seq_id)
 
@@ -295,11 +160,11 @@ class GrpcDraftBackend:
             try:
                 fut.result()
             except grpc.RpcError as err:
-                if err.code() in _TRANSPORT_FAILURES:
+                if err.code() in TRANSPORT_FAILURES:
                     self._mark_dead(link, f"prefill: {err.code().name}: {err.details()}")
                     retry += groups[link]
                 else:
-                    error = error or _error_from_rpc(err, link.address, [r.seq_id for r in groups[link]])
+                    error = error or error_from_rpc(err, link.address, [r.seq_id for r in groups[link]])
         if error is not None:
             raise error
         return retry
@@ -316,7 +181,7 @@ class GrpcDraftBackend:
         except UnknownSequence as exc:
             return FailedDrafts(exc)
         calls = {link: link.call_jit(part) for link, part in groups.items() if link not in (None, _STALE)}
-        _await_sent([(link.outbox, link.outbox.queued) for link in calls])  # each stream's last request: this one
+        await_sent([(link.outbox, link.outbox.queued) for link in calls])  # each stream's last request: this one
         return DraftLater(partial(self._answers, groups=groups, calls=calls), reqs)
 
     def _answers(self, reqs: list[JitDraftRequest], groups: dict, calls: dict) -> list[Proposal]:
@@ -331,7 +196,7 @@ class GrpcDraftBackend:
             raise DraftOutOfSync(f"sequences {stale} lost their outcomes with a failed stream", stale, found)
         return [found[r.seq_id] for r in reqs]
 
-    def _owner_for_jit(self, req: JitDraftRequest) -> _Link | None:
+    def _owner_for_jit(self, req: JitDraftRequest) -> Link | None:
         if req.seq_id not in self._owner:
             raise UnknownSequence(f"unknown sequence {req.seq_id} (never prefilled through this backend)")
         link = self._live_owner(req.seq_id)
@@ -362,7 +227,7 @@ class GrpcDraftBackend:
         groups = self._group(outcomes, lambda o: self._synced_owner(o.seq_id))
         if None in groups:
             log.debug("outcomes for %d sequences without a live, in-sync draft server dropped", len(groups.pop(None)))
-        _await_sent([link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
+        await_sent([link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
                      for link, part in groups.items()])  # every server at once
 
     def catch_up(self, rounds: list[list[Outcome]]) -> None:
@@ -452,13 +317,13 @@ class GrpcDraftBackend:
         while any(k not in self._trees for k in keys) and time.perf_counter() < end:
             time.sleep(0)
 
-    def _read_trees(self, link: _Link) -> None:
+    def _read_trees(self, link: Link) -> None:
         """Reader thread: pushed tree batches into the inbox; reopen the stream after protocol errors."""
         while True:
             code, details = self._drain_stream(link)
             if self._closed or not link.alive:
                 return
-            if code in _TRANSPORT_FAILURES:
+            if code in TRANSPORT_FAILURES:
                 self._mark_dead(link, f"Speculate stream: {code.name}: {details}")
                 return
             log.warning("Speculate stream to %s ended (%s: %s); reopening it, its sequences to be prefilled again",
@@ -470,14 +335,14 @@ class GrpcDraftBackend:
             except ValueError:  # "Channel closed": close() ran meanwhile, on another thread
                 return
 
-    def _lose_sync(self, link: _Link) -> None:
+    def _lose_sync(self, link: Link) -> None:
         """What was queued on the failed stream is gone: the server is behind for all its sequences."""
         with self._cond:
             self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
             self._cond.notify_all()  # waiters stop waiting for their trees
         link.restart_queue(lambda seq_ids: DraftOutOfSync(f"draft server {link.address}: stream lost", seq_ids))
 
-    def _drain_stream(self, link: _Link):
+    def _drain_stream(self, link: Link):
         """Read one stream to its end; returns its final (code, details)."""
         try:
             for msg in link.call:
@@ -486,7 +351,7 @@ class GrpcDraftBackend:
             return err.code(), err.details()
         return None, ""
 
-    def _store(self, link: _Link, msg: pb.SpeculateReply) -> None:
+    def _store(self, link: Link, msg: pb.SpeculateReply) -> None:
         if msg.WhichOneof("kind") == "jit_draft":
             link.answer(msg.jit_draft)
             return

@@ -1,0 +1,152 @@
+"""One DraftService as the target side holds it (Link: channel, stub, the Speculate stream's outbox, its
+just-in-time calls in flight), the hand-off of requests to gRPC's request thread (await_sent), and the
+engine's exceptions for gRPC statuses. GrpcDraftBackend (grpc_backend.py) runs a pool of these."""
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from concurrent.futures import Future
+
+import grpc
+
+from saguaro_dist.distributed import codec
+from saguaro_dist.distributed.cpu import yield_cpu
+from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
+from saguaro_dist.engine.messages import JitDraftRequest
+
+CLOSE = object()  # ends a stream's request iterator
+TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+HANDOFF_S = 0.002  # how long send_outcomes yields for gRPC's threads to send the outcomes (await_sent)
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 10_000),  # a server that vanished without a reset is found in ~15 s
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+class Outbox:
+    """One Speculate stream's requests: queued by the engine, taken and sent by gRPC's request thread."""
+
+    def __init__(self):
+        self.pending: queue.SimpleQueue = queue.SimpleQueue()
+        self.queued = 0  # requests put (the engine's thread writes it)
+        self.sent = 0    # requests sent (the request thread writes it)
+
+    def put(self, item) -> int:
+        """Queue `item`; returns its ticket: it is sent once `sent` reaches it."""
+        self.pending.put(item)
+        self.queued += 1
+        return self.queued
+
+    def requests(self):
+        """The stream's request iterator, until close. gRPC's request thread asks for the next request
+        only once the last one is sent, so each ask after the first counts one more sent."""
+        while (item := self.pending.get()) is not CLOSE:
+            yield item
+            self.sent += 1
+
+
+def await_sent(tickets: list[tuple[Outbox, int]]) -> None:
+    """Yield the GIL until gRPC's request threads have sent every ticketed request (at most HANDOFF_S).
+
+    The engine verifies right after sending outcomes. Left to compete with that verify for the GIL and
+    a CPU, gRPC's threads put an outcome on the wire 0.4 ms after it was queued at the median but
+    3.5-4.5 ms at the 90th percentile (a scheduler tick on the 2-vCPU development VM), and the draft's
+    next tree came that much later (docs/architecture.md, "Sending outcomes before the verify"). The
+    wait yields the CPU too, not only the GIL: gRPC's threads are then runnable on the engine's vCPU
+    (the other one is the draft's), and time.sleep(0) kept it from them until the scheduler stepped in."""
+    end = time.perf_counter() + HANDOFF_S
+    while any(outbox.sent < ticket for outbox, ticket in tickets) and time.perf_counter() < end:
+        yield_cpu()
+
+
+def error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids: list[int]) -> Exception:
+    """The exception the engine would have seen from an in-process DraftWorker (or DraftUnavailable)."""
+    if code in TRANSPORT_FAILURES or code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DraftUnavailable(f"draft server {address}: {code.name}: {details}", seq_ids)
+    if code is grpc.StatusCode.NOT_FOUND:
+        return UnknownSequence(details)
+    if code is grpc.StatusCode.FAILED_PRECONDITION:
+        return OutOfOrder(details)
+    return DraftRpcError(f"draft server {address}: {code.name}: {details}", code)
+
+
+def error_from_rpc(err: grpc.RpcError, address: str, seq_ids: list[int]) -> Exception:
+    return error_from_status(err.code(), err.details(), address, seq_ids)
+
+
+class Link:
+    """One DraftService: channel, stub, the open Speculate stream, its JIT calls in flight, liveness."""
+
+    def __init__(self, address: str, options):
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=options)
+        self.stub = saguaro_pb2_grpc.DraftServiceStub(self.channel)
+        self.alive = True
+        self.lock = threading.Lock()  # the request queue and the calls in flight change together
+        self.outbox = Outbox()
+        self.calls: dict[int, tuple[Future, list[int]]] = {}  # call_id -> (answer, its seq_ids)
+        self.call = None
+        self.reader: threading.Thread | None = None
+        self._call_ids = itertools.count(1)
+
+    def open_stream(self) -> None:
+        self.call = self.stub.Speculate(self.outbox.requests())
+
+    def send(self, request: pb.SpeculateRequest) -> tuple[Outbox, int]:
+        """Queue `request` on the stream; returns its outbox and ticket (see await_sent)."""
+        with self.lock:
+            return self.outbox, self.outbox.put(request)
+
+    def call_jit(self, reqs: list[JitDraftRequest]) -> tuple[int, Future]:
+        """Queue a just-in-time draft: (call_id, a future of its proposals or the exception it maps to)."""
+        answer: Future = Future()
+        with self.lock:
+            call_id = next(self._call_ids)
+            self.calls[call_id] = (answer, [r.seq_id for r in reqs])
+            self.outbox.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=call_id,
+                                                                          batch=codec.jit_batch_to_proto(reqs))))
+        return call_id, answer
+
+    def answer(self, result: pb.JitDraftResult) -> None:
+        with self.lock:
+            answer, seq_ids = self.calls.pop(result.call_id, (None, None))
+        if answer is None:  # it timed out meanwhile
+            return
+        if result.HasField("error"):
+            code = STATUS_BY_NUMBER.get(result.error.code, grpc.StatusCode.UNKNOWN)
+            answer.set_exception(error_from_status(code, result.error.message, self.address, seq_ids))
+            return
+        try:
+            answer.set_result(codec.proposal_batch_from_proto(result.proposals))
+        except codec.CodecError as exc:
+            answer.set_exception(DraftRpcError(f"draft server {self.address} answered a malformed proposal: {exc}"))
+
+    def forget(self, call_id: int) -> None:
+        with self.lock:
+            self.calls.pop(call_id, None)
+
+    def restart_queue(self, error) -> None:
+        """What was queued for the old stream is lost with it: fail its calls, start a fresh queue.
+
+        error(seq_ids) -> the exception each call in flight gets."""
+        with self.lock:
+            calls, self.calls = self.calls, {}
+            self.outbox.put(CLOSE)
+            self.outbox = Outbox()
+        for answer, seq_ids in calls.values():
+            answer.set_exception(error(seq_ids))
+
+    def end_stream(self) -> None:
+        self.restart_queue(lambda seq_ids: DraftUnavailable(f"draft server {self.address}: stream closed", seq_ids))
+        if self.call is not None:
+            self.call.cancel()
