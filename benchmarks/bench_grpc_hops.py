@@ -6,12 +6,12 @@ The demo draft is served by a DraftService in a child process, called through Gr
 one (as on Ray, over loopback). Both sides stamp each just-in-time draft with time.perf_counter (one
 system-wide monotonic clock on Linux) at each hand-off, by wrapping the functions that run there:
 
-    send     the engine thread queues the request         (GrpcDraftBackend.jit_draft -> _Link.call_jit)
-    consume  gRPC's request thread takes it                (grpc_backend._Outbox.requests)
+    send     the engine thread queues the request         (GrpcDraftBackend.jit_draft -> grpc_link.Link.call_jit)
+    consume  gRPC's request thread takes it                (grpc_link.Outbox.requests)
     read     the server's event loop has it                (DraftServicer._replies)
     work     the worker starts drafting                    (worker.jit_draft)
     drafted  the worker is done (its answer goes to gRPC)  (worker.jit_draft returns)
-    recv     the client's reader thread has the answer     (_Link.answer)
+    recv     the client's reader thread has the answer     (grpc_link.Link.answer)
     woke     jit_draft returns on the engine thread
 
 Between rounds this thread computes for --verify-ms (the target's verify); keep it longer than the
@@ -83,16 +83,16 @@ def serve(target: str, draft: str, port_file: str, stamps_file: str) -> None:
 
 
 def _instrument_client(stamps: dict) -> None:
-    from saguaro_dist.distributed import grpc_backend as gb
-    original_requests = gb._Outbox.requests
+    from saguaro_dist.distributed import grpc_link
+    original_requests = grpc_link.Outbox.requests
 
     def requests(outbox):
         for item in original_requests(outbox):
             if _is_jit(item):
                 stamps["consume"].append(time.perf_counter())
             yield item
-    gb._Outbox.requests = requests
-    _wrap(gb._Link, "answer", lambda: stamps["recv"].append(time.perf_counter()))
+    grpc_link.Outbox.requests = requests
+    _wrap(grpc_link.Link, "answer", lambda: stamps["recv"].append(time.perf_counter()))
 
 
 def _start_server(target: str, draft: str) -> tuple[subprocess.Popen, str, str]:
