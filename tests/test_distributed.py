@@ -18,6 +18,8 @@ from engine_helpers import (BIAS, PENALTIES, PROMPTS, assert_greedy_equal, biase
                             hf_greedy, llama_config, save_model, save_perturbed)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config, Mode
+from saguaro_dist.distributed.actors import ask_actor
+from saguaro_dist.distributed.cluster import wait_dead
 from saguaro_dist.distributed.placement import engine_needs, shortfall
 from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
@@ -133,27 +135,68 @@ def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
         assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
 
 
+def generate_through_a_kill(llm: LLM, params: SamplingParams, kill) -> list:
+    """generate(PROMPTS), kill() called once three rounds have run; every output, checked to be there."""
+    outputs = []
+    worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)))
+    worker.start()
+    deadline = time.time() + 60
+    while llm.metrics.rounds < 3 and time.time() < deadline:
+        time.sleep(0.01)
+    kill()
+    worker.join(timeout=180)
+    assert len(outputs) == len(PROMPTS), "generation did not complete after a draft worker died"
+    return outputs
+
+
 @pytest.mark.parametrize("executor", ["split", "process"])
 def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair, executor):
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
     with cluster_llm(pair, num_draft_workers=2, draft_executor=executor) as llm:
-        outputs = []
-        worker = threading.Thread(target=lambda: outputs.extend(
-            llm.generate(prompt_token_ids=PROMPTS, sampling_params=long)))
-        worker.start()
-        deadline = time.time() + 60
-        while llm.metrics.rounds < 3 and time.time() < deadline:
-            time.sleep(0.01)
-        ray.kill(llm._thread.deployment.drafts[0], no_restart=True)
-        worker.join(timeout=180)
-        assert len(outputs) == len(PROMPTS), "generation did not complete after a draft worker died"
+        outputs = generate_through_a_kill(llm, long, lambda: ray.kill(llm._thread.deployment.drafts[0], no_restart=True))
         for prompt, out, want in zip(PROMPTS, outputs, reference):
             assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
         assert sum(llm.metrics.fallbacks.values()) > 0
         # the pool recovered: the survivor serves the re-prefilled sequences, hits come back
         again = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
         check_greedy(pair, again)
+
+
+@pytest.mark.parametrize("executor", ["split", "process"])
+def test_a_restarted_draft_actor_rejoins_the_pool(ray_cluster, pair, executor):
+    """The only draft actor dies as in a crash and Ray restarts it: generation stays exact throughout, and
+    the pool takes the actor back at its new address, so the trees come back."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
+    with cluster_llm(pair, num_draft_workers=1, draft_executor=executor, tree_policy="always") as llm:
+        draft = llm._thread.deployment.drafts[0]
+        before = ray.get(draft.endpoint.remote())
+        outputs = generate_through_a_kill(llm, long, lambda: ray.kill(draft, no_restart=False))  # Ray restarts it
+        for prompt, out, want in zip(PROMPTS, outputs, reference):
+            assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
+        assert ask_actor(draft.endpoint, 120).address != before.address  # restarted: the old process is gone
+        deadline = time.time() + 120
+        while True:
+            hits = llm.metrics.cache_hits
+            check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+            if llm.metrics.cache_hits > hits:
+                break
+            assert time.time() < deadline, "no tree came back from the restarted draft actor"
+            time.sleep(0.2)
+
+
+def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_cluster, pair):
+    """The draft copy in the target's actor drafts the new sequences the dead pool cannot take: SD's
+    rounds, no fast backup."""
+    with cluster_llm(pair, num_draft_workers=1, draft_executor="split", tree_policy="never") as llm:
+        check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+        draft = llm._thread.deployment.drafts[0]
+        ray.kill(draft, no_restart=True)
+        wait_dead([draft])
+        fallbacks = sum(llm.metrics.fallbacks.values())
+        check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+        assert sum(llm.metrics.fallbacks.values()) == fallbacks
 
 
 def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair):

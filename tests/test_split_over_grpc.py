@@ -2,6 +2,7 @@
 real gRPC on loopback (a real DraftWorker on a checkpoint written by transformers behind it)."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -76,3 +77,64 @@ def test_a_dead_draft_server_makes_its_sequences_lost_so_the_engine_prefills_the
     with pytest.raises(DraftUnavailable) as info:  # the local copy could draft, but the pool no longer follows
         split.jit_draft([JitDraftRequest(1, 1, 0, 5, skip_tree=True)])
     assert info.value.seq_ids == [1]
+
+
+def _wait_for(condition, within_s: float = 15.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition()
+
+
+def test_without_a_live_worker_the_copy_drafts_alone_then_the_revived_worker_builds_the_trees(config):
+    """The pool's only server dies: a re-prefill leaves the sequence to the local copy, which drafts
+    (SD's rounds, no fast backup); once the pool revives the worker (at a new address, as Ray restarts
+    an actor), the sequence is lost again, prefilled on both halves, and its trees come from the new one."""
+    first, port = serve_draft(build_draft_worker(config), "127.0.0.1", 0)
+    comeback = {}
+    revived = threading.Event()
+
+    def revive(i: int) -> GrpcDraftBackend:
+        assert revived.wait(60), "the test never revived the worker"
+        comeback["server"], new_port = serve_draft(build_draft_worker(config), "127.0.0.1", 0)
+        return GrpcDraftBackend([f"127.0.0.1:{new_port}"], deadline_s=10.0)
+
+    pool = DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=10.0)], max_batch_size=4, revive=revive)
+    split = SplitDraftBackend(LocalDraftBackend(build_draft_worker(config)), pool)
+    tokens = PROMPTS[0] + [5, 9]
+    again = [PrefillRequest(1, tokens[:-1], GREEDY, prompt_len=len(PROMPTS[0]))]
+    try:
+        split.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
+        first.stop(None).wait()
+        _wait_for(lambda: split.trees.lost([1]))
+        with pytest.raises(DraftUnavailable):
+            split.jit_draft([JitDraftRequest(1, 1, 0, 5, skip_tree=True)])
+        split.prefill(again)  # the engine's re-prefill: no live worker, so the local copy holds it alone
+        assert not split.trees.accepting()
+        seen_all = LocalDraftBackend(build_draft_worker(config))
+        seen_all.prefill(again)
+        for r, bonus in enumerate((tokens[-1], 11, 3)):  # drafted here, rounds with and without a tree wanted
+            _draft_both(split, seen_all, [JitDraftRequest(1, r, r % 2, bonus, skip_tree=r == 1)])
+            split.send_outcomes([])
+            seen_all.send_outcomes([])
+        assert split.wait_trees([(1, 2)], 0.5) == {}  # no tree side holds it: nothing to wait for
+        revived.set()
+        _wait_for(split.trees.accepting)
+        with pytest.raises(DraftUnavailable) as info:  # the tree side takes sequences again: rejoin it
+            split.jit_draft([JitDraftRequest(1, 3, 0, 7)])
+        assert info.value.seq_ids == [1]
+        split.prefill(again)
+        seen_all.close()
+        seen_all = LocalDraftBackend(build_draft_worker(config))  # fresh as the revived worker (its fan-out statistics)
+        seen_all.prefill(again)
+        assert split.trees.lost([1]) == []
+        _draft_both(split, seen_all, [JitDraftRequest(1, 0, 0, tokens[-1])])
+        split.send_outcomes([])
+        seen_all.send_outcomes([])
+        got, want = split.wait_trees([(1, 0)], 30.0)[1], seen_all.wait_trees([(1, 0)], 30.0)[1]
+        assert got.proposals.tokens.tolist() == want.proposals.tokens.tolist()
+        seen_all.close()
+    finally:
+        split.close()
+        if "server" in comeback:
+            comeback["server"].stop(None)

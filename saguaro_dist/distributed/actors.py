@@ -5,7 +5,9 @@ import logging
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
+from functools import partial
 
 import ray
 import torch
@@ -61,6 +63,19 @@ class DraftActor:
         self.server.stop(grace=0.5).wait()
 
 
+def ask_actor(method, timeout_s: float):
+    """ray.get(method.remote()), asked again while Ray restarts the actor (ActorUnavailableError);
+    raises once it is dead for good (ActorDiedError) or timeout_s has passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return ray.get(method.remote(), timeout=max(0.1, deadline - time.monotonic()))
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
 class TargetRank:
     """One tensor-parallel rank of the target. Rank 0 also runs the engine (round loop + batching)."""
 
@@ -79,9 +94,10 @@ class TargetRank:
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], drafts: list[DraftEndpoint], fit) -> dict:
+    def setup(self, master: tuple[str, int], drafts: list[DraftEndpoint], fit, draft_actors: list | None = None) -> dict:
         """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow.
-        fit: the DraftFit the driver gave the drafts (None: no draft)."""
+        fit: the DraftFit the driver gave the drafts (None: no draft); draft_actors: their handles, for
+        rank 0 to find a restarted one at its new address."""
         from saguaro_dist.engine.build import make_runner
         group = self._join_group(master)
         runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision)
@@ -89,7 +105,8 @@ class TargetRank:
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
         addresses = [d.for_client_on(self.node_id()) for d in drafts]
-        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses, fit)
+        revive = partial(self._revive_draft, draft_actors, addresses) if draft_actors else None
+        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses, fit, revive)
 
     def _join_group(self, master: tuple[str, int]):
         world = self.config.tensor_parallel_size
@@ -99,18 +116,18 @@ class TargetRank:
         dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank, world_size=world)
         return dist.group.WORLD
 
-    def _start_engine(self, runner, draft_addresses: list[str], fit) -> dict:
+    def _start_engine(self, runner, draft_addresses: list[str], fit, revive=None) -> dict:
         from saguaro_dist.engine.build import eos_ids, target_tokenizer
         from saguaro_dist.engine.engine import Engine
         from saguaro_dist.engine.loop_thread import EngineThread
         tokenizer = target_tokenizer(self.config)
-        backend = self._draft_side(draft_addresses, fit) if self.config.mode is not Mode.AR else None
+        backend = self._draft_side(draft_addresses, fit, revive) if self.config.mode is not Mode.AR else None
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                 "eos_token_ids": sorted(engine.eos_token_ids), "draft_addresses": draft_addresses}
 
-    def _draft_side(self, draft_addresses: list[str], fit):
+    def _draft_side(self, draft_addresses: list[str], fit, revive=None):
         """The pool of draft actors; split: with a draft copy here for the just-in-time drafts."""
         from saguaro_dist.config import DraftExecutor
         from saguaro_dist.distributed.draft_pool import DraftPool
@@ -118,7 +135,8 @@ class TargetRank:
         from saguaro_dist.engine.build import build_draft_worker, ray_draft_executor
         from saguaro_dist.engine.draft_backend import LocalDraftBackend
         from saguaro_dist.engine.split_draft import SplitDraftBackend
-        pool = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size, fit.max_model_len)
+        pool = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size, fit.max_model_len,
+                         revive)
         if ray_draft_executor(self.config) is not DraftExecutor.SPLIT:
             return pool
         try:  # the copy on this rank's device, on the target's torch threads (the drafts take turns with its verify)
@@ -126,6 +144,17 @@ class TargetRank:
         except BaseException:
             pool.close()
             raise
+
+    def _revive_draft(self, actors: list, addresses: list[str], i: int):
+        """Draft worker i once Ray has restarted its actor (cluster.DRAFT_MAX_RESTARTS): a backend at its
+        new address. Raises if it is dead for good, or if it answers at its old address: then it never
+        died (a missed deadline), and still holds sequences the pool has moved elsewhere."""
+        from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+        address = ask_actor(actors[i].endpoint, self.config.startup_timeout_s).for_client_on(self.node_id())
+        if address == addresses[i]:
+            raise RuntimeError(f"it still serves at {address}: left out of the pool")
+        addresses[i] = address
+        return GrpcDraftBackend([address])
 
     # ---- rank 0: the engine's front door ------------------------------------------------------------
     def submit(self, request: RemoteRequest) -> None:

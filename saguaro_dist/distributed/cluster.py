@@ -69,6 +69,10 @@ class Deployment:
             ray.shutdown()
 
 
+DRAFT_MAX_RESTARTS = 8  # Ray restarts a draft actor that died (its process, its node) this often; the pool
+                        # takes it back at its new address (TargetRank._revive_draft). Past that it stays dead.
+
+
 def wait_dead(actors: list, timeout_s: float = 10.0) -> None:
     """ray.kill is asynchronous: a call made right after it could still reach the actor (a test saw
     one answer). Shutdown returns once every actor refuses calls, or after timeout_s with a warning."""
@@ -90,7 +94,7 @@ def wait_dead(actors: list, timeout_s: float = 10.0) -> None:
 def start_drafts(config: Config, resources: dict, fit) -> list:
     if config.mode is Mode.AR:
         return []
-    actor = ray.remote(DraftActor).options(**draft_options(config, resources), max_restarts=0)
+    actor = ray.remote(DraftActor).options(**draft_options(config, resources), max_restarts=DRAFT_MAX_RESTARTS)
     return [actor.remote(config, fit) for _ in range(config.num_draft_workers)]
 
 
@@ -120,7 +124,7 @@ def build_cluster_engine(config: Config):
         endpoints = started([d.endpoint.remote() for d in deployment.drafts], deadline,
                             f"{config.num_draft_workers} draft worker(s) asking {draft_options(config, resources)} each")
         master = started(deployment.ranks[0].rendezvous.remote(), deadline, "target rank 0")
-        info = started([r.setup.remote(master, endpoints, fit) for r in deployment.ranks], deadline,
+        info = started([r.setup.remote(master, endpoints, fit, deployment.drafts) for r in deployment.ranks], deadline,
                        f"{config.tensor_parallel_size} target rank(s) loading {config.model}")[0]
     except BaseException:
         deployment.kill()

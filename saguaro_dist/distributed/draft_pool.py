@@ -4,15 +4,22 @@ When the pool is larger than the batch needs, one sequence lives on several work
 builds a disjoint slice of a tree num_shards times the configured budget, so at batch 1 a bigger pool
 means a bigger speculation cache. Shard 0 answers just-in-time drafts; the other shards learn those
 tokens as an Outcome, and every Outcome names the tokens verified next, so all shards stay in step.
+
+A worker found dead is left out of placement; given `revive`, the pool waits for it in the background
+(on Ray: the actor restarted, at a new address) and takes it back into placement once it serves again.
+The sequences it held are lost with it (`lost`): the engine prefills them again wherever there is room.
 """
 from __future__ import annotations
 
 import logging
+import queue
 import sys
+import threading
 import time
 from collections import defaultdict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
+from typing import Callable
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
 from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts
@@ -26,18 +33,32 @@ log = logging.getLogger(__name__)
 class DraftPool:
     """A DraftBackend over several single-worker backends (engine/draft_backend.py's interface)."""
 
-    def __init__(self, backends: list, max_batch_size: int, max_model_len: int = sys.maxsize):
-        """max_model_len: the longest sequence the workers hold (the DraftFit they were built to)."""
+    def __init__(self, backends: list, max_batch_size: int, max_model_len: int = sys.maxsize,
+                 revive: Callable[[int], object] | None = None):
+        """max_model_len: the longest sequence the workers hold (the DraftFit they were built to).
+        revive(i): blocks until worker i serves again and returns a fresh backend for it, or raises when
+        it never will (called on a thread of its own)."""
         self.backends = backends
         self.drafts_beside = all(b.drafts_beside for b in backends)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.groups: dict[int, list[int]] = {}   # seq_id -> backend indices; [0] is shard 0
         self.dead: set[int] = set()
+        self._revive = revive
+        self._revived: queue.SimpleQueue = queue.SimpleQueue()  # (i, backend) from the revival threads
+        self._closed = False
         self._calls = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="saguaro-pool")
 
     # ---- placement ----------------------------------------------------------------------------------
     def _live(self) -> list[int]:
+        self._take_back_revived()
+        for i in range(len(self.backends)):
+            if i not in self.dead and self.backends[i].dead_addresses:  # found dead by its stream, not yet here
+                self._mark_dead(i)
         return [i for i in range(len(self.backends)) if i not in self.dead]
+
+    def accepting(self) -> bool:
+        """Whether a prefill now finds a live worker."""
+        return bool(self._live())
 
     def _load(self, i: int) -> int:
         return sum(i in g for g in self.groups.values())
@@ -145,6 +166,8 @@ class DraftPool:
             self.backends[i].reset_prefix_cache(msg)
 
     def close(self) -> None:
+        self._closed = True
+        self._take_back_revived()
         for b in self.backends:
             b.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -199,9 +222,33 @@ class DraftPool:
         return parts
 
     def _mark_dead(self, i: int) -> None:
-        if i not in self.dead:
-            log.warning("draft worker %d is gone; its sequences move to the others", i)
-            self.dead.add(i)
+        if i in self.dead:
+            return
+        log.warning("draft worker %d is gone; its sequences move to the others", i)
+        self.dead.add(i)
+        if self._revive is not None and not self._closed:
+            threading.Thread(target=self._await_revival, args=(i,), daemon=True, name=f"saguaro-revive-{i}").start()
+
+    def _await_revival(self, i: int) -> None:
+        try:
+            backend = self._revive(i)
+        except Exception as exc:  # noqa: BLE001 - gone for good: the pool goes on without it
+            log.warning("draft worker %d will not be back (%s); the pool goes on without it", i, exc)
+            return
+        self._revived.put((i, backend))
+
+    def _take_back_revived(self) -> None:
+        """Revived workers rejoin placement (on the engine's thread: the pool's state is its own). The
+        sequences of the old one stay lost: the new backend does not hold them."""
+        while not self._revived.empty():
+            i, backend = self._revived.get_nowait()
+            old, self.backends[i] = self.backends[i], backend
+            old.close()
+            if self._closed:
+                backend.close()
+                continue
+            self.dead.discard(i)
+            log.warning("draft worker %d serves again; it takes new and re-prefilled sequences", i)
 
     def _release_moved(self, previous: dict[int, list[int]]) -> None:
         """Release a re-placed sequence on the live workers it left (a worker it stays on re-prefills it)."""

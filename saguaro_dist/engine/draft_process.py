@@ -123,6 +123,10 @@ class DraftProcess:
         """Those of seq_ids the child does not hold (it restarted without them)."""
         return [sid for sid in seq_ids if sid not in self._known]
 
+    def accepting(self) -> bool:
+        """Always: a prefill starts a new child when this one has ended."""
+        return True
+
     # ---- the pipe ----------------------------------------------------------------------------------
     def _call(self, method: str, arg, seq_ids: list[int]):
         return self._reply(self._ask(method, arg), method, seq_ids)

@@ -209,7 +209,10 @@ class SDLoop(ARLoop):
         try:
             self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling(),
                                                prompt_len=len(s.prompt_token_ids)) for s in seqs])
-        except (DraftUnavailable, DraftRpcError) as err:
+        except DraftUnavailable as err:  # no worker to take them yet (the pool says so once); again next round
+            log.debug("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
+            return
+        except DraftRpcError as err:
             log.warning("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
             return
         for s in seqs:

@@ -9,9 +9,15 @@ outcome: the thread's worker drafts, the tree side builds trees; each runs the c
 seen in its next forward (the DraftWorker's KV invariant), so switching between the two costs no
 extra forward pass. The price is a second copy of the draft's weights and KV in the engine's process.
 On Ray it also saves every such draft its gRPC round trip (b = 1, T = 0.7: a 3.7 ms wait against 2.5).
+
+A sequence the tree side cannot take (its prefill there failed: every pool worker dead, say) is held by
+the thread's worker alone and drafted there, SD's rounds at SD's speed instead of the fast backup's, until
+the tree side accepts sequences again; its next draft then fails (DraftUnavailable), and the engine
+prefills it again on both halves.
 """
 from __future__ import annotations
 
+import logging
 from functools import partial
 from typing import Protocol
 
@@ -19,12 +25,15 @@ from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.engine.draft_backend import DraftBackend, DraftLater, LocalDraftBackend
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, Proposal
 
+log = logging.getLogger(__name__)
+
 
 class TreeSide(DraftBackend, Protocol):
     """Where the trees are built (DraftProcess, DraftPool): a DraftBackend that also takes held-back rounds."""
 
     def catch_up(self, rounds: list[list[Outcome]]) -> None: ...  # rounds that want no tree, in order
     def lost(self, seq_ids: list[int]) -> list[int]: ...  # those it no longer holds (restarted, worker dead)
+    def accepting(self) -> bool: ...  # whether a prefill now could hold sequences (a live worker, a child to start)
 
 MAX_UNOBSERVED = 1024  # rounds of outcomes the thread's worker may lag behind before it is sent them anyway
 MAX_DEFERRED = 1024    # rounds without trees the tree side may lag behind before it is sent them anyway
@@ -48,6 +57,7 @@ class SplitDraftBackend:
         # as DraftWorker.observe expects): it learns them right before its next draft, so a round with
         # trees costs the engine's process nothing (no work beside its verify, no GIL taken).
         self._unobserved: list[list[Outcome]] = []
+        self._here_only: set[int] = set()  # sequences the tree side failed to take: drafted here, no trees
 
     def prefill(self, reqs):
         self.start_prefill(reqs).result()
@@ -61,13 +71,21 @@ class SplitDraftBackend:
     def _prefill_here(self, trees, reqs) -> None:
         try:
             self.jit.call(self.jit.worker.prefill, reqs)
-        finally:
+        except BaseException:
+            _settle(trees)  # this half's failure is the one to report
+            raise
+        try:
             trees.result()
+        except DraftUnavailable as err:  # no tree side for them now: this half drafts them alone meanwhile
+            failed = err.seq_ids or [r.seq_id for r in reqs]
+            log.log(logging.DEBUG if self._here_only else logging.WARNING, "the tree-building draft cannot take "
+                    "sequences %s (%s): drafted beside the target, without trees, until it can", failed, err)
+            self._here_only.update(failed)
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
-        lost = self.trees.lost([r.seq_id for r in reqs])
-        if lost:  # the tree side lost them (restarted, a worker died): the engine re-prefills them on both halves
-            raise DraftUnavailable(f"the tree-building draft lost sequences {lost}", lost)
+        lost = self._lost([r.seq_id for r in reqs])
+        if lost:  # the tree side lost them (restarted, a worker died) or can take them back: the engine
+            raise DraftUnavailable(f"the tree-building draft lost sequences {lost}", lost)  # re-prefills both halves
         observed, self._unobserved = self._unobserved, []
         proposals = self.jit.call(self._observe_then_draft, (observed, reqs))
         self._unsent += [_as_outcome(r, p) for r, p in zip(reqs, proposals)]
@@ -75,9 +93,12 @@ class SplitDraftBackend:
             self._flush([])
         return proposals
 
-    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> "_TreeSideDrafts":
+    def start_jit_draft(self, reqs: list[JitDraftRequest]) -> "_TreeSideDrafts | DraftLater":
         """The tree side drafts these while the engine verifies others (two cohorts in flight); the thread's
-        worker learns them as outcomes before its next draft."""
+        worker learns them as outcomes before its next draft. Sequences held here alone are drafted here,
+        when taken."""
+        if self._here_only.intersection(r.seq_id for r in reqs):
+            return DraftLater(self.jit_draft, reqs)
         self._flush([])  # the tree side drafts after every outcome before these
         return _TreeSideDrafts(self, reqs, self.trees.start_jit_draft(reqs))
 
@@ -123,13 +144,24 @@ class SplitDraftBackend:
         for outcomes in rounds:  # in order: a later round's outcome of a sequence needs the earlier one
             self.jit.worker.observe(outcomes)
 
+    def _lost(self, seq_ids: list[int]) -> list[int]:
+        """Those to prefill again: lost by the tree side, or held here alone while it accepts sequences."""
+        if not self._here_only:
+            return self.trees.lost(seq_ids)
+        here = [sid for sid in seq_ids if sid in self._here_only]
+        lost = self.trees.lost([sid for sid in seq_ids if sid not in self._here_only])
+        return lost + here if here and self.trees.accepting() else lost
+
     def _forget(self, seq_ids: list[int]) -> None:
         self._unobserved, self._deferred = _without(self._unobserved, seq_ids), _without(self._deferred, seq_ids)
+        self._here_only.difference_update(seq_ids)
 
     def _flush(self, outcomes: list[Outcome]) -> None:
         """One message: the tree side then builds this round's trees, drafted or cached, in one batch. A round
         that wants no tree is kept back (up to MAX_DEFERRED rounds) and goes with the next that does."""
         batch, self._unsent = self._unsent + outcomes, []
+        if self._here_only:  # the tree side does not hold them
+            batch = [o for o in batch if o.seq_id not in self._here_only]
         if batch and all(o.skip_tree for o in batch) and len(self._deferred) < MAX_DEFERRED:
             self._deferred.append(batch)
             return
@@ -153,6 +185,14 @@ class _TreeSideDrafts:
         proposals = self._pending.result()
         self._split.learn_drafted(self._reqs, proposals)
         return proposals
+
+
+def _settle(pending) -> None:
+    """Wait for pending work whose outcome no longer matters (its failure is logged, not raised)."""
+    try:
+        pending.result()
+    except Exception as exc:  # noqa: BLE001 - the caller reports another failure
+        log.info("the tree side's part failed too: %s", exc)
 
 
 def _without(rounds: list[list[Outcome]], seq_ids: list[int]) -> list[list[Outcome]]:
