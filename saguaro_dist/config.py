@@ -12,6 +12,8 @@ class Mode(str, enum.Enum):
     AR = "ar"    # plain autoregressive decoding with the target alone
     SD = "sd"    # speculative decoding: draft K tokens, then verify (sequential)
     SSD = "ssd"  # speculative speculative decoding: the draft prepares the next round while the target verifies
+    NGRAM = "ngram"  # prompt lookup (vLLM's "ngram" method): K tokens that followed the sequence's last n-gram before
+                     # in its own text, no draft model; a baseline for the speculative modes, and a fit for copy-heavy text
 
 
 class FanOut(str, enum.Enum):
@@ -162,8 +164,11 @@ class Config:
     def _validate(self):
         if not isinstance(self.k, int) or self.k < 1:
             raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
-        if self.mode is not Mode.AR and not self.draft:
+        if self.uses_draft and not self.draft:
             raise ValueError(f"mode {self.mode.value!r} needs a draft model (draft=...)")
+        if self.mode is Mode.NGRAM and self.draft:
+            raise ValueError("mode 'ngram' proposes from each sequence's own tokens and takes no draft model: drop "
+                             "draft=..., or choose mode 'sd' / 'ssd'")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer.strip()):
             raise ValueError(f"tokenizer must be a folder or a Hugging Face id, got {self.tokenizer!r}")
         for name in ("revision", "draft_revision", "tokenizer_revision"):
@@ -209,6 +214,11 @@ class Config:
         check_device(self.device)
         if self.draft_device is not None:
             check_device(self.draft_device, "draft_device")
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether the mode runs a draft model (SD, SSD)."""
+        return self.mode in (Mode.SD, Mode.SSD)
 
     @property
     def draft_device_resolved(self) -> str:

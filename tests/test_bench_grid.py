@@ -21,7 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def tiny_config(pair, tmp_path, **kw) -> BenchConfig:
-    base = dict(target=pair[0], draft=pair[1], systems=("ar", "sd", "ssd", "hf", "hf-assisted"), settings=("paper",),
+    base = dict(target=pair[0], draft=pair[1], systems=("ar", "sd", "ngram", "ssd", "hf", "hf-assisted"), settings=("paper",),
                 batch_sizes=(1, 2), temperatures=(0.0, 0.7), max_new_tokens=8, prompt_len=6, k=2, fan_out=6,
                 num_prompts=2, out_dir=str(tmp_path))
     return BenchConfig(**{**base, **kw})
@@ -34,12 +34,12 @@ def grid(tiny_llama_pair, tmp_path_factory):
 
 def test_grid_cells_cover_the_grid_with_the_schema(grid):
     assert grid["kind"] == "grid" and grid["schema"] == 1
-    assert len(grid["cells"]) == 5 * 2 * 2
+    assert len(grid["cells"]) == 6 * 2 * 2
     for cell in grid["cells"]:
         assert CELL_KEYS <= set(cell), CELL_KEYS - set(cell)
         assert cell["prompts"] == 2 and cell["tokens"] == 8 * 2  # every batch size runs the same two prompts
         assert cell["tokens_per_s"] > 0 and cell["tokens_per_s_per_core"] == cell["tokens_per_s"] / cell["cores"]
-    assert set(grid["placements"]) == {f"paper/{s}" for s in ("ar", "sd", "ssd", "hf", "hf-assisted")}
+    assert set(grid["placements"]) == {f"paper/{s}" for s in ("ar", "sd", "ngram", "ssd", "hf", "hf-assisted")}
 
 
 def test_greedy_outputs_match_ours_ar_and_ssd_cells_carry_theorem7(grid):

@@ -150,3 +150,14 @@ def test_draft_device_chunk_budget_and_eager_flags_reach_the_config():
     assert (defaults.enforce_eager, defaults.gpu_memory_utilization) == (False, 0.9)
     pinned = Config(**engine_args(parser.parse_args(["--revision", "v1.0", "--draft-revision", "abc123"])))
     assert (pinned.revision, pinned.draft_revision) == ("v1.0", "abc123")
+
+
+def test_generate_with_ngram_needs_no_draft_and_matches_ar(serving_pair, capsys):
+    target, _ = serving_pair
+    texts = {}
+    for mode in ("ar", "ngram"):
+        code = main(["generate", target, "--mode", mode, "--k", "3", "--max-model-len", "256",
+                     "--prompt", "the cat sat", "--max-tokens", "12", "--json"])
+        assert code == 0
+        texts[mode] = json.loads(capsys.readouterr().out)["text"]
+    assert texts["ngram"] == texts["ar"]

@@ -42,6 +42,7 @@ def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "k must be"), (dict(fan_out=3, k=4), "fan_out budget"), (dict(fan_out=[1, 2], k=4), "k\\+1"),
     (dict(saguaro_c=1.5), "saguaro_c"), (dict(proposal_top_k=-1), "proposal_top_k"), (dict(jit_cohorts=3), "jit_cohorts"), (dict(jit_cohorts=True), "jit_cohorts"), (dict(tree_policy="sometimes"), "tree_policy"), (dict(proposal_top_k=2.0), "proposal_top_k"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
+    (dict(mode="ngram"), "takes no draft model"),
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
     (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(mode="sd", draft_executor="split"), "splits SSD's draft"), (dict(cluster="local", draft_executor="thread"), "one-host only"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
     (dict(device="tpu"), "device must be"), (dict(device="cuda:x"), "device must be"), (dict(device=0), "device must be"),
@@ -135,3 +136,9 @@ def test_a_cpu_draft_pool_can_serve_a_gpu_target():
     assert (draft_options(config, {})["num_gpus"], draft_options(config, {})["num_cpus"]) == (0, 1)
     same = Config(model="m", draft="d", device="cuda")
     assert (draft_options(same, {})["num_gpus"], draft_options(same, {})["num_cpus"]) == (1, 0)
+
+
+def test_ngram_runs_without_a_draft_model():
+    config = Config(model="m", mode="ngram")
+    assert config.mode is Mode.NGRAM and not config.uses_draft
+    assert Config(model="m", draft="d", mode="sd").uses_draft and Config(model="m", draft="d").uses_draft

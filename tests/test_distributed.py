@@ -110,6 +110,12 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     assert ray.available_resources().get("CPU") == before, "actors or placement groups were left behind"
 
 
+def test_ngram_on_ray_matches_ar_and_starts_no_draft_actor(ray_cluster, pair):
+    with LLM(model=pair["target"], mode="ngram", k=3, cluster="auto", max_batch_size=4) as llm:
+        check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+        assert llm._thread.deployment.drafts == [] and llm.metrics.accepted_tokens > 0
+
+
 def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
     with cluster_llm(pair, num_draft_workers=1) as llm:
         results = [None] * len(PROMPTS)

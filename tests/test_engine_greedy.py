@@ -37,7 +37,7 @@ def reference(pair):
 def run(pair, batch: int, **kwargs) -> list[list[int]]:
     """Variants run the draft on a thread (no child start-up per test): the DraftWorker and the round
     loop are the same whatever carries their messages; test_draft_process_matches_ar covers the process."""
-    draft = pair[kwargs.pop("draft", "close")] if kwargs.get("mode", "ssd") != "ar" else None
+    draft = pair[kwargs.pop("draft", "close")] if kwargs.get("mode", "ssd") not in ("ar", "ngram") else None
     kwargs.setdefault("draft_executor", "thread")
     with LLM(device=DEVICE, model=pair["target"], draft=draft, max_batch_size=batch, **kwargs) as llm:
         return [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
@@ -55,6 +55,17 @@ def test_ar_matches_transformers_generate(pair, reference):
 @pytest.mark.parametrize("batch", [1, 4])
 def test_sd_matches_ar(pair, reference, batch):
     check(pair, reference, run(pair, batch=batch, mode="sd", k=3))
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_ngram_matches_ar_and_its_proposals_are_taken(pair, reference, batch):
+    """Prompt lookup: no draft model; what it proposes is verified as a draft's, and accepted where the
+    text repeats itself (a prompt that repeats, and this tiny model's greedy loops)."""
+    with LLM(device=DEVICE, model=pair["target"], mode="ngram", k=3, max_batch_size=batch) as llm:
+        outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
+        m = llm.metrics
+    check(pair, reference, [o.token_ids for o in outs])
+    assert m.drafted_tokens > 0 and m.accepted_tokens > 0, m
 
 
 SSD_VARIANTS = {
@@ -99,7 +110,7 @@ def test_trees_later_than_the_timeout_are_counted_and_said_once(pair, reference,
     assert len(warnings) == 1, warnings
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
 def test_chunked_forwards_match_ar(pair, reference, mode):
     """max_num_batched_tokens = 6 at batch 4: every prefill, verify and glue forward runs in chunks of
     one token a sequence, and the tokens stay the target's."""
@@ -320,19 +331,19 @@ def test_stop_token_ids_end_a_request_like_eos(pair, reference, mode):
     round that ran past it gives back nothing after it."""
     stop = reference[0][5]
     want = reference[0][:reference[0].index(stop) + 1]
-    draft = None if mode == "ar" else pair["close"]
+    draft = None if mode in ("ar", "ngram") else pair["close"]
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, draft_executor="thread") as llm:
         out = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=replace(GREEDY, stop_token_ids=[stop]))[0]
     assert out.token_ids == want and out.finish_reason == "stop"
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
 def test_min_tokens_holds_back_the_end_as_transformers_min_new_tokens(pair, mode):
     """min_tokens masks EOS and stop_token_ids in the target's distribution until that many tokens are
     out, in every path (verify rows past the minimum included): the same tokens as transformers'
     generate with min_new_tokens and that end token as EOS."""
     stop, minimum = reference_end(pair)
-    draft = None if mode == "ar" else pair["close"]
+    draft = None if mode in ("ar", "ngram") else pair["close"]
     params = replace(GREEDY, max_tokens=16, ignore_eos=False, min_tokens=minimum, stop_token_ids=[stop])
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
         got = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=params)[0].token_ids
@@ -352,12 +363,12 @@ def reference_end(pair) -> tuple[int, int]:
     return reference_tokens(pair)[2], 8
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
 def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
     """Presence, frequency and repetition penalties change the target's distribution, so the verifier
     must score each speculated position with the counts up to it: every mode gives transformers'
     greedy tokens under the same penalties (and they differ from the unpenalized ones)."""
-    draft = None if mode == "ar" else pair["close"]
+    draft = None if mode in ("ar", "ngram") else pair["close"]
     params = replace(GREEDY, **PENALTIES)
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
@@ -367,12 +378,12 @@ def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
 def test_logit_bias_and_allowed_tokens_follow_transformers_in_every_mode(pair, reference, mode):
     """OpenAI's logit_bias and vLLM's allowed_token_ids change the target's distribution: every mode gives
     transformers' greedy tokens under the same processors, alone and before the penalties (vLLM's order:
     the repetition penalty divides a biased logit), and only allowed tokens come out."""
-    draft = None if mode == "ar" else pair["close"]
+    draft = None if mode in ("ar", "ngram") else pair["close"]
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
         for penalties in (False, True):
             params = replace(GREEDY, **BIAS, **(PENALTIES if penalties else {}))

@@ -108,7 +108,9 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
     EOS is ignored (a grammar's own end is never allowed within 3 tokens here). `max_tokens` (a kwarg)
     generates longer and counts the first 3, for paths that only later rounds take."""
     mode, max_tokens = kwargs.pop("mode", "ssd"), kwargs.pop("max_tokens", 3)
-    if "cluster" not in kwargs:  # (on Ray the drafts are actors: "process", or "split" with a copy beside the target)
+    if mode == "ngram":
+        draft = None  # it proposes from the sequence's own tokens
+    elif "cluster" not in kwargs:  # (on Ray the drafts are actors: "process", or "split" with a copy beside the target)
         kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
     with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         ignore_eos = params.structured_outputs is None
@@ -155,6 +157,8 @@ CASES = {
     # The draft proposes from its 2 likeliest of 6 tokens: any q is exact when the verifier is given it.
     "ssd_proposal_top_k": (dict(k=2, fan_out=6, proposal_top_k=2, fallback="neural", tree_policy="always"), lambda m: m.cache_hits > 0),
     "sd_proposal_top_k": (dict(mode="sd", k=2, proposal_top_k=2), lambda m: m.rounds > 0),
+    # Prompt lookup: deterministic proposals (a one-hot q), no draft model.
+    "ngram": (dict(mode="ngram", k=2), lambda m: m.accepted_tokens > 0),
     "ssd_draft_process": (dict(k=1, fan_out=3, fallback="neural", draft_executor="process", tree_policy="always"),
                           lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
     "ssd_split_draft": (dict(k=1, fan_out=3, fallback="neural", draft_executor="split", tree_policy="always"),
@@ -252,7 +256,7 @@ def test_min_tokens_follows_the_held_back_target(pair):
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 
 
-@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
+@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural", "ngram"])
 def test_penalties_follow_the_penalized_target(pair, case):
     """Each verify row is penalized with the counts of the output before it, speculated tokens included."""
     check_case(pair, case, PARAMS["t1_penalties"])
@@ -301,7 +305,7 @@ def test_the_test_catches_an_ignored_bias(pair, monkeypatch):
     assert p < ALPHA, f"the bias ignored went unnoticed (p = {p:.2e})"
 
 
-@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
+@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural", "ngram"])
 def test_structured_outputs_follow_the_masked_target(pair, case):
     """Verify row t masked by the grammar after the output and x_1..x_t: the joint is the target's
     renormalised over what the regex allows at each step."""

@@ -10,6 +10,7 @@ from saguaro_dist.config import check_device, check_dtype
 SYSTEMS = {
     "ar": "ours, autoregressive (target only)",
     "sd": "ours, speculative decoding (draft just in time, one process)",
+    "ngram": "ours, prompt lookup (mode ngram: K tokens from the sequence's own text, no draft model; vLLM's ngram)",
     "ssd": "ours, SSD one-host (the default split: trees in a child process over a pipe, just-in-time drafts on a thread)",
     "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
@@ -24,10 +25,10 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray", "ssd-ray-process")
+OURS = ("ar", "sd", "ngram", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray", "ssd-ray-process")
 SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray", "ssd-ray-process")
-SPECULATIVE = ("sd", *SSD_SYSTEMS, "hf-assisted")
-ONE_PROCESS = ("ar", "hf", "sd", "hf-assisted")  # target (and draft) on one thread of the bench process
+SPECULATIVE = ("sd", "ngram", *SSD_SYSTEMS, "hf-assisted")
+ONE_PROCESS = ("ar", "hf", "sd", "ngram", "hf-assisted")  # target (and draft) on one thread of the bench process
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Placement:
 def placement(system: str, setting: str, cores: int = 2) -> Placement:
     """Thread counts and the process layout of `system` under `setting` on a `cores`-core host."""
     one = 1 if setting == "paper" else cores
-    if system in ("ar", "hf"):
+    if system in ("ar", "hf", "ngram"):
         return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
     if system in ("sd", "hf-assisted"):
         return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")

@@ -86,7 +86,7 @@ class OursSystem:
         # second on (not transformers'), so it is off here, as in the runs before it existed.
         kwargs = {"enable_prefix_caching": False, **self.engine_kwargs,
                   **({"tree_policy": "always"} if self.name == "ssd-trees" else {})}
-        self.llm = LLM(model=self.target, draft=None if mode == "ar" else self.draft, mode=mode, draft_executor=executor,
+        self.llm = LLM(model=self.target, draft=None if mode in ("ar", "ngram") else self.draft, mode=mode, draft_executor=executor,
                        cluster="local" if self.name.startswith("ssd-ray") else None, target_threads=place.target_threads,
                        draft_threads=place.draft_threads, **kwargs)
         self.threads = place.target_threads

@@ -52,7 +52,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-revision", help="the draft's Hub revision")
     g.add_argument("--tokenizer", help="a tokenizer (folder or HF id) used instead of the target's own (vLLM's)")
     g.add_argument("--tokenizer-revision", help="the tokenizer's Hub revision")
-    g.add_argument("--mode", choices=[m.value for m in Mode], help="ar, sd or ssd (default ssd; ar without draft)")
+    g.add_argument("--mode", choices=[m.value for m in Mode], help="ar, sd, ssd or ngram (prompt lookup, no draft) (default ssd; ar without draft)")
     g.add_argument("--k", type=int, help="speculation length K (default 4)")
     g.add_argument("--fan-out", type=fan_out_arg, help="branch budget B, or K+1 comma-separated counts")
     g.add_argument("--fan-out-kind", choices=[f.value for f in FanOut])
@@ -124,7 +124,7 @@ def with_default_model(args: dict) -> dict:
     """No model given: the shipped demo pair, like `vllm serve` needs no flags for a first try."""
     if args.get("model"):
         if not args.get("draft") and "mode" not in args:
-            args["mode"] = Mode.AR.value  # a lone target can only decode autoregressively
+            args["mode"] = Mode.AR.value  # a lone target: autoregressive, unless --mode ngram
         return args
     try:
         from saguaro_dist.demo import demo_pair
@@ -177,10 +177,9 @@ def check_pair_here(config) -> None:
     folders on this machine; otherwise the replica finds it (with --address they may live on the cluster only)."""
     from pathlib import Path
 
-    from saguaro_dist.config import Mode
     from saguaro_dist.engine.build import fit_draft, target_tokenizer
     local = (config.model, config.draft, config.tokenizer or config.model)
-    if config.mode is not Mode.AR and all(Path(p).expanduser().is_dir() for p in local):
+    if config.uses_draft and all(Path(p).expanduser().is_dir() for p in local):
         fit_draft(config, target_tokenizer(config))
 
 

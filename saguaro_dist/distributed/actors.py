@@ -13,7 +13,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from saguaro_dist.config import Config, Mode
+from saguaro_dist.config import Config
 from saguaro_dist.distributed.draft_service import default_bind_host, format_address, local_address, serve_draft
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
@@ -121,7 +121,7 @@ class TargetRank:
         from saguaro_dist.engine.engine import Engine
         from saguaro_dist.engine.loop_thread import EngineThread
         tokenizer = target_tokenizer(self.config)
-        backend = self._draft_side(draft_addresses, fit, revive) if self.config.mode is not Mode.AR else None
+        backend = self._draft_side(draft_addresses, fit, revive) if self.config.uses_draft else None
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,

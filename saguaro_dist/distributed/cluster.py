@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from saguaro_dist.config import Config, Mode
+from saguaro_dist.config import Config
 from saguaro_dist.distributed.actors import DraftActor, TargetRank
 from saguaro_dist.distributed.placement import (draft_options, engine_needs, rank_strategy, shortfall, target_bundle,
                                                  target_placement)
@@ -92,7 +92,7 @@ def wait_dead(actors: list, timeout_s: float = 10.0) -> None:
 
 
 def start_drafts(config: Config, resources: dict, fit) -> list:
-    if config.mode is Mode.AR:
+    if not config.uses_draft:
         return []
     actor = ray.remote(DraftActor).options(**draft_options(config, resources), max_restarts=DRAFT_MAX_RESTARTS)
     return [actor.remote(config, fit) for _ in range(config.num_draft_workers)]
@@ -111,7 +111,7 @@ def build_cluster_engine(config: Config):
     """Start the actors and the engine on rank 0; returns (RemoteEngine, tokenizer)."""
     from saguaro_dist.engine.build import fit_draft, target_tokenizer
     tokenizer = target_tokenizer(config)
-    fit = fit_draft(config, tokenizer) if config.mode is not Mode.AR else None  # a bad pair fails before Ray starts
+    fit = fit_draft(config, tokenizer) if config.uses_draft else None  # a bad pair fails before Ray starts
     needed = config.tensor_parallel_size + config.num_draft_workers + 1
     deployment = Deployment(started_ray=connect(config.cluster, needed))
     deadline = time.monotonic() + config.startup_timeout_s

@@ -12,7 +12,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from saguaro_dist.config import Config, Mode
+from saguaro_dist.config import Config
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 
 
@@ -45,7 +45,7 @@ def engine_needs(config: Config, cluster_resources: dict) -> dict:
     num_draft_workers draft workers (Ray's names: CPU, GPU, custom ones)."""
     need = Counter({name: amount * config.tensor_parallel_size
                     for name, amount in target_bundle(config, cluster_resources).items()})
-    if config.mode is not Mode.AR:
+    if config.uses_draft:
         opts = draft_options(config, cluster_resources)
         draft = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
         need.update({name: amount * config.num_draft_workers for name, amount in draft.items()})

@@ -161,7 +161,7 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
     if config.target_threads:
         torch.set_num_threads(config.target_threads)
     tokenizer = target_tokenizer(config)
-    fit = fit_draft(config, tokenizer) if config.mode is not Mode.AR else None
+    fit = fit_draft(config, tokenizer) if config.uses_draft else None
     target = make_runner(config.model, config, revision=config.revision)
     backend = build_local_draft(config, fit) if fit else None
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer)), tokenizer

@@ -58,6 +58,39 @@ class ARLoop:
         pass
 
 
+def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list[Sequence]) -> list[list[int]]:
+    """One target pass over every sequence's speculation: the tokens each gains (accepted, then the bonus)."""
+    start = time.perf_counter()
+    accepted, bonus = target.verify(seqs)
+    metrics.verify_s += time.perf_counter() - start
+    gained = []
+    for s, k, t in zip(seqs, accepted, bonus):
+        s.metrics.record_round(drafted=len(s.speculation.tokens), accepted=k)
+        metrics.drafted_tokens += len(s.speculation.tokens)
+        metrics.accepted_tokens += k
+        gained.append(s.speculation.tokens[:k].tolist() + [t])
+        s.last_outcome = (k, t)
+    return gained
+
+
+class NgramLoop(ARLoop):
+    """Prompt lookup (vLLM's "ngram" method): each round proposes the K tokens that followed the latest
+    earlier occurrence of the sequence's last n-gram (spec.ngram_proposal, SSD's fast backup), no draft
+    model. A deterministic proposal is a one-hot q, so the verification is exact as for any draft."""
+
+    def __init__(self, target: TargetScorer, metrics: EngineMetrics, config: Config):
+        super().__init__(target, metrics)
+        self.k = config.k
+
+    def prepare(self, seqs):
+        for s in seqs:
+            s.speculation = Proposal(torch.tensor(ngram_proposal(s.tokens, self.k), dtype=torch.long), None)
+            s.speculation_kind = ProposalSource.FAST
+
+    def verify(self, seqs):
+        return verify_speculations(self.target, self.metrics, seqs)
+
+
 class SDLoop(ARLoop):
     """Speculative decoding: the draft drafts K tokens just in time, then the target verifies."""
 
@@ -115,16 +148,7 @@ class SDLoop(ARLoop):
         self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def verify(self, seqs):
-        start = time.perf_counter()
-        accepted, bonus = self.target.verify(seqs)
-        self.metrics.verify_s += time.perf_counter() - start
-        gained = []
-        for s, k, t in zip(seqs, accepted, bonus):
-            s.metrics.record_round(drafted=len(s.speculation.tokens), accepted=k)
-            self.metrics.drafted_tokens += len(s.speculation.tokens)
-            self.metrics.accepted_tokens += k
-            gained.append(s.speculation.tokens[:k].tolist() + [t])
-            s.last_outcome = (k, t)
+        gained = verify_speculations(self.target, self.metrics, seqs)
         if self._drafted_this_round:
             self.metrics.jit_round_tokens += sum(map(len, gained))
         return gained
@@ -469,5 +493,6 @@ def build_loop(config: Config, target: TargetScorer, draft, metrics: EngineMetri
         Mode.AR: lambda: ARLoop(target, metrics),
         Mode.SD: lambda: SDLoop(target, draft, metrics, config),
         Mode.SSD: lambda: SSDLoop(target, draft, metrics, config),
+        Mode.NGRAM: lambda: NgramLoop(target, metrics, config),
     }
     return loops[config.mode]()
