@@ -34,6 +34,7 @@ SETTINGS = {
                                                scheduling_policy="priority"),
     "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain", head_cpu="1", head_memory="2Gi",
                                    generation_config="vllm", chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}"),
+    "ngram-default-draft-unused": k8s.K8sSettings(mode="ngram", name="lookup", draft_revision="abc"),
 }
 
 

@@ -29,6 +29,7 @@ SETTINGS = {
     "autoscaling-fanout-list": k8s.K8sSettings(gpu=True, k=3, fan_out=(4, 3, 2, 1), draft_max_workers=5,
                                                autoscaling=True, mode="sd", fallback="fast", dtype="float16"),
     "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain"),
+    "ngram-default-draft-unused": k8s.K8sSettings(mode="ngram", name="lookup"),
 }
 
 
@@ -163,13 +164,16 @@ def test_worker_groups_advertise_what_placement_asks_for(key):
     RESOURCE_PER_ACTOR of DRAFT_RESOURCE: the one target pod holds all tp ranks, a draft pod one worker."""
     s = SETTINGS[key]
     for obj in (k8s.rayservice(s), k8s.raycluster(s)):
-        target, draft = group(obj, "target"), group(obj, "draft")
-        assert advertised(target) == {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR}
-        assert advertised(draft) == {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}
-        assert target["replicas"] == 1 and draft["replicas"] == s.draft_workers
-        assert draft["maxReplicas"] >= s.draft_workers
+        target = group(obj, "target")
+        assert advertised(target) == {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR} and target["replicas"] == 1
         gpus = target["template"]["spec"]["containers"][0]["resources"]["limits"].get(k8s.GPU_RESOURCE, 0)
         assert gpus == (s.tp if s.gpu else 0)
+        if not s.uses_draft:  # ar, ngram: no draft pods to pay for
+            assert [g["groupName"] for g in obj["spec"].get("rayClusterConfig", obj["spec"])["workerGroupSpecs"]] == ["target"]
+            continue
+        draft = group(obj, "draft")
+        assert advertised(draft) == {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}
+        assert draft["replicas"] == s.draft_workers and draft["maxReplicas"] >= s.draft_workers
 
 
 def test_head_runs_no_work():
@@ -277,3 +281,10 @@ def test_a_batch_job_runs_run_batch_against_the_rayservice(capsys):
 def test_cli_rejects_bad_settings(capsys, argv, message):
     assert main(["deploy", "k8s", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_modes_without_a_draft_send_no_draft_to_the_engine():
+    """ngram with the generator's default draft: the app args carry no draft (ngram would reject one)."""
+    args = k8s.serve_args(SETTINGS["ngram-default-draft-unused"])
+    assert args["mode"] == "ngram" and "draft" not in args and "draft_revision" not in args
+    assert not config_from_args(args).uses_draft

@@ -27,12 +27,13 @@ def register(subparsers) -> None:
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=DEFAULTS.name, help="RayService name (and prefix of its Services)")
     parser.add_argument("--model", default=DEFAULTS.model, help="target model: HF id or a path under /models")
-    parser.add_argument("--draft", default=DEFAULTS.draft, help="draft model (none with --mode ar)")
+    parser.add_argument("--draft", default=DEFAULTS.draft, help="draft model (unused with --mode ar or ngram)")
     parser.add_argument("--revision", help="the target's Hub revision: a branch, tag or commit (default main)")
     parser.add_argument("--draft-revision", help="the draft's Hub revision")
     parser.add_argument("--tokenizer", help="a tokenizer (HF id or a path under /models) instead of the target's own")
     parser.add_argument("--tokenizer-revision", help="the tokenizer's Hub revision")
-    parser.add_argument("--mode", default=DEFAULTS.mode, choices=["ar", "sd", "ssd"])
+    parser.add_argument("--mode", default=DEFAULTS.mode, choices=["ar", "sd", "ssd", "ngram"],
+                        help="ar and ngram run no draft: no draft pods, --draft unused")
     parser.add_argument("--k", type=int, default=DEFAULTS.k, help="speculation length K")
     parser.add_argument("--fan-out", type=_fan_out, default=DEFAULTS.fan_out,
                         help="branch budget B, or K+1 comma-separated fan-outs F_0,...,F_K")

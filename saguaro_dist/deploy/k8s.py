@@ -110,12 +110,18 @@ class K8sSettings:
     def draft_max(self) -> int:
         return self.draft_max_workers or self.draft_workers
 
+    @property
+    def uses_draft(self) -> bool:
+        """Whether the mode runs a draft model: without one (ar, ngram) no draft pods, no draft args."""
+        return self.mode in (Mode.SD.value, Mode.SSD.value)
+
 
 # ---- Serve application ----------------------------------------------------------------------
 
 def serve_args(s: K8sSettings) -> dict:
     """The app args of serveConfigV2; saguaro_dist.serve.args.config_from_args parses them."""
-    args = {"model": s.model, "draft": s.draft, "revision": s.revision, "draft_revision": s.draft_revision,
+    draft, draft_revision = (s.draft, s.draft_revision) if s.uses_draft else (None, None)
+    args = {"model": s.model, "draft": draft, "revision": s.revision, "draft_revision": draft_revision,
             "tokenizer": s.tokenizer, "tokenizer_revision": s.tokenizer_revision,
             "mode": s.mode, "k": s.k,
             "fan_out": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
@@ -266,7 +272,8 @@ def draft_group(s: K8sSettings) -> dict:
 
 def ray_cluster_spec(s: K8sSettings) -> dict:
     spec = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": s.autoscaling,
-            "headGroupSpec": head_group(s), "workerGroupSpecs": [target_group(s), draft_group(s)]}
+            "headGroupSpec": head_group(s),
+            "workerGroupSpecs": [target_group(s), draft_group(s)] if s.uses_draft else [target_group(s)]}
     if s.autoscaling:
         spec["autoscalerOptions"] = {"upscalingMode": "Default", "idleTimeoutSeconds": s.idle_timeout_s}
     return spec

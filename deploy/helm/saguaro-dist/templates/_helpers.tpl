@@ -37,7 +37,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* The Serve config (ray.serve.schema.ServeDeploySchema); args parse with saguaro_dist.serve.args. */}}
 {{- define "saguaro.serveConfig" -}}
 {{- $args := dict "model" .Values.model.target "mode" .Values.speculation.mode "k" (int .Values.speculation.k) -}}
-{{- if .Values.model.draft }}{{ $_ := set $args "draft" .Values.model.draft }}{{ end -}}
+{{- $usesDraft := has .Values.speculation.mode (list "sd" "ssd") -}}
+{{- if and $usesDraft .Values.model.draft }}{{ $_ := set $args "draft" .Values.model.draft }}{{ end -}}
 {{- $_ := set $args "fan_out" .Values.speculation.fanOut -}}
 {{- $_ := set $args "saguaro_c" .Values.speculation.saguaroC -}}
 {{- $_ := set $args "fallback" .Values.speculation.fallback -}}
@@ -50,7 +51,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $args "dtype" (include "saguaro.dtype" .) -}}
 {{- $_ := set $args "api_key_env" "SAGUARO_API_KEY" -}}
 {{- if .Values.model.revision }}{{ $_ := set $args "revision" .Values.model.revision }}{{ end -}}
-{{- if .Values.model.draftRevision }}{{ $_ := set $args "draft_revision" .Values.model.draftRevision }}{{ end -}}
+{{- if and $usesDraft .Values.model.draftRevision }}{{ $_ := set $args "draft_revision" .Values.model.draftRevision }}{{ end -}}
 {{- if .Values.model.tokenizer }}{{ $_ := set $args "tokenizer" .Values.model.tokenizer }}{{ end -}}
 {{- if .Values.model.tokenizerRevision }}{{ $_ := set $args "tokenizer_revision" .Values.model.tokenizerRevision }}{{ end -}}
 {{- if .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" .Values.model.servedModelName }}{{ end -}}
@@ -147,7 +148,7 @@ rayStartParams:
 template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nindent 2 }}
 {{- end -}}
 
-{{/* The Ray cluster: a head that runs no work, the target group, the draft group. */}}
+{{/* The Ray cluster: a head that runs no work, the target group, the draft group (modes with a draft). */}}
 {{- define "saguaro.rayClusterSpec" -}}
 {{- $v := .Values -}}
 {{- $gpu := eq (include "saguaro.gpu" .) "true" -}}
@@ -168,5 +169,7 @@ headGroupSpec:
   template: {{- include "saguaro.podTemplate" (dict "root" . "cpu" $v.head.resources.cpu "memory" $v.head.resources.memory "gpus" 0 "head" true) | nindent 4 }}
 workerGroupSpecs:
   - {{ include "saguaro.workerGroup" (dict "root" . "name" "target" "resource" "saguaro_target" "amount" $tp "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1) | nindent 4 | trim }}
+{{- if has $v.speculation.mode (list "sd" "ssd") }}
   - {{ include "saguaro.workerGroup" (dict "root" . "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" (int (include "saguaro.draftMax" .))) | nindent 4 | trim }}
+{{- end }}
 {{- end -}}
