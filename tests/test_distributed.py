@@ -56,6 +56,14 @@ def wait_idle_load(llm: LLM, within_s: float = 10.0):
     return load
 
 
+def wait_for_load(llm: LLM, condition, within_s: float = 10.0) -> bool:
+    """Whether the engine's load (as of its last poll) meets condition within within_s."""
+    deadline = time.time() + within_s
+    while not condition(llm.load) and time.time() < deadline:
+        time.sleep(0.05)
+    return condition(llm.load)
+
+
 def grpc_port_closed(address: str, within_s: float = 10.0) -> bool:
     host, port = address.rsplit(":", 1)
     deadline = time.time() + within_s
@@ -190,6 +198,7 @@ def test_a_restarted_draft_actor_rejoins_the_pool(ray_cluster, pair, executor):
                 break
             assert time.time() < deadline, "no tree came back from the restarted draft actor"
             time.sleep(0.2)
+        assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (1, 1))
 
 
 def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_cluster, pair):
@@ -203,6 +212,7 @@ def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_clus
         fallbacks = sum(llm.metrics.fallbacks.values())
         check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
         assert sum(llm.metrics.fallbacks.values()) == fallbacks
+        assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (0, 1))
 
 
 def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair):

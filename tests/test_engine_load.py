@@ -29,7 +29,8 @@ def test_load_counts_what_the_target_pool_really_holds(tiny_llama_pair, mode):
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for i, prompt in enumerate(PROMPTS):
             engine.add(Sequence(i, f"r{i}", prompt, params))
-        assert engine.load() == EngineLoad(0, 3, 0, 2 * engine.max_model_len)
+        drafts = (0, 0) if mode == "ar" else (1, 1)  # a draft thread: one worker, live
+        assert engine.load() == EngineLoad(0, 3, 0, 2 * engine.max_model_len, *drafts)
         engine.step()
         first = engine.load()
         assert (first.num_running, first.num_waiting) == (2, 1) and first.kv_cache_tokens >= 3 + 4  # the prompts' KV
@@ -38,7 +39,7 @@ def test_load_counts_what_the_target_pool_really_holds(tiny_llama_pair, mode):
             held = sum(engine.target.runner.length(s.seq_id) for s in engine.running)
             assert load.kv_cache_tokens == held and load.num_running + load.num_waiting <= 3
             engine.step()
-        assert engine.load() == EngineLoad(0, 0, 0, 2 * engine.max_model_len)
+        assert engine.load() == EngineLoad(0, 0, 0, 2 * engine.max_model_len, *drafts)
     finally:
         engine.close()
 

@@ -85,7 +85,8 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
 
 def gauges(url: str, model: str) -> dict[str, float]:
     """This app's engine gauges: name -> value (every replica's, summed)."""
-    names = {PREFIX + n for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")}
+    names = {PREFIX + n for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                                  "draft_workers_live", "draft_workers")}
     found: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
         for sample in family.samples:
@@ -105,8 +106,9 @@ def test_the_engine_gauges_are_exported_and_idle_after_the_work(server, metrics_
     parts = sum(metric(delta, f"{name}_seconds_total") for name in ("verify", "draft_wait", "prefill"))
     assert metric(delta, "round_seconds_total") >= parts * 0.999  # coordination: the rest of the step
     deadline, found = time.monotonic() + 30, {}
-    while time.monotonic() < deadline and (len(found) < 3 or any(found.values())):
+    idle = {PREFIX + "num_requests_running": 0.0, PREFIX + "num_requests_waiting": 0.0, PREFIX + "kv_cache_usage_perc": 0.0,
+            PREFIX + "draft_workers_live": 1.0, PREFIX + "draft_workers": 1.0}  # ssd: one draft, alive
+    while time.monotonic() < deadline and found != idle:
         time.sleep(0.5)
         found = gauges(metrics_url, server.model)
-    assert found == {PREFIX + "num_requests_running": 0.0, PREFIX + "num_requests_waiting": 0.0,
-                     PREFIX + "kv_cache_usage_perc": 0.0}
+    assert found == idle

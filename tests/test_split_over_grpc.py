@@ -110,7 +110,7 @@ def test_without_a_live_worker_the_copy_drafts_alone_then_the_revived_worker_bui
         with pytest.raises(DraftUnavailable):
             split.jit_draft([JitDraftRequest(1, 1, 0, 5, skip_tree=True)])
         split.prefill(again)  # the engine's re-prefill: no live worker, so the local copy holds it alone
-        assert not split.trees.accepting()
+        assert not split.trees.accepting() and split.workers() == (0, 1)
         seen_all = LocalDraftBackend(build_draft_worker(config))
         seen_all.prefill(again)
         for r, bonus in enumerate((tokens[-1], 11, 3)):  # drafted here, rounds with and without a tree wanted
@@ -120,6 +120,7 @@ def test_without_a_live_worker_the_copy_drafts_alone_then_the_revived_worker_bui
         assert split.wait_trees([(1, 2)], 0.5) == {}  # no tree side holds it: nothing to wait for
         revived.set()
         _wait_for(split.trees.accepting)
+        assert split.workers() == (1, 1)
         with pytest.raises(DraftUnavailable) as info:  # the tree side takes sequences again: rejoin it
             split.jit_draft([JitDraftRequest(1, 3, 0, 7)])
         assert info.value.seq_ids == [1]

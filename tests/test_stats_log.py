@@ -19,6 +19,10 @@ def test_the_line_reports_the_interval_not_the_totals():
     assert line == ("Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 100.0 tokens/s, Running: 3 reqs, "
                     "Waiting: 2 reqs, KV cache usage: 12.3%, Prefix cache hit rate: 75.0%, Speculation: acceptance 75.0%, tokens per step 5.00, "
                     "tree hit rate 75.0%, fallbacks {'fast': 2, 'neural': 1}")
+    all_up = EngineLoad(3, 2, 123, 1000, draft_workers_live=2, draft_workers=2)
+    assert stats.line(now, all_up, seconds=2.0) == line
+    one_down = EngineLoad(3, 2, 123, 1000, draft_workers_live=1, draft_workers=2)
+    assert stats.line(now, one_down, seconds=2.0) == line + ", draft workers live: 1 of 2"
 
 
 def test_the_engine_logs_while_it_works_and_not_when_told_not_to(tiny_llama_pair, caplog):

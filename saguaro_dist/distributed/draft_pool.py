@@ -165,6 +165,11 @@ class DraftPool:
         for i in self._live():
             self.backends[i].reset_prefix_cache(msg)
 
+    def workers(self) -> tuple[int, int]:
+        """(in placement, all): a dead worker counts from when the pool marks it, a revived one from when it
+        is taken back (both at the latest by the next prefill)."""
+        return len(self.backends) - len(self.dead), len(self.backends)
+
     def close(self) -> None:
         self._closed = True
         self._take_back_revived()

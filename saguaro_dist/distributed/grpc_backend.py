@@ -281,6 +281,9 @@ class GrpcDraftBackend:
             if link.alive:
                 link.send(request)
 
+    def workers(self) -> tuple[int, int]:
+        return sum(link.alive for link in self._links), len(self._links)
+
     def close(self) -> None:
         """End every stream, close every channel, join the reader threads."""
         with self._cond:

@@ -37,6 +37,7 @@ class DraftBackend(Protocol):
     def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]: ...
     def release(self, reqs: list[Release]) -> None: ...
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None: ...  # fire and forget, after what came before
+    def workers(self) -> tuple[int, int]: ...  # (live, all) draft workers the engine places sequences on
     def close(self) -> None: ...
 
 
@@ -155,6 +156,9 @@ class LocalDraftBackend:
 
     def reset_prefix_cache(self, msg):
         self.submit(lambda _: self.worker.reset_prefix_cache(), msg)
+
+    def workers(self) -> tuple[int, int]:
+        return 1, 1
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)

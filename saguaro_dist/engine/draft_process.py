@@ -116,6 +116,9 @@ class DraftProcess:
     def reset_prefix_cache(self, msg):
         self._post("reset_prefix_cache", msg)  # a child that restarted holds nothing to forget
 
+    def workers(self) -> tuple[int, int]:
+        return (0 if self._gone else 1), 1
+
     def close(self) -> None:
         self._stop()
 

@@ -36,6 +36,7 @@ class Engine:
         self.target = TargetScorer(target_runner, frozenset(eos_token_ids), config.enable_prefix_caching)
         self.vocab_size, self.max_model_len = target_runner.vocab_size, target_runner.max_model_len
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
+        self.draft = draft_backend
         self.detok = Detokenizer(tokenizer)
         self.eos_token_ids = eos_token_ids
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
@@ -61,8 +62,9 @@ class Engine:
         """Requests by state, and the target KV they hold (a running request's: all its tokens but the
         pending last one; a prefilling one's: what of its prompt has run)."""
         held = sum(s.num_tokens - 1 for s in self.running) + sum(s.prefilled for s in self.prefilling)
+        live, drafts = self.draft.workers() if self.draft is not None else (0, 0)
         return EngineLoad(len(self.running) + len(self.prefilling), len(self.waiting), held,
-                          self.config.max_batch_size * self.max_model_len)
+                          self.config.max_batch_size * self.max_model_len, live, drafts)
 
     def abort(self, request_id: str) -> list[Update]:
         """Drop a request wherever it is; its slot is free at once."""

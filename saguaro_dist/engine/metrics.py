@@ -66,6 +66,8 @@ class EngineLoad:
     num_waiting: int = 0               # requests queued for a slot
     kv_cache_tokens: int = 0           # positions of the running requests' KV in the target's pool ...
     kv_cache_capacity_tokens: int = 0  # ... of max_batch_size x max_model_len, the worst case sized at start-up
+    draft_workers_live: int = 0        # draft workers taking sequences (a draft process, actor or thread) ...
+    draft_workers: int = 0             # ... of all the engine has (0 without a draft: ar, ngram)
 
     @property
     def kv_cache_usage(self) -> float:

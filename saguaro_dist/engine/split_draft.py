@@ -131,6 +131,10 @@ class SplitDraftBackend:
         self._send_deferred()
         self.trees.reset_prefix_cache(msg)
 
+    def workers(self) -> tuple[int, int]:
+        """The tree side's (this half drafts whenever the engine runs)."""
+        return self.trees.workers()
+
     def close(self) -> None:
         self.jit.close()
         self.trees.close()

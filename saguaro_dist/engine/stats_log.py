@@ -43,4 +43,11 @@ class StatsLogger:
                 f"Speculation: acceptance {100 * _ratio(d['accepted_tokens'], d['drafted_tokens']):.1f}%, "
                 f"tokens per step {_ratio(d['generated_tokens'], d['rounds']):.2f}, "
                 f"tree hit rate {100 * _ratio(d['cache_hits'], d['cache_hits'] + d['cache_misses']):.1f}%, "
-                f"fallbacks {fallbacks or 0}")
+                f"fallbacks {fallbacks or 0}" + _draft_workers(load))
+
+
+def _draft_workers(load: EngineLoad) -> str:
+    """Said only when some are down (restarting, or gone for good)."""
+    if load.draft_workers_live >= load.draft_workers:
+        return ""
+    return f", draft workers live: {load.draft_workers_live} of {load.draft_workers}"

@@ -42,6 +42,9 @@ class ServeMetrics:
         self.waiting = self._make(make, "gauge", "saguaro_num_requests_waiting", "Requests queued for a batch slot")
         self.kv_usage = self._make(make, "gauge", "saguaro_kv_cache_usage_perc",
                                    "Share of the KV budget (max_batch_size x max_model_len) in use, 0-1")
+        # Below draft_workers: a draft worker died and is restarting (or gone): speed is lost, not tokens.
+        self.draft_live = self._make(make, "gauge", "saguaro_draft_workers_live", "Draft workers taking sequences")
+        self.drafts = self._make(make, "gauge", "saguaro_draft_workers", "Draft workers the engine has")
         self.prompt_tokens = self._make(make, "counter", "saguaro_prompt_tokens", "Prompt tokens processed")
         self.cached_prompt_tokens = self._make(make, "counter", "saguaro_prefix_cache_hits",
                                                "Prompt tokens whose KV the prefix cache supplied")
@@ -75,6 +78,8 @@ class ServeMetrics:
         self.running.set(load.num_running)
         self.waiting.set(load.num_waiting)
         self.kv_usage.set(load.kv_cache_usage)
+        self.draft_live.set(load.draft_workers_live)
+        self.drafts.set(load.draft_workers)
 
     def request(self, route: str, status: int) -> None:
         self.requests.inc(1, {"route": route, "status": str(status)})
