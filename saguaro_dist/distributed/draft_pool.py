@@ -240,6 +240,9 @@ class DraftPool:
         except Exception as exc:  # noqa: BLE001 - gone for good: the pool goes on without it
             log.warning("draft worker %d will not be back (%s); the pool goes on without it", i, exc)
             return
+        if self._closed:  # the engine shut down meanwhile: nobody would take it back
+            backend.close()
+            return
         self._revived.put((i, backend))
 
     def _take_back_revived(self) -> None:
