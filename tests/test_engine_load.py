@@ -17,19 +17,19 @@ def test_usage_is_the_share_of_the_budget():
     assert EngineLoad().kv_cache_usage == 0.0  # no budget known yet (a remote engine before its first poll)
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
 def test_load_counts_what_the_target_pool_really_holds(tiny_llama_pair, mode):
     """Step by step: a slot per running request, the rest waiting, and KV tokens equal to the lengths the
     target's runner holds for those requests (so a rejected speculation's positions are not counted)."""
     target, draft = tiny_llama_pair
-    config = Config(model=target, draft=None if mode == "ar" else draft, mode=mode, k=2, fan_out=4, max_batch_size=2,
-                    draft_executor="thread", enable_prefix_caching=False)
+    config = Config(model=target, draft=None if mode in ("ar", "ngram") else draft, mode=mode, k=2, fan_out=4,
+                    max_batch_size=2, draft_executor="auto" if mode == "ngram" else "thread", enable_prefix_caching=False)
     engine, _ = build_local_engine(config)
     try:
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         for i, prompt in enumerate(PROMPTS):
             engine.add(Sequence(i, f"r{i}", prompt, params))
-        drafts = (0, 0) if mode == "ar" else (1, 1)  # a draft thread: one worker, live
+        drafts = (0, 0) if mode in ("ar", "ngram") else (1, 1)  # a draft thread: one worker, live
         assert engine.load() == EngineLoad(0, 3, 0, 2 * engine.max_model_len, *drafts)
         engine.step()
         first = engine.load()

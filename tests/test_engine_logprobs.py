@@ -19,13 +19,14 @@ def pair(tmp_path_factory):
 
 
 def generate(pair, mode: str, params: SamplingParams, prompts=PROMPTS, **engine):
-    draft = None if mode == "ar" else pair["close"]
+    draft = None if mode in ("ar", "ngram") else pair["close"]
+    executor = "auto" if mode == "ngram" else "thread"
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, fan_out=8,
-             draft_executor="thread", max_batch_size=4, **engine) as llm:
+             draft_executor=executor, max_batch_size=4, **engine) as llm:
         return llm.generate(prompt_token_ids=prompts, sampling_params=params)
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
 def test_greedy_logprobs_are_the_targets_whatever_proposed_the_tokens(pair, mode):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=TOP)
     for prompt, out in zip(PROMPTS, generate(pair, mode, params)):
