@@ -112,6 +112,8 @@ class Config:
     adaptive_fan_out: bool = False         # shrink the budget while tree builds outlast verifies (spec/budget.py)
     saguaro_c: float = 1.0                 # Saguaro sampling (ssd; sd drafts unbiased): scale of the draft's top-F probabilities
     proposal_top_k: int = 0                # the draft proposes from its k likeliest tokens (T > 0; 0: all): still exact, q travels sparse
+    prompt_lookup_max: int = 3             # n-gram sizes prompt lookup matches, the longest first (vLLM's names): mode
+    prompt_lookup_min: int = 1             # ngram's proposals, and SSD's fast backup
     fallback: FallbackPolicy = FallbackPolicy.AUTO
     tree_policy: TreePolicy = TreePolicy.AUTO
     jit_cohorts: int = 2                   # ssd rounds without trees: 2 = the batch in two cohorts, one drafted while the other verifies, where measured faster (spec/cohorts.py); 1 = whole
@@ -186,6 +188,9 @@ class Config:
             raise ValueError(f"jit_cohorts must be 1 (the batch whole) or 2 (two cohorts), got {self.jit_cohorts!r}")
         if isinstance(self.proposal_top_k, bool) or not isinstance(self.proposal_top_k, int) or self.proposal_top_k < 0:
             raise ValueError(f"proposal_top_k must be an integer >= 0 (0: off), got {self.proposal_top_k!r}")
+        lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got {lookup}")
         if isinstance(self.fan_out, tuple):
             if len(self.fan_out) != self.k + 1 or any((not isinstance(f, int)) or f < 1 for f in self.fan_out):
                 raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")

@@ -42,7 +42,8 @@ def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "k must be"), (dict(fan_out=3, k=4), "fan_out budget"), (dict(fan_out=[1, 2], k=4), "k\\+1"),
     (dict(saguaro_c=1.5), "saguaro_c"), (dict(proposal_top_k=-1), "proposal_top_k"), (dict(jit_cohorts=3), "jit_cohorts"), (dict(jit_cohorts=True), "jit_cohorts"), (dict(tree_policy="sometimes"), "tree_policy"), (dict(proposal_top_k=2.0), "proposal_top_k"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
-    (dict(mode="ngram"), "takes no draft model"),
+    (dict(mode="ngram"), "takes no draft model"), (dict(prompt_lookup_min=0), "prompt_lookup_min"),
+    (dict(prompt_lookup_min=3, prompt_lookup_max=2), "1 <= min <= max"), (dict(prompt_lookup_max=2.5), "prompt_lookup"),
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
     (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(mode="sd", draft_executor="split"), "splits SSD's draft"), (dict(cluster="local", draft_executor="thread"), "one-host only"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
     (dict(device="tpu"), "device must be"), (dict(device="cuda:x"), "device must be"), (dict(device=0), "device must be"),
@@ -142,3 +143,24 @@ def test_ngram_runs_without_a_draft_model():
     config = Config(model="m", mode="ngram")
     assert config.mode is Mode.NGRAM and not config.uses_draft
     assert Config(model="m", draft="d", mode="sd").uses_draft and Config(model="m", draft="d").uses_draft
+
+
+def test_prompt_lookup_sizes_choose_the_ngram_matched():
+    """In 5 1 2 7 9 2 7 1 2 the last 1-gram (2) last followed 7 -> 1; the last 2-gram (1 2) followed 7 -> 9;
+    no earlier 3-gram: the last token repeated. The same sizes serve mode ngram and SSD's fast backup."""
+    from saguaro_dist.engine.rounds import lookup_proposal
+    tokens = [5, 1, 2, 7, 9, 2, 7, 1, 2]
+    for low, high, want in ((1, 1, [7, 1]), (2, 3, [7, 9]), (3, 3, [2, 2])):
+        config = Config(model="m", mode="ngram", k=2, prompt_lookup_min=low, prompt_lookup_max=high)
+        assert lookup_proposal(tokens, config).tokens.tolist() == want
+
+
+def test_prompt_lookup_flags_reach_the_config():
+    import argparse
+
+    from saguaro_dist.cli.serve import add_engine_args, engine_args
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = Config(**engine_args(parser.parse_args(["m", "--mode", "ngram", "--prompt-lookup-max", "5",
+                                                     "--prompt-lookup-min", "2"])))
+    assert (config.mode, config.prompt_lookup_max, config.prompt_lookup_min) == (Mode.NGRAM, 5, 2)

@@ -57,11 +57,11 @@ def test_sd_matches_ar(pair, reference, batch):
     check(pair, reference, run(pair, batch=batch, mode="sd", k=3))
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-def test_ngram_matches_ar_and_its_proposals_are_taken(pair, reference, batch):
+@pytest.mark.parametrize("batch, lookup", [(1, {}), (4, {}), (4, dict(prompt_lookup_max=5, prompt_lookup_min=2))])
+def test_ngram_matches_ar_and_its_proposals_are_taken(pair, reference, batch, lookup):
     """Prompt lookup: no draft model; what it proposes is verified as a draft's, and accepted where the
     text repeats itself (a prompt that repeats, and this tiny model's greedy loops)."""
-    with LLM(device=DEVICE, model=pair["target"], mode="ngram", k=3, max_batch_size=batch) as llm:
+    with LLM(device=DEVICE, model=pair["target"], mode="ngram", k=3, max_batch_size=batch, **lookup) as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)
         m = llm.metrics
     check(pair, reference, [o.token_ids for o in outs])

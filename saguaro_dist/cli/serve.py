@@ -22,7 +22,8 @@ APP_NAME = "saguaro"
 ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "draft_revision": "draft_revision",
                 "tokenizer": "tokenizer", "tokenizer_revision": "tokenizer_revision", "mode": "mode", "k": "k", "fan_out": "fan_out",
                 "fan_out_kind": "fan_out_kind", "adaptive_fan_out": "adaptive_fan_out", "saguaro_c": "saguaro_c", "fallback": "fallback",
-                "proposal_top_k": "proposal_top_k",
+                "proposal_top_k": "proposal_top_k", "prompt_lookup_max": "prompt_lookup_max",
+                "prompt_lookup_min": "prompt_lookup_min",
                 "max_batch_size": "max_batch_size", "max_model_len": "max_model_len", "draft_device": "draft_device",
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "gpu_memory_utilization": "gpu_memory_utilization", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
@@ -62,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--proposal-top-k", type=int, dest="proposal_top_k",
                    help="the draft proposes from its k likeliest tokens when sampling (exact either way; its "
                         "distributions then travel sparse: worth it with a large vocabulary); 0 (default): all")
+    g.add_argument("--prompt-lookup-max", type=int, dest="prompt_lookup_max",
+                   help="longest n-gram prompt lookup matches (--mode ngram, and SSD's fast backup; default 3)")
+    g.add_argument("--prompt-lookup-min", type=int, dest="prompt_lookup_min", help="shortest one (default 1)")
     g.add_argument("--fallback", choices=[f.value for f in FallbackPolicy])
     g.add_argument("--tree-policy", choices=[t.value for t in TreePolicy],
                    help="ssd: auto (default) runs rounds with or without speculation trees, whichever is measured "

@@ -73,6 +73,12 @@ def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list
     return gained
 
 
+def lookup_proposal(tokens: list[int], config: Config) -> Proposal:
+    """K tokens by prompt lookup (spec.ngram_proposal): deterministic, so q is one-hot (None)."""
+    proposed = ngram_proposal(tokens, config.k, config.prompt_lookup_max, config.prompt_lookup_min)
+    return Proposal(torch.tensor(proposed, dtype=torch.long), None)
+
+
 class NgramLoop(ARLoop):
     """Prompt lookup (vLLM's "ngram" method): each round proposes the K tokens that followed the latest
     earlier occurrence of the sequence's last n-gram (spec.ngram_proposal, SSD's fast backup), no draft
@@ -80,12 +86,11 @@ class NgramLoop(ARLoop):
 
     def __init__(self, target: TargetScorer, metrics: EngineMetrics, config: Config):
         super().__init__(target, metrics)
-        self.k = config.k
+        self.config = config
 
     def prepare(self, seqs):
         for s in seqs:
-            s.speculation = Proposal(torch.tensor(ngram_proposal(s.tokens, self.k), dtype=torch.long), None)
-            s.speculation_kind = ProposalSource.FAST
+            s.speculation, s.speculation_kind = lookup_proposal(s.tokens, self.config), ProposalSource.FAST
 
     def verify(self, seqs):
         return verify_speculations(self.target, self.metrics, seqs)
@@ -274,7 +279,7 @@ class SDLoop(ARLoop):
         if kind is FallbackPolicy.RANDOM:
             tokens = torch.tensor(random_proposal(vocab, k, s.generator), dtype=torch.long)
             return Proposal(tokens, torch.full((k, vocab), 1.0 / vocab))  # drawn uniformly: q is uniform
-        return Proposal(torch.tensor(ngram_proposal(s.tokens, k), dtype=torch.long), None)  # deterministic: one-hot
+        return lookup_proposal(s.tokens, self.config)
 
 
 class SSDLoop(SDLoop):
