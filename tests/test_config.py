@@ -148,7 +148,7 @@ def test_ngram_runs_without_a_draft_model():
 def test_prompt_lookup_sizes_choose_the_ngram_matched():
     """In 5 1 2 7 9 2 7 1 2 the last 1-gram (2) last followed 7 -> 1; the last 2-gram (1 2) followed 7 -> 9;
     no earlier 3-gram: the last token repeated. The same sizes serve mode ngram and SSD's fast backup."""
-    from saguaro_dist.engine.rounds import lookup_proposal
+    from saguaro_dist.engine.draftless import lookup_proposal
     tokens = [5, 1, 2, 7, 9, 2, 7, 1, 2]
     for low, high, want in ((1, 1, [7, 1]), (2, 3, [7, 9]), (3, 3, [2, 2])):
         config = Config(model="m", mode="ngram", k=2, prompt_lookup_min=low, prompt_lookup_max=high)

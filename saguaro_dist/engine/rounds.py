@@ -15,85 +15,20 @@ import torch
 from saguaro_dist.config import Config, FallbackPolicy, Mode, TreePolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
+from saguaro_dist.engine.draftless import ARLoop, NgramLoop, lookup_proposal, verify_speculations
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.cuda_graphs import graph_captures
 from saguaro_dist.spec import (
-    ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback, ngram_proposal, random_proposal,
+    ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback, random_proposal,
 )
 from saguaro_dist.spec.cohorts import CohortGate
 from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
 LATE_TREE_WARN_EVERY_S = 60.0
-
-
-class ARLoop:
-    """Plain autoregressive decoding with the target alone."""
-
-    def __init__(self, target: TargetScorer, metrics: EngineMetrics):
-        self.target, self.metrics = target, metrics
-
-    def admit(self, seqs: list[Sequence]) -> list[int]:
-        return self.target.prefill(seqs)
-
-    def prepare(self, seqs: list[Sequence]) -> None:
-        pass
-
-    def verify(self, seqs: list[Sequence]) -> list[list[int]]:
-        for s in seqs:
-            s.metrics.record_round(drafted=0, accepted=0)
-        return [[t] for t in self.target.decode(seqs)]
-
-    def release(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            self.target.release(s)
-
-    def reset_prefix_cache(self) -> None:
-        self.target.prefixes.clear()
-
-    def close(self) -> None:
-        pass
-
-
-def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list[Sequence]) -> list[list[int]]:
-    """One target pass over every sequence's speculation: the tokens each gains (accepted, then the bonus)."""
-    start = time.perf_counter()
-    accepted, bonus = target.verify(seqs)
-    metrics.verify_s += time.perf_counter() - start
-    gained = []
-    for s, k, t in zip(seqs, accepted, bonus):
-        s.metrics.record_round(drafted=len(s.speculation.tokens), accepted=k)
-        metrics.drafted_tokens += len(s.speculation.tokens)
-        metrics.accepted_tokens += k
-        gained.append(s.speculation.tokens[:k].tolist() + [t])
-        s.last_outcome = (k, t)
-    return gained
-
-
-def lookup_proposal(tokens: list[int], config: Config) -> Proposal:
-    """K tokens by prompt lookup (spec.ngram_proposal): deterministic, so q is one-hot (None)."""
-    proposed = ngram_proposal(tokens, config.k, config.prompt_lookup_max, config.prompt_lookup_min)
-    return Proposal(torch.tensor(proposed, dtype=torch.long), None)
-
-
-class NgramLoop(ARLoop):
-    """Prompt lookup (vLLM's "ngram" method): each round proposes the K tokens that followed the latest
-    earlier occurrence of the sequence's last n-gram (spec.ngram_proposal, SSD's fast backup), no draft
-    model. A deterministic proposal is a one-hot q, so the verification is exact as for any draft."""
-
-    def __init__(self, target: TargetScorer, metrics: EngineMetrics, config: Config):
-        super().__init__(target, metrics)
-        self.config = config
-
-    def prepare(self, seqs):
-        for s in seqs:
-            s.speculation, s.speculation_kind = lookup_proposal(s.tokens, self.config), ProposalSource.FAST
-
-    def verify(self, seqs):
-        return verify_speculations(self.target, self.metrics, seqs)
 
 
 class SDLoop(ARLoop):
