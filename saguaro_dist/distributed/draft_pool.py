@@ -172,7 +172,8 @@ class DraftPool:
 
     def close(self) -> None:
         self._closed = True
-        self._take_back_revived()
+        while not self._revived.empty():  # revived but never taken back
+            self._revived.get_nowait()[1].close()
         for b in self.backends:
             b.close()
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -252,9 +253,6 @@ class DraftPool:
             i, backend = self._revived.get_nowait()
             old, self.backends[i] = self.backends[i], backend
             old.close()
-            if self._closed:
-                backend.close()
-                continue
             self.dead.discard(i)
             log.warning("draft worker %d serves again; it takes new and re-prefilled sequences", i)
 
