@@ -9,7 +9,7 @@ import pytest
 
 from engine_helpers import PROMPTS, close_pair
 from saguaro_dist.config import Config
-from saguaro_dist.distributed.draft_pool import DraftPool
+from saguaro_dist.distributed.draft_pool import DraftPool, revival_delay_s
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
@@ -139,3 +139,36 @@ def test_without_a_live_worker_the_copy_drafts_alone_then_the_revived_worker_bui
         split.close()
         if "server" in comeback:
             comeback["server"].stop(None)
+
+
+def test_a_worker_that_only_missed_a_deadline_is_taken_back_without_what_it_held(config):
+    """A draft worker too slow for the deadline is marked dead, though its process lives on (on Ray the
+    actor then answers at its old address). The pool takes it back once it answers: having released there
+    the sequences it held (they moved on), so it holds only what the engine prefills on it again."""
+    worker = build_draft_worker(config)
+    server, port = serve_draft(worker, "127.0.0.1", 0)
+    address = f"127.0.0.1:{port}"
+    revive = lambda i: GrpcDraftBackend([address], deadline_s=10.0)  # noqa: E731 - it answers where it was
+    pool = DraftPool([GrpcDraftBackend([address], deadline_s=0.0)], max_batch_size=4, revive=revive)
+    try:
+        pool.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
+        assert 1 in worker.seqs
+        with pytest.raises(DraftUnavailable):  # no answer within a deadline of 0 s
+            pool.jit_draft([JitDraftRequest(1, 0, 0, 5)])
+        assert pool.workers() == (0, 1)
+        _wait_for(pool.accepting)
+        assert pool.workers() == (1, 1) and pool.revivals == [1]
+        assert 1 not in worker.seqs and pool.lost([1]) == [1]  # released there: the engine prefills it again
+        pool.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
+        fresh = LocalDraftBackend(build_draft_worker(config))
+        fresh.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
+        reqs = [JitDraftRequest(1, 0, 0, 5, skip_tree=True)]
+        assert pool.jit_draft(reqs)[0].tokens.tolist() == fresh.jit_draft(reqs)[0].tokens.tolist()
+        fresh.close()
+    finally:
+        pool.close()
+        server.stop(None)
+
+
+def test_the_pool_backs_off_from_a_worker_it_keeps_taking_back():
+    assert [revival_delay_s(n) for n in range(8)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]

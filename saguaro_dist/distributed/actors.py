@@ -105,7 +105,7 @@ class TargetRank:
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
         addresses = [d.for_client_on(self.node_id()) for d in drafts]
-        revive = partial(self._revive_draft, draft_actors, addresses) if draft_actors else None
+        revive = partial(self._revive_draft, draft_actors) if draft_actors else None
         return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses, fit, revive)
 
     def _join_group(self, master: tuple[str, int]):
@@ -145,15 +145,12 @@ class TargetRank:
             pool.close()
             raise
 
-    def _revive_draft(self, actors: list, addresses: list[str], i: int):
-        """Draft worker i once Ray has restarted its actor (cluster.DRAFT_MAX_RESTARTS): a backend at its
-        new address. Raises if it is dead for good, or if it answers at its old address: then it never
-        died (a missed deadline), and still holds sequences the pool has moved elsewhere."""
+    def _revive_draft(self, actors: list, i: int):
+        """Draft worker i once its actor answers again: a backend at its address, new if Ray restarted the
+        actor (cluster.DRAFT_MAX_RESTARTS), the old one if it never died (it missed a deadline; the pool
+        releases there what it held). Raises if it is dead for good."""
         from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
         address = ask_actor(actors[i].endpoint, self.config.startup_timeout_s).for_client_on(self.node_id())
-        if address == addresses[i]:
-            raise RuntimeError(f"it still serves at {address}: left out of the pool")
-        addresses[i] = address
         return GrpcDraftBackend([address])
 
     # ---- rank 0: the engine's front door ------------------------------------------------------------

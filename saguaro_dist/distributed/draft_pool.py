@@ -5,9 +5,10 @@ builds a disjoint slice of a tree num_shards times the configured budget, so at 
 means a bigger speculation cache. Shard 0 answers just-in-time drafts; the other shards learn those
 tokens as an Outcome, and every Outcome names the tokens verified next, so all shards stay in step.
 
-A worker found dead is left out of placement; given `revive`, the pool waits for it in the background
-(on Ray: the actor restarted, at a new address) and takes it back into placement once it serves again.
-The sequences it held are lost with it (`lost`): the engine prefills them again wherever there is room.
+A worker found dead (a failed call, or a missed deadline) is left out of placement; given `revive`, the
+pool waits for it in the background (on Ray: the actor restarted at a new address, or the same process
+answering again) and takes it back into placement once it serves again, having released there what it
+held. Those sequences are lost with it (`lost`): the engine prefills them again wherever there is room.
 """
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ from saguaro_dist.engine.messages import (
 )
 
 log = logging.getLogger(__name__)
+REVIVAL_BACKOFF_MAX_S = 30.0
+
+
+def revival_delay_s(revivals: int) -> float:
+    """How long the pool waits before asking a worker back: at once the first time (Ray restarts a crashed
+    actor in ~1.6 s here); doubling from 1 s after that, so a worker that keeps missing deadlines is not
+    taken back, and its sequences moved off it again, every round."""
+    return 0.0 if revivals == 0 else min(REVIVAL_BACKOFF_MAX_S, 2.0 ** (revivals - 1))
 
 
 class DraftPool:
@@ -45,6 +54,7 @@ class DraftPool:
         self.dead: set[int] = set()
         self._revive = revive
         self._revived: queue.SimpleQueue = queue.SimpleQueue()  # (i, backend) from the revival threads
+        self.revivals = [0] * len(backends)  # per worker: times it served again after the pool marked it dead
         self._closed = False
         self._calls = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="saguaro-pool")
 
@@ -232,19 +242,37 @@ class DraftPool:
             return
         log.warning("draft worker %d is gone; its sequences move to the others", i)
         self.dead.add(i)
+        held = [seq_id for seq_id, group in self.groups.items() if i in group]
         if self._revive is not None and not self._closed:
-            threading.Thread(target=self._await_revival, args=(i,), daemon=True, name=f"saguaro-revive-{i}").start()
+            threading.Thread(target=self._await_revival, args=(i, held), daemon=True, name=f"saguaro-revive-{i}").start()
 
-    def _await_revival(self, i: int) -> None:
+    def _await_revival(self, i: int, held: list[int]) -> None:
+        """Wait (backing off for a worker taken back before) until worker i serves again without `held`:
+        Ray restarted it (a fresh process holds nothing), or it only missed a deadline and still held them."""
+        while not self._closed:
+            time.sleep(revival_delay_s(self.revivals[i]))
+            try:
+                backend = self._revive(i)
+            except Exception as exc:  # noqa: BLE001 - gone for good: the pool goes on without it
+                log.warning("draft worker %d will not be back (%s); the pool goes on without it", i, exc)
+                return
+            self.revivals[i] += 1
+            if not self._released_stale(i, backend, held):
+                continue
+            if self._closed:  # the engine shut down meanwhile: nobody would take it back
+                backend.close()
+            else:
+                self._revived.put((i, backend))
+            return
+
+    def _released_stale(self, i: int, backend, held: list[int]) -> bool:
         try:
-            backend = self._revive(i)
-        except Exception as exc:  # noqa: BLE001 - gone for good: the pool goes on without it
-            log.warning("draft worker %d will not be back (%s); the pool goes on without it", i, exc)
-            return
-        if self._closed:  # the engine shut down meanwhile: nobody would take it back
+            backend.release_held_before(held)
+            return True
+        except Exception as exc:  # noqa: BLE001 - not serving after all: try again later
+            log.info("draft worker %d answered but could not release its old sequences (%s)", i, exc)
             backend.close()
-            return
-        self._revived.put((i, backend))
+            return False
 
     def _take_back_revived(self) -> None:
         """Revived workers rejoin placement (on the engine's thread: the pool's state is its own). The

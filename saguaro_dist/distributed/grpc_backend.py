@@ -274,6 +274,17 @@ class GrpcDraftBackend:
             if link is not None:  # behind the sequence's last outcome on the same stream
                 link.send(pb.SpeculateRequest(releases=codec.release_batch_to_proto(part)))
 
+    def release_held_before(self, seq_ids: list[int]) -> None:
+        """Release, on every server, sequences an earlier backend placed there (a draft worker that missed a
+        deadline, taken back after its sequences moved on). Unary: raises (DraftUnavailable, ...) unless
+        every server confirms it."""
+        request = codec.release_batch_to_proto([Release(sid) for sid in seq_ids])
+        for link in self._links:
+            try:
+                link.stub.Release(request, timeout=self.deadline_s)
+            except grpc.RpcError as err:
+                raise error_from_rpc(err, link.address, seq_ids) from err
+
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
         """On every live server's stream, behind what was sent before it; fire and forget."""
         request = pb.SpeculateRequest(reset_prefix_cache=codec.reset_prefix_cache_to_proto(msg))
