@@ -135,6 +135,8 @@ class Config:
     draft_executor: DraftExecutor = DraftExecutor.AUTO
     tree_timeout_s: float = 5.0            # how long the target waits for a late speculation tree
     startup_timeout_s: float = 600.0       # on Ray: how long start-up waits for its actors to be placed and load
+    draft_deadline_s: float = 10.0         # on Ray: a draft actor this late with a just-in-time draft is taken for dead
+                                           # (its sequences move on; the pool takes it back once it answers again)
     draft_spin_s: float = 0.05             # the draft busy-polls this long for its next message before it blocks
                                            # (the one-host engine its draft's pipe, up to 10 ms of it); 0: off
     # Distributed runtime (None: the one-host engine)
@@ -203,6 +205,7 @@ class Config:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
         check_seconds("tree_timeout_s", self.tree_timeout_s, zero_ok=True)  # 0: never wait for a late tree
         check_seconds("startup_timeout_s", self.startup_timeout_s, zero_ok=False)
+        check_seconds("draft_deadline_s", self.draft_deadline_s, zero_ok=False)
         check_seconds("log_stats_interval_s", self.log_stats_interval_s, zero_ok=True)
         for name in ("max_batch_size", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +203,41 @@ def test_a_restarted_draft_actor_rejoins_the_pool(ray_cluster, pair, executor):
         assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (1, 1))
 
 
+def test_a_stalled_draft_actor_misses_its_deadline_and_is_taken_back_where_it_was(ray_cluster, pair):
+    """The only draft actor's process stops for seconds (SIGSTOP: a real stall, as a long GC pause or
+    an overloaded node): its drafts miss draft_deadline_s, the pool takes it for dead and generation goes on
+    exactly. Once it runs again it answers at its old address, still holding its old sequences; the pool
+    releases them there and takes it back, so trees come back."""
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
+    with cluster_llm(pair, num_draft_workers=1, draft_executor="process", tree_policy="always",
+                     draft_deadline_s=0.5, tree_timeout_s=0.5) as llm:
+        draft = llm._thread.deployment.drafts[0]
+        pid, before = ray.get(draft.pid.remote()), ray.get(draft.endpoint.remote())
+        resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
+
+        def stall():
+            os.kill(pid, signal.SIGSTOP)
+            resume.start()
+        try:
+            outputs = generate_through_a_kill(llm, long, stall)
+        finally:
+            resume.join()
+        for prompt, out, want in zip(PROMPTS, outputs, reference):
+            assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
+        assert sum(llm.metrics.fallbacks.values()) > 0
+        assert ray.get(draft.endpoint.remote()) == before and ray.get(draft.pid.remote()) == pid  # never restarted
+        deadline = time.time() + 60
+        while True:
+            hits = llm.metrics.cache_hits
+            check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+            if llm.metrics.cache_hits > hits:
+                break
+            assert time.time() < deadline, "the stalled draft actor was not taken back"
+            time.sleep(0.2)
+        assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (1, 1))
+
+
 def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_cluster, pair):
     """The draft copy in the target's actor drafts the new sequences the dead pool cannot take: SD's
     rounds, no fast backup."""
@@ -381,6 +418,9 @@ def test_timeouts_are_checked(pair):
             LLM(model=pair["target"], draft=pair["draft"], mode="ssd", cluster="auto", startup_timeout_s=bad)
     with pytest.raises(ValueError, match="tree_timeout_s"):
         LLM(model=pair["target"], draft=pair["draft"], mode="ssd", tree_timeout_s=-1)
+    for bad in (0, -2.0, "10"):
+        with pytest.raises(ValueError, match="draft_deadline_s"):
+            LLM(model=pair["target"], draft=pair["draft"], mode="ssd", cluster="auto", draft_deadline_s=bad)
 
 
 def test_structured_outputs_on_ray_equal_the_one_host_engine(ray_cluster):

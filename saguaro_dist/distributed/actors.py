@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import threading
@@ -58,6 +59,10 @@ class DraftActor:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        """The process serving the DraftService (for a profiler, or a test that stalls it)."""
+        return os.getpid()
 
     def stop(self) -> None:
         self.server.stop(grace=0.5).wait()
@@ -135,8 +140,8 @@ class TargetRank:
         from saguaro_dist.engine.build import build_draft_worker, ray_draft_executor
         from saguaro_dist.engine.draft_backend import LocalDraftBackend
         from saguaro_dist.engine.split_draft import SplitDraftBackend
-        pool = DraftPool([GrpcDraftBackend([a]) for a in draft_addresses], self.config.max_batch_size, fit.max_model_len,
-                         revive)
+        backends = [GrpcDraftBackend([a], self.config.draft_deadline_s) for a in draft_addresses]
+        pool = DraftPool(backends, self.config.max_batch_size, fit.max_model_len, revive)
         if ray_draft_executor(self.config) is not DraftExecutor.SPLIT:
             return pool
         try:  # the copy on this rank's device, on the target's torch threads (the drafts take turns with its verify)
@@ -151,7 +156,7 @@ class TargetRank:
         releases there what it held). Raises if it is dead for good."""
         from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
         address = ask_actor(actors[i].endpoint, self.config.startup_timeout_s).for_client_on(self.node_id())
-        return GrpcDraftBackend([address])
+        return GrpcDraftBackend([address], self.config.draft_deadline_s)
 
     # ---- rank 0: the engine's front door ------------------------------------------------------------
     def submit(self, request: RemoteRequest) -> None:
