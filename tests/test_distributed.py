@@ -179,6 +179,20 @@ def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair, exec
         check_greedy(pair, again)
 
 
+def wait_for_trees_again(llm: LLM, pair, within_s: float) -> None:
+    """Greedy generations (each checked exact) until one hits the speculation cache: the pool's worker is
+    back; then the engine's load shows it live."""
+    deadline = time.time() + within_s
+    while True:
+        hits = llm.metrics.cache_hits
+        check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+        if llm.metrics.cache_hits > hits:
+            break
+        assert time.time() < deadline, "no tree came back from the draft actor"
+        time.sleep(0.2)
+    assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (1, 1))
+
+
 @pytest.mark.parametrize("executor", ["split", "process"])
 def test_a_restarted_draft_actor_rejoins_the_pool(ray_cluster, pair, executor):
     """The only draft actor dies as in a crash and Ray restarts it: generation stays exact throughout, and
@@ -192,15 +206,7 @@ def test_a_restarted_draft_actor_rejoins_the_pool(ray_cluster, pair, executor):
         for prompt, out, want in zip(PROMPTS, outputs, reference):
             assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
         assert ask_actor(draft.endpoint, 120).address != before.address  # restarted: the old process is gone
-        deadline = time.time() + 120
-        while True:
-            hits = llm.metrics.cache_hits
-            check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
-            if llm.metrics.cache_hits > hits:
-                break
-            assert time.time() < deadline, "no tree came back from the restarted draft actor"
-            time.sleep(0.2)
-        assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (1, 1))
+        wait_for_trees_again(llm, pair, 120)
 
 
 def test_a_stalled_draft_actor_misses_its_deadline_and_is_taken_back_where_it_was(ray_cluster, pair):
@@ -227,15 +233,7 @@ def test_a_stalled_draft_actor_misses_its_deadline_and_is_taken_back_where_it_wa
             assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
         assert sum(llm.metrics.fallbacks.values()) > 0
         assert ray.get(draft.endpoint.remote()) == before and ray.get(draft.pid.remote()) == pid  # never restarted
-        deadline = time.time() + 60
-        while True:
-            hits = llm.metrics.cache_hits
-            check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
-            if llm.metrics.cache_hits > hits:
-                break
-            assert time.time() < deadline, "the stalled draft actor was not taken back"
-            time.sleep(0.2)
-        assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (1, 1))
+        wait_for_trees_again(llm, pair, 60)
 
 
 def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_cluster, pair):
