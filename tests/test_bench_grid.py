@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
 from saguaro_dist.bench import BenchConfig, SweepConfig, run_grid, run_sweep
 from saguaro_dist.bench.config import candidate_placements, placement
-from saguaro_dist.bench.plots import write_plots
+from saguaro_dist.bench.plots import speedup_vs_batch, write_plots
 from saguaro_dist.bench.report import render, write_json
 from saguaro_dist.bench.runner import measure_interleaved, run_batches
 from saguaro_dist.bench.systems import Measurement
@@ -230,3 +231,16 @@ def test_an_equal_cell_keeps_the_faster_thread_count(tiny_llama_pair, tmp_path, 
         assert cells[name]["cores"] == 2 and cells[name]["greedy_same_as_ar"] == 1.0
     assert "candidates" not in cells["ssd"]
     assert {"equal/sd [1 thread(s)]", "equal/sd [2 thread(s)]", "equal/ssd"} <= set(results["placements"])
+
+
+@pytest.mark.parametrize("systems, field", [(("ar", "sd", "ssd"), "speedup_vs_ar"), (("sd", "ssd"), "speedup_vs_sd"),
+                                            (("ssd",), "tokens_per_s")])
+def test_the_batch_plot_draws_every_system_over_the_baseline_that_ran(tmp_path, systems, field):
+    """`--systems sd,ssd` has no ar to divide by: the plot is over sd then, not an empty panel."""
+    cells = [{"system": s, "setting": "paper", "temperature": 0.0, "batch": b, "tokens_per_s": 100.0 * b,
+              "speedup_vs_ar": 1.5 if "ar" in systems else None, "speedup_vs_sd": 1.2 if "sd" in systems else None}
+             for s in systems for b in (1, 8)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns of a legend with no lines
+        path = speedup_vs_batch({"cells": cells}, tmp_path / "speedup.png")
+    assert path.read_bytes()[:8] == PNG_MAGIC and all(c[field] for c in cells)

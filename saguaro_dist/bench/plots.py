@@ -12,23 +12,34 @@ def _pyplot():
 
 
 def speedup_vs_batch(results: dict, path: Path) -> Path:
-    """Speedup over our ar vs batch size, one line per system, one panel per (setting, temperature)."""
+    """Speedup vs batch size, one line per system, one panel per (setting, temperature): over our ar, or
+    over our sd when ar did not run (`--systems sd,ssd`), or tokens/s when neither did."""
     plt = _pyplot()
     cells = results["cells"]
+    key, ylabel = _speedup_axis({c["system"] for c in cells})
     panels = sorted({(c["setting"], c["temperature"]) for c in cells})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (setting, temp) in zip(axes[0], panels):
         for system in dict.fromkeys(c["system"] for c in cells):
-            pts = sorted((c["batch"], c["speedup_vs_ar"]) for c in cells
-                         if (c["system"], c["setting"], c["temperature"]) == (system, setting, temp) and c["speedup_vs_ar"])
+            pts = sorted((c["batch"], c[key]) for c in cells
+                         if (c["system"], c["setting"], c["temperature"]) == (system, setting, temp) and c[key])
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=system)
-        ax.axhline(1.0, color="grey", lw=0.5)
-        ax.set(title=f"{setting} setting, T={temp}", xlabel="batch size", ylabel="tokens/s / ours ar", xscale="log")
+        if key != "tokens_per_s":
+            ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set(title=f"{setting} setting, T={temp}", xlabel="batch size", ylabel=ylabel, xscale="log")
         ax.set_xticks(sorted({c["batch"] for c in cells}), labels=[str(b) for b in sorted({c["batch"] for c in cells})])
         ax.minorticks_off()  # a log axis labels its minor ticks (3 x 10^0) between the batch sizes otherwise
         ax.legend(fontsize=8)
     return _save(fig, plt, path)
+
+
+def _speedup_axis(systems: set[str]) -> tuple[str, str]:
+    """(the cells' field to plot, its axis label): over the first baseline that ran."""
+    for baseline in ("ar", "sd"):
+        if baseline in systems:
+            return f"speedup_vs_{baseline}", f"tokens/s / ours {baseline}"
+    return "tokens_per_s", "tokens/s"
 
 
 def hit_rate_vs_budget(results: dict, path: Path) -> Path:
