@@ -188,6 +188,9 @@ def test_a_cell_runs_every_prompt_in_batches_seeded_by_prompt():
     assert calls == [([[0], [1]], 7), ([[2], [3]], 9)]  # the remainder short of a batch is left out
     assert (m.tokens, m.seconds, m.outputs, m.drafted) == (4, 1.0, [[0], [1], [2], [3]], 4)
     assert m.fallbacks == {"fast": 2} and m.engine == {"rounds": 6, "fallbacks": {"fast": 2}}
+    calls.clear()
+    run_batches(Recorder(), [[0], [1], [2], [3], [4]], 2, 0.7, BenchConfig(seed=7), repeat=2)
+    assert calls == [([[0], [1]], 17), ([[2], [3]], 19)]  # repeat 2: the seeds after repeats 0 and 1's five
 
 
 def test_num_prompts_must_cover_the_largest_batch():

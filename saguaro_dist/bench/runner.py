@@ -116,7 +116,7 @@ def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, 
     runs: dict[str, list[Measurement]] = {n: [] for n in names}
     for r in range(cfg.repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            runs[name].append(run_batches(runners[name], prompts, batch, temperature, cfg))
+            runs[name].append(run_batches(runners[name], prompts, batch, temperature, cfg, repeat=r))
     return {n: Repeats.of(runs[n]) for n in names}
 
 
@@ -136,11 +136,14 @@ def warm_up(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -
         run_batches(runner, prompts, batch, temperature, cfg)
 
 
-def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -> Measurement:
-    """The prompts in consecutive batches of `batch` (a remainder short of a batch is left out); prompt i
-    is seeded seed + i whatever the batch size."""
+def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfig, repeat: int = 0) -> Measurement:
+    """The prompts in consecutive batches of `batch` (a remainder short of a batch is left out); prompt i of
+    repeat r is seeded seed + r x len(prompts) + i whatever the batch size or system. At T > 0 each repeat
+    then samples other text: with one seed for all, every repeat replayed one sample of ~1000 tokens, whose
+    luck (acceptance moves ~3% between samples) then sat in every pass of a system alike."""
     starts = range(0, len(prompts) - batch + 1, batch)
-    return combine([runner.run(prompts[i:i + batch], temperature, cfg.max_new_tokens, cfg.seed + i) for i in starts])
+    first = cfg.seed + repeat * len(prompts)
+    return combine([runner.run(prompts[i:i + batch], temperature, cfg.max_new_tokens, first + i) for i in starts])
 
 
 def log_cell(cell: dict) -> None:
