@@ -45,8 +45,9 @@ class DraftPool:
     def __init__(self, backends: list, max_batch_size: int, max_model_len: int = sys.maxsize,
                  revive: Callable[[int], object] | None = None):
         """max_model_len: the longest sequence the workers hold (the DraftFit they were built to).
-        revive(i): blocks until worker i serves again and returns a fresh backend for it, or raises when
-        it never will (called on a thread of its own)."""
+        revive(i): blocks until worker i serves again and returns a fresh backend for it (a GrpcDraftBackend:
+        the pool releases there what the worker held, release_held_before), or raises when it never will
+        (called on a thread of its own)."""
         self.backends = backends
         self.drafts_beside = all(b.drafts_beside for b in backends)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
