@@ -243,8 +243,8 @@ class DraftPool:
             return
         log.warning("draft worker %d is gone; its sequences move to the others", i)
         self.dead.add(i)
-        held = [seq_id for seq_id, group in self.groups.items() if i in group]
         if self._revive is not None and not self._closed:
+            held = [seq_id for seq_id, group in self.groups.items() if i in group]
             threading.Thread(target=self._await_revival, args=(i, held), daemon=True, name=f"saguaro-revive-{i}").start()
 
     def _await_revival(self, i: int, held: list[int]) -> None:
