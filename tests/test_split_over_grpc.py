@@ -146,16 +146,20 @@ def test_a_worker_that_only_missed_a_deadline_is_taken_back_without_what_it_held
     actor then answers at its old address). The pool takes it back once it answers: having released there
     the sequences it held (they moved on), so it holds only what the engine prefills on it again."""
     worker = build_draft_worker(config)
+    resume = threading.Event()
+    drafting = worker.jit_draft
+    worker.jit_draft = lambda reqs: resume.wait(30) and drafting(reqs)  # a stall: the server's loop stops in it
     server, port = serve_draft(worker, "127.0.0.1", 0)
     address = f"127.0.0.1:{port}"
     revive = lambda i: GrpcDraftBackend([address], deadline_s=10.0)  # noqa: E731 - it answers where it was
-    pool = DraftPool([GrpcDraftBackend([address], deadline_s=0.0)], max_batch_size=4, revive=revive)
+    pool = DraftPool([GrpcDraftBackend([address], deadline_s=0.5)], max_batch_size=4, revive=revive)
     try:
         pool.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
         assert 1 in worker.seqs
-        with pytest.raises(DraftUnavailable):  # no answer within a deadline of 0 s
+        with pytest.raises(DraftUnavailable):  # no answer within the deadline
             pool.jit_draft([JitDraftRequest(1, 0, 0, 5)])
         assert pool.workers() == (0, 1)
+        resume.set()  # the stall ends
         _wait_for(pool.accepting)
         assert pool.workers() == (1, 1) and pool.revivals == [1]
         assert 1 not in worker.seqs and pool.lost([1]) == [1]  # released there: the engine prefills it again
@@ -166,6 +170,7 @@ def test_a_worker_that_only_missed_a_deadline_is_taken_back_without_what_it_held
         assert pool.jit_draft(reqs)[0].tokens.tolist() == fresh.jit_draft(reqs)[0].tokens.tolist()
         fresh.close()
     finally:
+        resume.set()
         pool.close()
         server.stop(None)
 
