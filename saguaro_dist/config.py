@@ -16,6 +16,9 @@ class Mode(str, enum.Enum):
                      # in its own text, no draft model; a baseline for the speculative modes, and a fit for copy-heavy text
 
 
+DRAFT_MODES = frozenset({Mode.SD, Mode.SSD})  # the modes that run a draft model (and, on Ray, draft actors)
+
+
 class FanOut(str, enum.Enum):
     GEOMETRIC = "geometric"  # Saguaro Theorem 12: i.i.d. acceptance a per token
     OUTCOME = "outcome"      # Theorem 12's optimum for the measured distribution of k* (spec/fanout.py)
@@ -226,7 +229,7 @@ class Config:
     @property
     def uses_draft(self) -> bool:
         """Whether the mode runs a draft model (SD, SSD)."""
-        return self.mode in (Mode.SD, Mode.SSD)
+        return self.mode in DRAFT_MODES
 
     @property
     def draft_device_resolved(self) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro_dist.bench.config import Placement
+from saguaro_dist.config import DRAFT_MODES, Mode
 
 log = logging.getLogger(__name__)
 ENGINE_FIELDS = ("rounds", "verify_s", "draft_wait_s", "prefill_s", "step_s", "coordination_s", "cache_hits", "cache_misses",
@@ -86,7 +87,7 @@ class OursSystem:
         # second on (not transformers'), so it is off here, as in the runs before it existed.
         kwargs = {"enable_prefix_caching": False, **self.engine_kwargs,
                   **({"tree_policy": "always"} if self.name == "ssd-trees" else {})}
-        self.llm = LLM(model=self.target, draft=None if mode in ("ar", "ngram") else self.draft, mode=mode, draft_executor=executor,
+        self.llm = LLM(model=self.target, draft=self.draft if Mode(mode) in DRAFT_MODES else None, mode=mode, draft_executor=executor,
                        cluster="local" if self.name.startswith("ssd-ray") else None, target_threads=place.target_threads,
                        draft_threads=place.draft_threads, **kwargs)
         self.threads = place.target_threads

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from saguaro_dist.config import FallbackPolicy, Mode, SchedulingPolicy, parse_enum
+from saguaro_dist.config import DRAFT_MODES, FallbackPolicy, Mode, SchedulingPolicy, parse_enum
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 from saguaro_dist.serve.args import API_KEY_ENV, config_from_args
 
@@ -113,7 +113,7 @@ class K8sSettings:
     @property
     def uses_draft(self) -> bool:
         """Whether the mode runs a draft model: without one (ar, ngram) no draft pods, no draft args."""
-        return self.mode in (Mode.SD.value, Mode.SSD.value)
+        return Mode(self.mode) in DRAFT_MODES
 
 
 # ---- Serve application ----------------------------------------------------------------------
