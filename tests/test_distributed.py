@@ -22,6 +22,7 @@ from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.actors import ask_actor
 from saguaro_dist.distributed.cluster import wait_dead
+from saguaro_dist.distributed.draft_pool import LATE_TREE_WAITS_BEFORE_DEAD
 from saguaro_dist.distributed.placement import engine_needs, shortfall
 from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
@@ -209,14 +210,16 @@ def test_a_restarted_draft_actor_rejoins_the_pool(ray_cluster, pair, executor):
         wait_for_trees_again(llm, pair, 120)
 
 
-def test_a_stalled_draft_actor_misses_its_deadline_and_is_taken_back_where_it_was(ray_cluster, pair):
+@pytest.mark.parametrize("executor", ["split", "process"])
+def test_a_stalled_draft_actor_misses_its_deadline_and_is_taken_back_where_it_was(ray_cluster, pair, executor):
     """The only draft actor's process stops for seconds (SIGSTOP: a real stall, as a long GC pause or
-    an overloaded node): its drafts miss draft_deadline_s, the pool takes it for dead and generation goes on
+    an overloaded node): its drafts miss draft_deadline_s (process), or its trees tree_timeout_s twice in a
+    row (split: the drafts are made beside the target), the pool takes it for dead and generation goes on
     exactly. Once it runs again it answers at its old address, still holding its old sequences; the pool
     releases them there and takes it back, so trees come back."""
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
-    with cluster_llm(pair, num_draft_workers=1, draft_executor="process", tree_policy="always",
+    with cluster_llm(pair, num_draft_workers=1, draft_executor=executor, tree_policy="always",
                      draft_deadline_s=0.5, tree_timeout_s=0.5) as llm:
         draft = llm._thread.deployment.drafts[0]
         pid, before = ray.get(draft.pid.remote()), ray.get(draft.endpoint.remote())
@@ -232,6 +235,8 @@ def test_a_stalled_draft_actor_misses_its_deadline_and_is_taken_back_where_it_wa
         for prompt, out, want in zip(PROMPTS, outputs, reference):
             assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
         assert sum(llm.metrics.fallbacks.values()) > 0
+        if executor == "split":  # marked dead after two late waits, not waited for again all through the 3 s stall
+            assert 0 < llm.metrics.late_trees <= (LATE_TREE_WAITS_BEFORE_DEAD + 1) * len(PROMPTS)
         assert ray.get(draft.endpoint.remote()) == before and ray.get(draft.pid.remote()) == pid  # never restarted
         wait_for_trees_again(llm, pair, 60)
 

@@ -9,7 +9,7 @@ import pytest
 
 from engine_helpers import PROMPTS, close_pair
 from saguaro_dist.config import Config
-from saguaro_dist.distributed.draft_pool import DraftPool, revival_delay_s
+from saguaro_dist.distributed.draft_pool import LATE_TREE_WAITS_BEFORE_DEAD, DraftPool, revival_delay_s
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
@@ -177,3 +177,36 @@ def test_a_worker_that_only_missed_a_deadline_is_taken_back_without_what_it_held
 
 def test_the_pool_backs_off_from_a_worker_it_keeps_taking_back():
     assert [revival_delay_s(n) for n in range(8)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_a_worker_whose_trees_stay_late_is_marked_dead_and_taken_back(config):
+    """The split's just-in-time drafts are made here, so a stalled tree side misses no draft deadline: only
+    its trees are late. After LATE_TREE_WAITS_BEFORE_DEAD waits in a row that each reach the timeout with no
+    tree, the pool marks it dead (not every later round pays the timeout); once it answers, it is taken back."""
+    worker = build_draft_worker(config)
+    resume = threading.Event()
+    building = worker.build_trees
+    worker.build_trees = lambda: resume.wait(30) and building()  # a stall: the server's loop stops in it
+    server, port = serve_draft(worker, "127.0.0.1", 0)
+    address = f"127.0.0.1:{port}"
+    revive = lambda i: GrpcDraftBackend([address], deadline_s=10.0)  # noqa: E731 - it answers where it was
+    pool = DraftPool([GrpcDraftBackend([address], deadline_s=10.0)], max_batch_size=4, revive=revive)
+    split = SplitDraftBackend(LocalDraftBackend(build_draft_worker(config)), pool)
+    try:
+        split.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
+        split.jit_draft([JitDraftRequest(1, 0, 0, 5)])  # drafted here, in time
+        split.send_outcomes([])
+        for late in range(LATE_TREE_WAITS_BEFORE_DEAD):
+            assert pool.workers() == (1, 1)
+            assert split.wait_trees([(1, 0)], 0.2) == {}
+        assert pool.workers() == (0, 1) and split.trees.lost([1]) == [1]
+        assert split.wait_trees([(1, 0)], 5.0) == {}  # a dead worker's trees are not waited for
+        with pytest.raises(DraftUnavailable):  # the engine prefills it again: here alone, until the worker is back
+            split.jit_draft([JitDraftRequest(1, 1, 0, 5)])
+        resume.set()  # the stall ends
+        _wait_for(pool.accepting)
+        assert pool.workers() == (1, 1) and pool.revivals == [1] and 1 not in worker.seqs
+    finally:
+        resume.set()
+        split.close()
+        server.stop(None)

@@ -5,10 +5,10 @@ builds a disjoint slice of a tree num_shards times the configured budget, so at 
 means a bigger speculation cache. Shard 0 answers just-in-time drafts; the other shards learn those
 tokens as an Outcome, and every Outcome names the tokens verified next, so all shards stay in step.
 
-A worker found dead (a failed call, or a missed deadline) is left out of placement; given `revive`, the
-pool waits for it in the background (on Ray: the actor restarted at a new address, or the same process
-answering again) and takes it back into placement once it serves again, having released there what it
-held. Those sequences are lost with it (`lost`): the engine prefills them again wherever there is room.
+A worker found dead (a failed call, a missed deadline, or no tree by the deadline in
+LATE_TREE_WAITS_BEFORE_DEAD tree waits in a row) is left out of placement; given `revive`, the pool waits
+for it in the background (on Ray: the actor restarted at a new address, or the same process answering
+again) and takes it back into placement once it serves again, having released there what it held. Those sequences are lost with it (`lost`): the engine prefills them again wherever there is room.
 """
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ from saguaro_dist.engine.messages import (
 
 log = logging.getLogger(__name__)
 REVIVAL_BACKOFF_MAX_S = 30.0
+# Waits in a row, each to its deadline, in which a worker's part brought no tree before the pool marks it dead.
+# Why more than one: a single late batch can be a slow round; two whole timeouts in a row are a stall, and
+# without it a stalled worker whose just-in-time drafts are made elsewhere (the split executor) would cost
+# every round that asks for trees the whole tree_timeout_s, for as long as it stalls.
+LATE_TREE_WAITS_BEFORE_DEAD = 2
 
 
 def revival_delay_s(revivals: int) -> float:
@@ -56,6 +61,7 @@ class DraftPool:
         self._revive = revive
         self._revived: queue.SimpleQueue = queue.SimpleQueue()  # (i, backend) from the revival threads
         self.revivals = [0] * len(backends)  # per worker: times it served again after the pool marked it dead
+        self.late_waits = [0] * len(backends)  # per worker: tree waits in a row that reached their deadline empty
         self._closed = False
         self._calls = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="saguaro-pool")
 
@@ -158,16 +164,30 @@ class DraftPool:
                 or any(i in self.dead or self.backends[i].lost([sid]) for i in self.groups[sid])]
 
     def wait_trees(self, keys, timeout_s: float) -> dict[int, SpeculationTree]:
+        """Each worker's slices, gathered by one deadline; a worker that keeps bringing none by it is dead."""
         deadline = time.monotonic() + timeout_s
         parts = defaultdict(list)
         for key in keys:
             for i in self.groups.get(key[0], []):
-                parts[i].append(key)
+                if i not in self.dead:  # its sequences are lost: they are prefilled again before their next draft
+                    parts[i].append(key)
         slices = defaultdict(list)
         for i, part in parts.items():
-            for seq_id, tree in self.backends[i].wait_trees(part, max(0.0, deadline - time.monotonic())).items():
+            trees = self.backends[i].wait_trees(part, max(0.0, deadline - time.monotonic()))
+            self._note_tree_wait(i, bool(trees) or timeout_s <= 0 or time.monotonic() < deadline)
+            for seq_id, tree in trees.items():
                 slices[seq_id].append(tree)
         return {seq_id: SpeculationTree.concat(trees) for seq_id, trees in slices.items()}
+
+    def _note_tree_wait(self, i: int, in_time: bool) -> None:
+        """Count worker i's waits that reached the deadline with none of its trees in; too many in a row:
+        dead (the revival thread takes it back once it serves again, as after a missed draft deadline)."""
+        self.late_waits[i] = 0 if in_time else self.late_waits[i] + 1
+        if self.late_waits[i] >= LATE_TREE_WAITS_BEFORE_DEAD:
+            log.warning("draft worker %d sent no speculation tree within the timeout %d times in a row",
+                        i, self.late_waits[i])
+            self.late_waits[i] = 0
+            self._mark_dead(i)
 
     def release(self, reqs: list[Release]) -> None:
         self._forget([r.seq_id for r in reqs])
