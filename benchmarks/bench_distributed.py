@@ -43,6 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pools", default="1,2,3", help="draft pool sizes for the hit-rate sweep")
     p.add_argument("--batch", default="1", help="batch sizes of the Ray vs one-host comparison (the goals are "
                                                  "at 1; above it the gates may run two cohorts)")
+    p.add_argument("--no-ngram-rounds", action="store_true",
+                   help="SSD without rounds of n-gram proposals alone (Config.ngram_rounds): the draft's path only")
     p.add_argument("--ray-systems", default="ssd-ray", help="the Ray systems set against one-host ssd: ssd-ray (the "
                    "split default on the CPU) and/or ssd-ray-process (the whole draft in the draft actors)")
     return p.parse_args()
@@ -80,7 +82,7 @@ def main() -> None:
     cfg = BenchConfig(target=args.target, draft=args.draft, systems=("ssd", *ray_systems), settings=("paper",),
                       batch_sizes=batch_sizes, temperatures=(args.temperature,), max_new_tokens=args.max_new_tokens,
                       prompt_len=args.prompt_len, num_prompts=max(args.num_prompts, *batch_sizes), repeats=args.repeats,
-                      interleave=not args.sequential, plots=False)
+                      interleave=not args.sequential, plots=False, ngram_rounds=not args.no_ngram_rounds)
     if len(ray_systems) > 1:  # open at once (interleaved): logical room for every engine's actors on this host
         ray.init(num_cpus=2 * len(ray_systems), include_dashboard=False, log_to_driver=False, configure_logging=False,
                  _system_config=LOCAL_RAY_SYSTEM_CONFIG)

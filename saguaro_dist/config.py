@@ -121,6 +121,8 @@ class Config:
     tree_policy: TreePolicy = TreePolicy.AUTO
     jit_cohorts: int = 2                   # ssd rounds without trees: 2 = the batch in two cohorts, one drafted while the other verifies, where measured faster (spec/cohorts.py); 1 = whole
     hit_glue: HitGlue = HitGlue.AUTO       # ssd: after a hit, whether the tree covers k = K too (one draft forward more)
+    ngram_rounds: bool = True              # ssd, tree_policy and fallback "auto": the tree gate may run rounds of n-gram
+                                           # proposals alone where they measure faster (repetitive text; spec/tree_gate.py)
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
     max_num_batched_tokens: int = 2048     # prompt tokens an engine step prefills, tokens one forward takes: longer prompts run in chunks
@@ -189,6 +191,8 @@ class Config:
                              "('process'), and 'split' also drafts beside the target")
         if not 0.0 <= float(self.saguaro_c) <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
+        if not isinstance(self.ngram_rounds, bool):
+            raise ValueError(f"ngram_rounds must be True or False, got {self.ngram_rounds!r}")
         if self.jit_cohorts not in (1, 2) or isinstance(self.jit_cohorts, bool):
             raise ValueError(f"jit_cohorts must be 1 (the batch whole) or 2 (two cohorts), got {self.jit_cohorts!r}")
         if isinstance(self.proposal_top_k, bool) or not isinstance(self.proposal_top_k, int) or self.proposal_top_k < 0:

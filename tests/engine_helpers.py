@@ -107,12 +107,15 @@ def close_pair(root) -> dict:
 
 
 class CyclingGate:
-    """A tree gate on a fixed cycle trees, trees, just-in-time: every transition (a tree asked for
-    after a round without one, a tree looked up in a round that asks for none) happens every few rounds."""
+    """A tree gate on a fixed cycle trees, trees, just-in-time (then n-gram rounds, where the engine offers
+    them): every transition (a tree asked for after a round without one, a tree looked up in a round that
+    asks for none, drafts after n-gram proposals) happens every few rounds."""
 
-    def __init__(self):
+    def __init__(self, modes=None):
         from saguaro_dist.spec.tree_gate import RoundMode
         self.cycle, self.rounds = [RoundMode.TREES, RoundMode.TREES, RoundMode.JUST_IN_TIME], 0
+        if modes and RoundMode.FAST in modes:
+            self.cycle.append(RoundMode.FAST)
 
     def mode(self, batch_size: int):
         self.rounds += 1

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from saguaro_dist.bench.systems import Measurement
-from saguaro_dist.bench.theory import predict_from_run, predicted_tokens_per_s
+from saguaro_dist.bench.theory import predict_from_run, predicted_tokens_per_s, with_fast_rounds
 
 
 def test_prediction_by_hand_when_the_tree_is_hidden():
@@ -151,3 +151,17 @@ def test_the_trees_best_case_keeps_the_misses_that_waited():
     just_in_time = 3.0 / (1.8 * 0.010)
     assert got["best_case_tokens_per_s"] == pytest.approx(max(trees, just_in_time) * 31 / 30)
     assert got["best_case_tokens_per_s"] < 3.0 / 0.010 * 31 / 30    # what p = 1 claimed
+
+
+def test_rounds_of_n_gram_proposals_are_mixed_in_at_one_verify_each():
+    # 20 rounds of 10 ms verifies: 10 n-gram rounds (2 tokens each, one verify), 10 of Theorem 7's, all just in
+    # time (4 tokens each after a 5 ms draft: 1.5 verifies). 1 token from the prefill, 61 in all.
+    assert with_fast_rounds(400.0, 4.0, 0.0, 2.0, 0.010) == 400.0
+    m = Measurement(tokens=61, seconds=1.0, outputs=[], cache_hits=0, cache_misses=0, fallbacks={},
+                    engine={"rounds": 20, "verify_s": 0.2, "just_in_time_rounds": 10, "jit_rounds": 10,
+                            "jit_round_tokens": 40, "fast_rounds": 10, "fast_round_tokens": 20})
+    got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
+    assert (got["fast_share"], got["tokens_per_fast_round"], got["tokens_per_miss_round"]) == (0.5, 2.0, 4.0)
+    assert got["p_hit"] == 0.0  # of Theorem 7's rounds, every one waited for a draft
+    assert got["predicted_tokens_per_s"] == pytest.approx((10 * 4 + 10 * 2) / (10 * 0.015 + 10 * 0.010))  # 240
+    assert got["best_case_tokens_per_s"] == pytest.approx(61 / (60 / (4 / 0.015)))  # just in time (267) beats 2 / 10 ms

@@ -164,3 +164,20 @@ def test_prompt_lookup_flags_reach_the_config():
     config = Config(**engine_args(parser.parse_args(["m", "--mode", "ngram", "--prompt-lookup-max", "5",
                                                      "--prompt-lookup-min", "2"])))
     assert (config.mode, config.prompt_lookup_max, config.prompt_lookup_min) == (Mode.NGRAM, 5, 2)
+
+
+def test_ngram_rounds_from_the_api_and_the_cli():
+    import argparse
+
+    from saguaro_dist.cli.serve import add_engine_args, engine_args
+    from saguaro_dist.engine.rounds import gate_modes
+    from saguaro_dist.spec.tree_gate import RoundMode
+    assert RoundMode.FAST in gate_modes(Config(model="m", draft="d"))
+    assert RoundMode.FAST not in gate_modes(Config(model="m", draft="d", ngram_rounds=False))
+    assert RoundMode.FAST not in gate_modes(Config(model="m", draft="d", fallback="neural"))  # the draft's, forced
+    with pytest.raises(ValueError, match="ngram_rounds"):
+        Config(model="m", draft="d", ngram_rounds="no")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(engine_args(parser.parse_args(["--no-ngram-rounds"]))).ngram_rounds is False
+    assert config_from_args(engine_args(parser.parse_args([]))).ngram_rounds is True

@@ -233,7 +233,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, e
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
         m = llm.metrics
     check(pair, reference, outputs)
-    assert m.just_in_time_rounds > 0 and m.cache_hits > 0, m
+    assert m.just_in_time_rounds > 0 and m.fast_rounds > 0 and m.cache_hits > 0, m
     assert (m.cohort_rounds > 0) == (batch > 1), m  # cohorts drafted in a round without trees, landed in one with
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
@@ -241,7 +241,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, e
 @pytest.mark.parametrize("capturing", [False, True])
 def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monkeypatch, capturing):
     """A round during which a CUDA graph was captured timed the capture: the gate does not measure it
-    (here every round 'captures', so no mode gets a rate; without captures both modes do)."""
+    (here every round 'captures', so no mode gets a rate; without captures every mode does)."""
     if capturing:
         moving = iter(range(10**9))
         monkeypatch.setattr(rounds_module, "graph_captures", lambda: next(moving))
@@ -251,7 +251,7 @@ def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monk
         rates = llm._thread.engine.loop.gate.rates(1)
     check(pair, reference, outputs)
     if capturing:
-        assert rates == {"trees": None, "just_in_time": None}
+        assert rates == {"trees": None, "just_in_time": None, "fast": None}
     else:
         assert all(r is not None for r in rates.values()), rates
 

@@ -8,6 +8,7 @@ rejected at once; the verifier alone is tested with 10^5+ samples in tests/test_
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,7 @@ from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.engine.structured import GrammarState
 from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.spec import VerifyResult, verify
+from saguaro_dist.spec.tree_gate import RoundMode
 
 VOCAB, PROMPT, N, ALPHA = 6, [1, 2, 3], 20000, 1e-4
 pytestmark = pytest.mark.slow
@@ -224,12 +226,20 @@ def test_a_draft_with_other_padding_rows_follows_the_target(padded_pairs, case, 
 
 @pytest.mark.parametrize("executor", ["thread", "split"])
 def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
-    """Rounds with and without trees mixed: each sequence's 3 tokens span a transition (split: the
-    rounds without trees drafted on the thread, the others' trees built in the child)."""
-    monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)
+    """Rounds with and without trees mixed, and rounds of n-gram proposals alone: each sequence's 3 tokens
+    span a transition (split: the rounds without trees drafted on the thread, the others' trees built in
+    the child)."""
+    chosen = Counter()
+
+    class CountingGate(CyclingGate):
+        def mode(self, batch_size: int):
+            chosen[mode := super().mode(batch_size)] += 1
+            return mode
+    monkeypatch.setattr(rounds_module, "TreeGate", CountingGate)
     target, draft, model = pair
     counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
     assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
+    assert chosen[RoundMode.FAST] > 0, chosen  # (every such round also drafted for sequences admitted in it)
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 

@@ -5,7 +5,7 @@ from saguaro_dist.spec.tree_gate import (
     BURST, EXPLORE_EVERY, MAX_STRETCH, RETRY_BURST, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, choose_mode, explore_interval,
 )
 
-TREES, JIT = RoundMode.TREES, RoundMode.JUST_IN_TIME
+TREES, JIT, FAST = RoundMode.TREES, RoundMode.JUST_IN_TIME, RoundMode.FAST
 
 
 @pytest.mark.parametrize("trees, jit, explore, want", [
@@ -13,7 +13,16 @@ TREES, JIT = RoundMode.TREES, RoundMode.JUST_IN_TIME
     (5.0, 4.0, False, TREES), (4.0, 5.0, False, JIT), (5.0, 4.0, True, JIT), (4.0, 5.0, True, TREES),
 ])
 def test_choose_mode(trees, jit, explore, want):
-    assert choose_mode(trees, jit, explore) is want
+    assert choose_mode({TREES: trees, JIT: jit}, explore) is want
+
+
+def test_choose_mode_explores_the_slower_mode_run_least_lately():
+    rates = {TREES: 5.0, JIT: 4.0, FAST: 3.0}
+    assert choose_mode(rates, False, {JIT: 10, FAST: 20}) is TREES
+    assert choose_mode(rates, True, {JIT: 10, FAST: 20}) is JIT
+    assert choose_mode(rates, True, {JIT: 30, FAST: 20}) is FAST
+    assert choose_mode({TREES: 5.0, JIT: None, FAST: None}, False) is JIT  # unmeasured first, in order
+    assert choose_mode({JIT: 4.0}, True) is JIT  # nothing slower to explore
 
 
 def drive(gate: TreeGate, rounds: int, tokens_per_s: dict, batch: int = 1, tokens: dict | None = None) -> list[RoundMode]:
@@ -145,3 +154,51 @@ def test_a_short_retry_still_notices_that_the_gap_closed():
     drive(gate, 2 * BURST + 2 * EXPLORE_EVERY, {TREES: 30, JIT: 10})
     modes = drive(gate, 8 * EXPLORE_EVERY, {TREES: 30, JIT: 40})
     assert modes[-EXPLORE_EVERY:].count(JIT) >= EXPLORE_EVERY - BURST
+
+
+THREE = (TREES, JIT, FAST)
+
+
+def drive_three(gate: TreeGate, rounds: int, tokens_per_s: dict, batch: int = 1) -> list[RoundMode]:
+    """drive, with a FAST round's rows all the fast backup's (as the engine records them)."""
+    modes = []
+    for _ in range(rounds):
+        mode = gate.mode(batch)
+        fast = batch if mode is FAST else 0
+        gate.record(batch, mode, RoundYield(batch, 10, fast_rows=fast, fast_tokens=10 if fast else 0),
+                    seconds=10 / tokens_per_s[mode])
+        modes.append(mode)
+    return modes
+
+
+def test_with_n_gram_rounds_offered_each_mode_is_measured_then_the_fastest_runs():
+    gate = TreeGate(THREE)
+    modes = drive_three(gate, 3 * BURST + 4 * EXPLORE_EVERY, {TREES: 20, JIT: 18, FAST: 30})
+    assert modes[:3 * BURST] == [TREES] * BURST + [JIT] * BURST + [FAST] * BURST
+    assert gate.rates(1) == {"trees": pytest.approx(20.0), "just_in_time": pytest.approx(18.0), "fast": pytest.approx(30.0)}
+    later = "".join(m.value[0] for m in modes[3 * BURST:])  # t, j, f
+    assert later.count("f") > 0.8 * len(later) and later[-1] == "f"
+    assert "t" in later and "j" in later  # both slower modes re-tried, in turn
+
+
+def test_n_gram_rounds_that_gain_little_lose_though_they_are_short():
+    """At T > 0 an n-gram round is short (no draft) but its proposals are rarely accepted: tokens per second
+    decide, with a FAST round's tokens counted as the fast backup's."""
+    gate, modes = TreeGate(THREE), []
+    for _ in range(3 * BURST + 2 * EXPLORE_EVERY):
+        mode = gate.mode(1)
+        if mode is FAST:  # 1.2 tokens in 4 ms: 300 tok/s
+            gate.record(1, mode, RoundYield(1, 1.2, fast_rows=1, fast_tokens=1.2), seconds=0.004)
+        else:             # 3.5 tokens in 7 ms: 500 tok/s
+            gate.record(1, mode, RoundYield(1, 3.5), seconds=0.007)
+        modes.append(mode)
+    assert gate.rates(1)["fast"] == pytest.approx(300.0) and modes[-1] is not FAST
+    assert modes[3 * BURST:].count(FAST) <= 2 * RETRY_BURST
+
+
+def test_deferred_trees_wait_while_the_modes_without_trees_are_measured():
+    gate = TreeGate(THREE)
+    drive_three(gate, 4 * BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=2)  # trees lost at b = 2 by far
+    modes = drive_three(gate, EXPLORE_EVERY + BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=8)
+    assert modes[:2 * BURST] == [JIT] * BURST + [FAST] * BURST  # no tree burst up front
+    assert TREES in modes[EXPLORE_EVERY - 1:]                    # but trees are still tried, on schedule

@@ -15,7 +15,7 @@ from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
 from saguaro_dist.engine.build import build_draft_worker
 from saguaro_dist.engine.draft_backend import LocalDraftBackend
-from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest, Release
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
 from saguaro_dist.engine.split_draft import SplitDraftBackend
 
 pytestmark = pytest.mark.timeout(120)

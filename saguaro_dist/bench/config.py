@@ -15,6 +15,8 @@ SYSTEMS = {
     "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
+    "ssd-draft": "ours, SSD one-host whose proposals all come from the draft (ngram_rounds=False: ssd may run rounds "
+                 "of n-gram proposals alone)",
     "ssd-ray": "ours, SSD on local Ray (on the CPU the default split: trees from the draft actor over gRPC, just-in-time "
                "drafts on a draft copy in the target actor)",
     "ssd-ray-process": "ours, SSD on local Ray with the whole draft in the draft actor (just-in-time drafts over gRPC too)",
@@ -25,8 +27,9 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ngram", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray", "ssd-ray-process")
-SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-ray", "ssd-ray-process")
+OURS = ("ar", "sd", "ngram", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-ray", "ssd-ray-process")
+SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-ray", "ssd-ray-process")
+SYSTEM_SETTINGS = {"ssd-trees": {"tree_policy": "always"}, "ssd-draft": {"ngram_rounds": False}}  # engine kwargs
 SPECULATIVE = ("sd", "ngram", *SSD_SYSTEMS, "hf-assisted")
 ONE_PROCESS = ("ar", "hf", "sd", "ngram", "hf-assisted")  # target (and draft) on one thread of the bench process
 
@@ -50,7 +53,7 @@ def placement(system: str, setting: str, cores: int = 2) -> Placement:
         return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
     if system in ("sd", "hf-assisted"):
         return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")
-    if system in ("ssd", "ssd-trees"):  # two processes, 1 torch thread each: one core each
+    if system in ("ssd", "ssd-trees", "ssd-draft"):  # two processes, 1 torch thread each: one core each
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); draft: trees in a child "
                                   "process (1 torch thread), pipe; just-in-time drafts on a thread beside the target")
     if system == "ssd-process":
@@ -103,6 +106,7 @@ class BenchConfig:
     fallback: str = "auto"
     tree_policy: str = "auto"
     hit_glue: str = "auto"                # after a hit, whether trees cover k = K (Config.hit_glue)
+    ngram_rounds: bool = True             # ssd: the gate may run rounds of n-gram proposals alone (Config.ngram_rounds)
     seed: int = 0
     repeats: int = 1                      # timed repeats per cell (the best is kept) after an untimed warm-up (runner.warm_up)
     interleave: bool = False              # every system of a setting open at once, one repeat of each in turn
@@ -146,6 +150,7 @@ class BenchConfig:
         return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
                     adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c, proposal_top_k=self.proposal_top_k,
                     fallback=self.fallback, tree_policy=self.tree_policy, hit_glue=self.hit_glue,
+                    ngram_rounds=self.ngram_rounds,
                     max_batch_size=max(self.batch_sizes),
                     device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager)
 

@@ -51,7 +51,7 @@ def theorem7_lines(rows: list[dict]) -> list[str]:
                      f"{_with_prefill(t)}, measured "
                      f"{t['measured_tokens_per_s']:.1f} tok/s = {100 * t['measured_over_predicted']:.0f}% of predicted; "
                      f"draft alone: T_p {t['tree_alone_s'] / t['verify_s']:.2f}, "
-                     f"predicted {t['predicted_alone_tokens_per_s']:.1f} tok/s" + _best_case(t) + _cohorts(t))
+                     f"predicted {t['predicted_alone_tokens_per_s']:.1f} tok/s" + _best_case(t) + _cohorts(t) + _fast_rounds(t))
     return lines
 
 
@@ -71,6 +71,13 @@ def _cohorts(t: dict) -> str:
     """The share of rounds run as two cohorts, which Theorem 7 does not model (it counts them as SD's)."""
     share = t.get("cohort_share") or 0.0
     return f"; {100 * share:.0f}% of rounds two cohorts (Theorem 7 counts them as whole SD rounds)" if share else ""
+
+
+def _fast_rounds(t: dict) -> str:
+    """The share of rounds run on n-gram proposals alone, mixed into the prediction at one verify each."""
+    share = t.get("fast_share") or 0.0
+    return (f"; {100 * share:.0f}% of rounds n-gram proposals alone ({t['tokens_per_fast_round']:.2f} tokens a round, "
+            "one verify each)") if share else ""
 
 
 def _best_case(t: dict) -> str:

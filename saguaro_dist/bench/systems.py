@@ -7,12 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_dist.bench.config import Placement
+from saguaro_dist.bench.config import SYSTEM_SETTINGS, Placement
 from saguaro_dist.config import DRAFT_MODES, Mode
 
 log = logging.getLogger(__name__)
 ENGINE_FIELDS = ("rounds", "verify_s", "draft_wait_s", "prefill_s", "step_s", "coordination_s", "cache_hits", "cache_misses",
-                 "just_in_time_rounds", "jit_rounds", "jit_round_tokens", "tree_build_s", "tree_builds")
+                 "just_in_time_rounds", "jit_rounds", "jit_round_tokens", "tree_build_s", "tree_builds", "cohort_rounds",
+                 "fast_rounds", "fast_round_tokens")
 
 
 @dataclass
@@ -81,12 +82,11 @@ class OursSystem:
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
         mode = "ssd" if self.name.startswith("ssd") else self.name
-        executor = {"sd": "thread", "ssd": "split", "ssd-trees": "split", "ssd-process": "process",
+        executor = {"sd": "thread", "ssd": "split", "ssd-trees": "split", "ssd-draft": "split", "ssd-process": "process",
                     "ssd-thread": "thread", "ssd-ray-process": "process"}.get(self.name, "auto")
         # Every repeat runs the same prompts: a prefix cache would skip our systems' prefills from the
         # second on (not transformers'), so it is off here, as in the runs before it existed.
-        kwargs = {"enable_prefix_caching": False, **self.engine_kwargs,
-                  **({"tree_policy": "always"} if self.name == "ssd-trees" else {})}
+        kwargs = {"enable_prefix_caching": False, **self.engine_kwargs, **SYSTEM_SETTINGS.get(self.name, {})}
         self.llm = LLM(model=self.target, draft=self.draft if Mode(mode) in DRAFT_MODES else None, mode=mode, draft_executor=executor,
                        cluster="local" if self.name.startswith("ssd-ray") else None, target_threads=place.target_threads,
                        draft_threads=place.draft_threads, **kwargs)

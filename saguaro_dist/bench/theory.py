@@ -21,17 +21,30 @@ def predicted_tokens_per_s(tokens_hit: float, tokens_miss: float, p_hit: float, 
     return predicted_speedup(p_hit, tokens_hit, tokens_miss, tree_s / verify_s, backup_s / verify_s) / verify_s
 
 
+def with_fast_rounds(t7_rate: float, t7_tokens: float, fast_share: float, fast_tokens: float, verify_s: float) -> float:
+    """Tokens/s of rounds of which fast_share ran on n-gram proposals alone (RoundMode.FAST: no tree built, no
+    draft waited for, so one verify each, fast_tokens a round; outside Theorem 7) and the rest at Theorem 7's
+    t7_rate, t7_tokens a round: each kind's rounds at their own length."""
+    if fast_share <= 0:
+        return t7_rate
+    t7_round_s = t7_tokens / t7_rate if t7_rate else 0.0
+    seconds = (1.0 - fast_share) * t7_round_s + fast_share * verify_s
+    return ((1.0 - fast_share) * t7_tokens + fast_share * fast_tokens) / seconds if seconds > 0 else 0.0
+
+
 def first_tokens(m, batch: int) -> int:
     """Tokens the prefills sampled, one a sequence (a cell's b-at-a-time calls add up); the rest came from rounds."""
     return len(m.outputs) or batch
 
 
 def tokens_by_round_kind(m, batch: int, rounds: int) -> tuple[float | None, float | None]:
-    """E[tokens | a round that did not wait for a just-in-time draft] and E[tokens | one that did] (None:
+    """Of Theorem 7's `rounds` (the run's but its n-gram rounds, with_fast_rounds): E[tokens | a round that
+    did not wait for a just-in-time draft] and E[tokens | one that did] (None:
     the run had no such round), from EngineMetrics jit_round_tokens; without it the run's mean stands for
     both. Misses that took the fast backup verify fewer tokens than a neural draft's rounds: a best case
     that gave every round the mean (what this once did) overstated the kind the run did not run."""
-    total, jit = m.tokens - first_tokens(m, batch), m.engine.get("jit_rounds")
+    total = m.tokens - first_tokens(m, batch) - m.engine.get("fast_round_tokens", 0)  # Theorem 7's rounds' tokens
+    jit = m.engine.get("jit_rounds")
     if jit is None or "jit_round_tokens" not in m.engine:
         return total / rounds, total / rounds
     waited = min(m.engine["jit_round_tokens"], total)  # a last round's tokens past max_tokens are not output
@@ -72,36 +85,46 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     tokens at the predicted rate. The same holds for the draft-alone and best-case figures.
 
     Rounds verified as two cohorts (spec/cohorts.py) overlap the just-in-time draft with a verify, which
-    Theorem 7 does not model: its 1 + T_b overstates them. Their share is reported (cohort_share)."""
-    rounds = m.engine.get("rounds", 0)
+    Theorem 7 does not model: its 1 + T_b overstates them. Their share is reported (cohort_share).
+    Rounds run on n-gram proposals alone (RoundMode.FAST) are outside the theorem too: they are mixed in at
+    one verify each and their own tokens per round (with_fast_rounds; fast_share)."""
+    all_rounds, fast = m.engine.get("rounds", 0), m.engine.get("fast_rounds", 0)
+    rounds = all_rounds - fast  # Theorem 7's: the rest ran on n-gram proposals alone (with_fast_rounds)
     lookups = m.cache_hits + m.cache_misses
-    if not rounds or (not lookups and "jit_rounds" not in m.engine):
+    if not all_rounds or (not lookups and "jit_rounds" not in m.engine):
         return {}
     hit = m.cache_hits / lookups if lookups else None  # None: the gate ran every round without trees
     neural_share = m.fallbacks.get("neural", 0) / m.cache_misses if m.cache_misses else 0.0
     if "jit_rounds" in m.engine:
-        p_round = 1.0 - m.engine["jit_rounds"] / rounds
+        p_round = 1.0 - m.engine["jit_rounds"] / rounds if rounds else 1.0
     else:
         p_round = 1.0 - neural_share * (1.0 - hit ** batch)
     builds = m.engine.get("tree_builds", 0)
     tree_s = m.engine["tree_build_s"] / builds if builds else calib["tree_s"]
-    tokens_hit, tokens_miss = tokens_by_round_kind(m, batch, rounds)
-    inputs = {"p_hit": p_round, "verify_s": m.engine["verify_s"] / rounds, "tree_s": tree_s, "backup_s": calib["jit_s"]}
+    tokens_hit, tokens_miss = tokens_by_round_kind(m, batch, rounds) if rounds else (None, None)
+    verify_s = m.engine["verify_s"] / all_rounds
+    inputs = {"p_hit": p_round, "verify_s": verify_s, "tree_s": tree_s, "backup_s": calib["jit_s"]}
     tokens = {"tokens_hit": tokens_hit or 0.0, "tokens_miss": tokens_miss or 0.0}  # None: p puts no weight there
-    pred = predicted_tokens_per_s(**tokens, **inputs)
-    alone = predicted_tokens_per_s(**tokens, **{**inputs, "tree_s": calib["tree_s"]})
-    # SSD's best case with this draft on this hardware: every round of the cheaper mode (Theorem 7 is
-    # linear in p, so the best mix is all trees or all just-in-time drafts, p = 0), among the modes the run
-    # measured: the tokens of a kind it never ran are not known.
-    modes = ((tree_mode_p(m, rounds), tokens_hit), (0.0, tokens_miss))
-    measured = [p for p, kind in modes if p is not None and kind is not None]
-    best_case = max(predicted_tokens_per_s(**tokens, **{**inputs, "p_hit": p}) for p in measured)
+    fast_share, fast_tokens = fast / all_rounds, (m.engine.get("fast_round_tokens", 0) / fast if fast else None)
+
+    def rate(p_hit: float, tree: float, share: float = fast_share) -> float:
+        t7 = {**inputs, "p_hit": p_hit, "tree_s": tree}
+        t7_tokens = p_hit * tokens["tokens_hit"] + (1.0 - p_hit) * tokens["tokens_miss"]
+        return with_fast_rounds(predicted_tokens_per_s(**tokens, **t7), t7_tokens, share, fast_tokens or 0.0, verify_s)
+    pred, alone = rate(p_round, tree_s), rate(p_round, calib["tree_s"])
+    # SSD's best case with this draft on this hardware: every round of the cheapest mode (Theorem 7 is
+    # linear in p, so the best mix is all trees, all just-in-time drafts (p = 0) or all n-gram rounds),
+    # among the modes the run measured: the tokens of a kind it never ran are not known.
+    modes = ((tree_mode_p(m, rounds) if rounds else None, tokens_hit), (0.0, tokens_miss))
+    best = [rate(p, tree_s, 0.0) for p, kind in modes if p is not None and kind is not None]
+    best_case = max(best + ([fast_tokens / verify_s] if fast_tokens else []))
     decoded, prefill_s = m.tokens - first_tokens(m, batch), m.engine.get("prefill_s", 0.0)
     run = lambda rate: m.tokens / (prefill_s + decoded / rate) if rate else 0.0  # noqa: E731 - the run at that rate
-    return {**inputs, "tokens_per_round": decoded / rounds, "tokens_per_hit_round": tokens_hit,
+    return {**inputs, "tokens_per_round": decoded / all_rounds, "tokens_per_hit_round": tokens_hit,
             "tokens_per_miss_round": tokens_miss, "tree_alone_s": calib["tree_s"], "tree_s_in_run": bool(builds),
             "hit_rate": hit, "neural_share": neural_share, "prefill_s": prefill_s, "predicted_tokens_per_s": pred,
-            "cohort_share": m.engine.get("cohort_rounds", 0) / rounds,
+            "cohort_share": m.engine.get("cohort_rounds", 0) / all_rounds,
+            "fast_share": fast_share, "tokens_per_fast_round": fast_tokens,
             "predicted_run_tokens_per_s": run(pred), "predicted_alone_tokens_per_s": run(alone),
             "best_case_tokens_per_s": run(best_case), "measured_tokens_per_s": m.tokens_per_s,
             "measured_over_predicted": m.tokens_per_s / run(pred) if pred else 0.0}

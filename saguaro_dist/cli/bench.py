@@ -51,6 +51,8 @@ def register(subparsers) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--adaptive-fan-out", action="store_true", help="let the draft shrink the fan-out budget (spec/budget.py)")
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs (the eager baseline)")
+    p.add_argument("--no-ngram-rounds", action="store_true",
+                   help="ssd: no rounds of n-gram proposals alone (Config.ngram_rounds; the ssd-draft system is ssd so)")
     p.add_argument("--interleave", action="store_true",
                    help="open every system of a setting at once and run their repeats in turn (drift falls on all alike)")
     for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():
@@ -63,7 +65,7 @@ def bench_config(args) -> "BenchConfig":
     overrides = {f: parse(getattr(args, f)) for f, parse in GRID_OPTIONS.values() if getattr(args, f) is not None}
     return BenchConfig.preset(args.preset, target=args.target, draft=args.draft, out_dir=args.out,
                               plots=not args.no_plots, adaptive_fan_out=args.adaptive_fan_out,
-                              enforce_eager=args.enforce_eager,
+                              enforce_eager=args.enforce_eager, ngram_rounds=not args.no_ngram_rounds,
                               interleave=args.interleave, **overrides)
 
 

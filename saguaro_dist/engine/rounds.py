@@ -225,7 +225,7 @@ class SSDLoop(SDLoop):
         super().__init__(target, draft, metrics, config)
         self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
         self.cache = SpeculationCache()
-        self.gate = TreeGate() if config.tree_policy is TreePolicy.AUTO else None
+        self.gate = TreeGate(gate_modes(config)) if config.tree_policy is TreePolicy.AUTO else None
         self.cohort_gate = CohortGate() if config.jit_cohorts == 2 else None
         self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
         self._split: bool | None = None  # this round verifies two cohorts (None: not a choice this round)
@@ -265,6 +265,9 @@ class SSDLoop(SDLoop):
     def verify(self, seqs):
         verified_s = self.metrics.verify_s
         gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
+        if self._mode is RoundMode.FAST and not self._drafted_this_round:  # (a sequence admitted now was drafted)
+            self.metrics.fast_rounds += 1
+            self.metrics.fast_round_tokens += sum(map(len, gained))
         # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
         self.stats.record_time(Timing.VERIFY, self.metrics.verify_s - verified_s)
         for source in ProposalSource:
@@ -326,9 +329,12 @@ class SSDLoop(SDLoop):
         return self._take_drafts(asked, FallbackPolicy.FAST), {s.seq_id for s in asked.seqs}
 
     def _without_tree(self, seqs: list[Sequence]) -> list[Outcome]:
-        """No tree was asked for: the draft drafts now (SD's round), or the forced fast backup."""
+        """No tree was asked for: the draft drafts now (SD's round), or the fast backup (forced, or the
+        tree gate measured its rounds faster: RoundMode.FAST)."""
         if self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM):
             return self._fast(seqs, self.config.fallback)
+        if self._mode is RoundMode.FAST:
+            return self._fast(seqs, FallbackPolicy.FAST)
         return self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
@@ -419,6 +425,15 @@ class AskedDrafts:
         """Only the sequences still running (the answer still covers every request: it is taken whole)."""
         return AskedDrafts([s for s in self.seqs if s.seq_id in seq_ids], [s for s in self.live if s.seq_id in seq_ids],
                            self.reqs, self.pending)
+
+
+def gate_modes(config: Config) -> tuple[RoundMode, ...]:
+    """The round modes SSD's tree gate chooses among: rounds of the fast backup's proposals too where the
+    config leaves the backup to the engine (fallback "auto", ngram_rounds): a forced backup already
+    speculates every round without trees (fast, random), or is to be the draft's (neural)."""
+    if config.fallback is FallbackPolicy.AUTO and config.ngram_rounds:
+        return RoundMode.TREES, RoundMode.JUST_IN_TIME, RoundMode.FAST
+    return RoundMode.TREES, RoundMode.JUST_IN_TIME
 
 
 def round_yield(seqs: list[Sequence], gained: list[list[int]]) -> RoundYield:

@@ -1,12 +1,15 @@
-"""Trees or just-in-time drafts, per batch size, by measurement.
+"""Trees, just-in-time drafts or n-gram proposals, per batch size, by measurement.
 
 SSD's tree pays only while the draft builds it within the target's verify. When it cannot (a big
 batch, sampling at T > 0 where every branch carries a [K, V] distribution, or a draft that slows the
 target by sharing its hardware), a round waits for the tree and plain speculative decoding (the draft
-drafting K tokens after each outcome) is faster. Theorem 7 predicts this only from the times it is
-given; the gate measures instead: tokens per second of rounds run each way, per batch size, running
-the faster and re-trying the slower in short bursts, so a change (load, text, batch mix) is noticed.
-Either way every token is verified exactly: the gate only chooses where proposals come from.
+drafting K tokens after each outcome) is faster. And where the text repeats itself (code; the demo
+pair's greedy loops), the fast backup's n-gram proposals, which cost no draft at all, can beat both
+(RoundMode.FAST, offered where the config leaves the backup to the engine: fallback "auto"). Theorem 7
+predicts this only from the times it is given; the gate measures instead: tokens per second of rounds
+run each way, per batch size, running the fastest and re-trying the slower in short bursts, so a change
+(load, text, batch mix) is noticed. Every token is verified exactly whichever way: the gate only
+chooses where proposals come from.
 """
 from __future__ import annotations
 
@@ -42,6 +45,10 @@ class RoundYield:
 class RoundMode(str, enum.Enum):
     TREES = "trees"                # SSD: the draft prepares a tree while the target verifies
     JUST_IN_TIME = "just_in_time"  # SD: the draft drafts after each outcome, no tree
+    FAST = "fast"                  # the fast backup (n-gram) proposes for every sequence: no draft, no tree
+
+
+TWO_MODES = (RoundMode.TREES, RoundMode.JUST_IN_TIME)
 
 
 @dataclass
@@ -84,16 +91,17 @@ class DecayedMean:
         return self.total / self.weight if self.weight else None
 
 
-def choose_mode(trees_per_s: float | None, jit_per_s: float | None, explore: bool) -> RoundMode:
-    """The unmeasured mode first (trees before just-in-time), then the faster one, or the slower one
-    when it is time to explore (so a mode that lost once is not lost for good)."""
-    if trees_per_s is None:
-        return RoundMode.TREES
-    if jit_per_s is None:
-        return RoundMode.JUST_IN_TIME
-    faster = RoundMode.TREES if trees_per_s >= jit_per_s else RoundMode.JUST_IN_TIME
-    slower = RoundMode.JUST_IN_TIME if faster is RoundMode.TREES else RoundMode.TREES
-    return slower if explore else faster
+def choose_mode(rates: dict, explore: bool, last_run: dict | None = None) -> RoundMode:
+    """The first unmeasured mode (in the gate's order: trees first), then the fastest, or when it is time
+    to explore a slower one: the one run least lately (so a mode that lost once is not lost for good)."""
+    unmeasured = [m for m, rate in rates.items() if rate is None]
+    if unmeasured:
+        return unmeasured[0]
+    fastest = max(rates, key=rates.get)
+    slower = [m for m in rates if m is not fastest]
+    if not explore or not slower:
+        return fastest
+    return min(slower, key=lambda m: (last_run or {}).get(m, 0))
 
 
 def relative_gap(a: float, b: float) -> float:
@@ -101,31 +109,31 @@ def relative_gap(a: float, b: float) -> float:
     return 1.0 - min(a, b) / max(a, b)
 
 
-def burst_length(trees_per_s: float | None, jit_per_s: float | None, explore: bool) -> int:
+def burst_length(best_per_s: float | None, explored_per_s: float | None, explore: bool) -> int:
     """Rounds a newly chosen mode keeps: BURST, or RETRY_BURST for a re-try of a mode far behind. Such a
     re-try costs in proportion to its length and only has to notice that the gap closed (then the next
     re-try comes sooner, and is a full burst); three measured rounds do, against a gap over 20%."""
-    if not explore or not trees_per_s or not jit_per_s:
+    if not explore or not best_per_s or not explored_per_s:
         return BURST
-    return RETRY_BURST if relative_gap(trees_per_s, jit_per_s) > 2 * CLOSE_GAP else BURST
+    return RETRY_BURST if relative_gap(best_per_s, explored_per_s) > 2 * CLOSE_GAP else BURST
 
 
-def explore_interval(trees_per_s: float | None, jit_per_s: float | None, slower_bursts: int) -> float:
-    """Rounds between re-tries of the slower mode: EXPLORE_EVERY while the modes are close, up to
-    MAX_STRETCH times that when one is far behind. A re-try costs in proportion to the gap and is
+def explore_interval(best_per_s: float | None, slower_per_s: float | None, slower_bursts: int) -> float:
+    """Rounds between re-tries of a slower mode: EXPLORE_EVERY while it is close to the best, up to
+    MAX_STRETCH times that when it is far behind. A re-try costs in proportion to the gap and is
     needed less the larger it is (noise and drift rarely close a 40% gap), as in a bandit's schedule;
     but a gap seen in few bursts may be a fluke (a cold start), so the stretch grows by at most one
     EXPLORE_EVERY per burst the slower mode has run."""
-    if not trees_per_s or not jit_per_s:
+    if not best_per_s or not slower_per_s:
         return EXPLORE_EVERY
-    by_gap = (relative_gap(trees_per_s, jit_per_s) / CLOSE_GAP) ** 2
+    by_gap = (relative_gap(best_per_s, slower_per_s) / CLOSE_GAP) ** 2
     return EXPLORE_EVERY * min(MAX_STRETCH, max(1, slower_bursts), max(1.0, by_gap))
 
 
 @dataclass
 class _BatchGate:
     """One batch size's choice. A mode's rate is its expected tokens per round over its seconds per
-    round. Tokens per row are pooled over both modes, per proposal source: the draft's rows (cache hits
+    round. Tokens per row are pooled over the modes, per proposal source: the draft's rows (cache hits
     and just-in-time drafts) gain what the text allows whichever mode drafted them, so a mode's own
     count would compare the text of its bursts (a re-try on an easy stretch looked faster and kept a
     slower mode for ~100 rounds). Rows the fast backup proposed (a tree round's misses) are counted
@@ -133,6 +141,7 @@ class _BatchGate:
     and pooled with the draft's rows they made tree rounds look as productive as just-in-time ones."""
     batch_size: int = 1
     mode: RoundMode = RoundMode.TREES
+    modes: tuple = TWO_MODES     # the modes it chooses among, trees first
     left: int = BURST            # rounds the current mode still runs before the next choice
     since_explore: int = 0
     unmeasured: int = TRANSITION_ROUNDS  # rounds of the current mode still left out of its measurement
@@ -142,20 +151,22 @@ class _BatchGate:
     draft_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per draft row
     fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row
     fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
-    trees_deferred: bool = False  # start just-in-time; first try trees at the exploration schedule
+    trees_deferred: bool = False  # start without trees; first try trees at the exploration schedule
+    last_run: dict = field(default_factory=dict)  # mode -> the last round it ran (which slower mode to re-try)
 
     def __post_init__(self):
         self.bursts[self.mode] += 1  # the one it starts with
 
     @classmethod
-    def starting_just_in_time(cls, batch_size: int) -> "_BatchGate":
-        return cls(batch_size, mode=RoundMode.JUST_IN_TIME, trees_deferred=True)
+    def starting_just_in_time(cls, batch_size: int, modes: tuple = TWO_MODES) -> "_BatchGate":
+        return cls(batch_size, mode=RoundMode.JUST_IN_TIME, modes=modes, trees_deferred=True)
 
-    def just_in_time_lead(self) -> float | None:
-        """How much faster just-in-time rounds run than tree rounds (negative: slower); None until both
-        were measured."""
-        trees, jit = self.rate(RoundMode.TREES), self.rate(RoundMode.JUST_IN_TIME)
-        return None if trees is None or jit is None else jit / trees - 1.0
+    def lead_over_trees(self) -> float | None:
+        """How much faster the best rounds without trees run than tree rounds (negative: slower); None
+        until trees and one other mode were measured."""
+        trees = self.rate(RoundMode.TREES)
+        others = [r for r in (self.rate(m) for m in self.modes if m is not RoundMode.TREES) if r is not None]
+        return None if trees is None or not others else max(others) / trees - 1.0
 
     def rate(self, mode: RoundMode) -> float | None:
         """Tokens per second of `mode`; None until a burst's worth of its rounds was measured."""
@@ -178,18 +189,24 @@ class _BatchGate:
         if self.left > 0:
             self.left -= 1
             return self.mode
-        trees, jit = self.rate(RoundMode.TREES), self.rate(RoundMode.JUST_IN_TIME)
-        if self.trees_deferred and trees is None and self.since_explore < EXPLORE_EVERY:
-            return self.mode
-        slower = choose_mode(trees, jit, explore=True)  # (while one is unmeasured, the interval ignores it)
-        explore = self.since_explore >= explore_interval(trees, jit, self.bursts[slower])
-        mode = choose_mode(trees, jit, explore)
+        rates = self._candidates()
+        best = max((r for r in rates.values() if r is not None), default=None)
+        slower = choose_mode(rates, True, self.last_run)  # (while one is unmeasured, the interval ignores it)
+        explore = self.since_explore >= explore_interval(best, rates[slower], self.bursts[slower])
+        mode = choose_mode(rates, explore, self.last_run)
         if explore:
             self.since_explore = 0
         if mode is not self.mode:
-            self.mode, self.unmeasured, self.left = mode, TRANSITION_ROUNDS, burst_length(trees, jit, explore) - 1
+            self.mode, self.unmeasured, self.left = mode, TRANSITION_ROUNDS, burst_length(best, rates[mode], explore) - 1
             self.bursts[mode] += 1
+        self.last_run[mode] = self.rounds
         return mode
+
+    def _candidates(self) -> dict:
+        """mode -> rate (None: unmeasured) of the modes this choice may take: all but trees while they wait
+        for the exploration schedule (trees_deferred)."""
+        deferred = self.trees_deferred and self.rate(RoundMode.TREES) is None and self.since_explore < EXPLORE_EVERY
+        return {m: self.rate(m) for m in self.modes if not (deferred and m is RoundMode.TREES)}
 
     def record(self, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         if mode is not self.mode:
@@ -206,9 +223,11 @@ class _BatchGate:
 
 
 class TreeGate:
-    """Per batch size: which RoundMode the next round runs, from the measured rounds of each."""
+    """Per batch size: which RoundMode the next round runs, from the measured rounds of each. `modes`:
+    those it may choose, trees first (FAST where the config leaves the backup to the engine)."""
 
-    def __init__(self):
+    def __init__(self, modes: tuple = TWO_MODES):
+        self.modes = modes
         self._gates: dict[int, _BatchGate] = {}
 
     def mode(self, batch_size: int) -> RoundMode:
@@ -223,11 +242,11 @@ class TreeGate:
         b x (K + 1) rows scored over the same weights), so trees that lost at b' lose at b > b' too
         (Saguaro's critical batch size). Then the first tree burst waits for the exploration
         schedule instead of costing the first rounds."""
-        leads = {b: g.just_in_time_lead() for b, g in self._gates.items() if b < batch_size}
+        leads = {b: g.lead_over_trees() for b, g in self._gates.items() if b < batch_size}
         measured = [b for b, lead in leads.items() if lead is not None]
         if measured and leads[max(measured)] > CLOSE_GAP:
-            return _BatchGate.starting_just_in_time(batch_size)
-        return _BatchGate(batch_size)
+            return _BatchGate.starting_just_in_time(batch_size, self.modes)
+        return _BatchGate(batch_size, modes=self.modes)
 
     def record(self, batch_size: int, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         """A finished round of `mode` at `batch_size`: `gained` in `seconds` (prepare + verify)."""
@@ -237,4 +256,4 @@ class TreeGate:
 
     def rates(self, batch_size: int) -> dict[str, float | None]:
         gate = self._gates.get(batch_size)
-        return {m.value: gate.rate(m) if gate else None for m in RoundMode}
+        return {m.value: gate.rate(m) if gate else None for m in self.modes}
