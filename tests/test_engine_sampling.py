@@ -232,8 +232,8 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
     chosen = Counter()
 
     class CountingGate(CyclingGate):
-        def mode(self, batch_size: int):
-            chosen[mode := super().mode(batch_size)] += 1
+        def mode(self, batch_size: int, sampled: bool = False):
+            chosen[mode := super().mode(batch_size, sampled)] += 1
             return mode
     monkeypatch.setattr(rounds_module, "TreeGate", CountingGate)
     target, draft, model = pair

@@ -198,7 +198,29 @@ def test_n_gram_rounds_that_gain_little_lose_though_they_are_short():
 
 def test_deferred_trees_wait_while_the_modes_without_trees_are_measured():
     gate = TreeGate(THREE)
-    drive_three(gate, 4 * BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=2)  # trees lost at b = 2 by far
-    modes = drive_three(gate, EXPLORE_EVERY + BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=8)
+    drive_three(gate, 4 * BURST, {TREES: 10, JIT: 30, FAST: 29}, batch=2)  # trees lost at b = 2 by far
+    modes = drive_three(gate, EXPLORE_EVERY + BURST, {TREES: 10, JIT: 30, FAST: 29}, batch=8)
     assert modes[:2 * BURST] == [JIT] * BURST + [FAST] * BURST  # no tree burst up front
     assert TREES in modes[EXPLORE_EVERY - 1:]                    # but trees are still tried, on schedule
+
+
+def test_a_mode_without_trees_that_lost_to_another_waits_at_the_next_batch_size_either_side():
+    """A batch shrinking as its sequences end meets b = 7, 6, ... after b = 8: the proposals that lost there
+    (n-gram or the draft's: the text decides, not the batch) wait for the schedule; trees, which may win at
+    a smaller batch, are still measured up front."""
+    gate = TreeGate(THREE)
+    drive_three(gate, 3 * BURST, {TREES: 20, JIT: 15, FAST: 30}, batch=8)
+    modes = drive_three(gate, EXPLORE_EVERY + 4 * BURST, {TREES: 20, JIT: 15, FAST: 30}, batch=7)
+    assert modes[:2 * BURST] == [TREES] * BURST + [FAST] * BURST
+    assert JIT not in modes[:EXPLORE_EVERY - 1] and JIT in modes  # tried on the schedule, once
+    assert gate.rates(7)["just_in_time"] is not None
+
+
+def test_sampled_and_greedy_batches_are_measured_apart():
+    """n-gram rounds won on greedy traffic; at T > 0 they gain ~1 token a row: a sampled batch of the same
+    size must not inherit that choice (nor the deferrals it implies)."""
+    gate = TreeGate(THREE)
+    drive_three(gate, 3 * BURST, {TREES: 20, JIT: 15, FAST: 30}, batch=4)
+    assert gate.mode(4, sampled=True) is TREES and gate.rates(4, sampled=True)["fast"] is None
+    drive_three(gate, 2 * BURST, {TREES: 20, JIT: 15, FAST: 30}, batch=4)
+    assert gate.rates(4)["fast"] == pytest.approx(30.0)

@@ -229,6 +229,7 @@ class SSDLoop(SDLoop):
         self.cohort_gate = CohortGate() if config.jit_cohorts == 2 else None
         self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
         self._split: bool | None = None  # this round verifies two cohorts (None: not a choice this round)
+        self._sampled = False  # a row of this round samples (T > 0)
         self._cohorts: tuple[list[Sequence], list[Sequence], AskedDrafts] | None = None  # first, second, the second's drafts
         self._in_flight: AskedDrafts | None = None  # the last round's first cohort's drafts, asked beside the second's verify
         self._fallback_choices = 0  # automatic fallback choices made (explore_fallback)
@@ -239,6 +240,7 @@ class SSDLoop(SDLoop):
         self._captures = graph_captures()
         self._track_draft(seqs)
         outcomes, landed = self._land(seqs)
+        self._sampled = any(not s.params.greedy for s in seqs)  # the gate measures such batches apart
         self._mode = self._round_mode(len(seqs))
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
         # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
@@ -275,14 +277,14 @@ class SSDLoop(SDLoop):
         if graph_captures() == self._captures:  # a round that captured a graph timed the capture
             seconds = time.perf_counter() - self._round_start
             if self.gate:
-                self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), seconds)
+                self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), seconds, self._sampled)
             if self._split is not None:
                 self.cohort_gate.record(len(seqs), self._split, seconds)
         return gained
 
     def _round_mode(self, batch_size: int) -> RoundMode:
         if self.gate:
-            return self.gate.mode(batch_size)
+            return self.gate.mode(batch_size, self._sampled)
         return RoundMode.JUST_IN_TIME if self.config.tree_policy is TreePolicy.NEVER else RoundMode.TREES
 
     def _cohort_choice(self, batch_size: int) -> bool | None:

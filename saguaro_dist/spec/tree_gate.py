@@ -151,15 +151,21 @@ class _BatchGate:
     draft_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per draft row
     fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row
     fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
-    trees_deferred: bool = False  # start without trees; first try trees at the exploration schedule
+    deferred: frozenset = frozenset()  # modes first tried at the exploration schedule, not up front (TreeGate._new_gate)
     last_run: dict = field(default_factory=dict)  # mode -> the last round it ran (which slower mode to re-try)
 
     def __post_init__(self):
         self.bursts[self.mode] += 1  # the one it starts with
 
-    @classmethod
-    def starting_just_in_time(cls, batch_size: int, modes: tuple = TWO_MODES) -> "_BatchGate":
-        return cls(batch_size, mode=RoundMode.JUST_IN_TIME, modes=modes, trees_deferred=True)
+    def untreed_rates(self) -> dict:
+        """mode -> rate of the measured modes without trees."""
+        rates = {m: self.rate(m) for m in self.modes if m is not RoundMode.TREES}
+        return {m: r for m, r in rates.items() if r is not None}
+
+    def untreed_losers(self) -> set:
+        """The modes without trees that run more than CLOSE_GAP slower than another mode without trees."""
+        rates = self.untreed_rates()
+        return {m for m, r in rates.items() if relative_gap(r, max(rates.values())) > CLOSE_GAP}
 
     def lead_over_trees(self) -> float | None:
         """How much faster the best rounds without trees run than tree rounds (negative: slower); None
@@ -203,10 +209,11 @@ class _BatchGate:
         return mode
 
     def _candidates(self) -> dict:
-        """mode -> rate (None: unmeasured) of the modes this choice may take: all but trees while they wait
-        for the exploration schedule (trees_deferred)."""
-        deferred = self.trees_deferred and self.rate(RoundMode.TREES) is None and self.since_explore < EXPLORE_EVERY
-        return {m: self.rate(m) for m in self.modes if not (deferred and m is RoundMode.TREES)}
+        """mode -> rate (None: unmeasured) of the modes this choice may take: all but the deferred ones not
+        yet measured, before the exploration schedule."""
+        rates = {m: self.rate(m) for m in self.modes}
+        waiting = self.since_explore < EXPLORE_EVERY
+        return {m: r for m, r in rates.items() if not (waiting and r is None and m in self.deferred)}
 
     def record(self, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         if mode is not self.mode:
@@ -223,37 +230,51 @@ class _BatchGate:
 
 
 class TreeGate:
-    """Per batch size: which RoundMode the next round runs, from the measured rounds of each. `modes`:
-    those it may choose, trees first (FAST where the config leaves the backup to the engine)."""
+    """Per batch size, apart for batches that sample (any row at T > 0) and greedy ones: which RoundMode the
+    next round runs, from the measured rounds of each. `modes`: those it may choose, trees first (FAST
+    where the config leaves the backup to the engine). Why apart: at T > 0 a tree carries a q per branch
+    and n-gram proposals are rarely accepted (tokens a row 3.0 greedy, 1.1 at T = 0.7 on the demo pair), so
+    one batch size's rates from greedy traffic misled sampled traffic for the ~100 rounds they take to fade."""
 
     def __init__(self, modes: tuple = TWO_MODES):
         self.modes = modes
-        self._gates: dict[int, _BatchGate] = {}
+        self._gates: dict[tuple[bool, int], _BatchGate] = {}  # (sampled, batch size) -> its choice
 
-    def mode(self, batch_size: int) -> RoundMode:
-        gate = self._gates.get(batch_size)
+    def mode(self, batch_size: int, sampled: bool = False) -> RoundMode:
+        gate = self._gates.get((sampled, batch_size))
         if gate is None:  # not setdefault: that would build a _BatchGate every round
-            gate = self._gates[batch_size] = self._new_gate(batch_size)
+            gate = self._gates[sampled, batch_size] = self._new_gate(batch_size, sampled)
         return gate.next_round()
 
-    def _new_gate(self, batch_size: int) -> _BatchGate:
-        """Trees first, unless they clearly lost at the nearest smaller measured batch size: a tree's
-        draft work grows with the batch faster than a verify's (b x B branch rows a step against
-        b x (K + 1) rows scored over the same weights), so trees that lost at b' lose at b > b' too
-        (Saguaro's critical batch size). Then the first tree burst waits for the exploration
-        schedule instead of costing the first rounds."""
-        leads = {b: g.lead_over_trees() for b, g in self._gates.items() if b < batch_size}
+    def _new_gate(self, batch_size: int, sampled: bool) -> _BatchGate:
+        """What the batch sizes measured before (of the same kind, sampled or greedy) say of this one: those
+        modes wait for the exploration schedule instead of costing a burst up front (the first modes not
+        deferred start). Trees, when they clearly lost at the nearest smaller measured batch size: a tree's
+        draft work grows with the batch faster than a verify's (b x B branch rows a step against b x (K + 1)
+        rows scored over the same weights), so trees that lost at b' lose at b > b' too (Saguaro's critical
+        batch size). A mode without trees, when it clearly lost to another without trees at the nearest
+        measured batch size, either side: which of the draft's and n-gram proposals gains more is the
+        text's doing, not the batch's (and a batch that shrinks as its sequences end meets every size below
+        it, each measured anew)."""
+        gates = {b: g for (kind, b), g in self._gates.items() if kind == sampled}
+        deferred = set()
+        leads = {b: g.lead_over_trees() for b, g in gates.items() if b < batch_size}
         measured = [b for b, lead in leads.items() if lead is not None]
         if measured and leads[max(measured)] > CLOSE_GAP:
-            return _BatchGate.starting_just_in_time(batch_size, self.modes)
-        return _BatchGate(batch_size, modes=self.modes)
+            deferred.add(RoundMode.TREES)
+        near = sorted(gates, key=lambda b: (abs(b - batch_size), b))
+        compared = [b for b in near if len(gates[b].untreed_rates()) >= 2]
+        if compared:
+            deferred |= gates[compared[0]].untreed_losers()
+        start = next(m for m in self.modes if m not in deferred)
+        return _BatchGate(batch_size, mode=start, modes=self.modes, deferred=frozenset(deferred))
 
-    def record(self, batch_size: int, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
+    def record(self, batch_size: int, mode: RoundMode, gained: RoundYield, seconds: float, sampled: bool = False) -> None:
         """A finished round of `mode` at `batch_size`: `gained` in `seconds` (prepare + verify)."""
-        gate = self._gates.get(batch_size)
+        gate = self._gates.get((sampled, batch_size))
         if gate is not None:
             gate.record(mode, gained, seconds)
 
-    def rates(self, batch_size: int) -> dict[str, float | None]:
-        gate = self._gates.get(batch_size)
+    def rates(self, batch_size: int, sampled: bool = False) -> dict[str, float | None]:
+        gate = self._gates.get((sampled, batch_size))
         return {m.value: gate.rate(m) if gate else None for m in self.modes}
