@@ -88,6 +88,28 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     Theorem 7 does not model: its 1 + T_b overstates them. Their share is reported (cohort_share).
     Rounds run on n-gram proposals alone (RoundMode.FAST) are outside the theorem too: they are mixed in at
     one verify each and their own tokens per round (with_fast_rounds; fast_share)."""
+    inputs = run_inputs(m, batch, calib)
+    if not inputs:
+        return {}
+    rounds, fast_share, fast_tokens = inputs.pop("t7_rounds"), inputs["fast_share"], inputs["tokens_per_fast_round"]
+    pred = mixed_rate(inputs, inputs["p_hit"], inputs["tree_s"], fast_share)
+    alone = mixed_rate(inputs, inputs["p_hit"], calib["tree_s"], fast_share)
+    # SSD's best case with this draft on this hardware: every round of the cheapest mode (Theorem 7 is
+    # linear in p, so the best mix is all trees, all just-in-time drafts (p = 0) or all n-gram rounds),
+    # among the modes the run measured: the tokens of a kind it never ran are not known.
+    modes = ((tree_mode_p(m, rounds) if rounds else None, inputs["tokens_per_hit_round"]),
+             (0.0, inputs["tokens_per_miss_round"]))
+    best = [mixed_rate(inputs, p, inputs["tree_s"], 0.0) for p, kind in modes if p is not None and kind is not None]
+    best_case = max(best + ([fast_tokens / inputs["verify_s"]] if fast_tokens else []))
+    decoded, prefill_s = m.tokens - first_tokens(m, batch), inputs["prefill_s"]
+    run = lambda rate: m.tokens / (prefill_s + decoded / rate) if rate else 0.0  # noqa: E731 - the run at that rate
+    return {**inputs, "predicted_tokens_per_s": pred, "predicted_run_tokens_per_s": run(pred),
+            "predicted_alone_tokens_per_s": run(alone), "best_case_tokens_per_s": run(best_case),
+            "measured_tokens_per_s": m.tokens_per_s, "measured_over_predicted": m.tokens_per_s / run(pred) if pred else 0.0}
+
+
+def run_inputs(m, batch: int, calib: dict) -> dict:
+    """What predict_from_run reads of a run (`t7_rounds`: its rounds but the n-gram ones); {} without any."""
     all_rounds, fast = m.engine.get("rounds", 0), m.engine.get("fast_rounds", 0)
     rounds = all_rounds - fast  # Theorem 7's: the rest ran on n-gram proposals alone (with_fast_rounds)
     lookups = m.cache_hits + m.cache_misses
@@ -100,34 +122,24 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     else:
         p_round = 1.0 - neural_share * (1.0 - hit ** batch)
     builds = m.engine.get("tree_builds", 0)
-    tree_s = m.engine["tree_build_s"] / builds if builds else calib["tree_s"]
     tokens_hit, tokens_miss = tokens_by_round_kind(m, batch, rounds) if rounds else (None, None)
-    verify_s = m.engine["verify_s"] / all_rounds
-    inputs = {"p_hit": p_round, "verify_s": verify_s, "tree_s": tree_s, "backup_s": calib["jit_s"]}
-    tokens = {"tokens_hit": tokens_hit or 0.0, "tokens_miss": tokens_miss or 0.0}  # None: p puts no weight there
-    fast_share, fast_tokens = fast / all_rounds, (m.engine.get("fast_round_tokens", 0) / fast if fast else None)
+    return {"p_hit": p_round, "verify_s": m.engine["verify_s"] / all_rounds,
+            "tree_s": m.engine["tree_build_s"] / builds if builds else calib["tree_s"], "backup_s": calib["jit_s"],
+            "t7_rounds": rounds, "tokens_per_round": (m.tokens - first_tokens(m, batch)) / all_rounds,
+            "tokens_per_hit_round": tokens_hit, "tokens_per_miss_round": tokens_miss, "tree_alone_s": calib["tree_s"],
+            "tree_s_in_run": bool(builds), "hit_rate": hit, "neural_share": neural_share,
+            "prefill_s": m.engine.get("prefill_s", 0.0), "cohort_share": m.engine.get("cohort_rounds", 0) / all_rounds,
+            "fast_share": fast / all_rounds,
+            "tokens_per_fast_round": m.engine.get("fast_round_tokens", 0) / fast if fast else None}
 
-    def rate(p_hit: float, tree: float, share: float = fast_share) -> float:
-        t7 = {**inputs, "p_hit": p_hit, "tree_s": tree}
-        t7_tokens = p_hit * tokens["tokens_hit"] + (1.0 - p_hit) * tokens["tokens_miss"]
-        return with_fast_rounds(predicted_tokens_per_s(**tokens, **t7), t7_tokens, share, fast_tokens or 0.0, verify_s)
-    pred, alone = rate(p_round, tree_s), rate(p_round, calib["tree_s"])
-    # SSD's best case with this draft on this hardware: every round of the cheapest mode (Theorem 7 is
-    # linear in p, so the best mix is all trees, all just-in-time drafts (p = 0) or all n-gram rounds),
-    # among the modes the run measured: the tokens of a kind it never ran are not known.
-    modes = ((tree_mode_p(m, rounds) if rounds else None, tokens_hit), (0.0, tokens_miss))
-    best = [rate(p, tree_s, 0.0) for p, kind in modes if p is not None and kind is not None]
-    best_case = max(best + ([fast_tokens / verify_s] if fast_tokens else []))
-    decoded, prefill_s = m.tokens - first_tokens(m, batch), m.engine.get("prefill_s", 0.0)
-    run = lambda rate: m.tokens / (prefill_s + decoded / rate) if rate else 0.0  # noqa: E731 - the run at that rate
-    return {**inputs, "tokens_per_round": decoded / all_rounds, "tokens_per_hit_round": tokens_hit,
-            "tokens_per_miss_round": tokens_miss, "tree_alone_s": calib["tree_s"], "tree_s_in_run": bool(builds),
-            "hit_rate": hit, "neural_share": neural_share, "prefill_s": prefill_s, "predicted_tokens_per_s": pred,
-            "cohort_share": m.engine.get("cohort_rounds", 0) / all_rounds,
-            "fast_share": fast_share, "tokens_per_fast_round": fast_tokens,
-            "predicted_run_tokens_per_s": run(pred), "predicted_alone_tokens_per_s": run(alone),
-            "best_case_tokens_per_s": run(best_case), "measured_tokens_per_s": m.tokens_per_s,
-            "measured_over_predicted": m.tokens_per_s / run(pred) if pred else 0.0}
+
+def mixed_rate(inputs: dict, p_hit: float, tree_s: float, fast_share: float) -> float:
+    """Theorem 7's rate at p_hit and tree_s (a kind of round the run did not have verifies no tokens: p puts no
+    weight there), with fast_share of the rounds n-gram ones (with_fast_rounds)."""
+    tokens_hit, tokens_miss = inputs["tokens_per_hit_round"] or 0.0, inputs["tokens_per_miss_round"] or 0.0
+    t7 = predicted_tokens_per_s(tokens_hit, tokens_miss, p_hit, inputs["verify_s"], tree_s, inputs["backup_s"])
+    t7_tokens = p_hit * tokens_hit + (1.0 - p_hit) * tokens_miss
+    return with_fast_rounds(t7, t7_tokens, fast_share, inputs["tokens_per_fast_round"] or 0.0, inputs["verify_s"])
 
 
 def calibrate_draft(target: str, draft: str, engine_kwargs: dict, prompts: list[list[int]], temperature: float,
