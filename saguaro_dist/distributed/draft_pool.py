@@ -8,7 +8,8 @@ tokens as an Outcome, and every Outcome names the tokens verified next, so all s
 A worker found dead (a failed call, a missed deadline, or no tree by the deadline in
 LATE_TREE_WAITS_BEFORE_DEAD tree waits in a row) is left out of placement; given `revive`, the pool waits
 for it in the background (on Ray: the actor restarted at a new address, or the same process answering
-again) and takes it back into placement once it serves again, having released there what it held. Those sequences are lost with it (`lost`): the engine prefills them again wherever there is room.
+again) and takes it back into placement once it serves again, having released there what it held. Those
+sequences are lost with it (`lost`): the engine prefills them again wherever there is room.
 """
 from __future__ import annotations
 
