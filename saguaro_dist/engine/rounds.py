@@ -219,7 +219,7 @@ class SDLoop(ARLoop):
 
 class SSDLoop(SDLoop):
     """Speculative speculative decoding: trees are prepared while the target verifies, in the rounds
-    the tree gate (spec/tree_gate.py) finds them faster than just-in-time drafts."""
+    the tree gate (spec/tree_gate.py) finds them faster than just-in-time drafts or n-gram proposals."""
 
     def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
         super().__init__(target, draft, metrics, config)
