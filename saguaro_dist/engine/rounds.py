@@ -240,8 +240,7 @@ class SSDLoop(SDLoop):
         self._captures = graph_captures()
         self._track_draft(seqs)
         outcomes, landed = self._land(seqs)
-        self._sampled = any(not s.params.greedy for s in seqs)  # the gate measures such batches apart
-        self._mode = self._round_mode(len(seqs))
+        self._mode = self._round_mode(seqs)
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
         # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
         waiting = [s for s in seqs if s.seq_id not in landed]
@@ -282,9 +281,10 @@ class SSDLoop(SDLoop):
                 self.cohort_gate.record(len(seqs), self._split, seconds)
         return gained
 
-    def _round_mode(self, batch_size: int) -> RoundMode:
+    def _round_mode(self, seqs: list[Sequence]) -> RoundMode:
         if self.gate:
-            return self.gate.mode(batch_size, self._sampled)
+            self._sampled = any(not s.params.greedy for s in seqs)  # the gate measures such batches apart
+            return self.gate.mode(len(seqs), self._sampled)
         return RoundMode.JUST_IN_TIME if self.config.tree_policy is TreePolicy.NEVER else RoundMode.TREES
 
     def _cohort_choice(self, batch_size: int) -> bool | None:

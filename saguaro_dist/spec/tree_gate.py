@@ -170,9 +170,8 @@ class _BatchGate:
     def lead_over_trees(self) -> float | None:
         """How much faster the best rounds without trees run than tree rounds (negative: slower); None
         until trees and one other mode were measured."""
-        trees = self.rate(RoundMode.TREES)
-        others = [r for r in (self.rate(m) for m in self.modes if m is not RoundMode.TREES) if r is not None]
-        return None if trees is None or not others else max(others) / trees - 1.0
+        trees, others = self.rate(RoundMode.TREES), self.untreed_rates()
+        return None if trees is None or not others else max(others.values()) / trees - 1.0
 
     def rate(self, mode: RoundMode) -> float | None:
         """Tokens per second of `mode`; None until a burst's worth of its rounds was measured."""
