@@ -6,6 +6,7 @@ import sys
 
 import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -321,7 +322,6 @@ def test_the_service_loop_polls_for_spin_s_after_a_message_then_idles():
     """draft_spin_s: after each message the loop keeps polling (a self-rescheduling callback) instead of
     blocking, so its vCPU does not halt between rounds; after spin_s it stops and the loop blocks."""
     import asyncio
-    import time
     from saguaro_dist.distributed.draft_service import DraftServicer
 
     async def run():
@@ -341,3 +341,36 @@ def test_the_service_loop_polls_for_spin_s_after_a_message_then_idles():
         await asyncio.sleep(0.02)
         assert calls == []                           # 0 turns the spin off
     asyncio.run(run())
+
+
+def test_the_loop_spins_only_after_requests_the_target_follows_up_within_a_round(monkeypatch):
+    """Outcomes and just-in-time drafts: the target's next request comes within a round, so the loop
+    spins. A release (or a catch-up) may be followed by nothing for long: a spin there only took a vCPU
+    from the target's verify."""
+    from saguaro_dist.distributed.draft_service import DraftServicer
+    spins = []
+    monkeypatch.setattr(DraftServicer, "_keep_polling", lambda self: spins.append(1))
+    served = Served()
+    try:
+        stream = StreamClient(served.stub)
+        _prefill(served.stub, 1)
+        _prefill(served.stub, 2)
+        stream.requests.put(pb.SpeculateRequest(releases=codec.release_batch_to_proto([Release(2)])))
+        stream.send([Outcome(1, 0, 0, 3, [1, 2, 3])])  # behind the release on the stream
+        assert stream.get()[0].round == 1 and _soon(lambda: len(spins) == 1)  # the spin follows the last reply
+        stream.jit(7, [JitDraftRequest(1, 2, 0, 9)])
+        assert stream.answer().call_id == 7 and stream.get()[0].round == 2 and _soon(lambda: len(spins) == 2)
+        time.sleep(0.05)
+        assert len(spins) == 2
+        stream.close()
+    finally:
+        served.close()
+
+
+def _soon(check, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True

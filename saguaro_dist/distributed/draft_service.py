@@ -48,6 +48,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a dense [K, V] tree batch fits; 
 _PENDING_BATCHES = 64  # tree batches kept while no stream is open (a reconnecting target picks them up)
 JIT_CATCH_UP_S = 2.0  # how long a just-in-time draft that overtook its outcomes waits for them
 _RELEASED_KEPT = 4096  # released sequence ids remembered, so that a late outcome of one is dropped
+# Stream requests after which the target asks again within a round (its next outcome, or the tree it
+# waits for): the loop spins after these. After a release or a catch-up it may not ask for long, and
+# a spinning vCPU slowed the target's verify beside it (b = 1 greedy on Ray, mostly n-gram rounds).
+WANTED_AGAIN_WITHIN_A_ROUND = frozenset({"outcomes", "jit_draft"})
 
 
 def default_bind_host() -> str:
@@ -220,11 +224,13 @@ class DraftServicer:
                     except StopAsyncIteration:
                         return
                     try:
-                        for reply in self._replies(raw):
+                        msg = pb.SpeculateRequest.FromString(raw)
+                        for reply in self._replies(msg):
                             yield reply
                     except Exception as exc:
-                        await self._fail_stream(context, exc)
-                    self._keep_polling()
+                        await self._fail_stream(context, exc)  # raises: the stream ends
+                    if msg.WhichOneof("kind") in WANTED_AGAIN_WITHIN_A_ROUND:
+                        self._keep_polling()
                     incoming = asyncio.ensure_future(anext(requests))
         finally:
             incoming.cancel()
@@ -237,10 +243,9 @@ class DraftServicer:
             exc = _StreamFailed(*status_for(exc))
         await context.abort(exc.code, exc.details)
 
-    def _replies(self, raw: bytes) -> Iterator[pb.SpeculateReply]:
+    def _replies(self, msg: pb.SpeculateRequest) -> Iterator[pb.SpeculateReply]:
         """One request's replies, computed lazily: a just-in-time draft's answer is sent before the
         tree that follows it is built."""
-        msg = pb.SpeculateRequest.FromString(raw)
         kind = msg.WhichOneof("kind")
         if kind == "outcomes":
             self._observe(codec.outcome_batch_from_proto(msg.outcomes))
@@ -339,8 +344,9 @@ class DraftServicer:
 
     def _keep_polling(self) -> None:
         """Keep the loop polling (a ready callback makes it poll its sockets without blocking) for
-        spin_s after each message, instead of blocking: a blocked process lets its virtual CPU halt,
-        and waking it is slow (docs/architecture.md, "Waiting without halting")."""
+        spin_s after a message the target follows up within a round, instead of blocking: a blocked
+        process lets its virtual CPU halt, and waking it is slow (docs/architecture.md, "Waiting without
+        halting")."""
         now = time.perf_counter()
         idle = self._spin_until <= now
         self._spin_until = max(self._spin_until, now + self.spin_s)
