@@ -66,7 +66,7 @@ def serve(target: str, draft: str, port_file: str, stamps_file: str) -> None:
 
     def at(key):
         return lambda: stamps[key].append(time.perf_counter())
-    _wrap(ds.DraftServicer, "_replies", at("read"), when=lambda self, raw: _is_jit(ds.pb.SpeculateRequest.FromString(raw)))
+    _wrap(ds.DraftServicer, "_replies", at("read"), when=lambda self, msg: _is_jit(msg))
     worker = build_draft_worker(Config(model=target, draft=draft, mode="ssd", k=4, fan_out=12))
     _wrap(worker, "jit_draft", at("work"), stamp_after=at("drafted"))
 
