@@ -1,16 +1,21 @@
 """Issue 4 speed: the distributed path against one-host SSD on the same checkpoints, batch 1 greedy.
 
     python benchmarks/bench_distributed.py [--target T --draft D] [--pools 1,2,3] [--repeats 3] [--batch 1,8]
+                                           [--request-probes 40]
 
 Prints the placement, then: tokens/s and per-round coordination overhead (round wall time minus model
 forwards and draft waits, as the engine accounts it) of one-host SSD and SSD on local Ray (target actor
-+ draft actor, gRPC over loopback), the distributed/one-host ratio, and the hit rate vs draft pool size
-(cache-parallel: a pool of n workers builds n x the fan-out budget for the one sequence).
++ draft actor, gRPC over loopback), the distributed/one-host ratio, the hit rate vs draft pool size
+(cache-parallel: a pool of n workers builds n x the fan-out budget for the one sequence), and the cost
+of a request outside its rounds: one-token requests timed from generate() to the engine, in the
+engine, and back (the engine's clock and this process's are the host's wall clock).
 Goals: >= 95% of one-host SSD throughput; <= 1 ms overhead per round; hit rate rising with pool size.
 """
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import ray
 from tqdm import tqdm
@@ -24,6 +29,9 @@ from saguaro_dist.bench.runner import cell_record, measure, vocab_size
 from saguaro_dist.bench.systems import OursSystem
 from saguaro_dist.distributed.cluster import LOCAL_RAY_SYSTEM_CONFIG
 
+REQUEST_WARM_UP = 8  # probes not counted
+REQUEST_COLUMNS = [("system", "system", "{}"), ("into", "to the engine ms", "{:.2f}"), ("engine", "in it ms", "{:.2f}"),
+                   ("back", "back to generate() ms", "{:.2f}")]
 POOL_COLUMNS = [("pool", "draft workers", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("cache_hit_rate", "hit", "{:.3f}"),
                 ("acceptance_rate", "accept", "{:.2f}"), ("coordination_ms_per_round", "coord ms/rd", "{:.2f}"),
                 ("draft_wait_ms_per_round", "wait ms/rd", "{:.2f}")]
@@ -45,6 +53,8 @@ def parse_args() -> argparse.Namespace:
                                                  "at 1; above it the gates may run two cohorts)")
     p.add_argument("--no-ngram-rounds", action="store_true",
                    help="SSD without rounds of n-gram proposals alone (Config.ngram_rounds): the draft's path only")
+    p.add_argument("--request-probes", type=int, default=40,
+                   help="one-token requests timed per system for the per-request overhead (0: skip; the first 8 warm up)")
     p.add_argument("--ray-systems", default="ssd-ray", help="the Ray systems set against one-host ssd: ssd-ray (the "
                    "split default on the CPU) and/or ssd-ray-process (the whole draft in the draft actors)")
     return p.parse_args()
@@ -65,6 +75,31 @@ def pool_sweep(cfg: BenchConfig, pools: list[int], temperature: float) -> list[d
         row = cell_record("ssd-ray", "paper", place, 1, temperature, timed)
         rows.append({"pool": n, **{k: v for k, v in row.items() if k not in ("_measurement", "outputs")}})
     return rows
+
+
+def request_overhead(cfg: BenchConfig, system: str, probes: int) -> dict:
+    """Median ms of a one-token request (b = 1, greedy): into the engine, in it, and back to generate()."""
+    target, draft = resolve_pair(cfg.target, cfg.draft)
+    prompts, _ = bench_prompts(target, cfg.prompt_count, cfg.prompt_len, cfg.seed, vocab_size(target))
+    runner = OursSystem(system, target, draft, cfg.engine_kwargs())
+    runner.open(placement(system, "paper", cfg.cores))
+    try:
+        timed = [one_token_request(runner.llm, prompts[i % len(prompts)]) for i in range(probes)][REQUEST_WARM_UP:]
+    finally:
+        runner.close()
+    return {"system": system, **{k: 1e3 * statistics.median(v) for k, v in zip(("into", "engine", "back"), zip(*timed))}}
+
+
+def one_token_request(llm, prompt: list[int]) -> tuple[float, float, float]:
+    """Seconds from generate() to the engine's arrival, in the engine, and from its finish back, by the
+    host's wall clock (the engine stamps first_token_time with it; on Ray it runs in the target actor)."""
+    from saguaro_dist import SamplingParams
+    start = time.time()
+    out = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0.0, max_tokens=1,
+                                                                               ignore_eos=True), use_tqdm=False)[0]
+    done, m = time.time(), out.metrics
+    arrival = m.first_token_time - m.time_to_first_token_s
+    return arrival - start, m.total_time_s, done - arrival - m.total_time_s
 
 
 def print_ratio(batch_size: int, cells: dict, ray: str) -> None:
@@ -91,6 +126,9 @@ def main() -> None:
     for b in cfg.batch_sizes:
         for system in ray_systems:
             print_ratio(b, {c["system"]: c for c in results["cells"] if c["batch"] == b}, system)
+    if args.request_probes > REQUEST_WARM_UP:
+        print("\na one-token request, b = 1 greedy (median ms; the engine's part is prefill and the first token):\n")
+        print(markdown_table([request_overhead(cfg, s, args.request_probes) for s in ("ssd", *ray_systems)], REQUEST_COLUMNS))
     pools = [int(x) for x in args.pools.split(",")]
     print("\nhit rate vs draft pool size (batch 1, cache-parallel shards):\n")
     print(markdown_table(pool_sweep(cfg, pools, args.temperature), POOL_COLUMNS))
