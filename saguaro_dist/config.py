@@ -142,8 +142,9 @@ class Config:
     startup_timeout_s: float = 600.0       # on Ray: how long start-up waits for its actors to be placed and load
     draft_deadline_s: float = 10.0         # on Ray: a draft actor this late with a just-in-time draft is taken for dead
                                            # (its sequences move on; the pool takes it back once it answers again)
-    draft_spin_s: float = 0.05             # the draft busy-polls this long for its next message before it blocks
-                                           # (the one-host engine its draft's pipe, up to 10 ms of it); 0: off
+    draft_spin_s: float = 0.05             # after work the target follows up within a round (a tree, a draft), the draft
+                                           # busy-polls this long for its next message before it blocks (the one-host
+                                           # engine its draft's pipe, up to 10 ms of it); 0: off
     # Distributed runtime (None: the one-host engine)
     cluster: str | None = None
     tensor_parallel_size: int = 1
