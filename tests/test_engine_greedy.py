@@ -290,13 +290,13 @@ def test_hit_glue_skip_drops_k_equals_K_after_hits_and_stays_exact(pair, referen
     so the all-accepted outcome; the outputs are the target's either way. (The real build runs: the spy
     only keeps what it returned.)"""
     from saguaro_dist.engine.draft_worker import DraftWorker
-    trees, build = [], DraftWorker.build_trees
+    trees, build = [], DraftWorker.finish_trees
 
-    def spy(self):
-        built = build(self)
+    def spy(self, *args, **kwargs):
+        built = build(self, *args, **kwargs)
         trees.extend(built)
         return built
-    monkeypatch.setattr(DraftWorker, "build_trees", spy)
+    monkeypatch.setattr(DraftWorker, "finish_trees", spy)
     outputs = run(pair, batch=1, mode="ssd", k=3, fan_out=12, tree_policy="always", hit_glue=hit_glue)
     check(pair, reference, outputs)
     without_k = [t for t in trees if t.accepted and max(t.accepted) < 3]

@@ -92,6 +92,12 @@ class ToyWorker:
             s.committed = s.committed + s.speculation[:o.accepted] + [o.bonus_token]
             s.speculation, s.round, s.pending = list(nxt), o.round + 1, True
 
+    def plan_trees(self):
+        return []  # a worker may announce no plans: the target then waits for its trees
+
+    def finish_trees(self):
+        return self.build_trees()
+
     def build_trees(self):
         self.calls.append("build_trees")
         time.sleep(self.build_delay_s)

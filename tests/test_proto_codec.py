@@ -10,7 +10,7 @@ import torch
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
 
 
@@ -194,6 +194,15 @@ def test_batches_round_trip():
     for a, b in zip(proposals, props):
         _assert_proposal_equal(a, b)
     assert codec.release_batch_from_proto(_wire(codec.release_batch_to_proto([Release(1)]))) == [Release(1)]
+    plans = [TreePlan(1, 4, [0, 0, 2], [5, 9, 3]), TreePlan(2, 0)]  # a tree may hold no branch
+    assert codec.plan_batch_from_proto(_wire(codec.plan_batch_to_proto(plans))) == plans
+
+
+def test_malformed_plans_raise_codec_error():
+    _bad(lambda: codec.plan_to_proto(TreePlan(1, 0, [0, 1], [5])))  # columns of unequal length
+    for bad in (pb.TreePlan(seq_id=1, accepted=[0], bonus_tokens=[5, 6]), pb.TreePlan(seq_id=1, accepted=[-1], bonus_tokens=[5]),
+                pb.TreePlan(seq_id=1, accepted=[0], bonus_tokens=[-5]), pb.TreePlan(seq_id=1, round=-1)):
+        _bad(lambda: codec.plan_from_proto(bad))
 
 
 def test_malformed_trees_raise_codec_error():

@@ -185,8 +185,8 @@ def test_a_worker_whose_trees_stay_late_is_marked_dead_and_taken_back(config):
     tree, the pool marks it dead (not every later round pays the timeout); once it answers, it is taken back."""
     worker = build_draft_worker(config)
     resume = threading.Event()
-    building = worker.build_trees
-    worker.build_trees = lambda: resume.wait(30) and building()  # a stall: the server's loop stops in it
+    planning = worker.plan_trees
+    worker.plan_trees = lambda: resume.wait(30) and planning()  # a stall: the server's loop stops in it
     server, port = serve_draft(worker, "127.0.0.1", 0)
     address = f"127.0.0.1:{port}"
     revive = lambda i: GrpcDraftBackend([address], deadline_s=10.0)  # noqa: E731 - it answers where it was

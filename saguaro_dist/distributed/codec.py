@@ -16,7 +16,7 @@ import torch
 
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.messages import (
-    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
 
 __all__ = [
@@ -28,12 +28,14 @@ __all__ = [
     "jit_request_to_proto", "jit_request_from_proto",
     "outcome_to_proto", "outcome_from_proto",
     "tree_to_proto", "tree_from_proto",
+    "plan_to_proto", "plan_from_proto",
     "release_to_proto", "release_from_proto",
     "prefill_batch_to_proto", "prefill_batch_from_proto",
     "jit_batch_to_proto", "jit_batch_from_proto",
     "proposal_batch_to_proto", "proposal_batch_from_proto",
     "outcome_batch_to_proto", "outcome_batch_from_proto",
     "tree_batch_to_proto", "tree_batch_from_proto",
+    "plan_batch_to_proto", "plan_batch_from_proto",
     "release_batch_to_proto", "release_batch_from_proto",
     "jit_call_from_proto", "jit_result_to_proto", "jit_error_to_proto",
 ]
@@ -352,6 +354,20 @@ def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
     return tree
 
 
+def plan_to_proto(p: TreePlan) -> pb.TreePlan:
+    if len(p.accepted) != len(p.bonus_tokens):
+        raise CodecError(f"TreePlan: {len(p.accepted)} accepted counts but {len(p.bonus_tokens)} bonus tokens")
+    return pb.TreePlan(seq_id=_int64(p.seq_id, "seq_id"), round=p.round, accepted=p.accepted, bonus_tokens=p.bonus_tokens)
+
+
+def plan_from_proto(msg: pb.TreePlan) -> TreePlan:
+    accepted = _non_negative_ints(msg.accepted, "TreePlan.accepted")
+    bonus = _non_negative_ints(msg.bonus_tokens, "TreePlan.bonus_tokens")
+    if len(accepted) != len(bonus):
+        raise CodecError(f"TreePlan: {len(accepted)} accepted counts but {len(bonus)} bonus tokens")
+    return TreePlan(msg.seq_id, _non_negative(msg.round, "round"), accepted, bonus)
+
+
 def release_to_proto(r: Release) -> pb.Release:
     return pb.Release(seq_id=_int64(r.seq_id, "seq_id"))
 
@@ -419,6 +435,14 @@ def tree_batch_to_proto(trees: list[SpeculationTree]) -> pb.SpeculationTreeBatch
 
 def tree_batch_from_proto(msg: pb.SpeculationTreeBatch) -> list[SpeculationTree]:
     return [tree_from_proto(t) for t in msg.trees]
+
+
+def plan_batch_to_proto(plans: list[TreePlan]) -> pb.TreePlanBatch:
+    return pb.TreePlanBatch(plans=[plan_to_proto(p) for p in plans])
+
+
+def plan_batch_from_proto(msg: pb.TreePlanBatch) -> list[TreePlan]:
+    return [plan_from_proto(m) for m in msg.plans]
 
 
 def release_batch_to_proto(reqs: list[Release]) -> pb.ReleaseBatch:

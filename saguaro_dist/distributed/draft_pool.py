@@ -164,8 +164,9 @@ class DraftPool:
         return [sid for sid in seq_ids if not self.groups.get(sid)
                 or any(i in self.dead or self.backends[i].lost([sid]) for i in self.groups[sid])]
 
-    def wait_trees(self, keys, timeout_s: float) -> dict[int, SpeculationTree]:
-        """Each worker's slices, gathered by one deadline; a worker that keeps bringing none by it is dead."""
+    def wait_trees(self, keys, timeout_s: float, outcomes=None) -> dict[int, SpeculationTree]:
+        """Each worker's slices, gathered by one deadline; a worker that keeps bringing none by it is dead.
+        A worker whose plan lacks a sequence's outcome is not waited for: another slice may hold it."""
         deadline = time.monotonic() + timeout_s
         parts = defaultdict(list)
         for key in keys:
@@ -174,7 +175,7 @@ class DraftPool:
                     parts[i].append(key)
         slices = defaultdict(list)
         for i, part in parts.items():
-            trees = self.backends[i].wait_trees(part, max(0.0, deadline - time.monotonic()))
+            trees = self.backends[i].wait_trees(part, max(0.0, deadline - time.monotonic()), outcomes)
             self._note_tree_wait(i, bool(trees) or timeout_s <= 0 or time.monotonic() < deadline)
             for seq_id, tree in trees.items():
                 slices[seq_id].append(tree)

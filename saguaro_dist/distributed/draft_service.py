@@ -102,12 +102,14 @@ class _Stream:
 
 
 class DraftServicer:
-    """saguaro.v1.DraftService around `worker` (prefill / jit_draft / observe / build_trees / release).
+    """saguaro.v1.DraftService around `worker` (prefill / jit_draft / observe / plan_trees /
+    finish_trees / release).
     Every method runs on the server's event loop; the worker is called there, inline."""
 
-    def __init__(self, worker, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+    def __init__(self, worker, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, announce_plans: bool = False):
+        """announce_plans: push the worker's tree plans ahead of its trees (see serve_draft)."""
         self.worker = worker
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes, self.announce_plans = max_message_bytes, announce_plans
         self.spin_s = getattr(getattr(worker, "config", None), "draft_spin_s", 0.0)
         self._streams: list[_Stream] = []
         self._pending: collections.deque = collections.deque(maxlen=_PENDING_BATCHES)
@@ -299,13 +301,18 @@ class DraftServicer:
         except Exception as exc:  # nobody waits on a release; say what went wrong
             self._log_failure(self._release, exc)
 
-    def _built_trees(self) -> list[pb.SpeculateReply]:
-        """Build the pending trees and encode them; none if that fails."""
+    def _built_trees(self) -> Iterator[pb.SpeculateReply]:
+        """Build the pending trees and encode them, their plans first (if any, sent before the branches
+        are decoded); nothing more if that fails."""
         try:
-            return self._encode_trees(self.worker.build_trees())
+            plans = self.worker.plan_trees()
+            if plans and self.announce_plans:
+                yield pb.SpeculateReply(plans=codec.plan_batch_to_proto(plans))
+            trees = self.worker.finish_trees()
         except Exception:  # the target's wait times out and it falls back: a miss, never a wrong token
             log.exception("building speculation trees failed")
-            return []
+            return
+        yield from self._encode_trees(trees)
 
     def _build_and_broadcast(self) -> None:
         """After a unary JitDraft: the tree goes to every open stream (or waits for one)."""
@@ -467,15 +474,20 @@ class DraftServer:
 
 
 def serve_draft(worker, host: str | None = None, port: int = 0, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                max_concurrent_rpcs: int | None = None, local: str | None = None) -> tuple[DraftServer, int]:
+                max_concurrent_rpcs: int | None = None, local: str | None = None,
+                announce_plans: bool = False) -> tuple[DraftServer, int]:
     """Start a DraftService (plus grpc.health.v1) for `worker`; returns the started server and its port.
 
     host: None binds the node's cluster address (default_bind_host()). port 0 picks a free port.
     max_concurrent_rpcs: calls beyond it get RESOURCE_EXHAUSTED (None: no bound).
     local: also serve on this gRPC address for clients on the node (local_address()), None: not.
+    announce_plans: push each tree's TreePlan ahead of it while the target waits for trees. Off by default:
+    on loopback CPUs the pushed plan wakes the target's stream reader during its verify, which cost more
+    than the tree waits it saved (docs/architecture.md, "Tree plans"); the target side honours plans
+    from any server that sends them.
     """
     host = default_bind_host() if host is None else host
-    server = DraftServer(DraftServicer(worker, max_message_bytes), host, port, max_message_bytes, max_concurrent_rpcs,
-                         local)
+    server = DraftServer(DraftServicer(worker, max_message_bytes, announce_plans), host, port, max_message_bytes,
+                         max_concurrent_rpcs, local)
     log.info("DraftService listening on %s%s", format_address(host, server.port), f" and {local}" if local else "")
     return server, server.port

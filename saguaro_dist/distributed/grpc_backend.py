@@ -32,16 +32,15 @@ from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_link import TRANSPORT_FAILURES, Link, await_sent, channel_options, error_from_rpc
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
-from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts
+from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, Outcomes, TreeKey, plan_misses
 from saguaro_dist.engine.messages import (
-    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
 
 log = logging.getLogger(__name__)
 
 __all__ = ["GrpcDraftBackend"]
 
-TreeKey = tuple[int, int]  # (seq_id, round)
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
 TREE_SPIN_S = 0.005  # how long wait_trees polls (yielding the GIL) before it sleeps on the condition
 
@@ -64,6 +63,7 @@ class GrpcDraftBackend:
         self._links = [Link(a, options) for a in addresses]
         self._cond = threading.Condition()  # guards the inbox, the owners and liveness
         self._trees: dict[TreeKey, SpeculationTree] = {}
+        self._plans: dict[TreeKey, TreePlan] = {}  # announced trees: a plan that lacks the outcome is a miss
         self._owner: dict[int, Link] = {}
         self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
         self._next = itertools.cycle(self._links)
@@ -247,12 +247,15 @@ class GrpcDraftBackend:
         its stream lost): prefill them again."""
         return [sid for sid in seq_ids if self._synced_owner(sid) is None]
 
-    def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
-        """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for)."""
+    def wait_trees(self, keys: list[TreeKey], timeout_s: float, outcomes: Outcomes | None = None
+                   ) -> dict[int, SpeculationTree]:
+        """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for,
+        nor those whose plan lacks the outcome looked up)."""
         deadline = time.monotonic() + timeout_s
-        self._poll_trees(keys, min(timeout_s, TREE_SPIN_S))
+        self._poll_trees(keys, min(timeout_s, TREE_SPIN_S), outcomes)
         with self._cond:
-            while not self._closed and (missing := [k for k in keys if k not in self._trees and self._synced_owner(k[0])]):
+            while not self._closed and (missing := [k for k in keys if self._awaited(k, outcomes)
+                                                    and self._synced_owner(k[0])]):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     log.debug("%d speculation trees late: %s", len(missing), missing[:8])
@@ -318,17 +321,23 @@ class GrpcDraftBackend:
         return groups
 
     def _drop_rounds_up_to(self, latest: dict) -> None:
-        """Trees of rounds already asked for (or of released sequences) will never be asked for again."""
-        for k in [k for k in self._trees if k[0] in latest and k[1] <= latest[k[0]]]:
-            del self._trees[k]
+        """Trees (and plans) of rounds already asked for, or of released sequences, will never be asked for again."""
+        for store in (self._trees, self._plans):
+            for k in [k for k in store if k[0] in latest and k[1] <= latest[k[0]]]:
+                del store[k]
 
-    def _poll_trees(self, keys: list[TreeKey], spin_s: float) -> None:
+    def _awaited(self, key: TreeKey, outcomes: Outcomes | None) -> bool:
+        """Neither its tree nor a plan that misses the outcome looked up is in (unlocked reads are fine:
+        a dict's get is atomic, and a key seen awaited is re-checked under the lock)."""
+        return key not in self._trees and not plan_misses(self._plans.get(key), outcomes, key[0])
+
+    def _poll_trees(self, keys: list[TreeKey], spin_s: float, outcomes: Outcomes | None = None) -> None:
         """Yield the GIL until every key's tree is in (or spin_s): a thread asleep on the condition lets
         its CPU halt, and waking it cost ~0.1 ms at the median on the 2-vCPU development VM and far more
         at the tail. The target waits here with nothing else to run; the reader thread decodes meanwhile.
         Unlocked reads of the inbox: a key seen missing is only re-checked under the lock after."""
         end = time.perf_counter() + spin_s
-        while any(k not in self._trees for k in keys) and time.perf_counter() < end:
+        while any(self._awaited(k, outcomes) for k in keys) and time.perf_counter() < end:
             time.sleep(0)
 
     def _read_trees(self, link: Link) -> None:
@@ -366,8 +375,12 @@ class GrpcDraftBackend:
         return None, ""
 
     def _store(self, link: Link, msg: pb.SpeculateReply) -> None:
-        if msg.WhichOneof("kind") == "jit_draft":
+        kind = msg.WhichOneof("kind")
+        if kind == "jit_draft":
             link.answer(msg.jit_draft)
+            return
+        if kind == "plans":
+            self._store_plans(link, msg.plans)
             return
         try:
             trees = codec.tree_batch_from_proto(msg.trees)
@@ -378,4 +391,16 @@ class GrpcDraftBackend:
             for tree in trees:
                 if tree.seq_id in self._owner:  # a late tree of a released sequence would never leave
                     self._trees[(tree.seq_id, tree.round)] = tree
+            self._cond.notify_all()
+
+    def _store_plans(self, link: Link, msg: pb.TreePlanBatch) -> None:
+        try:
+            plans = codec.plan_batch_from_proto(msg)
+        except codec.CodecError as exc:  # a bad plan only costs the early misses it would have told
+            log.error("draft server %s pushed a malformed plan batch: %s", link.address, exc)
+            return
+        with self._cond:
+            for plan in plans:
+                if plan.seq_id in self._owner:
+                    self._plans[(plan.seq_id, plan.round)] = plan
             self._cond.notify_all()

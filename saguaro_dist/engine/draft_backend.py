@@ -8,12 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from saguaro_dist.engine.messages import (
-    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
 from saguaro_dist.model.device import OwnStream
 
 log = logging.getLogger(__name__)
 TreeKey = tuple[int, int]  # (seq_id, round)
+Outcomes = dict[int, tuple[int, int]]  # seq_id -> the outcome (k, t) it looks up in its tree
 
 
 class PendingDrafts(Protocol):
@@ -34,7 +35,10 @@ class DraftBackend(Protocol):
     # False) drafts when the result is taken (DraftLater).
     def start_jit_draft(self, reqs: list[JitDraftRequest]) -> PendingDrafts: ...
     def send_outcomes(self, outcomes: list[Outcome]) -> None: ...
-    def wait_trees(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]: ...
+    # The trees among keys that arrive by the deadline. With `outcomes`, a key whose TreePlan has come
+    # and lacks its outcome is not waited for (its tree could not answer it).
+    def wait_trees(self, keys: list[TreeKey], timeout_s: float, outcomes: Outcomes | None = None
+                   ) -> dict[int, SpeculationTree]: ...
     def release(self, reqs: list[Release]) -> None: ...
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None: ...  # fire and forget, after what came before
     def workers(self) -> tuple[int, int]: ...  # (live, all) draft workers the engine places sequences on
@@ -62,10 +66,12 @@ class FailedDrafts:
 
 
 class TreeInbox:
-    """Trees as they arrive, keyed by (seq_id, round); waiters wake when theirs land."""
+    """Trees as they arrive, and the plans announcing them, keyed by (seq_id, round); waiters wake when
+    theirs land."""
 
     def __init__(self):
         self._trees: dict[TreeKey, SpeculationTree] = {}
+        self._plans: dict[TreeKey, TreePlan] = {}
         self._cond = threading.Condition()
 
     def put(self, trees: list[SpeculationTree]) -> None:
@@ -74,11 +80,18 @@ class TreeInbox:
                 self._trees[(t.seq_id, t.round)] = t
             self._cond.notify_all()
 
-    def take(self, keys: list[TreeKey], timeout_s: float) -> dict[int, SpeculationTree]:
-        """Wait until every key has arrived or the deadline passes; return (and forget) what came."""
+    def put_plans(self, plans: list[TreePlan]) -> None:
+        with self._cond:
+            for p in plans:
+                self._plans[(p.seq_id, p.round)] = p
+            self._cond.notify_all()
+
+    def take(self, keys: list[TreeKey], timeout_s: float, outcomes: Outcomes | None = None) -> dict[int, SpeculationTree]:
+        """Wait until every key is settled (its tree in, or its plan lacking its outcome) or the deadline
+        passes; return (and forget) the trees that came."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not all(k in self._trees for k in keys):
+            while not self._settled(keys, outcomes):
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     break
@@ -90,22 +103,35 @@ class TreeInbox:
         """Released sequences: drop their trees (the last round's tree always arrives unasked)."""
         gone = set(seq_ids)
         with self._cond:
-            for key in [k for k in self._trees if k[0] in gone]:
-                del self._trees[key]
+            for store in (self._trees, self._plans):
+                for key in [k for k in store if k[0] in gone]:
+                    del store[key]
 
     def __len__(self) -> int:
         with self._cond:
             return len(self._trees)
 
-    def has(self, keys: list[TreeKey]) -> bool:
+    def has(self, keys: list[TreeKey], outcomes: Outcomes | None = None) -> bool:
         with self._cond:
-            return all(k in self._trees for k in keys)
+            return self._settled(keys, outcomes)
+
+    def _settled(self, keys: list[TreeKey], outcomes: Outcomes | None) -> bool:
+        """Every key's tree is in, or its plan is and lacks the outcome looked up (a miss, known early)."""
+        return all(k in self._trees or plan_misses(self._plans.get(k), outcomes, k[0]) for k in keys)
 
     def _drop_older_than(self, keys: list[TreeKey]) -> None:
-        """Late trees of past rounds will never be asked for again."""
+        """Late trees (and plans) of past rounds will never be asked for again."""
         current = dict(keys)
-        for key in [k for k in self._trees if k[0] in current and k[1] <= current[k[0]]]:
-            del self._trees[key]
+        for store in (self._trees, self._plans):
+            for key in [k for k in store if k[0] in current and k[1] <= current[k[0]]]:
+                del store[key]
+
+
+def plan_misses(plan: TreePlan | None, outcomes: Outcomes | None, seq_id: int) -> bool:
+    """Whether `plan` says its tree will not answer the outcome sequence seq_id looks up."""
+    if plan is None or outcomes is None or seq_id not in outcomes:
+        return False
+    return not plan.holds(*outcomes[seq_id])
 
 
 class LocalDraftBackend:
@@ -148,8 +174,8 @@ class LocalDraftBackend:
     def send_outcomes(self, outcomes):
         self.submit(self._observe_and_build, outcomes)
 
-    def wait_trees(self, keys, timeout_s):
-        return self.inbox.take(keys, timeout_s)
+    def wait_trees(self, keys, timeout_s, outcomes=None):
+        return self.inbox.take(keys, timeout_s, outcomes)
 
     def release(self, reqs):
         self.submit(self._release, reqs)  # on the worker thread: after any build that puts their trees
@@ -169,7 +195,8 @@ class LocalDraftBackend:
 
     def _observe_and_build(self, outcomes):
         self.worker.observe(outcomes)
-        self.inbox.put(self.worker.build_trees())
+        self.inbox.put_plans(self.worker.plan_trees())
+        self.inbox.put(self.worker.finish_trees())
 
     def submit(self, fn, arg):
         """fn(arg) on the worker thread, after every call before it; returns its Future."""

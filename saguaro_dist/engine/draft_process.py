@@ -23,6 +23,7 @@ import pickle
 import subprocess
 import sys
 import time
+from collections import deque
 from multiprocessing.connection import Connection
 
 from saguaro_dist.config import Config
@@ -39,9 +40,9 @@ WAIT_SPIN_S = 0.01       # the engine busy-polls the pipe this long (at most dra
 
 class Msg:
     """Message kinds on the pipe. Parent -> child: CALL (id, method, arg) wants a REPLY (id, ok,
-    result); POST (method, arg) wants none. Child -> parent: READY (ok, detail) once, REPLY, TREES
-    (pushed after outcomes), POST_FAILED (method, text)."""
-    CALL, POST, READY, REPLY, TREES, POST_FAILED = "call", "post", "ready", "reply", "trees", "post_failed"
+    result); POST (method, arg) wants none. Child -> parent: READY (ok, detail) once, REPLY, PLANS and
+    then TREES (pushed after outcomes), POST_FAILED (method, text)."""
+    CALL, POST, READY, REPLY, PLANS, TREES, POST_FAILED = "call", "post", "ready", "reply", "plans", "trees", "post_failed"
 
 
 class DraftProcess:
@@ -101,10 +102,10 @@ class DraftProcess:
         if any(known):
             self._post("catch_up", [outcomes for outcomes in known if outcomes])
 
-    def wait_trees(self, keys, timeout_s):
+    def wait_trees(self, keys, timeout_s, outcomes=None):
         live = [k for k in keys if k[0] in self._known]
-        self._pump(lambda: self.inbox.has(live), time.monotonic() + timeout_s)
-        return self.inbox.take(live, 0.0)
+        self._pump(lambda: self.inbox.has(live, outcomes), time.monotonic() + timeout_s)
+        return self.inbox.take(live, 0.0, outcomes)
 
     def release(self, reqs):
         held = [r for r in reqs if r.seq_id in self._known]
@@ -185,6 +186,8 @@ class DraftProcess:
         kind, *rest = msg
         if kind == Msg.TREES:  # a late tree of a released sequence would never leave the inbox
             self.inbox.put([t for t in rest[0] if t.seq_id in self._known])
+        elif kind == Msg.PLANS:
+            self.inbox.put_plans([p for p in rest[0] if p.seq_id in self._known])
         elif kind == Msg.REPLY:
             call_id, ok, result = rest
             self._replies[call_id] = (ok, result)
@@ -263,6 +266,16 @@ def _picklable(exc: Exception) -> Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
+def named_seq_ids(msg: tuple) -> set[int]:
+    """The sequences a parent -> child message (CALL or POST) is about."""
+    method, arg = msg[-2:]
+    if method == "catch_up":
+        return {o.seq_id for outcomes in arg for o in outcomes}
+    if method in ("prefill", "jit_draft", "send_outcomes", "release"):
+        return {r.seq_id for r in arg}
+    return set()
+
+
 def spin_until_readable(conn: Connection, spin_s: float) -> bool:
     """Busy-poll `conn` for up to spin_s; True once it has data (the caller then reads, blocking).
 
@@ -281,19 +294,18 @@ def spin_until_readable(conn: Connection, spin_s: float) -> bool:
 class _Child:
     """The child's side: one DraftWorker, one message at a time, in arrival order."""
 
-    def __init__(self, worker, tx: Connection, spin_s: float = 0.0):
-        self.worker, self.tx, self.spin_s = worker, tx, spin_s
+    def __init__(self, worker, rx: Connection, tx: Connection, spin_s: float = 0.0):
+        self.worker, self.rx, self.tx, self.spin_s = worker, rx, tx, spin_s
         # Whether the parent will want us again within a round: after trees or a draft it will, so we
         # spin; after anything else we block, as a spinning core slows the target's (~4% here).
         self.wanted_soon = False
+        self.backlog: deque[tuple] = deque()  # messages read during a tree build (_superseded), not yet run
 
-    def serve(self, rx: Connection) -> None:
+    def serve(self) -> None:
         """Until the parent closes the pipe (or is gone): then exit quietly."""
         try:
             while True:
-                if self.wanted_soon:
-                    spin_until_readable(rx, self.spin_s)
-                kind, *rest = recv(rx)
+                kind, *rest = self._next_message()
                 self.wanted_soon = False
                 if kind == Msg.CALL:
                     self._answer(*rest)
@@ -301,6 +313,21 @@ class _Child:
                     self._run_posted(*rest)
         except (EOFError, BrokenPipeError):
             return
+
+    def _next_message(self) -> tuple:
+        if self.backlog:
+            return self.backlog.popleft()
+        if self.wanted_soon:
+            spin_until_readable(self.rx, self.spin_s)
+        return recv(self.rx)
+
+    def _superseded(self, seq_ids: list[int]) -> bool:
+        """Whether messages the parent has already sent name every one of seq_ids (an outcome, a draft, a
+        release): it has moved on from the trees being built for them, which its plans told it missed."""
+        while self.rx.poll(0):
+            self.backlog.append(recv(self.rx))
+        named = set().union(*map(named_seq_ids, self.backlog))
+        return all(sid in named for sid in seq_ids)
 
     def _answer(self, call_id: int, method: str, arg) -> None:
         try:
@@ -335,7 +362,10 @@ class _Child:
     def send_outcomes(self, outcomes):
         """Observe, build, push the trees (SSD's draft-side round)."""
         self.worker.observe(outcomes)
-        trees = self.worker.build_trees()
+        plans = self.worker.plan_trees()
+        if plans:
+            send(self.tx, Msg.PLANS, plans)
+        trees = self.worker.finish_trees(self._superseded)
         if trees:  # none when the target asked for no tree (skip_tree)
             send(self.tx, Msg.TREES, trees)
         self.wanted_soon = bool(trees)
@@ -362,7 +392,7 @@ def main() -> None:
         send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")
         raise
     send(tx, Msg.READY, True, "ready")
-    _Child(worker, tx, config.draft_spin_s).serve(rx)
+    _Child(worker, rx, tx, config.draft_spin_s).serve()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown: nothing to save, and torch's pools can abort in it
 

@@ -20,7 +20,7 @@ import torch
 from saguaro_dist.config import Config, HitGlue, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.messages import (
-    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree,
+    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, TreePlan,
 )
 from saguaro_dist.engine.sequence import make_generator
 from saguaro_dist.engine.structured import (
@@ -37,6 +37,19 @@ from saguaro_dist.spec.logit_bias import bias_row
 from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PlannedTrees:
+    """Between plan_trees and finish_trees: the trees whose outcomes are chosen, not yet decoded."""
+    states: list["DraftSeq"]
+    fanouts: dict[int, list[int]]      # shard count -> F_0..F_K
+    rows: list[tuple[int, int, int]]   # (state index, k, t) per branch, as _glue lists them
+    start: float                       # perf_counter at the plan's start (the build's wall time)
+
+
+class TreeAbandoned(Exception):
+    """A tree build stopped part-way: the target no longer waits for it (finish_trees' abandon)."""
 
 
 @dataclass
@@ -87,6 +100,7 @@ class DraftWorker:
         self.k = config.k
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
+        self._planned: PlannedTrees | None = None  # plan_trees' trees, for finish_trees
         self.stats = SpecStats(config.k)
         self.last_fanout = [1] * (config.k + 1)  # fan-out of the trees being built or last built
         # An explicit per-position fan-out is the user's exact tree: only a budget B adapts.
@@ -168,21 +182,58 @@ class DraftWorker:
         self.stats.record_verify([accepted], ProposalSource.CACHE if s.from_cache else ProposalSource.NEURAL)
 
     def build_trees(self) -> list[SpeculationTree]:
+        """The trees owed for this round, in one call (plan_trees, then finish_trees)."""
+        self.plan_trees()
+        return self.finish_trees()
+
+    def plan_trees(self) -> list[TreePlan]:
+        """First half of a build: choose each owed tree's outcomes (one glue forward). Returns the plans
+        worth announcing to the target before the trees: those of trees it has lately had to wait for
+        (budget.busy; else none), so that a target whose outcome is not planned misses without waiting."""
         states = [s for s in self.seqs.values() if s.pending]
         if not states:
+            self._planned = None
             return []
         start = time.perf_counter()
         fanouts = {g: self._fanout(g) for g in {s.num_shards for s in states}}
         self.last_fanout = fanouts[min(fanouts)]
         rows = self._glue(states, fanouts)
-        trees = self._decode_branches(states, fanouts, rows)
+        self._planned = PlannedTrees(states, fanouts, rows, start)
+        return tree_plans(states, rows) if self.budget.busy else []
+
+    def finish_trees(self, abandon: Callable[[list[int]], bool] | None = None) -> list[SpeculationTree]:
+        """Second half: decode the planned trees' branches. abandon(seq_ids), if given, is asked between
+        decode steps whether the target has moved on from every one of these sequences (their plans told
+        it they missed): the build then stops and returns no tree. Only greedy builds stop: a sampled one
+        draws from its sequences' seeded generators, and stopping it at a moment set by timing would leave
+        their later draws, so a seeded output, to chance (README, "Reproducible sampling")."""
+        planned, self._planned = self._planned, None
+        if planned is None:
+            return []
+        states = planned.states
+        stoppable = abandon is not None and all(s.sampling.temperature == 0 for s in states)
+        stop = (lambda: abandon([s.seq_id for s in states])) if stoppable else None
+        try:
+            trees = self._decode_branches(states, planned.fanouts, planned.rows, stop)
+        except TreeAbandoned:
+            trees = self._abandoned(states)
         for s in states:
             s.pending, s.tree_built = False, True
-        build_s = time.perf_counter() - start
+        if trees:
+            self._timed(trees, time.perf_counter() - planned.start)
+        return trees
+
+    def _timed(self, trees: list[SpeculationTree], build_s: float) -> None:
         self.budget.tree_built(build_s)
         for tree in trees:
             tree.build_s = build_s
-        return trees
+
+    @staticmethod
+    def _abandoned(states: list[DraftSeq]) -> list[SpeculationTree]:
+        """No tree, and no branch a next round could adopt (the decode stopped part-way)."""
+        for s in states:
+            s.last_tree, s.branches, s.branch_rows = None, {}, {}
+        return []
 
     def reset_prefix_cache(self) -> None:
         """Forget every kept prefix (its rows go back to the pool); running sequences are untouched."""
@@ -401,17 +452,22 @@ class DraftWorker:
         self.runner.adopt_branch(s.last_tree.state, row, self.k)
         return torch.stack([step[row] for step in s.last_tree.step_logits])
 
-    def _decode_branches(self, states, fanouts, rows) -> list[SpeculationTree]:
+    def _decode_branches(self, states, fanouts, rows, stop: Callable[[], bool] | None = None) -> list[SpeculationTree]:
         """K steps for all branches at once; branch (k, t) attends to P + x_1..x_k, then t. Each state's
-        rows are contiguous (_glue lists them state by state): its tree is a slice of the columns."""
+        rows are contiguous (_glue lists them state by state): its tree is a slice of the columns.
+        Raises TreeAbandoned when stop() says so before a step."""
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
         constrained = any(s.grammar is not None or s.sampling.penalized or s.sampling.biased for s in owners)
         paths = [s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows)] if constrained else None  # read only then
-        columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits,
-                                     lambda drawn: self.runner.branch_step(state, drawn), self._penalties(owners, paths),
-                                     self._row_grammars(owners, paths))
+
+        def step(drawn):
+            if stop is not None and stop():
+                raise TreeAbandoned
+            return self.runner.branch_step(state, drawn)
+        columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits, step,
+                                     self._penalties(owners, paths), self._row_grammars(owners, paths))
         self.runner.branch_end(state)
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
         counts = Counter(i for i, _, _ in rows)
@@ -424,3 +480,12 @@ class DraftWorker:
                                          self._rows_of(columns, owners, lo, hi) if hi > lo else None))
             lo = hi
         return trees
+
+
+def tree_plans(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list[TreePlan]:
+    """One TreePlan per state from _glue's (state index, k, t) rows: the outcomes its tree will answer."""
+    plans = [TreePlan(s.seq_id, s.round) for s in states]
+    for i, k, t in rows:
+        plans[i].accepted.append(k)
+        plans[i].bonus_tokens.append(t)
+    return plans

@@ -102,6 +102,21 @@ class Outcome:
 
 
 @dataclass
+class TreePlan:
+    """Draft -> target, pushed before the tree it announces: the outcomes (k, t) that tree will answer,
+    known once the draft has ranked the bonus candidates and before it decodes the branches. A target
+    whose outcome is not among them knows the round missed without waiting for the tree itself (a
+    draft whose trees outlast the verify would otherwise make every miss wait for a tree it cannot use)."""
+    seq_id: int
+    round: int
+    accepted: list[int] = field(default_factory=list)      # [N] k of each branch the tree will hold
+    bonus_tokens: list[int] = field(default_factory=list)  # [N] t of each branch
+
+    def holds(self, accepted: int, bonus_token: int) -> bool:
+        return any(k == accepted and t == bonus_token for k, t in zip(self.accepted, self.bonus_tokens))
+
+
+@dataclass
 class SpeculationTree:
     """Draft -> target: prepared speculations for the likely outcomes of `round`, one row per branch:
     row i answers outcome (accepted[i], bonus_tokens[i]) with the speculation proposals.tokens[i]."""

@@ -342,7 +342,9 @@ class SSDLoop(SDLoop):
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
         """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
         start = time.perf_counter()
-        trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s)
+        # A sequence whose tree's plan lacks its outcome missed: its fallback need not wait for the tree.
+        trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s,
+                                      {s.seq_id: s.last_outcome for s in seqs})
         waited = time.perf_counter() - start
         self.metrics.draft_wait_s += waited
         if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:

@@ -118,8 +118,8 @@ class SplitDraftBackend:
             self.jit.submit(self._observe, observed)
         self._flush(outcomes)
 
-    def wait_trees(self, keys, timeout_s):
-        return self.trees.wait_trees(keys, timeout_s)
+    def wait_trees(self, keys, timeout_s, outcomes=None):
+        return self.trees.wait_trees(keys, timeout_s, outcomes)
 
     def release(self, reqs):
         self._forget([r.seq_id for r in reqs])

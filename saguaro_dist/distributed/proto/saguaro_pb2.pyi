@@ -168,6 +168,18 @@ class SpeculationTree(_message.Message):
     build_s: float
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Union[Proposal, _Mapping]] = ..., build_s: _Optional[float] = ...) -> None: ...
 
+class TreePlan(_message.Message):
+    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    round: int
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Release(_message.Message):
     __slots__ = ("seq_id",)
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +225,12 @@ class SpeculationTreeBatch(_message.Message):
     TREES_FIELD_NUMBER: _ClassVar[int]
     trees: _containers.RepeatedCompositeFieldContainer[SpeculationTree]
     def __init__(self, trees: _Optional[_Iterable[_Union[SpeculationTree, _Mapping]]] = ...) -> None: ...
+
+class TreePlanBatch(_message.Message):
+    __slots__ = ("plans",)
+    PLANS_FIELD_NUMBER: _ClassVar[int]
+    plans: _containers.RepeatedCompositeFieldContainer[TreePlan]
+    def __init__(self, plans: _Optional[_Iterable[_Union[TreePlan, _Mapping]]] = ...) -> None: ...
 
 class ReleaseBatch(_message.Message):
     __slots__ = ("releases",)
@@ -269,9 +287,11 @@ class SpeculateRequest(_message.Message):
     def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCache, _Mapping]] = ..., catch_up: _Optional[_Union[OutcomeRounds, _Mapping]] = ...) -> None: ...
 
 class SpeculateReply(_message.Message):
-    __slots__ = ("trees", "jit_draft")
+    __slots__ = ("trees", "jit_draft", "plans")
     TREES_FIELD_NUMBER: _ClassVar[int]
     JIT_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PLANS_FIELD_NUMBER: _ClassVar[int]
     trees: SpeculationTreeBatch
     jit_draft: JitDraftResult
-    def __init__(self, trees: _Optional[_Union[SpeculationTreeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftResult, _Mapping]] = ...) -> None: ...
+    plans: TreePlanBatch
+    def __init__(self, trees: _Optional[_Union[SpeculationTreeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftResult, _Mapping]] = ..., plans: _Optional[_Union[TreePlanBatch, _Mapping]] = ...) -> None: ...

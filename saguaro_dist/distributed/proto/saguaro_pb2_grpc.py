@@ -94,8 +94,9 @@ class DraftServiceServicer:
 
     def Speculate(self, request_iterator, context):
         """The target streams outcomes, just-in-time drafts and releases in order; the draft pushes each
-        tree batch as soon as it is built (after an outcome batch, and after a just-in-time draft) and
-        answers each just-in-time draft on the same stream.
+        tree batch as soon as it is built (after an outcome batch, and after a just-in-time draft),
+        preceded by its plans while the target waits for trees, and answers each just-in-time draft on
+        the same stream.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
