@@ -340,7 +340,7 @@ class _Child:
     def _run_posted(self, method: str, arg) -> None:
         try:
             getattr(self, method)(arg)
-        except BrokenPipeError:
+        except (BrokenPipeError, EOFError):  # the parent is gone (EOFError: read ahead mid-build): serve() ends
             raise
         except Exception as exc:
             log.warning("draft %s failed", method, exc_info=exc)
