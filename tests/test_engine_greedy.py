@@ -92,13 +92,13 @@ def test_ssd_matches_ar(pair, reference, variant, batch):
 def test_trees_later_than_the_timeout_are_counted_and_said_once(pair, reference, monkeypatch, caplog):
     """A draft side that stalls (here every tree build sleeps 50 ms, the timeout is 10 ms): each late tree
     is a miss, counted, and one warning says so; the tokens stay the target's."""
-    build = DraftWorker.build_trees
+    plan = DraftWorker.plan_trees
 
     def stalled(self, *args, **kwargs):
         time.sleep(0.05)
-        return build(self, *args, **kwargs)
+        return plan(self, *args, **kwargs)
 
-    monkeypatch.setattr(DraftWorker, "build_trees", stalled)
+    monkeypatch.setattr(DraftWorker, "plan_trees", stalled)
     caplog.set_level("WARNING", logger="saguaro_dist.engine.rounds")
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4,
              draft_executor="thread", tree_policy="always", tree_timeout_s=0.01) as llm:
