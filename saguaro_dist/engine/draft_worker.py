@@ -190,9 +190,9 @@ class DraftWorker:
         """First half of a build: choose each owed tree's outcomes (one glue forward). Returns the plans
         worth announcing to the target before the trees: those of trees it has lately had to wait for
         (budget.busy; else none), so that a target whose outcome is not planned misses without waiting."""
+        self._planned = None  # a glue that fails leaves nothing for finish_trees to decode
         states = [s for s in self.seqs.values() if s.pending]
         if not states:
-            self._planned = None
             return []
         start = time.perf_counter()
         fanouts = {g: self._fanout(g) for g in {s.num_shards for s in states}}
