@@ -5,6 +5,7 @@ from torch import nn
 
 from saguaro_dist.demo import demo_pair
 from saguaro_dist.model import pretranspose
+from saguaro_dist.model.layers import PlainModule
 from saguaro_dist.model.pretranspose import PretransposedLinear, pretranspose_linears
 from saguaro_dist.model.runner import ModelRunner
 
@@ -42,3 +43,16 @@ def test_a_cpu_runner_has_no_plain_linear_left():
     _, draft = demo_pair()
     runner = ModelRunner(draft, device="cpu")
     assert not [n for n, m in runner.model.named_modules() if type(m) is nn.Linear]
+
+
+def test_a_cpu_runner_calls_its_modules_past_the_hook_machinery():
+    """Every module a CPU forward calls per layer is a PlainModule (its call goes straight to forward),
+    and such a call returns what forward does."""
+    _, draft = demo_pair()
+    runner = ModelRunner(draft, device="cpu")
+    hooked = [n for n, m in runner.model.named_modules()
+              if not isinstance(m, PlainModule) and n not in ("model", "model.layers", "model.embed_tokens")]
+    assert hooked == []
+    norm = runner.model.model.norm
+    x = torch.randn(2, 3, norm.weight.shape[0])
+    assert torch.equal(norm(x), norm.forward(x))

@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from saguaro_dist.model.layers import PlainModule
+
 TIED_TABLE_LIMIT = 64 << 20  # bytes: a tied head is copied (the embedding keeps the rows) only when small
 
 
-class PretransposedLinear(nn.Module):
+class PretransposedLinear(PlainModule):
     """y = x @ weight_t (+ bias), weight_t [in, out] contiguous: the same map as the nn.Linear it replaces."""
 
     def __init__(self, linear: nn.Linear):

@@ -15,6 +15,8 @@ import logging
 import torch
 from torch import nn
 
+from saguaro_dist.model.layers import PlainModule
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,7 @@ def check_pair_vocab(target_size: int, draft_size: int, target_tokenizer, draft_
              "target's (padding rows only)", target_size, draft_size, used)
 
 
-class MaskedLMHead(nn.Module):
+class MaskedLMHead(PlainModule):
     """An LM head over a table padded with zero rows: their logits are set to -inf (q = 0 there)."""
 
     def __init__(self, base: nn.Module, own_size: int):
