@@ -7,6 +7,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from saguaro_dist.model.layers import PlainModule
+
 
 def _span(full: int, rank: int, world: int) -> tuple[int, int]:
     size = -(-full // world)  # ceil: the last rank's slice may be short (vocab) and is zero-padded
@@ -23,8 +25,9 @@ def _read(sl, dim: int, lo: int, hi: int, size: int) -> torch.Tensor:
     return t
 
 
-class _Sharded:
-    """Mixin: which dim of the full tensor this rank keeps (None: replicated), and how to read it."""
+class _Sharded(PlainModule):
+    """Mixin: which dim of the full tensor this rank keeps (None: replicated), and how to read it. A
+    PlainModule: called straight into forward."""
     split = {}  # local param name -> dim
 
     def _join(self, group):
