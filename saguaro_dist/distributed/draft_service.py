@@ -482,9 +482,10 @@ def serve_draft(worker, host: str | None = None, port: int = 0, *, max_message_b
     max_concurrent_rpcs: calls beyond it get RESOURCE_EXHAUSTED (None: no bound).
     local: also serve on this gRPC address for clients on the node (local_address()), None: not.
     announce_plans: push each tree's TreePlan ahead of it while the target waits for trees. Off by default:
-    on loopback CPUs the pushed plan wakes the target's stream reader during its verify, which cost more
-    than the tree waits it saved (docs/architecture.md, "Tree plans"); the target side honours plans
-    from any server that sends them.
+    measured on loopback CPUs it cost more than the tree waits it saved: the pushed plan wakes the target's
+    stream reader during its verify, and this service cannot stop a tree mid-build once the target has
+    moved on (docs/architecture.md, "Tree plans"); the target side honours plans from any server that
+    sends them.
     """
     host = default_bind_host() if host is None else host
     server = DraftServer(DraftServicer(worker, max_message_bytes, announce_plans), host, port, max_message_bytes,
