@@ -24,7 +24,7 @@ from saguaro_dist.bench import BenchConfig, run_grid
 from saguaro_dist.bench.config import placement
 from saguaro_dist.bench.paired import format_paired, paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
-from saguaro_dist.bench.report import markdown_table, render
+from saguaro_dist.bench.report import markdown_table, render, round_mix
 from saguaro_dist.bench.runner import cell_record, measure, vocab_size
 from saguaro_dist.bench.systems import OursSystem
 from saguaro_dist.distributed.cluster import LOCAL_RAY_SYSTEM_CONFIG
@@ -107,7 +107,8 @@ def print_ratio(batch_size: int, cells: dict, ray: str) -> None:
     by_repeat = format_paired(paired_ratios(cells[ray]["repeat_tokens_per_s"], cells["ssd"]["repeat_tokens_per_s"]))
     print(f"\nb={batch_size}: {ray} / one-host SSD tokens/s: {ratio:.2f} (goal >= 0.95 at b=1; best passes), "
           f"by repeat {by_repeat} (median, range); coordination ms/round: one-host "
-          f"{cells['ssd']['coordination_ms_per_round']:.3f}, Ray {cells[ray]['coordination_ms_per_round']:.3f} (goal <= 1)")
+          f"{cells['ssd']['coordination_ms_per_round']:.3f}, Ray {cells[ray]['coordination_ms_per_round']:.3f} (goal <= 1); "
+          f"rounds one-host {round_mix(cells['ssd']['engine'])}, Ray {round_mix(cells[ray]['engine'])}")
 
 
 def main() -> None:

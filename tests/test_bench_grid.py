@@ -9,7 +9,7 @@ import pytest
 from saguaro_dist.bench import BenchConfig, SweepConfig, run_grid, run_sweep
 from saguaro_dist.bench.config import candidate_placements, placement
 from saguaro_dist.bench.plots import speedup_vs_batch, write_plots
-from saguaro_dist.bench.report import render, write_json
+from saguaro_dist.bench.report import render, round_mix, write_json
 from saguaro_dist.bench.runner import measure_interleaved, run_batches
 from saguaro_dist.bench.systems import Measurement
 from saguaro_dist.cli import main
@@ -247,3 +247,9 @@ def test_the_batch_plot_draws_every_system_over_the_baseline_that_ran(tmp_path, 
         warnings.simplefilter("error")  # matplotlib warns of a legend with no lines
         path = speedup_vs_batch({"cells": cells}, tmp_path / "speedup.png")
     assert path.read_bytes()[:8] == PNG_MAGIC and all(c[field] for c in cells)
+
+
+def test_round_mix_splits_an_ssd_cells_rounds_by_kind():
+    engine = {"rounds": 200, "just_in_time_rounds": 50, "fast_rounds": 30}
+    assert round_mix(engine) == "trees 60%, SD's 25%, n-gram 15%"
+    assert round_mix({"rounds": 0}) == "no rounds"

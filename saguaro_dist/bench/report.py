@@ -80,6 +80,16 @@ def _fast_rounds(t: dict) -> str:
             "one verify each)") if share else ""
 
 
+def round_mix(engine: dict) -> str:
+    """How an SSD cell's rounds ran, from its engine counters: with trees, as SD's (drafted just in time),
+    or on n-gram proposals alone; the tree gate's choice, and so where a gap between two engines lies."""
+    rounds = engine.get("rounds") or 0
+    if not rounds:
+        return "no rounds"
+    jit, fast = engine.get("just_in_time_rounds", 0), engine.get("fast_rounds", 0)
+    return f"trees {(rounds - jit - fast) / rounds:.0%}, SD's {jit / rounds:.0%}, n-gram {fast / rounds:.0%}"
+
+
 def _best_case(t: dict) -> str:
     """Theorem 7's best case (every round the cheaper kind) over the measured sd of the same cell."""
     if t.get("best_case_vs_sd") is None:
