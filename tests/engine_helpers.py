@@ -124,6 +124,21 @@ class CyclingGate:
     def record(self, *args) -> None:
         pass
 
+    def draft_tokens_per_row(self, batch_size: int, sampled: bool = False) -> float | None:
+        return None  # unmeasured: no row of a tree round takes its n-gram proposal over its tree
+
+
+class LookupFavouringGate(CyclingGate):
+    """Trees every round, the draft's rows measured to gain nothing: every row whose n-gram proposals
+    were scored takes its n-gram proposal over its tree (spec/lookup_pick.py)."""
+
+    def __init__(self, modes=None):
+        from saguaro_dist.spec.tree_gate import RoundMode
+        self.cycle, self.rounds = [RoundMode.TREES], 0
+
+    def draft_tokens_per_row(self, batch_size: int, sampled: bool = False) -> float | None:
+        return 0.0
+
 
 PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4)
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import saguaro_dist.engine.rounds as rounds_module
-from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, CyclingGate, assert_greedy_equal, close_pair,
+from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, CyclingGate, LookupFavouringGate,
+                            assert_greedy_equal, close_pair,
                             biased_reference, hf_greedy, llama_config, penalized_reference,
                             save_model)
 from saguaro_dist import LLM, SamplingParams
@@ -220,6 +221,22 @@ def test_ssd_hits_the_cache_with_a_close_draft(pair):
     m = out.metrics
     assert m.rounds > 0 and m.cache_hits > 0, m
     assert m.acceptance_rate > 0.3, m
+
+
+@pytest.mark.parametrize("executor, batch", [("thread", 1), ("split", 1), ("split", 4)])
+def test_rows_that_take_their_ngram_proposal_over_their_tree_are_exact(pair, reference, monkeypatch, caplog, executor, batch):
+    """Tree rounds whose rows take their n-gram proposal instead of their tree (spec/lookup_pick.py; the
+    draft's rows scripted to gain nothing, so every row whose n-gram proposals were scored takes its own):
+    the same tokens, and the draft, told what is verified instead, never out of step."""
+    caplog.set_level("WARNING")
+    monkeypatch.setattr(rounds_module, "TreeGate", LookupFavouringGate)
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
+             draft_executor=executor, tree_timeout_s=30.0) as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        m = llm.metrics
+    check(pair, reference, outputs)
+    assert m.lookup_rows > 0 and m.cache_hits > 0, m
+    assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 
 @pytest.mark.parametrize("executor, batch", [("thread", 1), ("thread", 4), ("process", 4), ("split", 1), ("split", 4)])

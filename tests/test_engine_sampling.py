@@ -18,7 +18,8 @@ from transformers import LlamaForCausalLM
 
 import saguaro_dist.engine.rounds as rounds_module
 import saguaro_dist.engine.target as target_module
-from engine_helpers import DEVICE, CyclingGate, llama_config, save_model, save_perturbed
+from saguaro_dist.spec.lookup_pick import LookupPicker
+from engine_helpers import DEVICE, CyclingGate, LookupFavouringGate, llama_config, save_model, save_perturbed
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.engine.structured import GrammarState
@@ -240,6 +241,24 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
     counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
     assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
     assert chosen[RoundMode.FAST] > 0, chosen  # (every such round also drafted for sequences admitted in it)
+    p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
+    assert p > ALPHA, f"chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("executor", ["thread", "split"])
+def test_rows_that_take_their_ngram_proposal_over_their_tree_follow_the_target(pair, monkeypatch, executor):
+    """Tree rounds whose rows take their n-gram proposal instead of their tree (spec/lookup_pick.py; the
+    draft's rows scripted to gain nothing and every proposal trusted before it is scored, so from the
+    first round that could look a tree up, the second): a one-hot proposal chosen from the tokens so far,
+    verified exactly. With k = 1 a row that rejected in round 1 decides its third token there."""
+    class TrustingPicker(LookupPicker):
+        def expected(self, key):
+            return 1.0
+    monkeypatch.setattr(rounds_module, "TreeGate", LookupFavouringGate)
+    monkeypatch.setattr(rounds_module, "LookupPicker", TrustingPicker)
+    target, draft, model = pair
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
+    assert metrics.lookup_rows > 0, metrics  # (every row that could look its tree up took its n-gram proposal)
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 

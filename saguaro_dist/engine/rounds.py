@@ -25,6 +25,8 @@ from saguaro_dist.spec import (
     ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback, random_proposal,
 )
 from saguaro_dist.spec.cohorts import CohortGate
+from saguaro_dist.spec.fallback import ngram_lookup
+from saguaro_dist.spec.lookup_pick import Guess, LookupPicker, pick_lookup_rows
 from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
@@ -197,17 +199,21 @@ class SDLoop(ARLoop):
                 s.round, s.speculation, s.speculation_kind = self._next_round(s), proposals[s.seq_id], ProposalSource.NEURAL
 
     def _fast(self, seqs: list[Sequence], kind: FallbackPolicy) -> list[Outcome]:
-        """Target-side proposals; the outcomes tell the draft side what is verified next."""
+        """The fast backup's proposals; the outcomes tell the draft side what is verified next."""
         outcomes = []
         for s in seqs:
-            proposal = self._fast_proposal(s, kind)
-            if not s.beyond_draft:  # the draft holds it: it learns what is verified next
-                outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=proposal.tokens.tolist(),
-                                        skip_tree=not s.wants_tree))
-            s.round, s.speculation, s.speculation_kind = self._next_round(s), proposal, ProposalSource.FAST
+            outcomes += self._propose_here(s, self._fast_proposal(s, kind), ProposalSource.FAST)
             s.metrics.record_fallback(kind.value)
             self.metrics.fallbacks[kind.value] += 1
         return outcomes
+
+    def _propose_here(self, s: Sequence, proposal: Proposal, source: ProposalSource) -> list[Outcome]:
+        """s verifies a target-side proposal next; the outcome to stream, if the draft holds s (it learns
+        what is verified next)."""
+        outcome = [] if s.beyond_draft else [Outcome(s.seq_id, s.round, *s.last_outcome, skip_tree=not s.wants_tree,
+                                                     next_tokens=proposal.tokens.tolist())]
+        s.round, s.speculation, s.speculation_kind = self._next_round(s), proposal, source
+        return outcome
 
     def _fast_proposal(self, s: Sequence, kind: FallbackPolicy) -> Proposal:
         k, vocab = self.config.k, self.target.vocab_size
@@ -226,6 +232,10 @@ class SSDLoop(SDLoop):
         self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
         self.cache = SpeculationCache()
         self.gate = TreeGate(gate_modes(config)) if config.tree_policy is TreePolicy.AUTO else None
+        # Rows of tree rounds may take their n-gram proposal where it measures better, as whole rounds may.
+        self.picker = LookupPicker() if self.gate and RoundMode.FAST in gate_modes(config) else None
+        self._waited: float | None = None  # this round's tree wait (None: no row waited for a tree)
+        self._batch_size = 0  # this round's rows
         self.cohort_gate = CohortGate() if config.jit_cohorts == 2 else None
         self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
         self._split: bool | None = None  # this round verifies two cohorts (None: not a choice this round)
@@ -239,8 +249,9 @@ class SSDLoop(SDLoop):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
         self._captures = graph_captures()
         self._track_draft(seqs)
+        self._score_lookups(seqs)
         outcomes, landed = self._land(seqs)
-        self._mode = self._round_mode(seqs)
+        self._mode, self._waited, self._batch_size = self._round_mode(seqs), None, len(seqs)
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
         # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
         waiting = [s for s in seqs if s.seq_id not in landed]
@@ -279,6 +290,8 @@ class SSDLoop(SDLoop):
                 self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), seconds, self._sampled)
             if self._split is not None:
                 self.cohort_gate.record(len(seqs), self._split, seconds)
+            if self.picker and self._mode is RoundMode.TREES:
+                self.picker.record_round((self._sampled, len(seqs)), seconds, self._waited)
         return gained
 
     def _round_mode(self, seqs: list[Sequence]) -> RoundMode:
@@ -340,12 +353,53 @@ class SSDLoop(SDLoop):
         return self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
+        """Rows whose n-gram proposal should gain more take it; the others' hits take their cached branch,
+        their misses go to the fallback. Returns the outcomes to stream."""
+        picked = self._pick_lookups(seqs) if self.picker else {}
+        outcomes = [o for s in seqs if s.seq_id in picked for o in self._propose_here(s, picked[s.seq_id], ProposalSource.LOOKUP)]
+        self.metrics.lookup_rows += len(picked)
+        rest = [s for s in seqs if s.seq_id not in picked]
+        return outcomes + (self._take_trees(rest) if rest else [])
+
+    def _pick_lookups(self, seqs: list[Sequence]) -> dict[int, Proposal]:
+        """seq_id -> its n-gram proposal, for the rows spec/lookup_pick.py expects to gain more by it than by
+        their tree. Every row's proposal is offered, to be scored once its tokens are known."""
+        guesses = [self._offer_lookup(s) for s in seqs]
+        where, whole = (self._sampled, self._batch_size), len(seqs) == self._batch_size
+        busy_s, wait_s = self.picker.round_times(where)
+        picks = pick_lookup_rows([self.picker.expected(g.key) for g in guesses],
+                                 self.gate.draft_tokens_per_row(self._batch_size, self._sampled), self.stats.hit_rate,
+                                 busy_s, wait_s if whole else None)
+        return {s.seq_id: Proposal(torch.tensor(g.tokens, dtype=torch.long), None)
+                for s, g, pick in zip(seqs, guesses, picks) if pick}
+
+    def _offer_lookup(self, s: Sequence) -> Guess:
+        """s's n-gram proposal, offered to the picker to be scored (whether it is verified or not)."""
+        tokens, n = ngram_lookup(s.tokens, self.config.k, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+        guess = Guess(s.num_tokens, tuple(tokens), (n, s.params.greedy))
+        self.picker.offer(s.seq_id, guess)
+        return guess
+
+    def _fast_proposal(self, s: Sequence, kind: FallbackPolicy) -> Proposal:
+        """The fast backup's n-gram proposals are scored too: rounds of them alone (RoundMode.FAST) are
+        where the picker learns the text's n-gram yields before tree rounds come to use them."""
+        if self.picker is None or kind is not FallbackPolicy.FAST:
+            return super()._fast_proposal(s, kind)
+        return Proposal(torch.tensor(self._offer_lookup(s).tokens, dtype=torch.long), None)
+
+    def _score_lookups(self, seqs: list[Sequence]) -> None:
+        """Score the n-gram proposals offered in earlier rounds whose tokens are now known."""
+        if self.picker:
+            for s in seqs:
+                self.picker.observe(s.seq_id, s.tokens)
+
+    def _take_trees(self, seqs: list[Sequence]) -> list[Outcome]:
         """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
         start = time.perf_counter()
         # A sequence whose tree's plan lacks its outcome missed: its fallback need not wait for the tree.
         trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s,
                                       {s.seq_id: s.last_outcome for s in seqs})
-        waited = time.perf_counter() - start
+        waited = self._waited = time.perf_counter() - start
         self.metrics.draft_wait_s += waited
         if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:
             self._note_late_trees(len(seqs) - len(trees))
@@ -395,6 +449,8 @@ class SSDLoop(SDLoop):
 
     def forget(self, s: Sequence) -> None:
         self.cache.drop(s.seq_id)
+        if self.picker:
+            self.picker.forget(s.seq_id)
 
     def _fallback(self, misses: list[Sequence], batch_size: int) -> list[Outcome]:
         if not misses:
@@ -443,7 +499,8 @@ def gate_modes(config: Config) -> tuple[RoundMode, ...]:
 def round_yield(seqs: list[Sequence], gained: list[list[int]]) -> RoundYield:
     """The round's tokens for the tree gate, with those of the rows the fast backup proposed apart."""
     fast = [len(g) for s, g in zip(seqs, gained) if s.speculation_kind is ProposalSource.FAST]
-    return RoundYield(len(seqs), sum(map(len, gained)), len(fast), sum(fast))
+    lookup = [len(g) for s, g in zip(seqs, gained) if s.speculation_kind is ProposalSource.LOOKUP]
+    return RoundYield(len(seqs), sum(map(len, gained)), len(fast), sum(fast), len(lookup), sum(lookup))
 
 
 def build_loop(config: Config, target: TargetScorer, draft, metrics: EngineMetrics):

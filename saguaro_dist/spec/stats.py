@@ -22,6 +22,7 @@ class ProposalSource(str, enum.Enum):
     CACHE = "cache"    # SSD cache hit: prepared by the primary speculator
     NEURAL = "neural"  # the draft model drafting just in time (SD rounds, SSD's neural backup)
     FAST = "fast"      # n-gram or random backup
+    LOOKUP = "lookup"  # a tree round's row that took its n-gram proposal over its tree (spec/lookup_pick.py)
 
 
 class Timing(str, enum.Enum):
@@ -90,7 +91,7 @@ class SpecStats:
         if not accepted:
             return
         source = ProposalSource(source)
-        if source is not ProposalSource.FAST:
+        if source in (ProposalSource.CACHE, ProposalSource.NEURAL):
             self._accept.add(*acceptance_counts(accepted, self.k))
             counts = [0] * (self.k + 1)
             for a in accepted:

@@ -35,11 +35,22 @@ CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall
 @dataclass(frozen=True)
 class RoundYield:
     """What a round gained: `tokens` over its `rows` (sequences), of which `fast_tokens` over
-    `fast_rows` rows whose proposals came from the fast backup (n-gram or random)."""
+    `fast_rows` rows whose proposals came from the fast backup (n-gram or random), and `lookup_tokens`
+    over `lookup_rows` rows of a tree round that took their n-gram proposal over their tree."""
     rows: int
     tokens: int
     fast_rows: int = 0
     fast_tokens: int = 0
+    lookup_rows: int = 0
+    lookup_tokens: int = 0
+
+    @property
+    def draft_rows(self) -> int:
+        return self.rows - self.fast_rows - self.lookup_rows
+
+    @property
+    def draft_tokens(self) -> int:
+        return self.tokens - self.fast_tokens - self.lookup_tokens
 
 
 class RoundMode(str, enum.Enum):
@@ -138,7 +149,9 @@ class _BatchGate:
     count would compare the text of its bursts (a re-try on an easy stretch looked faster and kept a
     slower mode for ~100 rounds). Rows the fast backup proposed (a tree round's misses) are counted
     apart, with each mode's share of them: at T > 0 past the critical batch size they gain far less,
-    and pooled with the draft's rows they made tree rounds look as productive as just-in-time ones."""
+    and pooled with the draft's rows they made tree rounds look as productive as just-in-time ones.
+    Rows that took their n-gram proposal over their tree (spec/lookup_pick.py) are chosen for a good
+    match, so they are counted apart from both, with each mode's share of them too."""
     batch_size: int = 1
     mode: RoundMode = RoundMode.TREES
     modes: tuple = TWO_MODES     # the modes it chooses among, trees first
@@ -151,6 +164,8 @@ class _BatchGate:
     draft_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per draft row
     fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row
     fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
+    lookup_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per lookup row
+    lookup_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
     deferred: frozenset = frozenset()  # modes first tried at the exploration schedule, not up front (TreeGate._new_gate)
     last_run: dict = field(default_factory=dict)  # mode -> the last round it ran (which slower mode to re-try)
 
@@ -181,12 +196,13 @@ class _BatchGate:
         return self.batch_size * self.tokens_per_row(mode) / seconds.mean
 
     def tokens_per_row(self, mode: RoundMode) -> float:
-        """Expected tokens per row of a `mode` round: its share of fast-backup rows at their yield, the
-        rest at the draft's (a yield not yet seen takes the other's)."""
+        """Expected tokens per row of a `mode` round: its shares of fast-backup and lookup rows at their
+        yields, the rest at the draft's (a yield not yet seen takes the draft's, or the fast backup's)."""
         draft = self.draft_yield.mean if self.draft_yield.weight else self.fast_yield.mean
         fast = self.fast_yield.mean if self.fast_yield.weight else draft
-        share = self.fast_share[mode].mean or 0.0
-        return (1.0 - share) * draft + share * fast
+        lookup = self.lookup_yield.mean if self.lookup_yield.weight else draft
+        fast_share, lookup_share = self.fast_share[mode].mean or 0.0, self.lookup_share[mode].mean or 0.0
+        return (1.0 - fast_share - lookup_share) * draft + fast_share * fast + lookup_share * lookup
 
     def next_round(self) -> RoundMode:
         self.since_explore += 1
@@ -221,11 +237,14 @@ class _BatchGate:
             self.unmeasured -= 1
             return
         self.seconds[mode].add_round(seconds, self.rounds)
-        if gained.rows > gained.fast_rows:
-            self.draft_yield.add(gained.tokens - gained.fast_tokens, gained.rows - gained.fast_rows)
+        if gained.draft_rows:
+            self.draft_yield.add(gained.draft_tokens, gained.draft_rows)
         if gained.fast_rows:
             self.fast_yield.add(gained.fast_tokens, gained.fast_rows)
+        if gained.lookup_rows:
+            self.lookup_yield.add(gained.lookup_tokens, gained.lookup_rows)
         self.fast_share[mode].add(gained.fast_rows, gained.rows)
+        self.lookup_share[mode].add(gained.lookup_rows, gained.rows)
 
 
 class TreeGate:
@@ -273,6 +292,12 @@ class TreeGate:
         gate = self._gates.get((sampled, batch_size))
         if gate is not None:
             gate.record(mode, gained, seconds)
+
+    def draft_tokens_per_row(self, batch_size: int, sampled: bool = False) -> float | None:
+        """Tokens a row gains from the draft's proposal (a cache hit, a just-in-time draft) at this batch
+        size; None before a measurement."""
+        gate = self._gates.get((sampled, batch_size))
+        return gate.draft_yield.mean if gate is not None else None
 
     def rates(self, batch_size: int, sampled: bool = False) -> dict[str, float | None]:
         gate = self._gates.get((sampled, batch_size))

@@ -1,0 +1,103 @@
+"""Per row of a tree round: its prompt-lookup proposal in place of its tree, where that gains more.
+
+Where the text repeats itself, an n-gram's continuation (spec.ngram_proposal) is often a better guess
+than the draft's, and it costs no draft: a row that takes it need not wait for its tree. How good it is
+shows in the n of the n-gram that matched: on the demo pair's greedy text (8 held-out prompts, 128
+tokens each) a 1-gram match's K = 4 tokens accept 1.1 on average, a 3-gram's 3.4, the draft's 2.2.
+Which n beats the draft is the text's and the sampler's doing (at T = 0.7 hardly any), so it is
+measured, not set: every row of a tree round offers its proposal, and once the tokens it guessed are
+known (a round or two later) the proposal is scored as if it had been verified. That score has the
+verifier's distribution: a one-hot proposal x is accepted with probability p(x), the chance that the
+target's own draw is x. The choice reads only tokens already generated, so every token stays exactly
+the target's (a lookup proposal is verified as the fast backup's is).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from saguaro_dist.spec.tree_gate import SECONDS_DECAY, TOKENS_DECAY, DecayedMean
+
+MIN_SCORED = 8  # proposals of an n scored before that n's yield is trusted
+
+
+def pick_lookup_rows(lookup_tokens: list[float | None], draft_tokens: float | None, hit_rate: float,
+                     busy_s: float | None, wait_s: float | None) -> list[bool]:
+    """Which rows take their lookup proposal. lookup_tokens: each row's expected tokens (accepted + bonus)
+    from it, None where unmeasured; draft_tokens: a row's from its tree's branch on a hit (hit_rate),
+    a miss falling back to the same lookup, so a row's tree yields t_tree = h d + (1 - h) l. A row
+    gains by its lookup where l > d. The whole round also saves its tree wait (wait_s, over busy_s of
+    the rest of a tree round) when every row takes its lookup, so that is chosen when
+        sum(l) / busy > sum(max(l, t_tree)) / (busy + wait)."""
+    if draft_tokens is None:
+        return [False] * len(lookup_tokens)
+    each = [t is not None and t > draft_tokens for t in lookup_tokens]
+    if busy_s and wait_s and all(t is not None for t in lookup_tokens):
+        alone = sum(lookup_tokens) / busy_s
+        mixed = sum(max(t, hit_rate * draft_tokens + (1.0 - hit_rate) * t) for t in lookup_tokens) / (busy_s + wait_s)
+        if alone > mixed:
+            return [True] * len(lookup_tokens)
+    return each
+
+
+@dataclass(frozen=True)
+class Guess:
+    """A lookup proposal offered at `position` (the index of the first token it guessed)."""
+    position: int
+    tokens: tuple[int, ...]
+    key: tuple[int, bool]  # (n of the n-gram matched, whether the row is greedy)
+
+
+def score(guess: Guess, tokens: list[int]) -> int | None:
+    """Tokens the guess would have gained (accepted + bonus), or None while `tokens` (the sequence) does
+    not yet show it: a mismatch, or every guessed token, must be known."""
+    known = tokens[guess.position:guess.position + len(guess.tokens)]
+    for j, (guessed, real) in enumerate(zip(guess.tokens, known)):
+        if guessed != real:
+            return j + 1
+    return len(guess.tokens) + 1 if len(known) == len(guess.tokens) else None
+
+
+@dataclass
+class LookupPicker:
+    """The measured yields behind pick_lookup_rows: lookup proposals' per (n, greedy), scored when their
+    tokens are known; and per (sampled, batch size) a tree round's seconds apart from its tree wait."""
+    yields: dict = field(default_factory=dict)   # (n, greedy) -> DecayedMean of tokens a proposal gained
+    pending: dict = field(default_factory=dict)  # seq_id -> deque of Guess not yet scored
+    busy: dict = field(default_factory=dict)     # (sampled, batch size) -> DecayedMean of round seconds - wait
+    waits: dict = field(default_factory=dict)    # (sampled, batch size) -> DecayedMean of waits of rounds that waited
+
+    def expected(self, key: tuple[int, bool]) -> float | None:
+        mean = self.yields.get(key)
+        return mean.mean if mean is not None and mean.count >= MIN_SCORED else None
+
+    def offer(self, seq_id: int, guess: Guess) -> None:
+        """Score `guess` once its tokens are known; one guess a position (a row that did not take its lookup
+        and then missed its tree is offered the same proposal again by the fallback)."""
+        guesses = self.pending.setdefault(seq_id, deque())
+        if not guesses or guesses[-1].position != guess.position:
+            guesses.append(guess)
+
+    def observe(self, seq_id: int, tokens: list[int]) -> None:
+        """Score the sequence's guesses that its tokens now show, oldest first."""
+        guesses = self.pending.get(seq_id)
+        while guesses:
+            gained = score(guesses[0], tokens)
+            if gained is None:
+                return
+            self.yields.setdefault(guesses[0].key, DecayedMean(TOKENS_DECAY)).add(gained)
+            guesses.popleft()
+
+    def forget(self, seq_id: int) -> None:
+        self.pending.pop(seq_id, None)
+
+    def record_round(self, where: tuple[bool, int], seconds: float, waited_s: float | None) -> None:
+        """A tree round at `where` took `seconds`; waited_s: its tree wait, None if no row waited for a tree."""
+        self.busy.setdefault(where, DecayedMean(SECONDS_DECAY)).add_clipped(seconds - (waited_s or 0.0))
+        if waited_s is not None:
+            self.waits.setdefault(where, DecayedMean(SECONDS_DECAY)).add_clipped(waited_s)
+
+    def round_times(self, where: tuple[bool, int]) -> tuple[float | None, float | None]:
+        """(busy seconds, tree wait) of a tree round at `where`, None before a measurement."""
+        busy, wait = self.busy.get(where), self.waits.get(where)
+        return (busy.mean if busy else None), (wait.mean if wait else None)

@@ -1,0 +1,107 @@
+"""Which rows of a tree round take their n-gram proposal over their tree (spec/lookup_pick.py)."""
+from __future__ import annotations
+
+import pytest
+
+from saguaro_dist.spec.fallback import ngram_lookup
+from saguaro_dist.spec.lookup_pick import MIN_SCORED, Guess, LookupPicker, pick_lookup_rows, score
+from saguaro_dist.spec.tree_gate import RoundYield, _BatchGate, RoundMode
+
+
+def test_a_row_takes_its_lookup_where_it_yields_more_than_the_draft():
+    assert pick_lookup_rows([4.0, 2.0, None], 3.0, 0.8, 0.003, None) == [True, False, False]
+
+
+def test_nothing_is_taken_before_the_draft_was_measured():
+    assert pick_lookup_rows([5.0], None, 1.0, 0.003, 0.001) == [False]
+
+
+def test_every_row_takes_its_lookup_when_skipping_the_tree_wait_pays():
+    # alone: (2.5 + 2.5) / 2 ms = 2.5 a ms; mixed: (3 h + 2.5 (1 - h)) x 2 / 3 ms at h = 1 = 2.0 a ms
+    assert pick_lookup_rows([2.5, 2.5], 3.0, 1.0, 0.002, 0.001) == [True, True]
+    # a short wait: mixed (6 / 2.2 ms) beats alone (5 / 2 ms)
+    assert pick_lookup_rows([2.5, 2.5], 3.0, 1.0, 0.002, 0.0002) == [False, False]
+
+
+def test_a_missed_tree_falls_back_to_the_same_lookup():
+    """At hit rate 0 a tree round gives the lookup's tokens anyway, and then skipping its wait always pays."""
+    assert pick_lookup_rows([1.5], 3.0, 0.0, 0.002, 0.0001) == [True]
+    assert pick_lookup_rows([1.5], 3.0, 1.0, 0.002, 0.0001) == [False]
+
+
+def test_an_unmeasured_row_keeps_the_whole_round_on_trees():
+    assert pick_lookup_rows([9.0, None], 3.0, 1.0, 0.002, 0.010) == [True, False]
+
+
+@pytest.mark.parametrize("guessed, sequence, want", [
+    ((7, 8, 9), [1, 7, 8, 9], 4),    # every token right: K accepted and the bonus
+    ((7, 8, 9), [1, 7, 5], 2),       # the second wrong: 1 accepted and the bonus
+    ((7, 8, 9), [1, 6], 1),          # the first wrong: the bonus only
+    ((7, 8, 9), [1, 7, 8], None),    # right so far, the last not yet known
+    ((7, 8, 9), [1], None),
+])
+def test_a_guess_is_scored_once_its_tokens_show_it(guessed, sequence, want):
+    assert score(Guess(1, guessed, (3, True)), sequence) == want
+
+
+def test_the_picker_trusts_an_n_after_enough_scores():
+    picker, key = LookupPicker(), (2, True)
+    for i in range(MIN_SCORED):
+        assert picker.expected(key) is None
+        picker.offer(i, Guess(1, (5, 6), key))
+        picker.observe(i, [0, 5, 9])
+    assert picker.expected(key) == pytest.approx(2.0)  # one accepted and the bonus, each time
+
+
+def test_the_picker_scores_one_guess_a_position_oldest_first():
+    picker, key = LookupPicker(), (1, False)
+    picker.offer(0, Guess(1, (5,), key))
+    picker.offer(0, Guess(1, (5,), key))  # the fallback's offer of the same proposal
+    picker.offer(0, Guess(2, (6,), key))
+    picker.observe(0, [0, 5])
+    assert len(picker.pending[0]) == 1 and picker.yields[key].count == 1
+    picker.observe(0, [0, 5, 7])
+    assert not picker.pending[0] and picker.yields[key].count == 2
+    picker.forget(0)
+    assert 0 not in picker.pending
+
+
+def test_a_tree_rounds_time_is_kept_apart_from_its_wait():
+    picker, where = LookupPicker(), (False, 1)
+    assert picker.round_times(where) == (None, None)
+    picker.record_round(where, 0.004, 0.001)
+    picker.record_round(where, 0.003, None)  # every row took its lookup: no wait
+    busy, wait = picker.round_times(where)
+    assert busy == pytest.approx(0.003) and wait == pytest.approx(0.001)
+
+
+def brute_force_lookup(tokens, k, max_n, min_n):
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        starts = [i for i in range(len(tokens) - n) if tokens[i:i + n] == tokens[-n:]]
+        if starts:
+            extended = list(tokens)
+            for j in range(k):
+                extended.append(extended[starts[-1] + n + j])
+            return extended[len(tokens):], n
+    return ([tokens[-1]] * k if tokens else [0] * k), 0
+
+
+@pytest.mark.parametrize("tokens", [
+    [], [4], [4, 4], [1, 2, 3, 1, 2], [1, 2, 3, 9, 2, 3], [256, 1, 0, 256, 1],
+    [1, 256, 1, 256],                  # bytes of one token inside another's: no match there
+    [65536, 0, 1, 65536], [3, 70000, 2, 3, 70000],
+])
+def test_ngram_lookup_matches_a_brute_force_search(tokens):
+    assert ngram_lookup(tokens, 4) == brute_force_lookup(tokens, 4, 3, 1)
+    assert ngram_lookup(tokens, 2, 2, 2) == brute_force_lookup(tokens, 2, 2, 2)
+
+
+def test_the_gate_counts_lookup_rows_apart():
+    """A tree round's lookup rows are chosen for a good match: their tokens raise the tree mode's expected
+    yield by their share, not the draft's yield (which the just-in-time mode shares)."""
+    gate = _BatchGate(batch_size=2)
+    gate.unmeasured = 0
+    gate.record(RoundMode.TREES, RoundYield(rows=2, tokens=7, lookup_rows=1, lookup_tokens=5), 0.004)
+    assert gate.draft_yield.mean == 2.0 and gate.lookup_yield.mean == 5.0
+    assert gate.tokens_per_row(RoundMode.TREES) == pytest.approx(3.5)
+    assert gate.tokens_per_row(RoundMode.JUST_IN_TIME) == pytest.approx(2.0)
