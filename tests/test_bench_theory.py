@@ -165,3 +165,16 @@ def test_rounds_of_n_gram_proposals_are_mixed_in_at_one_verify_each():
     assert got["p_hit"] == 0.0  # of Theorem 7's rounds, every one waited for a draft
     assert got["predicted_tokens_per_s"] == pytest.approx((10 * 4 + 10 * 2) / (10 * 0.015 + 10 * 0.010))  # 240
     assert got["best_case_tokens_per_s"] == pytest.approx(61 / (60 / (4 / 0.015)))  # just in time (267) beats 2 / 10 ms
+
+
+def test_tree_rounds_whose_rows_all_took_n_gram_proposals_count_as_n_gram_rounds():
+    """They waited for no tree (one verify each) but their rows were chosen for a good match: they join the
+    prediction's n-gram rounds, not the best case's "every round n-gram proposals alone"."""
+    m = Measurement(tokens=71, seconds=1.0, outputs=[], cache_hits=0, cache_misses=0, fallbacks={},
+                    engine={"rounds": 20, "verify_s": 0.2, "just_in_time_rounds": 10, "jit_rounds": 10,
+                            "jit_round_tokens": 40, "fast_rounds": 5, "fast_round_tokens": 10,
+                            "lookup_rounds": 5, "lookup_round_tokens": 20})
+    got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
+    assert (got["fast_share"], got["tokens_per_fast_round"], got["tokens_per_miss_round"]) == (0.5, 3.0, 4.0)
+    assert got["predicted_tokens_per_s"] == pytest.approx((10 * 4 + 10 * 3) / (10 * 0.015 + 10 * 0.010))
+    assert got["best_case_tokens_per_s"] == pytest.approx(71 / (70 / (4 / 0.015)))  # n-gram alone: 2 / 10 ms

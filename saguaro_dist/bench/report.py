@@ -86,8 +86,9 @@ def round_mix(engine: dict) -> str:
     rounds = engine.get("rounds") or 0
     if not rounds:
         return "no rounds"
-    jit, fast = engine.get("just_in_time_rounds", 0), engine.get("fast_rounds", 0)
-    return f"trees {(rounds - jit - fast) / rounds:.0%}, SD's {jit / rounds:.0%}, n-gram {fast / rounds:.0%}"
+    jit, fast, lookup = (engine.get(k, 0) for k in ("just_in_time_rounds", "fast_rounds", "lookup_rounds"))
+    return (f"trees {(rounds - jit - fast - lookup) / rounds:.0%}, SD's {jit / rounds:.0%}, n-gram {fast / rounds:.0%}, "
+            f"tree rounds whose rows all took n-gram proposals {lookup / rounds:.0%}")
 
 
 def _best_case(t: dict) -> str:

@@ -13,7 +13,8 @@ from saguaro_dist.config import DRAFT_MODES, Mode
 log = logging.getLogger(__name__)
 ENGINE_FIELDS = ("rounds", "verify_s", "draft_wait_s", "prefill_s", "step_s", "coordination_s", "cache_hits", "cache_misses",
                  "just_in_time_rounds", "jit_rounds", "jit_round_tokens", "tree_build_s", "tree_builds", "cohort_rounds",
-                 "fast_rounds", "fast_round_tokens", "lookup_rows")
+                 "fast_rounds", "fast_round_tokens", "lookup_rows",
+                 "lookup_rounds", "lookup_round_tokens")
 
 
 @dataclass

@@ -37,13 +37,20 @@ def first_tokens(m, batch: int) -> int:
     return len(m.outputs) or batch
 
 
+def ngram_alone(m) -> tuple[int, int]:
+    """(rounds, tokens) verified on n-gram proposals alone, waiting for no tree or draft: the gate's
+    RoundMode.FAST rounds and the tree rounds whose every row took its n-gram proposal (lookup_rounds)."""
+    e = m.engine
+    return e.get("fast_rounds", 0) + e.get("lookup_rounds", 0), e.get("fast_round_tokens", 0) + e.get("lookup_round_tokens", 0)
+
+
 def tokens_by_round_kind(m, batch: int, rounds: int) -> tuple[float | None, float | None]:
     """Of Theorem 7's `rounds` (the run's but its n-gram rounds, with_fast_rounds): E[tokens | a round that
     did not wait for a just-in-time draft] and E[tokens | one that did] (None:
     the run had no such round), from EngineMetrics jit_round_tokens; without it the run's mean stands for
     both. Misses that took the fast backup verify fewer tokens than a neural draft's rounds: a best case
     that gave every round the mean (what this once did) overstated the kind the run did not run."""
-    total = m.tokens - first_tokens(m, batch) - m.engine.get("fast_round_tokens", 0)  # Theorem 7's rounds' tokens
+    total = m.tokens - first_tokens(m, batch) - ngram_alone(m)[1]  # Theorem 7's rounds' tokens
     jit = m.engine.get("jit_rounds")
     if jit is None or "jit_round_tokens" not in m.engine:
         return total / rounds, total / rounds
@@ -86,12 +93,14 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
 
     Rounds verified as two cohorts (spec/cohorts.py) overlap the just-in-time draft with a verify, which
     Theorem 7 does not model: its 1 + T_b overstates them. Their share is reported (cohort_share).
-    Rounds run on n-gram proposals alone (RoundMode.FAST) are outside the theorem too: they are mixed in at
-    one verify each and their own tokens per round (with_fast_rounds; fast_share)."""
+    Rounds run on n-gram proposals alone (RoundMode.FAST, and tree rounds whose every row took its n-gram
+    proposal) are outside the theorem too: they are mixed in at one verify each and their own tokens per
+    round (with_fast_rounds; fast_share). The best case's "n-gram rounds alone" takes only the gate's
+    RoundMode.FAST rounds' tokens: the others' rows were chosen for a good match."""
     inputs = run_inputs(m, batch, calib)
     if not inputs:
         return {}
-    rounds, fast_share, fast_tokens = inputs.pop("t7_rounds"), inputs["fast_share"], inputs["tokens_per_fast_round"]
+    rounds, fast_share, fast_tokens = inputs.pop("t7_rounds"), inputs["fast_share"], inputs.pop("tokens_per_gate_fast_round")
     pred = mixed_rate(inputs, inputs["p_hit"], inputs["tree_s"], fast_share)
     alone = mixed_rate(inputs, inputs["p_hit"], calib["tree_s"], fast_share)
     # SSD's best case with this draft on this hardware: every round of the cheapest mode (Theorem 7 is
@@ -110,7 +119,7 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
 
 def run_inputs(m, batch: int, calib: dict) -> dict:
     """What predict_from_run reads of a run (`t7_rounds`: its rounds but the n-gram ones); {} without any."""
-    all_rounds, fast = m.engine.get("rounds", 0), m.engine.get("fast_rounds", 0)
+    all_rounds, (fast, fast_tokens), gate_fast = m.engine.get("rounds", 0), ngram_alone(m), m.engine.get("fast_rounds", 0)
     rounds = all_rounds - fast  # Theorem 7's: the rest ran on n-gram proposals alone (with_fast_rounds)
     lookups = m.cache_hits + m.cache_misses
     if not all_rounds or (not lookups and "jit_rounds" not in m.engine):
@@ -130,7 +139,8 @@ def run_inputs(m, batch: int, calib: dict) -> dict:
             "tree_s_in_run": bool(builds), "hit_rate": hit, "neural_share": neural_share,
             "prefill_s": m.engine.get("prefill_s", 0.0), "cohort_share": m.engine.get("cohort_rounds", 0) / all_rounds,
             "fast_share": fast / all_rounds,
-            "tokens_per_fast_round": m.engine.get("fast_round_tokens", 0) / fast if fast else None}
+            "tokens_per_fast_round": fast_tokens / fast if fast else None,
+            "tokens_per_gate_fast_round": m.engine.get("fast_round_tokens", 0) / gate_fast if gate_fast else None}
 
 
 def mixed_rate(inputs: dict, p_hit: float, tree_s: float, fast_share: float) -> float:

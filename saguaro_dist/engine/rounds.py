@@ -277,9 +277,7 @@ class SSDLoop(SDLoop):
     def verify(self, seqs):
         verified_s = self.metrics.verify_s
         gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
-        if self._mode is RoundMode.FAST and not self._drafted_this_round:  # (a sequence admitted now was drafted)
-            self.metrics.fast_rounds += 1
-            self.metrics.fast_round_tokens += sum(map(len, gained))
+        self._count_ngram_alone(seqs, sum(map(len, gained)))
         # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
         self.stats.record_time(Timing.VERIFY, self.metrics.verify_s - verified_s)
         for source in ProposalSource:
@@ -293,6 +291,19 @@ class SSDLoop(SDLoop):
             if self.picker and self._mode is RoundMode.TREES:
                 self.picker.record_round((self._sampled, len(seqs)), seconds, self._waited)
         return gained
+
+    def _count_ngram_alone(self, seqs: list[Sequence], tokens: int) -> None:
+        """Count a round that verified n-gram proposals alone, waiting for no tree and no draft: one of the
+        gate's RoundMode.FAST, or a tree round whose every row took its n-gram proposal (a sequence admitted
+        in the round was drafted: not such a round)."""
+        if self._drafted_this_round:
+            return
+        if self._mode is RoundMode.FAST:
+            self.metrics.fast_rounds += 1
+            self.metrics.fast_round_tokens += tokens
+        elif all(s.speculation_kind is ProposalSource.LOOKUP for s in seqs):
+            self.metrics.lookup_rounds += 1
+            self.metrics.lookup_round_tokens += tokens
 
     def _round_mode(self, seqs: list[Sequence]) -> RoundMode:
         if self.gate:
