@@ -105,3 +105,15 @@ def test_the_gate_counts_lookup_rows_apart():
     assert gate.draft_yield.mean == 2.0 and gate.lookup_yield.mean == 5.0
     assert gate.tokens_per_row(RoundMode.TREES) == pytest.approx(3.5)
     assert gate.tokens_per_row(RoundMode.JUST_IN_TIME) == pytest.approx(2.0)
+
+
+def test_the_gates_lookup_share_follows_a_re_try_not_an_old_burst():
+    """A tree burst before the picker had scores took no lookup; a re-try 100 rounds later, when it does,
+    must be credited with its own share, as its round times are."""
+    gate = _BatchGate(batch_size=1)
+    gate.unmeasured = 0
+    for gate.rounds in range(1, 7):
+        gate.record(RoundMode.TREES, RoundYield(rows=1, tokens=3), 0.004)
+    for gate.rounds in range(100, 103):
+        gate.record(RoundMode.TREES, RoundYield(rows=1, tokens=5, lookup_rows=1, lookup_tokens=5), 0.003)
+    assert gate.lookup_share[RoundMode.TREES].mean > 0.99

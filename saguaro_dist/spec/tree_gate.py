@@ -88,6 +88,14 @@ class DecayedMean:
         self.last_round = round_no
         self.add_clipped(value)
 
+    def add_share(self, value: float, weight: float, round_no: int) -> None:
+        """add `value` of `weight` observations, first fading the mean by the rounds since the last one
+        added (as add_round, unclipped): for a share that follows a policy that learns, like the lookup
+        picker's, which an old burst's share would understate for its ~100-round life."""
+        self.fade(max(0, round_no - self.last_round - 1))
+        self.last_round = round_no
+        self.add(value, weight)
+
     def fade(self, steps: int) -> None:
         """Age the values by `steps` more decays without adding any (the mean stays where it was)."""
         self.total, self.weight = self.total * self.decay ** steps, self.weight * self.decay ** steps
@@ -165,7 +173,7 @@ class _BatchGate:
     fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row
     fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
     lookup_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per lookup row
-    lookup_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
+    lookup_share: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
     deferred: frozenset = frozenset()  # modes first tried at the exploration schedule, not up front (TreeGate._new_gate)
     last_run: dict = field(default_factory=dict)  # mode -> the last round it ran (which slower mode to re-try)
 
@@ -244,7 +252,7 @@ class _BatchGate:
         if gained.lookup_rows:
             self.lookup_yield.add(gained.lookup_tokens, gained.lookup_rows)
         self.fast_share[mode].add(gained.fast_rows, gained.rows)
-        self.lookup_share[mode].add(gained.lookup_rows, gained.rows)
+        self.lookup_share[mode].add_share(gained.lookup_rows, gained.rows, self.rounds)
 
 
 class TreeGate:
