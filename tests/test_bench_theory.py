@@ -177,4 +177,18 @@ def test_tree_rounds_whose_rows_all_took_n_gram_proposals_count_as_n_gram_rounds
     got = predict_from_run(m, 1, {"tree_s": 0.02, "jit_s": 0.005})
     assert (got["fast_share"], got["tokens_per_fast_round"], got["tokens_per_miss_round"]) == (0.5, 3.0, 4.0)
     assert got["predicted_tokens_per_s"] == pytest.approx((10 * 4 + 10 * 3) / (10 * 0.015 + 10 * 0.010))
-    assert got["best_case_tokens_per_s"] == pytest.approx(71 / (70 / (4 / 0.015)))  # n-gram alone: 2 / 10 ms
+    # n-gram alone (the gate's rounds: 2 / 10 ms) and just in time (4 / 15 ms) lose to the run's own mix
+    assert got["best_case_tokens_per_s"] == pytest.approx(got["predicted_run_tokens_per_s"])
+    assert got["best_case_tokens_per_s"] > 71 / (70 / (4 / 0.015))
+
+
+def test_the_best_case_is_never_below_the_runs_own_mix():
+    """Tree rounds whose rows all took n-gram proposals leave Theorem 7 the rows without a good match:
+    every round of one kind at their tokens would gain less than the run's own mix, which it reached."""
+    m = Measurement(tokens=81, seconds=1.0, outputs=[], cache_hits=5, cache_misses=0, fallbacks={},
+                    engine={"rounds": 20, "verify_s": 0.2, "just_in_time_rounds": 0, "jit_rounds": 0,
+                            "jit_round_tokens": 0, "tree_build_s": 0.05, "tree_builds": 5,
+                            "lookup_rounds": 15, "lookup_round_tokens": 70})
+    got = predict_from_run(m, 1, {"tree_s": 0.01, "jit_s": 0.005})
+    assert got["tokens_per_hit_round"] == 2.0  # the 5 tree rounds' 10 tokens
+    assert got["best_case_tokens_per_s"] == pytest.approx(got["predicted_run_tokens_per_s"])

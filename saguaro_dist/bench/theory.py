@@ -109,7 +109,9 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     modes = ((tree_mode_p(m, rounds) if rounds else None, inputs["tokens_per_hit_round"]),
              (0.0, inputs["tokens_per_miss_round"]))
     best = [mixed_rate(inputs, p, inputs["tree_s"], 0.0) for p, kind in modes if p is not None and kind is not None]
-    best_case = max(best + ([fast_tokens / inputs["verify_s"]] if fast_tokens else []))
+    # The run's own mix is one it reached: with rows that took n-gram proposals, the rest of its tree rounds
+    # are the rows without a good match, and every round of their kind would gain less than the run did.
+    best_case = max(best + ([fast_tokens / inputs["verify_s"]] if fast_tokens else []) + [pred])
     decoded, prefill_s = m.tokens - first_tokens(m, batch), inputs["prefill_s"]
     run = lambda rate: m.tokens / (prefill_s + decoded / rate) if rate else 0.0  # noqa: E731 - the run at that rate
     return {**inputs, "predicted_tokens_per_s": pred, "predicted_run_tokens_per_s": run(pred),
