@@ -367,9 +367,13 @@ class SSDLoop(SDLoop):
         """Rows whose n-gram proposal should gain more take it; the others' hits take their cached branch,
         their misses go to the fallback. Returns the outcomes to stream."""
         picked = self._pick_lookups(seqs) if self.picker else {}
-        outcomes = [o for s in seqs if s.seq_id in picked for o in self._propose_here(s, picked[s.seq_id], ProposalSource.LOOKUP)]
+        outcomes, rest = [], []
+        for s in seqs:
+            if s.seq_id in picked:
+                outcomes += self._propose_here(s, picked[s.seq_id], ProposalSource.LOOKUP)
+            else:
+                rest.append(s)
         self.metrics.lookup_rows += len(picked)
-        rest = [s for s in seqs if s.seq_id not in picked]
         return outcomes + (self._take_trees(rest) if rest else [])
 
     def _pick_lookups(self, seqs: list[Sequence]) -> dict[int, Proposal]:
