@@ -36,7 +36,7 @@ def main() -> None:
         print(f"engine: {e.rounds} rounds; without a speculation tree, where the gate measured that faster: "
               f"{e.just_in_time_rounds} drafted just in time, {e.fast_rounds} on n-gram proposals alone; "
               f"{e.cache_hits} cache hits, {e.cache_misses} misses, {e.lookup_rows} rows that took their n-gram "
-              f"proposal over their tree")
+              f"proposal over the draft's")
         if e.tree_builds:  # SSD hides the draft entirely while a tree takes no longer than a verify (Theorem 7)
             print(f"per round: the target verified in {1e3 * e.verify_s / e.rounds:.1f} ms, "
                   f"the draft built a tree in {1e3 * e.tree_build_s / e.tree_builds:.1f} ms")

@@ -123,7 +123,7 @@ class Config:
     hit_glue: HitGlue = HitGlue.AUTO       # ssd: after a hit, whether the tree covers k = K too (one draft forward more)
     ngram_rounds: bool = True              # ssd, tree_policy and fallback "auto": the tree gate may run rounds of n-gram
                                            # proposals alone where they measure faster (repetitive text; spec/tree_gate.py),
-                                           # and a tree round's row may take its n-gram proposal over its tree (spec/lookup_pick.py)
+                                           # and a row may take its n-gram proposal over the draft's (spec/lookup_pick.py)
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
     max_num_batched_tokens: int = 2048     # prompt tokens an engine step prefills, tokens one forward takes: longer prompts run in chunks

@@ -125,19 +125,36 @@ class CyclingGate:
         pass
 
     def draft_tokens_per_row(self, batch_size: int, sampled: bool = False) -> float | None:
-        return None  # unmeasured: no row of a tree round takes its n-gram proposal over its tree
+        return None  # unmeasured: no row takes its n-gram proposal over the draft's
 
 
 class LookupFavouringGate(CyclingGate):
-    """Trees every round, the draft's rows measured to gain nothing: every row whose n-gram proposals
-    were scored takes its n-gram proposal over its tree (spec/lookup_pick.py)."""
+    """Trees every round (JustInTimeLookupGate: SD's rounds), the draft's rows measured to gain nothing:
+    every row whose n-gram proposals were scored takes its n-gram proposal over the draft's
+    (spec/lookup_pick.py)."""
+    round_mode = "trees"
 
     def __init__(self, modes=None):
         from saguaro_dist.spec.tree_gate import RoundMode
-        self.cycle, self.rounds = [RoundMode.TREES], 0
+        self.cycle, self.rounds = [RoundMode(self.round_mode)], 0
 
     def draft_tokens_per_row(self, batch_size: int, sampled: bool = False) -> float | None:
         return 0.0
+
+
+class JustInTimeLookupGate(LookupFavouringGate):
+    round_mode = "just_in_time"
+
+
+def trusting_picker():
+    """A LookupPicker that expects every n-gram proposal to gain a token before any was scored: rows take
+    their n-gram proposals from the first round that offers them (with a LookupFavouringGate)."""
+    from saguaro_dist.spec.lookup_pick import LookupPicker
+
+    class TrustingPicker(LookupPicker):
+        def expected(self, key):
+            return 1.0
+    return TrustingPicker
 
 
 PENALTIES = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.4)

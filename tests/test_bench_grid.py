@@ -251,5 +251,5 @@ def test_the_batch_plot_draws_every_system_over_the_baseline_that_ran(tmp_path, 
 
 def test_round_mix_splits_an_ssd_cells_rounds_by_kind():
     engine = {"rounds": 200, "just_in_time_rounds": 50, "fast_rounds": 30, "lookup_rounds": 10}
-    assert round_mix(engine) == "trees 55%, SD's 25%, n-gram 15%, tree rounds whose rows all took n-gram proposals 5%"
+    assert round_mix(engine) == "trees 55%, SD's 25%, n-gram 15%, rounds whose rows all took n-gram proposals 5%"
     assert round_mix({"rounds": 0}) == "no rounds"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import saguaro_dist.engine.rounds as rounds_module
-from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, CyclingGate, LookupFavouringGate,
+from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, CyclingGate, JustInTimeLookupGate,
+                            LookupFavouringGate, trusting_picker,
                             assert_greedy_equal, close_pair,
                             biased_reference, hf_greedy, llama_config, penalized_reference,
                             save_model)
@@ -223,19 +224,25 @@ def test_ssd_hits_the_cache_with_a_close_draft(pair):
     assert m.acceptance_rate > 0.3, m
 
 
-@pytest.mark.parametrize("executor, batch", [("thread", 1), ("split", 1), ("split", 4)])
-def test_rows_that_take_their_ngram_proposal_over_their_tree_are_exact(pair, reference, monkeypatch, caplog, executor, batch):
-    """Tree rounds whose rows take their n-gram proposal instead of their tree (spec/lookup_pick.py; the
-    draft's rows scripted to gain nothing, so every row whose n-gram proposals were scored takes its own):
-    the same tokens, and the draft, told what is verified instead, never out of step."""
+@pytest.mark.parametrize("gate, executor, batch, trusting", [
+    (LookupFavouringGate, "thread", 1, False), (LookupFavouringGate, "split", 1, False), (LookupFavouringGate, "split", 4, False),
+    (JustInTimeLookupGate, "split", 1, True), (JustInTimeLookupGate, "split", 4, True), (JustInTimeLookupGate, "thread", 4, True)])
+def test_rows_that_take_their_ngram_proposal_over_the_drafts_are_exact(pair, reference, monkeypatch, caplog, gate,
+                                                                       executor, batch, trusting):
+    """Rounds whose rows take their n-gram proposal instead of their tree or a draft made now
+    (spec/lookup_pick.py; the draft's rows scripted to gain nothing, so every row whose n-gram proposals
+    were scored takes its own; trusting: before any was scored), SD's rounds of two cohorts too: the same
+    tokens, and the draft, told what is verified instead, never out of step."""
     caplog.set_level("WARNING")
-    monkeypatch.setattr(rounds_module, "TreeGate", LookupFavouringGate)
+    monkeypatch.setattr(rounds_module, "TreeGate", gate)
+    if trusting:
+        monkeypatch.setattr(rounds_module, "LookupPicker", trusting_picker())
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
              draft_executor=executor, tree_timeout_s=30.0) as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
         m = llm.metrics
     check(pair, reference, outputs)
-    assert m.lookup_rows > 0 and m.cache_hits > 0, m
+    assert m.lookup_rows > 0 and (m.cache_hits > 0 or gate is JustInTimeLookupGate), m
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 

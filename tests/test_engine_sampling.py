@@ -18,8 +18,8 @@ from transformers import LlamaForCausalLM
 
 import saguaro_dist.engine.rounds as rounds_module
 import saguaro_dist.engine.target as target_module
-from saguaro_dist.spec.lookup_pick import LookupPicker
-from engine_helpers import DEVICE, CyclingGate, LookupFavouringGate, llama_config, save_model, save_perturbed
+from engine_helpers import (DEVICE, CyclingGate, JustInTimeLookupGate, LookupFavouringGate, llama_config, save_model,
+                            save_perturbed, trusting_picker)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.engine.structured import GrammarState
@@ -245,17 +245,15 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 
 
-@pytest.mark.parametrize("executor", ["thread", "split"])
-def test_rows_that_take_their_ngram_proposal_over_their_tree_follow_the_target(pair, monkeypatch, executor):
-    """Tree rounds whose rows take their n-gram proposal instead of their tree (spec/lookup_pick.py; the
-    draft's rows scripted to gain nothing and every proposal trusted before it is scored, so from the
-    first round that could look a tree up, the second): a one-hot proposal chosen from the tokens so far,
-    verified exactly. With k = 1 a row that rejected in round 1 decides its third token there."""
-    class TrustingPicker(LookupPicker):
-        def expected(self, key):
-            return 1.0
-    monkeypatch.setattr(rounds_module, "TreeGate", LookupFavouringGate)
-    monkeypatch.setattr(rounds_module, "LookupPicker", TrustingPicker)
+@pytest.mark.parametrize("gate, executor", [(LookupFavouringGate, "thread"), (LookupFavouringGate, "split"),
+                                            (JustInTimeLookupGate, "split")])
+def test_rows_that_take_their_ngram_proposal_over_the_drafts_follow_the_target(pair, monkeypatch, gate, executor):
+    """Rounds whose rows take their n-gram proposal instead of their tree or a draft made now
+    (spec/lookup_pick.py; the draft's rows scripted to gain nothing and every proposal trusted before it
+    is scored, so from the second round on): a one-hot proposal chosen from the tokens so far, verified
+    exactly. With k = 1 a row that rejected in round 1 decides its third token in round 2."""
+    monkeypatch.setattr(rounds_module, "TreeGate", gate)
+    monkeypatch.setattr(rounds_module, "LookupPicker", trusting_picker())
     target, draft, model = pair
     counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
     assert metrics.lookup_rows > 0, metrics  # (every row that could look its tree up took its n-gram proposal)

@@ -1,4 +1,4 @@
-"""Which rows of a tree round take their n-gram proposal over their tree (spec/lookup_pick.py)."""
+"""Which rows take their n-gram proposal over the draft's (spec/lookup_pick.py)."""
 from __future__ import annotations
 
 import pytest
@@ -67,7 +67,7 @@ def test_the_picker_scores_one_guess_a_position_oldest_first():
 
 
 def test_a_tree_rounds_time_is_kept_apart_from_its_wait():
-    picker, where = LookupPicker(), (False, 1)
+    picker, where = LookupPicker(), (RoundMode.TREES, False, 1)
     assert picker.round_times(where) == (None, None)
     picker.record_round(where, 0.004, 0.001)
     picker.record_round(where, 0.003, None)  # every row took its lookup: no wait

@@ -88,7 +88,7 @@ def round_mix(engine: dict) -> str:
         return "no rounds"
     jit, fast, lookup = (engine.get(k, 0) for k in ("just_in_time_rounds", "fast_rounds", "lookup_rounds"))
     return (f"trees {(rounds - jit - fast - lookup) / rounds:.0%}, SD's {jit / rounds:.0%}, n-gram {fast / rounds:.0%}, "
-            f"tree rounds whose rows all took n-gram proposals {lookup / rounds:.0%}")
+            f"rounds whose rows all took n-gram proposals {lookup / rounds:.0%}")
 
 
 def _best_case(t: dict) -> str:

@@ -39,7 +39,7 @@ def first_tokens(m, batch: int) -> int:
 
 def ngram_alone(m) -> tuple[int, int]:
     """(rounds, tokens) verified on n-gram proposals alone, waiting for no tree or draft: the gate's
-    RoundMode.FAST rounds and the tree rounds whose every row took its n-gram proposal (lookup_rounds)."""
+    RoundMode.FAST rounds and the rounds whose every row took its n-gram proposal (lookup_rounds)."""
     e = m.engine
     return e.get("fast_rounds", 0) + e.get("lookup_rounds", 0), e.get("fast_round_tokens", 0) + e.get("lookup_round_tokens", 0)
 
@@ -93,7 +93,7 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
 
     Rounds verified as two cohorts (spec/cohorts.py) overlap the just-in-time draft with a verify, which
     Theorem 7 does not model: its 1 + T_b overstates them. Their share is reported (cohort_share).
-    Rounds run on n-gram proposals alone (RoundMode.FAST, and tree rounds whose every row took its n-gram
+    Rounds run on n-gram proposals alone (RoundMode.FAST, and rounds whose every row took its n-gram
     proposal) are outside the theorem too: they are mixed in at one verify each and their own tokens per
     round (with_fast_rounds; fast_share). The best case's "n-gram rounds alone" takes only the gate's
     RoundMode.FAST rounds' tokens: the others' rows were chosen for a good match."""

@@ -52,7 +52,7 @@ def register(subparsers) -> None:
     p.add_argument("--adaptive-fan-out", action="store_true", help="let the draft shrink the fan-out budget (spec/budget.py)")
     p.add_argument("--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs (the eager baseline)")
     p.add_argument("--no-ngram-rounds", action="store_true",
-                   help="ssd: no n-gram proposals in place of the draft's, whole rounds or rows of tree rounds "
+                   help="ssd: no n-gram proposals in place of the draft's, for whole rounds or single rows "
                         "(Config.ngram_rounds; the ssd-draft system is ssd so)")
     p.add_argument("--interleave", action="store_true",
                    help="open every system of a setting at once and run their repeats in turn (drift falls on all alike)")

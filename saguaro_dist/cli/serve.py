@@ -79,8 +79,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "more); auto (default) skips it while the target waits for trees")
     g.add_argument("--ngram-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="ssd: let the tree gate run rounds of n-gram proposals alone (no draft, no tree) where they "
-                        "measure faster, as on repetitive text, and a tree round's row take its n-gram proposal over "
-                        "its tree where that gains more (default on; only with --fallback auto)")
+                        "measure faster, as on repetitive text, and a row take its n-gram proposal over the "
+                        "draft's where that gains more (default on; only with --fallback auto)")
     g.add_argument("--max-batch-size", "--max-num-seqs", type=int, dest="max_batch_size",
                    help="sequences decoded together (vLLM's --max-num-seqs; default 8)")
     g.add_argument("--max-model-len", type=int)

@@ -260,11 +260,10 @@ class SSDLoop(SDLoop):
         untreed = [s for s in waiting if s.speculation is not None and not s.wants_tree]
         for s in seqs:  # what the draft prepares while this round verifies (a landed draft asked for no tree)
             s.wants_tree = self._mode is RoundMode.TREES and not s.beyond_draft and s.seq_id not in landed
-        self.metrics.just_in_time_rounds += self._mode is RoundMode.JUST_IN_TIME
         self._split = self._cohort_choice(len(seqs))
         if self._split:
             outcomes += self._next_speculations(treed) if treed else []
-            outcomes += self._start_cohorts(seqs, new + untreed)
+            outcomes += self._split_cohorts(seqs, new, untreed)
         else:
             outcomes += self._draft_or_fast(new, FallbackPolicy.FAST)
             outcomes += self._next_speculations(treed) if treed else []
@@ -277,7 +276,7 @@ class SSDLoop(SDLoop):
     def verify(self, seqs):
         verified_s = self.metrics.verify_s
         gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
-        self._count_ngram_alone(seqs, sum(map(len, gained)))
+        self._count_round(seqs, sum(map(len, gained)))
         # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
         self.stats.record_time(Timing.VERIFY, self.metrics.verify_s - verified_s)
         for source in ProposalSource:
@@ -288,22 +287,23 @@ class SSDLoop(SDLoop):
                 self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), seconds, self._sampled)
             if self._split is not None:
                 self.cohort_gate.record(len(seqs), self._split, seconds)
-            if self.picker and self._mode is RoundMode.TREES:
-                self.picker.record_round((self._sampled, len(seqs)), seconds, self._waited)
+            if self.picker and self._mode is not RoundMode.FAST:
+                self.picker.record_round((self._mode, self._sampled, len(seqs)), seconds, self._waited)
         return gained
 
-    def _count_ngram_alone(self, seqs: list[Sequence], tokens: int) -> None:
-        """Count a round that verified n-gram proposals alone, waiting for no tree and no draft: one of the
-        gate's RoundMode.FAST, or a tree round whose every row took its n-gram proposal (a sequence admitted
-        in the round was drafted: not such a round)."""
-        if self._drafted_this_round:
-            return
-        if self._mode is RoundMode.FAST:
+    def _count_round(self, seqs: list[Sequence], tokens: int) -> None:
+        """Count the round by kind: n-gram proposals alone, waiting for no tree and no draft (the gate's
+        RoundMode.FAST, or a round whose every row took its n-gram proposal; a sequence admitted in the
+        round was drafted: not such a round), else the gate's rounds without trees."""
+        alone = not self._drafted_this_round
+        if alone and self._mode is RoundMode.FAST:
             self.metrics.fast_rounds += 1
             self.metrics.fast_round_tokens += tokens
-        elif all(s.speculation_kind is ProposalSource.LOOKUP for s in seqs):
+        elif alone and all(s.speculation_kind is ProposalSource.LOOKUP for s in seqs):
             self.metrics.lookup_rounds += 1
             self.metrics.lookup_round_tokens += tokens
+        elif self._mode is RoundMode.JUST_IN_TIME:
+            self.metrics.just_in_time_rounds += 1
 
     def _round_mode(self, seqs: list[Sequence]) -> RoundMode:
         if self.gate:
@@ -319,6 +319,12 @@ class SSDLoop(SDLoop):
                 or self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM) or not self.draft.drafts_beside):
             return None
         return self.cohort_gate.split(batch_size)
+
+    def _split_cohorts(self, seqs: list[Sequence], new: list[Sequence], untreed: list[Sequence]) -> list[Outcome]:
+        """Rows without a tree that take their n-gram proposal join the first cohort (with those whose drafts
+        landed); the others' drafts are made beside it."""
+        outcomes, untreed = self._take_lookups(untreed, hit_rate=1.0) if untreed else ([], [])
+        return outcomes + self._start_cohorts(seqs, new + untreed)
 
     def _start_cohorts(self, seqs: list[Sequence], need: list[Sequence]) -> list[Outcome]:
         """Split the round: a first cohort of those holding their speculation (landed, looked up), a second
@@ -355,18 +361,25 @@ class SSDLoop(SDLoop):
         return self._take_drafts(asked, FallbackPolicy.FAST), {s.seq_id for s in asked.seqs}
 
     def _without_tree(self, seqs: list[Sequence]) -> list[Outcome]:
-        """No tree was asked for: the draft drafts now (SD's round), or the fast backup (forced, or the
-        tree gate measured its rounds faster: RoundMode.FAST)."""
+        """No tree was asked for: the draft drafts now (SD's round), but for the rows whose n-gram proposal
+        should gain more; or the fast backup (forced, or the tree gate measured its rounds faster:
+        RoundMode.FAST)."""
         if self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM):
             return self._fast(seqs, self.config.fallback)
         if self._mode is RoundMode.FAST:
             return self._fast(seqs, FallbackPolicy.FAST)
-        return self._draft_or_fast(seqs, FallbackPolicy.FAST)
+        outcomes, rest = self._take_lookups(seqs, hit_rate=1.0)  # a just-in-time draft always answers
+        return outcomes + (self._draft_or_fast(rest, FallbackPolicy.FAST) if rest else [])
 
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
         """Rows whose n-gram proposal should gain more take it; the others' hits take their cached branch,
         their misses go to the fallback. Returns the outcomes to stream."""
-        picked = self._pick_lookups(seqs) if self.picker else {}
+        outcomes, rest = self._take_lookups(seqs, self.stats.hit_rate)
+        return outcomes + (self._take_trees(rest) if rest else [])
+
+    def _take_lookups(self, seqs: list[Sequence], hit_rate: float) -> tuple[list[Outcome], list[Sequence]]:
+        """The rows that take their n-gram proposal over the draft's (their outcomes to stream), and the rest."""
+        picked = self._pick_lookups(seqs, hit_rate) if self.picker else {}
         outcomes, rest = [], []
         for s in seqs:
             if s.seq_id in picked:
@@ -374,16 +387,17 @@ class SSDLoop(SDLoop):
             else:
                 rest.append(s)
         self.metrics.lookup_rows += len(picked)
-        return outcomes + (self._take_trees(rest) if rest else [])
+        return outcomes, rest
 
-    def _pick_lookups(self, seqs: list[Sequence]) -> dict[int, Proposal]:
+    def _pick_lookups(self, seqs: list[Sequence], hit_rate: float) -> dict[int, Proposal]:
         """seq_id -> its n-gram proposal, for the rows spec/lookup_pick.py expects to gain more by it than by
-        their tree. Every row's proposal is offered, to be scored once its tokens are known."""
+        the draft's (hit_rate: of the draft's proposals for them, a tree's or one drafted now). Every row's
+        proposal is offered, to be scored once its tokens are known."""
         guesses = [self._offer_lookup(s) for s in seqs]
-        where, whole = (self._sampled, self._batch_size), len(seqs) == self._batch_size
+        where, whole = (self._mode, self._sampled, self._batch_size), len(seqs) == self._batch_size
         busy_s, wait_s = self.picker.round_times(where)
         picks = pick_lookup_rows([self.picker.expected(g.key) for g in guesses],
-                                 self.gate.draft_tokens_per_row(self._batch_size, self._sampled), self.stats.hit_rate,
+                                 self.gate.draft_tokens_per_row(self._batch_size, self._sampled), hit_rate,
                                  busy_s, wait_s if whole else None)
         return {s.seq_id: Proposal(torch.tensor(g.tokens, dtype=torch.long), None)
                 for s, g, pick in zip(seqs, guesses, picks) if pick}
@@ -402,6 +416,15 @@ class SSDLoop(SDLoop):
             return super()._fast_proposal(s, kind)
         return Proposal(torch.tensor(self._offer_lookup(s).tokens, dtype=torch.long), None)
 
+    def _take_drafts(self, asked: AskedDrafts, fast_kind: FallbackPolicy) -> list[Outcome]:
+        """SDLoop's, the wait added to this round's (the lookup picker weighs it)."""
+        start = time.perf_counter()
+        try:
+            return super()._take_drafts(asked, fast_kind)
+        finally:
+            if asked.pending is not None:
+                self._waited = (self._waited or 0.0) + time.perf_counter() - start
+
     def _score_lookups(self, seqs: list[Sequence]) -> None:
         """Score the n-gram proposals offered in earlier rounds whose tokens are now known."""
         if self.picker:
@@ -414,7 +437,8 @@ class SSDLoop(SDLoop):
         # A sequence whose tree's plan lacks its outcome missed: its fallback need not wait for the tree.
         trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s,
                                       {s.seq_id: s.last_outcome for s in seqs})
-        waited = self._waited = time.perf_counter() - start
+        waited = time.perf_counter() - start
+        self._waited = (self._waited or 0.0) + waited
         self.metrics.draft_wait_s += waited
         if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:
             self._note_late_trees(len(seqs) - len(trees))

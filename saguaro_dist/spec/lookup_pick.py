@@ -1,11 +1,13 @@
-"""Per row of a tree round: its prompt-lookup proposal in place of its tree, where that gains more.
+"""Per row of an SSD round: its prompt-lookup proposal in place of the draft's (its tree, or a draft
+made just in time), where that gains more.
 
 Where the text repeats itself, an n-gram's continuation (spec.ngram_proposal) is often a better guess
-than the draft's, and it costs no draft: a row that takes it need not wait for its tree. How good it is
-shows in the n of the n-gram that matched: on the demo pair's greedy text (8 held-out prompts, 128
-tokens each) a 1-gram match's K = 4 tokens accept 1.1 on average, a 3-gram's 3.4, the draft's 2.2.
-Which n beats the draft is the text's and the sampler's doing (at T = 0.7 hardly any), so it is
-measured, not set: every row of a tree round offers its proposal, and once the tokens it guessed are
+than the draft's, and it costs no draft: a row that takes it need not wait for the draft. How good it
+is shows in the n of the n-gram that matched: on the demo pair's greedy text (8 held-out prompts, 128
+tokens each) a 1-gram match's K = 4 tokens gain 2.2 tokens a round (accepted + bonus), a 3-gram's 4.4,
+the draft's rows 2.8. Which n beats the draft is the text's and the sampler's doing (at T = 0.7 hardly
+any), so it is measured, not set: every row that could wait for the draft offers its proposal (as does
+every fast-backup proposal), and once the tokens it guessed are
 known (a round or two later) the proposal is scored as if it had been verified. That score has the
 verifier's distribution: a one-hot proposal x is accepted with probability p(x), the chance that the
 target's own draw is x. The choice reads only tokens already generated, so every token stays exactly
@@ -24,11 +26,12 @@ MIN_SCORED = 8  # proposals of an n scored before that n's yield is trusted
 def pick_lookup_rows(lookup_tokens: list[float | None], draft_tokens: float | None, hit_rate: float,
                      busy_s: float | None, wait_s: float | None) -> list[bool]:
     """Which rows take their lookup proposal. lookup_tokens: each row's expected tokens (accepted + bonus)
-    from it, None where unmeasured; draft_tokens: a row's from its tree's branch on a hit (hit_rate),
-    a miss falling back to the same lookup, so a row's tree yields t_tree = h d + (1 - h) l. A row
-    gains by its lookup where l > d. The whole round also saves its tree wait (wait_s, over busy_s of
-    the rest of a tree round) when every row takes its lookup, so that is chosen when
-        sum(l) / busy > sum(max(l, t_tree)) / (busy + wait)."""
+    from it, None where unmeasured; draft_tokens: a row's from the draft's proposal when it has one
+    (hit_rate: a tree's branch on a hit; 1 for a draft made now), a miss falling back to the same
+    lookup, so the draft yields t_draft = h d + (1 - h) l. A row gains by its lookup where l > d. The
+    whole round also saves its wait for the draft (wait_s, over busy_s of the rest of such a round) when
+    every row takes its lookup, so that is chosen when
+        sum(l) / busy > sum(max(l, t_draft)) / (busy + wait)."""
     if draft_tokens is None:
         return [False] * len(lookup_tokens)
     each = [t is not None and t > draft_tokens for t in lookup_tokens]
@@ -61,11 +64,12 @@ def score(guess: Guess, tokens: list[int]) -> int | None:
 @dataclass
 class LookupPicker:
     """The measured yields behind pick_lookup_rows: lookup proposals' per (n, greedy), scored when their
-    tokens are known; and per (sampled, batch size) a tree round's seconds apart from its tree wait."""
+    tokens are known; and per (round mode, sampled, batch size) a round's seconds apart from its wait for
+    trees and drafts."""
     yields: dict = field(default_factory=dict)   # (n, greedy) -> DecayedMean of tokens a proposal gained
     pending: dict = field(default_factory=dict)  # seq_id -> deque of Guess not yet scored
-    busy: dict = field(default_factory=dict)     # (sampled, batch size) -> DecayedMean of round seconds - wait
-    waits: dict = field(default_factory=dict)    # (sampled, batch size) -> DecayedMean of waits of rounds that waited
+    busy: dict = field(default_factory=dict)     # (mode, sampled, batch size) -> DecayedMean of round seconds - wait
+    waits: dict = field(default_factory=dict)    # (mode, sampled, batch size) -> DecayedMean of waits of rounds that waited
 
     def expected(self, key: tuple[int, bool]) -> float | None:
         mean = self.yields.get(key)
@@ -91,13 +95,13 @@ class LookupPicker:
     def forget(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
 
-    def record_round(self, where: tuple[bool, int], seconds: float, waited_s: float | None) -> None:
-        """A tree round at `where` took `seconds`; waited_s: its tree wait, None if no row waited for a tree."""
+    def record_round(self, where: tuple, seconds: float, waited_s: float | None) -> None:
+        """A round at `where` took `seconds`; waited_s: its wait for trees and drafts, None if none waited."""
         self.busy.setdefault(where, DecayedMean(SECONDS_DECAY)).add_clipped(seconds - (waited_s or 0.0))
         if waited_s is not None:
             self.waits.setdefault(where, DecayedMean(SECONDS_DECAY)).add_clipped(waited_s)
 
-    def round_times(self, where: tuple[bool, int]) -> tuple[float | None, float | None]:
-        """(busy seconds, tree wait) of a tree round at `where`, None before a measurement."""
+    def round_times(self, where: tuple) -> tuple[float | None, float | None]:
+        """(busy seconds, wait for trees and drafts) of a round at `where`, None before a measurement."""
         busy, wait = self.busy.get(where), self.waits.get(where)
         return (busy.mean if busy else None), (wait.mean if wait else None)

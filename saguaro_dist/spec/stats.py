@@ -22,7 +22,7 @@ class ProposalSource(str, enum.Enum):
     CACHE = "cache"    # SSD cache hit: prepared by the primary speculator
     NEURAL = "neural"  # the draft model drafting just in time (SD rounds, SSD's neural backup)
     FAST = "fast"      # n-gram or random backup
-    LOOKUP = "lookup"  # a tree round's row that took its n-gram proposal over its tree (spec/lookup_pick.py)
+    LOOKUP = "lookup"  # a row that took its n-gram proposal over the draft's, a tree or a draft made now (spec/lookup_pick.py)
 
 
 class Timing(str, enum.Enum):

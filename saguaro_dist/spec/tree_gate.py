@@ -36,7 +36,7 @@ CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall
 class RoundYield:
     """What a round gained: `tokens` over its `rows` (sequences), of which `fast_tokens` over
     `fast_rows` rows whose proposals came from the fast backup (n-gram or random), and `lookup_tokens`
-    over `lookup_rows` rows of a tree round that took their n-gram proposal over their tree."""
+    over `lookup_rows` rows that took their n-gram proposal over the draft's (spec/lookup_pick.py)."""
     rows: int
     tokens: int
     fast_rows: int = 0
@@ -158,7 +158,7 @@ class _BatchGate:
     slower mode for ~100 rounds). Rows the fast backup proposed (a tree round's misses) are counted
     apart, with each mode's share of them: at T > 0 past the critical batch size they gain far less,
     and pooled with the draft's rows they made tree rounds look as productive as just-in-time ones.
-    Rows that took their n-gram proposal over their tree (spec/lookup_pick.py) are chosen for a good
+    Rows that took their n-gram proposal over the draft's (spec/lookup_pick.py) are chosen for a good
     match, so they are counted apart from both, with each mode's share of them too."""
     batch_size: int = 1
     mode: RoundMode = RoundMode.TREES
