@@ -429,7 +429,8 @@ class SSDLoop(SDLoop):
         """Score the n-gram proposals offered in earlier rounds whose tokens are now known."""
         if self.picker:
             for s in seqs:
-                self.picker.observe(s.seq_id, s.tokens)
+                if self.picker.pending.get(s.seq_id):  # (s.tokens builds a list: only where a guess waits)
+                    self.picker.observe(s.seq_id, s.tokens)
 
     def _take_trees(self, seqs: list[Sequence]) -> list[Outcome]:
         """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
