@@ -234,7 +234,7 @@ class SSDLoop(SDLoop):
         self.gate = TreeGate(gate_modes(config)) if config.tree_policy is TreePolicy.AUTO else None
         # Rows of tree rounds may take their n-gram proposal where it measures better, as whole rounds may.
         self.picker = LookupPicker() if self.gate and RoundMode.FAST in gate_modes(config) else None
-        self._waited: float | None = None  # this round's tree wait (None: no row waited for a tree)
+        self._wait_at_start = 0.0  # metrics.draft_wait_s as this round began: its wait for trees and drafts is the growth
         self._batch_size = 0  # this round's rows
         self.cohort_gate = CohortGate() if config.jit_cohorts == 2 else None
         self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
@@ -247,11 +247,11 @@ class SSDLoop(SDLoop):
 
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
-        self._captures = graph_captures()
+        self._wait_at_start, self._captures = self.metrics.draft_wait_s, graph_captures()
         self._track_draft(seqs)
         self._score_lookups(seqs)
         outcomes, landed = self._land(seqs)
-        self._mode, self._waited, self._batch_size = self._round_mode(seqs), None, len(seqs)
+        self._mode, self._batch_size = self._round_mode(seqs), len(seqs)
         # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
         # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
         waiting = [s for s in seqs if s.seq_id not in landed]
@@ -288,7 +288,8 @@ class SSDLoop(SDLoop):
             if self._split is not None:
                 self.cohort_gate.record(len(seqs), self._split, seconds)
             if self.picker and self._mode is not RoundMode.FAST:
-                self.picker.record_round((self._mode, self._sampled, len(seqs)), seconds, self._waited)
+                waited = self.metrics.draft_wait_s - self._wait_at_start
+                self.picker.record_round((self._mode, self._sampled, len(seqs)), seconds, waited or None)
         return gained
 
     def _count_round(self, seqs: list[Sequence], tokens: int) -> None:
@@ -416,15 +417,6 @@ class SSDLoop(SDLoop):
             return super()._fast_proposal(s, kind)
         return Proposal(torch.tensor(self._offer_lookup(s).tokens, dtype=torch.long), None)
 
-    def _take_drafts(self, asked: AskedDrafts, fast_kind: FallbackPolicy) -> list[Outcome]:
-        """SDLoop's, the wait added to this round's (the lookup picker weighs it)."""
-        start = time.perf_counter()
-        try:
-            return super()._take_drafts(asked, fast_kind)
-        finally:
-            if asked.pending is not None:
-                self._waited = (self._waited or 0.0) + time.perf_counter() - start
-
     def _score_lookups(self, seqs: list[Sequence]) -> None:
         """Score the n-gram proposals offered in earlier rounds whose tokens are now known."""
         if self.picker:
@@ -439,7 +431,6 @@ class SSDLoop(SDLoop):
         trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s,
                                       {s.seq_id: s.last_outcome for s in seqs})
         waited = time.perf_counter() - start
-        self._waited = (self._waited or 0.0) + waited
         self.metrics.draft_wait_s += waited
         if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:
             self._note_late_trees(len(seqs) - len(trees))
