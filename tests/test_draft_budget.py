@@ -88,3 +88,34 @@ def test_skip_tree_builds_nothing_and_records_no_lookup(draft_dir):
     worker.jit_draft([JitDraftRequest(0, 2, 0, 5, skip_tree=False)])  # no tree was built for round 1
     assert worker.stats._hits.count == lookups  # untouched: nothing was looked up
     assert len(worker.build_trees()) == 1
+
+
+def test_trees_after_target_proposals_fan_out_from_how_those_fare(draft_dir):
+    """n-gram proposals the target side verifies (a long match: accepted whole, round after round) are
+    modelled apart from the draft's own: its acceptance estimate is untouched by them, and a tree built
+    after one puts more branches at k = K than a tree after the draft's own speculation."""
+    worker = started_worker(draft_dir, adaptive_fan_out=False)
+    worker.build_trees()  # round 0 verifies the draft's speculation: k* = 0, the target proposes next
+    worker.observe([Outcome(0, 0, 0, 9, next_tokens=[11, 12, 13], target_proposed=True)])
+    own_accept = worker.stats.accept_rate
+    for r in range(1, 30):
+        worker.build_trees()
+        worker.observe([Outcome(0, r, 3, 9, next_tokens=[11, 12, 13], target_proposed=True)])
+    assert worker.stats.accept_rate == own_accept
+    assert worker.target_proposed.outcome_probs[3] > 0.7
+    after_lookup = worker.build_trees()[0]
+    worker.jit_draft([JitDraftRequest(0, 31, 3, 9)])
+    after_draft = worker.build_trees()[0]
+    assert after_lookup.accepted.count(3) > after_draft.accepted.count(3), (after_lookup.accepted, after_draft.accepted)
+
+
+def test_another_shards_just_in_time_draft_is_the_drafts_own(draft_dir):
+    """A cache-parallel shard learns shard 0's just-in-time draft as an outcome naming its tokens: that
+    is the draft's proposal (it feeds the draft's acceptance), not the target side's."""
+    worker = started_worker(draft_dir, adaptive_fan_out=False)
+    worker.build_trees()
+    worker.observe([Outcome(0, 0, 1, 9, next_tokens=[11, 12, 13])])
+    worker.build_trees()
+    worker.observe([Outcome(0, 1, 3, 9, next_tokens=[11, 12, 13])])
+    assert worker.target_proposed._outcomes[3].count == 0
+    assert worker.stats._outcomes[3].count > 0

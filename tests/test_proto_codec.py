@@ -140,7 +140,7 @@ def test_sampling_and_messages_round_trip():
         (PrefillRequest(7, [1, 2, 3], s, 1, 2, prompt_len=2), codec.prefill_to_proto, codec.prefill_from_proto),
         (JitDraftRequest(7, 3, 2, 99), codec.jit_request_to_proto, codec.jit_request_from_proto),
         (JitDraftRequest(7, 3, 2, 99, skip_tree=True), codec.jit_request_to_proto, codec.jit_request_from_proto),
-        (Outcome(7, 3, 2, 99, [1], cache_hit=True, skip_tree=True, tree_wait_s=0.00125), codec.outcome_to_proto,
+        (Outcome(7, 3, 2, 99, [1], cache_hit=True, skip_tree=True, tree_wait_s=0.00125, target_proposed=True), codec.outcome_to_proto,
          codec.outcome_from_proto),
         (Outcome(7, 3, 2, 99, None), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(7, 3, 0, 99, []), codec.outcome_to_proto, codec.outcome_from_proto),

@@ -308,7 +308,8 @@ def jit_request_from_proto(msg: pb.JitDraftRequest) -> JitDraftRequest:
 
 def outcome_to_proto(o: Outcome) -> pb.Outcome:
     msg = pb.Outcome(seq_id=_int64(o.seq_id, "seq_id"), round=o.round, accepted=o.accepted, bonus_token=o.bonus_token,
-                     cache_hit=o.cache_hit, skip_tree=o.skip_tree, tree_wait_s=o.tree_wait_s)
+                     cache_hit=o.cache_hit, skip_tree=o.skip_tree, tree_wait_s=o.tree_wait_s,
+                     target_proposed=o.target_proposed)
     if o.next_tokens is not None:
         msg.next_tokens.ids.extend(o.next_tokens)  # extend([]) still marks the field present
         msg.next_tokens.SetInParent()
@@ -321,7 +322,7 @@ def outcome_from_proto(msg: pb.Outcome) -> Outcome:
                    accepted=_non_negative(msg.accepted, "accepted"),
                    bonus_token=_non_negative(msg.bonus_token, "bonus_token"), next_tokens=next_tokens,
                    cache_hit=msg.cache_hit, skip_tree=msg.skip_tree,
-                   tree_wait_s=_duration(msg.tree_wait_s, "tree_wait_s"))
+                   tree_wait_s=_duration(msg.tree_wait_s, "tree_wait_s"), target_proposed=msg.target_proposed)
 
 
 def tree_to_proto(t: SpeculationTree) -> pb.SpeculationTree:

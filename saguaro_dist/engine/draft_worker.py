@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 class PlannedTrees:
     """Between plan_trees and finish_trees: the trees whose outcomes are chosen, not yet decoded."""
     states: list["DraftSeq"]
-    fanouts: dict[int, list[int]]      # shard count -> F_0..F_K
+    fanouts: dict[tuple[int, bool], list[int]]  # (shard count, target-proposed speculation) -> F_0..F_K
     rows: list[tuple[int, int, int]]   # (state index, k, t) per branch, as _glue lists them
     start: float                       # perf_counter at the plan's start (the build's wall time)
 
@@ -72,8 +72,11 @@ class DraftSeq:
     speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
     round: int = 0
     pending: bool = False                    # a tree is owed for this round
-    from_cache: bool = False                 # this round's speculation was a cache hit
+    # Who proposed this round's speculation: CACHE (a branch of a tree), NEURAL (drafted just in time)
+    # or LOOKUP (the target side's n-gram lookup or fast backup).
+    source: ProposalSource = ProposalSource.NEURAL
     tree_built: bool = False                 # a tree was built for this speculation (the target looks it up)
+    fanout: list[int] | None = None          # F_0..F_K of that tree
     shard: int = 0                           # cache-parallel slice of the tree this worker builds
     num_shards: int = 1
     branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # last tree: (k, t) -> tokens
@@ -101,8 +104,10 @@ class DraftWorker:
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
         self._planned: PlannedTrees | None = None  # plan_trees' trees, for finish_trees
-        self.stats = SpecStats(config.k)
-        self.last_fanout = [1] * (config.k + 1)  # fan-out of the trees being built or last built
+        self.stats = SpecStats(config.k)  # the draft's own proposals; the miss exponent r of every tree
+        # k* of the target side's proposals that a tree was built after: those trees' outcomes. A long
+        # n-gram match is accepted whole far more often than the draft's guesses (and a short one less).
+        self.target_proposed = SpecStats(config.k)
         # An explicit per-position fan-out is the user's exact tree: only a budget B adapts.
         adaptive = config.adaptive_fan_out and isinstance(config.fan_out, int)
         self.budget = BudgetController(floor=(config.k + 1) / config.fan_out_budget, enabled=adaptive)
@@ -141,12 +146,13 @@ class DraftWorker:
                 raise error(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
         for s, r in zip(states, reqs):  # validate the whole batch before changing any state
             if s.speculation:  # the target verified s.speculation; if a tree was built for it, it missed
-                self._record_outcome(s, r.accepted, looked_up=s.tree_built, hit=False)
+                self._record_outcome(s, r.accepted, hit=False)
             s.commit(r.accepted, r.bonus_token)
         proposals = self._draft_sequentially(states)
         for s, r, p in zip(states, reqs, proposals):
             wants_tree = self.config.mode is Mode.SSD and not r.skip_tree
-            s.speculation, s.round, s.pending, s.from_cache, s.tree_built = p.tokens.tolist(), r.round, wants_tree, False, False
+            s.speculation, s.round, s.pending, s.tree_built = p.tokens.tolist(), r.round, wants_tree, False
+            s.source = ProposalSource.NEURAL
             s.hit = None
         return proposals
 
@@ -166,20 +172,25 @@ class DraftWorker:
         next_tokens = o.next_tokens if o.next_tokens is not None else s.branches[(o.accepted, o.bonus_token)]
         fresh = not s.speculation  # a cache-parallel shard learning the first (just-in-time) speculation
         if not fresh:
-            self._record_outcome(s, o.accepted, looked_up=s.tree_built, hit=o.cache_hit)
+            self._record_outcome(s, o.accepted, hit=o.cache_hit)
         s.commit(o.accepted, o.bonus_token)
-        s.speculation, s.round, s.from_cache = list(next_tokens), 0 if fresh else o.round + 1, o.cache_hit
+        s.speculation, s.round = list(next_tokens), 0 if fresh else o.round + 1
+        s.source = (ProposalSource.CACHE if o.cache_hit else ProposalSource.LOOKUP if o.target_proposed
+                    else ProposalSource.NEURAL)  # (another shard's just-in-time draft)
         s.pending, s.tree_built = not o.skip_tree, False
         key = (o.accepted, o.bonus_token)
         s.hit = key if o.cache_hit and key in s.branch_rows and s.branches.get(key) == s.speculation else None
 
-    def _record_outcome(self, s: DraftSeq, accepted: int, looked_up: bool, hit: bool) -> None:
-        """Feed the fan-out estimates (a, r) from a verified round. Misses count too: they reach the
+    def _record_outcome(self, s: DraftSeq, accepted: int, hit: bool) -> None:
+        """Feed the fan-out estimates (a, P(k*), r) from a verified round. Misses count too: they reach the
         draft as a just-in-time request, and every shard of a sequence must record the same rounds or
         their fan-outs, hence their slices of one tree, drift apart."""
-        if looked_up:
-            self.stats.record_lookups([self.last_fanout[accepted]], [hit])
-        self.stats.record_verify([accepted], ProposalSource.CACHE if s.from_cache else ProposalSource.NEURAL)
+        if s.tree_built:
+            self.stats.record_lookups([s.fanout[accepted]], [hit])
+        if s.source is not ProposalSource.LOOKUP:
+            self.stats.record_verify([accepted], s.source)
+        elif s.tree_built:
+            self.target_proposed.record_outcomes([accepted])
 
     def build_trees(self) -> list[SpeculationTree]:
         """The trees owed for this round, in one call (plan_trees, then finish_trees)."""
@@ -195,8 +206,7 @@ class DraftWorker:
         if not states:
             return []
         start = time.perf_counter()
-        fanouts = {g: self._fanout(g) for g in {s.num_shards for s in states}}
-        self.last_fanout = fanouts[min(fanouts)]
+        fanouts = {key: self._fanout(*key) for key in {_fanout_key(s) for s in states}}
         rows = self._glue(states, fanouts)
         self._planned = PlannedTrees(states, fanouts, rows, start)
         return tree_plans(states, rows) if self.budget.busy else []
@@ -277,14 +287,16 @@ class DraftWorker:
             missing.append(s.committed[stored:want])
         return missing
 
-    def _fanout(self, num_shards: int = 1) -> list[int]:
-        """F_0..F_K for a tree of num_shards x the configured budget (cache-parallel shards split it)."""
+    def _fanout(self, num_shards: int = 1, target_proposed: bool = False) -> list[int]:
+        """F_0..F_K for a tree of num_shards x the configured budget (cache-parallel shards split it),
+        for a speculation the draft made or one the target side proposed (each fares its own way)."""
         budget = self.config.fan_out
         if isinstance(budget, tuple):
             budget = [f * num_shards for f in budget]
         else:
             budget = scaled_budget(budget, self.budget.scale, self.k + 1) * num_shards
-        return self.stats.fanout(self.config.fan_out_kind, budget, self.vocab_size)
+        outcomes = self.target_proposed if target_proposed else None
+        return self.stats.fanout(self.config.fan_out_kind, budget, self.vocab_size, outcomes)
 
     def _proposal_probs(self, logits: torch.Tensor, rows: RowSampling, top_f: list[int] | None) -> torch.Tensor:
         """What the draft samples from, per row: the request's sampling, then Saguaro sigma_{F,C} (T > 0),
@@ -365,11 +377,12 @@ class DraftWorker:
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V], or [B, K, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
         if ranking.shape[1] == self.k:  # x_K not run (_glue_logits): outcomes k < K only
-            fanouts = {g: without_full_acceptance(f, self.vocab_size) for g, f in fanouts.items()}
-            self.last_fanout = [*fanouts[min(fanouts)], 0]  # a lookup at k = K meets F = 0
+            fanouts = {key: without_full_acceptance(f, self.vocab_size) for key, f in fanouts.items()}
         rows = []
         for i, s in enumerate(states):
-            chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanouts[s.num_shards])
+            fanout = fanouts[_fanout_key(s)]
+            s.fanout = fanout + [0] * (self.k + 1 - len(fanout))  # a lookup at k = K meets F = 0 where x_K was not run
+            chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanout)
             ks, bonus = chosen.accepted[0, s.shard::s.num_shards], chosen.bonus[0, s.shard::s.num_shards]
             rows += [(i, kk, t) for kk, t in zip(ks.tolist(), bonus.tolist())]
         return rows
@@ -398,7 +411,7 @@ class DraftWorker:
         if policy is HitGlue.ALWAYS or any(a is None or s.num_shards > 1 for s, a in zip(states, adopted)):
             return False
         return policy is HitGlue.SKIP or (self.budget.busy and full_acceptance_worth_skipping(
-            self.stats.outcome_probs, self.last_fanout, self.stats.hit_probability))
+            self.stats.outcome_probs, self._fanout(), self.stats.hit_probability))
 
     def _penalties(self, owners: list[DraftSeq], paths: Iterable[list[int]]) -> RowPenalties | None:
         """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;
@@ -466,7 +479,7 @@ class DraftWorker:
             if stop is not None and stop():
                 raise TreeAbandoned
             return self.runner.branch_step(state, drawn)
-        columns, seen = self._draw_k(owners, [fanouts[s.num_shards] for s in owners], logits, step,
+        columns, seen = self._draw_k(owners, [fanouts[_fanout_key(s)] for s in owners], logits, step,
                                      self._penalties(owners, paths), self._row_grammars(owners, paths))
         self.runner.branch_end(state)
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
@@ -480,6 +493,11 @@ class DraftWorker:
                                          self._rows_of(columns, owners, lo, hi) if hi > lo else None))
             lo = hi
         return trees
+
+
+def _fanout_key(s: DraftSeq) -> tuple[int, bool]:
+    """What a tree's fan-out depends on: its share of the budget, and who proposed the speculation."""
+    return s.num_shards, s.source is ProposalSource.LOOKUP
 
 
 def tree_plans(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list[TreePlan]:

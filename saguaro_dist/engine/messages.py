@@ -99,6 +99,9 @@ class Outcome:
     cache_hit: bool = False          # the target found (k*, t*) in the speculation cache
     skip_tree: bool = False          # the target will not look up a tree for next_tokens; build none
     tree_wait_s: float = 0.0         # how long the target waited for this round's tree (the draft's budget signal)
+    # next_tokens came from the target side (n-gram lookup, fast backup), not the draft: the draft fans
+    # out its tree for them from how such proposals fare, not from its own acceptance.
+    target_proposed: bool = False
 
 
 @dataclass

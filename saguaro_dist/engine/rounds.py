@@ -211,7 +211,7 @@ class SDLoop(ARLoop):
         """s verifies a target-side proposal next; the outcome to stream, if the draft holds s (it learns
         what is verified next)."""
         outcome = [] if s.beyond_draft else [Outcome(s.seq_id, s.round, *s.last_outcome, skip_tree=not s.wants_tree,
-                                                     next_tokens=proposal.tokens.tolist())]
+                                                     next_tokens=proposal.tokens.tolist(), target_proposed=True)]
         s.round, s.speculation, s.speculation_kind = self._next_round(s), proposal, source
         return outcome
 

@@ -92,13 +92,17 @@ class SpecStats:
             return
         source = ProposalSource(source)
         if source in (ProposalSource.CACHE, ProposalSource.NEURAL):
-            self._accept.add(*acceptance_counts(accepted, self.k))
-            counts = [0] * (self.k + 1)
-            for a in accepted:
-                counts[min(max(a, 0), self.k)] += 1
-            for d, c in zip(self._outcomes, counts):
-                d.add(float(c), float(c))
+            self.record_outcomes(accepted)
         self._tokens[source].add(float(sum(accepted) + len(accepted)), len(accepted))
+
+    def record_outcomes(self, accepted: Sequence[int]) -> None:
+        """k* of rounds whose proposals this estimate models: they feed a and P(k*)."""
+        self._accept.add(*acceptance_counts(accepted, self.k))
+        counts = [0] * (self.k + 1)
+        for a in accepted:
+            counts[min(max(a, 0), self.k)] += 1
+        for d, c in zip(self._outcomes, counts):
+            d.add(float(c), float(c))
 
     def record_lookups(self, fanouts: Sequence[int], hits: Sequence[bool]) -> None:
         """One entry per cache lookup: F_{k*}, the fan-out at the real outcome's position, and hit or not."""
@@ -175,9 +179,12 @@ class SpecStats:
         t, verify = self.time(timing), self.time(Timing.VERIFY)
         return t / verify if t is not None and verify else None
 
-    def fanout(self, kind: FanOut, budget_or_list: int | Sequence[int], vocab_size: int) -> list[int]:
-        """resolve_fanout with the current a and r."""
-        return resolve_fanout(kind, budget_or_list, self.k, self.accept_rate, self.r, vocab_size, self.outcome_probs)
+    def fanout(self, kind: FanOut, budget_or_list: int | Sequence[int], vocab_size: int,
+               outcomes: SpecStats | None = None) -> list[int]:
+        """resolve_fanout with the current r, and a and P(k*) of `outcomes` (another estimate of how the
+        verified proposals fare: the draft's trees after target-side proposals; default this one's)."""
+        model = outcomes or self
+        return resolve_fanout(kind, budget_or_list, self.k, model.accept_rate, self.r, vocab_size, model.outcome_probs)
 
     @property
     def round_cost(self) -> float:

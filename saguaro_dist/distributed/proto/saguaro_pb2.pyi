@@ -133,7 +133,7 @@ class TokenList(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit", "skip_tree", "tree_wait_s")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit", "skip_tree", "tree_wait_s", "target_proposed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class Outcome(_message.Message):
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     SKIP_TREE_FIELD_NUMBER: _ClassVar[int]
     TREE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_PROPOSED_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: int
@@ -150,7 +151,8 @@ class Outcome(_message.Message):
     cache_hit: bool
     skip_tree: bool
     tree_wait_s: float
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ...) -> None: ...
+    target_proposed: bool
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ..., target_proposed: _Optional[bool] = ...) -> None: ...
 
 class SpeculationTree(_message.Message):
     __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals", "build_s")
