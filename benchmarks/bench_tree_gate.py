@@ -25,7 +25,7 @@ def record(temperature: float, batch: int, out: str) -> None:
 
     from saguaro_dist import LLM, SamplingParams
     from saguaro_dist.demo import demo_pair, demo_prompts
-    import saguaro_dist.engine.rounds as rounds
+    import saguaro_dist.engine.ssd_loop as ssd_loop
     from saguaro_dist.spec.tree_gate import RoundMode
 
     target, draft = demo_pair()
@@ -40,7 +40,7 @@ def record(temperature: float, batch: int, out: str) -> None:
         def record(self, batch_size, mode, gained, seconds):
             log.append((gained.tokens, seconds, gained.rows, gained.fast_rows, gained.fast_tokens))
 
-    rounds.TreeGate = ForcedGate  # the SSD loop builds its gate from this name
+    ssd_loop.TreeGate = ForcedGate  # the SSD loop builds its gate from this name
     llm = LLM(model=target, draft=draft, mode="ssd", k=4, fan_out=12, target_threads=1, draft_threads=1)
     params = SamplingParams(temperature=temperature, max_tokens=128, ignore_eos=True, seed=0)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=temperature, max_tokens=16))

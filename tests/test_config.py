@@ -170,7 +170,7 @@ def test_ngram_rounds_from_the_api_and_the_cli():
     import argparse
 
     from saguaro_dist.cli.serve import add_engine_args, engine_args
-    from saguaro_dist.engine.rounds import gate_modes
+    from saguaro_dist.engine.ssd_loop import gate_modes
     from saguaro_dist.spec.tree_gate import RoundMode
     assert RoundMode.FAST in gate_modes(Config(model="m", draft="d"))
     assert RoundMode.FAST not in gate_modes(Config(model="m", draft="d", ngram_rounds=False))

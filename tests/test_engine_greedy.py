@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import saguaro_dist.engine.rounds as rounds_module
+import saguaro_dist.engine.ssd_loop as ssd_loop
 from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, CyclingGate, JustInTimeLookupGate,
                             LookupFavouringGate, trusting_picker,
                             assert_greedy_equal, close_pair,
@@ -101,7 +101,7 @@ def test_trees_later_than_the_timeout_are_counted_and_said_once(pair, reference,
         return plan(self, *args, **kwargs)
 
     monkeypatch.setattr(DraftWorker, "plan_trees", stalled)
-    caplog.set_level("WARNING", logger="saguaro_dist.engine.rounds")
+    caplog.set_level("WARNING", logger="saguaro_dist.engine.ssd_loop")
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4,
              draft_executor="thread", tree_policy="always", tree_timeout_s=0.01) as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
@@ -234,9 +234,9 @@ def test_rows_that_take_their_ngram_proposal_over_the_drafts_are_exact(pair, ref
     were scored takes its own; trusting: before any was scored), SD's rounds of two cohorts too: the same
     tokens, and the draft, told what is verified instead, never out of step."""
     caplog.set_level("WARNING")
-    monkeypatch.setattr(rounds_module, "TreeGate", gate)
+    monkeypatch.setattr(ssd_loop, "TreeGate", gate)
     if trusting:
-        monkeypatch.setattr(rounds_module, "LookupPicker", trusting_picker())
+        monkeypatch.setattr(ssd_loop, "LookupPicker", trusting_picker())
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
              draft_executor=executor, tree_timeout_s=30.0) as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
@@ -251,7 +251,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, e
     """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken,
     and the draft never out of step."""
     caplog.set_level("WARNING")
-    monkeypatch.setattr(rounds_module, "TreeGate", CyclingGate)
+    monkeypatch.setattr(ssd_loop, "TreeGate", CyclingGate)
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=batch,
              draft_executor=executor, tree_timeout_s=30.0) as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
@@ -268,7 +268,7 @@ def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monk
     (here every round 'captures', so no mode gets a rate; without captures every mode does)."""
     if capturing:
         moving = iter(range(10**9))
-        monkeypatch.setattr(rounds_module, "graph_captures", lambda: next(moving))
+        monkeypatch.setattr(ssd_loop, "graph_captures", lambda: next(moving))
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
              draft_executor="thread") as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]

@@ -16,7 +16,7 @@ import torch
 from scipy.stats import chi2
 from transformers import LlamaForCausalLM
 
-import saguaro_dist.engine.rounds as rounds_module
+import saguaro_dist.engine.ssd_loop as ssd_loop
 import saguaro_dist.engine.target as target_module
 from engine_helpers import (DEVICE, CyclingGate, JustInTimeLookupGate, LookupFavouringGate, llama_config, save_model,
                             save_perturbed, trusting_picker)
@@ -236,7 +236,7 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
         def mode(self, batch_size: int, sampled: bool = False):
             chosen[mode := super().mode(batch_size, sampled)] += 1
             return mode
-    monkeypatch.setattr(rounds_module, "TreeGate", CountingGate)
+    monkeypatch.setattr(ssd_loop, "TreeGate", CountingGate)
     target, draft, model = pair
     counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
     assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
@@ -252,8 +252,8 @@ def test_rows_that_take_their_ngram_proposal_over_the_drafts_follow_the_target(p
     (spec/lookup_pick.py; the draft's rows scripted to gain nothing and every proposal trusted before it
     is scored, so from the second round on): a one-hot proposal chosen from the tokens so far, verified
     exactly. With k = 1 a row that rejected in round 1 decides its third token in round 2."""
-    monkeypatch.setattr(rounds_module, "TreeGate", gate)
-    monkeypatch.setattr(rounds_module, "LookupPicker", trusting_picker())
+    monkeypatch.setattr(ssd_loop, "TreeGate", gate)
+    monkeypatch.setattr(ssd_loop, "LookupPicker", trusting_picker())
     target, draft, model = pair
     counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
     assert metrics.lookup_rows > 0, metrics  # (every row that could look its tree up took its n-gram proposal)

@@ -22,16 +22,16 @@ class PendingDrafts(Protocol):
 
 
 class DraftBackend(Protocol):
-    max_model_len: int  # the longest sequence the draft side holds (longer ones: the fast backup, engine/rounds.py)
+    max_model_len: int  # the longest sequence the draft side holds (longer ones: the fast backup, engine/sd_loop.py)
     drafts_beside: bool  # start_jit_draft drafts while the caller goes on (else only when taken: no cohorts)
 
     def prefill(self, reqs: list[PrefillRequest]) -> None: ...
     # The same prefill, begun now and finished when taken (result() returns None or raises), so a draft
-    # on other hardware prefills while the target does (engine/rounds.py: admit).
+    # on other hardware prefills while the target does (engine/sd_loop.py: admit).
     def start_prefill(self, reqs: list[PrefillRequest]) -> PendingDrafts: ...
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]: ...
     # The same draft, begun now and taken later, so the target can verify other sequences meanwhile
-    # (engine/rounds.py: two cohorts). A backend that cannot draft beside its caller (drafts_beside
+    # (engine/ssd_loop.py: two cohorts). A backend that cannot draft beside its caller (drafts_beside
     # False) drafts when the result is taken (DraftLater).
     def start_jit_draft(self, reqs: list[JitDraftRequest]) -> PendingDrafts: ...
     def send_outcomes(self, outcomes: list[Outcome]) -> None: ...

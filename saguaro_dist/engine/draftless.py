@@ -1,5 +1,5 @@
 """The round loops without a draft model: plain autoregressive decoding and prompt lookup (mode ngram),
-and what the speculative loops (engine/rounds.py) share with them: verifying speculations, and the
+and what the speculative loops (engine/sd_loop.py, ssd_loop.py) share with them: verifying speculations, and the
 prompt-lookup proposal that is also SSD's fast backup."""
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def graph_captures() -> int:
     """A count that moves whenever a CUDA-graph capture in this process starts or ends. A capture
     synchronises the device and stalls every thread for milliseconds (first use of a shape, and after
     each KV pool growth): a round during which the count moved measures the capture, not its mode, and
-    the tree gate leaves it out (engine/rounds.py)."""
+    the tree gate leaves it out (engine/ssd_loop.py)."""
     return _capture_events[0]
 
 

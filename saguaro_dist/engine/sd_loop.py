@@ -1,0 +1,229 @@
+"""Speculative decoding's round loop: the draft drafts K tokens just in time, then the target verifies.
+
+SSD's loop (engine/ssd_loop.py) builds on it: its just-in-time drafts, fast backup, and the draft's
+bookkeeping when a worker dies or a sequence outgrows the draft's context.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from saguaro_dist.config import Config, FallbackPolicy
+from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
+from saguaro_dist.engine.draftless import ARLoop, lookup_proposal, verify_speculations
+from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache
+from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.target import TargetScorer
+from saguaro_dist.spec import ProposalSource, random_proposal
+
+log = logging.getLogger(__name__)
+
+
+class SDLoop(ARLoop):
+    """Speculative decoding: the draft drafts K tokens just in time, then the target verifies."""
+
+    def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
+        super().__init__(target, metrics)
+        self.draft, self.config = draft, config
+        # A sequence longer than this leaves the draft (_leave_draft): a tree's branch reaches K + 1 tokens
+        # past it (K accepted and the bonus), then K draft tokens more, inside the draft's context.
+        self._draft_room = draft.max_model_len - 2 * (config.k + 1)
+        self._drafted_this_round = False
+
+    def admit(self, seqs):
+        """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
+        target's prefill to after it, a draft on the target's thread after it."""
+        drafted = [s for s in seqs if s.num_tokens + 1 <= self._draft_room]  # once prefill adds the first token
+        pending = self.draft.start_prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling())
+                                            for s in drafted]) if drafted else None
+        try:
+            first = self.target.prefill(seqs)
+        except BaseException:
+            self._abandon_prefill(pending, drafted)
+            raise
+        held = {s.seq_id for s in drafted}
+        for s, t in zip(seqs, first):
+            s.last_outcome, s.speculation = (0, t), None
+            s.beyond_draft = s.draft_lost = s.seq_id not in held
+        self._finish_prefill(pending, drafted)
+        return first
+
+    def _finish_prefill(self, pending, drafted: list[Sequence]) -> None:
+        try:
+            if pending is not None:
+                pending.result()
+        except DraftUnavailable as err:  # no draft worker left: speculate with the fast backup until one is
+            log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(drafted))
+            for s in drafted:
+                s.draft_lost = True
+
+    def _abandon_prefill(self, pending, drafted: list[Sequence]) -> None:
+        """The target's prefill failed: the draft forgets what it began to hold (the engine drops them)."""
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except Exception as exc:  # noqa: BLE001 - the target's failure is the one to report; release anyway
+            log.info("the draft's prefill failed too: %s", exc)
+        try:
+            self.draft.release([Release(s.seq_id) for s in drafted])
+        except Exception:  # noqa: BLE001 - the target's failure is the one to report
+            log.exception("could not release the draft's sequences after a failed prefill")
+
+    def prepare(self, seqs):
+        self._drafted_this_round = False
+        self._track_draft(seqs)
+        self._draft_or_fast(seqs, FallbackPolicy.FAST)
+
+    def verify(self, seqs):
+        gained = verify_speculations(self.target, self.metrics, seqs)
+        if self._drafted_this_round:
+            self.metrics.jit_round_tokens += sum(map(len, gained))
+        return gained
+
+    def release(self, seqs):
+        super().release(seqs)
+        self.draft.release([Release(s.seq_id) for s in seqs if not s.beyond_draft])
+
+    def reset_prefix_cache(self):
+        super().reset_prefix_cache()
+        self.draft.reset_prefix_cache(ResetPrefixCache())
+
+    def close(self):
+        self.draft.close()
+
+    def _draft_or_fast(self, seqs: list[Sequence], fast_kind: FallbackPolicy) -> list[Outcome]:
+        """Neural drafts for `seqs`; the ones whose draft worker is gone get the fast backup."""
+        return self._take_drafts(self._ask_drafts(seqs, beside=False), fast_kind)
+
+    def _ask_drafts(self, seqs: list[Sequence], beside: bool) -> AskedDrafts:
+        """Ask the draft for `seqs`' next speculations (not of those whose worker is lost). beside: it
+        drafts while this thread verifies others; else when taken, on this thread if the backend can."""
+        live = [s for s in seqs if not s.draft_lost]
+        reqs = [JitDraftRequest(s.seq_id, self._next_round(s), *s.last_outcome, skip_tree=not s.wants_tree) for s in live]
+        if not reqs:
+            return AskedDrafts(seqs, live, reqs, None)
+        self.metrics.jit_rounds += not self._drafted_this_round
+        self._drafted_this_round = True
+        pending = self.draft.start_jit_draft(reqs) if beside else DraftLater(self.draft.jit_draft, reqs)
+        return AskedDrafts(seqs, live, reqs, pending)
+
+    def _take_drafts(self, asked: AskedDrafts, fast_kind: FallbackPolicy) -> list[Outcome]:
+        """Adopt what the draft answered; sequences it could not draft for get the fast backup."""
+        live_ids = {s.seq_id for s in asked.live}
+        outcomes = self._fast([s for s in asked.seqs if s.seq_id not in live_ids], fast_kind)
+        if asked.pending is None:
+            return outcomes
+        start = time.perf_counter()
+        try:
+            self._adopt(asked.live, dict(zip((r.seq_id for r in asked.reqs), asked.pending.result())))
+            return outcomes
+        except DraftUnavailable as err:  # a dead draft worker costs speed, never tokens
+            log.warning("draft unavailable (%s): fast backup for %d sequences", err, len(err.seq_ids))
+            for s in asked.live:
+                s.draft_lost = s.seq_id in err.seq_ids
+            self._adopt(asked.live, err.partial)
+            return outcomes + self._fast([s for s in asked.live if s.seq_id not in err.partial], fast_kind)
+        except (OutOfOrder, UnknownSequence) as err:  # the draft lost track of them (a lost message): restart them
+            log.warning("draft out of step (%s): fast backup, then a fresh prefill, for %d sequences", err, len(asked.live))
+            for s in asked.live:
+                s.draft_lost = True
+            return outcomes + self._fast(asked.live, fast_kind)
+        finally:
+            self.metrics.draft_wait_s += time.perf_counter() - start
+
+    def _track_draft(self, seqs: list[Sequence]) -> None:
+        """Before a round: sequences outgrowing the draft leave it, those whose worker was lost rejoin one."""
+        self._leave_draft(seqs)
+        self._readmit([s for s in seqs if s.draft_lost and not s.beyond_draft])
+
+    def _outgrows_draft(self, s: Sequence) -> bool:
+        return s.num_tokens > self._draft_room
+
+    def _leave_draft(self, seqs: list[Sequence]) -> None:
+        """Sequences about to outgrow the draft's context (a draft trained on a shorter one than the
+        target's) are released there; the fast backup speculates for them until they end. (vLLM stops
+        speculating for them; n-gram proposals cost nothing and still accept on repetitive text.)"""
+        leaving = [s for s in seqs if not s.beyond_draft and self._outgrows_draft(s)]
+        if not leaving:
+            return
+        for s in leaving:
+            s.beyond_draft = s.draft_lost = True
+            s.wants_tree = False
+            self.forget(s)
+        self.draft.release([Release(s.seq_id) for s in leaving])
+
+    def _readmit(self, seqs: list[Sequence]) -> None:
+        """Sequences whose draft worker died or lost track of them: prefill them on a live one, to
+        restart at round 0."""
+        if not seqs:
+            return
+        try:
+            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling(),
+                                               prompt_len=len(s.prompt_token_ids)) for s in seqs])
+        except DraftUnavailable as err:  # no worker to take them yet (the pool says so once); again next round
+            log.debug("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
+            return
+        except DraftRpcError as err:
+            log.warning("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
+            return
+        for s in seqs:
+            s.draft_lost, s.speculation, s.last_outcome = False, None, (0, s.tokens[-1])
+            self.forget(s)
+
+    def forget(self, s: Sequence) -> None:
+        """Drop target-side speculation state of a sequence (SSD keeps a cache)."""
+
+    @staticmethod
+    def _next_round(s: Sequence) -> int:
+        """A just-in-time draft follows the real outcome: the first speculation is round 0, then one a round."""
+        return s.round + 1 if s.speculation is not None else 0
+
+    def _adopt(self, seqs: list[Sequence], proposals: dict) -> None:
+        for s in seqs:
+            if s.seq_id in proposals:
+                s.round, s.speculation, s.speculation_kind = self._next_round(s), proposals[s.seq_id], ProposalSource.NEURAL
+
+    def _fast(self, seqs: list[Sequence], kind: FallbackPolicy) -> list[Outcome]:
+        """The fast backup's proposals; the outcomes tell the draft side what is verified next."""
+        outcomes = []
+        for s in seqs:
+            outcomes += self._propose_here(s, self._fast_proposal(s, kind), ProposalSource.FAST)
+            s.metrics.record_fallback(kind.value)
+            self.metrics.fallbacks[kind.value] += 1
+        return outcomes
+
+    def _propose_here(self, s: Sequence, proposal: Proposal, source: ProposalSource) -> list[Outcome]:
+        """s verifies a target-side proposal next; the outcome to stream, if the draft holds s (it learns
+        what is verified next)."""
+        outcome = [] if s.beyond_draft else [Outcome(s.seq_id, s.round, *s.last_outcome, skip_tree=not s.wants_tree,
+                                                     next_tokens=proposal.tokens.tolist(), target_proposed=True)]
+        s.round, s.speculation, s.speculation_kind = self._next_round(s), proposal, source
+        return outcome
+
+    def _fast_proposal(self, s: Sequence, kind: FallbackPolicy) -> Proposal:
+        k, vocab = self.config.k, self.target.vocab_size
+        if kind is FallbackPolicy.RANDOM:
+            tokens = torch.tensor(random_proposal(vocab, k, s.generator), dtype=torch.long)
+            return Proposal(tokens, torch.full((k, vocab), 1.0 / vocab))  # drawn uniformly: q is uniform
+        return lookup_proposal(s.tokens, self.config)
+
+
+@dataclass
+class AskedDrafts:
+    """Just-in-time drafts asked for: of `seqs`, the `live` ones were sent as `reqs` and `pending` will
+    answer; the others (their draft worker lost) get the fast backup when the drafts are taken."""
+    seqs: list[Sequence]
+    live: list[Sequence]
+    reqs: list[JitDraftRequest]
+    pending: PendingDrafts | None
+
+    def among(self, seq_ids: set[int]) -> AskedDrafts:
+        """Only the sequences still running (the answer still covers every request: it is taken whole)."""
+        return AskedDrafts([s for s in self.seqs if s.seq_id in seq_ids], [s for s in self.live if s.seq_id in seq_ids],
+                           self.reqs, self.pending)

@@ -1,0 +1,323 @@
+"""Speculative speculative decoding's round loop: trees prepared while the target verifies, chosen
+round by round against just-in-time drafts and n-gram proposals (spec/tree_gate.py), row by row
+against n-gram proposals (spec/lookup_pick.py), with two cohorts for rounds without trees
+(spec/cohorts.py) and the batch-aware fallback for misses (spec/fallback.py).
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from saguaro_dist.config import Config, FallbackPolicy, TreePolicy
+from saguaro_dist.engine.messages import Outcome, Proposal
+from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.sd_loop import AskedDrafts, SDLoop
+from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.target import TargetScorer
+from saguaro_dist.model.cuda_graphs import graph_captures
+from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback
+from saguaro_dist.spec.cohorts import CohortGate
+from saguaro_dist.spec.fallback import ngram_lookup
+from saguaro_dist.spec.lookup_pick import Guess, LookupPicker, pick_lookup_rows
+from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
+
+log = logging.getLogger(__name__)
+LATE_TREE_WARN_EVERY_S = 60.0
+
+
+class SSDLoop(SDLoop):
+    """Speculative speculative decoding: trees are prepared while the target verifies, in the rounds
+    the tree gate (spec/tree_gate.py) finds them faster than just-in-time drafts or n-gram proposals."""
+
+    def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
+        super().__init__(target, draft, metrics, config)
+        self.stats = SpecStats(config.k)  # feeds the batch-aware fallback choice (Theorem 17)
+        self.cache = SpeculationCache()
+        self.gate = TreeGate(gate_modes(config)) if config.tree_policy is TreePolicy.AUTO else None
+        # Rows of tree rounds may take their n-gram proposal where it measures better, as whole rounds may.
+        self.picker = LookupPicker() if self.gate and RoundMode.FAST in gate_modes(config) else None
+        self._wait_at_start = 0.0  # metrics.draft_wait_s as this round began: its wait for trees and drafts is the growth
+        self._batch_size = 0  # this round's rows
+        self.cohort_gate = CohortGate() if config.jit_cohorts == 2 else None
+        self._mode, self._round_start, self._captures = RoundMode.TREES, 0.0, 0
+        self._split: bool | None = None  # this round verifies two cohorts (None: not a choice this round)
+        self._sampled = False  # a row of this round samples (T > 0)
+        self._cohorts: tuple[list[Sequence], list[Sequence], AskedDrafts] | None = None  # first, second, the second's drafts
+        self._in_flight: AskedDrafts | None = None  # the last round's first cohort's drafts, asked beside the second's verify
+        self._fallback_choices = 0  # automatic fallback choices made (explore_fallback)
+        self._late_warned_at = -LATE_TREE_WARN_EVERY_S
+
+    def prepare(self, seqs):
+        self._round_start, self._drafted_this_round = time.perf_counter(), False
+        self._wait_at_start, self._captures = self.metrics.draft_wait_s, graph_captures()
+        self._track_draft(seqs)
+        self._score_lookups(seqs)
+        outcomes, landed = self._land(seqs)
+        self._mode, self._batch_size = self._round_mode(seqs), len(seqs)
+        # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
+        # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
+        waiting = [s for s in seqs if s.seq_id not in landed]
+        new = [s for s in waiting if s.speculation is None]
+        treed = [s for s in waiting if s.speculation is not None and s.wants_tree]
+        untreed = [s for s in waiting if s.speculation is not None and not s.wants_tree]
+        for s in seqs:  # what the draft prepares while this round verifies (a landed draft asked for no tree)
+            s.wants_tree = self._mode is RoundMode.TREES and not s.beyond_draft and s.seq_id not in landed
+        self._split = self._cohort_choice(len(seqs))
+        if self._split:
+            outcomes += self._next_speculations(treed) if treed else []
+            outcomes += self._split_cohorts(seqs, new, untreed)
+        else:
+            outcomes += self._draft_or_fast(new, FallbackPolicy.FAST)
+            outcomes += self._next_speculations(treed) if treed else []
+            outcomes += self._without_tree(untreed) if untreed else []
+        # Even when empty if a tree is wanted: a one-host draft builds the trees of this round's
+        # just-in-time drafts on it. The draft starts the next trees now, while we verify.
+        if outcomes or self._mode is RoundMode.TREES:
+            self.draft.send_outcomes(outcomes)
+
+    def verify(self, seqs):
+        verified_s = self.metrics.verify_s
+        gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
+        self._count_round(seqs, sum(map(len, gained)))
+        # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
+        self.stats.record_time(Timing.VERIFY, self.metrics.verify_s - verified_s)
+        for source in ProposalSource:
+            self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
+        if graph_captures() == self._captures:  # a round that captured a graph timed the capture
+            seconds = time.perf_counter() - self._round_start
+            if self.gate:
+                self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), seconds, self._sampled)
+            if self._split is not None:
+                self.cohort_gate.record(len(seqs), self._split, seconds)
+            if self.picker and self._mode is not RoundMode.FAST:
+                waited = self.metrics.draft_wait_s - self._wait_at_start
+                self.picker.record_round((self._mode, self._sampled, len(seqs)), seconds, waited or None)
+        return gained
+
+    def _count_round(self, seqs: list[Sequence], tokens: int) -> None:
+        """Count the round by kind: n-gram proposals alone, waiting for no tree and no draft (the gate's
+        RoundMode.FAST, or a round whose every row took its n-gram proposal; a sequence admitted in the
+        round was drafted: not such a round), else the gate's rounds without trees."""
+        alone = not self._drafted_this_round
+        if alone and self._mode is RoundMode.FAST:
+            self.metrics.fast_rounds += 1
+            self.metrics.fast_round_tokens += tokens
+        elif alone and all(s.speculation_kind is ProposalSource.LOOKUP for s in seqs):
+            self.metrics.lookup_rounds += 1
+            self.metrics.lookup_round_tokens += tokens
+        elif self._mode is RoundMode.JUST_IN_TIME:
+            self.metrics.just_in_time_rounds += 1
+
+    def _round_mode(self, seqs: list[Sequence]) -> RoundMode:
+        if self.gate:
+            self._sampled = any(not s.params.greedy for s in seqs)  # the gate measures such batches apart
+            return self.gate.mode(len(seqs), self._sampled)
+        return RoundMode.JUST_IN_TIME if self.config.tree_policy is TreePolicy.NEVER else RoundMode.TREES
+
+    def _cohort_choice(self, batch_size: int) -> bool | None:
+        """Whether this round, without trees, verifies two cohorts (spec/cohorts.py); None where there is
+        no choice: trees, one sequence, misses proposed by the fast backup alone, or a draft side that
+        cannot draft beside the verify (over gRPC, for now)."""
+        if (self._mode is not RoundMode.JUST_IN_TIME or self.cohort_gate is None or batch_size < 2
+                or self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM) or not self.draft.drafts_beside):
+            return None
+        return self.cohort_gate.split(batch_size)
+
+    def _split_cohorts(self, seqs: list[Sequence], new: list[Sequence], untreed: list[Sequence]) -> list[Outcome]:
+        """Rows without a tree that take their n-gram proposal join the first cohort (with those whose drafts
+        landed); the others' drafts are made beside it."""
+        outcomes, untreed = self._take_lookups(untreed, hit_rate=1.0) if untreed else ([], [])
+        return outcomes + self._start_cohorts(seqs, new + untreed)
+
+    def _start_cohorts(self, seqs: list[Sequence], need: list[Sequence]) -> list[Outcome]:
+        """Split the round: a first cohort of those holding their speculation (landed, looked up), a second
+        of the rest, whose drafts are asked for now, to be drafted while the first verifies."""
+        self.metrics.cohort_rounds += 1
+        needed = {s.seq_id for s in need}
+        ready, outcomes = [s for s in seqs if s.seq_id not in needed], []
+        if not ready:  # the cohorts start: the first one's drafts now
+            ready, need = need[:len(need) // 2], need[len(need) // 2:]
+            outcomes = self._draft_or_fast(ready, FallbackPolicy.FAST)
+        half = max(1, len(seqs) // 2)
+        self._cohorts = (ready[:half], ready[half:] + need, self._ask_drafts(need, beside=True))
+        return outcomes
+
+    def _verify_cohorts(self, seqs: list[Sequence]) -> list[list[int]]:
+        """The first cohort verifies while the second's drafts are made; then the first's next drafts are
+        asked for (taken next round, _land) while the second verifies."""
+        first, second, asked = self._cohorts
+        self._cohorts = None
+        gained = dict(zip([s.seq_id for s in first], super().verify(first)))
+        self._in_flight = self._ask_drafts(first, beside=True)
+        outcomes = self._take_drafts(asked, FallbackPolicy.FAST)
+        if outcomes:
+            self.draft.send_outcomes(outcomes)
+        gained.update(zip([s.seq_id for s in second], super().verify(second)))
+        return [gained[s.seq_id] for s in seqs]
+
+    def _land(self, seqs: list[Sequence]) -> tuple[list[Outcome], set[int]]:
+        """The drafts asked for the last round's first cohort: their outcomes (fast backups) to send and
+        the ids of the sequences that now hold this round's speculation."""
+        if self._in_flight is None:
+            return [], set()
+        asked, self._in_flight = self._in_flight.among({s.seq_id for s in seqs}), None
+        return self._take_drafts(asked, FallbackPolicy.FAST), {s.seq_id for s in asked.seqs}
+
+    def _without_tree(self, seqs: list[Sequence]) -> list[Outcome]:
+        """No tree was asked for: the draft drafts now (SD's round), but for the rows whose n-gram proposal
+        should gain more; or the fast backup (forced, or the tree gate measured its rounds faster:
+        RoundMode.FAST)."""
+        if self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM):
+            return self._fast(seqs, self.config.fallback)
+        if self._mode is RoundMode.FAST:
+            return self._fast(seqs, FallbackPolicy.FAST)
+        outcomes, rest = self._take_lookups(seqs, hit_rate=1.0)  # a just-in-time draft always answers
+        return outcomes + (self._draft_or_fast(rest, FallbackPolicy.FAST) if rest else [])
+
+    def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
+        """Rows whose n-gram proposal should gain more take it; the others' hits take their cached branch,
+        their misses go to the fallback. Returns the outcomes to stream."""
+        outcomes, rest = self._take_lookups(seqs, self.stats.hit_rate)
+        return outcomes + (self._take_trees(rest) if rest else [])
+
+    def _take_lookups(self, seqs: list[Sequence], hit_rate: float) -> tuple[list[Outcome], list[Sequence]]:
+        """The rows that take their n-gram proposal over the draft's (their outcomes to stream), and the rest."""
+        picked = self._pick_lookups(seqs, hit_rate) if self.picker else {}
+        outcomes, rest = [], []
+        for s in seqs:
+            if s.seq_id in picked:
+                outcomes += self._propose_here(s, picked[s.seq_id], ProposalSource.LOOKUP)
+            else:
+                rest.append(s)
+        self.metrics.lookup_rows += len(picked)
+        return outcomes, rest
+
+    def _pick_lookups(self, seqs: list[Sequence], hit_rate: float) -> dict[int, Proposal]:
+        """seq_id -> its n-gram proposal, for the rows spec/lookup_pick.py expects to gain more by it than by
+        the draft's (hit_rate: of the draft's proposals for them, a tree's or one drafted now). Every row's
+        proposal is offered, to be scored once its tokens are known."""
+        guesses = [self._offer_lookup(s) for s in seqs]
+        where, whole = (self._mode, self._sampled, self._batch_size), len(seqs) == self._batch_size
+        busy_s, wait_s = self.picker.round_times(where)
+        picks = pick_lookup_rows([self.picker.expected(g.key) for g in guesses],
+                                 self.gate.draft_tokens_per_row(self._batch_size, self._sampled), hit_rate,
+                                 busy_s, wait_s if whole else None)
+        return {s.seq_id: Proposal(torch.tensor(g.tokens, dtype=torch.long), None)
+                for s, g, pick in zip(seqs, guesses, picks) if pick}
+
+    def _offer_lookup(self, s: Sequence) -> Guess:
+        """s's n-gram proposal, offered to the picker to be scored (whether it is verified or not)."""
+        tokens, n = ngram_lookup(s.tokens, self.config.k, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+        guess = Guess(s.num_tokens, tuple(tokens), (n, s.params.greedy))
+        self.picker.offer(s.seq_id, guess)
+        return guess
+
+    def _fast_proposal(self, s: Sequence, kind: FallbackPolicy) -> Proposal:
+        """The fast backup's n-gram proposals are scored too: rounds of them alone (RoundMode.FAST) are
+        where the picker learns the text's n-gram yields before tree rounds come to use them."""
+        if self.picker is None or kind is not FallbackPolicy.FAST:
+            return super()._fast_proposal(s, kind)
+        return Proposal(torch.tensor(self._offer_lookup(s).tokens, dtype=torch.long), None)
+
+    def _score_lookups(self, seqs: list[Sequence]) -> None:
+        """Score the n-gram proposals offered in earlier rounds whose tokens are now known."""
+        if self.picker:
+            for s in seqs:
+                if self.picker.pending.get(s.seq_id):  # (s.tokens builds a list: only where a guess waits)
+                    self.picker.observe(s.seq_id, s.tokens)
+
+    def _take_trees(self, seqs: list[Sequence]) -> list[Outcome]:
+        """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""
+        start = time.perf_counter()
+        # A sequence whose tree's plan lacks its outcome missed: its fallback need not wait for the tree.
+        trees = self.draft.wait_trees([(s.seq_id, s.round) for s in seqs], self.config.tree_timeout_s,
+                                      {s.seq_id: s.last_outcome for s in seqs})
+        waited = time.perf_counter() - start
+        self.metrics.draft_wait_s += waited
+        if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:
+            self._note_late_trees(len(seqs) - len(trees))
+        self.stats.record_time(Timing.TREE_WAIT, waited)
+        for tree in trees.values():
+            self.cache.put_tree(tree)
+        if trees:  # one build per draft worker, in parallel: the round waited on the slowest
+            self.metrics.tree_build_s += max(t.build_s for t in trees.values())
+            self.metrics.tree_builds += 1
+        outcomes, misses = [], []
+        for s in seqs:
+            branch = self.cache.lookup(s.seq_id, s.round, *s.last_outcome)
+            if branch is None:
+                misses.append(s)
+                continue
+            s.metrics.cache_hits += 1
+            # The tokens travel too (K ints): a cache-parallel shard may not hold this branch.
+            outcomes.append(Outcome(s.seq_id, s.round, *s.last_outcome, next_tokens=branch.tokens.tolist(),
+                                    cache_hit=True, skip_tree=not s.wants_tree))
+            s.speculation, s.speculation_kind, s.round = branch, ProposalSource.CACHE, s.round + 1
+        self._count_lookups(len(seqs), len(seqs) - len(misses))
+        outcomes += self._fallback(misses, len(seqs))
+        for o in outcomes:  # the draft's budget signal: did its last trees make the target wait?
+            o.tree_wait_s = waited
+        return outcomes
+
+    def _note_late_trees(self, late: int) -> None:
+        """Trees that outlasted tree_timeout_s: a miss each, never a wrong token, but a round that waited the
+        whole timeout; said at most once a minute, as a stalled or overloaded draft side causes it."""
+        self.metrics.late_trees += late
+        now = time.monotonic()
+        if now - self._late_warned_at >= LATE_TREE_WARN_EVERY_S:
+            self._late_warned_at = now
+            log.warning("%d speculation tree(s) did not arrive within tree_timeout_s = %.1f s (%d so far): those "
+                        "sequences fell back; is the draft side stalled or overloaded?", late,
+                        self.config.tree_timeout_s, self.metrics.late_trees)
+
+    def _count_lookups(self, lookups: int, hits: int) -> None:
+        self.stats.record_lookups([1] * lookups, [True] * hits + [False] * (lookups - hits))
+        self.metrics.cache_hits += hits
+        self.metrics.cache_misses += lookups - hits
+
+    def release(self, seqs):
+        super().release(seqs)
+        for s in seqs:
+            self.forget(s)
+
+    def forget(self, s: Sequence) -> None:
+        self.cache.drop(s.seq_id)
+        if self.picker:
+            self.picker.forget(s.seq_id)
+
+    def _fallback(self, misses: list[Sequence], batch_size: int) -> list[Outcome]:
+        if not misses:
+            return []
+        for s in misses:
+            s.metrics.cache_misses += 1
+        kind = choose_fallback(self.config.fallback, batch_size, self.stats.critical_batch_size())
+        if self.config.fallback is FallbackPolicy.AUTO:
+            kind, self._fallback_choices = explore_fallback(kind, self._fallback_choices), self._fallback_choices + 1
+        if kind is not FallbackPolicy.NEURAL:
+            return self._fast(misses, kind)
+        start = time.perf_counter()
+        outcomes = self._draft_or_fast(misses, FallbackPolicy.FAST)
+        self.stats.record_time(Timing.NEURAL_BACKUP, time.perf_counter() - start)
+        for s in misses:
+            if s.speculation_kind is ProposalSource.NEURAL:
+                s.metrics.record_fallback(FallbackPolicy.NEURAL.value)
+                self.metrics.fallbacks[FallbackPolicy.NEURAL.value] += 1
+        return outcomes
+
+
+def gate_modes(config: Config) -> tuple[RoundMode, ...]:
+    """The round modes SSD's tree gate chooses among: rounds of the fast backup's proposals too where the
+    config leaves the backup to the engine (fallback "auto", ngram_rounds): a forced backup already
+    speculates every round without trees (fast, random), or is to be the draft's (neural)."""
+    if config.fallback is FallbackPolicy.AUTO and config.ngram_rounds:
+        return RoundMode.TREES, RoundMode.JUST_IN_TIME, RoundMode.FAST
+    return RoundMode.TREES, RoundMode.JUST_IN_TIME
+
+
+def round_yield(seqs: list[Sequence], gained: list[list[int]]) -> RoundYield:
+    """The round's tokens for the tree gate, with those of the rows the fast backup proposed apart."""
+    fast = [len(g) for s, g in zip(seqs, gained) if s.speculation_kind is ProposalSource.FAST]
+    lookup = [len(g) for s, g in zip(seqs, gained) if s.speculation_kind is ProposalSource.LOOKUP]
+    return RoundYield(len(seqs), sum(map(len, gained)), len(fast), sum(fast), len(lookup), sum(lookup))
