@@ -1,11 +1,12 @@
 """The tree gate against its ideal: replay measured rounds of both kinds through spec.tree_gate.TreeGate.
 
     python benchmarks/bench_tree_gate.py record [--temperature 0] [--batch 1] [--out rounds.json]
+                                                [--passes 3] [--prompts 8] [--max-tokens 128]
     python benchmarks/bench_tree_gate.py replay rounds.json [--trials 200] [--paired]
 
 `record` runs one-host SSD on the demo pair (8 held-out prompts, 128 tokens, 3 passes) with every
-round forced to trees, then to just-in-time drafts, and saves each round's (tokens, seconds, rows,
-fast-backup rows, their tokens).
+round forced to each mode in turn (trees, just-in-time drafts, n-gram rounds), and saves each round's
+(tokens, seconds, rows, fast-backup rows, their tokens, rows that took their n-gram proposal, their tokens).
 `replay` runs the gate over that data: at every round it picks a kind, and the round of that kind
 recorded at the same point of the same text (greedy: both kinds generate the same tokens) is what
 it gets. It prints the gate's tok/s over the better fixed kind's on the same drawn passes (mean, p10,
@@ -20,32 +21,35 @@ import random
 import statistics
 
 
-def record(temperature: float, batch: int, out: str) -> None:
+def record(temperature: float, batch: int, out: str, passes: int = 3, num_prompts: int = 8, max_tokens: int = 128) -> None:
     from transformers import AutoTokenizer
 
     from saguaro_dist import LLM, SamplingParams
     from saguaro_dist.demo import demo_pair, demo_prompts
     import saguaro_dist.engine.ssd_loop as ssd_loop
-    from saguaro_dist.spec.tree_gate import RoundMode
+    from saguaro_dist.spec.tree_gate import RoundMode, TreeGate
 
     target, draft = demo_pair()
     tokenizer = AutoTokenizer.from_pretrained(target)
-    prompts = [tokenizer(p)["input_ids"][:64] for p in demo_prompts(8)]
+    prompts = [tokenizer(p)["input_ids"][:64] for p in demo_prompts(num_prompts)]
     forced, log = {"mode": RoundMode.TREES}, []
 
-    class ForcedGate:  # what the engine's gate sees, kept; what it chooses, forced
-        def mode(self, batch_size):
+    class ForcedGate(TreeGate):  # what the engine's gate measures, kept and logged; the mode it chooses, forced
+        def mode(self, batch_size, sampled=False):
+            super().mode(batch_size, sampled)
             return forced["mode"]
 
-        def record(self, batch_size, mode, gained, seconds):
-            log.append((gained.tokens, seconds, gained.rows, gained.fast_rows, gained.fast_tokens))
+        def record(self, batch_size, mode, gained, seconds, sampled=False):
+            log.append((gained.tokens, seconds, gained.rows, gained.fast_rows, gained.fast_tokens,
+                        gained.lookup_rows, gained.lookup_tokens))
+            super().record(batch_size, mode, gained, seconds, sampled)
 
     ssd_loop.TreeGate = ForcedGate  # the SSD loop builds its gate from this name
     llm = LLM(model=target, draft=draft, mode="ssd", k=4, fan_out=12, target_threads=1, draft_threads=1)
-    params = SamplingParams(temperature=temperature, max_tokens=128, ignore_eos=True, seed=0)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=temperature, max_tokens=16))
     data = {m.value: [] for m in RoundMode}  # mode -> [pass][group] -> [(tokens, seconds, rows, fast_rows, fast_tokens)]
-    for _ in range(3):
+    for _ in range(passes):
         for mode in RoundMode:
             forced["mode"], groups = mode, []
             for i in range(0, len(prompts), batch):
@@ -82,9 +86,10 @@ def _replay_once(data: dict, rng: random.Random, paired: bool, passes: int = 3) 
                 while i < len(starts[m]) - 1 and starts[m][i + 1] <= pos:
                     i += 1
                 idx[m] = i
-                # (tokens, seconds, rows, fast rows, their tokens); older recordings hold the first two
-                t, s, rows, fast_rows, fast_tokens = (*runs[m][i], 1, 0, 0)[:5]
-                gate.record(1, mode, RoundYield(rows, t, fast_rows, fast_tokens), s)
+                # (tokens, seconds, rows, fast rows, their tokens, lookup rows, their tokens); older recordings
+                # hold the first two, or five
+                t, s, rows, fast_rows, fast_tokens, lookup_rows, lookup_tokens = (*runs[m][i], 1, 0, 0, 0, 0)[:7]
+                gate.record(1, mode, RoundYield(rows, t, fast_rows, fast_tokens, lookup_rows, lookup_tokens), s)
                 tokens, seconds, pos, trees = tokens + t, seconds + s, pos + t, trees + (mode is RoundMode.TREES)
     rounds = sum(len(r) for p in data["trees"] for r in p) * passes / len(data["trees"])
     return tokens / seconds / max(t / x for t, x in fixed.values()), trees / rounds
@@ -118,13 +123,16 @@ def main() -> None:
     rec.add_argument("--temperature", type=float, default=0.0)
     rec.add_argument("--batch", type=int, default=1)
     rec.add_argument("--out", default="rounds.json")
+    rec.add_argument("--passes", type=int, default=3)
+    rec.add_argument("--prompts", type=int, default=8)
+    rec.add_argument("--max-tokens", type=int, default=128)
     rep = sub.add_parser("replay")
     rep.add_argument("path")
     rep.add_argument("--trials", type=int, default=200)
     rep.add_argument("--paired", action="store_true", help="one recorded pass for both kinds per prompt group")
     args = ap.parse_args()
     if args.command == "record":
-        record(args.temperature, args.batch, args.out)
+        record(args.temperature, args.batch, args.out, args.passes, args.prompts, args.max_tokens)
     else:
         replay(args.path, args.trials, args.paired)
 

@@ -29,6 +29,20 @@ def test_tree_gate_replay_reports_the_gate_against_the_better_kind(tmp_path):
     assert 0.8 < mean < 1.0  # one burst of the slower kind, then trees
 
 
+def test_tree_gate_record_logs_every_forced_mode_and_replays(tmp_path):
+    """record drives the real SSD loop with its gate forced (one short pass), and replay reads what it wrote."""
+    path = tmp_path / "rounds.json"
+    out = _run(str(BENCH / "bench_tree_gate.py"), "record", "--passes", "1", "--prompts", "1", "--max-tokens", "12",
+               "--out", str(path))
+    rounds = json.loads(path.read_text())["rounds"]
+    assert set(rounds) == {"trees", "just_in_time", "fast"}
+    for mode, passes in rounds.items():
+        logged = passes[0][0]
+        assert logged and all(len(r) == 7 for r in logged), mode
+        assert f"{mode}: {len(logged)} rounds" in out
+    assert "gate / better on the same draws" in _run(str(BENCH / "bench_tree_gate.py"), "replay", str(path), "--trials", "2")
+
+
 def test_grpc_jit_bench_times_both_paths():
     out = _run(str(BENCH / "bench_grpc_jit.py"), "--rounds", "50", "--verify-ms", "1")
     assert "DraftWorker in-process: median" in out and "DraftService: median" in out and "transport:" in out
