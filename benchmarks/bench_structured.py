@@ -61,16 +61,16 @@ def main() -> None:
     llms = engines(args.k)
     print("placement: target 1 torch thread (this process); sd's draft on the target's thread; ssd's draft in a "
           "child process, 1 torch thread; demo pair, batch 1, greedy")
-    import saguaro_dist.engine.draft_worker as draft_worker
-    told_state = draft_worker.DraftWorker._grammar_state
+    from saguaro_dist.engine.draft_constraints import DraftConstraints
+    told_state = DraftConstraints.grammar_state
     cells = {(m, kind): [] for m in MODES for kind in KINDS}
     order = [(m, kind) for m in MODES for kind in KINDS if not (kind == "json-untold" and m != "sd")]
     for repeat in range(args.repeats):
         for m, kind in order[repeat % len(order):] + order[:repeat % len(order)]:
             # untold: sd's draft is on this process's thread, so patching the class blinds it
-            draft_worker.DraftWorker._grammar_state = (lambda self, g, o: None) if kind == "json-untold" else told_state
+            DraftConstraints.grammar_state = (lambda self, g, o: None) if kind == "json-untold" else told_state
             cells[(m, kind)].append(measure(llms[m], prompts, plain if kind == "plain" else json_params))
-    draft_worker.DraftWorker._grammar_state = told_state
+    DraftConstraints.grammar_state = told_state
     for llm in llms.values():
         llm.shutdown()
     median = {key: (statistics.median(v[0] for v in runs), statistics.median(v[1] for v in runs))

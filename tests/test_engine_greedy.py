@@ -424,7 +424,7 @@ def test_the_draft_proposes_under_the_requests_constraints(pair, monkeypatch, mo
     """A draft that is the target itself, told the request's penalties (or logit bias and allowed
     tokens), proposes exactly the constrained target's choices (all accepted, up to fp near-ties);
     proposing unconstrained, it is rejected wherever a constraint moved the target's choice."""
-    import saguaro_dist.engine.draft_worker as draft_worker
+    from saguaro_dist.engine.draft_constraints import DraftConstraints
     params = replace(GREEDY, **(PENALTIES if constraint == "penalties" else BIAS))
 
     def acceptance() -> float:
@@ -433,5 +433,5 @@ def test_the_draft_proposes_under_the_requests_constraints(pair, monkeypatch, mo
             outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         return sum(o.metrics.accepted_tokens for o in outs) / sum(o.metrics.drafted_tokens for o in outs)
     told = acceptance()
-    monkeypatch.setattr(draft_worker.DraftWorker, "_penalties", lambda self, owners, paths: None)
+    monkeypatch.setattr(DraftConstraints, "penalties", lambda self, owners, paths: None)
     assert told > 0.95 and acceptance() < 0.8  # seen: 1.0 and 0.34 (penalties), 1.0 and 0.0 (bias)

@@ -135,7 +135,7 @@ def test_the_draft_proposes_under_the_requests_grammar(demo, monkeypatch, mode):
     """The target as its own draft, told the grammar, proposes exactly the masked target's choices (all
     accepted, up to fp near-ties); not told, it is rejected wherever the grammar moved the choice. 12
     tokens: the JSON is not finished, so no proposal runs past its end (those count as rejected)."""
-    import saguaro_dist.engine.draft_worker as draft_worker
+    import saguaro_dist.engine.draft_constraints as draft_constraints
 
     target, _, _, _ = demo
     params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=SPECS["json"])
@@ -145,7 +145,7 @@ def test_the_draft_proposes_under_the_requests_grammar(demo, monkeypatch, mode):
             outs = llm.generate(PROMPTS, params)
         return sum(o.metrics.accepted_tokens for o in outs) / sum(o.metrics.drafted_tokens for o in outs)
     told = acceptance()
-    monkeypatch.setattr(draft_worker.DraftWorker, "_grammar_state", lambda self, grammar, output: None)
+    monkeypatch.setattr(draft_constraints.DraftConstraints, "grammar_state", lambda self, grammar, output: None)
     assert told > 0.95 and acceptance() < 0.5  # seen: 1.0 and 0.15 (sd)
 
 
@@ -160,7 +160,7 @@ def test_a_draft_that_cannot_follow_the_grammar_proposes_unconstrained(demo, cap
     config = Config(model=target, draft=draft, mode="sd", k=4)
     worker = DraftWorker(config, make_runner(draft, config, device="cpu"), tokenizer_loader=lambda: None)
     grammar = grammar_of(SPECS["regex"])
-    with caplog.at_level("WARNING", logger="saguaro_dist.engine.draft_worker"):
+    with caplog.at_level("WARNING", logger="saguaro_dist.engine.draft_constraints"):
         worker.prefill([PrefillRequest(0, tokenizer.encode(PROMPTS[0]), DraftSampling(0.0, 0, 1.0, None, grammar=grammar))])
     assert "does not follow this grammar" in caplog.text and worker.seqs[0].grammar is None
     assert len(worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])[0].tokens) == 4

@@ -9,87 +9,28 @@ of the next forward); committed tokens it lacks run in that next forward, ahead 
 """
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 
 from saguaro_dist.config import Config, HitGlue, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
+from saguaro_dist.engine.draft_constraints import DraftConstraints
+from saguaro_dist.engine.draft_state import DraftSeq, LastTree, PlannedTrees, TreeAbandoned, fanout_key, tree_plans
 from saguaro_dist.engine.messages import (
-    DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, TreePlan,
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, TreePlan,
 )
 from saguaro_dist.engine.sequence import make_generator
-from saguaro_dist.engine.structured import (
-    GrammarCompiler, GrammarState, grammar_masked, greedy_in_grammar, masked_rows,
-)
+from saguaro_dist.engine.structured import GrammarState, grammar_masked, greedy_in_grammar
 from saguaro_dist.engine.target import RowSampling, sampling_probs
-from saguaro_dist.model.branch import BranchState
 from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, full_acceptance_worth_skipping, greedy_tokens, sample, saguaro_probs,
     scaled_budget, select_branches, top_k_proposal, without_full_acceptance,
 )
-from saguaro_dist.spec.logit_bias import bias_row
-from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
-
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class PlannedTrees:
-    """Between plan_trees and finish_trees: the trees whose outcomes are chosen, not yet decoded."""
-    states: list["DraftSeq"]
-    fanouts: dict[tuple[int, bool], list[int]]  # (shard count, target-proposed speculation) -> F_0..F_K
-    rows: list[tuple[int, int, int]]   # (state index, k, t) per branch, as _glue lists them
-    start: float                       # perf_counter at the plan's start (the build's wall time)
-
-
-class TreeAbandoned(Exception):
-    """A tree build stopped part-way: the target no longer waits for it (finish_trees' abandon)."""
-
-
-@dataclass
-class LastTree:
-    """What the last tree's branch decode left behind: a hit on one of its branches then needs no glue
-    forward over the branch's tokens (their KV and draft logits are here)."""
-    state: BranchState                  # private KV of every branch built in that call
-    step_logits: list[torch.Tensor]     # K x [N, V]: the logits branch row i drew x_1..x_K from
-
-
-@dataclass
-class DraftSeq:
-    seq_id: int
-    sampling: DraftSampling
-    generator: torch.Generator
-    committed: list[int]                     # P: tokens both sides agree on, ending with the pending bonus
-    prompt_len: int = 0                      # committed[:prompt_len] is the prompt (penalties tell it apart)
-    bias: torch.Tensor | None = None         # [V] its logit bias and allowed tokens, built at first use
-    grammar: GrammarState | None = None      # structured outputs: the matcher after committed[prompt_len:]
-    speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
-    round: int = 0
-    pending: bool = False                    # a tree is owed for this round
-    # Who proposed this round's speculation: CACHE (a branch of a tree), NEURAL (drafted just in time)
-    # or LOOKUP (the target side's n-gram lookup or fast backup).
-    source: ProposalSource = ProposalSource.NEURAL
-    tree_built: bool = False                 # a tree was built for this speculation (the target looks it up)
-    fanout: list[int] | None = None          # F_0..F_K of that tree
-    shard: int = 0                           # cache-parallel slice of the tree this worker builds
-    num_shards: int = 1
-    branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # last tree: (k, t) -> tokens
-    branch_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # last tree: (k, t) -> its row there
-    last_tree: LastTree | None = None
-    hit: tuple[int, int] | None = None       # this round's speculation is branch (k, t) of last_tree
-
-    def commit(self, accepted: int, bonus: int) -> None:
-        if not 0 <= accepted <= len(self.speculation):
-            raise OutOfOrder(f"sequence {self.seq_id}: accepted={accepted} but the speculation has {len(self.speculation)} tokens")
-        self.committed = self.committed + self.speculation[:accepted] + [bonus]
-        if self.grammar is not None and not self.grammar.advance(self.speculation[:accepted] + [bonus]):
-            self.grammar = None  # the target's tokenizer reads the grammar differently: propose unconstrained
+from saguaro_dist.spec.penalties import RowPenalties
 
 
 class DraftWorker:
@@ -99,7 +40,7 @@ class DraftWorker:
         self.config = config
         self.runner = runner
         self.prefixes = PrefixCache(runner, enabled=config.enable_prefix_caching)  # a sequence's add / free
-        self._tokenizer_loader, self._grammars = tokenizer_loader, None
+        self.constraints = DraftConstraints(runner.vocab_size, tokenizer_loader)
         self.k = config.k
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
@@ -132,7 +73,7 @@ class DraftWorker:
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
                                                shard=r.shard, num_shards=r.num_shards)
-            s.grammar = self._grammar_state(r.sampling.grammar, s.committed[s.prompt_len:])
+            s.grammar = self.constraints.grammar_state(r.sampling.grammar, s.committed[s.prompt_len:])
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids[n:] for r, n in zip(reqs, cached)], [1] * len(reqs))
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
@@ -206,7 +147,7 @@ class DraftWorker:
         if not states:
             return []
         start = time.perf_counter()
-        fanouts = {key: self._fanout(*key) for key in {_fanout_key(s) for s in states}}
+        fanouts = {key: self._fanout(*key) for key in {fanout_key(s) for s in states}}
         rows = self._glue(states, fanouts)
         self._planned = PlannedTrees(states, fanouts, rows, start)
         return tree_plans(states, rows) if self.budget.busy else []
@@ -226,7 +167,9 @@ class DraftWorker:
         try:
             trees = self._decode_branches(states, planned.fanouts, planned.rows, stop)
         except TreeAbandoned:
-            trees = self._abandoned(states)
+            for s in states:
+                s.forget_tree()
+            trees = []
         for s in states:
             s.pending, s.tree_built = False, True
         if trees:
@@ -237,13 +180,6 @@ class DraftWorker:
         self.budget.tree_built(build_s)
         for tree in trees:
             tree.build_s = build_s
-
-    @staticmethod
-    def _abandoned(states: list[DraftSeq]) -> list[SpeculationTree]:
-        """No tree, and no branch a next round could adopt (the decode stopped part-way)."""
-        for s in states:
-            s.last_tree, s.branches, s.branch_rows = None, {}, {}
-        return []
 
     def reset_prefix_cache(self) -> None:
         """Forget every kept prefix (its rows go back to the pool); running sequences are untouched."""
@@ -256,21 +192,6 @@ class DraftWorker:
                 self.prefixes.finish(r.seq_id, s.committed[:-1])
 
     # ---- steps ------------------------------------------------------------------------------
-    def _grammar_state(self, grammar: str | None, output: list[int]) -> GrammarState | None:
-        """The request's grammar after its output so far, or None: none asked, or this draft cannot
-        follow it (no tokenizer, a grammar it cannot compile): it then proposes unconstrained."""
-        if grammar is None:
-            return None
-        try:
-            if self._grammars is None:
-                tokenizer = self._tokenizer_loader() if self._tokenizer_loader else None
-                self._grammars = GrammarCompiler(tokenizer, self.vocab_size, ())
-            state = self._grammars.state_of(grammar)
-        except ValueError as err:
-            log.warning("the draft does not follow this grammar (%s): it proposes unconstrained", err)
-            return None
-        return state if state.advance(output) else None
-
     def _get(self, seq_id: int) -> DraftSeq:
         s = self.seqs.get(seq_id)
         if s is None:
@@ -359,8 +280,8 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
-        columns = self._draw_k(states, fanouts, first, step, self._penalties(states, ([] for _ in states)),
-                               self._row_grammars(states, [[] for _ in states]))[0]
+        columns = self._draw_k(states, fanouts, first, step, self.constraints.penalties(states, ([] for _ in states)),
+                               self.constraints.row_grammars(states, [[] for _ in states]))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
@@ -373,14 +294,14 @@ class DraftWorker:
 
         Returns one (state index, k, bonus token) per branch to build.
         """
-        logits = [self._constrained_positions(s, x) for s, x in zip(states, self._glue_logits(states))]
+        logits = [self.constraints.positions(s, x) for s, x in zip(states, self._glue_logits(states))]
         ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V], or [B, K, V]
         spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
         if ranking.shape[1] == self.k:  # x_K not run (_glue_logits): outcomes k < K only
             fanouts = {key: without_full_acceptance(f, self.vocab_size) for key, f in fanouts.items()}
         rows = []
         for i, s in enumerate(states):
-            fanout = fanouts[_fanout_key(s)]
+            fanout = fanouts[fanout_key(s)]
             s.fanout = fanout + [0] * (self.k + 1 - len(fanout))  # a lookup at k = K meets F = 0 where x_K was not run
             chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanout)
             ks, bonus = chosen.accepted[0, s.shard::s.num_shards], chosen.bonus[0, s.shard::s.num_shards]
@@ -413,48 +334,6 @@ class DraftWorker:
         return policy is HitGlue.SKIP or (self.budget.busy and full_acceptance_worth_skipping(
             self.stats.outcome_probs, self._fanout(), self.stats.hit_probability))
 
-    def _penalties(self, owners: list[DraftSeq], paths: Iterable[list[int]]) -> RowPenalties | None:
-        """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;
-        read only when a request has penalties): the draft then proposes what the penalized (and biased)
-        target would choose. None when no request has penalties, a logit bias or allowed tokens."""
-        if not any(s.sampling.penalized or s.sampling.biased for s in owners):
-            return None
-        prompts = {id(s): s.committed[:s.prompt_len] for s in owners}  # one list (one scan) per sequence
-        settings = [(s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty)
-                    for s in owners]
-        bias = torch.stack([self._bias_row(s) for s in owners]) if any(s.sampling.biased for s in owners) else None
-        return row_penalties([prompts[id(s)] for s in owners],
-                             [s.committed[s.prompt_len:] + path for s, path in zip(owners, paths)], settings,
-                             self.vocab_size, bias)
-
-    def _bias_row(self, s: DraftSeq) -> torch.Tensor:
-        if s.bias is None:
-            s.bias = bias_row(s.sampling.logit_bias, s.sampling.allowed_token_ids, self.vocab_size)
-        return s.bias
-
-    @staticmethod
-    def _row_grammars(owners: list[DraftSeq], paths: list[list[int]]) -> list[GrammarState | None] | None:
-        """Each row's own matcher after its sequence's output and its path (None for a row whose path the
-        grammar forbids: it draws unconstrained); None when no request has a grammar."""
-        if all(s.grammar is None for s in owners):
-            return None
-        rows = [s.grammar.copy() if s.grammar is not None else None for s in owners]
-        return [g if g is not None and g.advance(path) else None for g, path in zip(rows, paths)]
-
-    def _constrained_positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
-        """The glue's logits [K+1, V] over [b, x_1..x_K] as the constrained target would rank them: masked
-        by the grammar (row j after x_1..x_j), biased, then penalized with row j counting the output and
-        x_1..x_j."""
-        if s.grammar is not None:
-            logits = masked_rows(logits, s.grammar.row_masks(s.speculation, logits.shape[0]))
-        if s.sampling.biased:
-            logits = logits + self._bias_row(s).to(logits.device)
-        if not s.sampling.penalized:
-            return logits
-        p = s.sampling
-        return penalize_positions(logits, s.committed[:s.prompt_len], s.committed[s.prompt_len:], s.speculation,
-                                  p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-
     def _adopt_hit(self, s: DraftSeq) -> torch.Tensor | None:
         """For a hit on this worker's own branch: its KV into the sequence, and the logits [K, V] its
         tokens were drawn from (the draft's distributions after b, x_1..x_{K-1})."""
@@ -479,8 +358,8 @@ class DraftWorker:
             if stop is not None and stop():
                 raise TreeAbandoned
             return self.runner.branch_step(state, drawn)
-        columns, seen = self._draw_k(owners, [fanouts[_fanout_key(s)] for s in owners], logits, step,
-                                     self._penalties(owners, paths), self._row_grammars(owners, paths))
+        columns, seen = self._draw_k(owners, [fanouts[fanout_key(s)] for s in owners], logits, step,
+                                     self.constraints.penalties(owners, paths), self.constraints.row_grammars(owners, paths))
         self.runner.branch_end(state)
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
         counts = Counter(i for i, _, _ in rows)
@@ -495,15 +374,3 @@ class DraftWorker:
         return trees
 
 
-def _fanout_key(s: DraftSeq) -> tuple[int, bool]:
-    """What a tree's fan-out depends on: its share of the budget, and who proposed the speculation."""
-    return s.num_shards, s.source is ProposalSource.LOOKUP
-
-
-def tree_plans(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list[TreePlan]:
-    """One TreePlan per state from _glue's (state index, k, t) rows: the outcomes its tree will answer."""
-    plans = [TreePlan(s.seq_id, s.round) for s in states]
-    for i, k, t in rows:
-        plans[i].accepted.append(k)
-        plans[i].bonus_tokens.append(t)
-    return plans

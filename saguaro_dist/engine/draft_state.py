@@ -1,0 +1,84 @@
+"""The draft side's per-sequence state, and what a tree build carries between its two halves."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro_dist.distributed.errors import OutOfOrder
+from saguaro_dist.engine.messages import DraftSampling, TreePlan
+from saguaro_dist.engine.structured import GrammarState
+from saguaro_dist.model.branch import BranchState
+from saguaro_dist.spec import ProposalSource
+
+
+@dataclass
+class LastTree:
+    """What the last tree's branch decode left behind: a hit on one of its branches then needs no glue
+    forward over the branch's tokens (their KV and draft logits are here)."""
+    state: BranchState                  # private KV of every branch built in that call
+    step_logits: list[torch.Tensor]     # K x [N, V]: the logits branch row i drew x_1..x_K from
+
+
+@dataclass
+class DraftSeq:
+    seq_id: int
+    sampling: DraftSampling
+    generator: torch.Generator
+    committed: list[int]                     # P: tokens both sides agree on, ending with the pending bonus
+    prompt_len: int = 0                      # committed[:prompt_len] is the prompt (penalties tell it apart)
+    bias: torch.Tensor | None = None         # [V] its logit bias and allowed tokens, built at first use
+    grammar: GrammarState | None = None      # structured outputs: the matcher after committed[prompt_len:]
+    speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
+    round: int = 0
+    pending: bool = False                    # a tree is owed for this round
+    # Who proposed this round's speculation: CACHE (a branch of a tree), NEURAL (drafted just in time)
+    # or LOOKUP (the target side's n-gram lookup or fast backup).
+    source: ProposalSource = ProposalSource.NEURAL
+    tree_built: bool = False                 # a tree was built for this speculation (the target looks it up)
+    fanout: list[int] | None = None          # F_0..F_K of that tree
+    shard: int = 0                           # cache-parallel slice of the tree this worker builds
+    num_shards: int = 1
+    branches: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # last tree: (k, t) -> tokens
+    branch_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # last tree: (k, t) -> its row there
+    last_tree: LastTree | None = None
+    hit: tuple[int, int] | None = None       # this round's speculation is branch (k, t) of last_tree
+
+    def commit(self, accepted: int, bonus: int) -> None:
+        if not 0 <= accepted <= len(self.speculation):
+            raise OutOfOrder(f"sequence {self.seq_id}: accepted={accepted} but the speculation has {len(self.speculation)} tokens")
+        self.committed = self.committed + self.speculation[:accepted] + [bonus]
+        if self.grammar is not None and not self.grammar.advance(self.speculation[:accepted] + [bonus]):
+            self.grammar = None  # the target's tokenizer reads the grammar differently: propose unconstrained
+
+    def forget_tree(self) -> None:
+        """No tree, and no branch a next round could adopt (a build stopped part-way)."""
+        self.last_tree, self.branches, self.branch_rows = None, {}, {}
+
+
+@dataclass
+class PlannedTrees:
+    """Between plan_trees and finish_trees: the trees whose outcomes are chosen, not yet decoded."""
+    states: list[DraftSeq]
+    fanouts: dict[tuple[int, bool], list[int]]  # fanout_key -> F_0..F_K
+    rows: list[tuple[int, int, int]]   # (state index, k, t) per branch, state by state
+    start: float                       # perf_counter at the plan's start (the build's wall time)
+
+
+class TreeAbandoned(Exception):
+    """A tree build stopped part-way: the target no longer waits for it (finish_trees' abandon)."""
+
+
+def fanout_key(s: DraftSeq) -> tuple[int, bool]:
+    """What a tree's fan-out depends on: its share of the budget (shard count), and whether the target
+    side proposed the speculation (such proposals fare their own way)."""
+    return s.num_shards, s.source is ProposalSource.LOOKUP
+
+
+def tree_plans(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list[TreePlan]:
+    """One TreePlan per state from (state index, k, t) rows: the outcomes its tree will answer."""
+    plans = [TreePlan(s.seq_id, s.round) for s in states]
+    for i, k, t in rows:
+        plans[i].accepted.append(k)
+        plans[i].bonus_tokens.append(t)
+    return plans
