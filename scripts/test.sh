@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[test]"
 set +e
-python -m pytest -q "$@"
+# The 25 slowest tests close the report, to keep the suite well inside CI's time limit.
+python -m pytest -q --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
