@@ -7,8 +7,11 @@ cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[test]"
 set +e
-# The 25 slowest tests close the report, to keep the suite well inside CI's time limit.
-python -m pytest -q --durations=25 "$@"
+# Two workers (pytest-xdist), each taking a whole test file at a time, so a file's module fixtures
+# (checkpoints, engines, Ray pools) are built once: one pytest process keeps about one core busy, and
+# the CI box has two. SAGUARO_TEST_WORKERS=0 runs the suite in this process. The 25 slowest tests close
+# the report, to keep the suite well inside CI's time limit.
+python -m pytest -q -n "${SAGUARO_TEST_WORKERS:-2}" --dist loadfile --durations=25 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
