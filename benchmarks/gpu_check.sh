@@ -43,7 +43,8 @@ S=tests/test_engine_sampling.py
 TESTS=${TESTS:-"tests/test_cuda.py tests/test_step_graphs.py tests/test_engine_greedy.py tests/test_engine_logprobs.py
  tests/test_draft_process.py tests/test_draft_worker_hits.py
  $S::test_first_tokens_follow_the_target[ssd_hit_path] $S::test_first_tokens_follow_the_target[ssd_saguaro_c]
- $S::test_first_tokens_follow_the_target[ssd_draft_process] $S::test_truncated_sampling_follows_the_target[t0.8_topk4]"}
+ $S::test_first_tokens_follow_the_target[ssd_draft_process]
+ tests/test_engine_sampling_constraints.py::test_truncated_sampling_follows_the_target[t0.8_topk4]"}
 stage_tests() {
     timeout "${TESTS_TIMEOUT:-200}" env SAGUARO_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
         --timeout 60 --maxfail 8 $TESTS 2>&1 | tee "$OUT/tests.log" | tail -30

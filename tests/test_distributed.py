@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from engine_helpers import (BIAS, PENALTIES, PROMPTS, assert_greedy_equal, biased_reference, check_logprobs, close_pair,
-                            hf_greedy, llama_config, save_model, save_perturbed)
+                            hf_greedy)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.actors import ask_actor
@@ -309,25 +309,6 @@ def test_multi_node_placement_by_custom_resources(pair, tmp_path):
     assert not any(a.startswith("unix") for a in result["dialed"])  # drafts on another node: over TCP
     for prompt, got, want in zip(PROMPTS, result["tokens"], pair["reference"]):
         assert_greedy_equal(got, want, prompt, pair["model"])
-
-
-@pytest.mark.parametrize("case, params, executor", [
-    ("ssd_hit_path", "t1", "split"), ("ssd_miss_neural", "t1", "split"),  # drafts beside the target, trees over gRPC
-    ("ssd_hit_path", "t1", "process"), ("ssd_miss_neural", "t1", "process"),  # everything over gRPC
-    ("ssd_hit_path", "t1_minp0.85", "process")])  # min_p crosses to the drafts over gRPC
-def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case, params, executor):
-    """The exact-core chi-square test, with the drafts behind gRPC in Ray actors (8000 samples per path:
-    the single-process test carries the 20000-sample power; this one proves the transport changes nothing)."""
-    from test_engine_sampling import CASES, PARAMS, VOCAB, chi_square_pvalue, exact_joint, sample_joint
-    root = tmp_path_factory.mktemp("dist_sampling")
-    model = save_model(root / "target", llama_config(VOCAB, 32, 1), seed=3, sharpen=2.0)
-    save_perturbed(root / "draft", model, seed=4, noise=0.6)
-    settings, took_path = CASES[case]
-    counts, metrics = sample_joint(str(root / "target"), str(root / "draft"), PARAMS[params], n=8000,
-                                   cluster="auto", num_draft_workers=2, **(settings | {"draft_executor": executor}))
-    assert took_path(metrics), metrics
-    p = chi_square_pvalue(counts, exact_joint(model, PARAMS[params]))
-    assert p > 1e-4, f"{case} on Ray: chi-square p = {p:.2e}"
 
 
 def test_cache_parallel_pool_grows_the_cache_at_batch_1(ray_cluster, pair):

@@ -21,8 +21,6 @@ import saguaro_dist.engine.target as target_module
 from engine_helpers import (DEVICE, CyclingGate, JustInTimeLookupGate, LookupFavouringGate, llama_config, save_model,
                             save_perturbed, trusting_picker)
 from saguaro_dist import LLM, SamplingParams
-from saguaro_dist.engine.loop_thread import EngineError
-from saguaro_dist.engine.structured import GrammarState
 from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.spec import VerifyResult, verify
 from saguaro_dist.spec.tree_gate import RoundMode
@@ -33,8 +31,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    return sampling_pair(tmp_path_factory.mktemp("sampling_pair"))
+
+
+def sampling_pair(root):
+    """(target path, draft path, target model): the tiny pair every case samples (draft perturbed)."""
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("sampling_pair")
     target = save_model(root / "target", llama_config(VOCAB, 32, 1), seed=3, sharpen=2.0)
     save_tiny_tokenizer(root / "target")
     save_perturbed(root / "draft", target, seed=4, noise=0.6)
@@ -259,95 +261,6 @@ def test_rows_that_take_their_ngram_proposal_over_the_drafts_follow_the_target(p
     assert metrics.lookup_rows > 0, metrics  # (every row that could look its tree up took its n-gram proposal)
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
-
-
-@pytest.mark.parametrize("name", ["t0.8_topk4", "t1_topp0.8"])
-def test_truncated_sampling_follows_the_target(pair, name):
-    target, draft, model = pair
-    params = PARAMS[name]
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
-    p = chi_square_pvalue(counts, exact_joint(model, params))
-    assert p > ALPHA, f"{name}: chi-square p = {p:.2e}"
-
-
-def test_min_tokens_follows_the_held_back_target(pair):
-    """min_tokens = 2 with the target's likeliest first token as a stop token: it cannot come first or
-    second, may come third, and everything else keeps the target's (renormalised) odds."""
-    target, draft, model = pair
-    with torch.no_grad():
-        likeliest = int(model(torch.tensor([PROMPT])).logits[0, -1].argmax())
-    params = SamplingParams(temperature=1.0, max_tokens=3, min_tokens=2, stop_token_ids=[likeliest])
-    counts, metrics = sample_joint(target, draft, params, k=1, fan_out=4, tree_policy="always")
-    assert metrics.cache_hits > 0
-    p = chi_square_pvalue(counts, exact_joint(model, params))
-    assert p > ALPHA, f"chi-square p = {p:.2e}"
-
-
-@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural", "ngram"])
-def test_penalties_follow_the_penalized_target(pair, case):
-    """Each verify row is penalized with the counts of the output before it, speculated tokens included."""
-    check_case(pair, case, PARAMS["t1_penalties"])
-
-
-def test_the_test_catches_ignored_penalties(pair, monkeypatch):
-    """The penalized joint differs from the plain one by far more than this test can miss."""
-    target, draft, model = pair
-    monkeypatch.setattr(target_module, "penalize_positions", lambda logits, *args: logits)
-    params = PARAMS["t1_penalties"]
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
-    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
-    assert p < ALPHA, f"penalties ignored went unnoticed (p = {p:.2e})"
-
-
-@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
-def test_min_p_follows_the_truncated_target(pair, case):
-    """min-p on the tempered target (and told to the draft, whose q is its own min-p'd distribution)."""
-    check_case(pair, case, PARAMS["t1_minp0.85"])
-
-
-def test_the_test_catches_a_target_that_ignores_min_p(pair, monkeypatch):
-    """A target sampling without min-p emits tokens min-p forbids: the test sees them."""
-    target, draft, model = pair
-    plain = target_module.sampling_probs
-    monkeypatch.setattr(target_module, "sampling_probs",
-                        lambda logits, rows: plain(logits, replace(rows, min_p=torch.zeros_like(rows.min_p))))
-    params = PARAMS["t1_minp0.85"]
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
-    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
-    assert p < ALPHA, f"min_p ignored went unnoticed (p = {p:.2e})"
-
-
-@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
-def test_logit_bias_and_allowed_tokens_follow_the_biased_target(pair, case):
-    check_case(pair, case, PARAMS["t1_bias"])
-
-
-def test_the_test_catches_an_ignored_bias(pair, monkeypatch):
-    """With every token allowed, a target that drops the bias samples a joint this test rejects."""
-    target, draft, model = pair
-    params = replace(PARAMS["t1_bias"], allowed_token_ids=None)
-    monkeypatch.setattr(target_module, "bias_row", lambda bias, allowed, vocab_size: torch.zeros(vocab_size))
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
-    p = chi_square_pvalue(counts, exact_joint(model, params))
-    assert p < ALPHA, f"the bias ignored went unnoticed (p = {p:.2e})"
-
-
-@pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural", "ngram"])
-def test_structured_outputs_follow_the_masked_target(pair, case):
-    """Verify row t masked by the grammar after the output and x_1..x_t: the joint is the target's
-    renormalised over what the regex allows at each step."""
-    check_case(pair, case, SamplingParams(temperature=1.0, structured_outputs=GRAMMAR))
-
-
-def test_the_test_catches_a_grammar_mask_that_ignores_the_speculation(pair, monkeypatch):
-    """Every verify row masked as the first one (the drafted tokens not consumed): a token the grammar
-    forbids gets out, and the engine's check at commit fails the step rather than emit it."""
-    target, draft, _ = pair
-    params = SamplingParams(temperature=1.0, structured_outputs=GRAMMAR)
-    row_masks = GrammarState.row_masks
-    monkeypatch.setattr(GrammarState, "row_masks", lambda self, drafted, rows: row_masks(self, [], rows))
-    with pytest.raises(EngineError, match="does not satisfy the requested grammar"):
-        sample_joint(target, draft, params, k=1, fan_out=4)
 
 
 def always_accept(target_probs, draft_tokens, draft_probs, generators):
