@@ -26,6 +26,15 @@ def pair(tmp_path_factory):
     return sampling_pair(tmp_path_factory.mktemp("sampling_pair"))
 
 
+def assert_rejected(pair, params: SamplingParams, broken: str) -> None:
+    """The chi-square test rejects what the (broken) engine samples under params: the test has the power
+    to see that constraint ignored."""
+    target, draft, model = pair
+    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
+    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
+    assert p < ALPHA, f"{broken} went unnoticed (p = {p:.2e})"
+
+
 @pytest.mark.parametrize("name", ["t0.8_topk4", "t1_topp0.8"])
 def test_truncated_sampling_follows_the_target(pair, name):
     target, draft, model = pair
@@ -56,12 +65,8 @@ def test_penalties_follow_the_penalized_target(pair, case):
 
 def test_the_test_catches_ignored_penalties(pair, monkeypatch):
     """The penalized joint differs from the plain one by far more than this test can miss."""
-    target, draft, model = pair
     monkeypatch.setattr(target_module, "penalize_positions", lambda logits, *args: logits)
-    params = PARAMS["t1_penalties"]
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
-    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
-    assert p < ALPHA, f"penalties ignored went unnoticed (p = {p:.2e})"
+    assert_rejected(pair, PARAMS["t1_penalties"], "penalties ignored")
 
 
 @pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
@@ -72,14 +77,10 @@ def test_min_p_follows_the_truncated_target(pair, case):
 
 def test_the_test_catches_a_target_that_ignores_min_p(pair, monkeypatch):
     """A target sampling without min-p emits tokens min-p forbids: the test sees them."""
-    target, draft, model = pair
     plain = target_module.sampling_probs
     monkeypatch.setattr(target_module, "sampling_probs",
                         lambda logits, rows: plain(logits, replace(rows, min_p=torch.zeros_like(rows.min_p))))
-    params = PARAMS["t1_minp0.85"]
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
-    p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
-    assert p < ALPHA, f"min_p ignored went unnoticed (p = {p:.2e})"
+    assert_rejected(pair, PARAMS["t1_minp0.85"], "min_p ignored")
 
 
 @pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural"])
@@ -89,12 +90,8 @@ def test_logit_bias_and_allowed_tokens_follow_the_biased_target(pair, case):
 
 def test_the_test_catches_an_ignored_bias(pair, monkeypatch):
     """With every token allowed, a target that drops the bias samples a joint this test rejects."""
-    target, draft, model = pair
-    params = replace(PARAMS["t1_bias"], allowed_token_ids=None)
     monkeypatch.setattr(target_module, "bias_row", lambda bias, allowed, vocab_size: torch.zeros(vocab_size))
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
-    p = chi_square_pvalue(counts, exact_joint(model, params))
-    assert p < ALPHA, f"the bias ignored went unnoticed (p = {p:.2e})"
+    assert_rejected(pair, replace(PARAMS["t1_bias"], allowed_token_ids=None), "the bias ignored")
 
 
 @pytest.mark.parametrize("case", ["sd", "ssd_hit_path", "ssd_miss_neural", "ngram"])
