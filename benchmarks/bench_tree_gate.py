@@ -48,7 +48,7 @@ def record(temperature: float, batch: int, out: str, passes: int = 3, num_prompt
     llm = LLM(model=target, draft=draft, mode="ssd", k=4, fan_out=12, target_threads=1, draft_threads=1)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, seed=0)
     llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(temperature=temperature, max_tokens=16))
-    data = {m.value: [] for m in RoundMode}  # mode -> [pass][group] -> [(tokens, seconds, rows, fast_rows, fast_tokens)]
+    data = {m.value: [] for m in RoundMode}  # mode -> [pass][group] -> [the 7-tuple ForcedGate.record logs]
     for _ in range(passes):
         for mode in RoundMode:
             forced["mode"], groups = mode, []
