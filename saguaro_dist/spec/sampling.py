@@ -184,9 +184,14 @@ def row_uniforms(generators: Generators, n: int, m: int, device=None) -> torch.T
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for i, g in enumerate(gens):
         groups.setdefault(id(g), (g, []))[1].append(i)
-    out = torch.empty((n, m), dtype=torch.float64, device=device)
-    for g, rows in groups.values():
-        out[rows] = _uniforms(g, len(rows), m, device)
+    # One draw per group, concatenated, then one scatter back to row order where the groups interleave
+    # (a scatter per group cost ~25 us a row: seeded batches of 64 spent 1.8 ms a round here).
+    blocks = torch.cat([_uniforms(g, len(rows), m, device) for g, rows in groups.values()])
+    order = [i for _, rows in groups.values() for i in rows]  # blocks' row j is row order[j]
+    if order == list(range(n)):
+        return blocks
+    out = torch.empty_like(blocks)
+    out[torch.tensor(order, device=blocks.device)] = blocks
     return out
 
 
