@@ -65,7 +65,7 @@ def test_penalties_follow_the_penalized_target(pair, case):
 
 def test_the_test_catches_ignored_penalties(pair, monkeypatch):
     """The penalized joint differs from the plain one by far more than this test can miss."""
-    monkeypatch.setattr(target_module, "penalize_positions", lambda logits, *args: logits)
+    monkeypatch.setattr(target_module, "penalize_batch", lambda logits, *args: logits)
     assert_rejected(pair, PARAMS["t1_penalties"], "penalties ignored")
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from saguaro_dist.spec import penalize_positions, position_counts
+from saguaro_dist.spec import penalize_batch, penalize_positions, position_counts, prompt_mask
 
 V = 12
 
@@ -62,3 +62,18 @@ def test_counts_cover_the_output_and_each_rows_drafted_prefix():
     assert counts[1, 7] == 2 and counts[1, 1] == 0
     assert counts[2, 7] == 2 and counts[2, 1] == 1
     assert position_counts([], [], 1, V).sum() == 0
+
+
+def test_a_batch_is_penalized_as_each_sequence_alone():
+    """penalize_batch (the target's one pass over its penalized rows) equals penalize_positions row by row,
+    with sequences of other output lengths, fewer drafted tokens than rows, and ids beyond the vocabulary."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 4, V, generator=gen) * 3
+    prompts, outputs = [[0, 1, 2], [5], [7, 7, 11]], [[3, 1, 3], [], [11, 2, 40]]
+    drafted, settings = [[4, 3, 9], [2], [6, 6, 6]], [(0.5, 0.3, 1.3), (0.0, 0.0, 1.0), (-0.4, 1.2, 0.7)]
+    in_prompt = torch.stack([prompt_mask(p, V) for p in prompts])
+    got = penalize_batch(logits, in_prompt, outputs, drafted, settings)
+    for b in range(3):
+        rows = 2 if b == 1 else 4  # the one-row function counts only as many rows as it has drafts for
+        want = penalize_positions(logits[b, :rows], prompts[b], outputs[b], drafted[b], *settings[b])
+        torch.testing.assert_close(got[b, :rows], want, rtol=0, atol=1e-6)

@@ -72,6 +72,7 @@ class Sequence:
     last_update_time: float = 0.0          # when its reader last got an update
     generator: torch.Generator | None = None
     logit_bias_row: torch.Tensor | None = None  # [V]: params' logit bias and allowed tokens, built at first use
+    prompt_mask_row: torch.Tensor | None = None  # [V] bool: the token is in the prompt (penalties), built at first use
     grammar: GrammarState | None = None    # structured outputs: the matcher, advanced by the committed tokens
 
     def __post_init__(self):

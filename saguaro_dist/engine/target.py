@@ -10,7 +10,7 @@ from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
-    bias_row, greedy_tokens, greedy_verify, penalize_positions, sample, target_probs, verify,
+    bias_row, greedy_tokens, greedy_verify, penalize_batch, prompt_mask, sample, target_probs, verify,
 )
 
 
@@ -88,15 +88,23 @@ class TargetScorer:
             logits[b].masked_fill_(~masks.to(logits.device), float("-inf"))
         for b in biased:  # one row, added to every position of the sequence
             logits[b] += self._bias_row(seqs[b], logits.device)
-        for b in penalized:
-            s = seqs[b]
-            logits[b] = penalize_positions(logits[b], s.prompt_token_ids, s.output_token_ids, drafted[b] if drafted else [],
-                                           s.params.presence_penalty, s.params.frequency_penalty, s.params.repetition_penalty)
+        if penalized:
+            logits[penalized] = self._penalized(logits[penalized], [seqs[b] for b in penalized],
+                                                [drafted[b] for b in penalized] if drafted else [[]] * len(penalized))
         for b, n in early:
             s = seqs[b]
             ends = sorted((self.eos_token_ids if not s.params.ignore_eos else set()) | set(s.params.stop_token_ids))
             logits[b, :n, [t for t in ends if t < self.vocab_size]] = float("-inf")
         return logits
+
+    def _penalized(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
+        """logits [R, T, V] of penalized sequences with their penalties, all rows in one pass."""
+        for s in seqs:  # the prompt's tokens never change: one scan per request
+            if s.prompt_mask_row is None:
+                s.prompt_mask_row = prompt_mask(s.prompt_token_ids, self.vocab_size).to(logits.device)
+        settings = [(s.params.presence_penalty, s.params.frequency_penalty, s.params.repetition_penalty) for s in seqs]
+        return penalize_batch(logits, torch.stack([s.prompt_mask_row for s in seqs]),
+                              [s.output_token_ids for s in seqs], drafted, settings)
 
     def _bias_row(self, s: Sequence, device) -> torch.Tensor:
         """The request's logit bias and allowed tokens as one [V] row, built at its first use."""

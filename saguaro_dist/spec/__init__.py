@@ -18,7 +18,9 @@ from saguaro_dist.spec.fanout import (
     geometric_fanout, geometric_outcome_probs, outcome_fanout, resolve_fanout, round_to_budget, uniform_fanout, vocab_caps,
 )
 from saguaro_dist.spec.logit_bias import bias_row
-from saguaro_dist.spec.penalties import apply_penalties, penalize_positions, position_counts, prompt_mask
+from saguaro_dist.spec.penalties import (
+    apply_penalties, batch_position_counts, penalize_batch, penalize_positions, position_counts, prompt_mask,
+)
 from saguaro_dist.spec.sampling import (
     greedy_tokens,
     one_hot_probs,
@@ -52,7 +54,7 @@ __all__ = [
     "geometric_fanout", "geometric_outcome_probs", "outcome_fanout", "resolve_fanout", "round_to_budget",
     "uniform_fanout", "vocab_caps",
     "bias_row",
-    "apply_penalties", "penalize_positions", "position_counts", "prompt_mask",
+    "apply_penalties", "batch_position_counts", "penalize_batch", "penalize_positions", "position_counts", "prompt_mask",
     "greedy_tokens", "one_hot_probs", "row_uniforms", "saguaro_probs", "sample", "sample_with_uniforms", "target_probs",
     "top_f_mask",
     "ProposalSource", "SpecStats", "Timing",
