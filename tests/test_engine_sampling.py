@@ -4,7 +4,10 @@ under SD and every SSD path equals the target's, computed by enumeration.
 Test: Pearson chi-square over the V^3 joint (cells with expected count < 5 pooled), false-alarm
 rate ALPHA per case. With N = 20000 samples, a 1% (absolute) shift of probability mass between two
 likely cells is seen with high probability at this alpha; broken verifiers (tested below) are
-rejected at once; the verifier alone is tested with 10^5+ samples in tests/test_spec_*.
+rejected at once; the verifier alone is tested with 10^5+ samples in tests/test_spec_*. A case that
+runs the same rounds as a thread-executor twin with its draft in a child process ("process", "split")
+samples N_TWIN = 8000: its twin carries the power, it proves the transport changes nothing (as the
+distributed cases do, tests/test_distributed_sampling.py).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.spec import VerifyResult, verify
 from saguaro_dist.spec.tree_gate import RoundMode
 
-VOCAB, PROMPT, N, ALPHA = 6, [1, 2, 3], 20000, 1e-4
+VOCAB, PROMPT, N, N_TWIN, ALPHA = 6, [1, 2, 3], 20000, 8000, 1e-4
 pytestmark = pytest.mark.slow
 
 
@@ -164,13 +167,13 @@ CASES = {
     "sd_proposal_top_k": (dict(mode="sd", k=2, proposal_top_k=2), lambda m: m.rounds > 0),
     # Prompt lookup: deterministic proposals (a one-hot q), no draft model.
     "ngram": (dict(mode="ngram", k=2), lambda m: m.accepted_tokens > 0),
-    "ssd_draft_process": (dict(k=1, fan_out=3, fallback="neural", draft_executor="process", tree_policy="always"),
+    "ssd_draft_process": (dict(k=1, fan_out=3, fallback="neural", draft_executor="process", tree_policy="always", n=N_TWIN),
                           lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
-    "ssd_split_draft": (dict(k=1, fan_out=3, fallback="neural", draft_executor="split", tree_policy="always"),
+    "ssd_split_draft": (dict(k=1, fan_out=3, fallback="neural", draft_executor="split", tree_policy="always", n=N_TWIN),
                         lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
     # No trees: two cohorts, one drafted (on the draft's thread / in the child) while the other verifies.
     "ssd_cohorts": (dict(k=1, tree_policy="never"), lambda m: m.cohort_rounds > 0),
-    "ssd_cohorts_split": (dict(k=1, tree_policy="never", draft_executor="split"), lambda m: m.cohort_rounds > 0),
+    "ssd_cohorts_split": (dict(k=1, tree_policy="never", draft_executor="split", n=N_TWIN), lambda m: m.cohort_rounds > 0),
 }
 PARAMS = {
     "t1": SamplingParams(temperature=1.0),
@@ -220,7 +223,8 @@ def test_a_draft_with_other_padding_rows_follows_the_target(padded_pairs, case, 
     """The draft's q is zero on the target's padding ids, which the target still samples (and the draft
     then reads as a placeholder): the joint over every id the target has is the target's."""
     target, draft, model = padded_pairs[draft_rows]
-    counts, metrics = sample_joint(target, draft, PARAMS["t1"], **CASES[case][0])
+    # The full N even over the child process: no thread-executor twin runs this draft of fewer rows.
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], **(CASES[case][0] | {"n": N}))
     assert CASES[case][1](metrics), metrics
     assert any(t >= VOCAB for seq in counts for t in seq), "the target never sampled a padding id"
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
@@ -240,16 +244,17 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
             return mode
     monkeypatch.setattr(ssd_loop, "TreeGate", CountingGate)
     target, draft, model = pair
-    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor,
+                                   n=N if executor == "thread" else N_TWIN)
     assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
     assert chosen[RoundMode.FAST] > 0, chosen  # (every such round also drafted for sequences admitted in it)
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 
 
-@pytest.mark.parametrize("gate, executor", [(LookupFavouringGate, "thread"), (LookupFavouringGate, "split"),
-                                            (JustInTimeLookupGate, "split")])
-def test_rows_that_take_their_ngram_proposal_over_the_drafts_follow_the_target(pair, monkeypatch, gate, executor):
+@pytest.mark.parametrize("gate, executor, n", [(LookupFavouringGate, "thread", N), (LookupFavouringGate, "split", N_TWIN),
+                                               (JustInTimeLookupGate, "split", N)])
+def test_rows_that_take_their_ngram_proposal_over_the_drafts_follow_the_target(pair, monkeypatch, gate, executor, n):
     """Rounds whose rows take their n-gram proposal instead of their tree or a draft made now
     (spec/lookup_pick.py; the draft's rows scripted to gain nothing and every proposal trusted before it
     is scored, so from the second round on): a one-hot proposal chosen from the tokens so far, verified
@@ -257,7 +262,7 @@ def test_rows_that_take_their_ngram_proposal_over_the_drafts_follow_the_target(p
     monkeypatch.setattr(ssd_loop, "TreeGate", gate)
     monkeypatch.setattr(ssd_loop, "LookupPicker", trusting_picker())
     target, draft, model = pair
-    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor)
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor, n=n)
     assert metrics.lookup_rows > 0, metrics  # (every row that could look its tree up took its n-gram proposal)
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
