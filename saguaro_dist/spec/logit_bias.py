@@ -8,13 +8,17 @@ for a token outside the allowed list.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 
+@lru_cache(maxsize=256)  # requests tend to share their bias (a served app's allowed list): build it once
 def bias_row(logit_bias: tuple[tuple[int, float], ...], allowed: tuple[int, ...] | None, vocab_size: int) -> torch.Tensor:
     """[V] float32 to add to a row of logits: logit_bias[j] at token j, -inf at a token outside `allowed`
     (None: any token allowed). Ids at or beyond vocab_size are left out (a draft's vocabulary may be
-    smaller); if none of `allowed` is in the vocabulary, the row allows every token rather than none."""
+    smaller); if none of `allowed` is in the vocabulary, the row allows every token rather than none.
+    Shared between the calls that ask for the same row: read it, never write to it."""
     row = torch.zeros(vocab_size)
     inside = [t for t in allowed or () if t < vocab_size]
     if inside:
