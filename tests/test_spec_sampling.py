@@ -194,6 +194,16 @@ def test_rows_sharing_a_generator_take_consecutive_draws():
     assert torch.equal(alone, want)
 
 
+def test_row_uniforms_of_no_rows_and_of_interleaved_generators():
+    """No rows: an empty [0, m] (a verify of an empty batch). Interleaved generators: each row its own
+    generator's next draws, whatever the order of the rows."""
+    assert row_uniforms([], 0, 3).shape == (0, 3)
+    a, b = (torch.Generator().manual_seed(s) for s in (1, 2))
+    u = row_uniforms([a, b, a, b], 4, 2)
+    want_a, want_b = (torch.rand((2, 2), generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in (1, 2))
+    assert torch.equal(u[[0, 2]], want_a) and torch.equal(u[[1, 3]], want_b)
+
+
 def test_tempered_only_rows_get_target_probs_own_bits():
     from saguaro_dist.engine.messages import DraftSampling
     from saguaro_dist.engine.target import RowSampling, sampling_probs

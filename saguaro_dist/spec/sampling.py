@@ -179,8 +179,8 @@ def row_uniforms(generators: Generators, n: int, m: int, device=None) -> torch.T
     gens = list(generators) if generators is not None else [None] * n
     if len(gens) != n:
         raise ValueError(f"need one generator (or None) per row: {n} rows, {len(gens)} generators")
-    if n and all(g is gens[0] for g in gens):  # one group (a tree's branches): the same draws, no row scatter
-        return _uniforms(gens[0], n, m, device)
+    if not n or all(g is gens[0] for g in gens):  # one group (a tree's branches): the same draws, no row scatter
+        return _uniforms(gens[0] if n else None, n, m, device)
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for i, g in enumerate(gens):
         groups.setdefault(id(g), (g, []))[1].append(i)
