@@ -100,3 +100,16 @@ def ray_cluster():
     serve.shutdown()
     if started:
         ray.shutdown()
+
+
+# The files that take longest (minutes of one worker each: seeded chi-square cases, Ray clusters). They
+# run first, so that the two xdist workers (scripts/test.sh: a test file each) finish together rather
+# than one running a long file alone at the end. Each file's tests stay together and in order.
+SLOWEST_FIRST = ("test_distributed_sampling.py", "test_engine_sampling.py", "test_engine_sampling_constraints.py",
+                 "test_distributed.py", "test_cli_serve.py", "test_benchmark_scripts.py", "test_bench_grid.py",
+                 "test_serve_recovery.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FIRST)))  # stable: the rest keep their order
