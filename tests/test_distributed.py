@@ -255,7 +255,10 @@ def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_clus
         assert grpc_port_closed(address)
         fallbacks = sum(llm.metrics.fallbacks.values())
         check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
-        assert sum(llm.metrics.fallbacks.values()) == fallbacks
+        # At most the one fast-backup draft of the round that met the death (seen once in a CI run with two
+        # workers busy: 1 of 28 rounds; which call met it is not pinned down). Drafting every round by the
+        # fast backup, not beside the target, would show one per sequence and round.
+        assert sum(llm.metrics.fallbacks.values()) <= fallbacks + 1
         assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (0, 1))
 
 
