@@ -65,8 +65,9 @@ def test_counts_cover_the_output_and_each_rows_drafted_prefix():
 
 
 def test_a_batch_is_penalized_as_each_sequence_alone():
-    """penalize_batch (the target's one pass over its penalized rows) equals penalize_positions row by row,
-    with sequences of other output lengths, fewer drafted tokens than rows, and ids beyond the vocabulary."""
+    """penalize_batch (one pass over the target's penalized rows) against the token-by-token reference,
+    each sequence's row t counting its output + drafted[:t]: sequences of other output lengths, fewer
+    drafted tokens than rows (those rows count every draft), and ids beyond the vocabulary (counting nothing)."""
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 4, V, generator=gen) * 3
     prompts, outputs = [[0, 1, 2], [5], [7, 7, 11]], [[3, 1, 3], [], [11, 2, 40]]
@@ -74,6 +75,7 @@ def test_a_batch_is_penalized_as_each_sequence_alone():
     in_prompt = torch.stack([prompt_mask(p, V) for p in prompts])
     got = penalize_batch(logits, in_prompt, outputs, drafted, settings)
     for b in range(3):
-        rows = 2 if b == 1 else 4  # the one-row function counts only as many rows as it has drafts for
-        want = penalize_positions(logits[b, :rows], prompts[b], outputs[b], drafted[b], *settings[b])
-        torch.testing.assert_close(got[b, :rows], want, rtol=0, atol=1e-6)
+        for t in range(4):
+            context = [i for i in outputs[b] + drafted[b][:t] if i < V]
+            want = reference(logits[b, t], prompts[b], context, *settings[b])
+            torch.testing.assert_close(got[b, t], want, rtol=0, atol=1e-6)

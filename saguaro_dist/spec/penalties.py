@@ -16,13 +16,8 @@ Scalar = float | torch.Tensor  # a float, or [T, 1]: one value per row
 
 def position_counts(output_ids: list[int], drafted: list[int], rows: int, vocab_size: int) -> torch.Tensor:
     """Occurrences of each token among the output before each row's token: row t counts
-    output_ids + drafted[:t]. Returns [rows, V] float32 (rows <= len(drafted) + 1)."""
-    base = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
-    counts = base.float().expand(rows, vocab_size).clone()
-    if rows > 1:  # row t adds x_1..x_t: a running sum of one-hots
-        steps = torch.nn.functional.one_hot(torch.tensor(drafted[:rows - 1], dtype=torch.long), vocab_size)
-        counts[1:] += steps.cumsum(0).float()
-    return counts
+    output_ids + drafted[:t]. Returns [rows, V] float32 (one sequence of batch_position_counts)."""
+    return batch_position_counts([output_ids], [drafted], rows, vocab_size)[0]
 
 
 def prompt_mask(prompt_ids: list[int], vocab_size: int) -> torch.Tensor:
@@ -52,11 +47,9 @@ def apply_penalties(logits: torch.Tensor, in_prompt: torch.Tensor, counts: torch
 def penalize_positions(logits: torch.Tensor, prompt_ids: list[int], output_ids: list[int], drafted: list[int],
                        presence: float, frequency: float, repetition: float) -> torch.Tensor:
     """logits [T, V] of one sequence, row t scoring the token after output_ids + drafted[:t] (a verify's
-    rows, or the draft's glue over [b, x_1..x_K]), with its penalties."""
-    rows, vocab = logits.shape
-    counts = position_counts(output_ids, drafted, rows, vocab).to(logits.device)
-    in_prompt = prompt_mask(prompt_ids, vocab).to(logits.device)
-    return apply_penalties(logits, in_prompt, counts, presence, frequency, repetition)
+    rows, or the draft's glue over [b, x_1..x_K]), with its penalties (one sequence of penalize_batch)."""
+    in_prompt = prompt_mask(prompt_ids, logits.shape[1])[None]
+    return penalize_batch(logits[None], in_prompt, [output_ids], [drafted], [(presence, frequency, repetition)])[0]
 
 
 def batch_position_counts(outputs: list[list[int]], drafted: list[list[int]], rows: int, vocab_size: int) -> torch.Tensor:
