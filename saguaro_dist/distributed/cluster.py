@@ -22,6 +22,7 @@ from saguaro_dist.engine.sequence import FinishReason, SeqStatus
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
+SUBMIT_CHUNK = 1024  # requests per submit call: a large offline batch starts before all of it has crossed
 # The embedded cluster (cluster="local") runs our actors and nothing else, on cores the model needs.
 # Ray's defaults suit a shared cluster: idle workers prestarted for tasks (each wakes ~100 times a
 # second), metrics and task events reported every few seconds, resources every 100 ms. Measured on a
@@ -151,6 +152,11 @@ def started(refs, deadline: float, what: str):
                            f"Free now: {ray.available_resources()}") from None
 
 
+def remote_request(seq) -> RemoteRequest:
+    return RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.output_kind,
+                         seq.stream_interval_s, seq.priority)
+
+
 class RemoteEngine:
     """Driver side: submits to rank 0 and routes its updates to each request's listener."""
 
@@ -186,17 +192,25 @@ class RemoteEngine:
             raise EngineError("the engine is shut down")
 
     def submit(self, seq, listener) -> None:
+        self.submit_many([(seq, listener)])
+
+    def submit_many(self, requests: list[tuple]) -> None:
+        """(Sequence, listener) pairs, SUBMIT_CHUNK to an actor call; blocking, so an abort sent after it
+        (another call to a threaded actor) cannot overtake it."""
         if self._dead:
             raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
+        for start in range(0, len(requests), SUBMIT_CHUNK):
+            self._submit_chunk(requests[start:start + SUBMIT_CHUNK])
+
+    def _submit_chunk(self, requests: list[tuple]) -> None:
         with self._lock:
-            self._requests[seq.request_id] = (seq, listener)
-        request = RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.output_kind,
-                                seq.stream_interval_s, seq.priority)
+            self._requests.update((seq.request_id, (seq, listener)) for seq, listener in requests)
         try:
-            ray.get(self.rank0.submit.remote(request))
+            ray.get(self.rank0.submit.remote([remote_request(seq) for seq, _ in requests]))
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
             with self._lock:
-                self._requests.pop(seq.request_id, None)
+                for seq, _ in requests:
+                    self._requests.pop(seq.request_id, None)
             self._dead = f"target actor died: {err.__class__.__name__}"
             raise EngineError(f"{self._dead}; the request can be retried after LLM.rebuild()") from None
 

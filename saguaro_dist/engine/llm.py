@@ -98,9 +98,9 @@ class LLM:
         requests = self._requests(prompts, prompt_token_ids, sampling_params, priority)
         finished: queue.Queue[int] = queue.Queue()
         results: list = [None] * len(requests)
-        for i, (seq, _) in enumerate(requests):
+        for seq, _ in requests:
             seq.output_kind = OutputKind.FINAL_ONLY
-            self._thread.submit(seq, self._collector(i, results, finished))
+        self._thread.submit_many([(seq, self._collector(i, results, finished)) for i, (seq, _) in enumerate(requests)])
         self._wait(results, finished, use_tqdm)
         for r in results:
             if isinstance(r, BaseException):

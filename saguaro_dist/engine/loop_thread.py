@@ -56,10 +56,14 @@ class EngineThread:
             raise EngineError("the engine is shut down")
 
     def submit(self, seq: Sequence, listener: Listener) -> None:
+        self.submit_many([(seq, listener)])
+
+    def submit_many(self, requests: list[tuple[Sequence, Listener]]) -> None:
+        """All at once: the loop takes them in one step, in this order (an offline batch enters whole)."""
         with self._cond:
             if self._stopped:
                 raise EngineError("the engine is shut down")
-            self._inbox.append((seq, listener))
+            self._inbox.extend(requests)
             self._cond.notify()
 
     def abort(self, request_id: str) -> None:
