@@ -1,6 +1,7 @@
 """The distributed runtime on a real local Ray cluster, drafts over real gRPC on loopback."""
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -150,6 +151,36 @@ def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
         assert llm.reset_prefix_cache()
         cold = llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0]
         assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+        asyncio.run(abandon_a_stream(llm))
+        asyncio.run(asyncio.wait_for(check_streams(llm, pair), 60))
+
+
+async def abandon_a_stream(llm: LLM) -> None:
+    """A stream whose event loop closes under its running request: the updates still due to it fail to
+    reach it (once they killed the driver's poll thread, and every later request waited forever)."""
+    abandoned = llm.stream(prompt_token_ids=PROMPTS[0], sampling_params=replace(GREEDY, max_tokens=200))
+    assert (await anext(abandoned)).token_ids
+
+
+async def check_streams(llm: LLM, pair) -> None:
+    """LLM.stream on Ray (its submit awaited, not blocking the loop): concurrent streams give the greedy
+    tokens; one closed after its first delta and one cancelled while its submit is in flight are aborted
+    on rank 0 (the abort sent once the submit is done), and the engine ends idle with nothing registered."""
+    async def tokens(prompt: list[int]) -> list[int]:
+        return [t async for d in llm.stream(prompt_token_ids=prompt, sampling_params=GREEDY) for t in d.token_ids]
+    got = await asyncio.gather(*(tokens(p) for p in PROMPTS))
+    for prompt, out, want in zip(PROMPTS, got, pair["reference"]):
+        assert_greedy_equal(out, want, prompt, pair["model"])
+    endless = replace(GREEDY, max_tokens=200)
+    closed = llm.stream(prompt_token_ids=PROMPTS[0], sampling_params=endless)
+    assert (await anext(closed)).token_ids
+    await closed.aclose()
+    cancelled = asyncio.ensure_future(anext(llm.stream(prompt_token_ids=PROMPTS[1], sampling_params=endless)))
+    await asyncio.sleep(0)  # its submit call is on its way to rank 0
+    cancelled.cancel()
+    await asyncio.sleep(0.5)
+    wait_idle_load(llm)
+    assert not llm._thread._requests
 
 
 def generate_through_a_kill(llm: LLM, params: SamplingParams, kill) -> list:

@@ -2,6 +2,7 @@
 driver-side RemoteEngine that LLM talks to (same surface as the one-host EngineThread)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -16,7 +17,7 @@ from saguaro_dist.distributed.placement import (draft_options, engine_needs, ran
                                                  target_placement)
 from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
 from saguaro_dist.engine.engine import Update
-from saguaro_dist.engine.loop_thread import EngineError
+from saguaro_dist.engine.loop_thread import EngineError, deliver
 from saguaro_dist.engine.metrics import EngineLoad
 from saguaro_dist.engine.sequence import FinishReason, SeqStatus
 
@@ -203,10 +204,25 @@ class RemoteEngine:
             self._submit_chunk(requests[start:start + SUBMIT_CHUNK])
 
     def _submit_chunk(self, requests: list[tuple]) -> None:
+        with self._submitting(requests) as call:
+            ray.get(call)
+
+    async def submit_async(self, seq, listener) -> None:
+        """submit, for an event loop (LLM.stream on a Serve replica): the actor call is awaited, so the
+        loop goes on streaming other requests' deltas meanwhile (a blocking ray.get held it ~2-3 ms)."""
+        if self._dead:
+            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
+        with self._submitting([(seq, listener)]) as call:
+            await call
+
+    @contextlib.contextmanager
+    def _submitting(self, requests: list[tuple]):
+        """Register the requests' listeners, then yield rank 0's submit call to wait on; a dead target
+        unregisters them and raises the retriable EngineError."""
         with self._lock:
             self._requests.update((seq.request_id, (seq, listener)) for seq, listener in requests)
         try:
-            ray.get(self.rank0.submit.remote([remote_request(seq) for seq, _ in requests]))
+            yield self.rank0.submit.remote([remote_request(seq) for seq, _ in requests])
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
             with self._lock:
                 for seq, _ in requests:
@@ -250,7 +266,7 @@ class RemoteEngine:
             return
         seq, listener = entry
         if u.error:
-            listener(EngineError(u.error))
+            deliver(listener, EngineError(u.error))
             return
         seq.output_token_ids += u.token_delta
         seq.output_logprobs += u.logprobs_delta or []
@@ -259,11 +275,15 @@ class RemoteEngine:
         if u.finished:
             seq.status, seq.finish_reason, seq.metrics = SeqStatus.FINISHED, FinishReason(u.finish_reason), u.metrics
             seq.stop_reason = u.stop_reason
-        listener(Update(seq, u.text_delta, u.token_delta, u.finished, u.logprobs_delta, u.prompt_logprobs))
+        update = Update(seq, u.text_delta, u.token_delta, u.finished, u.logprobs_delta, u.prompt_logprobs)
+        if not deliver(listener, update) and not u.finished:  # nobody is listening: free the slot
+            with self._lock:
+                self._requests.pop(u.request_id, None)
+            self.abort(u.request_id)
 
     def _fail_all(self, why: str) -> None:
         self._dead = why
         with self._lock:
             entries, self._requests = list(self._requests.values()), {}
         for _, listener in entries:
-            listener(EngineError(f"{why}; the request can be retried after LLM.rebuild()"))
+            deliver(listener, EngineError(f"{why}; the request can be retried after LLM.rebuild()"))

@@ -149,9 +149,11 @@ class LLM:
             seq.request_id = request_id
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._thread.submit(seq, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        submitted = asyncio.ensure_future(self._thread.submit_async(
+            seq, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)))
         finished = False
         try:
+            await asyncio.shield(submitted)  # a cancel here leaves the submit running: the abort must follow it
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -160,7 +162,14 @@ class LLM:
                 yield self._delta(item)
         finally:
             if not finished:
-                self.abort(seq.request_id)
+                self._abort_once_submitted(submitted, seq.request_id)
+
+    def _abort_once_submitted(self, submitted: asyncio.Future, request_id: str) -> None:
+        """Abort now, or once the submit call returns: an abort sent before it could overtake it and find nothing."""
+        if not submitted.done():
+            submitted.add_done_callback(lambda _: self._abort_once_submitted(submitted, request_id))
+        elif submitted.cancelled() or submitted.exception() is None:  # (a failed submit left nothing to abort)
+            self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         self._thread.abort(request_id)

@@ -15,6 +15,17 @@ log = logging.getLogger(__name__)
 Listener = Callable[[Update | BaseException], None]
 
 
+def deliver(listener: Listener, item) -> bool:
+    """listener(item), False if it raised: a caller that went away (e.g. its event loop closed) must not
+    take the engine, or the updates of every other request, down with it."""
+    try:
+        listener(item)
+        return True
+    except Exception:  # noqa: BLE001
+        log.debug("a request listener failed; dropping it", exc_info=True)
+        return False
+
+
 class EngineError(RuntimeError):
     """The engine failed while serving this request; the request may be retried."""
     retriable = True
@@ -65,6 +76,10 @@ class EngineThread:
                 raise EngineError("the engine is shut down")
             self._inbox.extend(requests)
             self._cond.notify()
+
+    async def submit_async(self, seq: Sequence, listener: Listener) -> None:
+        """submit, for an event loop (LLM.stream): here it never blocks, so it needs no await."""
+        self.submit(seq, listener)
 
     def abort(self, request_id: str) -> None:
         with self._cond:
@@ -120,7 +135,7 @@ class EngineThread:
             try:
                 self.engine.add(seq)
             except ValueError as err:  # a request the engine cannot take (say its grammar): its caller learns why
-                listener(err)
+                deliver(listener, err)
                 continue
             self._listeners[seq.request_id] = listener
         for request_id in aborts:
@@ -148,21 +163,11 @@ class EngineThread:
             listener = self._listeners.get(u.seq.request_id)
             if u.finished:
                 self._listeners.pop(u.seq.request_id, None)
-            if listener is not None and not self._deliver(listener, u):
+            if listener is not None and not deliver(listener, u):
                 self._listeners.pop(u.seq.request_id, None)
                 self.abort(u.seq.request_id)  # nobody is listening: free the slot
 
     def _fail_all(self, err: BaseException) -> None:
         listeners, self._listeners = self._listeners, {}
         for listener in listeners.values():
-            self._deliver(listener, err)
-
-    @staticmethod
-    def _deliver(listener: Listener, item) -> bool:
-        """A caller that went away (e.g. its event loop closed) must not take the engine down."""
-        try:
-            listener(item)
-            return True
-        except Exception:  # noqa: BLE001
-            log.debug("a request listener failed; dropping it", exc_info=True)
-            return False
+            deliver(listener, err)
