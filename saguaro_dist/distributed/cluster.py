@@ -255,6 +255,10 @@ class RemoteEngine:
             except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
                 self._fail_all(f"target actor died: {err.__class__.__name__}")
                 return
+            except Exception as err:  # noqa: BLE001 - with this thread gone no request would ever finish
+                log.exception("polling the target's rank 0 failed")
+                self._fail_all(f"polling the target failed: {err!r}")
+                return
             self.load = polled.load
             for u in polled.updates:
                 self._dispatch(u)
