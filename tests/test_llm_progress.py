@@ -1,8 +1,14 @@
-"""LLM.generate's progress bar (vLLM's use_tqdm): shown on a terminal, never elsewhere, same outputs."""
+"""LLM.generate's wait: its progress bar (vLLM's use_tqdm), shown on a terminal, never elsewhere, same
+outputs; and an interrupt (Ctrl-C) that ends the wait early."""
 from __future__ import annotations
 
 import io
+import signal
 import sys
+import threading
+import time
+
+import pytest
 
 from engine_helpers import Terminal
 from saguaro_dist import LLM, SamplingParams
@@ -22,3 +28,25 @@ def test_the_bar_counts_prompts_on_a_terminal_and_changes_nothing(tiny_checkpoin
     assert "Processed prompts" in bar and "3/3" in bar and "toks/s" in bar
     assert terminal.getvalue() == bar  # use_tqdm=False wrote nothing
     assert [o.token_ids for o in shown] == [o.token_ids for o in hidden] == [o.token_ids for o in piped]
+
+
+def test_an_interrupted_generate_aborts_what_it_had_not_finished(tiny_checkpoint):
+    """Ctrl-C in generate() (a real SIGINT to this, the main, thread: a notebook's interrupt) raises
+    KeyboardInterrupt and aborts the unfinished requests, so the next call does not wait behind the rest
+    of the old batch (~60 requests of 200 tokens, two at a time: seconds of work had it gone on)."""
+    long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # a test runner may have its own
+    try:
+        with LLM(model=tiny_checkpoint("llama"), mode="ar", max_batch_size=2) as llm:
+            ctrl_c = threading.Timer(0.5, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
+            ctrl_c.start()
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(prompt_token_ids=[[3, 4, 5]] * 64, sampling_params=long, use_tqdm=False)
+            deadline = time.monotonic() + 2.0
+            while (llm.load.num_running or llm.load.num_waiting) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert (llm.load.num_running, llm.load.num_waiting) == (0, 0)
+            after = llm.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=SamplingParams(temperature=0, max_tokens=4))
+            assert len(after[0].token_ids) == 4
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -94,14 +94,21 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt (continuously batched); outputs in prompt order. priority: one int per
         prompt, lower admitted first (needs scheduling_policy="priority", as vLLM). use_tqdm: vLLM's progress
-        bar of finished prompts and output tokens/s, on stderr when it is a terminal."""
+        bar of finished prompts and output tokens/s, on stderr when it is a terminal. An interrupt (Ctrl-C)
+        aborts the prompts not yet finished before it propagates."""
         requests = self._requests(prompts, prompt_token_ids, sampling_params, priority)
         finished: queue.Queue[int] = queue.Queue()
         results: list = [None] * len(requests)
         for seq, _ in requests:
             seq.output_kind = OutputKind.FINAL_ONLY
         self._thread.submit_many([(seq, self._collector(i, results, finished)) for i, (seq, _) in enumerate(requests)])
-        self._wait(results, finished, use_tqdm)
+        try:
+            self._wait(results, finished, use_tqdm)
+        except BaseException:  # Ctrl-C (a notebook's interrupt): the batch must not run on ahead of the next call
+            for (seq, _), result in zip(requests, results):
+                if result is None:
+                    self.abort(seq.request_id)
+            raise
         for r in results:
             if isinstance(r, BaseException):
                 raise r
