@@ -101,13 +101,11 @@ class LLM:
         results: list = [None] * len(requests)
         for seq, _ in requests:
             seq.output_kind = OutputKind.FINAL_ONLY
-        self._thread.submit_many([(seq, self._collector(i, results, finished)) for i, (seq, _) in enumerate(requests)])
         try:
+            self._thread.submit_many([(seq, self._collector(i, results, finished)) for i, (seq, _) in enumerate(requests)])
             self._wait(results, finished, use_tqdm)
         except BaseException:  # Ctrl-C (a notebook's interrupt): the batch must not run on ahead of the next call
-            for (seq, _), result in zip(requests, results):
-                if result is None:
-                    self.abort(seq.request_id)
+            self._abort_unfinished([seq for (seq, _), result in zip(requests, results) if result is None])
             raise
         for r in results:
             if isinstance(r, BaseException):
@@ -180,6 +178,10 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         self._thread.abort(request_id)
+
+    def _abort_unfinished(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.abort(seq.request_id)
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's: forget every kept prefix, target and draft, so later prompts compute theirs afresh (a cold
