@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine_helpers import llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
@@ -86,3 +87,14 @@ def test_seeded_sampling_is_reproducible_on_a_fixed_path(tiny_llama_pair):
         a = engine.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params)[0].token_ids
         b = engine.generate(prompt_token_ids=[[3, 4, 5]], sampling_params=params)[0].token_ids
     assert a == b
+
+
+def test_unseeded_requests_leave_the_processs_torch_rng_alone(llm):
+    """A request without a seed draws its seed from the OS: the caller's global torch RNG (torch.manual_seed)
+    goes on as if no request had run (torch.seed() reseeded it at every request)."""
+    torch.manual_seed(0)
+    want = torch.rand(4)
+    torch.manual_seed(0)
+    llm.generate(prompt_token_ids=[[3, 4, 5]] * 4, sampling_params=SamplingParams(temperature=1.0, max_tokens=4),
+                 use_tqdm=False)
+    assert torch.equal(torch.rand(4), want)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -35,9 +36,11 @@ class FinishReason(str, enum.Enum):
 
 
 def make_generator(seed: int | None, salt: int) -> torch.Generator:
-    """Per-request randomness: seeded requests reproduce; the salt keeps target and draft streams independent."""
+    """Per-request randomness: seeded requests reproduce; the salt keeps target and draft streams independent.
+    An unseeded request draws its seed from the OS, not torch.seed(): that reseeded the process's global
+    torch RNG (the user's own) at every request, and cost ~180 us against ~2."""
     gen = torch.Generator()
-    gen.manual_seed((seed * 1_000_003 + salt) % (2**63) if seed is not None else torch.seed())
+    gen.manual_seed((seed * 1_000_003 + salt) % (2**63) if seed is not None else secrets.randbits(63))
     return gen
 
 
