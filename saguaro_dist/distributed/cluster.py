@@ -198,8 +198,6 @@ class RemoteEngine:
     def submit_many(self, requests: list[tuple]) -> None:
         """(Sequence, listener) pairs, SUBMIT_CHUNK to an actor call; blocking, so an abort sent after it
         (another call to a threaded actor) cannot overtake it."""
-        if self._dead:
-            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
         for start in range(0, len(requests), SUBMIT_CHUNK):
             self._submit_chunk(requests[start:start + SUBMIT_CHUNK])
 
@@ -210,15 +208,15 @@ class RemoteEngine:
     async def submit_async(self, seq, listener) -> None:
         """submit, for an event loop (LLM.stream on a Serve replica): the actor call is awaited, so the
         loop goes on streaming other requests' deltas meanwhile (a blocking ray.get held it ~2-3 ms)."""
-        if self._dead:
-            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
         with self._submitting([(seq, listener)]) as call:
             await call
 
     @contextlib.contextmanager
     def _submitting(self, requests: list[tuple]):
         """Register the requests' listeners, then yield rank 0's submit call to wait on; a dead target
-        unregisters them and raises the retriable EngineError."""
+        (known before, or found by the call) raises the retriable EngineError with nothing registered."""
+        if self._dead:
+            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
         with self._lock:
             self._requests.update((seq.request_id, (seq, listener)) for seq, listener in requests)
         try:
