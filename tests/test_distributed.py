@@ -22,6 +22,7 @@ from engine_helpers import (BIAS, PENALTIES, PROMPTS, assert_greedy_equal, biase
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.actors import ask_actor
+from saguaro_dist.distributed import cluster
 from saguaro_dist.distributed.cluster import wait_dead
 from saguaro_dist.distributed.draft_pool import LATE_TREE_WAITS_BEFORE_DEAD
 from saguaro_dist.distributed.placement import engine_needs, shortfall
@@ -128,7 +129,7 @@ def test_ngram_on_ray_matches_ar_and_starts_no_draft_actor(ray_cluster, pair):
         assert llm._thread.deployment.drafts == [] and llm.metrics.accepted_tokens > 0
 
 
-def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
+def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair, monkeypatch):
     with cluster_llm(pair, num_draft_workers=1) as llm:
         results = [None] * len(PROMPTS)
 
@@ -153,6 +154,34 @@ def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair):
         assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
         asyncio.run(abandon_a_stream(llm))
         asyncio.run(asyncio.wait_for(check_streams(llm, pair), 60))
+        interrupt_a_submit(llm, monkeypatch)
+
+
+def interrupt_a_submit(llm: LLM, monkeypatch) -> None:
+    """Ctrl-C in generate() while its submit call to rank 0 is in flight (the interrupt lands in the driver's
+    wait for it): the aborts go once the call has landed, in one call, so none overtakes its request on
+    the threaded actor and leaves it running on."""
+    remote, calls, aborts = llm._thread, [], []
+
+    def interrupted(call) -> None:
+        calls.append(call)
+        raise KeyboardInterrupt
+    real_abort = remote.abort_many
+
+    def abort_many(request_ids: list[str]) -> None:
+        aborts.append((len(request_ids), bool(ray.wait(calls, timeout=0)[0])))
+        real_abort(request_ids)
+    monkeypatch.setattr(remote, "_wait_submitted", interrupted)
+    monkeypatch.setattr(remote, "abort_many", abort_many)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=PROMPTS * 2, sampling_params=replace(GREEDY, max_tokens=200), use_tqdm=False)
+    assert aborts == [(2 * len(PROMPTS), True)]  # every request, in one call, after the submit had landed
+    monkeypatch.undo()
+    wait_idle_load(llm)
+    deadline = time.time() + 10
+    while remote._requests and time.time() < deadline:  # each aborted request's last update unregisters it
+        time.sleep(0.05)
+    assert not remote._requests
 
 
 async def abandon_a_stream(llm: LLM) -> None:
@@ -293,7 +322,7 @@ def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_clus
         assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (0, 1))
 
 
-def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair):
+def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair, monkeypatch):
     llm = cluster_llm(pair, num_draft_workers=1)
     try:
         ray.kill(llm._thread.deployment.ranks[0], no_restart=True)
@@ -305,8 +334,31 @@ def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair):
         llm.rebuild()
         llm.check_health()
         check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+        fail_a_poll(llm, monkeypatch)
     finally:
         llm.shutdown()
+
+
+def fail_a_poll(llm: LLM, monkeypatch) -> None:
+    """A poll of rank 0 that fails with its actor alive (here rank 0 refuses a negative timeout) fails the
+    requests in flight retriably, as the actor's death does; it once ended the poll thread in silence,
+    and every request waited forever."""
+    failed: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=replace(GREEDY, max_tokens=200), use_tqdm=False)
+        except EngineError as err:
+            failed.append(err)
+    worker = threading.Thread(target=generate)
+    worker.start()
+    assert wait_for_load(llm, lambda load: load.num_running > 0)
+    monkeypatch.setattr(cluster, "POLL_S", -1.0)
+    worker.join(timeout=60)
+    assert not worker.is_alive() and len(failed) == 1 and failed[0].retriable
+    assert "polling the target failed" in str(failed[0])
+    with pytest.raises(EngineError, match="polling the target failed"):
+        llm.check_health()
 
 
 MULTI_NODE = r'''

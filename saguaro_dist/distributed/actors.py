@@ -167,8 +167,9 @@ class TargetRank:
                          r.priority) for r in requests]
         self.thread.submit_many([(seq, self._listener(seq.request_id)) for seq in seqs])
 
-    def abort(self, request_id: str) -> None:
-        self.thread.abort(request_id)
+    def abort(self, request_ids: list[str]) -> None:
+        """One call for many (a Ctrl-C'd generate() aborts its whole batch)."""
+        self.thread.abort_many(request_ids)
 
     def poll(self, timeout_s: float) -> RemotePoll:
         """Updates since the last poll (waiting up to timeout_s for the first one), and the engine's load."""

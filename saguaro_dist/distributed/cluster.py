@@ -24,6 +24,7 @@ from saguaro_dist.engine.sequence import FinishReason, SeqStatus
 log = logging.getLogger(__name__)
 POLL_S = 0.2
 SUBMIT_CHUNK = 1024  # requests per submit call: a large offline batch starts before all of it has crossed
+SUBMIT_SETTLE_S = 10.0  # an interrupted submit waits this long for its call to land before its aborts go
 # The embedded cluster (cluster="local") runs our actors and nothing else, on cores the model needs.
 # Ray's defaults suit a shared cluster: idle workers prestarted for tasks (each wakes ~100 times a
 # second), metrics and task events reported every few seconds, resources every 100 ms. Measured on a
@@ -203,7 +204,15 @@ class RemoteEngine:
 
     def _submit_chunk(self, requests: list[tuple]) -> None:
         with self._submitting(requests) as call:
-            ray.get(call)
+            try:
+                self._wait_submitted(call)
+            except KeyboardInterrupt:  # Ctrl-C mid-call: the chunk is on its way; the caller's aborts must not overtake it
+                ray.wait([call], timeout=SUBMIT_SETTLE_S)
+                raise
+
+    @staticmethod
+    def _wait_submitted(call) -> None:
+        ray.get(call)
 
     async def submit_async(self, seq, listener) -> None:
         """submit, for an event loop (LLM.stream on a Serve replica): the actor call is awaited, so the
@@ -229,8 +238,11 @@ class RemoteEngine:
             raise EngineError(f"{self._dead}; the request can be retried after LLM.rebuild()") from None
 
     def abort(self, request_id: str) -> None:
-        if not self._dead:
-            self.rank0.abort.remote(request_id)
+        self.abort_many([request_id])
+
+    def abort_many(self, request_ids: list[str]) -> None:
+        if not self._dead and request_ids:
+            self.rank0.abort.remote(request_ids)
 
     def reset_prefix_cache(self) -> None:
         self.check_health()

@@ -82,8 +82,12 @@ class EngineThread:
         self.submit(seq, listener)
 
     def abort(self, request_id: str) -> None:
+        self.abort_many([request_id])
+
+    def abort_many(self, request_ids: list[str]) -> None:
+        """After every submit before it (the loop takes its inbox first); an id it does not hold is ignored."""
         with self._cond:
-            self._aborts.append(request_id)
+            self._aborts.extend(request_ids)
             self._cond.notify()
 
     def reset_prefix_cache(self) -> None:
