@@ -1,6 +1,4 @@
 """The fan-out budget controller: shrink while the draft is on the critical path, grow back when idle."""
-import time
-
 import pytest
 
 from saguaro_dist.spec import BudgetController, DraftLoad, draft_load, next_budget_scale, scaled_budget
@@ -28,14 +26,25 @@ def test_scaled_budget_keeps_one_branch_per_position():
     assert scaled_budget(12, 0.1, 5) == 5
 
 
+class Clock:
+    """A clock the test moves: the idle gaps the controller reads are exactly those it is told."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_controller_shrinks_when_outcomes_wait_and_recovers_when_idle():
-    c = BudgetController(floor=0.25)
+    clock = Clock()
+    c = BudgetController(floor=0.25, clock=clock)
     for _ in range(3):  # outcomes arrive the moment each build ends: the target waited on the draft
         c.tree_built(0.05)
         c.outcomes_arrived()
     assert c.scale == pytest.approx(0.8 ** 3)
     c.tree_built(0.001)
-    time.sleep(0.01)  # idle for 10x the build: the draft has room
+    clock.now += 0.01  # idle for 10x the build: the draft has room
     c.outcomes_arrived()
     assert c.scale == pytest.approx(0.8 ** 3 * 1.1)
 
@@ -61,15 +70,17 @@ def test_draft_load_by_idle_share_and_reported_wait(idle_s, target_wait_s, load)
 def test_busy_turns_on_when_the_target_waits_and_off_only_at_slack_even_with_adaptation_off():
     """HitGlue.AUTO reads `busy`: hysteresis, so a tree that got fast enough by skipping x_K (the draft now
     about even with the verify) does not flip back to the slower tree every other round."""
-    c = BudgetController(floor=0.25, enabled=False)
+    clock = Clock()
+    c = BudgetController(floor=0.25, enabled=False, clock=clock)
     c.tree_built(1.0)
+    clock.now += 0.6  # slack by the gap, but the target reports it waited
     c.outcomes_arrived(target_wait_s=0.5)
     assert c.busy and c.scale == 1.0
     c.tree_built(1.0)
-    c._built_at -= 0.3  # idle 0.3 of a build: EVEN
+    clock.now += 0.3  # idle 0.3 of a build: EVEN
     c.outcomes_arrived()
     assert c.busy
     c.tree_built(0.001)
-    time.sleep(0.01)  # idle 10x the build: SLACK
+    clock.now += 0.01  # idle 10x the build: SLACK
     c.outcomes_arrived()
     assert not c.busy

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Callable
 
 SHRINK = 0.8          # multiplicative decrease: the draft is on the critical path
 GROW = 1.1            # slow increase back towards the configured budget
@@ -53,14 +54,15 @@ class BudgetController:
     """The draft's budget scale. After each tree build the draft notes the time; when the next
     outcomes arrive, the idle gap since then says whether that build outlasted the target's verify."""
 
-    def __init__(self, floor: float, enabled: bool = True):
-        self.scale, self.floor, self.enabled = 1.0, floor, enabled
+    def __init__(self, floor: float, enabled: bool = True, clock: Callable[[], float] = time.perf_counter):
+        """clock: seconds, monotonic (a test's own, so the idle gaps it reads are exact)."""
+        self.scale, self.floor, self.enabled, self._clock = 1.0, floor, enabled, clock
         self.busy = False  # the target waited for a recent tree and the draft has had no slack since (HitGlue.AUTO)
         self._built_at: float | None = None  # when the last tree build ended (None: no clean measurement)
         self._build_s = 0.0
 
     def tree_built(self, build_s: float) -> None:
-        self._build_s, self._built_at = build_s, time.perf_counter()
+        self._build_s, self._built_at = build_s, self._clock()
 
     def interrupted(self) -> None:
         """Other draft work (a just-in-time draft) ran after the build: the gap is not idle time."""
@@ -69,7 +71,7 @@ class BudgetController:
     def outcomes_arrived(self, target_wait_s: float = 0.0) -> None:
         """target_wait_s: how long the target waited for the last tree built (0: not reported)."""
         if self._built_at is not None:
-            idle_s = time.perf_counter() - self._built_at
+            idle_s = self._clock() - self._built_at
             load = draft_load(self._build_s, idle_s, target_wait_s)
             self.busy = load is DraftLoad.BUSY or (self.busy and load is DraftLoad.EVEN)  # off only at SLACK
             if self.enabled:
