@@ -54,9 +54,10 @@ class BudgetController:
     """The draft's budget scale. After each tree build the draft notes the time; when the next
     outcomes arrive, the idle gap since then says whether that build outlasted the target's verify."""
 
-    def __init__(self, floor: float, enabled: bool = True, clock: Callable[[], float] = time.perf_counter):
-        """clock: seconds, monotonic (a test's own, so the idle gaps it reads are exact)."""
-        self.scale, self.floor, self.enabled, self._clock = 1.0, floor, enabled, clock
+    def __init__(self, floor: float, enabled: bool = True, clock: Callable[[], float] | None = None):
+        """clock: seconds, monotonic (default time.perf_counter; a test's own, so the idle gaps it reads are exact)."""
+        self.scale, self.floor, self.enabled = 1.0, floor, enabled
+        self._clock = clock or time.perf_counter
         self.busy = False  # the target waited for a recent tree and the draft has had no slack since (HitGlue.AUTO)
         self._built_at: float | None = None  # when the last tree build ended (None: no clean measurement)
         self._build_s = 0.0
