@@ -60,6 +60,9 @@ _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: 
           torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
           torch.uint8: np.uint8, torch.bool: np.bool_}
 _INT64_MIN, _INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+# A sparse q is laid out dense on arrival, [rows, vocab_size], by a vocab_size the message states. A real
+# one is far smaller (a 48-row tree over a 262k vocabulary: 50 MB in float32).
+MAX_LAID_OUT_BYTES = 1 << 30
 
 
 # ---- tensors ------------------------------------------------------------------------------------
@@ -274,6 +277,14 @@ def _check_sparse(offsets: np.ndarray, ids: np.ndarray, values: np.ndarray, k: i
         raise CodecError("sparse probs: token_ids and probs must be 1-D of the same length, probs float")
     if vocab_size <= 0 or (nnz and (ids.min() < 0 or ids.max() >= vocab_size)):
         raise CodecError(f"sparse probs: token ids must lie in [0, vocab_size={vocab_size})")
+    ascending = np.diff(ids) > 0  # within a row, as the encoder writes them: a repeated id would overwrite
+    ascending[offsets[1:-1][(0 < offsets[1:-1]) & (offsets[1:-1] < nnz)] - 1] = True  # a new row may start lower
+    if not ascending.all():
+        raise CodecError("sparse probs: a row's token ids must ascend (each id once)")
+    laid_out = k * vocab_size * values.itemsize
+    if laid_out > MAX_LAID_OUT_BYTES:  # vocab_size is only claimed: it must not size an allocation unchecked
+        raise CodecError(f"sparse probs: {k} rows of vocab_size {vocab_size} would lay out {laid_out} bytes, over "
+                         f"the {MAX_LAID_OUT_BYTES} byte limit")
 
 
 # ---- one message per stage ----------------------------------------------------------------------
