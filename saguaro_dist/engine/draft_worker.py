@@ -64,6 +64,7 @@ class DraftWorker:
                 raise ValueError(f"sequence {r.seq_id}: shard {r.shard} of {r.num_shards}")
             if not 0 <= r.prompt_len <= len(r.prompt_token_ids):
                 raise ValueError(f"sequence {r.seq_id}: prompt_len {r.prompt_len} of {len(r.prompt_token_ids)} tokens")
+            self._check_tokens(r.seq_id, r.prompt_token_ids, "prompt")
         # A re-prefill (the target moved it after a worker died) restarts the sequence.
         self.release([Release(r.seq_id) for r in reqs if r.seq_id in self.seqs])
         # Live sources, listed once: each sequence's KV holds committed[:-1] as far as it goes (never the pending bonus).
@@ -85,6 +86,7 @@ class DraftWorker:
             if r.round != s.round + 1 and not (first and r.round == 0):
                 error = DraftBehind if r.round > s.round + 1 else OutOfOrder
                 raise error(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
+            self._check_outcome(s, r.accepted, r.bonus_token)
         for s, r in zip(states, reqs):  # validate the whole batch before changing any state
             if s.speculation:  # the target verified s.speculation; if a tree was built for it, it missed
                 self._record_outcome(s, r.accepted, hit=False)
@@ -106,6 +108,11 @@ class DraftWorker:
                 raise OutOfOrder(f"sequence {o.seq_id}: outcome of round {o.round}, draft is at round {s.round}")
             if o.next_tokens is None and (o.accepted, o.bonus_token) not in s.branches:
                 raise OutOfOrder(f"sequence {o.seq_id} round {o.round}: outcome claims a hit on a branch never built")
+            self._check_outcome(s, o.accepted, o.bonus_token)
+            if o.next_tokens is not None:  # a speculation is K tokens: trees are built K deep for a batch at once
+                if len(o.next_tokens) != self.k:
+                    raise ValueError(f"sequence {o.seq_id}: next_tokens holds {len(o.next_tokens)} tokens, not K = {self.k}")
+                self._check_tokens(o.seq_id, o.next_tokens, "next_tokens")
         for s, o in zip(states, outcomes):
             self._observe_one(s, o)
 
@@ -192,6 +199,18 @@ class DraftWorker:
                 self.prefixes.finish(r.seq_id, s.committed[:-1])
 
     # ---- steps ------------------------------------------------------------------------------
+    def _check_tokens(self, seq_id: int, ids, what: str) -> None:
+        """Token ids from the wire, checked before any state holds them: one out of the vocabulary would
+        fail every later forward of its sequence, not just this call."""
+        if any(not 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"sequence {seq_id}: {what} has a token id outside [0, {self.vocab_size})")
+
+    def _check_outcome(self, s: DraftSeq, accepted: int, bonus_token: int) -> None:
+        """What commit() will take, checked for the whole batch before the first commit."""
+        if not 0 <= accepted <= len(s.speculation):
+            raise OutOfOrder(f"sequence {s.seq_id}: accepted={accepted} but the speculation has {len(s.speculation)} tokens")
+        self._check_tokens(s.seq_id, [bonus_token], "bonus token")
+
     def _get(self, seq_id: int) -> DraftSeq:
         s = self.seqs.get(seq_id)
         if s is None:
