@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
+MAX_TOKEN_ID = 2 ** 31 - 1  # token ids (and top_k) travel as int32 on the draft protocol; every vocabulary is far smaller
 
 TokenBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, sorted by id
 
@@ -44,7 +45,7 @@ class StructuredOutputsParams:
 class SamplingParams:
     temperature: float = 1.0   # 0 means greedy
     top_p: float = 1.0         # nucleus mass in (0, 1]
-    top_k: int = 0             # 0 disables top-k
+    top_k: int = 0             # 0 (or -1, as vLLM) disables top-k
     min_p: float = 0.0         # drop tokens below min_p x the likeliest's probability (vLLM's; 0 disables)
     max_tokens: int = 16
     min_tokens: int = 0        # EOS and stop_token_ids cannot end the request before this many tokens (vLLM's)
@@ -68,25 +69,27 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: the model's max length)
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        elif self.stop is None:
-            object.__setattr__(self, "stop", ())
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        stop = (self.stop,) if isinstance(self.stop, str) else as_tuple(self.stop, "stop", "a string or a list of strings")
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids"))
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if type(self.max_tokens) is not int or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        if self.temperature is None or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        # A NaN temperature passed `< 0` and sampled garbage; an infinite one is not a temperature either.
+        if not is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.top_k == -1 and type(self.top_k) is int:  # vLLM's other spelling of "off"
+            object.__setattr__(self, "top_k", 0)
+        # Bounded: the engine holds top_k in an int64 tensor, and a larger one failed the whole batch's step.
+        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOKEN_ID:
+            raise ValueError(f"top_k must be an integer in 0..{MAX_TOKEN_ID} (0 or -1 disables it), got {self.top_k!r}")
+        if self.seed is not None and type(self.seed) is not int:
+            raise ValueError(f"seed must be an integer (or None), got {self.seed!r}")
         check_min_p(self.min_p)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -124,9 +127,9 @@ class SamplingParams:
 def check_penalties(presence: float, frequency: float, repetition: float) -> None:
     """vLLM's ranges: presence and frequency in [-2, 2], repetition finite and > 0 (1 disables it)."""
     for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -2.0 <= value <= 2.0:
+        if not is_number(value) or not -2.0 <= value <= 2.0:
             raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-    if isinstance(repetition, bool) or not isinstance(repetition, (int, float)) or not 0.0 < repetition < float("inf"):
+    if not is_number(repetition) or not 0.0 < repetition < float("inf"):
         raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition!r}")
 
 
@@ -138,8 +141,13 @@ def truncate_prompt(tokens: list[int], keep: int | None, max_model_len: int) -> 
     return tokens[-keep:]
 
 
+def is_number(value) -> bool:
+    """An int or a float (a bool is neither here: True is not a temperature)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_min_p(min_p: float) -> None:
-    if isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or not 0.0 <= min_p <= 1.0:
+    if not is_number(min_p) or not 0.0 <= min_p <= 1.0:
         raise ValueError(f"min_p must be a number in [0, 1] (0 disables it), got {min_p!r}")
 
 
@@ -151,13 +159,24 @@ def biased(logit_bias: TokenBias, allowed_token_ids: tuple[int, ...] | None) -> 
     return bool(logit_bias) or allowed_token_ids is not None
 
 
+def as_tuple(values, name: str, what: str) -> tuple:
+    """A list-like argument as a tuple (None: empty); anything else (a number, a bool, a string) is a ValueError."""
+    if values is None:
+        return ()
+    if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
+        raise ValueError(f"{name} must be {what}, got {values!r}")
+    return tuple(values)
+
+
 def _token_id(t) -> bool:
     return type(t) is int and t >= 0
 
 
 def token_bias(bias: Mapping[int, float] | Iterable[tuple[int, float]] | None) -> TokenBias:
     """{token id: bias} (or pairs) -> (id, float bias) pairs sorted by id; ids ints >= 0, biases in [-100, 100]."""
-    pairs = [tuple(p) for p in ((bias or {}).items() if isinstance(bias, Mapping) else bias or ())]
+    what = "a {token id: bias} mapping"
+    items = bias.items() if isinstance(bias, Mapping) else as_tuple(bias, "logit_bias", what)
+    pairs = [as_tuple(p, "logit_bias", what) for p in items]
     for pair in pairs:
         if len(pair) != 2 or not _token_id(pair[0]):
             raise ValueError(f"logit_bias maps token ids (ints >= 0) to biases, got {pair!r}")
@@ -173,8 +192,9 @@ def allowed_tokens(ids: Iterable[int] | None) -> tuple[int, ...] | None:
     """None (any token) or a non-empty tuple of distinct token ids, sorted."""
     if ids is None:
         return None
-    ids = tuple(ids) if not isinstance(ids, (str, bytes, int)) else ids
-    if not isinstance(ids, tuple) or not ids or not all(_token_id(t) for t in ids):
+    what = "a non-empty list of token ids (ints >= 0)"
+    ids = as_tuple(ids, "allowed_token_ids", what)
+    if not ids or not all(_token_id(t) for t in ids):
         raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {ids!r}")
     return tuple(sorted(set(ids)))
 

@@ -10,7 +10,11 @@ from saguaro_dist.serve.args import config_from_args
 
 @pytest.mark.parametrize("kwargs, field", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"), (dict(stop=[""]), "stop"),
+    (dict(top_p=1.5), "top_p"), (dict(top_k=-2), "top_k"), (dict(stop=[""]), "stop"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature="0.5"), "temperature"), (dict(temperature=True), "temperature"), (dict(top_p="1"), "top_p"),
+    (dict(top_k=2 ** 70), "top_k"), (dict(top_k=True), "top_k"), (dict(max_tokens=True), "max_tokens"),
+    (dict(seed="abc"), "seed"), (dict(seed=1.5), "seed"), (dict(seed=True), "seed"),
     (dict(stop_token_ids=[-1]), "stop_token_ids"), (dict(stop_token_ids=["2"]), "stop_token_ids"),
     (dict(max_tokens=4, min_tokens=5), "min_tokens"), (dict(min_tokens=-1), "min_tokens"),
     (dict(min_tokens=1.0), "min_tokens"), (dict(presence_penalty=2.1), "presence_penalty"),
@@ -30,6 +34,10 @@ from saguaro_dist.serve.args import config_from_args
 def test_sampling_params_reject_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_top_k_minus_one_is_off_as_in_vllm():
+    assert SamplingParams(top_k=-1).top_k == 0 == SamplingParams().top_k
 
 
 def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
