@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -89,12 +90,29 @@ def parse_enum(enum_type: type[enum.Enum], value, field_name: str):
 
 
 def check_memory_utilization(value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+    if not is_number(value) or not 0 < value <= 1:
         raise ValueError(f"gpu_memory_utilization must be a fraction in (0, 1], got {value!r}")
 
 
+def is_number(value) -> bool:
+    """An int or a float (a bool is neither here: True is not a temperature)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_resources(name: str, value) -> None:
+    """Ray custom resources: {name: amount >= 0}."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k and is_number(v) and v >= 0
+                                              for k, v in value.items()):
+        raise ValueError(f"{name} must map resource names to amounts >= 0, got {value!r}")
+
+
 def check_seconds(name: str, value, zero_ok: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or (value == 0 and not zero_ok):
+    if not is_number(value) or not value >= 0 or (value == 0 and not zero_ok):
         raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
@@ -163,6 +181,9 @@ class Config:
         object.__setattr__(self, "scheduling_policy", parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy"))
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
+        for name in ("model", "draft", "tokenizer"):  # a pathlib.Path is a folder too
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         self._validate()
 
     @property
@@ -173,61 +194,77 @@ class Config:
         return self.tokenizer, self.tokenizer_revision
 
     def _validate(self):
-        if not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"k must be an integer >= 1, got {self.k!r}")
+        self._validate_models()
+        self._validate_speculation()
+        self._validate_sizes()
+        self._validate_times()
+        self._validate_placement()
+
+    def _validate_models(self):
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"model must be a folder or a Hugging Face id, got {self.model!r}")
         if self.uses_draft and not self.draft:
             raise ValueError(f"mode {self.mode.value!r} needs a draft model (draft=...)")
         if self.mode is Mode.NGRAM and self.draft:
             raise ValueError("mode 'ngram' proposes from each sequence's own tokens and takes no draft model: drop "
                              "draft=..., or choose mode 'sd' / 'ssd'")
+        if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
+            raise ValueError(f"draft must be a folder or a Hugging Face id, got {self.draft!r}")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer.strip()):
             raise ValueError(f"tokenizer must be a folder or a Hugging Face id, got {self.tokenizer!r}")
         for name in ("revision", "draft_revision", "tokenizer_revision"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise ValueError(f"{name} must be a branch, tag or commit of the Hub repository, got {value!r}")
-        if self.draft_executor is DraftExecutor.SPLIT and self.mode is not Mode.SSD:
-            raise ValueError(f"draft_executor 'split' splits SSD's draft (drafts here, trees in a child); mode is {self.mode.value!r}")
-        if self.draft_executor is DraftExecutor.THREAD and self.cluster is not None:
-            raise ValueError("draft_executor 'thread' is one-host only: on Ray the draft actors build the trees "
-                             "('process'), and 'split' also drafts beside the target")
-        if not 0.0 <= float(self.saguaro_c) <= 1.0:
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
+        check_dtype(self.dtype)
+
+    def _validate_speculation(self):
+        check_int("k", self.k, 1)
+        if not is_number(self.saguaro_c) or not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
-        if not isinstance(self.ngram_rounds, bool):
-            raise ValueError(f"ngram_rounds must be True or False, got {self.ngram_rounds!r}")
-        if self.jit_cohorts not in (1, 2) or isinstance(self.jit_cohorts, bool):
-            raise ValueError(f"jit_cohorts must be 1 (the batch whole) or 2 (two cohorts), got {self.jit_cohorts!r}")
-        if isinstance(self.proposal_top_k, bool) or not isinstance(self.proposal_top_k, int) or self.proposal_top_k < 0:
-            raise ValueError(f"proposal_top_k must be an integer >= 0 (0: off), got {self.proposal_top_k!r}")
-        lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
-            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got {lookup}")
-        if isinstance(self.fan_out, tuple):
-            if len(self.fan_out) != self.k + 1 or any((not isinstance(f, int)) or f < 1 for f in self.fan_out):
-                raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")
-        elif not isinstance(self.fan_out, int) or self.fan_out < self.k + 1:
-            raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
-        for flag in ("adaptive_fan_out", "enforce_eager", "enable_prefix_caching"):
+        for flag in ("ngram_rounds", "adaptive_fan_out", "enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
-        if not isinstance(self.draft_spin_s, (int, float)) or not 0.0 <= self.draft_spin_s <= 1.0:
+        if self.jit_cohorts not in (1, 2) or isinstance(self.jit_cohorts, bool):
+            raise ValueError(f"jit_cohorts must be 1 (the batch whole) or 2 (two cohorts), got {self.jit_cohorts!r}")
+        check_int("proposal_top_k", self.proposal_top_k, 0)
+        lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
+        if any(type(n) is not int for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got {lookup}")
+        if isinstance(self.fan_out, tuple):
+            if len(self.fan_out) != self.k + 1 or any(type(f) is not int or f < 1 for f in self.fan_out):
+                raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")
+        elif type(self.fan_out) is not int or self.fan_out < self.k + 1:
+            raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
+
+    def _validate_sizes(self):
+        for name in ("max_batch_size", "max_num_batched_tokens", "tensor_parallel_size", "num_draft_workers"):
+            check_int(name, getattr(self, name), 1)
+        for name in ("max_model_len", "target_threads", "draft_threads"):  # None: the model's own, torch's own
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 1)
+        check_memory_utilization(self.gpu_memory_utilization)
+
+    def _validate_times(self):
+        if not is_number(self.draft_spin_s) or not 0.0 <= self.draft_spin_s <= 1.0:
             raise ValueError(f"draft_spin_s must be a number of seconds in [0, 1], got {self.draft_spin_s!r}")
         check_seconds("tree_timeout_s", self.tree_timeout_s, zero_ok=True)  # 0: never wait for a late tree
         check_seconds("startup_timeout_s", self.startup_timeout_s, zero_ok=False)
         check_seconds("draft_deadline_s", self.draft_deadline_s, zero_ok=False)
         check_seconds("log_stats_interval_s", self.log_stats_interval_s, zero_ok=True)
-        for name in ("max_batch_size", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            if name == "max_model_len" and value is None:
-                continue  # the model's own context
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.tensor_parallel_size < 1 or self.num_draft_workers < 1:
-            raise ValueError("tensor_parallel_size and num_draft_workers must be >= 1")
-        if not isinstance(self.generation_config, str) or not self.generation_config:
-            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}")
-        check_memory_utilization(self.gpu_memory_utilization)
-        check_dtype(self.dtype)
+
+    def _validate_placement(self):
+        if self.draft_executor is DraftExecutor.SPLIT and self.mode is not Mode.SSD:
+            raise ValueError(f"draft_executor 'split' splits SSD's draft (drafts here, trees in a child); mode is {self.mode.value!r}")
+        if self.draft_executor is DraftExecutor.THREAD and self.cluster is not None:
+            raise ValueError("draft_executor 'thread' is one-host only: on Ray the draft actors build the trees "
+                             "('process'), and 'split' also drafts beside the target")
+        if self.cluster is not None and (not isinstance(self.cluster, str) or not self.cluster.strip()):
+            raise ValueError(f"cluster must be 'local', 'auto' or a Ray address such as 'ray://host:10001', got {self.cluster!r}")
+        for name in ("target_resources", "draft_resources"):
+            check_resources(name, getattr(self, name))
         check_device(self.device)
         if self.draft_device is not None:
             check_device(self.draft_device, "draft_device")

@@ -5,6 +5,8 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
+from saguaro_dist.config import is_number
+
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
 MAX_TOKEN_ID = 2 ** 31 - 1  # token ids (and top_k) travel as int32 on the draft protocol; every vocabulary is far smaller
@@ -139,11 +141,6 @@ def truncate_prompt(tokens: list[int], keep: int | None, max_model_len: int) -> 
         return tokens
     keep = max_model_len if keep == -1 else keep
     return tokens[-keep:]
-
-
-def is_number(value) -> bool:
-    """An int or a float (a bool is neither here: True is not a temperature)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_min_p(min_p: float) -> None:

@@ -1,7 +1,11 @@
 """Config / SamplingParams / serve-args validation at the edges: clear ValueErrors, nothing started."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from saguaro_dist import Config, FallbackPolicy, Mode, SamplingParams
 from saguaro_dist import DraftExecutor, FanOut
@@ -58,11 +62,35 @@ def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be"), (dict(max_model_len=0), "max_model_len must be an integer >= 1"),
     (dict(max_model_len=2.5), "max_model_len must be"), (dict(max_batch_size=2.5), "max_batch_size must be"),
     (dict(enforce_eager="yes"), "enforce_eager must be true or false"), (dict(draft_device="gpu"), "draft_device must be"),
+    (dict(k=True), "k must be"), (dict(saguaro_c="0.5"), "saguaro_c"), (dict(saguaro_c=None), "saguaro_c"),
+    (dict(tensor_parallel_size="2"), "tensor_parallel_size"), (dict(num_draft_workers=None), "num_draft_workers"),
+    (dict(target_threads=0), "target_threads"), (dict(draft_threads="1"), "draft_threads"),
+    (dict(cluster=3), "cluster must be"), (dict(cluster=""), "cluster must be"), (dict(model=""), "model must be"),
+    (dict(draft=["d"]), "draft must be"), (dict(target_resources=[1]), "target_resources"),
+    (dict(draft_resources={"draft": -1}), "draft_resources"), (dict(fan_out=[True] * 5), "k\\+1"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     settings = dict(model="m", draft="d") | kwargs
     with pytest.raises(ValueError, match=message):
         Config(**settings)
+
+
+ODD = st.booleans() | st.none() | st.text(max_size=3) | st.integers(-3, 5) | st.floats(allow_nan=True) | st.just([1, 2])
+
+
+@settings(max_examples=1000, deadline=None)
+@given(kwargs=st.fixed_dictionaries({}, optional={f.name: ODD | st.just({"a": 1}) for f in fields(Config) if f.name != "model"}))
+def test_any_config_arguments_are_refused_with_a_value_error_or_taken(kwargs):
+    """Property: whatever the arguments, a ValueError naming the field or a Config; never a TypeError from
+    a comparison deep inside (tensor_parallel_size="2" and saguaro_c=None raised those)."""
+    try:
+        Config(model="m", **({"draft": "d"} | kwargs))
+    except ValueError:
+        pass
+
+
+def test_a_path_is_a_folder_too(tmp_path):
+    assert Config(model=tmp_path, draft=tmp_path / "d").model == str(tmp_path)
 
 
 def test_config_parses_enums_and_lists():
