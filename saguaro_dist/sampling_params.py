@@ -9,7 +9,7 @@ from saguaro_dist.config import is_number
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
-MAX_TOKEN_ID = 2 ** 31 - 1  # token ids (and top_k) travel as int32 on the draft protocol; every vocabulary is far smaller
+MAX_TOP_K = 2 ** 31 - 1  # far past any vocabulary (a top_k past it keeps every token anyway)
 
 TokenBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, sorted by id
 
@@ -88,8 +88,8 @@ class SamplingParams:
         if self.top_k == -1 and type(self.top_k) is int:  # vLLM's other spelling of "off"
             object.__setattr__(self, "top_k", 0)
         # Bounded: the engine holds top_k in an int64 tensor, and a larger one failed the whole batch's step.
-        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOKEN_ID:
-            raise ValueError(f"top_k must be an integer in 0..{MAX_TOKEN_ID} (0 or -1 disables it), got {self.top_k!r}")
+        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"top_k must be an integer in 0..{MAX_TOP_K} (0 or -1 disables it), got {self.top_k!r}")
         if self.seed is not None and type(self.seed) is not int:
             raise ValueError(f"seed must be an integer (or None), got {self.seed!r}")
         check_min_p(self.min_p)
@@ -192,7 +192,7 @@ def allowed_tokens(ids: Iterable[int] | None) -> tuple[int, ...] | None:
     what = "a non-empty list of token ids (ints >= 0)"
     ids = as_tuple(ids, "allowed_token_ids", what)
     if not ids or not all(_token_id(t) for t in ids):
-        raise ValueError(f"allowed_token_ids must be a non-empty list of token ids (ints >= 0), got {ids!r}")
+        raise ValueError(f"allowed_token_ids must be {what}, got {ids!r}")
     return tuple(sorted(set(ids)))
 
 
