@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
@@ -163,6 +164,18 @@ def as_tuple(values, name: str, what: str) -> tuple:
     if isinstance(values, (str, bytes, Mapping)) or not isinstance(values, Iterable):
         raise ValueError(f"{name} must be {what}, got {values!r}")
     return tuple(values)
+
+
+def as_token_ids(prompt) -> list[int]:
+    """One prompt's token ids: a list, array or tensor of integers. Floats, bools and digit strings are
+    refused, not rounded or parsed (int() took 3.7 as 3 and "12" as 12)."""
+    items = as_tuple(prompt, "prompt_token_ids", "a list of prompts, each a list of token ids (for one prompt: [[...]])")
+    if any(isinstance(t, bool) for t in items):
+        raise ValueError(f"prompt_token_ids must hold integer token ids, got {list(items)!r}")
+    try:
+        return [operator.index(t) for t in items]  # ints, numpy ints, integer tensors
+    except TypeError:
+        raise ValueError(f"prompt_token_ids must hold integer token ids, got {list(items)!r}") from None
 
 
 def _token_id(t) -> bool:

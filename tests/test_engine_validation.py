@@ -30,12 +30,23 @@ def llm(tiny_llama_pair):
      "only end tokens"),
     (dict(prompt_token_ids=[[1]], priority=[1]), "scheduling_policy='priority'"),
     (dict(prompt_token_ids=[[1], [2]], priority=[0]), "one int per prompt"),
+    (dict(prompt_token_ids=[[1.7, 2]]), "integer token ids"), (dict(prompt_token_ids=[["12", 2]]), "integer token ids"),
+    (dict(prompt_token_ids=[[True, 2]]), "integer token ids"), (dict(prompt_token_ids=[1, 2]), "for one prompt"),
+    (dict(prompt_token_ids=5), "list of prompts"), (dict(prompts=5), "a string or a list of strings"),
 ])
 def test_bad_requests_are_rejected_up_front(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
         llm.generate(**kwargs)
     out = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(temperature=0, max_tokens=4))
     assert len(out[0].token_ids) == 4
+
+
+def test_prompt_token_ids_may_be_arrays_or_tensors_of_integers(llm):
+    import numpy as np
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    want = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=greedy)[0].token_ids
+    for prompt in (np.array([1, 2, 3]), torch.tensor([1, 2, 3]), (1, 2, 3)):
+        assert llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids == want
 
 
 def test_vocab_mismatch_between_target_and_draft(tiny_llama_pair, tmp_path):

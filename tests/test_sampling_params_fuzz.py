@@ -1,7 +1,7 @@
-"""Property test of the Python API's edge: any SamplingParams arguments are either refused with a
-ValueError or make a request that runs, on a real SSD engine, beside a plain greedy one whose tokens it
-leaves untouched. (A top_k past int64 was accepted and failed the whole batch's step: every request in
-flight got an EngineError.)"""
+"""Property tests of the Python API's edge: any SamplingParams arguments, and any prompt_token_ids, are
+either refused with a ValueError or make a request that runs, on a real SSD engine, beside a plain greedy
+one whose tokens it leaves untouched. (A top_k past int64 was accepted and failed the whole batch's step:
+every request in flight got an EngineError; a prompt of floats or digit strings was silently int()-ed.)"""
 from __future__ import annotations
 
 import pytest
@@ -50,3 +50,18 @@ def test_any_arguments_are_refused_or_run_beside_others_untouched(engine, kwargs
     except ValueError:
         outputs = [None] + llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False)
     assert outputs[1].token_ids == reference
+
+
+PROMPTS = st.lists(st.lists(IDS | ODD | st.floats(), max_size=4), max_size=2) | st.lists(IDS, max_size=4) | ODD
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(prompt_token_ids=PROMPTS)
+def test_any_prompt_token_ids_are_refused_or_run(engine, prompt_token_ids):
+    llm, reference = engine
+    try:
+        llm.generate(prompt_token_ids=prompt_token_ids, sampling_params=SamplingParams(max_tokens=2), use_tqdm=False)
+    except ValueError:
+        pass
+    assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False)[0].token_ids == reference

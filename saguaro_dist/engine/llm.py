@@ -19,7 +19,7 @@ from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.model.loader import load_generation_defaults
-from saguaro_dist.sampling_params import SamplingParams, check_against_model, truncate_prompt
+from saguaro_dist.sampling_params import SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
 log = logging.getLogger(__name__)
@@ -228,8 +228,10 @@ class LLM:
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if prompt_token_ids is not None:
-            return [None] * len(prompt_token_ids), [list(map(int, p)) for p in prompt_token_ids]
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+            what = "a list of prompts, each a list of token ids"
+            ids = [as_token_ids(p) for p in as_tuple(prompt_token_ids, "prompt_token_ids", what)]
+            return [None] * len(ids), ids
+        prompts = [prompts] if isinstance(prompts, str) else list(as_tuple(prompts, "prompts", "a string or a list of strings"))
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
         if any(not isinstance(p, str) or not p for p in prompts):
