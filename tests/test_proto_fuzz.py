@@ -1,12 +1,16 @@
 """Property tests of the protocol's edge: any protobuf message a peer could send, decoded, either gives a
 valid protocol message or raises CodecError (which the DraftService answers with INVALID_ARGUMENT), never
-another exception, and never allocates by what the message claims rather than what it carries.
+another exception, and never allocates by what the message claims rather than what it carries; and a
+real DraftService answers any of them with a status a peer can act on, and serves on.
 
 Messages are drawn from the .proto's own descriptors, every field (nested messages, repeated and map
 fields, open enums, NaN and infinite doubles, int64 extremes) set or left out at random, so a field
 added to the .proto is fuzzed without this file changing."""
 from __future__ import annotations
 
+import itertools
+
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -14,8 +18,12 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from saguaro_dist.config import Config
 from saguaro_dist.distributed import codec
-from saguaro_dist.distributed.proto import saguaro_pb2 as pb
+from saguaro_dist.distributed.draft_service import serve_draft
+from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
+from saguaro_dist.engine.build import build_draft_worker
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
 
 INT64 = st.one_of(st.integers(-2, 64), st.sampled_from([-(2 ** 63), 2 ** 63 - 1, 2 ** 31, -(2 ** 31)]))
 SCALARS = {
@@ -161,3 +169,53 @@ def test_a_huge_claimed_vocabulary_is_refused_not_allocated(vocab):
         probs=codec.tensor_to_proto(torch.zeros(0))))
     with pytest.raises(codec.CodecError, match="vocab_size"):
         codec.proposal_from_proto(msg, ndim=2)
+
+
+# ---- the DraftService, over real gRPC, hosting a real DraftWorker --------------------------------
+ANSWERABLE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION,
+              grpc.StatusCode.RESOURCE_EXHAUSTED}
+GREEDY = DraftSampling(0.0, 0, 1.0, None)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_checkpoint):
+    """A DraftService on loopback over the tiny draft, with sequences 0..3 prefilled and drafted once (the
+    random messages draw small ids, so some land on live sequences), and the stub's own ids from 1000 on."""
+    path = tiny_checkpoint("draft")
+    worker = build_draft_worker(Config(model=path, draft=path, mode="ssd", k=3, fan_out=6, enable_prefix_caching=False))
+    server, port = serve_draft(worker, "127.0.0.1", 0)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = saguaro_pb2_grpc.DraftServiceStub(channel)
+        for seq_id in range(4):
+            stub.Prefill(codec.prefill_batch_to_proto([PrefillRequest(seq_id, [5, 6, 7], GREEDY)]), timeout=10)
+            stub.JitDraft(codec.jit_batch_to_proto([JitDraftRequest(seq_id, 0, 0, 7)]), timeout=10)
+        yield stub, itertools.count(1000)
+    server.stop(None)
+
+
+def answered_or_refused(call) -> None:
+    """call() returns, or fails with a status a peer can act on: never INTERNAL or UNKNOWN (a crash)."""
+    try:
+        call()
+    except grpc.RpcError as err:
+        assert err.code() in ANSWERABLE, (err.code(), err.details())
+
+
+def drain(stub, requests: list) -> None:
+    for _ in stub.Speculate(iter(requests), timeout=30):
+        pass
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(prefills=messages(pb.PrefillBatch), jits=messages(pb.JitDraftBatch), releases=messages(pb.ReleaseBatch),
+       stream=st.lists(messages(pb.SpeculateRequest), max_size=3))
+def test_the_service_answers_any_message_with_a_status_and_serves_on(service, prefills, jits, releases, stream):
+    stub, ids = service
+    answered_or_refused(lambda: stub.Prefill(prefills, timeout=30))
+    answered_or_refused(lambda: stub.JitDraft(jits, timeout=30))
+    answered_or_refused(lambda: drain(stub, stream))
+    answered_or_refused(lambda: stub.Release(releases, timeout=30))
+    seq_id = next(ids)  # and a well-formed sequence still drafts
+    stub.Prefill(codec.prefill_batch_to_proto([PrefillRequest(seq_id, [5, 6, 7], GREEDY)]), timeout=30)
+    reply = stub.JitDraft(codec.jit_batch_to_proto([JitDraftRequest(seq_id, 0, 0, 7)]), timeout=30)
+    assert codec.proposal_batch_from_proto(reply)[0].tokens.shape == (3,)
