@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from saguaro_dist.spec.fallback import ngram_lookup
 from saguaro_dist.spec.lookup_pick import MIN_SCORED, Guess, LookupPicker, pick_lookup_rows, score
@@ -94,6 +96,16 @@ def brute_force_lookup(tokens, k, max_n, min_n):
 def test_ngram_lookup_matches_a_brute_force_search(tokens):
     assert ngram_lookup(tokens, 4) == brute_force_lookup(tokens, 4, 3, 1)
     assert ngram_lookup(tokens, 2, 2, 2) == brute_force_lookup(tokens, 2, 2, 2)
+
+
+@settings(max_examples=500, deadline=None)
+@given(tokens=st.lists(st.sampled_from([0, 1, 2, 256, 257, 65536, 65537, 2 ** 31 - 1, 2 ** 32]), max_size=24),
+       k=st.integers(1, 6), sizes=st.tuples(st.integers(1, 4), st.integers(0, 3)))
+def test_ngram_lookup_is_the_brute_force_search_on_any_text(tokens, k, sizes):
+    """Tokens whose bytes hold each other's (256 is 1 shifted a byte): rfind over the bytes finds such
+    unaligned matches too, and they must be skipped."""
+    min_n, max_n = sizes[0], sizes[0] + sizes[1]
+    assert ngram_lookup(tokens, k, max_n, min_n) == brute_force_lookup(tokens, k, max_n, min_n)
 
 
 def test_the_gate_counts_lookup_rows_apart():
