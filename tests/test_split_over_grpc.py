@@ -210,3 +210,43 @@ def test_a_worker_whose_trees_stay_late_is_marked_dead_and_taken_back(config):
         resume.set()
         split.close()
         server.stop(None)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_draft_peer_built_on_another_vocabulary_costs_misses_never_tokens(config, tmp_path, caplog, temperature):
+    """A draft actor started on another model (128 token ids against the target's 96): what it proposes
+    does not fit what the target verifies (ids past its vocabulary, a q over 128). Each such speculation is
+    refused (a miss, the fast backup, a fresh prefill), said once, and the output is still the target's;
+    it used to fail the engine step of every request in flight."""
+    from dataclasses import replace
+
+    from engine_helpers import assert_greedy_equal, hf_greedy, llama_config, save_model
+    from saguaro_dist.engine.build import eos_ids, make_runner
+    from saguaro_dist.engine.engine import Engine
+    from saguaro_dist.engine.sequence import Sequence
+    from saguaro_dist.sampling_params import SamplingParams
+    save_model(tmp_path / "other", llama_config(128, 32, 1), seed=9)
+    other = replace(config, draft=str(tmp_path / "other"))
+    server, port = serve_draft(build_draft_worker(other), "127.0.0.1", 0)
+    mine = replace(config, tree_policy="always", fallback="neural")
+    runner = make_runner(mine.model, mine)
+    pool = DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=10.0)], max_batch_size=4)  # as rank 0 holds it
+    engine = Engine(mine, runner, pool, None, eos_ids(runner, None))
+    params = SamplingParams(temperature=temperature, max_tokens=16, ignore_eos=True, seed=3)
+    seqs = [Sequence(i, str(i), prompt, params) for i, prompt in enumerate(PROMPTS[:2])]
+    try:
+        for s in seqs:
+            engine.add(s)
+        with caplog.at_level("ERROR", logger="saguaro_dist.engine.sd_loop"):
+            while engine.has_work():
+                engine.step()
+    finally:
+        engine.close()
+        server.stop(None)
+    assert all(len(s.output_token_ids) == 16 and max(s.output_token_ids) < 96 for s in seqs)
+    assert sum("another model or config" in r.message for r in caplog.records) == 1  # said once, not every round
+    if temperature == 0:
+        from transformers import LlamaForCausalLM
+        model = LlamaForCausalLM.from_pretrained(config.model)
+        for s in seqs:
+            assert_greedy_equal(s.output_token_ids, hf_greedy(model, s.prompt_token_ids, 16), s.prompt_token_ids, model)

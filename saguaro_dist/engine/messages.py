@@ -68,6 +68,15 @@ class Proposal:
     probs: torch.Tensor | None  # [K, V] float32; None means one-hot on `tokens` (greedy, n-gram)
 
 
+def proposal_fits(p: Proposal, k: int, vocab_size: int) -> bool:
+    """Whether a speculation from the draft side is one the target can verify: K token ids inside its
+    vocabulary, and q, if any, [K, V]. A draft built with another K or vocabulary (a mismatched peer)
+    would otherwise fail the target's whole step."""
+    tokens = p.tokens.tolist()
+    return (len(tokens) == k and all(0 <= t < vocab_size for t in tokens)
+            and (p.probs is None or tuple(p.probs.shape) == (k, vocab_size)))
+
+
 @dataclass
 class PrefillRequest:
     seq_id: int

@@ -15,13 +15,16 @@ from saguaro_dist.config import Config, FallbackPolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
 from saguaro_dist.engine.draftless import ARLoop, lookup_proposal, verify_speculations
-from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache
+from saguaro_dist.engine.messages import (
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, proposal_fits,
+)
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.spec import ProposalSource, random_proposal
 
 log = logging.getLogger(__name__)
+UNFIT_WARN_EVERY_S = 60.0
 
 
 class SDLoop(ARLoop):
@@ -34,6 +37,7 @@ class SDLoop(ARLoop):
         # past it (K accepted and the bonus), then K draft tokens more, inside the draft's context.
         self._draft_room = draft.max_model_len - 2 * (config.k + 1)
         self._drafted_this_round = False
+        self._unfit_warned_at = -UNFIT_WARN_EVERY_S
 
     def admit(self, seqs):
         """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
@@ -121,14 +125,14 @@ class SDLoop(ARLoop):
             return outcomes
         start = time.perf_counter()
         try:
-            self._adopt(asked.live, dict(zip((r.seq_id for r in asked.reqs), asked.pending.result())))
-            return outcomes
+            unfit = self._adopt(asked.live, dict(zip((r.seq_id for r in asked.reqs), asked.pending.result())))
+            return outcomes + self._fast(unfit, fast_kind)
         except DraftUnavailable as err:  # a dead draft worker costs speed, never tokens
             log.warning("draft unavailable (%s): fast backup for %d sequences", err, len(err.seq_ids))
             for s in asked.live:
                 s.draft_lost = s.seq_id in err.seq_ids
-            self._adopt(asked.live, err.partial)
-            return outcomes + self._fast([s for s in asked.live if s.seq_id not in err.partial], fast_kind)
+            unfit = self._adopt(asked.live, err.partial)
+            return outcomes + self._fast([s for s in asked.live if s.seq_id not in err.partial] + unfit, fast_kind)
         except (OutOfOrder, UnknownSequence) as err:  # the draft lost track of them (a lost message): restart them
             log.warning("draft out of step (%s): fast backup, then a fresh prefill, for %d sequences", err, len(asked.live))
             for s in asked.live:
@@ -184,10 +188,32 @@ class SDLoop(ARLoop):
         """A just-in-time draft follows the real outcome: the first speculation is round 0, then one a round."""
         return s.round + 1 if s.speculation is not None else 0
 
-    def _adopt(self, seqs: list[Sequence], proposals: dict) -> None:
+    def _adopt(self, seqs: list[Sequence], proposals: dict) -> list[Sequence]:
+        """Take the drafts that fit (proposal_fits); returns those that do not, to be drafted afresh (their
+        draft worker is taken for lost: a fresh prefill on it, the fast backup meanwhile)."""
+        unfit = []
         for s in seqs:
-            if s.seq_id in proposals:
-                s.round, s.speculation, s.speculation_kind = self._next_round(s), proposals[s.seq_id], ProposalSource.NEURAL
+            if s.seq_id not in proposals:
+                continue
+            if not self._fits(proposals[s.seq_id]):
+                s.draft_lost = True
+                unfit.append(s)
+                continue
+            s.round, s.speculation, s.speculation_kind = self._next_round(s), proposals[s.seq_id], ProposalSource.NEURAL
+        return unfit
+
+    def _fits(self, proposal: Proposal) -> bool:
+        """proposal_fits, said at most once a minute when it does not (a mismatched draft says it every round)."""
+        if proposal_fits(proposal, self.config.k, self.target.vocab_size):
+            return True
+        now = time.monotonic()
+        if now - self._unfit_warned_at >= UNFIT_WARN_EVERY_S:
+            self._unfit_warned_at = now
+            log.error("the draft side sent a speculation of shape %s (q %s) for K = %d over a %d-token vocabulary: "
+                      "a miss, never a token; is a draft worker built with another model or config?",
+                      list(proposal.tokens.shape), None if proposal.probs is None else list(proposal.probs.shape),
+                      self.config.k, self.target.vocab_size)
+        return False
 
     def _fast(self, seqs: list[Sequence], kind: FallbackPolicy) -> list[Outcome]:
         """The fast backup's proposals; the outcomes tell the draft side what is verified next."""

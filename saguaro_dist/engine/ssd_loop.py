@@ -247,7 +247,7 @@ class SSDLoop(SDLoop):
         outcomes, misses = [], []
         for s in seqs:
             branch = self.cache.lookup(s.seq_id, s.round, *s.last_outcome)
-            if branch is None:
+            if branch is None or not self._fits(branch):
                 misses.append(s)
                 continue
             s.metrics.cache_hits += 1
