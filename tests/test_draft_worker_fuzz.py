@@ -87,3 +87,22 @@ def same(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     return a == b
+
+
+@pytest.mark.parametrize("name, make", [
+    ("jit_draft", lambda sid, r: JitDraftRequest(sid, r + 1, 0, VOCAB)),              # bonus past the vocabulary
+    ("jit_draft", lambda sid, r: JitDraftRequest(sid, r + 1, K + 1, 5)),              # more accepted than speculated
+    ("observe", lambda sid, r: Outcome(sid, r, 0, 5, [1] * (K - 1))),                 # a speculation not K long
+    ("observe", lambda sid, r: Outcome(sid, r, 0, 5, [1] * (K - 1) + [VOCAB + 3])),   # an id past the vocabulary
+    ("prefill", lambda sid, r: PrefillRequest(sid, [5, VOCAB], GREEDY)),              # a prompt past it
+])
+def test_each_refusal_the_property_test_found_loses_nothing(twins, name, make):
+    """The property test's finds, pinned: each was accepted in part before, and the sequence was lost."""
+    fuzzed, reference, ids = twins
+    seq_id = next(ids)
+    for worker in (fuzzed, reference):
+        worker.prefill([PrefillRequest(seq_id, [5, 6, 7], GREEDY)])
+    assert next_draft(fuzzed, seq_id, 9) == next_draft(reference, seq_id, 9)
+    with pytest.raises(REFUSALS):
+        call(fuzzed, name, make(seq_id, fuzzed.seqs[seq_id].round))
+    assert next_draft(fuzzed, seq_id, 9) == next_draft(reference, seq_id, 9)
