@@ -6,7 +6,7 @@ import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 
-from saguaro_dist.config import is_number
+from saguaro_dist.config import check_int, is_number
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
@@ -77,8 +77,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids"))
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)}")
-        if type(self.max_tokens) is not int or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        check_int("max_tokens", self.max_tokens, 1)
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         # A NaN temperature passed `< 0` and sampled garbage; an infinite one is not a temperature either.

@@ -20,6 +20,7 @@ from saguaro_dist.engine.messages import (
 )
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.stats_log import Throttle
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.spec import ProposalSource, random_proposal
 
@@ -37,7 +38,7 @@ class SDLoop(ARLoop):
         # past it (K accepted and the bonus), then K draft tokens more, inside the draft's context.
         self._draft_room = draft.max_model_len - 2 * (config.k + 1)
         self._drafted_this_round = False
-        self._unfit_warned_at = -UNFIT_WARN_EVERY_S
+        self._unfit_warning = Throttle(UNFIT_WARN_EVERY_S)
 
     def admit(self, seqs):
         """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
@@ -206,9 +207,7 @@ class SDLoop(ARLoop):
         """proposal_fits, said at most once a minute when it does not (a mismatched draft says it every round)."""
         if proposal_fits(proposal, self.config.k, self.target.vocab_size):
             return True
-        now = time.monotonic()
-        if now - self._unfit_warned_at >= UNFIT_WARN_EVERY_S:
-            self._unfit_warned_at = now
+        if self._unfit_warning.due():
             log.error("the draft side sent a speculation of shape %s (q %s) for K = %d over a %d-token vocabulary: "
                       "a miss, never a token; is a draft worker built with another model or config?",
                       list(proposal.tokens.shape), None if proposal.probs is None else list(proposal.probs.shape),

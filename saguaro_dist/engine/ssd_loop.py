@@ -15,6 +15,7 @@ from saguaro_dist.engine.messages import Outcome, Proposal
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sd_loop import AskedDrafts, SDLoop
 from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.stats_log import Throttle
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.cuda_graphs import graph_captures
 from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback
@@ -47,7 +48,7 @@ class SSDLoop(SDLoop):
         self._cohorts: tuple[list[Sequence], list[Sequence], AskedDrafts] | None = None  # first, second, the second's drafts
         self._in_flight: AskedDrafts | None = None  # the last round's first cohort's drafts, asked beside the second's verify
         self._fallback_choices = 0  # automatic fallback choices made (explore_fallback)
-        self._late_warned_at = -LATE_TREE_WARN_EVERY_S
+        self._late_warning = Throttle(LATE_TREE_WARN_EVERY_S)
 
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round = time.perf_counter(), False
@@ -265,9 +266,7 @@ class SSDLoop(SDLoop):
         """Trees that outlasted tree_timeout_s: a miss each, never a wrong token, but a round that waited the
         whole timeout; said at most once a minute, as a stalled or overloaded draft side causes it."""
         self.metrics.late_trees += late
-        now = time.monotonic()
-        if now - self._late_warned_at >= LATE_TREE_WARN_EVERY_S:
-            self._late_warned_at = now
+        if self._late_warning.due():
             log.warning("%d speculation tree(s) did not arrive within tree_timeout_s = %.1f s (%d so far): those "
                         "sequences fell back; is the draft side stalled or overloaded?", late,
                         self.config.tree_timeout_s, self.metrics.late_trees)

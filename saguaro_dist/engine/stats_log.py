@@ -10,6 +10,21 @@ from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 log = logging.getLogger("saguaro_dist.engine.stats")
 
 
+class Throttle:
+    """due() at most once every `every_s` (the first call always): a warning a broken peer or a stalled
+    draft side would otherwise repeat every round."""
+
+    def __init__(self, every_s: float):
+        self.every_s, self._last = every_s, -float("inf")
+
+    def due(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        return True
+
+
 def _ratio(part: float, whole: float) -> float:
     return part / whole if whole else 0.0
 
