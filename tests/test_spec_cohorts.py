@@ -1,7 +1,7 @@
 """The cohort gate: both ways tried, then the one with the shorter round, the other re-tried now and then."""
 import pytest
 
-from saguaro_dist.spec.cohorts import MAX_STRETCH, RETRY_EVERY, TRY_ROUNDS, CohortGate
+from saguaro_dist.spec.cohorts import FIRST_RETRY, MAX_STRETCH, RETRY_EVERY, TRY_ROUNDS, CohortGate
 
 
 def drive(gate: CohortGate, rounds: int, seconds: dict[bool, float], batch: int = 4) -> list[bool]:
@@ -17,7 +17,7 @@ def drive(gate: CohortGate, rounds: int, seconds: dict[bool, float], batch: int 
 def test_tries_both_then_keeps_the_faster(cohorts_faster):
     gate = CohortGate()
     fast, slow = 0.010, 0.015
-    ways = drive(gate, RETRY_EVERY - 1, {cohorts_faster: fast, not cohorts_faster: slow})
+    ways = drive(gate, TRY_ROUNDS + FIRST_RETRY, {cohorts_faster: fast, not cohorts_faster: slow})
     assert ways[:TRY_ROUNDS] == [True] * TRY_ROUNDS and ways[TRY_ROUNDS:2 * TRY_ROUNDS] == [False] * TRY_ROUNDS
     assert set(ways[2 * TRY_ROUNDS:]) == {cohorts_faster}
     means = gate.means(4)
@@ -36,9 +36,32 @@ def test_retries_the_slower_way_and_follows_a_change():
                                                 (0.020, MAX_STRETCH * RETRY_EVERY)])
 def test_a_slower_way_far_behind_is_retried_less_often(whole_s, interval):
     gate = CohortGate()
-    ways = drive(gate, 2 * TRY_ROUNDS + 3 * MAX_STRETCH * RETRY_EVERY, {True: 0.010, False: whole_s})
-    retries = [i for i in range(2 * TRY_ROUNDS + 1, len(ways)) if not ways[i] and ways[i - 1]]
-    assert retries and all(b - a == pytest.approx(interval, abs=TRY_ROUNDS + 1) for a, b in zip(retries, retries[1:]))
+    ways = drive(gate, 2 * TRY_ROUNDS + 6 * MAX_STRETCH * RETRY_EVERY, {True: 0.010, False: whole_s})
+    retries = retry_starts(ways)[3:]  # past the doubling: FIRST_RETRY, 2x, 4x, then RETRY_EVERY
+    assert len(retries) > 2 and all(b - a == pytest.approx(interval, abs=TRY_ROUNDS + 1) for a, b in zip(retries, retries[1:]))
+
+
+def retry_starts(ways: list[bool]) -> list[int]:
+    """The rounds at which whole rounds were re-tried after cohorts had been chosen."""
+    return [i for i in range(2 * TRY_ROUNDS + 1, len(ways)) if not ways[i] and ways[i - 1]]
+
+
+def test_the_first_retries_come_soon_then_twice_as_far_apart_each():
+    gate = CohortGate()
+    ways = drive(gate, 2 * TRY_ROUNDS + 2 * RETRY_EVERY + 4 * FIRST_RETRY, {True: 0.010, False: 0.0105})
+    starts = retry_starts(ways)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert starts[0] - TRY_ROUNDS == pytest.approx(FIRST_RETRY, abs=1)  # from the start of whole's first try
+    assert gaps[:3] == pytest.approx([2 * FIRST_RETRY, 4 * FIRST_RETRY, RETRY_EVERY], abs=TRY_ROUNDS + 1)
+
+
+def test_an_early_fluke_is_undone_at_the_first_retry():
+    """Cohort rounds measured during a stall lose the first choice; the first re-try, FIRST_RETRY rounds
+    later, finds them faster and keeps them (it used to take RETRY_EVERY rounds)."""
+    gate = CohortGate()
+    drive(gate, TRY_ROUNDS, {True: 0.030, False: 0.0})  # the stall
+    ways = drive(gate, FIRST_RETRY + 3 * TRY_ROUNDS, {True: 0.010, False: 0.013})
+    assert ways[:FIRST_RETRY] == [False] * FIRST_RETRY and all(ways[FIRST_RETRY:])
 
 
 def test_the_first_round_of_a_switch_is_not_measured():

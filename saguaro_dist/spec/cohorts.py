@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from saguaro_dist.spec.tree_gate import CLIP_AFTER, CLOSE_GAP, DecayedMean, relative_gap
 
 TRY_ROUNDS = 6        # rounds each way when it is (re-)tried; the first, a transition, is not measured
-RETRY_EVERY = 128     # rounds at one batch size between re-tries of the slower way, while the two are close;
+FIRST_RETRY = 16      # rounds to the first re-try of the slower way; each later one waits twice as long ...
+RETRY_EVERY = 128     # ... up to this many rounds at one batch size, while the two are close;
 MAX_STRETCH = 4       # up to 4x less often the further behind it is (a re-try costs in proportion to the gap)
 SECONDS_DECAY = 0.9   # a way's round time follows its last ~10 rounds
 
@@ -29,6 +30,7 @@ class _BatchChoice:
     fresh: bool = True          # the current round is the first of its way (a transition)
     rounds: int = 0             # rounds at this batch size so far
     retried_at: int = 0
+    retries: int = 0            # re-tries of the slower way so far
     seconds: dict = field(default_factory=lambda: {w: DecayedMean(SECONDS_DECAY) for w in (True, False)})
 
     def next_round(self) -> bool:
@@ -39,10 +41,10 @@ class _BatchChoice:
             self.left -= 1
             return self.cohorts
         faster = self._faster()
-        if faster is None:
-            way = not self.cohorts
+        if faster is None:  # the other way's first try: re-tries count from its start
+            way, self.retried_at = not self.cohorts, self.rounds
         elif self.rounds - self.retried_at >= self._retry_interval():
-            way, self.retried_at = not faster, self.rounds
+            way, self.retried_at, self.retries = not faster, self.rounds, self.retries + 1
         else:
             way = faster
         if way is not self.cohorts:
@@ -58,9 +60,15 @@ class _BatchChoice:
         self.seconds[cohorts].add_round(seconds, self.rounds)
 
     def _retry_interval(self) -> float:
-        """RETRY_EVERY x (gap / CLOSE_GAP)^2, between 1x and MAX_STRETCH x: noise rarely closes a wide gap."""
+        """FIRST_RETRY rounds, doubling with each re-try up to RETRY_EVERY, times (gap / CLOSE_GAP)^2 between
+        1 and MAX_STRETCH (noise rarely closes a wide gap) but at most the re-tries so far (a wide gap
+        seen once may be a fluke). The first choice rests on five rounds a way: one stall among them (the
+        draft catching up after a prefill, another process) used to hold the wrong way for RETRY_EVERY
+        rounds or more, a whole short run (b = 8, T = 0.7, session 54: ssd 0.95x sd in the one run of
+        nine whose timed passes ran no cohort round). Early re-tries cost little while the gap is small."""
         gap = relative_gap(self.seconds[True].mean, self.seconds[False].mean)
-        return RETRY_EVERY * min(MAX_STRETCH, max(1.0, (gap / CLOSE_GAP) ** 2))
+        stretch = min(MAX_STRETCH, max(1, self.retries), max(1.0, (gap / CLOSE_GAP) ** 2))
+        return min(RETRY_EVERY, FIRST_RETRY << min(self.retries, 16)) * stretch
 
     def _faster(self) -> bool | None:
         """Whether cohorts run the shorter round; None while either way has fewer than CLIP_AFTER rounds."""
