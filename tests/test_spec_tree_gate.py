@@ -2,7 +2,7 @@
 import pytest
 
 from saguaro_dist.spec.tree_gate import (
-    BURST, EXPLORE_EVERY, MAX_STRETCH, RETRY_BURST, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, choose_mode, explore_interval,
+    BURST, EXPLORE_EVERY, INHERIT_LEAD, MAX_STRETCH, RETRY_BURST, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, choose_mode, explore_interval,
 )
 
 TREES, JIT, FAST = RoundMode.TREES, RoundMode.JUST_IN_TIME, RoundMode.FAST
@@ -103,14 +103,36 @@ def test_a_batch_size_above_one_where_trees_clearly_lost_starts_just_in_time():
     assert modes[:EXPLORE_EVERY - 1] == [JIT] * (EXPLORE_EVERY - 1)  # no tree burst up front
     assert TREES in modes[EXPLORE_EVERY - 1:]                        # but trees are still tried, on schedule
     assert gate.rates(8)["trees"] is not None
-    assert drive(gate, 1, {TREES: 10, JIT: 30}, batch=1) == [TREES]  # smaller batch sizes: no prior
+    # A smaller batch size starts with the nearest's winner too, but trees, which may win there, soon follow.
+    modes = drive(gate, INHERIT_LEAD + BURST, {TREES: 10, JIT: 30}, batch=1)
+    assert modes == [JIT] * INHERIT_LEAD + [TREES] * BURST
 
 
 @pytest.mark.parametrize("below", [{TREES: 30, JIT: 10}, {TREES: 19, JIT: 20}])
-def test_no_prior_when_trees_won_or_were_close_below(below):
+def test_trees_are_not_deferred_long_where_they_won_or_were_close_below(below):
     gate = TreeGate()
     drive(gate, 3 * BURST, below, batch=2)
-    assert drive(gate, BURST, {TREES: 10, JIT: 30}, batch=8) == [TREES] * BURST
+    winner = max(below, key=below.get)
+    other = JIT if winner is TREES else TREES
+    modes = drive(gate, INHERIT_LEAD + BURST, {TREES: 10, JIT: 30}, batch=8)
+    assert modes == [winner] * INHERIT_LEAD + [other] * BURST
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_shrinking_batch_keeps_the_mode_that_won_above_it(sampled):
+    """A batch's sequences end a few rounds apart, so it meets b = 7, 6, ..., 1 for a few rounds each: every
+    new size runs the mode that won at the size before, with no burst of the others."""
+    gate = TreeGate(THREE)
+    speeds = {TREES: 10, JIT: 30, FAST: 20}
+    for _ in range(4 * BURST):
+        mode = gate.mode(8, sampled)
+        gate.record(8, mode, RoundYield(8, 10), seconds=10 / speeds[mode], sampled=sampled)
+    tail = []
+    for batch in range(7, 0, -1):
+        for _ in range(INHERIT_LEAD // 3):
+            tail.append(gate.mode(batch, sampled))
+            gate.record(batch, tail[-1], RoundYield(batch, 10), seconds=10 / speeds[tail[-1]], sampled=sampled)
+    assert tail == [JIT] * len(tail)
 
 
 def test_one_stall_of_the_box_does_not_lose_the_faster_mode():
@@ -200,18 +222,18 @@ def test_deferred_trees_wait_while_the_modes_without_trees_are_measured():
     gate = TreeGate(THREE)
     drive_three(gate, 4 * BURST, {TREES: 10, JIT: 30, FAST: 29}, batch=2)  # trees lost at b = 2 by far
     modes = drive_three(gate, EXPLORE_EVERY + BURST, {TREES: 10, JIT: 30, FAST: 29}, batch=8)
-    assert modes[:2 * BURST] == [JIT] * BURST + [FAST] * BURST  # no tree burst up front
+    assert modes[:INHERIT_LEAD + BURST] == [JIT] * INHERIT_LEAD + [FAST] * BURST  # no tree burst up front
     assert TREES in modes[EXPLORE_EVERY - 1:]                    # but trees are still tried, on schedule
 
 
 def test_a_mode_without_trees_that_lost_to_another_waits_at_the_next_batch_size_either_side():
     """A batch shrinking as its sequences end meets b = 7, 6, ... after b = 8: the proposals that lost there
     (n-gram or the draft's: the text decides, not the batch) wait for the schedule; trees, which may win at
-    a smaller batch, are still measured up front."""
+    a smaller batch, are measured after the winner's INHERIT_LEAD rounds."""
     gate = TreeGate(THREE)
     drive_three(gate, 3 * BURST, {TREES: 20, JIT: 15, FAST: 30}, batch=8)
     modes = drive_three(gate, EXPLORE_EVERY + 4 * BURST, {TREES: 20, JIT: 15, FAST: 30}, batch=7)
-    assert modes[:2 * BURST] == [TREES] * BURST + [FAST] * BURST
+    assert modes[:INHERIT_LEAD + BURST] == [FAST] * INHERIT_LEAD + [TREES] * BURST
     assert JIT not in modes[:EXPLORE_EVERY - 1] and JIT in modes  # tried on the schedule, once
     assert gate.rates(7)["just_in_time"] is not None
 

@@ -23,6 +23,8 @@ TRANSITION_ROUNDS = 2  # a mode's first round is partly the last one's; its seco
                        # from the third on, a just-in-time round 4.9 against 4.4 (session 42)
 RETRY_BURST = 5       # rounds of a re-try of a mode that was far behind (more than 2 x CLOSE_GAP)
 EXPLORE_EVERY = 96    # rounds at one batch size between re-tries of the slower mode, while the two are close
+INHERIT_LEAD = 16     # rounds a new batch size runs the mode that won at the nearest measured one before it
+                      # tries the others: longer than a shrinking batch's stay at one size (1-6 rounds, b = 8)
 CLOSE_GAP = 0.1       # modes within 10% are close; a slower one g behind is re-tried (g / CLOSE_GAP)^2 ...
 MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good)
 SECONDS_DECAY = 0.9   # per round at the batch size: a mode's round time follows its last ~10 rounds, and a
@@ -174,7 +176,7 @@ class _BatchGate:
     fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
     lookup_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per lookup row
     lookup_share: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
-    deferred: frozenset = frozenset()  # modes first tried at the exploration schedule, not up front (TreeGate._new_gate)
+    deferred: dict = field(default_factory=dict)  # mode -> rounds at this size before it is first tried (TreeGate._new_gate)
     last_run: dict = field(default_factory=dict)  # mode -> the last round it ran (which slower mode to re-try)
 
     def __post_init__(self):
@@ -233,10 +235,14 @@ class _BatchGate:
 
     def _candidates(self) -> dict:
         """mode -> rate (None: unmeasured) of the modes this choice may take: all but the deferred ones not
-        yet measured, before the exploration schedule."""
+        yet measured, before their rounds."""
         rates = {m: self.rate(m) for m in self.modes}
-        waiting = self.since_explore < EXPLORE_EVERY
-        return {m: r for m, r in rates.items() if not (waiting and r is None and m in self.deferred)}
+        return {m: r for m, r in rates.items() if not (r is None and self.rounds <= self.deferred.get(m, 0))}
+
+    def best_mode(self) -> RoundMode | None:
+        """The measured mode of the highest rate; None before any was measured."""
+        rates = {m: r for m in self.modes if (r := self.rate(m)) is not None}
+        return max(rates, key=rates.get) if rates else None
 
     def record(self, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         if mode is not self.mode:
@@ -273,27 +279,43 @@ class TreeGate:
         return gate.next_round()
 
     def _new_gate(self, batch_size: int, sampled: bool) -> _BatchGate:
-        """What the batch sizes measured before (of the same kind, sampled or greedy) say of this one: those
-        modes wait for the exploration schedule instead of costing a burst up front (the first modes not
-        deferred start). Trees, when they clearly lost at the nearest smaller measured batch size: a tree's
+        """What the batch sizes measured before (of the same kind, sampled or greedy) say of this one. The
+        mode that won at the nearest of them starts and keeps INHERIT_LEAD rounds before the others are
+        tried: a batch shrinking as its sequences end meets b - 1, b - 2, ... for a few rounds each, and a
+        burst of each mode at each size used to cost more than those rounds gained (b = 8, T = 0.7: trees,
+        first at every new size, ran 28 ms rounds against 17 of the cohorts that won at b = 8, and the tree
+        side's catch-up after 30 rounds without trees took 60-80 ms more; a third of a pass's time went to
+        its tail). Modes that clearly lost nearby wait longer (_clear_losers)."""
+        gates = {b: g for (kind, b), g in self._gates.items() if kind == sampled}
+        losers = self._clear_losers(gates, batch_size)
+        deferred = dict.fromkeys(losers, EXPLORE_EVERY)
+        near = sorted(gates, key=lambda b: (abs(b - batch_size), b))
+        inherited = next((m for b in near if (m := gates[b].best_mode()) is not None), None)
+        if inherited is None or inherited in losers:
+            start = next(m for m in self.modes if m not in losers)
+        else:
+            start = inherited
+            deferred.update({m: INHERIT_LEAD for m in self.modes if m not in losers and m is not inherited})
+        return _BatchGate(batch_size, mode=start, modes=self.modes, deferred=deferred)
+
+    def _clear_losers(self, gates: dict[int, _BatchGate], batch_size: int) -> set[RoundMode]:
+        """The modes that wait for the exploration schedule at a new batch size instead of costing a burst
+        up front. Trees, when they clearly lost at the nearest smaller measured batch size: a tree's
         draft work grows with the batch faster than a verify's (b x B branch rows a step against b x (K + 1)
         rows scored over the same weights), so trees that lost at b' lose at b > b' too (Saguaro's critical
         batch size). A mode without trees, when it clearly lost to another without trees at the nearest
         measured batch size, either side: which of the draft's and n-gram proposals gains more is the
-        text's doing, not the batch's (and a batch that shrinks as its sequences end meets every size below
-        it, each measured anew)."""
-        gates = {b: g for (kind, b), g in self._gates.items() if kind == sampled}
-        deferred = set()
+        text's doing, not the batch's."""
+        losers = set()
         leads = {b: g.lead_over_trees() for b, g in gates.items() if b < batch_size}
         measured = [b for b, lead in leads.items() if lead is not None]
         if measured and leads[max(measured)] > CLOSE_GAP:
-            deferred.add(RoundMode.TREES)
+            losers.add(RoundMode.TREES)
         near = sorted(gates, key=lambda b: (abs(b - batch_size), b))
         compared = [b for b in near if len(gates[b].untreed_rates()) >= 2]
         if compared:
-            deferred |= gates[compared[0]].untreed_losers()
-        start = next(m for m in self.modes if m not in deferred)
-        return _BatchGate(batch_size, mode=start, modes=self.modes, deferred=frozenset(deferred))
+            losers |= gates[compared[0]].untreed_losers()
+        return losers
 
     def record(self, batch_size: int, mode: RoundMode, gained: RoundYield, seconds: float, sampled: bool = False) -> None:
         """A finished round of `mode` at `batch_size`: `gained` in `seconds` (prepare + verify)."""
