@@ -1,7 +1,7 @@
 """The cohort gate: both ways tried, then the one with the shorter round, the other re-tried now and then."""
 import pytest
 
-from saguaro_dist.spec.cohorts import FIRST_RETRY, MAX_STRETCH, RETRY_EVERY, TRY_ROUNDS, CohortGate
+from saguaro_dist.spec.cohorts import FIRST_RETRY, INHERIT_LEAD, MAX_STRETCH, RETRY_EVERY, TRY_ROUNDS, CohortGate
 
 
 def drive(gate: CohortGate, rounds: int, seconds: dict[bool, float], batch: int = 4) -> list[bool]:
@@ -75,3 +75,15 @@ def test_batch_sizes_choose_apart():
     gate = CohortGate()
     drive(gate, 3 * TRY_ROUNDS, {True: 0.010, False: 0.015}, batch=4)
     assert gate.means(2) == {"cohorts": None, "whole": None}
+
+
+@pytest.mark.parametrize("cohorts_faster", [True, False])
+def test_a_new_batch_size_starts_with_the_way_faster_at_the_nearest(cohorts_faster):
+    """A shrinking batch meets b = 3, 2 after 4 for a few rounds each: they keep the way that won at 4, and
+    try the other only after INHERIT_LEAD rounds."""
+    seconds = {cohorts_faster: 0.010, not cohorts_faster: 0.015}
+    gate = CohortGate()
+    drive(gate, 3 * TRY_ROUNDS, seconds, batch=4)
+    assert drive(gate, INHERIT_LEAD, seconds, batch=3) == [cohorts_faster] * INHERIT_LEAD
+    assert drive(gate, 1, seconds, batch=3) == [not cohorts_faster]
+    assert drive(gate, INHERIT_LEAD, seconds, batch=2) == [cohorts_faster] * INHERIT_LEAD

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from saguaro_dist.spec.tree_gate import CLIP_AFTER, CLOSE_GAP, DecayedMean, relative_gap
+from saguaro_dist.spec.tree_gate import CLIP_AFTER, CLOSE_GAP, INHERIT_LEAD, DecayedMean, relative_gap
 
 TRY_ROUNDS = 6        # rounds each way when it is (re-)tried; the first, a transition, is not measured
 FIRST_RETRY = 16      # rounds to the first re-try of the slower way; each later one waits twice as long ...
@@ -87,8 +87,16 @@ class CohortGate:
     def split(self, batch_size: int) -> bool:
         choice = self._choices.get(batch_size)
         if choice is None:
-            choice = self._choices[batch_size] = _BatchChoice()
+            choice = self._choices[batch_size] = self._new_choice(batch_size)
         return choice.next_round()
+
+    def _new_choice(self, batch_size: int) -> _BatchChoice:
+        """The way that was faster at the nearest batch size measured both ways starts, and keeps
+        INHERIT_LEAD rounds before the other is tried: a shrinking batch meets each size for a few rounds
+        only (spec/tree_gate.py, TreeGate._new_gate). Cohorts first where nothing was measured."""
+        near = sorted(self._choices, key=lambda b: (abs(b - batch_size), b))
+        faster = next((f for b in near if (f := self._choices[b]._faster()) is not None), None)
+        return _BatchChoice() if faster is None else _BatchChoice(cohorts=faster, left=INHERIT_LEAD)
 
     def record(self, batch_size: int, cohorts: bool, seconds: float) -> None:
         """A finished round without a tree at `batch_size`, verified as two cohorts or not, in `seconds`."""
