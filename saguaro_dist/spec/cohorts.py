@@ -40,7 +40,7 @@ class _BatchChoice:
         if self.left > 0:
             self.left -= 1
             return self.cohorts
-        faster = self._faster()
+        faster = self.faster()
         if faster is None:  # the other way's first try: re-tries count from its start
             way, self.retried_at = not self.cohorts, self.rounds
         elif self.rounds - self.retried_at >= self._retry_interval():
@@ -70,7 +70,7 @@ class _BatchChoice:
         stretch = min(MAX_STRETCH, max(1, self.retries), max(1.0, (gap / CLOSE_GAP) ** 2))
         return min(RETRY_EVERY, FIRST_RETRY << min(self.retries, 16)) * stretch
 
-    def _faster(self) -> bool | None:
+    def faster(self) -> bool | None:
         """Whether cohorts run the shorter round; None while either way has fewer than CLIP_AFTER rounds."""
         split, whole = self.seconds[True], self.seconds[False]
         if split.count < CLIP_AFTER or whole.count < CLIP_AFTER:
@@ -95,7 +95,7 @@ class CohortGate:
         INHERIT_LEAD rounds before the other is tried: a shrinking batch meets each size for a few rounds
         only (spec/tree_gate.py, TreeGate._new_gate). Cohorts first where nothing was measured."""
         near = sorted(self._choices, key=lambda b: (abs(b - batch_size), b))
-        faster = next((f for b in near if (f := self._choices[b]._faster()) is not None), None)
+        faster = next((f for b in near if (f := self._choices[b].faster()) is not None), None)
         return _BatchChoice() if faster is None else _BatchChoice(cohorts=faster, left=INHERIT_LEAD)
 
     def record(self, batch_size: int, cohorts: bool, seconds: float) -> None:

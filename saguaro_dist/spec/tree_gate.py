@@ -287,9 +287,9 @@ class TreeGate:
         side's catch-up after 30 rounds without trees took 60-80 ms more; a third of a pass's time went to
         its tail). Modes that clearly lost nearby wait longer (_clear_losers)."""
         gates = {b: g for (kind, b), g in self._gates.items() if kind == sampled}
-        losers = self._clear_losers(gates, batch_size)
+        near = sorted(gates, key=lambda b: (abs(b - batch_size), b))  # nearest first, the smaller on a tie
+        losers = self._clear_losers(gates, near, batch_size)
         deferred = dict.fromkeys(losers, EXPLORE_EVERY)
-        near = sorted(gates, key=lambda b: (abs(b - batch_size), b))
         inherited = next((m for b in near if (m := gates[b].best_mode()) is not None), None)
         if inherited is None or inherited in losers:
             start = next(m for m in self.modes if m not in losers)
@@ -298,7 +298,7 @@ class TreeGate:
             deferred.update({m: INHERIT_LEAD for m in self.modes if m not in losers and m is not inherited})
         return _BatchGate(batch_size, mode=start, modes=self.modes, deferred=deferred)
 
-    def _clear_losers(self, gates: dict[int, _BatchGate], batch_size: int) -> set[RoundMode]:
+    def _clear_losers(self, gates: dict[int, _BatchGate], near: list[int], batch_size: int) -> set[RoundMode]:
         """The modes that wait for the exploration schedule at a new batch size instead of costing a burst
         up front. Trees, when they clearly lost at the nearest smaller measured batch size: a tree's
         draft work grows with the batch faster than a verify's (b x B branch rows a step against b x (K + 1)
@@ -311,7 +311,6 @@ class TreeGate:
         measured = [b for b, lead in leads.items() if lead is not None]
         if measured and leads[max(measured)] > CLOSE_GAP:
             losers.add(RoundMode.TREES)
-        near = sorted(gates, key=lambda b: (abs(b - batch_size), b))
         compared = [b for b in near if len(gates[b].untreed_rates()) >= 2]
         if compared:
             losers |= gates[compared[0]].untreed_losers()
