@@ -1,4 +1,5 @@
-"""The tree gate: trees first, then just-in-time rounds, then the faster one, re-trying the slower."""
+"""The tree gate: trees first (or the mode that won at the nearest batch size), then just-in-time rounds, then the
+faster one, re-trying the slower."""
 import pytest
 
 from saguaro_dist.spec.tree_gate import (

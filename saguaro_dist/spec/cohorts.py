@@ -35,7 +35,7 @@ class _BatchChoice:
 
     def next_round(self) -> bool:
         """The current way while its turn lasts; then the faster, an unmeasured one first, and the slower
-        for TRY_ROUNDS every RETRY_EVERY rounds (the box, the batch mix and the text change)."""
+        for TRY_ROUNDS now and then (_retry_interval: the box, the batch mix and the text change)."""
         self.rounds += 1
         if self.left > 0:
             self.left -= 1
