@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from saguaro_dist.spec.tree_gate import CLIP_AFTER, CLOSE_GAP, INHERIT_LEAD, DecayedMean, relative_gap
+from saguaro_dist.spec.tree_gate import CLIP_AFTER, CLOSE_GAP, INHERIT_LEAD, DecayedMean, nearest_first, relative_gap
 
 TRY_ROUNDS = 6        # rounds each way when it is (re-)tried; the first, a transition, is not measured
 FIRST_RETRY = 16      # rounds to the first re-try of the slower way; each later one waits twice as long ...
@@ -68,7 +68,7 @@ class _BatchChoice:
         nine whose timed passes ran no cohort round). Early re-tries cost little while the gap is small."""
         gap = relative_gap(self.seconds[True].mean, self.seconds[False].mean)
         stretch = min(MAX_STRETCH, max(1, self.retries), max(1.0, (gap / CLOSE_GAP) ** 2))
-        return min(RETRY_EVERY, FIRST_RETRY << min(self.retries, 16)) * stretch
+        return min(RETRY_EVERY, FIRST_RETRY << min(self.retries, 16)) * stretch  # (16: a bounded shift)
 
     def faster(self) -> bool | None:
         """Whether cohorts run the shorter round; None while either way has fewer than CLIP_AFTER rounds."""
@@ -94,7 +94,7 @@ class CohortGate:
         """The way that was faster at the nearest batch size measured both ways starts, and keeps
         INHERIT_LEAD rounds before the other is tried: a shrinking batch meets each size for a few rounds
         only (spec/tree_gate.py, TreeGate._new_gate). Cohorts first where nothing was measured."""
-        near = sorted(self._choices, key=lambda b: (abs(b - batch_size), b))
+        near = nearest_first(self._choices, batch_size)
         faster = next((f for b in near if (f := self._choices[b].faster()) is not None), None)
         return _BatchChoice() if faster is None else _BatchChoice(cohorts=faster, left=INHERIT_LEAD)
 

@@ -125,6 +125,12 @@ def choose_mode(rates: dict, explore: bool, last_run: dict | None = None) -> Rou
     return min(slower, key=lambda m: (last_run or {}).get(m, 0))
 
 
+def nearest_first(batch_sizes, batch_size: int) -> list[int]:
+    """The measured batch sizes, nearest to `batch_size` first, the smaller on a tie: what a new batch size
+    learns from (a shrinking batch meets b - 1 after b; the gates' priors read the nearest)."""
+    return sorted(batch_sizes, key=lambda b: (abs(b - batch_size), b))
+
+
 def relative_gap(a: float, b: float) -> float:
     """How far the slower of two rates (or round times) is behind the faster, as a share of the faster."""
     return 1.0 - min(a, b) / max(a, b)
@@ -287,7 +293,7 @@ class TreeGate:
         side's catch-up after 30 rounds without trees took 60-80 ms more; a third of a pass's time went to
         its tail). Modes that clearly lost nearby wait longer (_clear_losers)."""
         gates = {b: g for (kind, b), g in self._gates.items() if kind == sampled}
-        near = sorted(gates, key=lambda b: (abs(b - batch_size), b))  # nearest first, the smaller on a tie
+        near = nearest_first(gates, batch_size)
         losers = self._clear_losers(gates, near, batch_size)
         deferred = dict.fromkeys(losers, EXPLORE_EVERY)
         inherited = next((m for b in near if (m := gates[b].best_mode()) is not None), None)
