@@ -142,6 +142,8 @@ class Config:
     ngram_rounds: bool = True              # ssd, tree_policy and fallback "auto": the tree gate may run rounds of n-gram
                                            # proposals alone where they measure faster (repetitive text; spec/tree_gate.py),
                                            # and a row may take its n-gram proposal over the draft's (spec/lookup_pick.py)
+    adaptive_lookup_length: bool = True    # a round of n-gram proposals alone (mode ngram, ssd's n-gram rounds) proposes
+                                           # 1, K, 2K or 3K tokens, the length measured fastest (spec/lookup_length.py); False: K
     max_batch_size: int = 8
     max_model_len: int | None = None       # None: the target's max_position_embeddings
     max_num_batched_tokens: int = 2048     # prompt tokens an engine step prefills, tokens one forward takes: longer prompts run in chunks
@@ -224,7 +226,7 @@ class Config:
         check_int("k", self.k, 1)
         if not is_number(self.saguaro_c) or not 0.0 <= self.saguaro_c <= 1.0:
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c!r}")
-        for flag in ("ngram_rounds", "adaptive_fan_out", "enforce_eager", "enable_prefix_caching"):
+        for flag in ("ngram_rounds", "adaptive_lookup_length", "adaptive_fan_out", "enforce_eager", "enable_prefix_caching"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.jit_cohorts not in (1, 2) or isinstance(self.jit_cohorts, bool):

@@ -146,6 +146,17 @@ class JustInTimeLookupGate(LookupFavouringGate):
     round_mode = "just_in_time"
 
 
+def every_lookup_length(chosen: list):
+    """A LookupLengths.choose that takes the candidate lengths in turn, the longest first (of those the rows
+    have room for), whatever was measured, so that rounds of n-gram proposals alone run at every length;
+    `chosen` collects them."""
+    def choose(self, keys, room):
+        fits = [n for n in self.lengths if n <= room] or [1]
+        chosen.append(fits[-1 - len(chosen) % len(fits)])
+        return chosen[-1]
+    return choose
+
+
 def trusting_picker():
     """A LookupPicker that expects every n-gram proposal to gain a token before any was scored: rows take
     their n-gram proposals from the first round that offers them (with a LookupFavouringGate)."""

@@ -10,7 +10,7 @@ import torch
 
 import saguaro_dist.engine.ssd_loop as ssd_loop
 from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, CyclingGate, JustInTimeLookupGate,
-                            LookupFavouringGate, trusting_picker,
+                            LookupFavouringGate, every_lookup_length, trusting_picker,
                             assert_greedy_equal, close_pair,
                             biased_reference, hf_greedy, llama_config, penalized_reference,
                             save_model)
@@ -19,6 +19,7 @@ from saguaro_dist.config import Config
 from saguaro_dist.engine.build import build_local_engine
 from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.engine.sequence import OutputKind, Sequence, SeqStatus
+from saguaro_dist.spec.lookup_length import LookupLengths
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -243,6 +244,35 @@ def test_rows_that_take_their_ngram_proposal_over_the_drafts_are_exact(pair, ref
         m = llm.metrics
     check(pair, reference, outputs)
     assert m.lookup_rows > 0 and (m.cache_hits > 0 or gate is JustInTimeLookupGate), m
+    assert not [r for r in caplog.records if "out of step" in r.getMessage()]
+
+
+class TwiceLookupsGate(CyclingGate):
+    """Trees, trees, just-in-time drafts, then two rounds of n-gram proposals alone: the second is a whole
+    round of lookups also after cohorts (the first still takes the drafts that landed for the first cohort)."""
+
+    def __init__(self, modes=None):
+        from saguaro_dist.spec.tree_gate import RoundMode
+        self.cycle, self.rounds = [RoundMode.TREES, RoundMode.TREES, RoundMode.JUST_IN_TIME, RoundMode.FAST, RoundMode.FAST], 0
+
+
+@pytest.mark.parametrize("mode, executor, batch", [("ngram", None, 1), ("ngram", None, 4), ("ssd", "thread", 1),
+                                                    ("ssd", "split", 1), ("ssd", "split", 4), ("ssd", "process", 4)])
+def test_lookup_rounds_of_every_length_are_exact(pair, reference, monkeypatch, caplog, mode, executor, batch):
+    """Rounds of n-gram proposals alone at 1, K, 2K and 3K tokens in turn (engine/lookup_rounds.py), in ssd
+    between rounds with and without trees and cohort rounds (the gate scripted): the same tokens, and the
+    draft, told of every proposal however long, never out of step."""
+    caplog.set_level("WARNING")
+    chosen = []
+    monkeypatch.setattr(LookupLengths, "choose", every_lookup_length(chosen))
+    monkeypatch.setattr(ssd_loop, "TreeGate", TwiceLookupsGate)
+    drafted = dict(draft=pair["close"], draft_executor=executor, fan_out=12, tree_timeout_s=30.0) if mode == "ssd" else {}
+    with LLM(device=DEVICE, model=pair["target"], mode=mode, k=3, max_batch_size=batch, **drafted) as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        m = llm.metrics
+    check(pair, reference, outputs)
+    assert max(chosen) == 9 and len(set(chosen)) > 1 and (mode == "ssd" or {1, 3, 6} < set(chosen)), chosen
+    assert mode == "ngram" or (m.fast_rounds > 0 and m.cache_hits > 0), m
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 

@@ -21,11 +21,12 @@ from transformers import LlamaForCausalLM
 
 import saguaro_dist.engine.ssd_loop as ssd_loop
 import saguaro_dist.engine.target as target_module
-from engine_helpers import (DEVICE, CyclingGate, JustInTimeLookupGate, LookupFavouringGate, llama_config, save_model,
-                            save_perturbed, trusting_picker)
+from engine_helpers import (DEVICE, CyclingGate, JustInTimeLookupGate, LookupFavouringGate, every_lookup_length,
+                            llama_config, save_model, save_perturbed, trusting_picker)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.spec import VerifyResult, verify
+from saguaro_dist.spec.lookup_length import LookupLengths
 from saguaro_dist.spec.tree_gate import RoundMode
 
 VOCAB, PROMPT, N, N_TWIN, ALPHA = 6, [1, 2, 3], 20000, 8000, 1e-4
@@ -114,8 +115,9 @@ def exact_joint(model, params: SamplingParams, depth: int = 3) -> dict[tuple[int
 def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int = N, **kwargs):
     """Counts of the generated 3-token sequences, and the engine's metrics (to check the path taken).
     EOS is ignored (a grammar's own end is never allowed within 3 tokens here). `max_tokens` (a kwarg)
-    generates longer and counts the first 3, for paths that only later rounds take."""
-    mode, max_tokens = kwargs.pop("mode", "ssd"), kwargs.pop("max_tokens", 3)
+    generates longer and counts the first 3, for paths that only later rounds take. `whole_batches` (a kwarg):
+    generate 64 at a time, so that the rounds after the first admit no sequence (each one a whole batch)."""
+    mode, max_tokens, whole = kwargs.pop("mode", "ssd"), kwargs.pop("max_tokens", 3), kwargs.pop("whole_batches", False)
     if mode == "ngram":
         draft = None  # it proposes from the sequence's own tokens
     elif "cluster" not in kwargs:  # (on Ray the drafts are actors: "process", or "split" with a copy beside the target)
@@ -123,7 +125,8 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
     with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         ignore_eos = params.structured_outputs is None
         seeded = [replace(params, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i) for i in range(n)]
-        outs = llm.generate(prompt_token_ids=[PROMPT] * n, sampling_params=seeded)
+        calls = [seeded[i:i + 64] for i in range(0, n, 64)] if whole else [seeded]
+        outs = [o for call in calls for o in llm.generate(prompt_token_ids=[PROMPT] * len(call), sampling_params=call)]
         metrics = llm.metrics
     counts: dict[tuple[int, ...], int] = {}
     for o in outs:
@@ -248,6 +251,31 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
                                    n=N if executor == "thread" else N_TWIN)
     assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
     assert chosen[RoundMode.FAST] > 0, chosen  # (every such round also drafted for sequences admitted in it)
+    p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
+    assert p > ALPHA, f"chi-square p = {p:.2e}"
+
+
+class EarlyLookupRoundsGate(CyclingGate):
+    """Rounds 1 and 2 of n-gram proposals alone (a sequence's first round drafts just in time, its second is
+    then a whole round of lookups), then just-in-time drafts and trees: long lookups decide the first tokens."""
+
+    def __init__(self, modes=None):
+        self.cycle, self.rounds = [RoundMode.TREES, RoundMode.FAST, RoundMode.FAST, RoundMode.JUST_IN_TIME], 0
+
+
+@pytest.mark.parametrize("mode, executor, n", [("ngram", None, N), ("ssd", "thread", N), ("ssd", "split", N_TWIN)])
+def test_lookup_rounds_of_every_length_follow_the_target(pair, monkeypatch, mode, executor, n):
+    """Rounds of n-gram proposals alone at every candidate length in turn (engine/lookup_rounds.py; 8 tokens
+    generated, 64 sequences at a time, so that whole rounds of lookups come early): a one-hot proposal of any
+    length is verified exactly."""
+    chosen = []
+    monkeypatch.setattr(LookupLengths, "choose", every_lookup_length(chosen))
+    monkeypatch.setattr(ssd_loop, "TreeGate", EarlyLookupRoundsGate)
+    target, draft, model = pair
+    settings = dict(mode="ngram", k=2) if mode == "ngram" else dict(k=1, fan_out=4, draft_executor=executor)
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], max_tokens=8, n=n, whole_batches=True, **settings)
+    assert max(chosen) == 3 * settings["k"] and 1 in chosen, Counter(chosen)
+    assert mode == "ngram" or metrics.fast_rounds > 0, metrics
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 

@@ -10,13 +10,16 @@ from saguaro_dist.config import check_device, check_dtype
 SYSTEMS = {
     "ar": "ours, autoregressive (target only)",
     "sd": "ours, speculative decoding (draft just in time, one process)",
-    "ngram": "ours, prompt lookup (mode ngram: K tokens from the sequence's own text, no draft model; vLLM's ngram)",
+    "ngram": "ours, prompt lookup (mode ngram: tokens from the sequence's own text, no draft model; 1, K, 2K or 3K a "
+             "round, the length measured fastest)",
+    "ngram-k": "ours, prompt lookup at K tokens a round (adaptive_lookup_length=False: vLLM's ngram)",
     "ssd": "ours, SSD one-host (the default split: trees in a child process over a pipe, just-in-time drafts on a thread)",
     "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
     "ssd-draft": "ours, SSD one-host whose proposals all come from the draft (ngram_rounds=False: ssd may run rounds "
                  "of n-gram proposals alone)",
+    "ssd-k": "ours, SSD one-host whose rounds of n-gram proposals alone propose K tokens (adaptive_lookup_length=False)",
     "ssd-ray": "ours, SSD on local Ray (on the CPU the default split: trees from the draft actor over gRPC, just-in-time "
                "drafts on a draft copy in the target actor)",
     "ssd-ray-process": "ours, SSD on local Ray with the whole draft in the draft actor (just-in-time drafts over gRPC too)",
@@ -27,11 +30,13 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ngram", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-ray", "ssd-ray-process")
-SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-ray", "ssd-ray-process")
-SYSTEM_SETTINGS = {"ssd-trees": {"tree_policy": "always"}, "ssd-draft": {"ngram_rounds": False}}  # engine kwargs
-SPECULATIVE = ("sd", "ngram", *SSD_SYSTEMS, "hf-assisted")
-ONE_PROCESS = ("ar", "hf", "sd", "ngram", "hf-assisted")  # target (and draft) on one thread of the bench process
+OURS = ("ar", "sd", "ngram", "ngram-k", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-k", "ssd-ray",
+        "ssd-ray-process")
+SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-k", "ssd-ray", "ssd-ray-process")
+SYSTEM_SETTINGS = {"ssd-trees": {"tree_policy": "always"}, "ssd-draft": {"ngram_rounds": False},  # engine kwargs
+                   "ngram-k": {"adaptive_lookup_length": False}, "ssd-k": {"adaptive_lookup_length": False}}
+SPECULATIVE = ("sd", "ngram", "ngram-k", *SSD_SYSTEMS, "hf-assisted")
+ONE_PROCESS = ("ar", "hf", "sd", "ngram", "ngram-k", "hf-assisted")  # target (and draft) on one thread of the bench process
 
 
 @dataclass(frozen=True)
@@ -49,11 +54,11 @@ class Placement:
 def placement(system: str, setting: str, cores: int = 2) -> Placement:
     """Thread counts and the process layout of `system` under `setting` on a `cores`-core host."""
     one = 1 if setting == "paper" else cores
-    if system in ("ar", "hf", "ngram"):
+    if system in ("ar", "hf", "ngram", "ngram-k"):
         return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
     if system in ("sd", "hf-assisted"):
         return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")
-    if system in ("ssd", "ssd-trees", "ssd-draft"):  # two processes, 1 torch thread each: one core each
+    if system in ("ssd", "ssd-trees", "ssd-draft", "ssd-k"):  # two processes, 1 torch thread each: one core each
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); draft: trees in a child "
                                   "process (1 torch thread), pipe; just-in-time drafts on a thread beside the target")
     if system == "ssd-process":

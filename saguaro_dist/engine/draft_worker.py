@@ -30,6 +30,7 @@ from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, full_acceptance_worth_skipping, greedy_tokens, sample, saguaro_probs,
     scaled_budget, select_branches, top_k_proposal, without_full_acceptance,
 )
+from saguaro_dist.spec.lookup_length import candidate_lengths
 from saguaro_dist.spec.penalties import RowPenalties
 
 
@@ -109,12 +110,19 @@ class DraftWorker:
             if o.next_tokens is None and (o.accepted, o.bonus_token) not in s.branches:
                 raise OutOfOrder(f"sequence {o.seq_id} round {o.round}: outcome claims a hit on a branch never built")
             self._check_outcome(s, o.accepted, o.bonus_token)
-            if o.next_tokens is not None:  # a speculation is K tokens: trees are built K deep for a batch at once
-                if len(o.next_tokens) != self.k:
-                    raise ValueError(f"sequence {o.seq_id}: next_tokens holds {len(o.next_tokens)} tokens, not K = {self.k}")
+            if o.next_tokens is not None:  # a speculation is K tokens: trees are built K deep for a batch at once;
+                if not self._speculation_length_ok(o):  # a round of n-gram proposals alone may take 1..3K (no tree)
+                    raise ValueError(f"sequence {o.seq_id}: next_tokens holds {len(o.next_tokens)} tokens, not K = {self.k}"
+                                     + (" (an n-gram round that wants no tree: 1..3K)" if o.target_proposed and o.skip_tree else ""))
                 self._check_tokens(o.seq_id, o.next_tokens, "next_tokens")
         for s, o in zip(states, outcomes):
             self._observe_one(s, o)
+
+    def _speculation_length_ok(self, o: Outcome) -> bool:
+        """K tokens; or, proposed by the target side for a round without a tree (engine/lookup_rounds.py), any
+        of its lengths: 1..3K."""
+        n = len(o.next_tokens)
+        return n == self.k or (o.target_proposed and o.skip_tree and 0 < n <= max(candidate_lengths(self.k)))
 
     def _observe_one(self, s: DraftSeq, o: Outcome) -> None:
         next_tokens = o.next_tokens if o.next_tokens is not None else s.branches[(o.accepted, o.bonus_token)]

@@ -8,6 +8,7 @@ import time
 import torch
 
 from saguaro_dist.config import Config
+from saguaro_dist.engine.lookup_rounds import LookupRounds
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
@@ -65,17 +66,21 @@ def lookup_proposal(tokens: list[int], config: Config) -> Proposal:
 
 
 class NgramLoop(ARLoop):
-    """Prompt lookup (vLLM's "ngram" method): each round proposes the K tokens that followed the latest
+    """Prompt lookup (vLLM's "ngram" method): each round proposes the tokens that followed the latest
     earlier occurrence of the sequence's last n-gram (spec.ngram_proposal, SSD's fast backup), no draft
-    model. A deterministic proposal is a one-hot q, so the verification is exact as for any draft."""
+    model; K of them, or 1, 2K or 3K where that measures faster (engine/lookup_rounds.py). A deterministic
+    proposal is a one-hot q, so the verification is exact as for any draft, whatever its length."""
 
     def __init__(self, target: TargetScorer, metrics: EngineMetrics, config: Config):
         super().__init__(target, metrics)
-        self.config = config
+        self.lookups = LookupRounds(config, target.runner.max_model_len)  # each round's length: engine/lookup_rounds.py
 
     def prepare(self, seqs):
-        for s in seqs:
-            s.speculation, s.speculation_kind = lookup_proposal(s.tokens, self.config), ProposalSource.FAST
+        for s, proposal in zip(seqs, self.lookups.propose(seqs)):
+            s.speculation, s.speculation_kind = proposal, ProposalSource.FAST
 
     def verify(self, seqs):
-        return verify_speculations(self.target, self.metrics, seqs)
+        verified_s = self.metrics.verify_s
+        gained = verify_speculations(self.target, self.metrics, seqs)
+        self.lookups.record(seqs, self.metrics.verify_s - verified_s)
+        return gained

@@ -102,9 +102,10 @@ class Outcome:
     """Target -> draft, per sequence per round: what verification decided."""
     seq_id: int
     round: int
-    accepted: int                    # k* in 0..K
+    accepted: int                    # k* in 0..len(the speculation verified)
     bonus_token: int                 # t*
-    next_tokens: list[int] | None    # the speculation verified next; None: the cached branch (k*, t*) of this worker
+    next_tokens: list[int] | None    # the speculation verified next, K tokens (1..3K: a round of n-gram proposals
+                                     # alone, target_proposed and skip_tree); None: the cached branch (k*, t*) of this worker
     cache_hit: bool = False          # the target found (k*, t*) in the speculation cache
     skip_tree: bool = False          # the target will not look up a tree for next_tokens; build none
     tree_wait_s: float = 0.0         # how long the target waited for this round's tree (the draft's budget signal)

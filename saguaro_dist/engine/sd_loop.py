@@ -216,9 +216,13 @@ class SDLoop(ARLoop):
 
     def _fast(self, seqs: list[Sequence], kind: FallbackPolicy) -> list[Outcome]:
         """The fast backup's proposals; the outcomes tell the draft side what is verified next."""
+        return self._take_fast(seqs, [self._fast_proposal(s, kind) for s in seqs], kind)
+
+    def _take_fast(self, seqs: list[Sequence], proposals: list[Proposal], kind: FallbackPolicy) -> list[Outcome]:
+        """seqs verify the fast backup's `proposals` next (counted as its fallbacks); the outcomes to stream."""
         outcomes = []
-        for s in seqs:
-            outcomes += self._propose_here(s, self._fast_proposal(s, kind), ProposalSource.FAST)
+        for s, proposal in zip(seqs, proposals):
+            outcomes += self._propose_here(s, proposal, ProposalSource.FAST)
             s.metrics.record_fallback(kind.value)
             self.metrics.fallbacks[kind.value] += 1
         return outcomes

@@ -11,6 +11,7 @@ import time
 import torch
 
 from saguaro_dist.config import Config, FallbackPolicy, TreePolicy
+from saguaro_dist.engine.lookup_rounds import LookupRounds
 from saguaro_dist.engine.messages import Outcome, Proposal
 from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sd_loop import AskedDrafts, SDLoop
@@ -39,6 +40,9 @@ class SSDLoop(SDLoop):
         self.gate = TreeGate(gate_modes(config)) if config.tree_policy is TreePolicy.AUTO else None
         # Rows of tree rounds may take their n-gram proposal where it measures better, as whole rounds may.
         self.picker = LookupPicker() if self.gate and RoundMode.FAST in gate_modes(config) else None
+        # Whole rounds of n-gram proposals (RoundMode.FAST) propose the length that measures fastest.
+        self.lookup_rounds = LookupRounds(config, target.runner.max_model_len) if self.picker else None
+        self._lookup_round = False  # this round is one: LookupRounds measures its verify
         self._wait_at_start = 0.0  # metrics.draft_wait_s as this round began: its wait for trees and drafts is the growth
         self._batch_size = 0  # this round's rows
         self.cohort_gate = CohortGate() if config.jit_cohorts == 2 else None
@@ -51,7 +55,7 @@ class SSDLoop(SDLoop):
         self._late_warning = Throttle(LATE_TREE_WARN_EVERY_S)
 
     def prepare(self, seqs):
-        self._round_start, self._drafted_this_round = time.perf_counter(), False
+        self._round_start, self._drafted_this_round, self._lookup_round = time.perf_counter(), False, False
         self._wait_at_start, self._captures = self.metrics.draft_wait_s, graph_captures()
         self._track_draft(seqs)
         self._score_lookups(seqs)
@@ -84,6 +88,8 @@ class SSDLoop(SDLoop):
         self._count_round(seqs, sum(map(len, gained)))
         # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
         self.stats.record_time(Timing.VERIFY, self.metrics.verify_s - verified_s)
+        if self._lookup_round:
+            self.lookup_rounds.record(seqs, self.metrics.verify_s - verified_s)
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
         if graph_captures() == self._captures:  # a round that captured a graph timed the capture
@@ -173,9 +179,17 @@ class SSDLoop(SDLoop):
         if self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM):
             return self._fast(seqs, self.config.fallback)
         if self._mode is RoundMode.FAST:
-            return self._fast(seqs, FallbackPolicy.FAST)
+            return self._lookups_alone(seqs) if len(seqs) == self._batch_size else self._fast(seqs, FallbackPolicy.FAST)
         outcomes, rest = self._take_lookups(seqs, hit_rate=1.0)  # a just-in-time draft always answers
         return outcomes + (self._draft_or_fast(rest, FallbackPolicy.FAST) if rest else [])
+
+    def _lookups_alone(self, seqs: list[Sequence]) -> list[Outcome]:
+        """The whole round on n-gram proposals, at the length that measures fastest (engine/lookup_rounds.py);
+        the picker still scores each row's K-token proposal, which is what a row of a tree round would take."""
+        for s in seqs:
+            self._offer_lookup(s)
+        self._lookup_round = True
+        return self._take_fast(seqs, self.lookup_rounds.propose(seqs, self._draft_room), FallbackPolicy.FAST)
 
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
         """Rows whose n-gram proposal should gain more take it; the others' hits take their cached branch,
