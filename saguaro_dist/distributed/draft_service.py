@@ -69,7 +69,7 @@ def format_address(host: str, port: int) -> str:
 def local_address() -> str | None:
     """A fresh gRPC address in Linux's abstract unix-socket namespace, for clients on this node (None
     elsewhere). Same protocol, no TCP stack: a tree's trip ~0.2 ms shorter on average than over loopback
-    (docs/benchmarks.md, session 40). Abstract names leave no file behind, even for a killed process."""
+    (docs/benchmark-history.md, session 40). Abstract names leave no file behind, even for a killed process."""
     return f"unix-abstract:saguaro-draft-{os.getpid()}-{uuid.uuid4().hex[:12]}" if sys.platform == "linux" else None
 
 

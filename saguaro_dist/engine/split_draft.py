@@ -4,7 +4,7 @@ draft actors (DraftPool), the target's rank 0 holding the draft copy.
 
 Why: a round the tree gate runs without trees is SD's round, and SD drafts on its own thread. Sent to
 the child instead, each such draft pays a pipe round trip and its q's copy (b = 8, T = 0.7: 0.7 ms a
-round more draft wait than SD's, docs/benchmarks.md). Here both halves hold every sequence and see every
+round more draft wait than SD's, docs/benchmark-history.md, session 34). Here both halves hold every sequence and see every
 outcome: the thread's worker drafts, the tree side builds trees; each runs the committed tokens it has not
 seen in its next forward (the DraftWorker's KV invariant), so switching between the two costs no
 extra forward pass. The price is a second copy of the draft's weights and KV in the engine's process.

@@ -4,7 +4,7 @@ Branches of one sequence are laid out as extra query rows of that sequence (its 
 for all of them); each branch's private KV lives in the BranchState, slot depth * Q + j. An eager state
 holds one buffer per K and V, its sequences' prefix KV followed by the private slots (`keys`, `values`):
 every step attends over a view of it, where it once gathered the prefix and concatenated it to the
-private KV in every layer (demo draft, b = 1, 12 branches: docs/benchmarks.md, session 36). That buffer
+private KV in every layer (demo draft, b = 1, 12 branches: docs/benchmark-history.md, session 36). That buffer
 is the pool itself when the rows are consecutive (the private slots in the rows' unused tails), else a
 copy (`_windows`). Once the decode is over (`end_branches`) only the private slots, which adoption reads,
 are kept."""
