@@ -36,7 +36,7 @@ def twins(tiny_checkpoint):
 def random_call(seq_id: int):
     """(name, argument) of one protocol call on seq_id, its fields anywhere near their valid ranges."""
     jit = st.builds(JitDraftRequest, st.just(seq_id), SMALL, SMALL, WIDE, st.booleans())
-    outcome = st.builds(Outcome, st.just(seq_id), SMALL, SMALL, WIDE, st.none() | st.lists(WIDE, max_size=K + 1),
+    outcome = st.builds(Outcome, st.just(seq_id), SMALL, SMALL, WIDE, st.none() | st.lists(WIDE, max_size=3 * K + 1),
                         cache_hit=st.booleans(), skip_tree=st.booleans(), target_proposed=st.booleans())
     prefill = st.builds(PrefillRequest, st.just(seq_id), st.lists(WIDE, max_size=6), st.sampled_from([GREEDY, SEEDED]),
                         shard=st.integers(-1, 2), num_shards=st.integers(1, 2), prompt_len=st.integers(-1, 7))

@@ -169,3 +169,21 @@ def test_proposal_top_k_keeps_the_trees_q_to_k_tokens_and_it_travels_sparse(draf
         support = (q > 0).sum(-1)
         assert support.max() <= 3 and support.min() >= 1 and torch.allclose(q.sum(-1), torch.ones(q.shape[:-1]))
     assert codec.tree_to_proto(tree).proposals.WhichOneof("probs") == "sparse"
+
+
+def test_a_round_of_n_gram_proposals_alone_may_send_1_to_3k_tokens_a_tree_speculation_k(draft_dir):
+    """engine/lookup_rounds.py: a target-proposed speculation that wants no tree is 1..3K tokens, and its
+    outcome commits however many of them were accepted; any other speculation is K tokens (trees are built K
+    deep), and a refused one changes nothing."""
+    worker = started(draft_dir)
+    long = list(range(20, 20 + 3 * K))
+    for bad in (Outcome(0, 0, 1, 11, next_tokens=long, skip_tree=False, target_proposed=True),  # wants a tree
+                Outcome(0, 0, 1, 11, next_tokens=long, skip_tree=True),  # the draft's own
+                Outcome(0, 0, 1, 11, next_tokens=long + [30], skip_tree=True, target_proposed=True)):  # past 3K
+        with pytest.raises(ValueError, match="1..3K only"):
+            worker.observe([bad])
+    worker.observe([Outcome(0, 0, 1, 11, next_tokens=long, skip_tree=True, target_proposed=True)])
+    committed = worker.seqs[0].committed
+    worker.observe([Outcome(0, 1, 2 * K + 1, 12, next_tokens=[40], skip_tree=True, target_proposed=True)])
+    assert worker.seqs[0].committed == committed + long[:2 * K + 1] + [12]
+    assert worker.jit_draft([JitDraftRequest(0, 3, 0, 13)])[0].tokens.shape == (K,)

@@ -112,8 +112,8 @@ class DraftWorker:
             self._check_outcome(s, o.accepted, o.bonus_token)
             if o.next_tokens is not None:  # a speculation is K tokens: trees are built K deep for a batch at once;
                 if not self._speculation_length_ok(o):  # a round of n-gram proposals alone may take 1..3K (no tree)
-                    raise ValueError(f"sequence {o.seq_id}: next_tokens holds {len(o.next_tokens)} tokens, not K = {self.k}"
-                                     + (" (an n-gram round that wants no tree: 1..3K)" if o.target_proposed and o.skip_tree else ""))
+                    raise ValueError(f"sequence {o.seq_id}: next_tokens holds {len(o.next_tokens)} tokens, not K = "
+                                     f"{self.k} (1..3K only from an n-gram round that wants no tree)")
                 self._check_tokens(o.seq_id, o.next_tokens, "next_tokens")
         for s, o in zip(states, outcomes):
             self._observe_one(s, o)

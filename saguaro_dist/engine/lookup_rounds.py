@@ -21,11 +21,18 @@ class LookupRounds:
         self._longest = max(candidate_lengths(config.k)) if config.adaptive_lookup_length else config.k
         self._round: tuple[list[tuple[int, bool]], int] | None = None  # this round's (n, greedy) per row, its length
 
-    def propose(self, seqs: list[Sequence], draft_room: int | None = None) -> list[Proposal]:
+    def lookups(self, seqs: list[Sequence]) -> list[tuple[list[int], int]]:
+        """Each row's lookup at the longest length it may take, and the n of its match (spec.ngram_lookup: any
+        shorter proposal is a prefix of it)."""
+        return [ngram_lookup(s.tokens, self._longest, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+                for s in seqs]
+
+    def propose(self, seqs: list[Sequence], draft_room: int | None = None,
+                found: list[tuple[list[int], int]] | None = None) -> list[Proposal]:
         """One proposal a row, of the round's length. draft_room: the longest sequence the draft keeps (its
-        rows may not outgrow it by more than a K-token round would); None: no draft holds them."""
-        found = [ngram_lookup(s.tokens, self._longest, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
-                 for s in seqs]
+        rows may not outgrow it by more than a K-token round would); None: no draft holds them. found: the
+        rows' lookups() when the caller already made them."""
+        found = found or self.lookups(seqs)
         keys = [(n, s.params.greedy) for s, (_, n) in zip(seqs, found)]
         length = self.config.k
         if self.config.adaptive_lookup_length:

@@ -186,10 +186,11 @@ class SSDLoop(SDLoop):
     def _lookups_alone(self, seqs: list[Sequence]) -> list[Outcome]:
         """The whole round on n-gram proposals, at the length that measures fastest (engine/lookup_rounds.py);
         the picker still scores each row's K-token proposal, which is what a row of a tree round would take."""
-        for s in seqs:
-            self._offer_lookup(s)
+        found = self.lookup_rounds.lookups(seqs)
+        for s, lookup in zip(seqs, found):
+            self._offer_lookup(s, lookup)
         self._lookup_round = True
-        return self._take_fast(seqs, self.lookup_rounds.propose(seqs, self._draft_room), FallbackPolicy.FAST)
+        return self._take_fast(seqs, self.lookup_rounds.propose(seqs, self._draft_room, found), FallbackPolicy.FAST)
 
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
         """Rows whose n-gram proposal should gain more take it; the others' hits take their cached branch,
@@ -222,10 +223,12 @@ class SSDLoop(SDLoop):
         return {s.seq_id: Proposal(torch.tensor(g.tokens, dtype=torch.long), None)
                 for s, g, pick in zip(seqs, guesses, picks) if pick}
 
-    def _offer_lookup(self, s: Sequence) -> Guess:
-        """s's n-gram proposal, offered to the picker to be scored (whether it is verified or not)."""
-        tokens, n = ngram_lookup(s.tokens, self.config.k, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
-        guess = Guess(s.num_tokens, tuple(tokens), (n, s.params.greedy))
+    def _offer_lookup(self, s: Sequence, found: tuple[list[int], int] | None = None) -> Guess:
+        """s's K-token n-gram proposal, offered to the picker to be scored (whether it is verified or not);
+        found: a longer lookup of s already made, (tokens, n), whose first K tokens it is."""
+        k = self.config.k
+        tokens, n = found or ngram_lookup(s.tokens, k, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
+        guess = Guess(s.num_tokens, tuple(tokens[:k]), (n, s.params.greedy))
         self.picker.offer(s.seq_id, guess)
         return guess
 
