@@ -247,6 +247,47 @@ def test_rows_that_take_their_ngram_proposal_over_the_drafts_are_exact(pair, ref
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 
+class DraftFavouringGate(LookupFavouringGate):
+    """Trees every round, the draft's rows measured to gain more than any n-gram proposal: no row takes
+    its lookup for its own sake, only the whole round, to skip its wait."""
+
+    def draft_tokens_per_row(self, batch_size: int, sampled: bool = False) -> float | None:
+        return 3.0
+
+
+def long_wait_picker():
+    """A LookupPicker that trusts every n-gram proposal at 2 tokens and has measured a wait for trees 1000x
+    a round's other work: skipping it by every row taking its lookup always pays."""
+    from saguaro_dist.spec.lookup_pick import LookupPicker
+
+    class LongWaitPicker(LookupPicker):
+        def expected(self, key):
+            return 2.0
+
+        def round_times(self, where):
+            return 0.001, 1.0
+    return LongWaitPicker
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_sampled_tree_round_never_skips_its_wait(pair, reference, monkeypatch, temperature):
+    """A greedy tree round skips its wait for trees by every row taking its n-gram proposal where that
+    pays (the draft stops a greedy tree that is no longer wanted); a sampled one never does: a sampled
+    tree cannot stop early, so rounds that do not wait for the trees they asked for would queue builds."""
+    monkeypatch.setattr(ssd_loop, "TreeGate", DraftFavouringGate)
+    monkeypatch.setattr(ssd_loop, "LookupPicker", long_wait_picker())
+    params = replace(GREEDY, temperature=temperature, seed=1)
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=2,
+             draft_executor="split") as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)]
+        m = llm.metrics
+    if temperature == 0:
+        check(pair, reference, outputs)
+        assert m.lookup_rows > 0 and m.lookup_rounds > 0, m
+    else:
+        assert m.lookup_rows == 0 and m.cache_hits > 0, m
+
+
 class TwiceLookupsGate(CyclingGate):
     """Trees, trees, just-in-time drafts, then two rounds of n-gram proposals alone: the second is a whole
     round of lookups also after cohorts (the first still takes the drafts that landed for the first cohort)."""

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from saguaro_dist.spec.fallback import ngram_lookup
-from saguaro_dist.spec.lookup_pick import MIN_SCORED, Guess, LookupPicker, pick_lookup_rows, score
+from saguaro_dist.spec.lookup_pick import MIN_SCORED, RECHECK_ROUNDS, Guess, LookupPicker, pick_lookup_rows, score
 from saguaro_dist.spec.tree_gate import RoundYield, _BatchGate, RoundMode
 
 
@@ -75,6 +75,22 @@ def test_a_tree_rounds_time_is_kept_apart_from_its_wait():
     picker.record_round(where, 0.003, None)  # every row took its lookup: no wait
     busy, wait = picker.round_times(where)
     assert busy == pytest.approx(0.003) and wait == pytest.approx(0.001)
+
+
+def test_a_wait_not_measured_lately_is_stale_and_a_re_check_replaces_it():
+    """Rounds whose every row took its lookup do not wait, so cannot update the wait; after RECHECK_ROUNDS of
+    them it is unknown (the next round makes the per-row choice, which waits), and what that round measures
+    replaces the wait measured before."""
+    picker, where = LookupPicker(), (RoundMode.TREES, False, 1)
+    for _ in range(10):
+        picker.record_round(where, 0.012, 0.008)  # a stall: trees came 8 ms late
+    for _ in range(RECHECK_ROUNDS):
+        picker.record_round(where, 0.003, None)
+        assert picker.round_times(where)[1] == pytest.approx(0.008)
+    picker.record_round(where, 0.003, None)
+    assert picker.round_times(where) == (pytest.approx(0.003, rel=0.2), None)
+    picker.record_round(where, 0.0035, 0.0005)  # the re-check: trees now come in time
+    assert picker.round_times(where)[1] == pytest.approx(0.0005)
 
 
 def brute_force_lookup(tokens, k, max_n, min_n):

@@ -215,13 +215,21 @@ class SSDLoop(SDLoop):
         the draft's (hit_rate: of the draft's proposals for them, a tree's or one drafted now). Every row's
         proposal is offered, to be scored once its tokens are known."""
         guesses = [self._offer_lookup(s) for s in seqs]
-        where, whole = (self._mode, self._sampled, self._batch_size), len(seqs) == self._batch_size
+        where = (self._mode, self._sampled, self._batch_size)
         busy_s, wait_s = self.picker.round_times(where)
         picks = pick_lookup_rows([self.picker.expected(g.key) for g in guesses],
                                  self.gate.draft_tokens_per_row(self._batch_size, self._sampled), hit_rate,
-                                 busy_s, wait_s if whole else None)
+                                 busy_s, wait_s if self._may_skip_wait(len(seqs)) else None)
         return {s.seq_id: Proposal(torch.tensor(g.tokens, dtype=torch.long), None)
                 for s, g, pick in zip(seqs, guesses, picks) if pick}
+
+    def _may_skip_wait(self, rows: int) -> bool:
+        """Whether this round may skip its wait by every row taking its lookup: only a whole round, and not a
+        sampled tree round. The draft still builds the trees the round asks for, and a sampled build cannot
+        stop early (its draws would depend on timing; DraftWorker.finish_trees), so rounds that do not wait
+        for them would queue builds faster than they are made (b = 1, T = 0.7: a prefill then waited ~1 s for
+        that queue, session 57). Rounds of lookups alone are the gate's RoundMode.FAST, which asks for none."""
+        return rows == self._batch_size and not (self._sampled and self._mode is RoundMode.TREES)
 
     def _offer_lookup(self, s: Sequence, found: tuple[list[int], int] | None = None) -> Guess:
         """s's K-token n-gram proposal, offered to the picker to be scored (whether it is verified or not);

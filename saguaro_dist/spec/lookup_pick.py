@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from saguaro_dist.spec.tree_gate import SECONDS_DECAY, TOKENS_DECAY, DecayedMean
 
 MIN_SCORED = 8  # proposals of an n scored before that n's yield is trusted
+RECHECK_ROUNDS = 16  # rounds at one (mode, sampled, batch size) after which its last measured wait is stale: the
+                     # rounds whose every row took its lookup do not wait, so they cannot update it, and a wait
+                     # measured during a stall kept every later round on lookups (b = 1, T = 0.7, trees only: 1.1
+                     # tokens a round for 3500 rounds, session 57)
 
 
 def pick_lookup_rows(lookup_tokens: list[float | None], draft_tokens: float | None, hit_rate: float,
@@ -65,11 +69,13 @@ def score(guess: Guess, tokens: list[int]) -> int | None:
 class LookupPicker:
     """The measured yields behind pick_lookup_rows: lookup proposals' per (n, greedy), scored when their
     tokens are known; and per (round mode, sampled, batch size) a round's seconds apart from its wait for
-    trees and drafts."""
+    trees and drafts. A wait not measured for RECHECK_ROUNDS rounds there is stale: the next round makes
+    the per-row choice, which waits, and measures it afresh."""
     yields: dict = field(default_factory=dict)   # (n, greedy) -> DecayedMean of tokens a proposal gained
     pending: dict = field(default_factory=dict)  # seq_id -> deque of Guess not yet scored
     busy: dict = field(default_factory=dict)     # (mode, sampled, batch size) -> DecayedMean of round seconds - wait
     waits: dict = field(default_factory=dict)    # (mode, sampled, batch size) -> DecayedMean of waits of rounds that waited
+    rounds: dict = field(default_factory=dict)   # (mode, sampled, batch size) -> rounds recorded there
 
     def expected(self, key: tuple[int, bool]) -> float | None:
         mean = self.yields.get(key)
@@ -97,11 +103,21 @@ class LookupPicker:
 
     def record_round(self, where: tuple, seconds: float, waited_s: float | None) -> None:
         """A round at `where` took `seconds`; waited_s: its wait for trees and drafts, None if none waited."""
+        self.rounds[where] = self.rounds.get(where, 0) + 1
         self.busy.setdefault(where, DecayedMean(SECONDS_DECAY)).add_clipped(seconds - (waited_s or 0.0))
         if waited_s is not None:
-            self.waits.setdefault(where, DecayedMean(SECONDS_DECAY)).add_clipped(waited_s)
+            if self._stale_wait(where):  # the re-check: it starts the wait afresh
+                del self.waits[where]
+            wait = self.waits.setdefault(where, DecayedMean(SECONDS_DECAY))
+            wait.add_clipped(waited_s)
+            wait.last_round = self.rounds[where]
 
     def round_times(self, where: tuple) -> tuple[float | None, float | None]:
-        """(busy seconds, wait for trees and drafts) of a round at `where`, None before a measurement."""
+        """(busy seconds, wait for trees and drafts) of a round at `where`, None before a measurement (the
+        wait also once stale: RECHECK_ROUNDS)."""
         busy, wait = self.busy.get(where), self.waits.get(where)
-        return (busy.mean if busy else None), (wait.mean if wait else None)
+        return (busy.mean if busy else None), (None if wait is None or self._stale_wait(where) else wait.mean)
+
+    def _stale_wait(self, where: tuple) -> bool:
+        wait = self.waits.get(where)
+        return wait is not None and self.rounds[where] - wait.last_round > RECHECK_ROUNDS
