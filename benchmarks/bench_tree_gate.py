@@ -7,9 +7,10 @@
 `record` runs one-host SSD on the demo pair (8 held-out prompts, 128 tokens, 3 passes) with every
 round forced to each mode in turn (trees, just-in-time drafts, n-gram rounds), and saves each round's
 (tokens, seconds, rows, fast-backup rows, their tokens, rows that took their n-gram proposal, their tokens).
-`replay` runs the gate over that data: at every round it picks a kind, and the round of that kind
+`replay` runs the gate over that data, offered every kind recorded (older recordings hold trees and
+just-in-time rounds only): at every round it picks a kind, and the round of that kind
 recorded at the same point of the same text (greedy: both kinds generate the same tokens) is what
-it gets. It prints the gate's tok/s over the better fixed kind's on the same drawn passes (mean, p10,
+it gets. It prints the gate's tok/s over the best fixed kind's on the same drawn passes (mean, p10,
 min over random lives): what the gate's choices cost or gain. Passes are drawn per kind (the box's drift
 hits one kind and not the other) or, with --paired, once for both.
 """
@@ -64,12 +65,15 @@ def record(temperature: float, batch: int, out: str, passes: int = 3, num_prompt
         print(f"{mode}: {len(rounds_)} rounds, {sum(r[0] for r in rounds_) / sum(r[1] for r in rounds_):.1f} tok/s")
 
 
+LABELS = {"trees": "trees", "just_in_time": "just-in-time", "fast": "n-gram rounds"}
+
+
 def _replay_once(data: dict, rng: random.Random, paired: bool, passes: int = 3) -> tuple[float, float]:
     """One engine's life: `passes` times over every prompt group, each kind's pass drawn at random (with
     `paired`, one pass for both kinds: recorded a few seconds apart, they share the box's drift). Returns
-    the gate's tok/s over the better fixed kind's on the same draws, and the share of tree rounds."""
+    the gate's tok/s over the best fixed kind's on the same draws, and the share of tree rounds."""
     from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
-    gate, tokens, seconds, trees = TreeGate(), 0.0, 0.0, 0
+    gate, tokens, seconds, trees = TreeGate(tuple(m for m in RoundMode if m.value in data)), 0.0, 0.0, 0
     fixed = {m: [0.0, 0.0] for m in data}  # kind -> [tokens, seconds] of running it every round
     for _ in range(passes):
         for g in range(len(data["trees"][0])):
@@ -111,8 +115,8 @@ def replay(path: str, trials: int, paired: bool) -> None:
     rng = random.Random(0)
     runs = [_replay_once(data, rng, paired) for _ in range(trials)]
     rel, share = sorted(r for r, _ in runs), statistics.mean(s for _, s in runs)
-    print(f"T {saved['temperature']} b {saved['batch']}{' paired' if paired else ''}: trees {fixed['trees']:.0f}, "
-          f"just-in-time {fixed['just_in_time']:.0f} tok/s; gate / better on the same draws: mean "
+    kinds = ", ".join(f"{LABELS[m]} {rate:.0f}" for m, rate in fixed.items())
+    print(f"T {saved['temperature']} b {saved['batch']}{' paired' if paired else ''}: {kinds} tok/s; gate / better on the same draws: mean "
           f"{statistics.mean(rel):.3f}, p10 {rel[len(rel) // 10]:.3f}, min {rel[0]:.3f}; tree rounds {share:.2f}")
 
 

@@ -3,7 +3,8 @@ faster one, re-trying the slower."""
 import pytest
 
 from saguaro_dist.spec.tree_gate import (
-    BURST, EXPLORE_EVERY, INHERIT_LEAD, MAX_STRETCH, RETRY_BURST, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, choose_mode, explore_interval,
+    BURST, EXPLORE_EVERY, INHERIT_LEAD, MAX_STRETCH, RETRY_BURST, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, _BatchGate,
+    choose_mode, explore_interval,
 )
 
 TREES, JIT, FAST = RoundMode.TREES, RoundMode.JUST_IN_TIME, RoundMode.FAST
@@ -247,3 +248,23 @@ def test_sampled_and_greedy_batches_are_measured_apart():
     assert gate.mode(4, sampled=True) is TREES and gate.rates(4, sampled=True)["fast"] is None
     drive_three(gate, 2 * BURST, {TREES: 20, JIT: 15, FAST: 30}, batch=4)
     assert gate.rates(4)["fast"] == pytest.approx(30.0)
+
+
+def test_fast_rounds_and_a_tree_rounds_misses_are_rated_apart():
+    """A miss's fast backup proposes K tokens after the draft's guess failed; a FAST round's row, the length
+    its match earns (spec/lookup_length.py). Pooled, a burst of tree rounds' misses made FAST rounds look
+    poor, and FAST rounds' long proposals made misses look good."""
+    gate = _BatchGate(batch_size=1, mode=FAST, modes=THREE)
+    gate.unmeasured = 0
+    gate.record(FAST, RoundYield(1, 9, fast_rows=1, fast_tokens=9), 0.006)
+    gate.mode = TREES
+    gate.record(TREES, RoundYield(2, 5, fast_rows=1, fast_tokens=1), 0.006)
+    assert gate.tokens_per_row(FAST) == pytest.approx(9)
+    assert gate.tokens_per_row(TREES) == pytest.approx(0.5 * 4 + 0.5 * 1)
+
+
+def test_a_gate_that_saw_only_lookup_rows_rates_the_others_at_their_yield():
+    gate = _BatchGate(batch_size=1, mode=TREES, modes=THREE)
+    gate.unmeasured = 0
+    gate.record(TREES, RoundYield(1, 4, lookup_rows=1, lookup_tokens=4), 0.006)
+    assert gate.tokens_per_row(JIT) == gate.tokens_per_row(FAST) == pytest.approx(4)

@@ -112,6 +112,11 @@ class DecayedMean:
         return self.total / self.weight if self.weight else None
 
 
+def first_mean(*means: DecayedMean) -> float:
+    """The mean of the first of `means` with any weight; 1 if none has (a row gains at least its bonus token)."""
+    return next((m.mean for m in means if m.weight), 1.0)
+
+
 def choose_mode(rates: dict, explore: bool, last_run: dict | None = None) -> RoundMode:
     """The first unmeasured mode (in the gate's order: trees first), then the fastest, or when it is time
     to explore a slower one: the one run least lately (so a mode that lost once is not lost for good)."""
@@ -165,7 +170,10 @@ class _BatchGate:
     count would compare the text of its bursts (a re-try on an easy stretch looked faster and kept a
     slower mode for ~100 rounds). Rows the fast backup proposed (a tree round's misses) are counted
     apart, with each mode's share of them: at T > 0 past the critical batch size they gain far less,
-    and pooled with the draft's rows they made tree rounds look as productive as just-in-time ones.
+    and pooled with the draft's rows they made tree rounds look as productive as just-in-time ones. A FAST
+    round's rows count apart from those too: they propose the length their match earns
+    (spec/lookup_length.py), a miss K tokens after the draft's guess failed, and pooled, a burst of tree
+    rounds' misses made FAST rounds look poor (docs/architecture.md, session 57's replays).
     Rows that took their n-gram proposal over the draft's (spec/lookup_pick.py) are chosen for a good
     match, so they are counted apart from both, with each mode's share of them too."""
     batch_size: int = 1
@@ -178,7 +186,8 @@ class _BatchGate:
     rounds: int = 0              # rounds at this batch size so far
     seconds: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
     draft_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per draft row
-    fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row
+    fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row (a miss's)
+    fast_round_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per row of FAST rounds
     fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
     lookup_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per lookup row
     lookup_share: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
@@ -214,9 +223,10 @@ class _BatchGate:
     def tokens_per_row(self, mode: RoundMode) -> float:
         """Expected tokens per row of a `mode` round: its shares of fast-backup and lookup rows at their
         yields, the rest at the draft's (a yield not yet seen takes the draft's, or the fast backup's)."""
-        draft = self.draft_yield.mean if self.draft_yield.weight else self.fast_yield.mean
-        fast = self.fast_yield.mean if self.fast_yield.weight else draft
-        lookup = self.lookup_yield.mean if self.lookup_yield.weight else draft
+        own = (self.fast_round_yield, self.fast_yield) if mode is RoundMode.FAST else (self.fast_yield, self.fast_round_yield)
+        draft = first_mean(self.draft_yield, *own, self.lookup_yield)
+        fast = first_mean(*own, self.draft_yield, self.lookup_yield)
+        lookup = first_mean(self.lookup_yield, self.draft_yield, *own)
         fast_share, lookup_share = self.fast_share[mode].mean or 0.0, self.lookup_share[mode].mean or 0.0
         return (1.0 - fast_share - lookup_share) * draft + fast_share * fast + lookup_share * lookup
 
@@ -260,7 +270,7 @@ class _BatchGate:
         if gained.draft_rows:
             self.draft_yield.add(gained.draft_tokens, gained.draft_rows)
         if gained.fast_rows:
-            self.fast_yield.add(gained.fast_tokens, gained.fast_rows)
+            (self.fast_round_yield if mode is RoundMode.FAST else self.fast_yield).add(gained.fast_tokens, gained.fast_rows)
         if gained.lookup_rows:
             self.lookup_yield.add(gained.lookup_tokens, gained.lookup_rows)
         self.fast_share[mode].add(gained.fast_rows, gained.rows)
