@@ -71,6 +71,26 @@ def acceptance_hit_vs_c(results: dict, path: Path) -> Path:
     return _save(fig, plt, path)
 
 
+def serving_vs_rate(results: dict, path: Path) -> Path:
+    """Output tokens/s (top) and TPOT p50 (bottom) vs the request rate, one line per system, one column per
+    (setting, temperature); the rates as categories (inf, all at once, is not a point on a number line)."""
+    plt = _pyplot()
+    cells = results["cells"]
+    rates = list(dict.fromkeys(c["rate"] for c in cells))
+    panels = sorted({(c["setting"], c["temperature"]) for c in cells})
+    fig, axes = plt.subplots(2, len(panels), figsize=(5 * len(panels), 7), squeeze=False)
+    for col, (setting, temp) in enumerate(panels):
+        for row, (key, ylabel) in enumerate((("output_tokens_per_s", "output tokens/s"), ("tpot_ms_p50", "TPOT p50 (ms)"))):
+            ax = axes[row][col]
+            for system in dict.fromkeys(c["system"] for c in cells):
+                by_rate = {c["rate"]: c[key] for c in cells if (c["system"], c["setting"], c["temperature"]) == (system, setting, temp)}
+                ax.plot(range(len(rates)), [by_rate.get(r) for r in rates], marker="o", label=system)
+            ax.set(title=f"{setting} setting, T={temp}", xlabel="requests/s arriving", ylabel=ylabel)
+            ax.set_xticks(range(len(rates)), labels=[str(r) for r in rates])
+            ax.legend(fontsize=8)
+    return _save(fig, plt, path)
+
+
 def _save(fig, plt, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -82,5 +102,7 @@ def _save(fig, plt, path: Path) -> Path:
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
     if results["kind"] == "grid":
         return [speedup_vs_batch(results, out_dir / "speedup_vs_batch.png")]
+    if results["kind"] == "serving":
+        return [serving_vs_rate(results, out_dir / "serving_vs_rate.png")]
     return [hit_rate_vs_budget(results, out_dir / "hit_rate_vs_budget.png"),
             acceptance_hit_vs_c(results, out_dir / "acceptance_hit_vs_c.png")]

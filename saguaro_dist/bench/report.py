@@ -18,6 +18,15 @@ SWEEP_COLUMNS = [("axis", "axis", "{}"), ("k", "k", "{}"), ("fan_out", "budget",
                  ("saguaro_c", "C", "{}"), ("fallback", "fallback", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"),
                  ("acceptance_rate", "accept", "{:.2f}"), ("mean_accepted_length", "tok/rd/seq", "{:.2f}"),
                  ("cache_hit_rate", "hit", "{:.2f}"), ("draft_wait_ms_per_round", "wait ms/rd", "{:.2f}")]
+SERVING_COLUMNS = [("setting", "setting", "{}"), ("system", "system", "{}"), ("temperature", "T", "{}"),
+                   ("rate", "req/s in", "{}"), ("requests_per_s", "req/s out", "{:.2f}"),
+                   ("output_tokens_per_s", "out tok/s", "{:.1f}"), ("speedup_vs_sd", "x sd", "{:.2f}"),
+                   ("paired_vs_sd", "x sd by repeat", format_paired), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
+                   ("ttft_ms_p99", "TTFT p99 ms", "{:.1f}"), ("tpot_ms_p50", "TPOT p50 ms", "{:.2f}"),
+                   ("tpot_ms_p99", "TPOT p99 ms", "{:.2f}"), ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"),
+                   ("e2e_ms_p99", "E2E p99 ms", "{:.0f}"), ("acceptance_rate", "accept", "{:.2f}"),
+                   ("cache_hit_rate", "hit", "{:.2f}"), ("greedy_same_as_ar", "=ar", "{:.2f}")]
+TABLES = {"grid": ("cells", GRID_COLUMNS), "sweep": ("points", SWEEP_COLUMNS), "serving": ("cells", SERVING_COLUMNS)}
 
 
 def fmt(value, spec) -> str:
@@ -107,13 +116,18 @@ def placement_lines(results: dict) -> list[str]:
 
 
 def render(results: dict) -> str:
-    """The full terminal report of a grid or sweep run."""
+    """The full terminal report of a grid, sweep or serving run."""
     host = results["host"]
     lines = [f"pair: target {results['pair']['target']}, draft {results['pair']['draft']}",
              f"prompts: {results['prompts']}", f"host: {host['cpu_count']} CPUs, load average {host['load_average']}"]
     lines += [f"setting {k}: {v}" for k, v in results["settings"].items()] + placement_lines(results)
-    rows = results["cells"] if results["kind"] == "grid" else results["points"]
-    table = markdown_table(rows, GRID_COLUMNS if results["kind"] == "grid" else SWEEP_COLUMNS)
+    if results["kind"] == "serving":
+        serving = results["serving"]
+        lines.append(f"serving: {serving['num_requests']} requests a stream, at most {serving['max_batch_size']} running "
+                     "(max_batch_size), arriving as a Poisson stream at each rate (inf: all at once); medians over repeats")
+    rows_key, columns = TABLES[results["kind"]]
+    rows = results[rows_key]
+    table = markdown_table(rows, columns)
     return "\n".join(lines + ["", table, ""] + theorem7_lines(rows))
 
 

@@ -1,4 +1,5 @@
-"""`saguaro bench`: the grid (systems x settings x batch x temperature) or the SSD sweep; table, JSON, PNGs."""
+"""`saguaro bench`: the grid (systems x settings x batch x temperature), the SSD sweep, or our systems serving
+request streams (--request-rates); table, JSON, PNGs."""
 from __future__ import annotations
 
 import logging
@@ -6,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the bench package pulls in matplotlib and transformers: imported when a bench runs
-    from saguaro_dist.bench import BenchConfig, SweepConfig
+    from saguaro_dist.bench import BenchConfig, ServingConfig, SweepConfig
 
 log = logging.getLogger(__name__)
 
@@ -17,6 +18,11 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    """Requests a second, comma-separated; "inf" for all at once (ServingConfig checks them)."""
+    return tuple(float(x) for x in text.split(",") if x.strip())
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -39,11 +45,18 @@ SWEEP_OPTIONS = {"--sweep-ks": ("ks", _ints), "--sweep-budgets": ("budgets", _in
                  "--sweep-system": ("system", str), "--sweep-setting": ("setting", str)}
 
 
+RESULT_FILES = {"grid": "results.json", "sweep": "sweep.json", "serving": "serving.json"}
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("bench", help="benchmark SSD against AR, SD and transformers (table, JSON, plots)",
                               description=__doc__)
     p.add_argument("--preset", choices=("full", "quick"), default="full", help="grid defaults (quick: CI-sized)")
     p.add_argument("--sweep", action="store_true", help="sweep k, fan-out budget x kind, Saguaro C, fallback instead")
+    p.add_argument("--request-rates", type=_rates, help="serve a stream of requests at each rate (requests/s, "
+                   "comma-separated; inf: all at once) to our systems instead of the grid: throughput, TTFT, TPOT; "
+                   "at most max(--batch) running; default systems ar,sd,ngram,ssd")
+    p.add_argument("--num-requests", type=int, default=32, help="requests a serving stream (--request-rates)")
     p.add_argument("--target", help="target checkpoint (default: the demo pair)")
     p.add_argument("--draft", help="draft checkpoint (default: the demo pair)")
     p.add_argument("--out", default="bench-results", help="directory for results.json / sweep.json and PNGs")
@@ -78,18 +91,32 @@ def sweep_config(args, base) -> "SweepConfig":
     return SweepConfig(base=base, **overrides)
 
 
+def serving_config(args, base) -> "ServingConfig":
+    """The serving run: our default systems unless --systems names others (ServingConfig rejects transformers')."""
+    import dataclasses
+
+    from saguaro_dist.bench.serving import SERVING_SYSTEMS, ServingConfig
+    if args.systems is None:
+        base = dataclasses.replace(base, systems=SERVING_SYSTEMS)
+    return ServingConfig(base=base, rates=args.request_rates, num_requests=args.num_requests)
+
+
 def run(args) -> int:
-    from saguaro_dist.bench import run_grid, run_sweep
+    from saguaro_dist.bench import run_grid, run_serving, run_sweep
     from saguaro_dist.bench.plots import write_plots
     from saguaro_dist.bench.report import render, write_json
     cfg = bench_config(args)
     out = Path(cfg.out_dir)
+    if args.sweep and args.request_rates:
+        raise ValueError("--sweep and --request-rates are two different runs: give one")
     if args.sweep:
         results = run_sweep(sweep_config(args, cfg), progress=not args.no_progress)
+    elif args.request_rates:
+        results = run_serving(serving_config(args, cfg), progress=not args.no_progress)
     else:
         results = run_grid(cfg, progress=not args.no_progress)
     print(render(results))
-    path = write_json(results, out / ("sweep.json" if args.sweep else "results.json"))
+    path = write_json(results, out / RESULT_FILES[results["kind"]])
     plots = write_plots(results, out) if cfg.plots else []
     print(f"\nwrote {path}" + "".join(f", {p}" for p in plots))
     return 0

@@ -1,0 +1,232 @@
+"""`saguaro bench --request-rates`: our systems serving one stream of requests, as a server batches them.
+
+The grid runs static batches: b prompts together, the next b once all are done, so a batch's last row
+runs alone for its tail (b = 8: 18-27% of a pass, docs/benchmarks.md, session 57), and a policy that lets
+rows race apart pays for it there. A server batches continuously: a finished row's slot goes to the next
+request at once. Here every system gets the same requests (prompts, seeds, arrival times: a Poisson
+stream of `rate` requests a second, or all at once for inf), at most max_batch_size running, and reports
+what a server's users read (vLLM's benchmark_serving, in process): output tokens/s, time to first token,
+time per output token after it, end-to-end latency. transformers' generate has no continuous batching,
+so only our systems serve.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from saguaro_dist.bench.config import OURS, BenchConfig, placement
+from saguaro_dist.bench.paired import paired_ratios
+from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
+from saguaro_dist.bench.runner import SCHEMA_VERSION, context, vocab_size
+from saguaro_dist.bench.systems import engine_delta, make_system
+from saguaro_dist.engine.metrics import RequestMetrics
+
+SERVING_SYSTEMS = ("ar", "sd", "ngram", "ssd")  # --request-rates without --systems
+LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms")
+SPREAD = (("mean", None), ("p50", 50), ("p99", 99))
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    """A serving run: `base` gives the pair, systems, settings, temperatures, max_new_tokens, repeats and
+    seed, and max(base.batch_sizes) the slots (max_batch_size); each rate streams num_requests requests."""
+    base: BenchConfig = field(default_factory=lambda: BenchConfig(systems=SERVING_SYSTEMS))
+    rates: tuple[float, ...] = (math.inf,)  # requests a second; inf: all at once
+    num_requests: int = 32
+
+    def __post_init__(self):
+        if not self.rates or not all(r > 0 for r in self.rates):  # (NaN fails r > 0 too)
+            raise ValueError(f"request rates must be > 0 requests a second (inf: all at once), got {list(self.rates)}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        others = [s for s in self.base.systems if s not in OURS]
+        if others:
+            raise ValueError(f"{others} cannot serve a stream (transformers' generate has no continuous batching); "
+                             f"serving runs our systems: {', '.join(OURS)}")
+
+    def to_dict(self) -> dict:
+        return {"rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
+                "max_batch_size": max(self.base.batch_sizes)}
+
+
+def rate_label(rate: float) -> float | str:
+    """A rate as JSON holds it: "inf" for all at once (JSON has no infinity)."""
+    return "inf" if math.isinf(rate) else rate
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds from the stream's start at which each of n requests arrives: a Poisson process of `rate` a
+    second (exponential gaps, seeded; the first at 0), or every one at 0 for inf."""
+    if math.isinf(rate):
+        return [0.0] * n
+    rng, at, offsets = random.Random(seed), 0.0, []
+    for _ in range(n):
+        offsets.append(at)
+        at += rng.expovariate(rate)
+    return offsets
+
+
+@dataclass
+class Served:
+    """One request's output and the engine's metrics of it (arrival to first token, to finish)."""
+    tokens: list[int]
+    metrics: RequestMetrics
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None for a one-token output."""
+        m = self.metrics
+        return (m.total_time_s - m.time_to_first_token_s) / (len(self.tokens) - 1) if len(self.tokens) > 1 else None
+
+
+async def _request(llm, prompt: list[int], params, at: float) -> Served:
+    """Submit at perf_counter time `at`, then wait for the whole output (one delta: FINAL_ONLY)."""
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    tokens, metrics = [], None
+    async for delta in llm.stream(prompt_token_ids=prompt, sampling_params=params, output_kind="final_only"):
+        tokens += delta.token_ids
+        metrics = delta.metrics
+    return Served(tokens, metrics)
+
+
+def serve_stream(llm, prompts: list[list[int]], params: list, offsets: list[float]) -> tuple[list[Served], float]:
+    """Every request at its offset from now; (the requests in prompt order, seconds to the last one's end)."""
+    async def stream():
+        start = time.perf_counter()
+        served = await asyncio.gather(*(_request(llm, p, sp, start + o) for p, sp, o in zip(prompts, params, offsets)))
+        return list(served), time.perf_counter() - start
+    return asyncio.run(stream())
+
+
+def spread(name: str, seconds: list[float]) -> dict:
+    """{name_mean, name_p50, name_p99} in ms (None without values)."""
+    if not seconds:
+        return {f"{name}_{label}": None for label, _ in SPREAD}
+    ms = np.asarray(seconds) * 1e3
+    return {f"{name}_{label}": float(ms.mean() if q is None else np.percentile(ms, q)) for label, q in SPREAD}
+
+
+def summarize(served: list[Served], seconds: float) -> dict:
+    """A stream's figures: throughput over its whole time, latencies per request, speculation counts."""
+    tokens = sum(len(s.tokens) for s in served)
+    ms = [s.metrics for s in served]
+    drafted, accepted = sum(m.drafted_tokens for m in ms), sum(m.accepted_tokens for m in ms)
+    lookups = sum(m.cache_hits + m.cache_misses for m in ms)
+    return {"requests": len(served), "output_tokens": tokens, "seconds": seconds,
+            "output_tokens_per_s": tokens / seconds, "requests_per_s": len(served) / seconds,
+            **spread("ttft_ms", [m.time_to_first_token_s for m in ms]),
+            **spread("tpot_ms", [t for s in served if (t := s.tpot_s) is not None]),
+            **spread("e2e_ms", [m.total_time_s for m in ms]),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "cache_hit_rate": sum(m.cache_hits for m in ms) / lookups if lookups else None}
+
+
+def run_serving(serving: ServingConfig, progress: bool = True) -> dict:
+    """Every system under every setting serves the same streams, per temperature and rate."""
+    cfg = serving.base
+    target, draft = resolve_pair(cfg.target, cfg.draft)
+    prompts, _ = bench_prompts(target, serving.num_requests, cfg.prompt_len, cfg.seed, vocab_size(target))
+    source = f"{serving.num_requests} requests of {cfg.prompt_len} prompt tokens (held-out stdlib snippets, or random ids)"
+    total = len(cfg.settings) * len(cfg.temperatures) * len(serving.rates) * len(cfg.systems)
+    cells = []
+    with tqdm(total=total, desc="saguaro bench serving", unit="cell", disable=not progress) as bar:
+        for setting in cfg.settings:
+            cells += serve_setting(serving, setting, target, draft, prompts, bar)
+    annotate_serving(cells)
+    return {"schema": SCHEMA_VERSION, "kind": "serving", "config": cfg.to_dict(), "serving": serving.to_dict(),
+            **context(target, draft, source, cfg), "cells": cells}
+
+
+def serve_setting(serving: ServingConfig, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
+    """Per temperature fresh engines, every system open at once (the grid's --interleave): an untimed stream
+    of every request at once first, then each repeat streams to every system in turn, the order rotating."""
+    cfg, cells = serving.base, []
+    for temperature in cfg.temperatures:
+        systems = {s: make_system(s, target, draft, cfg.engine_kwargs()) for s in cfg.systems}
+        try:
+            for name, system in systems.items():
+                bar.set_postfix_str(f"{setting}/{name}: loading")
+                system.open(placement(name, setting, cfg.cores))
+                run_one(system, prompts, temperature, math.inf, cfg, repeat=0)  # warm-up, untimed
+            for rate in serving.rates:
+                bar.set_postfix_str(f"{setting} T={temperature} rate={rate_label(rate)}")
+                runs = serve_interleaved(systems, prompts, temperature, rate, cfg)
+                cells += [serving_cell(name, setting, temperature, rate, runs[name], placement(name, setting, cfg.cores))
+                          for name in systems]
+                bar.update(len(systems))
+        finally:
+            for system in systems.values():
+                system.close()
+    return cells
+
+
+def serve_interleaved(systems: dict, prompts, temperature: float, rate: float, cfg: BenchConfig) -> dict[str, list[dict]]:
+    """Repeat r: every system serves stream r (its own arrivals and seeds), in the order rotated by r."""
+    names, runs = list(systems), {name: [] for name in systems}
+    for r in range(cfg.repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            runs[name].append(run_one(systems[name], prompts, temperature, rate, cfg, r))
+    return runs
+
+
+def run_one(system, prompts, temperature: float, rate: float, cfg: BenchConfig, repeat: int) -> dict:
+    """One stream served by one of our systems: its summary, engine counters and outputs. Request i of
+    repeat r is seeded as the grid's prompt i (seed + r x requests + i); the arrivals by seed + r."""
+    import torch
+
+    from saguaro_dist import SamplingParams
+    first = cfg.seed + repeat * len(prompts)
+    params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens, ignore_eos=True, seed=first + i)
+              for i in range(len(prompts))]
+    torch.set_num_threads(system.threads)  # process-wide: the systems open beside it may differ
+    before = system.llm.metrics.to_dict()
+    served, seconds = serve_stream(system.llm, prompts, params, arrival_offsets(len(prompts), rate, cfg.seed + repeat))
+    return {**summarize(served, seconds), "engine": engine_delta(before, system.llm.metrics.to_dict()),
+            "outputs": [s.tokens for s in served]}
+
+
+def serving_cell(system: str, setting: str, temperature: float, rate: float, runs: list[dict], place) -> dict:
+    """The median of every figure over the repeats (a stream's latencies are its own, so no best pass);
+    every repeat's summary kept, its outputs until annotate_serving has compared them."""
+    figures = [k for k, v in runs[0].items() if k not in ("engine", "outputs") and (v is None or isinstance(v, (int, float)))]
+    return {"system": system, "setting": setting, "temperature": temperature, "rate": rate_label(rate),
+            "cores": place.cores, "placement": place.to_dict(),
+            **{k: _median([run[k] for run in runs]) for k in figures},
+            "repeat_output_tokens_per_s": [run["output_tokens_per_s"] for run in runs],
+            "repeats": [{k: v for k, v in run.items() if k != "outputs"} for run in runs],
+            "outputs": [run["outputs"] for run in runs]}
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def annotate_serving(cells: list[dict]) -> None:
+    """Throughput over our sd's of the same stream (medians, and paired by repeat); greedy outputs against
+    our ar's, request by request (continuous batching and arrivals must not change a token)."""
+    index = {(c["system"], c["setting"], c["temperature"], c["rate"]): c for c in cells}
+    for c in cells:
+        key = (c["setting"], c["temperature"], c["rate"])
+        sd, ar = index.get(("sd",) + key), index.get(("ar",) + key)
+        c["speedup_vs_sd"] = c["output_tokens_per_s"] / sd["output_tokens_per_s"] if sd else None
+        c["paired_vs_sd"] = paired_ratios(c["repeat_output_tokens_per_s"], sd["repeat_output_tokens_per_s"]) if sd else None
+        c["greedy_same_as_ar"] = _same_share(c["outputs"], ar["outputs"]) if ar and c["temperature"] == 0 else None
+    for c in cells:
+        c.pop("outputs")
+
+
+def _same_share(outputs: list[list[list[int]]], reference: list[list[list[int]]]) -> float:
+    """Share of requests, over every repeat, whose output equals the reference's."""
+    pairs = [(a, b) for run, ref in zip(outputs, reference) for a, b in zip(run, ref)]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+__all__ = ["ServingConfig", "SERVING_SYSTEMS", "arrival_offsets", "summarize", "run_serving", "Served", "rate_label"]
