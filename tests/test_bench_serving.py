@@ -48,11 +48,11 @@ def test_summary_figures():
     assert ar["acceptance_rate"] is None and ar["cache_hit_rate"] is None and ar["tpot_ms_p50"] is None
 
 
-def tiny_serving(pair, tmp_path, **kw) -> ServingConfig:
-    base = BenchConfig(target=pair[0], draft=pair[1], systems=("ar", "sd", "ngram", "ssd"), settings=("paper",),
-                       batch_sizes=(2,), temperatures=(0.0, 0.7), max_new_tokens=8, prompt_len=6, k=2, fan_out=6,
-                       repeats=2, out_dir=str(tmp_path))
-    return ServingConfig(base=base, **{"rates": (math.inf, 200.0), "num_requests": 4, **kw})
+def tiny_serving(pair, tmp_path, base: dict | None = None, **kw) -> ServingConfig:
+    """Four requests through two slots, greedy and sampled, all at once and at 200 a second, two repeats."""
+    defaults = dict(target=pair[0], draft=pair[1], systems=("ar", "sd", "ngram", "ssd"), settings=("paper",), batch_sizes=(2,),
+                    temperatures=(0.0, 0.7), max_new_tokens=8, prompt_len=6, k=2, fan_out=6, repeats=2, out_dir=str(tmp_path))
+    return ServingConfig(base=BenchConfig(**{**defaults, **(base or {})}), **{"rates": (math.inf, 200.0), "num_requests": 4, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,12 @@ def test_cli_serving_run_writes_serving_json(tiny_llama_pair, tmp_path, capsys):
     assert main(args + ["--request-rates", "0"]) == 2
     assert main(args + ["--request-rates", "inf", "--sweep"]) == 2
     assert main(args + ["--request-rates", "inf", "--systems", "sd,hf"]) == 2
+
+
+def test_ssd_on_ray_serves_a_stream(tiny_llama_pair, tmp_path, ray_cluster):
+    """The Ray engine (target actor, draft actor, gRPC) serves the stream as the one-host engines do."""
+    config = tiny_serving(tiny_llama_pair, tmp_path, {"systems": ("ar", "ssd-ray"), "temperatures": (0.0,), "repeats": 1},
+                          rates=(100.0,), num_requests=3)
+    cells = {c["system"]: c for c in run_serving(config, progress=False)["cells"]}
+    assert cells["ssd-ray"]["greedy_same_as_ar"] == 1.0 and cells["ssd-ray"]["output_tokens"] == 3 * 8
+    assert cells["ssd-ray"]["cores"] == 2 and cells["ssd-ray"]["repeats"][0]["engine"]["rounds"] > 0
