@@ -108,6 +108,9 @@ def test_cli_serving_run_writes_serving_json(tiny_llama_pair, tmp_path, capsys):
     assert [c["system"] for c in results["cells"]] == ["ar", "sd", "ngram", "ssd"]  # the serving default
     assert "| paper | ssd | 0.0 | inf |" in capsys.readouterr().out
     assert main(args + ["--request-rates", "0"]) == 2
+    with pytest.raises(SystemExit) as exit_:  # argparse's own error, naming the option
+        main(args + ["--request-rates", "fast"])
+    assert exit_.value.code == 2 and "request rates are requests a second" in capsys.readouterr().err
     assert main(args + ["--request-rates", "inf", "--sweep"]) == 2
     assert main(args + ["--request-rates", "inf", "--systems", "sd,hf"]) == 2
 

@@ -2,6 +2,7 @@
 request streams (--request-rates); table, JSON, PNGs."""
 from __future__ import annotations
 
+import argparse
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,8 +22,12 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _rates(text: str) -> tuple[float, ...]:
-    """Requests a second, comma-separated; "inf" for all at once (ServingConfig checks them)."""
-    return tuple(float(x) for x in text.split(",") if x.strip())
+    """Requests a second, comma-separated; "inf" for all at once (ServingConfig checks that they are > 0)."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"request rates are requests a second, comma-separated (inf: all at once), "
+                                         f"got {text!r}") from None
 
 
 def _names(text: str) -> tuple[str, ...]:
