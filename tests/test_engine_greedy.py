@@ -317,40 +317,6 @@ def test_lookup_rounds_of_every_length_are_exact(pair, reference, monkeypatch, c
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 
-class LookupsGate(CyclingGate):
-    """Rounds of n-gram proposals alone, every one (`with_trees`: every fourth with trees instead)."""
-    with_trees = False
-
-    def __init__(self, modes=None):
-        from saguaro_dist.spec.tree_gate import RoundMode
-        self.cycle, self.rounds = [RoundMode.FAST] * 3 + [RoundMode.TREES if self.with_trees else RoundMode.FAST], 0
-
-
-class LookupsThenTreesGate(LookupsGate):
-    with_trees = True
-
-
-@pytest.mark.parametrize("gate, executor", [(LookupsGate, "split"), (LookupsThenTreesGate, "thread"),
-                                            (LookupsThenTreesGate, "split")])
-def test_a_row_admitted_in_a_round_of_lookups_takes_its_lookup_too(pair, reference, monkeypatch, caplog, gate, executor):
-    """More prompts than slots, so sequences are admitted as others finish, mostly in rounds the gate runs
-    on n-gram proposals alone: an admitted row proposes its prompt's n-grams too, and the round waits for no
-    draft (it used to draft the new row just in time, the whole batch waiting for it). Its first
-    speculation then came from the target side; later rounds with trees pick it up, the draft in step."""
-    caplog.set_level("WARNING")
-    monkeypatch.setattr(ssd_loop, "TreeGate", gate)
-    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=2,
-             draft_executor=executor, tree_timeout_s=30.0) as llm:
-        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
-        m = llm.metrics
-    check(pair, reference, outputs)
-    if gate.with_trees:
-        assert m.fast_rounds > 0 and m.cache_hits > 0, m
-    else:  # no round, admissions included, waited for a draft
-        assert m.jit_rounds == 0 and m.fast_rounds == m.rounds > 0, m
-    assert not [r for r in caplog.records if "out of step" in r.getMessage()]
-
-
 @pytest.mark.parametrize("executor, batch", [("thread", 1), ("thread", 4), ("process", 4), ("split", 1), ("split", 4)])
 def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, executor, batch):
     """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken,

@@ -250,14 +250,14 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
     counts, metrics = sample_joint(target, draft, PARAMS["t1"], k=1, fan_out=4, draft_executor=executor,
                                    n=N if executor == "thread" else N_TWIN)
     assert metrics.just_in_time_rounds > 0 and metrics.cache_hits > 0, metrics
-    assert chosen[RoundMode.FAST] > 0, chosen  # (a sequence admitted in such a round takes its n-gram proposal too)
+    assert chosen[RoundMode.FAST] > 0, chosen  # (every such round also drafted for sequences admitted in it)
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 
 
 class EarlyLookupRoundsGate(CyclingGate):
-    """Rounds 1 and 2 of n-gram proposals alone (a sequence's first speculation too is then its prompt's
-    n-grams), then just-in-time drafts and trees: long lookups decide the first tokens."""
+    """Rounds 1 and 2 of n-gram proposals alone (a sequence's first round drafts just in time, its second is
+    then a whole round of lookups), then just-in-time drafts and trees: long lookups decide the first tokens."""
 
     def __init__(self, modes=None):
         self.cycle, self.rounds = [RoundMode.TREES, RoundMode.FAST, RoundMode.FAST, RoundMode.JUST_IN_TIME], 0

@@ -61,14 +61,12 @@ class SSDLoop(SDLoop):
         self._score_lookups(seqs)
         outcomes, landed = self._land(seqs)
         self._mode, self._batch_size = self._round_mode(seqs), len(seqs)
-        # Rounds that admit a sequence are measured too: its first draft is just in time with trees or without,
+        # Rounds that admit a sequence are measured too: its first draft is just in time in either mode,
         # and under steady arrivals skipping them could leave a mode unmeasured, hence chosen, for good.
         waiting = [s for s in seqs if s.seq_id not in landed]
         new = [s for s in waiting if s.speculation is None]
         treed = [s for s in waiting if s.speculation is not None and s.wants_tree]
         untreed = [s for s in waiting if s.speculation is not None and not s.wants_tree]
-        if self._mode is RoundMode.FAST:  # a row admitted now proposes as the round does: its prompt's n-grams,
-            new, untreed = [], new + untreed  # not a draft that the whole batch would wait for
         for s in seqs:  # what the draft prepares while this round verifies (a landed draft asked for no tree)
             s.wants_tree = self._mode is RoundMode.TREES and not s.beyond_draft and s.seq_id not in landed
         self._split = self._cohort_choice(len(seqs))
