@@ -317,6 +317,30 @@ def test_lookup_rounds_of_every_length_are_exact(pair, reference, monkeypatch, c
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 
+class LookupsThenTreesGate(CyclingGate):
+    """Rounds of n-gram proposals alone, every fourth with trees."""
+
+    def __init__(self, modes=None):
+        from saguaro_dist.spec.tree_gate import RoundMode
+        self.cycle, self.rounds = [RoundMode.FAST, RoundMode.FAST, RoundMode.FAST, RoundMode.TREES], 0
+
+
+@pytest.mark.parametrize("executor", ["thread", "split"])
+def test_sequences_admitted_in_rounds_of_lookups_are_exact(pair, reference, monkeypatch, caplog, executor):
+    """More prompts than slots, so sequences are admitted as others finish, mostly in rounds the gate runs
+    on n-gram proposals alone (their first speculation drafted just in time there): the same tokens, and
+    the draft in step when later rounds build trees for them."""
+    caplog.set_level("WARNING")
+    monkeypatch.setattr(ssd_loop, "TreeGate", LookupsThenTreesGate)
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=2,
+             draft_executor=executor, tree_timeout_s=30.0) as llm:
+        outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
+        m = llm.metrics
+    check(pair, reference, outputs)
+    assert m.fast_rounds > 0 and m.cache_hits > 0, m
+    assert not [r for r in caplog.records if "out of step" in r.getMessage()]
+
+
 @pytest.mark.parametrize("executor, batch", [("thread", 1), ("thread", 4), ("process", 4), ("split", 1), ("split", 4)])
 def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, executor, batch):
     """Rounds with and without trees mixed (the gate scripted): same tokens, both kinds of round taken,
