@@ -19,8 +19,10 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
+from saguaro_dist import SamplingParams
 from saguaro_dist.bench.config import OURS, BenchConfig, placement
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
@@ -29,7 +31,6 @@ from saguaro_dist.bench.systems import engine_delta, make_system
 from saguaro_dist.engine.metrics import RequestMetrics
 
 SERVING_SYSTEMS = ("ar", "sd", "ngram", "ssd")  # --request-rates without --systems
-LATENCIES = ("ttft_ms", "tpot_ms", "e2e_ms")
 SPREAD = (("mean", None), ("p50", 50), ("p99", 99))
 
 
@@ -148,18 +149,18 @@ def serve_setting(serving: ServingConfig, setting: str, target: str, draft: str,
     """Per temperature fresh engines, every system open at once (the grid's --interleave): an untimed stream
     of every request at once first, then each repeat streams to every system in turn, the order rotating."""
     cfg, cells = serving.base, []
+    places = {s: placement(s, setting, cfg.cores) for s in cfg.systems}
     for temperature in cfg.temperatures:
         systems = {s: make_system(s, target, draft, cfg.engine_kwargs()) for s in cfg.systems}
         try:
             for name, system in systems.items():
                 bar.set_postfix_str(f"{setting}/{name}: loading")
-                system.open(placement(name, setting, cfg.cores))
+                system.open(places[name])
                 run_one(system, prompts, temperature, math.inf, cfg, repeat=0)  # warm-up, untimed
             for rate in serving.rates:
                 bar.set_postfix_str(f"{setting} T={temperature} rate={rate_label(rate)}")
                 runs = serve_interleaved(systems, prompts, temperature, rate, cfg)
-                cells += [serving_cell(name, setting, temperature, rate, runs[name], placement(name, setting, cfg.cores))
-                          for name in systems]
+                cells += [serving_cell(name, setting, temperature, rate, runs[name], places[name]) for name in systems]
                 bar.update(len(systems))
         finally:
             for system in systems.values():
@@ -179,9 +180,6 @@ def serve_interleaved(systems: dict, prompts, temperature: float, rate: float, c
 def run_one(system, prompts, temperature: float, rate: float, cfg: BenchConfig, repeat: int) -> dict:
     """One stream served by one of our systems: its summary, engine counters and outputs. Request i of
     repeat r is seeded as the grid's prompt i (seed + r x requests + i); the arrivals by seed + r."""
-    import torch
-
-    from saguaro_dist import SamplingParams
     first = cfg.seed + repeat * len(prompts)
     params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens, ignore_eos=True, seed=first + i)
               for i in range(len(prompts))]
