@@ -115,9 +115,14 @@ def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, 
         warm_up(runner, prompts, batch, temperature, cfg)
     runs: dict[str, list[Measurement]] = {n: [] for n in names}
     for r in range(cfg.repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             runs[name].append(run_batches(runners[name], prompts, batch, temperature, cfg, repeat=r))
     return {n: Repeats.of(runs[n]) for n in names}
+
+
+def rotated(names: list, r: int) -> list:
+    """The names in the order repeat r runs them: rotated by r, so no system always runs first or last."""
+    return names[r % len(names):] + names[:r % len(names)]
 
 
 GPU_WARM_UP_PASSES = 2

@@ -26,7 +26,7 @@ from saguaro_dist import SamplingParams
 from saguaro_dist.bench.config import OURS, BenchConfig, placement
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
-from saguaro_dist.bench.runner import SCHEMA_VERSION, context, vocab_size
+from saguaro_dist.bench.runner import SCHEMA_VERSION, context, rotated, vocab_size
 from saguaro_dist.bench.systems import engine_delta, make_system
 from saguaro_dist.engine.metrics import RequestMetrics
 
@@ -172,7 +172,7 @@ def serve_interleaved(systems: dict, prompts, temperature: float, rate: float, c
     """Repeat r: every system serves stream r (its own arrivals and seeds), in the order rotated by r."""
     names, runs = list(systems), {name: [] for name in systems}
     for r in range(cfg.repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in rotated(names, r):
             runs[name].append(run_one(systems[name], prompts, temperature, rate, cfg, r))
     return runs
 
