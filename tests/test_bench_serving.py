@@ -122,3 +122,18 @@ def test_ssd_on_ray_serves_a_stream(tiny_llama_pair, tmp_path, ray_cluster):
     cells = {c["system"]: c for c in run_serving(config, progress=False)["cells"]}
     assert cells["ssd-ray"]["greedy_same_as_ar"] == 1.0 and cells["ssd-ray"]["output_tokens"] == 3 * 8
     assert cells["ssd-ray"]["cores"] == 2 and cells["ssd-ray"]["repeats"][0]["engine"]["rounds"] > 0
+
+
+def test_a_stream_is_served_from_inside_a_running_event_loop(tiny_llama_pair, tmp_path):
+    """A notebook cell runs inside an event loop, where asyncio.run refuses: the stream runs on a loop of
+    its own, every request is served, and greedy tokens stay ar's."""
+    import asyncio
+
+    config = tiny_serving(tiny_llama_pair, tmp_path, base=dict(systems=("ar", "sd"), temperatures=(0.0,), repeats=1),
+                          rates=(math.inf,), num_requests=2)
+
+    async def inside_a_loop():
+        return run_serving(config, progress=False)
+    cells = asyncio.run(inside_a_loop())["cells"]
+    assert [c["system"] for c in cells] == ["ar", "sd"]
+    assert all(c["requests"] == 2 and c["output_tokens"] == 2 * 8 and c["greedy_same_as_ar"] == 1.0 for c in cells)

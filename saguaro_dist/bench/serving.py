@@ -16,6 +16,7 @@ import math
 import random
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -103,7 +104,19 @@ def serve_stream(llm, prompts: list[list[int]], params: list, offsets: list[floa
         start = time.perf_counter()
         served = await asyncio.gather(*(_request(llm, p, sp, start + o) for p, sp, o in zip(prompts, params, offsets)))
         return list(served), time.perf_counter() - start
-    return asyncio.run(stream())
+    return run_to_end(stream)
+
+
+def run_to_end(make_coroutine):
+    """make_coroutine() run to its end on a fresh event loop. Inside a running loop (a notebook cell, an
+    async caller) asyncio.run refuses, so the fresh loop runs on a helper thread while the caller waits:
+    the engine's streams only need some loop to deliver to, not the caller's."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make_coroutine())
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-bench-stream") as helper:
+        return helper.submit(asyncio.run, make_coroutine()).result()
 
 
 def spread(name: str, seconds: list[float]) -> dict:
