@@ -32,7 +32,8 @@ def test_arrivals_are_a_seeded_poisson_stream_or_all_at_once():
 
 
 def served(tokens: int, ttft: float, total: float, drafted: int = 0, accepted: int = 0, hits: int = 0, misses: int = 0):
-    return Served(list(range(tokens)), RequestMetrics(time_to_first_token_s=ttft, total_time_s=total, drafted_tokens=drafted,
+    return Served(list(range(tokens)), RequestMetrics(num_generated_tokens=tokens, time_to_first_token_s=ttft,
+                                                      total_time_s=total, drafted_tokens=drafted,
                                                       accepted_tokens=accepted, cache_hits=hits, cache_misses=misses))
 
 

@@ -123,8 +123,10 @@ def render(results: dict) -> str:
     lines += [f"setting {k}: {v}" for k, v in results["settings"].items()] + placement_lines(results)
     if results["kind"] == "serving":
         serving = results["serving"]
-        lines.append(f"serving: {serving['num_requests']} requests a stream, at most {serving['max_batch_size']} running "
-                     "(max_batch_size), arriving as a Poisson stream at each rate (inf: all at once); medians over repeats")
+        slots = serving["max_batch_size"]
+        running = f"at most {slots} running (max_batch_size)" if slots else f"batched by the server at {serving['url']}"
+        lines.append(f"serving: {serving['num_requests']} requests a stream, {running}, arriving as a Poisson stream "
+                     "at each rate (inf: all at once); medians over repeats")
     rows_key, columns = TABLES[results["kind"]]
     rows = results[rows_key]
     table = markdown_table(rows, columns)

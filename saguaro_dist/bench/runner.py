@@ -207,10 +207,14 @@ def annotate(cells: list[dict], calibs: dict) -> None:
         c.pop("outputs")
 
 
+def host_info() -> dict:
+    """This machine, as a run's JSON records it (the load average: how busy the box was)."""
+    return {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "python": platform.python_version(),
+            "torch": torch.__version__, "machine": platform.machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
 def context(target: str, draft: str, source: str, cfg: BenchConfig) -> dict:
-    return {"pair": {"target": target, "draft": draft}, "prompts": source,
-            "host": {"cpu_count": os.cpu_count(), "load_average": list(os.getloadavg()), "python": platform.python_version(),
-                     "torch": torch.__version__, "machine": platform.machine(), "started": time.strftime("%Y-%m-%d %H:%M:%S")},
+    return {"pair": {"target": target, "draft": draft}, "prompts": source, "host": host_info(),
             "systems": {s: SYSTEMS[s] for s in cfg.systems if s in SYSTEMS},
             "settings": {s: SETTINGS[s] for s in cfg.settings},
             "placements": {f"{st}/{sy}" + (f" [{p.target_threads} thread(s)]" if len(places) > 1 else ""): p.to_dict()

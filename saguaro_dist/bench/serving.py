@@ -44,10 +44,7 @@ class ServingConfig:
     num_requests: int = 32
 
     def __post_init__(self):
-        if not self.rates or not all(r > 0 for r in self.rates):  # (NaN fails r > 0 too)
-            raise ValueError(f"request rates must be > 0 requests a second (inf: all at once), got {list(self.rates)}")
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        check_stream(self.rates, self.num_requests)
         others = [s for s in self.base.systems if s not in OURS]
         if others:
             raise ValueError(f"{others} cannot serve a stream (transformers' generate has no continuous batching); "
@@ -56,6 +53,13 @@ class ServingConfig:
     def to_dict(self) -> dict:
         return {"rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
                 "max_batch_size": max(self.base.batch_sizes)}
+
+
+def check_stream(rates: tuple[float, ...], num_requests: int) -> None:
+    if not rates or not all(r > 0 for r in rates):  # (NaN fails r > 0 too)
+        raise ValueError(f"request rates must be > 0 requests a second (inf: all at once), got {list(rates)}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
 
 
 def rate_label(rate: float) -> float | str:
@@ -78,14 +82,15 @@ def arrival_offsets(n: int, rate: float, seed: int) -> list[float]:
 @dataclass
 class Served:
     """One request's output and the engine's metrics of it (arrival to first token, to finish)."""
-    tokens: list[int]
-    metrics: RequestMetrics
+    tokens: list[int]        # the output's ids (in process; a server's stream gives text, so none)
+    metrics: RequestMetrics  # num_generated_tokens counts the output either way
 
     @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first (vLLM's TPOT); None for a one-token output."""
         m = self.metrics
-        return (m.total_time_s - m.time_to_first_token_s) / (len(self.tokens) - 1) if len(self.tokens) > 1 else None
+        n = m.num_generated_tokens
+        return (m.total_time_s - m.time_to_first_token_s) / (n - 1) if n > 1 else None
 
 
 async def _request(llm, prompt: list[int], params, at: float) -> Served:
@@ -129,8 +134,8 @@ def spread(name: str, seconds: list[float]) -> dict:
 
 def summarize(served: list[Served], seconds: float) -> dict:
     """A stream's figures: throughput over its whole time, latencies per request, speculation counts."""
-    tokens = sum(len(s.tokens) for s in served)
     ms = [s.metrics for s in served]
+    tokens = sum(m.num_generated_tokens for m in ms)
     drafted, accepted = sum(m.drafted_tokens for m in ms), sum(m.accepted_tokens for m in ms)
     lookups = sum(m.cache_hits + m.cache_misses for m in ms)
     return {"requests": len(served), "output_tokens": tokens, "seconds": seconds,
@@ -173,7 +178,7 @@ def serve_setting(serving: ServingConfig, setting: str, target: str, draft: str,
             for rate in serving.rates:
                 bar.set_postfix_str(f"{setting} T={temperature} rate={rate_label(rate)}")
                 runs = serve_interleaved(systems, prompts, temperature, rate, cfg)
-                cells += [serving_cell(name, setting, temperature, rate, runs[name], places[name]) for name in systems]
+                cells += [serving_cell(name, setting, temperature, rate, runs[name], places[name].to_dict()) for name in systems]
                 bar.update(len(systems))
         finally:
             for system in systems.values():
@@ -203,12 +208,13 @@ def run_one(system, prompts, temperature: float, rate: float, cfg: BenchConfig, 
             "outputs": [s.tokens for s in served]}
 
 
-def serving_cell(system: str, setting: str, temperature: float, rate: float, runs: list[dict], place) -> dict:
+def serving_cell(system: str, setting: str, temperature: float, rate: float, runs: list[dict], place: dict) -> dict:
     """The median of every figure over the repeats (a stream's latencies are its own, so no best pass);
-    every repeat's summary kept, its outputs until annotate_serving has compared them."""
+    every repeat's summary kept, its outputs until annotate_serving has compared them. place: where the
+    system ran (Placement.to_dict(); a server's URL)."""
     figures = [k for k, v in runs[0].items() if k not in ("engine", "outputs") and (v is None or isinstance(v, (int, float)))]
     return {"system": system, "setting": setting, "temperature": temperature, "rate": rate_label(rate),
-            "cores": place.cores, "placement": place.to_dict(),
+            "cores": place.get("cores"), "placement": place,
             **{k: _median([run[k] for run in runs]) for k in figures},
             "repeat_output_tokens_per_s": [run["output_tokens_per_s"] for run in runs],
             "repeats": [{k: v for k, v in run.items() if k != "outputs"} for run in runs],

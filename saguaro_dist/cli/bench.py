@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the bench package pulls in matplotlib and transformers: imported when a bench runs
     from saguaro_dist.bench import BenchConfig, ServingConfig, SweepConfig
+    from saguaro_dist.bench.remote import RemoteConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,10 @@ def register(subparsers) -> None:
                    "comma-separated; inf: all at once) to our systems instead of the grid: throughput, TTFT, TPOT; "
                    "at most max(--batch) running; default systems ar,sd,ngram,ssd")
     p.add_argument("--num-requests", type=int, default=32, help="requests a serving stream (--request-rates)")
+    p.add_argument("--url", help="with --request-rates: stream the requests to this running server (a RayService, "
+                                 "`saguaro serve`; any OpenAI-compatible server with /tokenize) instead of our systems here")
+    p.add_argument("--api-key", help="the server's key with --url (default: $SAGUARO_API_KEY if set)")
+    p.add_argument("--model", help="with --url: the served model name to ask for (default: the server's first)")
     p.add_argument("--target", help="target checkpoint (default: the demo pair)")
     p.add_argument("--draft", help="draft checkpoint (default: the demo pair)")
     p.add_argument("--out", default="bench-results", help="directory for results.json / sweep.json and PNGs")
@@ -106,16 +111,45 @@ def serving_config(args, base) -> "ServingConfig":
     return ServingConfig(base=base, rates=args.request_rates, num_requests=args.num_requests)
 
 
+def remote_config(args, base) -> "RemoteConfig":
+    """A serving run against --url: the flags that choose our systems and their hardware are the server's
+    business there, so giving one is an error rather than silently unused."""
+    import os
+
+    from saguaro_dist.bench.remote import RemoteConfig
+    from saguaro_dist.serve.args import API_KEY_ENV
+    if not args.request_rates:
+        raise ValueError("--url measures serving streams: give --request-rates too")
+    ours = [flag for flag, given in (("--systems", args.systems), ("--settings", args.settings), ("--batch", args.batch_sizes),
+                                     ("--target", args.target), ("--draft", args.draft)) if given]
+    if ours:
+        raise ValueError(f"{', '.join(ours)} choose our systems here; with --url the server is measured as it runs")
+    return RemoteConfig(args.url, base, args.request_rates, args.num_requests, args.api_key or os.environ.get(API_KEY_ENV),
+                        args.model)
+
+
+def _run_remote(remote: "RemoteConfig", progress: bool) -> dict:
+    """run_remote, a server that cannot be reached or refuses the run reported as the error it is (exit 2)."""
+    from saguaro_dist.bench.remote import run_remote
+    from saguaro_dist.client import SaguaroError
+    try:
+        return run_remote(remote, progress)
+    except SaguaroError as err:
+        raise ValueError(f"the server at {remote.url}: {err}") from err
+
+
 def run(args) -> int:
     from saguaro_dist.bench import run_grid, run_serving, run_sweep
     from saguaro_dist.bench.plots import write_plots
     from saguaro_dist.bench.report import render, write_json
     cfg = bench_config(args)
     out = Path(cfg.out_dir)
-    if args.sweep and args.request_rates:
-        raise ValueError("--sweep and --request-rates are two different runs: give one")
+    if args.sweep and (args.request_rates or args.url):
+        raise ValueError("--sweep and --request-rates (or --url) are two different runs: give one")
     if args.sweep:
         results = run_sweep(sweep_config(args, cfg), progress=not args.no_progress)
+    elif args.url:
+        results = _run_remote(remote_config(args, cfg), progress=not args.no_progress)
     elif args.request_rates:
         results = run_serving(serving_config(args, cfg), progress=not args.no_progress)
     else:

@@ -50,6 +50,10 @@ def sampling_fields(model: str | None, max_tokens, temperature, top_p, top_k, st
     return {**{k: v for k, v in fields.items() if v is not None}, **extra}
 
 
+def tokenize_body(prompt: str, model: str | None, add_special_tokens: bool) -> dict:
+    return {"prompt": prompt, "add_special_tokens": add_special_tokens, **({"model": model} if model else {})}
+
+
 def chat_messages(messages) -> list[dict]:
     """A plain string is one user message; otherwise OpenAI message dicts."""
     if isinstance(messages, str):

@@ -70,6 +70,10 @@ class AsyncClient:
     async def models(self) -> list[str]:
         return [m["id"] for m in (await self._send("GET", self._root + "/models")).json()["data"]]
 
+    async def tokenize(self, prompt: str, *, model=None, add_special_tokens: bool = True) -> list[int]:
+        body = common.tokenize_body(prompt, model or self.model, add_special_tokens)
+        return (await self._send("POST", common.server_root(self._root) + "/tokenize", body)).json()["tokens"]
+
     async def health(self) -> bool:
         try:
             return (await self._http.get(common.server_root(self._root) + "/health")).status_code == 200

@@ -73,6 +73,11 @@ class Client:
     def models(self) -> list[str]:
         return [m["id"] for m in self._send("GET", self._root + "/models").json()["data"]]
 
+    def tokenize(self, prompt: str, *, model=None, add_special_tokens: bool = True) -> list[int]:
+        """The server's token ids for `prompt` (vLLM's /tokenize): what a text prompt is generated from."""
+        body = common.tokenize_body(prompt, model or self.model, add_special_tokens)
+        return self._send("POST", common.server_root(self._root) + "/tokenize", body).json()["tokens"]
+
     def health(self) -> bool:
         try:
             return self._http.get(common.server_root(self._root) + "/health").status_code == 200

@@ -1,0 +1,133 @@
+"""`saguaro bench --url URL --request-rates ...`: the serving streams sent to a running server over HTTP.
+
+bench/serving.py measures our engines in this process. A deployment (a RayService, `saguaro serve` on a
+cluster) is measured from outside, as its users reach it (vLLM's benchmark_serving against a URL): the
+same held-out prompts, tokenized by the server itself (/tokenize) and cut to --prompt-len tokens, sent
+as token ids to /v1/completions and streamed; the same seeded Poisson arrivals and request seeds. TTFT
+is the first streamed text, E2E the stream's end, TPOT the time between over the tokens after the first
+(usage.completion_tokens); acceptance and hit rate come from the final chunk's `speculation` stats where
+the server is ours (None elsewhere). A client-side figure includes the network and the server's stream
+batching (`--stream-interval-ms`), as a user's does.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+
+from tqdm import tqdm
+
+from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
+from saguaro_dist.bench.config import BenchConfig
+from saguaro_dist.bench.serving import (Served, annotate_serving, arrival_offsets, check_stream, rate_label, run_to_end,
+                                        serving_cell, summarize)
+from saguaro_dist.client import AsyncClient
+from saguaro_dist.engine.metrics import RequestMetrics
+
+SYSTEM = "server"     # the one system a remote run measures (the cells' "system")
+SETTING = "remote"    # and its setting: the server's own hardware and placement
+TIMEOUT_S = 600.0     # one request's limit: a saturated stream's last request waits for all before it
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    """A serving run against a server: each rate streams num_requests requests; `base` gives the temperatures,
+    max_new_tokens, prompt_len, repeats, seed and out_dir (its systems, settings and batch sizes, which
+    choose our systems here, are unused: the server runs as deployed)."""
+    url: str                   # the server's root or its /v1
+    base: BenchConfig = field(default_factory=BenchConfig)
+    rates: tuple[float, ...] = (math.inf,)  # requests a second; inf: all at once
+    num_requests: int = 32
+    api_key: str | None = None
+    model: str | None = None   # a served model name; None: the server's first
+
+    def __post_init__(self):
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"--url must be an http:// or https:// address of a running server, got {self.url!r}")
+        check_stream(self.rates, self.num_requests)
+
+    def to_dict(self) -> dict:
+        return {"rates": [rate_label(r) for r in self.rates], "num_requests": self.num_requests,
+                "max_batch_size": None, "url": self.url, "model": self.model}  # (the server's own max_batch_size)
+
+
+def run_remote(remote: RemoteConfig, progress: bool = True) -> dict:
+    """Every temperature and rate streamed to the server, `repeats` times each, after an untimed warm-up."""
+    return run_to_end(lambda: _run_remote(remote, progress))
+
+
+async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
+    cfg, rates = remote.base, remote.rates
+    async with AsyncClient(remote.url, remote.api_key, model=remote.model, timeout=TIMEOUT_S) as client:
+        model = remote.model or (await client.models())[0]
+        prompts = await server_prompts(client, model, remote.num_requests, cfg.prompt_len)
+        version = await client.version()
+        place = {"where": f"{model} at {remote.url} (version {version})", "cores": None}
+        cells = []
+        with tqdm(total=len(cfg.temperatures) * len(rates), desc="saguaro bench remote", unit="cell",
+                  disable=not progress) as bar:
+            for temperature in cfg.temperatures:
+                await stream_once(client, model, prompts, temperature, math.inf, cfg, repeat=0)  # warm-up, untimed
+                for rate in rates:
+                    runs = [await stream_once(client, model, prompts, temperature, rate, cfg, r) for r in range(cfg.repeats)]
+                    cells.append(serving_cell(SYSTEM, SETTING, temperature, rate, runs, place))
+                    bar.update(1)
+    annotate_serving(cells)
+    return {"schema": SCHEMA_VERSION, "kind": "serving", "config": cfg.to_dict(), "serving": remote.to_dict(),
+            **remote_context(remote, model, version, len(prompts), cfg.prompt_len), "cells": cells}
+
+
+async def server_prompts(client: AsyncClient, model: str, n: int, length: int) -> list[list[int]]:
+    """The first n held-out snippets the server's tokenizer makes at least `length` tokens of, cut to `length`."""
+    from saguaro_dist.bench.prompts import len_of_demo_prompts
+    from saguaro_dist.demo import demo_prompts
+    prompts = []
+    for text in demo_prompts(len_of_demo_prompts()):
+        ids = await client.tokenize(text, model=model)
+        if len(ids) >= length:
+            prompts.append(ids[:length])
+        if len(prompts) == n:
+            return prompts
+    raise ValueError(f"only {len(prompts)} demo prompts have {length} tokens in the server's tokenizer; lower --prompt-len")
+
+
+async def stream_once(client: AsyncClient, model: str, prompts, temperature: float, rate: float, cfg, repeat: int) -> dict:
+    """One stream: request i of repeat r seeded seed + r x requests + i, as in process (bench/serving.py: run_one)."""
+    first = cfg.seed + repeat * len(prompts)
+    offsets = arrival_offsets(len(prompts), rate, cfg.seed + repeat)
+    start = time.perf_counter()
+    served = await asyncio.gather(*(_request(client, model, p, temperature, cfg.max_new_tokens, first + i, start + o)
+                                    for i, (p, o) in enumerate(zip(prompts, offsets))))
+    return {**summarize(list(served), time.perf_counter() - start), "outputs": [[] for _ in served]}
+
+
+async def _request(client: AsyncClient, model: str, prompt: list[int], temperature: float, max_tokens: int, seed: int,
+                   at: float) -> Served:
+    """Sent at perf_counter time `at`; timed to its first streamed text and to the stream's end."""
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    sent, first = time.perf_counter(), None
+    stream = await client.complete(prompt, model=model, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                                   stream=True, ignore_eos=True, stream_options={"include_usage": True})
+    async for _ in stream:
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    return Served([], _client_metrics(stream, (first or end) - sent, end - sent))
+
+
+def _client_metrics(stream, ttft_s: float, total_s: float) -> RequestMetrics:
+    """A RequestMetrics from what the stream said: its tokens (usage) and, from our servers, the speculation counts."""
+    spec = stream.speculation or {}
+    return RequestMetrics(num_generated_tokens=(stream.usage or {}).get("completion_tokens", 0),
+                          drafted_tokens=spec.get("drafted_tokens", 0), accepted_tokens=spec.get("accepted_tokens", 0),
+                          cache_hits=spec.get("cache_hits", 0), cache_misses=spec.get("cache_misses", 0),
+                          time_to_first_token_s=ttft_s, total_time_s=total_s)
+
+
+def remote_context(remote: RemoteConfig, model: str, version: str, n: int, length: int) -> dict:
+    """What render() prints above the table: the server in place of the pair, this client's host."""
+    return {"pair": {"target": f"{model} (served at {remote.url}, version {version})", "draft": "the server's"},
+            "prompts": f"{n} held-out stdlib snippets, tokenized by the server, first {length} tokens",
+            "host": {**host_info(), "note": "the client's host (the server runs elsewhere)"},
+            "systems": {SYSTEM: "the server at --url, as deployed"},
+            "settings": {SETTING: "the server's own hardware and placement"}, "placements": {}}
