@@ -105,3 +105,32 @@ def test_a_wrong_key_or_no_server_is_a_clear_error(server, tmp_path, capsys):
     assert f"the server at {url}" in capsys.readouterr().err
     assert main([*argv, "--url", "http://127.0.0.1:1"]) == 2  # nothing listens on port 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_a_server_without_version_reads_unknown():
+    """An OpenAI-compatible server with no /version (not ours, not vLLM) still runs: its version reads "unknown"."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from saguaro_dist.bench.remote import server_version
+    from saguaro_dist.client import AsyncClient
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"error": {"message": "no such route"}}')
+
+        def log_message(self, *args):
+            pass
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), NotFound) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+        async def version():
+            async with AsyncClient(f"http://127.0.0.1:{httpd.server_address[1]}") as client:
+                return await server_version(client)
+        assert asyncio.run(version()) == "unknown"
+        httpd.shutdown()

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
 from saguaro_dist.bench.config import BenchConfig
+from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
 from saguaro_dist.bench.serving import (Served, annotate_serving, arrival_offsets, check_stream, rate_label, run_to_end,
                                         serving_cell, summarize)
 from saguaro_dist.client import AsyncClient
@@ -62,7 +62,7 @@ async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
     async with AsyncClient(remote.url, remote.api_key, model=remote.model, timeout=TIMEOUT_S) as client:
         model = remote.model or (await client.models())[0]
         prompts = await server_prompts(client, model, remote.num_requests, cfg.prompt_len)
-        version = await client.version()
+        version = await server_version(client)
         place = {"where": f"{model} at {remote.url} (version {version})", "cores": None}
         cells = []
         with tqdm(total=len(cfg.temperatures) * len(rates), desc="saguaro bench remote", unit="cell",
@@ -76,6 +76,15 @@ async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
     annotate_serving(cells)
     return {"schema": SCHEMA_VERSION, "kind": "serving", "config": cfg.to_dict(), "serving": remote.to_dict(),
             **remote_context(remote, model, version, len(prompts), cfg.prompt_len), "cells": cells}
+
+
+async def server_version(client: AsyncClient) -> str:
+    """The server's /version (ours and vLLM's have one); "unknown" where the server has none."""
+    from saguaro_dist.client import NotFoundError
+    try:
+        return await client.version()
+    except NotFoundError:
+        return "unknown"
 
 
 async def server_prompts(client: AsyncClient, model: str, n: int, length: int) -> list[list[int]]:
