@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from saguaro_dist.bench.config import BenchConfig
 from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
-from saguaro_dist.bench.serving import (Served, annotate_serving, arrival_offsets, check_stream, rate_label, run_to_end,
-                                        serving_cell, summarize)
+from saguaro_dist.bench.serving import (Served, annotate_serving, check_stream, rate_label, run_to_end, serving_cell,
+                                        stream_plan, summarize)
 from saguaro_dist.client import AsyncClient
 from saguaro_dist.engine.metrics import RequestMetrics
 
@@ -102,12 +102,11 @@ async def server_prompts(client: AsyncClient, model: str, n: int, length: int) -
 
 
 async def stream_once(client: AsyncClient, model: str, prompts, temperature: float, rate: float, cfg, repeat: int) -> dict:
-    """One stream: request i of repeat r seeded seed + r x requests + i, as in process (bench/serving.py: run_one)."""
-    first = cfg.seed + repeat * len(prompts)
-    offsets = arrival_offsets(len(prompts), rate, cfg.seed + repeat)
+    """One stream, stream_plan's (the in-process systems' seeds and arrivals)."""
+    seeds, offsets = stream_plan(len(prompts), rate, cfg, repeat)
     start = time.perf_counter()
-    served = await asyncio.gather(*(_request(client, model, p, temperature, cfg.max_new_tokens, first + i, start + o)
-                                    for i, (p, o) in enumerate(zip(prompts, offsets))))
+    served = await asyncio.gather(*(_request(client, model, p, temperature, cfg.max_new_tokens, seed, start + o)
+                                    for p, seed, o in zip(prompts, seeds, offsets)))
     return {**summarize(list(served), time.perf_counter() - start), "outputs": [[] for _ in served]}
 
 

@@ -195,15 +195,21 @@ def serve_interleaved(systems: dict, prompts, temperature: float, rate: float, c
     return runs
 
 
+def stream_plan(n: int, rate: float, cfg: BenchConfig, repeat: int) -> tuple[list[int], list[float]]:
+    """Repeat r's request seeds and arrival offsets: request i seeded as the grid's prompt i (seed + r x n + i),
+    the arrivals by seed + r (every system, in process or behind a URL, gets the same stream)."""
+    first = cfg.seed + repeat * n
+    return [first + i for i in range(n)], arrival_offsets(n, rate, cfg.seed + repeat)
+
+
 def run_one(system, prompts, temperature: float, rate: float, cfg: BenchConfig, repeat: int) -> dict:
-    """One stream served by one of our systems: its summary, engine counters and outputs. Request i of
-    repeat r is seeded as the grid's prompt i (seed + r x requests + i); the arrivals by seed + r."""
-    first = cfg.seed + repeat * len(prompts)
-    params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens, ignore_eos=True, seed=first + i)
-              for i in range(len(prompts))]
+    """One stream (stream_plan's) served by one of our systems: its summary, engine counters and outputs."""
+    seeds, offsets = stream_plan(len(prompts), rate, cfg, repeat)
+    params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens, ignore_eos=True, seed=seed)
+              for seed in seeds]
     torch.set_num_threads(system.threads)  # process-wide: the systems open beside it may differ
     before = system.llm.metrics.to_dict()
-    served, seconds = serve_stream(system.llm, prompts, params, arrival_offsets(len(prompts), rate, cfg.seed + repeat))
+    served, seconds = serve_stream(system.llm, prompts, params, offsets)
     return {**summarize(served, seconds), "engine": engine_delta(before, system.llm.metrics.to_dict()),
             "outputs": [s.tokens for s in served]}
 
