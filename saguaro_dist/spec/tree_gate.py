@@ -255,10 +255,13 @@ class _BatchGate:
         rates = {m: self.rate(m) for m in self.modes}
         return {m: r for m, r in rates.items() if not (r is None and self.rounds <= self.deferred.get(m, 0))}
 
-    def best_mode(self) -> RoundMode | None:
-        """The measured mode of the highest rate; None before any was measured."""
+    def winner(self) -> RoundMode | None:
+        """The mode of the highest rate once two or more were measured; None before. A mode measured alone
+        won nothing: the first one tried (trees) is all a few rounds at a size measure, such as a
+        warm-up's, and inherited as a winner it ran INHERIT_LEAD rounds at every new size nearby before
+        the others were tried (b = 8, T = 0.7: 16 tree rounds of 52 ms against 31 for SD's, session 60)."""
         rates = {m: r for m in self.modes if (r := self.rate(m)) is not None}
-        return max(rates, key=rates.get) if rates else None
+        return max(rates, key=rates.get) if len(rates) >= 2 else None
 
     def record(self, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         if mode is not self.mode:
@@ -296,8 +299,8 @@ class TreeGate:
 
     def _new_gate(self, batch_size: int, sampled: bool) -> _BatchGate:
         """What the batch sizes measured before (of the same kind, sampled or greedy) say of this one. The
-        mode that won at the nearest of them starts and keeps INHERIT_LEAD rounds before the others are
-        tried: a batch shrinking as its sequences end meets b - 1, b - 2, ... for a few rounds each, and a
+        mode that won at the nearest of them (against another: winner) starts and keeps INHERIT_LEAD rounds
+        before the others are tried: a batch shrinking as its sequences end meets b - 1, b - 2, ... for a few rounds each, and a
         burst of each mode at each size used to cost more than those rounds gained (b = 8, T = 0.7: trees,
         first at every new size, ran 28 ms rounds against 17 of the cohorts that won at b = 8, and the tree
         side's catch-up after 30 rounds without trees took 60-80 ms more; a third of a pass's time went to
@@ -306,7 +309,7 @@ class TreeGate:
         near = nearest_first(gates, batch_size)
         losers = self._clear_losers(gates, near, batch_size)
         deferred = dict.fromkeys(losers, EXPLORE_EVERY)
-        inherited = next((m for b in near if (m := gates[b].best_mode()) is not None), None)
+        inherited = next((m for b in near if (m := gates[b].winner()) is not None), None)
         if inherited is None or inherited in losers:
             start = next(m for m in self.modes if m not in losers)
         else:
