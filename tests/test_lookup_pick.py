@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from saguaro_dist.spec.fallback import ngram_lookup
 from saguaro_dist.spec.lookup_pick import MIN_SCORED, RECHECK_ROUNDS, Guess, LookupPicker, pick_lookup_rows, score
-from saguaro_dist.spec.tree_gate import RoundYield, _BatchGate, RoundMode
+from saguaro_dist.spec.tree_gate import MIN_DRAFT_ROWS, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, _BatchGate
 
 
 def test_a_row_takes_its_lookup_where_it_yields_more_than_the_draft():
@@ -133,6 +133,19 @@ def test_the_gate_counts_lookup_rows_apart():
     assert gate.draft_yield.mean == 2.0 and gate.lookup_yield.mean == 5.0
     assert gate.tokens_per_row(RoundMode.TREES) == pytest.approx(3.5)
     assert gate.tokens_per_row(RoundMode.JUST_IN_TIME) == pytest.approx(2.0)
+
+
+def test_the_drafts_yield_reaches_the_picker_only_once_measured_over_enough_rows():
+    """A few rows' mean is noise at T > 0 (1..K + 1 tokens a row): offered early, a low one made every row take
+    its lookup, and the draft, no longer run, was not measured again."""
+    gate = TreeGate()
+    gate.mode(2, sampled=True)
+    for _ in range(TRANSITION_ROUNDS + MIN_DRAFT_ROWS // 2 - 1):
+        gate.record(2, RoundMode.TREES, RoundYield(rows=2, tokens=3), 0.01, sampled=True)
+        assert gate.draft_tokens_per_row(2, sampled=True) is None
+    gate.record(2, RoundMode.TREES, RoundYield(rows=2, tokens=3), 0.01, sampled=True)
+    assert gate.draft_tokens_per_row(2, sampled=True) == pytest.approx(1.5)
+    assert gate.draft_tokens_per_row(2) is None and gate.draft_tokens_per_row(4, sampled=True) is None
 
 
 def test_the_gates_lookup_share_follows_a_re_try_not_an_old_burst():

@@ -32,6 +32,7 @@ SECONDS_DECAY = 0.9   # per round at the batch size: a mode's round time follows
 TOKENS_DECAY = 0.99   # tokens per row, and the fast backup's share of rows, follow the last ~100 rounds
 CLIP = 1.5            # a round is counted at most 1.5x its mode's mean round ...
 CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall is not the mode's cost)
+MIN_DRAFT_ROWS = 16   # draft rows measured at a batch size before their yield is offered to the lookup picker
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,7 @@ class _BatchGate:
     rounds: int = 0              # rounds at this batch size so far
     seconds: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
     draft_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per draft row
+    draft_rows: int = 0          # rows the draft_yield was measured over
     fast_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))   # tokens per fast row (a miss's)
     fast_round_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per row of FAST rounds
     fast_share: dict = field(default_factory=lambda: {m: DecayedMean(TOKENS_DECAY) for m in RoundMode})
@@ -272,6 +274,7 @@ class _BatchGate:
         self.seconds[mode].add_round(seconds, self.rounds)
         if gained.draft_rows:
             self.draft_yield.add(gained.draft_tokens, gained.draft_rows)
+            self.draft_rows += gained.draft_rows
         if gained.fast_rows:
             (self.fast_round_yield if mode is RoundMode.FAST else self.fast_yield).add(gained.fast_tokens, gained.fast_rows)
         if gained.lookup_rows:
@@ -343,9 +346,14 @@ class TreeGate:
 
     def draft_tokens_per_row(self, batch_size: int, sampled: bool = False) -> float | None:
         """Tokens a row gains from the draft's proposal (a cache hit, a just-in-time draft) at this batch
-        size; None before a measurement."""
+        size; None until MIN_DRAFT_ROWS rows were measured. Why wait: the lookup picker takes a row's n-gram
+        proposal over the draft's on this figure, and a whole round's when it beats the draft's less the
+        round's wait for it; at T = 0.7 a row's tokens spread over 1..K + 1, so a few rows' mean can read
+        half the true one (1.6 against 3.4, b = 1), and then every row took its lookup (~1 token) and the
+        draft, never run, was not measured again: just-in-time rounds were rated as lookup rounds and lost to
+        trees and n-gram rounds for ~140 rounds (session 60)."""
         gate = self._gates.get((sampled, batch_size))
-        return gate.draft_yield.mean if gate is not None else None
+        return gate.draft_yield.mean if gate is not None and gate.draft_rows >= MIN_DRAFT_ROWS else None
 
     def rates(self, batch_size: int, sampled: bool = False) -> dict[str, float | None]:
         gate = self._gates.get((sampled, batch_size))
