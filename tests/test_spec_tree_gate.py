@@ -120,16 +120,6 @@ def test_trees_are_not_deferred_long_where_they_won_or_were_close_below(below):
     assert modes == [winner] * INHERIT_LEAD + [other] * BURST
 
 
-def test_a_mode_measured_alone_is_not_inherited_as_a_winner():
-    """A few rounds at a size (a warm-up's) measure the first mode tried alone: that won nothing, and a new
-    size nearby tries every mode a burst each, as a gate with nothing measured would, not INHERIT_LEAD rounds of it."""
-    gate = TreeGate(THREE)
-    drive_three(gate, BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=2)
-    assert gate.rates(2)["trees"] is not None and gate.rates(2)["just_in_time"] is None
-    modes = drive_three(gate, 3 * BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=8)
-    assert modes == [TREES] * BURST + [JIT] * BURST + [FAST] * BURST
-
-
 @pytest.mark.parametrize("sampled", [False, True])
 def test_a_shrinking_batch_keeps_the_mode_that_won_above_it(sampled):
     """A batch's sequences end a few rounds apart, so it meets b = 7, 6, ..., 1 for a few rounds each: every
@@ -248,6 +238,16 @@ def test_a_mode_without_trees_that_lost_to_another_waits_at_the_next_batch_size_
     assert modes[:INHERIT_LEAD + BURST] == [FAST] * INHERIT_LEAD + [TREES] * BURST
     assert JIT not in modes[:EXPLORE_EVERY - 1] and JIT in modes  # tried on the schedule, once
     assert gate.rates(7)["just_in_time"] is not None
+
+
+def test_a_mode_measured_alone_is_not_inherited_as_a_winner():
+    """A few rounds at a size (a warm-up's) measure the first mode tried alone: that won nothing, and a new
+    size nearby tries every mode a burst each, as a gate with nothing measured would, not INHERIT_LEAD rounds of it."""
+    gate = TreeGate(THREE)
+    drive_three(gate, BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=2)
+    assert gate.rates(2)["trees"] is not None and gate.rates(2)["just_in_time"] is None
+    modes = drive_three(gate, 3 * BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=8)
+    assert modes == [TREES] * BURST + [JIT] * BURST + [FAST] * BURST
 
 
 def test_sampled_and_greedy_batches_are_measured_apart():

@@ -303,11 +303,11 @@ class TreeGate:
     def _new_gate(self, batch_size: int, sampled: bool) -> _BatchGate:
         """What the batch sizes measured before (of the same kind, sampled or greedy) say of this one. The
         mode that won at the nearest of them (against another: winner) starts and keeps INHERIT_LEAD rounds
-        before the others are tried: a batch shrinking as its sequences end meets b - 1, b - 2, ... for a few rounds each, and a
-        burst of each mode at each size used to cost more than those rounds gained (b = 8, T = 0.7: trees,
-        first at every new size, ran 28 ms rounds against 17 of the cohorts that won at b = 8, and the tree
-        side's catch-up after 30 rounds without trees took 60-80 ms more; a third of a pass's time went to
-        its tail). Modes that clearly lost nearby wait longer (_clear_losers)."""
+        before the others are tried: a batch shrinking as its sequences end meets b - 1, b - 2, ... for a few
+        rounds each, and a burst of each mode at each size used to cost more than those rounds gained (b = 8,
+        T = 0.7: trees, first at every new size, ran 28 ms rounds against 17 of the cohorts that won at b = 8,
+        and the tree side's catch-up after 30 rounds without trees took 60-80 ms more; a third of a pass's time
+        went to its tail). Modes that clearly lost nearby wait longer (_clear_losers)."""
         gates = {b: g for (kind, b), g in self._gates.items() if kind == sampled}
         near = nearest_first(gates, batch_size)
         losers = self._clear_losers(gates, near, batch_size)
