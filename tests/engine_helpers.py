@@ -117,7 +117,7 @@ class CyclingGate:
         if modes and RoundMode.FAST in modes:
             self.cycle.append(RoundMode.FAST)
 
-    def mode(self, batch_size: int, sampled: bool = False):
+    def mode(self, batch_size: int, sampled: bool = False, fast_estimate: float | None = None):
         self.rounds += 1
         return self.cycle[self.rounds % len(self.cycle)]
 

@@ -242,7 +242,7 @@ def test_tree_gate_transitions_follow_the_target(pair, monkeypatch, executor):
     chosen = Counter()
 
     class CountingGate(CyclingGate):
-        def mode(self, batch_size: int, sampled: bool = False):
+        def mode(self, batch_size: int, sampled: bool = False, fast_estimate: float | None = None):
             chosen[mode := super().mode(batch_size, sampled)] += 1
             return mode
     monkeypatch.setattr(ssd_loop, "TreeGate", CountingGate)

@@ -148,6 +148,17 @@ def test_the_drafts_yield_reaches_the_picker_only_once_measured_over_enough_rows
     assert gate.draft_tokens_per_row(2) is None and gate.draft_tokens_per_row(4, sampled=True) is None
 
 
+def test_the_pooled_yield_is_every_scored_proposal_of_greedy_or_sampling_rows():
+    picker = LookupPicker()
+    assert picker.pooled_yield(greedy=False) is None
+    for i in range(MIN_SCORED):  # one-token guesses of 7, by a 1-gram at even positions, a 3-gram at odd ones
+        picker.offer(1, Guess(i, (7,), (3 if i % 2 else 1, False)))
+        picker.offer(2, Guess(i, (5,), (2, True)))
+    picker.observe(1, [7, 0] * (MIN_SCORED // 2) + [0])  # the 1-gram's guesses right (2 tokens), the 3-gram's not (1)
+    assert picker.pooled_yield(greedy=False) == pytest.approx(1.5)  # both n pooled
+    assert picker.pooled_yield(greedy=True) is None                 # sequence 2's guesses not yet scored
+
+
 def test_the_gates_lookup_share_follows_a_re_try_not_an_old_burst():
     """A tree burst before the picker had scores took no lookup; a re-try 100 rounds later, when it does,
     must be credited with its own share, as its round times are."""

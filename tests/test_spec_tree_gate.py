@@ -250,6 +250,31 @@ def test_a_mode_measured_alone_is_not_inherited_as_a_winner():
     assert modes == [TREES] * BURST + [JIT] * BURST + [FAST] * BURST
 
 
+@pytest.mark.parametrize("estimate, tried", [(15.0, False), (None, True), (25.0, True), (40.0, True)])
+def test_ngram_rounds_estimated_clearly_slower_are_not_tried(estimate, tried):
+    """An estimate of rounds of n-gram proposals alone (every row's proposal scored against the text) more than
+    2 x CLOSE_GAP below the best measured mode keeps them untried; none, or a close or better one, does not."""
+    gate, modes = TreeGate(THREE), []
+    speeds = {TREES: 10, JIT: 30, FAST: 20}
+    for _ in range(EXPLORE_EVERY + 4 * BURST):
+        mode = gate.mode(1, fast_estimate=estimate)
+        fast = 1 if mode is FAST else 0
+        gate.record(1, mode, RoundYield(1, 10, fast_rows=fast, fast_tokens=10 * fast), seconds=10 / speeds[mode])
+        modes.append(mode)
+    assert (FAST in modes) is tried
+    assert modes[:2 * BURST] == [TREES] * BURST + [JIT] * BURST and TREES in modes[2 * BURST:]  # trees still re-tried
+
+
+def test_a_shrinking_batch_passes_on_the_winner_it_inherited():
+    """b = 7, 6, 5 run b = 8's winner for a few rounds each, measuring it alone: each passes it on, so b = 5
+    inherits it from b = 6, not trees from a b = 3 measured long before."""
+    gate = TreeGate(THREE)
+    drive_three(gate, 4 * BURST, {TREES: 30, JIT: 20, FAST: 10}, batch=3)  # trees won at b = 3
+    drive_three(gate, 4 * BURST, {TREES: 10, JIT: 30, FAST: 20}, batch=8)  # just-in-time rounds at b = 8
+    tail = [m for b in (7, 6, 5) for m in drive_three(gate, 3, {TREES: 10, JIT: 30, FAST: 20}, batch=b)]
+    assert tail == [JIT] * 9
+
+
 def test_sampled_and_greedy_batches_are_measured_apart():
     """n-gram rounds won on greedy traffic; at T > 0 they gain ~1 token a row: a sampled batch of the same
     size must not inherit that choice (nor the deferrals it implies)."""

@@ -120,8 +120,20 @@ class SSDLoop(SDLoop):
     def _round_mode(self, seqs: list[Sequence]) -> RoundMode:
         if self.gate:
             self._sampled = any(not s.params.greedy for s in seqs)  # the gate measures such batches apart
-            return self.gate.mode(len(seqs), self._sampled)
+            return self.gate.mode(len(seqs), self._sampled, self._fast_estimate(len(seqs)))
         return RoundMode.JUST_IN_TIME if self.config.tree_policy is TreePolicy.NEVER else RoundMode.TREES
+
+    def _fast_estimate(self, rows: int) -> float | None:
+        """For a sampled batch, tokens per second a round of n-gram proposals alone would run at: every sampled
+        row's K-token proposal scored against the text (LookupPicker.pooled_yield) over the busy part of an SD
+        round here, a verify and no wait; None before both are measured. Not for greedy batches: there a long
+        match is proposed 2K or 3K tokens deep (engine/lookup_rounds.py) and gains more than its K-token
+        score, while at T > 0 a proposal rarely runs past its first tokens."""
+        if self.picker is None or not self._sampled:
+            return None
+        tokens = self.picker.pooled_yield(greedy=False)
+        busy_s, _ = self.picker.round_times((RoundMode.JUST_IN_TIME, True, rows))
+        return rows * tokens / busy_s if tokens and busy_s else None
 
     def _cohort_choice(self, batch_size: int) -> bool | None:
         """Whether this round, without trees, verifies two cohorts (spec/cohorts.py); None where there is

@@ -81,6 +81,15 @@ class LookupPicker:
         mean = self.yields.get(key)
         return mean.mean if mean is not None and mean.count >= MIN_SCORED else None
 
+    def pooled_yield(self, greedy: bool) -> float | None:
+        """Tokens a K-token lookup proposal of a greedy (or a sampling) row gains, whatever its n: the mean over
+        every scored proposal (None before MIN_SCORED): what a round of them alone would gain a row."""
+        means = [m for (_, key_greedy), m in self.yields.items() if key_greedy == greedy]
+        weight = sum(m.weight for m in means)
+        if sum(m.count for m in means) < MIN_SCORED or not weight:
+            return None
+        return sum(m.total for m in means) / weight
+
     def offer(self, seq_id: int, guess: Guess) -> None:
         """Score `guess` once its tokens are known; one guess a position (a row that did not take its lookup
         and then missed its tree is offered the same proposal again by the fallback)."""

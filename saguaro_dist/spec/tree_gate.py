@@ -142,6 +142,12 @@ def relative_gap(a: float, b: float) -> float:
     return 1.0 - min(a, b) / max(a, b)
 
 
+def clearly_slower(estimate: float | None, rates: dict) -> bool:
+    """Whether an estimated rate is more than 2 x CLOSE_GAP below the best measured one (False without both)."""
+    best = max((r for r in rates.values() if r is not None), default=None)
+    return bool(estimate is not None and best and estimate < best and relative_gap(best, estimate) > 2 * CLOSE_GAP)
+
+
 def burst_length(best_per_s: float | None, explored_per_s: float | None, explore: bool) -> int:
     """Rounds a newly chosen mode keeps: BURST, or RETRY_BURST for a re-try of a mode far behind. Such a
     re-try costs in proportion to its length and only has to notice that the gap closed (then the next
@@ -194,6 +200,7 @@ class _BatchGate:
     lookup_yield: DecayedMean = field(default_factory=lambda: DecayedMean(TOKENS_DECAY))  # tokens per lookup row
     lookup_share: dict = field(default_factory=lambda: {m: DecayedMean(SECONDS_DECAY) for m in RoundMode})
     deferred: dict = field(default_factory=dict)  # mode -> rounds at this size before it is first tried (TreeGate._new_gate)
+    inherited: RoundMode | None = None  # the winner at a size nearby that this one started with (TreeGate._new_gate)
     last_run: dict = field(default_factory=dict)  # mode -> the last round it ran (which slower mode to re-try)
 
     def __post_init__(self):
@@ -232,13 +239,15 @@ class _BatchGate:
         fast_share, lookup_share = self.fast_share[mode].mean or 0.0, self.lookup_share[mode].mean or 0.0
         return (1.0 - fast_share - lookup_share) * draft + fast_share * fast + lookup_share * lookup
 
-    def next_round(self) -> RoundMode:
+    def next_round(self, fast_estimate: float | None = None) -> RoundMode:
+        """fast_estimate: tokens per second that rounds of n-gram proposals alone would run at here, estimated
+        without running one (TreeGate.mode), or None."""
         self.since_explore += 1
         self.rounds += 1
         if self.left > 0:
             self.left -= 1
             return self.mode
-        rates = self._candidates()
+        rates = self._candidates(fast_estimate)
         best = max((r for r in rates.values() if r is not None), default=None)
         slower = choose_mode(rates, True, self.last_run)  # (while one is unmeasured, the interval ignores it)
         explore = self.since_explore >= explore_interval(best, rates[slower], self.bursts[slower])
@@ -251,19 +260,23 @@ class _BatchGate:
         self.last_run[mode] = self.rounds
         return mode
 
-    def _candidates(self) -> dict:
+    def _candidates(self, fast_estimate: float | None = None) -> dict:
         """mode -> rate (None: unmeasured) of the modes this choice may take: all but the deferred ones not
-        yet measured, before their rounds."""
+        yet measured, before their rounds, and unmeasured n-gram rounds while their estimate clearly loses."""
         rates = {m: self.rate(m) for m in self.modes}
-        return {m: r for m, r in rates.items() if not (r is None and self.rounds <= self.deferred.get(m, 0))}
+        rates = {m: r for m, r in rates.items() if not (r is None and self.rounds <= self.deferred.get(m, 0))}
+        if rates.get(RoundMode.FAST, 0.0) is None and clearly_slower(fast_estimate, rates):
+            del rates[RoundMode.FAST]
+        return rates
 
     def winner(self) -> RoundMode | None:
-        """The mode of the highest rate once two or more were measured; None before. A mode measured alone
-        won nothing: the first one tried (trees) is all a few rounds at a size measure, such as a
+        """The mode of the highest rate once two or more were measured; before, the winner this size
+        inherited, if any (a shrinking batch's sizes run it and pass it on), else None. A mode measured
+        alone won nothing: the first one tried (trees) is all a few rounds at a size measure, such as a
         warm-up's, and inherited as a winner it ran INHERIT_LEAD rounds at every new size nearby before
         the others were tried (b = 8, T = 0.7: 16 tree rounds of 52 ms against 31 for SD's, session 60)."""
         rates = {m: r for m in self.modes if (r := self.rate(m)) is not None}
-        return max(rates, key=rates.get) if len(rates) >= 2 else None
+        return max(rates, key=rates.get) if len(rates) >= 2 else self.inherited
 
     def record(self, mode: RoundMode, gained: RoundYield, seconds: float) -> None:
         if mode is not self.mode:
@@ -294,11 +307,17 @@ class TreeGate:
         self.modes = modes
         self._gates: dict[tuple[bool, int], _BatchGate] = {}  # (sampled, batch size) -> its choice
 
-    def mode(self, batch_size: int, sampled: bool = False) -> RoundMode:
+    def mode(self, batch_size: int, sampled: bool = False, fast_estimate: float | None = None) -> RoundMode:
+        """The next round's mode. fast_estimate: the tokens per second rounds of n-gram proposals alone would
+        run at, from every row's n-gram proposal scored against the text (spec/lookup_pick.py) and a verify's
+        time (engine/ssd_loop.py: sampled batches); while those rounds are unmeasured at this size and it is
+        clearly slower than the best measured mode, they are not tried: at T = 0.7 they gain ~1.1 tokens a
+        row against the draft's ~3.5, and their first burst was 2-16% of a pass's rounds at b = 1..8 in the
+        bench (session 60)."""
         gate = self._gates.get((sampled, batch_size))
         if gate is None:  # not setdefault: that would build a _BatchGate every round
             gate = self._gates[sampled, batch_size] = self._new_gate(batch_size, sampled)
-        return gate.next_round()
+        return gate.next_round(fast_estimate)
 
     def _new_gate(self, batch_size: int, sampled: bool) -> _BatchGate:
         """What the batch sizes measured before (of the same kind, sampled or greedy) say of this one. The
@@ -318,7 +337,8 @@ class TreeGate:
         else:
             start = inherited
             deferred.update({m: INHERIT_LEAD for m in self.modes if m not in losers and m is not inherited})
-        return _BatchGate(batch_size, mode=start, modes=self.modes, deferred=deferred)
+        return _BatchGate(batch_size, mode=start, modes=self.modes, deferred=deferred,
+                          inherited=start if start is inherited else None)
 
     def _clear_losers(self, gates: dict[int, _BatchGate], near: list[int], batch_size: int) -> set[RoundMode]:
         """The modes that wait for the exploration schedule at a new batch size instead of costing a burst
