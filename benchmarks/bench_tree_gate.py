@@ -36,8 +36,8 @@ def record(temperature: float, batch: int, out: str, passes: int = 3, num_prompt
     forced, log = {"mode": RoundMode.TREES}, []
 
     class ForcedGate(TreeGate):  # what the engine's gate measures, kept and logged; the mode it chooses, forced
-        def mode(self, batch_size, sampled=False):
-            super().mode(batch_size, sampled)
+        def mode(self, batch_size, sampled=False, fast_estimate=None):
+            super().mode(batch_size, sampled, fast_estimate)
             return forced["mode"]
 
         def record(self, batch_size, mode, gained, seconds, sampled=False):
