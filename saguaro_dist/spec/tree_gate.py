@@ -142,10 +142,15 @@ def relative_gap(a: float, b: float) -> float:
     return 1.0 - min(a, b) / max(a, b)
 
 
+def far_behind(best: float, rate: float) -> bool:
+    """Whether `rate` is more than 2 x CLOSE_GAP below `best` (noise and drift rarely close such a gap)."""
+    return rate < best and relative_gap(best, rate) > 2 * CLOSE_GAP
+
+
 def clearly_slower(estimate: float | None, rates: dict) -> bool:
-    """Whether an estimated rate is more than 2 x CLOSE_GAP below the best measured one (False without both)."""
+    """Whether an estimated rate is far behind the best measured one (False without both)."""
     best = max((r for r in rates.values() if r is not None), default=None)
-    return bool(estimate is not None and best and estimate < best and relative_gap(best, estimate) > 2 * CLOSE_GAP)
+    return bool(estimate is not None and best and far_behind(best, estimate))
 
 
 def burst_length(best_per_s: float | None, explored_per_s: float | None, explore: bool) -> int:
@@ -154,7 +159,7 @@ def burst_length(best_per_s: float | None, explored_per_s: float | None, explore
     re-try comes sooner, and is a full burst); three measured rounds do, against a gap over 20%."""
     if not explore or not best_per_s or not explored_per_s:
         return BURST
-    return RETRY_BURST if relative_gap(best_per_s, explored_per_s) > 2 * CLOSE_GAP else BURST
+    return RETRY_BURST if far_behind(best_per_s, explored_per_s) else BURST
 
 
 def explore_interval(best_per_s: float | None, slower_per_s: float | None, slower_bursts: int) -> float:
