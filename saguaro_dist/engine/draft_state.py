@@ -43,6 +43,10 @@ class DraftSeq:
     branch_rows: dict[tuple[int, int], int] = field(default_factory=dict)  # last tree: (k, t) -> its row there
     last_tree: LastTree | None = None
     hit: tuple[int, int] | None = None       # this round's speculation is branch (k, t) of last_tree
+    # The KV from position kv_tail_at on holds kv_tail: tokens this worker ran before they were committed
+    # (a draft's x_1..x_{K-1}, a glue's x_1..x_K). Later rounds may commit other tokens there.
+    kv_tail_at: int = 0
+    kv_tail: list[int] = field(default_factory=list)
 
     def commit(self, accepted: int, bonus: int) -> None:
         if not 0 <= accepted <= len(self.speculation):
@@ -50,6 +54,21 @@ class DraftSeq:
         self.committed = self.committed + self.speculation[:accepted] + [bonus]
         if self.grammar is not None and not self.grammar.advance(self.speculation[:accepted] + [bonus]):
             self.grammar = None  # the target's tokenizer reads the grammar differently: propose unconstrained
+
+    def ran_speculation(self, tokens: list[int]) -> None:
+        """The KV now holds the committed tokens, then (some of) `tokens`, run before they were verified."""
+        self.kv_tail_at, self.kv_tail = len(self.committed), tokens
+
+    def kv_committed(self, stored: int) -> int:
+        """How many of the KV's `stored` positions hold committed tokens: all, up to where a tail run before
+        it was verified departs from what was committed since. A length alone does not tell: after rounds
+        whose speculation came from elsewhere (a tree's branch, an n-gram proposal, the other half's draft),
+        a tail of rejected x's sits where committed tokens belong, and the KV is no longer shorter than the
+        committed text (every later proposal drafted from a wrong context, session 61)."""
+        for position, token in enumerate(self.kv_tail, self.kv_tail_at):
+            if position >= min(stored, len(self.committed)) or self.committed[position] != token:
+                return min(position, stored)
+        return stored
 
     def forget_tree(self) -> None:
         """No tree, and no branch a next round could adopt (a build stopped part-way)."""

@@ -226,13 +226,16 @@ class DraftWorker:
         return s
 
     def _cut_back(self, states: list[DraftSeq]) -> list[list[int]]:
-        """Cut each KV back to committed[:-1] if it holds more; the committed tokens it lacks (to run)."""
+        """Cut each KV back to committed[:-1], or to where it departs from it (DraftSeq.kv_committed); the
+        committed tokens it lacks (to run)."""
         missing = []
         for s in states:
             stored, want = self.runner.length(s.seq_id), len(s.committed) - 1
-            if stored > want:
-                self.runner.truncate(s.seq_id, want)
-            missing.append(s.committed[stored:want])
+            kept = min(want, s.kv_committed(stored))
+            if stored > kept:
+                self.runner.truncate(s.seq_id, kept)
+            s.ran_speculation([])
+            missing.append(s.committed[kept:want])
         return missing
 
     def _fanout(self, num_shards: int = 1, target_proposed: bool = False) -> list[int]:
@@ -309,6 +312,8 @@ class DraftWorker:
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
         columns = self._draw_k(states, fanouts, first, step, self.constraints.penalties(states, ([] for _ in states)),
                                self.constraints.row_grammars(states, [[] for _ in states]))[0]
+        for s, tokens in zip(states, columns.tokens.tolist()):
+            s.ran_speculation(tokens)
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
@@ -344,10 +349,14 @@ class DraftWorker:
                 s.hit = None
         adopted = [self._adopt_hit(s) for s in states]                             # [K, V] each, or None
         if self._skips_x_k(states, adopted):
+            for s in states:
+                s.ran_speculation(s.speculation)
             return adopted
         tokens = [m + s.committed[-1:] + s.speculation if a is None else s.speculation[-1:]
                   for s, m, a in zip(states, missing, adopted)]
         fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) - len(m) for t, m in zip(tokens, missing)])
+        for s in states:
+            s.ran_speculation(s.speculation)
         return [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
 
     def _skips_x_k(self, states: list[DraftSeq], adopted: list) -> bool:
