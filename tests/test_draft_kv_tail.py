@@ -14,10 +14,10 @@ import torch
 from engine_helpers import llama_config, save_model
 from saguaro_dist.config import Config
 from saguaro_dist.engine.build import build_draft_worker
-from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
 
 K = 3
-PROMPT = [5, 6, 7, 8]
+PROMPT = [5, 6, 7, 8] * 5  # over the prefix cache's 16 tokens
 FIRST_BONUS = 7
 GREEDY = DraftSampling(0.0, 0, 1.0, None)
 SAMPLED = DraftSampling(1.0, 0, 1.0, 11)
@@ -74,3 +74,15 @@ def test_a_tree_after_rounds_proposed_elsewhere_is_built_on_the_committed_text(d
     built, expected = worker.build_trees(), reference.build_trees()
     assert [t.keys() for t in built] == [t.keys() for t in expected]
     assert built[0].proposals.tokens.tolist() == expected[0].proposals.tokens.tolist()
+
+
+def test_the_prefix_cache_keeps_only_the_committed_tokens_a_released_kv_holds(draft_dir):
+    """A sequence released with a speculated tail that later rounds overtook leaves the prefix cache the
+    KV up to where that tail departs: a new sequence on the same text drafts as a fresh worker does."""
+    worker, text = drafted_then_overtaken(draft_dir, SAMPLED, wants_tree=False)
+    worker.release([Release(0)])
+    worker.prefill([PrefillRequest(1, text + [30], SAMPLED)])
+    assert worker.prefixes.enabled and worker.runner.length(1) == len(text) + 1
+    drafted = worker.jit_draft([JitDraftRequest(1, 0, 0, 40)])[0]
+    reference = worker_for(draft_dir, text + [30], SAMPLED).jit_draft([JitDraftRequest(0, 0, 0, 40)])[0]
+    torch.testing.assert_close(drafted.probs[0], reference.probs[0], rtol=1e-4, atol=1e-6)

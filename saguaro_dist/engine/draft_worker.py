@@ -3,9 +3,11 @@
 Single-threaded and transport-agnostic: the one-host engine runs it on a thread, the distributed
 runtime behind a gRPC DraftService. See engine/messages.py for the round protocol.
 
-KV invariant per sequence: the draft's KV holds a prefix of `committed + speculation`, and before
-any forward it is cut back to `committed[:-1]` (the last committed token, the bonus, is the input
-of the next forward); committed tokens it lacks run in that next forward, ahead of the bonus.
+KV invariant per sequence: the draft's KV holds committed tokens, then perhaps a tail it ran before
+they were verified (DraftSeq.kv_tail: a draft's x's, a glue's speculation), which later rounds may
+have committed otherwise. Before any forward it is cut back to `committed[:-1]` (the last committed
+token, the bonus, is the input of the next forward) or to where that tail departs from the committed
+text; committed tokens it lacks run in that next forward, ahead of the bonus.
 """
 from __future__ import annotations
 
@@ -68,8 +70,8 @@ class DraftWorker:
             self._check_tokens(r.seq_id, r.prompt_token_ids, "prompt")
         # A re-prefill (the target moved it after a worker died) restarts the sequence.
         self.release([Release(r.seq_id) for r in reqs if r.seq_id in self.seqs])
-        # Live sources, listed once: each sequence's KV holds committed[:-1] as far as it goes (never the pending bonus).
-        live = {sid: s.committed[:-1] for sid, s in self.seqs.items()} if self.prefixes.enabled else {}
+        # Live sources, listed once: the committed tokens each sequence's KV holds.
+        live = {sid: self._kv_tokens(s) for sid, s in self.seqs.items()} if self.prefixes.enabled else {}
         cached = [self.prefixes.start(r.seq_id, r.prompt_token_ids, live) for r in reqs]
         for r in reqs:
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
@@ -203,8 +205,13 @@ class DraftWorker:
     def release(self, reqs: list[Release]) -> None:
         for r in reqs:
             s = self.seqs.pop(r.seq_id, None)
-            if s is not None:  # its KV holds committed[:-1] at most (the pending bonus is never run yet)
-                self.prefixes.finish(r.seq_id, s.committed[:-1])
+            if s is not None:
+                self.prefixes.finish(r.seq_id, self._kv_tokens(s))
+
+    def _kv_tokens(self, s: DraftSeq) -> list[int]:
+        """The committed tokens s's KV holds from its start: never the pending bonus (not yet run), nor a
+        speculated tail where later rounds committed other tokens (DraftSeq.kv_committed)."""
+        return s.committed[:min(len(s.committed) - 1, s.kv_committed(self.runner.length(s.seq_id)))]
 
     # ---- steps ------------------------------------------------------------------------------
     def _check_tokens(self, seq_id: int, ids, what: str) -> None:
