@@ -55,8 +55,9 @@ class DraftSeq:
         if self.grammar is not None and not self.grammar.advance(self.speculation[:accepted] + [bonus]):
             self.grammar = None  # the target's tokenizer reads the grammar differently: propose unconstrained
 
-    def ran_speculation(self, tokens: list[int]) -> None:
-        """The KV now holds the committed tokens, then (some of) `tokens`, run before they were verified."""
+    def note_kv_tail(self, tokens: list[int]) -> None:
+        """The KV holds the committed tokens, then `tokens` as far as it goes, run before they were verified
+        ([]: nothing beyond the committed text; a forward about to run them may note them first)."""
         self.kv_tail_at, self.kv_tail = len(self.committed), tokens
 
     def kv_committed(self, stored: int) -> int:

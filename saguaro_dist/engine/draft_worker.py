@@ -241,7 +241,7 @@ class DraftWorker:
             kept = min(want, s.kv_committed(stored))
             if stored > kept:
                 self.runner.truncate(s.seq_id, kept)
-            s.ran_speculation([])
+            s.note_kv_tail([])
             missing.append(s.committed[kept:want])
         return missing
 
@@ -320,7 +320,7 @@ class DraftWorker:
         columns = self._draw_k(states, fanouts, first, step, self.constraints.penalties(states, ([] for _ in states)),
                                self.constraints.row_grammars(states, [[] for _ in states]))[0]
         for s, tokens in zip(states, columns.tokens.tolist()):
-            s.ran_speculation(tokens)
+            s.note_kv_tail(tokens)
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
@@ -355,15 +355,13 @@ class DraftWorker:
             if m:  # a branch is adopted where the KV holds committed[:-1]; this KV lacks some of it
                 s.hit = None
         adopted = [self._adopt_hit(s) for s in states]                             # [K, V] each, or None
+        for s in states:  # an adopted branch holds x_1..x_{K-1}; the forward below runs the rest
+            s.note_kv_tail(s.speculation)
         if self._skips_x_k(states, adopted):
-            for s in states:
-                s.ran_speculation(s.speculation)
             return adopted
         tokens = [m + s.committed[-1:] + s.speculation if a is None else s.speculation[-1:]
                   for s, m, a in zip(states, missing, adopted)]
         fresh = self.runner.extend([s.seq_id for s in states], tokens, [len(t) - len(m) for t, m in zip(tokens, missing)])
-        for s in states:
-            s.ran_speculation(s.speculation)
         return [f if a is None else torch.cat([a, f]) for f, a in zip(fresh, adopted)]
 
     def _skips_x_k(self, states: list[DraftSeq], adopted: list) -> bool:
