@@ -98,6 +98,7 @@ class DraftWorker:
         for s, r, p in zip(states, reqs, proposals):
             wants_tree = self.config.mode is Mode.SSD and not r.skip_tree
             s.speculation, s.round, s.pending, s.tree_built = p.tokens.tolist(), r.round, wants_tree, False
+            s.note_kv_tail(s.speculation)  # _draft_sequentially ran x_1..x_{K-1}
             s.source = ProposalSource.NEURAL
             s.hit = None
         return proposals
@@ -319,8 +320,6 @@ class DraftWorker:
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
         columns = self._draw_k(states, fanouts, first, step, self.constraints.penalties(states, ([] for _ in states)),
                                self.constraints.row_grammars(states, [[] for _ in states]))[0]
-        for s, tokens in zip(states, columns.tokens.tolist()):
-            s.note_kv_tail(tokens)
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
