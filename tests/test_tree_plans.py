@@ -58,10 +58,13 @@ def test_a_draft_the_target_does_not_wait_for_announces_nothing(draft_dir):
     assert len(worker.finish_trees()) == 2  # the trees are built all the same
 
 
-def test_an_abandoned_build_returns_no_tree_and_the_draft_goes_on_in_step(draft_dir):
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_an_abandoned_build_returns_no_tree_and_the_draft_goes_on_in_step(draft_dir, sampling):
     """After a stopped build the sequences take the target's miss as usual; what the draft proposes next is
-    what a draft that finished the useless tree proposes."""
-    stopped, finished = started(draft_dir, sampling=GREEDY), started(draft_dir, sampling=GREEDY)
+    what a draft that finished the useless tree proposes. Sampled builds stop too: a tree draws from its
+    round's own generator, so the next tree's seeded draws (tokens and q) and the sequence's own stream
+    (its just-in-time drafts') are those of the draft that finished it."""
+    stopped, finished = started(draft_dir, sampling=sampling), started(draft_dir, sampling=sampling)
     asked = []
     stopped.plan_trees()
     assert stopped.finish_trees(lambda seq_ids: asked.append(seq_ids) or True) == []
@@ -72,13 +75,20 @@ def test_an_abandoned_build_returns_no_tree_and_the_draft_goes_on_in_step(draft_
     a, b = stopped.build_trees(), finished.build_trees()
     assert [t.keys() for t in a] == [t.keys() for t in b]
     assert [t.proposals.tokens.tolist() for t in a] == [t.proposals.tokens.tolist() for t in b]
+    if sampling is SAMPLED:
+        assert all(x.proposals.probs.equal(y.proposals.probs) for x, y in zip(a, b))
+        for sid in (0, 1):
+            assert stopped.seqs[sid].generator.get_state().equal(finished.seqs[sid].generator.get_state())
 
 
-def test_a_sampled_build_is_never_abandoned(draft_dir):
-    """Its seeded draws must not depend on when the target moved on (README, "Reproducible sampling")."""
-    worker = started(draft_dir)
-    worker.plan_trees()
-    assert len(worker.finish_trees(lambda seq_ids: pytest.fail("asked to stop a sampled build"))) == 2
+def test_a_tree_draws_from_its_rounds_own_seeded_stream(draft_dir):
+    """Two drafts seeded alike build the same sampled tree, and a tree's draws leave the sequence's own
+    stream (its just-in-time drafts') untouched."""
+    one, two = started(draft_dir), started(draft_dir)
+    before = one.seqs[0].generator.get_state()
+    a, b = one.build_trees(), two.build_trees()
+    assert [t.proposals.tokens.tolist() for t in a] == [t.proposals.tokens.tolist() for t in b]
+    assert one.seqs[0].generator.get_state().equal(before)
 
 
 def test_the_inbox_does_not_wait_for_a_tree_whose_plan_lacks_the_outcome():

@@ -7,6 +7,7 @@ import torch
 
 from saguaro_dist.distributed.errors import OutOfOrder
 from saguaro_dist.engine.messages import DraftSampling, TreePlan
+from saguaro_dist.engine.sequence import substream
 from saguaro_dist.engine.structured import GrammarState
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import ProposalSource
@@ -71,6 +72,12 @@ class DraftSeq:
                 return min(position, stored)
         return stored
 
+    def tree_generator(self) -> torch.Generator:
+        """What this round's tree draws from: a stream apart from the sequence's own (its just-in-time
+        drafts'), so that a build stopped part-way, at a moment set by timing (finish_trees' abandon),
+        leaves every later draw, and so a seeded output, as it was."""
+        return substream(self.generator, self.round)
+
     def forget_tree(self) -> None:
         """No tree, and no branch a next round could adopt (a build stopped part-way)."""
         self.last_tree, self.branches, self.branch_rows = None, {}, {}
@@ -102,3 +109,10 @@ def tree_plans(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list
         plans[i].accepted.append(k)
         plans[i].bonus_tokens.append(t)
     return plans
+
+
+def tree_generators(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list[torch.Generator]:
+    """Per (state index, k, t) row, its state's tree generator: one per state, its rows drawing from it in
+    row order."""
+    generators = {i: states[i].tree_generator() for i in {i for i, _, _ in rows}}
+    return [generators[i] for i, _, _ in rows]

@@ -20,7 +20,9 @@ import torch
 from saguaro_dist.config import Config, HitGlue, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.draft_constraints import DraftConstraints
-from saguaro_dist.engine.draft_state import DraftSeq, LastTree, PlannedTrees, TreeAbandoned, fanout_key, tree_plans
+from saguaro_dist.engine.draft_state import (
+    DraftSeq, LastTree, PlannedTrees, TreeAbandoned, fanout_key, tree_generators, tree_plans,
+)
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, SpeculationTree, TreePlan,
 )
@@ -173,15 +175,14 @@ class DraftWorker:
     def finish_trees(self, abandon: Callable[[list[int]], bool] | None = None) -> list[SpeculationTree]:
         """Second half: decode the planned trees' branches. abandon(seq_ids), if given, is asked between
         decode steps whether the target has moved on from every one of these sequences (their plans told
-        it they missed): the build then stops and returns no tree. Only greedy builds stop: a sampled one
-        draws from its sequences' seeded generators, and stopping it at a moment set by timing would leave
-        their later draws, so a seeded output, to chance (README, "Reproducible sampling")."""
+        it they missed): the build then stops and returns no tree. A sampled build stops too: a tree draws
+        from a generator of its own round (DraftSeq.tree_generator), so where a build stopped changes no
+        later draw, and a seeded output stays reproducible (README, "Reproducible sampling")."""
         planned, self._planned = self._planned, None
         if planned is None:
             return []
         states = planned.states
-        stoppable = abandon is not None and all(s.sampling.temperature == 0 for s in states)
-        stop = (lambda: abandon([s.seq_id for s in states])) if stoppable else None
+        stop = (lambda: abandon([s.seq_id for s in states])) if abandon is not None else None
         try:
             trees = self._decode_branches(states, planned.fanouts, planned.rows, stop)
         except TreeAbandoned:
@@ -268,15 +269,16 @@ class DraftWorker:
         return top_k_proposal(probs, self.config.proposal_top_k)
 
     def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]] | None, logits: torch.Tensor, step,
-                penalties: RowPenalties | None = None,
+                generators: Callable[[], list[torch.Generator]], penalties: RowPenalties | None = None,
                 grammars: list[GrammarState | None] | None = None) -> tuple[Proposal, list[torch.Tensor]]:
         """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j (fanouts
         None: C = 1, no sigma to apply); the requests' penalties and grammars (each row on its own
-        matcher), if any, apply to every draw.
+        matcher), if any, apply to every draw. generators(): each row's, asked for only if a row samples.
         Returns the draws as columns (tokens [R, K], probs [R, K, V] or None when every row is greedy)
         and the K raw logits [R, V] they came from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
         sampling = None if greedy else RowSampling.of([s.sampling for s in rows])  # once for the K draws
+        row_generators = None if greedy else generators()
         tokens, dists, seen = [], [], []
         for j in range(self.k):
             seen.append(logits)
@@ -287,7 +289,7 @@ class DraftWorker:
                 if grammars is not None:
                     scored = grammar_masked(scored, grammars)
                 probs = self._proposal_probs(scored, sampling, None if fanouts is None else [f[j] for f in fanouts])
-                drawn = sample(probs, [s.generator for s in rows])
+                drawn = sample(probs, row_generators)
                 dists.append(probs)
             tokens.append(drawn)
             if penalties is not None:
@@ -318,7 +320,8 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
-        columns = self._draw_k(states, fanouts, first, step, self.constraints.penalties(states, ([] for _ in states)),
+        columns = self._draw_k(states, fanouts, first, step, lambda: [s.generator for s in states],
+                               self.constraints.penalties(states, ([] for _ in states)),
                                self.constraints.row_grammars(states, [[] for _ in states]))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),
@@ -399,7 +402,8 @@ class DraftWorker:
                 raise TreeAbandoned
             return self.runner.branch_step(state, drawn)
         columns, seen = self._draw_k(owners, [fanouts[fanout_key(s)] for s in owners], logits, step,
-                                     self.constraints.penalties(owners, paths), self.constraints.row_grammars(owners, paths))
+                                     lambda: tree_generators(states, rows), self.constraints.penalties(owners, paths),
+                                     self.constraints.row_grammars(owners, paths))
         self.runner.branch_end(state)
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0
         counts = Counter(i for i, _, _ in rows)

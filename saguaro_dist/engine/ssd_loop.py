@@ -237,10 +237,11 @@ class SSDLoop(SDLoop):
 
     def _may_skip_wait(self, rows: int) -> bool:
         """Whether this round may skip its wait by every row taking its lookup: only a whole round, and not a
-        sampled tree round. The draft still builds the trees the round asks for, and a sampled build cannot
-        stop early (its draws would depend on timing; DraftWorker.finish_trees), so rounds that do not wait
-        for them would queue builds faster than they are made (b = 1, T = 0.7: a prefill then waited ~1 s for
-        that queue, session 57). Rounds of lookups alone are the gate's RoundMode.FAST, which asks for none."""
+        sampled tree round. The draft still builds the trees the round asks for; when sampled builds could not
+        stop early, rounds that did not wait for them queued builds faster than they were made (b = 1,
+        T = 0.7: a prefill then waited ~1 s for that queue, session 57). Only the one-host child stops them now
+        (DraftWorker.finish_trees), and skipping was not measured again. Rounds of lookups alone are the
+        gate's RoundMode.FAST, which asks for none."""
         return rows == self._batch_size and not (self._sampled and self._mode is RoundMode.TREES)
 
     def _offer_lookup(self, s: Sequence, found: tuple[list[int], int] | None = None) -> Guess:
