@@ -105,9 +105,19 @@ class DraftWorker:
             s.hit = None
         return proposals
 
+    def _note_load(self, outcomes: list[Outcome]) -> None:
+        """The budget's signal from these outcomes. A miss the draft's other half drafted just in time (the
+        split draft's thread) reaches this worker after that draft: the gap since its last build held the
+        target's draft, not idleness here, and read as slack it turned the plans off after every such miss,
+        so the next miss waited for a whole tree it could not use (b = 1, T = 0.7, trees every round: a
+        miss's wait 3.1 -> 2.65 ms, session 63)."""
+        if any(drafted_elsewhere(o) for o in outcomes):
+            self.budget.interrupted()
+        self.budget.outcomes_arrived(max((o.tree_wait_s for o in outcomes), default=0.0))
+
     def observe(self, outcomes: list[Outcome]) -> None:
         """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*)."""
-        self.budget.outcomes_arrived(max((o.tree_wait_s for o in outcomes), default=0.0))
+        self._note_load(outcomes)
         states = [self._get(o.seq_id) for o in outcomes]
         for s, o in zip(states, outcomes):  # validate the whole batch before changing any state
             if o.round != s.round:
@@ -418,3 +428,7 @@ class DraftWorker:
         return trees
 
 
+def drafted_elsewhere(o: Outcome) -> bool:
+    """Whether o's next speculation is a draft made after the verify by another worker: a miss's, or a
+    round's without a tree (not a hit, not the target side's n-gram proposal)."""
+    return not o.cache_hit and o.next_tokens is not None and not o.target_proposed
