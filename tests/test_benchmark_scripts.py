@@ -99,3 +99,27 @@ def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off():
 def test_kv_narrowing_bench_times_the_wide_and_the_narrowed_pool():
     out = _run(str(BENCH / "bench_kv_narrowing.py"), "--batch", "2", "--long", "300", "--steps", "3")
     assert "KV capacity 300)" in out and out.count("KV capacity 128)") == 2 and "wide / narrowed" in out
+
+
+def test_bench_configs_runs_configs_side_by_side_and_rates_them_against_the_first():
+    out = _run(str(BENCH / "bench_configs.py"), "--passes", "2", "--prompts", "1", "--max-tokens", "8",
+               "--temperature", "0.7", "sd", 'trees=ssd:{"tree_policy": "always"}')
+    assert "sd: sd {}; target + draft: bench process" in out and 'trees: ssd {"tree_policy": "always"}' in out
+    lines = {line.split()[0]: line for line in out.splitlines() if "x first" in line}
+    assert set(lines) == {"sd", "trees"} and "x first 1.000" in lines["sd"]
+    assert len(lines["trees"].split("tok/s")[1].split("x first")[0].split()) == 2  # one figure a pass
+    assert "trees 0" in lines["sd"] and "trees 0" not in lines["trees"]
+
+
+@pytest.mark.parametrize("config, reason", [("x=foo", "system must be one of"), ("ssd:{bad", "not JSON"),
+                                            ("ssd:[1]", "must be a JSON object"), ("sd", "share a label")])
+def test_bench_configs_refuses_a_bad_config_before_it_opens_anything(config, reason):
+    done = subprocess.run([sys.executable, str(BENCH / "bench_configs.py"), "sd", config], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 2 and reason in done.stderr
+
+
+def test_bench_configs_reports_an_engine_kwarg_the_engine_refuses():
+    done = subprocess.run([sys.executable, str(BENCH / "bench_configs.py"), "--passes", "1", "--prompts", "1",
+                           "--max-tokens", "4", "sd", 'ssd:{"k": 0}'], capture_output=True, text=True, timeout=110)
+    assert done.returncode == 1 and "error: ssd: k must be an integer >= 1" in done.stderr
