@@ -58,17 +58,17 @@ def test_a_draft_the_target_does_not_wait_for_announces_nothing(draft_dir):
     assert len(worker.finish_trees()) == 2  # the trees are built all the same
 
 
-@pytest.mark.parametrize("drafted_here", [False, True], ids=["draft_elsewhere", "target_lookup"])
-def test_a_miss_drafted_elsewhere_is_no_slack(draft_dir, drafted_here):
+@pytest.mark.parametrize("target_proposed", [False, True], ids=["draft_elsewhere", "target_lookup"])
+def test_a_miss_drafted_elsewhere_is_no_slack(draft_dir, target_proposed):
     """A miss the split draft's thread drafted reaches the tree side after that draft: the long gap since the
     build is the target's draft, not this worker's idleness, so plans stay on. A miss the target side
     proposed (n-gram) costs no such draft: the same gap there is slack."""
     worker = started(draft_dir)
     worker.build_trees()
     time.sleep(0.2)  # far longer than the build: slack, were it idle time
-    worker.observe([Outcome(0, 0, 1, 11, next_tokens=[2, 3, 4], target_proposed=drafted_here),
-                    Outcome(1, 0, 0, 12, next_tokens=[5, 6, 7], target_proposed=drafted_here)])
-    assert worker.budget.busy is not drafted_here
+    worker.observe([Outcome(0, 0, 1, 11, next_tokens=[2, 3, 4], target_proposed=target_proposed),
+                    Outcome(1, 0, 0, 12, next_tokens=[5, 6, 7], target_proposed=target_proposed)])
+    assert worker.budget.busy is not target_proposed
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
