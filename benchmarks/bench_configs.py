@@ -6,22 +6,23 @@
 Each CONFIG is SYSTEM, SYSTEM:{engine kwargs as JSON} or LABEL=SYSTEM[:{...}], SYSTEM one of our bench systems
 (sd, ssd, ssd-process, ...; paper placement, printed). Every engine opens at once; each pass runs every one
 over the same prompts (held-out demo snippets, or random ids for another pair), the order rotating, so the
-box's drift (20% from minute to minute on a shared VM) falls on all alike. Printed per config: tok/s of each
-pass, the geometric mean of its per-pass ratios to the first config, acceptance, rounds, tree hits and
-misses, and the round loop's time split per round (verify, wait for drafts and trees, coordination).
+box's drift (20% from minute to minute on a shared VM) falls on all alike (saguaro_dist.bench's
+measure_interleaved). Printed per config: tok/s of each pass, its per-pass ratios to the first config
+(median and range), and its best pass's acceptance, rounds, tree hits and misses and time split per round
+(verify, wait for drafts and trees, coordination).
 `saguaro bench` is the reference grid; this is for the finer comparisons its cells are too coarse for.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 from saguaro_dist.bench.config import OURS, BenchConfig, placement
+from saguaro_dist.bench.paired import format_paired, paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
-from saguaro_dist.bench.runner import run_batches, vocab_size, warm_up
-from saguaro_dist.bench.systems import Measurement, OursSystem
+from saguaro_dist.bench.runner import measure_interleaved, vocab_size
+from saguaro_dist.bench.systems import OursSystem, Repeats
 
 
 def parse_config(spec: str) -> tuple[str, str, dict]:
@@ -80,46 +81,34 @@ def close_all(systems: dict[str, OursSystem]) -> None:
         system.close()
 
 
-def run_passes(systems: dict, prompts, cfg: BenchConfig, args) -> dict[str, list[Measurement]]:
-    for system in systems.values():
-        warm_up(system, prompts, args.batch, args.temperature, cfg)
-    runs = {label: [] for label in systems}
-    labels = list(systems)
-    for r in range(args.passes):
-        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-            runs[label].append(run_batches(systems[label], prompts, args.batch, args.temperature, cfg, repeat=r))
-    return runs
-
-
-def report_line(label: str, runs: list[Measurement], baseline: list[Measurement]) -> str:
-    ratio = math.exp(sum(math.log(a.tokens_per_s / b.tokens_per_s) for a, b in zip(runs, baseline)) / len(runs))
-    drafted = sum(m.drafted for m in runs)
-    acceptance = sum(m.accepted for m in runs) / drafted if drafted else float("nan")
-    split = {key: sum(m.engine.get(key, 0.0) for m in runs) for key in
-             ("rounds", "verify_s", "draft_wait_s", "coordination_s", "tree_builds")}
+def report_line(label: str, passes: Repeats, baseline: Repeats) -> str:
+    """Every pass's tok/s, the per-pass ratios to the baseline (median and range, as the bench's "by repeat"),
+    and the best pass's acceptance, hits and round split (as the bench's cells)."""
+    best = passes.best
+    split = {key: best.engine.get(key, 0.0) for key in ("rounds", "verify_s", "draft_wait_s", "coordination_s", "tree_builds")}
     per_round = 1e3 / max(1, split["rounds"])
-    return (f"{label:>12}  tok/s {' '.join(f'{m.tokens_per_s:7.1f}' for m in runs)}  x first {ratio:.3f}  "
-            f"acceptance {acceptance:.3f}  rounds {split['rounds']}  hits {sum(m.cache_hits for m in runs)} "
-            f"misses {sum(m.cache_misses for m in runs)} trees {split['tree_builds']}  ms a round: verify "
-            f"{split['verify_s'] * per_round:.2f} wait {split['draft_wait_s'] * per_round:.2f} "
-            f"coordination {split['coordination_s'] * per_round:.2f}")
+    acceptance = best.accepted / best.drafted if best.drafted else float("nan")
+    return (f"{label:>12}  tok/s {' '.join(f'{r:7.1f}' for r in passes.tokens_per_s)}  x first "
+            f"{format_paired(paired_ratios(passes.tokens_per_s, baseline.tokens_per_s))}  best pass: acceptance "
+            f"{acceptance:.3f}, rounds {split['rounds']}, hits {best.cache_hits}, misses {best.cache_misses}, trees "
+            f"{split['tree_builds']}; ms a round: verify {split['verify_s'] * per_round:.2f} wait "
+            f"{split['draft_wait_s'] * per_round:.2f} coordination {split['coordination_s'] * per_round:.2f}")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     target, draft = resolve_pair(args.target, args.draft)
     cfg = BenchConfig(target=target, draft=draft, batch_sizes=(args.batch,), temperatures=(args.temperature,),
-                      max_new_tokens=args.max_tokens, plots=False)
+                      max_new_tokens=args.max_tokens, repeats=args.passes, plots=False)
     prompts, source = bench_prompts(target, args.prompts, cfg.prompt_len, cfg.seed, vocab_size(target))
     print(f"b = {args.batch}, T = {args.temperature}, {args.passes} passes of {source}", flush=True)
     systems = open_systems(args, cfg, target, draft)
     try:
-        runs = run_passes(systems, prompts, cfg, args)
+        passes = measure_interleaved(systems, prompts, args.batch, args.temperature, cfg)
     finally:
         close_all(systems)
-    baseline = runs[args.parsed[0][0]]
-    for label, measured in runs.items():
-        print(report_line(label, measured, baseline))
+    for label, measured in passes.items():
+        print(report_line(label, measured, passes[args.parsed[0][0]]))
 
 
 if __name__ == "__main__":

@@ -102,13 +102,13 @@ def test_kv_narrowing_bench_times_the_wide_and_the_narrowed_pool():
 
 
 def test_bench_configs_runs_configs_side_by_side_and_rates_them_against_the_first():
-    out = _run(str(BENCH / "bench_configs.py"), "--passes", "2", "--prompts", "1", "--max-tokens", "8",
+    out = _run(str(BENCH / "bench_configs.py"), "--passes", "2", "--prompts", "1", "--max-tokens", "16",
                "--temperature", "0.7", "sd", 'trees=ssd:{"tree_policy": "always"}')
     assert "sd: sd {}; target + draft: bench process" in out and 'trees: ssd {"tree_policy": "always"}' in out
     lines = {line.split()[0]: line for line in out.splitlines() if "x first" in line}
-    assert set(lines) == {"sd", "trees"} and "x first 1.000" in lines["sd"]
+    assert set(lines) == {"sd", "trees"} and "x first 1.00 (1.00-1.00)" in lines["sd"]
     assert len(lines["trees"].split("tok/s")[1].split("x first")[0].split()) == 2  # one figure a pass
-    assert "trees 0" in lines["sd"] and "trees 0" not in lines["trees"]
+    assert "trees 0;" in lines["sd"] and "trees 0;" not in lines["trees"]
 
 
 @pytest.mark.parametrize("config, reason", [("x=foo", "system must be one of"), ("ssd:{bad", "not JSON"),
