@@ -12,9 +12,10 @@
 #   bench     `saguaro bench` on the demo pair itself (fp32), with CUDA graphs and then --enforce-eager;
 #   inflated  `saguaro bench` against the demo target inflated to a real model's cost (bench/inflate.py,
 #             bf16), where a target forward costs many draft forwards, as on real pairs (INFLATED_EAGER=1:
-#             with --enforce-eager).
+#             with --enforce-eager; INFLATED_SYSTEMS, INFLATED_BATCH, INFLATED_TEMPERATURES narrow the grid).
 # The image may lack pure-Python packages the tests import (grpcio-health-checking in session 17):
-# put them in a folder and name it in EXTRA_PATH.
+# put them in a folder and name it in EXTRA_PATH. TEST_WORKERS=N runs the tests stage in N pytest-xdist
+# workers sharing the GPU (the suites' models are tiny; each worker holds a CUDA context of its own).
 # Logs and results land under $OUT; each bench cell is logged as it is measured. REPEATS=N: timed passes
 # per cell (each bench warms up with one whole untimed pass on a GPU first).
 set -uo pipefail
@@ -41,13 +42,14 @@ demo_draft() { $PY -c 'from saguaro_dist.demo import demo_pair; print(demo_pair(
 # one per path kind (hit, Saguaro C < 1, the draft process, truncated sampling); CI runs them all.
 S=tests/test_engine_sampling.py
 TESTS=${TESTS:-"tests/test_cuda.py tests/test_step_graphs.py tests/test_engine_greedy.py tests/test_engine_logprobs.py
- tests/test_draft_process.py tests/test_draft_worker_hits.py
+ tests/test_draft_process.py tests/test_draft_worker_hits.py tests/test_draft_kv_tail.py tests/test_draft_context.py
+ tests/test_vocab_padding.py tests/test_tree_plans.py
  $S::test_first_tokens_follow_the_target[ssd_hit_path] $S::test_first_tokens_follow_the_target[ssd_saguaro_c]
  $S::test_first_tokens_follow_the_target[ssd_draft_process]
  tests/test_engine_sampling_constraints.py::test_truncated_sampling_follows_the_target[t0.8_topk4]"}
 stage_tests() {
     timeout "${TESTS_TIMEOUT:-200}" env SAGUARO_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
-        --timeout 60 --maxfail 8 $TESTS 2>&1 | tee "$OUT/tests.log" | tail -30
+        --timeout 60 --maxfail 8 ${TEST_WORKERS:+-n $TEST_WORKERS} $TESTS 2>&1 | tee "$OUT/tests.log" | tail -30
 }
 BIG=${TMPDIR:-/tmp}/saguaro-inflated-target  # not under $OUT: gigabytes that need not come back
 inflated_target() {  # writes $BIG once; false if that failed
@@ -64,11 +66,11 @@ stage_graphs() {
 }
 stage_inflated() {
     inflated_target && bench inflated-bf16 "${INFLATED_TIMEOUT:-180}" --target "$BIG" --draft "$(demo_draft)" \
-        --dtype bfloat16 --systems ${INFLATED_SYSTEMS:-ar,sd,ssd,ssd-thread,hf-assisted} --batch 1,8 \
+        --dtype bfloat16 --systems ${INFLATED_SYSTEMS:-ar,sd,ssd,ssd-thread,hf-assisted} --batch ${INFLATED_BATCH:-1,8} \
         --temperatures ${INFLATED_TEMPERATURES:-0,0.7} --max-new-tokens 64 ${INFLATED_EAGER:+--enforce-eager}
 }
 stage_bench() {
-    for eager in "" --enforce-eager; do
+    for eager in "" ${BENCH_EAGER---enforce-eager}; do  # BENCH_EAGER= : graphs only
         bench "demo-fp32${eager:+-eager}" "${BENCH_TIMEOUT:-110}" --systems ar,sd,ssd,ssd-thread --batch 1,8 \
             --temperatures ${BENCH_TEMPERATURES:-0,0.7} --max-new-tokens 64 $eager
     done
