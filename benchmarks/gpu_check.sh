@@ -48,8 +48,10 @@ TESTS=${TESTS:-"tests/test_cuda.py tests/test_step_graphs.py tests/test_engine_g
  $S::test_first_tokens_follow_the_target[ssd_draft_process]
  tests/test_engine_sampling_constraints.py::test_truncated_sampling_follows_the_target[t0.8_topk4]"}
 stage_tests() {
+    local no_ray=()  # the GPU image has no Ray: its tests (named on_ray) are left out there
+    $PY -c "import ray" 2>/dev/null || no_ray=(-k "not on_ray")
     timeout "${TESTS_TIMEOUT:-200}" env SAGUARO_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
-        --timeout 60 --maxfail 8 ${TEST_WORKERS:+-n $TEST_WORKERS} $TESTS 2>&1 | tee "$OUT/tests.log" | tail -30
+        --timeout 60 --maxfail 8 ${TEST_WORKERS:+-n $TEST_WORKERS} "${no_ray[@]}" $TESTS 2>&1 | tee "$OUT/tests.log" | tail -30
 }
 BIG=${TMPDIR:-/tmp}/saguaro-inflated-target  # not under $OUT: gigabytes that need not come back
 inflated_target() {  # writes $BIG once; false if that failed

@@ -219,6 +219,18 @@ def test_tempered_only_rows_get_target_probs_own_bits():
         assert not RowSampling.of(plain + [other]).tempered_only
 
 
+def test_row_sampling_lives_on_the_logits_device():
+    """The tempered-only draw divides by rows.temperature directly: built for another device, every
+    T > 0 sample on a GPU failed (session 64, an H200). The meta device stands in for one here."""
+    from saguaro_dist.engine.messages import DraftSampling
+    from saguaro_dist.engine.target import RowSampling, sampling_probs
+    plain = [DraftSampling(0.7, 0, 1.0, 1), DraftSampling(1.3, 5, 1.0, 2)]
+    rows = [RowSampling.of(settings, "meta", rows_per_seq=3) for settings in (plain[:1], plain)]
+    assert all({t.device.type for t in (r.temperature, r.top_k, r.top_p, r.min_p)} == {"meta"} for r in rows)
+    assert rows[0].tempered_only  # (target_probs, which the other takes, moves them itself)
+    assert sampling_probs(torch.empty(3, 16, device="meta"), rows[0]).device.type == "meta"
+
+
 def test_greedy_tokens_is_torch_argmax_on_every_layout():
     """The CPU numpy path picks what torch.argmax picks: the first maximum among ties, the first NaN,
     -0.0 equal to 0.0; on 1-D, 3-D, strided, half-precision (up-cast) and float64 (torch's own) input."""

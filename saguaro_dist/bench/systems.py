@@ -83,8 +83,10 @@ class OursSystem:
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
         mode = "ssd" if self.name.startswith("ssd") else self.name.removesuffix("-k")
-        executor = {"sd": "thread", "ssd": "split", "ssd-trees": "split", "ssd-draft": "split", "ssd-k": "split",
-                    "ssd-process": "process", "ssd-thread": "thread", "ssd-ray-process": "process"}.get(self.name, "auto")
+        # ssd (and its variants) run the engine's own default executor: split on the CPU, a thread beside a
+        # target on one GPU (engine/build.py: draft_executor); the others name theirs.
+        executor = {"sd": "thread", "ssd-process": "process", "ssd-thread": "thread",
+                    "ssd-ray-process": "process"}.get(self.name, "auto")
         # Every repeat runs the same prompts: a prefix cache would skip our systems' prefills from the
         # second on (not transformers'), so it is off here, as in the runs before it existed.
         kwargs = {"enable_prefix_caching": False, **self.engine_kwargs, **SYSTEM_SETTINGS.get(self.name, {})}

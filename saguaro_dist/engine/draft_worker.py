@@ -287,7 +287,7 @@ class DraftWorker:
         Returns the draws as columns (tokens [R, K], probs [R, K, V] or None when every row is greedy)
         and the K raw logits [R, V] they came from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
-        sampling = None if greedy else RowSampling.of([s.sampling for s in rows])  # once for the K draws
+        sampling = None if greedy else RowSampling.of([s.sampling for s in rows], logits.device)  # once for the K draws
         row_generators = None if greedy else generators()
         tokens, dists, seen = [], [], []
         for j in range(self.k):

@@ -24,10 +24,11 @@ class RowSampling:
     tempered_only: bool = False  # every row T > 0 and unfiltered (no min-p, top-k or top-p): p = softmax(logits / T)
 
     @staticmethod
-    def of(settings: list, rows_per_seq: int = 1) -> RowSampling:
-        """settings: SamplingParams or DraftSampling, one per sequence, each repeated for rows_per_seq rows."""
+    def of(settings: list, device: torch.device | str = "cpu", rows_per_seq: int = 1) -> RowSampling:
+        """settings: SamplingParams or DraftSampling, one per sequence, each repeated for rows_per_seq rows;
+        on `device`, the logits' (the tempered-only draw divides by them without target_probs' moves)."""
         def per_row(values, dtype):
-            return torch.tensor(values, dtype=dtype).repeat_interleave(rows_per_seq)
+            return torch.tensor(values, dtype=dtype).repeat_interleave(rows_per_seq).to(device)
         tempered_only = all(s.temperature > 0 and s.min_p == 0 and s.top_k <= 0 and s.top_p >= 1.0 for s in settings)
         return RowSampling(per_row([s.temperature for s in settings], torch.float32),
                            per_row([s.top_k for s in settings], torch.int64),
@@ -174,7 +175,7 @@ class TargetScorer:
         if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
             result = greedy_verify(scored, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
         else:
-            rows = RowSampling.of([s.params for s in seqs], rows_per_seq=k + 1)
+            rows = RowSampling.of([s.params for s in seqs], scored.device, rows_per_seq=k + 1)
             p = sampling_probs(scored.flatten(0, 1), rows).view(len(seqs), k + 1, -1)
             tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)  # on the CPU, as they came
             q = None if q is None else q.to(p.device)
@@ -195,7 +196,7 @@ class TargetScorer:
         if _all_greedy(seqs):
             tokens = greedy_tokens(scored).tolist()
         else:
-            probs = sampling_probs(scored, RowSampling.of([s.params for s in seqs]))
+            probs = sampling_probs(scored, RowSampling.of([s.params for s in seqs], scored.device))
             tokens = sample(probs, [s.generator for s in seqs]).tolist()
         for i, (s, t) in enumerate(zip(seqs, tokens)):
             if s.params.logprobs is not None:
