@@ -130,3 +130,23 @@ def test_a_draft_thread_runs_on_its_own_stream_and_stays_exact(tiny_llama_pair):
         seen = backend.submit(lambda _: torch.cuda.current_stream(), None).result()
     assert got == want
     assert seen == backend.stream.stream and seen != torch.cuda.default_stream()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("executor", [
+    "split", "process",
+    pytest.param("thread", marks=pytest.mark.xfail(strict=False, reason=(
+        "session 64, an H200: tree builds on a thread beside the verify sampled tokens the target gives no "
+        "probability (3-10 of 20000 sequences, 4 runs of 4); cause not found, so no longer the default")))])
+def test_truncated_sampling_on_one_gpu_follows_the_target(tmp_path, executor):
+    """SSD with trees every round, top-k 4 at T = 0.8, target and draft on one GPU: the joint of the first
+    three tokens is the target's (test_engine_sampling's chi-square), whichever executor holds the draft."""
+    from saguaro_dist import SamplingParams
+    from test_engine_sampling import chi_square_pvalue, exact_joint, sample_joint, sampling_pair, ALPHA
+    target, draft, model = sampling_pair(tmp_path)
+    params = SamplingParams(temperature=0.8, top_k=4)
+    counts, metrics = sample_joint(target, draft, params, k=1, fan_out=4, draft_executor=executor, tree_policy="always",
+                                   device="cuda")
+    assert metrics.cache_hits > 0, metrics
+    p = chi_square_pvalue(counts, exact_joint(model, params))
+    assert p > ALPHA, f"{executor}: chi-square p = {p:.2e}"

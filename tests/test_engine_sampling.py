@@ -118,11 +118,12 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
     generates longer and counts the first 3, for paths that only later rounds take. `whole_batches` (a kwarg):
     generate 64 at a time, so that the rounds after the first admit no sequence (each one a whole batch)."""
     mode, max_tokens, whole = kwargs.pop("mode", "ssd"), kwargs.pop("max_tokens", 3), kwargs.pop("whole_batches", False)
+    device = kwargs.pop("device", DEVICE)
     if mode == "ngram":
         draft = None  # it proposes from the sequence's own tokens
     elif "cluster" not in kwargs:  # (on Ray the drafts are actors: "process", or "split" with a copy beside the target)
         kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
-    with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
+    with LLM(device=device, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         ignore_eos = params.structured_outputs is None
         seeded = [replace(params, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i) for i in range(n)]
         calls = [seeded[i:i + 64] for i in range(0, n, 64)] if whole else [seeded]

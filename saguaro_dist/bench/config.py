@@ -13,8 +13,8 @@ SYSTEMS = {
     "ngram": "ours, prompt lookup (mode ngram: tokens from the sequence's own text, no draft model; 1, K, 2K or 3K a "
              "round, the length measured fastest)",
     "ngram-k": "ours, prompt lookup at K tokens a round (adaptive_lookup_length=False: vLLM's ngram)",
-    "ssd": "ours, SSD one-host (the engine's default: on the CPU split, trees in a child process over a pipe and "
-           "just-in-time drafts on a thread; beside the target on one GPU, a thread on its own CUDA stream)",
+    "ssd": "ours, SSD one-host (the engine's default: split, trees in a child process over a pipe and just-in-time "
+           "drafts on a thread; a process with the draft on a GPU of its own)",
     "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",

@@ -83,8 +83,8 @@ class OursSystem:
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
         mode = "ssd" if self.name.startswith("ssd") else self.name.removesuffix("-k")
-        # ssd (and its variants) run the engine's own default executor: split on the CPU, a thread beside a
-        # target on one GPU (engine/build.py: draft_executor); the others name theirs.
+        # ssd (and its variants) run the engine's own default executor (engine/build.py: draft_executor): split
+        # beside the target, a process with the draft on a GPU of its own; the others name theirs.
         executor = {"sd": "thread", "ssd-process": "process", "ssd-thread": "thread",
                     "ssd-ray-process": "process"}.get(self.name, "auto")
         # Every repeat runs the same prompts: a prefix cache would skip our systems' prefills from the

@@ -106,15 +106,18 @@ def build_draft_worker(config: Config, fit: DraftFit | None = None, device: str 
 
 def draft_executor(config: Config) -> DraftExecutor:
     """AUTO resolved. SD's draft and target never run at once: a thread. SSD overlaps them: a draft on
-    the CPU builds its trees in a process (and a GIL) of its own and drafts just in time on a thread, as
-    SD does (split: docs/architecture.md); on another GPU a process; on the target's own GPU a thread,
-    whose CUDA stream runs beside the target's, where a second process's CUDA context would take turns
-    with the target's (docs/benchmarks.md, "GPU, session 23")."""
+    the CPU or on the target's own GPU builds its trees in a process of its own and drafts just in time
+    on a thread, as SD does (split: docs/architecture.md); on another GPU a process. On the target's GPU
+    a thread building trees beside the verify (its own CUDA stream) was the default until session 64:
+    on an H200 it broke exactness there (a greedy divergence in 2 of 4 runs of one test, tokens the
+    target gives no probability in 4 of 4 runs of a top-k test) where split passed the same greedy
+    suites and ran as fast or faster (docs/benchmarks.md, "GPU, session 64"); it is still there to ask for."""
     if config.draft_executor is not DraftExecutor.AUTO:
         return config.draft_executor
-    if config.mode is not Mode.SSD or same_gpu(config.device, config.draft_device_resolved):
+    if config.mode is not Mode.SSD:
         return DraftExecutor.THREAD
-    if torch.device(config.draft_device_resolved).type == "cpu":
+    draft_device = config.draft_device_resolved
+    if torch.device(draft_device).type == "cpu" or same_gpu(config.device, draft_device):
         return DraftExecutor.SPLIT
     return DraftExecutor.PROCESS
 
