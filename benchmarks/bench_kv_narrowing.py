@@ -60,7 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--long", type=int, default=1900, help="the long request's length")
+    ap.add_argument("--long", type=int, default=1900,
+                    help="the long request's length (over NARROW_ABOVE = 1024, or the pool stays wide)")
     ap.add_argument("--steps", type=int, default=40)
     args = ap.parse_args()
     torch.set_num_threads(1)

@@ -97,8 +97,8 @@ def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off():
 
 
 def test_kv_narrowing_bench_times_the_wide_and_the_narrowed_pool():
-    out = _run(str(BENCH / "bench_kv_narrowing.py"), "--batch", "2", "--long", "300", "--steps", "3")
-    assert "KV capacity 300)" in out and out.count("KV capacity 128)") == 2 and "wide / narrowed" in out
+    out = _run(str(BENCH / "bench_kv_narrowing.py"), "--batch", "2", "--long", "1100", "--steps", "3")
+    assert "KV capacity 1100)" in out and out.count("KV capacity 128)") == 2 and "wide / narrowed" in out
 
 
 def test_bench_configs_runs_configs_side_by_side_and_rates_them_against_the_first():

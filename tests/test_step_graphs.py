@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import saguaro_dist.model.runner as runner_module
 from saguaro_dist.model import ModelRunner
 from saguaro_dist.model.cuda_graphs import StepGraphs, buckets
 
@@ -97,10 +98,12 @@ def test_a_tree_whose_layout_was_claimed_again_cannot_step(tiny_checkpoint):
 
 
 @pytest.mark.parametrize("preallocate", [False, True])
-def test_the_pool_narrows_once_a_long_sequence_leaves_and_stays_exact(tiny_checkpoint, preallocate):
+def test_the_pool_narrows_once_a_long_sequence_leaves_and_stays_exact(tiny_checkpoint, preallocate, monkeypatch):
     """The static forwards attend over the pool's whole capacity: after a long sequence finishes (kept by the
     prefix cache under a new name) the pool narrows to what the live ones need, the short one's static
-    steps still give the eager logits, and a prefix copied later from the long kept row is whole."""
+    steps still give the eager logits, and a prefix copied later from the long kept row is whole. (Narrowing
+    starts above NARROW_ABOVE positions; lowered here to keep the model tiny.)"""
+    monkeypatch.setattr(runner_module, "NARROW_ABOVE", 128)
     path = tiny_checkpoint("llama")
     long_prompt = [(7 * i) % 60 + 2 for i in range(200)]
     static, eager = static_runner(path, preallocate_kv=preallocate), ModelRunner(path)
@@ -125,6 +128,20 @@ def test_the_pool_narrows_once_a_long_sequence_leaves_and_stays_exact(tiny_check
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ("extend", 2, 1) in static.graphs._steps  # the last step took the static path (the widening dropped the rest)
+
+
+def test_requests_of_a_few_hundred_positions_keep_the_pool_and_its_graphs(tiny_checkpoint):
+    """A pool at or under NARROW_ABOVE positions never narrows: each narrowing drops every graph, and one
+    after every request made each request of over 128 positions capture them all again (session 64)."""
+    static = static_runner(tiny_checkpoint("llama"))
+    for i in range(3):  # one request at a time, each to 200 positions (the pool widens to 256 once)
+        static.add(i)
+        static.extend([i], [[(5 * j) % 60 + 2 for j in range(196)]], [1])
+        for t in range(4):
+            static.extend([i], [[t + 2]], [1])
+        assert static.pool.capacity == 256 and ("extend", 1, 1) in static.graphs._steps
+        static.free(i)
+        assert static.pool.capacity == 256 and ("extend", 1, 1) in static.graphs._steps, i  # kept for the next
 
 
 def test_a_pool_narrowed_then_grown_past_its_store_keeps_every_position():

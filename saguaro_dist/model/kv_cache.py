@@ -7,6 +7,7 @@ import torch
 
 
 MIN_KV_CAPACITY = 128  # positions a pool starts with, and the least it narrows to
+NARROW_ABOVE = 1024    # a pool narrows (ModelRunner._fit_capacity) only from a capacity above this
 
 
 class KVPool:
