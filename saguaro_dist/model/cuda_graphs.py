@@ -85,6 +85,22 @@ class BranchStep:
     owner: BranchState | None = field(default=None, repr=False)  # the state whose KV private_k/v hold
 
 
+@dataclass(frozen=True)
+class CaptureStreams:
+    """One runner's streams for capturing its graphs. A graph keeps the cuBLAS workspace of the (thread,
+    stream) it was captured on (PyTorch keys workspaces so); on torch.cuda.graph's one process-wide capture
+    stream the target's and a draft's graphs captured on one thread would share a workspace, and then race
+    on it wherever they replay at once (SSD on one GPU; a suspect for session 64's draft-thread failures,
+    not yet run on a GPU). Taken once per runner: torch hands out streams round-robin from a pool of 32,
+    so one new stream per capture came round to other runners' streams."""
+    capture: torch.cuda.Stream
+    warm_up: torch.cuda.Stream
+
+    @staticmethod
+    def new(device) -> CaptureStreams:
+        return CaptureStreams(torch.cuda.Stream(device), torch.cuda.Stream(device))
+
+
 class StepGraphs:
     """Captured forwards of one model over one KV pool. `capture=False` runs the same static forwards
     without a graph, so padding and layouts are tested where there is no GPU."""
@@ -97,6 +113,7 @@ class StepGraphs:
         self.scratch_row = pool.take_row()  # padding rows write here; nothing reads it
         self._steps: dict[tuple, ExtendStep | BranchStep] = {}
         self._pool_key, self._mempool = None, None
+        self._streams = CaptureStreams.new(pool.k.device) if capture else None
 
     # -- extend ----------------------------------------------------------------------------------
     def supports_extend(self, starts: list[int], lens: list[int]) -> bool:
@@ -207,12 +224,13 @@ class StepGraphs:
 
     def _capture(self, step) -> None:
         with _CAPTURE_LOCK, _counted():
-            side = torch.cuda.Stream()
+            side = self._streams.warm_up
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # warm-up off the capture: cuBLAS workspaces, lazy inits
                 for _ in range(2):
                     self._forward(step)
             torch.cuda.current_stream().wait_stream(side)
             step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=self._mempool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(step.graph, pool=self._mempool, stream=self._streams.capture,
+                                  capture_error_mode="thread_local"):
                 step.logits = self._forward(step)
