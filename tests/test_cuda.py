@@ -150,3 +150,14 @@ def test_truncated_sampling_on_one_gpu_follows_the_target(tmp_path, executor):
     assert metrics.cache_hits > 0, metrics
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"{executor}: chi-square p = {p:.2e}"
+
+
+def test_each_runner_captures_its_graphs_on_streams_of_its_own(tiny_llama_pair):
+    """A graph keeps the cuBLAS workspace of the stream it was captured on: the target's and the draft's
+    graphs must not share one (as they did on torch.cuda.graph's process-wide capture stream;
+    model/cuda_graphs.py: CaptureStreams), or their replays at once on one GPU race on it."""
+    from saguaro_dist.model import ModelRunner
+    target, draft = tiny_llama_pair
+    runners = [ModelRunner(path, device="cuda", cuda_graphs=True) for path in (target, draft)]
+    streams = [s for r in runners for s in (r.graphs._streams.capture, r.graphs._streams.warm_up)]
+    assert len({s.cuda_stream for s in streams}) == 4
