@@ -109,8 +109,8 @@ def draft_executor(config: Config) -> DraftExecutor:
     the CPU or on the target's own GPU builds its trees in a process of its own and drafts just in time
     on a thread, as SD does (split: docs/architecture.md); on another GPU a process. On the target's GPU
     a thread building trees beside the verify (its own CUDA stream) was the default until session 64:
-    on an H200 it broke exactness there (a greedy divergence in 2 of 4 runs of one test, tokens the
-    target gives no probability in 4 of 4 runs of a top-k test) where split passed the same greedy
+    on an H200 it broke exactness there (a greedy divergence in 3 of 5 runs of one test, tokens the
+    target gives no probability in 5 of 5 runs of a top-k test) where split passed the same greedy
     suites and ran as fast or faster (docs/benchmarks.md, "GPU, session 64"); it is still there to ask for."""
     if config.draft_executor is not DraftExecutor.AUTO:
         return config.draft_executor
