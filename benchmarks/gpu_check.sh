@@ -13,9 +13,14 @@
 #   inflated  `saguaro bench` against the demo target inflated to a real model's cost (bench/inflate.py,
 #             bf16), where a target forward costs many draft forwards, as on real pairs (INFLATED_EAGER=1:
 #             with --enforce-eager; INFLATED_SYSTEMS, INFLATED_BATCH, INFLATED_TEMPERATURES narrow the grid).
-# The image may lack pure-Python packages the tests import (grpcio-health-checking in session 17):
-# put them in a folder and name it in EXTRA_PATH. TEST_WORKERS=N runs the tests stage in N pytest-xdist
-# workers sharing the GPU (the suites' models are tiny; each worker holds a CUDA context of its own).
+# The image may lack packages the tests import: wheels in ./.whl (WHEELS=dir) are installed into a folder put
+# on the path first, or name a folder of packages in EXTRA_PATH. Session 64's H200 image lacked Ray (its tests
+# are left out then), llguidance, grpcio-health-checking and the protobuf / grpcio the committed stubs need:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+#     --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+#     protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 llguidance==1.9.1
+# TEST_WORKERS=N runs the tests stage in N pytest-xdist workers sharing the GPU (the suites' models are tiny;
+# each worker holds a CUDA context of its own).
 # Logs and results land under $OUT; each bench cell is logged as it is measured. REPEATS=N: timed passes
 # per cell (each bench warms up with one whole untimed pass on a GPU first).
 set -uo pipefail
@@ -25,6 +30,13 @@ STAGES=${STAGES:-tests,graphs,bench,inflated}
 PY=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}  # DEVICE=cpu: a dry run of the script itself
 mkdir -p "$OUT"
+WHEELS=${WHEELS:-.whl}
+set +f
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/saguaro-site \
+        "$WHEELS"/*.whl && EXTRA_PATH=/tmp/saguaro-site${EXTRA_PATH:+:$EXTRA_PATH}
+fi
+set -f
 export PYTHONPATH="$PWD${EXTRA_PATH:+:$EXTRA_PATH}${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 [ "$DEVICE" = cpu ] || nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
