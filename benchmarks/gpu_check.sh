@@ -80,12 +80,12 @@ stage_graphs() {
 }
 stage_inflated() {
     inflated_target && bench inflated-bf16 "${INFLATED_TIMEOUT:-180}" --target "$BIG" --draft "$(demo_draft)" \
-        --dtype bfloat16 --systems ${INFLATED_SYSTEMS:-ar,sd,ssd,ssd-thread,hf-assisted} --batch ${INFLATED_BATCH:-1,8} \
+        --dtype bfloat16 --systems ${INFLATED_SYSTEMS:-ar,sd,ssd,ssd-split,hf-assisted} --batch ${INFLATED_BATCH:-1,8} \
         --temperatures ${INFLATED_TEMPERATURES:-0,0.7} --max-new-tokens 64 ${INFLATED_EAGER:+--enforce-eager}
 }
 stage_bench() {
     for eager in "" ${BENCH_EAGER---enforce-eager}; do  # BENCH_EAGER= : graphs only
-        bench "demo-fp32${eager:+-eager}" "${BENCH_TIMEOUT:-110}" --systems ar,sd,ssd,ssd-thread --batch 1,8 \
+        bench "demo-fp32${eager:+-eager}" "${BENCH_TIMEOUT:-110}" --systems ar,sd,ssd,ssd-split --batch 1,8 \
             --temperatures ${BENCH_TEMPERATURES:-0,0.7} --max-new-tokens 64 $eager
     done
 }

@@ -29,8 +29,8 @@ class FanOut(str, enum.Enum):
 class DraftExecutor(str, enum.Enum):
     """Where the engine runs its draft. One host: a thread or a child process. On Ray the draft actors
     are the "process"; "split" also keeps a draft copy beside the target (its rank 0) for the drafts."""
-    AUTO = "auto"        # thread for SD (draft and target never run at once); for SSD split on the CPU or the
-                         # target's GPU, a process on another GPU; on Ray split on the CPU, else process
+    AUTO = "auto"        # thread for SD (draft and target never run at once); for SSD split on the CPU, a thread
+                         # on the target's GPU, a process on another GPU; on Ray split on the CPU, else process
     PROCESS = "process"  # a child process spoken to over a pipe (on Ray: the pool of draft actors does all)
     THREAD = "thread"    # a thread of this process: no start-up cost, but it competes for the GIL (one host only)
     SPLIT = "split"      # SSD: just-in-time drafts on a thread (SD's rounds, no hop), trees in a child process

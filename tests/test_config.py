@@ -123,11 +123,12 @@ def test_auto_draft_executor_is_split_for_ssd_and_a_thread_for_sd():
 
 
 @pytest.mark.parametrize("device, draft_device, want", [
-    ("cuda", None, "split"), ("cuda:0", "cuda", "split"), ("cuda:1", "cuda:1", "split"),
+    ("cuda", None, "thread"), ("cuda:0", "cuda", "thread"), ("cuda:1", "cuda:1", "thread"),
     ("cuda:0", "cuda:1", "process"), ("cuda", "cpu", "split"), ("cpu", "cpu", "split")])
-def test_auto_ssd_draft_splits_beside_the_target_and_takes_a_process_on_another_gpu(device, draft_device, want):
-    """The target's own GPU or the CPU: split (trees in a process, just-in-time drafts on a thread; a
-    thread building trees beside the verify broke exactness on an H200, session 64); another GPU: a process."""
+def test_auto_ssd_draft_is_split_on_the_cpu_a_thread_on_the_targets_gpu_a_process_on_another(device, draft_device, want):
+    """A draft on the CPU: split (trees in a process, off the target's GIL; just-in-time drafts on a thread).
+    On the target's GPU: a thread on a stream of its own (two processes' kernels take turns on one GPU).
+    On another GPU: a process."""
     from saguaro_dist.engine.build import draft_executor
     config = Config(model="m", draft="d", mode="ssd", device=device, draft_device=draft_device)
     assert draft_executor(config) is DraftExecutor(want)

@@ -13,8 +13,9 @@ SYSTEMS = {
     "ngram": "ours, prompt lookup (mode ngram: tokens from the sequence's own text, no draft model; 1, K, 2K or 3K a "
              "round, the length measured fastest)",
     "ngram-k": "ours, prompt lookup at K tokens a round (adaptive_lookup_length=False: vLLM's ngram)",
-    "ssd": "ours, SSD one-host (the engine's default: split, trees in a child process over a pipe and just-in-time "
-           "drafts on a thread; a process with the draft on a GPU of its own)",
+    "ssd": "ours, SSD one-host (the engine's default executor: on the CPU split, as ssd-split; on the target's GPU "
+           "a thread, as ssd-thread; a process with the draft on a GPU of its own)",
+    "ssd-split": "ours, SSD one-host with trees in a child process (pipe) and just-in-time drafts on a thread",
     "ssd-process": "ours, SSD one-host with the whole draft in a child process (pipe), just-in-time drafts too",
     "ssd-thread": "ours, SSD one-host with the draft on a thread of the target's process (shares the GIL; own CUDA stream)",
     "ssd-trees": "ours, SSD one-host with a tree every round (tree_policy=always; ssd measures and may skip them)",
@@ -31,9 +32,9 @@ SETTINGS = {
     "paper": "target on 1 core; SSD's draft on the other core",
     "equal": "every system may use both cores",
 }
-OURS = ("ar", "sd", "ngram", "ngram-k", "ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-k", "ssd-ray",
+OURS = ("ar", "sd", "ngram", "ngram-k", "ssd", "ssd-split", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-k", "ssd-ray",
         "ssd-ray-process")
-SSD_SYSTEMS = ("ssd", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-k", "ssd-ray", "ssd-ray-process")
+SSD_SYSTEMS = ("ssd", "ssd-split", "ssd-process", "ssd-thread", "ssd-trees", "ssd-draft", "ssd-k", "ssd-ray", "ssd-ray-process")
 SYSTEM_SETTINGS = {"ssd-trees": {"tree_policy": "always"}, "ssd-draft": {"ngram_rounds": False},  # engine kwargs
                    "ngram-k": {"adaptive_lookup_length": False}, "ssd-k": {"adaptive_lookup_length": False}}
 SPECULATIVE = ("sd", "ngram", "ngram-k", *SSD_SYSTEMS, "hf-assisted")
@@ -59,9 +60,10 @@ def placement(system: str, setting: str, cores: int = 2) -> Placement:
         return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
     if system in ("sd", "hf-assisted"):
         return Placement(one, one, one, f"target + draft: bench process, same thread, {one} torch thread(s)")
-    if system in ("ssd", "ssd-trees", "ssd-draft", "ssd-k"):  # two processes, 1 torch thread each: one core each
+    if system in ("ssd", "ssd-split", "ssd-trees", "ssd-draft", "ssd-k"):  # two processes, 1 torch thread each: one core each
+        gpu = "" if system == "ssd-split" else " (on the target's GPU: a thread of the same process)"
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); draft: trees in a child "
-                                  "process (1 torch thread), pipe; just-in-time drafts on a thread beside the target")
+                                  f"process (1 torch thread), pipe; just-in-time drafts on a thread beside the target{gpu}")
     if system == "ssd-process":
         return Placement(1, 1, 2, "target: bench process engine thread (1 torch thread); "
                                   "draft: child process (1 torch thread), pipe")

@@ -84,8 +84,8 @@ class OursSystem:
         from saguaro_dist import LLM
         mode = "ssd" if self.name.startswith("ssd") else self.name.removesuffix("-k")
         # ssd (and its variants) run the engine's own default executor (engine/build.py: draft_executor): split
-        # beside the target, a process with the draft on a GPU of its own; the others name theirs.
-        executor = {"sd": "thread", "ssd-process": "process", "ssd-thread": "thread",
+        # on the CPU, a thread on the target's GPU, a process with the draft on a GPU of its own; the others name theirs.
+        executor = {"sd": "thread", "ssd-split": "split", "ssd-process": "process", "ssd-thread": "thread",
                     "ssd-ray-process": "process"}.get(self.name, "auto")
         # Every repeat runs the same prompts: a prefix cache would skip our systems' prefills from the
         # second on (not transformers'), so it is off here, as in the runs before it existed.

@@ -112,7 +112,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],
                    help="one-host engine: run the draft in a child process or on a thread (default auto: "
-                        "thread for sd; for ssd split on the CPU or the target's GPU, process on a GPU of its own)")
+                        "thread for sd; for ssd split on the CPU, thread on the target's GPU, process on a GPU of its own)")
     g.add_argument("--cluster", help="run the engine as Ray actors: auto, local or ray://host:port "
                                      "(default: one-host engine inside the server)")
 

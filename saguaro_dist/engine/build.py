@@ -105,21 +105,23 @@ def build_draft_worker(config: Config, fit: DraftFit | None = None, device: str 
 
 
 def draft_executor(config: Config) -> DraftExecutor:
-    """AUTO resolved. SD's draft and target never run at once: a thread. SSD overlaps them: a draft on
-    the CPU or on the target's own GPU builds its trees in a process of its own and drafts just in time
-    on a thread, as SD does (split: docs/architecture.md); on another GPU a process. On the target's GPU
-    a thread building trees beside the verify (its own CUDA stream) was the default until session 64:
-    on an H200 it broke exactness there (a greedy divergence in 3 of 5 runs of one test, tokens the
-    target gives no probability in 5 of 5 runs of a top-k test) where split passed the same greedy
-    suites and ran as fast or faster (docs/benchmarks.md, "GPU, session 64"); it is still there to ask for."""
+    """AUTO resolved. SD's draft and target never run at once: a thread. SSD overlaps them. A draft on the
+    CPU builds its trees in a process of its own and drafts just in time on a thread, as SD does (split:
+    docs/architecture.md): a thread's tree build would take the target's GIL. A draft on the target's own
+    GPU runs on a thread with a CUDA stream of its own: two processes' kernels take turns on one GPU, and
+    on an H200 (session 65) the thread ran faster than split in all 8 bench cells (inflated target b = 8,
+    T = 0.7: 2243 tok/s against 872). Session 64 had made split that default after a thread broke
+    exactness there; the cause, graphs of both models captured on one stream and so sharing a cuBLAS
+    workspace, is fixed (model/cuda_graphs.py: CaptureStreams) and the two failing tests passed in 7 runs
+    of 7 (docs/benchmarks.md, "GPU, session 65"). A draft on another GPU: a process."""
     if config.draft_executor is not DraftExecutor.AUTO:
         return config.draft_executor
     if config.mode is not Mode.SSD:
         return DraftExecutor.THREAD
     draft_device = config.draft_device_resolved
-    if torch.device(draft_device).type == "cpu" or same_gpu(config.device, draft_device):
+    if torch.device(draft_device).type == "cpu":
         return DraftExecutor.SPLIT
-    return DraftExecutor.PROCESS
+    return DraftExecutor.THREAD if same_gpu(config.device, draft_device) else DraftExecutor.PROCESS
 
 
 def ray_draft_executor(config: Config) -> DraftExecutor:
