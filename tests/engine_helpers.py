@@ -8,14 +8,16 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from saguaro_dist.bench.departures import NEAR_TIE, RELATIVE_NEAR_TIE  # noqa: F401 (NEAR_TIE: for the suites)
+
 # The engine tests' device: SAGUARO_TEST_DEVICE=cuda runs the exactness suites on a GPU
 # (benchmarks/gpu_check.sh); CI has none and runs them on the CPU.
 DEVICE = os.environ.get("SAGUARO_TEST_DEVICE", "cpu")
-NEAR_TIE = 1e-4  # top-2 logit gap under which fp reordering may flip a greedy choice
-# In bf16 a logit is rounded to 8 significant bits: two computations of one position (a decode and a
-# verify row) differ by a few of its units. Seen: the demo target's top two 0.0034 apart in fp32 were
-# one bf16 unit apart (4.125 vs 4.094), and AR and SD chose differently there.
-BF16_NEAR_TIE = 4 * 2.0 ** -8  # relative to the top logit's magnitude: 4 units in the last place
+# The near-tie rule the bench judges its greedy departures by (saguaro_dist/bench/departures.py). In bf16 a
+# logit is rounded to 8 significant bits: two computations of one position (a decode and a verify row) differ
+# by a few of its units. Seen: the demo target's top two 0.0034 apart in fp32 were one bf16 unit apart
+# (4.125 vs 4.094), and AR and SD chose differently there.
+BF16_NEAR_TIE = RELATIVE_NEAR_TIE["bfloat16"]  # relative to the top logit's magnitude: 4 units in the last place
 
 
 def llama_config(vocab: int, hidden: int, layers: int, heads: int = 4, kv_heads: int = 2) -> LlamaConfig:

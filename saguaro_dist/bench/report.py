@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from saguaro_dist.bench.departures import summary as departures_summary
 from saguaro_dist.bench.paired import format_paired
 
 GRID_COLUMNS = [("setting", "setting", "{}"), ("system", "system", "{}"), ("batch", "b", "{}"),
@@ -130,7 +131,8 @@ def render(results: dict) -> str:
     rows_key, columns = TABLES[results["kind"]]
     rows = results[rows_key]
     table = markdown_table(rows, columns)
-    return "\n".join(lines + ["", table, ""] + theorem7_lines(rows))
+    greedy = departures_summary(rows)
+    return "\n".join(lines + ["", table, ""] + ([greedy, ""] if greedy else []) + theorem7_lines(rows))
 
 
 def write_json(results: dict, path: Path) -> Path:

@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from saguaro_dist.bench.config import (OURS, SETTINGS, SSD_SYSTEMS, SYSTEMS, BenchConfig, SweepConfig, candidate_placements,
                                        placement)
+from saguaro_dist.bench.departures import judge_cells
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
 from saguaro_dist.bench.systems import Measurement, Repeats, combine, make_system
@@ -37,6 +38,7 @@ def run_grid(cfg: BenchConfig, progress: bool = True) -> dict:
             for system in cfg.systems:
                 cells += run_system(cfg, system, setting, target, draft, prompts, bar)
     calibs = calibrate_cells(cfg, cells, target, draft, prompts)
+    judge_cells(cells, prompts, target, cfg.dtype, cfg.device)
     annotate(cells, calibs)
     return {"schema": SCHEMA_VERSION, "kind": "grid", "config": cfg.to_dict(), **context(target, draft, source, cfg),
             "calibration": [{"batch": b, "temperature": t, **c} for (b, t), c in calibs.items()], "cells": cells}
