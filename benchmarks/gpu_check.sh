@@ -62,8 +62,11 @@ TESTS=${TESTS:-"tests/test_cuda.py tests/test_step_graphs.py tests/test_engine_g
 stage_tests() {
     local no_ray=()  # the GPU image has no Ray: its tests (named on_ray) are left out there
     $PY -c "import ray" 2>/dev/null || no_ray=(-k "not on_ray")
-    timeout "${TESTS_TIMEOUT:-200}" env SAGUARO_TEST_DEVICE="$DEVICE" $PY -m pytest -q -p no:cacheprovider \
-        --timeout 60 --maxfail 8 ${TEST_WORKERS:+-n $TEST_WORKERS} "${no_ray[@]}" $TESTS 2>&1 | tee "$OUT/tests.log" | tail -30
+    # -v: each test's result on a line of its own, so a log the time box cuts still names its failures (session 65's
+    # did not); 150 s a test: the split and draft-process sampling cases took 90-105 s on an H200 under load.
+    timeout "${TESTS_TIMEOUT:-300}" env SAGUARO_TEST_DEVICE="$DEVICE" $PY -m pytest -v -rfE -p no:cacheprovider \
+        --timeout 150 --maxfail 8 ${TEST_WORKERS:+-n $TEST_WORKERS} "${no_ray[@]}" $TESTS > "$OUT/tests.log" 2>&1
+    grep -E "FAILED|ERROR|XPASS" "$OUT/tests.log" | tail -20; tail -3 "$OUT/tests.log"
 }
 BIG=${TMPDIR:-/tmp}/saguaro-inflated-target  # not under $OUT: gigabytes that need not come back
 inflated_target() {  # writes $BIG once; false if that failed
