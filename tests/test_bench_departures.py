@@ -65,6 +65,21 @@ def test_judge_cells_marks_every_greedy_cell_and_logs_a_departure_where_the_targ
     assert "1 NOT at a near tie" in summary(cells)
 
 
+def test_serving_cells_are_judged_per_rate_over_every_repeat(target):
+    """A serving cell's outputs are one list per repeat, request i from prompt i in each: a departure in the
+    second repeat is row len(prompts) + i."""
+    path, model = target
+    want = [greedy(model, p, 4) for p in PROMPTS]
+    wrong = [want[0], [(want[1][0] + 1) % 64] + want[1][1:]]
+    cell = lambda system, runs, rate="inf": dict(system=system, setting="equal", temperature=0.0, rate=rate, outputs=runs)  # noqa: E731
+    cells = [cell("ar", [want, want]), cell("ssd", [want, wrong]), cell("ssd", [want, wrong], rate="2.0")]
+    judge_cells(cells, PROMPTS * 2, path, "float32", "cpu", group=("setting", "rate"),
+                rows=lambda c: [out for run in c["outputs"] for out in run])
+    [d] = cells[1]["greedy_departures"]
+    assert (d["row"], d["position"], d["ar_token"]) == (3, 0, want[1][0])
+    assert "greedy_departures" not in cells[2]  # no ar cell at that rate
+
+
 def test_summary_lines():
     tie = Departure(0, 1, 2, 3, top_logit=4.0, gap=0.01, tie=0.05).to_dict()
     assert summary([{"system": "ar"}]) is None

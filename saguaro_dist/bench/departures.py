@@ -68,22 +68,24 @@ def judge(model, prompts: list[list[int]], outputs: list[list[int]], reference: 
     return found
 
 
-def judge_cells(cells: list[dict], prompts: list[list[int]], target: str, dtype: str, device: str) -> None:
-    """Sets greedy_departures on every greedy cell with an ar cell beside it (a list, empty when token-identical);
-    loads the target in fp32 only if some cell departs. Logs an error for a departure that is no near tie."""
-    ars = {(c["setting"], c["batch"]): c for c in cells if c["system"] == "ar" and c["temperature"] == 0}
-    pairs = [(c, ars[(c["setting"], c["batch"])]) for c in cells
-             if c["temperature"] == 0 and c["system"] != "ar" and (c["setting"], c["batch"]) in ars]
-    departing = [(c, ar) for c, ar in pairs if c["outputs"] != ar["outputs"]]
+def judge_cells(cells: list[dict], prompts: list[list[int]], target: str, dtype: str, device: str,
+                group: tuple[str, ...] = ("setting", "batch"), rows=lambda cell: cell["outputs"]) -> None:
+    """Sets greedy_departures on every greedy cell with an ar cell of the same `group` (a list, empty when
+    token-identical); rows(cell): its outputs, row i from prompts[i]. Loads the target in fp32 only if some cell
+    departs. Logs an error for a departure that is no near tie."""
+    key = lambda c: tuple(c[g] for g in group)  # noqa: E731
+    ars = {key(c): c for c in cells if c["system"] == "ar" and c["temperature"] == 0}
+    pairs = [(c, ars[key(c)]) for c in cells if c["temperature"] == 0 and c["system"] != "ar" and key(c) in ars]
+    departing = [(c, ar) for c, ar in pairs if rows(c) != rows(ar)]
     model = _load_fp32(target, device) if departing else None
     for c, ar in pairs:
-        found = judge(model, prompts, c["outputs"], ar["outputs"], dtype, device) if model is not None else []
+        found = judge(model, prompts, rows(c), rows(ar), dtype, device) if model is not None else []
         c["greedy_departures"] = [d.to_dict() for d in found]
         for d in found:
             if not d.near_tie:
-                log.error("%s b=%d departs from ar at row %d token %d (%d != %d) where the target is sure: top-2 gap "
-                          "%.3g, near tie < %.3g", c["system"], c["batch"], d.row, d.position, d.token, d.ar_token,
-                          d.gap, d.tie)
+                log.error("%s %s departs from ar at row %d token %d (%d != %d) where the target is sure: top-2 gap "
+                          "%.3g, near tie < %.3g", c["system"], {g: c[g] for g in group}, d.row, d.position, d.token,
+                          d.ar_token, d.gap, d.tie)
 
 
 def _load_fp32(target: str, device: str):

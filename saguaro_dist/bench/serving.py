@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from saguaro_dist import SamplingParams
 from saguaro_dist.bench.config import OURS, BenchConfig, placement
+from saguaro_dist.bench.departures import judge_cells
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
 from saguaro_dist.bench.runner import SCHEMA_VERSION, context, rotated, vocab_size
@@ -158,6 +159,9 @@ def run_serving(serving: ServingConfig, progress: bool = True) -> dict:
     with tqdm(total=total, desc="saguaro bench serving", unit="cell", disable=not progress) as bar:
         for setting in cfg.settings:
             cells += serve_setting(serving, setting, target, draft, prompts, bar)
+    # request i of every repeat is prompt i: each repeat's outputs, one after another, are rows of prompts x repeats
+    judge_cells(cells, prompts * cfg.repeats, target, cfg.dtype, cfg.device, group=("setting", "rate"),
+                rows=lambda cell: [out for run in cell["outputs"] for out in run])
     annotate_serving(cells)
     return {"schema": SCHEMA_VERSION, "kind": "serving", "config": cfg.to_dict(), "serving": serving.to_dict(),
             **context(target, draft, source, cfg), "cells": cells}
