@@ -403,6 +403,18 @@ def test_tree_policy_always_never_skips_a_tree(pair, reference):
     assert m.jit_rounds <= m.jit_round_tokens <= m.jit_rounds * (3 + 1), m  # each verified 1 to K + 1 tokens
 
 
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_round_kinds_count_only_the_tokens_kept(pair, mode):
+    """A last round's tokens past max_tokens are dropped, and not counted by round kind either (the bench's
+    Theorem 7 splits the cell's tokens by those counts: counted, they made its tokens per tree round negative)."""
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode=mode, k=3, max_batch_size=2) as llm:
+        for n in (2, 5, 6, 9):
+            llm.generate(prompt_token_ids=PROMPTS, sampling_params=replace(GREEDY, max_tokens=n))
+        m = llm.metrics
+    rounds_tokens = m.generated_tokens - 4 * len(PROMPTS)  # every sequence's first token came from its prefill
+    assert m.jit_rounds > 0 and 0 < m.jit_round_tokens + m.fast_round_tokens + m.lookup_round_tokens <= rounds_tokens, m
+
+
 @pytest.mark.parametrize("hit_glue", ["skip", "always"])
 def test_hit_glue_skip_drops_k_equals_K_after_hits_and_stays_exact(pair, reference, monkeypatch, hit_glue):
     """HitGlue.SKIP: a tree built right after every sequence hit its own branch leaves out x_K's forward and

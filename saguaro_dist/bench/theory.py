@@ -50,7 +50,9 @@ def tokens_by_round_kind(m, batch: int, rounds: int) -> tuple[float | None, floa
     the run had no such round), from EngineMetrics jit_round_tokens; without it the run's mean stands for
     both. Misses that took the fast backup verify fewer tokens than a neural draft's rounds: a best case
     that gave every round the mean (what this once did) overstated the kind the run did not run."""
-    total = m.tokens - first_tokens(m, batch) - ngram_alone(m)[1]  # Theorem 7's rounds' tokens
+    # Theorem 7's rounds' tokens (never below 0: runs from before session 65 counted tokens a last round
+    # verified past max_tokens, draftless.kept_tokens)
+    total = max(0, m.tokens - first_tokens(m, batch) - ngram_alone(m)[1])
     jit = m.engine.get("jit_rounds")
     if jit is None or "jit_round_tokens" not in m.engine:
         return total / rounds, total / rounds

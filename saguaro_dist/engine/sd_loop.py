@@ -14,7 +14,7 @@ import torch
 from saguaro_dist.config import Config, FallbackPolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
-from saguaro_dist.engine.draftless import ARLoop, lookup_proposal, verify_speculations
+from saguaro_dist.engine.draftless import ARLoop, kept_tokens, lookup_proposal, verify_speculations
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, proposal_fits,
 )
@@ -88,7 +88,7 @@ class SDLoop(ARLoop):
     def verify(self, seqs):
         gained = verify_speculations(self.target, self.metrics, seqs)
         if self._drafted_this_round:
-            self.metrics.jit_round_tokens += sum(map(len, gained))
+            self.metrics.jit_round_tokens += kept_tokens(seqs, gained)
         return gained
 
     def release(self, seqs):

@@ -11,6 +11,7 @@ import time
 import torch
 
 from saguaro_dist.config import Config, FallbackPolicy, TreePolicy
+from saguaro_dist.engine.draftless import kept_tokens
 from saguaro_dist.engine.lookup_rounds import LookupRounds
 from saguaro_dist.engine.messages import Outcome, Proposal
 from saguaro_dist.engine.metrics import EngineMetrics
@@ -85,7 +86,7 @@ class SSDLoop(SDLoop):
     def verify(self, seqs):
         verified_s = self.metrics.verify_s
         gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
-        self._count_round(seqs, sum(map(len, gained)))
+        self._count_round(seqs, kept_tokens(seqs, gained))
         # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
         self.stats.record_time(Timing.VERIFY, self.metrics.verify_s - verified_s)
         if self._lookup_round:
