@@ -76,8 +76,7 @@ def judge_cells(cells: list[dict], prompts: list[list[int]], target: str, dtype:
     key = lambda c: tuple(c[g] for g in group)  # noqa: E731
     ars = {key(c): c for c in cells if c["system"] == "ar" and c["temperature"] == 0}
     pairs = [(c, ars[key(c)]) for c in cells if c["temperature"] == 0 and c["system"] != "ar" and key(c) in ars]
-    departing = [(c, ar) for c, ar in pairs if rows(c) != rows(ar)]
-    model = _load_fp32(target, device) if departing else None
+    model = _load_fp32(target, device) if any(rows(c) != rows(ar) for c, ar in pairs) else None
     for c, ar in pairs:
         found = judge(model, prompts, rows(c), rows(ar), dtype, device) if model is not None else []
         c["greedy_departures"] = [d.to_dict() for d in found]
@@ -95,9 +94,9 @@ def _load_fp32(target: str, device: str):
 
 def summary(cells: list[dict]) -> str | None:
     """One line for the terminal: how many greedy rows departed from ar and whether all at near ties."""
-    judged = [d for c in cells for d in c.get("greedy_departures") or []]
     if not any("greedy_departures" in c for c in cells):
         return None
+    judged = [d for c in cells for d in c.get("greedy_departures", [])]
     if not judged:
         return "greedy: every row token-identical to ar"
     wrong = [d for d in judged if not d["near_tie"]]

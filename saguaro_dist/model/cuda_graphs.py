@@ -91,8 +91,8 @@ class CaptureStreams:
     stream) it was captured on (PyTorch keys workspaces so); on torch.cuda.graph's one process-wide capture
     stream the target's and a draft's graphs captured on one thread would share a workspace, and then race
     on it wherever they replay at once (SSD on one GPU: session 64's draft-thread failures on an H200,
-    which passed in 7 runs of 7 with this in session 65). Taken once per runner: torch hands out streams round-robin from a pool of 32,
-    so one new stream per capture came round to other runners' streams."""
+    which passed in 7 runs of 7 with this in session 65). Taken once per runner: torch hands out streams
+    round-robin from a pool of 32, so one new stream per capture came round to other runners' streams."""
     capture: torch.cuda.Stream
     warm_up: torch.cuda.Stream
 
