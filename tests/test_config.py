@@ -122,6 +122,16 @@ def test_auto_draft_executor_is_split_for_ssd_and_a_thread_for_sd():
     assert draft_executor(Config(model="m", draft="d", mode="sd")) is DraftExecutor.THREAD
 
 
+@pytest.mark.parametrize("device, draft_device, mode, advised", [
+    ("cuda", None, "ssd", True), ("cuda:1", "cuda:1", "ssd", True), ("cuda", None, "sd", False),
+    ("cuda:0", "cuda:1", "ssd", False), ("cpu", None, "ssd", False)])
+def test_an_ssd_draft_on_the_targets_gpu_is_advised_a_device_of_its_own(device, draft_device, mode, advised):
+    from saguaro_dist.engine.build import shared_gpu_advice
+    advice = shared_gpu_advice(Config(model="m", draft="d", mode=mode, device=device, draft_device=draft_device))
+    assert (advice is not None) == advised
+    assert advice is None or "--draft-device cuda:1" in advice and device in advice
+
+
 @pytest.mark.parametrize("device, draft_device, want", [
     ("cuda", None, "thread"), ("cuda:0", "cuda", "thread"), ("cuda:1", "cuda:1", "thread"),
     ("cuda:0", "cuda:1", "process"), ("cuda", "cpu", "split"), ("cpu", "cpu", "split")])

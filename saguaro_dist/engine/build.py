@@ -140,9 +140,21 @@ def same_gpu(a: str, b: str) -> bool:
     return da.type == db.type == "cuda" and (da.index or 0) == (db.index or 0)
 
 
+def shared_gpu_advice(config: Config) -> str | None:
+    """What to tell a user whose SSD draft shares the target's GPU (None otherwise): exact, but the trees
+    then compete with the verify for one device."""
+    if config.mode is not Mode.SSD or not same_gpu(config.device, config.draft_device_resolved):
+        return None
+    return (f"SSD's draft shares the target's GPU ({config.device}): its trees compete with the verify for the "
+            "device, and on an H200 such SSD ran 0.50-0.99x SD (docs/benchmarks.md, \"GPU, session 65\"); SSD "
+            "wants a device of its own for the draft (draft_device, --draft-device cuda:1)")
+
+
 def build_local_draft(config: Config, fit: DraftFit):
     """The draft side of a one-host engine: on a thread, in a child process, or split between the two
     (config.draft_executor)."""
+    if advice := shared_gpu_advice(config):
+        log.info(advice)
     executor = draft_executor(config)
     if executor is DraftExecutor.THREAD:
         return LocalDraftBackend(build_draft_worker(config, fit))
