@@ -208,6 +208,23 @@ def test_spin_until_readable_returns_on_data_and_gives_up_after_its_budget():
     assert rx.recv_bytes() == b"x"
 
 
+def test_every_message_of_the_child_carries_its_capture_count(monkeypatch):
+    """Right after its kind: the parent's tree gate leaves out a round during which the child's count
+    moved (a CUDA-graph capture there stalls the round that waits on it)."""
+    from multiprocessing import Pipe
+    from saguaro_dist.engine import draft_process
+    from saguaro_dist.engine.draft_process import Msg, _Child
+    from saguaro_dist.engine.pipe_wire import recv
+    from test_grpc_toy_worker import ToyWorker
+    monkeypatch.setattr(draft_process, "graph_captures", lambda: 7)
+    from_child, child_tx = Pipe(duplex=False)
+    child = _Child(ToyWorker(), None, child_tx)
+    child._answer(3, "reset_prefix_cache", None)
+    child._run_posted("jit_draft", [object()])  # fails: not a request
+    assert recv(from_child) == (Msg.REPLY, 7, 3, True, None)
+    assert recv(from_child)[:3] == (Msg.POST_FAILED, 7, "jit_draft")
+
+
 def child_cpu_s(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()

@@ -17,6 +17,7 @@ from engine_helpers import (BF16_NEAR_TIE, BIAS, DEVICE, PENALTIES, PROMPTS, Cyc
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.engine.build import build_local_engine
+from saguaro_dist.engine.draft_process import DraftProcess
 from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.engine.sequence import OutputKind, Sequence, SeqStatus
 from saguaro_dist.spec.lookup_length import LookupLengths
@@ -357,15 +358,18 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, e
     assert not [r for r in caplog.records if "out of step" in r.getMessage()]
 
 
-@pytest.mark.parametrize("capturing", [False, True])
-def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monkeypatch, capturing):
-    """A round during which a CUDA graph was captured timed the capture: the gate does not measure it
-    (here every round 'captures', so no mode gets a rate; without captures every mode does)."""
-    if capturing:
-        moving = iter(range(10**9))
+@pytest.mark.parametrize("capturing, executor", [(None, "thread"), ("engine", "thread"), ("draft child", "split")])
+def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monkeypatch, capturing, executor):
+    """A round during which a CUDA graph was captured, in the engine's process or in the draft's own (its
+    count comes with each of the child's messages), timed the capture: the gate does not measure it (here
+    every round 'captures', so no mode gets a rate; without captures every mode does)."""
+    moving = iter(range(10**9))
+    if capturing == "engine":
         monkeypatch.setattr(ssd_loop, "graph_captures", lambda: next(moving))
+    elif capturing == "draft child":
+        monkeypatch.setattr(DraftProcess, "graph_captures", lambda self: next(moving))
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=1,
-             draft_executor="thread") as llm:
+             draft_executor=executor) as llm:
         outputs = [o.token_ids for o in llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY)]
         rates = llm._thread.engine.loop.gate.rates(1)
     check(pair, reference, outputs)

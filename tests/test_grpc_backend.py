@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from saguaro_dist.distributed import codec
+from saguaro_dist.distributed import codec, draft_service
 from saguaro_dist.distributed.draft_pool import DraftPool
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable, OutOfOrder, UnknownSequence
@@ -188,6 +188,22 @@ def test_the_draft_pool_keeps_a_server_whose_stream_failed():
     finally:
         pool.close()
         server.stop(None)
+
+
+def test_each_servers_capture_count_reaches_the_target_and_a_pool_sums_them(monkeypatch):
+    """Every reply carries its server's CUDA-graph capture count: a capture there stalls the target's
+    round, which its tree gate then leaves out (engine/ssd_loop.py)."""
+    monkeypatch.setattr(draft_service, "graph_captures", lambda: 5)
+    servers = [serve_draft(ToyWorker(), "127.0.0.1", 0) for _ in range(2)]
+    pool = DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=5.0) for _, port in servers], max_batch_size=4)
+    try:
+        assert pool.graph_captures() == 0  # nothing heard yet
+        _start(pool, [1, 2])
+        assert [b.graph_captures() for b in pool.backends] == [5, 5] and pool.graph_captures() == 10
+    finally:
+        pool.close()
+        for server, _ in servers:
+            server.stop(None)
 
 
 def _spawn_toy_server(tmp_path) -> tuple[subprocess.Popen, int]:

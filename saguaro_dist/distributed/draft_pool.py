@@ -203,6 +203,9 @@ class DraftPool:
         is taken back (both at the latest by the next prefill)."""
         return len(self.backends) - len(self.dead), len(self.backends)
 
+    def graph_captures(self) -> int:
+        return sum(b.graph_captures() for b in self.backends)
+
     def close(self) -> None:
         self._closed = True
         while not self._revived.empty():  # revived but never taken back

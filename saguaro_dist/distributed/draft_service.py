@@ -38,6 +38,7 @@ from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder
 from saguaro_dist.distributed.proto import SERVICE_NAME
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
+from saguaro_dist.model.cuda_graphs import graph_captures
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class DraftServicer:
             while True:
                 done, _ = await asyncio.wait((incoming, pushed), return_when=asyncio.FIRST_COMPLETED)
                 if pushed in done:
-                    yield pushed.result()
+                    yield _stamped(pushed.result())
                     pushed = asyncio.ensure_future(stream.pushed.get())
                 if incoming in done:
                     try:
@@ -228,7 +229,7 @@ class DraftServicer:
                     try:
                         msg = pb.SpeculateRequest.FromString(raw)
                         for reply in self._replies(msg):
-                            yield reply
+                            yield _stamped(reply)
                     except Exception as exc:
                         await self._fail_stream(context, exc)  # raises: the stream ends
                     if msg.WhichOneof("kind") in WANTED_AGAIN_WITHIN_A_ROUND:
@@ -366,6 +367,13 @@ class DraftServicer:
             # this vCPU (b = 1 greedy on Ray: tok/s +0.7-3.8% in three alternated process pairs).
             yield_cpu()
             asyncio.get_running_loop().call_soon(self._spin)
+
+
+def _stamped(reply: pb.SpeculateReply) -> pb.SpeculateReply:
+    """The reply with this process's CUDA-graph capture count as it leaves: the target's tree gate leaves
+    out a round during which the count moved (it timed a capture; engine/ssd_loop.py)."""
+    reply.graph_captures = graph_captures()
+    return reply
 
 
 def _server_options(max_message_bytes: int) -> list[tuple[str, int]]:

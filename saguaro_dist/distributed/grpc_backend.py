@@ -298,6 +298,9 @@ class GrpcDraftBackend:
     def workers(self) -> tuple[int, int]:
         return sum(link.alive for link in self._links), len(self._links)
 
+    def graph_captures(self) -> int:
+        return sum(link.graph_captures for link in self._links)
+
     def close(self) -> None:
         """End every stream, close every channel, join the reader threads."""
         with self._cond:
@@ -375,6 +378,7 @@ class GrpcDraftBackend:
         return None, ""
 
     def _store(self, link: Link, msg: pb.SpeculateReply) -> None:
+        link.graph_captures = msg.graph_captures  # before what the reply carries is seen: see graph_captures
         kind = msg.WhichOneof("kind")
         if kind == "jit_draft":
             link.answer(msg.jit_draft)

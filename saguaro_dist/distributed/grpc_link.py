@@ -92,6 +92,7 @@ class Link:
         self.channel = grpc.insecure_channel(address, options=options)
         self.stub = saguaro_pb2_grpc.DraftServiceStub(self.channel)
         self.alive = True
+        self.graph_captures = 0  # the server's CUDA-graph capture count, as its last reply said
         self.lock = threading.Lock()  # the request queue and the calls in flight change together
         self.outbox = Outbox()
         self.calls: dict[int, tuple[Future, list[int]]] = {}  # call_id -> (answer, its seq_ids)

@@ -42,6 +42,10 @@ class DraftBackend(Protocol):
     def release(self, reqs: list[Release]) -> None: ...
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None: ...  # fire and forget, after what came before
     def workers(self) -> tuple[int, int]: ...  # (live, all) draft workers the engine places sequences on
+    # CUDA-graph captures of the draft's other processes (their starts and ends, as last heard; this
+    # process's own are cuda_graphs.graph_captures): a round during which either count moved timed a
+    # capture, and the tree gate leaves it out (engine/ssd_loop.py). 0 where every draft is in-process.
+    def graph_captures(self) -> int: ...
     def close(self) -> None: ...
 
 
@@ -185,6 +189,9 @@ class LocalDraftBackend:
 
     def workers(self) -> tuple[int, int]:
         return 1, 1
+
+    def graph_captures(self) -> int:
+        return 0  # in this process: cuda_graphs.graph_captures counts them
 
     def close(self):
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -31,6 +31,7 @@ from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, TreeInbox
 from saguaro_dist.engine.messages import Outcome
 from saguaro_dist.engine.pipe_wire import recv, send, widen
+from saguaro_dist.model.cuda_graphs import graph_captures
 
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 120.0  # the child imports torch and loads the draft
@@ -41,7 +42,8 @@ WAIT_SPIN_S = 0.01       # the engine busy-polls the pipe this long (at most dra
 class Msg:
     """Message kinds on the pipe. Parent -> child: CALL (id, method, arg) wants a REPLY (id, ok,
     result); POST (method, arg) wants none. Child -> parent: READY (ok, detail) once, REPLY, PLANS and
-    then TREES (pushed after outcomes), POST_FAILED (method, text)."""
+    then TREES (pushed after outcomes), POST_FAILED (method, text); each of these four with the child's
+    CUDA-graph capture count as it was sent, right after the kind."""
     CALL, POST, READY, REPLY, PLANS, TREES, POST_FAILED = "call", "post", "ready", "reply", "plans", "trees", "post_failed"
 
 
@@ -59,6 +61,7 @@ class DraftProcess:
         self._ids = itertools.count()
         self._known: set[int] = set()  # sequences the current child holds
         self._gone = True
+        self._captures = 0  # the child's CUDA-graph capture count, as its last message said
         # Why the engine spins too: its wait for a tree (~1 ms a round) halted its vCPU, and waking it cost
         # more than the spin takes from the draft's core (b = 1 greedy +5-7%, b = 8 T = 0.7 cohorts +7%).
         self._spin_s = min(config.draft_spin_s, WAIT_SPIN_S)
@@ -119,6 +122,9 @@ class DraftProcess:
 
     def workers(self) -> tuple[int, int]:
         return (0 if self._gone else 1), 1
+
+    def graph_captures(self) -> int:
+        return self._captures
 
     def close(self) -> None:
         self._stop()
@@ -183,7 +189,7 @@ class DraftProcess:
                 or self._rx.poll(max(0.0, timeout_s - (time.monotonic() - start))))
 
     def _dispatch(self, msg: tuple) -> None:
-        kind, *rest = msg
+        kind, self._captures, *rest = msg
         if kind == Msg.TREES:  # a late tree of a released sequence would never leave the inbox
             self.inbox.put([t for t in rest[0] if t.seq_id in self._known])
         elif kind == Msg.PLANS:
@@ -331,11 +337,11 @@ class _Child:
 
     def _answer(self, call_id: int, method: str, arg) -> None:
         try:
-            send(self.tx, Msg.REPLY, call_id, True, getattr(self, method)(arg))
+            self._send(Msg.REPLY, call_id, True, getattr(self, method)(arg))
         except BrokenPipeError:
             raise  # the parent is gone: serve() ends
         except Exception as exc:  # the parent raises it where the call was made
-            send(self.tx, Msg.REPLY, call_id, False, _picklable(exc))
+            self._send(Msg.REPLY, call_id, False, _picklable(exc))
 
     def _run_posted(self, method: str, arg) -> None:
         try:
@@ -344,7 +350,12 @@ class _Child:
             raise
         except Exception as exc:
             log.warning("draft %s failed", method, exc_info=exc)
-            send(self.tx, Msg.POST_FAILED, method, f"{type(exc).__name__}: {exc}")
+            self._send(Msg.POST_FAILED, method, f"{type(exc).__name__}: {exc}")
+
+    def _send(self, kind: str, *rest) -> None:
+        """With this process's capture count: the parent's tree gate leaves out a round during which it
+        moved (the round timed a capture; engine/ssd_loop.py)."""
+        send(self.tx, kind, graph_captures(), *rest)
 
     def prefill(self, reqs):
         return self.worker.prefill(reqs)
@@ -364,10 +375,10 @@ class _Child:
         self.worker.observe(outcomes)
         plans = self.worker.plan_trees()
         if plans:
-            send(self.tx, Msg.PLANS, plans)
+            self._send(Msg.PLANS, plans)
         trees = self.worker.finish_trees(self._superseded)
         if trees:  # none when the target asked for no tree (skip_tree)
-            send(self.tx, Msg.TREES, trees)
+            self._send(Msg.TREES, trees)
         self.wanted_soon = bool(trees)
 
     def catch_up(self, rounds):

@@ -135,6 +135,9 @@ class SplitDraftBackend:
         """The tree side's (this half drafts whenever the engine runs)."""
         return self.trees.workers()
 
+    def graph_captures(self) -> int:
+        return self.trees.graph_captures()  # the just-in-time half's are this process's own
+
     def close(self) -> None:
         self.jit.close()
         self.trees.close()

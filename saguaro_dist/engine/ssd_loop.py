@@ -57,7 +57,7 @@ class SSDLoop(SDLoop):
 
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round, self._lookup_round = time.perf_counter(), False, False
-        self._wait_at_start, self._captures = self.metrics.draft_wait_s, graph_captures()
+        self._wait_at_start, self._captures = self.metrics.draft_wait_s, self._graph_captures()
         self._track_draft(seqs)
         self._score_lookups(seqs)
         outcomes, landed = self._land(seqs)
@@ -93,7 +93,7 @@ class SSDLoop(SDLoop):
             self.lookup_rounds.record(seqs, self.metrics.verify_s - verified_s)
         for source in ProposalSource:
             self.stats.record_verify([s.last_outcome[0] for s in seqs if s.speculation_kind is source], source)
-        if graph_captures() == self._captures:  # a round that captured a graph timed the capture
+        if self._graph_captures() == self._captures:  # a round that captured a graph timed the capture
             seconds = time.perf_counter() - self._round_start
             if self.gate:
                 self.gate.record(len(seqs), self._mode, round_yield(seqs, gained), seconds, self._sampled)
@@ -103,6 +103,11 @@ class SSDLoop(SDLoop):
                 waited = self.metrics.draft_wait_s - self._wait_at_start
                 self.picker.record_round((self._mode, self._sampled, len(seqs)), seconds, waited or None)
         return gained
+
+    def _graph_captures(self) -> int:
+        """CUDA-graph capture starts and ends so far, here and in the draft's own processes (a split or
+        process draft's child, draft servers): a capture anywhere stalls the round that waits on it."""
+        return graph_captures() + self.draft.graph_captures()
 
     def _count_round(self, seqs: list[Sequence], tokens: int) -> None:
         """Count the round by kind: n-gram proposals alone, waiting for no tree and no draft (the gate's

@@ -289,11 +289,13 @@ class SpeculateRequest(_message.Message):
     def __init__(self, outcomes: _Optional[_Union[OutcomeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftCall, _Mapping]] = ..., releases: _Optional[_Union[ReleaseBatch, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCache, _Mapping]] = ..., catch_up: _Optional[_Union[OutcomeRounds, _Mapping]] = ...) -> None: ...
 
 class SpeculateReply(_message.Message):
-    __slots__ = ("trees", "jit_draft", "plans")
+    __slots__ = ("trees", "jit_draft", "plans", "graph_captures")
     TREES_FIELD_NUMBER: _ClassVar[int]
     JIT_DRAFT_FIELD_NUMBER: _ClassVar[int]
     PLANS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_CAPTURES_FIELD_NUMBER: _ClassVar[int]
     trees: SpeculationTreeBatch
     jit_draft: JitDraftResult
     plans: TreePlanBatch
-    def __init__(self, trees: _Optional[_Union[SpeculationTreeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftResult, _Mapping]] = ..., plans: _Optional[_Union[TreePlanBatch, _Mapping]] = ...) -> None: ...
+    graph_captures: int
+    def __init__(self, trees: _Optional[_Union[SpeculationTreeBatch, _Mapping]] = ..., jit_draft: _Optional[_Union[JitDraftResult, _Mapping]] = ..., plans: _Optional[_Union[TreePlanBatch, _Mapping]] = ..., graph_captures: _Optional[int] = ...) -> None: ...
