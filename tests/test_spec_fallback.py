@@ -9,6 +9,7 @@ from saguaro_dist.spec import (
     choose_fallback, critical_batch_size, expected_tokens_per_round, explore_fallback, fast_backup_throughput,
     neural_backup_throughput, ngram_proposal, predicted_speedup, random_proposal,
 )
+from saguaro_dist.spec.fallback import EXPLORE_EVERY, explore_every
 
 
 @pytest.mark.parametrize("tokens, k, want", [
@@ -93,6 +94,18 @@ def test_every_sixteenth_automatic_choice_takes_the_other_backup():
     assert [d for d, kind in enumerate(chosen) if kind is NEURAL] == [15, 31, 47]
     assert [explore_fallback(NEURAL, d, every=4) for d in range(4)] == [NEURAL, NEURAL, NEURAL, FAST]
     assert explore_fallback(FallbackPolicy.RANDOM, 15) is FallbackPolicy.RANDOM
+
+
+def test_the_backup_behind_is_tried_less_often_the_further_behind_it_is():
+    """Every 16th choice while the two are within 10%, up to 8 x 16 as the gap grows (a try costs in
+    proportion to it), and never stretched past the tries the backup behind has had."""
+    assert explore_every(1.0, 0.95, tries=50) == EXPLORE_EVERY
+    assert explore_every(1.0, 0.8, tries=50) == explore_every(0.8, 1.0, tries=50) == 4 * EXPLORE_EVERY  # (0.2 / 0.1)^2
+    assert explore_every(1.0, 0.7, tries=50) == 8 * EXPLORE_EVERY  # (0.3 / 0.1)^2 = 9, capped at 8
+    assert explore_every(1.0, 0.1, tries=50) == 8 * EXPLORE_EVERY
+    assert explore_every(1.0, 0.1, tries=2.5) == 2.5 * EXPLORE_EVERY  # a gap seen in few tries may be a fluke
+    assert explore_every(1.0, 0.1, tries=0) == EXPLORE_EVERY
+    assert explore_every(0.0, 1.0, tries=50) == EXPLORE_EVERY  # nothing to compare
 
 
 def test_theorem_7_hand_case():

@@ -146,3 +146,33 @@ def test_the_wait_for_trees_is_the_round_cost_in_the_fallback_choice():
         s.record_time(Timing.TREE_WAIT, wait)
     assert s.round_cost == pytest.approx(1.5)
     assert s.critical_batch_size() > 1  # the real cost: the neural backup at b = 1
+
+
+def _timed_stats(neural_backup_s: float, hits_in_10: int) -> SpecStats:
+    s = SpecStats(k=4, decay=1.0)
+    s.record_time(Timing.VERIFY, 0.004)
+    s.record_verify([4, 3, 2, 4, 0], ProposalSource.CACHE)
+    s.record_verify([3, 2, 4, 2], ProposalSource.NEURAL)
+    s.record_lookups([3] * 10, [True] * hits_in_10 + [False] * (10 - hits_in_10))
+    s.record_time(Timing.NEURAL_BACKUP, neural_backup_s)
+    return s
+
+
+def test_the_backup_behind_is_explored_less_the_further_behind_and_the_more_measured():
+    """The fallback's exploration (spec/fallback.py: explore_every) from the throughputs b* compares: every
+    16th choice before the neural backup is timed; a fast backup measured far behind over many rounds
+    (n-gram proposals when sampling: 1 token a round) every 128th; a neural backup timed slow once, still
+    every 16th (it may have run beside a tree build), three times, every 48th."""
+    from saguaro_dist.spec.fallback import EXPLORE_EVERY
+    assert SpecStats(k=4).fallback_explore_every(1) == EXPLORE_EVERY  # the neural backup not timed yet
+    sampling = _timed_stats(0.003, hits_in_10=1)  # most rounds miss: the backup decides
+    for _ in range(40):
+        sampling.record_verify([0], ProposalSource.FAST)
+    assert sampling.critical_batch_size() > 1 and sampling.fallback_explore_every(1) == 8 * EXPLORE_EVERY
+    repeating = _timed_stats(0.012, hits_in_10=1)  # prompt lookup finds the text: 4 of 4 a round
+    for _ in range(20):
+        repeating.record_verify([4], ProposalSource.FAST)
+    assert repeating.critical_batch_size() == 1 and repeating.fallback_explore_every(1) == EXPLORE_EVERY
+    for _ in range(2):
+        repeating.record_time(Timing.NEURAL_BACKUP, 0.012)
+    assert repeating.fallback_explore_every(1) == 3 * EXPLORE_EVERY

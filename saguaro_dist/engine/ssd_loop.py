@@ -337,7 +337,8 @@ class SSDLoop(SDLoop):
             s.metrics.cache_misses += 1
         kind = choose_fallback(self.config.fallback, batch_size, self.stats.critical_batch_size())
         if self.config.fallback is FallbackPolicy.AUTO:
-            kind, self._fallback_choices = explore_fallback(kind, self._fallback_choices), self._fallback_choices + 1
+            every = self.stats.fallback_explore_every(batch_size)
+            kind, self._fallback_choices = explore_fallback(kind, self._fallback_choices, every), self._fallback_choices + 1
         if kind is not FallbackPolicy.NEURAL:
             return self._fast(misses, kind)
         start = time.perf_counter()

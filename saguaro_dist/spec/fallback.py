@@ -10,9 +10,11 @@ from array import array
 import torch
 
 from saguaro_dist.config import FallbackPolicy
+from saguaro_dist.spec.tree_gate import CLOSE_GAP, MAX_STRETCH, relative_gap
 
 MAX_CRITICAL_BATCH = 1024
-EXPLORE_EVERY = 16  # one automatic choice in this many takes the other backup (explore_fallback)
+EXPLORE_EVERY = 16  # one automatic choice in this many takes the other backup (explore_fallback) while
+                    # the two are close; up to MAX_STRETCH times fewer as it falls behind (explore_every)
 
 
 def _latest_match(data: bytes, tokens: array, n: int) -> int | None:
@@ -107,6 +109,18 @@ def explore_fallback(kind: FallbackPolicy, decision: int, every: int = EXPLORE_E
     if decision % every != every - 1 or kind not in (FallbackPolicy.NEURAL, FallbackPolicy.FAST):
         return kind
     return FallbackPolicy.FAST if kind is FallbackPolicy.NEURAL else FallbackPolicy.NEURAL
+
+
+def explore_every(neural: float, fast: float, tries: float, every: int = EXPLORE_EVERY) -> int:
+    """Automatic choices per try of the backup not chosen (explore_fallback's `every`), from the two
+    backups' expected throughputs (what b* compares): `every` while they are close, up to MAX_STRETCH times
+    that as the other falls behind, as the tree gate re-tries a slower mode (spec/tree_gate.py). A try costs
+    in proportion to the gap and is needed less the wider it is: at T = 0.7 the fast backup's n-gram
+    proposals are almost never accepted (0.015 against the neural backup's 0.58, demo pair, session 66),
+    and one miss in 16 still went to them. `tries`: how often the backup behind was measured (decayed); the
+    stretch is at most that, since a gap seen once may be a fluke (one slow first neural backup)."""
+    by_gap = (relative_gap(neural, fast) / CLOSE_GAP) ** 2 if neural > 0 and fast > 0 else 1.0
+    return round(every * min(MAX_STRETCH, max(1.0, tries), max(1.0, by_gap)))
 
 
 def choose_fallback(policy: FallbackPolicy, batch_size: int, b_star: int) -> FallbackPolicy:

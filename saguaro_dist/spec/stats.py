@@ -8,7 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from saguaro_dist.config import FanOut
-from saguaro_dist.spec.fallback import MAX_CRITICAL_BATCH, critical_batch_size
+from saguaro_dist.spec.fallback import (
+    EXPLORE_EVERY, MAX_CRITICAL_BATCH, critical_batch_size, explore_every, fast_backup_throughput, neural_backup_throughput,
+)
 from saguaro_dist.spec.fanout import geometric_outcome_probs, resolve_fanout
 from saguaro_dist.spec.theory import expected_tokens_per_round
 
@@ -204,3 +206,16 @@ class SpecStats:
         return critical_batch_size(self.hit_rate, self.tokens_per_round(ProposalSource.CACHE),
                                    self.tokens_per_round(ProposalSource.NEURAL),
                                    self.tokens_per_round(ProposalSource.FAST), t_neural, max_batch, self.round_cost)
+
+    def fallback_explore_every(self, batch_size: int) -> int:
+        """explore_every at batch_size from the throughputs b* compares (EXPLORE_EVERY before the neural
+        backup was timed): the backup behind is tried less often the further behind it is."""
+        t_neural = self.relative_time(Timing.NEURAL_BACKUP)
+        if t_neural is None:
+            return EXPLORE_EVERY
+        hits = (self.hit_rate, self.tokens_per_round(ProposalSource.CACHE))
+        neural = neural_backup_throughput(batch_size, *hits, self.tokens_per_round(ProposalSource.NEURAL), t_neural,
+                                          self.round_cost)
+        fast = fast_backup_throughput(batch_size, *hits, self.tokens_per_round(ProposalSource.FAST), self.round_cost)
+        behind = self._times[Timing.NEURAL_BACKUP] if fast >= neural else self._tokens[ProposalSource.FAST]
+        return explore_every(neural, fast, behind.count)
