@@ -200,22 +200,27 @@ class SpecStats:
     def critical_batch_size(self, max_batch: int = MAX_CRITICAL_BATCH) -> int:
         """b* from the current estimates. Neural (b* = max_batch) until the neural backup was timed
         (its first misses time it); then the fast backup, presumed good until tried, gets tried too."""
-        t_neural = self.relative_time(Timing.NEURAL_BACKUP)
-        if t_neural is None:
-            return max_batch
-        return critical_batch_size(self.hit_rate, self.tokens_per_round(ProposalSource.CACHE),
-                                   self.tokens_per_round(ProposalSource.NEURAL),
-                                   self.tokens_per_round(ProposalSource.FAST), t_neural, max_batch, self.round_cost)
+        estimates = self._backup_estimates()
+        return max_batch if estimates is None else critical_batch_size(*estimates, max_batch, self.round_cost)
 
     def fallback_explore_every(self, batch_size: int) -> int:
         """explore_every at batch_size from the throughputs b* compares (EXPLORE_EVERY before the neural
         backup was timed): the backup behind is tried less often the further behind it is."""
-        t_neural = self.relative_time(Timing.NEURAL_BACKUP)
-        if t_neural is None:
+        estimates = self._backup_estimates()
+        if estimates is None:
             return EXPLORE_EVERY
-        hits = (self.hit_rate, self.tokens_per_round(ProposalSource.CACHE))
-        neural = neural_backup_throughput(batch_size, *hits, self.tokens_per_round(ProposalSource.NEURAL), t_neural,
-                                          self.round_cost)
-        fast = fast_backup_throughput(batch_size, *hits, self.tokens_per_round(ProposalSource.FAST), self.round_cost)
+        p_hit, tokens_hit, tokens_neural, tokens_fast, t_neural = estimates
+        neural = neural_backup_throughput(batch_size, p_hit, tokens_hit, tokens_neural, t_neural, self.round_cost)
+        fast = fast_backup_throughput(batch_size, p_hit, tokens_hit, tokens_fast, self.round_cost)
         behind = self._times[Timing.NEURAL_BACKUP] if fast >= neural else self._tokens[ProposalSource.FAST]
         return explore_every(neural, fast, behind.count)
+
+    def _backup_estimates(self) -> tuple[float, float, float, float, float] | None:
+        """(p_hit, tokens of a hit's round, of a neural miss's, of a fast miss's, the neural backup's time
+        relative to a verify): what the choice between the backups weighs; None before the neural backup
+        was timed."""
+        t_neural = self.relative_time(Timing.NEURAL_BACKUP)
+        if t_neural is None:
+            return None
+        return (self.hit_rate, self.tokens_per_round(ProposalSource.CACHE), self.tokens_per_round(ProposalSource.NEURAL),
+                self.tokens_per_round(ProposalSource.FAST), t_neural)
