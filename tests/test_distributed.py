@@ -345,9 +345,9 @@ def fail_a_poll(llm: LLM, monkeypatch) -> None:
     and every request waited forever."""
     failed: list[BaseException] = []
 
-    def generate() -> None:
+    def generate() -> None:  # 8 waves of max_batch_size: a fast box had finished one wave before the next poll
         try:
-            llm.generate(prompt_token_ids=PROMPTS, sampling_params=replace(GREEDY, max_tokens=200), use_tqdm=False)
+            llm.generate(prompt_token_ids=PROMPTS * 8, sampling_params=replace(GREEDY, max_tokens=200), use_tqdm=False)
         except EngineError as err:
             failed.append(err)
     worker = threading.Thread(target=generate)
