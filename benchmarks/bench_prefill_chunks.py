@@ -40,9 +40,9 @@ print(time.perf_counter() - start, peak, checksum)
 """
 
 
-def checkpoint(max_len: int, layers: int) -> str:
+def checkpoint(path: str, max_len: int, layers: int) -> str:
+    """A random Llama checkpoint written into `path` (the run's temporary directory, removed with it)."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    path = tempfile.mkdtemp(prefix="prefill-chunks-")
     cfg = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=layers,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=max_len,
                       tie_word_embeddings=False)
@@ -99,8 +99,13 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="prefill-chunks-") as scratch:
+        run(args, scratch)
+
+
+def run(args, scratch: str) -> None:
     lengths, budgets = [int(x) for x in args.tokens.split(",")], [int(x) for x in args.budgets.split(",")]
-    path = args.model or checkpoint(max(lengths) + 256, args.layers)  # room to decode after the longest prompt
+    path = args.model or checkpoint(scratch, max(lengths) + 256, args.layers)  # room to decode after the longest prompt
     memory = "peak CUDA MB" if args.device.startswith("cuda") else "peak RSS MB"
     print(f"model {path}, {args.device}, {args.dtype}\n")
     print(f"| prompt tokens | max_num_batched_tokens | seconds | {memory} | x time | x peak | same logits |")
