@@ -1,11 +1,11 @@
 """saguaro-dist: distributed Speculative Speculative Decoding with the Saguaro optimisations."""
 from __future__ import annotations
 
-from saguaro_dist.config import Config, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode, TreePolicy
+from saguaro_dist.config import BonusDraw, Config, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode, TreePolicy
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue", "BonusDraw"]
 
 
 def __getattr__(name):

@@ -52,6 +52,14 @@ class HitGlue(str, enum.Enum):
     SKIP = "skip"      # trees after a hit cover k < K only; F_K's branches go to k = K - 1
 
 
+class BonusDraw(str, enum.Enum):
+    """How a sampled row's tree picks its bonus candidates, and how the target then draws the bonus (spec/coupled.py).
+    Greedy rows always take the draft's top-F: their bonus is the target's argmax."""
+    COUPLED = "coupled"  # candidates drawn from the draft's guess of each outcome's bonus distribution, the bonus
+                         # drawn against them (still exactly the target's): hit more often at T > 0
+    TOP_F = "top_f"      # the draft's top-F tokens per outcome, the bonus drawn independently (the paper's)
+
+
 class FallbackPolicy(str, enum.Enum):
     AUTO = "auto"      # neural below the critical batch size b*, fast above (Saguaro Theorem 17)
     NEURAL = "neural"  # the draft drafts K tokens just in time for the real outcome
@@ -139,6 +147,7 @@ class Config:
     tree_policy: TreePolicy = TreePolicy.AUTO
     jit_cohorts: int = 2                   # ssd rounds without trees: 2 = the batch in two cohorts, one drafted while the other verifies, where measured faster (spec/cohorts.py); 1 = whole
     hit_glue: HitGlue = HitGlue.AUTO       # ssd: after a hit, whether the tree covers k = K too (one draft forward more)
+    bonus_draw: BonusDraw = BonusDraw.TOP_F  # ssd, T > 0: candidates from the draft's top-F, or coupled draws (spec/coupled.py)
     ngram_rounds: bool = True              # ssd, tree_policy and fallback "auto": the tree gate may run rounds of n-gram
                                            # proposals alone where they measure faster (repetitive text; spec/tree_gate.py),
                                            # and a row may take its n-gram proposal over the draft's (spec/lookup_pick.py)
@@ -180,6 +189,7 @@ class Config:
         object.__setattr__(self, "fallback", parse_enum(FallbackPolicy, self.fallback, "fallback"))
         object.__setattr__(self, "tree_policy", parse_enum(TreePolicy, self.tree_policy, "tree_policy"))
         object.__setattr__(self, "hit_glue", parse_enum(HitGlue, self.hit_glue, "hit_glue"))
+        object.__setattr__(self, "bonus_draw", parse_enum(BonusDraw, self.bonus_draw, "bonus_draw"))
         object.__setattr__(self, "scheduling_policy", parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy"))
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))

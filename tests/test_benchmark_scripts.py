@@ -123,3 +123,8 @@ def test_bench_configs_reports_an_engine_kwarg_the_engine_refuses():
     done = subprocess.run([sys.executable, str(BENCH / "bench_configs.py"), "--passes", "1", "--prompts", "1",
                            "--max-tokens", "4", "sd", 'ssd:{"k": 0}'], capture_output=True, text=True, timeout=110)
     assert done.returncode == 1 and "error: ssd: k must be an integer >= 1" in done.stderr
+
+
+def test_coupled_bonus_bench_rates_top_f_against_coupled_draws():
+    out = _run(str(BENCH / "bench_coupled_bonus.py"), "--rounds", "4", "--draws", "8", "--budgets", "5")
+    assert "4 rounds, T = 0.7" in out and "top-F" in out and "coupled (whole guess)" in out

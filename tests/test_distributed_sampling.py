@@ -13,7 +13,9 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("case, params, executor", [
     ("ssd_hit_path", "t1", "split"), ("ssd_miss_neural", "t1", "split"),  # drafts beside the target, trees over gRPC
     ("ssd_hit_path", "t1", "process"), ("ssd_miss_neural", "t1", "process"),  # everything over gRPC
-    ("ssd_hit_path", "t1_minp0.85", "process")])  # min_p crosses to the drafts over gRPC
+    ("ssd_hit_path", "t1_minp0.85", "process"),  # min_p crosses to the drafts over gRPC
+    # Coupled bonus draws: each coupled tree's plan, with the draft's guess, crosses gRPC for the target's bonus draw
+    ("ssd_coupled", "t1", "process"), ("ssd_coupled", "t1", "split")])
 def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case, params, executor):
     """The exact-core chi-square test, with the drafts behind gRPC in Ray actors (8000 samples per path:
     the single-process test carries the 20000-sample power; this one proves the transport changes nothing)."""

@@ -175,6 +175,13 @@ CASES = {
                           lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
     "ssd_split_draft": (dict(k=1, fan_out=3, fallback="neural", draft_executor="split", tree_policy="always", n=N_TWIN),
                         lambda m: m.cache_hits > 0 and m.fallbacks["neural"] > 0),
+    # Coupled bonus draws (spec/coupled.py): the bonus drawn against candidates drawn from the draft's guess.
+    "ssd_coupled": (dict(k=2, fan_out=5, bonus_draw="coupled", fallback="neural", tree_policy="always", max_tokens=4),
+                    lambda m: m.coupled_draws > 0 and m.cache_hits > 0 and m.fallbacks["neural"] > 0),
+    "ssd_coupled_k1_hits_all": (dict(k=1, fan_out=VOCAB * 2 - 1, adaptive_fan_out=False, bonus_draw="coupled",
+                                     tree_policy="always"), lambda m: m.coupled_draws > 0 and m.cache_hits > 0),
+    "ssd_coupled_process": (dict(k=2, fan_out=5, bonus_draw="coupled", fallback="neural", draft_executor="process",
+                                 tree_policy="always", n=N_TWIN), lambda m: m.coupled_draws > 0 and m.cache_hits > 0),
     # No trees: two cohorts, one drafted (on the draft's thread / in the child) while the other verifies.
     "ssd_cohorts": (dict(k=1, tree_policy="never"), lambda m: m.cohort_rounds > 0),
     "ssd_cohorts_split": (dict(k=1, tree_policy="never", draft_executor="split", n=N_TWIN), lambda m: m.cohort_rounds > 0),

@@ -114,6 +114,7 @@ class BenchConfig:
     fallback: str = "auto"
     tree_policy: str = "auto"
     hit_glue: str = "auto"                # after a hit, whether trees cover k = K (Config.hit_glue)
+    bonus_draw: str = "top_f"             # sampled rows' tree candidates and bonus draw (Config.bonus_draw)
     ngram_rounds: bool = True             # ssd: the gate may run rounds of n-gram proposals alone (Config.ngram_rounds)
     seed: int = 0
     repeats: int = 1                      # timed repeats per cell (the best is kept) after an untimed warm-up (runner.warm_up)
@@ -158,7 +159,7 @@ class BenchConfig:
         return dict(k=self.k, fan_out=self.fan_out, fan_out_kind=self.fan_out_kind,
                     adaptive_fan_out=self.adaptive_fan_out, saguaro_c=self.saguaro_c, proposal_top_k=self.proposal_top_k,
                     fallback=self.fallback, tree_policy=self.tree_policy, hit_glue=self.hit_glue,
-                    ngram_rounds=self.ngram_rounds,
+                    bonus_draw=self.bonus_draw, ngram_rounds=self.ngram_rounds,
                     max_batch_size=max(self.batch_sizes),
                     device=self.device, dtype=self.dtype, enforce_eager=self.enforce_eager)
 

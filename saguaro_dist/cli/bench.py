@@ -43,7 +43,7 @@ GRID_OPTIONS = {"--systems": ("systems", _names), "--settings": ("settings", _na
                 "--fan-out-kind": ("fan_out_kind", str), "--saguaro-c": ("saguaro_c", float),
                 "--proposal-top-k": ("proposal_top_k", int),
                 "--fallback": ("fallback", str), "--tree-policy": ("tree_policy", str),
-                "--hit-glue": ("hit_glue", str), "--seed": ("seed", int), "--repeats": ("repeats", int),
+                "--hit-glue": ("hit_glue", str), "--bonus-draw": ("bonus_draw", str), "--seed": ("seed", int), "--repeats": ("repeats", int),
                 "--cores": ("cores", int), "--device": ("device", str), "--dtype": ("dtype", str)}
 SWEEP_OPTIONS = {"--sweep-ks": ("ks", _ints), "--sweep-budgets": ("budgets", _ints), "--sweep-kinds": ("kinds", _names),
                  "--sweep-cs": ("cs", _floats), "--sweep-fallbacks": ("fallbacks", _names),

@@ -9,7 +9,7 @@ import logging
 import signal
 import threading
 
-from saguaro_dist.config import DTYPES, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode, SchedulingPolicy, TreePolicy
+from saguaro_dist.config import DTYPES, BonusDraw, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode, SchedulingPolicy, TreePolicy
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -28,7 +28,7 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
                 "max_num_batched_tokens": "max_num_batched_tokens", "device": "device",
                 "dtype": "dtype", "enforce_eager": "enforce_eager", "gpu_memory_utilization": "gpu_memory_utilization", "tp": "tensor_parallel_size", "draft_workers": "num_draft_workers",
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy", "jit_cohorts": "jit_cohorts", "hit_glue": "hit_glue",
-                "ngram_rounds": "ngram_rounds",
+                "bonus_draw": "bonus_draw", "ngram_rounds": "ngram_rounds",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
                 "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config"}
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
@@ -77,6 +77,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hit-glue", choices=[h.value for h in HitGlue],
                    help="ssd: after a hit, whether the tree covers the all-accepted outcome too (one draft forward "
                         "more); auto (default) skips it while the target waits for trees")
+    g.add_argument("--bonus-draw", choices=[b.value for b in BonusDraw],
+                   help="ssd, sampled rows: coupled draws the tree's bonus candidates from the draft's guess and the "
+                        "bonus against them (hit more often, still exact); top_f takes the draft's top-F")
     g.add_argument("--ngram-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="ssd: let the tree gate run rounds of n-gram proposals alone (no draft, no tree) where they "
                         "measure faster, as on repetitive text, and a row take its n-gram proposal over the "

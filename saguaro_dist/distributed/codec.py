@@ -367,9 +367,19 @@ def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
 
 
 def plan_to_proto(p: TreePlan) -> pb.TreePlan:
+    """The plan's outcomes, and its guess (coupled bonus draws) if it carries one: ids [P, M], probs [P, M]."""
     if len(p.accepted) != len(p.bonus_tokens):
         raise CodecError(f"TreePlan: {len(p.accepted)} accepted counts but {len(p.bonus_tokens)} bonus tokens")
-    return pb.TreePlan(seq_id=_int64(p.seq_id, "seq_id"), round=p.round, accepted=p.accepted, bonus_tokens=p.bonus_tokens)
+    msg = pb.TreePlan(seq_id=_int64(p.seq_id, "seq_id"), round=p.round, accepted=p.accepted, bonus_tokens=p.bonus_tokens)
+    if p.guess_ids is None and p.guess_probs is None:
+        return msg
+    if p.guess_ids is None or p.guess_probs is None or p.guess_ids.dim() != 2 or p.guess_ids.shape != p.guess_probs.shape:
+        shapes = [None if t is None else list(t.shape) for t in (p.guess_ids, p.guess_probs)]
+        raise CodecError(f"TreePlan: a guess needs ids and probs of one [P, M] shape, got {shapes[0]} and {shapes[1]}")
+    # Token ids as int32, as a proposal's: half the bytes, and every vocabulary is far below 2**31.
+    msg.guess_ids.CopyFrom(_array_to_proto(host_array(p.guess_ids).astype(np.int32), _INT32))
+    msg.guess_probs.CopyFrom(tensor_to_proto(p.guess_probs))
+    return msg
 
 
 def plan_from_proto(msg: pb.TreePlan) -> TreePlan:
@@ -377,7 +387,25 @@ def plan_from_proto(msg: pb.TreePlan) -> TreePlan:
     bonus = _non_negative_ints(msg.bonus_tokens, "TreePlan.bonus_tokens")
     if len(accepted) != len(bonus):
         raise CodecError(f"TreePlan: {len(accepted)} accepted counts but {len(bonus)} bonus tokens")
-    return TreePlan(msg.seq_id, _non_negative(msg.round, "round"), accepted, bonus)
+    plan = TreePlan(msg.seq_id, _non_negative(msg.round, "round"), accepted, bonus)
+    if msg.HasField("guess_ids") or msg.HasField("guess_probs"):
+        plan.guess_ids, plan.guess_probs = _guess_from_proto(msg)
+    return plan
+
+
+def _guess_from_proto(msg: pb.TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [P, M] int64, probs [P, M]) of a plan's guess. The target draws the bonus against it, so a guess
+    that is no distribution (negative or non-finite mass) is refused here: it would bias that draw."""
+    ids = _integer_array(_required(msg, "guess_ids", "TreePlan"), "TreePlan.guess_ids")
+    probs = tensor_from_proto(_required(msg, "guess_probs", "TreePlan"))
+    if ids.ndim != 2 or tuple(ids.shape) != tuple(probs.shape):
+        raise CodecError(f"TreePlan: guess_ids and guess_probs must share one [P, M] shape, got {list(ids.shape)} "
+                         f"and {list(probs.shape)}")
+    if (ids < 0).any():
+        raise CodecError("TreePlan.guess_ids has a negative token id")
+    if not probs.is_floating_point() or not bool(((probs >= 0) & probs.isfinite()).all()):
+        raise CodecError(f"TreePlan.guess_probs must be finite float probabilities >= 0, got dtype {probs.dtype}")
+    return torch.from_numpy(ids.astype(np.int64)), probs
 
 
 def release_to_proto(r: Release) -> pb.Release:

@@ -26,7 +26,7 @@ from typing import Callable
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
 from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts
 from saguaro_dist.engine.messages import (
-    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree,
+    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
 
 log = logging.getLogger(__name__)
@@ -163,6 +163,21 @@ class DraftPool:
         """Those of seq_ids not held by every worker they were placed on: prefill them again."""
         return [sid for sid in seq_ids if not self.groups.get(sid)
                 or any(i in self.dead or self.backends[i].lost([sid]) for i in self.groups[sid])]
+
+    def wait_plans(self, keys, timeout_s: float) -> dict[int, TreePlan]:
+        """The plans among keys by one deadline, each from the worker its sequence lives on. A sequence split
+        over several workers is not asked for: the draft couples a tree's bonus draws only when one worker
+        builds all of it, so its slices' plans never carry a guess."""
+        deadline = time.monotonic() + timeout_s
+        parts = defaultdict(list)
+        for key in keys:
+            group = self.groups.get(key[0], [])
+            if len(group) == 1 and group[0] not in self.dead:
+                parts[group[0]].append(key)
+        plans = {}
+        for i, part in parts.items():  # the later workers' plans arrive while the first one's are waited for
+            plans.update(self.backends[i].wait_plans(part, max(0.0, deadline - time.monotonic())))
+        return plans
 
     def wait_trees(self, keys, timeout_s: float, outcomes=None) -> dict[int, SpeculationTree]:
         """Each worker's slices, gathered by one deadline; a worker that keeps bringing none by it is dead.

@@ -304,10 +304,13 @@ class DraftServicer:
 
     def _built_trees(self) -> Iterator[pb.SpeculateReply]:
         """Build the pending trees and encode them, their plans first (if any, sent before the branches
-        are decoded); nothing more if that fails."""
+        are decoded); nothing more if that fails. A plan that carries a guess goes out even without
+        announce_plans: the target draws that tree's bonus against it (coupled bonus draws)."""
         try:
             plans = self.worker.plan_trees()
-            if plans and self.announce_plans:
+            if not self.announce_plans:
+                plans = [p for p in plans if p.guess_ids is not None]
+            if plans:
                 yield pb.SpeculateReply(plans=codec.plan_batch_to_proto(plans))
             trees = self.worker.finish_trees()
         except Exception:  # the target's wait times out and it falls back: a miss, never a wrong token

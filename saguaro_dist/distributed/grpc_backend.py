@@ -6,8 +6,8 @@ stream per server: outcomes, just-in-time drafts and releases, so the server see
 the engine issued them (as separate calls a JIT or a release could overtake the outcomes before it).
 Releases are queued and return at once; outcomes return once gRPC has sent them (the engine verifies
 next, see await_sent); a JIT waits for its answer on the stream. A reader thread per server puts the
-pushed trees into an inbox keyed by (seq_id, round), where wait_trees finds them, and hands each JIT
-answer to its caller.
+pushed trees and their plans into an inbox keyed by (seq_id, round), where wait_trees (and wait_plans)
+finds them, and hands each JIT answer to its caller.
 
 A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 
 import grpc
@@ -63,7 +64,8 @@ class GrpcDraftBackend:
         self._links = [Link(a, options) for a in addresses]
         self._cond = threading.Condition()  # guards the inbox, the owners and liveness
         self._trees: dict[TreeKey, SpeculationTree] = {}
-        self._plans: dict[TreeKey, TreePlan] = {}  # announced trees: a plan that lacks the outcome is a miss
+        # announced trees (a plan that lacks the outcome is a miss) and coupled ones (their bonus is drawn against it)
+        self._plans: dict[TreeKey, TreePlan] = {}
         self._owner: dict[int, Link] = {}
         self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
         self._next = itertools.cycle(self._links)
@@ -247,12 +249,27 @@ class GrpcDraftBackend:
         its stream lost): prefill them again."""
         return [sid for sid in seq_ids if self._synced_owner(sid) is None]
 
+    def wait_plans(self, keys: list[TreeKey], timeout_s: float) -> dict[int, TreePlan]:
+        """The plans among `keys` that arrived by the deadline, kept (wait_trees settles the round): the target
+        draws a sampled row's bonus against its plan's candidates (coupled bonus draws). A key whose tree came
+        without a plan settles too; those of dead or out-of-sync servers are not waited for."""
+        deadline = time.monotonic() + timeout_s
+        self._poll(keys, min(timeout_s, TREE_SPIN_S), self._unplanned)
+        with self._cond:
+            while not self._closed and (missing := [k for k in keys if self._unplanned(k) and self._synced_owner(k[0])]):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    log.debug("%d tree plans late: %s", len(missing), missing[:8])
+                    break
+                self._cond.wait(left)
+            return {k[0]: self._plans[k] for k in keys if k in self._plans}
+
     def wait_trees(self, keys: list[TreeKey], timeout_s: float, outcomes: Outcomes | None = None
                    ) -> dict[int, SpeculationTree]:
         """The trees among `keys` that arrived by the deadline (those of dead servers are not waited for,
         nor those whose plan lacks the outcome looked up)."""
         deadline = time.monotonic() + timeout_s
-        self._poll_trees(keys, min(timeout_s, TREE_SPIN_S), outcomes)
+        self._poll(keys, min(timeout_s, TREE_SPIN_S), lambda k: self._awaited(k, outcomes))
         with self._cond:
             while not self._closed and (missing := [k for k in keys if self._awaited(k, outcomes)
                                                     and self._synced_owner(k[0])]):
@@ -334,13 +351,17 @@ class GrpcDraftBackend:
         a dict's get is atomic, and a key seen awaited is re-checked under the lock)."""
         return key not in self._trees and not plan_misses(self._plans.get(key), outcomes, key[0])
 
-    def _poll_trees(self, keys: list[TreeKey], spin_s: float, outcomes: Outcomes | None = None) -> None:
-        """Yield the GIL until every key's tree is in (or spin_s): a thread asleep on the condition lets
-        its CPU halt, and waking it cost ~0.1 ms at the median on the 2-vCPU development VM and far more
-        at the tail. The target waits here with nothing else to run; the reader thread decodes meanwhile.
-        Unlocked reads of the inbox: a key seen missing is only re-checked under the lock after."""
+    def _unplanned(self, key: TreeKey) -> bool:
+        """Neither its plan nor its tree is in (unlocked reads are fine, as in _awaited)."""
+        return key not in self._plans and key not in self._trees
+
+    def _poll(self, keys: list[TreeKey], spin_s: float, awaited: Callable[[TreeKey], bool]) -> None:
+        """Yield the GIL until no key is awaited (its tree, or its plan, is in) or spin_s: a thread asleep on
+        the condition lets its CPU halt, and waking it cost ~0.1 ms at the median on the 2-vCPU development VM
+        and far more at the tail. The target waits here with nothing else to run; the reader thread decodes
+        meanwhile. Unlocked reads of the inbox: a key seen missing is only re-checked under the lock after."""
         end = time.perf_counter() + spin_s
-        while any(self._awaited(k, outcomes) for k in keys) and time.perf_counter() < end:
+        while any(awaited(k) for k in keys) and time.perf_counter() < end:
             time.sleep(0)
 
     def _read_trees(self, link: Link) -> None:

@@ -39,6 +39,9 @@ class DraftBackend(Protocol):
     # and lacks its outcome is not waited for (its tree could not answer it).
     def wait_trees(self, keys: list[TreeKey], timeout_s: float, outcomes: Outcomes | None = None
                    ) -> dict[int, SpeculationTree]: ...
+    # The plans among keys that arrive by the deadline (a key whose tree came without a plan settles too):
+    # the target draws a sampled row's bonus against its plan's candidates (coupled bonus draws).
+    def wait_plans(self, keys: list[TreeKey], timeout_s: float) -> dict[int, TreePlan]: ...
     def release(self, reqs: list[Release]) -> None: ...
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None: ...  # fire and forget, after what came before
     def workers(self) -> tuple[int, int]: ...  # (live, all) draft workers the engine places sequences on
@@ -102,6 +105,24 @@ class TreeInbox:
             found = {k[0]: self._trees.pop(k) for k in keys if k in self._trees}
             self._drop_older_than(keys)
             return found
+
+    def plans(self, keys: list[TreeKey], timeout_s: float) -> dict[int, TreePlan]:
+        """Wait until every key has its plan (or its tree, which came unannounced) or the deadline passes;
+        return the plans that came, keeping them (take settles the round)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._planned(keys):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._cond.wait(left):
+                    break
+            return {k[0]: self._plans[k] for k in keys if k in self._plans}
+
+    def has_plans(self, keys: list[TreeKey]) -> bool:
+        with self._cond:
+            return self._planned(keys)
+
+    def _planned(self, keys: list[TreeKey]) -> bool:
+        return all(k in self._plans or k in self._trees for k in keys)
 
     def forget(self, seq_ids) -> None:
         """Released sequences: drop their trees (the last round's tree always arrives unasked)."""
@@ -180,6 +201,9 @@ class LocalDraftBackend:
 
     def wait_trees(self, keys, timeout_s, outcomes=None):
         return self.inbox.take(keys, timeout_s, outcomes)
+
+    def wait_plans(self, keys, timeout_s):
+        return self.inbox.plans(keys, timeout_s)
 
     def release(self, reqs):
         self.submit(self._release, reqs)  # on the worker thread: after any build that puts their trees

@@ -110,6 +110,11 @@ class DraftProcess:
         self._pump(lambda: self.inbox.has(live, outcomes), time.monotonic() + timeout_s)
         return self.inbox.take(live, 0.0, outcomes)
 
+    def wait_plans(self, keys, timeout_s):
+        live = [k for k in keys if k[0] in self._known]
+        self._pump(lambda: self.inbox.has_plans(live), time.monotonic() + timeout_s)
+        return self.inbox.plans(live, 0.0)
+
     def release(self, reqs):
         held = [r for r in reqs if r.seq_id in self._known]
         self._known.difference_update(r.seq_id for r in reqs)

@@ -7,7 +7,7 @@ import torch
 
 from saguaro_dist.distributed.errors import OutOfOrder
 from saguaro_dist.engine.messages import DraftSampling, TreePlan
-from saguaro_dist.engine.sequence import substream
+from saguaro_dist.engine.sequence import CANDIDATE_STREAM, substream
 from saguaro_dist.engine.structured import GrammarState
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import ProposalSource
@@ -48,6 +48,9 @@ class DraftSeq:
     # (a draft's x_1..x_{K-1}, a glue's x_1..x_K). Later rounds may commit other tokens there.
     kv_tail_at: int = 0
     kv_tail: list[int] = field(default_factory=list)
+    # This round's tree drew its candidates from the draft's guesses (coupled bonus draws, spec/coupled.py):
+    # their sparse form, (ids [P, M], probs [P, M]); None: top-F candidates.
+    guess: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def commit(self, accepted: int, bonus: int) -> None:
         if not 0 <= accepted <= len(self.speculation):
@@ -78,6 +81,11 @@ class DraftSeq:
         leaves every later draw, and so a seeded output, as it was."""
         return substream(self.generator, self.round)
 
+    def candidate_generator(self) -> torch.Generator:
+        """What this round's coupled candidates are drawn from: apart from the tree's branch draws, which must
+        not depend on which candidate was drawn (a branch's q is the verifier's, whatever t* turned out)."""
+        return substream(self.generator, CANDIDATE_STREAM | self.round)
+
     def forget_tree(self) -> None:
         """No tree, and no branch a next round could adopt (a build stopped part-way)."""
         self.last_tree, self.branches, self.branch_rows = None, {}, {}
@@ -104,7 +112,8 @@ def fanout_key(s: DraftSeq) -> tuple[int, bool]:
 
 def tree_plans(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list[TreePlan]:
     """One TreePlan per state from (state index, k, t) rows: the outcomes its tree will answer."""
-    plans = [TreePlan(s.seq_id, s.round) for s in states]
+    plans = [TreePlan(s.seq_id, s.round, guess_ids=s.guess and s.guess[0], guess_probs=s.guess and s.guess[1])
+             for s in states]
     for i, k, t in rows:
         plans[i].accepted.append(k)
         plans[i].bonus_tokens.append(t)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from saguaro_dist.config import Config, HitGlue, Mode
+from saguaro_dist.config import BonusDraw, Config, HitGlue, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.draft_constraints import DraftConstraints
 from saguaro_dist.engine.draft_state import (
@@ -34,6 +34,7 @@ from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, full_acceptance_worth_skipping, greedy_tokens, sample, saguaro_probs,
     scaled_budget, select_branches, top_k_proposal, without_full_acceptance,
 )
+from saguaro_dist.spec.coupled import bonus_guess, sampled_branches, sparse_guess
 from saguaro_dist.spec.lookup_length import candidate_lengths
 from saguaro_dist.spec.penalties import RowPenalties
 
@@ -180,7 +181,8 @@ class DraftWorker:
         fanouts = {key: self._fanout(*key) for key in {fanout_key(s) for s in states}}
         rows = self._glue(states, fanouts)
         self._planned = PlannedTrees(states, fanouts, rows, start)
-        return tree_plans(states, rows) if self.budget.busy else []
+        plans = tree_plans(states, rows)  # a coupled tree's plan always: the target draws its bonus against it
+        return plans if self.budget.busy else [p for p in plans if p.guess_ids is not None]
 
     def finish_trees(self, abandon: Callable[[list[int]], bool] | None = None) -> list[SpeculationTree]:
         """Second half: decode the planned trees' branches. abandon(seq_ids), if given, is asked between
@@ -354,10 +356,28 @@ class DraftWorker:
         for i, s in enumerate(states):
             fanout = fanouts[fanout_key(s)]
             s.fanout = fanout + [0] * (self.k + 1 - len(fanout))  # a lookup at k = K meets F = 0 where x_K was not run
+            s.guess = None
+            if self._couples(s):
+                rows += [(i, kk, t) for kk, t in self._sampled_candidates(s, logits[i], spec[i], fanout)]
+                continue
             chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanout)
             ks, bonus = chosen.accepted[0, s.shard::s.num_shards], chosen.bonus[0, s.shard::s.num_shards]
             rows += [(i, kk, t) for kk, t in zip(ks.tolist(), bonus.tolist())]
         return rows
+
+    def _couples(self, s: DraftSeq) -> bool:
+        """Whether s's tree draws its candidates for a coupled bonus (a sampled row, one worker's whole tree)."""
+        return self.config.bonus_draw is BonusDraw.COUPLED and s.sampling.temperature > 0 and s.num_shards == 1
+
+    def _sampled_candidates(self, s: DraftSeq, logits: torch.Tensor, spec: torch.Tensor, fanout: list[int]
+                            ) -> list[tuple[int, int]]:
+        """(k, t) per branch: F_k candidates drawn from the draft's guess of outcome k's bonus, its sampling
+        distribution there (spec/coupled.py); the guess, kept sparse, goes to the target with the plan."""
+        probs = sampling_probs(logits, RowSampling.of([s.sampling], logits.device, rows_per_seq=logits.shape[0]))
+        ids, kept = (x.cpu() for x in sparse_guess(bonus_guess(probs[None], spec[None])[0]))
+        s.guess = (ids, kept)
+        uniforms = torch.rand(kept.shape, generator=s.candidate_generator(), dtype=torch.float64)
+        return sampled_branches(ids, kept, fanout, uniforms)
 
     def _glue_logits(self, states: list[DraftSeq]) -> list[torch.Tensor]:
         """Draft logits [K+1, V] over [b, x_1..x_K] per state, from one forward: it runs first the committed

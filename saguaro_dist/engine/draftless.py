@@ -4,6 +4,7 @@ prompt-lookup proposal that is also SSD's fast backup."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -14,6 +15,7 @@ from saguaro_dist.engine.metrics import EngineMetrics
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.spec import ProposalSource, ngram_proposal
+from saguaro_dist.spec.coupled import Coupling
 
 
 class ARLoop:
@@ -44,11 +46,13 @@ class ARLoop:
         pass
 
 
-def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list[Sequence]) -> list[list[int]]:
-    """One target pass over every sequence's speculation: the tokens each gains (accepted, then the bonus)."""
-    start = time.perf_counter()
-    accepted, bonus = target.verify(seqs)
-    metrics.verify_s += time.perf_counter() - start
+def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list[Sequence],
+                        coupling: Callable[[], Coupling | None] | None = None) -> list[list[int]]:
+    """One target pass over every sequence's speculation: the tokens each gains (accepted, then the bonus);
+    coupling: TargetScorer.verify's (its wait for the draft's plans, metrics.plan_wait_s, is not verify time)."""
+    start, waited = time.perf_counter(), metrics.plan_wait_s
+    accepted, bonus = target.verify(seqs, coupling)
+    metrics.verify_s += time.perf_counter() - start - (metrics.plan_wait_s - waited)
     gained = []
     for s, k, t in zip(seqs, accepted, bonus):
         s.metrics.record_round(drafted=len(s.speculation.tokens), accepted=k)

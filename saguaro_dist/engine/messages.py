@@ -124,6 +124,10 @@ class TreePlan:
     round: int
     accepted: list[int] = field(default_factory=list)      # [N] k of each branch the tree will hold
     bonus_tokens: list[int] = field(default_factory=list)  # [N] t of each branch
+    # Coupled bonus draws (spec/coupled.py): the sparse guess g_k per outcome position k that this tree's
+    # candidates were drawn from, in draw order within each k; None: top-F candidates.
+    guess_ids: torch.Tensor | None = None    # [P, M] int64, P = K + 1 (K: a tree without k = K)
+    guess_probs: torch.Tensor | None = None  # [P, M] float32
 
     def holds(self, accepted: int, bonus_token: int) -> bool:
         return any(k == accepted and t == bonus_token for k, t in zip(self.accepted, self.bonus_tokens))

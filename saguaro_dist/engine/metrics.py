@@ -81,7 +81,9 @@ class EngineMetrics:
     """Wall time split of the round loop, summed over rounds (seconds)."""
     rounds: int = 0
     verify_s: float = 0.0        # target forwards + verification
-    draft_wait_s: float = 0.0    # target side waiting for trees / just-in-time drafts
+    draft_wait_s: float = 0.0    # target side waiting for trees / just-in-time drafts ...
+    plan_wait_s: float = 0.0     # ... of it, SSD's coupled bonus draws: after a verify's forward, for the plans of the trees built beside it
+    coupled_draws: int = 0       # SSD: sampled rows whose bonus was drawn against their tree's candidates (spec/coupled.py)
     prefill_s: float = 0.0
     step_s: float = 0.0          # whole steps; coordination = step - verify - draft_wait - prefill
     cache_hits: int = 0

@@ -86,10 +86,14 @@ class SDLoop(ARLoop):
         self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def verify(self, seqs):
-        gained = verify_speculations(self.target, self.metrics, seqs)
+        gained = verify_speculations(self.target, self.metrics, seqs, self._coupling(seqs))
         if self._drafted_this_round:
             self.metrics.jit_round_tokens += kept_tokens(seqs, gained)
         return gained
+
+    def _coupling(self, seqs: list[Sequence]):
+        """What the verify draws sampled rows' bonus against (SSD's coupled bonus draws); SD: nothing."""
+        return None
 
     def release(self, seqs):
         super().release(seqs)

@@ -44,6 +44,12 @@ def make_generator(seed: int | None, salt: int) -> torch.Generator:
     return gen
 
 
+# Index bits of substreams apart from a round's tree stream (index = round): coupled bonus draws'
+# candidates on the draft side, and the target's uniforms for them (spec/coupled.py).
+CANDIDATE_STREAM = 1 << 62
+COUPLING_STREAM = 1 << 61
+
+
 def substream(generator: torch.Generator, index: int) -> torch.Generator:
     """A generator for draw set `index` of `generator`'s stream (a round's, say), seeded from its seed and
     `index` alone: how many numbers the stream or other sets drew, or whether a set was cut short, changes

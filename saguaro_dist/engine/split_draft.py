@@ -121,6 +121,9 @@ class SplitDraftBackend:
     def wait_trees(self, keys, timeout_s, outcomes=None):
         return self.trees.wait_trees(keys, timeout_s, outcomes)
 
+    def wait_plans(self, keys, timeout_s):
+        return self.trees.wait_plans(keys, timeout_s)
+
     def release(self, reqs):
         self._forget([r.seq_id for r in reqs])
         self.jit.release(reqs)

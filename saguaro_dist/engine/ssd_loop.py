@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from saguaro_dist.config import Config, FallbackPolicy, TreePolicy
+from saguaro_dist.config import BonusDraw, Config, FallbackPolicy, TreePolicy
+from saguaro_dist.engine.coupling import plan_coupling
 from saguaro_dist.engine.draftless import kept_tokens
 from saguaro_dist.engine.lookup_rounds import LookupRounds
 from saguaro_dist.engine.messages import Outcome, Proposal
@@ -103,6 +104,27 @@ class SSDLoop(SDLoop):
                 waited = self.metrics.draft_wait_s - self._wait_at_start
                 self.picker.record_round((self._mode, self._sampled, len(seqs)), seconds, waited or None)
         return gained
+
+    def _coupling(self, seqs: list[Sequence]):
+        """Coupled bonus draws (spec/coupled.py): after the forward, wait for the plans of the trees the draft
+        builds beside this verify for its sampled rows, and draw their bonus against the candidates there."""
+        if self.config.bonus_draw is not BonusDraw.COUPLED:
+            return None
+        keys = [(s.seq_id, s.round) for s in seqs
+                if s.wants_tree and not s.params.greedy and not s.beyond_draft and not s.draft_lost]
+        if not keys:
+            return None
+
+        def coupling():
+            start = time.perf_counter()
+            plans = self.draft.wait_plans(keys, self.config.tree_timeout_s)
+            waited = time.perf_counter() - start
+            self.metrics.plan_wait_s += waited
+            self.metrics.draft_wait_s += waited
+            coupling = plan_coupling(seqs, plans, self.config.k, self.target.vocab_size, self.target.runner.device)
+            self.metrics.coupled_draws += 0 if coupling is None else int((coupling.candidates >= 0).any(-1).any(-1).sum())
+            return coupling
+        return coupling
 
     def _graph_captures(self) -> int:
         """CUDA-graph capture starts and ends so far, here and in the draft's own processes (a split or

@@ -1,6 +1,7 @@
 """The target side's model work: prefill, plain decode and batched verification of speculations."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -9,6 +10,7 @@ from saguaro_dist.engine.logprobs import token_logprobs
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.model.prefix_cache import PrefixCache
+from saguaro_dist.spec.coupled import Coupling
 from saguaro_dist.spec import (
     bias_row, greedy_tokens, greedy_verify, penalize_batch, prompt_mask, sample, target_probs, verify,
 )
@@ -162,8 +164,11 @@ class TargetScorer:
         logits = self.runner.extend([s.seq_id for s in seqs], [[s.tokens[-1]] for s in seqs], [1] * len(seqs))
         return self._sample(torch.cat(logits), seqs)
 
-    def verify(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
-        """Score [b, x_1..x_K] in one forward, then lossless rejection sampling.
+    def verify(self, seqs: list[Sequence], coupling: Callable[[], Coupling | None] | None = None
+               ) -> tuple[list[int], list[int]]:
+        """Score [b, x_1..x_K] in one forward, then lossless rejection sampling; coupling(), asked after
+        the forward (the draft's plans come while it runs), gives sampled rows' candidates to draw the bonus
+        against (spec/coupled.py).
 
         Returns (accepted k, bonus token) per sequence; the target KV keeps P + x_1..x_k.
         """
@@ -179,7 +184,7 @@ class TargetScorer:
             p = sampling_probs(scored.flatten(0, 1), rows).view(len(seqs), k + 1, -1)
             tokens, q = stack_proposals([s.speculation for s in seqs], self.vocab_size)  # on the CPU, as they came
             q = None if q is None else q.to(p.device)
-            result = verify(p, tokens.to(p.device), q, [s.generator for s in seqs])
+            result = verify(p, tokens.to(p.device), q, [s.generator for s in seqs], coupling() if coupling else None)
         accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
         for i, (s, n, t) in enumerate(zip(seqs, accepted, bonus)):
             self.runner.truncate(s.seq_id, len(s.tokens) + n)

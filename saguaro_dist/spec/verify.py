@@ -7,10 +7,14 @@ draft_probs[:, i] is q_{i+1}, the distribution x_{i+1} was really drawn from.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from saguaro_dist.spec.sampling import Generators, greedy_tokens, one_hot_probs, row_uniforms, sample_with_uniforms
+
+if TYPE_CHECKING:
+    from saguaro_dist.spec.coupled import Coupling
 
 
 @dataclass
@@ -73,7 +77,7 @@ def bonus_probs(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_pr
 
 
 def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
-           generators: Generators = None) -> VerifyResult:
+           generators: Generators = None, coupling: Coupling | None = None) -> VerifyResult:
     """Standard speculative rejection sampling; the emitted tokens follow the target exactly.
 
     Accept x_i with probability min(1, p_i(x_i) / q_i(x_i)) until the first rejection at position k;
@@ -82,7 +86,8 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: 
     Each row draws exactly K+1 uniforms from its own generator, whatever the outcome.
 
     target_probs [B, K+1, V]; draft_tokens [B, K] int64; draft_probs [B, K, V] or None (one-hot on
-    draft_tokens: greedy or deterministic proposals such as n-gram); generators: B entries or None.
+    draft_tokens: greedy or deterministic proposals such as n-gram); generators: B entries or None;
+    coupling: the tree's candidates to draw the bonus against (spec/coupled.py: the same distribution).
     """
     b, k = draft_tokens.shape
     if target_probs.shape[:2] != (b, k + 1):
@@ -90,7 +95,8 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: 
     u = row_uniforms(generators, b, k + 1, target_probs.device)
     accepted = first_rejection(acceptance_ratios(target_probs, draft_tokens, draft_probs), u[:, :k])
     probs = bonus_probs(target_probs, draft_tokens, draft_probs, accepted)
-    return VerifyResult(accepted=accepted, bonus=sample_with_uniforms(probs, u[:, k]))
+    bonus = sample_with_uniforms(probs, u[:, k]) if coupling is None else coupling.draw(probs, accepted, u[:, k])
+    return VerifyResult(accepted=accepted, bonus=bonus)
 
 
 def greedy_verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> VerifyResult:

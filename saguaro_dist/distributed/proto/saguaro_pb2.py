@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rsaguaro.proto\x12\nsaguaro.v1\"\xe4\x01\n\x06Tensor\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.saguaro.v1.Tensor.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x93\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n\"\xf6\x02\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.saguaro.v1.DraftSampling.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\t \x03(\x03\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\r\n\x05min_p\x18\x0b \x01(\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x94\x01\n\x0bSparseProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\'\n\x0brow_offsets\x18\x02 \x01(\x0b\x32\x12.saguaro.v1.Tensor\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.saguaro.v1.Tensor\x12!\n\x05probs\x18\x04 \x01(\x0b\x32\x12.saguaro.v1.Tensor\"\x87\x01\n\x08Proposal\x12\"\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.saguaro.v1.Tensor\x12#\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x12.saguaro.v1.TensorH\x00\x12)\n\x06sparse\x18\x03 \x01(\x0b\x32\x17.saguaro.v1.SparseProbsH\x00\x42\x07\n\x05probs\"\x9e\x01\n\x0ePrefillRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.saguaro.v1.DraftSampling\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\x12\n\nprompt_len\x18\x06 \x01(\x05\"j\n\x0fJitDraftRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x03\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x03\x12\x11\n\tskip_tree\x18\x05 \x01(\x08\"\x18\n\tTokenList\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xcf\x01\n\x07Outcome\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x03\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x03\x12*\n\x0bnext_tokens\x18\x05 \x01(\x0b\x32\x15.saguaro.v1.TokenList\x12\x11\n\tcache_hit\x18\x06 \x01(\x08\x12\x11\n\tskip_tree\x18\x07 \x01(\x08\x12\x13\n\x0btree_wait_s\x18\x08 \x01(\x01\x12\x17\n\x0ftarget_proposed\x18\t \x01(\x08\"\x98\x01\n\x0fSpeculationTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x03(\x03\x12\x14\n\x0c\x62onus_tokens\x18\x05 \x03(\x03\x12\'\n\tproposals\x18\x06 \x01(\x0b\x32\x14.saguaro.v1.Proposal\x12\x0f\n\x07\x62uild_s\x18\x07 \x01(\x01J\x04\x08\x03\x10\x04\"Q\n\x08TreePlan\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x03(\x03\x12\x14\n\x0c\x62onus_tokens\x18\x04 \x03(\x03\"\x19\n\x07Release\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\"<\n\x0cPrefillBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.saguaro.v1.PrefillRequest\"\x0e\n\x0cPrefillReply\">\n\rJitDraftBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.saguaro.v1.JitDraftRequest\"8\n\rProposalBatch\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.saguaro.v1.Proposal\"5\n\x0cOutcomeBatch\x12%\n\x08outcomes\x18\x01 \x03(\x0b\x32\x13.saguaro.v1.Outcome\"9\n\rOutcomeRounds\x12(\n\x06rounds\x18\x01 \x03(\x0b\x32\x18.saguaro.v1.OutcomeBatch\"B\n\x14SpeculationTreeBatch\x12*\n\x05trees\x18\x01 \x03(\x0b\x32\x1b.saguaro.v1.SpeculationTree\"4\n\rTreePlanBatch\x12#\n\x05plans\x18\x01 \x03(\x0b\x32\x14.saguaro.v1.TreePlan\"5\n\x0cReleaseBatch\x12%\n\x08releases\x18\x01 \x03(\x0b\x32\x13.saguaro.v1.Release\"\x0e\n\x0cReleaseReply\"\x12\n\x10ResetPrefixCache\"I\n\x0cJitDraftCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.saguaro.v1.JitDraftBatch\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x83\x01\n\x0eJitDraftResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\tproposals\x18\x02 \x01(\x0b\x32\x19.saguaro.v1.ProposalBatchH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.saguaro.v1.CallErrorH\x00\x42\x08\n\x06result\"\x90\x02\n\x10SpeculateRequest\x12,\n\x08outcomes\x18\x01 \x01(\x0b\x32\x18.saguaro.v1.OutcomeBatchH\x00\x12-\n\tjit_draft\x18\x02 \x01(\x0b\x32\x18.saguaro.v1.JitDraftCallH\x00\x12,\n\x08releases\x18\x03 \x01(\x0b\x32\x18.saguaro.v1.ReleaseBatchH\x00\x12:\n\x12reset_prefix_cache\x18\x04 \x01(\x0b\x32\x1c.saguaro.v1.ResetPrefixCacheH\x00\x12-\n\x08\x63\x61tch_up\x18\x05 \x01(\x0b\x32\x19.saguaro.v1.OutcomeRoundsH\x00\x42\x06\n\x04kind\"\xc0\x01\n\x0eSpeculateReply\x12\x31\n\x05trees\x18\x01 \x01(\x0b\x32 .saguaro.v1.SpeculationTreeBatchH\x00\x12/\n\tjit_draft\x18\x02 \x01(\x0b\x32\x1a.saguaro.v1.JitDraftResultH\x00\x12*\n\x05plans\x18\x03 \x01(\x0b\x32\x19.saguaro.v1.TreePlanBatchH\x00\x12\x16\n\x0egraph_captures\x18\x04 \x01(\x04\x42\x06\n\x04kind2\x99\x02\n\x0c\x44raftService\x12=\n\x07Prefill\x12\x18.saguaro.v1.PrefillBatch\x1a\x18.saguaro.v1.PrefillReply\x12@\n\x08JitDraft\x12\x19.saguaro.v1.JitDraftBatch\x1a\x19.saguaro.v1.ProposalBatch\x12=\n\x07Release\x12\x18.saguaro.v1.ReleaseBatch\x1a\x18.saguaro.v1.ReleaseReply\x12I\n\tSpeculate\x12\x1c.saguaro.v1.SpeculateRequest\x1a\x1a.saguaro.v1.SpeculateReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rsaguaro.proto\x12\nsaguaro.v1\"\xe4\x01\n\x06Tensor\x12\'\n\x05\x64type\x18\x01 \x01(\x0e\x32\x18.saguaro.v1.Tensor.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x93\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT64\x10\x04\x12\t\n\x05INT64\x10\x05\x12\t\n\x05INT32\x10\x06\x12\t\n\x05INT16\x10\x07\x12\x08\n\x04INT8\x10\x08\x12\t\n\x05UINT8\x10\t\x12\x08\n\x04\x42OOL\x10\n\"\xf6\x02\n\rDraftSampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x03\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x01\x88\x01\x01\x12<\n\nlogit_bias\x18\x08 \x03(\x0b\x32(.saguaro.v1.DraftSampling.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\t \x03(\x03\x12\x0f\n\x07grammar\x18\n \x01(\t\x12\r\n\x05min_p\x18\x0b \x01(\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x94\x01\n\x0bSparseProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\x03\x12\'\n\x0brow_offsets\x18\x02 \x01(\x0b\x32\x12.saguaro.v1.Tensor\x12%\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x12.saguaro.v1.Tensor\x12!\n\x05probs\x18\x04 \x01(\x0b\x32\x12.saguaro.v1.Tensor\"\x87\x01\n\x08Proposal\x12\"\n\x06tokens\x18\x01 \x01(\x0b\x32\x12.saguaro.v1.Tensor\x12#\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x12.saguaro.v1.TensorH\x00\x12)\n\x06sparse\x18\x03 \x01(\x0b\x32\x17.saguaro.v1.SparseProbsH\x00\x42\x07\n\x05probs\"\x9e\x01\n\x0ePrefillRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.saguaro.v1.DraftSampling\x12\r\n\x05shard\x18\x04 \x01(\x05\x12\x12\n\nnum_shards\x18\x05 \x01(\x05\x12\x12\n\nprompt_len\x18\x06 \x01(\x05\"j\n\x0fJitDraftRequest\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x03\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x03\x12\x11\n\tskip_tree\x18\x05 \x01(\x08\"\x18\n\tTokenList\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xcf\x01\n\x07Outcome\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x01(\x03\x12\x13\n\x0b\x62onus_token\x18\x04 \x01(\x03\x12*\n\x0bnext_tokens\x18\x05 \x01(\x0b\x32\x15.saguaro.v1.TokenList\x12\x11\n\tcache_hit\x18\x06 \x01(\x08\x12\x11\n\tskip_tree\x18\x07 \x01(\x08\x12\x13\n\x0btree_wait_s\x18\x08 \x01(\x01\x12\x17\n\x0ftarget_proposed\x18\t \x01(\x08\"\x98\x01\n\x0fSpeculationTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x03(\x03\x12\x14\n\x0c\x62onus_tokens\x18\x05 \x03(\x03\x12\'\n\tproposals\x18\x06 \x01(\x0b\x32\x14.saguaro.v1.Proposal\x12\x0f\n\x07\x62uild_s\x18\x07 \x01(\x01J\x04\x08\x03\x10\x04\"\xa1\x01\n\x08TreePlan\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\x12\r\n\x05round\x18\x02 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x03 \x03(\x03\x12\x14\n\x0c\x62onus_tokens\x18\x04 \x03(\x03\x12%\n\tguess_ids\x18\x05 \x01(\x0b\x32\x12.saguaro.v1.Tensor\x12\'\n\x0bguess_probs\x18\x06 \x01(\x0b\x32\x12.saguaro.v1.Tensor\"\x19\n\x07Release\x12\x0e\n\x06seq_id\x18\x01 \x01(\x03\"<\n\x0cPrefillBatch\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.saguaro.v1.PrefillRequest\"\x0e\n\x0cPrefillReply\">\n\rJitDraftBatch\x12-\n\x08requests\x18\x01 \x03(\x0b\x32\x1b.saguaro.v1.JitDraftRequest\"8\n\rProposalBatch\x12\'\n\tproposals\x18\x01 \x03(\x0b\x32\x14.saguaro.v1.Proposal\"5\n\x0cOutcomeBatch\x12%\n\x08outcomes\x18\x01 \x03(\x0b\x32\x13.saguaro.v1.Outcome\"9\n\rOutcomeRounds\x12(\n\x06rounds\x18\x01 \x03(\x0b\x32\x18.saguaro.v1.OutcomeBatch\"B\n\x14SpeculationTreeBatch\x12*\n\x05trees\x18\x01 \x03(\x0b\x32\x1b.saguaro.v1.SpeculationTree\"4\n\rTreePlanBatch\x12#\n\x05plans\x18\x01 \x03(\x0b\x32\x14.saguaro.v1.TreePlan\"5\n\x0cReleaseBatch\x12%\n\x08releases\x18\x01 \x03(\x0b\x32\x13.saguaro.v1.Release\"\x0e\n\x0cReleaseReply\"\x12\n\x10ResetPrefixCache\"I\n\x0cJitDraftCall\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12(\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x19.saguaro.v1.JitDraftBatch\"*\n\tCallError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x83\x01\n\x0eJitDraftResult\x12\x0f\n\x07\x63\x61ll_id\x18\x01 \x01(\x04\x12.\n\tproposals\x18\x02 \x01(\x0b\x32\x19.saguaro.v1.ProposalBatchH\x00\x12&\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x15.saguaro.v1.CallErrorH\x00\x42\x08\n\x06result\"\x90\x02\n\x10SpeculateRequest\x12,\n\x08outcomes\x18\x01 \x01(\x0b\x32\x18.saguaro.v1.OutcomeBatchH\x00\x12-\n\tjit_draft\x18\x02 \x01(\x0b\x32\x18.saguaro.v1.JitDraftCallH\x00\x12,\n\x08releases\x18\x03 \x01(\x0b\x32\x18.saguaro.v1.ReleaseBatchH\x00\x12:\n\x12reset_prefix_cache\x18\x04 \x01(\x0b\x32\x1c.saguaro.v1.ResetPrefixCacheH\x00\x12-\n\x08\x63\x61tch_up\x18\x05 \x01(\x0b\x32\x19.saguaro.v1.OutcomeRoundsH\x00\x42\x06\n\x04kind\"\xc0\x01\n\x0eSpeculateReply\x12\x31\n\x05trees\x18\x01 \x01(\x0b\x32 .saguaro.v1.SpeculationTreeBatchH\x00\x12/\n\tjit_draft\x18\x02 \x01(\x0b\x32\x1a.saguaro.v1.JitDraftResultH\x00\x12*\n\x05plans\x18\x03 \x01(\x0b\x32\x19.saguaro.v1.TreePlanBatchH\x00\x12\x16\n\x0egraph_captures\x18\x04 \x01(\x04\x42\x06\n\x04kind2\x99\x02\n\x0c\x44raftService\x12=\n\x07Prefill\x12\x18.saguaro.v1.PrefillBatch\x1a\x18.saguaro.v1.PrefillReply\x12@\n\x08JitDraft\x12\x19.saguaro.v1.JitDraftBatch\x1a\x19.saguaro.v1.ProposalBatch\x12=\n\x07Release\x12\x18.saguaro.v1.ReleaseBatch\x1a\x18.saguaro.v1.ReleaseReply\x12I\n\tSpeculate\x12\x1c.saguaro.v1.SpeculateRequest\x1a\x1a.saguaro.v1.SpeculateReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -55,42 +55,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_OUTCOME']._serialized_end=1429
   _globals['_SPECULATIONTREE']._serialized_start=1432
   _globals['_SPECULATIONTREE']._serialized_end=1584
-  _globals['_TREEPLAN']._serialized_start=1586
-  _globals['_TREEPLAN']._serialized_end=1667
-  _globals['_RELEASE']._serialized_start=1669
-  _globals['_RELEASE']._serialized_end=1694
-  _globals['_PREFILLBATCH']._serialized_start=1696
-  _globals['_PREFILLBATCH']._serialized_end=1756
-  _globals['_PREFILLREPLY']._serialized_start=1758
-  _globals['_PREFILLREPLY']._serialized_end=1772
-  _globals['_JITDRAFTBATCH']._serialized_start=1774
-  _globals['_JITDRAFTBATCH']._serialized_end=1836
-  _globals['_PROPOSALBATCH']._serialized_start=1838
-  _globals['_PROPOSALBATCH']._serialized_end=1894
-  _globals['_OUTCOMEBATCH']._serialized_start=1896
-  _globals['_OUTCOMEBATCH']._serialized_end=1949
-  _globals['_OUTCOMEROUNDS']._serialized_start=1951
-  _globals['_OUTCOMEROUNDS']._serialized_end=2008
-  _globals['_SPECULATIONTREEBATCH']._serialized_start=2010
-  _globals['_SPECULATIONTREEBATCH']._serialized_end=2076
-  _globals['_TREEPLANBATCH']._serialized_start=2078
-  _globals['_TREEPLANBATCH']._serialized_end=2130
-  _globals['_RELEASEBATCH']._serialized_start=2132
-  _globals['_RELEASEBATCH']._serialized_end=2185
-  _globals['_RELEASEREPLY']._serialized_start=2187
-  _globals['_RELEASEREPLY']._serialized_end=2201
-  _globals['_RESETPREFIXCACHE']._serialized_start=2203
-  _globals['_RESETPREFIXCACHE']._serialized_end=2221
-  _globals['_JITDRAFTCALL']._serialized_start=2223
-  _globals['_JITDRAFTCALL']._serialized_end=2296
-  _globals['_CALLERROR']._serialized_start=2298
-  _globals['_CALLERROR']._serialized_end=2340
-  _globals['_JITDRAFTRESULT']._serialized_start=2343
-  _globals['_JITDRAFTRESULT']._serialized_end=2474
-  _globals['_SPECULATEREQUEST']._serialized_start=2477
-  _globals['_SPECULATEREQUEST']._serialized_end=2749
-  _globals['_SPECULATEREPLY']._serialized_start=2752
-  _globals['_SPECULATEREPLY']._serialized_end=2944
-  _globals['_DRAFTSERVICE']._serialized_start=2947
-  _globals['_DRAFTSERVICE']._serialized_end=3228
+  _globals['_TREEPLAN']._serialized_start=1587
+  _globals['_TREEPLAN']._serialized_end=1748
+  _globals['_RELEASE']._serialized_start=1750
+  _globals['_RELEASE']._serialized_end=1775
+  _globals['_PREFILLBATCH']._serialized_start=1777
+  _globals['_PREFILLBATCH']._serialized_end=1837
+  _globals['_PREFILLREPLY']._serialized_start=1839
+  _globals['_PREFILLREPLY']._serialized_end=1853
+  _globals['_JITDRAFTBATCH']._serialized_start=1855
+  _globals['_JITDRAFTBATCH']._serialized_end=1917
+  _globals['_PROPOSALBATCH']._serialized_start=1919
+  _globals['_PROPOSALBATCH']._serialized_end=1975
+  _globals['_OUTCOMEBATCH']._serialized_start=1977
+  _globals['_OUTCOMEBATCH']._serialized_end=2030
+  _globals['_OUTCOMEROUNDS']._serialized_start=2032
+  _globals['_OUTCOMEROUNDS']._serialized_end=2089
+  _globals['_SPECULATIONTREEBATCH']._serialized_start=2091
+  _globals['_SPECULATIONTREEBATCH']._serialized_end=2157
+  _globals['_TREEPLANBATCH']._serialized_start=2159
+  _globals['_TREEPLANBATCH']._serialized_end=2211
+  _globals['_RELEASEBATCH']._serialized_start=2213
+  _globals['_RELEASEBATCH']._serialized_end=2266
+  _globals['_RELEASEREPLY']._serialized_start=2268
+  _globals['_RELEASEREPLY']._serialized_end=2282
+  _globals['_RESETPREFIXCACHE']._serialized_start=2284
+  _globals['_RESETPREFIXCACHE']._serialized_end=2302
+  _globals['_JITDRAFTCALL']._serialized_start=2304
+  _globals['_JITDRAFTCALL']._serialized_end=2377
+  _globals['_CALLERROR']._serialized_start=2379
+  _globals['_CALLERROR']._serialized_end=2421
+  _globals['_JITDRAFTRESULT']._serialized_start=2424
+  _globals['_JITDRAFTRESULT']._serialized_end=2555
+  _globals['_SPECULATEREQUEST']._serialized_start=2558
+  _globals['_SPECULATEREQUEST']._serialized_end=2830
+  _globals['_SPECULATEREPLY']._serialized_start=2833
+  _globals['_SPECULATEREPLY']._serialized_end=3025
+  _globals['_DRAFTSERVICE']._serialized_start=3028
+  _globals['_DRAFTSERVICE']._serialized_end=3309
 # @@protoc_insertion_point(module_scope)

@@ -171,16 +171,20 @@ class SpeculationTree(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Union[Proposal, _Mapping]] = ..., build_s: _Optional[float] = ...) -> None: ...
 
 class TreePlan(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "guess_ids", "guess_probs")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GUESS_IDS_FIELD_NUMBER: _ClassVar[int]
+    GUESS_PROBS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    guess_ids: Tensor
+    guess_probs: Tensor
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., guess_ids: _Optional[_Union[Tensor, _Mapping]] = ..., guess_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_id",)
