@@ -147,7 +147,7 @@ class Config:
     tree_policy: TreePolicy = TreePolicy.AUTO
     jit_cohorts: int = 2                   # ssd rounds without trees: 2 = the batch in two cohorts, one drafted while the other verifies, where measured faster (spec/cohorts.py); 1 = whole
     hit_glue: HitGlue = HitGlue.AUTO       # ssd: after a hit, whether the tree covers k = K too (one draft forward more)
-    bonus_draw: BonusDraw = BonusDraw.TOP_F  # ssd, T > 0: candidates from the draft's top-F, or coupled draws (spec/coupled.py)
+    bonus_draw: BonusDraw = BonusDraw.COUPLED  # ssd, T > 0: coupled draws (spec/coupled.py), or the draft's top-F (the paper's)
     ngram_rounds: bool = True              # ssd, tree_policy and fallback "auto": the tree gate may run rounds of n-gram
                                            # proposals alone where they measure faster (repetitive text; spec/tree_gate.py),
                                            # and a row may take its n-gram proposal over the draft's (spec/lookup_pick.py)

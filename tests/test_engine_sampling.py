@@ -20,12 +20,14 @@ from scipy.stats import chi2
 from transformers import LlamaForCausalLM
 
 import saguaro_dist.engine.ssd_loop as ssd_loop
+import saguaro_dist.spec.coupled as coupled_module
 import saguaro_dist.engine.target as target_module
 from engine_helpers import (DEVICE, CyclingGate, JustInTimeLookupGate, LookupFavouringGate, every_lookup_length,
                             llama_config, save_model, save_perturbed, trusting_picker)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.spec import VerifyResult, verify
+from saguaro_dist.spec.sampling import sample_with_uniforms
 from saguaro_dist.spec.lookup_length import LookupLengths
 from saguaro_dist.spec.tree_gate import RoundMode
 
@@ -153,7 +155,9 @@ def chi_square_pvalue(counts: dict, joint: dict, allow_impossible: bool = False)
 # case -> (engine settings, a check that the path under test was really taken)
 CASES = {
     "sd": (dict(mode="sd", k=1), lambda m: m.rounds > 0),
-    "ssd_hit_path": (dict(k=1, fan_out=VOCAB * 2 - 1, adaptive_fan_out=False), lambda m: m.cache_hits > 0 and m.cache_misses == 0),
+    # The paper's top-F candidates covering every outcome: every round hits (coupled candidates cover a guess's support).
+    "ssd_hit_path": (dict(k=1, fan_out=VOCAB * 2 - 1, adaptive_fan_out=False, bonus_draw="top_f"),
+                     lambda m: m.cache_hits > 0 and m.cache_misses == 0),
     "ssd_miss_neural": (dict(k=1, fan_out=2, fallback="neural"), lambda m: m.fallbacks["neural"] > 0),
     "ssd_miss_fast": (dict(k=1, fan_out=2, fallback="fast"), lambda m: m.fallbacks["fast"] > 0),
     "ssd_miss_random": (dict(k=1, fan_out=2, fallback="random"), lambda m: m.fallbacks["random"] > 0),
@@ -178,6 +182,8 @@ CASES = {
     # Coupled bonus draws (spec/coupled.py): the bonus drawn against candidates drawn from the draft's guess.
     "ssd_coupled": (dict(k=2, fan_out=5, bonus_draw="coupled", fallback="neural", tree_policy="always", max_tokens=4),
                     lambda m: m.coupled_draws > 0 and m.cache_hits > 0 and m.fallbacks["neural"] > 0),
+    "ssd_coupled_one_candidate": (dict(k=1, fan_out=2, bonus_draw="coupled", fallback="neural", tree_policy="always"),
+                                  lambda m: m.coupled_draws > 0 and m.cache_hits > 0),
     "ssd_coupled_k1_hits_all": (dict(k=1, fan_out=VOCAB * 2 - 1, adaptive_fan_out=False, bonus_draw="coupled",
                                      tree_policy="always"), lambda m: m.coupled_draws > 0 and m.cache_hits > 0),
     "ssd_coupled_process": (dict(k=2, fan_out=5, bonus_draw="coupled", fallback="neural", draft_executor="process",
@@ -304,20 +310,39 @@ def test_rows_that_take_their_ngram_proposal_over_the_drafts_follow_the_target(p
     assert p > ALPHA, f"chi-square p = {p:.2e}"
 
 
-def always_accept(target_probs, draft_tokens, draft_probs, generators):
+def always_accept(target_probs, draft_tokens, draft_probs, generators, coupling=None):
     """A broken verifier: accepts every draft token, bonus from p_{K+1}."""
     b, k = draft_tokens.shape
     bonus = torch.stack([torch.multinomial(target_probs[i, k], 1, generator=g)[0] for i, g in enumerate(generators)])
     return VerifyResult(accepted=torch.full((b,), k, dtype=torch.long), bonus=bonus)
 
 
-def bonus_from_p(target_probs, draft_tokens, draft_probs, generators):
+def bonus_from_p(target_probs, draft_tokens, draft_probs, generators, coupling=None):
     """A broken verifier: the right acceptance test, but the bonus drawn from p instead of the residual."""
     result = verify(target_probs, draft_tokens, draft_probs, generators)
     rows = torch.arange(len(draft_tokens))
     p = target_probs[rows, result.accepted]
     bonus = torch.stack([torch.multinomial(p[i], 1, generator=g)[0] for i, g in enumerate(generators)])
     return VerifyResult(accepted=result.accepted, bonus=bonus)
+
+
+def coupling_without_the_residual_step(residual, guess, candidates, uniforms):
+    """A broken coupled draw: a candidate accepted with min(1, r / g) as it should be, but after a rejection
+    the bonus drawn from r itself instead of the residual norm(max(0, r - g)): candidates come out too often."""
+    rows = torch.arange(len(residual))
+    y = candidates[:, 0].clamp_min(0)
+    g = guess / guess.sum(-1, keepdim=True).clamp_min(1e-30)
+    accept = (candidates[:, 0] >= 0) & (uniforms[:, 0] * g[rows, y] < residual[rows, y])
+    return torch.where(accept, y, sample_with_uniforms(residual, uniforms[:, -1]))
+
+
+def test_the_test_catches_a_broken_coupled_draw(pair, monkeypatch):
+    monkeypatch.setattr(coupled_module, "coupled_bonus", coupling_without_the_residual_step)
+    target, draft, model = pair
+    settings, took_path = CASES["ssd_coupled_one_candidate"]  # a bonus in every round's first two tokens
+    counts, metrics = sample_joint(target, draft, PARAMS["t1"], **settings)
+    assert took_path(metrics)
+    assert chi_square_pvalue(counts, exact_joint(model, PARAMS["t1"]), allow_impossible=True) < ALPHA
 
 
 @pytest.mark.parametrize("broken", [always_accept, bonus_from_p], ids=["always_accept", "bonus_from_p"])

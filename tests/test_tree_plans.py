@@ -35,7 +35,8 @@ def draft_dir(tmp_path_factory):
 
 
 def started(draft_dir, busy: bool = True, sampling: DraftSampling = SAMPLED):
-    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=K, fan_out=8))
+    # top-F trees: a coupled tree's plan goes out every round (tests/test_coupled_plans.py)
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=K, fan_out=8, bonus_draw="top_f"))
     worker.prefill([PrefillRequest(0, [5, 6, 7, 8], sampling), PrefillRequest(1, [9, 3], sampling)])
     worker.jit_draft([JitDraftRequest(0, 0, 0, 7), JitDraftRequest(1, 0, 0, 4)])
     worker.budget.busy = busy  # as after a round whose target waited for its trees

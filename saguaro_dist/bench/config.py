@@ -114,7 +114,7 @@ class BenchConfig:
     fallback: str = "auto"
     tree_policy: str = "auto"
     hit_glue: str = "auto"                # after a hit, whether trees cover k = K (Config.hit_glue)
-    bonus_draw: str = "top_f"             # sampled rows' tree candidates and bonus draw (Config.bonus_draw)
+    bonus_draw: str = "coupled"           # sampled rows' tree candidates and bonus draw (Config.bonus_draw)
     ngram_rounds: bool = True             # ssd: the gate may run rounds of n-gram proposals alone (Config.ngram_rounds)
     seed: int = 0
     repeats: int = 1                      # timed repeats per cell (the best is kept) after an untimed warm-up (runner.warm_up)

@@ -78,7 +78,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="ssd: after a hit, whether the tree covers the all-accepted outcome too (one draft forward "
                         "more); auto (default) skips it while the target waits for trees")
     g.add_argument("--bonus-draw", choices=[b.value for b in BonusDraw],
-                   help="ssd, sampled rows: coupled draws the tree's bonus candidates from the draft's guess and the "
+                   help="ssd, sampled rows: coupled (default) draws the tree's bonus candidates from the draft's guess and the "
                         "bonus against them (hit more often, still exact); top_f takes the draft's top-F")
     g.add_argument("--ngram-rounds", action=argparse.BooleanOptionalAction, default=None,
                    help="ssd: let the tree gate run rounds of n-gram proposals alone (no draft, no tree) where they "
