@@ -110,10 +110,15 @@ def fanout_key(s: DraftSeq) -> tuple[int, bool]:
     return s.num_shards, s.source is ProposalSource.LOOKUP
 
 
+def empty_plan(s: DraftSeq) -> TreePlan:
+    """s's plan before its branches are listed: its guesses, if its candidates were drawn from them."""
+    ids, probs = s.guess or (None, None)
+    return TreePlan(s.seq_id, s.round, guess_ids=ids, guess_probs=probs)
+
+
 def tree_plans(states: list[DraftSeq], rows: list[tuple[int, int, int]]) -> list[TreePlan]:
     """One TreePlan per state from (state index, k, t) rows: the outcomes its tree will answer."""
-    plans = [TreePlan(s.seq_id, s.round, guess_ids=s.guess and s.guess[0], guess_probs=s.guess and s.guess[1])
-             for s in states]
+    plans = [empty_plan(s) for s in states]
     for i, k, t in rows:
         plans[i].accepted.append(k)
         plans[i].bonus_tokens.append(t)
