@@ -68,9 +68,9 @@ def test_the_target_lays_candidates_out_per_outcome_in_draw_order():
     c = plan_coupling(seqs, plans, K, VOCAB, "cpu")
     assert c.candidates.shape == (3, K + 1, 2)
     assert c.candidates[0, 0].tolist() == [2, 1] and c.candidates[0, 3].tolist() == [3, -1]
-    assert (c.candidates[1] == -1).all() and (c.guess[1] == 0).all()  # no plan: drawn as without coupling
-    assert c.candidates[2, 1].tolist() == [0, -1] and (c.guess[2, K] == 0).all()  # a tree without k = K
-    assert torch.allclose(c.guess[0, 0, :4], torch.full((4,), 0.25))
+    assert (c.candidates[1] == -1).all() and (c.guess_probs[1] == 0).all()  # no plan: drawn as without coupling
+    assert c.candidates[2, 1].tolist() == [0, -1] and (c.guess_probs[2, K] == 0).all()  # a tree without k = K
+    assert c.guess_ids[0, 0].tolist() == [0, 1, 2, 3] and torch.allclose(c.guess_probs[0, 0], torch.full((4,), 0.25))
     again = plan_coupling(seqs, plans, K, VOCAB, "cpu")
     assert torch.equal(c.uniforms, again.uniforms)  # the row's own stream: reproducible
 

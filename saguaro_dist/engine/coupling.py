@@ -6,7 +6,7 @@ import torch
 
 from saguaro_dist.engine.messages import TreePlan
 from saguaro_dist.engine.sequence import COUPLING_STREAM, Sequence, substream
-from saguaro_dist.spec.coupled import Coupling, dense_guess
+from saguaro_dist.spec.coupled import Coupling
 
 
 def plan_coupling(seqs: list[Sequence], plans: dict[int, TreePlan], k: int, vocab_size: int,
@@ -19,18 +19,21 @@ def plan_coupling(seqs: list[Sequence], plans: dict[int, TreePlan], k: int, voca
     if not coupled:
         return None
     width = max(max(p.accepted.count(j) for j in set(p.accepted)) for _, p in coupled)
-    guess = torch.zeros(len(seqs), k + 1, vocab_size)
+    kept = max(p.guess_ids.shape[1] for _, p in coupled)
+    guess_ids = torch.zeros(len(seqs), k + 1, kept, dtype=torch.int64)
+    guess_probs = torch.zeros(len(seqs), k + 1, kept)
     candidates = torch.full((len(seqs), k + 1, width), -1, dtype=torch.int64)
     uniforms = torch.zeros(len(seqs), width, dtype=torch.float64)
     for i, plan in coupled:
-        guess[i, :plan.guess_ids.shape[0]] = dense_guess(plan.guess_ids, plan.guess_probs.float(), vocab_size)
+        positions, m = plan.guess_ids.shape
+        guess_ids[i, :positions, :m], guess_probs[i, :positions, :m] = plan.guess_ids, plan.guess_probs.float()
         slots = [0] * (k + 1)
         for j, t in zip(plan.accepted, plan.bonus_tokens):  # in draw order within each outcome position j
             candidates[i, j, slots[j]], slots[j] = t, slots[j] + 1
         # A stream apart from the row's verify uniforms: how many candidates the plan has changes no other draw.
         uniforms[i] = torch.rand(width, generator=substream(seqs[i].generator, COUPLING_STREAM | seqs[i].round),
                                  dtype=torch.float64)
-    return Coupling(guess.to(device), candidates.to(device), uniforms.to(device))
+    return Coupling(guess_ids.to(device), guess_probs.to(device), candidates.to(device), uniforms.to(device))
 
 
 def plan_fits(plan: TreePlan, k: int, vocab_size: int) -> bool:

@@ -38,16 +38,21 @@ class Coupling:
     """The target's side of coupled bonus draws for a batch: per row and outcome position, the draft's
     guess and the candidates drawn from it, with the row's uniforms for them. A row the draft drew no
     candidates for has candidates -1 throughout: its bonus is drawn as without coupling."""
-    guess: torch.Tensor       # [B, K+1, V] float: g_k (zeros where there is none)
-    candidates: torch.Tensor  # [B, K+1, F] int64: per outcome its candidates in draw order, -1 padded
-    uniforms: torch.Tensor    # [B, F] float64 in [0, 1): one per candidate slot, from a stream of the row's own
+    guess_ids: torch.Tensor    # [B, K+1, M] int64: g_k's kept tokens (sparse_guess) ...
+    guess_probs: torch.Tensor  # [B, K+1, M] float: ... and their probabilities (zeros where there is no guess)
+    candidates: torch.Tensor   # [B, K+1, F] int64: per outcome its candidates in draw order, -1 padded
+    uniforms: torch.Tensor     # [B, F] float64 in [0, 1): one per candidate slot, from a stream of the row's own
 
     def draw(self, residual: torch.Tensor, accepted: torch.Tensor, last_uniform: torch.Tensor) -> torch.Tensor:
         """t* per row: residual [B, V] is outcome `accepted` [B]'s bonus distribution; last_uniform [B] the
-        row's uniform for a draw from the last residual (verify's own bonus uniform) -> [B] int64."""
+        row's uniform for a draw from the last residual (verify's own bonus uniform) -> [B] int64. Only the
+        outcome that happened is made dense: [B, V], not [B, K+1, V] (20 MB a round at V = 128256, b = 8)."""
         rows = torch.arange(residual.shape[0], device=residual.device)
+        # scatter_add: a pad's id (0, at probability 0) adds nothing to a real entry of that id
+        guess = torch.zeros_like(residual).scatter_add_(
+            1, self.guess_ids[rows, accepted], self.guess_probs[rows, accepted].to(residual.dtype))
         uniforms = torch.cat([self.uniforms.to(last_uniform), last_uniform[:, None]], dim=1)
-        return coupled_bonus(residual, self.guess[rows, accepted], self.candidates[rows, accepted], uniforms)
+        return coupled_bonus(residual, guess, self.candidates[rows, accepted], uniforms)
 
 from saguaro_dist.spec.sampling import sample_with_uniforms
 from saguaro_dist.spec.verify import residual_probs
