@@ -14,8 +14,8 @@ y_1..y_F at random instead, without replacement, from a guess g of r that the dr
 Each step is one token of speculative sampling, which returns its target exactly for any proposal
 (Leviathan et al. 2023, Theorem 1), so t* ~ r exactly; and g_{i+1} may depend on y_i, as r_{i+1} does
 not. With one candidate t* = y_1 with probability sum_t min(r(t), g(t)) = 1 - TV(r, g), against
-max_t r(t) for the draft's top-1: at T = 0.7 on the demo pair 0.58 against 0.26 over all outcomes
-(benchmarks/bench_coupled_bonus.py). Greedy rows gain nothing (r is one-hot): they keep top-F.
+max_t r(t) for the draft's top-1: at T = 0.7 on the demo pair 0.57 against 0.23 over all outcomes
+(benchmarks/bench_coupled_bonus.py, one candidate per outcome). Greedy rows gain nothing (r is one-hot): they keep top-F.
 
 The guess travels from the draft to the target with the tree's plan, truncated to its GUESS_TOP likeliest
 tokens per outcome: the truncated guess is what the candidates are drawn from, so exactness holds, and
@@ -29,6 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from saguaro_dist.spec.sampling import sample_with_uniforms
+from saguaro_dist.spec.verify import residual_probs
 
 GUESS_TOP = 256  # tokens of each outcome's guess kept: the candidates are drawn from them alone
 
@@ -48,14 +51,10 @@ class Coupling:
         row's uniform for a draw from the last residual (verify's own bonus uniform) -> [B] int64. Only the
         outcome that happened is made dense: [B, V], not [B, K+1, V] (20 MB a round at V = 128256, b = 8)."""
         rows = torch.arange(residual.shape[0], device=residual.device)
-        # scatter_add: a pad's id (0, at probability 0) adds nothing to a real entry of that id
-        guess = torch.zeros_like(residual).scatter_add_(
-            1, self.guess_ids[rows, accepted], self.guess_probs[rows, accepted].to(residual.dtype))
+        guess = dense_guess(self.guess_ids[rows, accepted], self.guess_probs[rows, accepted].to(residual.dtype),
+                            residual.shape[1])
         uniforms = torch.cat([self.uniforms.to(last_uniform), last_uniform[:, None]], dim=1)
         return coupled_bonus(residual, guess, self.candidates[rows, accepted], uniforms)
-
-from saguaro_dist.spec.sampling import sample_with_uniforms
-from saguaro_dist.spec.verify import residual_probs
 
 
 def bonus_guess(draft_probs: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -81,8 +80,10 @@ def sparse_guess(guess: torch.Tensor, top: int = GUESS_TOP) -> tuple[torch.Tenso
 
 
 def dense_guess(ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """The [P, V] guess a sparse_guess (ids [P, M], probs [P, M]) stands for."""
-    return torch.zeros(ids.shape[0], vocab_size, dtype=probs.dtype, device=probs.device).scatter_(1, ids, probs)
+    """The [P, V] guess a sparse_guess (ids [P, M], probs [P, M]) stands for. Added, not set: a pad (id 0 at
+    probability 0, Coupling's rows without a guess) leaves a real entry of that id as it was."""
+    dense = torch.zeros(ids.shape[0], vocab_size, dtype=probs.dtype, device=probs.device)
+    return dense.scatter_add_(1, ids, probs)
 
 
 def sampled_branches(ids: torch.Tensor, probs: torch.Tensor, fanout, uniforms: torch.Tensor) -> list[tuple[int, int]]:
@@ -113,8 +114,8 @@ def coupled_bonus(residual: torch.Tensor, guess: torch.Tensor, candidates: torch
     """t* ~ residual exactly, equal to one of `candidates` as often as their guess allows (module doc).
 
     residual [N, V] (r); guess [N, V] (g, what the candidates were drawn from by draw_candidates);
-    candidates [N, F] int64 (-1: no candidate in that slot); uniforms [N, F + 1] in [0, 1): one per candidate, then one for the last
-    residual -> t* [N] int64.
+    candidates [N, F] int64 (-1: no candidate in that slot); uniforms [N, F + 1] in [0, 1): one per
+    candidate, then one for the last residual -> t* [N] int64.
     """
     r, g = residual.clone(), guess.to(residual.dtype).clone()
     rows = torch.arange(r.shape[0], device=r.device)
