@@ -2,6 +2,7 @@
 real gRPC on loopback (a real DraftWorker on a checkpoint written by transformers behind it)."""
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -20,6 +21,7 @@ from saguaro_dist.engine.split_draft import SplitDraftBackend
 
 pytestmark = pytest.mark.timeout(120)
 GREEDY = DraftSampling(0.0, 0, 1.0, None)
+SAMPLED = DraftSampling(0.8, 0, 1.0, 7)
 
 
 @pytest.fixture(scope="module")
@@ -179,37 +181,65 @@ def test_the_pool_backs_off_from_a_worker_it_keeps_taking_back():
     assert [revival_delay_s(n) for n in range(8)] == [0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
 
 
-def test_a_worker_whose_trees_stay_late_is_marked_dead_and_taken_back(config):
-    """The split's just-in-time drafts are made here, so a stalled tree side misses no draft deadline: only
-    its trees are late. After LATE_TREE_WAITS_BEFORE_DEAD waits in a row that each reach the timeout with no
-    tree, the pool marks it dead (not every later round pays the timeout); once it answers, it is taken back."""
+@contextlib.contextmanager
+def _stalled_tree_side(config, sampling: DraftSampling):
+    """(split, pool, resume): sequence 1 drafted here in time for round 0, while the served worker, which is to
+    build its tree, stalls in plan_trees (its server's loop stops in it) until resume is set."""
     worker = build_draft_worker(config)
     resume = threading.Event()
     planning = worker.plan_trees
-    worker.plan_trees = lambda: resume.wait(30) and planning()  # a stall: the server's loop stops in it
+    worker.plan_trees = lambda: resume.wait(30) and planning()
     server, port = serve_draft(worker, "127.0.0.1", 0)
     address = f"127.0.0.1:{port}"
     revive = lambda i: GrpcDraftBackend([address], deadline_s=10.0)  # noqa: E731 - it answers where it was
     pool = DraftPool([GrpcDraftBackend([address], deadline_s=10.0)], max_batch_size=4, revive=revive)
     split = SplitDraftBackend(LocalDraftBackend(build_draft_worker(config)), pool)
     try:
-        split.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
+        split.prefill([PrefillRequest(1, PROMPTS[0], sampling)])
         split.jit_draft([JitDraftRequest(1, 0, 0, 5)])  # drafted here, in time
         split.send_outcomes([])
-        for late in range(LATE_TREE_WAITS_BEFORE_DEAD):
-            assert pool.workers() == (1, 1)
-            assert split.wait_trees([(1, 0)], 0.2) == {}
-        assert pool.workers() == (0, 1) and split.trees.lost([1]) == [1]
-        assert split.wait_trees([(1, 0)], 5.0) == {}  # a dead worker's trees are not waited for
-        with pytest.raises(DraftUnavailable):  # the engine prefills it again: here alone, until the worker is back
-            split.jit_draft([JitDraftRequest(1, 1, 0, 5)])
-        resume.set()  # the stall ends
-        _wait_for(pool.accepting)
-        assert pool.workers() == (1, 1) and pool.revivals == [1] and 1 not in worker.seqs
+        yield split, pool, resume
+        assert 1 not in worker.seqs  # taken back: released there, the engine prefills it again
     finally:
         resume.set()
         split.close()
         server.stop(None)
+
+
+def _marked_dead_then_taken_back(split, pool, resume) -> None:
+    assert pool.workers() == (0, 1) and split.trees.lost([1]) == [1]
+    assert split.wait_trees([(1, 0)], 5.0) == {}  # a dead worker's trees are not waited for
+    with pytest.raises(DraftUnavailable):  # the engine prefills it again: here alone, until the worker is back
+        split.jit_draft([JitDraftRequest(1, 1, 0, 5)])
+    resume.set()  # the stall ends
+    _wait_for(pool.accepting)
+    assert pool.workers() == (1, 1) and pool.revivals == [1]
+
+
+def test_a_worker_whose_trees_stay_late_is_marked_dead_and_taken_back(config):
+    """The split's just-in-time drafts are made here, so a stalled tree side misses no draft deadline: only
+    its trees are late. After LATE_TREE_WAITS_BEFORE_DEAD waits in a row that each reach the timeout with no
+    tree, the pool marks it dead (not every later round pays the timeout); once it answers, it is taken back."""
+    with _stalled_tree_side(config, GREEDY) as (split, pool, resume):
+        for late in range(LATE_TREE_WAITS_BEFORE_DEAD):
+            assert pool.workers() == (1, 1)
+            assert split.wait_trees([(1, 0)], 0.2) == {}
+        _marked_dead_then_taken_back(split, pool, resume)
+
+
+def test_a_sampled_round_whose_plans_stay_late_waits_one_timeout_and_counts_once(config):
+    """A sampled row waits for its tree's plan after the verify (coupled bonus draws), then for the tree. A
+    stalled worker's plan wait that runs out counts as its late wait, and the same round's tree wait takes what
+    is there instead of a second whole timeout: one timeout a round, and dead after as many rounds as trees."""
+    timeout_s = 1.0
+    with _stalled_tree_side(config, SAMPLED) as (split, pool, resume):
+        for late in range(LATE_TREE_WAITS_BEFORE_DEAD):
+            assert pool.workers() == (1, 1)
+            start = time.monotonic()
+            assert split.wait_plans([(1, 0)], timeout_s) == {}
+            assert split.wait_trees([(1, 0)], timeout_s) == {}
+            assert time.monotonic() - start < 1.8 * timeout_s  # not 2 x timeout_s
+        _marked_dead_then_taken_back(split, pool, resume)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -63,6 +63,9 @@ class DraftPool:
         self._revived: queue.SimpleQueue = queue.SimpleQueue()  # (i, backend) from the revival threads
         self.revivals = [0] * len(backends)  # per worker: times it served again after the pool marked it dead
         self.late_waits = [0] * len(backends)  # per worker: tree waits in a row that reached their deadline empty
+        # Per worker: the keys its last plan wait reached the deadline without (counted as a late wait). The
+        # same round's tree wait then takes what is there: one stall costs a round one timeout, counted once.
+        self._late_plans: dict[int, set] = {}
         self._closed = False
         self._calls = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="saguaro-pool")
 
@@ -167,16 +170,21 @@ class DraftPool:
     def wait_plans(self, keys, timeout_s: float) -> dict[int, TreePlan]:
         """The plans among keys by one deadline, each from the worker its sequence lives on. A sequence split
         over several workers is not asked for: the draft couples a tree's bonus draws only when one worker
-        builds all of it, so its slices' plans never carry a guess."""
+        builds all of it, so its slices' plans never carry a guess. A worker that brings none of its plans by the
+        deadline has a late wait counted, as for trees, and is not waited for again for this round's trees."""
         deadline = time.monotonic() + timeout_s
         parts = defaultdict(list)
         for key in keys:
             group = self.groups.get(key[0], [])
             if len(group) == 1 and group[0] not in self.dead:
                 parts[group[0]].append(key)
-        plans = {}
+        plans, self._late_plans = {}, {}
         for i, part in parts.items():  # the later workers' plans arrive while the first one's are waited for
-            plans.update(self.backends[i].wait_plans(part, max(0.0, deadline - time.monotonic())))
+            found = self.backends[i].wait_plans(part, max(0.0, deadline - time.monotonic()))
+            plans.update(found)
+            if not found and 0 < timeout_s and deadline <= time.monotonic():
+                self._late_plans[i] = set(part)
+                self._note_tree_wait(i, in_time=False)
         return plans
 
     def wait_trees(self, keys, timeout_s: float, outcomes=None) -> dict[int, SpeculationTree]:
@@ -190,8 +198,11 @@ class DraftPool:
                     parts[i].append(key)
         slices = defaultdict(list)
         for i, part in parts.items():
-            trees = self.backends[i].wait_trees(part, max(0.0, deadline - time.monotonic()), outcomes)
-            self._note_tree_wait(i, bool(trees) or timeout_s <= 0 or time.monotonic() < deadline)
+            # Its plans for this round, built in the same batch as every tree it owes, ran out: a stall.
+            counted = not self._late_plans.pop(i, set()).isdisjoint(part)
+            trees = self.backends[i].wait_trees(part, 0.0 if counted else max(0.0, deadline - time.monotonic()), outcomes)
+            if trees or not counted:
+                self._note_tree_wait(i, bool(trees) or timeout_s <= 0 or time.monotonic() < deadline)
             for seq_id, tree in trees.items():
                 slices[seq_id].append(tree)
         return {seq_id: SpeculationTree.concat(trees) for seq_id, trees in slices.items()}
