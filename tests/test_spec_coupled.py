@@ -108,3 +108,19 @@ def test_bonus_guess_drops_the_drafted_token_and_keeps_the_last_position():
     assert torch.allclose(g[0, 1], torch.tensor([0.5, 0.5, 0.0]))
     assert torch.equal(g[0, 2], q[0, 2])
     assert bonus_guess(torch.tensor([[[1.0, 0.0], [0.5, 0.5]]]), torch.tensor([[0]]))[0, 0].sum() == 0
+
+
+def test_a_row_draws_alike_alone_and_in_a_batch_whose_loop_ends_elsewhere():
+    """The loop over candidate slots ends once every row has its bonus: a row alone ends at its own first
+    acceptance, in a batch at the last row's; the draws must not depend on where (uniforms come up front)."""
+    gen = torch.Generator().manual_seed(11)
+    rows = 64
+    r = torch.stack([_dist(gen) for _ in range(rows)])
+    g = torch.stack([_dist(gen, zeros=[i % V]) for i in range(rows)])
+    cands = draw_candidates(g, 4, torch.rand(rows, V, generator=gen, dtype=torch.float64))
+    cands[::5, 2:] = -1  # rows with fewer candidates
+    u = torch.rand(rows, 5, generator=gen, dtype=torch.float64)
+    batch = coupled_bonus(r, g, cands, u)
+    alone = torch.cat([coupled_bonus(r[i:i + 1], g[i:i + 1], cands[i:i + 1], u[i:i + 1]) for i in range(rows)])
+    assert torch.equal(batch, alone)
+    assert (batch == cands[:, 0]).any() and not (batch[:, None] == cands).any(1).all()  # both ends are met
