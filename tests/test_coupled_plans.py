@@ -2,17 +2,22 @@
 tests/test_spec_coupled.py and tests/test_engine_sampling.py): a sampled row's tree draws its candidates
 from the guess its plan carries, the plan is announced every round, and the target lays the plan out as
 the candidates it draws the bonus against, ignoring a plan that does not fit."""
+import time
+
 import pytest
 import torch
 
 from engine_helpers import llama_config, save_model
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
-from saguaro_dist.engine.build import build_draft_worker
+from saguaro_dist.engine.build import build_draft_worker, make_runner
+from saguaro_dist.engine.draft_backend import LocalDraftBackend
+from saguaro_dist.engine.engine import Engine
 from saguaro_dist.engine.coupling import plan_coupling, plan_fits
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest, TreePlan
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.sampling_params import SamplingParams as Params
+from saguaro_dist.spec.stats import Timing
 
 K, VOCAB = 3, 64
 SAMPLED = DraftSampling(0.8, 0, 1.0, 7)
@@ -105,3 +110,25 @@ def test_seeded_sampling_is_reproducible_with_coupled_draws(tmp_path):
             runs.append(llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=params))
             assert llm.metrics.coupled_draws > 0
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
+
+
+def test_the_wait_for_plans_counts_in_the_round_cost(tmp_path):
+    """A sampled tree round waits for its plan after the verify, then for its tree: both are the round's wait on
+    the draft side, which the fallback choice weighs as Theorem 7's round cost (SpecStats.round_cost). A draft
+    that takes 30 ms to plan makes the target wait there, not for the tree."""
+    save_model(tmp_path / "t", llama_config(vocab=VOCAB, hidden=32, layers=2), seed=1)
+    save_model(tmp_path / "d", llama_config(vocab=VOCAB, hidden=32, layers=1), seed=2)
+    config = Config(model=str(tmp_path / "t"), draft=str(tmp_path / "d"), mode="ssd", k=K, tree_policy="always",
+                    fallback="neural", draft_executor="thread")
+    worker = build_draft_worker(config)
+    planning = worker.plan_trees
+    worker.plan_trees = lambda: time.sleep(0.03) or planning()
+    engine = Engine(config, make_runner(config.model, config), LocalDraftBackend(worker), None, set())
+    try:
+        engine.add(Sequence(0, "0", [1, 2, 3], Params(temperature=0.9, max_tokens=12, seed=3, ignore_eos=True)))
+        while engine.running or engine.waiting or engine.prefilling:
+            engine.step()
+        assert engine.metrics.coupled_draws > 0 and engine.metrics.plan_wait_s > 0.02
+        assert engine.loop.stats.time(Timing.TREE_WAIT) > 0.015  # the tree itself came ~at once after its plan
+    finally:
+        engine.close()

@@ -55,6 +55,8 @@ class SSDLoop(SDLoop):
         self._in_flight: AskedDrafts | None = None  # the last round's first cohort's drafts, asked beside the second's verify
         self._fallback_choices = 0  # automatic fallback choices made (explore_fallback)
         self._late_warning = Throttle(LATE_TREE_WARN_EVERY_S)
+        self._plan_wait_s = 0.0  # the last verify's wait for tree plans: with the wait for those trees, the round's
+                                 # wait on the draft side (SpecStats.round_cost)
 
     def prepare(self, seqs):
         self._round_start, self._drafted_this_round, self._lookup_round = time.perf_counter(), False, False
@@ -85,7 +87,7 @@ class SSDLoop(SDLoop):
             self.draft.send_outcomes(outcomes)
 
     def verify(self, seqs):
-        verified_s = self.metrics.verify_s
+        verified_s, self._plan_wait_s = self.metrics.verify_s, 0.0
         gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
         self._count_round(seqs, kept_tokens(seqs, gained))
         # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
@@ -121,6 +123,7 @@ class SSDLoop(SDLoop):
             waited = time.perf_counter() - start
             self.metrics.plan_wait_s += waited
             self.metrics.draft_wait_s += waited
+            self._plan_wait_s = waited
             coupling = plan_coupling(seqs, plans, self.config.k, self.target.vocab_size, self.target.runner.device)
             self.metrics.coupled_draws += 0 if coupling is None else int((coupling.candidates >= 0).any(-1).any(-1).sum())
             return coupling
@@ -305,7 +308,7 @@ class SSDLoop(SDLoop):
         self.metrics.draft_wait_s += waited
         if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:
             self._note_late_trees(len(seqs) - len(trees))
-        self.stats.record_time(Timing.TREE_WAIT, waited)
+        self.stats.record_time(Timing.TREE_WAIT, waited + self._plan_wait_s)
         for tree in trees.values():
             self.cache.put_tree(tree)
         if trees:  # one build per draft worker, in parallel: the round waited on the slowest
