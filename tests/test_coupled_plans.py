@@ -112,23 +112,38 @@ def test_seeded_sampling_is_reproducible_with_coupled_draws(tmp_path):
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
 
 
+def run_slow_planner(tmp_path, plan_delay_s: float, max_tokens: int, **config) -> Engine:
+    """One sampled sequence through SSD (trees every round) whose draft thread sleeps plan_delay_s before each
+    plan; returns the closed engine, its metrics and stats read after."""
+    save_model(tmp_path / "t", llama_config(vocab=VOCAB, hidden=32, layers=2), seed=1)
+    save_model(tmp_path / "d", llama_config(vocab=VOCAB, hidden=32, layers=1), seed=2)
+    config = Config(model=str(tmp_path / "t"), draft=str(tmp_path / "d"), mode="ssd", k=K, tree_policy="always",
+                    fallback="neural", draft_executor="thread", **config)
+    worker = build_draft_worker(config)
+    planning = worker.plan_trees
+    worker.plan_trees = lambda: time.sleep(plan_delay_s) or planning()
+    engine = Engine(config, make_runner(config.model, config), LocalDraftBackend(worker), None, set())
+    try:
+        engine.add(Sequence(0, "0", [1, 2, 3], Params(temperature=0.9, max_tokens=max_tokens, seed=3, ignore_eos=True)))
+        while engine.running or engine.waiting or engine.prefilling:
+            engine.step()
+    finally:
+        engine.close()
+    return engine
+
+
 def test_the_wait_for_plans_counts_in_the_round_cost(tmp_path):
     """A sampled tree round waits for its plan after the verify, then for its tree: both are the round's wait on
     the draft side, which the fallback choice weighs as Theorem 7's round cost (SpecStats.round_cost). A draft
     that takes 30 ms to plan makes the target wait there, not for the tree."""
-    save_model(tmp_path / "t", llama_config(vocab=VOCAB, hidden=32, layers=2), seed=1)
-    save_model(tmp_path / "d", llama_config(vocab=VOCAB, hidden=32, layers=1), seed=2)
-    config = Config(model=str(tmp_path / "t"), draft=str(tmp_path / "d"), mode="ssd", k=K, tree_policy="always",
-                    fallback="neural", draft_executor="thread")
-    worker = build_draft_worker(config)
-    planning = worker.plan_trees
-    worker.plan_trees = lambda: time.sleep(0.03) or planning()
-    engine = Engine(config, make_runner(config.model, config), LocalDraftBackend(worker), None, set())
-    try:
-        engine.add(Sequence(0, "0", [1, 2, 3], Params(temperature=0.9, max_tokens=12, seed=3, ignore_eos=True)))
-        while engine.running or engine.waiting or engine.prefilling:
-            engine.step()
-        assert engine.metrics.coupled_draws > 0 and engine.metrics.plan_wait_s > 0.02
-        assert engine.loop.stats.time(Timing.TREE_WAIT) > 0.015  # the tree itself came ~at once after its plan
-    finally:
-        engine.close()
+    engine = run_slow_planner(tmp_path, 0.03, max_tokens=12)
+    assert engine.metrics.coupled_draws > 0 and engine.metrics.plan_wait_s > 0.02
+    assert engine.loop.stats.time(Timing.TREE_WAIT) > 0.015  # the tree itself came ~at once after its plan
+
+
+def test_a_round_whose_plans_ran_out_counts_its_trees_late(tmp_path):
+    """A draft that plans slower than tree_timeout_s: the plan wait runs out and the round takes its tree
+    without waiting again (TreeInbox.late_plans). It still waited the timeout out once, so its missing trees
+    count as late (metrics.late_trees, the once-a-minute warning about a stalled draft side)."""
+    engine = run_slow_planner(tmp_path, 0.15, max_tokens=6, tree_timeout_s=0.05)
+    assert engine.metrics.plan_wait_s >= 0.05 and engine.metrics.late_trees > 0

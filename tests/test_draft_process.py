@@ -280,6 +280,32 @@ def test_split_rounds_without_trees_reach_the_child_with_the_next_that_wants_one
         seen_all.close()
 
 
+def test_a_stalled_child_costs_a_sampled_round_one_timeout_not_two(pair):
+    """A child that stops (alive, its pipe open: SIGSTOP) sends neither the round's plans nor its trees. The
+    target waits tree_timeout_s for the plans, then takes what trees are there at once; once the child runs
+    again its late tree still arrives for a later wait."""
+    from saguaro_dist.config import Config
+    from saguaro_dist.engine.draft_process import DraftProcess
+    from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
+    config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1)
+    process = DraftProcess(config)
+    try:
+        process.prefill([PrefillRequest(1, PROMPTS[0], DraftSampling(0.8, 0, 1.0, 5))])
+        process.jit_draft([JitDraftRequest(1, 0, 0, 7)])
+        os.kill(process._proc.pid, signal.SIGSTOP)
+        process.send_outcomes([])  # the round's trees are asked for: the child cannot answer
+        start = time.monotonic()
+        assert process.wait_plans([(1, 0)], 0.3) == {}
+        waited_plans = time.monotonic() - start
+        assert process.wait_trees([(1, 0)], 0.3) == {}
+        assert waited_plans >= 0.3 and time.monotonic() - start - waited_plans < 0.1
+        os.kill(process._proc.pid, signal.SIGCONT)
+        assert set(process.wait_trees([(1, 0)], 30.0)) == {1}
+    finally:
+        os.kill(process._proc.pid, signal.SIGCONT)
+        process.close()
+
+
 def test_the_child_prefills_beside_the_target_and_forgets_what_a_failed_target_prefill_began(pair):
     """The child's prefill is posted before the target's prefill and taken after it. When the target's
     prefill fails, both halves of the split draft release what they began to hold, and the next request

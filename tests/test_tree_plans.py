@@ -128,6 +128,30 @@ def test_without_outcomes_the_inbox_waits_for_the_tree_as_before():
     assert time.monotonic() - start >= 0.2
 
 
+def test_a_round_whose_plans_ran_out_does_not_wait_again_for_its_trees():
+    """A draft sends a round's plans before its trees: plans that did not come by the plan wait's deadline
+    mean a stalled draft, and the round's tree wait takes what is there instead of a second timeout. The
+    next round waits as before; a plan wait without a timeout marks nothing."""
+    inbox = TreeInbox()
+    assert inbox.plans([(1, 4)], 0.1) == {}
+    start = time.monotonic()
+    assert inbox.take([(1, 4)], 5.0) == {}
+    assert time.monotonic() - start < 0.05
+    start = time.monotonic()
+    assert inbox.take([(1, 5)], 0.2) == {}
+    assert time.monotonic() - start >= 0.2
+    assert inbox.plans([(1, 6)], 0.0) == {}
+    assert not inbox.late_plans([(1, 6)])
+
+
+def test_plans_in_time_leave_the_tree_wait_as_it_was():
+    inbox, tree = TreeInbox(), SpeculationTree(1, 4)
+    inbox.put_plans([TreePlan(1, 4, [0], [5])])
+    assert set(inbox.plans([(1, 4)], 0.1)) == {1}
+    threading.Timer(0.1, inbox.put, ([tree],)).start()
+    assert inbox.take([(1, 4)], 5.0) == {1: tree}
+
+
 def test_plans_of_past_rounds_and_of_released_sequences_are_dropped():
     inbox = TreeInbox()
     inbox.put_plans([TreePlan(1, 3, [0], [5]), TreePlan(2, 3, [0], [5])])

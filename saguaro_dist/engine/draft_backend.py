@@ -79,6 +79,7 @@ class TreeInbox:
     def __init__(self):
         self._trees: dict[TreeKey, SpeculationTree] = {}
         self._plans: dict[TreeKey, TreePlan] = {}
+        self._late: set[TreeKey] = set()  # this round's keys whose plans did not come by the plan wait's deadline
         self._cond = threading.Condition()
 
     def put(self, trees: list[SpeculationTree]) -> None:
@@ -95,8 +96,8 @@ class TreeInbox:
 
     def take(self, keys: list[TreeKey], timeout_s: float, outcomes: Outcomes | None = None) -> dict[int, SpeculationTree]:
         """Wait until every key is settled (its tree in, or its plan lacking its outcome) or the deadline
-        passes; return (and forget) the trees that came."""
-        deadline = time.monotonic() + timeout_s
+        passes; return (and forget) the trees that came. No wait where the round's plans ran out (late_plans)."""
+        deadline = time.monotonic() + (0.0 if self.late_plans(keys) else timeout_s)
         with self._cond:
             while not self._settled(keys, outcomes):
                 left = deadline - time.monotonic()
@@ -108,14 +109,30 @@ class TreeInbox:
 
     def plans(self, keys: list[TreeKey], timeout_s: float) -> dict[int, TreePlan]:
         """Wait until every key has its plan (or its tree, which came unannounced) or the deadline passes;
-        return the plans that came, keeping them (take settles the round)."""
+        return the plans that came, keeping them (take settles the round). Keys still unplanned after a
+        wait (timeout_s > 0) have late plans (note_late_plans)."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
             while not self._planned(keys):
                 left = deadline - time.monotonic()
                 if left <= 0 or not self._cond.wait(left):
                     break
+            if timeout_s > 0:
+                self.note_late_plans(keys)
             return {k[0]: self._plans[k] for k in keys if k in self._plans}
+
+    def note_late_plans(self, keys: list[TreeKey]) -> None:
+        """After a plan wait that reached its deadline: the keys still without a plan (or tree). A draft sends
+        a round's plans before its trees, so none of their trees is in either: a stall, which the plan wait
+        has already waited out once; the round's take does not wait for it a second time."""
+        with self._cond:
+            self._late = {k for k in keys if not (k in self._plans or k in self._trees)}
+
+    def late_plans(self, keys: list[TreeKey]) -> bool:
+        """Whether any of keys had late plans this round (note_late_plans); forgets them."""
+        with self._cond:
+            late, self._late = self._late, set()
+            return not late.isdisjoint(keys)
 
     def has_plans(self, keys: list[TreeKey]) -> bool:
         with self._cond:

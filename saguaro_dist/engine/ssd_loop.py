@@ -315,7 +315,8 @@ class SSDLoop(SDLoop):
                                       {s.seq_id: s.last_outcome for s in seqs})
         waited = time.perf_counter() - start
         self.metrics.draft_wait_s += waited
-        if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited:
+        # Late: the round waited the timeout out, here or for the plans (whose trees are then not waited for).
+        if len(trees) < len(seqs) and 0 < self.config.tree_timeout_s <= waited + self._plan_wait_s:
             self._note_late_trees(len(seqs) - len(trees))
         self.stats.record_time(Timing.TREE_WAIT, waited + self._plan_wait_s)
         for tree in trees.values():
