@@ -3,7 +3,7 @@ faster one, re-trying the slower."""
 import pytest
 
 from saguaro_dist.spec.tree_gate import (
-    BURST, EXPLORE_EVERY, INHERIT_LEAD, MAX_STRETCH, RETRY_BURST, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, _BatchGate,
+    BURST, EXPLORE_EVERY, HOLD, INHERIT_LEAD, MAX_STRETCH, RETRY_BURST, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, _BatchGate,
     choose_mode, explore_interval,
 )
 
@@ -257,12 +257,42 @@ def test_ngram_rounds_estimated_clearly_slower_are_not_tried(estimate, tried):
     gate, modes = TreeGate(THREE), []
     speeds = {TREES: 10, JIT: 30, FAST: 20}
     for _ in range(EXPLORE_EVERY + 4 * BURST):
-        mode = gate.mode(1, fast_estimate=estimate)
+        mode = gate.mode(1, fast_estimate=lambda: estimate)
         fast = 1 if mode is FAST else 0
         gate.record(1, mode, RoundYield(1, 10, fast_rows=fast, fast_tokens=10 * fast), seconds=10 / speeds[mode])
         modes.append(mode)
     assert (FAST in modes) is tried
     assert modes[:2 * BURST] == [TREES] * BURST + [JIT] * BURST and TREES in modes[2 * BURST:]  # trees still re-tried
+
+
+def test_a_mode_chosen_again_is_held_and_the_estimate_asked_only_while_it_can_matter():
+    """Once the bursts end, the fastest mode is chosen again HOLD rounds at a time (the choice ran every round);
+    the n-gram estimate is asked for only by choices made while n-gram rounds are unmeasured."""
+    gate, asked, modes = TreeGate(THREE), [], []
+
+    def estimate():
+        asked.append(len(modes))
+        return 25.0  # close to the best: n-gram rounds are tried, then measured
+    choices = 0
+    choose = _BatchGate._candidates
+
+    def counted(self, fast_estimate=None):
+        nonlocal choices
+        choices += 1
+        return choose(self, fast_estimate)
+    _BatchGate._candidates = counted
+    try:
+        for _ in range(EXPLORE_EVERY):
+            mode = gate.mode(1, fast_estimate=estimate)
+            fast = 1 if mode is FAST else 0
+            gate.record(1, mode, RoundYield(1, 10, fast_rows=fast, fast_tokens=10 * fast),
+                        seconds=10 / {TREES: 10, JIT: 30, FAST: 20}[mode])
+            modes.append(mode)
+    finally:
+        _BatchGate._candidates = choose
+    assert modes[:3 * BURST] == [TREES] * BURST + [JIT] * BURST + [FAST] * BURST and set(modes[3 * BURST:]) == {JIT}
+    assert choices <= 3 + (EXPLORE_EVERY - 3 * BURST) // HOLD + 1  # the three bursts' ends, then one choice a hold
+    assert asked and max(asked) <= 2 * BURST  # not once n-gram rounds ran
 
 
 def test_a_shrinking_batch_passes_on_the_winner_it_inherited():

@@ -160,7 +160,7 @@ class SSDLoop(SDLoop):
     def _round_mode(self, seqs: list[Sequence]) -> RoundMode:
         if self.gate:
             self._sampled = any(not s.params.greedy for s in seqs)  # the gate measures such batches apart
-            return self.gate.mode(len(seqs), self._sampled, self._fast_estimate(len(seqs)))
+            return self.gate.mode(len(seqs), self._sampled, lambda: self._fast_estimate(len(seqs)))
         return RoundMode.JUST_IN_TIME if self.config.tree_policy is TreePolicy.NEVER else RoundMode.TREES
 
     def _fast_estimate(self, rows: int) -> float | None:

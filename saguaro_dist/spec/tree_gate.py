@@ -14,6 +14,7 @@ chooses where proposals come from.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 BURST = 8             # rounds a mode keeps once chosen; the first TRANSITION_ROUNDS are not measured
@@ -33,6 +34,9 @@ TOKENS_DECAY = 0.99   # tokens per row, and the fast backup's share of rows, fol
 CLIP = 1.5            # a round is counted at most 1.5x its mode's mean round ...
 CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall is not the mode's cost)
 MIN_DRAFT_ROWS = 16   # draft rows measured at a batch size before their yield is offered to the lookup picker
+HOLD = 4              # rounds a mode chosen again keeps before the next choice: the choice (~10 us, plus the
+                      # n-gram estimate's ~5) ran every round once the bursts ended, ~1% of a 4.5 ms SD round at
+                      # b = 1 for a choice the ~10-round means move little between rounds
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class RoundMode(str, enum.Enum):
 
 
 TWO_MODES = (RoundMode.TREES, RoundMode.JUST_IN_TIME)
+Estimate = Callable[[], "float | None"] | None  # a rate estimated on demand (TreeGate.mode's fast_estimate)
 
 
 @dataclass
@@ -244,9 +249,9 @@ class _BatchGate:
         fast_share, lookup_share = self.fast_share[mode].mean or 0.0, self.lookup_share[mode].mean or 0.0
         return (1.0 - fast_share - lookup_share) * draft + fast_share * fast + lookup_share * lookup
 
-    def next_round(self, fast_estimate: float | None = None) -> RoundMode:
+    def next_round(self, fast_estimate: Estimate = None) -> RoundMode:
         """fast_estimate: tokens per second that rounds of n-gram proposals alone would run at here, estimated
-        without running one (TreeGate.mode), or None."""
+        without running one (TreeGate.mode): asked for only while those rounds are unmeasured here."""
         self.since_explore += 1
         self.rounds += 1
         if self.left > 0:
@@ -262,15 +267,17 @@ class _BatchGate:
         if mode is not self.mode:
             self.mode, self.unmeasured, self.left = mode, TRANSITION_ROUNDS, burst_length(best, rates[mode], explore) - 1
             self.bursts[mode] += 1
+        else:
+            self.left = HOLD - 1
         self.last_run[mode] = self.rounds
         return mode
 
-    def _candidates(self, fast_estimate: float | None = None) -> dict:
+    def _candidates(self, fast_estimate: Estimate = None) -> dict:
         """mode -> rate (None: unmeasured) of the modes this choice may take: all but the deferred ones not
         yet measured, before their rounds, and unmeasured n-gram rounds while their estimate clearly loses."""
         rates = {m: self.rate(m) for m in self.modes}
         rates = {m: r for m, r in rates.items() if not (r is None and self.rounds <= self.deferred.get(m, 0))}
-        if rates.get(RoundMode.FAST, 0.0) is None and clearly_slower(fast_estimate, rates):
+        if rates.get(RoundMode.FAST, 0.0) is None and fast_estimate and clearly_slower(fast_estimate(), rates):
             del rates[RoundMode.FAST]
         return rates
 
@@ -312,13 +319,13 @@ class TreeGate:
         self.modes = modes
         self._gates: dict[tuple[bool, int], _BatchGate] = {}  # (sampled, batch size) -> its choice
 
-    def mode(self, batch_size: int, sampled: bool = False, fast_estimate: float | None = None) -> RoundMode:
-        """The next round's mode. fast_estimate: the tokens per second rounds of n-gram proposals alone would
-        run at, from every row's n-gram proposal scored against the text (spec/lookup_pick.py) and a verify's
-        time (engine/ssd_loop.py: sampled batches); while those rounds are unmeasured at this size and it is
-        clearly slower than the best measured mode, they are not tried: at T = 0.7 they gain ~1.1 tokens a
-        row against the draft's ~3.5, and their first burst was 2-16% of a pass's rounds at b = 1..8 in the
-        bench (session 60)."""
+    def mode(self, batch_size: int, sampled: bool = False, fast_estimate: Estimate = None) -> RoundMode:
+        """The next round's mode. fast_estimate(), asked for only while it can matter: the tokens per second
+        rounds of n-gram proposals alone would run at, from every row's n-gram proposal scored against the text
+        (spec/lookup_pick.py) and a verify's time (engine/ssd_loop.py: sampled batches); while those rounds are
+        unmeasured at this size and it is clearly slower than the best measured mode, they are not tried: at
+        T = 0.7 they gain ~1.1 tokens a row against the draft's ~3.5, and their first burst was 2-16% of a
+        pass's rounds at b = 1..8 in the bench (session 60)."""
         gate = self._gates.get((sampled, batch_size))
         if gate is None:  # not setdefault: that would build a _BatchGate every round
             gate = self._gates[sampled, batch_size] = self._new_gate(batch_size, sampled)
