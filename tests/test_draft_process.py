@@ -295,10 +295,10 @@ def test_a_stalled_child_costs_a_sampled_round_one_timeout_not_two(pair):
         os.kill(process._proc.pid, signal.SIGSTOP)
         process.send_outcomes([])  # the round's trees are asked for: the child cannot answer
         start = time.monotonic()
-        assert process.wait_plans([(1, 0)], 0.3) == {}
+        assert process.wait_plans([(1, 0)], 1.0) == {}
         waited_plans = time.monotonic() - start
-        assert process.wait_trees([(1, 0)], 0.3) == {}
-        assert waited_plans >= 0.3 and time.monotonic() - start - waited_plans < 0.1
+        assert process.wait_trees([(1, 0)], 1.0) == {}
+        assert waited_plans >= 1.0 and time.monotonic() - start - waited_plans < 0.5
         os.kill(process._proc.pid, signal.SIGCONT)
         assert set(process.wait_trees([(1, 0)], 30.0)) == {1}
     finally:

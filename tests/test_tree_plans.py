@@ -136,7 +136,7 @@ def test_a_round_whose_plans_ran_out_does_not_wait_again_for_its_trees():
     assert inbox.plans([(1, 4)], 0.1) == {}
     start = time.monotonic()
     assert inbox.take([(1, 4)], 5.0) == {}
-    assert time.monotonic() - start < 0.05
+    assert time.monotonic() - start < 1.0
     start = time.monotonic()
     assert inbox.take([(1, 5)], 0.2) == {}
     assert time.monotonic() - start >= 0.2
