@@ -130,9 +130,9 @@ def coupled_bonus(residual: torch.Tensor, guess: torch.Tensor, candidates: torch
             break
         y = candidates[:, i].clamp_min(0)
         g = g / g.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(g.dtype).tiny)
-        # A candidate of guess 0 was not drawn (the guess's support ran out): it is never accepted.
-        drawn = (candidates[:, i] >= 0) & (g[rows, y] > 0)
         gy, ry = g[rows, y], r[rows, y]
+        # A candidate of guess 0 was not drawn (the guess's support ran out): it is never accepted.
+        drawn = (candidates[:, i] >= 0) & (gy > 0)
         bonus = torch.where((bonus < 0) & drawn & (uniforms[:, i] * gy < ry), y, bonus)
         if bool((bonus >= 0).all()):
             return bonus
