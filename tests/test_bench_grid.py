@@ -196,7 +196,8 @@ def test_a_cell_runs_every_prompt_in_batches_seeded_by_prompt():
 
 def test_num_prompts_must_cover_the_largest_batch():
     assert BenchConfig(batch_sizes=(1, 4)).prompt_count == 8  # never one prompt by default (--batch 1 alone)
-    assert BenchConfig(batch_sizes=(1,)).prompt_count == 8 and BenchConfig(batch_sizes=(16,)).prompt_count == 16
+    assert BenchConfig(batch_sizes=(1,)).prompt_count == 8 and BenchConfig(batch_sizes=(16,)).prompt_count == 32
+    assert BenchConfig(batch_sizes=(1, 2, 4, 8)).prompt_count == 16  # two batches of the largest a pass
     assert BenchConfig(batch_sizes=(1, 4), num_prompts=4).prompt_count == 4
     with pytest.raises(ValueError, match="num_prompts"):
         BenchConfig(batch_sizes=(1, 4), num_prompts=2)

@@ -146,8 +146,9 @@ class BenchConfig:
     def prompt_count(self) -> int:
         """Every cell runs the same prompts, b at a time: batch 1 is measured on the text batch 8 sees,
         not on the first prompt alone (one prompt's hit rate is not the pair's), also when 1 is the only
-        batch size asked for (`--batch 1` alone measured one prompt: ~20 rounds at 64 tokens)."""
-        return self.num_prompts or max(MIN_PROMPTS, *self.batch_sizes)
+        batch size asked for (`--batch 1` alone measured one prompt: ~20 rounds at 64 tokens); and the
+        largest batch size runs PASS_BATCHES batches a pass."""
+        return self.num_prompts or max(MIN_PROMPTS, PASS_BATCHES * max(self.batch_sizes))
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BenchConfig":
@@ -194,7 +195,10 @@ class SweepConfig:
         return dataclasses.asdict(self)
 
 
-MIN_PROMPTS = 8  # prompts a cell runs unless num_prompts says otherwise: the default grid's largest batch
+MIN_PROMPTS = 8  # prompts a cell runs unless num_prompts says otherwise ...
+PASS_BATCHES = 2  # ... or this many batches of the largest batch size: a pass of one b = 8 batch is ~45 rounds, of
+                  # which the tree gate's re-tries took up to 5, and its ratio to sd read 0.86-1.23 over sessions
+                  # 63-71 (T = 0.7), where two batches a pass read 1.09-1.17 (session 71). The default grid: 16
 
 PRESETS = {
     "full": dict(max_new_tokens=192, prompt_len=64, repeats=1),
