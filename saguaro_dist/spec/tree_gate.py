@@ -35,7 +35,7 @@ CLIP = 1.5            # a round is counted at most 1.5x its mode's mean round ..
 CLIP_AFTER = 3        # ... once the mode has that many measured rounds (a stall is not the mode's cost)
 MIN_DRAFT_ROWS = 16   # draft rows measured at a batch size before their yield is offered to the lookup picker
 HOLD = 4              # rounds a mode chosen again keeps before the next choice: the choice (~10 us, plus the
-                      # n-gram estimate's ~5) ran every round once the bursts ended, ~1% of a 4.5 ms SD round at
+                      # n-gram estimate's ~5) ran every round once the bursts ended, ~0.5% of a 4.5 ms SD round at
                       # b = 1 for a choice the ~10-round means move little between rounds
 
 
