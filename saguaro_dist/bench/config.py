@@ -198,7 +198,8 @@ class SweepConfig:
 MIN_PROMPTS = 8  # prompts a cell runs unless num_prompts says otherwise ...
 PASS_BATCHES = 2  # ... or this many batches of the largest batch size: a pass of one b = 8 batch is ~45 rounds, of
                   # which the tree gate's re-tries took up to 5, and its ratio to sd read 0.86-1.23 over sessions
-                  # 63-71 (T = 0.7), where two batches a pass read 1.09-1.17 (session 71). The default grid: 16
+                  # 63-71 (T = 0.7), where two batches a pass read 1.09-1.17 (session 71); the default grid
+                  # (b up to 8) runs 16 prompts
 
 PRESETS = {
     "full": dict(max_new_tokens=192, prompt_len=64, repeats=1),

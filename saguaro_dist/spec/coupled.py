@@ -138,6 +138,5 @@ def coupled_bonus(residual: torch.Tensor, guess: torch.Tensor, candidates: torch
             return bonus
         r = torch.where(drawn[:, None], residual_probs(r, g), r)
         g = torch.where(drawn[:, None], g.scatter(1, y[:, None], 0.0), g)
-    if bool((bonus >= 0).all()):
-        return bonus
+    # Here some row is undecided (a row's bonus returns in the slot that decides the last one).
     return torch.where(bonus >= 0, bonus, sample_with_uniforms(r, uniforms[:, -1]))
