@@ -298,7 +298,7 @@ def test_a_stalled_child_costs_a_sampled_round_one_timeout_not_two(pair):
         assert process.wait_plans([(1, 0)], 1.0) == {}
         waited_plans = time.monotonic() - start
         assert process.wait_trees([(1, 0)], 1.0) == {}
-        assert waited_plans >= 1.0 and time.monotonic() - start - waited_plans < 0.5
+        assert waited_plans >= 1.0 and time.monotonic() - start - waited_plans < 0.9  # unfixed: a second 1.0 s
         os.kill(process._proc.pid, signal.SIGCONT)
         assert set(process.wait_trees([(1, 0)], 30.0)) == {1}
     finally:
