@@ -33,10 +33,10 @@ def test_interval_zero_passes_every_item_through_in_order():
 
 
 def test_items_closer_than_the_interval_share_a_batch_and_the_first_is_not_held():
-    batches, first_at = asyncio.run(collect([ticking("a", 20, 0.005)], 0.25))
+    batches, first_at = asyncio.run(collect([ticking("a", 20, 0.005)], 0.5))
     assert [x for batch in batches for _, x in batch] == [f"a{k}" for k in range(20)]
-    assert len(batches) <= 3, [len(b) for b in batches]  # ~100 ms of items in 250 ms windows
-    assert len(batches[0]) == 1 and first_at < 0.2  # the first token goes out at once
+    assert len(batches) <= 3, [len(b) for b in batches]  # ~100 ms of items (more on a loaded box) in 500 ms windows
+    assert len(batches[0]) == 1 and first_at < 0.4  # the first token goes out at once, not after the window
 
 
 def test_a_failing_stream_raises_through_the_batches():
@@ -72,7 +72,7 @@ async def silent_first(n: int, every_s: float):
 def test_batching_starts_after_the_first_shown_item():
     async def first_shown_after() -> float:
         start = time.monotonic()
-        async for batch in merge([silent_first(3, 0.01)], 0.5, shown=bool):
+        async for batch in merge([silent_first(3, 0.01)], 1.0, shown=bool):
             if any(x for _, x in batch):
                 return time.monotonic() - start
-    assert asyncio.run(first_shown_after()) < 0.3  # not held for the 0.5 s interval
+    assert asyncio.run(first_shown_after()) < 0.6  # not held for the 1 s interval (wide margins: CI boxes run loaded)
