@@ -6,7 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from saguaro_dist.spec.fallback import ngram_lookup
-from saguaro_dist.spec.lookup_pick import MIN_SCORED, RECHECK_ROUNDS, Guess, LookupPicker, pick_lookup_rows, score
+from saguaro_dist.spec.lookup_pick import (
+    MIN_SCORED, RECHECK_ROUNDS, REST_PICKS, Guess, LookupPicker, could_gain, pick_lookup_rows, score,
+)
 from saguaro_dist.spec.tree_gate import MIN_DRAFT_ROWS, TRANSITION_ROUNDS, RoundMode, RoundYield, TreeGate, _BatchGate
 
 
@@ -33,6 +35,36 @@ def test_a_missed_tree_falls_back_to_the_same_lookup():
 
 def test_an_unmeasured_row_keeps_the_whole_round_on_trees():
     assert pick_lookup_rows([9.0, None], 3.0, 1.0, 0.002, 0.010) == [True, False]
+
+
+def test_no_row_could_gain_only_when_even_the_best_yield_would_not_be_taken():
+    assert not could_gain(1.1, 1, 3.4, 1.0, 0.0033, 0.0025)  # T = 0.7, b = 1: a lookup's ~1.1 tokens
+    assert could_gain(3.5, 1, 3.4, 1.0, 0.0033, 0.0025)      # a row would take it
+    assert could_gain(2.5, 2, 3.0, 1.0, 0.002, 0.001)        # the whole round would, to skip its wait
+    assert could_gain(None, 1, 3.4, 1.0, 0.0033, 0.0025)     # an n not yet measured may be better
+    assert could_gain(1.1, 1, None, 1.0, 0.0033, 0.0025)     # the draft's yield not yet measured
+
+
+def test_the_best_yield_waits_for_every_n_of_those_rows_kinds():
+    picker = LookupPicker()
+    # guessed (5, 6) each time: the text [0, 9] gains 1 (the bonus), [0, 5, 9] 2, [0, 5, 6] 3 (both and the bonus)
+    for key, text in (((1, False), [0, 9]), ((3, False), [0, 5, 9]), ((3, True), [0, 5, 6])):
+        for i in range(MIN_SCORED):
+            picker.offer(i, Guess(1, (5, 6), key))
+            picker.observe(i, text)
+    assert picker.best_yield({False}) == pytest.approx(2.0)
+    assert picker.best_yield({False, True}) == pytest.approx(3.0)
+    picker.offer(99, Guess(1, (5,), (2, False)))
+    picker.observe(99, [0, 5])
+    assert picker.best_yield({False}) is None  # n = 2 scored once: it could be the better
+
+
+def test_after_a_hopeless_pick_only_one_in_rest_picks_offers():
+    picker, where, other = LookupPicker(), (RoundMode.JUST_IN_TIME, True, 1), (RoundMode.TREES, True, 1)
+    assert not picker.rests(where)
+    picker.rest(where)
+    assert [picker.rests(where) for _ in range(REST_PICKS)] == [True] * (REST_PICKS - 1) + [False]
+    assert not picker.rests(other)
 
 
 @pytest.mark.parametrize("guessed, sequence, want", [

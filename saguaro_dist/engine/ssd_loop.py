@@ -24,7 +24,7 @@ from saguaro_dist.model.cuda_graphs import graph_captures
 from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback
 from saguaro_dist.spec.cohorts import CohortGate
 from saguaro_dist.spec.fallback import ngram_lookup
-from saguaro_dist.spec.lookup_pick import Guess, LookupPicker, pick_lookup_rows
+from saguaro_dist.spec.lookup_pick import Guess, LookupPicker, could_gain, pick_lookup_rows
 from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
@@ -265,13 +265,19 @@ class SSDLoop(SDLoop):
     def _pick_lookups(self, seqs: list[Sequence], hit_rate: float) -> dict[int, Proposal]:
         """seq_id -> its n-gram proposal, for the rows spec/lookup_pick.py expects to gain more by it than by
         the draft's (hit_rate: of the draft's proposals for them, a tree's or one drafted now). Every row's
-        proposal is offered, to be scored once its tokens are known."""
-        guesses = [self._offer_lookup(s) for s in seqs]
+        proposal is offered, to be scored once its tokens are known; but after a pick in which none could have
+        gained, only one pick in REST_PICKS offers (spec/lookup_pick.py)."""
         where = (self._mode, self._sampled, self._batch_size)
+        if self.picker.rests(where):
+            return {}
+        guesses = [self._offer_lookup(s) for s in seqs]
         busy_s, wait_s = self.picker.round_times(where)
-        picks = pick_lookup_rows([self.picker.expected(g.key) for g in guesses],
-                                 self.gate.draft_tokens_per_row(self._batch_size, self._sampled), hit_rate,
-                                 busy_s, wait_s if self._may_skip_wait(len(seqs)) else None)
+        draft_tokens = self.gate.draft_tokens_per_row(self._batch_size, self._sampled)
+        wait_s = wait_s if self._may_skip_wait(len(seqs)) else None
+        picks = pick_lookup_rows([self.picker.expected(g.key) for g in guesses], draft_tokens, hit_rate, busy_s, wait_s)
+        if not any(picks) and not could_gain(self.picker.best_yield({s.params.greedy for s in seqs}), len(seqs),
+                                              draft_tokens, hit_rate, busy_s, wait_s):
+            self.picker.rest(where)
         return {s.seq_id: Proposal(torch.tensor(g.tokens, dtype=torch.long), None)
                 for s, g, pick in zip(seqs, guesses, picks) if pick}
 

@@ -25,6 +25,10 @@ RECHECK_ROUNDS = 16  # rounds at one (mode, sampled, batch size) after which its
                      # rounds whose every row took its lookup do not wait, so they cannot update it, and a wait
                      # measured during a stall kept every later round on lookups (b = 1, T = 0.7, trees only: 1.1
                      # tokens a round for 3500 rounds, session 57)
+REST_PICKS = 4  # picks at one (mode, sampled, batch size) of which only the first offers, after a pick in which no
+                # row could have gained by a lookup even at the best measured yield: an offer (the n-gram search,
+                # its scoring) cost ~35 us a round at b = 1, and at T = 0.7 no row took one in 4762 rounds (session
+                # 72); offering one pick in four keeps the yields measured, and a change shows within four rounds
 
 
 def pick_lookup_rows(lookup_tokens: list[float | None], draft_tokens: float | None, hit_rate: float,
@@ -45,6 +49,16 @@ def pick_lookup_rows(lookup_tokens: list[float | None], draft_tokens: float | No
         if alone > mixed:
             return [True] * len(lookup_tokens)
     return each
+
+
+def could_gain(best_tokens: float | None, rows: int, draft_tokens: float | None, hit_rate: float,
+               busy_s: float | None, wait_s: float | None) -> bool:
+    """Whether pick_lookup_rows could take any of `rows` rows' lookups were each at the best measured yield
+    (True while that or the draft's is unknown). It takes more the more each row's lookup yields: alone minus
+    mixed grows with every l, so no row at or below the best can be taken when none at the best is."""
+    if best_tokens is None or draft_tokens is None:
+        return True
+    return any(pick_lookup_rows([best_tokens] * rows, draft_tokens, hit_rate, busy_s, wait_s))
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class LookupPicker:
     busy: dict = field(default_factory=dict)     # (mode, sampled, batch size) -> DecayedMean of round seconds - wait
     waits: dict = field(default_factory=dict)    # (mode, sampled, batch size) -> DecayedMean of waits of rounds that waited
     rounds: dict = field(default_factory=dict)   # (mode, sampled, batch size) -> rounds recorded there
+    resting: dict = field(default_factory=dict)  # (mode, sampled, batch size) -> picks left there that offer nothing
 
     def expected(self, key: tuple[int, bool]) -> float | None:
         mean = self.yields.get(key)
@@ -89,6 +104,25 @@ class LookupPicker:
         if sum(m.count for m in means) < MIN_SCORED or not weight:
             return None
         return sum(m.total for m in means) / weight
+
+    def best_yield(self, greedy: set[bool]) -> float | None:
+        """The best measured yield of proposals for rows of these kinds (greedy, sampling), over every n seen;
+        None while any of those is not yet trusted (it may be the better)."""
+        means = [m for (_, key_greedy), m in self.yields.items() if key_greedy in greedy]
+        if not means or any(m.count < MIN_SCORED for m in means):
+            return None
+        return max(m.mean for m in means)
+
+    def rests(self, where: tuple) -> bool:
+        """Whether this pick at `where` offers nothing (REST_PICKS); counts it."""
+        left = self.resting.get(where, 0)
+        if left:
+            self.resting[where] = left - 1
+        return left > 0
+
+    def rest(self, where: tuple) -> None:
+        """No row could have gained by its lookup at `where` (could_gain): the next picks there offer nothing."""
+        self.resting[where] = REST_PICKS - 1
 
     def offer(self, seq_id: int, guess: Guess) -> None:
         """Score `guess` once its tokens are known; one guess a position (a row that did not take its lookup
