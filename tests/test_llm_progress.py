@@ -34,8 +34,8 @@ class CtrlC:
     """Ctrl-C pressed until the test has seen KeyboardInterrupt: SIGINT to the main thread once the engine
     runs the batch, again every `every_s` while none came out. One signal can be lost to the test, not to
     the engine: CPython runs a handler at its next check, and one that lands in a finaliser (gc in the main
-    thread) has its exception printed and dropped. After the with-block, signals are ignored again, so
-    none escapes into the test runner."""
+    thread) has its exception printed and dropped. A press landing once the with-block ends is ignored (the
+    runner's own handler is back after it), so none escapes into the test runner."""
 
     def __init__(self, llm, every_s: float = 0.25, tries: int = 20):
         self.llm, self.every_s, self.tries = llm, every_s, tries
