@@ -38,13 +38,15 @@ def drive(gate: TreeGate, rounds: int, tokens_per_s: dict, batch: int = 1, token
     return modes
 
 
-@pytest.mark.parametrize("trees, jit, bursts, want", [
-    (None, 5.0, 9, EXPLORE_EVERY), (10.0, 10.5, 9, EXPLORE_EVERY), (10.0, 9.0, 9, EXPLORE_EVERY),
-    (8.0, 10.0, 9, 4 * EXPLORE_EVERY), (10.0, 5.0, 99, MAX_STRETCH * EXPLORE_EVERY),
-    (10.0, 5.0, 1, EXPLORE_EVERY), (10.0, 5.0, 3, 3 * EXPLORE_EVERY),  # few bursts: a gap may be a fluke
+@pytest.mark.parametrize("trees, jit, bursts, lost, want", [
+    (None, 5.0, 9, 1, EXPLORE_EVERY), (10.0, 10.5, 9, 1, EXPLORE_EVERY), (10.0, 9.0, 9, 1, EXPLORE_EVERY),
+    (8.0, 10.0, 9, 1, 4 * EXPLORE_EVERY), (10.0, 5.0, 99, 1, MAX_STRETCH * EXPLORE_EVERY),
+    (10.0, 5.0, 1, 1, EXPLORE_EVERY), (10.0, 5.0, 3, 1, 3 * EXPLORE_EVERY),  # few bursts: a gap may be a fluke
+    (10.0, 5.0, 99, 0, EXPLORE_EVERY),  # no re-try confirmed the gap: it may be a stall's
+    (10.0, 9.0, 99, 2, 2 * EXPLORE_EVERY), (10.0, 9.0, 99, 4, MAX_STRETCH * EXPLORE_EVERY),  # 2x per re-try lost
 ])
-def test_the_slower_mode_is_retried_less_often_the_further_behind_it_is(trees, jit, bursts, want):
-    assert explore_interval(trees, jit, bursts) == pytest.approx(want)
+def test_the_slower_mode_is_retried_less_often_the_further_behind_it_is(trees, jit, bursts, lost, want):
+    assert explore_interval(trees, jit, bursts, lost) == pytest.approx(want)
 
 
 def test_measures_both_then_runs_the_faster_and_explores_the_slower():
@@ -53,8 +55,42 @@ def test_measures_both_then_runs_the_faster_and_explores_the_slower():
     assert modes[:BURST] == [TREES] * BURST and modes[BURST:2 * BURST] == [JIT] * BURST
     assert gate.rates(1) == {"trees": pytest.approx(18.0), "just_in_time": pytest.approx(20.0)}
     later = modes[2 * BURST:]
-    assert later.count(TREES) == 2 * BURST  # one exploration burst in EXPLORE_EVERY rounds
+    assert later.count(TREES) == 2 * BURST  # one exploration burst in EXPLORE_EVERY rounds (at first: lost_in_a_row)
     assert later[-1] is JIT
+
+
+def retry_starts(modes: list[RoundMode], mode: RoundMode) -> list[int]:
+    return [i for i in range(1, len(modes)) if modes[i] is mode and modes[i - 1] is not mode]
+
+
+def test_a_close_mode_that_keeps_losing_its_retries_is_retried_ever_more_rarely():
+    """Each re-try lost in a row doubles the interval (up to the bursts run and MAX_STRETCH); one won resets it."""
+    modes = drive(TreeGate(), 2 * BURST + 12 * EXPLORE_EVERY, {TREES: 19, JIT: 20})
+    starts = retry_starts(modes, TREES)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert [round(g / EXPLORE_EVERY) for g in gaps] == [1, 2, 4]  # 2x per re-try lost after the first
+
+
+def drive_one(gate: _BatchGate, rounds: int, tokens_per_s: dict) -> list[RoundMode]:
+    """drive, for one batch size's gate."""
+    modes = []
+    for _ in range(rounds):
+        modes.append(gate.next_round())
+        gate.record(modes[-1], RoundYield(1, 10), seconds=10 / tokens_per_s[modes[-1]])
+    return modes
+
+
+def test_only_a_lost_retry_counts_against_a_mode():
+    """A mode overtaken while it ran (a stall of the box can do that) lost no re-try: it is re-tried after
+    EXPLORE_EVERY rounds whatever its gap (explore_interval with none lost); a re-try that loses counts."""
+    gate = _BatchGate()
+    drive_one(gate, 2 * BURST + EXPLORE_EVERY + BURST, {TREES: 18, JIT: 20})
+    assert gate.lost == {**gate.lost, TREES: 1, JIT: 0}  # trees' re-try lost
+    while drive_one(gate, 1, {TREES: 18, JIT: 12}) == [JIT]:  # JIT's rounds stall until trees take over
+        pass
+    assert gate.lost[JIT] == 0 and gate.lost[TREES] == 0
+    after = drive_one(gate, 2 * EXPLORE_EVERY, {TREES: 18, JIT: 20})
+    assert after.index(JIT) <= EXPLORE_EVERY and after[-1] is JIT
 
 
 def test_a_far_slower_mode_is_retried_ever_more_rarely():

@@ -27,7 +27,8 @@ EXPLORE_EVERY = 96    # rounds at one batch size between re-tries of the slower 
 INHERIT_LEAD = 16     # rounds a new batch size runs the mode that won at the nearest measured one before it
                       # tries the others: longer than a shrinking batch's stay at one size (1-6 rounds, b = 8)
 CLOSE_GAP = 0.1       # modes within 10% are close; a slower one g behind is re-tried (g / CLOSE_GAP)^2 ...
-MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good)
+MAX_STRETCH = 8       # ... times less often, at most 8 times (a lost mode is never lost for good); and twice
+                      # as rarely again for each further re-try in a row that it lost (explore_interval)
 SECONDS_DECAY = 0.9   # per round at the batch size: a mode's round time follows its last ~10 rounds, and a
                       # re-try after 96 rounds of the other replaces what was measured before
 TOKENS_DECAY = 0.99   # tokens per row, and the fast backup's share of rows, follow the last ~100 rounds
@@ -167,16 +168,22 @@ def burst_length(best_per_s: float | None, explored_per_s: float | None, explore
     return RETRY_BURST if far_behind(best_per_s, explored_per_s) else BURST
 
 
-def explore_interval(best_per_s: float | None, slower_per_s: float | None, slower_bursts: int) -> float:
+def explore_interval(best_per_s: float | None, slower_per_s: float | None, slower_bursts: int,
+                     lost_in_a_row: int) -> float:
     """Rounds between re-tries of a slower mode: EXPLORE_EVERY while it is close to the best, up to
-    MAX_STRETCH times that when it is far behind. A re-try costs in proportion to the gap and is
-    needed less the larger it is (noise and drift rarely close a 40% gap), as in a bandit's schedule;
-    but a gap seen in few bursts may be a fluke (a cold start), so the stretch grows by at most one
-    EXPLORE_EVERY per burst the slower mode has run."""
-    if not best_per_s or not slower_per_s:
+    MAX_STRETCH times that when it is far behind, as in a bandit's schedule: a re-try costs in proportion
+    to the gap and is needed less the larger it is (noise and drift rarely close a 40% gap). But a gap
+    counts only once a re-try of the mode confirmed it (lost_in_a_row: its re-tries in a row that did not
+    win): a mode overtaken while it ran may have been measured in a stall of the box, and a gap read from
+    it alone kept the mode that stalled out for ~700 rounds (b = 1, T = 0.7, session 73). Each further
+    re-try lost doubles the stretch, as an arm's re-tries thin out while it keeps losing (UCB: log t of
+    them by round t): a re-try also pays its two switches, which the rates leave out (TRANSITION_ROUNDS;
+    there ~3 ms over a 6.4 ms round each). And a gap seen in few bursts may be a fluke (a cold start), so
+    the stretch grows by at most one EXPLORE_EVERY per burst the slower mode has run."""
+    if not best_per_s or not slower_per_s or lost_in_a_row < 1:
         return EXPLORE_EVERY
-    by_gap = (relative_gap(best_per_s, slower_per_s) / CLOSE_GAP) ** 2
-    return EXPLORE_EVERY * min(MAX_STRETCH, max(1, slower_bursts), max(1.0, by_gap))
+    by_gap = max(1.0, (relative_gap(best_per_s, slower_per_s) / CLOSE_GAP) ** 2) * 2 ** (lost_in_a_row - 1)
+    return EXPLORE_EVERY * min(MAX_STRETCH, max(1, slower_bursts), by_gap)
 
 
 @dataclass
@@ -212,6 +219,8 @@ class _BatchGate:
     deferred: dict = field(default_factory=dict)  # mode -> rounds at this size before it is first tried (TreeGate._new_gate)
     inherited: RoundMode | None = None  # the winner at a size nearby that this one started with (TreeGate._new_gate)
     last_run: dict = field(default_factory=dict)  # mode -> the last round it ran (which slower mode to re-try)
+    lost: dict = field(default_factory=lambda: {m: 0 for m in RoundMode})  # re-tries in a row each mode lost
+    retrying: bool = False       # the current mode's burst is a re-try (an exploration) of a slower mode
 
     def __post_init__(self):
         self.bursts[self.mode] += 1  # the one it starts with
@@ -260,17 +269,28 @@ class _BatchGate:
         rates = self._candidates(fast_estimate)
         best = max((r for r in rates.values() if r is not None), default=None)
         slower = choose_mode(rates, True, self.last_run)  # (while one is unmeasured, the interval ignores it)
-        explore = self.since_explore >= explore_interval(best, rates[slower], self.bursts[slower])
+        explore = self.since_explore >= explore_interval(best, rates[slower], self.bursts[slower], self.lost[slower])
         mode = choose_mode(rates, explore, self.last_run)
         if explore:
             self.since_explore = 0
+        self._count_lost(rates, mode)
         if mode is not self.mode:
             self.mode, self.unmeasured, self.left = mode, TRANSITION_ROUNDS, burst_length(best, rates[mode], explore) - 1
             self.bursts[mode] += 1
+            self.retrying = explore
         else:
-            self.left = HOLD - 1
+            self.left, self.retrying = HOLD - 1, False
         self.last_run[mode] = self.rounds
         return mode
+
+    def _count_lost(self, rates: dict, mode: RoundMode) -> None:
+        """A re-try that ends without its mode chosen again was lost (one more in a row); the fastest mode
+        has lost none. (A mode overtaken while it ran lost no re-try: explore_interval.)"""
+        measured = {m: r for m, r in rates.items() if r is not None}
+        if measured:
+            self.lost[max(measured, key=measured.get)] = 0
+        if self.retrying and mode is not self.mode:
+            self.lost[self.mode] += 1
 
     def _candidates(self, fast_estimate: Estimate = None) -> dict:
         """mode -> rate (None: unmeasured) of the modes this choice may take: all but the deferred ones not
