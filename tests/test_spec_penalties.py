@@ -79,3 +79,14 @@ def test_a_batch_is_penalized_as_each_sequence_alone():
             context = [i for i in outputs[b] + drafted[b][:t] if i < V]
             want = reference(logits[b, t], prompts[b], context, *settings[b])
             torch.testing.assert_close(got[b, t], want, rtol=0, atol=1e-6)
+
+
+def test_rows_sharing_a_prompt_scan_it_once(monkeypatch):
+    """A tree's branches share their sequence's prompt list: one [V] mask is built for them all."""
+    import saguaro_dist.spec.penalties as penalties
+    scans = []
+    monkeypatch.setattr(penalties, "prompt_mask", lambda p, v: scans.append(p) or prompt_mask(p, v))
+    shared, other = [3, 4, 5], [6]
+    rows = penalties.row_penalties([shared, shared, shared, other], [[1], [2], [], [6]], [(0.0, 0.0, 1.2)] * 4, 8)
+    assert scans == [shared, other]
+    assert rows.in_prompt.shape == (4, 8) and rows.in_prompt[2, 5] and rows.in_prompt[3, 6] and not rows.in_prompt[3, 5]

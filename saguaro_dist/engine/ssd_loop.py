@@ -29,6 +29,7 @@ from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
 LATE_TREE_WARN_EVERY_S = 60.0
+SOURCES = tuple(ProposalSource)  # the fixed order of _record_outcomes (iterating the enum costs more a round)
 
 
 class SSDLoop(SDLoop):
@@ -112,7 +113,7 @@ class SSDLoop(SDLoop):
         accepted: dict[ProposalSource, list[int]] = {}
         for s in seqs:
             accepted.setdefault(s.speculation_kind, []).append(s.last_outcome[0])
-        for source in ProposalSource:
+        for source in SOURCES if len(accepted) > 1 else accepted:
             if source in accepted:
                 self.stats.record_verify(accepted[source], source)
 

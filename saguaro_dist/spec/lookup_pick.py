@@ -138,7 +138,8 @@ class LookupPicker:
             gained = score(guesses[0], tokens)
             if gained is None:
                 return
-            self.yields.setdefault(guesses[0].key, DecayedMean(TOKENS_DECAY)).add(gained)
+            mean = self.yields.get(guesses[0].key) or self.yields.setdefault(guesses[0].key, DecayedMean(TOKENS_DECAY))
+            mean.add(gained)
             guesses.popleft()
 
     def forget(self, seq_id: int) -> None:
@@ -147,11 +148,12 @@ class LookupPicker:
     def record_round(self, where: tuple, seconds: float, waited_s: float | None) -> None:
         """A round at `where` took `seconds`; waited_s: its wait for trees and drafts, None if none waited."""
         self.rounds[where] = self.rounds.get(where, 0) + 1
-        self.busy.setdefault(where, DecayedMean(SECONDS_DECAY)).add_clipped(seconds - (waited_s or 0.0))
+        busy = self.busy.get(where) or self.busy.setdefault(where, DecayedMean(SECONDS_DECAY))  # (one built once)
+        busy.add_clipped(seconds - (waited_s or 0.0))
         if waited_s is not None:
             if self._stale_wait(where):  # the re-check: it starts the wait afresh
                 del self.waits[where]
-            wait = self.waits.setdefault(where, DecayedMean(SECONDS_DECAY))
+            wait = self.waits.get(where) or self.waits.setdefault(where, DecayedMean(SECONDS_DECAY))
             wait.add_clipped(waited_s)
             wait.last_round = self.rounds[where]
 

@@ -109,7 +109,10 @@ def row_penalties(prompts: list[list[int]], outputs: list[list[int]], settings: 
     frequency, repetition); bias [R, V] or None. Rows of one sequence may share their prompt list (it
     is scanned once)."""
     masks: dict[int, torch.Tensor] = {}
-    in_prompt = torch.stack([masks.setdefault(id(p), prompt_mask(p, vocab_size)) for p in prompts])
+    for p in prompts:  # (not setdefault: its default would scan every row's prompt)
+        if id(p) not in masks:
+            masks[id(p)] = prompt_mask(p, vocab_size)
+    in_prompt = torch.stack([masks[id(p)] for p in prompts])
     rows = torch.tensor([i for i, out in enumerate(outputs) for _ in out], dtype=torch.long)
     tokens = torch.tensor([t for out in outputs for t in out], dtype=torch.long)
     counts = torch.zeros(len(outputs), vocab_size)

@@ -92,8 +92,7 @@ class SpecStats:
         accepted = accepted.reshape(-1).tolist() if isinstance(accepted, torch.Tensor) else [int(a) for a in accepted]
         if not accepted:
             return
-        source = ProposalSource(source)
-        if source in (ProposalSource.CACHE, ProposalSource.NEURAL):
+        if source in (ProposalSource.CACHE, ProposalSource.NEURAL):  # (a str enum: its value works alike)
             self.record_outcomes(accepted)
         self._tokens[source].add(float(sum(accepted) + len(accepted)), len(accepted))
 
@@ -118,7 +117,7 @@ class SpecStats:
             self._misses_by_f.setdefault(f, _Decayed(self.decay)).add(sum(misses), len(misses))
 
     def record_time(self, timing: Timing, seconds: float) -> None:
-        self._times[Timing(timing)].add(seconds, 1.0)
+        self._times[timing].add(seconds, 1.0)  # a str enum: its value finds the same entry
 
     @property
     def accept_rate(self) -> float:
