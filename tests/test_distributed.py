@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -112,6 +113,8 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
         check_logprobs(pair["model"], prompt, out, 2)
         assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
     actors = remote.deployment.ranks + remote.deployment.drafts
+    # Each actor froze its startup heap once its model loaded (engine/heap.py): rank 0, rank 1, the drafts.
+    assert all(n > 10_000 for n in ray.get([a.__ray_call__.remote(lambda _: gc.get_freeze_count()) for a in actors]))
     llm.shutdown()
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):

@@ -18,6 +18,7 @@ from saguaro_dist.config import Config
 from saguaro_dist.distributed.draft_service import default_bind_host, format_address, local_address, serve_draft
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
+from saguaro_dist.engine.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class DraftActor:
         local = local_address()
         self.server, port = serve_draft(self.worker, local=local)
         self._endpoint = DraftEndpoint(self.node_id(), format_address(default_bind_host(), port), local)
+        freeze_startup_heap()
 
     def address(self) -> str:
         return self._endpoint.address
@@ -107,6 +109,7 @@ class TargetRank:
         group = self._join_group(master)
         runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision)
         if self.rank > 0:
+            freeze_startup_heap()
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
         addresses = [d.for_client_on(self.node_id()) for d in drafts]
@@ -128,6 +131,7 @@ class TargetRank:
         tokenizer = target_tokenizer(self.config)
         backend = self._draft_side(draft_addresses, fit, revive) if self.config.uses_draft else None
         engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
+        freeze_startup_heap()
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,
                 "eos_token_ids": sorted(engine.eos_token_ids), "draft_addresses": draft_addresses}

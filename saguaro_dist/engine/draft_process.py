@@ -398,6 +398,7 @@ def main() -> None:
     import torch
 
     from saguaro_dist.engine.build import build_draft_worker
+    from saguaro_dist.engine.heap import freeze_startup_heap
     logging.basicConfig(level=logging.WARNING, format="saguaro-draft %(levelname)s %(name)s: %(message)s")
     rx, tx = Connection(os.dup(0), writable=False), Connection(os.dup(1), readable=False)
     os.dup2(sys.stderr.fileno(), 1)
@@ -409,6 +410,7 @@ def main() -> None:
     except Exception as exc:
         send(tx, Msg.READY, False, f"{type(exc).__name__}: {exc}")
         raise
+    freeze_startup_heap()
     send(tx, Msg.READY, True, "ready")
     _Child(worker, rx, tx, config.draft_spin_s).serve()
     sys.stderr.flush()

@@ -79,7 +79,7 @@ class SSDLoop(SDLoop):
             outcomes += self._next_speculations(treed) if treed else []
             outcomes += self._split_cohorts(seqs, new, untreed)
         else:
-            outcomes += self._draft_or_fast(new, FallbackPolicy.FAST)
+            outcomes += self._draft_or_fast(new, FallbackPolicy.FAST) if new else []
             outcomes += self._next_speculations(treed) if treed else []
             outcomes += self._without_tree(untreed) if untreed else []
         # Even when empty if a tree is wanted: a one-host draft builds the trees of this round's
