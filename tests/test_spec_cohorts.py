@@ -87,3 +87,11 @@ def test_a_new_batch_size_starts_with_the_way_faster_at_the_nearest(cohorts_fast
     assert drive(gate, INHERIT_LEAD, seconds, batch=3) == [cohorts_faster] * INHERIT_LEAD
     assert drive(gate, 1, seconds, batch=3) == [not cohorts_faster]
     assert drive(gate, INHERIT_LEAD, seconds, batch=2) == [cohorts_faster] * INHERIT_LEAD
+
+
+def test_the_first_two_rounds_of_a_way_are_not_measured():
+    """The switch's round and the next, whose cohort pays the other half's catch-up: whatever they cost is ignored."""
+    gate = CohortGate()
+    for seconds in (1.0, 1.0, *[0.010] * (TRY_ROUNDS - 2)):
+        gate.record(4, gate.split(4), seconds)
+    assert gate.means(4)["cohorts"] == pytest.approx(0.010)

@@ -14,9 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from saguaro_dist.spec.tree_gate import CLIP_AFTER, CLOSE_GAP, INHERIT_LEAD, DecayedMean, nearest_first, relative_gap
+from saguaro_dist.spec.tree_gate import (
+    CLIP_AFTER, CLOSE_GAP, INHERIT_LEAD, TRANSITION_ROUNDS, DecayedMean, nearest_first, relative_gap,
+)
 
-TRY_ROUNDS = 6        # rounds each way when it is (re-)tried; the first, a transition, is not measured
+TRY_ROUNDS = 8        # rounds each way when it is (re-)tried; the first TRANSITION_ROUNDS are not measured: the
+                      # switch's round and the second, which pays a catch-up (whole: the thread's draft worker runs
+                      # what it missed; cohorts: the first cohort's drafts, asked beside the second's verify). b = 4,
+                      # T = 0.7, the ways alternated every 8 rounds (session 73), ms a round: cohorts 13.3, 8.4, then
+                      # 7.9; whole 9.6, 10.0, then 8.8
 FIRST_RETRY = 16      # rounds to the first re-try of the slower way; each later one waits twice as long ...
 RETRY_EVERY = 128     # ... up to this many rounds at one batch size, while the two are close;
 MAX_STRETCH = 4       # up to 4x less often the further behind it is (a re-try costs in proportion to the gap)
@@ -27,7 +33,7 @@ SECONDS_DECAY = 0.9   # a way's round time follows its last ~10 rounds
 class _BatchChoice:
     cohorts: bool = True        # the way the current rounds run
     left: int = TRY_ROUNDS      # rounds it keeps before the next choice
-    fresh: bool = True          # the current round is the first of its way (a transition)
+    unmeasured: int = TRANSITION_ROUNDS  # rounds of the current way still left out of its measurement
     rounds: int = 0             # rounds at this batch size so far
     retried_at: int = 0
     retries: int = 0            # re-tries of the slower way so far
@@ -48,21 +54,21 @@ class _BatchChoice:
         else:
             way = faster
         if way is not self.cohorts:
-            self.cohorts, self.fresh, self.left = way, True, TRY_ROUNDS - 1
+            self.cohorts, self.unmeasured, self.left = way, TRANSITION_ROUNDS, TRY_ROUNDS - 1
         return way
 
     def record(self, cohorts: bool, seconds: float) -> None:
         if cohorts is not self.cohorts:
             return
-        if self.fresh:  # its time belongs partly to the other way's last round
-            self.fresh = False
+        if self.unmeasured:  # a transition: its time is partly the other way's and the switch's (TRY_ROUNDS)
+            self.unmeasured -= 1
             return
         self.seconds[cohorts].add_round(seconds, self.rounds)
 
     def _retry_interval(self) -> float:
         """FIRST_RETRY rounds, doubling with each re-try up to RETRY_EVERY, times (gap / CLOSE_GAP)^2 between
         1 and MAX_STRETCH (noise rarely closes a wide gap) but at most the re-tries so far (a wide gap
-        seen once may be a fluke). The first choice rests on five rounds a way: one stall among them (the
+        seen once may be a fluke). The first choice rests on six rounds a way: one stall among them (the
         draft catching up after a prefill, another process) used to hold the wrong way for RETRY_EVERY
         rounds or more, a whole short run (b = 8, T = 0.7, session 54: ssd 0.95x sd in the one run of
         nine whose timed passes ran no cohort round). Early re-tries cost little while the gap is small."""
