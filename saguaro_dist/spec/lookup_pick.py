@@ -61,6 +61,14 @@ def could_gain(best_tokens: float | None, rows: int, draft_tokens: float | None,
     return any(pick_lookup_rows([best_tokens] * rows, draft_tokens, hit_rate, busy_s, wait_s))
 
 
+def mean_at(table: dict, key, decay: float) -> DecayedMean:
+    """table[key], made on first use (not setdefault: its default would build a DecayedMean every round)."""
+    mean = table.get(key)
+    if mean is None:
+        mean = table[key] = DecayedMean(decay)
+    return mean
+
+
 @dataclass(frozen=True)
 class Guess:
     """A lookup proposal offered at `position` (the index of the first token it guessed)."""
@@ -138,8 +146,7 @@ class LookupPicker:
             gained = score(guesses[0], tokens)
             if gained is None:
                 return
-            mean = self.yields.get(guesses[0].key) or self.yields.setdefault(guesses[0].key, DecayedMean(TOKENS_DECAY))
-            mean.add(gained)
+            mean_at(self.yields, guesses[0].key, TOKENS_DECAY).add(gained)
             guesses.popleft()
 
     def forget(self, seq_id: int) -> None:
@@ -148,12 +155,11 @@ class LookupPicker:
     def record_round(self, where: tuple, seconds: float, waited_s: float | None) -> None:
         """A round at `where` took `seconds`; waited_s: its wait for trees and drafts, None if none waited."""
         self.rounds[where] = self.rounds.get(where, 0) + 1
-        busy = self.busy.get(where) or self.busy.setdefault(where, DecayedMean(SECONDS_DECAY))  # (one built once)
-        busy.add_clipped(seconds - (waited_s or 0.0))
+        mean_at(self.busy, where, SECONDS_DECAY).add_clipped(seconds - (waited_s or 0.0))
         if waited_s is not None:
             if self._stale_wait(where):  # the re-check: it starts the wait afresh
                 del self.waits[where]
-            wait = self.waits.get(where) or self.waits.setdefault(where, DecayedMean(SECONDS_DECAY))
+            wait = mean_at(self.waits, where, SECONDS_DECAY)
             wait.add_clipped(waited_s)
             wait.last_round = self.rounds[where]
 
