@@ -29,7 +29,8 @@ def plan_coupling(seqs: list[Sequence], plans: dict[int, TreePlan], k: int, voca
         guess_ids[i, :positions, :m], guess_probs[i, :positions, :m] = plan.guess_ids, plan.guess_probs.float()
         candidates[i] = torch.tensor(candidate_slots(plan, k + 1, width))
         # A stream apart from the row's verify uniforms: how many candidates the plan has changes no other draw.
-        uniforms[i] = torch.rand(width, generator=substream(seqs[i].generator, COUPLING_STREAM | seqs[i].round),
+        # Keyed by length, not round: a re-prefill (a draft worker died) starts the rounds over.
+        uniforms[i] = torch.rand(width, generator=substream(seqs[i].generator, COUPLING_STREAM | seqs[i].num_tokens),
                                  dtype=torch.float64)
     return Coupling(guess_ids.to(device), guess_probs.to(device), candidates.to(device), uniforms.to(device))
 

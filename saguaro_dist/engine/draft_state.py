@@ -7,7 +7,7 @@ import torch
 
 from saguaro_dist.distributed.errors import OutOfOrder
 from saguaro_dist.engine.messages import DraftSampling, TreePlan
-from saguaro_dist.engine.sequence import CANDIDATE_STREAM, substream
+from saguaro_dist.engine.sequence import CANDIDATE_STREAM, DRAFT_STREAM, substream
 from saguaro_dist.engine.structured import GrammarState
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.spec import ProposalSource
@@ -75,16 +75,21 @@ class DraftSeq:
                 return min(position, stored)
         return stored
 
+    def draft_generator(self) -> torch.Generator:
+        """What a just-in-time draft after `committed` draws from (engine/sequence.py, DRAFT_STREAM: the two
+        halves of a split draft, each drafting some rounds of a seeded request, once drew the same numbers
+        from one shared stream)."""
+        return substream(self.generator, DRAFT_STREAM | len(self.committed))
+
     def tree_generator(self) -> torch.Generator:
-        """What this round's tree draws from: a stream apart from the sequence's own (its just-in-time
-        drafts'), so that a build stopped part-way, at a moment set by timing (finish_trees' abandon),
-        leaves every later draw, and so a seeded output, as it was."""
-        return substream(self.generator, self.round)
+        """What this round's tree draws from: a stream of its own, so that a build stopped part-way, at a moment
+        set by timing (finish_trees' abandon), leaves every later draw, and so a seeded output, as it was."""
+        return substream(self.generator, len(self.committed))
 
     def candidate_generator(self) -> torch.Generator:
         """What this round's coupled candidates are drawn from: apart from the tree's branch draws, which must
         not depend on which candidate was drawn (a branch's q is the verifier's, whatever t* turned out)."""
-        return substream(self.generator, CANDIDATE_STREAM | self.round)
+        return substream(self.generator, CANDIDATE_STREAM | len(self.committed))
 
     def forget_tree(self) -> None:
         """No tree, and no branch a next round could adopt (a build stopped part-way)."""

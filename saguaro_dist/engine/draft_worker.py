@@ -332,7 +332,7 @@ class DraftWorker:
         def step(drawn):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
-        columns = self._draw_k(states, fanouts, first, step, lambda: [s.generator for s in states],
+        columns = self._draw_k(states, fanouts, first, step, lambda: [s.draft_generator() for s in states],
                                self.constraints.penalties(states, ([] for _ in states)),
                                self.constraints.row_grammars(states, [[] for _ in states]))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.

@@ -44,10 +44,15 @@ def make_generator(seed: int | None, salt: int) -> torch.Generator:
     return gen
 
 
-# Index bits of substreams apart from a round's tree stream (index = round): coupled bonus draws'
-# candidates on the draft side, and the target's uniforms for them (spec/coupled.py).
+# Index bits of substreams apart from a tree's (index = the sequence's length when it is built): coupled bonus
+# draws' candidates on the draft side, the target's uniforms for them (spec/coupled.py), and just-in-time drafts.
+# Every set is keyed by the sequence's length, which grows every round and which every worker holding the
+# sequence agrees on: never by a call count or a round number, which two workers (the split draft's halves) or
+# a re-prefill (after a worker died: round 0 again) would repeat, proposing from numbers that already shaped
+# the output (not distributed as q given the text: inexact).
 CANDIDATE_STREAM = 1 << 62
 COUPLING_STREAM = 1 << 61
+DRAFT_STREAM = 1 << 60
 
 
 def substream(generator: torch.Generator, index: int) -> torch.Generator:
