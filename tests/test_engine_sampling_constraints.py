@@ -12,8 +12,7 @@ import torch
 
 import saguaro_dist.engine.target as target_module
 from saguaro_dist import SamplingParams
-from saguaro_dist.engine.loop_thread import EngineError
-from saguaro_dist.engine.structured import GrammarState
+from saguaro_dist.engine.structured import GrammarError, GrammarState
 from test_engine_sampling import (
     ALPHA, GRAMMAR, PARAMS, PROMPT, check_case, chi_square_pvalue, exact_joint, sample_joint, sampling_pair,
 )
@@ -103,10 +102,10 @@ def test_structured_outputs_follow_the_masked_target(pair, case):
 
 def test_the_test_catches_a_grammar_mask_that_ignores_the_speculation(pair, monkeypatch):
     """Every verify row masked as the first one (the drafted tokens not consumed): a token the grammar
-    forbids gets out, and the engine's check at commit fails the step rather than emit it."""
+    forbids gets out, and the engine's check at commit fails its request rather than emit it."""
     target, draft, _ = pair
     params = SamplingParams(temperature=1.0, structured_outputs=GRAMMAR)
     row_masks = GrammarState.row_masks
     monkeypatch.setattr(GrammarState, "row_masks", lambda self, drafted, rows: row_masks(self, [], rows))
-    with pytest.raises(EngineError, match="does not satisfy the requested grammar"):
+    with pytest.raises(GrammarError, match="cannot follow this grammar past token"):
         sample_joint(target, draft, params, k=1, fan_out=4)

@@ -65,3 +65,27 @@ def test_bad_structured_outputs_get_a_400(served, extra, message):
         client.completions.create(model="demo", prompt="x", max_tokens=4, extra_body=extra)
     assert message in info.value.message
     assert client.completions.create(model="demo", prompt="x", max_tokens=2).choices[0].text is not None
+
+
+def test_a_grammar_llguidance_cannot_follow_is_that_requests_400(served):
+    """It compiles, then llguidance gives up at its second token: that request alone gets a 400 (streamed: an
+    error event), sent again too, and a request beside it is served. It failed every request in flight (503)."""
+    import threading
+
+    llm, client = served
+    beyond = {"structured_outputs": {"regex": "(x|y)a{3000000}"}}
+    want = llm.generate(["def f(x):\n    "], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].text
+    beside = {}
+    other = threading.Thread(target=lambda: beside.setdefault("text", client.completions.create(
+        model="demo", prompt="def f(x):\n    ", max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    ).choices[0].text))
+    other.start()
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError, match="cannot follow this grammar"):
+            client.completions.create(model="demo", prompt="x = ", max_tokens=8, temperature=0, extra_body=beyond)
+    with pytest.raises(openai.APIError, match="cannot follow this grammar"):
+        for _ in client.completions.create(model="demo", prompt="x = ", max_tokens=8, temperature=0, stream=True,
+                                           extra_body=beyond):
+            pass
+    other.join()
+    assert beside["text"] == want

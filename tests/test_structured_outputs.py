@@ -3,6 +3,7 @@ tokens of an independent reference (transformers' model, llguidance's matcher, o
 the text is in the language asked for. Sampling exactness under a grammar: tests/test_engine_sampling.py."""
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -16,7 +17,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from engine_helpers import assert_greedy_equal
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.demo import demo_pair
-from saguaro_dist.engine.structured import GrammarCompiler, bitmask_to_bool, grammar_of
+from saguaro_dist.engine.structured import GrammarCompiler, GrammarError, bitmask_to_bool, grammar_of
 from saguaro_dist.sampling_params import StructuredOutputsParams as SO
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer"}},
@@ -27,6 +28,8 @@ SPECS = {
     "json": SO(json=SCHEMA),
 }
 PROMPTS = ["def add(a, b):\n    ", "class Stack:\n    def push(self, x):\n        "]
+# Compiles, and its first token is fine; llguidance's lexer gives up on the second ("too many expressions").
+BEYOND_LLGUIDANCE = SO(regex="(x|y)a{3000000}")
 MAX_TOKENS = 24
 
 
@@ -197,3 +200,47 @@ def test_greedy_in_grammar_is_the_masked_argmax(demo):
     logits = torch.zeros(1, model.config.vocab_size)
     logits[0, allowed[0]] = 5.0  # the unmasked argmax is allowed: no mask needed, the same token
     assert greedy_in_grammar(logits, [states[2]]).tolist() == [int(allowed[0])]
+
+
+def test_row_masks_and_commit_raise_a_grammar_error_where_llguidance_gives_up(demo):
+    _, _, tokenizer, model = demo
+    compiler = GrammarCompiler(tokenizer, model.config.vocab_size, {tokenizer.eos_token_id})
+    params = SamplingParams(structured_outputs=BEYOND_LLGUIDANCE)
+    x, a = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "xa")
+    state = compiler.state(params)
+    assert state.row_masks([], 1)[0].nonzero().flatten().tolist() == sorted([x, tokenizer.convert_tokens_to_ids("y")])
+    state.commit(x)
+    with pytest.raises(GrammarError, match="cannot follow this grammar"):
+        state.row_masks([a, a], 3)  # a verify's rows: they would allow EOS alone, a silently cut output
+    compiler.forget(state.grammar)  # its copies share the failed lexer: a new one would fail at once
+    state = compiler.state(params)
+    state.row_masks([], 1)
+    state.commit(x)
+    state.row_masks([], 1)
+    with pytest.raises(GrammarError, match="cannot follow this grammar"):
+        state.commit(a)
+
+
+@pytest.mark.parametrize("mode", ["ar", "ssd"])
+def test_a_grammar_llguidance_cannot_follow_fails_its_request_alone(demo, mode):
+    """That request gets a ValueError saying so; the request beside it in the batch runs on to the tokens it
+    gets alone (it used to fail with it: one engine step failed them all); and the grammar sent again fails
+    again, not as an empty output that looks finished (its compiled matcher shared the failed lexer)."""
+    target, draft, tokenizer, model = demo
+    good = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    bad = SamplingParams(temperature=0, max_tokens=24, structured_outputs=BEYOND_LLGUIDANCE)
+    with LLM(model=target, draft=None if mode == "ar" else draft, mode=mode, k=4) as llm:
+        alone = llm.generate([PROMPTS[0]], good)[0].token_ids
+
+        async def tokens(params):
+            return [t async for delta in llm.stream(PROMPTS[0], params) for t in delta.token_ids]
+
+        async def both():
+            return await asyncio.gather(tokens(good), tokens(bad), return_exceptions=True)
+        beside, failed = asyncio.run(both())
+        assert_greedy_equal(beside, alone, tokenizer.encode(PROMPTS[0]), model)
+        assert isinstance(failed, GrammarError) and "cannot follow this grammar" in str(failed)
+        for _ in range(2):
+            with pytest.raises(ValueError, match="cannot follow this grammar"):
+                llm.generate(["x = "], bad)
+        assert llm.generate([PROMPTS[0]], good)[0].token_ids == alone

@@ -201,7 +201,8 @@ class TargetRank:
     def _listener(self, request_id: str):
         def on_update(item):
             if isinstance(item, BaseException):
-                self.updates.put(RemoteUpdate(request_id, "", [], True, "abort", None, error=str(item)))
+                self.updates.put(RemoteUpdate(request_id, "", [], True, "abort", None, error=str(item),
+                                              invalid=isinstance(item, ValueError)))
                 return
             s = item.seq
             reason = s.finish_reason.value if item.finished and s.finish_reason else None

@@ -280,7 +280,7 @@ class RemoteEngine:
             return
         seq, listener = entry
         if u.error:
-            deliver(listener, EngineError(u.error))
+            deliver(listener, ValueError(u.error) if u.invalid else EngineError(u.error))
             return
         seq.output_token_ids += u.token_delta
         seq.output_logprobs += u.logprobs_delta or []

@@ -27,7 +27,8 @@ class RemoteUpdate:
     finished: bool
     finish_reason: str | None
     metrics: RequestMetrics
-    error: str | None = None   # the engine failed this request (retriable)
+    error: str | None = None   # the engine failed this request (retriable), or the request failed alone (invalid)
+    invalid: bool = False      # error is the request's own (a ValueError: a grammar llguidance cannot follow), not retriable
     logprobs_delta: list[dict[int, float]] | None = None  # per token of token_delta, if the request asked
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first update, if the request asked
     stop_reason: int | str | None = None  # with the last update: the stop_token_id or stop string that ended it

@@ -11,7 +11,7 @@ from saguaro_dist.engine.detokenizer import Detokenizer, find_stop, stable_prefi
 from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
-from saguaro_dist.engine.structured import GrammarCompiler
+from saguaro_dist.engine.structured import GrammarCompiler, GrammarError
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.prefix_cache import MIN_REUSE, common_prefix_len
 
@@ -27,6 +27,7 @@ class Update:
     finished: bool
     logprobs_delta: list[dict[int, float]] | None = None  # one per token of token_delta, if the request asked
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with a request's first update, if it asked
+    error: Exception | None = None  # the request failed alone (finished): its caller gets this instead
 
 
 class Engine:
@@ -205,7 +206,8 @@ class Engine:
         return not text_sent or now - s.last_update_time >= s.stream_interval_s
 
     def _append(self, s: Sequence, tokens: list[int], now: float) -> None:
-        """Add verified tokens up to the first stop condition; cut stop strings from the text."""
+        """Add verified tokens up to the first stop condition; cut stop strings from the text. A request whose
+        grammar llguidance could not follow (s.error: while scoring, or committing here) ends there alone."""
         if not s.output_token_ids:
             s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
             s.metrics.first_token_time = time.time()
@@ -213,10 +215,10 @@ class Engine:
         if logprobs:
             s.round_logprobs = []
         for i, t in enumerate(tokens):
+            if s.grammar is not None and not self._committed(s, t):
+                break
             s.output_token_ids.append(t)
             self.metrics.generated_tokens += 1
-            if s.grammar is not None:
-                s.grammar.commit(t)
             if logprobs:
                 s.output_logprobs.append(logprobs[i])
             if t in self.eos_token_ids and not s.params.ignore_eos:
@@ -229,6 +231,20 @@ class Engine:
             if s.finished:
                 break
         self._update_text(s, now)
+
+    def _committed(self, s: Sequence, token: int) -> bool:
+        """Advance s's grammar past token; False when s failed instead (now, or while its round was scored):
+        it finishes with that error, and its grammar's compiled matcher, which shares the failed lexer, goes."""
+        if s.error is None:
+            try:
+                s.grammar.commit(token)
+                return True
+            except GrammarError as err:
+                s.error = err
+        log.warning("request %s failed alone: %s", s.request_id, s.error)
+        self.grammars.forget(s.grammar.grammar)
+        self._finish(s, FinishReason.ABORT)
+        return False
 
     def _update_text(self, s: Sequence, now: float) -> None:
         # Text nobody reads this round is decoded later, with the next update's (a decode in the round
@@ -253,7 +269,8 @@ class Engine:
         self._emitted[s.seq_id] = (visible, len(s.output_token_ids))
         logprobs = s.output_logprobs[tokens_sent:] if s.params.logprobs is not None else None
         prompt_logprobs = s.prompt_logprobs if tokens_sent == 0 else None
-        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished, logprobs, prompt_logprobs)
+        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished, logprobs, prompt_logprobs,
+                      s.error)
 
     def _finish(self, s: Sequence, reason: FinishReason) -> None:
         if not s.finished:

@@ -167,7 +167,7 @@ class EngineThread:
             listener = self._listeners.get(u.seq.request_id)
             if u.finished:
                 self._listeners.pop(u.seq.request_id, None)
-            if listener is not None and not deliver(listener, u):
+            if listener is not None and not deliver(listener, u if u.error is None else u.error):
                 self._listeners.pop(u.seq.request_id, None)
                 self.abort(u.seq.request_id)  # nobody is listening: free the slot
 

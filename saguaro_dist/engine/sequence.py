@@ -106,6 +106,7 @@ class Sequence:
     logit_bias_row: torch.Tensor | None = None  # [V]: params' logit bias and allowed tokens, built at first use
     prompt_mask_row: torch.Tensor | None = None  # [V] bool: the token is in the prompt (penalties), built at first use
     grammar: GrammarState | None = None    # structured outputs: the matcher, advanced by the committed tokens
+    error: Exception | None = None         # this request failed alone (its grammar could not be followed): its caller's error
 
     def __post_init__(self):
         self.generator = make_generator(self.params.seed, salt=1)

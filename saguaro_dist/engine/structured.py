@@ -70,25 +70,34 @@ def greedy_in_grammar(logits: torch.Tensor, grammars: list) -> torch.Tensor:
     return drawn
 
 
-class GrammarState:
-    """One request's matcher, advanced by the tokens the engine commits."""
+class GrammarError(ValueError):
+    """llguidance could not follow a request's grammar past some token: its lexer or parser hit a limit that
+    compiling did not (a regex like a{3000000} compiles, then fails on its first token). The request fails
+    alone, with the output it had (engine/engine.py); the engine goes on serving the others."""
 
-    def __init__(self, matcher, vocab_size: int):
-        self.matcher, self.vocab_size = matcher, vocab_size
+
+class GrammarState:
+    """One request's matcher, advanced by the tokens the engine commits. `grammar`: its llguidance text
+    (what GrammarCompiler compiled it from)."""
+
+    def __init__(self, matcher, vocab_size: int, grammar: str = ""):
+        self.matcher, self.vocab_size, self.grammar = matcher, vocab_size, grammar
 
     def row_masks(self, drafted: list[int], rows: int) -> torch.Tensor:
         """[rows, V] bool: row t allows what the grammar allows after the output and drafted[:t]. Rows after
-        a forbidden drafted token repeat the last mask: that token is rejected, so they are never used."""
+        a forbidden drafted token repeat the last mask: that token is rejected, so they are never used.
+        Raises GrammarError where the matcher fails on the drafted tokens (its masks would then be wrong)."""
         consumed = self.matcher.try_consume_tokens(list(drafted[:rows - 1])) if rows > 1 else 0
         masks = [None] * (consumed + 1)
         for t in range(consumed, -1, -1):  # the deepest state first, then roll back one token at a time
             masks[t] = self.mask()
             if t:
                 self.matcher.rollback(1)
+        self._check()  # a failure may show only here: llguidance's state after its rollbacks allowed just EOS
         return torch.stack(masks + [masks[-1]] * (rows - consumed - 1))
 
     def copy(self) -> GrammarState:
-        return GrammarState(self.matcher.deep_copy(), self.vocab_size)
+        return GrammarState(self.matcher.deep_copy(), self.vocab_size, self.grammar)
 
     def mask(self) -> torch.Tensor:
         """[V] bool: what the grammar allows next."""
@@ -102,9 +111,18 @@ class GrammarState:
         return self.matcher.try_consume_tokens(list(tokens)) == len(tokens)
 
     def commit(self, token: int) -> None:
-        if not self.matcher.consume_token(token):  # only a bug can get here: the target never samples it
-            first_line = (self.matcher.get_error() or "").splitlines()[:1]
-            raise RuntimeError(f"token {token} does not satisfy the requested grammar: {' '.join(first_line)}")
+        """Advance past a token the target sampled under this grammar's mask; GrammarError where the matcher
+        cannot (its limits: the mask allowed the token)."""
+        if not self.matcher.consume_token(token):
+            raise GrammarError(f"structured_outputs: the grammar engine cannot follow this grammar past token "
+                               f"{token}, which its own mask allowed ({self._error()})")
+
+    def _check(self) -> None:
+        if self.matcher.is_error():
+            raise GrammarError(f"structured_outputs: the grammar engine cannot follow this grammar ({self._error()})")
+
+    def _error(self) -> str:
+        return " ".join((self.matcher.get_error() or "").splitlines()[:1])
 
 
 class GrammarCompiler:
@@ -142,7 +160,13 @@ class GrammarCompiler:
 
     def state_of(self, grammar: str) -> GrammarState:
         """A fresh matcher of llguidance grammar text (a copy of the compiled one)."""
-        return GrammarState(self._compile(grammar).deep_copy(), self.vocab_size)
+        return GrammarState(self._compile(grammar).deep_copy(), self.vocab_size, grammar)
+
+    def forget(self, grammar: str) -> None:
+        """Drop grammar text's compiled matcher: copies share its lexer, and once one copy failed
+        (GrammarError) every later copy allowed only EOS, an empty output that looked finished."""
+        with self._lock:
+            self._compiled.pop(grammar, None)
 
     def _compile(self, grammar: str):
         """The compiled matcher of grammar text (callers copy it). Thread-safe: LLM checks requests on its

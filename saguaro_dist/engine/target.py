@@ -9,6 +9,7 @@ import torch
 from saguaro_dist.engine.logprobs import token_logprobs
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.structured import GrammarError
 from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec.coupled import Coupling
 from saguaro_dist.spec import (
@@ -87,7 +88,11 @@ class TargetScorer:
             return logits
         logits = logits.clone()
         for b in constrained:  # row t: what the grammar allows after the output and drafted[b][:t]
-            masks = seqs[b].grammar.row_masks(drafted[b] if drafted else [], logits.shape[1])
+            try:
+                masks = seqs[b].grammar.row_masks(drafted[b] if drafted else [], logits.shape[1])
+            except GrammarError as err:  # that request fails alone after this round (Engine._append)
+                seqs[b].error = err
+                continue
             logits[b].masked_fill_(~masks.to(logits.device), float("-inf"))
         for b in biased:  # one row, added to every position of the sequence
             logits[b] += self._bias_row(seqs[b], logits.device)
