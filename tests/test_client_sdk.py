@@ -4,13 +4,16 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from http_helpers import serve_on_loopback
 from saguaro_dist import SamplingParams
-from saguaro_dist.client import (APIConnectionError, AsyncClient, AuthenticationError, BadRequestError, Client,
-                                 InternalServerError, NotFoundError)
+from saguaro_dist.client import (APIConnectionError, APITimeoutError, AsyncClient, AuthenticationError, BadRequestError,
+                                 Client, InternalServerError, NotFoundError)
+from saguaro_dist.serve.api import ServerOptions, create_app
 from saguaro_dist.serve.prompts import encode_chat
 from saguaro_dist.serve.protocol import ChatMessage
 from test_serve_fixtures import free_port
@@ -134,3 +137,65 @@ def test_connection_errors_are_retried_then_raised():
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens here
     with pytest.raises(APIConnectionError):
         Client(url, max_retries=2, backoff_s=0.01).complete("x")
+
+
+@pytest.fixture(scope="module")
+def local_url(reference_llm):
+    """The serving app on the reference engine under uvicorn: no Ray needed."""
+    with serve_on_loopback(create_app(reference_llm, ServerOptions("tiny"))) as url:
+        yield url
+
+
+def test_a_stream_of_several_choices_keeps_them_apart(local_url, reference_llm):
+    """Chunks of n > 1 (or several prompts) interleave choices: the deltas were every choice's, run together."""
+    prompts = ["the cat sat", "hello world"]
+    want = [expected(reference_llm, p, 8) for p in prompts]
+    stream = Client(local_url).complete(prompts, max_tokens=8, temperature=0, stream=True)
+    assert "".join(stream) == want[0] and stream.texts == {0: want[0], 1: want[1]}
+
+    async def go():
+        async with AsyncClient(local_url) as c:
+            stream = await c.complete(prompts, max_tokens=8, temperature=0, stream=True)
+            return "".join([d async for d in stream]), stream.texts
+    assert asyncio.run(go()) == (want[0], {0: want[0], 1: want[1]})
+
+
+class _Stalling(BaseHTTPRequestHandler):
+    """Starts an SSE stream, sends one chunk, then goes quiet."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        chunk = {"id": "x", "model": "m", "choices": [{"index": 0, "text": "ok", "finish_reason": None}]}
+        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.flush()
+        time.sleep(3)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_stream_that_goes_quiet_is_a_timeout():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Stalling)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        deltas = []
+        with pytest.raises(APITimeoutError):  # was APIConnectionError, which `except APITimeoutError` missed
+            for delta in Client(url, timeout=0.5, max_retries=0).complete("x", stream=True):
+                deltas.append(delta)
+        assert deltas == ["ok"]  # what came before the silence was delivered
+
+        async def go():
+            async with AsyncClient(url, timeout=0.5, max_retries=0) as c:
+                got = []
+                with pytest.raises(APITimeoutError):
+                    async for delta in await c.complete("x", stream=True):
+                        got.append(delta)
+                return got
+        assert asyncio.run(go()) == ["ok"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

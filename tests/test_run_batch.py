@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 import pytest
 
@@ -39,15 +40,18 @@ def test_every_line_gets_one_record_in_input_order(serving_pair, reference_llm, 
               "", "{not json", line("p0", {"prompt": "twice", "max_tokens": 2}),  # blank: skipped; bad; duplicate id
               line("stream", {"prompt": "x", "stream": True}), line("url", {"prompt": "x"}, url="/v1/embeddings"),
               line("range", {"prompt": "x", "temperature": -1}), line("model", {"prompt": "x", "model": "other"}),
-              line("last", {"prompt": "the mat", "max_tokens": 4, "temperature": 0})]
+              line("last", {"prompt": "the mat", "max_tokens": 4, "temperature": 0}),
+              line("half", {"prompt": "x \ud800", "max_tokens": 2})]  # JSON's escape of a lone surrogate: the app's 400
     (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     code = main(["run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--max-in-flight", "3",
                  *engine_flags(serving_pair)])
     records = [json.loads(r) for r in out.read_text().splitlines()]
-    assert code == 0 and "15 requests, 6 failed" in capsys.readouterr().err
+    assert code == 0 and "16 requests, 7 failed" in capsys.readouterr().err
     assert [r["custom_id"] for r in records] == [f"p{i}" for i in range(6)] + [
-        "chat", "resp", None, "p0", "stream", "url", "range", "model", "last"]
+        "chat", "resp", None, "p0", "stream", "url", "range", "model", "last", "half"]
+    half = records.pop()["response"]
+    assert half["status_code"] == 400 and "lone surrogate" in half["body"]["error"]["message"]
     greedy = SamplingParams(temperature=0, max_tokens=8)
     for r, expected in zip(records, reference_llm.generate(PROMPTS, greedy)):  # exact, as served
         assert r["response"]["status_code"] == 200 and r["error"] is None
@@ -145,3 +149,18 @@ def test_records_follow_openai_batch_output():
     summary.add(result_record(parse_request(2, "{", set()), None, None, "batch-2"))
     summary.add(result_record(ok, 200, {"usage": {"output_tokens": 3}}, "batch-3"))  # a /v1/responses reply
     assert (summary.requests, summary.failed, summary.completion_tokens) == (3, 1, 7)
+
+
+@pytest.mark.parametrize("which, message", [("output", "output file .* is a folder"), ("input", "input file .* is a folder"),
+                                            ("url", "--url must be a server's address")])
+def test_bad_files_and_urls_are_refused_before_any_model_loads(tmp_path, capsys, which, message):
+    """An output folder raised IsADirectoryError (a stack trace) once the model had loaded; a --url without
+    http:// made every line's record an error, and the run exit 0."""
+    (tmp_path / "in.jsonl").write_text(line("a", {"prompt": "x", "max_tokens": 2}) + "\n")
+    files = {"input": str(tmp_path / "in.jsonl"), "output": str(tmp_path / "out.jsonl")}
+    extra = ["--url", "localhost:8000"] if which == "url" else []
+    if which != "url":
+        files[which] = str(tmp_path)
+    code = main(["run-batch", "-i", files["input"], "-o", files["output"], "--model", "/nonexistent", *extra])
+    assert code == 2 and re.search(message, capsys.readouterr().err)
+    assert not (tmp_path / "out.jsonl").exists()

@@ -96,9 +96,12 @@ class Completion:
 
 
 class StreamAccumulator:
-    """Parses SSE lines into text deltas and remembers the final chunk's facts."""
+    """Parses SSE lines into text deltas and remembers the final chunk's facts. The deltas and facts are
+    choice 0's, as a Completion's are: with n > 1 or several prompts the chunks interleave choices, whose
+    texts (and tool calls) must not run together. Every choice's text is kept in `texts`."""
 
     def __init__(self):
+        self.texts: dict[int, str] = {}  # every choice's text so far, by index
         self.finish_reason: str | None = None
         self.usage: dict | None = None
         self.speculation: dict | None = None
@@ -128,7 +131,11 @@ class StreamAccumulator:
         text = ""
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
-            text += delta.get("content") or choice.get("text") or ""
+            index, piece = choice.get("index", 0), delta.get("content") or choice.get("text") or ""
+            self.texts[index] = self.texts.get(index, "") + piece
+            if index != 0:
+                continue
+            text += piece
             for call in delta.get("tool_calls") or []:
                 self._add_call_delta(call)
             thought = delta.get("reasoning") or delta.get("reasoning_content")

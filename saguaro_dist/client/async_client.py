@@ -12,7 +12,8 @@ from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, stat
 
 
 class AsyncStream:
-    """`async for` over text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls`, `reasoning`."""
+    """`async for` over choice 0's text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls`,
+    `reasoning`, and `texts` (every choice's text by index)."""
 
     def __init__(self, response: httpx.Response):
         self._response = response
@@ -26,6 +27,8 @@ class AsyncStream:
                     break
                 if text:
                     yield text
+        except httpx.TimeoutException as err:  # the server went quiet mid-stream: a timeout, as before it began
+            raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
             raise APIConnectionError(f"the stream broke: {err}") from err
         finally:

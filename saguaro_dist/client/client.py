@@ -11,7 +11,8 @@ from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, stat
 
 
 class Stream:
-    """Iterates text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls` and `reasoning` hold what the stream said."""
+    """Iterates choice 0's text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls` and `reasoning`
+    hold what the stream said, and `texts` every choice's text by index."""
 
     def __init__(self, response: httpx.Response):
         self._response = response
@@ -25,6 +26,8 @@ class Stream:
                     break
                 if text:
                     yield text
+        except httpx.TimeoutException as err:  # the server went quiet mid-stream: a timeout, as before it began
+            raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
             raise APIConnectionError(f"the stream broke: {err}") from err
         finally:

@@ -159,7 +159,7 @@ async def _responses(body: ResponsesRequest, request: Request):
     body.reject_unsupported()
     model = state.check_model(body.model)
     prompt = encode_chat(state.tokenizer, body.messages(), body.chat_tools(), body.chat_template_kwargs,
-                         state.chat_template)
+                         state.chat_template, param="input")
     request_id = _request_id(request)
     (job,) = state.named(_chat_jobs(state, body, prompt, "input"), request_id)
     response_id = f"resp_{request_id}"

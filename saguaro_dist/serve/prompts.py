@@ -4,14 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from saguaro_dist.engine.text import encode_text
 from saguaro_dist.serve.protocol import ChatMessage, Tool
 from saguaro_dist.serve.tool_parsers import HERMES_CLOSE, HERMES_OPEN
 
-
-def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
-    # `tokenizer.encode(text)` is what LLM.generate uses, so HTTP and in-process outputs agree.
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
+__all__ = ["encode_chat", "encode_text", "load_chat_template", "render_chat"]
 
 # Arguments we pass apply_chat_template ourselves: a request's chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_generation_prompt", "chat_template",
@@ -75,7 +72,8 @@ def _plain_content(turn: dict) -> str:
 
 
 def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
-                template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
+                template_kwargs: dict | None = None, chat_template: str | None = None,
+                param: str = "messages") -> list[int]:
     text, templated = render_chat(tokenizer, messages, tools, template_kwargs, chat_template)
     # A chat template writes BOS etc. itself; adding them again would double them (as vLLM avoids).
-    return encode_text(tokenizer, text, add_special_tokens=not templated)
+    return encode_text(tokenizer, text, add_special_tokens=not templated, param=param)
