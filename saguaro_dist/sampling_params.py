@@ -11,6 +11,8 @@ from saguaro_dist.config import check_int, is_number
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
 MAX_TOP_K = 2 ** 31 - 1  # far past any vocabulary (a top_k past it keeps every token anyway)
+SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1  # int64
+GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
 
 TokenBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, sorted by id
 
@@ -83,6 +85,8 @@ class SamplingParams:
         # A NaN temperature passed `< 0` and sampled garbage; an infinite one is not a temperature either.
         if not is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:  # logits / 1e-40 overflowed to inf: NaN probabilities, the last token id
+            object.__setattr__(self, "temperature", 0.0)
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if self.top_k == -1 and type(self.top_k) is int:  # vLLM's other spelling of "off"
@@ -90,8 +94,10 @@ class SamplingParams:
         # Bounded: the engine holds top_k in an int64 tensor, and a larger one failed the whole batch's step.
         if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k must be an integer in 0..{MAX_TOP_K} (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and type(self.seed) is not int:
-            raise ValueError(f"seed must be an integer (or None), got {self.seed!r}")
+        # int64: seeds travel to Ray's draft workers as protobuf int64, and a larger one failed the encoding there
+        # (codec.CodecError) inside the engine step, past the edge.
+        if self.seed is not None and (type(self.seed) is not int or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (or None), got {self.seed!r}")
         check_min_p(self.min_p)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -102,7 +108,7 @@ class SamplingParams:
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
-        for name in ("include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):  # "false" is truthy
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         keep = self.truncate_prompt_tokens

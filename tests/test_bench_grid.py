@@ -116,6 +116,11 @@ def test_bad_options_are_value_errors(tiny_llama_pair, tmp_path):
         BenchConfig.preset("huge")
     with pytest.raises(ValueError, match="dtype"):
         BenchConfig(dtype="int8")
+    # the engine's checks of the SSD knobs, and the cores, before any cell loads a model (they came after one)
+    for bad, message in ((dict(k=0), "k must be"), (dict(fan_out_kind="bogus"), "fan_out_kind"),
+                         (dict(saguaro_c=1.5), "saguaro_c"), (dict(cores=0), "cores")):
+        with pytest.raises(ValueError, match=message):
+            BenchConfig(**bad)
     assert main(["bench", "--preset", "quick", "--target", str(tiny_llama_pair[0]), "--out", str(tmp_path)]) == 2
 
 

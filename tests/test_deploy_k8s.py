@@ -277,6 +277,9 @@ def test_a_batch_job_runs_run_batch_against_the_rayservice(capsys):
     (["--k", "4", "--fan-out", "1,2"], "k+1"),
     (["--draft-workers", "3", "--draft-max-workers", "2"], "draft_max_workers"),
     (["--tp", "0"], "tp and draft_workers"),
+    (["--name", "Bad_Name"], "DNS-1035 label"),  # Kubernetes would refuse its Services
+    (["--name", "2fast"], "DNS-1035 label"),
+    (["--name", "x" * 41], "1-40"),
 ])
 def test_cli_rejects_bad_settings(capsys, argv, message):
     assert main(["deploy", "k8s", *argv]) == 2

@@ -33,6 +33,9 @@ def llm(tiny_llama_pair):
     (dict(prompt_token_ids=[[1.7, 2]]), "integer token ids"), (dict(prompt_token_ids=[["12", 2]]), "integer token ids"),
     (dict(prompt_token_ids=[[True, 2]]), "integer token ids"), (dict(prompt_token_ids=[1, 2]), "for one prompt"),
     (dict(prompt_token_ids=5), "list of prompts"), (dict(prompts=5), "a string or a list of strings"),
+    # a dict where a SamplingParams goes failed deep inside with an AttributeError
+    (dict(prompt_token_ids=[[1]], sampling_params={"max_tokens": 2}), "a SamplingParams or a list of them"),
+    (dict(prompt_token_ids=[[1]], sampling_params=[{"max_tokens": 2}]), "a SamplingParams or a list of them"),
 ])
 def test_bad_requests_are_rejected_up_front(llm, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -47,6 +50,24 @@ def test_prompt_token_ids_may_be_arrays_or_tensors_of_integers(llm):
     want = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=greedy)[0].token_ids
     for prompt in (np.array([1, 2, 3]), torch.tensor([1, 2, 3]), (1, 2, 3)):
         assert llm.generate(prompt_token_ids=[prompt], sampling_params=greedy)[0].token_ids == want
+
+
+def test_sampling_params_may_be_any_iterable_of_them(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    want = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=greedy)[0].token_ids
+    got = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=(p for p in [greedy]))[0].token_ids
+    assert got == want
+
+
+def test_k_that_leaves_no_room_in_the_context_is_refused_at_construction(tiny_llama_pair):
+    """K+1 scored positions past a prompt token and a generated one must fit: a k as long as the context was
+    taken, and every request then failed against "the model's max length -89"."""
+    target, draft = tiny_llama_pair
+    with pytest.raises(ValueError, match="k = 4 leaves no room in a context of 6 tokens"):
+        LLM(model=target, draft=draft, mode="sd", k=4, fan_out=5, max_model_len=6)
+    with LLM(model=target, draft=draft, mode="sd", k=4, fan_out=5, max_model_len=7) as tight:  # room for one token
+        out = tight.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    assert len(out[0].token_ids) == 1
 
 
 def test_vocab_mismatch_between_target_and_draft(tiny_llama_pair, tmp_path):

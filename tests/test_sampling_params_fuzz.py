@@ -65,3 +65,13 @@ def test_any_prompt_token_ids_are_refused_or_run(engine, prompt_token_ids):
     except ValueError:
         pass
     assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False)[0].token_ids == reference
+
+
+@pytest.mark.parametrize("kwargs", [dict(ignore_eos="false"), dict(ignore_eos=1), dict(seed=2 ** 63),
+                                    dict(seed=-2 ** 63 - 1)])
+def test_flags_and_seeds_outside_their_types_are_refused(kwargs):
+    """ignore_eos="false" is truthy and ignored EOS; a seed past int64 cannot travel to Ray's draft workers
+    (protobuf int64), and failed there inside the engine step, with every request in flight."""
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        SamplingParams(**kwargs)
+    assert SamplingParams(seed=2 ** 63 - 1).seed == 2 ** 63 - 1 and SamplingParams(seed=-2 ** 63).seed == -2 ** 63

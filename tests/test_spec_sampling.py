@@ -251,3 +251,18 @@ def test_top_k_proposal_keeps_each_rows_k_likeliest_renormalised():
     kept = top_k_proposal(probs, 2)
     assert torch.allclose(kept, torch.tensor([[0.0, 0.625, 0.375, 0.0], [0.0, 0.0, 1.0, 0.0], [0.0] * 4]))
     assert top_k_proposal(probs, 0) is probs and top_k_proposal(probs, 4) is probs  # off, and nothing to cut
+
+
+def test_a_tiny_temperature_samples_the_argmax_not_the_last_token():
+    """logits / T overflowed float32 to inf at T = 1e-40: softmax gave NaN, and sample_with_uniforms' off-the-end
+    fallback then returned the last token id every time, on the plain path and every speculative one alike.
+    A temperature under GREEDY_BELOW is greedy now (vLLM's rule); the T -> 0 limit is the argmax."""
+    from saguaro_dist import SamplingParams
+    logits = torch.tensor([[2.0, 1.0, 3.0, -1.0]])
+    for tiny in (1e-40, 1e-6):
+        params = SamplingParams(temperature=tiny)
+        assert params.temperature == 0.0 and params.greedy
+        probs = target_probs(logits, params.temperature, 0, 1.0)
+        assert torch.isfinite(probs).all(), probs
+        assert sample_with_uniforms(probs, torch.tensor([0.5])).item() == 2
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5

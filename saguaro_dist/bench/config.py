@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from saguaro_dist.config import check_device, check_dtype
+from saguaro_dist.config import Config, check_device, check_dtype
 
 # name -> what it is
 SYSTEMS = {
@@ -141,6 +141,10 @@ class BenchConfig:
         check_device(self.device)
         if self.num_prompts is not None and self.num_prompts < max(self.batch_sizes):
             raise ValueError(f"num_prompts ({self.num_prompts}) must be >= the largest batch size ({max(self.batch_sizes)})")
+        if self.cores < 1:
+            raise ValueError(f"cores must be >= 1, got {self.cores}")
+        # The engine's own checks of the SSD knobs, now: they used to fail once the first cell had loaded a model.
+        Config(model="unchecked", draft="unchecked", mode="ssd", **self.engine_kwargs())
 
     @property
     def prompt_count(self) -> int:

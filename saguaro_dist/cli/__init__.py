@@ -12,7 +12,7 @@ SUBCOMMANDS = ("generate", "run_batch", "serve", "bench", "demo", "deploy")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro", description="Speculative Speculative Decoding on Ray")
-    parser.add_argument("--log-level", default="WARNING", help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--log-level", default="WARNING", type=log_level, help="logging level (DEBUG, INFO, WARNING, ...)")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         try:
@@ -25,9 +25,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def log_level(text: str) -> str:
+    """A level logging knows (logging.basicConfig raised a bare ValueError, with a stack trace, at an unknown one)."""
+    if not isinstance(logging.getLevelName(text.upper()), int):
+        raise argparse.ArgumentTypeError(f"unknown logging level {text!r} (DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return text.upper()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args) or 0)
     except ValueError as err:  # bad input: a clear message, no stack trace

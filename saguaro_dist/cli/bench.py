@@ -79,8 +79,8 @@ def register(subparsers) -> None:
                         "(Config.ngram_rounds; the ssd-draft system is ssd so)")
     p.add_argument("--interleave", action="store_true",
                    help="open every system of a setting at once and run their repeats in turn (drift falls on all alike)")
-    for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():
-        p.add_argument(flag, dest=field, help="comma-separated list" if field.endswith("s") and field not in ("cores", "repeats", "num_prompts") else None)
+    for flag, (field, parse) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items():  # (by the parser: the name misled, max_new_tokens)
+        p.add_argument(flag, dest=field, help="comma-separated list" if parse in (_ints, _floats, _names) else None)
     p.set_defaults(run=run)
 
 

@@ -73,16 +73,30 @@ def _app(llm, ns: argparse.Namespace, template: str | None):
 
 
 def _check_files(ns: argparse.Namespace) -> None:
-    """Before any model loads: the input exists and the output will not overwrite it."""
+    """Before any model loads: the input exists, the output can be written and will not overwrite the input,
+    and --url names a server (each of these used to surface only after the model had loaded, or line by line)."""
     if ns.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
+    if ns.url is not None and not ns.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must be a server's address, http://host:port or https://..., got {ns.url!r}")
     if ns.input_file != "-" and not os.path.isfile(ns.input_file):
-        raise ValueError(f"input file {ns.input_file!r} does not exist")
-    if ns.output_file != "-" and not os.path.isdir(os.path.dirname(os.path.abspath(ns.output_file))):
-        raise ValueError(f"output file {ns.output_file!r} is in a folder that does not exist")
+        raise ValueError(f"input file {ns.input_file!r} " + ("is a folder" if os.path.isdir(ns.input_file)
+                                                             else "does not exist"))
+    if ns.output_file != "-":
+        _check_writable(ns.output_file)
     if "-" not in (ns.input_file, ns.output_file) and os.path.exists(ns.output_file) \
             and os.path.samefile(ns.input_file, ns.output_file):
         raise ValueError("the output file would overwrite the input file")
+
+
+def _check_writable(path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"output file {path!r} is in a folder that does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"output file {path!r} is a folder")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise ValueError(f"output file {path!r} is not writable")
 
 
 @contextmanager

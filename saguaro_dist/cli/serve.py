@@ -9,7 +9,8 @@ import logging
 import signal
 import threading
 
-from saguaro_dist.config import DTYPES, BonusDraw, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode, SchedulingPolicy, TreePolicy
+from saguaro_dist.config import (DRAFT_MODES, DTYPES, BonusDraw, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode,
+                                 SchedulingPolicy, TreePolicy, parse_enum)
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
 from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -43,6 +44,27 @@ def fan_out_arg(text: str):
     """A budget ("12") or explicit per-position counts ("4,3,2")."""
     parts = [int(p) for p in text.split(",")]
     return parts[0] if len(parts) == 1 else parts
+
+
+def port_arg(text: str) -> int:
+    """1..65535: socket.bind raised an OverflowError (a stack trace) past it, and 0 fell back to 8000 unsaid."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = None
+    if port is None or not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is an integer in 1..65535, got {text!r}")
+    return port
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -111,11 +133,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0, default=None,
                    help="no periodic engine stats line (default: one every 10 s while serving, as vLLM)")
     g.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, dest="tp",
-                   help="tensor-parallel size of the target (implies --cluster auto)")
-    g.add_argument("--draft-workers", type=int, help="draft actors in the pool (implies --cluster auto)")
+                   help="tensor-parallel size of the target (above 1 implies --cluster auto)")
+    g.add_argument("--draft-workers", type=int, help="draft actors in the pool (above 1 implies --cluster auto)")
     g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],
-                   help="one-host engine: run the draft in a child process or on a thread (default auto: "
-                        "thread for sd; for ssd split on the CPU, thread on the target's GPU, process on a GPU of its own)")
+                   help="where the draft runs. One host: thread, process (a child), or split (just-in-time drafts on "
+                        "a thread, trees in a child); default auto: thread for sd, and for ssd split on the CPU, thread "
+                        "on the target's GPU, process on a GPU of its own. On Ray: split (the target's rank 0 drafts "
+                        "just in time, the draft actors build the trees; auto for ssd on the CPU) or process (the "
+                        "draft actors do all)")
     g.add_argument("--cluster", help="run the engine as Ray actors: auto, local or ray://host:port "
                                      "(default: one-host engine inside the server)")
 
@@ -143,6 +168,8 @@ def with_default_model(args: dict) -> dict:
         target, draft = demo_pair()
     except (ImportError, FileNotFoundError) as err:
         raise ValueError(f"no model given (MODEL or --model) and the demo pair is unavailable: {err}") from None
+    if parse_enum(Mode, args.get("mode", Mode.SSD), "mode") not in DRAFT_MODES:
+        draft = None  # ar and ngram run no draft (ngram refuses one): `--mode ngram` alone failed on the demo's
     return {**args, "model": target, "draft": args.get("draft") or draft}
 
 
@@ -155,11 +182,11 @@ def register(subparsers) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 for every interface)")
-    g.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    g.add_argument("--port", type=port_arg, help="HTTP port (default 8000)")
     g.add_argument("--api-key", help=f"require this bearer key (default: ${API_KEY_ENV} if set)")
     g.add_argument("--served-model-name", nargs="+", help="the model name clients use (default: the model path); "
                                                           "several: requests may give any, replies name the first")
-    g.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
+    g.add_argument("--max-request-bytes", type=positive_int, help="largest request body (default 1 MiB)")
     g.add_argument("--stream-interval-ms", type=float,
                    help="streamed tokens closer together than this go out as one SSE chunk (default 50, as "
                         "Ray Serve LLM; 0: a chunk per engine round)")
@@ -180,7 +207,7 @@ def register(subparsers) -> None:
     g.add_argument("--config", help="a `serve run` YAML config (applications + http_options) or a "
                                     "mapping of app args; flags override it")
     g.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
-    g.add_argument("--num-cpus", type=int, help="CPUs of the embedded Ray cluster (default: all)")
+    g.add_argument("--num-cpus", type=positive_int, help="CPUs of the embedded Ray cluster (default: all)")
     p.set_defaults(run=run)
 
 

@@ -10,11 +10,14 @@ placement options ask for (saguaro_dist.placement), so ranks and drafts land on 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from saguaro_dist.config import DRAFT_MODES, FallbackPolicy, Mode, SchedulingPolicy, parse_enum
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 from saguaro_dist.serve.args import API_KEY_ENV, config_from_args
+
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Kubernetes' rule for a Service's name
 
 APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
 APP_NAME = "saguaro"
@@ -94,8 +97,10 @@ class K8sSettings:
             raise ValueError(f"tp and draft_workers must be >= 1, got tp={self.tp}, draft_workers={self.draft_workers}")
         if self.draft_max_workers is not None and self.draft_max_workers < self.draft_workers:
             raise ValueError(f"draft_max_workers ({self.draft_max_workers}) must be >= draft_workers ({self.draft_workers})")
-        if not self.name or len(self.name) > 40:
-            raise ValueError(f"name must be 1-40 characters (KubeRay derives longer names from it), got {self.name!r}")
+        if not DNS_LABEL.fullmatch(self.name) or len(self.name) > 40:
+            raise ValueError(f"name must be 1-40 lowercase letters, digits or '-', starting with a letter and ending "
+                             f"with a letter or digit (a DNS-1035 label: it names Services, and KubeRay derives "
+                             f"longer names from it), got {self.name!r}")
         config_from_args(serve_args(self))  # the app would reject these args at start-up: fail now
 
     @property

@@ -18,6 +18,7 @@ from saguaro_dist.engine.metrics import EngineLoad
 from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
+from saguaro_dist.engine.text import encode_text
 from saguaro_dist.model.loader import load_generation_defaults
 from saguaro_dist.sampling_params import SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt
 
@@ -55,6 +56,11 @@ class LLM:
         # A speculative round scores up to K+1 positions past the last token: keep them inside the model.
         headroom = 0 if config.mode is Mode.AR else config.k + 1
         self.max_model_len = self._thread.max_model_len - headroom
+        if headroom and self.max_model_len < 2:  # else every request failed against a max length of 0 or less
+            self._thread.stop()
+            raise ValueError(f"k = {config.k} leaves no room in a context of {self._thread.max_model_len} tokens: a "
+                             f"round scores K+1 positions past a prompt token and a generated one (lower k, or "
+                             f"raise max_model_len)")
         self.vocab_size, self.eos_token_ids = self._thread.vocab_size, self._thread.eos_token_ids
         self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
@@ -127,7 +133,11 @@ class LLM:
             raise ValueError("this model has no tokenizer: chat needs one to render messages")
         if not messages:
             raise ValueError("messages must not be empty")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
+        conversations = [messages] if isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) else messages
+        if not isinstance(conversations, (list, tuple)) or not all(  # a str failed as ChatMessage(**"hi"): a TypeError
+                isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in conversations):
+            raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
+                             "list of conversations")
         tools = [Tool(**t) for t in tools or []]
         template = load_chat_template(chat_template) if chat_template else None
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template)
@@ -236,16 +246,19 @@ class LLM:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
         if any(not isinstance(p, str) or not p for p in prompts):
             raise ValueError("every prompt must be a non-empty string")
-        return prompts, [self.tokenizer.encode(p) for p in prompts]
+        return prompts, [encode_text(self.tokenizer, p, param=f"prompt {i}") for i, p in enumerate(prompts)]
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
-        if len(sampling_params) != n:
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {n} prompts")
-        return list(sampling_params)
+        params = list(as_tuple(sampling_params, "sampling_params", "a SamplingParams or a list of them"))
+        if not all(isinstance(p, SamplingParams) for p in params):  # a dict failed deep inside with an AttributeError
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {sampling_params!r}")
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        return params
 
     def _priorities(self, priority, n: int) -> list[int]:
         if priority is None:
@@ -299,3 +312,4 @@ class LLM:
         return StreamDelta(u.seq.request_id, u.text_delta, u.token_delta, u.finished, reason,
                            u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs,
                            u.seq.stop_reason if u.finished else None)
+

@@ -12,6 +12,7 @@ set before Ray starts: an embedded cluster inherits them, and a joined cluster k
 from __future__ import annotations
 
 import enum
+import errno
 import os
 import socket
 
@@ -65,8 +66,9 @@ def check_port_free(host: str, port: int) -> None:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
-        except OSError as err:
-            raise ValueError(f"cannot serve on {host}:{port}: {err.strerror} (choose another --port)") from None
+        except OSError as err:  # in use: another port; not an address of this machine (or not one at all): the host
+            hint = "choose another --port" if err.errno == errno.EADDRINUSE else "check --host"
+            raise ValueError(f"cannot serve on {host}:{port}: {err.strerror or err} ({hint})") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
