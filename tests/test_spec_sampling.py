@@ -266,3 +266,15 @@ def test_a_tiny_temperature_samples_the_argmax_not_the_last_token():
         assert torch.isfinite(probs).all(), probs
         assert sample_with_uniforms(probs, torch.tensor([0.5])).item() == 2
     assert SamplingParams(temperature=1e-5).temperature == 1e-5
+
+
+def test_a_rows_probabilities_do_not_depend_on_its_batch_mates_settings():
+    """Bit for bit: a seed fixes a row's uniforms, and its p must not move with what the other rows ask for
+    (the sorted path's renormalising once ran every row of a batch where any row had top-k or top-p)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 2048, generator=gen) * 3
+    temperature, top_k, top_p = torch.tensor([0.7, 0.7, 1.0, 0.7]), torch.tensor([0, 50, 0, 0]), torch.tensor([1.0, 1.0, 0.9, 1.0])
+    together = target_probs(logits, temperature, top_k, top_p)
+    for r in range(4):
+        alone = target_probs(logits[r:r + 1], temperature[r:r + 1], top_k[r:r + 1], top_p[r:r + 1])
+        assert torch.equal(together[r], alone[0]), r

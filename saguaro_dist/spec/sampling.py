@@ -42,6 +42,12 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Probabilities [N, V] of tempered logits after top-k then top-p (_filter_sorted), in vocabulary order."""
+    sorted_logits, order = sort_descending(scaled)
+    return torch.empty_like(scaled).scatter_(1, order, _filter_sorted(sorted_logits, top_k, top_p))
+
+
 def _min_p_filter(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """vLLM's min-p on tempered logits [N, V]: a token whose probability is below min_p times its row's
     largest is dropped, keep(j) = softmax(scaled)(j) >= min_p * max_i softmax(scaled)(i) (min_p = 0:
@@ -91,11 +97,14 @@ def target_probs(logits: torch.Tensor, temperature, top_k, top_p, min_p=0.0) -> 
     scaled = logits / torch.where(greedy, 1.0, temperature)[:, None]
     if bool((min_p > 0).any()):  # one more softmax, only for the batches that ask for it
         scaled = _min_p_filter(scaled, min_p)
-    if bool(((top_k > 0) & (top_k < v)).any()) or bool((top_p < 1.0).any()):
-        sorted_logits, order = sort_descending(scaled)
-        probs = torch.empty_like(scaled).scatter_(1, order, _filter_sorted(sorted_logits, top_k, top_p))
-    else:  # no filtering on any row: skip the O(V log V) sort
+    filtered = ((top_k > 0) & (top_k < v)) | (top_p < 1.0)
+    if not bool(filtered.any()):  # no filtering on any row: skip the O(V log V) sort
         probs = torch.softmax(scaled, dim=-1)
+    elif bool(filtered.all()):
+        probs = _top_k_top_p(scaled, top_k, top_p)
+    else:  # only those rows: the sorted path's renormalising moved an unfiltered row's last bits, so a seeded row's
+        probs = torch.softmax(scaled, dim=-1)  # draw could depend on its batch-mates' settings
+        probs[filtered] = _top_k_top_p(scaled[filtered], top_k[filtered], top_p[filtered])
     if not bool(greedy.any()):  # three [N, V] passes saved on the sampled-only batches the draft makes
         return probs
     one_hot = torch.nn.functional.one_hot(greedy_tokens(logits), v).to(probs.dtype)
