@@ -87,6 +87,16 @@ def test_a_jit_ahead_of_the_observed_outcomes_is_draft_behind_a_stale_one_out_of
     assert worker.jit_draft([JitDraftRequest(0, 1, 0, 7)])[0].tokens.shape == (K,)  # nothing was changed
 
 
+def test_a_sequence_with_no_speculation_yet_takes_round_0_only(draft_dir):
+    """Round 1 on a sequence whose first draft this worker never made nor learned (the split draft's other
+    half made it) committed the bonus after a speculation it did not hold: a wrong context, silently."""
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="ssd", k=K, fan_out=8))
+    worker.prefill([PrefillRequest(0, [5, 6, 7, 8], DraftSampling(0.0, 0, 1.0, None))])
+    with pytest.raises(OutOfOrder, match="no speculation yet"):
+        worker.jit_draft([JitDraftRequest(0, 1, 0, 7)])
+    assert worker.jit_draft([JitDraftRequest(0, 0, 0, 7)])[0].tokens.shape == (K,)
+
+
 def jit_proposal(draft_dir, mode: str, saguaro_c: float, min_p: float = 0.0):
     worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode=mode, k=K, fan_out=8, saguaro_c=saguaro_c))
     worker.prefill([PrefillRequest(0, [5, 6, 7, 8], DraftSampling(1.0, 0, 1.0, 11, min_p=min_p))])

@@ -134,9 +134,14 @@ class DraftPool:
 
     def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater:
         """Each worker's part asked at once (its backend drafts beside the caller); result() gathers them."""
+        # A lost sequence (`lost`: a worker it was placed on marked dead, or taken back since without it) fails
+        # at once, alone, so the engine prefills it again on a live worker: asked of a worker that stalled (its
+        # trees late) it waited out the draft deadline, and asked of one taken back (which released it there)
+        # its UnknownSequence failed the whole batch, every worker's drafts, to the fast backup and a re-prefill.
+        lost = set(self.lost([r.seq_id for r in reqs]))
         parts = defaultdict(list)
         for r in reqs:
-            parts[self.groups[r.seq_id][0] if self.groups.get(r.seq_id) else None].append(r)
+            parts[None if r.seq_id in lost else self.groups[r.seq_id][0]].append(r)
         homeless = [r.seq_id for r in parts.pop(None, [])]
         pending = {i: self.backends[i].start_jit_draft(part) for i, part in parts.items()}
         return DraftLater(partial(self._answers, parts=parts, pending=pending, homeless=homeless), reqs)

@@ -155,6 +155,10 @@ class GrpcDraftBackend:
             self.prefill(retry)
         with self._cond:
             self._out_of_sync.difference_update(r.seq_id for r in reqs)
+            # A re-prefill restarts the sequence at round 0: a tree (or plan) of its earlier life still here (one
+            # that came after its round's wait, or before its stream failed) would be taken for the new life's
+            # tree of that round. (One pushed before the server's prefill but read after its reply can still land.)
+            self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
 
     def _collect_prefill(self, calls, groups) -> list[PrefillRequest]:
         retry, error = [], None

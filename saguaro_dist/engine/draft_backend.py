@@ -43,6 +43,9 @@ class DraftBackend(Protocol):
     # the target draws a sampled row's bonus against its plan's candidates (coupled bonus draws).
     def wait_plans(self, keys: list[TreeKey], timeout_s: float) -> dict[int, TreePlan]: ...
     def release(self, reqs: list[Release]) -> None: ...
+    # Those of seq_ids to prefill again: their worker or child died, or restarted without them. Asked every
+    # round: a loop that asks for no draft (trees every round, misses on the fast backup) learns it only here.
+    def lost(self, seq_ids: list[int]) -> list[int]: ...
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None: ...  # fire and forget, after what came before
     def workers(self) -> tuple[int, int]: ...  # (live, all) draft workers the engine places sequences on
     # CUDA-graph captures of the draft's other processes (their starts and ends, as last heard; this
@@ -203,6 +206,9 @@ class LocalDraftBackend:
 
     def prefill(self, reqs):
         self.call(self.worker.prefill, reqs)
+        # A re-prefill restarts the sequence at round 0: its earlier life's trees (all put by now: calls run in
+        # order) must not answer the new life's rounds of the same number.
+        self.inbox.forget([r.seq_id for r in reqs])
 
     def start_prefill(self, reqs):
         return DraftLater(self.prefill, reqs)  # on the caller's thread when taken (after the target's, as SD's draft)
@@ -224,6 +230,9 @@ class LocalDraftBackend:
 
     def release(self, reqs):
         self.submit(self._release, reqs)  # on the worker thread: after any build that puts their trees
+
+    def lost(self, seq_ids):
+        return []  # the worker lives in this process: it dies with the engine
 
     def reset_prefix_cache(self, msg):
         self.submit(lambda _: self.worker.reset_prefix_cache(), msg)

@@ -85,6 +85,9 @@ class DraftProcess:
     def _prefilled(self, call_id: int, seq_ids: list[int]) -> None:
         self._reply(call_id, "prefill", seq_ids)
         self._known.update(seq_ids)
+        # A re-prefill restarts the sequence at round 0: its earlier life's trees, all read by now (the pipe keeps
+        # the child's order), must not answer the new life's rounds of the same number.
+        self.inbox.forget(seq_ids)
 
     def jit_draft(self, reqs):
         return self.start_jit_draft(reqs).result()
@@ -137,8 +140,10 @@ class DraftProcess:
         self._stop()
 
     def lost(self, seq_ids: list[int]) -> list[int]:
-        """Those of seq_ids the child does not hold (it restarted without them)."""
-        return [sid for sid in seq_ids if sid not in self._known]
+        """Those of seq_ids the child does not hold (it restarted without them, or it has ended: the split
+        draft, whose drafts are made on the engine's thread, would otherwise never re-prefill them, and they
+        went without trees until another request's prefill restarted the child)."""
+        return list(seq_ids) if self._gone else [sid for sid in seq_ids if sid not in self._known]
 
     def accepting(self) -> bool:
         """Always: a prefill starts a new child when this one has ended."""

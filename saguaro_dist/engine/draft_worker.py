@@ -89,9 +89,13 @@ class DraftWorker:
         states = [self._get(r.seq_id) for r in reqs]
         for s, r in zip(states, reqs):
             first = s.round == 0 and not s.speculation
-            if r.round != s.round + 1 and not (first and r.round == 0):
+            # A sequence with no speculation yet takes round 0 only: a later one would commit its bonus after
+            # a speculation this worker never learned (the first draft made by the other half of a split
+            # draft, say), a wrong context that no later check would catch.
+            if (r.round != 0) if first else (r.round != s.round + 1):
                 error = DraftBehind if r.round > s.round + 1 else OutOfOrder
-                raise error(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}")
+                raise error(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}"
+                            + (" with no speculation yet" if first else ""))
             self._check_outcome(s, r.accepted, r.bonus_token)
         for s, r in zip(states, reqs):  # validate the whole batch before changing any state
             if s.speculation:  # the target verified s.speculation; if a tree was built for it, it missed

@@ -147,8 +147,13 @@ class SDLoop(ARLoop):
             self.metrics.draft_wait_s += time.perf_counter() - start
 
     def _track_draft(self, seqs: list[Sequence]) -> None:
-        """Before a round: sequences outgrowing the draft leave it, those whose worker was lost rejoin one."""
+        """Before a round: sequences outgrowing the draft leave it, those whose worker was lost rejoin one (a
+        failed draft tells of a loss, and so does the backend: no draft is asked of a sequence whose trees
+        hit every round, or whose misses take the fast backup, and it ran without trees to its end)."""
         self._leave_draft(seqs)
+        drafted = [s for s in seqs if not s.draft_lost and not s.beyond_draft]
+        for seq_id in set(self.draft.lost([s.seq_id for s in drafted])) if drafted else ():
+            next(s for s in drafted if s.seq_id == seq_id).draft_lost = True
         self._readmit([s for s in seqs if s.draft_lost and not s.beyond_draft])
 
     def _outgrows_draft(self, s: Sequence) -> bool:

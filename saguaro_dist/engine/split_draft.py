@@ -58,6 +58,7 @@ class SplitDraftBackend:
         # trees costs the engine's process nothing (no work beside its verify, no GIL taken).
         self._unobserved: list[list[Outcome]] = []
         self._here_only: set[int] = set()  # sequences the tree side failed to take: drafted here, no trees
+        self._held: set[int] = set()  # sequences the thread's worker holds (prefilled here, not released)
 
     def prefill(self, reqs):
         self.start_prefill(reqs).result()
@@ -74,6 +75,7 @@ class SplitDraftBackend:
         except BaseException:
             _settle(trees)  # this half's failure is the one to report
             raise
+        self._held.update(r.seq_id for r in reqs)
         try:
             trees.result()
         except DraftUnavailable as err:  # no tree side for them now: this half drafts them alone meanwhile
@@ -104,9 +106,10 @@ class SplitDraftBackend:
 
     def learn_drafted(self, reqs: list[JitDraftRequest], proposals: list[Proposal]) -> None:
         """Drafts the tree side made (start_jit_draft): the thread's worker observes them before its next
-        draft (those of sequences released meanwhile dropped: that worker no longer holds them)."""
-        gone = set(self.trees.lost([r.seq_id for r in reqs]))
-        learned = [_as_outcome(r, p) for r, p in zip(reqs, proposals) if r.seq_id not in gone]
+        draft (those of sequences released meanwhile dropped: that worker no longer holds them). A sequence
+        the tree side lost since is learned all the same: the engine verifies its draft, and the outcomes that
+        follow reach this worker (a batch holding one it cannot follow fails whole, the others' drafts too)."""
+        learned = [_as_outcome(r, p) for r, p in zip(reqs, proposals) if r.seq_id in self._held]
         if learned:
             self._unobserved.append(learned)
 
@@ -126,6 +129,7 @@ class SplitDraftBackend:
 
     def release(self, reqs):
         self._forget([r.seq_id for r in reqs])
+        self._held.difference_update(r.seq_id for r in reqs)
         self.jit.release(reqs)
         self.trees.release(reqs)
 
@@ -153,6 +157,11 @@ class SplitDraftBackend:
     def _observe(self, rounds: list[list[Outcome]]) -> None:
         for outcomes in rounds:  # in order: a later round's outcome of a sequence needs the earlier one
             self.jit.worker.observe(outcomes)
+
+    def lost(self, seq_ids: list[int]) -> list[int]:
+        """Those of seq_ids to prefill again (the TreeSide's question, asked of the whole split draft): a round
+        loop that drafts none of them just in time (trees every round, misses on the fast backup) learns it here."""
+        return self._lost(seq_ids)
 
     def _lost(self, seq_ids: list[int]) -> list[int]:
         """Those to prefill again: lost by the tree side, or held here alone while it accepts sequences."""
@@ -192,7 +201,16 @@ class _TreeSideDrafts:
         self._split, self._reqs, self._pending = split, reqs, pending
 
     def result(self) -> list[Proposal]:
-        proposals = self._pending.result()
+        try:
+            proposals = self._pending.result()
+        except DraftUnavailable as err:
+            # The engine verifies the drafts that did come (err.partial, another worker's failure aside): the
+            # thread's worker must learn them too. Unlearned, a first draft left it at round 0 with no
+            # speculation, where the next round's draft (k* = 0) passed its round check and committed the bonus
+            # without the first token: a wrong context, drafting at a length the tree side had drawn at.
+            drafted = [r for r in self._reqs if r.seq_id in err.partial]
+            self._split.learn_drafted(drafted, [err.partial[r.seq_id] for r in drafted])
+            raise
         self._split.learn_drafted(self._reqs, proposals)
         return proposals
 
