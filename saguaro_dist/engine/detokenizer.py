@@ -4,10 +4,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-def find_stop(text: str, stops: tuple[str, ...], keep: bool = False) -> tuple[int, str] | None:
+def find_stop(text: str, stops: tuple[str, ...], keep: bool = False, after: int = 0) -> tuple[int, str] | None:
     """The earliest stop string in the text (at one place, the first listed) and where the text ends: where
-    that string starts, or where it ends when `keep` (vLLM's include_stop_str_in_output). None: none there."""
-    hits = [(i, s) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+    that string starts, or where it ends when `keep` (vLLM's include_stop_str_in_output). None: none there.
+    after: only a stop string ending past text[:after] counts (that text came before min_tokens, vLLM's)."""
+    hits = [(i, s) for i, s in ((text.find(s, max(0, after - len(s) + 1)), s) for s in stops) if i >= 0]
     if not hits:
         return None
     start, stop = min(hits, key=lambda hit: hit[0])

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from saguaro_dist.config import Config, SchedulingPolicy
-from saguaro_dist.engine.detokenizer import Detokenizer, find_stop, stable_prefix
+from saguaro_dist.engine.detokenizer import DecodeState, Detokenizer, find_stop, stable_prefix
 from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
@@ -211,7 +211,7 @@ class Engine:
         if not s.output_token_ids:
             s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
             s.metrics.first_token_time = time.time()
-        logprobs = s.round_logprobs  # the target's, for these tokens (only when the request asked)
+        logprobs, before = s.round_logprobs, len(s.output_token_ids)  # the target's, for these tokens (if asked)
         if logprobs:
             s.round_logprobs = []
         for i, t in enumerate(tokens):
@@ -230,7 +230,7 @@ class Engine:
                 self._finish(s, FinishReason.LENGTH)
             if s.finished:
                 break
-        self._update_text(s, now)
+        self._update_text(s, now, len(s.output_token_ids) - before)
 
     def _committed(self, s: Sequence, token: int) -> bool:
         """Advance s's grammar past token; False when s failed instead (now, or while its round was scored):
@@ -246,21 +246,51 @@ class Engine:
         self._finish(s, FinishReason.ABORT)
         return False
 
-    def _update_text(self, s: Sequence, now: float) -> None:
+    def _update_text(self, s: Sequence, now: float, new: int) -> None:
+        """Decode what the last `new` tokens add to s.text; with stop strings, end s at one."""
         # Text nobody reads this round is decoded later, with the next update's (a decode in the round
         # loop costs 40-100 us a sequence: the tokenizer's tables are cold after a forward). Stop
         # strings need it every round.
-        if not s.params.stop and not self._due(s, now):
+        if not s.params.stop:
+            if self._due(s, now):
+                s.text += self._decode_more(s, self._text_ids(s), s.decode_state, s.finished)
             return
-        ids = s.output_token_ids
+        # The round's text at once, then token by token only when it holds a stop string (once a request)
+        state = DecodeState(s.decode_state.prefix_offset, s.decode_state.read_offset)
+        text = s.text + self._decode_more(s, self._text_ids(s), state, s.finished)
+        if find_stop(text, s.params.stop, after=s.stop_after) is None:
+            s.text, s.decode_state = text, state
+            if len(s.output_token_ids) <= s.params.min_tokens:
+                s.stop_after = len(s.text)
+            return
+        self._stop_token_by_token(s, new)
+
+    def _stop_token_by_token(self, s: Sequence, new: int) -> None:
+        """Decode the round's tokens one at a time and end s at the one that completes a stop string past
+        the first min_tokens tokens' text: the tokens of a speculative round after it are dropped, so that
+        SD / SSD give AR's tokens (and logprobs), which stop there."""
+        ids, first = self._text_ids(s), len(s.output_token_ids) - new
+        for n in range(min(first + 1, len(ids)), len(ids) + 1):  # (an EOS alone: a final decode of what waited)
+            s.text += self._decode_more(s, ids[:n], s.decode_state, s.finished and n == len(ids))
+            if n <= s.params.min_tokens:
+                s.stop_after = len(s.text)
+                continue
+            stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output, after=s.stop_after)
+            if stop is not None:
+                s.text, s.stop_reason = s.text[:stop[0]], stop[1]
+                del s.output_token_ids[n:], s.output_logprobs[n:]
+                s.finish_reason = FinishReason.STOP  # also where max_tokens or EOS came later in the round
+                self._finish(s, FinishReason.STOP)
+                s.metrics.num_generated_tokens = len(s.output_token_ids)
+                return
+
+    def _text_ids(self, s: Sequence) -> list[int]:
         if s.finish_reason is FinishReason.STOP and not s.params.include_stop_str_in_output:
-            ids = ids[:-1]  # the token that ended it (EOS, a stop_token_id) is not text, as in vLLM
-        s.text += self.detok.decode_more(ids, s.decode_state, final=s.finished,
-                                         skip_special_tokens=s.params.skip_special_tokens)
-        stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output)
-        if stop is not None:
-            s.text, s.stop_reason = s.text[:stop[0]], stop[1]
-            self._finish(s, FinishReason.STOP)
+            return s.output_token_ids[:-1]  # the token that ended it (EOS, a stop_token_id) is not text, as in vLLM
+        return s.output_token_ids
+
+    def _decode_more(self, s: Sequence, ids: list[int], state: DecodeState, final: bool) -> str:
+        return self.detok.decode_more(ids, state, final=final, skip_special_tokens=s.params.skip_special_tokens)
 
     def _delta(self, s: Sequence) -> Update:
         text_sent, tokens_sent = self._emitted.get(s.seq_id, ("", 0))

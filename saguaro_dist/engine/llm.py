@@ -172,6 +172,7 @@ class LLM:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # the engine holds it no more: an abort by its id could only hit another's
                     raise item
                 finished = item.finished
                 yield self._delta(item)

@@ -136,6 +136,9 @@ class EngineThread:
 
     def _take(self, inbox, aborts) -> None:
         for seq, listener in inbox:
+            if seq.request_id in self._listeners:  # it would take the other's listener: that caller waited forever
+                deliver(listener, ValueError(f"request id {seq.request_id!r} is already running"))  # (vLLM's)
+                continue
             try:
                 self.engine.add(seq)
             except ValueError as err:  # a request the engine cannot take (say its grammar): its caller learns why

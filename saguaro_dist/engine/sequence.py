@@ -89,6 +89,7 @@ class Sequence:
     round_logprobs: list[dict[int, float]] = field(default_factory=list)   # the target's, for the tokens it just decided
     prompt_logprobs: list[dict[int, float] | None] | None = None          # if params.prompt_logprobs: None first
     text: str = ""                         # detokenized output, stop strings cut
+    stop_after: int = 0                    # text[:stop_after] came from the first min_tokens tokens: no stop string ends there
     decode_state: DecodeState = field(default_factory=DecodeState)
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None   # vLLM's: the stop_token_id or stop string that ended it; None: EOS, length
