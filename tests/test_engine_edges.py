@@ -34,8 +34,10 @@ def test_a_speculative_round_ends_at_the_token_that_completes_a_stop_string(engi
         text = run(ar, prompt, greedy()).text
         for at in range(2, len(text) - 2, 3):
             params = greedy(stop=[text[at:at + 2]], logprobs=0)
+            counted = ssd.metrics.generated_tokens
             want, got = run(ar, prompt, params), run(ssd, prompt, params)
             assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, "stop")
+            assert ssd.metrics.generated_tokens - counted == len(got.token_ids)  # the dropped tokens are not counted
             assert len(got.logprobs) == len(got.token_ids)
             checked += 1
     assert checked > 10

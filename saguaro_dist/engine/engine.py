@@ -278,6 +278,7 @@ class Engine:
             stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output, after=s.stop_after)
             if stop is not None:
                 s.text, s.stop_reason = s.text[:stop[0]], stop[1]
+                self.metrics.generated_tokens -= len(s.output_token_ids) - n  # counted by _append
                 del s.output_token_ids[n:], s.output_logprobs[n:]
                 s.finish_reason = FinishReason.STOP  # also where max_tokens or EOS came later in the round
                 self._finish(s, FinishReason.STOP)
