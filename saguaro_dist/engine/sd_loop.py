@@ -152,8 +152,9 @@ class SDLoop(ARLoop):
         hit every round, or whose misses take the fast backup, and it ran without trees to its end)."""
         self._leave_draft(seqs)
         drafted = [s for s in seqs if not s.draft_lost and not s.beyond_draft]
-        for seq_id in set(self.draft.lost([s.seq_id for s in drafted])) if drafted else ():
-            next(s for s in drafted if s.seq_id == seq_id).draft_lost = True
+        lost = set(self.draft.lost([s.seq_id for s in drafted])) if drafted else ()
+        for s in drafted:
+            s.draft_lost = s.seq_id in lost
         self._readmit([s for s in seqs if s.draft_lost and not s.beyond_draft])
 
     def _outgrows_draft(self, s: Sequence) -> bool:

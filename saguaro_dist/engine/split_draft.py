@@ -85,7 +85,7 @@ class SplitDraftBackend:
             self._here_only.update(failed)
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
-        lost = self._lost([r.seq_id for r in reqs])
+        lost = self.lost([r.seq_id for r in reqs])
         if lost:  # the tree side lost them (restarted, a worker died) or can take them back: the engine
             raise DraftUnavailable(f"the tree-building draft lost sequences {lost}", lost)  # re-prefills both halves
         observed, self._unobserved = self._unobserved, []
@@ -159,12 +159,8 @@ class SplitDraftBackend:
             self.jit.worker.observe(outcomes)
 
     def lost(self, seq_ids: list[int]) -> list[int]:
-        """Those of seq_ids to prefill again (the TreeSide's question, asked of the whole split draft): a round
-        loop that drafts none of them just in time (trees every round, misses on the fast backup) learns it here."""
-        return self._lost(seq_ids)
-
-    def _lost(self, seq_ids: list[int]) -> list[int]:
-        """Those to prefill again: lost by the tree side, or held here alone while it accepts sequences."""
+        """Those to prefill again: lost by the tree side, or held here alone while it accepts sequences (asked
+        every round, and before each just-in-time draft)."""
         if not self._here_only:
             return self.trees.lost(seq_ids)
         here = [sid for sid in seq_ids if sid in self._here_only]
