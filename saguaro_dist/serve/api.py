@@ -11,13 +11,14 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from saguaro_dist.engine.loop_thread import EngineError
+from saguaro_dist.engine.text import encode_text
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError, install_error_handlers, stream_error
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
 from saguaro_dist.serve.openai_responses import usage as responses_usage
-from saguaro_dist.serve.prompts import encode_chat, encode_text
+from saguaro_dist.serve.prompts import encode_chat
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, merge

@@ -8,8 +8,6 @@ from saguaro_dist.engine.text import encode_text
 from saguaro_dist.serve.protocol import ChatMessage, Tool
 from saguaro_dist.serve.tool_parsers import HERMES_CLOSE, HERMES_OPEN
 
-__all__ = ["encode_chat", "encode_text", "load_chat_template", "render_chat"]
-
 # Arguments we pass apply_chat_template ourselves: a request's chat_template_kwargs may not set them.
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_generation_prompt", "chat_template",
                                       "return_dict", "return_tensors", "continue_final_message", "documents"})

@@ -10,10 +10,10 @@ from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from saguaro_dist.engine.sequence import OutputKind
+from saguaro_dist.engine.text import encode_text
 from saguaro_dist.sampling_params import SamplingParams, truncate_prompt
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.metrics import ENGINE_TIME_COUNTERS, ServeMetrics
-from saguaro_dist.serve.prompts import encode_text
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, reasoning_first
 from saguaro_dist.serve.tool_parsers import ToolCallParser
