@@ -13,6 +13,12 @@ MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
 MAX_TOP_K = 2 ** 31 - 1  # far past any vocabulary (a top_k past it keeps every token anyway)
 SEED_MIN, SEED_MAX = -2 ** 63, 2 ** 63 - 1  # int64
 GREEDY_BELOW = 1e-5  # a temperature under this is greedy (vLLM's _SAMPLING_EPS)
+FLOAT32_MAX = 3.4028234663852886e38  # the engine holds the float settings in float32 tensors
+# A seen token's logit is divided (> 0) or multiplied (<= 0) by the repetition penalty, then divided by a
+# temperature down to GREEDY_BELOW. Within these bounds any logit under ~3e23 (a model's are far smaller)
+# stays finite in float32; at 1e-40 a logit of 5 became inf (NaN probabilities: the last token id drawn),
+# and 1e39, inf in float32, made a zero logit 0 * inf = NaN.
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 1e-10, 1e10
 
 TokenBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, sorted by id
 
@@ -82,9 +88,7 @@ class SamplingParams:
         check_int("max_tokens", self.max_tokens, 1)
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        # A NaN temperature passed `< 0` and sampled garbage; an infinite one is not a temperature either.
-        if not is_number(self.temperature) or not 0 <= self.temperature < float("inf"):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        check_temperature(self.temperature)
         if self.temperature < GREEDY_BELOW:  # logits / 1e-40 overflowed to inf: NaN probabilities, the last token id
             object.__setattr__(self, "temperature", 0.0)
         if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
@@ -132,13 +136,23 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def check_temperature(temperature: float) -> None:
+    """A NaN temperature passed `< 0` and sampled garbage. One that float32 cannot hold broke the engine
+    step: 1e39 became inf, and a masked token's -inf / inf was NaN; the int 10**400 raised OverflowError,
+    failing every request in flight."""
+    if not is_number(temperature) or not 0 <= temperature <= FLOAT32_MAX:
+        raise ValueError(f"temperature must be a number in [0, {FLOAT32_MAX:.4g}] (float32's largest), got {temperature!r}")
+
+
 def check_penalties(presence: float, frequency: float, repetition: float) -> None:
-    """vLLM's ranges: presence and frequency in [-2, 2], repetition finite and > 0 (1 disables it)."""
+    """vLLM's ranges: presence and frequency in [-2, 2], repetition > 0 (1 disables it), and here also
+    within [REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX], where the penalized logits stay finite."""
     for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
         if not is_number(value) or not -2.0 <= value <= 2.0:
             raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-    if not is_number(repetition) or not 0.0 < repetition < float("inf"):
-        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), got {repetition!r}")
+    if not is_number(repetition) or not REPETITION_PENALTY_MIN <= repetition <= REPETITION_PENALTY_MAX:
+        raise ValueError(f"repetition_penalty must be a number in [{REPETITION_PENALTY_MIN:g}, "
+                         f"{REPETITION_PENALTY_MAX:g}] (1 disables it), got {repetition!r}")
 
 
 def truncate_prompt(tokens: list[int], keep: int | None, max_model_len: int) -> list[int]:
@@ -216,11 +230,17 @@ def allowed_tokens(ids: Iterable[int] | None) -> tuple[int, ...] | None:
 
 def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
     """What only the model can tell: the token ids a request names (logit_bias, allowed_token_ids) are in
-    its vocabulary, and allowed_token_ids leaves a token to generate while min_tokens holds the ends back."""
+    its vocabulary, and a token is left to generate while min_tokens holds the ends back."""
     for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids)):
         if ids and max(ids) >= vocab_size:
             raise ValueError(f"{name} names token {max(ids)}, outside the vocabulary (ids 0..{vocab_size - 1})")
+    if not params.min_tokens:
+        return
     ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-    if params.min_tokens and params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ends:
+    if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ends:
         raise ValueError(f"allowed_token_ids holds only end tokens (EOS / stop_token_ids), which min_tokens = "
+                         f"{params.min_tokens} holds back: nothing could be generated")
+    # Every logit at -inf would make NaN probabilities (the last token id sampled), not an error.
+    if len({t for t in ends if t < vocab_size}) == vocab_size:
+        raise ValueError(f"stop_token_ids (with EOS) name every token of the vocabulary, which min_tokens = "
                          f"{params.min_tokens} holds back: nothing could be generated")

@@ -8,8 +8,12 @@ import torch
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[dict[int, float]]:
     """One dict per row: the chosen token's log-probability first, then the row's top_n tokens' (the
-    chosen one appears once). logits [R, V], tokens [R] -> R dicts of 1..top_n + 1 entries."""
+    chosen one appears once). logits [R, V], tokens [R] -> R dicts of 1..top_n + 1 entries.
+
+    A vocabulary smaller than top_n (up to MAX_LOGPROBS = 20) gives all its tokens: topk past V raised
+    inside the engine step, failing every request in flight."""
     logp = torch.log_softmax(logits.float(), dim=-1)
+    top_n = min(top_n, logp.shape[-1])
     chosen = logp.gather(-1, torch.tensor(tokens, dtype=torch.long, device=logp.device)[:, None]).squeeze(-1).tolist()
     if top_n == 0:
         return [{t: lp} for t, lp in zip(tokens, chosen)]

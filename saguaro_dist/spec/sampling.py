@@ -28,8 +28,10 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     """Probabilities over descending-sorted logits after top-k then top-p.
 
     keep_k(j) = j < k (k = 0: all); p' = softmax(logits | keep_k);
-    keep_p(j) = sum_{i<j} p'(i) < top_p (so the first token always stays; top_p >= 1: all);
+    keep_p(j) = sum_{i<j} p'(i) < top_p, or j = 0 (top_p >= 1: all);
     result = norm(p' * keep_p).
+    The first token stays by rank, not by the comparison: a top_p under float32's smallest (1e-46) is 0
+    here, and 0 < 0 dropped every token (NaN probabilities, the last token id drawn).
     """
     v = sorted_logits.shape[-1]
     rank = torch.arange(v, device=sorted_logits.device)
@@ -37,7 +39,7 @@ def _filter_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor, top_p: torc
     masked = sorted_logits.masked_fill(rank[None, :] >= k_eff[:, None], float("-inf"))
     probs = torch.softmax(masked, dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0) | (rank[None, :] == 0)
     probs = probs * keep
     return probs / probs.sum(dim=-1, keepdim=True)
 
