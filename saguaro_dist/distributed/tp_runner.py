@@ -44,4 +44,9 @@ def follow(runner, group) -> None:
         name, args = message[0]
         if name == STOP:
             return
-        getattr(runner, name)(*args)
+        try:
+            getattr(runner, name)(*args)
+        except Exception:  # noqa: BLE001 - rank 0 ran the same call on the same state and failed alike
+            # A follower that stopped here would leave rank 0, which reports the failure and carries on
+            # (Engine.reset frees every sequence), waiting forever in its next broadcast or collective.
+            log.exception("tensor-parallel follower: replayed %s failed (as it did on rank 0)", name)

@@ -9,6 +9,9 @@ from pathlib import Path
 _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True)}
 _ROPE_TYPES = ("default", "linear", "llama3")
+_DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
+_ROPE_FIELDS = {"linear": ("factor",),  # what each type's frequencies read (model/rope.py)
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,9 @@ def rope_params(hf: dict) -> dict:
         raise ValueError(f"config.json rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("config.json partial_rotary_factor != 1 is not supported")
+    lacking = [k for k in _ROPE_FIELDS.get(rope_type, ()) if rope.get(k) is None]
+    if lacking:  # refused here, not a KeyError when the tables are built
+        raise ValueError(f"config.json rope_type {rope_type!r} lacks {', '.join(lacking)}")
     rope["rope_type"] = rope_type
     return rope
 
@@ -68,7 +74,9 @@ def context_limit(hf: dict) -> int:
     the window, sliding attention is full attention, which is what this runtime computes."""
     limit = _require(hf, "max_position_embeddings")
     applies = hf["model_type"] == "mistral" or (hf["model_type"] in ("qwen2", "qwen3") and hf.get("use_sliding_window"))
-    window = hf.get("sliding_window") if applies else None  # Mistral's applies unless null; Qwen's only when used
+    # Mistral's applies unless null, Qwen's only when used; absent, it is the config class's default, as
+    # transformers reads the file
+    window = hf.get("sliding_window", _DEFAULT_WINDOW) if applies else None
     return min(limit, window) if window else limit
 
 
@@ -89,11 +97,14 @@ def parse_config(hf: dict) -> ModelConfig:
     qkv_bias = bool(hf.get(bias_key, False)) if bias_key else True
     heads = _require(hf, "num_attention_heads")
     hidden = _require(hf, "hidden_size")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads % kv_heads:  # each key/value head serves a whole group of query heads
+        raise ValueError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     eos = hf.get("eos_token_id")
     return ModelConfig(
         model_type=model_type, vocab_size=_require(hf, "vocab_size"), hidden_size=hidden,
         intermediate_size=_require(hf, "intermediate_size"), num_layers=_require(hf, "num_hidden_layers"),
-        num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+        num_heads=heads, num_kv_heads=kv_heads,
         head_dim=hf.get("head_dim") or hidden // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         max_position_embeddings=context_limit(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),

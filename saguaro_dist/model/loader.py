@@ -58,6 +58,13 @@ def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str):
     param.copy_(tensor)
 
 
+def _param_name(stored: str, wanted: set[str]) -> str:
+    """The parameter a checkpoint tensor fills. A bare decoder's checkpoint (LlamaModel.save_pretrained:
+    `embed_tokens.weight`, `layers.0...`, usually with a tied head) names them without the `model.`
+    prefix, which transformers adds when it loads one into a causal LM; so do we."""
+    return f"model.{stored}" if stored not in wanted and f"model.{stored}" in wanted else stored
+
+
 def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset()):
     """Every parameter must come from the checkpoint (none is left as allocated); `skip` names tied ones."""
     params = {n: (m, local) for m_name, m in model.named_modules()
@@ -67,14 +74,15 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
     loaded = set()
     for file in checkpoint_files(model_dir):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = _param_name(stored, wanted)
                 if name not in wanted:
                     continue  # e.g. rotary inv_freq buffers, or an lm_head the config ties
                 module, local = params[name]
                 shard = getattr(module, "shard_weight", None)  # tensor-parallel modules keep their slice
-                tensor = f.get_tensor(name) if shard is None else shard(local, f.get_slice(name))
+                tensor = f.get_tensor(stored) if shard is None else shard(local, f.get_slice(stored))
                 with torch.no_grad():
-                    _copy_into(getattr(module, local), tensor, name)
+                    _copy_into(getattr(module, local), tensor, stored)
                 loaded.add(name)
     missing = sorted(wanted - loaded)
     if missing:
