@@ -71,11 +71,15 @@ def judge(model, prompts: list[list[int]], outputs: list[list[int]], reference: 
 def judge_cells(cells: list[dict], prompts: list[list[int]], target: str, dtype: str, device: str,
                 group: tuple[str, ...] = ("setting", "batch"), rows=lambda cell: cell["outputs"]) -> None:
     """Sets greedy_departures on every greedy cell with an ar cell of the same `group` (a list, empty when
-    token-identical); rows(cell): its outputs, row i from prompts[i]. Loads the target in fp32 only if some cell
-    departs. Logs an error for a departure that is no near tie."""
+    token-identical; None where either cell failed); rows(cell): its outputs, row i from prompts[i]. Loads the
+    target in fp32 only if some cell departs. Logs an error for a departure that is no near tie."""
     key = lambda c: tuple(c[g] for g in group)  # noqa: E731
     ars = {key(c): c for c in cells if c["system"] == "ar" and c["temperature"] == 0}
     pairs = [(c, ars[key(c)]) for c in cells if c["temperature"] == 0 and c["system"] != "ar" and key(c) in ars]
+    for c, ar in pairs:
+        if c.get("error") or ar.get("error"):  # a failed cell has no outputs to judge, nor to judge by
+            c["greedy_departures"] = None
+    pairs = [(c, ar) for c, ar in pairs if not c.get("error") and not ar.get("error")]
     model = _load_fp32(target, device) if any(rows(c) != rows(ar) for c, ar in pairs) else None
     for c, ar in pairs:
         found = judge(model, prompts, rows(c), rows(ar), dtype, device) if model is not None else []
@@ -96,7 +100,7 @@ def summary(cells: list[dict]) -> str | None:
     """One line for the terminal: how many greedy rows departed from ar and whether all at near ties."""
     if not any("greedy_departures" in c for c in cells):
         return None
-    judged = [d for c in cells for d in c.get("greedy_departures", [])]
+    judged = [d for c in cells for d in c.get("greedy_departures") or []]  # None: a failed cell, not judged
     if not judged:
         return "greedy: every row token-identical to ar"
     wrong = [d for d in judged if not d["near_tie"]]

@@ -16,22 +16,30 @@ def speedup_vs_batch(results: dict, path: Path) -> Path:
     over our sd when ar did not run (`--systems sd,ssd`), or tokens/s when neither did."""
     plt = _pyplot()
     cells = results["cells"]
-    key, ylabel = _speedup_axis({c["system"] for c in cells})
-    panels = sorted({(c["setting"], c["temperature"]) for c in cells})
+    key, ylabel = _speedup_axis({c["system"] for c in cells if c.get("tokens_per_s")})  # of the baselines that ran
+    panels = sorted({(c["setting"], c["temperature"]) for c in cells}) or [("no", None)]  # every cell failed: one empty panel
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    batches = sorted({c["batch"] for c in cells})
     for ax, (setting, temp) in zip(axes[0], panels):
         for system in dict.fromkeys(c["system"] for c in cells):
             pts = sorted((c["batch"], c[key]) for c in cells
-                         if (c["system"], c["setting"], c["temperature"]) == (system, setting, temp) and c[key])
+                         if (c["system"], c["setting"], c["temperature"]) == (system, setting, temp) and c.get(key))
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=system)
         if key != "tokens_per_s":
             ax.axhline(1.0, color="grey", lw=0.5)
         ax.set(title=f"{setting} setting, T={temp}", xlabel="batch size", ylabel=ylabel, xscale="log")
-        ax.set_xticks(sorted({c["batch"] for c in cells}), labels=[str(b) for b in sorted({c["batch"] for c in cells})])
+        if batches:
+            ax.set_xticks(batches, labels=[str(b) for b in batches])
         ax.minorticks_off()  # a log axis labels its minor ticks (3 x 10^0) between the batch sizes otherwise
-        ax.legend(fontsize=8)
+        _legend(ax)
     return _save(fig, plt, path)
+
+
+def _legend(ax, **kwargs) -> None:
+    """A legend where some line has a label (matplotlib warns of an empty one: a panel whose cells all failed)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
 
 
 def _speedup_axis(systems: set[str]) -> tuple[str, str]:
@@ -46,13 +54,13 @@ def hit_rate_vs_budget(results: dict, path: Path) -> Path:
     """Cache hit rate vs fan-out budget per fan-out kind (sweep points of the fan_out axis)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
-    points = [p for p in results["points"] if p["axis"] == "fan_out"]
+    points = [p for p in results["points"] if p["axis"] == "fan_out" and p.get("cache_hit_rate") is not None]
     for kind in dict.fromkeys(p["fan_out_kind"] for p in points):
         pts = sorted((p["fan_out"], p["cache_hit_rate"]) for p in points if p["fan_out_kind"] == kind)
         ax.plot(*zip(*pts), marker="o", label=kind)
     ax.set(title=f"hit rate vs fan-out budget (T={results['sweep']['temperature']})", xlabel="fan-out budget B",
            ylabel="cache hit rate", ylim=(0, 1.05))
-    ax.legend()
+    _legend(ax)
     return _save(fig, plt, path)
 
 
@@ -60,14 +68,13 @@ def acceptance_hit_vs_c(results: dict, path: Path) -> Path:
     """Acceptance rate and cache hit rate vs Saguaro C (sweep points of the saguaro_c axis)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5, 4))
-    pts = sorted((p["saguaro_c"], p["acceptance_rate"], p["cache_hit_rate"]) for p in results["points"]
-                 if p["axis"] == "saguaro_c")
-    if pts:
-        cs, acc, hit = zip(*pts)
-        ax.plot(cs, acc, marker="o", label="acceptance rate")
-        ax.plot(cs, hit, marker="s", label="cache hit rate")
+    points = sorted((p for p in results["points"] if p["axis"] == "saguaro_c"), key=lambda p: p["saguaro_c"])
+    for key, marker, label in (("acceptance_rate", "o", "acceptance rate"), ("cache_hit_rate", "s", "cache hit rate")):
+        pts = [(p["saguaro_c"], p[key]) for p in points if p.get(key) is not None]  # None: a failed point, no lookups
+        if pts:
+            ax.plot(*zip(*pts), marker=marker, label=label)
     ax.set(title=f"Saguaro sampling (T={results['sweep']['temperature']})", xlabel="C", ylabel="rate", ylim=(0, 1.05))
-    ax.legend()
+    _legend(ax)
     return _save(fig, plt, path)
 
 
@@ -87,7 +94,7 @@ def serving_vs_rate(results: dict, path: Path) -> Path:
                 ax.plot(range(len(rates)), [by_rate.get(r) for r in rates], marker="o", label=system)
             ax.set(title=f"{setting} setting, T={temp}", xlabel="requests/s arriving", ylabel=ylabel)
             ax.set_xticks(range(len(rates)), labels=[str(r) for r in rates])
-            ax.legend(fontsize=8)
+            _legend(ax, fontsize=8)
     return _save(fig, plt, path)
 
 

@@ -132,7 +132,22 @@ def render(results: dict) -> str:
     rows = results[rows_key]
     table = markdown_table(rows, columns)
     greedy = departures_summary(rows)
-    return "\n".join(lines + ["", table, ""] + ([greedy, ""] if greedy else []) + theorem7_lines(rows))
+    failed = error_lines(rows)
+    return "\n".join(lines + ["", table, ""] + (failed + [""] if failed else []) + ([greedy, ""] if greedy else [])
+                     + theorem7_lines(rows))
+
+
+def error_lines(rows: list[dict]) -> list[str]:
+    """One line per cell (or sweep point) whose system failed: the table shows its figures as '-'."""
+    lines = []
+    for r in rows:
+        if not r.get("error"):
+            continue
+        label = f"{r.get('setting', '')}/{r['system']} b={r['batch']} T={r['temperature']}"
+        if "axis" in r:
+            label += f" [{r['axis']}={_axis_value(r)}]"
+        lines.append(f"FAILED {label}: {r['error']}")
+    return lines
 
 
 def write_json(results: dict, path: Path) -> Path:

@@ -7,6 +7,7 @@ import logging
 import os
 import platform
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +42,25 @@ def run_grid(cfg: BenchConfig, progress: bool = True) -> dict:
     judge_cells(cells, prompts, target, cfg.dtype, cfg.device)
     annotate(cells, calibs)
     return {"schema": SCHEMA_VERSION, "kind": "grid", "config": cfg.to_dict(), **context(target, draft, source, cfg),
-            "calibration": [{"batch": b, "temperature": t, **c} for (b, t), c in calibs.items()], "cells": cells}
+            "calibration": [{"batch": b, "temperature": t, **c} for (b, t), c in calibs.items()], "cells": cells,
+            "errors": cell_errors(cells)}
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A system's pass that raised: its cell reports the error in place of figures, and the grid goes on
+    (one system's crash used to lose every cell measured before it, and every one after)."""
+    error: str
+
+    @classmethod
+    def of(cls, err: BaseException, where: str) -> "Failed":
+        log.error("bench: %s failed: %s: %s", where, type(err).__name__, err, exc_info=err)
+        return cls(f"{where}: {type(err).__name__}: {err}")
+
+
+def cell_errors(cells: list[dict]) -> list[dict]:
+    """The cells whose system failed, and why (empty when every cell was measured)."""
+    return [{k: c[k] for k in ("system", "setting", "batch", "temperature", "error")} for c in cells if c.get("error")]
 
 
 def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
@@ -58,23 +77,47 @@ def run_system(cfg: BenchConfig, system: str, setting: str, target: str, draft: 
 
 
 def measure_batches(cfg: BenchConfig, system: str, place, target: str, draft: str, prompts, temperature: float,
-                    bar) -> list[Repeats]:
-    """One engine under `place`, measured at every batch size in turn."""
-    runner = make_system(system, target, draft, cfg.engine_kwargs())
-    bar.set_postfix_str(f"{system} ({place.target_threads} thread(s)): loading")
-    runner.open(place)
+                    bar) -> list[Repeats | Failed]:
+    """One engine under `place`, measured at every batch size in turn. A failure (loading, a pass) is that
+    batch size's result, and the later ones' (the engine may be broken): the batch sizes before it keep theirs."""
+    label = f"{system} ({place.target_threads} thread(s)) T={temperature}"
+    runner, results, stage = make_system(system, target, draft, cfg.engine_kwargs()), [], "loading"
+    bar.set_postfix_str(f"{label}: loading")
     try:
-        return [measure(runner, prompts, b, temperature, cfg) for b in cfg.batch_sizes]
+        runner.open(place)
+        for b in cfg.batch_sizes:
+            stage = f"b={b}"
+            bar.set_postfix_str(f"{label} {stage}")
+            results.append(measure(runner, prompts, b, temperature, cfg))
+    except Exception as err:  # noqa: BLE001 - reported in the cells; the other systems' cells go on
+        results += [Failed.of(err, f"{label} {stage}")] * (len(cfg.batch_sizes) - len(results))
     finally:
+        close_quietly(runner, label)
+    return results
+
+
+def close_quietly(runner, label: str) -> None:
+    """close(), a failure logged: it must not take the cells already measured with it."""
+    try:
         runner.close()
+    except Exception:  # noqa: BLE001
+        log.exception("bench: closing %s failed", label)
 
 
-def fastest_cell(system: str, setting: str, places: list, timed: list[Repeats], batch: int, temperature: float) -> dict:
-    """The cell of the fastest candidate placement; with several, each one's tok/s under "candidates"."""
-    i = max(range(len(places)), key=lambda j: timed[j].best.tokens_per_s)
-    cell = cell_record(system, setting, places[i], batch, temperature, timed[i])
+def fastest_cell(system: str, setting: str, places: list, timed: list[Repeats | Failed], batch: int,
+                 temperature: float) -> dict:
+    """The cell of the fastest candidate placement that ran; with several, each one's tok/s under "candidates"
+    (None, and its error, for one that failed). With none that ran, an error cell (error_cell)."""
+    ran = [j for j in range(len(places)) if isinstance(timed[j], Repeats)]
+    if ran:
+        i = max(ran, key=lambda j: timed[j].best.tokens_per_s)
+        cell = cell_record(system, setting, places[i], batch, temperature, timed[i])
+    else:
+        cell = error_cell(system, setting, places[0], batch, temperature, "; ".join(t.error for t in timed))
     if len(places) > 1:
         cell["candidates"] = [{"target_threads": p.target_threads, "tokens_per_s": t.best.tokens_per_s}
+                              if isinstance(t, Repeats) else
+                              {"target_threads": p.target_threads, "tokens_per_s": None, "error": t.error}
                               for p, t in zip(places, timed)]
     return cell
 
@@ -82,26 +125,34 @@ def fastest_cell(system: str, setting: str, places: list, timed: list[Repeats], 
 def run_interleaved(cfg: BenchConfig, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
     """run_system for every system at once: per temperature all engines are open (an idle one sleeps)
     and each repeat runs every system once, the order rotating, so the box's drift (20% from minute
-    to minute here) falls on all of them alike instead of on whichever ran later."""
+    to minute here) falls on all of them alike instead of on whichever ran later. An engine that fails
+    (loading, a pass) reports it in its cells from there on; the others go on."""
     places, cells = {s: candidate_placements(s, setting, cfg.cores) for s in cfg.systems}, []
     for temperature in cfg.temperatures:
         runners = {(s, i): make_system(s, target, draft, cfg.engine_kwargs()) for s in cfg.systems
                    for i in range(len(places[s]))}
+        broken: dict[tuple, Failed] = {}  # runner -> its failure, for every batch size from it on
         try:
             for (system, i), runner in runners.items():
                 bar.set_postfix_str(f"{setting}/{system}: loading")
-                runner.open(places[system][i])
+                try:
+                    runner.open(places[system][i])
+                except Exception as err:  # noqa: BLE001 - reported in the cells
+                    broken[(system, i)] = Failed.of(err, f"{system} ({places[system][i].target_threads} thread(s)) "
+                                                         f"T={temperature}, loading")
             for b in cfg.batch_sizes:
                 bar.set_postfix_str(f"{setting} b={b} T={temperature}, interleaved")
-                timed = measure_interleaved(runners, prompts, b, temperature, cfg)
+                live = {key: runner for key, runner in runners.items() if key not in broken}
+                timed = {**measure_interleaved(live, prompts, b, temperature, cfg, keep_going=True), **broken}
+                broken.update({key: t for key, t in timed.items() if isinstance(t, Failed)})
                 cells += [fastest_cell(s, setting, places[s], [timed[(s, i)] for i in range(len(places[s]))], b, temperature)
                           for s in cfg.systems]
                 for cell in cells[-len(cfg.systems):]:
                     log_cell(cell)
                 bar.update(len(cfg.systems))
         finally:
-            for runner in runners.values():
-                runner.close()
+            for (system, _), runner in runners.items():
+                close_quietly(runner, system)
     return cells
 
 
@@ -110,21 +161,39 @@ def measure(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -
     return measure_interleaved({"one": runner}, prompts, batch, temperature, cfg)["one"]
 
 
-def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, cfg: BenchConfig) -> dict[str, Repeats]:
-    """measure() for several systems: warm-ups, then repeat r runs them in the order rotated by r."""
-    names = list(runners)
-    for runner in runners.values():
-        warm_up(runner, prompts, batch, temperature, cfg)
+def measure_interleaved(runners: dict, prompts, batch: int, temperature: float, cfg: BenchConfig,
+                        keep_going: bool = False) -> dict[str, Repeats | Failed]:
+    """measure() for several systems: warm-ups, then repeat r runs them in the order rotated by r.
+    keep_going: a system that raises is left out of the passes after it and its result is a Failed (the
+    others' passes go on); else the error propagates."""
+    names, failed = list(runners), {}
+
+    def attempt(name, run, *args, **kwargs):
+        if name in failed:
+            return None
+        try:
+            return run(runners[name], prompts, batch, temperature, cfg, *args, **kwargs)
+        except Exception as err:
+            if not keep_going:
+                raise
+            system = name[0] if isinstance(name, tuple) else name  # run_interleaved's keys: (system, placement)
+            failed[name] = Failed.of(err, f"{system} b={batch} T={temperature}")
+            return None
+
+    for name in names:
+        attempt(name, warm_up)
     runs: dict[str, list[Measurement]] = {n: [] for n in names}
     for r in range(cfg.repeats):
         for name in rotated(names, r):
-            runs[name].append(run_batches(runners[name], prompts, batch, temperature, cfg, repeat=r))
-    return {n: Repeats.of(runs[n]) for n in names}
+            m = attempt(name, run_batches, repeat=r)
+            if m is not None:
+                runs[name].append(m)
+    return {n: failed[n] if n in failed else Repeats.of(runs[n]) for n in names}
 
 
 def rotated(names: list, r: int) -> list:
     """The names in the order repeat r runs them: rotated by r, so no system always runs first or last."""
-    return names[r % len(names):] + names[:r % len(names)]
+    return names[r % len(names):] + names[:r % len(names)] if names else []
 
 
 GPU_WARM_UP_PASSES = 2
@@ -155,6 +224,10 @@ def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfi
 
 def log_cell(cell: dict) -> None:
     """Each cell as it is measured (a long run cut short still tells what it saw)."""
+    if cell.get("error"):
+        log.error("cell %s/%s b=%d T=%g: FAILED (%s)", cell["setting"], cell["system"], cell["batch"], cell["temperature"],
+                  cell["error"])
+        return
     per_round = {k: round(v, 2) for k, v in cell.items() if k.endswith("_ms_per_round")}
     log.info("cell %s/%s b=%d T=%g: %.1f tok/s, acceptance %s, hit rate %s, %s", cell["setting"], cell["system"],
              cell["batch"], cell["temperature"], cell["tokens_per_s"], cell["acceptance_rate"], cell["cache_hit_rate"],
@@ -165,8 +238,7 @@ def cell_record(system: str, setting: str, place, batch: int, temperature: float
     """The cell's figures from its fastest pass; every pass's tokens/s too (repeat_tokens_per_s)."""
     m = passes.best
     rounds = m.engine.get("rounds", 0)
-    timed = ("step_s",) if system == "ar" else ("verify_s", "draft_wait_s", "coordination_s", "step_s")  # ar: no split
-    per_round_ms = {f"{k[:-2]}_ms_per_round": 1e3 * m.engine[k] / rounds for k in timed} if rounds else {}
+    per_round_ms = {f"{k[:-2]}_ms_per_round": 1e3 * m.engine[k] / rounds if rounds else None for k in round_timings(system)}
     lookups = m.cache_hits + m.cache_misses
     return {"system": system, "setting": setting, "batch": batch, "temperature": temperature,
             "tokens": m.tokens, "seconds": m.seconds, "tokens_per_s": m.tokens_per_s, "cores": place.cores,
@@ -175,15 +247,36 @@ def cell_record(system: str, setting: str, place, batch: int, temperature: float
             "mean_accepted_length": (m.accepted + m.seq_rounds) / m.seq_rounds if m.seq_rounds else None,
             "cache_hit_rate": m.cache_hits / lookups if lookups else None, "fallbacks": m.fallbacks,
             "prompts": len(m.outputs), "repeat_tokens_per_s": passes.tokens_per_s,
-            "engine": m.engine, **per_round_ms, "outputs": m.outputs, "_measurement": m}
+            "engine": m.engine, **per_round_ms, "error": None, "outputs": m.outputs, "_measurement": m}
+
+
+def round_timings(system: str) -> tuple[str, ...]:
+    """The engine timings a cell reports per round (as <name>_ms_per_round): none for transformers' (no
+    rounds to count), the step alone for ar (no split), else the split."""
+    if system.startswith("hf"):
+        return ()
+    return ("step_s",) if system == "ar" else ("verify_s", "draft_wait_s", "coordination_s", "step_s")
+
+
+def error_cell(system: str, setting: str, place, batch: int, temperature: float, error: str) -> dict:
+    """A cell whose system failed: cell_record's fields, no figures (None), and the error."""
+    return {"system": system, "setting": setting, "batch": batch, "temperature": temperature,
+            "tokens": None, "seconds": None, "tokens_per_s": None, "cores": place.cores,
+            "tokens_per_s_per_core": None, "placement": place.to_dict(), "acceptance_rate": None,
+            "mean_accepted_length": None, "cache_hit_rate": None, "fallbacks": {}, "prompts": 0,
+            "repeat_tokens_per_s": [], "engine": {}, **{f"{k[:-2]}_ms_per_round": None for k in round_timings(system)},
+            "error": error, "outputs": [], "_measurement": None}
 
 
 def calibrate_cells(cfg: BenchConfig, cells: list[dict], target: str, draft: str, prompts) -> dict:
     """Draft tree-build / just-in-time latencies per (batch, temperature) that an SSD cell ran at."""
-    keys = sorted({(c["batch"], c["temperature"]) for c in cells if c["system"] in SSD_SYSTEMS})
+    keys = sorted({(c["batch"], c["temperature"]) for c in cells if c["system"] in SSD_SYSTEMS and not c.get("error")})
     calibs = {}
     for b, t in tqdm(keys, desc="draft calibration", unit="cell", disable=not keys):
-        calibs[(b, t)] = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts[:b], t)
+        try:
+            calibs[(b, t)] = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts[:b], t)
+        except Exception as err:  # noqa: BLE001 - those cells go without Theorem 7; the measurements stay
+            Failed.of(err, f"draft calibration b={b} T={t}")
     return calibs
 
 
@@ -194,14 +287,15 @@ def annotate(cells: list[dict], calibs: dict) -> None:
         key = (c["setting"], c["batch"], c["temperature"])
         for base in ("ar", "sd", "hf-assisted"):
             ref = index.get((base,) + key)
-            c[f"speedup_vs_{base}"] = c["tokens_per_s"] / ref["tokens_per_s"] if ref and ref["tokens_per_s"] else None
+            measured = c["tokens_per_s"] is not None and ref and ref["tokens_per_s"]  # neither failed, nor 0 tok/s
+            c[f"speedup_vs_{base}"] = c["tokens_per_s"] / ref["tokens_per_s"] if measured else None
             c[f"paired_vs_{base}"] = paired_ratios(c["repeat_tokens_per_s"], ref["repeat_tokens_per_s"]) if ref else None
         ar = index.get(("ar",) + key)
         c["greedy_same_as_ar"] = (sum(a == b for a, b in zip(c["outputs"], ar["outputs"])) / len(ar["outputs"])
-                                  if ar and c["temperature"] == 0 else None)
+                                  if ar and c["temperature"] == 0 and c["outputs"] and ar["outputs"] else None)
         m = c.pop("_measurement")
         calib = calibs.get((c["batch"], c["temperature"]))
-        c["theorem7"] = predict_from_run(m, c["batch"], calib) if calib and c["system"] in SSD_SYSTEMS else None
+        c["theorem7"] = predict_from_run(m, c["batch"], calib) if m and calib and c["system"] in SSD_SYSTEMS else None
         sd = index.get(("sd",) + key)
         if c["theorem7"] and sd and sd["tokens_per_s"]:
             c["theorem7"]["best_case_vs_sd"] = c["theorem7"]["best_case_tokens_per_s"] / sd["tokens_per_s"]
@@ -238,10 +332,23 @@ def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
     points = []
     for axis, overrides in tqdm(sweep.points(), desc="saguaro bench sweep", unit="run", disable=not progress):
         point_cfg = dataclasses.replace(cfg, **overrides, batch_sizes=(sweep.batch_size,))
-        points.append(sweep_point(point_cfg, sweep, axis, overrides, place, target, draft, prompts))
+        try:
+            points.append(sweep_point(point_cfg, sweep, axis, overrides, place, target, draft, prompts))
+        except Exception as err:  # noqa: BLE001 - the point reports it; the other points go on
+            failed = Failed.of(err, f"sweep point {axis} {overrides}")
+            cell = error_cell(sweep.system, sweep.setting, place, sweep.batch_size, sweep.temperature, failed.error)
+            cell.pop("_measurement"), cell.pop("outputs")
+            points.append({**point_fields(point_cfg, axis, overrides), **cell, "calibration": None, "theorem7": None})
     return {"schema": SCHEMA_VERSION, "kind": "sweep", "config": cfg.to_dict(), "sweep": sweep.to_dict(),
             **context(target, draft, source, dataclasses.replace(cfg, systems=(sweep.system,), settings=(sweep.setting,))),
-            "points": points}
+            "points": points, "errors": [{"axis": p["axis"], "overrides": p["overrides"], "error": p["error"]}
+                                         for p in points if p.get("error")]}
+
+
+def point_fields(cfg: BenchConfig, axis: str, overrides: dict) -> dict:
+    """What a sweep point varies: its axis, its overrides and the knobs' values there."""
+    return {"axis": axis, "overrides": overrides, "k": cfg.k, "fan_out": cfg.fan_out, "fan_out_kind": cfg.fan_out_kind,
+            "saguaro_c": cfg.saguaro_c, "fallback": cfg.fallback}
 
 
 def sweep_point(cfg: BenchConfig, sweep: SweepConfig, axis: str, overrides: dict, place, target, draft, prompts) -> dict:
@@ -255,8 +362,7 @@ def sweep_point(cfg: BenchConfig, sweep: SweepConfig, axis: str, overrides: dict
     # The draft alone at the sweep's batch size (the point's prompts run batch_size at a time).
     calib = calibrate_draft(target, draft, cfg.engine_kwargs(), prompts[:sweep.batch_size], sweep.temperature)
     cell.pop("_measurement"), cell.pop("outputs")
-    return {"axis": axis, "overrides": overrides, "k": cfg.k, "fan_out": cfg.fan_out, "fan_out_kind": cfg.fan_out_kind,
-            "saguaro_c": cfg.saguaro_c, "fallback": cfg.fallback, **cell, "calibration": calib,
+    return {**point_fields(cfg, axis, overrides), **cell, "calibration": calib,
             "theorem7": predict_from_run(timed.best, sweep.batch_size, calib)}
 
 

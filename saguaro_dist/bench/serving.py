@@ -243,7 +243,8 @@ def annotate_serving(cells: list[dict]) -> None:
     for c in cells:
         key = (c["setting"], c["temperature"], c["rate"])
         sd, ar = index.get(("sd",) + key), index.get(("ar",) + key)
-        c["speedup_vs_sd"] = c["output_tokens_per_s"] / sd["output_tokens_per_s"] if sd else None
+        measured = sd and sd["output_tokens_per_s"] and c["output_tokens_per_s"] is not None  # 0: a stream without usage
+        c["speedup_vs_sd"] = c["output_tokens_per_s"] / sd["output_tokens_per_s"] if measured else None
         c["paired_vs_sd"] = paired_ratios(c["repeat_output_tokens_per_s"], sd["repeat_output_tokens_per_s"]) if sd else None
         c["greedy_same_as_ar"] = _same_share(c["outputs"], ar["outputs"]) if ar and c["temperature"] == 0 else None
     for c in cells:

@@ -134,6 +134,22 @@ def measurement_from_outputs(outs, seconds: float, engine: dict) -> Measurement:
     return m
 
 
+GENERATION_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id")
+
+
+def neutral_generation(model):
+    """The model with a generation config that holds its special token ids only. generate() fills every
+    setting its call leaves unset from model.generation_config, so a checkpoint's sampling defaults
+    (Qwen2.5's repetition_penalty 1.05, top_k 20; no_repeat_ngram_size, min_p, typical_p...) would apply
+    to transformers' runs, greedy ones too, and not to ours, which the bench gives plain SamplingParams:
+    two different samplers, and greedy outputs that depart from our ar's."""
+    from transformers import GenerationConfig
+    old = model.generation_config
+    model.generation_config = GenerationConfig(**{k: getattr(old, k) for k in GENERATION_TOKEN_IDS
+                                                  if getattr(old, k, None) is not None})
+    return model
+
+
 class HFSystem:
     """transformers generate on the same checkpoints, device and dtype as ours; assisted = with assistant_model=."""
 
@@ -146,7 +162,7 @@ class HFSystem:
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(place.target_threads)
         self.threads = place.target_threads
-        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=self.dtype).to(self.device).eval()  # noqa: E731
+        load = lambda p: neutral_generation(AutoModelForCausalLM.from_pretrained(p, dtype=self.dtype).to(self.device).eval())  # noqa: E731
         self.model = load(self.target_path)
         if self.name == "hf-assisted":
             self.assistant = load(self.draft_path)

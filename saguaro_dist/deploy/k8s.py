@@ -61,7 +61,7 @@ class K8sSettings:
     chat_template: str | None = None  # a Jinja chat template (the text) instead of the tokenizer's
     tp: int = 1
     draft_workers: int = 1
-    image: str = f"saguaro-dist:{APP_VERSION}-cpu"
+    image: str | None = None          # None: saguaro-dist:<version>-cuda with GPUs, -cpu without (container_image)
     image_pull_policy: str = "IfNotPresent"
     gpu: bool = False
     gpu_type: str | None = None       # nvidia.com/gpu.product of the nodes to run on
@@ -102,6 +102,30 @@ class K8sSettings:
                              f"with a letter or digit (a DNS-1035 label: it names Services, and KubeRay derives "
                              f"longer names from it), got {self.name!r}")
         config_from_args(serve_args(self))  # the app would reject these args at start-up: fail now
+        self._check_cpus()
+
+    def _check_cpus(self):
+        """Ray's CPUs on each worker pod (its CPU limit, truncated as Ray does) must hold what placement asks of
+        them, or the ranks or drafts wait for ever. On CPUs each rank takes one CPU, all on the one target pod
+        (STRICT_PACK), each draft worker one on its pod; the Serve replica takes one CPU wherever it lands (the
+        head has none), and it starts before them: the target pod needs tp + 1 (a replica there first left the
+        ranks tp - 1). On GPUs the actors take GPUs, and the replica a CPU of a worker pod."""
+        need = {"target": self.tp + 1 if not self.gpu else 1}
+        if self.uses_draft and not self.gpu:
+            need["draft"] = 1
+        for role, cpus in need.items():
+            quantity = getattr(self, f"{role}_cpu")
+            if cpu_quantity(quantity) < cpus:
+                why = (f"one per tensor-parallel rank ({self.tp}, packed on that pod) and one for the Serve replica"
+                       if role == "target" and not self.gpu else
+                       "the Serve replica's" if role == "target" else "the draft worker's")
+                raise ValueError(f"{role}_cpu {quantity!r} gives Ray {int(cpu_quantity(quantity))} CPU(s) on the {role} "
+                                 f"pod; it needs {cpus}: {why}")
+
+    @property
+    def container_image(self) -> str:
+        """The image the pods run: `image`, or the one built from deploy/Dockerfile.cuda (GPUs) or .cpu."""
+        return self.image or f"saguaro-dist:{APP_VERSION}-{'cuda' if self.gpu else 'cpu'}"
 
     @property
     def device(self) -> str:
@@ -119,6 +143,16 @@ class K8sSettings:
     def uses_draft(self) -> bool:
         """Whether the mode runs a draft model: without one (ar, ngram) no draft pods, no draft args."""
         return Mode(self.mode) in DRAFT_MODES
+
+
+def cpu_quantity(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("4", "2.5", "500m") in CPUs; Ray counts whole ones (it truncates a fraction)."""
+    text = str(quantity).strip()
+    try:
+        cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        raise ValueError(f"not a Kubernetes CPU quantity: {quantity!r} (e.g. \"4\", \"2.5\", \"500m\")") from None
+    return float(int(cpus))
 
 
 # ---- Serve application ----------------------------------------------------------------------
@@ -216,7 +250,7 @@ def _probes(head: bool) -> dict:
 
 
 def _container(s: K8sSettings, cpu: str, memory: str, gpus: int, head: bool) -> dict:
-    return {"name": "ray-head" if head else "ray-worker", "image": s.image,
+    return {"name": "ray-head" if head else "ray-worker", "image": s.container_image,
             "imagePullPolicy": s.image_pull_policy, "env": _env(s), "ports": _ports(head),
             "resources": _compute(cpu, memory, gpus), "securityContext": _security_context(),
             "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
@@ -320,7 +354,7 @@ def batch_job(s: K8sSettings, pvc: str, input_file: str, output_file: str) -> di
     RayService does the work. backoffLimit 0: a retry would resend every line, so a rerun is the user's call."""
     command = ["saguaro", "run-batch", "-i", f"{BATCH_MOUNT}/{input_file}", "-o", f"{BATCH_MOUNT}/{output_file}",
                "--url", f"http://{s.name}-serve:{SERVE_PORT}"]
-    container = {"name": "run-batch", "image": s.image, "imagePullPolicy": s.image_pull_policy, "command": command,
+    container = {"name": "run-batch", "image": s.container_image, "imagePullPolicy": s.image_pull_policy, "command": command,
                  "env": _env(s)[:1], "resources": _compute("1", "1Gi", 0), "securityContext": _security_context(),
                  "volumeMounts": [{"name": "data", "mountPath": BATCH_MOUNT}]}
     pod = {"restartPolicy": "Never", "containers": [container], "securityContext": {"fsGroup": RAY_UID},
@@ -362,7 +396,7 @@ def _split_image(image: str) -> tuple[str, str]:
 
 def helm_values(s: K8sSettings) -> dict:
     """Values for deploy/helm/saguaro-dist that render the same objects as these settings."""
-    repository, tag = _split_image(s.image)
+    repository, tag = _split_image(s.container_image)
     return {
         "fullnameOverride": s.name,
         "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},

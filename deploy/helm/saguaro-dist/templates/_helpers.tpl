@@ -1,6 +1,22 @@
 {{/* Names and labels. Keep in step with saguaro_dist/deploy/k8s.py: tests compare the two. */}}
 {{- define "saguaro.fullname" -}}
-{{- default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- $name := default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
+{{- fail (printf "name %q (the release name, or fullnameOverride) must be a DNS-1035 label: lowercase letters, digits or '-', starting with a letter and ending with a letter or digit (it names the Services; Helm allows release names Kubernetes refuses there)" $name) -}}
+{{- end -}}
+{{- $name -}}
+{{- end -}}
+
+{{/* The image: image.tag, or the one deploy/Dockerfile.cuda (GPUs) or deploy/Dockerfile.cpu builds. */}}
+{{- define "saguaro.image" -}}
+{{- $tag := .Values.image.tag | default (printf "%s-%s" .Chart.AppVersion (ternary "cuda" "cpu" (eq (include "saguaro.gpu" .) "true"))) -}}
+{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- end -}}
+
+{{/* Ray's CPUs from a Kubernetes CPU quantity ("4", "2.5", "500m"): whole ones, a fraction truncated as Ray does. */}}
+{{- define "saguaro.rayCpus" -}}
+{{- $q := toString . -}}
+{{- if hasSuffix "m" $q }}{{ divf (trimSuffix "m" $q | float64) 1000 | floor | int }}{{ else }}{{ $q | float64 | floor | int }}{{ end -}}
 {{- end -}}
 
 {{/* Pod selector labels; not app.kubernetes.io/name, which KubeRay sets on its pods. */}}
@@ -71,7 +87,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $health := "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success" -}}
 {{- if .head }}{{ $health = printf "%s && wget -T 2 -q -O- http://localhost:8265/api/gcs_healthz | grep success" $health }}{{ end -}}
 name: {{ ternary "ray-head" "ray-worker" .head }}
-image: {{ printf "%s:%s" $v.image.repository $v.image.tag | quote }}
+image: {{ include "saguaro.image" .root | quote }}
 imagePullPolicy: {{ $v.image.pullPolicy }}
 env:
   - name: SAGUARO_API_KEY
@@ -154,6 +170,16 @@ template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nind
 {{- $gpu := eq (include "saguaro.gpu" .) "true" -}}
 {{- $tp := int $v.target.tensorParallelSize -}}
 {{- $drafts := int $v.draft.workers -}}
+{{- /* Ray's CPUs must hold what placement asks (saguaro_dist.deploy.k8s.K8sSettings._check_cpus): on CPUs a CPU
+       per rank, all on the target pod, plus the Serve replica's, which may land there first; one per draft pod. */ -}}
+{{- $targetNeeds := ternary 1 (add1 $tp) $gpu -}}
+{{- $targetCpus := int (include "saguaro.rayCpus" $v.target.resources.cpu) -}}
+{{- if lt $targetCpus (int $targetNeeds) -}}
+{{- fail (printf "target.resources.cpu %v gives Ray %d CPU(s) on the target pod; it needs %d: %s" $v.target.resources.cpu $targetCpus (int $targetNeeds) (ternary "the Serve replica's" (printf "one per tensor-parallel rank (%d, packed on that pod) and one for the Serve replica" $tp) $gpu)) -}}
+{{- end -}}
+{{- if and (not $gpu) (has $v.speculation.mode (list "sd" "ssd")) (lt (int (include "saguaro.rayCpus" $v.draft.resources.cpu)) 1) -}}
+{{- fail (printf "draft.resources.cpu %v gives Ray no whole CPU on a draft pod; it needs 1: the draft worker's" $v.draft.resources.cpu) -}}
+{{- end -}}
 rayVersion: "2.60.0"
 enableInTreeAutoscaling: {{ $v.autoscaling.enabled }}
 {{- if $v.autoscaling.enabled }}
