@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+import time
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
@@ -243,3 +244,11 @@ class Terminal(io.StringIO):
 
     def isatty(self) -> bool:
         return True
+
+
+def wait_for(condition, within_s: float = 15.0) -> None:
+    """Poll `condition` until it holds; fail the test if it does not within `within_s`."""
+    deadline = time.monotonic() + within_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition(), "timed out"

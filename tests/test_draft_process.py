@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine_helpers import DEVICE, PROMPTS, assert_greedy_equal, close_pair, hf_greedy
+from engine_helpers import DEVICE, PROMPTS, assert_greedy_equal, close_pair, hf_greedy, wait_for
 from saguaro_dist import LLM, SamplingParams
 
 LONG = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
@@ -42,13 +42,6 @@ def draft_children() -> set[int]:
     return pids
 
 
-def wait_for(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("executor", ["process", "split"])
 @pytest.mark.parametrize("tree_policy", ["auto", "never"])  # never: two cohorts, one's drafts in flight at the kill
 def test_killed_draft_process_costs_speed_not_tokens(pair, executor, tree_policy):
@@ -61,7 +54,7 @@ def test_killed_draft_process_costs_speed_not_tokens(pair, executor, tree_policy
         worker = threading.Thread(target=lambda: result.update(
             outs=llm.generate(prompt_token_ids=PROMPTS, sampling_params=LONG)))
         worker.start()
-        wait_for(lambda: (m := llm.metrics).cache_hits + m.cache_misses + m.cohort_rounds >= 3)  # mid-generation
+        wait_for(lambda: (m := llm.metrics).cache_hits + m.cache_misses + m.cohort_rounds >= 3, within_s=30)  # mid-generation
         os.kill(child, signal.SIGKILL)
         worker.join(timeout=120)
         assert not worker.is_alive()
@@ -191,7 +184,7 @@ def test_finished_requests_leave_no_trees_behind(pair, executor):
         for _ in range(4):
             llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
         llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=params)  # a round trip after the releases
-        wait_for(lambda: len(llm._thread.engine.loop.draft.inbox) == 0, timeout_s=10)
+        wait_for(lambda: len(llm._thread.engine.loop.draft.inbox) == 0, within_s=10)
 
 
 def test_spin_until_readable_returns_on_data_and_gives_up_after_its_budget():

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from engine_helpers import PROMPTS, close_pair
+from engine_helpers import PROMPTS, close_pair, wait_for
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.draft_pool import LATE_TREE_WAITS_BEFORE_DEAD, DraftPool
 from saguaro_dist.distributed.draft_service import serve_draft
@@ -37,13 +37,6 @@ def config(pair):
     return Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1)
 
 
-def _wait_for(condition, within_s: float = 15.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert condition()
-
-
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_drafts_a_cohort_got_before_another_worker_failed_reach_the_local_copy(config, sampling):
     """Two cohorts: the tree side drafts a cohort beside the verify. One pool worker fails, so taking the
@@ -61,7 +54,7 @@ def test_drafts_a_cohort_got_before_another_worker_failed_reach_the_local_copy(c
         assert pool.groups == {1: [0], 2: [1]}
         seen_all.prefill([PrefillRequest(1, PROMPTS[0], sampling)])
         servers[1][0].stop(None).wait()  # sequence 2's worker goes
-        _wait_for(lambda: pool.backends[1].dead_addresses)
+        wait_for(lambda: pool.backends[1].dead_addresses)
         first = [JitDraftRequest(1, 0, 0, 5, skip_tree=True), JitDraftRequest(2, 0, 0, 6, skip_tree=True)]
         with pytest.raises(DraftUnavailable) as info:  # drafted beside the verify, taken after it
             split.start_jit_draft(first).result()
@@ -158,7 +151,7 @@ def test_a_late_tree_of_a_sequences_earlier_life_is_not_taken_after_its_re_prefi
         backend.send_outcomes([Outcome(1, 0, 1, 7, next_tokens=[3, 4, 5], target_proposed=True)])
         assert backend.wait_trees([(1, 1)], 0.2) == {}  # late
         build.set()
-        _wait_for(lambda: (1, 1) in backend._trees)  # ... and in after its wait
+        wait_for(lambda: (1, 1) in backend._trees)  # ... and in after its wait
         backend.prefill([PrefillRequest(1, PROMPTS[0] + [5, 3, 7], GREEDY, prompt_len=len(PROMPTS[0]))])
         backend.jit_draft([JitDraftRequest(1, 0, 0, 8, skip_tree=True)])
         assert backend.wait_trees([(1, 1)], 0.0) == {}  # the new life has built no tree yet
@@ -218,7 +211,7 @@ def test_a_sequence_left_on_a_worker_taken_back_fails_alone(config):
         assert info.value.seq_ids == [1] and list(info.value.partial) == [2]
         assert pool.workers() == (1, 2)
         resume.set()
-        _wait_for(lambda: pool.accepting() and pool.workers() == (2, 2))
+        wait_for(lambda: pool.accepting() and pool.workers() == (2, 2))
         assert 3 not in slow.seqs and pool.lost([3]) == [3]
         with pytest.raises(DraftUnavailable) as info:
             pool.jit_draft([JitDraftRequest(3, 0, 0, 5), JitDraftRequest(2, 1, 0, 9)])

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from engine_helpers import PROMPTS, close_pair
+from engine_helpers import PROMPTS, close_pair, wait_for
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.draft_pool import LATE_TREE_WAITS_BEFORE_DEAD, DraftPool, revival_delay_s
 from saguaro_dist.distributed.draft_service import serve_draft
@@ -81,13 +81,6 @@ def test_a_dead_draft_server_makes_its_sequences_lost_so_the_engine_prefills_the
     assert info.value.seq_ids == [1]
 
 
-def _wait_for(condition, within_s: float = 15.0) -> None:
-    deadline = time.monotonic() + within_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert condition()
-
-
 def test_without_a_live_worker_the_copy_drafts_alone_then_the_revived_worker_builds_the_trees(config):
     """The pool's only server dies: a re-prefill leaves the sequence to the local copy, which drafts
     (SD's rounds, no fast backup); once the pool revives the worker (at a new address, as Ray restarts
@@ -108,7 +101,7 @@ def test_without_a_live_worker_the_copy_drafts_alone_then_the_revived_worker_bui
     try:
         split.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
         first.stop(None).wait()
-        _wait_for(lambda: split.trees.lost([1]))
+        wait_for(lambda: split.trees.lost([1]))
         with pytest.raises(DraftUnavailable):
             split.jit_draft([JitDraftRequest(1, 1, 0, 5, skip_tree=True)])
         split.prefill(again)  # the engine's re-prefill: no live worker, so the local copy holds it alone
@@ -121,7 +114,7 @@ def test_without_a_live_worker_the_copy_drafts_alone_then_the_revived_worker_bui
             seen_all.send_outcomes([])
         assert split.wait_trees([(1, 2)], 0.5) == {}  # no tree side holds it: nothing to wait for
         revived.set()
-        _wait_for(split.trees.accepting)
+        wait_for(split.trees.accepting)
         assert split.workers() == (1, 1)
         with pytest.raises(DraftUnavailable) as info:  # the tree side takes sequences again: rejoin it
             split.jit_draft([JitDraftRequest(1, 3, 0, 7)])
@@ -162,7 +155,7 @@ def test_a_worker_that_only_missed_a_deadline_is_taken_back_without_what_it_held
             pool.jit_draft([JitDraftRequest(1, 0, 0, 5)])
         assert pool.workers() == (0, 1)
         resume.set()  # the stall ends
-        _wait_for(pool.accepting)
+        wait_for(pool.accepting)
         assert pool.workers() == (1, 1) and pool.revivals == [1]
         assert 1 not in worker.seqs and pool.lost([1]) == [1]  # released there: the engine prefills it again
         pool.prefill([PrefillRequest(1, PROMPTS[0], GREEDY)])
@@ -212,7 +205,7 @@ def _marked_dead_then_taken_back(split, pool, resume) -> None:
     with pytest.raises(DraftUnavailable):  # the engine prefills it again: here alone, until the worker is back
         split.jit_draft([JitDraftRequest(1, 1, 0, 5)])
     resume.set()  # the stall ends
-    _wait_for(pool.accepting)
+    wait_for(pool.accepting)
     assert pool.workers() == (1, 1) and pool.revivals == [1]
 
 

@@ -291,7 +291,7 @@ def _check_sparse(offsets: np.ndarray, ids: np.ndarray, values: np.ndarray, k: i
 def prefill_to_proto(r: PrefillRequest) -> pb.PrefillRequest:
     return pb.PrefillRequest(seq_id=_int64(r.seq_id, "seq_id"), prompt_token_ids=list(r.prompt_token_ids),
                              sampling=sampling_to_proto(r.sampling), shard=r.shard, num_shards=r.num_shards,
-                             prompt_len=r.prompt_len)
+                             prompt_len=r.prompt_len, generation=r.generation)
 
 
 def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
@@ -303,7 +303,8 @@ def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
         raise CodecError(f"PrefillRequest.prompt_len must be in [0, {len(msg.prompt_token_ids)}] "
                          f"(the tokens sent), got {msg.prompt_len}")
     return PrefillRequest(seq_id=msg.seq_id, prompt_token_ids=_non_negative_ints(msg.prompt_token_ids, "prompt_token_ids"),
-                          sampling=sampling, shard=msg.shard, num_shards=num_shards, prompt_len=msg.prompt_len)
+                          sampling=sampling, shard=msg.shard, num_shards=num_shards, prompt_len=msg.prompt_len,
+                          generation=msg.generation)
 
 
 def jit_request_to_proto(r: JitDraftRequest) -> pb.JitDraftRequest:
@@ -345,7 +346,7 @@ def tree_to_proto(t: SpeculationTree) -> pb.SpeculationTree:
         raise CodecError(f"SpeculationTree: {n} accepted counts, {len(t.bonus_tokens)} bonus tokens and tokens of "
                          f"shape {shape}: each branch needs one of each (tokens [N, K])")
     msg = pb.SpeculationTree(seq_id=_int64(t.seq_id, "seq_id"), round=t.round, accepted=t.accepted,
-                             bonus_tokens=t.bonus_tokens, build_s=t.build_s)
+                             bonus_tokens=t.bonus_tokens, build_s=t.build_s, generation=t.generation)
     if n:
         msg.proposals.CopyFrom(proposal_to_proto(t.proposals))
     return msg
@@ -356,7 +357,8 @@ def tree_from_proto(msg: pb.SpeculationTree) -> SpeculationTree:
     bonus = _non_negative_ints(msg.bonus_tokens, "SpeculationTree.bonus_tokens")
     if len(accepted) != len(bonus):
         raise CodecError(f"SpeculationTree: {len(accepted)} accepted counts but {len(bonus)} bonus tokens")
-    tree = SpeculationTree(msg.seq_id, _non_negative(msg.round, "round"), build_s=_duration(msg.build_s, "build_s"))
+    tree = SpeculationTree(msg.seq_id, _non_negative(msg.round, "round"), build_s=_duration(msg.build_s, "build_s"),
+                           generation=msg.generation)
     if not accepted:
         return tree
     columns = proposal_from_proto(_required(msg, "proposals", "SpeculationTree"), ndim=2)
@@ -370,7 +372,8 @@ def plan_to_proto(p: TreePlan) -> pb.TreePlan:
     """The plan's outcomes, and its guess (coupled bonus draws) if it carries one: ids [P, M], probs [P, M]."""
     if len(p.accepted) != len(p.bonus_tokens):
         raise CodecError(f"TreePlan: {len(p.accepted)} accepted counts but {len(p.bonus_tokens)} bonus tokens")
-    msg = pb.TreePlan(seq_id=_int64(p.seq_id, "seq_id"), round=p.round, accepted=p.accepted, bonus_tokens=p.bonus_tokens)
+    msg = pb.TreePlan(seq_id=_int64(p.seq_id, "seq_id"), round=p.round, accepted=p.accepted, bonus_tokens=p.bonus_tokens,
+                      generation=p.generation)
     if p.guess_ids is None and p.guess_probs is None:
         return msg
     if p.guess_ids is None or p.guess_probs is None or p.guess_ids.dim() != 2 or p.guess_ids.shape != p.guess_probs.shape:
@@ -387,7 +390,7 @@ def plan_from_proto(msg: pb.TreePlan) -> TreePlan:
     bonus = _non_negative_ints(msg.bonus_tokens, "TreePlan.bonus_tokens")
     if len(accepted) != len(bonus):
         raise CodecError(f"TreePlan: {len(accepted)} accepted counts but {len(bonus)} bonus tokens")
-    plan = TreePlan(msg.seq_id, _non_negative(msg.round, "round"), accepted, bonus)
+    plan = TreePlan(msg.seq_id, _non_negative(msg.round, "round"), accepted, bonus, generation=msg.generation)
     if msg.HasField("guess_ids") or msg.HasField("guess_probs"):
         plan.guess_ids, plan.guess_probs = _guess_from_proto(msg)
     return plan

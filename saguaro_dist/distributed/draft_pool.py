@@ -112,7 +112,8 @@ class DraftPool:
         for r in reqs:
             group = self.groups[r.seq_id]
             for shard, i in enumerate(group):
-                parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group), r.prompt_len))
+                parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group), r.prompt_len,
+                                               r.generation))  # one life: every shard's slices answer its rounds
         pending = {i: self.backends[i].start_prefill(part) for i, part in parts.items()}
         return DraftLater(partial(self._prefilled, pending=pending), reqs)
 
@@ -339,6 +340,7 @@ class DraftPool:
             old, self.backends[i] = self.backends[i], backend
             old.close()
             self.dead.discard(i)
+            self.late_waits[i] = 0  # the old backend's count (one marked dead otherwise keeps it): not this one's
             log.warning("draft worker %d serves again; it takes new and re-prefilled sequences", i)
 
     def _release_moved(self, previous: dict[int, list[int]]) -> None:

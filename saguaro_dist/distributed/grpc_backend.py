@@ -7,7 +7,8 @@ the engine issued them (as separate calls a JIT or a release could overtake the 
 Releases are queued and return at once; outcomes return once gRPC has sent them (the engine verifies
 next, see await_sent); a JIT waits for its answer on the stream. A reader thread per server puts the
 pushed trees and their plans into an inbox keyed by (seq_id, round), where wait_trees (and wait_plans)
-finds them, and hands each JIT answer to its caller.
+finds them (those of a sequence's earlier life, by their generation, dropped), and hands each JIT answer
+to its caller.
 
 A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
@@ -33,7 +34,7 @@ from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_link import TRANSPORT_FAILURES, Link, await_sent, channel_options, error_from_rpc
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
-from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, Outcomes, TreeKey, plan_misses
+from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, Lives, Outcomes, TreeKey, plan_misses
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
@@ -67,6 +68,7 @@ class GrpcDraftBackend:
         # announced trees (a plan that lacks the outcome is a miss) and coupled ones (their bonus is drawn against it)
         self._plans: dict[TreeKey, TreePlan] = {}
         self._owner: dict[int, Link] = {}
+        self._lives = Lives()  # a tree or plan of a sequence's earlier life is dropped as it arrives
         self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
         self._next = itertools.cycle(self._links)
         self._closed = False
@@ -145,6 +147,7 @@ class GrpcDraftBackend:
             groups = self._group(reqs, lambda r: self._assign(r.seq_id))
         except DraftUnavailable as exc:
             return FailedDrafts(exc)
+        self._begin(reqs)
         calls = {link: link.stub.Prefill.future(codec.prefill_batch_to_proto(part), timeout=self.prefill_deadline_s)
                  for link, part in groups.items()}
         return DraftLater(partial(self._prefilled, calls=calls, groups=groups), reqs)
@@ -155,9 +158,13 @@ class GrpcDraftBackend:
             self.prefill(retry)
         with self._cond:
             self._out_of_sync.difference_update(r.seq_id for r in reqs)
-            # A re-prefill restarts the sequence at round 0: a tree (or plan) of its earlier life still here (one
-            # that came after its round's wait, or before its stream failed) would be taken for the new life's
-            # tree of that round. (One pushed before the server's prefill but read after its reply can still land.)
+
+    def _begin(self, reqs: list[PrefillRequest]) -> None:
+        """New lives, before their prefills go out: a tree (or plan) of an earlier life still here (one that came
+        after its round's wait, or before its stream failed) is dropped, and one still on its way (pushed before
+        the server's prefill, read after) is dropped as it arrives (Lives)."""
+        with self._cond:
+            self._lives.begin(reqs)
             self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
 
     def _collect_prefill(self, calls, groups) -> list[PrefillRequest]:
@@ -293,6 +300,7 @@ class GrpcDraftBackend:
             for r in reqs:
                 self._owner.pop(r.seq_id, None)
                 self._out_of_sync.discard(r.seq_id)
+            self._lives.end(r.seq_id for r in reqs)
             self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
         for link, part in groups.items():
             if link is not None:  # behind the sequence's last outcome on the same stream
@@ -417,8 +425,8 @@ class GrpcDraftBackend:
             log.error("draft server %s pushed a malformed tree batch: %s", link.address, exc)
             return
         with self._cond:
-            for tree in trees:
-                if tree.seq_id in self._owner:  # a late tree of a released sequence would never leave
+            for tree in trees:  # a late tree of a released sequence would never leave; one of an earlier life is stale
+                if tree.seq_id in self._owner and not self._lives.stale(tree):
                     self._trees[(tree.seq_id, tree.round)] = tree
             self._cond.notify_all()
 
@@ -430,6 +438,6 @@ class GrpcDraftBackend:
             return
         with self._cond:
             for plan in plans:
-                if plan.seq_id in self._owner:
+                if plan.seq_id in self._owner and not self._lives.stale(plan):
                     self._plans[(plan.seq_id, plan.round)] = plan
             self._cond.notify_all()

@@ -75,26 +75,61 @@ class FailedDrafts:
         raise self._error
 
 
+class Lives:
+    """The life each sequence is in on the draft side, as this backend last prefilled it (its
+    PrefillRequest.generation). A re-prefill restarts the rounds at 0, so a tree or plan is told apart from
+    an earlier life's of the same round by its generation alone, whatever order the transport delivers
+    them in. Not thread-safe: its owner's lock guards it."""
+
+    def __init__(self):
+        self._generation: dict[int, int] = {}
+
+    def begin(self, reqs: list[PrefillRequest]) -> None:
+        """Called before the prefills go out: a life's trees can only come after its prefill."""
+        self._generation.update((r.seq_id, r.generation) for r in reqs)
+
+    def end(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self._generation.pop(seq_id, None)
+
+    def stale(self, msg: SpeculationTree | TreePlan) -> bool:
+        """Whether msg is of another life than its sequence's current one. Not one of a sequence without a life
+        here (the owner filters released sequences by what it holds), nor one that carries none (0: a draft
+        that keeps no lives, whose stale trees only the drop at begin catches, as before lives)."""
+        current = self._generation.get(msg.seq_id)
+        return msg.generation != 0 and current is not None and current != msg.generation
+
+
 class TreeInbox:
-    """Trees as they arrive, and the plans announcing them, keyed by (seq_id, round); waiters wake when
-    theirs land."""
+    """Trees as they arrive, and the plans announcing them, keyed by (seq_id, round), those of a sequence's
+    earlier life dropped (Lives); waiters wake when theirs land."""
 
     def __init__(self):
         self._trees: dict[TreeKey, SpeculationTree] = {}
         self._plans: dict[TreeKey, TreePlan] = {}
         self._late: set[TreeKey] = set()  # this round's keys whose plans did not come by the plan wait's deadline
+        self._lives = Lives()
         self._cond = threading.Condition()
+
+    def begin(self, reqs: list[PrefillRequest]) -> None:
+        """New lives, before their prefills go out: what is here of their sequences is of earlier lives, and
+        what comes of those from now on is dropped as it arrives."""
+        with self._cond:
+            self._lives.begin(reqs)
+            self._drop([r.seq_id for r in reqs])
 
     def put(self, trees: list[SpeculationTree]) -> None:
         with self._cond:
             for t in trees:
-                self._trees[(t.seq_id, t.round)] = t
+                if not self._lives.stale(t):
+                    self._trees[(t.seq_id, t.round)] = t
             self._cond.notify_all()
 
     def put_plans(self, plans: list[TreePlan]) -> None:
         with self._cond:
             for p in plans:
-                self._plans[(p.seq_id, p.round)] = p
+                if not self._lives.stale(p):
+                    self._plans[(p.seq_id, p.round)] = p
             self._cond.notify_all()
 
     def take(self, keys: list[TreeKey], timeout_s: float, outcomes: Outcomes | None = None) -> dict[int, SpeculationTree]:
@@ -148,9 +183,14 @@ class TreeInbox:
         """Released sequences: drop their trees (the last round's tree always arrives unasked)."""
         gone = set(seq_ids)
         with self._cond:
-            for store in (self._trees, self._plans):
-                for key in [k for k in store if k[0] in gone]:
-                    del store[key]
+            self._lives.end(gone)
+            self._drop(gone)
+
+    def _drop(self, seq_ids) -> None:
+        gone = set(seq_ids)
+        for store in (self._trees, self._plans):
+            for key in [k for k in store if k[0] in gone]:
+                del store[key]
 
     def __len__(self) -> int:
         with self._cond:
@@ -205,10 +245,8 @@ class LocalDraftBackend:
         self._running = threading.Lock()   # held by the one call running, on whichever thread
 
     def prefill(self, reqs):
+        self.inbox.begin(reqs)
         self.call(self.worker.prefill, reqs)
-        # A re-prefill restarts the sequence at round 0: its earlier life's trees (all put by now: calls run in
-        # order) must not answer the new life's rounds of the same number.
-        self.inbox.forget([r.seq_id for r in reqs])
 
     def start_prefill(self, reqs):
         return DraftLater(self.prefill, reqs)  # on the caller's thread when taken (after the target's, as SD's draft)

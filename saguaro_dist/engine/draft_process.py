@@ -79,15 +79,13 @@ class DraftProcess:
                 self._restart(seq_ids)
             except DraftUnavailable as exc:
                 return FailedDrafts(exc)
+        self.inbox.begin(reqs)  # the inbox of this child (a restart makes a new one)
         call_id = self._ask("prefill", reqs)
         return DraftLater(lambda _: self._prefilled(call_id, seq_ids), reqs)
 
     def _prefilled(self, call_id: int, seq_ids: list[int]) -> None:
         self._reply(call_id, "prefill", seq_ids)
         self._known.update(seq_ids)
-        # A re-prefill restarts the sequence at round 0: its earlier life's trees, all read by now (the pipe keeps
-        # the child's order), must not answer the new life's rounds of the same number.
-        self.inbox.forget(seq_ids)
 
     def jit_draft(self, reqs):
         return self.start_jit_draft(reqs).result()

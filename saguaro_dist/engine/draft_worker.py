@@ -50,6 +50,7 @@ class DraftWorker:
         self.k = config.k
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
+        self.generations: dict[int, int] = {}  # seq_id -> the life it is in (PrefillRequest.generation)
         self._planned: PlannedTrees | None = None  # plan_trees' trees, for finish_trees
         self.stats = SpecStats(config.k)  # the draft's own proposals; the miss exponent r of every tree
         # k* of the target side's proposals that a tree was built after: those trees' outcomes. A long
@@ -81,6 +82,7 @@ class DraftWorker:
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
                                                shard=r.shard, num_shards=r.num_shards)
             s.grammar = self.constraints.grammar_state(r.sampling.grammar, s.committed[s.prompt_len:])
+            self.generations[r.seq_id] = r.generation
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids[n:] for r, n in zip(reqs, cached)], [1] * len(reqs))
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
@@ -185,7 +187,7 @@ class DraftWorker:
         fanouts = {key: self._fanout(*key) for key in {fanout_key(s) for s in states}}
         rows = self._glue(states, fanouts)
         self._planned = PlannedTrees(states, fanouts, rows, start)
-        plans = tree_plans(states, rows)  # a coupled tree's plan always: the target draws its bonus against it
+        plans = self._of_their_lives(tree_plans(states, rows))  # a coupled tree's always: its bonus is drawn against it
         return plans if self.budget.busy else [p for p in plans if p.guess_ids is not None]
 
     def finish_trees(self, abandon: Callable[[list[int]], bool] | None = None) -> list[SpeculationTree]:
@@ -209,7 +211,14 @@ class DraftWorker:
             s.pending, s.tree_built = False, True
         if trees:
             self._timed(trees, time.perf_counter() - planned.start)
-        return trees
+        return self._of_their_lives(trees)
+
+    def _of_their_lives(self, msgs: list) -> list:
+        """Trees or plans stamped with their sequence's life: rounds restart at 0 with a re-prefill, and the target
+        side tells a late one of an earlier life from the new life's by this alone."""
+        for m in msgs:
+            m.generation = self.generations.get(m.seq_id, 0)
+        return msgs
 
     def _timed(self, trees: list[SpeculationTree], build_s: float) -> None:
         self.budget.tree_built(build_s)
@@ -223,6 +232,7 @@ class DraftWorker:
     def release(self, reqs: list[Release]) -> None:
         for r in reqs:
             s = self.seqs.pop(r.seq_id, None)
+            self.generations.pop(r.seq_id, None)
             if s is not None:
                 self.prefixes.finish(r.seq_id, self._kv_tokens(s))
 

@@ -18,6 +18,7 @@ slice of a bigger tree; only shard 0 answers just-in-time drafts, the others lea
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +78,14 @@ def proposal_fits(p: Proposal, k: int, vocab_size: int) -> bool:
             and (p.probs is None or tuple(p.probs.shape) == (k, vocab_size)))
 
 
+_generations = itertools.count(1)  # next() is atomic under the GIL: no two requests share a number
+
+
+def new_generation() -> int:
+    """A number no other PrefillRequest made in this process has."""
+    return next(_generations)
+
+
 @dataclass
 class PrefillRequest:
     seq_id: int
@@ -85,6 +94,11 @@ class PrefillRequest:
     shard: int = 0        # cache-parallel: this worker builds branches shard, shard + num_shards, ...
     num_shards: int = 1   # of a tree num_shards times the configured budget
     prompt_len: int = 0   # prompt_token_ids[:prompt_len] is the prompt, the rest output (a re-prefill); 0: all
+    # This life of the sequence on the draft side. A re-prefill restarts its rounds at 0, so (seq_id, round)
+    # cannot tell a late tree of the earlier life from the new life's; the draft stamps the life's trees and
+    # plans with this, and the target drops another life's, in whatever order a transport delivers them.
+    # Each request made is a new life; copies of one life (a cache-parallel shard's) pass it on.
+    generation: int = field(default_factory=new_generation)
 
 
 @dataclass
@@ -128,6 +142,7 @@ class TreePlan:
     # candidates were drawn from, in draw order within each k; None: top-F candidates.
     guess_ids: torch.Tensor | None = None    # [P, M] int64, P = K + 1 (K: a tree without k = K)
     guess_probs: torch.Tensor | None = None  # [P, M] float32
+    generation: int = 0  # the life it was planned in (PrefillRequest.generation)
 
     def holds(self, accepted: int, bonus_token: int) -> bool:
         return any(k == accepted and t == bonus_token for k, t in zip(self.accepted, self.bonus_tokens))
@@ -143,6 +158,7 @@ class SpeculationTree:
     bonus_tokens: list[int] = field(default_factory=list)  # [N] t of each branch
     proposals: Proposal | None = None  # tokens [N, K] int64, probs [N, K, V] float32 or None; None iff N == 0
     build_s: float = 0.0  # the draft's wall time for the build that made this tree (all its trees; metrics only)
+    generation: int = 0   # the life it was built in (PrefillRequest.generation)
 
     @property
     def num_branches(self) -> int:
@@ -184,7 +200,8 @@ class SpeculationTree:
         if len(trees) == 1:  # one worker: nothing to join (and no copy of its columns every round)
             return trees[0]
         full = [t for t in trees if t.num_branches]
-        tree = cls(trees[0].seq_id, trees[0].round, build_s=max(t.build_s for t in trees))
+        tree = cls(trees[0].seq_id, trees[0].round, build_s=max(t.build_s for t in trees),
+                   generation=trees[0].generation)  # one life's slices (the pool prefills every shard alike)
         if full:
             tree.accepted = [k for t in full for k in t.accepted]
             tree.bonus_tokens = [b for t in full for b in t.bonus_tokens]

@@ -97,20 +97,22 @@ class Proposal(_message.Message):
     def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., dense: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "shard", "num_shards", "prompt_len")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "shard", "num_shards", "prompt_len", "generation")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SHARD_FIELD_NUMBER: _ClassVar[int]
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DraftSampling
     shard: int
     num_shards: int
     prompt_len: int
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., prompt_len: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JitDraftRequest(_message.Message):
     __slots__ = ("seq_id", "round", "accepted", "bonus_token", "skip_tree")
@@ -155,36 +157,40 @@ class Outcome(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ..., target_proposed: _Optional[bool] = ...) -> None: ...
 
 class SpeculationTree(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals", "build_s")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals", "build_s", "generation")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     BUILD_S_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
     proposals: Proposal
     build_s: float
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Union[Proposal, _Mapping]] = ..., build_s: _Optional[float] = ...) -> None: ...
+    generation: int
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., proposals: _Optional[_Union[Proposal, _Mapping]] = ..., build_s: _Optional[float] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TreePlan(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "guess_ids", "guess_probs")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "guess_ids", "guess_probs", "generation")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GUESS_IDS_FIELD_NUMBER: _ClassVar[int]
     GUESS_PROBS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: _containers.RepeatedScalarFieldContainer[int]
     bonus_tokens: _containers.RepeatedScalarFieldContainer[int]
     guess_ids: Tensor
     guess_probs: Tensor
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., guess_ids: _Optional[_Union[Tensor, _Mapping]] = ..., guess_probs: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    generation: int
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., guess_ids: _Optional[_Union[Tensor, _Mapping]] = ..., guess_probs: _Optional[_Union[Tensor, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Release(_message.Message):
     __slots__ = ("seq_id",)
