@@ -44,8 +44,9 @@ class LLM:
 
     def _setup(self, config: Config) -> None:
         self.config = config
-        self.generation_defaults = self._generation_defaults(config)  # before any engine starts: a bad file leaks nothing
+        self.generation_defaults = generation_defaults(config)  # before any engine starts: a bad file leaks nothing
         self._ids = itertools.count()
+        self._open: dict[str, str] = {}  # request id of each open stream -> the engine's id for it (_open_stream)
         if config.cluster is None:
             from saguaro_dist.engine.build import build_local_engine
             engine, self.tokenizer = build_local_engine(config)
@@ -64,18 +65,6 @@ class LLM:
         self.vocab_size, self.eos_token_ids = self._thread.vocab_size, self._thread.eos_token_ids
         self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
-    @staticmethod
-    def _generation_defaults(config: Config) -> dict:
-        """What the model's generation config makes the default (vLLM's): checked once, here."""
-        defaults = load_generation_defaults(config.model, config.generation_config, config.revision)
-        try:
-            SamplingParams(**defaults)
-        except ValueError as err:
-            raise ValueError(f"the generation config of {config.model!r} ({config.generation_config}): {err}") from None
-        if defaults:
-            log.info("requests' sampling defaults come from the model's generation config: %s "
-                     "(generation_config='vllm' to ignore it)", defaults)
-        return defaults
 
     def default_sampling_params(self) -> SamplingParams:
         """The SamplingParams generate / chat / stream use when given none: the generation config's
@@ -152,7 +141,9 @@ class LLM:
 
         stream_interval_s: once some text went out, rounds closer than this share one delta (as vLLM's
         stream_interval; the engine then decodes and hands off less often). output_kind FINAL_ONLY: one
-        delta, when the request finishes, with every token and the whole text, as generate() gets it."""
+        delta, when the request finishes, with every token and the whole text, as generate() gets it.
+        request_id: names the deltas (and abort()'s target); one open stream at a time may hold it, and it is
+        free again once its stream is closed."""
         kind = OutputKind(output_kind)  # a ValueError names a wrong kind before any work
         if isinstance(stream_interval_s, bool) or not (isinstance(stream_interval_s, (int, float))
                                                        and 0 <= stream_interval_s < float("inf")):
@@ -160,8 +151,7 @@ class LLM:
         seq, _ = self._requests(None if prompt is None else [prompt],
                                 None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority])[0]
         seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
-        if request_id:
-            seq.request_id = request_id
+        request_id = self._open_stream(seq, request_id)
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         submitted = asyncio.ensure_future(self._thread.submit_async(
@@ -172,23 +162,38 @@ class LLM:
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
-                    finished = True  # the engine holds it no more: an abort by its id could only hit another's
+                    finished = True  # the engine holds it no more
                     raise item
                 finished = item.finished
-                yield self._delta(item)
+                yield self._delta(item, request_id)
         finally:
+            self._open.pop(request_id, None)  # the caller's id is free now, whenever the engine takes the abort
             if not finished:
                 self._abort_once_submitted(submitted, seq.request_id)
 
-    def _abort_once_submitted(self, submitted: asyncio.Future, request_id: str) -> None:
+    def _open_stream(self, seq: Sequence, request_id: str | None) -> str:
+        """Claim the caller's request id (a fresh one if none) for this stream, or raise ValueError while
+        another open stream holds it (vLLM's "already running"). The engine knows the request by an id of
+        its own, "<request id>#<seq id>": a closed stream's abort may reach the engine after a new stream
+        of the same id was submitted, and must neither refuse that one nor abort it."""
+        if not request_id:
+            request_id = seq.request_id
+        else:
+            seq.request_id = f"{request_id}#{seq.seq_id}"
+        if self._open.setdefault(request_id, seq.request_id) != seq.request_id:  # (atomic: streams on any thread)
+            raise ValueError(f"request id {request_id!r} is already running")
+        return request_id
+
+    def _abort_once_submitted(self, submitted: asyncio.Future, engine_id: str) -> None:
         """Abort now, or once the submit call returns: an abort sent before it could overtake it and find nothing."""
         if not submitted.done():
-            submitted.add_done_callback(lambda _: self._abort_once_submitted(submitted, request_id))
+            submitted.add_done_callback(lambda _: self._abort_once_submitted(submitted, engine_id))
         elif submitted.cancelled() or submitted.exception() is None:  # (a failed submit left nothing to abort)
-            self.abort(request_id)
+            self._thread.abort(engine_id)
 
     def abort(self, request_id: str) -> None:
-        self._thread.abort(request_id)
+        """End the open stream of this request id (its caller gets a last delta, finish_reason "abort")."""
+        self._thread.abort(self._open.get(request_id, request_id))
 
     def _abort_unfinished(self, seqs: list[Sequence]) -> None:
         self._thread.abort_many([seq.request_id for seq in seqs])  # on Ray: one actor call, not one a request
@@ -308,9 +313,21 @@ class LLM:
                              seq.prompt_logprobs, seq.stop_reason)
 
     @staticmethod
-    def _delta(u: Update) -> StreamDelta:
+    def _delta(u: Update, request_id: str) -> StreamDelta:
         reason = u.seq.finish_reason.value if (u.finished and u.seq.finish_reason) else None
-        return StreamDelta(u.seq.request_id, u.text_delta, u.token_delta, u.finished, reason,
+        return StreamDelta(request_id, u.text_delta, u.token_delta, u.finished, reason,
                            u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs,
                            u.seq.stop_reason if u.finished else None)
 
+
+def generation_defaults(config: Config) -> dict:
+    """What the model's generation config makes requests' sampling defaults (vLLM's): checked once, here."""
+    defaults = load_generation_defaults(config.model, config.generation_config, config.revision)
+    try:
+        SamplingParams(**defaults)
+    except ValueError as err:
+        raise ValueError(f"the generation config of {config.model!r} ({config.generation_config}): {err}") from None
+    if defaults:
+        log.info("requests' sampling defaults come from the model's generation config: %s "
+                 "(generation_config='vllm' to ignore it)", defaults)
+    return defaults

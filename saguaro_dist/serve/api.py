@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
 import re
 import uuid
 from contextlib import aclosing
@@ -21,10 +23,11 @@ from saguaro_dist.serve.openai_responses import usage as responses_usage
 from saguaro_dist.serve.prompts import encode_chat
 from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
-from saguaro_dist.serve.state import Finished, Job, ServingState, merge
+from saguaro_dist.serve.state import Finished, Job, ServingState, gather_or_cancel, merge
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolStream
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
 # As Ray Serve LLM. Every SSE write costs the replica Serve's per-message work (and a proxy trip), on
 # the GIL the engine's round loop needs: with the demo pair at batch 1, a chunk per round made a request
@@ -84,6 +87,44 @@ def _state(request: Request) -> ServingState:
     return request.app.state.saguaro
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody reads it)
+
+
+def _cancel_on_disconnect(handler):
+    """Runs a generating route's handler until its client hangs up, then cancels it: its generations abort.
+    Ray Serve cancels a handler whose client went away; a plain ASGI server (uvicorn) only says so through
+    `receive`, so without this a non-streamed request, or a stream still waiting for its first delta, went
+    on generating for nobody (vLLM's with_cancellation). A stream once answered is StreamingResponse's."""
+    @functools.wraps(handler)
+    async def watched(*args, **kwargs):
+        work = asyncio.ensure_future(handler(*args, **kwargs))
+        hung_up = asyncio.ensure_future(_hung_up(kwargs["request"]))
+        try:
+            await asyncio.wait((work, hung_up), return_when=asyncio.FIRST_COMPLETED)
+            if not work.done() and hung_up.result():
+                log.debug("%s: the client went away; cancelling its generations", handler.__name__)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            return await work
+        finally:
+            hung_up.cancel()
+            if not work.done():  # the client went away, or this handler was cancelled (Ray Serve)
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)  # its aborts are sent before we return
+    return watched
+
+
+async def _hung_up(request: Request) -> bool:
+    """True once the client disconnects (the body is read by now: the next message is the hang-up);
+    False when the server cannot say (its receive failed), so the handler just runs on."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - watching is best effort; it must never fail the request
+        log.debug("cannot watch this request for a disconnect", exc_info=True)
+        return False
+    return True
+
+
 def _router() -> APIRouter:
     router = APIRouter()
     router.add_api_route("/health", _health, methods=["GET"])
@@ -126,6 +167,7 @@ async def _models(request: Request) -> dict:
     return {"object": "list", "data": cards}
 
 
+@_cancel_on_disconnect
 async def _completions(body: CompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
@@ -134,6 +176,7 @@ async def _completions(body: CompletionRequest, request: Request):
     return await _respond(state, body, jobs, model, responses.COMPLETION, _request_id(request))
 
 
+@_cancel_on_disconnect
 async def _chat(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
@@ -154,6 +197,7 @@ def _chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list
     return [replace(job, params=plan.adjust(job.params)) for job in jobs]
 
 
+@_cancel_on_disconnect
 async def _responses(body: ResponsesRequest, request: Request):
     """OpenAI's Responses API (serve/openai_responses.py): the input runs as a chat turn would."""
     state = _state(request)
@@ -282,8 +326,9 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
     jobs = state.named(jobs, request_id)
     if body.stream:
         return await _stream_response(state, body, jobs, model, fmt, request_id)
-    # Cancelling this handler (client gone) cancels the gathered generations, which abort in the engine.
-    results = await asyncio.gather(*(state.collect(job) for job in jobs))
+    # Cancelling this handler (client gone) cancels the generations, which abort in the engine; a choice
+    # that fails (the engine refused it) ends the others too.
+    results = await gather_or_cancel([state.collect(job) for job in jobs])
     results = [Finished(prompt_logprobs=r.prompt_logprobs, logprobs=[], finish_reason="length", metrics=r.metrics)
                if job.scores_only else r for job, r in zip(jobs, results)]
     choices = [_choice(state, fmt, body, i, job, r) for i, (job, r) in enumerate(zip(jobs, results))]

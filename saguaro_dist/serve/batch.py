@@ -148,12 +148,22 @@ async def run_batch(client: httpx.AsyncClient, lines: Iterable[str | bytes], wri
 
     with bar:
         async with client:
-            for number, text in enumerate(lines, 1):
-                if text.strip():
-                    pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
-                while pending and (len(pending) >= max_in_flight or pending[0].done()):
+            try:
+                for number, text in enumerate(lines, 1):
+                    if text.strip():
+                        pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
+                    while pending and (len(pending) >= max_in_flight or pending[0].done()):
+                        flush(await pending.popleft())
+                while pending:
                     flush(await pending.popleft())
-            while pending:
-                flush(await pending.popleft())
+            finally:  # stopped early (a failed write, an interrupt): the requests in flight end with the batch
+                await _cancel_all(pending)
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+async def _cancel_all(tasks) -> None:
+    """Cancel the tasks and wait for them, so their requests are over (aborted) before the client closes."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -99,7 +99,8 @@ class ServingState:
     @staticmethod
     def named(jobs: list[Job], request_id: str) -> list[Job]:
         """The jobs of one response, named after it for the logs: "<request id>-<choice index>-<random>" (the
-        random part keeps two requests sent with one X-Request-Id apart: the engine aborts by id)."""
+        random part keeps two requests sent with one X-Request-Id apart: LLM.stream lets one open stream at a
+        time hold an id)."""
         return [replace(job, request_id=f"{request_id}-{i}-{uuid.uuid4().hex[:8]}") for i, job in enumerate(jobs)]
 
     def jobs(self, prompts: list[list[int]], request: SamplingRequest, param: str) -> list[Job]:
@@ -232,6 +233,23 @@ def _log_finished(request_id: str, delta, seconds: float) -> None:
              m.time_to_first_token_s, m.num_cached_tokens, m.acceptance_rate, m.cache_hit_rate)
 
 
+async def gather_or_cancel(coroutines: list) -> list:
+    """asyncio.gather's results, except that when one fails the others are cancelled (and waited for)
+    before its exception propagates: gather alone left them generating for a request already answered."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _cancel_all(tasks)
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    """Cancel the tasks and wait until they are over (their generations' aborts are sent by then)."""
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def merge(streams: list[AsyncIterator], interval_s: float = 0.0,
                 shown=lambda item: True) -> AsyncIterator[list[tuple[int, object]]]:
     """Items of several async iterators, tagged with the iterator's index, in batches: items go out at
@@ -262,9 +280,7 @@ async def merge(streams: list[AsyncIterator], interval_s: float = 0.0,
             if batch:
                 yield batch
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
 
 
 class _Batches:
