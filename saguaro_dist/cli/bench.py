@@ -52,6 +52,25 @@ SWEEP_OPTIONS = {"--sweep-ks": ("ks", _ints), "--sweep-budgets": ("budgets", _in
 
 
 RESULT_FILES = {"grid": "results.json", "sweep": "sweep.json", "serving": "serving.json"}
+NUM_REQUESTS = 32  # requests a serving stream, --num-requests left out
+OPTION_FLAGS = {**{field: flag for flag, (field, _) in {**GRID_OPTIONS, **SWEEP_OPTIONS}.items()},
+                "num_requests": "--num-requests", "api_key": "--api-key", "model": "--model", "target": "--target",
+                "draft": "--draft", "adaptive_fan_out": "--adaptive-fan-out", "enforce_eager": "--enforce-eager",
+                "no_ngram_rounds": "--no-ngram-rounds", "interleave": "--interleave"}
+OURS_RUNS = ("grid", "sweep", "serving")  # the runs of our systems here (--url measures a server)
+# option dest -> the runs that use it (the others' options apply to every run)
+RUN_OPTIONS = {"systems": ("grid", "serving"), "settings": ("grid", "serving"), "batch_sizes": ("grid", "serving"),
+               "temperatures": ("grid", "serving", "url"), "num_prompts": ("grid", "sweep"),
+               "interleave": ("grid", "serving"), "num_requests": ("serving", "url"), "api_key": ("url",),
+               "model": ("url",),
+               **dict.fromkeys(("target", "draft", "k", "fan_out", "fan_out_kind", "saguaro_c", "proposal_top_k",
+                                "fallback", "tree_policy", "hit_glue", "bonus_draw", "cores", "device", "dtype",
+                                "adaptive_fan_out", "enforce_eager", "no_ngram_rounds"), OURS_RUNS),
+               **dict.fromkeys((field for field, _ in SWEEP_OPTIONS.values()), ("sweep",))}
+RUN_NAMES = {"grid": "the grid (no --sweep, --request-rates or --url)",
+             "sweep": "--sweep (it runs --sweep-system at --sweep-batch, --sweep-temperature, --sweep-setting)",
+             "serving": "--request-rates without --url (it streams --num-requests requests to our systems)",
+             "url": "--url (they choose our systems here; the server is measured as it runs)"}
 
 
 def register(subparsers) -> None:
@@ -62,7 +81,7 @@ def register(subparsers) -> None:
     p.add_argument("--request-rates", type=_rates, help="serve a stream of requests at each rate (requests/s, "
                    "comma-separated; inf: all at once) to our systems instead of the grid: throughput, TTFT, TPOT; "
                    "at most max(--batch) running; default systems ar,sd,ngram,ssd")
-    p.add_argument("--num-requests", type=int, default=32, help="requests a serving stream (--request-rates)")
+    p.add_argument("--num-requests", type=int, help=f"requests a serving stream (--request-rates; default {NUM_REQUESTS})")
     p.add_argument("--url", help="with --request-rates: stream the requests to this running server (a RayService, "
                                  "`saguaro serve`; any OpenAI-compatible server with /tokenize) instead of our systems here")
     p.add_argument("--api-key", help="the server's key with --url (default: $SAGUARO_API_KEY if set)")
@@ -108,24 +127,53 @@ def serving_config(args, base) -> "ServingConfig":
     from saguaro_dist.bench.serving import SERVING_SYSTEMS, ServingConfig
     if args.systems is None:
         base = dataclasses.replace(base, systems=SERVING_SYSTEMS)
-    return ServingConfig(base=base, rates=args.request_rates, num_requests=args.num_requests)
+    return ServingConfig(base=base, rates=args.request_rates, num_requests=_num_requests(args))
+
+
+def _num_requests(args) -> int:
+    return NUM_REQUESTS if args.num_requests is None else args.num_requests
 
 
 def remote_config(args, base) -> "RemoteConfig":
-    """A serving run against --url: the flags that choose our systems and their hardware are the server's
-    business there, so giving one is an error rather than silently unused."""
+    """A serving run against --url (run_kind and check_run_options refused what it would leave unused)."""
     import os
 
     from saguaro_dist.bench.remote import RemoteConfig
     from saguaro_dist.serve.args import API_KEY_ENV
-    if not args.request_rates:
+    return RemoteConfig(args.url, base, args.request_rates, _num_requests(args),
+                        args.api_key or os.environ.get(API_KEY_ENV), args.model)
+
+
+def run_kind(args) -> str:
+    """grid, sweep, serving or url: the run the flags ask for."""
+    if args.sweep and (args.request_rates or args.url):
+        raise ValueError("--sweep and --request-rates (or --url) are two different runs: give one")
+    if args.url and not args.request_rates:
         raise ValueError("--url measures serving streams: give --request-rates too")
-    ours = [flag for flag, given in (("--systems", args.systems), ("--settings", args.settings), ("--batch", args.batch_sizes),
-                                     ("--target", args.target), ("--draft", args.draft)) if given]
-    if ours:
-        raise ValueError(f"{', '.join(ours)} choose our systems here; with --url the server is measured as it runs")
-    return RemoteConfig(args.url, base, args.request_rates, args.num_requests, args.api_key or os.environ.get(API_KEY_ENV),
-                        args.model)
+    return "sweep" if args.sweep else "url" if args.url else "serving" if args.request_rates else "grid"
+
+
+def check_run_options(args, kind: str) -> None:
+    """Options the run leaves unused are an error, not dropped: --sweep-ks without --sweep, --systems with
+    --sweep or --url, --num-requests without --request-rates, ..."""
+    from saguaro_dist.cli.flag_checks import given
+    unused = [OPTION_FLAGS[d] for d in given(args, RUN_OPTIONS, unset=(None, False)) if kind not in RUN_OPTIONS[d]]
+    if unused:
+        raise ValueError(f"{', '.join(unused)}: unused by {RUN_NAMES[kind]}")
+
+
+def check_system_options(args, systems: tuple[str, ...]) -> None:
+    """Options none of the run's systems uses: --draft with ar and hf alone, SSD's knobs without an SSD system."""
+    from saguaro_dist.bench.config import SPECULATIVE, SSD_SYSTEMS
+    from saguaro_dist.cli.flag_checks import given
+    drafting, ours_drafting = ("sd", *SSD_SYSTEMS, "hf-assisted"), ("sd", *SSD_SYSTEMS)
+    users = {"draft": drafting, "k": SPECULATIVE, "proposal_top_k": ours_drafting,
+             **dict.fromkeys(("fan_out", "fan_out_kind", "saguaro_c", "fallback", "tree_policy", "hit_glue",
+                              "bonus_draw", "adaptive_fan_out", "no_ngram_rounds"), SSD_SYSTEMS)}
+    unused = [d for d in given(args, users, unset=(None, False)) if not set(systems) & set(users[d])]
+    if unused:
+        raise ValueError("; ".join(f"{OPTION_FLAGS[d]} applies only to systems {', '.join(users[d])}" for d in unused)
+                         + f"; this run's are {', '.join(systems)}")
 
 
 def _run_remote(remote: "RemoteConfig", progress: bool) -> dict:
@@ -139,23 +187,32 @@ def _run_remote(remote: "RemoteConfig", progress: bool) -> dict:
 
 
 def run(args) -> int:
-    from saguaro_dist.bench import run_grid, run_serving, run_sweep
     from saguaro_dist.bench.plots import write_plots
     from saguaro_dist.bench.report import render, write_json
+    kind = run_kind(args)
+    check_run_options(args, kind)
     cfg = bench_config(args)
-    out = Path(cfg.out_dir)
-    if args.sweep and (args.request_rates or args.url):
-        raise ValueError("--sweep and --request-rates (or --url) are two different runs: give one")
-    if args.sweep:
-        results = run_sweep(sweep_config(args, cfg), progress=not args.no_progress)
-    elif args.url:
-        results = _run_remote(remote_config(args, cfg), progress=not args.no_progress)
-    elif args.request_rates:
-        results = run_serving(serving_config(args, cfg), progress=not args.no_progress)
-    else:
-        results = run_grid(cfg, progress=not args.no_progress)
+    results = _run(args, kind, cfg)
     print(render(results))
+    out = Path(cfg.out_dir)
     path = write_json(results, out / RESULT_FILES[results["kind"]])
     plots = write_plots(results, out) if cfg.plots else []
     print(f"\nwrote {path}" + "".join(f", {p}" for p in plots))
     return 0
+
+
+def _run(args, kind: str, cfg: "BenchConfig") -> dict:
+    from saguaro_dist.bench import run_grid, run_serving, run_sweep
+    progress = not args.no_progress
+    if kind == "url":
+        return _run_remote(remote_config(args, cfg), progress)
+    if kind == "sweep":
+        sweep = sweep_config(args, cfg)
+        check_system_options(args, (sweep.system,))
+        return run_sweep(sweep, progress=progress)
+    if kind == "serving":
+        serving = serving_config(args, cfg)
+        check_system_options(args, serving.base.systems)
+        return run_serving(serving, progress=progress)
+    check_system_options(args, cfg.systems)
+    return run_grid(cfg, progress=progress)

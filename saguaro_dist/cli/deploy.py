@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from saguaro_dist.cli.flag_checks import check_mode_flags, flag_name, given, refuse_without
+from saguaro_dist.config import Mode
 from saguaro_dist.deploy import k8s
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
@@ -11,6 +13,7 @@ from saguaro_dist.serve.tool_parsers import ToolCallParser
 DEFAULTS = k8s.K8sSettings()
 BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
 KINDS = sorted([*BUILDERS, "batch-job"])  # batch-job is built from the --batch-* options too (_batch_job)
+BATCH_FILES = {"batch_input": "requests.jsonl", "batch_output": "results.jsonl"}  # the --batch-* files' defaults
 
 
 def register(subparsers) -> None:
@@ -27,18 +30,19 @@ def register(subparsers) -> None:
 def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--name", default=DEFAULTS.name, help="RayService name (and prefix of its Services)")
     parser.add_argument("--model", default=DEFAULTS.model, help="target model: HF id or a path under /models")
-    parser.add_argument("--draft", default=DEFAULTS.draft, help="draft model (unused with --mode ar or ngram)")
+    parser.add_argument("--draft", help=f"draft model (default {DEFAULTS.draft}; --mode sd and ssd only: ar and "
+                                        "ngram run none)")
     parser.add_argument("--revision", help="the target's Hub revision: a branch, tag or commit (default main)")
     parser.add_argument("--draft-revision", help="the draft's Hub revision")
     parser.add_argument("--tokenizer", help="a tokenizer (HF id or a path under /models) instead of the target's own")
     parser.add_argument("--tokenizer-revision", help="the tokenizer's Hub revision")
     parser.add_argument("--mode", default=DEFAULTS.mode, choices=["ar", "sd", "ssd", "ngram"],
                         help="ar and ngram run no draft: no draft pods, --draft unused")
-    parser.add_argument("--k", type=int, default=DEFAULTS.k, help="speculation length K")
-    parser.add_argument("--fan-out", type=_fan_out, default=DEFAULTS.fan_out,
-                        help="branch budget B, or K+1 comma-separated fan-outs F_0,...,F_K")
-    parser.add_argument("--saguaro-c", type=float, default=DEFAULTS.saguaro_c)
-    parser.add_argument("--fallback", default=DEFAULTS.fallback, choices=["auto", "neural", "fast", "random"])
+    parser.add_argument("--k", type=int, help=f"speculation length K (default {DEFAULTS.k})")
+    parser.add_argument("--fan-out", type=_fan_out,
+                        help=f"ssd: branch budget B, or K+1 comma-separated fan-outs F_0,...,F_K (default {DEFAULTS.fan_out})")
+    parser.add_argument("--saguaro-c", type=float, help=f"ssd (default {DEFAULTS.saguaro_c})")
+    parser.add_argument("--fallback", choices=["auto", "neural", "fast", "random"], help=f"ssd (default {DEFAULTS.fallback})")
     parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
     parser.add_argument("--max-model-len", type=int, help="default: the model's own context")
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization,
@@ -62,7 +66,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel size = GPUs of the target pod")
-    parser.add_argument("--draft-workers", type=int, default=DEFAULTS.draft_workers, help="draft pods (one GPU each)")
+    parser.add_argument("--draft-workers", type=int, help=f"draft pods, one GPU each (default {DEFAULTS.draft_workers})")
     parser.add_argument("--draft-max-workers", type=int, help="with --autoscaling: the draft pool's upper bound")
     parser.add_argument("--autoscaling", action="store_true", help="enable the Ray autoscaler (in-tree)")
     parser.add_argument("--image", default=DEFAULTS.image, help="saguaro-dist image (deploy/Dockerfile.cpu or .cuda)")
@@ -72,8 +76,8 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-token-secret", default=DEFAULTS.hf_token_secret, help="Secret with an HF token (key 'token'), optional")
     parser.add_argument("--models-pvc", help="PVC with the weights, mounted at /models (default: an emptyDir HF cache)")
     for role in ("head", "target", "draft"):
-        parser.add_argument(f"--{role}-cpu", default=getattr(DEFAULTS, f"{role}_cpu"))
-        parser.add_argument(f"--{role}-memory", default=getattr(DEFAULTS, f"{role}_memory"))
+        parser.add_argument(f"--{role}-cpu", help=f"(default {getattr(DEFAULTS, f'{role}_cpu')})")
+        parser.add_argument(f"--{role}-memory", help=f"(default {getattr(DEFAULTS, f'{role}_memory')})")
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -83,8 +87,8 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
                              "batch-job: a Job running `saguaro run-batch --url` against the RayService --name")
     g = parser.add_argument_group("batch-job")
     g.add_argument("--batch-pvc", help="PVC holding the batch files, mounted at /data")
-    g.add_argument("--batch-input", default="requests.jsonl", help="the OpenAI batch file, relative to the PVC")
-    g.add_argument("--batch-output", default="results.jsonl", help="where the results go, relative to the PVC")
+    g.add_argument("--batch-input", help=f"the OpenAI batch file, relative to the PVC (default {BATCH_FILES['batch_input']})")
+    g.add_argument("--batch-output", help=f"where the results go, relative to the PVC (default {BATCH_FILES['batch_output']})")
     parser.add_argument("--service-monitor", action="store_true",
                         help="also write the metrics Service and a prometheus-operator ServiceMonitor")
 
@@ -100,29 +104,40 @@ def _fan_out(text: str) -> int | tuple[int, ...]:
 def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
     """The CLI options whose names are K8sSettings fields, as settings."""
     fields = {f for f in k8s.K8sSettings.__dataclass_fields__}
-    given = {key: value for key, value in vars(args).items() if key in fields and value is not None}
-    if given.get("chat_template"):
+    values = {key: value for key, value in vars(args).items() if key in fields and value is not None}
+    if values.get("chat_template"):
         from saguaro_dist.serve.prompts import load_chat_template
-        given["chat_template"] = load_chat_template(given["chat_template"])  # the text: the pods lack the file
-    return k8s.K8sSettings(**given)
+        values["chat_template"] = load_chat_template(values["chat_template"])  # the text: the pods lack the file
+    return k8s.K8sSettings(**values)
 
 
 def manifests(args: argparse.Namespace) -> list[dict]:
     settings = settings_from_args(args)
+    _check_unused(args, settings)
     docs = [_batch_job(settings, args) if args.kind == "batch-job" else BUILDERS[args.kind](settings)]
     if args.service_monitor:
         docs += [k8s.metrics_service(settings), k8s.service_monitor(settings)]
     return docs
 
 
+def _check_unused(args: argparse.Namespace, settings: k8s.K8sSettings) -> None:
+    """Flags the manifests would leave out: a draft's with a mode that runs none, --draft-max-workers without
+    --autoscaling, --batch-* without --kind batch-job (after the settings' own checks, which say more)."""
+    check_mode_flags(args, Mode(settings.mode), implied=False)
+    refuse_without(args, ("draft_max_workers",), "autoscaling")
+    batch = given(args, ("batch_pvc", *BATCH_FILES)) if args.kind != "batch-job" else {}
+    if batch:
+        raise ValueError(f"{', '.join(map(flag_name, batch))} only applies with --kind batch-job")
+
+
 def _batch_job(settings: k8s.K8sSettings, args: argparse.Namespace) -> dict:
     if not args.batch_pvc:
         raise ValueError("--kind batch-job needs --batch-pvc (the PVC holding the batch files)")
-    for name in ("batch_input", "batch_output"):
-        path = getattr(args, name)
+    paths = {name: default if getattr(args, name) is None else getattr(args, name) for name, default in BATCH_FILES.items()}
+    for name, path in paths.items():
         if not path or path.startswith("/") or ".." in path.split("/"):
             raise ValueError(f"--{name.replace('_', '-')} must be a path inside the PVC, got {path!r}")
-    return k8s.batch_job(settings, args.batch_pvc, args.batch_input, args.batch_output)
+    return k8s.batch_job(settings, args.batch_pvc, paths["batch_input"], paths["batch_output"])
 
 
 def run(args: argparse.Namespace) -> int:

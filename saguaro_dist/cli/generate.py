@@ -5,7 +5,11 @@ import argparse
 import json
 import sys
 
-from saguaro_dist.cli.serve import add_engine_args, engine_args
+from saguaro_dist.cli.flag_checks import check_url, refuse_with_url, refuse_without
+from saguaro_dist.cli.serve import ENGINE_FLAGS, add_engine_args, engine_args, generation_defaults
+
+# generate's own defaults where the model's generation config sets none (the other fields: SamplingParams')
+GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
 
 
 def register(subparsers) -> None:
@@ -15,17 +19,19 @@ def register(subparsers) -> None:
     p.add_argument("--prompt", action="append", default=[], metavar="PROMPT",
                    help="a prompt (repeatable); stdin lines when no prompt is given")
     add_engine_args(p)
-    g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the likeliest's probability (0: off)")
+    g = p.add_argument_group("sampling", "a flag left out takes the model's generation_config.json value "
+                             "(--generation-config), else the default shown; with --url, the server's default")
+    g.add_argument("--max-tokens", type=int, help="(default 64)")
+    g.add_argument("--temperature", type=float, help="0 is greedy (default 0)")
+    g.add_argument("--top-p", type=float, help="(default 1: off)")
+    g.add_argument("--top-k", type=int, help="(default 0: off)")
+    g.add_argument("--min-p", type=float, help="drop tokens below min-p x the likeliest's probability (default 0: off)")
     g.add_argument("--seed", type=int)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, on tokens already in the output")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, times a token's count in the output")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; > 1 discourages prompt and output tokens")
+    g.add_argument("--presence-penalty", type=float, help="-2..2, on tokens already in the output (default 0)")
+    g.add_argument("--frequency-penalty", type=float, help="-2..2, times a token's count in the output (default 0)")
+    g.add_argument("--repetition-penalty", type=float,
+                   help="> 0; > 1 discourages prompt and output tokens (default 1)")
     g.add_argument("--logit-bias", action="append", type=_bias_pair, metavar="ID=BIAS",
                    help="add BIAS (-100..100) to token ID's logit (repeatable)")
     g.add_argument("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...", help="only these tokens may be generated")
@@ -37,12 +43,14 @@ def register(subparsers) -> None:
     s.add_argument("--grammar", help="text in this Lark grammar")
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per prompt, with speculation metrics")
-    o.add_argument("--url", help="use this OpenAI-compatible server instead of loading the model")
+    o.add_argument("--url", help="use this OpenAI-compatible server instead of loading the model (its engine: the "
+                                 "engine flags but MODEL / --model, the name asked for, are refused)")
     o.add_argument("--api-key", help="API key for --url")
     p.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:
+    _check_flags(ns)
     prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompt given (--prompt TEXT, or lines on stdin)")
@@ -52,12 +60,22 @@ def run(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _check_flags(ns: argparse.Namespace) -> None:
+    """Flags this run would leave unused: the key without --url, the engine's flags with it (the server runs
+    its own; MODEL or --model names the model asked for)."""
+    check_url(ns.url)
+    refuse_without(ns, ("api_key",), "url")
+    refuse_with_url(ns, [d for d in ENGINE_FLAGS if d != "model"], "the server runs its own engine")
+
+
 def _sampling(ns: argparse.Namespace) -> dict:
-    return {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
-            "min_p": ns.min_p, "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
-            "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty,
-            "logit_bias": dict(ns.logit_bias) if ns.logit_bias else None, "allowed_token_ids": ns.allowed_token_ids,
-            "structured_outputs": _structured(ns)}
+    """The sampling flags given: the rest are left to the model's generation config (or the server's defaults)."""
+    fields = {"max_tokens": ns.max_tokens, "temperature": ns.temperature, "top_p": ns.top_p, "top_k": ns.top_k,
+              "min_p": ns.min_p, "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
+              "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty,
+              "logit_bias": dict(ns.logit_bias) if ns.logit_bias else None, "allowed_token_ids": ns.allowed_token_ids,
+              "structured_outputs": _structured(ns)}
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _structured(ns: argparse.Namespace) -> dict | None:
@@ -94,19 +112,24 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _local(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
-    from saguaro_dist import LLM, SamplingParams
+    from saguaro_dist import LLM
     from saguaro_dist.config import Config
 
-    from saguaro_dist.sampling_params import StructuredOutputsParams
-
-    sampling = {k: v for k, v in _sampling(ns).items() if v is not None}
-    if "structured_outputs" in sampling:
-        sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
-    params = SamplingParams(**sampling)
-    with LLM.from_config(Config(**engine_args(ns))) as llm:
+    config = Config(**engine_args(ns))
+    params = _params({**GENERATE_DEFAULTS, **generation_defaults(config), **_sampling(ns)})  # before the model loads
+    with LLM.from_config(config) as llm:
         outputs = llm.generate(prompts, params)
     return [{"prompt": o.prompt, "text": o.text, "finish_reason": o.finish_reason, "metrics": o.metrics.to_dict()}
             for o in outputs]
+
+
+def _params(sampling: dict):
+    from saguaro_dist import SamplingParams
+    from saguaro_dist.sampling_params import StructuredOutputsParams
+
+    if "structured_outputs" in sampling:
+        sampling["structured_outputs"] = StructuredOutputsParams(**sampling["structured_outputs"])
+    return SamplingParams(**sampling)
 
 
 def _remote(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:

@@ -9,11 +9,14 @@ import os
 import sys
 from contextlib import contextmanager
 
-from saguaro_dist.cli.serve import CHAT_TEMPLATE_HELP, add_engine_args, engine_args
-from saguaro_dist.serve.args import API_KEY_ENV
+from saguaro_dist.cli.flag_checks import check_url, refuse_with_url, refuse_without
+from saguaro_dist.cli.serve import CHAT_TEMPLATE_HELP, ENGINE_FLAGS, add_engine_args, engine_args, generation_defaults
+from saguaro_dist.serve.args import API_KEY_ENV, served_model_names
 from saguaro_dist.serve.batch import app_client, run_batch, server_client
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
+
+LOCAL_APP_FLAGS = ("served_model_name", "tool_call_parser", "reasoning_parser", "chat_template")  # the app run here
 
 
 def register(subparsers) -> None:
@@ -33,7 +36,7 @@ def register(subparsers) -> None:
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser], help="as for `saguaro serve`")
     g.add_argument("--chat-template", help=CHAT_TEMPLATE_HELP)
     g.add_argument("--url", help="send the lines to this running server (say a RayService) instead of loading "
-                                 "the model here; the engine flags are then its business")
+                                 "the model here; the engine and serving flags are then its business (refused here)")
     g.add_argument("--api-key", help=f"the server's key with --url (default: ${API_KEY_ENV} if set)")
     add_engine_args(p)
     p.set_defaults(run=run)
@@ -44,16 +47,27 @@ def run(ns: argparse.Namespace) -> int:
     from saguaro_dist.serve.args import config_from_args
 
     _check_files(ns)
+    _check_flags(ns)
     if ns.url:
         summary = _batch(ns, server_client(ns.url, ns.api_key or os.environ.get(API_KEY_ENV)))
     else:
         from saguaro_dist.serve.prompts import load_chat_template
         template = load_chat_template(ns.chat_template) if ns.chat_template else None
-        with LLM.from_config(config_from_args(engine_args(ns))) as llm:  # before the output file is opened
+        config = config_from_args(engine_args(ns))
+        served_model_names(ns.served_model_name, config.model)  # bad names and generation configs: before the model loads
+        generation_defaults(config)
+        with LLM.from_config(config) as llm:  # before the output file is opened
             summary = _batch(ns, app_client(_app(llm, ns, template)))
     sys.stderr.write(f"saguaro run-batch: {summary.requests} requests, {summary.failed} failed, "
                      f"{summary.completion_tokens} tokens generated in {summary.seconds:.1f} s\n")
     return 0
+
+
+def _check_flags(ns: argparse.Namespace) -> None:
+    """Flags this run would leave unused: the key without --url; with it, the engine's and the serving app's
+    (the server answers the lines with its own)."""
+    refuse_without(ns, ("api_key",), "url")
+    refuse_with_url(ns, ["model_tag", *ENGINE_FLAGS, *LOCAL_APP_FLAGS], "the server answers with its own engine and options")
 
 
 def _batch(ns: argparse.Namespace, client):
@@ -64,7 +78,6 @@ def _batch(ns: argparse.Namespace, client):
 def _app(llm, ns: argparse.Namespace, template: str | None):
     """The serving app over this process's engine, with the serving flags given."""
     from saguaro_dist.serve.api import ServerOptions, create_app
-    from saguaro_dist.serve.args import served_model_names
 
     names = served_model_names(ns.served_model_name, llm.config.model)
     return create_app(llm, ServerOptions(served_model_name=names[0], model_aliases=names[1:],
@@ -77,8 +90,7 @@ def _check_files(ns: argparse.Namespace) -> None:
     and --url names a server (each of these used to surface only after the model had loaded, or line by line)."""
     if ns.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
-    if ns.url is not None and not ns.url.startswith(("http://", "https://")):
-        raise ValueError(f"--url must be a server's address, http://host:port or https://..., got {ns.url!r}")
+    check_url(ns.url)
     if ns.input_file != "-" and not os.path.isfile(ns.input_file):
         raise ValueError(f"input file {ns.input_file!r} " + ("is a folder" if os.path.isdir(ns.input_file)
                                                              else "does not exist"))

@@ -9,6 +9,7 @@ import logging
 import signal
 import threading
 
+from saguaro_dist.cli.flag_checks import check_mode_flags
 from saguaro_dist.config import (DRAFT_MODES, DTYPES, BonusDraw, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode,
                                  SchedulingPolicy, TreePolicy, parse_enum)
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
@@ -154,7 +155,10 @@ def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     args.update({field: getattr(ns, dest) for dest, field in ENGINE_FLAGS.items() if getattr(ns, dest) is not None})
     if "cluster" not in args and (args.get("tensor_parallel_size", 1) > 1 or args.get("num_draft_workers", 1) > 1):
         args["cluster"] = "auto"  # more than one target rank or draft worker means Ray actors
-    return with_default_model(args)
+    args = with_default_model(args)
+    mode = config_from_args(args).mode  # the values' own errors first: a --k 0 is wrong whatever the mode
+    check_mode_flags(ns, mode, implied=ns.mode is None and "mode" not in (base or {}))  # before any model loads
+    return args
 
 
 def with_default_model(args: dict) -> dict:
@@ -222,10 +226,35 @@ def check_pair_here(config) -> None:
         fit_draft(config, target_tokenizer(config))
 
 
+def generation_defaults(config) -> dict:
+    """The sampling defaults the engine takes from the model's generation config (LLM's own function); a
+    --generation-config folder that fails is named as such (it read "model path ... is not a directory")."""
+    from saguaro_dist.engine.llm import generation_defaults as checked
+    try:
+        return checked(config)
+    except ValueError as err:
+        if config.generation_config in ("auto", "vllm"):
+            raise
+        raise ValueError(f"--generation-config {config.generation_config!r}: {err}") from None
+
+
+def check_generation_config_here(config, embedded: bool) -> None:
+    """A bad generation config found before Ray starts (it failed in the replica): when its folder is on this
+    machine, or named outright for the embedded cluster, whose replica looks for it here."""
+    from pathlib import Path
+
+    source = config.generation_config
+    folder = config.model if source == "auto" else source
+    if source != "vllm" and (Path(folder).expanduser().is_dir() or (embedded and source != "auto")):
+        generation_defaults(config)
+
+
 def run(ns: argparse.Namespace) -> int:
     from saguaro_dist.serve.config_file import load_serve_config
     from saguaro_dist.serve.prompts import load_chat_template  # (pydantic: not for `saguaro --help`)
 
+    if ns.address and ns.num_cpus:
+        raise ValueError("--num-cpus sizes the embedded cluster: unused with --address (the cluster has its own)")
     file = load_serve_config(ns.config) if ns.config else None
     args = engine_args(ns, file.args if file else None)
     args.update({field: getattr(ns, dest) for dest, field in SERVE_FLAGS.items() if getattr(ns, dest) is not None})
@@ -233,7 +262,9 @@ def run(ns: argparse.Namespace) -> int:
         args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment
     if args.get("chat_template"):
         args["chat_template"] = load_chat_template(args["chat_template"])  # the text: replicas may lack the file
-    check_pair_here(config_from_args(args))  # fail fast with a clear message, before Ray starts
+    config = config_from_args(args)
+    check_pair_here(config)  # fail fast with a clear message, before Ray starts
+    check_generation_config_here(config, embedded=not ns.address)
     served_model_names(args.get("served_model_name"), args["model"])
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
