@@ -220,6 +220,9 @@ class Config:
         if self.mode is Mode.NGRAM and self.draft:
             raise ValueError("mode 'ngram' proposes from each sequence's own tokens and takes no draft model: drop "
                              "draft=..., or choose mode 'sd' / 'ssd'")
+        if self.mode is Mode.AR and self.draft:  # it went unused, silently: a user who meant SD measured AR
+            raise ValueError("mode 'ar' decodes with the target alone and takes no draft model: drop draft=..., or "
+                             "choose mode 'sd' / 'ssd'")
         if self.draft is not None and (not isinstance(self.draft, str) or not self.draft.strip()):
             raise ValueError(f"draft must be a folder or a Hugging Face id, got {self.draft!r}")
         if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer.strip()):

@@ -54,7 +54,7 @@ def test_logit_bias_and_allowed_tokens_are_kept_sorted_and_hashable():
 @pytest.mark.parametrize("kwargs, message", [
     (dict(k=0), "k must be"), (dict(fan_out=3, k=4), "fan_out budget"), (dict(fan_out=[1, 2], k=4), "k\\+1"),
     (dict(saguaro_c=1.5), "saguaro_c"), (dict(proposal_top_k=-1), "proposal_top_k"), (dict(jit_cohorts=3), "jit_cohorts"), (dict(jit_cohorts=True), "jit_cohorts"), (dict(tree_policy="sometimes"), "tree_policy"), (dict(proposal_top_k=2.0), "proposal_top_k"), (dict(mode="beam"), "mode must be one of"), (dict(draft=None), "needs a draft"),
-    (dict(mode="ngram"), "takes no draft model"), (dict(prompt_lookup_min=0), "prompt_lookup_min"),
+    (dict(mode="ngram"), "takes no draft model"), (dict(mode="ar"), "mode .ar. decodes with the target alone"), (dict(prompt_lookup_min=0), "prompt_lookup_min"),
     (dict(prompt_lookup_min=3, prompt_lookup_max=2), "1 <= min <= max"), (dict(prompt_lookup_max=2.5), "prompt_lookup"),
     (dict(fallback="slow"), "fallback must be one of"), (dict(dtype="int8"), "dtype"),
     (dict(draft_executor="fork"), "draft_executor must be one of"), (dict(mode="sd", draft_executor="split"), "splits SSD's draft"), (dict(cluster="local", draft_executor="thread"), "one-host only"), (dict(fan_out_kind="zipf"), "fan_out_kind must be one of"),
