@@ -88,16 +88,10 @@ class SamplingParams:
         check_int("max_tokens", self.max_tokens, 1)
         if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
-        check_temperature(self.temperature)
-        if self.temperature < GREEDY_BELOW:  # logits / 1e-40 overflowed to inf: NaN probabilities, the last token id
-            object.__setattr__(self, "temperature", 0.0)
-        if not is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "temperature", checked_temperature(self.temperature))
         if self.top_k == -1 and type(self.top_k) is int:  # vLLM's other spelling of "off"
             object.__setattr__(self, "top_k", 0)
-        # Bounded: the engine holds top_k in an int64 tensor, and a larger one failed the whole batch's step.
-        if type(self.top_k) is not int or not 0 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"top_k must be an integer in 0..{MAX_TOP_K} (0 or -1 disables it), got {self.top_k!r}")
+        check_top(self.top_p, self.top_k)
         # int64: seeds travel to Ray's draft workers as protobuf int64, and a larger one failed the encoding there
         # (codec.CodecError) inside the engine step, past the edge.
         if self.seed is not None and (type(self.seed) is not int or not SEED_MIN <= self.seed <= SEED_MAX):
@@ -136,12 +130,23 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def check_temperature(temperature: float) -> None:
-    """A NaN temperature passed `< 0` and sampled garbage. One that float32 cannot hold broke the engine
-    step: 1e39 became inf, and a masked token's -inf / inf was NaN; the int 10**400 raised OverflowError,
-    failing every request in flight."""
+def checked_temperature(temperature: float) -> float:
+    """The temperature, or 0 (greedy) under GREEDY_BELOW: logits / 1e-40 overflowed to inf (NaN
+    probabilities, the last token id drawn). A NaN temperature passed `< 0` and sampled garbage. One that
+    float32 cannot hold broke the engine step: 1e39 became inf, and a masked token's -inf / inf was NaN;
+    the int 10**400 raised OverflowError, failing every request in flight."""
     if not is_number(temperature) or not 0 <= temperature <= FLOAT32_MAX:
         raise ValueError(f"temperature must be a number in [0, {FLOAT32_MAX:.4g}] (float32's largest), got {temperature!r}")
+    return 0.0 if temperature < GREEDY_BELOW else temperature
+
+
+def check_top(top_p: float, top_k: int) -> None:
+    """top_p in (0, 1]; top_k bounded: the engine holds it in an int64 tensor, and a larger one failed the
+    whole batch's step."""
+    if not is_number(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    if type(top_k) is not int or not 0 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top_k must be an integer in 0..{MAX_TOP_K} (0 or -1 disables it), got {top_k!r}")
 
 
 def check_penalties(presence: float, frequency: float, repetition: float) -> None:

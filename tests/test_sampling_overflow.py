@@ -104,3 +104,18 @@ def test_engine_serves_logprobs_past_a_small_vocabulary_beside_others(six_token_
             llm.generate(prompt_token_ids=[[1, 2]], sampling_params=SamplingParams(min_tokens=1, stop_token_ids=range(6)))
     assert len(outs[0].token_ids) == 3 and all(len(entry) == 6 for entry in outs[0].logprobs)
     assert len(outs[1].token_ids) == 3
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("temperature", float("nan"), "temperature"), ("temperature", 1e39, "temperature"), ("top_p", 0.0, "top_p"),
+    ("top_p", float("nan"), "top_p"), ("top_k", -1, "top_k"), ("top_k", 2 ** 63, "top_k"), ("top_k", 2.0, "top_k")])
+def test_the_draft_edge_refuses_what_sampling_params_refuses(field, value, message):
+    """DraftSampling is built from a peer's message (gRPC, the pipe): a NaN temperature or top_p there made
+    the draft's rows NaN, past every check the request had passed."""
+    fields = dict(temperature=1.0, top_k=0, top_p=1.0, seed=None) | {field: value}
+    with pytest.raises(ValueError, match=message):
+        DraftSampling(**fields)
+
+
+def test_the_draft_edge_takes_a_tiny_temperature_as_greedy():
+    assert DraftSampling(temperature=1e-40, top_k=0, top_p=1.0, seed=None).temperature == 0.0

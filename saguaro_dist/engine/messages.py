@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro_dist.sampling_params import (
-    TokenBias, allowed_tokens, biased, check_min_p, check_penalties, penalized, token_bias,
+    TokenBias, allowed_tokens, biased, check_min_p, check_penalties, check_top, checked_temperature, penalized, token_bias,
 )
 
 
@@ -46,6 +46,8 @@ class DraftSampling:
     min_p: float = 0.0                                # the target's min-p (0: off)
 
     def __post_init__(self):  # a protocol edge (gRPC, the pipe): NaN or 0 would poison the draft's logits
+        object.__setattr__(self, "temperature", checked_temperature(self.temperature))
+        check_top(self.top_p, self.top_k)
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         check_min_p(self.min_p)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
