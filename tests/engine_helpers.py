@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+import socket
 import time
 
 import torch
@@ -252,3 +253,15 @@ def wait_for(condition, within_s: float = 15.0) -> None:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert condition(), "timed out"
+
+
+def port_closed(address: str, within_s: float = 10.0) -> bool:
+    """Whether nothing listens at host:port any more, polled for up to `within_s`."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, int(port))) != 0:
+                return True
+        time.sleep(0.2)
+    return False

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ import pytest
 import ray
 
 from engine_helpers import (BIAS, PENALTIES, PROMPTS, assert_greedy_equal, biased_reference, check_logprobs, close_pair,
-                            hf_greedy)
+                            hf_greedy, port_closed)
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.actors import ask_actor
@@ -70,17 +69,6 @@ def wait_for_load(llm: LLM, condition, within_s: float = 10.0) -> bool:
     return condition(llm.load)
 
 
-def grpc_port_closed(address: str, within_s: float = 10.0) -> bool:
-    host, port = address.rsplit(":", 1)
-    deadline = time.time() + within_s
-    while time.time() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex((host, int(port))) != 0:
-                return True
-        time.sleep(0.2)
-    return False
-
-
 def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     before = ray.available_resources().get("CPU")
     llm = cluster_llm(pair, tensor_parallel_size=2)
@@ -119,7 +107,7 @@ def test_tp2_with_two_drafts_is_exact_and_shuts_down_clean(ray_cluster, pair):
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.node_id.remote(), timeout=30)
-    assert all(grpc_port_closed(a) for a in addresses)
+    assert all(port_closed(a) for a in addresses)
     deadline = time.time() + 30
     while ray.available_resources().get("CPU") != before and time.time() < deadline:
         time.sleep(0.2)
@@ -315,7 +303,7 @@ def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_clus
         wait_dead([draft])
         # Ray refuses calls before the process is gone: a prefill could still reach its gRPC server, and the
         # first draft after it then meet the death (a fast-backup round, which is right, but not this test's)
-        assert grpc_port_closed(address)
+        assert port_closed(address)
         fallbacks = sum(llm.metrics.fallbacks.values())
         check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
         # At most the one fast-backup draft of the round that met the death (seen once in a CI run with two

@@ -38,16 +38,57 @@ LOCAL_RAY_SYSTEM_CONFIG = {
 }
 
 
+# The Ray this process started for cluster="local": every engine on it holds it (an engine that finds it running
+# joins it, as it joins a Ray the user started), and the last one to stop shuts it down. Shutting it down with the
+# first engine's stop took every other engine of the process down with it.
+_ray_lock = threading.Lock()
+_ray_started: tuple | None = None  # (GCS address, driver's node id) of that Ray; None: this process started none
+_ray_holders = 0
+
+
+def _ray_identity() -> tuple:
+    context = ray.get_runtime_context()
+    return context.gcs_address, context.get_node_id()
+
+
 def connect(cluster: str, num_cpus_needed: int) -> bool:
-    """Join or start Ray; returns whether this process started it (and so must stop it)."""
-    if ray.is_initialized():
-        return False
-    if cluster == "local":
-        ray.init(num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-        return True
+    """Join or start Ray; returns whether this engine holds a Ray this process started (release_ray() then
+    lets it go: the last holder shuts it down). A Ray the user started, or joined, is theirs to stop."""
+    global _ray_started, _ray_holders
+    with _ray_lock:
+        if ray.is_initialized():
+            if _ray_started is not None and _ray_started == _ray_identity():
+                _ray_holders += 1
+                return True
+            _ray_started = None  # (stopped and started again by someone else since: not ours)
+            if cluster not in ("local", "auto"):
+                log.warning("Ray is already initialized in this process: the engine runs on that Ray, not on "
+                            "cluster=%r (as ray.init ignores a second call's settings)", cluster)
+            return False
+        if cluster == "local":
+            # address="local": a new Ray of our own even where RAY_ADDRESS is set or `ray start` ran on this host;
+            # without it ray.init joined that cluster, and refused the num_cpus and system config (a ValueError).
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
+                     log_to_driver=False, configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+            _ray_started, _ray_holders = _ray_identity(), 1
+            return True
     ray.init(address=cluster, log_to_driver=False)  # "auto" or "ray://host:port"
     return False
+
+
+def release_ray() -> None:
+    """One holder of the Ray this process started lets it go; the last one shuts it down."""
+    global _ray_started, _ray_holders
+    with _ray_lock:
+        if _ray_started is None:
+            return
+        if not ray.is_initialized() or _ray_identity() != _ray_started:  # someone stopped it already
+            _ray_started, _ray_holders = None, 0
+            return
+        _ray_holders -= 1
+        if _ray_holders <= 0:
+            _ray_started, _ray_holders = None, 0
+            ray.shutdown()
 
 
 @dataclass
@@ -56,20 +97,42 @@ class Deployment:
     ranks: list = field(default_factory=list)
     drafts: list = field(default_factory=list)
     placement_group: object = None
-    started_ray: bool = False
+    started_ray: bool = False  # it holds the Ray this process started (connect): released once freed
+    serving: bool = False      # the drafts answered their endpoints: their gRPC servers run
+    killed: bool = False
 
     def kill(self) -> None:
-        try:  # close the gRPC servers first, so their ports are free when we return
-            ray.get([d.stop.remote() for d in self.drafts], timeout=10)
-        except Exception as err:  # noqa: BLE001 - dead actors have nothing left to close
-            log.debug("draft stop: %r", err)
+        """Free everything, once (a second call does nothing). Every Ray call here is guarded: after
+        ray.shutdown() any of them would start a fresh Ray of Ray's defaults (its auto-init), only to fail."""
+        if self.killed:
+            return
+        self.killed = True
+        try:
+            if ray.is_initialized():  # else the actors and the placement group went with the driver's Ray
+                self._free()
+        finally:
+            if self.started_ray:
+                release_ray()
+
+    def _free(self) -> None:
+        if self.serving and self.drafts:  # close the gRPC servers first, so their ports are free when we return
+            # ray.wait, not ray.get: one dead draft's error must not skip the other drafts' stops. A draft never
+            # placed (start-up failed) has no server, and its stop would only wait out the timeout.
+            try:
+                ray.wait([d.stop.remote() for d in self.drafts], num_returns=len(self.drafts), timeout=10)
+            except Exception as err:  # noqa: BLE001 - handles of a Ray session that has gone
+                log.debug("draft stop: %r", err)
         for actor in self.ranks + self.drafts:
-            ray.kill(actor, no_restart=True)
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception as err:  # noqa: BLE001 - a handle of a Ray session that has gone: nothing to free
+                log.debug("ray.kill: %r", err)
         wait_dead(self.ranks + self.drafts)
         if self.placement_group is not None:
-            ray.util.remove_placement_group(self.placement_group)
-        if self.started_ray:
-            ray.shutdown()
+            try:
+                ray.util.remove_placement_group(self.placement_group)
+            except Exception as err:  # noqa: BLE001
+                log.debug("remove_placement_group: %r", err)
 
 
 DRAFT_MAX_RESTARTS = 8  # Ray restarts a draft actor that died (its process, its node) this often; the pool
@@ -122,10 +185,11 @@ def build_cluster_engine(config: Config):
         resources = ray.cluster_resources()
         warn_if_short(config, resources)
         deployment.drafts = start_drafts(config, resources, fit)
-        deployment.placement_group = target_placement(config, resources, config.startup_timeout_s)
+        deployment.placement_group = target_placement(config, resources, max(0.0, deadline - time.monotonic()))
         deployment.ranks = start_ranks(config, resources, deployment.placement_group)
         endpoints = started([d.endpoint.remote() for d in deployment.drafts], deadline,
                             f"{config.num_draft_workers} draft worker(s) asking {draft_options(config, resources)} each")
+        deployment.serving = True
         master = started(deployment.ranks[0].rendezvous.remote(), deadline, "target rank 0")
         info = started([r.setup.remote(master, endpoints, fit, deployment.drafts) for r in deployment.ranks], deadline,
                        f"{config.tensor_parallel_size} target rank(s) loading {config.model}")[0]
@@ -152,6 +216,8 @@ def started(refs, deadline: float, what: str):
     except ray.exceptions.GetTimeoutError:
         raise RuntimeError(f"{what}: not started within startup_timeout_s. Can the cluster host them? "
                            f"Free now: {ray.available_resources()}") from None
+    except ray.exceptions.RayActorError as err:  # its constructor raised (say weights that cannot load), or it was killed
+        raise RuntimeError(f"{what}: an actor died while starting: {err}") from err
 
 
 def remote_request(seq) -> RemoteRequest:
@@ -170,14 +236,40 @@ class RemoteEngine:
         self._requests: dict[str, tuple] = {}   # request_id -> (Sequence, listener)
         self._lock = threading.Lock()
         self._dead: str | None = None
+        self._dead_cause: BaseException | None = None  # what told us (the RayActorError): every later error's cause
         self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self._last_metrics = None  # rank 0's, fetched as the engine stops: readable after it, as on one host
         self.load = EngineLoad()  # rank 0's, as of its last poll (at most POLL_S old while it runs)
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="saguaro-remote-poll")
         self._poller.start()
 
+    def _ask(self, method, *args):
+        """ray.get(method.remote(*args)) of rank 0, its death an EngineError (the RayActorError its cause)."""
+        if self._stopped.is_set() or not ray.is_initialized():  # a Ray call now would start a fresh Ray (auto-init)
+            raise EngineError("the engine is shut down")
+        if self._dead:
+            raise self._gone()
+        try:
+            return ray.get(method.remote(*args))
+        except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
+            self._died(f"target actor died: {err.__class__.__name__}", err)
+            raise self._gone() from err
+
+    def _died(self, why: str, cause: BaseException | None) -> None:
+        if not self._dead:
+            self._dead, self._dead_cause = why, cause
+
+    def _gone(self) -> EngineError:
+        err = EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
+        err.__cause__ = self._dead_cause
+        return err
+
     @property
     def metrics(self):
-        return ray.get(self.rank0.metrics.remote())
+        if self._stopped.is_set() and self._last_metrics is not None:
+            return self._last_metrics
+        return self._ask(self.rank0.metrics)
 
     def draft_node_ids(self) -> list[str]:
         return ray.get([d.node_id.remote() for d in self.deployment.drafts])
@@ -188,9 +280,11 @@ class RemoteEngine:
     def check_health(self) -> None:
         """Raise EngineError once the target is gone (its actors died: LLM.rebuild(), or a fresh replica) or the
         engine was shut down. A draft worker's death is not fatal: the pool goes on without it."""
+        if self._stopped.is_set():
+            raise EngineError("the engine is shut down")
         if self._dead:
-            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
-        if self._stopped.is_set() or not self._poller.is_alive():
+            raise self._gone()
+        if not self._poller.is_alive():
             raise EngineError("the engine is shut down")
 
     def submit(self, seq, listener) -> None:
@@ -223,9 +317,13 @@ class RemoteEngine:
     @contextlib.contextmanager
     def _submitting(self, requests: list[tuple]):
         """Register the requests' listeners, then yield rank 0's submit call to wait on; a dead target
-        (known before, or found by the call) raises the retriable EngineError with nothing registered."""
+        (known before, or found by the call) raises the retriable EngineError with nothing registered, its
+        cause the RayActorError. A stopped engine refuses as the one-host engine does (no Ray call: after
+        ray.shutdown() one would start a fresh Ray)."""
+        if self._stopped.is_set() or not ray.is_initialized():
+            raise EngineError("the engine is shut down")
         if self._dead:
-            raise EngineError(f"the target is gone ({self._dead}); call LLM.rebuild()")
+            raise self._gone()
         with self._lock:
             self._requests.update((seq.request_id, (seq, listener)) for seq, listener in requests)
         try:
@@ -234,40 +332,63 @@ class RemoteEngine:
             with self._lock:
                 for seq, _ in requests:
                     self._requests.pop(seq.request_id, None)
-            self._dead = f"target actor died: {err.__class__.__name__}"
-            raise EngineError(f"{self._dead}; the request can be retried after LLM.rebuild()") from None
+            if self._stopped.is_set():  # shut down under the call: the engine's own error, not a death
+                raise EngineError("the engine is shut down") from err
+            self._died(f"target actor died: {err.__class__.__name__}", err)
+            raise EngineError(f"{self._dead}; the request can be retried after LLM.rebuild()") from err
 
     def abort(self, request_id: str) -> None:
         self.abort_many([request_id])
 
     def abort_many(self, request_ids: list[str]) -> None:
-        if not self._dead and request_ids:
+        """Fire and forget; nothing to abort once the target is gone or the engine stopped (their requests
+        were failed), and no Ray call after ray.shutdown() (it would start a fresh Ray)."""
+        if not self._dead and not self._stopped.is_set() and request_ids and ray.is_initialized():
             self.rank0.abort.remote(request_ids)
 
     def reset_prefix_cache(self) -> None:
         self.check_health()
-        ray.get(self.rank0.reset_prefix_cache.remote())
+        self._ask(self.rank0.reset_prefix_cache)
 
     def stop(self) -> None:
-        self._stopped.set()
-        if not self._dead:
-            try:
-                ray.get(self.rank0.shutdown.remote(), timeout=30)
-            except Exception as err:  # noqa: BLE001 - we are tearing down either way
-                log.warning("rank 0 did not shut down cleanly: %r", err)
-        self._poller.join(timeout=5)
-        self.deployment.kill()
+        """Free everything (actors, gRPC servers, the placement group, the poll thread, a Ray this process
+        started once no engine holds it); requests still running fail with EngineError, as on one host.
+        Calling it again does nothing."""
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+        try:
+            if not self._dead and ray.is_initialized():
+                try:
+                    self._last_metrics = ray.get(self.rank0.metrics.remote(), timeout=5)
+                except Exception as err:  # noqa: BLE001 - only the metrics after shutdown go without them
+                    log.debug("rank 0's last metrics: %r", err)
+                try:
+                    ray.get(self.rank0.shutdown.remote(), timeout=30)
+                except Exception as err:  # noqa: BLE001 - we are tearing down either way
+                    log.warning("rank 0 did not shut down cleanly: %r", err)
+            self._poller.join(timeout=5)
+        finally:
+            # Their updates stopped with the poll thread: without this, a generate() or stream() in flight on
+            # another thread waited forever.
+            self._fail_requests(EngineError, "the engine was shut down")
+            self.deployment.kill()
 
     def _poll_loop(self) -> None:
         while not self._stopped.is_set():
+            if not ray.is_initialized():  # someone shut Ray down: a Ray call would start a fresh one (auto-init)
+                self._fail_all("Ray was shut down under the engine")
+                return
             try:
                 polled = ray.get(self.rank0.poll.remote(POLL_S))
             except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
-                self._fail_all(f"target actor died: {err.__class__.__name__}")
+                if not self._stopped.is_set():
+                    self._fail_all(f"target actor died: {err.__class__.__name__}", err)
                 return
             except Exception as err:  # noqa: BLE001 - with this thread gone no request would ever finish
                 log.exception("polling the target's rank 0 failed")
-                self._fail_all(f"polling the target failed: {err!r}")
+                self._fail_all(f"polling the target failed: {err!r}", err)
                 return
             self.load = polled.load
             for u in polled.updates:
@@ -295,9 +416,15 @@ class RemoteEngine:
                 self._requests.pop(u.request_id, None)
             self.abort(u.request_id)
 
-    def _fail_all(self, why: str) -> None:
-        self._dead = why
+    def _fail_all(self, why: str, cause: BaseException | None = None) -> None:
+        self._died(why, cause)
+        self._fail_requests(EngineError, f"{why}; the request can be retried after LLM.rebuild()", cause)
+
+    def _fail_requests(self, error: type, message: str, cause: BaseException | None = None) -> None:
+        """Every registered request learns `error(message)` (each its own instance, chained to `cause`)."""
         with self._lock:
             entries, self._requests = list(self._requests.values()), {}
         for _, listener in entries:
-            deliver(listener, EngineError(f"{why}; the request can be retried after LLM.rebuild()"))
+            err = error(message)
+            err.__cause__ = cause
+            deliver(listener, err)

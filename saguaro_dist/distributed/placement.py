@@ -61,10 +61,15 @@ def target_placement(config: Config, cluster_resources: dict, timeout_s: float =
     """A STRICT_PACK placement group of tensor_parallel_size bundles (one node, as NCCL/gloo TP wants)."""
     pg = placement_group([target_bundle(config, cluster_resources)] * config.tensor_parallel_size,
                          strategy="STRICT_PACK", name="")
-    if not pg.wait(timeout_s):
+    try:  # not pg.wait(timeout_s): it takes whole seconds, and cut 0.9 s to 0 (False at once, for a group that fits)
+        ray.get(pg.ready(), timeout=timeout_s)
+    except BaseException as err:  # a Ctrl-C too: the caller never learns of this group, so it cannot remove it
         ray.util.remove_placement_group(pg)
-        raise RuntimeError(f"no node can host {config.tensor_parallel_size} target ranks with "
-                           f"{target_bundle(config, cluster_resources)} each (waited {timeout_s:.0f} s)")
+        if isinstance(err, ray.exceptions.GetTimeoutError):
+            raise RuntimeError(f"no node can host {config.tensor_parallel_size} target ranks with "
+                               f"{target_bundle(config, cluster_resources)} each (waited {timeout_s:.1f} s). "
+                               f"Free now: {ray.available_resources()}") from None
+        raise
     return pg
 
 
