@@ -232,3 +232,14 @@ def test_a_serving_ratio_over_an_sd_stream_that_counted_no_tokens_is_none():
     annotate_serving(cells)
     assert [c["speedup_vs_sd"] for c in cells] == [None, None]
     assert [c["paired_vs_sd"] for c in cells] == [None, None]  # paired_ratios skips a 0 baseline
+
+
+def test_the_cli_writes_the_results_and_exits_1_when_a_cell_failed(tiny_llama_pair, tmp_path, monkeypatch, capsys):
+    """A script or CI job running the bench learns of a failed cell from the exit code (it was 0)."""
+    from saguaro_dist.cli import main
+    failing(monkeypatch, "sd", fail_batch=1)
+    code = main(["bench", "--preset", "quick", "--target", str(tiny_llama_pair[0]), "--draft", str(tiny_llama_pair[1]),
+                 "--out", str(tmp_path), "--no-progress", "--systems", "ar,sd", "--batch", "1", "--k", "2",
+                 "--prompt-len", "4", "--max-new-tokens", "6", "--no-plots"])
+    assert code == 1 and "1 cell(s) failed" in capsys.readouterr().err
+    assert [e["system"] for e in json.loads((tmp_path / "results.json").read_text())["errors"]] == ["sd"]

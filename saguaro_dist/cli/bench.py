@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -198,7 +199,16 @@ def run(args) -> int:
     path = write_json(results, out / RESULT_FILES[results["kind"]])
     plots = write_plots(results, out) if cfg.plots else []
     print(f"\nwrote {path}" + "".join(f", {p}" for p in plots))
-    return 0
+    return failed_exit_code(results)
+
+
+def failed_exit_code(results: dict) -> int:
+    """1 when a cell failed (its error is in the results, which are written anyway): a script or CI job that
+    runs the bench learns of it without reading the JSON; else 0."""
+    errors = results.get("errors") or []
+    if errors:
+        print(f"{len(errors)} cell(s) failed (the FAILED lines above; `errors` in the JSON)", file=sys.stderr)
+    return 1 if errors else 0
 
 
 def _run(args, kind: str, cfg: "BenchConfig") -> dict:
