@@ -140,7 +140,7 @@ class SpecStats:
     def r(self) -> float:
         """The miss exponent; the default until min_lookups informative lookups (F >= 2) were seen."""
         bins = [(f, d.total, d.count) for f, d in self._misses_by_f.items() if f >= 2]
-        if sum(n for _, _, n in bins) < self.min_lookups:
+        if not bins or sum(n for _, _, n in bins) < self.min_lookups:  # (no bins: nothing to fit, whatever min_lookups)
             return self.defaults["r"]
         fitted = fit_miss_exponent(*zip(*bins))
         return self.defaults["r"] if fitted is None else min(max(fitted, R_RANGE[0]), R_RANGE[1])

@@ -256,6 +256,10 @@ class _BatchGate:
         fast = first_mean(*own, self.draft_yield, self.lookup_yield)
         lookup = first_mean(self.lookup_yield, self.draft_yield, *own)
         fast_share, lookup_share = self.fast_share[mode].mean or 0.0, self.lookup_share[mode].mean or 0.0
+        # The two shares decay apart (the lookup share faster: it follows the picker as it learns), so they can sum
+        # past 1 after the rows move from the fast backup to lookups; the fresher lookup share is kept and the fast
+        # share capped to the rest, so the three weights stay a distribution (the draft's never negative).
+        fast_share = min(fast_share, 1.0 - lookup_share)
         return (1.0 - fast_share - lookup_share) * draft + fast_share * fast + lookup_share * lookup
 
     def next_round(self, fast_estimate: Estimate = None) -> RoundMode:
