@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Callable, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve import responses
@@ -29,6 +29,9 @@ _REFUSED = {"previous_response_id": ((None,), "this server stores no responses")
             "background": ((None, False), "this server runs no background responses"),
             "conversation": ((None,), "this server stores no conversations"),
             "prompt": ((None,), "this server stores no prompt templates")}
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")  # the input items read here
+_ROLES = ("system", "developer", "user", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # log-probabilities on the message's output_text
 # OpenAI's other `include` values name outputs this server never makes (built-in tools, images, encrypted
 # reasoning): accepted and empty, since clients send them by default (agents ask for encrypted reasoning).
@@ -50,7 +53,7 @@ class InputMessage(BaseModel):
     status: str | None = None
 
     def chat_message(self) -> ChatMessage:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # as chat's parts
         return ChatMessage(role=self.role, content=text)
 
 
@@ -124,6 +127,28 @@ class ResponsesRequest(SamplingRequest):
     parallel_tool_calls: bool = True
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives a token, with LOGPROBS_INCLUDE
     include: list[str] | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _known_items(cls, given):
+        """An item this server cannot read is refused by name (item_reference, an image part, a tool role),
+        not as a string the list failed to be."""
+        for i, item in enumerate(given if isinstance(given, list) else ()):
+            kind = item.get("type", "message") if isinstance(item, dict) else "message"
+            if kind not in _ITEM_TYPES:
+                raise ValueError(f"item {i} is of type {kind!r}: this server reads {', '.join(_ITEM_TYPES)} items")
+            if kind != "message" or not isinstance(item, dict):
+                continue
+            if item.get("role") not in _ROLES:
+                raise ValueError(f"item {i}: a message's role must be one of {', '.join(_ROLES)}, got {item.get('role')!r} "
+                                 "(a function's result goes back as a function_call_output item)")
+            parts = item.get("content") if isinstance(item.get("content"), list) else ()
+            for j, part in enumerate(parts):
+                part_kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+                if part_kind not in _TEXT_PARTS:
+                    raise ValueError(f"item {i}, content part {j} is of type {part_kind!r}: this server reads text "
+                                     f"parts only ({', '.join(_TEXT_PARTS)})")
+        return given
 
     @model_validator(mode="after")
     def _check_fields(self):

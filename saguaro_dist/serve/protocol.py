@@ -1,14 +1,15 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (best_of, suffix) are rejected rather than silently dropped.
+cannot honour (best_of, suffix, chat's echo and continue_final_message) are rejected rather than silently
+dropped.
 """
 from __future__ import annotations
 
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from saguaro_dist.serve.errors import APIError
@@ -21,6 +22,11 @@ MAX_GENERATIONS = 256
 _UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
+    # vLLM's chat extras (completions' own echo is a field, so never extra there): the prompt is always the
+    # conversation with a new assistant turn opened, and the reply never repeats the last message
+    "echo": (None, False),
+    "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False),
 }
 MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
 
@@ -234,7 +240,10 @@ class ToolCallMessage(BaseModel):
         try:
             arguments = json.loads(self.function.arguments)
         except ValueError:
-            raise ValueError(f"tool call {self.function.name!r}: arguments must be JSON text") from None
+            arguments = None
+        if not isinstance(arguments, dict):  # a template may walk them (Qwen3-Coder's `arguments|items`)
+            raise ValueError(f"tool call {self.function.name!r}: arguments must be JSON text of an object, "
+                             f"got {self.function.arguments!r}")
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
 
 
@@ -247,8 +256,22 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
     tool_call_id: str | None = None                  # tool turns: the call this answers
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """Parts other than text (image_url, input_audio, file, ...) are refused by name, not as a failed union."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+            if kind != "text":
+                raise ValueError(f"part {i} is {f'of type {kind!r}' if kind else 'not a typed part'}: this server "
+                                 "reads text parts only "
+                                 "({'type': 'text', 'text': ...})")
+        return content
+
     @model_validator(mode="after")
     def _check_tool_fields(self):
+        if self.content is None and self.role != "assistant":  # OpenAI's: only an assistant turn may lack it
+            raise ValueError(f"a message with role {self.role!r} needs content")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a message with role 'tool' needs tool_call_id")
         if self.tool_calls and self.role != "assistant":
@@ -256,8 +279,8 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # one part a line, as vLLM joins them for string templates
+            return "\n".join(part.text for part in self.content)
         return self.content or ""
 
     def for_template(self) -> dict:

@@ -40,8 +40,8 @@ def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | No
     if parser is None:
         return None, text
     end = text.find(THINK_CLOSE)
-    if end < 0:
-        return (text or None, "") if parser.open_by_default else (None, text)
+    if end < 0:  # deepseek_r1 cut before </think>: all reasoning, less a leading <think> (as the stream drops it)
+        return (text.removeprefix(THINK_OPEN) or None, "") if parser.open_by_default else (None, text)
     reasoning = text[:end].removeprefix(THINK_OPEN)
     return reasoning or None, text[end + len(THINK_CLOSE):]
 

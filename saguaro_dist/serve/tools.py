@@ -20,6 +20,7 @@ from saguaro_dist.serve.required_calls import RequiredCalls
 from saguaro_dist.serve.tool_parsers import ToolCall, ToolCallParser
 
 ANY_OBJECT = {"type": "object"}  # a function declared without parameters
+_DEFINITIONS = ("$defs", "definitions")  # where JSON schemas keep what "$ref"s point at
 
 
 class ToolChoiceKind(Enum):
@@ -35,7 +36,7 @@ class ToolPlan:
     kind: ToolChoiceKind
     functions: tuple[dict, ...] = ()  # OpenAI function definitions: name, description, parameters
     name: str | None = None           # the named function
-    parallel: bool = True             # required: more than one call allowed
+    parallel: bool = True             # required and auto: more than one call allowed
     parser: ToolCallParser | None = None  # auto: how the server reads calls in the reply
 
     def structure(self) -> StructuredOutputsParams | None:
@@ -51,10 +52,20 @@ class ToolPlan:
         return function.get("parameters") or ANY_OBJECT
 
     def _calls_schema(self) -> dict:
-        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                                   "parameters": self._parameters(f["name"])},
-                  "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        """The functions' parameters sit inside the array's schema, so their "#/$defs/..." (and draft-07
+        "#/definitions/...") references would miss: their definitions move to its root, as vLLM moves them."""
+        calls, defs = [], {}
+        for f in self.functions:
+            parameters = dict(self._parameters(f["name"]))
+            for key in (k for k in _DEFINITIONS if isinstance(parameters.get(k), dict)):
+                for name, definition in parameters.pop(key).items():
+                    if defs.setdefault(key, {}).setdefault(name, definition) != definition:
+                        raise ValueError(f"tools define {key}/{name} differently in two functions; tool_choice "
+                                         "'required' needs one definition of it")
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
+                                                           "parameters": parameters},
+                          "required": ["name", "parameters"], "additionalProperties": False})
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
         return schema if self.parallel else {**schema, "maxItems": 1}
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -64,7 +75,8 @@ class ToolPlan:
         if self.kind is ToolChoiceKind.REQUIRED:
             return _parse_required(text)
         if self.kind is ToolChoiceKind.AUTO and self.parser is not None:
-            return self.parser.parse(text)
+            content, calls = self.parser.parse(text)  # parallel_tool_calls false: the first call only (vLLM's)
+            return content, calls if self.parallel else calls[:1]
         return text, []
 
     def adjust(self, params: SamplingParams) -> SamplingParams:
