@@ -51,6 +51,10 @@ def test_served_and_in_process_alike(serving_pair):
         expected = llm.chat(HELLO, greedy, chat_template=STRICT)[0]
         assert expected.prompt_token_ids == tokens  # LLM.chat renders it the same way
         assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"] == expected.text
+        closed = httpx.post(f"{url.removesuffix('/v1')}/tokenize",
+                            json={"messages": HELLO, "add_generation_prompt": False}).json()["tokens"]
+        assert llm.chat(HELLO, greedy, chat_template=STRICT, add_generation_prompt=False)[0].prompt_token_ids == closed
+        assert closed == llm.tokenizer.encode("hello world ", add_special_tokens=False)  # no "the" opened
         refused = httpx.post(f"{url}/chat/completions", json={"messages": [{"role": "assistant", "content": "hi"}]})
         assert refused.status_code == 400 and "a user turn must come first" in refused.json()["error"]["message"]
 

@@ -33,6 +33,8 @@ TOOLS = [{"type": "function", "function": {"name": "a", "parameters": {"type": "
 # makes the demo model (which knows no tools) write some content and two hermes calls
 TWO_CALLS = (r'Hi <tool_call>\{"name": "a", "arguments": \{"x": 1\}\}</tool_call>\n'
              r'<tool_call>\{"name": "b", "arguments": \{\}\}</tool_call>')
+TURNS_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 ITEMS_TEMPLATE = ("{% for m in messages %}{{ m.content }}{% for c in m.tool_calls or [] %}"
                   "{% for k, v in c.function.arguments|items %}{{ k }}={{ v }}{% endfor %}{% endfor %}\n{% endfor %}")
 
@@ -45,8 +47,9 @@ def served():
     llm = LLM(model=target, mode="ar")
     with serve_on_loopback(create_app(llm, ServerOptions("demo", tool_call_parser="hermes"))) as hermes, \
             serve_on_loopback(create_app(llm, ServerOptions("demo"))) as plain, \
-            serve_on_loopback(create_app(llm, ServerOptions("demo", chat_template=ITEMS_TEMPLATE))) as walking:
-        yield {"hermes": hermes, "plain": plain, "walking": walking}
+            serve_on_loopback(create_app(llm, ServerOptions("demo", chat_template=ITEMS_TEMPLATE))) as walking, \
+            serve_on_loopback(create_app(llm, ServerOptions("demo", chat_template=TURNS_TEMPLATE))) as turns:
+        yield {"hermes": hermes, "plain": plain, "walking": walking, "turns": turns}
     llm.shutdown()
 
 
@@ -164,16 +167,55 @@ def test_text_parts_are_joined_a_line_apart(served):
     assert got["usage"]["input_tokens"] == len(tokens("import os\nimport sys"))
 
 
-@pytest.mark.parametrize("field, value", [("echo", True), ("add_generation_prompt", False),
-                                          ("continue_final_message", True)])
-def test_chat_extras_this_server_cannot_honour_are_refused(served, field, value):
-    """Old: vLLM's chat fields echo, add_generation_prompt and continue_final_message were dropped without
-    a word (the reply was a fresh assistant turn, not echoed): a client continuing a prefill got a new turn."""
-    messages = MESSAGES + [{"role": "assistant", "content": "    return"}]
-    reply = _post(served["plain"], "/chat/completions", {"messages": messages, "max_tokens": 2, field: value})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == field
-    assert _post(served["plain"], "/chat/completions",  # the values that mean what the server does are fine
-                 {"messages": messages, "max_tokens": 2, field: not value}).status_code == 200
+def test_chat_echo_is_refused(served):
+    """Old: vLLM's chat field echo was dropped without a word (the reply did not repeat the last message)."""
+    reply = _post(served["plain"], "/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "echo": True})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "echo"
+    assert _post(served["plain"], "/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "echo": False}).status_code == 200
+
+
+PREFILLED = MESSAGES + [{"role": "assistant", "content": "    return"}]
+
+
+def _root(url: str) -> str:
+    return url.removesuffix("/v1")  # /tokenize is vLLM's, beside /v1
+
+
+def _chat_tokens(url: str, messages: list, **fields) -> list[int]:
+    reply = _post(_root(url), "/tokenize", {"messages": messages, **fields})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["tokens"]
+
+
+def _text_tokens(url: str, text: str, special: bool) -> list[int]:
+    return _post(_root(url), "/tokenize", {"prompt": text, "add_special_tokens": special}).json()["tokens"]
+
+
+def test_how_a_transcript_ends_follows_add_generation_prompt_and_continue_final_message(served):
+    """vLLM's add_generation_prompt / continue_final_message (both were dropped, then refused): without a
+    template the transcript opens an assistant turn, ends at the last message, or leaves it to be continued."""
+    url = served["plain"]
+    assert _chat_tokens(url, MESSAGES) == _text_tokens(url, "User: def f(x):\nAssistant:", True)
+    assert _chat_tokens(url, MESSAGES, add_generation_prompt=False) == _text_tokens(url, "User: def f(x):", True)
+    want = _text_tokens(url, "User: def f(x):\nAssistant:     return", True)
+    assert _chat_tokens(url, PREFILLED, add_generation_prompt=False, continue_final_message=True) == want
+    reply = _post(url, "/chat/completions", {"messages": PREFILLED, "max_tokens": 2, "add_generation_prompt": False,
+                                             "continue_final_message": True})
+    assert reply.status_code == 200 and reply.json()["usage"]["prompt_tokens"] == len(want)
+
+
+def test_a_template_is_told_how_the_prompt_ends(served):
+    url = served["turns"]
+    assert _chat_tokens(url, MESSAGES) == _text_tokens(url, "<user>def f(x):</user><assistant>", False)
+    assert _chat_tokens(url, MESSAGES, add_generation_prompt=False) == _text_tokens(url, "<user>def f(x):</user>", False)
+    got = _chat_tokens(url, PREFILLED, add_generation_prompt=False, continue_final_message=True)
+    assert got == _text_tokens(url, "<user>def f(x):</user><assistant>    return", False)  # left open
+
+
+def test_continuing_the_final_message_and_opening_a_turn_at_once_is_refused(served):
+    reply = _post(served["plain"], "/chat/completions", {"messages": PREFILLED, "max_tokens": 2,
+                                                         "continue_final_message": True})
+    assert reply.status_code == 400 and "add_generation_prompt" in reply.json()["error"]["message"]
 
 
 def test_completions_echo_is_still_a_field(served):

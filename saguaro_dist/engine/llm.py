@@ -110,14 +110,18 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
              priority: list[int] | None = None, chat_template: str | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (OpenAI messages: role, content, tool_calls, tool_call_id) or a
         list of them, rendered as the server renders /v1/chat/completions (`chat_template`, a Jinja
-        template or a file of one, else the tokenizer's, with `tools`; a plain transcript without one),
-        then generated; outputs in conversation order."""
+        template or a file of one, else the tokenizer's, with `tools`; a plain transcript without one;
+        add_generation_prompt / continue_final_message as vLLM's), then generated; outputs in
+        conversation order."""
         from saguaro_dist.serve.prompts import load_chat_template
         from saguaro_dist.serve.prompts import encode_chat  # the HTTP layer's message model: one rendering
-        from saguaro_dist.serve.protocol import ChatMessage, Tool
+        from saguaro_dist.serve.protocol import ChatMessage, ChatPromptFields, Tool
+        end = ChatPromptFields(add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message).prompt_end()
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one to render messages")
         if not messages:
@@ -129,8 +133,8 @@ class LLM:
                              "list of conversations")
         tools = [Tool(**t) for t in tools or []]
         template = load_chat_template(chat_template) if chat_template else None
-        ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template)
-               for conv in conversations]
+        ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template,
+                           end=end) for conv in conversations]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority, use_tqdm=use_tqdm)
 
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,

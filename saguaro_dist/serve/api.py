@@ -181,7 +181,8 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template)
+    prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template,
+                         end=body.prompt_end())
     jobs = _chat_jobs(state, body, prompt, "messages")
     return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request))
 
@@ -278,7 +279,8 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = _state(request)
     state.check_model(body.model)
     if body.messages is not None:
-        tokens = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template)
+        tokens = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template,
+                             end=body.prompt_end())
     else:
         tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from saguaro_dist.engine.text import encode_text
-from saguaro_dist.serve.protocol import ChatMessage, Tool
+from saguaro_dist.serve.protocol import ChatMessage, PromptEnd, Tool
 from saguaro_dist.serve.tool_parsers import HERMES_CLOSE, HERMES_OPEN
 
 # Arguments we pass apply_chat_template ourselves: a request's chat_template_kwargs may not set them.
@@ -14,7 +14,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
-                template_kwargs: dict | None = None, chat_template: str | None = None) -> tuple[str, bool]:
+                template_kwargs: dict | None = None, chat_template: str | None = None,
+                end: PromptEnd = PromptEnd.NEW_TURN) -> tuple[str, bool]:
     """The prompt text for `messages` (and the tools the model may call) and whether it already carries
     the special tokens.
 
@@ -22,7 +23,8 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
     to it as transformers' `tools=`); otherwise a plain "Role: text" transcript ending with "Assistant:",
     so base models without a template can still be chatted with (tools as a JSON line first, earlier
     calls in hermes tags). template_kwargs: extra variables for the template (Qwen3's enable_thinking),
-    unused by the transcript.
+    unused by the transcript. `end`: an assistant turn opened (the default), nothing opened, or the last
+    message left open to be continued (a transcript ends at its last line either way).
     """
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
     if clash:
@@ -31,19 +33,21 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
     tools = [t.model_dump(exclude_none=True) for t in tools or []]
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if template:
-        return _apply_template(tokenizer, template, turns, tools, template_kwargs or {}), True
+        return _apply_template(tokenizer, template, turns, tools, template_kwargs or {}, end), True
     lines = [f"Tools: {json.dumps(tools)}"] if tools else []
     lines += [f"{turn['role'].capitalize()}: {_plain_content(turn)}" for turn in turns]
-    return "\n".join(lines + ["Assistant:"]), False
+    return "\n".join(lines + (["Assistant:"] if end is PromptEnd.NEW_TURN else [])), False
 
 
-def _apply_template(tokenizer, template: str, turns: list[dict], tools: list[dict], kwargs: dict) -> str:
+def _apply_template(tokenizer, template: str, turns: list[dict], tools: list[dict], kwargs: dict,
+                    end: PromptEnd) -> str:
     """The template's text; one that refuses the conversation (raise_exception: "roles must alternate")
     is the request's fault, a 400 naming the template's message, as vLLM answers."""
     from jinja2 import TemplateError
     try:
-        return tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, add_generation_prompt=True,
-                                             chat_template=template, **kwargs)
+        return tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, chat_template=template,
+                                             add_generation_prompt=end is PromptEnd.NEW_TURN,
+                                             continue_final_message=end is PromptEnd.CONTINUE, **kwargs)
     except TemplateError as err:
         raise ValueError(f"messages: the chat template refused them: {err}") from None
 
@@ -71,7 +75,7 @@ def _plain_content(turn: dict) -> str:
 
 def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
                 template_kwargs: dict | None = None, chat_template: str | None = None,
-                param: str = "messages") -> list[int]:
-    text, templated = render_chat(tokenizer, messages, tools, template_kwargs, chat_template)
+                param: str = "messages", end: PromptEnd = PromptEnd.NEW_TURN) -> list[int]:
+    text, templated = render_chat(tokenizer, messages, tools, template_kwargs, chat_template, end)
     # A chat template writes BOS etc. itself; adding them again would double them (as vLLM avoids).
     return encode_text(tokenizer, text, add_special_tokens=not templated, param=param)

@@ -1,11 +1,11 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (best_of, suffix, chat's echo and continue_final_message) are rejected rather than silently
-dropped.
+cannot honour (best_of, suffix, chat's echo) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
+import enum
 import json
 from typing import Annotated, Literal
 
@@ -22,12 +22,35 @@ MAX_GENERATIONS = 256
 _UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    # vLLM's chat extras (completions' own echo is a field, so never extra there): the prompt is always the
-    # conversation with a new assistant turn opened, and the reply never repeats the last message
+    # vLLM's chat extra (completions' own echo is a field, so never extra there): the reply never repeats
+    # the last message
     "echo": (None, False),
-    "add_generation_prompt": (None, True),
-    "continue_final_message": (None, False),
 }
+
+
+class PromptEnd(str, enum.Enum):
+    """How a chat prompt ends (vLLM's add_generation_prompt / continue_final_message)."""
+    NEW_TURN = "new_turn"  # an assistant turn opened for the reply (the default)
+    AS_IS = "as_is"        # the conversation's last turn closed, nothing opened
+    CONTINUE = "continue"  # the last message left open: the reply continues it (an assistant prefill)
+
+
+class ChatPromptFields(BaseModel):
+    """vLLM's fields on how a rendered conversation ends (chat completions, /tokenize)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_end(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message continues the last message: set add_generation_prompt to false "
+                             "with it (vLLM's rule)")
+        return self
+
+    def prompt_end(self) -> PromptEnd:
+        if self.continue_final_message:
+            return PromptEnd.CONTINUE
+        return PromptEnd.NEW_TURN if self.add_generation_prompt else PromptEnd.AS_IS
 MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
 
 
@@ -316,7 +339,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer OpenAI name for max_tokens
     logprobs: bool | None = None
@@ -375,7 +398,7 @@ def _choice_name(choice) -> str:
     return choice.function.name if isinstance(choice, NamedToolChoice) else choice
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(OpenAIModel, ChatPromptFields):
     """vLLM's /tokenize: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
