@@ -94,6 +94,10 @@ H, L, M = parse_hermes, parse_llama3_json, parse_mistral
      "Let me look. ", [("a", {}), ("b", {"x": [1]})]),  # the last block may lack its close tag (EOS came first)
     (H, '<tool_call>{"name": "a", "argu', '<tool_call>{"name": "a", "argu', []),  # broken JSON stays text
     (H, '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    (H, '<tool_call>{"name": "w", "arguments": {"s": "a </tool_call> b"}}</tool_call>', None,
+     [("w", {"s": "a </tool_call> b"})]),  # the close tag inside the JSON: read as JSON, not cut there
+    (H, '<tool_call>{"name": "a", "arguments": {}} trailing</tool_call>', '<tool_call>{"name": "a", "arguments": {}} '
+     'trailing</tool_call>', []),  # text after the JSON inside a block: not a call
     (L, '{"name": "get_time", "parameters": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
     (L, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "arguments": {"x": 1}}\n', None,
      [("a", {}), ("b", {"x": 1})]),  # Llama writes "parameters"; "arguments" is read too

@@ -14,14 +14,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import string
 import uuid
 from dataclasses import dataclass
 from enum import Enum
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
-_HERMES_BLOCK = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
 LLAMA_PYTHON_TAG = "<|python_tag|>"
 MISTRAL_CALLS = "[TOOL_CALLS]"
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
@@ -61,11 +59,27 @@ def parse_hermes(text: str) -> Parsed:
     if start < 0:
         return text, []
     try:
-        blocks = [json.loads(m.group(1)) for m in _HERMES_BLOCK.finditer(text, start)]
-        calls = [ToolCall.new(b["name"], b.get("arguments", {})) for b in blocks]
+        calls = [ToolCall.new(b["name"], b.get("arguments", {})) for b in _hermes_blocks(text, start)]
     except (ValueError, TypeError, KeyError, AttributeError):
         return text, []
     return text[:start] or None, calls
+
+
+def _hermes_blocks(text: str, i: int) -> list:
+    """The JSON of each <tool_call> block from `i` on. Read as JSON, not up to the first close tag: a call
+    whose arguments hold the text "</tool_call>" (code about tool calls) made the whole reply content, as a
+    regex up to the tag cut its JSON there. Text between blocks is dropped; the last may lack its close tag
+    (EOS came first)."""
+    decoder, blocks = json.JSONDecoder(), []
+    while (i := text.find(HERMES_OPEN, i)) >= 0:
+        block, i = decoder.raw_decode(text, _skip(text, i + len(HERMES_OPEN), " \t\r\n"))
+        i = _skip(text, i, " \t\r\n")
+        if text.startswith(HERMES_CLOSE, i):
+            i += len(HERMES_CLOSE)
+        elif i < len(text):
+            raise ValueError("a tool call's JSON must be followed by </tool_call>")
+        blocks.append(block)
+    return blocks
 
 
 def parse_llama3_json(text: str) -> Parsed:
