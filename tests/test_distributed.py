@@ -468,7 +468,7 @@ def test_engine_needs_count_every_actor_and_the_shortfall_names_what_is_missing(
     assert engine_needs(config, {}) == {"CPU": 5, "fast_cpu": 3}
     labelled = engine_needs(config, {TARGET_RESOURCE: 8, DRAFT_RESOURCE: 8})
     assert labelled == {"CPU": 5, "fast_cpu": 3, TARGET_RESOURCE: 2, DRAFT_RESOURCE: 3}
-    assert engine_needs(replace(config, mode=Mode.AR), {}) == {"CPU": 2}
+    assert engine_needs(replace(config, mode=Mode.AR, draft=None), {}) == {"CPU": 2}
     assert shortfall({"CPU": 5, "fast_cpu": 3}, {"CPU": 4.0}) == {"CPU": 1.0, "fast_cpu": 3}
     assert shortfall({"CPU": 5}, {"CPU": 16.0, "GPU": 1.0}) == {}
 

@@ -156,8 +156,13 @@ def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     if "cluster" not in args and (args.get("tensor_parallel_size", 1) > 1 or args.get("num_draft_workers", 1) > 1):
         args["cluster"] = "auto"  # more than one target rank or draft worker means Ray actors
     args = with_default_model(args)
-    mode = config_from_args(args).mode  # the values' own errors first: a --k 0 is wrong whatever the mode
-    check_mode_flags(ns, mode, implied=ns.mode is None and "mode" not in (base or {}))  # before any model loads
+    implied = ns.mode is None and "mode" not in (base or {})
+    try:
+        mode = config_from_args(args).mode  # the values' own errors first: a --k 0 is wrong whatever the mode
+    except ValueError:  # but a flag the mode leaves unused (--draft with ar) is named as such
+        check_mode_flags(ns, parse_enum(Mode, args.get("mode", Mode.SSD), "mode"), implied)
+        raise
+    check_mode_flags(ns, mode, implied)  # before any model loads
     return args
 
 
