@@ -19,7 +19,7 @@ def stable_prefix(text: str, stops: tuple[str, ...]) -> str:
     """The part of `text` no later token can change: hold back a possible stop-string start and
     an incomplete multi-byte character (decoded as U+FFFD)."""
     holdback = max((len(s) - 1 for s in stops), default=0)
-    stable = text[: len(text) - holdback] if holdback else text
+    stable = text[: max(0, len(text) - holdback)]  # (a text shorter than the holdback: text[:-n] kept its start)
     return stable.rstrip("\ufffd")
 
 

@@ -119,17 +119,25 @@ class Engine:
     def _admit(self) -> list[Update]:
         free = self.config.max_batch_size - len(self.running) - len(self.prefilling)
         deferred = []
-        while self.waiting and free > 0 and len(deferred) < self.config.max_batch_size:  # a bounded scan
+        while self.waiting and free > 0:
             s = self.waiting.popleft()
+            # A deferred one keeps its slot too: else a later request took it (first come, first served
+            # broken), and held it for its whole generation while the deferred one waited.
+            free -= 1
             if self._prefix_coming(s):
                 deferred.append(s)
                 continue
             self._start(s)
-            free -= 1
         self.waiting.extendleft(reversed(deferred))
         start = time.perf_counter()
         new = self._prefill_in_budget()
-        first = self.loop.admit(new) if new else []
+        try:
+            first = self.loop.admit(new) if new else []
+        except BaseException:
+            # Back in the prefill queue, where reset() frees their KV rows: in neither list (as they were),
+            # reset() missed them and a failed prefill's rows stayed taken for good.
+            self.prefilling[:0] = new
+            raise
         self.metrics.prefill_s += time.perf_counter() - start
         if not new:
             return []

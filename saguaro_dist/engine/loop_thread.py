@@ -122,9 +122,20 @@ class EngineThread:
             self._take(inbox, aborts)
             self._run_chores(chores)
             self._step()
-        self._fail_all(EngineError("the engine was shut down"))
-        for _, done in self._chores:
-            done.set_exception(EngineError("the engine was shut down"))
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Tell everyone still waiting: requests in flight, requests submitted before the stop that the
+        loop never took (their callers waited forever: only taken ones have a listener in _listeners), and
+        chores. Nothing joins these lists now: submit and _on_loop refuse once _stopped is set."""
+        err = EngineError("the engine was shut down")
+        self._fail_all(err)
+        with self._cond:
+            inbox, chores, self._inbox, self._chores = self._inbox, self._chores, [], []
+        for _, listener in inbox:
+            deliver(listener, err)
+        for _, done in chores:
+            done.set_exception(err)
 
     @staticmethod
     def _run_chores(chores) -> None:
@@ -146,7 +157,11 @@ class EngineThread:
                 continue
             self._listeners[seq.request_id] = listener
         for request_id in aborts:
-            self._publish(self.engine.abort(request_id))
+            try:
+                self._publish(self.engine.abort(request_id))
+            except Exception as err:  # noqa: BLE001 - freeing its state failed (a draft or TP rank gone?)
+                # As a failed step: uncaught, it ended this thread, and every caller waited forever.
+                self._recover(EngineError(f"abort of {request_id!r} failed: {err!r}"))
 
     def _step(self) -> None:
         """One engine step if it has work; the load snapshot is refreshed either way (an abort may have
@@ -160,10 +175,15 @@ class EngineThread:
             self._publish(updates)
             self._stats.maybe_log(self.engine.metrics, self.load)
         except Exception as err:  # noqa: BLE001 - every in-flight request learns of it
-            log.exception("engine step failed; failing in-flight requests")
-            self._fail_all(EngineError(f"engine step failed: {err!r}"))
-            self.engine.reset()
-            self.load = self.engine.load()
+            self._recover(EngineError(f"engine step failed: {err!r}"))
+
+    def _recover(self, err: EngineError) -> None:
+        """After the engine failed (its state may be half changed): every in-flight request fails with err,
+        and the engine drops them all, to serve new ones."""
+        log.exception("%s; failing in-flight requests", err)
+        self._fail_all(err)
+        self.engine.reset()
+        self.load = self.engine.load()
 
     def _publish(self, updates: list[Update]) -> None:
         for u in updates:
