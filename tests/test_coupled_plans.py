@@ -145,5 +145,5 @@ def test_a_round_whose_plans_ran_out_counts_its_trees_late(tmp_path):
     """A draft that plans slower than tree_timeout_s: the plan wait runs out and the round takes its tree
     without waiting again (TreeInbox.late_plans). It still waited the timeout out once, so its missing trees
     count as late (metrics.late_trees, the once-a-minute warning about a stalled draft side)."""
-    engine = run_slow_planner(tmp_path, 0.15, max_tokens=6, tree_timeout_s=0.05)
+    engine = run_slow_planner(tmp_path, 0.5, max_tokens=6, tree_timeout_s=0.05)  # 10x: a loaded box stalled 0.1 s
     assert engine.metrics.plan_wait_s >= 0.05 and engine.metrics.late_trees > 0
