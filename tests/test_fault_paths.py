@@ -247,3 +247,47 @@ def test_a_sequence_whose_tree_side_died_is_prefilled_again_without_a_draft_aske
         assert not worker.is_alive()
         assert_greedy_equal(result["out"].token_ids, want, PROMPTS[0], pair["model"])
         assert len(draft_children() - before) == 1, "no new child: the sequence was never prefilled again"
+
+
+def _failing_once(method, exc: BaseException):
+    """`method`, raising `exc` on its first call only."""
+    calls = []
+
+    def once(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise exc
+        return method(*args)
+    return once
+
+
+@pytest.mark.parametrize("where, exc", [("prefill", MemoryError()), ("jit_draft", RuntimeError("a bug"))],
+                         ids=["prefill-out-of-memory", "draft-internal"])
+def test_a_draft_server_error_costs_its_sequences_speed_not_the_batch(pair, where, exc):
+    """A draft server answering RESOURCE_EXHAUSTED (out of memory at a prefill) or INTERNAL (a draft that
+    raised) failed the engine step: every request in flight got an EngineError. Now those sequences go
+    on with the fast backup, then a fresh prefill, as when the server is unreachable; tokens stay AR's."""
+    from engine_helpers import assert_greedy_equal, hf_greedy
+
+    from saguaro_dist.engine.build import make_runner
+    from saguaro_dist.engine.engine import Engine
+    from saguaro_dist.engine.sequence import Sequence
+    from saguaro_dist.sampling_params import SamplingParams
+    config = Config(model=pair["target"], draft=pair["close"], mode="sd", k=3, draft_threads=1)
+    worker = build_draft_worker(config)
+    setattr(worker, where, _failing_once(getattr(worker, where), exc))
+    server, port = serve_draft(worker, "127.0.0.1", 0)
+    pool = DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=10.0)], max_batch_size=2)
+    engine = Engine(config, make_runner(config.model, config), pool, None, set())
+    try:
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        for i, prompt in enumerate(PROMPTS[:2]):
+            engine.add(Sequence(i, str(i), list(prompt), params))
+        seqs = list(engine.waiting)
+        while engine.running or engine.waiting or engine.prefilling:
+            assert all(u.error is None for u in engine.step())
+        for seq, prompt in zip(seqs, PROMPTS[:2]):
+            assert_greedy_equal(seq.output_token_ids, hf_greedy(pair["model"], prompt, 12), prompt, pair["model"])
+    finally:
+        engine.close()
+        server.stop(None)

@@ -62,7 +62,9 @@ class SDLoop(ARLoop):
         try:
             if pending is not None:
                 pending.result()
-        except DraftUnavailable as err:  # no draft worker left: speculate with the fast backup until one is
+        except (DraftUnavailable, DraftRpcError) as err:  # no draft worker left, or one refused (out of
+            # memory, a bug): speculate with the fast backup until a fresh prefill takes (_readmit). Raised,
+            # it failed the step: every request in flight.
             log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(drafted))
             for s in drafted:
                 s.draft_lost = True
@@ -138,7 +140,8 @@ class SDLoop(ARLoop):
                 s.draft_lost = s.seq_id in err.seq_ids
             unfit = self._adopt(asked.live, err.partial)
             return outcomes + self._fast([s for s in asked.live if s.seq_id not in err.partial] + unfit, fast_kind)
-        except (OutOfOrder, UnknownSequence) as err:  # the draft lost track of them (a lost message): restart them
+        except (OutOfOrder, UnknownSequence, DraftRpcError) as err:  # the draft lost track of them (a lost
+            # message), or failed (INTERNAL, out of memory; raised, it failed every request in flight): restart them
             log.warning("draft out of step (%s): fast backup, then a fresh prefill, for %d sequences", err, len(asked.live))
             for s in asked.live:
                 s.draft_lost = True
