@@ -278,3 +278,27 @@ def test_a_stream_never_sends_text_that_a_long_stop_string_then_cuts(demo_ar):
     final = demo_ar.generate([prompt], params, use_tqdm=False)[0]
     assert (final.text, final.finish_reason, final.stop_reason) == (text[:at], "stop", stop)
     assert "".join(d.text for d in streamed) == final.text
+
+
+def test_a_request_the_engine_fails_to_take_fails_alone_and_the_loop_goes_on(pair):
+    """engine.add raising anything but a ValueError (a grammar compiler's own error, say) ended the loop
+    thread: every caller waited forever. Now that caller gets an EngineError and the loop serves on."""
+    engine, _ = build_local_engine(Config(model=pair["target"], mode="ar", max_batch_size=2))
+    thread = EngineThread(engine)
+    try:
+        add = engine.add
+
+        def failing_add(seq):
+            engine.add = add
+            raise RuntimeError("injected: add failed")
+        engine.add = failing_add
+        refused = Listener()
+        thread.submit(Sequence(0, "a", [5, 9, 2], GREEDY), refused)
+        error = refused.last()
+        assert isinstance(error, EngineError) and "add failed" in str(error)
+        after = Listener()
+        thread.submit(Sequence(1, "b", [5, 9, 2], GREEDY), after)
+        done = after.last()
+        assert not isinstance(done, BaseException) and thread._thread.is_alive()
+    finally:
+        thread.stop()

@@ -155,6 +155,10 @@ class EngineThread:
             except ValueError as err:  # a request the engine cannot take (say its grammar): its caller learns why
                 deliver(listener, err)
                 continue
+            except Exception as err:  # noqa: BLE001 - anything else: uncaught, it ended this thread for every caller
+                log.exception("the engine could not take request %r", seq.request_id)
+                deliver(listener, EngineError(f"the engine could not take the request: {err!r}"))
+                continue
             self._listeners[seq.request_id] = listener
         for request_id in aborts:
             try:
