@@ -159,8 +159,10 @@ def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     implied = ns.mode is None and "mode" not in (base or {})
     try:
         mode = config_from_args(args).mode  # the values' own errors first: a --k 0 is wrong whatever the mode
-    except ValueError:  # but a flag the mode leaves unused (--draft with ar) is named as such
-        check_mode_flags(ns, parse_enum(Mode, args.get("mode", Mode.SSD), "mode"), implied)
+    except ValueError:  # but a draft the mode leaves unused (Config refuses it too) is named by its flag
+        mode = parse_enum(Mode, args.get("mode", Mode.SSD), "mode")
+        if args.get("draft") and mode not in DRAFT_MODES:
+            check_mode_flags(ns, mode, implied)
         raise
     check_mode_flags(ns, mode, implied)  # before any model loads
     return args
