@@ -167,13 +167,6 @@ def test_text_parts_are_joined_a_line_apart(served):
     assert got["usage"]["input_tokens"] == len(tokens("import os\nimport sys"))
 
 
-def test_chat_echo_is_refused(served):
-    """Old: vLLM's chat field echo was dropped without a word (the reply did not repeat the last message)."""
-    reply = _post(served["plain"], "/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "echo": True})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "echo"
-    assert _post(served["plain"], "/chat/completions", {"messages": MESSAGES, "max_tokens": 2, "echo": False}).status_code == 200
-
-
 PREFILLED = MESSAGES + [{"role": "assistant", "content": "    return"}]
 
 

@@ -21,7 +21,8 @@ from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddlew
 from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
 from saguaro_dist.serve.openai_responses import usage as responses_usage
 from saguaro_dist.serve.prompts import encode_chat
-from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from saguaro_dist.serve.protocol import (REPLY_ROLE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                         TokenizeRequest)
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, gather_or_cancel, merge
 from saguaro_dist.serve.tool_parsers import ToolCallParser
@@ -220,7 +221,7 @@ async def _responses(body: ResponsesRequest, request: Request):
     content, calls = state.tool_plan_for(body).parse(text)
     items = output_items(reasoning, content, calls, _logprob_items(state, job)(result.logprobs or []))
     return response_body(response_id, model, body, items, "completed",
-                         result.finish_reason, **_response_extra(state, job, result.num_tokens, result.metrics))
+                         result.finish_reason, **_response_extra(state, job, result.token_ids, result.metrics))
 
 
 def _logprob_items(state: ServingState, job: Job):
@@ -231,28 +232,30 @@ def _logprob_items(state: ServingState, job: Job):
     return items
 
 
-def _response_extra(state: ServingState, job: Job, tokens: int, metrics) -> dict:
-    """A response's usage and our speculation stats."""
+def _response_extra(state: ServingState, job: Job, token_ids: list[int], metrics) -> dict:
+    """A response's usage (reasoning_tokens: 0 without a reasoning parser, as OpenAI's field is always
+    there) and our speculation stats."""
     cached = metrics.num_cached_tokens if metrics is not None else 0
-    return {"usage": responses_usage(len(job.prompt_ids), tokens, cached),
+    reasoning = state.reasoning_count(job, token_ids) or 0
+    return {"usage": responses_usage(len(job.prompt_ids), len(token_ids), cached, reasoning),
             "speculation": responses.speculation([metrics], state.engine.config.mode.value)}
 
 
 async def _response_events(state: ServingState, job: Job, events: ResponseEvents, batches, first):
     reasoning, tools = ReasoningStream(state.reasoning_parser_for(job)), ToolStream(state.tool_plan_for(events.body))
-    tokens, pending = 0, events.opening()
+    token_ids, pending = [], events.opening()
     try:
         async with aclosing(batches):
             batch = first
             while batch is not None:
-                for _, text, count, last, logprobs in _per_choice(batch):
-                    tokens += count
+                for _, text, ids, last, logprobs in _per_choice(batch):
+                    token_ids += ids
                     thought, text = reasoning.feed(text, last.finished)
                     delta = tools.step(text, last.finished)
                     pending += (events.text(thought, delta.get("content", ""), logprobs)
                                 + events.calls(delta.get("tool_calls", [])))
                     if last.finished:
-                        pending += events.closing(last.finish_reason, **_response_extra(state, job, tokens, last.metrics))
+                        pending += events.closing(last.finish_reason, **_response_extra(state, job, token_ids, last.metrics))
                 yield pending
                 pending = ""
                 batch = await anext(batches, None)
@@ -308,10 +311,10 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
         plan = state.tool_plan_for(body)
         reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
         content, calls = plan.parse(text)
-        return fmt.choice(index, content if content or reasoning is None else None,
+        return fmt.choice(index, _echoed(body, content if content or reasoning is None else None),
                           plan.finish_reason(result.finish_reason, calls), _logprobs(state, fmt, job, result.logprobs),
                           calls, reasoning, result.stop_reason)
-    if not body.echo:
+    if not body.echo:  # completions' echo: the prompt leads
         return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs),
                           stop_reason=result.stop_reason)
     given = body.prompts()[index // body.n]  # the text as sent; a token-id prompt is decoded
@@ -324,6 +327,12 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
     return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs, stop_reason=result.stop_reason)
 
 
+def _echoed(body, content: str | None) -> str | None:
+    """A chat reply's content after what its `echo` repeats (the last message, when it is the reply's role)."""
+    echoed = body.echoed()
+    return echoed + (content or "") if echoed else content
+
+
 async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, request_id: str):
     jobs = state.named(jobs, request_id)
     if body.stream:
@@ -334,10 +343,8 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
     results = [Finished(prompt_logprobs=r.prompt_logprobs, logprobs=[], finish_reason="length", metrics=r.metrics)
                if job.scores_only else r for job, r in zip(jobs, results)]
     choices = [_choice(state, fmt, body, i, job, r) for i, (job, r) in enumerate(zip(jobs, results))]
-    total = responses.usage(_prompt_tokens(jobs, body.n), sum(r.num_tokens for r in results),
-                            _cached_tokens([r.metrics for r in results], body.n))
-    stats = responses.speculation([r.metrics for r in results], state.engine.config.mode.value)
-    return fmt.body(fmt.id_of(request_id), model, choices, usage=total, speculation=stats)
+    extra = _final_extra(state, body, fmt, jobs, [r.token_ids for r in results], [r.metrics for r in results])
+    return fmt.body(fmt.id_of(request_id), model, choices, **extra)
 
 
 async def _stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt,
@@ -377,7 +384,8 @@ class _SseEvents:
     def __init__(self, state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, response_id: str):
         self.state, self.body, self.jobs, self.model, self.fmt = state, body, jobs, model, fmt
         self.request_id = response_id
-        self.counts, self.metrics, self.finished = [0] * len(jobs), [None] * len(jobs), 0
+        self.token_ids: list[list[int]] = [[] for _ in jobs]  # generated per choice: usage counts them
+        self.metrics, self.finished = [None] * len(jobs), 0
         # Log-probabilities of tokens whose text is held back (a possible stop string) wait for its chunk.
         self.pending_logprobs: list[list] = [[] for _ in jobs]
         self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
@@ -391,20 +399,22 @@ class _SseEvents:
     def opening(self) -> str:
         if not self.fmt.chat:
             return ""
-        role = {"role": "assistant", "content": ""}
-        return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.chat_delta(i, role, None)]))
-                       for i in range(len(self.jobs)))
+        deltas = [{"role": REPLY_ROLE, "content": ""}]
+        if self.body.echoed():  # vLLM's echo: the repeated last message is the first content delta
+            deltas.append({"content": self.body.echoed()})
+        return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.chat_delta(i, delta, None)]))
+                       for delta in deltas for i in range(len(self.jobs)))
 
     def of(self, batch) -> str:
         events = []
-        for index, text, tokens, last, logprobs in _per_choice(batch):
-            self.counts[index] += tokens
+        for index, text, ids, last, logprobs in _per_choice(batch):
+            self.token_ids[index] += ids
             self.pending_logprobs[index] += logprobs
             extra = {}
             if last.finished:
                 self.metrics[index], self.finished = last.metrics, self.finished + 1
                 if self.done:  # the final chunk carries usage and the speculation stats
-                    extra = _final_extra(self.state, self.body, self.jobs, self.counts, self.metrics)
+                    extra = _final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)
             choice = self._choice(index, text, last)
             if choice is not None:
                 events.append(responses.sse(self.fmt.chunk(self.request_id, self.model, [choice], **extra)))
@@ -434,17 +444,17 @@ class _SseEvents:
     def closing(self) -> str:
         events = ""
         if self.body.include_usage_chunk:  # OpenAI's stream_options.include_usage: one more chunk, no choices
-            usage = _final_extra(self.state, self.body, self.jobs, self.counts, self.metrics)["usage"]
+            usage = _final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)["usage"]
             events += responses.sse(self.fmt.chunk(self.request_id, self.model, [], usage=usage))
         return events + responses.sse("[DONE]")
 
 
-def _per_choice(batch: list[tuple[int, object]]) -> list[tuple[int, str, int, object, list]]:
-    """A batch's deltas joined per choice: (index, text, token count, the last delta, logprob entries)."""
+def _per_choice(batch: list[tuple[int, object]]) -> list[tuple[int, str, list[int], object, list]]:
+    """A batch's deltas joined per choice: (index, text, token ids, the last delta, logprob entries)."""
     grouped: dict[int, list] = {}
     for index, delta in batch:
         grouped.setdefault(index, []).append(delta)
-    return [(i, "".join(d.text for d in ds), sum(len(d.token_ids) for d in ds), ds[-1],
+    return [(i, "".join(d.text for d in ds), [t for d in ds for t in d.token_ids], ds[-1],
              [e for d in ds for e in (d.logprobs or [])]) for i, ds in grouped.items()]
 
 
@@ -458,6 +468,17 @@ def _cached_tokens(metrics: list, n: int) -> int:
     return sum(m.num_cached_tokens for m in metrics[::n] if m is not None)
 
 
-def _final_extra(state: ServingState, body, jobs: list[Job], counts: list[int], metrics: list) -> dict:
-    return {"usage": responses.usage(_prompt_tokens(jobs, body.n), sum(counts), _cached_tokens(metrics, body.n)),
+def _reasoning_tokens(state: ServingState, fmt: responses.Format, jobs: list[Job], token_ids: list[list[int]]) -> int | None:
+    """Chat's completion tokens that were reasoning, over every choice; None where usage leaves the figure
+    out (completions, or a server without a reasoning parser)."""
+    if not fmt.chat or state.reasoning_tokens is None:
+        return None
+    return sum(state.reasoning_count(job, ids) for job, ids in zip(jobs, token_ids))
+
+
+def _final_extra(state: ServingState, body, fmt: responses.Format, jobs: list[Job], token_ids: list[list[int]],
+                 metrics: list) -> dict:
+    usage = responses.usage(_prompt_tokens(jobs, body.n), sum(map(len, token_ids)), _cached_tokens(metrics, body.n),
+                            _reasoning_tokens(state, fmt, jobs, token_ids))
+    return {"usage": usage,
             "speculation": responses.speculation(metrics, state.engine.config.mode.value)}

@@ -258,9 +258,10 @@ def function_call_item(call: ToolCall, status: str = "completed") -> dict:
             "arguments": call.arguments, "status": status}
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int) -> dict:
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict:
+    """reasoning_tokens: output tokens the reasoning parser read as reasoning (reasoning.ReasoningTokens)."""
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
 

@@ -1,7 +1,7 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
 Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (best_of, suffix, chat's echo) are rejected rather than silently dropped.
+cannot honour (best_of, suffix; echo on /v1/responses) are rejected rather than silently dropped.
 """
 from __future__ import annotations
 
@@ -22,8 +22,7 @@ MAX_GENERATIONS = 256
 _UNSUPPORTED_UNLESS = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    # vLLM's chat extra (completions' own echo is a field, so never extra there): the reply never repeats
-    # the last message
+    # completions' and chat's echo is a field, so never extra there: this refuses it on /v1/responses
     "echo": (None, False),
 }
 
@@ -52,6 +51,7 @@ class ChatPromptFields(BaseModel):
             return PromptEnd.CONTINUE
         return PromptEnd.NEW_TURN if self.add_generation_prompt else PromptEnd.AS_IS
 MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
+REPLY_ROLE = "assistant"  # the role of every chat reply
 
 
 class OpenAIModel(BaseModel):
@@ -348,6 +348,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
+    echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role
 
     @model_validator(mode="after")
     def _check_tools(self):
@@ -389,6 +390,12 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def echoed(self) -> str:
+        """What `echo` puts before the reply's content: the last message's text when it is the reply's role
+        (an assistant prefill, continued with continue_final_message), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == REPLY_ROLE else ""
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -15,6 +15,7 @@ request's own Lark grammar (it is not nested): such replies are constrained whol
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -44,6 +45,64 @@ def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | No
         return (text.removeprefix(THINK_OPEN) or None, "") if parser.open_by_default else (None, text)
     reasoning = text[:end].removeprefix(THINK_OPEN)
     return reasoning or None, text[end + len(THINK_CLOSE):]
+
+
+@dataclass(frozen=True)
+class ReasoningTokens:
+    """Counts how many of a reply's generated tokens are its reasoning (usage's reasoning_tokens), split as
+    split_reasoning splits its text: the tokens before </think>, less a leading <think>'s. From the token
+    ids, as vLLM counts: a thinking model's tags are single tokens (Qwen3's, DeepSeek-R1's), found by id.
+    A tokenizer that spells a tag in several tokens may generate it in other pieces than its own encoding:
+    then the tag is found in the decoded ids instead."""
+    tokenizer: object
+    open_ids: tuple[int, ...]
+    close_ids: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokenizer) -> ReasoningTokens:
+        return cls(tokenizer, *(tuple(tokenizer.encode(tag, add_special_tokens=False)) for tag in (THINK_OPEN, THINK_CLOSE)))
+
+    def count(self, parser: ReasoningParser | None, token_ids: Sequence[int]) -> int:
+        if parser is None or not token_ids:
+            return 0
+        ids = list(token_ids)
+        start, end = self._open_length(ids), _find(ids, self.close_ids)
+        if end < 0 and len(self.close_ids) > 1:
+            end = self._by_text(ids, THINK_CLOSE)
+        if end < 0:  # no </think>: qwen3's reply is all content, deepseek_r1's all reasoning
+            return len(ids) - start if parser.open_by_default else 0
+        return max(0, end - start)
+
+    def _open_length(self, ids: list[int]) -> int:
+        """Tokens of a leading <think> (split_reasoning drops it from the reasoning)."""
+        if ids[:len(self.open_ids)] == list(self.open_ids):
+            return len(self.open_ids)
+        if len(self.open_ids) > 1 and self._by_text(ids, THINK_OPEN) == 0:
+            return self._tokens_within(ids, len(THINK_OPEN))
+        return 0
+
+    def _by_text(self, ids: list[int], tag: str) -> int:
+        """How many tokens come before `tag` in the ids' text (-1: it is not there)."""
+        at = self._decode(ids).find(tag)
+        return at if at < 0 else self._tokens_within(ids, at)
+
+    def _tokens_within(self, ids: list[int], chars: int) -> int:
+        """The most leading tokens whose text fits in `chars` characters (a binary search: a longer prefix of
+        the ids never decodes to less text), so a tag's tokens are never counted as reasoning."""
+        low, high = 0, len(ids)
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if len(self._decode(ids[:mid])) <= chars else (low, mid - 1)
+        return low
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _find(ids: list[int], part: tuple[int, ...]) -> int:
+    """Where `part` first occurs in ids as a run, or -1."""
+    width = len(part)
+    return next((i for i in range(len(ids) - width + 1) if width and tuple(ids[i:i + width]) == part), -1)
 
 
 # Lark for llguidance: the lazy rule ends at the first </think>; the answer follows, after optional whitespace.

@@ -4,14 +4,21 @@ from __future__ import annotations
 import json
 import time
 
+from saguaro_dist.serve.protocol import REPLY_ROLE
+
 _STAT_COUNTS = ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted_tokens", "accepted_tokens",
                 "cache_hits", "cache_misses")
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache supplied (OpenAI's prompt_tokens_details)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int | None = None) -> dict:
+    """OpenAI's usage; cached_tokens: prompt tokens the prefix cache supplied (OpenAI's prompt_tokens_details);
+    reasoning_tokens: completion tokens a reasoning parser read as reasoning (completion_tokens_details), left
+    out where None (a server without a reasoning parser)."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 def speculation(metrics_list: list, mode: str) -> dict:
@@ -60,7 +67,7 @@ class Format:
                tool_calls: list | None = None, reasoning: str | None = None, stop_reason: int | str | None = None) -> dict:
         """stop_reason (vLLM's): the stop_token_id or stop string that ended the choice; None otherwise."""
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message = {"role": REPLY_ROLE, "content": text}
             if reasoning is not None:
                 message["reasoning"] = reasoning  # vLLM's name (formerly reasoning_content)
             if tool_calls:

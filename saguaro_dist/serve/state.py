@@ -6,7 +6,7 @@ import logging
 import time
 import uuid
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from saguaro_dist.engine.sequence import OutputKind
@@ -15,7 +15,7 @@ from saguaro_dist.sampling_params import SamplingParams, truncate_prompt
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.metrics import ENGINE_TIME_COUNTERS, ServeMetrics
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
-from saguaro_dist.serve.reasoning import ReasoningParser, reasoning_first
+from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningTokens, reasoning_first
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 from saguaro_dist.serve.tools import ToolPlan
 
@@ -39,7 +39,7 @@ class Job:
 @dataclass
 class Finished:
     text: str = ""
-    num_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the generated ids (reasoning_tokens counts in them)
     finish_reason: str | None = None
     metrics: object = None  # the engine's RequestMetrics
     logprobs: list | None = None  # one engine entry per token, when the request asked for them
@@ -56,6 +56,7 @@ class ServingState:
         self.log_requests = log_requests  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
         self.tool_call_parser = ToolCallParser(tool_call_parser) if tool_call_parser else None
         self.reasoning_parser = ReasoningParser(reasoning_parser) if reasoning_parser else None
+        self.reasoning_tokens = ReasoningTokens.of(engine.tokenizer) if reasoning_parser else None
         self.stream_interval_s = stream_interval_s  # streamed deltas closer than this share one SSE write
         self.tokenizer = engine.tokenizer
         self.model_name = model_name  # what replies name; requests may give an alias too
@@ -74,6 +75,13 @@ class ServingState:
     def reasoning_parser_for(self, job: Job) -> ReasoningParser | None:
         """The server's reasoning parser, unless the job's whole reply is constrained (no reasoning in it)."""
         return self.reasoning_parser if job.params.structured_outputs is None or job.reasoned else None
+
+    def reasoning_count(self, job: Job, token_ids: list[int]) -> int | None:
+        """How many of the job's generated tokens are reasoning (usage's reasoning_tokens); None on a server
+        without a reasoning parser, whose usage leaves the figure out."""
+        if self.reasoning_tokens is None:
+            return None
+        return self.reasoning_tokens.count(self.reasoning_parser_for(job), token_ids)
 
     def reason_first(self, job: Job) -> Job:
         """With a reasoning parser, a constrained chat reply may reason before what it is held to."""
@@ -166,7 +174,7 @@ class ServingState:
         async with aclosing(self.stream(job, OutputKind.FINAL_ONLY)) as deltas:
             async for delta in deltas:
                 parts.append(delta.text)
-                out.num_tokens += len(delta.token_ids)
+                out.token_ids += delta.token_ids
                 if delta.logprobs is not None:
                     out.logprobs = (out.logprobs or []) + delta.logprobs
                 if delta.prompt_logprobs is not None:

@@ -1,0 +1,135 @@
+"""usage's reasoning_tokens (Responses' output_tokens_details, chat's completion_tokens_details): the count of
+generated tokens a reasoning parser read as reasoning, streamed and not, over real HTTP (the serving app under
+uvicorn, the `openai` client) against a real engine. The demo model never writes </think>, so the engine runs
+a tiny Llama written by transformers whose weights make greedy decoding follow a script, Qwen3-style (the
+tags are single added tokens): "<think> add them</think> 4" then end-of-sequence."""
+from __future__ import annotations
+
+from itertools import pairwise
+
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from http_helpers import serve_on_loopback
+from saguaro_dist import LLM
+from saguaro_dist.demo import demo_pair
+from saguaro_dist.serve.api import ServerOptions, create_app
+from saguaro_dist.serve.reasoning import ReasoningParser
+
+REASONING, CONTENT = " add them", " 4"
+QUESTION = [{"role": "user", "content": "2 + 2?"}]
+
+
+def write_scripted_checkpoint(path) -> list[int]:
+    """A Llama whose greedy reply to any prompt is the script's ids (returned). Attention and MLPs are zero, so
+    a token's hidden state is its embedding: one slot per script token, whose lm_head row names the next
+    token; every other token shares slot 0, which starts the script."""
+    tok = AutoTokenizer.from_pretrained(demo_pair()[0])
+    tok.add_tokens(["<think>", "</think>"])  # as Qwen3's tokenizer has them: added, not special
+    tok.save_pretrained(path)
+    think, unthink = tok.convert_tokens_to_ids(["<think>", "</think>"])
+    script = [think, *tok.encode(REASONING, add_special_tokens=False), unthink,
+              *tok.encode(CONTENT, add_special_tokens=False), tok.eos_token_id]
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if "norm" in name else 0.0)
+        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+        embed[:, 0], head[script[0], 0] = 1.0, 10.0
+        for slot, (token, following) in enumerate(pairwise(script), start=1):
+            embed[token] = 0.0
+            embed[token, slot], head[following, slot] = 1.0, 10.0
+    model.save_pretrained(path)
+    return script
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    path = tmp_path_factory.mktemp("scripted")
+    script = write_scripted_checkpoint(path)
+    llm = LLM(model=str(path), mode="ar")
+    apps = {name: create_app(llm, ServerOptions("scripted", reasoning_parser=name)) for name in ("qwen3", "deepseek_r1")}
+    with serve_on_loopback(apps["qwen3"]) as qwen3, serve_on_loopback(apps["deepseek_r1"]) as r1, \
+            serve_on_loopback(create_app(llm, ServerOptions("scripted"))) as plain:
+        clients = {name: openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+                   for name, url in (("qwen3", qwen3), ("deepseek_r1", r1), (None, plain))}
+        yield clients, script, llm.tokenizer
+    llm.shutdown()
+
+
+def _reasoning_ids(tokenizer) -> int:
+    return len(tokenizer.encode(REASONING, add_special_tokens=False))
+
+
+def _respond(client, **extra):
+    return client.responses.create(model="scripted", input="2 + 2?", temperature=0, **extra)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_responses_count_the_reasoning_tokens(served, parser):
+    """Old: output_tokens_details.reasoning_tokens was 0 with the reply split into reasoning and content."""
+    clients, script, tokenizer = served
+    resp = _respond(clients[parser])
+    assert [item.type for item in resp.output] == ["reasoning", "message"]
+    assert resp.output[0].content[0].text == REASONING and resp.output_text == CONTENT
+    assert resp.usage.output_tokens == len(script)
+    assert resp.usage.output_tokens_details.reasoning_tokens == _reasoning_ids(tokenizer) == 2
+    events = list(_respond(clients[parser], stream=True))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.usage.model_dump() == resp.usage.model_dump()
+
+
+@pytest.mark.parametrize("parser, reasoning", [("qwen3", 0), ("deepseek_r1", 2), (None, 0)])
+def test_a_reply_cut_before_think_closes(served, parser, reasoning):
+    """Cut after "<think> add them": qwen3 reads no reasoning (only </think> tells), deepseek_r1 all of it but
+    the leading <think>; a server without a parser reports 0, as OpenAI's field is always there."""
+    clients, _, _ = served
+    for streamed in (False, True):
+        resp = _respond(clients[parser], max_output_tokens=3, stream=streamed)
+        usage = (list(resp)[-1].response if streamed else resp).usage
+        assert (usage.output_tokens, usage.output_tokens_details.reasoning_tokens) == (3, reasoning)
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_chat_usage_counts_the_reasoning_tokens(served, parser):
+    """Old: chat's usage had no completion_tokens_details; now reasoning_tokens, summed over the choices."""
+    clients, script, tokenizer = served
+    chat = clients[parser].chat.completions.create(model="scripted", messages=QUESTION, temperature=0, n=2)
+    assert chat.choices[0].message.reasoning == REASONING and chat.choices[0].message.content == CONTENT
+    assert chat.usage.completion_tokens == 2 * len(script)
+    assert chat.usage.completion_tokens_details.reasoning_tokens == 2 * _reasoning_ids(tokenizer)
+    chunks = list(clients[parser].chat.completions.create(model="scripted", messages=QUESTION, temperature=0, n=2,
+                                                          stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == chat.usage.model_dump()
+
+
+def test_chat_without_a_reasoning_parser_reports_no_details(served):
+    clients, _, _ = served
+    chat = clients[None].chat.completions.create(model="scripted", messages=QUESTION, temperature=0)
+    assert chat.choices[0].message.content == "<think>" + REASONING + "</think>" + CONTENT
+    assert chat.usage.completion_tokens_details is None
+
+
+def test_tags_generated_in_other_pieces_than_their_encoding():
+    """A tokenizer that spells </think> in several tokens (the demo's) may generate it piece by piece: the
+    tag is then found in the decoded text, and its tokens are not counted."""
+    from saguaro_dist.serve.reasoning import ReasoningTokens  # new: imported here so the HTTP tests run on old code
+    tok = AutoTokenizer.from_pretrained(demo_pair()[0])
+    count = ReasoningTokens.of(tok).count
+
+    def ids(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+    thought = ids(REASONING)
+    by_char = [t for c in "</think>" for t in ids(c)]
+    assert by_char != ids("</think>") and tok.decode(by_char) == "</think>"
+    for parser in ReasoningParser:
+        assert count(parser, ids("<think>") + thought + by_char + ids(CONTENT)) == len(thought)
+        assert count(parser, thought + ids("</think>") + ids(CONTENT)) == len(thought)
+    assert count(ReasoningParser.QWEN3, thought + ids(CONTENT)) == 0
+    assert count(ReasoningParser.DEEPSEEK_R1, ids("<think>") + thought) == len(thought)
+    assert count(None, ids("<think>") + thought + ids("</think>")) == 0
