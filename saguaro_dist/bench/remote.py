@@ -12,6 +12,7 @@ batching (`--stream-interval-ms`), as a user's does.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -22,8 +23,10 @@ from saguaro_dist.bench.config import BenchConfig
 from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
 from saguaro_dist.bench.serving import (Served, annotate_serving, check_stream, rate_label, run_to_end, serving_cell,
                                         stream_plan, summarize)
-from saguaro_dist.client import AsyncClient
+from saguaro_dist.client import AsyncClient, SaguaroError
 from saguaro_dist.engine.metrics import RequestMetrics
+
+log = logging.getLogger(__name__)
 
 SYSTEM = "server"     # the one system a remote run measures (the cells' "system")
 SETTING = "remote"    # and its setting: the server's own hardware and placement
@@ -59,7 +62,8 @@ def run_remote(remote: RemoteConfig, progress: bool = True) -> dict:
 
 async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
     cfg, rates = remote.base, remote.rates
-    async with AsyncClient(remote.url, remote.api_key, model=remote.model, timeout=TIMEOUT_S) as client:
+    # No retries, as vLLM's benchmark_serving: a retried 429 / 503 would count as served, its backoff as latency.
+    async with AsyncClient(remote.url, remote.api_key, model=remote.model, timeout=TIMEOUT_S, max_retries=0) as client:
         model = remote.model or (await client.models())[0]
         prompts = await server_prompts(client, model, remote.num_requests, cfg.prompt_len)
         version = await server_version(client)
@@ -68,7 +72,7 @@ async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
         with tqdm(total=len(cfg.temperatures) * len(rates), desc="saguaro bench remote", unit="cell",
                   disable=not progress) as bar:
             for temperature in cfg.temperatures:
-                await stream_once(client, model, prompts, temperature, math.inf, cfg, repeat=0)  # warm-up, untimed
+                await warm_up(client, model, prompts, temperature, cfg)
                 for rate in rates:
                     runs = [await stream_once(client, model, prompts, temperature, rate, cfg, r) for r in range(cfg.repeats)]
                     cells.append(serving_cell(SYSTEM, SETTING, temperature, rate, runs, place))
@@ -102,18 +106,47 @@ async def server_prompts(client: AsyncClient, model: str, n: int, length: int) -
 
 
 async def stream_once(client: AsyncClient, model: str, prompts, temperature: float, rate: float, cfg, repeat: int) -> dict:
-    """One stream, stream_plan's (the in-process systems' seeds and arrivals)."""
+    """One stream, stream_plan's (the in-process systems' seeds and arrivals). As vLLM's benchmark_serving, a request
+    the server fails is counted (failed_requests) and left out of every other figure; the run goes on."""
+    replies, seconds = await _stream(client, model, prompts, temperature, rate, cfg, repeat)
+    served, failed = [r for r in replies if isinstance(r, Served)], [r for r in replies if not isinstance(r, Served)]
+    if failed:
+        log.warning("%d of %d requests failed (T=%s, rate %s); the first: %s", len(failed), len(replies), temperature,
+                    rate_label(rate), failed[0])
+    return {**summarize(served, seconds), "failed_requests": len(failed), "outputs": [[] for _ in served]}
+
+
+async def warm_up(client: AsyncClient, model: str, prompts, temperature: float, cfg) -> None:
+    """The untimed stream of every request at once. A server that fails every one refuses the run (a wrong model
+    name, a max_tokens beyond its context), as vLLM's initial test request does: its first error raised."""
+    replies, _ = await _stream(client, model, prompts, temperature, math.inf, cfg, repeat=0)
+    if not any(isinstance(r, Served) for r in replies):
+        raise replies[0]
+
+
+async def _stream(client: AsyncClient, model: str, prompts, temperature: float, rate: float, cfg,
+                  repeat: int) -> tuple[list, float]:
+    """(each request's Served or error, in prompt order; seconds from the first arrival to the last end)."""
     seeds, offsets = stream_plan(len(prompts), rate, cfg, repeat)
     start = time.perf_counter()
-    served = await asyncio.gather(*(_request(client, model, p, temperature, cfg.max_new_tokens, seed, start + o)
-                                    for p, seed, o in zip(prompts, seeds, offsets)))
-    return {**summarize(list(served), time.perf_counter() - start), "outputs": [[] for _ in served]}
+    replies = await asyncio.gather(*(_request(client, model, p, temperature, cfg.max_new_tokens, seed, start + o)
+                                     for p, seed, o in zip(prompts, seeds, offsets)))
+    return list(replies), time.perf_counter() - start
 
 
 async def _request(client: AsyncClient, model: str, prompt: list[int], temperature: float, max_tokens: int, seed: int,
-                   at: float) -> Served:
-    """Sent at perf_counter time `at`; timed to its first streamed text and to the stream's end."""
+                   at: float) -> Served | Exception:
+    """Sent at perf_counter time `at`; timed to its first streamed text and to the stream's end. The error, if the
+    server refused it or the stream broke (after the client's retries)."""
     await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    try:
+        return await _timed(client, model, prompt, temperature, max_tokens, seed)
+    except (SaguaroError, ValueError) as err:  # ValueError: a chunk that is no JSON
+        return err
+
+
+async def _timed(client: AsyncClient, model: str, prompt: list[int], temperature: float, max_tokens: int,
+                 seed: int) -> Served:
     sent, first = time.perf_counter(), None
     stream = await client.complete(prompt, model=model, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                    stream=True, ignore_eos=True, stream_options={"include_usage": True})

@@ -26,7 +26,8 @@ SERVING_COLUMNS = [("setting", "setting", "{}"), ("system", "system", "{}"), ("t
                    ("ttft_ms_p99", "TTFT p99 ms", "{:.1f}"), ("tpot_ms_p50", "TPOT p50 ms", "{:.2f}"),
                    ("tpot_ms_p99", "TPOT p99 ms", "{:.2f}"), ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"),
                    ("e2e_ms_p99", "E2E p99 ms", "{:.0f}"), ("acceptance_rate", "accept", "{:.2f}"),
-                   ("cache_hit_rate", "hit", "{:.2f}"), ("greedy_same_as_ar", "=ar", "{:.2f}")]
+                   ("cache_hit_rate", "hit", "{:.2f}"), ("greedy_same_as_ar", "=ar", "{:.2f}"),
+                   ("failed_requests", "failed", "{:g}")]
 TABLES = {"grid": ("cells", GRID_COLUMNS), "sweep": ("points", SWEEP_COLUMNS), "serving": ("cells", SERVING_COLUMNS)}
 
 

@@ -3,11 +3,17 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import httpx
 
 from saguaro_dist.client.errors import APIStatusError, status_error
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+# The openai client's pool: httpx's default of 100 connections queued the 101st concurrent request in the client
+# (an async caller's, a serving bench's), its wait counted as the server's latency.
+LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
 DONE = object()  # the `data: [DONE]` sentinel
 
 
@@ -33,14 +39,33 @@ class RetryPolicy:
     backoff_s: float = 0.5
     max_backoff_s: float = 8.0
 
+    def __post_init__(self):
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ValueError(f"max_retries must be an integer >= 0, got {self.max_retries!r}")
+        if not self.backoff_s >= 0 or not self.max_backoff_s >= 0:  # (NaN fails >= 0 too)
+            raise ValueError(f"backoff_s and max_backoff_s must be >= 0, got {self.backoff_s!r}, {self.max_backoff_s!r}")
+
     def delay(self, attempt: int, retry_after: str | None = None) -> float:
-        if retry_after:
-            try:
-                return min(float(retry_after), self.max_backoff_s)
-            except ValueError:
-                pass  # an HTTP date: fall back to our own schedule
+        seconds = _seconds(retry_after)
+        if seconds is not None:
+            return min(seconds, self.max_backoff_s)
         base = min(self.backoff_s * (2 ** attempt), self.max_backoff_s)
         return base * random.uniform(0.5, 1.0)  # jitter: retrying clients do not stampede together
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """Retry-After's delay in seconds; None for an HTTP date, a negative or a NaN (time.sleep refuses those)."""
+    try:
+        seconds = float(retry_after) if retry_after else None
+    except ValueError:
+        return None
+    return seconds if seconds is not None and seconds >= 0 else None
+
+
+def check_timeout(timeout) -> None:
+    """Seconds must be > 0 (httpx takes 0 or less and fails only mid-request); None or an httpx.Timeout pass."""
+    if isinstance(timeout, (int, float)) and not timeout > 0:  # (NaN fails > 0 too)
+        raise ValueError(f"timeout must be seconds > 0 (or None: no limit), got {timeout!r}")
 
 
 def sampling_fields(model: str | None, max_tokens, temperature, top_p, top_k, stop, seed, extra: dict) -> dict:
@@ -58,7 +83,11 @@ def chat_messages(messages) -> list[dict]:
     """A plain string is one user message; otherwise OpenAI message dicts."""
     if isinstance(messages, str):
         return [{"role": "user", "content": messages}]
-    return [dict(m) for m in messages]
+    items = None if isinstance(messages, Mapping) else list(messages)  # (one dict would iterate its keys)
+    if items is None or not all(isinstance(m, Mapping) for m in items):
+        raise TypeError("messages must be a string or a list of message dicts ({\"role\", \"content\"}), got "
+                        f"{messages!r:.200}")
+    return [dict(m) for m in items]
 
 
 def response_body(content: bytes):
@@ -110,12 +139,20 @@ class StreamAccumulator:
         self.tool_calls: list[dict] = []  # chat: tool calls assembled from their deltas
         self.reasoning: str | None = None  # chat: reasoning deltas joined (the text iterated is the content)
         self.stop_reason: int | str | None = None  # vLLM's, from the finishing chunk
+        self._data: list[str] = []  # the data lines of the event being read
 
     def feed(self, line: str):
-        """The text delta in `line` (possibly ""), DONE at the end, or None for non-data lines."""
-        if not line.startswith("data:"):
+        """One line of the stream: at the blank line that ends an event, its text delta (possibly "") or DONE;
+        else None. An event's data lines join with newlines (SSE), so one JSON chunk may span several."""
+        if line:
+            name, _, value = line.partition(":")  # a comment (":...") has no name; other fields are not ours
+            if name == "data":
+                self._data.append(value.removeprefix(" "))
             return None
-        data = line[5:].strip()
+        data, self._data = "\n".join(self._data), []
+        return self._event(data.strip()) if data.strip() else None
+
+    def _event(self, data: str):
         if data == "[DONE]":
             return DONE
         chunk = json.loads(data)

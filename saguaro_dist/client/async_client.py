@@ -21,7 +21,7 @@ class AsyncStream:
 
     async def __aiter__(self):
         try:
-            async for line in self._response.aiter_lines():
+            async for line in _lines(self._response):
                 text = self._acc.feed(line)
                 if text is DONE:
                     break
@@ -49,13 +49,21 @@ class AsyncStream:
         await self.aclose()
 
 
+async def _lines(response: httpx.Response):
+    """The stream's lines, then a blank one: it ends a last event the server left unended."""
+    async for line in response.aiter_lines():
+        yield line
+    yield ""
+
+
 class AsyncClient:
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
                  model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
+        common.check_timeout(timeout)  # before a connection pool exists: a refused client leaks nothing
         self.model = model
         self._root = common.api_root(base_url)
         self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
-        self._http = httpx.AsyncClient(timeout=timeout, headers=common.auth_headers(api_key))
+        self._http = httpx.AsyncClient(timeout=timeout, headers=common.auth_headers(api_key), limits=common.LIMITS)
 
     async def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                        stop=None, seed=None, stream: bool = False, **extra) -> Completion | AsyncStream:

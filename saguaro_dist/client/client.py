@@ -1,6 +1,7 @@
 """Blocking client for saguaro servers and any OpenAI-compatible server."""
 from __future__ import annotations
 
+import itertools
 import time
 
 import httpx
@@ -20,7 +21,7 @@ class Stream:
 
     def __iter__(self):
         try:
-            for line in self._response.iter_lines():
+            for line in itertools.chain(self._response.iter_lines(), [""]):  # "": ends a last unended event
                 text = self._acc.feed(line)
                 if text is DONE:
                     break
@@ -53,10 +54,11 @@ class Client:
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
                  model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
+        common.check_timeout(timeout)  # before a connection pool exists: a refused client leaks nothing
         self.model = model
         self._root = common.api_root(base_url)
         self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
-        self._http = httpx.Client(timeout=timeout, headers=common.auth_headers(api_key))
+        self._http = httpx.Client(timeout=timeout, headers=common.auth_headers(api_key), limits=common.LIMITS)
 
     def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                  stop=None, seed=None, stream: bool = False, **extra) -> Completion | Stream:

@@ -63,6 +63,8 @@ _BY_STATUS = {400: BadRequestError, 401: AuthenticationError, 403: PermissionDen
 def status_error(status_code: int, body) -> APIStatusError:
     """The typed error for a status and a (possibly non-JSON) error body."""
     error = body.get("error") if isinstance(body, dict) else None
+    if error is None and isinstance(body, dict) and "message" in body:
+        error = body  # vLLM's flat ErrorResponse: {"object": "error", "message", "type", "param", "code"}
     if isinstance(error, dict):
         message, fields = str(error.get("message", "")), error
     else:

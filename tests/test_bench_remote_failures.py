@@ -1,0 +1,144 @@
+"""`saguaro bench --url` against a real scripted OpenAI-compatible server on loopback that fails some requests, as
+vLLM's benchmark_serving meets them: a failed request is counted and left out of the figures, zero successful
+requests leave figures of None (not a crash), and a server that fails the whole warm-up refuses the run."""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from saguaro_dist.bench import BenchConfig
+from saguaro_dist.bench.plots import write_plots
+from saguaro_dist.bench.remote import RemoteConfig, run_remote
+from saguaro_dist.bench.report import render
+from saguaro_dist.client import SaguaroError
+
+N = 4            # requests a stream
+TOKENS = 4       # each streams this many one-token chunks
+FIRST_S = 0.2    # before the first chunk
+GAP_S = 0.05     # between chunks
+
+
+class _Server(BaseHTTPRequestHandler):
+    """/v1/models, /version, /tokenize, and streamed /v1/completions; `fails(n, seed)` says whether the n-th
+    completion (from 1) fails: odd n with a 400, even n with an error event after its first chunk."""
+    fails = staticmethod(lambda n, seed: False)
+    completions = 0
+    streaming = peak = 0  # streams open now, and at most
+    lock = threading.Lock()
+
+    def do_GET(self):
+        body = {"data": [{"id": "m", "object": "model"}]} if self.path == "/v1/models" else {"version": "9"}
+        self._json(200, body)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if self.path == "/tokenize":
+            return self._json(200, {"tokens": list(range(50))})
+        with self.lock:
+            type(self).completions += 1
+            n = type(self).completions
+        if type(self).fails(n, body["seed"]) and n % 2:
+            return self._json(400, {"error": {"message": "no such thing", "type": "invalid_request_error"}})
+        with self.lock:
+            type(self).streaming += 1
+            type(self).peak = max(type(self).peak, type(self).streaming)
+        try:
+            self._stream(fail=type(self).fails(n, body["seed"]))
+        finally:
+            with self.lock:
+                type(self).streaming -= 1
+
+    def _stream(self, fail: bool):
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.end_headers()
+        time.sleep(FIRST_S)
+        for i in range(TOKENS):
+            self._event({"id": "c", "model": "m", "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]})
+            if fail:
+                return self._event({"error": {"message": "engine died", "code": 503}})
+            time.sleep(GAP_S if i < TOKENS - 1 else 0)
+        self._event({"id": "c", "model": "m", "choices": [],
+                     "usage": {"prompt_tokens": 12, "completion_tokens": TOKENS, "total_tokens": 12 + TOKENS}})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def _event(self, chunk: dict):
+        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        self.wfile.flush()
+
+    def _json(self, status: int, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def serve():
+    """serve(fails) -> the URL of a fresh server failing as `fails(n, seed)` says."""
+    servers = []
+
+    def start(fails):
+        handler = type("Server", (_Server,), {"fails": staticmethod(fails), "completions": 0, "streaming": 0, "peak": 0})
+        httpd = type("Httpd", (ThreadingHTTPServer,), {"request_queue_size": 512})(("127.0.0.1", 0), handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        servers.append(httpd)
+        start.handler = handler
+        return f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield start
+    for httpd in servers:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def run(url: str, tmp_path, n: int = N) -> dict:
+    base = BenchConfig(temperatures=(0.0,), max_new_tokens=TOKENS, prompt_len=12, repeats=1, out_dir=str(tmp_path))
+    return run_remote(RemoteConfig(url, base, rates=(math.inf,), num_requests=n), progress=False)
+
+
+def test_failed_requests_are_counted_and_left_out_of_the_figures(serve, tmp_path):
+    """Two of four timed requests fail (a 400, an error event mid-stream): the run raised and every cell was lost."""
+    url = serve(lambda n, seed: n > N and seed % 2 == 1)  # after the warm-up, the odd seeds
+    [cell] = run(url, tmp_path)["cells"]
+    assert (cell["requests"], cell["failed_requests"], cell["output_tokens"]) == (2, 2, 2 * TOKENS)
+    assert FIRST_S * 1e3 <= cell["ttft_ms_p50"] < FIRST_S * 1e3 + 400  # the successful requests' own figures
+    assert GAP_S * 1e3 * 0.8 <= cell["tpot_ms_p50"] < GAP_S * 1e3 + 150
+    assert cell["output_tokens_per_s"] == pytest.approx(2 * TOKENS / cell["seconds"])
+
+
+def test_zero_successful_requests_leave_figures_of_none(serve, tmp_path):
+    """Every timed request fails after a good warm-up: the cell says so, with no latencies, and still renders."""
+    url = serve(lambda n, seed: n > N)
+    results = run(url, tmp_path)
+    [cell] = results["cells"]
+    assert (cell["requests"], cell["failed_requests"], cell["output_tokens"], cell["output_tokens_per_s"]) == (0, N, 0, 0)
+    assert cell["ttft_ms_p50"] is None and cell["tpot_ms_p99"] is None and cell["e2e_ms_mean"] is None
+    assert cell["acceptance_rate"] is None
+    json.dumps(results, allow_nan=False)
+    assert "| remote | server |" in render(results)
+    write_plots(results, tmp_path)
+
+
+def test_a_server_that_fails_the_whole_warm_up_refuses_the_run(serve, tmp_path):
+    """As vLLM's initial test request: a run every request of which fails is refused with the server's error."""
+    with pytest.raises(SaguaroError, match="no such thing|engine died"):
+        run(serve(lambda n, seed: True), tmp_path)
+
+
+def test_more_than_a_hundred_requests_at_once_reach_the_server_at_once(serve, tmp_path):
+    """httpx's default pool of 100 connections held the 101st request in the client: the server never saw more
+    than 100 at once, and the wait counted as its TTFT. vLLM's benchmark_serving (and the openai client's pool of
+    1000) send them all."""
+    url = serve(lambda n, seed: False)
+    [cell] = run(url, tmp_path, n=120)["cells"]
+    assert serve.handler.peak == 120 and cell["requests"] == 120
