@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 
 
 def register(subparsers) -> None:
@@ -24,6 +25,10 @@ def register(subparsers) -> None:
 def recipe_from_args(args: argparse.Namespace):
     from saguaro_dist.demo.build import Recipe
 
+    if args.minutes is not None and not (math.isfinite(args.minutes) and args.minutes > 0):
+        raise ValueError(f"--minutes must be a positive number, got {args.minutes}")  # nan ran zero steps
+    if args.minutes is not None and args.draft_steps is not None:
+        raise ValueError("--draft-steps has no effect with --minutes (the budget sets both models' steps)")
     recipe = Recipe(seed=args.seed, minutes=args.minutes)
     if args.steps is not None:
         recipe = dataclasses.replace(recipe, target_steps=args.steps)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 PAIR_DIR = Path(__file__).resolve().parent / "pair"
+ROLES = ("target", "draft")
+# What --resume picks up from the work dir; a fresh build deletes it first.
+STAGE_FILES = ("tokenizer.json", "train_tokens.pt", "heldout_tokens.pt", *(f"{role}.pt" for role in ROLES))
+RESUME_HINT = "delete it or build without --resume"
 
 
 @dataclass(frozen=True)
@@ -82,9 +88,9 @@ def prepare_tokenizer(recipe: Recipe, split, work: Path, resume: bool):
 
     path = work / "tokenizer.json"
     if resume and path.exists():
-        return tk.load_tokenizer(path)
+        return load_cached(path, tk.load_tokenizer)
     tok = tk.train_tokenizer(corpus.read_sources(split.train), recipe.vocab_size)
-    tok.save(str(path))
+    write_atomic(path, lambda tmp: tok.save(str(tmp)))
     log.info("tokenizer: %d tokens", tok.get_vocab_size())
     return tok
 
@@ -96,11 +102,64 @@ def prepare_tokens(tok, paths, cache: Path, resume: bool):
     from . import corpus, tokenizer as tk
 
     if resume and cache.exists():
-        return torch.load(cache)
+        return load_cached(cache, torch.load)
     files = tk.encode_files(tok, corpus.read_sources(paths))
     tokens = torch.tensor([t for ids in files for t in ids], dtype=torch.int32)
-    torch.save(tokens, cache)
+    write_atomic(cache, lambda tmp: torch.save(tokens, tmp))
     return tokens
+
+
+def write_atomic(path: Path, write) -> None:
+    # Write then rename: a build killed mid-write leaves no torn file for --resume to trust.
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def load_cached(path: Path, load):
+    try:
+        return load(path)
+    except Exception as err:  # torch and tokenizers report a torn file as a bare RuntimeError/Exception
+        raise ValueError(f"{path} is unreadable ({err}); {RESUME_HINT}") from err
+
+
+def check_recipe_stamp(recipe: Recipe, work: Path, resume: bool) -> None:
+    """The work dir's caches belong to one recipe: a resume under another (before any checkpoint, which
+    carries its own check) would silently train on the old tokenizer and token streams."""
+    path, want = work / "recipe.json", json.loads(json.dumps(recipe.fingerprint()))
+    if resume and path.exists() and load_cached(path, lambda p: json.loads(p.read_text())) != want:
+        raise ValueError(f"{work} holds a build of a different recipe; {RESUME_HINT}")
+    write_atomic(path, lambda tmp: tmp.write_text(json.dumps(want, indent=1)))
+
+
+def drop_stage_files(work: Path) -> None:
+    # A fresh build must not leave an earlier run's state behind: the training loops resume any
+    # checkpoint they find, and a later --resume would trust stale caches under the new stamp.
+    stale = [work / name for name in STAGE_FILES if (work / name).exists()]
+    if stale:
+        log.warning("discarding an earlier build's state in %s (pass --resume to continue it)", work)
+    for path in stale:
+        path.unlink()
+
+
+def writable_dir(path: Path, flag: str) -> None:
+    """Create path if needed and prove it takes files: a bad --out must fail now, not after hours of training."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as err:
+        raise ValueError(f"{flag} {path} is not a writable directory ({err.strerror or err})") from err
+
+
+def check_out(out: Path) -> None:
+    # The export replaces out/target and out/draft wholesale; only a model directory (or nothing) may go.
+    writable_dir(out, "--out")
+    for dest in (out / role for role in ROLES):
+        # rmtree refuses a symlink (after training) and must not follow one into someone's folder
+        replaceable = not dest.is_symlink() and dest.is_dir() and (
+            (dest / "config.json").is_file() or not any(dest.iterdir()))
+        if (dest.exists() or dest.is_symlink()) and not replaceable:
+            raise ValueError(f"--out {out}: {dest} exists and is not a model directory; the export would delete it")
 
 
 def special_ids(tok) -> dict:
@@ -128,8 +187,8 @@ def native_bf16() -> bool:
 def budgets(recipe: Recipe) -> tuple[float | None, float | None]:
     if recipe.minutes is None:
         return None, None
-    if recipe.minutes <= 0:
-        raise ValueError("--minutes must be positive")
+    if not (math.isfinite(recipe.minutes) and recipe.minutes > 0):
+        raise ValueError("--minutes must be a positive number")
     total = recipe.minutes * 60
     return total * recipe.target_share, total * (1 - recipe.target_share)
 
@@ -217,8 +276,11 @@ def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-
 
     started = time.monotonic()
     out, work = Path(out), Path(work)
-    work.mkdir(parents=True, exist_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
+    writable_dir(work, "--work")
+    check_out(out)
+    if not resume:
+        drop_stage_files(work)
+    check_recipe_stamp(recipe, work, resume)
     # One thread: the demo build must leave the machine's other cores to everyone else.
     torch.set_num_threads(1)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")

@@ -15,6 +15,9 @@ log = logging.getLogger(__name__)
 EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages",
                            "__pycache__", "pydoc_data", "encodings"})
 MAX_FILE_BYTES = 256_000
+# What the build itself generates (_sysconfigdata*.py: its paths and compiler flags; config-*/: python-config.py),
+# unlike the stdlib proper, differs between machines running the same CPython.
+BUILD_FILE_PREFIX, BUILD_DIR_PREFIX = "_sysconfigdata", "config-"
 
 
 @dataclass(frozen=True)
@@ -35,12 +38,20 @@ def list_sources(root: Path) -> list[Path]:
     files = []
     for path in root.rglob("*.py"):
         rel = path.relative_to(root)
-        if EXCLUDED_DIRS.intersection(rel.parts[:-1]) or not path.is_file():
+        if is_excluded(rel) or path.is_symlink() or not path.is_file():
             continue
         if path.stat().st_size > MAX_FILE_BYTES:
             continue
         files.append(path)
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_excluded(rel: Path) -> bool:
+    # A symlinked file is skipped by the caller: its text lives outside the stdlib (Debian's
+    # sitecustomize.py -> /etc/python3.x/) or duplicates a file that is read anyway.
+    dirs = rel.parts[:-1]
+    return (bool(EXCLUDED_DIRS.intersection(dirs)) or rel.name.startswith(BUILD_FILE_PREFIX)
+            or any(d.startswith(BUILD_DIR_PREFIX) for d in dirs))
 
 
 def is_heldout(rel_path: str, heldout_percent: int) -> bool:

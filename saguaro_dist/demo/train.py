@@ -78,6 +78,9 @@ def distill_loss(teacher, ce_weight: float, temperature: float) -> Callable:
     return loss_fn
 
 
+CHECKPOINT_KEYS = frozenset({"model", "opt", "step", "elapsed_s", "fingerprint"})
+
+
 def save_checkpoint(spec: LoopSpec, model, opt, step: int, elapsed_s: float) -> None:
     tmp = spec.ckpt.with_suffix(".tmp")
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
@@ -88,13 +91,23 @@ def save_checkpoint(spec: LoopSpec, model, opt, step: int, elapsed_s: float) -> 
 def load_checkpoint(spec: LoopSpec, model, opt) -> tuple[int, float]:
     if not spec.ckpt.exists():
         return 0, 0.0
-    state = torch.load(spec.ckpt, map_location="cpu", weights_only=False)
+    state = read_checkpoint(spec.ckpt)
     if state["fingerprint"] != spec.fingerprint:
         raise ValueError(f"{spec.ckpt} was written by a different recipe; delete it or build without --resume")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     log.info("%s: resuming at step %d", spec.role, state["step"])
     return state["step"], state["elapsed_s"]
+
+
+def read_checkpoint(path: Path) -> dict:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch reports a torn file as a bare RuntimeError/EOFError/UnpicklingError
+        raise ValueError(f"{path} is unreadable ({err}); delete it or build without --resume") from err
+    if not isinstance(state, dict) or not CHECKPOINT_KEYS <= state.keys():
+        raise ValueError(f"{path} is not a demo-build checkpoint; delete it or build without --resume")
+    return state
 
 
 def make_optimizer(model, spec: LoopSpec) -> torch.optim.Optimizer:
@@ -129,7 +142,7 @@ def run_loop(model, loss_fn: Callable, batches: Callable[[int], torch.Tensor], s
                           lr_at(step, progress, spec.lr, spec.warmup), spec.bf16)
         step, elapsed = step + 1, elapsed + time.monotonic() - started
         bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", done=f"{min(1.0, progress):.0%}")
+        bar.set_postfix(loss=f"{loss:.3f}", done=f"{min(1.0, max(0.0, progress)):.0%}")  # < 0 in warm-up
         if time.monotonic() - last_save > spec.checkpoint_s:
             save_checkpoint(spec, model, opt, step, elapsed)
             last_save = time.monotonic()
