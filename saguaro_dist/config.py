@@ -165,7 +165,9 @@ class Config:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     log_stats_interval_s: float = 10.0     # an INFO line of throughput, queue and speculation figures this often (0: off)
     generation_config: str = "auto"        # requests' sampling defaults: the model's generation_config.json, "vllm" (none) or a folder
-    target_threads: int | None = None      # torch intra-op threads for the target (None: leave as is)
+    # torch intra-op threads for the target / draft. None: one host leaves torch's own; a Ray actor runs 1 (and
+    # asks Ray for a CPU per thread either way: distributed/placement.py)
+    target_threads: int | None = None
     draft_threads: int | None = None
     draft_executor: DraftExecutor = DraftExecutor.AUTO
     tree_timeout_s: float = 5.0            # how long the target waits for a late speculation tree

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -16,11 +15,13 @@ import torch.distributed as dist
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.draft_service import default_bind_host, format_address, local_address, serve_draft
+from saguaro_dist.distributed.placement import actor_threads
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
 from saguaro_dist.engine.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
+STORE_TIMEOUT = dist.constants.default_pg_timeout  # the store's waits, as init_method="tcp://..." gave them
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ class DraftActor:
     def __init__(self, config: Config, fit=None):
         """fit: the DraftFit to build the draft to (engine/build.py: fit_draft, on the driver)."""
         from saguaro_dist.engine.build import build_draft_worker
-        torch.set_num_threads(config.draft_threads or 1)
+        torch.set_num_threads(actor_threads(config.draft_threads))  # the CPUs it asked Ray for (placement.py)
         self.worker = build_draft_worker(config, fit)
         local = local_address()
         self.server, port = serve_draft(self.worker, local=local)
@@ -87,21 +88,28 @@ class TargetRank:
     """One tensor-parallel rank of the target. Rank 0 also runs the engine (round loop + batching)."""
 
     def __init__(self, config: Config, rank: int):
-        torch.set_num_threads(config.target_threads or 1)
+        torch.set_num_threads(actor_threads(config.target_threads))  # the CPUs it asked Ray for (placement.py)
         self.config, self.rank = config, rank
         self.updates: queue.Queue = queue.Queue()
         self.thread = None
+        self._store = None  # rank 0's torch.distributed store: it holds the group's port from rendezvous on
 
-    def rendezvous(self) -> tuple[str, int]:
-        """This node's address and a free port for the torch.distributed store (asked of rank 0)."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+    def rendezvous(self) -> tuple[str, int] | None:
+        """Rank 0: where the other ranks find the tensor-parallel group's store, this node's address and the
+        port of the store it now serves (None: one rank, no group). The store binds port 0 and keeps it: a free
+        port found by bind-and-close could be taken by another process before the group bound it again."""
+        if self.config.tensor_parallel_size == 1:
+            return None
+        host = ray.util.get_node_ip_address()  # the store listens on every address of the node
+        self._store = dist.TCPStore(host, 0, self.config.tensor_parallel_size, is_master=True, timeout=STORE_TIMEOUT,
+                                    wait_for_workers=False)
+        return host, self._store.port
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], drafts: list[DraftEndpoint], fit, draft_actors: list | None = None) -> dict:
+    def setup(self, master: tuple[str, int] | None, drafts: list[DraftEndpoint], fit,
+              draft_actors: list | None = None) -> dict:
         """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow.
         fit: the DraftFit the driver gave the drafts (None: no draft); draft_actors: their handles, for
         rank 0 to find a restarted one at its new address."""
@@ -116,12 +124,13 @@ class TargetRank:
         revive = partial(self._revive_draft, draft_actors) if draft_actors else None
         return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses, fit, revive)
 
-    def _join_group(self, master: tuple[str, int]):
+    def _join_group(self, master: tuple[str, int] | None):
         world = self.config.tensor_parallel_size
         if world == 1:
             return None
         backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}", rank=self.rank, world_size=world)
+        store = self._store if self.rank == 0 else dist.TCPStore(*master, world, is_master=False, timeout=STORE_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world)
         return dist.group.WORLD
 
     def _start_engine(self, runner, draft_addresses: list[str], fit, revive=None) -> dict:

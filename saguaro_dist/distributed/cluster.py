@@ -13,8 +13,8 @@ import ray
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.actors import DraftActor, TargetRank
-from saguaro_dist.distributed.placement import (draft_options, engine_needs, rank_strategy, shortfall, target_bundle,
-                                                 target_placement)
+from saguaro_dist.distributed.placement import (draft_options, engine_needs, local_cpus_needed, rank_strategy,
+                                                 shortfall, target_bundle, target_placement)
 from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineError, deliver
@@ -38,56 +38,64 @@ LOCAL_RAY_SYSTEM_CONFIG = {
 }
 
 
-# The Ray this process started for cluster="local": every engine on it holds it (an engine that finds it running
-# joins it, as it joins a Ray the user started), and the last one to stop shuts it down. Shutting it down with the
-# first engine's stop took every other engine of the process down with it.
+# The Ray connection the engines of this process opened (ray.init: a Ray of their own for cluster="local", a join of
+# "auto" / "ray://..."): every engine on it holds it (an engine that finds it open joins it, as it joins a Ray the
+# user initialised), and the last one to stop closes it: ray.shutdown() stops a Ray of our own, and disconnects
+# this process from a cluster it joined (the cluster runs on). Closing it with the first engine's stop took every
+# other engine of the process down with it; never closing a join left the process a driver of that cluster.
 _ray_lock = threading.Lock()
-_ray_started: tuple | None = None  # (GCS address, driver's node id) of that Ray; None: this process started none
+_ray_opened: tuple | None = None  # _ray_identity() of that connection; None: the engines opened none
 _ray_holders = 0
 
 
 def _ray_identity() -> tuple:
+    """This process's connection to Ray: the cluster, and the job ray.init gave this driver (each ray.init a
+    new one, so a Ray the user shut down and joined again is not taken for ours). Ray Client answers too."""
     context = ray.get_runtime_context()
-    return context.gcs_address, context.get_node_id()
+    return context.gcs_address, context.get_job_id()
 
 
 def connect(cluster: str, num_cpus_needed: int) -> bool:
-    """Join or start Ray; returns whether this engine holds a Ray this process started (release_ray() then
-    lets it go: the last holder shuts it down). A Ray the user started, or joined, is theirs to stop."""
-    global _ray_started, _ray_holders
+    """Join or start Ray; returns whether this engine holds a connection this process's engines opened
+    (release_ray() then lets it go: the last holder closes it). A Ray the user initialised is theirs to close."""
+    global _ray_opened, _ray_holders
     with _ray_lock:
         if ray.is_initialized():
-            if _ray_started is not None and _ray_started == _ray_identity():
+            if _ray_opened is not None and _ray_opened == _ray_identity():
                 _ray_holders += 1
                 return True
-            _ray_started = None  # (stopped and started again by someone else since: not ours)
+            _ray_opened = None  # (stopped and started again by someone else since: not ours)
             if cluster not in ("local", "auto"):
                 log.warning("Ray is already initialized in this process: the engine runs on that Ray, not on "
                             "cluster=%r (as ray.init ignores a second call's settings)", cluster)
             return False
-        if cluster == "local":
-            # address="local": a new Ray of our own even where RAY_ADDRESS is set or `ray start` ran on this host;
-            # without it ray.init joined that cluster, and refused the num_cpus and system config (a ValueError).
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
-                     log_to_driver=False, configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
-            _ray_started, _ray_holders = _ray_identity(), 1
-            return True
-    ray.init(address=cluster, log_to_driver=False)  # "auto" or "ray://host:port"
-    return False
+        _open_ray(cluster, num_cpus_needed)
+        _ray_opened, _ray_holders = _ray_identity(), 1
+        return True
+
+
+def _open_ray(cluster: str, num_cpus_needed: int) -> None:
+    if cluster == "local":
+        # address="local": a new Ray of our own even where RAY_ADDRESS is set or `ray start` ran on this host;
+        # without it ray.init joined that cluster, and refused the num_cpus and system config (a ValueError).
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
+                 log_to_driver=False, configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+    else:
+        ray.init(address=cluster, log_to_driver=False)  # "auto" or "ray://host:port": the cluster sizes itself
 
 
 def release_ray() -> None:
-    """One holder of the Ray this process started lets it go; the last one shuts it down."""
-    global _ray_started, _ray_holders
+    """One holder of the connection this process's engines opened lets it go; the last one closes it."""
+    global _ray_opened, _ray_holders
     with _ray_lock:
-        if _ray_started is None:
+        if _ray_opened is None:
             return
-        if not ray.is_initialized() or _ray_identity() != _ray_started:  # someone stopped it already
-            _ray_started, _ray_holders = None, 0
+        if not ray.is_initialized() or _ray_identity() != _ray_opened:  # someone closed it already
+            _ray_opened, _ray_holders = None, 0
             return
         _ray_holders -= 1
         if _ray_holders <= 0:
-            _ray_started, _ray_holders = None, 0
+            _ray_opened, _ray_holders = None, 0
             ray.shutdown()
 
 
@@ -97,7 +105,7 @@ class Deployment:
     ranks: list = field(default_factory=list)
     drafts: list = field(default_factory=list)
     placement_group: object = None
-    started_ray: bool = False  # it holds the Ray this process started (connect): released once freed
+    started_ray: bool = False  # it holds the engines' own Ray connection (connect): released once freed
     serving: bool = False      # the drafts answered their endpoints: their gRPC servers run
     killed: bool = False
 
@@ -178,8 +186,7 @@ def build_cluster_engine(config: Config):
     from saguaro_dist.engine.build import fit_draft, target_tokenizer
     tokenizer = target_tokenizer(config)
     fit = fit_draft(config, tokenizer) if config.uses_draft else None  # a bad pair fails before Ray starts
-    needed = config.tensor_parallel_size + config.num_draft_workers + 1
-    deployment = Deployment(started_ray=connect(config.cluster, needed))
+    deployment = Deployment(started_ray=connect(config.cluster, local_cpus_needed(config)))
     deadline = time.monotonic() + config.startup_timeout_s
     try:
         resources = ray.cluster_resources()

@@ -2,7 +2,8 @@
 
 Target ranks and draft workers ask for the custom resources named in saguaro_dist.placement when the
 cluster advertises them (the KubeRay worker groups do), so each pool lands on its own nodes; on a
-cluster without them (a laptop, CI) they take plain CPUs / GPUs, drafts spread over nodes.
+cluster without them (a laptop, CI) they take plain CPUs / GPUs, drafts spread over nodes. An actor on CPUs
+asks for one CPU per torch thread it runs, an actor on a GPU for the GPU alone (_device_resources).
 """
 from __future__ import annotations
 
@@ -16,13 +17,23 @@ from saguaro_dist.config import Config
 from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 
 
-def _device_resources(device: str) -> dict:
-    return {"GPU": 1} if device.startswith("cuda") else {"CPU": 1}
+def actor_threads(threads: int | None) -> int:
+    """The torch threads a Ray actor runs (Config's target_threads / draft_threads; None: 1, not torch's default
+    of every core of the node, which the node's other actors share)."""
+    return threads or 1
+
+
+def _device_resources(device: str, threads: int | None) -> dict:
+    """A CPU actor reserves a CPU per torch thread, so Ray packs no other actor onto the cores its matmuls
+    spin on. A GPU actor asks for its GPU alone, as vLLM's Ray workers do (num_cpus=0): its host side is one
+    thread launching kernels, and GPU nodes often give Ray fewer CPUs than that would add up to (the
+    deploy generator sizes GPU pods for the Serve replica's CPU only)."""
+    return {"GPU": 1} if device.startswith("cuda") else {"CPU": actor_threads(threads)}
 
 
 def target_bundle(config: Config, cluster_resources: dict) -> dict:
     """One placement-group bundle per tensor-parallel rank."""
-    bundle = _device_resources(config.device) | dict(config.target_resources)
+    bundle = _device_resources(config.device, config.target_threads) | dict(config.target_resources)
     if TARGET_RESOURCE in cluster_resources:
         bundle[TARGET_RESOURCE] = RESOURCE_PER_ACTOR
     return bundle
@@ -33,7 +44,8 @@ def draft_options(config: Config, cluster_resources: dict) -> dict:
     resources = dict(config.draft_resources)
     if DRAFT_RESOURCE in cluster_resources:
         resources[DRAFT_RESOURCE] = RESOURCE_PER_ACTOR
-    device = _device_resources(config.draft_device_resolved)  # a CPU draft pool may serve a GPU target
+    # a CPU draft pool may serve a GPU target
+    device = _device_resources(config.draft_device_resolved, config.draft_threads)
     opts = {"num_cpus": device.get("CPU", 0), "num_gpus": device.get("GPU", 0), "resources": resources}
     if not resources:
         opts["scheduling_strategy"] = "SPREAD"  # no labels to go by: at least keep drafts apart
@@ -50,6 +62,12 @@ def engine_needs(config: Config, cluster_resources: dict) -> dict:
         draft = {"CPU": opts["num_cpus"], "GPU": opts["num_gpus"], **opts["resources"]}
         need.update({name: amount * config.num_draft_workers for name, amount in draft.items()})
     return {name: amount for name, amount in need.items() if amount}
+
+
+def local_cpus_needed(config: Config) -> int:
+    """Logical CPUs an embedded Ray (cluster="local") needs for the engine's actors, and one to spare (the
+    driver's tasks, a Serve replica beside the engine): fewer, and a rank or draft waited for ever."""
+    return int(engine_needs(config, {}).get("CPU", 0)) + 1
 
 
 def shortfall(need: dict, free: dict) -> dict:
