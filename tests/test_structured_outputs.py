@@ -208,12 +208,16 @@ def test_row_masks_and_commit_raise_a_grammar_error_where_llguidance_gives_up(de
     params = SamplingParams(structured_outputs=BEYOND_LLGUIDANCE)
     x, a = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "xa")
     state = compiler.state(params)
+    state.MAX_RENEWALS = 0  # (a renewal would compile the grammar again and try once more)
     assert state.row_masks([], 1)[0].nonzero().flatten().tolist() == sorted([x, tokenizer.convert_tokens_to_ids("y")])
     state.commit(x)
+    state.row_masks([a, a], 3)  # a verify's rows past the failure repeat the last good mask ...
     with pytest.raises(GrammarError, match="cannot follow this grammar"):
-        state.row_masks([a, a], 3)  # a verify's rows: they would allow EOS alone, a silently cut output
+        state.commit(a)  # ... and a token they decided fails the request, where AR would have failed too
+        state.commit(a)
     compiler.forget(state.grammar)  # its copies share the failed lexer: a new one would fail at once
     state = compiler.state(params)
+    state.MAX_RENEWALS = 0
     state.row_masks([], 1)
     state.commit(x)
     state.row_masks([], 1)

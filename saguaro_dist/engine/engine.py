@@ -289,6 +289,7 @@ class Engine:
                 self.metrics.generated_tokens -= len(s.output_token_ids) - n  # counted by _append
                 del s.output_token_ids[n:], s.output_logprobs[n:]
                 s.finish_reason = FinishReason.STOP  # also where max_tokens or EOS came later in the round
+                s.error = None  # a grammar failure later in the round (at a token never appended) came after it
                 self._finish(s, FinishReason.STOP)
                 s.metrics.num_generated_tokens = len(s.output_token_ids)
                 return

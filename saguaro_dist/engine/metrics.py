@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -116,3 +117,38 @@ class EngineMetrics:
         out["fallbacks"] = dict(self.fallbacks)
         out["coordination_s"] = self.coordination_s
         return out
+
+
+class RoundTokens(str, enum.Enum):
+    """The EngineMetrics counters of the tokens one kind of round emitted."""
+    JIT = "jit_round_tokens"
+    FAST = "fast_round_tokens"
+    LOOKUP = "lookup_round_tokens"
+
+
+class EmittedTokens:
+    """Counts rounds' tokens into EngineMetrics once the engine has appended them: only what the sequences
+    emitted. A round verifies past an EOS, a stop token or string, max_tokens or a grammar failure, and the
+    engine drops what follows the end; counted at verify time, those made tokens per round (Theorem 7's
+    E[tokens | miss] in the bench) too high. A round is settled once metrics.rounds has passed it (the engine
+    counts a step after appending its tokens), at the loop's next verify or release: counters read while
+    requests run lag one step."""
+
+    def __init__(self, metrics: EngineMetrics):
+        self.metrics = metrics
+        self._pending: list[tuple[int, RoundTokens, object, int]] = []  # (round, counter, sequence, output length before)
+
+    def note(self, seqs: list, counter: RoundTokens) -> None:
+        """seqs' tokens of the round being verified now count into `counter`, once appended."""
+        at = self.metrics.rounds
+        self._pending += [(at, RoundTokens(counter), s, len(s.output_token_ids)) for s in seqs]
+
+    def settle(self) -> None:
+        """Count the tokens of the rounds the engine has finished appending."""
+        done = [p for p in self._pending if p[0] < self.metrics.rounds]
+        if not done:
+            return
+        self._pending = [p for p in self._pending if p[0] >= self.metrics.rounds]
+        for _, counter, s, before in done:
+            name = counter.value
+            setattr(self.metrics, name, getattr(self.metrics, name) + max(0, len(s.output_token_ids) - before))

@@ -14,11 +14,11 @@ import torch
 from saguaro_dist.config import Config, FallbackPolicy
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
-from saguaro_dist.engine.draftless import ARLoop, kept_tokens, lookup_proposal, verify_speculations
+from saguaro_dist.engine.draftless import ARLoop, lookup_proposal, verify_speculations
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, proposal_fits,
 )
-from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.metrics import EmittedTokens, EngineMetrics, RoundTokens
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.stats_log import Throttle
 from saguaro_dist.engine.target import TargetScorer
@@ -39,6 +39,7 @@ class SDLoop(ARLoop):
         self._draft_room = draft.max_model_len - 2 * (config.k + 1)
         self._drafted_this_round = False
         self._unfit_warning = Throttle(UNFIT_WARN_EVERY_S)
+        self.emitted = EmittedTokens(metrics)  # rounds' tokens by kind, counted once the engine kept them
 
     def admit(self, seqs):
         """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
@@ -88,9 +89,10 @@ class SDLoop(ARLoop):
         self._draft_or_fast(seqs, FallbackPolicy.FAST)
 
     def verify(self, seqs):
+        self.emitted.settle()
         gained = verify_speculations(self.target, self.metrics, seqs, self._coupling(seqs))
         if self._drafted_this_round:
-            self.metrics.jit_round_tokens += kept_tokens(seqs, gained)
+            self.emitted.note(seqs, RoundTokens.JIT)
         return gained
 
     def _coupling(self, seqs: list[Sequence]):
@@ -99,6 +101,7 @@ class SDLoop(ARLoop):
 
     def release(self, seqs):
         super().release(seqs)
+        self.emitted.settle()
         self.draft.release([Release(s.seq_id) for s in seqs if not s.beyond_draft])
 
     def reset_prefix_cache(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -78,25 +79,89 @@ class GrammarError(ValueError):
 
 class GrammarState:
     """One request's matcher, advanced by the tokens the engine commits. `grammar`: its llguidance text
-    (what GrammarCompiler compiled it from)."""
+    (what GrammarCompiler compiled it from); fresh: () -> a new matcher of it whose lexer no other shares
+    (GrammarCompiler.fresh), or None. Why: copies of a compiled matcher share its lexer, and once llguidance
+    failed in one (a limit of its lexer), the others fail too, other requests' included."""
 
-    def __init__(self, matcher, vocab_size: int, grammar: str = ""):
-        self.matcher, self.vocab_size, self.grammar = matcher, vocab_size, grammar
+    MAX_RENEWALS = 16
+
+    def __init__(self, matcher, vocab_size: int, grammar: str = "", fresh: Callable[[], object] | None = None):
+        self.matcher, self.vocab_size, self.grammar, self.fresh = matcher, vocab_size, grammar, fresh
+        self.consumed: list[int] = []  # the output this matcher followed, for a fresh one to replay
+        self.renewals = 0
+        self._exact_rows, self._failure, self._round_commits = 0, None, 0  # of the last row_masks (see commit)
 
     def row_masks(self, drafted: list[int], rows: int) -> torch.Tensor:
         """[rows, V] bool: row t allows what the grammar allows after the output and drafted[:t]. Rows after
         a forbidden drafted token repeat the last mask: that token is rejected, so they are never used.
-        Raises GrammarError where the matcher fails on the drafted tokens (its masks would then be wrong)."""
-        consumed = self.matcher.try_consume_tokens(list(drafted[:rows - 1])) if rows > 1 else 0
-        masks = [None] * (consumed + 1)
-        for t in range(consumed, -1, -1):  # the deepest state first, then roll back one token at a time
-            masks[t] = self.mask()
-            if t:
-                self.matcher.rollback(1)
-        self._check()  # a failure may show only here: llguidance's state after its rollbacks allowed just EOS
-        return torch.stack(masks + [masks[-1]] * (rows - consumed - 1))
+        Where llguidance fails on the drafted tokens, the rows from there repeat the last mask too, and the
+        round's commit of a token they decided raises that failure (commit): a request that ends earlier in
+        the round (EOS, a stop token, max_tokens) ends as in AR (it failed at its first token). Raises
+        GrammarError where row 0 fails (the request has reached what llguidance cannot follow)."""
+        self._round_commits, self._failure = 0, None
+        masks = [self._healthy(lambda: self._checked_mask(self.matcher))]
+        if rows > 1:
+            masks += self._drafted_masks(drafted[:rows - 1])
+        self._exact_rows = len(masks) if self._failure is not None else rows
+        return torch.stack(masks + [masks[-1]] * (rows - len(masks)))
+
+    def _drafted_masks(self, drafted: list[int]) -> list[torch.Tensor]:
+        """The masks after drafted[:1], drafted[:2], ... up to a forbidden token or to where llguidance fails
+        (kept in self._failure), on a copy: this matcher consumes only committed tokens. A failure spoils the
+        lexer the copy shares with this matcher (and other requests' copies): this one is renewed, and the
+        probe tried once more on it (the first failure may have come of another request's spoiling)."""
+        masks, failure = self._probe(drafted)
+        if failure is not None and self._renew():
+            masks, failure = self._probe(drafted)
+            if failure is not None:
+                self._renew()
+        self._failure = failure
+        return masks
+
+    def _probe(self, drafted: list[int]) -> tuple[list[torch.Tensor], GrammarError | None]:
+        probe, masks = self.matcher.deep_copy(), []
+        try:
+            for t in drafted:
+                if probe.try_consume_tokens([t]) != 1:
+                    if probe.is_error():
+                        raise self._failed(probe)
+                    break
+                masks.append(self._checked_mask(probe))
+        except GrammarError as err:
+            return masks, err
+        return masks, None
+
+    def _checked_mask(self, matcher) -> torch.Tensor:
+        """matcher's mask; GrammarError where llguidance failed (its mask would allow just EOS)."""
+        mask = bitmask_to_bool(matcher.compute_bitmask(), self.vocab_size)
+        if matcher.is_error():
+            raise self._failed(matcher)
+        return mask
+
+    def _healthy(self, op: Callable[[], object]):
+        """op(); where llguidance fails, once more on a fresh matcher (another request's failure on this
+        grammar, or a probe's, may have spoiled the lexer this one shares)."""
+        try:
+            return op()
+        except GrammarError:
+            if not self._renew():
+                raise
+            return op()
+
+    def _renew(self) -> bool:
+        """Follow the output on a fresh matcher; False where none can be made or it fails on the output. At
+        most MAX_RENEWALS a request: each compiles the grammar, and a grammar that keeps failing fails."""
+        if self.fresh is None or self.renewals >= self.MAX_RENEWALS:
+            return False
+        self.renewals += 1
+        matcher = self.fresh()
+        if matcher.try_consume_tokens(list(self.consumed)) != len(self.consumed) or matcher.is_error():
+            return False
+        self.matcher = matcher
+        return True
 
     def copy(self) -> GrammarState:
+        """An independent copy, for a draft's row: it neither keeps the output nor renews its matcher."""
         return GrammarState(self.matcher.deep_copy(), self.vocab_size, self.grammar)
 
     def mask(self) -> torch.Tensor:
@@ -108,21 +173,32 @@ class GrammarState:
 
     def advance(self, tokens: list[int]) -> bool:
         """Consume tokens as far as the grammar allows them; whether all were (the draft's paths)."""
-        return self.matcher.try_consume_tokens(list(tokens)) == len(tokens)
+        n = self.matcher.try_consume_tokens(list(tokens))
+        if self.fresh is not None:
+            self.consumed += tokens[:n]
+        return n == len(tokens)
 
     def commit(self, token: int) -> None:
         """Advance past a token the target sampled under this grammar's mask; GrammarError where the matcher
-        cannot (its limits: the mask allowed the token)."""
+        cannot (its limits: the mask allowed the token), or where a row whose mask llguidance could not
+        compute decided the token (row_masks: the request reached a state it cannot follow)."""
+        row, self._round_commits = self._round_commits, self._round_commits + 1
+        if self._failure is not None and row >= self._exact_rows:
+            raise self._failure
+        self._healthy(lambda: self._consume(token))
+
+    def _consume(self, token: int) -> None:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"structured_outputs: the grammar engine cannot follow this grammar past token "
-                               f"{token}, which its own mask allowed ({self._error()})")
+                               f"{token}, which its own mask allowed ({self._error(self.matcher)})")
+        self.consumed.append(token)
 
-    def _check(self) -> None:
-        if self.matcher.is_error():
-            raise GrammarError(f"structured_outputs: the grammar engine cannot follow this grammar ({self._error()})")
+    def _failed(self, matcher) -> GrammarError:
+        return GrammarError(f"structured_outputs: the grammar engine cannot follow this grammar ({self._error(matcher)})")
 
-    def _error(self) -> str:
-        return " ".join((self.matcher.get_error() or "").splitlines()[:1])
+    @staticmethod
+    def _error(matcher) -> str:
+        return " ".join((matcher.get_error() or "").splitlines()[:1])
 
 
 class GrammarCompiler:
@@ -160,7 +236,13 @@ class GrammarCompiler:
 
     def state_of(self, grammar: str) -> GrammarState:
         """A fresh matcher of llguidance grammar text (a copy of the compiled one)."""
-        return GrammarState(self._compile(grammar).deep_copy(), self.vocab_size, grammar)
+        return GrammarState(self._compile(grammar).deep_copy(), self.vocab_size, grammar, lambda: self.fresh(grammar))
+
+    def fresh(self, grammar: str):
+        """A matcher of grammar text compiled anew (its lexer shared with no running request's): where
+        llguidance failed on a copy, the lexer the copies share is spoiled for all of them."""
+        self.forget(grammar)
+        return self._compile(grammar).deep_copy()
 
     def forget(self, grammar: str) -> None:
         """Drop grammar text's compiled matcher: copies share its lexer, and once one copy failed

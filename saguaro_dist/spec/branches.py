@@ -22,13 +22,16 @@ def select_branches(draft_probs: torch.Tensor, draft_tokens: torch.Tensor, fanou
     x_1..x_k (pass the draft's own z, before Saguaro scaling, so the cached tokens are the ones
     sigma_{F,C} pushed the residual towards); or [B, K, V] for a tree without the all-accepted outcome
     (its draft has not run x_K). draft_tokens [B, K]; fanout: one int per position, F_k <= V-1 (k < K)
-    and F_K <= V. Returns a BranchSet with N = sum(fanout).
+    and F_K <= V, at least one branch in all (F_k = 0: no candidate there, as for k < K in a 1-token
+    vocabulary). Returns a BranchSet with N = sum(fanout).
     """
     b, positions, v = draft_probs.shape
     k = draft_tokens.shape[1]
     caps = [v - 1] * k + [v]
-    if positions not in (k, k + 1) or len(fanout) != positions or any(not 1 <= f <= c for f, c in zip(fanout, caps)):
-        raise ValueError(f"fanout must be {positions} ints, 1 <= F_k <= V-1 (k < K), F_K <= V; got {list(fanout)}")
+    if (positions not in (k, k + 1) or len(fanout) != positions or sum(fanout) < 1
+            or any(not 0 <= f <= c for f, c in zip(fanout, caps))):
+        raise ValueError(f"fanout must be {positions} ints, 0 <= F_k <= V-1 (k < K), F_K <= V, summing to >= 1; "
+                         f"got {list(fanout)}")
     # -1 sorts the drafted token below every real probability (>= 0) without touching the input.
     masked = draft_probs.clone()
     masked[:, :k].scatter_(-1, draft_tokens.unsqueeze(-1), -1.0)

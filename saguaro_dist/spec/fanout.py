@@ -1,6 +1,7 @@
 """How many bonus-token candidates to cache at each outcome position k = 0..K (Saguaro Theorem 12)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from saguaro_dist.config import FanOut
@@ -13,11 +14,16 @@ def round_to_budget(ideal: Sequence[float], budget: int, caps: Sequence[int] | N
 
     Start from clamp(floor(ideal_j), 1, cap_j); add units where ideal_j - F_j is largest (ties: lower
     j), remove units where it is smallest. The sum falls short of `budget` only if sum(caps) < budget.
+    A position with cap_j <= 0 has no candidate at all (a 1-token vocabulary's k < K, where the one token
+    is the drafted one): F_j = 0 there, and the budget need only cover the others. A non-finite ideal_j
+    counts as 0 (it only orders the remainders).
     """
     n = len(ideal)
-    caps = list(caps) if caps is not None else [budget] * n
-    if budget < n:
-        raise ValueError(f"budget {budget} < {n}: every position needs at least one branch")
+    needed = n if caps is None else sum(1 for c in caps if c > 0)
+    caps = [max(int(c), 0) for c in caps] if caps is not None else [budget] * n
+    ideal = [x if math.isfinite(x) else 0.0 for x in ideal]
+    if budget < needed:
+        raise ValueError(f"budget {budget} < {needed}: every position with a candidate needs at least one branch")
     f = [min(max(int(x), 1), c) for x, c in zip(ideal, caps)]
     while sum(f) < budget:
         room = [j for j in range(n) if f[j] < caps[j]]
@@ -50,7 +56,7 @@ def outcome_fanout(budget: int, outcome_probs: Sequence[float], r: float, caps: 
     acceptance that is not i.i.d. over positions (e.g. a draft that is usually wrong at the K-th).
     Rounded by largest remainder to ints >= 1 summing to `budget`. Returns len(outcome_probs) ints."""
     e = 1.0 / (1.0 + max(r, 0.0))
-    w = [max(p, 0.0) ** e for p in outcome_probs]
+    w = [max(p, 0.0) ** e if math.isfinite(p) else 0.0 for p in outcome_probs]
     total = sum(w)
     if total <= 0:
         raise ValueError(f"outcome probabilities must have positive mass, got {list(outcome_probs)}")
@@ -63,8 +69,9 @@ def uniform_fanout(budget: int, k: int, caps: Sequence[int] | None = None) -> li
 
 
 def vocab_caps(k: int, vocab_size: int) -> list[int]:
-    """Candidates that exist: V-1 at k < K (the drafted token is excluded), V at the all-accepted position."""
-    return [vocab_size - 1] * k + [vocab_size]
+    """Candidates that exist: V-1 at k < K (the drafted token is excluded), V at the all-accepted position
+    (never below 0: a 1-token vocabulary has none at k < K, where a rejection cannot happen)."""
+    return [max(vocab_size - 1, 0)] * k + [max(vocab_size, 0)]
 
 
 def resolve_fanout(kind: FanOut, budget_or_list: int | Sequence[int], k: int, accept_rate: float, r: float,
