@@ -146,6 +146,10 @@ def test_sampling_and_messages_round_trip():
         (Outcome(7, 3, 0, 99, []), codec.outcome_to_proto, codec.outcome_from_proto),
         (Outcome(-7, 0, 4, 0, [4, 5, 6]), codec.outcome_to_proto, codec.outcome_from_proto),
         (Release(2 ** 40), codec.release_to_proto, codec.release_from_proto),
+        # the life each target -> draft message is of (PrefillRequest.generation; uint64 on the wire)
+        (JitDraftRequest(7, 3, 2, 99, generation=2 ** 64 - 1), codec.jit_request_to_proto, codec.jit_request_from_proto),
+        (Outcome(7, 3, 2, 99, None, generation=12), codec.outcome_to_proto, codec.outcome_from_proto),
+        (Release(7, generation=5), codec.release_to_proto, codec.release_from_proto),
     ]
     for obj, to_proto, from_proto in cases:
         assert from_proto(_wire(to_proto(obj))) == obj

@@ -309,19 +309,20 @@ def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
 
 def jit_request_to_proto(r: JitDraftRequest) -> pb.JitDraftRequest:
     return pb.JitDraftRequest(seq_id=_int64(r.seq_id, "seq_id"), round=r.round, accepted=r.accepted,
-                              bonus_token=r.bonus_token, skip_tree=r.skip_tree)
+                              bonus_token=r.bonus_token, skip_tree=r.skip_tree, generation=r.generation)
 
 
 def jit_request_from_proto(msg: pb.JitDraftRequest) -> JitDraftRequest:
     return JitDraftRequest(seq_id=msg.seq_id, round=_non_negative(msg.round, "round"),
                            accepted=_non_negative(msg.accepted, "accepted"),
-                           bonus_token=_non_negative(msg.bonus_token, "bonus_token"), skip_tree=msg.skip_tree)
+                           bonus_token=_non_negative(msg.bonus_token, "bonus_token"), skip_tree=msg.skip_tree,
+                           generation=msg.generation)
 
 
 def outcome_to_proto(o: Outcome) -> pb.Outcome:
     msg = pb.Outcome(seq_id=_int64(o.seq_id, "seq_id"), round=o.round, accepted=o.accepted, bonus_token=o.bonus_token,
                      cache_hit=o.cache_hit, skip_tree=o.skip_tree, tree_wait_s=o.tree_wait_s,
-                     target_proposed=o.target_proposed)
+                     target_proposed=o.target_proposed, generation=o.generation)
     if o.next_tokens is not None:
         msg.next_tokens.ids.extend(o.next_tokens)  # extend([]) still marks the field present
         msg.next_tokens.SetInParent()
@@ -334,7 +335,8 @@ def outcome_from_proto(msg: pb.Outcome) -> Outcome:
                    accepted=_non_negative(msg.accepted, "accepted"),
                    bonus_token=_non_negative(msg.bonus_token, "bonus_token"), next_tokens=next_tokens,
                    cache_hit=msg.cache_hit, skip_tree=msg.skip_tree,
-                   tree_wait_s=_duration(msg.tree_wait_s, "tree_wait_s"), target_proposed=msg.target_proposed)
+                   tree_wait_s=_duration(msg.tree_wait_s, "tree_wait_s"), target_proposed=msg.target_proposed,
+                   generation=msg.generation)
 
 
 def tree_to_proto(t: SpeculationTree) -> pb.SpeculationTree:
@@ -412,11 +414,11 @@ def _guess_from_proto(msg: pb.TreePlan) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def release_to_proto(r: Release) -> pb.Release:
-    return pb.Release(seq_id=_int64(r.seq_id, "seq_id"))
+    return pb.Release(seq_id=_int64(r.seq_id, "seq_id"), generation=r.generation)
 
 
 def release_from_proto(msg: pb.Release) -> Release:
-    return Release(seq_id=msg.seq_id)
+    return Release(seq_id=msg.seq_id, generation=msg.generation)
 
 
 # ---- batch wrappers -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from functools import partial
 from typing import Callable
 
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftUnavailable
-from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts
+from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, Lives
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
@@ -58,6 +58,9 @@ class DraftPool:
         self.drafts_beside = all(b.drafts_beside for b in backends)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
         self.groups: dict[int, list[int]] = {}   # seq_id -> backend indices; [0] is shard 0
+        # Each sequence's life as placed here: what goes to its workers is stamped with it, so a worker drops one
+        # that its re-prefill overtook (a unary prefill beside the stream the others travel on).
+        self._lives = Lives()
         self.dead: set[int] = set()
         self._revive = revive
         self._revived: queue.SimpleQueue = queue.SimpleQueue()  # (i, backend) from the revival threads
@@ -107,7 +110,8 @@ class DraftPool:
             self._place([r.seq_id for r in reqs])
         except DraftUnavailable as exc:
             return FailedDrafts(exc)
-        self._release_moved(previous)
+        self._release_moved(previous)  # of the earlier life: before the new one begins
+        self._lives.begin(reqs)
         parts = defaultdict(list)
         for r in reqs:
             group = self.groups[r.seq_id]
@@ -139,6 +143,7 @@ class DraftPool:
         # at once, alone, so the engine prefills it again on a live worker: asked of a worker that stalled (its
         # trees late) it waited out the draft deadline, and asked of one taken back (which released it there)
         # its UnknownSequence failed the whole batch, every worker's drafts, to the fast backup and a re-prefill.
+        reqs = self._lives.stamp(reqs)  # the other shards' outcomes (_tell_other_shards) copy their lives
         lost = set(self.lost([r.seq_id for r in reqs]))
         parts = defaultdict(list)
         for r in reqs:
@@ -157,13 +162,13 @@ class DraftPool:
         return [found[r.seq_id] for r in reqs]
 
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
-        self._send(self._by_worker(outcomes))
+        self._send(self._by_worker(self._lives.stamp(outcomes)))
 
     def catch_up(self, rounds: list[list[Outcome]]) -> None:
         """Rounds of outcomes that want no tree, in order, to every shard of their sequences."""
         parts = defaultdict(list)
         for outcomes in rounds:
-            for i, part in self._by_worker(outcomes).items():
+            for i, part in self._by_worker(self._lives.stamp(outcomes)).items():
                 parts[i].append(part)
         for i, part in parts.items():
             self.backends[i].catch_up(part)
@@ -224,7 +229,8 @@ class DraftPool:
             self._mark_dead(i)
 
     def release(self, reqs: list[Release]) -> None:
-        self._forget([r.seq_id for r in reqs])
+        self._forget(self._lives.stamp(reqs))
+        self._lives.end(r.seq_id for r in reqs)
 
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
         for i in self._live():
@@ -273,7 +279,7 @@ class DraftPool:
         return found, failed
 
     def _tell_other_shards(self, reqs: list[JitDraftRequest], proposals: dict) -> None:
-        outcomes = [Outcome(r.seq_id, max(0, r.round - 1), r.accepted, r.bonus_token,
+        outcomes = [Outcome(r.seq_id, max(0, r.round - 1), r.accepted, r.bonus_token, generation=r.generation,
                             next_tokens=proposals[r.seq_id].tokens.tolist(), skip_tree=r.skip_tree) for r in reqs]
         parts = defaultdict(list)
         for o in outcomes:
@@ -348,14 +354,14 @@ class DraftPool:
         parts = defaultdict(list)
         for seq_id, old in previous.items():
             for i in set(old) - set(self.groups[seq_id]) - self.dead:
-                parts[i].append(Release(seq_id))
+                parts[i].append(Release(seq_id, self._lives.of(seq_id)))
         for i, part in parts.items():
             self.backends[i].release(part)
 
-    def _forget(self, seq_ids: list[int]) -> None:
+    def _forget(self, reqs: list[Release]) -> None:
         parts = defaultdict(list)
-        for seq_id in seq_ids:
-            for i in self.groups.pop(seq_id, []):
-                parts[i].append(Release(seq_id))
+        for r in reqs:
+            for i in self.groups.pop(r.seq_id, []):
+                parts[i].append(Release(r.seq_id, r.generation))
         for i, part in parts.items():
             self.backends[i].release(part)

@@ -38,6 +38,7 @@ from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder
 from saguaro_dist.distributed.proto import SERVICE_NAME
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
+from saguaro_dist.engine.draft_backend import Lives
 from saguaro_dist.model.cuda_graphs import graph_captures
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,10 @@ class DraftServicer:
         self._pending: collections.deque = collections.deque(maxlen=_PENDING_BATCHES)
         self._observed: asyncio.Event | None = None  # set (and replaced) after each outcome batch observed
         self._released: dict[int, None] = {}  # recently released ids, oldest first
+        # Each sequence's life as last prefilled here: a late release of an earlier life (a re-prefill overtook it)
+        # is dropped, not remembered as released, which would drop the new life's outcomes. (The worker drops
+        # late outcomes and drafts of an earlier life itself.)
+        self._lives = Lives()
         self._spin_until = 0.0
 
     # ---- unary calls -------------------------------------------------------------------------------
@@ -126,6 +131,7 @@ class DraftServicer:
 
     def _prefill(self, reqs) -> None:
         self.worker.prefill(reqs)
+        self._lives.begin(reqs)
         for r in reqs:  # a sequence placed here again is live again
             self._released.pop(r.seq_id, None)
 
@@ -177,11 +183,20 @@ class DraftServicer:
         """Release travels as a unary call, outcomes on the stream: a finished sequence's last outcome
         can arrive after its release. Remembering the released ids lets that outcome be dropped; as an
         error it would end the stream, and the other sequences' outcomes queued on it with it."""
+        reqs = self._of_current_lives(reqs)
         self.worker.release(reqs)
+        self._lives.end(r.seq_id for r in reqs)
         for r in reqs:
             self._released[r.seq_id] = None
         while len(self._released) > _RELEASED_KEPT:
             del self._released[next(iter(self._released))]
+
+    def _of_current_lives(self, reqs: list) -> list:
+        """The releases of their sequences' current lives; the others are logged (debug) and dropped."""
+        stale = [(r.seq_id, r.generation) for r in reqs if self._lives.stale(r)]
+        if stale:
+            log.debug("dropped %d release(s) of an earlier life (seq_id, generation): %s", len(stale), stale[:8])
+        return [r for r in reqs if not self._lives.stale(r)]
 
     async def _decode(self, context, raw: bytes, message_type, from_proto):
         """Parse and validate here, not in gRPC's deserializer, so bad bytes get INVALID_ARGUMENT."""

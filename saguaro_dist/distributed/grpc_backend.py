@@ -8,7 +8,8 @@ Releases are queued and return at once; outcomes return once gRPC has sent them 
 next, see await_sent); a JIT waits for its answer on the stream. A reader thread per server puts the
 pushed trees and their plans into an inbox keyed by (seq_id, round), where wait_trees (and wait_plans)
 finds them (those of a sequence's earlier life, by their generation, dropped), and hands each JIT answer
-to its caller.
+to its caller. What goes out is stamped with the sequence's life, so the server drops what a re-prefill (a unary
+call, beside the stream) overtook.
 
 A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
@@ -189,6 +190,7 @@ class GrpcDraftBackend:
     def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater | FailedDrafts:
         """Queue the draft on each server's stream and return once gRPC has sent it (as send_outcomes
         does: the caller verifies next); result() reads the answers, under one deadline from then."""
+        reqs = self._stamp(reqs)
         try:
             groups = self._group(reqs, self._owner_for_jit)
         except UnknownSequence as exc:
@@ -237,7 +239,7 @@ class GrpcDraftBackend:
     def send_outcomes(self, outcomes: list[Outcome]) -> None:
         """Queue each server's part on its stream; returns once gRPC has sent them (or after HANDOFF_S).
         Outcomes for dead servers are dropped."""
-        groups = self._group(outcomes, lambda o: self._synced_owner(o.seq_id))
+        groups = self._group(self._stamp(outcomes), lambda o: self._synced_owner(o.seq_id))
         if None in groups:
             log.debug("outcomes for %d sequences without a live, in-sync draft server dropped", len(groups.pop(None)))
         await_sent([link.send(pb.SpeculateRequest(outcomes=codec.outcome_batch_to_proto(part)))
@@ -249,7 +251,7 @@ class GrpcDraftBackend:
         next outcomes or draft on the same stream wait for the send. Those of dead servers are dropped."""
         parts = defaultdict(list)
         for outcomes in rounds:
-            for link, part in self._group(outcomes, lambda o: self._synced_owner(o.seq_id)).items():
+            for link, part in self._group(self._stamp(outcomes), lambda o: self._synced_owner(o.seq_id)).items():
                 if link is not None:
                     parts[link].append(part)
         for link, part in parts.items():
@@ -295,6 +297,7 @@ class GrpcDraftBackend:
 
     def release(self, reqs: list[Release]) -> None:
         """Fire and forget, like the in-process backend: failures are logged, never raised."""
+        reqs = self._stamp(reqs)
         groups = self._group(reqs, lambda r: self._live_owner(r.seq_id))
         with self._cond:
             for r in reqs:
@@ -308,8 +311,9 @@ class GrpcDraftBackend:
 
     def release_held_before(self, seq_ids: list[int]) -> None:
         """Release, on every server, sequences an earlier backend placed there (a draft worker that missed a
-        deadline, taken back after its sequences moved on). Unary: raises (DraftUnavailable, ...) unless
-        every server confirms it."""
+        deadline, taken back after its sequences moved on), whatever life they are in there (generation 0: no
+        later life can be, the pool places nothing on the worker before this). Unary: raises (DraftUnavailable,
+        ...) unless every server confirms it."""
         request = codec.release_batch_to_proto([Release(sid) for sid in seq_ids])
         for link in self._links:
             try:
@@ -345,6 +349,12 @@ class GrpcDraftBackend:
                 link.reader.join(timeout=5.0)
 
     # ---- helpers -----------------------------------------------------------------------------------
+    def _stamp(self, msgs: list) -> list:
+        """Outcomes, drafts or releases going out, stamped with their sequences' lives (Lives.stamp): the server
+        drops one that a re-prefill (a unary call, beside the stream) overtook."""
+        with self._cond:
+            return self._lives.stamp(msgs)
+
     @staticmethod
     def _group(items, key) -> dict:
         groups = defaultdict(list)

@@ -1,6 +1,7 @@
 """What the target-side round loop talks to: the draft side, wherever it runs."""
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -76,13 +77,26 @@ class FailedDrafts:
 
 
 class Lives:
-    """The life each sequence is in on the draft side, as this backend last prefilled it (its
-    PrefillRequest.generation). A re-prefill restarts the rounds at 0, so a tree or plan is told apart from
-    an earlier life's of the same round by its generation alone, whatever order the transport delivers
-    them in. Not thread-safe: its owner's lock guards it."""
+    """The life each sequence is in on the draft side, as this side last prefilled it (its
+    PrefillRequest.generation). A re-prefill restarts the rounds at 0, so a message is told apart from an
+    earlier life's of the same round by its generation alone, whatever order the transport delivers it in:
+    the target drops such trees and plans, and stamps its outcomes, drafts and releases (stamp); the draft
+    worker drops those of an earlier life. Not thread-safe: its owner's lock guards it."""
 
     def __init__(self):
         self._generation: dict[int, int] = {}
+
+    def of(self, seq_id: int) -> int:
+        """The sequence's current life; 0 (none named) for one without a life here."""
+        return self._generation.get(seq_id, 0)
+
+    def stamp(self, msgs: list) -> list:
+        """msgs, each that names no life (0: built where the life is not known, as the round loops build them)
+        as a copy stamped with its sequence's current one (a copy: the caller's message stays as built, and may go
+        to another draft side). Done as they go out, on the thread that also prefills: a message built for a life
+        goes out before any re-prefill of its sequence, so the life current then is the one it was built in (one
+        made later from an earlier message, a shard's outcome from a draft, copies that one's)."""
+        return [m if m.generation or not self.of(m.seq_id) else _with_generation(m, self.of(m.seq_id)) for m in msgs]
 
     def begin(self, reqs: list[PrefillRequest]) -> None:
         """Called before the prefills go out: a life's trees can only come after its prefill."""
@@ -92,12 +106,20 @@ class Lives:
         for seq_id in seq_ids:
             self._generation.pop(seq_id, None)
 
-    def stale(self, msg: SpeculationTree | TreePlan) -> bool:
-        """Whether msg is of another life than its sequence's current one. Not one of a sequence without a life
-        here (the owner filters released sequences by what it holds), nor one that carries none (0: a draft
-        that keeps no lives, whose stale trees only the drop at begin catches, as before lives)."""
+    def stale(self, msg) -> bool:
+        """Whether msg (any message with a seq_id and a generation) is of another life than its sequence's current
+        one. Not one of a sequence without a life here (the owner filters released sequences by what it holds),
+        nor one that carries none (0: a peer that keeps no lives, whose stale trees only the drop at begin
+        catches, as before lives)."""
         current = self._generation.get(msg.seq_id)
         return msg.generation != 0 and current is not None and current != msg.generation
+
+
+def _with_generation(msg, generation: int):
+    """A shallow copy of msg naming that life (copy.copy: a third of dataclasses.replace's time, per message)."""
+    stamped = copy.copy(msg)
+    stamped.generation = generation
+    return stamped
 
 
 class TreeInbox:
@@ -117,6 +139,11 @@ class TreeInbox:
         with self._cond:
             self._lives.begin(reqs)
             self._drop([r.seq_id for r in reqs])
+
+    def stamp(self, msgs: list) -> list:
+        """Outcomes, drafts or releases going out, stamped with their sequences' lives (Lives.stamp)."""
+        with self._cond:
+            return self._lives.stamp(msgs)
 
     def put(self, trees: list[SpeculationTree]) -> None:
         with self._cond:
@@ -252,13 +279,13 @@ class LocalDraftBackend:
         return DraftLater(self.prefill, reqs)  # on the caller's thread when taken (after the target's, as SD's draft)
 
     def jit_draft(self, reqs):
-        return self.call(self.worker.jit_draft, reqs)
+        return self.call(self.worker.jit_draft, self.inbox.stamp(reqs))
 
     def start_jit_draft(self, reqs):
-        return self.submit(self.worker.jit_draft, reqs)  # a Future: torch ops release the GIL
+        return self.submit(self.worker.jit_draft, self.inbox.stamp(reqs))  # a Future: torch ops release the GIL
 
     def send_outcomes(self, outcomes):
-        self.submit(self._observe_and_build, outcomes)
+        self.submit(self._observe_and_build, self.inbox.stamp(outcomes))
 
     def wait_trees(self, keys, timeout_s, outcomes=None):
         return self.inbox.take(keys, timeout_s, outcomes)
@@ -267,7 +294,7 @@ class LocalDraftBackend:
         return self.inbox.plans(keys, timeout_s)
 
     def release(self, reqs):
-        self.submit(self._release, reqs)  # on the worker thread: after any build that puts their trees
+        self.submit(self._release, self.inbox.stamp(reqs))  # on the worker thread: after any build that puts their trees
 
     def lost(self, seq_ids):
         return []  # the worker lives in this process: it dies with the engine

@@ -95,14 +95,14 @@ class DraftProcess:
         lost = self.lost([r.seq_id for r in reqs])
         if lost:
             return FailedDrafts(DraftUnavailable(f"the draft process restarted without sequences {lost}", lost))
-        return _Reply(self, self._ask("jit_draft", reqs), "jit_draft", [r.seq_id for r in reqs])
+        return _Reply(self, self._ask("jit_draft", self.inbox.stamp(reqs)), "jit_draft", [r.seq_id for r in reqs])
 
     def send_outcomes(self, outcomes):
-        self._post("send_outcomes", [o for o in outcomes if o.seq_id in self._known])
+        self._post("send_outcomes", self.inbox.stamp([o for o in outcomes if o.seq_id in self._known]))
 
     def catch_up(self, rounds: list[list[Outcome]]) -> None:
         """Rounds of outcomes that want no tree, in order, in one message: the child only observes them."""
-        known = [[o for o in outcomes if o.seq_id in self._known] for outcomes in rounds]
+        known = [self.inbox.stamp([o for o in outcomes if o.seq_id in self._known]) for outcomes in rounds]
         if any(known):
             self._post("catch_up", [outcomes for outcomes in known if outcomes])
 
@@ -119,7 +119,7 @@ class DraftProcess:
         return self.inbox.plans(live, 0.0)
 
     def release(self, reqs):
-        held = [r for r in reqs if r.seq_id in self._known]
+        held = self.inbox.stamp([r for r in reqs if r.seq_id in self._known])  # before forget ends their lives
         self._known.difference_update(r.seq_id for r in reqs)
         self.inbox.forget([r.seq_id for r in reqs])
         if held:
@@ -282,14 +282,22 @@ def _picklable(exc: Exception) -> Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def named_seq_ids(msg: tuple) -> set[int]:
-    """The sequences a parent -> child message (CALL or POST) is about."""
+def named_seq_ids(msg: tuple, stale=None) -> set[int]:
+    """The sequences a parent -> child message (CALL or POST) is about; stale(m): an outcome, draft or release m
+    of an earlier life (the worker drops it), which is about none."""
     method, arg = msg[-2:]
+    stale = stale or _never
     if method == "catch_up":
-        return {o.seq_id for outcomes in arg for o in outcomes}
-    if method in ("prefill", "jit_draft", "send_outcomes", "release"):
+        return {o.seq_id for outcomes in arg for o in outcomes if not stale(o)}
+    if method == "prefill":
         return {r.seq_id for r in arg}
+    if method in ("jit_draft", "send_outcomes", "release"):
+        return {r.seq_id for r in arg if not stale(r)}
     return set()
+
+
+def _never(_) -> bool:
+    return False
 
 
 def spin_until_readable(conn: Connection, spin_s: float) -> bool:
@@ -342,7 +350,8 @@ class _Child:
         release): it has moved on from the trees being built for them, which its plans told it missed."""
         while self.rx.poll(0):
             self.backlog.append(recv(self.rx))
-        named = set().union(*map(named_seq_ids, self.backlog))
+        lives = getattr(self.worker, "lives", None)  # a late message of an earlier life moves nobody on
+        named = set().union(*(named_seq_ids(m, lives.stale if lives else None) for m in self.backlog))
         return all(sid in named for sid in seq_ids)
 
     def _answer(self, call_id: int, method: str, arg) -> None:

@@ -11,6 +11,7 @@ text; committed tokens it lacks run in that next forward, ahead of the bonus.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -19,6 +20,7 @@ import torch
 
 from saguaro_dist.config import BonusDraw, Config, HitGlue, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
+from saguaro_dist.engine.draft_backend import Lives
 from saguaro_dist.engine.draft_constraints import DraftConstraints
 from saguaro_dist.engine.draft_state import (
     DraftSeq, LastTree, PlannedTrees, TreeAbandoned, fanout_key, tree_generators, tree_plans,
@@ -38,6 +40,8 @@ from saguaro_dist.spec.coupled import bonus_guess, sampled_branches, sparse_gues
 from saguaro_dist.spec.lookup_length import candidate_lengths
 from saguaro_dist.spec.penalties import RowPenalties
 
+log = logging.getLogger(__name__)
+
 
 class DraftWorker:
     def __init__(self, config: Config, runner, tokenizer_loader: Callable[[], object] | None = None):
@@ -50,7 +54,9 @@ class DraftWorker:
         self.k = config.k
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
-        self.generations: dict[int, int] = {}  # seq_id -> the life it is in (PrefillRequest.generation)
+        # The life each sequence is in (PrefillRequest.generation): stamped on its trees and plans, and what tells
+        # a late outcome, draft or release of an earlier life (a re-prefill overtook it) from the current one's.
+        self.lives = Lives()
         self._planned: PlannedTrees | None = None  # plan_trees' trees, for finish_trees
         self.stats = SpecStats(config.k)  # the draft's own proposals; the miss exponent r of every tree
         # k* of the target side's proposals that a tree was built after: those trees' outcomes. A long
@@ -82,11 +88,18 @@ class DraftWorker:
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
                                                shard=r.shard, num_shards=r.num_shards)
             s.grammar = self.constraints.grammar_state(r.sampling.grammar, s.committed[s.prompt_len:])
-            self.generations[r.seq_id] = r.generation
+        self.lives.begin(reqs)
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids[n:] for r, n in zip(reqs, cached)], [1] * len(reqs))
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
-        """Neural backup: commit the real outcome, then draft K tokens one forward at a time."""
+        """Neural backup: commit the real outcome, then draft K tokens one forward at a time. A request of a
+        sequence's earlier life is answered an empty proposal (no tokens) and changes nothing: its asker has moved
+        on (it re-prefilled the sequence), and the target takes no such proposal (messages.proposal_fits)."""
+        current = self._current(reqs, "just-in-time draft")
+        drafted = iter(self._jit_draft([r for r, keep in zip(reqs, current) if keep]) if any(current) else ())
+        return [next(drafted) if keep else no_proposal() for keep in current]
+
+    def _jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         self.budget.interrupted()
         states = [self._get(r.seq_id) for r in reqs]
         for s, r in zip(states, reqs):
@@ -123,7 +136,9 @@ class DraftWorker:
         self.budget.outcomes_arrived(max((o.tree_wait_s for o in outcomes), default=0.0))
 
     def observe(self, outcomes: list[Outcome]) -> None:
-        """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*)."""
+        """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*). Those of a
+        sequence's earlier life are dropped (its new life restarted at round 0: taken, they failed the batch)."""
+        outcomes = [o for o, keep in zip(outcomes, self._current(outcomes, "outcome")) if keep]
         self._note_load(outcomes)
         states = [self._get(o.seq_id) for o in outcomes]
         for s, o in zip(states, outcomes):  # validate the whole batch before changing any state
@@ -217,8 +232,16 @@ class DraftWorker:
         """Trees or plans stamped with their sequence's life: rounds restart at 0 with a re-prefill, and the target
         side tells a late one of an earlier life from the new life's by this alone."""
         for m in msgs:
-            m.generation = self.generations.get(m.seq_id, 0)
+            m.generation = self.lives.of(m.seq_id)
         return msgs
+
+    def _current(self, msgs: list, what: str) -> list[bool]:
+        """Per message, whether it is of its sequence's current life; a debug line names the others (dropped)."""
+        current = [not self.lives.stale(m) for m in msgs]
+        if not all(current):
+            stale = [(m.seq_id, m.generation) for m, keep in zip(msgs, current) if not keep]
+            log.debug("dropped %d %s(s) of an earlier life (seq_id, generation): %s", len(stale), what, stale[:8])
+        return current
 
     def _timed(self, trees: list[SpeculationTree], build_s: float) -> None:
         self.budget.tree_built(build_s)
@@ -230,9 +253,12 @@ class DraftWorker:
         self.prefixes.clear()
 
     def release(self, reqs: list[Release]) -> None:
-        for r in reqs:
+        """Free the sequences; a late release of an earlier life (a re-prefill overtook it) leaves the new one be."""
+        for r, keep in zip(reqs, self._current(reqs, "release")):
+            if not keep:
+                continue
             s = self.seqs.pop(r.seq_id, None)
-            self.generations.pop(r.seq_id, None)
+            self.lives.end([r.seq_id])
             if s is not None:
                 self.prefixes.finish(r.seq_id, self._kv_tokens(s))
 
@@ -460,6 +486,11 @@ class DraftWorker:
                                          self._rows_of(columns, owners, lo, hi) if hi > lo else None))
             lo = hi
         return trees
+
+
+def no_proposal() -> Proposal:
+    """The answer to a just-in-time draft of an earlier life: no tokens (a speculation no target verifies)."""
+    return Proposal(torch.empty(0, dtype=torch.long), None)
 
 
 def drafted_elsewhere(o: Outcome) -> bool:

@@ -111,6 +111,10 @@ class JitDraftRequest:
     accepted: int     # k*: draft tokens of the last speculation the target accepted (0 for the first round)
     bonus_token: int  # t*: the token the target sampled after them
     skip_tree: bool = False  # SSD: the target will not look up a tree for this speculation; build none
+    # The life it was asked in (PrefillRequest.generation): the draft drops one of an earlier life (a re-prefill
+    # overtook it) and answers it an empty proposal. 0: none named, taken as the current life's; the target's
+    # backend stamps the life it last prefilled (draft_backend.Lives.stamp).
+    generation: int = 0
 
 
 @dataclass
@@ -128,6 +132,7 @@ class Outcome:
     # next_tokens came from the target side (n-gram lookup, fast backup), not the draft: the draft fans
     # out its tree for them from how such proposals fare, not from its own acceptance.
     target_proposed: bool = False
+    generation: int = 0              # the life it is of (as JitDraftRequest's): the draft drops an earlier life's
 
 
 @dataclass
@@ -233,6 +238,7 @@ def one_hot_like(q: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Release:
     seq_id: int
+    generation: int = 0  # the life it ends (as JitDraftRequest's): a late release of an earlier life leaves the new one be
 
 
 @dataclass

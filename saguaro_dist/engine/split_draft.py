@@ -22,7 +22,7 @@ from functools import partial
 from typing import Protocol
 
 from saguaro_dist.distributed.errors import DraftUnavailable
-from saguaro_dist.engine.draft_backend import DraftBackend, DraftLater, LocalDraftBackend
+from saguaro_dist.engine.draft_backend import DraftBackend, DraftLater, Lives, LocalDraftBackend
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, Proposal
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,9 @@ class SplitDraftBackend:
         self._unobserved: list[list[Outcome]] = []
         self._here_only: set[int] = set()  # sequences the tree side failed to take: drafted here, no trees
         self._held: set[int] = set()  # sequences the thread's worker holds (prefilled here, not released)
+        # Each sequence's life as prefilled here: what goes to either half is stamped with it (the thread's half is
+        # prefilled past its backend's own record), so a late one of an earlier life is dropped there.
+        self._lives = Lives()
 
     def prefill(self, reqs):
         self.start_prefill(reqs).result()
@@ -67,6 +70,7 @@ class SplitDraftBackend:
         """The tree side prefills from now on (beside the target's prefill); this half when taken, on the
         caller's thread, as SD's draft does (a worker thread woken for it cost ~1.3 ms a call here)."""
         self._forget([r.seq_id for r in reqs])  # a re-prefill restarts the sequence
+        self._lives.begin(reqs)
         return DraftLater(partial(self._prefill_here, self.trees.start_prefill(reqs)), reqs)
 
     def _prefill_here(self, trees, reqs) -> None:
@@ -85,6 +89,7 @@ class SplitDraftBackend:
             self._here_only.update(failed)
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
+        reqs = self._lives.stamp(reqs)
         lost = self.lost([r.seq_id for r in reqs])
         if lost:  # the tree side lost them (restarted, a worker died) or can take them back: the engine
             raise DraftUnavailable(f"the tree-building draft lost sequences {lost}", lost)  # re-prefills both halves
@@ -99,6 +104,7 @@ class SplitDraftBackend:
         """The tree side drafts these while the engine verifies others (two cohorts in flight); the thread's
         worker learns them as outcomes before its next draft. Sequences held here alone are drafted here,
         when taken."""
+        reqs = self._lives.stamp(reqs)
         if self._here_only.intersection(r.seq_id for r in reqs):
             return DraftLater(self.jit_draft, reqs)
         self._flush([])  # the tree side drafts after every outcome before these
@@ -114,6 +120,7 @@ class SplitDraftBackend:
             self._unobserved.append(learned)
 
     def send_outcomes(self, outcomes):
+        outcomes = self._lives.stamp(outcomes)
         if outcomes:
             self._unobserved.append(outcomes)
         if len(self._unobserved) > MAX_UNOBSERVED:  # a long run of rounds with trees: keep the list short
@@ -128,7 +135,9 @@ class SplitDraftBackend:
         return self.trees.wait_plans(keys, timeout_s)
 
     def release(self, reqs):
+        reqs = self._lives.stamp(reqs)
         self._forget([r.seq_id for r in reqs])
+        self._lives.end(r.seq_id for r in reqs)
         self._held.difference_update(r.seq_id for r in reqs)
         self.jit.release(reqs)
         self.trees.release(reqs)
@@ -168,7 +177,10 @@ class SplitDraftBackend:
         return lost + here if here and self.trees.accepting() else lost
 
     def _forget(self, seq_ids: list[int]) -> None:
+        """Drop what waits to go out of these sequences (released, or re-prefilled: a new life)."""
         self._unobserved, self._deferred = _without(self._unobserved, seq_ids), _without(self._deferred, seq_ids)
+        gone = set(seq_ids)
+        self._unsent = [o for o in self._unsent if o.seq_id not in gone]
         self._here_only.difference_update(seq_ids)
 
     def _flush(self, outcomes: list[Outcome]) -> None:
@@ -228,6 +240,6 @@ def _without(rounds: list[list[Outcome]], seq_ids: list[int]) -> list[list[Outco
 
 def _as_outcome(r: JitDraftRequest, p: Proposal) -> Outcome:
     """The tree side learns a just-in-time draft as an outcome whose next speculation is its tokens (round
-    R's draft follows round R - 1's outcome; a sequence's first draft is round 0 on both sides)."""
+    R's draft follows round R - 1's outcome; a sequence's first draft is round 0 on both sides), of the draft's life."""
     return Outcome(r.seq_id, max(r.round - 1, 0), r.accepted, r.bonus_token, next_tokens=p.tokens.tolist(),
-                   skip_tree=r.skip_tree)
+                   skip_tree=r.skip_tree, generation=r.generation)

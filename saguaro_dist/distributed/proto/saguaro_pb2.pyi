@@ -115,18 +115,20 @@ class PrefillRequest(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., prompt_len: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class JitDraftRequest(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "skip_tree")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "skip_tree", "generation")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     BONUS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SKIP_TREE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: int
     bonus_token: int
     skip_tree: bool
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., skip_tree: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., skip_tree: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class TokenList(_message.Message):
     __slots__ = ("ids",)
@@ -135,7 +137,7 @@ class TokenList(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Outcome(_message.Message):
-    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit", "skip_tree", "tree_wait_s", "target_proposed")
+    __slots__ = ("seq_id", "round", "accepted", "bonus_token", "next_tokens", "cache_hit", "skip_tree", "tree_wait_s", "target_proposed", "generation")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +147,7 @@ class Outcome(_message.Message):
     SKIP_TREE_FIELD_NUMBER: _ClassVar[int]
     TREE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TARGET_PROPOSED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     round: int
     accepted: int
@@ -154,7 +157,8 @@ class Outcome(_message.Message):
     skip_tree: bool
     tree_wait_s: float
     target_proposed: bool
-    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ..., target_proposed: _Optional[bool] = ...) -> None: ...
+    generation: int
+    def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[int] = ..., bonus_token: _Optional[int] = ..., next_tokens: _Optional[_Union[TokenList, _Mapping]] = ..., cache_hit: _Optional[bool] = ..., skip_tree: _Optional[bool] = ..., tree_wait_s: _Optional[float] = ..., target_proposed: _Optional[bool] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class SpeculationTree(_message.Message):
     __slots__ = ("seq_id", "round", "accepted", "bonus_tokens", "proposals", "build_s", "generation")
@@ -193,10 +197,12 @@ class TreePlan(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., round: _Optional[int] = ..., accepted: _Optional[_Iterable[int]] = ..., bonus_tokens: _Optional[_Iterable[int]] = ..., guess_ids: _Optional[_Union[Tensor, _Mapping]] = ..., guess_probs: _Optional[_Union[Tensor, _Mapping]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class Release(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "generation")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
-    def __init__(self, seq_id: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, seq_id: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
     __slots__ = ("requests",)
