@@ -7,7 +7,6 @@ import json
 import math
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -16,6 +15,7 @@ from saguaro_dist.bench.plots import write_plots
 from saguaro_dist.bench.remote import RemoteConfig, run_remote
 from saguaro_dist.bench.report import render
 from saguaro_dist.client import SaguaroError
+from scripted_openai import ScriptedServer, Servers
 
 N = 4            # requests a stream
 TOKENS = 4       # each streams this many one-token chunks
@@ -23,7 +23,7 @@ FIRST_S = 0.2    # before the first chunk
 GAP_S = 0.05     # between chunks
 
 
-class _Server(BaseHTTPRequestHandler):
+class _Server(ScriptedServer):
     """/v1/models, /version, /tokenize, and streamed /v1/completions; `fails(n, seed)` says whether the n-th
     completion (from 1) fails: odd n with a 400, even n with an error event after its first chunk."""
     fails = staticmethod(lambda n, seed: False)
@@ -31,19 +31,15 @@ class _Server(BaseHTTPRequestHandler):
     streaming = peak = 0  # streams open now, and at most
     lock = threading.Lock()
 
-    def do_GET(self):
-        body = {"data": [{"id": "m", "object": "model"}]} if self.path == "/v1/models" else {"version": "9"}
-        self._json(200, body)
-
     def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        if self.path == "/tokenize":
-            return self._json(200, {"tokens": list(range(50))})
+        body = self.tokenized()
+        if body is None:
+            return
         with self.lock:
             type(self).completions += 1
             n = type(self).completions
         if type(self).fails(n, body["seed"]) and n % 2:
-            return self._json(400, {"error": {"message": "no such thing", "type": "invalid_request_error"}})
+            return self.json_reply(400, {"error": {"message": "no such thing", "type": "invalid_request_error"}})
         with self.lock:
             type(self).streaming += 1
             type(self).peak = max(type(self).peak, type(self).streaming)
@@ -59,46 +55,25 @@ class _Server(BaseHTTPRequestHandler):
         self.end_headers()
         time.sleep(FIRST_S)
         for i in range(TOKENS):
-            self._event({"id": "c", "model": "m", "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]})
+            self.event({"id": "c", "model": "m", "choices": [{"index": 0, "text": f"t{i}", "finish_reason": None}]})
             if fail:
-                return self._event({"error": {"message": "engine died", "code": 503}})
+                return self.event({"error": {"message": "engine died", "code": 503}})
             time.sleep(GAP_S if i < TOKENS - 1 else 0)
-        self._event({"id": "c", "model": "m", "choices": [],
+        self.event({"id": "c", "model": "m", "choices": [],
                      "usage": {"prompt_tokens": 12, "completion_tokens": TOKENS, "total_tokens": 12 + TOKENS}})
         self.wfile.write(b"data: [DONE]\n\n")
-
-    def _event(self, chunk: dict):
-        self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        self.wfile.flush()
-
-    def _json(self, status: int, body: dict):
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture
 def serve():
     """serve(fails) -> the URL of a fresh server failing as `fails(n, seed)` says."""
-    servers = []
+    servers = Servers()
 
     def start(fails):
-        handler = type("Server", (_Server,), {"fails": staticmethod(fails), "completions": 0, "streaming": 0, "peak": 0})
-        httpd = type("Httpd", (ThreadingHTTPServer,), {"request_queue_size": 512})(("127.0.0.1", 0), handler)
-        threading.Thread(target=httpd.serve_forever, daemon=True).start()
-        servers.append(httpd)
-        start.handler = handler
-        return f"http://127.0.0.1:{httpd.server_address[1]}"
+        start.handler = type("Server", (_Server,), {"fails": staticmethod(fails), "completions": 0, "streaming": 0, "peak": 0})
+        return servers.start(start.handler, queue_size=512)
     yield start
-    for httpd in servers:
-        httpd.shutdown()
-        httpd.server_close()
+    servers.close()
 
 
 def run(url: str, tmp_path, n: int = N) -> dict:

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from saguaro_dist.config import Config, check_device, check_dtype
+from saguaro_dist.sampling_params import checked_temperature
 
 # name -> what it is
 SYSTEMS = {
@@ -135,8 +136,11 @@ class BenchConfig:
             raise ValueError(f"unknown systems/settings {bad}; systems: {', '.join(SYSTEMS)}; settings: {', '.join(SETTINGS)}")
         if min(self.batch_sizes, default=0) < 1 or self.max_new_tokens < 1 or self.prompt_len < 1:
             raise ValueError("batch sizes, max_new_tokens and prompt_len must be >= 1")
-        if any(t < 0 for t in self.temperatures) or self.repeats < 1:
-            raise ValueError("temperatures must be >= 0 and repeats >= 1")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        # SamplingParams' own check, now: a NaN or inf passed `t < 0`, every cell failed once loaded, and the JSON
+        # held a NaN literal; a temperature it takes as greedy (under 1e-5) is recorded as 0, so =ar judges it.
+        object.__setattr__(self, "temperatures", tuple(checked_temperature(t) for t in self.temperatures))
         check_dtype(self.dtype)
         check_device(self.device)
         if self.num_prompts is not None and self.num_prompts < max(self.batch_sizes):
@@ -185,6 +189,16 @@ class SweepConfig:
     kinds: tuple[str, ...] = ("geometric", "outcome", "uniform")
     cs: tuple[float, ...] = (1.0, 0.8, 0.5, 0.2)
     fallbacks: tuple[str, ...] = ("auto", "neural", "fast", "random")
+
+    def __post_init__(self):
+        # Checked before any model loads: an unknown setting ran as *equal* under its own name, a batch size
+        # of 0 or a NaN temperature failed every point once loaded (and the JSON held a NaN literal).
+        if self.system not in SSD_SYSTEMS or self.setting not in SETTINGS:
+            raise ValueError(f"the sweep runs an SSD system ({', '.join(SSD_SYSTEMS)}) under a setting "
+                             f"({', '.join(SETTINGS)}), got {self.system!r} under {self.setting!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"the sweep's batch size must be >= 1, got {self.batch_size}")
+        object.__setattr__(self, "temperature", checked_temperature(self.temperature))
 
     def points(self) -> list[tuple[str, dict]]:
         """(axis, engine overrides) per run; fan-out budgets are crossed with the kinds."""

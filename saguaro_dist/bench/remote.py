@@ -5,13 +5,14 @@ cluster) is measured from outside, as its users reach it (vLLM's benchmark_servi
 same held-out prompts, tokenized by the server itself (/tokenize) and cut to --prompt-len tokens, sent
 as token ids to /v1/completions and streamed; the same seeded Poisson arrivals and request seeds. TTFT
 is the first streamed text, E2E the stream's end, TPOT the time between over the tokens after the first
-(usage.completion_tokens); acceptance and hit rate come from the final chunk's `speculation` stats where
-the server is ours (None elsewhere). A client-side figure includes the network and the server's stream
-batching (`--stream-interval-ms`), as a user's does.
+(usage.completion_tokens), ITL the gaps between successive streamed texts; acceptance and hit rate come
+from the final chunk's `speculation` stats where the server is ours (None elsewhere). A client-side figure
+includes the network and the server's stream batching (`--stream-interval-ms`), as a user's does.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -113,7 +114,13 @@ async def stream_once(client: AsyncClient, model: str, prompts, temperature: flo
     if failed:
         log.warning("%d of %d requests failed (T=%s, rate %s); the first: %s", len(failed), len(replies), temperature,
                     rate_label(rate), failed[0])
-    return {**summarize(served, seconds), "failed_requests": len(failed), "outputs": [[] for _ in served]}
+    uncounted = sum(not s.counted for s in served)
+    if uncounted:
+        log.warning("%d of %d streams ended without usage (T=%s, rate %s): their tokens read 0, and output tok/s and "
+                    "TPOT with them; the server ignores stream_options.include_usage", uncounted, len(served),
+                    temperature, rate_label(rate))
+    return {**summarize(served, seconds), "failed_requests": len(failed), "requests_without_usage": uncounted,
+            "outputs": [[] for _ in served]}
 
 
 async def warm_up(client: AsyncClient, model: str, prompts, temperature: float, cfg) -> None:
@@ -147,13 +154,19 @@ async def _request(client: AsyncClient, model: str, prompt: list[int], temperatu
 
 async def _timed(client: AsyncClient, model: str, prompt: list[int], temperature: float, max_tokens: int,
                  seed: int) -> Served:
-    sent, first = time.perf_counter(), None
+    sent, arrivals = time.perf_counter(), []
     stream = await client.complete(prompt, model=model, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                    stream=True, ignore_eos=True, stream_options={"include_usage": True})
-    async for _ in stream:
-        first = first or time.perf_counter()
+    async for _ in stream:  # each streamed text (the usage chunk has none)
+        arrivals.append(time.perf_counter())
     end = time.perf_counter()
-    return Served([], _client_metrics(stream, (first or end) - sent, end - sent))
+    ttft = (arrivals[0] if arrivals else end) - sent
+    return Served([], _client_metrics(stream, ttft, end - sent), itl_s=gaps(arrivals), counted=stream.usage is not None)
+
+
+def gaps(times: list[float]) -> list[float]:
+    """Seconds between successive times (inter-token latency of the chunks that arrived at `times`)."""
+    return [b - a for a, b in itertools.pairwise(times)]
 
 
 def _client_metrics(stream, ttft_s: float, total_s: float) -> RequestMetrics:

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 from pathlib import Path
 
 from saguaro_dist.bench.departures import summary as departures_summary
 from saguaro_dist.bench.paired import format_paired
+
+log = logging.getLogger(__name__)
 
 GRID_COLUMNS = [("setting", "setting", "{}"), ("system", "system", "{}"), ("batch", "b", "{}"),
                 ("temperature", "T", "{}"), ("tokens_per_s", "tok/s", "{:.1f}"), ("cores", "cores", "{}"),
@@ -24,7 +28,8 @@ SERVING_COLUMNS = [("setting", "setting", "{}"), ("system", "system", "{}"), ("t
                    ("output_tokens_per_s", "out tok/s", "{:.1f}"), ("speedup_vs_sd", "x sd", "{:.2f}"),
                    ("paired_vs_sd", "x sd by repeat", format_paired), ("ttft_ms_p50", "TTFT p50 ms", "{:.1f}"),
                    ("ttft_ms_p99", "TTFT p99 ms", "{:.1f}"), ("tpot_ms_p50", "TPOT p50 ms", "{:.2f}"),
-                   ("tpot_ms_p99", "TPOT p99 ms", "{:.2f}"), ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"),
+                   ("tpot_ms_p99", "TPOT p99 ms", "{:.2f}"), ("itl_ms_p50", "ITL p50 ms", "{:.2f}"),
+                   ("itl_ms_p99", "ITL p99 ms", "{:.2f}"), ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"),
                    ("e2e_ms_p99", "E2E p99 ms", "{:.0f}"), ("acceptance_rate", "accept", "{:.2f}"),
                    ("cache_hit_rate", "hit", "{:.2f}"), ("greedy_same_as_ar", "=ar", "{:.2f}"),
                    ("failed_requests", "failed", "{:g}")]
@@ -128,7 +133,7 @@ def render(results: dict) -> str:
         slots = serving["max_batch_size"]
         running = f"at most {slots} running (max_batch_size)" if slots else f"batched by the server at {serving['url']}"
         lines.append(f"serving: {serving['num_requests']} requests a stream, {running}, arriving as a Poisson stream "
-                     "at each rate (inf: all at once); medians over repeats")
+                     "at each rate (inf: all at once); medians over repeats (failed: their sum)")
     rows_key, columns = TABLES[results["kind"]]
     rows = results[rows_key]
     table = markdown_table(rows, columns)
@@ -144,7 +149,8 @@ def error_lines(rows: list[dict]) -> list[str]:
     for r in rows:
         if not r.get("error"):
             continue
-        label = f"{r.get('setting', '')}/{r['system']} b={r['batch']} T={r['temperature']}"
+        where = f"b={r['batch']}" if "batch" in r else f"rate={r['rate']}"  # a serving cell's is its stream's rate
+        label = f"{r.get('setting', '')}/{r['system']} {where} T={r['temperature']}"
         if "axis" in r:
             label += f" [{r['axis']}={_axis_value(r)}]"
         lines.append(f"FAILED {label}: {r['error']}")
@@ -152,6 +158,23 @@ def error_lines(rows: list[dict]) -> list[str]:
 
 
 def write_json(results: dict, path: Path) -> Path:
+    """Strict JSON: a NaN or inf figure is written as null (logged by where it was); json.dumps wrote the
+    literals NaN / Infinity, which no strict parser (jq, JavaScript, Go) reads back."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, sort_keys=False))
+    bad: list[str] = []
+    path.write_text(json.dumps(finite(results, "", bad), indent=1, sort_keys=False, allow_nan=False))
+    if bad:
+        log.warning("bench JSON: %d non-finite figure(s) written as null: %s", len(bad), ", ".join(bad[:10]))
     return path
+
+
+def finite(value, where: str, bad: list[str]):
+    """`value` with every non-finite float replaced by None, its place appended to `bad`."""
+    if isinstance(value, float) and not math.isfinite(value):
+        bad.append(where or "(top)")
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v, f"{where}.{k}", bad) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v, f"{where}[{i}]", bad) for i, v in enumerate(value)]
+    return value

@@ -214,7 +214,8 @@ def warm_up(runner, prompts, batch: int, temperature: float, cfg: BenchConfig) -
 
 def run_batches(runner, prompts, batch: int, temperature: float, cfg: BenchConfig, repeat: int = 0) -> Measurement:
     """The prompts in consecutive batches of `batch` (a remainder short of a batch is left out); prompt i of
-    repeat r is seeded seed + r x len(prompts) + i whatever the batch size or system. At T > 0 each repeat
+    repeat r is seeded seed + r x len(prompts) + i whatever the batch size or system (transformers' batched generate
+    draws every row from one generator, seeded by the batch's first prompt's seed). At T > 0 each repeat
     then samples other text: with one seed for all, every repeat replayed one sample of ~1000 tokens, whose
     luck (acceptance moves ~3% between samples) then sat in every pass of a system alike."""
     starts = range(0, len(prompts) - batch + 1, batch)

@@ -28,12 +28,13 @@ from saguaro_dist.bench.config import OURS, BenchConfig, placement
 from saguaro_dist.bench.departures import judge_cells
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
-from saguaro_dist.bench.runner import SCHEMA_VERSION, context, rotated, vocab_size
+from saguaro_dist.bench.runner import SCHEMA_VERSION, Failed, close_quietly, context, rotated, vocab_size
 from saguaro_dist.bench.systems import engine_delta, make_system
 from saguaro_dist.engine.metrics import RequestMetrics
 
 SERVING_SYSTEMS = ("ar", "sd", "ngram", "ssd")  # --request-rates without --systems
 SPREAD = (("mean", None), ("p50", 50), ("p99", 99))
+SUMMED = ("failed_requests", "requests_without_usage")  # counts a cell sums over its repeats (a median hid a repeat's)
 
 
 @dataclass(frozen=True)
@@ -85,6 +86,9 @@ class Served:
     """One request's output and the engine's metrics of it (arrival to first token, to finish)."""
     tokens: list[int]        # the output's ids (in process; a server's stream gives text, so none)
     metrics: RequestMetrics  # num_generated_tokens counts the output either way
+    # Seconds between successive streamed chunks (vLLM's ITL): a server's stream; none in process (one final delta)
+    itl_s: list[float] = field(default_factory=list)
+    counted: bool = True     # False: a server's stream said no token count (no usage), so its tokens read 0
 
     @property
     def tpot_s(self) -> float | None:
@@ -143,6 +147,7 @@ def summarize(served: list[Served], seconds: float) -> dict:
             "output_tokens_per_s": tokens / seconds, "requests_per_s": len(served) / seconds,
             **spread("ttft_ms", [m.time_to_first_token_s for m in ms]),
             **spread("tpot_ms", [t for s in served if (t := s.tpot_s) is not None]),
+            **spread("itl_ms", [gap for s in served for gap in s.itl_s]),  # every gap of every request, as vLLM's
             **spread("e2e_ms", [m.total_time_s for m in ms]),
             "acceptance_rate": accepted / drafted if drafted else None,
             "cache_hit_rate": sum(m.cache_hits for m in ms) / lookups if lookups else None}
@@ -164,38 +169,71 @@ def run_serving(serving: ServingConfig, progress: bool = True) -> dict:
                 rows=lambda cell: [out for run in cell["outputs"] for out in run])
     annotate_serving(cells)
     return {"schema": SCHEMA_VERSION, "kind": "serving", "config": cfg.to_dict(), "serving": serving.to_dict(),
-            **context(target, draft, source, cfg), "cells": cells}
+            **context(target, draft, source, cfg), "cells": cells, "errors": serving_errors(cells)}
+
+
+def serving_errors(cells: list[dict]) -> list[dict]:
+    """The cells whose system failed, and why (empty when every stream was served)."""
+    return [{k: c[k] for k in ("system", "setting", "temperature", "rate", "error")} for c in cells if c.get("error")]
 
 
 def serve_setting(serving: ServingConfig, setting: str, target: str, draft: str, prompts, bar) -> list[dict]:
     """Per temperature fresh engines, every system open at once (the grid's --interleave): an untimed stream
-    of every request at once first, then each repeat streams to every system in turn, the order rotating."""
+    of every request at once first, then each repeat streams to every system in turn, the order rotating.
+    A system that fails (loading, a stream) reports it in its cells from there on; the others go on (one
+    system's crash lost every cell of the run)."""
     cfg, cells = serving.base, []
     places = {s: placement(s, setting, cfg.cores) for s in cfg.systems}
     for temperature in cfg.temperatures:
         systems = {s: make_system(s, target, draft, cfg.engine_kwargs()) for s in cfg.systems}
+        broken: dict[str, Failed] = {}  # system -> its failure, for every rate from it on
         try:
             for name, system in systems.items():
                 bar.set_postfix_str(f"{setting}/{name}: loading")
-                system.open(places[name])
-                run_one(system, prompts, temperature, math.inf, cfg, repeat=0)  # warm-up, untimed
+                attempt(broken, name, f"{name} T={temperature}, loading", warmed_up, system, places[name], prompts,
+                        temperature, cfg)
             for rate in serving.rates:
                 bar.set_postfix_str(f"{setting} T={temperature} rate={rate_label(rate)}")
-                runs = serve_interleaved(systems, prompts, temperature, rate, cfg)
-                cells += [serving_cell(name, setting, temperature, rate, runs[name], places[name].to_dict()) for name in systems]
+                runs = serve_interleaved(systems, prompts, temperature, rate, cfg, broken)
+                cells += [serving_error_cell(name, setting, temperature, rate, places[name].to_dict(), broken[name].error)
+                          if name in broken else
+                          serving_cell(name, setting, temperature, rate, runs[name], places[name].to_dict())
+                          for name in systems]
                 bar.update(len(systems))
         finally:
-            for system in systems.values():
-                system.close()
+            for name, system in systems.items():
+                close_quietly(system, name)
     return cells
 
 
-def serve_interleaved(systems: dict, prompts, temperature: float, rate: float, cfg: BenchConfig) -> dict[str, list[dict]]:
-    """Repeat r: every system serves stream r (its own arrivals and seeds), in the order rotated by r."""
-    names, runs = list(systems), {name: [] for name in systems}
+def warmed_up(system, place, prompts, temperature: float, cfg: BenchConfig) -> None:
+    """Open `system` and serve it one untimed stream of every request at once."""
+    system.open(place)
+    run_one(system, prompts, temperature, math.inf, cfg, repeat=0)
+
+
+def attempt(broken: dict, name: str, where: str, work, *args):
+    """work(*args), or None with the failure recorded in broken[name] (None at once if already broken)."""
+    if name in broken:
+        return None
+    try:
+        return work(*args)
+    except Exception as err:  # noqa: BLE001 - reported in the cells; the other systems go on
+        broken[name] = Failed.of(err, where)
+        return None
+
+
+def serve_interleaved(systems: dict, prompts, temperature: float, rate: float, cfg: BenchConfig,
+                      broken: dict | None = None) -> dict[str, list[dict]]:
+    """Repeat r: every system serves stream r (its own arrivals and seeds), in the order rotated by r; one that
+    fails is recorded in `broken` and left out of the streams after it."""
+    names, runs, broken = list(systems), {name: [] for name in systems}, {} if broken is None else broken
     for r in range(cfg.repeats):
         for name in rotated(names, r):
-            runs[name].append(run_one(systems[name], prompts, temperature, rate, cfg, r))
+            run = attempt(broken, name, f"{name} T={temperature} rate={rate_label(rate)} repeat {r}",
+                          run_one, systems[name], prompts, temperature, rate, cfg, r)
+            if run is not None:
+                runs[name].append(run)
     return runs
 
 
@@ -219,16 +257,23 @@ def run_one(system, prompts, temperature: float, rate: float, cfg: BenchConfig, 
 
 
 def serving_cell(system: str, setting: str, temperature: float, rate: float, runs: list[dict], place: dict) -> dict:
-    """The median of every figure over the repeats (a stream's latencies are its own, so no best pass);
-    every repeat's summary kept, its outputs until annotate_serving has compared them. place: where the
-    system ran (Placement.to_dict(); a server's URL)."""
+    """The median of every figure over the repeats (a stream's latencies are its own, so no best pass), but the
+    counts of requests that went wrong (SUMMED), which add up; every repeat's summary kept, its outputs until
+    annotate_serving has compared them. place: where the system ran (Placement.to_dict(); a server's URL)."""
     figures = [k for k, v in runs[0].items() if k not in ("engine", "outputs") and (v is None or isinstance(v, (int, float)))]
     return {"system": system, "setting": setting, "temperature": temperature, "rate": rate_label(rate),
             "cores": place.get("cores"), "placement": place,
-            **{k: _median([run[k] for run in runs]) for k in figures},
+            **{k: sum(run[k] for run in runs) if k in SUMMED else _median([run[k] for run in runs]) for k in figures},
             "repeat_output_tokens_per_s": [run["output_tokens_per_s"] for run in runs],
             "repeats": [{k: v for k, v in run.items() if k != "outputs"} for run in runs],
-            "outputs": [run["outputs"] for run in runs]}
+            "outputs": [run["outputs"] for run in runs], "error": None}
+
+
+def serving_error_cell(system: str, setting: str, temperature: float, rate: float, place: dict, error: str) -> dict:
+    """A cell whose system failed: serving_cell's fields, no figures (None), and the error."""
+    return {"system": system, "setting": setting, "temperature": temperature, "rate": rate_label(rate),
+            "cores": place.get("cores"), "placement": place, **dict.fromkeys(summarize([], 1.0)),
+            "repeat_output_tokens_per_s": [], "repeats": [], "outputs": [], "error": error}
 
 
 def _median(values: list) -> float | None:
@@ -251,10 +296,10 @@ def annotate_serving(cells: list[dict]) -> None:
         c.pop("outputs")
 
 
-def _same_share(outputs: list[list[list[int]]], reference: list[list[list[int]]]) -> float:
-    """Share of requests, over every repeat, whose output equals the reference's."""
+def _same_share(outputs: list[list[list[int]]], reference: list[list[list[int]]]) -> float | None:
+    """Share of requests, over every repeat, whose output equals the reference's (None without any: a failed cell)."""
     pairs = [(a, b) for run, ref in zip(outputs, reference) for a, b in zip(run, ref)]
-    return sum(a == b for a, b in pairs) / len(pairs)
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
 
 __all__ = ["ServingConfig", "SERVING_SYSTEMS", "arrival_offsets", "summarize", "run_serving", "Served", "rate_label"]

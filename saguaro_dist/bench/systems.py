@@ -182,9 +182,11 @@ class HFSystem:
         torch.manual_seed(seed)
         ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        # eos_token_id=None: EOS neither stops nor is masked, as ours runs with ignore_eos. min_new_tokens (what this
+        # once passed) masks EOS's logit: another distribution, and a greedy row departed from ar's where EOS led.
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      min_new_tokens=max_new_tokens, pad_token_id=0, **sampling_kwargs(temperature), **extra)
+                                      eos_token_id=None, pad_token_id=0, **sampling_kwargs(temperature), **extra)
         return out[:, ids.shape[1]:].tolist()
 
     def close(self) -> None:
