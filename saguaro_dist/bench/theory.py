@@ -51,7 +51,7 @@ def tokens_by_round_kind(m, batch: int, rounds: int) -> tuple[float | None, floa
     both. Misses that took the fast backup verify fewer tokens than a neural draft's rounds: a best case
     that gave every round the mean (what this once did) overstated the kind the run did not run."""
     # Theorem 7's rounds' tokens (never below 0: runs from before session 65 counted tokens a last round
-    # verified past max_tokens, draftless.kept_tokens)
+    # verified past max_tokens or another end inside the round; metrics.EmittedTokens counts only those kept)
     total = max(0, m.tokens - first_tokens(m, batch) - ngram_alone(m)[1])
     jit = m.engine.get("jit_rounds")
     if jit is None or "jit_round_tokens" not in m.engine:

@@ -63,13 +63,6 @@ def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list
     return gained
 
 
-def kept_tokens(seqs: list[Sequence], gained: list[list[int]]) -> int:
-    """Of a round's gained tokens, those the sequences keep: a last round's past max_tokens are dropped
-    (Engine._append). Counted by round kind (EngineMetrics), the dropped ones made the n-gram rounds of
-    a greedy b = 1 cell outnumber the cell's own tokens, and the bench's tokens per other round negative."""
-    return sum(min(len(g), max(0, s.params.max_tokens - len(s.output_token_ids))) for s, g in zip(seqs, gained))
-
-
 def lookup_proposal(tokens: list[int], config: Config) -> Proposal:
     """K tokens by prompt lookup (spec.ngram_proposal): deterministic, so q is one-hot (None)."""
     proposed = ngram_proposal(tokens, config.k, config.prompt_lookup_max, config.prompt_lookup_min)

@@ -12,10 +12,9 @@ import torch
 
 from saguaro_dist.config import BonusDraw, Config, FallbackPolicy, TreePolicy
 from saguaro_dist.engine.coupling import plan_coupling
-from saguaro_dist.engine.draftless import kept_tokens
 from saguaro_dist.engine.lookup_rounds import LookupRounds
 from saguaro_dist.engine.messages import Outcome, Proposal
-from saguaro_dist.engine.metrics import EngineMetrics
+from saguaro_dist.engine.metrics import EngineMetrics, RoundTokens
 from saguaro_dist.engine.sd_loop import AskedDrafts, SDLoop
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.stats_log import Throttle
@@ -90,7 +89,7 @@ class SSDLoop(SDLoop):
     def verify(self, seqs):
         verified_s, self._plan_wait_s = self.metrics.verify_s, 0.0
         gained = self._verify_cohorts(seqs) if self._cohorts else super().verify(seqs)
-        self._count_round(seqs, kept_tokens(seqs, gained))
+        self._count_round(seqs)
         # The target's forwards only: a round of two cohorts also waits for the second one's drafts.
         self.stats.record_time(Timing.VERIFY, self.metrics.verify_s - verified_s)
         if self._lookup_round:
@@ -144,17 +143,18 @@ class SSDLoop(SDLoop):
         process draft's child, draft servers): a capture anywhere stalls the round that waits on it."""
         return graph_captures() + self.draft.graph_captures()
 
-    def _count_round(self, seqs: list[Sequence], tokens: int) -> None:
+    def _count_round(self, seqs: list[Sequence]) -> None:
         """Count the round by kind: n-gram proposals alone, waiting for no tree and no draft (the gate's
         RoundMode.FAST, or a round whose every row took its n-gram proposal; a sequence admitted in the
-        round was drafted: not such a round), else the gate's rounds without trees."""
+        round was drafted: not such a round), else the gate's rounds without trees. Its tokens count once
+        the engine kept them (EmittedTokens: not those past an end inside the round)."""
         alone = not self._drafted_this_round
         if alone and self._mode is RoundMode.FAST:
             self.metrics.fast_rounds += 1
-            self.metrics.fast_round_tokens += tokens
+            self.emitted.note(seqs, RoundTokens.FAST)
         elif alone and all(s.speculation_kind is ProposalSource.LOOKUP for s in seqs):
             self.metrics.lookup_rounds += 1
-            self.metrics.lookup_round_tokens += tokens
+            self.emitted.note(seqs, RoundTokens.LOOKUP)
         elif self._mode is RoundMode.JUST_IN_TIME:
             self.metrics.just_in_time_rounds += 1
 
