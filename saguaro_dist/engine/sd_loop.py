@@ -12,11 +12,22 @@ from dataclasses import dataclass
 import torch
 
 from saguaro_dist.config import Config, FallbackPolicy
-from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.errors import (
+    DraftRpcError,
+    DraftUnavailable,
+    OutOfOrder,
+    UnknownSequence,
+)
 from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
 from saguaro_dist.engine.draftless import ARLoop, lookup_proposal, verify_speculations
 from saguaro_dist.engine.messages import (
-    JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, proposal_fits,
+    JitDraftRequest,
+    Outcome,
+    PrefillRequest,
+    Proposal,
+    Release,
+    ResetPrefixCache,
+    proposal_fits,
 )
 from saguaro_dist.engine.metrics import EmittedTokens, EngineMetrics, RoundTokens
 from saguaro_dist.engine.sequence import Sequence
@@ -67,8 +78,10 @@ class SDLoop(ARLoop):
             # memory, a bug): speculate with the fast backup until a fresh prefill takes (_readmit). Raised,
             # it failed the step: every request in flight.
             log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(drafted))
-            for s in drafted:
-                s.draft_lost = True
+            self._lose(drafted)
+        except Exception:  # noqa: BLE001 - a draft in this process failed (out of memory, a bug): as above
+            log.exception("draft prefill failed: fast backup for %d new sequences", len(drafted))
+            self._lose(drafted)
 
     def _abandon_prefill(self, pending, drafted: list[Sequence]) -> None:
         """The target's prefill failed: the draft forgets what it began to hold (the engine drops them)."""
@@ -146,11 +159,20 @@ class SDLoop(ARLoop):
         except (OutOfOrder, UnknownSequence, DraftRpcError) as err:  # the draft lost track of them (a lost
             # message), or failed (INTERNAL, out of memory; raised, it failed every request in flight): restart them
             log.warning("draft out of step (%s): fast backup, then a fresh prefill, for %d sequences", err, len(asked.live))
-            for s in asked.live:
-                s.draft_lost = True
-            return outcomes + self._fast(asked.live, fast_kind)
+            return outcomes + self._fast(self._lose(asked.live), fast_kind)
+        except Exception:  # noqa: BLE001 - a draft in this process failed (out of memory, a bug): speculation is
+            # optional, so as above (raised, it failed every request in flight), with the traceback
+            log.exception("draft failed: fast backup, then a fresh prefill, for %d sequences", len(asked.live))
+            return outcomes + self._fast(self._lose(asked.live), fast_kind)
         finally:
             self.metrics.draft_wait_s += time.perf_counter() - start
+
+    @staticmethod
+    def _lose(seqs: list[Sequence]) -> list[Sequence]:
+        """The draft no longer holds seqs as they are: the fast backup until a fresh prefill (_readmit)."""
+        for s in seqs:
+            s.draft_lost = True
+        return seqs
 
     def _track_draft(self, seqs: list[Sequence]) -> None:
         """Before a round: sequences outgrowing the draft leave it, those whose worker was lost rejoin one (a
