@@ -7,13 +7,14 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import threading
+import time
 
 from saguaro_dist.cli.flag_checks import check_mode_flags
 from saguaro_dist.config import (DRAFT_MODES, DTYPES, BonusDraw, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode,
                                  SchedulingPolicy, TreePolicy, parse_enum)
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
-from saguaro_dist.serve.ingress import Ingress, check_port_free, enable_direct_ingress, free_port, replica_count, resolve
+from saguaro_dist.serve.ingress import (Ingress, check_port_free, enable_direct_ingress, free_port, host_port,
+                                        replica_count, resolve)
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -291,14 +292,18 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     # address="local": a fresh embedded cluster, never one another process on this machine started.
     ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if embedded else None,
              include_dashboard=False, log_to_driver=False)
-    stop = _stop_on_signals()
+    _stop_on_signals()
+    name = served_model_names(args.get("served_model_name"), args["model"])[0]
+    url = f"http://{host_port(host, port)}/v1"
     try:
+        log.warning("starting %r at %s (%s ingress; Ctrl-C to stop)", name, url, ingress.value)
         serve.start(http_options={"host": host, "port": proxy_port})
         serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
-        name = served_model_names(args.get("served_model_name"), args["model"])[0]
-        log.warning("serving %r at http://%s:%d/v1 (%s ingress; Ctrl-C to stop)", name, host, port, ingress.value)
-        while not stop.wait(1.0):  # short waits keep signal delivery prompt
-            pass
+        log.warning("serving %r at %s", name, url)
+        while True:
+            time.sleep(60)  # a signal interrupts the sleep
+    except KeyboardInterrupt:  # SIGINT or SIGTERM, while starting or serving: a clean stop
+        pass
     finally:
         _shutdown(serve, ray, embedded)
     return 0
@@ -312,15 +317,27 @@ def _prepare_ingress(ingress: Ingress, host: str, port: int) -> int:
     return free_port(host)
 
 
-def _stop_on_signals() -> threading.Event:
-    """SIGINT and SIGTERM (Kubernetes, systemd) both end the server cleanly."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_on_signals() -> None:
+    """SIGINT and SIGTERM (Kubernetes, systemd) both end the server cleanly, as Ctrl-C: also while serve.run
+    waits for the replica (a model loading, a replica Ray cannot place), which a flag set by the handler never
+    interrupted, so the signal was lost. Signals during the shutdown that follows are ignored."""
+    def stop(*_):
+        _ignore_stop_signals()
+        raise KeyboardInterrupt
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+
+
+def _ignore_stop_signals() -> None:
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _shutdown(serve, ray, embedded: bool) -> None:
+    _ignore_stop_signals()  # a stop asked for twice, or one after a failed start: this shutdown is it
     log.warning("shutting down")
     if embedded:
         serve.shutdown()

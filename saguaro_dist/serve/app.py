@@ -68,13 +68,34 @@ def server_options(args: dict, model: str) -> ServerOptions:
         served_model_name=names[0],
         model_aliases=names[1:],
         api_key=api_key_from_args(args),
-        max_request_bytes=int(args.get("max_request_bytes") or DEFAULT_MAX_REQUEST_BYTES),
+        max_request_bytes=_positive_int(args, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
         stream_interval_ms=_number(args, "stream_interval_ms", DEFAULT_STREAM_INTERVAL_MS),
         tool_call_parser=args.get("tool_call_parser") or None,
         reasoning_parser=args.get("reasoning_parser") or None,
         log_requests=bool(coerce("log_requests", args.get("log_requests", False), False)),  # "true" from `serve run`
         chat_template=load_chat_template(args["chat_template"]) if args.get("chat_template") else None,
     )
+
+
+def _positive_int(args: dict, name: str, default: int) -> int:
+    """A manifest's count (a string from `serve run`): 0 or less took every request body for too large (413)."""
+    value = args.get(name)
+    if value is None or value == "":
+        return default
+    number = _integer(value)
+    if number is None or number < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return number
+
+
+def _integer(value) -> int | None:
+    """An int, a whole float, or a string of an int; None for anything else (int() read 2.5 as 2)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 def _number(args: dict, name: str, default: float) -> float:
@@ -85,10 +106,20 @@ def _number(args: dict, name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
+def autoscaling(given: dict, max_batch_size: int) -> dict:
+    """Serve's default target of 2 requests per replica added a replica (a whole engine, models and all) while
+    the batch had room: the target is a full batch unless the config sets one (Ray Serve LLM overrides Serve's
+    default too)."""
+    return {"target_ongoing_requests": max_batch_size, **given}
+
+
 def build_app(args: dict, **deployment_options) -> Application:
     """Serve's application builder. Validates the arguments here, in the caller, so a bad manifest
     fails at deploy time with a clear message rather than in a crash-looping replica."""
-    server_options(args, config_from_args(args).model)
+    config = config_from_args(args)
+    server_options(args, config.model)
     options = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": MAX_ONGOING_REQUESTS, **deployment_options}
+    if isinstance(options.get("autoscaling_config"), dict):
+        options["autoscaling_config"] = autoscaling(options["autoscaling_config"], config.max_batch_size)
     deployment = serve.deployment(serve.ingress()(SaguaroServer), **options)
     return deployment.bind(dict(args))

@@ -110,8 +110,14 @@ def _request_fields() -> frozenset[str]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    # Imported here: the engine is not for protocol's importers.
+    from saguaro_dist.engine.loop_thread import EngineError
+
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http)
     app.add_exception_handler(ValueError, _on_value_error)
+    # Starlette answers an `Exception` handler's errors outside every middleware, so requests_total counted
+    # the engine's 503s as 500s; a handler for the class itself answers inside them.
+    app.add_exception_handler(EngineError, _on_unexpected)
     app.add_exception_handler(Exception, _on_unexpected)

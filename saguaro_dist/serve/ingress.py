@@ -60,19 +60,29 @@ def enable_direct_ingress(port: int) -> None:
     os.environ.update(direct_ingress_env(port))
 
 
+def _family(host: str) -> socket.AddressFamily:
+    """The socket family Serve binds `host` with (an IPv6 literal such as "::" or "::1", else IPv4)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def check_port_free(host: str, port: int) -> None:
     """A clear error now, rather than a replica or proxy that fails to bind after Ray has started."""
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
         try:
             s.bind((host, port))
         except OSError as err:  # in use: another port; not an address of this machine (or not one at all): the host
             hint = "choose another --port" if err.errno == errno.EADDRINUSE else "check --host"
-            raise ValueError(f"cannot serve on {host}:{port}: {err.strerror or err} ({hint})") from None
+            raise ValueError(f"cannot serve on {host_port(host, port)}: {err.strerror or err} ({hint})") from None
+
+
+def host_port(host: str, port: int) -> str:
+    """host:port as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if _family(host) is socket.AF_INET6 else f"{host}:{port}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on now, for the proxy when the replica takes the public one."""
-    with socket.socket() as s:
+    with socket.socket(_family(host)) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

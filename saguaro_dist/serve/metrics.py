@@ -6,6 +6,10 @@ Ray adds its own `ray_` prefix on export.
 from __future__ import annotations
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0]
+# Whole requests and first tokens (queueing, long prompts, long outputs) run to minutes: vLLM's tails, so one
+# slower than 40 s lands in a finite bucket rather than only in +Inf, where quantiles read it as 40 s.
+_TTFT_BUCKETS = [*_LATENCY_BUCKETS, 80.0, 160.0, 640.0, 2560.0]
+_E2E_BUCKETS = [*_LATENCY_BUCKETS, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
 
 # EngineMetrics field -> counter name and help text.
@@ -49,9 +53,11 @@ class ServeMetrics:
         self.cached_prompt_tokens = self._make(make, "counter", "saguaro_prefix_cache_hits",
                                                "Prompt tokens whose KV the prefix cache supplied")
         self.generation_tokens = self._make(make, "counter", "saguaro_generation_tokens", "Tokens generated")
-        self.ttft = self._make(make, "histogram", "saguaro_time_to_first_token_seconds", "Time to first token")
+        self.ttft = self._make(make, "histogram", "saguaro_time_to_first_token_seconds", "Time to first token",
+                               buckets=_TTFT_BUCKETS)
         self.itl = self._make(make, "histogram", "saguaro_inter_token_latency_seconds", "Time per output token")
-        self.e2e = self._make(make, "histogram", "saguaro_e2e_request_latency_seconds", "Request latency")
+        self.e2e = self._make(make, "histogram", "saguaro_e2e_request_latency_seconds", "Request latency",
+                              buckets=_E2E_BUCKETS)
         self.success = self._make(make, "counter", "saguaro_request_success", "Generations finished, by reason "
                                   "(stop, length, abort, ...)", ("model", "finished_reason"))
         self.drafted = self._make(make, "counter", "saguaro_drafted_tokens", "Draft tokens proposed")
@@ -65,10 +71,10 @@ class ServeMetrics:
         # draft side (trees or just-in-time drafts): the signal that the draft pool is too small or slow.
         self.engine_time = {field: self._make(make, "counter", name, doc) for field, name, doc in ENGINE_TIME_COUNTERS}
 
-    def _make(self, make, kind: str, name: str, doc: str, tag_keys=("model",)):
+    def _make(self, make, kind: str, name: str, doc: str, tag_keys=("model",), buckets=_LATENCY_BUCKETS):
         if make is None:
             return _Noop()
-        metric = make[kind](name, doc, tag_keys)
+        metric = make[kind](name, doc, tag_keys, buckets)
         metric.set_default_tags({k: v for k, v in self._tags.items() if k in tag_keys})
         return metric
 
@@ -128,11 +134,11 @@ class ServeMetrics:
 def _ray_factories() -> dict:
     from ray.util import metrics
 
-    def histogram(name, doc, tag_keys):
-        return metrics.Histogram(name, doc, boundaries=_LATENCY_BUCKETS, tag_keys=tag_keys)
+    def histogram(name, doc, tag_keys, buckets):
+        return metrics.Histogram(name, doc, boundaries=buckets, tag_keys=tag_keys)
 
-    return {
-        "counter": lambda name, doc, tag_keys: metrics.Counter(name, doc, tag_keys=tag_keys),
-        "gauge": lambda name, doc, tag_keys: metrics.Gauge(name, doc, tag_keys=tag_keys),
+    return {  # (buckets: histograms only)
+        "counter": lambda name, doc, tag_keys, _: metrics.Counter(name, doc, tag_keys=tag_keys),
+        "gauge": lambda name, doc, tag_keys, _: metrics.Gauge(name, doc, tag_keys=tag_keys),
         "histogram": histogram,
     }
