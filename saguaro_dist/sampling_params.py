@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from saguaro_dist.config import check_int, is_number
 
@@ -58,7 +58,7 @@ class SamplingParams:
     top_p: float = 1.0         # nucleus mass in (0, 1]
     top_k: int = 0             # 0 (or -1, as vLLM) disables top-k
     min_p: float = 0.0         # drop tokens below min_p x the likeliest's probability (vLLM's; 0 disables)
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: to the end of the context (vLLM's), set per prompt by LLM (until_context_end)
     min_tokens: int = 0        # EOS and stop_token_ids cannot end the request before this many tokens (vLLM's)
     stop: tuple[str, ...] = ()  # stop strings; the output excludes them
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the request like EOS (kept in token_ids, as vLLM)
@@ -85,8 +85,9 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids"))
         if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)}")
-        check_int("max_tokens", self.max_tokens, 1)
-        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1)
+        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
         object.__setattr__(self, "temperature", checked_temperature(self.temperature))
         if self.top_k == -1 and type(self.top_k) is int:  # vLLM's other spelling of "off"
@@ -166,6 +167,17 @@ def truncate_prompt(tokens: list[int], keep: int | None, max_model_len: int) -> 
         return tokens
     keep = max_model_len if keep == -1 else keep
     return tokens[-keep:]
+
+
+def until_context_end(params: SamplingParams, prompt_len: int, max_model_len: int) -> SamplingParams:
+    """params with max_tokens None (vLLM's "to the end of the context") made the room the prompt leaves."""
+    if params.max_tokens is not None:
+        return params
+    room, need = max_model_len - prompt_len, max(1, params.min_tokens)
+    if room < need:
+        raise ValueError(f"prompt ({prompt_len} tokens) leaves {max(room, 0)} of the model's max length "
+                         f"{max_model_len} to generate; max_tokens=None with min_tokens={params.min_tokens} needs {need}")
+    return replace(params, max_tokens=room)
 
 
 def check_min_p(min_p: float) -> None:

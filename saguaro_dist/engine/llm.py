@@ -7,6 +7,7 @@ import logging
 import queue
 import time
 import uuid
+from collections.abc import Mapping
 from typing import AsyncIterator
 
 from tqdm import tqdm
@@ -20,7 +21,8 @@ from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.model.loader import load_generation_defaults
-from saguaro_dist.sampling_params import SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt
+from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
+                                          until_context_end)
 
 __all__ = ["LLM", "RequestOutput", "StreamDelta"]
 log = logging.getLogger(__name__)
@@ -124,13 +126,7 @@ class LLM:
                                continue_final_message=continue_final_message).prompt_end()
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one to render messages")
-        if not messages:
-            raise ValueError("messages must not be empty")
-        conversations = [messages] if isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) else messages
-        if not isinstance(conversations, (list, tuple)) or not all(  # a str failed as ChatMessage(**"hi"): a TypeError
-                isinstance(c, (list, tuple)) and all(isinstance(m, dict) for m in c) for c in conversations):
-            raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
-                             "list of conversations")
+        conversations = _conversations(messages)
         tools = [Tool(**t) for t in tools or []]
         template = load_chat_template(chat_template) if chat_template else None
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template,
@@ -239,6 +235,7 @@ class LLM:
         out = []
         for text, tokens, p, rank in zip(texts, ids, params, priorities):
             tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
+            p = until_context_end(p, len(tokens), self.max_model_len)
             self._check_prompt(tokens, p)
             seq = Sequence(next(self._ids), uuid.uuid4().hex, tokens, p, priority=rank)
             out.append((seq, text))
@@ -251,12 +248,33 @@ class LLM:
             what = "a list of prompts, each a list of token ids"
             ids = [as_token_ids(p) for p in as_tuple(prompt_token_ids, "prompt_token_ids", what)]
             return [None] * len(ids), ids
-        prompts = [prompts] if isinstance(prompts, str) else list(as_tuple(prompts, "prompts", "a string or a list of strings"))
+        what = "a string or a list of strings (or of vLLM's {'prompt': ...} / {'prompt_token_ids': [...]} dicts)"
+        prompts = [prompts] if isinstance(prompts, (str, Mapping)) else list(as_tuple(prompts, "prompts", what))
+        pairs = [self._prompt(p, i) for i, p in enumerate(prompts)]
+        return [text for text, _ in pairs], [ids for _, ids in pairs]
+
+    def _prompt(self, prompt, i: int) -> tuple[str | None, list[int]]:
+        """One prompt's (text, token ids): a string or vLLM's TextPrompt / TokensPrompt dict (a dict failed
+        as "every prompt must be a non-empty string")."""
+        if isinstance(prompt, Mapping):
+            return self._dict_prompt(prompt, i)
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"every prompt must be a non-empty string or a prompt dict; prompt {i} is {prompt!r}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
-        if any(not isinstance(p, str) or not p for p in prompts):
-            raise ValueError("every prompt must be a non-empty string")
-        return prompts, [encode_text(self.tokenizer, p, param=f"prompt {i}") for i, p in enumerate(prompts)]
+        return prompt, encode_text(self.tokenizer, prompt, param=f"prompt {i}")
+
+    def _dict_prompt(self, prompt: Mapping, i: int) -> tuple[str | None, list[int]]:
+        """{"prompt": text} or {"prompt_token_ids": ids}; keys we cannot honour (multi_modal_data, ...) are refused."""
+        if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
+            raise ValueError(f"prompt {i} must be {{'prompt': text}} or {{'prompt_token_ids': [...]}}, "
+                             f"got keys {sorted(map(str, prompt))}")
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:  # (its text, if given, names it in the output, as vLLM's)
+            return text if isinstance(text, str) else None, as_token_ids(prompt["prompt_token_ids"])
+        if not isinstance(text, str):
+            raise ValueError(f"prompt {i}'s 'prompt' must be a non-empty string, got {text!r}")
+        return self._prompt(text, i)
 
     def _params(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
@@ -322,6 +340,19 @@ class LLM:
         return StreamDelta(request_id, u.text_delta, u.token_delta, u.finished, reason,
                            u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs,
                            u.seq.stop_reason if u.finished else None)
+
+
+def _conversations(messages) -> list:
+    """chat's messages as a list of conversations, each a non-empty list of message dicts: an empty one in a
+    list rendered a prompt of no messages (the server refuses one, as `messages: []` is refused here)."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    conversations = [messages] if isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) else messages
+    if not isinstance(conversations, (list, tuple)) or not all(  # a str failed as ChatMessage(**"hi"): a TypeError
+            isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in conversations):
+        raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) "
+                         "or a list of conversations")
+    return conversations
 
 
 def generation_defaults(config: Config) -> dict:
