@@ -63,12 +63,17 @@ def theorem7_lines(rows: list[dict]) -> list[str]:
         lines.append(f"Theorem 7 {label}: predicted {t['predicted_tokens_per_s']:.1f} tok/s decoding "
                      f"(tokens/round {t['tokens_per_round']:.2f}{_by_kind(t)}, p {t['p_hit']:.2f}, "
                      f"verify {1e3 * t['verify_s']:.2f} ms, "
-                     f"T_p {t['tree_s'] / t['verify_s']:.2f}, T_b {t['backup_s'] / t['verify_s']:.2f})"
+                     f"T_p {_verifies(t['tree_s'], t)}, T_b {_verifies(t['backup_s'], t)})"
                      f"{_with_prefill(t)}, measured "
                      f"{t['measured_tokens_per_s']:.1f} tok/s = {100 * t['measured_over_predicted']:.0f}% of predicted; "
-                     f"draft alone: T_p {t['tree_alone_s'] / t['verify_s']:.2f}, "
+                     f"draft alone: T_p {_verifies(t['tree_alone_s'], t)}, "
                      f"predicted {t['predicted_alone_tokens_per_s']:.1f} tok/s" + _best_case(t) + _cohorts(t) + _fast_rounds(t))
     return lines
+
+
+def _verifies(seconds: float, t: dict) -> str:
+    """Seconds in verifies (T_p, T_b); "-" where the run timed no verify (its division by zero ended the report)."""
+    return f"{seconds / t['verify_s']:.2f}" if t["verify_s"] else "-"
 
 
 def _with_prefill(t: dict) -> str:

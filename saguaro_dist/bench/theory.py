@@ -4,12 +4,15 @@ just-in-time latency timed on one thread (calibrate_draft). The same prediction 
 on the draft alone is reported too: the two differ by what sharing the hardware costs the draft."""
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 
 import torch
 
 from saguaro_dist.spec.theory import predicted_speedup
+
+log = logging.getLogger(__name__)
 
 
 def predicted_tokens_per_s(tokens_hit: float, tokens_miss: float, p_hit: float, verify_s: float, tree_s: float,
@@ -74,7 +77,7 @@ def tree_mode_p(m, rounds: int) -> float | None:
     return 1.0 - min(waited, tree_rounds) / tree_rounds
 
 
-def predict_from_run(m, batch: int, calib: dict) -> dict:
+def predict_from_run(m, batch: int, calib: dict) -> dict | None:
     """The prediction's inputs from Measurement `m` (engine deltas) and the draft calibration.
 
     T_p is the run's own: the draft's mean build time of the trees the target took (EngineMetrics
@@ -98,10 +101,17 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
     Rounds run on n-gram proposals alone (RoundMode.FAST, and rounds whose every row took its n-gram
     proposal) are outside the theorem too: they are mixed in at one verify each and their own tokens per
     round (with_fast_rounds; fast_share). The best case's "n-gram rounds alone" takes only the gate's
-    RoundMode.FAST rounds' tokens: the others' rows were chosen for a good match."""
+    RoundMode.FAST rounds' tokens: the others' rows were chosen for a good match.
+
+    None (the JSON's null, as for a cell without a prediction) for a run without rounds or lookups, and for one
+    without a verify time: Theorem 7 is in units of verifies (it divided by zero, or predicted 0 tok/s)."""
     inputs = run_inputs(m, batch, calib)
-    if not inputs:
-        return {}
+    if inputs is None:
+        return None
+    if not inputs["verify_s"] > 0:
+        log.warning("Theorem 7: a run of %d rounds timed no verify (verify_s %s): no prediction",
+                    m.engine.get("rounds", 0), inputs["verify_s"])
+        return None
     rounds, fast_share, fast_tokens = inputs.pop("t7_rounds"), inputs["fast_share"], inputs.pop("tokens_per_gate_fast_round")
     pred = mixed_rate(inputs, inputs["p_hit"], inputs["tree_s"], fast_share)
     alone = mixed_rate(inputs, inputs["p_hit"], calib["tree_s"], fast_share)
@@ -121,13 +131,13 @@ def predict_from_run(m, batch: int, calib: dict) -> dict:
             "measured_tokens_per_s": m.tokens_per_s, "measured_over_predicted": m.tokens_per_s / run(pred) if pred else 0.0}
 
 
-def run_inputs(m, batch: int, calib: dict) -> dict:
-    """What predict_from_run reads of a run (`t7_rounds`: its rounds but the n-gram ones); {} without any."""
+def run_inputs(m, batch: int, calib: dict) -> dict | None:
+    """What predict_from_run reads of a run (`t7_rounds`: its rounds but the n-gram ones); None without any."""
     all_rounds, (fast, fast_tokens), gate_fast = m.engine.get("rounds", 0), ngram_alone(m), m.engine.get("fast_rounds", 0)
     rounds = all_rounds - fast  # Theorem 7's: the rest ran on n-gram proposals alone (with_fast_rounds)
     lookups = m.cache_hits + m.cache_misses
     if not all_rounds or (not lookups and "jit_rounds" not in m.engine):
-        return {}
+        return None
     hit = m.cache_hits / lookups if lookups else None  # None: the gate ran every round without trees
     neural_share = m.fallbacks.get("neural", 0) / m.cache_misses if m.cache_misses else 0.0
     if "jit_rounds" in m.engine:
@@ -136,7 +146,7 @@ def run_inputs(m, batch: int, calib: dict) -> dict:
         p_round = 1.0 - neural_share * (1.0 - hit ** batch)
     builds = m.engine.get("tree_builds", 0)
     tokens_hit, tokens_miss = tokens_by_round_kind(m, batch, rounds) if rounds else (None, None)
-    return {"p_hit": p_round, "verify_s": m.engine["verify_s"] / all_rounds,
+    return {"p_hit": p_round, "verify_s": m.engine.get("verify_s", 0.0) / all_rounds,
             "tree_s": m.engine["tree_build_s"] / builds if builds else calib["tree_s"], "backup_s": calib["jit_s"],
             "t7_rounds": rounds, "tokens_per_round": (m.tokens - first_tokens(m, batch)) / all_rounds,
             "tokens_per_hit_round": tokens_hit, "tokens_per_miss_round": tokens_miss, "tree_alone_s": calib["tree_s"],

@@ -13,10 +13,12 @@ from __future__ import annotations
 from saguaro_dist.client._common import Completion, RetryPolicy
 from saguaro_dist.client.async_client import AsyncClient, AsyncStream
 from saguaro_dist.client.client import Client, Stream
-from saguaro_dist.client.errors import (APIConnectionError, APIStatusError, APITimeoutError, AuthenticationError,
-                                        BadRequestError, InternalServerError, NotFoundError, PermissionDeniedError,
-                                        RateLimitError, RequestTooLargeError, SaguaroError)
+from saguaro_dist.client.errors import (APIConnectionError, APIResponseValidationError, APIStatusError, APITimeoutError,
+                                        AuthenticationError, BadRequestError, InternalServerError, NotFoundError,
+                                        PermissionDeniedError, RateLimitError, RequestTooLargeError, SaguaroError,
+                                        StreamClosedError)
 
 __all__ = ["Client", "AsyncClient", "Stream", "AsyncStream", "Completion", "RetryPolicy", "SaguaroError",
            "APIConnectionError", "APITimeoutError", "APIStatusError", "BadRequestError", "AuthenticationError",
-           "PermissionDeniedError", "NotFoundError", "RequestTooLargeError", "RateLimitError", "InternalServerError"]
+           "PermissionDeniedError", "NotFoundError", "RequestTooLargeError", "RateLimitError", "InternalServerError",
+           "APIResponseValidationError", "StreamClosedError"]

@@ -5,16 +5,67 @@ import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 
 import httpx
 
-from saguaro_dist.client.errors import APIStatusError, status_error
+from saguaro_dist.client.errors import APIResponseValidationError, APIStatusError, StreamClosedError, status_error
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 # The openai client's pool: httpx's default of 100 connections queued the 101st concurrent request in the client
 # (an async caller's, a serving bench's), its wait counted as the server's latency.
 LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
 DONE = object()  # the `data: [DONE]` sentinel
+BODY_START_CHARS = 200  # of a reply that is not the API's, what its error quotes
+SSE_FIELDS = frozenset({"", "data", "event", "id", "retry"})  # "": a comment line (":...")
+
+
+class StreamState(Enum):
+    """Where a Stream / AsyncStream is: what a second loop over it does (start_reading)."""
+    NEW = "new"
+    READING = "reading"
+    ENDED = "ended"    # read to its end (or its error)
+    CLOSED = "closed"  # closed before its end: a loop left early, close()
+
+
+def start_reading(state: StreamState) -> bool:
+    """Whether a loop over the stream reads it. After its end another loop yields nothing, as openai's Stream
+    (one generator, exhausted); after an early close the rest is gone, which a quiet end would hide."""
+    if state is StreamState.NEW:
+        return True
+    if state is StreamState.ENDED:
+        return False
+    raise StreamClosedError("the stream was closed before its end (a loop left early, or close()) or another loop "
+                            "is reading it: its remaining deltas are gone; iterate a stream once")
+
+
+def body_start(content: bytes | str) -> str:
+    text = content.decode(errors="replace") if isinstance(content, bytes) else content
+    return repr(text[:BODY_START_CHARS]) + ("..." if len(text) > BODY_START_CHARS else "")
+
+
+def invalid_reply(status_code: int, what: str, content: bytes | str) -> APIResponseValidationError:
+    return APIResponseValidationError(status_code, f"{what}; it begins {body_start(content)}",
+                                      body=content.decode(errors="replace") if isinstance(content, bytes) else content)
+
+
+def json_object(response: httpx.Response) -> dict:
+    """A success reply's JSON object. A proxy's HTML page (or any other body) is a typed error naming the status
+    and the body's start: response.json() raised a bare JSONDecodeError."""
+    try:
+        body = json.loads(response.content)
+    except ValueError:  # (JSONDecodeError and UnicodeDecodeError both are)
+        body = None
+    if not isinstance(body, dict):
+        raise invalid_reply(response.status_code, "the reply is not a JSON object", response.content)
+    return body
+
+
+def json_field(response: httpx.Response, key: str):
+    body = json_object(response)
+    if key not in body:
+        raise invalid_reply(response.status_code, f"the reply has no {key!r}", response.content)
+    return body[key]
 
 
 def api_root(base_url: str) -> str:
@@ -129,7 +180,7 @@ class StreamAccumulator:
     choice 0's, as a Completion's are: with n > 1 or several prompts the chunks interleave choices, whose
     texts (and tool calls) must not run together. Every choice's text is kept in `texts`."""
 
-    def __init__(self):
+    def __init__(self, status_code: int = 200):
         self.texts: dict[int, str] = {}  # every choice's text so far, by index
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -139,26 +190,47 @@ class StreamAccumulator:
         self.tool_calls: list[dict] = []  # chat: tool calls assembled from their deltas
         self.reasoning: str | None = None  # chat: reasoning deltas joined (the text iterated is the content)
         self.stop_reason: int | str | None = None  # vLLM's, from the finishing chunk
+        self._status = status_code
         self._data: list[str] = []  # the data lines of the event being read
+        self._event: str | None = None  # its `event:` name
+        self._events = 0  # events read, [DONE] included
+        self._foreign = ""  # the start of lines that are no SSE field (an HTML page, a JSON reply)
 
     def feed(self, line: str):
         """One line of the stream: at the blank line that ends an event, its text delta (possibly "") or DONE;
         else None. An event's data lines join with newlines (SSE), so one JSON chunk may span several."""
         if line:
-            name, _, value = line.partition(":")  # a comment (":...") has no name; other fields are not ours
-            if name == "data":
-                self._data.append(value.removeprefix(" "))
+            self._field(line)
             return None
-        data, self._data = "\n".join(self._data), []
-        return self._event(data.strip()) if data.strip() else None
+        data, event = "\n".join(self._data).strip(), self._event
+        self._data, self._event = [], None
+        if event == "error":  # whatever its data holds: {"error": ...}, vLLM's flat body, plain text, nothing
+            raise stream_error(_parsed(data))
+        return self._dispatch(data) if data else None
 
-    def _event(self, data: str):
+    def end(self) -> None:
+        """The body ended without [DONE]: a body that held no event but other lines was never an event stream."""
+        if not self._events and self._foreign:
+            raise invalid_reply(self._status, "the reply is not an event stream", self._foreign)
+
+    def _field(self, line: str) -> None:
+        name, _, value = line.partition(":")  # a comment (":...") has no name; id and retry are not ours
+        if name == "data":
+            self._data.append(value.removeprefix(" "))
+        elif name == "event":
+            self._event = value.removeprefix(" ")
+        elif name not in SSE_FIELDS and len(self._foreign) < BODY_START_CHARS:
+            self._foreign += line[:BODY_START_CHARS] + "\n"
+
+    def _dispatch(self, data: str):
+        self._events += 1
         if data == "[DONE]":
             return DONE
-        chunk = json.loads(data)
+        chunk = _parsed(data)
+        if not isinstance(chunk, dict):
+            raise invalid_reply(self._status, "an event's data is not a JSON object", data)
         if "error" in chunk:
-            err = chunk["error"] if isinstance(chunk["error"], dict) else {"message": str(chunk["error"])}
-            raise status_error(_stream_error_status(err), chunk)
+            raise stream_error(chunk)
         return self._take(chunk)
 
     def _take(self, chunk: dict) -> str:
@@ -191,6 +263,22 @@ class StreamAccumulator:
         call["id"] = delta.get("id") or call["id"]
         call["function"]["name"] += function.get("name") or ""
         call["function"]["arguments"] += function.get("arguments") or ""
+
+
+def _parsed(data: str):
+    """An event's data as JSON; its text where it is none (an error event's plain message); None if empty."""
+    try:
+        return json.loads(data) if data else None
+    except ValueError:
+        return data
+
+
+def stream_error(body) -> APIStatusError:
+    """The typed error of an error event or chunk, with whatever message it carries."""
+    if not body:
+        body = {"error": {"message": "the stream sent an error event without a message"}}
+    err = body.get("error", body) if isinstance(body, dict) else body
+    return status_error(_stream_error_status(err if isinstance(err, dict) else {}), body)
 
 
 def _stream_error_status(err: dict) -> int:

@@ -6,7 +6,7 @@ import asyncio
 import httpx
 
 from saguaro_dist.client import _common as common
-from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator
+from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
 from saguaro_dist.client.client import _retriable
 from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
 
@@ -17,22 +17,36 @@ class AsyncStream:
 
     def __init__(self, response: httpx.Response):
         self._response = response
-        self._acc = StreamAccumulator()
+        self._acc = StreamAccumulator(response.status_code)
+        self._state = StreamState.NEW
 
     async def __aiter__(self):
+        if not common.start_reading(self._state):
+            return  # read to its end already: nothing more, as openai's AsyncStream
+        self._state = StreamState.READING
+        try:
+            async for text in self._deltas():
+                yield text
+            self._state = StreamState.ENDED
+        except Exception:
+            self._state = StreamState.ENDED  # (a loop left early is a GeneratorExit: aclose() makes it CLOSED)
+            raise
+        finally:
+            await self.aclose()
+
+    async def _deltas(self):
         try:
             async for line in _lines(self._response):
                 text = self._acc.feed(line)
                 if text is DONE:
-                    break
+                    return
                 if text:
                     yield text
+            self._acc.end()
         except httpx.TimeoutException as err:  # the server went quiet mid-stream: a timeout, as before it began
             raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
             raise APIConnectionError(f"the stream broke: {err}") from err
-        finally:
-            await self.aclose()
 
     def __getattr__(self, name):
         if name.startswith("_"):  # never recurse while half-built
@@ -40,6 +54,8 @@ class AsyncStream:
         return getattr(self._acc, name)
 
     async def aclose(self) -> None:
+        if self._state is not StreamState.ENDED:
+            self._state = StreamState.CLOSED
         await self._response.aclose()  # closing early tells a saguaro server to stop generating
 
     async def __aenter__(self):
@@ -79,11 +95,11 @@ class AsyncClient:
         return await self._generate("/chat/completions", body, stream)
 
     async def models(self) -> list[str]:
-        return [m["id"] for m in (await self._send("GET", self._root + "/models")).json()["data"]]
+        return [m["id"] for m in common.json_field(await self._send("GET", self._root + "/models"), "data")]
 
     async def tokenize(self, prompt: str, *, model=None, add_special_tokens: bool = True) -> list[int]:
         body = common.tokenize_body(prompt, model or self.model, add_special_tokens)
-        return (await self._send("POST", common.server_root(self._root) + "/tokenize", body)).json()["tokens"]
+        return common.json_field(await self._send("POST", common.server_root(self._root) + "/tokenize", body), "tokens")
 
     async def health(self) -> bool:
         try:
@@ -92,7 +108,7 @@ class AsyncClient:
             return False
 
     async def version(self) -> str:
-        return (await self._send("GET", common.server_root(self._root) + "/version")).json()["version"]
+        return common.json_field(await self._send("GET", common.server_root(self._root) + "/version"), "version")
 
     async def reset_prefix_cache(self) -> None:
         """Forget the server's kept prompt prefixes (a cold cache, e.g. before a benchmark)."""
@@ -101,7 +117,7 @@ class AsyncClient:
     async def _generate(self, path: str, body: dict, stream: bool) -> Completion | AsyncStream:
         if stream:
             return AsyncStream(await self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
-        return Completion.from_body((await self._send("POST", self._root + path, body)).json())
+        return Completion.from_body(common.json_object(await self._send("POST", self._root + path, body)))
 
     async def _send(self, method: str, url: str, body: dict | None = None, stream: bool = False) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):

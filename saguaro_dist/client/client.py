@@ -7,7 +7,7 @@ import time
 import httpx
 
 from saguaro_dist.client import _common as common
-from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator
+from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
 from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
 
 
@@ -17,22 +17,35 @@ class Stream:
 
     def __init__(self, response: httpx.Response):
         self._response = response
-        self._acc = StreamAccumulator()
+        self._acc = StreamAccumulator(response.status_code)
+        self._state = StreamState.NEW
 
     def __iter__(self):
+        if not common.start_reading(self._state):
+            return  # read to its end already: nothing more, as openai's Stream
+        self._state = StreamState.READING
+        try:
+            yield from self._deltas()
+            self._state = StreamState.ENDED
+        except Exception:
+            self._state = StreamState.ENDED  # (a loop left early is a GeneratorExit: close() makes it CLOSED)
+            raise
+        finally:
+            self.close()
+
+    def _deltas(self):
         try:
             for line in itertools.chain(self._response.iter_lines(), [""]):  # "": ends a last unended event
                 text = self._acc.feed(line)
                 if text is DONE:
-                    break
+                    return
                 if text:
                     yield text
+            self._acc.end()
         except httpx.TimeoutException as err:  # the server went quiet mid-stream: a timeout, as before it began
             raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
             raise APIConnectionError(f"the stream broke: {err}") from err
-        finally:
-            self.close()
 
     def __getattr__(self, name):
         if name.startswith("_"):  # never recurse while half-built
@@ -40,6 +53,8 @@ class Stream:
         return getattr(self._acc, name)  # finish_reason, usage, speculation, model, id
 
     def close(self) -> None:
+        if self._state is not StreamState.ENDED:
+            self._state = StreamState.CLOSED
         self._response.close()  # closing early tells a saguaro server to stop generating
 
     def __enter__(self):
@@ -76,12 +91,12 @@ class Client:
         return self._generate("/chat/completions", body, stream)
 
     def models(self) -> list[str]:
-        return [m["id"] for m in self._send("GET", self._root + "/models").json()["data"]]
+        return [m["id"] for m in common.json_field(self._send("GET", self._root + "/models"), "data")]
 
     def tokenize(self, prompt: str, *, model=None, add_special_tokens: bool = True) -> list[int]:
         """The server's token ids for `prompt` (vLLM's /tokenize): what a text prompt is generated from."""
         body = common.tokenize_body(prompt, model or self.model, add_special_tokens)
-        return self._send("POST", common.server_root(self._root) + "/tokenize", body).json()["tokens"]
+        return common.json_field(self._send("POST", common.server_root(self._root) + "/tokenize", body), "tokens")
 
     def health(self) -> bool:
         try:
@@ -90,7 +105,7 @@ class Client:
             return False
 
     def version(self) -> str:
-        return self._send("GET", common.server_root(self._root) + "/version").json()["version"]
+        return common.json_field(self._send("GET", common.server_root(self._root) + "/version"), "version")
 
     def reset_prefix_cache(self) -> None:
         """Forget the server's kept prompt prefixes (a cold cache, e.g. before a benchmark)."""
@@ -99,7 +114,7 @@ class Client:
     def _generate(self, path: str, body: dict, stream: bool) -> Completion | Stream:
         if stream:
             return Stream(self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
-        return Completion.from_body(self._send("POST", self._root + path, body).json())
+        return Completion.from_body(common.json_object(self._send("POST", self._root + path, body)))
 
     def _send(self, method: str, url: str, body: dict | None = None, stream: bool = False) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):

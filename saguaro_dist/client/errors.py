@@ -14,6 +14,21 @@ class APITimeoutError(APIConnectionError):
     """The request timed out (after retries)."""
 
 
+class APIResponseValidationError(SaguaroError):
+    """A success status whose body is not what the API sends: an HTML page from a proxy or a captive portal,
+    a JSON reply to a request for a stream. Names the status and the body's start."""
+
+    def __init__(self, status_code: int, message: str, *, body=None):
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.body = body
+
+
+class StreamClosedError(SaguaroError):
+    """A stream iterated after it was closed before its end (a loop left early, close()): its rest is gone."""
+
+
 class APIStatusError(SaguaroError):
     """The server answered with an error status (or an error event inside a stream)."""
 

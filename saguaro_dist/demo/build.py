@@ -223,19 +223,40 @@ def train_models(recipe: Recipe, tokens, config_t, config_d, work: Path) -> dict
     return {"target": target, "draft": draft, "target_steps": t_steps, "draft_steps": d_steps}
 
 
+EXPORT_PREFIX = ".export-"  # out/.export-*: a pair being written, or one an export killed mid-way left behind
+
+
 def export_pair(models: dict, fast_tok, out: Path) -> None:
-    """fp16 safetensors + tokenizer in out/target and out/draft (each a complete HF directory)."""
+    """fp16 safetensors + tokenizer in out/target and out/draft (each a complete HF directory). Both are written
+    whole in a temporary sibling folder first, then swapped in by renames: a kill while writing (seconds) left
+    a deleted or torn pair, or a new target beside the old draft; now the old pair stays until the new is whole."""
+    drop_stale_exports(out)
+    stage = Path(tempfile.mkdtemp(prefix=EXPORT_PREFIX, dir=out))
+    try:
+        for role in ROLES:
+            save_model_dir(models[role], fast_tok, stage / role)
+        for role in ROLES:  # renames only: the window where the pair is mixed shrinks to microseconds
+            if (out / role).exists():
+                os.replace(out / role, stage / f"{role}.old")
+            os.replace(stage / role, out / role)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def save_model_dir(model, fast_tok, dest: Path) -> None:
     import torch
 
-    for role in ("target", "draft"):
-        dest = out / role
-        if dest.exists():
-            shutil.rmtree(dest)
-        model = models[role]
-        model.to(torch.float16).save_pretrained(dest, safe_serialization=True)
-        model.to(torch.float32)
-        fast_tok.save_pretrained(dest)
-        portable_tokenizer_class(dest / "tokenizer_config.json")
+    model.to(torch.float16).save_pretrained(dest, safe_serialization=True)
+    model.to(torch.float32)
+    fast_tok.save_pretrained(dest)
+    portable_tokenizer_class(dest / "tokenizer_config.json")
+
+
+def drop_stale_exports(out: Path) -> None:
+    # Another export's leftovers (a killed build's): a concurrent export into one out/ is not supported anyway.
+    for stale in out.glob(EXPORT_PREFIX + "*"):
+        if stale.is_dir() and not stale.is_symlink():
+            shutil.rmtree(stale)
 
 
 def portable_tokenizer_class(path: Path) -> None:
@@ -287,6 +308,9 @@ def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.manual_seed(recipe.seed)
     split = corpus.split_corpus(recipe.corpus_root, recipe.heldout_percent, recipe.max_files)
+    # Before training: a held-out set with no prompt that fits prompt_chars must fail now, not after hours.
+    prompts = corpus.sample_snippets(corpus.read_sources(split.heldout), recipe.shipped_prompts,
+                                     recipe.prompt_chars, recipe.seed)
     tok = prepare_tokenizer(recipe, split, work, resume)
     train_tokens = prepare_tokens(tok, split.train, work / "train_tokens.pt", resume)
     heldout_tokens = prepare_tokens(tok, split.heldout, work / "heldout_tokens.pt", resume)
@@ -294,8 +318,6 @@ def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-
     models = train_models(recipe, train_tokens, llama_config(recipe, "target", vocab, ids),
                           llama_config(recipe, "draft", vocab, ids), work)
     export_pair(models, wrap_fast(tok, recipe.seq_len), out)
-    prompts = corpus.sample_snippets(corpus.read_sources(split.heldout), recipe.shipped_prompts,
-                                     recipe.prompt_chars, recipe.seed)
     (out / "prompts.json").write_text(json.dumps(prompts, indent=1))
     report = {"recipe": dataclasses.asdict(recipe), "files": {"train": len(split.train), "heldout": len(split.heldout)},
               "tokens": {"train": len(train_tokens), "heldout": len(heldout_tokens)},

@@ -100,14 +100,23 @@ def sample_snippets(texts: list[str], n: int, max_chars: int, seed: int) -> list
     candidates = [lines for lines in candidates if len(lines) >= 8]
     if not candidates:
         raise ValueError("no held-out file has enough lines for a prompt")
+    if n > 0 and not any(window(lines, end, max_chars).strip()
+                         for lines in candidates for end in range(4, len(lines))):
+        # the draws below would never find one: the loop ran forever
+        raise ValueError(f"no held-out window of whole lines fits {max_chars} characters (prompt_chars) with any "
+                         "text in it: every line is longer, or the lines that fit are blank")
     while len(snippets) < n:
         lines = candidates[rng.randrange(len(candidates))]
-        end = rng.randrange(4, len(lines))
-        start, size = end, 0
-        while start > 0 and size + len(lines[start - 1]) <= max_chars:
-            start -= 1
-            size += len(lines[start])
-        text = "".join(lines[start:end])
+        text = window(lines, rng.randrange(4, len(lines)), max_chars)
         if text.strip():
             snippets.append(text)
     return snippets
+
+
+def window(lines: list[str], end: int, max_chars: int) -> str:
+    """The most whole lines ending before lines[end] that fit max_chars ("" where lines[end - 1] alone is longer)."""
+    start, size = end, 0
+    while start > 0 and size + len(lines[start - 1]) <= max_chars:
+        start -= 1
+        size += len(lines[start])
+    return "".join(lines[start:end])
