@@ -48,8 +48,15 @@ class BatchSummary:
         if record["error"] is not None or response["status_code"] != 200:
             self.failed += 1
         else:
-            usage = response["body"].get("usage", {})  # /v1/responses counts output_tokens
-            self.completion_tokens += usage.get("completion_tokens", usage.get("output_tokens", 0))
+            self.completion_tokens += completion_tokens(response["body"])
+
+
+def completion_tokens(body) -> int:
+    """The tokens a reply says it generated: usage's completion_tokens (/v1/responses: output_tokens); 0 where
+    another server's 200 leaves usage out or null (that crashed the summary before the line's record was written)."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    count = usage.get("completion_tokens", usage.get("output_tokens")) if isinstance(usage, dict) else None
+    return count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else 0
 
 
 def parse_request(line: int, text: str | bytes, seen: set[str]) -> BatchRequest:
@@ -150,6 +157,7 @@ async def run_batch(client: httpx.AsyncClient, lines: Iterable[str | bytes], wri
         async with client:
             try:
                 for number, text in enumerate(lines, 1):
+                    text = without_bom(text) if number == 1 else text
                     if text.strip():
                         pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
                     while pending and (len(pending) >= max_in_flight or pending[0].done()):
@@ -160,6 +168,12 @@ async def run_batch(client: httpx.AsyncClient, lines: Iterable[str | bytes], wri
                 await _cancel_all(pending)
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+def without_bom(text: str | bytes) -> str | bytes:
+    """The first line without a UTF-8 byte order mark (utf-8-sig's), which Windows PowerShell 5.1 writes: json
+    refused it, and the file's first request became an error record."""
+    return text.removeprefix(b"\xef\xbb\xbf" if isinstance(text, bytes) else "\ufeff")
 
 
 async def _cancel_all(tasks) -> None:

@@ -124,6 +124,14 @@ class ServeMetrics:
         for position, count in enumerate(getattr(engine_metrics, "accepted_per_position", None) or (), start=1):
             self._inc_positive(self.accepted_at, count, {"position": str(position)})
 
+    def aborted(self, seconds: float, prompt_tokens: int) -> None:
+        """A generation that ended unfinished (its client went away, its stream was closed early): counted as
+        vLLM counts an aborted request, finished_reason "abort", with its latency and the prompt tokens its
+        prefill processed (0 where none is known to have run)."""
+        self.e2e.observe(seconds)
+        self.success.inc(1, {"finished_reason": "abort"})
+        self._inc_positive(self.prompt_tokens, prompt_tokens)
+
     @staticmethod
     def _inc_positive(metric, value, tags=None) -> None:
         # Ray counters reject non-positive increments.

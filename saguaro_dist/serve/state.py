@@ -67,6 +67,7 @@ class ServingState:
         self._engine_reporter: asyncio.Task | None = None
         self.running = 0   # generations in flight on this replica (the engine's own split: engine.load)
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
+        self._start_reporter()
 
     def tool_plan_for(self, request) -> ToolPlan:
         """The chat request's tool plan, read by this server's tool-call parser."""
@@ -151,7 +152,7 @@ class ServingState:
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                            request_id=request_id, output_kind=output_kind,
                                            stream_interval_s=self.stream_interval_s, priority=job.priority)
-        finished = False
+        finished = aborted = False
         try:
             async with aclosing(engine_stream) as deltas:  # closing the engine's stream aborts the request
                 async for delta in deltas:
@@ -161,10 +162,13 @@ class ServingState:
                     if finished and self.log_requests:
                         _log_finished(request_id, delta, now - start)
                     yield delta
+        except (GeneratorExit, asyncio.CancelledError):  # closed early or cancelled: the client went away
+            aborted = True  # (an engine's failure is no abort: it is answered, and counted, as a 503)
+            raise
         finally:
             self._exit(cancelled=not finished)
-            if not finished and self.log_requests:
-                log.info("request %s: aborted (the client went away)", request_id)
+            if aborted and not finished:
+                self._record_abort(job, request_id, time.monotonic() - start, prefilled=last > start)
 
     async def collect(self, job: Job) -> Finished:
         """The whole result at once, as generate() gets it: no per-round deltas to the event loop, whose
@@ -203,10 +207,28 @@ class ServingState:
         self.metrics.tokens(1, None)
         self.metrics.tokens(len(delta.token_ids) - 1, m.total_time_s - m.time_to_first_token_s)
 
+    def _record_abort(self, job: Job, request_id: str, seconds: float, prefilled: bool) -> None:
+        """An unfinished generation, counted as vLLM counts an aborted request. Its prompt counts once a delta
+        showed that its prefill ran (a generation answered in one piece, or aborted in the queue, shows none)."""
+        self.metrics.aborted(seconds, len(job.prompt_ids) if prefilled else 0)
+        if self.log_requests:
+            log.info("request %s: aborted (the client went away) after %.3f s", request_id, seconds)
+
+    def _start_reporter(self) -> None:
+        """The engine reporter, on the event loop that serves the requests: from start-up where the app is built
+        on it (a Ray Serve replica builds it on the replica's loop), so an idle replica exports its gauges too;
+        else (an app built before its server's loop runs, as for plain uvicorn) from the first request."""
+        if self._engine_reporter is not None or not self.metrics.enabled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop running yet: _enter starts it
+            return
+        self._engine_reporter = loop.create_task(self._report_engine())
+
     def _enter(self) -> None:
         self.running += 1
-        if self._engine_reporter is None and self.metrics.enabled:  # on the replica's event loop, from its first request
-            self._engine_reporter = asyncio.get_running_loop().create_task(self._report_engine())
+        self._start_reporter()
 
     def _exit(self, cancelled: bool) -> None:
         self.running -= 1
@@ -214,19 +236,33 @@ class ServingState:
 
     async def _report_engine(self) -> None:
         """Every ENGINE_REPORT_S: the engine's gauges (a snapshot read: it costs the engine nothing) and its
-        round counters' growth (on Ray a call to rank 0, made off the event loop)."""
-        last = None
+        round counters' growth (on Ray a call to rank 0, made off the event loop). A failed report is logged and
+        the next one tried: an exception here once ended the task, and the gauges froze."""
+        last, failing = None, False
         while True:
-            self.metrics.load(self.engine.load)
-            try:
-                now = await asyncio.to_thread(self._engine_times)
-            except Exception:  # noqa: BLE001 - a gone engine fails its requests and health check, not this
-                log.debug("engine metrics unavailable", exc_info=True)
-            else:
-                if last is not None:
-                    self.metrics.engine_times({k: now[k] - last[k] for k in now})
-                last = now
+            failing = self._report_load(failing)
+            last = await self._report_times(last)
             await asyncio.sleep(ENGINE_REPORT_S)
+
+    def _report_load(self, failing: bool) -> bool:
+        """The engine's gauges; True if they could not be reported (a warning the first time, then debug lines)."""
+        try:
+            self.metrics.load(self.engine.load)
+        except Exception:  # noqa: BLE001 - the reporter must outlive it
+            log.log(logging.DEBUG if failing else logging.WARNING, "engine gauges not reported", exc_info=True)
+            return True
+        return False
+
+    async def _report_times(self, last: dict | None) -> dict | None:
+        """The round counters' growth since `last` reported; the counters now (`last` if unavailable)."""
+        try:
+            now = await asyncio.to_thread(self._engine_times)
+            if last is not None:
+                self.metrics.engine_times({k: now[k] - last[k] for k in now})
+        except Exception:  # noqa: BLE001 - a gone engine fails its requests and health check, not this
+            log.debug("engine metrics unavailable", exc_info=True)
+            return last
+        return now
 
     def _engine_times(self) -> dict[str, float]:
         """The round counters, field by field (the engine thread updates them as we read: no dict copies)."""

@@ -1,0 +1,151 @@
+"""Serving metrics a scrape missed: aborted generations (vLLM's request_success{finished_reason="abort"}), the engine
+gauges of a replica that has served nothing yet, and gauges that froze after one failed read. Real HTTP (the app under
+loopback uvicorn, or a Ray Serve replica), real engines over tiny checkpoints, scraped from the session Ray node's
+real Prometheus endpoint."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+from http_helpers import serve_on_loopback
+from test_serve_fixtures import make_tokenizer
+from test_serving_metrics_review import samples, wait_for
+
+from saguaro_dist import LLM
+from saguaro_dist.serve.api import ServerOptions, create_app
+from saguaro_dist.serve.metrics import ServeMetrics
+
+pytest_plugins = ["test_serve_fixtures"]
+
+LONG = 4000  # seconds of generation on the CI box (ignore_eos): still running when the client hangs up
+PROMPT = [4, 5, 6]
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "draft_workers_live", "draft_workers")
+
+
+@pytest.fixture(scope="module")
+def metrics_url(ray_cluster) -> str:
+    if ray_cluster is None:
+        pytest.skip("Ray was started outside the tests: its metrics port is unknown")
+    return ray_cluster
+
+
+@pytest.fixture(scope="module")
+def long_llm(tmp_path_factory):
+    """An ar engine over a one-layer Llama with a context long enough for LONG tokens."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer, path = make_tokenizer(), tmp_path_factory.mktemp("h11_long")
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LONG + 256,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         tie_word_embeddings=False)
+    LlamaForCausalLM(config).eval().save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    with LLM(model=str(path), mode="ar", max_model_len=LONG + 256, max_batch_size=2) as engine:
+        yield engine
+
+
+def total(url: str, name: str, model: str, **labels) -> float:
+    return sum(s.value for s in samples(url, name, model) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def hang_up_after_first_chunk(base: str, body: dict) -> None:
+    """A streamed request read until its first delta, then the connection closed."""
+    with httpx.Client(timeout=60) as client, client.stream("POST", base + "/completions", json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                return
+
+
+def hang_up_while_generating(base: str, llm, body: dict) -> None:
+    """A non-streamed request sent over a raw socket, closed once the engine generates for it."""
+    host, port = base.removeprefix("http://").removesuffix("/v1").split(":")
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head + payload)
+        deadline = time.monotonic() + 30
+        while llm.load.num_running == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "in-one-piece"])
+def test_an_aborted_generation_is_counted_as_vllm_counts_it(metrics_url, long_llm, stream):
+    """The client goes away part-way: request_success{finished_reason="abort"} (its help text promised it), an
+    end-to-end latency sample, and (once a delta showed its prefill ran) its prompt tokens. None were counted."""
+    model = f"h11-abort-{'stream' if stream else 'whole'}"
+    body = {"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True, "stream": stream}
+    app = create_app(long_llm, ServerOptions(model), ServeMetrics(model))
+    with serve_on_loopback(app) as base:
+        if stream:
+            hang_up_after_first_chunk(base, body)
+        else:
+            hang_up_while_generating(base, long_llm, body)
+        deadline = time.monotonic() + 30
+        while app.state.saguaro.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+    found = wait_for(metrics_url, "saguaro_request_success_total", model, bool)
+    assert {(s.labels["finished_reason"], s.value) for s in found} == {("abort", 1.0)}
+    e2e = wait_for(metrics_url, "saguaro_e2e_request_latency_seconds_count", model, bool)
+    assert sum(s.value for s in e2e) == 1
+    prompt = wait_for(metrics_url, "saguaro_prompt_tokens_total", model, bool, timeout_s=30 if stream else 3)
+    assert sum(s.value for s in prompt) == (len(PROMPT) if stream else 0)  # in one piece: no delta showed a prefill
+
+
+def test_the_gauges_survive_a_failed_read(metrics_url, serving_pair):
+    """A failed read of the engine's load ended the reporter task silently: the gauges never came (or froze).
+    Now it is logged and the next report, a second later, sets them."""
+    model = "h11-flaky-load"
+    llm = LLM(model=serving_pair[0], mode="ar", max_model_len=256)
+    try:
+        with serve_on_loopback(create_app(LoadFailsOnce(llm), ServerOptions(model), ServeMetrics(model))) as base:
+            r = httpx.post(base + "/completions", json={"prompt": "the cat", "max_tokens": 2}, timeout=60)
+            assert r.status_code == 200  # (plain uvicorn: the reporter starts with the first request)
+            found = wait_for(metrics_url, "saguaro_num_requests_running", model, bool)
+    finally:
+        llm.shutdown()
+    assert [s.value for s in found] == [0.0]
+
+
+class LoadFailsOnce:
+    """A real engine whose first read of its load fails (fault injection; everything else is the engine's)."""
+
+    def __init__(self, llm):
+        self._llm, self._failed = llm, False
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+    @property
+    def load(self):
+        if not self._failed:
+            self._failed = True
+            raise RuntimeError("load unavailable")
+        return self._llm.load
+
+
+@pytest.mark.slow
+def test_an_idle_replica_exports_its_engine_gauges(metrics_url, server, serving_pair):
+    """A Ray Serve replica that has served nothing yet: its gauges came only with its first request (the
+    reporter started there), so a fresh replica read as no data to dashboards and autoscalers."""
+    from ray import serve
+
+    from saguaro_dist.serve.app import build_app
+
+    model, name = "h11-idle", "h11-idle"  # a second app beside the session's (`server` started Serve)
+    args = {"model": serving_pair[0], "mode": "ar", "max_model_len": 256, "max_batch_size": 2, "served_model_name": model}
+    serve.run(build_app(args), name=name, route_prefix="/" + name)
+    try:
+        found = wait_for(metrics_url, "saguaro_draft_workers", model, bool)
+        gauges = {g: total(metrics_url, f"saguaro_{g}", model) for g in GAUGES}
+    finally:
+        serve.delete(name)
+    assert found and gauges == dict.fromkeys(GAUGES, 0.0)  # ar: no drafts; nothing running
