@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import enum
+import math
 import os
 import re
+import threading
 from dataclasses import dataclass, field
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
@@ -113,15 +115,16 @@ def check_int(name: str, value, minimum: int) -> None:
 
 
 def check_resources(name: str, value) -> None:
-    """Ray custom resources: {name: amount >= 0}."""
-    if not isinstance(value, dict) or not all(isinstance(k, str) and k and is_number(v) and v >= 0
+    """Ray custom resources: {name: amount >= 0} (finite: Ray scales amounts to integers)."""
+    if not isinstance(value, dict) or not all(isinstance(k, str) and k and is_number(v) and 0 <= v < math.inf
                                               for k, v in value.items()):
-        raise ValueError(f"{name} must map resource names to amounts >= 0, got {value!r}")
+        raise ValueError(f"{name} must map resource names to finite amounts >= 0, got {value!r}")
 
 
 def check_seconds(name: str, value, zero_ok: bool) -> None:
-    if not is_number(value) or not value >= 0 or (value == 0 and not zero_ok):
-        raise ValueError(f"{name} must be a number of seconds {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+    """Finite and at most threading.TIMEOUT_MAX: the engine waits on it (an inf raised OverflowError there)."""
+    if not is_number(value) or not 0 <= value <= threading.TIMEOUT_MAX or (value == 0 and not zero_ok):
+        raise ValueError(f"{name} must be a finite number of seconds {'>= 0' if zero_ok else '> 0'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,9 @@ class Config:
         object.__setattr__(self, "scheduling_policy", parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy"))
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
+        for name in ("target_resources", "draft_resources"):  # a copy: the caller's dict may change later
+            if isinstance(getattr(self, name), dict):
+                object.__setattr__(self, name, dict(getattr(self, name)))
         for name in ("model", "draft", "tokenizer"):  # a pathlib.Path is a folder too
             if isinstance(getattr(self, name), os.PathLike):
                 object.__setattr__(self, name, os.fspath(getattr(self, name)))
@@ -250,11 +256,19 @@ class Config:
         lookup = (self.prompt_lookup_min, self.prompt_lookup_max)
         if any(type(n) is not int for n in lookup) or not 1 <= lookup[0] <= lookup[1]:
             raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, got {lookup}")
+        self._validate_fan_out()
+
+    def _validate_fan_out(self):
+        """A budget must cover K+1 positions only where trees are built (ssd): sd and ngram leave it unused, and
+        the default budget refused their k >= 12, with a --fan-out their flags refuse."""
         if isinstance(self.fan_out, tuple):
             if len(self.fan_out) != self.k + 1 or any(type(f) is not int or f < 1 for f in self.fan_out):
                 raise ValueError(f"fan_out as a list needs k+1 = {self.k + 1} positive ints, got {list(self.fan_out)}")
-        elif type(self.fan_out) is not int or self.fan_out < self.k + 1:
-            raise ValueError(f"fan_out budget must be an int >= k+1 = {self.k + 1} (one branch per position), got {self.fan_out!r}")
+            return
+        least = self.k + 1 if self.mode is Mode.SSD else 1
+        if type(self.fan_out) is not int or self.fan_out < least:
+            what = f"k+1 = {least} (one branch per position)" if self.mode is Mode.SSD else "1"
+            raise ValueError(f"fan_out budget must be an int >= {what}, got {self.fan_out!r}")
 
     def _validate_sizes(self):
         for name in ("max_batch_size", "max_num_batched_tokens", "tensor_parallel_size", "num_draft_workers"):
@@ -263,6 +277,9 @@ class Config:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         check_memory_utilization(self.gpu_memory_utilization)
+        if self.max_model_len is not None and self.mode is not Mode.AR and self.max_model_len - (self.k + 1) < 2:
+            raise ValueError(f"k = {self.k} leaves no room in max_model_len = {self.max_model_len}: a round scores "
+                             f"K+1 positions past a prompt token and a generated one (lower k, or raise max_model_len)")
 
     def _validate_times(self):
         if not is_number(self.draft_spin_s) or not 0.0 <= self.draft_spin_s <= 1.0:
@@ -282,9 +299,20 @@ class Config:
             raise ValueError(f"cluster must be 'local', 'auto' or a Ray address such as 'ray://host:10001', got {self.cluster!r}")
         for name in ("target_resources", "draft_resources"):
             check_resources(name, getattr(self, name))
+        if {"CPU", "GPU"} & set(self.draft_resources):  # Ray refuses them in an actor's custom resources
+            raise ValueError(f"draft_resources may not name CPU or GPU (got {self.draft_resources!r}): a draft "
+                             f"worker's CPUs are draft_threads, its GPU draft_device")
+        self._validate_pools()
         check_device(self.device)
         if self.draft_device is not None:
             check_device(self.draft_device, "draft_device")
+
+    def _validate_pools(self):
+        """More than one target rank or draft worker needs Ray: the one-host engine ran one of each, silently."""
+        for name in ("tensor_parallel_size", "num_draft_workers"):
+            if self.cluster is None and getattr(self, name) > 1:
+                raise ValueError(f"{name} = {getattr(self, name)} runs on Ray: give cluster ('auto': the cluster "
+                                 f"this process runs on or `ray start` began, 'local', or 'ray://host:10001')")
 
     @property
     def uses_draft(self) -> bool:

@@ -156,3 +156,14 @@ def test_the_chart_renders_the_generators_objects_for_a_cpu_tp_deployment(helm):
     s = k8s.K8sSettings(tp=3, target_cpu="4", gpu=False)
     rendered = rayservice_of(render(helm, k8s.helm_values(s)))
     assert validation.comparable(rendered) == validation.comparable(k8s.rayservice(s))
+
+
+def test_the_app_runs_its_pools_as_ray_actors_whatever_their_sizes():
+    """Old: a manifest named no cluster, so a pool of one target rank and one draft worker (the defaults) ran a
+    one-host engine inside the Serve replica's process, beside the pods made for them."""
+    from test_deploy_helm import render
+    for s in (k8s.K8sSettings(), k8s.K8sSettings(mode="ar", draft=None), k8s.K8sSettings(tp=2, target_cpu="3")):
+        assert config_from_args(k8s.serve_args(s)).cluster == "auto"
+    (service,) = [d for d in render(None) if d["kind"] == "RayService"]
+    (app,) = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    assert config_from_args(app["args"]).cluster == "auto"

@@ -36,6 +36,23 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+EXPECTED = {int: "an integer", float: "a number", _ints: "comma-separated integers", _floats: "comma-separated numbers"}
+
+
+def _parsed(args, options: dict) -> dict:
+    """field -> value of the options given; one that does not parse is an error naming its option (int()'s
+    "invalid literal for int() with base 10: 'x'" named none)."""
+    values = {}
+    for flag, (field, parse) in options.items():
+        text = getattr(args, field)
+        if text is not None:
+            try:
+                values[field] = parse(text)
+            except ValueError:
+                raise ValueError(f"{flag} expects {EXPECTED[parse]}, got {text!r}") from None
+    return values
+
+
 # option -> (BenchConfig field, parser)
 GRID_OPTIONS = {"--systems": ("systems", _names), "--settings": ("settings", _names), "--batch": ("batch_sizes", _ints),
                 "--temperatures": ("temperatures", _floats), "--max-new-tokens": ("max_new_tokens", int),
@@ -106,7 +123,7 @@ def register(subparsers) -> None:
 
 def bench_config(args) -> "BenchConfig":
     from saguaro_dist.bench import BenchConfig
-    overrides = {f: parse(getattr(args, f)) for f, parse in GRID_OPTIONS.values() if getattr(args, f) is not None}
+    overrides = _parsed(args, GRID_OPTIONS)
     return BenchConfig.preset(args.preset, target=args.target, draft=args.draft, out_dir=args.out,
                               plots=not args.no_plots, adaptive_fan_out=args.adaptive_fan_out,
                               enforce_eager=args.enforce_eager, ngram_rounds=not args.no_ngram_rounds,
@@ -115,7 +132,7 @@ def bench_config(args) -> "BenchConfig":
 
 def sweep_config(args, base) -> "SweepConfig":
     from saguaro_dist.bench import SweepConfig
-    overrides = {f: parse(getattr(args, f)) for f, parse in SWEEP_OPTIONS.values() if getattr(args, f) is not None}
+    overrides = _parsed(args, SWEEP_OPTIONS)
     if args.preset == "quick":
         overrides = {"ks": (2, 4), "budgets": (6, 12), "cs": (1.0, 0.5), "fallbacks": ("neural", "fast"), **overrides}
     return SweepConfig(base=base, **overrides)

@@ -163,6 +163,9 @@ def serve_args(s: K8sSettings) -> dict:
     args = {"model": s.model, "draft": draft, "revision": s.revision, "draft_revision": draft_revision,
             "tokenizer": s.tokenizer, "tokenizer_revision": s.tokenizer_revision,
             "mode": s.mode, "k": s.k,
+            # the engine's ranks and drafts run as Ray actors on the pods made for them, whatever their counts:
+            # without it a pool of one of each ran a one-host engine inside the Serve replica's process
+            "cluster": "auto",
             "fan_out": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
             "saguaro_c": s.saguaro_c, "fallback": s.fallback,
             "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,

@@ -13,26 +13,50 @@ API_KEY_ENV = "SAGUARO_API_KEY"
 SERVE_ONLY_ARGS = {"api_key", "api_key_env", "served_model_name", "max_request_bytes", "stream_interval_ms",
                    "tool_call_parser", "reasoning_parser", "log_requests", "chat_template"}
 _NUMBERS = {"int": int, "float": float}
+_BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
+POOL_FIELDS = ("tensor_parallel_size", "num_draft_workers")  # more than one of either runs the engine on Ray
 
 
 def coerce(name: str, value, default, annotation: str = ""):
-    """`serve run app:build_app k=4` passes strings: convert them to the field's type."""
+    """`serve run app:build_app k=4` passes strings: convert them to the field's type. One that is not of
+    that type is a ValueError naming the field and the type (not int()'s "invalid literal for int()")."""
     if not isinstance(value, str):
         return value
     if default is None and value.strip().lower() in ("none", "null", ""):
         return None
+    try:
+        return _converted(name, value, default, annotation)
+    except ValueError:
+        raise ValueError(f"{name} must be {_kind(name, default, annotation)}") from None
+
+
+def _converted(name: str, value: str, default, annotation: str):
     if name == "fan_out":
         parts = [int(v) for v in value.replace("[", "").replace("]", "").split(",") if v.strip()]
         return parts[0] if len(parts) == 1 else parts
     if isinstance(default, bool):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        word = value.strip().lower()
+        if word not in _BOOLS:  # any other word read as False: `adaptive_fan_out: flase` turned it off
+            raise ValueError(word)
+        return _BOOLS[word]
+    if isinstance(default, (int, float)):
         return type(default)(value)
     if isinstance(default, dict):
         return json.loads(value)
     if default is None and annotation.startswith(("int", "float")):  # optional numbers, e.g. max_model_len
         return _NUMBERS[annotation.split()[0]](value)
     return value
+
+
+def _kind(name: str, default, annotation: str) -> str:
+    """What a field's string must spell, for coerce's error."""
+    if name == "fan_out":
+        return "an integer or comma-separated integers"
+    if isinstance(default, bool):
+        return "true or false (yes / no, on / off, 1 / 0)"
+    if isinstance(default, dict):
+        return "a JSON object"
+    return "a number" if isinstance(default, float) or annotation.startswith("float") else "an integer"
 
 
 def config_from_args(args: dict) -> Config:
@@ -43,16 +67,23 @@ def config_from_args(args: dict) -> Config:
         raise ValueError(f"unknown saguaro app argument(s): {', '.join(unknown)}")
     if "model" not in args:
         raise ValueError("saguaro app arguments need 'model'")
-    values = {}
-    for name, value in args.items():
-        if name in fields:
-            f = fields[name]
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            try:
-                values[name] = coerce(name, value, default, str(f.type))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"app argument {name}={value!r}: {err}") from None
+    values = {name: _field_value(fields[name], value) for name, value in args.items() if name in fields}
+    if "cluster" not in values and any(_number(values.get(name)) > 1 for name in POOL_FIELDS):
+        values["cluster"] = "auto"  # as the CLI's flags: a manifest's pools run on the cluster the app runs on
     return Config(**values)
+
+
+def _field_value(f: dataclasses.Field, value):
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    try:
+        return coerce(f.name, value, default, str(f.type))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"app argument {f.name}={value!r}: {err}") from None
+
+
+def _number(value) -> float:
+    """A pool size as given, for comparing with 1 (Config refuses what is no integer)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else 0
 
 
 def served_model_names(given, model: str) -> tuple[str, ...]:

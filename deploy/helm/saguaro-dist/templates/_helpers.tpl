@@ -55,6 +55,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $args := dict "model" .Values.model.target "mode" .Values.speculation.mode "k" (int .Values.speculation.k) -}}
 {{- $usesDraft := has .Values.speculation.mode (list "sd" "ssd") -}}
 {{- if and $usesDraft .Values.model.draft }}{{ $_ := set $args "draft" .Values.model.draft }}{{ end -}}
+{{- $_ := set $args "cluster" "auto" -}}
 {{- $_ := set $args "fan_out" .Values.speculation.fanOut -}}
 {{- $_ := set $args "saguaro_c" .Values.speculation.saguaroC -}}
 {{- $_ := set $args "fallback" .Values.speculation.fallback -}}
