@@ -44,3 +44,13 @@ def test_deploy_writes_an_ngram_manifest_with_k_past_the_default_fan_out(capsys)
 def test_generate_refuses_what_cannot_run_before_any_model_loads(flags, message, capsys):
     code = main(["generate", "--model", "/nonexistent/model", *flags, "--prompt", "x"])
     assert code == 2 and message in capsys.readouterr().err
+
+
+def test_a_serve_config_file_s_pool_sizes_may_be_strings(tmp_path):
+    """Old: `tensor_parallel_size: "2"` in a --config file raised a TypeError (str > int) in engine_args."""
+    from saguaro_dist.cli import build_parser
+    from saguaro_dist.cli.serve import engine_args
+    from saguaro_dist.serve.args import config_from_args
+    args = engine_args(build_parser().parse_args(["serve", "/m", "--mode", "ar"]),
+                       {"tensor_parallel_size": "2", "num_draft_workers": "1"})
+    assert config_from_args(args).cluster == "auto"

@@ -60,7 +60,7 @@ def test_llm_refuses_text_that_is_not_unicode_and_serves_on(demo_ar):
 
 @pytest.mark.parametrize("messages", ["hi", ["hi"], [{"role": "user", "content": "hi"}, "hi"], 5])
 def test_chat_names_what_a_conversation_is(demo_ar, messages):
-    with pytest.raises(ValueError, match="a list of {'role'"):
+    with pytest.raises(ValueError, match="list of {'role'"):
         demo_ar.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
 
 

@@ -63,7 +63,7 @@ def test_k_that_leaves_no_room_in_the_context_is_refused_at_construction(tiny_ll
     """K+1 scored positions past a prompt token and a generated one must fit: a k as long as the context was
     taken, and every request then failed against "the model's max length -89"."""
     target, draft = tiny_llama_pair
-    with pytest.raises(ValueError, match="k = 4 leaves no room in a context of 6 tokens"):
+    with pytest.raises(ValueError, match="k = 4 leaves no room in max_model_len = 6"):  # (Config says it now)
         LLM(model=target, draft=draft, mode="sd", k=4, fan_out=5, max_model_len=6)
     with LLM(model=target, draft=draft, mode="sd", k=4, fan_out=5, max_model_len=7) as tight:  # room for one token
         out = tight.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(temperature=0, max_tokens=1))

@@ -113,9 +113,9 @@ def _token_ids(text: str) -> list[int]:
 
 def _local(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
     from saguaro_dist import LLM
-    from saguaro_dist.config import Config
+    from saguaro_dist.serve.args import config_from_args
 
-    config = Config(**engine_args(ns))
+    config = config_from_args(engine_args(ns))  # (more than one rank or draft worker: on Ray, cluster auto)
     params = _params({**GENERATE_DEFAULTS, **generation_defaults(config), **_sampling(ns)})  # before the model loads
     with LLM.from_config(config) as llm:
         outputs = llm.generate(prompts, params)

@@ -154,8 +154,6 @@ def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
         raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
     ns.model = ns.model or ns.model_tag
     args.update({field: getattr(ns, dest) for dest, field in ENGINE_FLAGS.items() if getattr(ns, dest) is not None})
-    if "cluster" not in args and (args.get("tensor_parallel_size", 1) > 1 or args.get("num_draft_workers", 1) > 1):
-        args["cluster"] = "auto"  # more than one target rank or draft worker means Ray actors
     args = with_default_model(args)
     implied = ns.mode is None and "mode" not in (base or {})
     try:
