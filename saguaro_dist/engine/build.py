@@ -15,6 +15,7 @@ from saguaro_dist.engine.split_draft import SplitDraftBackend
 from saguaro_dist.model import ModelRunner, load_tokenizer
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.loader import TOKENIZER_FILES, resolve_model_dir
+from saguaro_dist.model.runner import check_max_model_len
 from saguaro_dist.model.vocab import check_pair_vocab
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ def fit_draft(config: Config, target_tok) -> DraftFit:
                      for p, r in ((config.model, config.revision), (config.draft, config.draft_revision)))
     check_pair_vocab(target.vocab_size, draft.vocab_size, target_tok, draft_tokenizer(config, target_tok))
     wanted = config.max_model_len or target.max_position_embeddings
+    check_max_model_len(wanted, target)  # the target's runner would refuse it, on Ray after the drafts load
     if draft.max_position_embeddings < wanted:
         log.info("the draft's context is %d tokens, the engine's %d: longer sequences go on with the fast "
                  "(n-gram) backup instead of the draft", draft.max_position_embeddings, wanted)

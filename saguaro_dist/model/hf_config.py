@@ -91,8 +91,19 @@ def _model_type(hf: dict) -> str:
     return model_type
 
 
+def _check_unquantized(hf: dict) -> None:
+    """Quantized weights (FP8, GPTQ, AWQ, ...) need scales and kernels this runtime lacks: loaded as they
+    are, FP8 ones were cast without their scales and computed another model."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
+        raise ValueError(f"config.json has a quantization_config (quant_method {method!r}): quantized checkpoints "
+                         "are not supported; use the unquantized (float16 / bfloat16 / float32) model")
+
+
 def parse_config(hf: dict) -> ModelConfig:
     model_type = _model_type(hf)
+    _check_unquantized(hf)
     bias_key, o_bias, qk_norm = _FAMILIES[model_type]
     qkv_bias = bool(hf.get(bias_key, False)) if bias_key else True
     heads = _require(hf, "num_attention_heads")

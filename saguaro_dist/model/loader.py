@@ -1,9 +1,11 @@
-"""Checkpoint files: resolve a path or Hugging Face id, read *.safetensors (single or sharded), and copy
-each tensor into its parameter (sharded by the parameter's module when tensor parallel)."""
+"""Checkpoint files: resolve a path or Hugging Face id, read *.safetensors (single or sharded) or, when a
+checkpoint ships none, pytorch_model*.bin (torch.load, weights_only), and copy each tensor into its
+parameter (sharded by the parameter's module when tensor parallel)."""
 from __future__ import annotations
 
 import json
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -12,7 +14,10 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 _INDEX = "model.safetensors.index.json"
+_BIN_INDEX = "pytorch_model.bin.index.json"
 _METADATA_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # config, tokenizer, generation config
+_BIN_PATTERN = "pytorch_model*.bin"  # not *.bin: repos also hold training_args.bin and optimizer states
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers older checkpoints saved; rebuilt from config.json
 
 
 def resolve_model_dir(path_or_id: str | Path, weights: bool = True, revision: str | None = None) -> Path:
@@ -27,28 +32,104 @@ def resolve_model_dir(path_or_id: str | Path, weights: bool = True, revision: st
     name = str(path_or_id)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"model path {name!r} is not a directory and not a Hugging Face id (owner/name)")
-    from huggingface_hub import snapshot_download
     log.info("resolving %s%s via the Hugging Face cache%s", name, f"@{revision}" if revision else "",
              "" if weights else " (config and tokenizer only)")
-    patterns = _METADATA_PATTERNS + (["*.safetensors"] if weights else [])
-    return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
+    folder = _hub_snapshot(name, revision, _METADATA_PATTERNS)
+    if not weights:
+        return folder
+    folder = _hub_snapshot(name, revision, _weight_patterns(folder, _INDEX, "*.safetensors"))
+    if not any(folder.glob("*.safetensors")):  # an older checkpoint: PyTorch pickles only
+        folder = _hub_snapshot(name, revision, _weight_patterns(folder, _BIN_INDEX, _BIN_PATTERN))
+    return folder
+
+
+def _weight_patterns(folder: Path, index: str, pattern: str) -> list[str]:
+    """The weight files to fetch: the shards the index names, else every file of the pattern. Not every
+    *.safetensors beside an index: Mistral's repos also hold consolidated.safetensors, the same weights
+    in Mistral's own layout (twice the download, and none of it read)."""
+    return _index_shards(folder / index) if (folder / index).is_file() else [pattern]
+
+
+def _index_shards(index: Path) -> list[str]:
+    return sorted(set(json.loads(index.read_text())["weight_map"].values()))
+
+
+def _hub_snapshot(name: str, revision: str | None, patterns: list[str]) -> Path:
+    """snapshot_download, its failures (every one an OSError: not in the offline cache, no such repo or
+    revision, gated, no network) made one ValueError that names the id and what to do."""
+    from huggingface_hub import constants, snapshot_download
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
+    except OSError as err:
+        raise ValueError(hub_failure(name, revision, err, bool(constants.HF_HUB_OFFLINE))) from None
+
+
+def hub_failure(name: str, revision: str | None, err: Exception, offline: bool) -> str:
+    """Why a Hub id could not be resolved, and what to do, in one message (not the HTTP client's stack)."""
+    at = f"{name!r}" + (f" at revision {revision!r}" if revision else "")
+    reason = (str(err).strip().splitlines() or [""])[0]
+    if offline:
+        hint = ("HF_HUB_OFFLINE is set, so only the local Hugging Face cache is read, and it does not hold this "
+                f"model (at this revision): download it where the Hub can be reached (hf download {name}), unset "
+                "HF_HUB_OFFLINE, or pass a local folder")
+    else:
+        hint = ("Check the id and revision, the network, and HF_TOKEN for a gated or private repository; "
+                "without a network, set HF_HUB_OFFLINE=1 to read a model already in the cache, or pass a local folder")
+    return (f"model {at} is not a local folder, and the Hugging Face Hub could not provide it "
+            f"({type(err).__name__}: {reason}). {hint}")
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / _INDEX
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        missing = [s for s in shards if not (model_dir / s).is_file()]
-        if missing:
-            raise ValueError(f"{index} names shard files that do not exist: {missing}")
-        return [model_dir / s for s in shards]
-    single = model_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors weights in {model_dir} (expected model.safetensors or {_INDEX})")
-    return files
+    """Safetensors when the checkpoint has them (an index's shards, model.safetensors, or every file),
+    else the PyTorch pickles, by the same rule."""
+    for index, single, pattern in ((_INDEX, "model.safetensors", "*.safetensors"),
+                                   (_BIN_INDEX, "pytorch_model.bin", _BIN_PATTERN)):
+        if (model_dir / index).is_file():
+            shards = _index_shards(model_dir / index)
+            missing = [s for s in shards if not (model_dir / s).is_file()]
+            if missing:
+                raise ValueError(f"{model_dir / index} names shard files that do not exist: {missing}")
+            return [model_dir / s for s in shards]
+        if (model_dir / single).is_file():
+            return [model_dir / single]
+        if files := sorted(model_dir.glob(pattern)):
+            return files
+    raise ValueError(f"no *.safetensors weights in {model_dir} (expected model.safetensors or {_INDEX}; "
+                     f"or pytorch_model.bin or {_BIN_INDEX})")
+
+
+class _TensorSlice:
+    """A loaded tensor read as a safetensors slice is (get_shape, indexing): what tensor parallel reads."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.tensor[index]
+
+
+def _pickled_state(file: Path) -> dict:
+    """A pytorch_model*.bin state dict, memory-mapped; weights_only: a pickle runs no code of its own."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{file} is not a plain state dict of tensors (torch.load weights_only): {err}") from None
+    except RuntimeError:  # the pre-1.6 (non-zip) format cannot be memory-mapped
+        return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def _tensor_slices(file: Path):
+    """(stored name, slice) of every tensor in a weights file; slice[:] reads it whole."""
+    if file.suffix != ".bin":
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+        return
+    for name, tensor in _pickled_state(file).items():
+        yield name, _TensorSlice(tensor)
 
 
 def _copy_into(param: torch.Tensor, tensor: torch.Tensor, name: str):
@@ -66,28 +147,41 @@ def _param_name(stored: str, wanted: set[str]) -> str:
 
 
 def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset()):
-    """Every parameter must come from the checkpoint (none is left as allocated); `skip` names tied ones."""
+    """Every parameter must come from the checkpoint (none is left as allocated), and every tensor of the
+    checkpoint must fill one (but buffers and `skip`: tied ones): a tensor left over means config.json
+    does not describe these weights (attention biases it omits, more layers), and dropping it computed
+    another model than the checkpoint's, silently (vLLM refuses such a checkpoint too)."""
     params = {n: (m, local) for m_name, m in model.named_modules()
               for local, _ in m.named_parameters(recurse=False)
               for n in [f"{m_name}.{local}" if m_name else local]}
     wanted = set(params) - set(skip)
-    loaded = set()
+    loaded, unexpected = set(), []
     for file in checkpoint_files(model_dir):
-        with safe_open(str(file), framework="pt") as f:
-            for stored in f.keys():
-                name = _param_name(stored, wanted)
-                if name not in wanted:
-                    continue  # e.g. rotary inv_freq buffers, or an lm_head the config ties
-                module, local = params[name]
-                shard = getattr(module, "shard_weight", None)  # tensor-parallel modules keep their slice
-                tensor = f.get_tensor(stored) if shard is None else shard(local, f.get_slice(stored))
-                with torch.no_grad():
-                    _copy_into(getattr(module, local), tensor, stored)
-                loaded.add(name)
-    missing = sorted(wanted - loaded)
+        for stored, sl in _tensor_slices(file):
+            name = _param_name(stored, wanted)
+            if name not in wanted:
+                if name not in skip and not name.endswith(_IGNORED_SUFFIXES):
+                    unexpected.append(stored)
+                continue
+            module, local = params[name]
+            shard = getattr(module, "shard_weight", None)  # tensor-parallel modules keep their slice
+            with torch.no_grad():
+                _copy_into(getattr(module, local), sl[:] if shard is None else shard(local, sl), stored)
+            loaded.add(name)
+    _check_complete(model_dir, sorted(wanted - loaded), unexpected)
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "")
+
+
+def _check_complete(model_dir: Path, missing: list[str], unexpected: list[str]) -> None:
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks tensor(s): {', '.join(missing[:8])}"
-                         + (" ..." if len(missing) > 8 else ""))
+        raise ValueError(f"checkpoint {model_dir} lacks tensor(s): {_names(missing)}")
+    if unexpected:
+        raise ValueError(f"checkpoint {model_dir} holds tensor(s) the model its config.json describes has no "
+                         f"place for: {_names(sorted(unexpected))}; config.json does not match these weights "
+                         "(attention_bias, num_hidden_layers, tie_word_embeddings, model_type?)")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
