@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, port_closed
+from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, llama_config, port_closed, save_model
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.distributed import cluster
@@ -85,15 +85,26 @@ def test_a_placement_group_that_fits_is_waited_for_fractional_seconds(ray_cluste
     ray.util.remove_placement_group(pg)
 
 
-def test_shutdown_fails_the_requests_in_flight_and_a_second_one_does_nothing(ray_cluster, pair, caplog, monkeypatch):
+@pytest.fixture(scope="module")
+def slow_target(tmp_path_factory) -> str:
+    """A target whose 240 sampled tokens take ~1.5 s here, not the pair's ~0.1 s: a request still in flight when
+    the test shuts the engine down (with the pair's, a loaded CI box finished it first, and the test failed)."""
+    path = tmp_path_factory.mktemp("slow_target") / "slow"
+    save_model(path, llama_config(96, 384, 6), seed=3)
+    return str(path)
+
+
+def test_shutdown_fails_the_requests_in_flight_and_a_second_one_does_nothing(ray_cluster, slow_target, caplog,
+                                                                             monkeypatch):
     """A stream running on another thread when the engine shuts down fails with EngineError, as on one host
     (it waited forever: its updates stopped with the poll thread, unless a poll in flight happened to catch
     rank 0's failing it). Calling shutdown again does nothing (it called the killed rank 0, logged a warning
     and killed every actor again); the engine then refuses work as shut down (a submit reported the target
     dead and advised LLM.rebuild()), and keeps its metrics."""
     before = wait_cpus(ray.cluster_resources()["CPU"])
-    llm = ngram_llm(pair, max_model_len=256)
-    thread, result = stream_in_thread(llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=240, ignore_eos=True))
+    llm = ngram_llm({"target": slow_target}, max_model_len=256)
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=240, ignore_eos=True)  # ~1 token a round
+    thread, result = stream_in_thread(llm, PROMPTS[0], params)
     wait_running(llm)
     # Polls that never wait on rank 0: no poll in flight can catch the failures rank 0 sends as it stops (a
     # race the old code lost or won by luck; here it always loses it).
