@@ -20,11 +20,14 @@ def main() -> None:
         # The output distribution is exactly the target's whichever path (cache hit or fallback) ran.
         outputs = llm.generate(prompts, SamplingParams(temperature=0.7, top_p=0.95, max_tokens=96, seed=0))
         for prompt, out in zip(prompts, outputs):
-            m = out.metrics
-            print(f"--- prompt (last 160 chars) ---\n{prompt[-160:]}\n--- continuation ---\n{out.text}")
+            m = out.metrics  # (out.text, out.token_ids, ...: its sample 0's, out.outputs[0], as vLLM's)
+            print(f"--- prompt (last 160 chars) ---\n{prompt[-160:]}\n--- continuation ---\n{out.outputs[0].text}")
             print(f"[{m.num_generated_tokens} tokens, {m.tokens_per_s:.1f} tok/s, acceptance {m.acceptance_rate:.2f}, "
                   f"mean accepted length {m.mean_accepted_length:.2f}, cache hit rate {m.cache_hit_rate:.2f}, "
                   f"fallbacks {m.fallbacks}]\n")
+        # vLLM's n: samples of one prompt in out.outputs, in index order (sample i draws from seed + i).
+        samples = llm.generate(prompts[:1], SamplingParams(temperature=0.7, top_p=0.95, max_tokens=24, seed=0, n=2))[0]
+        print(f"two samples: {[c.text for c in samples.outputs]}\n")
         # Structured outputs: the target's distribution masked to a JSON schema on every path (the draft is
         # told the schema too, so its proposals fit it); any of regex=, choice=[...], grammar= works the same.
         schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"}},

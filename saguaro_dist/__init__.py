@@ -5,13 +5,13 @@ from saguaro_dist.config import BonusDraw, Config, DraftExecutor, FallbackPolicy
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue", "BonusDraw"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue", "BonusDraw"]
 
 
 def __getattr__(name):
     # The engine pulls in torch, transformers and (for clusters) ray: import it only when asked for,
     # so `import saguaro_dist.client` stays light.
-    if name in ("LLM", "RequestOutput"):
+    if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from saguaro_dist.engine import llm
         return getattr(llm, name)
     raise AttributeError(f"module 'saguaro_dist' has no attribute {name!r}")

@@ -78,6 +78,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays at its end
     skip_special_tokens: bool = True          # special tokens are left out of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: the model's max length)
+    # vLLM's: samples per prompt (LLM.generate / chat); sample i of a seeded request draws from seed + i. Last, so
+    # that positional arguments keep their places.
+    n: int = 1
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else as_tuple(self.stop, "stop", "a string or a list of strings")
@@ -97,6 +100,7 @@ class SamplingParams:
         # (codec.CodecError) inside the engine step, past the edge.
         if self.seed is not None and (type(self.seed) is not int or not SEED_MIN <= self.seed <= SEED_MAX):
             raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (or None), got {self.seed!r}")
+        check_n(self.n, self.seed)
         check_min_p(self.min_p)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
@@ -148,6 +152,15 @@ def check_top(top_p: float, top_k: int) -> None:
         raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
     if type(top_k) is not int or not 0 <= top_k <= MAX_TOP_K:
         raise ValueError(f"top_k must be an integer in 0..{MAX_TOP_K} (0 or -1 disables it), got {top_k!r}")
+
+
+def check_n(n: int, seed: int | None) -> None:
+    """n an int >= 1; with a seed, the last sample's seed + n - 1 must still be an int64 (as the seed)."""
+    if type(n) is not int or n < 1:
+        raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
+    if seed is not None and seed + n - 1 > SEED_MAX:
+        raise ValueError(f"seed + n - 1 must be at most 2**63 - 1 (sample i draws from seed + i), got seed {seed} "
+                         f"with n = {n}")
 
 
 def check_penalties(presence: float, frequency: float, repetition: float) -> None:

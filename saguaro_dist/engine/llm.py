@@ -8,6 +8,7 @@ import queue
 import time
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from typing import AsyncIterator
 
 from tqdm import tqdm
@@ -16,7 +17,7 @@ from saguaro_dist.config import Config, Mode, SchedulingPolicy
 from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.metrics import EngineLoad
-from saguaro_dist.engine.outputs import RequestOutput, StreamDelta
+from saguaro_dist.engine.outputs import CompletionOutput, RequestOutput, StreamDelta, cumulative_logprob
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.engine.text import encode_text
@@ -24,8 +25,16 @@ from saguaro_dist.model.loader import load_generation_defaults
 from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
                                           until_context_end)
 
-__all__ = ["LLM", "RequestOutput", "StreamDelta"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "StreamDelta"]
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptRequest:
+    """One prompt as submitted: its SamplingParams.n samples, each a Sequence of its own, in index order."""
+    request_id: str
+    text: str | None
+    samples: list[Sequence]
 
 
 class LLM:
@@ -89,25 +98,28 @@ class LLM:
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  prompt_token_ids: list[list[int]] | None = None, priority: list[int] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (continuously batched); outputs in prompt order. priority: one int per
-        prompt, lower admitted first (needs scheduling_policy="priority", as vLLM). use_tqdm: vLLM's progress
-        bar of finished prompts and output tokens/s, on stderr when it is a terminal. An interrupt (Ctrl-C)
-        aborts the prompts not yet finished before it propagates."""
+        """Generate for every prompt (continuously batched); outputs in prompt order, each with
+        SamplingParams.n samples in `outputs` (index order; sample i of a seeded request draws from seed + i).
+        priority: one int per prompt, lower admitted first (needs scheduling_policy="priority", as vLLM).
+        use_tqdm: vLLM's progress bar of finished samples and output tokens/s, on stderr when it is a
+        terminal. An interrupt (Ctrl-C) aborts the samples not yet finished before it propagates."""
         requests = self._requests(prompts, prompt_token_ids, sampling_params, priority)
+        seqs = [seq for request in requests for seq in request.samples]
         finished: queue.Queue[int] = queue.Queue()
-        results: list = [None] * len(requests)
-        for seq, _ in requests:
+        results: list = [None] * len(seqs)
+        for seq in seqs:
             seq.output_kind = OutputKind.FINAL_ONLY
         try:
-            self._thread.submit_many([(seq, self._collector(i, results, finished)) for i, (seq, _) in enumerate(requests)])
+            self._thread.submit_many([(seq, self._collector(i, results, finished)) for i, seq in enumerate(seqs)])
             self._wait(results, finished, use_tqdm)
         except BaseException:  # Ctrl-C (a notebook's interrupt): the batch must not run on ahead of the next call
-            self._abort_unfinished([seq for (seq, _), result in zip(requests, results) if result is None])
+            self._abort_unfinished([seq for seq, result in zip(seqs, results) if result is None])
             raise
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        return [self._output(seq, text) for seq, (_, text) in zip(results, requests)]
+        done = iter(results)
+        return [self._output(request, [next(done) for _ in request.samples]) for request in requests]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
@@ -148,8 +160,11 @@ class LLM:
         if isinstance(stream_interval_s, bool) or not (isinstance(stream_interval_s, (int, float))
                                                        and 0 <= stream_interval_s < float("inf")):
             raise ValueError(f"stream_interval_s must be a finite number >= 0, got {stream_interval_s!r}")
-        seq, _ = self._requests(None if prompt is None else [prompt],
-                                None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority])[0]
+        request = self._requests(None if prompt is None else [prompt],
+                                 None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority])[0]
+        if len(request.samples) != 1:  # (the HTTP server streams its n samples as n requests of n = 1)
+            raise ValueError(f"stream serves one sample: n must be 1, got {len(request.samples)} (generate takes n > 1)")
+        seq = request.samples[0]
         seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
         request_id = self._open_stream(seq, request_id)
         queue: asyncio.Queue = asyncio.Queue()
@@ -227,8 +242,8 @@ class LLM:
         self.shutdown()
 
     # ---- edges ------------------------------------------------------------------------------
-    def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None) -> list[tuple[Sequence, str | None]]:
-        """Validate everything before any work; one Sequence per prompt."""
+    def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None) -> list[PromptRequest]:
+        """Validate everything before any work; one PromptRequest (n Sequences) per prompt."""
         texts, ids = self._prompt_ids(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids))
         priorities = self._priorities(priority, len(ids))
@@ -237,9 +252,16 @@ class LLM:
             tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
             p = until_context_end(p, len(tokens), self.max_model_len)
             self._check_prompt(tokens, p)
-            seq = Sequence(next(self._ids), uuid.uuid4().hex, tokens, p, priority=rank)
-            out.append((seq, text))
+            out.append(self._prompt_request(text, tokens, p, rank))
         return out
+
+    def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int) -> PromptRequest:
+        """params.n Sequences of the prompt; with n > 1, sample i's engine id is "<i>_<request id>" (vLLM's)."""
+        request_id = uuid.uuid4().hex
+        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
+        samples = [Sequence(next(self._ids), seq_id, list(tokens), p, priority=rank)
+                   for seq_id, p in zip(ids, sample_params(params))]
+        return PromptRequest(request_id, text, samples)
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
         if (prompts is None) == (prompt_token_ids is None):
@@ -328,11 +350,11 @@ class LLM:
                 bar.update(1)
 
     @staticmethod
-    def _output(seq: Sequence, prompt: str | None) -> RequestOutput:
-        return RequestOutput(seq.request_id, prompt, seq.prompt_token_ids, seq.text, list(seq.output_token_ids),
-                             seq.finish_reason.value if seq.finish_reason else None, seq.metrics,
-                             list(seq.output_logprobs) if seq.params.logprobs is not None else None,
-                             seq.prompt_logprobs, seq.stop_reason)
+    def _output(request: PromptRequest, samples: list[Sequence]) -> RequestOutput:
+        """The finished samples of one prompt; the prompt's fields and the metrics are sample 0's."""
+        first = samples[0]
+        return RequestOutput.of_samples(request.request_id, request.text, first.prompt_token_ids, first.prompt_logprobs,
+                                        [completion(i, seq) for i, seq in enumerate(samples)], first.metrics)
 
     @staticmethod
     def _delta(u: Update, request_id: str) -> StreamDelta:
@@ -340,6 +362,23 @@ class LLM:
         return StreamDelta(request_id, u.text_delta, u.token_delta, u.finished, reason,
                            u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs,
                            u.seq.stop_reason if u.finished else None)
+
+
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """The n = 1 settings of each of params.n samples: sample i draws from seed + i (the HTTP server's rule:
+    the samples differ, each seeded as a request of its own); only sample 0 scores the prompt (prompt_logprobs
+    cost a [P, V] LM head, the same for every sample). n = 1 here: nothing downstream expands them again."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
+
+
+def completion(index: int, seq: Sequence) -> CompletionOutput:
+    token_ids = list(seq.output_token_ids)
+    logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
+    return CompletionOutput(index, seq.text, token_ids, cumulative_logprob(token_ids, logprobs), logprobs,
+                            seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason)
 
 
 def _conversations(messages) -> list:
