@@ -75,7 +75,8 @@ class SchedulingPolicy(str, enum.Enum):
     PRIORITY = "priority"  # the lowest `priority` value first, then first come; running requests are not preempted
 
 
-DTYPES = ("float32", "float16", "bfloat16")
+# auto: vLLM's --dtype auto, each model's checkpoint dtype adjusted to its device (model/device.py auto_dtype)
+DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 
 def check_dtype(dtype) -> None:
@@ -161,7 +162,7 @@ class Config:
     max_num_batched_tokens: int = 2048     # prompt tokens an engine step prefills, tokens one forward takes: longer prompts run in chunks
     device: str = "cpu"
     draft_device: str | None = None        # the draft's own device (None: `device`), e.g. cuda:1 beside a target on cuda:0
-    dtype: str = "float32"
+    dtype: str = "float32"                 # or float16, bfloat16, auto (per model: its checkpoint's, for its device)
     enforce_eager: bool = False            # on CUDA: every forward eager (default: short ones replay CUDA graphs; model/cuda_graphs.py)
     gpu_memory_utilization: float = 0.9    # share of the device's memory the engine may use; its KV cache must fit (model/memory.py)
     enable_prefix_caching: bool = True     # finished sequences' KV rows are reused by prompts that start alike (model/prefix_cache.py)

@@ -122,7 +122,7 @@ class BenchConfig:
     interleave: bool = False              # every system of a setting open at once, one repeat of each in turn
     cores: int = 2
     device: str = "cpu"                   # every system's models (cuda: the GPU check, benchmarks/gpu_check.sh)
-    dtype: str = "float32"
+    dtype: str = "float32"                # "auto": the target's auto dtype on `device`, for every model (_auto_dtype)
     enforce_eager: bool = False           # on CUDA: no CUDA graphs (the eager baseline)
     out_dir: str = "bench-results"
     plots: bool = True
@@ -149,6 +149,19 @@ class BenchConfig:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
         # The engine's own checks of the SSD knobs, now: they used to fail once the first cell had loaded a model.
         Config(model="unchecked", draft="unchecked", mode="ssd", **self.engine_kwargs())
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", self._auto_dtype())
+
+    def _auto_dtype(self) -> str:
+        """dtype "auto" resolved once, for the target checkpoint (model/device.py auto_dtype): the cells run
+        both models at it, as transformers' baselines take one dtype and the departure judge rounds at the
+        run's, and the results record the dtype that ran."""
+        from saguaro_dist.bench.prompts import resolve_pair
+        from saguaro_dist.model.device import auto_dtype
+        from saguaro_dist.model.hf_config import read_config_json
+        from saguaro_dist.model.loader import resolve_model_dir
+        target, _ = resolve_pair(self.target, self.draft)
+        return auto_dtype(read_config_json(resolve_model_dir(target, weights=False)), self.device)
 
     @property
     def prompt_count(self) -> int:

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from saguaro_dist.cli.flag_checks import check_mode_flags, flag_name, given, refuse_without
-from saguaro_dist.config import Mode
+from saguaro_dist.config import DTYPES, Mode
 from saguaro_dist.deploy import k8s
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
@@ -50,7 +50,7 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "worst case, max-batch-size x max-model-len, must fit what the weights leave of it")
     parser.add_argument("--scheduling-policy", default=DEFAULTS.scheduling_policy, choices=["fcfs", "priority"],
                         help="priority: requests' `priority` field orders the waiting queue (lower first)")
-    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], help="default: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU; auto: each checkpoint's own (vLLM's)")
     parser.add_argument("--served-model-name", help="model name the OpenAI API reports (default: --model)")
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                         help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes; '

@@ -116,7 +116,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "chunks between decoding rounds (default 2048)")
     g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
     g.add_argument("--draft-device", help="the draft's own device (default: --device), e.g. cuda:1")
-    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--dtype", choices=DTYPES,
+                   help="the models' dtype (default float32); auto: each model's checkpoint dtype, on CUDA float16 "
+                        "for a float32 one (vLLM's), on the CPU bfloat16 for a float16 one")
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
     g.add_argument("--gpu-memory-utilization", type=float,

@@ -49,7 +49,7 @@ class K8sSettings:
     max_model_len: int | None = None  # None: the model's own context; the KV cache's worst case must fit (model/memory.py)
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"   # or "priority": requests' `priority` orders the waiting queue
-    dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU
+    dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU; "auto": each model's checkpoint dtype (vLLM's)
     served_model_name: str | None = None
     tool_call_parser: str | None = None  # tool_choice "auto": hermes (Qwen 2.5 / 3, Hermes), llama3_json, mistral
     reasoning_parser: str | None = None  # <think> text as the message's reasoning: qwen3, deepseek_r1

@@ -34,7 +34,7 @@ def make_runner(path: str, config: Config, tp_group=None, device: str | None = N
     `fit` sets the vocabulary it speaks and the longest sequence it holds (fit_draft)."""
     device = device or config.device
     cuda_graphs = device.startswith("cuda") and not config.enforce_eager
-    return ModelRunner(path, device=device, dtype=getattr(torch, config.dtype),
+    return ModelRunner(path, device=device, dtype=config.dtype,  # "auto": this checkpoint's, for this device
                        max_model_len=fit.max_model_len if fit else config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
                        max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None,

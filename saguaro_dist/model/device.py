@@ -6,6 +6,7 @@ import contextlib
 import torch
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+AUTO_DTYPE = "auto"  # vLLM's --dtype auto: resolved per checkpoint and device (auto_dtype)
 
 
 def set_torch_threads(n: int | None):
@@ -20,6 +21,35 @@ def parse_dtype(dtype) -> torch.dtype:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or a torch.dtype, got {dtype!r}")
     return _DTYPES[dtype]
+
+
+def checkpoint_dtype(hf: dict) -> str:
+    """The dtype a checkpoint's config.json says its weights are: `dtype` (transformers >= 4.56 writes
+    it) or `torch_dtype`; float32 when it says none, as transformers and vLLM read it."""
+    saved = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    name = str(saved).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype auto: config.json says the weights are {saved!r}, not one of "
+                         f"{', '.join(_DTYPES)}; name the dtype instead")
+    return name
+
+
+def auto_dtype(hf: dict, device) -> str:
+    """dtype "auto" for a checkpoint (its config.json as a dict) on `device`. On CUDA, vLLM's rule: FP16
+    for FP32 and FP16 checkpoints, BF16 for BF16 ones (16-bit runs on the tensor cores, in half the
+    memory). On the CPU float32 stays float32: it is the checkpoint's own precision, unrounded, and every
+    CPU has fast float32 kernels while bfloat16 ones need AVX512-BF16 or AMX; float16 becomes bfloat16,
+    as vLLM's CPU backend does: CPUs have no float16 matmul kernel (warn_if_slow_dtype), and bfloat16
+    keeps the checkpoint's memory and float16's range."""
+    saved = checkpoint_dtype(hf)
+    if torch.device(device).type == "cuda":
+        return "float16" if saved == "float32" else saved
+    return "bfloat16" if saved == "float16" else saved
+
+
+def resolve_dtype(dtype, hf: dict, device) -> torch.dtype:
+    """parse_dtype, with "auto" resolved for this checkpoint on this device (auto_dtype)."""
+    return parse_dtype(auto_dtype(hf, device) if dtype == AUTO_DTYPE else dtype)
 
 
 def resolve_device(device) -> torch.device:

@@ -10,7 +10,7 @@ from saguaro_dist.config import check_memory_utilization
 from saguaro_dist.model.branch import BranchBatch, BranchState, end_branches, new_branch_state
 from saguaro_dist.model.build import build_model
 from saguaro_dist.model.cuda_graphs import StepGraphs
-from saguaro_dist.model.device import parse_dtype, resolve_device
+from saguaro_dist.model.device import AUTO_DTYPE, resolve_device, resolve_dtype
 from saguaro_dist.model.extend_batch import ExtendBatch
 from saguaro_dist.model.hf_config import ModelConfig, load_config
 from saguaro_dist.model.kv_cache import MIN_KV_CAPACITY, NARROW_ABOVE, KVPool
@@ -41,7 +41,8 @@ class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
                  cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None,
                  revision=None, gpu_memory_utilization=0.9, preallocate_kv=None):
-        """vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
+        """dtype: a torch.dtype, its name, or "auto" (this checkpoint's, for this device: model/device.py
+        auto_dtype). vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
         matched to its target's padded vocabulary, model/vocab.py). revision: a Hub id's branch, tag or commit.
         preallocate_kv: allocate the KV pool's worst case now, failing if it does not fit the memory
         gpu_memory_utilization allows (None: on CUDA; else it grows on demand); model/memory.py."""
@@ -50,7 +51,13 @@ class ModelRunner:
         self.vocab_size = vocab_size or cfg.vocab_size
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         check_max_model_len(self.max_model_len, cfg)
-        self.device, self.dtype = resolve_device(device), parse_dtype(dtype)
+        self.device = resolve_device(device)
+        try:
+            self.dtype = resolve_dtype(dtype, cfg.hf, self.device)
+        except ValueError as err:  # "auto" reads this checkpoint's config.json: say which one
+            raise ValueError(f"{path_or_hf_id}: {err}") from None
+        if dtype == AUTO_DTYPE:
+            log.info("dtype auto: %s runs in %s on %s", path_or_hf_id, self.dtype, self.device)
         warn_if_slow_dtype(self.device, self.dtype)
         if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
