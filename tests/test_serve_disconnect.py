@@ -17,7 +17,7 @@ from http_helpers import serve_on_loopback
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.serve.api import ServerOptions, create_app
 from saguaro_dist.serve.batch import app_client, run_batch
-from test_serve_fixtures import make_tokenizer
+from test_serve_fixtures import make_tokenizer, write_llama
 
 # ~3 s of generation on the 2-core CI box (ignore_eos: it cannot end sooner), against milliseconds for a
 # hang-up to land: a generation still running when the test checks was never told to stop.
@@ -33,18 +33,9 @@ LONG_BODIES = {  # one long generation on each generating route
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     """One batch slot (so a second request waits in the queue), a context long enough for LONG tokens."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer, path = make_tokenizer(), tmp_path_factory.mktemp("long_context")
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LONG + 256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    with LLM(model=str(path), mode="ar", max_model_len=LONG + 256, max_batch_size=1) as engine:
+    path = write_llama(tmp_path_factory.mktemp("long_context"), make_tokenizer(), hidden=32, layers=1, seed=3,
+                       max_positions=LONG + 256)
+    with LLM(model=path, mode="ar", max_model_len=LONG + 256, max_batch_size=1) as engine:
         yield engine
 
 

@@ -40,14 +40,14 @@ def make_tokenizer():
                                    pad_token="</s>")
 
 
-def write_llama(path, tokenizer, *, hidden: int, layers: int, seed: int) -> str:
+def write_llama(path, tokenizer, *, hidden: int, layers: int, seed: int, max_positions: int = 256) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, bos_token_id=tokenizer.bos_token_id,
+                         max_position_embeddings=max_positions, bos_token_id=tokenizer.bos_token_id,
                          eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
     LlamaForCausalLM(config).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)

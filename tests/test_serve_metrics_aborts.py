@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from http_helpers import serve_on_loopback
-from test_serve_fixtures import make_tokenizer
+from test_serve_fixtures import make_tokenizer, write_llama
 from test_serving_metrics_review import samples, wait_for
 
 from saguaro_dist import LLM
@@ -35,18 +35,9 @@ def metrics_url(ray_cluster) -> str:
 @pytest.fixture(scope="module")
 def long_llm(tmp_path_factory):
     """An ar engine over a one-layer Llama with a context long enough for LONG tokens."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer, path = make_tokenizer(), tmp_path_factory.mktemp("h11_long")
-    torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LONG + 256,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False)
-    LlamaForCausalLM(config).eval().save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    with LLM(model=str(path), mode="ar", max_model_len=LONG + 256, max_batch_size=2) as engine:
+    path = write_llama(tmp_path_factory.mktemp("h11_long"), make_tokenizer(), hidden=32, layers=1, seed=3,
+                       max_positions=LONG + 256)
+    with LLM(model=path, mode="ar", max_model_len=LONG + 256, max_batch_size=2) as engine:
         yield engine
 
 
