@@ -4,7 +4,6 @@ request draws from seed + i, as the HTTP server's n), all samples aborted on Ctr
 untouched (its SamplingParams keep n = 1: nothing is expanded twice)."""
 from __future__ import annotations
 
-import asyncio
 import time
 
 import pytest
@@ -85,17 +84,10 @@ def test_n_is_validated(ar, n):
     assert SamplingParams(n=1).n == 1 and SamplingParams().n == 1
 
 
-def test_seed_plus_n_must_stay_int64_and_stream_takes_one_sample(ar):
+def test_seed_plus_n_must_stay_int64(ar):
     with pytest.raises(ValueError, match="seed \\+ n - 1"):
         SamplingParams(seed=2**63 - 1, n=2)
     assert SamplingParams(seed=2**63 - 2, n=2).n == 2
-
-    async def one_stream():
-        async for _ in ar.stream(prompt_token_ids=[3, 4], sampling_params=sampled(n=2)):
-            pass
-    with pytest.raises(ValueError, match="stream serves one sample"):
-        asyncio.run(one_stream())
-    assert ar.load.num_waiting == ar.load.num_running == 0  # nothing was submitted
 
 
 def test_chat_takes_n(tmp_path_factory):

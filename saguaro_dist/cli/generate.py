@@ -4,12 +4,21 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 
 from saguaro_dist.cli.flag_checks import check_url, refuse_with_url, refuse_without
 from saguaro_dist.cli.serve import ENGINE_FLAGS, add_engine_args, engine_args, generation_defaults
 
 # generate's own defaults where the model's generation config sets none (the other fields: SamplingParams')
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One sample of a server's completion (an OpenAI choice), read as a local CompletionOutput is."""
+    index: int
+    text: str
+    finish_reason: str | None
 
 
 def register(subparsers) -> None:
@@ -27,6 +36,10 @@ def register(subparsers) -> None:
     g.add_argument("--top-k", type=int, help="(default 0: off)")
     g.add_argument("--min-p", type=float, help="drop tokens below min-p x the likeliest's probability (default 0: off)")
     g.add_argument("--seed", type=int)
+    g.add_argument("--n", type=_sample_count, default=1, metavar="N",
+                   help="samples per prompt (default 1); sample i of a seeded request draws from seed + i. With "
+                        "N > 1 each prompt's samples print as '[i] text' lines in index order (--json: under "
+                        "\"choices\")")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--presence-penalty", type=float, help="-2..2, on tokens already in the output (default 0)")
     g.add_argument("--frequency-penalty", type=float, help="-2..2, times a token's count in the output (default 0)")
@@ -56,8 +69,15 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("no prompt given (--prompt TEXT, or lines on stdin)")
     results = _remote(ns, prompts) if ns.url else _local(ns, prompts)
     for result in results:
-        sys.stdout.write(json.dumps(result) + "\n" if ns.json else result["text"] + "\n")
+        sys.stdout.write(json.dumps(result) + "\n" if ns.json else _plain(result))
     return 0
+
+
+def _plain(result: dict) -> str:
+    """One sample: its text, as before --n; several: each on a line of its own labelled by its index."""
+    if "choices" not in result:
+        return result["text"] + "\n"
+    return "".join(f"[{c['index']}] {c['text']}\n" for c in result["choices"])
 
 
 def _check_flags(ns: argparse.Namespace) -> None:
@@ -74,7 +94,7 @@ def _sampling(ns: argparse.Namespace) -> dict:
               "min_p": ns.min_p, "seed": ns.seed, "stop": ns.stop, "presence_penalty": ns.presence_penalty,
               "frequency_penalty": ns.frequency_penalty, "repetition_penalty": ns.repetition_penalty,
               "logit_bias": dict(ns.logit_bias) if ns.logit_bias else None, "allowed_token_ids": ns.allowed_token_ids,
-              "structured_outputs": _structured(ns)}
+              "structured_outputs": _structured(ns), "n": ns.n if ns.n != 1 else None}  # (n = 1: the body as before)
     return {k: v for k, v in fields.items() if v is not None}
 
 
@@ -104,6 +124,16 @@ def _bias_pair(text: str) -> tuple[int, float]:
         raise argparse.ArgumentTypeError(f"expected ID=BIAS (say 42=-100), got {text!r}") from None
 
 
+def _sample_count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 (samples per prompt), got {text!r}")
+    return n
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",")]
@@ -119,8 +149,17 @@ def _local(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
     params = _params({**GENERATE_DEFAULTS, **generation_defaults(config), **_sampling(ns)})  # before the model loads
     with LLM.from_config(config) as llm:
         outputs = llm.generate(prompts, params)
-    return [{"prompt": o.prompt, "text": o.text, "finish_reason": o.finish_reason, "metrics": o.metrics.to_dict()}
-            for o in outputs]
+    return [_result(o.prompt, o.outputs, o.metrics.to_dict(), params.n) for o in outputs]
+
+
+def _result(prompt: str, choices: list, metrics: dict | None, n: int) -> dict:
+    """One prompt's JSON line: with one sample its text and finish_reason (as before --n), with several each
+    sample's under "choices" (index, text, finish_reason). metrics: the local engine's sample 0's, or the
+    server's speculation stats (over every choice)."""
+    if n == 1:
+        return {"prompt": prompt, "text": choices[0].text, "finish_reason": choices[0].finish_reason, "metrics": metrics}
+    samples = [{"index": c.index, "text": c.text, "finish_reason": c.finish_reason} for c in choices]
+    return {"prompt": prompt, "choices": samples, "metrics": metrics}
 
 
 def _params(sampling: dict):
@@ -140,5 +179,14 @@ def _remote(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
             outs = [client.complete(p, **_sampling(ns)) for p in prompts]
         except SaguaroError as err:  # the server's message, as a clean CLI error
             raise ValueError(str(err)) from None
-    return [{"prompt": p, "text": o.text, "finish_reason": o.finish_reason, "metrics": o.speculation}
-            for p, o in zip(prompts, outs)]
+    return [_result(p, _choices(o, ns.n), o.speculation, ns.n) for p, o in zip(prompts, outs)]
+
+
+def _choices(completion, n: int) -> list:
+    """A completion's n choices in index order (the server may list them in any order)."""
+    if n == 1:
+        return [completion]
+    choices = sorted(completion.raw.get("choices") or [], key=lambda c: c.get("index", 0))
+    if len(choices) != n:
+        raise ValueError(f"the server answered {len(choices)} choices for --n {n}")
+    return [Choice(c.get("index", i), c.get("text") or "", c.get("finish_reason")) for i, c in enumerate(choices)]

@@ -8,7 +8,7 @@ import queue
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
 from tqdm import tqdm
@@ -57,7 +57,7 @@ class LLM:
         self.config = config
         self.generation_defaults = generation_defaults(config)  # before any engine starts: a bad file leaks nothing
         self._ids = itertools.count()
-        self._open: dict[str, str] = {}  # request id of each open stream -> the engine's id for it (_open_stream)
+        self._open: dict[str, tuple[str, ...]] = {}  # request id of each open stream -> its samples' engine ids
         if config.cluster is None:
             from saguaro_dist.engine.build import build_local_engine
             engine, self.tokenizer = build_local_engine(config)
@@ -148,67 +148,87 @@ class LLM:
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      output_kind: OutputKind | str = OutputKind.DELTA, stream_interval_s: float = 0.0,
-                     priority: int = 0) -> AsyncIterator[StreamDelta]:
-        """Deltas of one request as rounds finish; closing the iterator early aborts the request.
+                     priority: int = 0) -> AsyncIterator[StreamDelta | RequestOutput]:
+        """Deltas of one request as rounds finish; closing the iterator early aborts the request (every sample).
 
         stream_interval_s: once some text went out, rounds closer than this share one delta (as vLLM's
         stream_interval; the engine then decodes and hands off less often). output_kind FINAL_ONLY: one
         delta, when the request finishes, with every token and the whole text, as generate() gets it.
         request_id: names the deltas (and abort()'s target); one open stream at a time may hold it, and it is
-        free again once its stream is closed."""
+        free again once its stream is closed.
+        n > 1 (SamplingParams.n, the samples generate() makes: sample i seeded seed + i): RequestOutput items,
+        vLLM's AsyncLLM shape. DELTA: one a sample's update, whose single CompletionOutput's index names the
+        sample (text, token_ids, logprobs: the new ones; cumulative_logprob: so far); `finished` once every
+        sample has, `metrics` the sample's on its last update (None before). FINAL_ONLY: one RequestOutput
+        when every sample finished, as generate() returns it."""
         kind = OutputKind(output_kind)  # a ValueError names a wrong kind before any work
         if isinstance(stream_interval_s, bool) or not (isinstance(stream_interval_s, (int, float))
                                                        and 0 <= stream_interval_s < float("inf")):
             raise ValueError(f"stream_interval_s must be a finite number >= 0, got {stream_interval_s!r}")
         request = self._requests(None if prompt is None else [prompt],
                                  None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority])[0]
-        if len(request.samples) != 1:  # (the HTTP server streams its n samples as n requests of n = 1)
-            raise ValueError(f"stream serves one sample: n must be 1, got {len(request.samples)} (generate takes n > 1)")
-        seq = request.samples[0]
-        seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
-        request_id = self._open_stream(seq, request_id)
+        for seq in request.samples:
+            seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
+        request_id = self._open_stream(request, request_id)
+        shape = stream_shape(request, kind)
         queue: asyncio.Queue = asyncio.Queue()
-        loop = asyncio.get_running_loop()
-        submitted = asyncio.ensure_future(self._thread.submit_async(
-            seq, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)))
-        finished = False
+        submitted = asyncio.ensure_future(self._submit_samples(request.samples, queue, asyncio.get_running_loop()))
+        running = {i: seq.request_id for i, seq in enumerate(request.samples)}  # the samples the engine still holds
         try:
             await asyncio.shield(submitted)  # a cancel here leaves the submit running: the abort must follow it
-            while not finished:
-                item = await queue.get()
+            while running:
+                index, item = await queue.get()
+                if isinstance(item, BaseException) or item.finished:
+                    running.pop(index)  # the engine holds it no more
                 if isinstance(item, BaseException):
-                    finished = True  # the engine holds it no more
                     raise item
-                finished = item.finished
-                yield self._delta(item, request_id)
+                out = shape(index, item, not running)
+                if out is not None:
+                    yield out
         finally:
             self._open.pop(request_id, None)  # the caller's id is free now, whenever the engine takes the abort
-            if not finished:
-                self._abort_once_submitted(submitted, seq.request_id)
+            if running:
+                self._abort_once_submitted(submitted, list(running.values()))
 
-    def _open_stream(self, seq: Sequence, request_id: str | None) -> str:
-        """Claim the caller's request id (a fresh one if none) for this stream, or raise ValueError while
-        another open stream holds it (vLLM's "already running"). The engine knows the request by an id of
-        its own, "<request id>#<seq id>": a closed stream's abort may reach the engine after a new stream
-        of the same id was submitted, and must neither refuse that one nor abort it."""
-        if not request_id:
-            request_id = seq.request_id
-        else:
-            seq.request_id = f"{request_id}#{seq.seq_id}"
-        if self._open.setdefault(request_id, seq.request_id) != seq.request_id:  # (atomic: streams on any thread)
-            raise ValueError(f"request id {request_id!r} is already running")
-        return request_id
+    async def _submit_samples(self, samples: list[Sequence], queue: asyncio.Queue, loop) -> None:
+        """Each sample to the engine in index order, its updates onto `queue` as (index, update); a failed submit
+        aborts the samples submitted before it (nobody would read them)."""
+        submitted: list[str] = []
+        try:
+            for index, seq in enumerate(samples):
+                await self._thread.submit_async(seq, enqueuer(loop, queue, index))
+                submitted.append(seq.request_id)
+        except BaseException:
+            if submitted:
+                self._thread.abort_many(submitted)
+            raise
 
-    def _abort_once_submitted(self, submitted: asyncio.Future, engine_id: str) -> None:
+    def _open_stream(self, request: PromptRequest, request_id: str | None) -> str:
+        """Claim the caller's request id (the request's fresh one if none) for this stream, or raise ValueError
+        while another open stream holds it (vLLM's "already running"). The engine knows each sample by an id of
+        its own, "<request id>#<seq id>" ("<i>_<request id>#<seq id>" with n > 1): a closed stream's abort may
+        reach the engine after a new stream of the same id was submitted, and must neither refuse that one nor
+        abort it."""
+        if request_id:
+            request.request_id = request_id
+            for seq, sample_id in zip(request.samples, sample_ids(request_id, len(request.samples))):
+                seq.request_id = f"{sample_id}#{seq.seq_id}"
+        engine_ids = tuple(seq.request_id for seq in request.samples)
+        if self._open.setdefault(request.request_id, engine_ids) != engine_ids:  # (atomic: streams on any thread)
+            raise ValueError(f"request id {request.request_id!r} is already running")
+        return request.request_id
+
+    def _abort_once_submitted(self, submitted: asyncio.Future, engine_ids: list[str]) -> None:
         """Abort now, or once the submit call returns: an abort sent before it could overtake it and find nothing."""
         if not submitted.done():
-            submitted.add_done_callback(lambda _: self._abort_once_submitted(submitted, engine_id))
-        elif submitted.cancelled() or submitted.exception() is None:  # (a failed submit left nothing to abort)
-            self._thread.abort(engine_id)
+            submitted.add_done_callback(lambda _: self._abort_once_submitted(submitted, engine_ids))
+        elif submitted.cancelled() or submitted.exception() is None:  # (a failed submit aborted what it submitted)
+            self._thread.abort_many(engine_ids)
 
     def abort(self, request_id: str) -> None:
-        """End the open stream of this request id (its caller gets a last delta, finish_reason "abort")."""
-        self._thread.abort(self._open.get(request_id, request_id))
+        """End the open stream of this request id, every sample of it (its caller gets a last delta, finish_reason
+        "abort")."""
+        self._thread.abort_many(list(self._open.get(request_id, (request_id,))))
 
     def _abort_unfinished(self, seqs: list[Sequence]) -> None:
         self._thread.abort_many([seq.request_id for seq in seqs])  # on Ray: one actor call, not one a request
@@ -258,9 +278,8 @@ class LLM:
     def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int) -> PromptRequest:
         """params.n Sequences of the prompt; with n > 1, sample i's engine id is "<i>_<request id>" (vLLM's)."""
         request_id = uuid.uuid4().hex
-        ids = [request_id] if params.n == 1 else [f"{i}_{request_id}" for i in range(params.n)]
         samples = [Sequence(next(self._ids), seq_id, list(tokens), p, priority=rank)
-                   for seq_id, p in zip(ids, sample_params(params))]
+                   for seq_id, p in zip(sample_ids(request_id, params.n), sample_params(params))]
         return PromptRequest(request_id, text, samples)
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
@@ -358,10 +377,14 @@ class LLM:
 
     @staticmethod
     def _delta(u: Update, request_id: str) -> StreamDelta:
-        reason = u.seq.finish_reason.value if (u.finished and u.seq.finish_reason) else None
+        reason, stop_reason = finish_fields(u)
         return StreamDelta(request_id, u.text_delta, u.token_delta, u.finished, reason,
-                           u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs,
-                           u.seq.stop_reason if u.finished else None)
+                           u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs, stop_reason)
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine ids of a request's n samples: the request's own for one, else "<i>_<request id>" (vLLM's)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
@@ -372,6 +395,64 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
         return [params]
     return [replace(params, n=1, seed=None if params.seed is None else params.seed + i,
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
+
+
+def enqueuer(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
+    """A sample's engine listener: its updates onto the stream's queue, from the engine's thread, as (index, item)."""
+    return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+
+
+def stream_shape(request: PromptRequest, kind: OutputKind):
+    """What stream() yields for (sample index, update, every sample finished): n = 1 its StreamDelta (the
+    stream's shape before n), n > 1 vLLM's RequestOutput (SampleDeltas, or SamplesAtEnd for FINAL_ONLY)."""
+    if len(request.samples) == 1:
+        return lambda _, update, __: LLM._delta(update, request.request_id)
+    return SampleDeltas(request) if kind is OutputKind.DELTA else SamplesAtEnd(request)
+
+
+def finish_fields(u: Update) -> tuple[str | None, int | str | None]:
+    """(finish_reason, stop_reason) of an update: set on a sample's last one only."""
+    if not u.finished:
+        return None, None
+    return (u.seq.finish_reason.value if u.seq.finish_reason else None), u.seq.stop_reason
+
+
+@dataclass
+class SampleDeltas:
+    """stream() with n > 1, DELTA: each update as a RequestOutput of its one sample (vLLM's AsyncLLM)."""
+    request: PromptRequest
+    prompt_token_ids: list[int] = field(init=False)
+    sums: dict[int, float] = field(default_factory=dict)  # each sample's cumulative log p so far
+
+    def __post_init__(self):
+        self.prompt_token_ids = list(self.request.samples[0].prompt_token_ids)  # read before the engine has them
+
+    def __call__(self, index: int, u: Update, all_finished: bool) -> RequestOutput:
+        reason, stop_reason = finish_fields(u)
+        sample = CompletionOutput(index, u.text_delta, u.token_delta, self._cumulative(index, u),
+                                  u.logprobs_delta, reason, stop_reason)
+        return RequestOutput.of_samples(self.request.request_id, self.request.text, self.prompt_token_ids,
+                                        u.prompt_logprobs, [sample], u.seq.metrics if u.finished else None,
+                                        all_finished)
+
+    def _cumulative(self, index: int, u: Update) -> float | None:
+        if u.logprobs_delta is None:
+            return None
+        self.sums[index] = self.sums.get(index, 0.0) + cumulative_logprob(u.token_delta, u.logprobs_delta)
+        return self.sums[index]
+
+
+@dataclass
+class SamplesAtEnd:
+    """stream() with n > 1, FINAL_ONLY: one RequestOutput once every sample finished, as generate() builds it."""
+    request: PromptRequest
+    finished: dict[int, Sequence] = field(default_factory=dict)
+
+    def __call__(self, index: int, u: Update, all_finished: bool) -> RequestOutput | None:
+        self.finished[index] = u.seq
+        if not all_finished:
+            return None
+        return LLM._output(self.request, [self.finished[i] for i in range(len(self.request.samples))])
 
 
 def completion(index: int, seq: Sequence) -> CompletionOutput:
