@@ -6,7 +6,7 @@ import functools
 import logging
 import re
 import uuid
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
 
 from fastapi import APIRouter, FastAPI, Request
@@ -60,7 +60,7 @@ class ServerOptions:
 
 
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
-    app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
@@ -73,6 +73,18 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, known_paths=ROUTES)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """The engine's gauges from start-up, on the server's own loop (an app is built before it runs under plain
+    uvicorn): a scrape before any request finds them, as under Ray Serve, which runs this lifespan too."""
+    state = app.state.saguaro
+    state.start_reporter()
+    try:
+        yield
+    finally:
+        await state.stop_reporter()
 
 
 class ClosingStreamingResponse(StreamingResponse):

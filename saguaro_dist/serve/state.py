@@ -23,6 +23,9 @@ from saguaro_dist.serve.tools import ToolPlan
 log = logging.getLogger(__name__)
 ENGINE_REPORT_S = 1.0  # how often the engine's gauges and round counters are reported
 PROMPT_TAIL_TOKENS = 64  # where a chat template closes or opens the reply's reasoning (reasoning_first)
+# A non-streamed generation reads its first delta, which shows that its prefill ran (an abort then counts its
+# prompt, as vLLM's), then the rest at its end: deltas after the first text come at most this often.
+COLLECT_INTERVAL_S = 24 * 3600.0
 
 
 @dataclass
@@ -67,7 +70,6 @@ class ServingState:
         self._engine_reporter: asyncio.Task | None = None
         self.running = 0   # generations in flight on this replica (the engine's own split: engine.load)
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
-        self._start_reporter()
 
     def tool_plan_for(self, request) -> ToolPlan:
         """The chat request's tool plan, read by this server's tool-call parser."""
@@ -142,16 +144,18 @@ class ServingState:
         return Job(prompt_ids, request.sampling_params(max_tokens, self.defaults), priority=request.priority)
 
     # ---- generation -------------------------------------------------------------------------
-    async def stream(self, job: Job, output_kind: OutputKind = OutputKind.DELTA) -> AsyncIterator:
-        """The engine's deltas for one job, with serving metrics; closing it aborts the generation."""
+    async def stream(self, job: Job, interval_s: float | None = None) -> AsyncIterator:
+        """The engine's deltas for one job (once some text went out, at most one per interval_s: the server's
+        stream interval by default), with serving metrics; closing it aborts the generation."""
         start = last = time.monotonic()
         request_id = job.request_id or uuid.uuid4().hex
         self._enter()
         if self.log_requests:
             log.info("request %s: %d prompt tokens, priority %d, %s", request_id, len(job.prompt_ids), job.priority, job.params)
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
-                                           request_id=request_id, output_kind=output_kind,
-                                           stream_interval_s=self.stream_interval_s, priority=job.priority)
+                                           request_id=request_id, output_kind=OutputKind.DELTA,
+                                           stream_interval_s=self.stream_interval_s if interval_s is None else interval_s,
+                                           priority=job.priority)
         finished = aborted = False
         try:
             async with aclosing(engine_stream) as deltas:  # closing the engine's stream aborts the request
@@ -171,11 +175,12 @@ class ServingState:
                 self._record_abort(job, request_id, time.monotonic() - start, prefilled=last > start)
 
     async def collect(self, job: Job) -> Finished:
-        """The whole result at once, as generate() gets it: no per-round deltas to the event loop, whose
-        work would share the replica's GIL with the engine's round loop."""
+        """The whole result at once: the first delta (the prefill ran), then the rest at the end, no per-round
+        deltas to the event loop, whose work would share the replica's GIL with the engine's round loop. (A
+        final-only stream shows nothing before its end: an abort could not tell whether its prefill ran.)"""
         out = Finished()
         parts = []
-        async with aclosing(self.stream(job, OutputKind.FINAL_ONLY)) as deltas:
+        async with aclosing(self.stream(job, COLLECT_INTERVAL_S)) as deltas:
             async for delta in deltas:
                 parts.append(delta.text)
                 out.token_ids += delta.token_ids
@@ -209,26 +214,29 @@ class ServingState:
 
     def _record_abort(self, job: Job, request_id: str, seconds: float, prefilled: bool) -> None:
         """An unfinished generation, counted as vLLM counts an aborted request. Its prompt counts once a delta
-        showed that its prefill ran (a generation answered in one piece, or aborted in the queue, shows none)."""
+        showed that its prefill ran (the first comes with the first token, streamed or collected; a generation
+        aborted in the queue, or while its prompt is prefilled, shows none)."""
         self.metrics.aborted(seconds, len(job.prompt_ids) if prefilled else 0)
         if self.log_requests:
             log.info("request %s: aborted (the client went away) after %.3f s", request_id, seconds)
 
-    def _start_reporter(self) -> None:
-        """The engine reporter, on the event loop that serves the requests: from start-up where the app is built
-        on it (a Ray Serve replica builds it on the replica's loop), so an idle replica exports its gauges too;
-        else (an app built before its server's loop runs, as for plain uvicorn) from the first request."""
-        if self._engine_reporter is not None or not self.metrics.enabled:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop running yet: _enter starts it
-            return
-        self._engine_reporter = loop.create_task(self._report_engine())
+    def start_reporter(self) -> None:
+        """The engine reporter, on the running event loop (the one serving the requests): from the app's start-up
+        (its lifespan, which Ray Serve replicas and uvicorn both run), so an idle server exports its gauges too;
+        else from the first request (a server that runs no lifespan). Once."""
+        if self._engine_reporter is None and self.metrics.enabled:
+            self._engine_reporter = asyncio.get_running_loop().create_task(self._report_engine())
+
+    async def stop_reporter(self) -> None:
+        """At the app's shutdown: the reporter ends with it (not destroyed, pending, with the server's loop)."""
+        reporter, self._engine_reporter = self._engine_reporter, None
+        if reporter is not None:
+            reporter.cancel()
+            await asyncio.gather(reporter, return_exceptions=True)
 
     def _enter(self) -> None:
         self.running += 1
-        self._start_reporter()
+        self.start_reporter()
 
     def _exit(self, cancelled: bool) -> None:
         self.running -= 1
