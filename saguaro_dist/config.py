@@ -1,7 +1,10 @@
 """One place for every setting: the engine's Config and the enums that name its modes."""
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
+import logging
 import math
 import os
 import re
@@ -9,6 +12,7 @@ import threading
 from dataclasses import dataclass, field
 
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+log = logging.getLogger(__name__)
 
 
 class Mode(str, enum.Enum):
@@ -20,6 +24,19 @@ class Mode(str, enum.Enum):
 
 
 DRAFT_MODES = frozenset({Mode.SD, Mode.SSD})  # the modes that run a draft model (and, on Ray, draft actors)
+SPECULATIVE_MODES = frozenset({Mode.SD, Mode.SSD, Mode.NGRAM})
+SSD_ONLY = frozenset({Mode.SSD})
+ALL_MODES = frozenset(Mode)
+# Config field -> the modes that use it (the rest apply to every mode); cli/flag_checks.py refuses their flags
+# elsewhere. Prompt lookup is ngram's proposals and SD's and SSD's fast backup; fan-out, Saguaro C, fallback
+# and the tree knobs shape SSD's trees, which SD never builds.
+MODE_FIELDS = {
+    **dict.fromkeys(("draft", "draft_revision", "draft_device", "draft_executor", "proposal_top_k",
+                     "num_draft_workers", "draft_resources"), DRAFT_MODES),
+    **dict.fromkeys(("k", "prompt_lookup_max", "prompt_lookup_min"), SPECULATIVE_MODES),
+    **dict.fromkeys(("fan_out", "fan_out_kind", "adaptive_fan_out", "saguaro_c", "fallback", "tree_policy",
+                     "jit_cohorts", "hit_glue", "bonus_draw", "ngram_rounds"), SSD_ONLY),
+}
 
 
 class FanOut(str, enum.Enum):
@@ -220,6 +237,7 @@ class Config:
         self._validate_sizes()
         self._validate_times()
         self._validate_placement()
+        warn_unused_fields(self)
 
     def _validate_models(self):
         if not isinstance(self.model, str) or not self.model.strip():
@@ -327,3 +345,28 @@ class Config:
     @property
     def fan_out_budget(self) -> int:
         return sum(self.fan_out) if isinstance(self.fan_out, tuple) else self.fan_out
+
+
+def unused_fields(config: Config) -> dict:
+    """field -> value of the settings `config.mode` leaves unused that differ from their defaults."""
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(Config)
+            if config.mode not in MODE_FIELDS.get(f.name, ALL_MODES) and getattr(config, f.name) != _default(f)}
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def warn_unused_fields(config: Config) -> None:
+    """Said, not refused (vLLM has no such fields outside its speculative_config to refuse): callers such as
+    the bench pass one set of settings to every mode. A draft is refused where unused (_validate_models)."""
+    for name, value in unused_fields(config).items():
+        uses = " / ".join(m.value for m in Mode if m in MODE_FIELDS[name])
+        _warn_once(f"Config {name} = {getattr(value, 'value', value)!r} is unused in mode {config.mode.value!r} "
+                   f"(it applies only to mode {uses})")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    """Once per process (vLLM's warning_once): the CLI validates a Config, then builds its engine's."""
+    log.warning(message)

@@ -5,22 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from saguaro_dist.config import DRAFT_MODES, Mode
+from saguaro_dist.config import DRAFT_MODES, MODE_FIELDS, Mode
 
 log = logging.getLogger(__name__)
 
-SPECULATIVE = frozenset({Mode.SD, Mode.SSD, Mode.NGRAM})
-SSD_ONLY = frozenset({Mode.SSD})
-# flag dest -> the modes that use it (the engine flags' and `saguaro deploy k8s`'s; the rest apply to every mode).
-# Prompt lookup is ngram's proposals and SD's and SSD's fast backup; fan-out, Saguaro C, fallback and the tree
-# knobs shape SSD's trees, which SD never builds.
-MODE_FLAGS = {
-    **dict.fromkeys(("draft", "draft_revision", "draft_device", "draft_executor", "draft_workers", "draft_max_workers",
-                     "draft_cpu", "draft_memory", "proposal_top_k"), DRAFT_MODES),
-    **dict.fromkeys(("k", "prompt_lookup_max", "prompt_lookup_min"), SPECULATIVE),
-    **dict.fromkeys(("fan_out", "fan_out_kind", "adaptive_fan_out", "saguaro_c", "fallback", "tree_policy",
-                     "jit_cohorts", "hit_glue", "bonus_draw", "ngram_rounds"), SSD_ONLY),
-}
+# flag dest -> the modes that use it (the engine flags' and `saguaro deploy k8s`'s; the rest apply to every mode):
+# Config's fields (config.py MODE_FIELDS), and the draft pool's flags that are no Config field
+MODE_FLAGS = {**MODE_FIELDS, **dict.fromkeys(("draft_workers", "draft_max_workers", "draft_cpu", "draft_memory"),
+                                             DRAFT_MODES)}
 FLAG_NAMES = {"model_tag": "MODEL", "log_stats_interval_s": "--disable-log-stats"}  # dests not named after their flag
 
 

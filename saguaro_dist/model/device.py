@@ -2,11 +2,43 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 AUTO_DTYPE = "auto"  # vLLM's --dtype auto: resolved per checkpoint and device (auto_dtype)
+BF16_MIN_CAPABILITY = (8, 0)  # vLLM's floor (platforms/cuda.py): Pascal, Volta and Turing GPUs lack bfloat16
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """What the dtype rules need to know of a device, as plain data: they stay pure (and testable without a GPU)."""
+    type: str                                  # "cpu" or "cuda"
+    capability: tuple[int, int] | None = None  # a CUDA GPU's compute capability; None: not known (taken as capable)
+    name: str = ""                             # the GPU's name, for messages
+
+    @property
+    def has_bf16(self) -> bool:
+        return self.type != "cuda" or self.capability is None or tuple(self.capability) >= BF16_MIN_CAPABILITY
+
+    def describe(self) -> str:
+        major, minor = self.capability or (0, 0)
+        return f"{self.name or self.type!r} (compute capability {major}.{minor})"
+
+
+def device_kind(device) -> DeviceKind:
+    """The DeviceKind of `device`, a torch device or its name; a GPU this process cannot see is left unknown
+    (resolve_device refuses it where the model loads)."""
+    if isinstance(device, DeviceKind):
+        return device
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return DeviceKind(dev.type)
+    return DeviceKind("cuda", tuple(torch.cuda.get_device_capability(dev)), torch.cuda.get_device_name(dev))
 
 
 def set_torch_threads(n: int | None):
@@ -35,21 +67,40 @@ def checkpoint_dtype(hf: dict) -> str:
 
 
 def auto_dtype(hf: dict, device) -> str:
-    """dtype "auto" for a checkpoint (its config.json as a dict) on `device`. On CUDA, vLLM's rule: FP16
-    for FP32 and FP16 checkpoints, BF16 for BF16 ones (16-bit runs on the tensor cores, in half the
-    memory). On the CPU float32 stays float32: it is the checkpoint's own precision, unrounded, and every
-    CPU has fast float32 kernels while bfloat16 ones need AVX512-BF16 or AMX; float16 becomes bfloat16,
-    as vLLM's CPU backend does: CPUs have no float16 matmul kernel (warn_if_slow_dtype), and bfloat16
-    keeps the checkpoint's memory and float16's range."""
-    saved = checkpoint_dtype(hf)
-    if torch.device(device).type == "cuda":
-        return "float16" if saved == "float32" else saved
-    return "bfloat16" if saved == "float16" else saved
+    """dtype "auto" for a checkpoint (its config.json as a dict) on `device` (a torch device, its name or a
+    DeviceKind). On CUDA, vLLM's rule: FP16 for FP32 and FP16 checkpoints, BF16 for BF16 ones (16-bit runs
+    on the tensor cores, in half the memory), FP16 for those too on a GPU without bfloat16, with a warning
+    (vLLM's _resolve_auto_dtype falls back so). On the CPU float32 stays float32: it is the checkpoint's own
+    precision, unrounded, and every CPU has fast float32 kernels while bfloat16 ones need AVX512-BF16 or AMX;
+    float16 becomes bfloat16, as vLLM's CPU backend does: CPUs have no float16 matmul kernel
+    (warn_if_slow_dtype), and bfloat16 keeps the checkpoint's memory and float16's range."""
+    saved, kind = checkpoint_dtype(hf), device_kind(device)
+    if kind.type != "cuda":
+        return "bfloat16" if saved == "float16" else saved
+    if saved == "bfloat16" and not kind.has_bf16:
+        log.warning("dtype auto: your GPU %s does not support bfloat16 (compute capability %d.%d or later needs "
+                    "it); falling back to float16 for this bfloat16 checkpoint", kind.describe(), *BF16_MIN_CAPABILITY)
+        return "float16"
+    return "float16" if saved == "float32" else saved
+
+
+def check_dtype_supported(dtype: torch.dtype, device) -> None:
+    """A dtype the device computes in, else vLLM's error: bfloat16 on a GPU older than Ampere."""
+    kind = device_kind(device)
+    if dtype == torch.bfloat16 and not kind.has_bf16:
+        major, minor = BF16_MIN_CAPABILITY
+        raise ValueError(f"bfloat16 is only supported on GPUs with compute capability of at least {major}.{minor}; "
+                         f"your GPU {kind.describe()} lacks it. Use dtype float16 instead (--dtype float16), "
+                         f"or dtype auto, which falls back to float16 there")
 
 
 def resolve_dtype(dtype, hf: dict, device) -> torch.dtype:
-    """parse_dtype, with "auto" resolved for this checkpoint on this device (auto_dtype)."""
-    return parse_dtype(auto_dtype(hf, device) if dtype == AUTO_DTYPE else dtype)
+    """parse_dtype, with "auto" resolved for this checkpoint on this device (auto_dtype), checked against
+    what the device supports (check_dtype_supported)."""
+    kind = device_kind(device)
+    resolved = parse_dtype(auto_dtype(hf, kind) if dtype == AUTO_DTYPE else dtype)
+    check_dtype_supported(resolved, kind)
+    return resolved
 
 
 def resolve_device(device) -> torch.device:

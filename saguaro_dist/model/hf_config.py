@@ -12,6 +12,9 @@ _ROPE_TYPES = ("default", "linear", "llama3")
 _DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
 _ROPE_FIELDS = {"linear": ("factor",),  # what each type's frequencies read (model/rope.py)
                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+# The rope types whose `factor` stretches the context past max_position_embeddings (vLLM's _get_and_verify_max_len:
+# every type but su / longrope / llama3). llama3's max_position_embeddings already is its extended length.
+_EXTENDING_ROPE_TYPES = ("linear",)
 
 
 @dataclass(frozen=True)
@@ -25,7 +28,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    max_position_embeddings: int   # the longest context computed exactly (see context_limit)
+    max_position_embeddings: int   # the longest context computed exactly: context_limit, rope scaling included
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -34,6 +37,7 @@ class ModelConfig:
     rope: dict                     # rope_type, rope_theta and the type's own fields
     eos_token_ids: tuple[int, ...]
     hf: dict = field(repr=False)   # the raw config.json
+    context_source: str = "config.json max_position_embeddings"  # where max_position_embeddings comes from (errors)
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
@@ -69,15 +73,35 @@ def rope_params(hf: dict) -> dict:
     return rope
 
 
-def context_limit(hf: dict) -> int:
-    """max_position_embeddings, or a sliding window shorter than it (Mistral v0.1's 4096 of 32768): within
-    the window, sliding attention is full attention, which is what this runtime computes."""
-    limit = _require(hf, "max_position_embeddings")
+def rope_length_factor(rope: dict) -> float:
+    """How far a rope type's scaling stretches max_position_embeddings: its factor for linear (positions
+    divided by it), 1 for default and llama3 (whose max_position_embeddings is already the extended length)."""
+    return float(rope["factor"]) if rope["rope_type"] in _EXTENDING_ROPE_TYPES else 1.0
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The sliding window that applies to this checkpoint, else None. Mistral's applies unless null, Qwen's
+    only when used; absent, it is the config class's default, as transformers reads the file."""
     applies = hf["model_type"] == "mistral" or (hf["model_type"] in ("qwen2", "qwen3") and hf.get("use_sliding_window"))
-    # Mistral's applies unless null, Qwen's only when used; absent, it is the config class's default, as
-    # transformers reads the file
-    window = hf.get("sliding_window", _DEFAULT_WINDOW) if applies else None
-    return min(limit, window) if window else limit
+    return hf.get("sliding_window", _DEFAULT_WINDOW) if applies else None
+
+
+def context_limit(hf: dict) -> tuple[int, str]:
+    """(the longest context, where it comes from): max_position_embeddings, times the rope scaling factor for
+    the types that extend the context (vLLM's rule), or a sliding window shorter than that (Mistral v0.1's
+    4096 of 32768): within the window, sliding attention is full attention, which is what this runtime
+    computes. The window is an attention span, not a position range: rope scaling never stretches it."""
+    positions = _require(hf, "max_position_embeddings")
+    rope = rope_params(hf)
+    factor = rope_length_factor(rope)
+    limit = int(positions * factor)  # int(), as vLLM's derived max_model_len
+    source = "config.json max_position_embeddings"
+    if factor != 1.0:
+        source = f"{source} {positions} x rope_scaling {rope['rope_type']} factor {rope['factor']}"
+    window = _sliding_window(hf)
+    if window and window < limit:
+        return window, "config.json sliding_window (attention past it is not computed)"
+    return limit, source
 
 
 def _model_type(hf: dict) -> str:
@@ -112,12 +136,13 @@ def parse_config(hf: dict) -> ModelConfig:
     if heads % kv_heads:  # each key/value head serves a whole group of query heads
         raise ValueError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     eos = hf.get("eos_token_id")
+    limit, limit_source = context_limit(hf)
     return ModelConfig(
         model_type=model_type, vocab_size=_require(hf, "vocab_size"), hidden_size=hidden,
         intermediate_size=_require(hf, "intermediate_size"), num_layers=_require(hf, "num_hidden_layers"),
         num_heads=heads, num_kv_heads=kv_heads,
         head_dim=hf.get("head_dim") or hidden // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=context_limit(hf),
+        max_position_embeddings=limit, context_source=limit_source,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
         rope=rope_params(hf), eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
