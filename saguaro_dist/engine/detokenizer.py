@@ -23,12 +23,25 @@ def stable_prefix(text: str, stops: tuple[str, ...]) -> str:
     return stable.rstrip("\ufffd")
 
 
+# vLLM's window of prompt tokens the first output tokens are decoded after (its FastIncrementalDetokenizer):
+# the shortest suffix of at least PROMPT_CONTEXT_MIN tokens, up to PROMPT_CONTEXT_MAX, that decodes whole.
+PROMPT_CONTEXT_MIN, PROMPT_CONTEXT_MAX = 4, 23
+
+
 @dataclass
 class DecodeState:
     """Where a sequence's incremental decode stands: ids[:read_offset] are text already, and
-    ids[prefix_offset:read_offset] is the context the next piece is decoded in."""
+    ids[prefix_offset:read_offset] is the context the next piece is decoded in. Until the first piece,
+    the context is the prompt's end (prompt_tail), as in vLLM: a SentencePiece tokenizer drops the
+    leading space of a string's first word, which the first output word keeps after a prompt."""
     prefix_offset: int = 0
     read_offset: int = 0
+    prompt_tail: tuple[int, ...] = ()  # the prompt's last PROMPT_CONTEXT_MAX ids, then the end chosen as context
+    prompt_chosen: bool = False        # prompt_tail was cut to the context (at the first decode)
+
+    @classmethod
+    def after_prompt(cls, prompt_token_ids: list[int]) -> DecodeState:
+        return cls(prompt_tail=tuple(prompt_token_ids[-PROMPT_CONTEXT_MAX:]))
 
 
 class Detokenizer:
@@ -36,9 +49,13 @@ class Detokenizer:
         self.tokenizer = tokenizer
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        """The text of token_ids, as vLLM's output text: no clean_up_tokenization_spaces, which (a
+        WordPiece tokenizer's default) rewrites " ." as "." or " n't" as "n't" in a whole decode, where
+        a piece-by-piece decode could not take back what it had streamed."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def decode_more(self, token_ids: list[int], state: DecodeState, final: bool = False,
                     skip_special_tokens: bool = True) -> str:
@@ -46,12 +63,36 @@ class Detokenizer:
         tokenizer may render a token differently at the start of a string, e.g. SentencePiece's
         leading space), so each round costs a few tokens, not the whole output (re-decoding it all:
         63 us a round at 128 tokens, 397 us at 1000, per sequence). An incomplete character at the
-        end (U+FFFD) waits for its next bytes unless `final`."""
+        end (U+FFFD) waits for its next bytes unless `final`. The first piece's context is the
+        prompt's end (state.prompt_tail)."""
         if self.tokenizer is None:
             return ""
-        context = self.decode(token_ids[state.prefix_offset:state.read_offset], skip_special_tokens)
-        text = self.decode(token_ids[state.prefix_offset:], skip_special_tokens)
+        tail, tail_text = self._prompt_context(state, skip_special_tokens) if state.read_offset == 0 else ([], 0)
+        ids = tail + list(token_ids[state.prefix_offset:])
+        context = self.decode(ids[:tail_text + state.read_offset - state.prefix_offset], skip_special_tokens)
+        text = self.decode(ids, skip_special_tokens)
+        if tail and not text.startswith(context):  # (a token merged across the prompt's end) vLLM's stream resets
+            state.prompt_tail = ()
+            return self.decode_more(token_ids, state, final, skip_special_tokens)
         if not final and (len(text) <= len(context) or text.endswith("\ufffd")):
             return ""
         state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
         return text[len(context):]
+
+    def _prompt_context(self, state: DecodeState, skip_special_tokens: bool) -> tuple[list[int], int]:
+        """The prompt's end the first piece is decoded after, and how many of its tokens are text: up to its
+        last whole character (vLLM's stream, primed with the prompt, holds an incomplete last character
+        back: the output's first piece completes it, or shows it as U+FFFD)."""
+        if not state.prompt_chosen:
+            state.prompt_tail, state.prompt_chosen = self._whole_suffix(state.prompt_tail, skip_special_tokens), True
+        tail = list(state.prompt_tail)
+        whole = (n for n in range(len(tail), 0, -1) if not self.decode(tail[:n], skip_special_tokens).endswith("\ufffd"))
+        return tail, next(whole, 0)
+
+    def _whole_suffix(self, tail: tuple[int, ...], skip_special_tokens: bool) -> tuple[int, ...]:
+        """vLLM's choice: the shortest end of PROMPT_CONTEXT_MIN tokens or more that decodes without U+FFFD
+        (an incomplete character there would shift the text the output is read off); none: all of it."""
+        if len(tail) <= PROMPT_CONTEXT_MIN:
+            return tail
+        ends = (tail[-n:] for n in range(PROMPT_CONTEXT_MIN, len(tail)))
+        return next((end for end in ends if "\ufffd" not in self.decode(list(end), skip_special_tokens)), tail)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from saguaro_dist.config import Config, SchedulingPolicy
 from saguaro_dist.engine.detokenizer import DecodeState, Detokenizer, find_stop, stable_prefix
@@ -264,7 +264,7 @@ class Engine:
                 s.text += self._decode_more(s, self._text_ids(s), s.decode_state, s.finished)
             return
         # The round's text at once, then token by token only when it holds a stop string (once a request)
-        state = DecodeState(s.decode_state.prefix_offset, s.decode_state.read_offset)
+        state = replace(s.decode_state)  # (a whole copy: the prompt's end the first piece is read after too)
         text = s.text + self._decode_more(s, self._text_ids(s), state, s.finished)
         if find_stop(text, s.params.stop, after=s.stop_after) is None:
             s.text, s.decode_state = text, state
@@ -304,7 +304,8 @@ class Engine:
 
     def _delta(self, s: Sequence) -> Update:
         text_sent, tokens_sent = self._emitted.get(s.seq_id, ("", 0))
-        visible = s.text if s.finished else stable_prefix(s.text, s.params.stop)
+        # (a stop string kept in the output cuts no text before its end: nothing waits for one)
+        visible = s.text if s.finished else stable_prefix(s.text, () if s.params.include_stop_str_in_output else s.params.stop)
         visible = visible if visible.startswith(text_sent) else text_sent
         self._emitted[s.seq_id] = (visible, len(s.output_token_ids))
         logprobs = s.output_logprobs[tokens_sent:] if s.params.logprobs is not None else None

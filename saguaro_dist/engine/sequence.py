@@ -111,6 +111,8 @@ class Sequence:
 
     def __post_init__(self):
         self.generator = make_generator(self.params.seed, salt=1)
+        if self.decode_state == DecodeState():  # the first output tokens are decoded after the prompt's end (vLLM's)
+            self.decode_state = DecodeState.after_prompt(self.prompt_token_ids)
         self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
