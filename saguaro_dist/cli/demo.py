@@ -4,7 +4,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
+
+log = logging.getLogger(__name__)
 
 
 def register(subparsers) -> None:
@@ -44,7 +47,13 @@ def recipe_from_args(args: argparse.Namespace):
 def run_build(args: argparse.Namespace) -> int:
     from saguaro_dist.demo.build import PAIR_DIR, build
 
-    report = build(recipe_from_args(args), out=args.out or PAIR_DIR, work=args.work, resume=args.resume)
+    recipe = recipe_from_args(args)
+    try:
+        report = build(recipe, out=args.out or PAIR_DIR, work=args.work, resume=args.resume)
+    except KeyboardInterrupt:  # the exit is silent (130): say how not to lose the hours already trained
+        log.warning("interrupted; the same command with --resume continues from the checkpoints in %s "
+                    "(saved every %g minutes)", args.work, recipe.checkpoint_minutes)
+        raise
     summary = {k: report[k] for k in ("params", "steps", "heldout_loss", "greedy", "build_minutes")}
     print(json.dumps(summary, indent=1))
     return 0

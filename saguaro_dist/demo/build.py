@@ -2,18 +2,26 @@
 
 Stages, each cached in the work directory so --resume picks up where a run stopped:
 corpus split -> BPE tokenizer -> token streams -> target (CE) -> draft (KL on the target's
-logits) -> fp16 export to `out/{target,draft}` -> held-out loss and greedy acceptance.
+logits) -> fp16 export to `out/{target,draft}` -> held-out loss and greedy acceptance. The export, prompts
+and report are written in a sibling of `out` and swapped in whole, in one atomic step.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import errno
+import glob
 import json
 import logging
 import math
 import os
+import secrets
 import shutil
+import stat
+import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,7 +160,8 @@ def writable_dir(path: Path, flag: str) -> None:
 
 
 def check_out(out: Path) -> None:
-    # The export replaces out/target and out/draft wholesale; only a model directory (or nothing) may go.
+    # The export replaces the whole out folder; only a pair folder (or nothing) may go.
+    restore_interrupted_swap(out)
     writable_dir(out, "--out")
     for dest in (out / role for role in ROLES):
         # rmtree refuses a symlink (after training) and must not follow one into someone's folder
@@ -160,6 +169,31 @@ def check_out(out: Path) -> None:
             (dest / "config.json").is_file() or not any(dest.iterdir()))
         if (dest.exists() or dest.is_symlink()) and not replaceable:
             raise ValueError(f"--out {out}: {dest} exists and is not a model directory; the export would delete it")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in PAIR_ENTRIES and not p.name.startswith(LEGACY_STAGE_PREFIX))
+    if foreign:
+        raise ValueError(f"--out {out} holds more than a demo pair ({', '.join(foreign[:5])}); the export replaces "
+                         "the whole folder, so give the pair a folder of its own")
+    check_swappable(out)
+
+
+def check_swappable(out: Path) -> None:
+    """The export stages beside out and swaps the folder itself: a mount point cannot be renamed, and the
+    parent must take the staging folder."""
+    if os.path.ismount(out):
+        raise ValueError(f"--out {out} is a mount point, which cannot be swapped; give a folder inside it")
+    try:
+        tempfile.TemporaryFile(dir=out.parent).close()
+    except OSError as err:
+        raise ValueError(f"--out {out}: its parent {out.parent} must be writable too: the new pair is staged "
+                         f"there ({err.strerror or err})") from err
+
+
+def restore_interrupted_swap(out: Path) -> None:
+    previous = previous_dir(out)
+    if not (out.exists() or out.is_symlink()) and previous.is_dir() and not previous.is_symlink():
+        log.warning("%s: an export was killed while swapping folders; restoring the previous pair", out)
+        os.replace(previous, out)
 
 
 def special_ids(tok) -> dict:
@@ -223,24 +257,84 @@ def train_models(recipe: Recipe, tokens, config_t, config_d, work: Path) -> dict
     return {"target": target, "draft": draft, "target_steps": t_steps, "draft_steps": d_steps}
 
 
-EXPORT_PREFIX = ".export-"  # out/.export-*: a pair being written, or one an export killed mid-way left behind
+LEGACY_STAGE_PREFIX = ".export-"  # out/.export-*: where exports before the whole-folder swap staged (and left) a pair
+PAIR_ENTRIES = frozenset({*ROLES, "prompts.json", "build_info.json"})  # all a pair folder holds
+RENAME_EXCHANGE = 2  # <linux/fs.h>: renameat2 swaps the two names atomically
+AT_FDCWD = -100
+
+
+def stage_prefix(out: Path) -> str:
+    return f".{out.name}.export-"  # a sibling of out: same filesystem, and outside package data (demo/pair/**)
+
+
+def previous_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}.previous"  # the old pair while the two-rename fallback runs
+
+
+@contextmanager
+def staged_pair(out: Path):
+    """Yield an empty sibling folder for the whole new pair; when the block ends without error it takes out's
+    place in one atomic step (renameat2 RENAME_EXCHANGE), so out is at every moment the old complete pair or
+    the new one. Swapping out/target and out/draft one by one showed readers (and left, if killed between the
+    renames) a new target beside the old draft, or no target at all."""
+    out = out.resolve()
+    drop_stale_exports(out)
+    stage = out.parent / (stage_prefix(out) + secrets.token_hex(4))
+    stage.mkdir()  # not mkdtemp: its 0700 would become the pair folder's mode, unreadable to other users
+    try:
+        if out.is_dir():
+            os.chmod(stage, stat.S_IMODE(out.stat().st_mode))
+        yield stage
+        swap_in(stage, out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)  # after a swap: the old pair
+
+
+def swap_in(stage: Path, out: Path) -> None:
+    if not out.exists():
+        os.replace(stage, out)  # one rename: nothing there to tear
+        return
+    try:
+        exchange_dirs(stage, out)
+    except OSError as err:
+        if err.errno not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise
+        log.warning("%s: this filesystem cannot swap folders atomically (%s); replacing it in two renames",
+                    out, err.strerror)
+        swap_by_renames(stage, out)
+
+
+def exchange_dirs(a: Path, b: Path) -> None:
+    """Atomically swap two directory entries (Linux renameat2; ENOSYS elsewhere)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
+    if renameat2(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def swap_by_renames(stage: Path, out: Path) -> None:
+    # Not atomic: a kill between the renames leaves no out; the next build's check_out puts the old pair back.
+    previous = previous_dir(out)
+    os.replace(out, previous)
+    try:
+        os.replace(stage, out)
+    except BaseException:
+        os.replace(previous, out)
+        raise
+    os.replace(previous, stage)  # the staging folder's cleanup deletes the old pair
 
 
 def export_pair(models: dict, fast_tok, out: Path) -> None:
-    """fp16 safetensors + tokenizer in out/target and out/draft (each a complete HF directory). Both are written
-    whole in a temporary sibling folder first, then swapped in by renames: a kill while writing (seconds) left
-    a deleted or torn pair, or a new target beside the old draft; now the old pair stays until the new is whole."""
-    drop_stale_exports(out)
-    stage = Path(tempfile.mkdtemp(prefix=EXPORT_PREFIX, dir=out))
-    try:
-        for role in ROLES:
-            save_model_dir(models[role], fast_tok, stage / role)
-        for role in ROLES:  # renames only: the window where the pair is mixed shrinks to microseconds
-            if (out / role).exists():
-                os.replace(out / role, stage / f"{role}.old")
-            os.replace(stage / role, out / role)
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+    """fp16 safetensors + tokenizer in out/target and out/draft (each a complete HF directory), swapped in whole."""
+    with staged_pair(Path(out)) as stage:
+        save_pair(models, fast_tok, stage)
+
+
+def save_pair(models: dict, fast_tok, dest: Path) -> None:
+    for role in ROLES:
+        save_model_dir(models[role], fast_tok, dest / role)
 
 
 def save_model_dir(model, fast_tok, dest: Path) -> None:
@@ -253,10 +347,13 @@ def save_model_dir(model, fast_tok, dest: Path) -> None:
 
 
 def drop_stale_exports(out: Path) -> None:
-    # Another export's leftovers (a killed build's): a concurrent export into one out/ is not supported anyway.
-    for stale in out.glob(EXPORT_PREFIX + "*"):
-        if stale.is_dir() and not stale.is_symlink():
-            shutil.rmtree(stale)
+    # A killed export's staging folders (a concurrent export into one out is not supported anyway).
+    stale = [*out.parent.glob(glob.escape(stage_prefix(out)) + "*"), *out.glob(LEGACY_STAGE_PREFIX + "*")]
+    if out.is_dir():
+        stale.append(previous_dir(out))
+    for path in stale:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
 
 
 def portable_tokenizer_class(path: Path) -> None:
@@ -271,7 +368,7 @@ def count_params(model) -> int:
 
 
 def measure(recipe: Recipe, out: Path, heldout_tokens, prompts: list[str]) -> dict:
-    """Reload the exported fp16 pair (exactly what ships) and measure it in float32."""
+    """Reload the exported fp16 pair (exactly what ships, still staged) and measure it in float32."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -288,6 +385,13 @@ def measure(recipe: Recipe, out: Path, heldout_tokens, prompts: list[str]) -> di
     }
 
 
+def build_report(recipe: Recipe, split, train_tokens, heldout_tokens, models: dict) -> dict:
+    return {"recipe": dataclasses.asdict(recipe), "files": {"train": len(split.train), "heldout": len(split.heldout)},
+            "tokens": {"train": len(train_tokens), "heldout": len(heldout_tokens)},
+            "params": {r: count_params(models[r]) for r in ROLES},
+            "steps": {r: models[f"{r}_steps"] for r in ROLES}}
+
+
 def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-build", resume: bool = False) -> dict:
     """Build the pair into `out`; returns the build report (also written to out/build_info.json)."""
     import torch
@@ -296,11 +400,13 @@ def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-
     from .tokenizer import wrap_fast
 
     started = time.monotonic()
-    out, work = Path(out), Path(work)
+    out, work = Path(out).resolve(), Path(work)  # resolved: a symlinked out stays a link to the swapped folder
     writable_dir(work, "--work")
     check_out(out)
     if not resume:
         drop_stage_files(work)
+    elif not (work / "recipe.json").exists():  # a mistyped --work would silently start over
+        log.warning("--resume: %s holds nothing to resume (no recipe.json); building from scratch", work)
     check_recipe_stamp(recipe, work, resume)
     # One thread: the demo build must leave the machine's other cores to everyone else.
     torch.set_num_threads(1)
@@ -317,13 +423,12 @@ def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-
     ids, vocab = special_ids(tok), tok.get_vocab_size()
     models = train_models(recipe, train_tokens, llama_config(recipe, "target", vocab, ids),
                           llama_config(recipe, "draft", vocab, ids), work)
-    export_pair(models, wrap_fast(tok, recipe.seq_len), out)
-    (out / "prompts.json").write_text(json.dumps(prompts, indent=1))
-    report = {"recipe": dataclasses.asdict(recipe), "files": {"train": len(split.train), "heldout": len(split.heldout)},
-              "tokens": {"train": len(train_tokens), "heldout": len(heldout_tokens)},
-              "params": {r: count_params(models[r]) for r in ("target", "draft")},
-              "steps": {r: models[f"{r}_steps"] for r in ("target", "draft")}}
-    report |= measure(recipe, out, heldout_tokens, prompts)
-    report["build_minutes"] = (time.monotonic() - started) / 60
-    (out / "build_info.json").write_text(json.dumps(report, indent=1))
+    with staged_pair(out) as stage:  # the pair, its prompts and its report appear together, or not at all
+        save_pair(models, wrap_fast(tok, recipe.seq_len), stage)
+        (stage / "prompts.json").write_text(json.dumps(prompts, indent=1))
+        report = build_report(recipe, split, train_tokens, heldout_tokens, models)
+        report |= measure(recipe, stage, heldout_tokens, prompts)
+        report["build_minutes"] = (time.monotonic() - started) / 60
+        (stage / "build_info.json").write_text(json.dumps(report, indent=1))
+    log.info("exported the pair to %s", out)
     return report
