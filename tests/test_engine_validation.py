@@ -17,10 +17,18 @@ def llm(tiny_llama_pair):
         yield engine
 
 
+def test_a_max_tokens_past_the_context_is_capped_there(llm):
+    """vLLM's offline LLM: prompt + max_tokens beyond max_model_len runs to the context's end, finish "length"
+    (it was refused)."""
+    out = llm.generate(prompt_token_ids=[[1] * 50], sampling_params=SamplingParams(temperature=0, max_tokens=30))[0]
+    assert len(out.prompt_token_ids) + len(out.token_ids) == llm.max_model_len == 61 and out.finish_reason == "length"
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt_token_ids=[[]]), "empty prompt"),
     (dict(prompt_token_ids=[[1, 2, 999]]), "token ids must be in"),
-    (dict(prompt_token_ids=[[1] * 50], sampling_params=SamplingParams(max_tokens=30)), "exceeds"),
+    (dict(prompt_token_ids=[[1] * 61]), "leaves 0 of the model's max length 61"),
+    (dict(prompt_token_ids=[[1] * 50], sampling_params=SamplingParams(max_tokens=30, min_tokens=12)), "needs 12"),
     (dict(prompts=["hello"]), "no tokenizer"),
     (dict(), "exactly one of"),
     (dict(prompt_token_ids=[[1], [2]], sampling_params=[SamplingParams()]), "sampling_params for 2 prompts"),

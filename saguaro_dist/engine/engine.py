@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, replace
 
-from saguaro_dist.config import Config, SchedulingPolicy
+from saguaro_dist.config import Config, Mode, SchedulingPolicy
 from saguaro_dist.engine.detokenizer import DecodeState, Detokenizer, find_stop, stable_prefix
 from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
@@ -16,6 +16,12 @@ from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.prefix_cache import MIN_REUSE, common_prefix_len
 
 log = logging.getLogger(__name__)
+
+
+def usable_context(max_model_len: int, config: Config) -> int:
+    """The positions a sequence may fill: a speculative round scores K+1 positions past the last token,
+    which must stay inside the model (LLM.max_model_len is the same length)."""
+    return max_model_len - (0 if config.mode is Mode.AR else config.k + 1)
 
 
 @dataclass
@@ -36,6 +42,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self.target = TargetScorer(target_runner, frozenset(eos_token_ids), config.enable_prefix_caching)
         self.vocab_size, self.max_model_len = target_runner.vocab_size, target_runner.max_model_len
+        self.context_len = usable_context(self.max_model_len, config)  # where a sequence ends at "length"
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
         self.draft = draft_backend
         self.detok = Detokenizer(tokenizer)
@@ -47,6 +54,8 @@ class Engine:
         self._emitted: dict[int, tuple[str, int]] = {}  # seq_id -> (text, tokens) already streamed
 
     def add(self, seq: Sequence) -> None:
+        """Queue seq; a prompt the engine cannot run is refused here (ValueError: its caller alone fails)."""
+        self._check_prompt(seq.prompt_token_ids)
         if seq.params.structured_outputs is not None:
             seq.grammar = self.grammars.state(seq.params)
         if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
@@ -55,6 +64,18 @@ class Engine:
             self.waiting.insert(place, seq)
         else:
             self.waiting.append(seq)
+
+    def _check_prompt(self, prompt: list[int]) -> None:
+        """vLLM's edge: a prompt with no room left in the context is refused with the lengths. Unchecked, its
+        prefill failed the whole step, and every request in flight with it. A prompt that fits with a
+        max_tokens (or None) past the context's end runs to that end (finish "length", as vLLM caps it)."""
+        if not prompt:
+            raise ValueError("empty prompt")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if len(prompt) >= self.context_len:
+            raise ValueError(f"The prompt (length {len(prompt)}) leaves no room to generate in the maximum model "
+                             f"length of {self.context_len}: shorten it, or raise max_model_len")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.prefilling or self.running)
@@ -234,11 +255,16 @@ class Engine:
             elif t in s.params.stop_token_ids:
                 s.stop_reason = t
                 self._finish(s, FinishReason.STOP)
-            elif len(s.output_token_ids) >= s.params.max_tokens:
+            elif self._at_length(s):
                 self._finish(s, FinishReason.LENGTH)
             if s.finished:
                 break
         self._update_text(s, now, len(s.output_token_ids) - before)
+
+    def _at_length(self, s: Sequence) -> bool:
+        """max_tokens reached (None: no limit but the context), or the context's end (vLLM's check_stop)."""
+        limit = s.params.max_tokens
+        return (limit is not None and len(s.output_token_ids) >= limit) or s.num_tokens >= self.context_len
 
     def _committed(self, s: Sequence, token: int) -> bool:
         """Advance s's grammar past token; False when s failed instead (now, or while its round was scored):

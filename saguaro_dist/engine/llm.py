@@ -345,9 +345,12 @@ class LLM:
             raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
         check_against_model(params, self.vocab_size, self.eos_token_ids)
         self._grammars.check(params)
-        if len(tokens) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(tokens)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"the model's max length {self.max_model_len}")
+        # vLLM's offline LLM: a max_tokens past the context's end is capped there (finish "length", the engine's
+        # check), only a prompt with no room (or none for its min_tokens) is refused
+        room, need = self.max_model_len - len(tokens), max(1, params.min_tokens)
+        if room < need:
+            raise ValueError(f"prompt ({len(tokens)} tokens) leaves {max(room, 0)} of the model's max length "
+                             f"{self.max_model_len} to generate; it needs {need} (min_tokens {params.min_tokens})")
 
     @staticmethod
     def _collector(i: int, results: list, finished: queue.Queue):
