@@ -2,15 +2,21 @@
 from __future__ import annotations
 
 import json
+import re
+import logging
 from pathlib import Path
 
 from saguaro_dist.engine.text import encode_text
-from saguaro_dist.serve.protocol import ChatMessage, PromptEnd, Tool
+from saguaro_dist.serve.protocol import TEMPLATE_VARIABLE_FIELDS, ChatMessage, PromptEnd, Tool
 from saguaro_dist.serve.tool_parsers import HERMES_CLOSE, HERMES_OPEN
 
+log = logging.getLogger(__name__)
+HINT_FIELDS = frozenset({"reasoning_effort"})  # template variables a template may ignore without a 400
+
 # Arguments we pass apply_chat_template ourselves: a request's chat_template_kwargs may not set them.
+# (documents may: it is transformers' argument and vLLM's request field, passed on as given.)
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_generation_prompt", "chat_template",
-                                      "return_dict", "return_tensors", "continue_final_message", "documents"})
+                                      "return_dict", "return_tensors", "continue_final_message"})
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
@@ -32,6 +38,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
     turns = [m.for_template() for m in messages]
     tools = [t.model_dump(exclude_none=True) for t in tools or []]
     template = chat_template or getattr(tokenizer, "chat_template", None)
+    check_template_reads(template, template_kwargs or {})
     if template:
         return _apply_template(tokenizer, template, turns, tools, template_kwargs or {}, end), True
     lines = [f"Tools: {json.dumps(tools)}"] if tools else []
@@ -50,6 +57,37 @@ def _apply_template(tokenizer, template: str, turns: list[dict], tools: list[dic
                                              continue_final_message=end is PromptEnd.CONTINUE, **kwargs)
     except TemplateError as err:
         raise ValueError(f"messages: the chat template refused them: {err}") from None
+
+
+def check_template_reads(template: str | dict | None, template_kwargs: dict) -> None:
+    """documents change the reply only through a template that reads them: one that does not (or the plain
+    transcript) would drop them without a word, so that is a 400 naming the field. reasoning_effort is a hint
+    clients send by habit (vLLM ignores it where the template reads none): logged, not refused."""
+    given = [name for name in TEMPLATE_VARIABLE_FIELDS if template_kwargs.get(name) is not None]
+    read = template_variables(template) if (template and given) else frozenset()
+    for name in (name for name in given if name not in read):
+        if name in HINT_FIELDS:
+            log.warning("%s is not read by this model's chat template: ignored", name)
+        else:
+            raise ValueError(f"{name} is not read by this model's chat template, so it would change nothing")
+
+
+def template_variables(template: str | dict) -> frozenset[str]:
+    """The variables a Jinja chat template (or each of a tokenizer's named ones) reads from its caller."""
+    sources = template.values() if isinstance(template, dict) else [template]
+    return frozenset().union(*map(_read_variables, sources))
+
+
+def _read_variables(source: str) -> frozenset[str]:
+    """Jinja's own answer; the names the text spells where this Jinja cannot parse it (a tag only
+    transformers' environment defines, such as {% generation %})."""
+    import jinja2
+    from jinja2 import meta
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # {% break %}, as transformers allows
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", source))
 
 
 def load_chat_template(value: str) -> str:

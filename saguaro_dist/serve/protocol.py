@@ -1,13 +1,19 @@
 """OpenAI request bodies as pydantic models: types and ranges are checked here, at the HTTP edge.
 
-Unknown fields are ignored, as vLLM does, so newer `openai` clients keep working; fields we know but
-cannot honour (best_of, suffix; echo on /v1/responses) are rejected rather than silently dropped.
+Every OpenAI and vLLM request field is declared, and each is honoured, accepted because it changes
+nothing in the output (`user`, `metadata`, `store`, ...), or refused with a 400 naming it when given a
+value we cannot honour (`Unsupported` below): a field that would change the output or its shape is
+never silently dropped. Unknown fields are ignored, as vLLM does, so newer `openai` clients keep
+working, and logged as vLLM logs them, with the known field a typo was probably meant as.
 """
 from __future__ import annotations
 
+import difflib
 import enum
 import json
-from typing import Annotated, Literal
+import logging
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -15,15 +21,49 @@ from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingP
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
+log = logging.getLogger(__name__)
 MAX_CHOICES = 64  # n; a request's prompts x n generations are capped at MAX_GENERATIONS too
 MAX_GENERATIONS = 256
 
-# field -> the only value we support; a request giving anything else gets a 400 naming the field
-_UNSUPPORTED_UNLESS = {
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-    # completions' and chat's echo is a field, so never extra there: this refuses it on /v1/responses
-    "echo": (None, False),
+# Extra (undeclared) field -> the only values we support; completions' and chat's echo is a field, so
+# never extra there: this refuses it on /v1/responses.
+_UNSUPPORTED_UNLESS = {"echo": (None, False)}
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A declared field we cannot honour past its inert values (those that ask for nothing we lack): any
+    other value is a 400 naming the field and saying why."""
+    inert: tuple
+    why: str
+
+
+# Fields of both generation routes (and /v1/responses, which shares the sampling fields).
+_SAMPLING_UNSUPPORTED = {
+    "best_of": Unsupported((None, 1), "each choice is one sample; ask for more with n"),
+    "suffix": Unsupported((None, ""), "there is no fill-in-the-middle"),
+    "use_beam_search": Unsupported((False,), "there is no beam search"),
+    "spaces_between_special_tokens": Unsupported((True,), "special tokens are decoded as the tokenizer joins them"),
+    "prompt_logprobs": Unsupported((None,), "responses carry no prompt_logprobs field; /v1/completions' echo with "
+                                            "logprobs returns the prompt tokens' figures"),
+    "bad_words": Unsupported((None, []), "use logit_bias or allowed_token_ids"),
+    "logits_processors": Unsupported((None, []), "no logits processors are installed"),
+    "return_tokens_as_token_ids": Unsupported((None, False), "log-probability tokens are always text"),
+    "cache_salt": Unsupported((None,), "the prefix cache is shared by every request"),
+    "kv_transfer_params": Unsupported((None, {}), "there is no disaggregated prefill"),
+    "vllm_xargs": Unsupported((None, {}), "no extension reads them"),
+    "request_id": Unsupported((None,), "give the id as the X-Request-Id header (the response's id names it)"),
+    "guided_decoding_backend": Unsupported((None, "auto", "guidance", "llguidance"),
+                                           "structured outputs run on llguidance"),
+    "guided_whitespace_pattern": Unsupported((None,), "JSON whitespace is set by the schema's x-guidance options"),
+    "structural_tag": Unsupported((None,), "there are no structural tags"),
+    "audio": Unsupported((None,), "replies are text only"),
+    "modalities": Unsupported((None, ["text"]), "replies are text only"),
+    "web_search_options": Unsupported((None,), "there is no web search"),
+    "functions": Unsupported((None, []), "use tools"),
+    "function_call": Unsupported((None, "none"), "use tools and tool_choice"),
+    "service_tier": Unsupported((None, "auto", "default"), "every request is served in one tier"),
+    "verbosity": Unsupported((None, "medium"), "the model's replies are as long as it makes them"),
 }
 
 
@@ -51,11 +91,31 @@ class ChatPromptFields(BaseModel):
             return PromptEnd.CONTINUE
         return PromptEnd.NEW_TURN if self.add_generation_prompt else PromptEnd.AS_IS
 MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
+# Chat request fields that are chat template variables: joined to chat_template_kwargs, read or refused there
+TEMPLATE_VARIABLE_FIELDS = ("documents", "reasoning_effort")
 REPLY_ROLE = "assistant"  # the role of every chat reply
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="allow")
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = {}  # declared fields refused past their inert values
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, rule in self.unsupported_fields.items():
+            value = getattr(self, name)
+            if value not in rule.inert:
+                raise ValueError(f"{name} is not supported by this server ({rule.why}), got {value!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _log_unknown(self):
+        """vLLM's warning: a typo (max_token) is otherwise lost without a word."""
+        unknown = sorted(set(self.model_extra or ()) - set(_UNSUPPORTED_UNLESS))
+        if unknown:
+            named = ", ".join(_with_suggestion(name, type(self).model_fields) for name in unknown)
+            log.warning("%s: the following fields were present in the request but ignored: %s", type(self).__name__, named)
+        return self
 
     def reject_unsupported(self) -> None:
         extra = self.model_extra or {}
@@ -64,8 +124,16 @@ class OpenAIModel(BaseModel):
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
 
 
-class StreamOptions(BaseModel):
+def _with_suggestion(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
+    return f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+
+
+class StreamOptions(OpenAIModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = {
+        "continuous_usage_stats": Unsupported((False,), "usage comes with the last chunks only")}
 
 
 class JsonSchema(BaseModel):
@@ -131,12 +199,58 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last N tokens; -1: the model's max length
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is admitted first
+    # Accepted, as they change nothing in the output: annotations, hints, and settings inert here
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # nothing is stored either way
+    prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes itself
+    safety_identifier: str | None = None
+    prediction: dict | None = None  # OpenAI's predicted output: a speed hint; the reply is the same without it
+    length_penalty: float = 1.0  # vLLM's: beam search's only (refused below)
+    mm_processor_kwargs: dict | None = None  # vLLM's: no image or audio reaches the model (refused in messages)
+    # Known, refused past their inert values (_SAMPLING_UNSUPPORTED says why)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    use_beam_search: bool = False
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    request_id: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = _SAMPLING_UNSUPPORTED
 
     @model_validator(mode="after")
     def _check_stop(self):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        return self
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        """OpenAI's and vLLM's rule: stream_options only with stream (a usage chunk asked for and never sent)."""
+        options = self.stream_options
+        if options is not None and not self.stream and (options.model_fields_set or options.model_extra):
+            raise ValueError("stream_options is only allowed with stream set to true")
+        return self
+
+    @model_validator(mode="after")
+    def _check_best_of(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}")
         return self
 
     def requested_max_tokens(self) -> int | None:
@@ -210,6 +324,14 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's and vLLM's default for completions (chat's is the rest of the context); null asks for that here too
+    max_tokens: int | None = Field(16, ge=0)
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. added to a text prompt
+    prompt_embeds: str | list[str] | None = None  # vLLM's: base64 tensors in place of a prompt
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = {
+        **_SAMPLING_UNSUPPORTED,
+        "add_special_tokens": Unsupported((True,), "a text prompt is encoded with the tokenizer's special tokens"),
+        "prompt_embeds": Unsupported((None,), "prompts are text or token ids")}
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: how many top tokens
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked): lm-eval's loglikelihood
 
@@ -349,6 +471,29 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
     echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role
+    # Variables for the chat template, joined to chat_template_kwargs (a template that reads neither is a 400)
+    documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents, transformers' documents=
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # OpenAI's
+    add_special_tokens: bool = False  # vLLM's: BOS etc. added on top of what the chat template writes
+    chat_template: str | None = None  # vLLM's per-request template
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = {
+        **_SAMPLING_UNSUPPORTED,
+        "add_special_tokens": Unsupported((False,), "the chat template writes the special tokens"),
+        "chat_template": Unsupported((None,), "the server's --chat-template or the tokenizer's applies, as vLLM "
+                                              "without --trust-request-chat-template"),
+        "include_reasoning": Unsupported((True,), "a reasoning parser's reasoning is always returned")}
+
+    @model_validator(mode="after")
+    def _join_template_variables(self):
+        """documents and reasoning_effort reach the template as chat_template_kwargs do (vLLM passes them so)."""
+        given = {name: getattr(self, name) for name in TEMPLATE_VARIABLE_FIELDS if getattr(self, name) is not None}
+        twice = sorted(given.keys() & (self.chat_template_kwargs or {}).keys())
+        if twice:
+            raise ValueError(f"{twice[0]} is given twice: as a field and in chat_template_kwargs")
+        if given:
+            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}), **given}
+        return self
 
     @model_validator(mode="after")
     def _check_tools(self):
@@ -414,6 +559,12 @@ class TokenizeRequest(OpenAIModel, ChatPromptFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered with messages, as chat does
     chat_template_kwargs: dict | None = None
     add_special_tokens: bool = True
+    chat_template: str | None = None
+    return_token_strs: bool | None = None  # vLLM's: each token's text beside its id
+    mm_processor_kwargs: dict | None = None  # accepted: no image or audio reaches the model
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = {
+        "chat_template": ChatCompletionRequest.unsupported_fields["chat_template"],
+        "return_token_strs": Unsupported((None, False), "/tokenize returns the ids and their count")}
 
     @model_validator(mode="after")
     def _one_input(self):
