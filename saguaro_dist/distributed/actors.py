@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from saguaro_dist.config import Config
-from saguaro_dist.distributed.draft_service import default_bind_host, format_address, local_address, serve_draft
+from saguaro_dist.distributed.draft_server import default_bind_host, format_address, local_address
+from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.placement import actor_threads
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
