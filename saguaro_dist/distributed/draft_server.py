@@ -43,15 +43,23 @@ def local_address() -> str | None:
     return f"unix-abstract:saguaro-draft-{os.getpid()}-{uuid.uuid4().hex[:12]}" if sys.platform == "linux" else None
 
 
+KEEPALIVE_TIMEOUT_MS = 10_000
+# A client ping sooner than this after the last, while no data flows, is a strike; after two the server ends the
+# connection (GOAWAY "too_many_pings"): the target's keepalive (grpc_link.Keepalive) stays above it.
+MIN_PING_INTERVAL_MS = 5_000
+
+
 def _server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
         ("grpc.keepalive_time_ms", 20_000),  # find a vanished target and end its stream
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # what closes a connection whose pings go unanswered (gRPC's default: 1 min, whatever the keepalive timeout)
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # the backend's keepalive pings are welcome
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),  # the backend's keepalive pings
     ]
 
 

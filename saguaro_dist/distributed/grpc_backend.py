@@ -13,7 +13,10 @@ call, beside the stream) overtook.
 
 A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
-trees are no longer waited for, and new prefills skip it. A protocol error on a stream (NOT_FOUND,
+trees are no longer waited for, and new prefills skip it. A thread then waits for it to serve again (gRPC
+redials with its backoff, capped at MAX_RECONNECT_BACKOFF_MS): a restarted server, or one found
+unreachable at start, takes new prefills again once it has released what it held (the same process may
+still hold it); the sequences it had are out of sync until prefilled again. A protocol error on a stream (NOT_FOUND,
 FAILED_PRECONDITION, ...) ends it and the stream is reopened; what was queued on the old one is lost,
 so every sequence of that server is out of sync until prefilled again: DraftOutOfSync from jit_draft
 (the engine re-prefills them), no tree waited for, their outcomes dropped.
@@ -33,7 +36,9 @@ import grpc
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
-from saguaro_dist.distributed.grpc_link import TRANSPORT_FAILURES, Link, await_sent, channel_options, error_from_rpc
+from saguaro_dist.distributed.grpc_link import (
+    DEFAULT_KEEPALIVE, TRANSPORT_FAILURES, Keepalive, Link, await_sent, channel_options, error_from_rpc,
+)
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, Lives, Outcomes, TreeKey, plan_misses
 from saguaro_dist.engine.messages import (
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 __all__ = ["GrpcDraftBackend"]
 
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
+REVIVE_POLL_S = 1.0  # a dead server that connects but refuses the reviver's Release is asked again after this
 TREE_SPIN_S = 0.005  # how long wait_trees polls (yielding the GIL) before it sleeps on the condition
 
 
@@ -52,17 +58,19 @@ class GrpcDraftBackend:
     """DraftBackend (engine/draft_backend.py) over DraftService servers at `addresses` ("host:port").
 
     deadline_s bounds jit_draft and release; prefill_deadline_s bounds prefill (it runs the draft over
-    whole prompts). Servers not reachable within connect_timeout_s start out dead.
+    whole prompts). Servers not reachable within connect_timeout_s start out dead (and are taken in once
+    they serve). keepalive: the pings that find a server gone without a reset.
     """
 
     drafts_beside = True  # a just-in-time draft goes out on the stream; its answer is read when taken
 
     def __init__(self, addresses: list[str], deadline_s: float = 10.0, *, prefill_deadline_s: float = 60.0,
-                 connect_timeout_s: float = 10.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES):
+                 connect_timeout_s: float = 10.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 keepalive: Keepalive = DEFAULT_KEEPALIVE):
         if not addresses:
             raise ValueError("GrpcDraftBackend needs at least one DraftService address")
         self.deadline_s, self.prefill_deadline_s = deadline_s, prefill_deadline_s
-        options = channel_options(max_message_bytes)
+        options = channel_options(max_message_bytes, keepalive)
         self._links = [Link(a, options) for a in addresses]
         self._cond = threading.Condition()  # guards the inbox, the owners and liveness
         self._trees: dict[TreeKey, SpeculationTree] = {}
@@ -73,6 +81,7 @@ class GrpcDraftBackend:
         self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
         self._next = itertools.cycle(self._links)
         self._closed = False
+        self._revivers: list[threading.Thread] = []
         self._connect(connect_timeout_s)
 
     # ---- pool state --------------------------------------------------------------------------------
@@ -111,9 +120,50 @@ class GrpcDraftBackend:
             if not link.alive:
                 return
             link.alive = False
+            held = [Release(s, self._lives.of(s)) for s, owner in self._owner.items() if owner is link]
             self._cond.notify_all()  # waiters stop waiting for its trees
         log.warning("draft server %s marked dead: %s", link.address, why)
         link.end_stream()
+        if not self._closed:
+            reviver = threading.Thread(target=self._revive, args=(link, held), daemon=True,
+                                       name=f"saguaro-revive-{link.address}")
+            self._revivers.append(reviver)
+            reviver.start()
+
+    def _revive(self, link: Link, held: list[Release]) -> None:
+        """Reviver thread: once the dead server serves again and has released what it held when it died, it
+        takes prefills again; the sequences still placed there are out of sync (prefilled again)."""
+        if link.reader is not None and link.reader is not threading.current_thread():
+            link.reader.join()  # the old stream's reader, which ends with it: it must not see the link alive again
+        while not self._closed:
+            if self._released_there(link, held):
+                break
+        with self._cond:
+            if self._closed:
+                return
+            self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
+            link.alive = True
+        try:
+            self._start_reader(link)
+        except ValueError:  # "Channel closed": close() ran meanwhile
+            return
+        log.warning("draft server %s serves again; it takes new and re-prefilled sequences", link.address)
+
+    def _released_there(self, link: Link, held: list[Release]) -> bool:
+        """Release what the server held when it died, each of the life it had then (a life begun there since
+        is kept): a server that never died, only its connection, still holds them. The call is also the proof
+        that it serves: it waits (up to deadline_s) for the channel to connect, gRPC redialling with its backoff."""
+        try:
+            link.stub.Release(codec.release_batch_to_proto(held), timeout=self.deadline_s, wait_for_ready=True)
+            return True
+        except grpc.RpcError as err:
+            if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED and not self._closed:  # answered, not well
+                log.info("draft server %s is back but did not release its old sequences: %s: %s",
+                         link.address, err.code().name, err.details())
+                time.sleep(REVIVE_POLL_S)
+            return False
+        except ValueError:  # "Channel closed": close() ran meanwhile
+            return False
 
     def _assign(self, seq_id: int) -> Link:
         """The sequence's server: its current one while alive, else the next live one round-robin."""
@@ -344,9 +394,9 @@ class GrpcDraftBackend:
         for link in self._links:
             link.end_stream()
             link.channel.close()
-        for link in self._links:
-            if link.reader is not None:
-                link.reader.join(timeout=5.0)
+        for thread in [link.reader for link in self._links] + self._revivers:
+            if thread is not None:
+                thread.join(timeout=5.0)
 
     # ---- helpers -----------------------------------------------------------------------------------
     def _stamp(self, msgs: list) -> list:

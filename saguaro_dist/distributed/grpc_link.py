@@ -8,11 +8,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import grpc
 
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.cpu import yield_cpu
+from saguaro_dist.distributed.draft_server import MIN_PING_INTERVAL_MS
 from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
 from saguaro_dist.engine.messages import JitDraftRequest
@@ -23,13 +25,45 @@ STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 HANDOFF_S = 0.002  # how long send_outcomes yields for gRPC's threads to send the outcomes (await_sent)
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+SERVER_MIN_PING_INTERVAL_MS = MIN_PING_INTERVAL_MS  # (draft_server.py) a keepalive under it gets a GOAWAY
+KEEPALIVE_FLOOR_MS = SERVER_MIN_PING_INTERVAL_MS + 1_000
+# gRPC's reconnect backoff grows x1.6 up to 120 s by default: a server back after minutes away would wait
+# up to that long to be dialled again. Capped, a restarted server serves again within ~this (+20% jitter).
+MAX_RECONNECT_BACKOFF_MS = 5_000
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """The target's HTTP/2 keepalive pings to each server: a server gone without a reset (its node lost, a NAT
+    or load balancer that dropped the connection's state) is found within time_ms + timeout_ms, idle or not."""
+    time_ms: int = 10_000
+    timeout_ms: int = 5_000
+
+    def __post_init__(self):
+        if self.time_ms < KEEPALIVE_FLOOR_MS:
+            raise ValueError(f"keepalive time_ms={self.time_ms} is under {KEEPALIVE_FLOOR_MS}: the draft server "
+                             f"allows a ping every {SERVER_MIN_PING_INTERVAL_MS} ms and ends connections that ping more")
+        if self.timeout_ms <= 0:
+            raise ValueError(f"keepalive timeout_ms must be positive, got {self.timeout_ms}")
+
+
+DEFAULT_KEEPALIVE = Keepalive()
+
+
+def channel_options(max_message_bytes: int, keepalive: Keepalive = DEFAULT_KEEPALIVE) -> list[tuple[str, int]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 10_000),  # a server that vanished without a reset is found in ~15 s
-        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_time_ms", keepalive.time_ms),
+        ("grpc.keepalive_timeout_ms", keepalive.timeout_ms),
+        # What gRPC waits for a ping's ack (1 min by default when keepalive is on); since core moved keepalive onto
+        # its ping manager this, not keepalive_timeout_ms, is what closes a connection whose peer went silent.
+        ("grpc.http2.ping_timeout_ms", keepalive.timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
+        # By default gRPC sends 2 pings without data, then one a minute (grpc/grpc#25722): on a Speculate stream
+        # idle for minutes (a quiet server) a vanished server went unnoticed ~70 s, not time_ms + timeout_ms.
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
     ]
 
 
