@@ -60,6 +60,7 @@ def text_engine(tokenizer, eos: set[int]) -> Engine:
     handed their tokens by the test instead of a model."""
     engine = Engine.__new__(Engine)
     engine.metrics, engine.detok, engine.eos_token_ids, engine._emitted = EngineMetrics(), Detokenizer(tokenizer), eos, {}
+    engine.context_len = 1 << 20  # no context end inside these texts
     return engine
 
 
