@@ -7,13 +7,13 @@ import hashlib
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from demo_fixtures import SOURCE, files, tiny_model
+from transformers import AutoModelForCausalLM
 
 from saguaro_dist.demo import corpus
 from saguaro_dist.demo.build import Recipe, build, export_pair
-from saguaro_dist.demo.tokenizer import train_tokenizer, wrap_fast
 
-SOURCE = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(40))
+pytest_plugins = ["demo_fixtures"]
 LONG_LINES = "".join(f"value_{i} = '{'x' * 300}'\n" for i in range(20))  # every line longer than 200 characters
 SAMPLED_SHA = "c19aef6a52ad749e"  # sample_snippets([SOURCE, LONG_LINES], 6, 200, seed=3) before this change
 
@@ -48,22 +48,6 @@ def test_a_corpus_without_a_fitting_prompt_is_refused_before_training(tmp_path):
     with pytest.raises(ValueError, match="prompt_chars"):
         build(recipe, out=tmp_path / "out", work=tmp_path / "work")
     assert not (tmp_path / "work" / "tokenizer.json").exists() and not (tmp_path / "out" / "target").exists()
-
-
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=True))
-
-
-@pytest.fixture(scope="module")
-def fast_tok():
-    return wrap_fast(train_tokenizer([SOURCE] * 4, 300), 64)
-
-
-def files(root) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def test_an_export_failing_part_way_leaves_the_earlier_pair_whole(tmp_path, fast_tok):

@@ -13,13 +13,12 @@ import stat
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from demo_fixtures import files, tiny_model
 
 import saguaro_dist.demo.build as demo_build
 from saguaro_dist.demo.build import Recipe, build, check_out, export_pair
-from saguaro_dist.demo.tokenizer import train_tokenizer, wrap_fast
 
-SOURCE = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(40))
+pytest_plugins = ["demo_fixtures"]
 KILLED = 77  # the child's exit code when the simulated kill hit
 TINY = Recipe(max_files=8, vocab_size=300, seq_len=64, batch_size=2, target_hidden=32, target_layers=1,
               target_heads=2, target_ffn=64, draft_hidden=16, draft_layers=1, draft_heads=1, draft_ffn=32,
@@ -27,26 +26,10 @@ TINY = Recipe(max_files=8, vocab_size=300, seq_len=64, batch_size=2, target_hidd
               eval_windows=2, shipped_prompts=4, prompt_chars=200)
 
 
-def tiny_model(seed: int) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=True))
-
-
-@pytest.fixture(scope="module")
-def fast_tok():
-    return wrap_fast(train_tokenizer([SOURCE] * 4, 300), 64)
-
-
 def pair_files(out) -> dict[str, bytes]:
     """What a reader of the pair sees: every file under out/target and out/draft."""
     return {p.relative_to(out).as_posix(): p.read_bytes()
             for role in ("target", "draft") for p in sorted((out / role).rglob("*")) if p.is_file()}
-
-
-def all_files(root) -> dict[str, bytes]:
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def kill_at(n: int) -> None:
@@ -158,7 +141,7 @@ def test_a_build_failing_in_its_measurement_leaves_the_earlier_build_whole(tmp_p
 
     out = tmp_path / "pair"
     build(TINY, out=out, work=tmp_path / "w1")
-    before = all_files(out)
+    before = files(out)
     assert {"prompts.json", "build_info.json", "target/model.safetensors"} <= before.keys()
 
     def broken(*args, **kwargs):
@@ -167,7 +150,7 @@ def test_a_build_failing_in_its_measurement_leaves_the_earlier_build_whole(tmp_p
     monkeypatch.setattr(evaluate, "greedy_acceptance", broken)
     with pytest.raises(RuntimeError, match="measurement failed"):
         build(Recipe(**{**TINY.__dict__, "seed": 1}), out=out, work=tmp_path / "w2")
-    assert all_files(out) == before
+    assert files(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pair", "w1", "w2"]  # no staging folder left
 
 

@@ -25,13 +25,6 @@ RAY_REPORT_S = 1.0  # the tests' Ray metrics export period (conftest)
 
 
 @pytest.fixture(scope="module")
-def metrics_url(ray_cluster) -> str:
-    if ray_cluster is None:
-        pytest.skip("Ray was started outside the tests: its metrics port is unknown")
-    return ray_cluster
-
-
-@pytest.fixture(scope="module")
 def one_slot_llm(tmp_path_factory):
     """An ar engine with one batch slot (a second request waits in the queue), context enough for LONG tokens."""
     path = write_llama(tmp_path_factory.mktemp("abort_prefill"), make_tokenizer(), hidden=32, layers=1, seed=5,

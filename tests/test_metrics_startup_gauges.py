@@ -5,8 +5,8 @@ Real HTTP (the app under loopback uvicorn), a real engine over the tiny serving 
 Ray node's real Prometheus endpoint."""
 from __future__ import annotations
 
-import pytest
 from http_helpers import serve_on_loopback
+from test_serve_metrics_aborts import GAUGES
 from test_serving_metrics_review import samples, wait_for
 
 from saguaro_dist import LLM
@@ -15,14 +15,6 @@ from saguaro_dist.serve.metrics import ServeMetrics
 
 pytest_plugins = ["test_serve_fixtures"]
 
-GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "draft_workers_live", "draft_workers")
-
-
-@pytest.fixture(scope="module")
-def metrics_url(ray_cluster) -> str:
-    if ray_cluster is None:
-        pytest.skip("Ray was started outside the tests: its metrics port is unknown")
-    return ray_cluster
 
 
 def gauges(url: str, model: str) -> dict[str, list[float]]:

@@ -107,3 +107,11 @@ def app_stats() -> dict:
     from ray import serve
 
     return serve.get_app_handle(APP_NAME).stats.remote().result(timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def metrics_url(ray_cluster) -> str:
+    """The Ray node's Prometheus endpoint the serving metrics are scraped from (conftest's ray_cluster)."""
+    if ray_cluster is None:
+        pytest.skip("Ray was started outside the tests: its metrics port is unknown")
+    return ray_cluster

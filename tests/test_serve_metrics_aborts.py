@@ -26,13 +26,6 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
 
 
 @pytest.fixture(scope="module")
-def metrics_url(ray_cluster) -> str:
-    if ray_cluster is None:
-        pytest.skip("Ray was started outside the tests: its metrics port is unknown")
-    return ray_cluster
-
-
-@pytest.fixture(scope="module")
 def long_llm(tmp_path_factory):
     """An ar engine over a one-layer Llama with a context long enough for LONG tokens."""
     path = write_llama(tmp_path_factory.mktemp("h11_long"), make_tokenizer(), hidden=32, layers=1, seed=3,

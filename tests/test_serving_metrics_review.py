@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from http_helpers import serve_on_loopback
@@ -19,13 +18,6 @@ pytest_plugins = ["test_serve_fixtures"]
 # vLLM's largest finite buckets (vllm/v1/metrics/loggers.py): a request slower than a histogram's largest
 # bucket lands in +Inf only, and histogram_quantile then reports that bucket, whatever the request took.
 VLLM_E2E_MAX_S, VLLM_TTFT_MAX_S = 7680.0, 2560.0
-
-
-@pytest.fixture(scope="module")
-def metrics_url(ray_cluster) -> str:
-    if ray_cluster is None:
-        pytest.skip("Ray was started outside the tests: its metrics port is unknown")
-    return ray_cluster
 
 
 def samples(url: str, name: str, model: str) -> list:
