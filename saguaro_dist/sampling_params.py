@@ -78,9 +78,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # the stop string that ended the text stays at its end
     skip_special_tokens: bool = True          # special tokens are left out of the text
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens (-1: the model's max length)
-    # vLLM's: samples per prompt (LLM.generate / chat); sample i of a seeded request draws from seed + i. Last, so
-    # that positional arguments keep their places.
+    # vLLM's: samples per prompt (LLM.generate / chat); sample i of a seeded request draws from seed + i. New fields
+    # go last, so that positional arguments keep their places.
     n: int = 1
+    detokenize: bool = True  # vLLM's: False leaves every output's text "" (token ids only); no stop strings then
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else as_tuple(self.stop, "stop", "a string or a list of strings")
@@ -108,10 +109,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None), got {value!r}")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise ValueError("stop must be non-empty strings")
+        if self.stop and self.detokenize is False:  # a stop string is matched in the text (vLLM's rule)
+            raise ValueError("stop strings need detokenize=True (they are matched in the output's text)")
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):  # "false" is truthy
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):  # "false" is truthy
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         keep = self.truncate_prompt_tokens

@@ -7,7 +7,7 @@ import logging
 import queue
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
@@ -82,6 +82,16 @@ class LLM:
         defaults (vLLM's get_default_sampling_params)."""
         return SamplingParams(**self.generation_defaults)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's name for default_sampling_params()."""
+        return self.default_sampling_params()
+
+    def get_tokenizer(self):
+        """vLLM's: the tokenizer prompts are encoded and outputs decoded with."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (pass prompt_token_ids; outputs carry token ids)")
+        return self.tokenizer
+
     @property
     def metrics(self):
         """Engine-wide counters and the time split of the round loop."""
@@ -96,13 +106,17 @@ class LLM:
     # ---- requests ---------------------------------------------------------------------------
     def generate(self, prompts: str | list[str] | None = None,
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 prompt_token_ids: list[list[int]] | None = None, priority: list[int] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 prompt_token_ids: list[list[int]] | None = None, *, use_tqdm: bool | Callable = True,
+                 lora_request=None, priority: list[int] | None = None,
+                 tokenization_kwargs: dict | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuously batched); outputs in prompt order, each with
         SamplingParams.n samples in `outputs` (index order; sample i of a seeded request draws from seed + i).
         priority: one int per prompt, lower admitted first (needs scheduling_policy="priority", as vLLM).
         use_tqdm: vLLM's progress bar of finished samples and output tokens/s, on stderr when it is a
-        terminal. An interrupt (Ctrl-C) aborts the samples not yet finished before it propagates."""
+        terminal; a callable (vLLM's) makes the bar instead of tqdm. An interrupt (Ctrl-C) aborts the
+        samples not yet finished before it propagates. lora_request / tokenization_kwargs: vLLM's, refused
+        unless empty (no LoRA adapters; prompts are encoded as the model's tokenizer does by default)."""
+        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
         requests = self._requests(prompts, prompt_token_ids, sampling_params, priority)
         seqs = [seq for request in requests for seq in request.samples]
         finished: queue.Queue[int] = queue.Queue()
@@ -122,15 +136,21 @@ class LLM:
         return [self._output(request, [next(done) for _ in request.samples]) for request in requests]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
-             priority: list[int] | None = None, chat_template: str | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True,
-             continue_final_message: bool = False) -> list[RequestOutput]:
-        """vLLM's LLM.chat: one conversation (OpenAI messages: role, content, tool_calls, tool_call_id) or a
-        list of them, rendered as the server renders /v1/chat/completions (`chat_template`, a Jinja
-        template or a file of one, else the tokenizer's, with `tools`; a plain transcript without one;
-        add_generation_prompt / continue_final_message as vLLM's), then generated; outputs in
-        conversation order."""
+             use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
+             chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict | None = None, tokenization_kwargs: dict | None = None,
+             mm_processor_kwargs: dict | None = None, *, priority: list[int] | None = None) -> list[RequestOutput]:
+        """vLLM's LLM.chat (its arguments, in its positional order): one conversation (OpenAI messages: role,
+        content, tool_calls, tool_call_id) or a list of them, rendered as the server renders
+        /v1/chat/completions (`chat_template`, a Jinja template or a file of one, else the tokenizer's, with
+        `tools`; a plain transcript without one; add_generation_prompt / continue_final_message as vLLM's),
+        then generated; outputs in conversation order. Message content reaches the template as a string
+        (chat_template_content_format "auto" or "string"); lora_request, tokenization_kwargs and
+        mm_processor_kwargs are refused unless empty."""
+        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
+                           mm_processor_kwargs=mm_processor_kwargs)
+        check_content_format(chat_template_content_format)
         from saguaro_dist.serve.prompts import load_chat_template
         from saguaro_dist.serve.prompts import encode_chat  # the HTTP layer's message model: one rendering
         from saguaro_dist.serve.protocol import ChatMessage, ChatPromptFields, Tool
@@ -361,10 +381,10 @@ class LLM:
         return listener
 
     @staticmethod
-    def _wait(results: list, finished: queue.Queue, use_tqdm: bool) -> None:
+    def _wait(results: list, finished: queue.Queue, use_tqdm: bool | Callable) -> None:
         """Until every request finished; the bar counts them (disable=None: only on a terminal)."""
         start, tokens = time.perf_counter(), 0
-        with tqdm(total=len(results), desc="Processed prompts", unit="prompt", disable=None if use_tqdm else True) as bar:
+        with progress_bar(use_tqdm, len(results)) as bar:
             for _ in results:
                 seq = results[finished.get()]
                 tokens += 0 if isinstance(seq, BaseException) else len(seq.output_token_ids)
@@ -381,7 +401,7 @@ class LLM:
     @staticmethod
     def _delta(u: Update, request_id: str) -> StreamDelta:
         reason, stop_reason = finish_fields(u)
-        return StreamDelta(request_id, u.text_delta, u.token_delta, u.finished, reason,
+        return StreamDelta(request_id, output_text(u.seq.params, u.text_delta), u.token_delta, u.finished, reason,
                            u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs, stop_reason)
 
 
@@ -432,7 +452,7 @@ class SampleDeltas:
 
     def __call__(self, index: int, u: Update, all_finished: bool) -> RequestOutput:
         reason, stop_reason = finish_fields(u)
-        sample = CompletionOutput(index, u.text_delta, u.token_delta, self._cumulative(index, u),
+        sample = CompletionOutput(index, output_text(u.seq.params, u.text_delta), u.token_delta, self._cumulative(index, u),
                                   u.logprobs_delta, reason, stop_reason)
         return RequestOutput.of_samples(self.request.request_id, self.request.text, self.prompt_token_ids,
                                         u.prompt_logprobs, [sample], u.seq.metrics if u.finished else None,
@@ -461,8 +481,41 @@ class SamplesAtEnd:
 def completion(index: int, seq: Sequence) -> CompletionOutput:
     token_ids = list(seq.output_token_ids)
     logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
-    return CompletionOutput(index, seq.text, token_ids, cumulative_logprob(token_ids, logprobs), logprobs,
+    return CompletionOutput(index, output_text(seq.params, seq.text), token_ids, cumulative_logprob(token_ids, logprobs), logprobs,
                             seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason)
+
+
+def output_text(params: SamplingParams, text: str) -> str:
+    """The text an output shows: none with detokenize=False (vLLM's: token ids only)."""
+    return text if params.detokenize else ""
+
+
+def progress_bar(use_tqdm: bool | Callable, total: int):
+    """generate's bar: tqdm's (shown only on a terminal), none, or the one vLLM's callable use_tqdm makes."""
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", disable=None if use_tqdm else True)
+
+
+UNSUPPORTED = {"lora_request": "LoRA adapters are not supported",
+               "tokenization_kwargs": "prompts are encoded as the model's tokenizer does by default, without overrides",
+               "mm_processor_kwargs": "multimodal inputs are not supported"}
+
+
+def refuse_unsupported(**arguments) -> None:
+    """vLLM's arguments this engine cannot honour: refused by name unless empty (None, {} or []), not dropped."""
+    for name, value in arguments.items():
+        if value is not None and value != {} and value != []:
+            raise ValueError(f"{name}: {UNSUPPORTED[name]}; leave it unset (got {value!r})")
+
+
+CONTENT_FORMATS = ("auto", "string")  # the chat renderer hands templates each message's content as one string
+
+
+def check_content_format(content_format: str) -> None:
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format {content_format!r} is not supported: message content "
+                         f"reaches the chat template as a string ({' or '.join(map(repr, CONTENT_FORMATS))})")
 
 
 def _conversations(messages) -> list:
