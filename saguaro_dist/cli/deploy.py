@@ -70,6 +70,14 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-max-workers", type=int, help="with --autoscaling: the draft pool's upper bound")
     parser.add_argument("--autoscaling", action="store_true", help="enable the Ray autoscaler (in-tree)")
     parser.add_argument("--image", default=DEFAULTS.image, help="saguaro-dist image (deploy/Dockerfile.cpu or .cuda)")
+    parser.add_argument("--image-pull-secret", dest="image_pull_secrets", action="append",
+                        help="a Secret with the registry's credentials (repeat for several)")
+    parser.add_argument("--upgrade-strategy", choices=[u.value for u in k8s.UpgradeStrategy],
+                        help=f"when the cluster's spec changes: NewCluster (a second cluster, then traffic moves; "
+                             f"twice the GPUs meanwhile) or None (default {DEFAULTS.upgrade_strategy})")
+    parser.add_argument("--drain-timeout-s", type=int,
+                        help=f"Ray's drain on a pod's SIGTERM, seconds; the pods' grace period is this + "
+                             f"{k8s.DRAIN_MARGIN_S} (default {DEFAULTS.drain_timeout_s})")
     parser.add_argument("--gpu", action="store_true", help="run on NVIDIA GPUs (implied by --gpu-type)")
     parser.add_argument("--gpu-type", help="nvidia.com/gpu.product of the GPU nodes, e.g. NVIDIA-H100-80GB-HBM3")
     parser.add_argument("--api-key-secret", default=DEFAULTS.api_key_secret, help="Secret with the API key (key 'api-key')")

@@ -9,6 +9,7 @@ placement options ask for (saguaro_dist.placement), so ranks and drafts land on 
 """
 from __future__ import annotations
 
+import enum
 import json
 import re
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RE
 from saguaro_dist.serve.args import API_KEY_ENV, config_from_args
 
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Kubernetes' rule for a Service's name
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret's name
 
 APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
 APP_NAME = "saguaro"
@@ -31,6 +33,15 @@ GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery
 MODELS_MOUNT = "/models"
 RAY_UID = 1000  # the `ray` user of the official Ray images
+DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # Ray's SIGTERM drain window (`ray start --block`)
+DRAIN_MARGIN_S = 15  # after the drain window: the raylet and its workers exit before Kubernetes' SIGKILL
+
+
+class UpgradeStrategy(str, enum.Enum):
+    """RayService spec.upgradeStrategy.type: what KubeRay does when the Ray cluster's spec changes."""
+
+    NEW_CLUSTER = "NewCluster"  # blue/green: a second cluster (twice the GPUs for a while), then traffic moves
+    NONE = "None"               # no new cluster: cluster changes wait for the RayService to be recreated
 
 
 @dataclass(frozen=True)
@@ -79,10 +90,16 @@ class K8sSettings:
     autoscaling: bool = False
     draft_max_workers: int | None = None  # autoscaling bound; None: draft_workers
     idle_timeout_s: int = 60
+    upgrade_strategy: str = "NewCluster"  # UpgradeStrategy; None where the cluster can't hold a second copy
+    drain_timeout_s: int = 30         # Ray's SIGTERM drain (its default, explicit); the pods' grace period exceeds it
+    image_pull_secrets: tuple[str, ...] = ()  # Secrets for a private registry
 
     def __post_init__(self):
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
+        if isinstance(self.image_pull_secrets, (list, str)):
+            secrets = [self.image_pull_secrets] if isinstance(self.image_pull_secrets, str) else self.image_pull_secrets
+            object.__setattr__(self, "image_pull_secrets", tuple(secrets))
         if self.draft == "":
             object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
         if self.gpu_type and not self.gpu:
@@ -93,6 +110,12 @@ class K8sSettings:
         parse_enum(Mode, self.mode, "mode")
         parse_enum(FallbackPolicy, self.fallback, "fallback")
         parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy")
+        parse_enum(UpgradeStrategy, self.upgrade_strategy, "upgrade_strategy")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s}")
+        bad = [name for name in self.image_pull_secrets if not DNS_SUBDOMAIN.fullmatch(name)]
+        if bad:
+            raise ValueError(f"image_pull_secrets must name Secrets (DNS-1123 subdomains), got {bad}")
         if self.tp < 1 or self.draft_workers < 1:
             raise ValueError(f"tp and draft_workers must be >= 1, got tp={self.tp}, draft_workers={self.draft_workers}")
         if self.draft_max_workers is not None and self.draft_max_workers < self.draft_workers:
@@ -222,6 +245,12 @@ def _env(s: K8sSettings) -> list:
     ]
 
 
+def _ray_env(s: K8sSettings) -> list:
+    """A Ray container's environment: the app's, and Ray's drain window on SIGTERM (explicit: the pod's grace
+    period is derived from it)."""
+    return _env(s) + [{"name": DRAIN_ENV, "value": str(s.drain_timeout_s)}]
+
+
 def _security_context() -> dict:
     return {"runAsNonRoot": True, "runAsUser": RAY_UID, "allowPrivilegeEscalation": False}
 
@@ -236,29 +265,40 @@ def _ports(head: bool) -> list:
     return ports
 
 
-# KubeRay's own health endpoints (the probes it injects by default), made explicit so they show in
-# the manifest and carry longer start-up delays: loading large weights takes minutes.
+# KubeRay's own probes (pod.go, initReadinessProbe / initLivenessProbe), written out: a probe given in
+# the manifest replaces KubeRay's whole, so each must hold all KubeRay's checks and thresholds.
 RAYLET_HEALTH = "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success"
 GCS_HEALTH = f"wget -T 2 -q -O- http://localhost:{DASHBOARD_PORT}/api/gcs_healthz | grep success"
+# A RayService's workers are ready only with a healthy Serve proxy on the pod: the Serve Service selects
+# every worker, and Serve runs proxies only where replicas run (EveryNode), so a draft pod has none.
+SERVE_HEALTH = f"wget -T 2 -q -O- http://localhost:{SERVE_PORT}/-/healthz | grep success"
 
 
-def _probe(command: str, initial_delay_s: int) -> dict:
-    return {"exec": {"command": ["bash", "-c", command]}, "initialDelaySeconds": initial_delay_s,
-            "periodSeconds": 5, "timeoutSeconds": 2, "failureThreshold": 120}
+def _probe(checks: list, initial_delay_s: int, timeout_s: int, failures: int) -> dict:
+    return {"exec": {"command": ["bash", "-c", " && ".join(checks)]}, "initialDelaySeconds": initial_delay_s,
+            "periodSeconds": 5, "timeoutSeconds": timeout_s, "failureThreshold": failures}
 
 
-def _probes(head: bool) -> dict:
-    command = f"{RAYLET_HEALTH} && {GCS_HEALTH}" if head else RAYLET_HEALTH
-    return {"readinessProbe": _probe(command, 10), "livenessProbe": _probe(command, 30)}
+def _probes(head: bool, serving: bool) -> dict:
+    """serving: a RayService worker. Liveness waits 10 minutes (120 x 5 s) before a restart; readiness restarts
+    nothing and has no start-up to wait out, and a serving worker leaves the Service at its proxy's first
+    failure (a draining proxy fails it): KubeRay's values."""
+    checks = [RAYLET_HEALTH, GCS_HEALTH] if head else [RAYLET_HEALTH]
+    timeout_s = 5 if head else 2  # the head's checks call two endpoints
+    if serving:
+        readiness = _probe(checks + [SERVE_HEALTH], 10, timeout_s, 1)
+    else:
+        readiness = _probe(checks, 10, timeout_s, 10)
+    return {"readinessProbe": readiness, "livenessProbe": _probe(checks, 30, timeout_s, 120)}
 
 
-def _container(s: K8sSettings, cpu: str, memory: str, gpus: int, head: bool) -> dict:
+def _container(s: K8sSettings, cpu: str, memory: str, gpus: int, head: bool, serving: bool) -> dict:
     return {"name": "ray-head" if head else "ray-worker", "image": s.container_image,
-            "imagePullPolicy": s.image_pull_policy, "env": _env(s), "ports": _ports(head),
+            "imagePullPolicy": s.image_pull_policy, "env": _ray_env(s), "ports": _ports(head),
             "resources": _compute(cpu, memory, gpus), "securityContext": _security_context(),
             "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
                              {"name": "dshm", "mountPath": "/dev/shm"}],
-            **_probes(head)}
+            **_probes(head, serving)}
 
 
 def _volumes(s: K8sSettings) -> list:
@@ -270,9 +310,15 @@ def _volumes(s: K8sSettings) -> list:
     return [models, {"name": "dshm", "emptyDir": {"medium": "Memory"}}]
 
 
+def _pull_secrets(s: K8sSettings) -> dict:
+    return {"imagePullSecrets": [{"name": name} for name in s.image_pull_secrets]} if s.image_pull_secrets else {}
+
+
 def _pod_template(s: K8sSettings, container: dict, gpus: int) -> dict:
+    # the grace period outlasts Ray's drain window, or Kubernetes kills the pod while Serve still drains it
     spec = {"containers": [container], "volumes": _volumes(s),
-            "securityContext": {"fsGroup": RAY_UID}}
+            "securityContext": {"fsGroup": RAY_UID},
+            "terminationGracePeriodSeconds": s.drain_timeout_s + DRAIN_MARGIN_S, **_pull_secrets(s)}
     if gpus and s.gpu_type:
         spec["nodeSelector"] = {GPU_PRODUCT_LABEL: s.gpu_type}
     if gpus:
@@ -283,39 +329,41 @@ def _pod_template(s: K8sSettings, container: dict, gpus: int) -> dict:
 # ---- Ray cluster -----------------------------------------------------------------------------
 
 def head_group(s: K8sSettings) -> dict:
-    # num-cpus 0: the head only coordinates; no Serve replica, rank or draft lands on it
+    # num-cpus 0: the head only coordinates; no Serve replica, rank or draft lands on it. Its probes never
+    # check Serve: KubeRay checks the head's proxy itself (a failing head probe would cut the workers off)
     params = {"num-cpus": "0", "dashboard-host": "0.0.0.0", "metrics-export-port": str(METRICS_PORT)}
-    container = _container(s, s.head_cpu, s.head_memory, 0, head=True)
+    container = _container(s, s.head_cpu, s.head_memory, 0, head=True, serving=False)
     return {"rayStartParams": params, "template": _pod_template(s, container, 0)}
 
 
-def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, bounds: tuple) -> dict:
+def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, bounds: tuple, serving: bool) -> dict:
     replicas, max_replicas = bounds
     cpu, memory = (s.target_cpu, s.target_memory) if name == "target" else (s.draft_cpu, s.draft_memory)
     params = {"resources": ray_resources_param(resources), "metrics-export-port": str(METRICS_PORT)}
-    container = _container(s, cpu, memory, gpus, head=False)
+    container = _container(s, cpu, memory, gpus, head=False, serving=serving)
     # minReplicas = replicas: the app's ranks and draft workers live there; only extra pods come and go
     return {"groupName": name, "replicas": replicas, "minReplicas": replicas,
             "maxReplicas": max_replicas, "rayStartParams": params,
             "template": _pod_template(s, container, gpus)}
 
 
-def target_group(s: K8sSettings) -> dict:
+def target_group(s: K8sSettings, serving: bool = True) -> dict:
     """One pod holding every tensor-parallel rank: TP over NVLink inside a node, not across pods."""
     resources = {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR}
-    return _worker_group(s, "target", resources, s.tp if s.gpu else 0, (1, 1))
+    return _worker_group(s, "target", resources, s.tp if s.gpu else 0, (1, 1), serving)
 
 
-def draft_group(s: K8sSettings) -> dict:
+def draft_group(s: K8sSettings, serving: bool = True) -> dict:
     """One pod per draft worker, one GPU each; the pool scales up to draft_max."""
     resources = {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}
-    return _worker_group(s, "draft", resources, 1 if s.gpu else 0, (s.draft_workers, s.draft_max))
+    return _worker_group(s, "draft", resources, 1 if s.gpu else 0, (s.draft_workers, s.draft_max), serving)
 
 
-def ray_cluster_spec(s: K8sSettings) -> dict:
+def ray_cluster_spec(s: K8sSettings, serving: bool = True) -> dict:
+    """serving: the cluster of a RayService (its workers' readiness includes their Serve proxy)."""
+    workers = [target_group(s, serving), draft_group(s, serving)] if s.uses_draft else [target_group(s, serving)]
     spec = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": s.autoscaling,
-            "headGroupSpec": head_group(s),
-            "workerGroupSpecs": [target_group(s), draft_group(s)] if s.uses_draft else [target_group(s)]}
+            "headGroupSpec": head_group(s), "workerGroupSpecs": workers}
     if s.autoscaling:
         spec["autoscalerOptions"] = {"upscalingMode": "Default", "idleTimeoutSeconds": s.idle_timeout_s}
     return spec
@@ -336,8 +384,8 @@ def serve_service(s: K8sSettings) -> dict:
 
 def rayservice(s: K8sSettings) -> dict:
     """The RayService: the Ray cluster plus the Serve app KubeRay deploys and keeps healthy on it."""
-    spec = {"serveConfigV2": to_yaml([serve_config(s)]),
-            "serveService": serve_service(s), "rayClusterConfig": ray_cluster_spec(s)}
+    spec = {"upgradeStrategy": {"type": s.upgrade_strategy}, "serveConfigV2": to_yaml([serve_config(s)]),
+            "serveService": serve_service(s), "rayClusterConfig": ray_cluster_spec(s, serving=True)}
     return {"apiVersion": "ray.io/v1", "kind": "RayService",
             "metadata": _metadata(s, s.name), "spec": spec}
 
@@ -345,7 +393,7 @@ def rayservice(s: K8sSettings) -> dict:
 def raycluster(s: K8sSettings) -> dict:
     """A RayCluster with the same groups, for batch generation jobs (`ray job submit`)."""
     return {"apiVersion": "ray.io/v1", "kind": "RayCluster",
-            "metadata": _metadata(s, f"{s.name}-batch"), "spec": ray_cluster_spec(s)}
+            "metadata": _metadata(s, f"{s.name}-batch"), "spec": ray_cluster_spec(s, serving=False)}
 
 
 BATCH_MOUNT = "/data"
@@ -361,7 +409,7 @@ def batch_job(s: K8sSettings, pvc: str, input_file: str, output_file: str) -> di
                  "env": _env(s)[:1], "resources": _compute("1", "1Gi", 0), "securityContext": _security_context(),
                  "volumeMounts": [{"name": "data", "mountPath": BATCH_MOUNT}]}
     pod = {"restartPolicy": "Never", "containers": [container], "securityContext": {"fsGroup": RAY_UID},
-           "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}}]}
+           "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}}], **_pull_secrets(s)}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": _metadata(s, f"{s.name}-run-batch"),
             "spec": {"backoffLimit": 0, "template": {"metadata": {"labels": _job_pod_labels(s)}, "spec": pod}}}
 
@@ -373,8 +421,9 @@ def _job_pod_labels(s: K8sSettings) -> dict:
 
 
 def metrics_service(s: K8sSettings) -> dict:
-    """A headless Service over every Ray pod's metrics port, for Prometheus to scrape."""
-    spec = {"clusterIP": "None", "selector": selector_labels(s),
+    """A headless Service over every Ray pod's metrics port, for Prometheus to scrape. Not-ready pods too: a
+    RayService worker holding no Serve proxy (a draft pod) is never Ready, as KubeRay's own probe has it."""
+    spec = {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": selector_labels(s),
             "ports": [{"name": "metrics", "port": METRICS_PORT, "targetPort": METRICS_PORT, "protocol": "TCP"}]}
     return {"apiVersion": "v1", "kind": "Service",
             "metadata": _metadata(s, f"{s.name}-metrics"), "spec": spec}
@@ -402,7 +451,8 @@ def helm_values(s: K8sSettings) -> dict:
     repository, tag = _split_image(s.container_image)
     return {
         "fullnameOverride": s.name,
-        "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy},
+        "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy,
+                  "pullSecrets": list(s.image_pull_secrets)},
         "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or "",
                   "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or "",
                   "generationConfig": s.generation_config, "chatTemplate": s.chat_template or "",
@@ -422,6 +472,8 @@ def helm_values(s: K8sSettings) -> dict:
         "apiKey": {"secretName": s.api_key_secret, "secretKey": s.api_key_secret_key},
         "hfToken": {"secretName": s.hf_token_secret, "secretKey": s.hf_token_secret_key},
         "modelStorage": {"pvc": s.models_pvc or ""},
+        "upgradeStrategy": s.upgrade_strategy,
+        "termination": {"drainTimeoutSeconds": s.drain_timeout_s},
     }
 
 

@@ -82,11 +82,35 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* One Ray container. Arguments: root, cpu, memory, gpus, head. */}}
-{{- define "saguaro.container" -}}
-{{- $v := .root.Values -}}
+{{/* KubeRay's own probes, written out (a probe given here replaces KubeRay's whole): the raylet's health,
+     the GCS's on the head, and on a RayService's workers (serving) the Serve proxy's, which takes a pod out of
+     the Serve Service at its first failure (Serve runs proxies only where replicas run). Arguments as
+     saguaro.container. Keep in step with saguaro_dist/deploy/k8s.py _probes. */}}
+{{- define "saguaro.probes" -}}
 {{- $health := "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success" -}}
 {{- if .head }}{{ $health = printf "%s && wget -T 2 -q -O- http://localhost:8265/api/gcs_healthz | grep success" $health }}{{ end -}}
+{{- $ready := $health -}}
+{{- if .serving }}{{ $ready = printf "%s && wget -T 2 -q -O- http://localhost:8000/-/healthz | grep success" $health }}{{ end -}}
+{{- $timeout := ternary 5 2 (.head | default false) }}
+readinessProbe:
+  exec:
+    command: ["bash", "-c", {{ $ready | quote }}]
+  initialDelaySeconds: 10
+  periodSeconds: 5
+  timeoutSeconds: {{ $timeout }}
+  failureThreshold: {{ ternary 1 10 (.serving | default false) }}
+livenessProbe:
+  exec:
+    command: ["bash", "-c", {{ $health | quote }}]
+  initialDelaySeconds: 30
+  periodSeconds: 5
+  timeoutSeconds: {{ $timeout }}
+  failureThreshold: 120
+{{- end -}}
+
+{{/* One Ray container. Arguments: root, cpu, memory, gpus, head, serving (a RayService's worker). */}}
+{{- define "saguaro.container" -}}
+{{- $v := .root.Values -}}
 name: {{ ternary "ray-head" "ray-worker" .head }}
 image: {{ include "saguaro.image" .root | quote }}
 imagePullPolicy: {{ $v.image.pullPolicy }}
@@ -99,6 +123,8 @@ env:
       secretKeyRef: {name: {{ $v.hfToken.secretName | quote }}, key: {{ $v.hfToken.secretKey | quote }}, optional: true}
   - name: HF_HOME
     value: /models/hf-cache
+  - name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
+    value: {{ int $v.termination.drainTimeoutSeconds | toString | quote }}
 ports:
   {{- if .head }}
   - {name: gcs-server, containerPort: 6379}
@@ -116,15 +142,7 @@ securityContext: {runAsNonRoot: true, runAsUser: 1000, allowPrivilegeEscalation:
 volumeMounts:
   - {name: models, mountPath: /models}
   - {name: dshm, mountPath: /dev/shm}
-{{- range $probe, $delay := dict "readinessProbe" 10 "livenessProbe" 30 }}
-{{ $probe }}:
-  exec:
-    command: ["bash", "-c", {{ $health | quote }}]
-  initialDelaySeconds: {{ $delay }}
-  periodSeconds: 5
-  timeoutSeconds: 2
-  failureThreshold: 120
-{{- end }}
+{{ include "saguaro.probes" . }}
 {{- end -}}
 
 {{/* A pod template. Arguments as saguaro.container. */}}
@@ -143,6 +161,14 @@ spec:
     {{- end }}
     - {name: dshm, emptyDir: {medium: Memory}}
   securityContext: {fsGroup: 1000}
+  {{- /* longer than Ray's drain window on SIGTERM, or Kubernetes kills the pod while Serve drains it */}}
+  terminationGracePeriodSeconds: {{ add (int $v.termination.drainTimeoutSeconds) 15 }}
+  {{- with $v.image.pullSecrets }}
+  imagePullSecrets:
+    {{- range . }}
+    - {name: {{ . | quote }}}
+    {{- end }}
+  {{- end }}
   {{- if and .gpus $v.gpu.type }}
   nodeSelector:
     nvidia.com/gpu.product: {{ $v.gpu.type | quote }}
@@ -153,7 +179,7 @@ spec:
   {{- end }}
 {{- end -}}
 
-{{/* A worker group. Arguments: root, name, resource, amount, gpus, cpu, memory, replicas, maxReplicas. */}}
+{{/* A worker group. Arguments: root, name, resource, amount, gpus, cpu, memory, replicas, maxReplicas, serving. */}}
 {{- define "saguaro.workerGroup" -}}
 groupName: {{ .name }}
 replicas: {{ .replicas }}
@@ -165,10 +191,13 @@ rayStartParams:
 template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nindent 2 }}
 {{- end -}}
 
-{{/* The Ray cluster: a head that runs no work, the target group, the draft group (modes with a draft). */}}
+{{/* The Ray cluster: a head that runs no work, the target group, the draft group (modes with a draft).
+     Arguments: root, serving (true: a RayService's cluster). */}}
 {{- define "saguaro.rayClusterSpec" -}}
-{{- $v := .Values -}}
-{{- $gpu := eq (include "saguaro.gpu" .) "true" -}}
+{{- $root := .root -}}
+{{- $serving := .serving -}}
+{{- $v := $root.Values -}}
+{{- $gpu := eq (include "saguaro.gpu" $root) "true" -}}
 {{- $tp := int $v.target.tensorParallelSize -}}
 {{- $drafts := int $v.draft.workers -}}
 {{- /* Ray's CPUs must hold what placement asks (saguaro_dist.deploy.k8s.K8sSettings._check_cpus): on CPUs a CPU
@@ -193,10 +222,10 @@ headGroupSpec:
     num-cpus: "0"
     dashboard-host: 0.0.0.0
     metrics-export-port: "8080"
-  template: {{- include "saguaro.podTemplate" (dict "root" . "cpu" $v.head.resources.cpu "memory" $v.head.resources.memory "gpus" 0 "head" true) | nindent 4 }}
+  template: {{- include "saguaro.podTemplate" (dict "root" $root "cpu" $v.head.resources.cpu "memory" $v.head.resources.memory "gpus" 0 "head" true "serving" false) | nindent 4 }}
 workerGroupSpecs:
-  - {{ include "saguaro.workerGroup" (dict "root" . "name" "target" "resource" "saguaro_target" "amount" $tp "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1) | nindent 4 | trim }}
+  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "target" "resource" "saguaro_target" "amount" $tp "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1 "serving" $serving) | nindent 4 | trim }}
 {{- if has $v.speculation.mode (list "sd" "ssd") }}
-  - {{ include "saguaro.workerGroup" (dict "root" . "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" (int (include "saguaro.draftMax" .))) | nindent 4 | trim }}
+  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" (int (include "saguaro.draftMax" $root)) "serving" $serving) | nindent 4 | trim }}
 {{- end }}
 {{- end -}}
