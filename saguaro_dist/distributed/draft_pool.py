@@ -31,6 +31,11 @@ from saguaro_dist.engine.messages import (
 
 log = logging.getLogger(__name__)
 REVIVAL_BACKOFF_MAX_S = 30.0
+# A worker taken back that then stays in placement this long is no longer counted as flapping: its next revival
+# starts the backoff over. Twice the longest delay: a worker whose every stay is shorter keeps the full backoff
+# (it is taken back at most every ~30 s), one that served a minute since is back at once, as a first death is.
+# Time, not rounds: the delays are in seconds, and an idle engine (no rounds) misses nothing meanwhile either.
+REVIVAL_RESET_S = 2 * REVIVAL_BACKOFF_MAX_S
 # Waits in a row, each to its deadline, in which a worker's part brought no tree before the pool marks it dead.
 # Why more than one: a single late batch can be a slow round; two whole timeouts in a row are a stall, and
 # without it a stalled worker whose just-in-time drafts are made elsewhere (the split executor) would cost
@@ -45,15 +50,23 @@ def revival_delay_s(revivals: int) -> float:
     return 0.0 if revivals == 0 else min(REVIVAL_BACKOFF_MAX_S, 2.0 ** (revivals - 1))
 
 
+def revivals_counted(revivals: int, served_s: float | None, reset_s: float = REVIVAL_RESET_S) -> int:
+    """The revivals a worker marked dead again backs off by: its revivals in a row, none once it served reset_s
+    since it was last taken back (served_s; None: never taken back)."""
+    return 0 if served_s is not None and served_s >= reset_s else revivals
+
+
 class DraftPool:
     """A DraftBackend over several single-worker backends (engine/draft_backend.py's interface)."""
 
     def __init__(self, backends: list, max_batch_size: int, max_model_len: int = sys.maxsize,
-                 revive: Callable[[int], object] | None = None):
+                 revive: Callable[[int], object] | None = None, revival_reset_s: float = REVIVAL_RESET_S):
         """max_model_len: the longest sequence the workers hold (the DraftFit they were built to).
         revive(i): blocks until worker i serves again and returns a fresh backend for it (a GrpcDraftBackend:
         the pool releases there what the worker held, release_held_before), or raises when it never will
-        (called on a thread of its own)."""
+        (called on a thread of its own). revival_reset_s: see REVIVAL_RESET_S."""
+        if revival_reset_s < 0:
+            raise ValueError(f"revival_reset_s must be >= 0, got {revival_reset_s}")
         self.backends = backends
         self.drafts_beside = all(b.drafts_beside for b in backends)
         self.max_batch_size, self.max_model_len = max_batch_size, max_model_len
@@ -64,12 +77,16 @@ class DraftPool:
         self.dead: set[int] = set()
         self._revive = revive
         self._revived: queue.SimpleQueue = queue.SimpleQueue()  # (i, backend) from the revival threads
-        self.revivals = [0] * len(backends)  # per worker: times it served again after the pool marked it dead
+        self.revivals = [0] * len(backends)  # per worker: revivals in a row (revivals_counted), its backoff
+        self.revival_reset_s = revival_reset_s
+        self._taken_back_at: list[float | None] = [None] * len(backends)  # per worker: monotonic time, or never
+        # Closing: set under _hand_back_lock, so a revival thread never queues a backend after close() drained them.
+        self._closing = threading.Event()
+        self._hand_back_lock = threading.Lock()
         self.late_waits = [0] * len(backends)  # per worker: tree waits in a row that reached their deadline empty
         # Per worker: the keys its last plan wait reached the deadline without (counted as a late wait). The
         # same round's tree wait then takes what is there: one stall costs a round one timeout, counted once.
         self._late_plans: dict[int, set] = {}
-        self._closed = False
         self._calls = ThreadPoolExecutor(max_workers=max(1, len(backends)), thread_name_prefix="saguaro-pool")
 
     # ---- placement ----------------------------------------------------------------------------------
@@ -245,7 +262,9 @@ class DraftPool:
         return sum(b.graph_captures() for b in self.backends)
 
     def close(self) -> None:
-        self._closed = True
+        """A revival thread waiting out its delay ends at once; one inside revive() closes what it gets."""
+        with self._hand_back_lock:
+            self._closing.set()
         while not self._revived.empty():  # revived but never taken back
             self._revived.get_nowait()[1].close()
         for b in self.backends:
@@ -306,30 +325,40 @@ class DraftPool:
             return
         log.warning("draft worker %d is gone; its sequences move to the others", i)
         self.dead.add(i)
-        if self._revive is not None and not self._closed:
-            held = [seq_id for seq_id, group in self.groups.items() if i in group]
+        if self._revive is not None and not self._closing.is_set():
+            # Each in the life it has now: a later life of it there (however it got there) is not the revival's to end.
+            held = [Release(seq_id, self._lives.of(seq_id)) for seq_id, group in self.groups.items() if i in group]
+            self.revivals[i] = revivals_counted(self.revivals[i], self._served_s(i), self.revival_reset_s)
             threading.Thread(target=self._await_revival, args=(i, held), daemon=True, name=f"saguaro-revive-{i}").start()
 
-    def _await_revival(self, i: int, held: list[int]) -> None:
+    def _served_s(self, i: int) -> float | None:
+        """How long worker i has been in placement since it was last taken back (None: never taken back)."""
+        since = self._taken_back_at[i]
+        return None if since is None else time.monotonic() - since
+
+    def _await_revival(self, i: int, held: list[Release]) -> None:
         """Wait (backing off for a worker taken back before) until worker i serves again without `held`:
         Ray restarted it (a fresh process holds nothing), or it only missed a deadline and still held them."""
-        while not self._closed:
-            time.sleep(revival_delay_s(self.revivals[i]))
+        while not self._closing.wait(revival_delay_s(self.revivals[i])):  # close() ends the wait at once
             try:
                 backend = self._revive(i)
             except Exception as exc:  # noqa: BLE001 - gone for good: the pool goes on without it
                 log.warning("draft worker %d will not be back (%s); the pool goes on without it", i, exc)
                 return
             self.revivals[i] += 1
-            if not self._released_stale(i, backend, held):
-                continue
-            if self._closed:  # the engine shut down meanwhile: nobody would take it back
-                backend.close()
-            else:
-                self._revived.put((i, backend))
-            return
+            if self._released_stale(i, backend, held):
+                self._hand_back(i, backend)
+                return
 
-    def _released_stale(self, i: int, backend, held: list[int]) -> bool:
+    def _hand_back(self, i: int, backend) -> None:
+        """Queue the revived backend for the engine's thread; closed instead once the pool closes."""
+        with self._hand_back_lock:
+            if not self._closing.is_set():
+                self._revived.put((i, backend))
+                return
+        backend.close()  # the engine shut down meanwhile: nobody would take it back
+
+    def _released_stale(self, i: int, backend, held: list[Release]) -> bool:
         try:
             backend.release_held_before(held)
             return True
@@ -347,6 +376,7 @@ class DraftPool:
             old.close()
             self.dead.discard(i)
             self.late_waits[i] = 0  # the old backend's count (one marked dead otherwise keeps it): not this one's
+            self._taken_back_at[i] = time.monotonic()
             log.warning("draft worker %d serves again; it takes new and re-prefilled sequences", i)
 
     def _release_moved(self, previous: dict[int, list[int]]) -> None:

@@ -81,7 +81,8 @@ class GrpcDraftBackend:
         self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
         self._next = itertools.cycle(self._links)
         self._closed = False
-        self._revivers: list[threading.Thread] = []
+        self._closing = threading.Event()  # set with _closed: a reviver's pause between tries ends at once
+        self._revivers: list[threading.Thread] = []  # the running ones (guarded by _cond): close() joins them
         self._connect(connect_timeout_s)
 
     # ---- pool state --------------------------------------------------------------------------------
@@ -122,13 +123,18 @@ class GrpcDraftBackend:
             link.alive = False
             held = [Release(s, self._lives.of(s)) for s, owner in self._owner.items() if owner is link]
             self._cond.notify_all()  # waiters stop waiting for its trees
+            if not self._closed:  # started under the lock: close() joins every reviver, none it could miss
+                self._start_reviver(link, held)
         log.warning("draft server %s marked dead: %s", link.address, why)
         link.end_stream()
-        if not self._closed:
-            reviver = threading.Thread(target=self._revive, args=(link, held), daemon=True,
-                                       name=f"saguaro-revive-{link.address}")
-            self._revivers.append(reviver)
-            reviver.start()
+
+    def _start_reviver(self, link: Link, held: list[Release]) -> None:
+        """The thread that takes link back; finished ones are dropped (a server that dies again and again would
+        otherwise pile them up). Call under _cond."""
+        reviver = threading.Thread(target=self._revive, args=(link, held), daemon=True,
+                                   name=f"saguaro-revive-{link.address}")
+        self._revivers = [t for t in self._revivers if t.is_alive()] + [reviver]
+        reviver.start()
 
     def _revive(self, link: Link, held: list[Release]) -> None:
         """Reviver thread: once the dead server serves again and has released what it held when it died, it
@@ -160,7 +166,7 @@ class GrpcDraftBackend:
             if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED and not self._closed:  # answered, not well
                 log.info("draft server %s is back but did not release its old sequences: %s: %s",
                          link.address, err.code().name, err.details())
-                time.sleep(REVIVE_POLL_S)
+                self._closing.wait(REVIVE_POLL_S)  # not a sleep: close() (a pool taking a new backend) waits for it
             return False
         except ValueError:  # "Channel closed": close() ran meanwhile
             return False
@@ -359,17 +365,18 @@ class GrpcDraftBackend:
             if link is not None:  # behind the sequence's last outcome on the same stream
                 link.send(pb.SpeculateRequest(releases=codec.release_batch_to_proto(part)))
 
-    def release_held_before(self, seq_ids: list[int]) -> None:
+    def release_held_before(self, held: list[Release]) -> None:
         """Release, on every server, sequences an earlier backend placed there (a draft worker that missed a
-        deadline, taken back after its sequences moved on), whatever life they are in there (generation 0: no
-        later life can be, the pool places nothing on the worker before this). Unary: raises (DraftUnavailable,
-        ...) unless every server confirms it."""
-        request = codec.release_batch_to_proto([Release(sid) for sid in seq_ids])
+        deadline, taken back after its sequences moved on), each of the life it had there then (as _revive does):
+        a later life of one (a prefill that reached the server since, on whatever channel) is kept, not lost to a
+        re-prefill. A release naming no life (generation 0) ends any. Unary: raises (DraftUnavailable, ...) unless
+        every server confirms it."""
+        request = codec.release_batch_to_proto(held)
         for link in self._links:
             try:
                 link.stub.Release(request, timeout=self.deadline_s)
             except grpc.RpcError as err:
-                raise error_from_rpc(err, link.address, seq_ids) from err
+                raise error_from_rpc(err, link.address, [r.seq_id for r in held]) from err
 
     def reset_prefix_cache(self, msg: ResetPrefixCache) -> None:
         """On every live server's stream, behind what was sent before it; fire and forget."""
@@ -390,11 +397,13 @@ class GrpcDraftBackend:
             if self._closed:
                 return
             self._closed = True
+            self._closing.set()
             self._cond.notify_all()
+            revivers = list(self._revivers)
         for link in self._links:
             link.end_stream()
             link.channel.close()
-        for thread in [link.reader for link in self._links] + self._revivers:
+        for thread in [link.reader for link in self._links] + revivers:
             if thread is not None:
                 thread.join(timeout=5.0)
 
