@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import re
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, replace
@@ -21,8 +20,8 @@ from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddlew
 from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
 from saguaro_dist.serve.openai_responses import usage as responses_usage
 from saguaro_dist.serve.prompts import encode_chat
-from saguaro_dist.serve.protocol import (REPLY_ROLE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                         TokenizeRequest)
+from saguaro_dist.serve.protocol import (REPLY_ROLE, REQUEST_ID_PATTERN, ChatCompletionRequest, CompletionRequest,
+                                         DetokenizeRequest, TokenizeRequest)
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningStream, split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, gather_or_cancel, merge
 from saguaro_dist.serve.tool_parsers import ToolCallParser
@@ -185,8 +184,8 @@ async def _completions(body: CompletionRequest, request: Request):
     state = _state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    jobs = state.jobs([state.encode(p) for p in body.prompts()], body, "prompt")
-    return await _respond(state, body, jobs, model, responses.COMPLETION, _request_id(request))
+    jobs = state.jobs([state.encode(p, body.add_special_tokens) for p in body.prompts()], body, "prompt")
+    return await _respond(state, body, jobs, model, responses.COMPLETION, _request_id(request, body.request_id))
 
 
 @_cancel_on_disconnect
@@ -195,9 +194,9 @@ async def _chat(body: ChatCompletionRequest, request: Request):
     body.reject_unsupported()
     model = state.check_model(body.model)
     prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template,
-                         end=body.prompt_end())
+                         end=body.prompt_end(), add_special_tokens=body.add_special_tokens)
     jobs = _chat_jobs(state, body, prompt, "messages")
-    return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request))
+    return await _respond(state, body, jobs, model, responses.CHAT, _request_id(request, body.request_id))
 
 
 def _chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[Job]:
@@ -275,18 +274,19 @@ async def _response_events(state: ServingState, job: Job, events: ResponseEvents
         yield events.error(stream_error(err))
 
 
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-
-
-def _request_id(request: Request) -> str:
-    """The client's X-Request-Id (vLLM's), or a fresh one: the response's id is "<cmpl|chatcmpl>-<it>" and the
-    logs name the request's generations by it. Ray Serve echoes the header in the response (and, when the
-    client sent none, forwards one of its own, which this then reads)."""
+def _request_id(request: Request, from_body: str | None = None) -> str:
+    """The request's id, vLLM's way: the X-Request-Id header, else the body's request_id, else a fresh one.
+    The response's id is "<cmpl|chatcmpl>-<it>" and the logs name the request's generations by it. Ray Serve
+    echoes the header in the response, and, when the client sent none, forwards one of its own, which then
+    wins over a body's request_id as any gateway's header does (logged)."""
     given = request.headers.get("x-request-id")
     if given is None:
-        return uuid.uuid4().hex
-    if not _REQUEST_ID.fullmatch(given):
+        return from_body or uuid.uuid4().hex
+    if not REQUEST_ID_PATTERN.fullmatch(given):
         raise APIError(400, "X-Request-Id must be 1-128 letters, digits, '.', '_', ':' or '-'", param="X-Request-Id")
+    if from_body is not None and from_body != given:
+        log.info("request_id %r: the X-Request-Id header names this request %r (the header wins, as in vLLM)",
+                 from_body, given)
     return given
 
 
@@ -295,9 +295,9 @@ async def _tokenize(body: TokenizeRequest, request: Request) -> dict:
     state.check_model(body.model)
     if body.messages is not None:
         tokens = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template,
-                             end=body.prompt_end())
+                             end=body.prompt_end(), add_special_tokens=body.special_tokens())
     else:
-        tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.add_special_tokens)
+        tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.special_tokens())
     return {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
 
 
@@ -314,7 +314,15 @@ def _logprobs(state: ServingState, fmt: responses.Format, job: Job, entries: lis
     """A choice's `logprobs` object for generated tokens, or None when its request asked for none."""
     if job.params.logprobs is None or entries is None:
         return None
-    return fmt.logprobs(state.tokenizer, [next(iter(e)) for e in entries], entries, job.params.logprobs, offset)
+    return fmt.logprobs(state.tokenizer, [next(iter(e)) for e in entries], entries, job.params.logprobs, offset,
+                        as_ids=job.tokens_as_ids)
+
+
+def _prompt_logprobs(state: ServingState, job: Job, result) -> list | None:
+    """vLLM's prompt_logprobs of a choice, or None when its request asked for none."""
+    if job.params.prompt_logprobs is None:
+        return None
+    return responses.prompt_logprobs(state.tokenizer, result.prompt_logprobs, job.params.prompt_logprobs)
 
 
 def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result) -> dict:
@@ -326,17 +334,19 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
         return fmt.choice(index, _echoed(body, content if content or reasoning is None else None),
                           plan.finish_reason(result.finish_reason, calls), _logprobs(state, fmt, job, result.logprobs),
                           calls, reasoning, result.stop_reason)
+    scored = _prompt_logprobs(state, job, result)  # vLLM's: echo's too (also in logprobs, before the completion's)
     if not body.echo:  # completions' echo: the prompt leads
         return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs),
-                          stop_reason=result.stop_reason)
+                          stop_reason=result.stop_reason, prompt_logprobs=scored)
     given = body.prompts()[index // body.n]  # the text as sent; a token-id prompt is decoded
     prompt = given if isinstance(given, str) else state.tokenizer.decode(job.prompt_ids)
     logprobs = None
     if job.params.logprobs is not None:
         ids = job.prompt_ids + [next(iter(e)) for e in result.logprobs or []]
         entries = (result.prompt_logprobs or [None] * len(job.prompt_ids)) + (result.logprobs or [])
-        logprobs = fmt.logprobs(state.tokenizer, ids, entries, job.params.logprobs)
-    return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs, stop_reason=result.stop_reason)
+        logprobs = fmt.logprobs(state.tokenizer, ids, entries, job.params.logprobs, as_ids=job.tokens_as_ids)
+    return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs, stop_reason=result.stop_reason,
+                      prompt_logprobs=scored)
 
 
 def _echoed(body, content: str | None) -> str | None:
@@ -356,6 +366,8 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
                if job.scores_only else r for job, r in zip(jobs, results)]
     choices = [_choice(state, fmt, body, i, job, r) for i, (job, r) in enumerate(zip(jobs, results))]
     extra = _final_extra(state, body, fmt, jobs, [r.token_ids for r in results], [r.metrics for r in results])
+    if fmt.chat:  # vLLM's: the one prompt's, beside the choices
+        extra["prompt_logprobs"] = _prompt_logprobs(state, jobs[0], results[0])
     return fmt.body(fmt.id_of(request_id), model, choices, **extra)
 
 
@@ -414,8 +426,16 @@ class _SseEvents:
         deltas = [{"role": REPLY_ROLE, "content": ""}]
         if self.body.echoed():  # vLLM's echo: the repeated last message is the first content delta
             deltas.append({"content": self.body.echoed()})
-        return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.chat_delta(i, delta, None)]))
+        return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.chat_delta(i, delta, None)],
+                                                    **self._running_usage(i)))
                        for delta in deltas for i in range(len(self.jobs)))
+
+    def _running_usage(self, index: int) -> dict:
+        """vLLM's continuous_usage_stats (with include_usage): every chunk carries its choice's usage so far."""
+        options = self.body.stream_options
+        if not (options and options.include_usage and options.continuous_usage_stats):
+            return {}
+        return {"usage": responses.running_usage(len(self.jobs[index].prompt_ids), len(self.token_ids[index]))}
 
     def of(self, batch) -> str:
         events = []
@@ -429,6 +449,7 @@ class _SseEvents:
                     extra = _final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)
             choice = self._choice(index, text, last)
             if choice is not None:
+                extra = {**extra, **self._running_usage(index)}  # the request's usage follows in its own chunk
                 events.append(responses.sse(self.fmt.chunk(self.request_id, self.model, [choice], **extra)))
         return "".join(events)
 

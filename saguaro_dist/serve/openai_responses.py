@@ -1,12 +1,14 @@
 """OpenAI's Responses API (`POST /v1/responses`), the subset vLLM serves: `input` (a string, or message,
 function_call and function_call_output items) after `instructions`, sampling fields, `max_output_tokens`,
 `text.format` (structured outputs), function `tools` / `tool_choice`, `stream`, `top_logprobs` with
-`include: ["message.output_text.logprobs"]`; the reply as a `reasoning` item (with a reasoning parser), a
-`message` item and `function_call` items.
+`include: ["message.output_text.logprobs"]`, `reasoning.effort` (to the chat template, as chat's
+reasoning_effort); the reply as a `reasoning` item (with a reasoning parser), a `message` item and
+`function_call` items.
 
 The request becomes a chat conversation and runs exactly as chat does (the same tool plans and
-parsers). Nothing is stored: `previous_response_id`, `background`, `conversation` and stored prompts are
-refused with a 400 naming them, as are built-in tools (only functions run here).
+parsers). As on chat (protocol.py), every field is honoured, accepted because it changes nothing, or a
+400 naming it. Nothing is stored: `previous_response_id`, `background`, `conversation` and stored prompts
+are refused, as are built-in tools (only functions run here).
 """
 from __future__ import annotations
 
@@ -19,16 +21,31 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError
-from saguaro_dist.serve.protocol import (MAX_TOOLS, ChatMessage, FunctionCall, FunctionDefinition, SamplingRequest,
-                                         Tool, ToolCallMessage)
+from saguaro_dist.serve.protocol import (MAX_TOOLS, ChatCompletionRequest, ChatMessage, FunctionCall, FunctionDefinition,
+                                         OpenAIModel, SamplingRequest, StreamOptions, Tool, ToolCallMessage, Unsupported)
 from saguaro_dist.serve.tool_parsers import ToolCall
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
-# field -> why it is refused (a 400 naming it) when given a value other than these
-_REFUSED = {"previous_response_id": ((None,), "this server stores no responses"),
-            "background": ((None, False), "this server runs no background responses"),
-            "conversation": ((None,), "this server stores no conversations"),
-            "prompt": ((None,), "this server stores no prompt templates")}
+# Responses' own fields (and vLLM's on this route) refused past their inert values: checked after validation,
+# as an APIError, so the 400's param names the field (errors._param_of knows chat's and completions' fields only)
+_RESPONSES_UNSUPPORTED = {
+    "previous_response_id": Unsupported((None,), "this server stores no responses; send the earlier output back "
+                                                 "as input items"),
+    "background": Unsupported((None, False), "this server runs no background responses"),
+    "conversation": Unsupported((None,), "this server stores no conversations"),
+    "prompt": Unsupported((None,), "this server stores no prompt templates"),
+    # vLLM keeps the input's last tokens that leave max_output_tokens room: that needs the server's context
+    # length at truncation time (state.job), which truncate_prompt_tokens cannot yet express
+    "truncation": Unsupported((None, "disabled"), "the input must fit the context; truncate_prompt_tokens keeps "
+                                                  "its last N tokens"),
+    "include_reasoning": Unsupported((True,), "a reasoning parser's reasoning item is always returned"),
+    "enable_response_messages": Unsupported((False,), "the response carries output items only"),
+    "previous_input_messages": Unsupported((None, []), "give the conversation as input items"),
+}
+# Chat's spellings, not Responses fields: a 400 naming the Responses one (they were logged and dropped)
+_CHAT_SPELLINGS = {"max_completion_tokens": "max_output_tokens", "messages": "input",
+                   "logprobs": "include: ['message.output_text.logprobs'] (with top_logprobs)",
+                   "reasoning_effort": "reasoning.effort", "documents": "chat_template_kwargs.documents"}
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")  # the input items read here
 _ROLES = ("system", "developer", "user", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
@@ -102,16 +119,54 @@ class FunctionChoice(BaseModel):
     name: str
 
 
+def refuse_past_inert(value, rule: Unsupported):
+    """A nested field's check (its 400 names it, text.verbosity): the value, if one of the rule's inert ones."""
+    if value not in rule.inert:
+        raise ValueError(f"{value!r} is not supported by this server ({rule.why})")
+    return value
+
+
 class TextFormat(BaseModel):
     """Responses' text.format: OpenAI's response_format with the schema fields inline."""
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     schema_: dict | None = Field(None, alias="schema")
+    description: str | None = None  # accepted, as chat's json_schema.description
     strict: bool | None = None
 
 
-class TextOptions(BaseModel):
+class TextOptions(OpenAIModel):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # OpenAI's; refused past medium, as chat's verbosity
+
+    @field_validator("verbosity")
+    @classmethod
+    def _inert_verbosity(cls, value):
+        return refuse_past_inert(value, SamplingRequest.unsupported_fields["verbosity"])
+
+
+_SUMMARY = Unsupported((None, "auto"), "no reasoning summary is written; the reasoning item carries the reasoning "
+                                       "itself (auto: none here)")
+
+
+ReasoningEffort = ChatCompletionRequest.model_fields["reasoning_effort"].annotation  # chat's values, or None
+
+
+class Reasoning(OpenAIModel):
+    """OpenAI's reasoning options: effort goes to the chat template (vLLM's rule); a summary is not made."""
+    effort: ReasoningEffort = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # OpenAI's older name for summary
+
+    @field_validator("summary", "generate_summary")
+    @classmethod
+    def _no_summary(cls, value):
+        return refuse_past_inert(value, _SUMMARY)
+
+
+class ResponsesStreamOptions(StreamOptions):
+    # OpenAI's: random padding on delta events against length side channels; clients discard it, none is sent
+    include_obfuscation: bool | None = None
 
 
 class ResponsesRequest(SamplingRequest):
@@ -120,8 +175,21 @@ class ResponsesRequest(SamplingRequest):
     max_output_tokens: int | None = Field(None, ge=1)
     text: TextOptions | None = None
     store: bool | None = None  # accepted (the SDK sends it); nothing is stored either way
-    reasoning: dict | None = None  # accepted; a reasoning model's effort is its chat template's business
+    reasoning: Reasoning | None = None  # effort: the chat template's reasoning_effort, as chat's field
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template
+    stream_options: ResponsesStreamOptions | None = None
+    # OpenAI's: a cap on calls to built-in tools, of which none run here (function calls are not counted)
+    max_tool_calls: int | None = Field(None, ge=0)
+    session_id: str | None = None  # vLLM's: an annotation
+    # Declared so typos of them are suggested; refused past their inert values (_RESPONSES_UNSUPPORTED says why)
+    previous_response_id: str | None = None
+    background: bool | None = None
+    conversation: str | dict | None = None
+    prompt: dict | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    include_reasoning: bool = True
+    enable_response_messages: bool = False
+    previous_input_messages: list | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
@@ -149,6 +217,17 @@ class ResponsesRequest(SamplingRequest):
                     raise ValueError(f"item {i}, content part {j} is of type {part_kind!r}: this server reads text "
                                      f"parts only ({', '.join(_TEXT_PARTS)})")
         return given
+
+    @model_validator(mode="after")
+    def _effort_to_template(self):
+        """reasoning.effort reaches the chat template as chat's reasoning_effort does (vLLM passes it so)."""
+        effort = self.reasoning.effort if self.reasoning else None
+        if effort is None:
+            return self
+        if "reasoning_effort" in (self.chat_template_kwargs or {}):
+            raise ValueError("reasoning.effort is given twice: also as chat_template_kwargs.reasoning_effort")
+        self.chat_template_kwargs = {**(self.chat_template_kwargs or {}), "reasoning_effort": effort}
+        return self
 
     @model_validator(mode="after")
     def _check_fields(self):
@@ -184,10 +263,13 @@ class ResponsesRequest(SamplingRequest):
 
     def reject_unsupported(self) -> None:
         super().reject_unsupported()
-        extra = self.model_extra or {}
-        for name, (allowed, why) in _REFUSED.items():
-            if extra.get(name) not in allowed:
-                raise APIError(400, f"'{name}' is not supported: {why}", param=name)
+        for name, rule in _RESPONSES_UNSUPPORTED.items():
+            if getattr(self, name) not in rule.inert:
+                raise APIError(400, f"'{name}' is not supported: {rule.why}", param=name)
+        chat_fields = sorted(_CHAT_SPELLINGS.keys() & (self.model_extra or {}).keys())
+        if chat_fields:
+            name = chat_fields[0]
+            raise APIError(400, f"'{name}' is chat's field; on /v1/responses use {_CHAT_SPELLINGS[name]}", param=name)
 
     def messages(self) -> list[ChatMessage]:
         """The conversation as chat messages: calls join the assistant turn before them (or start one),
@@ -274,10 +356,17 @@ def response_body(response_id: str, model: str, body: ResponsesRequest, output: 
     return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "metadata": {},
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {}, "max_tool_calls": body.max_tool_calls, "truncation": "disabled",
+            "reasoning": _reasoning(body),
             "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": _tool_choice(body),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "temperature": body.temperature,
             "top_p": body.top_p, "text": {"format": fmt}, "store": False, **extra}
+
+
+def _reasoning(body: ResponsesRequest) -> dict:
+    effort = body.reasoning.effort if body.reasoning else None
+    return {"effort": effort, "summary": None}
 
 
 def _tool_choice(body: ResponsesRequest):

@@ -113,7 +113,9 @@ def _plain_content(turn: dict) -> str:
 
 def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
                 template_kwargs: dict | None = None, chat_template: str | None = None,
-                param: str = "messages", end: PromptEnd = PromptEnd.NEW_TURN) -> list[int]:
+                param: str = "messages", end: PromptEnd = PromptEnd.NEW_TURN,
+                add_special_tokens: bool = False) -> list[int]:
+    """The prompt's ids. A chat template writes BOS etc. itself: the tokenizer adds its special tokens on top
+    only when asked (vLLM's add_special_tokens, false by default); the plain transcript always gets them."""
     text, templated = render_chat(tokenizer, messages, tools, template_kwargs, chat_template, end)
-    # A chat template writes BOS etc. itself; adding them again would double them (as vLLM avoids).
-    return encode_text(tokenizer, text, add_special_tokens=not templated, param=param)
+    return encode_text(tokenizer, text, add_special_tokens=add_special_tokens or not templated, param=param)

@@ -12,6 +12,7 @@ import difflib
 import enum
 import json
 import logging
+import re
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Literal
 
@@ -44,15 +45,15 @@ _SAMPLING_UNSUPPORTED = {
     "suffix": Unsupported((None, ""), "there is no fill-in-the-middle"),
     "use_beam_search": Unsupported((False,), "there is no beam search"),
     "spaces_between_special_tokens": Unsupported((True,), "special tokens are decoded as the tokenizer joins them"),
-    "prompt_logprobs": Unsupported((None,), "responses carry no prompt_logprobs field; /v1/completions' echo with "
-                                            "logprobs returns the prompt tokens' figures"),
+    "prompt_logprobs": Unsupported((None,), "/v1/responses carries no prompt log-probabilities; /v1/completions and "
+                                            "/v1/chat/completions return them"),
     "bad_words": Unsupported((None, []), "use logit_bias or allowed_token_ids"),
     "logits_processors": Unsupported((None, []), "no logits processors are installed"),
-    "return_tokens_as_token_ids": Unsupported((None, False), "log-probability tokens are always text"),
+    "return_tokens_as_token_ids": Unsupported((None, False), "/v1/responses' log-probability tokens are text"),
     "cache_salt": Unsupported((None,), "the prefix cache is shared by every request"),
     "kv_transfer_params": Unsupported((None, {}), "there is no disaggregated prefill"),
     "vllm_xargs": Unsupported((None, {}), "no extension reads them"),
-    "request_id": Unsupported((None,), "give the id as the X-Request-Id header (the response's id names it)"),
+    "request_id": Unsupported((None,), "on /v1/responses give the id as the X-Request-Id header"),
     "guided_decoding_backend": Unsupported((None, "auto", "guidance", "llguidance"),
                                            "structured outputs run on llguidance"),
     "guided_whitespace_pattern": Unsupported((None,), "JSON whitespace is set by the schema's x-guidance options"),
@@ -65,6 +66,12 @@ _SAMPLING_UNSUPPORTED = {
     "service_tier": Unsupported((None, "auto", "default"), "every request is served in one tier"),
     "verbosity": Unsupported((None, "medium"), "the model's replies are as long as it makes them"),
 }
+# Honoured by /v1/completions and /v1/chat/completions (vLLM's), still refused on /v1/responses
+_GENERATION_HONOURS = frozenset({"prompt_logprobs", "return_tokens_as_token_ids", "request_id"})
+_GENERATION_UNSUPPORTED = {name: rule for name, rule in _SAMPLING_UNSUPPORTED.items() if name not in _GENERATION_HONOURS}
+# A request id (the X-Request-Id header's or the request_id field's): it names the response, its engine
+# requests and their log lines
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 class PromptEnd(str, enum.Enum):
@@ -90,6 +97,7 @@ class ChatPromptFields(BaseModel):
         if self.continue_final_message:
             return PromptEnd.CONTINUE
         return PromptEnd.NEW_TURN if self.add_generation_prompt else PromptEnd.AS_IS
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's max_tokens for a completions request without one
 MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
 # Chat request fields that are chat template variables: joined to chat_template_kwargs, read or refused there
 TEMPLATE_VARIABLE_FIELDS = ("documents", "reasoning_effort")
@@ -131,9 +139,7 @@ def _with_suggestion(name: str, known) -> str:
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
-    unsupported_fields: ClassVar[dict[str, Unsupported]] = {
-        "continuous_usage_stats": Unsupported((False,), "usage comes with the last chunks only")}
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
 
 
 class JsonSchema(BaseModel):
@@ -212,7 +218,7 @@ class SamplingRequest(OpenAIModel):
     suffix: str | None = None
     use_beam_search: bool = False
     spaces_between_special_tokens: bool = True
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's (completions and chat, unstreamed)
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     return_tokens_as_token_ids: bool | None = None
@@ -231,6 +237,7 @@ class SamplingRequest(OpenAIModel):
     service_tier: str | None = None
     verbosity: str | None = None
     unsupported_fields: ClassVar[dict[str, Unsupported]] = _SAMPLING_UNSUPPORTED
+    continuous_usage: ClassVar[bool] = False  # whether the route's stream honours stream_options.continuous_usage_stats
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -245,7 +252,25 @@ class SamplingRequest(OpenAIModel):
         options = self.stream_options
         if options is not None and not self.stream and (options.model_fields_set or options.model_extra):
             raise ValueError("stream_options is only allowed with stream set to true")
+        if options is not None and options.continuous_usage_stats and not self.continuous_usage:
+            raise ValueError("stream_options with continuous_usage_stats is not supported on this route (its events "
+                             "carry usage at the end)")
         return self
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self):
+        """vLLM's rule: prompt log-probabilities come in the whole response, never in a stream (vLLM lets
+        prompt_logprobs 0 through with stream and drops it; a field is never dropped here)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream set to true")
+        return self
+
+    @field_validator("request_id")
+    @classmethod
+    def _check_request_id(cls, given: str | None) -> str | None:
+        if given is not None and not REQUEST_ID_PATTERN.fullmatch(given):
+            raise ValueError("request_id must be 1-128 letters, digits, '.', '_', ':' or '-'")
+        return given
 
     @model_validator(mode="after")
     def _check_best_of(self):
@@ -255,6 +280,10 @@ class SamplingRequest(OpenAIModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def default_max_tokens(self) -> int | None:
+        """The route's max_tokens when the request leaves it out (None: the rest of the context)."""
+        return None
 
     def requested_structure(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint asked for: response_format, structured_outputs or guided_*."""
@@ -324,14 +353,14 @@ class SamplingRequest(OpenAIModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    # OpenAI's and vLLM's default for completions (chat's is the rest of the context); null asks for that here too
-    max_tokens: int | None = Field(16, ge=0)
+    # left out: OpenAI's and vLLM's 16 for completions (default_max_tokens; chat's is the rest of the context); null
+    # asks for the rest here too
+    max_tokens: int | None = Field(None, ge=0)
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. added to a text prompt
     prompt_embeds: str | list[str] | None = None  # vLLM's: base64 tensors in place of a prompt
     unsupported_fields: ClassVar[dict[str, Unsupported]] = {
-        **_SAMPLING_UNSUPPORTED,
-        "add_special_tokens": Unsupported((True,), "a text prompt is encoded with the tokenizer's special tokens"),
-        "prompt_embeds": Unsupported((None,), "prompts are text or token ids")}
+        **_GENERATION_UNSUPPORTED, "prompt_embeds": Unsupported((None,), "prompts are text or token ids")}
+    continuous_usage: ClassVar[bool] = True
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: how many top tokens
     echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked): lm-eval's loglikelihood
 
@@ -346,7 +375,14 @@ class CompletionRequest(SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
+    def default_max_tokens(self) -> int | None:
+        """Left out: OpenAI's and vLLM's 16 (a generation config's max_new_tokens if less; null: the rest)."""
+        return None if "max_tokens" in self.model_fields_set else DEFAULT_COMPLETION_TOKENS
+
     def requested_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs, else echo's (the prompt's tokens scored as logprobs asks)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
         return self.logprobs if self.echo else None
 
     @model_validator(mode="after")
@@ -478,11 +514,11 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     chat_template: str | None = None  # vLLM's per-request template
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
     unsupported_fields: ClassVar[dict[str, Unsupported]] = {
-        **_SAMPLING_UNSUPPORTED,
-        "add_special_tokens": Unsupported((False,), "the chat template writes the special tokens"),
+        **_GENERATION_UNSUPPORTED,
         "chat_template": Unsupported((None,), "the server's --chat-template or the tokenizer's applies, as vLLM "
                                               "without --trust-request-chat-template"),
         "include_reasoning": Unsupported((True,), "a reasoning parser's reasoning is always returned")}
+    continuous_usage: ClassVar[bool] = True
 
     @model_validator(mode="after")
     def _join_template_variables(self):
@@ -545,6 +581,13 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def requested_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs, else echo's (top_logprobs of each prompt token, in the whole response only:
+        vLLM scores a streamed echo's prompt too, and sends nothing of it)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return (self.top_logprobs or 0) if self.echo and not self.stream else None
+
 
 def _choice_name(choice) -> str:
     return choice.function.name if isinstance(choice, NamedToolChoice) else choice
@@ -558,7 +601,7 @@ class TokenizeRequest(OpenAIModel, ChatPromptFields):
     messages: list[ChatMessage] | None = None
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)  # rendered with messages, as chat does
     chat_template_kwargs: dict | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages (as chat's)
     chat_template: str | None = None
     return_token_strs: bool | None = None  # vLLM's: each token's text beside its id
     mm_processor_kwargs: dict | None = None  # accepted: no image or audio reaches the model
@@ -571,6 +614,12 @@ class TokenizeRequest(OpenAIModel, ChatPromptFields):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         return self
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer's special tokens (BOS) are added: as /v1/completions and chat would add them."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
 
 
 class DetokenizeRequest(OpenAIModel):

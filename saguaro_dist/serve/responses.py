@@ -39,13 +39,53 @@ def speculation(metrics_list: list, mode: str) -> dict:
     return out
 
 
+def running_usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    """vLLM's continuous_usage_stats figures on a streamed chunk: its choice's prompt and tokens so far."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+MIN_LOGPROB = -9999.0  # what vLLM sends for a log-probability of -inf (not JSON)
+
+
+def prompt_logprobs(tokenizer, entries: list | None, top_n: int) -> list | None:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) its engine entry, asked for with
+    prompt_logprobs=top_n, as {"<id>": {"logprob", "rank", "decoded_token"}} in the entry's order (the prompt
+    token first). Token ids stay ids here whatever return_tokens_as_token_ids says, as in vLLM."""
+    if entries is None:
+        return None
+    return [None if entry is None else _prompt_entry(tokenizer, entry, top_n) for entry in entries]
+
+
+def _prompt_entry(tokenizer, entry: dict[int, float], top_n: int) -> dict[str, dict]:
+    ranks = _ranks(entry, top_n)
+    return {str(t): {"logprob": max(lp, MIN_LOGPROB), "rank": ranks.get(t), "decoded_token": tokenizer.decode([t])}
+            for t, lp in entry.items()}
+
+
+def _ranks(entry: dict[int, float], top_n: int) -> dict[int, int]:
+    """Rank 1 for the likeliest. An entry is the prompt token, then the top_n (the prompt token once): holding
+    more than top_n, it lists the prompt token apart, outside the top ones, and the engine did not count the
+    tokens above it, so its rank is left null (vLLM's is a number there)."""
+    ids = list(entry)
+    top = ids if len(ids) <= top_n else ids[1:]
+    return {t: i + 1 for i, t in enumerate(sorted(top, key=lambda t: -entry[t]))}
+
+
 def _ranked(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
     """The top_n (id, log p) of an engine entry (the chosen token is listed first, ranked or not)."""
     return sorted(entry.items(), key=lambda item: -item[1])[:top_n]
 
 
-def _chat_token(text: str, logprob: float) -> dict:
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+def _chat_token(text: str, logprob: float, shown: str | None = None) -> dict:
+    """shown: the token's name in place of its text (return_tokens_as_token_ids); bytes stay the text's."""
+    return {"token": text if shown is None else shown, "logprob": logprob, "bytes": list(text.encode())}
+
+
+def token_id_name(token_id: int) -> str:
+    """vLLM's return_tokens_as_token_ids name of a token: one a client can map back when its text is not
+    valid UTF-8 on its own (a byte-fallback piece)."""
+    return f"token_id:{token_id}"
 
 
 def sse(data: dict | str) -> str:
@@ -64,8 +104,10 @@ class Format:
         return f"{self.id_prefix}-{request_id}"
 
     def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
-               tool_calls: list | None = None, reasoning: str | None = None, stop_reason: int | str | None = None) -> dict:
-        """stop_reason (vLLM's): the stop_token_id or stop string that ended the choice; None otherwise."""
+               tool_calls: list | None = None, reasoning: str | None = None, stop_reason: int | str | None = None,
+               prompt_logprobs: list | None = None) -> dict:
+        """stop_reason (vLLM's): the stop_token_id or stop string that ended the choice; None otherwise.
+        prompt_logprobs (vLLM's): a completion choice's (chat's are the response's, one prompt for all)."""
         if self.chat:
             message = {"role": REPLY_ROLE, "content": text}
             if reasoning is not None:
@@ -74,7 +116,8 @@ class Format:
                 message["tool_calls"] = [call.message() for call in tool_calls]
             return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason,
+                "prompt_logprobs": prompt_logprobs}
 
     def delta_choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
                      stop_reason: int | str | None = None) -> dict:
@@ -88,19 +131,23 @@ class Format:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": stop_reason}
 
-    def logprobs(self, tokenizer, token_ids: list[int], entries: list, top_n: int, text_offset: int = 0) -> dict:
+    def logprobs(self, tokenizer, token_ids: list[int], entries: list, top_n: int, text_offset: int = 0,
+                 as_ids: bool = False) -> dict:
         """The choice's `logprobs` object for `token_ids`, whose engine entries are {chosen id: log p, top ids:
         log p} (None for an echoed prompt's first token): chat's {"content": [...]}, or the legacy
-        completions' parallel lists (character offsets counted from text_offset)."""
+        completions' parallel lists (character offsets counted from text_offset, in the text). as_ids (vLLM's
+        return_tokens_as_token_ids): tokens are named "token_id:<id>", not by their text."""
+        name = token_id_name if as_ids else (lambda t: tokenizer.decode([t]))
         texts = [tokenizer.decode([t]) for t in token_ids]
         chosen = [entry[t] if entry else None for t, entry in zip(token_ids, entries)]
-        tops = [[(tokenizer.decode([t]), v) for t, v in _ranked(entry, top_n)] if entry else None for entry in entries]
-        if self.chat:
-            return {"content": [{**_chat_token(text, lp), "top_logprobs": [_chat_token(t, v) for t, v in top]}
-                                for text, lp, top in zip(texts, chosen, tops)]}
+        tops = [[(name(t), v) for t, v in _ranked(entry, top_n)] if entry else None for entry in entries]
+        if self.chat:  # vLLM's bytes: the chosen token's text's, a top token's name's
+            return {"content": [{**_chat_token(text, lp, name(t) if as_ids else None),
+                                 "top_logprobs": [_chat_token(n, v) for n, v in top]}
+                                for t, text, lp, top in zip(token_ids, texts, chosen, tops)]}
         offsets = [text_offset + sum(map(len, texts[:i])) for i in range(len(texts))]
-        return {"tokens": texts, "token_logprobs": chosen, "top_logprobs": [None if top is None else dict(top) for top in tops],
-                "text_offset": offsets}
+        return {"tokens": [name(t) for t in token_ids] if as_ids else texts, "token_logprobs": chosen,
+                "top_logprobs": [None if top is None else dict(top) for top in tops], "text_offset": offsets}
 
     def body(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
         return {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model,

@@ -37,6 +37,7 @@ class Job:
     priority: int = 0          # with scheduling_policy "priority": lower is admitted first
     reasoned: bool = False     # its constraint lets the model reason first (reasoning.reasoning_first)
     request_id: str = ""       # the engine's id for it: the response's id and the choice index ("" = a fresh one)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: its logprobs name tokens "token_id:<id>"
 
 
 @dataclass
@@ -102,9 +103,10 @@ class ServingState:
             raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
         return self.model_name
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's ids (with the tokenizer's BOS etc. unless add_special_tokens is false); ids as given."""
         if isinstance(prompt, str):
-            return encode_text(self.tokenizer, prompt)
+            return encode_text(self.tokenizer, prompt, add_special_tokens=add_special_tokens)
         return list(prompt)
 
     @staticmethod
@@ -128,20 +130,25 @@ class ServingState:
         return jobs
 
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
-        """Sampling settings for one prompt; max_tokens defaults to the rest of the context, or the
-        generation config's max_new_tokens if that is less (vLLM)."""
+        """Sampling settings for one prompt; max_tokens defaults to the route's (completions 16, chat the rest of
+        the context), or the generation config's max_new_tokens if that is less (vLLM)."""
         prompt_ids = truncate_prompt(prompt_ids, request.truncate_prompt_tokens, self.max_model_len)
         room = self.max_model_len - len(prompt_ids)
         wanted = request.requested_max_tokens()
-        if room < 1 or (wanted is not None and wanted > room):
+        asked = wanted if wanted is not None else request.default_max_tokens()  # (vLLM checks the route's 16 too)
+        if room < 1 or (asked is not None and asked > room):
             raise APIError(400, f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                                f"you requested {len(prompt_ids) + (wanted or 1)} tokens ({len(prompt_ids)} in the "
-                                f"{param}, {wanted or 1} in the completion). Please reduce the length of the "
+                                f"you requested {len(prompt_ids) + (asked or 1)} tokens ({len(prompt_ids)} in the "
+                                f"{param}, {asked or 1} in the completion). Please reduce the length of the "
                                 f"{param} or completion.", param=param, code="context_length_exceeded")
+        as_ids = bool(request.return_tokens_as_token_ids)
         if wanted == 0:  # the engine always decides one token; the response leaves it out
-            return Job(prompt_ids, request.sampling_params(1, self.defaults), scores_only=True, priority=request.priority)
-        max_tokens = wanted or min(room, self.defaults.get("max_tokens", room))
-        return Job(prompt_ids, request.sampling_params(max_tokens, self.defaults), priority=request.priority)
+            return Job(prompt_ids, request.sampling_params(1, self.defaults), scores_only=True, priority=request.priority,
+                       tokens_as_ids=as_ids)
+        default = request.default_max_tokens() or room  # (completions: 16; chat: the rest of the context)
+        max_tokens = wanted or min(room, self.defaults.get("max_tokens", room), default)
+        return Job(prompt_ids, request.sampling_params(max_tokens, self.defaults), priority=request.priority,
+                   tokens_as_ids=as_ids)
 
     # ---- generation -------------------------------------------------------------------------
     async def stream(self, job: Job, interval_s: float | None = None) -> AsyncIterator:
