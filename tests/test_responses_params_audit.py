@@ -43,11 +43,10 @@ def _text(reply: httpx.Response) -> str:
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"truncation": "auto"}, "truncation"),  # the input's start dropped to fit: was ignored (a 400 or the whole input)
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"reasoning": {"effort": "low", "summary": "detailed"}}, "reasoning.summary"),
     ({"reasoning": {"generate_summary": "concise"}}, "reasoning.generate_summary"),
-    ({"include_reasoning": False}, "include_reasoning"),  # vLLM's: the reasoning item left out
+    # (truncation "auto" and include_reasoning false are honoured: test_serve_leftover_fields.py)
     ({"enable_response_messages": True}, "enable_response_messages"),  # vLLM's: the prompt's messages returned
     ({"previous_input_messages": [{"role": "user", "content": "hi"}]}, "previous_input_messages"),
     ({"max_completion_tokens": 2}, "max_completion_tokens"),  # chat's spellings of Responses fields

@@ -71,11 +71,10 @@ COMPLETION = {"prompt": "the cat", "max_tokens": 2}
     ({**COMPLETION, "best_of": 1, "n": 2}, "best_of"),  # vLLM's and OpenAI's rule: best_of >= n
     ({**COMPLETION, "prompt_embeds": "AAAA"}, "prompt_embeds"),
     ({**CHAT, "chat_template": "{{ messages }}"}, "chat_template"),
-    ({**CHAT, "include_reasoning": False}, "include_reasoning"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: no usage chunk to send
     ({**COMPLETION, "stream_options": {"include_usage": True}}, "stream_options"),
     # (prompt_logprobs, return_tokens_as_token_ids, request_id, add_special_tokens and continuous_usage_stats are
-    # honoured, as vLLM honours them: test_serve_vllm_fields.py)
+    # honoured, as vLLM honours them: test_serve_vllm_fields.py; include_reasoning: test_serve_leftover_fields.py)
 ])
 def test_fields_that_would_change_the_output_are_a_400_naming_them(bases, body, param):
     """Each was accepted and dropped: the reply came back as if the field had not been sent."""

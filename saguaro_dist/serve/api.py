@@ -206,7 +206,9 @@ def _chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list
         raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
                             f'{" | ".join(p.value for p in ToolCallParser)}); name a function or use "required" instead',
                        param="tool_choice")
-    jobs = map(state.reason_first, state.jobs([prompt], body, param))
+    jobs = state.jobs([prompt], body, param)
+    if body.include_reasoning:  # vLLM's include_reasoning false: the constraint holds from the first token
+        jobs = map(state.reason_first, jobs)
     return [replace(job, params=plan.adjust(job.params)) for job in jobs]
 
 
@@ -230,7 +232,7 @@ async def _responses(body: ResponsesRequest, request: Request):
     result = await state.collect(job)
     reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
     content, calls = state.tool_plan_for(body).parse(text)
-    items = output_items(reasoning, content, calls, _logprob_items(state, job)(result.logprobs or []))
+    items = output_items(_shown(body, reasoning), content, calls, _logprob_items(state, job)(result.logprobs or []))
     return response_body(response_id, model, body, items, "completed",
                          result.finish_reason, **_response_extra(state, job, result.token_ids, result.metrics))
 
@@ -262,7 +264,7 @@ async def _response_events(state: ServingState, job: Job, events: ResponseEvents
                 for _, text, ids, last, logprobs in _per_choice(batch):
                     token_ids += ids
                     thought, text = reasoning.feed(text, last.finished)
-                    delta = tools.step(text, last.finished)
+                    thought, delta = _shown(events.body, thought) or "", tools.step(text, last.finished)
                     pending += (events.text(thought, delta.get("content", ""), logprobs)
                                 + events.calls(delta.get("tool_calls", [])))
                     if last.finished:
@@ -333,7 +335,7 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
         content, calls = plan.parse(text)
         return fmt.choice(index, _echoed(body, content if content or reasoning is None else None),
                           plan.finish_reason(result.finish_reason, calls), _logprobs(state, fmt, job, result.logprobs),
-                          calls, reasoning, result.stop_reason)
+                          calls, _shown(body, reasoning), result.stop_reason)
     scored = _prompt_logprobs(state, job, result)  # vLLM's: echo's too (also in logprobs, before the completion's)
     if not body.echo:  # completions' echo: the prompt leads
         return fmt.choice(index, result.text, result.finish_reason, _logprobs(state, fmt, job, result.logprobs),
@@ -347,6 +349,11 @@ def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: J
         logprobs = fmt.logprobs(state.tokenizer, ids, entries, job.params.logprobs, as_ids=job.tokens_as_ids)
     return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs, stop_reason=result.stop_reason,
                       prompt_logprobs=scored)
+
+
+def _shown(body, reasoning: str | None) -> str | None:
+    """The reasoning as the reply carries it: none when the request says include_reasoning false (vLLM's)."""
+    return reasoning if body.include_reasoning else None
 
 
 def _echoed(body, content: str | None) -> str | None:
@@ -463,7 +470,7 @@ class _SseEvents:
             return self.fmt.delta_choice(index, text, reason, self._take_logprobs(index, text), stop_reason)
         tools = self.tool_streams[index]
         reasoning, text = self.reasoning_streams[index].feed(text, last.finished)
-        delta = {**({"reasoning": reasoning} if reasoning else {}), **tools.step(text, last.finished)}
+        delta = {**({"reasoning": reasoning} if _shown(self.body, reasoning) else {}), **tools.step(text, last.finished)}
         if not (delta or last.finished):
             return None  # text held back (a tool call may be starting): its log-probabilities wait too
         reason = tools.plan.finish_reason(reason, tools.calls) if last.finished else None

@@ -34,11 +34,6 @@ _RESPONSES_UNSUPPORTED = {
     "background": Unsupported((None, False), "this server runs no background responses"),
     "conversation": Unsupported((None,), "this server stores no conversations"),
     "prompt": Unsupported((None,), "this server stores no prompt templates"),
-    # vLLM keeps the input's last tokens that leave max_output_tokens room: that needs the server's context
-    # length at truncation time (state.job), which truncate_prompt_tokens cannot yet express
-    "truncation": Unsupported((None, "disabled"), "the input must fit the context; truncate_prompt_tokens keeps "
-                                                  "its last N tokens"),
-    "include_reasoning": Unsupported((True,), "a reasoning parser's reasoning item is always returned"),
     "enable_response_messages": Unsupported((False,), "the response carries output items only"),
     "previous_input_messages": Unsupported((None, []), "give the conversation as input items"),
 }
@@ -181,13 +176,14 @@ class ResponsesRequest(SamplingRequest):
     # OpenAI's: a cap on calls to built-in tools, of which none run here (function calls are not counted)
     max_tool_calls: int | None = Field(None, ge=0)
     session_id: str | None = None  # vLLM's: an annotation
+    # vLLM's: "auto" keeps the input's last tokens that leave max_output_tokens room (prompt_tokens_kept)
+    truncation: Literal["auto", "disabled"] | None = None
+    include_reasoning: bool = True  # vLLM's chat field: false leaves the reasoning item out (the model still reasons)
     # Declared so typos of them are suggested; refused past their inert values (_RESPONSES_UNSUPPORTED says why)
     previous_response_id: str | None = None
     background: bool | None = None
     conversation: str | dict | None = None
     prompt: dict | None = None
-    truncation: Literal["auto", "disabled"] | None = None
-    include_reasoning: bool = True
     enable_response_messages: bool = False
     previous_input_messages: list | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -290,6 +286,17 @@ class ResponsesRequest(SamplingRequest):
     def requested_max_tokens(self) -> int | None:
         return self.max_output_tokens
 
+    def prompt_tokens_kept(self, max_model_len: int) -> int | None:
+        """truncation "auto", vLLM's rule: the input's last max_model_len - max_output_tokens tokens, so the
+        reply fits. Without max_output_tokens vLLM keeps max_model_len tokens, which leaves no room and fails
+        the request; here one token's room is left. A smaller truncate_prompt_tokens wins."""
+        given = super().prompt_tokens_kept(max_model_len)
+        if self.truncation != "auto":
+            return given
+        auto = max(1, max_model_len - (self.max_output_tokens or 1))  # (a reply past the context: state.job's 400)
+        given = max_model_len if given == -1 else given
+        return auto if given is None else min(auto, given)
+
     def requested_logprobs(self) -> int | None:
         """As OpenAI's: top_logprobs alone asks for nothing; the include entry asks for the chosen tokens'."""
         return (self.top_logprobs or 0) if LOGPROBS_INCLUDE in (self.include or ()) else None
@@ -357,7 +364,7 @@ def response_body(response_id: str, model: str, body: ResponsesRequest, output: 
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
-            "metadata": body.metadata or {}, "max_tool_calls": body.max_tool_calls, "truncation": "disabled",
+            "metadata": body.metadata or {}, "max_tool_calls": body.max_tool_calls, "truncation": body.truncation or "disabled",
             "reasoning": _reasoning(body),
             "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": _tool_choice(body),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "temperature": body.temperature,

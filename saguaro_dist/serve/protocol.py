@@ -285,6 +285,10 @@ class SamplingRequest(OpenAIModel):
         """The route's max_tokens when the request leaves it out (None: the rest of the context)."""
         return None
 
+    def prompt_tokens_kept(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens run (truncate_prompt_tokens; -1: max_model_len; None: all)."""
+        return self.truncate_prompt_tokens
+
     def requested_structure(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint asked for: response_format, structured_outputs or guided_*."""
         guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
@@ -512,12 +516,13 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # OpenAI's
     add_special_tokens: bool = False  # vLLM's: BOS etc. added on top of what the chat template writes
     chat_template: str | None = None  # vLLM's per-request template
-    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply
+    # vLLM's: false leaves the reasoning out of the reply (no `reasoning` field or delta; the model still
+    # reasons), and a constrained reply is held to its constraint from the first token (vLLM's reasoning_ended)
+    include_reasoning: bool = True
     unsupported_fields: ClassVar[dict[str, Unsupported]] = {
         **_GENERATION_UNSUPPORTED,
         "chat_template": Unsupported((None,), "the server's --chat-template or the tokenizer's applies, as vLLM "
-                                              "without --trust-request-chat-template"),
-        "include_reasoning": Unsupported((True,), "a reasoning parser's reasoning is always returned")}
+                                              "without --trust-request-chat-template")}
     continuous_usage: ClassVar[bool] = True
 
     @model_validator(mode="after")

@@ -65,11 +65,14 @@ def _prompt_entry(tokenizer, entry: dict[int, float], top_n: int) -> dict[str, d
 
 def _ranks(entry: dict[int, float], top_n: int) -> dict[int, int]:
     """Rank 1 for the likeliest. An entry is the prompt token, then the top_n (the prompt token once): holding
-    more than top_n, it lists the prompt token apart, outside the top ones, and the engine did not count the
-    tokens above it, so its rank is left null (vLLM's is a number there)."""
+    more than top_n, it lists the prompt token apart, outside the top ones, ranked by the engine (the entry's
+    `rank`, engine/logprobs.RankedLogprobs, as vLLM ranks it; null from an engine that sent none)."""
     ids = list(entry)
     top = ids if len(ids) <= top_n else ids[1:]
-    return {t: i + 1 for i, t in enumerate(sorted(top, key=lambda t: -entry[t]))}
+    ranks = {t: i + 1 for i, t in enumerate(sorted(top, key=lambda t: -entry[t]))}
+    if len(ids) > top_n:
+        ranks[ids[0]] = getattr(entry, "rank", None)
+    return ranks
 
 
 def _ranked(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:

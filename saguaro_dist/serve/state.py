@@ -132,7 +132,7 @@ class ServingState:
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
         """Sampling settings for one prompt; max_tokens defaults to the route's (completions 16, chat the rest of
         the context), or the generation config's max_new_tokens if that is less (vLLM)."""
-        prompt_ids = truncate_prompt(prompt_ids, request.truncate_prompt_tokens, self.max_model_len)
+        prompt_ids = truncate_prompt(prompt_ids, request.prompt_tokens_kept(self.max_model_len), self.max_model_len)
         room = self.max_model_len - len(prompt_ids)
         wanted = request.requested_max_tokens()
         asked = wanted if wanted is not None else request.default_max_tokens()  # (vLLM checks the route's 16 too)
