@@ -100,7 +100,7 @@ def test_gpu_deployments_default_to_the_cuda_image():
     assert images(k8s.rayservice(k8s.K8sSettings(gpu=True, image="reg.io/s:1"))) == {"reg.io/s:1"}
     assert k8s.helm_values(k8s.K8sSettings(gpu=True))["image"] == {"repository": "saguaro-dist",
                                                                     "tag": f"{k8s.APP_VERSION}-cuda",
-                                                                    "pullPolicy": "IfNotPresent"}
+                                                                    "pullPolicy": "IfNotPresent", "pullSecrets": []}
 
 
 def test_the_cli_with_gpu_writes_the_cuda_image(capsys):

@@ -83,9 +83,27 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-secret", default=DEFAULTS.api_key_secret, help="Secret with the API key (key 'api-key')")
     parser.add_argument("--hf-token-secret", default=DEFAULTS.hf_token_secret, help="Secret with an HF token (key 'token'), optional")
     parser.add_argument("--models-pvc", help="PVC with the weights, mounted at /models (default: an emptyDir HF cache)")
+    _add_gcs_ft_options(parser)
     for role in ("head", "target", "draft"):
         parser.add_argument(f"--{role}-cpu", help=f"(default {getattr(DEFAULTS, f'{role}_cpu')})")
         parser.add_argument(f"--{role}-memory", help=f"(default {getattr(DEFAULTS, f'{role}_memory')})")
+
+
+def _add_gcs_ft_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("GCS fault tolerance (RayService; KubeRay 1.3+)")
+    g.add_argument("--gcs-ft-redis-address", metavar="HOST:PORT",
+                   help="keep the head's GCS state in this Redis (one you run, highly available), so the workers "
+                        "and the Serve app survive a head restart (default: off)")
+    g.add_argument("--gcs-ft-redis-password-secret", metavar="NAME[:KEY]", type=_secret_ref,
+                   help="the Secret (and its key, default 'password') holding that Redis' password")
+
+
+def _secret_ref(text: str) -> tuple[str, str]:
+    """NAME[:KEY] of a Secret's key; K8sSettings checks both names."""
+    name, _, key = text.partition(":")
+    if not name or (":" in text and not key):
+        raise argparse.ArgumentTypeError(f"expected a Secret as NAME or NAME:KEY, got {text!r}")
+    return name, key or k8s.K8sSettings.gcs_ft_redis_password_secret_key
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +131,8 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
     """The CLI options whose names are K8sSettings fields, as settings."""
     fields = {f for f in k8s.K8sSettings.__dataclass_fields__}
     values = {key: value for key, value in vars(args).items() if key in fields and value is not None}
+    if values.get("gcs_ft_redis_password_secret"):
+        values["gcs_ft_redis_password_secret"], values["gcs_ft_redis_password_secret_key"] = values["gcs_ft_redis_password_secret"]
     if values.get("chat_template"):
         from saguaro_dist.serve.prompts import load_chat_template
         values["chat_template"] = load_chat_template(values["chat_template"])  # the text: the pods lack the file
@@ -130,9 +150,14 @@ def manifests(args: argparse.Namespace) -> list[dict]:
 
 def _check_unused(args: argparse.Namespace, settings: k8s.K8sSettings) -> None:
     """Flags the manifests would leave out: a draft's with a mode that runs none, --draft-max-workers without
-    --autoscaling, --batch-* without --kind batch-job (after the settings' own checks, which say more)."""
+    --autoscaling, --batch-* without --kind batch-job, --gcs-ft-* without the RayService (after the settings'
+    own checks, which say more)."""
     check_mode_flags(args, Mode(settings.mode), implied=False)
     refuse_without(args, ("draft_max_workers",), "autoscaling")
+    gcs_ft = given(args, ("gcs_ft_redis_address", "gcs_ft_redis_password_secret"))
+    if gcs_ft and args.kind != "rayservice":
+        raise ValueError(f"{', '.join(map(flag_name, gcs_ft))} only applies to the RayService (--kind rayservice): "
+                         f"it configures that Ray cluster, and Ray supports GCS fault tolerance for Serve only")
     batch = given(args, ("batch_pvc", *BATCH_FILES)) if args.kind != "batch-job" else {}
     if batch:
         raise ValueError(f"{', '.join(map(flag_name, batch))} only applies with --kind batch-job")

@@ -20,6 +20,10 @@ from saguaro_dist.serve.args import API_KEY_ENV, config_from_args
 
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Kubernetes' rule for a Service's name
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret's name
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # Kubernetes' rule for a key in a Secret's data
+# HOST:PORT of a Redis: a DNS name or IPv4 address, a port 1-65535 (the values schema has the same pattern)
+PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+REDIS_ADDRESS = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*:" + PORT)
 
 APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
 APP_NAME = "saguaro"
@@ -93,6 +97,11 @@ class K8sSettings:
     upgrade_strategy: str = "NewCluster"  # UpgradeStrategy; None where the cluster can't hold a second copy
     drain_timeout_s: int = 30         # Ray's SIGTERM drain (its default, explicit); the pods' grace period exceeds it
     image_pull_secrets: tuple[str, ...] = ()  # Secrets for a private registry
+    # GCS fault tolerance (KubeRay gcsFaultToleranceOptions): the RayService's head keeps its state in a Redis
+    # you run, so the workers and the app survive a head restart. None: off (the head is a single point of failure)
+    gcs_ft_redis_address: str | None = None          # HOST:PORT
+    gcs_ft_redis_password_secret: str | None = None  # Secret holding the Redis password (None: no password)
+    gcs_ft_redis_password_secret_key: str = "password"
 
     def __post_init__(self):
         if isinstance(self.fan_out, list):
@@ -102,6 +111,9 @@ class K8sSettings:
             object.__setattr__(self, "image_pull_secrets", tuple(secrets))
         if self.draft == "":
             object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
+        for name in ("gcs_ft_redis_address", "gcs_ft_redis_password_secret"):
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)  # "" = off, as in the Helm values
         if self.gpu_type and not self.gpu:
             object.__setattr__(self, "gpu", True)  # naming a GPU type asks for GPUs
         self._validate()
@@ -116,6 +128,7 @@ class K8sSettings:
         bad = [name for name in self.image_pull_secrets if not DNS_SUBDOMAIN.fullmatch(name)]
         if bad:
             raise ValueError(f"image_pull_secrets must name Secrets (DNS-1123 subdomains), got {bad}")
+        self._check_gcs_fault_tolerance()
         if self.tp < 1 or self.draft_workers < 1:
             raise ValueError(f"tp and draft_workers must be >= 1, got tp={self.tp}, draft_workers={self.draft_workers}")
         if self.draft_max_workers is not None and self.draft_max_workers < self.draft_workers:
@@ -126,6 +139,20 @@ class K8sSettings:
                              f"longer names from it), got {self.name!r}")
         config_from_args(serve_args(self))  # the app would reject these args at start-up: fail now
         self._check_cpus()
+
+    def _check_gcs_fault_tolerance(self):
+        address, secret, key = (self.gcs_ft_redis_address, self.gcs_ft_redis_password_secret,
+                                self.gcs_ft_redis_password_secret_key)
+        if address is not None and not REDIS_ADDRESS.fullmatch(address):
+            raise ValueError(f"gcs_ft_redis_address must be HOST:PORT (a DNS name or IPv4 address, a port 1-65535; "
+                             f"no scheme), got {address!r}")
+        if secret is not None and address is None:
+            raise ValueError("gcs_ft_redis_password_secret needs gcs_ft_redis_address (the Redis it is the password of)")
+        if secret is not None and not DNS_SUBDOMAIN.fullmatch(secret):
+            raise ValueError(f"gcs_ft_redis_password_secret must name a Secret (a DNS-1123 subdomain), got {secret!r}")
+        if not SECRET_KEY.fullmatch(key):
+            raise ValueError(f"gcs_ft_redis_password_secret_key must be a Secret key (letters, digits, '-', '_', '.'), "
+                             f"got {key!r}")
 
     def _check_cpus(self):
         """Ray's CPUs on each worker pod (its CPU limit, truncated as Ray does) must hold what placement asks of
@@ -359,11 +386,26 @@ def draft_group(s: K8sSettings, serving: bool = True) -> dict:
     return _worker_group(s, "draft", resources, 1 if s.gpu else 0, (s.draft_workers, s.draft_max), serving)
 
 
+def gcs_fault_tolerance(s: K8sSettings) -> dict:
+    """KubeRay's gcsFaultToleranceOptions (KubeRay 1.3+). KubeRay sets the head's RAY_REDIS_ADDRESS and
+    REDIS_PASSWORD from it, RAY_external_storage_namespace on every pod (left to KubeRay: the cluster's UID, so a
+    NewCluster upgrade's second cluster never reads the first's Serve state), and the workers' GCS reconnect
+    timeout (600 s, past the head's restart). No `backend` field: KubeRay before 1.7 has none (Redis is the default)."""
+    options = {"redisAddress": s.gcs_ft_redis_address}
+    if s.gcs_ft_redis_password_secret:
+        options["redisPassword"] = {"valueFrom": {"secretKeyRef": {
+            "name": s.gcs_ft_redis_password_secret, "key": s.gcs_ft_redis_password_secret_key}}}
+    return options
+
+
 def ray_cluster_spec(s: K8sSettings, serving: bool = True) -> dict:
-    """serving: the cluster of a RayService (its workers' readiness includes their Serve proxy)."""
+    """serving: the cluster of a RayService (its workers' readiness includes their Serve proxy). GCS fault
+    tolerance goes on that one only: Ray supports it for Serve, and a batch job's driver dies with the head anyway."""
     workers = [target_group(s, serving), draft_group(s, serving)] if s.uses_draft else [target_group(s, serving)]
     spec = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": s.autoscaling,
             "headGroupSpec": head_group(s), "workerGroupSpecs": workers}
+    if serving and s.gcs_ft_redis_address:
+        spec["gcsFaultToleranceOptions"] = gcs_fault_tolerance(s)
     if s.autoscaling:
         spec["autoscalerOptions"] = {"upscalingMode": "Default", "idleTimeoutSeconds": s.idle_timeout_s}
     return spec
@@ -474,6 +516,9 @@ def helm_values(s: K8sSettings) -> dict:
         "modelStorage": {"pvc": s.models_pvc or ""},
         "upgradeStrategy": s.upgrade_strategy,
         "termination": {"drainTimeoutSeconds": s.drain_timeout_s},
+        "gcsFaultTolerance": {"redisAddress": s.gcs_ft_redis_address or "",
+                              "redisPassword": {"secretName": s.gcs_ft_redis_password_secret or "",
+                                                "secretKey": s.gcs_ft_redis_password_secret_key}},
     }
 
 

@@ -77,6 +77,31 @@ def validate_crd_object(obj: dict, crd_dir: Path) -> None:
     validator.validate(obj)
 
 
+# KubeRay's own checks of gcsFaultToleranceOptions (ray-operator utils/validation.go), which no schema holds:
+# the options set what these would, so a cluster carrying both is refused by the operator.
+GCS_FT_HEAD_ENV = ("RAY_REDIS_ADDRESS", "REDIS_PASSWORD", "REDIS_USERNAME")
+GCS_FT_START_PARAMS = ("redis-password", "redis-username")
+GCS_FT_ANNOTATIONS = ("ray.io/ft-enabled", "ray.io/external-storage-namespace")
+
+
+def validate_gcs_fault_tolerance(obj: dict) -> None:
+    """Raise ValueError where a RayService / RayCluster breaks KubeRay's rules for gcsFaultToleranceOptions."""
+    spec = obj["spec"]["rayClusterConfig"] if obj["kind"] == "RayService" else obj["spec"]
+    options = spec.get("gcsFaultToleranceOptions")
+    if options is None:
+        return
+    if options.get("backend", "redis") == "redis" and not options.get("redisAddress"):
+        raise ValueError("gcsFaultToleranceOptions with the Redis backend needs redisAddress")
+    head = spec["headGroupSpec"]
+    env = {e["name"] for c in head["template"]["spec"]["containers"] for e in c.get("env", [])}
+    annotations = obj.get("metadata", {}).get("annotations", {})
+    clashes = ([f"head env {n}" for n in GCS_FT_HEAD_ENV if n in env]
+               + [f"rayStartParams {p}" for p in GCS_FT_START_PARAMS if p in head.get("rayStartParams", {})]
+               + [f"annotation {a}" for a in GCS_FT_ANNOTATIONS if a in annotations])
+    if clashes:
+        raise ValueError(f"gcsFaultToleranceOptions is set: KubeRay refuses {', '.join(clashes)} beside it")
+
+
 def validate_builtin(obj: dict, kubernetes_version: str = KUBERNETES_VERSION) -> None:
     """Raise kubernetes_validate.ValidationError where a built-in kind breaks Kubernetes' schema."""
     import kubernetes_validate
@@ -126,6 +151,7 @@ def validate_object(obj: dict, crd_dir: Path | None) -> None:
         if crd_dir is None:
             raise ValueError(f"validating a {kind} needs the KubeRay CRDs (crd_dir)")
         validate_crd_object(obj, crd_dir)
+        validate_gcs_fault_tolerance(obj)
         if kind == "RayService":
             validate_serve_config(obj["spec"]["serveConfigV2"])
     elif kind == "ServiceMonitor":

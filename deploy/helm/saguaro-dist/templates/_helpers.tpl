@@ -191,6 +191,24 @@ rayStartParams:
 template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nindent 2 }}
 {{- end -}}
 
+{{/* KubeRay's gcsFaultToleranceOptions, for a RayService's cluster; nothing while redisAddress is "".
+     Keep in step with saguaro_dist/deploy/k8s.py gcs_fault_tolerance. */}}
+{{- define "saguaro.gcsFaultTolerance" -}}
+{{- $password := .redisPassword | default dict -}}
+{{- if and $password.secretName (not .redisAddress) -}}
+{{- fail "gcsFaultTolerance.redisPassword.secretName needs gcsFaultTolerance.redisAddress (the Redis it is the password of)" -}}
+{{- end -}}
+{{- if .redisAddress }}
+gcsFaultToleranceOptions:
+  redisAddress: {{ .redisAddress | quote }}
+  {{- if $password.secretName }}
+  redisPassword:
+    valueFrom:
+      secretKeyRef: {name: {{ $password.secretName | quote }}, key: {{ $password.secretKey | default "password" | quote }}}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
 {{/* The Ray cluster: a head that runs no work, the target group, the draft group (modes with a draft).
      Arguments: root, serving (true: a RayService's cluster). */}}
 {{- define "saguaro.rayClusterSpec" -}}
@@ -212,6 +230,7 @@ template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nind
 {{- end -}}
 rayVersion: "2.60.0"
 enableInTreeAutoscaling: {{ $v.autoscaling.enabled }}
+{{- if $serving }}{{ include "saguaro.gcsFaultTolerance" $v.gcsFaultTolerance }}{{ end }}
 {{- if $v.autoscaling.enabled }}
 autoscalerOptions:
   upscalingMode: Default
