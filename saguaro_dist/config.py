@@ -139,6 +139,12 @@ def check_resources(name: str, value) -> None:
         raise ValueError(f"{name} must map resource names to finite amounts >= 0, got {value!r}")
 
 
+def check_seed(seed) -> None:
+    """None or an int64 (SamplingParams.seed's range; a bool is no seed)."""
+    if seed is not None and (type(seed) is not int or not -2**63 <= seed < 2**63):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (or None), got {seed!r}")
+
+
 def check_seconds(name: str, value, zero_ok: bool) -> None:
     """Finite and at most threading.TIMEOUT_MAX: the engine waits on it (an inf raised OverflowError there)."""
     if not is_number(value) or not 0 <= value <= threading.TIMEOUT_MAX or (value == 0 and not zero_ok):
@@ -186,6 +192,8 @@ class Config:
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
     log_stats_interval_s: float = 10.0     # an INFO line of throughput, queue and speculation figures this often (0: off)
     generation_config: str = "auto"        # requests' sampling defaults: the model's generation_config.json, "vllm" (none) or a folder
+    seed: int | None = None                # vLLM's: an unseeded request's draws derive from it and its order of arrival,
+                                           # so a run's same requests in the same order reproduce (None: fresh OS randomness)
     # torch intra-op threads for the target / draft. None: one host leaves torch's own; a Ray actor runs 1 (and
     # asks Ray for a CPU per thread either way: distributed/placement.py)
     target_threads: int | None = None
@@ -296,6 +304,7 @@ class Config:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), 1)
         check_memory_utilization(self.gpu_memory_utilization)
+        check_seed(self.seed)
         if self.max_model_len is not None and self.mode is not Mode.AR and self.max_model_len - (self.k + 1) < 2:
             raise ValueError(f"k = {self.k} leaves no room in max_model_len = {self.max_model_len}: a round scores "
                              f"K+1 positions past a prompt token and a generated one (lower k, or raise max_model_len)")

@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 
 from saguaro_dist.config import check_int, is_number
+from saguaro_dist.spec.bad_words import BadWordIds, bad_word_ids
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
@@ -82,6 +83,10 @@ class SamplingParams:
     # go last, so that positional arguments keep their places.
     n: int = 1
     detokenize: bool = True  # vLLM's: False leaves every output's text "" (token ids only); no stop strings then
+    # vLLM's: the output may not complete these words (spec/bad_words.py); LLM tokenizes them with the model's
+    # tokenizer into _bad_words_token_ids (vLLM's internal field), which the target masks with.
+    bad_words: tuple[str, ...] | None = None
+    _bad_words_token_ids: BadWordIds | None = None
 
     def __post_init__(self):
         stop = (self.stop,) if isinstance(self.stop, str) else as_tuple(self.stop, "stop", "a string or a list of strings")
@@ -122,6 +127,8 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's max length, got {keep!r}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        object.__setattr__(self, "bad_words", checked_bad_words(self.bad_words))
+        object.__setattr__(self, "_bad_words_token_ids", checked_bad_word_ids(self._bad_words_token_ids))
 
     @property
     def biased(self) -> bool:
@@ -132,6 +139,11 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Any penalty changes the target's distribution."""
         return penalized(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
+
+    @property
+    def banned_words(self) -> BadWordIds:
+        """The bad words' token ids (empty: none, or not yet tokenized by LLM)."""
+        return self._bad_words_token_ids or ()
 
     @property
     def greedy(self) -> bool:
@@ -261,10 +273,43 @@ def allowed_tokens(ids: Iterable[int] | None) -> tuple[int, ...] | None:
     return tuple(sorted(set(ids)))
 
 
+def checked_bad_words(words) -> tuple[str, ...] | None:
+    """None, or a tuple of non-empty strings (vLLM refuses an empty bad word)."""
+    if words is None:
+        return None
+    words = as_tuple(words, "bad_words", "a list of strings")
+    if not all(isinstance(w, str) and w for w in words):
+        raise ValueError(f"bad_words must be non-empty strings, got {list(words)!r}")
+    return words
+
+
+def checked_bad_word_ids(ids) -> BadWordIds | None:
+    """None, or a tuple of non-empty tuples of token ids."""
+    if ids is None:
+        return None
+    what = "a list of token-id lists"
+    ids = tuple(as_tuple(w, "_bad_words_token_ids", what) for w in as_tuple(ids, "_bad_words_token_ids", what))
+    if not all(w and all(_token_id(t) for t in w) for w in ids):
+        raise ValueError(f"_bad_words_token_ids must be {what} (non-empty, ids >= 0), got {ids!r}")
+    return ids
+
+
+def with_bad_word_ids(params, encode) -> SamplingParams:
+    """params with its bad words tokenized (vLLM's update_from_tokenizer); encode(text) -> ids without
+    special tokens, or None where the model has no tokenizer."""
+    if not params.bad_words:
+        return params if params._bad_words_token_ids is None else replace(params, _bad_words_token_ids=None)
+    if encode is None:
+        raise ValueError("bad_words needs the model's tokenizer (this model has none)")
+    return replace(params, _bad_words_token_ids=bad_word_ids(params.bad_words, encode))
+
+
 def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
     """What only the model can tell: the token ids a request names (logit_bias, allowed_token_ids) are in
     its vocabulary, and a token is left to generate while min_tokens holds the ends back."""
-    for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids)):
+    named = (("logit_bias", [t for t, _ in params.logit_bias]), ("allowed_token_ids", params.allowed_token_ids),
+             ("bad_words", [t for w in params.banned_words for t in w]))
+    for name, ids in named:
         if ids and max(ids) >= vocab_size:
             raise ValueError(f"{name} names token {max(ids)}, outside the vocabulary (ids 0..{vocab_size - 1})")
     if not params.min_tokens:

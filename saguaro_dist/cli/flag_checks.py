@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 # Config's fields (config.py MODE_FIELDS), and the draft pool's flags that are no Config field
 MODE_FLAGS = {**MODE_FIELDS, **dict.fromkeys(("draft_workers", "draft_max_workers", "draft_cpu", "draft_memory"),
                                              DRAFT_MODES)}
-FLAG_NAMES = {"model_tag": "MODEL", "log_stats_interval_s": "--disable-log-stats"}  # dests not named after their flag
+FLAG_NAMES = {"model_tag": "MODEL", "log_stats_interval_s": "--disable-log-stats", "engine_seed": "--seed"}  # dests not named after their flag
 
 
 def flag_name(dest: str, value=None) -> str:

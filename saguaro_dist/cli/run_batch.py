@@ -38,7 +38,7 @@ def register(subparsers) -> None:
     g.add_argument("--url", help="send the lines to this running server (say a RayService) instead of loading "
                                  "the model here; the engine and serving flags are then its business (refused here)")
     g.add_argument("--api-key", help=f"the server's key with --url (default: ${API_KEY_ENV} if set)")
-    add_engine_args(p)
+    add_engine_args(p, engine_seed=True)
     p.set_defaults(run=run)
 
 

@@ -33,7 +33,8 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
                 "cluster": "cluster", "draft_executor": "draft_executor", "tree_policy": "tree_policy", "jit_cohorts": "jit_cohorts", "hit_glue": "hit_glue",
                 "bonus_draw": "bonus_draw", "ngram_rounds": "ngram_rounds",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
-                "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config"}
+                "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config",
+                "engine_seed": "seed"}  # --seed: serve and run-batch only (generate's --seed seeds its requests)
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
@@ -69,7 +70,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = False) -> None:
+    """engine_seed: add the engine's --seed (Config.seed), where no per-request --seed takes the name."""
     g = p.add_argument_group("engine")
     g.add_argument("model_tag", nargs="?", metavar="MODEL", help="target model path or HF id (or use --model)")
     g.add_argument("--model", help="target model (default: the shipped demo pair)")
@@ -147,6 +149,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "draft actors do all)")
     g.add_argument("--cluster", help="run the engine as Ray actors: auto, local or ray://host:port "
                                      "(default: one-host engine inside the server)")
+    if engine_seed:
+        g.add_argument("--seed", type=int, dest="engine_seed",
+                       help="vLLM's engine seed: requests without a seed of their own draw from streams derived from "
+                            "it and their order of arrival, so the same requests in the same order reproduce "
+                            "(default: fresh randomness); a request's seed still wins")
 
 
 def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
@@ -155,7 +162,8 @@ def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
     ns.model = ns.model or ns.model_tag
-    args.update({field: getattr(ns, dest) for dest, field in ENGINE_FLAGS.items() if getattr(ns, dest) is not None})
+    # getattr's None: a command without the flag (generate has no engine --seed)
+    args.update({field: getattr(ns, dest, None) for dest, field in ENGINE_FLAGS.items() if getattr(ns, dest, None) is not None})
     args = with_default_model(args)
     implied = ns.mode is None and "mode" not in (base or {})
     try:
@@ -191,7 +199,7 @@ def register(subparsers) -> None:
                               description="Start an embedded Ray cluster (or join --address) and serve "
                                           "/v1/completions, /v1/chat/completions, /v1/models, /health, "
                                           "/tokenize and /detokenize.")
-    add_engine_args(p)
+    add_engine_args(p, engine_seed=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=port_arg, help="HTTP port (default 8000)")

@@ -18,12 +18,12 @@ from saguaro_dist.engine.engine import Update
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.metrics import EngineLoad
 from saguaro_dist.engine.outputs import CompletionOutput, RequestOutput, StreamDelta, cumulative_logprob
-from saguaro_dist.engine.sequence import OutputKind, Sequence
+from saguaro_dist.engine.sequence import OutputKind, Sequence, engine_request_seed
 from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.model.loader import load_generation_defaults
 from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
-                                          until_context_end)
+                                          until_context_end, with_bad_word_ids)
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "StreamDelta"]
 log = logging.getLogger(__name__)
@@ -291,6 +291,7 @@ class LLM:
         for text, tokens, p, rank in zip(texts, ids, params, priorities):
             tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
             p = until_context_end(p, len(tokens), self.max_model_len)
+            p = with_bad_word_ids(p, self._encode_bad_word if self.tokenizer is not None else None)
             self._check_prompt(tokens, p)
             out.append(self._prompt_request(text, tokens, p, rank))
         return out
@@ -298,9 +299,17 @@ class LLM:
     def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int) -> PromptRequest:
         """params.n Sequences of the prompt; with n > 1, sample i's engine id is "<i>_<request id>" (vLLM's)."""
         request_id = uuid.uuid4().hex
-        samples = [Sequence(next(self._ids), seq_id, list(tokens), p, priority=rank)
+        samples = [self._sample(seq_id, tokens, p, rank)
                    for seq_id, p in zip(sample_ids(request_id, params.n), sample_params(params))]
         return PromptRequest(request_id, text, samples)
+
+    def _sample(self, seq_id: str, tokens: list[int], params: SamplingParams, rank: int) -> Sequence:
+        """One sample's Sequence. Under Config.seed an unseeded sample is seeded from it and its engine id (its
+        order of arrival), as vLLM's seeded global RNG: the seed travels with it to every worker."""
+        sid = next(self._ids)
+        if self.config.seed is not None and params.seed is None:
+            params = replace(params, seed=engine_request_seed(self.config.seed, sid))
+        return Sequence(sid, seq_id, list(tokens), params, priority=rank)
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
         if (prompts is None) == (prompt_token_ids is None):
@@ -357,6 +366,9 @@ class LLM:
         if any(priority) and self.config.scheduling_policy is not SchedulingPolicy.PRIORITY:
             raise ValueError("priority needs scheduling_policy='priority' (this engine serves first come, first served)")
         return list(priority)
+
+    def _encode_bad_word(self, word: str) -> list[int]:
+        return encode_text(self.tokenizer, word, add_special_tokens=False, param="bad_words")
 
     def _check_prompt(self, tokens: list[int], params: SamplingParams) -> None:
         if not tokens:

@@ -73,6 +73,13 @@ def _splitmix64(x: int) -> int:
 _MASK64 = (1 << 64) - 1
 
 
+def engine_request_seed(engine_seed: int, arrival: int) -> int:
+    """The seed of an unseeded request under Config.seed (vLLM's engine seed): mixed from the engine's seed and
+    the request's arrival number, so that one submission order reproduces while no two requests share a stream
+    (nor seed + i of another's samples). In [0, 2**62): a seed SamplingParams takes, with room for + i."""
+    return _splitmix64(_splitmix64(engine_seed & _MASK64) ^ arrival) >> 2
+
+
 @dataclass
 class Sequence:
     seq_id: int

@@ -11,6 +11,7 @@ from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.structured import GrammarError
 from saguaro_dist.model.prefix_cache import PrefixCache
+from saguaro_dist.spec.bad_words import bad_words_mask
 from saguaro_dist.spec.coupled import Coupling
 from saguaro_dist.spec import (
     bias_row, greedy_tokens, greedy_verify, penalize_batch, prompt_mask, sample, target_probs, verify,
@@ -75,16 +76,18 @@ class TargetScorer:
         """The target's distribution as the request constrains it: logits [B, T, V], row t deciding output
         token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). vLLM's order:
         the structured-output grammar's masks (engine/structured.py), logit bias and allowed tokens
-        (spec/logit_bias.py), penalties (spec/penalties.py), then EOS and
+        (spec/logit_bias.py), bad words (spec/bad_words.py: a mask, so its place changes nothing), penalties
+        (spec/penalties.py), then EOS and
         stop_token_ids at -inf where that is <= min_tokens; a copy only when a request asks for any.
         Sampling and verification both use these, so every path samples the same distribution;
         log-probabilities stay raw (vLLM's default)."""
         biased = [b for b, s in enumerate(seqs) if s.params.biased]
         constrained = [b for b, s in enumerate(seqs) if s.grammar is not None]
         penalized = [b for b, s in enumerate(seqs) if s.params.penalized]
+        banning = [b for b, s in enumerate(seqs) if s.params.banned_words]
         early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs) if s.params.min_tokens]
         early = [(b, n) for b, n in early if n > 0]
-        if not early and not penalized and not biased and not constrained:
+        if not early and not penalized and not biased and not constrained and not banning:
             return logits
         logits = logits.clone()
         for b in constrained:  # row t: what the grammar allows after the output and drafted[b][:t]
@@ -94,6 +97,10 @@ class TargetScorer:
                 seqs[b].error = err
                 continue
             logits[b].masked_fill_(~masks.to(logits.device), float("-inf"))
+        for b in banning:  # row t: the bad words the output and drafted[b][:t] would complete
+            masks = bad_words_mask(seqs[b].output_token_ids, drafted[b] if drafted else [], logits.shape[1],
+                                   seqs[b].params.banned_words, logits.shape[2])
+            logits[b].masked_fill_(masks.to(logits.device), float("-inf"))
         for b in biased:  # one row, added to every position of the sequence
             logits[b] += self._bias_row(seqs[b], logits.device)
         if penalized:
