@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from http_helpers import serve_on_loopback
+from saguaro_dist import SamplingParams
 from saguaro_dist.serve.api import ServerOptions, create_app
 
 pytest_plugins = ["test_serve_fixtures"]
@@ -49,7 +50,6 @@ COMPLETION = {"prompt": "the cat", "max_tokens": 2}
 
 
 @pytest.mark.parametrize("body, param", [
-    ({**CHAT, "bad_words": ["cat"]}, "bad_words"),
     ({**COMPLETION, "use_beam_search": True}, "use_beam_search"),
     ({**COMPLETION, "spaces_between_special_tokens": False, "skip_special_tokens": False},
      "spaces_between_special_tokens"),
@@ -174,3 +174,15 @@ def test_max_completion_tokens_wins_over_max_tokens_on_chat(bases):
     body = {**GREEDY_CHAT, "max_tokens": 2, "max_completion_tokens": 5}
     r = _post(bases["plain"], "/v1/chat/completions", body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+
+
+def test_bad_words_are_vllms_on_the_server_too(bases, reference_llm):
+    """bad_words (vLLM's): the words the greedy reply would have written are banned there, and the reply is the
+    offline LLM's with the same words (the target's logits masked on every row, exact)."""
+    free = _post(bases["plain"], "/v1/completions", GREEDY).json()["choices"][0]["text"].split()
+    banned = free[:1]
+    r = _post(bases["plain"], "/v1/completions", {**GREEDY, "bad_words": banned})
+    assert r.status_code == 200, r.text
+    want = reference_llm.generate([GREEDY["prompt"]], SamplingParams(temperature=0, max_tokens=GREEDY["max_tokens"],
+                                                                      ignore_eos=True, bad_words=banned))[0].text
+    assert r.json()["choices"][0]["text"] == want and banned[0] not in want.split()

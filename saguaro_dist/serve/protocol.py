@@ -47,7 +47,6 @@ _SAMPLING_UNSUPPORTED = {
     "spaces_between_special_tokens": Unsupported((True,), "special tokens are decoded as the tokenizer joins them"),
     "prompt_logprobs": Unsupported((None,), "/v1/responses carries no prompt log-probabilities; /v1/completions and "
                                             "/v1/chat/completions return them"),
-    "bad_words": Unsupported((None, []), "use logit_bias or allowed_token_ids"),
     "logits_processors": Unsupported((None, []), "no logits processors are installed"),
     "return_tokens_as_token_ids": Unsupported((None, False), "/v1/responses' log-probability tokens are text"),
     "cache_salt": Unsupported((None,), "the prefix cache is shared by every request"),
@@ -342,6 +341,7 @@ class SamplingRequest(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words or None,  # (tokenized where the engine's LLM checks the request)
         )
 
     def _given_sampling(self, defaults: dict) -> dict:
