@@ -24,6 +24,14 @@ def usable_context(max_model_len: int, config: Config) -> int:
     return max_model_len - (0 if config.mode is Mode.AR else config.k + 1)
 
 
+def check_prompt_ids(prompt: list[int], vocab_size: int) -> None:
+    """A prompt the model can read: not empty, every id inside the vocabulary."""
+    if not prompt:
+        raise ValueError("empty prompt")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+
+
 @dataclass
 class Update:
     """What a step changed for one request (streamed to its caller)."""
@@ -69,10 +77,7 @@ class Engine:
         """vLLM's edge: a prompt with no room left in the context is refused with the lengths. Unchecked, its
         prefill failed the whole step, and every request in flight with it. A prompt that fits with a
         max_tokens (or None) past the context's end runs to that end (finish "length", as vLLM caps it)."""
-        if not prompt:
-            raise ValueError("empty prompt")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_prompt_ids(prompt, self.vocab_size)
         if len(prompt) >= self.context_len:
             raise ValueError(f"The prompt (length {len(prompt)}) leaves no room to generate in the maximum model "
                              f"length of {self.context_len}: shorten it, or raise max_model_len")

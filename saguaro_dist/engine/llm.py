@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from tqdm import tqdm
 
 from saguaro_dist.config import Config, Mode, SchedulingPolicy
-from saguaro_dist.engine.engine import Update
+from saguaro_dist.engine.engine import Update, check_prompt_ids
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.metrics import EngineLoad
 from saguaro_dist.engine.outputs import CompletionOutput, RequestOutput, StreamDelta, cumulative_logprob
@@ -371,10 +371,7 @@ class LLM:
         return encode_text(self.tokenizer, word, add_special_tokens=False, param="bad_words")
 
     def _check_prompt(self, tokens: list[int], params: SamplingParams) -> None:
-        if not tokens:
-            raise ValueError("empty prompt")
-        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        check_prompt_ids(tokens, self.vocab_size)
         check_against_model(params, self.vocab_size, self.eos_token_ids)
         self._grammars.check(params)
         # vLLM's offline LLM: a max_tokens past the context's end is capped there (finish "length", the engine's
