@@ -1,0 +1,237 @@
+"""/v1/chat/completions' request: the messages, the tools and how the rendered conversation ends."""
+from __future__ import annotations
+
+import enum
+import json
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported
+from saguaro_dist.serve.sampling_request import SamplingRequest
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
+
+MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
+# Chat request fields that are chat template variables: joined to chat_template_kwargs, read or refused there
+TEMPLATE_VARIABLE_FIELDS = ("documents", "reasoning_effort")
+REPLY_ROLE = "assistant"  # the role of every chat reply
+
+
+class PromptEnd(str, enum.Enum):
+    """How a chat prompt ends (vLLM's add_generation_prompt / continue_final_message)."""
+    NEW_TURN = "new_turn"  # an assistant turn opened for the reply (the default)
+    AS_IS = "as_is"        # the conversation's last turn closed, nothing opened
+    CONTINUE = "continue"  # the last message left open: the reply continues it (an assistant prefill)
+
+
+class ChatPromptFields(BaseModel):
+    """vLLM's fields on how a rendered conversation ends (chat completions, /tokenize)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _one_end(self):
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ValueError("continue_final_message continues the last message: set add_generation_prompt to false "
+                             "with it (vLLM's rule)")
+        return self
+
+    def prompt_end(self) -> PromptEnd:
+        if self.continue_final_message:
+            return PromptEnd.CONTINUE
+        return PromptEnd.NEW_TURN if self.add_generation_prompt else PromptEnd.AS_IS
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallMessage(BaseModel):
+    """A call an earlier assistant turn made, sent back in the history."""
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        """Chat templates (transformers' convention) read the arguments as a mapping, as vLLM passes them."""
+        try:
+            arguments = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = None
+        if not isinstance(arguments, dict):  # a template may walk them (Qwen3-Coder's `arguments|items`)
+            raise ValueError(f"tool call {self.function.name!r}: arguments must be JSON text of an object, "
+                             f"got {self.function.arguments!r}")
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant turns
+    tool_call_id: str | None = None                  # tool turns: the call this answers
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """Parts other than text (image_url, input_audio, file, ...) are refused by name, not as a failed union."""
+        for i, part in enumerate(content if isinstance(content, list) else ()):
+            kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+            if kind != "text":
+                raise ValueError(f"part {i} is {f'of type {kind!r}' if kind else 'not a typed part'}: this server "
+                                 "reads text parts only "
+                                 "({'type': 'text', 'text': ...})")
+        return content
+
+    @model_validator(mode="after")
+    def _check_tool_fields(self):
+        if self.content is None and self.role != "assistant":  # OpenAI's: only an assistant turn may lack it
+            raise ValueError(f"a message with role {self.role!r} needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # one part a line, as vLLM joins them for string templates
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer OpenAI name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
+    echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role
+    # Variables for the chat template, joined to chat_template_kwargs (a template that reads neither is a 400)
+    documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents, transformers' documents=
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # OpenAI's
+    add_special_tokens: bool = False  # vLLM's: BOS etc. added on top of what the chat template writes
+    chat_template: str | None = None  # vLLM's per-request template
+    # vLLM's: false leaves the reasoning out of the reply (no `reasoning` field or delta; the model still
+    # reasons), and a constrained reply is held to its constraint from the first token (vLLM's reasoning_ended)
+    include_reasoning: bool = True
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = {
+        **GENERATION_UNSUPPORTED,
+        "chat_template": Unsupported((None,), "the server's --chat-template or the tokenizer's applies, as vLLM "
+                                              "without --trust-request-chat-template")}
+    continuous_usage: ClassVar[bool] = True
+
+    @model_validator(mode="after")
+    def _join_template_variables(self):
+        """documents and reasoning_effort reach the template as chat_template_kwargs do (vLLM passes them so)."""
+        given = {name: getattr(self, name) for name in TEMPLATE_VARIABLE_FIELDS if getattr(self, name) is not None}
+        twice = sorted(given.keys() & (self.chat_template_kwargs or {}).keys())
+        if twice:
+            raise ValueError(f"{twice[0]} is given twice: as a field and in chat_template_kwargs")
+        if given:
+            self.chat_template_kwargs = {**(self.chat_template_kwargs or {}), **given}
+        return self
+
+    @model_validator(mode="after")
+    def _check_tools(self):
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise ValueError(f"tool_choice {_choice_name(choice)!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        return self
+
+    def tool_plan(self) -> ToolPlan:
+        """What the tools ask for; a request without tools gets a plain-text plan."""
+        if not self.tools:
+            return ToolPlan(ToolChoiceKind.NONE)
+        functions = tuple(t.function.model_dump(exclude_none=True) for t in self.tools)
+        choice = self.tool_choice or "auto"
+        if isinstance(choice, NamedToolChoice):
+            return ToolPlan(ToolChoiceKind.NAMED, functions, choice.function.name)
+        return ToolPlan(ToolChoiceKind(choice), functions, parallel=self.parallel_tool_calls)
+
+    def requested_structure(self) -> StructuredOutputsParams | None:
+        asked = super().requested_structure()
+        forced = self.tool_plan().structure()
+        if asked is not None and forced is not None:
+            raise ValueError(f"tool_choice {_choice_name(self.tool_choice)!r} constrains the reply itself; it cannot "
+                             "be combined with response_format or structured outputs")
+        return forced or asked
+
+    @model_validator(mode="after")
+    def _check_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens must be >= 1")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def echoed(self) -> str:
+        """What `echo` puts before the reply's content: the last message's text when it is the reply's role
+        (an assistant prefill, continued with continue_final_message), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == REPLY_ROLE else ""
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def requested_prompt_logprobs(self) -> int | None:
+        """vLLM's: prompt_logprobs, else echo's (top_logprobs of each prompt token, in the whole response only:
+        vLLM scores a streamed echo's prompt too, and sends nothing of it)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return (self.top_logprobs or 0) if self.echo and not self.stream else None
+
+
+def _choice_name(choice) -> str:
+    return choice.function.name if isinstance(choice, NamedToolChoice) else choice

@@ -1,0 +1,195 @@
+"""The reply of OpenAI's Responses API (`POST /v1/responses`, openai_responses.py): the Response object
+with its output items (reasoning, message, function calls) and usage, and the SSE events of a streamed one."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import TYPE_CHECKING, Callable
+
+from saguaro_dist.serve import responses
+from saguaro_dist.serve.tool_parsers import ToolCall
+
+if TYPE_CHECKING:  # annotations only: the request module imports this one
+    from saguaro_dist.serve.openai_responses import ResponsesRequest
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def text_part(text: str, logprobs: list | None = None) -> dict:
+    """logprobs: chat's `logprobs.content` entries ({token, logprob, bytes, top_logprobs}), Responses' shape."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def message_item(item_id: str, text: str | None, status: str = "completed", logprobs: list | None = None) -> dict:
+    content = [] if text is None else [text_part(text, logprobs)]
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
+
+
+def new_item_id(kind: str) -> str:
+    return f"{kind}_{uuid.uuid4().hex}"
+
+
+def function_call_item(call: ToolCall, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{call.id}", "call_id": call.id, "name": call.name,
+            "arguments": call.arguments, "status": status}
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict:
+    """reasoning_tokens: output tokens the reasoning parser read as reasoning (reasoning.ReasoningTokens)."""
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def response_body(response_id: str, model: str, body: ResponsesRequest, output: list[dict], status: str,
+                  finish_reason: str | None = None, **extra) -> dict:
+    """The Response object: status completed, incomplete (max_output_tokens reached) or in_progress."""
+    if status == "completed" and finish_reason == "length":
+        status = "incomplete"
+    fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {"type": "text"}
+    return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
+            "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {}, "max_tool_calls": body.max_tool_calls, "truncation": body.truncation or "disabled",
+            "reasoning": _reasoning(body),
+            "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": _tool_choice(body),
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "temperature": body.temperature,
+            "top_p": body.top_p, "text": {"format": fmt}, "store": False, **extra}
+
+
+def _reasoning(body: ResponsesRequest) -> dict:
+    effort = body.reasoning.effort if body.reasoning else None
+    return {"effort": effort, "summary": None}
+
+
+def _tool_choice(body: ResponsesRequest):
+    choice = body.tool_choice or ("auto" if body.tools else "none")
+    return choice if isinstance(choice, str) else choice.model_dump()
+
+
+def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall],
+                 logprobs: list | None = None) -> list[dict]:
+    """reasoning (if any), the message (unless calls came without content), then the calls. logprobs, of
+    every generated token as chat's are, ride on the message."""
+    items = [] if reasoning is None else [reasoning_item(new_item_id("rs"), reasoning)]
+    if content or not calls:
+        items.append(message_item(new_item_id("msg"), content or "", logprobs=logprobs))
+    return items + [function_call_item(call) for call in calls]
+
+
+class ResponseEvents:
+    """The SSE events of one streamed response, in OpenAI's order: created, in_progress, then per output
+    item added / its text deltas / done (a reasoning item first when the model reasons), completed."""
+
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest,
+                 logprob_items: Callable[[list], list] = lambda entries: []):
+        self.response_id, self.model, self.body = response_id, model, body
+        self.logprob_items = logprob_items  # the engine's logprob entries as Responses' logprobs items
+        self.pending_logprobs: list = []  # entries of tokens whose text has not gone out in a message delta
+        self.sequence = 0
+        self.items: list[dict] = []  # finished items, for the completed response
+        self.open: dict | None = None  # the item being streamed: {"kind", "id", "text"}
+
+    def error(self, envelope: dict) -> str:
+        """A failure after the headers went out (errors.stream_error's envelope), as Responses streams it."""
+        err = envelope["error"]
+        return self.event("error", code=err.get("code"), message=err["message"], param=err.get("param"))
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\n" + responses.sse(data)
+
+    def opening(self) -> str:
+        body = response_body(self.response_id, self.model, self.body, [], "in_progress")
+        return self.event("response.created", response=body) + self.event("response.in_progress", response=body)
+
+    def text(self, reasoning: str, content: str, logprob_entries: list = ()) -> str:
+        """Events for one batch: reasoning text, then content (which closes the reasoning item); the
+        batch's log-probabilities go out with the next content delta."""
+        self.pending_logprobs += logprob_entries
+        out = self._delta("reasoning", reasoning) if reasoning else ""
+        return out + (self._delta("message", content) if content else "")
+
+    def calls(self, entries: list[dict]) -> str:
+        """Events for chat's tool_calls deltas (tools.ToolStream): an entry with an id starts a call."""
+        out = ""
+        for entry in entries:
+            function = entry.get("function", {})
+            if "id" in entry:
+                out += self._close() + self._open_call(ToolCall(entry["id"], function["name"], ""))
+            if function.get("arguments"):
+                self.open["text"] += function["arguments"]
+                out += self.event("response.function_call_arguments.delta", output_index=len(self.items),
+                                  item_id=self.open["id"], delta=function["arguments"])
+        return out
+
+    def _open_call(self, call: ToolCall) -> str:
+        item = function_call_item(call, "in_progress")
+        self.open = {"kind": "function_call", "id": item["id"], "text": "", "call": call}
+        return self.event("response.output_item.added", output_index=len(self.items), item=item)
+
+    def _delta(self, kind: str, text: str) -> str:
+        out = ""
+        if self.open is None or self.open["kind"] != kind:
+            out += self._close() + self._open(kind)
+        self.open["text"] += text
+        index, ids = len(self.items), {"item_id": self.open["id"], "content_index": 0}
+        if kind == "reasoning":
+            return out + self.event("response.reasoning_text.delta", output_index=index, delta=text, **ids)
+        logprobs, self.pending_logprobs = self.logprob_items(self.pending_logprobs), []
+        self.open["logprobs"] += logprobs
+        return out + self.event("response.output_text.delta", output_index=index, delta=text, logprobs=logprobs, **ids)
+
+    def _open(self, kind: str) -> str:
+        self.open = {"kind": kind, "id": new_item_id("rs" if kind == "reasoning" else "msg"), "text": "", "logprobs": []}
+        index, item_key = len(self.items), {"item_id": self.open["id"], "content_index": 0}
+        if kind == "reasoning":
+            return self.event("response.output_item.added", output_index=index,
+                              item=reasoning_item(self.open["id"], "", "in_progress"))
+        return (self.event("response.output_item.added", output_index=index,
+                           item=message_item(self.open["id"], None, "in_progress"))
+                + self.event("response.content_part.added", output_index=index, part=text_part(""), **item_key))
+
+    def _close_taking_logprobs(self) -> str:
+        """_close, a message first taking the log-probabilities no content delta took (a reply that is all
+        reasoning, text held back to the end), as the unstreamed message has every token's."""
+        if self.open is not None and self.open["kind"] == "message":
+            self.open["logprobs"] += self.logprob_items(self.pending_logprobs)
+            self.pending_logprobs = []
+        return self._close()
+
+    def _close(self) -> str:
+        if self.open is None:
+            return ""
+        kind, text, ident = self.open["kind"], self.open["text"], self.open["id"]
+        index, ids = len(self.items), {"item_id": ident, "content_index": 0}
+        if kind == "reasoning":
+            item = reasoning_item(ident, text)
+            out = self.event("response.reasoning_text.done", output_index=index, text=text, **ids)
+        elif kind == "function_call":
+            item = function_call_item(ToolCall(self.open["call"].id, self.open["call"].name, text))
+            out = self.event("response.function_call_arguments.done", output_index=index, item_id=ident, arguments=text)
+        else:
+            logprobs = self.open["logprobs"]
+            item = message_item(ident, text, logprobs=logprobs)
+            out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=logprobs, **ids)
+                   + self.event("response.content_part.done", output_index=index, part=text_part(text, logprobs), **ids))
+        self.items.append(item)
+        self.open = None
+        return out + self.event("response.output_item.done", output_index=index, item=item)
+
+    def closing(self, finish_reason: str | None, **extra) -> str:
+        """The last events: the open item closed (an empty message if no text came), then completed
+        (incomplete when max_output_tokens ended it)."""
+        kinds = {i["type"] for i in self.items} | {(self.open or {}).get("kind")}
+        out = self._close_taking_logprobs()
+        if not kinds & {"message", "function_call"}:
+            out += self._open("message") + self._close_taking_logprobs()
+        body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason, **extra)
+        kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
+        return out + self.event(kind, response=body)

@@ -1,0 +1,96 @@
+"""The field tables of the OpenAI request models, and the base model that reads them.
+
+Every declared field is honoured, accepted because it changes nothing in the output, or refused with a
+400 naming it when given a value we cannot honour (`Unsupported`): a field that would change the output
+or its shape is never silently dropped. Unknown fields are ignored, as vLLM does, so newer `openai`
+clients keep working, and logged as vLLM logs them, with the known field a typo was probably meant as.
+"""
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from saguaro_dist.serve.errors import APIError
+
+# The unknown-field warnings have always gone to protocol's logger: users and tests filter on its name
+log = logging.getLogger("saguaro_dist.serve.protocol")
+
+# Extra (undeclared) field -> the only values we support; completions' and chat's echo is a field, so
+# never extra there: this refuses it on /v1/responses.
+_UNSUPPORTED_UNLESS = {"echo": (None, False)}
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A declared field we cannot honour past its inert values (those that ask for nothing we lack): any
+    other value is a 400 naming the field and saying why."""
+    inert: tuple
+    why: str
+
+
+# Fields of both generation routes (and /v1/responses, which shares the sampling fields).
+SAMPLING_UNSUPPORTED = {
+    "best_of": Unsupported((None, 1), "each choice is one sample; ask for more with n"),
+    "suffix": Unsupported((None, ""), "there is no fill-in-the-middle"),
+    "use_beam_search": Unsupported((False,), "there is no beam search"),
+    "spaces_between_special_tokens": Unsupported((True,), "special tokens are decoded as the tokenizer joins them"),
+    "prompt_logprobs": Unsupported((None,), "/v1/responses carries no prompt log-probabilities; /v1/completions and "
+                                            "/v1/chat/completions return them"),
+    "logits_processors": Unsupported((None, []), "no logits processors are installed"),
+    "return_tokens_as_token_ids": Unsupported((None, False), "/v1/responses' log-probability tokens are text"),
+    "cache_salt": Unsupported((None,), "the prefix cache is shared by every request"),
+    "kv_transfer_params": Unsupported((None, {}), "there is no disaggregated prefill"),
+    "vllm_xargs": Unsupported((None, {}), "no extension reads them"),
+    "request_id": Unsupported((None,), "on /v1/responses give the id as the X-Request-Id header"),
+    "guided_decoding_backend": Unsupported((None, "auto", "guidance", "llguidance"),
+                                           "structured outputs run on llguidance"),
+    "guided_whitespace_pattern": Unsupported((None,), "JSON whitespace is set by the schema's x-guidance options"),
+    "structural_tag": Unsupported((None,), "there are no structural tags"),
+    "audio": Unsupported((None,), "replies are text only"),
+    "modalities": Unsupported((None, ["text"]), "replies are text only"),
+    "web_search_options": Unsupported((None,), "there is no web search"),
+    "functions": Unsupported((None, []), "use tools"),
+    "function_call": Unsupported((None, "none"), "use tools and tool_choice"),
+    "service_tier": Unsupported((None, "auto", "default"), "every request is served in one tier"),
+    "verbosity": Unsupported((None, "medium"), "the model's replies are as long as it makes them"),
+}
+# Honoured by /v1/completions and /v1/chat/completions (vLLM's), still refused on /v1/responses
+_GENERATION_HONOURS = frozenset({"prompt_logprobs", "return_tokens_as_token_ids", "request_id"})
+GENERATION_UNSUPPORTED = {name: rule for name, rule in SAMPLING_UNSUPPORTED.items() if name not in _GENERATION_HONOURS}
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = {}  # declared fields refused past their inert values
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        for name, rule in self.unsupported_fields.items():
+            value = getattr(self, name)
+            if value not in rule.inert:
+                raise ValueError(f"{name} is not supported by this server ({rule.why}), got {value!r}")
+        return self
+
+    @model_validator(mode="after")
+    def _log_unknown(self):
+        """vLLM's warning: a typo (max_token) is otherwise lost without a word."""
+        unknown = sorted(set(self.model_extra or ()) - set(_UNSUPPORTED_UNLESS))
+        if unknown:
+            named = ", ".join(_with_suggestion(name, type(self).model_fields) for name in unknown)
+            log.warning("%s: the following fields were present in the request but ignored: %s", type(self).__name__, named)
+        return self
+
+    def reject_unsupported(self) -> None:
+        extra = self.model_extra or {}
+        for name, allowed in _UNSUPPORTED_UNLESS.items():
+            if name in extra and extra[name] not in allowed:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name)
+
+
+def _with_suggestion(name: str, known) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.8)
+    return f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)

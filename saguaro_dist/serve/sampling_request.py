@@ -1,0 +1,237 @@
+"""The fields /v1/completions, /v1/chat/completions and /v1/responses share: sampling, stop, structured
+outputs, streaming, and their checks; `SamplingRequest.sampling_params` turns them into the engine's."""
+from __future__ import annotations
+
+import re
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from saguaro_dist.serve.request_fields import SAMPLING_UNSUPPORTED, OpenAIModel, Unsupported
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
+
+MAX_CHOICES = 64  # n; a request's prompts x n generations are capped at MAX_GENERATIONS too
+MAX_GENERATIONS = 256
+# A request id (the X-Request-Id header's or the request_id field's): it names the response, its engine
+# requests and their log lines
+REQUEST_ID_PATTERN = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its choice's usage so far
+
+
+class JsonSchema(BaseModel):
+    name: str | None = None
+    schema_: dict = Field(alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's: plain text, any JSON object, or JSON following a schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one of these."""
+    model_config = ConfigDict(extra="forbid")
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo (completions): score the prompt, generate nothing
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0 disables, as in vLLM
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extra parameter (0: off)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # samples per prompt; with a seed, sample i draws from seed + i
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extra parameter: keep generating past end-of-sequence
+    stop_token_ids: list[int] | None = None  # vLLM's extra parameter: ids that end generation like EOS
+    min_tokens: int = Field(0, ge=0)  # vLLM's extra parameter: EOS / stop_token_ids held back until this many
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's extra parameter (1: off)
+    # OpenAI's: JSON keys are token ids as strings ({"50256": -100})
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)  # vLLM's extra parameter
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's extra parameter
+    guided_json: dict | str | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    include_stop_str_in_output: bool = False  # vLLM's extra parameters on the text and the prompt
+    skip_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last N tokens; -1: the model's max length
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is admitted first
+    # Accepted, as they change nothing in the output: annotations, hints, and settings inert here
+    metadata: dict[str, str] | None = None
+    store: bool | None = None  # nothing is stored either way
+    prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes itself
+    safety_identifier: str | None = None
+    prediction: dict | None = None  # OpenAI's predicted output: a speed hint; the reply is the same without it
+    length_penalty: float = 1.0  # vLLM's: beam search's only (refused below)
+    mm_processor_kwargs: dict | None = None  # vLLM's: no image or audio reaches the model (refused in messages)
+    # Known, refused past their inert values (SAMPLING_UNSUPPORTED says why)
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+    use_beam_search: bool = False
+    spaces_between_special_tokens: bool = True
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's (completions and chat, unstreamed)
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    return_tokens_as_token_ids: bool | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict | None = None
+    vllm_xargs: dict | None = None
+    request_id: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structural_tag: str | dict | None = None
+    audio: dict | None = None
+    modalities: list[str] | None = None
+    web_search_options: dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    service_tier: str | None = None
+    verbosity: str | None = None
+    unsupported_fields: ClassVar[dict[str, Unsupported]] = SAMPLING_UNSUPPORTED
+    continuous_usage: ClassVar[bool] = False  # whether the route's stream honours stream_options.continuous_usage_stats
+
+    @model_validator(mode="after")
+    def _check_stop(self):
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return self
+
+    @model_validator(mode="after")
+    def _check_stream_options(self):
+        """OpenAI's and vLLM's rule: stream_options only with stream (a usage chunk asked for and never sent)."""
+        options = self.stream_options
+        if options is not None and not self.stream and (options.model_fields_set or options.model_extra):
+            raise ValueError("stream_options is only allowed with stream set to true")
+        if options is not None and options.continuous_usage_stats and not self.continuous_usage:
+            raise ValueError("stream_options with continuous_usage_stats is not supported on this route (its events "
+                             "carry usage at the end)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_prompt_logprobs(self):
+        """vLLM's rule: prompt log-probabilities come in the whole response, never in a stream (vLLM lets
+        prompt_logprobs 0 through with stream and drops it; a field is never dropped here)."""
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is not available with stream set to true")
+        return self
+
+    @field_validator("request_id")
+    @classmethod
+    def _check_request_id(cls, given: str | None) -> str | None:
+        if given is not None and not REQUEST_ID_PATTERN.fullmatch(given):
+            raise ValueError("request_id must be 1-128 letters, digits, '.', '_', ':' or '-'")
+        return given
+
+    @model_validator(mode="after")
+    def _check_best_of(self):
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError(f"best_of must be at least n ({self.n}), got {self.best_of}")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def default_max_tokens(self) -> int | None:
+        """The route's max_tokens when the request leaves it out (None: the rest of the context)."""
+        return None
+
+    def prompt_tokens_kept(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens run (truncate_prompt_tokens; -1: max_model_len; None: all)."""
+        return self.truncate_prompt_tokens
+
+    def requested_structure(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint asked for: response_format, structured_outputs or guided_*."""
+        guided = {k: v for k, v in (("json", self.guided_json), ("regex", self.guided_regex),
+                                    ("choice", self.guided_choice), ("grammar", self.guided_grammar)) if v is not None}
+        asked = [name for name, given in (("response_format", self.response_format and self.response_format.type != "text"),
+                                          ("structured_outputs", self.structured_outputs), ("guided_*", guided)) if given]
+        if len(asked) > 1:
+            raise ValueError(f"structured_outputs can be asked for once (response_format, structured_outputs or guided_*), got {asked}")
+        if self.structured_outputs is not None:
+            return StructuredOutputsParams(**self.structured_outputs.model_dump(by_alias=True, exclude_none=True))
+        if guided:
+            return StructuredOutputsParams(**guided)
+        if asked:  # response_format
+            schema = self.response_format.json_schema
+            return StructuredOutputsParams(json=schema.schema_) if schema else StructuredOutputsParams(json_object=True)
+        return None
+
+    def requested_logprobs(self) -> int | None:
+        """Top log-probabilities per token (0: the chosen token's only), or None for none."""
+        return None
+
+    def tool_plan(self) -> ToolPlan:
+        return ToolPlan(ToolChoiceKind.NONE)  # chat requests may declare tools
+
+    def requested_prompt_logprobs(self) -> int | None:
+        return None
+
+    def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
+        """The engine's settings; `defaults` (the model's generation config, LLM.generation_defaults) fill
+        the sampling fields the request left out, as vLLM's do."""
+        given = self._given_sampling(defaults or {})
+        return SamplingParams(
+            temperature=given["temperature"],
+            top_p=given["top_p"],
+            top_k=max(0, given["top_k"]),  # -1 (vLLM's off) is our 0
+            min_p=given["min_p"],
+            max_tokens=max_tokens,
+            stop=self.stop or (),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=given["repetition_penalty"],
+            logit_bias=self.logit_bias,
+            allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.requested_structure(),
+            logprobs=self.requested_logprobs(),
+            prompt_logprobs=self.requested_prompt_logprobs(),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words or None,  # (tokenized where the engine's LLM checks the request)
+        )
+
+    def _given_sampling(self, defaults: dict) -> dict:
+        """Each generation-config field: the request's value, else the model's default, else the neutral one."""
+        neutral = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+        return {name: getattr(self, name) if getattr(self, name) is not None else defaults.get(name, value)
+                for name, value in neutral.items()}
+
+    @property
+    def include_usage_chunk(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
