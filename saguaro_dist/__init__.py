@@ -5,7 +5,7 @@ from saguaro_dist.config import BonusDraw, Config, DraftExecutor, FallbackPolicy
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue", "BonusDraw"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue", "BonusDraw"]
 
 
 def __getattr__(name):
@@ -14,4 +14,7 @@ def __getattr__(name):
     if name in ("LLM", "RequestOutput", "CompletionOutput"):
         from saguaro_dist.engine import llm
         return getattr(llm, name)
+    if name == "Logprob":  # vLLM's Logprob of RequestOutput.logprobs: without loading the engine
+        from saguaro_dist.engine.logprob_objects import Logprob
+        return Logprob
     raise AttributeError(f"module 'saguaro_dist' has no attribute {name!r}")

@@ -87,16 +87,23 @@ def reference_logprobs(model, prompt: list[int], output: list[int]) -> torch.Ten
 
 
 def check_logprobs(model, prompt: list[int], out, top: int) -> None:
-    """out.logprobs: per token, the chosen token's raw log-probability first, then the top `top`."""
+    """out.logprobs: per token, the chosen token's raw log-probability first, then the top `top` (vLLM's
+    Logprob objects, as RequestOutput carries them)."""
     want = reference_logprobs(model, prompt, out.token_ids)
     assert len(out.logprobs) == len(out.token_ids)
     for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
         assert next(iter(entry)) == token  # the chosen token comes first
-        assert abs(entry[token] - float(want[i, token])) < 1e-4
+        assert abs(entry[token].logprob - float(want[i, token])) < 1e-4
+        assert within_rank(want[i], token, entry[token].rank)
         top_ids = want[i].topk(top).indices.tolist()
         assert set(top_ids) <= set(entry) and len(entry) <= top + 1
         for t in top_ids:
-            assert abs(entry[t] - float(want[i, t])) < 1e-4
+            assert abs(entry[t].logprob - float(want[i, t])) < 1e-4
+
+
+def within_rank(row: torch.Tensor, token: int, rank: int, tol: float = 1e-4) -> bool:
+    """vLLM's rank of a token (how many are at least as likely), up to tokens within tol of it."""
+    return int((row > row[token] + tol).sum()) + 1 <= rank <= int((row >= row[token] - tol).sum())
 
 
 PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [17]]

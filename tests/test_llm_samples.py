@@ -68,7 +68,7 @@ def test_sample_zero_is_the_flat_fields_and_logprobs_add_up(ar):
     assert (first.text, first.token_ids, first.finish_reason, first.logprobs, first.stop_reason) == (
         out.text, out.token_ids, out.finish_reason, out.logprobs, out.stop_reason)
     for c in out.outputs:
-        assert c.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(c.token_ids, c.logprobs)))
+        assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)))
         assert c.cumulative_logprob < 0 and len(c.logprobs) == len(c.token_ids)
     single = generate(ar, sampled(seed=3, logprobs=2, prompt_logprobs=1, stop_token_ids=[9]), PROMPTS[:1])[0]
     assert out.prompt_logprobs == single.prompt_logprobs and len(out.prompt_logprobs) == len(PROMPTS[0])

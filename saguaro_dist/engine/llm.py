@@ -6,38 +6,29 @@ import itertools
 import logging
 import queue
 import time
-import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
 from typing import AsyncIterator
 
 from tqdm import tqdm
 
-from saguaro_dist.config import Config, Mode, SchedulingPolicy
-from saguaro_dist.engine.engine import Update, check_prompt_ids
+from saguaro_dist.config import Config, Mode
+from saguaro_dist.engine.llm_inputs import (PromptRequest, RequestInputs, check_content_format, conversations,
+                                            refuse_unsupported, sample_ids)
+from saguaro_dist.engine.llm_outputs import request_output, stream_shape
+from saguaro_dist.engine.logprob_objects import Logprob, TokenTexts
 from saguaro_dist.engine.loop_thread import EngineThread
 from saguaro_dist.engine.metrics import EngineLoad
-from saguaro_dist.engine.outputs import CompletionOutput, RequestOutput, StreamDelta, cumulative_logprob
-from saguaro_dist.engine.sequence import OutputKind, Sequence, engine_request_seed
+from saguaro_dist.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
+from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
-from saguaro_dist.engine.text import encode_text
 from saguaro_dist.model.loader import load_generation_defaults
-from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
-                                          until_context_end, with_bad_word_ids)
+from saguaro_dist.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "StreamDelta"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "StreamDelta"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class PromptRequest:
-    """One prompt as submitted: its SamplingParams.n samples, each a Sequence of its own, in index order."""
-    request_id: str
-    text: str | None
-    samples: list[Sequence]
-
-
-class LLM:
+class LLM(RequestInputs):
     """An SSD / SD / AR engine over a target (and draft) checkpoint.
 
     >>> llm = LLM(model=TARGET, draft=DRAFT, mode="ssd", k=4, fan_out=12)
@@ -75,7 +66,7 @@ class LLM:
                              f"raise max_model_len)")
         self.vocab_size, self.eos_token_ids = self._thread.vocab_size, self._thread.eos_token_ids
         self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-
+        self._token_texts = TokenTexts(self.tokenizer)  # Logprob.decoded_token, one decode per token id
 
     def default_sampling_params(self) -> SamplingParams:
         """The SamplingParams generate / chat / stream use when given none: the generation config's
@@ -133,7 +124,8 @@ class LLM:
             if isinstance(r, BaseException):
                 raise r
         done = iter(results)
-        return [self._output(request, [next(done) for _ in request.samples]) for request in requests]
+        return [request_output(request, [next(done) for _ in request.samples], self._token_texts)
+                for request in requests]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
@@ -158,11 +150,11 @@ class LLM:
                                continue_final_message=continue_final_message).prompt_end()
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one to render messages")
-        conversations = _conversations(messages)
+        chats = conversations(messages)
         tools = [Tool(**t) for t in tools or []]
         template = load_chat_template(chat_template) if chat_template else None
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template,
-                           end=end) for conv in conversations]
+                           end=end) for conv in chats]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority, use_tqdm=use_tqdm)
 
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
@@ -178,7 +170,8 @@ class LLM:
         free again once its stream is closed.
         n > 1 (SamplingParams.n, the samples generate() makes: sample i seeded seed + i): RequestOutput items,
         vLLM's AsyncLLM shape. DELTA: one a sample's update, whose single CompletionOutput's index names the
-        sample (text, token_ids, logprobs: the new ones; cumulative_logprob: so far); `finished` once every
+        sample (text, token_ids, logprobs: the new ones, as vLLM's Logprob objects; cumulative_logprob: so far;
+        n = 1's StreamDelta keeps the engine's plain {token id: log p}, the server's input); `finished` once every
         sample has, `metrics` the sample's on its last update (None before). FINAL_ONLY: one RequestOutput
         when every sample finished, as generate() returns it."""
         kind = OutputKind(output_kind)  # a ValueError names a wrong kind before any work
@@ -190,7 +183,7 @@ class LLM:
         for seq in request.samples:
             seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
         request_id = self._open_stream(request, request_id)
-        shape = stream_shape(request, kind)
+        shape = stream_shape(request, kind, self._token_texts)
         queue: asyncio.Queue = asyncio.Queue()
         submitted = asyncio.ensure_future(self._submit_samples(request.samples, queue, asyncio.get_running_loop()))
         running = {i: seq.request_id for i, seq in enumerate(request.samples)}  # the samples the engine still holds
@@ -281,106 +274,6 @@ class LLM:
     def __exit__(self, *exc):
         self.shutdown()
 
-    # ---- edges ------------------------------------------------------------------------------
-    def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None) -> list[PromptRequest]:
-        """Validate everything before any work; one PromptRequest (n Sequences) per prompt."""
-        texts, ids = self._prompt_ids(prompts, prompt_token_ids)
-        params = self._params(sampling_params, len(ids))
-        priorities = self._priorities(priority, len(ids))
-        out = []
-        for text, tokens, p, rank in zip(texts, ids, params, priorities):
-            tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
-            p = until_context_end(p, len(tokens), self.max_model_len)
-            p = with_bad_word_ids(p, self._encode_bad_word if self.tokenizer is not None else None)
-            self._check_prompt(tokens, p)
-            out.append(self._prompt_request(text, tokens, p, rank))
-        return out
-
-    def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int) -> PromptRequest:
-        """params.n Sequences of the prompt; with n > 1, sample i's engine id is "<i>_<request id>" (vLLM's)."""
-        request_id = uuid.uuid4().hex
-        samples = [self._sample(seq_id, tokens, p, rank)
-                   for seq_id, p in zip(sample_ids(request_id, params.n), sample_params(params))]
-        return PromptRequest(request_id, text, samples)
-
-    def _sample(self, seq_id: str, tokens: list[int], params: SamplingParams, rank: int) -> Sequence:
-        """One sample's Sequence. Under Config.seed an unseeded sample is seeded from it and its engine id (its
-        order of arrival), as vLLM's seeded global RNG: the seed travels with it to every worker."""
-        sid = next(self._ids)
-        if self.config.seed is not None and params.seed is None:
-            params = replace(params, seed=engine_request_seed(self.config.seed, sid))
-        return Sequence(sid, seq_id, list(tokens), params, priority=rank)
-
-    def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
-        if (prompts is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of prompts or prompt_token_ids")
-        if prompt_token_ids is not None:
-            what = "a list of prompts, each a list of token ids"
-            ids = [as_token_ids(p) for p in as_tuple(prompt_token_ids, "prompt_token_ids", what)]
-            return [None] * len(ids), ids
-        what = "a string or a list of strings (or of vLLM's {'prompt': ...} / {'prompt_token_ids': [...]} dicts)"
-        prompts = [prompts] if isinstance(prompts, (str, Mapping)) else list(as_tuple(prompts, "prompts", what))
-        pairs = [self._prompt(p, i) for i, p in enumerate(prompts)]
-        return [text for text, _ in pairs], [ids for _, ids in pairs]
-
-    def _prompt(self, prompt, i: int) -> tuple[str | None, list[int]]:
-        """One prompt's (text, token ids): a string or vLLM's TextPrompt / TokensPrompt dict (a dict failed
-        as "every prompt must be a non-empty string")."""
-        if isinstance(prompt, Mapping):
-            return self._dict_prompt(prompt, i)
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"every prompt must be a non-empty string or a prompt dict; prompt {i} is {prompt!r}")
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
-        return prompt, encode_text(self.tokenizer, prompt, param=f"prompt {i}")
-
-    def _dict_prompt(self, prompt: Mapping, i: int) -> tuple[str | None, list[int]]:
-        """{"prompt": text} or {"prompt_token_ids": ids}; keys we cannot honour (multi_modal_data, ...) are refused."""
-        if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
-            raise ValueError(f"prompt {i} must be {{'prompt': text}} or {{'prompt_token_ids': [...]}}, "
-                             f"got keys {sorted(map(str, prompt))}")
-        text = prompt.get("prompt")
-        if "prompt_token_ids" in prompt:  # (its text, if given, names it in the output, as vLLM's)
-            return text if isinstance(text, str) else None, as_token_ids(prompt["prompt_token_ids"])
-        if not isinstance(text, str):
-            raise ValueError(f"prompt {i}'s 'prompt' must be a non-empty string, got {text!r}")
-        return self._prompt(text, i)
-
-    def _params(self, sampling_params, n: int) -> list[SamplingParams]:
-        if sampling_params is None:
-            return [self.default_sampling_params()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(as_tuple(sampling_params, "sampling_params", "a SamplingParams or a list of them"))
-        if not all(isinstance(p, SamplingParams) for p in params):  # a dict failed deep inside with an AttributeError
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {sampling_params!r}")
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
-        return params
-
-    def _priorities(self, priority, n: int) -> list[int]:
-        if priority is None:
-            return [0] * n
-        if len(priority) != n or any(type(p) is not int for p in priority):
-            raise ValueError(f"priority must be one int per prompt ({n}), got {priority!r}")
-        if any(priority) and self.config.scheduling_policy is not SchedulingPolicy.PRIORITY:
-            raise ValueError("priority needs scheduling_policy='priority' (this engine serves first come, first served)")
-        return list(priority)
-
-    def _encode_bad_word(self, word: str) -> list[int]:
-        return encode_text(self.tokenizer, word, add_special_tokens=False, param="bad_words")
-
-    def _check_prompt(self, tokens: list[int], params: SamplingParams) -> None:
-        check_prompt_ids(tokens, self.vocab_size)
-        check_against_model(params, self.vocab_size, self.eos_token_ids)
-        self._grammars.check(params)
-        # vLLM's offline LLM: a max_tokens past the context's end is capped there (finish "length", the engine's
-        # check), only a prompt with no room (or none for its min_tokens) is refused
-        room, need = self.max_model_len - len(tokens), max(1, params.min_tokens)
-        if room < need:
-            raise ValueError(f"prompt ({len(tokens)} tokens) leaves {max(room, 0)} of the model's max length "
-                             f"{self.max_model_len} to generate; it needs {need} (min_tokens {params.min_tokens})")
-
     @staticmethod
     def _collector(i: int, results: list, finished: queue.Queue):
         def listener(item):
@@ -400,103 +293,10 @@ class LLM:
                 bar.set_postfix_str(f"output: {tokens / max(time.perf_counter() - start, 1e-9):.0f} toks/s", refresh=False)
                 bar.update(1)
 
-    @staticmethod
-    def _output(request: PromptRequest, samples: list[Sequence]) -> RequestOutput:
-        """The finished samples of one prompt; the prompt's fields and the metrics are sample 0's."""
-        first = samples[0]
-        return RequestOutput.of_samples(request.request_id, request.text, first.prompt_token_ids, first.prompt_logprobs,
-                                        [completion(i, seq) for i, seq in enumerate(samples)], first.metrics)
-
-    @staticmethod
-    def _delta(u: Update, request_id: str) -> StreamDelta:
-        reason, stop_reason = finish_fields(u)
-        return StreamDelta(request_id, output_text(u.seq.params, u.text_delta), u.token_delta, u.finished, reason,
-                           u.seq.metrics if u.finished else None, u.logprobs_delta, u.prompt_logprobs, stop_reason)
-
-
-def sample_ids(request_id: str, n: int) -> list[str]:
-    """The engine ids of a request's n samples: the request's own for one, else "<i>_<request id>" (vLLM's)."""
-    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
-
-
-def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """The n = 1 settings of each of params.n samples: sample i draws from seed + i (the HTTP server's rule:
-    the samples differ, each seeded as a request of its own); only sample 0 scores the prompt (prompt_logprobs
-    cost a [P, V] LM head, the same for every sample). n = 1 here: nothing downstream expands them again."""
-    if params.n == 1:
-        return [params]
-    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i,
-                    prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
-
 
 def enqueuer(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
     """A sample's engine listener: its updates onto the stream's queue, from the engine's thread, as (index, item)."""
     return lambda item: loop.call_soon_threadsafe(queue.put_nowait, (index, item))
-
-
-def stream_shape(request: PromptRequest, kind: OutputKind):
-    """What stream() yields for (sample index, update, every sample finished): n = 1 its StreamDelta (the
-    stream's shape before n), n > 1 vLLM's RequestOutput (SampleDeltas, or SamplesAtEnd for FINAL_ONLY)."""
-    if len(request.samples) == 1:
-        return lambda _, update, __: LLM._delta(update, request.request_id)
-    return SampleDeltas(request) if kind is OutputKind.DELTA else SamplesAtEnd(request)
-
-
-def finish_fields(u: Update) -> tuple[str | None, int | str | None]:
-    """(finish_reason, stop_reason) of an update: set on a sample's last one only."""
-    if not u.finished:
-        return None, None
-    return (u.seq.finish_reason.value if u.seq.finish_reason else None), u.seq.stop_reason
-
-
-@dataclass
-class SampleDeltas:
-    """stream() with n > 1, DELTA: each update as a RequestOutput of its one sample (vLLM's AsyncLLM)."""
-    request: PromptRequest
-    prompt_token_ids: list[int] = field(init=False)
-    sums: dict[int, float] = field(default_factory=dict)  # each sample's cumulative log p so far
-
-    def __post_init__(self):
-        self.prompt_token_ids = list(self.request.samples[0].prompt_token_ids)  # read before the engine has them
-
-    def __call__(self, index: int, u: Update, all_finished: bool) -> RequestOutput:
-        reason, stop_reason = finish_fields(u)
-        sample = CompletionOutput(index, output_text(u.seq.params, u.text_delta), u.token_delta, self._cumulative(index, u),
-                                  u.logprobs_delta, reason, stop_reason)
-        return RequestOutput.of_samples(self.request.request_id, self.request.text, self.prompt_token_ids,
-                                        u.prompt_logprobs, [sample], u.seq.metrics if u.finished else None,
-                                        all_finished)
-
-    def _cumulative(self, index: int, u: Update) -> float | None:
-        if u.logprobs_delta is None:
-            return None
-        self.sums[index] = self.sums.get(index, 0.0) + cumulative_logprob(u.token_delta, u.logprobs_delta)
-        return self.sums[index]
-
-
-@dataclass
-class SamplesAtEnd:
-    """stream() with n > 1, FINAL_ONLY: one RequestOutput once every sample finished, as generate() builds it."""
-    request: PromptRequest
-    finished: dict[int, Sequence] = field(default_factory=dict)
-
-    def __call__(self, index: int, u: Update, all_finished: bool) -> RequestOutput | None:
-        self.finished[index] = u.seq
-        if not all_finished:
-            return None
-        return LLM._output(self.request, [self.finished[i] for i in range(len(self.request.samples))])
-
-
-def completion(index: int, seq: Sequence) -> CompletionOutput:
-    token_ids = list(seq.output_token_ids)
-    logprobs = list(seq.output_logprobs) if seq.params.logprobs is not None else None
-    return CompletionOutput(index, output_text(seq.params, seq.text), token_ids, cumulative_logprob(token_ids, logprobs), logprobs,
-                            seq.finish_reason.value if seq.finish_reason else None, seq.stop_reason)
-
-
-def output_text(params: SamplingParams, text: str) -> str:
-    """The text an output shows: none with detokenize=False (vLLM's: token ids only)."""
-    return text if params.detokenize else ""
 
 
 def progress_bar(use_tqdm: bool | Callable, total: int):
@@ -504,40 +304,6 @@ def progress_bar(use_tqdm: bool | Callable, total: int):
     if callable(use_tqdm):
         return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
     return tqdm(total=total, desc="Processed prompts", unit="prompt", disable=None if use_tqdm else True)
-
-
-UNSUPPORTED = {"lora_request": "LoRA adapters are not supported",
-               "tokenization_kwargs": "prompts are encoded as the model's tokenizer does by default, without overrides",
-               "mm_processor_kwargs": "multimodal inputs are not supported"}
-
-
-def refuse_unsupported(**arguments) -> None:
-    """vLLM's arguments this engine cannot honour: refused by name unless empty (None, {} or []), not dropped."""
-    for name, value in arguments.items():
-        if value is not None and value != {} and value != []:
-            raise ValueError(f"{name}: {UNSUPPORTED[name]}; leave it unset (got {value!r})")
-
-
-CONTENT_FORMATS = ("auto", "string")  # the chat renderer hands templates each message's content as one string
-
-
-def check_content_format(content_format: str) -> None:
-    if content_format not in CONTENT_FORMATS:
-        raise ValueError(f"chat_template_content_format {content_format!r} is not supported: message content "
-                         f"reaches the chat template as a string ({' or '.join(map(repr, CONTENT_FORMATS))})")
-
-
-def _conversations(messages) -> list:
-    """chat's messages as a list of conversations, each a non-empty list of message dicts: an empty one in a
-    list rendered a prompt of no messages (the server refuses one, as `messages: []` is refused here)."""
-    if not messages:
-        raise ValueError("messages must not be empty")
-    conversations = [messages] if isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) else messages
-    if not isinstance(conversations, (list, tuple)) or not all(  # a str failed as ChatMessage(**"hi"): a TypeError
-            isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in conversations):
-        raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) "
-                         "or a list of conversations")
-    return conversations
 
 
 def generation_defaults(config: Config) -> dict:

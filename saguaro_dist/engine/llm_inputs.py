@@ -1,0 +1,176 @@
+"""LLM's input edges: prompts (strings, token ids, vLLM's prompt dicts), SamplingParams and priorities
+checked before any work and made into one PromptRequest of SamplingParams.n Sequences per prompt; chat's
+arguments refused or checked the same way. Split from engine/llm.py (its LLM inherits RequestInputs)."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from saguaro_dist.config import SchedulingPolicy
+from saguaro_dist.engine.engine import check_prompt_ids
+from saguaro_dist.engine.sequence import Sequence, engine_request_seed
+from saguaro_dist.engine.text import encode_text
+from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
+                                          until_context_end, with_bad_word_ids)
+
+
+@dataclass
+class PromptRequest:
+    """One prompt as submitted: its SamplingParams.n samples, each a Sequence of its own, in index order."""
+    request_id: str
+    text: str | None
+    samples: list[Sequence]
+
+
+class RequestInputs:
+    """LLM's validation of what callers submit. Reads the LLM's tokenizer, config, max_model_len, vocab_size,
+    eos_token_ids, _grammars, _ids and default_sampling_params(), which LLM._setup makes."""
+
+    def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None) -> list[PromptRequest]:
+        """Validate everything before any work; one PromptRequest (n Sequences) per prompt."""
+        texts, ids = self._prompt_ids(prompts, prompt_token_ids)
+        params = self._params(sampling_params, len(ids))
+        priorities = self._priorities(priority, len(ids))
+        out = []
+        for text, tokens, p, rank in zip(texts, ids, params, priorities):
+            tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
+            p = until_context_end(p, len(tokens), self.max_model_len)
+            p = with_bad_word_ids(p, self._encode_bad_word if self.tokenizer is not None else None)
+            self._check_prompt(tokens, p)
+            out.append(self._prompt_request(text, tokens, p, rank))
+        return out
+
+    def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int) -> PromptRequest:
+        """params.n Sequences of the prompt; with n > 1, sample i's engine id is "<i>_<request id>" (vLLM's)."""
+        request_id = uuid.uuid4().hex
+        samples = [self._sample(seq_id, tokens, p, rank)
+                   for seq_id, p in zip(sample_ids(request_id, params.n), sample_params(params))]
+        return PromptRequest(request_id, text, samples)
+
+    def _sample(self, seq_id: str, tokens: list[int], params: SamplingParams, rank: int) -> Sequence:
+        """One sample's Sequence. Under Config.seed an unseeded sample is seeded from it and its engine id (its
+        order of arrival), as vLLM's seeded global RNG: the seed travels with it to every worker."""
+        sid = next(self._ids)
+        if self.config.seed is not None and params.seed is None:
+            params = replace(params, seed=engine_request_seed(self.config.seed, sid))
+        return Sequence(sid, seq_id, list(tokens), params, priority=rank)
+
+    def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
+        if (prompts is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of prompts or prompt_token_ids")
+        if prompt_token_ids is not None:
+            what = "a list of prompts, each a list of token ids"
+            ids = [as_token_ids(p) for p in as_tuple(prompt_token_ids, "prompt_token_ids", what)]
+            return [None] * len(ids), ids
+        what = "a string or a list of strings (or of vLLM's {'prompt': ...} / {'prompt_token_ids': [...]} dicts)"
+        prompts = [prompts] if isinstance(prompts, (str, Mapping)) else list(as_tuple(prompts, "prompts", what))
+        pairs = [self._prompt(p, i) for i, p in enumerate(prompts)]
+        return [text for text, _ in pairs], [ids for _, ids in pairs]
+
+    def _prompt(self, prompt, i: int) -> tuple[str | None, list[int]]:
+        """One prompt's (text, token ids): a string or vLLM's TextPrompt / TokensPrompt dict (a dict failed
+        as "every prompt must be a non-empty string")."""
+        if isinstance(prompt, Mapping):
+            return self._dict_prompt(prompt, i)
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"every prompt must be a non-empty string or a prompt dict; prompt {i} is {prompt!r}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+        return prompt, encode_text(self.tokenizer, prompt, param=f"prompt {i}")
+
+    def _dict_prompt(self, prompt: Mapping, i: int) -> tuple[str | None, list[int]]:
+        """{"prompt": text} or {"prompt_token_ids": ids}; keys we cannot honour (multi_modal_data, ...) are refused."""
+        if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
+            raise ValueError(f"prompt {i} must be {{'prompt': text}} or {{'prompt_token_ids': [...]}}, "
+                             f"got keys {sorted(map(str, prompt))}")
+        text = prompt.get("prompt")
+        if "prompt_token_ids" in prompt:  # (its text, if given, names it in the output, as vLLM's)
+            return text if isinstance(text, str) else None, as_token_ids(prompt["prompt_token_ids"])
+        if not isinstance(text, str):
+            raise ValueError(f"prompt {i}'s 'prompt' must be a non-empty string, got {text!r}")
+        return self._prompt(text, i)
+
+    def _params(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.default_sampling_params()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(as_tuple(sampling_params, "sampling_params", "a SamplingParams or a list of them"))
+        if not all(isinstance(p, SamplingParams) for p in params):  # a dict failed deep inside with an AttributeError
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {sampling_params!r}")
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling_params for {n} prompts")
+        return params
+
+    def _priorities(self, priority, n: int) -> list[int]:
+        if priority is None:
+            return [0] * n
+        if len(priority) != n or any(type(p) is not int for p in priority):
+            raise ValueError(f"priority must be one int per prompt ({n}), got {priority!r}")
+        if any(priority) and self.config.scheduling_policy is not SchedulingPolicy.PRIORITY:
+            raise ValueError("priority needs scheduling_policy='priority' (this engine serves first come, first served)")
+        return list(priority)
+
+    def _encode_bad_word(self, word: str) -> list[int]:
+        return encode_text(self.tokenizer, word, add_special_tokens=False, param="bad_words")
+
+    def _check_prompt(self, tokens: list[int], params: SamplingParams) -> None:
+        check_prompt_ids(tokens, self.vocab_size)
+        check_against_model(params, self.vocab_size, self.eos_token_ids)
+        self._grammars.check(params)
+        # vLLM's offline LLM: a max_tokens past the context's end is capped there (finish "length", the engine's
+        # check), only a prompt with no room (or none for its min_tokens) is refused
+        room, need = self.max_model_len - len(tokens), max(1, params.min_tokens)
+        if room < need:
+            raise ValueError(f"prompt ({len(tokens)} tokens) leaves {max(room, 0)} of the model's max length "
+                             f"{self.max_model_len} to generate; it needs {need} (min_tokens {params.min_tokens})")
+
+
+def sample_ids(request_id: str, n: int) -> list[str]:
+    """The engine ids of a request's n samples: the request's own for one, else "<i>_<request id>" (vLLM's)."""
+    return [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+
+
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """The n = 1 settings of each of params.n samples: sample i draws from seed + i (the HTTP server's rule:
+    the samples differ, each seeded as a request of its own); only sample 0 scores the prompt (prompt_logprobs
+    cost a [P, V] LM head, the same for every sample). n = 1 here: nothing downstream expands them again."""
+    if params.n == 1:
+        return [params]
+    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                    prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
+
+
+UNSUPPORTED = {"lora_request": "LoRA adapters are not supported",
+               "tokenization_kwargs": "prompts are encoded as the model's tokenizer does by default, without overrides",
+               "mm_processor_kwargs": "multimodal inputs are not supported"}
+
+
+def refuse_unsupported(**arguments) -> None:
+    """vLLM's arguments this engine cannot honour: refused by name unless empty (None, {} or []), not dropped."""
+    for name, value in arguments.items():
+        if value is not None and value != {} and value != []:
+            raise ValueError(f"{name}: {UNSUPPORTED[name]}; leave it unset (got {value!r})")
+
+
+CONTENT_FORMATS = ("auto", "string")  # the chat renderer hands templates each message's content as one string
+
+
+def check_content_format(content_format: str) -> None:
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(f"chat_template_content_format {content_format!r} is not supported: message content "
+                         f"reaches the chat template as a string ({' or '.join(map(repr, CONTENT_FORMATS))})")
+
+
+def conversations(messages) -> list:
+    """chat's messages as a list of conversations, each a non-empty list of message dicts: an empty one in a
+    list rendered a prompt of no messages (the server refuses one, as `messages: []` is refused here)."""
+    if not messages:
+        raise ValueError("messages must not be empty")
+    conversations = [messages] if isinstance(messages, (list, tuple)) and isinstance(messages[0], dict) else messages
+    if not isinstance(conversations, (list, tuple)) or not all(  # a str failed as ChatMessage(**"hi"): a TypeError
+            isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c) for c in conversations):
+        raise ValueError("messages must be a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) "
+                         "or a list of conversations")
+    return conversations
