@@ -35,6 +35,11 @@ SETTINGS = {
     "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain", head_cpu="1", head_memory="2Gi",
                                    generation_config="vllm", chat_template="{% for m in messages %}{{ m.content }}\n{% endfor %}"),
     "ngram-default-draft-unused": k8s.K8sSettings(mode="ngram", name="lookup", draft_revision="abc"),
+    # `saguaro serve`'s engine and server flags, each off its default (seed 0 is a seed, not "unset")
+    "serve-flags": k8s.K8sSettings(seed=0, max_num_batched_tokens=512, enable_prefix_caching=False,
+                                   enforce_eager=True, disable_log_stats=True, max_request_bytes=4096,
+                                   stream_interval_ms=12.5, enable_log_requests=True),
+    "serve-flags-largest-chart-seed": k8s.K8sSettings(seed=-(2**53 - 1), stream_interval_ms=0),
 }
 
 

@@ -22,6 +22,7 @@ def register(subparsers) -> None:
     parser = targets.add_parser("k8s", help="KubeRay RayService / RayCluster YAML (for users without Helm)",
                                 description="Write KubeRay manifests to stdout: saguaro deploy k8s ... > rayservice.yaml")
     _add_model_options(parser)
+    _add_serve_flag_options(parser)
     _add_cluster_options(parser)
     _add_output_options(parser)
     parser.set_defaults(run=run)
@@ -62,6 +63,28 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "vllm (none), or a folder in the image / under /models")
     parser.add_argument("--chat-template",
                         help="a Jinja chat template, or a local file of one: its text goes into the manifest")
+
+
+def _add_serve_flag_options(parser: argparse.ArgumentParser) -> None:
+    """`saguaro serve`'s engine and server flags, same names and meaning; left out, the app's defaults."""
+    g = parser.add_argument_group("engine and server (as `saguaro serve`)")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens an engine step prefills; longer prompts run in chunks between rounds (default 2048)")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse finished sequences' KV for prompts that start with their tokens (default on)")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="on GPUs: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
+    g.add_argument("--disable-log-stats", action="store_true", default=None,
+                   help="no periodic engine stats line in the pods' logs")
+    g.add_argument("--seed", type=int,
+                   help="vLLM's engine seed: requests without a seed of their own draw from streams derived from it "
+                        "and their order of arrival (default: fresh randomness); a request's seed still wins")
+    g.add_argument("--max-request-bytes", type=int, help="largest request body (default 1 MiB)")
+    g.add_argument("--stream-interval-ms", type=float,
+                   help="streamed tokens closer together than this go out as one SSE chunk (default 50; 0: a chunk "
+                        "per engine round)")
+    g.add_argument("--enable-log-requests", action="store_true", default=None,
+                   help="log an INFO line as each generation starts and ends")
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:

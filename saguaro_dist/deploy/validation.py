@@ -129,18 +129,21 @@ def _without_empty(node):
 
 
 def validate_serve_config(serve_config_v2: str) -> list[dict]:
-    """Parse serveConfigV2 with Ray's ServeDeploySchema and every app's args into an engine Config.
+    """Parse serveConfigV2 with Ray's ServeDeploySchema and every app's args into an engine Config and the
+    server options (as the app's replica does at start-up).
 
     Returns the applications' args. Does not import the apps (see check_import_path for that).
     """
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
+    from saguaro_dist.serve.app import server_options
     from saguaro_dist.serve.args import config_from_args
 
     config = ServeDeploySchema.model_validate(yaml.safe_load(serve_config_v2))
     for app in config.applications:
         config_from_args(app.args)
+        server_options(app.args, app.args["model"])
     return [app.args for app in config.applications]
 
 

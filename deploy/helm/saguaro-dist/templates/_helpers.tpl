@@ -1,4 +1,4 @@
-{{/* Names and labels. Keep in step with saguaro_dist/deploy/k8s.py: tests compare the two. */}}
+{{/* Names and labels. Keep in step with saguaro_dist/deploy/ (k8s.py and the modules beside it): tests compare the two. */}}
 {{- define "saguaro.fullname" -}}
 {{- $name := default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
 {{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
@@ -77,15 +77,31 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if ne (.Values.model.generationConfig | default "auto") "auto" }}{{ $_ := set $args "generation_config" .Values.model.generationConfig }}{{ end -}}
 {{- if .Values.model.chatTemplate }}{{ $_ := set $args "chat_template" .Values.model.chatTemplate }}{{ end -}}
 {{- if eq (.Values.engine.schedulingPolicy | default "fcfs") "priority" }}{{ $_ := set $args "scheduling_policy" "priority" }}{{ end -}}
+{{- include "saguaro.serveFlagArgs" (dict "args" $args "engine" .Values.engine "server" (.Values.server | default dict)) -}}
 {{- $app := dict "name" "saguaro" "route_prefix" "/" "import_path" "saguaro_dist.serve.app:build_app" "args" $args -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
 {{- toYaml $config -}}
 {{- end -}}
 
+{{/* `saguaro serve`'s engine and server flags as app args, set on .args only where the values leave the app's
+     default (as saguaro_dist/deploy/serve_app.py _serve_flag_args). Arguments: args, engine, server (values). */}}
+{{- define "saguaro.serveFlagArgs" -}}
+{{- $e := .engine -}}
+{{- $s := .server -}}
+{{- if $e.maxNumBatchedTokens }}{{ $_ := set .args "max_num_batched_tokens" (int $e.maxNumBatchedTokens) }}{{ end -}}
+{{- if and (kindIs "bool" $e.enablePrefixCaching) (not $e.enablePrefixCaching) }}{{ $_ := set .args "enable_prefix_caching" false }}{{ end -}}
+{{- if $e.enforceEager }}{{ $_ := set .args "enforce_eager" true }}{{ end -}}
+{{- if $e.disableLogStats }}{{ $_ := set .args "log_stats_interval_s" 0.0 }}{{ end -}}
+{{- if not (kindIs "invalid" $e.seed) }}{{ $_ := set .args "seed" (int64 $e.seed) }}{{ end -}}
+{{- if $s.maxRequestBytes }}{{ $_ := set .args "max_request_bytes" (int $s.maxRequestBytes) }}{{ end -}}
+{{- if not (kindIs "invalid" $s.streamIntervalMs) }}{{ $_ := set .args "stream_interval_ms" (float64 $s.streamIntervalMs) }}{{ end -}}
+{{- if $s.enableLogRequests }}{{ $_ := set .args "log_requests" true }}{{ end -}}
+{{- end -}}
+
 {{/* KubeRay's own probes, written out (a probe given here replaces KubeRay's whole): the raylet's health,
      the GCS's on the head, and on a RayService's workers (serving) the Serve proxy's, which takes a pod out of
      the Serve Service at its first failure (Serve runs proxies only where replicas run). Arguments as
-     saguaro.container. Keep in step with saguaro_dist/deploy/k8s.py _probes. */}}
+     saguaro.container. Keep in step with saguaro_dist/deploy/pods.py _probes. */}}
 {{- define "saguaro.probes" -}}
 {{- $health := "wget -T 2 -q -O- http://localhost:52365/api/local_raylet_healthz | grep success" -}}
 {{- if .head }}{{ $health = printf "%s && wget -T 2 -q -O- http://localhost:8265/api/gcs_healthz | grep success" $health }}{{ end -}}
@@ -192,7 +208,7 @@ template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nind
 {{- end -}}
 
 {{/* KubeRay's gcsFaultToleranceOptions, for a RayService's cluster; nothing while redisAddress is "".
-     Keep in step with saguaro_dist/deploy/k8s.py gcs_fault_tolerance. */}}
+     Keep in step with saguaro_dist/deploy/cluster.py gcs_fault_tolerance. */}}
 {{- define "saguaro.gcsFaultTolerance" -}}
 {{- $password := .redisPassword | default dict -}}
 {{- if and $password.secretName (not .redisAddress) -}}
@@ -218,7 +234,7 @@ gcsFaultToleranceOptions:
 {{- $gpu := eq (include "saguaro.gpu" $root) "true" -}}
 {{- $tp := int $v.target.tensorParallelSize -}}
 {{- $drafts := int $v.draft.workers -}}
-{{- /* Ray's CPUs must hold what placement asks (saguaro_dist.deploy.k8s.K8sSettings._check_cpus): on CPUs a CPU
+{{- /* Ray's CPUs must hold what placement asks (saguaro_dist.deploy.settings.K8sSettings._check_cpus): on CPUs a CPU
        per rank, all on the target pod, plus the Serve replica's, which may land there first; one per draft pod. */ -}}
 {{- $targetNeeds := ternary 1 (add1 $tp) $gpu -}}
 {{- $targetCpus := int (include "saguaro.rayCpus" $v.target.resources.cpu) -}}

@@ -1,0 +1,26 @@
+"""Fixed names, ports and Kubernetes' name rules shared by the manifest builders (and mirrored by the chart)."""
+from __future__ import annotations
+
+import re
+
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Kubernetes' rule for a Service's name
+DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret's name
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # Kubernetes' rule for a key in a Secret's data
+# HOST:PORT of a Redis: a DNS name or IPv4 address, a port 1-65535 (the values schema has the same pattern)
+PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+REDIS_ADDRESS = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*:" + PORT)
+
+APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
+APP_NAME = "saguaro"
+CHART_NAME = "saguaro-dist"
+APP_VERSION = "0.1.0"
+RAY_VERSION = "2.60.0"
+SERVE_PORT = 8000
+METRICS_PORT = 8080  # Ray's metrics export port on every node
+DASHBOARD_PORT = 8265
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set by NVIDIA GPU feature discovery
+MODELS_MOUNT = "/models"
+RAY_UID = 1000  # the `ray` user of the official Ray images
+DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # Ray's SIGTERM drain window (`ray start --block`)
+DRAIN_MARGIN_S = 15  # after the drain window: the raylet and its workers exit before Kubernetes' SIGKILL

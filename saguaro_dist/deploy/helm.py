@@ -1,0 +1,56 @@
+"""Helm values for deploy/helm/saguaro-dist that render the same objects as a K8sSettings."""
+from __future__ import annotations
+
+from saguaro_dist.deploy.settings import K8sSettings
+
+
+def _split_image(image: str) -> tuple[str, str]:
+    repository, _, tag = image.rpartition(":")
+    if not repository or "/" in tag:  # no tag, or the colon was a registry port
+        return image, "latest"
+    return repository, tag
+
+
+JSON_SAFE_INT = 2**53 - 1  # Helm reads values' numbers as float64: a larger integer changes on the way
+
+
+def helm_values(s: K8sSettings) -> dict:
+    """Values for deploy/helm/saguaro-dist that render the same objects as these settings."""
+    if s.seed is not None and abs(s.seed) > JSON_SAFE_INT:
+        raise ValueError(f"seed {s.seed} is beyond what Helm's values carry exactly (|seed| <= 2**53 - 1); "
+                         f"the chart's schema refuses it: use `saguaro deploy k8s`, which takes any int64")
+    repository, tag = _split_image(s.container_image)
+    return {
+        "fullnameOverride": s.name,
+        "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy,
+                  "pullSecrets": list(s.image_pull_secrets)},
+        "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or "",
+                  "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or "",
+                  "generationConfig": s.generation_config, "chatTemplate": s.chat_template or "",
+                  "revision": s.revision or "", "draftRevision": s.draft_revision or "",
+                  "tokenizer": s.tokenizer or "", "tokenizerRevision": s.tokenizer_revision or ""},
+        "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
+                        "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
+        "engine": {"maxBatchSize": s.max_batch_size, "maxModelLen": s.max_model_len or 0,
+                   "gpuMemoryUtilization": s.gpu_memory_utilization, "dtype": s.dtype or "",
+                   "schedulingPolicy": s.scheduling_policy,
+                   "maxNumBatchedTokens": s.max_num_batched_tokens or 0,
+                   "enablePrefixCaching": s.enable_prefix_caching, "enforceEager": s.enforce_eager,
+                   "disableLogStats": s.disable_log_stats, "seed": s.seed},
+        "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
+                   "enableLogRequests": s.enable_log_requests},
+        "gpu": {"enabled": s.gpu, "type": s.gpu_type or ""},
+        "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
+        "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},
+        "draft": {"workers": s.draft_workers, "resources": {"cpu": s.draft_cpu, "memory": s.draft_memory}},
+        "autoscaling": {"enabled": s.autoscaling, "draftMaxWorkers": s.draft_max_workers or 0,
+                        "idleTimeoutSeconds": s.idle_timeout_s},
+        "apiKey": {"secretName": s.api_key_secret, "secretKey": s.api_key_secret_key},
+        "hfToken": {"secretName": s.hf_token_secret, "secretKey": s.hf_token_secret_key},
+        "modelStorage": {"pvc": s.models_pvc or ""},
+        "upgradeStrategy": s.upgrade_strategy,
+        "termination": {"drainTimeoutSeconds": s.drain_timeout_s},
+        "gcsFaultTolerance": {"redisAddress": s.gcs_ft_redis_address or "",
+                              "redisPassword": {"secretName": s.gcs_ft_redis_password_secret or "",
+                                                "secretKey": s.gcs_ft_redis_password_secret_key}},
+    }

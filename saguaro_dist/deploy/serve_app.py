@@ -1,0 +1,52 @@
+"""The Serve application KubeRay deploys: its args (parsed by saguaro_dist.serve.args) and serveConfigV2."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from saguaro_dist.deploy.constants import APP_IMPORT_PATH, APP_NAME, SERVE_PORT
+from saguaro_dist.serve.args import API_KEY_ENV
+
+if TYPE_CHECKING:
+    from saguaro_dist.deploy.settings import K8sSettings
+
+
+def serve_args(s: K8sSettings) -> dict:
+    """The app args of serveConfigV2; saguaro_dist.serve.args.config_from_args parses them."""
+    draft, draft_revision = (s.draft, s.draft_revision) if s.uses_draft else (None, None)
+    args = {"model": s.model, "draft": draft, "revision": s.revision, "draft_revision": draft_revision,
+            "tokenizer": s.tokenizer, "tokenizer_revision": s.tokenizer_revision,
+            "mode": s.mode, "k": s.k,
+            # the engine's ranks and drafts run as Ray actors on the pods made for them, whatever their counts:
+            # without it a pool of one of each ran a one-host engine inside the Serve replica's process
+            "cluster": "auto",
+            "fan_out": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
+            "saguaro_c": s.saguaro_c, "fallback": s.fallback,
+            "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,
+            "max_batch_size": s.max_batch_size, "max_model_len": s.max_model_len,
+            "gpu_memory_utilization": s.gpu_memory_utilization, "device": s.device, "dtype": s.engine_dtype,
+            "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name,
+            "tool_call_parser": s.tool_call_parser, "reasoning_parser": s.reasoning_parser,
+            "scheduling_policy": None if s.scheduling_policy == "fcfs" else s.scheduling_policy,
+            "generation_config": None if s.generation_config == "auto" else s.generation_config,
+            "chat_template": s.chat_template, **_serve_flag_args(s)}
+    return {key: value for key, value in args.items() if value is not None}
+
+
+def _serve_flag_args(s: K8sSettings) -> dict:
+    """`saguaro serve`'s engine and server flags as app args (their Config / server option names): each
+    only where the settings leave the app's default, so a manifest names what was chosen."""
+    return {"max_num_batched_tokens": s.max_num_batched_tokens,
+            "enable_prefix_caching": None if s.enable_prefix_caching else False,
+            "enforce_eager": True if s.enforce_eager else None,
+            "log_stats_interval_s": 0.0 if s.disable_log_stats else None,
+            "seed": s.seed,
+            "max_request_bytes": s.max_request_bytes, "stream_interval_ms": s.stream_interval_ms,
+            "log_requests": True if s.enable_log_requests else None}
+
+
+def serve_config(s: K8sSettings) -> dict:
+    """The Serve config (ray.serve.schema.ServeDeploySchema) that KubeRay deploys."""
+    app = {"name": APP_NAME, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": serve_args(s)}
+    return {"proxy_location": "EveryNode",
+            "http_options": {"host": "0.0.0.0", "port": SERVE_PORT},
+            "applications": [app]}

@@ -1,0 +1,213 @@
+"""What a KubeRay deployment varies (K8sSettings), checked at construction: a setting the cluster or the app
+would refuse fails here, before any manifest is written."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from saguaro_dist.config import (
+    DRAFT_MODES,
+    FallbackPolicy,
+    Mode,
+    SchedulingPolicy,
+    parse_enum,
+)
+from saguaro_dist.deploy.constants import (
+    APP_VERSION,
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    REDIS_ADDRESS,
+    SECRET_KEY,
+)
+from saguaro_dist.deploy.serve_app import serve_args
+from saguaro_dist.serve.args import config_from_args
+
+
+class UpgradeStrategy(str, enum.Enum):
+    """RayService spec.upgradeStrategy.type: what KubeRay does when the Ray cluster's spec changes."""
+
+    NEW_CLUSTER = "NewCluster"  # blue/green: a second cluster (twice the GPUs for a while), then traffic moves
+    NONE = "None"               # no new cluster: cluster changes wait for the RayService to be recreated
+
+
+@dataclass(frozen=True)
+class K8sSettings:
+    """What a deployment varies; every field has a Helm value (see helm_values)."""
+
+    name: str = "saguaro"
+    model: str = "Qwen/Qwen3-1.7B"
+    draft: str | None = "Qwen/Qwen3-0.6B"
+    mode: str = "ssd"
+    k: int = 4
+    fan_out: int | tuple[int, ...] = 12
+    saguaro_c: float = 1.0
+    fallback: str = "auto"
+    max_batch_size: int = 8
+    max_model_len: int | None = None  # None: the model's own context; the KV cache's worst case must fit (model/memory.py)
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "fcfs"   # or "priority": requests' `priority` orders the waiting queue
+    dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU; "auto": each model's checkpoint dtype (vLLM's)
+    served_model_name: str | None = None
+    tool_call_parser: str | None = None  # tool_choice "auto": hermes (Qwen 2.5 / 3, Hermes), llama3_json, mistral
+    reasoning_parser: str | None = None  # <think> text as the message's reasoning: qwen3, deepseek_r1
+    generation_config: str = "auto"   # requests' sampling defaults: the model's generation_config.json, or "vllm" (none)
+    revision: str | None = None       # the target's Hub revision (branch, tag or commit) when model is a Hub id
+    draft_revision: str | None = None
+    tokenizer: str | None = None      # a tokenizer (HF id or a path under /models) instead of the target's own
+    tokenizer_revision: str | None = None
+    chat_template: str | None = None  # a Jinja chat template (the text) instead of the tokenizer's
+    # `saguaro serve`'s engine and server flags of the same names; None / the default: the app's own default,
+    # and the manifest leaves the arg out
+    max_num_batched_tokens: int | None = None  # tokens an engine step prefills (longer prompts in chunks); None: 2048
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False       # on CUDA: every forward eager, no CUDA graphs
+    disable_log_stats: bool = False   # no periodic engine stats line in the pods' logs
+    seed: int | None = None           # vLLM's engine seed: unseeded requests draw from it and their order of arrival
+    max_request_bytes: int | None = None     # largest request body; None: 1 MiB
+    stream_interval_ms: float | None = None  # streamed tokens closer than this share an SSE chunk; None: 50
+    enable_log_requests: bool = False  # an INFO line as each generation starts and ends
+    tp: int = 1
+    draft_workers: int = 1
+    image: str | None = None          # None: saguaro-dist:<version>-cuda with GPUs, -cpu without (container_image)
+    image_pull_policy: str = "IfNotPresent"
+    gpu: bool = False
+    gpu_type: str | None = None       # nvidia.com/gpu.product of the nodes to run on
+    api_key_secret: str = "saguaro-api-key"
+    api_key_secret_key: str = "api-key"
+    hf_token_secret: str = "hf-token"
+    hf_token_secret_key: str = "token"
+    models_pvc: str | None = None     # None: an emptyDir HF cache, filled from the Hub on start
+    head_cpu: str = "2"
+    head_memory: str = "8Gi"
+    target_cpu: str = "4"
+    target_memory: str = "16Gi"
+    draft_cpu: str = "2"
+    draft_memory: str = "8Gi"
+    autoscaling: bool = False
+    draft_max_workers: int | None = None  # autoscaling bound; None: draft_workers
+    idle_timeout_s: int = 60
+    upgrade_strategy: str = "NewCluster"  # UpgradeStrategy; None where the cluster can't hold a second copy
+    drain_timeout_s: int = 30         # Ray's SIGTERM drain (its default, explicit); the pods' grace period exceeds it
+    image_pull_secrets: tuple[str, ...] = ()  # Secrets for a private registry
+    # GCS fault tolerance (KubeRay gcsFaultToleranceOptions): the RayService's head keeps its state in a Redis
+    # you run, so the workers and the app survive a head restart. None: off (the head is a single point of failure)
+    gcs_ft_redis_address: str | None = None          # HOST:PORT
+    gcs_ft_redis_password_secret: str | None = None  # Secret holding the Redis password (None: no password)
+    gcs_ft_redis_password_secret_key: str = "password"
+
+    def __post_init__(self):
+        if isinstance(self.fan_out, list):
+            object.__setattr__(self, "fan_out", tuple(self.fan_out))
+        if isinstance(self.image_pull_secrets, (list, str)):
+            secrets = [self.image_pull_secrets] if isinstance(self.image_pull_secrets, str) else self.image_pull_secrets
+            object.__setattr__(self, "image_pull_secrets", tuple(secrets))
+        if self.draft == "":
+            object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
+        for name in ("gcs_ft_redis_address", "gcs_ft_redis_password_secret"):
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)  # "" = off, as in the Helm values
+        if self.gpu_type and not self.gpu:
+            object.__setattr__(self, "gpu", True)  # naming a GPU type asks for GPUs
+        self._validate()
+
+    def _validate(self):
+        parse_enum(Mode, self.mode, "mode")
+        parse_enum(FallbackPolicy, self.fallback, "fallback")
+        parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy")
+        parse_enum(UpgradeStrategy, self.upgrade_strategy, "upgrade_strategy")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s}")
+        bad = [name for name in self.image_pull_secrets if not DNS_SUBDOMAIN.fullmatch(name)]
+        if bad:
+            raise ValueError(f"image_pull_secrets must name Secrets (DNS-1123 subdomains), got {bad}")
+        self._check_gcs_fault_tolerance()
+        self._check_server_options()
+        if self.tp < 1 or self.draft_workers < 1:
+            raise ValueError(f"tp and draft_workers must be >= 1, got tp={self.tp}, draft_workers={self.draft_workers}")
+        if self.draft_max_workers is not None and self.draft_max_workers < self.draft_workers:
+            raise ValueError(f"draft_max_workers ({self.draft_max_workers}) must be >= draft_workers ({self.draft_workers})")
+        if not DNS_LABEL.fullmatch(self.name) or len(self.name) > 40:
+            raise ValueError(f"name must be 1-40 lowercase letters, digits or '-', starting with a letter and ending "
+                             f"with a letter or digit (a DNS-1035 label: it names Services, and KubeRay derives "
+                             f"longer names from it), got {self.name!r}")
+        config_from_args(serve_args(self))  # the app would reject these args at start-up: fail now
+        self._check_cpus()
+
+    def _check_server_options(self):
+        """The app checks its server options only when a replica starts (config_from_args below checks the
+        engine's): check them now, as `saguaro serve` does its flags. The flags are booleans here (serve_args
+        turns them into args by truth), so a "no" must fail, not read as on."""
+        size, interval = self.max_request_bytes, self.stream_interval_ms
+        if size is not None and (type(size) is not int or size < 1):
+            raise ValueError(f"max_request_bytes must be an integer >= 1, got {size!r}")
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float))
+                                     or not 0 <= interval <= 10_000):
+            raise ValueError(f"stream_interval_ms must be a number in [0, 10000], got {interval!r}")
+        for name in ("enable_prefix_caching", "enforce_eager", "disable_log_stats", "enable_log_requests"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+
+    def _check_gcs_fault_tolerance(self):
+        address, secret, key = (self.gcs_ft_redis_address, self.gcs_ft_redis_password_secret,
+                                self.gcs_ft_redis_password_secret_key)
+        if address is not None and not REDIS_ADDRESS.fullmatch(address):
+            raise ValueError(f"gcs_ft_redis_address must be HOST:PORT (a DNS name or IPv4 address, a port 1-65535; "
+                             f"no scheme), got {address!r}")
+        if secret is not None and address is None:
+            raise ValueError("gcs_ft_redis_password_secret needs gcs_ft_redis_address (the Redis it is the password of)")
+        if secret is not None and not DNS_SUBDOMAIN.fullmatch(secret):
+            raise ValueError(f"gcs_ft_redis_password_secret must name a Secret (a DNS-1123 subdomain), got {secret!r}")
+        if not SECRET_KEY.fullmatch(key):
+            raise ValueError(f"gcs_ft_redis_password_secret_key must be a Secret key (letters, digits, '-', '_', '.'), "
+                             f"got {key!r}")
+
+    def _check_cpus(self):
+        """Ray's CPUs on each worker pod (its CPU limit, truncated as Ray does) must hold what placement asks of
+        them, or the ranks or drafts wait for ever. On CPUs each rank takes one CPU, all on the one target pod
+        (STRICT_PACK), each draft worker one on its pod; the Serve replica takes one CPU wherever it lands (the
+        head has none), and it starts before them: the target pod needs tp + 1 (a replica there first left the
+        ranks tp - 1). On GPUs the actors take GPUs, and the replica a CPU of a worker pod."""
+        need = {"target": self.tp + 1 if not self.gpu else 1}
+        if self.uses_draft and not self.gpu:
+            need["draft"] = 1
+        for role, cpus in need.items():
+            quantity = getattr(self, f"{role}_cpu")
+            if cpu_quantity(quantity) < cpus:
+                why = (f"one per tensor-parallel rank ({self.tp}, packed on that pod) and one for the Serve replica"
+                       if role == "target" and not self.gpu else
+                       "the Serve replica's" if role == "target" else "the draft worker's")
+                raise ValueError(f"{role}_cpu {quantity!r} gives Ray {int(cpu_quantity(quantity))} CPU(s) on the {role} "
+                                 f"pod; it needs {cpus}: {why}")
+
+    @property
+    def container_image(self) -> str:
+        """The image the pods run: `image`, or the one built from deploy/Dockerfile.cuda (GPUs) or .cpu."""
+        return self.image or f"saguaro-dist:{APP_VERSION}-{'cuda' if self.gpu else 'cpu'}"
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpu else "cpu"
+
+    @property
+    def engine_dtype(self) -> str:
+        return self.dtype or ("bfloat16" if self.gpu else "float32")
+
+    @property
+    def draft_max(self) -> int:
+        return self.draft_max_workers or self.draft_workers
+
+    @property
+    def uses_draft(self) -> bool:
+        """Whether the mode runs a draft model: without one (ar, ngram) no draft pods, no draft args."""
+        return Mode(self.mode) in DRAFT_MODES
+
+
+def cpu_quantity(quantity: str) -> float:
+    """A Kubernetes CPU quantity ("4", "2.5", "500m") in CPUs; Ray counts whole ones (it truncates a fraction)."""
+    text = str(quantity).strip()
+    try:
+        cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        raise ValueError(f"not a Kubernetes CPU quantity: {quantity!r} (e.g. \"4\", \"2.5\", \"500m\")") from None
+    return float(int(cpus))
+
