@@ -109,7 +109,7 @@ def test_completion_logprobs_plain_and_streamed(server, oai, reference_llm):
     want = reference_logprobs(reference_llm, reference_llm.tokenizer.encode(PROMPTS[2]), 10, 2)
     out = oai.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=10, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
-    assert lp.token_logprobs == pytest.approx([next(iter(e.values())) for e in want.logprobs])
+    assert lp.token_logprobs == pytest.approx([next(iter(e.values())).logprob for e in want.logprobs])
     assert lp.tokens == [reference_llm.tokenizer.decode([t]) for t in want.token_ids]
     assert all(len(top) == 2 and max(top.values()) >= chosen for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
@@ -130,7 +130,7 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, oai, refer
     choice_lp = choice.logprobs
     assert choice.text == reference_llm.tokenizer.decode(ids) + want.text
     assert len(choice_lp.tokens) == len(ids) + 1 and choice_lp.token_logprobs[0] is None
-    expected = [e[t] for t, e in zip(ids[1:], want.prompt_logprobs[1:])] + [want.logprobs[0][want.token_ids[0]]]
+    expected = [e[t].logprob for t, e in zip(ids[1:], want.prompt_logprobs[1:])] + [want.logprobs[0][want.token_ids[0]].logprob]
     assert choice_lp.token_logprobs[1:] == pytest.approx(expected)
     plain = post(server, "/v1/completions", {"prompt": PROMPTS[0], "max_tokens": 2, "echo": True}).json()
     assert plain["choices"][0]["text"].startswith(reference_llm.tokenizer.decode(ids))
@@ -152,7 +152,7 @@ def test_chat_logprobs_and_their_validation(server, oai, reference_llm):
     out = oai.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0,
                                       logprobs=True, top_logprobs=3)
     content = out.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx([next(iter(e.values())) for e in want.logprobs])
+    assert [c.logprob for c in content] == pytest.approx([next(iter(e.values())).logprob for e in want.logprobs])
     assert all(len(c.top_logprobs) == 3 and bytes(c.bytes).decode() == c.token for c in content)
     plain = oai.chat.completions.create(model=server.model, messages=messages, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None

@@ -9,10 +9,13 @@ import logging
 import signal
 import time
 
+from saguaro_dist.cli.engine_flags import add_engine_args  # generate, run-batch and tests import it from here
 from saguaro_dist.cli.flag_checks import check_mode_flags
-from saguaro_dist.config import (DRAFT_MODES, DTYPES, BonusDraw, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode,
-                                 SchedulingPolicy, TreePolicy, parse_enum)
-from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names
+from saguaro_dist.cli.frontend_flags import (add_frontend_args, check_tls_applied, frontend_app_args,
+                                             serve_logging_config, tls_options)
+from saguaro_dist.config import DRAFT_MODES, Mode, parse_enum
+from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names, with_speculative_config
+from saguaro_dist.serve.frontend import frontend_options
 from saguaro_dist.serve.ingress import (Ingress, check_port_free, enable_direct_ingress, free_port, host_port,
                                         replica_count, resolve)
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -34,19 +37,13 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
                 "bonus_draw": "bonus_draw", "ngram_rounds": "ngram_rounds",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
                 "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config",
-                "engine_seed": "seed"}  # --seed: serve and run-batch only (generate's --seed seeds its requests)
+                "engine_seed": "seed", "speculative_config": "speculative_config"}  # --seed: serve and run-batch only (generate's --seed seeds its requests)
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
                "log_requests": "log_requests", "chat_template": "chat_template"}
 CHAT_TEMPLATE_HELP = ("a Jinja chat template, or a file holding one, used instead of the tokenizer's (vLLM's "
                       "--chat-template; for models that ship none)")
-
-
-def fan_out_arg(text: str):
-    """A budget ("12") or explicit per-position counts ("4,3,2")."""
-    parts = [int(p) for p in text.split(",")]
-    return parts[0] if len(parts) == 1 else parts
 
 
 def port_arg(text: str) -> int:
@@ -70,92 +67,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = False) -> None:
-    """engine_seed: add the engine's --seed (Config.seed), where no per-request --seed takes the name."""
-    g = p.add_argument_group("engine")
-    g.add_argument("model_tag", nargs="?", metavar="MODEL", help="target model path or HF id (or use --model)")
-    g.add_argument("--model", help="target model (default: the shipped demo pair)")
-    g.add_argument("--draft", help="draft model (needed for sd / ssd; default: the demo draft with the demo pair)")
-    g.add_argument("--revision", help="the target's Hub revision: a branch, tag or commit (vLLM's; default main)")
-    g.add_argument("--draft-revision", help="the draft's Hub revision")
-    g.add_argument("--tokenizer", help="a tokenizer (folder or HF id) used instead of the target's own (vLLM's)")
-    g.add_argument("--tokenizer-revision", help="the tokenizer's Hub revision")
-    g.add_argument("--mode", choices=[m.value for m in Mode], help="ar, sd, ssd or ngram (prompt lookup, no draft) (default ssd; ar without draft)")
-    g.add_argument("--k", type=int, help="speculation length K (default 4)")
-    g.add_argument("--fan-out", type=fan_out_arg, help="branch budget B, or K+1 comma-separated counts")
-    g.add_argument("--fan-out-kind", choices=[f.value for f in FanOut])
-    g.add_argument("--adaptive-fan-out", dest="adaptive_fan_out", action="store_true", default=None,
-                   help="let the draft shrink the fan-out budget while its tree builds outlast verifies")
-    g.add_argument("--saguaro-c", type=float, help="Saguaro sampling scale C in [0, 1]")
-    g.add_argument("--proposal-top-k", type=int, dest="proposal_top_k",
-                   help="the draft proposes from its k likeliest tokens when sampling (exact either way; its "
-                        "distributions then travel sparse: worth it with a large vocabulary); 0 (default): all")
-    g.add_argument("--prompt-lookup-max", type=int, dest="prompt_lookup_max",
-                   help="longest n-gram prompt lookup matches (--mode ngram, and SSD's fast backup; default 3)")
-    g.add_argument("--prompt-lookup-min", type=int, dest="prompt_lookup_min", help="shortest one (default 1)")
-    g.add_argument("--fallback", choices=[f.value for f in FallbackPolicy])
-    g.add_argument("--tree-policy", choices=[t.value for t in TreePolicy],
-                   help="ssd: auto (default) runs rounds with or without speculation trees, whichever is measured "
-                        "faster at the batch size; always builds a tree every round; never builds none (SD's rounds)")
-    g.add_argument("--jit-cohorts", type=int, choices=[1, 2], dest="jit_cohorts",
-                   help="ssd rounds without trees: 2 (default) verifies the batch as two cohorts, the draft drafting "
-                        "one while the target verifies the other, where measured faster; 1: the batch whole")
-    g.add_argument("--hit-glue", choices=[h.value for h in HitGlue],
-                   help="ssd: after a hit, whether the tree covers the all-accepted outcome too (one draft forward "
-                        "more); auto (default) skips it while the target waits for trees")
-    g.add_argument("--bonus-draw", choices=[b.value for b in BonusDraw],
-                   help="ssd, sampled rows: coupled (default) draws the tree's bonus candidates from the draft's guess and the "
-                        "bonus against them (hit more often, still exact); top_f takes the draft's top-F")
-    g.add_argument("--ngram-rounds", action=argparse.BooleanOptionalAction, default=None,
-                   help="ssd: let the tree gate run rounds of n-gram proposals alone (no draft, no tree) where they "
-                        "measure faster, as on repetitive text, and a row take its n-gram proposal over the "
-                        "draft's where that gains more (default on; only with --fallback auto)")
-    g.add_argument("--max-batch-size", "--max-num-seqs", type=int, dest="max_batch_size",
-                   help="sequences decoded together (vLLM's --max-num-seqs; default 8)")
-    g.add_argument("--max-model-len", type=int)
-    g.add_argument("--max-num-batched-tokens", type=int,
-                   help="prompt tokens an engine step prefills and tokens one forward takes; longer prompts run in "
-                        "chunks between decoding rounds (default 2048)")
-    g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
-    g.add_argument("--draft-device", help="the draft's own device (default: --device), e.g. cuda:1")
-    g.add_argument("--dtype", choices=DTYPES,
-                   help="the models' dtype (default float32); auto: each model's checkpoint dtype, on CUDA float16 "
-                        "for a float32 one (vLLM's), on the CPU bfloat16 for a float16 one")
-    g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
-                   help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
-    g.add_argument("--gpu-memory-utilization", type=float,
-                   help="share of the device's memory the engine may use (vLLM's; default 0.9). The KV cache's worst "
-                        "case (max-num-seqs x max-model-len) must fit what the weights leave of it: on CUDA it is "
-                        "allocated at start-up and a shortfall is an error naming what fits; on the CPU a warning")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse finished sequences' KV for prompts that start with their tokens (default on)")
-    g.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
-                   help="which waiting request takes a free batch slot: fcfs (default) or priority (the request's "
-                        "`priority`, lower first; running requests are not preempted)")
-    g.add_argument("--generation-config",
-                   help="requests' default temperature, top_p, top_k, min_p, repetition_penalty and max_tokens: "
-                        "auto (default) from the model's generation_config.json, as vLLM; vllm: none (temperature "
-                        "1, no truncation); or a folder holding a generation_config.json")
-    g.add_argument("--disable-log-stats", dest="log_stats_interval_s", action="store_const", const=0.0, default=None,
-                   help="no periodic engine stats line (default: one every 10 s while serving, as vLLM)")
-    g.add_argument("--tp", "--tensor-parallel-size", "-tp", type=int, dest="tp",
-                   help="tensor-parallel size of the target (above 1 implies --cluster auto)")
-    g.add_argument("--draft-workers", type=int, help="draft actors in the pool (above 1 implies --cluster auto)")
-    g.add_argument("--draft-executor", choices=[e.value for e in DraftExecutor],
-                   help="where the draft runs. One host: thread, process (a child), or split (just-in-time drafts on "
-                        "a thread, trees in a child); default auto: thread for sd, and for ssd split on the CPU, thread "
-                        "on the target's GPU, process on a GPU of its own. On Ray: split (the target's rank 0 drafts "
-                        "just in time, the draft actors build the trees; auto for ssd on the CPU) or process (the "
-                        "draft actors do all)")
-    g.add_argument("--cluster", help="run the engine as Ray actors: auto, local or ray://host:port "
-                                     "(default: one-host engine inside the server)")
-    if engine_seed:
-        g.add_argument("--seed", type=int, dest="engine_seed",
-                       help="vLLM's engine seed: requests without a seed of their own draw from streams derived from "
-                            "it and their order of arrival, so the same requests in the same order reproduce "
-                            "(default: fresh randomness); a request's seed still wins")
-
-
 def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     """Engine settings from `base` (a config file's args) overridden by the flags actually given."""
     args = dict(base or {})
@@ -164,7 +75,7 @@ def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     ns.model = ns.model or ns.model_tag
     # getattr's None: a command without the flag (generate has no engine --seed)
     args.update({field: getattr(ns, dest, None) for dest, field in ENGINE_FLAGS.items() if getattr(ns, dest, None) is not None})
-    args = with_default_model(args)
+    args = with_default_model(with_speculative_config(args))  # its draft first: a lone target would run ar
     implied = ns.mode is None and "mode" not in (base or {})
     try:
         mode = config_from_args(args).mode  # the values' own errors first: a --k 0 is wrong whatever the mode
@@ -228,6 +139,7 @@ def register(subparsers) -> None:
                                     "mapping of app args; flags override it")
     g.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
     g.add_argument("--num-cpus", type=positive_int, help="CPUs of the embedded Ray cluster (default: all)")
+    add_frontend_args(p)
     p.set_defaults(run=run)
 
 
@@ -267,13 +179,16 @@ def check_generation_config_here(config, embedded: bool) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     from saguaro_dist.serve.config_file import load_serve_config
-    from saguaro_dist.serve.prompts import load_chat_template  # (pydantic: not for `saguaro --help`)
+    from saguaro_dist.serve.prompts import (
+        load_chat_template,  # (pydantic: not for `saguaro --help`)
+    )
 
     if ns.address and ns.num_cpus:
         raise ValueError("--num-cpus sizes the embedded cluster: unused with --address (the cluster has its own)")
     file = load_serve_config(ns.config) if ns.config else None
     args = engine_args(ns, file.args if file else None)
     args.update({field: getattr(ns, dest) for dest, field in SERVE_FLAGS.items() if getattr(ns, dest) is not None})
+    args.update(frontend_app_args(ns))
     if api_key_from_args(args):
         args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment
     if args.get("chat_template"):
@@ -282,13 +197,24 @@ def run(ns: argparse.Namespace) -> int:
     check_pair_here(config)  # fail fast with a clear message, before Ray starts
     check_generation_config_here(config, embedded=not ns.address)
     served_model_names(args.get("served_model_name"), args["model"])
+    frontend_options(args)  # a bad --root-path (or a config file's CORS list) before Ray starts
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
     check_port_free(host, port)
-    return _serve(args, host, port, ns, file.deployment_options if file else {})
+    tls = tls_options(ns)  # a key pair that cannot serve is refused before Ray starts
+    return _serve(args, host, port, ns, _deployment_options(file, ns), tls)
 
 
-def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_options: dict) -> int:
+def _deployment_options(file, ns: argparse.Namespace) -> dict:
+    """The config file's deployment settings, and the logging flags' (the replica writes direct ingress's
+    access log)."""
+    options = dict(file.deployment_options) if file else {}
+    if serve_logging_config(ns):
+        options["logging_config"] = serve_logging_config(ns)
+    return options
+
+
+def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_options: dict, tls: dict) -> int:
     import ray
     from ray import serve
 
@@ -302,10 +228,10 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
              include_dashboard=False, log_to_driver=False)
     _stop_on_signals()
     name = served_model_names(args.get("served_model_name"), args["model"])[0]
-    url = f"http://{host_port(host, port)}/v1"
+    url = f"{'https' if tls else 'http'}://{host_port(host, port)}/v1"
     try:
         log.warning("starting %r at %s (%s ingress; Ctrl-C to stop)", name, url, ingress.value)
-        serve.start(http_options={"host": host, "port": proxy_port})
+        _start_serve(serve, {"host": host, "port": proxy_port, **tls}, serve_logging_config(ns))
         serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
         log.warning("serving %r at %s", name, url)
         while True:
@@ -315,6 +241,15 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     finally:
         _shutdown(serve, ray, embedded)
     return 0
+
+
+def _start_serve(serve, http_options: dict, logging_config: dict | None) -> None:
+    """Serve's controller and HTTP servers: both ingress paths take TLS and logging from these options."""
+    from ray.serve.context import _get_global_client
+
+    serve.start(http_options=http_options, logging_config=logging_config)
+    tls = {k: v for k, v in http_options.items() if k.startswith("ssl_")}
+    check_tls_applied(_get_global_client().http_config, tls)
 
 
 def _prepare_ingress(ingress: Ingress, host: str, port: int) -> int:

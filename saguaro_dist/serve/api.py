@@ -15,6 +15,7 @@ from saguaro_dist.engine.loop_thread import EngineError
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError, install_error_handlers, stream_error
+from saguaro_dist.serve.frontend import FrontendOptions, docs_settings, install_frontend
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
@@ -48,6 +49,7 @@ class ServerOptions:
     log_requests: bool = False  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
     chat_template: str | None = None  # a Jinja chat template (the text) used instead of the tokenizer's
     model_aliases: tuple[str, ...] = ()  # more names requests may give (vLLM's several --served-model-name)
+    frontend: FrontendOptions = FrontendOptions()  # CORS, root_path, docs routes (serve/frontend.py)
 
     def __post_init__(self):
         if not 0 <= self.stream_interval_ms <= 10_000:
@@ -59,17 +61,18 @@ class ServerOptions:
 
 
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
-    app = FastAPI(title="saguaro-dist", docs_url=None, redoc_url=None, openapi_url=None, lifespan=_lifespan)
+    app = FastAPI(title="saguaro-dist", lifespan=_lifespan, **docs_settings(options.frontend))
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
                                      options.chat_template, options.model_aliases)
     install_error_handlers(app)
     app.include_router(_router())
-    # Outermost last: count every request, then auth, then the size limit.
+    # Outermost last: count every request, then CORS (a preflight carries no key), then auth, then the size limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=options.max_request_bytes)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
+    install_frontend(app, options.frontend)
     app.add_middleware(RequestCountMiddleware, metrics=metrics, known_paths=ROUTES)
     return app
 

@@ -7,11 +7,13 @@ import json
 import os
 
 from saguaro_dist.config import Config
+from saguaro_dist.serve.frontend import FRONTEND_ARGS
+from saguaro_dist.speculative_config import config_fields
 
 API_KEY_ENV = "SAGUARO_API_KEY"
 # Serve-only arguments: everything else must be a Config field.
 SERVE_ONLY_ARGS = {"api_key", "api_key_env", "served_model_name", "max_request_bytes", "stream_interval_ms",
-                   "tool_call_parser", "reasoning_parser", "log_requests", "chat_template"}
+                   "tool_call_parser", "reasoning_parser", "log_requests", "chat_template", *FRONTEND_ARGS}
 _NUMBERS = {"int": int, "float": float}
 _BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 POOL_FIELDS = ("tensor_parallel_size", "num_draft_workers")  # more than one of either runs the engine on Ray
@@ -61,6 +63,7 @@ def _kind(name: str, default, annotation: str) -> str:
 
 def config_from_args(args: dict) -> Config:
     """Build and validate the engine Config from app args; unknown keys are a ValueError naming them."""
+    args = with_speculative_config(args)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     unknown = sorted(set(args) - set(fields) - SERVE_ONLY_ARGS)
     if unknown:
@@ -71,6 +74,24 @@ def config_from_args(args: dict) -> Config:
     if "cluster" not in values and any(_number(values.get(name)) > 1 for name in POOL_FIELDS):
         values["cluster"] = "auto"  # as the CLI's flags: a manifest's pools run on the cluster the app runs on
     return Config(**values)
+
+
+def with_speculative_config(args: dict) -> dict:
+    """vLLM's speculative_config (a dict, or its JSON text from `--speculative-config` or a manifest) replaced by
+    the Config fields it names (speculative_config.config_fields): a value that contradicts another argument is
+    refused there. The other arguments are compared as their fields' types ("4" from `serve run` is 4)."""
+    spec, rest = args.get("speculative_config"), {k: v for k, v in args.items() if k != "speculative_config"}
+    if spec is None:
+        return rest
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError:
+            raise ValueError(f"speculative_config must be a JSON object (vLLM's), e.g. "
+                             f"'{{\"model\": \"draft\", \"num_speculative_tokens\": 4}}', got {spec!r}") from None
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    given = {name: _field_value(fields[name], value) for name, value in rest.items() if name in fields}
+    return {**rest, **config_fields(spec, given)}
 
 
 def _field_value(f: dataclasses.Field, value):
