@@ -23,6 +23,7 @@ from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.model.loader import load_generation_defaults
 from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.speculative_config import config_fields
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "StreamDelta"]
 log = logging.getLogger(__name__)
@@ -35,8 +36,11 @@ class LLM(RequestInputs):
     >>> llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))[0].text
     """
 
-    def __init__(self, model: str, draft: str | None = None, **kwargs):
-        self._setup(Config(model=model, draft=draft, **kwargs))
+    def __init__(self, model: str, draft: str | None = None, *, speculative_config: dict | None = None, **kwargs):
+        """kwargs: Config's fields. speculative_config: vLLM's dict (model, method 'draft_model' / 'ngram',
+        num_speculative_tokens, ...), mapped onto those fields (saguaro_dist/speculative_config.py)."""
+        given = {"draft": draft, **kwargs}
+        self._setup(Config(model=model, **{**given, **config_fields(speculative_config, given)}))
 
     @classmethod
     def from_config(cls, config: Config) -> "LLM":
