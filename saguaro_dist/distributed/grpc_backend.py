@@ -11,21 +11,11 @@ finds them (those of a sequence's earlier life, by their generation, dropped), a
 to its caller. What goes out is stamped with the sequence's life, so the server drops what a re-prefill (a unary
 call, beside the stream) overtook.
 
-A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
-sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
-trees are no longer waited for, and new prefills skip it. A thread then waits for it to serve again (gRPC
-redials with its backoff, capped at MAX_RECONNECT_BACKOFF_MS): a restarted server, or one found
-unreachable at start, takes new prefills again once it has released what it held (the same process may
-still hold it); the sequences it had are out of sync until prefilled again. A protocol error on a stream (NOT_FOUND,
-FAILED_PRECONDITION, ...) ends it and the stream is reopened; what was queued on the old one is lost,
-so every sequence of that server is out of sync until prefilled again: DraftOutOfSync from jit_draft
-(the engine re-prefills them), no tree waited for, their outcomes dropped.
+Dead servers, their revival and lost streams: grpc_servers.py (ServerLinks, this class's base).
 """
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -39,8 +29,9 @@ from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, Draft
 from saguaro_dist.distributed.grpc_link import (
     DEFAULT_KEEPALIVE, TRANSPORT_FAILURES, Keepalive, Link, await_sent, channel_options, error_from_rpc,
 )
+from saguaro_dist.distributed.grpc_servers import REVIVE_POLL_S, ServerLinks  # noqa: F401 - REVIVE_POLL_S: its old home
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
-from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, Lives, Outcomes, TreeKey, plan_misses
+from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, Outcomes, TreeKey, plan_misses
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
@@ -50,11 +41,10 @@ log = logging.getLogger(__name__)
 __all__ = ["GrpcDraftBackend"]
 
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
-REVIVE_POLL_S = 1.0  # a dead server that connects but refuses the reviver's Release is asked again after this
 TREE_SPIN_S = 0.005  # how long wait_trees polls (yielding the GIL) before it sleeps on the condition
 
 
-class GrpcDraftBackend:
+class GrpcDraftBackend(ServerLinks):
     """DraftBackend (engine/draft_backend.py) over DraftService servers at `addresses` ("host:port").
 
     deadline_s bounds jit_draft and release; prefill_deadline_s bounds prefill (it runs the draft over
@@ -70,127 +60,8 @@ class GrpcDraftBackend:
         if not addresses:
             raise ValueError("GrpcDraftBackend needs at least one DraftService address")
         self.deadline_s, self.prefill_deadline_s = deadline_s, prefill_deadline_s
-        options = channel_options(max_message_bytes, keepalive)
-        self._links = [Link(a, options) for a in addresses]
-        self._cond = threading.Condition()  # guards the inbox, the owners and liveness
-        self._trees: dict[TreeKey, SpeculationTree] = {}
-        # announced trees (a plan that lacks the outcome is a miss) and coupled ones (their bonus is drawn against it)
-        self._plans: dict[TreeKey, TreePlan] = {}
-        self._owner: dict[int, Link] = {}
-        self._lives = Lives()  # a tree or plan of a sequence's earlier life is dropped as it arrives
-        self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
-        self._next = itertools.cycle(self._links)
-        self._closed = False
-        self._closing = threading.Event()  # set with _closed: a reviver's pause between tries ends at once
-        self._revivers: list[threading.Thread] = []  # the running ones (guarded by _cond): close() joins them
+        super().__init__(addresses, channel_options(max_message_bytes, keepalive))
         self._connect(connect_timeout_s)
-
-    # ---- pool state --------------------------------------------------------------------------------
-    @property
-    def addresses(self) -> list[str]:
-        return [link.address for link in self._links]
-
-    @property
-    def dead_addresses(self) -> list[str]:
-        return [link.address for link in self._links if not link.alive]
-
-    def owner_of(self, seq_id: int) -> str | None:
-        link = self._owner.get(seq_id)
-        return link.address if link is not None else None
-
-    def _connect(self, timeout_s: float) -> None:
-        ready = [(link, grpc.channel_ready_future(link.channel)) for link in self._links]
-        deadline = time.monotonic() + timeout_s
-        for link, fut in ready:
-            try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
-            except grpc.FutureTimeoutError:
-                fut.cancel()
-                self._mark_dead(link, f"not reachable within {timeout_s} s")
-                continue
-            self._start_reader(link)
-
-    def _start_reader(self, link: Link) -> None:
-        link.open_stream()
-        link.reader = threading.Thread(target=self._read_trees, args=(link,), daemon=True,
-                                       name=f"saguaro-trees-{link.address}")
-        link.reader.start()
-
-    def _mark_dead(self, link: Link, why: str) -> None:
-        with self._cond:
-            if not link.alive:
-                return
-            link.alive = False
-            held = [Release(s, self._lives.of(s)) for s, owner in self._owner.items() if owner is link]
-            self._cond.notify_all()  # waiters stop waiting for its trees
-            if not self._closed:  # started under the lock: close() joins every reviver, none it could miss
-                self._start_reviver(link, held)
-        log.warning("draft server %s marked dead: %s", link.address, why)
-        link.end_stream()
-
-    def _start_reviver(self, link: Link, held: list[Release]) -> None:
-        """The thread that takes link back; finished ones are dropped (a server that dies again and again would
-        otherwise pile them up). Call under _cond."""
-        reviver = threading.Thread(target=self._revive, args=(link, held), daemon=True,
-                                   name=f"saguaro-revive-{link.address}")
-        self._revivers = [t for t in self._revivers if t.is_alive()] + [reviver]
-        reviver.start()
-
-    def _revive(self, link: Link, held: list[Release]) -> None:
-        """Reviver thread: once the dead server serves again and has released what it held when it died, it
-        takes prefills again; the sequences still placed there are out of sync (prefilled again)."""
-        if link.reader is not None and link.reader is not threading.current_thread():
-            link.reader.join()  # the old stream's reader, which ends with it: it must not see the link alive again
-        while not self._closed:
-            if self._released_there(link, held):
-                break
-        with self._cond:
-            if self._closed:
-                return
-            self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
-            link.alive = True
-        try:
-            self._start_reader(link)
-        except ValueError:  # "Channel closed": close() ran meanwhile
-            return
-        log.warning("draft server %s serves again; it takes new and re-prefilled sequences", link.address)
-
-    def _released_there(self, link: Link, held: list[Release]) -> bool:
-        """Release what the server held when it died, each of the life it had then (a life begun there since
-        is kept): a server that never died, only its connection, still holds them. The call is also the proof
-        that it serves: it waits (up to deadline_s) for the channel to connect, gRPC redialling with its backoff."""
-        try:
-            link.stub.Release(codec.release_batch_to_proto(held), timeout=self.deadline_s, wait_for_ready=True)
-            return True
-        except grpc.RpcError as err:
-            if err.code() is not grpc.StatusCode.DEADLINE_EXCEEDED and not self._closed:  # answered, not well
-                log.info("draft server %s is back but did not release its old sequences: %s: %s",
-                         link.address, err.code().name, err.details())
-                self._closing.wait(REVIVE_POLL_S)  # not a sleep: close() (a pool taking a new backend) waits for it
-            return False
-        except ValueError:  # "Channel closed": close() ran meanwhile
-            return False
-
-    def _assign(self, seq_id: int) -> Link:
-        """The sequence's server: its current one while alive, else the next live one round-robin."""
-        with self._cond:
-            link = self._owner.get(seq_id)
-            if link is not None and link.alive:
-                return link
-            for _ in range(len(self._links)):
-                link = next(self._next)
-                if link.alive:
-                    self._owner[seq_id] = link
-                    return link
-        raise DraftUnavailable("no live draft server", [seq_id])
-
-    def _live_owner(self, seq_id: int) -> Link | None:
-        link = self._owner.get(seq_id)
-        return link if link is not None and link.alive else None
-
-    def _synced_owner(self, seq_id: int) -> Link | None:
-        """The live server that can still serve the sequence (None: dead, or out of sync)."""
-        return None if seq_id in self._out_of_sync else self._live_owner(seq_id)
 
     # ---- DraftBackend ------------------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
@@ -385,6 +256,7 @@ class GrpcDraftBackend:
             if link.alive:
                 link.send(request)
 
+
     def workers(self) -> tuple[int, int]:
         return sum(link.alive for link in self._links), len(self._links)
 
@@ -444,69 +316,3 @@ class GrpcDraftBackend:
         end = time.perf_counter() + spin_s
         while any(awaited(k) for k in keys) and time.perf_counter() < end:
             time.sleep(0)
-
-    def _read_trees(self, link: Link) -> None:
-        """Reader thread: pushed tree batches into the inbox; reopen the stream after protocol errors."""
-        while True:
-            code, details = self._drain_stream(link)
-            if self._closed or not link.alive:
-                return
-            if code in TRANSPORT_FAILURES:
-                self._mark_dead(link, f"Speculate stream: {code.name}: {details}")
-                return
-            log.warning("Speculate stream to %s ended (%s: %s); reopening it, its sequences to be prefilled again",
-                        link.address, code.name if code else "OK", details)
-            self._lose_sync(link)  # before the new stream opens: nothing of theirs may go out on it
-            time.sleep(0.01)  # never spin on a server that ends every stream at once
-            try:
-                link.open_stream()
-            except ValueError:  # "Channel closed": close() ran meanwhile, on another thread
-                return
-
-    def _lose_sync(self, link: Link) -> None:
-        """What was queued on the failed stream is gone: the server is behind for all its sequences."""
-        with self._cond:
-            self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
-            self._cond.notify_all()  # waiters stop waiting for their trees
-        link.restart_queue(lambda seq_ids: DraftOutOfSync(f"draft server {link.address}: stream lost", seq_ids))
-
-    def _drain_stream(self, link: Link):
-        """Read one stream to its end; returns its final (code, details)."""
-        try:
-            for msg in link.call:
-                self._store(link, msg)
-        except grpc.RpcError as err:
-            return err.code(), err.details()
-        return None, ""
-
-    def _store(self, link: Link, msg: pb.SpeculateReply) -> None:
-        link.graph_captures = msg.graph_captures  # before what the reply carries is seen: see graph_captures
-        kind = msg.WhichOneof("kind")
-        if kind == "jit_draft":
-            link.answer(msg.jit_draft)
-            return
-        if kind == "plans":
-            self._store_plans(link, msg.plans)
-            return
-        try:
-            trees = codec.tree_batch_from_proto(msg.trees)
-        except codec.CodecError as exc:  # one bad batch is a few misses, not a dead stream
-            log.error("draft server %s pushed a malformed tree batch: %s", link.address, exc)
-            return
-        with self._cond:
-            for tree in trees:  # a late tree of a released sequence would never leave; one of an earlier life is stale
-                if tree.seq_id in self._owner and not self._lives.stale(tree):
-                    self._trees[(tree.seq_id, tree.round)] = tree
-            self._cond.notify_all()
-
-    def _store_plans(self, link: Link, msg: pb.TreePlanBatch) -> None:
-        try:
-            plans = codec.plan_batch_from_proto(msg)
-        except codec.CodecError as exc:  # a bad plan only costs the early misses it would have told
-            log.error("draft server %s pushed a malformed plan batch: %s", link.address, exc)
-            return
-        with self._cond:
-            for plan in plans:
-                if plan.seq_id in self._owner and not self._lives.stale(plan):
-                    self._plans[(plan.seq_id, plan.round)] = plan
-            self._cond.notify_all()
