@@ -40,6 +40,10 @@ SETTINGS = {
                                    enforce_eager=True, disable_log_stats=True, max_request_bytes=4096,
                                    stream_interval_ms=12.5, enable_log_requests=True),
     "serve-flags-largest-chart-seed": k8s.K8sSettings(seed=-(2**53 - 1), stream_interval_ms=0),
+    # the HTTP-frontend and speculation flags, and vLLM's speculative_config deciding the mode (no draft pods)
+    "frontend-flags": k8s.K8sSettings(allowed_origins=["https://a.example"], allow_credentials=True, root_path="/llm",
+                                      disable_fastapi_docs=True, served_model_name=["a", "b"], proposal_top_k=8),
+    "speculative-config-ngram": k8s.K8sSettings(speculative_config={"method": "ngram", "prompt_lookup_max": 4}),
 }
 
 

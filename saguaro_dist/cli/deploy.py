@@ -5,10 +5,12 @@ import argparse
 import sys
 
 from saguaro_dist.cli.flag_checks import check_mode_flags, flag_name, given, refuse_without
+from saguaro_dist.cli.frontend_flags import json_list_arg
 from saguaro_dist.config import DTYPES, Mode
 from saguaro_dist.deploy import k8s
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
+from saguaro_dist.speculative_config import config_fields
 
 DEFAULTS = k8s.K8sSettings()
 BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
@@ -23,6 +25,8 @@ def register(subparsers) -> None:
                                 description="Write KubeRay manifests to stdout: saguaro deploy k8s ... > rayservice.yaml")
     _add_model_options(parser)
     _add_serve_flag_options(parser)
+    _add_speculation_options(parser)
+    _add_frontend_options(parser)
     _add_cluster_options(parser)
     _add_output_options(parser)
     parser.set_defaults(run=run)
@@ -37,8 +41,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-revision", help="the draft's Hub revision")
     parser.add_argument("--tokenizer", help="a tokenizer (HF id or a path under /models) instead of the target's own")
     parser.add_argument("--tokenizer-revision", help="the tokenizer's Hub revision")
-    parser.add_argument("--mode", default=DEFAULTS.mode, choices=["ar", "sd", "ssd", "ngram"],
-                        help="ar and ngram run no draft: no draft pods, --draft unused")
+    parser.add_argument("--mode", choices=["ar", "sd", "ssd", "ngram"],
+                        help=f"ar and ngram run no draft: no draft pods, --draft unused (default {DEFAULTS.mode})")
     parser.add_argument("--k", type=int, help=f"speculation length K (default {DEFAULTS.k})")
     parser.add_argument("--fan-out", type=_fan_out,
                         help=f"ssd: branch budget B, or K+1 comma-separated fan-outs F_0,...,F_K (default {DEFAULTS.fan_out})")
@@ -52,7 +56,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduling-policy", default=DEFAULTS.scheduling_policy, choices=["fcfs", "priority"],
                         help="priority: requests' `priority` field orders the waiting queue (lower first)")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on GPU, float32 on CPU; auto: each checkpoint's own (vLLM's)")
-    parser.add_argument("--served-model-name", help="model name the OpenAI API reports (default: --model)")
+    parser.add_argument("--served-model-name", nargs="+",
+                        help="model name the OpenAI API reports (default: --model); several: requests may give any, "
+                             "replies name the first")
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                         help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes; '
                              'llama3_json: Llama 3.1-3.3; mistral)')
@@ -85,6 +91,34 @@ def _add_serve_flag_options(parser: argparse.ArgumentParser) -> None:
                         "per engine round)")
     g.add_argument("--enable-log-requests", action="store_true", default=None,
                    help="log an INFO line as each generation starts and ends")
+
+
+def _add_speculation_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("speculation tuning (as `saguaro serve`)")
+    g.add_argument("--proposal-top-k", type=int,
+                   help="sd / ssd: the draft proposes from its k likeliest tokens (default 0: all); still exact")
+    g.add_argument("--prompt-lookup-max", type=int,
+                   help="longest n-gram prompt lookup matches: ngram's proposals, SD's / SSD's fast backup (default 3)")
+    g.add_argument("--prompt-lookup-min", type=int, help="shortest one (default 1)")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help="vLLM's speculative config, e.g. '{\"model\": \"DRAFT\", \"num_speculative_tokens\": 4}' or "
+                        "'{\"method\": \"ngram\", \"prompt_lookup_max\": 4}': it sets --draft / --k / --mode ngram "
+                        "(and so the draft pods) and goes into the app args as given")
+
+
+def _add_frontend_options(parser: argparse.ArgumentParser) -> None:
+    """vLLM's HTTP-frontend flags that are app args. TLS (--ssl-keyfile / --ssl-certfile) is not offered: on
+    Kubernetes it terminates at the Ingress or the service mesh (docs/deploy.md)."""
+    g = parser.add_argument_group("HTTP frontend (as `saguaro serve`)")
+    for name, what in (("origins", "origins"), ("methods", "methods"), ("headers", "request headers")):
+        g.add_argument(f"--allowed-{name}", type=json_list_arg(f"--allowed-{name}"), metavar="JSON",
+                       help=f'CORS: allowed {what}, a JSON list (default ["*"])')
+    g.add_argument("--allow-credentials", action="store_true", default=None,
+                   help="CORS: allow credentials (cookies, Authorization) in cross-origin requests (default off)")
+    g.add_argument("--root-path", help="the path prefix the Ingress serves the API under, e.g. /llm (FastAPI's "
+                                       "root_path; the Ingress may strip it or not)")
+    g.add_argument("--disable-fastapi-docs", action="store_true", default=None,
+                   help="no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc)")
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
@@ -159,7 +193,16 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
     if values.get("chat_template"):
         from saguaro_dist.serve.prompts import load_chat_template
         values["chat_template"] = load_chat_template(values["chat_template"])  # the text: the pods lack the file
+    if values.get("speculative_config"):
+        _check_speculative_config(values)
     return k8s.K8sSettings(**values)
+
+
+def _check_speculative_config(values: dict) -> None:
+    """--speculative-config against the flags given beside it (K8sSettings can only tell values off their
+    defaults, so an explicit `--mode ssd` beside an ngram config is caught here), as `saguaro serve` checks it."""
+    spec = k8s.speculative_config_dict(values["speculative_config"])
+    config_fields(spec, {name: values[name] for name in k8s.SPECULATION_FIELDS if values.get(name) is not None})
 
 
 def manifests(args: argparse.Namespace) -> list[dict]:

@@ -14,6 +14,20 @@ def _split_image(image: str) -> tuple[str, str]:
 JSON_SAFE_INT = 2**53 - 1  # Helm reads values' numbers as float64: a larger integer changes on the way
 
 
+def _names(served_model_name) -> str | list[str]:
+    """One served model name as a string ("" = the model's), several as a list."""
+    return list(served_model_name) if isinstance(served_model_name, tuple) else served_model_name or ""
+
+
+def _frontend_values(s: K8sSettings) -> dict:
+    """The HTTP-frontend values (server.*): null / false / "" = the app's defaults."""
+    def listed(value):
+        return None if value is None else list(value)
+    return {"allowedOrigins": listed(s.allowed_origins), "allowedMethods": listed(s.allowed_methods),
+            "allowedHeaders": listed(s.allowed_headers), "allowCredentials": s.allow_credentials,
+            "rootPath": s.root_path or "", "disableFastapiDocs": s.disable_fastapi_docs}
+
+
 def helm_values(s: K8sSettings) -> dict:
     """Values for deploy/helm/saguaro-dist that render the same objects as these settings."""
     if s.seed is not None and abs(s.seed) > JSON_SAFE_INT:
@@ -24,13 +38,16 @@ def helm_values(s: K8sSettings) -> dict:
         "fullnameOverride": s.name,
         "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy,
                   "pullSecrets": list(s.image_pull_secrets)},
-        "model": {"target": s.model, "draft": s.draft or "", "servedModelName": s.served_model_name or "",
+        "model": {"target": s.model, "draft": s.draft or "", "servedModelName": _names(s.served_model_name),
                   "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or "",
                   "generationConfig": s.generation_config, "chatTemplate": s.chat_template or "",
                   "revision": s.revision or "", "draftRevision": s.draft_revision or "",
                   "tokenizer": s.tokenizer or "", "tokenizerRevision": s.tokenizer_revision or ""},
         "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
-                        "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out},
+                        "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
+                        "proposalTopK": s.proposal_top_k, "promptLookupMax": s.prompt_lookup_max,
+                        "promptLookupMin": s.prompt_lookup_min,
+                        "speculativeConfig": None if s.speculative_config is None else dict(s.speculative_config)},
         "engine": {"maxBatchSize": s.max_batch_size, "maxModelLen": s.max_model_len or 0,
                    "gpuMemoryUtilization": s.gpu_memory_utilization, "dtype": s.dtype or "",
                    "schedulingPolicy": s.scheduling_policy,
@@ -38,7 +55,7 @@ def helm_values(s: K8sSettings) -> dict:
                    "enablePrefixCaching": s.enable_prefix_caching, "enforceEager": s.enforce_eager,
                    "disableLogStats": s.disable_log_stats, "seed": s.seed},
         "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
-                   "enableLogRequests": s.enable_log_requests},
+                   "enableLogRequests": s.enable_log_requests, **_frontend_values(s)},
         "gpu": {"enabled": s.gpu, "type": s.gpu_type or ""},
         "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
         "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},

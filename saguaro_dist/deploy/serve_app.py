@@ -24,12 +24,17 @@ def serve_args(s: K8sSettings) -> dict:
             "tensor_parallel_size": s.tp, "num_draft_workers": s.draft_workers,
             "max_batch_size": s.max_batch_size, "max_model_len": s.max_model_len,
             "gpu_memory_utilization": s.gpu_memory_utilization, "device": s.device, "dtype": s.engine_dtype,
-            "api_key_env": API_KEY_ENV, "served_model_name": s.served_model_name,
+            "api_key_env": API_KEY_ENV, "served_model_name": _plain(s.served_model_name),
             "tool_call_parser": s.tool_call_parser, "reasoning_parser": s.reasoning_parser,
             "scheduling_policy": None if s.scheduling_policy == "fcfs" else s.scheduling_policy,
             "generation_config": None if s.generation_config == "auto" else s.generation_config,
-            "chat_template": s.chat_template, **_serve_flag_args(s)}
+            "chat_template": s.chat_template, **_serve_flag_args(s), **_speculation_args(s), **_frontend_args(s)}
     return {key: value for key, value in args.items() if value is not None}
+
+
+def _plain(value):
+    """Tuples (the settings keep lists as tuples) as lists: YAML and the app read lists."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _serve_flag_args(s: K8sSettings) -> dict:
@@ -42,6 +47,23 @@ def _serve_flag_args(s: K8sSettings) -> dict:
             "seed": s.seed,
             "max_request_bytes": s.max_request_bytes, "stream_interval_ms": s.stream_interval_ms,
             "log_requests": True if s.enable_log_requests else None}
+
+
+def _speculation_args(s: K8sSettings) -> dict:
+    """--proposal-top-k, --prompt-lookup-max / -min and --speculative-config, where given. The fields a
+    speculative_config sets are already the settings' (mode, draft, k...); it goes in as given, and the app
+    checks that it agrees with them, as `saguaro serve` does."""
+    return {"proposal_top_k": s.proposal_top_k or None,
+            "prompt_lookup_max": s.prompt_lookup_max, "prompt_lookup_min": s.prompt_lookup_min,
+            "speculative_config": dict(s.speculative_config) if s.speculative_config is not None else None}
+
+
+def _frontend_args(s: K8sSettings) -> dict:
+    """`saguaro serve`'s HTTP-frontend flags as app args (serve/frontend.py), each where it leaves the default."""
+    return {"allowed_origins": _plain(s.allowed_origins), "allowed_methods": _plain(s.allowed_methods),
+            "allowed_headers": _plain(s.allowed_headers),
+            "allow_credentials": True if s.allow_credentials else None, "root_path": s.root_path,
+            "disable_fastapi_docs": True if s.disable_fastapi_docs else None}
 
 
 def serve_config(s: K8sSettings) -> dict:

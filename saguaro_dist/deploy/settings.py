@@ -3,7 +3,9 @@ would refuse fails here, before any manifest is written."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from saguaro_dist.config import (
     DRAFT_MODES,
@@ -20,7 +22,13 @@ from saguaro_dist.deploy.constants import (
     SECRET_KEY,
 )
 from saguaro_dist.deploy.serve_app import serve_args
-from saguaro_dist.serve.args import config_from_args
+from saguaro_dist.serve.args import config_from_args, served_model_names
+from saguaro_dist.serve.frontend import CORS_LIST_ARGS, frontend_options, json_list
+from saguaro_dist.speculative_config import config_fields
+
+# the fields a speculative_config sets (speculative_config.config_fields); one set off its default and
+# contradicting the config is refused there
+SPECULATION_FIELDS = ("draft", "mode", "k", "draft_revision", "prompt_lookup_max", "prompt_lookup_min")
 
 
 class UpgradeStrategy(str, enum.Enum):
@@ -47,7 +55,7 @@ class K8sSettings:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"   # or "priority": requests' `priority` orders the waiting queue
     dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU; "auto": each model's checkpoint dtype (vLLM's)
-    served_model_name: str | None = None
+    served_model_name: str | tuple[str, ...] | None = None  # several: requests may give any, replies name the first
     tool_call_parser: str | None = None  # tool_choice "auto": hermes (Qwen 2.5 / 3, Hermes), llama3_json, mistral
     reasoning_parser: str | None = None  # <think> text as the message's reasoning: qwen3, deepseek_r1
     generation_config: str = "auto"   # requests' sampling defaults: the model's generation_config.json, or "vllm" (none)
@@ -66,6 +74,19 @@ class K8sSettings:
     max_request_bytes: int | None = None     # largest request body; None: 1 MiB
     stream_interval_ms: float | None = None  # streamed tokens closer than this share an SSE chunk; None: 50
     enable_log_requests: bool = False  # an INFO line as each generation starts and ends
+    proposal_top_k: int = 0           # sd / ssd: the draft proposes from its k likeliest tokens (0: all); still exact
+    prompt_lookup_max: int | None = None  # n-gram sizes prompt lookup matches (ngram, and SD's / SSD's fast backup)
+    prompt_lookup_min: int | None = None  # None: the engine's 3 / 1
+    # vLLM's speculative_config (a dict or its JSON): it sets draft / mode / k / draft_revision / prompt_lookup_*
+    # here (so the cluster gets its draft pods or none), and the app args carry it as given
+    speculative_config: Mapping | None = None
+    # `saguaro serve`'s HTTP-frontend flags (vLLM's); None / False: the app's defaults (CORS "*", no credentials)
+    allowed_origins: tuple[str, ...] | None = None  # CORS, each a list of strings (or its JSON)
+    allowed_methods: tuple[str, ...] | None = None
+    allowed_headers: tuple[str, ...] | None = None
+    allow_credentials: bool = False
+    root_path: str | None = None      # the path prefix a reverse proxy (the Ingress) serves the API under, e.g. /llm
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     tp: int = 1
     draft_workers: int = 1
     image: str | None = None          # None: saguaro-dist:<version>-cuda with GPUs, -cpu without (container_image)
@@ -108,7 +129,35 @@ class K8sSettings:
                 object.__setattr__(self, name, None)  # "" = off, as in the Helm values
         if self.gpu_type and not self.gpu:
             object.__setattr__(self, "gpu", True)  # naming a GPU type asks for GPUs
+        self._normalize_serve_options()
+        self._apply_speculative_config()
         self._validate()
+
+    def _normalize_serve_options(self):
+        """Lists as tuples (the settings stay hashable), JSON text as what it spells, "" as unset (as in the
+        Helm values), one served model name as that name (the manifest then reads as before)."""
+        for name in CORS_LIST_ARGS:
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, json_list(name, getattr(self, name)))
+        if self.root_path == "":
+            object.__setattr__(self, "root_path", None)
+        names = self.served_model_name
+        if names == "" or (isinstance(names, (list, tuple)) and not names):
+            object.__setattr__(self, "served_model_name", None)
+        elif isinstance(names, (list, tuple)):
+            object.__setattr__(self, "served_model_name", names[0] if len(names) == 1 else tuple(names))
+
+    def _apply_speculative_config(self):
+        """speculative_config's fields replace those left at their defaults (the cluster's shape follows the
+        mode); one set otherwise that says something else is refused, as `saguaro serve` refuses it."""
+        spec = speculative_config_dict(self.speculative_config)
+        if spec is None:
+            return
+        object.__setattr__(self, "speculative_config", spec)
+        defaults = {f.name: f.default for f in fields(self) if f.name in SPECULATION_FIELDS}
+        given = {name: getattr(self, name) for name in SPECULATION_FIELDS if getattr(self, name) != defaults[name]}
+        for name, value in config_fields(spec, given).items():
+            object.__setattr__(self, name, getattr(value, "value", value))  # Mode.NGRAM -> "ngram"
 
     def _validate(self):
         parse_enum(Mode, self.mode, "mode")
@@ -143,9 +192,19 @@ class K8sSettings:
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, (int, float))
                                      or not 0 <= interval <= 10_000):
             raise ValueError(f"stream_interval_ms must be a number in [0, 10000], got {interval!r}")
-        for name in ("enable_prefix_caching", "enforce_eager", "disable_log_stats", "enable_log_requests"):
+        for name in ("enable_prefix_caching", "enforce_eager", "disable_log_stats", "enable_log_requests",
+                     "allow_credentials", "disable_fastapi_docs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("proposal_top_k", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if value is not None and type(value) is not int:  # Config's own check takes 2.0 or True for 2 / 1
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.root_path is not None and not isinstance(self.root_path, str):
+            raise ValueError(f"root_path must be a path such as /llm, got {self.root_path!r}")
+        args = serve_args(self)
+        served_model_names(args.get("served_model_name"), self.model)
+        frontend_options(args)  # the replica's own checks (root_path's shape)
 
     def _check_gcs_fault_tolerance(self):
         address, secret, key = (self.gcs_ft_redis_address, self.gcs_ft_redis_password_secret,
@@ -200,6 +259,19 @@ class K8sSettings:
     def uses_draft(self) -> bool:
         """Whether the mode runs a draft model: without one (ar, ngram) no draft pods, no draft args."""
         return Mode(self.mode) in DRAFT_MODES
+
+
+def speculative_config_dict(spec) -> dict | None:
+    """vLLM's speculative_config as a dict: given as one, or as its JSON text (`--speculative-config`)."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError:
+            raise ValueError(f"speculative_config must be a JSON object (vLLM's), e.g. '{{\"model\": \"DRAFT\", "
+                             f"\"num_speculative_tokens\": 4}}', got {spec!r}") from None
+    if spec is not None and not isinstance(spec, Mapping):
+        raise ValueError(f"speculative_config must be an object (vLLM's keys), got {spec!r}")
+    return None if spec is None else dict(spec)
 
 
 def cpu_quantity(quantity: str) -> float:

@@ -50,11 +50,48 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- dict .name (int .amount) | toJson | toJson | squote -}}
 {{- end -}}
 
+{{/* What the values speculate with: speculation.mode / k / promptLookupMax / promptLookupMin and model.draft /
+     draftRevision, with what speculation.speculativeConfig (vLLM's) sets in their place, as
+     saguaro_dist/speculative_config.py maps it (K8sSettings._apply_speculative_config). JSON, for fromJson. */}}
+{{- define "saguaro.speculation" -}}
+{{- $v := .Values -}}
+{{- $out := dict "mode" $v.speculation.mode "k" $v.speculation.k "draft" $v.model.draft "draftRevision" $v.model.draftRevision -}}
+{{- $_ := set $out "promptLookupMax" $v.speculation.promptLookupMax -}}
+{{- $_ := set $out "promptLookupMin" $v.speculation.promptLookupMin -}}
+{{- with $v.speculation.speculativeConfig -}}
+{{- $method := get . "method" | default "" -}}
+{{- $ngram := or (eq $method "ngram") (and (not $method) (has (get . "model") (list "ngram" "[ngram]"))) -}}
+{{- if $ngram -}}
+{{- if not (has $out.mode (list "ssd" "ngram")) }}{{ fail (printf "speculation.speculativeConfig method ngram runs speculation.mode ngram, but speculation.mode is %s" $out.mode) }}{{ end -}}
+{{- $_ := set $out "mode" "ngram" -}}
+{{- else -}}
+{{- if not (has $out.mode (list "sd" "ssd")) }}{{ fail (printf "speculation.speculativeConfig with a draft model runs speculation.mode sd or ssd, but speculation.mode is %s" $out.mode) }}{{ end -}}
+{{- if get . "model" }}{{ $_ := set $out "draft" (get . "model") }}{{ end -}}
+{{- if get . "revision" }}{{ $_ := set $out "draftRevision" (get . "revision") }}{{ end -}}
+{{- end -}}
+{{- if get . "num_speculative_tokens" }}{{ $_ := set $out "k" (get . "num_speculative_tokens") }}{{ end -}}
+{{- $max := get . "prompt_lookup_max" -}}
+{{- $min := get . "prompt_lookup_min" -}}
+{{- if $max }}{{ $_ := set $out "promptLookupMax" $max }}{{ end -}}
+{{- if $min }}{{ $_ := set $out "promptLookupMin" $min }}{{ end -}}
+{{- /* ngram: one size given alone stands for both, as in vLLM (unless the values give the other) */ -}}
+{{- if and $ngram $min (not $max) (kindIs "invalid" $v.speculation.promptLookupMax) }}{{ $_ := set $out "promptLookupMax" $min }}{{ end -}}
+{{- if and $ngram $max (not $min) (kindIs "invalid" $v.speculation.promptLookupMin) }}{{ $_ := set $out "promptLookupMin" $max }}{{ end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* Whether the speculation runs a draft model (draft pods, draft args): modes sd and ssd. */}}
+{{- define "saguaro.usesDraft" -}}
+{{- if has (include "saguaro.speculation" . | fromJson).mode (list "sd" "ssd") }}true{{ end -}}
+{{- end -}}
+
 {{/* The Serve config (ray.serve.schema.ServeDeploySchema); args parse with saguaro_dist.serve.args. */}}
 {{- define "saguaro.serveConfig" -}}
-{{- $args := dict "model" .Values.model.target "mode" .Values.speculation.mode "k" (int .Values.speculation.k) -}}
-{{- $usesDraft := has .Values.speculation.mode (list "sd" "ssd") -}}
-{{- if and $usesDraft .Values.model.draft }}{{ $_ := set $args "draft" .Values.model.draft }}{{ end -}}
+{{- $spec := include "saguaro.speculation" . | fromJson -}}
+{{- $args := dict "model" .Values.model.target "mode" $spec.mode "k" (int $spec.k) -}}
+{{- $usesDraft := has $spec.mode (list "sd" "ssd") -}}
+{{- if and $usesDraft $spec.draft }}{{ $_ := set $args "draft" $spec.draft }}{{ end -}}
 {{- $_ := set $args "cluster" "auto" -}}
 {{- $_ := set $args "fan_out" .Values.speculation.fanOut -}}
 {{- $_ := set $args "saguaro_c" .Values.speculation.saguaroC -}}
@@ -68,7 +105,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $_ := set $args "dtype" (include "saguaro.dtype" .) -}}
 {{- $_ := set $args "api_key_env" "SAGUARO_API_KEY" -}}
 {{- if .Values.model.revision }}{{ $_ := set $args "revision" .Values.model.revision }}{{ end -}}
-{{- if and $usesDraft .Values.model.draftRevision }}{{ $_ := set $args "draft_revision" .Values.model.draftRevision }}{{ end -}}
+{{- if and $usesDraft $spec.draftRevision }}{{ $_ := set $args "draft_revision" $spec.draftRevision }}{{ end -}}
 {{- if .Values.model.tokenizer }}{{ $_ := set $args "tokenizer" .Values.model.tokenizer }}{{ end -}}
 {{- if .Values.model.tokenizerRevision }}{{ $_ := set $args "tokenizer_revision" .Values.model.tokenizerRevision }}{{ end -}}
 {{- if .Values.model.servedModelName }}{{ $_ := set $args "served_model_name" .Values.model.servedModelName }}{{ end -}}
@@ -78,6 +115,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if .Values.model.chatTemplate }}{{ $_ := set $args "chat_template" .Values.model.chatTemplate }}{{ end -}}
 {{- if eq (.Values.engine.schedulingPolicy | default "fcfs") "priority" }}{{ $_ := set $args "scheduling_policy" "priority" }}{{ end -}}
 {{- include "saguaro.serveFlagArgs" (dict "args" $args "engine" .Values.engine "server" (.Values.server | default dict)) -}}
+{{- include "saguaro.speculationArgs" (dict "args" $args "speculation" .Values.speculation "resolved" $spec) -}}
+{{- include "saguaro.frontendArgs" (dict "args" $args "server" (.Values.server | default dict)) -}}
 {{- $app := dict "name" "saguaro" "route_prefix" "/" "import_path" "saguaro_dist.serve.app:build_app" "args" $args -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
 {{- toYaml $config -}}
@@ -96,6 +135,28 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if $s.maxRequestBytes }}{{ $_ := set .args "max_request_bytes" (int $s.maxRequestBytes) }}{{ end -}}
 {{- if not (kindIs "invalid" $s.streamIntervalMs) }}{{ $_ := set .args "stream_interval_ms" (float64 $s.streamIntervalMs) }}{{ end -}}
 {{- if $s.enableLogRequests }}{{ $_ := set .args "log_requests" true }}{{ end -}}
+{{- end -}}
+
+{{/* --proposal-top-k, --prompt-lookup-max / -min and --speculative-config as app args, where given (as
+     saguaro_dist/deploy/serve_app.py _speculation_args). Arguments: args, speculation (values), resolved
+     (saguaro.speculation's). */}}
+{{- define "saguaro.speculationArgs" -}}
+{{- if .speculation.proposalTopK }}{{ $_ := set .args "proposal_top_k" (int .speculation.proposalTopK) }}{{ end -}}
+{{- if not (kindIs "invalid" .resolved.promptLookupMax) }}{{ $_ := set .args "prompt_lookup_max" (int .resolved.promptLookupMax) }}{{ end -}}
+{{- if not (kindIs "invalid" .resolved.promptLookupMin) }}{{ $_ := set .args "prompt_lookup_min" (int .resolved.promptLookupMin) }}{{ end -}}
+{{- if not (kindIs "invalid" .speculation.speculativeConfig) }}{{ $_ := set .args "speculative_config" .speculation.speculativeConfig }}{{ end -}}
+{{- end -}}
+
+{{/* `saguaro serve`'s HTTP-frontend flags (vLLM's CORS, --root-path, --disable-fastapi-docs) as app args, where
+     they leave the app's default (as saguaro_dist/deploy/serve_app.py _frontend_args). Arguments: args, server. */}}
+{{- define "saguaro.frontendArgs" -}}
+{{- $s := .server -}}
+{{- if not (kindIs "invalid" $s.allowedOrigins) }}{{ $_ := set .args "allowed_origins" $s.allowedOrigins }}{{ end -}}
+{{- if not (kindIs "invalid" $s.allowedMethods) }}{{ $_ := set .args "allowed_methods" $s.allowedMethods }}{{ end -}}
+{{- if not (kindIs "invalid" $s.allowedHeaders) }}{{ $_ := set .args "allowed_headers" $s.allowedHeaders }}{{ end -}}
+{{- if $s.allowCredentials }}{{ $_ := set .args "allow_credentials" true }}{{ end -}}
+{{- if $s.rootPath }}{{ $_ := set .args "root_path" $s.rootPath }}{{ end -}}
+{{- if $s.disableFastapiDocs }}{{ $_ := set .args "disable_fastapi_docs" true }}{{ end -}}
 {{- end -}}
 
 {{/* KubeRay's own probes, written out (a probe given here replaces KubeRay's whole): the raylet's health,
@@ -241,7 +302,8 @@ gcsFaultToleranceOptions:
 {{- if lt $targetCpus (int $targetNeeds) -}}
 {{- fail (printf "target.resources.cpu %v gives Ray %d CPU(s) on the target pod; it needs %d: %s" $v.target.resources.cpu $targetCpus (int $targetNeeds) (ternary "the Serve replica's" (printf "one per tensor-parallel rank (%d, packed on that pod) and one for the Serve replica" $tp) $gpu)) -}}
 {{- end -}}
-{{- if and (not $gpu) (has $v.speculation.mode (list "sd" "ssd")) (lt (int (include "saguaro.rayCpus" $v.draft.resources.cpu)) 1) -}}
+{{- $usesDraft := eq (include "saguaro.usesDraft" $root) "true" -}}
+{{- if and (not $gpu) $usesDraft (lt (int (include "saguaro.rayCpus" $v.draft.resources.cpu)) 1) -}}
 {{- fail (printf "draft.resources.cpu %v gives Ray no whole CPU on a draft pod; it needs 1: the draft worker's" $v.draft.resources.cpu) -}}
 {{- end -}}
 rayVersion: "2.60.0"
@@ -260,7 +322,7 @@ headGroupSpec:
   template: {{- include "saguaro.podTemplate" (dict "root" $root "cpu" $v.head.resources.cpu "memory" $v.head.resources.memory "gpus" 0 "head" true "serving" false) | nindent 4 }}
 workerGroupSpecs:
   - {{ include "saguaro.workerGroup" (dict "root" $root "name" "target" "resource" "saguaro_target" "amount" $tp "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1 "serving" $serving) | nindent 4 | trim }}
-{{- if has $v.speculation.mode (list "sd" "ssd") }}
+{{- if $usesDraft }}
   - {{ include "saguaro.workerGroup" (dict "root" $root "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" (int (include "saguaro.draftMax" $root)) "serving" $serving) | nindent 4 | trim }}
 {{- end }}
 {{- end -}}
