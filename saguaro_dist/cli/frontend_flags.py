@@ -16,10 +16,11 @@ from pathlib import Path
 from saguaro_dist.serve.frontend import json_list
 
 
-# flag dest -> app arg (serve/frontend.py's FRONTEND_ARGS)
+# flag dest -> app arg (serve/frontend.py's FRONTEND_ARGS; response_role: serve/app.py's server_options)
 FRONTEND_FLAGS = {"allowed_origins": "allowed_origins", "allowed_methods": "allowed_methods",
                   "allowed_headers": "allowed_headers", "allow_credentials": "allow_credentials",
-                  "root_path": "root_path", "disable_fastapi_docs": "disable_fastapi_docs"}
+                  "root_path": "root_path", "disable_fastapi_docs": "disable_fastapi_docs",
+                  "response_role": "response_role"}
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # vLLM's choices
 TLS_FLAGS = "--ssl-keyfile / --ssl-certfile"
 
@@ -34,6 +35,13 @@ def json_list_arg(flag: str):
     return parse
 
 
+def role_name(text: str) -> str:
+    """argparse type of --response-role: a blank role is a usage error here, before Ray starts."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must be a non-empty role name (e.g. assistant), got {text!r}")
+    return text
+
+
 def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP frontend (vLLM's flags)")
     _add_cors_args(g)
@@ -41,6 +49,9 @@ def add_frontend_args(p: argparse.ArgumentParser) -> None:
                                        "(e.g. /llm; the proxy may strip it or not)")
     g.add_argument("--disable-fastapi-docs", action="store_true", default=None,
                    help="no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc; default: served)")
+    g.add_argument("--response-role", type=role_name, metavar="ROLE",
+                   help="the role chat replies carry when the request opens a new turn (add_generation_prompt true; "
+                        "otherwise the last message's role) (default assistant)")
     g.add_argument("--ssl-keyfile", help="the TLS private key (PEM): serve HTTPS, with --ssl-certfile")
     g.add_argument("--ssl-certfile", help="the TLS certificate chain (PEM), with --ssl-keyfile")
     g.add_argument("--uvicorn-log-level", choices=UVICORN_LOG_LEVELS,

@@ -15,7 +15,6 @@ from saguaro_dist.cli.frontend_flags import (add_frontend_args, check_tls_applie
                                              serve_logging_config, tls_options)
 from saguaro_dist.config import DRAFT_MODES, Mode, parse_enum
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names, with_speculative_config
-from saguaro_dist.serve.frontend import frontend_options
 from saguaro_dist.serve.ingress import (Ingress, check_port_free, enable_direct_ingress, free_port, host_port,
                                         replica_count, resolve)
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -196,8 +195,9 @@ def run(ns: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_pair_here(config)  # fail fast with a clear message, before Ray starts
     check_generation_config_here(config, embedded=not ns.address)
-    served_model_names(args.get("served_model_name"), args["model"])
-    frontend_options(args)  # a bad --root-path (or a config file's CORS list) before Ray starts
+    from saguaro_dist.serve.app import server_options  # (imports Ray Serve: here, not at the CLI's start)
+    server_options(args, args["model"])  # every server option the replica reads (names, CORS, root path, role,
+    # a config file's too) checked before Ray starts
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
     check_port_free(host, port)

@@ -15,6 +15,7 @@ from ray.serve import Application
 
 from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STREAM_INTERVAL_MS, ServerOptions, create_app
 from saguaro_dist.serve.args import api_key_from_args, coerce, config_from_args, served_model_names
+from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.frontend import frontend_options
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import load_chat_template
@@ -76,7 +77,14 @@ def server_options(args: dict, model: str) -> ServerOptions:
         log_requests=bool(coerce("log_requests", args.get("log_requests", False), False)),  # "true" from `serve run`
         chat_template=load_chat_template(args["chat_template"]) if args.get("chat_template") else None,
         frontend=frontend_options(args),
+        response_role=_response_role(args),
     )
+
+
+def _response_role(args: dict):
+    """--response-role: a new chat turn's role in replies; ServerOptions refuses a blank or non-string one."""
+    value = args.get("response_role")
+    return REPLY_ROLE if value is None else value
 
 
 def _positive_int(args: dict, name: str, default: int) -> int:

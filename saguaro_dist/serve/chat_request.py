@@ -15,7 +15,7 @@ from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 MAX_TOOLS = 128  # OpenAI's limit on functions a request may declare
 # Chat request fields that are chat template variables: joined to chat_template_kwargs, read or refused there
 TEMPLATE_VARIABLE_FIELDS = ("documents", "reasoning_effort")
-REPLY_ROLE = "assistant"  # the role of every chat reply
+REPLY_ROLE = "assistant"  # a new turn's role in chat replies unless the server's --response-role names another
 
 
 class PromptEnd(str, enum.Enum):
@@ -149,7 +149,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
-    echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role
+    echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role (reply_role)
     # Variables for the chat template, joined to chat_template_kwargs (a template that reads neither is a 400)
     documents: list[dict[str, str]] | None = None  # vLLM's: RAG documents, transformers' documents=
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None  # OpenAI's
@@ -216,11 +216,16 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
-    def echoed(self) -> str:
-        """What `echo` puts before the reply's content: the last message's text when it is the reply's role
-        (an assistant prefill, continued with continue_final_message), else nothing (vLLM's rule)."""
+    def reply_role(self, response_role: str = REPLY_ROLE) -> str:
+        """The reply's role (vLLM's get_chat_request_role): the server's --response-role when a new turn is
+        opened for it (add_generation_prompt), else the last message's, which the reply continues or follows."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
+
+    def echoed(self, reply_role: str) -> str:
+        """What `echo` puts before the reply's content: the last message's text when it is of the reply's role
+        (`reply_role`: an assistant prefill, continued with continue_final_message), else nothing (vLLM's rule)."""
         last = self.messages[-1]
-        return last.text() if self.echo and last.role == REPLY_ROLE else ""
+        return last.text() if self.echo and last.role == reply_role else ""
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -108,11 +108,12 @@ class Format:
 
     def choice(self, index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
                tool_calls: list | None = None, reasoning: str | None = None, stop_reason: int | str | None = None,
-               prompt_logprobs: list | None = None) -> dict:
+               prompt_logprobs: list | None = None, role: str = REPLY_ROLE) -> dict:
         """stop_reason (vLLM's): the stop_token_id or stop string that ended the choice; None otherwise.
-        prompt_logprobs (vLLM's): a completion choice's (chat's are the response's, one prompt for all)."""
+        prompt_logprobs (vLLM's): a completion choice's (chat's are the response's, one prompt for all).
+        role: a chat message's (the request's reply_role: vLLM's --response-role or the last message's)."""
         if self.chat:
-            message = {"role": REPLY_ROLE, "content": text}
+            message = {"role": role, "content": text}
             if reasoning is not None:
                 message["reasoning"] = reasoning  # vLLM's name (formerly reasoning_content)
             if tool_calls:

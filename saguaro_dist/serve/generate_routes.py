@@ -1,0 +1,62 @@
+"""The API app's generating routes for /v1/completions and /v1/chat/completions: each request's jobs, answered
+whole (full_replies.py) or streamed (sse_stream.py)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fastapi import Request
+
+from saguaro_dist.serve import responses
+from saguaro_dist.serve.chat_request import REPLY_ROLE
+from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.full_replies import full_response
+from saguaro_dist.serve.prompts import encode_chat
+from saguaro_dist.serve.protocol import ChatCompletionRequest, CompletionRequest
+from saguaro_dist.serve.route_support import cancel_on_disconnect, request_id_of, response_role, serving_state
+from saguaro_dist.serve.sse_stream import stream_response
+from saguaro_dist.serve.state import Job, ServingState
+from saguaro_dist.serve.tool_parsers import ToolCallParser
+from saguaro_dist.serve.tools import ToolChoiceKind
+
+
+@cancel_on_disconnect
+async def completions(body: CompletionRequest, request: Request):
+    state = serving_state(request)
+    body.reject_unsupported()
+    model = state.check_model(body.model)
+    jobs = state.jobs([state.encode(p, body.add_special_tokens) for p in body.prompts()], body, "prompt")
+    return await _respond(state, body, jobs, model, responses.COMPLETION, request_id_of(request, body.request_id))
+
+
+@cancel_on_disconnect
+async def chat(body: ChatCompletionRequest, request: Request):
+    state = serving_state(request)
+    body.reject_unsupported()
+    model = state.check_model(body.model)
+    prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template,
+                         end=body.prompt_end(), add_special_tokens=body.add_special_tokens)
+    jobs = chat_jobs(state, body, prompt, "messages")
+    return await _respond(state, body, jobs, model, responses.CHAT, request_id_of(request, body.request_id),
+                          body.reply_role(response_role(request)))
+
+
+def chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[Job]:
+    """A chat turn's jobs under its tool plan (chat completions and responses alike)."""
+    plan = state.tool_plan_for(body)
+    if plan.kind is ToolChoiceKind.AUTO and plan.parser is None:
+        raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
+                            f'{" | ".join(p.value for p in ToolCallParser)}); name a function or use "required" instead',
+                       param="tool_choice")
+    jobs = state.jobs([prompt], body, param)
+    if body.include_reasoning:  # vLLM's include_reasoning false: the constraint holds from the first token
+        jobs = map(state.reason_first, jobs)
+    return [replace(job, params=plan.adjust(job.params)) for job in jobs]
+
+
+async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, request_id: str,
+                   role: str = REPLY_ROLE):
+    """`role`: a chat reply's (the request's reply_role); completions have none."""
+    jobs = state.named(jobs, request_id)
+    if body.stream:
+        return await stream_response(state, body, jobs, model, fmt, request_id, role)
+    return await full_response(state, body, jobs, model, fmt, request_id, role)

@@ -1,0 +1,85 @@
+"""The API app's /v1/responses route (OpenAI's Responses API; its bodies and events are openai_responses*.py):
+the input runs as a chat turn would."""
+from __future__ import annotations
+
+from contextlib import aclosing
+
+from fastapi import Request
+
+from saguaro_dist.serve import responses
+from saguaro_dist.serve.errors import stream_error
+from saguaro_dist.serve.full_replies import logprobs_of, shown
+from saguaro_dist.serve.generate_routes import chat_jobs
+from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
+from saguaro_dist.serve.openai_responses import usage as responses_usage
+from saguaro_dist.serve.prompts import encode_chat
+from saguaro_dist.serve.reasoning import ReasoningStream, split_reasoning
+from saguaro_dist.serve.route_support import (ClosingStreamingResponse, cancel_on_disconnect, request_id_of,
+                                              serving_state)
+from saguaro_dist.serve.sse_stream import per_choice
+from saguaro_dist.serve.state import Job, ServingState, merge
+from saguaro_dist.serve.tools import ToolStream
+
+
+@cancel_on_disconnect
+async def responses_route(body: ResponsesRequest, request: Request):
+    """OpenAI's Responses API (serve/openai_responses.py): the input runs as a chat turn would."""
+    state = serving_state(request)
+    body.reject_unsupported()
+    model = state.check_model(body.model)
+    prompt = encode_chat(state.tokenizer, body.messages(), body.chat_tools(), body.chat_template_kwargs,
+                         state.chat_template, param="input")
+    request_id = request_id_of(request)
+    (job,) = state.named(chat_jobs(state, body, prompt, "input"), request_id)
+    response_id = f"resp_{request_id}"
+    if body.stream:
+        batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
+        first = await anext(batches, None)  # before answering: a request the engine rejects still gets a 400
+        events = ResponseEvents(response_id, model, body, _logprob_items(state, job))
+        events = _response_events(state, job, events, batches, first)
+        return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    result = await state.collect(job)
+    reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
+    content, calls = state.tool_plan_for(body).parse(text)
+    items = output_items(shown(body, reasoning), content, calls, _logprob_items(state, job)(result.logprobs or []))
+    return response_body(response_id, model, body, items, "completed",
+                         result.finish_reason, **_response_extra(state, job, result.token_ids, result.metrics))
+
+
+def _logprob_items(state: ServingState, job: Job):
+    """Engine logprob entries -> Responses' logprobs items, which are chat's `logprobs.content` entries."""
+    def items(entries: list) -> list:
+        logprobs = logprobs_of(state, responses.CHAT, job, entries)
+        return logprobs["content"] if logprobs else []
+    return items
+
+
+def _response_extra(state: ServingState, job: Job, token_ids: list[int], metrics) -> dict:
+    """A response's usage (reasoning_tokens: 0 without a reasoning parser, as OpenAI's field is always
+    there) and our speculation stats."""
+    cached = metrics.num_cached_tokens if metrics is not None else 0
+    reasoning = state.reasoning_count(job, token_ids) or 0
+    return {"usage": responses_usage(len(job.prompt_ids), len(token_ids), cached, reasoning),
+            "speculation": responses.speculation([metrics], state.engine.config.mode.value)}
+
+
+async def _response_events(state: ServingState, job: Job, events: ResponseEvents, batches, first):
+    reasoning, tools = ReasoningStream(state.reasoning_parser_for(job)), ToolStream(state.tool_plan_for(events.body))
+    token_ids, pending = [], events.opening()
+    try:
+        async with aclosing(batches):
+            batch = first
+            while batch is not None:
+                for _, text, ids, last, logprobs in per_choice(batch):
+                    token_ids += ids
+                    thought, text = reasoning.feed(text, last.finished)
+                    thought, delta = shown(events.body, thought) or "", tools.step(text, last.finished)
+                    pending += (events.text(thought, delta.get("content", ""), logprobs)
+                                + events.calls(delta.get("tool_calls", [])))
+                    if last.finished:
+                        pending += events.closing(last.finish_reason, **_response_extra(state, job, token_ids, last.metrics))
+                yield pending
+                pending = ""
+                batch = await anext(batches, None)
+    except Exception as err:  # noqa: BLE001 - headers are sent: the error travels as an event
+        yield events.error(stream_error(err))
