@@ -149,7 +149,7 @@ def test_a_bf16_checkpoint_matches_transformers_at_the_same_dtype(tmp_path, dtyp
     torch.testing.assert_close(got, hf_logits(path, seq, dtype), atol=ATOL if dtype == torch.float32 else 2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("rope_type", ["dynamic", "yarn", "longrope"])
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])  # yarn: tests/test_rope_yarn.py
 def test_rope_types_not_computed_are_refused(tmp_path, rope_type):
     path = llama(tmp_path / "rope")
     cfg = json.loads((path / "config.json").read_text())

@@ -8,13 +8,23 @@ from pathlib import Path
 # model_type -> (q/k/v bias field, o_proj bias with it, q/k RMSNorm)
 _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True)}
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
 _ROPE_FIELDS = {"linear": ("factor",),  # what each type's frequencies read (model/rope.py)
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings")}
 # The rope types whose `factor` stretches the context past max_position_embeddings (vLLM's _get_and_verify_max_len:
-# every type but su / longrope / llama3). llama3's max_position_embeddings already is its extended length.
-_EXTENDING_ROPE_TYPES = ("linear",)
+# every type but su / longrope / llama3). llama3's max_position_embeddings already is its extended length; yarn
+# stretches its original_max_position_embeddings instead.
+_EXTENDING_ROPE_TYPES = ("linear", "yarn")
+# Types whose frequencies depend on the sequence's current length: a key cached at one length would be rotated
+# otherwise than the same key computed at another, and a round's positions span lengths.
+_PER_LENGTH_ROPE_TYPES = {
+    "dynamic": "dynamic NTK recomputes its frequencies from the sequence's length as it grows",
+    "longrope": "longrope switches from its short to its long factors once the sequence passes "
+                "original_max_position_embeddings",
+}
+_YARN_OPTIONAL_NUMBERS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -57,26 +67,89 @@ def _require(hf: dict, key: str):
     return hf[key]
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_rope_type(rope_type: str) -> None:
+    if rope_type in _PER_LENGTH_ROPE_TYPES:
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported: {_PER_LENGTH_ROPE_TYPES[rope_type]}, "
+                         "so cached keys would not be rotated as transformers rotates them "
+                         f"(supported: {', '.join(_ROPE_TYPES)})")
+    if rope_type not in _ROPE_TYPES:
+        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+
+
+def _check_scaling_values(rope: dict, rope_type: str) -> None:
+    """The fields every scaling type shares: a positive factor, a positive whole original length."""
+    factor = rope.get("factor")
+    if "factor" in _ROPE_FIELDS.get(rope_type, ()) and not (_is_number(factor) and factor > 0):
+        raise ValueError(f"config.json rope_type {rope_type!r} factor must be a number > 0, got {factor!r}")
+    old_len = rope.get("original_max_position_embeddings")
+    if "original_max_position_embeddings" in _ROPE_FIELDS.get(rope_type, ()) and not (
+            _is_number(old_len) and old_len > 0 and old_len == int(old_len)):
+        raise ValueError(f"config.json rope_type {rope_type!r} original_max_position_embeddings must be a positive "
+                         f"integer, got {old_len!r}")
+
+
+def _check_yarn_values(rope: dict, hf: dict) -> None:
+    """What transformers' yarn reads (it only warns of the worst; here they are refused, never computed)."""
+    for key in _YARN_OPTIONAL_NUMBERS:
+        if rope.get(key) is not None and not _is_number(rope[key]):
+            raise ValueError(f"config.json rope_type 'yarn' {key} must be a number, got {rope[key]!r}")
+    if rope.get("attention_factor") is not None and rope["attention_factor"] <= 0:  # it scales cos and sin
+        raise ValueError(f"config.json rope_type 'yarn' attention_factor must be > 0, got {rope['attention_factor']!r}")
+    for key in ("beta_fast", "beta_slow"):  # rotations over the original context; 0 means the default
+        if rope.get(key) is not None and rope[key] < 0:
+            raise ValueError(f"config.json rope_type 'yarn' {key} must be >= 0, got {rope[key]!r}")
+    if (rope.get("beta_fast") or 32) < (rope.get("beta_slow") or 1):
+        raise ValueError(f"config.json rope_type 'yarn' beta_fast ({rope.get('beta_fast')}, default 32) must not be "
+                         f"less than beta_slow ({rope.get('beta_slow')}, default 1)")
+    if rope.get("truncate") is not None and not isinstance(rope["truncate"], bool):  # null: falsy, as transformers
+        raise ValueError(f"config.json rope_type 'yarn' truncate must be true or false, got {rope['truncate']!r}")
+    outer = hf.get("original_max_position_embeddings")  # transformers prefers it to the rope dict's
+    if outer is not None and outer != rope["original_max_position_embeddings"]:
+        raise ValueError(f"config.json original_max_position_embeddings {outer} differs from rope_scaling's "
+                         f"{rope['original_max_position_embeddings']}: ambiguous, refused")
+
+
 def rope_params(hf: dict) -> dict:
     """Both layouts: transformers>=5 `rope_parameters`, older `rope_theta` + `rope_scaling`."""
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+    _check_rope_type(rope_type)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("config.json partial_rotary_factor != 1 is not supported")
     lacking = [k for k in _ROPE_FIELDS.get(rope_type, ()) if rope.get(k) is None]
     if lacking:  # refused here, not a KeyError when the tables are built
         raise ValueError(f"config.json rope_type {rope_type!r} lacks {', '.join(lacking)}")
+    _check_scaling_values(rope, rope_type)
+    if rope_type == "yarn":
+        _check_yarn_values(rope, hf)
     rope["rope_type"] = rope_type
     return rope
 
 
 def rope_length_factor(rope: dict) -> float:
-    """How far a rope type's scaling stretches max_position_embeddings: its factor for linear (positions
-    divided by it), 1 for default and llama3 (whose max_position_embeddings is already the extended length)."""
+    """How far a rope type's scaling stretches the context: its factor for linear (positions divided by it) and
+    yarn (of original_max_position_embeddings), 1 for default and llama3 (whose max_position_embeddings is
+    already the extended length)."""
     return float(rope["factor"]) if rope["rope_type"] in _EXTENDING_ROPE_TYPES else 1.0
+
+
+def _scaled_positions(positions: int, rope: dict) -> tuple[int, str]:
+    """(the positions the rope scaling reaches, where from), as vLLM derives max_model_len: yarn stretches
+    its original_max_position_embeddings, linear the config's max_position_embeddings."""
+    factor = rope_length_factor(rope)
+    source = "config.json max_position_embeddings"
+    if rope["rope_type"] == "yarn":
+        old_len = rope["original_max_position_embeddings"]
+        source = f"config.json rope_scaling yarn original_max_position_embeddings {old_len} x factor {rope['factor']}"
+        return int(old_len * factor), source
+    if factor != 1.0:
+        source = f"{source} {positions} x rope_scaling {rope['rope_type']} factor {rope['factor']}"
+    return int(positions * factor), source  # int(), as vLLM's derived max_model_len
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -88,16 +161,10 @@ def _sliding_window(hf: dict) -> int | None:
 
 def context_limit(hf: dict) -> tuple[int, str]:
     """(the longest context, where it comes from): max_position_embeddings, times the rope scaling factor for
-    the types that extend the context (vLLM's rule), or a sliding window shorter than that (Mistral v0.1's
+    the types that extend the context (yarn: original_max_position_embeddings times it; vLLM's rule), or a sliding window shorter than that (Mistral v0.1's
     4096 of 32768): within the window, sliding attention is full attention, which is what this runtime
     computes. The window is an attention span, not a position range: rope scaling never stretches it."""
-    positions = _require(hf, "max_position_embeddings")
-    rope = rope_params(hf)
-    factor = rope_length_factor(rope)
-    limit = int(positions * factor)  # int(), as vLLM's derived max_model_len
-    source = "config.json max_position_embeddings"
-    if factor != 1.0:
-        source = f"{source} {positions} x rope_scaling {rope['rope_type']} factor {rope['factor']}"
+    limit, source = _scaled_positions(_require(hf, "max_position_embeddings"), rope_params(hf))
     window = _sliding_window(hf)
     if window and window < limit:
         return window, "config.json sliding_window (attention past it is not computed)"

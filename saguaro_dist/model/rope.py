@@ -22,7 +22,53 @@ def llama3_inv_freq(inv_freq: torch.Tensor, rope: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """The YaRN paper's Eq. 21 (transformers' yarn_get_mscale): 1 where the factor does not stretch."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(rope: dict) -> float:
+    """The scale transformers multiplies cos and sin by: 1 but for yarn, whose `attention_factor` is given, or
+    DeepSeek's mscale / mscale_all_dim ratio when both are set, else 0.1 ln(factor) + 1."""
+    if rope["rope_type"] != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return rope["attention_factor"]
+    factor, mscale, mscale_all_dim = rope["factor"], rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_correction_range(head_dim: int, rope: dict) -> tuple[float, float]:
+    """The frequency indices between which yarn ramps from extrapolation (fast, beta_fast rotations over the
+    original context) to interpolation (slow, beta_slow); floored / ceiled unless `truncate` is false."""
+    base, old_len = rope["rope_theta"], rope["original_max_position_embeddings"]
+
+    def index_of(rotations: float) -> float:
+        return (head_dim * math.log(old_len / (rotations * 2 * math.pi))) / (2 * math.log(base))
+    low, high = index_of(rope.get("beta_fast") or 32), index_of(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, head_dim - 1)
+
+
+def yarn_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    """YaRN (transformers' _compute_yarn_parameters, op for op): frequencies divided by `factor` (interpolated)
+    below the correction range, kept (extrapolated) above it, a linear ramp between."""
+    pos_freqs = rope["rope_theta"] ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope["factor"] * pos_freqs)
+    low, high = _yarn_correction_range(head_dim, rope)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    kept = 1 - ramp
+    return interpolated * (1 - kept) + extrapolated * kept
+
+
 def inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    if rope["rope_type"] == "yarn":
+        return yarn_inv_freq(head_dim, rope)
     base = default_inv_freq(head_dim, rope["rope_theta"])
     if rope["rope_type"] == "llama3":
         return llama3_inv_freq(base, rope)
@@ -32,15 +78,17 @@ def inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
 
 
 def rope_tables(head_dim: int, rope: dict, max_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, signed_sin: [max_len, head_dim] each, computed in fp32 then cast like transformers does.
+    """cos, signed_sin: [max_len, head_dim] each, computed in fp32, scaled by the attention factor (yarn's; 1
+    otherwise, an exact no-op) then cast, like transformers does.
 
     signed_sin is sin with its first half negated: rotate_half(x) * sin == roll(x, D/2) * signed_sin,
     bit for bit (negating a factor only flips the product's sign), in one op where rotate_half took four."""
     freqs = torch.arange(max_len, dtype=torch.float32)[:, None] * inv_freq(head_dim, rope)[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    sin, half = emb.sin(), head_dim // 2
+    scale = attention_factor(rope)
+    sin, half = emb.sin() * scale, head_dim // 2
     signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
+    return (emb.cos() * scale).to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
