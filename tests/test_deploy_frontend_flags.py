@@ -1,6 +1,6 @@
 """`saguaro serve`'s HTTP-frontend and speculation flags in the KubeRay manifests (`saguaro deploy k8s`) and the
 Helm chart: --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials, --root-path,
---disable-fastapi-docs, several --served-model-name, --proposal-top-k, --prompt-lookup-max / -min and
+--disable-fastapi-docs, --response-role, several --served-model-name, --proposal-top-k, --prompt-lookup-max / -min and
 --speculative-config. Same names as `saguaro serve`, checked when the manifest is written, read back by the
 app's own parsers (config_from_args, server_options), valid against the KubeRay CRDs, and rendered the same by
 the chart (test_deploy_helm's SETTINGS hold them too)."""
@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "saguaro-dist"
 CRD_DIR = ROOT.parent / "shared" / "kuberay-crds"
 FRONTEND_FLAGS = ("--allowed-origins '[\"https://a.example\", \"https://b.example\"]' --allowed-methods '[\"GET\", \"POST\"]' "
-                  "--allowed-headers '[\"Authorization\"]' --allow-credentials --root-path /llm --disable-fastapi-docs")
+                  "--allowed-headers '[\"Authorization\"]' --allow-credentials --root-path /llm --disable-fastapi-docs --response-role bot")
 FRONTEND = {"allowed_origins": ("https://a.example", "https://b.example"), "allowed_methods": ("GET", "POST"),
             "allowed_headers": ("Authorization",), "allow_credentials": True, "root_path": "/llm",
-            "disable_fastapi_docs": True}
+            "disable_fastapi_docs": True, "response_role": "bot"}
 NGRAM_SPEC = {"method": "ngram", "prompt_lookup_min": 2}
 DRAFT_SPEC = {"model": "Qwen/Qwen3-0.6B-Base", "num_speculative_tokens": 6, "revision": "v1"}
 NEW_ARGS = {*FRONTEND, "proposal_top_k", "prompt_lookup_max", "prompt_lookup_min", "speculative_config"}
@@ -67,7 +67,9 @@ def test_frontend_flags_reach_the_apps_server_options(kind):
     (doc,) = deploy(f"--kind {kind} {FRONTEND_FLAGS} --served-model-name qwen qwen-latest")
     args = app_args(doc)
     options = server_options(args, args["model"])
-    assert {name: getattr(options.frontend, name) for name in FRONTEND} == FRONTEND
+    assert {name: getattr(options.frontend, name) for name in FRONTEND if name != "response_role"} == {
+        name: value for name, value in FRONTEND.items() if name != "response_role"}
+    assert options.response_role == FRONTEND["response_role"]
     assert (options.served_model_name, options.model_aliases) == ("qwen", ("qwen-latest",))
 
 
@@ -155,7 +157,7 @@ def test_cors_lists_must_be_json_lists(argv, capsys):
 
 
 @pytest.mark.parametrize("field, value", [("allow_credentials", "yes"), ("disable_fastapi_docs", 1),
-                                          ("allowed_origins", "*"), ("allowed_methods", [""]), ("root_path", 5),
+                                          ("allowed_origins", "*"), ("allowed_methods", [""]), ("root_path", 5), ("response_role", "  "),
                                           ("proposal_top_k", 2.0), ("prompt_lookup_max", True),
                                           ("speculative_config", {"quantization": "fp8"})])
 def test_settings_refuse_values_the_app_would_read_otherwise(field, value):
@@ -209,6 +211,7 @@ def test_chart_refuses_a_mode_the_speculative_config_cannot_run():
     ({"server": {"allowedHeaders": [""]}}, "allowedHeaders"),
     ({"server": {"allowCredentials": "yes"}}, "allowCredentials"),
     ({"server": {"disableFastapiDocs": 1}}, "disableFastapiDocs"),
+    ({"server": {"responseRole": "  "}}, "responseRole"),
     ({"model": {"target": "t", "servedModelName": []}}, "servedModelName"),
     ({"speculation": {"proposalTopK": -1}}, "proposalTopK"),
     ({"speculation": {"promptLookupMax": 0}}, "promptLookupMax"),

@@ -119,6 +119,7 @@ def _add_frontend_options(parser: argparse.ArgumentParser) -> None:
                                        "root_path; the Ingress may strip it or not)")
     g.add_argument("--disable-fastapi-docs", action="store_true", default=None,
                    help="no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc)")
+    g.add_argument("--response-role", help="a new chat turn's role in replies (vLLM's; default assistant)")
 
 
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:

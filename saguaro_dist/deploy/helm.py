@@ -25,7 +25,8 @@ def _frontend_values(s: K8sSettings) -> dict:
         return None if value is None else list(value)
     return {"allowedOrigins": listed(s.allowed_origins), "allowedMethods": listed(s.allowed_methods),
             "allowedHeaders": listed(s.allowed_headers), "allowCredentials": s.allow_credentials,
-            "rootPath": s.root_path or "", "disableFastapiDocs": s.disable_fastapi_docs}
+            "rootPath": s.root_path or "", "disableFastapiDocs": s.disable_fastapi_docs,
+            "responseRole": s.response_role or ""}
 
 
 def helm_values(s: K8sSettings) -> dict:

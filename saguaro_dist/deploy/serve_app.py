@@ -63,7 +63,7 @@ def _frontend_args(s: K8sSettings) -> dict:
     return {"allowed_origins": _plain(s.allowed_origins), "allowed_methods": _plain(s.allowed_methods),
             "allowed_headers": _plain(s.allowed_headers),
             "allow_credentials": True if s.allow_credentials else None, "root_path": s.root_path,
-            "disable_fastapi_docs": True if s.disable_fastapi_docs else None}
+            "disable_fastapi_docs": True if s.disable_fastapi_docs else None, "response_role": s.response_role}
 
 
 def serve_config(s: K8sSettings) -> dict:

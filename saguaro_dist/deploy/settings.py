@@ -87,6 +87,7 @@ class K8sSettings:
     allow_credentials: bool = False
     root_path: str | None = None      # the path prefix a reverse proxy (the Ingress) serves the API under, e.g. /llm
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
+    response_role: str | None = None  # a new chat turn's role in replies (vLLM's --response-role; None: assistant)
     tp: int = 1
     draft_workers: int = 1
     image: str | None = None          # None: saguaro-dist:<version>-cuda with GPUs, -cpu without (container_image)
@@ -139,8 +140,9 @@ class K8sSettings:
         for name in CORS_LIST_ARGS:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, json_list(name, getattr(self, name)))
-        if self.root_path == "":
-            object.__setattr__(self, "root_path", None)
+        for name in ("root_path", "response_role"):
+            if getattr(self, name) == "":
+                object.__setattr__(self, name, None)
         names = self.served_model_name
         if names == "" or (isinstance(names, (list, tuple)) and not names):
             object.__setattr__(self, "served_model_name", None)
@@ -202,6 +204,9 @@ class K8sSettings:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if self.root_path is not None and not isinstance(self.root_path, str):
             raise ValueError(f"root_path must be a path such as /llm, got {self.root_path!r}")
+        if self.response_role is not None and (not isinstance(self.response_role, str) or not self.response_role.strip()):
+            raise ValueError(f"response_role must be a non-empty role name (vLLM's --response-role), "
+                             f"got {self.response_role!r}")
         args = serve_args(self)
         served_model_names(args.get("served_model_name"), self.model)
         frontend_options(args)  # the replica's own checks (root_path's shape)

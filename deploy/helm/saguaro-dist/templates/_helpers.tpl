@@ -157,6 +157,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if $s.allowCredentials }}{{ $_ := set .args "allow_credentials" true }}{{ end -}}
 {{- if $s.rootPath }}{{ $_ := set .args "root_path" $s.rootPath }}{{ end -}}
 {{- if $s.disableFastapiDocs }}{{ $_ := set .args "disable_fastapi_docs" true }}{{ end -}}
+{{- if $s.responseRole }}{{ $_ := set .args "response_role" $s.responseRole }}{{ end -}}
 {{- end -}}
 
 {{/* KubeRay's own probes, written out (a probe given here replaces KubeRay's whole): the raylet's health,
