@@ -89,44 +89,26 @@ class SamplingParams:
     _bad_words_token_ids: BadWordIds | None = None
 
     def __post_init__(self):
-        stop = (self.stop,) if isinstance(self.stop, str) else as_tuple(self.stop, "stop", "a string or a list of strings")
-        object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", as_tuple(self.stop_token_ids, "stop_token_ids", "a list of token ids"))
-        if any(type(t) is not int or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(self.stop_token_ids)}")
-        if self.max_tokens is not None:
-            check_int("max_tokens", self.max_tokens, 1)
-        if type(self.min_tokens) is not int or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
-            raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({self.max_tokens}), got {self.min_tokens!r}")
+        """Every field checked (and normalized) here, at the API edge, in this order: a request with several bad
+        fields is refused with the first one's message, whoever builds it."""
+        object.__setattr__(self, "stop", checked_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", checked_stop_token_ids(self.stop_token_ids))
+        check_lengths(self.max_tokens, self.min_tokens)
         object.__setattr__(self, "temperature", checked_temperature(self.temperature))
         if self.top_k == -1 and type(self.top_k) is int:  # vLLM's other spelling of "off"
             object.__setattr__(self, "top_k", 0)
         check_top(self.top_p, self.top_k)
-        # int64: seeds travel to Ray's draft workers as protobuf int64, and a larger one failed the encoding there
-        # (codec.CodecError) inside the engine step, past the edge.
-        if self.seed is not None and (type(self.seed) is not int or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (or None), got {self.seed!r}")
+        check_seed(self.seed)
         check_n(self.n, self.seed)
         check_min_p(self.min_p)
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None), got {value!r}")
-        if any((not isinstance(s, str)) or not s for s in self.stop):
-            raise ValueError("stop must be non-empty strings")
-        if self.stop and self.detokenize is False:  # a stop string is matched in the text (vLLM's rule)
-            raise ValueError("stop strings need detokenize=True (they are matched in the output's text)")
+        check_logprobs(self.logprobs, self.prompt_logprobs)
+        check_stop_strings(self.stop, self.detokenize)
         check_penalties(self.presence_penalty, self.frequency_penalty, self.repetition_penalty)
         object.__setattr__(self, "logit_bias", token_bias(self.logit_bias))
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):  # "false" is truthy
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        keep = self.truncate_prompt_tokens
-        if keep is not None and (type(keep) is not int or not (keep >= 1 or keep == -1)):
-            raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's max length, got {keep!r}")
-        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+        check_flags(self, ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"))
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        check_structured_outputs(self.structured_outputs)
         object.__setattr__(self, "bad_words", checked_bad_words(self.bad_words))
         object.__setattr__(self, "_bad_words_token_ids", checked_bad_word_ids(self._bad_words_token_ids))
 
@@ -148,6 +130,68 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def checked_stop(stop) -> tuple:
+    """stop as a tuple: one string is one stop string (not its characters)."""
+    return (stop,) if isinstance(stop, str) else as_tuple(stop, "stop", "a string or a list of strings")
+
+
+def checked_stop_token_ids(ids) -> tuple[int, ...]:
+    """stop_token_ids as a tuple of token ids (a bool or a negative id indexes no token)."""
+    ids = as_tuple(ids, "stop_token_ids", "a list of token ids")
+    if any(type(t) is not int or t < 0 for t in ids):
+        raise ValueError(f"stop_token_ids must be token ids (ints >= 0), got {list(ids)}")
+    return ids
+
+
+def check_lengths(max_tokens: int | None, min_tokens: int) -> None:
+    """max_tokens >= 1 (None: to the context's end); min_tokens within 0..max_tokens."""
+    if max_tokens is not None:
+        check_int("max_tokens", max_tokens, 1)
+    if type(min_tokens) is not int or not 0 <= min_tokens <= (max_tokens or min_tokens):
+        raise ValueError(f"min_tokens must be an integer in 0..max_tokens ({max_tokens}), got {min_tokens!r}")
+
+
+def check_seed(seed: int | None) -> None:
+    """An int64: seeds travel to Ray's draft workers as protobuf int64, and a larger one failed the encoding
+    there (codec.CodecError) inside the engine step, past the edge."""
+    if seed is not None and (type(seed) is not int or not SEED_MIN <= seed <= SEED_MAX):
+        raise ValueError(f"seed must be an integer in [-2**63, 2**63 - 1] (or None), got {seed!r}")
+
+
+def check_logprobs(logprobs: int | None, prompt_logprobs: int | None) -> None:
+    """Each None or an int in 0..MAX_LOGPROBS (OpenAI's top_logprobs bound)."""
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
+            raise ValueError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None), got {value!r}")
+
+
+def check_stop_strings(stop: tuple, detokenize: bool) -> None:
+    """Non-empty strings, and text to match them in (vLLM's rule: no stop strings without detokenize)."""
+    if any((not isinstance(s, str)) or not s for s in stop):
+        raise ValueError("stop must be non-empty strings")
+    if stop and detokenize is False:
+        raise ValueError("stop strings need detokenize=True (they are matched in the output's text)")
+
+
+def check_flags(params, names: tuple[str, ...]) -> None:
+    """Each named field a real bool: the string "false" is truthy, and would have meant true."""
+    for name in names:
+        if not isinstance(getattr(params, name), bool):
+            raise ValueError(f"{name} must be true or false, got {getattr(params, name)!r}")
+
+
+def check_truncate_prompt_tokens(keep: int | None) -> None:
+    """None, an int >= 1, or -1 (the model's max length)."""
+    if keep is not None and (type(keep) is not int or not (keep >= 1 or keep == -1)):
+        raise ValueError(f"truncate_prompt_tokens must be an integer >= 1, or -1 for the model's max length, got {keep!r}")
+
+
+def check_structured_outputs(structured) -> None:
+    """None or a StructuredOutputsParams (which checked itself when built)."""
+    if structured is not None and not isinstance(structured, StructuredOutputsParams):
+        raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {structured!r}")
 
 
 def checked_temperature(temperature: float) -> float:

@@ -1,7 +1,14 @@
 """Theorem 7 next to the measurement: the predicted SSD tokens/s from a run's own acceptance, hit rate,
 verify time and tree-build time (the draft's own clock, beside the verifying target), with the
 just-in-time latency timed on one thread (calibrate_draft). The same prediction with the tree build timed
-on the draft alone is reported too: the two differ by what sharing the hardware costs the draft."""
+on the draft alone is reported too: the two differ by what sharing the hardware costs the draft.
+
+E_hit and E_miss are the two kinds' own tokens per round (tokens_by_round_kind): at the run's p their mix is
+exactly its measured tokens per round. Rounds verified as two cohorts (spec/cohorts.py) overlap the just-in-time
+draft with a verify, which Theorem 7 does not model: its 1 + T_b overstates them; their share is reported
+(cohort_share). Rounds run on n-gram proposals alone (RoundMode.FAST, and rounds whose every row took its n-gram
+proposal) are outside the theorem too: they are mixed in at one verify each and their own tokens per round
+(with_fast_rounds; fast_share)."""
 from __future__ import annotations
 
 import logging
@@ -78,57 +85,54 @@ def tree_mode_p(m, rounds: int) -> float | None:
 
 
 def predict_from_run(m, batch: int, calib: dict) -> dict | None:
-    """The prediction's inputs from Measurement `m` (engine deltas) and the draft calibration.
-
-    T_p is the run's own: the draft's mean build time of the trees the target took (EngineMetrics
-    tree_build_s / tree_builds), like verify_s measured beside the other process on shared hardware;
-    the calibration's draft-alone build time stands in when the run took no tree.
-
-    p is the share of rounds that did not wait for a just-in-time draft (EngineMetrics jit_rounds): the
-    rounds whose misses took the neural backup, and the rounds the tree gate ran without trees (SD's
-    round, Theorem 7's 1 + T_b). Without that count, p is estimated from the lookups: a round waits if
-    any sequence missed and got the neural backup, p = 1 - (neural share of misses)(1 - hit_rate^batch).
-    E_hit and E_miss are the two kinds' own tokens per round (tokens_by_round_kind): at the run's p their
-    mix is exactly its measured tokens per round.
-
-    Theorem 7 is a decoding rate (predicted_tokens_per_s); the measured tok/s is the whole generate call's,
-    prefills included, which the theorem does not model and every system pays alike. So the measurement is
-    set against the run's prediction (predicted_run_tokens_per_s): its own prefill seconds, plus its decoded
-    tokens at the predicted rate. The same holds for the draft-alone and best-case figures.
-
-    Rounds verified as two cohorts (spec/cohorts.py) overlap the just-in-time draft with a verify, which
-    Theorem 7 does not model: its 1 + T_b overstates them. Their share is reported (cohort_share).
-    Rounds run on n-gram proposals alone (RoundMode.FAST, and rounds whose every row took its n-gram
-    proposal) are outside the theorem too: they are mixed in at one verify each and their own tokens per
-    round (with_fast_rounds; fast_share). The best case's "n-gram rounds alone" takes only the gate's
-    RoundMode.FAST rounds' tokens: the others' rows were chosen for a good match.
+    """Theorem 7's predictions beside the measurement: the inputs read of Measurement `m` (engine deltas) and the
+    draft calibration (run_inputs), the run's own prediction, the same with the tree build timed on the draft
+    alone, and SSD's best case (best_case_rate). Each is set against the measured tok/s at the run's scale
+    (run_tokens_per_s: its prefills added back).
 
     None (the JSON's null, as for a cell without a prediction) for a run without rounds or lookups, and for one
     without a verify time: Theorem 7 is in units of verifies (it divided by zero, or predicted 0 tok/s)."""
     inputs = run_inputs(m, batch, calib)
-    if inputs is None:
+    if inputs is None or not timed_a_verify(m, inputs["verify_s"]):
         return None
-    if not inputs["verify_s"] > 0:
-        log.warning("Theorem 7: a run of %d rounds timed no verify (verify_s %s): no prediction",
-                    m.engine.get("rounds", 0), inputs["verify_s"])
-        return None
-    rounds, fast_share, fast_tokens = inputs.pop("t7_rounds"), inputs["fast_share"], inputs.pop("tokens_per_gate_fast_round")
-    pred = mixed_rate(inputs, inputs["p_hit"], inputs["tree_s"], fast_share)
-    alone = mixed_rate(inputs, inputs["p_hit"], calib["tree_s"], fast_share)
-    # SSD's best case with this draft on this hardware: every round of the cheapest mode (Theorem 7 is
-    # linear in p, so the best mix is all trees, all just-in-time drafts (p = 0) or all n-gram rounds),
-    # among the modes the run measured: the tokens of a kind it never ran are not known.
-    modes = ((tree_mode_p(m, rounds) if rounds else None, inputs["tokens_per_hit_round"]),
-             (0.0, inputs["tokens_per_miss_round"]))
-    best = [mixed_rate(inputs, p, inputs["tree_s"], 0.0) for p, kind in modes if p is not None and kind is not None]
-    # The run's own mix is one it reached: with rows that took n-gram proposals, the rest of its tree rounds
-    # are the rows without a good match, and every round of their kind would gain less than the run did.
-    best_case = max(best + ([fast_tokens / inputs["verify_s"]] if fast_tokens else []) + [pred])
-    decoded, prefill_s = m.tokens - first_tokens(m, batch), inputs["prefill_s"]
-    run = lambda rate: m.tokens / (prefill_s + decoded / rate) if rate else 0.0  # noqa: E731 - the run at that rate
+    rounds, fast_tokens = inputs.pop("t7_rounds"), inputs.pop("tokens_per_gate_fast_round")
+    pred = mixed_rate(inputs, inputs["p_hit"], inputs["tree_s"], inputs["fast_share"])
+    alone = mixed_rate(inputs, inputs["p_hit"], calib["tree_s"], inputs["fast_share"])
+    best_case = best_case_rate(m, inputs, rounds, fast_tokens, pred)
+    run = lambda rate: run_tokens_per_s(m, batch, inputs["prefill_s"], rate)  # noqa: E731 - the run at that rate
     return {**inputs, "predicted_tokens_per_s": pred, "predicted_run_tokens_per_s": run(pred),
             "predicted_alone_tokens_per_s": run(alone), "best_case_tokens_per_s": run(best_case),
             "measured_tokens_per_s": m.tokens_per_s, "measured_over_predicted": m.tokens_per_s / run(pred) if pred else 0.0}
+
+
+def timed_a_verify(m, verify_s: float) -> bool:
+    """Theorem 7 is in units of verifies: a run that timed none has no prediction (said in the log)."""
+    if verify_s > 0:
+        return True
+    log.warning("Theorem 7: a run of %d rounds timed no verify (verify_s %s): no prediction",
+                m.engine.get("rounds", 0), verify_s)
+    return False
+
+
+def best_case_rate(m, inputs: dict, rounds: int, fast_tokens: float | None, pred: float) -> float:
+    """SSD's best case with this draft on this hardware: every round of the cheapest mode (Theorem 7 is linear
+    in p, so the best mix is all trees, all just-in-time drafts (p = 0) or all n-gram rounds), among the modes
+    the run measured: the tokens of a kind it never ran are not known. The n-gram mode takes only the gate's
+    RoundMode.FAST rounds' tokens: the rows that took an n-gram proposal in other rounds were chosen for a
+    good match. The run's own mix (pred) is one it reached: with such rows, the rest of its tree rounds are the
+    rows without a good match, and every round of their kind would gain less than the run did."""
+    modes = ((tree_mode_p(m, rounds) if rounds else None, inputs["tokens_per_hit_round"]),
+             (0.0, inputs["tokens_per_miss_round"]))
+    best = [mixed_rate(inputs, p, inputs["tree_s"], 0.0) for p, kind in modes if p is not None and kind is not None]
+    return max(best + ([fast_tokens / inputs["verify_s"]] if fast_tokens else []) + [pred])
+
+
+def run_tokens_per_s(m, batch: int, prefill_s: float, rate: float) -> float:
+    """The whole generate call's tok/s had its decoding run at `rate`: Theorem 7 is a decoding rate, and the
+    measured tok/s counts the prefills too, which the theorem does not model and every system pays alike. So
+    the run's own prefill seconds, plus its decoded tokens at that rate."""
+    decoded = m.tokens - first_tokens(m, batch)
+    return m.tokens / (prefill_s + decoded / rate) if rate else 0.0
 
 
 def run_inputs(m, batch: int, calib: dict) -> dict | None:
@@ -140,14 +144,10 @@ def run_inputs(m, batch: int, calib: dict) -> dict | None:
         return None
     hit = m.cache_hits / lookups if lookups else None  # None: the gate ran every round without trees
     neural_share = m.fallbacks.get("neural", 0) / m.cache_misses if m.cache_misses else 0.0
-    if "jit_rounds" in m.engine:
-        p_round = 1.0 - m.engine["jit_rounds"] / rounds if rounds else 1.0
-    else:
-        p_round = 1.0 - neural_share * (1.0 - hit ** batch)
-    builds = m.engine.get("tree_builds", 0)
+    p_round, builds = p_without_wait(m, batch, rounds, hit, neural_share), m.engine.get("tree_builds", 0)
     tokens_hit, tokens_miss = tokens_by_round_kind(m, batch, rounds) if rounds else (None, None)
     return {"p_hit": p_round, "verify_s": m.engine.get("verify_s", 0.0) / all_rounds,
-            "tree_s": m.engine["tree_build_s"] / builds if builds else calib["tree_s"], "backup_s": calib["jit_s"],
+            "tree_s": run_tree_s(m, calib), "backup_s": calib["jit_s"],
             "t7_rounds": rounds, "tokens_per_round": (m.tokens - first_tokens(m, batch)) / all_rounds,
             "tokens_per_hit_round": tokens_hit, "tokens_per_miss_round": tokens_miss, "tree_alone_s": calib["tree_s"],
             "tree_s_in_run": bool(builds), "hit_rate": hit, "neural_share": neural_share,
@@ -155,6 +155,24 @@ def run_inputs(m, batch: int, calib: dict) -> dict | None:
             "fast_share": fast / all_rounds,
             "tokens_per_fast_round": fast_tokens / fast if fast else None,
             "tokens_per_gate_fast_round": m.engine.get("fast_round_tokens", 0) / gate_fast if gate_fast else None}
+
+
+def run_tree_s(m, calib: dict) -> float:
+    """T_p's build time: the run's own, the draft's mean build time of the trees the target took (EngineMetrics
+    tree_build_s / tree_builds), measured like verify_s beside the other process on shared hardware; the
+    calibration's draft-alone build time stands in when the run took no tree."""
+    builds = m.engine.get("tree_builds", 0)
+    return m.engine["tree_build_s"] / builds if builds else calib["tree_s"]
+
+
+def p_without_wait(m, batch: int, rounds: int, hit: float | None, neural_share: float) -> float:
+    """p: the share of rounds that did not wait for a just-in-time draft (EngineMetrics jit_rounds), whose
+    complement is the rounds whose misses took the neural backup and the rounds the tree gate ran without
+    trees (SD's round, Theorem 7's 1 + T_b). Without that count, p is estimated from the lookups: a round waits
+    if any sequence missed and got the neural backup, p = 1 - (neural share of misses)(1 - hit_rate^batch)."""
+    if "jit_rounds" in m.engine:
+        return 1.0 - m.engine["jit_rounds"] / rounds if rounds else 1.0
+    return 1.0 - neural_share * (1.0 - hit ** batch)
 
 
 def mixed_rate(inputs: dict, p_hit: float, tree_s: float, fast_share: float) -> float:

@@ -22,12 +22,23 @@ class Choice:
 
 
 def register(subparsers) -> None:
+    """`saguaro generate`: the engine flags (serve's), then sampling, structured-output and output groups;
+    the groups' order is --help's."""
     p = subparsers.add_parser("generate", help="generate text for one-off prompts",
                               description="Generate for each PROMPT (or each line of stdin when none is given) "
                                           "with an in-process engine, or with a running server via --url.")
     p.add_argument("--prompt", action="append", default=[], metavar="PROMPT",
                    help="a prompt (repeatable); stdin lines when no prompt is given")
     add_engine_args(p)
+    _add_sampling_args(p)
+    _add_structured_output_args(p)
+    _add_output_args(p)
+    p.set_defaults(run=run)
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """No defaults here (but --n's): a flag left out must be told from one given, so that the model's
+    generation config, or the server's, fills it (generation_defaults)."""
     g = p.add_argument_group("sampling", "a flag left out takes the model's generation_config.json value "
                              "(--generation-config), else the default shown; with --url, the server's default")
     g.add_argument("--max-tokens", type=int, help="(default 64)")
@@ -48,18 +59,25 @@ def register(subparsers) -> None:
     g.add_argument("--logit-bias", action="append", type=_bias_pair, metavar="ID=BIAS",
                    help="add BIAS (-100..100) to token ID's logit (repeatable)")
     g.add_argument("--allowed-token-ids", type=_token_ids, metavar="ID,ID,...", help="only these tokens may be generated")
+
+
+def _add_structured_output_args(p: argparse.ArgumentParser) -> None:
+    """One of these at most (StructuredOutputsParams refuses more)."""
     s = p.add_argument_group("structured outputs (one of)")
     s.add_argument("--json-schema", type=_json_schema, metavar="SCHEMA", help="JSON following this schema (JSON text)")
     s.add_argument("--json-object", action="store_true", help="any JSON object")
     s.add_argument("--regex", help="text matching this regular expression")
     s.add_argument("--choice", action="append", help="one of these strings (repeatable)")
     s.add_argument("--grammar", help="text in this Lark grammar")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """How results print, and --url: a server does the generating instead."""
     o = p.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="one JSON object per prompt, with speculation metrics")
     o.add_argument("--url", help="use this OpenAI-compatible server instead of loading the model (its engine: the "
                                  "engine flags but MODEL / --model, the name asked for, are refused)")
     o.add_argument("--api-key", help="API key for --url")
-    p.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:

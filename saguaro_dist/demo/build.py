@@ -392,15 +392,9 @@ def build_report(recipe: Recipe, split, train_tokens, heldout_tokens, models: di
             "steps": {r: models[f"{r}_steps"] for r in ROLES}}
 
 
-def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-build", resume: bool = False) -> dict:
-    """Build the pair into `out`; returns the build report (also written to out/build_info.json)."""
-    import torch
-
-    from . import corpus
-    from .tokenizer import wrap_fast
-
-    started = time.monotonic()
-    out, work = Path(out).resolve(), Path(work)  # resolved: a symlinked out stays a link to the swapped folder
+def prepare_work_dir(recipe: Recipe, out: Path, work: Path, resume: bool) -> None:
+    """Every check that can fail cheaply, before hours of training: the folders, and the recipe a resume
+    continues. Without --resume, the stage files of an earlier build are dropped (a fresh start)."""
     writable_dir(work, "--work")
     check_out(out)
     if not resume:
@@ -408,21 +402,49 @@ def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-
     elif not (work / "recipe.json").exists():  # a mistyped --work would silently start over
         log.warning("--resume: %s holds nothing to resume (no recipe.json); building from scratch", work)
     check_recipe_stamp(recipe, work, resume)
-    # One thread: the demo build must leave the machine's other cores to everyone else.
+
+
+def single_threaded(seed: int) -> None:
+    """One thread, seeded: the demo build must leave the machine's other cores to everyone else."""
+    import torch
+
     torch.set_num_threads(1)
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    torch.manual_seed(recipe.seed)
+    torch.manual_seed(seed)
+
+
+def split_with_prompts(recipe: Recipe):
+    """The corpus split into train and held-out files, and the shipped prompts drawn from the held-out ones:
+    before training, so that a held-out set with no prompt that fits prompt_chars fails now, not after hours."""
+    from . import corpus
+
     split = corpus.split_corpus(recipe.corpus_root, recipe.heldout_percent, recipe.max_files)
-    # Before training: a held-out set with no prompt that fits prompt_chars must fail now, not after hours.
     prompts = corpus.sample_snippets(corpus.read_sources(split.heldout), recipe.shipped_prompts,
                                      recipe.prompt_chars, recipe.seed)
+    return split, prompts
+
+
+def train_pair(recipe: Recipe, tok, train_tokens, work: Path) -> dict:
+    """The target and the draft, trained on one tokenizer's vocabulary and special ids (a pair must share them)."""
+    ids, vocab = special_ids(tok), tok.get_vocab_size()
+    return train_models(recipe, train_tokens, llama_config(recipe, "target", vocab, ids),
+                        llama_config(recipe, "draft", vocab, ids), work)
+
+
+def build(recipe: Recipe, out: Path | str = PAIR_DIR, work: Path | str = ".demo-build", resume: bool = False) -> dict:
+    """Build the pair into `out`; returns the build report (also written to out/build_info.json)."""
+    from .tokenizer import wrap_fast
+
+    started = time.monotonic()
+    out, work = Path(out).resolve(), Path(work)  # resolved: a symlinked out stays a link to the swapped folder
+    prepare_work_dir(recipe, out, work, resume)
+    single_threaded(recipe.seed)
+    split, prompts = split_with_prompts(recipe)
     tok = prepare_tokenizer(recipe, split, work, resume)
     train_tokens = prepare_tokens(tok, split.train, work / "train_tokens.pt", resume)
     heldout_tokens = prepare_tokens(tok, split.heldout, work / "heldout_tokens.pt", resume)
-    ids, vocab = special_ids(tok), tok.get_vocab_size()
-    models = train_models(recipe, train_tokens, llama_config(recipe, "target", vocab, ids),
-                          llama_config(recipe, "draft", vocab, ids), work)
+    models = train_pair(recipe, tok, train_tokens, work)
     with staged_pair(out) as stage:  # the pair, its prompts and its report appear together, or not at all
         save_pair(models, wrap_fast(tok, recipe.seq_len), stage)
         (stage / "prompts.json").write_text(json.dumps(prompts, indent=1))

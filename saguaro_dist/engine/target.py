@@ -74,11 +74,10 @@ class TargetScorer:
 
     def _scored(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]] | None = None) -> torch.Tensor:
         """The target's distribution as the request constrains it: logits [B, T, V], row t deciding output
-        token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). vLLM's order:
-        the structured-output grammar's masks (engine/structured.py), logit bias and allowed tokens
-        (spec/logit_bias.py), bad words (spec/bad_words.py: a mask, so its place changes nothing), penalties
-        (spec/penalties.py), then EOS and
-        stop_token_ids at -inf where that is <= min_tokens; a copy only when a request asks for any.
+        token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). vLLM's order: the
+        structured-output grammar's masks (engine/structured.py), logit bias and allowed tokens (spec/logit_bias.py),
+        bad words (spec/bad_words.py: a mask, so its place changes nothing), penalties (spec/penalties.py), then
+        EOS and stop_token_ids at -inf where that is <= min_tokens; a copy only when a request asks for any.
         Sampling and verification both use these, so every path samples the same distribution;
         log-probabilities stay raw (vLLM's default)."""
         biased = [b for b, s in enumerate(seqs) if s.params.biased]
@@ -88,29 +87,48 @@ class TargetScorer:
         early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs) if s.params.min_tokens]
         early = [(b, n) for b, n in early if n > 0]
         if not early and not penalized and not biased and not constrained and not banning:
-            return logits
+            return logits  # the common round: no copy, no further call
         logits = logits.clone()
-        for b in constrained:  # row t: what the grammar allows after the output and drafted[b][:t]
-            try:
-                masks = seqs[b].grammar.row_masks(drafted[b] if drafted else [], logits.shape[1])
-            except GrammarError as err:  # that request fails alone after this round (Engine._append)
-                seqs[b].error = err
-                continue
-            logits[b].masked_fill_(~masks.to(logits.device), float("-inf"))
-        for b in banning:  # row t: the bad words the output and drafted[b][:t] would complete
-            masks = bad_words_mask(seqs[b].output_token_ids, drafted[b] if drafted else [], logits.shape[1],
-                                   seqs[b].params.banned_words, logits.shape[2])
-            logits[b].masked_fill_(masks.to(logits.device), float("-inf"))
+        self._mask_grammars(logits, seqs, constrained, drafted)
+        self._mask_bad_words(logits, seqs, banning, drafted)
         for b in biased:  # one row, added to every position of the sequence
             logits[b] += self._bias_row(seqs[b], logits.device)
         if penalized:
             logits[penalized] = self._penalized(logits[penalized], [seqs[b] for b in penalized],
                                                 [drafted[b] for b in penalized] if drafted else [[]] * len(penalized))
+        self._hold_back_ends(logits, seqs, early)
+        return logits
+
+    @staticmethod
+    def _mask_grammars(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                       drafted: list[list[int]] | None) -> None:
+        """In place: row t of each of `rows` keeps what its grammar allows after the output and drafted[b][:t].
+        A grammar that fails marks its sequence (seq.error) and leaves its row unmasked: that request fails
+        alone after this round (Engine._append), not the batch."""
+        for b in rows:
+            try:
+                masks = seqs[b].grammar.row_masks(drafted[b] if drafted else [], logits.shape[1])
+            except GrammarError as err:
+                seqs[b].error = err
+                continue
+            logits[b].masked_fill_(~masks.to(logits.device), float("-inf"))
+
+    @staticmethod
+    def _mask_bad_words(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
+                        drafted: list[list[int]] | None) -> None:
+        """In place: row t of each of `rows` bars the bad words the output and drafted[b][:t] would complete."""
+        for b in rows:
+            masks = bad_words_mask(seqs[b].output_token_ids, drafted[b] if drafted else [], logits.shape[1],
+                                   seqs[b].params.banned_words, logits.shape[2])
+            logits[b].masked_fill_(masks.to(logits.device), float("-inf"))
+
+    def _hold_back_ends(self, logits: torch.Tensor, seqs: list[Sequence], early: list[tuple[int, int]]) -> None:
+        """In place: EOS (unless ignore_eos) and stop_token_ids at -inf in the first n rows of each (b, n) of
+        `early`, the positions still short of min_tokens; ids past the vocabulary have no logit to bar."""
         for b, n in early:
             s = seqs[b]
             ends = sorted((self.eos_token_ids if not s.params.ignore_eos else set()) | set(s.params.stop_token_ids))
             logits[b, :n, [t for t in ends if t < self.vocab_size]] = float("-inf")
-        return logits
 
     def _penalized(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
         """logits [R, T, V] of penalized sequences with their penalties, all rows in one pass."""

@@ -39,6 +39,26 @@ def warn_if_slow_dtype(device: torch.device, dtype: torch.dtype) -> None:
                     "slower than bfloat16; use dtype bfloat16 or float32 for a model on the CPU")
 
 
+def runner_dtype(path_or_hf_id, dtype, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """dtype resolved for this checkpoint and device (model/device.py), "auto"'s choice logged, and a warning
+    for one this device runs slowly."""
+    try:
+        resolved = resolve_dtype(dtype, cfg.hf, device)
+    except ValueError as err:  # "auto" reads this checkpoint's config.json: say which one
+        raise ValueError(f"{path_or_hf_id}: {err}") from None
+    if dtype == AUTO_DTYPE:
+        log.info("dtype auto: %s runs in %s on %s", path_or_hf_id, resolved, device)
+    warn_if_slow_dtype(device, resolved)
+    return resolved
+
+
+def checked_batched_tokens(max_num_batched_tokens) -> int:
+    """The most tokens one forward takes (an int >= 1)."""
+    if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
+        raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
+    return max_num_batched_tokens
+
+
 class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
                  cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None,
@@ -54,31 +74,30 @@ class ModelRunner:
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         check_max_model_len(self.max_model_len, cfg)
         self.device = resolve_device(device)
-        try:
-            self.dtype = resolve_dtype(dtype, cfg.hf, self.device)
-        except ValueError as err:  # "auto" reads this checkpoint's config.json: say which one
-            raise ValueError(f"{path_or_hf_id}: {err}") from None
-        if dtype == AUTO_DTYPE:
-            log.info("dtype auto: %s runs in %s on %s", path_or_hf_id, self.dtype, self.device)
-        warn_if_slow_dtype(self.device, self.dtype)
-        if not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {max_num_batched_tokens!r}")
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.dtype = runner_dtype(path_or_hf_id, dtype, cfg, self.device)
+        self.max_num_batched_tokens = checked_batched_tokens(max_num_batched_tokens)
         check_memory_utilization(gpu_memory_utilization)
         with torch.inference_mode():
-            self.model = build_model(cfg, model_dir, self.device, self.dtype, tp_group)
-            match_vocab(self.model, cfg.vocab_size, self.vocab_size)
-            if self.device.type == "cpu":
-                pretranspose_linears(self.model)
-            attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
-            self.group = attn.num_heads // attn.num_kv_heads
+            kv_heads = self._load_model(model_dir, tp_group)
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
             graphed = cuda_graphs and tp_group is None  # see _step_graphs
-            self.pool = self._kv_pool(attn.num_kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
+            self.pool = self._kv_pool(kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
             self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device, self.dtype)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
         self._kept: set[Hashable] = set()  # renamed ones: finished rows the prefix cache keeps
+
+    def _load_model(self, model_dir, tp_group) -> int:
+        """The weights on this device (this rank's shard under tensor parallel), its vocabulary matched to
+        vocab_size, linears pretransposed on the CPU; sets self.model and self.group (query heads per KV
+        head). Returns this rank's KV head count, which sizes the KV pool."""
+        self.model = build_model(self.config, model_dir, self.device, self.dtype, tp_group)
+        match_vocab(self.model, self.config.vocab_size, self.vocab_size)
+        if self.device.type == "cpu":
+            pretranspose_linears(self.model)
+        attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
+        self.group = attn.num_heads // attn.num_kv_heads
+        return attn.num_kv_heads
 
     def _kv_pool(self, kv_heads: int, max_batch_size: int, graphed: bool, preallocate: bool,
                  utilization: float) -> KVPool:
