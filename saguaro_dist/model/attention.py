@@ -20,17 +20,18 @@ def unfold_heads(o: torch.Tensor, t: int) -> torch.Tensor:
     return o.view(b, kv, t, tg // t, d).permute(0, 2, 1, 3, 4).reshape(b, t, -1)
 
 
-def dense_attention(q, k, v, mask):
+def dense_attention(q, k, v, mask, scale=None):
     """q: [B, kv, Tg, D]; k, v: [B, kv, S, D]; mask: [B, 1, Tg, S], float in q's dtype (added to the
-    scores: 0 / -inf, additive_mask) or None (all)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    scores: 0 / -inf, additive_mask) or None (all). scale: the scores' factor (Granite's
+    attention_multiplier), None for SDPA's 1/sqrt(D); SDPA applies it as transformers' call does."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, scale=None):
     """Prompts from position 0: q: [B, T, H, D]; k, v: [B, kv, T, D] -> [B, T, H * D]. SDPA's own causal
     kernel, no [T x S] mask built or read (CPU, T = 2048, 8 heads over 2: 36 ms against 134 ms masked,
     the same output). A padded row's real queries see only its real keys: padding comes after them."""
-    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True)
+    o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True, scale=scale)
     return o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 

@@ -170,10 +170,10 @@ class BranchBatch:
         self.write_to = (state.private_k[:, :, :, lo:hi], state.private_v[:, :, :, lo:hi])  # [layers, U, kv, Q, D]
         self.window = (state.keys[:, :, :, :seen], state.values[:, :, :, :seen])  # prefix + this step's private
 
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]."""
+    def attend(self, layer: int, q, k, v, scale=None) -> torch.Tensor:
+        """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]; scale: dense_attention's."""
         self.write_to[0][layer].copy_(k.transpose(1, 2))
         self.write_to[1][layer].copy_(v.transpose(1, 2))
         # One fused attention over [prefix ‖ private] keys, a strided view SDPA reads as it is.
         keys, values = self.window[0][layer], self.window[1][layer]
-        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.bias), self.q)
+        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.bias, scale), self.q)

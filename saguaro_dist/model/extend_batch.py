@@ -53,12 +53,12 @@ class ExtendBatch:
             return self.pool.view(layer, self.rows, self.s)
         return self.span[0][layer], self.span[1][layer]
 
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]."""
+    def attend(self, layer: int, q, k, v, scale=None) -> torch.Tensor:
+        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]; scale: dense_attention's."""
         self._store(0, layer, k)
         self._store(1, layer, v)
         kc, vc = self._stored(layer)
         if self.from_start:
-            return causal_attention(q, kc, vc)
-        o = dense_attention(fold_heads(q, kc.shape[1]), kc, vc, self.mask)
+            return causal_attention(q, kc, vc, scale)
+        o = dense_attention(fold_heads(q, kc.shape[1]), kc, vc, self.mask, scale)
         return unfold_heads(o, self.t)

@@ -5,9 +5,13 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# model_type -> (q/k/v bias field, o_proj bias with it, q/k RMSNorm)
+# model_type -> (q/k/v bias field, o_proj bias with it, q/k RMSNorm per head)
 _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
-             "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True)}
+             "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True),
+             "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False)}
+_DEFAULT_EPS = {"olmo2": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
+# Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
+_GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
 _ROPE_FIELDS = {"linear": ("factor",),  # what each type's frequencies read (model/rope.py)
@@ -48,6 +52,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf: dict = field(repr=False)   # the raw config.json
     context_source: str = "config.json max_position_embeddings"  # where max_position_embeddings comes from (errors)
+    # Granite's scalars; the defaults add no op (layers.py skips a multiplier of 1 and a scale of None)
+    embedding_multiplier: float = 1.0  # the embeddings times it
+    residual_multiplier: float = 1.0   # each sublayer's output times it, before the residual add
+    attention_scale: float | None = None  # SDPA's scale; None: its own 1/sqrt(head_dim)
+    logits_scaling: float = 1.0        # the logits divided by it
+    post_norms: bool = False  # OLMo 2: norms after each sublayer (none before), q / k norms over whole projections
+    rope_fp32: bool = False   # OLMo 2: the runner's cos / sin tables stay fp32, so q and k rotate in fp32, cast after
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
@@ -192,6 +203,28 @@ def _check_unquantized(hf: dict) -> None:
                          "are not supported; use the unquantized (float16 / bfloat16 / float32) model")
 
 
+def _granite_scalars(hf: dict) -> dict:
+    """Granite's four scalars as ModelConfig fields; each a finite number > 0 (a zero logits_scaling divides
+    by zero; a negative or non-finite one was never trained), else refused."""
+    values = {key: hf.get(key, 1.0) for key in _GRANITE_SCALARS}
+    for key, value in values.items():
+        if not (_is_number(value) and 0 < value < float("inf")):
+            raise ValueError(f"config.json (model_type 'granite') {key} must be a finite number > 0, got {value!r}")
+    return {"embedding_multiplier": float(values["embedding_multiplier"]),
+            "residual_multiplier": float(values["residual_multiplier"]),
+            "attention_scale": float(values["attention_multiplier"]),
+            "logits_scaling": float(values["logits_scaling"])}
+
+
+def _family_fields(model_type: str, hf: dict) -> dict:
+    """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout)."""
+    if model_type == "granite":
+        return _granite_scalars(hf)
+    if model_type == "olmo2":
+        return {"post_norms": True, "rope_fp32": True}
+    return {}
+
+
 def parse_config(hf: dict) -> ModelConfig:
     model_type = _model_type(hf)
     _check_unquantized(hf)
@@ -208,12 +241,13 @@ def parse_config(hf: dict) -> ModelConfig:
         model_type=model_type, vocab_size=_require(hf, "vocab_size"), hidden_size=hidden,
         intermediate_size=_require(hf, "intermediate_size"), num_layers=_require(hf, "num_hidden_layers"),
         num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=hf.get("head_dim") or hidden // heads, rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        head_dim=hf.get("head_dim") or hidden // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", _DEFAULT_EPS.get(model_type, 1e-6)),
         max_position_embeddings=limit, context_source=limit_source,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
         rope=rope_params(hf), eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
-        hf=hf)
+        hf=hf, **_family_fields(model_type, hf))
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -1,5 +1,5 @@
-"""The decoder (Llama / Qwen2 / Qwen3) as plain modules; attention over stored KV is left to a batch
-context (`ctx.attend`), so the same layers serve batched extend and branch decode."""
+"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2) as plain modules; attention over stored
+KV is left to a batch context (`ctx.attend`), so the same layers serve batched extend and branch decode."""
 from __future__ import annotations
 
 import torch
@@ -34,6 +34,15 @@ class RMSNorm(PlainModule):
         return self.weight * (h * (h * h).sum(-1, keepdim=True).div_(h.shape[-1]).add_(self.eps).rsqrt_()).to(x.dtype)
 
 
+class WeightFirstRMSNorm(RMSNorm):
+    """OLMo 2's (Olmo2RMSNorm): the weight multiplies the fp32 normalised input, then the cast (Llama's
+    casts first); the same values in fp32, not in bf16."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        return (self.weight * (h * (h * h).sum(-1, keepdim=True).div_(h.shape[-1]).add_(self.eps).rsqrt_())).to(x.dtype)
+
+
 class Attention(PlainModule):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -47,6 +56,7 @@ class Attention(PlainModule):
         if cfg.qk_norm:  # Qwen3: RMSNorm over each head before RoPE
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.scale = cfg.attention_scale  # Granite's attention_multiplier; None (SDPA's 1/sqrt(head_dim)) passes none
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """Runs on the fused `qkv_proj` that build_model makes from q/k/v_proj once the weights load."""
@@ -58,6 +68,27 @@ class Attention(PlainModule):
             qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
         # q's and k's heads rotate by the same position: one RoPE pass over both (half the small ops).
         qk = apply_rope(qk, ctx.cos, ctx.signed_sin)
+        v = v.view(b, t, kv_heads, self.head_dim)
+        if self.scale is None:
+            return self.o_proj(ctx.attend(self.layer_idx, qk[:, :, :heads], qk[:, :, heads:], v))
+        return self.o_proj(ctx.attend(self.layer_idx, qk[:, :, :heads], qk[:, :, heads:], v, scale=self.scale))
+
+
+class ProjectionNormAttention(Attention):
+    """OLMo 2's: q and k each RMS-normalised over the whole projection (all heads at once), before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.q_norm = WeightFirstRMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = WeightFirstRMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        b, t, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-1).view(b, t, heads + kv_heads, self.head_dim)
+        # fp32 tables (cfg.rope_fp32) rotate a bf16 q / k in fp32, as Olmo2's apply_rotary_pos_emb; cast back
+        qk = apply_rope(qk, ctx.cos, ctx.signed_sin).to(v.dtype)
         v = v.view(b, t, kv_heads, self.head_dim)
         return self.o_proj(ctx.attend(self.layer_idx, qk[:, :, :heads], qk[:, :, heads:], v))
 
@@ -88,6 +119,40 @@ class DecoderLayer(PlainModule):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class ScaledResidualLayer(DecoderLayer):
+    """Granite's: each sublayer's output times residual_multiplier before the residual add."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.residual_multiplier = cfg.residual_multiplier
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx) * self.residual_multiplier
+        return x + self.mlp(self.post_attention_layernorm(x)) * self.residual_multiplier
+
+
+class PostNormLayer(PlainModule):
+    """OLMo 2's: no norm before a sublayer; its output is normalised, then added to the residual."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = ProjectionNormAttention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.post_attention_layernorm = WeightFirstRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = WeightFirstRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(x, ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+def _layer_class(cfg: ModelConfig) -> type:
+    """A family's layer; Llama's unless it adds ops (a Granite residual_multiplier of 1 adds none)."""
+    if cfg.post_norms:
+        return PostNormLayer
+    return DecoderLayer if cfg.residual_multiplier == 1.0 else ScaledResidualLayer
+
+
 class Decoder(nn.Module):
     """Parameter names mirror transformers' `model.*` so checkpoints load by name."""
 
@@ -96,8 +161,9 @@ class Decoder(nn.Module):
         # _weight skips the random init: on meta its normal_ imports torch._dynamo (~1 s per process).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        layer = _layer_class(cfg)
+        self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = (WeightFirstRMSNorm if cfg.post_norms else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(PlainModule):
@@ -105,13 +171,18 @@ class CausalLM(PlainModule):
         super().__init__()
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Granite's; at 1 (every other family) no multiply or divide runs
+        self.embedding_multiplier, self.logits_scaling = cfg.embedding_multiplier, cfg.logits_scaling
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids: [B, T] -> final hidden states [B, T, hidden] (the LM head runs on the rows asked for)."""
         x = self.model.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         for layer in self.model.layers:
             x = layer(x, ctx)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling

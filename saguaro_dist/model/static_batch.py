@@ -23,10 +23,10 @@ class StaticBatch:
         self.write_rows = rows[:, None].expand(-1, self.t).reshape(-1)  # [B * T]
         self.write_pos = pos.reshape(-1)                                # [B * T]
 
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]."""
+    def attend(self, layer: int, q, k, v, scale=None) -> torch.Tensor:
+        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]; scale: dense_attention's."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]  # [rows, kv, capacity, D]
         kc[self.write_rows, :, self.write_pos] = k.reshape(-1, *k.shape[2:])
         vc[self.write_rows, :, self.write_pos] = v.reshape(-1, *v.shape[2:])
         keys, values = kc.index_select(0, self.rows), vc.index_select(0, self.rows)  # [B, kv, capacity, D]
-        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.mask), self.t)
+        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.mask, scale), self.t)

@@ -28,11 +28,11 @@ class StaticBranchBatch:
         mask = torch.cat([seen, own.expand(len(rows), -1, -1)], dim=-1)              # [U, Q, capacity + D_cap * Q]
         self.mask = mask.repeat_interleave(group, dim=1).unsqueeze(1)                # [U, 1, Q * group, ...]
 
-    def attend(self, layer: int, q, k, v) -> torch.Tensor:
-        """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]."""
+    def attend(self, layer: int, q, k, v, scale=None) -> torch.Tensor:
+        """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]; scale: dense_attention's."""
         pk, pv = self.private[0][layer], self.private[1][layer]  # [U, kv, D_cap * Q, D]
         pk.index_copy_(2, self.slots, k.transpose(1, 2))
         pv.index_copy_(2, self.slots, v.transpose(1, 2))
         keys = torch.cat([self.pool.k[layer].index_select(0, self.rows), pk], dim=2)
         values = torch.cat([self.pool.v[layer].index_select(0, self.rows), pv], dim=2)
-        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.mask), self.q)
+        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.mask, scale), self.q)

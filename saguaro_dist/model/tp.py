@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from saguaro_dist.model.layers import PlainModule
+from saguaro_dist.model.layers import PlainModule, ProjectionNormAttention
 
 
 def _span(full: int, rank: int, world: int) -> tuple[int, int]:
@@ -105,6 +105,9 @@ def apply_tensor_parallel(model: nn.Module, group):
     world = dist.get_world_size(group)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        if isinstance(attn, ProjectionNormAttention) and world > 1:  # a rank holds only its heads' slice of q / k
+            raise ValueError("tensor parallelism cannot split OLMo 2's q / k norms (each spans every head): "
+                             "run this model with tensor_parallel_size 1")
         sizes = {"num_attention_heads": attn.num_heads, "num_key_value_heads": attn.num_kv_heads,
                  "intermediate_size": mlp.gate_proj.out_features}
         bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
