@@ -15,7 +15,7 @@ import pytest
 import torch
 from demo_fixtures import files, tiny_model
 
-import saguaro_dist.demo.build as demo_build
+import saguaro_dist.demo.export as demo_export  # exchange_dirs is looked up there by swap_in
 from saguaro_dist.demo.build import Recipe, build, check_out, export_pair
 
 pytest_plugins = ["demo_fixtures"]
@@ -44,7 +44,7 @@ def kill_at(n: int) -> None:
             return real(*args, **kwargs)
         return call
 
-    for module, name in ((os, "replace"), (os, "rename"), (shutil, "rmtree"), (demo_build, "exchange_dirs")):
+    for module, name in ((os, "replace"), (os, "rename"), (shutil, "rmtree"), (demo_export, "exchange_dirs")):
         if hasattr(module, name):  # exchange_dirs: absent before the whole-folder swap
             setattr(module, name, lethal(getattr(module, name)))
 
@@ -57,7 +57,7 @@ def export_killed_at(n: int, models: dict, fast_tok, out, exchange_supported: bo
     def child():
         torch.set_num_threads(1)
         if not exchange_supported:
-            demo_build.exchange_dirs = no_exchange  # before kill_at wraps it: a filesystem without RENAME_EXCHANGE
+            demo_export.exchange_dirs = no_exchange  # before kill_at wraps it: a filesystem without RENAME_EXCHANGE
         kill_at(n)
         export_pair(models, fast_tok, out)
 
