@@ -7,12 +7,13 @@ ngram prompt_lookup_max 3 / min 1 where neither is given (vLLM: 5 / 5; one given
 """
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
 from saguaro_dist.config import DRAFT_MODES, Mode, parse_enum
 
-__all__ = ["config_fields", "SUPPORTED_KEYS"]
+__all__ = ["config_fields", "as_dict", "SUPPORTED_KEYS"]
 
 NGRAM_MODEL_NAMES = ("ngram", "[ngram]")  # vLLM: such a model and no method means method "ngram"
 SUPPORTED_METHODS = ("draft_model", "ngram")
@@ -59,6 +60,20 @@ _HINTS = {"draft_revision": "vLLM's key is 'revision' (the draft's; the target's
           "tensor_parallel_size": "vLLM's key is 'draft_tensor_parallel_size' (the target's is "
                                   "LLM(tensor_parallel_size=...))",
           "draft_model": "the draft's key is 'model'"}
+
+
+def as_dict(spec) -> dict | None:
+    """speculative_config as a dict: given as one, or as its JSON text (`--speculative-config`, a manifest's
+    arg); None stays None."""
+    if isinstance(spec, str):
+        try:
+            spec = json.loads(spec)
+        except json.JSONDecodeError:
+            raise ValueError(f"speculative_config must be a JSON object (vLLM's), e.g. '{{\"model\": \"DRAFT\", "
+                             f"\"num_speculative_tokens\": 4}}', got {spec!r}") from None
+    if spec is not None and not isinstance(spec, Mapping):
+        raise ValueError(f"speculative_config must be an object (a dict of vLLM's keys), got {spec!r}")
+    return None if spec is None else dict(spec)
 
 
 def config_fields(speculative_config: Mapping | None, given: Mapping) -> dict:

@@ -194,7 +194,7 @@ def test_serve_flag_ngram_runs_mode_ngram_without_a_draft():
     (["--speculative-config", '{"model": "/d", "num_speculative_tokens": 3}', "--k", "2"], "conflicts with k=2"),
     (["--speculative-config", "{model: d}"], "must be a JSON object"),
     (["--speculative-config", '{"method": "eagle", "model": "/e"}'], "method 'eagle' is not supported"),
-    (["--speculative-config", '["/d"]'], "must be a dict"),
+    (["--speculative-config", '["/d"]'], "must be an object"),
 ])
 def test_serve_flag_refuses_what_cannot_run_before_any_model_loads(flags, message):
     with pytest.raises(ValueError, match=message):

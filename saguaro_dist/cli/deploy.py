@@ -10,7 +10,7 @@ from saguaro_dist.config import DTYPES, Mode
 from saguaro_dist.deploy import k8s
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
-from saguaro_dist.speculative_config import config_fields
+from saguaro_dist.speculative_config import as_dict, config_fields
 
 DEFAULTS = k8s.K8sSettings()
 BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
@@ -202,7 +202,7 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
 def _check_speculative_config(values: dict) -> None:
     """--speculative-config against the flags given beside it (K8sSettings can only tell values off their
     defaults, so an explicit `--mode ssd` beside an ngram config is caught here), as `saguaro serve` checks it."""
-    spec = k8s.speculative_config_dict(values["speculative_config"])
+    spec = as_dict(values["speculative_config"])
     config_fields(spec, {name: values[name] for name in k8s.SPECULATION_FIELDS if values.get(name) is not None})
 
 

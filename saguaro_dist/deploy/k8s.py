@@ -61,12 +61,11 @@ from saguaro_dist.deploy.settings import (
     K8sSettings,
     UpgradeStrategy,
     cpu_quantity,
-    speculative_config_dict,
 )
 
 __all__ = [
     # settings and the parts' builders, re-exported
-    "K8sSettings", "UpgradeStrategy", "cpu_quantity", "speculative_config_dict", "SPECULATION_FIELDS", "serve_args", "serve_config", "selector_labels",
+    "K8sSettings", "UpgradeStrategy", "cpu_quantity", "SPECULATION_FIELDS", "serve_args", "serve_config", "selector_labels",
     "object_labels", "ray_resources_param", "head_group", "target_group", "draft_group", "gcs_fault_tolerance",
     "ray_cluster_spec", "helm_values",
     # constants, re-exported

@@ -3,7 +3,6 @@ would refuse fails here, before any manifest is written."""
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -24,7 +23,7 @@ from saguaro_dist.deploy.constants import (
 from saguaro_dist.deploy.serve_app import serve_args
 from saguaro_dist.serve.args import config_from_args, served_model_names
 from saguaro_dist.serve.frontend import CORS_LIST_ARGS, frontend_options, json_list
-from saguaro_dist.speculative_config import config_fields
+from saguaro_dist.speculative_config import as_dict, config_fields
 
 # the fields a speculative_config sets (speculative_config.config_fields); one set off its default and
 # contradicting the config is refused there
@@ -152,7 +151,7 @@ class K8sSettings:
     def _apply_speculative_config(self):
         """speculative_config's fields replace those left at their defaults (the cluster's shape follows the
         mode); one set otherwise that says something else is refused, as `saguaro serve` refuses it."""
-        spec = speculative_config_dict(self.speculative_config)
+        spec = as_dict(self.speculative_config)
         if spec is None:
             return
         object.__setattr__(self, "speculative_config", spec)
@@ -266,17 +265,7 @@ class K8sSettings:
         return Mode(self.mode) in DRAFT_MODES
 
 
-def speculative_config_dict(spec) -> dict | None:
-    """vLLM's speculative_config as a dict: given as one, or as its JSON text (`--speculative-config`)."""
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError:
-            raise ValueError(f"speculative_config must be a JSON object (vLLM's), e.g. '{{\"model\": \"DRAFT\", "
-                             f"\"num_speculative_tokens\": 4}}', got {spec!r}") from None
-    if spec is not None and not isinstance(spec, Mapping):
-        raise ValueError(f"speculative_config must be an object (vLLM's keys), got {spec!r}")
-    return None if spec is None else dict(spec)
+
 
 
 def cpu_quantity(quantity: str) -> float:

@@ -8,7 +8,7 @@ import os
 
 from saguaro_dist.config import Config
 from saguaro_dist.serve.frontend import FRONTEND_ARGS
-from saguaro_dist.speculative_config import config_fields
+from saguaro_dist.speculative_config import as_dict, config_fields
 
 API_KEY_ENV = "SAGUARO_API_KEY"
 # Serve-only arguments: everything else must be a Config field.
@@ -84,15 +84,9 @@ def with_speculative_config(args: dict) -> dict:
     spec, rest = args.get("speculative_config"), {k: v for k, v in args.items() if k != "speculative_config"}
     if spec is None:
         return rest
-    if isinstance(spec, str):
-        try:
-            spec = json.loads(spec)
-        except json.JSONDecodeError:
-            raise ValueError(f"speculative_config must be a JSON object (vLLM's), e.g. "
-                             f"'{{\"model\": \"draft\", \"num_speculative_tokens\": 4}}', got {spec!r}") from None
     fields = {f.name: f for f in dataclasses.fields(Config)}
     given = {name: _field_value(fields[name], value) for name, value in rest.items() if name in fields}
-    return {**rest, **config_fields(spec, given)}
+    return {**rest, **config_fields(as_dict(spec), given)}
 
 
 def _field_value(f: dataclasses.Field, value):
