@@ -160,6 +160,7 @@ def _with_cryptography(key_path, cert_path) -> None:
     (["--ssl-keyfile", "KEY", "--ssl-certfile", "/nonexistent/cert.pem"], "--ssl-certfile '/nonexistent/cert.pem': no such file"),
     (["--ssl-keyfile", "OTHER_KEY", "--ssl-certfile", "CERT"], "cannot load the certificate and key"),
     (["--root-path", "llm"], "root_path must start with '/'"),
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser"),  # vLLM's rule
 ])
 def test_bad_frontend_flags_exit_2_before_ray_starts(flags, message, serving_pair, tmp_path, capsys):
     key, cert = write_self_signed(tmp_path)

@@ -169,6 +169,10 @@ def test_speculative_config_runs_as_draft_and_k_and_as_ar(tiny_llama_pair):
         "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
     assert (ngram_config.mode, ngram_config.k, ngram_config.prompt_lookup_max) == (Mode.NGRAM, 2, 2)
     assert ngram_tokens == ar_tokens
+    lone_config, lone_tokens = greedy_tokens(target)  # vLLM's LLM(model): no draft, no mode -> ar (it raised)
+    assert (lone_config.mode, lone_tokens) == (Mode.AR, ar_tokens)
+    with pytest.raises(ValueError, match="needs a draft"):
+        LLM(model=str(target), mode="ssd")  # an explicit draft mode still needs its draft
 
 
 # ---- the same dict from `saguaro serve --speculative-config` and a `serve run` / KubeRay app's args ----------

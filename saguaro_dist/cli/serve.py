@@ -124,6 +124,9 @@ def register(subparsers) -> None:
                    help='read tool calls out of tool_choice "auto" replies in this format (hermes: <tool_call> JSON '
                         '</tool_call>, Hermes and Qwen 2.5 / 3; llama3_json: Llama 3.1-3.3 JSON calls; mistral: '
                         '[TOOL_CALLS] lists); without it "auto" is a 400')
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='vLLM\'s: tool_choice "auto" (on here whenever --tool-call-parser is given; accepted so vLLM '
+                        'command lines run, and like vLLM refused without --tool-call-parser)')
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                    help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
                         "deepseek_r1: DeepSeek-R1, QwQ)")
@@ -187,6 +190,9 @@ def run(ns: argparse.Namespace) -> int:
     file = load_serve_config(ns.config) if ns.config else None
     args = engine_args(ns, file.args if file else None)
     args.update({field: getattr(ns, dest) for dest, field in SERVE_FLAGS.items() if getattr(ns, dest) is not None})
+    if ns.enable_auto_tool_choice and not args.get("tool_call_parser"):
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format auto replies' calls are "
+                         "read in), as in vLLM")
     args.update(frontend_app_args(ns))
     if api_key_from_args(args):
         args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment

@@ -40,7 +40,10 @@ class LLM(RequestInputs):
         """kwargs: Config's fields. speculative_config: vLLM's dict (model, method 'draft_model' / 'ngram',
         num_speculative_tokens, ...), mapped onto those fields (saguaro_dist/speculative_config.py)."""
         given = {"draft": draft, **kwargs}
-        self._setup(Config(model=model, **{**given, **config_fields(speculative_config, given)}))
+        fields = {**given, **config_fields(speculative_config, given)}
+        if fields["draft"] is None and "mode" not in fields:
+            fields["mode"] = Mode.AR  # a lone target decodes autoregressively (vLLM's LLM(model), `saguaro serve MODEL`)
+        self._setup(Config(model=model, **fields))
 
     @classmethod
     def from_config(cls, config: Config) -> "LLM":
