@@ -1,4 +1,4 @@
-"""A draft with a shorter context than the target's (its max_position_embeddings, or a sliding window):
+"""A draft with a shorter context than the target's (its max_position_embeddings):
 sequences that outgrow it leave the draft and go on with the fast n-gram backup, so the engine keeps the
 target's whole context. Greedy output stays the target's on every path, whether a sequence crosses the
 draft's limit while it generates or starts beyond it."""

@@ -70,17 +70,20 @@ def test_old_style_rope_fields_are_read(ckpt):
     assert load_config(ckpt).rope["rope_type"] == "llama3"
 
 
-@pytest.mark.parametrize("kind, window_fields", [("mistral", {}), ("qwen2", {"use_sliding_window": True})])
-def test_a_sliding_window_shorter_than_the_context_bounds_it(tiny_checkpoint, tmp_path, kind, window_fields):
-    """Within the window sliding attention is full attention (what the runtime computes): the window is
-    the longest context, the default and the bound of max_model_len. Qwen's window only when used."""
+@pytest.mark.parametrize("kind, window_fields", [("mistral", {}),
+                                                  ("qwen2", {"use_sliding_window": True, "layer_types": None})])
+def test_a_sliding_window_shorter_than_the_context_no_longer_bounds_it(tiny_checkpoint, tmp_path, kind, window_fields):
+    """Sliding layers attend over their window (tests/test_sliding_window.py), so the context runs on to
+    max_position_embeddings; Qwen's window only when used, on the layers from max_window_layers on."""
     ckpt = shutil.copytree(tiny_checkpoint(kind), tmp_path / kind)
-    edit_config(ckpt, sliding_window=32, **window_fields)
-    assert ModelRunner(ckpt).max_model_len == 32
-    with pytest.raises(ValueError, match="max_model_len must be in 1..32.*sliding_window"):
-        ModelRunner(ckpt, max_model_len=64)
+    edit_config(ckpt, sliding_window=32, max_window_layers=1, **window_fields)
+    runner = ModelRunner(ckpt)
+    assert runner.max_model_len == 256
+    assert runner.config.layer_windows == ((32, 32) if kind == "mistral" else (None, 32))
+    with pytest.raises(ValueError, match="max_model_len must be in 1..256 .config.json max_position_embeddings"):
+        ModelRunner(ckpt, max_model_len=257)
     edit_config(ckpt, sliding_window=None, use_sliding_window=False)
-    assert ModelRunner(ckpt).max_model_len == 256
+    assert ModelRunner(ckpt).config.layer_windows == ()
 
 
 def test_not_a_directory_nor_an_id(tmp_path):

@@ -179,17 +179,20 @@ def test_prefix_hits_and_evictions_keep_the_logits(tmp_path):
     torch.testing.assert_close(got, hf_logits(path, prompt + [9, 10])[20:], atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind, fields", [("mistral", {}), ("qwen2", {"use_sliding_window": True})])
+@pytest.mark.parametrize("kind, fields", [("mistral", {}), ("qwen2", {"use_sliding_window": True, "max_window_layers": 0})])
 def test_a_config_without_sliding_window_gets_transformers_default(tmp_path, kind, fields):
     """transformers' Mistral / Qwen2 Config fills an absent sliding_window with 4096 (Qwen2's only when
-    use_sliding_window), and its forward slides past that; the context here ran to max_position_embeddings,
-    its logits beyond 4096 silently not the model's."""
+    use_sliding_window), and its forward slides past that: so do the layers here, the context running on to
+    max_position_embeddings (tests/test_sliding_window.py checks the sliding logits)."""
     cls, config = {"mistral": (MistralForCausalLM, MistralConfig), "qwen2": (Qwen2ForCausalLM, Qwen2Config)}[kind]
     torch.manual_seed(0)
     path = save(cls(config(**{**BASE, "max_position_embeddings": 8192})).eval(), tmp_path / kind)
-    cfg = {k: v for k, v in json.loads((path / "config.json").read_text()).items() if k != "sliding_window"}
+    cfg = {k: v for k, v in json.loads((path / "config.json").read_text()).items()
+           if k not in ("sliding_window", "layer_types")}  # Qwen2's layer_types: derived from max_window_layers
     (path / "config.json").write_text(json.dumps({**cfg, **fields}))
     assert AutoConfig.from_pretrained(path).sliding_window == 4096
-    assert ModelRunner(path).max_model_len == 4096
+    runner = ModelRunner(path)
+    assert runner.max_model_len == 8192 and runner.config.layer_windows == (4096, 4096)
     (path / "config.json").write_text(json.dumps(cfg))  # Qwen2 without use_sliding_window: no window
     assert AutoConfig.from_pretrained(path).sliding_window == (4096 if kind == "mistral" else None)
+    assert ModelRunner(path).config.layer_windows == ((4096, 4096) if kind == "mistral" else ())

@@ -40,9 +40,9 @@ def linear(tmp_path_factory):
     ({"model_type": "llama", "max_position_embeddings": 32, "rope_scaling": {"type": "linear", "factor": 2.5}}, 80),
     ({"model_type": "llama", "max_position_embeddings": 32, "rope_parameters": {**LINEAR, "rope_theta": 1e4}}, 64),
     ({"model_type": "llama", "max_position_embeddings": 32, "rope_scaling": LLAMA3}, 32),  # already the extended one
-    # a sliding window bounds attention, not positions: rope scaling never stretches it
-    ({"model_type": "mistral", "max_position_embeddings": 32, "sliding_window": 48, "rope_scaling": LINEAR}, 48),
-    ({"model_type": "mistral", "max_position_embeddings": 32, "sliding_window": 16, "rope_scaling": LINEAR}, 16),
+    # a sliding window bounds attention, not positions: it never caps the context
+    ({"model_type": "mistral", "max_position_embeddings": 32, "sliding_window": 48, "rope_scaling": LINEAR}, 64),
+    ({"model_type": "mistral", "max_position_embeddings": 32, "sliding_window": 16, "rope_scaling": LINEAR}, 64),
 ])
 def test_context_limit_follows_vllms_rope_rule(hf, want):
     assert context_limit(hf)[0] == want

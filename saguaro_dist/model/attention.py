@@ -43,8 +43,35 @@ def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(seen.shape, device=seen.device, dtype=dtype).masked_fill_(~seen, float("-inf"))
 
 
-def causal_mask(pos: torch.Tensor, num_keys: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(pos: torch.Tensor, num_keys: int, group: int, dtype: torch.dtype,
+                window: int | None = None) -> torch.Tensor:
     """[B, 1, T * group, num_keys] additive (additive_mask): the query at position pos[b, t] sees its own
-    sequence's keys 0..pos[b, t], its rows repeated per grouped head (fold_heads' layout). pos: [B, T]."""
-    keys = torch.arange(num_keys, device=pos.device)
-    return additive_mask((keys[None, None, :] <= pos[:, :, None]).repeat_interleave(group, dim=1).unsqueeze(1), dtype)
+    sequence's keys 0..pos[b, t] (only the last `window` of them when a window is given: in_window), its
+    rows repeated per grouped head (fold_heads' layout). pos: [B, T]."""
+    keys = torch.arange(num_keys, device=pos.device)[None, None, :]
+    seen = keys <= pos[:, :, None]
+    if window is not None:
+        seen &= in_window(keys, pos[:, :, None], window)
+    return additive_mask(seen.repeat_interleave(group, dim=1).unsqueeze(1), dtype)
+
+
+def in_window(key_pos, query_pos, window: int):
+    """Whether a key at key_pos lies within the sliding window of a query at query_pos (a causal key, at
+    most query_pos): transformers' sliding_window_overlay, key > query - window, so a query sees itself and
+    the window - 1 positions before it."""
+    return key_pos > query_pos - window
+
+
+class MasksPerWindow:
+    """A forward step's attention masks, one per sliding window its layers ask for, each built by `build`
+    when a layer first asks and shared by every later layer: never one per layer. Built on first use, so
+    a step whose layers all attend in full (every model without a window) builds none."""
+
+    def __init__(self, build):
+        self._build, self._made = build, {}
+
+    def __call__(self, window: int):
+        mask = self._made.get(window)
+        if mask is None:
+            mask = self._made[window] = self._build(window)
+        return mask

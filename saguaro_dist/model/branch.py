@@ -7,7 +7,8 @@ every step attends over a view of it, where it once gathered the prefix and conc
 private KV in every layer (demo draft, b = 1, 12 branches: docs/benchmark-history.md, session 36). That buffer
 is the pool itself when the rows are consecutive (the private slots in the rows' unused tails), else a
 copy (`_windows`). Once the decode is over (`end_branches`) only the private slots, which adoption reads,
-are kept."""
+are kept. A layer with a sliding window attends under the step's bias with the keys past each branch's
+window masked too (window_bias, built once a step: the window moves with the depth)."""
 from __future__ import annotations
 
 import functools
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro_dist.model.attention import additive_mask, dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.attention import MasksPerWindow, additive_mask, dense_attention, fold_heads, in_window, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool, rows_index
 
 
@@ -133,6 +134,17 @@ def _own_slots(q: int, group: int, depth: int, dtype: torch.dtype, device: torch
     return additive_mask(own, dtype)
 
 
+def window_bias(bias: torch.Tensor, plen: torch.Tensor, depth: int, p: int, group: int, window: int) -> torch.Tensor:
+    """A step's bias [U, 1, Q * group, p + (depth + 1) * Q] with -inf also on the keys past each branch's
+    sliding window: window key i (at position i) and private slot d * Q + j (at plen + d), against the
+    branch's query at plen + depth (in_window)."""
+    q, dev = plen.shape[1], plen.device
+    prefix = in_window(torch.arange(p, device=dev)[None, None, :], (plen + depth)[:, :, None], window)
+    private = torch.arange(bias.shape[-1] - p, device=dev) // q > depth - window  # [slots]: the same for all
+    kept = torch.cat([prefix, private.expand(*plen.shape, -1)], dim=-1)           # [U, Q, p + slots]
+    return bias.masked_fill(~kept.repeat_interleave(group, dim=1).unsqueeze(1), float("-inf"))
+
+
 def grow_private(state: BranchState, group: int):
     """Double the private depth capacity of an eager state (amortised: once per doubling, never per step)."""
     p, cap = state.keys.shape[3] - state.private_k.shape[3], state.private_k.shape[3]
@@ -165,15 +177,21 @@ class BranchBatch:
         self.p = state.bias.shape[-1] - state.private_k.shape[3]  # longest prefix
         seen = self.p + (state.depth + 1) * self.q
         self.bias = state.bias[..., :seen]  # a view: built once per state
+        # A query reaches back past a window only from position `window` on (max_prefix_len: on the host).
+        self.reach = state.max_prefix_len + state.depth + 1
+        self.window_biases = MasksPerWindow(
+            lambda window: window_bias(self.bias, state.prefix_len, state.depth, self.p, group, window))
         # Every layer's slices taken once per forward (a layer then indexes them: one op, not four).
         lo, hi = state.depth * self.q, (state.depth + 1) * self.q
         self.write_to = (state.private_k[:, :, :, lo:hi], state.private_v[:, :, :, lo:hi])  # [layers, U, kv, Q, D]
         self.window = (state.keys[:, :, :, :seen], state.values[:, :, :, :seen])  # prefix + this step's private
 
-    def attend(self, layer: int, q, k, v, scale=None) -> torch.Tensor:
-        """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]; scale: dense_attention's."""
+    def attend(self, layer: int, q, k, v, scale=None, window=None) -> torch.Tensor:
+        """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]; scale: dense_attention's; window: the
+        layer's sliding window (None, or one no branch reaches past: full attention)."""
         self.write_to[0][layer].copy_(k.transpose(1, 2))
         self.write_to[1][layer].copy_(v.transpose(1, 2))
         # One fused attention over [prefix ‖ private] keys, a strided view SDPA reads as it is.
         keys, values = self.window[0][layer], self.window[1][layer]
-        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, self.bias, scale), self.q)
+        bias = self.bias if window is None or self.reach <= window else self.window_biases(window)
+        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, bias, scale), self.q)

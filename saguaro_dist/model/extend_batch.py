@@ -1,9 +1,13 @@
-"""The per-forward context of `extend`: sequences of different lengths padded into one batch."""
+"""The per-forward context of `extend`: sequences of different lengths padded into one batch.
+
+A layer with a sliding window (hf_config.ModelConfig.layer_windows) passes it to `attend`: once the keys
+reach past it, that layer attends under a windowed mask, built once a forward; every key stays stored."""
 from __future__ import annotations
 
 import torch
 
-from saguaro_dist.model.attention import causal_attention, causal_mask, dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.attention import (MasksPerWindow, causal_attention, causal_mask, dense_attention, fold_heads,
+                                          unfold_heads)
 from saguaro_dist.model.kv_cache import KVPool, rows_index
 
 
@@ -20,6 +24,10 @@ class ExtendBatch:
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
         self.from_start = self.t > 1 and not any(starts)  # whole prompts: the causal kernel, no mask
         self.mask = causal_mask(pos, self.s, group, pool.k.dtype) if (self.b, self.t) != (1, 1) and not self.from_start else None
+        # A padding query may sit past S (a short row beside a long one): at S - 1 its window keeps a key, so
+        # no row of the windowed mask is all -inf (a NaN row, if dropped after); real queries are all below S.
+        self.window_masks = MasksPerWindow(
+            lambda window: causal_mask(pos.clamp_max(self.s - 1), self.s, group, pool.k.dtype, window))
         # Consecutive rows (every batch the engine builds in order): all layers' keys as one view.
         self.span = pool.span(self.rows, self.s) if isinstance(self.rows, slice) else None
         self._plan_writes(rows, starts, lens, pos)
@@ -53,12 +61,16 @@ class ExtendBatch:
             return self.pool.view(layer, self.rows, self.s)
         return self.span[0][layer], self.span[1][layer]
 
-    def attend(self, layer: int, q, k, v, scale=None) -> torch.Tensor:
-        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]; scale: dense_attention's."""
+    def attend(self, layer: int, q, k, v, scale=None, window=None) -> torch.Tensor:
+        """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]; scale: dense_attention's; window: this
+        layer's sliding window (None: full attention). Keys 0..S-1 all within it (S <= window): the same."""
         self._store(0, layer, k)
         self._store(1, layer, v)
         kc, vc = self._stored(layer)
-        if self.from_start:
+        if window is not None and self.s > window:
+            mask = self.window_masks(window)
+        elif self.from_start:
             return causal_attention(q, kc, vc, scale)
-        o = dense_attention(fold_heads(q, kc.shape[1]), kc, vc, self.mask, scale)
-        return unfold_heads(o, self.t)
+        else:
+            mask = self.mask
+        return unfold_heads(dense_attention(fold_heads(q, kc.shape[1]), kc, vc, mask, scale), self.t)

@@ -59,10 +59,15 @@ class ModelConfig:
     logits_scaling: float = 1.0        # the logits divided by it
     post_norms: bool = False  # OLMo 2: norms after each sublayer (none before), q / k norms over whole projections
     rope_fp32: bool = False   # OLMo 2: the runner's cos / sin tables stay fp32, so q and k rotate in fp32, cast after
+    layer_windows: tuple = ()  # each layer's sliding window (None: full attention); (): no layer slides
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
         return self.eos_token_ids
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window: a query at position i sees keys i - window < j <= i; None: all j <= i."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
 
 def read_config_json(model_dir: Path) -> dict:
@@ -167,19 +172,46 @@ def _sliding_window(hf: dict) -> int | None:
     """The sliding window that applies to this checkpoint, else None. Mistral's applies unless null, Qwen's
     only when used; absent, it is the config class's default, as transformers reads the file."""
     applies = hf["model_type"] == "mistral" or (hf["model_type"] in ("qwen2", "qwen3") and hf.get("use_sliding_window"))
-    return hf.get("sliding_window", _DEFAULT_WINDOW) if applies else None
+    window = hf.get("sliding_window", _DEFAULT_WINDOW) if applies else None
+    if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
+        raise ValueError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
+    return window
+
+
+def _qwen_layer_types(hf: dict, window: int | None, num_layers: int) -> list[str]:
+    """Qwen2 / Qwen3Config's layer_types: config.json's own (transformers writes them), else "sliding_attention"
+    from max_window_layers (default 28) on when a window applies; its legacy "attention" is "full_attention"."""
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", 28)
+        return ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(num_layers)]
+    types = ["full_attention" if t == "attention" else t for t in types]
+    if len(types) != num_layers or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise ValueError(f"config.json layer_types must give each of the {num_layers} layers 'full_attention' or "
+                         f"'sliding_attention', got {hf['layer_types']!r}")
+    if window is None and "sliding_attention" in types:  # transformers' forward raises on it
+        raise ValueError("config.json layer_types has 'sliding_attention' layers but no sliding window applies "
+                         "(sliding_window null, or use_sliding_window false)")
+    return types
+
+
+def layer_windows(hf: dict, num_layers: int) -> tuple:
+    """Each layer's sliding window (None: full attention), as transformers' modeling applies them: Mistral's
+    on every layer, Qwen2 / Qwen3's on the layers layer_types marks "sliding_attention"; () when none slides."""
+    window = _sliding_window(hf)
+    if hf["model_type"] in ("qwen2", "qwen3"):
+        windows = tuple(window if t == "sliding_attention" else None
+                        for t in _qwen_layer_types(hf, window, num_layers))
+    else:
+        windows = (window,) * num_layers if window is not None else ()
+    return windows if any(w is not None for w in windows) else ()
 
 
 def context_limit(hf: dict) -> tuple[int, str]:
     """(the longest context, where it comes from): max_position_embeddings, times the rope scaling factor for
-    the types that extend the context (yarn: original_max_position_embeddings times it; vLLM's rule), or a sliding window shorter than that (Mistral v0.1's
-    4096 of 32768): within the window, sliding attention is full attention, which is what this runtime
-    computes. The window is an attention span, not a position range: rope scaling never stretches it."""
-    limit, source = _scaled_positions(_require(hf, "max_position_embeddings"), rope_params(hf))
-    window = _sliding_window(hf)
-    if window and window < limit:
-        return window, "config.json sliding_window (attention past it is not computed)"
-    return limit, source
+    the types that extend the context (yarn: original_max_position_embeddings times it; vLLM's rule). A
+    sliding window does not bound it: sliding layers attend over their window of the stored KV (all kept)."""
+    return _scaled_positions(_require(hf, "max_position_embeddings"), rope_params(hf))
 
 
 def _model_type(hf: dict) -> str:
@@ -237,9 +269,10 @@ def parse_config(hf: dict) -> ModelConfig:
         raise ValueError(f"config.json num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
     eos = hf.get("eos_token_id")
     limit, limit_source = context_limit(hf)
+    num_layers = _require(hf, "num_hidden_layers")
     return ModelConfig(
         model_type=model_type, vocab_size=_require(hf, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_require(hf, "intermediate_size"), num_layers=_require(hf, "num_hidden_layers"),
+        intermediate_size=_require(hf, "intermediate_size"), num_layers=num_layers,
         num_heads=heads, num_kv_heads=kv_heads,
         head_dim=hf.get("head_dim") or hidden // heads,
         rms_norm_eps=hf.get("rms_norm_eps", _DEFAULT_EPS.get(model_type, 1e-6)),
@@ -247,7 +280,7 @@ def parse_config(hf: dict) -> ModelConfig:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
         rope=rope_params(hf), eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
-        hf=hf, **_family_fields(model_type, hf))
+        hf=hf, layer_windows=layer_windows(hf, num_layers), **_family_fields(model_type, hf))
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

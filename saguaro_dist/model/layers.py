@@ -57,6 +57,7 @@ class Attention(PlainModule):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.attention_scale  # Granite's attention_multiplier; None (SDPA's 1/sqrt(head_dim)) passes none
+        self.window = cfg.window_of(layer_idx)  # this layer's sliding window; None (full attention) passes none
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """Runs on the fused `qkv_proj` that build_model makes from q/k/v_proj once the weights load."""
@@ -69,9 +70,13 @@ class Attention(PlainModule):
         # q's and k's heads rotate by the same position: one RoPE pass over both (half the small ops).
         qk = apply_rope(qk, ctx.cos, ctx.signed_sin)
         v = v.view(b, t, kv_heads, self.head_dim)
-        if self.scale is None:
-            return self.o_proj(ctx.attend(self.layer_idx, qk[:, :, :heads], qk[:, :, heads:], v))
-        return self.o_proj(ctx.attend(self.layer_idx, qk[:, :, :heads], qk[:, :, heads:], v, scale=self.scale))
+        return self.o_proj(self._attend(ctx, qk[:, :, :heads], qk[:, :, heads:], v))
+
+    def _attend(self, ctx, q, k, v) -> torch.Tensor:
+        """ctx.attend, passed only the options this layer has (Llama's path passes none)."""
+        if self.scale is None and self.window is None:
+            return ctx.attend(self.layer_idx, q, k, v)
+        return ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
 
 
 class ProjectionNormAttention(Attention):
@@ -90,7 +95,7 @@ class ProjectionNormAttention(Attention):
         # fp32 tables (cfg.rope_fp32) rotate a bf16 q / k in fp32, as Olmo2's apply_rotary_pos_emb; cast back
         qk = apply_rope(qk, ctx.cos, ctx.signed_sin).to(v.dtype)
         v = v.view(b, t, kv_heads, self.head_dim)
-        return self.o_proj(ctx.attend(self.layer_idx, qk[:, :, :heads], qk[:, :, heads:], v))
+        return self.o_proj(self._attend(ctx, qk[:, :, :heads], qk[:, :, heads:], v))
 
 
 class MLP(PlainModule):

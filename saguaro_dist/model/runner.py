@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 def check_max_model_len(max_model_len: int, cfg: ModelConfig) -> None:
     """Within the longest context the checkpoint computes exactly (hf_config.context_limit: vLLM's derived
-    max_model_len, rope scaling included, capped by a sliding window this runtime computes as full attention)."""
+    max_model_len, rope scaling included; a sliding window does not cap it: its layers attend over the window)."""
     if not 0 < max_model_len <= cfg.max_position_embeddings:
         raise ValueError(f"max_model_len must be in 1..{cfg.max_position_embeddings} ({cfg.context_source}), "
                          f"got {max_model_len}")

@@ -1,0 +1,215 @@
+"""Sliding-window attention (Mistral: every layer; Qwen2 / Qwen3 with use_sliding_window: the layers
+transformers' layer_types marks "sliding_attention") computed as transformers computes it, on every attention
+path (prefill, chunked prefill, decode, batched extend, branch steps, the static CUDA-graph steps), on tiny
+seeded checkpoints whose prompts run well past the window; the context no longer capped at the window."""
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
+from test_model_families import decode_ops, runner_logits, save_perturbed_draft
+from test_step_graphs import static_runner, steps
+from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.model import attention, branch, static_branch
+from saguaro_dist.model.hf_config import parse_config
+from saguaro_dist.model.runner import ModelRunner
+
+VOCAB, WINDOW = 64, 6
+COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "bos_token_id": None,
+          "eos_token_id": None, "pad_token_id": None, "tie_word_embeddings": False}
+QWEN = {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}  # layer 0 full, 1-2 sliding
+FAMILIES = {"mistral": (MistralForCausalLM, lambda: MistralConfig(**COMMON, sliding_window=WINDOW)),
+            "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**COMMON, **QWEN)),
+            "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**COMMON, **QWEN, head_dim=8))}
+ATOL = 1e-5
+QK_GAIN = 8.0
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def save_family(path, family: str, seed: int = 0, sharpen: float = 1.0):
+    """A seeded tiny checkpoint written by transformers; q and k scaled up so attention is far from uniform
+    (a key wrongly seen or hidden then moves the logits), the LM head by `sharpen` (for the greedy runs)."""
+    model_cls, make_config = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(make_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(QK_GAIN)
+        model.lm_head.weight.mul_(sharpen)
+    model.save_pretrained(path)
+    return model
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def hf_logits(model, seq: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([seq])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param) / "m"
+    torch.set_num_threads(1)
+    return {"name": request.param, "path": path, "model": save_family(path, request.param, seed=3)}
+
+
+# ---- which layers slide, and the context ----------------------------------------------------------
+def test_each_layer_slides_as_transformers_marks_it(family):
+    cfg = parse_config(AutoConfig.from_pretrained(family["path"]).to_dict())
+    want = (WINDOW,) * 3 if family["name"] == "mistral" else (None, WINDOW, WINDOW)
+    assert cfg.layer_windows == want
+    if family["name"] != "mistral":
+        assert family["model"].config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
+
+
+@pytest.mark.parametrize("cls", [Qwen2Config, Qwen3Config])
+def test_qwen_without_layer_types_derives_them_from_max_window_layers(cls):
+    hf = {k: v for k, v in cls(**COMMON, **{**QWEN, "max_window_layers": 2}).to_dict().items() if k != "layer_types"}
+    assert parse_config(hf).layer_windows == (None, None, WINDOW)
+    assert parse_config({**hf, "use_sliding_window": False}).layer_windows == ()  # transformers: no window then
+    with pytest.raises(ValueError, match="layer_types has 'sliding_attention' layers but no sliding window"):
+        parse_config({**hf, "use_sliding_window": False, "layer_types": ["sliding_attention"] * 3})
+
+
+def test_a_bad_window_is_refused():
+    hf = MistralConfig(**COMMON).to_dict()
+    for bad in (0, -2, "8", True):
+        with pytest.raises(ValueError, match="sliding_window must be a positive integer or null"):
+            parse_config({**hf, "sliding_window": bad})
+
+
+def test_max_model_len_is_max_position_embeddings_not_the_window(family):
+    assert ModelRunner(family["path"]).max_model_len == COMMON["max_position_embeddings"]
+
+
+# ---- logits on every path -------------------------------------------------------------------------
+def test_prefill_and_decode_match_transformers(family):
+    seq = tokens(2, 40)
+    got = runner_logits(ModelRunner(family["path"]), seq)  # 20 prefilled (from the start), 20 decoded
+    torch.testing.assert_close(got, hf_logits(family["model"], seq), atol=ATOL, rtol=0)
+
+
+def test_a_chunked_prefill_matches_transformers(family):
+    """Chunks after the first extend stored KV: the masked path, its window over the earlier chunks' keys."""
+    seq = tokens(4, 40)
+    runner = ModelRunner(family["path"], max_num_batched_tokens=7)
+    runner.add("s")
+    got = runner.extend(["s"], [seq], [len(seq)])[0]
+    torch.testing.assert_close(got, hf_logits(family["model"], seq), atol=ATOL, rtol=0)
+
+
+def test_batched_extend_of_mixed_lengths_matches_transformers(family):
+    """Rows at different positions in one forward (the masked path), then a batched decode step."""
+    runner = ModelRunner(family["path"])
+    seqs, firsts = [tokens(7, 39), tokens(8, 30), tokens(9, 36)], [3, 20, 9]
+    for s in "abc":
+        runner.add(s)
+    runner.extend(list("abc"), [s[:f] for s, f in zip(seqs, firsts)], [1, 1, 1])
+    middle = runner.extend(list("abc"), [s[f:-1] for s, f in zip(seqs, firsts)], [len(s) - 1 - f for s, f in zip(seqs, firsts)])
+    last = runner.extend(list("abc"), [s[-1:] for s in seqs], [1, 1, 1])
+    for seq, rows in zip(seqs, map(torch.cat, zip(middle, last))):
+        torch.testing.assert_close(rows, hf_logits(family["model"], seq)[-len(rows):], atol=ATOL, rtol=0)
+
+
+def branch_run(runner: ModelRunner, model, depth: int) -> None:
+    """Branches of two sequences (prefixes 33 and 27: the window's start differs per branch), stepped
+    `depth` times: past the window, a branch's own first private keys leave it too."""
+    prefixes = {"s": tokens(10, 33), "t": tokens(11, 27)}
+    for sid, prefix in prefixes.items():
+        runner.add(sid)
+        runner.extend([sid], [prefix], [1])
+    seq_ids = ["s", "t", "s"]
+    paths = [tokens(20 + i, depth) for i in range(3)]
+    state, got = runner.branch_start(seq_ids, [33, 27, 33], torch.tensor([p[0] for p in paths]))
+    for d in range(depth):
+        if d:
+            got = runner.branch_step(state, torch.tensor([p[d] for p in paths]))
+        want = torch.stack([hf_logits(model, prefixes[sid] + p[:d + 1])[-1] for sid, p in zip(seq_ids, paths)])
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+def test_branch_steps_match_transformers(family):
+    branch_run(ModelRunner(family["path"]), family["model"], depth=WINDOW + 3)
+
+
+def test_static_branch_steps_match_transformers(family):
+    """StaticBranchBatch (captured on a GPU; run uncaptured here), to its depth cap of 8: past the window."""
+    branch_run(static_runner(family["path"]), family["model"], depth=8)
+
+
+def test_the_static_steps_give_the_eager_logits(family):
+    """StaticBatch / StaticBranchBatch against ExtendBatch / BranchBatch over test_step_graphs' steps
+    (sequences growing past 128 positions: far past the window)."""
+    got, want = steps(static_runner(family["path"])), steps(ModelRunner(family["path"]))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+
+
+def test_static_decode_and_verify_match_transformers(family):
+    runner, seq = static_runner(family["path"]), tokens(12, 40)
+    runner.add("s")
+    got = [runner.extend(["s"], [seq[:30]], [1])[0]]  # eager prefill, then graph-path steps of 1 and 3 tokens
+    got += [runner.extend(["s"], [seq[i:i + n]], [n])[0] for i, n in ((30, 1), (31, 3), (34, 3), (37, 3))]
+    torch.testing.assert_close(torch.cat(got), hf_logits(family["model"], seq)[29:], atol=ATOL, rtol=0)
+
+
+# ---- the tests see the window's boundary ----------------------------------------------------------
+@pytest.mark.parametrize("shift", [-1, 1])
+def test_a_window_off_by_one_fails_these_checks(family, monkeypatch, shift):
+    """The window moved by one position either way (one key more or fewer) is caught on every path."""
+    def off_by_one(key_pos, query_pos, window):
+        return key_pos > query_pos - window - shift
+
+    for module in (attention, branch, static_branch):
+        monkeypatch.setattr(module, "in_window", off_by_one)
+    checks = [lambda: test_prefill_and_decode_match_transformers(family),
+              lambda: test_batched_extend_of_mixed_lengths_matches_transformers(family),
+              lambda: test_branch_steps_match_transformers(family),
+              lambda: test_static_branch_steps_match_transformers(family),
+              lambda: test_static_decode_and_verify_match_transformers(family)]
+    for check in checks:
+        with pytest.raises(AssertionError, match="Tensor-likes are not close"):
+            check()
+
+
+def test_a_window_not_yet_reached_adds_no_op_to_decode(tmp_path):
+    """Llama's decode ops, and a sliding model's while its keys fit in the window: no mask built."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**COMMON)).save_pretrained(tmp_path / "llama")
+    MistralForCausalLM(MistralConfig(**COMMON, sliding_window=100)).save_pretrained(tmp_path / "mistral")
+    assert decode_ops(tmp_path / "mistral") == decode_ops(tmp_path / "llama")
+
+
+# ---- greedy generation ----------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_pair(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"pair_{request.param}")
+    torch.set_num_threads(1)
+    model = save_family(root / "target", request.param, seed=0, sharpen=4.0)
+    save_perturbed_draft(root / "draft", model, seed=1)
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model}
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
+def test_greedy_generation_matches_transformers_generate(family_pair, mode):
+    prompt, n = tokens(5, 40), 20
+    want = hf_greedy(family_pair["model"], prompt, n)
+    speculative = {} if mode == "ar" else {"draft": family_pair["draft"], "k": 3, "draft_executor": "thread"}
+    with LLM(device=DEVICE, model=family_pair["target"], mode=mode, max_batch_size=1, **speculative) as llm:
+        got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
+            temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
+    assert_greedy_equal(list(got), want, prompt, family_pair["model"])
