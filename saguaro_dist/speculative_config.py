@@ -95,14 +95,13 @@ def config_fields(speculative_config: Mapping | None, given: Mapping) -> dict:
     _count("num_speculative_tokens", "k", speculative_config, given, fields)
     _count("prompt_lookup_max", "prompt_lookup_max", speculative_config, given, fields)
     _count("prompt_lookup_min", "prompt_lookup_min", speculative_config, given, fields)
-    if fields.get("mode") is Mode.NGRAM:
-        _one_lookup_size_for_both(given, fields)
+    _one_lookup_size_for_both(given, fields)
     return fields
 
 
 def _one_lookup_size_for_both(given: Mapping, fields: dict) -> None:
     """vLLM's ngram: prompt_lookup_min or _max given alone stands for both (min 5 alone would fail min <= max
-    against our default max of 3)."""
+    against our default max of 3); with a draft model the sizes set ssd's n-gram backup, by the same rule."""
     for one, other in (("prompt_lookup_min", "prompt_lookup_max"), ("prompt_lookup_max", "prompt_lookup_min")):
         if one in fields and other not in fields and given.get(other) is None:
             fields[other] = fields[one]

@@ -222,3 +222,9 @@ def test_chart_refuses_a_mode_the_speculative_config_cannot_run():
 def test_chart_schema_refuses_bad_values(values, field):
     report = helm.lint(str(CHART), values=values, strict=True)
     assert any(field in error for error in report["errors"]), report
+
+
+def test_an_empty_draft_alone_deploys_autoregressively():
+    """`--draft ""` means no draft model; without --mode it failed on the default mode ssd."""
+    (doc,) = deploy('--kind serve-config --draft ""')
+    assert config_from_args(app_args(doc)).mode.value == "ar"

@@ -229,3 +229,16 @@ def _wait_healthy(url: str, cert: str, proc: subprocess.Popen, timeout_s: float 
             pass
         time.sleep(0.5)
     raise AssertionError("saguaro serve did not become healthy over HTTPS in time")
+
+
+def test_an_encrypted_key_is_refused_without_asking_for_its_pass_phrase(tmp_path):
+    """The check loaded the key with no password callback: OpenSSL asked for the pass phrase on the terminal,
+    and a typed one passed a key Serve's proxies (given no pass phrase) cannot open."""
+    from saguaro_dist.cli.frontend_flags import _check_key_pair
+    if subprocess.run(["which", "openssl"], capture_output=True).returncode:
+        pytest.skip("the openssl CLI makes the encrypted key")
+    key, cert = tmp_path / "enc.key", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-passout", "pass:secret"], check=True, capture_output=True)
+    with pytest.raises(ValueError, match="is encrypted"):
+        _check_key_pair(str(key), str(cert))

@@ -61,7 +61,8 @@ def test_none_sets_nothing_and_agreeing_values_are_no_conflict():
     assert config_fields(None, {"k": 3}) == {}
     given = {"draft": pathlib.Path("d"), "k": 3, "draft_revision": "v1", "mode": "sd", "prompt_lookup_max": 2}
     spec = {"model": "d", "num_speculative_tokens": 3, "revision": "v1", "prompt_lookup_max": 2}
-    assert config_fields(spec, given) == {"draft": "d", "k": 3, "draft_revision": "v1", "prompt_lookup_max": 2}
+    assert config_fields(spec, given) == {"draft": "d", "k": 3, "draft_revision": "v1", "prompt_lookup_max": 2,
+                                             "prompt_lookup_min": 2}  # one size stands for both
 
 
 def test_a_draft_given_as_draft_keyword_needs_no_model():
@@ -213,3 +214,15 @@ def test_app_args_take_the_dict_or_its_json_and_compare_string_values_as_their_t
         assert (config.draft, config.k, config.mode) == ("/d", 4, Mode.SSD)
     with pytest.raises(ValueError, match="conflicts with k=5"):
         config_from_args({"model": "/t", "k": "5", "speculative_config": spec})
+
+
+def test_a_lone_model_in_app_args_decodes_autoregressively():
+    """`serve run ...:build_app model=X` (or a hand-written serveConfigV2) refused it: Config's default mode ssd."""
+    assert config_from_args({"model": "/t"}).mode is Mode.AR
+    assert config_from_args({"model": "/t", "draft": "/d"}).mode is Mode.SSD
+    with pytest.raises(ValueError, match="needs a draft"):
+        config_from_args({"model": "/t", "mode": "sd"})
+
+
+def test_one_lookup_size_stands_for_both_with_a_draft_model_too():
+    assert config_fields({"model": "/d", "prompt_lookup_min": 5}, {})["prompt_lookup_max"] == 5

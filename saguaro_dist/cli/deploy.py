@@ -196,6 +196,8 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
         values["chat_template"] = load_chat_template(values["chat_template"])  # the text: the pods lack the file
     if values.get("speculative_config"):
         _check_speculative_config(values)
+    elif values.get("draft") == "" and "mode" not in values:
+        values["mode"] = "ar"  # `--draft ""` alone: no draft model, so autoregressive (as a lone serve MODEL)
     return k8s.K8sSettings(**values)
 
 

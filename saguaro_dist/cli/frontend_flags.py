@@ -97,13 +97,27 @@ def _check_serve_supports_tls() -> None:
                          "HTTPOptions has no ssl_keyfile); upgrade Ray, or put a TLS-terminating proxy in front")
 
 
+class _EncryptedKey(Exception):
+    pass
+
+
+def _encrypted_key():
+    """load_cert_chain's password callback: called only for an encrypted key (without one, OpenSSL would ask
+    for the pass phrase on the terminal, and a typed one would pass a key the proxies cannot open)."""
+    raise _EncryptedKey
+
+
 def _check_key_pair(keyfile: str, certfile: str) -> None:
     """Loads the pair as the server will: an unreadable file, or a key that is not the certificate's, is named."""
     for flag, path in (("--ssl-keyfile", keyfile), ("--ssl-certfile", certfile)):
         if not Path(path).expanduser().is_file():
             raise ValueError(f"{flag} {path!r}: no such file")
     try:
-        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(Path(certfile).expanduser(), Path(keyfile).expanduser())
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(Path(certfile).expanduser(), Path(keyfile).expanduser(),
+                                                                password=_encrypted_key)
+    except _EncryptedKey:
+        raise ValueError(f"--ssl-keyfile {keyfile!r} is encrypted: Serve's proxies are given no pass phrase, so give "
+                         f"an unencrypted key") from None
     except (ssl.SSLError, OSError) as err:
         raise ValueError(f"{TLS_FLAGS}: cannot load the certificate and key ({err}); a PEM certificate and its own "
                          "unencrypted private key are needed") from None

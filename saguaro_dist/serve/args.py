@@ -65,6 +65,8 @@ def _kind(name: str, default, annotation: str) -> str:
 def config_from_args(args: dict) -> Config:
     """Build and validate the engine Config from app args; unknown keys are a ValueError naming them."""
     args = with_speculative_config(args)
+    if not args.get("draft") and "mode" not in args:
+        args = {**args, "mode": "ar"}  # a lone target decodes autoregressively (LLM(model), `saguaro serve MODEL`)
     fields = {f.name: f for f in dataclasses.fields(Config)}
     unknown = sorted(set(args) - set(fields) - SERVE_ONLY_ARGS)
     if unknown:
