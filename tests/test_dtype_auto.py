@@ -178,3 +178,17 @@ def test_deploy_k8s_takes_dtype_auto(capsys):
     (doc,) = [d for d in yaml.safe_load_all(capsys.readouterr().out) if d and d["kind"] == "RayService"]
     (app,) = yaml.safe_load(doc["spec"]["serveConfigV2"])["applications"]
     assert app["args"]["dtype"] == "auto"
+
+
+# ---- Gemma 3 in float16 (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS): refused when named, never auto's choice ----
+AMPERE, VOLTA = dev.DeviceKind("cuda", (8, 0), "A100"), dev.DeviceKind("cuda", (7, 0), "V100")
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "gemma3_text"])
+def test_gemma3_refuses_float16_and_auto_picks_a_stable_dtype(model_type):
+    hf = {"model_type": model_type, "torch_dtype": "float32"}
+    with pytest.raises(ValueError, match=f"float16 is not supported for {model_type}"):
+        dev.resolve_dtype("float16", hf, AMPERE)
+    assert dev.resolve_dtype("auto", hf, AMPERE) == torch.bfloat16  # auto's float16 for a float32 checkpoint
+    assert dev.resolve_dtype("auto", {**hf, "torch_dtype": "bfloat16"}, VOLTA) == torch.float32  # no bf16 there
+    assert dev.resolve_dtype("auto", {"model_type": "llama", "torch_dtype": "float32"}, AMPERE) == torch.float16

@@ -20,10 +20,11 @@ def build_model(cfg: ModelConfig, model_dir: Path, device, dtype, tp_group=None)
     if tp_group is not None:
         apply_tensor_parallel(model, tp_group)
     model = model.to(dtype=dtype).to_empty(device=device)
+    model.set_embed_scale(cfg.embed_scale, dtype, device)
     skip = frozenset()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         skip = frozenset({"lm_head.weight"})
-    load_weights(model, model_dir, skip)
+    load_weights(model, model_dir, skip, cfg.language_model_only)
     fuse_projections(model)
     return model.eval().requires_grad_(False)

@@ -30,6 +30,8 @@ class DeviceKind:
         return f"{self.name or self.type!r} (compute capability {major}.{minor})"
 
 
+FLOAT16_UNSTABLE = ("gemma3", "gemma3_text")  # vLLM's _FLOAT16_NOT_SUPPORTED_MODELS of the families we run
+
 def device_kind(device) -> DeviceKind:
     """The DeviceKind of `device`, a torch device or its name; a GPU this process cannot see is left unknown
     (resolve_device refuses it where the model loads)."""
@@ -95,12 +97,29 @@ def check_dtype_supported(dtype: torch.dtype, device) -> None:
 
 
 def resolve_dtype(dtype, hf: dict, device) -> torch.dtype:
-    """parse_dtype, with "auto" resolved for this checkpoint on this device (auto_dtype), checked against
-    what the device supports (check_dtype_supported)."""
+    """parse_dtype, with "auto" resolved for this checkpoint on this device (auto_dtype, then float16_stable),
+    checked against what the device supports (check_dtype_supported) and the model (check_float16_stable)."""
     kind = device_kind(device)
-    resolved = parse_dtype(auto_dtype(hf, kind) if dtype == AUTO_DTYPE else dtype)
+    if dtype == AUTO_DTYPE:
+        dtype = float16_stable(auto_dtype(hf, kind), hf, kind)
+    resolved = parse_dtype(dtype)
     check_dtype_supported(resolved, kind)
+    check_float16_stable(resolved, hf)
     return resolved
+
+
+def float16_stable(dtype: str, hf: dict, kind: DeviceKind) -> str:
+    """auto's float16 for a model whose activations overflow it: bfloat16 where the device has it, else
+    float32 (vLLM's _FLOAT16_NOT_SUPPORTED_MODELS rule)."""
+    if dtype != "float16" or hf.get("model_type") not in FLOAT16_UNSTABLE:
+        return dtype
+    return "bfloat16" if kind.has_bf16 else "float32"
+
+
+def check_float16_stable(dtype: torch.dtype, hf: dict) -> None:
+    if dtype == torch.float16 and hf.get("model_type") in FLOAT16_UNSTABLE:
+        raise ValueError(f"float16 is not supported for {hf['model_type']} models: their activations overflow "
+                         f"float16 (vLLM refuses it too); use bfloat16, float32 or auto")
 
 
 def resolve_device(device) -> torch.device:

@@ -5,30 +5,23 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma3_ropes, gemma3_text_view,
+                                              gemma3_windows)
+from saguaro_dist.model.rope_checks import checked_rope, is_number
+
 # model_type -> (q/k/v bias field, o_proj bias with it, q/k RMSNorm per head)
 _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True),
-             "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False)}
+             "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False),
+             "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True)}
 _DEFAULT_EPS = {"olmo2": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
 # Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
-_ROPE_FIELDS = {"linear": ("factor",),  # what each type's frequencies read (model/rope.py)
-                "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-                "yarn": ("factor", "original_max_position_embeddings")}
 # The rope types whose `factor` stretches the context past max_position_embeddings (vLLM's _get_and_verify_max_len:
 # every type but su / longrope / llama3). llama3's max_position_embeddings already is its extended length; yarn
 # stretches its original_max_position_embeddings instead.
 _EXTENDING_ROPE_TYPES = ("linear", "yarn")
-# Types whose frequencies depend on the sequence's current length: a key cached at one length would be rotated
-# otherwise than the same key computed at another, and a round's positions span lengths.
-_PER_LENGTH_ROPE_TYPES = {
-    "dynamic": "dynamic NTK recomputes its frequencies from the sequence's length as it grows",
-    "longrope": "longrope switches from its short to its long factors once the sequence passes "
-                "original_max_position_embeddings",
-}
-_YARN_OPTIONAL_NUMBERS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 @dataclass(frozen=True)
@@ -60,6 +53,11 @@ class ModelConfig:
     post_norms: bool = False  # OLMo 2: norms after each sublayer (none before), q / k norms over whole projections
     rope_fp32: bool = False   # OLMo 2: the runner's cos / sin tables stay fp32, so q and k rotate in fp32, cast after
     layer_windows: tuple = ()  # each layer's sliding window (None: full attention); (): no layer slides
+    # Gemma 3's (gemma3_config.py); the defaults add no op
+    embed_scale: float | None = None  # the embeddings times it, rounded to the model's dtype first
+    sandwich_norms: bool = False  # norms before and after each sublayer, x * (1 + weight) in fp32; gelu-tanh MLP
+    local_rope: dict | None = None  # the sliding layers' own rope; None: every layer rotates by `rope`
+    language_model_only: bool = False  # a multimodal checkpoint ("gemma3"): only its language model is loaded
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
@@ -83,68 +81,14 @@ def _require(hf: dict, key: str):
     return hf[key]
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_rope_type(rope_type: str) -> None:
-    if rope_type in _PER_LENGTH_ROPE_TYPES:
-        raise ValueError(f"config.json rope_type {rope_type!r} is not supported: {_PER_LENGTH_ROPE_TYPES[rope_type]}, "
-                         "so cached keys would not be rotated as transformers rotates them "
-                         f"(supported: {', '.join(_ROPE_TYPES)})")
-    if rope_type not in _ROPE_TYPES:
-        raise ValueError(f"config.json rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
-
-
-def _check_scaling_values(rope: dict, rope_type: str) -> None:
-    """The fields every scaling type shares: a positive factor, a positive whole original length."""
-    factor = rope.get("factor")
-    if "factor" in _ROPE_FIELDS.get(rope_type, ()) and not (_is_number(factor) and factor > 0):
-        raise ValueError(f"config.json rope_type {rope_type!r} factor must be a number > 0, got {factor!r}")
-    old_len = rope.get("original_max_position_embeddings")
-    if "original_max_position_embeddings" in _ROPE_FIELDS.get(rope_type, ()) and not (
-            _is_number(old_len) and old_len > 0 and old_len == int(old_len)):
-        raise ValueError(f"config.json rope_type {rope_type!r} original_max_position_embeddings must be a positive "
-                         f"integer, got {old_len!r}")
-
-
-def _check_yarn_values(rope: dict, hf: dict) -> None:
-    """What transformers' yarn reads (it only warns of the worst; here they are refused, never computed)."""
-    for key in _YARN_OPTIONAL_NUMBERS:
-        if rope.get(key) is not None and not _is_number(rope[key]):
-            raise ValueError(f"config.json rope_type 'yarn' {key} must be a number, got {rope[key]!r}")
-    if rope.get("attention_factor") is not None and rope["attention_factor"] <= 0:  # it scales cos and sin
-        raise ValueError(f"config.json rope_type 'yarn' attention_factor must be > 0, got {rope['attention_factor']!r}")
-    for key in ("beta_fast", "beta_slow"):  # rotations over the original context; 0 means the default
-        if rope.get(key) is not None and rope[key] < 0:
-            raise ValueError(f"config.json rope_type 'yarn' {key} must be >= 0, got {rope[key]!r}")
-    if (rope.get("beta_fast") or 32) < (rope.get("beta_slow") or 1):
-        raise ValueError(f"config.json rope_type 'yarn' beta_fast ({rope.get('beta_fast')}, default 32) must not be "
-                         f"less than beta_slow ({rope.get('beta_slow')}, default 1)")
-    if rope.get("truncate") is not None and not isinstance(rope["truncate"], bool):  # null: falsy, as transformers
-        raise ValueError(f"config.json rope_type 'yarn' truncate must be true or false, got {rope['truncate']!r}")
-    outer = hf.get("original_max_position_embeddings")  # transformers prefers it to the rope dict's
-    if outer is not None and outer != rope["original_max_position_embeddings"]:
-        raise ValueError(f"config.json original_max_position_embeddings {outer} differs from rope_scaling's "
-                         f"{rope['original_max_position_embeddings']}: ambiguous, refused")
-
-
 def rope_params(hf: dict) -> dict:
-    """Both layouts: transformers>=5 `rope_parameters`, older `rope_theta` + `rope_scaling`."""
+    """Both layouts: transformers>=5 `rope_parameters`, older `rope_theta` + `rope_scaling`; Gemma 3's full
+    layers' (its sliding layers': gemma3_config.gemma3_ropes)."""
+    if hf.get("model_type") in GEMMA3_TYPES:
+        return gemma3_ropes(gemma3_text_view(hf))["full_attention"]
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    _check_rope_type(rope_type)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("config.json partial_rotary_factor != 1 is not supported")
-    lacking = [k for k in _ROPE_FIELDS.get(rope_type, ()) if rope.get(k) is None]
-    if lacking:  # refused here, not a KeyError when the tables are built
-        raise ValueError(f"config.json rope_type {rope_type!r} lacks {', '.join(lacking)}")
-    _check_scaling_values(rope, rope_type)
-    if rope_type == "yarn":
-        _check_yarn_values(rope, hf)
-    rope["rope_type"] = rope_type
-    return rope
+    return checked_rope(rope, hf)
 
 
 def rope_length_factor(rope: dict) -> float:
@@ -197,7 +141,11 @@ def _qwen_layer_types(hf: dict, window: int | None, num_layers: int) -> list[str
 
 def layer_windows(hf: dict, num_layers: int) -> tuple:
     """Each layer's sliding window (None: full attention), as transformers' modeling applies them: Mistral's
-    on every layer, Qwen2 / Qwen3's on the layers layer_types marks "sliding_attention"; () when none slides."""
+    on every layer, Qwen2 / Qwen3's and Gemma 3's on the layers layer_types marks "sliding_attention"; ()
+    when none slides."""
+    if hf["model_type"] in GEMMA3_TYPES:
+        windows = gemma3_windows(gemma3_text_view(hf))
+        return windows if any(w is not None for w in windows) else ()
     window = _sliding_window(hf)
     if hf["model_type"] in ("qwen2", "qwen3"):
         windows = tuple(window if t == "sliding_attention" else None
@@ -210,7 +158,10 @@ def layer_windows(hf: dict, num_layers: int) -> tuple:
 def context_limit(hf: dict) -> tuple[int, str]:
     """(the longest context, where it comes from): max_position_embeddings, times the rope scaling factor for
     the types that extend the context (yarn: original_max_position_embeddings times it; vLLM's rule). A
-    sliding window does not bound it: sliding layers attend over their window of the stored KV (all kept)."""
+    sliding window does not bound it: sliding layers attend over their window of the stored KV (all kept).
+    Gemma 3's is max_position_embeddings, its rope scaling already counted there (vLLM skips gemma3's factor)."""
+    if hf.get("model_type") in GEMMA3_TYPES:
+        return _require(gemma3_text_view(hf), "max_position_embeddings"), "config.json max_position_embeddings"
     return _scaled_positions(_require(hf, "max_position_embeddings"), rope_params(hf))
 
 
@@ -240,7 +191,7 @@ def _granite_scalars(hf: dict) -> dict:
     by zero; a negative or non-finite one was never trained), else refused."""
     values = {key: hf.get(key, 1.0) for key in _GRANITE_SCALARS}
     for key, value in values.items():
-        if not (_is_number(value) and 0 < value < float("inf")):
+        if not (is_number(value) and 0 < value < float("inf")):
             raise ValueError(f"config.json (model_type 'granite') {key} must be a finite number > 0, got {value!r}")
     return {"embedding_multiplier": float(values["embedding_multiplier"]),
             "residual_multiplier": float(values["residual_multiplier"]),
@@ -249,15 +200,19 @@ def _granite_scalars(hf: dict) -> dict:
 
 
 def _family_fields(model_type: str, hf: dict) -> dict:
-    """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout)."""
+    """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout, Gemma 3's)."""
     if model_type == "granite":
         return _granite_scalars(hf)
     if model_type == "olmo2":
         return {"post_norms": True, "rope_fp32": True}
+    if model_type in GEMMA3_TYPES:
+        return gemma3_fields(hf)
     return {}
 
 
 def parse_config(hf: dict) -> ModelConfig:
+    if hf.get("model_type") in GEMMA3_TYPES:  # Gemma 3's language model, its defaults filled in (a view)
+        hf = gemma3_text_view(hf)
     model_type = _model_type(hf)
     _check_unquantized(hf)
     bias_key, o_bias, qk_norm = _FAMILIES[model_type]

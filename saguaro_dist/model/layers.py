@@ -1,4 +1,4 @@
-"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2) as plain modules; attention over stored
+"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 3) as plain modules; attention over stored
 KV is left to a batch context (`ctx.attend`), so the same layers serve batched extend and branch decode."""
 from __future__ import annotations
 
@@ -41,6 +41,16 @@ class WeightFirstRMSNorm(RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         return (self.weight * (h * (h * h).sum(-1, keepdim=True).div_(h.shape[-1]).add_(self.eps).rsqrt_())).to(x.dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's (Gemma3RMSNorm): the weight stored as an offset from 1, x * (1 + weight) all in fp32, then
+    the cast."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        normed = h * (h * h).sum(-1, keepdim=True).div_(h.shape[-1]).add_(self.eps).rsqrt_()
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class Attention(PlainModule):
@@ -98,6 +108,29 @@ class ProjectionNormAttention(Attention):
         return self.o_proj(self._attend(ctx, qk[:, :, :heads], qk[:, :, heads:], v))
 
 
+class TwoRopeAttention(Attention):
+    """Gemma 3's: per-head q / k norms (OffsetRMSNorm), and sliding layers rotate by their own rope. The
+    runner's tables then hold both ropes side by side ([global | local] on the last axis, rope.py); each
+    layer reads its half."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.q_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        local = self.window is not None  # a sliding layer (gemma3_config.gemma3_windows)
+        self.rope_half = slice(cfg.head_dim, None) if local else slice(0, cfg.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        b, t, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qk, v = self.qkv_proj(x).split([self.qkv_sizes[0] + self.qkv_sizes[1], self.qkv_sizes[2]], dim=-1)
+        qk = qk.view(b, t, heads + kv_heads, self.head_dim)
+        qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
+        qk = apply_rope(qk, ctx.cos[..., self.rope_half], ctx.signed_sin[..., self.rope_half])
+        v = v.view(b, t, kv_heads, self.head_dim)
+        return self.o_proj(self._attend(ctx, qk[:, :, :heads], qk[:, :, heads:], v))
+
+
 class MLP(PlainModule):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -109,6 +142,14 @@ class MLP(PlainModule):
         """Runs on the fused `gate_up_proj` that build_model makes from gate/up_proj."""
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+
+class GeluTanhMLP(MLP):
+    """Gemma's: gelu_pytorch_tanh (transformers' GELUTanh: F.gelu, approximate "tanh") gates it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(PlainModule):
@@ -151,8 +192,26 @@ class PostNormLayer(PlainModule):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
+class SandwichNormLayer(PlainModule):
+    """Gemma 3's: a norm before each sublayer and one on its output, before the residual add."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = TwoRopeAttention(cfg, layer_idx)
+        self.mlp = GeluTanhMLP(cfg)
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            setattr(self, name, OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 def _layer_class(cfg: ModelConfig) -> type:
     """A family's layer; Llama's unless it adds ops (a Granite residual_multiplier of 1 adds none)."""
+    if cfg.sandwich_norms:
+        return SandwichNormLayer
     if cfg.post_norms:
         return PostNormLayer
     return DecoderLayer if cfg.residual_multiplier == 1.0 else ScaledResidualLayer
@@ -168,7 +227,8 @@ class Decoder(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         layer = _layer_class(cfg)
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = (WeightFirstRMSNorm if cfg.post_norms else RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = OffsetRMSNorm if cfg.sandwich_norms else WeightFirstRMSNorm if cfg.post_norms else RMSNorm
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(PlainModule):
@@ -178,12 +238,20 @@ class CausalLM(PlainModule):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # Granite's; at 1 (every other family) no multiply or divide runs
         self.embedding_multiplier, self.logits_scaling = cfg.embedding_multiplier, cfg.logits_scaling
+        self.embed_scale = None  # Gemma's: a tensor in the model's dtype, set by set_embed_scale once built
+
+    def set_embed_scale(self, scale: float | None, dtype: torch.dtype, device) -> None:
+        """Gemma's sqrt(hidden_size) as transformers' Gemma3TextScaledWordEmbedding multiplies it: an fp32
+        tensor cast to the weights' dtype (sqrt(1152) = 33.94 is 34.0 in bf16), then a tensor multiply."""
+        self.embed_scale = None if scale is None else torch.tensor(scale).to(device=device, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:
         """input_ids: [B, T] -> final hidden states [B, T, hidden] (the LM head runs on the rows asked for)."""
         x = self.model.embed_tokens(input_ids)
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         for layer in self.model.layers:
             x = layer(x, ctx)
         return self.model.norm(x)

@@ -146,8 +146,27 @@ def _param_name(stored: str, wanted: set[str]) -> str:
     return f"model.{stored}" if stored not in wanted and f"model.{stored}" in wanted else stored
 
 
-def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset()):
-    """Every parameter must come from the checkpoint (none is left as allocated), and every tensor of the
+# A multimodal checkpoint's language model under the names transformers writes (5.x: language_model.model.*,
+# 4.52-4.57: model.language_model.*), and the towers it also holds, which a text-only runtime never reads
+_LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
+                            ("model.language_model.", "model."))
+_OTHER_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                         "model.multi_modal_projector.")
+
+
+def language_model_name(stored: str) -> str | None:
+    """A multimodal checkpoint's tensor under its language model's causal-LM name; None for the vision
+    tower's and the projector's (skipped); any other name as it is (then a tensor left over, refused)."""
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES:
+        if stored.startswith(prefix):
+            return ours + stored[len(prefix):]
+    return None if stored.startswith(_OTHER_TOWER_PREFIXES) else stored
+
+
+def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset(),
+                 language_model_only: bool = False):
+    """language_model_only: the checkpoint is multimodal (Gemma 3 4B-27B), its language model is loaded
+    (language_model_name). Every parameter must come from the checkpoint (none is left as allocated), and every tensor of the
     checkpoint must fill one (but buffers and `skip`: tied ones): a tensor left over means config.json
     does not describe these weights (attention biases it omits, more layers), and dropping it computed
     another model than the checkpoint's, silently (vLLM refuses such a checkpoint too)."""
@@ -158,7 +177,10 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
     loaded, unexpected = set(), []
     for file in checkpoint_files(model_dir):
         for stored, sl in _tensor_slices(file):
-            name = _param_name(stored, wanted)
+            name = language_model_name(stored) if language_model_only else stored
+            if name is None:
+                continue
+            name = _param_name(name, wanted)
             if name not in wanted:
                 if name not in skip and not name.endswith(_IGNORED_SUFFIXES):
                     unexpected.append(stored)

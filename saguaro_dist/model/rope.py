@@ -91,6 +91,18 @@ def rope_tables(head_dim: int, rope: dict, max_len: int, device, dtype) -> tuple
     return (emb.cos() * scale).to(device=device, dtype=dtype), signed_sin.to(device=device, dtype=dtype)
 
 
+def model_rope_tables(head_dim: int, rope: dict, local_rope: dict | None, max_len: int, device,
+                      dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's cos, signed_sin: `rope`'s, or with a local rope (Gemma 3's sliding layers') both side by side
+    on the last axis, [global | local]: [max_len, 2 * head_dim], so every batch context gathers both rows at
+    once and each layer reads its half (layers.TwoRopeAttention)."""
+    cos, signed_sin = rope_tables(head_dim, rope, max_len, device, dtype)
+    if local_rope is None:
+        return cos, signed_sin
+    local_cos, local_sin = rope_tables(head_dim, local_rope, max_len, device, dtype)
+    return torch.cat([cos, local_cos], dim=-1), torch.cat([signed_sin, local_sin], dim=-1)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. x: [B, T, H, D]; cos, signed_sin: [B, T, 1, D]."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

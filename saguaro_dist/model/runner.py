@@ -17,7 +17,7 @@ from saguaro_dist.model.kv_cache import MIN_KV_CAPACITY, NARROW_ABOVE, KVPool
 from saguaro_dist.model.loader import resolve_model_dir
 from saguaro_dist.model.memory import KVNeed, check_kv_fits, kv_bytes_per_token
 from saguaro_dist.model.pretranspose import pretranspose_linears
-from saguaro_dist.model.rope import rope_tables
+from saguaro_dist.model.rope import model_rope_tables
 from saguaro_dist.model.vocab import match_vocab
 
 log = logging.getLogger(__name__)
@@ -82,8 +82,8 @@ class ModelRunner:
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
             graphed = cuda_graphs and tp_group is None  # see _step_graphs
             self.pool = self._kv_pool(kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
-            self.cos, self.signed_sin = rope_tables(cfg.head_dim, cfg.rope, self.max_model_len, self.device,
-                                                    torch.float32 if cfg.rope_fp32 else self.dtype)
+            self.cos, self.signed_sin = model_rope_tables(cfg.head_dim, cfg.rope, cfg.local_rope, self.max_model_len,
+                                                          self.device, torch.float32 if cfg.rope_fp32 else self.dtype)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
         self._kept: set[Hashable] = set()  # renamed ones: finished rows the prefix cache keeps
