@@ -228,3 +228,10 @@ def test_an_empty_draft_alone_deploys_autoregressively():
     """`--draft ""` means no draft model; without --mode it failed on the default mode ssd."""
     (doc,) = deploy('--kind serve-config --draft ""')
     assert config_from_args(app_args(doc)).mode.value == "ar"
+
+
+def test_vllms_enable_auto_tool_choice_is_accepted_beside_a_tool_call_parser_only():
+    with_flag = deploy("--kind serve-config --tool-call-parser hermes --enable-auto-tool-choice")
+    assert with_flag == deploy("--kind serve-config --tool-call-parser hermes")  # it changes nothing here
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice only applies with --tool-call-parser"):
+        deploy("--enable-auto-tool-choice")

@@ -62,6 +62,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                         help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes; '
                              'llama3_json: Llama 3.1-3.3; mistral)')
+    parser.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                        help='vLLM\'s: tool_choice "auto" (on whenever --tool-call-parser is given; accepted so vLLM '
+                             'command lines carry over)')
     parser.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                         help="return <think> text as the chat message's reasoning (qwen3, deepseek_r1)")
     parser.add_argument("--generation-config", default=DEFAULTS.generation_config,
@@ -223,6 +226,7 @@ def _check_unused(args: argparse.Namespace, settings: k8s.K8sSettings) -> None:
     own checks, which say more)."""
     check_mode_flags(args, Mode(settings.mode), implied=False)
     refuse_without(args, ("draft_max_workers",), "autoscaling")
+    refuse_without(args, ("enable_auto_tool_choice",), "tool_call_parser")  # vLLM's rule, as `saguaro serve`
     gcs_ft = given(args, ("gcs_ft_redis_address", "gcs_ft_redis_password_secret"))
     if gcs_ft and args.kind != "rayservice":
         raise ValueError(f"{', '.join(map(flag_name, gcs_ft))} only applies to the RayService (--kind rayservice): "
