@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
+from model_checks import random_tokens, randomise, runner_logits
 from test_step_graphs import static_runner, steps
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
@@ -29,7 +30,6 @@ FAMILIES = {"granite": (GraniteForCausalLM, lambda: GraniteConfig(**{**COMMON, "
                                                                   **GRANITE_SCALARS)),
             "olmo2": (Olmo2ForCausalLM, lambda: Olmo2Config(**COMMON))}
 ATOL = 1e-5
-QK_GAIN = 8.0
 
 
 @pytest.fixture(autouse=True)
@@ -44,13 +44,7 @@ def save_family(path, family: str, seed: int = 0, sharpen: float = 1.0):
     model_cls, make_config = FAMILIES[family]
     torch.manual_seed(seed)
     model = model_cls(make_config()).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(QK_GAIN)
-        model.lm_head.weight.mul_(sharpen)
+    randomise(model, sharpen)
     model.save_pretrained(path)
     return model
 
@@ -66,17 +60,7 @@ def save_perturbed_draft(path, source, seed: int, noise: float = 0.15) -> None:
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def runner_logits(runner: ModelRunner, seq: list[int]) -> torch.Tensor:
-    """Logits of seq: its first half prefilled (the causal kernel), the rest one token a step (decode)."""
-    runner.add("s")
-    half = len(seq) // 2
-    got = [runner.extend(["s"], [seq[:half]], [half])[0]]
-    got += [runner.extend(["s"], [[t]], [1])[0] for t in seq[half:]]
-    runner.free("s")
-    return torch.cat(got)
+    return random_tokens(seed, n, VOCAB)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
 from safetensors.torch import load_file, save_file
-from test_model_families import runner_logits, save_perturbed_draft
+from model_checks import hf_logits, random_tokens, randomise, runner_logits
+from test_model_families import save_perturbed_draft
 from test_step_graphs import static_runner, steps
 from transformers import (AutoModelForCausalLM, Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration,
                           Gemma3TextConfig)
@@ -31,24 +32,11 @@ TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hi
 VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 28, "patch_size": 14}
 ATOL = 1e-5
-QK_GAIN = 8.0
 
 
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
-
-
-def randomise(model, sharpen: float = 1.0) -> None:
-    """Norms off their zero init (Gemma's weight is an offset from 1), q and k scaled up (attention far from
-    uniform, so a key wrongly seen or hidden moves the logits), the tied head / embeddings by `sharpen`."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(QK_GAIN)
-        model.get_output_embeddings().weight.mul_(sharpen)
 
 
 def save_gemma3(path, seed: int = 0, sharpen: float = 1.0) -> Gemma3ForCausalLM:
@@ -60,12 +48,7 @@ def save_gemma3(path, seed: int = 0, sharpen: float = 1.0) -> Gemma3ForCausalLM:
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_logits(model, seq: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([seq])).logits[0].float()
+    return random_tokens(seed, n, VOCAB)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from model_checks import random_tokens, runner_logits
+
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.model.hf_config import context_limit, rope_params
 from saguaro_dist.model.runner import ModelRunner
@@ -68,17 +70,7 @@ def save_family(path, family: str, yarn: dict, seed: int = 0):
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def runner_logits(runner: ModelRunner, seq: list[int]) -> torch.Tensor:
-    """Logits of seq: its first half prefilled, then one token a step (the decode path's positions)."""
-    runner.add("s")
-    half = len(seq) // 2
-    got = [runner.extend(["s"], [seq[:half]], [half])[0]]
-    got += [runner.extend(["s"], [[t]], [1])[0] for t in seq[half:]]
-    runner.free("s")
-    return torch.cat(got)
+    return random_tokens(seed, n, VOCAB)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from test_model_families import decode_ops, runner_logits, save_perturbed_draft
+from model_checks import hf_logits, random_tokens, randomise, runner_logits
+from test_model_families import decode_ops, save_perturbed_draft
 from test_step_graphs import static_runner, steps
 from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -26,7 +27,6 @@ FAMILIES = {"mistral": (MistralForCausalLM, lambda: MistralConfig(**COMMON, slid
             "qwen2": (Qwen2ForCausalLM, lambda: Qwen2Config(**COMMON, **QWEN)),
             "qwen3": (Qwen3ForCausalLM, lambda: Qwen3Config(**COMMON, **QWEN, head_dim=8))}
 ATOL = 1e-5
-QK_GAIN = 8.0
 
 
 @pytest.fixture(autouse=True)
@@ -40,24 +40,13 @@ def save_family(path, family: str, seed: int = 0, sharpen: float = 1.0):
     model_cls, make_config = FAMILIES[family]
     torch.manual_seed(seed)
     model = model_cls(make_config()).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.2 * torch.randn_like(p))
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                p.mul_(QK_GAIN)
-        model.lm_head.weight.mul_(sharpen)
+    randomise(model, sharpen)
     model.save_pretrained(path)
     return model
 
 
 def tokens(seed: int, n: int) -> list[int]:
-    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def hf_logits(model, seq: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([seq])).logits[0].float()
+    return random_tokens(seed, n, VOCAB)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
