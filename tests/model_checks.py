@@ -19,6 +19,15 @@ def randomise(model, sharpen: float = 1.0, qk_gain: float = QK_GAIN) -> None:
         model.get_output_embeddings().weight.mul_(sharpen)
 
 
+def save_seeded(path, model_cls, make_config, seed: int = 0, sharpen: float = 1.0):
+    """A seeded tiny checkpoint written by transformers, randomised as above; the model, for reference logits."""
+    torch.manual_seed(seed)
+    model = model_cls(make_config()).eval()
+    randomise(model, sharpen)
+    model.save_pretrained(path)
+    return model
+
+
 def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -168,14 +168,7 @@ def test_settings_refuse_values_the_app_would_read_otherwise(field, value):
 # ---- the chart ----------------------------------------------------------------------------------
 
 helm = pytest.importorskip("helm_python", reason="Helm chart tests: pip install helm-python-sdk==0.2.2 (test extra)")
-
-
-def render_rayservice(values: dict | None) -> dict:
-    with helm.Chart.load(str(CHART)) as chart:
-        files = chart.render(values, name="saguaro", namespace="default")
-    docs = [doc for path, text in files.items() if path.endswith(".yaml") for doc in yaml.safe_load_all(text) if doc]
-    (rayservice,) = [doc for doc in docs if doc["kind"] == "RayService"]
-    return rayservice
+from test_deploy_serve_flags import render_rayservice  # noqa: E402 (after the skip: it needs helm_python too)
 
 
 def test_chart_defaults_add_no_args():

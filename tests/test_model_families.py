@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from model_checks import random_tokens, randomise, runner_logits
+from model_checks import random_tokens, runner_logits, save_seeded
 from test_step_graphs import static_runner, steps
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
@@ -41,12 +41,7 @@ def save_family(path, family: str, seed: int = 0, sharpen: float = 1.0):
     """A seeded tiny checkpoint written by transformers; norms randomised (HF: ones), q and k scaled up (HF's
     init makes attention near uniform, whatever its scale: a wrong scale would pass unseen), the LM head
     scaled by `sharpen` (peaked distributions, as a real LM's, for the greedy runs)."""
-    model_cls, make_config = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = model_cls(make_config()).eval()
-    randomise(model, sharpen)
-    model.save_pretrained(path)
-    return model
+    return save_seeded(path, *FAMILIES[family], seed, sharpen)
 
 
 def save_perturbed_draft(path, source, seed: int, noise: float = 0.15) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from model_checks import hf_logits, random_tokens, randomise, runner_logits
+from model_checks import hf_logits, random_tokens, runner_logits, save_seeded
 from test_model_families import decode_ops, save_perturbed_draft
 from test_step_graphs import static_runner, steps
 from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
@@ -37,12 +37,7 @@ def _one_thread():
 def save_family(path, family: str, seed: int = 0, sharpen: float = 1.0):
     """A seeded tiny checkpoint written by transformers; q and k scaled up so attention is far from uniform
     (a key wrongly seen or hidden then moves the logits), the LM head by `sharpen` (for the greedy runs)."""
-    model_cls, make_config = FAMILIES[family]
-    torch.manual_seed(seed)
-    model = model_cls(make_config()).eval()
-    randomise(model, sharpen)
-    model.save_pretrained(path)
-    return model
+    return save_seeded(path, *FAMILIES[family], seed, sharpen)
 
 
 def tokens(seed: int, n: int) -> list[int]:
