@@ -10,7 +10,6 @@ from saguaro_dist.config import DTYPES, Mode
 from saguaro_dist.deploy import k8s
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
-from saguaro_dist.speculative_config import as_dict, config_fields
 
 DEFAULTS = k8s.K8sSettings()
 BUILDERS = {"rayservice": k8s.rayservice, "raycluster": k8s.raycluster, "serve-config": k8s.serve_config}
@@ -197,18 +196,9 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
     if values.get("chat_template"):
         from saguaro_dist.serve.prompts import load_chat_template
         values["chat_template"] = load_chat_template(values["chat_template"])  # the text: the pods lack the file
-    if values.get("speculative_config"):
-        _check_speculative_config(values)
-    elif values.get("draft") == "" and "mode" not in values:
+    if values.get("draft") == "" and "mode" not in values and not values.get("speculative_config"):
         values["mode"] = "ar"  # `--draft ""` alone: no draft model, so autoregressive (as a lone serve MODEL)
     return k8s.K8sSettings(**values)
-
-
-def _check_speculative_config(values: dict) -> None:
-    """--speculative-config against the flags given beside it (K8sSettings can only tell values off their
-    defaults, so an explicit `--mode ssd` beside an ngram config is caught here), as `saguaro serve` checks it."""
-    spec = as_dict(values["speculative_config"])
-    config_fields(spec, {name: values[name] for name in k8s.SPECULATION_FIELDS if values.get(name) is not None})
 
 
 def manifests(args: argparse.Namespace) -> list[dict]:

@@ -35,40 +35,61 @@ def helm_values(s: K8sSettings) -> dict:
         raise ValueError(f"seed {s.seed} is beyond what Helm's values carry exactly (|seed| <= 2**53 - 1); "
                          f"the chart's schema refuses it: use `saguaro deploy k8s`, which takes any int64")
     repository, tag = _split_image(s.container_image)
-    return {
-        "fullnameOverride": s.name,
-        "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy,
-                  "pullSecrets": list(s.image_pull_secrets)},
-        "model": {"target": s.model, "draft": s.draft or "", "servedModelName": _names(s.served_model_name),
-                  "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or "",
-                  "generationConfig": s.generation_config, "chatTemplate": s.chat_template or "",
-                  "revision": s.revision or "", "draftRevision": s.draft_revision or "",
-                  "tokenizer": s.tokenizer or "", "tokenizerRevision": s.tokenizer_revision or ""},
-        "speculation": {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
-                        "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
-                        "proposalTopK": s.proposal_top_k, "promptLookupMax": s.prompt_lookup_max,
-                        "promptLookupMin": s.prompt_lookup_min,
-                        "speculativeConfig": None if s.speculative_config is None else dict(s.speculative_config)},
-        "engine": {"maxBatchSize": s.max_batch_size, "maxModelLen": s.max_model_len or 0,
-                   "gpuMemoryUtilization": s.gpu_memory_utilization, "dtype": s.dtype or "",
-                   "schedulingPolicy": s.scheduling_policy,
-                   "maxNumBatchedTokens": s.max_num_batched_tokens or 0,
-                   "enablePrefixCaching": s.enable_prefix_caching, "enforceEager": s.enforce_eager,
-                   "disableLogStats": s.disable_log_stats, "seed": s.seed},
-        "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
-                   "enableLogRequests": s.enable_log_requests, **_frontend_values(s)},
-        "gpu": {"enabled": s.gpu, "type": s.gpu_type or ""},
-        "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
-        "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},
-        "draft": {"workers": s.draft_workers, "resources": {"cpu": s.draft_cpu, "memory": s.draft_memory}},
-        "autoscaling": {"enabled": s.autoscaling, "draftMaxWorkers": s.draft_max_workers or 0,
-                        "idleTimeoutSeconds": s.idle_timeout_s},
-        "apiKey": {"secretName": s.api_key_secret, "secretKey": s.api_key_secret_key},
-        "hfToken": {"secretName": s.hf_token_secret, "secretKey": s.hf_token_secret_key},
-        "modelStorage": {"pvc": s.models_pvc or ""},
-        "upgradeStrategy": s.upgrade_strategy,
-        "termination": {"drainTimeoutSeconds": s.drain_timeout_s},
-        "gcsFaultTolerance": {"redisAddress": s.gcs_ft_redis_address or "",
-                              "redisPassword": {"secretName": s.gcs_ft_redis_password_secret or "",
-                                                "secretKey": s.gcs_ft_redis_password_secret_key}},
-    }
+    return {"fullnameOverride": s.name,
+            "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy,
+                      "pullSecrets": list(s.image_pull_secrets)},
+            "model": _model_values(s), "speculation": _speculation_values(s), "engine": _engine_values(s),
+            "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
+                       "enableLogRequests": s.enable_log_requests, **_frontend_values(s)},
+            **_cluster_values(s)}
+
+
+def _draft_value(s: K8sSettings) -> str | None:
+    """model.draft: "" = none. Beside an ngram speculative_config null (not given), as the chart refuses a
+    draft given beside one, as K8sSettings does; the settings keep the default draft there, unused."""
+    if s.speculative_config is not None and not s.uses_draft:
+        return None
+    return s.draft or ""
+
+
+def _model_values(s: K8sSettings) -> dict:
+    return {"target": s.model, "draft": _draft_value(s), "servedModelName": _names(s.served_model_name),
+            "toolCallParser": s.tool_call_parser or "", "reasoningParser": s.reasoning_parser or "",
+            "generationConfig": s.generation_config, "chatTemplate": s.chat_template or "",
+            "revision": s.revision or "", "draftRevision": s.draft_revision or "",
+            "tokenizer": s.tokenizer or "", "tokenizerRevision": s.tokenizer_revision or ""}
+
+
+def _speculation_values(s: K8sSettings) -> dict:
+    """The settings' speculation fields are what speculative_config resolved to: the chart finds them agreeing."""
+    return {"mode": s.mode, "k": s.k, "saguaroC": s.saguaro_c, "fallback": s.fallback,
+            "fanOut": list(s.fan_out) if isinstance(s.fan_out, tuple) else s.fan_out,
+            "proposalTopK": s.proposal_top_k, "promptLookupMax": s.prompt_lookup_max,
+            "promptLookupMin": s.prompt_lookup_min,
+            "speculativeConfig": None if s.speculative_config is None else dict(s.speculative_config)}
+
+
+def _engine_values(s: K8sSettings) -> dict:
+    return {"maxBatchSize": s.max_batch_size, "maxModelLen": s.max_model_len or 0,
+            "gpuMemoryUtilization": s.gpu_memory_utilization, "dtype": s.dtype or "",
+            "schedulingPolicy": s.scheduling_policy, "maxNumBatchedTokens": s.max_num_batched_tokens or 0,
+            "enablePrefixCaching": s.enable_prefix_caching, "enforceEager": s.enforce_eager,
+            "disableLogStats": s.disable_log_stats, "seed": s.seed}
+
+
+def _cluster_values(s: K8sSettings) -> dict:
+    """The Ray cluster's shape and the Kubernetes objects around it."""
+    return {"gpu": {"enabled": s.gpu, "type": s.gpu_type or ""},
+            "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
+            "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},
+            "draft": {"workers": s.draft_workers, "resources": {"cpu": s.draft_cpu, "memory": s.draft_memory}},
+            "autoscaling": {"enabled": s.autoscaling, "draftMaxWorkers": s.draft_max_workers or 0,
+                            "idleTimeoutSeconds": s.idle_timeout_s},
+            "apiKey": {"secretName": s.api_key_secret, "secretKey": s.api_key_secret_key},
+            "hfToken": {"secretName": s.hf_token_secret, "secretKey": s.hf_token_secret_key},
+            "modelStorage": {"pvc": s.models_pvc or ""},
+            "upgradeStrategy": s.upgrade_strategy,
+            "termination": {"drainTimeoutSeconds": s.drain_timeout_s},
+            "gcsFaultTolerance": {"redisAddress": s.gcs_ft_redis_address or "",
+                                  "redisPassword": {"secretName": s.gcs_ft_redis_password_secret or "",
+                                                    "secretKey": s.gcs_ft_redis_password_secret_key}}}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from saguaro_dist.config import (
     DRAFT_MODES,
@@ -25,9 +25,21 @@ from saguaro_dist.serve.args import config_from_args, served_model_names
 from saguaro_dist.serve.frontend import CORS_LIST_ARGS, frontend_options, json_list
 from saguaro_dist.speculative_config import as_dict, config_fields
 
-# the fields a speculative_config sets (speculative_config.config_fields); one set off its default and
-# contradicting the config is refused there
+# the fields a speculative_config sets (speculative_config.config_fields); one the caller gave (even at its
+# default's value) that contradicts the config is refused there
 SPECULATION_FIELDS = ("draft", "mode", "k", "draft_revision", "prompt_lookup_max", "prompt_lookup_min")
+
+
+class LeftOut:
+    """The default of a speculation field with one other than None: K8sSettings tells a field left out (a
+    speculative_config may set it) from one given at the same value (which must agree with the config), as
+    `saguaro serve` tells its flags given from their defaults. __post_init__ replaces it by its value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 class UpgradeStrategy(str, enum.Enum):
@@ -43,9 +55,9 @@ class K8sSettings:
 
     name: str = "saguaro"
     model: str = "Qwen/Qwen3-1.7B"
-    draft: str | None = "Qwen/Qwen3-0.6B"
-    mode: str = "ssd"
-    k: int = 4
+    draft: str | None = LeftOut("Qwen/Qwen3-0.6B")  # LeftOut: the value, once constructed
+    mode: str = LeftOut("ssd")
+    k: int = LeftOut(4)
     fan_out: int | tuple[int, ...] = 12
     saguaro_c: float = 1.0
     fallback: str = "auto"
@@ -117,6 +129,7 @@ class K8sSettings:
     gcs_ft_redis_password_secret_key: str = "password"
 
     def __post_init__(self):
+        given = self._given_speculation()  # before "" becomes None: `--draft ""` beside a config is a conflict
         if isinstance(self.fan_out, list):
             object.__setattr__(self, "fan_out", tuple(self.fan_out))
         if isinstance(self.image_pull_secrets, (list, str)):
@@ -130,8 +143,20 @@ class K8sSettings:
         if self.gpu_type and not self.gpu:
             object.__setattr__(self, "gpu", True)  # naming a GPU type asks for GPUs
         self._normalize_serve_options()
-        self._apply_speculative_config()
+        self._apply_speculative_config(given)
         self._validate()
+
+    def _given_speculation(self) -> dict:
+        """The speculation fields the caller gave (not None: None is "not given", as in config_fields), as
+        given; those left out take their defaults."""
+        given = {}
+        for name in SPECULATION_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, LeftOut):
+                object.__setattr__(self, name, value.value)
+            elif value is not None:
+                given[name] = value
+        return given
 
     def _normalize_serve_options(self):
         """Lists as tuples (the settings stay hashable), JSON text as what it spells, "" as unset (as in the
@@ -148,15 +173,14 @@ class K8sSettings:
         elif isinstance(names, (list, tuple)):
             object.__setattr__(self, "served_model_name", names[0] if len(names) == 1 else tuple(names))
 
-    def _apply_speculative_config(self):
-        """speculative_config's fields replace those left at their defaults (the cluster's shape follows the
-        mode); one set otherwise that says something else is refused, as `saguaro serve` refuses it."""
+    def _apply_speculative_config(self, given: dict):
+        """speculative_config's fields replace those the caller left out (the cluster's shape follows the
+        mode); one given that says something else is refused, even at its default's value, as `saguaro serve`
+        refuses it."""
         spec = as_dict(self.speculative_config)
         if spec is None:
             return
         object.__setattr__(self, "speculative_config", spec)
-        defaults = {f.name: f.default for f in fields(self) if f.name in SPECULATION_FIELDS}
-        given = {name: getattr(self, name) for name in SPECULATION_FIELDS if getattr(self, name) != defaults[name]}
         for name, value in config_fields(spec, given).items():
             object.__setattr__(self, name, getattr(value, "value", value))  # Mode.NGRAM -> "ngram"
 

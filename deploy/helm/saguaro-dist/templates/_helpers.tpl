@@ -52,33 +52,66 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* What the values speculate with: speculation.mode / k / promptLookupMax / promptLookupMin and model.draft /
      draftRevision, with what speculation.speculativeConfig (vLLM's) sets in their place, as
-     saguaro_dist/speculative_config.py maps it (K8sSettings._apply_speculative_config). JSON, for fromJson. */}}
+     saguaro_dist/speculative_config.py maps it (K8sSettings._apply_speculative_config). mode, k and draft are
+     null unless given, so that one given beside the config, even at its default, must agree with it (as
+     `saguaro serve` and K8sSettings refuse it otherwise). JSON, for fromJson. */}}
 {{- define "saguaro.speculation" -}}
 {{- $v := .Values -}}
-{{- $out := dict "mode" $v.speculation.mode "k" $v.speculation.k "draft" $v.model.draft "draftRevision" $v.model.draftRevision -}}
-{{- $_ := set $out "promptLookupMax" $v.speculation.promptLookupMax -}}
-{{- $_ := set $out "promptLookupMin" $v.speculation.promptLookupMin -}}
-{{- with $v.speculation.speculativeConfig -}}
-{{- $method := get . "method" | default "" -}}
-{{- $ngram := or (eq $method "ngram") (and (not $method) (has (get . "model") (list "ngram" "[ngram]"))) -}}
-{{- if $ngram -}}
-{{- if not (has $out.mode (list "ssd" "ngram")) }}{{ fail (printf "speculation.speculativeConfig method ngram runs speculation.mode ngram, but speculation.mode is %s" $out.mode) }}{{ end -}}
-{{- $_ := set $out "mode" "ngram" -}}
-{{- else -}}
-{{- if not (has $out.mode (list "sd" "ssd")) }}{{ fail (printf "speculation.speculativeConfig with a draft model runs speculation.mode sd or ssd, but speculation.mode is %s" $out.mode) }}{{ end -}}
-{{- if get . "model" }}{{ $_ := set $out "draft" (get . "model") }}{{ end -}}
-{{- if get . "revision" }}{{ $_ := set $out "draftRevision" (get . "revision") }}{{ end -}}
+{{- $s := $v.speculation -}}
+{{- $given := dict -}}
+{{- range $field, $value := dict "mode" $s.mode "k" $s.k "draft" $v.model.draft "promptLookupMax" $s.promptLookupMax "promptLookupMin" $s.promptLookupMin -}}
+{{- if not (kindIs "invalid" $value) }}{{ $_ := set $given $field $value }}{{ end -}}
 {{- end -}}
-{{- if get . "num_speculative_tokens" }}{{ $_ := set $out "k" (get . "num_speculative_tokens") }}{{ end -}}
-{{- $max := get . "prompt_lookup_max" -}}
-{{- $min := get . "prompt_lookup_min" -}}
-{{- if $max }}{{ $_ := set $out "promptLookupMax" $max }}{{ end -}}
-{{- if $min }}{{ $_ := set $out "promptLookupMin" $min }}{{ end -}}
-{{- /* ngram: one size given alone stands for both, as in vLLM (unless the values give the other) */ -}}
-{{- if and $ngram $min (not $max) (kindIs "invalid" $v.speculation.promptLookupMax) }}{{ $_ := set $out "promptLookupMax" $min }}{{ end -}}
-{{- if and $ngram $max (not $min) (kindIs "invalid" $v.speculation.promptLookupMin) }}{{ $_ := set $out "promptLookupMin" $max }}{{ end -}}
+{{- if $v.model.draftRevision }}{{ $_ := set $given "draftRevision" $v.model.draftRevision }}{{ end -}}
+{{- /* null: K8sSettings' defaults */ -}}
+{{- $out := dict "mode" ($s.mode | default "ssd") "k" ($s.k | default 4) "draftRevision" $v.model.draftRevision -}}
+{{- $_ := set $out "draft" (ternary "Qwen/Qwen3-0.6B" $v.model.draft (kindIs "invalid" $v.model.draft)) -}}
+{{- $_ := set $out "promptLookupMax" $s.promptLookupMax -}}
+{{- $_ := set $out "promptLookupMin" $s.promptLookupMin -}}
+{{- with $s.speculativeConfig -}}
+{{- include "saguaro.speculativeConfigFields" (dict "spec" . "given" $given "out" $out) -}}
 {{- end -}}
 {{- toJson $out -}}
+{{- end -}}
+
+{{/* speculativeConfig's fields set on .out (speculative_config.config_fields' rules). Arguments: spec, given
+     (the values given beside it), out. */}}
+{{- define "saguaro.speculativeConfigFields" -}}
+{{- $spec := .spec -}}
+{{- $method := get $spec "method" | default "" -}}
+{{- $ngram := or (eq $method "ngram") (and (not $method) (has (get $spec "model") (list "ngram" "[ngram]"))) -}}
+{{- $mode := get .given "mode" -}}
+{{- if $ngram -}}
+{{- if and (hasKey .given "mode") (ne $mode "ngram") }}{{ fail (printf "speculation.speculativeConfig method ngram runs speculation.mode ngram, but speculation.mode is %s" $mode) }}{{ end -}}
+{{- if hasKey .given "draft" }}{{ fail (printf "speculation.speculativeConfig method ngram takes no draft model, but model.draft is %q: drop one (leave model.draft null)" .given.draft) }}{{ end -}}
+{{- $_ := set .out "mode" "ngram" -}}
+{{- else -}}
+{{- if and (hasKey .given "mode") (not (has $mode (list "sd" "ssd"))) }}{{ fail (printf "speculation.speculativeConfig with a draft model runs speculation.mode sd or ssd, but speculation.mode is %s" $mode) }}{{ end -}}
+{{- if get $spec "model" -}}
+{{- include "saguaro.speculativeTake" (dict "ctx" . "key" "model" "field" "draft" "name" "model.draft") -}}
+{{- else if not (hasKey .given "draft") -}}
+{{- fail "speculation.speculativeConfig needs model (the draft's folder or Hugging Face id) or method ngram, or model.draft given" -}}
+{{- end -}}
+{{- if get $spec "revision" }}{{ include "saguaro.speculativeTake" (dict "ctx" . "key" "revision" "field" "draftRevision" "name" "model.draftRevision") }}{{ end -}}
+{{- end -}}
+{{- range $key, $field := dict "num_speculative_tokens" "k" "prompt_lookup_max" "promptLookupMax" "prompt_lookup_min" "promptLookupMin" -}}
+{{- if get $spec $key }}{{ include "saguaro.speculativeTake" (dict "ctx" $ "key" $key "field" $field "name" (printf "speculation.%s" $field)) }}{{ end -}}
+{{- end -}}
+{{- /* one lookup size given alone stands for both, as in vLLM (unless the values give the other) */ -}}
+{{- $max := get $spec "prompt_lookup_max" -}}
+{{- $min := get $spec "prompt_lookup_min" -}}
+{{- if and $min (not $max) (not (hasKey .given "promptLookupMax")) }}{{ $_ := set .out "promptLookupMax" $min }}{{ end -}}
+{{- if and $max (not $min) (not (hasKey .given "promptLookupMin")) }}{{ $_ := set .out "promptLookupMin" $max }}{{ end -}}
+{{- end -}}
+
+{{/* .ctx.out's field = speculativeConfig's key, unless the values give that field another value: one setting,
+     said twice. Arguments: ctx (spec, given, out), key, field, name (the value's path, for the message). */}}
+{{- define "saguaro.speculativeTake" -}}
+{{- $value := get .ctx.spec .key -}}
+{{- if and (hasKey .ctx.given .field) (ne (toString (get .ctx.given .field)) (toString $value)) -}}
+{{- fail (printf "speculation.speculativeConfig %s=%v conflicts with %s=%v: give it once" .key $value .name (get .ctx.given .field)) -}}
+{{- end -}}
+{{- $_ := set .ctx.out .field $value -}}
 {{- end -}}
 
 {{/* Whether the speculation runs a draft model (draft pods, draft args): modes sd and ssd. */}}
