@@ -1,5 +1,5 @@
-"""Model runtime: a plain-PyTorch Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 3 decoder, HF
-checkpoint loading, per-sequence KV state with batched extend and shared-prefix branch decode, and tensor parallelism
+"""Model runtime: a plain-PyTorch Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 3 / Mixtral / Qwen3-MoE
+decoder, HF checkpoint loading, per-sequence KV state with batched extend and shared-prefix branch decode, and tensor parallelism
 over torch.distributed."""
 from saguaro_dist.model.branch import BranchState
 from saguaro_dist.model.device import set_torch_threads

@@ -8,7 +8,10 @@ T), shorter rows padded with tokens whose keys land beyond the sequence's length
 they are overwritten), padding rows writing to a scratch pool row; branches per (sequence bucket,
 branch bucket). Inputs are copied into the graph's static buffers before each replay. A graph holds the
 KV pool's addresses, so a pool resize (rows or capacity doubling, amortised) drops every graph and they
-are captured again."""
+are captured again.
+
+Mixture-of-experts models (model/moe.py) run eagerly: their expert loop is data-dependent (which experts
+a step's tokens chose, a host sync), which a graph cannot capture; StepGraphs refuses them, logged once."""
 from __future__ import annotations
 
 import contextlib
@@ -20,6 +23,7 @@ import torch
 
 from saguaro_dist.model.branch import BranchState, group_branches
 from saguaro_dist.model.kv_cache import KVPool
+from saguaro_dist.model.moe import has_experts
 from saguaro_dist.model.static_batch import StaticBatch
 from saguaro_dist.model.static_branch import StaticBranchBatch
 
@@ -114,11 +118,16 @@ class StepGraphs:
         self._steps: dict[tuple, ExtendStep | BranchStep] = {}
         self._pool_key, self._mempool = None, None
         self._streams = CaptureStreams.new(pool.k.device) if capture else None
+        self.refused = capture and has_experts(model)  # see the module docstring: every step runs eagerly
+        if self.refused:
+            log.warning("CUDA graphs are off for this model: a mixture-of-experts layer picks its experts per "
+                        "token (data-dependent shapes a graph cannot capture); its forwards run eagerly")
 
     # -- extend ----------------------------------------------------------------------------------
     def supports_extend(self, starts: list[int], lens: list[int]) -> bool:
         t = max(lens)
-        return len(lens) <= self.batch_buckets[-1] and t <= MAX_GRAPH_TOKENS and max(starts) + t <= self.pool.max_len
+        return (not self.refused and len(lens) <= self.batch_buckets[-1] and t <= MAX_GRAPH_TOKENS
+                and max(starts) + t <= self.pool.max_len)
 
     def extend(self, rows: list[int], starts: list[int], token_lists) -> list[torch.Tensor]:
         """Logits [T, V] float32 (fresh tensors) per sequence of appending token_lists[b] at starts[b] in
@@ -147,7 +156,7 @@ class StepGraphs:
     # -- branches --------------------------------------------------------------------------------
     def supports_branches(self, seq_rows: list[int]) -> bool:
         rows, uj = group_branches(seq_rows)
-        return len(rows) <= self.batch_buckets[-1] and max(j for _, j in uj) < MAX_GRAPH_BRANCHES
+        return not self.refused and len(rows) <= self.batch_buckets[-1] and max(j for _, j in uj) < MAX_GRAPH_BRANCHES
 
     def branch_state(self, seq_ids, seq_rows: list[int], prefix_lens: list[int]) -> BranchState:
         """A BranchState laid out [Up, Qp] whose private KV is the graph's buffer (until the next tree of

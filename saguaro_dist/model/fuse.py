@@ -25,11 +25,13 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 
 def fuse_projections(model: nn.Module) -> None:
-    """qkv_proj replaces q_proj/k_proj/v_proj; gate_up_proj replaces gate_proj/up_proj (in place)."""
+    """qkv_proj replaces q_proj/k_proj/v_proj; gate_up_proj replaces gate_proj/up_proj (in place), in the
+    dense MLP or in each expert of a mixture-of-experts layer (model/moe.py)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         attn.qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         del attn.q_proj, attn.k_proj, attn.v_proj
-        mlp.gate_up_proj = fuse_linears([mlp.gate_proj, mlp.up_proj])
-        del mlp.gate_proj, mlp.up_proj
+        for dense in getattr(mlp, "experts", [mlp]):
+            dense.gate_up_proj = fuse_linears([dense.gate_proj, dense.up_proj])
+            del dense.gate_proj, dense.up_proj

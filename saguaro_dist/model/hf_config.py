@@ -9,14 +9,21 @@ from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma
                                               gemma3_windows)
 from saguaro_dist.model.rope_checks import checked_rope, is_number
 
-# model_type -> (q/k/v bias field, o_proj bias with it, q/k RMSNorm per head)
+# model_type -> (q/k/v bias field ("": never a bias), o_proj bias with it, q/k RMSNorm per head)
 _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True),
              "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False),
-             "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True)}
+             "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True),
+             "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True)}
 _DEFAULT_EPS = {"olmo2": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
 # Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+MOE_TYPES = ("mixtral", "qwen3_moe")
+# MixtralConfig's / Qwen3MoeConfig's defaults for the expert fields a config.json omits
+_MOE_DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
+                 "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}}
+# Shared experts (Qwen2-MoE's, DeepSeek's) are no part of these two families; a config naming one is refused
+_SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 _DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
 # The rope types whose `factor` stretches the context past max_position_embeddings (vLLM's _get_and_verify_max_len:
 # every type but su / longrope / llama3). llama3's max_position_embeddings already is its extended length; yarn
@@ -58,6 +65,13 @@ class ModelConfig:
     sandwich_norms: bool = False  # norms before and after each sublayer, x * (1 + weight) in fp32; gelu-tanh MLP
     local_rope: dict | None = None  # the sliding layers' own rope; None: every layer rotates by `rope`
     language_model_only: bool = False  # a multimodal checkpoint ("gemma3"): only its language model is loaded
+    # Mixtral's and Qwen3-MoE's sparse MLPs (model/moe.py); the defaults: a dense model
+    num_experts: int = 0              # routed experts of a sparse layer
+    experts_per_token: int = 0        # top-k experts each token is sent to
+    moe_intermediate_size: int = 0    # each expert's SwiGLU width
+    renormalise_topk: bool = False    # the top-k routing weights divided by their sum
+    routing_weights_fp32: bool = False  # Mixtral: the weights stay fp32 into the weighted sum; Qwen3-MoE: cast
+    sparse_layers: tuple = ()         # each layer: True sparse (experts), False dense MLP; (): none sparse
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
@@ -66,6 +80,10 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window: a query at position i sees keys i - window < j <= i; None: all j <= i."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Layer `layer`'s MLP is a sparse mixture of experts (else the dense MLP of intermediate_size)."""
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
 
 
 def read_config_json(model_dir: Path) -> dict:
@@ -113,10 +131,14 @@ def _scaled_positions(positions: int, rope: dict) -> tuple[int, str]:
 
 
 def _sliding_window(hf: dict) -> int | None:
-    """The sliding window that applies to this checkpoint, else None. Mistral's applies unless null, Qwen's
-    only when used; absent, it is the config class's default, as transformers reads the file."""
-    applies = hf["model_type"] == "mistral" or (hf["model_type"] in ("qwen2", "qwen3") and hf.get("use_sliding_window"))
-    window = hf.get("sliding_window", _DEFAULT_WINDOW) if applies else None
+    """The sliding window that applies to this checkpoint, else None. Mistral's and Mixtral's apply unless
+    null, Qwen's only when used; absent, it is the config class's default (MixtralConfig's: null), as
+    transformers reads the file."""
+    model_type = hf["model_type"]
+    applies = model_type in ("mistral", "mixtral") or (
+        model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"))
+    default = None if model_type == "mixtral" else _DEFAULT_WINDOW
+    window = hf.get("sliding_window", default) if applies else None
     if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
         raise ValueError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
     return window
@@ -140,8 +162,8 @@ def _qwen_layer_types(hf: dict, window: int | None, num_layers: int) -> list[str
 
 
 def layer_windows(hf: dict, num_layers: int) -> tuple:
-    """Each layer's sliding window (None: full attention), as transformers' modeling applies them: Mistral's
-    on every layer, Qwen2 / Qwen3's and Gemma 3's on the layers layer_types marks "sliding_attention"; ()
+    """Each layer's sliding window (None: full attention), as transformers' modeling applies them: Mistral's,
+    Mixtral's and Qwen3-MoE's on every layer, Qwen2 / Qwen3's and Gemma 3's on the layers layer_types marks "sliding_attention"; ()
     when none slides."""
     if hf["model_type"] in GEMMA3_TYPES:
         windows = gemma3_windows(gemma3_text_view(hf))
@@ -199,14 +221,69 @@ def _granite_scalars(hf: dict) -> dict:
             "logits_scaling": float(values["logits_scaling"])}
 
 
+def _positive_int(hf: dict, key: str, value) -> int:
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ValueError(f"config.json (model_type {hf['model_type']!r}) {key} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _expert_count(hf: dict) -> int:
+    """num_local_experts (Mixtral's, and what transformers 5 writes for Qwen3-MoE) or num_experts (the Qwen3-MoE
+    Hub files'); both configs alias one to the other, so two different values are refused."""
+    given = {k: hf[k] for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"config.json gives num_local_experts {given['num_local_experts']!r} and num_experts "
+                         f"{given['num_experts']!r}: one name for one count, they must agree")
+    count = next(iter(given.values()), _MOE_DEFAULTS[hf["model_type"]]["num_local_experts"])
+    return _positive_int(hf, "num_experts", count)
+
+
+def _sparse_layers(hf: dict, num_layers: int) -> tuple[bool, ...]:
+    """Which layers route to experts: Mixtral's all; Qwen3-MoE's those not in mlp_only_layers whose
+    (index + 1) is a multiple of decoder_sparse_step (Qwen3MoeDecoderLayer's rule)."""
+    if hf["model_type"] == "mixtral":
+        return (True,) * num_layers
+    step = _positive_int(hf, "decoder_sparse_step", hf.get("decoder_sparse_step", 1))
+    dense = hf.get("mlp_only_layers") or []
+    if not (isinstance(dense, list) and all(isinstance(i, int) and 0 <= i < num_layers for i in dense)):
+        raise ValueError(f"config.json mlp_only_layers must list layer indices in 0..{num_layers - 1}, got {dense!r}")
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def moe_fields(hf: dict) -> dict:
+    """Mixtral's / Qwen3-MoE's expert fields: the router's top-k over num_experts, renormalised (Mixtral always,
+    Qwen3-MoE per norm_topk_prob), each expert a SwiGLU of its own width. Router jitter and aux-loss fields
+    are training-only (ignored, as transformers' eval forward does)."""
+    model_type = hf["model_type"]
+    shared = [k for k in _SHARED_EXPERT_KEYS if hf.get(k)]
+    if shared:
+        raise ValueError(f"config.json {shared[0]} {hf[shared[0]]!r}: a shared expert is not supported "
+                         f"(model_type {model_type!r} routes to its experts only)")
+    experts = _expert_count(hf)
+    top_k = _positive_int(hf, "num_experts_per_tok", hf.get("num_experts_per_tok",
+                                                             _MOE_DEFAULTS[model_type]["num_experts_per_tok"]))
+    if top_k > experts:
+        raise ValueError(f"config.json num_experts_per_tok {top_k} is more than the {experts} experts")
+    width = hf["intermediate_size"] if model_type == "mixtral" else hf.get("moe_intermediate_size",
+                                                                        _MOE_DEFAULTS[model_type]["moe_intermediate_size"])
+    return {"num_experts": experts, "experts_per_token": top_k,
+            "moe_intermediate_size": _positive_int(hf, "moe_intermediate_size", width),
+            "renormalise_topk": model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
+            "routing_weights_fp32": model_type == "mixtral",
+            "sparse_layers": _sparse_layers(hf, _require(hf, "num_hidden_layers"))}
+
+
 def _family_fields(model_type: str, hf: dict) -> dict:
-    """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout, Gemma 3's)."""
+    """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout, Gemma 3's,
+    Mixtral's and Qwen3-MoE's experts)."""
     if model_type == "granite":
         return _granite_scalars(hf)
     if model_type == "olmo2":
         return {"post_norms": True, "rope_fp32": True}
     if model_type in GEMMA3_TYPES:
         return gemma3_fields(hf)
+    if model_type in MOE_TYPES:
+        return moe_fields(hf)
     return {}
 
 
@@ -216,7 +293,7 @@ def parse_config(hf: dict) -> ModelConfig:
     model_type = _model_type(hf)
     _check_unquantized(hf)
     bias_key, o_bias, qk_norm = _FAMILIES[model_type]
-    qkv_bias = bool(hf.get(bias_key, False)) if bias_key else True
+    qkv_bias = True if bias_key is None else bool(bias_key) and bool(hf.get(bias_key, False))
     heads = _require(hf, "num_attention_heads")
     hidden = _require(hf, "hidden_size")
     kv_heads = hf.get("num_key_value_heads") or heads

@@ -1,4 +1,4 @@
-"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 3) as plain modules; attention over stored
+"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 3 / Mixtral / Qwen3-MoE) as plain modules; attention over stored
 KV is left to a batch context (`ctx.attend`), so the same layers serve batched extend and branch decode."""
 from __future__ import annotations
 
@@ -132,11 +132,14 @@ class TwoRopeAttention(Attention):
 
 
 class MLP(PlainModule):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int | None = None, bias: bool | None = None):
+        """width, bias: an expert's (model/moe.py); None: the dense MLP's intermediate_size and mlp_bias."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        width = cfg.intermediate_size if width is None else width
+        bias = cfg.mlp_bias if bias is None else bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, width, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, width, bias=bias)
+        self.down_proj = nn.Linear(width, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Runs on the fused `gate_up_proj` that build_model makes from gate/up_proj."""
@@ -152,11 +155,19 @@ class GeluTanhMLP(MLP):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
+def _feed_forward(cfg: ModelConfig, layer_idx: int) -> PlainModule:
+    """The layer's MLP: dense, or (Mixtral, Qwen3-MoE's sparse layers) a mixture of experts."""
+    if not cfg.is_sparse(layer_idx):
+        return MLP(cfg)
+    from saguaro_dist.model.moe import SparseMoeBlock  # here: moe.py builds on this module's MLP
+    return SparseMoeBlock(cfg)
+
+
 class DecoderLayer(PlainModule):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp = _feed_forward(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

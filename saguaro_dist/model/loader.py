@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -163,6 +164,30 @@ def language_model_name(stored: str) -> str | None:
     return None if stored.startswith(_OTHER_TOWER_PREFIXES) else stored
 
 
+# Mixtral's Hub names for its experts' projections -> ours (the Qwen3-MoE Hub names); its block_sparse_moe is our mlp
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_EXPERT = re.compile(r"(.*\.mlp\.experts\.\d+)\.(w[123])\.weight")
+# transformers 5's in-memory layout (save_pretrained(save_original_format=False) writes it): each layer's experts
+# stacked, gate_up_proj [E, 2 x width, hidden] (gate rows first), down_proj [E, hidden, width]
+_FUSED_EXPERTS = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)")
+
+
+def expert_tensors(stored: str, sl) -> list[tuple[str, object]]:
+    """(parameter name, slice) pairs a checkpoint tensor fills: MoE experts' under our per-expert names,
+    whichever layout wrote them (Mixtral's Hub w1 / w2 / w3, Qwen3-MoE's Hub names, transformers' stacked
+    tensors); any other tensor as it is."""
+    if "experts" not in stored and "block_sparse_moe" not in stored:
+        return [(stored, sl)]
+    name = stored.replace(".block_sparse_moe.", ".mlp.")
+    if m := _MIXTRAL_EXPERT.fullmatch(name):
+        return [(f"{m[1]}.{_MIXTRAL_PROJECTIONS[m[2]]}.weight", sl)]
+    if not (m := _FUSED_EXPERTS.fullmatch(name)):
+        return [(name, sl)]
+    stacked = sl[:]
+    parts = (("down_proj", stacked),) if m[2] == "down_proj" else zip(("gate_proj", "up_proj"), stacked.chunk(2, 1))
+    return [(f"{m[1]}.{e}.{proj}.weight", _TensorSlice(t[e])) for proj, t in parts for e in range(len(t))]
+
+
 def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset(),
                  language_model_only: bool = False):
     """language_model_only: the checkpoint is multimodal (Gemma 3 4B-27B), its language model is loaded
@@ -180,17 +205,21 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
             name = language_model_name(stored) if language_model_only else stored
             if name is None:
                 continue
-            name = _param_name(name, wanted)
-            if name not in wanted:
-                if name not in skip and not name.endswith(_IGNORED_SUFFIXES):
-                    unexpected.append(stored)
-                continue
-            module, local = params[name]
-            shard = getattr(module, "shard_weight", None)  # tensor-parallel modules keep their slice
-            with torch.no_grad():
-                _copy_into(getattr(module, local), sl[:] if shard is None else shard(local, sl), stored)
-            loaded.add(name)
+            for param, part in expert_tensors(name, sl):
+                param = _param_name(param, wanted)
+                if param not in wanted:
+                    if param not in skip and not param.endswith(_IGNORED_SUFFIXES):
+                        unexpected.append(stored)
+                    continue
+                _load_tensor(*params[param], part, stored)
+                loaded.add(param)
     _check_complete(model_dir, sorted(wanted - loaded), unexpected)
+
+
+def _load_tensor(module: nn.Module, local: str, sl, stored: str) -> None:
+    shard = getattr(module, "shard_weight", None)  # tensor-parallel modules keep their slice
+    with torch.no_grad():
+        _copy_into(getattr(module, local), sl[:] if shard is None else shard(local, sl), stored)
 
 
 def _names(names: list[str]) -> str:

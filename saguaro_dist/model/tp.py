@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from saguaro_dist.model.layers import PlainModule, ProjectionNormAttention
+from saguaro_dist.model.moe import SparseMoeBlock
 
 
 def _span(full: int, rank: int, world: int) -> tuple[int, int]:
@@ -67,6 +68,16 @@ class RowParallelLinear(_Sharded, nn.Linear):
         return y if self.bias is None else y + self.bias
 
 
+class PartialRowLinear(_Sharded, nn.Linear):
+    """Input features split, its partial output left unsummed: an expert's down projection, whose rank-partial
+    outputs the MoE block weights, adds up and all-reduces once for all its experts (model/moe.py)."""
+    split = {"weight": 1}
+
+    def __init__(self, base: nn.Linear, group):
+        super().__init__(base.in_features // dist.get_world_size(group), base.out_features, bias=False, device="meta")
+        self._join(group)
+
+
 class VocabParallelEmbedding(_Sharded, nn.Embedding):
     split = {"weight": 0}
 
@@ -100,6 +111,28 @@ class VocabParallelLMHead(_Sharded, nn.Linear):
         return torch.cat(parts, dim=-1)[..., :self.vocab_size]
 
 
+def _split_sizes(attn, mlp) -> dict:
+    """What tensor parallel divides among the ranks: heads, and the (each expert's) MLP width."""
+    sizes = {"num_attention_heads": attn.num_heads, "num_key_value_heads": attn.num_kv_heads}
+    if isinstance(mlp, SparseMoeBlock):
+        return {**sizes, "moe_intermediate_size": mlp.experts[0].gate_proj.out_features}
+    return {**sizes, "intermediate_size": mlp.gate_proj.out_features}
+
+
+def _split_mlp(mlp, group) -> None:
+    """Each (expert's) MLP width split: gate / up column-parallel, down row-parallel. A sparse block's
+    router stays replicated (every rank routes alike) and its experts' partial outputs are all-reduced once."""
+    if not isinstance(mlp, SparseMoeBlock):
+        mlp.gate_proj, mlp.up_proj = ColumnParallelLinear(mlp.gate_proj, group), ColumnParallelLinear(mlp.up_proj, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+        return
+    for expert in mlp.experts:
+        expert.gate_proj, expert.up_proj = (ColumnParallelLinear(expert.gate_proj, group),
+                                            ColumnParallelLinear(expert.up_proj, group))
+        expert.down_proj = PartialRowLinear(expert.down_proj, group)
+    mlp.tp_group = group
+
+
 def apply_tensor_parallel(model: nn.Module, group):
     """Swap the built model's layers for their parallel versions and shrink per-rank head counts."""
     world = dist.get_world_size(group)
@@ -108,16 +141,13 @@ def apply_tensor_parallel(model: nn.Module, group):
         if isinstance(attn, ProjectionNormAttention) and world > 1:  # a rank holds only its heads' slice of q / k
             raise ValueError("tensor parallelism cannot split OLMo 2's q / k norms (each spans every head): "
                              "run this model with tensor_parallel_size 1")
-        sizes = {"num_attention_heads": attn.num_heads, "num_key_value_heads": attn.num_kv_heads,
-                 "intermediate_size": mlp.gate_proj.out_features}
-        bad = [f"{k}={v}" for k, v in sizes.items() if v % world]
+        bad = [f"{k}={v}" for k, v in _split_sizes(attn, mlp).items() if v % world]
         if bad:
             raise ValueError(f"tensor parallel size {world} must divide {', '.join(bad)}")
         attn.num_heads, attn.num_kv_heads = attn.num_heads // world, attn.num_kv_heads // world
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group))
         attn.o_proj = RowParallelLinear(attn.o_proj, group)
-        mlp.gate_proj, mlp.up_proj = ColumnParallelLinear(mlp.gate_proj, group), ColumnParallelLinear(mlp.up_proj, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+        _split_mlp(mlp, group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group)
     model.lm_head = VocabParallelLMHead(model.lm_head, group)

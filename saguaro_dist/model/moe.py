@@ -1,0 +1,60 @@
+"""Sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE) as transformers 5.25 computes them: a router linear,
+softmax over the experts in fp32, the top-k, renormalised (Mixtral always, Qwen3-MoE per norm_topk_prob),
+each chosen expert's SwiGLU times its weight, summed over the k in the order the router ranked them
+(transformers' default grouped_mm experts: products [N, k, H], then a sum over k)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from saguaro_dist.model.hf_config import ModelConfig
+from saguaro_dist.model.layers import MLP, PlainModule
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalise: bool,
+          weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [N, E] -> (weights [N, k] in weights_dtype, experts [N, k] int64), best first."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(weights_dtype), experts
+
+
+def mix_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, modules) -> torch.Tensor:
+    """x [N, H], weights / experts [N, k] -> sum_k weights[:, k] * modules[experts[:, k]](x), [N, H] in the
+    promoted dtype of x and the weights (cast by the caller). Each expert runs once, on the tokens routed
+    to it: the loop is data-dependent (a host sync), which is why MoE models run without CUDA graphs."""
+    out = x.new_zeros((*experts.shape, x.shape[-1]), dtype=torch.promote_types(x.dtype, weights.dtype))
+    for e in experts.unique().tolist():
+        token, slot = (experts == e).nonzero(as_tuple=True)
+        out[token, slot] = modules[e](x[token]) * weights[token, slot, None]
+    return out.sum(dim=1)
+
+
+class SparseMoeBlock(PlainModule):
+    """Parameter names as transformers' Qwen3-MoE Hub files (mlp.gate, mlp.experts.E.gate_proj / up_proj /
+    down_proj); the loader maps Mixtral's and transformers' fused layouts onto them (model/loader.py)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size, bias=False) for _ in range(cfg.num_experts))
+        self.top_k, self.renormalise = cfg.experts_per_token, cfg.renormalise_topk
+        self.weights_fp32 = cfg.routing_weights_fp32
+        self.tp_group = None  # tensor parallel (model/tp.py): each rank's partial sums all-reduced once, here
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = route(self.gate(flat), self.top_k, self.renormalise,
+                                 torch.float32 if self.weights_fp32 else x.dtype)
+        out = mix_experts(flat, weights, experts, self.experts)
+        if self.tp_group is not None:
+            dist.all_reduce(out, group=self.tp_group)
+        return out.to(x.dtype).view_as(x)
+
+
+def has_experts(model: nn.Module) -> bool:
+    return any(isinstance(layer.mlp, SparseMoeBlock) for layer in model.model.layers)
+
