@@ -255,16 +255,23 @@ class Engine:
             self.metrics.generated_tokens += 1
             if logprobs:
                 s.output_logprobs.append(logprobs[i])
-            if t in self.eos_token_ids and not s.params.ignore_eos:
-                self._finish(s, FinishReason.STOP)
-            elif t in s.params.stop_token_ids:
-                s.stop_reason = t
-                self._finish(s, FinishReason.STOP)
-            elif self._at_length(s):
-                self._finish(s, FinishReason.LENGTH)
+            self._check_stop(s, t)
             if s.finished:
                 break
         self._update_text(s, now, len(s.output_token_ids) - before)
+
+    def _check_stop(self, s: Sequence, token: int) -> None:
+        """End s at its newest token in vLLM v1's order (check_stop): length first, so an EOS or a stop token
+        that is also the max_tokens-th (or fills the context) ends it as "length" (no stop_reason); then EOS
+        (unless ignore_eos), then stop_token_ids ("stop", stop_reason the id). min_tokens is kept by the
+        sampler (both kinds of end barred until then); stop strings come after, in _update_text."""
+        if self._at_length(s):
+            self._finish(s, FinishReason.LENGTH)
+        elif token in self.eos_token_ids and not s.params.ignore_eos:
+            self._finish(s, FinishReason.STOP)
+        elif token in s.params.stop_token_ids:
+            s.stop_reason = token
+            self._finish(s, FinishReason.STOP)
 
     def _at_length(self, s: Sequence) -> bool:
         """max_tokens reached (None: no limit but the context), or the context's end (vLLM's check_stop)."""

@@ -12,6 +12,7 @@ from typing import AsyncIterator
 from tqdm import tqdm
 
 from saguaro_dist.config import Config, Mode
+from saguaro_dist.engine.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from saguaro_dist.engine.llm_inputs import (PromptRequest, RequestInputs, check_content_format, conversations,
                                             refuse_unsupported, sample_ids)
 from saguaro_dist.engine.llm_outputs import request_output, stream_shape
@@ -134,6 +135,14 @@ class LLM(RequestInputs):
         return [request_output(request, [next(done) for _ in request.samples], self._token_texts)
                 for request in requests]
 
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search, over generate as vLLM's: prompts (strings or vLLM's {'prompt': ...} /
+        {'prompt_token_ids': [...]} dicts), one BeamSearchOutput each, its best beams first (engine/beam_search.py)."""
+        refuse_unsupported(lora_request=lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        return run_beam_search(self, self._prompt_ids(prompts, None)[1], params)
+
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
              chat_template_content_format: str = "auto", add_generation_prompt: bool = True,
@@ -169,18 +178,30 @@ class LLM(RequestInputs):
                      output_kind: OutputKind | str = OutputKind.DELTA, stream_interval_s: float = 0.0,
                      priority: int = 0) -> AsyncIterator[StreamDelta | RequestOutput]:
         """Deltas of one request as rounds finish; closing the iterator early aborts the request (every sample).
+        stream_interval_s: once text went out, rounds closer than this share one delta (vLLM's stream_interval).
+        output_kind FINAL_ONLY: one item when the request finishes, with everything, as generate() returns it.
+        request_id: names the deltas (and abort()'s target); one open stream at a time may hold it.
+        n = 1: StreamDelta items (logprobs the engine's plain {token id: log p}, the server's input). n > 1 (sample
+        i seeded seed + i): vLLM's AsyncLLM RequestOutput items; DELTA: one a sample update, its one CompletionOutput's
+        index naming the sample (text, token_ids, Logprob objects: the new ones; cumulative_logprob: so far),
+        `finished` once every sample has, `metrics` the sample's on its last; FINAL_ONLY: generate()'s, at the end."""
+        request = self._stream_request(prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s, priority)
+        request_id = self._open_stream(request, request_id)
+        shape = stream_shape(request, request.samples[0].output_kind, self._token_texts)
+        queue, submitted, running = self._start_samples(request.samples)
+        try:
+            await asyncio.shield(submitted)  # a cancel here leaves the submit running: the abort must follow it
+            while running:
+                if (out := await self._next_item(queue, running, shape)) is not None:
+                    yield out
+        finally:
+            self._open.pop(request_id, None)  # the caller's id is free now, whenever the engine takes the abort
+            if running:
+                self._abort_once_submitted(submitted, list(running.values()))
 
-        stream_interval_s: once some text went out, rounds closer than this share one delta (as vLLM's
-        stream_interval; the engine then decodes and hands off less often). output_kind FINAL_ONLY: one
-        delta, when the request finishes, with every token and the whole text, as generate() gets it.
-        request_id: names the deltas (and abort()'s target); one open stream at a time may hold it, and it is
-        free again once its stream is closed.
-        n > 1 (SamplingParams.n, the samples generate() makes: sample i seeded seed + i): RequestOutput items,
-        vLLM's AsyncLLM shape. DELTA: one a sample's update, whose single CompletionOutput's index names the
-        sample (text, token_ids, logprobs: the new ones, as vLLM's Logprob objects; cumulative_logprob: so far;
-        n = 1's StreamDelta keeps the engine's plain {token id: log p}, the server's input); `finished` once every
-        sample has, `metrics` the sample's on its last update (None before). FINAL_ONLY: one RequestOutput
-        when every sample finished, as generate() returns it."""
+    def _stream_request(self, prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s,
+                        priority: int) -> PromptRequest:
+        """stream()'s one request, checked before any work, its samples set to report as asked."""
         kind = OutputKind(output_kind)  # a ValueError names a wrong kind before any work
         if isinstance(stream_interval_s, bool) or not (isinstance(stream_interval_s, (int, float))
                                                        and 0 <= stream_interval_s < float("inf")):
@@ -189,26 +210,25 @@ class LLM(RequestInputs):
                                  None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority])[0]
         for seq in request.samples:
             seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
-        request_id = self._open_stream(request, request_id)
-        shape = stream_shape(request, kind, self._token_texts)
+        return request
+
+    def _start_samples(self, samples: list[Sequence]) -> tuple[asyncio.Queue, asyncio.Future, dict[int, str]]:
+        """Submit the samples (a task); their updates arrive on the queue as (index, item). running: index -> engine
+        id of each sample the engine still holds."""
         queue: asyncio.Queue = asyncio.Queue()
-        submitted = asyncio.ensure_future(self._submit_samples(request.samples, queue, asyncio.get_running_loop()))
-        running = {i: seq.request_id for i, seq in enumerate(request.samples)}  # the samples the engine still holds
-        try:
-            await asyncio.shield(submitted)  # a cancel here leaves the submit running: the abort must follow it
-            while running:
-                index, item = await queue.get()
-                if isinstance(item, BaseException) or item.finished:
-                    running.pop(index)  # the engine holds it no more
-                if isinstance(item, BaseException):
-                    raise item
-                out = shape(index, item, not running)
-                if out is not None:
-                    yield out
-        finally:
-            self._open.pop(request_id, None)  # the caller's id is free now, whenever the engine takes the abort
-            if running:
-                self._abort_once_submitted(submitted, list(running.values()))
+        submitted = asyncio.ensure_future(self._submit_samples(samples, queue, asyncio.get_running_loop()))
+        return queue, submitted, {i: seq.request_id for i, seq in enumerate(samples)}
+
+    @staticmethod
+    async def _next_item(queue: asyncio.Queue, running: dict[int, str], shape):
+        """The next update of any sample as the stream's item (None: none to yield for it). A finished or failed
+        sample leaves `running` (the engine holds it no more); a failure is raised."""
+        index, item = await queue.get()
+        if isinstance(item, BaseException) or item.finished:
+            running.pop(index)
+        if isinstance(item, BaseException):
+            raise item
+        return shape(index, item, not running)
 
     async def _submit_samples(self, samples: list[Sequence], queue: asyncio.Queue, loop) -> None:
         """Each sample to the engine in index order, its updates onto `queue` as (index, update); a failed submit

@@ -1,0 +1,165 @@
+"""vLLM's offline beam search (vllm/entrypoints/llm.py LLM.beam_search, vllm/beam_search.py), built the same way
+on LLM.generate: each step every live beam is extended by one generate(max_tokens=1, logprobs=2 * beam_width)
+call, every returned candidate becomes a beam, an EOS-ended one is complete, and the beam_width best of the rest
+(by vLLM's length-penalised score) go on. At the end the completed and live beams are ranked together.
+BeamSearchParams is vLLM's (vllm.sampling_params), checked here at the edge."""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from saguaro_dist.engine.logprob_objects import Logprob
+from saguaro_dist.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a step asks generate for 2 * beam_width logprobs
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's: beam_width beams, each grown up to max_tokens tokens. temperature: the step's sampling (0: greedy;
+    the candidates are the top 2 * beam_width of the raw distribution either way); length_penalty: a beam's
+    score is cum_logprob / len(tokens) ** length_penalty. include_stop_str_in_output is accepted and, as in
+    vLLM's offline beam search, unused (it has no stop strings)."""
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self):
+        check_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
+        check_int("max_tokens", self.max_tokens, 1, None)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"BeamSearchParams.{name} must be True or False, got {getattr(self, name)!r}")
+        check_number("temperature", self.temperature, least=0.0)
+        check_number("length_penalty", self.length_penalty, least=None)
+
+
+def check_int(name: str, value, least: int, most: int | None) -> None:
+    if type(value) is not int or value < least or (most is not None and value > most):
+        span = f"{least}..{most}" if most is not None else f">= {least}"
+        raise ValueError(f"BeamSearchParams.{name} must be an integer {span}, got {value!r}")
+
+
+def check_number(name: str, value, least: float | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            least is not None and value < least):
+        raise ValueError(f"BeamSearchParams.{name} must be a finite number{'' if least is None else f' >= {least}'}, "
+                         f"got {value!r}")
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's: one beam. tokens: the prompt's then the beam's; logprobs: per beam token, the step's whole
+    {token id: Logprob} entry; text: set on the returned beams (tokens decoded, prompt included, as vLLM's).
+    finish_reason: "stop" (ended by EOS) or "length" (max_tokens, or the context's end); stop_reason None."""
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's: a prompt's best beams, at most beam_width, the best first."""
+    sequences: list[BeamSearchSequence]
+
+
+@dataclass
+class BeamSearchInstance:
+    """vLLM's: one prompt's search: the live beams and the completed ones."""
+    beams: list[BeamSearchSequence]
+    completed: list[BeamSearchSequence] = field(default_factory=list)
+
+    @classmethod
+    def of_prompt(cls, prompt_token_ids: list[int]) -> BeamSearchInstance:
+        return cls([BeamSearchSequence(list(prompt_token_ids))])
+
+
+EosIds = int | Collection[int] | None
+
+
+def is_eos(token: int, eos_token_id: EosIds) -> bool:
+    if eos_token_id is None:
+        return False
+    return token == eos_token_id if isinstance(eos_token_id, int) else token in eos_token_id
+
+
+def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: EosIds,
+                          length_penalty: float = 1.0) -> float:
+    """vLLM's (after transformers'): cum_logprob / len ** length_penalty, the length counting the prompt and
+    leaving out a final EOS. eos_token_id: one id, or every EOS id of the model (ours)."""
+    seq_len = len(tokens) - (1 if is_eos(tokens[-1], eos_token_id) else 0)
+    return cumulative_logprob / (seq_len ** length_penalty)
+
+
+def create_sort_beams_key_function(eos_token_id: EosIds, length_penalty: float) -> Callable[[BeamSearchSequence], float]:
+    return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
+
+
+def extended(beam: BeamSearchSequence, entry: dict[int, Logprob]) -> list[BeamSearchSequence]:
+    """Every candidate of one step's logprobs entry (the chosen token and the top 2 * beam_width) as a beam."""
+    return [BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], beam.cum_logprob + lp.logprob)
+            for token, lp in entry.items()]
+
+
+def advance(instance: BeamSearchInstance, candidates: list[BeamSearchSequence], ends: EosIds, beam_width: int,
+            key: Callable[[BeamSearchSequence], float]) -> None:
+    """vLLM's selection: a candidate ending in EOS (ends: None under ignore_eos) is complete ("stop"); the
+    beam_width best of the others are the live beams (a stable sort: ties keep the candidates' order)."""
+    live = []
+    for beam in candidates:
+        if is_eos(beam.tokens[-1], ends):
+            beam.finish_reason = "stop"
+            instance.completed.append(beam)
+        else:
+            live.append(beam)
+    instance.beams = sorted(live, key=key, reverse=True)[:beam_width]
+
+
+def retire_full(instance: BeamSearchInstance, max_model_len: int) -> None:
+    """Beams with no room left in the context are complete ("length"): vLLM's generate refused them mid-search."""
+    full = [b for b in instance.beams if len(b.tokens) >= max_model_len]
+    for beam in full:
+        beam.finish_reason = "length"
+    instance.completed += full
+    instance.beams = [b for b in instance.beams if len(b.tokens) < max_model_len]
+
+
+def best_beams(instance: BeamSearchInstance, beam_width: int,
+               key: Callable[[BeamSearchSequence], float]) -> list[BeamSearchSequence]:
+    """The beam_width best of the completed and the still-live beams (these ended at max_tokens: "length")."""
+    for beam in instance.beams:
+        beam.finish_reason = "length"
+    return sorted(instance.completed + instance.beams, key=key, reverse=True)[:beam_width]
+
+
+def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+    """The search over llm.generate, every prompt's beams in one batch a step."""
+    key = create_sort_beams_key_function(frozenset(llm.eos_token_ids), params.length_penalty)
+    ends = None if params.ignore_eos else frozenset(llm.eos_token_ids)
+    step = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+    instances = [BeamSearchInstance.of_prompt(ids) for ids in prompt_ids]
+    for _ in range(params.max_tokens):
+        for instance in instances:
+            retire_full(instance, llm.max_model_len)
+        live = [beam for instance in instances for beam in instance.beams]
+        if not live:
+            break
+        outs = iter(llm.generate(prompt_token_ids=[b.tokens for b in live], sampling_params=step, use_tqdm=False))
+        for instance in instances:
+            candidates = [c for beam in instance.beams for c in extended(beam, next(outs).outputs[0].logprobs[0])]
+            advance(instance, candidates, ends, params.beam_width, key)
+    return [BeamSearchOutput(finished_texts(best_beams(i, params.beam_width, key), llm.tokenizer)) for i in instances]
+
+
+def finished_texts(beams: list[BeamSearchSequence], tokenizer) -> list[BeamSearchSequence]:
+    """The returned beams' text: all their tokens decoded, as vLLM's (None without a tokenizer)."""
+    for beam in beams:
+        beam.text = None if tokenizer is None else tokenizer.decode(beam.tokens)
+    return beams
