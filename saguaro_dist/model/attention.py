@@ -2,6 +2,10 @@
 (q: [B, kv_heads, T * group, D]) so keys and values are never repeated per query head."""
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +37,40 @@ def causal_attention(q, k, v, scale=None):
     the same output). A padded row's real queries see only its real keys: padding comes after them."""
     o = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, is_causal=True, enable_gqa=True, scale=scale)
     return o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
+
+
+def softcapped_attention(q, k, v, mask, scale=None, *, softcap: float):
+    """dense_attention's contract with the scores tanh-softcapped, cap * tanh(scores / cap), before the mask
+    (Gemma 2's attn_logit_softcapping), which SDPA cannot do: spelled out as transformers' eager path does it,
+    the scores in q's dtype, the softmax in fp32, cast back before the product with v. Static shapes: a CUDA
+    graph captures it as it does SDPA. mask: additive, or bool (True: seen; StaticBranchBatch's) as SDPA takes."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = scores.div_(softcap).tanh_().mul_(softcap)  # in place: the same values as out of place
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill_(mask.logical_not(), float("-inf"))
+    elif mask is not None:
+        scores = scores.add_(mask)
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    """How one model's attention is computed, picked once when it is built (CausalLM.attention) and handed to
+    every step's context, so a layer never says which. dense: dense_attention's contract; causal:
+    causal_attention's, or None where the kernel has no mask-free causal form (prompts from position 0 then
+    go through dense under a causal mask)."""
+    dense: Callable
+    causal: Callable | None
+
+
+SDPA = AttentionKernel(dense_attention, causal_attention)  # every model without softcapped scores
+
+
+def attention_kernel(softcap: float | None) -> AttentionKernel:
+    """SDPA's, or (a softcap given) softcapped_attention under it: no op added to models without one."""
+    if softcap is None:
+        return SDPA
+    return AttentionKernel(functools.partial(softcapped_attention, softcap=softcap), None)
 
 
 def additive_mask(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro_dist.model.attention import MasksPerWindow, additive_mask, dense_attention, fold_heads, in_window, unfold_heads
+from saguaro_dist.model.attention import (SDPA, AttentionKernel, MasksPerWindow, additive_mask, fold_heads, in_window,
+                                          unfold_heads)
 from saguaro_dist.model.kv_cache import KVPool, rows_index
 
 
@@ -167,8 +168,8 @@ def _grown(buffer: torch.Tensor, extra: int) -> torch.Tensor:
 class BranchBatch:
     """The per-forward context of one branch step: one new token per branch slot, input layout [U, Q]."""
 
-    def __init__(self, state: BranchState, cos, signed_sin, group: int):
-        self.state = state
+    def __init__(self, state: BranchState, cos, signed_sin, group: int, kernel: AttentionKernel = SDPA):
+        self.state, self.dense = state, kernel.dense  # the model's (attention.attention_kernel)
         u_count, self.q = state.prefix_len.shape
         if (state.depth + 1) * self.q > state.private_k.shape[3]:
             grow_private(state, group)
@@ -194,4 +195,4 @@ class BranchBatch:
         # One fused attention over [prefix ‖ private] keys, a strided view SDPA reads as it is.
         keys, values = self.window[0][layer], self.window[1][layer]
         bias = self.bias if window is None or self.reach <= window else self.window_biases(window)
-        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, bias, scale), self.q)
+        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, bias, scale), self.q)

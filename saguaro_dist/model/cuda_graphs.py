@@ -144,7 +144,7 @@ class StepGraphs:
         return list(self._run(step)[:b * t].to(torch.float32, copy=True).view(b, t, -1).unbind())
 
     def _extend_forward(self, step: ExtendStep) -> torch.Tensor:
-        ctx = StaticBatch(self.pool, step.rows, step.pos, self.cos, self.signed_sin, self.group)
+        ctx = StaticBatch(self.pool, step.rows, step.pos, self.cos, self.signed_sin, self.group, self.model.attention)
         return self.model.logits(self.model(step.ids, ctx).flatten(0, 1))
 
     def _new_extend(self, bp: int, t: int) -> ExtendStep:
@@ -190,7 +190,7 @@ class StepGraphs:
 
     def _branch_forward(self, step: BranchStep) -> torch.Tensor:
         ctx = StaticBranchBatch(self.pool, step.rows, step.prefix_len, step.depth, step.private_k, step.private_v,
-                                self.cos, self.signed_sin, self.group)
+                                self.cos, self.signed_sin, self.group, self.model.attention)
         return self.model.logits(self.model(step.ids, ctx).flatten(0, 1))
 
     def _new_branch(self, up: int, qp: int) -> BranchStep:

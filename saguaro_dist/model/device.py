@@ -30,7 +30,7 @@ class DeviceKind:
         return f"{self.name or self.type!r} (compute capability {major}.{minor})"
 
 
-FLOAT16_UNSTABLE = ("gemma3", "gemma3_text")  # vLLM's _FLOAT16_NOT_SUPPORTED_MODELS of the families we run
+FLOAT16_UNSTABLE = ("gemma2", "gemma3", "gemma3_text")  # vLLM's _FLOAT16_NOT_SUPPORTED_MODELS of the families we run
 
 def device_kind(device) -> DeviceKind:
     """The DeviceKind of `device`, a torch device or its name; a GPU this process cannot see is left unknown

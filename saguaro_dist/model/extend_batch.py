@@ -6,23 +6,25 @@ from __future__ import annotations
 
 import torch
 
-from saguaro_dist.model.attention import (MasksPerWindow, causal_attention, causal_mask, dense_attention, fold_heads,
-                                          unfold_heads)
+from saguaro_dist.model.attention import SDPA, AttentionKernel, MasksPerWindow, causal_mask, fold_heads, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool, rows_index
 
 
 class ExtendBatch:
     """Appends T_b new tokens to each sequence b (stored lengths L_b): padded to T = max T_b, keys 0..S-1."""
 
-    def __init__(self, pool: KVPool, rows: list[int], starts: list[int], lens: list[int], cos, signed_sin, group: int):
+    def __init__(self, pool: KVPool, rows: list[int], starts: list[int], lens: list[int], cos, signed_sin, group: int,
+                 kernel: AttentionKernel = SDPA):
         dev = pool.k.device
+        self.dense, self.causal = kernel.dense, kernel.causal  # the model's (attention.attention_kernel)
         self.pool, self.b, self.t = pool, len(rows), max(lens)
         self.s = max(s + n for s, n in zip(starts, lens))
         self.rows = rows_index(rows, dev)
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(self.t, device=dev)  # [B, T]
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # padding may run past the table; its output is dropped
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
-        self.from_start = self.t > 1 and not any(starts)  # whole prompts: the causal kernel, no mask
+        # whole prompts: the causal kernel, no mask (a kernel without one: the causal mask)
+        self.from_start = self.causal is not None and self.t > 1 and not any(starts)
         self.mask = causal_mask(pos, self.s, group, pool.k.dtype) if (self.b, self.t) != (1, 1) and not self.from_start else None
         # A padding query may sit past S (a short row beside a long one): at S - 1 its window keeps a key, so
         # no row of the windowed mask is all -inf (a NaN row, if dropped after); real queries are all below S.
@@ -70,7 +72,7 @@ class ExtendBatch:
         if window is not None and self.s > window:
             mask = self.window_masks(window)
         elif self.from_start:
-            return causal_attention(q, kc, vc, scale)
+            return self.causal(q, kc, vc, scale)
         else:
             mask = self.mask
-        return unfold_heads(dense_attention(fold_heads(q, kc.shape[1]), kc, vc, mask, scale), self.t)
+        return unfold_heads(self.dense(fold_heads(q, kc.shape[1]), kc, vc, mask, scale), self.t)

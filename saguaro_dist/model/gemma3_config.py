@@ -27,28 +27,29 @@ def gemma3_text_view(hf: dict) -> dict:
     """The language model's config as transformers reads it: a "gemma3" file's text_config (its top-level
     eos / tie / dtype fields where the text_config has none), every omitted field at its default."""
     if hf.get("model_type") != "gemma3":
-        return _without_ignored({**_TEXT_DEFAULTS, **hf, "model_type": "gemma3_text"})
+        return without_ignored({**_TEXT_DEFAULTS, **hf, "model_type": "gemma3_text"})
     text = hf.get("text_config") or {}
     if not isinstance(text, dict):
         raise ValueError(f"config.json (model_type 'gemma3') text_config must be an object, got {text!r}")
     outer = {k: hf[k] for k in _OUTER_FIELDS if hf.get(k) is not None}
-    return _without_ignored({**_TEXT_DEFAULTS, **outer, **text, "model_type": "gemma3_text",
+    return without_ignored({**_TEXT_DEFAULTS, **outer, **text, "model_type": "gemma3_text",
                              "architectures": hf.get("architectures"),
                              "quantization_config": hf.get("quantization_config"), _MULTIMODAL: True})
 
 
-def _without_ignored(text: dict) -> dict:
-    """Fields other families read that Gemma3TextConfig has not (its MLP has no bias; its activation is
-    hidden_activation): dropped, so they mean here what they mean to transformers, nothing."""
+def without_ignored(text: dict) -> dict:
+    """Fields other families read that Gemma2Config / Gemma3TextConfig have not (their MLPs have no bias; their
+    activation is hidden_activation): dropped, so they mean here what they mean to transformers, nothing."""
     return {k: v for k, v in text.items() if k not in ("mlp_bias", "hidden_act")}
 
 
-def gemma3_layer_types(text: dict) -> list[str]:
-    """Each layer's type: config.json's layer_types, else sliding but every sliding_window_pattern-th layer."""
+def gemma3_layer_types(text: dict, pattern: int | None = None) -> list[str]:
+    """Each layer's type: config.json's layer_types, else sliding but every pattern-th layer (Gemma 3's
+    sliding_window_pattern; Gemma 2 passes its fixed 2: Gemma2Config reads no pattern)."""
     num_layers = text["num_hidden_layers"]
     types = text.get("layer_types")
     if types is None:
-        pattern = text.get("sliding_window_pattern", _DEFAULT_PATTERN)
+        pattern = text.get("sliding_window_pattern", _DEFAULT_PATTERN) if pattern is None else pattern
         return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(_LAYER_TYPES):
         raise ValueError(f"config.json layer_types must give each of the {num_layers} layers 'full_attention' or "
@@ -74,9 +75,9 @@ def gemma3_ropes(text: dict) -> dict[str, dict]:
     return {kind: checked_rope(rope, text) for kind, rope in ropes.items()}
 
 
-def gemma3_windows(text: dict) -> tuple:
+def gemma3_windows(text: dict, pattern: int | None = None) -> tuple:
     """Each layer's sliding window: sliding_window on the sliding layers, None (full attention) on the others."""
-    types = gemma3_layer_types(text)
+    types = gemma3_layer_types(text, pattern)
     window = text.get("sliding_window")
     if "sliding_attention" in types and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
         raise ValueError(f"config.json sliding_window must be a positive integer, got {window!r}")
@@ -89,6 +90,12 @@ def _check_supported(text: dict) -> None:
         if text.get(key) is not None:
             raise ValueError(f"config.json {key} {text[key]!r} is not supported: softcapping must be null (SDPA "
                              "cannot softcap the scores; Gemma 3 ships both null)")
+    check_gemma_layout(text)
+
+
+def check_gemma_layout(text: dict) -> None:
+    """What Gemma 2 and 3 share and this runtime computes only one way: a causal decoder, gelu-tanh MLPs, a
+    finite positive query_pre_attn_scalar; anything else refused, naming the field."""
     if text.get("use_bidirectional_attention"):
         raise ValueError("config.json use_bidirectional_attention true is not supported (a causal decoder only)")
     if text.get("hidden_activation") != _SUPPORTED_ACT:

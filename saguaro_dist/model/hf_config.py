@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from saguaro_dist.model.gemma2_config import GEMMA2_TYPE, gemma2_fields, gemma2_view, gemma2_windows
 from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma3_ropes, gemma3_text_view,
                                               gemma3_windows)
 from saguaro_dist.model.rope_checks import checked_rope, is_number
@@ -13,7 +14,7 @@ from saguaro_dist.model.rope_checks import checked_rope, is_number
 _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True),
              "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False),
-             "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True),
+             "gemma2": ("attention_bias", True, False), "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True),
              "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True)}
 _DEFAULT_EPS = {"olmo2": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
 # Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
@@ -65,6 +66,9 @@ class ModelConfig:
     sandwich_norms: bool = False  # norms before and after each sublayer, x * (1 + weight) in fp32; gelu-tanh MLP
     local_rope: dict | None = None  # the sliding layers' own rope; None: every layer rotates by `rope`
     language_model_only: bool = False  # a multimodal checkpoint ("gemma3"): only its language model is loaded
+    # Gemma 2's tanh softcaps, cap * tanh(x / cap) (gemma2_config.py); None: no op, and attention by SDPA
+    attn_softcap: float | None = None   # of the attention scores, before the mask (attention.softcapped_attention)
+    final_softcap: float | None = None  # of the logits
     # Mixtral's and Qwen3-MoE's sparse MLPs (model/moe.py); the defaults: a dense model
     num_experts: int = 0              # routed experts of a sparse layer
     experts_per_token: int = 0        # top-k experts each token is sent to
@@ -163,16 +167,18 @@ def _qwen_layer_types(hf: dict, window: int | None, num_layers: int) -> list[str
 
 def layer_windows(hf: dict, num_layers: int) -> tuple:
     """Each layer's sliding window (None: full attention), as transformers' modeling applies them: Mistral's,
-    Mixtral's and Qwen3-MoE's on every layer, Qwen2 / Qwen3's and Gemma 3's on the layers layer_types marks "sliding_attention"; ()
-    when none slides."""
-    if hf["model_type"] in GEMMA3_TYPES:
+    Mixtral's and Qwen3-MoE's on every layer, Qwen2 / Qwen3's and Gemma 2 / 3's on the layers layer_types marks
+    "sliding_attention"; () when none slides."""
+    if hf["model_type"] == GEMMA2_TYPE:
+        windows = gemma2_windows(gemma2_view(hf))
+    elif hf["model_type"] in GEMMA3_TYPES:
         windows = gemma3_windows(gemma3_text_view(hf))
-        return windows if any(w is not None for w in windows) else ()
-    window = _sliding_window(hf)
-    if hf["model_type"] in ("qwen2", "qwen3"):
+    elif hf["model_type"] in ("qwen2", "qwen3"):
+        window = _sliding_window(hf)
         windows = tuple(window if t == "sliding_attention" else None
                         for t in _qwen_layer_types(hf, window, num_layers))
     else:
+        window = _sliding_window(hf)
         windows = (window,) * num_layers if window is not None else ()
     return windows if any(w is not None for w in windows) else ()
 
@@ -282,6 +288,8 @@ def _family_fields(model_type: str, hf: dict) -> dict:
         return {"post_norms": True, "rope_fp32": True}
     if model_type in GEMMA3_TYPES:
         return gemma3_fields(hf)
+    if model_type == GEMMA2_TYPE:
+        return gemma2_fields(hf)
     if model_type in MOE_TYPES:
         return moe_fields(hf)
     return {}
@@ -290,6 +298,8 @@ def _family_fields(model_type: str, hf: dict) -> dict:
 def parse_config(hf: dict) -> ModelConfig:
     if hf.get("model_type") in GEMMA3_TYPES:  # Gemma 3's language model, its defaults filled in (a view)
         hf = gemma3_text_view(hf)
+    elif hf.get("model_type") == GEMMA2_TYPE:  # Gemma 2's defaults filled in
+        hf = gemma2_view(hf)
     model_type = _model_type(hf)
     _check_unquantized(hf)
     bias_key, o_bias, qk_norm = _FAMILIES[model_type]

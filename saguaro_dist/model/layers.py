@@ -1,4 +1,4 @@
-"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 3 / Mixtral / Qwen3-MoE) as plain modules; attention over stored
+"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 2 / Gemma 3 / Mixtral / Qwen3-MoE) as plain modules; attention over stored
 KV is left to a batch context (`ctx.attend`), so the same layers serve batched extend and branch decode."""
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from saguaro_dist.model.attention import attention_kernel
 from saguaro_dist.model.hf_config import ModelConfig
 from saguaro_dist.model.rope import apply_rope
 
@@ -204,11 +205,12 @@ class PostNormLayer(PlainModule):
 
 
 class SandwichNormLayer(PlainModule):
-    """Gemma 3's: a norm before each sublayer and one on its output, before the residual add."""
+    """Gemma 2's and 3's: a norm before each sublayer and one on its output, before the residual add. Gemma 3's
+    attention has per-head q / k norms and a rope of its own on sliding layers; Gemma 2's neither (one rope)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = TwoRopeAttention(cfg, layer_idx)
+        self.self_attn = (TwoRopeAttention if cfg.local_rope is not None else Attention)(cfg, layer_idx)
         self.mlp = GeluTanhMLP(cfg)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
@@ -250,6 +252,8 @@ class CausalLM(PlainModule):
         # Granite's; at 1 (every other family) no multiply or divide runs
         self.embedding_multiplier, self.logits_scaling = cfg.embedding_multiplier, cfg.logits_scaling
         self.embed_scale = None  # Gemma's: a tensor in the model's dtype, set by set_embed_scale once built
+        self.attention = attention_kernel(cfg.attn_softcap)  # every step context attends with it (SDPA's but Gemma 2's)
+        self.final_softcap = cfg.final_softcap  # Gemma 2's; None: no op
 
     def set_embed_scale(self, scale: float | None, dtype: torch.dtype, device) -> None:
         """Gemma's sqrt(hidden_size) as transformers' Gemma3TextScaledWordEmbedding multiplies it: an fp32
@@ -269,4 +273,11 @@ class CausalLM(PlainModule):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
-        return logits if self.logits_scaling == 1.0 else logits / self.logits_scaling
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return logits if self.final_softcap is None else softcap(logits, self.final_softcap)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(x / cap) in x's dtype, as transformers' Gemma2ForCausalLM softcaps its logits."""
+    return torch.tanh(x / cap) * cap

@@ -227,7 +227,7 @@ class ModelRunner:
         return out
 
     def _eager_extend(self, rows, starts, lens, token_lists, num_logits) -> list[torch.Tensor]:
-        ctx = ExtendBatch(self.pool, rows, starts, lens, self.cos, self.signed_sin, self.group)
+        ctx = ExtendBatch(self.pool, rows, starts, lens, self.cos, self.signed_sin, self.group, self.model.attention)
         hidden = self.model(self._padded_ids(token_lists, ctx.t), ctx)  # [B, T, hidden]
         logits = self.model.logits(self._logit_rows(hidden, lens, num_logits)).float()
         return list(logits.split(list(num_logits)))
@@ -321,7 +321,7 @@ class ModelRunner:
         else:
             ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
             ids.view(-1)[state.out_index] = tokens
-        ctx = BranchBatch(state, self.cos, self.signed_sin, self.group)
+        ctx = BranchBatch(state, self.cos, self.signed_sin, self.group, self.model.attention)
         hidden = self.model(ids, ctx)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         state.depth += 1

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from saguaro_dist.model.attention import MasksPerWindow, causal_mask, dense_attention, fold_heads, unfold_heads
+from saguaro_dist.model.attention import SDPA, AttentionKernel, MasksPerWindow, causal_mask, fold_heads, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool
 
 
 class StaticBatch:
     """rows: [B] int64 pool rows; pos: [B, T] int64 positions of the new tokens (consecutive per row)."""
 
-    def __init__(self, pool: KVPool, rows: torch.Tensor, pos: torch.Tensor, cos, signed_sin, group: int):
+    def __init__(self, pool: KVPool, rows: torch.Tensor, pos: torch.Tensor, cos, signed_sin, group: int,
+                 kernel: AttentionKernel = SDPA):
+        self.dense = kernel.dense  # the model's (attention.attention_kernel)
         self.pool, self.rows, self.t = pool, rows, pos.shape[1]
         pos_c = pos.clamp_max(cos.shape[0] - 1)  # a padding row may run past the table; its output is dropped
         self.cos, self.signed_sin = cos[pos_c].unsqueeze(2), signed_sin[pos_c].unsqueeze(2)  # [B, T, 1, D]
@@ -33,4 +35,4 @@ class StaticBatch:
         vc[self.write_rows, :, self.write_pos] = v.reshape(-1, *v.shape[2:])
         keys, values = kc.index_select(0, self.rows), vc.index_select(0, self.rows)  # [B, kv, capacity, D]
         mask = self.mask if window is None or self.pool.capacity <= window else self.window_masks(window)
-        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, mask, scale), self.t)
+        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, mask, scale), self.t)

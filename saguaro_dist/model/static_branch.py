@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro_dist.model.attention import MasksPerWindow, dense_attention, fold_heads, in_window, unfold_heads
+from saguaro_dist.model.attention import SDPA, AttentionKernel, MasksPerWindow, fold_heads, in_window, unfold_heads
 from saguaro_dist.model.kv_cache import KVPool
 
 
@@ -25,7 +25,9 @@ def windowed(mask, keys, slot_depth, prefix_len, depth, window: int, group: int)
 class StaticBranchBatch:
     """rows: [U] int64; prefix_len: [U, Q] int64; depth: [] int64; private_k/v: [layers, U, kv, D_cap * Q, D]."""
 
-    def __init__(self, pool: KVPool, rows, prefix_len, depth, private_k, private_v, cos, signed_sin, group: int):
+    def __init__(self, pool: KVPool, rows, prefix_len, depth, private_k, private_v, cos, signed_sin, group: int,
+                 kernel: AttentionKernel = SDPA):
+        self.dense = kernel.dense  # the model's (attention.attention_kernel)
         self.pool, self.rows, self.private = pool, rows, (private_k, private_v)
         self.q = prefix_len.shape[1]
         pos = (prefix_len + depth).clamp_max(cos.shape[0] - 1)
@@ -52,4 +54,4 @@ class StaticBranchBatch:
         keys = torch.cat([self.pool.k[layer].index_select(0, self.rows), pk], dim=2)
         values = torch.cat([self.pool.v[layer].index_select(0, self.rows), pv], dim=2)
         mask = self.mask if window is None or self.reach <= window else self.window_masks(window)
-        return unfold_heads(dense_attention(fold_heads(q, keys.shape[1]), keys, values, mask, scale), self.q)
+        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, mask, scale), self.q)

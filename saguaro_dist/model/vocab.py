@@ -15,7 +15,7 @@ import logging
 import torch
 from torch import nn
 
-from saguaro_dist.model.layers import PlainModule
+from saguaro_dist.model.layers import PlainModule, softcap
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,17 @@ def check_pair_vocab(target_size: int, draft_size: int, target_tokenizer, draft_
 
 
 class MaskedLMHead(PlainModule):
-    """An LM head over a table padded with zero rows: their logits are set to -inf (q = 0 there)."""
+    """An LM head over a table padded with zero rows: their logits are set to -inf (q = 0 there). A model's
+    final softcap (Gemma 2's) runs here, before the mask: after it, tanh would turn -inf into -cap."""
 
-    def __init__(self, base: nn.Module, own_size: int):
+    def __init__(self, base: nn.Module, own_size: int, final_softcap: float | None = None):
         super().__init__()
-        self.base, self.own_size = base, own_size
+        self.base, self.own_size, self.final_softcap = base, own_size, final_softcap
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.base(hidden)
+        if self.final_softcap is not None:
+            logits = softcap(logits, self.final_softcap)
         logits[..., self.own_size:] = float("-inf")  # in place: 128 columns, where a cat copied all 152k
         return logits
 
@@ -75,4 +78,5 @@ def match_vocab(model: nn.Module, own_size: int, vocab_size: int) -> None:
     embed.num_embeddings = vocab_size
     head.weight = embed.weight if tied else _padded(head.weight, vocab_size)
     head.out_features = vocab_size
-    model.lm_head = MaskedLMHead(head, own_size)
+    # the softcap moves into the head, ahead of the mask (no family has both it and Granite's logits_scaling)
+    model.lm_head, model.final_softcap = MaskedLMHead(head, own_size, model.final_softcap), None
