@@ -273,7 +273,7 @@ def long_wait_picker():
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_a_sampled_tree_round_never_skips_its_wait(pair, reference, monkeypatch, temperature):
     """A greedy tree round skips its wait for trees by every row taking its n-gram proposal where that
-    pays (the draft stops a tree that is no longer wanted); a sampled one never does (ssd_loop._may_skip_wait:
+    pays (the draft stops a tree that is no longer wanted); a sampled one never does (ssd_lookup_rows._may_skip_wait:
     rounds that did not wait for the trees they asked for queued builds, session 57)."""
     monkeypatch.setattr(ssd_loop, "TreeGate", DraftFavouringGate)
     monkeypatch.setattr(ssd_loop, "LookupPicker", long_wait_picker())

@@ -1,29 +1,29 @@
 """Speculative speculative decoding's round loop: trees prepared while the target verifies, chosen
 round by round against just-in-time drafts and n-gram proposals (spec/tree_gate.py), row by row
-against n-gram proposals (spec/lookup_pick.py), with two cohorts for rounds without trees
-(spec/cohorts.py) and the batch-aware fallback for misses (spec/fallback.py).
+against n-gram proposals (spec/lookup_pick.py; the rows' part of the loop: engine/ssd_lookup_rows.py), with
+two cohorts for rounds without trees (spec/cohorts.py; engine/ssd_cohorts.py) and the batch-aware fallback
+for misses (spec/fallback.py).
 """
 from __future__ import annotations
 
 import logging
 import time
 
-import torch
-
 from saguaro_dist.config import BonusDraw, Config, FallbackPolicy, TreePolicy
 from saguaro_dist.engine.coupling import plan_coupling
 from saguaro_dist.engine.lookup_rounds import LookupRounds
-from saguaro_dist.engine.messages import Outcome, Proposal
+from saguaro_dist.engine.messages import Outcome
 from saguaro_dist.engine.metrics import EngineMetrics, RoundTokens
 from saguaro_dist.engine.sd_loop import AskedDrafts, SDLoop
 from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.ssd_cohorts import CohortRounds
+from saguaro_dist.engine.ssd_lookup_rows import LookupRows
 from saguaro_dist.engine.stats_log import Throttle
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.cuda_graphs import graph_captures
 from saguaro_dist.spec import ProposalSource, SpecStats, SpeculationCache, Timing, choose_fallback, explore_fallback
 from saguaro_dist.spec.cohorts import CohortGate
-from saguaro_dist.spec.fallback import ngram_lookup
-from saguaro_dist.spec.lookup_pick import Guess, LookupPicker, could_gain, pick_lookup_rows
+from saguaro_dist.spec.lookup_pick import LookupPicker
 from saguaro_dist.spec.tree_gate import RoundMode, RoundYield, TreeGate
 
 log = logging.getLogger(__name__)
@@ -31,9 +31,10 @@ LATE_TREE_WARN_EVERY_S = 60.0
 SOURCES = tuple(ProposalSource)  # the fixed order of _record_outcomes (iterating the enum costs more a round)
 
 
-class SSDLoop(SDLoop):
+class SSDLoop(LookupRows, CohortRounds, SDLoop):
     """Speculative speculative decoding: trees are prepared while the target verifies, in the rounds
-    the tree gate (spec/tree_gate.py) finds them faster than just-in-time drafts or n-gram proposals."""
+    the tree gate (spec/tree_gate.py) finds them faster than just-in-time drafts or n-gram proposals.
+    TreeGate, LookupPicker and graph_captures are looked up in this module (tests swap them here)."""
 
     def __init__(self, target: TargetScorer, draft, metrics: EngineMetrics, config: Config):
         super().__init__(target, draft, metrics, config)
@@ -176,55 +177,6 @@ class SSDLoop(SDLoop):
         busy_s, _ = self.picker.round_times((RoundMode.JUST_IN_TIME, True, rows))
         return rows * tokens / busy_s if tokens and busy_s else None
 
-    def _cohort_choice(self, batch_size: int) -> bool | None:
-        """Whether this round, without trees, verifies two cohorts (spec/cohorts.py); None where there is
-        no choice: trees, one sequence, misses proposed by the fast backup alone, or a draft side that
-        cannot draft beside the verify (over gRPC, for now)."""
-        if (self._mode is not RoundMode.JUST_IN_TIME or self.cohort_gate is None or batch_size < 2
-                or self.config.fallback in (FallbackPolicy.FAST, FallbackPolicy.RANDOM) or not self.draft.drafts_beside):
-            return None
-        return self.cohort_gate.split(batch_size)
-
-    def _split_cohorts(self, seqs: list[Sequence], new: list[Sequence], untreed: list[Sequence]) -> list[Outcome]:
-        """Rows without a tree that take their n-gram proposal join the first cohort (with those whose drafts
-        landed); the others' drafts are made beside it."""
-        outcomes, untreed = self._take_lookups(untreed, hit_rate=1.0) if untreed else ([], [])
-        return outcomes + self._start_cohorts(seqs, new + untreed)
-
-    def _start_cohorts(self, seqs: list[Sequence], need: list[Sequence]) -> list[Outcome]:
-        """Split the round: a first cohort of those holding their speculation (landed, looked up), a second
-        of the rest, whose drafts are asked for now, to be drafted while the first verifies."""
-        self.metrics.cohort_rounds += 1
-        needed = {s.seq_id for s in need}
-        ready, outcomes = [s for s in seqs if s.seq_id not in needed], []
-        if not ready:  # the cohorts start: the first one's drafts now
-            ready, need = need[:len(need) // 2], need[len(need) // 2:]
-            outcomes = self._draft_or_fast(ready, FallbackPolicy.FAST)
-        half = max(1, len(seqs) // 2)
-        self._cohorts = (ready[:half], ready[half:] + need, self._ask_drafts(need, beside=True))
-        return outcomes
-
-    def _verify_cohorts(self, seqs: list[Sequence]) -> list[list[int]]:
-        """The first cohort verifies while the second's drafts are made; then the first's next drafts are
-        asked for (taken next round, _land) while the second verifies."""
-        first, second, asked = self._cohorts
-        self._cohorts = None
-        gained = dict(zip([s.seq_id for s in first], super().verify(first)))
-        self._in_flight = self._ask_drafts(first, beside=True)
-        outcomes = self._take_drafts(asked, FallbackPolicy.FAST)
-        if outcomes:
-            self.draft.send_outcomes(outcomes)
-        gained.update(zip([s.seq_id for s in second], super().verify(second)))
-        return [gained[s.seq_id] for s in seqs]
-
-    def _land(self, seqs: list[Sequence]) -> tuple[list[Outcome], set[int]]:
-        """The drafts asked for the last round's first cohort: their outcomes (fast backups) to send and
-        the ids of the sequences that now hold this round's speculation."""
-        if self._in_flight is None:
-            return [], set()
-        asked, self._in_flight = self._in_flight.among({s.seq_id for s in seqs}), None
-        return self._take_drafts(asked, FallbackPolicy.FAST), {s.seq_id for s in asked.seqs}
-
     def _without_tree(self, seqs: list[Sequence]) -> list[Outcome]:
         """No tree was asked for: the draft drafts now (SD's round), but for the rows whose n-gram proposal
         should gain more; or the fast backup (forced, or the tree gate measured its rounds faster:
@@ -236,83 +188,11 @@ class SSDLoop(SDLoop):
         outcomes, rest = self._take_lookups(seqs, hit_rate=1.0)  # a just-in-time draft always answers
         return outcomes + (self._draft_or_fast(rest, FallbackPolicy.FAST) if rest else [])
 
-    def _lookups_alone(self, seqs: list[Sequence]) -> list[Outcome]:
-        """The whole round on n-gram proposals, at the length that measures fastest (engine/lookup_rounds.py);
-        the picker still scores each row's K-token proposal, which is what a row of a tree round would take."""
-        found = self.lookup_rounds.lookups(seqs)
-        for s, lookup in zip(seqs, found):
-            self._offer_lookup(s, lookup)
-        self._lookup_round = True
-        return self._take_fast(seqs, self.lookup_rounds.propose(seqs, self._draft_room, found), FallbackPolicy.FAST)
-
     def _next_speculations(self, seqs: list[Sequence]) -> list[Outcome]:
         """Rows whose n-gram proposal should gain more take it; the others' hits take their cached branch,
         their misses go to the fallback. Returns the outcomes to stream."""
         outcomes, rest = self._take_lookups(seqs, self.stats.hit_rate)
         return outcomes + (self._take_trees(rest) if rest else [])
-
-    def _take_lookups(self, seqs: list[Sequence], hit_rate: float) -> tuple[list[Outcome], list[Sequence]]:
-        """The rows that take their n-gram proposal over the draft's (their outcomes to stream), and the rest."""
-        picked = self._pick_lookups(seqs, hit_rate) if self.picker else {}
-        outcomes, rest = [], []
-        for s in seqs:
-            if s.seq_id in picked:
-                outcomes += self._propose_here(s, picked[s.seq_id], ProposalSource.LOOKUP)
-            else:
-                rest.append(s)
-        self.metrics.lookup_rows += len(picked)
-        return outcomes, rest
-
-    def _pick_lookups(self, seqs: list[Sequence], hit_rate: float) -> dict[int, Proposal]:
-        """seq_id -> its n-gram proposal, for the rows spec/lookup_pick.py expects to gain more by it than by
-        the draft's (hit_rate: of the draft's proposals for them, a tree's or one drafted now). Every row's
-        proposal is offered, to be scored once its tokens are known; but after a pick in which none could have
-        gained, only one pick in REST_PICKS offers (spec/lookup_pick.py)."""
-        where = (self._mode, self._sampled, self._batch_size)
-        if self.picker.rests(where):
-            return {}
-        guesses = [self._offer_lookup(s) for s in seqs]
-        busy_s, wait_s = self.picker.round_times(where)
-        draft_tokens = self.gate.draft_tokens_per_row(self._batch_size, self._sampled)
-        wait_s = wait_s if self._may_skip_wait(len(seqs)) else None
-        picks = pick_lookup_rows([self.picker.expected(g.key) for g in guesses], draft_tokens, hit_rate, busy_s, wait_s)
-        if not any(picks) and not could_gain(self.picker.best_yield({s.params.greedy for s in seqs}), len(seqs),
-                                              draft_tokens, hit_rate, busy_s, wait_s):
-            self.picker.rest(where)
-        return {s.seq_id: Proposal(torch.tensor(g.tokens, dtype=torch.long), None)
-                for s, g, pick in zip(seqs, guesses, picks) if pick}
-
-    def _may_skip_wait(self, rows: int) -> bool:
-        """Whether this round may skip its wait by every row taking its lookup: only a whole round, and not a
-        sampled tree round. The draft still builds the trees the round asks for; when sampled builds could not
-        stop early, rounds that did not wait for them queued builds faster than they were made (b = 1,
-        T = 0.7: a prefill then waited ~1 s for that queue, session 57). Only the one-host child stops them now
-        (DraftWorker.finish_trees), and skipping was not measured again. Rounds of lookups alone are the
-        gate's RoundMode.FAST, which asks for none."""
-        return rows == self._batch_size and not (self._sampled and self._mode is RoundMode.TREES)
-
-    def _offer_lookup(self, s: Sequence, found: tuple[list[int], int] | None = None) -> Guess:
-        """s's K-token n-gram proposal, offered to the picker to be scored (whether it is verified or not);
-        found: a longer lookup of s already made, (tokens, n), whose first K tokens it is."""
-        k = self.config.k
-        tokens, n = found or ngram_lookup(s.tokens, k, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
-        guess = Guess(s.num_tokens, tuple(tokens[:k]), (n, s.params.greedy))
-        self.picker.offer(s.seq_id, guess)
-        return guess
-
-    def _fast_proposal(self, s: Sequence, kind: FallbackPolicy) -> Proposal:
-        """The fast backup's n-gram proposals are scored too: rounds of them alone (RoundMode.FAST) are
-        where the picker learns the text's n-gram yields before tree rounds come to use them."""
-        if self.picker is None or kind is not FallbackPolicy.FAST:
-            return super()._fast_proposal(s, kind)
-        return Proposal(torch.tensor(self._offer_lookup(s).tokens, dtype=torch.long), None)
-
-    def _score_lookups(self, seqs: list[Sequence]) -> None:
-        """Score the n-gram proposals offered in earlier rounds whose tokens are now known."""
-        if self.picker:
-            for s in seqs:
-                if self.picker.pending.get(s.seq_id):  # (s.tokens builds a list: only where a guess waits)
-                    self.picker.observe(s.seq_id, s.tokens)
 
     def _take_trees(self, seqs: list[Sequence]) -> list[Outcome]:
         """Hits take their cached branch; misses go to the fallback. Returns the outcomes to stream."""

@@ -56,7 +56,7 @@ __all__ = [
     "bias_row",
     "apply_penalties", "batch_position_counts", "penalize_batch", "penalize_positions", "position_counts", "prompt_mask",
     "greedy_tokens", "one_hot_probs", "row_uniforms", "saguaro_probs", "sample", "sample_with_uniforms", "target_probs",
-    "top_f_mask",
+    "top_f_mask", "top_k_proposal",
     "ProposalSource", "SpecStats", "Timing",
     "expected_tokens_per_round", "predicted_speedup",
     "VerifyResult", "acceptance_ratios", "bonus_probs", "emitted_tokens", "first_rejection", "greedy_verify",
