@@ -1,6 +1,7 @@
-"""finish_reason / stop_reason as vLLM v1 gives them, in AR, SD and SSD alike. vLLM's engine core checks a new
-token for length first (max_tokens, or the context's end: "length"), then EOS, then stop_token_ids ("stop", the
-id as stop_reason); its output processor then looks for stop strings in the token's text, and one found there
+"""finish_reason / stop_reason as vLLM v1 gives them (vllm/v1/core/sched/utils.py check_stop), in AR, SD and
+SSD alike. vLLM's engine core checks a new token for EOS first ("stop", no stop_reason), then stop_token_ids
+("stop", the id as stop_reason), then length (max_tokens, or the context's end: "length"); its output processor
+then looks for stop strings in the text (a stop-terminated request's last token left out), and one found there
 makes it "stop" (the string as stop_reason) even where length ended it. A speculative round that gains tokens
 past the end is cut back to AR's answer."""
 from __future__ import annotations
@@ -61,9 +62,9 @@ def in_every_mode(engines, make_params, want: tuple[str, int | str | None], leng
     return ar
 
 
-def test_eos_as_the_max_tokens_th_token_is_length(engines):
-    """vLLM checks length before EOS: an EOS that is also the last allowed token ends it as "length"."""
-    out = in_every_mode(engines, lambda llm: forced(eos(llm), AT), ("length", None), AT)
+def test_eos_as_the_max_tokens_th_token_is_stop(engines):
+    """vLLM checks EOS before length: an EOS that is also the last allowed token ends it as "stop"."""
+    out = in_every_mode(engines, lambda llm: forced(eos(llm), AT), ("stop", None), AT)
     assert out.token_ids[-1] == eos(engines["ar"])
 
 
@@ -77,14 +78,13 @@ def test_ignored_eos_runs_to_length(engines):
     assert out.token_ids[AT - 1:] == [eos(engines["ar"])] * 3
 
 
-def test_a_stop_token_as_the_max_tokens_th_token_is_length_and_its_text_stays(engines):
-    """"length" with no stop_reason; the token did not stop the request, so its text is output (vLLM decodes
-    it: only a stop-terminated request's last token is left out of the text)."""
+def test_a_stop_token_as_the_max_tokens_th_token_is_stop_naming_it(engines):
+    """Stop tokens come before length too: "stop", the id as stop_reason, its text left out."""
     llm = engines["ar"]
     token = plain_token(llm)
-    out = in_every_mode(engines, lambda llm: forced(token, AT, stop_token_ids=[token]), ("length", None), AT)
+    out = in_every_mode(engines, lambda llm: forced(token, AT, stop_token_ids=[token]), ("stop", token), AT)
     assert out.token_ids[-1] == token
-    assert out.text == llm.tokenizer.decode(out.token_ids) and out.text.endswith(llm.tokenizer.decode([token]))
+    assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
 
 
 def test_a_stop_token_before_max_tokens_is_stop_naming_it(engines):
@@ -105,23 +105,24 @@ def test_a_stop_string_completed_by_the_max_tokens_th_token_is_stop(engines):
     assert out.token_ids == tokens[:m] and not out.text.endswith(stop)
 
 
-def test_a_stop_token_whose_text_completes_a_stop_string_at_max_tokens_is_stop_naming_the_string(engines):
-    """At length the stop token's text is decoded, so a stop string in it still ends the request as "stop"."""
+def test_a_stop_token_whose_text_holds_a_stop_string_ends_as_the_token(engines):
+    """A stop-terminated request's last token is left out of the text (vLLM's detokenizer skips it), so a stop
+    string only its text would complete is never found: the stop token names the end."""
     llm = engines["ar"]
     token = plain_token(llm)
     stop = llm.tokenizer.decode([token]).strip()
     out = in_every_mode(engines, lambda llm: forced(token, AT, stop_token_ids=[token], stop=[stop]),
-                        ("stop", stop), AT)
+                        ("stop", token), AT)
     assert out.token_ids[-1] == token
 
 
-def test_eos_that_fills_the_context_is_length(engines):
+def test_eos_that_fills_the_context_is_stop(engines):
     """max_tokens=None runs to the context's end (LLM.max_model_len, which leaves a speculative round its
-    K + 1 positions); an EOS that fills it ends the request as "length", as vLLM's max_model_len check."""
+    K + 1 positions); an EOS that fills it is still "stop" (EOS comes before vLLM's max_model_len check)."""
     def prompt(llm: LLM) -> list[int]:
         ids = llm.tokenizer.encode(PROMPT * 20, add_special_tokens=False)
         return ids[:llm.max_model_len - AT]
-    out = in_every_mode(engines, lambda llm: forced(eos(llm), None), ("length", None), AT, prompt)
+    out = in_every_mode(engines, lambda llm: forced(eos(llm), None), ("stop", None), AT, prompt)
     assert out.token_ids[-1] == eos(engines["ar"])
 
 
@@ -133,4 +134,4 @@ def test_a_streams_last_delta_carries_it(engines):
     async def last():
         return [d async for d in llm.stream(PROMPT, forced(eos(llm), AT))][-1]
     delta = asyncio.run(last())
-    assert (delta.finish_reason, delta.stop_reason) == ("length", None)
+    assert (delta.finish_reason, delta.stop_reason) == ("stop", None)

@@ -140,7 +140,7 @@ class TargetRank:
         from saguaro_dist.engine.loop_thread import EngineThread
         tokenizer = target_tokenizer(self.config)
         backend = self._draft_side(draft_addresses, fit, revive) if self.config.uses_draft else None
-        engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer))
+        engine = Engine(self.config, runner, backend, tokenizer, eos_ids(runner, tokenizer, self.config))
         freeze_startup_heap()
         self.thread = EngineThread(engine)
         return {"vocab_size": engine.vocab_size, "max_model_len": engine.max_model_len,

@@ -1,6 +1,7 @@
 """Assemble a one-host engine from a Config: runners, tokenizer, draft side."""
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
@@ -41,12 +42,26 @@ def make_runner(path: str, config: Config, tp_group=None, device: str | None = N
                        revision=revision, gpu_memory_utilization=config.gpu_memory_utilization)
 
 
-def eos_ids(runner, tokenizer) -> set[int]:
-    """Every id that ends generation: the model config's eos (int or list) and the tokenizer's."""
-    ids = set(runner.config.eos_token_ids)
+def eos_ids(runner, tokenizer, config: Config | None = None) -> set[int]:
+    """Every id that ends generation: the generation config's eos (generation_eos_ids; without `config`,
+    config.json's) and the tokenizer's. The engine ends at the tokenizer's with no stop_reason and at the
+    others as vLLM's stop_token_ids (Engine._check_stop)."""
+    ids = set(generation_eos_ids(config) if config is not None else ()) or set(runner.config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
+
+
+def generation_eos_ids(config: Config) -> tuple[int, ...]:
+    """The eos_token_id (int or list) of the generation_config.json vLLM reads for it: the folder
+    config.generation_config names, else the model's own ("vllm" too: only sampling defaults are off then).
+    () where there is none: config.json's eos stands in (transformers' GenerationConfig.from_model_config)."""
+    source = config.generation_config
+    own = source in ("auto", "vllm")
+    folder = resolve_model_dir(config.model if own else source, weights=False, revision=config.revision if own else None)
+    path = folder / "generation_config.json"
+    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
 
 
 def try_load_tokenizer(path: str, revision: str | None = None):
@@ -183,4 +198,4 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
     fit = fit_draft(config, tokenizer) if config.uses_draft else None
     target = make_runner(config.model, config, revision=config.revision)
     backend = build_local_draft(config, fit) if fit else None
-    return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer)), tokenizer
+    return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer, config)), tokenizer

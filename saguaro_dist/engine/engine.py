@@ -54,7 +54,8 @@ class Engine:
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
         self.draft = draft_backend
         self.detok = Detokenizer(tokenizer)
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = eos_token_ids  # every id that ends generation (the generation config's, the tokenizer's)
+        self.eos_token_id = tokenizer.eos_token_id if tokenizer is not None else None  # vLLM's EOS: no stop_reason
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size, eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # hold batch slots; their prompts run part by part (_prefill_in_budget)
@@ -261,17 +262,19 @@ class Engine:
         self._update_text(s, now, len(s.output_token_ids) - before)
 
     def _check_stop(self, s: Sequence, token: int) -> None:
-        """End s at its newest token in vLLM v1's order (check_stop): length first, so an EOS or a stop token
-        that is also the max_tokens-th (or fills the context) ends it as "length" (no stop_reason); then EOS
-        (unless ignore_eos), then stop_token_ids ("stop", stop_reason the id). min_tokens is kept by the
-        sampler (both kinds of end barred until then); stop strings come after, in _update_text."""
-        if self._at_length(s):
-            self._finish(s, FinishReason.LENGTH)
-        elif token in self.eos_token_ids and not s.params.ignore_eos:
+        """End s at its newest token in vLLM v1's order (vllm/v1/core/sched/utils.py check_stop): EOS (unless
+        ignore_eos), then stop_token_ids ("stop", stop_reason the id), then length, so an EOS or a stop token that
+        is also the max_tokens-th (or fills the context) is "stop". As vLLM, only the tokenizer's EOS ends with no
+        stop_reason: the generation config's other eos ids are stop_token_ids (unless ignore_eos). min_tokens is
+        kept by the sampler (every end barred until then); stop strings come after, in _update_text."""
+        if token in self.eos_token_ids and not s.params.ignore_eos:
+            s.stop_reason = None if token == self.eos_token_id else token
             self._finish(s, FinishReason.STOP)
         elif token in s.params.stop_token_ids:
             s.stop_reason = token
             self._finish(s, FinishReason.STOP)
+        elif self._at_length(s):
+            self._finish(s, FinishReason.LENGTH)
 
     def _at_length(self, s: Sequence) -> bool:
         """max_tokens reached (None: no limit but the context), or the context's end (vLLM's check_stop)."""
