@@ -126,6 +126,13 @@ def test_beams_stop_at_the_contexts_end(checkpoint):
     assert all(len(s.tokens) == 8 and s.finish_reason == "length" for s in out.sequences)
 
 
+def test_a_prompt_with_no_room_is_refused_as_generate_refuses_it(checkpoint):
+    """Not a zero-token beam reported as "length": vLLM's search raises through its generate."""
+    with LLM(model=str(checkpoint[0]), mode="ar", max_model_len=8) as short:
+        with pytest.raises(ValueError, match="leaves 0 of the model's max length"):
+            short.beam_search([{"prompt_token_ids": list(range(1, 9))}], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
 def test_text_is_the_decoded_beam():
     from saguaro_dist.demo import PAIR_DIR
     with LLM(model=str(PAIR_DIR / "target"), mode="ar") as demo:

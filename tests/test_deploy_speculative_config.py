@@ -135,3 +135,12 @@ def test_chart_schema_refuses_an_inert_key_at_another_value(key):
     report = helm.lint(str(CHART), values={"speculation": {"speculativeConfig": {"model": "d", key: other}}},
                        strict=True)
     assert any(key in error for error in report["errors"]), report
+
+
+def test_settings_under_an_ngram_config_name_no_draft_and_rebuild_from_their_fields():
+    """The default draft is no part of an ngram deployment: None, so replace() (which passes every field as
+    given) does not meet a draft beside the ngram config."""
+    import dataclasses
+    s = k8s.K8sSettings(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert (s.mode, s.draft, s.draft_revision) == ("ngram", None, None)
+    assert dataclasses.replace(s, name="other").mode == "ngram"

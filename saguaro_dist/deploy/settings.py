@@ -183,6 +183,9 @@ class K8sSettings:
         object.__setattr__(self, "speculative_config", spec)
         for name, value in config_fields(spec, given).items():
             object.__setattr__(self, name, getattr(value, "value", value))  # Mode.NGRAM -> "ngram"
+        if not self.uses_draft:  # (ngram) no draft: the settings say so, and rebuilt from their fields stay valid
+            object.__setattr__(self, "draft", None)
+            object.__setattr__(self, "draft_revision", None)
 
     def _validate(self):
         parse_enum(Mode, self.mode, "mode")

@@ -146,15 +146,16 @@ def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) 
     step = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
     instances = [BeamSearchInstance.of_prompt(ids) for ids in prompt_ids]
     for _ in range(params.max_tokens):
-        for instance in instances:
-            retire_full(instance, llm.max_model_len)
         live = [beam for instance in instances for beam in instance.beams]
         if not live:
             break
+        # (a prompt with no room is refused here by generate, as vLLM's search refuses it; grown beams that
+        # fill the context are retired below before they reach it)
         outs = iter(llm.generate(prompt_token_ids=[b.tokens for b in live], sampling_params=step, use_tqdm=False))
         for instance in instances:
             candidates = [c for beam in instance.beams for c in extended(beam, next(outs).outputs[0].logprobs[0])]
             advance(instance, candidates, ends, params.beam_width, key)
+            retire_full(instance, llm.max_model_len)
     return [BeamSearchOutput(finished_texts(best_beams(i, params.beam_width, key), llm.tokenizer)) for i in instances]
 
 
