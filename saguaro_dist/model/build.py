@@ -11,6 +11,7 @@ from saguaro_dist.model.fuse import fuse_projections
 from saguaro_dist.model.hf_config import ModelConfig
 from saguaro_dist.model.layers import CausalLM
 from saguaro_dist.model.loader import load_weights
+from saguaro_dist.model.phi3_config import fused_checkpoint_parts
 from saguaro_dist.model.tp import apply_tensor_parallel
 
 
@@ -25,6 +26,6 @@ def build_model(cfg: ModelConfig, model_dir: Path, device, dtype, tp_group=None)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         skip = frozenset({"lm_head.weight"})
-    load_weights(model, model_dir, skip, cfg.language_model_only)
+    load_weights(model, model_dir, skip, cfg.language_model_only, fused_checkpoint_parts(cfg))
     fuse_projections(model)
     return model.eval().requires_grad_(False)

@@ -8,6 +8,7 @@ from pathlib import Path
 from saguaro_dist.model.gemma2_config import GEMMA2_TYPE, gemma2_fields, gemma2_view, gemma2_windows
 from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma3_ropes, gemma3_text_view,
                                               gemma3_windows)
+from saguaro_dist.model.phi3_config import PHI3_TYPE, phi3_context, phi3_fields, phi3_rope
 from saguaro_dist.model.rope_checks import checked_rope, is_number
 
 # model_type -> (q/k/v bias field ("": never a bias), o_proj bias with it, q/k RMSNorm per head)
@@ -15,8 +16,8 @@ _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bi
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True),
              "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False),
              "gemma2": ("attention_bias", True, False), "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True),
-             "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True)}
-_DEFAULT_EPS = {"olmo2": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
+             "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True), "phi3": ("", False, False)}
+_DEFAULT_EPS = {"olmo2": 1e-5, "phi3": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
 # Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 MOE_TYPES = ("mixtral", "qwen3_moe")
@@ -76,10 +77,16 @@ class ModelConfig:
     renormalise_topk: bool = False    # the top-k routing weights divided by their sum
     routing_weights_fp32: bool = False  # Mixtral: the weights stay fp32 into the weighted sum; Qwen3-MoE: cast
     sparse_layers: tuple = ()         # each layer: True sparse (experts), False dense MLP; (): none sparse
+    rotary_dim: int | None = None  # Phi-3's partial rotary factor: rope on each head's first rotary_dim dims; None: all
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
         return self.eos_token_ids
+
+    @property
+    def rope_dim(self) -> int:
+        """The width of the rope tables: the dims of each head that rotate."""
+        return self.rotary_dim or self.head_dim
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window: a query at position i sees keys i - window < j <= i; None: all j <= i."""
@@ -108,6 +115,8 @@ def rope_params(hf: dict) -> dict:
     layers' (its sliding layers': gemma3_config.gemma3_ropes)."""
     if hf.get("model_type") in GEMMA3_TYPES:
         return gemma3_ropes(gemma3_text_view(hf))["full_attention"]
+    if hf.get("model_type") == PHI3_TYPE:
+        return phi3_rope(hf)
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
     rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
     return checked_rope(rope, hf)
@@ -135,13 +144,13 @@ def _scaled_positions(positions: int, rope: dict) -> tuple[int, str]:
 
 
 def _sliding_window(hf: dict) -> int | None:
-    """The sliding window that applies to this checkpoint, else None. Mistral's and Mixtral's apply unless
-    null, Qwen's only when used; absent, it is the config class's default (MixtralConfig's: null), as
-    transformers reads the file."""
+    """The sliding window that applies to this checkpoint, else None. Mistral's, Mixtral's and Phi-3's apply
+    unless null, Qwen's only when used; absent, it is the config class's default (MixtralConfig's and
+    Phi3Config's: null), as transformers reads the file."""
     model_type = hf["model_type"]
-    applies = model_type in ("mistral", "mixtral") or (
+    applies = model_type in ("mistral", "mixtral", PHI3_TYPE) or (
         model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"))
-    default = None if model_type == "mixtral" else _DEFAULT_WINDOW
+    default = None if model_type in ("mixtral", PHI3_TYPE) else _DEFAULT_WINDOW
     window = hf.get("sliding_window", default) if applies else None
     if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
         raise ValueError(f"config.json sliding_window must be a positive integer or null, got {window!r}")
@@ -190,6 +199,8 @@ def context_limit(hf: dict) -> tuple[int, str]:
     Gemma 3's is max_position_embeddings, its rope scaling already counted there (vLLM skips gemma3's factor)."""
     if hf.get("model_type") in GEMMA3_TYPES:
         return _require(gemma3_text_view(hf), "max_position_embeddings"), "config.json max_position_embeddings"
+    if hf.get("model_type") == PHI3_TYPE:  # longrope: its original context only (phi3_config.phi3_context)
+        return phi3_context(hf, _require(hf, "max_position_embeddings"))
     return _scaled_positions(_require(hf, "max_position_embeddings"), rope_params(hf))
 
 
@@ -281,7 +292,7 @@ def moe_fields(hf: dict) -> dict:
 
 def _family_fields(model_type: str, hf: dict) -> dict:
     """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout, Gemma 3's,
-    Mixtral's and Qwen3-MoE's experts)."""
+    Mixtral's and Qwen3-MoE's experts, Phi-3's rotary dimension)."""
     if model_type == "granite":
         return _granite_scalars(hf)
     if model_type == "olmo2":
@@ -292,6 +303,8 @@ def _family_fields(model_type: str, hf: dict) -> dict:
         return gemma2_fields(hf)
     if model_type in MOE_TYPES:
         return moe_fields(hf)
+    if model_type == PHI3_TYPE:
+        return phi3_fields(hf)
     return {}
 
 
@@ -320,7 +333,7 @@ def parse_config(hf: dict) -> ModelConfig:
         rms_norm_eps=hf.get("rms_norm_eps", _DEFAULT_EPS.get(model_type, 1e-6)),
         max_position_embeddings=limit, context_source=limit_source,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
+        qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=model_type != PHI3_TYPE and bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
         rope=rope_params(hf), eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
         hf=hf, layer_windows=layer_windows(hf, num_layers), **_family_fields(model_type, hf))
 

@@ -1,5 +1,6 @@
-"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 2 / Gemma 3 / Mixtral / Qwen3-MoE) as plain modules; attention over stored
-KV is left to a batch context (`ctx.attend`), so the same layers serve batched extend and branch decode."""
+"""The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 2 / Gemma 3 / Mixtral / Qwen3-MoE /
+Phi-3) as plain modules; attention over stored KV is left to a batch context (`ctx.attend`), so the same layers
+serve batched extend and branch decode."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +9,7 @@ from torch import nn
 
 from saguaro_dist.model.attention import attention_kernel
 from saguaro_dist.model.hf_config import ModelConfig
-from saguaro_dist.model.rope import apply_rope
+from saguaro_dist.model.rope import apply_partial_rope, apply_rope
 
 
 class PlainModule(nn.Module):
@@ -69,6 +70,7 @@ class Attention(PlainModule):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.attention_scale  # Granite's attention_multiplier; None (SDPA's 1/sqrt(head_dim)) passes none
         self.window = cfg.window_of(layer_idx)  # this layer's sliding window; None (full attention) passes none
+        self.rotate = apply_partial_rope if cfg.rotary_dim else apply_rope  # Phi-3's partial rotary factor
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """Runs on the fused `qkv_proj` that build_model makes from q/k/v_proj once the weights load."""
@@ -79,7 +81,7 @@ class Attention(PlainModule):
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qk[:, :, :heads]), self.k_norm(qk[:, :, heads:])], dim=2)
         # q's and k's heads rotate by the same position: one RoPE pass over both (half the small ops).
-        qk = apply_rope(qk, ctx.cos, ctx.signed_sin)
+        qk = self.rotate(qk, ctx.cos, ctx.signed_sin)
         v = v.view(b, t, kv_heads, self.head_dim)
         return self.o_proj(self._attend(ctx, qk[:, :, :heads], qk[:, :, heads:], v))
 

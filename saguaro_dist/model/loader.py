@@ -188,11 +188,33 @@ def expert_tensors(stored: str, sl) -> list[tuple[str, object]]:
     return [(f"{m[1]}.{e}.{proj}.weight", _TensorSlice(t[e])) for proj, t in parts for e in range(len(t))]
 
 
+def fused_tensors(stored: str, sl, fused: dict) -> list[tuple[str, object]]:
+    """(parameter name, slice) pairs of a checkpoint tensor that stacks several of our projections by rows
+    (Phi-3's qkv_proj, gate_up_proj: `fused`, phi3_config.fused_checkpoint_parts), each part whole: a tensor
+    parallel rank then reads its own heads' (width's) rows of each part. Any other tensor as it is."""
+    module, _, local = stored.rpartition(".")
+    parent, _, fused_name = module.rpartition(".")
+    parts = fused.get(f"{parent.rpartition('.')[2]}.{fused_name}")
+    if parts is None or local != "weight":
+        return [(stored, sl)]
+    rows = sl.get_shape()[0]
+    if rows != sum(size for _, size in parts):
+        raise ValueError(f"tensor {stored!r}: {rows} rows in the checkpoint, the model expects "
+                         f"{' + '.join(f'{name} {size}' for name, size in parts)}")
+    split = sl[:].split([size for _, size in parts])
+    return [(f"{parent}.{name}.weight", _TensorSlice(t)) for (name, _), t in zip(parts, split)]
+
+
+def _parameter_parts(name: str, sl, fused: dict) -> list[tuple[str, object]]:
+    """Every (parameter name, slice) a checkpoint tensor fills: fused rows split, MoE experts renamed."""
+    return [pair for param, part in fused_tensors(name, sl, fused) for pair in expert_tensors(param, part)]
+
+
 def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset(),
-                 language_model_only: bool = False):
+                 language_model_only: bool = False, fused: dict | None = None):
     """language_model_only: the checkpoint is multimodal (Gemma 3 4B-27B), its language model is loaded
-    (language_model_name). Every parameter must come from the checkpoint (none is left as allocated), and every tensor of the
-    checkpoint must fill one (but buffers and `skip`: tied ones): a tensor left over means config.json
+    (language_model_name). fused: tensors stacking several parameters (fused_tensors; None: none). Every
+    parameter must come from the checkpoint (none is left as allocated), and every tensor of the checkpoint must fill one (but buffers and `skip`: tied ones): a tensor left over means config.json
     does not describe these weights (attention biases it omits, more layers), and dropping it computed
     another model than the checkpoint's, silently (vLLM refuses such a checkpoint too)."""
     params = {n: (m, local) for m_name, m in model.named_modules()
@@ -205,7 +227,7 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
             name = language_model_name(stored) if language_model_only else stored
             if name is None:
                 continue
-            for param, part in expert_tensors(name, sl):
+            for param, part in _parameter_parts(name, sl, fused or {}):
                 param = _param_name(param, wanted)
                 if param not in wanted:
                     if param not in skip and not param.endswith(_IGNORED_SUFFIXES):

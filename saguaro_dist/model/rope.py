@@ -29,7 +29,10 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def attention_factor(rope: dict) -> float:
     """The scale transformers multiplies cos and sin by: 1 but for yarn, whose `attention_factor` is given, or
-    DeepSeek's mscale / mscale_all_dim ratio when both are set, else 0.1 ln(factor) + 1."""
+    DeepSeek's mscale / mscale_all_dim ratio when both are set, else 0.1 ln(factor) + 1; and longrope's
+    (phi3_config resolves it)."""
+    if rope["rope_type"] == "longrope":
+        return rope["attention_factor"]
     if rope["rope_type"] != "yarn":
         return 1.0
     if rope.get("attention_factor") is not None:
@@ -66,7 +69,17 @@ def yarn_inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
     return interpolated * (1 - kept) + extrapolated * kept
 
 
+def longrope_short_inv_freq(dim: int, rope: dict) -> torch.Tensor:
+    """LongRoPE's frequencies for a sequence within original_max_position_embeddings (transformers'
+    _compute_longrope_parameters, op for op): each divided by its short_factor."""
+    ext_factors = torch.tensor(rope["short_factor"], dtype=torch.float32)
+    return 1.0 / (ext_factors * rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
 def inv_freq(head_dim: int, rope: dict) -> torch.Tensor:
+    """head_dim: the rotated width (a partial rotary factor's share of each head)."""
+    if rope["rope_type"] == "longrope":
+        return longrope_short_inv_freq(head_dim, rope)
     if rope["rope_type"] == "yarn":
         return yarn_inv_freq(head_dim, rope)
     base = default_inv_freq(head_dim, rope["rope_theta"])
@@ -106,3 +119,10 @@ def model_rope_tables(head_dim: int, rope: dict, local_rope: dict | None, max_le
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. x: [B, T, H, D]; cos, signed_sin: [B, T, 1, D]."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """The rope on each head's first R dims, the rest passed through (transformers' Phi3 apply_rotary_pos_emb).
+    x: [B, T, H, D]; cos, signed_sin: [B, T, 1, R], R < D."""
+    rotary = cos.shape[-1]
+    return torch.cat([apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]], dim=-1)

@@ -82,7 +82,7 @@ class ModelRunner:
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
             graphed = cuda_graphs and tp_group is None  # see _step_graphs
             self.pool = self._kv_pool(kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
-            self.cos, self.signed_sin = model_rope_tables(cfg.head_dim, cfg.rope, cfg.local_rope, self.max_model_len,
+            self.cos, self.signed_sin = model_rope_tables(cfg.rope_dim, cfg.rope, cfg.local_rope, self.max_model_len,
                                                           self.device, torch.float32 if cfg.rope_fp32 else self.dtype)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
