@@ -51,6 +51,19 @@ def wait_cpus(at_least: float, within_s: float = 30.0) -> float:
     return free_cpus()
 
 
+def settled_cpus(quiet_s: float = 2.0, within_s: float = 30.0) -> float:
+    """Free CPUs before a test: all of the cluster's, or a count unchanged for quiet_s. Other files' session
+    fixtures (the Serve app of test_serve_fixtures) hold CPUs for the whole session: waiting for every CPU
+    waited out within_s in each test that ran after them on the same xdist worker."""
+    total, deadline = ray.cluster_resources()["CPU"], time.time() + within_s
+    free, since = free_cpus(), time.time()
+    while free < total and time.time() - since < quiet_s and time.time() < deadline:
+        time.sleep(0.2)
+        if (now := free_cpus()) != free:
+            free, since = now, time.time()
+    return free
+
+
 def stream_in_thread(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[threading.Thread, list]:
     """llm.stream(prompt) consumed on a thread of its own (its own event loop); result: [tokens] or [error]."""
     result: list = []
@@ -101,7 +114,7 @@ def test_shutdown_fails_the_requests_in_flight_and_a_second_one_does_nothing(ray
     rank 0's failing it). Calling shutdown again does nothing (it called the killed rank 0, logged a warning
     and killed every actor again); the engine then refuses work as shut down (a submit reported the target
     dead and advised LLM.rebuild()), and keeps its metrics."""
-    before = wait_cpus(ray.cluster_resources()["CPU"])
+    before = settled_cpus()
     llm = ngram_llm({"target": slow_target}, max_model_len=256)
     params = SamplingParams(temperature=1.0, seed=1, max_tokens=240, ignore_eos=True)  # ~1 token a round
     thread, result = stream_in_thread(llm, PROMPTS[0], params)
@@ -131,7 +144,7 @@ def test_a_dead_target_is_an_engine_error_caused_by_the_actor_death_everywhere(r
     """Requests, metrics and reset_prefix_cache after rank 0 died raise the retriable EngineError with Ray's
     RayActorError as its cause (metrics and reset_prefix_cache raised the bare RayActorError, the requests'
     error dropped its cause: `from None`); shutdown then frees the rest without waiting on the dead."""
-    before = wait_cpus(ray.cluster_resources()["CPU"])
+    before = settled_cpus()
     llm = ngram_llm(pair)
     rank0 = llm._thread.deployment.ranks[0]
     ray.kill(rank0, no_restart=True)
@@ -155,7 +168,7 @@ def test_start_up_without_the_gpus_asked_for_fails_by_its_timeout_and_frees_ever
     """A CUDA target and draft on a cluster without GPUs: a warning at once, then an error naming the target's
     bundle by startup_timeout_s. The draft actors, never placed, were asked to stop their gRPC servers
     anyway, which waited 10 s more for actors that could never answer."""
-    before = wait_cpus(ray.cluster_resources()["CPU"])
+    before = settled_cpus()
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="saguaro_dist.distributed.cluster"), \
             pytest.raises(RuntimeError, match=r"no node can host 1 target ranks with \{'GPU': 1\}"):
@@ -178,7 +191,7 @@ def test_a_draft_that_cannot_load_fails_start_up_at_once_with_its_cause(ray_clus
     for f in Path(pair["close"]).iterdir():
         (draft / f.name).write_bytes(f.read_bytes())
     (draft / "model.safetensors").write_bytes(b"not a safetensors file")
-    before = wait_cpus(ray.cluster_resources()["CPU"])
+    before = settled_cpus()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"1 draft worker\(s\) .*an actor died while starting") as err:
         LLM(model=pair["target"], draft=str(draft), mode="ssd", k=3, cluster="auto", num_draft_workers=1,
@@ -194,7 +207,7 @@ def test_a_draft_killed_mid_generation_costs_no_token_and_frees_its_cpu(ray_clus
     mid-generation: outputs identical to plain greedy decoding, its CPU back in the cluster while the
     engine runs on, and shutdown closes the survivor's gRPC port and frees the rest."""
     reference = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
-    before = wait_cpus(ray.cluster_resources()["CPU"])
+    before = settled_cpus()
     llm = LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, cluster="auto",
               max_batch_size=4, num_draft_workers=2, draft_executor="process")
     try:

@@ -125,6 +125,8 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
         draft = None  # it proposes from the sequence's own tokens
     elif "cluster" not in kwargs:  # (on Ray the drafts are actors: "process", or "split" with a copy beside the target)
         kwargs.setdefault("draft_executor", "thread")  # the process carries the same messages: one case below
+        if kwargs["draft_executor"] != "thread":  # torch on one thread in the child too, as here (sampling_pair):
+            kwargs.setdefault("draft_threads", 1)  # its default, every core, ran these cases 4x slower on 2 cores
     with LLM(device=device, model=target, draft=draft, mode=mode, max_batch_size=64, **kwargs) as llm:
         ignore_eos = params.structured_outputs is None
         seeded = [replace(params, max_tokens=max_tokens, ignore_eos=ignore_eos, seed=i) for i in range(n)]

@@ -76,7 +76,8 @@ def test_a_request_size_limit_below_one_byte_is_refused_at_deploy(serving_pair, 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_while_the_replica_cannot_start_ends_the_server(serving_pair, tmp_path, sig):
     """serve.run waits for the replica (a model loading, or here one Ray cannot place): Kubernetes' SIGTERM,
-    or Ctrl-C, set a flag nobody read until the replica was up, so the server never stopped."""
+    or Ctrl-C, set a flag nobody read until the replica was up, so the server never stopped. (The stop no longer
+    waits Serve's 20 s graceful stop of a replica that never started: cli/serve.py _shutdown; no timing asserted.)"""
     config = tmp_path / "unplaceable.yaml"
     config.write_text(yaml.safe_dump({"applications": [{
         "name": "saguaro", "route_prefix": "/", "import_path": APP_IMPORT_PATH,

@@ -235,17 +235,19 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     _stop_on_signals()
     name = served_model_names(args.get("served_model_name"), args["model"])[0]
     url = f"{'https' if tls else 'http'}://{host_port(host, port)}/v1"
+    serving = False
     try:
         log.warning("starting %r at %s (%s ingress; Ctrl-C to stop)", name, url, ingress.value)
         _start_serve(serve, {"host": host, "port": proxy_port, **tls}, serve_logging_config(ns))
         serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
+        serving = True
         log.warning("serving %r at %s", name, url)
         while True:
             time.sleep(60)  # a signal interrupts the sleep
     except KeyboardInterrupt:  # SIGINT or SIGTERM, while starting or serving: a clean stop
         pass
     finally:
-        _shutdown(serve, ray, embedded)
+        _shutdown(serve, ray, embedded, serving)
     return 0
 
 
@@ -285,11 +287,15 @@ def _ignore_stop_signals() -> None:
         signal.signal(sig, signal.SIG_IGN)
 
 
-def _shutdown(serve, ray, embedded: bool) -> None:
+def _shutdown(serve, ray, embedded: bool, serving: bool) -> None:
     _ignore_stop_signals()  # a stop asked for twice, or one after a failed start: this shutdown is it
     log.warning("shutting down")
     if embedded:
-        serve.shutdown()
+        # Serve's graceful stop drains a serving replica; one still starting (a model loading, a replica Ray
+        # cannot place) never answers it, and Serve waited graceful_shutdown_timeout_s (20 s) before killing
+        # it. Before serving there is nothing to drain: the embedded Ray's shutdown ends every actor at once.
+        if serving:
+            serve.shutdown()
         ray.shutdown()
     else:
         serve.delete(APP_NAME)  # leave the shared cluster and its other apps running

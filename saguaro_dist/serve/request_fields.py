@@ -36,7 +36,7 @@ class Unsupported:
 SAMPLING_UNSUPPORTED = {
     "best_of": Unsupported((None, 1), "each choice is one sample; ask for more with n"),
     "suffix": Unsupported((None, ""), "there is no fill-in-the-middle"),
-    "use_beam_search": Unsupported((False,), "there is no beam search"),
+    "use_beam_search": Unsupported((False,), "the server runs no beam search (offline: LLM.beam_search)"),
     "spaces_between_special_tokens": Unsupported((True,), "special tokens are decoded as the tokenizer joins them"),
     "prompt_logprobs": Unsupported((None,), "/v1/responses carries no prompt log-probabilities; /v1/completions and "
                                             "/v1/chat/completions return them"),
