@@ -1,5 +1,5 @@
-"""The wire format of the one-host draft's pipe (engine/draft_process.py): pickles whose large arrays
-travel as raw out-of-band buffers. A module of its own because the child runs draft_process as
+"""The wire format of the one-host draft's pipe (engine/draft_process.py): its message kinds, and pickles
+whose large arrays travel as raw out-of-band buffers. A module of its own because the child runs draft_process as
 __main__, and a reduction function pickled from there would not be found by the parent.
 """
 from __future__ import annotations
@@ -9,9 +9,18 @@ import fcntl
 import io
 import pickle
 import struct
+import time
 from multiprocessing.connection import Connection
 
 import torch
+
+
+class Msg:
+    """Message kinds on the pipe. Parent -> child: CALL (id, method, arg) wants a REPLY (id, ok,
+    result); POST (method, arg) wants none. Child -> parent: READY (ok, detail) once, REPLY, PLANS and
+    then TREES (pushed after outcomes), POST_FAILED (method, text); each of these four with the child's
+    CUDA-graph capture count as it was sent, right after the kind."""
+    CALL, POST, READY, REPLY, PLANS, TREES, POST_FAILED = "call", "post", "ready", "reply", "plans", "trees", "post_failed"
 
 
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)  # Linux; Python < 3.10 lacks the name
@@ -76,3 +85,18 @@ def widen(fd: int) -> None:
         fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
     except OSError:  # capped by /proc/sys/fs/pipe-max-size: the default size still works
         pass
+
+
+def spin_until_readable(conn: Connection, spin_s: float) -> bool:
+    """Busy-poll `conn` for up to spin_s; True once it has data (the caller then reads, blocking).
+
+    Why: a process that blocks lets its CPU halt, and waking a halted virtual CPU is slow. Measured on
+    this project's 2-vCPU VM (no guest halt polling): a pipe round trip to a child that sat blocked
+    for 10 ms took 0.16 ms median, 0.46 ms p90, against 0.04 ms to a spinning child; a batch-4
+    just-in-time draft over the pipe 19.8 ms against 13.9. The draft's core is its own in SSD's
+    placement, so the spin costs nothing the target needed; after spin_s of silence it blocks."""
+    end = time.perf_counter() + spin_s
+    while time.perf_counter() < end:
+        if conn.poll(0):
+            return True
+    return False
