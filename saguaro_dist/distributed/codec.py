@@ -58,6 +58,7 @@ def sampling_to_proto(s: DraftSampling) -> pb.DraftSampling:
     msg.logit_bias.update({int64(t, "logit_bias token id"): b for t, b in s.logit_bias})
     msg.allowed_token_ids.extend(s.allowed_token_ids or ())
     msg.grammar = s.grammar or ""
+    msg.bad_words.extend(pb.TokenList(ids=word) for word in s.bad_words)
     return msg
 
 
@@ -68,7 +69,8 @@ def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
         return DraftSampling(temperature=msg.temperature, top_k=msg.top_k, top_p=msg.top_p, min_p=msg.min_p, seed=seed,
                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                              repetition_penalty=repetition, logit_bias=dict(msg.logit_bias),
-                             allowed_token_ids=list(msg.allowed_token_ids) or None, grammar=msg.grammar or None)
+                             allowed_token_ids=list(msg.allowed_token_ids) or None, grammar=msg.grammar or None,
+                             bad_words=[non_negative_ints(w.ids, "bad_words") for w in msg.bad_words])
     except ValueError as exc:
         raise CodecError(f"DraftSampling: {exc}") from None
 

@@ -1,19 +1,39 @@
 """What the draft must know of a request's constraints to propose what the constrained target would
-choose: its grammar (structured outputs), logit bias / allowed tokens, and penalties. Acceptance only:
-the target applies them itself, so a draft that cannot follow one loses speed, never exactness."""
+choose: its grammar (structured outputs), logit bias / allowed tokens, bad words and penalties. Acceptance
+only: the target applies them itself, so a draft that cannot follow one loses speed, never exactness."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
 from saguaro_dist.engine.draft_state import DraftSeq
 from saguaro_dist.engine.structured import GrammarCompiler, GrammarState, masked_rows
+from saguaro_dist.spec.bad_words import RowBadWords, bad_words_mask, longest_prefix, tail
 from saguaro_dist.spec.logit_bias import bias_row
 from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class RowRules:
+    """What every draw of rows that each draw one token a step (the draft's K draws) follows beside a
+    grammar: apply() to a step's logits, drew() the tokens drawn."""
+    penalties: RowPenalties | None   # penalties, logit bias and allowed tokens
+    bad_words: RowBadWords | None
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.penalties is not None:
+            logits = self.penalties.apply(logits)
+        return logits if self.bad_words is None else self.bad_words.apply(logits)  # a mask: its place changes nothing
+
+    def drew(self, tokens: torch.Tensor) -> None:
+        for rule in (self.penalties, self.bad_words):
+            if rule is not None:
+                rule.drew(tokens)
 
 
 class DraftConstraints:
@@ -37,6 +57,29 @@ class DraftConstraints:
             log.warning("the draft does not follow this grammar (%s): it proposes unconstrained", err)
             return None
         return state if state.advance(output) else None
+
+    def rows(self, owners: list[DraftSeq], paths: list[list[int]] | None) -> RowRules | None:
+        """Rows drawing for owners[i] after its committed output and paths[i] (a branch's own tokens; None when
+        reads_paths(owners) is false): what the constrained target would choose there, grammars aside (row_grammars).
+        None when no request has penalties, a logit bias, allowed tokens or bad words."""
+        penalties, banned = self.penalties(owners, paths), self.bad_words(owners, paths)
+        return None if penalties is None and banned is None else RowRules(penalties, banned)
+
+    @staticmethod
+    def reads_paths(owners: list[DraftSeq]) -> bool:
+        """Whether rows() or row_grammars() read the rows' paths (else a caller need not list them)."""
+        return any(s.grammar is not None or s.sampling.penalized or s.sampling.biased or s.sampling.bad_words
+                   for s in owners)
+
+    @staticmethod
+    def bad_words(owners: list[DraftSeq], paths: list[list[int]] | None) -> RowBadWords | None:
+        """Each row's bad words and the tail of its output + path (read only when a request has bad words);
+        None when none has any."""
+        if not any(s.sampling.bad_words for s in owners):
+            return None
+        return RowBadWords([s.sampling.bad_words for s in owners],
+                           [tail(output_tail(s) + path, longest_prefix(s.sampling.bad_words)) if s.sampling.bad_words
+                            else [] for s, path in zip(owners, paths)])
 
     def penalties(self, owners: list[DraftSeq], paths: Iterable[list[int]]) -> RowPenalties | None:
         """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;
@@ -68,14 +111,23 @@ class DraftConstraints:
 
     def positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
         """The glue's logits [K+1, V] over [b, x_1..x_K] as the constrained target would rank them: masked
-        by the grammar (row j after x_1..x_j), biased, then penalized with row j counting the output and
-        x_1..x_j."""
+        by the grammar (row j after x_1..x_j), biased, bad words barred (row j after the output and x_1..x_j),
+        then penalized with row j counting the output and x_1..x_j."""
         if s.grammar is not None:
             logits = masked_rows(logits, s.grammar.row_masks(s.speculation, logits.shape[0]))
         if s.sampling.biased:
             logits = logits + self._bias_row(s).to(logits.device)
+        if s.sampling.bad_words:
+            banned = bad_words_mask(output_tail(s), s.speculation, logits.shape[0], s.sampling.bad_words, logits.shape[1])
+            logits = logits.masked_fill(banned.to(logits.device), float("-inf"))
         if not s.sampling.penalized:
             return logits
         p = s.sampling
         return penalize_positions(logits, s.committed[:s.prompt_len], s.committed[s.prompt_len:], s.speculation,
                                   p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+
+
+def output_tail(s: DraftSeq) -> list[int]:
+    """The last tokens of s's output that can start a bad word (the prompt never counts: vLLM's rule)."""
+    n = longest_prefix(s.sampling.bad_words)
+    return s.committed[max(s.prompt_len, len(s.committed) - n):]

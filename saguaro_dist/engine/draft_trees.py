@@ -194,15 +194,15 @@ class TreeBuilding:
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
-        constrained = any(s.grammar is not None or s.sampling.penalized or s.sampling.biased for s in owners)
-        paths = [s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows)] if constrained else None  # read only then
+        paths = ([s.speculation[:k] + [t] for s, (_, k, t) in zip(owners, rows)]
+                 if self.constraints.reads_paths(owners) else None)  # read only then
 
         def step(drawn):
             if stop is not None and stop():
                 raise TreeAbandoned
             return self.runner.branch_step(state, drawn)
         columns, seen = self._draw_k(owners, [fanouts[fanout_key(s)] for s in owners], logits, step,
-                                     lambda: tree_generators(states, rows), self.constraints.penalties(owners, paths),
+                                     lambda: tree_generators(states, rows), self.constraints.rows(owners, paths),
                                      self.constraints.row_grammars(owners, paths))
         self.runner.branch_end(state)
         last, token_lists, trees, lo = LastTree(state, seen), columns.tokens.tolist(), [], 0

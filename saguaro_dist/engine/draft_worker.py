@@ -20,7 +20,7 @@ import torch
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder, UnknownSequence
 from saguaro_dist.engine.draft_backend import Lives
-from saguaro_dist.engine.draft_constraints import DraftConstraints
+from saguaro_dist.engine.draft_constraints import DraftConstraints, RowRules
 from saguaro_dist.engine.draft_state import DraftSeq, PlannedTrees
 from saguaro_dist.engine.draft_trees import TreeBuilding
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release
@@ -32,7 +32,6 @@ from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, top_k_proposal,
 )
 from saguaro_dist.spec.lookup_length import candidate_lengths
-from saguaro_dist.spec.penalties import RowPenalties
 
 log = logging.getLogger(__name__)
 
@@ -252,11 +251,11 @@ class DraftWorker(TreeBuilding):
         return top_k_proposal(probs, self.config.proposal_top_k)
 
     def _draw_k(self, rows: list[DraftSeq], fanouts: list[list[int]] | None, logits: torch.Tensor, step,
-                generators: Callable[[], list[torch.Generator]], penalties: RowPenalties | None = None,
+                generators: Callable[[], list[torch.Generator]], rules: RowRules | None = None,
                 grammars: list[GrammarState | None] | None = None) -> tuple[Proposal, list[torch.Tensor]]:
         """K draws per row; step(tokens [R]) -> next logits [R, V]. Position j uses Saguaro's F_j (fanouts
-        None: C = 1, no sigma to apply); the requests' penalties and grammars (each row on its own
-        matcher), if any, apply to every draw. generators(): each row's, asked for only if a row samples.
+        None: C = 1, no sigma to apply); the requests' penalties, bias, bad words and grammars (each row on
+        its own matcher), if any, apply to every draw. generators(): each row's, asked for only if a row samples.
         Returns the draws as columns (tokens [R, K], probs [R, K, V] or None when every row is greedy)
         and the K raw logits [R, V] they came from."""
         greedy = all(s.sampling.temperature == 0 for s in rows)
@@ -265,7 +264,7 @@ class DraftWorker(TreeBuilding):
         tokens, dists, seen = [], [], []
         for j in range(self.k):
             seen.append(logits)
-            scored = logits if penalties is None else penalties.apply(logits)
+            scored = logits if rules is None else rules.apply(logits)
             if greedy:  # q is one-hot at the argmax: draw it directly, never build the [R, V] tensor
                 drawn = greedy_tokens(scored) if grammars is None else greedy_in_grammar(scored, grammars)
             else:
@@ -275,8 +274,8 @@ class DraftWorker(TreeBuilding):
                 drawn = sample(probs, row_generators)
                 dists.append(probs)
             tokens.append(drawn)
-            if penalties is not None:
-                penalties.drew(drawn)
+            if rules is not None:
+                rules.drew(drawn)
             if grammars is not None:
                 grammars = [g if g is not None and g.advance([t]) else None for g, t in zip(grammars, drawn.tolist())]
             if j + 1 < self.k:
@@ -298,7 +297,7 @@ class DraftWorker(TreeBuilding):
             return torch.cat(self.runner.extend(ids, [[t] for t in drawn.tolist()], [1] * len(ids)))
         first = torch.cat(self.runner.extend(ids, [m + s.committed[-1:] for m, s in zip(missing, states)], [1] * len(ids)))
         columns = self._draw_k(states, fanouts, first, step, lambda: [s.draft_generator() for s in states],
-                               self.constraints.penalties(states, ([] for _ in states)),
+                               self.constraints.rows(states, [[] for _ in states]),
                                self.constraints.row_grammars(states, [[] for _ in states]))[0]
         # A copy per row: a view would keep every row's q alive as long as any one is.
         return [Proposal(columns.tokens[i].clone(),

@@ -26,13 +26,14 @@ import torch
 from saguaro_dist.sampling_params import (
     TokenBias, allowed_tokens, biased, check_min_p, check_penalties, check_top, checked_temperature, penalized, token_bias,
 )
+from saguaro_dist.spec.bad_words import BadWordIds, checked_word_ids
 
 
 @dataclass(frozen=True)
 class DraftSampling:
     """What the draft needs of a request's sampling settings to draw its proposals. The penalties, the
-    logit bias and the allowed tokens are the target's: a draft that applies them too proposes what the
-    constrained target would choose."""
+    logit bias, the allowed tokens and the bad words are the target's: a draft that applies them too proposes
+    what the constrained target would choose."""
     temperature: float
     top_k: int
     top_p: float
@@ -44,6 +45,7 @@ class DraftSampling:
     allowed_token_ids: tuple[int, ...] | None = None  # None: any token
     grammar: str | None = None                        # structured outputs: llguidance grammar text; None: none
     min_p: float = 0.0                                # the target's min-p (0: off)
+    bad_words: BadWordIds = ()                        # the bad words' token ids (spec/bad_words.py); (): none
 
     def __post_init__(self):  # a protocol edge (gRPC, the pipe): NaN or 0 would poison the draft's logits
         object.__setattr__(self, "temperature", checked_temperature(self.temperature))
@@ -54,6 +56,7 @@ class DraftSampling:
         object.__setattr__(self, "allowed_token_ids", allowed_tokens(self.allowed_token_ids))
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError("grammar must be non-empty llguidance grammar text (or None)")
+        object.__setattr__(self, "bad_words", checked_word_ids(self.bad_words))
 
     @property
     def biased(self) -> bool:

@@ -139,5 +139,5 @@ class Sequence:
         return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                             allowed_token_ids=p.allowed_token_ids,
+                             allowed_token_ids=p.allowed_token_ids, bad_words=p.banned_words,
                              grammar=None if p.structured_outputs is None else grammar_of(p.structured_outputs))

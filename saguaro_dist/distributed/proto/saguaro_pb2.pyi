@@ -42,7 +42,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Tensor.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftSampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "grammar", "min_p")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "grammar", "min_p", "bad_words")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class DraftSampling(_message.Message):
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -72,7 +73,8 @@ class DraftSampling(_message.Message):
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     grammar: str
     min_p: float
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ..., min_p: _Optional[float] = ...) -> None: ...
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenList]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ..., min_p: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[TokenList, _Mapping]]] = ...) -> None: ...
 
 class SparseProbs(_message.Message):
     __slots__ = ("vocab_size", "row_offsets", "token_ids", "probs")
