@@ -60,7 +60,7 @@ class SamplingParams:
     top_k: int = 0             # 0 (or -1, as vLLM) disables top-k
     min_p: float = 0.0         # drop tokens below min_p x the likeliest's probability (vLLM's; 0 disables)
     max_tokens: int | None = 16  # None: to the end of the context (vLLM's), set per prompt by LLM (until_context_end)
-    min_tokens: int = 0        # EOS and stop_token_ids cannot end the request before this many tokens (vLLM's)
+    min_tokens: int = 0        # eos ids and stop_token_ids barred before this many tokens, ignore_eos or not (vLLM's)
     stop: tuple[str, ...] = ()  # stop strings; the output excludes them
     stop_token_ids: tuple[int, ...] = ()  # token ids that end the request like EOS (kept in token_ids, as vLLM)
     ignore_eos: bool = False
@@ -358,7 +358,7 @@ def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) 
             raise ValueError(f"{name} names token {max(ids)}, outside the vocabulary (ids 0..{vocab_size - 1})")
     if not params.min_tokens:
         return
-    ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    ends = set(params.stop_token_ids) | set(eos_token_ids)  # held back under ignore_eos too (vLLM's)
     if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ends:
         raise ValueError(f"allowed_token_ids holds only end tokens (EOS / stop_token_ids), which min_tokens = "
                          f"{params.min_tokens} holds back: nothing could be generated")

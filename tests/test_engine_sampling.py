@@ -54,6 +54,7 @@ def sampling_pair(root):
 TINY_VOCAB = {"a": 0, "b": 1, "c": 2, "d": 3, "e": 4, "<eos>": 5}
 GRAMMAR = StructuredOutputsParams(regex="[ab][a-d][bcd]+")
 GRAMMAR_STEPS = [{0, 1}, {0, 1, 2, 3}, {1, 2, 3}]
+EOS_IDS = {TINY_VOCAB["<eos>"]}  # the pair's only eos id (its config.json names none)
 
 
 def save_tiny_tokenizer(path) -> None:
@@ -70,7 +71,7 @@ def save_tiny_tokenizer(path) -> None:
 def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, ...] = ()) -> torch.Tensor:
     """Plain sampling's distribution, written independently of saguaro_dist.spec: the logit bias and
     allowed tokens, vLLM's penalties (output: the tokens generated before this one), then temperature,
-    the stop tokens held back while fewer than min_tokens are out, min-p, top-k, top-p (vLLM's order)."""
+    the eos ids and stop tokens held back while fewer than min_tokens are out, min-p, top-k, top-p (vLLM's order)."""
     logits = logits.double()
     if p.structured_outputs is not None:
         logits[[t for t in range(len(logits)) if t not in GRAMMAR_STEPS[len(output)]]] = float("-inf")
@@ -83,8 +84,8 @@ def reference_probs(logits: torch.Tensor, p: SamplingParams, output: tuple[int, 
     for t in set(output):
         logits[t] -= p.frequency_penalty * output.count(t) + p.presence_penalty
     logits = logits / p.temperature
-    if len(output) < p.min_tokens:
-        logits[list(p.stop_token_ids)] = float("-inf")
+    if len(output) < p.min_tokens:  # the eos ids too, under ignore_eos as well (vLLM's all_stop_token_ids)
+        logits[sorted(EOS_IDS | set(p.stop_token_ids))] = float("-inf")
     if p.min_p:  # below min_p x the likeliest's tempered probability: out
         tempered = logits.softmax(-1)
         logits = logits.masked_fill(tempered < p.min_p * tempered.max(), float("-inf"))

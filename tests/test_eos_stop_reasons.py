@@ -2,7 +2,7 @@
 a request with stop_reason None; the generation_config.json's other eos ids (Qwen3's <|endoftext|> beside
 <|im_end|>, Llama-3's 128001 / 128008 beside 128009) are added to stop_token_ids, so one ends it with
 stop_reason that id, unless ignore_eos; min_tokens holds every one of them back. AR, SD and SSD alike, with AR's
-tokens. (One difference stays: under ignore_eos vLLM's min_tokens still holds the eos ids back, ours does not.)"""
+tokens. (min_tokens holds the eos ids back under ignore_eos too, as vLLM's: tests/test_min_tokens_ignore_eos.py.)"""
 from __future__ import annotations
 
 import httpx
@@ -74,7 +74,7 @@ def test_an_extra_eos_is_a_stop_token_id(engines, pair):
 
 
 def test_ignore_eos_goes_on_past_both(engines, pair):
-    """(vLLM's min_tokens would also hold both back under ignore_eos; ours does not: see the module's note.)"""
+    """ignore_eos: neither id ends the request (no min_tokens here: see tests/test_min_tokens_ignore_eos.py)."""
     for token in pair[2:]:
         params = SamplingParams(temperature=0, max_tokens=AT, logit_bias={token: FORCE}, ignore_eos=True)
         out = in_every_mode(engines, params, ("length", None), AT)

@@ -79,11 +79,16 @@ def test_logprobs_past_the_vocabulary_give_every_token():
 
 def test_min_tokens_with_every_token_an_end_is_refused():
     """stop_token_ids (and EOS) naming the whole vocabulary, held back by min_tokens: every logit -inf,
-    NaN probabilities. Without min_tokens, or with a token left over, the request stands."""
-    params = SamplingParams(min_tokens=1, stop_token_ids=range(V - 1))
-    with pytest.raises(ValueError, match="^stop_token_ids .* every token of the vocabulary"):
-        check_against_model(params, V, frozenset({V - 1}))
-    check_against_model(SamplingParams(min_tokens=1, stop_token_ids=range(V - 1), ignore_eos=True), V, frozenset({V - 1}))
+    NaN probabilities. Under ignore_eos too: min_tokens holds the eos ids back all the same (vLLM's
+    all_stop_token_ids). Without min_tokens, or with a token left over, the request stands."""
+    for ignore_eos in (False, True):
+        params = SamplingParams(min_tokens=1, stop_token_ids=range(V - 1), ignore_eos=ignore_eos)
+        with pytest.raises(ValueError, match="^stop_token_ids .* every token of the vocabulary"):
+            check_against_model(params, V, frozenset({V - 1}))
+        with pytest.raises(ValueError, match="^allowed_token_ids holds only end tokens"):
+            check_against_model(SamplingParams(min_tokens=1, allowed_token_ids=[V - 1], ignore_eos=ignore_eos), V,
+                                frozenset({V - 1}))
+    check_against_model(SamplingParams(min_tokens=1, stop_token_ids=range(V - 2), ignore_eos=True), V, frozenset({V - 1}))
     check_against_model(SamplingParams(stop_token_ids=range(V)), V, frozenset())
 
 

@@ -123,11 +123,11 @@ class TargetScorer:
             logits[b].masked_fill_(masks.to(logits.device), float("-inf"))
 
     def _hold_back_ends(self, logits: torch.Tensor, seqs: list[Sequence], early: list[tuple[int, int]]) -> None:
-        """In place: EOS (unless ignore_eos) and stop_token_ids at -inf in the first n rows of each (b, n) of
-        `early`, the positions still short of min_tokens; ids past the vocabulary have no logit to bar."""
+        """In place: every eos id and stop_token_ids at -inf in the first n rows of each (b, n) of `early`, the
+        positions still short of min_tokens; ids past the vocabulary have no logit to bar. Under ignore_eos too:
+        vLLM's min_tokens bars its all_stop_token_ids, which keep the eos ids whatever ignore_eos says."""
         for b, n in early:
-            s = seqs[b]
-            ends = sorted((self.eos_token_ids if not s.params.ignore_eos else set()) | set(s.params.stop_token_ids))
+            ends = sorted(self.eos_token_ids | set(seqs[b].params.stop_token_ids))
             logits[b, :n, [t for t in ends if t < self.vocab_size]] = float("-inf")
 
     def _penalized(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]]) -> torch.Tensor:
