@@ -7,14 +7,13 @@ import json
 
 import pytest
 import torch
-from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from model_checks import random_tokens, runner_logits, save_seeded
-from test_step_graphs import static_runner, steps
+from model_checks import (check_batched_extends, check_bf16_prefill_bitwise, check_greedy_generation, check_logits,
+                          check_static_steps, check_two_branches, perturbed_pair, random_tokens, runner_logits,
+                          save_seeded, two_rank_logits)
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (AutoModelForCausalLM, GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM,
                           Olmo2Config, Olmo2ForCausalLM)
 
-from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.model.hf_config import parse_config
 from saguaro_dist.model.runner import ModelRunner
 
@@ -44,14 +43,9 @@ def save_family(path, family: str, seed: int = 0, sharpen: float = 1.0):
     return save_seeded(path, *FAMILIES[family], seed, sharpen)
 
 
-def save_perturbed_draft(path, source, seed: int, noise: float = 0.15) -> None:
-    """A draft of the same family and vocabulary, close to the target: its weights plus relative noise."""
-    gen = torch.Generator().manual_seed(seed)
-    clone = type(source)(source.config).eval()
-    with torch.no_grad():
-        for p, q in zip(clone.parameters(), source.parameters()):
-            p.copy_(q + noise * q.std() * torch.randn(q.shape, generator=gen))
-    clone.save_pretrained(path)
+def reloaded(path):
+    """transformers' own fp32 load of a saved checkpoint: the reference these tests read."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -61,12 +55,8 @@ def tokens(seed: int, n: int) -> list[int]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_transformers_in_prefill_and_decode(tmp_path, family):
     model = save_family(tmp_path / family, family, seed=3)
-    seq = tokens(2, 24)
-    with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32).eval()(
-            torch.tensor([seq])).logits[0].float()
     assert type(model).__name__.lower().startswith(family)
-    torch.testing.assert_close(runner_logits(ModelRunner(tmp_path / family), seq), want, atol=ATOL, rtol=0)
+    check_logits(tmp_path / family, reloaded(tmp_path / family), tokens(2, 24))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -74,56 +64,28 @@ def test_bf16_prefill_matches_transformers_bit_for_bit(tmp_path, family):
     """In bf16 the order of roundings shows: OLMo 2 keeps its cos / sin in fp32 (q and k rotate in fp32),
     and its norms multiply the weight before the cast. A whole prompt is bitwise transformers' (as Llama's)."""
     save_family(tmp_path / family, family, seed=3)
-    seq = tokens(2, 16)
-    with torch.no_grad():
-        want = AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.bfloat16).eval()(
-            torch.tensor([seq])).logits[0].float()
-    runner = ModelRunner(tmp_path / family, dtype=torch.bfloat16)
-    runner.add("s")
-    torch.testing.assert_close(runner.extend(["s"], [seq], [len(seq)])[0], want, atol=0, rtol=0)
+    check_bf16_prefill_bitwise(tmp_path / family, tokens(2, 16))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_batched_extend_of_mixed_lengths_matches_transformers(tmp_path, family):
     """The masked dense path (sequences at different positions in one forward), not the causal kernel."""
     save_family(tmp_path / family, family, seed=4)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32).eval()
-    runner = ModelRunner(tmp_path / family)
-    seqs = [tokens(7, 9), tokens(8, 5)]
-    runner.add("a"), runner.add("b")
-    runner.extend(["a", "b"], [seqs[0][:4], seqs[1][:2]], [1, 1])
-    got = runner.extend(["a", "b"], [seqs[0][4:], seqs[1][2:]], [5, 3])
-    for seq, rows in zip(seqs, got):
-        with torch.no_grad():
-            want = hf(torch.tensor([seq])).logits[0, -len(rows):]
-        torch.testing.assert_close(rows, want, atol=ATOL, rtol=0)
+    check_batched_extends(tmp_path / family, reloaded(tmp_path / family), [tokens(7, 9), tokens(8, 5)], [[4], [2]])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_branch_steps_match_transformers(tmp_path, family):
     """The tree-branch path (a draft's, or a target's in SSD): branches over one stored prefix, stepped."""
     save_family(tmp_path / family, family, seed=5)
-    hf = AutoModelForCausalLM.from_pretrained(tmp_path / family, dtype=torch.float32).eval()
-    runner = ModelRunner(tmp_path / family)
-    prefix, steps = tokens(9, 7), [[3, 11], [40, 40], [5, 62]]
-    runner.add("s")
-    runner.extend(["s"], [prefix], [1])
-    state, got = runner.branch_start(["s", "s"], [7, 7], torch.tensor(steps[0]))
-    for depth, step in enumerate(steps):
-        if depth:
-            got = runner.branch_step(state, torch.tensor(step))
-        with torch.no_grad():
-            want = hf(torch.tensor([prefix + [s[j] for s in steps[:depth + 1]] for j in range(2)])).logits[:, -1]
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    check_two_branches(tmp_path / family, reloaded(tmp_path / family), tokens(9, 7))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_static_steps_cuda_graphs_capture_give_the_eager_logits(tmp_path, family):
     """StaticBatch / StaticBranchBatch (run uncaptured here; captured on a GPU) take the family's scale too."""
     save_family(tmp_path / family, family, seed=6)
-    got, want = steps(static_runner(tmp_path / family)), steps(ModelRunner(tmp_path / family))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    check_static_steps(tmp_path / family)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -131,21 +93,12 @@ def family_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"pair_{request.param}")
     torch.set_num_threads(1)
     sharpen = 4.0 * (GRANITE_SCALARS["logits_scaling"] if request.param == "granite" else 1.0)
-    model = save_family(root / "target", request.param, seed=0, sharpen=sharpen)
-    save_perturbed_draft(root / "draft", model, seed=1)
-    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model}
+    return perturbed_pair(root, save_family(root / "target", request.param, seed=0, sharpen=sharpen))
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_greedy_generation_matches_transformers_generate(family_pair, mode):
-    prompt = tokens(5, 12)
-    n = 24
-    want = hf_greedy(family_pair["model"], prompt, n)
-    speculative = {} if mode == "ar" else {"draft": family_pair["draft"], "k": 3, "draft_executor": "thread"}
-    with LLM(device=DEVICE, model=family_pair["target"], mode=mode, max_batch_size=1, **speculative) as llm:
-        got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-    assert_greedy_equal(list(got), want, prompt, family_pair["model"])
+    check_greedy_generation(family_pair, mode, tokens(5, 12), 24)
 
 
 class _OpCounter(TorchDispatchMode):
@@ -223,30 +176,13 @@ def test_a_granite_hidden_act_other_than_silu_is_refused():
 
 
 # ---- tensor parallel: Granite's scalars split as Llama's; OLMo 2's whole-projection q / k norms refused ----
-def _tp_rank(rank: int, port: int, path: str, result_file: str) -> None:
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        try:
-            result = runner_logits(ModelRunner(path, tp_group=dist.group.WORLD), tokens(3, 12))
-        except ValueError as err:
-            result = str(err)
-        torch.save(result, f"{result_file}.{rank}")
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_tensor_parallel_two_ranks(tmp_path, family):
     """Granite over 2 ranks gives the one-rank logits; OLMo 2 (each q / k norm spans every head, which a rank
     holds a slice of) is refused by name instead of failing on a shape."""
-    import torch.multiprocessing as mp
-    from test_model_tp import free_port
     save_family(tmp_path / "m", family)
-    mp.spawn(_tp_rank, args=(free_port(), str(tmp_path / "m"), str(tmp_path / "out")), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"out.{rank}") for rank in (0, 1)]
+    got = two_rank_logits(tmp_path / "m", tokens(3, 12))
     if family == "olmo2":
         assert all("cannot split OLMo 2's q / k norms" in g for g in got)
         return

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from model_checks import hf_logits, random_tokens, randomise, runner_logits
-from test_model_families import save_perturbed_draft
-from test_step_graphs import static_runner, steps
+from model_checks import (check_batched_extends, check_bf16_prefill_bitwise, check_greedy_generation, check_logits,
+                          check_static_steps, check_two_branches, check_two_ranks_match_transformers, hf_logits,
+                          perturbed_pair, random_tokens, save_seeded)
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
+from transformers import Gemma2Config, Gemma2ForCausalLM
 
-from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.model.device import DeviceKind, resolve_dtype
 from saguaro_dist.model.hf_config import parse_config
 from saguaro_dist.model.runner import ModelRunner
@@ -36,11 +34,8 @@ def _one_thread():
 
 
 def save_gemma2(path, seed: int = 0, **changes) -> Gemma2ForCausalLM:
-    torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(Gemma2Config(**{**TEXT, **changes})).eval()
+    model = save_seeded(path, Gemma2ForCausalLM, lambda: Gemma2Config(**{**TEXT, **changes}), seed)
     assert model.config._attn_implementation == "eager"  # transformers' reference computes the softcap
-    randomise(model)
-    model.save_pretrained(path)
     return model
 
 
@@ -67,49 +62,25 @@ def test_each_softcap_moves_the_logits_here(tmp_path, gemma):
 @pytest.mark.parametrize("chunk", [2048, 5])
 def test_logits_match_transformers_in_prefill_and_decode(gemma, chunk):
     """Half the prompt prefilled (whole, or in chunks of 5), the rest decoded; 24 tokens, the window 6."""
-    seq = tokens(2, 24)
-    got = runner_logits(ModelRunner(gemma["path"], max_num_batched_tokens=chunk), seq)
-    torch.testing.assert_close(got, hf_logits(gemma["model"], seq), atol=ATOL, rtol=0)
+    check_logits(gemma["path"], gemma["model"], tokens(2, 24), max_num_batched_tokens=chunk)
 
 
 def test_bf16_prefill_matches_transformers(gemma):
     """In bf16 the roundings show: the scores softcapped in bf16, the softmax in fp32, the logits capped in bf16."""
-    seq = tokens(2, 16)
-    hf = AutoModelForCausalLM.from_pretrained(gemma["path"], dtype=torch.bfloat16).eval()
-    runner = ModelRunner(gemma["path"], dtype=torch.bfloat16)
-    runner.add("s")
-    torch.testing.assert_close(runner.extend(["s"], [seq], [len(seq)])[0], hf_logits(hf, seq), atol=0, rtol=0)
+    check_bf16_prefill_bitwise(gemma["path"], tokens(2, 16))
 
 
 def test_whole_prompts_of_mixed_lengths_then_a_batched_extend_match_transformers(gemma):
     """Prompts from position 0 (SDPA's mask-free causal path for other models; a causal mask here), padded."""
-    runner = ModelRunner(gemma["path"])
-    seqs = [tokens(7, 15), tokens(8, 9)]
-    runner.add("a"), runner.add("b")
-    first = runner.extend(["a", "b"], [seqs[0][:8], seqs[1][:3]], [8, 3])
-    rest = runner.extend(["a", "b"], [seqs[0][8:], seqs[1][3:]], [7, 6])
-    for seq, head, tail in zip(seqs, first, rest):
-        torch.testing.assert_close(torch.cat([head, tail]), hf_logits(gemma["model"], seq), atol=ATOL, rtol=0)
+    check_batched_extends(gemma["path"], gemma["model"], [tokens(7, 15), tokens(8, 9)], [[8], [3]], prompt_rows=True)
 
 
 def test_branch_steps_match_transformers(gemma):
-    prefix, branch_steps = tokens(9, 7), [[3, 11], [40, 40], [5, 62]]
-    runner = ModelRunner(gemma["path"])
-    runner.add("s")
-    runner.extend(["s"], [prefix], [1])
-    state, got = runner.branch_start(["s", "s"], [7, 7], torch.tensor(branch_steps[0]))
-    for depth, step in enumerate(branch_steps):
-        if depth:
-            got = runner.branch_step(state, torch.tensor(step))
-        for j in range(2):
-            want = hf_logits(gemma["model"], prefix + [s[j] for s in branch_steps[:depth + 1]])[-1]
-            torch.testing.assert_close(got[j], want, atol=ATOL, rtol=0)
+    check_two_branches(gemma["path"], gemma["model"], tokens(9, 7))
 
 
 def test_the_static_steps_cuda_graphs_capture_give_the_eager_logits(gemma):
-    got, want = steps(static_runner(gemma["path"])), steps(ModelRunner(gemma["path"]))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    check_static_steps(gemma["path"])
 
 
 def test_a_padded_vocabulary_keeps_its_padding_at_minus_infinity(gemma):
@@ -124,15 +95,8 @@ def test_a_padded_vocabulary_keeps_its_padding_at_minus_infinity(gemma):
 
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_gives_transformers_logits(tmp_path):
-    import torch.multiprocessing as mp
-    from test_model_families import _tp_rank
-    from test_model_families import tokens as family_tokens
-    from test_model_tp import free_port
     model = save_gemma2(tmp_path / "m", seed=5)
-    mp.spawn(_tp_rank, args=(free_port(), str(tmp_path / "m"), str(tmp_path / "out")), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"out.{rank}") for rank in (0, 1)]
-    torch.testing.assert_close(got[0], hf_logits(model, family_tokens(3, 12)), atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[1], got[0], atol=0, rtol=0)
+    check_two_ranks_match_transformers(tmp_path / "m", model, tokens(3, 12))
 
 
 # ---- the attention kernel: chosen once per model -------------------------------------------------
@@ -170,20 +134,12 @@ def test_only_a_softcapped_model_leaves_sdpa(gemma, tmp_path):
 def gemma_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma2_pair")
     torch.set_num_threads(1)
-    model = save_gemma2(root / "target", seed=0)
-    save_perturbed_draft(root / "draft", model, seed=1)
-    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model}
+    return perturbed_pair(root, save_gemma2(root / "target", seed=0))
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_greedy_generation_matches_transformers_generate(gemma_pair, mode):
-    prompt, n = tokens(5, 12), 24  # the prompt alone is twice the window
-    want = hf_greedy(gemma_pair["model"], prompt, n)
-    speculative = {} if mode == "ar" else {"draft": gemma_pair["draft"], "k": 3, "draft_executor": "thread"}
-    with LLM(device=DEVICE, model=gemma_pair["target"], mode=mode, max_batch_size=1, **speculative) as llm:
-        got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-    assert_greedy_equal(list(got), want, prompt, gemma_pair["model"])
+    check_greedy_generation(gemma_pair, mode, tokens(5, 12), 24)  # the prompt alone is twice the window
 
 
 # ---- config.json as transformers reads it, and refusals ------------------------------------------

@@ -9,15 +9,12 @@ import json
 
 import pytest
 import torch
-from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
 from safetensors.torch import load_file, save_file
-from model_checks import hf_logits, random_tokens, randomise, runner_logits
-from test_model_families import save_perturbed_draft
-from test_step_graphs import static_runner, steps
-from transformers import (AutoModelForCausalLM, Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration,
-                          Gemma3TextConfig)
+from model_checks import (check_batched_extends, check_bf16_prefill_bitwise, check_greedy_generation, check_logits,
+                          check_static_steps, check_two_branches, check_two_ranks_match_transformers, perturbed_pair,
+                          random_tokens, randomise, save_seeded)
+from transformers import Gemma3Config, Gemma3ForCausalLM, Gemma3ForConditionalGeneration, Gemma3TextConfig
 
-from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.model.hf_config import context_limit, parse_config
 from saguaro_dist.model.runner import ModelRunner
 
@@ -31,7 +28,6 @@ TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hi
         "query_pre_attn_scalar": 12, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
 VISION = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
           "image_size": 28, "patch_size": 14}
-ATOL = 1e-5
 
 
 @pytest.fixture(autouse=True)
@@ -40,11 +36,7 @@ def _one_thread():
 
 
 def save_gemma3(path, seed: int = 0, sharpen: float = 1.0) -> Gemma3ForCausalLM:
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(Gemma3TextConfig(**TEXT)).eval()
-    randomise(model, sharpen)
-    model.save_pretrained(path)
-    return model
+    return save_seeded(path, Gemma3ForCausalLM, lambda: Gemma3TextConfig(**TEXT), seed, sharpen)
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -62,60 +54,30 @@ def gemma(tmp_path_factory):
 @pytest.mark.parametrize("chunk", [2048, 5])
 def test_logits_match_transformers_in_prefill_and_decode(gemma, chunk):
     """Half the prompt prefilled (whole, or in chunks of 5), the rest decoded; 24 tokens, the window 6."""
-    seq = tokens(2, 24)
-    got = runner_logits(ModelRunner(gemma["path"], max_num_batched_tokens=chunk), seq)
-    torch.testing.assert_close(got, hf_logits(gemma["model"], seq), atol=ATOL, rtol=0)
+    check_logits(gemma["path"], gemma["model"], tokens(2, 24), max_num_batched_tokens=chunk)
 
 
 def test_bf16_prefill_matches_transformers_bit_for_bit(gemma):
     """In bf16 the roundings show: the embedding scale rounded to bf16 first, the norms' (1 + weight) in fp32."""
-    seq = tokens(2, 16)
-    hf = AutoModelForCausalLM.from_pretrained(gemma["path"], dtype=torch.bfloat16).eval()
-    runner = ModelRunner(gemma["path"], dtype=torch.bfloat16)
-    runner.add("s")
-    torch.testing.assert_close(runner.extend(["s"], [seq], [len(seq)])[0], hf_logits(hf, seq), atol=0, rtol=0)
+    check_bf16_prefill_bitwise(gemma["path"], tokens(2, 16))
 
 
 def test_batched_extend_of_mixed_lengths_matches_transformers(gemma):
-    runner = ModelRunner(gemma["path"])
-    seqs = [tokens(7, 15), tokens(8, 9)]
-    runner.add("a"), runner.add("b")
-    runner.extend(["a", "b"], [seqs[0][:8], seqs[1][:2]], [1, 1])
-    for seq, rows in zip(seqs, runner.extend(["a", "b"], [seqs[0][8:], seqs[1][2:]], [7, 7])):
-        torch.testing.assert_close(rows, hf_logits(gemma["model"], seq)[-len(rows):], atol=ATOL, rtol=0)
+    check_batched_extends(gemma["path"], gemma["model"], [tokens(7, 15), tokens(8, 9)], [[8], [2]])
 
 
 def test_branch_steps_match_transformers(gemma):
-    prefix, branch_steps = tokens(9, 7), [[3, 11], [40, 40], [5, 62]]
-    runner = ModelRunner(gemma["path"])
-    runner.add("s")
-    runner.extend(["s"], [prefix], [1])
-    state, got = runner.branch_start(["s", "s"], [7, 7], torch.tensor(branch_steps[0]))
-    for depth, step in enumerate(branch_steps):
-        if depth:
-            got = runner.branch_step(state, torch.tensor(step))
-        for j in range(2):
-            want = hf_logits(gemma["model"], prefix + [s[j] for s in branch_steps[:depth + 1]])[-1]
-            torch.testing.assert_close(got[j], want, atol=ATOL, rtol=0)
+    check_two_branches(gemma["path"], gemma["model"], tokens(9, 7))
 
 
 def test_the_static_steps_cuda_graphs_capture_give_the_eager_logits(gemma):
-    got, want = steps(static_runner(gemma["path"])), steps(ModelRunner(gemma["path"]))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    check_static_steps(gemma["path"])
 
 
 def test_tensor_parallel_two_ranks_gives_transformers_logits(tmp_path):
     """Per-head q / k norms replicated, heads split: 2 ranks give transformers' logits (a 12-token prompt)."""
-    import torch.multiprocessing as mp
-    from test_model_families import _tp_rank
-    from test_model_families import tokens as family_tokens
-    from test_model_tp import free_port
     model = save_gemma3(tmp_path / "m", seed=5)
-    mp.spawn(_tp_rank, args=(free_port(), str(tmp_path / "m"), str(tmp_path / "out")), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"out.{rank}") for rank in (0, 1)]
-    torch.testing.assert_close(got[0], hf_logits(model, family_tokens(3, 12)), atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[1], got[0], atol=0, rtol=0)
+    check_two_ranks_match_transformers(tmp_path / "m", model, tokens(3, 12))
 
 
 # ---- greedy generation: a gemma3_text target and draft --------------------------------------------
@@ -123,20 +85,13 @@ def test_tensor_parallel_two_ranks_gives_transformers_logits(tmp_path):
 def gemma_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("gemma3_pair")
     torch.set_num_threads(1)
-    model = save_gemma3(root / "target", seed=0)  # tied, as Gemma ships: sharpened, it repeats one token
-    save_perturbed_draft(root / "draft", model, seed=1)
-    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model}
+    # tied, as Gemma ships: sharpened, it repeats one token
+    return perturbed_pair(root, save_gemma3(root / "target", seed=0))
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_greedy_generation_matches_transformers_generate(gemma_pair, mode):
-    prompt, n = tokens(5, 12), 24  # the prompt alone is twice the window
-    want = hf_greedy(gemma_pair["model"], prompt, n)
-    speculative = {} if mode == "ar" else {"draft": gemma_pair["draft"], "k": 3, "draft_executor": "thread"}
-    with LLM(device=DEVICE, model=gemma_pair["target"], mode=mode, max_batch_size=1, **speculative) as llm:
-        got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-    assert_greedy_equal(list(got), want, prompt, gemma_pair["model"])
+    check_greedy_generation(gemma_pair, mode, tokens(5, 12), 24)  # the prompt alone is twice the window
 
 
 # ---- the multimodal checkpoint: its language model only ------------------------------------------
@@ -160,8 +115,7 @@ def test_a_multimodal_checkpoints_language_model_matches_transformers_on_text(tm
         renamed = {k.replace("language_model.model.", layout).replace("vision_tower.", "model.vision_tower."): v
                    for k, v in load_file(file).items()}
         save_file(renamed, file, metadata={"format": "pt"})
-    seq = tokens(6, 20)
-    torch.testing.assert_close(runner_logits(ModelRunner(tmp_path), seq), hf_logits(model, seq), atol=ATOL, rtol=0)
+    check_logits(tmp_path, model, tokens(6, 20))
 
 
 def test_a_sparse_multimodal_text_config_takes_transformers_defaults():

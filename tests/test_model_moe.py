@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from model_checks import hf_logits, random_tokens, randomise, runner_logits
-from test_step_graphs import static_runner, steps
+from model_checks import (check_batched_extends, check_greedy_generation, check_logits, check_static_steps,
+                          check_two_branches, hf_logits, random_tokens, randomise)
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.model.hf_config import parse_config
 from saguaro_dist.model.runner import ModelRunner
 
@@ -71,39 +69,20 @@ def moe(request, tmp_path_factory):
 @pytest.mark.parametrize("chunk", [2048, 5])
 def test_logits_match_transformers_in_prefill_and_decode(moe, chunk):
     """Half the prompt prefilled (whole, or in chunks of 5), the rest decoded; 24 tokens, past Mixtral's window."""
-    seq = tokens(2, 24)
-    got = runner_logits(ModelRunner(moe["path"], max_num_batched_tokens=chunk), seq)
-    torch.testing.assert_close(got, hf_logits(moe["model"], seq), atol=ATOL, rtol=0)
+    check_logits(moe["path"], moe["model"], tokens(2, 24), max_num_batched_tokens=chunk)
 
 
 def test_batched_extend_of_mixed_lengths_matches_transformers(moe):
-    runner = ModelRunner(moe["path"])
-    seqs = [tokens(7, 15), tokens(8, 9)]
-    runner.add("a"), runner.add("b")
-    runner.extend(["a", "b"], [seqs[0][:8], seqs[1][:2]], [1, 1])
-    for seq, rows in zip(seqs, runner.extend(["a", "b"], [seqs[0][8:], seqs[1][2:]], [7, 7])):
-        torch.testing.assert_close(rows, hf_logits(moe["model"], seq)[-len(rows):], atol=ATOL, rtol=0)
+    check_batched_extends(moe["path"], moe["model"], [tokens(7, 15), tokens(8, 9)], [[8], [2]])
 
 
 def test_branch_steps_match_transformers(moe):
-    prefix, branch_steps = tokens(9, 7), [[3, 11], [40, 40], [5, 62]]
-    runner = ModelRunner(moe["path"])
-    runner.add("s")
-    runner.extend(["s"], [prefix], [1])
-    state, got = runner.branch_start(["s", "s"], [7, 7], torch.tensor(branch_steps[0]))
-    for depth, step in enumerate(branch_steps):
-        if depth:
-            got = runner.branch_step(state, torch.tensor(step))
-        for j in range(2):
-            want = hf_logits(moe["model"], prefix + [s[j] for s in branch_steps[:depth + 1]])[-1]
-            torch.testing.assert_close(got[j], want, atol=ATOL, rtol=0)
+    check_two_branches(moe["path"], moe["model"], tokens(9, 7))
 
 
 def test_the_static_steps_give_the_eager_logits(moe):
     """The static (CUDA-graph) layouts, run uncaptured: padding rows route to experts too, harmlessly."""
-    got, want = steps(static_runner(moe["path"])), steps(ModelRunner(moe["path"]))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    check_static_steps(moe["path"])
 
 
 def test_transformers_stacked_expert_layout_loads_too(moe, tmp_path):
@@ -113,9 +92,7 @@ def test_transformers_stacked_expert_layout_loads_too(moe, tmp_path):
     from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())
-    seq = tokens(4, 16)
-    torch.testing.assert_close(runner_logits(ModelRunner(tmp_path), seq), hf_logits(moe["model"], seq),
-                               atol=ATOL, rtol=0)
+    check_logits(tmp_path, moe["model"], tokens(4, 16))
 
 
 def test_the_sparse_layers_are_the_ones_transformers_builds(moe):
@@ -164,13 +141,7 @@ def moe_pair(request, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_greedy_generation_matches_transformers_generate(moe_pair, mode):
-    prompt, n = tokens(5, 12), 20
-    want = hf_greedy(moe_pair["model"], prompt, n)
-    speculative = {} if mode == "ar" else {"draft": moe_pair["draft"], "k": 3, "draft_executor": "thread"}
-    with LLM(device=DEVICE, model=moe_pair["target"], mode=mode, max_batch_size=1, **speculative) as llm:
-        got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-    assert_greedy_equal(list(got), want, prompt, moe_pair["model"])
+    check_greedy_generation(moe_pair, mode, tokens(5, 12), 20)
 
 
 # ---- config.json as transformers reads it, and refusals -------------------------------------------

@@ -11,13 +11,11 @@ import logging
 
 import pytest
 import torch
-from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from model_checks import QK_GAIN, hf_logits, random_tokens, randomise, runner_logits
-from test_model_families import save_perturbed_draft
-from test_step_graphs import static_runner, steps
-from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
+from model_checks import (QK_GAIN, check_batched_extends, check_bf16_prefill_bitwise, check_greedy_generation,
+                          check_logits, check_static_steps, check_two_branches, check_two_ranks_match_transformers,
+                          hf_logits, perturbed_pair, random_tokens, randomise)
+from transformers import Phi3Config, Phi3ForCausalLM
 
-from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.model.hf_config import parse_config
 from saguaro_dist.model.runner import ModelRunner
 
@@ -94,62 +92,31 @@ def test_each_feature_moves_the_logits_here(phi3):
 @pytest.mark.parametrize("chunk", [2048, 5])
 def test_logits_match_transformers_in_prefill_and_decode(phi3, chunk):
     """Half the prompt prefilled (whole, or in chunks of 5), the rest decoded; 24 tokens, the window 6."""
-    seq = tokens(2, 24)
-    got = runner_logits(ModelRunner(phi3["path"], max_num_batched_tokens=chunk), seq)
-    torch.testing.assert_close(got, hf_logits(phi3["model"], seq), atol=ATOL, rtol=0)
+    check_logits(phi3["path"], phi3["model"], tokens(2, 24), max_num_batched_tokens=chunk)
 
 
 def test_bf16_prefill_matches_transformers_bit_for_bit(phi3):
-    seq = tokens(2, 16)
-    hf = AutoModelForCausalLM.from_pretrained(phi3["path"], dtype=torch.bfloat16).eval()
-    runner = ModelRunner(phi3["path"], dtype=torch.bfloat16)
-    runner.add("s")
-    torch.testing.assert_close(runner.extend(["s"], [seq], [len(seq)])[0], hf_logits(hf, seq), atol=0, rtol=0)
+    check_bf16_prefill_bitwise(phi3["path"], tokens(2, 16))
 
 
 def test_whole_prompts_of_mixed_lengths_then_a_batched_extend_match_transformers(phi3):
-    runner = ModelRunner(phi3["path"])
-    seqs = [tokens(7, 15), tokens(8, 9)]
-    runner.add("a"), runner.add("b")
-    first = runner.extend(["a", "b"], [seqs[0][:8], seqs[1][:3]], [8, 3])
-    rest = runner.extend(["a", "b"], [seqs[0][8:], seqs[1][3:]], [7, 6])
-    for seq, head, tail in zip(seqs, first, rest):
-        torch.testing.assert_close(torch.cat([head, tail]), hf_logits(phi3["model"], seq), atol=ATOL, rtol=0)
+    check_batched_extends(phi3["path"], phi3["model"], [tokens(7, 15), tokens(8, 9)], [[8], [3]], prompt_rows=True)
 
 
 def test_branch_steps_match_transformers(phi3):
-    prefix, branch_steps = tokens(9, 7), [[3, 11], [40, 40], [5, 62]]
-    runner = ModelRunner(phi3["path"])
-    runner.add("s")
-    runner.extend(["s"], [prefix], [1])
-    state, got = runner.branch_start(["s", "s"], [7, 7], torch.tensor(branch_steps[0]))
-    for depth, step in enumerate(branch_steps):
-        if depth:
-            got = runner.branch_step(state, torch.tensor(step))
-        for j in range(2):
-            want = hf_logits(phi3["model"], prefix + [s[j] for s in branch_steps[:depth + 1]])[-1]
-            torch.testing.assert_close(got[j], want, atol=ATOL, rtol=0)
+    check_two_branches(phi3["path"], phi3["model"], tokens(9, 7))
 
 
 def test_the_static_steps_cuda_graphs_capture_give_the_eager_logits(phi3):
-    got, want = steps(static_runner(phi3["path"])), steps(ModelRunner(phi3["path"]))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    check_static_steps(phi3["path"])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tensor_parallel_two_ranks_gives_transformers_logits(tmp_path, variant):
     """Each rank reads its own heads' rows of q, k and v out of the fused qkv_proj, its width of gate and up."""
-    import torch.multiprocessing as mp
-    from test_model_families import _tp_rank
-    from test_model_families import tokens as family_tokens
-    from test_model_tp import free_port
     model = save_phi3(tmp_path / "m", variant, seed=5)
-    mp.spawn(_tp_rank, args=(free_port(), str(tmp_path / "m"), str(tmp_path / "out")), nprocs=2, join=True)
-    got = [torch.load(tmp_path / f"out.{rank}") for rank in (0, 1)]
-    torch.testing.assert_close(got[0], hf_logits(model, family_tokens(3, 12)), atol=ATOL, rtol=0)
-    torch.testing.assert_close(got[1], got[0], atol=0, rtol=0)
+    check_two_ranks_match_transformers(tmp_path / "m", model, tokens(3, 12))
 
 
 # ---- the fused checkpoint tensors ------------------------------------------------------------------
@@ -209,9 +176,7 @@ def test_longrope_caps_the_context_and_refuses_more(phi3, caplog):
 
 def test_the_last_position_of_the_original_context_matches_transformers(tmp_path):
     model = save_phi3(tmp_path, "phi4_mini", seed=2)
-    seq = tokens(6, ORIGINAL)
-    got = runner_logits(ModelRunner(tmp_path), seq)
-    torch.testing.assert_close(got, hf_logits(model, seq), atol=ATOL, rtol=0)
+    check_logits(tmp_path, model, tokens(6, ORIGINAL))
 
 
 # ---- greedy generation: a Phi-3 target and draft (Phi-3-medium / -mini share a tokenizer) -------------
@@ -219,20 +184,12 @@ def test_the_last_position_of_the_original_context_matches_transformers(tmp_path
 def phi3_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"{request.param}_pair")
     torch.set_num_threads(1)
-    model = save_phi3(root / "target", request.param, seed=0)
-    save_perturbed_draft(root / "draft", model, seed=1)
-    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model}
+    return perturbed_pair(root, save_phi3(root / "target", request.param, seed=0))
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_greedy_generation_matches_transformers_generate(phi3_pair, mode):
-    prompt, n = tokens(5, 12), 24
-    want = hf_greedy(phi3_pair["model"], prompt, n)
-    speculative = {} if mode == "ar" else {"draft": phi3_pair["draft"], "k": 3, "draft_executor": "thread"}
-    with LLM(device=DEVICE, model=phi3_pair["target"], mode=mode, max_batch_size=1, **speculative) as llm:
-        got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-    assert_greedy_equal(list(got), want, prompt, phi3_pair["model"])
+    check_greedy_generation(phi3_pair, mode, tokens(5, 12), 24)
 
 
 # ---- config.json as transformers reads it, and refusals ------------------------------------------

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
-from model_checks import hf_logits, random_tokens, runner_logits, save_seeded
-from test_model_families import decode_ops, save_perturbed_draft
-from test_step_graphs import static_runner, steps
+from model_checks import (check_batched_extends, check_branch_steps, check_greedy_generation, check_logits,
+                          check_static_steps, hf_logits, perturbed_pair, random_tokens, save_seeded)
+from test_model_families import decode_ops
+from test_step_graphs import static_runner
 from transformers import (AutoConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.model import attention, branch, static_branch
 from saguaro_dist.model.hf_config import parse_config
 from saguaro_dist.model.runner import ModelRunner
@@ -82,9 +81,7 @@ def test_max_model_len_is_max_position_embeddings_not_the_window(family):
 
 # ---- logits on every path -------------------------------------------------------------------------
 def test_prefill_and_decode_match_transformers(family):
-    seq = tokens(2, 40)
-    got = runner_logits(ModelRunner(family["path"]), seq)  # 20 prefilled (from the start), 20 decoded
-    torch.testing.assert_close(got, hf_logits(family["model"], seq), atol=ATOL, rtol=0)
+    check_logits(family["path"], family["model"], tokens(2, 40))  # 20 prefilled (from the start), 20 decoded
 
 
 def test_a_chunked_prefill_matches_transformers(family):
@@ -98,32 +95,16 @@ def test_a_chunked_prefill_matches_transformers(family):
 
 def test_batched_extend_of_mixed_lengths_matches_transformers(family):
     """Rows at different positions in one forward (the masked path), then a batched decode step."""
-    runner = ModelRunner(family["path"])
     seqs, firsts = [tokens(7, 39), tokens(8, 30), tokens(9, 36)], [3, 20, 9]
-    for s in "abc":
-        runner.add(s)
-    runner.extend(list("abc"), [s[:f] for s, f in zip(seqs, firsts)], [1, 1, 1])
-    middle = runner.extend(list("abc"), [s[f:-1] for s, f in zip(seqs, firsts)], [len(s) - 1 - f for s, f in zip(seqs, firsts)])
-    last = runner.extend(list("abc"), [s[-1:] for s in seqs], [1, 1, 1])
-    for seq, rows in zip(seqs, map(torch.cat, zip(middle, last))):
-        torch.testing.assert_close(rows, hf_logits(family["model"], seq)[-len(rows):], atol=ATOL, rtol=0)
+    cuts = [[first, len(seq) - 1] for seq, first in zip(seqs, firsts)]  # the last piece: one token each
+    check_batched_extends(family["path"], family["model"], seqs, cuts)
 
 
 def branch_run(runner: ModelRunner, model, depth: int) -> None:
     """Branches of two sequences (prefixes 33 and 27: the window's start differs per branch), stepped
     `depth` times: past the window, a branch's own first private keys leave it too."""
-    prefixes = {"s": tokens(10, 33), "t": tokens(11, 27)}
-    for sid, prefix in prefixes.items():
-        runner.add(sid)
-        runner.extend([sid], [prefix], [1])
-    seq_ids = ["s", "t", "s"]
-    paths = [tokens(20 + i, depth) for i in range(3)]
-    state, got = runner.branch_start(seq_ids, [33, 27, 33], torch.tensor([p[0] for p in paths]))
-    for d in range(depth):
-        if d:
-            got = runner.branch_step(state, torch.tensor([p[d] for p in paths]))
-        want = torch.stack([hf_logits(model, prefixes[sid] + p[:d + 1])[-1] for sid, p in zip(seq_ids, paths)])
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    prefixes, paths = {"s": tokens(10, 33), "t": tokens(11, 27)}, [tokens(20 + i, depth) for i in range(3)]
+    check_branch_steps(runner, model, prefixes, ["s", "t", "s"], paths)
 
 
 def test_branch_steps_match_transformers(family):
@@ -138,9 +119,7 @@ def test_static_branch_steps_match_transformers(family):
 def test_the_static_steps_give_the_eager_logits(family):
     """StaticBatch / StaticBranchBatch against ExtendBatch / BranchBatch over test_step_graphs' steps
     (sequences growing past 128 positions: far past the window)."""
-    got, want = steps(static_runner(family["path"])), steps(ModelRunner(family["path"]))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=0, atol=ATOL)
+    check_static_steps(family["path"])
 
 
 def test_static_decode_and_verify_match_transformers(family):
@@ -183,17 +162,9 @@ def test_a_window_not_yet_reached_adds_no_op_to_decode(tmp_path):
 def family_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"pair_{request.param}")
     torch.set_num_threads(1)
-    model = save_family(root / "target", request.param, seed=0, sharpen=4.0)
-    save_perturbed_draft(root / "draft", model, seed=1)
-    return {"target": str(root / "target"), "draft": str(root / "draft"), "model": model}
+    return perturbed_pair(root, save_family(root / "target", request.param, seed=0, sharpen=4.0))
 
 
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_greedy_generation_matches_transformers_generate(family_pair, mode):
-    prompt, n = tokens(5, 40), 20
-    want = hf_greedy(family_pair["model"], prompt, n)
-    speculative = {} if mode == "ar" else {"draft": family_pair["draft"], "k": 3, "draft_executor": "thread"}
-    with LLM(device=DEVICE, model=family_pair["target"], mode=mode, max_batch_size=1, **speculative) as llm:
-        got = llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(
-            temperature=0, max_tokens=n, ignore_eos=True))[0].outputs[0].token_ids
-    assert_greedy_equal(list(got), want, prompt, family_pair["model"])
+    check_greedy_generation(family_pair, mode, tokens(5, 40), 20)
