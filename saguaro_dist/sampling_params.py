@@ -348,6 +348,14 @@ def with_bad_word_ids(params, encode) -> SamplingParams:
     return replace(params, _bad_words_token_ids=bad_word_ids(params.bad_words, encode))
 
 
+def _check_allowed_not_all_banned(params) -> None:
+    """allowed_token_ids that one-token bad words bar, every one: no token could ever be generated (every
+    logit at -inf: the sampler's pick would be arbitrary, not the model's)."""
+    banned = {w[0] for w in params.banned_words if len(w) == 1}
+    if params.allowed_token_ids is not None and banned and set(params.allowed_token_ids) <= banned:
+        raise ValueError("bad_words bar every token of allowed_token_ids: nothing could be generated")
+
+
 def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
     """What only the model can tell: the token ids a request names (logit_bias, allowed_token_ids) are in
     its vocabulary, and a token is left to generate while min_tokens holds the ends back."""
@@ -356,6 +364,7 @@ def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) 
     for name, ids in named:
         if ids and max(ids) >= vocab_size:
             raise ValueError(f"{name} names token {max(ids)}, outside the vocabulary (ids 0..{vocab_size - 1})")
+    _check_allowed_not_all_banned(params)
     if not params.min_tokens:
         return
     ends = set(params.stop_token_ids) | set(eos_token_ids)  # held back under ignore_eos too (vLLM's)

@@ -3,6 +3,7 @@ none of them, as the target's masked choices never do, so it stops proposing wha
 Acceptance only: exactness holds either way (tests/test_bad_words.py)."""
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -135,3 +136,23 @@ def test_a_draft_told_the_bad_words_is_accepted_and_greedy_stays_ar(target, mode
     assert [o.outputs[0].token_ids for o in outs] == want != plain
     acceptance = sum(o.metrics.accepted_tokens for o in outs) / sum(o.metrics.drafted_tokens for o in outs)
     assert acceptance > 0.95, acceptance
+
+
+def test_a_malformed_bad_words_error_names_the_place_not_the_payload():
+    """The decode error becomes a gRPC status whose details travel in a trailer, dropped past 8-16 KiB: a
+    payload echoed in it turned INVALID_ARGUMENT into RESOURCE_EXHAUSTED with no explanation."""
+    from saguaro_dist.spec.bad_words import checked_word_ids
+    big = [list(range(60))] * 127
+    for words, where in ((big + [[]], "bad_words[127] is empty"), (big + [[1, -2]], "bad_words[127] is holding '-2'"),
+                         (big * 2, "got 254")):
+        with pytest.raises(ValueError, match=re.escape(where)) as err:
+            checked_word_ids(words)
+        assert len(str(err.value)) < 300
+
+
+def test_allowed_tokens_every_one_barred_by_bad_words_are_refused():
+    from saguaro_dist.sampling_params import check_against_model
+    params = SamplingParams(allowed_token_ids=[3, 4], _bad_words_token_ids=((3,), (4,), (5, 6)))
+    with pytest.raises(ValueError, match="bad_words bar every token of allowed_token_ids"):
+        check_against_model(params, 32, frozenset({1}))
+    check_against_model(SamplingParams(allowed_token_ids=[3, 4], _bad_words_token_ids=((3,), (5, 4))), 32, frozenset())

@@ -112,3 +112,34 @@ def test_which_generation_config_is_read(pair, tmp_path):
     GenerationConfig(eos_token_id=7).save_pretrained(tmp_path)
     assert generation_eos_ids(Config(model=target, mode="ar", generation_config=str(tmp_path))) == (7,)
     assert generation_eos_ids(Config(model=pair[1], mode="ar")) == (pair[2],)  # transformers' file, from config.json
+
+
+def rewrite_json(path, **fields) -> None:
+    import json
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**data, **fields}))
+
+
+def test_a_generation_config_naming_no_eos_adds_no_end_ids(pair, tmp_path):
+    """A generation_config.json without eos_token_id: vLLM then adds no stop ids (config.json's eos stands in
+    only where there is no file), so config.json's extra id ends nothing; only the tokenizer's EOS does."""
+    import shutil
+    from pathlib import Path
+    target = Path(shutil.copytree(pair[0], tmp_path / "target"))
+    rewrite_json(target / "config.json", eos_token_id=[pair[2], pair[3]])
+    (target / "generation_config.json").write_text('{"temperature": 1.0}')
+    with LLM(model=str(target), mode="ar", max_model_len=64) as llm:
+        assert set(llm.eos_token_ids) == {pair[2]}
+        params = SamplingParams(temperature=0, max_tokens=6, logit_bias={pair[3]: FORCE})
+        out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert (out.finish_reason, len(out.token_ids)) == ("length", 6)
+
+
+@pytest.mark.parametrize("eos", ["5", True, [[5]], -1])
+def test_a_generation_config_eos_that_is_no_token_id_is_refused(pair, tmp_path, eos):
+    import shutil
+    from pathlib import Path
+    target = Path(shutil.copytree(pair[0], tmp_path / "target"))
+    rewrite_json(target / "generation_config.json", eos_token_id=eos)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id >= 0"):
+        LLM(model=str(target), mode="ar", max_model_len=64)

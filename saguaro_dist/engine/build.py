@@ -46,22 +46,29 @@ def eos_ids(runner, tokenizer, config: Config | None = None) -> set[int]:
     """Every id that ends generation: the generation config's eos (generation_eos_ids; without `config`,
     config.json's) and the tokenizer's. The engine ends at the tokenizer's with no stop_reason and at the
     others as vLLM's stop_token_ids (Engine._check_stop)."""
-    ids = set(generation_eos_ids(config) if config is not None else ()) or set(runner.config.eos_token_ids)
+    generation = generation_eos_ids(config) if config is not None else None
+    ids = set(runner.config.eos_token_ids if generation is None else generation)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
 
 
-def generation_eos_ids(config: Config) -> tuple[int, ...]:
-    """The eos_token_id (int or list) of the generation_config.json vLLM reads for it: the folder
+def generation_eos_ids(config: Config) -> tuple[int, ...] | None:
+    """The eos_token_id (an id or a list) of the generation_config.json vLLM reads for it: the folder
     config.generation_config names, else the model's own ("vllm" too: only sampling defaults are off then).
-    () where there is none: config.json's eos stands in (transformers' GenerationConfig.from_model_config)."""
+    None where there is no file: config.json's eos stands in (transformers' GenerationConfig.from_model_config);
+    () for a file that names none (vLLM then adds no stop ids)."""
     source = config.generation_config
     own = source in ("auto", "vllm")
     folder = resolve_model_dir(config.model if own else source, weights=False, revision=config.revision if own else None)
     path = folder / "generation_config.json"
-    eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
-    return tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not path.is_file():
+        return None
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    ids = eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id >= 0 or a list of them, got {eos!r}")
+    return tuple(ids)
 
 
 def try_load_tokenizer(path: str, revision: str | None = None):

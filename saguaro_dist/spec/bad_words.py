@@ -43,10 +43,13 @@ def checked_word_ids(ids, name: str = "bad_words") -> BadWordIds:
     try:
         words = tuple(tuple(w) for w in ids)
     except TypeError:
-        raise ValueError(f"{what}, got {ids!r}") from None
-    valid = all(w and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in w) for w in words)
-    if not valid or len(words) > MAX_BAD_WORDS:
-        raise ValueError(f"{what}, got {ids!r}")
+        raise ValueError(f"{what}, got a {type(ids).__name__} or an item that is no list") from None
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"{what}, got {len(words)}")
+    for i, word in enumerate(words):  # the error names the place, never the payload (a gRPC status's details
+        bad = next((t for t in word if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0)), None)
+        if not word or bad is not None:  # travel in a trailer, which gRPC drops past 8-16 KiB)
+            raise ValueError(f"{what}: {name}[{i}] is {'empty' if not word else f'holding {str(bad)[:40]!r}'}")
     return words
 
 
