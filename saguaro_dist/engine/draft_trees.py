@@ -117,37 +117,60 @@ class TreeBuilding:
 
         Returns one (state index, k, bonus token) per branch to build.
         """
-        logits = [self.constraints.positions(s, x) for s, x in zip(states, self._glue_logits(states))]
-        ranking = torch.stack(logits).float().softmax(-1)                          # [B, K+1, V], or [B, K, V]
-        spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=ranking.device)  # [B, K]
-        if ranking.shape[1] == self.k:  # x_K not run (_glue_logits): outcomes k < K only
+        logits = torch.stack([self.constraints.positions(s, x) for s, x in zip(states, self._glue_logits(states))])
+        spec = torch.tensor([s.speculation for s in states], dtype=torch.long, device=logits.device)  # [B, K]
+        if logits.shape[1] == self.k:  # x_K not run (_glue_logits): outcomes k < K only
             fanouts = {key: without_full_acceptance(f, self.vocab_size) for key, f in fanouts.items()}
-        rows = []
-        for i, s in enumerate(states):
+        for s in states:
             fanout = fanouts[fanout_key(s)]
             s.fanout = fanout + [0] * (self.k + 1 - len(fanout))  # a lookup at k = K meets F = 0 where x_K was not run
             s.guess = None
-            if self._couples(s):
-                rows += [(i, kk, t) for kk, t in self._sampled_candidates(s, logits[i], spec[i], fanout)]
-                continue
-            chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanout)
+        coupled = [i for i, s in enumerate(states) if self._couples(s)]
+        plain = [i for i, s in enumerate(states) if not self._couples(s)]
+        picked = {}
+        for rows, pick in ((coupled, self._sampled_candidates), (plain, self._top_f_candidates)):
+            if rows:  # all of them: no copy (the usual build is all coupled at T > 0, all plain at T = 0)
+                some = len(rows) < len(states)
+                picked.update(zip(rows, pick([states[i] for i in rows], logits[rows] if some else logits,
+                                             spec[rows] if some else spec, fanouts)))
+        return [(i, kk, t) for i in range(len(states)) for kk, t in picked[i]]
+
+    @staticmethod
+    def _top_f_candidates(states: list[DraftSeq], logits: torch.Tensor, spec: torch.Tensor,
+                          fanouts: dict[int, list[int]]) -> list[list[tuple[int, int]]]:
+        """Per state, (k, t) per branch of this worker's slice: the draft's top-F_k tokens at k, bar x_k (the
+        paper's pick; a coupled row draws instead: _sampled_candidates). logits [P, R, V], spec [P, K]."""
+        ranking = logits.float().softmax(-1)  # [P, R, V]
+        picked = []
+        for i, s in enumerate(states):
+            chosen = select_branches(ranking[i:i + 1], spec[i:i + 1], fanouts[fanout_key(s)])
             ks, bonus = chosen.accepted[0, s.shard::s.num_shards], chosen.bonus[0, s.shard::s.num_shards]
-            rows += [(i, kk, t) for kk, t in zip(ks.tolist(), bonus.tolist())]
-        return rows
+            picked.append(list(zip(ks.tolist(), bonus.tolist())))
+        return picked
 
     def _couples(self, s: DraftSeq) -> bool:
         """Whether s's tree draws its candidates for a coupled bonus (a sampled row, one worker's whole tree)."""
         return self.config.bonus_draw is BonusDraw.COUPLED and s.sampling.temperature > 0 and s.num_shards == 1
 
-    def _sampled_candidates(self, s: DraftSeq, logits: torch.Tensor, spec: torch.Tensor, fanout: list[int]
-                            ) -> list[tuple[int, int]]:
-        """(k, t) per branch: F_k candidates drawn from the draft's guess of outcome k's bonus, its sampling
-        distribution there (spec/coupled.py); the guess, kept sparse, goes to the target with the plan."""
-        probs = sampling_probs(logits, RowSampling.of([s.sampling], logits.device, rows_per_seq=logits.shape[0]))
-        ids, kept = (x.cpu() for x in sparse_guess(bonus_guess(probs[None], spec[None])[0]))
-        s.guess = (ids, kept)
-        uniforms = torch.rand(kept.shape, generator=s.candidate_generator(), dtype=torch.float64)
-        return sampled_branches(ids, kept, fanout, uniforms)
+    @staticmethod
+    def _sampled_candidates(states: list[DraftSeq], logits: torch.Tensor, spec: torch.Tensor,
+                            fanouts: dict[int, list[int]]) -> list[list[tuple[int, int]]]:
+        """Per state, (k, t) per branch: F_k candidates drawn from the draft's guess of outcome k's bonus, its
+        sampling distribution there (spec/coupled.py); the guess, kept sparse, goes to the target with the plan.
+        logits [C, R, V], spec [C, K]. One distribution pass for every state's rows (each row its own settings:
+        row-wise, the same bits as one state at a time); the draws stay per state, each on its own stream."""
+        if not states:
+            return []
+        c, r, v = logits.shape
+        probs = sampling_probs(logits.reshape(c * r, v), RowSampling.of([s.sampling for s in states], logits.device,
+                                                                         rows_per_seq=r))
+        ids, kept = (x.cpu().view(c, r, -1) for x in sparse_guess(bonus_guess(probs.view(c, r, v), spec).flatten(0, 1)))
+        picked = []
+        for s, s_ids, s_kept in zip(states, ids, kept):
+            s.guess = (s_ids.clone(), s_kept.clone())  # its own: a view would keep the batch's guesses alive
+            uniforms = torch.rand(s_kept.shape, generator=s.candidate_generator(), dtype=torch.float64)
+            picked.append(sampled_branches(*s.guess, fanouts[fanout_key(s)], uniforms))
+        return picked
 
     def _glue_logits(self, states: list[DraftSeq]) -> list[torch.Tensor]:
         """Draft logits [K+1, V] over [b, x_1..x_K] per state, from one forward: it runs first the committed
@@ -191,6 +214,10 @@ class TreeBuilding:
         """K steps for all branches at once; branch (k, t) attends to P + x_1..x_k, then t. Each state's
         rows are contiguous (_glue lists them state by state): its tree is a slice of the columns.
         Raises TreeAbandoned when stop() says so before a step."""
+        if not rows:  # no candidate anywhere (every token barred: bad words, allowed tokens): empty trees
+            for s in states:
+                s.forget_tree()
+            return [SpeculationTree(s.seq_id, s.round, [], [], None) for s in states]
         owners = [states[i] for i, _, _ in rows]
         prefix = [len(s.committed) + k for s, (_, k, _) in zip(owners, rows)]
         state, logits = self.runner.branch_start([s.seq_id for s in owners], prefix, [t for _, _, t in rows])
