@@ -60,8 +60,9 @@ def with_eos(checkpoint, tmp_path_factory):
         eos = int(model(torch.tensor([PROMPTS[0]])).logits[0, -1].topk(2).indices[1])
     copy = tmp_path_factory.mktemp("eos_ckpt")
     shutil.copytree(path, copy, dirs_exist_ok=True)
-    config = json.loads((copy / "config.json").read_text())
-    (copy / "config.json").write_text(json.dumps({**config, "eos_token_id": eos}))
+    for name in ("config.json", "generation_config.json"):  # the generation config's eos is what ends (vLLM's)
+        config = json.loads((copy / name).read_text()) if (copy / name).is_file() else {}
+        (copy / name).write_text(json.dumps({**config, "eos_token_id": eos}))
     with LLM(model=str(copy), mode="ar") as llm:
         yield llm, eos
 
