@@ -167,7 +167,9 @@ def test_continuous_usage_stats_put_usage_on_every_chunk(urls, path, body):
     for index in (0, 1):
         usages = [c["usage"] for c in per_choice if c["choices"][0]["index"] == index]
         counts = [u["completion_tokens"] for u in usages]
-        assert counts == sorted(counts) and counts[-1] == 4 and len(usages) >= 2
+        # (>= 1 chunk: a speculative round, or the stream's coalescing on a loaded box, may carry all 4 tokens
+        # of a choice in its first chunk; every chunk carries its choice's usage so far either way)
+        assert counts == sorted(counts) and counts[-1] == 4 and len(usages) >= 1
         assert all(u["prompt_tokens"] == prompt_tokens and u["total_tokens"] == prompt_tokens + u["completion_tokens"]
                    for u in usages)
     # vLLM's rule: continuous_usage_stats without include_usage adds nothing
