@@ -11,7 +11,8 @@ KV pool's addresses, so a pool resize (rows or capacity doubling, amortised) dro
 are captured again.
 
 Mixture-of-experts models (model/moe.py) run eagerly: their expert loop is data-dependent (which experts
-a step's tokens chose, a host sync), which a graph cannot capture; StepGraphs refuses them, logged once."""
+a step's tokens chose, a host sync), which a graph cannot capture; StepGraphs refuses them, logged once. So it
+does models with LoRA enabled (model/lora.py: each row's adapter is chosen on the host)."""
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ import torch
 
 from saguaro_dist.model.branch import BranchState, group_branches
 from saguaro_dist.model.kv_cache import KVPool
+from saguaro_dist.model.lora import has_lora
 from saguaro_dist.model.moe import has_experts
 from saguaro_dist.model.static_batch import StaticBatch
 from saguaro_dist.model.static_branch import StaticBranchBatch
@@ -122,6 +124,10 @@ class StepGraphs:
         if self.refused:
             log.warning("CUDA graphs are off for this model: a mixture-of-experts layer picks its experts per "
                         "token (data-dependent shapes a graph cannot capture); its forwards run eagerly")
+        elif has_lora(model):  # each row's adapter is picked on the host (model/lora.py); uncaptured too
+            self.refused = True
+            log.warning("CUDA graphs are off for this model: LoRA adapters are enabled (max_loras >= 1), whose "
+                        "per-sequence slots give data-dependent shapes a graph cannot capture; its forwards run eagerly")
 
     # -- extend ----------------------------------------------------------------------------------
     def supports_extend(self, starts: list[int], lens: list[int]) -> bool:

@@ -15,6 +15,8 @@ from saguaro_dist.model.extend_batch import ExtendBatch
 from saguaro_dist.model.hf_config import ModelConfig, load_config
 from saguaro_dist.model.kv_cache import MIN_KV_CAPACITY, NARROW_ABOVE, KVPool
 from saguaro_dist.model.loader import resolve_model_dir
+from saguaro_dist.model.lora import LoRASlots, enable_lora, lora_tokens
+from saguaro_dist.model.lora_adapter import LoRAAdapter, load_adapter
 from saguaro_dist.model.memory import KVNeed, check_kv_fits, kv_bytes_per_token
 from saguaro_dist.model.pretranspose import pretranspose_linears
 from saguaro_dist.model.rope import model_rope_tables
@@ -62,12 +64,13 @@ def checked_batched_tokens(max_num_batched_tokens) -> int:
 class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
                  cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None,
-                 revision=None, gpu_memory_utilization=0.9, preallocate_kv=None):
+                 revision=None, gpu_memory_utilization=0.9, preallocate_kv=None, max_loras=0, max_lora_rank=16):
         """dtype: a torch.dtype, its name, or "auto" (this checkpoint's, for this device: model/device.py
         auto_dtype). vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
         matched to its target's padded vocabulary, model/vocab.py). revision: a Hub id's branch, tag or commit.
         preallocate_kv: allocate the KV pool's worst case now, failing if it does not fit the memory
-        gpu_memory_utilization allows (None: on CUDA; else it grows on demand); model/memory.py."""
+        gpu_memory_utilization allows (None: on CUDA; else it grows on demand); model/memory.py. max_loras: LoRA
+        adapter slots (0: LoRA off, no op added), each of rank up to max_lora_rank (load_lora, add's lora_slot)."""
         model_dir = resolve_model_dir(path_or_hf_id, revision=revision)
         self.config = cfg = load_config(model_dir)
         self.vocab_size = vocab_size or cfg.vocab_size
@@ -79,6 +82,7 @@ class ModelRunner:
         check_memory_utilization(gpu_memory_utilization)
         with torch.inference_mode():
             kv_heads = self._load_model(model_dir, tp_group)
+            self.lora = self._lora_slots(max_loras, max_lora_rank, tp_group)
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
             graphed = cuda_graphs and tp_group is None  # see _step_graphs
             self.pool = self._kv_pool(kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
@@ -87,6 +91,8 @@ class ModelRunner:
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
         self._kept: set[Hashable] = set()  # renamed ones: finished rows the prefix cache keeps
+        self._lora_rows: dict[int, tuple[int, int]] = {}  # pool row -> (slot, that slot's load count) when adapted
+        self._lora_loads = [0] * max_loras  # per slot: loads and evictions so far (a kept row's KV names its adapter)
 
     def _load_model(self, model_dir, tp_group) -> int:
         """The weights on this device (this rank's shard under tensor parallel), its vocabulary matched to
@@ -99,6 +105,13 @@ class ModelRunner:
         attn = self.model.model.layers[0].self_attn  # per-rank head counts (after tensor parallel)
         self.group = attn.num_heads // attn.num_kv_heads
         return attn.num_kv_heads
+
+    def _lora_slots(self, max_loras, max_lora_rank, tp_group) -> LoRASlots | None:
+        """The LoRA slot table (model/lora.py), its linears wrapped after pretranspose; None: LoRA off."""
+        for name, value, least in (("max_loras", max_loras, 0), ("max_lora_rank", max_lora_rank, 1)):
+            if type(value) is not int or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        return enable_lora(self.model, self.config, max_loras, max_lora_rank, tp_group) if max_loras else None
 
     def _kv_pool(self, kv_heads: int, max_batch_size: int, graphed: bool, preallocate: bool,
                  utilization: float) -> KVPool:
@@ -126,14 +139,20 @@ class ModelRunner:
         return StepGraphs(self.model, self.pool, self.cos, self.signed_sin, self.group, max_batch_size, branch_depth)
 
     # -- sequences -------------------------------------------------------------------------------
-    def add(self, seq_id: Hashable):
+    def add(self, seq_id: Hashable, lora_slot: int | None = None):
+        """lora_slot: the loaded adapter (load_lora) every token of this sequence runs through; None: the base model."""
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already exists")
+        if lora_slot is not None:
+            self._check_loaded(lora_slot)
         with torch.inference_mode():
             self._seqs[seq_id] = [self.pool.take_row(), 0]
+        if lora_slot is not None:
+            self._lora_rows[self._seqs[seq_id][0]] = (lora_slot, self._lora_loads[lora_slot])
 
     def free(self, seq_id: Hashable):
         self.pool.give_row(self._seq(seq_id)[0])
+        self._lora_rows.pop(self._seqs[seq_id][0], None)
         del self._seqs[seq_id]
         self._kept.discard(seq_id)
         self._fit_capacity()
@@ -176,6 +195,8 @@ class ModelRunner:
         if dst[1] != 0 or not 0 < length <= src[1]:
             raise ValueError(f"copy_prefix({src_id!r} -> {dst_id!r}, {length}): the source holds {src[1]} positions, "
                              f"the destination {dst[1]} (must be 0)")
+        if self._lora_rows.get(src[0]) != self._lora_rows.get(dst[0]):  # KV computed through another adapter
+            raise ValueError(f"copy_prefix({src_id!r} -> {dst_id!r}): the sequences run different LoRA adapters")
         self.pool.reserve(length)  # a kept row may be longer than a narrowed pool's views
         self.pool.k[:, dst[0], :, :length] = self.pool.k[:, src[0], :, :length]
         self.pool.v[:, dst[0], :, :length] = self.pool.v[:, src[0], :, :length]
@@ -228,7 +249,7 @@ class ModelRunner:
 
     def _eager_extend(self, rows, starts, lens, token_lists, num_logits) -> list[torch.Tensor]:
         ctx = ExtendBatch(self.pool, rows, starts, lens, self.cos, self.signed_sin, self.group, self.model.attention)
-        hidden = self.model(self._padded_ids(token_lists, ctx.t), ctx)  # [B, T, hidden]
+        hidden = self._run_model(self._padded_ids(token_lists, ctx.t), ctx, rows)  # [B, T, hidden]
         logits = self.model.logits(self._logit_rows(hidden, lens, num_logits)).float()
         return list(logits.split(list(num_logits)))
 
@@ -322,7 +343,57 @@ class ModelRunner:
             ids = torch.zeros(state.prefix_len.shape, dtype=torch.long, device=self.device)
             ids.view(-1)[state.out_index] = tokens
         ctx = BranchBatch(state, self.cos, self.signed_sin, self.group, self.model.attention)
-        hidden = self.model(ids, ctx)
+        hidden = self._run_model(ids, ctx, state.rows)
         hidden = hidden.reshape(-1, hidden.shape[-1])
         state.depth += 1
         return self.model.logits(hidden if state.dense else hidden[state.out_index]).float()
+
+    def _run_model(self, ids: torch.Tensor, ctx, rows: list[int]) -> torch.Tensor:
+        """The model's forward over ids [len(rows), T]; with LoRA on, row b's tokens through its sequence's
+        adapter (ctx.lora: the step's slot groups, model/lora.py). LoRA off: the model alone, no op added."""
+        if self.lora is None:
+            return self.model(ids, ctx)
+        slots = [self._lora_rows.get(row, (-1,))[0] for row in rows]
+        ctx.lora = lora_tokens(slots, ids.shape[1], self.lora.scales, self.device)
+        with self.lora.selecting(ctx.lora):
+            return self.model(ids, ctx)
+
+    # -- LoRA adapters ---------------------------------------------------------------------------
+    def load_lora(self, slot: int, adapter: str | LoRAAdapter, revision: str | None = None) -> None:
+        """Put an adapter (a PEFT folder, a Hub id, or a loaded LoRAAdapter) in slot 0..max_loras - 1, replacing
+        what it held; no live sequence may be using the slot."""
+        self._check_free(slot)
+        if not isinstance(adapter, LoRAAdapter):
+            adapter = load_adapter(adapter, self.config, self.lora.max_lora_rank, revision)
+        elif adapter.rank > self.lora.max_lora_rank:
+            raise ValueError(f"LoRA adapter {adapter.source}: rank {adapter.rank} is greater than max_lora_rank "
+                             f"{self.lora.max_lora_rank}")
+        with torch.inference_mode():
+            self.lora.load(slot, adapter)
+        self._lora_loads[slot] += 1
+
+    def evict_lora(self, slot: int) -> None:
+        """Empty a slot; no live sequence may be using it."""
+        self._check_free(slot)
+        with torch.inference_mode():
+            self.lora.evict(slot)
+        self._lora_loads[slot] += 1
+
+    def lora_slot(self, seq_id: Hashable) -> int | None:
+        """The slot a sequence runs (None: the base model)."""
+        return self._lora_rows.get(self._seq(seq_id)[0], (None,))[0]
+
+    def _check_free(self, slot: int) -> None:
+        if self.lora is None:
+            raise ValueError("LoRA is off for this runner: construct it with max_loras >= 1")
+        self.lora.check_slot(slot)
+        users = [k for k, s in self._seqs.items() if k not in self._kept and self._lora_rows.get(s[0], (-1,))[0] == slot]
+        if users:
+            raise ValueError(f"lora slot {slot} is in use by sequence(s) {users[:4]!r}: free them first")
+
+    def _check_loaded(self, slot: int) -> None:
+        if self.lora is None:
+            raise ValueError("add: lora_slot given, but LoRA is off for this runner (max_loras 0)")
+        self.lora.check_slot(slot)
+        if self.lora.adapters[slot] is None:
+            raise ValueError(f"add: lora slot {slot} holds no adapter (call load_lora first)")

@@ -1,0 +1,174 @@
+"""Multi-LoRA serving at the model layer: a table of up to max_loras adapters (model/lora_adapter.py) loaded at
+once, and each forward's tokens run through their own sequence's slot (-1: the base model).
+
+enable_lora wraps each layer's qkv_proj, o_proj, gate_up_proj and down_proj (after fusion and pretranspose) in
+a LoRALinear holding every slot's weights, rank padded to max_lora_rank: A [slots, in, P * R] and
+B [slots, P * R, out] for a linear fused from P projections (q / k / v blocks side by side, B block-diagonal:
+a projection the adapter does not target contributes zero). A forward's slot groups (LoRATokens, built on the
+host from each row's slot and carried by the step context as ctx.lora) are added to the base output row by
+row: y[rows of s] += scale_s * (x[rows of s] @ A_s) @ B_s, PEFT's order of ops. Rows of the base model are
+never touched (bit-identical to no LoRA), and a forward with no adapted row runs no LoRA op at all.
+
+Tensor parallel: a column-parallel linear (the fused q / k / v and gate / up) takes A whole and its rank's rows
+of B; a row-parallel one (o, down) its rank's columns of A, the r-wide intermediate all-reduced before B
+(whole), added after the base's all-reduce and bias. The slot groups are host data: a forward with LoRA rows
+has data-dependent shapes, so a model with LoRA runs without CUDA graphs (StepGraphs refuses it, logged)."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from saguaro_dist.model.hf_config import ModelConfig
+from saguaro_dist.model.layers import PlainModule
+from saguaro_dist.model.lora_adapter import LoRAAdapter, module_shapes
+
+# fused linear -> the projections it holds, in its output (column) or input (row) order
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+         "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+ROW_PARALLEL = frozenset({"o_proj", "down_proj"})
+
+
+@dataclass(frozen=True)
+class LoRATokens:
+    """One forward's adapted rows: groups of (slot, flat row indices or None for every row, scale)."""
+    slots: tuple[int, ...]  # each batch row's slot (-1: base), as the runner gave them
+    groups: tuple
+
+
+def lora_tokens(row_slots: list[int], per_row: int, scales: list[float], device) -> LoRATokens | None:
+    """The groups of a [B, per_row] input whose row b runs slot row_slots[b]; None: no row is adapted."""
+    used = sorted({s for s in row_slots if s >= 0})
+    if not used:
+        return None
+    if len(used) == 1 and all(s == used[0] for s in row_slots):
+        return LoRATokens(tuple(row_slots), ((used[0], None, scales[used[0]]),))
+    groups = []
+    for s in used:
+        flat = [b * per_row + t for b, slot in enumerate(row_slots) if slot == s for t in range(per_row)]
+        groups.append((s, torch.tensor(flat, dtype=torch.long, device=device), scales[s]))
+    return LoRATokens(tuple(row_slots), tuple(groups))
+
+
+class LoRASlots:
+    """The slot table: which adapter each slot holds, its scale, and the forward now running (`active`,
+    set by `selecting` around the model's forward, read by every LoRALinear)."""
+
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_lora_rank: int):
+        self.cfg, self.max_loras, self.max_lora_rank = cfg, max_loras, max_lora_rank
+        self.adapters: list[LoRAAdapter | None] = [None] * max_loras
+        self.scales = [0.0] * max_loras
+        self.linears: list[LoRALinear] = []
+        self.active: LoRATokens | None = None
+
+    @contextlib.contextmanager
+    def selecting(self, tokens: LoRATokens | None):
+        self.active = tokens
+        try:
+            yield
+        finally:
+            self.active = None
+
+    def check_slot(self, slot: int) -> None:
+        if type(slot) is not int or not 0 <= slot < self.max_loras:
+            raise ValueError(f"lora slot must be an integer in 0..{self.max_loras - 1} (max_loras), got {slot!r}")
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.check_slot(slot)
+        for linear in self.linears:
+            linear.set_slot(slot, adapter)
+        self.adapters[slot], self.scales[slot] = adapter, adapter.scale
+
+    def evict(self, slot: int) -> None:
+        self.check_slot(slot)
+        for linear in self.linears:
+            linear.clear_slot(slot)
+        self.adapters[slot], self.scales[slot] = None, 0.0
+
+
+class LoRALinear(PlainModule):
+    """base(x) plus the active slots' deltas on their rows (module docstring)."""
+
+    def __init__(self, base, name: str, layer: int, table: LoRASlots, tp_group=None):
+        super().__init__()
+        self.base, self.parts, self.layer, self.table = base, FUSED[name], layer, table
+        self.row_parallel = name in ROW_PARALLEL
+        self.group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
+        self.rank, self.world = (dist.get_rank(tp_group), dist.get_world_size(tp_group)) if self.group else (0, 1)
+        w = next(base.parameters())
+        in_local, out_local = _local_in_out(base)
+        width = len(self.parts) * table.max_lora_rank
+        self.register_buffer("a", torch.zeros(table.max_loras, in_local, width, dtype=w.dtype, device=w.device))
+        self.register_buffer("b", torch.zeros(table.max_loras, width, out_local, dtype=w.dtype, device=w.device))
+        self.full = module_shapes(table.cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        tokens = self.table.active
+        return y if tokens is None else self._add_deltas(x, y, tokens.groups)
+
+    def _add_deltas(self, x, y, groups):
+        flat, out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        for slot, rows, scale in groups:
+            mid = (flat if rows is None else flat.index_select(0, rows)) @ self.a[slot]
+            if self.group is not None and self.row_parallel:  # partial sums over this rank's input columns
+                dist.all_reduce(mid, group=self.group)
+            delta = mid @ self.b[slot] * scale
+            if rows is None:
+                return y + delta.view_as(y)
+            out.index_add_(0, rows, delta)
+        return y
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def set_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """This rank's share of each part's (A, B), rank padded; parts the adapter lacks stay zero."""
+        self.clear_slot(slot)
+        r, big_r, col = adapter.rank, self.table.max_lora_rank, 0
+        for i, part in enumerate(self.parts):
+            out_full, in_full = self.full[part]
+            local_out = out_full if self.row_parallel else out_full // self.world
+            found = adapter.weights.get((self.layer, part))
+            if found is not None:
+                a, b = found
+                k = slice(i * big_r, i * big_r + r)
+                if self.row_parallel:
+                    lo = self.rank * (in_full // self.world)
+                    a = a[:, lo:lo + in_full // self.world]
+                else:
+                    b = b[self.rank * local_out:(self.rank + 1) * local_out]
+                self.a[slot, :, k] = a.t().to(self.a.dtype)
+                self.b[slot, k, col:col + local_out] = b.t().to(self.b.dtype)
+            col += local_out
+
+
+def _local_in_out(base) -> tuple[int, int]:
+    """(in, out) of this rank's linear: nn.Linear, a pretransposed one, or a tensor-parallel one."""
+    if hasattr(base, "weight_t"):
+        return tuple(base.weight_t.shape)
+    return base.weight.shape[1], base.weight.shape[0]
+
+
+def enable_lora(model, cfg: ModelConfig, max_loras: int, max_lora_rank: int, tp_group=None) -> LoRASlots:
+    """Wrap the built (fused, pretransposed) model's projections; model.lora_slots is the table."""
+    from saguaro_dist.model.moe import has_experts
+    if has_experts(model):
+        raise ValueError("LoRA is not supported on mixture-of-experts models (their experts' MLPs); "
+                         "run this model with max_loras 0")
+    table = LoRASlots(cfg, max_loras, max_lora_rank)
+    for i, layer in enumerate(model.model.layers):
+        for owner, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                            (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            wrapped = LoRALinear(getattr(owner, name), name, i, table, tp_group)
+            setattr(owner, name, wrapped)
+            table.linears.append(wrapped)
+    model.lora_slots = table
+    return table
+
+
+def has_lora(model) -> bool:
+    return getattr(model, "lora_slots", None) is not None

@@ -1,0 +1,148 @@
+"""PEFT LoRA adapters read from disk (adapter_config.json + adapter_model.safetensors) and checked against the
+base model, as vLLM's PEFTHelper.validate_legal / LoRAModel.from_local_checkpoint do (vllm/lora/peft_helper.py,
+lora_model.py): DoRA, modules_to_save, an adapter bias, a rank above max_lora_rank and tensors for modules
+the model cannot adapt are refused. Also refused here: options that change the forward this module does not
+compute (lora_bias, rank/alpha patterns, fan_in_fan_out, trainable tokens, layer replication, ...), and
+shapes that are not the base model's. layers_to_transform is supported: a layer the adapter has no
+tensors for runs as the base model."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from saguaro_dist.model.hf_config import ModelConfig
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_NOT_LINEAR_TARGETS = ("embed_tokens", "lm_head")  # vLLM adapts them with extra vocabulary; not done here
+# adapter_config.json keys whose non-empty value changes the forward in a way not computed here, and why
+_UNSUPPORTED = {
+    "use_dora": "DoRA (weight-decomposed LoRA) is not supported (vLLM refuses it too)",
+    "modules_to_save": "modules_to_save (fully trained copies of base modules) is not supported (as vLLM)",
+    "lora_bias": "a bias on lora_B is not supported",
+    "rank_pattern": "per-module ranks (rank_pattern) are not supported",
+    "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
+    "fan_in_fan_out": "fan_in_fan_out describes Conv1D weights stored [in, out]; these models' projections are "
+                      "nn.Linear [out, in]",
+    "trainable_token_indices": "trainable token embeddings are not supported",
+    "layer_replication": "layer_replication (a deeper model built from the base's layers) is not supported",
+    "target_parameters": "LoRA on raw parameters (target_parameters, MoE experts) is not supported",
+    "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+    "use_qalora": "QA-LoRA is not supported",
+}
+_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """One adapter's full (unsharded) weights: weights[(layer, module)] = (A [r, in], B [out, r]); each row
+    adapted as y += scale * (x @ A^T) @ B^T."""
+    source: str
+    rank: int
+    scale: float
+    weights: dict
+
+
+def resolve_adapter_dir(path_or_id, revision: str | None = None) -> Path:
+    """A local folder as it is; else a Hugging Face id, its adapter files fetched as the model loader does."""
+    from saguaro_dist.model.loader import _hub_snapshot
+    path = Path(path_or_id).expanduser()
+    if path.is_dir():
+        return path
+    name = str(path_or_id)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise ValueError(f"LoRA adapter {name!r} is not a directory and not a Hugging Face id (owner/name)")
+    return _hub_snapshot(name, revision, [CONFIG_FILE, WEIGHTS_FILE])
+
+
+def load_adapter(path_or_id, cfg: ModelConfig, max_lora_rank: int, revision: str | None = None) -> LoRAAdapter:
+    """Read and check an adapter for the model `cfg` describes (every refusal a ValueError naming the key)."""
+    folder = resolve_adapter_dir(path_or_id, revision)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (folder / name).is_file():
+            raise ValueError(f"LoRA adapter {path_or_id}: no {name} in {folder}")
+    conf = json.loads((folder / CONFIG_FILE).read_text())
+    try:
+        rank, scale = checked_config(conf, max_lora_rank)
+        weights = read_weights(folder / WEIGHTS_FILE, cfg, rank)
+    except ValueError as err:
+        raise ValueError(f"LoRA adapter {path_or_id}: {err}") from None
+    return LoRAAdapter(str(path_or_id), rank, scale, weights)
+
+
+def checked_config(conf: dict, max_lora_rank: int) -> tuple[int, float]:
+    """(rank, scale) of an adapter_config.json: alpha / sqrt(r) with use_rslora, else alpha / r."""
+    if conf.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"peft_type {conf.get('peft_type')!r}: only LORA adapters are supported")
+    r, alpha = conf.get("r"), conf.get("lora_alpha")
+    if type(r) is not int or r < 1:
+        raise ValueError(f"r must be a positive integer, got {r!r}")
+    if r > max_lora_rank:
+        raise ValueError(f"r: LoRA rank {r} is greater than max_lora_rank {max_lora_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"lora_alpha must be a number, got {alpha!r}")
+    if conf.get("bias", "none") != "none":
+        raise ValueError(f"bias {conf['bias']!r}: adapter biases are not supported (vLLM refuses them too)")
+    for key, why in _UNSUPPORTED.items():
+        if conf.get(key):
+            raise ValueError(f"{key}: {why}")
+    check_targets(conf.get("target_modules"))
+    return r, alpha / math.sqrt(r) if conf.get("use_rslora") else alpha / r
+
+
+def check_targets(targets) -> None:
+    """target_modules, a list (names matched as suffixes) or a regex string (matched in full, as PEFT does):
+    neither may name the embedding or the LM head."""
+    if isinstance(targets, str):
+        hit = [n for n in ("model.embed_tokens", "lm_head") if targets != "all-linear" and re.fullmatch(targets, n)]
+    elif isinstance(targets, list):
+        hit = [t for t in targets if str(t).rsplit(".", 1)[-1] in _NOT_LINEAR_TARGETS]
+    else:
+        raise ValueError(f"target_modules must be a list or a regex string, got {targets!r}")
+    if hit:
+        raise ValueError(f"target_modules {targets!r} names {', '.join(hit)}: LoRA on the embedding or the LM head "
+                         f"is not supported (only {', '.join(TARGETS)})")
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Each adaptable projection's full (out, in) in the base model."""
+    q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+
+
+def read_weights(file: Path, cfg: ModelConfig, rank: int) -> dict:
+    """{(layer, module): (A, B)} in fp32, every tensor's name and shape checked against the base model."""
+    shapes, parts = module_shapes(cfg), {}
+    with safe_open(file, framework="pt") as f:
+        for key in f.keys():
+            layer, module, which = _parse_key(key, cfg.num_layers)
+            out, inp = shapes[module]
+            want = (rank, inp) if which == "A" else (out, rank)
+            got = tuple(f.get_slice(key).get_shape())
+            if got != want:
+                raise ValueError(f"{key} has shape {list(got)}, the base model's {module} needs {list(want)} "
+                                 f"(r={rank}): is this adapter for another base model?")
+            parts.setdefault((layer, module), {})[which] = f.get_tensor(key).float()
+    lone = [f"layer {k[0]} {k[1]}" for k, v in parts.items() if len(v) != 2]
+    if lone:
+        raise ValueError(f"{WEIGHTS_FILE} holds lora_A without lora_B (or back) for {', '.join(lone)}")
+    if not parts:
+        raise ValueError(f"{WEIGHTS_FILE} holds no LoRA weights")
+    return {k: (v["A"], v["B"]) for k, v in parts.items()}
+
+
+def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
+    m = _KEY.fullmatch(key)
+    if m is None or m.group(2) not in TARGETS:
+        raise ValueError(f"tensor {key}: only LoRA on {', '.join(TARGETS)} of the decoder layers is supported "
+                         "(not the embedding, the LM head, or other modules)")
+    layer = int(m.group(1))
+    if layer >= num_layers:
+        raise ValueError(f"tensor {key}: the base model has {num_layers} layers")
+    return layer, m.group(2), m.group(3)
