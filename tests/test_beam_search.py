@@ -1,6 +1,7 @@
 """LLM.beam_search (vLLM's offline beam search over generate) against an independent brute force over
 transformers' log-softmax on a tiny real checkpoint: the same candidates (the top 2 * beam_width a step), the
-same length-penalised score (the prompt counted, a final EOS not), EOS-ended beams kept as completed."""
+same length-penalised score (the prompt counted, a final EOS not), beams ended by the tokenizer's EOS (only)
+kept as completed."""
 from __future__ import annotations
 
 import json
@@ -52,19 +53,49 @@ def llm(checkpoint):
         yield llm
 
 
+def ranked_after(model, prompt: list[int], rank: int) -> int:
+    """The token ranked `rank` (0: the top) after `prompt`."""
+    with torch.no_grad():
+        return int(model(torch.tensor([prompt])).logits[0, -1].topk(rank + 1).indices[rank])
+
+
+def with_tokenizer(path, copy, eos: int, generation_eos: list[int]):
+    """A copy of the tiny checkpoint with a word-level tokenizer ("t<id>" each id) whose eos_token is `eos`,
+    and a generation config (and config.json) naming `generation_eos`: what ends a beam is the tokenizer's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    shutil.copytree(path, copy, dirs_exist_ok=True)
+    vocab_size = json.loads((copy / "config.json").read_text())["vocab_size"]
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=f"t{eos}").save_pretrained(copy)
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((copy / name).read_text()) if (copy / name).is_file() else {}
+        (copy / name).write_text(json.dumps({**config, "eos_token_id": generation_eos}))
+    return copy
+
+
 @pytest.fixture(scope="module")
 def with_eos(checkpoint, tmp_path_factory):
-    """The same model with an EOS: the token ranked second after PROMPTS[0] (a step-one candidate of every width)."""
+    """The same model whose tokenizer's EOS is the token ranked second after PROMPTS[0] (a step-one candidate
+    of every width)."""
     path, model = checkpoint
-    with torch.no_grad():
-        eos = int(model(torch.tensor([PROMPTS[0]])).logits[0, -1].topk(2).indices[1])
-    copy = tmp_path_factory.mktemp("eos_ckpt")
-    shutil.copytree(path, copy, dirs_exist_ok=True)
-    for name in ("config.json", "generation_config.json"):  # the generation config's eos is what ends (vLLM's)
-        config = json.loads((copy / name).read_text()) if (copy / name).is_file() else {}
-        (copy / name).write_text(json.dumps({**config, "eos_token_id": eos}))
-    with LLM(model=str(copy), mode="ar") as llm:
+    eos = ranked_after(model, PROMPTS[0], 1)
+    with LLM(model=str(with_tokenizer(path, tmp_path_factory.mktemp("eos_ckpt"), eos, [eos])), mode="ar") as llm:
         yield llm, eos
+
+
+@pytest.fixture(scope="module")
+def with_generation_eos(checkpoint, tmp_path_factory):
+    """The tokenizer's EOS as with_eos's; the generation config also names the top token after PROMPTS[0],
+    `extra`, an EOS for generate but not for beam search (current vLLM's: the tokenizer's eos_token_id only)."""
+    path, model = checkpoint
+    eos, extra = ranked_after(model, PROMPTS[0], 1), ranked_after(model, PROMPTS[0], 0)
+    copy = with_tokenizer(path, tmp_path_factory.mktemp("gen_eos_ckpt"), eos, [eos, extra])
+    with LLM(model=str(copy), mode="ar") as llm:
+        yield llm, eos, extra
 
 
 @pytest.mark.parametrize("width", [1, 2, 3])
@@ -132,6 +163,21 @@ def test_a_prompt_with_no_room_is_refused_as_generate_refuses_it(checkpoint):
     with LLM(model=str(checkpoint[0]), mode="ar", max_model_len=8) as short:
         with pytest.raises(ValueError, match="leaves 0 of the model's max length"):
             short.beam_search([{"prompt_token_ids": list(range(1, 9))}], BeamSearchParams(beam_width=2, max_tokens=2))
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_only_the_tokenizers_eos_ends_a_beam(with_generation_eos, checkpoint, width):
+    """A generation-config-only EOS (which ends generate's samples) grows on inside a beam, as vLLM's."""
+    llm, eos, extra = with_generation_eos
+    out = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=width, max_tokens=STEPS))[0]
+    want = reference(checkpoint[1], PROMPTS[0], width, STEPS, eos)
+    assert [s.tokens for s in out.sequences] == [t for t, _ in want]
+    assert all(s.finish_reason == ("stop" if s.tokens[-1] == eos else "length") for s in out.sequences)
+    if width > 1:  # the beam through `extra` grew on
+        assert any(s.tokens[len(PROMPTS[0])] == extra and len(s.tokens) > len(PROMPTS[0]) + 1 for s in out.sequences)
+    greedy = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=SamplingParams(temperature=0, max_tokens=3),
+                          use_tqdm=False)[0].outputs[0]
+    assert (greedy.token_ids, greedy.finish_reason) == ([extra], "stop")  # generate ends there
 
 
 def test_text_is_the_decoded_beam():

@@ -50,11 +50,9 @@ COMPLETION = {"prompt": "the cat", "max_tokens": 2}
 
 
 @pytest.mark.parametrize("body, param", [
-    ({**COMPLETION, "use_beam_search": True}, "use_beam_search"),
     ({**COMPLETION, "spaces_between_special_tokens": False, "skip_special_tokens": False},
      "spaces_between_special_tokens"),
     ({**CHAT, "logits_processors": ["my.module.Processor"]}, "logits_processors"),
-    ({**CHAT, "cache_salt": "s3cret"}, "cache_salt"),
     ({**COMPLETION, "kv_transfer_params": {"do_remote_decode": True}}, "kv_transfer_params"),
     ({**COMPLETION, "vllm_xargs": {"k": 1}}, "vllm_xargs"),
     ({**CHAT, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),

@@ -178,7 +178,7 @@ class TargetRank:
         arriving one at a time would also enter the engine in small batches."""
         from saguaro_dist.engine.sequence import Sequence
         seqs = [Sequence(r.seq_id, r.request_id, r.prompt_token_ids, r.params, r.output_kind, r.stream_interval_s,
-                         r.priority) for r in requests]
+                         r.priority, r.cache_salt) for r in requests]
         self.thread.submit_many([(seq, self._listener(seq.request_id)) for seq in seqs])
 
     def abort(self, request_ids: list[str]) -> None:

@@ -24,6 +24,7 @@ from saguaro_dist.distributed.wire_checks import (
 from saguaro_dist.engine.messages import (
     DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
+from saguaro_dist.engine.sequence import check_cache_salt
 
 __all__ = [
     "CodecError",
@@ -59,6 +60,8 @@ def sampling_to_proto(s: DraftSampling) -> pb.DraftSampling:
     msg.allowed_token_ids.extend(s.allowed_token_ids or ())
     msg.grammar = s.grammar or ""
     msg.bad_words.extend(pb.TokenList(ids=word) for word in s.bad_words)
+    msg.min_tokens = int64(s.min_tokens, "min_tokens")
+    msg.end_token_ids.extend(s.end_token_ids)
     return msg
 
 
@@ -70,7 +73,9 @@ def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
                              presence_penalty=msg.presence_penalty, frequency_penalty=msg.frequency_penalty,
                              repetition_penalty=repetition, logit_bias=dict(msg.logit_bias),
                              allowed_token_ids=list(msg.allowed_token_ids) or None, grammar=msg.grammar or None,
-                             bad_words=[non_negative_ints(w.ids, "bad_words") for w in msg.bad_words])
+                             bad_words=[non_negative_ints(w.ids, "bad_words") for w in msg.bad_words],
+                             min_tokens=non_negative(msg.min_tokens, "min_tokens"),
+                             end_token_ids=non_negative_ints(msg.end_token_ids, "end_token_ids"))
     except ValueError as exc:
         raise CodecError(f"DraftSampling: {exc}") from None
 
@@ -78,7 +83,7 @@ def sampling_from_proto(msg: pb.DraftSampling) -> DraftSampling:
 def prefill_to_proto(r: PrefillRequest) -> pb.PrefillRequest:
     return pb.PrefillRequest(seq_id=int64(r.seq_id, "seq_id"), prompt_token_ids=list(r.prompt_token_ids),
                              sampling=sampling_to_proto(r.sampling), shard=r.shard, num_shards=r.num_shards,
-                             prompt_len=r.prompt_len, generation=r.generation)
+                             prompt_len=r.prompt_len, generation=r.generation, cache_salt=r.cache_salt)
 
 
 def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
@@ -91,7 +96,17 @@ def prefill_from_proto(msg: pb.PrefillRequest) -> PrefillRequest:
                          f"(the tokens sent), got {msg.prompt_len}")
     return PrefillRequest(seq_id=msg.seq_id, prompt_token_ids=non_negative_ints(msg.prompt_token_ids, "prompt_token_ids"),
                           sampling=sampling, shard=msg.shard, num_shards=num_shards, prompt_len=msg.prompt_len,
-                          generation=msg.generation)
+                          generation=msg.generation, cache_salt=_cache_salt_from(msg))
+
+
+def _cache_salt_from(msg: pb.PrefillRequest) -> str | None:
+    """PrefillRequest.cache_salt, None when absent; a present one must pass the engine's check."""
+    if not msg.HasField("cache_salt"):
+        return None
+    try:
+        return check_cache_salt(msg.cache_salt, "PrefillRequest.cache_salt")
+    except ValueError as exc:
+        raise CodecError(str(exc)) from None
 
 
 def jit_request_to_proto(r: JitDraftRequest) -> pb.JitDraftRequest:

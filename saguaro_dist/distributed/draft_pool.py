@@ -134,7 +134,7 @@ class DraftPool:
             group = self.groups[r.seq_id]
             for shard, i in enumerate(group):
                 parts[i].append(PrefillRequest(r.seq_id, r.prompt_token_ids, r.sampling, shard, len(group), r.prompt_len,
-                                               r.generation))  # one life: every shard's slices answer its rounds
+                                               r.generation, r.cache_salt))  # one life: every shard's slices answer its rounds
         pending = {i: self.backends[i].start_prefill(part) for i, part in parts.items()}
         return DraftLater(partial(self._prefilled, pending=pending), reqs)
 

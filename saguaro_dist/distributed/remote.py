@@ -17,6 +17,7 @@ class RemoteRequest:
     output_kind: OutputKind = OutputKind.DELTA
     stream_interval_s: float = 0.0
     priority: int = 0
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""vLLM's offline beam search (vllm/entrypoints/llm.py LLM.beam_search, vllm/beam_search.py), built the same way
-on LLM.generate: each step every live beam is extended by one generate(max_tokens=1, logprobs=2 * beam_width)
-call, every returned candidate becomes a beam, an EOS-ended one is complete, and the beam_width best of the rest
-(by vLLM's length-penalised score) go on. At the end the completed and live beams are ranked together.
-BeamSearchParams is vLLM's (vllm.sampling_params), checked here at the edge."""
+"""vLLM's beam search (vllm/entrypoints/generate/beam_search/: offline.py over LLM.generate, online.py over the
+async engine), built the same way: each step every live beam is extended by one generate(max_tokens=1,
+logprobs=2 * beam_width) call, every returned candidate becomes a beam, one ended by the tokenizer's EOS is
+complete, and the beam_width best of the rest (by vLLM's length-penalised score) go on. At the end the completed
+and live beams are ranked together. BeamRule is what both drivers share (run_beam_search here, LLM.beam_search's;
+serve/beam_route.py the server's). BeamSearchParams is vLLM's (vllm.sampling_params), checked here at the edge."""
 from __future__ import annotations
 
 import math
@@ -93,7 +94,7 @@ def is_eos(token: int, eos_token_id: EosIds) -> bool:
 def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_token_id: EosIds,
                           length_penalty: float = 1.0) -> float:
     """vLLM's (after transformers'): cum_logprob / len ** length_penalty, the length counting the prompt and
-    leaving out a final EOS. eos_token_id: one id, or every EOS id of the model (ours)."""
+    leaving out a final EOS. eos_token_id: one id (beam_eos), or a collection of ids."""
     seq_len = len(tokens) - (1 if is_eos(tokens[-1], eos_token_id) else 0)
     return cumulative_logprob / (seq_len ** length_penalty)
 
@@ -102,9 +103,14 @@ def create_sort_beams_key_function(eos_token_id: EosIds, length_penalty: float) 
     return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
 
 
-def extended(beam: BeamSearchSequence, entry: dict[int, Logprob]) -> list[BeamSearchSequence]:
+def entry_logprob(value) -> float:
+    """A logprobs entry's value: a Logprob (LLM.generate's) or a plain log p (the engine's stream, the server's)."""
+    return value.logprob if isinstance(value, Logprob) else value
+
+
+def extended(beam: BeamSearchSequence, entry: dict) -> list[BeamSearchSequence]:
     """Every candidate of one step's logprobs entry (the chosen token and the top 2 * beam_width) as a beam."""
-    return [BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], beam.cum_logprob + lp.logprob)
+    return [BeamSearchSequence(beam.tokens + [token], beam.logprobs + [entry], beam.cum_logprob + entry_logprob(lp))
             for token, lp in entry.items()]
 
 
@@ -139,24 +145,62 @@ def best_beams(instance: BeamSearchInstance, beam_width: int,
     return sorted(instance.completed + instance.beams, key=key, reverse=True)[:beam_width]
 
 
-def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The search over llm.generate, every prompt's beams in one batch a step."""
-    key = create_sort_beams_key_function(frozenset(llm.eos_token_ids), params.length_penalty)
-    ends = None if params.ignore_eos else frozenset(llm.eos_token_ids)
-    step = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
+def beam_eos(tokenizer) -> int | None:
+    """The one id that completes a beam: the tokenizer's eos_token_id, as current vLLM's searches (offline and
+    served) read it, not every EOS id of the generation config; None without a tokenizer (no beam ends on EOS)."""
+    return None if tokenizer is None else tokenizer.eos_token_id
+
+
+@dataclass(frozen=True)
+class BeamRule:
+    """One search's rules, the part the offline (LLM.generate) and the served (async engine) drivers share:
+    the step's sampling, how a step's logprobs entries grow the beams, and the final ranking."""
+    params: BeamSearchParams
+    eos_token_id: int | None
+    max_model_len: int
+
+    @property
+    def key(self) -> Callable[[BeamSearchSequence], float]:
+        return create_sort_beams_key_function(self.eos_token_id, self.params.length_penalty)
+
+    def step_params(self) -> SamplingParams:
+        """One token per live beam, with the top 2 * beam_width candidates (transformers', vLLM's)."""
+        return SamplingParams(logprobs=2 * self.params.beam_width, max_tokens=1, temperature=self.params.temperature)
+
+    def step(self, instance: BeamSearchInstance, entries: list[dict]) -> None:
+        """Grow the instance's live beams by their step entries (one each, in the beams' order)."""
+        candidates = [c for beam, entry in zip(instance.beams, entries, strict=True) for c in extended(beam, entry)]
+        ends = None if self.params.ignore_eos else self.eos_token_id
+        advance(instance, candidates, ends, self.params.beam_width, self.key)
+        retire_full(instance, self.max_model_len)
+
+    def best(self, instance: BeamSearchInstance) -> list[BeamSearchSequence]:
+        return best_beams(instance, self.params.beam_width, self.key)
+
+
+def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams,
+                    salts: list[str | None] | None = None) -> list[BeamSearchOutput]:
+    """The search over llm.generate, every prompt's beams in one batch a step. salts: each prompt's cache_salt
+    (None: none), which every step of its beams carries."""
+    rule = BeamRule(params, beam_eos(llm.tokenizer), llm.max_model_len)
+    step = rule.step_params()
     instances = [BeamSearchInstance.of_prompt(ids) for ids in prompt_ids]
+    salts = salts or [None] * len(instances)
     for _ in range(params.max_tokens):
-        live = [beam for instance in instances for beam in instance.beams]
+        live = [step_prompt(beam, salt) for instance, salt in zip(instances, salts) for beam in instance.beams]
         if not live:
             break
         # (a prompt with no room is refused here by generate, as vLLM's search refuses it; grown beams that
-        # fill the context are retired below before they reach it)
-        outs = iter(llm.generate(prompt_token_ids=[b.tokens for b in live], sampling_params=step, use_tqdm=False))
+        # fill the context are retired by the rule before they reach it)
+        outs = iter(llm.generate(live, sampling_params=step, use_tqdm=False))
         for instance in instances:
-            candidates = [c for beam in instance.beams for c in extended(beam, next(outs).outputs[0].logprobs[0])]
-            advance(instance, candidates, ends, params.beam_width, key)
-            retire_full(instance, llm.max_model_len)
-    return [BeamSearchOutput(finished_texts(best_beams(i, params.beam_width, key), llm.tokenizer)) for i in instances]
+            rule.step(instance, [next(outs).outputs[0].logprobs[0] for _ in instance.beams])
+    return [BeamSearchOutput(finished_texts(rule.best(i), llm.tokenizer)) for i in instances]
+
+
+def step_prompt(beam: BeamSearchSequence, salt: str | None) -> dict:
+    """A beam's one-token step as a vLLM TokensPrompt dict, with its prompt's cache_salt if it has one."""
+    return {"prompt_token_ids": beam.tokens} if salt is None else {"prompt_token_ids": beam.tokens, "cache_salt": salt}
 
 
 def finished_texts(beams: list[BeamSearchSequence], tokenizer) -> list[BeamSearchSequence]:

@@ -1,5 +1,6 @@
 """What the draft must know of a request's constraints to propose what the constrained target would
-choose: its grammar (structured outputs), logit bias / allowed tokens, bad words and penalties. Acceptance
+choose: its grammar (structured outputs), logit bias / allowed tokens, bad words, penalties and the ends
+min_tokens holds back. Acceptance
 only: the target applies them itself, so a draft that cannot follow one loses speed, never exactness."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from saguaro_dist.engine.draft_state import DraftSeq
 from saguaro_dist.engine.structured import GrammarCompiler, GrammarState, masked_rows
 from saguaro_dist.spec.bad_words import RowBadWords, bad_words_mask, longest_prefix, tail
 from saguaro_dist.spec.logit_bias import bias_row
+from saguaro_dist.spec.min_tokens import RowEnds, hold_back_positions
 from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
 
 log = logging.getLogger(__name__)
@@ -24,14 +26,18 @@ class RowRules:
     grammar: apply() to a step's logits, drew() the tokens drawn."""
     penalties: RowPenalties | None   # penalties, logit bias and allowed tokens
     bad_words: RowBadWords | None
+    ends: RowEnds | None = None      # min_tokens' held-back ends
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         if self.penalties is not None:
             logits = self.penalties.apply(logits)
-        return logits if self.bad_words is None else self.bad_words.apply(logits)  # a mask: its place changes nothing
+        for mask in (self.bad_words, self.ends):  # masks: their place changes nothing
+            if mask is not None:
+                logits = mask.apply(logits)
+        return logits
 
     def drew(self, tokens: torch.Tensor) -> None:
-        for rule in (self.penalties, self.bad_words):
+        for rule in (self.penalties, self.bad_words, self.ends):
             if rule is not None:
                 rule.drew(tokens)
 
@@ -61,15 +67,25 @@ class DraftConstraints:
     def rows(self, owners: list[DraftSeq], paths: list[list[int]] | None) -> RowRules | None:
         """Rows drawing for owners[i] after its committed output and paths[i] (a branch's own tokens; None when
         reads_paths(owners) is false): what the constrained target would choose there, grammars aside (row_grammars).
-        None when no request has penalties, a logit bias, allowed tokens or bad words."""
-        penalties, banned = self.penalties(owners, paths), self.bad_words(owners, paths)
-        return None if penalties is None and banned is None else RowRules(penalties, banned)
+        None when no request has penalties, a logit bias, allowed tokens, bad words or ends still held back."""
+        penalties, banned, ends = self.penalties(owners, paths), self.bad_words(owners, paths), self.ends(owners, paths)
+        return None if penalties is None and banned is None and ends is None else RowRules(penalties, banned, ends)
 
     @staticmethod
     def reads_paths(owners: list[DraftSeq]) -> bool:
         """Whether rows() or row_grammars() read the rows' paths (else a caller need not list them)."""
         return any(s.grammar is not None or s.sampling.penalized or s.sampling.biased or s.sampling.bad_words
-                   for s in owners)
+                   or short_of_min_tokens(s) for s in owners)
+
+    @staticmethod
+    def ends(owners: list[DraftSeq], paths: list[list[int]] | None) -> RowEnds | None:
+        """Each row's ends and the output tokens before its first draw, output + path (paths read only when a
+        request is still short of min_tokens); None when none is."""
+        if not any(short_of_min_tokens(s) for s in owners):
+            return None
+        return RowEnds([s.sampling.end_token_ids if short_of_min_tokens(s) else () for s in owners],
+                       [output_len(s) + len(path) if short_of_min_tokens(s) else 0 for s, path in zip(owners, paths)],
+                       [s.sampling.min_tokens for s in owners])
 
     @staticmethod
     def bad_words(owners: list[DraftSeq], paths: list[list[int]] | None) -> RowBadWords | None:
@@ -112,7 +128,7 @@ class DraftConstraints:
     def positions(self, s: DraftSeq, logits: torch.Tensor) -> torch.Tensor:
         """The glue's logits [K+1, V] over [b, x_1..x_K] as the constrained target would rank them: masked
         by the grammar (row j after x_1..x_j), biased, bad words barred (row j after the output and x_1..x_j),
-        then penalized with row j counting the output and x_1..x_j."""
+        the ends barred in the rows short of min_tokens, then penalized with row j counting the output and x_1..x_j."""
         if s.grammar is not None:
             logits = masked_rows(logits, s.grammar.row_masks(s.speculation, logits.shape[0]))
         if s.sampling.biased:
@@ -120,6 +136,8 @@ class DraftConstraints:
         if s.sampling.bad_words:
             banned = bad_words_mask(output_tail(s), s.speculation, logits.shape[0], s.sampling.bad_words, logits.shape[1])
             logits = logits.masked_fill(banned.to(logits.device), float("-inf"))
+        if short_of_min_tokens(s):
+            logits = hold_back_positions(logits, output_len(s), s.sampling.min_tokens, s.sampling.end_token_ids)
         if not s.sampling.penalized:
             return logits
         p = s.sampling
@@ -131,3 +149,13 @@ def output_tail(s: DraftSeq) -> list[int]:
     """The last tokens of s's output that can start a bad word (the prompt never counts: vLLM's rule)."""
     n = longest_prefix(s.sampling.bad_words)
     return s.committed[max(s.prompt_len, len(s.committed) - n):]
+
+
+def output_len(s: DraftSeq) -> int:
+    """s's output tokens so far, the pending bonus included: the count before its next drafted token."""
+    return len(s.committed) - s.prompt_len
+
+
+def short_of_min_tokens(s: DraftSeq) -> bool:
+    """Whether min_tokens still holds s's ends back at its next drafted token (and so at some later ones)."""
+    return s.sampling.holds_back_ends and output_len(s) < s.sampling.min_tokens

@@ -24,7 +24,7 @@ from saguaro_dist.engine.draft_constraints import DraftConstraints, RowRules
 from saguaro_dist.engine.draft_state import DraftSeq, PlannedTrees
 from saguaro_dist.engine.draft_trees import TreeBuilding
 from saguaro_dist.engine.messages import JitDraftRequest, Outcome, PrefillRequest, Proposal, Release
-from saguaro_dist.engine.sequence import make_generator
+from saguaro_dist.engine.sequence import cache_namespace, make_generator
 from saguaro_dist.engine.structured import GrammarState, grammar_masked, greedy_in_grammar
 from saguaro_dist.engine.target import RowSampling, sampling_probs
 from saguaro_dist.model.prefix_cache import PrefixCache
@@ -78,7 +78,7 @@ class DraftWorker(TreeBuilding):
         self.release([Release(r.seq_id) for r in reqs if r.seq_id in self.seqs])
         # Live sources, listed once: the committed tokens each sequence's KV holds.
         live = {sid: self._kv_tokens(s) for sid, s in self.seqs.items()} if self.prefixes.enabled else {}
-        cached = [self.prefixes.start(r.seq_id, r.prompt_token_ids, live) for r in reqs]
+        cached = [self.prefixes.start(r.seq_id, r.prompt_token_ids, live, cache_namespace(r.cache_salt)) for r in reqs]
         for r in reqs:
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),

@@ -184,7 +184,7 @@ class Engine:
             return False
         # Lengths first: a step admitting a batch of short prompts would else compare every pair of them.
         n = len(s.prompt_token_ids)
-        return any(min(n, len(x.prompt_token_ids)) - x.prefilled >= MIN_REUSE
+        return any(x.cache_namespace == s.cache_namespace and min(n, len(x.prompt_token_ids)) - x.prefilled >= MIN_REUSE
                    and common_prefix_len(x.prompt_token_ids, s.prompt_token_ids) - x.prefilled >= MIN_REUSE
                    for x in self.prefilling)
 

@@ -141,7 +141,8 @@ class LLM(RequestInputs):
         refuse_unsupported(lora_request=lora_request)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-        return run_beam_search(self, self._prompt_ids(prompts, None)[1], params)
+        _, ids, salts = self._prompt_ids(prompts, None)
+        return run_beam_search(self, ids, params, salts)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
@@ -176,16 +177,18 @@ class LLM(RequestInputs):
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      output_kind: OutputKind | str = OutputKind.DELTA, stream_interval_s: float = 0.0,
-                     priority: int = 0) -> AsyncIterator[StreamDelta | RequestOutput]:
+                     priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[StreamDelta | RequestOutput]:
         """Deltas of one request as rounds finish; closing the iterator early aborts the request (every sample).
         stream_interval_s: once text went out, rounds closer than this share one delta (vLLM's stream_interval).
         output_kind FINAL_ONLY: one item when the request finishes, with everything, as generate() returns it.
         request_id: names the deltas (and abort()'s target); one open stream at a time may hold it.
+        cache_salt: vLLM's; the request reuses prefix-cache KV only of requests with the same salt.
         n = 1: StreamDelta items (logprobs the engine's plain {token id: log p}, the server's input). n > 1 (sample
         i seeded seed + i): vLLM's AsyncLLM RequestOutput items; DELTA: one a sample update, its one CompletionOutput's
         index naming the sample (text, token_ids, Logprob objects: the new ones; cumulative_logprob: so far),
         `finished` once every sample has, `metrics` the sample's on its last; FINAL_ONLY: generate()'s, at the end."""
-        request = self._stream_request(prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s, priority)
+        request = self._stream_request(prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s, priority,
+                                       cache_salt)
         request_id = self._open_stream(request, request_id)
         shape = stream_shape(request, request.samples[0].output_kind, self._token_texts)
         queue, submitted, running = self._start_samples(request.samples)
@@ -200,14 +203,15 @@ class LLM(RequestInputs):
                 self._abort_once_submitted(submitted, list(running.values()))
 
     def _stream_request(self, prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s,
-                        priority: int) -> PromptRequest:
+                        priority: int, cache_salt: str | None = None) -> PromptRequest:
         """stream()'s one request, checked before any work, its samples set to report as asked."""
         kind = OutputKind(output_kind)  # a ValueError names a wrong kind before any work
         if isinstance(stream_interval_s, bool) or not (isinstance(stream_interval_s, (int, float))
                                                        and 0 <= stream_interval_s < float("inf")):
             raise ValueError(f"stream_interval_s must be a finite number >= 0, got {stream_interval_s!r}")
         request = self._requests(None if prompt is None else [prompt],
-                                 None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority])[0]
+                                 None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority],
+                                 cache_salt)[0]
         for seq in request.samples:
             seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
         return request

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 from saguaro_dist.config import SchedulingPolicy
 from saguaro_dist.engine.engine import check_prompt_ids
-from saguaro_dist.engine.sequence import Sequence, engine_request_seed
+from saguaro_dist.engine.sequence import Sequence, check_cache_salt, engine_request_seed
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
                                           until_context_end, with_bad_word_ids)
@@ -27,46 +27,54 @@ class RequestInputs:
     """LLM's validation of what callers submit. Reads the LLM's tokenizer, config, max_model_len, vocab_size,
     eos_token_ids, _grammars, _ids and default_sampling_params(), which LLM._setup makes."""
 
-    def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None) -> list[PromptRequest]:
-        """Validate everything before any work; one PromptRequest (n Sequences) per prompt."""
-        texts, ids = self._prompt_ids(prompts, prompt_token_ids)
+    def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None,
+                  cache_salt: str | None = None) -> list[PromptRequest]:
+        """Validate everything before any work; one PromptRequest (n Sequences) per prompt. cache_salt: every
+        prompt's that names none (a prompt dict's "cache_salt" key names its own)."""
+        texts, ids, salts = self._prompt_ids(prompts, prompt_token_ids)
+        salts = [s if s is not None else check_cache_salt(cache_salt) for s in salts]
         params = self._params(sampling_params, len(ids))
         priorities = self._priorities(priority, len(ids))
         out = []
-        for text, tokens, p, rank in zip(texts, ids, params, priorities):
+        for text, tokens, p, rank, salt in zip(texts, ids, params, priorities, salts):
             tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
             p = until_context_end(p, len(tokens), self.max_model_len)
             p = with_bad_word_ids(p, self._encode_bad_word if self.tokenizer is not None else None)
             self._check_prompt(tokens, p)
-            out.append(self._prompt_request(text, tokens, p, rank))
+            out.append(self._prompt_request(text, tokens, p, rank, salt))
         return out
 
-    def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int) -> PromptRequest:
+    def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int,
+                        salt: str | None = None) -> PromptRequest:
         """params.n Sequences of the prompt; with n > 1, sample i's engine id is "<i>_<request id>" (vLLM's)."""
         request_id = uuid.uuid4().hex
-        samples = [self._sample(seq_id, tokens, p, rank)
+        samples = [self._sample(seq_id, tokens, p, rank, salt)
                    for seq_id, p in zip(sample_ids(request_id, params.n), sample_params(params))]
         return PromptRequest(request_id, text, samples)
 
-    def _sample(self, seq_id: str, tokens: list[int], params: SamplingParams, rank: int) -> Sequence:
+    def _sample(self, seq_id: str, tokens: list[int], params: SamplingParams, rank: int,
+                salt: str | None = None) -> Sequence:
         """One sample's Sequence. Under Config.seed an unseeded sample is seeded from it and its engine id (its
         order of arrival), as vLLM's seeded global RNG: the seed travels with it to every worker."""
         sid = next(self._ids)
         if self.config.seed is not None and params.seed is None:
             params = replace(params, seed=engine_request_seed(self.config.seed, sid))
-        return Sequence(sid, seq_id, list(tokens), params, priority=rank)
+        return Sequence(sid, seq_id, list(tokens), params, priority=rank, cache_salt=salt)
 
-    def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]]]:
+    def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]], list[str | None]]:
+        """Each prompt's text (or None), token ids and cache_salt (a prompt dict's, else None)."""
         if (prompts is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of prompts or prompt_token_ids")
         if prompt_token_ids is not None:
             what = "a list of prompts, each a list of token ids"
             ids = [as_token_ids(p) for p in as_tuple(prompt_token_ids, "prompt_token_ids", what)]
-            return [None] * len(ids), ids
+            return [None] * len(ids), ids, [None] * len(ids)
         what = "a string or a list of strings (or of vLLM's {'prompt': ...} / {'prompt_token_ids': [...]} dicts)"
         prompts = [prompts] if isinstance(prompts, (str, Mapping)) else list(as_tuple(prompts, "prompts", what))
         pairs = [self._prompt(p, i) for i, p in enumerate(prompts)]
-        return [text for text, _ in pairs], [ids for _, ids in pairs]
+        salts = [check_cache_salt(p.get("cache_salt"), f"prompt {i}'s 'cache_salt'") if isinstance(p, Mapping) else None
+                 for i, p in enumerate(prompts)]
+        return [text for text, _ in pairs], [ids for _, ids in pairs], salts
 
     def _prompt(self, prompt, i: int) -> tuple[str | None, list[int]]:
         """One prompt's (text, token ids): a string or vLLM's TextPrompt / TokensPrompt dict (a dict failed
@@ -80,10 +88,11 @@ class RequestInputs:
         return prompt, encode_text(self.tokenizer, prompt, param=f"prompt {i}")
 
     def _dict_prompt(self, prompt: Mapping, i: int) -> tuple[str | None, list[int]]:
-        """{"prompt": text} or {"prompt_token_ids": ids}; keys we cannot honour (multi_modal_data, ...) are refused."""
-        if not prompt or set(prompt) - {"prompt", "prompt_token_ids"}:
-            raise ValueError(f"prompt {i} must be {{'prompt': text}} or {{'prompt_token_ids': [...]}}, "
-                             f"got keys {sorted(map(str, prompt))}")
+        """{"prompt": text} or {"prompt_token_ids": ids}, either with vLLM's "cache_salt" (read by _prompt_ids);
+        keys we cannot honour (multi_modal_data, ...) are refused."""
+        if not set(prompt) - {"cache_salt"} or set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}:
+            raise ValueError(f"prompt {i} must be {{'prompt': text}} or {{'prompt_token_ids': [...]}} (with an "
+                             f"optional 'cache_salt'), got keys {sorted(map(str, prompt))}")
         text = prompt.get("prompt")
         if "prompt_token_ids" in prompt:  # (its text, if given, names it in the output, as vLLM's)
             return text if isinstance(text, str) else None, as_token_ids(prompt["prompt_token_ids"])

@@ -27,13 +27,14 @@ from saguaro_dist.sampling_params import (
     TokenBias, allowed_tokens, biased, check_min_p, check_penalties, check_top, checked_temperature, penalized, token_bias,
 )
 from saguaro_dist.spec.bad_words import BadWordIds, checked_word_ids
+from saguaro_dist.spec.min_tokens import checked_end_ids
 
 
 @dataclass(frozen=True)
 class DraftSampling:
     """What the draft needs of a request's sampling settings to draw its proposals. The penalties, the
-    logit bias, the allowed tokens and the bad words are the target's: a draft that applies them too proposes
-    what the constrained target would choose."""
+    logit bias, the allowed tokens, the bad words and the ends min_tokens holds back are the target's: a draft
+    that applies them too proposes what the constrained target would choose."""
     temperature: float
     top_k: int
     top_p: float
@@ -46,6 +47,8 @@ class DraftSampling:
     grammar: str | None = None                        # structured outputs: llguidance grammar text; None: none
     min_p: float = 0.0                                # the target's min-p (0: off)
     bad_words: BadWordIds = ()                        # the bad words' token ids (spec/bad_words.py); (): none
+    min_tokens: int = 0                               # end_token_ids barred while fewer output tokens precede
+    end_token_ids: tuple[int, ...] = ()               # the target's eos ids and stop_token_ids (spec/min_tokens.py)
 
     def __post_init__(self):  # a protocol edge (gRPC, the pipe): NaN or 0 would poison the draft's logits
         object.__setattr__(self, "temperature", checked_temperature(self.temperature))
@@ -57,6 +60,12 @@ class DraftSampling:
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError("grammar must be non-empty llguidance grammar text (or None)")
         object.__setattr__(self, "bad_words", checked_word_ids(self.bad_words))
+        object.__setattr__(self, "end_token_ids", checked_end_ids(self.min_tokens, self.end_token_ids))
+
+    @property
+    def holds_back_ends(self) -> bool:
+        """Whether min_tokens bars an end id anywhere (spec/min_tokens.py)."""
+        return self.min_tokens > 0 and bool(self.end_token_ids)
 
     @property
     def biased(self) -> bool:
@@ -104,6 +113,7 @@ class PrefillRequest:
     # plans with this, and the target drops another life's, in whatever order a transport delivers them.
     # Each request made is a new life; copies of one life (a cache-parallel shard's) pass it on.
     generation: int = field(default_factory=new_generation)
+    cache_salt: str | None = None  # vLLM's: the draft's prefix cache shares KV only with sequences of the same salt
 
 
 @dataclass

@@ -56,7 +56,9 @@ class SDLoop(ARLoop):
         """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
         target's prefill to after it, a draft on the target's thread after it."""
         drafted = [s for s in seqs if s.num_tokens + 1 <= self._draft_room]  # once prefill adds the first token
-        pending = self.draft.start_prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, s.draft_sampling())
+        pending = self.draft.start_prefill([PrefillRequest(s.seq_id, s.prompt_token_ids,
+                                                           s.draft_sampling(self.target.eos_token_ids),
+                                                           cache_salt=s.cache_salt)
                                             for s in drafted]) if drafted else None
         try:
             first = self.target.prefill(seqs)
@@ -207,8 +209,9 @@ class SDLoop(ARLoop):
         if not seqs:
             return
         try:
-            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling(),
-                                               prompt_len=len(s.prompt_token_ids)) for s in seqs])
+            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling(self.target.eos_token_ids),
+                                               prompt_len=len(s.prompt_token_ids), cache_salt=s.cache_salt)
+                               for s in seqs])
         except DraftUnavailable as err:  # no worker to take them yet (the pool says so once); again next round
             log.debug("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
             return

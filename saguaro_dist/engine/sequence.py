@@ -13,6 +13,7 @@ from saguaro_dist.engine.messages import DraftSampling, Proposal
 from saguaro_dist.engine.metrics import RequestMetrics
 from saguaro_dist.engine.structured import GrammarState, grammar_of
 from saguaro_dist.sampling_params import SamplingParams
+from saguaro_dist.spec.min_tokens import draft_end_ids
 from saguaro_dist.spec.stats import ProposalSource
 
 
@@ -80,6 +81,30 @@ def engine_request_seed(engine_seed: int, arrival: int) -> int:
     return _splitmix64(_splitmix64(engine_seed & _MASK64) ^ arrival) >> 2
 
 
+MAX_CACHE_SALT_CHARS = 128  # vLLM's validate_cache_salt (entrypoints/generate/base/protocol.py)
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def check_cache_salt(salt: object, param: str = "cache_salt") -> str | None:
+    """vLLM's rule for a request's cache_salt: None, or a non-empty string of at most 128 characters without
+    '@', '/', '\\' or NUL. Raises ValueError naming `param`."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"{param} must be a non-empty string if provided, got {salt!r}")
+    if len(salt) > MAX_CACHE_SALT_CHARS or any(c in _CACHE_SALT_FORBIDDEN for c in salt):
+        raise ValueError(f"{param} must be at most {MAX_CACHE_SALT_CHARS} characters and must not contain "
+                         f"'@', '/', '\\' or NUL")
+    return salt
+
+
+def cache_namespace(cache_salt: str | None = None) -> tuple | None:
+    """The prefix-cache namespace of a request's KV (model/prefix_cache.py): only requests with the same one
+    share prefixes. None (no salt): the shared namespace. The one place that says what sets it apart."""
+    parts = (cache_salt,)
+    return None if all(p is None for p in parts) else parts
+
+
 @dataclass
 class Sequence:
     seq_id: int
@@ -89,6 +114,7 @@ class Sequence:
     output_kind: OutputKind = OutputKind.DELTA
     stream_interval_s: float = 0.0         # DELTA: rounds closer than this share one update, once text went out
     priority: int = 0                      # scheduling_policy "priority": lower is admitted first (vLLM's)
+    cache_salt: str | None = None          # vLLM's: prefix-cache KV is shared only with requests of the same salt
     status: SeqStatus = SeqStatus.WAITING
     prefilled: int = 0                     # prompt tokens already in the target's KV
     output_token_ids: list[int] = field(default_factory=list)
@@ -127,6 +153,10 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def cache_namespace(self) -> tuple | None:
+        return cache_namespace(self.cache_salt)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
@@ -134,10 +164,13 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def draft_sampling(self) -> DraftSampling:
+    def draft_sampling(self, eos_token_ids: frozenset[int] = frozenset()) -> DraftSampling:
+        """What the draft is told of this request's sampling; eos_token_ids: the target's (with stop_token_ids,
+        what min_tokens holds back: TargetScorer.eos_token_ids)."""
         p = self.params
         return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                             allowed_token_ids=p.allowed_token_ids, bad_words=p.banned_words,
+                             allowed_token_ids=p.allowed_token_ids, bad_words=p.banned_words, min_tokens=p.min_tokens,
+                             end_token_ids=draft_end_ids(p.min_tokens, eos_token_ids, p.stop_token_ids),
                              grammar=None if p.structured_outputs is None else grammar_of(p.structured_outputs))

@@ -147,11 +147,11 @@ class TargetScorer:
 
     def start(self, s: Sequence, live: list[Sequence]) -> None:
         """Give s its KV row, holding what the prefix cache or a live sequence (running or prefilling) has
-        of its prompt (s.prefilled tokens). A request for prompt log-probabilities needs every prompt row's
-        logits: it reuses nothing."""
+        of its prompt (s.prefilled tokens), in its cache namespace (its cache_salt). A request for prompt
+        log-probabilities needs every prompt row's logits: it reuses nothing."""
         wanted = s.prompt_token_ids if s.params.prompt_logprobs is None else ()
         sources = {x.seq_id: x.tokens for x in live} if self.prefixes.enabled else {}
-        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources)
+        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources, s.cache_namespace)
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the (started) prompts; sample each sequence's first token (its KV then holds the prompt)."""

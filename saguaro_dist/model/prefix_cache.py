@@ -9,6 +9,10 @@ the same keys and values a prefill of those tokens at those positions computes, 
 change (up to the last bits: a kept row's later positions may have been computed by a verify rather
 than a prefill).
 
+Namespaces: each sequence starts in one (any hashable; None by default), and only kept entries and live
+sequences of the same namespace are its sources. The caller builds it (engine/sequence.py's cache_namespace:
+vLLM's cache_salt), so that one tenant's time to first token never shows whether another sent a prompt.
+
 Kept rows only ever use rows the pool has spare: a new sequence that finds none evicts the least
 recently used entry rather than growing the pool (which on CUDA would drop every captured graph).
 """
@@ -31,18 +35,22 @@ class PrefixCache:
         self.runner, self.enabled = runner, enabled
         self.min_reuse, self.max_entries = min_reuse, max_entries
         self.entries: OrderedDict[tuple, np.ndarray] = OrderedDict()  # runner id -> its tokens; oldest first
+        self.namespaces: dict[Hashable, Hashable] = {}  # runner id (started or kept) -> its namespace
         self._ids = itertools.count()
 
-    def start(self, seq_id: Hashable, tokens: Sequence[int], live: Mapping[Hashable, Sequence[int]] | None = None) -> int:
-        """Add seq_id to the runner with as much of `tokens`' KV as a kept entry or a live sequence holds
-        (never the last token: its logits are what a prefill is for). live: the caller's sequences in the
-        runner -> their tokens (valid as far as each one's KV goes). Returns how many positions it holds."""
+    def start(self, seq_id: Hashable, tokens: Sequence[int], live: Mapping[Hashable, Sequence[int]] | None = None,
+              namespace: Hashable = None) -> int:
+        """Add seq_id to the runner with as much of `tokens`' KV as a kept entry or a live sequence of its
+        namespace holds (never the last token: its logits are what a prefill is for). live: the caller's
+        sequences in the runner -> their tokens (valid as far as each one's KV goes). Returns how many
+        positions it holds."""
         if self.enabled and self.runner.spare_rows() == 0 and self.entries:
             self._evict()
         self.runner.add(seq_id)
+        self.namespaces[seq_id] = namespace
         if not self.enabled or len(tokens) <= self.min_reuse:
             return 0
-        source, length = self._longest_match(tokens, self._candidates(live or {}))
+        source, length = self._longest_match(tokens, self._candidates(live or {}, namespace))
         length = min(length, len(tokens) - 1)
         if length < self.min_reuse:
             return 0
@@ -52,12 +60,14 @@ class PrefixCache:
         return length
 
     def finish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
-        """seq_id is done; keep its row while its KV holds `tokens`' first min(stored, len) positions."""
+        """seq_id is done; keep its row (in its namespace) while its KV holds `tokens`' first min(stored, len) positions."""
+        namespace = self.namespaces.pop(seq_id, None)
         length = min(self.runner.length(seq_id), len(tokens))
         if not self.enabled or length < self.min_reuse:
             self.runner.free(seq_id)
             return
         key = ("prefix", next(self._ids))
+        self.namespaces[key] = namespace
         self.runner.rename(seq_id, key)
         self.runner.truncate(key, length)
         self.entries[key] = np.asarray(tokens[:length], dtype=np.int64)
@@ -70,11 +80,16 @@ class PrefixCache:
 
     def _evict(self) -> None:
         key, _ = self.entries.popitem(last=False)
+        self.namespaces.pop(key, None)
         self.runner.free(key)
 
-    def _candidates(self, live: Mapping[Hashable, Sequence[int]]) -> Iterable[tuple[Hashable, np.ndarray]]:
-        yield from self.entries.items()
+    def _candidates(self, live: Mapping[Hashable, Sequence[int]], namespace: Hashable
+                    ) -> Iterable[tuple[Hashable, np.ndarray]]:
+        """Kept entries and live sequences of `namespace` (a live one started elsewhere is in None's)."""
+        yield from ((key, stored) for key, stored in self.entries.items() if self.namespaces.get(key) == namespace)
         for key, tokens in live.items():
+            if self.namespaces.get(key) != namespace:
+                continue
             stored = min(self.runner.length(key), len(tokens))
             if stored >= self.min_reuse:
                 yield key, np.asarray(tokens[:stored], dtype=np.int64)

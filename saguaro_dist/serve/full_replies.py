@@ -23,7 +23,7 @@ def prompt_logprobs_of(state: ServingState, job: Job, result) -> list | None:
     return responses.prompt_logprobs(state.tokenizer, result.prompt_logprobs, job.params.prompt_logprobs)
 
 
-def _choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result, role: str) -> dict:
+def finished_choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result, role: str) -> dict:
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
     if fmt.chat:
         plan = state.tool_plan_for(body)
@@ -67,7 +67,7 @@ async def full_response(state: ServingState, body, jobs: list[Job], model: str, 
     results = await gather_or_cancel([state.collect(job) for job in jobs])
     results = [Finished(prompt_logprobs=r.prompt_logprobs, logprobs=[], finish_reason="length", metrics=r.metrics)
                if job.scores_only else r for job, r in zip(jobs, results)]
-    choices = [_choice(state, fmt, body, i, job, r, role) for i, (job, r) in enumerate(zip(jobs, results))]
+    choices = [finished_choice(state, fmt, body, i, job, r, role) for i, (job, r) in enumerate(zip(jobs, results))]
     extra = final_extra(state, body, fmt, jobs, [r.token_ids for r in results], [r.metrics for r in results])
     if fmt.chat:  # vLLM's: the one prompt's, beside the choices
         extra["prompt_logprobs"] = prompt_logprobs_of(state, jobs[0], results[0])

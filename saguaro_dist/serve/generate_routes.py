@@ -7,6 +7,7 @@ from dataclasses import replace
 from fastapi import Request
 
 from saguaro_dist.serve import responses
+from saguaro_dist.serve.beam_route import beam_response
 from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.full_replies import full_response
@@ -56,6 +57,8 @@ def chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[
 async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, request_id: str,
                    role: str = REPLY_ROLE):
     """`role`: a chat reply's (the request's reply_role); completions have none."""
+    if body.use_beam_search:  # vLLM's search over one-token steps (beam_route.py)
+        return await beam_response(state, body, jobs, model, fmt, request_id, role)
     jobs = state.named(jobs, request_id)
     if body.stream:
         return await stream_response(state, body, jobs, model, fmt, request_id, role)

@@ -36,13 +36,13 @@ class Unsupported:
 SAMPLING_UNSUPPORTED = {
     "best_of": Unsupported((None, 1), "each choice is one sample; ask for more with n"),
     "suffix": Unsupported((None, ""), "there is no fill-in-the-middle"),
-    "use_beam_search": Unsupported((False,), "the server runs no beam search (offline: LLM.beam_search)"),
+    "use_beam_search": Unsupported((False,), "/v1/responses runs no beam search (/v1/completions and "
+                                             "/v1/chat/completions do)"),
     "spaces_between_special_tokens": Unsupported((True,), "special tokens are decoded as the tokenizer joins them"),
     "prompt_logprobs": Unsupported((None,), "/v1/responses carries no prompt log-probabilities; /v1/completions and "
                                             "/v1/chat/completions return them"),
     "logits_processors": Unsupported((None, []), "no logits processors are installed"),
     "return_tokens_as_token_ids": Unsupported((None, False), "/v1/responses' log-probability tokens are text"),
-    "cache_salt": Unsupported((None,), "the prefix cache is shared by every request"),
     "kv_transfer_params": Unsupported((None, {}), "there is no disaggregated prefill"),
     "vllm_xargs": Unsupported((None, {}), "no extension reads them"),
     "request_id": Unsupported((None,), "on /v1/responses give the id as the X-Request-Id header"),
@@ -59,7 +59,7 @@ SAMPLING_UNSUPPORTED = {
     "verbosity": Unsupported((None, "medium"), "the model's replies are as long as it makes them"),
 }
 # Honoured by /v1/completions and /v1/chat/completions (vLLM's), still refused on /v1/responses
-_GENERATION_HONOURS = frozenset({"prompt_logprobs", "return_tokens_as_token_ids", "request_id"})
+_GENERATION_HONOURS = frozenset({"prompt_logprobs", "return_tokens_as_token_ids", "request_id", "use_beam_search"})
 GENERATION_UNSUPPORTED = {name: rule for name, rule in SAMPLING_UNSUPPORTED.items() if name not in _GENERATION_HONOURS}
 
 

@@ -7,6 +7,7 @@ from typing import Annotated, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from saguaro_dist.engine.sequence import check_cache_salt
 from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 from saguaro_dist.serve.request_fields import SAMPLING_UNSUPPORTED, OpenAIModel, Unsupported
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
@@ -86,24 +87,24 @@ class SamplingRequest(OpenAIModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last N tokens; -1: the model's max length
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is admitted first
+    cache_salt: str | None = None  # vLLM's: prefix-cache KV is shared only with requests of the same salt
     # Accepted, as they change nothing in the output: annotations, hints, and settings inert here
     metadata: dict[str, str] | None = None
     store: bool | None = None  # nothing is stored either way
     prompt_cache_key: str | None = None  # the prefix cache finds shared prefixes itself
     safety_identifier: str | None = None
     prediction: dict | None = None  # OpenAI's predicted output: a speed hint; the reply is the same without it
-    length_penalty: float = 1.0  # vLLM's: beam search's only (refused below)
+    length_penalty: float = 1.0  # vLLM's: beam search's only (use_beam_search; else it changes nothing)
     mm_processor_kwargs: dict | None = None  # vLLM's: no image or audio reaches the model (refused in messages)
     # Known, refused past their inert values (SAMPLING_UNSUPPORTED says why)
     best_of: int | None = Field(None, ge=1)
     suffix: str | None = None
-    use_beam_search: bool = False
+    use_beam_search: bool = False  # vLLM's: n beams (serve/beam_route.py); refused on /v1/responses
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's (completions and chat, unstreamed)
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     return_tokens_as_token_ids: bool | None = None
-    cache_salt: str | None = None
     kv_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
     request_id: str | None = None
@@ -152,6 +153,11 @@ class SamplingRequest(OpenAIModel):
         if given is not None and not REQUEST_ID_PATTERN.fullmatch(given):
             raise ValueError("request_id must be 1-128 letters, digits, '.', '_', ':' or '-'")
         return given
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _check_cache_salt(cls, given: object) -> str | None:
+        return check_cache_salt(given)  # vLLM's rule: a ValueError, so a 400 naming the field
 
     @model_validator(mode="after")
     def _check_best_of(self):

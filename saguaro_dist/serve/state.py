@@ -38,6 +38,7 @@ class Job:
     reasoned: bool = False     # its constraint lets the model reason first (reasoning.reasoning_first)
     request_id: str = ""       # the engine's id for it: the response's id and the choice index ("" = a fresh one)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: its logprobs name tokens "token_id:<id>"
+    cache_salt: str | None = None  # vLLM's: prefix-cache KV is shared only with requests of the same salt
 
 
 @dataclass
@@ -144,11 +145,11 @@ class ServingState:
         as_ids = bool(request.return_tokens_as_token_ids)
         if wanted == 0:  # the engine always decides one token; the response leaves it out
             return Job(prompt_ids, request.sampling_params(1, self.defaults), scores_only=True, priority=request.priority,
-                       tokens_as_ids=as_ids)
+                       tokens_as_ids=as_ids, cache_salt=request.cache_salt)
         default = request.default_max_tokens() or room  # (completions: 16; chat: the rest of the context)
         max_tokens = wanted or min(room, self.defaults.get("max_tokens", room), default)
         return Job(prompt_ids, request.sampling_params(max_tokens, self.defaults), priority=request.priority,
-                   tokens_as_ids=as_ids)
+                   tokens_as_ids=as_ids, cache_salt=request.cache_salt)
 
     # ---- generation -------------------------------------------------------------------------
     async def stream(self, job: Job, interval_s: float | None = None) -> AsyncIterator:
@@ -162,7 +163,7 @@ class ServingState:
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                            request_id=request_id, output_kind=OutputKind.DELTA,
                                            stream_interval_s=self.stream_interval_s if interval_s is None else interval_s,
-                                           priority=job.priority)
+                                           priority=job.priority, cache_salt=job.cache_salt)
         finished = aborted = False
         try:
             async with aclosing(engine_stream) as deltas:  # closing the engine's stream aborts the request

@@ -42,7 +42,7 @@ class Tensor(_message.Message):
     def __init__(self, dtype: _Optional[_Union[Tensor.DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class DraftSampling(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "grammar", "min_p", "bad_words")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "grammar", "min_p", "bad_words", "min_tokens", "end_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,8 @@ class DraftSampling(_message.Message):
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     MIN_P_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    END_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -74,7 +76,9 @@ class DraftSampling(_message.Message):
     grammar: str
     min_p: float
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenList]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ..., min_p: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[TokenList, _Mapping]]] = ...) -> None: ...
+    min_tokens: int
+    end_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ..., min_p: _Optional[float] = ..., bad_words: _Optional[_Iterable[_Union[TokenList, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., end_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SparseProbs(_message.Message):
     __slots__ = ("vocab_size", "row_offsets", "token_ids", "probs")
@@ -99,7 +103,7 @@ class Proposal(_message.Message):
     def __init__(self, tokens: _Optional[_Union[Tensor, _Mapping]] = ..., dense: _Optional[_Union[Tensor, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "shard", "num_shards", "prompt_len", "generation")
+    __slots__ = ("seq_id", "prompt_token_ids", "sampling", "shard", "num_shards", "prompt_len", "generation", "cache_salt")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +111,7 @@ class PrefillRequest(_message.Message):
     NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: DraftSampling
@@ -114,7 +119,8 @@ class PrefillRequest(_message.Message):
     num_shards: int
     prompt_len: int
     generation: int
-    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., prompt_len: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, seq_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[DraftSampling, _Mapping]] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., prompt_len: _Optional[int] = ..., generation: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class JitDraftRequest(_message.Message):
     __slots__ = ("seq_id", "round", "accepted", "bonus_token", "skip_tree", "generation")

@@ -1,0 +1,124 @@
+"""vLLM's served beam search (`use_beam_search` on /v1/completions and /v1/chat/completions): the request's
+BeamSearchParams (vLLM's to_beam_search_params: n is the beam width), the search driven over the engine's async
+stream, every live beam's one-token step concurrently (vLLM's entrypoints/generate/beam_search/online.py), and
+the best beams as the n choices. The search rules are engine/beam_search.py's BeamRule, LLM.beam_search's too."""
+from __future__ import annotations
+
+from saguaro_dist.engine.beam_search import (MAX_BEAM_WIDTH, BeamRule, BeamSearchInstance, BeamSearchParams,
+                                             BeamSearchSequence, beam_eos)
+from saguaro_dist.serve import responses
+from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.full_replies import final_extra, finished_choice
+from saguaro_dist.serve.route_support import ClosingStreamingResponse
+from saguaro_dist.serve.state import Finished, Job, ServingState, gather_or_cancel
+from saguaro_dist.serve.tools import ToolChoiceKind
+
+# Fields that would change a sampled reply but that vLLM's beam search leaves unread (its to_beam_search_params
+# takes n, max_tokens, ignore_eos, temperature, length_penalty and include_stop_str_in_output): given past these
+# inert values they are a 400 naming them, never silently dropped
+_INERT = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "stop": (None, "", []), "seed": (None,),
+          "stop_token_ids": (None, []), "min_tokens": (0,), "presence_penalty": (None, 0.0),
+          "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "logit_bias": (None, {}),
+          "allowed_token_ids": (None,), "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+          "guided_choice": (None,), "guided_grammar": (None,), "bad_words": (None, []), "prompt_logprobs": (None,)}
+
+
+def check_beam_request(body) -> None:
+    """The 400s of a beam search request: n past the beam width limit, a field the search cannot honour, and
+    (vLLM's) a streamed completions request."""
+    if body.n > MAX_BEAM_WIDTH:
+        raise APIError(400, f"n (the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search, got {body.n}",
+                       param="n")
+    for name, inert in _INERT.items():
+        if getattr(body, name) not in inert:
+            raise APIError(400, f"{name} cannot be combined with use_beam_search", param=name)
+    if body.response_format is not None and body.response_format.type != "text":
+        raise APIError(400, "response_format cannot be combined with use_beam_search", param="response_format")
+    if body.stream and not hasattr(body, "messages"):
+        raise APIError(400, "Streaming is not currently supported with beam search", param="stream")
+    options = body.stream_options
+    if options is not None and options.continuous_usage_stats:  # the stream carries finished choices only
+        raise APIError(400, "stream_options.continuous_usage_stats cannot be combined with use_beam_search",
+                       param="stream_options")
+    if body.requested_prompt_logprobs() is not None:  # echo's prompt scores: vLLM's search returns none
+        raise APIError(400, "echo with logprobs cannot be combined with use_beam_search", param="echo")
+    if body.tool_plan().kind in (ToolChoiceKind.REQUIRED, ToolChoiceKind.NAMED):  # a constrained reply
+        raise APIError(400, "a required or named tool_choice cannot be combined with use_beam_search",
+                       param="tool_choice")
+
+
+def beam_params(state: ServingState, body, job: Job) -> BeamSearchParams:
+    """vLLM's to_beam_search_params: the temperature given, else the generation config's, else 1.0."""
+    return BeamSearchParams(beam_width=body.n, max_tokens=job.params.max_tokens, ignore_eos=body.ignore_eos,
+                            temperature=job.params.temperature, length_penalty=body.length_penalty,
+                            include_stop_str_in_output=body.include_stop_str_in_output)
+
+
+async def search(state: ServingState, rule: BeamRule, job: Job) -> list[BeamSearchSequence]:
+    """One prompt's search: each step every live beam's one token through the engine, concurrently."""
+    instance, step = BeamSearchInstance.of_prompt(job.prompt_ids), rule.step_params()
+    for number in range(rule.params.max_tokens):
+        if not instance.beams:
+            break
+        jobs = [Job(beam.tokens, step, priority=job.priority, request_id=f"{job.request_id}-step{number}-beam{i}",
+                    cache_salt=job.cache_salt)
+                for i, beam in enumerate(instance.beams)]
+        results = await gather_or_cancel([state.collect(j) for j in jobs])
+        rule.step(instance, [r.logprobs[0] for r in results])
+    return rule.best(instance)
+
+
+def beam_result(state: ServingState, body, job: Job, beam: BeamSearchSequence, eos: int | None) -> Finished:
+    """A beam as a finished choice, as vLLM's online search returns it: the generated tokens (an ending EOS only
+    with include_stop_str_in_output), the text without the EOS, stop_reason the EOS id."""
+    generated, entries = beam.tokens[len(job.prompt_ids):], beam.logprobs
+    ended = beam.finish_reason == "stop"
+    shown = generated[:-1] if ended else generated
+    ids = generated if ended and body.include_stop_str_in_output else shown
+    text = state.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens)
+    # (an entry's first key is the token its step sampled; the choice's logprobs read it as the beam's)
+    entries = [{token: entry[token], **entry} for token, entry in zip(ids, entries)]
+    return Finished(text=text, token_ids=ids, finish_reason=beam.finish_reason, logprobs=entries,
+                    stop_reason=eos if ended else None)
+
+
+async def beam_results(state: ServingState, body, jobs: list[Job]) -> tuple[list[Job], list[Finished]]:
+    """Every prompt's search (concurrently); its best beams are its choices, as many as it found (<= n)."""
+    eos = beam_eos(state.tokenizer)
+    firsts = jobs[::body.n]
+    rules = [BeamRule(beam_params(state, body, job), eos, state.max_model_len) for job in firsts]
+    found = await gather_or_cancel([search(state, rule, job) for rule, job in zip(rules, firsts)])
+    pairs = [(job, beam_result(state, body, job, beam, eos))
+             for k, beams in enumerate(found) for job, beam in zip(jobs[k * body.n:(k + 1) * body.n], beams)]
+    return [job for job, _ in pairs], [result for _, result in pairs]
+
+
+async def beam_response(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format,
+                        request_id: str, role: str):
+    """The reply: whole, or (chat) vLLM's stream of the finished search: the role chunks, one chunk per choice
+    with all its content and its finish_reason, the usage chunk if asked, [DONE]."""
+    check_beam_request(body)
+    jobs, results = await beam_results(state, body, state.named(jobs, request_id))
+    choices = [finished_choice(state, fmt, body, i, job, r, role) for i, (job, r) in enumerate(zip(jobs, results))]
+    extra = final_extra(state, body, fmt, jobs, [r.token_ids for r in results], [None] * len(jobs))
+    if not body.stream:
+        return fmt.body(fmt.id_of(request_id), model, choices, **extra)
+    events = _chat_events(body, fmt, fmt.id_of(request_id), model, choices, role)
+    if body.include_usage_chunk:
+        events.append(fmt.chunk(fmt.id_of(request_id), model, [], usage=extra["usage"]))
+    return ClosingStreamingResponse(_sse([*map(responses.sse, events), responses.sse("[DONE]")]),
+                                    media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _chat_events(body, fmt: responses.Format, response_id: str, model: str, choices: list[dict], role: str) -> list:
+    opening = [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], {"role": role, "content": ""}, None)])
+               for c in choices]
+    deltas = [{k: v for k, v in c["message"].items() if k != "role" and v is not None} for c in choices]
+    return opening + [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], delta, c["finish_reason"],
+                                                                    c["logprobs"], c["stop_reason"])])
+                      for c, delta in zip(choices, deltas)]
+
+
+async def _sse(parts: list[str]):
+    yield "".join(parts)
+

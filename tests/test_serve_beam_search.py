@@ -1,0 +1,143 @@
+"""use_beam_search over real HTTP (the served app on loopback, a real tiny checkpoint with a word-level tokenizer):
+the served beams are LLM.beam_search's and the brute force's (tokens, text, order), EOS-ended ones "stop" with
+the EOS left out (vLLM's online search), chat too (streamed as vLLM streams a finished search), and what the
+search cannot honour is a 400 naming the field."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from http_helpers import serve_on_loopback
+from saguaro_dist import LLM
+from saguaro_dist.beam_search import BeamSearchParams
+from saguaro_dist.serve.api import ServerOptions, create_app
+from test_beam_search import PROMPTS, STEPS, checkpoint, ranked_after, reference, with_tokenizer  # noqa: F401
+
+PROMPT = " ".join(f"t{t}" for t in PROMPTS[0])
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint, tmp_path_factory):  # noqa: F811
+    """(base url, llm, eos, extra): the tokenizer's EOS ranks second after PROMPTS[0]; the generation config's
+    `extra` (the top token) ends generate but not a beam."""
+    path, model = checkpoint
+    eos, extra = ranked_after(model, PROMPTS[0], 1), ranked_after(model, PROMPTS[0], 0)
+    copy = with_tokenizer(path, tmp_path_factory.mktemp("served_beams"), eos, [eos, extra])
+    with LLM(model=str(copy), mode="ar") as llm, serve_on_loopback(create_app(llm, ServerOptions("m"))) as url:
+        yield url, llm, eos, extra
+
+
+def post(url: str, path: str, **body) -> httpx.Response:
+    return httpx.post(f"{url}/{path}", json={"model": "m", "use_beam_search": True, "temperature": 0, **body},
+                      timeout=120)
+
+
+def words(ids: list[int]) -> str:
+    return " ".join(f"t{t}" for t in ids)
+
+
+def expected_choices(beams, prompt_len: int, eos: int) -> list[tuple[str, str, int | None]]:
+    """vLLM's online choices of beams: the generated text without a final EOS, finish_reason, stop_reason."""
+    out = []
+    for beam in beams:
+        generated, ended = beam.tokens[prompt_len:], beam.tokens[-1] == eos
+        out.append((words(generated[:-1] if ended else generated), "stop" if ended else "length", eos if ended else None))
+    return out
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_completions_match_offline_and_the_brute_force(served, checkpoint, width):  # noqa: F811
+    url, llm, eos, _ = served
+    reply = post(url, "completions", prompt=PROMPT, n=width, max_tokens=STEPS, logprobs=1)
+    assert reply.status_code == 200, reply.text
+    choices = reply.json()["choices"]
+    offline = llm.beam_search([{"prompt_token_ids": PROMPTS[0]}], BeamSearchParams(beam_width=width, max_tokens=STEPS))[0]
+    brute = [tokens for tokens, _ in reference(checkpoint[1], PROMPTS[0], width, STEPS, eos)]
+    assert [s.tokens for s in offline.sequences] == brute
+    want = expected_choices(offline.sequences, len(PROMPTS[0]), eos)
+    assert [(c["text"], c["finish_reason"], c["stop_reason"]) for c in choices] == want
+    assert [c["index"] for c in choices] == list(range(width))
+    for c, beam in zip(choices, offline.sequences):  # each beam token's own log p, as the step scored it
+        ids = [int(t[1:]) for t in c["logprobs"]["tokens"]]
+        assert words(ids) == c["text"]
+        assert sum(c["logprobs"]["token_logprobs"]) == pytest.approx(
+            beam.cum_logprob - (beam.logprobs[-1][eos].logprob if beam.tokens[-1] == eos else 0.0), abs=1e-4)
+    usage = reply.json()["usage"]
+    assert usage["prompt_tokens"] == len(PROMPTS[0])
+    assert usage["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in choices)
+    if width > 1:
+        assert "stop" in [c["finish_reason"] for c in choices]  # the EOS beam of step one is among the best
+
+
+def test_only_the_tokenizers_eos_ends_a_served_beam(served):
+    """`extra` ends a plain completion (generation config) but a beam grows through it (vLLM's online rule)."""
+    url, _, eos, extra = served
+    plain = httpx.post(f"{url}/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 3, "temperature": 0},
+                       timeout=60).json()["choices"][0]
+    assert (plain["text"], plain["finish_reason"], plain["stop_reason"]) == ("", "stop", extra)  # (its text left out, a stop id)
+    choices = post(url, "completions", prompt=PROMPT, n=3, max_tokens=STEPS).json()["choices"]
+    assert any(c["text"].split()[:1] == [f"t{extra}"] and len(c["text"].split()) > 1 for c in choices), choices
+
+
+def test_include_stop_str_in_output_counts_the_eos(served):
+    url, _, eos, _ = served
+    reply = post(url, "completions", prompt=PROMPT, n=2, max_tokens=STEPS, include_stop_str_in_output=True,
+                 logprobs=0).json()
+    ended = [c for c in reply["choices"] if c["finish_reason"] == "stop"]
+    assert ended and all(c["logprobs"]["tokens"][-1] == f"t{eos}" and not c["text"].endswith(f"t{eos}") for c in ended)
+
+
+def test_ignore_eos_grows_every_beam(served):
+    url, _, _, _ = served
+    choices = post(url, "completions", prompt=PROMPT, n=3, max_tokens=STEPS, ignore_eos=True).json()["choices"]
+    assert all(c["finish_reason"] == "length" and len(c["text"].split()) == STEPS for c in choices)
+
+
+def test_chat_whole_and_streamed(served):
+    url, llm, eos, _ = served
+    messages = [{"role": "user", "content": "t3 t4"}]
+    from saguaro_dist.serve.chat_request import ChatMessage
+    from saguaro_dist.serve.prompts import encode_chat
+    prompt = encode_chat(llm.tokenizer, [ChatMessage(**m) for m in messages])
+    offline = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=STEPS))[0]
+    want = expected_choices(offline.sequences, len(prompt), eos)
+    whole = post(url, "chat/completions", messages=messages, n=2, max_tokens=STEPS)
+    assert whole.status_code == 200, whole.text
+    got = [(c["message"]["content"], c["finish_reason"], c["stop_reason"]) for c in whole.json()["choices"]]
+    assert got == want
+    streamed = post(url, "chat/completions", messages=messages, n=2, max_tokens=STEPS, stream=True,
+                    stream_options={"include_usage": True})
+    events = [line[len("data: "):] for line in streamed.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    roles = [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in chunks[:2]]
+    assert roles == [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
+    contents = [(c["choices"][0]["delta"].get("content", ""), c["choices"][0]["finish_reason"],
+                 c["choices"][0]["stop_reason"]) for c in chunks[2:4]]
+    assert contents == want
+    assert chunks[4]["choices"] == [] and chunks[4]["usage"] == whole.json()["usage"]
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("completions", {"stream": True}, "stream"), ("completions", {"n": 11}, "n"),
+    ("completions", {"top_p": 0.5}, "top_p"), ("completions", {"stop": ["t1"]}, "stop"),
+    ("completions", {"seed": 3}, "seed"), ("completions", {"logit_bias": {"3": 5}}, "logit_bias"),
+    ("completions", {"echo": True, "logprobs": 1}, "echo"), ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
+    ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"structured_outputs": {"regex": "t1"}}, "structured_outputs"),
+    ("chat/completions", {"min_tokens": 2}, "min_tokens"),
+    ("chat/completions", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options")])
+def test_what_beam_search_cannot_honour_is_a_400(served, path, fields, param):
+    url = served[0]
+    body = {"prompt": PROMPT} if path == "completions" else {"messages": [{"role": "user", "content": "t3"}]}
+    reply = post(url, path, max_tokens=2, **body, **fields)
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == param
+
+
+def test_responses_still_refuse_it(served):
+    reply = httpx.post(f"{served[0]}/responses", json={"model": "m", "input": "t3", "use_beam_search": True}, timeout=60)
+    assert reply.status_code == 400 and "use_beam_search" in reply.text
