@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 from saguaro_dist.config import BonusDraw, Config, DraftExecutor, FallbackPolicy, FanOut, HitGlue, Mode, TreePolicy
+from saguaro_dist.lora_request import LoRARequest
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams", "StructuredOutputsParams", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue", "BonusDraw"]
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "Logprob", "SamplingParams", "StructuredOutputsParams", "LoRARequest", "Config", "Mode", "FanOut", "FallbackPolicy", "DraftExecutor", "TreePolicy", "HitGlue", "BonusDraw"]
 
 
 def __getattr__(name):

@@ -11,6 +11,8 @@ import re
 import threading
 from dataclasses import dataclass, field
 
+from saguaro_dist.lora_request import check_lora_config
+
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 log = logging.getLogger(__name__)
 
@@ -190,6 +192,9 @@ class Config:
     gpu_memory_utilization: float = 0.9    # share of the device's memory the engine may use; its KV cache must fit (model/memory.py)
     enable_prefix_caching: bool = True     # finished sequences' KV rows are reused by prompts that start alike (model/prefix_cache.py)
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # which waiting request is admitted next
+    enable_lora: bool = False              # vLLM's: requests may name a PEFT adapter (LoRARequest) the target runs them through
+    max_loras: int = 1                     # adapters one batch runs at once (the target's slots); others' requests wait
+    max_lora_rank: int = 16                # the largest adapter rank r taken (vLLM's choices: 1, 8, 16, ..., 512)
     log_stats_interval_s: float = 10.0     # an INFO line of throughput, queue and speculation figures this often (0: off)
     generation_config: str = "auto"        # requests' sampling defaults: the model's generation_config.json, "vllm" (none) or a folder
     seed: int | None = None                # vLLM's: an unseeded request's draws derive from it and its order of arrival,
@@ -305,6 +310,7 @@ class Config:
                 check_int(name, getattr(self, name), 1)
         check_memory_utilization(self.gpu_memory_utilization)
         check_seed(self.seed)
+        check_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank)
         if self.max_model_len is not None and self.mode is not Mode.AR and self.max_model_len - (self.k + 1) < 2:
             raise ValueError(f"k = {self.k} leaves no room in max_model_len = {self.max_model_len}: a round scores "
                              f"K+1 positions past a prompt token and a generated one (lower k, or raise max_model_len)")

@@ -39,9 +39,9 @@ def test_held_back_rows_are_the_positions_short_of_min_tokens():
 
 
 def test_the_ends_told_are_the_distinct_eos_and_stop_ids_and_only_under_min_tokens():
-    assert draft_end_ids(2, {7, 2}, (2, 9)) == (2, 7, 9)
-    assert draft_end_ids(0, {7}, (9,)) == ()
-    huge = draft_end_ids(1, set(), range(MAX_END_TOKEN_IDS + 5, -1, -1))  # the smallest: any vocabulary's ids
+    assert draft_end_ids(2, {7, 2}, (2, 9), 100) == (2, 7, 9)
+    assert draft_end_ids(0, {7}, (9,), 100) == ()
+    huge = draft_end_ids(1, set(), range(MAX_END_TOKEN_IDS + 5, -1, -1), 1 << 30)  # the smallest: any vocabulary's ids
     assert len(huge) == MAX_END_TOKEN_IDS and huge[0] == 0 and huge[-1] == MAX_END_TOKEN_IDS - 1
 
 
@@ -195,3 +195,43 @@ def test_a_draft_told_min_tokens_is_accepted_and_greedy_stays_ar(target, mode, e
     assert [o.outputs[0].token_ids for o in outs] == want
     assert all(len(out) >= 12 and not {EOS, *stop} & set(out[:12]) for out in want), want
     assert acceptance(outs) > 0.95, acceptance(outs)
+
+
+def test_stop_ids_past_the_vocabulary_are_not_told_and_cannot_break_the_wire(tmp_path):
+    """A stop_token_id may be any int (vLLM's): one past int64 went into end_token_ids and failed the gRPC
+    encode mid-step, aborting every request in flight (the reviewer's reproduction, over loopback gRPC)."""
+    from saguaro_dist.distributed.draft_pool import DraftPool
+    from saguaro_dist.engine.build import make_runner
+    from saguaro_dist.engine.engine import Engine
+    from saguaro_dist.engine.sequence import Sequence
+    assert draft_end_ids(2, {7, 200}, (2**63, 9), 100) == (7, 9)
+    save_model(tmp_path, llama_config(64, 32, 2), seed=3)
+    config = Config(model=str(tmp_path), draft=str(tmp_path), mode="ssd", k=3, fan_out=4, fallback="neural",
+                    draft_threads=1)
+    server, port = serve_draft(build_draft_worker(config), "127.0.0.1", 0)
+    engine = Engine(config, make_runner(config.model, config),
+                    DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=20.0)], max_batch_size=4), None, {1})
+    try:
+        innocent = Sequence(0, "innocent", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        engine.add(innocent)
+        engine.step()
+        engine.add(Sequence(1, "huge-stop", [9, 10, 11],
+                            SamplingParams(temperature=0, max_tokens=6, min_tokens=2, stop_token_ids=[2**63])))
+        for _ in range(40):
+            engine.step()
+            if innocent.finished:
+                break
+        assert innocent.finished and len(innocent.output_token_ids) == 12
+    finally:
+        engine.close()
+        server.stop(None)
+
+
+def test_many_end_ids_bar_their_rows_at_once():
+    """Rows sharing a request's ends are barred in one assignment (a request may hold back thousands)."""
+    ends = tuple(range(0, 60, 2))
+    rule = RowEnds(ends=[ends, ends, (5,), ()], before=[0, 9, 0, 0], min_tokens=[3, 3, 1, 3])
+    out = rule.apply(torch.zeros(4, 64))
+    assert torch.isinf(out[0, list(ends)]).all() and torch.isfinite(out[0, 1::2]).all()
+    assert torch.isfinite(out[1]).all() and torch.isfinite(out[3]).all()  # past min_tokens; no ends
+    assert torch.isinf(out[2, 5]) and int(torch.isinf(out[2]).sum()) == 1

@@ -141,3 +141,29 @@ def test_what_beam_search_cannot_honour_is_a_400(served, path, fields, param):
 def test_responses_still_refuse_it(served):
     reply = httpx.post(f"{served[0]}/responses", json={"model": "m", "input": "t3", "use_beam_search": True}, timeout=60)
     assert reply.status_code == 400 and "use_beam_search" in reply.text
+
+
+def test_the_served_search_keeps_live_beams_by_cumulative_logprob_as_vllm_online():
+    """Under ignore_eos an EOS candidate stays live, and its score leaves the EOS out of the length: vLLM's
+    online search keeps the best cum_logprob (EOS here), its offline search the best score (token 9)."""
+    from saguaro_dist.engine.beam_search import BeamRule, BeamSearchInstance, LiveRanking
+    params, eos = BeamSearchParams(beam_width=1, max_tokens=2, ignore_eos=True), 2
+    kept = {}
+    for ranking in LiveRanking:
+        instance = BeamSearchInstance.of_prompt([5, 6, 7, 8])
+        BeamRule(params, eos, 100, ranking).step(instance, [{eos: -0.9, 9: -0.95}])
+        kept[ranking] = [b.tokens[-1] for b in instance.beams]
+    assert kept == {LiveRanking.SCORE: [9], LiveRanking.CUM_LOGPROB: [eos]}
+
+
+def test_a_streamed_beam_choices_tool_calls_carry_their_index():
+    from openai.types.chat import ChatCompletionChunk
+    from saguaro_dist.serve import responses
+    from saguaro_dist.serve.beam_route import _chat_events
+    from saguaro_dist.serve.tool_parsers import ToolCall
+    calls = [ToolCall.new("get_weather", {"city": "Paris"}), ToolCall.new("get_time", {"zone": "CET"})]
+    choice = responses.CHAT.choice(0, None, "tool_calls", None, calls)
+    last = _chat_events(None, responses.CHAT, "chatcmpl-x", "m", [choice], "assistant")[-1]
+    chunk = ChatCompletionChunk.model_validate(last)
+    assert [call.index for call in chunk.choices[0].delta.tool_calls] == [0, 1]
+    assert [call.function.name for call in chunk.choices[0].delta.tool_calls] == ["get_weather", "get_time"]

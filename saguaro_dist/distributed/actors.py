@@ -116,7 +116,7 @@ class TargetRank:
         rank 0 to find a restarted one at its new address."""
         from saguaro_dist.engine.build import make_runner
         group = self._join_group(master)
-        runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision)
+        runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision, lora=True)
         if self.rank > 0:
             freeze_startup_heap()
             threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
@@ -178,7 +178,7 @@ class TargetRank:
         arriving one at a time would also enter the engine in small batches."""
         from saguaro_dist.engine.sequence import Sequence
         seqs = [Sequence(r.seq_id, r.request_id, r.prompt_token_ids, r.params, r.output_kind, r.stream_interval_s,
-                         r.priority, r.cache_salt) for r in requests]
+                         r.priority, r.cache_salt, lora_request=r.lora_request) for r in requests]
         self.thread.submit_many([(seq, self._listener(seq.request_id)) for seq in seqs])
 
     def abort(self, request_ids: list[str]) -> None:

@@ -55,7 +55,7 @@ def build_cluster_engine(config: Config):
 
 def remote_request(seq) -> RemoteRequest:
     return RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.output_kind,
-                         seq.stream_interval_s, seq.priority, seq.cache_salt)
+                         seq.stream_interval_s, seq.priority, seq.cache_salt, seq.lora_request)
 
 
 class RemoteEngine:

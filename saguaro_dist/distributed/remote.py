@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from saguaro_dist.engine.metrics import EngineLoad, RequestMetrics
 from saguaro_dist.engine.sequence import OutputKind
+from saguaro_dist.lora_request import LoRARequest
 from saguaro_dist.sampling_params import SamplingParams
 
 
@@ -18,6 +19,7 @@ class RemoteRequest:
     stream_interval_s: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None  # every target rank loads it into the same slot (tp_runner.py)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Tensor-parallel target ranks: rank 0 drives, the others replay its runner calls.
 
-Every ModelRunner call that runs a forward or changes KV state must happen on all ranks in the same
-order (the layers all-reduce inside). Rank 0 broadcasts (method, args) over the group before running
+Every ModelRunner call that runs a forward or changes KV state (or a LoRA slot: every rank loads the same
+adapter, from its path, into the same slot) must happen on all ranks in the same order (the layers all-reduce
+inside). Rank 0 broadcasts (method, args) over the group before running
 the call itself; followers loop on the broadcasts. Pure reads (length) stay local.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
-REPLAYED = frozenset({"add", "free", "truncate", "extend", "rename", "copy_prefix"})
+REPLAYED = frozenset({"add", "free", "truncate", "extend", "rename", "copy_prefix", "load_lora", "evict_lora"})
 STOP = "__stop__"
 
 
@@ -27,13 +28,13 @@ class BroadcastRunner:
         if name not in REPLAYED:
             return attr
 
-        def replayed(*args):
-            dist.broadcast_object_list([(name, args)], src=0, group=self._group)
-            return attr(*args)
+        def replayed(*args, **kwargs):  # (add's lora_slot: every rank runs the sequence through the same slot)
+            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._group)
+            return attr(*args, **kwargs)
         return replayed
 
     def stop_followers(self) -> None:
-        dist.broadcast_object_list([(STOP, ())], src=0, group=self._group)
+        dist.broadcast_object_list([(STOP, (), {})], src=0, group=self._group)
 
 
 def follow(runner, group) -> None:
@@ -41,11 +42,12 @@ def follow(runner, group) -> None:
     while True:
         message = [None]
         dist.broadcast_object_list(message, src=0, group=group)
-        name, args = message[0]
+        name, args, *rest = message[0]  # (name, args, kwargs); kwargs may be left out
+        kwargs = rest[0] if rest else {}
         if name == STOP:
             return
         try:
-            getattr(runner, name)(*args)
+            getattr(runner, name)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 ran the same call on the same state and failed alike
             # A follower that stopped here would leave rank 0, which reports the failure and carries on
             # (Engine.reset frees every sequence), waiting forever in its next broadcast or collective.

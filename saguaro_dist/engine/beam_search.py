@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
+from enum import Enum
 
 from saguaro_dist.engine.logprob_objects import Logprob
 from saguaro_dist.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -103,6 +104,10 @@ def create_sort_beams_key_function(eos_token_id: EosIds, length_penalty: float) 
     return lambda beam: get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, length_penalty)
 
 
+def cum_logprob_of(beam: BeamSearchSequence) -> float:
+    return beam.cum_logprob
+
+
 def entry_logprob(value) -> float:
     """A logprobs entry's value: a Logprob (LLM.generate's) or a plain log p (the engine's stream, the server's)."""
     return value.logprob if isinstance(value, Logprob) else value
@@ -151,6 +156,15 @@ def beam_eos(tokenizer) -> int | None:
     return None if tokenizer is None else tokenizer.eos_token_id
 
 
+class LiveRanking(Enum):
+    """Which live candidates go on each step, as vLLM's two searches pick them (the final ranking is the
+    length-penalised score in both): offline (LLM.beam_search) by that score, served (vLLM's online search)
+    by the cumulative log-probability. They differ only where candidates differ in length: an EOS candidate
+    kept live under ignore_eos, whose score leaves the EOS out of the length."""
+    SCORE = "score"
+    CUM_LOGPROB = "cum_logprob"
+
+
 @dataclass(frozen=True)
 class BeamRule:
     """One search's rules, the part the offline (LLM.generate) and the served (async engine) drivers share:
@@ -158,6 +172,7 @@ class BeamRule:
     params: BeamSearchParams
     eos_token_id: int | None
     max_model_len: int
+    live_ranking: LiveRanking = LiveRanking.SCORE
 
     @property
     def key(self) -> Callable[[BeamSearchSequence], float]:
@@ -171,7 +186,8 @@ class BeamRule:
         """Grow the instance's live beams by their step entries (one each, in the beams' order)."""
         candidates = [c for beam, entry in zip(instance.beams, entries, strict=True) for c in extended(beam, entry)]
         ends = None if self.params.ignore_eos else self.eos_token_id
-        advance(instance, candidates, ends, self.params.beam_width, self.key)
+        live_key = self.key if self.live_ranking is LiveRanking.SCORE else cum_logprob_of
+        advance(instance, candidates, ends, self.params.beam_width, live_key)
         retire_full(instance, self.max_model_len)
 
     def best(self, instance: BeamSearchInstance) -> list[BeamSearchSequence]:
@@ -179,20 +195,22 @@ class BeamRule:
 
 
 def run_beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams,
-                    salts: list[str | None] | None = None) -> list[BeamSearchOutput]:
+                    salts: list[str | None] | None = None, loras: list | None = None) -> list[BeamSearchOutput]:
     """The search over llm.generate, every prompt's beams in one batch a step. salts: each prompt's cache_salt
-    (None: none), which every step of its beams carries."""
+    (None: none), loras: each prompt's LoRARequest (None: the base model), which every step of its beams carries."""
     rule = BeamRule(params, beam_eos(llm.tokenizer), llm.max_model_len)
     step = rule.step_params()
     instances = [BeamSearchInstance.of_prompt(ids) for ids in prompt_ids]
-    salts = salts or [None] * len(instances)
+    salts, loras = salts or [None] * len(instances), loras or [None] * len(instances)
     for _ in range(params.max_tokens):
         live = [step_prompt(beam, salt) for instance, salt in zip(instances, salts) for beam in instance.beams]
+        adapters = [lora for instance, lora in zip(instances, loras) for _ in instance.beams]
         if not live:
             break
         # (a prompt with no room is refused here by generate, as vLLM's search refuses it; grown beams that
         # fill the context are retired by the rule before they reach it)
-        outs = iter(llm.generate(live, sampling_params=step, use_tqdm=False))
+        outs = iter(llm.generate(live, sampling_params=step, use_tqdm=False,
+                                 lora_request=adapters if any(adapters) else None))
         for instance in instances:
             rule.step(instance, [next(outs).outputs[0].logprobs[0] for _ in instance.beams])
     return [BeamSearchOutput(finished_texts(rule.best(i), llm.tokenizer)) for i in instances]

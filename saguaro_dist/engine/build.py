@@ -30,16 +30,19 @@ class DraftFit:
 
 
 def make_runner(path: str, config: Config, tp_group=None, device: str | None = None,
-                fit: DraftFit | None = None, revision: str | None = None) -> ModelRunner:
+                fit: DraftFit | None = None, revision: str | None = None, lora: bool = False) -> ModelRunner:
     """A runner on `device` (default: the target's, config.device) with the config's settings; a draft's
-    `fit` sets the vocabulary it speaks and the longest sequence it holds (fit_draft)."""
+    `fit` sets the vocabulary it speaks and the longest sequence it holds (fit_draft). lora: the target's,
+    with config.max_loras adapter slots under enable_lora (the draft has none: it drafts for the base model,
+    and the target's verify with the adapter keeps outputs exact)."""
     device = device or config.device
+    loras = dict(max_loras=config.max_loras if lora and config.enable_lora else 0, max_lora_rank=config.max_lora_rank)
     cuda_graphs = device.startswith("cuda") and not config.enforce_eager
     return ModelRunner(path, device=device, dtype=config.dtype,  # "auto": this checkpoint's, for this device
                        max_model_len=fit.max_model_len if fit else config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
                        max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None,
-                       revision=revision, gpu_memory_utilization=config.gpu_memory_utilization)
+                       revision=revision, gpu_memory_utilization=config.gpu_memory_utilization, **loras)
 
 
 def eos_ids(runner, tokenizer, config: Config | None = None) -> set[int]:
@@ -203,6 +206,6 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
         torch.set_num_threads(config.target_threads)
     tokenizer = target_tokenizer(config)
     fit = fit_draft(config, tokenizer) if config.uses_draft else None
-    target = make_runner(config.model, config, revision=config.revision)
+    target = make_runner(config.model, config, revision=config.revision, lora=True)
     backend = build_local_draft(config, fit) if fit else None
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer, config)), tokenizer

@@ -158,4 +158,4 @@ def output_len(s: DraftSeq) -> int:
 
 def short_of_min_tokens(s: DraftSeq) -> bool:
     """Whether min_tokens still holds s's ends back at its next drafted token (and so at some later ones)."""
-    return s.sampling.holds_back_ends and output_len(s) < s.sampling.min_tokens
+    return s.sampling.min_tokens > 0 and output_len(s) < s.sampling.min_tokens and bool(s.sampling.end_token_ids)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from saguaro_dist.config import Config, Mode, SchedulingPolicy
 from saguaro_dist.engine.detokenizer import DecodeState, Detokenizer, find_stop, stable_prefix
+from saguaro_dist.engine.lora_slots import AdapterLoadError
 from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
@@ -65,6 +66,7 @@ class Engine:
     def add(self, seq: Sequence) -> None:
         """Queue seq; a prompt the engine cannot run is refused here (ValueError: its caller alone fails)."""
         self._check_prompt(seq.prompt_token_ids)
+        self.target.check_lora(seq.lora_request)
         if seq.params.structured_outputs is not None:
             seq.grammar = self.grammars.state(seq.params)
         if self.config.scheduling_policy is SchedulingPolicy.PRIORITY:
@@ -145,16 +147,19 @@ class Engine:
     # ---- steps ------------------------------------------------------------------------------
     def _admit(self) -> list[Update]:
         free = self.config.max_batch_size - len(self.running) - len(self.prefilling)
-        deferred = []
+        deferred, failed = [], []
         while self.waiting and free > 0:
             s = self.waiting.popleft()
+            if not self.target.can_start(s, self.running + self.prefilling):
+                deferred.append(s)  # its LoRA adapter has no slot free (max_loras): it waits, in its place
+                continue
             # A deferred one keeps its slot too: else a later request took it (first come, first served
             # broken), and held it for its whole generation while the deferred one waited.
             free -= 1
             if self._prefix_coming(s):
                 deferred.append(s)
                 continue
-            self._start(s)
+            failed += self._start(s)
         self.waiting.extendleft(reversed(deferred))
         start = time.perf_counter()
         new = self._prefill_in_budget()
@@ -167,14 +172,14 @@ class Engine:
             raise
         self.metrics.prefill_s += time.perf_counter() - start
         if not new:
-            return []
+            return failed
         for s in new:
             s.status = SeqStatus.RUNNING
         self.running += new
         now = time.perf_counter()
         for s, t in zip(new, first):
             self._append(s, [t], now)
-        return self._updates(new, now)
+        return failed + self._updates(new, now)
 
     def _prefix_coming(self, s: Sequence) -> bool:
         """Whether a sequence admitted before s, still prefilling, is about to compute a prefix of s's
@@ -188,13 +193,21 @@ class Engine:
                    and common_prefix_len(x.prompt_token_ids, s.prompt_token_ids) - x.prefilled >= MIN_REUSE
                    for x in self.prefilling)
 
-    def _start(self, s: Sequence) -> None:
-        """s takes a batch slot and its KV row, with whatever prompt prefix the cache holds."""
+    def _start(self, s: Sequence) -> list[Update]:
+        """s takes a batch slot and its KV row, with whatever prompt prefix the cache holds; [] or, where its
+        LoRA adapter failed to load, its last update (it fails alone)."""
         s.status = SeqStatus.PREFILLING
-        self.target.start(s, self.running + self.prefilling)
+        try:
+            self.target.start(s, self.running + self.prefilling)
+        except AdapterLoadError as err:
+            log.warning("request %s failed alone: %s", s.request_id, err)
+            s.error = err
+            self._finish(s, FinishReason.ABORT)
+            return [Update(s, "", [], True, error=err)]
         self.prefilling.append(s)
         self.metrics.prefix_cache_queries += len(s.prompt_token_ids)
         self.metrics.prefix_cache_hits += s.prefilled
+        return []
 
     def _prefill_in_budget(self) -> list[Sequence]:
         """The sequences whose prompts finish this step, first come first served, within

@@ -22,6 +22,7 @@ from saguaro_dist.engine.metrics import EngineLoad
 from saguaro_dist.engine.outputs import CompletionOutput, RequestOutput, StreamDelta
 from saguaro_dist.engine.sequence import OutputKind, Sequence
 from saguaro_dist.engine.structured import GrammarCompiler
+from saguaro_dist.lora_request import AdapterIds, LoRARequest
 from saguaro_dist.model.loader import load_generation_defaults
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.speculative_config import config_fields
@@ -56,6 +57,7 @@ class LLM(RequestInputs):
         self.config = config
         self.generation_defaults = generation_defaults(config)  # before any engine starts: a bad file leaks nothing
         self._ids = itertools.count()
+        self._lora_ids, self._target_config = AdapterIds(), None  # lora_int_id -> its path; read for adapters' checks
         self._open: dict[str, tuple[str, ...]] = {}  # request id of each open stream -> its samples' engine ids
         if config.cluster is None:
             from saguaro_dist.engine.build import build_local_engine
@@ -113,10 +115,11 @@ class LLM(RequestInputs):
         priority: one int per prompt, lower admitted first (needs scheduling_policy="priority", as vLLM).
         use_tqdm: vLLM's progress bar of finished samples and output tokens/s, on stderr when it is a
         terminal; a callable (vLLM's) makes the bar instead of tqdm. An interrupt (Ctrl-C) aborts the
-        samples not yet finished before it propagates. lora_request / tokenization_kwargs: vLLM's, refused
-        unless empty (no LoRA adapters; prompts are encoded as the model's tokenizer does by default)."""
-        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs)
-        requests = self._requests(prompts, prompt_token_ids, sampling_params, priority)
+        samples not yet finished before it propagates. lora_request: vLLM's LoRARequest (needs enable_lora),
+        one for every prompt or a list of one per prompt (None: the base model). tokenization_kwargs: vLLM's,
+        refused unless empty (prompts are encoded as the model's tokenizer does by default)."""
+        refuse_unsupported(tokenization_kwargs=tokenization_kwargs)
+        requests = self._requests(prompts, prompt_token_ids, sampling_params, priority, lora_request=lora_request)
         seqs = [seq for request in requests for seq in request.samples]
         finished: queue.Queue[int] = queue.Queue()
         results: list = [None] * len(seqs)
@@ -137,12 +140,12 @@ class LLM(RequestInputs):
 
     def beam_search(self, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search, over generate as vLLM's: prompts (strings or vLLM's {'prompt': ...} /
-        {'prompt_token_ids': [...]} dicts), one BeamSearchOutput each, its best beams first (engine/beam_search.py)."""
-        refuse_unsupported(lora_request=lora_request)
+        {'prompt_token_ids': [...]} dicts), one BeamSearchOutput each, its best beams first (engine/beam_search.py).
+        lora_request: one for every prompt or a list of one per prompt, as generate's."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         _, ids, salts = self._prompt_ids(prompts, None)
-        return run_beam_search(self, ids, params, salts)
+        return run_beam_search(self, ids, params, salts, self._lora_requests(lora_request, len(ids)))
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,
@@ -155,10 +158,9 @@ class LLM(RequestInputs):
         /v1/chat/completions (`chat_template`, a Jinja template or a file of one, else the tokenizer's, with
         `tools`; a plain transcript without one; add_generation_prompt / continue_final_message as vLLM's),
         then generated; outputs in conversation order. Message content reaches the template as a string
-        (chat_template_content_format "auto" or "string"); lora_request, tokenization_kwargs and
-        mm_processor_kwargs are refused unless empty."""
-        refuse_unsupported(lora_request=lora_request, tokenization_kwargs=tokenization_kwargs,
-                           mm_processor_kwargs=mm_processor_kwargs)
+        (chat_template_content_format "auto" or "string"); lora_request as generate's (one, or one per
+        conversation); tokenization_kwargs and mm_processor_kwargs are refused unless empty."""
+        refuse_unsupported(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         check_content_format(chat_template_content_format)
         from saguaro_dist.serve.prompts import load_chat_template
         from saguaro_dist.serve.prompts import encode_chat  # the HTTP layer's message model: one rendering
@@ -172,23 +174,26 @@ class LLM(RequestInputs):
         template = load_chat_template(chat_template) if chat_template else None
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template,
                            end=end) for conv in chats]
-        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority, use_tqdm=use_tqdm)
+        return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     async def stream(self, prompt: str | None = None, sampling_params: SamplingParams | None = None,
                      prompt_token_ids: list[int] | None = None, request_id: str | None = None,
                      output_kind: OutputKind | str = OutputKind.DELTA, stream_interval_s: float = 0.0,
-                     priority: int = 0, cache_salt: str | None = None) -> AsyncIterator[StreamDelta | RequestOutput]:
+                     priority: int = 0, cache_salt: str | None = None,
+                     lora_request: LoRARequest | None = None) -> AsyncIterator[StreamDelta | RequestOutput]:
         """Deltas of one request as rounds finish; closing the iterator early aborts the request (every sample).
         stream_interval_s: once text went out, rounds closer than this share one delta (vLLM's stream_interval).
         output_kind FINAL_ONLY: one item when the request finishes, with everything, as generate() returns it.
         request_id: names the deltas (and abort()'s target); one open stream at a time may hold it.
         cache_salt: vLLM's; the request reuses prefix-cache KV only of requests with the same salt.
+        lora_request: vLLM's LoRARequest the target runs the request through (needs enable_lora; None: the base).
         n = 1: StreamDelta items (logprobs the engine's plain {token id: log p}, the server's input). n > 1 (sample
         i seeded seed + i): vLLM's AsyncLLM RequestOutput items; DELTA: one a sample update, its one CompletionOutput's
         index naming the sample (text, token_ids, Logprob objects: the new ones; cumulative_logprob: so far),
         `finished` once every sample has, `metrics` the sample's on its last; FINAL_ONLY: generate()'s, at the end."""
         request = self._stream_request(prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s, priority,
-                                       cache_salt)
+                                       cache_salt, lora_request)
         request_id = self._open_stream(request, request_id)
         shape = stream_shape(request, request.samples[0].output_kind, self._token_texts)
         queue, submitted, running = self._start_samples(request.samples)
@@ -203,7 +208,7 @@ class LLM(RequestInputs):
                 self._abort_once_submitted(submitted, list(running.values()))
 
     def _stream_request(self, prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s,
-                        priority: int, cache_salt: str | None = None) -> PromptRequest:
+                        priority: int, cache_salt: str | None = None, lora_request=None) -> PromptRequest:
         """stream()'s one request, checked before any work, its samples set to report as asked."""
         kind = OutputKind(output_kind)  # a ValueError names a wrong kind before any work
         if isinstance(stream_interval_s, bool) or not (isinstance(stream_interval_s, (int, float))
@@ -211,7 +216,7 @@ class LLM(RequestInputs):
             raise ValueError(f"stream_interval_s must be a finite number >= 0, got {stream_interval_s!r}")
         request = self._requests(None if prompt is None else [prompt],
                                  None if prompt_token_ids is None else [prompt_token_ids], sampling_params, [priority],
-                                 cache_salt)[0]
+                                 cache_salt, lora_request)[0]
         for seq in request.samples:
             seq.output_kind, seq.stream_interval_s = kind, float(stream_interval_s)
         return request

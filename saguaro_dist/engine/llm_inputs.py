@@ -11,6 +11,7 @@ from saguaro_dist.config import SchedulingPolicy
 from saguaro_dist.engine.engine import check_prompt_ids
 from saguaro_dist.engine.sequence import Sequence, check_cache_salt, engine_request_seed
 from saguaro_dist.engine.text import encode_text
+from saguaro_dist.lora_request import LoRARequest, per_prompt
 from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
                                           until_context_end, with_bad_word_ids)
 
@@ -25,41 +26,70 @@ class PromptRequest:
 
 class RequestInputs:
     """LLM's validation of what callers submit. Reads the LLM's tokenizer, config, max_model_len, vocab_size,
-    eos_token_ids, _grammars, _ids and default_sampling_params(), which LLM._setup makes."""
+    eos_token_ids, _grammars, _ids, _lora_ids, _target_config and default_sampling_params(), which LLM._setup
+    makes."""
 
     def _requests(self, prompts, prompt_token_ids, sampling_params, priority=None,
-                  cache_salt: str | None = None) -> list[PromptRequest]:
+                  cache_salt: str | None = None, lora_request=None) -> list[PromptRequest]:
         """Validate everything before any work; one PromptRequest (n Sequences) per prompt. cache_salt: every
-        prompt's that names none (a prompt dict's "cache_salt" key names its own)."""
+        prompt's that names none (a prompt dict's "cache_salt" key names its own). lora_request: vLLM's (one for
+        every prompt, or a list of one per prompt)."""
         texts, ids, salts = self._prompt_ids(prompts, prompt_token_ids)
         salts = [s if s is not None else check_cache_salt(cache_salt) for s in salts]
         params = self._params(sampling_params, len(ids))
         priorities = self._priorities(priority, len(ids))
+        loras = self._lora_requests(lora_request, len(ids))
         out = []
-        for text, tokens, p, rank, salt in zip(texts, ids, params, priorities, salts):
+        for text, tokens, p, rank, salt, lora in zip(texts, ids, params, priorities, salts, loras):
             tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
             p = until_context_end(p, len(tokens), self.max_model_len)
             p = with_bad_word_ids(p, self._encode_bad_word if self.tokenizer is not None else None)
             self._check_prompt(tokens, p)
-            out.append(self._prompt_request(text, tokens, p, rank, salt))
+            out.append(self._prompt_request(text, tokens, p, rank, salt, lora))
         return out
 
     def _prompt_request(self, text: str | None, tokens: list[int], params: SamplingParams, rank: int,
-                        salt: str | None = None) -> PromptRequest:
+                        salt: str | None = None, lora: LoRARequest | None = None) -> PromptRequest:
         """params.n Sequences of the prompt; with n > 1, sample i's engine id is "<i>_<request id>" (vLLM's)."""
         request_id = uuid.uuid4().hex
-        samples = [self._sample(seq_id, tokens, p, rank, salt)
+        samples = [self._sample(seq_id, tokens, p, rank, salt, lora)
                    for seq_id, p in zip(sample_ids(request_id, params.n), sample_params(params))]
         return PromptRequest(request_id, text, samples)
 
     def _sample(self, seq_id: str, tokens: list[int], params: SamplingParams, rank: int,
-                salt: str | None = None) -> Sequence:
+                salt: str | None = None, lora: LoRARequest | None = None) -> Sequence:
         """One sample's Sequence. Under Config.seed an unseeded sample is seeded from it and its engine id (its
         order of arrival), as vLLM's seeded global RNG: the seed travels with it to every worker."""
         sid = next(self._ids)
         if self.config.seed is not None and params.seed is None:
             params = replace(params, seed=engine_request_seed(self.config.seed, sid))
-        return Sequence(sid, seq_id, list(tokens), params, priority=rank, cache_salt=salt)
+        return Sequence(sid, seq_id, list(tokens), params, priority=rank, cache_salt=salt, lora_request=lora)
+
+    def _lora_requests(self, lora_request, n: int) -> list[LoRARequest | None]:
+        """Each prompt's adapter, checked before any work: LoRA on (enable_lora), one path per lora_int_id, and
+        the adapter itself (read once per id: its files, its rank against max_lora_rank, its shapes against the
+        target's) as the target will load it."""
+        loras = per_prompt(lora_request, n)
+        if any(r is not None for r in loras) and not self.config.enable_lora:
+            raise ValueError("lora_request given, but LoRA is off: construct the LLM with enable_lora=True "
+                             "(and max_loras / max_lora_rank as the adapters need)")
+        for r in {(r.lora_int_id, r.lora_path): r for r in loras if r is not None}.values():  # (== is by name)
+            if self._lora_ids.check(r):
+                self._check_adapter(r)
+                self._lora_ids.bind(r)
+        return loras
+
+    def _check_adapter(self, request: LoRARequest) -> None:
+        from saguaro_dist.model.hf_config import load_config
+        from saguaro_dist.model.loader import resolve_model_dir
+        from saguaro_dist.model.lora_adapter import load_adapter
+        if self._target_config is None:
+            self._target_config = load_config(resolve_model_dir(self.config.model, weights=False,
+                                                                revision=self.config.revision))
+        try:
+            load_adapter(request.lora_path, self._target_config, self.config.max_lora_rank)
+        except OSError as err:  # a Hub id that cannot be fetched
+            raise ValueError(f"lora_request {request.lora_name!r}: {err}") from None
 
     def _prompt_ids(self, prompts, prompt_token_ids) -> tuple[list, list[list[int]], list[str | None]]:
         """Each prompt's text (or None), token ids and cache_salt (a prompt dict's, else None)."""
@@ -151,8 +181,7 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
 
 
-UNSUPPORTED = {"lora_request": "LoRA adapters are not supported",
-               "tokenization_kwargs": "prompts are encoded as the model's tokenizer does by default, without overrides",
+UNSUPPORTED = {"tokenization_kwargs": "prompts are encoded as the model's tokenizer does by default, without overrides",
                "mm_processor_kwargs": "multimodal inputs are not supported"}
 
 

@@ -21,6 +21,7 @@ from saguaro_dist.distributed.errors import (
 from saguaro_dist.engine.draft_backend import DraftLater, PendingDrafts
 from saguaro_dist.engine.draftless import ARLoop, lookup_proposal, verify_speculations
 from saguaro_dist.engine.messages import (
+    DraftSampling,
     JitDraftRequest,
     Outcome,
     PrefillRequest,
@@ -56,8 +57,7 @@ class SDLoop(ARLoop):
         """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
         target's prefill to after it, a draft on the target's thread after it."""
         drafted = [s for s in seqs if s.num_tokens + 1 <= self._draft_room]  # once prefill adds the first token
-        pending = self.draft.start_prefill([PrefillRequest(s.seq_id, s.prompt_token_ids,
-                                                           s.draft_sampling(self.target.eos_token_ids),
+        pending = self.draft.start_prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, self._told(s),
                                                            cache_salt=s.cache_salt)
                                             for s in drafted]) if drafted else None
         try:
@@ -190,6 +190,10 @@ class SDLoop(ARLoop):
     def _outgrows_draft(self, s: Sequence) -> bool:
         return s.num_tokens > self._draft_room
 
+    def _told(self, s: Sequence) -> DraftSampling:
+        """What the draft is told of s's sampling, with the ends the target holds back for min_tokens."""
+        return s.draft_sampling(self.target.eos_token_ids, self.target.vocab_size)
+
     def _leave_draft(self, seqs: list[Sequence]) -> None:
         """Sequences about to outgrow the draft's context (a draft trained on a shorter one than the
         target's) are released there; the fast backup speculates for them until they end. (vLLM stops
@@ -209,7 +213,7 @@ class SDLoop(ARLoop):
         if not seqs:
             return
         try:
-            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], s.draft_sampling(self.target.eos_token_ids),
+            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], self._told(s),
                                                prompt_len=len(s.prompt_token_ids), cache_salt=s.cache_salt)
                                for s in seqs])
         except DraftUnavailable as err:  # no worker to take them yet (the pool says so once); again next round

@@ -12,6 +12,7 @@ from saguaro_dist.engine.detokenizer import DecodeState
 from saguaro_dist.engine.messages import DraftSampling, Proposal
 from saguaro_dist.engine.metrics import RequestMetrics
 from saguaro_dist.engine.structured import GrammarState, grammar_of
+from saguaro_dist.lora_request import LoRARequest
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.spec.min_tokens import draft_end_ids
 from saguaro_dist.spec.stats import ProposalSource
@@ -98,11 +99,18 @@ def check_cache_salt(salt: object, param: str = "cache_salt") -> str | None:
     return salt
 
 
-def cache_namespace(cache_salt: str | None = None) -> tuple | None:
+def cache_namespace(cache_salt: str | None = None, lora_int_id: int | None = None) -> tuple | None:
     """The prefix-cache namespace of a request's KV (model/prefix_cache.py): only requests with the same one
-    share prefixes. None (no salt): the shared namespace. The one place that says what sets it apart."""
-    parts = (cache_salt,)
+    share prefixes. None (no salt, the base model): the shared namespace. The one place that says what sets it
+    apart: the salt, and for the target's KV the LoRA adapter it ran through (the draft's KV is the base model's,
+    whatever the adapter: the draft passes the salt alone)."""
+    parts = (cache_salt,) if lora_int_id is None else (cache_salt, lora_int_id)
     return None if all(p is None for p in parts) else parts
+
+
+def namespace_lora_id(namespace) -> int | None:
+    """The adapter a cache_namespace names (None: the base model's KV)."""
+    return namespace[1] if isinstance(namespace, tuple) and len(namespace) == 2 else None
 
 
 @dataclass
@@ -115,6 +123,7 @@ class Sequence:
     stream_interval_s: float = 0.0         # DELTA: rounds closer than this share one update, once text went out
     priority: int = 0                      # scheduling_policy "priority": lower is admitted first (vLLM's)
     cache_salt: str | None = None          # vLLM's: prefix-cache KV is shared only with requests of the same salt
+    lora_request: LoRARequest | None = None  # the target runs it through this adapter (None: the base model)
     status: SeqStatus = SeqStatus.WAITING
     prefilled: int = 0                     # prompt tokens already in the target's KV
     output_token_ids: list[int] = field(default_factory=list)
@@ -154,7 +163,8 @@ class Sequence:
 
     @property
     def cache_namespace(self) -> tuple | None:
-        return cache_namespace(self.cache_salt)
+        """The target's: its salt and its adapter."""
+        return cache_namespace(self.cache_salt, None if self.lora_request is None else self.lora_request.lora_int_id)
 
     @property
     def num_tokens(self) -> int:
@@ -164,13 +174,13 @@ class Sequence:
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
 
-    def draft_sampling(self, eos_token_ids: frozenset[int] = frozenset()) -> DraftSampling:
+    def draft_sampling(self, eos_token_ids: frozenset[int] = frozenset(), vocab_size: int = 0) -> DraftSampling:
         """What the draft is told of this request's sampling; eos_token_ids: the target's (with stop_token_ids,
-        what min_tokens holds back: TargetScorer.eos_token_ids)."""
+        what min_tokens holds back: TargetScorer.eos_token_ids); vocab_size: the target's (ids past it bar nothing)."""
         p = self.params
         return DraftSampling(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, min_p=p.min_p, seed=p.seed,
                              presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                              repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
                              allowed_token_ids=p.allowed_token_ids, bad_words=p.banned_words, min_tokens=p.min_tokens,
-                             end_token_ids=draft_end_ids(p.min_tokens, eos_token_ids, p.stop_token_ids),
+                             end_token_ids=draft_end_ids(p.min_tokens, eos_token_ids, p.stop_token_ids, vocab_size),
                              grammar=None if p.structured_outputs is None else grammar_of(p.structured_outputs))

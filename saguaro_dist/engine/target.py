@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro_dist.engine.logprobs import token_logprobs
+from saguaro_dist.engine.lora_slots import AdapterSlots
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.structured import GrammarError
@@ -69,6 +70,8 @@ class TargetScorer:
     def __init__(self, runner, eos_token_ids: frozenset[int] = frozenset(), prefix_caching: bool = True):
         self.runner = runner
         self.prefixes = PrefixCache(runner, enabled=prefix_caching)  # add / free of whole sequences go through it
+        lora = getattr(runner, "lora", None)  # the runner's LoRA slot table (None: LoRA off)
+        self.loras = AdapterSlots(runner, self.prefixes, lora.max_loras) if lora is not None else None
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids  # with stop_token_ids, what min_tokens holds back
 
@@ -145,13 +148,28 @@ class TargetScorer:
             s.logit_bias_row = bias_row(s.params.logit_bias, s.params.allowed_token_ids, self.vocab_size).to(device)
         return s.logit_bias_row
 
+    def check_lora(self, request) -> None:
+        """A request's LoRARequest as it enters the engine: refused (ValueError) without enable_lora, or when its
+        lora_int_id named another lora_path before."""
+        if request is not None and self.loras is None:
+            raise ValueError("lora_request given, but LoRA is off for this engine: start it with enable_lora=True")
+        if self.loras is not None:
+            self.loras.note(request)
+
+    def can_start(self, s: Sequence, live: list[Sequence]) -> bool:
+        """Whether s's adapter has a slot or can get one now (live: the sequences holding rows)."""
+        return self.loras is None or self.loras.can_start(s.lora_request, _adapters(live))
+
     def start(self, s: Sequence, live: list[Sequence]) -> None:
-        """Give s its KV row, holding what the prefix cache or a live sequence (running or prefilling) has
-        of its prompt (s.prefilled tokens), in its cache namespace (its cache_salt). A request for prompt
-        log-probabilities needs every prompt row's logits: it reuses nothing."""
+        """Give s its KV row (through its adapter's slot, loaded now if need be), holding what the prefix cache
+        or a live sequence (running or prefilling) has of its prompt (s.prefilled tokens), in its cache
+        namespace (its cache_salt and adapter). A request for prompt log-probabilities needs every prompt row's
+        logits: it reuses nothing. A ValueError (its adapter failed to load) leaves s without a row."""
+        slot = self.loras.acquire(s.lora_request, _adapters(live)) if self.loras is not None else None
         wanted = s.prompt_token_ids if s.params.prompt_logprobs is None else ()
         sources = {x.seq_id: x.tokens for x in live} if self.prefixes.enabled else {}
-        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources, s.cache_namespace)
+        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources, s.cache_namespace,
+                                                                        slot)
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the (started) prompts; sample each sequence's first token (its KV then holds the prompt)."""
@@ -237,6 +255,10 @@ class TargetScorer:
             if s.params.logprobs is not None:
                 s.round_logprobs = token_logprobs(logits[i:i + 1], [t], s.params.logprobs)
         return tokens
+
+
+def _adapters(seqs: list[Sequence]) -> set[int]:
+    return {s.lora_request.lora_int_id for s in seqs if s.lora_request is not None}
 
 
 def _all_greedy(seqs: list[Sequence]) -> bool:

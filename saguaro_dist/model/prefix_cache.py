@@ -39,14 +39,17 @@ class PrefixCache:
         self._ids = itertools.count()
 
     def start(self, seq_id: Hashable, tokens: Sequence[int], live: Mapping[Hashable, Sequence[int]] | None = None,
-              namespace: Hashable = None) -> int:
+              namespace: Hashable = None, lora_slot: int | None = None) -> int:
         """Add seq_id to the runner with as much of `tokens`' KV as a kept entry or a live sequence of its
         namespace holds (never the last token: its logits are what a prefill is for). live: the caller's
         sequences in the runner -> their tokens (valid as far as each one's KV goes). Returns how many
-        positions it holds."""
+        positions it holds. lora_slot: the runner's adapter slot it runs (its namespace must name the adapter)."""
         if self.enabled and self.runner.spare_rows() == 0 and self.entries:
             self._evict()
-        self.runner.add(seq_id)
+        if lora_slot is None:  # (the no-LoRA call stays the plain add every runner has)
+            self.runner.add(seq_id)
+        else:
+            self.runner.add(seq_id, lora_slot=lora_slot)
         self.namespaces[seq_id] = namespace
         if not self.enabled or len(tokens) <= self.min_reuse:
             return 0
@@ -77,6 +80,13 @@ class PrefixCache:
     def clear(self) -> None:
         while self.entries:
             self._evict()
+
+    def drop(self, doomed) -> None:
+        """Free the kept entries whose namespace doomed(namespace) condemns (their adapter's slot was reloaded)."""
+        for key in [k for k in self.entries if doomed(self.namespaces.get(k))]:
+            del self.entries[key]
+            self.namespaces.pop(key, None)
+            self.runner.free(key)
 
     def _evict(self) -> None:
         key, _ = self.entries.popitem(last=False)

@@ -5,7 +5,7 @@ the best beams as the n choices. The search rules are engine/beam_search.py's Be
 from __future__ import annotations
 
 from saguaro_dist.engine.beam_search import (MAX_BEAM_WIDTH, BeamRule, BeamSearchInstance, BeamSearchParams,
-                                             BeamSearchSequence, beam_eos)
+                                             BeamSearchSequence, LiveRanking, beam_eos)
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.full_replies import final_extra, finished_choice
@@ -86,7 +86,8 @@ async def beam_results(state: ServingState, body, jobs: list[Job]) -> tuple[list
     """Every prompt's search (concurrently); its best beams are its choices, as many as it found (<= n)."""
     eos = beam_eos(state.tokenizer)
     firsts = jobs[::body.n]
-    rules = [BeamRule(beam_params(state, body, job), eos, state.max_model_len) for job in firsts]
+    rules = [BeamRule(beam_params(state, body, job), eos, state.max_model_len, LiveRanking.CUM_LOGPROB)
+             for job in firsts]
     found = await gather_or_cancel([search(state, rule, job) for rule, job in zip(rules, firsts)])
     pairs = [(job, beam_result(state, body, job, beam, eos))
              for k, beams in enumerate(found) for job, beam in zip(jobs[k * body.n:(k + 1) * body.n], beams)]
@@ -113,10 +114,19 @@ async def beam_response(state: ServingState, body, jobs: list[Job], model: str, 
 def _chat_events(body, fmt: responses.Format, response_id: str, model: str, choices: list[dict], role: str) -> list:
     opening = [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], {"role": role, "content": ""}, None)])
                for c in choices]
-    deltas = [{k: v for k, v in c["message"].items() if k != "role" and v is not None} for c in choices]
+    deltas = [_delta_of(c["message"]) for c in choices]
     return opening + [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], delta, c["finish_reason"],
                                                                     c["logprobs"], c["stop_reason"])])
                       for c, delta in zip(choices, deltas)]
+
+
+def _delta_of(message: dict) -> dict:
+    """A finished choice's message as one stream delta: its fields but the role, each tool call with its
+    index (a chunk's tool calls need one, OpenAI's ChoiceDeltaToolCall)."""
+    delta = {k: v for k, v in message.items() if k != "role" and v is not None}
+    if "tool_calls" in delta:
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    return delta
 
 
 async def _sse(parts: list[str]):

@@ -18,12 +18,15 @@ import torch
 MAX_END_TOKEN_IDS = 1 << 20
 
 
-def draft_end_ids(min_tokens: int, eos_token_ids: Iterable[int], stop_token_ids: Iterable[int]) -> tuple[int, ...]:
-    """What the draft is told to hold back: the distinct ends, sorted (the smallest MAX_END_TOKEN_IDS);
-    none where min_tokens holds nothing back."""
+def draft_end_ids(min_tokens: int, eos_token_ids: Iterable[int], stop_token_ids: Iterable[int],
+                  vocab_size: int) -> tuple[int, ...]:
+    """What the draft is told to hold back: the distinct ends the target has a logit for (ids past its
+    vocabulary bar nothing, and a stop_token_id may be any int: one past int64 would not cross the wire),
+    sorted (the smallest MAX_END_TOKEN_IDS); none where min_tokens holds nothing back."""
     if min_tokens <= 0:
         return ()
-    return tuple(sorted(set(eos_token_ids) | set(stop_token_ids)))[:MAX_END_TOKEN_IDS]
+    ends = {t for t in eos_token_ids if t < vocab_size} | {t for t in stop_token_ids if t < vocab_size}
+    return tuple(sorted(ends))[:MAX_END_TOKEN_IDS]
 
 
 def checked_end_ids(min_tokens, ids) -> tuple[int, ...]:
@@ -63,14 +66,21 @@ class RowEnds:
     min_tokens: list[int]        # per row: its request's min_tokens
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [R, V], barred tokens at -inf (a copy where any is barred)."""
-        vocab = logits.shape[-1]
-        cells = [(r, t) for r, (ends, n, m) in enumerate(zip(self.ends, self.before, self.min_tokens))
-                 if held_back_rows(n, m, 1) for t in in_vocab(ends, vocab)]
-        if not cells:
+        """logits [R, V], barred tokens at -inf (a copy where any is barred). Rows sharing a request's ends
+        (the same tuple) are barred in one indexed assignment: a request may hold back many ids."""
+        short: dict[int, list[int]] = {}  # id of an ends tuple -> its rows still short of min_tokens
+        for r, (ends, n, m) in enumerate(zip(self.ends, self.before, self.min_tokens)):
+            if ends and held_back_rows(n, m, 1):
+                short.setdefault(id(ends), []).append(r)
+        if not short:
             return logits
-        rows, tokens = torch.tensor(cells, dtype=torch.long, device=logits.device).T
-        return logits.index_put((rows, tokens), torch.tensor(float("-inf"), device=logits.device, dtype=logits.dtype))
+        logits = logits.clone()
+        for rows in short.values():
+            ids = in_vocab(self.ends[rows[0]], logits.shape[-1])
+            if ids:
+                index = torch.tensor(rows, device=logits.device)[:, None], torch.tensor(ids, device=logits.device)
+                logits[index] = float("-inf")
+        return logits
 
     def drew(self, tokens: torch.Tensor) -> None:
         """tokens [R]: each row's next token (one more output token before its next draw)."""

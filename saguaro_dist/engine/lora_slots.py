@@ -1,0 +1,90 @@
+"""The target's LoRA adapters in its runner's slots (vLLM's max_loras: adapters one batch runs at once).
+
+An adapter (named by its LoRARequest's lora_int_id) is loaded at the first request that runs it, into an empty
+slot or the least recently used one that no sequence holding a KV row runs; a request whose adapter has no slot
+and can get none waits (Engine._admit). Reloading a slot (another adapter, or load_inplace) drops the prefix
+cache's kept rows computed through what it held: the runner refuses to copy KV across loads of a slot, and the
+engine never asks it to."""
+from __future__ import annotations
+
+import itertools
+import logging
+
+from saguaro_dist.engine.sequence import namespace_lora_id
+from saguaro_dist.lora_request import AdapterIds, LoRARequest
+
+log = logging.getLogger(__name__)
+
+
+class AdapterLoadError(ValueError):
+    """A request's adapter could not be loaded: that request fails alone."""
+
+
+class AdapterSlots:
+    def __init__(self, runner, prefixes, max_loras: int):
+        """runner: the target's (ModelRunner, or rank 0's BroadcastRunner: loads replay on every rank);
+        prefixes: its PrefixCache."""
+        self.runner, self.prefixes = runner, prefixes
+        self.held: list[LoRARequest | None] = [None] * max_loras  # slot -> the adapter it holds
+        self.last_used = [0] * max_loras
+        self.ids = AdapterIds()
+        self.stale: set[int] = set()  # adapters a load_inplace request asked to load again (at their next start)
+        self._ticks = itertools.count(1)
+
+    def note(self, request: LoRARequest | None) -> None:
+        """A request entered the engine: its id must keep its path (ValueError); load_inplace marks it stale."""
+        if request is None:
+            return
+        self.ids.bind(request)
+        if request.load_inplace and self.slot_of(request.lora_int_id) is not None:
+            self.stale.add(request.lora_int_id)
+
+    def slot_of(self, lora_int_id: int) -> int | None:
+        return next((i for i, r in enumerate(self.held) if r is not None and r.lora_int_id == lora_int_id), None)
+
+    def can_start(self, request: LoRARequest | None, busy: set[int]) -> bool:
+        """Whether a sequence of `request`'s adapter can start now; busy: the adapters (lora_int_id) of the
+        sequences holding rows."""
+        if request is None:
+            return True
+        slot = self.slot_of(request.lora_int_id)
+        if slot is not None:  # a reload (load_inplace) waits until nobody runs the old weights
+            return request.lora_int_id not in self.stale or request.lora_int_id not in busy
+        return self._free_slot(busy) is not None
+
+    def acquire(self, request: LoRARequest | None, busy: set[int]) -> int | None:
+        """The slot `request`'s sequence runs (None: the base model), loading the adapter if it has none.
+        A load that fails (AdapterLoadError: the folder went, say) leaves every slot as it was."""
+        if request is None:
+            return None
+        slot = self.slot_of(request.lora_int_id)
+        if slot is None or request.lora_int_id in self.stale:
+            slot = self._free_slot(busy) if slot is None else slot
+            if slot is None:
+                raise RuntimeError(f"no LoRA slot for adapter {request.lora_int_id} (can_start was not asked)")
+            self._load(slot, request)
+            self.stale.discard(request.lora_int_id)
+        self.last_used[slot] = next(self._ticks)
+        return slot
+
+    def _free_slot(self, busy: set[int]) -> int | None:
+        """An empty slot, else the least recently used one whose adapter no sequence holding a row runs."""
+        empty = [i for i, r in enumerate(self.held) if r is None]
+        if empty:
+            return empty[0]
+        idle = [i for i, r in enumerate(self.held) if r.lora_int_id not in busy]
+        return min(idle, key=self.last_used.__getitem__) if idle else None
+
+    def _load(self, slot: int, request: LoRARequest) -> None:
+        old = self.held[slot]
+        try:
+            self.runner.load_lora(slot, request.lora_path)
+        except (ValueError, OSError) as err:
+            raise AdapterLoadError(f"lora_request {request.lora_name!r}: {err}") from None
+        self.held[slot] = request
+        if old is not None:
+            gone = old.lora_int_id  # kept rows computed through the old weights
+            self.prefixes.drop(lambda namespace: namespace_lora_id(namespace) == gone)
+            log.info("LoRA slot %d: adapter %d (%s) replaces %d", slot, request.lora_int_id, request.lora_name, gone)
+        else:
+            log.info("LoRA slot %d: adapter %d (%s) loaded", slot, request.lora_int_id, request.lora_name)

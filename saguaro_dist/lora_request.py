@@ -1,0 +1,107 @@
+"""vLLM's LoRARequest (vllm/lora/request.py) and its LoRAConfig's limits (vllm/config/lora.py): which PEFT adapter a
+request runs, checked at the edge. Light (no torch): Config and the client side import it."""
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
+
+
+@dataclass
+class LoRARequest:
+    """One adapter a request runs through (vLLM's fields). lora_int_id (>= 1) names the adapter in the engine:
+    it is loaded once per id, and an id must keep naming one lora_path. lora_path: a PEFT folder
+    (adapter_config.json + adapter_model.safetensors) or a Hugging Face id. load_inplace: load it again from
+    lora_path even if the engine holds it (vLLM's; here at the adapter's next slot, once no running request
+    uses the old weights). tensorizer_config_dict: vLLM's tensorizer loading, refused. Equal and hashed by
+    lora_name, as vLLM's."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    tensorizer_config_dict: dict | None = None
+    load_inplace: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.lora_path, os.PathLike):
+            self.lora_path = os.fspath(self.lora_path)
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError(f"LoRARequest.lora_name must be a non-empty string, got {self.lora_name!r}")
+        if type(self.lora_int_id) is not int or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest.lora_int_id must be an integer > 0, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path.strip():
+            raise ValueError(f"LoRARequest.lora_path cannot be empty: a PEFT adapter folder or a Hugging Face id, "
+                             f"got {self.lora_path!r}")
+        if self.base_model_name is not None and not isinstance(self.base_model_name, str):
+            raise ValueError(f"LoRARequest.base_model_name must be a string or None, got {self.base_model_name!r}")
+        if self.tensorizer_config_dict is not None:
+            raise ValueError("LoRARequest.tensorizer_config_dict: tensorizer loading is not supported (a PEFT folder "
+                             "or Hugging Face id in lora_path)")
+        if type(self.load_inplace) is not bool:
+            raise ValueError(f"LoRARequest.load_inplace must be True or False, got {self.load_inplace!r}")
+
+    @property
+    def adapter_id(self) -> int:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LoRARequest) and self.lora_name == other.lora_name
+
+    def __hash__(self) -> int:
+        return hash(self.lora_name)
+
+
+def check_lora_config(enable_lora, max_loras, max_lora_rank) -> None:
+    """Config's LoRA fields, as vLLM's LoRAConfig takes them (max_loras >= 1, max_lora_rank one of MaxLoRARanks)."""
+    if not isinstance(enable_lora, bool):
+        raise ValueError(f"enable_lora must be true or false, got {enable_lora!r}")
+    if type(max_loras) is not int or max_loras < 1:
+        raise ValueError(f"max_loras must be an integer >= 1 (adapters in one batch), got {max_loras!r}")
+    if type(max_lora_rank) is not int or max_lora_rank not in MAX_LORA_RANKS:
+        raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}, got {max_lora_rank!r}")
+
+
+def per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
+    """vLLM's lora_request argument (None, one LoRARequest for every prompt, or a list of one per prompt) as n."""
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    if not isinstance(lora_request, (list, tuple)) or not all(r is None or isinstance(r, LoRARequest)
+                                                              for r in lora_request):
+        raise ValueError(f"lora_request must be a LoRARequest, a list of them (one per prompt) or None, "
+                         f"got {lora_request!r}")
+    if len(lora_request) != n:
+        raise ValueError(f"got {len(lora_request)} lora_request for {n} prompts")
+    return list(lora_request)
+
+
+class AdapterIds:
+    """lora_int_id -> the lora_path it named first: a later request naming the id with another path is refused
+    (vLLM leaves this unenforced; here the engine loads an id once, so another path would run the wrong weights)."""
+
+    def __init__(self):
+        self._paths: dict[int, str] = {}
+        self._lock = threading.Lock()  # the LLM checks from callers' threads
+
+    def check(self, request: LoRARequest) -> bool:
+        """Raise ValueError if the id names another path; True when it is new (not yet bound)."""
+        with self._lock:
+            known = self._paths.get(request.lora_int_id)
+        if known is not None and known != request.lora_path:
+            raise ValueError(f"lora_int_id {request.lora_int_id} names adapter {known!r}; lora_request "
+                             f"{request.lora_name!r} names it with lora_path {request.lora_path!r}: one id, one adapter")
+        return known is None
+
+    def bind(self, request: LoRARequest) -> None:
+        with self._lock:
+            self._paths.setdefault(request.lora_int_id, request.lora_path)
+        self.check(request)
