@@ -24,10 +24,11 @@ def unfold_heads(o: torch.Tensor, t: int) -> torch.Tensor:
     return o.view(b, kv, t, tg // t, d).permute(0, 2, 1, 3, 4).reshape(b, t, -1)
 
 
-def dense_attention(q, k, v, mask, scale=None):
+def dense_attention(q, k, v, mask, scale=None, sinks=None):
     """q: [B, kv, Tg, D]; k, v: [B, kv, S, D]; mask: [B, 1, Tg, S], float in q's dtype (added to the
     scores: 0 / -inf, additive_mask) or None (all). scale: the scores' factor (Granite's
-    attention_multiplier), None for SDPA's 1/sqrt(D); SDPA applies it as transformers' call does."""
+    attention_multiplier), None for SDPA's 1/sqrt(D); SDPA applies it as transformers' call does. sinks:
+    always None here (a model with sinks attends by sink_attention: attention_kernel)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
@@ -39,7 +40,7 @@ def causal_attention(q, k, v, scale=None):
     return o.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
 
 
-def softcapped_attention(q, k, v, mask, scale=None, *, softcap: float):
+def softcapped_attention(q, k, v, mask, scale=None, sinks=None, *, softcap: float):
     """dense_attention's contract with the scores tanh-softcapped, cap * tanh(scores / cap), before the mask
     (Gemma 2's attn_logit_softcapping), which SDPA cannot do: spelled out as transformers' eager path does it,
     the scores in q's dtype, the softmax in fp32, cast back before the product with v. Static shapes: a CUDA
@@ -53,12 +54,33 @@ def softcapped_attention(q, k, v, mask, scale=None, *, softcap: float):
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def sink_attention(q, k, v, mask, scale=None, sinks=None):
+    """dense_attention's contract plus gpt-oss's attention sinks: sinks [H] (this rank's heads), one learned logit
+    a head that joins each query's softmax as an extra column and is then dropped, so a query may attend to
+    nothing (its weights sum below 1). SDPA cannot add that column: spelled out as transformers' eager path
+    does (scores in q's dtype, the row max subtracted, the softmax in that dtype, cast to v's). Static shapes
+    (a CUDA graph could capture it). mask: additive, or bool (True: seen), as softcapped_attention's."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill_(mask.logical_not(), float("-inf"))
+    elif mask is not None:
+        scores = scores.add_(mask)
+    b, kv, rows, _ = scores.shape  # fold_heads' rows: t * group + g is head kv * group + g
+    group = sinks.shape[0] // kv
+    column = sinks.view(1, kv, 1, group).expand(b, kv, rows // group, group).reshape(b, kv, rows, 1)
+    logits = torch.cat([scores, column.to(scores.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]  # the sink's column dropped
+    return torch.matmul(probs.to(v.dtype), v)
+
+
 @dataclass(frozen=True)
 class AttentionKernel:
     """How one model's attention is computed, picked once when it is built (CausalLM.attention) and handed to
     every step's context, so a layer never says which. dense: dense_attention's contract; causal:
     causal_attention's, or None where the kernel has no mask-free causal form (prompts from position 0 then
-    go through dense under a causal mask)."""
+    go through dense under a causal mask). A step context passes dense a layer's attention sinks (`sinks`,
+    gpt-oss's; None for every other model, whose kernels take no more ops for it)."""
     dense: Callable
     causal: Callable | None
 
@@ -66,8 +88,13 @@ class AttentionKernel:
 SDPA = AttentionKernel(dense_attention, causal_attention)  # every model without softcapped scores
 
 
-def attention_kernel(softcap: float | None) -> AttentionKernel:
-    """SDPA's, or (a softcap given) softcapped_attention under it: no op added to models without one."""
+def attention_kernel(softcap: float | None, sinks: bool = False) -> AttentionKernel:
+    """SDPA's, or (a softcap given) softcapped_attention under it, or (sinks) sink_attention: no op added to
+    models with neither."""
+    if softcap is not None and sinks:  # no family has both; one kernel computes one of them
+        raise ValueError("attention softcapping and attention sinks together are not supported")
+    if sinks:
+        return AttentionKernel(sink_attention, None)
     if softcap is None:
         return SDPA
     return AttentionKernel(functools.partial(softcapped_attention, softcap=softcap), None)

@@ -187,7 +187,7 @@ class BranchBatch:
         self.write_to = (state.private_k[:, :, :, lo:hi], state.private_v[:, :, :, lo:hi])  # [layers, U, kv, Q, D]
         self.window = (state.keys[:, :, :, :seen], state.values[:, :, :, :seen])  # prefix + this step's private
 
-    def attend(self, layer: int, q, k, v, scale=None, window=None) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale=None, window=None, sinks=None) -> torch.Tensor:
         """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]; scale: dense_attention's; window: the
         layer's sliding window (None, or one no branch reaches past: full attention)."""
         self.write_to[0][layer].copy_(k.transpose(1, 2))
@@ -195,4 +195,4 @@ class BranchBatch:
         # One fused attention over [prefix ‖ private] keys, a strided view SDPA reads as it is.
         keys, values = self.window[0][layer], self.window[1][layer]
         bias = self.bias if window is None or self.reach <= window else self.window_biases(window)
-        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, bias, scale), self.q)
+        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, bias, scale, sinks), self.q)

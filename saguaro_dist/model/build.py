@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from saguaro_dist.model.fuse import fuse_projections
+from saguaro_dist.model.gpt_oss_weights import GptOssExpertTensors
 from saguaro_dist.model.hf_config import ModelConfig
 from saguaro_dist.model.layers import CausalLM
-from saguaro_dist.model.loader import load_weights
+from saguaro_dist.model.loader import load_weights, read_tensor
 from saguaro_dist.model.phi3_config import fused_checkpoint_parts
 from saguaro_dist.model.tp import apply_tensor_parallel
 
@@ -26,6 +27,9 @@ def build_model(cfg: ModelConfig, model_dir: Path, device, dtype, tp_group=None)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
         skip = frozenset({"lm_head.weight"})
-    load_weights(model, model_dir, skip, cfg.language_model_only, fused_checkpoint_parts(cfg))
+    # gpt-oss's experts: stacked, interleaved, or MXFP4 dequantized to dtype (model/gpt_oss_weights.py)
+    layout = (GptOssExpertTensors(lambda name: read_tensor(model_dir, name), dtype, device)
+              if cfg.swiglu_limit is not None else None)
+    load_weights(model, model_dir, skip, cfg.language_model_only, fused_checkpoint_parts(cfg), layout)
     fuse_projections(model)
     return model.eval().requires_grad_(False)

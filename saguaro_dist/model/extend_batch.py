@@ -63,7 +63,7 @@ class ExtendBatch:
             return self.pool.view(layer, self.rows, self.s)
         return self.span[0][layer], self.span[1][layer]
 
-    def attend(self, layer: int, q, k, v, scale=None, window=None) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale=None, window=None, sinks=None) -> torch.Tensor:
         """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]; scale: dense_attention's; window: this
         layer's sliding window (None: full attention). Keys 0..S-1 all within it (S <= window): the same."""
         self._store(0, layer, k)
@@ -75,4 +75,4 @@ class ExtendBatch:
             return self.causal(q, kc, vc, scale)
         else:
             mask = self.mask
-        return unfold_heads(self.dense(fold_heads(q, kc.shape[1]), kc, vc, mask, scale), self.t)
+        return unfold_heads(self.dense(fold_heads(q, kc.shape[1]), kc, vc, mask, scale, sinks), self.t)

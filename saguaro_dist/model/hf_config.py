@@ -8,6 +8,7 @@ from pathlib import Path
 from saguaro_dist.model.gemma2_config import GEMMA2_TYPE, gemma2_fields, gemma2_view, gemma2_windows
 from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma3_ropes, gemma3_text_view,
                                               gemma3_windows)
+from saguaro_dist.model.gpt_oss_config import GPT_OSS_TYPE, gpt_oss_fields, gpt_oss_view, gpt_oss_windows, is_mxfp4
 from saguaro_dist.model.phi3_config import PHI3_TYPE, phi3_context, phi3_fields, phi3_rope
 from saguaro_dist.model.rope_checks import checked_rope, is_number
 
@@ -16,7 +17,8 @@ _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bi
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True),
              "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False),
              "gemma2": ("attention_bias", True, False), "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True),
-             "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True), "phi3": ("", False, False)}
+             "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True), "phi3": ("", False, False),
+             "gpt_oss": ("attention_bias", True, False)}
 _DEFAULT_EPS = {"olmo2": 1e-5, "phi3": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
 # Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -78,6 +80,11 @@ class ModelConfig:
     routing_weights_fp32: bool = False  # Mixtral: the weights stay fp32 into the weighted sum; Qwen3-MoE: cast
     sparse_layers: tuple = ()         # each layer: True sparse (experts), False dense MLP; (): none sparse
     rotary_dim: int | None = None  # Phi-3's partial rotary factor: rope on each head's first rotary_dim dims; None: all
+    # gpt-oss's (gpt_oss_config.py); the defaults add no op
+    attention_sinks: bool = False      # a learned logit per head in each softmax (attention.sink_attention)
+    weight_first_norms: bool = False   # RMSNorm's weight times the fp32 normalised input, then the cast (as OLMo 2's)
+    swiglu_alpha: float | None = None  # the experts' clamped SwiGLU (moe.ClampedSwiGLUExpert); None: plain SwiGLU
+    swiglu_limit: float | None = None
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
@@ -180,6 +187,8 @@ def layer_windows(hf: dict, num_layers: int) -> tuple:
     "sliding_attention"; () when none slides."""
     if hf["model_type"] == GEMMA2_TYPE:
         windows = gemma2_windows(gemma2_view(hf))
+    elif hf["model_type"] == GPT_OSS_TYPE:
+        windows = gpt_oss_windows(gpt_oss_view(hf))
     elif hf["model_type"] in GEMMA3_TYPES:
         windows = gemma3_windows(gemma3_text_view(hf))
     elif hf["model_type"] in ("qwen2", "qwen3"):
@@ -219,10 +228,11 @@ def _check_unquantized(hf: dict) -> None:
     """Quantized weights (FP8, GPTQ, AWQ, ...) need scales and kernels this runtime lacks: loaded as they
     are, FP8 ones were cast without their scales and computed another model."""
     quant = hf.get("quantization_config")
-    if quant:
+    if quant and not is_mxfp4(hf):  # gpt-oss's MXFP4 experts: dequantized on load (model/mxfp4.py)
         method = quant.get("quant_method") if isinstance(quant, dict) else None
         raise ValueError(f"config.json has a quantization_config (quant_method {method!r}): quantized checkpoints "
-                         "are not supported; use the unquantized (float16 / bfloat16 / float32) model")
+                         "are not supported (but gpt-oss's mxfp4 experts, dequantized on load); use the "
+                         "unquantized (float16 / bfloat16 / float32) model")
 
 
 def _granite_scalars(hf: dict) -> dict:
@@ -292,7 +302,7 @@ def moe_fields(hf: dict) -> dict:
 
 def _family_fields(model_type: str, hf: dict) -> dict:
     """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout, Gemma 3's,
-    Mixtral's and Qwen3-MoE's experts, Phi-3's rotary dimension)."""
+    Mixtral's and Qwen3-MoE's experts, Phi-3's rotary dimension, gpt-oss's sinks and experts)."""
     if model_type == "granite":
         return _granite_scalars(hf)
     if model_type == "olmo2":
@@ -305,6 +315,8 @@ def _family_fields(model_type: str, hf: dict) -> dict:
         return moe_fields(hf)
     if model_type == PHI3_TYPE:
         return phi3_fields(hf)
+    if model_type == GPT_OSS_TYPE:
+        return gpt_oss_fields(hf)
     return {}
 
 
@@ -313,6 +325,8 @@ def parse_config(hf: dict) -> ModelConfig:
         hf = gemma3_text_view(hf)
     elif hf.get("model_type") == GEMMA2_TYPE:  # Gemma 2's defaults filled in
         hf = gemma2_view(hf)
+    elif hf.get("model_type") == GPT_OSS_TYPE:  # gpt-oss's defaults filled in (its rope's too)
+        hf = gpt_oss_view(hf)
     model_type = _model_type(hf)
     _check_unquantized(hf)
     bias_key, o_bias, qk_norm = _FAMILIES[model_type]

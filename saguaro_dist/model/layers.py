@@ -1,6 +1,6 @@
 """The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 2 / Gemma 3 / Mixtral / Qwen3-MoE /
-Phi-3) as plain modules; attention over stored KV is left to a batch context (`ctx.attend`), so the same layers
-serve batched extend and branch decode."""
+Phi-3 / gpt-oss) as plain modules; attention over stored KV is left to a batch context (`ctx.attend`), so the
+same layers serve batched extend and branch decode."""
 from __future__ import annotations
 
 import torch
@@ -92,6 +92,18 @@ class Attention(PlainModule):
         return ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
 
 
+class SinkAttention(Attention):
+    """gpt-oss's: a learned logit per head (`sinks`, [num_heads]) joins every softmax (attention.sink_attention,
+    the model's kernel); tensor parallel keeps each rank's heads' (model/tp.py)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.sinks = nn.Parameter(torch.empty(cfg.num_heads))
+
+    def _attend(self, ctx, q, k, v) -> torch.Tensor:
+        return ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, sinks=self.sinks)
+
+
 class ProjectionNormAttention(Attention):
     """OLMo 2's: q and k each RMS-normalised over the whole projection (all heads at once), before RoPE."""
 
@@ -159,11 +171,11 @@ class GeluTanhMLP(MLP):
 
 
 def _feed_forward(cfg: ModelConfig, layer_idx: int) -> PlainModule:
-    """The layer's MLP: dense, or (Mixtral, Qwen3-MoE's sparse layers) a mixture of experts."""
+    """The layer's MLP: dense, or (Mixtral, Qwen3-MoE's sparse layers, gpt-oss's) a mixture of experts."""
     if not cfg.is_sparse(layer_idx):
         return MLP(cfg)
-    from saguaro_dist.model.moe import SparseMoeBlock  # here: moe.py builds on this module's MLP
-    return SparseMoeBlock(cfg)
+    from saguaro_dist.model.moe import GptOssMoeBlock, SparseMoeBlock  # here: moe.py builds on this module's MLP
+    return (SparseMoeBlock if cfg.swiglu_limit is None else GptOssMoeBlock)(cfg)
 
 
 class DecoderLayer(PlainModule):
@@ -177,6 +189,16 @@ class DecoderLayer(PlainModule):
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SinkLayer(DecoderLayer):
+    """gpt-oss's: Llama's layout, its attention with sinks, its norms weight-first (GptOssRMSNorm's order)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.self_attn = SinkAttention(cfg, layer_idx)
+        self.input_layernorm = WeightFirstRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = WeightFirstRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class ScaledResidualLayer(DecoderLayer):
@@ -229,6 +251,8 @@ def _layer_class(cfg: ModelConfig) -> type:
         return SandwichNormLayer
     if cfg.post_norms:
         return PostNormLayer
+    if cfg.attention_sinks:
+        return SinkLayer
     return DecoderLayer if cfg.residual_multiplier == 1.0 else ScaledResidualLayer
 
 
@@ -242,7 +266,8 @@ class Decoder(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         layer = _layer_class(cfg)
         self.layers = nn.ModuleList(layer(cfg, i) for i in range(cfg.num_layers))
-        norm = OffsetRMSNorm if cfg.sandwich_norms else WeightFirstRMSNorm if cfg.post_norms else RMSNorm
+        weight_first = cfg.post_norms or cfg.weight_first_norms
+        norm = OffsetRMSNorm if cfg.sandwich_norms else WeightFirstRMSNorm if weight_first else RMSNorm
         self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -254,7 +279,8 @@ class CausalLM(PlainModule):
         # Granite's; at 1 (every other family) no multiply or divide runs
         self.embedding_multiplier, self.logits_scaling = cfg.embedding_multiplier, cfg.logits_scaling
         self.embed_scale = None  # Gemma's: a tensor in the model's dtype, set by set_embed_scale once built
-        self.attention = attention_kernel(cfg.attn_softcap)  # every step context attends with it (SDPA's but Gemma 2's)
+        # every step context attends with it: SDPA's but for Gemma 2's softcap and gpt-oss's sinks
+        self.attention = attention_kernel(cfg.attn_softcap, cfg.attention_sinks)
         self.final_softcap = cfg.final_softcap  # Gemma 2's; None: no op
 
     def set_embed_scale(self, scale: float | None, dtype: torch.dtype, device) -> None:

@@ -205,15 +205,20 @@ def fused_tensors(stored: str, sl, fused: dict) -> list[tuple[str, object]]:
     return [(f"{parent}.{name}.weight", _TensorSlice(t)) for (name, _), t in zip(parts, split)]
 
 
-def _parameter_parts(name: str, sl, fused: dict) -> list[tuple[str, object]]:
-    """Every (parameter name, slice) a checkpoint tensor fills: fused rows split, MoE experts renamed."""
+def _parameter_parts(name: str, sl, fused: dict, layout=None) -> list[tuple[str, object]]:
+    """Every (parameter name, slice) a checkpoint tensor fills: a family's own layout's (gpt-oss's experts), else
+    fused rows split, MoE experts renamed."""
+    own = None if layout is None else layout(name, sl)
+    if own is not None:
+        return own
     return [pair for param, part in fused_tensors(name, sl, fused) for pair in expert_tensors(param, part)]
 
 
 def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = frozenset(),
-                 language_model_only: bool = False, fused: dict | None = None):
+                 language_model_only: bool = False, fused: dict | None = None, layout=None):
     """language_model_only: the checkpoint is multimodal (Gemma 3 4B-27B), its language model is loaded
-    (language_model_name). fused: tensors stacking several parameters (fused_tensors; None: none). Every
+    (language_model_name). fused: tensors stacking several parameters (fused_tensors; None: none). layout: a
+    family's own tensors, (name, slice) -> (parameter, slice) pairs or None (gpt_oss_weights). Every
     parameter must come from the checkpoint (none is left as allocated), and every tensor of the checkpoint must fill one (but buffers and `skip`: tied ones): a tensor left over means config.json
     does not describe these weights (attention biases it omits, more layers), and dropping it computed
     another model than the checkpoint's, silently (vLLM refuses such a checkpoint too)."""
@@ -227,7 +232,7 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
             name = language_model_name(stored) if language_model_only else stored
             if name is None:
                 continue
-            for param, part in _parameter_parts(name, sl, fused or {}):
+            for param, part in _parameter_parts(name, sl, fused or {}, layout):
                 param = _param_name(param, wanted)
                 if param not in wanted:
                     if param not in skip and not param.endswith(_IGNORED_SUFFIXES):
@@ -236,6 +241,21 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
                 _load_tensor(*params[param], part, stored)
                 loaded.add(param)
     _check_complete(model_dir, sorted(wanted - loaded), unexpected)
+
+
+def read_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
+    """One checkpoint tensor by its stored name, whole (from the shard the index names, if any); None if absent."""
+    files = checkpoint_files(model_dir)
+    for index in (_INDEX, _BIN_INDEX):
+        if (model_dir / index).is_file():
+            shard = json.loads((model_dir / index).read_text())["weight_map"].get(name)
+            files = [model_dir / shard] if shard else []
+            break
+    for file in files:
+        for stored, sl in _tensor_slices(file):
+            if stored == name:
+                return sl[:]
+    return None
 
 
 def _load_tensor(module: nn.Module, local: str, sl, stored: str) -> None:

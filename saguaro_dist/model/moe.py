@@ -1,7 +1,8 @@
-"""Sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE) as transformers 5.25 computes them: a router linear,
-softmax over the experts in fp32, the top-k, renormalised (Mixtral always, Qwen3-MoE per norm_topk_prob),
+"""Sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE, gpt-oss) as transformers 5.25 computes them: a router
+linear, softmax over the experts in fp32, the top-k, renormalised (Mixtral always, Qwen3-MoE per norm_topk_prob),
 each chosen expert's SwiGLU times its weight, summed over the k in the order the router ranked them
-(transformers' default grouped_mm experts: products [N, k, H], then a sum over k)."""
+(transformers' default grouped_mm experts: products [N, k, H], then a sum over k). gpt-oss's router has a bias
+and takes the top-k logits first, then a softmax over those k; its experts have biases and a clamped SwiGLU."""
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalise: bool,
     if renormalise:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights.to(weights_dtype), experts
+
+
+def route_top_logits(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's (GptOssTopKRouter): the top-k logits, then a softmax over them in their dtype; best first."""
+    top, experts = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), experts
 
 
 def mix_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, modules) -> torch.Tensor:
@@ -47,12 +54,45 @@ class SparseMoeBlock(PlainModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        weights, experts = route(self.gate(flat), self.top_k, self.renormalise,
-                                 torch.float32 if self.weights_fp32 else x.dtype)
+        weights, experts = self.route(flat)
         out = mix_experts(flat, weights, experts, self.experts)
         if self.tp_group is not None:
             dist.all_reduce(out, group=self.tp_group)
         return out.to(x.dtype).view_as(x)
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(self.gate(flat), self.top_k, self.renormalise,
+                     torch.float32 if self.weights_fp32 else flat.dtype)
+
+
+class ClampedSwiGLUExpert(MLP):
+    """gpt-oss's expert (GptOssExperts._apply_gate): the gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate); every projection with a bias. Our gate / up are the checkpoint's
+    interleaved gate_up_proj columns, de-interleaved on load (model/loader.py)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg, cfg.moe_intermediate_size, bias=True)
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        return self.down_proj((up + 1) * (gate * torch.sigmoid(gate * self.alpha)))
+
+
+class GptOssMoeBlock(SparseMoeBlock):
+    """gpt-oss's (GptOssMLP): mlp.router (a linear with bias) and mlp.experts.E.gate_proj / up_proj / down_proj,
+    our names for its stacked (or MXFP4) experts' slices (model/loader.py)."""
+
+    def __init__(self, cfg: ModelConfig):
+        PlainModule.__init__(self)
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=True)
+        self.experts = nn.ModuleList(ClampedSwiGLUExpert(cfg) for _ in range(cfg.num_experts))
+        self.top_k = cfg.experts_per_token
+        self.tp_group = None  # tensor parallel: as SparseMoeBlock's (rank 0 alone adds the down projections' biases)
+
+    def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return route_top_logits(self.router(flat), self.top_k)
 
 
 def has_experts(model: nn.Module) -> bool:

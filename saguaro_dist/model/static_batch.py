@@ -27,7 +27,7 @@ class StaticBatch:
         self.write_rows = rows[:, None].expand(-1, self.t).reshape(-1)  # [B * T]
         self.write_pos = pos.reshape(-1)                                # [B * T]
 
-    def attend(self, layer: int, q, k, v, scale=None, window=None) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale=None, window=None, sinks=None) -> torch.Tensor:
         """q: [B, T, H, D]; k, v: [B, T, kv, D] -> [B, T, H * D]; scale: dense_attention's; window: the
         layer's sliding window (None, or one the whole capacity fits in: full attention)."""
         kc, vc = self.pool.k[layer], self.pool.v[layer]  # [rows, kv, capacity, D]
@@ -35,4 +35,4 @@ class StaticBatch:
         vc[self.write_rows, :, self.write_pos] = v.reshape(-1, *v.shape[2:])
         keys, values = kc.index_select(0, self.rows), vc.index_select(0, self.rows)  # [B, kv, capacity, D]
         mask = self.mask if window is None or self.pool.capacity <= window else self.window_masks(window)
-        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, mask, scale), self.t)
+        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, mask, scale, sinks), self.t)

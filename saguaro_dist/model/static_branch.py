@@ -45,7 +45,7 @@ class StaticBranchBatch:
         self.window_masks = MasksPerWindow(
             lambda window: windowed(mask, keys, slot // self.q, prefix_len, depth, window, group))
 
-    def attend(self, layer: int, q, k, v, scale=None, window=None) -> torch.Tensor:
+    def attend(self, layer: int, q, k, v, scale=None, window=None, sinks=None) -> torch.Tensor:
         """q: [U, Q, H, D]; k, v: [U, Q, kv, D] -> [U, Q, H * D]; scale: dense_attention's; window: the
         layer's sliding window (None, or one no query here reaches past: full attention)."""
         pk, pv = self.private[0][layer], self.private[1][layer]  # [U, kv, D_cap * Q, D]
@@ -54,4 +54,4 @@ class StaticBranchBatch:
         keys = torch.cat([self.pool.k[layer].index_select(0, self.rows), pk], dim=2)
         values = torch.cat([self.pool.v[layer].index_select(0, self.rows), pv], dim=2)
         mask = self.mask if window is None or self.reach <= window else self.window_masks(window)
-        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, mask, scale), self.q)
+        return unfold_heads(self.dense(fold_heads(q, keys.shape[1]), keys, values, mask, scale, sinks), self.q)

@@ -70,12 +70,25 @@ class RowParallelLinear(_Sharded, nn.Linear):
 
 class PartialRowLinear(_Sharded, nn.Linear):
     """Input features split, its partial output left unsummed: an expert's down projection, whose rank-partial
-    outputs the MoE block weights, adds up and all-reduces once for all its experts (model/moe.py)."""
+    outputs the MoE block weights, adds up and all-reduces once for all its experts (model/moe.py). A bias
+    (gpt-oss's experts') is replicated and added by rank 0 alone, so the sum holds it once."""
     split = {"weight": 1}
 
     def __init__(self, base: nn.Linear, group):
-        super().__init__(base.in_features // dist.get_world_size(group), base.out_features, bias=False, device="meta")
+        world = dist.get_world_size(group)
+        super().__init__(base.in_features // world, base.out_features, bias=base.bias is not None, device="meta")
         self._join(group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias if self.rank == 0 else None)
+
+
+def _split_sinks(attn, group) -> None:
+    """gpt-oss's attention sinks, one per query head: each rank keeps its heads' (q_proj's column split)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    lo, hi = _span(attn.sinks.shape[0], rank, world)
+    attn.sinks = nn.Parameter(torch.empty(hi - lo, device="meta"), requires_grad=False)
+    attn.shard_weight = lambda local, sl: sl[lo:hi]  # the loader reads a module's own tensors through it
 
 
 class VocabParallelEmbedding(_Sharded, nn.Embedding):
@@ -148,6 +161,8 @@ def apply_tensor_parallel(model: nn.Module, group):
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group))
         attn.o_proj = RowParallelLinear(attn.o_proj, group)
+        if getattr(attn, "sinks", None) is not None:
+            _split_sinks(attn, group)
         _split_mlp(mlp, group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group)
     model.lm_head = VocabParallelLMHead(model.lm_head, group)
