@@ -272,3 +272,20 @@ def port_closed(address: str, within_s: float = 10.0) -> bool:
                 return True
         time.sleep(0.2)
     return False
+
+
+def self_drafting_target(path, vocab: int) -> str:
+    """A one-layer target with a tiny word-level tokenizer, sharp enough to be its own draft (acceptance ~1
+    where the draft knows the request's constraints): tests/test_draft_bad_words.py, test_draft_min_tokens.py."""
+    from test_engine_sampling import save_tiny_tokenizer
+    save_model(path, llama_config(vocab, 32, 1), seed=3, sharpen=2.0)
+    save_tiny_tokenizer(path)
+    return str(path)
+
+
+def self_drafted(target: str, prompts: list[list[int]], params, k: int, **kwargs):
+    """generate with the target as its own draft (mode "ar": none), the neural backup, no n-gram rounds."""
+    from saguaro_dist import LLM
+    draft = None if kwargs.get("mode") == "ar" else target
+    with LLM(model=target, draft=draft, k=k, fallback="neural", ngram_rounds=False, **kwargs) as llm:
+        return llm.generate(prompt_token_ids=prompts, sampling_params=params)

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine_helpers import llama_config, save_model
-from saguaro_dist import LLM, SamplingParams
+from engine_helpers import llama_config, save_model, self_drafted, self_drafting_target
+from saguaro_dist import SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.codec import CodecError, sampling_from_proto, sampling_to_proto
 from saguaro_dist.distributed.draft_service import serve_draft
@@ -20,7 +20,6 @@ from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Prefill
 from saguaro_dist.spec.min_tokens import (
     MAX_END_TOKEN_IDS, RowEnds, checked_end_ids, draft_end_ids, held_back_rows, hold_back_positions,
 )
-from test_engine_sampling import save_tiny_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 K = 3
@@ -165,16 +164,11 @@ PROMPTS = [[0, 4], [1, 2], [3, 3, 1, 0]]     # greedy, each ends within 3 tokens
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("min_tokens_target")
-    save_model(path, llama_config(VOCAB, 32, 1), seed=3, sharpen=2.0)
-    save_tiny_tokenizer(path)
-    return str(path)
+    return self_drafting_target(tmp_path_factory.mktemp("min_tokens_target"), VOCAB)
 
 
 def generate(target: str, params: SamplingParams, **kwargs):
-    draft = None if kwargs.get("mode") == "ar" else target
-    with LLM(model=target, draft=draft, k=K, fallback="neural", ngram_rounds=False, **kwargs) as llm:
-        return llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
+    return self_drafted(target, PROMPTS, params, K, **kwargs)
 
 
 def acceptance(outs) -> float:
