@@ -105,3 +105,9 @@ class AdapterIds:
         with self._lock:
             self._paths.setdefault(request.lora_int_id, request.lora_path)
         self.check(request)
+
+    def release(self, request: LoRARequest) -> None:
+        """Forget the id's path if it is this request's (its adapter never loaded)."""
+        with self._lock:
+            if self._paths.get(request.lora_int_id) == request.lora_path:
+                del self._paths[request.lora_int_id]

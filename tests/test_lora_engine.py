@@ -248,3 +248,51 @@ def test_ssd_sampling_with_an_adapter_follows_the_adapted_target(tmp_path):
         counts[tuple(o.outputs[0].token_ids)] = counts.get(tuple(o.outputs[0].token_ids), 0) + 1
     p = chi_square_pvalue(counts, exact_joint(model, params))
     assert p > ALPHA, f"chi-square p = {p:.2e}"
+
+
+@pytest.mark.parametrize("corrupt", ["safetensors", "config_list"])
+def test_a_corrupt_adapter_at_load_fails_its_request_alone_and_frees_its_id(pair, tmp_path, corrupt):
+    """Files that are no adapter at the engine's load (a safetensors header that does not parse, a config that
+    is no JSON object) failed the whole engine step, every request in flight with it. Now that request fails
+    alone (a ValueError), the base request beside it runs, and the id it never loaded can name a good path."""
+    import shutil
+    one, _ = pair["requests"]
+    doomed = tmp_path / "doomed"
+    shutil.copytree(one.lora_path, doomed)
+    bad = LoRARequest("doomed", 9, str(doomed))
+    with lora_llm(pair) as llm:
+        llm._check_adapter(bad)  # what the edge does, before the files change under it
+        llm._lora_ids.bind(bad)
+        if corrupt == "safetensors":
+            (doomed / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage}")
+        else:
+            (doomed / "adapter_config.json").write_text("[]")
+        with pytest.raises(ValueError, match="doomed"):
+            llm.generate(prompt_token_ids=PROMPTS[:2], sampling_params=GREEDY, use_tqdm=False, lora_request=[bad, None])
+        [ok] = llm.generate(prompt_token_ids=[PROMPTS[1]], sampling_params=GREEDY, use_tqdm=False)
+        check(pair, None, PROMPTS[1], ok.outputs[0].token_ids)
+
+
+def test_an_engine_whose_adapter_never_loaded_lets_its_id_name_a_good_path(pair, tmp_path):
+    """A failed load leaves the engine's lora_int_id unbound: the id may then name a good adapter (the base
+    request in the same step is not held up)."""
+    one, _ = pair["requests"]
+    config = Config(model=pair["target"], mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8)
+    engine, _ = build_local_engine(config)
+    missing, good = LoRARequest("x", 9, str(tmp_path / "gone")), LoRARequest("x", 9, one.lora_path)
+    seqs = [Sequence(0, "bad", list(PROMPTS[0]), GREEDY, lora_request=missing),
+            Sequence(1, "base", list(PROMPTS[1]), GREEDY)]
+    try:
+        for s in seqs:
+            engine.add(s)
+        engine.step()
+        assert isinstance(seqs[0].error, ValueError) and seqs[1].error is None
+        later = Sequence(2, "good", list(PROMPTS[2]), GREEDY, lora_request=good)
+        engine.add(later)
+        while engine.has_work():
+            engine.step()
+    finally:
+        engine.close()
+    check(pair, None, PROMPTS[1], seqs[1].output_token_ids)
+    assert later.error is None
+    check(pair, one, PROMPTS[2], later.output_token_ids)  # (adapter "one"'s weights, under id 9)

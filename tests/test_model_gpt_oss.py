@@ -259,3 +259,20 @@ def test_omitted_fields_take_gptossconfigs_defaults():
 def test_what_this_runtime_cannot_compute_is_refused(changes, message):
     with pytest.raises(ValueError, match=message):
         parse_config({**HUB_20B, **changes})
+
+
+def test_float16_is_refused_and_auto_takes_bfloat16():
+    """The Hub's gpt-oss config.json names no dtype (read as float32), so auto took float16 on a GPU, where the
+    activations of 120b's later layers overflow it; vLLM's MXFP4 path takes bfloat16 only."""
+    from saguaro_dist.model.device import DeviceKind, resolve_dtype
+    assert "torch_dtype" not in HUB_20B and "dtype" not in HUB_20B
+    with pytest.raises(ValueError, match="float16 is not supported for gpt_oss models"):
+        resolve_dtype("float16", HUB_20B, "cpu")
+    assert resolve_dtype("auto", HUB_20B, DeviceKind("cuda", (9, 0))) == torch.bfloat16
+
+
+def test_a_model_refusing_cuda_graphs_says_why(oss):
+    """MoE models (gpt-oss among them) run eagerly; the runner asks graph_refusal before it reserves a graph's
+    scratch KV row (a refused StepGraphs took one that nothing used)."""
+    from saguaro_dist.model.cuda_graphs import graph_refusal
+    assert "mixture-of-experts" in graph_refusal(ModelRunner(str(oss["path"]), dtype="float32").model)

@@ -1,9 +1,9 @@
 """Tensor-parallel target ranks: rank 0 drives, the others replay its runner calls.
 
-Every ModelRunner call that runs a forward or changes KV state (or a LoRA slot: every rank loads the same
-adapter, from its path, into the same slot) must happen on all ranks in the same order (the layers all-reduce
-inside). Rank 0 broadcasts (method, args) over the group before running
-the call itself; followers loop on the broadcasts. Pure reads (length) stay local.
+Every ModelRunner call that runs a forward or changes KV state (or a LoRA slot: rank 0 reads the adapter and
+the replayed load carries its tensors, so every rank puts the same weights in the same slot) must happen on all
+ranks in the same order (the layers all-reduce inside). Rank 0 broadcasts (method, args) over the group before
+running the call itself; followers loop on the broadcasts. Pure reads (length) stay local.
 """
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import logging
 
 from saguaro_dist.engine.sequence import namespace_lora_id
 from saguaro_dist.lora_request import AdapterIds, LoRARequest
+from saguaro_dist.model.lora_adapter import load_adapter
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,18 @@ class AdapterSlots:
         return min(idle, key=self.last_used.__getitem__) if idle else None
 
     def _load(self, slot: int, request: LoRARequest) -> None:
+        """Read the adapter here, then put it in the slot: on tensor-parallel ranks the runner's load_lora
+        replays with the tensors read once (every rank runs the same weights, whatever each node's disk holds;
+        a read that fails fails here, before any rank changed). Any failure to read it (a missing folder, a
+        corrupt safetensors file, a config that is no object) fails its request alone."""
         old = self.held[slot]
         try:
-            self.runner.load_lora(slot, request.lora_path)
-        except (ValueError, OSError) as err:
-            raise AdapterLoadError(f"lora_request {request.lora_name!r}: {err}") from None
+            adapter = load_adapter(request.lora_path, self.runner.config, self.runner.lora.max_lora_rank)
+            self.runner.load_lora(slot, adapter)
+        except Exception as err:  # noqa: BLE001 - whatever the files hold, only this request fails
+            if self.slot_of(request.lora_int_id) is None:
+                self.ids.release(request)  # never loaded: the id may name a good path later
+            raise AdapterLoadError(f"lora_request {request.lora_name!r}: {type(err).__name__}: {err}") from None
         self.held[slot] = request
         if old is not None:
             gone = old.lora_int_id  # kept rows computed through the old weights

@@ -107,6 +107,21 @@ class CaptureStreams:
         return CaptureStreams(torch.cuda.Stream(device), torch.cuda.Stream(device))
 
 
+def graph_refusal(model, capture: bool = True, log_it: bool = False) -> str | None:
+    """Why this model's forwards cannot run as static steps (None: they can; log_it: say why, once): their
+    shapes depend on data. An expert loop still runs uncaptured (capture False, the tests' way); LoRA's slot
+    groups never do (the static contexts carry none)."""
+    reason = None
+    if capture and has_experts(model):
+        reason = "a mixture-of-experts layer picks its experts per token (data-dependent shapes a graph cannot capture)"
+    elif has_lora(model):  # each row's adapter is picked on the host (model/lora.py)
+        reason = ("LoRA adapters are enabled (max_loras >= 1), whose per-sequence slots give data-dependent shapes "
+                  "a graph cannot capture")
+    if reason is not None and log_it:
+        log.warning("CUDA graphs are off for this model: %s; its forwards run eagerly", reason)
+    return reason
+
+
 class StepGraphs:
     """Captured forwards of one model over one KV pool. `capture=False` runs the same static forwards
     without a graph, so padding and layouts are tested where there is no GPU."""
@@ -120,14 +135,7 @@ class StepGraphs:
         self._steps: dict[tuple, ExtendStep | BranchStep] = {}
         self._pool_key, self._mempool = None, None
         self._streams = CaptureStreams.new(pool.k.device) if capture else None
-        self.refused = capture and has_experts(model)  # see the module docstring: every step runs eagerly
-        if self.refused:
-            log.warning("CUDA graphs are off for this model: a mixture-of-experts layer picks its experts per "
-                        "token (data-dependent shapes a graph cannot capture); its forwards run eagerly")
-        elif has_lora(model):  # each row's adapter is picked on the host (model/lora.py); uncaptured too
-            self.refused = True
-            log.warning("CUDA graphs are off for this model: LoRA adapters are enabled (max_loras >= 1), whose "
-                        "per-sequence slots give data-dependent shapes a graph cannot capture; its forwards run eagerly")
+        self.refused = graph_refusal(model, capture, log_it=True) is not None  # the module docstring: runs eagerly
 
     # -- extend ----------------------------------------------------------------------------------
     def supports_extend(self, starts: list[int], lens: list[int]) -> bool:

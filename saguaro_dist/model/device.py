@@ -30,7 +30,9 @@ class DeviceKind:
         return f"{self.name or self.type!r} (compute capability {major}.{minor})"
 
 
-FLOAT16_UNSTABLE = ("gemma2", "gemma3", "gemma3_text")  # vLLM's _FLOAT16_NOT_SUPPORTED_MODELS of the families we run
+# vLLM's _FLOAT16_NOT_SUPPORTED_MODELS of the families we run, and gpt-oss (vLLM's MXFP4 path takes bf16 only:
+# its activations pass float16's range in the later layers of 120b)
+FLOAT16_UNSTABLE = ("gemma2", "gemma3", "gemma3_text", "gpt_oss")
 
 def device_kind(device) -> DeviceKind:
     """The DeviceKind of `device`, a torch device or its name; a GPU this process cannot see is left unknown

@@ -9,7 +9,7 @@ import torch
 from saguaro_dist.config import check_memory_utilization
 from saguaro_dist.model.branch import BranchBatch, BranchState, end_branches, new_branch_state
 from saguaro_dist.model.build import build_model
-from saguaro_dist.model.cuda_graphs import StepGraphs
+from saguaro_dist.model.cuda_graphs import StepGraphs, graph_refusal
 from saguaro_dist.model.device import AUTO_DTYPE, resolve_device, resolve_dtype
 from saguaro_dist.model.extend_batch import ExtendBatch
 from saguaro_dist.model.hf_config import ModelConfig, load_config
@@ -84,7 +84,7 @@ class ModelRunner:
             kv_heads = self._load_model(model_dir, tp_group)
             self.lora = self._lora_slots(max_loras, max_lora_rank, tp_group)
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
-            graphed = cuda_graphs and tp_group is None  # see _step_graphs
+            graphed = cuda_graphs and tp_group is None and graph_refusal(self.model) is None  # see _step_graphs
             self.pool = self._kv_pool(kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
             self.cos, self.signed_sin = model_rope_tables(cfg.rope_dim, cfg.rope, cfg.local_rope, self.max_model_len,
                                                           self.device, torch.float32 if cfg.rope_fp32 else self.dtype)
@@ -134,7 +134,8 @@ class ModelRunner:
             return None
         if self.device.type != "cuda":
             raise ValueError(f"cuda_graphs needs a CUDA device, got {self.device}")
-        if tp_group is not None:  # NCCL collectives inside a capture: not done yet, so TP ranks stay eager
+        # TP: NCCL collectives inside a capture are not done yet; a refused model keeps no graph's scratch row
+        if tp_group is not None or graph_refusal(self.model, log_it=True) is not None:
             return None
         return StepGraphs(self.model, self.pool, self.cos, self.signed_sin, self.group, max_batch_size, branch_depth)
 
