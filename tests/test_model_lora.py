@@ -1,6 +1,7 @@
 """Multi-LoRA at the model layer (model/lora.py, lora_adapter.py): PEFT adapters' logits as PEFT computes them on
 every attention path, rows of one batch on different adapters (and the base model, bit for bit), 2 tensor-
-parallel ranks as 1, and every adapter refused with the key that refuses it."""
+parallel ranks as 1, Phi-3's adapters on its fused qkv_proj / gate_up_proj, and every adapter refused with the
+key that refuses it."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from saguaro_dist.model.runner import ModelRunner
 peft = pytest.importorskip("peft")
 PROMPT = [5, 17, 3, 44, 9, 28, 61, 2, 13, 7]
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PHI3_ALL = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 
 
 def make_adapter(base_path, out, seed: int, targets, r: int = 4, alpha: int = 8, **kw):
@@ -98,6 +100,54 @@ def test_qwen3_adapter_with_qk_norm_and_layers_to_transform(tiny_checkpoint, tmp
     runner = lora_runner(path, [tmp_path / "a"])
     torch.testing.assert_close(decode_path(runner, PROMPT, 0), peft_logits(model, PROMPT), atol=ATOL, rtol=0)
     check_branches(runner, model, 0, PROMPT[:5], [[1, 2], [9, 2], [33, 60]])
+
+
+@pytest.fixture(scope="module")
+def phi3_adapters(tmp_path_factory):
+    """A tiny Phi-4-mini-like model (fused qkv_proj / gate_up_proj, partial rotary) and two adapters on its fused
+    modules: every one (r 4), qkv + down with rsLoRA (r 8)."""
+    from test_model_phi3 import save_phi3
+    root = tmp_path_factory.mktemp("lora_phi3")
+    save_phi3(root / "m", "phi4_mini", seed=5)
+    one = make_adapter(root / "m", root / "one", 4, PHI3_ALL)
+    two = make_adapter(root / "m", root / "two", 5, ["qkv_proj", "down_proj"], r=8, alpha=16, use_rslora=True)
+    return {"path": root / "m", "dirs": [root / "one", root / "two"], "models": [one, two]}
+
+
+def test_phi3_fused_module_adapters_match_peft(phi3_adapters):
+    """One LoRA over each fused linear (B as wide as q + k + v): prefill whole and chunked, decode, branches,
+    and a batch mixing both adapters with a base row (bit for bit a runner without LoRA)."""
+    path, models = phi3_adapters["path"], phi3_adapters["models"]
+    for chunk in (2048, 3):
+        runner = lora_runner(path, phi3_adapters["dirs"], max_num_batched_tokens=chunk)
+        for slot, model in enumerate(models):
+            torch.testing.assert_close(decode_path(runner, PROMPT, slot), peft_logits(model, PROMPT), atol=ATOL, rtol=0)
+    for slot, model in enumerate(models):
+        check_branches(runner, model, slot, PROMPT[:6], [[3, 40, 5], [11, 40, 62]])
+    runner, plain = lora_runner(path, phi3_adapters["dirs"]), ModelRunner(path)
+    ids, prompts = ["a", "b", "c"], [PROMPT, PROMPT[:7], PROMPT[2:]]
+    for sid, slot in zip(ids, [0, None, 1]):
+        runner.add(sid, lora_slot=slot)
+        plain.add(sid)
+    got = runner.extend(ids, prompts, [len(p) for p in prompts])
+    base = plain.extend(ids, prompts, [len(p) for p in prompts])
+    torch.testing.assert_close(got[0], peft_logits(models[0], prompts[0]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[2], peft_logits(models[1], prompts[2]), atol=ATOL, rtol=0)
+    assert torch.equal(got[1], base[1])
+
+
+def test_adapter_for_the_other_module_layout_refused(llama_adapters, phi3_adapters, tmp_path):
+    """Phi-3 adapters name its fused modules; q_proj ... on Phi-3 (or qkv_proj on Llama) are refused by name."""
+    q_only = edited(llama_adapters["dirs"][0], tmp_path / "q", tensors=lambda sd: {k: v for k, v in sd.items()
+                                                                                    if "q_proj" in k})
+    runner = ModelRunner(phi3_adapters["path"], max_loras=1, max_lora_rank=8)
+    with pytest.raises(ValueError, match="only LoRA on qkv_proj, o_proj, gate_up_proj, down_proj .* model_type 'phi3'"):
+        runner.load_lora(0, str(q_only))
+    qkv_only = edited(phi3_adapters["dirs"][0], tmp_path / "qkv", tensors=lambda sd: {k: v for k, v in sd.items()
+                                                                                       if "qkv_proj" in k})
+    runner = ModelRunner(llama_adapters["path"], max_loras=1, max_lora_rank=8)
+    with pytest.raises(ValueError, match="only LoRA on q_proj, .* model_type 'llama'"):
+        runner.load_lora(0, str(qkv_only))
 
 
 def test_mixed_batch_rows_as_alone_and_base_rows_bitwise(llama_adapters):
@@ -233,13 +283,16 @@ def _rank(rank: int, port: int, path: str, dirs: list[str], result_file: str):
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one(llama_adapters, tmp_path):
+@pytest.mark.parametrize("kind", ["llama_adapters", "phi3_adapters"])
+def test_two_ranks_equal_one(kind, request, tmp_path):
+    """Phi-3: each rank's columns of a fused B are its q, k and v (gate and up) blocks."""
     from test_model_tp import free_port
     torch.set_num_threads(1)
-    dirs = [str(d) for d in llama_adapters["dirs"]]
-    mp.spawn(_rank, args=(free_port(), str(llama_adapters["path"]), dirs, str(tmp_path / "out")), nprocs=2, join=True)
+    adapters = request.getfixturevalue(kind)
+    dirs = [str(d) for d in adapters["dirs"]]
+    mp.spawn(_rank, args=(free_port(), str(adapters["path"]), dirs, str(tmp_path / "out")), nprocs=2, join=True)
     rank0, rank1 = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
-    want = workload(lora_runner(llama_adapters["path"], dirs))
+    want = workload(lora_runner(adapters["path"], dirs))
     for a, b, w in zip(rank0, rank1, want, strict=True):
         torch.testing.assert_close(a, w, atol=ATOL, rtol=0)
         torch.testing.assert_close(b, a, atol=0, rtol=0)

@@ -2,17 +2,21 @@
 once, and each forward's tokens run through their own sequence's slot (-1: the base model).
 
 enable_lora wraps each layer's qkv_proj, o_proj, gate_up_proj and down_proj (after fusion and pretranspose) in
-a LoRALinear holding every slot's weights, rank padded to max_lora_rank: A [slots, in, P * R] and
-B [slots, P * R, out] for a linear fused from P projections (q / k / v blocks side by side, B block-diagonal:
-a projection the adapter does not target contributes zero). A forward's slot groups (LoRATokens, built on the
-host from each row's slot and carried by the step context as ctx.lora) are added to the base output row by
-row: y[rows of s] += scale_s * (x[rows of s] @ A_s) @ B_s, PEFT's order of ops. Rows of the base model are
-never touched (bit-identical to no LoRA), and a forward with no adapted row runs no LoRA op at all.
+a LoRALinear holding every slot's weights: A [slots, in, P * R] and B [slots, R, out] (R: max_lora_rank) for a
+linear fused from P projections. A slot's adapter covers it with LoRA blocks: one per projection it targets
+(q / k / v, gate / up), or one over the whole fused linear (Phi-3's adapters target qkv_proj / gate_up_proj:
+B as wide as q + k + v). Block i, at the adapter's rank r, has its A in columns i*r..(i+1)*r of A and its B in
+rows 0..r of B at its own output columns, so a block costs only its own columns (no zero padding computed).
+A forward's slot groups (LoRATokens, built on the host from each row's slot and carried by the step context as
+ctx.lora) are added to the base output row by row: mid = x[rows of s] @ A_s (every block's x @ A_i in one
+matmul), then y[rows, block i's columns] += mid_i @ B_i * scale_s, PEFT's order of ops per block. Rows of the
+base model are never touched (bit-identical to no LoRA), and a forward with no adapted row runs no LoRA op.
 
-Tensor parallel: a column-parallel linear (the fused q / k / v and gate / up) takes A whole and its rank's rows
-of B; a row-parallel one (o, down) its rank's columns of A, the r-wide intermediate all-reduced before B
-(whole), added after the base's all-reduce and bias. The slot groups are host data: a forward with LoRA rows
-has data-dependent shapes, so a model with LoRA runs without CUDA graphs (StepGraphs refuses it, logged)."""
+Tensor parallel: a column-parallel linear (the fused q / k / v and gate / up) takes A whole and B's columns of
+its rank's output (a fused block's: its q, k and v column blocks); a row-parallel one (o, down) A over its rank's
+input columns, the r-wide intermediate all-reduced before B (whole), added after the base's all-reduce and bias.
+The slot groups are host data: a forward with LoRA rows has data-dependent shapes, so a model with LoRA runs
+without CUDA graphs (StepGraphs refuses it, logged)."""
 from __future__ import annotations
 
 import contextlib
@@ -23,7 +27,7 @@ import torch.distributed as dist
 
 from saguaro_dist.model.hf_config import ModelConfig
 from saguaro_dist.model.layers import PlainModule
-from saguaro_dist.model.lora_adapter import LoRAAdapter, module_shapes
+from saguaro_dist.model.lora_adapter import LoRAAdapter, adapter_targets, module_shapes
 
 # fused linear -> the projections it holds, in its output (column) or input (row) order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -93,16 +97,26 @@ class LoRALinear(PlainModule):
 
     def __init__(self, base, name: str, layer: int, table: LoRASlots, tp_group=None):
         super().__init__()
-        self.base, self.parts, self.layer, self.table = base, FUSED[name], layer, table
+        self.base, self.name, self.parts, self.layer, self.table = base, name, FUSED[name], layer, table
         self.row_parallel = name in ROW_PARALLEL
         self.group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
         self.rank, self.world = (dist.get_rank(tp_group), dist.get_world_size(tp_group)) if self.group else (0, 1)
         w = next(base.parameters())
         in_local, out_local = _local_in_out(base)
-        width = len(self.parts) * table.max_lora_rank
-        self.register_buffer("a", torch.zeros(table.max_loras, in_local, width, dtype=w.dtype, device=w.device))
-        self.register_buffer("b", torch.zeros(table.max_loras, width, out_local, dtype=w.dtype, device=w.device))
         self.full = module_shapes(table.cfg)
+        # an adapter on the fused module (Phi-3) is one LoRA; one on its parts needs an A per part
+        blocks = 1 if name in adapter_targets(table.cfg) else len(self.parts)
+        big_r = table.max_lora_rank
+        self.register_buffer("a", torch.zeros(table.max_loras, in_local, blocks * big_r, dtype=w.dtype,
+                                              device=w.device))
+        self.register_buffer("b", torch.zeros(table.max_loras, big_r, out_local, dtype=w.dtype, device=w.device))
+        self.spans: list[tuple[int, tuple] | None] = [None] * table.max_loras  # per slot: (rank, output spans)
+        self.start, col = {}, 0  # each part's first column in this rank's output
+        for part in self.parts:
+            self.start[part], col = col, col + self._local_out(part)
+
+    def _local_out(self, part: str) -> int:
+        return self.full[part][0] if self.row_parallel else self.full[part][0] // self.world
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -110,40 +124,63 @@ class LoRALinear(PlainModule):
         return y if tokens is None else self._add_deltas(x, y, tokens.groups)
 
     def _add_deltas(self, x, y, groups):
+        """Per slot: mid = x @ [A_1 | A_2 ...] (every block's x @ A_i in one matmul), then each block's
+        mid_i @ B_i * scale added to its own output columns only."""
         flat, out = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
         for slot, rows, scale in groups:
-            mid = (flat if rows is None else flat.index_select(0, rows)) @ self.a[slot]
+            r, spans = self.spans[slot]
+            if not spans:  # this layer is not adapted by that slot's adapter (the same on every rank)
+                continue
+            mid = (flat if rows is None else flat.index_select(0, rows)) @ self.a[slot, :, :len(spans) * r]
             if self.group is not None and self.row_parallel:  # partial sums over this rank's input columns
                 dist.all_reduce(mid, group=self.group)
-            delta = mid @ self.b[slot] * scale
-            if rows is None:
-                return y + delta.view_as(y)
-            out.index_add_(0, rows, delta)
+            for i, (lo, hi) in enumerate(spans):
+                delta = mid[:, i * r:(i + 1) * r] @ self.b[slot, :r, lo:hi] * scale
+                if rows is None:
+                    out[:, lo:hi] += delta
+                else:
+                    out[:, lo:hi].index_add_(0, rows, delta)
         return y
 
     def clear_slot(self, slot: int) -> None:
         self.a[slot].zero_()
         self.b[slot].zero_()
+        self.spans[slot] = None
 
     def set_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        """This rank's share of each part's (A, B), rank padded; parts the adapter lacks stay zero."""
+        """This rank's share of each block the adapter adapts here, packed at its rank: block i's A in columns
+        i*r..(i+1)*r of a, its B in rows 0..r of b at its own output columns."""
         self.clear_slot(slot)
-        r, big_r, col = adapter.rank, self.table.max_lora_rank, 0
-        for i, part in enumerate(self.parts):
-            out_full, in_full = self.full[part]
-            local_out = out_full if self.row_parallel else out_full // self.world
-            found = adapter.weights.get((self.layer, part))
-            if found is not None:
-                a, b = found
-                k = slice(i * big_r, i * big_r + r)
-                if self.row_parallel:
-                    lo = self.rank * (in_full // self.world)
-                    a = a[:, lo:lo + in_full // self.world]
-                else:
-                    b = b[self.rank * local_out:(self.rank + 1) * local_out]
-                self.a[slot, :, k] = a.t().to(self.a.dtype)
-                self.b[slot, k, col:col + local_out] = b.t().to(self.b.dtype)
-            col += local_out
+        r, spans = adapter.rank, []
+        for i, (parts, a, b) in enumerate(self._blocks(adapter)):
+            lo = self.start[parts[0]]
+            hi = lo + sum(self._local_out(p) for p in parts)
+            if self.row_parallel:
+                width = self.full[parts[0]][1] // self.world
+                a = a[:, self.rank * width:(self.rank + 1) * width]
+            else:
+                b = self._local_rows(b, parts)
+            self.a[slot, :, i * r:(i + 1) * r] = a.t().to(self.a.dtype)
+            self.b[slot, :r, lo:hi] = b.t().to(self.b.dtype)
+            spans.append((lo, hi))
+        self.spans[slot] = (r, tuple(spans))
+
+    def _blocks(self, adapter: LoRAAdapter) -> list[tuple[tuple[str, ...], torch.Tensor, torch.Tensor]]:
+        """(the parts a LoRA covers, A, B) for each LoRA of this layer's linear: the fused one, or each part's."""
+        fused = adapter.weights.get((self.layer, self.name))
+        if fused is not None:
+            return [(self.parts, *fused)]
+        found = [(part, adapter.weights.get((self.layer, part))) for part in self.parts]
+        return [((part, ), *ab) for part, ab in found if ab is not None]
+
+    def _local_rows(self, b: torch.Tensor, parts: tuple[str, ...]) -> torch.Tensor:
+        """B's rows this rank computes: its column block of each part (q, k and v each split across ranks)."""
+        blocks, first = [], 0
+        for part in parts:
+            local = self._local_out(part)
+            blocks.append(b[first + self.rank * local:first + (self.rank + 1) * local])
+            first += self.full[part][0]
+        return torch.cat(blocks)
 
 
 def _local_in_out(base) -> tuple[int, int]:

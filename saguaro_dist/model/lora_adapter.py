@@ -1,10 +1,11 @@
-"""PEFT LoRA adapters read from disk (adapter_config.json + adapter_model.safetensors) and checked against the
-base model, as vLLM's PEFTHelper.validate_legal / LoRAModel.from_local_checkpoint do (vllm/lora/peft_helper.py,
-lora_model.py): DoRA, modules_to_save, an adapter bias, a rank above max_lora_rank and tensors for modules
-the model cannot adapt are refused. Also refused here: options that change the forward this module does not
-compute (lora_bias, rank/alpha patterns, fan_in_fan_out, trainable tokens, layer replication, ...), and
-shapes that are not the base model's. layers_to_transform is supported: a layer the adapter has no
-tensors for runs as the base model."""
+"""PEFT LoRA adapters read from disk (adapter_config.json + adapter_model.safetensors) and checked against the base
+model, as vLLM's PEFTHelper.validate_legal / LoRAModel.from_local_checkpoint do (vllm/lora/peft_helper.py,
+lora_model.py): DoRA, modules_to_save, an adapter bias, a rank above max_lora_rank and tensors for modules the
+model cannot adapt are refused. Phi-3's checkpoints hold fused qkv_proj / gate_up_proj modules, so its adapters
+target those (one LoRA over the fused output each) instead of q / k / v and gate / up. Also refused here: options
+that change the forward this module does not compute (lora_bias, rank/alpha patterns, fan_in_fan_out, trainable
+tokens, layer replication, ...), and shapes that are not the base model's. layers_to_transform is supported: a
+layer the adapter has no tensors for runs as the base model."""
 from __future__ import annotations
 
 import json
@@ -16,9 +17,11 @@ from pathlib import Path
 from safetensors import safe_open
 
 from saguaro_dist.model.hf_config import ModelConfig
+from saguaro_dist.model.phi3_config import PHI3_TYPE
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's modules (its checkpoint's names)
 _NOT_LINEAR_TARGETS = ("embed_tokens", "lm_head")  # vLLM adapts them with extra vocabulary; not done here
 # adapter_config.json keys whose non-empty value changes the forward in a way not computed here, and why
 _UNSUPPORTED = {
@@ -41,7 +44,8 @@ _KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|m
 @dataclass(frozen=True)
 class LoRAAdapter:
     """One adapter's full (unsharded) weights: weights[(layer, module)] = (A [r, in], B [out, r]); each row
-    adapted as y += scale * (x @ A^T) @ B^T."""
+    adapted as y += scale * (x @ A^T) @ B^T. module: one of adapter_targets(cfg) (a fused one's B is as wide
+    as all its parts, q then k then v or gate then up)."""
     source: str
     rank: int
     scale: float
@@ -106,14 +110,20 @@ def check_targets(targets) -> None:
         raise ValueError(f"target_modules must be a list or a regex string, got {targets!r}")
     if hit:
         raise ValueError(f"target_modules {targets!r} names {', '.join(hit)}: LoRA on the embedding or the LM head "
-                         f"is not supported (only {', '.join(TARGETS)})")
+                         "is not supported (only the decoder layers' projections)")
+
+
+def adapter_targets(cfg: ModelConfig) -> tuple[str, ...]:
+    """The modules an adapter for this model may adapt: the base checkpoint's own (PEFT wraps those)."""
+    return FUSED_TARGETS if cfg.model_type == PHI3_TYPE else TARGETS
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Each adaptable projection's full (out, in) in the base model."""
+    """Each adaptable projection's full (out, in) in the base model, the fused ones included."""
     q, kv, h, i = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
     return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
-            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}
+            "gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i),
+            "qkv_proj": (q + 2 * kv, h), "gate_up_proj": (2 * i, h)}
 
 
 def read_weights(file: Path, cfg: ModelConfig, rank: int) -> dict:
@@ -121,7 +131,7 @@ def read_weights(file: Path, cfg: ModelConfig, rank: int) -> dict:
     shapes, parts = module_shapes(cfg), {}
     with safe_open(file, framework="pt") as f:
         for key in f.keys():
-            layer, module, which = _parse_key(key, cfg.num_layers)
+            layer, module, which = _parse_key(key, cfg)
             out, inp = shapes[module]
             want = (rank, inp) if which == "A" else (out, rank)
             got = tuple(f.get_slice(key).get_shape())
@@ -137,12 +147,12 @@ def read_weights(file: Path, cfg: ModelConfig, rank: int) -> dict:
     return {k: (v["A"], v["B"]) for k, v in parts.items()}
 
 
-def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
-    m = _KEY.fullmatch(key)
-    if m is None or m.group(2) not in TARGETS:
-        raise ValueError(f"tensor {key}: only LoRA on {', '.join(TARGETS)} of the decoder layers is supported "
-                         "(not the embedding, the LM head, or other modules)")
+def _parse_key(key: str, cfg: ModelConfig) -> tuple[int, str, str]:
+    m, targets = _KEY.fullmatch(key), adapter_targets(cfg)
+    if m is None or m.group(2) not in targets:
+        raise ValueError(f"tensor {key}: only LoRA on {', '.join(targets)} of the decoder layers is supported for "
+                         f"model_type {cfg.model_type!r} (not the embedding, the LM head, or other modules)")
     layer = int(m.group(1))
-    if layer >= num_layers:
-        raise ValueError(f"tensor {key}: the base model has {num_layers} layers")
+    if layer >= cfg.num_layers:
+        raise ValueError(f"tensor {key}: the base model has {cfg.num_layers} layers")
     return layer, m.group(2), m.group(3)
