@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from saguaro_dist.cli.lora_flags import add_lora_args
 from saguaro_dist.cli.flag_checks import check_mode_flags, flag_name, given, refuse_without
 from saguaro_dist.cli.frontend_flags import json_list_arg
 from saguaro_dist.config import DTYPES, Mode
@@ -26,6 +27,7 @@ def register(subparsers) -> None:
     _add_serve_flag_options(parser)
     _add_speculation_options(parser)
     _add_frontend_options(parser)
+    add_lora_args(parser)  # `saguaro serve`'s LoRA flags (vLLM's)
     _add_cluster_options(parser)
     _add_output_options(parser)
     parser.set_defaults(run=run)

@@ -11,6 +11,7 @@ import time
 
 from saguaro_dist.cli.engine_flags import add_engine_args  # generate, run-batch and tests import it from here
 from saguaro_dist.cli.flag_checks import check_mode_flags
+from saguaro_dist.cli.lora_flags import LORA_ENGINE_FLAGS, add_lora_args, check_adapters_here
 from saguaro_dist.cli.frontend_flags import (add_frontend_args, check_tls_applied, frontend_app_args,
                                              serve_logging_config, tls_options)
 from saguaro_dist.config import DRAFT_MODES, Mode, parse_enum
@@ -36,11 +37,11 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
                 "bonus_draw": "bonus_draw", "ngram_rounds": "ngram_rounds",
                 "enable_prefix_caching": "enable_prefix_caching", "scheduling_policy": "scheduling_policy",
                 "log_stats_interval_s": "log_stats_interval_s", "generation_config": "generation_config",
-                "engine_seed": "seed", "speculative_config": "speculative_config"}  # --seed: serve and run-batch only (generate's --seed seeds its requests)
+                "engine_seed": "seed", "speculative_config": "speculative_config", **LORA_ENGINE_FLAGS}  # --seed: serve and run-batch only (generate's --seed seeds its requests)
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
-               "log_requests": "log_requests", "chat_template": "chat_template"}
+               "log_requests": "log_requests", "chat_template": "chat_template", "lora_modules": "lora_modules"}
 CHAT_TEMPLATE_HELP = ("a Jinja chat template, or a file holding one, used instead of the tokenizer's (vLLM's "
                       "--chat-template; for models that ship none)")
 
@@ -142,6 +143,7 @@ def register(subparsers) -> None:
     g.add_argument("--address", help="join this Ray cluster instead of starting an embedded one")
     g.add_argument("--num-cpus", type=positive_int, help="CPUs of the embedded Ray cluster (default: all)")
     add_frontend_args(p)
+    add_lora_args(p)
     p.set_defaults(run=run)
 
 
@@ -201,9 +203,11 @@ def run(ns: argparse.Namespace) -> int:
     config = config_from_args(args)
     check_pair_here(config)  # fail fast with a clear message, before Ray starts
     check_generation_config_here(config, embedded=not ns.address)
-    from saguaro_dist.serve.app import server_options  # (imports Ray Serve: here, not at the CLI's start)
-    server_options(args, args["model"])  # every server option the replica reads (names, CORS, root path, role,
-    # a config file's too) checked before Ray starts
+    from saguaro_dist.serve.app import check_runtime_lora, server_options  # (imports Ray Serve: not at the start)
+    options = server_options(args, args["model"])  # every server option the replica reads (names, CORS, root
+    # path, role, LoRA modules, a config file's too) checked before Ray starts
+    check_adapters_here(options.lora_modules, config, embedded=not ns.address)
+    check_runtime_lora(replica_count(_deployment_options(file, ns)))
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
     check_port_free(host, port)

@@ -1,6 +1,7 @@
 """Helm values for deploy/helm/saguaro-dist that render the same objects as a K8sSettings."""
 from __future__ import annotations
 
+from saguaro_dist.deploy.serve_app import lora_module_arg
 from saguaro_dist.deploy.settings import K8sSettings
 
 
@@ -41,6 +42,8 @@ def helm_values(s: K8sSettings) -> dict:
             "model": _model_values(s), "speculation": _speculation_values(s), "engine": _engine_values(s),
             "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
                        "enableLogRequests": s.enable_log_requests, **_frontend_values(s)},
+            "lora": {"enable": s.enable_lora, "modules": [lora_module_arg(m) for m in s.lora_modules],
+                     "maxLoras": s.max_loras, "maxLoraRank": s.max_lora_rank},
             **_cluster_values(s)}
 
 

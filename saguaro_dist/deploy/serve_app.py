@@ -46,7 +46,14 @@ def _serve_flag_args(s: K8sSettings) -> dict:
             "log_stats_interval_s": 0.0 if s.disable_log_stats else None,
             "seed": s.seed,
             "max_request_bytes": s.max_request_bytes, "stream_interval_ms": s.stream_interval_ms,
-            "log_requests": True if s.enable_log_requests else None}
+            "log_requests": True if s.enable_log_requests else None,
+            "enable_lora": True if s.enable_lora else None, "max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
+            "lora_modules": [lora_module_arg(m) for m in s.lora_modules] or None}
+
+
+def lora_module_arg(m) -> dict:
+    """One lora_modules app arg: vLLM's JSON form ({name, path[, base_model_name]})."""
+    return {"name": m.name, "path": m.path, **({"base_model_name": m.base_model_name} if m.base_model_name else {})}
 
 
 def _speculation_args(s: K8sSettings) -> dict:

@@ -22,6 +22,7 @@ from saguaro_dist.deploy.constants import (
 )
 from saguaro_dist.deploy.serve_app import serve_args
 from saguaro_dist.serve.args import config_from_args, served_model_names
+from saguaro_dist.serve.lora_modules import check_lora_modules, lora_modules
 from saguaro_dist.serve.frontend import CORS_LIST_ARGS, frontend_options, json_list
 from saguaro_dist.speculative_config import as_dict, config_fields
 
@@ -99,6 +100,12 @@ class K8sSettings:
     root_path: str | None = None      # the path prefix a reverse proxy (the Ingress) serves the API under, e.g. /llm
     disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
     response_role: str | None = None  # a new chat turn's role in replies (vLLM's --response-role; None: assistant)
+    # vLLM's LoRA flags: adapters served by name (each {name, path[, base_model_name]} or "name=path"; a path under
+    # /models or a Hub id), checked at each replica's start-up against the base model
+    enable_lora: bool = False
+    lora_modules: tuple = ()
+    max_loras: int | None = None      # None: the engine's 1
+    max_lora_rank: int | None = None  # None: the engine's 16
     tp: int = 1
     draft_workers: int = 1
     image: str | None = None          # None: saguaro-dist:<version>-cuda with GPUs, -cpu without (container_image)
@@ -167,6 +174,7 @@ class K8sSettings:
         for name in ("root_path", "response_role"):
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)
+        object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))  # LoRAModule each, hashable
         names = self.served_model_name
         if names == "" or (isinstance(names, (list, tuple)) and not names):
             object.__setattr__(self, "served_model_name", None)
@@ -221,7 +229,7 @@ class K8sSettings:
                                      or not 0 <= interval <= 10_000):
             raise ValueError(f"stream_interval_ms must be a number in [0, 10000], got {interval!r}")
         for name in ("enable_prefix_caching", "enforce_eager", "disable_log_stats", "enable_log_requests",
-                     "allow_credentials", "disable_fastapi_docs"):
+                     "allow_credentials", "disable_fastapi_docs", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("proposal_top_k", "prompt_lookup_max", "prompt_lookup_min"):
@@ -234,7 +242,8 @@ class K8sSettings:
             raise ValueError(f"response_role must be a non-empty role name (vLLM's --response-role), "
                              f"got {self.response_role!r}")
         args = serve_args(self)
-        served_model_names(args.get("served_model_name"), self.model)
+        check_lora_modules(self.lora_modules, served_model_names(args.get("served_model_name"), self.model),
+                           self.enable_lora)
         frontend_options(args)  # the replica's own checks (root_path's shape)
 
     def _check_gcs_fault_tolerance(self):

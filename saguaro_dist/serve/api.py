@@ -5,6 +5,7 @@ tokenize, ...), generate_routes.py (completions and chat: whole replies in full_
 sse_stream.py) and responses_route.py; route_support.py holds what they share."""
 from __future__ import annotations
 
+import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.errors import install_error_handlers
 from saguaro_dist.serve.frontend import FrontendOptions, docs_settings, install_frontend
 from saguaro_dist.serve.generate_routes import chat, completions
+from saguaro_dist.serve.lora_models import ServedModels
+from saguaro_dist.serve.lora_modules import LoRAModule, runtime_updates_allowed
+from saguaro_dist.serve.lora_routes import LORA_ROUTES, add_lora_routes
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.middleware import ApiKeyMiddleware, BodySizeLimitMiddleware, RequestCountMiddleware
 from saguaro_dist.serve.reasoning import ReasoningParser
@@ -22,6 +26,7 @@ from saguaro_dist.serve.responses_route import responses_route
 from saguaro_dist.serve.state import ServingState
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
+log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
 # As Ray Serve LLM. Every SSE write costs the replica Serve's per-message work (and a proxy trip), on
 # the GIL the engine's round loop needs: with the demo pair at batch 1, a chunk per round made a request
@@ -55,6 +60,7 @@ class ServerOptions:
     model_aliases: tuple[str, ...] = ()  # more names requests may give (vLLM's several --served-model-name)
     frontend: FrontendOptions = FrontendOptions()  # CORS, root_path, docs routes (serve/frontend.py)
     response_role: str = REPLY_ROLE  # a new chat turn's role in replies (vLLM's --response-role)
+    lora_modules: tuple[LoRAModule, ...] = ()  # adapters served by name (vLLM's --lora-modules; need enable_lora)
 
     def __post_init__(self):
         if not isinstance(self.response_role, str) or not self.response_role.strip():
@@ -71,18 +77,22 @@ class ServerOptions:
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
     app = FastAPI(title="saguaro-dist", lifespan=_lifespan, **docs_settings(options.frontend))
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
+    # Each --lora-modules adapter is read against the base model here: one that cannot run fails start-up.
+    models = ServedModels((options.served_model_name, *options.model_aliases), engine.config, options.lora_modules)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
-                                     options.chat_template, options.model_aliases)
+                                     options.chat_template, options.model_aliases, models)
+    runtime_lora = runtime_updates_allowed()  # read at start-up, as vLLM: the routes exist or not
     app.state.response_role = options.response_role  # route_support.response_role
     install_error_handlers(app)
-    app.include_router(_router())
+    app.include_router(_router(runtime_lora))
     # Outermost last: count every request, then CORS (a preflight carries no key), then auth, then the size limit.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=options.max_request_bytes)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     install_frontend(app, options.frontend)
-    app.add_middleware(RequestCountMiddleware, metrics=metrics, known_paths=ROUTES)
+    app.add_middleware(RequestCountMiddleware, metrics=metrics,
+                       known_paths=ROUTES | frozenset(LORA_ROUTES) if runtime_lora else ROUTES)
     return app
 
 
@@ -98,8 +108,11 @@ async def _lifespan(app: FastAPI):
         await state.stop_reporter()
 
 
-def _router() -> APIRouter:
+def _router(runtime_lora: bool) -> APIRouter:
     router = APIRouter()
     for path, method, handler, name in _ROUTE_TABLE:
         router.add_api_route(path, handler, methods=[method], name=name)
+    if runtime_lora:
+        log.warning("LoRA dynamic loading & unloading is enabled in the API server (VLLM_ALLOW_RUNTIME_LORA_UPDATING)")
+        add_lora_routes(router)
     return router

@@ -17,6 +17,8 @@ from saguaro_dist.serve.api import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_STREAM_INT
 from saguaro_dist.serve.args import api_key_from_args, coerce, config_from_args, served_model_names
 from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.frontend import frontend_options
+from saguaro_dist.serve.ingress import replica_count
+from saguaro_dist.serve.lora_modules import check_lora_modules, lora_modules, runtime_updates_allowed
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import load_chat_template
 
@@ -66,6 +68,8 @@ class SaguaroServer:
 
 def server_options(args: dict, model: str) -> ServerOptions:
     names = served_model_names(args.get("served_model_name"), model)
+    modules = lora_modules(args.get("lora_modules"))
+    check_lora_modules(modules, names, bool(coerce("enable_lora", args.get("enable_lora", False), False)))
     return ServerOptions(
         served_model_name=names[0],
         model_aliases=names[1:],
@@ -78,6 +82,7 @@ def server_options(args: dict, model: str) -> ServerOptions:
         chat_template=load_chat_template(args["chat_template"]) if args.get("chat_template") else None,
         frontend=frontend_options(args),
         response_role=_response_role(args),
+        lora_modules=modules,
     )
 
 
@@ -123,12 +128,22 @@ def autoscaling(given: dict, max_batch_size: int) -> dict:
     return {"target_ongoing_requests": max_batch_size, **given}
 
 
+def check_runtime_lora(replicas: int | str) -> None:
+    """A runtime LoRA load or unload reaches the one replica that takes the request: with several (or an
+    autoscaler that may add some), replicas would serve different adapters under one name. Refused."""
+    if runtime_updates_allowed() and replicas != 1:
+        raise ValueError(f"VLLM_ALLOW_RUNTIME_LORA_UPDATING needs one replica (the config asks for {replicas!r}): a "
+                         "load_lora_adapter request reaches one replica only; serve the adapters with --lora-modules "
+                         "(lora_modules) instead, which every replica loads")
+
+
 def build_app(args: dict, **deployment_options) -> Application:
     """Serve's application builder. Validates the arguments here, in the caller, so a bad manifest
     fails at deploy time with a clear message rather than in a crash-looping replica."""
     config = config_from_args(args)
     server_options(args, config.model)
     options = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": MAX_ONGOING_REQUESTS, **deployment_options}
+    check_runtime_lora(replica_count(options))
     if isinstance(options.get("autoscaling_config"), dict):
         options["autoscaling_config"] = autoscaling(options["autoscaling_config"], config.max_batch_size)
     deployment = serve.deployment(serve.ingress()(SaguaroServer), **options)

@@ -13,7 +13,7 @@ from saguaro_dist.speculative_config import as_dict, config_fields
 API_KEY_ENV = "SAGUARO_API_KEY"
 # Serve-only arguments: everything else must be a Config field.
 SERVE_ONLY_ARGS = {"api_key", "api_key_env", "served_model_name", "max_request_bytes", "stream_interval_ms",
-                   "tool_call_parser", "reasoning_parser", "log_requests", "chat_template", "response_role",
+                   "tool_call_parser", "reasoning_parser", "log_requests", "chat_template", "response_role", "lora_modules",
                    *FRONTEND_ARGS}
 _NUMBERS = {"int": int, "float": float}
 _BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}

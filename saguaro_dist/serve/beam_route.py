@@ -61,7 +61,7 @@ async def search(state: ServingState, rule: BeamRule, job: Job) -> list[BeamSear
         if not instance.beams:
             break
         jobs = [Job(beam.tokens, step, priority=job.priority, request_id=f"{job.request_id}-step{number}-beam{i}",
-                    cache_salt=job.cache_salt)
+                    cache_salt=job.cache_salt, lora_request=job.lora_request)
                 for i, beam in enumerate(instance.beams)]
         results = await gather_or_cancel([state.collect(j) for j in jobs])
         rule.step(instance, [r.logprobs[0] for r in results])

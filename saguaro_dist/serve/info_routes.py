@@ -38,9 +38,7 @@ async def version() -> dict:
 
 async def models(request: Request) -> dict:
     state = serving_state(request)
-    cards = [{"id": name, "object": "model", "created": 0, "owned_by": "saguaro-dist",
-              "root": state.engine.config.model, "max_model_len": state.max_model_len} for name in state.model_names]
-    return {"object": "list", "data": cards}
+    return {"object": "list", "data": state.models.cards(state.max_model_len)}  # the base names, then adapters
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:

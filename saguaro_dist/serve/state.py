@@ -13,6 +13,7 @@ from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.sampling_params import SamplingParams, truncate_prompt
 from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.lora_models import ServedModels
 from saguaro_dist.serve.metrics import ENGINE_TIME_COUNTERS, ServeMetrics
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningTokens, reasoning_first
@@ -39,6 +40,7 @@ class Job:
     request_id: str = ""       # the engine's id for it: the response's id and the choice index ("" = a fresh one)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: its logprobs name tokens "token_id:<id>"
     cache_salt: str | None = None  # vLLM's: prefix-cache KV is shared only with requests of the same salt
+    lora_request: object = None  # the LoRARequest of the adapter the request's model names (None: the base model)
 
 
 @dataclass
@@ -55,7 +57,8 @@ class Finished:
 class ServingState:
     def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None, log_requests: bool = False,
-                 chat_template: str | None = None, model_aliases: tuple[str, ...] = ()):
+                 chat_template: str | None = None, model_aliases: tuple[str, ...] = (),
+                 models: ServedModels | None = None):
         self.engine = engine
         self.chat_template = chat_template  # the server's --chat-template (None: the tokenizer's)
         self.log_requests = log_requests  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
@@ -66,6 +69,7 @@ class ServingState:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name  # what replies name; requests may give an alias too
         self.model_names = (model_name, *model_aliases)
+        self.models = models or ServedModels(self.model_names, engine.config)  # the names and the LoRA adapters
         self.max_model_len = int(engine.max_model_len)
         self.defaults = dict(getattr(engine, "generation_defaults", {}))  # the model's generation config (vLLM's)
         self.metrics = metrics
@@ -99,10 +103,8 @@ class ServingState:
         return replace(job, params=replace(job.params, structured_outputs=wrapped), reasoned=True)
 
     def check_model(self, requested: str | None) -> str:
-        # A missing model means the only one served, as with vLLM.
-        if requested not in (None, "", *self.model_names):
-            raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
-        return self.model_name
+        """The name replies give (an adapter's, else the first base name); an unknown model is vLLM's 404."""
+        return self.models.resolve(requested)[0]
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """A text prompt's ids (with the tokenizer's BOS etc. unless add_special_tokens is false); ids as given."""
@@ -143,13 +145,14 @@ class ServingState:
                                 f"{param}, {asked or 1} in the completion). Please reduce the length of the "
                                 f"{param} or completion.", param=param, code="context_length_exceeded")
         as_ids = bool(request.return_tokens_as_token_ids)
+        lora = self.models.resolve(getattr(request, "model", None))[1]
         if wanted == 0:  # the engine always decides one token; the response leaves it out
             return Job(prompt_ids, request.sampling_params(1, self.defaults), scores_only=True, priority=request.priority,
-                       tokens_as_ids=as_ids, cache_salt=request.cache_salt)
+                       tokens_as_ids=as_ids, cache_salt=request.cache_salt, lora_request=lora)
         default = request.default_max_tokens() or room  # (completions: 16; chat: the rest of the context)
         max_tokens = wanted or min(room, self.defaults.get("max_tokens", room), default)
         return Job(prompt_ids, request.sampling_params(max_tokens, self.defaults), priority=request.priority,
-                   tokens_as_ids=as_ids, cache_salt=request.cache_salt)
+                   tokens_as_ids=as_ids, cache_salt=request.cache_salt, lora_request=lora)
 
     # ---- generation -------------------------------------------------------------------------
     async def stream(self, job: Job, interval_s: float | None = None) -> AsyncIterator:
@@ -163,7 +166,8 @@ class ServingState:
         engine_stream = self.engine.stream(prompt_token_ids=job.prompt_ids, sampling_params=job.params,
                                            request_id=request_id, output_kind=OutputKind.DELTA,
                                            stream_interval_s=self.stream_interval_s if interval_s is None else interval_s,
-                                           priority=job.priority, cache_salt=job.cache_salt)
+                                           priority=job.priority, cache_salt=job.cache_salt,
+                                           lora_request=job.lora_request)
         finished = aborted = False
         try:
             async with aclosing(engine_stream) as deltas:  # closing the engine's stream aborts the request

@@ -150,9 +150,20 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- include "saguaro.serveFlagArgs" (dict "args" $args "engine" .Values.engine "server" (.Values.server | default dict)) -}}
 {{- include "saguaro.speculationArgs" (dict "args" $args "speculation" .Values.speculation "resolved" $spec) -}}
 {{- include "saguaro.frontendArgs" (dict "args" $args "server" (.Values.server | default dict)) -}}
+{{- include "saguaro.loraArgs" (dict "args" $args "lora" (.Values.lora | default dict)) -}}
 {{- $app := dict "name" "saguaro" "route_prefix" "/" "import_path" "saguaro_dist.serve.app:build_app" "args" $args -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
 {{- toYaml $config -}}
+{{- end -}}
+
+{{/* vLLM's LoRA flags as app args, where the values leave the app's default (as saguaro_dist/deploy/serve_app.py
+     _serve_flag_args). Arguments: args, lora (values). */}}
+{{- define "saguaro.loraArgs" -}}
+{{- $l := .lora -}}
+{{- if $l.enable }}{{ $_ := set .args "enable_lora" true }}{{ end -}}
+{{- if not (kindIs "invalid" $l.maxLoras) }}{{ $_ := set .args "max_loras" (int $l.maxLoras) }}{{ end -}}
+{{- if not (kindIs "invalid" $l.maxLoraRank) }}{{ $_ := set .args "max_lora_rank" (int $l.maxLoraRank) }}{{ end -}}
+{{- if $l.modules }}{{ $_ := set .args "lora_modules" $l.modules }}{{ end -}}
 {{- end -}}
 
 {{/* `saguaro serve`'s engine and server flags as app args, set on .args only where the values leave the app's

@@ -1,0 +1,91 @@
+"""The served model names and LoRA adapters (vLLM's OpenAIServingModels, vllm/entrypoints/openai/models/serving.py):
+which name runs which adapter, /v1/models' cards, and runtime loading behind VLLM_ALLOW_RUNTIME_LORA_UPDATING.
+
+Each adapter runs under a lora_int_id (>= 1) the server hands out once: --lora-modules take 1..N in order, each
+runtime load the next. An id is never handed out again (not after an unload, nor for a load_inplace reload): the
+engine binds an id to one path, keeps its prefix cache per id, and loads a new id's weights afresh."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from pathlib import Path
+
+from saguaro_dist.lora_request import LoRARequest
+from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.lora_modules import LoRAModule, check_adapter, check_lora_modules
+
+log = logging.getLogger(__name__)
+
+
+class ServedModels:
+    """Base names (requests may give any, replies name the first) and adapters by name."""
+
+    def __init__(self, base_names: tuple[str, ...], config, modules: tuple[LoRAModule, ...] = ()):
+        check_lora_modules(modules, base_names, bool(getattr(config, "enable_lora", False)))
+        self.base_names, self.config = base_names, config
+        self._ids = itertools.count(1)
+        self.adapters: dict[str, LoRARequest] = {}
+        self._lock = asyncio.Lock()  # a load's check and its entry, one at a time (vLLM locks per name)
+        for m in modules:  # start-up: an adapter that cannot load fails the replica, with the reason
+            check_adapter(m.name, m.path, config)
+            self.adapters[m.name] = self._request(m.name, m.path, m.base_model_name)
+
+    def _request(self, name: str, path: str, base: str | None = None) -> LoRARequest:
+        return LoRARequest(name, next(self._ids), path, base_model_name=base)
+
+    def resolve(self, requested: str | None) -> tuple[str, LoRARequest | None]:
+        """(the name replies give, the adapter to run): a missing model is the base, as vLLM's."""
+        if requested in self.adapters:
+            return requested, self.adapters[requested]
+        if requested in (None, "", *self.base_names):
+            return self.base_names[0], None
+        raise APIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
+
+    def cards(self, max_model_len: int) -> list[dict]:
+        """/v1/models: the base names, then the adapters (parent: their base model's name, root: their path)."""
+        base = [_card(name, self.config.model, None, max_model_len) for name in self.base_names]
+        return base + [_card(r.lora_name, r.lora_path, r.base_model_name or self.base_names[0], None)
+                       for r in self.adapters.values()]
+
+    async def load(self, name: str, path: str, load_inplace: bool = False) -> str:
+        if not name or not path:
+            raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
+        if not getattr(self.config, "enable_lora", False):
+            raise APIError(400, "LoRA is off on this server: start it with --enable-lora")
+        if name in self.base_names:
+            raise APIError(400, f"{name!r} is a served model name; an adapter needs a name of its own", param="lora_name")
+        async with self._lock:
+            if name in self.adapters and not load_inplace:
+                raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                                    "adapter in place, set 'load_inplace' to True.")
+            await asyncio.to_thread(_check_runtime_adapter, name, path, self.config)
+            self.adapters[name] = self._request(name, path)  # a fresh id: its weights are read again at next use
+        log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
+        return f"Success: LoRA adapter '{name}' added successfully."
+
+    async def unload(self, name: str) -> str:
+        if not name:
+            raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
+        async with self._lock:
+            if self.adapters.pop(name, None) is None:
+                raise APIError(404, f"The lora adapter '{name}' cannot be found.")
+        log.info("Removed LoRA adapter: name '%s'", name)  # running requests finish on it; new ones get a 404
+        return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def _card(name: str, root: str, parent: str | None, max_model_len: int | None) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "saguaro-dist", "root": root, "parent": parent,
+            "max_model_len": max_model_len}
+
+
+def _check_runtime_adapter(name: str, path: str, config) -> None:
+    """vLLM's answers: no adapter at the path is a 404 (LoRAAdapterNotFoundError's message); one that cannot run
+    on this base model a 400 with the reason."""
+    local = Path(path).expanduser()
+    if (path.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
+        raise APIError(404, f"Loading lora {name} failed: No adapter found for {path}")
+    try:
+        check_adapter(name, path, config)
+    except ValueError as err:
+        raise APIError(400, str(err), param="lora_path") from None
