@@ -130,6 +130,19 @@ def tokenize_body(prompt: str, model: str | None, add_special_tokens: bool) -> d
     return {"prompt": prompt, "add_special_tokens": add_special_tokens, **({"model": model} if model else {})}
 
 
+def load_lora_body(lora_name: str, lora_path: str, load_inplace: bool) -> dict:
+    """vLLM's LoadLoRAAdapterRequest; load_inplace only when set (a server without the field never sees it)."""
+    body = {"lora_name": lora_field("lora_name", lora_name), "lora_path": lora_field("lora_path", lora_path)}
+    return {**body, "load_inplace": True} if load_inplace else body
+
+
+def lora_field(name: str, value) -> str:
+    """A non-empty string, refused here with the argument's name (the server's 400 would name neither)."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
 def chat_messages(messages) -> list[dict]:
     """A plain string is one user message; otherwise OpenAI message dicts."""
     if isinstance(messages, str):

@@ -111,6 +111,19 @@ class Client:
         """Forget the server's kept prompt prefixes (a cold cache, e.g. before a benchmark)."""
         self._send("POST", common.server_root(self._root) + "/reset_prefix_cache")
 
+    def load_lora_adapter(self, lora_name: str, lora_path: str, *, load_inplace: bool = False) -> str:
+        """vLLM's runtime load (POST /v1/load_lora_adapter; the server needs VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+        requests whose `model` is lora_name then run the adapter. load_inplace reloads a name already loaded.
+        Returns the server's "Success: ..." line."""
+        body = common.load_lora_body(lora_name, lora_path, load_inplace)
+        return self._send("POST", self._root + "/load_lora_adapter", body).text
+
+    def unload_lora_adapter(self, lora_name: str) -> str:
+        """vLLM's runtime unload (POST /v1/unload_lora_adapter): the name's running requests finish, new ones get a 404.
+        Returns the server's "Success: ..." line."""
+        body = {"lora_name": common.lora_field("lora_name", lora_name)}
+        return self._send("POST", self._root + "/unload_lora_adapter", body).text
+
     def _generate(self, path: str, body: dict, stream: bool) -> Completion | Stream:
         if stream:
             return Stream(self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
