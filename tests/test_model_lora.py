@@ -296,3 +296,25 @@ def test_two_ranks_equal_one(kind, request, tmp_path):
     for a, b, w in zip(rank0, rank1, want, strict=True):
         torch.testing.assert_close(a, w, atol=ATOL, rtol=0)
         torch.testing.assert_close(b, a, atol=0, rtol=0)
+
+
+def test_a_load_that_fails_mid_way_leaves_the_slot_empty(llama_adapters):
+    """set_slot runs layer by layer: a tensor of another shape in layer 1 failed after layer 0 took the new
+    adapter, and the slot still named the old one, so a sequence on it crashed the forward (a reviewer's
+    reproduction). Now the slot is emptied: adding to it is refused, the base model runs on."""
+    import dataclasses
+    from saguaro_dist.model.lora_adapter import load_adapter
+    path, dirs = llama_adapters["path"], llama_adapters["dirs"]
+    runner = lora_runner(path, dirs[:1])
+    good = load_adapter(str(dirs[1]), runner.config, 8)
+    weights = dict(good.weights)
+    a, b = weights[(1, "q_proj")]
+    weights[(1, "q_proj")] = (a, b[:-1])
+    with pytest.raises(RuntimeError):
+        runner.load_lora(0, dataclasses.replace(good, weights=weights))
+    assert runner.lora.adapters[0] is None
+    with pytest.raises(ValueError, match="holds no adapter"):
+        runner.add("s", lora_slot=0)
+    runner.load_lora(0, good)  # the slot takes a good adapter again
+    runner.add("s", lora_slot=0)
+    runner.extend(["s"], [PROMPT], [1])

@@ -80,9 +80,15 @@ class LoRASlots:
             raise ValueError(f"lora slot must be an integer in 0..{self.max_loras - 1} (max_loras), got {slot!r}")
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """All layers or none: a layer that fails (a tensor of another shape, memory) leaves the slot empty,
+        not half the new adapter's layers under the old one's name."""
         self.check_slot(slot)
-        for linear in self.linears:
-            linear.set_slot(slot, adapter)
+        try:
+            for linear in self.linears:
+                linear.set_slot(slot, adapter)
+        except Exception:
+            self.evict(slot)
+            raise
         self.adapters[slot], self.scales[slot] = adapter, adapter.scale
 
     def evict(self, slot: int) -> None:

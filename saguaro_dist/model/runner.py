@@ -369,9 +369,9 @@ class ModelRunner:
         elif adapter.rank > self.lora.max_lora_rank:
             raise ValueError(f"LoRA adapter {adapter.source}: rank {adapter.rank} is greater than max_lora_rank "
                              f"{self.lora.max_lora_rank}")
+        self._lora_loads[slot] += 1  # (before: a load that fails mid-way leaves the slot emptied, a new load)
         with torch.inference_mode():
             self.lora.load(slot, adapter)
-        self._lora_loads[slot] += 1
 
     def evict_lora(self, slot: int) -> None:
         """Empty a slot; no live sequence may be using it."""
