@@ -195,6 +195,7 @@ class Config:
     enable_lora: bool = False              # vLLM's: requests may name a PEFT adapter (LoRARequest) the target runs them through
     max_loras: int = 1                     # adapters one batch runs at once (the target's slots); others' requests wait
     max_lora_rank: int = 16                # the largest adapter rank r taken (vLLM's choices: 1, 8, 16, ..., 512)
+    max_cpu_loras: int | None = None       # adapters kept read in host memory (LRU, >= max_loras; None: max_loras): one evicted from its slot reloads without reading its files
     log_stats_interval_s: float = 10.0     # an INFO line of throughput, queue and speculation figures this often (0: off)
     generation_config: str = "auto"        # requests' sampling defaults: the model's generation_config.json, "vllm" (none) or a folder
     seed: int | None = None                # vLLM's: an unseeded request's draws derive from it and its order of arrival,
@@ -310,7 +311,7 @@ class Config:
                 check_int(name, getattr(self, name), 1)
         check_memory_utilization(self.gpu_memory_utilization)
         check_seed(self.seed)
-        check_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank)
+        check_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
         if self.max_model_len is not None and self.mode is not Mode.AR and self.max_model_len - (self.k + 1) < 2:
             raise ValueError(f"k = {self.k} leaves no room in max_model_len = {self.max_model_len}: a round scores "
                              f"K+1 positions past a prompt token and a generated one (lower k, or raise max_model_len)")

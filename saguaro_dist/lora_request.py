@@ -61,14 +61,18 @@ class LoRARequest:
         return hash(self.lora_name)
 
 
-def check_lora_config(enable_lora, max_loras, max_lora_rank) -> None:
-    """Config's LoRA fields, as vLLM's LoRAConfig takes them (max_loras >= 1, max_lora_rank one of MaxLoRARanks)."""
+def check_lora_config(enable_lora, max_loras, max_lora_rank, max_cpu_loras=None) -> None:
+    """Config's LoRA fields, as vLLM's LoRAConfig takes them (max_loras >= 1, max_lora_rank one of MaxLoRARanks,
+    max_cpu_loras None (max_loras) or >= max_loras)."""
     if not isinstance(enable_lora, bool):
         raise ValueError(f"enable_lora must be true or false, got {enable_lora!r}")
     if type(max_loras) is not int or max_loras < 1:
         raise ValueError(f"max_loras must be an integer >= 1 (adapters in one batch), got {max_loras!r}")
     if type(max_lora_rank) is not int or max_lora_rank not in MAX_LORA_RANKS:
         raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}, got {max_lora_rank!r}")
+    if max_cpu_loras is not None and (type(max_cpu_loras) is not int or max_cpu_loras < max_loras):
+        raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({max_loras}): adapters kept read in host "
+                         f"memory, those in slots included; got {max_cpu_loras!r}")
 
 
 def per_prompt(lora_request, n: int) -> list[LoRARequest | None]:

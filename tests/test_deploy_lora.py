@@ -43,7 +43,8 @@ def test_lora_flags_reach_the_engine_and_the_server(kind):
 def test_settings_take_modules_as_dicts_or_text_and_defaults_add_no_args():
     s = k8s.K8sSettings(enable_lora=True, lora_modules=[{"name": "a", "path": "/models/a"}, "c=/models/c"])
     assert s.lora_modules == (LoRAModule("a", "/models/a"), LoRAModule("c", "/models/c"))
-    assert not {"enable_lora", "lora_modules", "max_loras", "max_lora_rank"} & set(app_args(k8s.rayservice(k8s.K8sSettings())))
+    assert not {"enable_lora", "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras"} & set(
+        app_args(k8s.rayservice(k8s.K8sSettings())))
 
 
 @pytest.mark.parametrize("settings, message", [
@@ -70,10 +71,10 @@ def test_refused_flags(capsys):
 
 def test_chart_renders_the_generators_lora_args():
     from test_deploy_helm import by_kind, render  # needs helm-python-sdk (skips there without it)
-    s = k8s.K8sSettings(enable_lora=True, max_loras=2, max_lora_rank=32, served_model_name="base",
+    s = k8s.K8sSettings(enable_lora=True, max_loras=2, max_lora_rank=32, max_cpu_loras=3, served_model_name="base",
                         lora_modules=MODULES)
     values = k8s.helm_values(s)
-    assert values["lora"] == {"enable": True, "maxLoras": 2, "maxLoraRank": 32, "modules": [
+    assert values["lora"] == {"enable": True, "maxLoras": 2, "maxLoraRank": 32, "maxCpuLoras": 3, "modules": [
         {"name": "a", "path": "/models/a"}, {"name": "b", "path": "org/b", "base_model_name": "base"}]}
     rendered = by_kind(render(values))[("RayService", s.name)]
     assert validation.comparable(rendered) == validation.comparable(k8s.rayservice(s))
@@ -83,6 +84,7 @@ def test_chart_renders_the_generators_lora_args():
 def test_chart_schema_refuses_bad_lora_values():
     helm = pytest.importorskip("helm_python")
     from test_deploy_helm import CHART
-    for bad in ({"maxLoraRank": 12}, {"modules": [{"name": "a"}]}, {"enable": "yes"}, {"maxLoras": 0}):
+    for bad in ({"maxLoraRank": 12}, {"modules": [{"name": "a"}]}, {"enable": "yes"}, {"maxLoras": 0},
+                {"maxCpuLoras": 0}):
         report = helm.lint(str(CHART), values={"lora": bad}, strict=True)
         assert report["errors"], bad

@@ -1,6 +1,7 @@
-"""`saguaro serve`'s LoRA flags, vLLM's names and meaning: --enable-lora, --lora-modules, --max-loras, --max-lora-rank.
+"""`saguaro serve`'s LoRA flags, vLLM's names and meaning: --enable-lora, --lora-modules, --max-loras, --max-lora-rank,
+--max-cpu-loras.
 
-enable_lora, max_loras and max_lora_rank are engine Config fields (serve.py's ENGINE_FLAGS); lora_modules is an app
+enable_lora, max_loras, max_lora_rank and max_cpu_loras are engine Config fields (serve.py's ENGINE_FLAGS); lora_modules is an app
 arg (serve/lora_modules.py), checked here before Ray starts: each adapter is read against the base model."""
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 from saguaro_dist.lora_request import MAX_LORA_RANKS
 
-LORA_ENGINE_FLAGS = {"enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank"}
+LORA_ENGINE_FLAGS = {"enable_lora": "enable_lora", "max_loras": "max_loras", "max_lora_rank": "max_lora_rank",
+                     "max_cpu_loras": "max_cpu_loras"}
 
 
 def add_lora_args(p: argparse.ArgumentParser) -> None:
@@ -22,6 +24,8 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-loras", type=int, help="adapters one batch runs at once (default 1; others' requests wait)")
     g.add_argument("--max-lora-rank", type=int, choices=MAX_LORA_RANKS, metavar="RANK",
                    help=f"the largest adapter rank served, one of {', '.join(map(str, MAX_LORA_RANKS))} (default 16)")
+    g.add_argument("--max-cpu-loras", type=int, help="adapters kept read in host memory, >= --max-loras (default: "
+                   "--max-loras): one evicted from its slot reloads without reading its files again")
 
 
 def check_adapters_here(modules, config, embedded: bool) -> None:

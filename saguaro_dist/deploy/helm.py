@@ -43,7 +43,7 @@ def helm_values(s: K8sSettings) -> dict:
             "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
                        "enableLogRequests": s.enable_log_requests, **_frontend_values(s)},
             "lora": {"enable": s.enable_lora, "modules": [lora_module_arg(m) for m in s.lora_modules],
-                     "maxLoras": s.max_loras, "maxLoraRank": s.max_lora_rank},
+                     "maxLoras": s.max_loras, "maxLoraRank": s.max_lora_rank, "maxCpuLoras": s.max_cpu_loras},
             **_cluster_values(s)}
 
 

@@ -48,7 +48,7 @@ def _serve_flag_args(s: K8sSettings) -> dict:
             "max_request_bytes": s.max_request_bytes, "stream_interval_ms": s.stream_interval_ms,
             "log_requests": True if s.enable_log_requests else None,
             "enable_lora": True if s.enable_lora else None, "max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
-            "lora_modules": [lora_module_arg(m) for m in s.lora_modules] or None}
+            "max_cpu_loras": s.max_cpu_loras, "lora_modules": [lora_module_arg(m) for m in s.lora_modules] or None}
 
 
 def lora_module_arg(m) -> dict:

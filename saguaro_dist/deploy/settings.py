@@ -106,6 +106,7 @@ class K8sSettings:
     lora_modules: tuple = ()
     max_loras: int | None = None      # None: the engine's 1
     max_lora_rank: int | None = None  # None: the engine's 16
+    max_cpu_loras: int | None = None  # None: the engine's (max_loras)
     tp: int = 1
     draft_workers: int = 1
     image: str | None = None          # None: saguaro-dist:<version>-cuda with GPUs, -cpu without (container_image)

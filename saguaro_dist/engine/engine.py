@@ -49,7 +49,8 @@ class Engine:
     def __init__(self, config: Config, target_runner, draft_backend, tokenizer, eos_token_ids: set[int]):
         self.config = config
         self.metrics = EngineMetrics()
-        self.target = TargetScorer(target_runner, frozenset(eos_token_ids), config.enable_prefix_caching)
+        self.target = TargetScorer(target_runner, frozenset(eos_token_ids), config.enable_prefix_caching,
+                                   config.max_cpu_loras)
         self.vocab_size, self.max_model_len = target_runner.vocab_size, target_runner.max_model_len
         self.context_len = usable_context(self.max_model_len, config)  # where a sequence ends at "length"
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
@@ -93,8 +94,10 @@ class Engine:
         pending last one; a prefilling one's: what of its prompt has run)."""
         held = sum(s.num_tokens - 1 for s in self.running) + sum(s.prefilled for s in self.prefilling)
         live, drafts = self.draft.workers() if self.draft is not None else (0, 0)
+        max_lora = self.config.max_loras if self.target.loras is not None else 0
         return EngineLoad(len(self.running) + len(self.prefilling), len(self.waiting), held,
-                          self.config.max_batch_size * self.max_model_len, live, drafts)
+                          self.config.max_batch_size * self.max_model_len, live, drafts,
+                          adapter_names(self.running + self.prefilling), adapter_names(self.waiting), max_lora)
 
     def abort(self, request_id: str) -> list[Update]:
         """Drop a request wherever it is; its slot is free at once."""
@@ -380,3 +383,8 @@ class Engine:
             self.running = [s for s in self.running if not s.finished]
         for s in done:
             self._emitted.pop(s.seq_id, None)
+
+
+def adapter_names(seqs) -> tuple[str, ...]:
+    """The LoRA adapters (lora_name) the sequences run, once each, in order of first appearance."""
+    return tuple(dict.fromkeys(s.lora_request.lora_name for s in seqs if s.lora_request is not None))

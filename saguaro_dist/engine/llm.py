@@ -100,7 +100,8 @@ class LLM(RequestInputs):
 
     @property
     def load(self) -> EngineLoad:
-        """What the engine holds now: requests running and waiting, and the share of the KV budget they use
+        """What the engine holds now: requests running and waiting, the share of the KV budget they use, and
+        their LoRA adapters (vLLM's lora_requests_info: running_lora_adapters, waiting_lora_adapters, max_lora)
         (a snapshot as of the engine's last step; on Ray, of rank 0's last poll)."""
         return self._thread.load
 

@@ -4,11 +4,16 @@ An adapter (named by its LoRARequest's lora_int_id) is loaded at the first reque
 slot or the least recently used one that no sequence holding a KV row runs; a request whose adapter has no slot
 and can get none waits (Engine._admit). Reloading a slot (another adapter, or load_inplace) drops the prefix
 cache's kept rows computed through what it held: the runner refuses to copy KV across loads of a slot, and the
-engine never asks it to."""
+engine never asks it to.
+
+Up to max_cpu_loras adapters once read stay in host memory (vLLM's max_cpu_loras, an LRU; those in slots among
+them): one evicted from its slot and asked for again reloads from there, without reading its files. A
+load_inplace request drops its adapter's copy, so it is read again."""
 from __future__ import annotations
 
 import itertools
 import logging
+from collections import OrderedDict
 
 from saguaro_dist.engine.sequence import namespace_lora_id
 from saguaro_dist.lora_request import AdapterIds, LoRARequest
@@ -21,11 +26,35 @@ class AdapterLoadError(ValueError):
     """A request's adapter could not be loaded: that request fails alone."""
 
 
+class HostAdapters:
+    """Read adapters (LoRAAdapter) by lora_int_id, the least recently used dropped past `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._adapters: OrderedDict[int, object] = OrderedDict()
+
+    def get(self, lora_int_id: int):
+        adapter = self._adapters.get(lora_int_id)
+        if adapter is not None:
+            self._adapters.move_to_end(lora_int_id)
+        return adapter
+
+    def put(self, lora_int_id: int, adapter) -> None:
+        self._adapters[lora_int_id] = adapter
+        self._adapters.move_to_end(lora_int_id)
+        while len(self._adapters) > self.capacity:
+            self._adapters.popitem(last=False)
+
+    def drop(self, lora_int_id: int) -> None:
+        self._adapters.pop(lora_int_id, None)
+
+
 class AdapterSlots:
-    def __init__(self, runner, prefixes, max_loras: int):
+    def __init__(self, runner, prefixes, max_loras: int, max_cpu_loras: int | None = None):
         """runner: the target's (ModelRunner, or rank 0's BroadcastRunner: loads replay on every rank);
-        prefixes: its PrefixCache."""
+        prefixes: its PrefixCache; max_cpu_loras: adapters kept read in host memory (None: max_loras)."""
         self.runner, self.prefixes = runner, prefixes
+        self.host = HostAdapters(max_loras if max_cpu_loras is None else max_cpu_loras)
         self.held: list[LoRARequest | None] = [None] * max_loras  # slot -> the adapter it holds
         self.last_used = [0] * max_loras
         self.ids = AdapterIds()
@@ -37,8 +66,10 @@ class AdapterSlots:
         if request is None:
             return
         self.ids.bind(request)
-        if request.load_inplace and self.slot_of(request.lora_int_id) is not None:
-            self.stale.add(request.lora_int_id)
+        if request.load_inplace:
+            self.host.drop(request.lora_int_id)  # its next load reads the files again
+            if self.slot_of(request.lora_int_id) is not None:
+                self.stale.add(request.lora_int_id)
 
     def slot_of(self, lora_int_id: int) -> int | None:
         return next((i for i, r in enumerate(self.held) if r is not None and r.lora_int_id == lora_int_id), None)
@@ -77,22 +108,33 @@ class AdapterSlots:
         return min(idle, key=self.last_used.__getitem__) if idle else None
 
     def _load(self, slot: int, request: LoRARequest) -> None:
-        """Read the adapter here, then put it in the slot: on tensor-parallel ranks the runner's load_lora
-        replays with the tensors read once (every rank runs the same weights, whatever each node's disk holds;
-        a read that fails fails here, before any rank changed). Any failure to read it (a missing folder, a
-        corrupt safetensors file, a config that is no object) fails its request alone."""
-        old = self.held[slot]
+        """Read the adapter here (or take it from host memory), then put it in the slot: on tensor-parallel
+        ranks the runner's load_lora replays with the tensors read once (every rank runs the same weights,
+        whatever each node's disk holds; a read that fails fails here, before any rank changed). Any failure to
+        read it (a missing folder, a corrupt safetensors file, a config that is no object) fails its request alone."""
+        old, lora_id = self.held[slot], request.lora_int_id
         try:
-            adapter = load_adapter(request.lora_path, self.runner.config, self.runner.lora.max_lora_rank)
+            adapter = self.host.get(lora_id)
+            if adapter is None or lora_id in self.stale:
+                adapter = load_adapter(request.lora_path, self.runner.config,
+                                       self.runner.lora.max_lora_rank).cast(self.runner.dtype)
             self.runner.load_lora(slot, adapter)
+            self.host.put(lora_id, adapter)  # only once it loaded: a copy in host memory is a good one
         except Exception as err:  # noqa: BLE001 - whatever the files hold, only this request fails
+            self.host.drop(lora_id)
+            if old is not None and self.runner.lora.adapters[slot] is None:  # the runner emptied the slot
+                self._emptied(slot, old)
             if self.slot_of(request.lora_int_id) is None:
                 self.ids.release(request)  # never loaded: the id may name a good path later
             raise AdapterLoadError(f"lora_request {request.lora_name!r}: {type(err).__name__}: {err}") from None
-        self.held[slot] = request
         if old is not None:
-            gone = old.lora_int_id  # kept rows computed through the old weights
-            self.prefixes.drop(lambda namespace: namespace_lora_id(namespace) == gone)
-            log.info("LoRA slot %d: adapter %d (%s) replaces %d", slot, request.lora_int_id, request.lora_name, gone)
-        else:
-            log.info("LoRA slot %d: adapter %d (%s) loaded", slot, request.lora_int_id, request.lora_name)
+            self._emptied(slot, old)
+        self.held[slot] = request
+        log.info("LoRA slot %d: adapter %d (%s) loaded%s", slot, request.lora_int_id, request.lora_name,
+                 "" if old is None else f", replacing {old.lora_int_id}")
+
+    def _emptied(self, slot: int, old: LoRARequest) -> None:
+        """The slot no longer holds `old`: nothing is held there, and the kept rows computed through its weights go."""
+        self.held[slot] = None
+        gone = old.lora_int_id
+        self.prefixes.drop(lambda namespace: namespace_lora_id(namespace) == gone)

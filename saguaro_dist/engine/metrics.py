@@ -69,6 +69,11 @@ class EngineLoad:
     kv_cache_capacity_tokens: int = 0  # ... of max_batch_size x max_model_len, the worst case sized at start-up
     draft_workers_live: int = 0        # draft workers taking sequences (a draft process, actor or thread) ...
     draft_workers: int = 0             # ... of all the engine has (0 without a draft: ar, ngram)
+    # vLLM's lora_requests_info: the adapters (lora_name) of running and of waiting requests, by first
+    # appearance, and the adapters a batch may run (max_loras; 0: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
     @property
     def kv_cache_usage(self) -> float:

@@ -67,11 +67,12 @@ PROMPT_LOGPROBS_ROWS = 512  # logit rows alive at once while scoring a prompt (5
 class TargetScorer:
     """Owns the target's ModelRunner; every call is batched over sequences."""
 
-    def __init__(self, runner, eos_token_ids: frozenset[int] = frozenset(), prefix_caching: bool = True):
+    def __init__(self, runner, eos_token_ids: frozenset[int] = frozenset(), prefix_caching: bool = True,
+                 max_cpu_loras: int | None = None):
         self.runner = runner
         self.prefixes = PrefixCache(runner, enabled=prefix_caching)  # add / free of whole sequences go through it
         lora = getattr(runner, "lora", None)  # the runner's LoRA slot table (None: LoRA off)
-        self.loras = AdapterSlots(runner, self.prefixes, lora.max_loras) if lora is not None else None
+        self.loras = AdapterSlots(runner, self.prefixes, lora.max_loras, max_cpu_loras) if lora is not None else None
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids  # with stop_token_ids, what min_tokens holds back
 

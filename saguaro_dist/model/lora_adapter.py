@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from safetensors import safe_open
@@ -50,6 +50,12 @@ class LoRAAdapter:
     rank: int
     scale: float
     weights: dict
+
+    def cast(self, dtype) -> LoRAAdapter:
+        """The same adapter in `dtype` (the runner's: its slots hold that dtype anyway), half the bytes of the fp32
+        read for bf16 where it travels (the tensor-parallel replay pickles it through each rank's device) or
+        waits in host memory."""
+        return replace(self, weights={key: (a.to(dtype), b.to(dtype)) for key, (a, b) in self.weights.items()})
 
 
 def resolve_adapter_dir(path_or_id, revision: str | None = None) -> Path:

@@ -5,6 +5,8 @@ Ray adds its own `ray_` prefix on export.
 """
 from __future__ import annotations
 
+import time
+
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0]
 # Whole requests and first tokens (queueing, long prompts, long outputs) run to minutes: vLLM's tails, so one
 # slower than 40 s lands in a finite bucket rather than only in +Inf, where quantiles read it as 40 s.
@@ -49,6 +51,10 @@ class ServeMetrics:
         # Below draft_workers: a draft worker died and is restarting (or gone): speed is lost, not tokens.
         self.draft_live = self._make(make, "gauge", "saguaro_draft_workers_live", "Draft workers taking sequences")
         self.drafts = self._make(make, "gauge", "saguaro_draft_workers", "Draft workers the engine has")
+        # vLLM's lora_requests_info: its tags say which adapters run and wait; its value, when (Unix time), so
+        # the newest series is the one to read
+        self.lora_info = self._make(make, "gauge", "saguaro_lora_requests_info", "Running stats on LoRA requests",
+                                    ("model", "max_lora", "waiting_lora_adapters", "running_lora_adapters"))
         self.prompt_tokens = self._make(make, "counter", "saguaro_prompt_tokens", "Prompt tokens processed")
         self.cached_prompt_tokens = self._make(make, "counter", "saguaro_prefix_cache_hits",
                                                "Prompt tokens whose KV the prefix cache supplied")
@@ -86,6 +92,10 @@ class ServeMetrics:
         self.kv_usage.set(load.kv_cache_usage)
         self.draft_live.set(load.draft_workers_live)
         self.drafts.set(load.draft_workers)
+        if load.max_lora:  # LoRA on
+            self.lora_info.set(time.time(), {"max_lora": str(load.max_lora),
+                                             "waiting_lora_adapters": ",".join(load.waiting_lora_adapters),
+                                             "running_lora_adapters": ",".join(load.running_lora_adapters)})
 
     def request(self, route: str, status: int) -> None:
         self.requests.inc(1, {"route": route, "status": str(status)})

@@ -163,6 +163,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if $l.enable }}{{ $_ := set .args "enable_lora" true }}{{ end -}}
 {{- if not (kindIs "invalid" $l.maxLoras) }}{{ $_ := set .args "max_loras" (int $l.maxLoras) }}{{ end -}}
 {{- if not (kindIs "invalid" $l.maxLoraRank) }}{{ $_ := set .args "max_lora_rank" (int $l.maxLoraRank) }}{{ end -}}
+{{- if not (kindIs "invalid" $l.maxCpuLoras) }}{{ $_ := set .args "max_cpu_loras" (int $l.maxCpuLoras) }}{{ end -}}
 {{- if $l.modules }}{{ $_ := set .args "lora_modules" $l.modules }}{{ end -}}
 {{- end -}}
 
