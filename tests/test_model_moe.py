@@ -1,4 +1,5 @@
-"""Mixture-of-experts targets: Mixtral (model_type "mixtral") and Qwen3-MoE ("qwen3_moe"). Logits as transformers
+"""Mixture-of-experts targets: Mixtral (model_type "mixtral"), Qwen3-MoE ("qwen3_moe"), Qwen2-MoE ("qwen2_moe": a
+shared expert) and OLMoE ("olmoe": q / k norms over whole projections, clip_qkv). Logits as transformers
 5.25 computes them on tiny seeded checkpoints (routers sharpened, so a wrong top-k, softmax or renormalisation
 moves them) on every attention path, both weight layouts a user meets (the Hub's per-expert tensors, which
 save_pretrained writes, and transformers' stacked ones), Qwen3-MoE's dense layers (mlp_only_layers,
@@ -9,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 from model_checks import (check_batched_extends, check_greedy_generation, check_logits, check_static_steps,
-                          check_two_branches, hf_logits, random_tokens, randomise)
-from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+                          check_two_branches, check_two_ranks_match_transformers, hf_logits, random_tokens,
+                          randomise, two_rank_logits)
+from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from saguaro_dist.model.hf_config import parse_config
 from saguaro_dist.model.runner import ModelRunner
@@ -22,7 +24,8 @@ COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "num_attention_heads": 4, "num
           "max_position_embeddings": 256, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
           "tie_word_embeddings": False, "num_experts_per_tok": 2}
 # Mixtral with a sliding window (every layer); Qwen3-MoE with a dense layer (mlp_only_layers), renormalised or
-# not, and every other layer sparse (decoder_sparse_step 2)
+# not, and every other layer sparse (decoder_sparse_step 2); Qwen2-MoE with its shared expert, a dense layer and
+# sliding layers (its rule: even layers below max_window_layers); OLMoE with clip_qkv (near the q / k / v scale)
 FAMILIES = {
     "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=40, num_hidden_layers=2, num_local_experts=4,
                                      sliding_window=WINDOW),
@@ -32,7 +35,14 @@ FAMILIES = {
     "qwen3_moe_step2": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
                                               num_hidden_layers=4, num_experts=5, decoder_sparse_step=2,
                                               norm_topk_prob=False),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                        shared_expert_intermediate_size=40, num_hidden_layers=4, num_experts=4,
+                                        mlp_only_layers=[1], norm_topk_prob=True, use_sliding_window=True,
+                                        sliding_window=WINDOW, max_window_layers=3),
+    "olmoe": lambda: OlmoeConfig(**COMMON, intermediate_size=24, num_hidden_layers=2, num_experts=4, clip_qkv=1.5),
 }
+MODEL_CLASSES = {"mixtral": MixtralForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM,
+                 "olmoe": OlmoeForCausalLM}
 ROUTER_GAIN = 6.0  # HF's router init routes near uniformly: a wrong weighting of the experts would hardly show
 
 
@@ -44,7 +54,7 @@ def _one_thread():
 def save_moe(path, family: str, seed: int = 0, sharpen: float = 1.0, **save_kw):
     torch.manual_seed(seed)
     config = FAMILIES[family]()
-    model = (MixtralForCausalLM if config.model_type == "mixtral" else Qwen3MoeForCausalLM)(config).eval()
+    model = MODEL_CLASSES[config.model_type](config).eval()
     randomise(model, sharpen)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -99,7 +109,7 @@ def test_the_sparse_layers_are_the_ones_transformers_builds(moe):
     cfg = parse_config(moe["model"].config.to_dict())
     sparse = [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in moe["model"].model.layers]
     assert list(cfg.sparse_layers) == sparse and any(sparse)
-    assert moe["family"] == "mixtral" or not all(sparse)
+    assert moe["family"] in ("mixtral", "olmoe") or not all(sparse)
 
 
 # ---- tensor parallel -----------------------------------------------------------------------------
@@ -126,8 +136,27 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path):
             torch.testing.assert_close(b, a, atol=0, rtol=0)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_tensor_parallel_two_ranks_match_transformers(family, tmp_path):
+    """Qwen2-MoE's shared expert split by width as an expert (its gate replicated), OLMoE's projection norms
+    summed over the ranks' heads: rank 0's logits transformers', rank 1's rank 0's."""
+    model = save_moe(tmp_path, family, seed=6)
+    check_two_ranks_match_transformers(tmp_path, model, tokens(3, 12))
+
+
+@pytest.mark.slow
+def test_tensor_parallel_refuses_an_odd_shared_expert_width(tmp_path):
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=1,
+                            num_experts=4, shared_expert_intermediate_size=25)
+    Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
+    for message in two_rank_logits(tmp_path, tokens(1, 4)):
+        assert "tensor parallel size 2 must divide shared_expert_intermediate_size=25" in message
+
+
 # ---- greedy generation: an MoE target, a dense Qwen3 draft of the same vocabulary ---------------------
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_moe", "qwen2_moe", "olmoe"])
 def moe_pair(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"{request.param}_pair")
     torch.set_num_threads(1)
@@ -166,6 +195,7 @@ def test_a_hub_qwen3_moe_config_reads_as_transformers_reads_it():
 
 @pytest.mark.parametrize("changes, message", [
     ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size 64: a shared expert is not supported"),
+    ({"n_shared_experts": 2}, "n_shared_experts 2: a shared expert is not supported"),
     ({"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than the 4 experts"),
     ({"num_experts_per_tok": 0}, "num_experts_per_tok must be an integer >= 1, got 0"),
     ({"num_local_experts": 0}, "num_experts must be an integer >= 1, got 0"),
@@ -181,8 +211,8 @@ def test_what_this_runtime_cannot_compute_is_refused(changes, message):
 
 
 def test_an_unsupported_moe_family_is_refused_by_name():
-    with pytest.raises(ValueError, match="unsupported architecture .*model_type 'qwen2_moe'.*mixtral, qwen3_moe"):
-        parse_config(qwen3_moe_json(model_type="qwen2_moe"))
+    with pytest.raises(ValueError, match="unsupported architecture .*model_type 'deepseek_v2'.*mixtral, qwen3_moe"):
+        parse_config(qwen3_moe_json(model_type="deepseek_v2"))
 
 
 def test_transformers_reads_the_test_checkpoints_as_written(moe):
@@ -190,5 +220,4 @@ def test_transformers_reads_the_test_checkpoints_as_written(moe):
     seq = tokens(1, 8)
     reloaded = AutoModelForCausalLM.from_pretrained(moe["path"], dtype=torch.float32).eval()
     torch.testing.assert_close(hf_logits(reloaded, seq), hf_logits(moe["model"], seq), atol=0, rtol=0)
-    assert any(isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in reloaded.model.layers) or \
-        moe["family"] == "mixtral"
+    assert any(type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in reloaded.model.layers)

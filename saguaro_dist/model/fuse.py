@@ -26,12 +26,13 @@ def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
 
 def fuse_projections(model: nn.Module) -> None:
     """qkv_proj replaces q_proj/k_proj/v_proj; gate_up_proj replaces gate_proj/up_proj (in place), in the
-    dense MLP or in each expert of a mixture-of-experts layer (model/moe.py)."""
+    dense MLP or in each expert (and shared expert) of a mixture-of-experts layer (model/moe.py)."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
         attn.qkv_sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
         del attn.q_proj, attn.k_proj, attn.v_proj
-        for dense in getattr(mlp, "experts", [mlp]):
+        shared = [mlp.shared_expert] if hasattr(mlp, "shared_expert") else []  # Qwen2-MoE's
+        for dense in [*getattr(mlp, "experts", [mlp]), *shared]:
             dense.gate_up_proj = fuse_linears([dense.gate_proj, dense.up_proj])
             del dense.gate_proj, dense.up_proj

@@ -9,8 +9,10 @@ from saguaro_dist.model.gemma2_config import GEMMA2_TYPE, gemma2_fields, gemma2_
 from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma3_ropes, gemma3_text_view,
                                               gemma3_windows)
 from saguaro_dist.model.gpt_oss_config import GPT_OSS_TYPE, gpt_oss_fields, gpt_oss_view, gpt_oss_windows, is_mxfp4
+from saguaro_dist.model.moe_config import MOE_TYPES, QWEN2_MOE_TYPE, moe_fields, moe_view
 from saguaro_dist.model.phi3_config import PHI3_TYPE, phi3_context, phi3_fields, phi3_rope
 from saguaro_dist.model.rope_checks import checked_rope, is_number
+from saguaro_dist.model.smollm3_config import SMOLLM3_TYPE, smollm3_fields, smollm3_view, smollm3_windows
 
 # model_type -> (q/k/v bias field ("": never a bias), o_proj bias with it, q/k RMSNorm per head)
 _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
@@ -18,16 +20,11 @@ _FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bi
              "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False),
              "gemma2": ("attention_bias", True, False), "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True),
              "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True), "phi3": ("", False, False),
-             "gpt_oss": ("attention_bias", True, False)}
+             "qwen2_moe": ("qkv_bias", False, False), "olmoe": ("attention_bias", True, False),
+             "gpt_oss": ("attention_bias", True, False), "smollm3": ("attention_bias", True, False)}
 _DEFAULT_EPS = {"olmo2": 1e-5, "phi3": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
 # Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-MOE_TYPES = ("mixtral", "qwen3_moe")
-# MixtralConfig's / Qwen3MoeConfig's defaults for the expert fields a config.json omits
-_MOE_DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
-                 "qwen3_moe": {"num_local_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}}
-# Shared experts (Qwen2-MoE's, DeepSeek's) are no part of these two families; a config naming one is refused
-_SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")
 _DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
 # The rope types whose `factor` stretches the context past max_position_embeddings (vLLM's _get_and_verify_max_len:
 # every type but su / longrope / llama3). llama3's max_position_embeddings already is its extended length; yarn
@@ -72,19 +69,23 @@ class ModelConfig:
     # Gemma 2's tanh softcaps, cap * tanh(x / cap) (gemma2_config.py); None: no op, and attention by SDPA
     attn_softcap: float | None = None   # of the attention scores, before the mask (attention.softcapped_attention)
     final_softcap: float | None = None  # of the logits
-    # Mixtral's and Qwen3-MoE's sparse MLPs (model/moe.py); the defaults: a dense model
+    # Mixtral's, Qwen3-MoE's, Qwen2-MoE's and OLMoE's sparse MLPs (model/moe.py); the defaults: a dense model
     num_experts: int = 0              # routed experts of a sparse layer
     experts_per_token: int = 0        # top-k experts each token is sent to
     moe_intermediate_size: int = 0    # each expert's SwiGLU width
     renormalise_topk: bool = False    # the top-k routing weights divided by their sum
     routing_weights_fp32: bool = False  # Mixtral: the weights stay fp32 into the weighted sum; Qwen3-MoE: cast
     sparse_layers: tuple = ()         # each layer: True sparse (experts), False dense MLP; (): none sparse
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert (sigmoid-gated) beside the routed; 0: none
+    projection_qk_norms: bool = False  # OLMoE's: q / k RMS-normalised over whole projections, Llama's pre-norms
+    qkv_clip: float | None = None      # OLMoE's clip_qkv: q / k (after their norms) and v clamped to +-it
     rotary_dim: int | None = None  # Phi-3's partial rotary factor: rope on each head's first rotary_dim dims; None: all
     # gpt-oss's (gpt_oss_config.py); the defaults add no op
     attention_sinks: bool = False      # a learned logit per head in each softmax (attention.sink_attention)
     weight_first_norms: bool = False   # RMSNorm's weight times the fp32 normalised input, then the cast (as OLMo 2's)
     swiglu_alpha: float | None = None  # the experts' clamped SwiGLU (moe.ClampedSwiGLUExpert); None: plain SwiGLU
     swiglu_limit: float | None = None
+    rope_layers: tuple = ()  # SmolLM3's: each layer True rotates, False is NoPE (no rope); (): every layer rotates
 
     @property
     def eos_token_id(self) -> tuple[int, ...]:
@@ -98,6 +99,10 @@ class ModelConfig:
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window: a query at position i sees keys i - window < j <= i; None: all j <= i."""
         return self.layer_windows[layer] if self.layer_windows else None
+
+    def rotates(self, layer: int) -> bool:
+        """Layer `layer`'s q and k rotate by the rope (else NoPE: SmolLM3's no_rope_layers)."""
+        return not self.rope_layers or self.rope_layers[layer]
 
     def is_sparse(self, layer: int) -> bool:
         """Layer `layer`'s MLP is a sparse mixture of experts (else the dense MLP of intermediate_size)."""
@@ -156,7 +161,7 @@ def _sliding_window(hf: dict) -> int | None:
     Phi3Config's: null), as transformers reads the file."""
     model_type = hf["model_type"]
     applies = model_type in ("mistral", "mixtral", PHI3_TYPE) or (
-        model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"))
+        model_type in ("qwen2", "qwen3", "qwen3_moe", QWEN2_MOE_TYPE) and hf.get("use_sliding_window"))
     default = None if model_type in ("mixtral", PHI3_TYPE) else _DEFAULT_WINDOW
     window = hf.get("sliding_window", default) if applies else None
     if window is not None and not (isinstance(window, int) and not isinstance(window, bool) and window > 0):
@@ -191,7 +196,9 @@ def layer_windows(hf: dict, num_layers: int) -> tuple:
         windows = gpt_oss_windows(gpt_oss_view(hf))
     elif hf["model_type"] in GEMMA3_TYPES:
         windows = gemma3_windows(gemma3_text_view(hf))
-    elif hf["model_type"] in ("qwen2", "qwen3"):
+    elif hf["model_type"] == SMOLLM3_TYPE:
+        windows = smollm3_windows(hf)
+    elif hf["model_type"] in ("qwen2", "qwen3", QWEN2_MOE_TYPE):  # Qwen2-MoE's layer_types: moe_config.moe_view
         window = _sliding_window(hf)
         windows = tuple(window if t == "sliding_attention" else None
                         for t in _qwen_layer_types(hf, window, num_layers))
@@ -248,61 +255,9 @@ def _granite_scalars(hf: dict) -> dict:
             "logits_scaling": float(values["logits_scaling"])}
 
 
-def _positive_int(hf: dict, key: str, value) -> int:
-    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        raise ValueError(f"config.json (model_type {hf['model_type']!r}) {key} must be an integer >= 1, got {value!r}")
-    return value
-
-
-def _expert_count(hf: dict) -> int:
-    """num_local_experts (Mixtral's, and what transformers 5 writes for Qwen3-MoE) or num_experts (the Qwen3-MoE
-    Hub files'); both configs alias one to the other, so two different values are refused."""
-    given = {k: hf[k] for k in ("num_local_experts", "num_experts") if hf.get(k) is not None}
-    if len(set(given.values())) > 1:
-        raise ValueError(f"config.json gives num_local_experts {given['num_local_experts']!r} and num_experts "
-                         f"{given['num_experts']!r}: one name for one count, they must agree")
-    count = next(iter(given.values()), _MOE_DEFAULTS[hf["model_type"]]["num_local_experts"])
-    return _positive_int(hf, "num_experts", count)
-
-
-def _sparse_layers(hf: dict, num_layers: int) -> tuple[bool, ...]:
-    """Which layers route to experts: Mixtral's all; Qwen3-MoE's those not in mlp_only_layers whose
-    (index + 1) is a multiple of decoder_sparse_step (Qwen3MoeDecoderLayer's rule)."""
-    if hf["model_type"] == "mixtral":
-        return (True,) * num_layers
-    step = _positive_int(hf, "decoder_sparse_step", hf.get("decoder_sparse_step", 1))
-    dense = hf.get("mlp_only_layers") or []
-    if not (isinstance(dense, list) and all(isinstance(i, int) and 0 <= i < num_layers for i in dense)):
-        raise ValueError(f"config.json mlp_only_layers must list layer indices in 0..{num_layers - 1}, got {dense!r}")
-    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-
-
-def moe_fields(hf: dict) -> dict:
-    """Mixtral's / Qwen3-MoE's expert fields: the router's top-k over num_experts, renormalised (Mixtral always,
-    Qwen3-MoE per norm_topk_prob), each expert a SwiGLU of its own width. Router jitter and aux-loss fields
-    are training-only (ignored, as transformers' eval forward does)."""
-    model_type = hf["model_type"]
-    shared = [k for k in _SHARED_EXPERT_KEYS if hf.get(k)]
-    if shared:
-        raise ValueError(f"config.json {shared[0]} {hf[shared[0]]!r}: a shared expert is not supported "
-                         f"(model_type {model_type!r} routes to its experts only)")
-    experts = _expert_count(hf)
-    top_k = _positive_int(hf, "num_experts_per_tok", hf.get("num_experts_per_tok",
-                                                             _MOE_DEFAULTS[model_type]["num_experts_per_tok"]))
-    if top_k > experts:
-        raise ValueError(f"config.json num_experts_per_tok {top_k} is more than the {experts} experts")
-    width = hf["intermediate_size"] if model_type == "mixtral" else hf.get("moe_intermediate_size",
-                                                                        _MOE_DEFAULTS[model_type]["moe_intermediate_size"])
-    return {"num_experts": experts, "experts_per_token": top_k,
-            "moe_intermediate_size": _positive_int(hf, "moe_intermediate_size", width),
-            "renormalise_topk": model_type == "mixtral" or bool(hf.get("norm_topk_prob", False)),
-            "routing_weights_fp32": model_type == "mixtral",
-            "sparse_layers": _sparse_layers(hf, _require(hf, "num_hidden_layers"))}
-
-
 def _family_fields(model_type: str, hf: dict) -> dict:
     """The ModelConfig fields only some families set (Granite's scalars, OLMo 2's norm layout, Gemma 3's,
-    Mixtral's and Qwen3-MoE's experts, Phi-3's rotary dimension, gpt-oss's sinks and experts)."""
+    the MoE families' experts (moe_config.py), Phi-3's rotary dimension, gpt-oss's sinks and experts)."""
     if model_type == "granite":
         return _granite_scalars(hf)
     if model_type == "olmo2":
@@ -317,6 +272,8 @@ def _family_fields(model_type: str, hf: dict) -> dict:
         return phi3_fields(hf)
     if model_type == GPT_OSS_TYPE:
         return gpt_oss_fields(hf)
+    if model_type == SMOLLM3_TYPE:
+        return smollm3_fields(hf)
     return {}
 
 
@@ -327,6 +284,9 @@ def parse_config(hf: dict) -> ModelConfig:
         hf = gemma2_view(hf)
     elif hf.get("model_type") == GPT_OSS_TYPE:  # gpt-oss's defaults filled in (its rope's too)
         hf = gpt_oss_view(hf)
+    elif hf.get("model_type") == SMOLLM3_TYPE:  # SmolLM3's defaults filled in (its rope_theta's too)
+        hf = smollm3_view(hf)
+    hf = moe_view(hf)  # Qwen2-MoE's / OLMoE's defaults filled in (any other family's as it is)
     model_type = _model_type(hf)
     _check_unquantized(hf)
     bias_key, o_bias, qk_norm = _FAMILIES[model_type]

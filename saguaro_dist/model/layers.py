@@ -1,6 +1,6 @@
 """The decoder (Llama / Mistral / Qwen2 / Qwen3 / Granite / OLMo 2 / Gemma 2 / Gemma 3 / Mixtral / Qwen3-MoE /
-Phi-3 / gpt-oss) as plain modules; attention over stored KV is left to a batch context (`ctx.attend`), so the
-same layers serve batched extend and branch decode."""
+Phi-3 / gpt-oss / SmolLM3 / Qwen2-MoE / OLMoE) as plain modules; attention over stored KV is left to a batch context (`ctx.attend`),
+so the same layers serve batched extend and branch decode."""
 from __future__ import annotations
 
 import torch
@@ -9,7 +9,7 @@ from torch import nn
 
 from saguaro_dist.model.attention import attention_kernel
 from saguaro_dist.model.hf_config import ModelConfig
-from saguaro_dist.model.rope import apply_partial_rope, apply_rope
+from saguaro_dist.model.rope import apply_partial_rope, apply_rope, no_rope
 
 
 class PlainModule(nn.Module):
@@ -70,7 +70,8 @@ class Attention(PlainModule):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.scale = cfg.attention_scale  # Granite's attention_multiplier; None (SDPA's 1/sqrt(head_dim)) passes none
         self.window = cfg.window_of(layer_idx)  # this layer's sliding window; None (full attention) passes none
-        self.rotate = apply_partial_rope if cfg.rotary_dim else apply_rope  # Phi-3's partial rotary factor
+        # chosen once per layer: Phi-3's partial rotary factor, SmolLM3's NoPE layers (no rope op at all)
+        self.rotate = (apply_partial_rope if cfg.rotary_dim else apply_rope) if cfg.rotates(layer_idx) else no_rope
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         """Runs on the fused `qkv_proj` that build_model makes from q/k/v_proj once the weights load."""
@@ -116,9 +117,36 @@ class ProjectionNormAttention(Attention):
         b, t, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
         q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
-        qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=-1).view(b, t, heads + kv_heads, self.head_dim)
+        qk = self.norm_qk(q, k).view(b, t, heads + kv_heads, self.head_dim)
         # fp32 tables (cfg.rope_fp32) rotate a bf16 q / k in fp32, as Olmo2's apply_rotary_pos_emb; cast back
         qk = apply_rope(qk, ctx.cos, ctx.signed_sin).to(v.dtype)
+        v = v.view(b, t, kv_heads, self.head_dim)
+        return self.o_proj(self._attend(ctx, qk[:, :, :heads], qk[:, :, heads:], v))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """q and k normalised, side by side. Tensor parallel replaces it (model/tp.py: a rank's slices, the
+        mean squares over every rank's heads)."""
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=-1)
+
+
+class ClippedProjectionNormAttention(ProjectionNormAttention):
+    """OLMoE's (OlmoeAttention): OLMo 2's q / k norms over whole projections, but Llama's norm order (cast, then
+    the weight); with clip_qkv, q and k (after their norms) and v clamped to [-clip, clip] before RoPE."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.q_norm = RMSNorm(cfg.num_heads * cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.num_kv_heads * cfg.head_dim, cfg.rms_norm_eps)
+        self.clip = cfg.qkv_clip
+
+    def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
+        b, t, _ = x.shape
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        qk = self.norm_qk(q, k)  # tensor parallel's own, when split (model/tp.py)
+        if self.clip is not None:
+            qk, v = qk.clamp(-self.clip, self.clip), v.clamp(-self.clip, self.clip)
+        qk = apply_rope(qk.view(b, t, heads + kv_heads, self.head_dim), ctx.cos, ctx.signed_sin)
         v = v.view(b, t, kv_heads, self.head_dim)
         return self.o_proj(self._attend(ctx, qk[:, :, :heads], qk[:, :, heads:], v))
 
@@ -171,11 +199,14 @@ class GeluTanhMLP(MLP):
 
 
 def _feed_forward(cfg: ModelConfig, layer_idx: int) -> PlainModule:
-    """The layer's MLP: dense, or (Mixtral, Qwen3-MoE's sparse layers, gpt-oss's) a mixture of experts."""
+    """The layer's MLP: dense, or (Mixtral, OLMoE, Qwen3-MoE's and Qwen2-MoE's sparse layers, gpt-oss's) a mixture
+    of experts (Qwen2-MoE's with its shared expert)."""
     if not cfg.is_sparse(layer_idx):
         return MLP(cfg)
-    from saguaro_dist.model.moe import GptOssMoeBlock, SparseMoeBlock  # here: moe.py builds on this module's MLP
-    return (SparseMoeBlock if cfg.swiglu_limit is None else GptOssMoeBlock)(cfg)
+    from saguaro_dist.model.moe import GptOssMoeBlock, SharedExpertMoeBlock, SparseMoeBlock  # moe.py builds on MLP
+    if cfg.swiglu_limit is not None:
+        return GptOssMoeBlock(cfg)
+    return (SharedExpertMoeBlock if cfg.shared_expert_intermediate_size else SparseMoeBlock)(cfg)
 
 
 class DecoderLayer(PlainModule):
@@ -199,6 +230,14 @@ class SinkLayer(DecoderLayer):
         self.self_attn = SinkAttention(cfg, layer_idx)
         self.input_layernorm = WeightFirstRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = WeightFirstRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class ProjectionNormLayer(DecoderLayer):
+    """OLMoE's: Llama's layout (norms before each sublayer), its attention ClippedProjectionNormAttention."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        self.self_attn = ClippedProjectionNormAttention(cfg, layer_idx)
 
 
 class ScaledResidualLayer(DecoderLayer):
@@ -253,6 +292,8 @@ def _layer_class(cfg: ModelConfig) -> type:
         return PostNormLayer
     if cfg.attention_sinks:
         return SinkLayer
+    if cfg.projection_qk_norms:
+        return ProjectionNormLayer
     return DecoderLayer if cfg.residual_multiplier == 1.0 else ScaledResidualLayer
 
 

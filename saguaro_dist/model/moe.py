@@ -1,8 +1,9 @@
-"""Sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE, gpt-oss) as transformers 5.25 computes them: a router
-linear, softmax over the experts in fp32, the top-k, renormalised (Mixtral always, Qwen3-MoE per norm_topk_prob),
-each chosen expert's SwiGLU times its weight, summed over the k in the order the router ranked them
-(transformers' default grouped_mm experts: products [N, k, H], then a sum over k). gpt-oss's router has a bias
-and takes the top-k logits first, then a softmax over those k; its experts have biases and a clamped SwiGLU."""
+"""Sparse mixture-of-experts MLPs (Mixtral, Qwen3-MoE, Qwen2-MoE, OLMoE, gpt-oss) as transformers 5.25 computes
+them: a router linear, softmax over the experts in fp32, the top-k, renormalised (Mixtral always, the others per
+norm_topk_prob), each chosen expert's SwiGLU times its weight, summed over the k in the order the router ranked
+them (transformers' default grouped_mm experts: products [N, k, H], then a sum over k); Qwen2-MoE then adds its
+shared expert, gated by sigmoid(shared_expert_gate(x)). gpt-oss's router has a bias and takes the top-k logits
+first, then a softmax over those k; its experts have biases and a clamped SwiGLU."""
 from __future__ import annotations
 
 import torch
@@ -63,6 +64,27 @@ class SparseMoeBlock(PlainModule):
     def route(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return route(self.gate(flat), self.top_k, self.renormalise,
                      torch.float32 if self.weights_fp32 else flat.dtype)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen2-MoE's (Qwen2MoeSparseMoeBlock): the routed experts' sum plus sigmoid(shared_expert_gate(x)) times
+    a dense SwiGLU of shared_expert_intermediate_size (mlp.shared_expert, mlp.shared_expert_gate: the Hub's
+    names). Tensor parallel splits the shared expert's width as an expert's; its partial output joins the
+    routed ones' before the block's one all-reduce (the gate scales each rank's part alike: it is replicated)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size, bias=False)
+        self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, experts = self.route(flat)
+        out = mix_experts(flat, weights, experts, self.experts)
+        out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        if self.tp_group is not None:
+            dist.all_reduce(out, group=self.tp_group)
+        return out.to(x.dtype).view_as(x)
 
 
 class ClampedSwiGLUExpert(MLP):

@@ -126,3 +126,8 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Ten
     x: [B, T, H, D]; cos, signed_sin: [B, T, 1, R], R < D."""
     rotary = cos.shape[-1]
     return torch.cat([apply_rope(x[..., :rotary], cos, signed_sin), x[..., rotary:]], dim=-1)
+
+
+def no_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """A NoPE layer's (SmolLM3's no_rope_layers 0): q and k as they are, no position encoding."""
+    return x

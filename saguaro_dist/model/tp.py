@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from saguaro_dist.model.layers import PlainModule, ProjectionNormAttention
+from saguaro_dist.model.layers import PlainModule, ProjectionNormAttention, RMSNorm, WeightFirstRMSNorm
 from saguaro_dist.model.moe import SparseMoeBlock
 
 
@@ -91,6 +91,40 @@ def _split_sinks(attn, group) -> None:
     attn.shard_weight = lambda local, sl: sl[lo:hi]  # the loader reads a module's own tensors through it
 
 
+def projection_norm(norm, h: torch.Tensor, sum_sq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`norm`'s ops on its rank's slice h (fp32) of a norm.full-wide projection, given the whole projection's
+    sum of squares: only that sum's order of additions differs from one rank's."""
+    normed = h * sum_sq.div_(norm.full).add_(norm.eps).rsqrt_()
+    if isinstance(norm, WeightFirstRMSNorm):  # OLMo 2's: the weight in fp32, then the cast
+        return (norm.weight * normed).to(dtype)
+    return norm.weight * normed.to(dtype)  # Llama's order (OLMoE's): the cast, then the weight
+
+
+def _sharded_norm_qk(attn, group, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Whole-projection q / k norms over a rank's heads: the ranks' sums of squares of q and of k, summed in one
+    all-reduce, give the whole projections' mean squares."""
+    hq, hk = q.float(), k.float()
+    sums = torch.cat([(hq * hq).sum(-1, keepdim=True), (hk * hk).sum(-1, keepdim=True)], dim=-1)
+    dist.all_reduce(sums, group=group)
+    sq, sk = sums.split(1, dim=-1)
+    return torch.cat([projection_norm(attn.q_norm, hq, sq, q.dtype), projection_norm(attn.k_norm, hk, sk, k.dtype)],
+                     dim=-1)
+
+
+def _split_projection_norms(attn, group) -> None:
+    """OLMo 2's (and OLMoE's) q / k norms span every head: each rank keeps its heads' slice of each norm's weight
+    (as q_proj's and k_proj's column split) and computes it with the other ranks' sums (_sharded_norm_qk)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    for norm in (attn.q_norm, attn.k_norm):
+        if type(norm) not in (RMSNorm, WeightFirstRMSNorm):
+            raise ValueError(f"tensor parallel cannot split a whole-projection {type(norm).__name__}")
+        norm.full = norm.weight.shape[0]
+        lo, hi = _span(norm.full, rank, world)
+        norm.weight = nn.Parameter(torch.empty(hi - lo, device="meta"), requires_grad=False)
+        norm.shard_weight = lambda local, sl, lo=lo, hi=hi: sl[lo:hi]  # the loader reads the slice through it
+    attn.norm_qk = lambda q, k: _sharded_norm_qk(attn, group, q, k)
+
+
 class VocabParallelEmbedding(_Sharded, nn.Embedding):
     split = {"weight": 0}
 
@@ -128,18 +162,21 @@ def _split_sizes(attn, mlp) -> dict:
     """What tensor parallel divides among the ranks: heads, and the (each expert's) MLP width."""
     sizes = {"num_attention_heads": attn.num_heads, "num_key_value_heads": attn.num_kv_heads}
     if isinstance(mlp, SparseMoeBlock):
-        return {**sizes, "moe_intermediate_size": mlp.experts[0].gate_proj.out_features}
+        shared = getattr(mlp, "shared_expert", None)  # Qwen2-MoE's, split by width as an expert
+        return {**sizes, "moe_intermediate_size": mlp.experts[0].gate_proj.out_features,
+                **({"shared_expert_intermediate_size": shared.gate_proj.out_features} if shared else {})}
     return {**sizes, "intermediate_size": mlp.gate_proj.out_features}
 
 
 def _split_mlp(mlp, group) -> None:
     """Each (expert's) MLP width split: gate / up column-parallel, down row-parallel. A sparse block's
-    router stays replicated (every rank routes alike) and its experts' partial outputs are all-reduced once."""
+    router stays replicated (every rank routes alike) and its experts' partial outputs are all-reduced once;
+    Qwen2-MoE's shared expert is split as an expert, its gate replicated."""
     if not isinstance(mlp, SparseMoeBlock):
         mlp.gate_proj, mlp.up_proj = ColumnParallelLinear(mlp.gate_proj, group), ColumnParallelLinear(mlp.up_proj, group)
         mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
         return
-    for expert in mlp.experts:
+    for expert in [*mlp.experts, *([mlp.shared_expert] if hasattr(mlp, "shared_expert") else [])]:
         expert.gate_proj, expert.up_proj = (ColumnParallelLinear(expert.gate_proj, group),
                                             ColumnParallelLinear(expert.up_proj, group))
         expert.down_proj = PartialRowLinear(expert.down_proj, group)
@@ -151,9 +188,6 @@ def apply_tensor_parallel(model: nn.Module, group):
     world = dist.get_world_size(group)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if isinstance(attn, ProjectionNormAttention) and world > 1:  # a rank holds only its heads' slice of q / k
-            raise ValueError("tensor parallelism cannot split OLMo 2's q / k norms (each spans every head): "
-                             "run this model with tensor_parallel_size 1")
         bad = [f"{k}={v}" for k, v in _split_sizes(attn, mlp).items() if v % world]
         if bad:
             raise ValueError(f"tensor parallel size {world} must divide {', '.join(bad)}")
@@ -163,6 +197,8 @@ def apply_tensor_parallel(model: nn.Module, group):
         attn.o_proj = RowParallelLinear(attn.o_proj, group)
         if getattr(attn, "sinks", None) is not None:
             _split_sinks(attn, group)
+        if isinstance(attn, ProjectionNormAttention):
+            _split_projection_norms(attn, group)
         _split_mlp(mlp, group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group)
     model.lm_head = VocabParallelLMHead(model.lm_head, group)
