@@ -18,6 +18,7 @@ from saguaro_dist.config import DRAFT_MODES, Mode, parse_enum
 from saguaro_dist.serve.args import API_KEY_ENV, api_key_from_args, config_from_args, served_model_names, with_speculative_config
 from saguaro_dist.serve.ingress import (Ingress, check_port_free, enable_direct_ingress, free_port, host_port,
                                         replica_count, resolve)
+from saguaro_dist.serve.lora_modules import RUNTIME_UPDATE_ARG, runtime_updates_allowed
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -200,6 +201,8 @@ def run(ns: argparse.Namespace) -> int:
         args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment
     if args.get("chat_template"):
         args["chat_template"] = load_chat_template(args["chat_template"])  # the text: replicas may lack the file
+    args[RUNTIME_UPDATE_ARG] = runtime_updates_allowed(args.get(RUNTIME_UPDATE_ARG))  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    # resolved here (or a config file's app arg): replicas may not share our environment
     config = config_from_args(args)
     check_pair_here(config)  # fail fast with a clear message, before Ray starts
     check_generation_config_here(config, embedded=not ns.address)
@@ -207,7 +210,7 @@ def run(ns: argparse.Namespace) -> int:
     options = server_options(args, args["model"])  # every server option the replica reads (names, CORS, root
     # path, role, LoRA modules, a config file's too) checked before Ray starts
     check_adapters_here(options.lora_modules, config, embedded=not ns.address)
-    check_runtime_lora(replica_count(_deployment_options(file, ns)))
+    check_runtime_lora(replica_count(_deployment_options(file, ns)), options.runtime_lora_updating)
     host = ns.host or (file.host if file else None) or "127.0.0.1"
     port = ns.port or (file.port if file else None) or 8000
     check_port_free(host, port)

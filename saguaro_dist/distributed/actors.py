@@ -201,6 +201,19 @@ class TargetRank:
     def reset_prefix_cache(self) -> None:
         self.thread.reset_prefix_cache()
 
+    def check_lora_adapter(self, lora_path: str) -> str | None:
+        """Read a LoRA adapter here, on rank 0's node, as the engine's slots will at its first request (their
+        read is lazy): why it cannot run (the text), or None. The server asks for each static adapter at start-up."""
+        from saguaro_dist.model.hf_config import load_config
+        from saguaro_dist.model.loader import resolve_model_dir
+        from saguaro_dist.model.lora_adapter import load_adapter
+        try:
+            base = load_config(resolve_model_dir(self.config.model, weights=False, revision=self.config.revision))
+            load_adapter(lora_path, base, self.config.max_lora_rank)
+        except (ValueError, OSError) as err:
+            return f"{err} (read on the node of the target's rank 0)"
+        return None
+
     def shutdown(self) -> None:
         if self.thread is not None:
             runner = self.thread.engine.target.runner

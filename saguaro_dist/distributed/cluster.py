@@ -183,6 +183,13 @@ class RemoteEngine:
         self.check_health()
         self._ask(self.rank0.reset_prefix_cache)
 
+    def check_lora_adapter(self, lora_path: str) -> None:
+        """Read a LoRA adapter on rank 0, where the engine loads it (its node's disk, not this process's): a
+        ValueError with the reason it cannot run there."""
+        error = self._ask(self.rank0.check_lora_adapter, lora_path)
+        if error:
+            raise ValueError(error)
+
     def stop(self) -> None:
         """Free everything (actors, gRPC servers, the placement group, the poll thread, a Ray this process
         started once no engine holds it); requests still running fail with EngineError, as on one host.

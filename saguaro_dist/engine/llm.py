@@ -289,6 +289,14 @@ class LLM(RequestInputs):
         self._thread.reset_prefix_cache()
         return True
 
+    def check_lora_adapter(self, lora_path: str) -> None:
+        """Read a LoRA adapter where the engine's target loads it at its first request (lazily): a ValueError with
+        why it cannot run there. On Ray that is rank 0's node, whose disk may lack a folder this machine holds; on
+        one host it is this process, whose reads are the ones a lora_request's check does here (nothing more to
+        read). The server asks for each --lora-modules adapter at start-up, as vLLM's workers load static adapters."""
+        if self.config.cluster is not None:
+            self._thread.check_lora_adapter(lora_path)
+
     def check_health(self) -> None:
         """Raise EngineError (retriable) when the engine cannot serve: shut down, or on Ray its target actors
         died (LLM.rebuild() makes a fresh one). Serving replicas report it to Ray Serve and on /health."""

@@ -61,6 +61,7 @@ class ServerOptions:
     frontend: FrontendOptions = FrontendOptions()  # CORS, root_path, docs routes (serve/frontend.py)
     response_role: str = REPLY_ROLE  # a new chat turn's role in replies (vLLM's --response-role)
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters served by name (vLLM's --lora-modules; need enable_lora)
+    runtime_lora_updating: bool | None = None  # the load / unload routes (None: VLLM_ALLOW_RUNTIME_LORA_UPDATING here)
 
     def __post_init__(self):
         if not isinstance(self.response_role, str) or not self.response_role.strip():
@@ -74,15 +75,21 @@ class ServerOptions:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
 
 
-def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None) -> FastAPI:
+def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None,
+               models: ServedModels | None = None) -> FastAPI:
+    """models: the names and adapters, if the caller made them (a Serve replica does, before its model loads)."""
     app = FastAPI(title="saguaro-dist", lifespan=_lifespan, **docs_settings(options.frontend))
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
-    # Each --lora-modules adapter is read against the base model here: one that cannot run fails start-up.
-    models = ServedModels((options.served_model_name, *options.model_aliases), engine.config, options.lora_modules)
+    # Each --lora-modules adapter is read against the base model here, then where the engine's target reads it
+    # (on Ray, rank 0's node): one that cannot run fails start-up.
+    models = models or ServedModels((options.served_model_name, *options.model_aliases), engine.config,
+                                    options.lora_modules)
+    if hasattr(engine, "check_lora_adapter"):
+        models.check_on_target(engine.check_lora_adapter)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
                                      options.chat_template, options.model_aliases, models)
-    runtime_lora = runtime_updates_allowed()  # read at start-up, as vLLM: the routes exist or not
+    runtime_lora = runtime_updates_allowed(options.runtime_lora_updating)  # at start-up, as vLLM: routes or none
     app.state.response_role = options.response_role  # route_support.response_role
     install_error_handlers(app)
     app.include_router(_router(runtime_lora))

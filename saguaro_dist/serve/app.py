@@ -18,7 +18,8 @@ from saguaro_dist.serve.args import api_key_from_args, coerce, config_from_args,
 from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.frontend import frontend_options
 from saguaro_dist.serve.ingress import replica_count
-from saguaro_dist.serve.lora_modules import check_lora_modules, lora_modules, runtime_updates_allowed
+from saguaro_dist.serve.lora_models import ServedModels
+from saguaro_dist.serve.lora_modules import RUNTIME_UPDATE_ARG, check_lora_modules, lora_modules, runtime_updates_allowed
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import load_chat_template
 
@@ -39,6 +40,10 @@ class SaguaroServer:
 
         config = config_from_args(args)
         self._options = server_options(args, config.model)
+        # The adapters read here before the model loads (a bad one in a manifest fails each restart in seconds);
+        # the engine's target reads them again once it runs (create_app).
+        self._models = ServedModels((self._options.served_model_name, *self._options.model_aliases), config,
+                                    self._options.lora_modules, replicas=deployment_replicas)
         log.info("loading %s (mode %s) for model name %r", config.model, config.mode.value,
                  self._options.served_model_name)
         self._engine = LLM.from_config(config)
@@ -46,7 +51,7 @@ class SaguaroServer:
 
     def __serve_build_asgi_app__(self):
         metrics = ServeMetrics(self._options.served_model_name)
-        self._app = create_app(self._engine, self._options, metrics)
+        self._app = create_app(self._engine, self._options, metrics, self._models)
         return self._app
 
     def check_health(self) -> None:
@@ -83,6 +88,7 @@ def server_options(args: dict, model: str) -> ServerOptions:
         frontend=frontend_options(args),
         response_role=_response_role(args),
         lora_modules=modules,
+        runtime_lora_updating=runtime_updates_allowed(args.get(RUNTIME_UPDATE_ARG)),
     )
 
 
@@ -128,22 +134,37 @@ def autoscaling(given: dict, max_batch_size: int) -> dict:
     return {"target_ongoing_requests": max_batch_size, **given}
 
 
-def check_runtime_lora(replicas: int | str) -> None:
+def check_runtime_lora(replicas: int | str, allowed: bool) -> None:
     """A runtime LoRA load or unload reaches the one replica that takes the request: with several (or an
-    autoscaler that may add some), replicas would serve different adapters under one name. Refused."""
-    if runtime_updates_allowed() and replicas != 1:
+    autoscaler that may add some), replicas would serve different adapters under one name. Refused here as the
+    app is built; a config file's deployment override applies after that, so each load and unload asks again
+    (deployment_replicas)."""
+    if allowed and replicas != 1:
         raise ValueError(f"VLLM_ALLOW_RUNTIME_LORA_UPDATING needs one replica (the config asks for {replicas!r}): a "
                          "load_lora_adapter request reaches one replica only; serve the adapters with --lora-modules "
                          "(lora_modules) instead, which every replica loads")
+
+
+def deployment_replicas() -> int:
+    """The replicas this replica's deployment may run now, as Serve last configured it (a `serve deploy` / `serve
+    run config.yaml` / serveConfigV2 override of num_replicas or autoscaling included): its num_replicas
+    (ReplicaContext.world_size), or autoscaling's max_replicas, which no public API carries (the context's
+    deployment config; unreadable, counted as many)."""
+    context = serve.get_replica_context()
+    config = getattr(context, "_deployment_config", None)
+    if config is None:  # a Ray whose context does not carry it: refuse rather than let replicas disagree
+        return 2
+    autoscaling = config.autoscaling_config
+    return max(context.world_size or 1, autoscaling.max_replicas if autoscaling is not None else 1)
 
 
 def build_app(args: dict, **deployment_options) -> Application:
     """Serve's application builder. Validates the arguments here, in the caller, so a bad manifest
     fails at deploy time with a clear message rather than in a crash-looping replica."""
     config = config_from_args(args)
-    server_options(args, config.model)
+    runtime_lora = server_options(args, config.model).runtime_lora_updating
     options = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": MAX_ONGOING_REQUESTS, **deployment_options}
-    check_runtime_lora(replica_count(options))
+    check_runtime_lora(replica_count(options), runtime_lora)
     if isinstance(options.get("autoscaling_config"), dict):
         options["autoscaling_config"] = autoscaling(options["autoscaling_config"], config.max_batch_size)
     deployment = serve.deployment(serve.ingress()(SaguaroServer), **options)

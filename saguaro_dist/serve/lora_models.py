@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from saguaro_dist.lora_request import LoRARequest
+from saguaro_dist.model.lora_adapter import CONFIG_FILE, resolve_adapter_dir
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.lora_modules import LoRAModule, check_adapter, check_lora_modules
 
@@ -21,15 +23,29 @@ log = logging.getLogger(__name__)
 class ServedModels:
     """Base names (requests may give any, replies name the first) and adapters by name."""
 
-    def __init__(self, base_names: tuple[str, ...], config, modules: tuple[LoRAModule, ...] = ()):
+    def __init__(self, base_names: tuple[str, ...], config, modules: tuple[LoRAModule, ...] = (),
+                 replicas: Callable[[], int] | None = None):
+        """replicas: how many replicas may serve these names now (Serve's deployment, read at each runtime load
+        or unload: a config file may have changed it after the app was built); None: this server alone."""
         check_lora_modules(modules, base_names, bool(getattr(config, "enable_lora", False)))
-        self.base_names, self.config = base_names, config
+        self.base_names, self.config, self._replicas = base_names, config, replicas
         self._ids = itertools.count(1)
         self.adapters: dict[str, LoRARequest] = {}
         self._lock = asyncio.Lock()  # a load's check and its entry, one at a time (vLLM locks per name)
         for m in modules:  # start-up: an adapter that cannot load fails the replica, with the reason
             check_adapter(m.name, m.path, config)
             self.adapters[m.name] = self._request(m.name, m.path, m.base_model_name)
+
+    def check_on_target(self, read: Callable[[str], None]) -> None:
+        """Each --lora-modules adapter read by `read` (LLM.check_lora_adapter: where the engine's target loads it,
+        on Ray rank 0's node), as vLLM's workers load static adapters at start-up: one missing there fails
+        start-up, with the reason, instead of every request naming it."""
+        for request in self.adapters.values():
+            try:
+                read(request.lora_path)
+            except ValueError as err:
+                raise ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}) on the engine's target: "
+                                 f"{err}") from None
 
     def _request(self, name: str, path: str, base: str | None = None) -> LoRARequest:
         return LoRARequest(name, next(self._ids), path, base_model_name=base)
@@ -49,6 +65,7 @@ class ServedModels:
                        for r in self.adapters.values()]
 
     async def load(self, name: str, path: str, load_inplace: bool = False) -> str:
+        self._check_one_replica("load")
         if not name or not path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
         if not getattr(self.config, "enable_lora", False):
@@ -65,6 +82,7 @@ class ServedModels:
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str) -> str:
+        self._check_one_replica("unload")
         if not name:
             raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
         async with self._lock:
@@ -74,17 +92,36 @@ class ServedModels:
         return f"Success: LoRA adapter '{name}' removed successfully."
 
 
+    def _check_one_replica(self, action: str) -> None:
+        """A runtime load or unload reaches the one replica that takes the request: with others (or an autoscaler
+        that may add some) replicas would serve different adapters under one name."""
+        replicas = self._replicas() if self._replicas else 1
+        if replicas > 1:
+            raise APIError(400, f"Cannot {action} a LoRA adapter at runtime: this deployment may run {replicas} "
+                                "replicas (num_replicas, or autoscaling's max_replicas) and the request reaches one "
+                                "only. Runtime LoRA updates need one replica; serve adapters to every replica with "
+                                "--lora-modules (lora_modules) instead.")
+
+
 def _card(name: str, root: str, parent: str | None, max_model_len: int | None) -> dict:
     return {"id": name, "object": "model", "created": 0, "owned_by": "saguaro-dist", "root": root, "parent": parent,
             "max_model_len": max_model_len}
 
 
 def _check_runtime_adapter(name: str, path: str, config) -> None:
-    """vLLM's answers: no adapter at the path is a 404 (LoRAAdapterNotFoundError's message); one that cannot run
-    on this base model a 400 with the reason."""
+    """vLLM's answers: no adapter at the path (no such folder, one without adapter_config.json, a Hub id the Hub
+    cannot provide) is a 404 with LoRAAdapterNotFoundError's message; one that cannot run on this base model a 400
+    with the reason."""
+    missing = APIError(404, f"Loading lora {name} failed: No adapter found for {path}")
     local = Path(path).expanduser()
-    if (path.startswith((".", "/", "~")) or local.exists()) and not local.is_dir():
-        raise APIError(404, f"Loading lora {name} failed: No adapter found for {path}")
+    if local.is_dir():
+        if not (local / CONFIG_FILE).is_file():
+            raise missing
+    else:
+        try:
+            resolve_adapter_dir(path)  # a Hub id (fetched now, read again from the cache below); else a ValueError
+        except (ValueError, OSError):
+            raise missing from None
     try:
         check_adapter(name, path, config)
     except ValueError as err:

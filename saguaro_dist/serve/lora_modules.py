@@ -8,7 +8,9 @@ import os
 from dataclasses import dataclass
 
 RUNTIME_UPDATE_ENVS = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "SAGUARO_ALLOW_RUNTIME_LORA_UPDATING")
-_TRUE = ("1", "true")  # vLLM's reading of the variable
+RUNTIME_UPDATE_ARG = "allow_runtime_lora_updating"  # the app arg that carries the variable to the replicas
+_ENV_TRUE = ("1", "true")  # vLLM's reading of the variable
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")  # the app arg's (`serve run` passes text)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,15 @@ def check_adapter(name: str, path: str, config) -> None:
         raise ValueError(f"LoRA adapter {name!r} ({path}): {err}") from None
 
 
-def runtime_updates_allowed() -> bool:
-    """vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING (or ours, SAGUARO_...): the load / unload routes exist."""
-    return any(os.environ.get(name, "0").strip().lower() in _TRUE for name in RUNTIME_UPDATE_ENVS)
+def runtime_updates_allowed(given=None) -> bool:
+    """Whether the load / unload routes exist: the app arg allow_runtime_lora_updating (`saguaro serve` resolves
+    the variable in its own environment and passes it: replicas may not share that), else vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING (or ours, SAGUARO_...) where this runs (`serve run`, a KubeRay manifest)."""
+    if given is None or given == "":
+        return any(os.environ.get(name, "0").strip().lower() in _ENV_TRUE for name in RUNTIME_UPDATE_ENVS)
+    if isinstance(given, bool):
+        return given
+    word = str(given).strip().lower()
+    if word not in (*_TRUE, *_FALSE):
+        raise ValueError(f"{RUNTIME_UPDATE_ARG} must be true or false, got {given!r}")
+    return word in _TRUE

@@ -1,7 +1,8 @@
 """vLLM's runtime LoRA routes, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vllm/entrypoints/serve/lora/
 api_router.py): present only when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true at start-up (else a 404, as the routes are
 absent), answering 200 with vLLM's plain-text "Success: ..." line. A load reaches the replica that takes the request:
-the app refuses the variable with more than one replica (serve/app.py build_app)."""
+the app refuses the variable with more than one replica (serve/app.py build_app), and each load and unload asks
+Serve again (ServedModels: a config file's replica override applies after the builder ran)."""
 from __future__ import annotations
 
 from fastapi import Request
