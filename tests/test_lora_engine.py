@@ -224,6 +224,10 @@ def test_the_ray_path_runs_an_adapter(ray_cluster, pair):
     with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, cluster="auto", tensor_parallel_size=2,
              enable_lora=True, max_loras=2, max_lora_rank=8, max_batch_size=4) as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS[:3], sampling_params=GREEDY, use_tqdm=False, lora_request=loras)
+        # a request's adapter is read where the target loads it (rank 0's node), not on the driver's disk
+        with pytest.raises(ValueError, match="read on the node of the target's rank 0"):
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False,
+                         lora_request=LoRARequest("gone", 7, str(pair["wide"]) + "-gone"))
     for prompt, lora, out in zip(PROMPTS, loras, outs):
         check(pair, lora, prompt, out.outputs[0].token_ids)
 

@@ -80,6 +80,11 @@ class RequestInputs:
         return loras
 
     def _check_adapter(self, request: LoRARequest) -> None:
+        """Read the adapter where the target will: here on one host, on rank 0's node on Ray (check_lora_adapter:
+        this machine's disk need not hold the folder)."""
+        if self.config.cluster is not None:
+            self.check_lora_adapter(request.lora_path)
+            return
         from saguaro_dist.model.hf_config import load_config
         from saguaro_dist.model.loader import resolve_model_dir
         from saguaro_dist.model.lora_adapter import load_adapter
