@@ -109,3 +109,16 @@ def test_deploy_flag_reaches_the_engine(kind):
     assert (config.max_loras, config.max_cpu_loras) == (2, 3)
     assert "max_cpu_loras" not in app_args(k8s.rayservice(k8s.K8sSettings(enable_lora=True)))
     assert k8s.helm_values(k8s.K8sSettings(enable_lora=True, max_cpu_loras=4))["lora"]["maxCpuLoras"] == 4
+
+
+def test_host_copies_never_drop_an_adapter_a_slot_holds():
+    """A hot adapter that stays in its slot became the least recently used host copy and was dropped first
+    (the runner kept its tensors anyway: max_cpu_loras + max_loras copies lived, and its files were read again
+    when it left its slot). Held ids are never dropped, and a slot hit counts as a use."""
+    host = lora_slots.HostAdapters(2)
+    host.put(1, "hot", {1})
+    host.put(2, "x", {1, 2})
+    host.put(3, "y", {1, 3})  # 1 is the oldest but held: 2 goes
+    assert host.get(1) == "hot" and host.get(2) is None and host.get(3) == "y"
+    host.put(4, "z", {4})     # nothing held but 4: the least recently used of the rest goes (1, touched before 3)
+    assert host.get(1) is None and host.get(3) == "y" and host.get(4) == "z"

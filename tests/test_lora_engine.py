@@ -300,3 +300,25 @@ def test_an_engine_whose_adapter_never_loaded_lets_its_id_name_a_good_path(pair,
     check(pair, None, PROMPTS[1], seqs[1].output_token_ids)
     assert later.error is None
     check(pair, one, PROMPTS[2], later.output_token_ids)  # (adapter "one"'s weights, under id 9)
+
+
+def test_stream_reads_a_new_adapter_off_the_event_loop(pair):
+    """An adapter's first read (on Ray a round trip to rank 0, maybe a Hub fetch) blocked the replica's event
+    loop, every other request on it waiting; LLM.stream now reads it on a worker thread."""
+    import threading
+    one, _ = pair["requests"]
+    with lora_llm(pair) as llm:
+        readers, read = [], llm._check_adapter
+
+        def recording(request):
+            readers.append(threading.current_thread())
+            return read(request)
+        llm._check_adapter = recording
+
+        async def run():
+            tokens = [t async for delta in llm.stream(prompt_token_ids=PROMPTS[0], sampling_params=GREEDY,
+                                                      lora_request=one) for t in delta.token_ids]
+            return threading.current_thread(), tokens
+        loop_thread, tokens = asyncio.run(run())
+    assert readers and all(t is not loop_thread for t in readers)
+    check(pair, one, PROMPTS[0], tokens)

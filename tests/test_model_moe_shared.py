@@ -44,6 +44,12 @@ def test_the_hub_qwen2_moe_config_reads_as_transformers_reads_it():
     assert not parse_config({**QWEN15_MOE, "qkv_bias": False}).qkv_bias
 
 
+def test_a_qwen2_moe_config_without_kv_heads_takes_qwen2moeconfigs_default():
+    """Qwen2MoeConfig defaults num_key_value_heads to 16, not to the head count (a reviewer's find)."""
+    hf = {k: v for k, v in {**QWEN15_MOE, "num_attention_heads": 32}.items() if k != "num_key_value_heads"}
+    assert parse_config(hf).num_kv_heads == Qwen2MoeConfig.from_dict(hf).num_key_value_heads == 16
+
+
 def test_qwen2_moe_sliding_layers_follow_transformers_rule():
     """Qwen2MoeConfig's layer_types when config.json has none: even layers below max_window_layers slide."""
     hf = {**QWEN15_MOE, "use_sliding_window": True, "sliding_window": 5, "max_window_layers": 7}

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import queue
@@ -193,8 +194,10 @@ class LLM(RequestInputs):
         i seeded seed + i): vLLM's AsyncLLM RequestOutput items; DELTA: one a sample update, its one CompletionOutput's
         index naming the sample (text, token_ids, Logprob objects: the new ones; cumulative_logprob: so far),
         `finished` once every sample has, `metrics` the sample's on its last; FINAL_ONLY: generate()'s, at the end."""
-        request = self._stream_request(prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s, priority,
-                                       cache_salt, lora_request)
+        make = functools.partial(self._stream_request, prompt, prompt_token_ids, sampling_params, output_kind,
+                                 stream_interval_s, priority, cache_salt, lora_request)
+        # an adapter not yet checked is read (on Ray: by rank 0, a round trip) off the caller's event loop
+        request = await asyncio.to_thread(make) if self._adapter_unchecked(lora_request) else make()
         request_id = self._open_stream(request, request_id)
         shape = stream_shape(request, request.samples[0].output_kind, self._token_texts)
         queue, submitted, running = self._start_samples(request.samples)
@@ -207,6 +210,10 @@ class LLM(RequestInputs):
             self._open.pop(request_id, None)  # the caller's id is free now, whenever the engine takes the abort
             if running:
                 self._abort_once_submitted(submitted, list(running.values()))
+
+    def _adapter_unchecked(self, lora_request) -> bool:
+        """Whether a request's adapter is still to be read (its id new here): the read blocks."""
+        return isinstance(lora_request, LoRARequest) and self.config.enable_lora and self._lora_ids.check(lora_request)
 
     def _stream_request(self, prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s,
                         priority: int, cache_salt: str | None = None, lora_request=None) -> PromptRequest:

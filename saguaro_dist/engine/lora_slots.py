@@ -27,7 +27,8 @@ class AdapterLoadError(ValueError):
 
 
 class HostAdapters:
-    """Read adapters (LoRAAdapter) by lora_int_id, the least recently used dropped past `capacity`."""
+    """Read adapters (LoRAAdapter) by lora_int_id, the least recently used dropped past `capacity`, never one a
+    slot holds (the runner keeps it anyway: dropping it would only read its files again; capacity >= slots)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -39,11 +40,12 @@ class HostAdapters:
             self._adapters.move_to_end(lora_int_id)
         return adapter
 
-    def put(self, lora_int_id: int, adapter) -> None:
+    def put(self, lora_int_id: int, adapter, held: set[int]) -> None:
+        """Keep it (most recent); held: the ids in slots now, never dropped."""
         self._adapters[lora_int_id] = adapter
         self._adapters.move_to_end(lora_int_id)
-        while len(self._adapters) > self.capacity:
-            self._adapters.popitem(last=False)
+        for old in [i for i in self._adapters if i not in held][:max(0, len(self._adapters) - self.capacity)]:
+            del self._adapters[old]
 
     def drop(self, lora_int_id: int) -> None:
         self._adapters.pop(lora_int_id, None)
@@ -96,6 +98,8 @@ class AdapterSlots:
                 raise RuntimeError(f"no LoRA slot for adapter {request.lora_int_id} (can_start was not asked)")
             self._load(slot, request)
             self.stale.discard(request.lora_int_id)
+        else:
+            self.host.get(request.lora_int_id)  # in use: the most recent in host memory too (vLLM's LRU touch)
         self.last_used[slot] = next(self._ticks)
         return slot
 
@@ -119,7 +123,8 @@ class AdapterSlots:
                 adapter = load_adapter(request.lora_path, self.runner.config,
                                        self.runner.lora.max_lora_rank).cast(self.runner.dtype)
             self.runner.load_lora(slot, adapter)
-            self.host.put(lora_id, adapter)  # only once it loaded: a copy in host memory is a good one
+            others = {r.lora_int_id for i, r in enumerate(self.held) if r is not None and i != slot}
+            self.host.put(lora_id, adapter, others | {lora_id})  # only once it loaded: a copy that is good
         except Exception as err:  # noqa: BLE001 - whatever the files hold, only this request fails
             self.host.drop(lora_id)
             if old is not None and self.runner.lora.adapters[slot] is None:  # the runner emptied the slot

@@ -76,12 +76,16 @@ def load_adapter(path_or_id, cfg: ModelConfig, max_lora_rank: int, revision: str
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (folder / name).is_file():
             raise ValueError(f"LoRA adapter {path_or_id}: no {name} in {folder}")
-    conf = json.loads((folder / CONFIG_FILE).read_text())
     try:
+        conf = json.loads((folder / CONFIG_FILE).read_text())
+        if not isinstance(conf, dict):
+            raise ValueError(f"{CONFIG_FILE} must hold a JSON object, got a {type(conf).__name__}")
         rank, scale = checked_config(conf, max_lora_rank)
         weights = read_weights(folder / WEIGHTS_FILE, cfg, rank)
-    except ValueError as err:
+    except ValueError as err:  # (json's JSONDecodeError among them)
         raise ValueError(f"LoRA adapter {path_or_id}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a file that is no safetensors (SafetensorError), unreadable bytes
+        raise ValueError(f"LoRA adapter {path_or_id}: {WEIGHTS_FILE} cannot be read: {type(err).__name__}: {err}") from None
     return LoRAAdapter(str(path_or_id), rank, scale, weights)
 
 

@@ -15,7 +15,8 @@ _MOE_DEFAULTS = {"mixtral": {"num_local_experts": 8, "num_experts_per_tok": 2},
                  OLMOE_TYPE: {"num_local_experts": 64, "num_experts_per_tok": 8}}
 # Qwen2MoeConfig's / OlmoeConfig's defaults for the other fields this runtime reads (what a Hub file may omit)
 _VIEW_DEFAULTS = {QWEN2_MOE_TYPE: {"qkv_bias": True, "rms_norm_eps": 1e-6, "shared_expert_intermediate_size": 5632,
-                                   "use_sliding_window": False, "max_window_layers": 28},
+                                   "use_sliding_window": False, "max_window_layers": 28,
+                                   "num_key_value_heads": 16},  # Qwen2MoeConfig's, not the head count
                   OLMOE_TYPE: {"rms_norm_eps": 1e-5, "attention_bias": False, "clip_qkv": None}}
 # A shared expert is Qwen2-MoE's alone (one, sigmoid-gated); DeepSeek's several are refused in every family
 _SHARED_EXPERT_KEYS = ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts")

@@ -155,7 +155,17 @@ def deployment_replicas() -> int:
     if config is None:  # a Ray whose context does not carry it: refuse rather than let replicas disagree
         return 2
     autoscaling = config.autoscaling_config
-    return max(context.world_size or 1, autoscaling.max_replicas if autoscaling is not None else 1)
+    configured = max(context.world_size or 1, autoscaling.max_replicas if autoscaling is not None else 1)
+    return max(configured, running_replicas(context.replica_id.deployment_id))
+
+
+def running_replicas(deployment_id) -> int:
+    """The replicas Serve holds for the deployment now, in any state (public serve.status()): a num_replicas
+    change Serve applies without reconfiguring running replicas (a light-weight option, which leaves their
+    context's world_size as it was) shows here."""
+    app = serve.status().applications.get(deployment_id.app_name)
+    deployment = app.deployments.get(deployment_id.name) if app is not None else None
+    return sum(deployment.replica_states.values()) if deployment is not None else 1
 
 
 def build_app(args: dict, **deployment_options) -> Application:
