@@ -95,9 +95,10 @@ class Engine:
         held = sum(s.num_tokens - 1 for s in self.running) + sum(s.prefilled for s in self.prefilling)
         live, drafts = self.draft.workers() if self.draft is not None else (0, 0)
         max_lora = self.config.max_loras if self.target.loras is not None else 0
+        running, waiting = ((adapter_names(self.running + self.prefilling), adapter_names(self.waiting)) if max_lora
+                            else ((), ()))  # (a snapshot a step: no walk of the waiting queue without LoRA)
         return EngineLoad(len(self.running) + len(self.prefilling), len(self.waiting), held,
-                          self.config.max_batch_size * self.max_model_len, live, drafts,
-                          adapter_names(self.running + self.prefilling), adapter_names(self.waiting), max_lora)
+                          self.config.max_batch_size * self.max_model_len, live, drafts, running, waiting, max_lora)
 
     def abort(self, request_id: str) -> list[Update]:
         """Drop a request wherever it is; its slot is free at once."""
