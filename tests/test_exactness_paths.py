@@ -508,7 +508,8 @@ def test_a_draft_process_killed_mid_generation_costs_speed_not_the_distribution(
     settings = dict(k=2, draft_executor=executor, tree_policy=tree_policy, fallback="neural")
     settings |= dict(fan_out=MISSES, hit_glue="always") if tree_policy == "always" else dict(jit_cohorts=2)
     check(pair, [(PROMPT_A, SamplingParams(temperature=1.0))], lambda m: m.rounds > 0, n=2500, **settings)
-    assert len(kills) == 3 and len(restarts) == 3 and min(restarts) > 1, (kills, restarts)
+    # (a kill late in the run may find one sequence left: at least one restart must re-prefill several)
+    assert len(kills) == 3 and len(restarts) == 3 and min(restarts) >= 1 and max(restarts) > 1, (kills, restarts)
 
 
 # ---- 10. the test's power: deliberately broken engines ---------------------------------------------------------
