@@ -62,12 +62,14 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                              "replies name the first")
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                         help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes; '
-                             'llama3_json: Llama 3.1-3.3; mistral)')
+                             'llama3_json: Llama 3.1-3.3; mistral; qwen3_coder: Qwen3-Coder; pythonic: Llama 3.2 / 4; '
+                             'openai: gpt-oss)')
     parser.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
                         help='vLLM\'s: tool_choice "auto" (on whenever --tool-call-parser is given; accepted so vLLM '
                              'command lines carry over)')
     parser.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
-                        help="return <think> text as the chat message's reasoning (qwen3, deepseek_r1)")
+                        help="return <think> text (gpt-oss: its analysis channel) as the chat message's reasoning "
+                             "(qwen3, deepseek_r1, openai_gptoss)")
     parser.add_argument("--generation-config", default=DEFAULTS.generation_config,
                         help="requests' sampling defaults: auto (the model's generation_config.json, as vLLM), "
                              "vllm (none), or a folder in the image / under /models")

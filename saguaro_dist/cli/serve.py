@@ -125,13 +125,14 @@ def register(subparsers) -> None:
     g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                    help='read tool calls out of tool_choice "auto" replies in this format (hermes: <tool_call> JSON '
                         '</tool_call>, Hermes and Qwen 2.5 / 3; llama3_json: Llama 3.1-3.3 JSON calls; mistral: '
-                        '[TOOL_CALLS] lists); without it "auto" is a 400')
+                        '[TOOL_CALLS] lists; qwen3_coder: Qwen3-Coder XML calls; pythonic: Llama 3.2 / 4 Python lists; '
+                        'openai: gpt-oss harmony calls); without it "auto" is a 400')
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help='vLLM\'s: tool_choice "auto" (on here whenever --tool-call-parser is given; accepted so vLLM '
                         'command lines run, and like vLLM refused without --tool-call-parser)')
     g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                    help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
-                        "deepseek_r1: DeepSeek-R1, QwQ)")
+                        "deepseek_r1: DeepSeek-R1, QwQ; openai_gptoss: gpt-oss's analysis channel)")
     g.add_argument("--chat-template", help=CHAT_TEMPLATE_HELP)
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=None,
                    help="log an INFO line as each generation starts and ends (request id, prompt tokens, settings, "

@@ -51,7 +51,10 @@ def chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[
     jobs = state.jobs([prompt], body, param)
     if body.include_reasoning:  # vLLM's include_reasoning false: the constraint holds from the first token
         jobs = map(state.reason_first, jobs)
-    return [replace(job, params=plan.adjust(job.params)) for job in jobs]
+    jobs = [replace(job, params=plan.adjust(job.params)) for job in jobs]
+    if state.reasoning_parser is not None and state.reasoning_parser.keeps_special_tokens:  # harmony's channels
+        jobs = [replace(job, params=replace(job.params, skip_special_tokens=False)) for job in jobs]
+    return jobs
 
 
 async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, request_id: str,

@@ -5,6 +5,9 @@
                without one the whole reply is content (thinking switched off: enable_thinking=False)
   deepseek_r1  the chat template opens <think> in the prompt: everything before </think> is reasoning,
                and a reply cut before it is all reasoning
+  openai_gptoss  gpt-oss's harmony channels (harmony.py): analysis is reasoning, final (and commentary) the
+               content; its markers are special tokens, kept in the text. A constrained reply is split where it
+               is harmony itself: no <think> grammar is wrapped around its constraint (reasoning_first)
 
 A constrained reply (structured outputs, a named or required tool call) lets the model reason first, as
 vLLM applies structured outputs once reasoning ends: `reasoning_first` makes one grammar of "any text up to
@@ -21,6 +24,7 @@ from enum import Enum
 
 from saguaro_dist.engine.structured import JSON_DEFAULTS
 from saguaro_dist.sampling_params import StructuredOutputsParams
+from saguaro_dist.serve.harmony import HarmonySplitter, reasoning_token_count, split_harmony
 from saguaro_dist.serve.tool_parsers import partial_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -29,6 +33,17 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 class ReasoningParser(Enum):
     QWEN3 = "qwen3"
     DEEPSEEK_R1 = "deepseek_r1"
+    OPENAI_GPTOSS = "openai_gptoss"
+
+    @property
+    def harmony(self) -> bool:
+        """gpt-oss's harmony format (harmony.py) rather than <think> tags."""
+        return self is ReasoningParser.OPENAI_GPTOSS
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Its markers are special tokens in its family's tokenizers: replies must keep them as text."""
+        return self.harmony
 
     @property
     def open_by_default(self) -> bool:
@@ -40,6 +55,8 @@ def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | No
     """(reasoning, content) of a finished reply."""
     if parser is None:
         return None, text
+    if parser.harmony:
+        return split_harmony(text)
     end = text.find(THINK_CLOSE)
     if end < 0:  # deepseek_r1 cut before </think>: all reasoning, less a leading <think> (as the stream drops it)
         return (text.removeprefix(THINK_OPEN) or None, "") if parser.open_by_default else (None, text)
@@ -65,6 +82,8 @@ class ReasoningTokens:
     def count(self, parser: ReasoningParser | None, token_ids: Sequence[int]) -> int:
         if parser is None or not token_ids:
             return 0
+        if parser.harmony:
+            return reasoning_token_count(self.tokenizer, token_ids)
         ids = list(token_ids)
         start, end = self._open_length(ids), _find(ids, self.close_ids)
         if end < 0 and len(self.close_ids) > 1:
@@ -148,8 +167,12 @@ class ReasoningStream:
     held: str = ""
     thinking: bool = True  # before </think>
     opened: bool = False   # a leading <think> was looked for (and dropped)
+    harmony: HarmonySplitter | None = None  # openai_gptoss's own splitter
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
+        if self.parser is not None and self.parser.harmony:
+            self.harmony = self.harmony or HarmonySplitter()
+            return self.harmony.feed(text, final)
         if self.parser is None or not self.thinking:
             return "", text
         self.held += text

@@ -82,7 +82,10 @@ class ServingState:
         return replace(request.tool_plan(), parser=self.tool_call_parser)
 
     def reasoning_parser_for(self, job: Job) -> ReasoningParser | None:
-        """The server's reasoning parser, unless the job's whole reply is constrained (no reasoning in it)."""
+        """The server's reasoning parser, unless the job's whole reply is constrained (no reasoning in it);
+        harmony's always: its replies say where their reasoning is, constrained or not."""
+        if self.reasoning_parser is not None and self.reasoning_parser.harmony:
+            return self.reasoning_parser
         return self.reasoning_parser if job.params.structured_outputs is None or job.reasoned else None
 
     def reasoning_count(self, job: Job, token_ids: list[int]) -> int | None:
@@ -95,7 +98,7 @@ class ServingState:
     def reason_first(self, job: Job) -> Job:
         """With a reasoning parser, a constrained chat reply may reason before what it is held to."""
         spec = job.params.structured_outputs
-        if self.reasoning_parser is None or spec is None:
+        if self.reasoning_parser is None or spec is None or self.reasoning_parser.harmony:  # (no <think> to wrap)
             return job
         wrapped = reasoning_first(spec, self.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:]))
         if wrapped is None:

@@ -7,6 +7,10 @@
   mistral      [TOOL_CALLS] then a JSON list of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo).
                [TOOL_CALLS] is a special token there, so replies keep special tokens in their text, and
                call ids are 9 letters or digits, as Mistral's chat templates insist.
+  qwen3_coder  <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call> (Qwen3-Coder),
+               values typed by the request's tool schemas; tool_parsers_extra.py.
+  pythonic     the reply is [name(key=literal, ...), ...] (Llama 3.2, Llama 4); tool_parsers_extra.py.
+  openai       gpt-oss's harmony messages `commentary to=functions.NAME`; harmony.py (special tokens kept).
 
 A reply that does not parse stays content: the model's text is never lost.
 """
@@ -18,6 +22,9 @@ import string
 import uuid
 from dataclasses import dataclass
 from enum import Enum
+
+from saguaro_dist.serve.harmony import HarmonyCallSyntax, parse_openai
+from saguaro_dist.serve.tool_parsers_extra import QWEN_CALL_OPEN, QWEN_FUNCTION, parse_pythonic, parse_qwen3_coder
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
@@ -169,8 +176,15 @@ class ToolCallParser(Enum):
     HERMES = "hermes"
     LLAMA3_JSON = "llama3_json"
     MISTRAL = "mistral"
+    QWEN3_CODER = "qwen3_coder"
+    PYTHONIC = "pythonic"
+    OPENAI = "openai"  # gpt-oss's harmony calls (harmony.py)
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, functions: tuple[dict, ...] = ()) -> Parsed:
+        """functions: the request's tools (qwen3_coder types its arguments by their schemas)."""
+        if self in _PARSE_WITH_TOOLS:
+            content, calls = _PARSE_WITH_TOOLS[self](text, functions)
+            return content, [ToolCall.new(name, arguments) for name, arguments in calls]
         return _PARSE[self](text)
 
     @property
@@ -180,11 +194,16 @@ class ToolCallParser(Enum):
     @property
     def keeps_special_tokens(self) -> bool:
         """Its call marker is a special token in its family's tokenizers: replies must keep them as text."""
-        return self is ToolCallParser.MISTRAL
+        return self in (ToolCallParser.MISTRAL, ToolCallParser.OPENAI)
 
 
 _PARSE = {ToolCallParser.HERMES: parse_hermes, ToolCallParser.LLAMA3_JSON: parse_llama3_json,
           ToolCallParser.MISTRAL: parse_mistral}
 _SYNTAX = {ToolCallParser.HERMES: CallSyntax((HERMES_OPEN,)),
            ToolCallParser.LLAMA3_JSON: CallSyntax((LLAMA_PYTHON_TAG, "{"), leading_only=True),
-           ToolCallParser.MISTRAL: CallSyntax((MISTRAL_CALLS,))}
+           ToolCallParser.MISTRAL: CallSyntax((MISTRAL_CALLS,)),
+           ToolCallParser.QWEN3_CODER: CallSyntax((QWEN_CALL_OPEN, QWEN_FUNCTION)),
+           ToolCallParser.PYTHONIC: CallSyntax(("[",), leading_only=True),
+           ToolCallParser.OPENAI: HarmonyCallSyntax()}
+_PARSE_WITH_TOOLS = {ToolCallParser.QWEN3_CODER: parse_qwen3_coder, ToolCallParser.PYTHONIC: parse_pythonic,
+                     ToolCallParser.OPENAI: parse_openai}

@@ -5,7 +5,8 @@
   named     the reply is that function's arguments, constrained to its JSON schema.
   required  the reply is a JSON array of {"name", "parameters"} calls, constrained to the given functions.
   auto      the model decides; the server's tool-call parser reads its text (serve/tool_parsers.py:
-            hermes, llama3_json, mistral). A server without a parser answers 400, as vLLM does.
+            hermes, llama3_json, mistral; tool_parsers_extra.py: qwen3_coder, pythonic, which also reads
+            the tools' schemas). A server without a parser answers 400, as vLLM does.
 named and required constrain through structured outputs, which every path (sd, ssd hit or miss, Ray)
 samples exactly, so a tool call is the target's own distribution under the schema.
 """
@@ -75,8 +76,8 @@ class ToolPlan:
         if self.kind is ToolChoiceKind.REQUIRED:
             return _parse_required(text)
         if self.kind is ToolChoiceKind.AUTO and self.parser is not None:
-            content, calls = self.parser.parse(text)  # parallel_tool_calls false: the first call only (vLLM's)
-            return content, calls if self.parallel else calls[:1]
+            content, calls = self.parser.parse(text, self.functions)  # functions: qwen3_coder types by them
+            return content, calls if self.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
         return text, []
 
     def adjust(self, params: SamplingParams) -> SamplingParams:
@@ -148,7 +149,7 @@ class ToolStream:
             text = self.required.text
             return {"content": text} if text and not self.calls and not self.required.complete() else {}
         content, self.calls = self.plan.parse(self.held)
-        delta = {"content": content} if content and not self.calls else {}
+        delta = {"content": content} if content else {}  # with calls: text read before them (harmony's preamble)
         if self.calls:
             delta["tool_calls"] = [call.delta(i) for i, call in enumerate(self.calls)]
         return delta
