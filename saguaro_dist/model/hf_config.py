@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from saguaro_dist.model.fp8 import fp8_scheme
 from saguaro_dist.model.gemma2_config import GEMMA2_TYPE, gemma2_fields, gemma2_view, gemma2_windows
 from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma3_ropes, gemma3_text_view,
                                               gemma3_windows)
@@ -232,14 +233,16 @@ def _model_type(hf: dict) -> str:
 
 
 def _check_unquantized(hf: dict) -> None:
-    """Quantized weights (FP8, GPTQ, AWQ, ...) need scales and kernels this runtime lacks: loaded as they
-    are, FP8 ones were cast without their scales and computed another model."""
+    """Quantized weights need scales and kernels: gpt-oss's MXFP4 experts (model/mxfp4.py) and FP8 checkpoints'
+    weights (model/fp8.py) are dequantized on load; any other quantization (GPTQ, AWQ, ...) is refused."""
     quant = hf.get("quantization_config")
-    if quant and not is_mxfp4(hf):  # gpt-oss's MXFP4 experts: dequantized on load (model/mxfp4.py)
-        method = quant.get("quant_method") if isinstance(quant, dict) else None
-        raise ValueError(f"config.json has a quantization_config (quant_method {method!r}): quantized checkpoints "
-                         "are not supported (but gpt-oss's mxfp4 experts, dequantized on load); use the "
-                         "unquantized (float16 / bfloat16 / float32) model")
+    if not quant or is_mxfp4(hf):
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if hf["model_type"] == GPT_OSS_TYPE or method == "mxfp4":  # gpt-oss's experts are stacked: not FP8's layout
+        raise ValueError(f"config.json has a quantization_config (quant_method {method!r}) on model_type "
+                         f"{hf['model_type']!r}: not supported (but gpt-oss's mxfp4 experts, dequantized on load)")
+    fp8_scheme(hf)  # raises naming any quantization but FP8's
 
 
 def _granite_scalars(hf: dict) -> dict:

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from saguaro_dist.model.fp8 import FP8_METHODS, Fp8Weights, fp8_scheme
+
 log = logging.getLogger(__name__)
 _INDEX = "model.safetensors.index.json"
 _BIN_INDEX = "pytorch_model.bin.index.json"
@@ -227,11 +229,12 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
               for n in [f"{m_name}.{local}" if m_name else local]}
     wanted = set(params) - set(skip)
     loaded, unexpected = set(), []
+    fp8 = _fp8_weights(model, model_dir)
     for file in checkpoint_files(model_dir):
         for stored, sl in _tensor_slices(file):
             name = language_model_name(stored) if language_model_only else stored
-            if name is None:
-                continue
+            if name is None or (fp8 is not None and (sl := fp8(stored, sl)) is None):
+                continue  # another tower's tensor, or an FP8 scale (read with its weight, or unused)
             for param, part in _parameter_parts(name, sl, fused or {}, layout):
                 param = _param_name(param, wanted)
                 if param not in wanted:
@@ -241,6 +244,20 @@ def load_weights(model: nn.Module, model_dir: Path, skip: frozenset[str] = froze
                 _load_tensor(*params[param], part, stored)
                 loaded.add(param)
     _check_complete(model_dir, sorted(wanted - loaded), unexpected)
+    if fp8 is not None:
+        fp8.finish(model_dir)
+
+
+def _fp8_weights(model: nn.Module, model_dir: Path) -> Fp8Weights | None:
+    """An FP8 checkpoint's hook (config.json's quantization_config: model/fp8.py), its float8 weights dequantized
+    to the model's dtype on its device as they load; None for any other checkpoint."""
+    config = model_dir / "config.json"
+    hf = json.loads(config.read_text()) if config.is_file() else {}
+    quant = hf.get("quantization_config")
+    if not (isinstance(quant, dict) and quant.get("quant_method") in FP8_METHODS):
+        return None
+    param = next(model.parameters())
+    return Fp8Weights(fp8_scheme(hf), lambda name: read_tensor(model_dir, name), param.dtype, param.device)
 
 
 def read_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
@@ -254,7 +271,7 @@ def read_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
     for file in files:
         for stored, sl in _tensor_slices(file):
             if stored == name:
-                return sl[:]
+                return sl[...]  # not sl[:]: a 0-dim tensor (an FP8 weight's one scale) has no slice
     return None
 
 
