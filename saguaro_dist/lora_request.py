@@ -88,9 +88,16 @@ def per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
     return list(lora_request)
 
 
+def not_loaded_note(lora_int_id: int) -> str:
+    """The end of the engine's error for a request whose adapter never loaded (its id is free again): the words
+    the LLM's edge goes by, since on Ray only an error's text reaches the driver."""
+    return f" (not loaded: lora_int_id {lora_int_id} may name a corrected lora_path)"
+
+
 class AdapterIds:
     """lora_int_id -> the lora_path it named first: a later request naming the id with another path is refused
-    (vLLM leaves this unenforced; here the engine loads an id once, so another path would run the wrong weights)."""
+    (vLLM leaves this unenforced; here the engine loads an id once, so another path would run the wrong weights).
+    An id whose adapter failed to load is forgotten (vLLM's: a failed load registers nothing)."""
 
     def __init__(self):
         self._paths: dict[int, str] = {}
@@ -115,3 +122,9 @@ class AdapterIds:
         with self._lock:
             if self._paths.get(request.lora_int_id) == request.lora_path:
                 del self._paths[request.lora_int_id]
+
+    def release_if_not_loaded(self, request: LoRARequest, err: BaseException) -> None:
+        """Forget the id's path if err (the request's failure) is the engine's report that its adapter never
+        loaded: the engine forgot the id too (a load that failed while the id held a slot keeps it bound)."""
+        if isinstance(err, ValueError) and str(err).endswith(not_loaded_note(request.lora_int_id)):
+            self.release(request)

@@ -18,7 +18,7 @@ from saguaro_dist.distributed.draft_server import default_bind_host, format_addr
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.placement import actor_threads
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
-from saguaro_dist.distributed.tp_runner import BroadcastRunner, follow
+from saguaro_dist.distributed.tp_runner import BroadcastRunner, run_follower
 from saguaro_dist.engine.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class TargetRank:
         runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision, lora=True)
         if self.rank > 0:
             freeze_startup_heap()
-            threading.Thread(target=follow, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
+            threading.Thread(target=run_follower, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
             return {}
         addresses = [d.for_client_on(self.node_id()) for d in drafts]
         revive = partial(self._revive_draft, draft_actors) if draft_actors else None

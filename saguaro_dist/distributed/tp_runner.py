@@ -4,10 +4,18 @@ Every ModelRunner call that runs a forward or changes KV state (or a LoRA slot: 
 the replayed load carries its tensors, so every rank puts the same weights in the same slot) must happen on all
 ranks in the same order (the layers all-reduce inside). Rank 0 broadcasts (method, args) over the group before
 running the call itself; followers loop on the broadcasts. Pure reads (length) stay local.
+
+A follower that cannot take rank 0's next call (its bytes do not decode there, say a LoRA load's tensors, or the
+group broke) is out of lock-step for good: it ends its process (run_follower). Its thread alone ending left
+rank 0 waiting in its next collective for the group's timeout (30 min on gloo); a closed peer fails rank 0's
+next broadcast at once (gloo: "Connection closed by peer"), so the engine step fails (EngineError) instead. On
+NCCL a dead peer is noticed at the group's timeout, by torch's NCCL watchdog.
 """
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import torch.distributed as dist
 
@@ -15,6 +23,7 @@ log = logging.getLogger(__name__)
 
 REPLAYED = frozenset({"add", "free", "truncate", "extend", "rename", "copy_prefix", "load_lora", "evict_lora"})
 STOP = "__stop__"
+FOLLOWER_LOST_EXIT = 70  # a follower's exit status once it lost lock-step (EX_SOFTWARE)
 
 
 class BroadcastRunner:
@@ -37,11 +46,31 @@ class BroadcastRunner:
         dist.broadcast_object_list([(STOP, (), {})], src=0, group=self._group)
 
 
+class FollowerLost(RuntimeError):
+    """A follower could not take rank 0's next call: it cannot stay in lock-step."""
+
+
+def run_follower(runner, group) -> None:
+    """A follower rank's thread: follow rank 0; once it cannot, log why and end the process (see the module's
+    docstring: a follower that carried on would hang rank 0, or diverge from it)."""
+    try:
+        follow(runner, group)
+    except FollowerLost:
+        log.critical("tensor-parallel follower lost lock-step with rank 0; ending this rank's process so that "
+                     "rank 0's next collective fails instead of waiting (LLM.rebuild() starts fresh ranks)",
+                     exc_info=True)
+        sys.stderr.flush()
+        os._exit(FOLLOWER_LOST_EXIT)
+
+
 def follow(runner, group) -> None:
-    """Followers: replay rank 0's calls until it says stop."""
+    """Followers: replay rank 0's calls until it says stop; FollowerLost when the next call cannot be taken."""
     while True:
         message = [None]
-        dist.broadcast_object_list(message, src=0, group=group)
+        try:
+            dist.broadcast_object_list(message, src=0, group=group)
+        except Exception as err:  # noqa: BLE001 - undecodable bytes or a broken group: lock-step is lost either way
+            raise FollowerLost(f"cannot take rank 0's next call: {err!r}") from err
         name, args, *rest = message[0]  # (name, args, kwargs); kwargs may be left out
         kwargs = rest[0] if rest else {}
         if name == STOP:

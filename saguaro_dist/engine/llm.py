@@ -128,7 +128,8 @@ class LLM(RequestInputs):
         for seq in seqs:
             seq.output_kind = OutputKind.FINAL_ONLY
         try:
-            self._thread.submit_many([(seq, self._collector(i, results, finished)) for i, seq in enumerate(seqs)])
+            self._thread.submit_many([(seq, self._adapter_failures(seq, self._collector(i, results, finished)))
+                                      for i, seq in enumerate(seqs)])
             self._wait(results, finished, use_tqdm)
         except BaseException:  # Ctrl-C (a notebook's interrupt): the batch must not run on ahead of the next call
             self._abort_unfinished([seq for seq, result in zip(seqs, results) if result is None])
@@ -215,6 +216,19 @@ class LLM(RequestInputs):
         """Whether a request's adapter is still to be read (its id new here): the read blocks."""
         return isinstance(lora_request, LoRARequest) and self.config.enable_lora and self._lora_ids.check(lora_request)
 
+    def _adapter_failures(self, seq: Sequence, listener):
+        """seq's engine listener, which first forgets its lora_int_id here when the engine reports that its adapter
+        never loaded (the engine forgot it too): else the id stayed bound to the failed path, and a request naming
+        it with a corrected one was refused for good. Before the caller hears of it: a retry finds the id free."""
+        if seq.lora_request is None:
+            return listener
+
+        def on_update(item):
+            if isinstance(item, BaseException):
+                self._lora_ids.release_if_not_loaded(seq.lora_request, item)
+            listener(item)
+        return on_update
+
     def _stream_request(self, prompt, prompt_token_ids, sampling_params, output_kind, stream_interval_s,
                         priority: int, cache_salt: str | None = None, lora_request=None) -> PromptRequest:
         """stream()'s one request, checked before any work, its samples set to report as asked."""
@@ -253,7 +267,7 @@ class LLM(RequestInputs):
         submitted: list[str] = []
         try:
             for index, seq in enumerate(samples):
-                await self._thread.submit_async(seq, enqueuer(loop, queue, index))
+                await self._thread.submit_async(seq, self._adapter_failures(seq, enqueuer(loop, queue, index)))
                 submitted.append(seq.request_id)
         except BaseException:
             if submitted:

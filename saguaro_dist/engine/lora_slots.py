@@ -16,14 +16,15 @@ import logging
 from collections import OrderedDict
 
 from saguaro_dist.engine.sequence import namespace_lora_id
-from saguaro_dist.lora_request import AdapterIds, LoRARequest
+from saguaro_dist.lora_request import AdapterIds, LoRARequest, not_loaded_note
 from saguaro_dist.model.lora_adapter import load_adapter
 
 log = logging.getLogger(__name__)
 
 
 class AdapterLoadError(ValueError):
-    """A request's adapter could not be loaded: that request fails alone."""
+    """A request's adapter could not be loaded: that request fails alone. Its text ends with not_loaded_note when
+    the id holds no slot (nothing registered under it: a later request may name it with another path)."""
 
 
 class HostAdapters:
@@ -118,6 +119,7 @@ class AdapterSlots:
         read it (a missing folder, a corrupt safetensors file, a config that is no object) fails its request alone."""
         old, lora_id = self.held[slot], request.lora_int_id
         try:
+            self.ids.bind(request)  # again: a failed load of an earlier request for this id may have freed it
             adapter = self.host.get(lora_id)
             if adapter is None or lora_id in self.stale:
                 adapter = load_adapter(request.lora_path, self.runner.config,
@@ -129,9 +131,11 @@ class AdapterSlots:
             self.host.drop(lora_id)
             if old is not None and self.runner.lora.adapters[slot] is None:  # the runner emptied the slot
                 self._emptied(slot, old)
-            if self.slot_of(request.lora_int_id) is None:
-                self.ids.release(request)  # never loaded: the id may name a good path later
-            raise AdapterLoadError(f"lora_request {request.lora_name!r}: {type(err).__name__}: {err}") from None
+            never_loaded = self.slot_of(lora_id) is None
+            if never_loaded:  # the id may name a good path later (the LLM's edge reads the note, and forgets it too)
+                self.ids.release(request)
+            raise AdapterLoadError(f"lora_request {request.lora_name!r}: {type(err).__name__}: {err}"
+                                   + (not_loaded_note(lora_id) if never_loaded else "")) from None
         if old is not None:
             self._emptied(slot, old)
         self.held[slot] = request
