@@ -88,6 +88,9 @@ def per_prompt(lora_request, n: int) -> list[LoRARequest | None]:
     return list(lora_request)
 
 
+ONE_ID_ONE_ADAPTER = "one id, one adapter"  # the end of a refusal of an id bound to another path
+
+
 def not_loaded_note(lora_int_id: int) -> str:
     """The end of the engine's error for a request whose adapter never loaded (its id is free again): the words
     the LLM's edge goes by, since on Ray only an error's text reaches the driver."""
@@ -109,7 +112,7 @@ class AdapterIds:
             known = self._paths.get(request.lora_int_id)
         if known is not None and known != request.lora_path:
             raise ValueError(f"lora_int_id {request.lora_int_id} names adapter {known!r}; lora_request "
-                             f"{request.lora_name!r} names it with lora_path {request.lora_path!r}: one id, one adapter")
+                             f"{request.lora_name!r} names it with lora_path {request.lora_path!r}: {ONE_ID_ONE_ADAPTER}")
         return known is None
 
     def bind(self, request: LoRARequest) -> None:
@@ -125,6 +128,9 @@ class AdapterIds:
 
     def release_if_not_loaded(self, request: LoRARequest, err: BaseException) -> None:
         """Forget the id's path if err (the request's failure) is the engine's report that its adapter never
-        loaded: the engine forgot the id too (a load that failed while the id held a slot keeps it bound)."""
-        if isinstance(err, ValueError) and str(err).endswith(not_loaded_note(request.lora_int_id)):
+        loaded (the engine forgot the id too; a load that failed while the id held a slot keeps it bound), or its
+        refusal of an id it holds under another path: the engine is the authority (a failed load of one request
+        may free the id here just after another request of it loaded there)."""
+        ends = (not_loaded_note(request.lora_int_id), ONE_ID_ONE_ADAPTER)
+        if isinstance(err, ValueError) and str(err).endswith(ends):
             self.release(request)

@@ -191,3 +191,29 @@ def test_a_load_after_the_id_was_freed_and_bound_elsewhere_fails_alone(target_an
         with pytest.raises(ValueError, match="one id, one adapter"):
             slots.acquire(second, set())
         assert slots.slot_of(7) is None
+
+
+def test_an_id_freed_at_the_edge_while_the_engine_loaded_it_heals(target_and_adapter, tmp_path, monkeypatch):
+    """Two prompts of (7, P) in one batch, the first engine-side read failing once (a transient error): the
+    second loads P, but the edge heard "not loaded" and forgot 7. A request of (7, Q) then passes the edge and
+    is refused by the engine (it holds P); the edge must forget Q's binding again, so (7, P) runs (before, P was
+    refused at the edge and Q at the engine for good)."""
+    import saguaro_dist.engine.lora_slots as lora_slots
+    target, good, model = target_and_adapter
+    shutil.copytree(good, tmp_path / "q")
+    real, calls = lora_slots.load_adapter, []
+
+    def fails_once(*args, **kwargs):  # fault injection: the first engine-side read fails
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("transient read failure")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(lora_slots, "load_adapter", fails_once)
+    p, q = LoRARequest("p", 7, good), LoRARequest("q", 7, str(tmp_path / "q"))
+    with LLM(model=target, mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        with pytest.raises(ValueError, match="transient"):
+            llm.generate(prompt_token_ids=[PROMPTS[0], PROMPTS[1]], sampling_params=GREEDY, use_tqdm=False,
+                         lora_request=p)
+        with pytest.raises(ValueError, match="one id, one adapter"):
+            generate(llm, q)
+        assert generate(llm, p)[0].outputs[0].token_ids == peft_greedy(model, PROMPTS[0], N)
