@@ -214,12 +214,10 @@ def check_top(top_p: float, top_k: int) -> None:
 
 
 def check_n(n: int, seed: int | None) -> None:
-    """n an int >= 1; with a seed, the last sample's seed + n - 1 must still be an int64 (as the seed)."""
+    """n an int >= 1 (sample i of a seeded request draws from seed + i wrapped into int64: llm_inputs.sample_seed,
+    so any valid seed takes any n)."""
     if type(n) is not int or n < 1:
         raise ValueError(f"n (samples per prompt) must be an integer >= 1, got {n!r}")
-    if seed is not None and seed + n - 1 > SEED_MAX:
-        raise ValueError(f"seed + n - 1 must be at most 2**63 - 1 (sample i draws from seed + i), got seed {seed} "
-                         f"with n = {n}")
 
 
 def check_penalties(presence: float, frequency: float, repetition: float) -> None:

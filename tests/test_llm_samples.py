@@ -84,10 +84,12 @@ def test_n_is_validated(ar, n):
     assert SamplingParams(n=1).n == 1 and SamplingParams().n == 1
 
 
-def test_seed_plus_n_must_stay_int64(ar):
-    with pytest.raises(ValueError, match="seed \\+ n - 1"):
-        SamplingParams(seed=2**63 - 1, n=2)
-    assert SamplingParams(seed=2**63 - 2, n=2).n == 2
+def test_a_seed_near_int64_max_takes_any_n(ar):
+    """Sample i draws from seed + i wrapped into int64 (as the server's n): the last samples wrap to -2**63 ..."""
+    outs = generate(ar, SamplingParams(seed=2**63 - 1, n=3, temperature=1.0, max_tokens=4), PROMPTS[:1])
+    assert [c.index for c in outs[0].outputs] == [0, 1, 2]
+    wrapped = generate(ar, SamplingParams(seed=-2**63, temperature=1.0, max_tokens=4), PROMPTS[:1])
+    assert outs[0].outputs[1].token_ids == wrapped[0].outputs[0].token_ids
 
 
 def test_chat_takes_n(tmp_path_factory):

@@ -167,3 +167,18 @@ def test_a_streamed_beam_choices_tool_calls_carry_their_index():
     chunk = ChatCompletionChunk.model_validate(last)
     assert [call.index for call in chunk.choices[0].delta.tool_calls] == [0, 1]
     assert [call.function.name for call in chunk.choices[0].delta.tool_calls] == ["get_weather", "get_time"]
+
+
+def test_chat_beams_return_token_ids_whole_and_streamed(served):
+    """vLLM's return_token_ids on a searched chat: the prompt's ids beside the choices (streamed: on the role
+    chunks), each choice's generated ids on it (streamed: on its content chunk), the same both ways."""
+    url, _, _, _ = served
+    body = {"messages": [{"role": "user", "content": PROMPT}], "n": 2, "max_tokens": STEPS, "return_token_ids": True}
+    whole = post(url, "chat/completions", **body).json()
+    assert whole["prompt_token_ids"] and all(c["token_ids"] for c in whole["choices"])
+    with httpx.stream("POST", f"{url}/chat/completions", timeout=120,
+                      json={"model": "m", "use_beam_search": True, "temperature": 0, "stream": True, **body}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert {tuple(c["prompt_token_ids"]) for c in chunks if "prompt_token_ids" in c} == {tuple(whole["prompt_token_ids"])}
+    streamed = {c["choices"][0]["index"]: c["choices"][0]["token_ids"] for c in chunks if "token_ids" in c["choices"][0]}
+    assert [streamed[c["index"]] for c in whole["choices"]] == [c["token_ids"] for c in whole["choices"]]

@@ -12,8 +12,8 @@ from saguaro_dist.engine.engine import check_prompt_ids
 from saguaro_dist.engine.sequence import Sequence, check_cache_salt, engine_request_seed
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.lora_request import LoRARequest, per_prompt
-from saguaro_dist.sampling_params import (SamplingParams, as_token_ids, as_tuple, check_against_model, truncate_prompt,
-                                          until_context_end, with_bad_word_ids)
+from saguaro_dist.sampling_params import (SEED_MIN, SamplingParams, as_token_ids, as_tuple, check_against_model,
+                                          truncate_prompt, until_context_end, with_bad_word_ids)
 
 
 @dataclass
@@ -182,8 +182,16 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
     cost a [P, V] LM head, the same for every sample). n = 1 here: nothing downstream expands them again."""
     if params.n == 1:
         return [params]
-    return [replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+    return [replace(params, n=1, seed=sample_seed(params.seed, i),
                     prompt_logprobs=params.prompt_logprobs if i == 0 else None) for i in range(params.n)]
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample `index`'s seed of a request seeded `seed`: seed + index, wrapped into the int64 range seeds are
+    checked against (a seed near 2**63 - 1 stays valid for every sample); None stays None."""
+    if seed is None:
+        return None
+    return (seed + index - SEED_MIN) % 2 ** 64 + SEED_MIN
 
 
 UNSUPPORTED = {"tokenization_kwargs": "prompts are encoded as the model's tokenizer does by default, without overrides",

@@ -102,21 +102,27 @@ async def beam_response(state: ServingState, body, jobs: list[Job], model: str, 
     jobs, results = await beam_results(state, body, state.named(jobs, request_id))
     choices = [finished_choice(state, fmt, body, i, job, r, role) for i, (job, r) in enumerate(zip(jobs, results))]
     extra = final_extra(state, body, fmt, jobs, [r.token_ids for r in results], [None] * len(jobs))
+    prompt_ids = {"prompt_token_ids": list(jobs[0].prompt_ids)} if fmt.chat and body.return_token_ids else {}
     if not body.stream:
+        extra.update(prompt_ids)  # vLLM's return_token_ids: chat's beside the choices (completions': on each)
         return fmt.body(fmt.id_of(request_id), model, choices, **extra)
-    events = _chat_events(body, fmt, fmt.id_of(request_id), model, choices, role)
+    events = _chat_events(body, fmt, fmt.id_of(request_id), model, choices, role, prompt_ids)
     if body.include_usage_chunk:
         events.append(fmt.chunk(fmt.id_of(request_id), model, [], usage=extra["usage"]))
     return ClosingStreamingResponse(_sse([*map(responses.sse, events), responses.sse("[DONE]")]),
                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-def _chat_events(body, fmt: responses.Format, response_id: str, model: str, choices: list[dict], role: str) -> list:
-    opening = [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], {"role": role, "content": ""}, None)])
-               for c in choices]
+def _chat_events(body, fmt: responses.Format, response_id: str, model: str, choices: list[dict], role: str,
+                 prompt_ids: dict | None = None) -> list:
+    """The role chunks (with return_token_ids, the prompt's ids on each, as the search-free stream's), then one
+    chunk per choice with its content and (return_token_ids) its token ids."""
+    opening = [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], {"role": role, "content": ""}, None)],
+                         **(prompt_ids or {})) for c in choices]
     deltas = [_delta_of(c["message"]) for c in choices]
-    return opening + [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], delta, c["finish_reason"],
-                                                                    c["logprobs"], c["stop_reason"])])
+    return opening + [fmt.chunk(response_id, model, [{**fmt.chat_delta(c["index"], delta, c["finish_reason"],
+                                                                       c["logprobs"], c["stop_reason"]),
+                                                      **({"token_ids": c["token_ids"]} if "token_ids" in c else {})}])
                       for c, delta in zip(choices, deltas)]
 
 

@@ -43,9 +43,21 @@ class ChatPromptFields(BaseModel):
         return PromptEnd.NEW_TURN if self.add_generation_prompt else PromptEnd.AS_IS
 
 
+# Parts read as text, as vLLM reads them (its TEXT_PART_TYPES), each with the key that holds its text
+TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                  "thinking": "thinking"}
+
+
 class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+    """A text part of a message's content: OpenAI's text and refusal parts, the Responses API's input_text and
+    output_text, Anthropic-style thinking (vLLM joins them all into the content as text)."""
+    type: Literal["text", "input_text", "output_text", "refusal", "thinking"]
+    text: str | None = None
+    refusal: str | None = None
+    thinking: str | None = None
+
+    def value(self) -> str:
+        return getattr(self, TEXT_PART_KEYS[self.type])
 
 
 class FunctionCall(BaseModel):
@@ -79,17 +91,26 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
     tool_call_id: str | None = None                  # tool turns: the call this answers
+    # An earlier assistant turn's reasoning (vLLM's name; reasoning_content, its former one, read too): templates
+    # that show past reasoning (interleaved thinking) read it as either name
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, content):
-        """Parts other than text (image_url, input_audio, file, ...) are refused by name, not as a failed union."""
+        """Parts other than text (image_url, input_audio, file, ...) are refused by name, not as a failed union;
+        so is a text part without its text."""
         for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-            if kind != "text":
+            if not isinstance(kind, str) or kind not in TEXT_PART_KEYS:
                 raise ValueError(f"part {i} is {f'of type {kind!r}' if kind else 'not a typed part'}: this server "
                                  "reads text parts only "
-                                 "({'type': 'text', 'text': ...})")
+                                 f"({', '.join(TEXT_PART_KEYS)})")
+            key = TEXT_PART_KEYS[kind]
+            text = part.get(key) if isinstance(part, dict) else getattr(part, key, None)
+            if not isinstance(text, str):
+                raise ValueError(f"part {i} is of type {kind!r}: its text goes in {key!r}, a string")
         return content
 
     @model_validator(mode="after")
@@ -100,11 +121,16 @@ class ChatMessage(BaseModel):
             raise ValueError("a message with role 'tool' needs tool_call_id")
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages carry tool_calls")
+        if self.past_reasoning() is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning")
         return self
+
+    def past_reasoning(self) -> str | None:
+        return self.reasoning if self.reasoning is not None else self.reasoning_content
 
     def text(self) -> str:
         if isinstance(self.content, list):  # one part a line, as vLLM joins them for string templates
-            return "\n".join(part.text for part in self.content)
+            return "\n".join(part.value() for part in self.content)
         return self.content or ""
 
     def for_template(self) -> dict:
@@ -112,6 +138,8 @@ class ChatMessage(BaseModel):
         out = {"role": self.role, "content": self.text()}
         if self.tool_calls:
             out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.past_reasoning() is not None:  # both names, as vLLM passes it (Qwen3's and DeepSeek's templates)
+            out["reasoning"] = out["reasoning_content"] = self.past_reasoning()
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         if self.name:
@@ -161,7 +189,9 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     unsupported_fields: ClassVar[dict[str, Unsupported]] = {
         **GENERATION_UNSUPPORTED,
         "chat_template": Unsupported((None,), "the server's --chat-template or the tokenizer's applies, as vLLM "
-                                              "without --trust-request-chat-template")}
+                                              "without --trust-request-chat-template"),
+        "truncation_side": Unsupported((None, "left"), "vLLM's chat keeps a truncated prompt's last tokens; "
+                                                       "/v1/completions truncates from either side")}
     continuous_usage: ClassVar[bool] = True
 
     @model_validator(mode="after")

@@ -23,7 +23,25 @@ def prompt_logprobs_of(state: ServingState, job: Job, result) -> list | None:
     return responses.prompt_logprobs(state.tokenizer, result.prompt_logprobs, job.params.prompt_logprobs)
 
 
+def token_id_fields(state: ServingState, fmt: responses.Format, body, job: Job, token_ids: list[int],
+                    with_prompt: bool) -> dict:
+    """vLLM's return_token_ids on a choice: its (new) token_ids, and with_prompt a completion's prompt_token_ids
+    (chat's are the response's or its first chunk's). None asked, none given; nor chat's token_ids where
+    include_reasoning false hides reasoning a parser reads, which they would show (vLLM's rule)."""
+    if not body.return_token_ids:
+        return {}
+    if fmt.chat and not body.include_reasoning and state.reasoning_parser_for(job) is not None:
+        return {}
+    return {"token_ids": list(token_ids), **({"prompt_token_ids": list(job.prompt_ids)} if with_prompt else {})}
+
+
 def finished_choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result, role: str) -> dict:
+    """One finished choice (with vLLM's return_token_ids, its token ids)."""
+    return {**_finished_choice(state, fmt, body, index, job, result, role),
+            **token_id_fields(state, fmt, body, job, result.token_ids, with_prompt=not fmt.chat)}
+
+
+def _finished_choice(state: ServingState, fmt: responses.Format, body, index: int, job: Job, result, role: str) -> dict:
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
     if fmt.chat:
         plan = state.tool_plan_for(body)
@@ -71,6 +89,8 @@ async def full_response(state: ServingState, body, jobs: list[Job], model: str, 
     extra = final_extra(state, body, fmt, jobs, [r.token_ids for r in results], [r.metrics for r in results])
     if fmt.chat:  # vLLM's: the one prompt's, beside the choices
         extra["prompt_logprobs"] = prompt_logprobs_of(state, jobs[0], results[0])
+        if body.return_token_ids:
+            extra["prompt_token_ids"] = list(jobs[0].prompt_ids)
     return fmt.body(fmt.id_of(request_id), model, choices, **extra)
 
 

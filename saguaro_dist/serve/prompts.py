@@ -49,7 +49,9 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
 def _apply_template(tokenizer, template: str, turns: list[dict], tools: list[dict], kwargs: dict,
                     end: PromptEnd) -> str:
     """The template's text; one that refuses the conversation (raise_exception: "roles must alternate")
-    is the request's fault, a 400 naming the template's message, as vLLM answers."""
+    is the request's fault, a 400 naming the template's message, as vLLM answers. So is any other failure
+    (vLLM's safe_apply_chat_template): chat_template_kwargs reach the template and transformers as given
+    ({"messages": [...]} is a TypeError there), so what fails is the request's messages or kwargs."""
     from jinja2 import TemplateError
     try:
         return tokenizer.apply_chat_template(turns, tools=tools or None, tokenize=False, chat_template=template,
@@ -57,6 +59,10 @@ def _apply_template(tokenizer, template: str, turns: list[dict], tools: list[dic
                                              continue_final_message=end is PromptEnd.CONTINUE, **kwargs)
     except TemplateError as err:
         raise ValueError(f"messages: the chat template refused them: {err}") from None
+    except Exception as err:  # noqa: BLE001 - vLLM's rule: a 400 with the error's text, logged with its traceback
+        log.warning("applying the chat template failed", exc_info=True)
+        raise ValueError(f"messages: the chat template could not be applied to them and chat_template_kwargs: "
+                         f"{type(err).__name__}: {err}") from None
 
 
 def check_template_reads(template: str | dict | None, template_kwargs: dict) -> None:

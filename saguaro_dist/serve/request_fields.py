@@ -43,6 +43,10 @@ SAMPLING_UNSUPPORTED = {
                                             "/v1/chat/completions return them"),
     "logits_processors": Unsupported((None, []), "no logits processors are installed"),
     "return_tokens_as_token_ids": Unsupported((None, False), "/v1/responses' log-probability tokens are text"),
+    "return_token_ids": Unsupported((None, False), "/v1/responses carries no token ids; /v1/completions and "
+                                                   "/v1/chat/completions return them"),
+    "truncation_side": Unsupported((None, "left"), "/v1/responses keeps a truncated input's last tokens; "
+                                                   "/v1/completions truncates from either side"),
     "kv_transfer_params": Unsupported((None, {}), "there is no disaggregated prefill"),
     "vllm_xargs": Unsupported((None, {}), "no extension reads them"),
     "request_id": Unsupported((None,), "on /v1/responses give the id as the X-Request-Id header"),
@@ -59,7 +63,8 @@ SAMPLING_UNSUPPORTED = {
     "verbosity": Unsupported((None, "medium"), "the model's replies are as long as it makes them"),
 }
 # Honoured by /v1/completions and /v1/chat/completions (vLLM's), still refused on /v1/responses
-_GENERATION_HONOURS = frozenset({"prompt_logprobs", "return_tokens_as_token_ids", "request_id", "use_beam_search"})
+_GENERATION_HONOURS = frozenset({"prompt_logprobs", "return_tokens_as_token_ids", "return_token_ids", "request_id",
+                                 "use_beam_search", "truncation_side"})
 GENERATION_UNSUPPORTED = {name: rule for name, rule in SAMPLING_UNSUPPORTED.items() if name not in _GENERATION_HONOURS}
 
 

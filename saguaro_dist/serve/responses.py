@@ -80,9 +80,21 @@ def _ranked(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda item: -item[1])[:top_n]
 
 
+def _with_chosen(entry: dict[int, float], token_id: int, top_n: int) -> list[tuple[int, float]]:
+    """The legacy completions' top_logprobs of a token: the chosen one first, then the top_n (the chosen one
+    once), so up to top_n + 1 (OpenAI's "always returns the logprob of the sampled token"; vLLM's)."""
+    ranked = [(t, v) for t, v in _ranked(entry, top_n) if t != token_id]
+    return [(token_id, entry[token_id]), *ranked[:top_n]]
+
+
+def _clamped(logprob: float | None) -> float | None:
+    """vLLM's: -inf (not JSON) as MIN_LOGPROB."""
+    return None if logprob is None else max(logprob, MIN_LOGPROB)
+
+
 def _chat_token(text: str, logprob: float, shown: str | None = None) -> dict:
     """shown: the token's name in place of its text (return_tokens_as_token_ids); bytes stay the text's."""
-    return {"token": text if shown is None else shown, "logprob": logprob, "bytes": list(text.encode())}
+    return {"token": text if shown is None else shown, "logprob": _clamped(logprob), "bytes": list(text.encode())}
 
 
 def token_id_name(token_id: int) -> str:
@@ -138,20 +150,23 @@ class Format:
     def logprobs(self, tokenizer, token_ids: list[int], entries: list, top_n: int, text_offset: int = 0,
                  as_ids: bool = False) -> dict:
         """The choice's `logprobs` object for `token_ids`, whose engine entries are {chosen id: log p, top ids:
-        log p} (None for an echoed prompt's first token): chat's {"content": [...]}, or the legacy
-        completions' parallel lists (character offsets counted from text_offset, in the text). as_ids (vLLM's
+        log p} (None for an echoed prompt's first token): chat's {"content": [...]} (top_logprobs: the top_n), or
+        the legacy completions' parallel lists (top_logprobs: the chosen token and the top_n; character offsets
+        counted from text_offset, in the text). Values of -inf are MIN_LOGPROB (vLLM's). as_ids (vLLM's
         return_tokens_as_token_ids): tokens are named "token_id:<id>", not by their text."""
         name = token_id_name if as_ids else (lambda t: tokenizer.decode([t]))
         texts = [tokenizer.decode([t]) for t in token_ids]
         chosen = [entry[t] if entry else None for t, entry in zip(token_ids, entries)]
-        tops = [[(name(t), v) for t, v in _ranked(entry, top_n)] if entry else None for entry in entries]
         if self.chat:  # vLLM's bytes: the chosen token's text's, a top token's name's
+            tops = [[(name(t), v) for t, v in _ranked(entry, top_n)] if entry else None for entry in entries]
             return {"content": [{**_chat_token(text, lp, name(t) if as_ids else None),
                                  "top_logprobs": [_chat_token(n, v) for n, v in top]}
                                 for t, text, lp, top in zip(token_ids, texts, chosen, tops)]}
+        tops = [{name(t): _clamped(v) for t, v in _with_chosen(entry, token, top_n)} if entry else None
+                for token, entry in zip(token_ids, entries)]
         offsets = [text_offset + sum(map(len, texts[:i])) for i in range(len(texts))]
-        return {"tokens": [name(t) for t in token_ids] if as_ids else texts, "token_logprobs": chosen,
-                "top_logprobs": [None if top is None else dict(top) for top in tops], "text_offset": offsets}
+        return {"tokens": [name(t) for t in token_ids] if as_ids else texts,
+                "token_logprobs": list(map(_clamped, chosen)), "top_logprobs": tops, "text_offset": offsets}
 
     def body(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
         return {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model,

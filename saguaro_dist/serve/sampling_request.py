@@ -8,7 +8,8 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from saguaro_dist.engine.sequence import check_cache_salt
-from saguaro_dist.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from saguaro_dist.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams,
+                                          truncate_prompt)
 from saguaro_dist.serve.request_fields import SAMPLING_UNSUPPORTED, OpenAIModel, Unsupported
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
@@ -86,6 +87,8 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False  # vLLM's extra parameters on the text and the prompt
     skip_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(None, ge=-1)  # the prompt's last N tokens; -1: the model's max length
+    # vLLM's (completions): which end truncate_prompt_tokens cuts; "right" keeps the first N (left, the default: last)
+    truncation_side: Literal["left", "right"] | None = None
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is admitted first
     cache_salt: str | None = None  # vLLM's: prefix-cache KV is shared only with requests of the same salt
     # Accepted, as they change nothing in the output: annotations, hints, and settings inert here
@@ -105,6 +108,7 @@ class SamplingRequest(OpenAIModel):
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     return_tokens_as_token_ids: bool | None = None
+    return_token_ids: bool | None = None  # vLLM's: the prompt's and the reply's token ids beside the text
     kv_transfer_params: dict | None = None
     vllm_xargs: dict | None = None
     request_id: str | None = None
@@ -175,6 +179,14 @@ class SamplingRequest(OpenAIModel):
     def prompt_tokens_kept(self, max_model_len: int) -> int | None:
         """How many of the prompt's last tokens run (truncate_prompt_tokens; -1: max_model_len; None: all)."""
         return self.truncate_prompt_tokens
+
+    def kept_prompt(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as it runs: truncated to prompt_tokens_kept from the left (its last tokens), or with
+        truncation_side "right" from the right (its first tokens), as vLLM truncates."""
+        keep = self.prompt_tokens_kept(max_model_len)
+        if keep is not None and self.truncation_side == "right":
+            return prompt_ids[:max_model_len if keep == -1 else keep]
+        return truncate_prompt(prompt_ids, keep, max_model_len)
 
     def requested_structure(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint asked for: response_format, structured_outputs or guided_*."""

@@ -6,7 +6,7 @@ from contextlib import aclosing
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.errors import stream_error
-from saguaro_dist.serve.full_replies import final_extra, logprobs_of, shown
+from saguaro_dist.serve.full_replies import final_extra, logprobs_of, shown, token_id_fields
 from saguaro_dist.serve.reasoning import ReasoningStream
 from saguaro_dist.serve.route_support import ClosingStreamingResponse
 from saguaro_dist.serve.state import Job, ServingState, merge
@@ -56,6 +56,8 @@ class _SseEvents:
         self.metrics, self.finished = [None] * len(jobs), 0
         # Log-probabilities of tokens whose text is held back (a possible stop string) wait for its chunk.
         self.pending_logprobs: list[list] = [[] for _ in jobs]
+        self.pending_ids: list[list[int]] = [[] for _ in jobs]  # so do their token ids (return_token_ids)
+        self.prompt_ids_sent = [False] * len(jobs)  # a completion's prompt_token_ids ride on its first chunk
         self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
         self.tool_streams = [ToolStream(state.tool_plan_for(body)) for _ in jobs]  # chat: content and tool-call deltas
         self.reasoning_streams = [ReasoningStream(state.reasoning_parser_for(job)) for job in jobs]  # chat
@@ -71,8 +73,14 @@ class _SseEvents:
         if self.body.echoed(self.role):  # vLLM's echo: the repeated last message is the first content delta
             deltas.append({"content": self.body.echoed(self.role)})
         return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.chat_delta(i, delta, None)],
-                                                    **self._running_usage(i)))
+                                                    **self._running_usage(i), **self._prompt_ids(delta)))
                        for delta in deltas for i in range(len(self.jobs)))
+
+    def _prompt_ids(self, delta: dict) -> dict:
+        """vLLM's return_token_ids: chat's prompt ids ride on each choice's role chunk, the stream's first."""
+        if not (self.body.return_token_ids and "role" in delta):
+            return {}
+        return {"prompt_token_ids": list(self.jobs[0].prompt_ids)}
 
     def _running_usage(self, index: int) -> dict:
         """vLLM's continuous_usage_stats (with include_usage): every chunk carries its choice's usage so far."""
@@ -86,6 +94,7 @@ class _SseEvents:
         for index, text, ids, last, logprobs in per_choice(batch):
             self.token_ids[index] += ids
             self.pending_logprobs[index] += logprobs
+            self.pending_ids[index] += ids
             extra = {}
             if last.finished:
                 self.metrics[index], self.finished = last.metrics, self.finished + 1
@@ -93,6 +102,7 @@ class _SseEvents:
                     extra = final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)
             choice = self._choice(index, text, last)
             if choice is not None:
+                choice = {**choice, **self._take_token_ids(index)}
                 extra = {**extra, **self._running_usage(index)}  # the request's usage follows in its own chunk
                 events.append(responses.sse(self.fmt.chunk(self.request_id, self.model, [choice], **extra)))
         return "".join(events)
@@ -112,6 +122,14 @@ class _SseEvents:
             return None  # text held back (a tool call may be starting): its log-probabilities wait too
         reason = tools.plan.finish_reason(reason, tools.calls) if last.finished else None
         return self.fmt.chat_delta(index, delta, reason, self._take_logprobs(index, text), stop_reason)
+
+    def _take_token_ids(self, index: int) -> dict:
+        """vLLM's return_token_ids on a chunk's choice: the ids of the tokens it brings (and, on a completion's
+        first chunk, its prompt's)."""
+        ids, self.pending_ids[index] = self.pending_ids[index], []
+        first, self.prompt_ids_sent[index] = not self.prompt_ids_sent[index], True
+        return token_id_fields(self.state, self.fmt, self.body, self.jobs[index], ids,
+                               with_prompt=first and not self.fmt.chat)
 
     def _take_logprobs(self, index: int, text: str) -> dict | None:
         entries, self.pending_logprobs[index] = self.pending_logprobs[index], []

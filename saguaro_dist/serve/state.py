@@ -9,9 +9,10 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from saguaro_dist.engine.llm_inputs import sample_seed
 from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.engine.text import encode_text
-from saguaro_dist.sampling_params import SamplingParams, truncate_prompt
+from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.lora_models import ServedModels
 from saguaro_dist.serve.metrics import ENGINE_TIME_COUNTERS, ServeMetrics
@@ -124,21 +125,22 @@ class ServingState:
 
     def jobs(self, prompts: list[list[int]], request: SamplingRequest, param: str) -> list[Job]:
         """request.n jobs per prompt, prompt-major (OpenAI's choice order). Sample i of a seeded request
-        draws from seed + i: the n samples differ and the response is reproducible."""
+        draws from seed + i (wrapped into int64: llm_inputs.sample_seed): the n samples differ and the response
+        is reproducible."""
         if len(prompts) * request.n > MAX_GENERATIONS:
             raise APIError(400, f"{len(prompts)} prompts x n = {request.n} asks for more than {MAX_GENERATIONS} "
                                 f"generations in one request", param="n")
         jobs = []
         for prompt_ids in prompts:
             job = self.job(prompt_ids, request, param)
-            seeds = [None if job.params.seed is None else job.params.seed + i for i in range(request.n)]
+            seeds = [sample_seed(job.params.seed, i) for i in range(request.n)]
             jobs += [replace(job, params=replace(job.params, seed=seed)) for seed in seeds]
         return jobs
 
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
         """Sampling settings for one prompt; max_tokens defaults to the route's (completions 16, chat the rest of
         the context), or the generation config's max_new_tokens if that is less (vLLM)."""
-        prompt_ids = truncate_prompt(prompt_ids, request.prompt_tokens_kept(self.max_model_len), self.max_model_len)
+        prompt_ids = request.kept_prompt(prompt_ids, self.max_model_len)  # truncate_prompt_tokens, either side
         room = self.max_model_len - len(prompt_ids)
         wanted = request.requested_max_tokens()
         asked = wanted if wanted is not None else request.default_max_tokens()  # (vLLM checks the route's 16 too)
