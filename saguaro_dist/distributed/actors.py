@@ -93,6 +93,8 @@ class TargetRank:
         self.config, self.rank = config, rank
         self.updates: queue.Queue = queue.Queue()
         self.thread = None
+        self._broadcast: BroadcastRunner | None = None  # rank 0 of a group: its runner, which notes a broken group
+        self._follower: threading.Thread | None = None  # the others: the thread replaying rank 0's calls
         self._store = None  # rank 0's torch.distributed store: it holds the group's port from rendezvous on
 
     def rendezvous(self) -> tuple[str, int] | None:
@@ -119,11 +121,21 @@ class TargetRank:
         runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision, lora=True)
         if self.rank > 0:
             freeze_startup_heap()
-            threading.Thread(target=run_follower, args=(runner, group), daemon=True, name="saguaro-tp-follow").start()
+            self._follower = threading.Thread(target=run_follower, args=(runner, group), daemon=True,
+                                              name="saguaro-tp-follow")
+            self._follower.start()
             return {}
         addresses = [d.for_client_on(self.node_id()) for d in drafts]
         revive = partial(self._revive_draft, draft_actors) if draft_actors else None
-        return self._start_engine(runner if group is None else BroadcastRunner(runner, group), addresses, fit, revive)
+        self._broadcast = None if group is None else BroadcastRunner(runner, group)
+        return self._start_engine(self._broadcast or runner, addresses, fit, revive)
+
+    def followed(self) -> None:
+        """A follower: returns once it stopped following rank 0 (told to stop). The driver keeps this call
+        pending: it fails as soon as Ray learns this rank died (its process killed, its node lost), so the
+        driver can fail the engine naming the rank (cluster.RemoteEngine)."""
+        if self._follower is not None:
+            self._follower.join()
 
     def _join_group(self, master: tuple[str, int] | None):
         world = self.config.tensor_parallel_size
@@ -193,7 +205,8 @@ class TargetRank:
             items = []
         while not self.updates.empty():
             items.append(self.updates.get_nowait())
-        return RemotePoll(items, self.thread.load)
+        # (lost read after the updates: a failure's updates are sent after the runner noted it)
+        return RemotePoll(items, self.thread.load, self._broadcast.lost if self._broadcast else None)
 
     def metrics(self):
         return self.thread.metrics

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 SUBMIT_CHUNK = 1024  # requests per submit call: a large offline batch starts before all of it has crossed
 SUBMIT_SETTLE_S = 10.0  # an interrupted submit waits this long for its call to land before its aborts go
+RANK_NAMING_WAIT_S = 5.0  # rank 0 found its group broken: how long Ray may take to tell which rank died
 
 
 def build_cluster_engine(config: Config):
@@ -74,6 +75,10 @@ class RemoteEngine:
         self._stop_lock = threading.Lock()
         self._last_metrics = None  # rank 0's, fetched as the engine stops: readable after it, as on one host
         self.load = EngineLoad()  # rank 0's, as of its last poll (at most POLL_S old while it runs)
+        # Each follower rank's pending `followed` call: it fails when the rank dies (a group with a dead member
+        # never works again), which the poll loop checks at most every POLL_S (a check costs ~0.1 ms).
+        self._followers = {rank.followed.remote(): r for r, rank in enumerate(deployment.ranks[1:], start=1)}
+        self._next_rank_check = 0.0
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="saguaro-remote-poll")
         self._poller.start()
 
@@ -155,9 +160,9 @@ class RemoteEngine:
         ray.shutdown() one would start a fresh Ray)."""
         if self._stopped.is_set() or not ray.is_initialized():
             raise EngineError("the engine is shut down")
-        if self._dead:
-            raise self._gone()
-        with self._lock:
+        with self._lock:  # (_dead checked under it: _fail_all sets it before failing what is registered)
+            if self._dead:
+                raise self._gone()
             self._requests.update((seq.request_id, (seq, listener)) for seq, listener in requests)
         try:
             yield self.rank0.submit.remote([remote_request(seq) for seq, _ in requests])
@@ -222,6 +227,7 @@ class RemoteEngine:
                 return
             try:
                 polled = ray.get(self.rank0.poll.remote(POLL_S))
+                lost = self._rank_lost(polled.lost)
             except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
                 if not self._stopped.is_set():
                     self._fail_all(f"target actor died: {err.__class__.__name__}", err)
@@ -232,7 +238,35 @@ class RemoteEngine:
                 return
             self.load = polled.load
             for u in polled.updates:
-                self._dispatch(u)
+                if not (lost and u.error and not u.invalid):  # the loss's own errors: all are failed below, naming it
+                    self._dispatch(u)
+            if lost:
+                self._fail_all(*lost)
+                return
+
+    def _rank_lost(self, broken: str | None) -> tuple[str, BaseException | None] | None:
+        """(why, cause) once a follower rank is gone: its `followed` call ended (the actor died, or it stopped
+        following), or rank 0 says its group broke (`broken`: then Ray gets RANK_NAMING_WAIT_S to say which
+        rank died). None while every rank is there, or once the engine is stopping (followers stop then)."""
+        if not self._followers or (broken is None and time.monotonic() < self._next_rank_check):
+            return None
+        self._next_rank_check = time.monotonic() + POLL_S
+        ready, _ = ray.wait(list(self._followers), num_returns=1, timeout=RANK_NAMING_WAIT_S if broken else 0)
+        if self._stopped.is_set():
+            return None
+        if ready:
+            return self._follower_gone(ready[0])
+        if broken:
+            return f"a tensor-parallel rank of the target was lost ({broken})", None
+        return None
+
+    def _follower_gone(self, ref) -> tuple[str, BaseException | None]:
+        rank = self._followers[ref]
+        try:
+            ray.get(ref)
+        except Exception as err:  # noqa: BLE001 - its death (RayActorError), or whatever ended its call
+            return f"tensor-parallel rank {rank} of the target died: {err.__class__.__name__}", err
+        return f"tensor-parallel rank {rank} of the target stopped following rank 0", None
 
     def _dispatch(self, u: RemoteUpdate) -> None:
         with self._lock:

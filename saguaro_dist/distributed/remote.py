@@ -42,3 +42,4 @@ class RemotePoll:
     """Rank 0's answer to a poll: the updates since the last one, and what its engine holds now."""
     updates: list[RemoteUpdate]
     load: EngineLoad
+    lost: str | None = None  # why its tensor-parallel group broke (tp_runner.BroadcastRunner.lost): it runs no more

@@ -10,6 +10,11 @@ group broke) is out of lock-step for good: it ends its process (run_follower). I
 rank 0 waiting in its next collective for the group's timeout (30 min on gloo); a closed peer fails rank 0's
 next broadcast at once (gloo: "Connection closed by peer"), so the engine step fails (EngineError) instead. On
 NCCL a dead peer is noticed at the group's timeout, by torch's NCCL watchdog.
+
+A group with a dead member never works again. Rank 0 notes it (BroadcastRunner.lost) when a broadcast fails, or
+when a replayed call fails and the ping after it does too (a collective inside the call may be what broke), and
+refuses every replayed call from then on; its poll carries the note, and the driver (cluster.RemoteEngine, which
+also watches every follower's actor) fails the engine, naming the rank that died.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ log = logging.getLogger(__name__)
 
 REPLAYED = frozenset({"add", "free", "truncate", "extend", "rename", "copy_prefix", "load_lora", "evict_lora"})
 STOP = "__stop__"
+PING = "__ping__"  # after a replayed call failed: does the group still work? (followers skip it)
 FOLLOWER_LOST_EXIT = 70  # a follower's exit status once it lost lock-step (EX_SOFTWARE)
 
 
@@ -31,6 +37,7 @@ class BroadcastRunner:
 
     def __init__(self, runner, group):
         self._runner, self._group = runner, group
+        self.lost: str | None = None  # why the group broke (a rank died): no replayed call runs from then on
 
     def __getattr__(self, name):
         attr = getattr(self._runner, name)
@@ -38,12 +45,31 @@ class BroadcastRunner:
             return attr
 
         def replayed(*args, **kwargs):  # (add's lora_slot: every rank runs the sequence through the same slot)
-            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._group)
-            return attr(*args, **kwargs)
+            self._broadcast(name, args, kwargs)
+            try:
+                return attr(*args, **kwargs)
+            except Exception:
+                self._broadcast(PING, (), {})  # RankLost if a collective inside the call failed on a dead rank
+                raise
         return replayed
 
+    def _broadcast(self, name: str, args: tuple, kwargs: dict) -> None:
+        if self.lost:
+            raise RankLost(self.lost)
+        try:
+            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._group)
+        except RuntimeError as err:  # the backend's failures (gloo, NCCL, DistError); pickling raises others
+            self.lost = f"rank 0's broadcast of {name} failed: {err}"
+            log.error("tensor-parallel group broken: %s", self.lost)
+            raise RankLost(self.lost) from err
+
     def stop_followers(self) -> None:
-        dist.broadcast_object_list([(STOP, (), {})], src=0, group=self._group)
+        if not self.lost:  # (a broken group has nobody to tell)
+            self._broadcast(STOP, (), {})
+
+
+class RankLost(RuntimeError):
+    """Rank 0's tensor-parallel group broke (a rank died, or left lock-step): no call can run on it again."""
 
 
 class FollowerLost(RuntimeError):
@@ -75,6 +101,8 @@ def follow(runner, group) -> None:
         kwargs = rest[0] if rest else {}
         if name == STOP:
             return
+        if name == PING:
+            continue
         try:
             getattr(runner, name)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 ran the same call on the same state and failed alike
