@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from enum import Enum
 
@@ -204,11 +204,13 @@ class DequantizedSlice:
 class Fp8Weights:
     """The loader's hook for an FP8 checkpoint: (stored name, slice) -> the slice to load (a float8 weight's
     dequantized to dtype on device; any other tensor's as it is), or None for a scale tensor (a weight's, read with
-    it; an activation's or the KV cache's, unused). read_tensor(name): a tensor whole, or None (a scale may sit
-    in another shard)."""
+    it; an activation's or the KV cache's, unused). names: the checkpoint's tensor names (which scale suffix a
+    weight's has is looked up, not tried by reading); read_tensor(name): one of them whole (a scale may sit in
+    another shard). Both are called once or so a weight: each must cost O(1), not a scan of the checkpoint."""
 
-    def __init__(self, scheme: Fp8Scheme, read_tensor: Callable[[str], torch.Tensor | None], dtype, device):
-        self.scheme, self.read_tensor, self.dtype, self.device = scheme, read_tensor, dtype, device
+    def __init__(self, scheme: Fp8Scheme, names: Container[str], read_tensor: Callable[[str], torch.Tensor],
+                 dtype, device):
+        self.scheme, self.names, self.read_tensor, self.dtype, self.device = scheme, names, read_tensor, dtype, device
         self.weights = self.values = 0  # the float8 weights met, and their values (their bytes as FP8)
 
     def __call__(self, name: str, sl):
@@ -224,8 +226,8 @@ class Fp8Weights:
 
     def _scale_of(self, name: str) -> torch.Tensor:
         for suffix in self.scheme.scale_suffixes:
-            if (scale := self.read_tensor(name + suffix)) is not None:
-                return scale
+            if name + suffix in self.names:
+                return self.read_tensor(name + suffix)
         names = " or ".join(repr(name + suffix) for suffix in self.scheme.scale_suffixes)
         raise ValueError(f"FP8 tensor {name!r} (float8) has no scale tensor {names} in the checkpoint")
 

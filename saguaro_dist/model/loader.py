@@ -85,18 +85,25 @@ def hub_failure(name: str, revision: str | None, err: Exception, offline: bool) 
 def checkpoint_files(model_dir: Path) -> list[Path]:
     """Safetensors when the checkpoint has them (an index's shards, model.safetensors, or every file),
     else the PyTorch pickles, by the same rule."""
+    return list(_checkpoint_layout(model_dir)[0].values())
+
+
+def _checkpoint_layout(model_dir: Path) -> tuple[dict[str, Path], dict[str, str] | None]:
+    """checkpoint_files by their names, and each tensor's file's name when an index names them (None without one):
+    the index read once."""
     for index, single, pattern in ((_INDEX, "model.safetensors", "*.safetensors"),
                                    (_BIN_INDEX, "pytorch_model.bin", _BIN_PATTERN)):
         if (model_dir / index).is_file():
-            shards = _index_shards(model_dir / index)
-            missing = [s for s in shards if not (model_dir / s).is_file()]
+            weight_map = json.loads((model_dir / index).read_text())["weight_map"]
+            shards = {s: model_dir / s for s in sorted(set(weight_map.values()))}  # one Path a shard, not a tensor
+            missing = [s for s, file in shards.items() if not file.is_file()]
             if missing:
                 raise ValueError(f"{model_dir / index} names shard files that do not exist: {missing}")
-            return [model_dir / s for s in shards]
+            return shards, weight_map
         if (model_dir / single).is_file():
-            return [model_dir / single]
+            return {single: model_dir / single}, None
         if files := sorted(model_dir.glob(pattern)):
-            return files
+            return {file.name: file for file in files}, None
     raise ValueError(f"no *.safetensors weights in {model_dir} (expected model.safetensors or {_INDEX}; "
                      f"or pytorch_model.bin or {_BIN_INDEX})")
 
@@ -256,23 +263,50 @@ def _fp8_weights(model: nn.Module, model_dir: Path) -> Fp8Weights | None:
     quant = hf.get("quantization_config")
     if not (isinstance(quant, dict) and quant.get("quant_method") in FP8_METHODS):
         return None
-    param = next(model.parameters())
-    return Fp8Weights(fp8_scheme(hf), lambda name: read_tensor(model_dir, name), param.dtype, param.device)
+    param, tensors = next(model.parameters()), CheckpointTensors(model_dir)
+    return Fp8Weights(fp8_scheme(hf), tensors, tensors.read, param.dtype, param.device)
 
 
 def read_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
-    """One checkpoint tensor by its stored name, whole (from the shard the index names, if any); None if absent."""
-    files = checkpoint_files(model_dir)
-    for index in (_INDEX, _BIN_INDEX):
-        if (model_dir / index).is_file():
-            shard = json.loads((model_dir / index).read_text())["weight_map"].get(name)
-            files = [model_dir / shard] if shard else []
-            break
-    for file in files:
-        for stored, sl in _tensor_slices(file):
-            if stored == name:
-                return sl[...]  # not sl[:]: a 0-dim tensor (an FP8 weight's one scale) has no slice
-    return None
+    """One checkpoint tensor by its stored name, whole (from the shard the index names, if any); None if absent.
+    It reads the index (or every file's names) each call: to read many, keep one CheckpointTensors."""
+    return CheckpointTensors(model_dir).read(name)
+
+
+class CheckpointTensors:
+    """A checkpoint's tensors by stored name, for reading many of them (an FP8 checkpoint's scales): the index
+    read once, or without one each file's names once (the first file holding a name has it, as a scan in order
+    finds); each file opened at most once and kept open (its header parsed once) while this object lives."""
+
+    def __init__(self, model_dir: Path):
+        self._files, self._file_of = _checkpoint_layout(model_dir)  # file name -> file; tensor -> its file's name
+        self._opened: dict[str, tuple[object, set[str]]] = {}  # file name -> (safe_open handle or state dict, names)
+
+    def __contains__(self, name: str) -> bool:
+        file = self._where().get(name)
+        return file is not None and name in self._open(file)[1]
+
+    def read(self, name: str) -> torch.Tensor | None:
+        """The tensor whole; None if absent (an index may name a tensor its shard lacks)."""
+        if name not in self:
+            return None
+        source, _ = self._open(self._file_of[name])
+        return source[name] if isinstance(source, dict) else source.get_tensor(name)
+
+    def _where(self) -> dict[str, str]:
+        if self._file_of is None:
+            self._file_of = {}
+            for file in self._files:
+                for name in self._open(file)[1]:
+                    self._file_of.setdefault(name, file)
+        return self._file_of
+
+    def _open(self, file: str) -> tuple[object, set[str]]:
+        if file not in self._opened:
+            path = self._files[file]
+            source = _pickled_state(path) if path.suffix == ".bin" else safe_open(str(path), framework="pt")
+            self._opened[file] = source, set(source.keys())
+        return self._opened[file]
 
 
 def _load_tensor(module: nn.Module, local: str, sl, stored: str) -> None:
