@@ -60,7 +60,8 @@ def test_qwen3_coder_reads_calls_and_leaves_the_rest_content(text, content, call
     ("2.5", {"type": "number"}, 2.5), ("3.0", {"type": "number"}, 3), ("inf", {"type": "number"}, "inf"),
     ("True", {"type": "boolean"}, True), ("yes", {"type": "boolean"}, False),  # not true / false: false (vLLM's)
     ('{"a": [1, null]}', {"type": "object"}, {"a": [1, None]}), ("['a', 'b']", {"type": "array"}, ["a", "b"]),
-    ("[1, 2", {"type": "array"}, "[1, 2"), ("null", {"type": "string"}, None), ("NULL", None, None),
+    ("[1, 2", {"type": "array"}, "[1, 2"), ("null", {"type": "integer"}, None),
+    ("null", {"type": "string"}, "null"), ("NULL", None, "NULL"),  # vLLM's newest: a string's "null" is text
     ("42", None, "42"),  # a parameter the function does not declare stays text
     ("42", {"description": "no type"}, "42"), ("5", {"type": ["integer", "null"]}, 5),  # other types: a literal
     ("{1, 2}", {"type": "set"}, "{1, 2}"),  # a literal with no JSON stays text
@@ -184,3 +185,107 @@ def test_each_parser_reads_its_familys_calls_over_http(llm, parser):
         (i, c.function.name, c.function.arguments) for i, c in enumerate(calls)]
     assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices) == (content or "")
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+
+# ---- qwen3_coder as vLLM's newest parser reads it; arguments are strict JSON -------------------
+def _strict_loads(arguments: str):
+    """JSON.parse's reading: NaN / Infinity are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not strict JSON")
+    return json.loads(arguments, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("value, schema, typed", [
+    ("null", {"type": "string"}, "null"), ("null", None, "null"), ("None", {"type": "text"}, "None"),  # text
+    ("None", {"type": "integer"}, None), ("none", {"type": "object"}, None),  # Qwen3.5 writes null as None
+    ("null", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),  # a nullable string
+    ("None", {"type": ["string", "null"]}, None), ("null", {"type": "null"}, None),
+])
+def test_qwen3_coder_reads_null_as_text_where_the_parameter_is_text(value, schema, typed):
+    got = qwen_typed_value(value, schema)
+    assert got == typed and type(got) is type(typed)
+
+
+NULLABLE_INT = {"anyOf": [{"type": "integer"}, {"type": "null"}]}
+
+
+@pytest.mark.parametrize("value, schema, typed", [
+    ("5", NULLABLE_INT, 5), ("five", NULLABLE_INT, "five"), ("5", {"type": ["integer", "null"]}, 5),
+    ("5", {"anyOf": [{"type": "null"}, {"type": "number"}]}, 5), ("2.5", {"type": ["null", "number"]}, 2.5),
+    ("true", {"type": ["boolean", "null"]}, True), ("true", {"anyOf": [{"type": "boolean"}, {"type": "null"}]}, True),
+    ("42", {"type": ["string", "null"]}, "42"), ("42", {"anyOf": [{"type": "string"}, {"type": "integer"}]}, "42"),
+    ('["a"]', {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}, ["a"]),
+    ("7", {"anyOf": [{"description": "untyped"}]}, "7"),  # no typed option: a string
+    ('"{\'k\': \'v\'}"', {"type": "object"}, {"k": "v"}),  # a quoted Python repr is read once more
+    ("\"['a', 1]\"", {"type": "array"}, ["a", 1]), ('"x"', {"type": "object"}, "x"),
+])
+def test_qwen3_coder_types_a_nullable_union_by_its_first_non_null_type(value, schema, typed):
+    got = qwen_typed_value(value, schema)
+    assert got == typed and type(got) is type(typed)
+
+
+STRICT = {"name": "f", "parameters": {"type": "object", "properties": {
+    "o": {"type": "object"}, "a": {"type": "array"}, "n": {"type": "number"}, "t": {"type": "tuple"}}}}
+
+
+@pytest.mark.parametrize("key, value", [
+    ("o", '{"a": NaN}'), ("o", '{"a": Infinity}'), ("a", "[1e400]"), ("a", "[float('nan')]"), ("n", "1e400"),
+    ("n", "nan"), ("t", "1e400"), ("t", "-1e999"), ("a", "[" + "9" * 5000 + "]"),
+])
+def test_qwen3_coder_keeps_as_text_what_strict_json_cannot_hold(key, value):
+    text = f"<tool_call>\n<function=f>\n<parameter={key}>\n{value}\n</parameter>\n</function>\n</tool_call>"
+    _, calls = ToolCallParser.QWEN3_CODER.parse(text, (STRICT,))
+    assert _strict_loads(calls[0].arguments) == {key: value}
+
+
+def _qwen(*parameters: tuple[str, str], name: str = "get_weather") -> str:
+    body = "".join(f"<parameter={key}>\n{value}\n</parameter>\n" for key, value in parameters)
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+NESTED = _qwen(("zone", "UTC"), name="get_time")  # a whole call, as code about tool calls may hold one
+
+
+@pytest.mark.parametrize("text, calls", [
+    (_qwen(("city", "a </parameter> b")), [("get_weather", {"city": "a </parameter> b"})]),
+    (_qwen(("city", "a </function> b </tool_call> then <tool_call> c"), ("days", "2")),
+     [("get_weather", {"city": "a </function> b </tool_call> then <tool_call> c", "days": 2})]),
+    (_qwen(("city", "code:\n" + NESTED + "\nend"), ("days", "3")) + "\n" + NESTED,
+     [("get_weather", {"city": "code:\n" + NESTED + "\nend", "days": 3}), ("get_time", {"zone": "UTC"})]),
+    ("<tool_call>\n<function=get_weather>\n<parameter=city>\nDallas\n<parameter=days>\n2\n</parameter>\n"
+     "</function>\n</tool_call>", [("get_weather", {"city": "Dallas", "days": 2})]),  # a missing </parameter>
+    ("<tool_call><function=get_weather><parameter=city>Paris</parameter><parameter=days>3</parameter></function>"
+     "</tool_call>", [("get_weather", {"city": "Paris", "days": 3})]),  # no newlines at all
+    (_qwen(("city", "Rome")) + "\nThat was one. " + _qwen(("city", "Oslo")),  # text between the calls
+     [("get_weather", {"city": "Rome"}), ("get_weather", {"city": "Oslo"})]),
+    (_qwen(("city", "Rome")) + "\nDone: </tool_call> ends a call.",  # a closing tag in the text after
+     [("get_weather", {"city": "Rome"})]),
+])
+def test_qwen3_coder_reads_the_markup_structurally(text, calls):
+    assert _pairs(parse_qwen3_coder(text, FUNCTIONS)) == (None, calls)
+    assert _pairs(parse_qwen3_coder(text))[1][0][0] == calls[0][0]  # no schema: each name still read
+
+
+def test_qwen3_coder_keeps_text_about_the_tags_and_unrendered_templates_as_content():
+    about = "Wrap calls in <tool_call></tool_call>. "
+    assert _pairs(parse_qwen3_coder(about + QWEN_WEATHER, FUNCTIONS)) == (
+        about, [("get_weather", {"city": "Paris", "days": 3})])
+    template = "<tool_call>\n<function={{ tool.name }}>\n</function>\n</tool_call>"  # not a call: content
+    assert parse_qwen3_coder(template, FUNCTIONS) == (template, [])
+
+
+@pytest.mark.parametrize("piece", [1, 7, 1000])
+def test_qwen3_coder_streams_a_value_holding_the_tags(piece):
+    plan = ToolPlan(ToolChoiceKind.AUTO, FUNCTIONS, parser=ToolCallParser.QWEN3_CODER)
+    text = "Here.\n" + _qwen(("city", "a </parameter> b"), ("days", "null"))
+    content, calls = _streamed(plan, text, piece)
+    assert content == "Here.\n" and [_strict_loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "a </parameter> b", "days": None}]
+
+
+# ---- pythonic: arguments are strict JSON -------------------------------------------------------
+def test_pythonic_keeps_a_number_json_cannot_hold_as_its_text():
+    """vLLM writes 1e999 as Infinity, which JSON.parse refuses: the argument keeps its source text instead."""
+    _, calls = ToolCallParser.PYTHONIC.parse("[f(x=1e999, y=[-1e999, 1], z=1.5, w={'k': 1e400})]")
+    assert _strict_loads(calls[0].arguments) == {"x": "1e999", "y": "[-1e999, 1]", "z": 1.5, "w": "{'k': 1e400}"}
