@@ -5,7 +5,7 @@ import enum
 import json
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported
@@ -70,14 +70,26 @@ class ToolCallMessage(BaseModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
+    _as_written: bool = PrivateAttr(False)  # arguments that are not JSON reach the template as written
+
+    def taken_as_written(self) -> ToolCallMessage:
+        """This call on a gpt-oss (harmony) server, which returns calls whose arguments are not JSON (a `code`
+        call, one cut off, malformed JSON): taken back as written, as vLLM's harmony rendering takes them."""
+        call = self.model_copy()
+        call._as_written = True
+        return call
 
     def for_template(self) -> dict:
-        """Chat templates (transformers' convention) read the arguments as a mapping, as vLLM passes them."""
+        """Chat templates (transformers' convention) read the arguments as a mapping, as vLLM passes them
+        (empty arguments as {}, vLLM's); JSON text of anything but an object is refused (a template may walk
+        them: Qwen3-Coder's `arguments|items`), and so is other text, unless taken_as_written (a string)."""
         try:
-            arguments = json.loads(self.function.arguments)
+            arguments = json.loads(self.function.arguments) if self.function.arguments else {}
         except ValueError:
+            if self._as_written:
+                return {"id": self.id, "type": "function", "function": self.function.model_dump()}
             arguments = None
-        if not isinstance(arguments, dict):  # a template may walk them (Qwen3-Coder's `arguments|items`)
+        if not isinstance(arguments, dict):
             raise ValueError(f"tool call {self.function.name!r}: arguments must be JSON text of an object, "
                              f"got {self.function.arguments!r}")
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
@@ -126,7 +138,17 @@ class ChatMessage(BaseModel):
         return self
 
     def past_reasoning(self) -> str | None:
-        return self.reasoning if self.reasoning is not None else self.reasoning_content
+        """reasoning, else reasoning_content, else `thinking` (the name gpt-oss's template reads, which
+        transformers users send)."""
+        thinking = (self.model_extra or {}).get("thinking")
+        given = (self.reasoning, self.reasoning_content, thinking if isinstance(thinking, str) else None)
+        return next((r for r in given if r is not None), None)
+
+    def with_calls_as_written(self) -> ChatMessage:
+        """The message with its calls taken_as_written (a gpt-oss server's history)."""
+        if not self.tool_calls:
+            return self
+        return self.model_copy(update={"tool_calls": [call.taken_as_written() for call in self.tool_calls]})
 
     def text(self) -> str:
         if isinstance(self.content, list):  # one part a line, as vLLM joins them for string templates
@@ -140,6 +162,9 @@ class ChatMessage(BaseModel):
             out["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.past_reasoning() is not None:  # both names, as vLLM passes it (Qwen3's and DeepSeek's templates)
             out["reasoning"] = out["reasoning_content"] = self.past_reasoning()
+            # gpt-oss's template reads `thinking` (transformers fills it from these too), but refuses it with
+            # content in a turn with calls (it shows that content as the analysis then): "" says none there
+            out["thinking"] = "" if self.tool_calls and out["content"] else self.past_reasoning()
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         if self.name:

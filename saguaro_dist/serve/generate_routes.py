@@ -34,7 +34,8 @@ async def chat(body: ChatCompletionRequest, request: Request):
     state = serving_state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    prompt = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template,
+    messages = [m.with_calls_as_written() for m in body.messages] if state.harmony else body.messages
+    prompt = encode_chat(state.tokenizer, messages, body.tools, body.chat_template_kwargs, state.chat_template,
                          end=body.prompt_end(), add_special_tokens=body.add_special_tokens)
     jobs = chat_jobs(state, body, prompt, "messages")
     return await _respond(state, body, jobs, model, responses.CHAT, request_id_of(request, body.request_id),
@@ -52,7 +53,7 @@ def chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[
     if body.include_reasoning:  # vLLM's include_reasoning false: the constraint holds from the first token
         jobs = map(state.reason_first, jobs)
     jobs = [replace(job, params=plan.adjust(job.params)) for job in jobs]
-    if state.reasoning_parser is not None and state.reasoning_parser.keeps_special_tokens:  # harmony's channels
+    if state.harmony:  # harmony's channels, read on every reply (tools or not) with either parser
         jobs = [replace(job, params=replace(job.params, skip_special_tokens=False)) for job in jobs]
     return jobs
 

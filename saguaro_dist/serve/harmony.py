@@ -16,9 +16,14 @@ after the channel). Where a message's body goes (vLLM's rules):
 
 The reasoning parser (HarmonySplitter) gives reasoning and content; a call stays in the content as a harmony
 message of its own (`<|start|>assistant<|channel|>commentary to=functions.NAME ...<|call|>`), which the
-`openai` tool-call parser (parse_openai) turns into a call. Without that parser the call's text stays content,
-as any family's unread calls do. parse_openai reads raw replies too (a server without the reasoning parser:
-their analysis is left out). A reply with no <|message|> is not harmony: it is all content.
+`openai` tool-call parser (parse_openai) turns into a call. A call no parser reads (tool_choice none, or no
+tool parser) is left out of the content, as vLLM's HarmonyParser leaves it (tools.ToolPlan's harmony).
+parse_openai reads raw replies too (a server without the reasoning parser: their analysis is left out, as
+vLLM drops it without a reasoning parser). A reply that does not open with a header (a marker or ` to=`) is
+plain text, content as it comes (a constrained reply's JSON, say); so is text between messages. Content
+joins the final and preamble messages with "\n", as vLLM's HarmonyParser joins them (the older
+OpenAIToolParser kept only the last final, else the last preamble, while its stream sent them all: a
+streamed preamble cannot be taken back, so the join keeps whole and streamed replies alike).
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ CHANNEL, MESSAGE, START, CONSTRAIN = "<|channel|>", "<|message|>", "<|start|>", 
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 MARKERS = (CHANNEL, MESSAGE, START, CONSTRAIN, END, CALL, RETURN)  # special tokens in gpt-oss's tokenizer
 _BODY_ENDS = (END, CALL, RETURN, START)  # a <|start|> with no end before it ends the body too
+_HEADER_STARTS = (START, CHANNEL, CONSTRAIN, MESSAGE)  # (<|message|>: a body with no header)
 FUNCTIONS = "functions."
 _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"(?<![\w.])to=([^\s<]+)")
@@ -85,20 +91,68 @@ class Step(Enum):
     CLOSE = "close"  # the body ended
 
 
+class Mode(Enum):
+    """Where the reader is in a reply."""
+    OPENING = "opening"  # nothing read yet: does a header open the reply, or is it plain text?
+    HEADER = "header"    # a header, up to its <|message|> (a reply cut in one drops it)
+    BODY = "body"        # a message's body, up to its end marker
+    PLAIN = "plain"      # text outside any message: a reply that is not harmony, or text between messages
+
+
+def opening(text: str) -> bool | None:
+    """Whether a reply beginning with `text` opens with a header (a marker that begins one, or ` to=` before
+    any: gpt-oss's prompt ends `<|start|>assistant`), not plain text; None while its beginning cannot tell."""
+    head = text.lstrip()
+    if head.startswith(_HEADER_STARTS) or head.startswith("to="):
+        return True
+    if not head or any(m.startswith(head) for m in (*MARKERS, "to=")):
+        return None
+    return False
+
+
 @dataclass
 class _Reader:
     """Harmony text, fed in pieces, as steps. Text that may still be (part of) a marker or a header is held
-    until it cannot, so any cut of a reply into pieces gives the same steps as the whole of it."""
+    until it cannot, so any cut of a reply into pieces gives the same steps as the whole of it; each piece
+    is scanned once (plus a marker's length held back), so a long reply costs time linear in its length."""
     held: str = ""
-    header: Header | None = None  # the open message's (None: between messages, or before the first)
-    harmony: bool = False         # a message has opened
+    header: Header | None = None  # the open message's
+    mode: Mode = Mode.OPENING
+    scanned: int = 0  # HEADER: how much of `held` was searched for its end already
+    opened: bool = False  # a message has opened (the reply is harmony)
 
     def feed(self, text: str, final: bool) -> list[tuple[Step, Header | None, str]]:
         self.held += text
         steps: list = []
-        while self._body(final, steps) if self.header is not None else self._outside(final, steps):
+        read = {Mode.OPENING: self._opening, Mode.HEADER: self._header, Mode.BODY: self._body, Mode.PLAIN: self._plain}
+        while read[self.mode](final, steps):
             pass
         return steps
+
+    def _opening(self, final: bool, steps: list) -> bool:
+        opens = opening(self.held)
+        if opens is None and not final:
+            return False
+        self.mode = Mode.HEADER if opens else Mode.PLAIN
+        return True
+
+    def _header(self, final: bool, steps: list) -> bool:
+        """Up to <|message|>; a <|start|> before it begins the header anew (what came before is no header)."""
+        at, marker = _first(self.held, (MESSAGE, START), max(0, self.scanned - len(MESSAGE) + 1))
+        if marker == MESSAGE:
+            self._open(Header.parse(self.held[:at]), self.held[at + len(MESSAGE):], steps)
+            return True
+        if marker == START:
+            self.held, self.scanned = self.held[at + len(START):], 0
+            return True
+        if final:  # a header cut off: it is dropped
+            self.held = ""
+        self.scanned = len(self.held)
+        return False
+
+    def _open(self, header: Header, rest: str, steps: list) -> None:
+        self.header, self.held, self.mode, self.opened = header, rest, Mode.BODY, True
+        steps.append((Step.OPEN, header, ""))
 
     def _body(self, final: bool, steps: list) -> bool:
         """Body text up to its end marker; whether reading goes on."""
@@ -108,42 +162,45 @@ class _Reader:
             text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
             steps.append((Step.TEXT, self.header, text))
             if final:
-                steps.append((Step.CLOSE, self.header, ""))
-                self.header = None
+                self._close(steps, Mode.PLAIN)
             return False
-        steps += [(Step.TEXT, self.header, self.held[:at]), (Step.CLOSE, self.header, "")]
-        self.held, self.header = self.held[at + len(marker):], None
+        steps.append((Step.TEXT, self.header, self.held[:at]))
+        self.held = self.held[at + len(marker):]
+        self._close(steps, Mode.HEADER if marker == START else Mode.PLAIN)  # (a <|start|> opens the next header)
         return True
 
-    def _outside(self, final: bool, steps: list) -> bool:
-        """A header up to <|message|>; text before a <|start|> is no header (text outside any message)."""
-        at = self.held.find(MESSAGE)
-        start = self.held.rfind(START, 0, at if at >= 0 else len(self.held))
-        if start >= 0:
-            _outside_text(self.held[:start], steps)
-            self.held = self.held[start + len(START):]
-            return True
-        if at >= 0:
-            self.header, self.harmony = Header.parse(self.held[:at]), True
-            steps.append((Step.OPEN, self.header, ""))
-            self.held = self.held[at + len(MESSAGE):]
-            return True
-        if final:  # a header cut off (markers, or after a message a bit of one) is dropped; plain text is content
-            cut_header = any(m in self.held for m in MARKERS) or (self.harmony and _marker_tail(self.held, MARKERS))
-            if not cut_header:  # (a reply that is not harmony, or text after the last message)
-                _outside_text(self.held, steps)
-            self.held = ""
-        return False
+    def _close(self, steps: list, mode: Mode) -> None:
+        steps.append((Step.CLOSE, self.header, ""))
+        self.header, self.mode, self.scanned = None, mode, 0
+
+    def _plain(self, final: bool, steps: list) -> bool:
+        """Text as it comes, up to a marker: <|start|>, <|channel|> or <|constrain|> begins a header,
+        <|message|> a body without one; a stray end marker is dropped."""
+        at, marker = _first(self.held, MARKERS)
+        if at < 0:  # a marker's beginning is held; at the end, after a message, it is a cut-off marker: dropped
+            keep = 0 if final and not self.opened else _marker_tail(self.held, MARKERS)
+            _outside_text(self.held[:len(self.held) - keep], steps)
+            self.held = "" if final else self.held[len(self.held) - keep:]
+            return False
+        _outside_text(self.held[:at], steps)
+        rest = self.held[at + len(marker):]
+        if marker == MESSAGE:
+            self._open(Header(), rest, steps)
+        elif marker in (START, CHANNEL, CONSTRAIN):
+            self.held, self.mode = (rest if marker == START else self.held[at:]), Mode.HEADER
+        else:
+            self.held = rest
+        return True
 
 
 def _outside_text(text: str, steps: list) -> None:
-    if text.strip():
+    if text:
         steps.append((Step.TEXT, None, text))
 
 
-def _first(text: str, markers: tuple[str, ...]) -> tuple[int, str]:
-    """The first of `markers` in text: (where, which), or (-1, "")."""
-    hits = [(i, m) for m in markers if (i := text.find(m)) >= 0]
+def _first(text: str, markers: tuple[str, ...], start: int = 0) -> tuple[int, str]:
+    """The first of `markers` in text from `start`: (where, which), or (-1, "")."""
+    hits = [(i, m) for m in markers if (i := text.find(m, start)) >= 0]
     return min(hits) if hits else (-1, "")
 
 
@@ -220,13 +277,13 @@ class HarmonyCallSyntax:
     opens with a header (a raw reply: no reasoning parser), where ` to=` may come before any marker."""
 
     def start(self, text: str, at_reply_start: bool) -> int:
-        if at_reply_start and text.lstrip().startswith("to="):
-            return 0
+        if at_reply_start and opening(text) is not False:  # (None: `undecided` holds it all)
+            return 0 if opening(text) else -1
         at, _ = _first(text, MARKERS)
         return at
 
     def undecided(self, text: str, at_reply_start: bool) -> int:
-        if at_reply_start and "to=".startswith(text.lstrip()):
+        if at_reply_start and opening(text) is None:
             return len(text)
         return _marker_tail(text, MARKERS)
 

@@ -89,10 +89,23 @@ class FunctionCallItem(BaseModel):
         return ToolCallMessage(id=self.call_id, function=FunctionCall(name=self.name, arguments=self.arguments))
 
 
+class ReasoningText(BaseModel):
+    type: Literal["reasoning_text", "summary_text"] = "reasoning_text"
+    text: str
+
+
 class ReasoningInputItem(BaseModel):
-    """A reasoning item of an earlier response, sent back with its output: accepted and left out of the
-    prompt, as chat templates leave earlier turns' reasoning out."""
+    """A reasoning item of an earlier response, sent back with its output: its text (the content's, else the
+    summary's) is the reasoning of the assistant turn it opens, which the chat template may show (gpt-oss's
+    does for a turn with calls). Encrypted reasoning (none is made here) is ignored."""
     type: Literal["reasoning"]
+    content: list[ReasoningText] | None = None
+    summary: list[ReasoningText] | None = None
+    id: str | None = None
+    status: str | None = None
+
+    def text(self) -> str:
+        return "\n".join(part.text for part in self.content or self.summary or [])
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -274,20 +287,25 @@ class ResponsesRequest(SamplingRequest):
             name = chat_fields[0]
             raise APIError(400, f"'{name}' is chat's field; on /v1/responses use {_CHAT_SPELLINGS[name]}", param=name)
 
-    def messages(self) -> list[ChatMessage]:
+    def messages(self, calls_as_written: bool = False) -> list[ChatMessage]:
         """The conversation as chat messages: calls join the assistant turn before them (or start one),
-        their outputs become tool turns."""
+        their outputs become tool turns; calls_as_written (a gpt-oss server's): ToolCallMessage.taken_as_written."""
         turns = [ChatMessage(role="system", content=self.instructions)] if self.instructions else []
         items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) else self.input
         for item in items:
             if isinstance(item, FunctionCallItem):
                 if not turns or turns[-1].role != "assistant":
                     turns.append(ChatMessage(role="assistant", content=None))
-                turns[-1].tool_calls = [*(turns[-1].tool_calls or []), item.chat_call()]
+                call = item.chat_call()
+                turns[-1].tool_calls = [*(turns[-1].tool_calls or []), call.taken_as_written() if calls_as_written else call]
             elif isinstance(item, FunctionCallOutputItem):
                 turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+            elif isinstance(item, ReasoningInputItem) and item.text():
+                _add_reasoning(turns, item.text())
             elif isinstance(item, InputMessage):
                 turns.append(item.chat_message())
+                if len(turns) > 1 and _reasoning_only(turns[-2]) and item.role == "assistant":  # its reasoning's turn
+                    turns[-2:] = [turns[-2].model_copy(update={"content": turns[-1].content})]
         return turns
 
     def requested_max_tokens(self) -> int | None:
@@ -327,3 +345,16 @@ class ResponsesRequest(SamplingRequest):
         if fmt.schema_ is None:
             raise ValueError("text.format of type json_schema needs a schema")
         return StructuredOutputsParams(json=fmt.schema_)
+
+
+def _reasoning_only(turn: ChatMessage) -> bool:
+    """An assistant turn a reasoning item opened, with no content or calls yet (its output follows)."""
+    return turn.role == "assistant" and turn.content is None and not turn.tool_calls and turn.reasoning is not None
+
+
+def _add_reasoning(turns: list[ChatMessage], text: str) -> None:
+    """A reasoning item opens the assistant turn its message and calls then join (a second one adds to it)."""
+    if turns and _reasoning_only(turns[-1]):
+        turns[-1].reasoning += "\n" + text
+    else:
+        turns.append(ChatMessage(role="assistant", content=None, reasoning=text))

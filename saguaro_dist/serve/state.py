@@ -78,9 +78,16 @@ class ServingState:
         self.running = 0   # generations in flight on this replica (the engine's own split: engine.load)
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
 
+    @property
+    def harmony(self) -> bool:
+        """A gpt-oss server (either harmony parser): every chat reply keeps special tokens and is read as
+        harmony, whatever the request's tools (vLLM's HarmonyParser)."""
+        return (self.reasoning_parser is not None and self.reasoning_parser.harmony) or \
+            self.tool_call_parser is ToolCallParser.OPENAI
+
     def tool_plan_for(self, request) -> ToolPlan:
         """The chat request's tool plan, read by this server's tool-call parser."""
-        return replace(request.tool_plan(), parser=self.tool_call_parser)
+        return replace(request.tool_plan(), parser=self.tool_call_parser, harmony=self.harmony)
 
     def reasoning_parser_for(self, job: Job) -> ReasoningParser | None:
         """The server's reasoning parser, unless the job's whole reply is constrained (no reasoning in it);

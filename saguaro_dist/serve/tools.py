@@ -1,7 +1,7 @@
 """OpenAI tool calling on /v1/chat/completions, with vLLM's rules.
 
 `tool_choice`:
-  none      the tools are shown to the chat template; the reply is text.
+  none      the tools are shown to the chat template; the reply is text (a gpt-oss server's less its calls).
   named     the reply is that function's arguments, constrained to its JSON schema.
   required  the reply is a JSON array of {"name", "parameters"} calls, constrained to the given functions.
   auto      the model decides; the server's tool-call parser reads its text (serve/tool_parsers.py:
@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
+from saguaro_dist.serve.harmony import HarmonySplitter, parse_openai
 from saguaro_dist.serve.required_calls import RequiredCalls
 from saguaro_dist.serve.tool_parsers import ToolCall, ToolCallParser
 
@@ -39,6 +40,7 @@ class ToolPlan:
     name: str | None = None           # the named function
     parallel: bool = True             # required and auto: more than one call allowed
     parser: ToolCallParser | None = None  # auto: how the server reads calls in the reply
+    harmony: bool = False  # a gpt-oss server (either harmony parser): a reply's calls are never its content
 
     def structure(self) -> StructuredOutputsParams | None:
         """The constraint named and required generate under (none for auto and none)."""
@@ -78,6 +80,8 @@ class ToolPlan:
         if self.kind is ToolChoiceKind.AUTO and self.parser is not None:
             content, calls = self.parser.parse(text, self.functions)  # functions: qwen3_coder types by them
             return content, calls if self.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
+        if self.harmony and self.kind is ToolChoiceKind.NONE:  # calls no parser reads are left out (vLLM's)
+            return parse_openai(text)[0] or "", []
         return text, []
 
     def adjust(self, params: SamplingParams) -> SamplingParams:
@@ -119,6 +123,8 @@ class ToolStream:
         self.named_call: ToolCall | None = None
         self.required = RequiredCalls() if plan.kind is ToolChoiceKind.REQUIRED else None
         self.calls: list[ToolCall] = []
+        # tool_choice none on a gpt-oss server: the content less any harmony call (and raw analysis)
+        self.harmony = HarmonySplitter(keep_calls=False) if plan.harmony and plan.kind is ToolChoiceKind.NONE else None
 
     def step(self, text: str, final: bool) -> dict:
         """The delta for `text`, and on the last step whatever the end of the reply releases."""
@@ -132,7 +138,7 @@ class ToolStream:
     def feed(self, text: str) -> dict:
         kind = self.plan.kind
         if kind is ToolChoiceKind.NONE:
-            return {"content": text} if text else {}
+            return self._text(text, final=False)
         if kind is ToolChoiceKind.NAMED:
             return self._named(text)
         if kind is ToolChoiceKind.REQUIRED:
@@ -143,7 +149,9 @@ class ToolStream:
         return self._auto_content() if kind is ToolChoiceKind.AUTO else {}
 
     def finish(self) -> dict:
-        if self.plan.kind in (ToolChoiceKind.NONE, ToolChoiceKind.NAMED):
+        if self.plan.kind is ToolChoiceKind.NONE:
+            return self._text("", final=True)
+        if self.plan.kind is ToolChoiceKind.NAMED:
             return {}
         if self.plan.kind is ToolChoiceKind.REQUIRED:  # cut before any call opened: the text, as unstreamed
             text = self.required.text
@@ -153,6 +161,11 @@ class ToolStream:
         if self.calls:
             delta["tool_calls"] = [call.delta(i) for i, call in enumerate(self.calls)]
         return delta
+
+    def _text(self, text: str, final: bool) -> dict:
+        if self.harmony is not None:
+            text = self.harmony.feed(text, final)[1]
+        return {"content": text} if text else {}
 
     def _named(self, text: str) -> dict:
         if self.named_call is not None:
