@@ -248,3 +248,39 @@ def test_any_cut_of_any_text_streams_as_the_whole_reply():
             content, calls = plan.parse(rest)
             whole = (reasoning or "", content or "", [(c.name, c.arguments) for c in calls])
             assert _streamed(text, cuts, reasoning_parser, plan) == whole, (text, cuts, reasoning_parser, tool_parser, kind)
+
+
+def test_calls_returned_as_written_are_taken_back_by_responses_and_tokenize(served):  # noqa: F811
+    """The same history on /v1/responses (a function_call item) and /tokenize (chat messages): taken as written on
+    a harmony server (before: a 400 on both)."""
+    import httpx
+    arguments = "print( 1 )"
+    items = [{"role": "user", "content": "run"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": arguments},
+             {"type": "function_call_output", "call_id": "c1", "output": "done"}]
+    reply = served.responses.create(model="gpt", input=items, tools=[{"type": "function", **TOOLS[0]["function"]}],
+                                    max_output_tokens=2, temperature=0)
+    assert reply.status in ("completed", "incomplete")
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+    messages = [{"role": "user", "content": "run"}, {"role": "assistant", "tool_calls": [call]}]
+    root = str(served.base_url).rstrip("/").removesuffix("/v1")
+    tokenized = httpx.post(f"{root}/tokenize", json={"model": "gpt", "messages": messages}, timeout=60)
+    assert tokenized.status_code == 200, tokenized.text
+
+
+def test_a_searched_beam_keeps_the_special_tokens_its_parser_reads():
+    """Beam search decodes a beam as the job's params say (a harmony server's chat jobs keep special tokens), not
+    as the request's skip_special_tokens: before, a searched gpt-oss reply lost its markers and read as content."""
+    from types import SimpleNamespace
+
+    from saguaro_dist import SamplingParams
+    from saguaro_dist.engine.beam_search import BeamSearchSequence
+    from saguaro_dist.serve.beam_route import beam_result
+    from saguaro_dist.serve.state import Job
+    tok = harmony_tokenizer()
+    reply = tok.encode("<|channel|>final<|message|>Hi", add_special_tokens=False)
+    job = Job(prompt_ids=[1], params=SamplingParams(skip_special_tokens=False))
+    body = SimpleNamespace(include_stop_str_in_output=False, skip_special_tokens=True)
+    beam = BeamSearchSequence(tokens=[1, *reply], logprobs=[{t: None} for t in reply], finish_reason="length")
+    result = beam_result(SimpleNamespace(tokenizer=tok), body, job, beam, None)
+    assert result.text == "<|channel|>final<|message|>Hi"

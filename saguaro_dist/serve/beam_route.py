@@ -75,7 +75,7 @@ def beam_result(state: ServingState, body, job: Job, beam: BeamSearchSequence, e
     ended = beam.finish_reason == "stop"
     shown = generated[:-1] if ended else generated
     ids = generated if ended and body.include_stop_str_in_output else shown
-    text = state.tokenizer.decode(shown, skip_special_tokens=body.skip_special_tokens)
+    text = state.tokenizer.decode(shown, skip_special_tokens=job.params.skip_special_tokens)  # (a parser's choice)
     # (an entry's first key is the token its step sampled; the choice's logprobs read it as the beam's)
     entries = [{token: entry[token], **entry} for token, entry in zip(ids, entries)]
     return Finished(text=text, token_ids=ids, finish_reason=beam.finish_reason, logprobs=entries,

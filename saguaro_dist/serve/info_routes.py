@@ -45,7 +45,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     state = serving_state(request)
     state.check_model(body.model)
     if body.messages is not None:
-        tokens = encode_chat(state.tokenizer, body.messages, body.tools, body.chat_template_kwargs, state.chat_template,
+        messages = [m.with_calls_as_written() for m in body.messages] if state.harmony else body.messages
+        tokens = encode_chat(state.tokenizer, messages, body.tools, body.chat_template_kwargs, state.chat_template,
                              end=body.prompt_end(), add_special_tokens=body.special_tokens())
     else:
         tokens = encode_text(state.tokenizer, body.prompt, add_special_tokens=body.special_tokens())

@@ -27,7 +27,7 @@ async def responses_route(body: ResponsesRequest, request: Request):
     state = serving_state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
-    prompt = encode_chat(state.tokenizer, body.messages(), body.chat_tools(), body.chat_template_kwargs,
+    prompt = encode_chat(state.tokenizer, body.messages(calls_as_written=state.harmony), body.chat_tools(), body.chat_template_kwargs,
                          state.chat_template, param="input")
     request_id = request_id_of(request)
     (job,) = state.named(chat_jobs(state, body, prompt, "input"), request_id)
