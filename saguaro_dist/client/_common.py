@@ -9,14 +9,15 @@ from enum import Enum
 
 import httpx
 
-from saguaro_dist.client.errors import APIResponseValidationError, APIStatusError, StreamClosedError, status_error
+from saguaro_dist.client.errors import (APIConnectionError, APIResponseValidationError, APIStatusError,
+                                        StreamClosedError, status_error)
 
-RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 # The openai client's pool: httpx's default of 100 connections queued the 101st concurrent request in the client
 # (an async caller's, a serving bench's), its wait counted as the server's latency.
 LIMITS = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
 DONE = object()  # the `data: [DONE]` sentinel
 BODY_START_CHARS = 200  # of a reply that is not the API's, what its error quotes
+FOREIGN_CHARS = 65536  # of a "stream" that is no event stream, what is kept: a whole JSON error body, say
 SSE_FIELDS = frozenset({"", "data", "event", "id", "retry"})  # "": a comment line (":...")
 
 
@@ -58,7 +59,14 @@ def json_object(response: httpx.Response) -> dict:
         body = None
     if not isinstance(body, dict):
         raise invalid_reply(response.status_code, "the reply is not a JSON object", response.content)
+    if is_error_body(body):  # a 200 carrying an error: it was taken for an empty completion
+        raise stream_error(body)
     return body
+
+
+def is_error_body(body) -> bool:
+    """OpenAI's {"error": {...}} envelope or vLLM's flat {"object": "error", "message": ...}."""
+    return isinstance(body, dict) and (bool(body.get("error")) or body.get("object") == "error")
 
 
 def json_field(response: httpx.Response, key: str):
@@ -79,12 +87,20 @@ def server_root(base_url: str) -> str:
 
 
 def auth_headers(api_key: str | None) -> dict:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    """The key without surrounding whitespace (a key read from a file or a Kubernetes secret ends in a newline,
+    which h11 refused with the key quoted in the error). One still holding a character a header cannot carry is a
+    ValueError that never shows the key."""
+    key = (api_key or "").strip()
+    bad = next((i for i, c in enumerate(key) if not (" " <= c <= "~" or c == "\t")), None)
+    if bad is not None:
+        raise ValueError(f"api_key holds a control or non-ASCII character (at position {bad} of {len(key)}), "
+                         "which an HTTP header cannot carry; the key is not shown")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Exponential backoff with jitter on connection errors and 408/429/5xx; Retry-After wins."""
+    """Exponential backoff with jitter; Retry-After wins. Which failures are retried: _policy.should_retry."""
 
     max_retries: int = 2
     backoff_s: float = 0.5
@@ -207,7 +223,8 @@ class StreamAccumulator:
         self._data: list[str] = []  # the data lines of the event being read
         self._event: str | None = None  # its `event:` name
         self._events = 0  # events read, [DONE] included
-        self._foreign = ""  # the start of lines that are no SSE field (an HTML page, a JSON reply)
+        self._foreign = ""  # lines that are no SSE field (an HTML page, a JSON reply), their first FOREIGN_CHARS
+        self._unfinished: set[int] = set()  # choices that sent text but no finish_reason yet
 
     def feed(self, line: str):
         """One line of the stream: at the blank line that ends an event, its text delta (possibly "") or DONE;
@@ -222,9 +239,18 @@ class StreamAccumulator:
         return self._dispatch(data) if data else None
 
     def end(self) -> None:
-        """The body ended without [DONE]: a body that held no event but other lines was never an event stream."""
+        """The body ended without [DONE]. One that held no event but other lines was never an event stream (a JSON
+        error body raises its typed error). Some servers leave [DONE] out (as openai, that passes), but an end
+        before any event, or before a choice's finish_reason, cut the stream short: its text would pass for whole."""
         if not self._events and self._foreign:
+            body = _parsed(self._foreign)
+            if is_error_body(body):
+                raise stream_error(body)
             raise invalid_reply(self._status, "the reply is not an event stream", self._foreign)
+        if not self._events or self._unfinished:
+            where = f"choice {min(self._unfinished)} finished" if self._unfinished else "any event"
+            raise APIConnectionError(f"the stream ended before [DONE] and before {where}: the server or a proxy "
+                                     "cut it short (the text so far is partial)")
 
     def _field(self, line: str) -> None:
         name, _, value = line.partition(":")  # a comment (":...") has no name; id and retry are not ours
@@ -232,8 +258,8 @@ class StreamAccumulator:
             self._data.append(value.removeprefix(" "))
         elif name == "event":
             self._event = value.removeprefix(" ")
-        elif name not in SSE_FIELDS and len(self._foreign) < BODY_START_CHARS:
-            self._foreign += line[:BODY_START_CHARS] + "\n"
+        elif name not in SSE_FIELDS and len(self._foreign) < FOREIGN_CHARS:
+            self._foreign += line[:FOREIGN_CHARS] + "\n"
 
     def _dispatch(self, data: str):
         self._events += 1
@@ -242,7 +268,7 @@ class StreamAccumulator:
         chunk = _parsed(data)
         if not isinstance(chunk, dict):
             raise invalid_reply(self._status, "an event's data is not a JSON object", data)
-        if "error" in chunk:
+        if "error" in chunk or is_error_body(chunk):
             raise stream_error(chunk)
         return self._take(chunk)
 
@@ -255,6 +281,7 @@ class StreamAccumulator:
             delta = choice.get("delta") or {}
             index, piece = choice.get("index", 0), delta.get("content") or choice.get("text") or ""
             self.texts[index] = self.texts.get(index, "") + piece
+            self._track_finish(index, choice.get("finish_reason"))
             if index != 0:
                 continue
             text += piece
@@ -266,6 +293,12 @@ class StreamAccumulator:
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
             self.stop_reason = choice.get("stop_reason", self.stop_reason) if choice.get("finish_reason") else self.stop_reason
         return text
+
+    def _track_finish(self, index: int, finish_reason) -> None:
+        if finish_reason:
+            self._unfinished.discard(index)
+        else:
+            self._unfinished.add(index)
 
     def _add_call_delta(self, delta: dict) -> None:
         """OpenAI streams a call as deltas by index: the first names it, later ones append arguments."""

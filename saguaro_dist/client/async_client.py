@@ -6,8 +6,10 @@ import asyncio
 import httpx
 
 from saguaro_dist.client import _common as common
+from saguaro_dist.client import _policy as policy
 from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
-from saguaro_dist.client.client import _retriable
+from saguaro_dist.client._policy import RequestKind
+from saguaro_dist.client._sse import async_sse_lines
 from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
 
 
@@ -36,7 +38,7 @@ class AsyncStream:
 
     async def _deltas(self):
         try:
-            async for line in _lines(self._response):
+            async for line in async_sse_lines(self._response.aiter_bytes()):
                 text = self._acc.feed(line)
                 if text is DONE:
                     return
@@ -65,14 +67,10 @@ class AsyncStream:
         await self.aclose()
 
 
-async def _lines(response: httpx.Response):
-    """The stream's lines, then a blank one: it ends a last event the server left unended."""
-    async for line in response.aiter_lines():
-        yield line
-    yield ""
-
-
 class AsyncClient:
+    """The same API as `Client` (its docstring tells which failures are retried and which redirects followed),
+    with awaitables and async iterators."""
+
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
                  model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
         common.check_timeout(timeout)  # before a connection pool exists: a refused client leaks nothing
@@ -95,11 +93,14 @@ class AsyncClient:
         return await self._generate("/chat/completions", body, stream)
 
     async def models(self) -> list[str]:
-        return [m["id"] for m in common.json_field(await self._send("GET", self._root + "/models"), "data")]
+        response = await self._send("GET", self._root + "/models", kind=RequestKind.READ_ONLY)
+        return [m["id"] for m in common.json_field(response, "data")]
 
     async def tokenize(self, prompt: str, *, model=None, add_special_tokens: bool = True) -> list[int]:
         body = common.tokenize_body(prompt, model or self.model, add_special_tokens)
-        return common.json_field(await self._send("POST", common.server_root(self._root) + "/tokenize", body), "tokens")
+        url = common.server_root(self._root) + "/tokenize"
+        response = await self._send("POST", url, body, kind=RequestKind.READ_ONLY)
+        return common.json_field(response, "tokens")
 
     async def health(self) -> bool:
         try:
@@ -108,53 +109,74 @@ class AsyncClient:
             return False
 
     async def version(self) -> str:
-        return common.json_field(await self._send("GET", common.server_root(self._root) + "/version"), "version")
+        response = await self._send("GET", common.server_root(self._root) + "/version", kind=RequestKind.READ_ONLY)
+        return common.json_field(response, "version")
 
     async def reset_prefix_cache(self) -> None:
         """Forget the server's kept prompt prefixes (a cold cache, e.g. before a benchmark)."""
-        await self._send("POST", common.server_root(self._root) + "/reset_prefix_cache")
+        await self._send("POST", common.server_root(self._root) + "/reset_prefix_cache", kind=RequestKind.READ_ONLY)
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str, *, load_inplace: bool = False) -> str:
         """vLLM's runtime load (POST /v1/load_lora_adapter; the server needs VLLM_ALLOW_RUNTIME_LORA_UPDATING):
         requests whose `model` is lora_name then run the adapter. load_inplace reloads a name already loaded.
         Returns the server's "Success: ..." line."""
         body = common.load_lora_body(lora_name, lora_path, load_inplace)
-        return (await self._send("POST", self._root + "/load_lora_adapter", body)).text
+        return (await self._send("POST", self._root + "/load_lora_adapter", body, kind=RequestKind.STATEFUL)).text
 
     async def unload_lora_adapter(self, lora_name: str) -> str:
         """vLLM's runtime unload (POST /v1/unload_lora_adapter): the name's running requests finish, new ones get a 404.
         Returns the server's "Success: ..." line."""
         body = {"lora_name": common.lora_field("lora_name", lora_name)}
-        return (await self._send("POST", self._root + "/unload_lora_adapter", body)).text
+        return (await self._send("POST", self._root + "/unload_lora_adapter", body, kind=RequestKind.STATEFUL)).text
 
     async def _generate(self, path: str, body: dict, stream: bool) -> Completion | AsyncStream:
+        kind = RequestKind.GENERATION
         if stream:
-            return AsyncStream(await self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
-        return Completion.from_body(common.json_object(await self._send("POST", self._root + path, body)))
+            body = {**body, "stream": True}
+            return AsyncStream(await self._send("POST", self._root + path, body, kind=kind, stream=True))
+        return Completion.from_body(common.json_object(await self._send("POST", self._root + path, body, kind=kind)))
 
-    async def _send(self, method: str, url: str, body: dict | None = None, stream: bool = False) -> httpx.Response:
+    async def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
+                    stream: bool = False) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):
             response, error, retry_after = await self._attempt(method, url, body, stream)
             if response is not None:
                 return response
-            if attempt == self._retry.max_retries or not _retriable(error):
+            if attempt == self._retry.max_retries or not policy.should_retry(kind, error):
                 raise error
             await asyncio.sleep(self._retry.delay(attempt, retry_after))
         raise AssertionError("unreachable")
 
     async def _attempt(self, method, url, body, stream):
         try:
-            response = await self._http.send(self._http.build_request(method, url, json=body), stream=stream)
-        except httpx.TimeoutException as err:
-            return None, APITimeoutError(f"{method} {url} timed out: {err}"), None
+            response = await self._follow(self._http.build_request(method, url, json=body), stream)
         except httpx.TransportError as err:
-            return None, APIConnectionError(f"cannot reach {url}: {err}"), None
-        if response.status_code < 400:
+            return None, policy.transport_error(method, url, err), None
+        if response.is_success:
             return response, None, None
-        content = await response.aread()
-        await response.aclose()
-        return None, status_error(response.status_code, common.response_body(content)), response.headers.get(
-            "retry-after")
+        return None, await self._failure(response), response.headers.get("retry-after")
+
+    async def _follow(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        response = await self._http.send(request, stream=stream, follow_redirects=False)
+        for _ in range(policy.MAX_REDIRECTS):
+            target = policy.redirect_to_follow(response)
+            if target is None:
+                break
+            await response.aclose()
+            response = await self._http.send(target, stream=stream, follow_redirects=False)
+        return response
+
+    async def _failure(self, response: httpx.Response) -> Exception:
+        if 300 <= response.status_code < 400:
+            await response.aclose()
+            return policy.redirect_error(response)
+        try:
+            body = common.response_body(await response.aread())
+        except httpx.TransportError as err:
+            body = f"HTTP {response.status_code}; its body broke off ({type(err).__name__}): {err}"
+        finally:
+            await response.aclose()
+        return status_error(response.status_code, body)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -1,13 +1,15 @@
 """Blocking client for saguaro servers and any OpenAI-compatible server."""
 from __future__ import annotations
 
-import itertools
 import time
 
 import httpx
 
 from saguaro_dist.client import _common as common
+from saguaro_dist.client import _policy as policy
 from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
+from saguaro_dist.client._policy import RequestKind
+from saguaro_dist.client._sse import sse_lines
 from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
 
 
@@ -35,7 +37,7 @@ class Stream:
 
     def _deltas(self):
         try:
-            for line in itertools.chain(self._response.iter_lines(), [""]):  # "": ends a last unended event
+            for line in sse_lines(self._response.iter_bytes()):
                 text = self._acc.feed(line)
                 if text is DONE:
                     return
@@ -65,7 +67,15 @@ class Stream:
 
 
 class Client:
-    """`Client("http://127.0.0.1:8000", api_key=...)`; `complete()`, `chat()`, `stream=True` for deltas."""
+    """`Client("http://127.0.0.1:8000", api_key=...)`; `complete()`, `chat()`, `stream=True` for deltas.
+
+    Retries (max_retries, backoff with jitter, Retry-After honoured) only where the server demonstrably did not
+    process the request or says to try again: a connection never made, 408, 429, 503; also 502 for a generation;
+    and for read-only calls (GET, tokenize, reset_prefix_cache) any transport failure, 500 and 504. A generation's
+    read timeout or dropped connection is never retried (the server has it), nor a LoRA load/unload's
+    5xx other than 503.
+    Redirects: a POST's 307/308 and a GET's redirects are followed (never https -> http); any other 3xx is an
+    APIStatusError naming its Location. api_key is stripped of surrounding whitespace."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
                  model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
@@ -91,12 +101,14 @@ class Client:
         return self._generate("/chat/completions", body, stream)
 
     def models(self) -> list[str]:
-        return [m["id"] for m in common.json_field(self._send("GET", self._root + "/models"), "data")]
+        response = self._send("GET", self._root + "/models", kind=RequestKind.READ_ONLY)
+        return [m["id"] for m in common.json_field(response, "data")]
 
     def tokenize(self, prompt: str, *, model=None, add_special_tokens: bool = True) -> list[int]:
         """The server's token ids for `prompt` (vLLM's /tokenize): what a text prompt is generated from."""
         body = common.tokenize_body(prompt, model or self.model, add_special_tokens)
-        return common.json_field(self._send("POST", common.server_root(self._root) + "/tokenize", body), "tokens")
+        response = self._send("POST", common.server_root(self._root) + "/tokenize", body, kind=RequestKind.READ_ONLY)
+        return common.json_field(response, "tokens")
 
     def health(self) -> bool:
         try:
@@ -105,36 +117,39 @@ class Client:
             return False
 
     def version(self) -> str:
-        return common.json_field(self._send("GET", common.server_root(self._root) + "/version"), "version")
+        response = self._send("GET", common.server_root(self._root) + "/version", kind=RequestKind.READ_ONLY)
+        return common.json_field(response, "version")
 
     def reset_prefix_cache(self) -> None:
         """Forget the server's kept prompt prefixes (a cold cache, e.g. before a benchmark)."""
-        self._send("POST", common.server_root(self._root) + "/reset_prefix_cache")
+        self._send("POST", common.server_root(self._root) + "/reset_prefix_cache", kind=RequestKind.READ_ONLY)
 
     def load_lora_adapter(self, lora_name: str, lora_path: str, *, load_inplace: bool = False) -> str:
         """vLLM's runtime load (POST /v1/load_lora_adapter; the server needs VLLM_ALLOW_RUNTIME_LORA_UPDATING):
         requests whose `model` is lora_name then run the adapter. load_inplace reloads a name already loaded.
         Returns the server's "Success: ..." line."""
         body = common.load_lora_body(lora_name, lora_path, load_inplace)
-        return self._send("POST", self._root + "/load_lora_adapter", body).text
+        return self._send("POST", self._root + "/load_lora_adapter", body, kind=RequestKind.STATEFUL).text
 
     def unload_lora_adapter(self, lora_name: str) -> str:
         """vLLM's runtime unload (POST /v1/unload_lora_adapter): the name's running requests finish, new ones get a 404.
         Returns the server's "Success: ..." line."""
         body = {"lora_name": common.lora_field("lora_name", lora_name)}
-        return self._send("POST", self._root + "/unload_lora_adapter", body).text
+        return self._send("POST", self._root + "/unload_lora_adapter", body, kind=RequestKind.STATEFUL).text
 
     def _generate(self, path: str, body: dict, stream: bool) -> Completion | Stream:
+        kind = RequestKind.GENERATION
         if stream:
-            return Stream(self._send("POST", self._root + path, {**body, "stream": True}, stream=True))
-        return Completion.from_body(common.json_object(self._send("POST", self._root + path, body)))
+            return Stream(self._send("POST", self._root + path, {**body, "stream": True}, kind=kind, stream=True))
+        return Completion.from_body(common.json_object(self._send("POST", self._root + path, body, kind=kind)))
 
-    def _send(self, method: str, url: str, body: dict | None = None, stream: bool = False) -> httpx.Response:
+    def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
+              stream: bool = False) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):
             response, error, retry_after = self._attempt(method, url, body, stream)
             if response is not None:
                 return response
-            if attempt == self._retry.max_retries or not _retriable(error):
+            if attempt == self._retry.max_retries or not policy.should_retry(kind, error):
                 raise error
             time.sleep(self._retry.delay(attempt, retry_after))
         raise AssertionError("unreachable")
@@ -142,17 +157,36 @@ class Client:
     def _attempt(self, method, url, body, stream):
         """(response, None, None) on success, else (None, error, Retry-After)."""
         try:
-            response = self._http.send(self._http.build_request(method, url, json=body), stream=stream)
-        except httpx.TimeoutException as err:
-            return None, APITimeoutError(f"{method} {url} timed out: {err}"), None
+            response = self._follow(self._http.build_request(method, url, json=body), stream)
         except httpx.TransportError as err:
-            return None, APIConnectionError(f"cannot reach {url}: {err}"), None
-        if response.status_code < 400:
+            return None, policy.transport_error(method, url, err), None
+        if response.is_success:
             return response, None, None
-        content = response.read()
-        response.close()
-        return None, status_error(response.status_code, common.response_body(content)), response.headers.get(
-            "retry-after")
+        return None, self._failure(response), response.headers.get("retry-after")
+
+    def _follow(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        """The response, after the redirects that are safe to follow (policy.redirect_to_follow)."""
+        response = self._http.send(request, stream=stream, follow_redirects=False)
+        for _ in range(policy.MAX_REDIRECTS):
+            target = policy.redirect_to_follow(response)
+            if target is None:
+                break
+            response.close()
+            response = self._http.send(target, stream=stream, follow_redirects=False)
+        return response
+
+    def _failure(self, response: httpx.Response) -> Exception:
+        """The typed error of a reply that is no success; a body that breaks off keeps the status it came with."""
+        if 300 <= response.status_code < 400:
+            response.close()
+            return policy.redirect_error(response)
+        try:
+            body = common.response_body(response.read())
+        except httpx.TransportError as err:
+            body = f"HTTP {response.status_code}; its body broke off ({type(err).__name__}): {err}"
+        finally:
+            response.close()
+        return status_error(response.status_code, body)
 
     def close(self) -> None:
         self._http.close()
@@ -163,8 +197,3 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-
-def _retriable(error: Exception) -> bool:
-    if isinstance(error, APIConnectionError):
-        return True
-    return getattr(error, "status_code", None) in common.RETRY_STATUSES
