@@ -22,7 +22,7 @@ def pods(obj: dict) -> list[dict]:
 
 
 def worker_cpus(obj: dict, group: str) -> int:
-    """The CPUs Ray counts on a worker group's pod: its CPU limit, truncated."""
+    """The CPUs Ray counts on a worker group's pod: its CPU limit, rounded up (KubeRay's num-cpus)."""
     cluster = obj["spec"].get("rayClusterConfig", obj["spec"])
     (g,) = [g for g in cluster["workerGroupSpecs"] if g["groupName"] == group]
     return int(k8s.cpu_quantity(g["template"]["spec"]["containers"][0]["resources"]["limits"]["cpu"]))
@@ -59,9 +59,9 @@ def test_every_pod_holds_what_placement_asks_of_it(key):
     (dict(tp=4), "needs 5"),                          # 4 ranks on the default 4 CPUs, and the replica: never placed
     (dict(tp=8), "needs 9"),                          # more ranks than CPUs: the STRICT_PACK group waits for ever
     (dict(mode="ar", draft=None, tp=2, target_cpu="2"), "needs 3"),  # no draft pod for the replica to go to
-    (dict(target_cpu="1500m"), "gives Ray 1 CPU"),    # Ray truncates 1.5
-    (dict(draft_cpu="500m"), "draft worker"),         # Ray sees 0 CPUs: the draft actor (1 CPU) never starts
-    (dict(gpu=True, target_cpu="500m", mode="ar", draft=None), "Serve replica"),
+    (dict(target_cpu="900m"), "gives Ray 1 CPU"),     # KubeRay rounds 0.9 up to 1: the rank and the replica need 2
+    (dict(draft_cpu="0"), "draft worker"),            # no CPU: the draft actor (1 CPU) never starts
+    (dict(gpu=True, target_cpu="0", mode="ar", draft=None), "Serve replica"),
 ])
 def test_pods_too_small_for_the_placement_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -75,7 +75,7 @@ def test_cpus_that_only_gpu_actors_would_need_are_not_asked_for():
 
 
 def test_cpu_quantities_as_ray_counts_them():
-    assert [k8s.cpu_quantity(q) for q in ("4", "2.5", "500m", "2000m", 3)] == [4, 2, 0, 2, 3]
+    assert [k8s.cpu_quantity(q) for q in ("4", "2.5", "500m", "2000m", 3)] == [4, 3, 1, 2, 3]  # KubeRay rounds up
     with pytest.raises(ValueError, match="CPU quantity"):
         k8s.cpu_quantity("lots")
 
@@ -100,7 +100,7 @@ def test_gpu_deployments_default_to_the_cuda_image():
     assert images(k8s.rayservice(k8s.K8sSettings(gpu=True, image="reg.io/s:1"))) == {"reg.io/s:1"}
     assert k8s.helm_values(k8s.K8sSettings(gpu=True))["image"] == {"repository": "saguaro-dist",
                                                                     "tag": f"{k8s.APP_VERSION}-cuda",
-                                                                    "pullPolicy": "IfNotPresent", "pullSecrets": []}
+                                                                    "pullPolicy": "", "pullSecrets": []}
 
 
 def test_the_cli_with_gpu_writes_the_cuda_image(capsys):
@@ -145,7 +145,7 @@ def test_the_chart_refuses_a_release_name_that_cannot_name_services(helm, name):
 @pytest.mark.parametrize("values, message", [
     ({"target": {"tensorParallelSize": 4}}, "needs 5"),
     ({"speculation": {"mode": "ar"}, "target": {"tensorParallelSize": 2, "resources": {"cpu": "2"}}}, "needs 3"),
-    ({"draft": {"resources": {"cpu": "500m"}}}, "draft worker"),
+    ({"draft": {"resources": {"cpu": "0"}}}, "draft worker"),
 ])
 def test_the_chart_refuses_pods_too_small_for_the_placement(helm, values, message):
     with pytest.raises(Exception, match=message):

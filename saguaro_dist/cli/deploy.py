@@ -7,8 +7,9 @@ import sys
 from saguaro_dist.cli.lora_flags import add_lora_args
 from saguaro_dist.cli.flag_checks import check_mode_flags, flag_name, given, refuse_without
 from saguaro_dist.cli.frontend_flags import json_list_arg
-from saguaro_dist.config import DTYPES, Mode
+from saguaro_dist.config import DTYPES, FallbackPolicy, Mode
 from saguaro_dist.deploy import k8s
+from saguaro_dist.deploy.settings import check_subdomain
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
@@ -42,13 +43,13 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-revision", help="the draft's Hub revision")
     parser.add_argument("--tokenizer", help="a tokenizer (HF id or a path under /models) instead of the target's own")
     parser.add_argument("--tokenizer-revision", help="the tokenizer's Hub revision")
-    parser.add_argument("--mode", choices=["ar", "sd", "ssd", "ngram"],
+    parser.add_argument("--mode", choices=[m.value for m in Mode],
                         help=f"ar and ngram run no draft: no draft pods, --draft unused (default {DEFAULTS.mode})")
     parser.add_argument("--k", type=int, help=f"speculation length K (default {DEFAULTS.k})")
     parser.add_argument("--fan-out", type=_fan_out,
                         help=f"ssd: branch budget B, or K+1 comma-separated fan-outs F_0,...,F_K (default {DEFAULTS.fan_out})")
     parser.add_argument("--saguaro-c", type=float, help=f"ssd (default {DEFAULTS.saguaro_c})")
-    parser.add_argument("--fallback", choices=["auto", "neural", "fast", "random"], help=f"ssd (default {DEFAULTS.fallback})")
+    parser.add_argument("--fallback", choices=[f.value for f in FallbackPolicy], help=f"ssd (default {DEFAULTS.fallback})")
     parser.add_argument("--max-batch-size", type=int, default=DEFAULTS.max_batch_size)
     parser.add_argument("--max-model-len", type=int, help="default: the model's own context")
     parser.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization,
@@ -97,6 +98,9 @@ def _add_serve_flag_options(parser: argparse.ArgumentParser) -> None:
                         "per engine round)")
     g.add_argument("--enable-log-requests", action="store_true", default=None,
                    help="log an INFO line as each generation starts and ends")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="export an OpenTelemetry span per request to this OTLP collector (gRPC unless the pods' "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says http/protobuf); the image needs saguaro-dist[tracing]")
 
 
 def _add_speculation_options(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +137,13 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-workers", type=int, help=f"draft pods, one GPU each (default {DEFAULTS.draft_workers})")
     parser.add_argument("--draft-max-workers", type=int, help="with --autoscaling: the draft pool's upper bound")
     parser.add_argument("--autoscaling", action="store_true", help="enable the Ray autoscaler (in-tree)")
+    parser.add_argument("--idle-timeout-s", type=int,
+                        help=f"with --autoscaling: seconds before the autoscaler removes an idle extra draft pod "
+                             f"(default {DEFAULTS.idle_timeout_s})")
     parser.add_argument("--image", default=DEFAULTS.image, help="saguaro-dist image (deploy/Dockerfile.cpu or .cuda)")
+    parser.add_argument("--image-pull-policy", choices=[p.value for p in k8s.ImagePullPolicy],
+                        help="the containers' imagePullPolicy (default: Kubernetes' own: Always for the tag latest "
+                             "or none, else IfNotPresent)")
     parser.add_argument("--image-pull-secret", dest="image_pull_secrets", action="append",
                         help="a Secret with the registry's credentials (repeat for several)")
     parser.add_argument("--upgrade-strategy", choices=[u.value for u in k8s.UpgradeStrategy],
@@ -144,13 +154,21 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
                              f"{k8s.DRAIN_MARGIN_S} (default {DEFAULTS.drain_timeout_s})")
     parser.add_argument("--gpu", action="store_true", help="run on NVIDIA GPUs (implied by --gpu-type)")
     parser.add_argument("--gpu-type", help="nvidia.com/gpu.product of the GPU nodes, e.g. NVIDIA-H100-80GB-HBM3")
-    parser.add_argument("--api-key-secret", default=DEFAULTS.api_key_secret, help="Secret with the API key (key 'api-key')")
-    parser.add_argument("--hf-token-secret", default=DEFAULTS.hf_token_secret, help="Secret with an HF token (key 'token'), optional")
-    parser.add_argument("--models-pvc", help="PVC with the weights, mounted at /models (default: an emptyDir HF cache)")
+    _add_secret_options(parser)
     _add_gcs_ft_options(parser)
     for role in ("head", "target", "draft"):
         parser.add_argument(f"--{role}-cpu", help=f"(default {getattr(DEFAULTS, f'{role}_cpu')})")
         parser.add_argument(f"--{role}-memory", help=f"(default {getattr(DEFAULTS, f'{role}_memory')})")
+
+
+def _add_secret_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Secrets and the weights volume")
+    g.add_argument("--api-key-secret", help=f"Secret with the API key (default {DEFAULTS.api_key_secret})")
+    g.add_argument("--api-key-secret-key", help=f"its key (default {DEFAULTS.api_key_secret_key})")
+    g.add_argument("--hf-token-secret", help=f"Secret with an HF token, for gated models (default "
+                                             f"{DEFAULTS.hf_token_secret}, optional; \"\": none)")
+    g.add_argument("--hf-token-secret-key", help=f"its key (default {DEFAULTS.hf_token_secret_key})")
+    g.add_argument("--models-pvc", help="PVC with the weights, mounted at /models (default: an emptyDir HF cache)")
 
 
 def _add_gcs_ft_options(parser: argparse.ArgumentParser) -> None:
@@ -208,6 +226,9 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
 def manifests(args: argparse.Namespace) -> list[dict]:
     settings = settings_from_args(args)
     _check_unused(args, settings)
+    if args.service_monitor and args.kind == "serve-config":
+        raise ValueError("--service-monitor writes Kubernetes objects (a Service, a ServiceMonitor), which have no "
+                         "place in --kind serve-config's Serve config file: write them with the RayService's kind")
     docs = [_batch_job(settings, args) if args.kind == "batch-job" else BUILDERS[args.kind](settings)]
     if args.service_monitor:
         docs += [k8s.metrics_service(settings), k8s.service_monitor(settings)]
@@ -215,11 +236,11 @@ def manifests(args: argparse.Namespace) -> list[dict]:
 
 
 def _check_unused(args: argparse.Namespace, settings: k8s.K8sSettings) -> None:
-    """Flags the manifests would leave out: a draft's with a mode that runs none, --draft-max-workers without
-    --autoscaling, --batch-* without --kind batch-job, --gcs-ft-* without the RayService (after the settings'
+    """Flags the manifests would leave out: a draft's with a mode that runs none, --draft-max-workers and
+    --idle-timeout-s without --autoscaling, --batch-* without --kind batch-job, --gcs-ft-* without the RayService (after the settings'
     own checks, which say more)."""
     check_mode_flags(args, Mode(settings.mode), implied=False)
-    refuse_without(args, ("draft_max_workers",), "autoscaling")
+    refuse_without(args, ("draft_max_workers", "idle_timeout_s"), "autoscaling")
     refuse_without(args, ("enable_auto_tool_choice",), "tool_call_parser")  # vLLM's rule, as `saguaro serve`
     gcs_ft = given(args, ("gcs_ft_redis_address", "gcs_ft_redis_password_secret"))
     if gcs_ft and args.kind != "rayservice":
@@ -233,6 +254,7 @@ def _check_unused(args: argparse.Namespace, settings: k8s.K8sSettings) -> None:
 def _batch_job(settings: k8s.K8sSettings, args: argparse.Namespace) -> dict:
     if not args.batch_pvc:
         raise ValueError("--kind batch-job needs --batch-pvc (the PVC holding the batch files)")
+    check_subdomain("--batch-pvc", args.batch_pvc, "a PersistentVolumeClaim")
     paths = {name: default if getattr(args, name) is None else getattr(args, name) for name, default in BATCH_FILES.items()}
     for name, path in paths.items():
         if not path or path.startswith("/") or ".." in path.split("/"):

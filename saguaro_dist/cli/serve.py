@@ -42,7 +42,8 @@ ENGINE_FLAGS = {"model": "model", "draft": "draft", "revision": "revision", "dra
 SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
-               "log_requests": "log_requests", "chat_template": "chat_template", "lora_modules": "lora_modules"}
+               "log_requests": "log_requests", "chat_template": "chat_template", "lora_modules": "lora_modules",
+               "otlp_traces_endpoint": "otlp_traces_endpoint"}
 CHAT_TEMPLATE_HELP = ("a Jinja chat template, or a file holding one, used instead of the tokenizer's (vLLM's "
                       "--chat-template; for models that ship none)")
 
@@ -137,6 +138,11 @@ def register(subparsers) -> None:
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=None,
                    help="log an INFO line as each generation starts and ends (request id, prompt tokens, settings, "
                         "finish reason, timings, acceptance)")
+    g.add_argument("--otlp-traces-endpoint", metavar="URL",
+                   help="vLLM's: export an OpenTelemetry span per request (llm_request; the parent is the request's "
+                        "traceparent header) to this OTLP collector, e.g. http://localhost:4317 (gRPC; "
+                        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf: http://localhost:4318/v1/traces); "
+                        "needs pip install 'saguaro-dist[tracing]'")
     g.add_argument("--ingress", choices=[i.value for i in Ingress], default=Ingress.AUTO.value,
                    help="who answers on --port: the replica's own HTTP server (direct) or Serve's proxy "
                         "(default auto: direct on the embedded cluster with one replica, else the proxy)")

@@ -6,6 +6,9 @@ import re
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Kubernetes' rule for a Service's name
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret's name
 SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # Kubernetes' rule for a key in a Secret's data
+# a label value (a nodeSelector's): at most 63 characters, letters or digits at the ends
+LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?")
+MAX_SUBDOMAIN = 253  # a DNS-1123 subdomain's (and a Secret key's) longest
 # HOST:PORT of a Redis: a DNS name or IPv4 address, a port 1-65535 (the values schema has the same pattern)
 PORT = r"([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
 REDIS_ADDRESS = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*:" + PORT)

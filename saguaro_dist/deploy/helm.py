@@ -37,11 +37,12 @@ def helm_values(s: K8sSettings) -> dict:
                          f"the chart's schema refuses it: use `saguaro deploy k8s`, which takes any int64")
     repository, tag = _split_image(s.container_image)
     return {"fullnameOverride": s.name,
-            "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy,
+            "image": {"repository": repository, "tag": tag, "pullPolicy": s.image_pull_policy or "",
                       "pullSecrets": list(s.image_pull_secrets)},
             "model": _model_values(s), "speculation": _speculation_values(s), "engine": _engine_values(s),
             "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
-                       "enableLogRequests": s.enable_log_requests, **_frontend_values(s)},
+                       "enableLogRequests": s.enable_log_requests, "otlpTracesEndpoint": s.otlp_traces_endpoint or "",
+                       **_frontend_values(s)},
             "lora": {"enable": s.enable_lora, "modules": [lora_module_arg(m) for m in s.lora_modules],
                      "maxLoras": s.max_loras, "maxLoraRank": s.max_lora_rank, "maxCpuLoras": s.max_cpu_loras},
             **_cluster_values(s)}
@@ -89,7 +90,7 @@ def _cluster_values(s: K8sSettings) -> dict:
             "autoscaling": {"enabled": s.autoscaling, "draftMaxWorkers": s.draft_max_workers or 0,
                             "idleTimeoutSeconds": s.idle_timeout_s},
             "apiKey": {"secretName": s.api_key_secret, "secretKey": s.api_key_secret_key},
-            "hfToken": {"secretName": s.hf_token_secret, "secretKey": s.hf_token_secret_key},
+            "hfToken": {"secretName": s.hf_token_secret or "", "secretKey": s.hf_token_secret_key},
             "modelStorage": {"pvc": s.models_pvc or ""},
             "upgradeStrategy": s.upgrade_strategy,
             "termination": {"drainTimeoutSeconds": s.drain_timeout_s},

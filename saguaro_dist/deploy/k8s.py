@@ -33,6 +33,7 @@ from saguaro_dist.deploy.constants import (
     DRAIN_MARGIN_S,
     GPU_PRODUCT_LABEL,
     GPU_RESOURCE,
+    LABEL_VALUE,
     METRICS_PORT,
     MODELS_MOUNT,
     PORT,
@@ -58,6 +59,7 @@ from saguaro_dist.deploy.pods import (
 from saguaro_dist.deploy.serve_app import serve_args, serve_config
 from saguaro_dist.deploy.settings import (
     SPECULATION_FIELDS,
+    ImagePullPolicy,
     K8sSettings,
     UpgradeStrategy,
     cpu_quantity,
@@ -65,14 +67,15 @@ from saguaro_dist.deploy.settings import (
 
 __all__ = [
     # settings and the parts' builders, re-exported
-    "K8sSettings", "UpgradeStrategy", "cpu_quantity", "SPECULATION_FIELDS", "serve_args", "serve_config", "selector_labels",
+    "K8sSettings", "UpgradeStrategy", "ImagePullPolicy", "cpu_quantity", "SPECULATION_FIELDS", "serve_args",
+    "serve_config", "selector_labels",
     "object_labels", "ray_resources_param", "head_group", "target_group", "draft_group", "gcs_fault_tolerance",
     "ray_cluster_spec", "helm_values",
     # constants, re-exported
     "APP_IMPORT_PATH", "APP_NAME", "APP_VERSION", "CHART_NAME", "DASHBOARD_PORT", "DNS_LABEL", "DNS_SUBDOMAIN",
-    "DRAIN_ENV", "DRAIN_MARGIN_S", "GPU_PRODUCT_LABEL", "GPU_RESOURCE", "METRICS_PORT", "MODELS_MOUNT", "PORT",
-    "RAY_UID", "RAY_VERSION", "REDIS_ADDRESS", "SECRET_KEY", "SERVE_PORT", "RAYLET_HEALTH", "GCS_HEALTH",
-    "SERVE_HEALTH",
+    "DRAIN_ENV", "DRAIN_MARGIN_S", "GPU_PRODUCT_LABEL", "GPU_RESOURCE", "LABEL_VALUE", "METRICS_PORT",
+    "MODELS_MOUNT", "PORT", "RAY_UID", "RAY_VERSION", "REDIS_ADDRESS", "SECRET_KEY", "SERVE_PORT", "RAYLET_HEALTH",
+    "GCS_HEALTH", "SERVE_HEALTH",
     # this module's own
     "serve_service", "rayservice", "raycluster", "BATCH_MOUNT", "batch_job", "metrics_service", "service_monitor",
     "to_yaml",
@@ -113,7 +116,7 @@ def batch_job(s: K8sSettings, pvc: str, input_file: str, output_file: str) -> di
     RayService does the work. backoffLimit 0: a retry would resend every line, so a rerun is the user's call."""
     command = ["saguaro", "run-batch", "-i", f"{BATCH_MOUNT}/{input_file}", "-o", f"{BATCH_MOUNT}/{output_file}",
                "--url", f"http://{s.name}-serve:{SERVE_PORT}"]
-    container = {"name": "run-batch", "image": s.container_image, "imagePullPolicy": s.image_pull_policy, "command": command,
+    container = {"name": "run-batch", "image": s.container_image, "imagePullPolicy": s.pull_policy, "command": command,
                  "env": app_env(s)[:1], "resources": compute_resources("1", "1Gi", 0), "securityContext": security_context(),
                  "volumeMounts": [{"name": "data", "mountPath": BATCH_MOUNT}]}
     pod = {"restartPolicy": "Never", "containers": [container], "securityContext": {"fsGroup": RAY_UID},

@@ -44,13 +44,14 @@ def compute_resources(cpu: str, memory: str, gpus: int) -> dict:
 
 
 def app_env(s: K8sSettings) -> list:
-    return [
-        {"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
-            "name": s.api_key_secret, "key": s.api_key_secret_key}}},
-        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": s.hf_token_secret, "key": s.hf_token_secret_key, "optional": True}}},
-        {"name": "HF_HOME", "value": f"{MODELS_MOUNT}/hf-cache"},
-    ]
+    """The API key first (the batch Job takes it alone); the HF token where a Secret is named (optional: gated
+    models only)."""
+    env = [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+        "name": s.api_key_secret, "key": s.api_key_secret_key}}}]
+    if s.hf_token_secret is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": s.hf_token_secret, "key": s.hf_token_secret_key, "optional": True}}})
+    return env + [{"name": "HF_HOME", "value": f"{MODELS_MOUNT}/hf-cache"}]
 
 
 def _ray_env(s: K8sSettings) -> list:
@@ -102,7 +103,7 @@ def _probes(head: bool, serving: bool) -> dict:
 
 def ray_container(s: K8sSettings, cpu: str, memory: str, gpus: int, head: bool, serving: bool) -> dict:
     return {"name": "ray-head" if head else "ray-worker", "image": s.container_image,
-            "imagePullPolicy": s.image_pull_policy, "env": _ray_env(s), "ports": _ports(head),
+            "imagePullPolicy": s.pull_policy, "env": _ray_env(s), "ports": _ports(head),
             "resources": compute_resources(cpu, memory, gpus), "securityContext": security_context(),
             "volumeMounts": [{"name": "models", "mountPath": MODELS_MOUNT},
                              {"name": "dshm", "mountPath": "/dev/shm"}],

@@ -3,8 +3,10 @@ would refuse fails here, before any manifest is written."""
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 
 from saguaro_dist.config import (
     DRAFT_MODES,
@@ -17,6 +19,8 @@ from saguaro_dist.deploy.constants import (
     APP_VERSION,
     DNS_LABEL,
     DNS_SUBDOMAIN,
+    LABEL_VALUE,
+    MAX_SUBDOMAIN,
     REDIS_ADDRESS,
     SECRET_KEY,
 )
@@ -50,6 +54,14 @@ class UpgradeStrategy(str, enum.Enum):
     NONE = "None"               # no new cluster: cluster changes wait for the RayService to be recreated
 
 
+class ImagePullPolicy(str, enum.Enum):
+    """A container's imagePullPolicy (Kubernetes'); unset, Kubernetes' default for the image (pull_policy)."""
+
+    ALWAYS = "Always"
+    IF_NOT_PRESENT = "IfNotPresent"
+    NEVER = "Never"
+
+
 @dataclass(frozen=True)
 class K8sSettings:
     """What a deployment varies; every field has a Helm value (see helm_values)."""
@@ -68,8 +80,8 @@ class K8sSettings:
     scheduling_policy: str = "fcfs"   # or "priority": requests' `priority` orders the waiting queue
     dtype: str | None = None          # None: bfloat16 on GPU, float32 on CPU; "auto": each model's checkpoint dtype (vLLM's)
     served_model_name: str | tuple[str, ...] | None = None  # several: requests may give any, replies name the first
-    tool_call_parser: str | None = None  # tool_choice "auto": hermes (Qwen 2.5 / 3, Hermes), llama3_json, mistral
-    reasoning_parser: str | None = None  # <think> text as the message's reasoning: qwen3, deepseek_r1
+    tool_call_parser: str | None = None  # tool_choice "auto"'s reply format: a serve/tool_parsers.py ToolCallParser
+    reasoning_parser: str | None = None  # <think> text as the message's reasoning: a serve/reasoning.py ReasoningParser
     generation_config: str = "auto"   # requests' sampling defaults: the model's generation_config.json, or "vllm" (none)
     revision: str | None = None       # the target's Hub revision (branch, tag or commit) when model is a Hub id
     draft_revision: str | None = None
@@ -86,6 +98,7 @@ class K8sSettings:
     max_request_bytes: int | None = None     # largest request body; None: 1 MiB
     stream_interval_ms: float | None = None  # streamed tokens closer than this share an SSE chunk; None: 50
     enable_log_requests: bool = False  # an INFO line as each generation starts and ends
+    otlp_traces_endpoint: str | None = None  # vLLM's: an OTLP collector for each request's span (serve/tracing.py)
     proposal_top_k: int = 0           # sd / ssd: the draft proposes from its k likeliest tokens (0: all); still exact
     prompt_lookup_max: int | None = None  # n-gram sizes prompt lookup matches (ngram, and SD's / SSD's fast backup)
     prompt_lookup_min: int | None = None  # None: the engine's 3 / 1
@@ -110,12 +123,12 @@ class K8sSettings:
     tp: int = 1
     draft_workers: int = 1
     image: str | None = None          # None: saguaro-dist:<version>-cuda with GPUs, -cpu without (container_image)
-    image_pull_policy: str = "IfNotPresent"
+    image_pull_policy: str | None = None  # an ImagePullPolicy; None: Kubernetes' default for the image (pull_policy)
     gpu: bool = False
-    gpu_type: str | None = None       # nvidia.com/gpu.product of the nodes to run on
+    gpu_type: str | None = None       # nvidia.com/gpu.product of the nodes to run on (a label value)
     api_key_secret: str = "saguaro-api-key"
     api_key_secret_key: str = "api-key"
-    hf_token_secret: str = "hf-token"
+    hf_token_secret: str | None = "hf-token"  # None / "": no HF token (public models only)
     hf_token_secret_key: str = "token"
     models_pvc: str | None = None     # None: an emptyDir HF cache, filled from the Hub on start
     head_cpu: str = "2"
@@ -145,7 +158,8 @@ class K8sSettings:
             object.__setattr__(self, "image_pull_secrets", tuple(secrets))
         if self.draft == "":
             object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
-        for name in ("gcs_ft_redis_address", "gcs_ft_redis_password_secret"):
+        for name in ("gcs_ft_redis_address", "gcs_ft_redis_password_secret", "hf_token_secret", "models_pvc",
+                     "gpu_type", "image_pull_policy"):
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)  # "" = off, as in the Helm values
         if self.gpu_type and not self.gpu:
@@ -201,11 +215,13 @@ class K8sSettings:
         parse_enum(FallbackPolicy, self.fallback, "fallback")
         parse_enum(SchedulingPolicy, self.scheduling_policy, "scheduling_policy")
         parse_enum(UpgradeStrategy, self.upgrade_strategy, "upgrade_strategy")
+        if self.image_pull_policy is not None:
+            parse_enum(ImagePullPolicy, self.image_pull_policy, "image_pull_policy")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s}")
-        bad = [name for name in self.image_pull_secrets if not DNS_SUBDOMAIN.fullmatch(name)]
-        if bad:
-            raise ValueError(f"image_pull_secrets must name Secrets (DNS-1123 subdomains), got {bad}")
+        if type(self.idle_timeout_s) is not int or self.idle_timeout_s < 1:
+            raise ValueError(f"idle_timeout_s must be an integer >= 1 (seconds), got {self.idle_timeout_s!r}")
+        self._check_object_names()
         self._check_gcs_fault_tolerance()
         self._check_server_options()
         if self.tp < 1 or self.draft_workers < 1:
@@ -237,6 +253,9 @@ class K8sSettings:
             value = getattr(self, name)
             if value is not None and type(value) is not int:  # Config's own check takes 2.0 or True for 2 / 1
                 raise ValueError(f"{name} must be an integer, got {value!r}")
+        endpoint = self.otlp_traces_endpoint
+        if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.strip()):
+            raise ValueError(f"otlp_traces_endpoint must be a URL such as http://collector:4317, got {endpoint!r}")
         if self.root_path is not None and not isinstance(self.root_path, str):
             raise ValueError(f"root_path must be a path such as /llm, got {self.root_path!r}")
         if self.response_role is not None and (not isinstance(self.response_role, str) or not self.response_role.strip()):
@@ -247,6 +266,27 @@ class K8sSettings:
                            self.enable_lora)
         frontend_options(args)  # the replica's own checks (root_path's shape)
 
+    def _check_object_names(self):
+        """Names Kubernetes checks only as it creates the pods (a refusal then shows in the operator's events
+        alone, the RayService never ready): the Secrets, their keys, the PVC, the GPU type's label value."""
+        if self.api_key_secret == "":
+            raise ValueError("api_key_secret is required: the Secret holding the API key (the pods refuse to start "
+                             "without it)")
+        check_subdomain("api_key_secret", self.api_key_secret, "a Secret")
+        check_secret_key("api_key_secret_key", self.api_key_secret_key)
+        if self.hf_token_secret is not None:
+            check_subdomain("hf_token_secret", self.hf_token_secret, "a Secret")
+        check_secret_key("hf_token_secret_key", self.hf_token_secret_key)
+        if self.models_pvc is not None:
+            check_subdomain("models_pvc", self.models_pvc, "a PersistentVolumeClaim")
+        for name in self.image_pull_secrets:
+            check_subdomain("image_pull_secrets", name, "Secrets")
+        gpu_type = self.gpu_type
+        if gpu_type is not None and (not isinstance(gpu_type, str) or not LABEL_VALUE.fullmatch(gpu_type)):
+            raise ValueError(f"gpu_type must be a node label value (the nodes' nvidia.com/gpu.product, e.g. "
+                             f"NVIDIA-H100-80GB-HBM3: at most 63 letters, digits, '-', '_' or '.', a letter or digit "
+                             f"at each end), got {gpu_type!r}")
+
     def _check_gcs_fault_tolerance(self):
         address, secret, key = (self.gcs_ft_redis_address, self.gcs_ft_redis_password_secret,
                                 self.gcs_ft_redis_password_secret_key)
@@ -255,14 +295,12 @@ class K8sSettings:
                              f"no scheme), got {address!r}")
         if secret is not None and address is None:
             raise ValueError("gcs_ft_redis_password_secret needs gcs_ft_redis_address (the Redis it is the password of)")
-        if secret is not None and not DNS_SUBDOMAIN.fullmatch(secret):
-            raise ValueError(f"gcs_ft_redis_password_secret must name a Secret (a DNS-1123 subdomain), got {secret!r}")
-        if not SECRET_KEY.fullmatch(key):
-            raise ValueError(f"gcs_ft_redis_password_secret_key must be a Secret key (letters, digits, '-', '_', '.'), "
-                             f"got {key!r}")
+        if secret is not None:
+            check_subdomain("gcs_ft_redis_password_secret", secret, "a Secret")
+        check_secret_key("gcs_ft_redis_password_secret_key", key)
 
     def _check_cpus(self):
-        """Ray's CPUs on each worker pod (its CPU limit, truncated as Ray does) must hold what placement asks of
+        """Ray's CPUs on each worker pod (its CPU limit, rounded up as KubeRay does) must hold what placement asks of
         them, or the ranks or drafts wait for ever. On CPUs each rank takes one CPU, all on the one target pod
         (STRICT_PACK), each draft worker one on its pod; the Serve replica takes one CPU wherever it lands (the
         head has none), and it starts before them: the target pod needs tp + 1 (a replica there first left the
@@ -285,6 +323,15 @@ class K8sSettings:
         return self.image or f"saguaro-dist:{APP_VERSION}-{'cuda' if self.gpu else 'cpu'}"
 
     @property
+    def pull_policy(self) -> str:
+        """image_pull_policy, or Kubernetes' default for the image: Always for the tag latest (or none), else
+        IfNotPresent. Written out, so that the manifest says what the pods do."""
+        if self.image_pull_policy is not None:
+            return ImagePullPolicy(self.image_pull_policy).value
+        latest = image_tag(self.container_image) == "latest"
+        return (ImagePullPolicy.ALWAYS if latest else ImagePullPolicy.IF_NOT_PRESENT).value
+
+    @property
     def device(self) -> str:
         return "cuda" if self.gpu else "cpu"
 
@@ -302,15 +349,36 @@ class K8sSettings:
         return Mode(self.mode) in DRAFT_MODES
 
 
-
-
-
 def cpu_quantity(quantity: str) -> float:
-    """A Kubernetes CPU quantity ("4", "2.5", "500m") in CPUs; Ray counts whole ones (it truncates a fraction)."""
+    """A Kubernetes CPU quantity ("4", "2.5", "500m") in the CPUs Ray gets: KubeRay passes the pod's limit to
+    `ray start --num-cpus` as Quantity.Value(), which rounds a fraction up ("1500m" gives Ray 2)."""
     text = str(quantity).strip()
     try:
-        cpus = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
-    except ValueError:
+        cpus = Decimal(text[:-1]) / 1000 if text.endswith("m") else Decimal(text)
+    except InvalidOperation:
         raise ValueError(f"not a Kubernetes CPU quantity: {quantity!r} (e.g. \"4\", \"2.5\", \"500m\")") from None
-    return float(int(cpus))
+    if not cpus.is_finite() or cpus < 0:
+        raise ValueError(f"not a Kubernetes CPU quantity: {quantity!r} (e.g. \"4\", \"2.5\", \"500m\")")
+    return float(math.ceil(cpus))
 
+
+def image_tag(image: str) -> str:
+    """An image's tag as Kubernetes reads it: "latest" where it names none (and no digest), "" for a digest alone."""
+    name, _, digest = image.partition("@")
+    repository, _, tag = name.rpartition(":")
+    if not repository or "/" in tag:  # no tag: the colon, if any, was a registry's port
+        return "" if digest else "latest"
+    return tag
+
+
+def check_subdomain(field: str, value, what: str) -> None:
+    """A Secret's or PVC's name: Kubernetes refuses a pod naming another as it creates it."""
+    if not isinstance(value, str) or len(value) > MAX_SUBDOMAIN or not DNS_SUBDOMAIN.fullmatch(value):
+        raise ValueError(f"{field} must name {what} (a DNS-1123 subdomain: lowercase letters, digits, '-' or '.', a "
+                         f"letter or digit at each end, at most {MAX_SUBDOMAIN} characters), got {value!r}")
+
+
+def check_secret_key(field: str, value) -> None:
+    if not isinstance(value, str) or len(value) > MAX_SUBDOMAIN or not SECRET_KEY.fullmatch(value):
+        raise ValueError(f"{field} must be a Secret key (letters, digits, '-', '_', '.'; at most {MAX_SUBDOMAIN} "
+                         f"characters), got {value!r}")

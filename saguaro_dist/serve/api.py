@@ -5,6 +5,7 @@ tokenize, ...), generate_routes.py (completions and chat: whole replies in full_
 sse_stream.py) and responses_route.py; route_support.py holds what they share."""
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.responses_route import responses_route
 from saguaro_dist.serve.state import ServingState
 from saguaro_dist.serve.tool_parsers import ToolCallParser
+from saguaro_dist.serve.tracing import TraceContextMiddleware, check_tracing_available, request_tracer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
@@ -62,6 +64,7 @@ class ServerOptions:
     response_role: str = REPLY_ROLE  # a new chat turn's role in replies (vLLM's --response-role)
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters served by name (vLLM's --lora-modules; need enable_lora)
     runtime_lora_updating: bool | None = None  # the load / unload routes (None: VLLM_ALLOW_RUNTIME_LORA_UPDATING here)
+    otlp_traces_endpoint: str | None = None  # an OTLP collector for each request's span (serve/tracing.py; vLLM's)
 
     def __post_init__(self):
         if not isinstance(self.response_role, str) or not self.response_role.strip():
@@ -73,6 +76,11 @@ class ServerOptions:
             choices = [p.value for p in kind]
             if getattr(self, name) is not None and getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.otlp_traces_endpoint is not None:
+            if not isinstance(self.otlp_traces_endpoint, str) or not self.otlp_traces_endpoint.strip():
+                raise ValueError(f"otlp_traces_endpoint must be a URL such as http://collector:4317, got "
+                                 f"{self.otlp_traces_endpoint!r}")
+            check_tracing_available()  # at start-up, not at the first request
 
 
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None,
@@ -88,7 +96,8 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
         models.check_on_target(engine.check_lora_adapter)
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
-                                     options.chat_template, options.model_aliases, models)
+                                     options.chat_template, options.model_aliases, models,
+                                     request_tracer(options.otlp_traces_endpoint, options.served_model_name))
     runtime_lora = runtime_updates_allowed(options.runtime_lora_updating)  # at start-up, as vLLM: routes or none
     app.state.response_role = options.response_role  # route_support.response_role
     install_error_handlers(app)
@@ -100,6 +109,8 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     install_frontend(app, options.frontend)
     app.add_middleware(RequestCountMiddleware, metrics=metrics,
                        known_paths=ROUTES | frozenset(LORA_ROUTES) if runtime_lora else ROUTES)
+    # outermost: a request's span starts as it arrives (without tracing: the warning for unused trace headers)
+    app.add_middleware(TraceContextMiddleware, enabled=bool(options.otlp_traces_endpoint))
     return app
 
 
@@ -113,6 +124,8 @@ async def _lifespan(app: FastAPI):
         yield
     finally:
         await state.stop_reporter()
+        if state.tracer is not None:  # the spans still batched go out before the replica stops
+            await asyncio.to_thread(state.tracer.flush)
 
 
 def _router(runtime_lora: bool) -> APIRouter:

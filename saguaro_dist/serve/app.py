@@ -89,6 +89,7 @@ def server_options(args: dict, model: str) -> ServerOptions:
         response_role=_response_role(args),
         lora_modules=modules,
         runtime_lora_updating=runtime_updates_allowed(args.get(RUNTIME_UPDATE_ARG)),
+        otlp_traces_endpoint=args.get("otlp_traces_endpoint") or None,  # (its packages checked here, in each replica)
     )
 
 

@@ -42,6 +42,7 @@ class Job:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: its logprobs name tokens "token_id:<id>"
     cache_salt: str | None = None  # vLLM's: prefix-cache KV is shared only with requests of the same salt
     lora_request: object = None  # the LoRARequest of the adapter the request's model names (None: the base model)
+    n: int = 1                   # the request's samples per prompt (traced as gen_ai.request.n)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class ServingState:
     def __init__(self, engine, model_name: str, metrics: ServeMetrics, stream_interval_s: float = 0.0,
                  tool_call_parser: str | None = None, reasoning_parser: str | None = None, log_requests: bool = False,
                  chat_template: str | None = None, model_aliases: tuple[str, ...] = (),
-                 models: ServedModels | None = None):
+                 models: ServedModels | None = None, tracer=None):
         self.engine = engine
         self.chat_template = chat_template  # the server's --chat-template (None: the tokenizer's)
         self.log_requests = log_requests  # an INFO line as each generation starts and ends (vLLM's --enable-log-requests)
@@ -77,6 +78,7 @@ class ServingState:
         self._engine_reporter: asyncio.Task | None = None
         self.running = 0   # generations in flight on this replica (the engine's own split: engine.load)
         self.cancelled = 0  # generations whose client went away before the end (their engine slot is freed)
+        self.tracer = tracer  # serve/tracing.py's RequestTracer (--otlp-traces-endpoint); None: no spans
 
     @property
     def harmony(self) -> bool:
@@ -141,7 +143,7 @@ class ServingState:
         for prompt_ids in prompts:
             job = self.job(prompt_ids, request, param)
             seeds = [sample_seed(job.params.seed, i) for i in range(request.n)]
-            jobs += [replace(job, params=replace(job.params, seed=seed)) for seed in seeds]
+            jobs += [replace(job, n=request.n, params=replace(job.params, seed=seed)) for seed in seeds]
         return jobs
 
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
@@ -187,11 +189,15 @@ class ServingState:
                     now = time.monotonic()
                     self._record(delta, start, last, now)
                     last, finished = now, delta.finished
-                    if finished and self.log_requests:
-                        _log_finished(request_id, delta, now - start)
+                    if finished:
+                        self._report_finished(job, request_id, delta, start, now)
                     yield delta
         except (GeneratorExit, asyncio.CancelledError):  # closed early or cancelled: the client went away
             aborted = True  # (an engine's failure is no abort: it is answered, and counted, as a 503)
+            raise
+        except Exception as err:  # the engine failed it: an ERROR span
+            if self.tracer is not None:
+                self.tracer.failed(job, request_id, err, start)
             raise
         finally:
             self._exit(cancelled=not finished)
@@ -229,6 +235,12 @@ class ServingState:
         if delta.finished:
             self.metrics.finished(delta.metrics, now - start, delta.finish_reason)
 
+    def _report_finished(self, job: Job, request_id: str, delta, start: float, now: float) -> None:  # log, span
+        if self.log_requests:
+            _log_finished(request_id, delta, now - start)
+        if self.tracer is not None:
+            self.tracer.finished(job, request_id, delta, start)
+
     def _record_whole(self, delta) -> None:
         """The engine's own clock for what no reader saw: its first token, and the tokens after it."""
         m = delta.metrics
@@ -241,6 +253,8 @@ class ServingState:
         showed that its prefill ran (the first comes with the first token, streamed or collected; a generation
         aborted in the queue, or while its prompt is prefilled, shows none)."""
         self.metrics.aborted(seconds, len(job.prompt_ids) if prefilled else 0)
+        if self.tracer is not None:
+            self.tracer.aborted(job, request_id, time.monotonic() - seconds)  # (since the stream's start)
         if self.log_requests:
             log.info("request %s: aborted (the client went away) after %.3f s", request_id, seconds)
 

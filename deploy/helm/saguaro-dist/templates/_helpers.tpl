@@ -1,8 +1,9 @@
 {{/* Names and labels. Keep in step with saguaro_dist/deploy/ (k8s.py and the modules beside it): tests compare the two. */}}
 {{- define "saguaro.fullname" -}}
-{{- $name := default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
-{{- if not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name) -}}
-{{- fail (printf "name %q (the release name, or fullnameOverride) must be a DNS-1035 label: lowercase letters, digits or '-', starting with a letter and ending with a letter or digit (it names the Services; Helm allows release names Kubernetes refuses there)" $name) -}}
+{{- /* refused, not truncated, past 40 characters: as `saguaro deploy k8s --name` (KubeRay derives longer names) */ -}}
+{{- $name := default .Release.Name .Values.fullnameOverride -}}
+{{- if or (gt (len $name) 40) (not (regexMatch "^[a-z]([-a-z0-9]*[a-z0-9])?$" $name)) -}}
+{{- fail (printf "name %q (the release name, or fullnameOverride) must be a DNS-1035 label of 1-40 characters: lowercase letters, digits or '-', starting with a letter and ending with a letter or digit (it names the Services, and KubeRay derives longer names from it; Helm allows release names Kubernetes refuses there)" $name) -}}
 {{- end -}}
 {{- $name -}}
 {{- end -}}
@@ -13,10 +14,17 @@
 {{- printf "%s:%s" .Values.image.repository $tag -}}
 {{- end -}}
 
-{{/* Ray's CPUs from a Kubernetes CPU quantity ("4", "2.5", "500m"): whole ones, a fraction truncated as Ray does. */}}
+{{/* Ray's CPUs from a Kubernetes CPU quantity ("4", "2.5", "500m"): KubeRay's num-cpus, Quantity.Value(), which
+     rounds a fraction up (saguaro_dist/deploy/settings.py cpu_quantity). */}}
 {{- define "saguaro.rayCpus" -}}
 {{- $q := toString . -}}
-{{- if hasSuffix "m" $q }}{{ divf (trimSuffix "m" $q | float64) 1000 | floor | int }}{{ else }}{{ $q | float64 | floor | int }}{{ end -}}
+{{- if hasSuffix "m" $q }}{{ divf (trimSuffix "m" $q | float64) 1000 | ceil | int }}{{ else }}{{ $q | float64 | ceil | int }}{{ end -}}
+{{- end -}}
+
+{{/* image.pullPolicy, or Kubernetes' default for the image: Always for the tag latest, else IfNotPresent
+     (saguaro_dist/deploy/settings.py pull_policy). */}}
+{{- define "saguaro.pullPolicy" -}}
+{{- .Values.image.pullPolicy | default (ternary "Always" "IfNotPresent" (hasSuffix ":latest" (include "saguaro.image" .))) -}}
 {{- end -}}
 
 {{/* Pod selector labels; not app.kubernetes.io/name, which KubeRay sets on its pods. */}}
@@ -180,6 +188,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if $s.maxRequestBytes }}{{ $_ := set .args "max_request_bytes" (int $s.maxRequestBytes) }}{{ end -}}
 {{- if not (kindIs "invalid" $s.streamIntervalMs) }}{{ $_ := set .args "stream_interval_ms" (float64 $s.streamIntervalMs) }}{{ end -}}
 {{- if $s.enableLogRequests }}{{ $_ := set .args "log_requests" true }}{{ end -}}
+{{- if $s.otlpTracesEndpoint }}{{ $_ := set .args "otlp_traces_endpoint" $s.otlpTracesEndpoint }}{{ end -}}
 {{- end -}}
 
 {{/* --proposal-top-k, --prompt-lookup-max / -min and --speculative-config as app args, where given (as
@@ -236,14 +245,16 @@ livenessProbe:
 {{- $v := .root.Values -}}
 name: {{ ternary "ray-head" "ray-worker" .head }}
 image: {{ include "saguaro.image" .root | quote }}
-imagePullPolicy: {{ $v.image.pullPolicy }}
+imagePullPolicy: {{ include "saguaro.pullPolicy" .root }}
 env:
   - name: SAGUARO_API_KEY
     valueFrom:
       secretKeyRef: {name: {{ $v.apiKey.secretName | quote }}, key: {{ $v.apiKey.secretKey | quote }}}
+  {{- if $v.hfToken.secretName }}
   - name: HF_TOKEN
     valueFrom:
       secretKeyRef: {name: {{ $v.hfToken.secretName | quote }}, key: {{ $v.hfToken.secretKey | quote }}, optional: true}
+  {{- end }}
   - name: HF_HOME
     value: /models/hf-cache
   - name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
@@ -350,7 +361,7 @@ gcsFaultToleranceOptions:
 {{- end -}}
 {{- $usesDraft := eq (include "saguaro.usesDraft" $root) "true" -}}
 {{- if and (not $gpu) $usesDraft (lt (int (include "saguaro.rayCpus" $v.draft.resources.cpu)) 1) -}}
-{{- fail (printf "draft.resources.cpu %v gives Ray no whole CPU on a draft pod; it needs 1: the draft worker's" $v.draft.resources.cpu) -}}
+{{- fail (printf "draft.resources.cpu %v gives Ray no CPU on a draft pod; it needs 1: the draft worker's" $v.draft.resources.cpu) -}}
 {{- end -}}
 rayVersion: "2.60.0"
 enableInTreeAutoscaling: {{ $v.autoscaling.enabled }}

@@ -1,0 +1,56 @@
+"""--otlp-traces-endpoint in the KubeRay manifests (`saguaro deploy k8s`) and the Helm chart
+(server.otlpTracesEndpoint): the app's own parser reads it back from the manifest; left out, the manifest names none; the chart renders the
+generator's objects."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from saguaro_dist.cli import build_parser
+from saguaro_dist.cli.deploy import manifests
+from saguaro_dist.deploy import k8s, validation
+from saguaro_dist.serve.app import server_options
+
+ENDPOINT = "http://otel-collector.observability:4317"
+CRD_DIR = Path(__file__).resolve().parents[2] / "shared" / "kuberay-crds"
+
+
+def deploy(argv: str) -> list[dict]:
+    return manifests(build_parser().parse_args(["deploy", "k8s", *shlex.split(argv)]))
+
+
+def app_args(rayservice: dict) -> dict:
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    return app["args"]
+
+
+def test_flag_reaches_the_apps_server_options():
+    args = app_args(deploy(f"--otlp-traces-endpoint {ENDPOINT}")[0])
+    assert args["otlp_traces_endpoint"] == ENDPOINT
+    assert server_options(args, args["model"]).otlp_traces_endpoint == ENDPOINT
+
+
+def test_left_out_the_manifest_names_none():
+    assert "otlp_traces_endpoint" not in app_args(deploy("")[0])
+    assert k8s.helm_values(k8s.K8sSettings())["server"]["otlpTracesEndpoint"] == ""
+
+
+@pytest.mark.parametrize("value", ["", " ", 4317])
+def test_settings_refuse_what_is_no_url(value):
+    with pytest.raises(ValueError, match="otlp_traces_endpoint"):
+        k8s.K8sSettings(otlp_traces_endpoint=value)
+
+
+def test_chart_renders_the_generators_endpoint():
+    from test_deploy_serve_flags import render_rayservice  # (skips where Helm's library is not installed)
+
+    assert "otlp_traces_endpoint" not in app_args(render_rayservice(None))
+    (generated,) = deploy(f"--otlp-traces-endpoint {ENDPOINT}")
+    rendered = render_rayservice(k8s.helm_values(k8s.K8sSettings(otlp_traces_endpoint=ENDPOINT)))
+    assert app_args(rendered)["otlp_traces_endpoint"] == ENDPOINT
+    assert validation.comparable(rendered) == validation.comparable(generated)
+    if (CRD_DIR / "ray.io_rayservices.yaml").is_file():
+        validation.validate_object(rendered, CRD_DIR)
