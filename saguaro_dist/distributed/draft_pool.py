@@ -327,7 +327,9 @@ class DraftPool:
         self.dead.add(i)
         if self._revive is not None and not self._closing.is_set():
             # Each in the life it has now: a later life of it there (however it got there) is not the revival's to end.
+            # With them, those released there whose releases it may not have read (lost with a stream, say).
             held = [Release(seq_id, self._lives.of(seq_id)) for seq_id, group in self.groups.items() if i in group]
+            held += self.backends[i].unconfirmed_releases()
             self.revivals[i] = revivals_counted(self.revivals[i], self._served_s(i), self.revival_reset_s)
             threading.Thread(target=self._await_revival, args=(i, held), daemon=True, name=f"saguaro-revive-{i}").start()
 

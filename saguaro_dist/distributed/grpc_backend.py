@@ -104,11 +104,22 @@ class GrpcDraftBackend(ServerLinks):
                 if err.code() in TRANSPORT_FAILURES:
                     self._mark_dead(link, f"prefill: {err.code().name}: {err.details()}")
                     retry += groups[link]
-                else:
+                else:  # refused: the server holds none of them (kept, their outcomes ended its stream: NOT_FOUND)
+                    self._not_held(link, groups[link])
                     error = error or error_from_rpc(err, link.address, [r.seq_id for r in groups[link]])
         if error is not None:
             raise error
         return retry
+
+    def _not_held(self, link: Link, reqs: list[PrefillRequest]) -> None:
+        """Sequences whose prefill the server refused: lost (prefill them again), placed nowhere, no life here."""
+        with self._cond:
+            for r in reqs:
+                if self._owner.get(r.seq_id) is link:
+                    del self._owner[r.seq_id]
+                self._out_of_sync.discard(r.seq_id)
+            self._lives.end(r.seq_id for r in reqs)
+            self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Proposals in request order; DraftUnavailable (with the others in .partial) if a server failed."""
@@ -135,7 +146,8 @@ class GrpcDraftBackend(ServerLinks):
         if failed:
             raise DraftUnavailable(f"draft server unavailable for sequences {failed}", failed, found)
         if stale:
-            raise DraftOutOfSync(f"sequences {stale} lost their outcomes with a failed stream", stale, found)
+            raise DraftOutOfSync(f"sequences {stale} out of step with their draft server (a failed stream, a malformed "
+                                 "answer): to be prefilled again", stale, found)
         return [found[r.seq_id] for r in reqs]
 
     def _owner_for_jit(self, req: JitDraftRequest) -> Link | None:
@@ -155,7 +167,9 @@ class GrpcDraftBackend(ServerLinks):
             except TimeoutError:
                 link.forget(call_id)
                 failed += seq_ids
-            except DraftOutOfSync:
+            except DraftOutOfSync:  # a failed stream, or an answer not of what was asked (it drafted them anyway)
+                with self._cond:
+                    self._out_of_sync.update(seq_ids)
                 stale += seq_ids
             except DraftUnavailable:
                 failed += seq_ids
@@ -234,7 +248,14 @@ class GrpcDraftBackend(ServerLinks):
             self._drop_rounds_up_to({r.seq_id: float("inf") for r in reqs})
         for link, part in groups.items():
             if link is not None:  # behind the sequence's last outcome on the same stream
-                link.send(pb.SpeculateRequest(releases=codec.release_batch_to_proto(part)))
+                link.send_releases(part)
+
+    def unconfirmed_releases(self) -> list[Release]:
+        """Releases sent that the servers may not have read: those of failed streams not yet sent again, and
+        those no answer has shown read yet (DraftPool releases them too when it replaces this backend)."""
+        with self._cond:
+            owed = [r for releases in self._owed.values() for r in releases]
+        return owed + [r for link in self._links for r in link.unconfirmed_releases()]
 
     def release_held_before(self, held: list[Release]) -> None:
         """Release, on every server, sequences an earlier backend placed there (a draft worker that missed a

@@ -4,6 +4,7 @@ engine's exceptions for gRPC statuses. GrpcDraftBackend (grpc_backend.py) runs a
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -15,14 +16,19 @@ import grpc
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.draft_server import MIN_PING_INTERVAL_MS
-from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
-from saguaro_dist.engine.messages import JitDraftRequest
+from saguaro_dist.engine.messages import JitDraftRequest, Release
+
+log = logging.getLogger(__name__)
 
 CLOSE = object()  # ends a stream's request iterator
 TRANSPORT_FAILURES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 HANDOFF_S = 0.002  # how long send_outcomes yields for gRPC's threads to send the outcomes (await_sent)
+# Release batches kept per stream until a later answer on it shows the server read them (Link.send_releases): a
+# stream with no just-in-time drafts on it (the split draft's) keeps only the latest this many.
+UNCONFIRMED_RELEASES_KEPT = 4096
 
 
 SERVER_MIN_PING_INTERVAL_MS = MIN_PING_INTERVAL_MS  # (draft_server.py) a keepalive under it gets a GOAWAY
@@ -129,7 +135,10 @@ class Link:
         self.graph_captures = 0  # the server's CUDA-graph capture count, as its last reply said
         self.lock = threading.Lock()  # the request queue and the calls in flight change together
         self.outbox = Outbox()
-        self.calls: dict[int, tuple[Future, list[int]]] = {}  # call_id -> (answer, its seq_ids)
+        self.calls: dict[int, tuple[Future, list[int], int]] = {}  # call_id -> (answer, its seq_ids, its ticket)
+        # Releases queued on this stream that no answer has shown read yet, by ticket: lost with a failed stream
+        # (restart_queue), they are sent again (ServerLinks): else the server kept those sequences until it restarted.
+        self.unconfirmed: list[tuple[int, list[Release]]] = []
         self.call = None
         self.reader: threading.Thread | None = None
         self._call_ids = itertools.count(1)
@@ -142,19 +151,32 @@ class Link:
         with self.lock:
             return self.outbox, self.outbox.put(request)
 
+    def send_releases(self, releases: list[Release]) -> tuple[Outbox, int]:
+        """Queue releases on the stream (see send), kept until an answer shows them read (unconfirmed); not one
+        naming no life (generation 0 ends any): sent again, it could end a life begun there since."""
+        request = pb.SpeculateRequest(releases=codec.release_batch_to_proto(releases))
+        with self.lock:
+            ticket = self.outbox.put(request)
+            self.unconfirmed.append((ticket, [r for r in releases if r.generation]))
+            if len(self.unconfirmed) > UNCONFIRMED_RELEASES_KEPT:
+                del self.unconfirmed[0]
+            return self.outbox, ticket
+
     def call_jit(self, reqs: list[JitDraftRequest]) -> tuple[int, Future]:
         """Queue a just-in-time draft: (call_id, a future of its proposals or the exception it maps to)."""
         answer: Future = Future()
         with self.lock:
             call_id = next(self._call_ids)
-            self.calls[call_id] = (answer, [r.seq_id for r in reqs])
-            self.outbox.put(pb.SpeculateRequest(jit_draft=pb.JitDraftCall(call_id=call_id,
-                                                                          batch=codec.jit_batch_to_proto(reqs))))
+            call = pb.JitDraftCall(call_id=call_id, batch=codec.jit_batch_to_proto(reqs))
+            ticket = self.outbox.put(pb.SpeculateRequest(jit_draft=call))
+            self.calls[call_id] = (answer, [r.seq_id for r in reqs], ticket)
         return call_id, answer
 
     def answer(self, result: pb.JitDraftResult) -> None:
         with self.lock:
-            answer, seq_ids = self.calls.pop(result.call_id, (None, None))
+            answer, seq_ids, ticket = self.calls.pop(result.call_id, (None, None, 0))
+            # The server reads a stream in order and answers a draft once read: what was queued before it was read.
+            self.unconfirmed = [(t, releases) for t, releases in self.unconfirmed if t > ticket]
         if answer is None:  # it timed out meanwhile
             return
         if result.HasField("error"):
@@ -162,26 +184,45 @@ class Link:
             answer.set_exception(error_from_status(code, result.error.message, self.address, seq_ids))
             return
         try:
-            answer.set_result(codec.proposal_batch_from_proto(result.proposals))
-        except codec.CodecError as exc:
-            answer.set_exception(DraftRpcError(f"draft server {self.address} answered a malformed proposal: {exc}"))
+            answer.set_result(self._proposals(result, seq_ids))
+        except codec.CodecError as exc:  # a bug or a mismatched peer: those sequences drafted afresh, the others kept
+            log.error("draft server %s answered a malformed draft: %s", self.address, exc)
+            answer.set_exception(DraftOutOfSync(f"draft server {self.address} answered a malformed draft: {exc}",
+                                                seq_ids))
+
+    @staticmethod
+    def _proposals(result: pb.JitDraftResult, seq_ids: list[int]) -> list:
+        proposals = codec.proposal_batch_from_proto(result.proposals)
+        if len(proposals) != len(seq_ids):
+            raise codec.CodecError(f"{len(proposals)} proposals for the {len(seq_ids)} sequences asked {seq_ids[:8]}")
+        return proposals
 
     def forget(self, call_id: int) -> None:
         with self.lock:
             self.calls.pop(call_id, None)
 
-    def restart_queue(self, error) -> None:
-        """What was queued for the old stream is lost with it: fail its calls, start a fresh queue.
+    def restart_queue(self, error) -> list[Release]:
+        """What was queued for the old stream is lost with it: fail its calls, start a fresh queue. Returns its
+        releases not shown read (to send again).
 
         error(seq_ids) -> the exception each call in flight gets."""
         with self.lock:
             calls, self.calls = self.calls, {}
+            unconfirmed, self.unconfirmed = self.unconfirmed, []
             self.outbox.put(CLOSE)
             self.outbox = Outbox()
-        for answer, seq_ids in calls.values():
+        for answer, seq_ids, _ in calls.values():
             answer.set_exception(error(seq_ids))
+        return [r for _, releases in unconfirmed for r in releases]
 
-    def end_stream(self) -> None:
-        self.restart_queue(lambda seq_ids: DraftUnavailable(f"draft server {self.address}: stream closed", seq_ids))
+    def end_stream(self) -> list[Release]:
+        """Cancel the stream; returns its releases not shown read (restart_queue)."""
+        unconfirmed = self.restart_queue(lambda seq_ids: DraftUnavailable(f"draft server {self.address}: stream closed",
+                                                                          seq_ids))
         if self.call is not None:
             self.call.cancel()
+        return unconfirmed
+
+    def unconfirmed_releases(self) -> list[Release]:
+        with self.lock:
+            return [r for _, releases in self.unconfirmed for r in releases]

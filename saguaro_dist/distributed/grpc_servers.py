@@ -9,7 +9,8 @@ unreachable at start, takes new prefills again once it has released what it held
 still hold it); the sequences it had are out of sync until prefilled again. A protocol error on a stream (NOT_FOUND,
 FAILED_PRECONDITION, ...) ends it and the stream is reopened; what was queued on the old one is lost,
 so every sequence of that server is out of sync until prefilled again: DraftOutOfSync from jit_draft
-(the engine re-prefills them), no tree waited for, their outcomes dropped.
+(the engine re-prefills them), no tree waited for, their outcomes dropped. Releases are not lost with a
+stream: those no answer showed read go out again first on the new one (a dead server's: its reviver's).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ class ServerLinks:
         self._owner: dict[int, Link] = {}
         self._lives = Lives()  # a tree or plan of a sequence's earlier life is dropped as it arrives
         self._out_of_sync: set[int] = set()  # sequences whose outcomes died with a stream; prefill clears
+        self._owed: dict[Link, list[Release]] = {}  # a dead server's releases lost with its stream: its reviver's
         self._next = itertools.cycle(self._links)
         self._closed = False
         self._closing = threading.Event()  # set with _closed: a reviver's pause between tries ends at once
@@ -90,10 +92,12 @@ class ServerLinks:
             link.alive = False
             held = [Release(s, self._lives.of(s)) for s, owner in self._owner.items() if owner is link]
             self._cond.notify_all()  # waiters stop waiting for its trees
-            if not self._closed:  # started under the lock: close() joins every reviver, none it could miss
-                self._start_reviver(link, held)
         log.warning("draft server %s marked dead: %s", link.address, why)
-        link.end_stream()
+        unconfirmed = link.end_stream()  # released here already, perhaps never read: the reviver releases them too
+        with self._cond:
+            self._owed[link] = self._owed.get(link, []) + unconfirmed
+            if not self._closed:  # started under the lock: close() joins every reviver, none it could miss
+                self._start_reviver(link, held + self._owed[link])
 
     def _start_reviver(self, link: Link, held: list[Release]) -> None:
         """The thread that takes link back; finished ones are dropped (a server that dies again and again would
@@ -114,6 +118,7 @@ class ServerLinks:
         with self._cond:
             if self._closed:
                 return
+            self._owed.pop(link, None)  # released there (_released_there)
             self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
             link.alive = True
         try:
@@ -183,7 +188,10 @@ class ServerLinks:
         with self._cond:
             self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
             self._cond.notify_all()  # waiters stop waiting for their trees
-        link.restart_queue(lambda seq_ids: DraftOutOfSync(f"draft server {link.address}: stream lost", seq_ids))
+        unconfirmed = link.restart_queue(lambda seq_ids: DraftOutOfSync(f"draft server {link.address}: stream lost",
+                                                                        seq_ids))
+        if unconfirmed:  # first on the new stream: each of the life it ended (a later life of one is kept there)
+            link.send_releases(unconfirmed)
 
     def _drain_stream(self, link: Link):
         """Read one stream to its end; returns its final (code, details)."""

@@ -76,9 +76,21 @@ class DraftWorker(TreeBuilding):
             self._check_tokens(r.seq_id, r.prompt_token_ids, "prompt")
         # A re-prefill (the target moved it after a worker died) restarts the sequence.
         self.release([Release(r.seq_id) for r in reqs if r.seq_id in self.seqs])
+        started: list[int] = []
+        try:
+            self._start(reqs, started)
+        except BaseException:
+            self._undo_start(started)
+            raise
+
+    def _start(self, reqs: list[PrefillRequest], started: list[int]) -> None:
+        """prefill's work after its checks; `started` gets each sequence added to the runner."""
         # Live sources, listed once: the committed tokens each sequence's KV holds.
         live = {sid: self._kv_tokens(s) for sid, s in self.seqs.items()} if self.prefixes.enabled else {}
-        cached = [self.prefixes.start(r.seq_id, r.prompt_token_ids, live, cache_namespace(r.cache_salt)) for r in reqs]
+        cached = []
+        for r in reqs:
+            cached.append(self.prefixes.start(r.seq_id, r.prompt_token_ids, live, cache_namespace(r.cache_salt)))
+            started.append(r.seq_id)
         for r in reqs:
             s = self.seqs[r.seq_id] = DraftSeq(r.seq_id, r.sampling, make_generator(r.sampling.seed, salt=2),
                                                list(r.prompt_token_ids), r.prompt_len or len(r.prompt_token_ids),
@@ -86,6 +98,14 @@ class DraftWorker(TreeBuilding):
             s.grammar = self.constraints.grammar_state(r.sampling.grammar, s.committed[s.prompt_len:])
         self.lives.begin(reqs)
         self.runner.extend([r.seq_id for r in reqs], [r.prompt_token_ids[n:] for r, n in zip(reqs, cached)], [1] * len(reqs))
+
+    def _undo_start(self, started: list[int]) -> None:
+        """A prefill that failed part way (out of memory, an id twice in the batch) holds none of its sequences:
+        the target takes a refused prefill for one the draft does not hold, and never releases them."""
+        for seq_id in started:
+            self.seqs.pop(seq_id, None)
+            self.lives.end([seq_id])
+            self.prefixes.finish(seq_id, [])  # its row freed, nothing of it kept as a prefix
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         """Neural backup: commit the real outcome, then draft K tokens one forward at a time. A request of a

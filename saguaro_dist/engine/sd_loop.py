@@ -57,8 +57,7 @@ class SDLoop(ARLoop):
         """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
         target's prefill to after it, a draft on the target's thread after it."""
         drafted = [s for s in seqs if s.num_tokens + 1 <= self._draft_room]  # once prefill adds the first token
-        pending = self.draft.start_prefill([PrefillRequest(s.seq_id, s.prompt_token_ids, self._told(s),
-                                                           cache_salt=s.cache_salt)
+        pending = self.draft.start_prefill([self._draft_prefill(s, s.prompt_token_ids)
                                             for s in drafted]) if drafted else None
         try:
             first = self.target.prefill(seqs)
@@ -76,14 +75,12 @@ class SDLoop(ARLoop):
         try:
             if pending is not None:
                 pending.result()
-        except (DraftUnavailable, DraftRpcError) as err:  # no draft worker left, or one refused (out of
-            # memory, a bug): speculate with the fast backup until a fresh prefill takes (_readmit). Raised,
-            # it failed the step: every request in flight.
+        except DraftUnavailable as err:  # no draft worker left: the fast backup until a fresh prefill takes (_readmit)
             log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(drafted))
             self._lose(drafted)
-        except Exception:  # noqa: BLE001 - a draft in this process failed (out of memory, a bug): as above
-            log.exception("draft prefill failed: fast backup for %d new sequences", len(drafted))
-            self._lose(drafted)
+        except Exception as err:  # noqa: BLE001 - the draft refused (DraftRpcError over gRPC; in this process a bug,
+            # out of memory, a request it cannot take): raised, it failed the step, every request in flight
+            self._prefill_alone(drafted, err, lambda s: self._draft_prefill(s, s.prompt_token_ids))
 
     def _abandon_prefill(self, pending, drafted: list[Sequence]) -> None:
         """The target's prefill failed: the draft forgets what it began to hold (the engine drops them)."""
@@ -213,18 +210,46 @@ class SDLoop(ARLoop):
         if not seqs:
             return
         try:
-            self.draft.prefill([PrefillRequest(s.seq_id, s.tokens[:-1], self._told(s),
-                                               prompt_len=len(s.prompt_token_ids), cache_salt=s.cache_salt)
-                               for s in seqs])
+            self.draft.prefill([self._draft_prefill(s, s.tokens[:-1]) for s in seqs])
         except DraftUnavailable as err:  # no worker to take them yet (the pool says so once); again next round
             log.debug("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
             return
-        except DraftRpcError as err:
-            log.warning("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
-            return
-        for s in seqs:
-            s.draft_lost, s.speculation, s.last_outcome = False, None, (0, s.tokens[-1])
+        except Exception as err:  # noqa: BLE001 - refused (as in _finish_prefill): resent whole every round, one
+            # sequence the draft cannot take kept every other one of the batch off the draft for good
+            seqs = self._prefill_alone(seqs, err, lambda s: self._draft_prefill(s, s.tokens[:-1]))
+        for s in seqs:  # a new life on the draft, as admit starts one: round 0, the last token its first outcome's
+            s.draft_lost, s.speculation, s.last_outcome, s.round = False, None, (0, s.tokens[-1]), 0
             self.forget(s)
+
+    def _draft_prefill(self, s: Sequence, tokens: list[int]) -> PrefillRequest:
+        """The draft's prefill of s: `tokens` are its prompt at admission, all but its last token on a re-prefill."""
+        return PrefillRequest(s.seq_id, tokens, self._told(s), prompt_len=len(s.prompt_token_ids),
+                              cache_salt=s.cache_salt)
+
+    def _prefill_alone(self, seqs: list[Sequence], err: Exception, request) -> list[Sequence]:
+        """The draft refused a prefill of seqs (not a lost worker: DraftUnavailable): each again on its own
+        (request(s): its PrefillRequest), so one it cannot take costs only its own speculation. Returns those
+        it now holds; one whose worker was lost meanwhile is prefilled again later (_readmit)."""
+        log.warning("the draft refused a prefill of %d sequences (%s): each on its own", len(seqs), err)
+        held = []
+        for s in seqs:
+            try:
+                self.draft.prefill([request(s)])
+                held.append(s)
+            except DraftUnavailable:
+                self._lose([s])
+            except Exception as exc:  # noqa: BLE001 - refused alone: this sequence's own doing
+                self._refused(s, exc)
+        return held
+
+    def _refused(self, s: Sequence, err: Exception) -> None:
+        """The draft refused s on its own: the fast backup speculates for it to its end, as for one that outgrew
+        the draft (_leave_draft). Never asked again: it would fail again, every round."""
+        log.warning("the draft refused sequence %d (%s): it goes on without a draft", s.seq_id, err)
+        s.beyond_draft = s.draft_lost = True
+        s.wants_tree = False
+        self.forget(s)
+        self.draft.release([Release(s.seq_id)])  # its placement on the draft side (the draft holds none of it)
 
     def forget(self, s: Sequence) -> None:
         """Drop target-side speculation state of a sequence (SSD keeps a cache)."""

@@ -59,5 +59,8 @@ class CohortRounds:
         the ids of the sequences that now hold this round's speculation."""
         if self._in_flight is None:
             return [], set()
-        asked, self._in_flight = self._in_flight.among({s.seq_id for s in seqs}), None
+        # Not those prefilled again since (_readmit: no speculation): the drafts were asked of their earlier life.
+        # Taken, an earlier life's outcome or speculation went to the new one, and the draft's stream failed.
+        again = {s.seq_id for s in seqs if s.speculation is None}
+        asked, self._in_flight = self._in_flight.among({s.seq_id for s in seqs} - again), None
         return self._take_drafts(asked, FallbackPolicy.FAST), {s.seq_id for s in asked.seqs}

@@ -1,0 +1,282 @@
+"""Draft-side failures that cost speed and must stay contained: one sequence the draft refuses, a just-in-time
+draft that fails during two-cohort rounds, a release lost with a failed Speculate stream, an answer of the wrong
+size. Real DraftService servers on loopback (ToyWorker, or the real draft under the real SSD engine); greedy
+output stays the target's own."""
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, wait_for
+from test_grpc_link_keepalive import Relay
+from test_grpc_reconnect import BACK_WITHIN_S
+from test_grpc_toy_worker import ToyWorker
+
+from saguaro_dist.config import Config
+from saguaro_dist.distributed.draft_pool import DraftPool
+from saguaro_dist.distributed.draft_service import serve_draft
+from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable
+from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
+from saguaro_dist.engine.build import build_draft_worker, make_runner
+from saguaro_dist.engine.engine import Engine
+from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
+from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.timeout(120)
+GREEDY = DraftSampling(0.0, 0, 1.0, None)
+REFUSED = 77  # a prompt holding this id is one the draft cannot take (RefusingPrompts)
+STREAM_ENDED = "Speculate stream to"  # grpc_servers' warning when a stream ends and is reopened
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    return close_pair(tmp_path_factory.mktemp("draft_link_pair"))
+
+
+@pytest.fixture
+def served():
+    """start(worker) -> a GrpcDraftBackend over a server running it; all closed after the test."""
+    opened = []
+
+    def start(worker, deadline_s: float = 5.0) -> GrpcDraftBackend:
+        server, port = serve_draft(worker, "127.0.0.1", 0)
+        backend = GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=deadline_s)
+        opened.append((server, backend))
+        return backend
+    yield start
+    for server, backend in opened:
+        backend.close()
+        server.stop(None)
+
+
+class RefusingPrompts:
+    """worker.prefill refuses a batch holding a prompt with REFUSED in it, as the draft refuses a request it cannot
+    take (an id outside a draft's own vocabulary, say): the DraftWorker's ValueError, INVALID_ARGUMENT on the wire.
+    Counts each sequence's prefills."""
+
+    def __init__(self, worker):
+        self.prefills: dict[int, int] = {}
+        self._real = worker.prefill
+        worker.prefill = self
+
+    def __call__(self, reqs):
+        for r in reqs:
+            self.prefills[r.seq_id] = self.prefills.get(r.seq_id, 0) + 1
+        if any(REFUSED in r.prompt_token_ids for r in reqs):
+            raise ValueError("a prompt id this draft cannot take")
+        return self._real(reqs)
+
+
+class FailingOnce:
+    """worker.<name> raises `error` at its `at`-th call (a transient failure: INTERNAL on the wire), then works."""
+
+    def __init__(self, worker, name: str, at: int, error: Exception):
+        self.calls, self.at, self.error = 0, at, error
+        self._real = getattr(worker, name)
+        setattr(worker, name, self)
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error
+        return self._real(*args)
+
+
+def run_engine(config: Config, worker, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """The real SSD engine over a DraftPool of one gRPC server running `worker`; each request's output."""
+    server, port = serve_draft(worker, "127.0.0.1", 0)
+    pool = DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=20.0)], max_batch_size=config.max_batch_size)
+    engine = Engine(config, make_runner(config.model, config), pool, None, set())
+    try:
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        seqs = [Sequence(i, str(i), list(p), params) for i, p in enumerate(prompts)]
+        for s in seqs:
+            engine.add(s)
+        while engine.running or engine.waiting or engine.prefilling:
+            assert all(u.error is None for u in engine.step())
+        return [s.output_token_ids for s in seqs]
+    finally:
+        engine.close()
+        server.stop(None)
+
+
+def stream_ends(caplog) -> int:
+    return sum(STREAM_ENDED in r.getMessage() for r in caplog.records)
+
+
+# ---- one sequence the draft refuses -------------------------------------------------------------------------
+
+def test_a_sequence_the_draft_refuses_leaves_the_others_speculating(pair, caplog):
+    """Old: the batch's one error marked every sequence prefilled with it lost; each round re-sent them together,
+    failing every time (the healthy ones never drafted again), and the refused sequence's outcomes, still placed
+    on the server, ended its Speculate stream (NOT_FOUND) for all. Now the refused one alone goes on without a
+    draft, asked once more on its own; the others keep their one prefill; no stream ends."""
+    caplog.set_level(logging.WARNING)
+    config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1,
+                    max_batch_size=3)
+    worker = build_draft_worker(config)
+    refusing = RefusingPrompts(worker)
+    prompts = [PROMPTS[0], [5, REFUSED, 9], PROMPTS[1]]
+    outputs = run_engine(config, worker, prompts, tokens=20)
+    for got, prompt in zip(outputs, prompts):
+        assert_greedy_equal(got, hf_greedy(pair["model"], prompt, 20), prompt, pair["model"])
+    # the refused one: in its batch, then alone, never again; the others at most once more (alone)
+    assert refusing.prefills[1] == 2 and refusing.prefills[0] <= 2 and refusing.prefills[2] <= 2, refusing.prefills
+    assert stream_ends(caplog) == 0
+
+
+def test_a_draft_that_fails_once_in_cohort_rounds_ends_no_stream(pair, caplog):
+    """Old: the sequences re-prefilled after the failure took the fast backup with their earlier life's round
+    number (and the draft asked of that life, landed): the server answered OutOfOrder, which ended the Speculate
+    stream, every sequence on it prefilled again, again and again (7 streams ended in 60 tokens)."""
+    caplog.set_level(logging.WARNING)
+    config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1,
+                    max_batch_size=4, tree_policy="never", jit_cohorts=2)
+    worker = build_draft_worker(config)
+    failing = FailingOnce(worker, "jit_draft", 3, RuntimeError("one transient draft failure"))
+    prompts = [list(PROMPTS[i]) + [i + 1] for i in range(4)]
+    outputs = run_engine(config, worker, prompts, tokens=40)
+    for got, prompt in zip(outputs, prompts):
+        assert_greedy_equal(got, hf_greedy(pair["model"], prompt, 40), prompt, pair["model"])
+    assert failing.calls > 3  # it failed, and drafted again after
+    assert stream_ends(caplog) == 0
+
+
+# ---- the gRPC backend ---------------------------------------------------------------------------------------
+
+class Refusing(ToyWorker):
+    def prefill(self, reqs):
+        if any(REFUSED in r.prompt_token_ids for r in reqs):
+            raise ValueError("a prompt id this draft cannot take")
+        return super().prefill(reqs)
+
+
+def test_a_refused_prefill_leaves_the_sequence_held_nowhere(served, caplog):
+    """Old: the refused sequence kept its owner: lost() said it was held, its outcomes went to the server, whose
+    NOT_FOUND ended the stream, and the healthy sequence on it fell out of sync (prefilled again)."""
+    caplog.set_level(logging.WARNING)
+    worker = Refusing()
+    backend = served(worker)
+    backend.prefill([PrefillRequest(1, [5, 6], GREEDY)])
+    backend.jit_draft([JitDraftRequest(1, 0, 0, 9)])
+    with pytest.raises(DraftRpcError, match="INVALID_ARGUMENT"):
+        backend.prefill([PrefillRequest(2, [5, REFUSED], GREEDY)])
+    assert backend.lost([2]) == [2] and backend.owner_of(2) is None
+    backend.send_outcomes([Outcome(2, 0, 0, 9, next_tokens=[1, 2, 3])])  # the fast backup's, of a lost sequence
+    backend.jit_draft([JitDraftRequest(1, 1, 0, 4)])  # answered on the same stream, after that outcome
+    assert backend.lost([1]) == [] and stream_ends(caplog) == 0
+    assert sorted(worker.seqs) == [1]
+
+
+class SlowToy(ToyWorker):
+    """A busy draft worker (each outcome batch takes a while), whose prefill restarts a sequence it holds (as the
+    DraftWorker's does: the target moved it)."""
+
+    def observe(self, outcomes):
+        time.sleep(0.2)
+        return super().observe(outcomes)
+
+    def prefill(self, reqs):
+        super().release([Release(r.seq_id) for r in reqs if r.seq_id in self.seqs])
+        return super().prefill(reqs)
+
+
+def _fail_the_stream_with_a_release_behind(backend) -> None:
+    """Sequences 1 and 2 prefilled and drafted; an outcome the server refuses (a wrong round) ends the stream, and
+    the release of 2 queued right behind it is never read there."""
+    backend.prefill([PrefillRequest(1, [5, 6], GREEDY), PrefillRequest(2, [5, 6], GREEDY)])
+    backend.jit_draft([JitDraftRequest(1, 0, 0, 9), JitDraftRequest(2, 0, 0, 9)])
+    backend.send_outcomes([Outcome(1, 7, 0, 3, next_tokens=None)])
+    backend.release([Release(2)])
+
+
+def test_a_release_lost_with_a_failed_stream_is_sent_again(served):
+    """Old: release() forgot the owner at once and the failed stream dropped the queued release: the server held
+    sequence 2 (its state, its KV) until it restarted."""
+    worker = SlowToy()
+    backend = served(worker)
+    _fail_the_stream_with_a_release_behind(backend)
+    wait_for(lambda: 2 not in worker.seqs)
+    assert backend.lost([1]) == [1]  # its outcomes died with the stream: prefilled again
+
+
+def test_a_release_sent_again_leaves_a_later_life_of_its_sequence_alone(served):
+    """The release sent again names the life it ended: sequence 2, prefilled again meanwhile (a new life under
+    the same id), is kept on the server, whichever reaches it first."""
+    worker = SlowToy()
+    backend = served(worker)
+    link = backend._links[0]
+    first_stream = link.call
+    _fail_the_stream_with_a_release_behind(backend)
+    backend.prefill([PrefillRequest(2, [7, 8], GREEDY)])  # read by the server once the failing outcome is done
+    wait_for(lambda: link.call is not first_stream)  # reopened: the release went out again first
+    backend.prefill([PrefillRequest(3, [5, 6], GREEDY)])
+    backend.jit_draft([JitDraftRequest(3, 0, 0, 9)])  # answered once the server read what came before it
+    assert worker.seqs[2].committed == [7, 8]
+
+
+def test_a_release_lost_with_a_dead_connection_is_made_when_the_server_is_taken_back():
+    """The connection dies with the release unread (its bytes lost on the way); the process lives on. Old: the
+    reviver released only what was still placed there, and the server kept sequence 2 for good."""
+    worker = ToyWorker()
+    server, port = serve_draft(worker, "127.0.0.1", 0)
+    relay = Relay(port)
+    backend = GrpcDraftBackend([f"127.0.0.1:{relay.port}"], deadline_s=5.0)
+    try:
+        backend.prefill([PrefillRequest(s, [5, 6], GREEDY) for s in (1, 2)])
+        backend.jit_draft([JitDraftRequest(s, 0, 0, 9) for s in (1, 2)])
+        relay.silent()  # what goes out now is lost on the way
+        backend.release([Release(2)])
+        relay.cut()
+        wait_for(lambda: backend.dead_addresses != [])
+        relay.quiet = False
+        relay.reopen()
+        wait_for(lambda: backend.dead_addresses == [], within_s=BACK_WITHIN_S)
+        assert worker.seqs == {}  # 1 as placed there when it died (out of sync: prefilled again), 2 as released
+    finally:
+        backend.close()
+        relay.close()
+        server.stop(None)
+
+
+class ShortAnswers(ToyWorker):
+    """A buggy or mismatched peer: one proposal fewer than the sequences asked."""
+
+    def jit_draft(self, reqs):
+        return super().jit_draft(reqs)[:-1]
+
+
+def test_an_answer_of_the_wrong_size_costs_its_server_s_drafts_only(served):
+    """Old: the backend zipped the short answer (one sequence dropped silently, then a bare KeyError), which the
+    pool does not catch: the healthy server's drafts were lost with it."""
+    short, healthy = served(ShortAnswers()), served(ToyWorker())
+    pool = DraftPool([short, healthy], max_batch_size=2)
+    try:
+        pool.prefill([PrefillRequest(s, [5, 6], GREEDY) for s in (1, 2)])  # one sequence per server
+        on_short = next(s for s in (1, 2) if pool.groups[s] == [0])
+        with pytest.raises(DraftUnavailable) as caught:
+            pool.jit_draft([JitDraftRequest(s, 0, 0, 9) for s in (1, 2)])
+        assert caught.value.seq_ids == [on_short] and list(caught.value.partial) == [3 - on_short]
+        assert pool.lost([1, 2]) == [on_short] and not pool.dead  # prefilled again; the server stays in the pool
+    finally:
+        pool.close()
+
+
+# ---- the draft worker ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault", ["extend", "duplicate id"])
+def test_a_prefill_that_fails_part_way_holds_none_of_its_sequences(pair, fault):
+    """The target takes a refused prefill for sequences the draft does not hold (and never releases them). Old: a
+    forward that failed (out of memory) left them held, state and KV; an id twice in a batch left the first one's
+    KV row taken, and every later prefill of that id failed ("already exists")."""
+    worker = build_draft_worker(Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_threads=1))
+    batch = [PrefillRequest(7, [5, 6, 7], GREEDY), PrefillRequest(8 if fault == "extend" else 7, [5, 9], GREEDY)]
+    if fault == "extend":
+        FailingOnce(worker.runner, "extend", 1, MemoryError("no room for the batch's KV"))
+    with pytest.raises((MemoryError, ValueError)):
+        worker.prefill(batch)
+    assert worker.seqs == {} and worker.lives.of(7) == 0
+    worker.prefill([PrefillRequest(7, [5, 6, 7], GREEDY)])  # the same id, taken afresh
+    assert sorted(worker.seqs) == [7] and worker.runner.length(7) == 3
