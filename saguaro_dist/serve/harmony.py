@@ -193,6 +193,13 @@ class _Reader:
         return True
 
 
+def message_open(text: str) -> bool:
+    """Whether `text` (a prompt's end) leaves a message's body open: its last <|message|> has no end after it
+    (a prefilled answer the reply continues)."""
+    at = text.rfind(MESSAGE)
+    return at >= 0 and _first(text, _BODY_ENDS, at)[0] < 0
+
+
 def _outside_text(text: str, steps: list) -> None:
     if text:
         steps.append((Step.TEXT, None, text))

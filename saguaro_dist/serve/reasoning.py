@@ -6,25 +6,27 @@
   deepseek_r1  the chat template opens <think> in the prompt: everything before </think> is reasoning,
                and a reply cut before it is all reasoning
   openai_gptoss  gpt-oss's harmony channels (harmony.py): analysis is reasoning, final (and commentary) the
-               content; its markers are special tokens, kept in the text. A constrained reply is split where it
-               is harmony itself: no <think> grammar is wrapped around its constraint (reasoning_first)
+               content; its markers are special tokens, kept in the text. A constrained reply may write an
+               analysis message first, then its constraint as the final channel's body (harmony_first)
 
 A constrained reply (structured outputs, a named or required tool call) lets the model reason first, as
 vLLM applies structured outputs once reasoning ends: `reasoning_first` makes one grammar of "any text up to
 the first </think>, whitespace, then what the request allows", so every speculation path samples it
-exactly. Not when the prompt already closed the reasoning (Qwen3 with enable_thinking off), nor for a
-request's own Lark grammar (it is not nested): such replies are constrained whole and not split.
+exactly. Not when the prompt already closed the reasoning (Qwen3 with enable_thinking off; harmony: the
+prompt leaves a message open), nor for a request's own Lark grammar (it is not nested): such replies are
+constrained whole and not split (gpt-oss's: read as harmony, as they come).
 """
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
 from saguaro_dist.engine.structured import JSON_DEFAULTS
 from saguaro_dist.sampling_params import StructuredOutputsParams
-from saguaro_dist.serve.harmony import HarmonySplitter, reasoning_token_count, split_harmony
+from saguaro_dist.serve.harmony import MARKERS, HarmonySplitter, message_open, reasoning_token_count, split_harmony
 from saguaro_dist.serve.tool_parsers import partial_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -130,12 +132,38 @@ _REASONING_THEN = ('start: reasoning answer | reasoning WS answer\n'
                    'WS: /[ \\t\\r\\n]+/\n')
 
 
-def reasoning_first(spec: StructuredOutputsParams, prompt_text: str) -> StructuredOutputsParams | None:
+# gpt-oss (vLLM's harmony structured outputs): an optional analysis message, then the final channel, whose
+# body is what the request allows, ended by <|end|> or EOS (<|return|> is one). Markers are special tokens
+# (bare `<|channel|>` in Lark); the analysis body holds no marker's text either, so the splitter, which reads
+# the text, splits it where the grammar does. JSON may declare its type in the header, as gpt-oss writes it.
+_HARMONY_THEN = ('start: analysis? final\n'
+                 'analysis: <|channel|> "analysis" <|message|> ANALYSIS <|end|> <|start|> "assistant"\n'
+                 'ANALYSIS: /(.|\\n)*/ & ~/(.|\\n)*(' + "|".join(map(re.escape, MARKERS)) + ')(.|\\n)*/\n'
+                 'final: <|channel|> "final" content_type <|message|> answer <|end|>?\n')
+_JSON_TYPES = '"" | " json" | " " <|constrain|> "json"'
+
+
+def reasoning_first(spec: StructuredOutputsParams, prompt_text: str,
+                    parser: ReasoningParser | None = None) -> StructuredOutputsParams | None:
     """spec with the model's reasoning allowed before it (see the module's note); None when the prompt
     already closed the reasoning or spec is a Lark grammar of the request's own."""
-    if spec.grammar is not None or _reasoning_closed(prompt_text):
+    if spec.grammar is not None:
+        return None
+    if parser is not None and parser.harmony:
+        return harmony_first(spec, prompt_text)
+    if _reasoning_closed(prompt_text):
         return None
     return StructuredOutputsParams(grammar=_REASONING_THEN + "answer: " + _answer(spec))
+
+
+def harmony_first(spec: StructuredOutputsParams, prompt_text: str) -> StructuredOutputsParams | None:
+    """gpt-oss's: spec as the final channel's body after an optional analysis message; None where the
+    prompt leaves a message open (the reply continues its body)."""
+    if message_open(prompt_text):
+        return None
+    is_json = spec.json is not None or spec.json_object
+    return StructuredOutputsParams(grammar=_HARMONY_THEN + "content_type: " + (_JSON_TYPES if is_json else '""')
+                                   + "\nanswer: " + _answer(spec))
 
 
 def _reasoning_closed(prompt_text: str) -> bool:

@@ -108,9 +108,9 @@ class ServingState:
     def reason_first(self, job: Job) -> Job:
         """With a reasoning parser, a constrained chat reply may reason before what it is held to."""
         spec = job.params.structured_outputs
-        if self.reasoning_parser is None or spec is None or self.reasoning_parser.harmony:  # (no <think> to wrap)
+        if self.reasoning_parser is None or spec is None:  # (harmony: an analysis message, then the final channel)
             return job
-        wrapped = reasoning_first(spec, self.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:]))
+        wrapped = reasoning_first(spec, self.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_parser)
         if wrapped is None:
             return job
         return replace(job, params=replace(job.params, structured_outputs=wrapped), reasoned=True)
