@@ -132,6 +132,10 @@ def test_latencies_are_ordered_and_span_the_request(traced):
     names = ("time_to_first_token", "time_in_model_decode", "e2e")
     first, decode, e2e = (got[f"gen_ai.latency.{name}"] for name in names)
     assert 0 < first <= first + decode <= e2e
+    queue, prefill, inference = (got[f"gen_ai.latency.{name}"]
+                                 for name in ("time_in_queue", "time_in_model_prefill", "time_in_model_inference"))
+    assert queue >= 0 and prefill > 0 and queue + prefill == pytest.approx(first)  # (vLLM's phases)
+    assert inference == pytest.approx(prefill + decode)
     assert span.start_time_unix_nano < span.end_time_unix_nano
     assert span.end_time_unix_nano - span.start_time_unix_nano == pytest.approx(e2e * 1e9, abs=1e3)
 

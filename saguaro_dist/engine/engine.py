@@ -219,13 +219,15 @@ class Engine:
         now (its last token always waits for the final prefill) and goes on next step: a long prompt
         costs the running sequences' rounds a bounded pause a step, not its whole prefill (vLLM's
         chunked prefill). Their first tokens come from loop.admit, which also prefills the draft."""
-        budget, ready = self.config.max_num_batched_tokens, []
+        budget, ready, now = self.config.max_num_batched_tokens, [], time.perf_counter()
         for s in self.prefilling:
             left = len(s.prompt_token_ids) - s.prefilled
             if left > budget:
                 if budget > 0:
+                    s.metrics.record_scheduled(now - s.arrival_time)
                     self.target.prefill_part(s, budget)
                 break
+            s.metrics.record_scheduled(now - s.arrival_time)
             ready.append(s)
             budget -= left
         self.prefilling = self.prefilling[len(ready):]
@@ -261,8 +263,7 @@ class Engine:
         """Add verified tokens up to the first stop condition; cut stop strings from the text. A request whose
         grammar llguidance could not follow (s.error: while scoring, or committing here) ends there alone."""
         if not s.output_token_ids:
-            s.metrics.time_to_first_token_s = time.perf_counter() - s.arrival_time
-            s.metrics.first_token_time = time.time()
+            s.metrics.record_first_token(time.perf_counter() - s.arrival_time)
         logprobs, before = s.round_logprobs, len(s.output_token_ids)  # the target's, for these tokens (if asked)
         if logprobs:
             s.round_logprobs = []

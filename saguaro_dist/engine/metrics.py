@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 
 @dataclass
 class RequestMetrics:
+    """One request's counters and times. Durations are in seconds on the engine's clock (time.perf_counter),
+    from the request's arrival at the engine (on Ray, at rank 0's): arrival -> first scheduled (time_in_queue_s)
+    -> first token (prefill_time_s; time_to_first_token_s is the two together) -> last token (decode_time_s).
+    vLLM's phases (its request_queue / prefill / decode / inference_time_seconds histograms and span attributes)."""
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
     rounds: int = 0                  # verification rounds (AR: decode steps)
@@ -22,6 +27,13 @@ class RequestMetrics:
     first_token_time: float = 0.0    # wall clock (time.time()) when the first token came, vLLM's name
     total_time_s: float = 0.0
     num_cached_tokens: int = 0       # prompt tokens whose KV the prefix cache supplied (vLLM's name)
+    first_scheduled_time: float = 0.0  # wall clock (time.time()) when first scheduled, vLLM's name; 0: never
+    time_in_queue_s: float = 0.0
+    """Arrival -> first scheduled: the first engine step that ran part of its prompt (with chunked prefill, the
+    first chunk's start; a prompt the prefix cache holds whole, its last token's). Later chunks change nothing."""
+    prefill_time_s: float = 0.0
+    """First scheduled -> first token (vLLM's prefill interval): every chunk of its prompt, and the steps of
+    other requests' rounds between them."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -38,6 +50,21 @@ class RequestMetrics:
         return self.cache_hits / lookups if lookups else 0.0
 
     @property
+    def scheduled(self) -> bool:
+        """Whether any of its prompt ran (an abort in the queue: never)."""
+        return self.first_scheduled_time > 0
+
+    @property
+    def decode_time_s(self) -> float:
+        """First token -> last (vLLM's decode interval; an aborted request's: to its abort); 0 before a first token."""
+        return max(0.0, self.total_time_s - self.time_to_first_token_s) if self.first_token_time else 0.0
+
+    @property
+    def inference_time_s(self) -> float:
+        """First scheduled -> last token (vLLM's inference interval: prefill and decode)."""
+        return self.prefill_time_s + self.decode_time_s
+
+    @property
     def tokens_per_s(self) -> float:
         return self.num_generated_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
@@ -50,12 +77,26 @@ class RequestMetrics:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
+    def record_scheduled(self, since_arrival_s: float) -> None:
+        """Its prompt starts to run, since_arrival_s after it arrived: the end of its wait in the queue. Only
+        the first time counts (vLLM's first SCHEDULED event): a chunked prompt's later parts are its prefill."""
+        if not self.scheduled:
+            self.first_scheduled_time = time.time()
+            self.time_in_queue_s = since_arrival_s
+
+    def record_first_token(self, since_arrival_s: float) -> None:
+        """Its first token came, since_arrival_s after it arrived: the end of its prefill."""
+        self.time_to_first_token_s = since_arrival_s
+        self.first_token_time = time.time()
+        self.prefill_time_s = since_arrival_s - self.time_in_queue_s if self.scheduled else 0.0
+
     def record_fallback(self, kind: str) -> None:
         self.fallbacks[kind] = self.fallbacks.get(kind, 0) + 1
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for name in ("acceptance_rate", "mean_accepted_length", "cache_hit_rate", "tokens_per_s"):
+        for name in ("acceptance_rate", "mean_accepted_length", "cache_hit_rate", "tokens_per_s", "decode_time_s",
+                     "inference_time_s"):
             out[name] = getattr(self, name)
         return out
 

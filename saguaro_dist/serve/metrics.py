@@ -12,6 +12,17 @@ _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1
 # slower than 40 s lands in a finite bucket rather than only in +Inf, where quantiles read it as 40 s.
 _TTFT_BUCKETS = [*_LATENCY_BUCKETS, 80.0, 160.0, 640.0, 2560.0]
 _E2E_BUCKETS = [*_LATENCY_BUCKETS, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# vLLM's REQUEST_LATENCY_BUCKETS (vllm/v1/metrics/buckets.py), which its request phase histograms share
+_PHASE_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                  480.0, 960.0, 1920.0, 7680.0]
+# vLLM's request phase histograms: RequestMetrics property -> name, help text (vLLM's)
+REQUEST_PHASES = (
+    ("time_in_queue_s", "saguaro_request_queue_time_seconds", "Histogram of time spent in WAITING phase for request."),
+    ("prefill_time_s", "saguaro_request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request."),
+    ("decode_time_s", "saguaro_request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."),
+    ("inference_time_s", "saguaro_request_inference_time_seconds",
+     "Histogram of time spent in RUNNING phase for request."),
+)
 
 
 # EngineMetrics field -> counter name and help text.
@@ -64,6 +75,8 @@ class ServeMetrics:
         self.itl = self._make(make, "histogram", "saguaro_inter_token_latency_seconds", "Time per output token")
         self.e2e = self._make(make, "histogram", "saguaro_e2e_request_latency_seconds", "Request latency",
                               buckets=_E2E_BUCKETS)
+        self.phases = {field: self._make(make, "histogram", name, doc, buckets=_PHASE_BUCKETS)
+                       for field, name, doc in REQUEST_PHASES}
         self.success = self._make(make, "counter", "saguaro_request_success", "Generations finished, by reason "
                                   "(stop, length, abort, ...)", ("model", "finished_reason"))
         self.drafted = self._make(make, "counter", "saguaro_drafted_tokens", "Draft tokens proposed")
@@ -122,6 +135,7 @@ class ServeMetrics:
         self.success.inc(1, {"finished_reason": str(finish_reason)})
         if engine_metrics is None:
             return
+        self._phases(engine_metrics)
         self.prompt_tokens.inc(engine_metrics.num_prompt_tokens)
         self._inc_positive(self.cached_prompt_tokens, engine_metrics.num_cached_tokens)
         self._inc_positive(self.drafted, engine_metrics.drafted_tokens)
@@ -133,6 +147,15 @@ class ServeMetrics:
         # Optional engine field: accepted counts by speculation position (1-based).
         for position, count in enumerate(getattr(engine_metrics, "accepted_per_position", None) or (), start=1):
             self._inc_positive(self.accepted_at, count, {"position": str(position)})
+
+    def _phases(self, m) -> None:
+        """vLLM's phase histograms: the queue's once its prompt ran, the others' once its first token came (one
+        the engine ended in the queue counts in none; one it ended during its prefill, in the queue's alone)."""
+        if not m.scheduled:
+            return
+        fields = [field for field, _, _ in REQUEST_PHASES] if m.first_token_time else ["time_in_queue_s"]
+        for field in fields:
+            self.phases[field].observe(getattr(m, field))
 
     def aborted(self, seconds: float, prompt_tokens: int) -> None:
         """A generation that ended unfinished (its client went away, its stream was closed early): counted as

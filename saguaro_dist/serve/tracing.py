@@ -42,7 +42,10 @@ class SpanAttributes:
     GEN_AI_USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
     GEN_AI_LATENCY_E2E = "gen_ai.latency.e2e"
     GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN = "gen_ai.latency.time_to_first_token"
+    GEN_AI_LATENCY_TIME_IN_QUEUE = "gen_ai.latency.time_in_queue"
+    GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL = "gen_ai.latency.time_in_model_prefill"
     GEN_AI_LATENCY_TIME_IN_MODEL_DECODE = "gen_ai.latency.time_in_model_decode"
+    GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE = "gen_ai.latency.time_in_model_inference"
     # ours: speculative decoding and the prefix cache, per request (the engine's RequestMetrics)
     SAGUARO_ACCEPTANCE_RATE = "saguaro.spec_decode.acceptance_rate"  # accepted / drafted tokens
     SAGUARO_DRAFT_TOKENS = "saguaro.spec_decode.num_draft_tokens"
@@ -243,17 +246,24 @@ class RequestTracer:
 
 
 def _metrics_attributes(job, m) -> dict:
-    """What the engine measured of a finished generation (its RequestMetrics). The engine keeps no time of
-    admission, so vLLM's time_in_queue / time_in_model_prefill / time_in_model_inference are left out."""
+    """What the engine measured of a finished generation (its RequestMetrics), with vLLM's phases: arrival ->
+    first scheduled (time_in_queue) -> first token (time_in_model_prefill) -> last (time_in_model_decode);
+    time_in_model_inference: prefill and decode. A phase the request never reached is left out."""
     if m is None:
         return {}
-    a, first = SpanAttributes, m.time_to_first_token_s
-    return {a.GEN_AI_USAGE_COMPLETION_TOKENS: 0 if job.scores_only else m.num_generated_tokens,
-            a.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: first,
-            a.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: max(0.0, m.total_time_s - first),  # first token -> last
-            a.SAGUARO_ACCEPTANCE_RATE: m.acceptance_rate, a.SAGUARO_DRAFT_TOKENS: m.drafted_tokens,
-            a.SAGUARO_ACCEPTED_TOKENS: m.accepted_tokens, a.SAGUARO_TREE_CACHE_HIT_RATE: m.cache_hit_rate,
-            a.SAGUARO_CACHED_TOKENS: m.num_cached_tokens}
+    a = SpanAttributes
+    attributes = {a.GEN_AI_USAGE_COMPLETION_TOKENS: 0 if job.scores_only else m.num_generated_tokens,
+                  a.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN: m.time_to_first_token_s,
+                  a.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE: m.decode_time_s,
+                  a.SAGUARO_ACCEPTANCE_RATE: m.acceptance_rate, a.SAGUARO_DRAFT_TOKENS: m.drafted_tokens,
+                  a.SAGUARO_ACCEPTED_TOKENS: m.accepted_tokens, a.SAGUARO_TREE_CACHE_HIT_RATE: m.cache_hit_rate,
+                  a.SAGUARO_CACHED_TOKENS: m.num_cached_tokens}
+    if m.scheduled:
+        attributes[a.GEN_AI_LATENCY_TIME_IN_QUEUE] = m.time_in_queue_s
+    if m.scheduled and m.first_token_time:
+        attributes.update({a.GEN_AI_LATENCY_TIME_IN_MODEL_PREFILL: m.prefill_time_s,
+                           a.GEN_AI_LATENCY_TIME_IN_MODEL_INFERENCE: m.inference_time_s})
+    return attributes
 
 
 def request_tracer(endpoint: str | None, model_name: str) -> RequestTracer | None:
