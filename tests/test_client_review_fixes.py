@@ -1,18 +1,21 @@
 """The SDK against a real loopback server doing what a review caught it mishandling: raw U+2028 in a stream's JSON,
 read timeouts of a generation (retried: the server ran it three times), a LoRA load's 500 sent thrice, an API key
-ending in a newline, redirects, a stream cut short, a 503 whose body breaks off, and a 200 carrying an error."""
+ending in a newline, redirects, a stream cut short, a 503 whose body breaks off, and a 200 carrying an error; then a
+second review's: a long SSE line, an event unended at EOF, Retry-After dates, bodies that do not decode."""
 from __future__ import annotations
 
 import asyncio
 import json
 import time
 from collections import Counter
+from email.utils import formatdate
+from types import SimpleNamespace
 from typing import ClassVar
 
 import pytest
 
-from saguaro_dist.client import (APIConnectionError, APIStatusError, APITimeoutError, AsyncClient, BadRequestError,
-                                 Client, InternalServerError)
+from saguaro_dist.client import (APIConnectionError, APIResponseValidationError, APIStatusError, APITimeoutError,
+                                 AsyncClient, BadRequestError, Client, InternalServerError)
 from scripted_openai import ScriptedServer, Servers
 
 SLOW_S, TIMEOUT_S = 1.5, 0.3  # a reply slower than the client waits
@@ -91,6 +94,47 @@ class _Review(ScriptedServer):
         if self.path.split("/")[2] == "flat":
             error = {"object": "error", "message": "bad temperature", "type": "BadRequestError", "code": 400}
         self.json_reply(200, error)
+
+    def route_tail(self, body):
+        """A stream whose last event the body leaves unended: cut mid-line, or without its blank line."""
+        self._start_stream()
+        self.event(chunk("a"))
+        tails = {"midline": 'data: {"choices": [{"index": 0, "te',
+                 "noblank": f"data: {json.dumps(chunk('b', 'stop'))}\n"}
+        self.wfile.write(tails[self.path.split("/")[2]].encode())
+
+    def route_nullerror(self, body):
+        self._start_stream()
+        self.event({**chunk("ok", "stop"), "error": None})
+        self.wfile.write(b"data: [DONE]\n\n")
+
+    def route_busy(self, body):
+        """503 asking for a wait (retry-after-ms, or Retry-After as an HTTP date 5 s ahead) once, then a reply."""
+        if type(self).hits[self.path] > 1:
+            return self.route_ok(body)
+        how = self.path.split("/")[2]
+        in_5_s = formatdate(time.time() + 5, usegmt=True)
+        wait = ("retry-after-ms", "1500") if how == "ms" else ("retry-after", in_5_s)
+        self.send_response(503)
+        self.send_header(*wait)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def route_gzip(self, body):
+        """A body that says gzip and is not."""
+        status, garbage = int(self.path.split("/")[2]), b"this is not gzip"
+        self.send_response(status)
+        self.send_header("content-type", "text/event-stream" if body.get("stream") else "application/json")
+        self.send_header("content-encoding", "gzip")
+        self.send_header("content-length", str(len(garbage)))
+        self.end_headers()
+        self.wfile.write(garbage)
+
+    def route_loop(self, body):
+        self.send_response(307)
+        self.send_header("location", self.path)
+        self.send_header("content-length", "0")
+        self.end_headers()
 
     def _start_stream(self):
         self.send_response(200)
@@ -262,3 +306,96 @@ def test_a_200_whose_body_is_an_error_raises_it_typed(server, call, shape, strea
     url, _ = server
     with pytest.raises(BadRequestError, match="bad temperature"):
         call(f"{url}/error200/{shape}", "complete", "x", stream=stream)
+
+
+# -- 7: second review: linear line splitting, one classification with or without a stream, EOF per the spec ---
+
+class _CountingPattern:
+    """The splitter's line-end pattern, counting the characters it is asked to search."""
+
+    def __init__(self, pattern):
+        self.pattern, self.searched = pattern, 0
+
+    def __getattr__(self, name):
+        method = getattr(self.pattern, name)
+
+        def counted(text, *args, **kwargs):
+            self.searched += len(text)
+            return method(text, *args, **kwargs)
+        return counted
+
+
+def test_the_line_splitter_searches_each_character_once(monkeypatch):
+    """Each chunk ran the pattern over the line begun plus the chunk: a 16 MiB line in 64 KiB chunks took 12 s."""
+    from saguaro_dist.client import _sse
+    counting = _CountingPattern(_sse._LINE_END)
+    monkeypatch.setattr(_sse, "_LINE_END", counting)
+    line = "data: " + "x" * (1 << 20)
+    data = (line + "\r\n\r\n").encode()
+    splitter, lines = _sse.LineSplitter(), []
+    for i in range(0, len(data), 4096):
+        lines += splitter.feed(data[i:i + 4096])
+    assert lines + splitter.finish() == [line, ""]
+    assert counting.searched <= len(data)
+
+
+def test_a_non_streamed_503_whose_body_breaks_off_is_typed_and_retried(server, call):
+    """Without stream=True httpx read the body inside send(): the break was 'cannot reach', status lost, not retried."""
+    url, handler = server
+    with pytest.raises(InternalServerError, match="broke off") as err:
+        call(url + "/broken503", "complete", "x", max_retries=2, backoff_s=0.01)
+    assert err.value.status_code == 503 and handler.hits["/broken503/v1/completions"] == 3
+
+
+@pytest.mark.parametrize("tail", ["midline", "noblank"])
+def test_an_event_the_body_leaves_unended_is_discarded(server, call, tail):
+    """The SSE spec (and openai's decoder) discard an event unended at EOF. It was dispatched: half a JSON chunk was
+    an APIResponseValidationError (never retried: 'not the API's reply'), not the truncation it is."""
+    url, _ = server
+    with pytest.raises(APIConnectionError, match="ended before \\[DONE\\]"):
+        call(f"{url}/tail/{tail}", "complete", "x", stream=True)
+
+
+def test_a_chunk_with_a_null_error_is_no_error(server, call):
+    url, _ = server
+    assert call(url + "/nullerror", "complete", "x", stream=True) == "ok"
+
+
+@pytest.mark.parametrize("how, low, high", [("ms", 1.5, 1.5), ("date", 3.0, 5.0)])
+def test_retry_after_ms_and_an_http_date_are_waited_for(server, monkeypatch, how, low, high):
+    """Only Retry-After in seconds was read: a date or retry-after-ms fell back to backoff (0 here)."""
+    from saguaro_dist.client import client as client_module
+    slept = []
+    monkeypatch.setattr(client_module, "time", SimpleNamespace(sleep=slept.append))  # record the wait, skip it
+    url, _ = server
+    with Client(f"{url}/busy/{how}", max_retries=1, backoff_s=0) as client:
+        assert client.complete("x").text == "POST x"
+    assert len(slept) == 1 and low <= slept[0] <= high
+
+
+def test_retry_after_headers_are_read_as_openai_does():
+    import httpx
+
+    from saguaro_dist.client import RetryPolicy
+    policy = RetryPolicy(backoff_s=0, max_backoff_s=8)
+    assert policy.delay(0, httpx.Headers({"retry-after-ms": "250", "Retry-After": "3"})) == 0.25
+    assert policy.delay(0, httpx.Headers({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"})) == 0  # passed: now
+    assert policy.delay(0, httpx.Headers({"Retry-After": formatdate(time.time() + 60, usegmt=True)})) == 8  # cap
+    assert policy.delay(0, "2") == 2 and policy.delay(0, "soon") == 0
+
+
+@pytest.mark.parametrize("status, error", [(200, APIResponseValidationError), (503, InternalServerError)])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_body_that_does_not_decode_is_a_typed_error(server, call, status, error, stream):
+    """httpx.DecodingError (a corrupt gzip body) escaped raw."""
+    url, _ = server
+    with pytest.raises(error):
+        call(f"{url}/gzip/{status}", "complete", "x", stream=stream)
+
+
+def test_a_redirect_loop_names_the_limit(server, call):
+    """It said the redirect was 'not followed (only a 307/308 of a POST ... is)', of a 307 it had followed 5 times."""
+    url, handler = server
+    with pytest.raises(APIStatusError, match="limit of 5") as err:
+        call(url + "/loop", "complete", "x")
+    assert err.value.status_code == 307 and handler.hits["/loop/v1/completions"] == 6

@@ -1,10 +1,12 @@
 """What the sync and async clients share: URLs, payloads, retry policy, SSE parsing, results."""
 from __future__ import annotations
 
+import email.utils
 import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from enum import Enum
 
 import httpx
@@ -112,21 +114,46 @@ class RetryPolicy:
         if not self.backoff_s >= 0 or not self.max_backoff_s >= 0:  # (NaN fails >= 0 too)
             raise ValueError(f"backoff_s and max_backoff_s must be >= 0, got {self.backoff_s!r}, {self.max_backoff_s!r}")
 
-    def delay(self, attempt: int, retry_after: str | None = None) -> float:
-        seconds = _seconds(retry_after)
+    def delay(self, attempt: int, retry_after: str | Mapping | None = None) -> float:
+        """retry_after: a reply's headers (retry-after-ms, Retry-After) or a Retry-After value."""
+        headers = {"retry-after": retry_after} if isinstance(retry_after, str) else retry_after or {}
+        seconds = retry_after_s(headers)
         if seconds is not None:
             return min(seconds, self.max_backoff_s)
         base = min(self.backoff_s * (2 ** attempt), self.max_backoff_s)
         return base * random.uniform(0.5, 1.0)  # jitter: retrying clients do not stampede together
 
 
-def _seconds(retry_after: str | None) -> float | None:
-    """Retry-After's delay in seconds; None for an HTTP date, a negative or a NaN (time.sleep refuses those)."""
+def retry_after_s(headers: Mapping) -> float | None:
+    """The wait a reply asks for, as openai reads it: retry-after-ms (not standard, finer), else Retry-After in
+    seconds or as an HTTP date (a date passed: now). None where there is none, or a negative or NaN (time.sleep
+    refuses those)."""
+    seconds = _number(headers.get("retry-after-ms"))
+    if seconds is not None:
+        return seconds / 1000
+    value = headers.get("retry-after")
+    seconds = _number(value)
+    if seconds is None and value:
+        seconds = _seconds_until(value)
+    return seconds
+
+
+def _number(value: str | None) -> float | None:
     try:
-        seconds = float(retry_after) if retry_after else None
+        seconds = float(value) if value else None
     except ValueError:
         return None
     return seconds if seconds is not None and seconds >= 0 else None
+
+
+def _seconds_until(http_date: str) -> float | None:
+    try:
+        when = email.utils.parsedate_to_datetime(http_date)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if when.tzinfo is None:  # (RFC 9110 dates are GMT; "-0000" parses naive)
+        when = when.replace(tzinfo=timezone.utc)
+    return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
 
 
 def check_timeout(timeout) -> None:
@@ -268,7 +295,7 @@ class StreamAccumulator:
         chunk = _parsed(data)
         if not isinstance(chunk, dict):
             raise invalid_reply(self._status, "an event's data is not a JSON object", data)
-        if "error" in chunk or is_error_body(chunk):
+        if is_error_body(chunk):  # (a truthy error only: a chunk may carry "error": null)
             raise stream_error(chunk)
         return self._take(chunk)
 

@@ -15,7 +15,8 @@ from enum import Enum
 
 import httpx
 
-from saguaro_dist.client.errors import APIConnectionError, APIStatusError, APITimeoutError
+from saguaro_dist.client.errors import (APIConnectionError, APIResponseValidationError, APIStatusError,
+                                        APITimeoutError)
 
 MAX_REDIRECTS = 5
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)  # the request never left
@@ -75,9 +76,22 @@ def redirect_to_follow(response: httpx.Response) -> httpx.Request | None:
 
 
 def redirect_error(response: httpx.Response) -> APIStatusError:
+    """A 3xx not followed: one that is unsafe to follow, or one past the limit of MAX_REDIRECTS (a loop)."""
     location = response.headers.get("location")
     where = f"to {location}" if location else "without a Location"
-    return APIStatusError(response.status_code, f"{response.request.method} {response.request.url} was redirected "
-                                                f"{where}, not followed (only a 307/308 of a POST, or a GET's, is; "
-                                                f"at most {MAX_REDIRECTS}): set the client's base_url to the target",
-                          body=None)
+    request = response.request
+    if redirect_to_follow(response) is not None:
+        why = f"after {MAX_REDIRECTS} redirects followed (the limit of {MAX_REDIRECTS}; a redirect loop?)"
+    else:
+        why = "not followed (only a 307/308 of a POST, or a GET's, is)"
+    return APIStatusError(response.status_code, f"{request.method} {request.url} was redirected {where}, {why}: "
+                                                f"set the client's base_url to the target", body=None)
+
+
+def decoding_error(status_code: int, err: httpx.DecodingError) -> APIResponseValidationError:
+    """A body whose content-encoding does not decode (corrupt gzip): a reply that is not the API's, never retried
+    (httpx's DecodingError escaped raw)."""
+    error = APIResponseValidationError(status_code, f"the reply's body could not be decoded ({type(err).__name__}): "
+                                                    f"{err}")
+    error.__cause__ = err
+    return error

@@ -49,6 +49,8 @@ class AsyncStream:
             raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
             raise APIConnectionError(f"the stream broke: {err}") from err
+        except httpx.DecodingError as err:
+            raise policy.decoding_error(self._response.status_code, err) from err
 
     def __getattr__(self, name):
         if name.startswith("_"):  # never recurse while half-built
@@ -139,32 +141,46 @@ class AsyncClient:
     async def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
                     stream: bool = False) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):
-            response, error, retry_after = await self._attempt(method, url, body, stream)
+            response, error, headers = await self._attempt(method, url, body, stream)
             if response is not None:
                 return response
             if attempt == self._retry.max_retries or not policy.should_retry(kind, error):
                 raise error
-            await asyncio.sleep(self._retry.delay(attempt, retry_after))
+            await asyncio.sleep(self._retry.delay(attempt, headers))
         raise AssertionError("unreachable")
 
     async def _attempt(self, method, url, body, stream):
+        """As Client._attempt: always streamed, a whole reply read here."""
         try:
-            response = await self._follow(self._http.build_request(method, url, json=body), stream)
+            response = await self._follow(self._http.build_request(method, url, json=body))
         except httpx.TransportError as err:
             return None, policy.transport_error(method, url, err), None
-        if response.is_success:
-            return response, None, None
-        return None, await self._failure(response), response.headers.get("retry-after")
+        if not response.is_success:
+            return None, await self._failure(response), response.headers
+        error = None if stream else await self._read(response, method, url)
+        return (None, error, None) if error else (response, None, None)
 
-    async def _follow(self, request: httpx.Request, stream: bool) -> httpx.Response:
-        response = await self._http.send(request, stream=stream, follow_redirects=False)
+    async def _follow(self, request: httpx.Request) -> httpx.Response:
+        response = await self._http.send(request, stream=True, follow_redirects=False)
         for _ in range(policy.MAX_REDIRECTS):
             target = policy.redirect_to_follow(response)
             if target is None:
                 break
             await response.aclose()
-            response = await self._http.send(target, stream=stream, follow_redirects=False)
+            response = await self._http.send(target, stream=True, follow_redirects=False)
         return response
+
+    @staticmethod
+    async def _read(response: httpx.Response, method: str, url: str) -> Exception | None:
+        try:
+            await response.aread()
+        except httpx.TransportError as err:
+            return policy.transport_error(method, url, err)
+        except httpx.DecodingError as err:
+            return policy.decoding_error(response.status_code, err)
+        finally:
+            await response.aclose()
+        return None
 
     async def _failure(self, response: httpx.Response) -> Exception:
         if 300 <= response.status_code < 400:
@@ -172,8 +188,8 @@ class AsyncClient:
             return policy.redirect_error(response)
         try:
             body = common.response_body(await response.aread())
-        except httpx.TransportError as err:
-            body = f"HTTP {response.status_code}; its body broke off ({type(err).__name__}): {err}"
+        except (httpx.TransportError, httpx.DecodingError) as err:
+            body = f"HTTP {response.status_code}; its body broke off or did not decode ({type(err).__name__}): {err}"
         finally:
             await response.aclose()
         return status_error(response.status_code, body)

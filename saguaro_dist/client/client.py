@@ -48,6 +48,8 @@ class Stream:
             raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
             raise APIConnectionError(f"the stream broke: {err}") from err
+        except httpx.DecodingError as err:
+            raise policy.decoding_error(self._response.status_code, err) from err
 
     def __getattr__(self, name):
         if name.startswith("_"):  # never recurse while half-built
@@ -69,8 +71,9 @@ class Stream:
 class Client:
     """`Client("http://127.0.0.1:8000", api_key=...)`; `complete()`, `chat()`, `stream=True` for deltas.
 
-    Retries (max_retries, backoff with jitter, Retry-After honoured) only where the server demonstrably did not
-    process the request or says to try again: a connection never made, 408, 429, 503; also 502 for a generation;
+    Retries (max_retries, backoff with jitter; Retry-After, in seconds or a date, and retry-after-ms honoured up to
+    8 s) only where the server demonstrably did not process the request or says to try again: a connection never
+    made, 408, 429, 503; also 502 for a generation;
     and for read-only calls (GET, tokenize, reset_prefix_cache) any transport failure, 500 and 504. A generation's
     read timeout or dropped connection is never retried (the server has it), nor a LoRA load/unload's
     5xx other than 503.
@@ -146,34 +149,50 @@ class Client:
     def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
               stream: bool = False) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):
-            response, error, retry_after = self._attempt(method, url, body, stream)
+            response, error, headers = self._attempt(method, url, body, stream)
             if response is not None:
                 return response
             if attempt == self._retry.max_retries or not policy.should_retry(kind, error):
                 raise error
-            time.sleep(self._retry.delay(attempt, retry_after))
+            time.sleep(self._retry.delay(attempt, headers))
         raise AssertionError("unreachable")
 
     def _attempt(self, method, url, body, stream):
-        """(response, None, None) on success, else (None, error, Retry-After)."""
+        """(response, None, None) on success, else (None, error, the reply's headers: Retry-After). The reply is
+        always streamed and a whole one read here, so an error body that breaks off is the same typed (retried)
+        error whether the caller asked for a stream or not."""
         try:
-            response = self._follow(self._http.build_request(method, url, json=body), stream)
+            response = self._follow(self._http.build_request(method, url, json=body))
         except httpx.TransportError as err:
             return None, policy.transport_error(method, url, err), None
-        if response.is_success:
-            return response, None, None
-        return None, self._failure(response), response.headers.get("retry-after")
+        if not response.is_success:
+            return None, self._failure(response), response.headers
+        error = None if stream else self._read(response, method, url)
+        return (None, error, None) if error else (response, None, None)
 
-    def _follow(self, request: httpx.Request, stream: bool) -> httpx.Response:
+    def _follow(self, request: httpx.Request) -> httpx.Response:
         """The response, after the redirects that are safe to follow (policy.redirect_to_follow)."""
-        response = self._http.send(request, stream=stream, follow_redirects=False)
+        response = self._http.send(request, stream=True, follow_redirects=False)
         for _ in range(policy.MAX_REDIRECTS):
             target = policy.redirect_to_follow(response)
             if target is None:
                 break
             response.close()
-            response = self._http.send(target, stream=stream, follow_redirects=False)
+            response = self._http.send(target, stream=True, follow_redirects=False)
         return response
+
+    @staticmethod
+    def _read(response: httpx.Response, method: str, url: str) -> Exception | None:
+        """Reads a success reply's body; the error where it breaks off or does not decode."""
+        try:
+            response.read()
+        except httpx.TransportError as err:
+            return policy.transport_error(method, url, err)
+        except httpx.DecodingError as err:
+            return policy.decoding_error(response.status_code, err)
+        finally:
+            response.close()
+        return None
 
     def _failure(self, response: httpx.Response) -> Exception:
         """The typed error of a reply that is no success; a body that breaks off keeps the status it came with."""
@@ -182,8 +201,8 @@ class Client:
             return policy.redirect_error(response)
         try:
             body = common.response_body(response.read())
-        except httpx.TransportError as err:
-            body = f"HTTP {response.status_code}; its body broke off ({type(err).__name__}): {err}"
+        except (httpx.TransportError, httpx.DecodingError) as err:
+            body = f"HTTP {response.status_code}; its body broke off or did not decode ({type(err).__name__}): {err}"
         finally:
             response.close()
         return status_error(response.status_code, body)
