@@ -61,6 +61,16 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", nargs="+",
                         help="model name the OpenAI API reports (default: --model); several: requests may give any, "
                              "replies name the first")
+    _add_reply_parser_options(parser)
+    parser.add_argument("--generation-config", default=DEFAULTS.generation_config,
+                        help="requests' sampling defaults: auto (the model's generation_config.json, as vLLM), "
+                             "vllm (none), or a folder in the image / under /models")
+    parser.add_argument("--chat-template",
+                        help="a Jinja chat template, or a local file of one: its text goes into the manifest")
+
+
+def _add_reply_parser_options(parser: argparse.ArgumentParser) -> None:
+    """How the replicas read tool calls and reasoning out of replies (vLLM's parsers)."""
     parser.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
                         help='read tool_choice "auto" replies in this format (hermes: Qwen 2.5 / 3, Hermes; '
                              'llama3_json: Llama 3.1-3.3; mistral; qwen3_coder: Qwen3-Coder; pythonic: Llama 3.2 / 4; '
@@ -71,11 +81,6 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
                         help="return <think> text (gpt-oss: its analysis channel) as the chat message's reasoning "
                              "(qwen3, deepseek_r1, openai_gptoss)")
-    parser.add_argument("--generation-config", default=DEFAULTS.generation_config,
-                        help="requests' sampling defaults: auto (the model's generation_config.json, as vLLM), "
-                             "vllm (none), or a folder in the image / under /models")
-    parser.add_argument("--chat-template",
-                        help="a Jinja chat template, or a local file of one: its text goes into the manifest")
 
 
 def _add_serve_flag_options(parser: argparse.ArgumentParser) -> None:

@@ -107,6 +107,21 @@ def with_default_model(args: dict) -> dict:
 
 
 # ---- saguaro serve ------------------------------------------------------------------------------
+def _add_reply_parsers(g) -> None:
+    """How tool calls and reasoning are read out of replies (vLLM's parsers)."""
+    g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
+                   help='read tool calls out of tool_choice "auto" replies in this format (hermes: <tool_call> JSON '
+                        '</tool_call>, Hermes and Qwen 2.5 / 3; llama3_json: Llama 3.1-3.3 JSON calls; mistral: '
+                        '[TOOL_CALLS] lists; qwen3_coder: Qwen3-Coder XML calls; pythonic: Llama 3.2 / 4 Python lists; '
+                        'openai: gpt-oss harmony calls); without it "auto" is a 400')
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='vLLM\'s: tool_choice "auto" (on here whenever --tool-call-parser is given; accepted so vLLM '
+                        'command lines run, and like vLLM refused without --tool-call-parser)')
+    g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
+                   help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
+                        "deepseek_r1: DeepSeek-R1, QwQ; openai_gptoss: gpt-oss's analysis channel)")
+
+
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve",
                               description="Start an embedded Ray cluster (or join --address) and serve "
@@ -123,17 +138,7 @@ def register(subparsers) -> None:
     g.add_argument("--stream-interval-ms", type=float,
                    help="streamed tokens closer together than this go out as one SSE chunk (default 50, as "
                         "Ray Serve LLM; 0: a chunk per engine round)")
-    g.add_argument("--tool-call-parser", choices=[p.value for p in ToolCallParser],
-                   help='read tool calls out of tool_choice "auto" replies in this format (hermes: <tool_call> JSON '
-                        '</tool_call>, Hermes and Qwen 2.5 / 3; llama3_json: Llama 3.1-3.3 JSON calls; mistral: '
-                        '[TOOL_CALLS] lists; qwen3_coder: Qwen3-Coder XML calls; pythonic: Llama 3.2 / 4 Python lists; '
-                        'openai: gpt-oss harmony calls); without it "auto" is a 400')
-    g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='vLLM\'s: tool_choice "auto" (on here whenever --tool-call-parser is given; accepted so vLLM '
-                        'command lines run, and like vLLM refused without --tool-call-parser)')
-    g.add_argument("--reasoning-parser", choices=[p.value for p in ReasoningParser],
-                   help="return a thinking model's <think> text as the chat message's `reasoning` (qwen3: Qwen3; "
-                        "deepseek_r1: DeepSeek-R1, QwQ; openai_gptoss: gpt-oss's analysis channel)")
+    _add_reply_parsers(g)
     g.add_argument("--chat-template", help=CHAT_TEMPLATE_HELP)
     g.add_argument("--enable-log-requests", dest="log_requests", action="store_true", default=None,
                    help="log an INFO line as each generation starts and ends (request id, prompt tokens, settings, "
