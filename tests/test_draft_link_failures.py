@@ -5,6 +5,7 @@ output stays the target's own."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -16,12 +17,15 @@ from test_grpc_toy_worker import ToyWorker
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.draft_pool import DraftPool
 from saguaro_dist.distributed.draft_service import serve_draft
-from saguaro_dist.distributed.errors import DraftRpcError, DraftUnavailable
+from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable
 from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
 from saguaro_dist.engine.build import build_draft_worker, make_runner
+from saguaro_dist.engine.draft_backend import LocalDraftBackend
 from saguaro_dist.engine.engine import Engine
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, Outcome, PrefillRequest, Release
+from saguaro_dist.engine.sd_loop import PREFILL_TRIES
 from saguaro_dist.engine.sequence import Sequence
+from saguaro_dist.engine.split_draft import SplitDraftBackend
 from saguaro_dist.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
@@ -280,3 +284,158 @@ def test_a_prefill_that_fails_part_way_holds_none_of_its_sequences(pair, fault):
     assert worker.seqs == {} and worker.lives.of(7) == 0
     worker.prefill([PrefillRequest(7, [5, 6, 7], GREEDY)])  # the same id, taken afresh
     assert sorted(worker.seqs) == [7] and worker.runner.length(7) == 3
+
+
+# ---- a draft failure that may pass (out of memory, INTERNAL) is not a refusal -----------------------------------
+
+class FailingPrefills:
+    """worker.prefill fails (RuntimeError: INTERNAL on the wire, as a CUDA out-of-memory error) its first `first`
+    calls, and every batch holding a prompt with REFUSED in it; counts each sequence's prefills and records those
+    it took."""
+
+    def __init__(self, worker, first: int = 0):
+        self.calls, self.first, self.took, self.prefills = 0, first, set(), {}
+        self._real = worker.prefill
+        worker.prefill = self
+
+    def __call__(self, reqs):
+        self.calls += 1
+        for r in reqs:
+            self.prefills[r.seq_id] = self.prefills.get(r.seq_id, 0) + 1
+        if self.calls <= self.first or any(REFUSED in r.prompt_token_ids for r in reqs):
+            raise RuntimeError("CUDA out of memory (a failure that may pass)")
+        self._real(reqs)
+        self.took.update(r.seq_id for r in reqs)
+
+
+def test_a_draft_failure_of_a_moment_at_admission_costs_no_sequence_its_draft(pair):
+    """Old: every error but DraftUnavailable counted as the sequence's own: the batch's sequences were retried
+    alone at once, in the same step, and the one whose retry the same moment's failure hit went draftless for
+    life. Now a failure that may pass leaves them lost, prefilled again on a later round."""
+    config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1,
+                    max_batch_size=4)
+    worker = build_draft_worker(config)
+    failing = FailingPrefills(worker, first=2)  # the admission's batch, and the next try
+    prompts = [list(PROMPTS[i]) + [i + 1] for i in range(4)]
+    outputs = run_engine(config, worker, prompts, tokens=24)
+    for got, prompt in zip(outputs, prompts):
+        assert_greedy_equal(got, hf_greedy(pair["model"], prompt, 24), prompt, pair["model"])
+    assert failing.took == {0, 1, 2, 3}, failing.prefills
+
+
+def test_a_sequence_whose_draft_prefill_keeps_failing_goes_without_a_draft_alone(pair):
+    """A failure that may pass but does not (here one sequence's, every time): prefilled again at most
+    PREFILL_TRIES times with its batch, then once alone; then it goes on without a draft, the others with theirs."""
+    config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1,
+                    max_batch_size=3)
+    worker = build_draft_worker(config)
+    failing = FailingPrefills(worker)
+    prompts = [PROMPTS[0], [5, REFUSED, 9], PROMPTS[1]]
+    outputs = run_engine(config, worker, prompts, tokens=20)
+    for got, prompt in zip(outputs, prompts):
+        assert_greedy_equal(got, hf_greedy(pair["model"], prompt, 20), prompt, pair["model"])
+    assert failing.prefills[1] <= PREFILL_TRIES + 1 and failing.took == {0, 2}, failing.prefills
+
+
+def test_a_tree_side_that_refuses_a_sequence_leaves_it_its_just_in_time_drafts(pair):
+    """The split executor: old, the tree side's refusal failed the prefill, and the engine took the sequence off
+    the draft for good, though the thread's half held it. Now a batch is refused whole (the engine then prefills
+    each alone), and one refused alone is drafted here, without trees, never reported lost."""
+    config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1)
+    tree_worker = build_draft_worker(config)
+    RefusingPrompts(tree_worker)
+    server, port = serve_draft(tree_worker, "127.0.0.1", 0)
+    pool = DraftPool([GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=10.0)], max_batch_size=4)
+    split = SplitDraftBackend(LocalDraftBackend(build_draft_worker(config)), pool)
+    seen_all = LocalDraftBackend(build_draft_worker(config))
+    try:
+        batch = [PrefillRequest(1, list(PROMPTS[0]), GREEDY), PrefillRequest(2, [5, REFUSED, 9], GREEDY)]
+        with pytest.raises(ValueError):
+            split.prefill(batch)
+        for r in batch:
+            split.prefill([r])
+        seen_all.prefill(batch)
+        assert split.lost([1, 2]) == []
+        reqs = [JitDraftRequest(1, 0, 0, 9), JitDraftRequest(2, 0, 0, 9)]
+        got = split.start_jit_draft(reqs).result()
+        assert [p.tokens.tolist() for p in got] == [p.tokens.tolist() for p in seen_all.jit_draft(reqs)]
+        assert split.lost([1, 2]) == []
+    finally:
+        split.close()
+        seen_all.close()
+        server.stop(None)
+
+
+# ---- a prefix copy that fails, a stale answer, releases in flight, a pool's refused parts ---------------------
+
+def test_a_prefill_whose_prefix_copy_fails_holds_none_of_its_sequence(pair):
+    """Old: PrefixCache.start added the row, then the copy failed (out of room): the row stayed taken and every
+    later prefill of that id failed ("sequence 2 already exists")."""
+    worker = build_draft_worker(Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, draft_threads=1))
+    prompt = list(range(1, 40))
+    worker.prefill([PrefillRequest(1, prompt, GREEDY)])  # a live source of the prefix
+    FailingOnce(worker.runner, "copy_prefix", 1, MemoryError("no room to copy the prefix"))
+    with pytest.raises(MemoryError):
+        worker.prefill([PrefillRequest(2, prompt + [50], GREEDY)])
+    assert sorted(worker.seqs) == [1]
+    worker.prefill([PrefillRequest(2, prompt + [50], GREEDY)])  # the same id, taken afresh
+    assert sorted(worker.seqs) == [1, 2] and worker.runner.length(2) == len(prompt) + 1
+
+
+def test_a_lost_stream_s_answer_taken_after_a_re_prefill_leaves_the_new_life_in_sync(served):
+    """Old: the draft asked of the old life failed with its stream; the engine re-prefilled the sequence (a new
+    life, in sync) before it took that answer, which then marked the new life out of sync: one more prefill and a
+    round of the fast backup each time."""
+    backend = served(SlowToy())
+    link = backend._links[0]
+    first_stream = link.call
+    backend.prefill([PrefillRequest(1, [5, 6], GREEDY)])
+    backend.jit_draft([JitDraftRequest(1, 0, 0, 9)])
+    backend.send_outcomes([Outcome(1, 7, 0, 3, next_tokens=None)])  # a wrong round: the server ends the stream
+    pending = backend.start_jit_draft([JitDraftRequest(1, 1, 0, 4)])  # in flight, lost with the stream
+    wait_for(lambda: link.call is not first_stream)
+    backend.prefill([PrefillRequest(1, [5, 6, 9, 4], GREEDY)])  # the engine's _readmit: a new life
+    with pytest.raises(DraftOutOfSync):
+        pending.result()
+    assert backend.lost([1]) == []
+
+
+def test_releases_moved_to_a_dead_server_s_reviver_are_always_in_sight():
+    """unconfirmed_releases (what the pool releases again on a revived worker) read the dead servers' owed
+    releases, then the links' lists. Old: a reader thread marking a server dead in between had taken them from
+    the link, not yet put them in _owed: lost, the server kept those sequences. Now they move under one lock."""
+    server, port = serve_draft(ToyWorker(), "127.0.0.1", 0)
+    backend = GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=5.0)
+    link, seen, readers = backend._links[0], [], []
+    real_end_stream = link.end_stream
+
+    def end_stream():  # read them from another thread right as they leave the link
+        link.end_stream = real_end_stream
+        unconfirmed = real_end_stream()
+        readers.append(threading.Thread(target=lambda: seen.extend(backend.unconfirmed_releases())))
+        readers[0].start()
+        readers[0].join(1.0)  # old: done at once; now it waits for the move to finish
+        return unconfirmed
+    link.end_stream = end_stream
+    try:
+        backend.prefill([PrefillRequest(s, [5, 6], GREEDY) for s in (1, 2)])
+        backend.release([Release(2)])  # on the stream, no answer after it: unconfirmed
+        server.stop(None)
+        wait_for(lambda: readers and not readers[0].is_alive())
+        assert [r.seq_id for r in seen] == [2]
+    finally:
+        backend.close()
+
+
+def test_a_pool_takes_every_worker_s_prefill_even_after_one_refused(served):
+    """Old: DraftPool stopped at the first worker that refused; another's refusal was never taken, and its backend
+    kept the sequence placed there (said held, its outcomes sent to a server that holds none of it)."""
+    first, second = served(Refusing()), served(Refusing())
+    pool = DraftPool([first, second], max_batch_size=2)
+    try:
+        with pytest.raises(DraftRpcError, match="INVALID_ARGUMENT"):
+            pool.prefill([PrefillRequest(s, [5, REFUSED], GREEDY) for s in (1, 2)])  # one sequence per server
+        assert first.owner_of(1) is None and second.owner_of(2) is None
+        assert pool.lost([1, 2]) == [1, 2]
+    finally:
+        pool.close()

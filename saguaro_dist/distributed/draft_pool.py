@@ -139,13 +139,17 @@ class DraftPool:
         return DraftLater(partial(self._prefilled, pending=pending), reqs)
 
     def _prefilled(self, reqs: list[PrefillRequest], pending: dict) -> None:
-        failed = set()
-        for i, part in pending.items():
+        failed, refused = set(), None
+        for i, part in pending.items():  # every part taken: each backend settles its own (a refused part unplaced)
             try:
                 part.result()
             except DraftUnavailable:
                 self._mark_dead(i)
                 failed.add(i)
+            except Exception as exc:  # noqa: BLE001 - raised once every part is in: the engine prefills them again
+                refused = refused or exc
+        if refused is not None:
+            raise refused
         retry = [r for r in reqs if set(self.groups[r.seq_id]) & failed]
         if retry:
             self.prefill(retry)

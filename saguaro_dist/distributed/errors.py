@@ -45,3 +45,9 @@ class DraftRpcError(RuntimeError):
     def __init__(self, message: str, code=None):
         super().__init__(message)
         self.code = code  # the grpc.StatusCode, when it came from gRPC
+
+
+class DraftRefused(DraftRpcError, ValueError):
+    """INVALID_ARGUMENT: the server refused what the request holds (the DraftWorker's ValueError, a malformed
+    message; draft_service.status_for), so sent again it is refused again. A ValueError, as the worker's own is in
+    this process: the engine tells it from a failure that may pass (INTERNAL, RESOURCE_EXHAUSTED: out of memory)."""

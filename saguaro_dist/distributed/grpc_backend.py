@@ -168,8 +168,8 @@ class GrpcDraftBackend(ServerLinks):
                 link.forget(call_id)
                 failed += seq_ids
             except DraftOutOfSync:  # a failed stream, or an answer not of what was asked (it drafted them anyway)
-                with self._cond:
-                    self._out_of_sync.update(seq_ids)
+                with self._cond:  # not a life begun since (re-prefilled while this answer was awaited): in sync
+                    self._out_of_sync.update(r.seq_id for r in groups[link] if self._lives.of(r.seq_id) == r.generation)
                 stale += seq_ids
             except DraftUnavailable:
                 failed += seq_ids
@@ -253,9 +253,9 @@ class GrpcDraftBackend(ServerLinks):
     def unconfirmed_releases(self) -> list[Release]:
         """Releases sent that the servers may not have read: those of failed streams not yet sent again, and
         those no answer has shown read yet (DraftPool releases them too when it replaces this backend)."""
-        with self._cond:
+        with self._cond:  # one lock: a dead or lost stream moves its releases from the link to _owed under it
             owed = [r for releases in self._owed.values() for r in releases]
-        return owed + [r for link in self._links for r in link.unconfirmed_releases()]
+            return owed + [r for link in self._links for r in link.unconfirmed_releases()]
 
     def release_held_before(self, held: list[Release]) -> None:
         """Release, on every server, sequences an earlier backend placed there (a draft worker that missed a

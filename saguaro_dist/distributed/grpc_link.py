@@ -16,7 +16,8 @@ import grpc
 from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.draft_server import MIN_PING_INTERVAL_MS
-from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
+from saguaro_dist.distributed.errors import (DraftOutOfSync, DraftRefused, DraftRpcError, DraftUnavailable, OutOfOrder,
+                                          UnknownSequence)
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
 from saguaro_dist.engine.messages import JitDraftRequest, Release
 
@@ -117,6 +118,8 @@ def error_from_status(code: grpc.StatusCode, details: str, address: str, seq_ids
         return UnknownSequence(details)
     if code is grpc.StatusCode.FAILED_PRECONDITION:
         return OutOfOrder(details)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return DraftRefused(f"draft server {address}: {code.name}: {details}", code)
     return DraftRpcError(f"draft server {address}: {code.name}: {details}", code)
 
 

@@ -92,12 +92,12 @@ class ServerLinks:
             link.alive = False
             held = [Release(s, self._lives.of(s)) for s, owner in self._owner.items() if owner is link]
             self._cond.notify_all()  # waiters stop waiting for its trees
-        log.warning("draft server %s marked dead: %s", link.address, why)
-        unconfirmed = link.end_stream()  # released here already, perhaps never read: the reviver releases them too
-        with self._cond:
-            self._owed[link] = self._owed.get(link, []) + unconfirmed
+            # Released here already, perhaps never read: the reviver releases them too. Moved from the link to _owed
+            # under the lock unconfirmed_releases reads both under: in neither between, they were lost to it.
+            self._owed[link] = self._owed.get(link, []) + link.end_stream()
             if not self._closed:  # started under the lock: close() joins every reviver, none it could miss
                 self._start_reviver(link, held + self._owed[link])
+        log.warning("draft server %s marked dead: %s", link.address, why)
 
     def _start_reviver(self, link: Link, held: list[Release]) -> None:
         """The thread that takes link back; finished ones are dropped (a server that dies again and again would
@@ -185,13 +185,13 @@ class ServerLinks:
 
     def _lose_sync(self, link: Link) -> None:
         """What was queued on the failed stream is gone: the server is behind for all its sequences."""
-        with self._cond:
+        with self._cond:  # the releases re-queued under it too: unconfirmed_releases must not see them in neither queue
             self._out_of_sync.update(seq_id for seq_id, owner in self._owner.items() if owner is link)
             self._cond.notify_all()  # waiters stop waiting for their trees
-        unconfirmed = link.restart_queue(lambda seq_ids: DraftOutOfSync(f"draft server {link.address}: stream lost",
-                                                                        seq_ids))
-        if unconfirmed:  # first on the new stream: each of the life it ended (a later life of one is kept there)
-            link.send_releases(unconfirmed)
+            unconfirmed = link.restart_queue(lambda seq_ids: DraftOutOfSync(f"draft server {link.address}: stream lost",
+                                                                            seq_ids))
+            if unconfirmed:  # first on the new stream: each of the life it ended (a later life of one is kept there)
+                link.send_releases(unconfirmed)
 
     def _drain_stream(self, link: Link):
         """Read one stream to its end; returns its final (code, details)."""

@@ -38,6 +38,16 @@ from saguaro_dist.spec import ProposalSource, random_proposal
 
 log = logging.getLogger(__name__)
 UNFIT_WARN_EVERY_S = 60.0
+# Failed draft prefills in a row (out of memory, INTERNAL: not a refusal) after which a sequence goes on without a
+# draft: a draft that keeps failing must not cost a prefill of it every round, for ever.
+PREFILL_TRIES = 3
+
+
+def refused_for_good(err: Exception) -> bool:
+    """Whether a failed draft prefill fails again when sent again: the draft refused what it holds (the DraftWorker's
+    ValueError; over gRPC INVALID_ARGUMENT, errors.DraftRefused). Anything else (out of memory, INTERNAL,
+    RESOURCE_EXHAUSTED) may pass on a later try."""
+    return isinstance(err, ValueError)
 
 
 class SDLoop(ARLoop):
@@ -52,6 +62,7 @@ class SDLoop(ARLoop):
         self._drafted_this_round = False
         self._unfit_warning = Throttle(UNFIT_WARN_EVERY_S)
         self.emitted = EmittedTokens(metrics)  # rounds' tokens by kind, counted once the engine kept them
+        self._failed_prefills: dict[int, int] = {}  # seq_id -> its draft prefills failed in a row (PREFILL_TRIES)
 
     def admit(self, seqs):
         """Prefill target and draft: a draft on other hardware (a process, a node) prefills from before the
@@ -78,9 +89,9 @@ class SDLoop(ARLoop):
         except DraftUnavailable as err:  # no draft worker left: the fast backup until a fresh prefill takes (_readmit)
             log.warning("draft prefill failed (%s): fast backup for %d new sequences", err, len(drafted))
             self._lose(drafted)
-        except Exception as err:  # noqa: BLE001 - the draft refused (DraftRpcError over gRPC; in this process a bug,
-            # out of memory, a request it cannot take): raised, it failed the step, every request in flight
-            self._prefill_alone(drafted, err, lambda s: self._draft_prefill(s, s.prompt_token_ids))
+        except Exception as err:  # noqa: BLE001 - the draft refused or failed (DraftRpcError over gRPC; in this process
+            # a bug, out of memory, a request it cannot take): raised, it failed the step, every request in flight
+            self._prefill_failed(drafted, err, lambda s: self._draft_prefill(s, s.prompt_token_ids))
 
     def _abandon_prefill(self, pending, drafted: list[Sequence]) -> None:
         """The target's prefill failed: the draft forgets what it began to hold (the engine drops them)."""
@@ -114,6 +125,8 @@ class SDLoop(ARLoop):
     def release(self, seqs):
         super().release(seqs)
         self.emitted.settle()
+        for s in seqs:
+            self._failed_prefills.pop(s.seq_id, None)
         self.draft.release([Release(s.seq_id) for s in seqs if not s.beyond_draft])
 
     def reset_prefix_cache(self):
@@ -214,11 +227,11 @@ class SDLoop(ARLoop):
         except DraftUnavailable as err:  # no worker to take them yet (the pool says so once); again next round
             log.debug("re-prefill of %d sequences failed (%s): staying on the fast backup", len(seqs), err)
             return
-        except Exception as err:  # noqa: BLE001 - refused (as in _finish_prefill): resent whole every round, one
-            # sequence the draft cannot take kept every other one of the batch off the draft for good
-            seqs = self._prefill_alone(seqs, err, lambda s: self._draft_prefill(s, s.tokens[:-1]))
+        except Exception as err:  # noqa: BLE001 - as in _finish_prefill
+            seqs = self._prefill_failed(seqs, err, lambda s: self._draft_prefill(s, s.tokens[:-1]))
         for s in seqs:  # a new life on the draft, as admit starts one: round 0, the last token its first outcome's
             s.draft_lost, s.speculation, s.last_outcome, s.round = False, None, (0, s.tokens[-1]), 0
+            self._failed_prefills.pop(s.seq_id, None)
             self.forget(s)
 
     def _draft_prefill(self, s: Sequence, tokens: list[int]) -> PrefillRequest:
@@ -226,26 +239,56 @@ class SDLoop(ARLoop):
         return PrefillRequest(s.seq_id, tokens, self._told(s), prompt_len=len(s.prompt_token_ids),
                               cache_salt=s.cache_salt)
 
+    def _prefill_failed(self, seqs: list[Sequence], err: Exception, request) -> list[Sequence]:
+        """The draft's prefill of seqs failed (not a lost worker: DraftUnavailable). Refused (refused_for_good): each
+        again on its own now, so one it cannot take costs only its own speculation. Else (out of memory, INTERNAL:
+        perhaps gone in a moment) lost, prefilled again on a later round (_readmit); retried at once, a failure of
+        milliseconds took every one of them off the draft for good. Those failed PREFILL_TRIES times in a row are
+        tried once on their own, then go without a draft. Returns those the draft now holds."""
+        if refused_for_good(err):
+            return self._prefill_alone(seqs, err, request)
+        log.warning("draft prefill of %d sequences failed (%s): fast backup, then a fresh prefill", len(seqs), err)
+        for s in self._lose(seqs):
+            self._failed_prefills[s.seq_id] = self._failed_prefills.get(s.seq_id, 0) + 1
+        spent = [s for s in seqs if self._failed_prefills[s.seq_id] >= PREFILL_TRIES]
+        if len(seqs) == 1:  # alone already: tried as often as it may be
+            for s in spent:
+                self._refused(s, err)
+            return []
+        return self._prefill_alone(spent, err, request) if spent else []
+
     def _prefill_alone(self, seqs: list[Sequence], err: Exception, request) -> list[Sequence]:
-        """The draft refused a prefill of seqs (not a lost worker: DraftUnavailable): each again on its own
-        (request(s): its PrefillRequest), so one it cannot take costs only its own speculation. Returns those
-        it now holds; one whose worker was lost meanwhile is prefilled again later (_readmit)."""
-        log.warning("the draft refused a prefill of %d sequences (%s): each on its own", len(seqs), err)
+        """Each of seqs prefilled on its own (request(s): its PrefillRequest) after their batch failed with err.
+        Returns those the draft now holds; one whose worker was lost meanwhile, or whose failure may pass, is
+        prefilled again later (_readmit)."""
+        log.warning("draft prefill of %d sequences failed (%s): each on its own", len(seqs), err)
         held = []
         for s in seqs:
             try:
                 self.draft.prefill([request(s)])
-                held.append(s)
             except DraftUnavailable:
                 self._lose([s])
-            except Exception as exc:  # noqa: BLE001 - refused alone: this sequence's own doing
-                self._refused(s, exc)
+            except Exception as exc:  # noqa: BLE001 - alone: this sequence's own doing, or the draft's moment
+                self._failed_alone(s, exc)
+            else:
+                held.append(s)
+                self._failed_prefills.pop(s.seq_id, None)
         return held
 
+    def _failed_alone(self, s: Sequence, err: Exception) -> None:
+        """s's prefill on its own failed: refused, or failed PREFILL_TRIES times in a row, it goes without a
+        draft; else it is lost (prefilled again on a later round)."""
+        tries = self._failed_prefills[s.seq_id] = self._failed_prefills.get(s.seq_id, 0) + 1
+        if refused_for_good(err) or tries >= PREFILL_TRIES:
+            self._refused(s, err)
+        else:
+            self._lose([s])
+
     def _refused(self, s: Sequence, err: Exception) -> None:
-        """The draft refused s on its own: the fast backup speculates for it to its end, as for one that outgrew
-        the draft (_leave_draft). Never asked again: it would fail again, every round."""
-        log.warning("the draft refused sequence %d (%s): it goes on without a draft", s.seq_id, err)
+        """The draft refused s on its own (or kept failing it): the fast backup speculates for it to its end, as
+        for one that outgrew the draft (_leave_draft). Never asked again: it would fail again, every round."""
+        log.warning("the draft cannot take sequence %d (%s): it goes on without a draft", s.seq_id, err)
+        self._failed_prefills.pop(s.seq_id, None)
         s.beyond_draft = s.draft_lost = True
         s.wants_tree = False
         self.forget(s)

@@ -13,7 +13,9 @@ On Ray it also saves every such draft its gRPC round trip (b = 1, T = 0.7: a 3.7
 A sequence the tree side cannot take (its prefill there failed: every pool worker dead, say) is held by
 the thread's worker alone and drafted there, SD's rounds at SD's speed instead of the fast backup's, until
 the tree side accepts sequences again; its next draft then fails (DraftUnavailable), and the engine
-prefills it again on both halves.
+prefills it again on both halves. One the tree side refuses on its own (a ValueError: what it holds, not the
+moment's; sd_loop.refused_for_good) is drafted here without trees to its end; a batch the tree side refuses is
+refused whole (the engine then prefills each sequence on its own, and finds the one).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class SplitDraftBackend:
         # trees costs the engine's process nothing (no work beside its verify, no GIL taken).
         self._unobserved: list[list[Outcome]] = []
         self._here_only: set[int] = set()  # sequences the tree side failed to take: drafted here, no trees
+        self._trees_refused: set[int] = set()  # of those, the ones it refused on their own: never offered again
         self._held: set[int] = set()  # sequences the thread's worker holds (prefilled here, not released)
         # Each sequence's life as prefilled here: what goes to either half is stamped with it (the thread's half is
         # prefilled past its backend's own record), so a late one of an earlier life is dropped there.
@@ -87,6 +90,13 @@ class SplitDraftBackend:
             log.log(logging.DEBUG if self._here_only else logging.WARNING, "the tree-building draft cannot take "
                     "sequences %s (%s): drafted beside the target, without trees, until it can", failed, err)
             self._here_only.update(failed)
+        except ValueError as err:  # refused (sd_loop.refused_for_good); a batch: the engine finds which one, alone
+            if len(reqs) > 1:
+                raise
+            log.warning("the tree-building draft refused sequence %d (%s): drafted beside the target, without trees",
+                        reqs[0].seq_id, err)
+            self._here_only.add(reqs[0].seq_id)
+            self._trees_refused.add(reqs[0].seq_id)
 
     def jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
         reqs = self._lives.stamp(reqs)
@@ -172,7 +182,7 @@ class SplitDraftBackend:
         every round, and before each just-in-time draft)."""
         if not self._here_only:
             return self.trees.lost(seq_ids)
-        here = [sid for sid in seq_ids if sid in self._here_only]
+        here = [sid for sid in seq_ids if sid in self._here_only and sid not in self._trees_refused]
         lost = self.trees.lost([sid for sid in seq_ids if sid not in self._here_only])
         return lost + here if here and self.trees.accepting() else lost
 
@@ -182,6 +192,7 @@ class SplitDraftBackend:
         gone = set(seq_ids)
         self._unsent = [o for o in self._unsent if o.seq_id not in gone]
         self._here_only.difference_update(seq_ids)
+        self._trees_refused.difference_update(seq_ids)
 
     def _flush(self, outcomes: list[Outcome]) -> None:
         """One message: the tree side then builds this round's trees, drafted or cached, in one batch. A round

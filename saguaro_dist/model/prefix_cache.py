@@ -59,7 +59,12 @@ class PrefixCache:
             return 0
         if source in self.entries:
             self.entries.move_to_end(source)
-        self.runner.copy_prefix(source, seq_id, length)
+        try:
+            self.runner.copy_prefix(source, seq_id, length)
+        except BaseException:  # (out of room for the copy) a failed start holds nothing: the id can start again
+            self.namespaces.pop(seq_id, None)
+            self.runner.free(seq_id)
+            raise
         return length
 
     def finish(self, seq_id: Hashable, tokens: Sequence[int]) -> None:
