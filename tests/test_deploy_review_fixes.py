@@ -250,3 +250,47 @@ def test_the_chart_refuses_a_release_name_past_40_characters_as_the_generator():
     with helm.Chart.load(str(CHART)) as chart:
         with pytest.raises(Exception, match="1-40"):
             chart.render(None, name=name, namespace="default")
+
+
+# ---- Secret keys Kubernetes refuses; the pull policy of a tag with a digest ------------------------------
+
+@pytest.mark.parametrize("key", [".", "..", "..key", "...", "a/b"])
+def test_secret_keys_kubernetes_refuses_are_refused_by_both(key):
+    """Old: ".", ".." and keys starting with ".." passed [-._a-zA-Z0-9]+, which Kubernetes' IsConfigMapKey refuses
+    (the pods then never start)."""
+    for field in ("api_key_secret_key", "hf_token_secret_key"):
+        with pytest.raises(ValueError, match=f"{field} must be a Secret key"):
+            k8s.K8sSettings(**{field: key})
+    for values in ({"apiKey": {"secretKey": key}}, {"hfToken": {"secretKey": key}},
+                   {"gcsFaultTolerance": {"redisAddress": "redis:6379",
+                                          "redisPassword": {"secretName": "redis", "secretKey": key}}}):
+        with pytest.raises(Exception, match="schema"):
+            render(values)
+
+
+@pytest.mark.parametrize("key", [".key", "a..b", "key.", "-", "_k", "token"])
+def test_secret_keys_kubernetes_takes_are_taken_by_both(key):
+    s = k8s.K8sSettings(api_key_secret_key=key, hf_token_secret_key=key)
+    assert_chart_renders_the_generators(s)
+
+
+DIGEST = "@sha256:" + "ab" * 32
+
+
+@pytest.mark.parametrize("image, policy", [
+    ("reg.example/s", "Always"), ("reg.example/s:latest", "Always"), ("reg.example/s:v1", "IfNotPresent"),
+    ("reg.example:5000/s", "Always"), ("reg.example:5000/s:v1", "IfNotPresent"),
+    ("reg.example/s" + DIGEST, "IfNotPresent"), ("reg.example/s:latest" + DIGEST, "Always"),
+    ("reg.example/s:v1" + DIGEST, "IfNotPresent"), ("reg.example:5000/s:latest" + DIGEST, "Always"),
+])
+def test_the_chart_and_the_generator_pull_every_image_form_alike(image, policy):
+    """Old: the chart read `reg/s:latest@sha256:...` as not latest (IfNotPresent) where the generator, as Kubernetes'
+    ParseImageName, reads the tag latest (Always). The image is the same one (no tag: Kubernetes' :latest)."""
+    s = k8s.K8sSettings(image=image)
+    generated, rendered = containers(k8s.rayservice(s)), containers(rendered_rayservice(k8s.helm_values(s)))
+    assert {c["imagePullPolicy"] for c in generated} == {c["imagePullPolicy"] for c in rendered} == {policy}
+    from saguaro_dist.deploy.settings import image_tag
+
+    implicit_latest = "@" not in image and image_tag(image) == "latest" and not image.endswith(":latest")
+    assert {c["image"] for c in rendered} == {image + ":latest" if implicit_latest else image}
+    assert {c["image"] for c in generated} == {image}

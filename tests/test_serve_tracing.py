@@ -6,6 +6,7 @@ exporter packages is a clear error at start-up. Real HTTP (the app under loopbac
 tiny checkpoints written by transformers."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -237,3 +238,80 @@ def test_without_the_flag_trace_headers_warn_once_and_nothing_is_imported(llm, m
     code = ("import sys; from saguaro_dist.serve.api import ServerOptions; ServerOptions('m'); "
             "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.exporter')))")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+# ---- review fixes: a bounded shutdown flush, the user's service name, span failures ------------------------
+class StalledCollector(trace_service_pb2_grpc.TraceServiceServicer):
+    """A collector that holds each export until released (as one that is down, or overloaded, for as long)."""
+
+    def __init__(self, collector: Collector):
+        self.collector, self.release = collector, threading.Event()
+
+    def Export(self, request, context):  # noqa: N802 - the service's method name
+        self.release.wait(60)
+        self.collector.receive(request)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+async def one_request_then_shutdown(app) -> None:
+    """The app's lifespan (start-up, then shutdown) around one request."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+            body = {"model": "m", "prompt": "the cat sat", "max_tokens": 2, "temperature": 0}
+            reply = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "stalled-1"})
+            assert reply.status_code == 200, reply.text
+
+
+def test_shutdown_flush_does_not_wait_on_a_stalled_collector(llm, monkeypatch, caplog):
+    """Old: the lifespan awaited force_flush, whose timeout the SDK ignores: each batch retried against a down
+    collector (~7 s each) and the replica passed Serve's graceful_shutdown_timeout_s before engine.shutdown().
+    Now the wait is bounded (asyncio.wait_for): the shutdown returns while the collector still holds the export,
+    and the export, unwaited, still goes out once the collector answers."""
+    collector, server = Collector(), grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    stalled = StalledCollector(collector)
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(stalled, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setattr(tracing, "FLUSH_TIMEOUT_S", 0.01)
+    try:
+        app = create_app(llm, ServerOptions("m", otlp_traces_endpoint=f"http://127.0.0.1:{port}"))
+        with caplog.at_level("WARNING", tracing.__name__):
+            asyncio.run(one_request_then_shutdown(app))
+        assert not collector.of("stalled-1")  # nothing could be exported yet: the shutdown did not wait for it
+        assert any("not all exported within 0.01 s of the shutdown" in r.getMessage() for r in caplog.records)
+        stalled.release.set()
+        wait_for(lambda: len(collector.of("stalled-1")) == 1)  # the flush went on in its own thread
+    finally:
+        stalled.release.set()
+        server.stop(grace=None)
+
+
+@pytest.mark.parametrize("environment, service_name", [
+    ({}, "saguaro-dist"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes,team=ml"}, "from-attributes"),
+    ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes", "OTEL_SERVICE_NAME": "from-name"}, "from-name"),
+    ({"OTEL_SERVICE_NAME": "from-name"}, "from-name"),
+])
+def test_service_name_follows_the_specs_order(environment, service_name, monkeypatch):
+    """Old: "saguaro-dist" replaced OTEL_RESOURCE_ATTRIBUTES' service.name. The spec's order: OTEL_SERVICE_NAME,
+    then OTEL_RESOURCE_ATTRIBUTES, then our default."""
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(tracing, "_providers", {})  # (a provider of its own, made under this environment)
+    resource = tracing.tracer_provider("http://127.0.0.1:4317").resource.attributes
+    assert resource["service.name"] == service_name
+    assert resource["saguaro.process_id"] and resource.get("team", "ml") == "ml"
+
+
+def test_a_span_whose_attributes_fail_never_fails_the_request(grpc_collector, caplog):
+    """Old: finished / aborted / failed built the span's attributes outside the guard, so an error there (a job the
+    tracer cannot read) reached the request."""
+    tracer = tracing.RequestTracer(grpc_collector[1], "m")
+    with caplog.at_level("WARNING", tracing.__name__):
+        tracer.finished(None, "r-0", None, 0.0)
+        tracer.aborted(None, "r-1", 0.0)
+        tracer.failed(None, "r-2", RuntimeError("engine died"), 0.0)
+    assert sum("request span not recorded" in r.getMessage() for r in caplog.records) == 3

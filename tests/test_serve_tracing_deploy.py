@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from saguaro_dist.cli import build_parser
+from saguaro_dist.cli import build_parser, main
 from saguaro_dist.cli.deploy import manifests
 from saguaro_dist.deploy import k8s, validation
 from saguaro_dist.serve.app import server_options
@@ -38,7 +38,7 @@ def test_left_out_the_manifest_names_none():
     assert k8s.helm_values(k8s.K8sSettings())["server"]["otlpTracesEndpoint"] == ""
 
 
-@pytest.mark.parametrize("value", ["", " ", 4317])
+@pytest.mark.parametrize("value", [" ", "\t\n", 4317])
 def test_settings_refuse_what_is_no_url(value):
     with pytest.raises(ValueError, match="otlp_traces_endpoint"):
         k8s.K8sSettings(otlp_traces_endpoint=value)
@@ -54,3 +54,24 @@ def test_chart_renders_the_generators_endpoint():
     assert validation.comparable(rendered) == validation.comparable(generated)
     if (CRD_DIR / "ray.io_rayservices.yaml").is_file():
         validation.validate_object(rendered, CRD_DIR)
+
+
+def test_empty_endpoint_means_no_tracing_as_in_serve_and_the_chart(capsys):
+    """Old: `saguaro deploy k8s --otlp-traces-endpoint ""` exited 2 ("must be a URL"), where `saguaro serve` and the
+    chart's "" mean no tracing (as "" means none for the other optional deploy settings)."""
+    assert k8s.K8sSettings(otlp_traces_endpoint="").otlp_traces_endpoint is None
+    assert "otlp_traces_endpoint" not in app_args(deploy('--otlp-traces-endpoint ""')[0])
+    assert main(["deploy", "k8s", "--otlp-traces-endpoint", ""]) == 0
+    assert "otlp_traces_endpoint" not in app_args(yaml.safe_load(capsys.readouterr().out))
+
+
+@pytest.mark.parametrize("value", [" ", "   ", "\t"])
+def test_the_chart_refuses_a_blank_endpoint_as_the_generator(value):
+    """Old: the chart passed "   " to the replicas, whose ServerOptions refuses it: every replica failed to start."""
+    from test_deploy_serve_flags import render_rayservice  # (skips where Helm's library is not installed)
+
+    with pytest.raises(ValueError, match="otlp_traces_endpoint"):
+        k8s.K8sSettings(otlp_traces_endpoint=value)
+    with pytest.raises(Exception, match="schema"):
+        render_rayservice({"server": {"otlpTracesEndpoint": value}})
+    assert "otlp_traces_endpoint" not in app_args(render_rayservice({"server": {"otlpTracesEndpoint": ""}}))

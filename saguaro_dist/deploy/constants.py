@@ -5,7 +5,8 @@ import re
 
 DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Kubernetes' rule for a Service's name
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")  # a Secret's name
-SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")  # Kubernetes' rule for a key in a Secret's data
+# Kubernetes' rule for a key in a Secret's data (IsConfigMapKey): [-._a-zA-Z0-9]+, but not "." or ".." nor "..x"
+SECRET_KEY = re.compile(r"\.?[-_a-zA-Z0-9][-._a-zA-Z0-9]*")
 # a label value (a nodeSelector's): at most 63 characters, letters or digits at the ends
 LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-_.A-Za-z0-9]{0,61}[A-Za-z0-9])?")
 MAX_SUBDOMAIN = 253  # a DNS-1123 subdomain's (and a Secret key's) longest

@@ -159,7 +159,7 @@ class K8sSettings:
         if self.draft == "":
             object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
         for name in ("gcs_ft_redis_address", "gcs_ft_redis_password_secret", "hf_token_secret", "models_pvc",
-                     "gpu_type", "image_pull_policy"):
+                     "gpu_type", "image_pull_policy", "otlp_traces_endpoint"):
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)  # "" = off, as in the Helm values
         if self.gpu_type and not self.gpu:
@@ -380,5 +380,5 @@ def check_subdomain(field: str, value, what: str) -> None:
 
 def check_secret_key(field: str, value) -> None:
     if not isinstance(value, str) or len(value) > MAX_SUBDOMAIN or not SECRET_KEY.fullmatch(value):
-        raise ValueError(f"{field} must be a Secret key (letters, digits, '-', '_', '.'; at most {MAX_SUBDOMAIN} "
-                         f"characters), got {value!r}")
+        raise ValueError(f"{field} must be a Secret key (letters, digits, '-', '_', '.', not starting with '..' nor "
+                         f"'.' alone; at most {MAX_SUBDOMAIN} characters), got {value!r}")

@@ -5,7 +5,6 @@ tokenize, ...), generate_routes.py (completions and chat: whole replies in full_
 sse_stream.py) and responses_route.py; route_support.py holds what they share."""
 from __future__ import annotations
 
-import asyncio
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -124,8 +123,8 @@ async def _lifespan(app: FastAPI):
         yield
     finally:
         await state.stop_reporter()
-        if state.tracer is not None:  # the spans still batched go out before the replica stops
-            await asyncio.to_thread(state.tracer.flush)
+        if state.tracer is not None:  # the spans still batched go out before the replica stops (a bounded wait)
+            await state.tracer.flush_at_shutdown()
 
 
 def _router(runtime_lora: bool) -> APIRouter:

@@ -9,10 +9,14 @@ tracing is asked for: without the flag a server only looks for those headers, to
 """
 from __future__ import annotations
 
+import asyncio
 import atexit
+import concurrent.futures
+import functools
 import json
 import logging
 import os
+import threading
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -25,7 +29,11 @@ TRACER_NAME = "saguaro_dist.serve"
 TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context
 PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 INSTALL_HINT = "pip install 'saguaro-dist[tracing]'"
-FLUSH_TIMEOUT_MS = 5_000  # at the app's shutdown: spans still batched go out, or are given up after this
+DEFAULT_SERVICE_NAME = "saguaro-dist"  # service.name where neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES names one
+# At the app's shutdown (and the process's exit) the spans still batched go out, or are no longer waited for after
+# this: the SDK's force_flush ignores its timeout, and retries each batch against a down collector for up to the
+# exporter's timeout (OTEL_EXPORTER_OTLP_TRACES_TIMEOUT, 10 s), while Serve kills a replica 20 s into its shutdown.
+FLUSH_TIMEOUT_S = 5.0
 
 
 class SpanAttributes:
@@ -100,7 +108,7 @@ def tracer_provider(endpoint: str):
     protocol = otlp_protocol()
     key = (endpoint, protocol)
     if key not in _providers:
-        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.resources import SERVICE_NAME, OTELResourceDetector, Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
@@ -108,14 +116,37 @@ def tracer_provider(endpoint: str):
         # (vLLM's: gRPC in the clear unless the endpoint is https://; the OTEL_EXPORTER_OTLP_* settings apply)
         grpc_options = {"insecure": True} if protocol is OtlpProtocol.GRPC else {}
         exporter = exporter_class(endpoint=endpoint, **grpc_options)
-        resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "saguaro-dist"),
-                                    "saguaro.process_id": str(os.getpid())})
-        provider = TracerProvider(resource=resource)
+        resource = Resource.create({"saguaro.process_id": str(os.getpid())})
+        if SERVICE_NAME not in OTELResourceDetector().detect().attributes:  # (OTEL_SERVICE_NAME, then the attributes)
+            resource = resource.merge(Resource({SERVICE_NAME: DEFAULT_SERVICE_NAME}))
+        provider = TracerProvider(resource=resource, shutdown_on_exit=False)  # (the SDK's exit handler waits 30 s)
         provider.add_span_processor(BatchSpanProcessor(exporter))
-        atexit.register(provider.shutdown)
+        atexit.register(_within, provider.shutdown, FLUSH_TIMEOUT_S)
         _providers[key] = provider
         log.info("tracing requests to %s (OTLP %s)", endpoint, protocol.value)
     return _providers[key]
+
+
+def _in_daemon_thread(work) -> concurrent.futures.Future:
+    """`work()` in a thread of its own that never holds up the process's exit; its result as a Future."""
+    result = concurrent.futures.Future()
+
+    def run():
+        if result.set_running_or_notify_cancel():
+            try:
+                result.set_result(work())
+            except BaseException as err:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(err)
+    threading.Thread(target=run, name="saguaro-tracing-flush", daemon=True).start()
+    return result
+
+
+def _within(work, timeout_s: float) -> None:
+    """At the process's exit: `work()`, waited for at most timeout_s."""
+    try:
+        _in_daemon_thread(work).result(timeout_s)
+    except Exception:  # noqa: BLE001 - a collector that cannot be reached must not hold up the exit
+        log.warning("tracing: spans still batched at exit are dropped (the OTLP collector did not take them)")
 
 
 # ---- the incoming request ---------------------------------------------------------------------------
@@ -176,6 +207,17 @@ class TraceContextMiddleware:
 
 
 # ---- the spans ----------------------------------------------------------------------------------------
+def _never_fails(report):
+    """A span report that fails (its attributes or the span itself) is logged: tracing never fails a request."""
+    @functools.wraps(report)
+    def guarded(*args, **kwargs) -> None:
+        try:
+            report(*args, **kwargs)
+        except Exception:  # noqa: BLE001
+            log.warning("request span not recorded", exc_info=True)
+    return guarded
+
+
 class RequestTracer:
     """A replica's spans: ServingState.stream reports each generation's end here (finished, aborted or
     failed). A span that cannot be made is logged, never the request's failure."""
@@ -185,25 +227,39 @@ class RequestTracer:
         self.tracer = self.provider.get_tracer(TRACER_NAME)
         self.model_name = model_name  # gen_ai.response.model, unless the job runs a LoRA adapter (its name)
 
+    @_never_fails
     def finished(self, job, request_id: str, delta, started: float) -> None:
         """A generation that ended (`delta`: its last, with the engine's RequestMetrics); started: the
         monotonic time its stream began (the span's start where no HTTP request carried it)."""
         attributes = {**self._request_attributes(job, request_id), **_metrics_attributes(job, delta.metrics)}
         self._end(attributes, [delta.finish_reason], started)
 
+    @_never_fails
     def aborted(self, job, request_id: str, started: float) -> None:
         """One whose client went away (vLLM's "abort" finish reason): an ERROR span."""
         self._end(self._request_attributes(job, request_id), ["abort"], started,
                   error="request aborted (the client went away)")
 
+    @_never_fails
     def failed(self, job, request_id: str, err: BaseException, started: float) -> None:
         """One the engine failed (answered as an error): an ERROR span with the exception."""
         self._end(self._request_attributes(job, request_id), ["error"], started,
                   error=f"{type(err).__name__}: {err}", exception=err)
 
     def flush(self) -> bool:
-        """Export what is batched now (the app's shutdown; tests)."""
-        return self.provider.force_flush(FLUSH_TIMEOUT_MS)
+        """Export what is batched now (tests: unbounded where the collector is down, see flush_at_shutdown)."""
+        return self.provider.force_flush()
+
+    async def flush_at_shutdown(self) -> bool:
+        """The app's shutdown: export what is batched, waited for at most FLUSH_TIMEOUT_S (a down collector must
+        not delay the engine's shutdown that follows). Past that the export goes on in its own thread, unwaited."""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(_in_daemon_thread(self.provider.force_flush)),
+                                          FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            log.warning("tracing: the batched spans were not all exported within %s s of the shutdown (is the OTLP "
+                        "collector down?); the rest are not waited for", FLUSH_TIMEOUT_S)
+            return False
 
     def _request_attributes(self, job, request_id: str) -> dict:
         p, a = job.params, SpanAttributes
@@ -219,13 +275,6 @@ class RequestTracer:
 
     def _end(self, attributes: dict, finish_reasons: list, started: float, error: str | None = None,
              exception: BaseException | None = None) -> None:
-        try:
-            self._export(attributes, finish_reasons, started, error, exception)
-        except Exception:  # noqa: BLE001 - tracing must never fail a request
-            log.warning("request span not recorded", exc_info=True)
-
-    def _export(self, attributes: dict, finish_reasons: list, started: float, error: str | None,
-                exception: BaseException | None) -> None:
         from opentelemetry import trace
         from opentelemetry.context import Context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator

@@ -21,10 +21,11 @@
 {{- if hasSuffix "m" $q }}{{ divf (trimSuffix "m" $q | float64) 1000 | ceil | int }}{{ else }}{{ $q | float64 | ceil | int }}{{ end -}}
 {{- end -}}
 
-{{/* image.pullPolicy, or Kubernetes' default for the image: Always for the tag latest, else IfNotPresent
-     (saguaro_dist/deploy/settings.py pull_policy). */}}
+{{/* image.pullPolicy, or Kubernetes' default for the image: Always for the tag latest, else IfNotPresent; the tag is
+     read before any @digest, as Kubernetes does (saguaro_dist/deploy/settings.py pull_policy). */}}
 {{- define "saguaro.pullPolicy" -}}
-{{- .Values.image.pullPolicy | default (ternary "Always" "IfNotPresent" (hasSuffix ":latest" (include "saguaro.image" .))) -}}
+{{- $name := regexReplaceAll "@.*$" (include "saguaro.image" .) "" -}}
+{{- .Values.image.pullPolicy | default (ternary "Always" "IfNotPresent" (hasSuffix ":latest" $name)) -}}
 {{- end -}}
 
 {{/* Pod selector labels; not app.kubernetes.io/name, which KubeRay sets on its pods. */}}
