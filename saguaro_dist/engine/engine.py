@@ -4,15 +4,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from collections.abc import Callable
 
 from saguaro_dist.config import Config, Mode, SchedulingPolicy
-from saguaro_dist.engine.detokenizer import DecodeState, Detokenizer, find_stop, stable_prefix
+from saguaro_dist.engine.committing import Committing, Update
+from saguaro_dist.engine.detokenizer import Detokenizer
 from saguaro_dist.engine.lora_slots import AdapterLoadError
 from saguaro_dist.engine.metrics import EngineLoad, EngineMetrics
 from saguaro_dist.engine.rounds import build_loop
-from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
-from saguaro_dist.engine.structured import GrammarCompiler, GrammarError
+from saguaro_dist.engine.sequence import FinishReason, Sequence, SeqStatus
+from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.prefix_cache import MIN_REUSE, common_prefix_len
 
@@ -33,19 +34,16 @@ def check_prompt_ids(prompt: list[int], vocab_size: int) -> None:
         raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
 
 
-@dataclass
-class Update:
-    """What a step changed for one request (streamed to its caller)."""
-    seq: Sequence
-    text_delta: str
-    token_delta: list[int]
-    finished: bool
-    logprobs_delta: list[dict[int, float]] | None = None  # one per token of token_delta, if the request asked
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # with a request's first update, if it asked
-    error: Exception | None = None  # the request failed alone (finished): its caller gets this instead
+class ReleaseError(RuntimeError):
+    """Freeing finished sequences' state failed (its __cause__) after a step had finished them: `updates` are
+    due to their callers before the engine recovers (a request that completed is not failed by it)."""
+
+    def __init__(self, updates: list[Update], cause: Exception):
+        super().__init__(f"releasing finished sequences failed: {cause!r}")
+        self.updates = updates
 
 
-class Engine:
+class Engine(Committing):
     def __init__(self, config: Config, target_runner, draft_backend, tokenizer, eos_token_ids: set[int]):
         self.config = config
         self.metrics = EngineMetrics()
@@ -107,7 +105,7 @@ class Engine:
             self._finish(s, FinishReason.ABORT)
         self.waiting = deque(s for s in self.waiting if not s.finished)
         self._drop_prefilling()
-        self._retire()
+        self._retire()  # (failing, a failed step's case: no request here completed)
         return [Update(s, "", [], True) for s in gone]
 
     def step(self) -> list[Update]:
@@ -123,7 +121,7 @@ class Engine:
                 self._append(s, tokens, now)
             updates += self._updates(running, now)
             self.metrics.rounds += 1
-        self._retire()
+        self._free_finished(updates)
         self.metrics.step_s += time.perf_counter() - start
         return updates
 
@@ -136,35 +134,21 @@ class Engine:
         self.loop.reset_prefix_cache()
 
     def reset(self) -> None:
-        """After a failed step: drop every request (their callers were told) and free their state."""
+        """After a failed step: drop every request (their callers were told) and free what each holds, each once and
+        on its own (one failed release keeps no other's rows), then the kept prefixes (maybe half written) anyway."""
         for s in list(self.waiting) + self.prefilling + self.running:
             self._finish(s, FinishReason.ABORT)
+        prefilling, running = self.prefilling, self.running
         self.waiting.clear()
-        try:
-            self._drop_prefilling()
-            self._retire()
-            self.target.prefixes.clear()  # a failed forward may have left rows half written
-        except Exception:  # noqa: BLE001 - the failure may have taken the model with it
-            log.exception("could not release state after a failed step")
-            self.prefilling, self.running = [], []
+        self.prefilling, self.running = [], []
+        self._emitted.clear()
+        release_each(prefilling, self.target.release)  # (the draft has none of a prefilling sequence yet)
+        release_each(running, lambda s: self.loop.release([s]))
+        attempt(self.target.prefixes.clear, "clear the prefix cache")
 
     # ---- steps ------------------------------------------------------------------------------
     def _admit(self) -> list[Update]:
-        free = self.config.max_batch_size - len(self.running) - len(self.prefilling)
-        deferred, failed = [], []
-        while self.waiting and free > 0:
-            s = self.waiting.popleft()
-            if not self.target.can_start(s, self.running + self.prefilling):
-                deferred.append(s)  # its LoRA adapter has no slot free (max_loras): it waits, in its place
-                continue
-            # A deferred one keeps its slot too: else a later request took it (first come, first served
-            # broken), and held it for its whole generation while the deferred one waited.
-            free -= 1
-            if self._prefix_coming(s):
-                deferred.append(s)
-                continue
-            failed += self._start(s)
-        self.waiting.extendleft(reversed(deferred))
+        failed = self._start_waiting()
         start = time.perf_counter()
         new = self._prefill_in_budget()
         try:
@@ -184,6 +168,32 @@ class Engine:
         for s, t in zip(new, first):
             self._append(s, [t], now)
         return failed + self._updates(new, now)
+
+    def _start_waiting(self) -> list[Update]:
+        """Waiting requests take the free batch slots; the updates of those that failed alone. A start that raises
+        holds nothing (TargetScorer.start): it and those deferred before it wait again, in their places."""
+        free = self.config.max_batch_size - len(self.running) - len(self.prefilling)
+        deferred, failed = [], []
+        try:
+            while self.waiting and free > 0:
+                s = self.waiting.popleft()
+                if not self.target.can_start(s, self.running + self.prefilling):
+                    deferred.append(s)  # its LoRA adapter has no slot free (max_loras): it waits, in its place
+                    continue
+                # A deferred one keeps its slot too: else a later request took it (first come, first served
+                # broken), and held it for its whole generation while the deferred one waited.
+                free -= 1
+                if self._prefix_coming(s):
+                    deferred.append(s)
+                    continue
+                try:
+                    failed += self._start(s)
+                except BaseException:
+                    deferred.append(s)
+                    raise
+        finally:
+            self.waiting.extendleft(reversed(deferred))
+        return failed
 
     def _prefix_coming(self, s: Sequence) -> bool:
         """Whether a sequence admitted before s, still prefilling, is about to compute a prefix of s's
@@ -208,6 +218,9 @@ class Engine:
             s.error = err
             self._finish(s, FinishReason.ABORT)
             return [Update(s, "", [], True, error=err)]
+        except BaseException:
+            s.status = SeqStatus.WAITING  # it holds nothing (TargetScorer.start)
+            raise
         self.prefilling.append(s)
         self.metrics.prefix_cache_queries += len(s.prompt_token_ids)
         self.metrics.prefix_cache_hits += s.prefilled
@@ -233,158 +246,55 @@ class Engine:
         self.prefilling = self.prefilling[len(ready):]
         return ready
 
+    def _free_finished(self, updates: list[Update]) -> None:
+        """Finished sequences leave the prefill queue and the batch, and their state is freed; where that fails,
+        ReleaseError carries the step's `updates` (due to their callers first)."""
+        try:
+            self._drop_prefilling()
+            self._retire()
+        except Exception as err:
+            raise ReleaseError(updates, err) from err
+
     def _drop_prefilling(self) -> None:
-        """Finished (aborted) sequences leave the prefill queue; the target frees what they had run."""
-        for s in self.prefilling:
-            if s.finished:
-                self.target.release(s)
-        self.prefilling = [s for s in self.prefilling if not s.finished]
-
-    def _updates(self, seqs: list[Sequence], now: float) -> list[Update]:
-        """Deltas for the readers due one (see _due)."""
-        due = [s for s in seqs if self._due(s, now)]
-        for s in due:
-            s.last_update_time = now
-        return [self._delta(s) for s in due]
-
-    def _due(self, s: Sequence, now: float) -> bool:
-        """Whether s's reader gets an update this round: at the end; never before it for FINAL_ONLY (its
-        one update carries everything); for DELTA every round until text went out, then once per
-        stream_interval_s. Why: each update is a hand-off to the reader's thread (on Ray an actor call
-        each way), which shares the GIL with the round loop, and a text decode (40-100 us a sequence)."""
-        if s.finished:
-            return True
-        if s.output_kind is OutputKind.FINAL_ONLY:
-            return False
-        text_sent = self._emitted.get(s.seq_id, ("", 0))[0]
-        return not text_sent or now - s.last_update_time >= s.stream_interval_s
-
-    def _append(self, s: Sequence, tokens: list[int], now: float) -> None:
-        """Add verified tokens up to the first stop condition; cut stop strings from the text. A request whose
-        grammar llguidance could not follow (s.error: while scoring, or committing here) ends there alone."""
-        if not s.output_token_ids:
-            s.metrics.record_first_token(time.perf_counter() - s.arrival_time)
-        logprobs, before = s.round_logprobs, len(s.output_token_ids)  # the target's, for these tokens (if asked)
-        if logprobs:
-            s.round_logprobs = []
-        for i, t in enumerate(tokens):
-            if s.grammar is not None and not self._committed(s, t):
-                break
-            s.output_token_ids.append(t)
-            self.metrics.generated_tokens += 1
-            if logprobs:
-                s.output_logprobs.append(logprobs[i])
-            self._check_stop(s, t)
-            if s.finished:
-                break
-        self._update_text(s, now, len(s.output_token_ids) - before)
-
-    def _check_stop(self, s: Sequence, token: int) -> None:
-        """End s at its newest token in vLLM v1's order (vllm/v1/core/sched/utils.py check_stop): EOS (unless
-        ignore_eos), then stop_token_ids ("stop", stop_reason the id), then length, so an EOS or a stop token that
-        is also the max_tokens-th (or fills the context) is "stop". As vLLM, only the tokenizer's EOS ends with no
-        stop_reason: the generation config's other eos ids are stop_token_ids (unless ignore_eos). min_tokens is
-        kept by the sampler (every end barred until then); stop strings come after, in _update_text."""
-        if token in self.eos_token_ids and not s.params.ignore_eos:
-            s.stop_reason = None if token == self.eos_token_id else token
-            self._finish(s, FinishReason.STOP)
-        elif token in s.params.stop_token_ids:
-            s.stop_reason = token
-            self._finish(s, FinishReason.STOP)
-        elif self._at_length(s):
-            self._finish(s, FinishReason.LENGTH)
-
-    def _at_length(self, s: Sequence) -> bool:
-        """max_tokens reached (None: no limit but the context), or the context's end (vLLM's check_stop)."""
-        limit = s.params.max_tokens
-        return (limit is not None and len(s.output_token_ids) >= limit) or s.num_tokens >= self.context_len
-
-    def _committed(self, s: Sequence, token: int) -> bool:
-        """Advance s's grammar past token; False when s failed instead (now, or while its round was scored):
-        it finishes with that error, and its grammar's compiled matcher, which shares the failed lexer, goes."""
-        if s.error is None:
-            try:
-                s.grammar.commit(token)
-                return True
-            except GrammarError as err:
-                s.error = err
-        log.warning("request %s failed alone: %s", s.request_id, s.error)
-        self.grammars.forget(s.grammar.grammar)
-        self._finish(s, FinishReason.ABORT)
-        return False
-
-    def _update_text(self, s: Sequence, now: float, new: int) -> None:
-        """Decode what the last `new` tokens add to s.text; with stop strings, end s at one."""
-        # Text nobody reads this round is decoded later, with the next update's (a decode in the round
-        # loop costs 40-100 us a sequence: the tokenizer's tables are cold after a forward). Stop
-        # strings need it every round.
-        if not s.params.stop:
-            if self._due(s, now):
-                s.text += self._decode_more(s, self._text_ids(s), s.decode_state, s.finished)
-            return
-        # The round's text at once, then token by token only when it holds a stop string (once a request)
-        state = replace(s.decode_state)  # (a whole copy: the prompt's end the first piece is read after too)
-        text = s.text + self._decode_more(s, self._text_ids(s), state, s.finished)
-        if find_stop(text, s.params.stop, after=s.stop_after) is None:
-            s.text, s.decode_state = text, state
-            if len(s.output_token_ids) <= s.params.min_tokens:
-                s.stop_after = len(s.text)
-            return
-        self._stop_token_by_token(s, new)
-
-    def _stop_token_by_token(self, s: Sequence, new: int) -> None:
-        """Decode the round's tokens one at a time and end s at the one that completes a stop string past
-        the first min_tokens tokens' text: the tokens of a speculative round after it are dropped, so that
-        SD / SSD give AR's tokens (and logprobs), which stop there."""
-        ids, first = self._text_ids(s), len(s.output_token_ids) - new
-        for n in range(min(first + 1, len(ids)), len(ids) + 1):  # (an EOS alone: a final decode of what waited)
-            s.text += self._decode_more(s, ids[:n], s.decode_state, s.finished and n == len(ids))
-            if n <= s.params.min_tokens:
-                s.stop_after = len(s.text)
-                continue
-            stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output, after=s.stop_after)
-            if stop is not None:
-                s.text, s.stop_reason = s.text[:stop[0]], stop[1]
-                self.metrics.generated_tokens -= len(s.output_token_ids) - n  # counted by _append
-                del s.output_token_ids[n:], s.output_logprobs[n:]
-                s.finish_reason = FinishReason.STOP  # also where max_tokens or EOS came later in the round
-                s.error = None  # a grammar failure later in the round (at a token never appended) came after it
-                self._finish(s, FinishReason.STOP)
-                s.metrics.num_generated_tokens = len(s.output_token_ids)
-                return
-
-    def _text_ids(self, s: Sequence) -> list[int]:
-        if s.finish_reason is FinishReason.STOP and not s.params.include_stop_str_in_output:
-            return s.output_token_ids[:-1]  # the token that ended it (EOS, a stop_token_id) is not text, as in vLLM
-        return s.output_token_ids
-
-    def _decode_more(self, s: Sequence, ids: list[int], state: DecodeState, final: bool) -> str:
-        return self.detok.decode_more(ids, state, final=final, skip_special_tokens=s.params.skip_special_tokens)
-
-    def _delta(self, s: Sequence) -> Update:
-        text_sent, tokens_sent = self._emitted.get(s.seq_id, ("", 0))
-        # (a stop string kept in the output cuts no text before its end: nothing waits for one)
-        visible = s.text if s.finished else stable_prefix(s.text, () if s.params.include_stop_str_in_output else s.params.stop)
-        visible = visible if visible.startswith(text_sent) else text_sent
-        self._emitted[s.seq_id] = (visible, len(s.output_token_ids))
-        logprobs = s.output_logprobs[tokens_sent:] if s.params.logprobs is not None else None
-        prompt_logprobs = s.prompt_logprobs if tokens_sent == 0 else None
-        return Update(s, visible[len(text_sent):], s.output_token_ids[tokens_sent:], s.finished, logprobs, prompt_logprobs,
-                      s.error)
-
-    def _finish(self, s: Sequence, reason: FinishReason) -> None:
-        if not s.finished:
-            s.status, s.finish_reason = SeqStatus.FINISHED, reason
-            s.metrics.num_generated_tokens = len(s.output_token_ids)
-            s.metrics.total_time_s = time.perf_counter() - s.arrival_time
+        """Finished (aborted) sequences leave the prefill queue, then the target frees each one's rows."""
+        gone = [s for s in self.prefilling if s.finished]
+        if gone:
+            self.prefilling = [s for s in self.prefilling if not s.finished]
+            failure = release_each(gone, self.target.release)
+            if failure is not None:
+                raise failure
 
     def _retire(self) -> None:
+        """Finished sequences leave the batch, then their state is freed (the draft's in one message): reset() must
+        not free again what a release that failed part way did free (the runner refused it, and the rest leaked)."""
         done = [s for s in self.running if s.finished]
-        if done:
-            self.loop.release(done)
-            self.running = [s for s in self.running if not s.finished]
+        if not done:
+            return
+        self.running = [s for s in self.running if not s.finished]
         for s in done:
             self._emitted.pop(s.seq_id, None)
+        try:
+            self.loop.release(done)
+        except Exception:
+            # Part way (the target's side goes first, one by one): those it still holds, one at a time
+            release_each([s for s in done if self.target.holds(s)], lambda s: self.loop.release([s]))
+            raise
+
+
+def attempt(action: Callable[[], object], what: str) -> Exception | None:
+    """action(); what it raised, logged (None if nothing): recovery goes on past one failure."""
+    try:
+        action()
+        return None
+    except Exception as err:  # noqa: BLE001 - the caller goes on, and may raise it after the rest
+        log.exception("could not %s", what)
+        return err
+
+
+def release_each(seqs: list[Sequence], release: Callable[[Sequence], object]) -> Exception | None:
+    """release(s) for each of seqs, whatever the others' do; the first failure (each is logged), None if none."""
+    failures = [attempt(lambda s=s: release(s), f"release sequence {s.seq_id} ({s.request_id!r})") for s in seqs]
+    return next((f for f in failures if f is not None), None)
 
 
 def adapter_names(seqs) -> tuple[str, ...]:

@@ -6,13 +6,18 @@ import threading
 from concurrent.futures import Future
 from typing import Callable
 
-from saguaro_dist.engine.engine import Engine, Update
+from saguaro_dist.engine.engine import Engine, ReleaseError, Update
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.stats_log import StatsLogger
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Update | BaseException], None]
+
+
+def cause(err: Exception) -> BaseException:
+    """What failed: a ReleaseError's release failure, else err."""
+    return err.__cause__ if isinstance(err, ReleaseError) else err
 
 
 def deliver(listener: Listener, item) -> bool:
@@ -165,7 +170,7 @@ class EngineThread:
                 self._publish(self.engine.abort(request_id))
             except Exception as err:  # noqa: BLE001 - freeing its state failed (a draft or TP rank gone?)
                 # As a failed step: uncaught, it ended this thread, and every caller waited forever.
-                self._recover(EngineError(f"abort of {request_id!r} failed: {err!r}"))
+                self._recover(EngineError(f"abort of {request_id!r} failed: {err!r}"), err)
 
     def _step(self) -> None:
         """One engine step if it has work; the load snapshot is refreshed either way (an abort may have
@@ -179,12 +184,15 @@ class EngineThread:
             self._publish(updates)
             self._stats.maybe_log(self.engine.metrics, self.load)
         except Exception as err:  # noqa: BLE001 - every in-flight request learns of it
-            self._recover(EngineError(f"engine step failed: {err!r}"))
+            self._recover(EngineError(f"engine step failed: {cause(err)!r}"), err)
 
-    def _recover(self, err: EngineError) -> None:
+    def _recover(self, err: EngineError, failure: Exception) -> None:
         """After the engine failed (its state may be half changed): every in-flight request fails with err,
-        and the engine drops them all, to serve new ones."""
+        and the engine drops them all, to serve new ones. A failed release (ReleaseError) came after its step
+        had finished requests: the step's updates go out first (one that completed is not failed)."""
         log.exception("%s; failing in-flight requests", err)
+        if isinstance(failure, ReleaseError):
+            self._publish(failure.updates)
         self._fail_all(err)
         self.engine.reset()
         self.load = self.engine.load()

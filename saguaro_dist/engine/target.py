@@ -165,12 +165,22 @@ class TargetScorer:
         """Give s its KV row (through its adapter's slot, loaded now if need be), holding what the prefix cache
         or a live sequence (running or prefilling) has of its prompt (s.prefilled tokens), in its cache
         namespace (its cache_salt and adapter). A request for prompt log-probabilities needs every prompt row's
-        logits: it reuses nothing. A ValueError (its adapter failed to load) leaves s without a row."""
+        logits: it reuses nothing. A start that raises (its adapter failed to load, the copy failed) leaves s
+        without a row."""
         slot = self.loras.acquire(s.lora_request, _adapters(live)) if self.loras is not None else None
         wanted = s.prompt_token_ids if s.params.prompt_logprobs is None else ()
         sources = {x.seq_id: x.tokens for x in live} if self.prefixes.enabled else {}
-        s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources, s.cache_namespace,
-                                                                        slot)
+        fresh = not holds(self.runner, s.seq_id)
+        try:
+            s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources,
+                                                                            s.cache_namespace, slot)
+        except BaseException:
+            # A failed start holds nothing (the prefix cache may have added the row before its copy failed): the
+            # engine keeps s in none of its lists, so nothing else would ever free it.
+            if fresh and holds(self.runner, s.seq_id):
+                self.prefixes.namespaces.pop(s.seq_id, None)
+                self.runner.free(s.seq_id)
+            raise
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the (started) prompts; sample each sequence's first token (its KV then holds the prompt)."""
@@ -244,6 +254,10 @@ class TargetScorer:
     def release(self, seq: Sequence) -> None:
         self.prefixes.finish(seq.seq_id, seq.tokens)
 
+    def holds(self, seq: Sequence) -> bool:
+        """Whether seq still has its KV row (started, not yet released)."""
+        return holds(self.runner, seq.seq_id)
+
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per sequence from its row of logits [B, V]."""
         scored = self._scored(logits[:, None], seqs)[:, 0]
@@ -256,6 +270,15 @@ class TargetScorer:
             if s.params.logprobs is not None:
                 s.round_logprobs = token_logprobs(logits[i:i + 1], [t], s.params.logprobs)
         return tokens
+
+
+def holds(runner, seq_id) -> bool:
+    """Whether the runner has a row for seq_id (its length() refuses an unknown one)."""
+    try:
+        runner.length(seq_id)
+        return True
+    except ValueError:
+        return False
 
 
 def _adapters(seqs: list[Sequence]) -> set[int]:
