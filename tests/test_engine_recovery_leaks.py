@@ -87,6 +87,14 @@ def assert_nothing_held(engine, draft_lost: set[int]) -> None:
     assert set(worker.seqs) == set(worker.runner._seqs) == draft_lost, (list(worker.seqs), list(worker.runner._seqs))
 
 
+def reset_and_drain(thread: EngineThread) -> None:
+    """reset_prefix_cache, then wait until the draft's thread ran every call queued before (its release of the last
+    request, the reset): EngineThread.stop closes the draft, which cancels calls still queued, and their rows would
+    read as leaked."""
+    thread.reset_prefix_cache()
+    thread.engine.draft.submit(lambda _: None, None).result(timeout=60)
+
+
 def serve_after_recovery(pair, thread: EngineThread) -> None:
     """The engine serves a new request, exactly (greedy = mode ar)."""
     c = Reader()
@@ -113,7 +121,7 @@ def test_an_abort_whose_draft_release_fails_frees_every_other_row(pair):
         # a failed abort is a failed step's case: the engine recovered, every request in flight failed
         assert isinstance(a.end(), EngineError) and isinstance(b.end(), EngineError)
         serve_after_recovery(pair, thread)
-        thread.reset_prefix_cache()
+        reset_and_drain(thread)
     finally:
         thread.stop()
     assert_nothing_held(thread.engine, draft_lost={0})
@@ -130,7 +138,7 @@ def test_a_request_that_finished_is_delivered_though_its_release_fails(pair):
         assert_greedy_equal(a.tokens, ar_tokens(pair, PROMPTS[0], 40), PROMPTS[0], pair["model"])
         assert isinstance(end_b, EngineError)
         serve_after_recovery(pair, thread)
-        thread.reset_prefix_cache()
+        reset_and_drain(thread)
     finally:
         thread.stop()
     assert_nothing_held(thread.engine, draft_lost={0})
@@ -208,3 +216,29 @@ def test_a_start_whose_prefix_copy_fails_holds_nothing_and_keeps_the_queue(pair)
         assert not engine.target.runner._seqs and not engine.target.prefixes.namespaces
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_a_target_release_failing_part_way_still_frees_every_draft_side(pair, mode):
+    """Three requests finish in one step and the target's second release fails: the loop's draft side runs for all
+    three anyway (before, the first's draft row stayed on the draft worker for good: its target row was freed, so
+    the engine's retry skipped it, and the draft release came after the target's), and no draft side twice."""
+    thread = EngineThread(build_local_engine(Config(model=pair["target"], draft=pair["close"], mode=mode, k=3,
+                                                    max_batch_size=3, draft_executor="thread"))[0])
+    engine = thread.engine
+    real, calls = engine.target.release, []
+
+    def second_fails(s):
+        calls.append(s.seq_id)
+        if len(calls) == 2:
+            raise RuntimeError("injected: the target's second release failed")
+        return real(s)
+    engine.target.release = second_fails
+    readers = [Reader() for _ in range(3)]
+    thread.submit_many([(Sequence(i, f"r{i}", PROMPTS[i], greedy(1)), readers[i]) for i in range(3)])
+    ends = [r.end() for r in readers]
+    assert all(isinstance(e, Update) and e.finished for e in ends), ends
+    engine.target.release = real
+    reset_and_drain(thread)
+    thread.stop()
+    assert_nothing_held(engine, draft_lost=set())

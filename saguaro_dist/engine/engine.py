@@ -277,7 +277,8 @@ class Engine(Committing):
             self.loop.release(done)
         except Exception:
             # Part way (the target's side goes first, one by one): those it still holds, one at a time
-            release_each([s for s in done if self.target.holds(s)], lambda s: self.loop.release([s]))
+            # (the loop released every draft side already: the target's rows alone, not the draft's twice)
+            release_each([s for s in done if self.target.holds(s)], self.target.release)
             raise
 
 

@@ -123,11 +123,13 @@ class SDLoop(ARLoop):
         return None
 
     def release(self, seqs):
-        super().release(seqs)
-        self.emitted.settle()
-        for s in seqs:
-            self._failed_prefills.pop(s.seq_id, None)
-        self.draft.release([Release(s.seq_id) for s in seqs if not s.beyond_draft])
+        try:
+            super().release(seqs)  # the target's rows, one by one (Engine._retire frees those a failure left)
+        finally:  # the draft's side for all of them, whatever the target's did: it is freed nowhere else
+            self.emitted.settle()
+            for s in seqs:
+                self._failed_prefills.pop(s.seq_id, None)
+            self.draft.release([Release(s.seq_id) for s in seqs if not s.beyond_draft])
 
     def reset_prefix_cache(self):
         super().reset_prefix_cache()

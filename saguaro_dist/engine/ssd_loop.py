@@ -243,9 +243,11 @@ class SSDLoop(LookupRows, CohortRounds, SDLoop):
         self.metrics.cache_misses += lookups - hits
 
     def release(self, seqs):
-        super().release(seqs)
-        for s in seqs:
-            self.forget(s)
+        try:
+            super().release(seqs)
+        finally:  # (as SDLoop's draft side: whatever the target's release did)
+            for s in seqs:
+                self.forget(s)
 
     def forget(self, s: Sequence) -> None:
         self.cache.drop(s.seq_id)
