@@ -10,6 +10,7 @@ import time
 
 import pytest
 from engine_helpers import PROMPTS, assert_greedy_equal, close_pair, hf_greedy, wait_for
+from test_draft_failure_in_process import FailingOnce
 from test_grpc_link_keepalive import Relay
 from test_grpc_reconnect import BACK_WITHIN_S
 from test_grpc_toy_worker import ToyWorker
@@ -71,21 +72,6 @@ class RefusingPrompts:
         if any(REFUSED in r.prompt_token_ids for r in reqs):
             raise ValueError("a prompt id this draft cannot take")
         return self._real(reqs)
-
-
-class FailingOnce:
-    """worker.<name> raises `error` at its `at`-th call (a transient failure: INTERNAL on the wire), then works."""
-
-    def __init__(self, worker, name: str, at: int, error: Exception):
-        self.calls, self.at, self.error = 0, at, error
-        self._real = getattr(worker, name)
-        setattr(worker, name, self)
-
-    def __call__(self, *args):
-        self.calls += 1
-        if self.calls == self.at:
-            raise self.error
-        return self._real(*args)
 
 
 def run_engine(config: Config, worker, prompts: list[list[int]], tokens: int) -> list[list[int]]:
