@@ -177,20 +177,18 @@ class Engine(Committing):
         try:
             while self.waiting and free > 0:
                 s = self.waiting.popleft()
+                # Deferred until it has started: whatever raises below (can_start, _prefix_coming, _start),
+                # it goes back in its place rather than out of every list, its request never answered.
+                deferred.append(s)
                 if not self.target.can_start(s, self.running + self.prefilling):
-                    deferred.append(s)  # its LoRA adapter has no slot free (max_loras): it waits, in its place
-                    continue
+                    continue  # its LoRA adapter has no slot free (max_loras): it waits, in its place
                 # A deferred one keeps its slot too: else a later request took it (first come, first served
                 # broken), and held it for its whole generation while the deferred one waited.
                 free -= 1
                 if self._prefix_coming(s):
-                    deferred.append(s)
                     continue
-                try:
-                    failed += self._start(s)
-                except BaseException:
-                    deferred.append(s)
-                    raise
+                failed += self._start(s)
+                deferred.pop()  # started (or failed alone, its update in `failed`)
         finally:
             self.waiting.extendleft(reversed(deferred))
         return failed

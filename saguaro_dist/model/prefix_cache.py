@@ -75,9 +75,13 @@ class PrefixCache:
             self.runner.free(seq_id)
             return
         key = ("prefix", next(self._ids))
-        self.namespaces[key] = namespace
         self.runner.rename(seq_id, key)
-        self.runner.truncate(key, length)
+        try:
+            self.runner.truncate(key, length)
+        except BaseException:  # no entry names the renamed row: freed now, or it stayed taken for good
+            self.runner.free(key)
+            raise
+        self.namespaces[key] = namespace
         self.entries[key] = np.asarray(tokens[:length], dtype=np.int64)
         while len(self.entries) > self.max_entries:
             self._evict()
