@@ -8,9 +8,12 @@ Retries: a request is sent again only where the server demonstrably did not proc
 Never retried: a generation's read/write timeout, dropped connection, 500 or 504 (the server has the request and may
 still be generating it: a retry would run it again, as openai's retries of timeouts do), nor a runtime LoRA
 load/unload's 5xx other than 503 (its state may have changed: a second load of the name fails or reloads it).
+An error reply's `x-should-retry` header overrides all of this, as in the openai SDK: "true" retries it, "false"
+never does (the server knows whether a second send is safe); any other value leaves the rules above to decide.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import Enum
 
 import httpx
@@ -34,7 +37,11 @@ _RETRY_STATUSES = {RequestKind.READ_ONLY: frozenset({408, 429, 500, 502, 503, 50
                    RequestKind.STATEFUL: frozenset({408, 429, 503})}
 
 
-def should_retry(kind: RequestKind, error: Exception) -> bool:
+def should_retry(kind: RequestKind, error: Exception, headers: Mapping | None = None) -> bool:
+    """headers: the error reply's (None for a transport failure): its x-should-retry wins."""
+    server_says = (headers or {}).get("x-should-retry")  # (not a standard header; openai's exact "true"/"false")
+    if server_says in ("true", "false") and isinstance(error, APIStatusError):
+        return server_says == "true"
     if isinstance(error, APIConnectionError):
         cause = error.__cause__
         if isinstance(cause, httpx.LocalProtocolError):  # ours to fix: no retry makes it sendable

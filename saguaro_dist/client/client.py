@@ -152,7 +152,7 @@ class Client:
             response, error, headers = self._attempt(method, url, body, stream)
             if response is not None:
                 return response
-            if attempt == self._retry.max_retries or not policy.should_retry(kind, error):
+            if attempt == self._retry.max_retries or not policy.should_retry(kind, error, headers):
                 raise error
             time.sleep(self._retry.delay(attempt, headers))
         raise AssertionError("unreachable")
