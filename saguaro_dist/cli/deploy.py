@@ -157,6 +157,9 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout-s", type=int,
                         help=f"Ray's drain on a pod's SIGTERM, seconds; the pods' grace period is this + "
                              f"{k8s.DRAIN_MARGIN_S} (default {DEFAULTS.drain_timeout_s})")
+    parser.add_argument("--env", dest="extra_env", action="append", metavar="NAME=VALUE",
+                        help="an environment variable for every Ray container, e.g. OTEL_SERVICE_NAME=saguaro for "
+                             "--otlp-traces-endpoint (repeat for several; the manifests' own names are refused)")
     parser.add_argument("--gpu", action="store_true", help="run on NVIDIA GPUs (implied by --gpu-type)")
     parser.add_argument("--gpu-type", help="nvidia.com/gpu.product of the GPU nodes, e.g. NVIDIA-H100-80GB-HBM3")
     _add_secret_options(parser)
@@ -251,6 +254,8 @@ def _check_unused(args: argparse.Namespace, settings: k8s.K8sSettings) -> None:
     if gcs_ft and args.kind != "rayservice":
         raise ValueError(f"{', '.join(map(flag_name, gcs_ft))} only applies to the RayService (--kind rayservice): "
                          f"it configures that Ray cluster, and Ray supports GCS fault tolerance for Serve only")
+    if args.extra_env and args.kind not in ("rayservice", "raycluster"):
+        raise ValueError(f"--env only applies to the Ray pods (--kind rayservice or raycluster), not --kind {args.kind}")
     batch = given(args, ("batch_pvc", *BATCH_FILES)) if args.kind != "batch-job" else {}
     if batch:
         raise ValueError(f"{', '.join(map(flag_name, batch))} only applies with --kind batch-job")

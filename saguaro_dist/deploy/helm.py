@@ -93,7 +93,7 @@ def _cluster_values(s: K8sSettings) -> dict:
             "hfToken": {"secretName": s.hf_token_secret or "", "secretKey": s.hf_token_secret_key},
             "modelStorage": {"pvc": s.models_pvc or ""},
             "upgradeStrategy": s.upgrade_strategy,
-            "termination": {"drainTimeoutSeconds": s.drain_timeout_s},
+            "termination": {"drainTimeoutSeconds": s.drain_timeout_s}, "extraEnv": dict(s.extra_env),
             "gcsFaultTolerance": {"redisAddress": s.gcs_ft_redis_address or "",
                                   "redisPassword": {"secretName": s.gcs_ft_redis_password_secret or "",
                                                     "secretKey": s.gcs_ft_redis_password_secret_key}}}

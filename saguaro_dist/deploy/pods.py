@@ -16,6 +16,7 @@ from saguaro_dist.deploy.constants import (
     RAY_UID,
     SERVE_PORT,
 )
+from saguaro_dist.deploy.extra_env import env_entries
 from saguaro_dist.deploy.settings import K8sSettings
 from saguaro_dist.serve.args import API_KEY_ENV
 
@@ -55,9 +56,9 @@ def app_env(s: K8sSettings) -> list:
 
 
 def _ray_env(s: K8sSettings) -> list:
-    """A Ray container's environment: the app's, and Ray's drain window on SIGTERM (explicit: the pod's grace
-    period is derived from it)."""
-    return app_env(s) + [{"name": DRAIN_ENV, "value": str(s.drain_timeout_s)}]
+    """A Ray container's environment: the app's, Ray's drain window on SIGTERM (explicit: the pod's grace
+    period is derived from it), then the user's extra_env (none of these names: K8sSettings refuses them)."""
+    return app_env(s) + [{"name": DRAIN_ENV, "value": str(s.drain_timeout_s)}] + env_entries(s.extra_env)
 
 
 def security_context() -> dict:

@@ -24,6 +24,7 @@ from saguaro_dist.deploy.constants import (
     REDIS_ADDRESS,
     SECRET_KEY,
 )
+from saguaro_dist.deploy.extra_env import extra_env
 from saguaro_dist.deploy.serve_app import serve_args
 from saguaro_dist.serve.args import config_from_args, served_model_names
 from saguaro_dist.serve.lora_modules import check_lora_modules, lora_modules
@@ -143,6 +144,9 @@ class K8sSettings:
     upgrade_strategy: str = "NewCluster"  # UpgradeStrategy; None where the cluster can't hold a second copy
     drain_timeout_s: int = 30         # Ray's SIGTERM drain (its default, explicit); the pods' grace period exceeds it
     image_pull_secrets: tuple[str, ...] = ()  # Secrets for a private registry
+    # more environment for every Ray container (e.g. OTEL_* for tracing): a {NAME: VALUE} mapping or "NAME=VALUE"
+    # strings, kept as sorted (name, value) pairs; a name the manifests or KubeRay set is refused (deploy/extra_env.py)
+    extra_env: tuple[tuple[str, str], ...] = ()
     # GCS fault tolerance (KubeRay gcsFaultToleranceOptions): the RayService's head keeps its state in a Redis
     # you run, so the workers and the app survive a head restart. None: off (the head is a single point of failure)
     gcs_ft_redis_address: str | None = None          # HOST:PORT
@@ -158,6 +162,7 @@ class K8sSettings:
             object.__setattr__(self, "image_pull_secrets", tuple(secrets))
         if self.draft == "":
             object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
+        object.__setattr__(self, "extra_env", extra_env(self.extra_env))
         for name in ("gcs_ft_redis_address", "gcs_ft_redis_password_secret", "hf_token_secret", "models_pvc",
                      "gpu_type", "image_pull_policy", "otlp_traces_endpoint"):
             if getattr(self, name) == "":

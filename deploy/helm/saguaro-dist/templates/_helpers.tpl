@@ -260,6 +260,10 @@ env:
     value: /models/hf-cache
   - name: RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S
     value: {{ int $v.termination.drainTimeoutSeconds | toString | quote }}
+  {{- range $name, $value := $v.extraEnv }}
+  - name: {{ $name | quote }}
+    value: {{ $value | quote }}
+  {{- end }}
 ports:
   {{- if .head }}
   - {name: gcs-server, containerPort: 6379}
