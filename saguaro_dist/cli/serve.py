@@ -43,7 +43,7 @@ SERVE_FLAGS = {"api_key": "api_key", "served_model_name": "served_model_name",
                "max_request_bytes": "max_request_bytes", "stream_interval_ms": "stream_interval_ms",
                "tool_call_parser": "tool_call_parser", "reasoning_parser": "reasoning_parser",
                "log_requests": "log_requests", "chat_template": "chat_template", "lora_modules": "lora_modules",
-               "otlp_traces_endpoint": "otlp_traces_endpoint"}
+               "otlp_traces_endpoint": "otlp_traces_endpoint", "collect_detailed_traces": "collect_detailed_traces"}
 CHAT_TEMPLATE_HELP = ("a Jinja chat template, or a file holding one, used instead of the tokenizer's (vLLM's "
                       "--chat-template; for models that ship none)")
 
@@ -148,6 +148,10 @@ def register(subparsers) -> None:
                         "traceparent header) to this OTLP collector, e.g. http://localhost:4317 (gRPC; "
                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf: http://localhost:4318/v1/traces); "
                         "needs pip install 'saguaro-dist[tracing]'")
+    g.add_argument("--collect-detailed-traces", nargs="+", metavar="{model,worker,all}",
+                   help="vLLM's (needs --otlp-traces-endpoint): more attributes on each span, counted per request "
+                        "anyway: model, the target's rounds and acceptance per draft position; worker, the draft "
+                        "workers' tree-cache hits, misses and fallbacks; all, both (no per-request forward timing)")
     g.add_argument("--ingress", choices=[i.value for i in Ingress], default=Ingress.AUTO.value,
                    help="who answers on --port: the replica's own HTTP server (direct) or Serve's proxy "
                         "(default auto: direct on the embedded cluster with one replica, else the proxy)")

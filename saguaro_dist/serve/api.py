@@ -25,7 +25,8 @@ from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.responses_route import responses_route
 from saguaro_dist.serve.state import ServingState
 from saguaro_dist.serve.tool_parsers import ToolCallParser
-from saguaro_dist.serve.tracing import TraceContextMiddleware, check_tracing_available, request_tracer
+from saguaro_dist.serve.tracing import (TraceContextMiddleware, check_tracing_available, detailed_trace_modules,
+                                        request_tracer)
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20  # 1 MiB: far above any prompt a context window can hold as text
@@ -64,6 +65,7 @@ class ServerOptions:
     lora_modules: tuple[LoRAModule, ...] = ()  # adapters served by name (vLLM's --lora-modules; need enable_lora)
     runtime_lora_updating: bool | None = None  # the load / unload routes (None: VLLM_ALLOW_RUNTIME_LORA_UPDATING here)
     otlp_traces_endpoint: str | None = None  # an OTLP collector for each request's span (serve/tracing.py; vLLM's)
+    collect_detailed_traces: tuple | str | None = None  # vLLM's: model / worker / all (tracing.detailed_trace_modules)
 
     def __post_init__(self):
         if not isinstance(self.response_role, str) or not self.response_role.strip():
@@ -80,6 +82,8 @@ class ServerOptions:
                 raise ValueError(f"otlp_traces_endpoint must be a URL such as http://collector:4317, got "
                                  f"{self.otlp_traces_endpoint!r}")
             check_tracing_available()  # at start-up, not at the first request
+        object.__setattr__(self, "collect_detailed_traces",  # (a frozenset of modules; refused without an endpoint)
+                           detailed_trace_modules(self.collect_detailed_traces, self.otlp_traces_endpoint))
 
 
 def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = None,
@@ -96,7 +100,8 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
                                      options.chat_template, options.model_aliases, models,
-                                     request_tracer(options.otlp_traces_endpoint, options.served_model_name))
+                                     request_tracer(options.otlp_traces_endpoint, options.served_model_name,
+                                                    options.collect_detailed_traces))
     runtime_lora = runtime_updates_allowed(options.runtime_lora_updating)  # at start-up, as vLLM: routes or none
     app.state.response_role = options.response_role  # route_support.response_role
     install_error_handlers(app)

@@ -90,6 +90,7 @@ def server_options(args: dict, model: str) -> ServerOptions:
         lora_modules=modules,
         runtime_lora_updating=runtime_updates_allowed(args.get(RUNTIME_UPDATE_ARG)),
         otlp_traces_endpoint=args.get("otlp_traces_endpoint") or None,  # (its packages checked here, in each replica)
+        collect_detailed_traces=args.get("collect_detailed_traces"),  # (refused here without the endpoint)
     )
 
 

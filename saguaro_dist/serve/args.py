@@ -14,7 +14,7 @@ API_KEY_ENV = "SAGUARO_API_KEY"
 # Serve-only arguments: everything else must be a Config field.
 SERVE_ONLY_ARGS = {"api_key", "api_key_env", "served_model_name", "max_request_bytes", "stream_interval_ms",
                    "tool_call_parser", "reasoning_parser", "log_requests", "chat_template", "response_role", "lora_modules",
-                   "allow_runtime_lora_updating", "otlp_traces_endpoint", *FRONTEND_ARGS}
+                   "allow_runtime_lora_updating", "otlp_traces_endpoint", "collect_detailed_traces", *FRONTEND_ARGS}
 _NUMBERS = {"int": int, "float": float}
 _BOOLS = {**dict.fromkeys(("1", "true", "yes", "on"), True), **dict.fromkeys(("0", "false", "no", "off"), False)}
 POOL_FIELDS = ("tensor_parallel_size", "num_draft_workers")  # more than one of either runs the engine on Ray

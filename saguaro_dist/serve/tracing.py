@@ -60,6 +60,40 @@ class SpanAttributes:
     SAGUARO_ACCEPTED_TOKENS = "saguaro.spec_decode.num_accepted_tokens"
     SAGUARO_TREE_CACHE_HIT_RATE = "saguaro.spec_decode.tree_cache_hit_rate"  # SSD: speculation-tree lookups hit
     SAGUARO_CACHED_TOKENS = "saguaro.prefix_cache.num_cached_tokens"  # prompt tokens the prefix cache supplied
+    # --collect-detailed-traces model: the target's work on the request
+    SAGUARO_ROUNDS = "saguaro.spec_decode.num_rounds"  # target forwards after the prompt's (AR: decode steps)
+    SAGUARO_MEAN_ACCEPTED_LENGTH = "saguaro.spec_decode.mean_accepted_length"  # tokens per round, the bonus one too
+    SAGUARO_ACCEPTED_PER_POSITION = "saguaro.spec_decode.accepted_per_position"  # [i]: rounds accepting draft token i+1
+    # --collect-detailed-traces worker: the draft workers' side
+    SAGUARO_TREE_CACHE_HITS = "saguaro.spec_decode.tree_cache_hits"
+    SAGUARO_TREE_CACHE_MISSES = "saguaro.spec_decode.tree_cache_misses"
+    SAGUARO_FALLBACKS = "saguaro.spec_decode.fallbacks"  # JSON {fallback kind: rounds}, where the tree cache missed
+
+
+class DetailedTraces(Enum):
+    """vLLM's --collect-detailed-traces modules (DetailedTraceModules). vLLM's own spans add nothing for them since
+    its V1 engine (time_in_model_forward / _execute are V0's); ours add what the engine counts per request:
+    model, the target's rounds; worker, the draft workers' cache lookups and fallbacks; all, both."""
+    MODEL = "model"
+    WORKER = "worker"
+    ALL = "all"
+
+
+def detailed_trace_modules(value, endpoint: str | None) -> frozenset[DetailedTraces]:
+    """The modules asked for (all: model and worker), from a list or vLLM's legacy comma-separated text. Refused
+    without an endpoint (vLLM's rule: there is no span to add them to) and for a name vLLM does not know."""
+    names = value.split(",") if isinstance(value, str) else [n for item in value or () for n in str(item).split(",")]
+    names = [name.strip() for name in names if name.strip()]
+    if not names:
+        return frozenset()
+    if not endpoint:
+        raise ValueError("collect_detailed_traces requires `--otlp-traces-endpoint` to be set.")
+    choices = [m.value for m in DetailedTraces]
+    unknown = [name for name in names if name not in choices]
+    if unknown:
+        raise ValueError(f"collect_detailed_traces: {unknown[0]!r} is not one of {choices}")
+    modules = {DetailedTraces(name) for name in names}
+    return frozenset({DetailedTraces.MODEL, DetailedTraces.WORKER} if DetailedTraces.ALL in modules else modules)
 
 
 class OtlpProtocol(Enum):
@@ -222,16 +256,18 @@ class RequestTracer:
     """A replica's spans: ServingState.stream reports each generation's end here (finished, aborted or
     failed). A span that cannot be made is logged, never the request's failure."""
 
-    def __init__(self, endpoint: str, model_name: str):
+    def __init__(self, endpoint: str, model_name: str, detailed: frozenset[DetailedTraces] = frozenset()):
         self.provider = tracer_provider(endpoint)
         self.tracer = self.provider.get_tracer(TRACER_NAME)
         self.model_name = model_name  # gen_ai.response.model, unless the job runs a LoRA adapter (its name)
+        self.detailed = detailed  # --collect-detailed-traces (detailed_trace_modules)
 
     @_never_fails
     def finished(self, job, request_id: str, delta, started: float) -> None:
         """A generation that ended (`delta`: its last, with the engine's RequestMetrics); started: the
         monotonic time its stream began (the span's start where no HTTP request carried it)."""
-        attributes = {**self._request_attributes(job, request_id), **_metrics_attributes(job, delta.metrics)}
+        attributes = {**self._request_attributes(job, request_id), **_metrics_attributes(job, delta.metrics),
+                      **_detailed_attributes(delta.metrics, self.detailed)}
         self._end(attributes, [delta.finish_reason], started)
 
     @_never_fails
@@ -315,6 +351,21 @@ def _metrics_attributes(job, m) -> dict:
     return attributes
 
 
-def request_tracer(endpoint: str | None, model_name: str) -> RequestTracer | None:
+def _detailed_attributes(m, detailed: frozenset[DetailedTraces]) -> dict:
+    """--collect-detailed-traces' attributes: counts the engine keeps per request anyway (no extra timing)."""
+    if m is None or not detailed:
+        return {}
+    a, attributes = SpanAttributes, {}
+    if DetailedTraces.MODEL in detailed:
+        attributes.update({a.SAGUARO_ROUNDS: m.rounds, a.SAGUARO_MEAN_ACCEPTED_LENGTH: m.mean_accepted_length,
+                           a.SAGUARO_ACCEPTED_PER_POSITION: list(m.accepted_per_position)})
+    if DetailedTraces.WORKER in detailed:
+        attributes.update({a.SAGUARO_TREE_CACHE_HITS: m.cache_hits, a.SAGUARO_TREE_CACHE_MISSES: m.cache_misses,
+                           a.SAGUARO_FALLBACKS: json.dumps(dict(m.fallbacks), sort_keys=True)})
+    return attributes
+
+
+def request_tracer(endpoint: str | None, model_name: str,
+                   detailed: frozenset[DetailedTraces] = frozenset()) -> RequestTracer | None:
     """The app's tracer where --otlp-traces-endpoint is given; None (no spans, no OpenTelemetry) otherwise."""
-    return RequestTracer(endpoint, model_name) if endpoint else None
+    return RequestTracer(endpoint, model_name, detailed) if endpoint else None
