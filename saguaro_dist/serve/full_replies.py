@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.chat_request import REPLY_ROLE
+from saguaro_dist.serve.harmony import LiteralMarkers
 from saguaro_dist.serve.reasoning import split_reasoning
 from saguaro_dist.serve.state import Finished, Job, ServingState, gather_or_cancel
 
@@ -45,7 +46,7 @@ def _finished_choice(state: ServingState, fmt: responses.Format, body, index: in
     """One finished choice; with `echo` (completions) the prompt's text and log-probabilities lead."""
     if fmt.chat:
         plan = state.tool_plan_for(body)
-        reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
+        reasoning, text = split_reasoning(state.reasoning_parser_for(job), reply_text(state, result))
         content, calls = plan.parse(text)
         return fmt.choice(index, _echoed(body, role, content if content or reasoning is None else None),
                           plan.finish_reason(result.finish_reason, calls),
@@ -64,6 +65,11 @@ def _finished_choice(state: ServingState, fmt: responses.Format, body, index: in
         logprobs = fmt.logprobs(state.tokenizer, ids, entries, job.params.logprobs, as_ids=job.tokens_as_ids)
     return fmt.choice(index, prompt + result.text, result.finish_reason, logprobs, stop_reason=result.stop_reason,
                       prompt_logprobs=scored)
+
+
+def reply_text(state: ServingState, result) -> str:
+    """A finished chat reply's text for its parsers: a harmony server's with its literal marker text marked."""
+    return LiteralMarkers.of(state.tokenizer).feed(result.text, result.token_ids) if state.harmony else result.text
 
 
 def shown(body, reasoning: str | None) -> str | None:

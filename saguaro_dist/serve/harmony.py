@@ -24,10 +24,15 @@ plain text, content as it comes (a constrained reply's JSON, say); so is text be
 joins the final and preamble messages with "\n", as vLLM's HarmonyParser joins them (the older
 OpenAIToolParser kept only the last final, else the last preamble, while its stream sent them all: a
 streamed preamble cannot be taken back, so the join keeps whole and streamed replies alike).
+
+The markers are special tokens, but ordinary tokens can spell them too (a JSON string holding "<|end|>"): vLLM
+reads harmony by token id, so such text is content. LiteralMarkers reads the ids: each "<|" no marker token wrote
+gets LITERAL after its "<" (no decoded text holds a lone surrogate), which `plain` takes out where text leaves us.
 """
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from enum import Enum
@@ -42,6 +47,9 @@ _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"(?<![\w.])to=([^\s<]+)")
 _CONSTRAINED = re.compile(r"<\|constrain\|>\s*([^\s<]+)")
 _WORD = re.compile(r"[^\s<]+|<\|[a-z_]+\|>")
+LITERAL = "\udfff"  # between "<" and "|" of text that only looks like a marker (the module's note)
+
+log = logging.getLogger(__name__)
 
 
 class Route(Enum):
@@ -240,7 +248,8 @@ class HarmonySplitter:
                 self.written.add(header.route)
             elif step is Step.OPEN:
                 self.fresh = True
-        return "".join(out[Route.REASONING]), "".join(out[Route.CONTENT])
+        content = "".join(out[Route.CONTENT])  # (with its calls it is read again: parse_openai plains it)
+        return plain("".join(out[Route.REASONING])), content if self.keep_calls else plain(content)
 
     def _call(self, step: Step, header: Header, piece: str, content: list[str]) -> None:
         if step is Step.OPEN:
@@ -264,7 +273,8 @@ def parse_openai(text: str, functions: tuple[dict, ...] = ()) -> tuple[str | Non
     (its <|call|> is an EOS token, not text), and finish_reason says "length"."""
     splitter = HarmonySplitter(keep_calls=False)
     _, content = splitter.feed(text, final=True)
-    calls = [(header.recipient.removeprefix(FUNCTIONS), _arguments(header, body)) for header, body in splitter.calls]
+    calls = [(plain(header.recipient.removeprefix(FUNCTIONS)), _arguments(header, plain(body)))
+             for header, body in splitter.calls]
     return content or None, calls
 
 
@@ -319,3 +329,67 @@ def reasoning_token_count(tokenizer, token_ids) -> int:
 def _marker_ids(tokenizer) -> dict[int, str]:
     ids = {m: tokenizer.encode(m, add_special_tokens=False) for m in MARKERS}
     return {found[0]: m for m, found in ids.items() if len(found) == 1}
+
+
+def plain(text: str) -> str:
+    """Text as the model wrote it: LITERAL taken out."""
+    return text.replace(LITERAL, "")
+
+
+def plain_delta(delta: dict) -> dict:
+    """A chat delta's content and calls' names and arguments, plain."""
+    out = {**delta, "content": plain(delta.get("content", "")), "tool_calls": [
+        {**c, "function": {k: plain(v) for k, v in c["function"].items()}} if "function" in c else c
+        for c in delta.get("tool_calls", ())]}
+    return {k: v for k, v in out.items() if v or k not in ("content", "tool_calls")}
+
+
+@dataclass
+class LiteralMarkers:
+    """A reply's text with LITERAL in each "<|" that no marker token wrote (the module's note), fed in pieces
+    with their token ids (a piece's text may lag its ids: a possible stop string waits). Where a marker's text
+    begins is the length of the text of the ids before it: the ordinary tokens since the last marker are
+    decoded once, when the next marker comes, so a reply costs one decode of its ids."""
+    tokenizer: object
+    marker_ids: dict[int, str]
+    run: list[int] = field(default_factory=list)  # ordinary ids since the last marker
+    decoded: int = 0  # the text's length up to the run
+    starts: set[int] = field(default_factory=set)  # where markers' text begins, not read yet
+    read: int = 0     # characters of text read
+    last: str = ""    # the last one (a "<" may end a piece and its "|" begin the next)
+
+    @classmethod
+    def of(cls, tokenizer) -> LiteralMarkers:
+        return cls(tokenizer, _marker_ids(tokenizer) if tokenizer is not None else {})
+
+    def feed(self, text: str, token_ids) -> str:
+        self._locate(token_ids)
+        joined, base = self.last + text, self.read - len(self.last)
+        pieces, cut, at = [], 0, joined.find("<|")
+        while at >= 0:
+            if base + at not in self.starts:
+                pieces.append(joined[cut:at + 1] + LITERAL)
+                cut = at + 1
+            at = joined.find("<|", at + 1)
+        self._check(joined, base)
+        out = ("".join(pieces) + joined[cut:])[len(self.last):]
+        self.read, self.last = self.read + len(text), text[-1:] or self.last
+        return out
+
+    def _locate(self, token_ids) -> None:
+        for token in token_ids:
+            marker = self.marker_ids.get(token)
+            if marker is None:
+                self.run.append(token)
+                continue
+            at = self.decoded + len(self.tokenizer.decode(self.run, skip_special_tokens=False,
+                                                          clean_up_tokenization_spaces=False))
+            self.starts.add(at)
+            self.decoded, self.run = at + len(marker), []
+
+    def _check(self, joined: str, base: int) -> None:
+        """Forgets the markers read; logs one whose place in the text does not hold its "<"."""
+        for at in [a for a in self.starts if a < base + len(joined) - 1]:
+            self.starts.discard(at)
+            if at >= base and joined[at - base] != "<":
+                log.warning("harmony: a marker token's text is not where its ids put it (at %d)", at)

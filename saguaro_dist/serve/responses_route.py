@@ -8,8 +8,9 @@ from fastapi import Request
 
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import stream_error
-from saguaro_dist.serve.full_replies import logprobs_of, shown
+from saguaro_dist.serve.full_replies import logprobs_of, reply_text, shown
 from saguaro_dist.serve.generate_routes import chat_jobs
+from saguaro_dist.serve.harmony import LiteralMarkers
 from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
 from saguaro_dist.serve.openai_responses import usage as responses_usage
 from saguaro_dist.serve.prompts import encode_chat
@@ -39,7 +40,7 @@ async def responses_route(body: ResponsesRequest, request: Request):
         events = _response_events(state, job, events, batches, first)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await state.collect(job)
-    reasoning, text = split_reasoning(state.reasoning_parser_for(job), result.text)
+    reasoning, text = split_reasoning(state.reasoning_parser_for(job), reply_text(state, result))
     content, calls = state.tool_plan_for(body).parse(text)
     items = output_items(shown(body, reasoning), content, calls, _logprob_items(state, job)(result.logprobs or []))
     return response_body(response_id, model, body, items, "completed",
@@ -66,13 +67,14 @@ def _response_extra(state: ServingState, job: Job, token_ids: list[int], metrics
 async def _response_events(state: ServingState, job: Job, events: ResponseEvents, batches, first):
     reasoning, tools = ReasoningStream(state.reasoning_parser_for(job)), ToolStream(state.tool_plan_for(events.body))
     token_ids, pending = [], events.opening()
+    marks = LiteralMarkers.of(state.tokenizer) if state.harmony else None
     try:
         async with aclosing(batches):
             batch = first
             while batch is not None:
                 for _, text, ids, last, logprobs in per_choice(batch):
                     token_ids += ids
-                    thought, text = reasoning.feed(text, last.finished)
+                    thought, text = reasoning.feed(marks.feed(text, ids) if marks else text, last.finished)
                     thought, delta = shown(events.body, thought) or "", tools.step(text, last.finished)
                     pending += (events.text(thought, delta.get("content", ""), logprobs)
                                 + events.calls(delta.get("tool_calls", [])))

@@ -7,6 +7,7 @@ from saguaro_dist.serve import responses
 from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.errors import stream_error
 from saguaro_dist.serve.full_replies import final_extra, logprobs_of, shown, token_id_fields
+from saguaro_dist.serve.harmony import LiteralMarkers
 from saguaro_dist.serve.reasoning import ReasoningStream
 from saguaro_dist.serve.route_support import ClosingStreamingResponse
 from saguaro_dist.serve.state import Job, ServingState, merge
@@ -61,6 +62,8 @@ class _SseEvents:
         self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
         self.tool_streams = [ToolStream(state.tool_plan_for(body)) for _ in jobs]  # chat: content and tool-call deltas
         self.reasoning_streams = [ReasoningStream(state.reasoning_parser_for(job)) for job in jobs]  # chat
+        # a harmony chat's text: marker text its ids did not write is marked literal (harmony.LiteralMarkers)
+        self.literal_marks = [LiteralMarkers.of(state.tokenizer) if state.harmony and fmt.chat else None for _ in jobs]
 
     @property
     def done(self) -> bool:
@@ -100,7 +103,8 @@ class _SseEvents:
                 self.metrics[index], self.finished = last.metrics, self.finished + 1
                 if self.done:  # the final chunk carries usage and the speculation stats
                     extra = final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)
-            choice = self._choice(index, text, last)
+            marks = self.literal_marks[index]
+            choice = self._choice(index, marks.feed(text, ids) if marks else text, last)
             if choice is not None:
                 choice = {**choice, **self._take_token_ids(index)}
                 extra = {**extra, **self._running_usage(index)}  # the request's usage follows in its own chunk

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
-from saguaro_dist.serve.harmony import HarmonySplitter, parse_openai
+from saguaro_dist.serve.harmony import HarmonySplitter, parse_openai, plain, plain_delta
 from saguaro_dist.serve.required_calls import RequiredCalls
 from saguaro_dist.serve.tool_parsers import ToolCall, ToolCallParser
 
@@ -73,6 +73,9 @@ class ToolPlan:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished reply. Text that does not parse stays content."""
+        harmony_read = self.kind is ToolChoiceKind.AUTO and self.parser is ToolCallParser.OPENAI or \
+            self.harmony and self.kind is ToolChoiceKind.NONE
+        text = text if harmony_read else plain(text)  # (parse_openai tells literal marker text itself)
         if self.kind is ToolChoiceKind.NAMED:  # stripped: after reasoning, whitespace may lead the arguments
             return (None, [ToolCall.new(self.name, text.strip())]) if text.strip() else (None, [])
         if self.kind is ToolChoiceKind.REQUIRED:
@@ -130,10 +133,10 @@ class ToolStream:
         """The delta for `text`, and on the last step whatever the end of the reply releases."""
         delta = self.feed(text)
         if not final:
-            return delta
+            return plain_delta(delta)
         tail = self.finish()
         content = delta.get("content", "") + tail.get("content", "")
-        return {**delta, **tail, **({"content": content} if content else {})}
+        return plain_delta({**delta, **tail, **({"content": content} if content else {})})
 
     def feed(self, text: str) -> dict:
         kind = self.plan.kind
