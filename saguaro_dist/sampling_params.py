@@ -27,14 +27,14 @@ TokenBias = tuple[tuple[int, float], ...]  # (token id, bias) pairs, sorted by i
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrain the output to a language (vLLM's `structured_outputs`): exactly one of a JSON schema, any
-    JSON object, a regular expression, a choice of strings, or a Lark grammar (llguidance's dialect).
+    JSON object, a regular expression, a choice of strings, or a grammar (Lark, llguidance's dialect, or GBNF as vLLM takes it).
     The target's distribution is masked to the tokens the language allows at each position
     (engine/structured.py), on every path, so speculation stays exact."""
     json: str | None = None                  # a JSON schema (a dict is accepted and kept as its JSON text)
     json_object: bool = False                # any JSON object (OpenAI's response_format json_object)
     regex: str | None = None
     choice: tuple[str, ...] | None = None    # one of these strings, exactly
-    grammar: str | None = None               # a Lark grammar
+    grammar: str | None = None               # a Lark (llguidance) or GBNF grammar
 
     def __post_init__(self):
         if isinstance(self.json, Mapping):

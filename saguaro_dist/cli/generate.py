@@ -68,7 +68,7 @@ def _add_structured_output_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--json-object", action="store_true", help="any JSON object")
     s.add_argument("--regex", help="text matching this regular expression")
     s.add_argument("--choice", action="append", help="one of these strings (repeatable)")
-    s.add_argument("--grammar", help="text in this Lark grammar")
+    s.add_argument("--grammar", help="text in this grammar (Lark or GBNF)")
 
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:

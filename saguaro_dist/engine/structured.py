@@ -1,6 +1,6 @@
 """Structured outputs: the target's distribution masked to what a grammar allows, with llguidance.
 
-A JSON schema, a regex, a choice or a Lark grammar is compiled to an llguidance matcher per request.
+A JSON schema, a regex, a choice or a grammar (Lark or GBNF) is compiled to an llguidance matcher per request.
 Like the penalties it changes the target's distribution, so the target side applies it to every row it
 samples or verifies: verify row t gets the mask after the output and x_1..x_t (the matcher consumes the
 speculated tokens, then rolls them back), and a speculated token the grammar forbids has probability 0
@@ -38,7 +38,22 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:  # Lark string literals take JSON's escapes
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
-    return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to it (as vLLM's guidance backend)
+
+
+def checked_grammar_of(spec: StructuredOutputsParams) -> str:
+    """grammar_of(spec); a spec it cannot read (a schema that is not JSON, or not an object) as a request's
+    ValueError. Compiling for the tokenizer (GrammarCompiler.check) finds the rest."""
+    try:
+        return grammar_of(spec)
+    except ValueError as err:
+        raise ValueError(f"structured_outputs is not valid: {err}") from None
+
+
+def json_schema_of(spec: StructuredOutputsParams) -> dict:
+    """A JSON spec's schema with the options llguidance applies to it (JSON_DEFAULTS under the schema's own
+    x-guidance), for a grammar that nests it (%json): read back from grammar_of's text, so it is the same."""
+    return json.loads(checked_grammar_of(spec))["grammars"][0]["json_schema"]
 
 
 def bitmask_to_bool(bitmask: bytes, vocab_size: int) -> torch.Tensor:
@@ -219,10 +234,7 @@ class GrammarCompiler:
         spec = params.structured_outputs
         if spec is None:
             return
-        try:
-            grammar = grammar_of(spec)
-        except ValueError as err:
-            raise ValueError(f"structured_outputs is not valid: {err}") from None
+        grammar = checked_grammar_of(spec)
         # Each of these can leave a row where nothing is allowed: a finished grammar allows only EOS (which
         # ignore_eos would pass and min_tokens holds back), and allowed_token_ids may miss what it needs.
         for clash, name in ((params.ignore_eos, "ignore_eos"), (params.min_tokens, "min_tokens"),

@@ -13,7 +13,7 @@ A constrained reply (structured outputs, a named or required tool call) lets the
 vLLM applies structured outputs once reasoning ends: `reasoning_first` makes one grammar of "any text up to
 the first </think>, whitespace, then what the request allows", so every speculation path samples it
 exactly. Not when the prompt already closed the reasoning (Qwen3 with enable_thinking off; harmony: the
-prompt leaves a message open), nor for a request's own Lark grammar (it is not nested): such replies are
+prompt leaves a message open), nor for a request's own grammar (it is not nested): such replies are
 constrained whole and not split (gpt-oss's: read as harmony, as they come).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from saguaro_dist.engine.structured import JSON_DEFAULTS
+from saguaro_dist.engine.structured import checked_grammar_of, json_schema_of
 from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.serve.harmony import MARKERS, HarmonySplitter, message_open, reasoning_token_count, split_harmony
 from saguaro_dist.serve.tool_parsers import partial_suffix
@@ -146,7 +146,7 @@ _JSON_TYPES = '"" | " json" | " " <|constrain|> "json"'
 def reasoning_first(spec: StructuredOutputsParams, prompt_text: str,
                     parser: ReasoningParser | None = None) -> StructuredOutputsParams | None:
     """spec with the model's reasoning allowed before it (see the module's note); None when the prompt
-    already closed the reasoning or spec is a Lark grammar of the request's own."""
+    already closed the reasoning or spec is a grammar of the request's own."""
     if spec.grammar is not None:
         return None
     if parser is not None and parser.harmony:
@@ -173,14 +173,13 @@ def _reasoning_closed(prompt_text: str) -> bool:
 
 
 def _answer(spec: StructuredOutputsParams) -> str:
-    """spec's language as a Lark rule body: JSON through %json (our JSON defaults unless the schema's
-    x-guidance says otherwise, as grammar_of applies them), a regex, or a choice of literals."""
+    """spec's language as a Lark rule body: JSON through %json (with the options grammar_of gives it), a
+    regex, or a choice of literals. A spec the plain path refuses is refused alike (its ValueError: a 400)."""
     import llguidance
 
     if spec.json is not None or spec.json_object:
-        schema = json.loads(spec.json) if spec.json is not None else {"type": "object"}
-        schema = {**schema, "x-guidance": {**JSON_DEFAULTS, **schema.get("x-guidance", {})}}
-        return "%json " + json.dumps(schema)
+        return "%json " + json.dumps(json_schema_of(spec))
+    checked_grammar_of(spec)
     if spec.regex is not None:
         return "/" + llguidance.regex_to_lark(spec.regex) + "/"
     return " | ".join(json.dumps(c) for c in spec.choice)
