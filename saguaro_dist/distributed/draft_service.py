@@ -10,7 +10,8 @@ just-in-time draft (its speculation is pending, so the tree for it follows while
 has its proposals).
 
 Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message, or a ValueError from
-the worker), RESOURCE_EXHAUSTED (over the message size limit; gRPC enforces it on receipt),
+the worker), RESOURCE_EXHAUSTED (over the message size limit, sized from the worker's config by
+message_limits.py; gRPC enforces it on receipt, a just-in-time draft is refused before it drafts),
 NOT_FOUND (UnknownSequence / KeyError), FAILED_PRECONDITION (OutOfOrder), INTERNAL (anything else).
 A just-in-time draft on the stream gets its status in its JitDraftResult and the stream lives on.
 A failed call never takes the server down. A unary JitDraft that overtook its outcomes on the stream
@@ -36,7 +37,10 @@ from saguaro_dist.distributed.cpu import yield_cpu
 from saguaro_dist.distributed.draft_server import DraftServer, default_bind_host, format_address, local_address
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
+from saguaro_dist.distributed.message_limits import (DEFAULT_MAX_MESSAGE_BYTES, ReplyTooLarge, check_jit_reply,
+                                                    encode_trees, message_limit_for)
 from saguaro_dist.engine.draft_backend import Lives
+from saguaro_dist.engine.draft_worker import ContextFull, refuse_duplicates
 from saguaro_dist.model.cuda_graphs import graph_captures
 
 log = logging.getLogger(__name__)
@@ -44,7 +48,6 @@ log = logging.getLogger(__name__)
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DraftServer", "DraftServicer", "serve_draft", "default_bind_host",
            "status_for", "format_address", "local_address"]
 
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a dense [K, V] tree batch fits; anything larger is a bug
 _PENDING_BATCHES = 64  # tree batches kept while no stream is open (a reconnecting target picks them up)
 JIT_CATCH_UP_S = 2.0  # how long a just-in-time draft that overtook its outcomes waits for them
 _RELEASED_KEPT = 4096  # released sequence ids remembered, so that a late outcome of one is dropped
@@ -56,8 +59,12 @@ WANTED_AGAIN_WITHIN_A_ROUND = frozenset({"outcomes", "jit_draft"})
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a failed call answers with; see the module docstring."""
+    if isinstance(exc, ContextFull):  # well-formed, but past the draft's context
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, (DecodeError, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT, f"malformed message: {exc}"
+    if isinstance(exc, ReplyTooLarge):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, KeyError):  # UnknownSequence included; str(KeyError) would add quotes
         return grpc.StatusCode.NOT_FOUND, str(exc.args[0]) if exc.args else "unknown sequence"
     if isinstance(exc, OutOfOrder):
@@ -136,6 +143,7 @@ class DraftServicer:
         while True:
             observed = self._observed_event()
             try:
+                check_jit_reply(self.worker, reqs, self.max_message_bytes)
                 return self.worker.jit_draft(reqs)
             except DraftBehind:
                 try:
@@ -255,7 +263,10 @@ class DraftServicer:
             codec.reset_prefix_cache_from_proto(msg.reset_prefix_cache)
             self.worker.reset_prefix_cache()
         elif kind == "catch_up":
-            for outcomes in codec.outcome_rounds_from_proto(msg.catch_up):  # in order: each follows the one before
+            rounds = codec.outcome_rounds_from_proto(msg.catch_up)
+            for outcomes in rounds:  # every round checked before the first is observed
+                refuse_duplicates(outcomes, "catch-up round's outcome")
+            for outcomes in rounds:  # in order: each follows the one before
                 self._observe(outcomes)
         else:
             raise codec.CodecError("SpeculateRequest carries none of outcomes, jit_draft, releases, reset_prefix_cache, "
@@ -275,6 +286,7 @@ class DraftServicer:
         answered FAILED_PRECONDITION in band without waiting."""
         try:
             call_id, reqs = codec.jit_call_from_proto(call)
+            check_jit_reply(self.worker, reqs, self.max_message_bytes)
             reply = codec.jit_result_to_proto(call_id, self.worker.jit_draft(reqs))
         except Exception as exc:
             self._log_failure(self.worker.jit_draft, exc)
@@ -321,21 +333,7 @@ class DraftServicer:
                 stream.pushed.put_nowait(batch)
 
     def _encode_trees(self, trees) -> list[pb.SpeculateReply]:
-        """Tree batches that each fit the size limit; a single tree over it is dropped (a miss)."""
-        replies, current, current_bytes = [], pb.SpeculateReply(), 0
-        for tree in trees:
-            msg = codec.tree_to_proto(tree)
-            size = msg.ByteSize() + 16  # field tags and length prefixes
-            if size > self.max_message_bytes:
-                log.error("tree of sequence %s round %s is %d bytes, over the %d byte limit: dropped",
-                          tree.seq_id, tree.round, size, self.max_message_bytes)
-                continue
-            # A running sum: the batch's own ByteSize() would serialise it again for every tree added.
-            if current_bytes and current_bytes + size > self.max_message_bytes:
-                replies, current, current_bytes = replies + [current], pb.SpeculateReply(), 0
-            current.trees.trees.append(msg)
-            current_bytes += size
-        return replies + [current] if current_bytes else replies
+        return encode_trees(trees, self.max_message_bytes)
 
     def _open_stream(self) -> _Stream:
         stream = _Stream()
@@ -373,12 +371,13 @@ def _stamped(reply: pb.SpeculateReply) -> pb.SpeculateReply:
     return reply
 
 
-def serve_draft(worker, host: str | None = None, port: int = 0, *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+def serve_draft(worker, host: str | None = None, port: int = 0, *, max_message_bytes: int | None = None,
                 max_concurrent_rpcs: int | None = None, local: str | None = None,
                 announce_plans: bool = False) -> tuple[DraftServer, int]:
     """Start a DraftService (plus grpc.health.v1) for `worker`; returns the started server and its port.
 
     host: None binds the node's cluster address (default_bind_host()). port 0 picks a free port.
+    max_message_bytes: None sizes it from the worker's config (message_limits.message_limit_for).
     max_concurrent_rpcs: calls beyond it get RESOURCE_EXHAUSTED (None: no bound).
     local: also serve on this gRPC address for clients on the node (local_address()), None: not.
     announce_plans: push each tree's TreePlan ahead of it while the target waits for trees. Off by default:
@@ -388,6 +387,7 @@ def serve_draft(worker, host: str | None = None, port: int = 0, *, max_message_b
     sends them.
     """
     host = default_bind_host() if host is None else host
+    max_message_bytes = message_limit_for(worker) if max_message_bytes is None else max_message_bytes
     server = DraftServer(DraftServicer(worker, max_message_bytes, announce_plans), host, port, max_message_bytes,
                          max_concurrent_rpcs, local)
     log.info("DraftService listening on %s%s", format_address(host, server.port), f" and {local}" if local else "")

@@ -24,7 +24,7 @@ from functools import partial
 import grpc
 
 from saguaro_dist.distributed import codec
-from saguaro_dist.distributed.draft_service import DEFAULT_MAX_MESSAGE_BYTES
+from saguaro_dist.distributed.message_limits import GRPC_MAX_MESSAGE_BYTES
 from saguaro_dist.distributed.errors import DraftOutOfSync, DraftRpcError, DraftUnavailable, OutOfOrder, UnknownSequence
 from saguaro_dist.distributed.grpc_link import (
     DEFAULT_KEEPALIVE, TRANSPORT_FAILURES, Keepalive, Link, await_sent, channel_options, error_from_rpc,
@@ -49,13 +49,14 @@ class GrpcDraftBackend(ServerLinks):
 
     deadline_s bounds jit_draft and release; prefill_deadline_s bounds prefill (it runs the draft over
     whole prompts). Servers not reachable within connect_timeout_s start out dead (and are taken in once
-    they serve). keepalive: the pings that find a server gone without a reset.
+    they serve). keepalive: the pings that find a server gone without a reset. max_message_bytes: by default
+    gRPC's ceiling: each server's own limit, sized from its config (message_limits.py), bounds its replies.
     """
 
     drafts_beside = True  # a just-in-time draft goes out on the stream; its answer is read when taken
 
     def __init__(self, addresses: list[str], deadline_s: float = 10.0, *, prefill_deadline_s: float = 60.0,
-                 connect_timeout_s: float = 10.0, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_timeout_s: float = 10.0, max_message_bytes: int = GRPC_MAX_MESSAGE_BYTES,
                  keepalive: Keepalive = DEFAULT_KEEPALIVE):
         if not addresses:
             raise ValueError("GrpcDraftBackend needs at least one DraftService address")

@@ -188,7 +188,7 @@ class Link:
             return
         try:
             answer.set_result(self._proposals(result, seq_ids))
-        except codec.CodecError as exc:  # a bug or a mismatched peer: those sequences drafted afresh, the others kept
+        except Exception as exc:  # a bug or a mismatched peer: those sequences drafted afresh, the others kept
             log.error("draft server %s answered a malformed draft: %s", self.address, exc)
             answer.set_exception(DraftOutOfSync(f"draft server {self.address} answered a malformed draft: {exc}",
                                                 seq_ids))

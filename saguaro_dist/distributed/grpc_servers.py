@@ -1,7 +1,8 @@
 """ServerLinks: the per-server side of GrpcDraftBackend (grpc_backend.py): which server holds each sequence,
 which servers are alive, the reader thread per server that fills the inbox, and the revival of a dead one.
 
-A server that fails at the transport level (UNAVAILABLE, its stream torn down) is marked dead: its
+A server that fails at the transport level (UNAVAILABLE, its stream torn down), or pushes a reply this side
+fails to take in (a bug or a mismatched peer), is marked dead: its
 sequences get DraftUnavailable from jit_draft (the engine falls back to the fast backup), their
 trees are no longer waited for, and new prefills skip it. A thread then waits for it to serve again (gRPC
 redials with its backoff, capped at MAX_RECONNECT_BACKOFF_MS): a restarted server, or one found
@@ -30,6 +31,7 @@ from saguaro_dist.engine.messages import Release, SpeculationTree, TreePlan
 
 log = logging.getLogger(__name__)
 
+UNREADABLE = grpc.StatusCode.DATA_LOSS  # a reply the reader failed to take in (_drain_stream)
 REVIVE_POLL_S = 1.0  # a dead server that connects but refuses the reviver's Release is asked again after this
 
 
@@ -171,7 +173,7 @@ class ServerLinks:
             code, details = self._drain_stream(link)
             if self._closed or not link.alive:
                 return
-            if code in TRANSPORT_FAILURES:
+            if code in TRANSPORT_FAILURES or code is UNREADABLE:
                 self._mark_dead(link, f"Speculate stream: {code.name}: {details}")
                 return
             log.warning("Speculate stream to %s ended (%s: %s); reopening it, its sequences to be prefilled again",
@@ -194,12 +196,17 @@ class ServerLinks:
                 link.send_releases(unconfirmed)
 
     def _drain_stream(self, link: Link):
-        """Read one stream to its end; returns its final (code, details)."""
+        """Read one stream to its end; returns its final (code, details), UNREADABLE for a reply this side failed
+        to take in (a bug or a mismatched peer): the server's failure. It once ended the reader and left the link
+        alive without one, so every later draft there waited out its deadline."""
         try:
             for msg in link.call:
                 self._store(link, msg)
         except grpc.RpcError as err:
             return err.code(), err.details()
+        except Exception as exc:
+            log.error("draft server %s sent a reply this side cannot take in", link.address, exc_info=exc)
+            return UNREADABLE, f"{type(exc).__name__}: {exc}"
         return None, ""
 
     def _store(self, link: Link, msg: pb.SpeculateReply) -> None:

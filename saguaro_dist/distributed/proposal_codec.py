@@ -77,7 +77,8 @@ def proposal_from_proto(msg: pb.Proposal, ndim: int = 1) -> Proposal:
     if kind == "dense":
         probs = _dense_from_proto(msg.dense, tokens.shape)
     elif kind == "sparse":
-        probs = _sparse_from_proto(msg.sparse, tokens.size).reshape(*tokens.shape, -1)
+        # vocab_size, not -1: a proposal with no tokens has no rows to infer it from
+        probs = _sparse_from_proto(msg.sparse, tokens.size).reshape(*tokens.shape, msg.sparse.vocab_size)
     return Proposal(tokens=torch.from_numpy(tokens.astype(np.int64)), probs=probs)
 
 

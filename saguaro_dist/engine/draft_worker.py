@@ -66,6 +66,8 @@ class DraftWorker(TreeBuilding):
 
     # ---- protocol calls -------------------------------------------------------------------
     def prefill(self, reqs: list[PrefillRequest]) -> None:
+        if not reqs:  # as the other calls take an empty batch (the runner refuses an empty extend)
+            return
         for r in reqs:
             if not r.prompt_token_ids:
                 raise ValueError(f"sequence {r.seq_id}: empty prompt")
@@ -116,7 +118,7 @@ class DraftWorker(TreeBuilding):
         return [next(drafted) if keep else no_proposal() for keep in current]
 
     def _jit_draft(self, reqs: list[JitDraftRequest]) -> list[Proposal]:
-        self.budget.interrupted()
+        refuse_duplicates(reqs, "just-in-time draft")
         states = [self._get(r.seq_id) for r in reqs]
         for s, r in zip(states, reqs):
             first = s.round == 0 and not s.speculation
@@ -128,7 +130,9 @@ class DraftWorker(TreeBuilding):
                 raise error(f"sequence {r.seq_id}: just-in-time draft for round {r.round}, draft is at round {s.round}"
                             + (" with no speculation yet" if first else ""))
             self._check_outcome(s, r.accepted, r.bonus_token)
-        for s, r in zip(states, reqs):  # validate the whole batch before changing any state
+            self._check_room(s, r.accepted)
+        self.budget.interrupted()  # the whole batch checked above: state changes from here on
+        for s, r in zip(states, reqs):
             if s.speculation:  # the target verified s.speculation; if a tree was built for it, it missed
                 self._record_outcome(s, r.accepted, hit=False)
             s.commit(r.accepted, r.bonus_token)
@@ -155,6 +159,7 @@ class DraftWorker(TreeBuilding):
         """Commit outcomes; the next speculation is the target's tokens, or the cached branch (k*, t*). Those of a
         sequence's earlier life are dropped (its new life restarted at round 0: taken, they failed the batch)."""
         outcomes = [o for o, keep in zip(outcomes, self._current(outcomes, "outcome")) if keep]
+        refuse_duplicates(outcomes, "outcome")  # else each would commit in turn, the second on the first's tokens
         self._note_load(outcomes)
         states = [self._get(o.seq_id) for o in outcomes]
         for s, o in zip(states, outcomes):  # validate the whole batch before changing any state
@@ -241,6 +246,20 @@ class DraftWorker(TreeBuilding):
             raise OutOfOrder(f"sequence {s.seq_id}: accepted={accepted} but the speculation has {len(s.speculation)} tokens")
         self._check_tokens(s.seq_id, [bonus_token], "bonus token")
 
+    def _check_room(self, s: DraftSeq, accepted: int) -> None:
+        """A just-in-time draft's forwards end with len(committed) + accepted + K positions in the KV (the bonus,
+        then x_1..x_{K-1}): checked before any sequence of the batch commits."""
+        needed = len(s.committed) + accepted + self.k
+        if needed > self.runner.max_model_len:
+            raise ContextFull(f"sequence {s.seq_id}: a just-in-time draft would take it to {needed} positions, past "
+                              f"the draft's max_model_len {self.runner.max_model_len}")
+
+    def jit_reply_bytes(self, reqs: list[JitDraftRequest]) -> int:
+        """An upper bound of jit_draft(reqs)'s answer encoded (proposal_codec.py): a sampled row's q as dense K x V
+        float32 at most, K int32 tokens and framing per row. What the service checks before the worker drafts."""
+        sampled = sum(1 for r in reqs if (s := self.seqs.get(r.seq_id)) is not None and s.sampling.temperature > 0)
+        return sampled * self.k * self.vocab_size * 4 + len(reqs) * (4 * self.k + 64) + 1024
+
     def _get(self, seq_id: int) -> DraftSeq:
         s = self.seqs.get(seq_id)
         if s is None:
@@ -323,6 +342,18 @@ class DraftWorker(TreeBuilding):
         return [Proposal(columns.tokens[i].clone(),
                          None if columns.probs is None or s.sampling.temperature == 0 else columns.probs[i].clone())
                 for i, s in enumerate(states)]
+
+
+class ContextFull(ValueError):
+    """A well-formed request the draft cannot serve: it would take a sequence past its max_model_len."""
+
+
+def refuse_duplicates(msgs: list, what: str) -> None:
+    """One message per sequence in a batch: a second would apply on top of the first (or fail after it)."""
+    seen: set[int] = set()
+    twice = {m.seq_id for m in msgs if m.seq_id in seen or seen.add(m.seq_id)}
+    if twice:
+        raise ValueError(f"{what} batch names sequence(s) {sorted(twice)[:8]} more than once")
 
 
 def no_proposal() -> Proposal:
