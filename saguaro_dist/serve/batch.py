@@ -63,11 +63,14 @@ def parse_request(line: int, text: str | bytes, seen: set[str]) -> BatchRequest:
     """One line of the input file (bytes as read: a line that is not UTF-8 is that line's error). `seen`
     holds the custom_ids before it (they must be unique)."""
     try:
-        raw = json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+        # without its line break, which json counted as a line: a CRLF or LF line's error said "line 2"
+        raw = json.loads((text.decode("utf-8") if isinstance(text, bytes) else text).rstrip("\r\n"))
     except UnicodeDecodeError as err:
         return BatchRequest(line, None, error=f"line {line} is not UTF-8 text: {err}")
     except json.JSONDecodeError as err:
-        return BatchRequest(line, None, error=f"line {line} is not JSON: {err}")
+        return BatchRequest(line, None, error=f"line {line} is not JSON: {err.msg} at column {err.colno}")
+    except RecursionError:  # escaped run_batch: the requests in flight were cancelled and nothing was written
+        return BatchRequest(line, None, error=f"line {line} is nested too deeply to read")
     if not isinstance(raw, dict):
         return BatchRequest(line, None, error=f"line {line} must be a JSON object")
     custom_id = raw.get("custom_id")
@@ -80,8 +83,9 @@ def parse_request(line: int, text: str | bytes, seen: set[str]) -> BatchRequest:
 
 
 def _request_error(raw: dict, custom_id, seen: set[str]) -> str | None:
-    if not isinstance(custom_id, str) or not custom_id:
-        return "custom_id must be a non-empty string"
+    if not isinstance(custom_id, str) or not custom_id:  # OpenAI's and vLLM's: a string (vLLM refuses 7 too)
+        given = {dict: "an object", list: "an array"}.get(type(custom_id)) or json.dumps(custom_id)
+        return f"custom_id must be a non-empty string, got {given}"
     if custom_id in seen:
         return f"custom_id {custom_id!r} is not unique"
     if raw.get("method", "POST") != "POST":
@@ -113,7 +117,12 @@ async def answer(client: httpx.AsyncClient, request: BatchRequest) -> dict:
     try:
         # json.dumps escapes what UTF-8 cannot carry (a lone surrogate the line held as "\\ud800"), so the app
         # judges such a line as it would over HTTP; httpx's json= encoder raised on it and ended the whole batch.
-        reply = await client.post(request.url, content=json.dumps(request.body),
+        content = json.dumps(request.body)
+    except RecursionError:  # read at the loop's depth, written deeper: this line's error, not the batch's end
+        return result_record(replace(request, error=f"line {request.line} is nested too deeply to send"), None, None,
+                             request_id)
+    try:
+        reply = await client.post(request.url, content=content,
                                   headers={"X-Request-Id": request_id, "content-type": "application/json"})
     except httpx.HTTPError as err:  # a server that went away: this line's record says so, the rest go on
         failed = replace(request, error=f"line {request.line}: the request did not complete: {err!r}")

@@ -46,7 +46,7 @@ def error_response(status: int, message: str, param: str | None = None, code=Non
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     """The first problem, phrased for humans, and the request field it concerns."""
     first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = _field_path([p for p in first.get("loc", ()) if p != "body"], err.body, first.get("type"))
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     param = ".".join(loc) or None
@@ -56,6 +56,24 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     if param is None:  # the body itself is wrong: not an object, or not JSON at all
         return "the request body must be a JSON object", None
     return f"{param}: {msg}", param
+
+
+def _field_path(loc: list, body, kind: str | None) -> list[str]:
+    """The loc's steps into the request body. Pydantic adds the label of each union member it tried ("str",
+    "list[...]", a tag such as "message"), which names no field: those are left out ("input.0.content", not
+    "input.items.0.message.content"). A missing field is the last step, absent from the body."""
+    if not isinstance(body, (dict, list)):
+        return [str(p) for p in loc]
+    path, node = [], body
+    for n, part in enumerate(loc):
+        if isinstance(node, dict) and (part in node or (n == len(loc) - 1 and kind == "missing")):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif part != "[key]":  # a union member's label (pydantic's "[key]", a mapping's key at fault, stays)
+            continue
+        path.append(str(part))
+    return path
 
 
 async def _on_validation(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -12,9 +12,9 @@ are refused, as are built-in tools (only functions run here).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve.chat_request import (MAX_TOOLS, ChatCompletionRequest, ChatMessage, FunctionCall,
@@ -59,21 +59,42 @@ _INCLUDE_EMPTY = {"reasoning.encrypted_content", "file_search_call.results", "we
                   "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
 
 
+def tagged_union(members: dict, tag_of, expected: str):
+    """A union whose member is picked by tag_of(value) (None: the value is none of them): pydantic then reports
+    only that member's errors, where a plain union's first error was another member's ("input.str: Input
+    should be a valid string" for a bad item). errors.py leaves the tags out of the error's field path."""
+    return Annotated[Union[tuple(Annotated[kind, Tag(tag)] for tag, kind in members.items())],
+                     Discriminator(tag_of, custom_error_type="invalid_type", custom_error_message=f"must be {expected}")]
+
+
+def _text_or_list(item, expected: str):
+    """A string or a list of `item`, told apart by JSON type (a bad part's error is the part's, not "should be
+    a valid string")."""
+    return tagged_union({"text": str, "list": list[item]}, lambda v: "text" if isinstance(v, str) else
+                        "list" if isinstance(v, list) else None, expected)
+
+
 class InputPart(BaseModel):
     type: Literal["input_text", "output_text", "text"]
     text: str
 
 
+TextOrParts = _text_or_list(InputPart, "a string or a list of text parts")
+
+
+def joined(content: str | list[InputPart]) -> str:
+    return content if isinstance(content, str) else "\n".join(p.text for p in content)  # as chat's parts
+
+
 class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputPart]
+    content: TextOrParts
     id: str | None = None      # items echoed back from an earlier response carry these
     status: str | None = None
 
     def chat_message(self) -> ChatMessage:
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)  # as chat's parts
-        return ChatMessage(role=self.role, content=text)
+        return ChatMessage(role=self.role, content=joined(self.content))
 
 
 class FunctionCallItem(BaseModel):
@@ -112,7 +133,7 @@ class FunctionCallOutputItem(BaseModel):
     """What the caller's function returned for a call."""
     type: Literal["function_call_output"]
     call_id: str
-    output: str
+    output: TextOrParts  # OpenAI's: a string or parts (input_text; images and files are refused by name)
     id: str | None = None
     status: str | None = None
 
@@ -132,6 +153,21 @@ class FunctionTool(BaseModel):
 class FunctionChoice(BaseModel):
     type: Literal["function"]
     name: str
+
+
+# A mode's string or a function's object (OpenAI's others, allowed_tools and built-in tools, are neither here)
+ToolChoice = tagged_union({"mode": Literal["none", "auto", "required"], "function": FunctionChoice},
+                          lambda v: "mode" if isinstance(v, str) else "function" if isinstance(v, FunctionChoice) or
+                          isinstance(v, dict) and v.get("type") == "function" else None,
+                          "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
+
+
+# By its type, which a message may leave out (OpenAI's EasyInputMessage)
+InputItem = tagged_union({"message": InputMessage, "function_call": FunctionCallItem,
+                          "function_call_output": FunctionCallOutputItem, "reasoning": ReasoningInputItem},
+                         lambda v: v.get("type", "message") if isinstance(v, dict) else getattr(v, "type", None),
+                         "an input item (an object)")
+Input = _text_or_list(InputItem, "a string or a list of input items")
 
 
 def refuse_past_inert(value, rule: Unsupported):
@@ -185,7 +221,7 @@ class ResponsesStreamOptions(StreamOptions):
 
 
 class ResponsesRequest(SamplingRequest):
-    input: str | list[InputMessage | FunctionCallItem | FunctionCallOutputItem | ReasoningInputItem] = Field(min_length=1)
+    input: Input
     instructions: str | None = None  # a system message before the input
     max_output_tokens: int | None = Field(None, ge=1)
     text: TextOptions | None = None
@@ -207,7 +243,7 @@ class ResponsesRequest(SamplingRequest):
     enable_response_messages: bool = False
     previous_input_messages: list | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None  # default: auto with tools
+    tool_choice: ToolChoice | None = None  # default: auto with tools
     parallel_tool_calls: bool = True
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives a token, with LOGPROBS_INCLUDE
     include: list[str] | None = None
@@ -217,20 +253,22 @@ class ResponsesRequest(SamplingRequest):
     def _known_items(cls, given):
         """An item this server cannot read is refused by name (item_reference, an image part, a tool role),
         not as a string the list failed to be."""
+        if given in ("", []):
+            raise ValueError("must not be empty")
         for i, item in enumerate(given if isinstance(given, list) else ()):
             kind = item.get("type", "message") if isinstance(item, dict) else "message"
             if kind not in _ITEM_TYPES:
                 raise ValueError(f"item {i} is of type {kind!r}: this server reads {', '.join(_ITEM_TYPES)} items")
-            if kind != "message" or not isinstance(item, dict):
+            if not isinstance(item, dict) or kind not in ("message", "function_call_output"):
                 continue
-            if item.get("role") not in _ROLES:
+            if kind == "message" and item.get("role") not in _ROLES:
                 raise ValueError(f"item {i}: a message's role must be one of {', '.join(_ROLES)}, got {item.get('role')!r} "
                                  "(a function's result goes back as a function_call_output item)")
-            parts = item.get("content") if isinstance(item.get("content"), list) else ()
-            for j, part in enumerate(parts):
+            key = "content" if kind == "message" else "output"  # a part it cannot read (an image, a file), by name
+            for j, part in enumerate(item[key] if isinstance(item.get(key), list) else ()):
                 part_kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
                 if part_kind not in _TEXT_PARTS:
-                    raise ValueError(f"item {i}, content part {j} is of type {part_kind!r}: this server reads text "
+                    raise ValueError(f"item {i}, {key} part {j} is of type {part_kind!r}: this server reads text "
                                      f"parts only ({', '.join(_TEXT_PARTS)})")
         return given
 
@@ -299,7 +337,7 @@ class ResponsesRequest(SamplingRequest):
                 call = item.chat_call()
                 turns[-1].tool_calls = [*(turns[-1].tool_calls or []), call.taken_as_written() if calls_as_written else call]
             elif isinstance(item, FunctionCallOutputItem):
-                turns.append(ChatMessage(role="tool", content=item.output, tool_call_id=item.call_id))
+                turns.append(ChatMessage(role="tool", content=joined(item.output), tool_call_id=item.call_id))
             elif isinstance(item, ReasoningInputItem) and item.text():
                 _add_reasoning(turns, item.text())
             elif isinstance(item, InputMessage):
@@ -343,7 +381,7 @@ class ResponsesRequest(SamplingRequest):
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt.schema_ is None:
-            raise ValueError("text.format of type json_schema needs a schema")
+            raise APIError(400, "text.format of type json_schema needs a schema", param="text.format")
         return StructuredOutputsParams(json=fmt.schema_)
 
 

@@ -2,7 +2,6 @@
 with its output items (reasoning, message, function calls) and usage, and the SSE events of a streamed one."""
 from __future__ import annotations
 
-import time
 import uuid
 from typing import TYPE_CHECKING, Callable
 
@@ -45,12 +44,13 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_t
 
 
 def response_body(response_id: str, model: str, body: ResponsesRequest, output: list[dict], status: str,
-                  finish_reason: str | None = None, **extra) -> dict:
-    """The Response object: status completed, incomplete (max_output_tokens reached) or in_progress."""
+                  finish_reason: str | None = None, *, created_at: int, **extra) -> dict:
+    """The Response object: status completed, incomplete (max_output_tokens reached) or in_progress.
+    created_at: when the request came (OpenAI's), the same in each of a stream's events."""
     if status == "completed" and finish_reason == "length":
         status = "incomplete"
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {"type": "text"}
-    return {"id": response_id, "object": "response", "created_at": int(time.time()), "status": status, "model": model,
+    return {"id": response_id, "object": "response", "created_at": created_at, "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -85,9 +85,9 @@ class ResponseEvents:
     """The SSE events of one streamed response, in OpenAI's order: created, in_progress, then per output
     item added / its text deltas / done (a reasoning item first when the model reasons), completed."""
 
-    def __init__(self, response_id: str, model: str, body: ResponsesRequest,
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest, created_at: int,
                  logprob_items: Callable[[list], list] = lambda entries: []):
-        self.response_id, self.model, self.body = response_id, model, body
+        self.response_id, self.model, self.body, self.created_at = response_id, model, body, created_at
         self.logprob_items = logprob_items  # the engine's logprob entries as Responses' logprobs items
         self.pending_logprobs: list = []  # entries of tokens whose text has not gone out in a message delta
         self.sequence = 0
@@ -105,7 +105,7 @@ class ResponseEvents:
         return f"event: {kind}\n" + responses.sse(data)
 
     def opening(self) -> str:
-        body = response_body(self.response_id, self.model, self.body, [], "in_progress")
+        body = response_body(self.response_id, self.model, self.body, [], "in_progress", created_at=self.created_at)
         return self.event("response.created", response=body) + self.event("response.in_progress", response=body)
 
     def text(self, reasoning: str, content: str, logprob_entries: list = ()) -> str:
@@ -190,6 +190,7 @@ class ResponseEvents:
         out = self._close_taking_logprobs()
         if not kinds & {"message", "function_call"}:
             out += self._open("message") + self._close_taking_logprobs()
-        body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason, **extra)
+        body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason,
+                             created_at=self.created_at, **extra)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return out + self.event(kind, response=body)

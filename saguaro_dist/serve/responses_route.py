@@ -2,6 +2,7 @@
 the input runs as a chat turn would."""
 from __future__ import annotations
 
+import time
 from contextlib import aclosing
 
 from fastapi import Request
@@ -25,6 +26,7 @@ from saguaro_dist.serve.tools import ToolStream
 @cancel_on_disconnect
 async def responses_route(body: ResponsesRequest, request: Request):
     """OpenAI's Responses API (serve/openai_responses.py): the input runs as a chat turn would."""
+    created_at = int(time.time())  # the request's start, not each event's (a stream's changed as it went)
     state = serving_state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
@@ -36,15 +38,15 @@ async def responses_route(body: ResponsesRequest, request: Request):
     if body.stream:
         batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
         first = await anext(batches, None)  # before answering: a request the engine rejects still gets a 400
-        events = ResponseEvents(response_id, model, body, _logprob_items(state, job))
+        events = ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job))
         events = _response_events(state, job, events, batches, first)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await state.collect(job)
     reasoning, text = split_reasoning(state.reasoning_parser_for(job), reply_text(state, result))
     content, calls = state.tool_plan_for(body).parse(text)
     items = output_items(shown(body, reasoning), content, calls, _logprob_items(state, job)(result.logprobs or []))
-    return response_body(response_id, model, body, items, "completed",
-                         result.finish_reason, **_response_extra(state, job, result.token_ids, result.metrics))
+    return response_body(response_id, model, body, items, "completed", result.finish_reason, created_at=created_at,
+                         **_response_extra(state, job, result.token_ids, result.metrics))
 
 
 def _logprob_items(state: ServingState, job: Job):

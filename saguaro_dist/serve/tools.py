@@ -12,7 +12,6 @@ samples exactly, so a tool call is the target's own distribution under the schem
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -100,14 +99,14 @@ class ToolPlan:
 
 
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
-    """The calls with their arguments as the model wrote them (what a stream of the same reply sends)."""
+    """What a stream of the same reply sends in all (ToolStream): the calls opened, with their arguments as the
+    model wrote them (a reply cut by max_tokens: as far as it got, the raw JSON was the content before); the text
+    only when it was cut before any call opened. (vLLM reads the whole reply as JSON, so a cut one fails there.)"""
     reader = RequiredCalls()
     reader.feed(text)
-    try:
-        whole = json.loads(text)
-    except ValueError:  # cut short by max_tokens: the text is all there is
-        return text, []
-    return (None, reader.calls) if isinstance(whole, list) and len(reader.calls) == len(whole) else (text, [])
+    if reader.calls:
+        return None, reader.calls
+    return (None if reader.complete() else text), []
 
 
 class ToolStream:
