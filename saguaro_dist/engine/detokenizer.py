@@ -5,14 +5,16 @@ from dataclasses import dataclass
 
 
 def find_stop(text: str, stops: tuple[str, ...], keep: bool = False, after: int = 0) -> tuple[int, str] | None:
-    """The earliest stop string in the text (at one place, the first listed) and where the text ends: where
+    """The first stop string of `stops`, in their order, that the text holds, and where the text ends: where
     that string starts, or where it ends when `keep` (vLLM's include_stop_str_in_output). None: none there.
-    after: only a stop string ending past text[:after] counts (that text came before min_tokens, vLLM's)."""
-    hits = [(i, s) for i, s in ((text.find(s, max(0, after - len(s) + 1)), s) for s in stops) if i >= 0]
-    if not hits:
-        return None
-    start, stop = min(hits, key=lambda hit: hit[0])
-    return (start + len(stop) if keep else start), stop
+    after: only a stop string ending past text[:after] counts (that text came before min_tokens, vLLM's).
+    List order, not the earliest start: vLLM's check_stop_strings, over the text one token added (the caller
+    walks a round token by token, so a token bringing two stop strings ends as vLLM's would)."""
+    for stop in stops:
+        start = text.find(stop, max(0, after - len(stop) + 1))
+        if start >= 0:
+            return (start + len(stop) if keep else start), stop
+    return None
 
 
 def stable_prefix(text: str, stops: tuple[str, ...]) -> str:

@@ -1,6 +1,7 @@
 """Log-probabilities of the tokens a request gained, as vLLM reports them by default: the target's raw
-distribution (log_softmax of its logits, before temperature, top-k or top-p), so the figures do not depend
-on how the token was sampled, or on which speculation (draft, cache, fallback) proposed it."""
+distribution (log_softmax of its logits, before temperature, top-k or top-p; after a structured-output grammar's
+mask, as vLLM's bitmask comes before its sampler), so the figures do not depend on how the token was sampled,
+or on which speculation (draft, cache, fallback) proposed it."""
 from __future__ import annotations
 
 import torch

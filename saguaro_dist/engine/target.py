@@ -76,24 +76,35 @@ class TargetScorer:
         self.vocab_size = runner.vocab_size
         self.eos_token_ids = eos_token_ids  # with stop_token_ids, what min_tokens holds back
 
+    @staticmethod
+    def _grammar_masked(logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]] | None = None
+                        ) -> torch.Tensor:
+        """logits [B, T, V] with each structured-output grammar's masks (row t: after the output and
+        drafted[b][:t]); a copy only when a request has a grammar. What log-probabilities are read from: vLLM
+        applies the grammar's bitmask to the logits before its sampler takes their raw log-softmax."""
+        constrained = [b for b, s in enumerate(seqs) if s.grammar is not None]
+        if not constrained:
+            return logits
+        logits = logits.clone()
+        TargetScorer._mask_grammars(logits, seqs, constrained, drafted)
+        return logits
+
     def _scored(self, logits: torch.Tensor, seqs: list[Sequence], drafted: list[list[int]] | None = None) -> torch.Tensor:
-        """The target's distribution as the request constrains it: logits [B, T, V], row t deciding output
-        token len(output) + t + 1, after drafted[b][:t] (the speculation a verify scores). vLLM's order: the
-        structured-output grammar's masks (engine/structured.py), logit bias and allowed tokens (spec/logit_bias.py),
+        """The target's distribution as the request constrains it: logits [B, T, V] already grammar-masked
+        (_grammar_masked), row t deciding output token len(output) + t + 1, after drafted[b][:t] (the speculation
+        a verify scores). vLLM's order after the grammar: logit bias and allowed tokens (spec/logit_bias.py),
         bad words (spec/bad_words.py: a mask, so its place changes nothing), penalties (spec/penalties.py), then
         EOS and stop_token_ids at -inf where that is <= min_tokens; a copy only when a request asks for any.
         Sampling and verification both use these, so every path samples the same distribution;
-        log-probabilities stay raw (vLLM's default)."""
+        log-probabilities are read before these (vLLM's raw default)."""
         biased = [b for b, s in enumerate(seqs) if s.params.biased]
-        constrained = [b for b, s in enumerate(seqs) if s.grammar is not None]
         penalized = [b for b, s in enumerate(seqs) if s.params.penalized]
         banning = [b for b, s in enumerate(seqs) if s.params.banned_words]
         early = [(b, s.params.min_tokens - len(s.output_token_ids)) for b, s in enumerate(seqs) if s.params.min_tokens]
         early = [(b, n) for b, n in early if n > 0]
-        if not early and not penalized and not biased and not constrained and not banning:
+        if not early and not penalized and not biased and not banning:
             return logits  # the common round: no copy, no further call
         logits = logits.clone()
-        self._mask_grammars(logits, seqs, constrained, drafted)
         self._mask_bad_words(logits, seqs, banning, drafted)
         for b in biased:  # one row, added to every position of the sequence
             logits[b] += self._bias_row(seqs[b], logits.device)
@@ -234,8 +245,9 @@ class TargetScorer:
         k = len(seqs[0].speculation.tokens)
         ids = [s.seq_id for s in seqs]
         inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
-        logits = torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs)))     # [B, K+1, V]
-        scored = self._scored(logits, seqs, [x[1:] for x in inputs])
+        drafted = [x[1:] for x in inputs]
+        logits = self._grammar_masked(torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs))), seqs, drafted)
+        scored = self._scored(logits, seqs, drafted)  # [B, K+1, V]
         if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
             result = greedy_verify(scored, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
         else:
@@ -260,7 +272,8 @@ class TargetScorer:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per sequence from its row of logits [B, V]."""
-        scored = self._scored(logits[:, None], seqs)[:, 0]
+        masked = self._grammar_masked(logits[:, None], seqs)  # (what the logprobs are read from)
+        scored, logits = self._scored(masked, seqs)[:, 0], masked[:, 0]
         if _all_greedy(seqs):
             tokens = greedy_tokens(scored).tolist()
         else:
