@@ -121,8 +121,8 @@ def test_a_stream_interval_holds_deltas_back_after_the_first_text(demo_llm):
 
 
 def test_a_stop_string_is_cut_or_kept_and_named(demo_llm):
-    """vLLM's include_stop_str_in_output and stop_reason: the text ends before the earliest stop string, or
-    after it when asked, whole and streamed alike; the output names the string that ended it."""
+    """vLLM's include_stop_str_in_output and stop_reason: the text ends before the stop string (the first
+    listed, where one token completes two), or after it when asked, whole and streamed alike; the output names the string that ended it."""
     import asyncio
 
     from saguaro_dist import SamplingParams
