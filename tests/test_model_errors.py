@@ -51,7 +51,7 @@ def test_shape_mismatch_names_tensor_and_shapes(ckpt):
 
 @pytest.mark.parametrize("changes, pattern", [
     ({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "GPT2LMHeadModel"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}}, "rope_type 'dynamic'"),
     ({"hidden_size": None}, "hidden_size"),
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])

@@ -126,7 +126,6 @@ def test_yarn_context_is_original_times_factor_as_vllm_derives_it(positions, rop
     ({"factor": 0}, "factor must be a number > 0, got 0"),
     ({"factor": "4"}, "factor must be a number > 0"),
     ({"factor": None}, "lacks factor"),
-    ({"original_max_position_embeddings": None}, "lacks original_max_position_embeddings"),
     ({"original_max_position_embeddings": 0}, "original_max_position_embeddings must be a positive integer"),
     ({"original_max_position_embeddings": 32.5}, "original_max_position_embeddings must be a positive integer"),
     ({"attention_factor": 0.0}, "attention_factor must be > 0"),

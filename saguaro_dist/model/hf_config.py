@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from saguaro_dist.model.class_defaults import class_defaults_view
 from saguaro_dist.model.fp8 import fp8_scheme
 from saguaro_dist.model.gemma2_config import GEMMA2_TYPE, gemma2_fields, gemma2_view, gemma2_windows
 from saguaro_dist.model.gemma3_config import (GEMMA3_TYPES, gemma3_fields, gemma3_ropes, gemma3_text_view,
@@ -16,14 +17,19 @@ from saguaro_dist.model.rope_checks import checked_rope, is_number
 from saguaro_dist.model.smollm3_config import SMOLLM3_TYPE, smollm3_fields, smollm3_view, smollm3_windows
 
 # model_type -> (q/k/v bias field ("": never a bias), o_proj bias with it, q/k RMSNorm per head)
-_FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("attention_bias", True, False),
+# (transformers' modeling code: Mistral's and Mixtral's attention hard-code bias=False, whatever config.json says)
+_FAMILIES = {"llama": ("attention_bias", True, False), "mistral": ("", False, False),
              "qwen2": (None, False, False), "qwen3": ("attention_bias", True, True),
              "granite": ("attention_bias", True, False), "olmo2": ("attention_bias", True, False),
              "gemma2": ("attention_bias", True, False), "gemma3_text": ("attention_bias", True, True), "gemma3": ("attention_bias", True, True),
              "mixtral": ("", False, False), "qwen3_moe": ("attention_bias", True, True), "phi3": ("", False, False),
              "qwen2_moe": ("qkv_bias", False, False), "olmoe": ("attention_bias", True, False),
              "gpt_oss": ("attention_bias", True, False), "smollm3": ("attention_bias", True, False)}
-_DEFAULT_EPS = {"olmo2": 1e-5, "phi3": 1e-5}  # rms_norm_eps when config.json has none: the config class's default (else 1e-6)
+# When transformers has no config class to fill omitted fields (class_defaults.py): the classes' defaults
+_DEFAULT_EPS = {"olmo2": 1e-5, "phi3": 1e-5, "mixtral": 1e-5}  # rms_norm_eps (else 1e-6)
+_DEFAULT_THETA = {"mixtral": 1e6}  # rope_theta (else 10000)
+# The families whose dense MLP reads mlp_bias (LlamaMLP, GraniteMLP, SmolLM3MLP); the others' hard-code bias=False
+_MLP_BIAS_TYPES = ("llama", "granite", SMOLLM3_TYPE)
 # Granite's scalars (GraniteConfig): transformers' default 1.0 for each one config.json omits
 _GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _DEFAULT_WINDOW = 4096  # transformers' Mistral/Qwen2/Qwen3Config sliding_window when config.json has none
@@ -131,7 +137,7 @@ def rope_params(hf: dict) -> dict:
     if hf.get("model_type") == PHI3_TYPE:
         return phi3_rope(hf)
     rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    rope.setdefault("rope_theta", hf.get("rope_theta", _DEFAULT_THETA.get(hf.get("model_type"), 10000.0)))
     return checked_rope(rope, hf)
 
 
@@ -281,6 +287,7 @@ def _family_fields(model_type: str, hf: dict) -> dict:
 
 
 def parse_config(hf: dict) -> ModelConfig:
+    hf = class_defaults_view(hf)  # omitted fields at transformers' config class's defaults
     if hf.get("model_type") in GEMMA3_TYPES:  # Gemma 3's language model, its defaults filled in (a view)
         hf = gemma3_text_view(hf)
     elif hf.get("model_type") == GEMMA2_TYPE:  # Gemma 2's defaults filled in
@@ -310,7 +317,7 @@ def parse_config(hf: dict) -> ModelConfig:
         rms_norm_eps=hf.get("rms_norm_eps", _DEFAULT_EPS.get(model_type, 1e-6)),
         max_position_embeddings=limit, context_source=limit_source,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=model_type != PHI3_TYPE and bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
+        qkv_bias=qkv_bias, o_bias=qkv_bias and o_bias, mlp_bias=model_type in _MLP_BIAS_TYPES and bool(hf.get("mlp_bias", False)), qk_norm=qk_norm,
         rope=rope_params(hf), eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
         hf=hf, layer_windows=layer_windows(hf, num_layers), **_family_fields(model_type, hf))
 

@@ -267,6 +267,13 @@ def _fp8_weights(model: nn.Module, model_dir: Path) -> Fp8Weights | None:
     return Fp8Weights(fp8_scheme(hf), tensors, tensors.read, param.dtype, param.device)
 
 
+def stores_tensor(model_dir: Path, name: str, language_model_only: bool = False) -> bool:
+    """Whether the checkpoint holds a tensor that fills parameter `name` (a multimodal one's under its language
+    model's name, as load_weights reads it); only the index or the files' headers are read."""
+    stored = CheckpointTensors(model_dir)._where()
+    return any((language_model_name(s) if language_model_only else s) == name for s in stored)
+
+
 def read_tensor(model_dir: Path, name: str) -> torch.Tensor | None:
     """One checkpoint tensor by its stored name, whole (from the shard the index names, if any); None if absent.
     It reads the index (or every file's names) each call: to read many, keep one CheckpointTensors."""

@@ -55,10 +55,20 @@ def _check_yarn_values(rope: dict, hf: dict) -> None:
                          f"less than beta_slow ({rope.get('beta_slow')}, default 1)")
     if rope.get("truncate") is not None and not isinstance(rope["truncate"], bool):  # null: falsy, as transformers
         raise ValueError(f"config.json rope_type 'yarn' truncate must be true or false, got {rope['truncate']!r}")
-    outer = hf.get("original_max_position_embeddings")  # transformers prefers it to the rope dict's
-    if outer is not None and outer != rope["original_max_position_embeddings"]:
+
+
+def _original_length(rope: dict, rope_type: str, hf: dict) -> None:
+    """llama3's and yarn's pretraining context, as transformers 5's standardize_rope_params fills it: the rope
+    dict's, else the top-level original_max_position_embeddings, else max_position_embeddings. Both given and
+    different is refused: transformers 5 takes the top-level one, 4.x the dict's (ambiguous)."""
+    if rope_type not in ("llama3", "yarn"):
+        return
+    outer, inner = hf.get("original_max_position_embeddings"), rope.get("original_max_position_embeddings")
+    if outer is not None and inner is not None and outer != inner:
         raise ValueError(f"config.json original_max_position_embeddings {outer} differs from rope_scaling's "
-                         f"{rope['original_max_position_embeddings']}: ambiguous, refused")
+                         f"{inner}: ambiguous (transformers 5 takes the top-level one, 4.x rope_scaling's), refused")
+    if inner is None:
+        rope["original_max_position_embeddings"] = outer if outer is not None else hf.get("max_position_embeddings")
 
 
 def checked_rope(rope: dict, hf: dict) -> dict:
@@ -69,8 +79,9 @@ def checked_rope(rope: dict, hf: dict) -> dict:
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("config.json partial_rotary_factor != 1 is not supported")
     lacking = [k for k in _ROPE_FIELDS.get(rope_type, ()) if rope.get(k) is None]
-    if lacking:  # refused here, not a KeyError when the tables are built
+    if set(lacking) - {"original_max_position_embeddings"}:  # refused here, not a KeyError in the tables
         raise ValueError(f"config.json rope_type {rope_type!r} lacks {', '.join(lacking)}")
+    _original_length(rope, rope_type, hf)
     _check_scaling_values(rope, rope_type)
     if rope_type == "yarn":
         _check_yarn_values(rope, hf)
