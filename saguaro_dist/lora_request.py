@@ -12,10 +12,11 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
 @dataclass
 class LoRARequest:
     """One adapter a request runs through (vLLM's fields). lora_int_id (>= 1) names the adapter in the engine:
-    it is loaded once per id, and an id must keep naming one lora_path. lora_path: a PEFT folder
-    (adapter_config.json + adapter_model.safetensors) or a Hugging Face id. load_inplace: load it again from
-    lora_path even if the engine holds it (vLLM's; here at the adapter's next slot, once no running request
-    uses the old weights). tensorizer_config_dict: vLLM's tensorizer loading, refused. Equal and hashed by
+    it is loaded once per id, and an id keeps naming one lora_path unless a load_inplace request names another.
+    lora_path: a PEFT folder (adapter_config.json + adapter_model.safetensors or .bin) or a Hugging Face id.
+    load_inplace: load it again from lora_path even if the engine holds it, lora_path a new one or not (vLLM's: RL
+    weight sync loads each step's folder under one id; here at the adapter's next slot, once no running request
+    uses the old weights; the id's prefix-cache rows go). tensorizer_config_dict: vLLM's tensorizer loading, refused. Equal and hashed by
     lora_name, as vLLM's."""
     lora_name: str
     lora_int_id: int
@@ -98,33 +99,47 @@ def not_loaded_note(lora_int_id: int) -> str:
 
 
 class AdapterIds:
-    """lora_int_id -> the lora_path it named first: a later request naming the id with another path is refused
-    (vLLM leaves this unenforced; here the engine loads an id once, so another path would run the wrong weights).
-    An id whose adapter failed to load is forgotten (vLLM's: a failed load registers nothing)."""
+    """lora_int_id -> the request that bound it (its lora_path): a later request naming the id with another path
+    is refused, unless it sets load_inplace, which binds the id to its path (vLLM's load_inplace reloads an id from
+    whatever path it names; vLLM runs a plain request under an id's last weights whatever its path, here such a
+    request is refused: it would run another adapter's weights than it names). An id whose adapter failed to
+    load is forgotten (vLLM's: a failed load registers nothing)."""
 
     def __init__(self):
-        self._paths: dict[int, str] = {}
+        self._bound: dict[int, LoRARequest] = {}
         self._lock = threading.Lock()  # the LLM checks from callers' threads
 
     def check(self, request: LoRARequest) -> bool:
-        """Raise ValueError if the id names another path; True when it is new (not yet bound)."""
+        """Raise ValueError if the id names another path and request is no load_inplace; True when the id is not
+        bound to request's path yet (a new id, or a load_inplace naming a new path): its adapter is to be read."""
         with self._lock:
-            known = self._paths.get(request.lora_int_id)
-        if known is not None and known != request.lora_path:
-            raise ValueError(f"lora_int_id {request.lora_int_id} names adapter {known!r}; lora_request "
-                             f"{request.lora_name!r} names it with lora_path {request.lora_path!r}: {ONE_ID_ONE_ADAPTER}")
-        return known is None
+            known = self._bound.get(request.lora_int_id)
+        known_path = None if known is None else known.lora_path
+        if known_path not in (None, request.lora_path) and not request.load_inplace:
+            raise ValueError(f"lora_int_id {request.lora_int_id} names adapter {known_path!r}; lora_request "
+                             f"{request.lora_name!r} names it with lora_path {request.lora_path!r} (without "
+                             f"load_inplace): {ONE_ID_ONE_ADAPTER}")
+        return known_path != request.lora_path
 
     def bind(self, request: LoRARequest) -> None:
+        """Bind a new id to request's path, or a bound one to a load_inplace request's new path (else check)."""
         with self._lock:
-            self._paths.setdefault(request.lora_int_id, request.lora_path)
+            known = self._bound.get(request.lora_int_id)
+            if known is None or (request.load_inplace and known.lora_path != request.lora_path):
+                self._bound[request.lora_int_id] = request
         self.check(request)
+
+    def current(self, lora_int_id: int) -> LoRARequest | None:
+        """The request whose path the id names now (the last load_inplace one, else the first)."""
+        with self._lock:
+            return self._bound.get(lora_int_id)
 
     def release(self, request: LoRARequest) -> None:
         """Forget the id's path if it is this request's (its adapter never loaded)."""
         with self._lock:
-            if self._paths.get(request.lora_int_id) == request.lora_path:
-                del self._paths[request.lora_int_id]
+            known = self._bound.get(request.lora_int_id)
+            if known is not None and known.lora_path == request.lora_path:
+                del self._bound[request.lora_int_id]
 
     def release_if_not_loaded(self, request: LoRARequest, err: BaseException) -> None:
         """Forget the id's path if err (the request's failure) is the engine's report that its adapter never

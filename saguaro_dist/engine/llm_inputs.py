@@ -66,7 +66,8 @@ class RequestInputs:
         return Sequence(sid, seq_id, list(tokens), params, priority=rank, cache_salt=salt, lora_request=lora)
 
     def _lora_requests(self, lora_request, n: int) -> list[LoRARequest | None]:
-        """Each prompt's adapter, checked before any work: LoRA on (enable_lora), one path per lora_int_id, and
+        """Each prompt's adapter, checked before any work: LoRA on (enable_lora), one path per lora_int_id (a
+        load_inplace request rebinds it to its own), and
         the adapter itself (read once per id: its files, its rank against max_lora_rank, its shapes against the
         target's) as the target will load it."""
         loras = per_prompt(lora_request, n)

@@ -8,7 +8,8 @@ engine never asks it to.
 
 Up to max_cpu_loras adapters once read stay in host memory (vLLM's max_cpu_loras, an LRU; those in slots among
 them): one evicted from its slot and asked for again reloads from there, without reading its files. A
-load_inplace request drops its adapter's copy, so it is read again."""
+load_inplace request drops its adapter's copy, so it is read again (from its lora_path, which may be a new
+one: the id is bound to it, and requests already queued under the id run the weights loaded from there)."""
 from __future__ import annotations
 
 import itertools
@@ -65,7 +66,8 @@ class AdapterSlots:
         self._ticks = itertools.count(1)
 
     def note(self, request: LoRARequest | None) -> None:
-        """A request entered the engine: its id must keep its path (ValueError); load_inplace marks it stale."""
+        """A request entered the engine: its id must keep its path (ValueError) unless it is a load_inplace one
+        (the id is bound to its path then); load_inplace marks it stale."""
         if request is None:
             return
         self.ids.bind(request)
@@ -97,12 +99,18 @@ class AdapterSlots:
             slot = self._free_slot(busy) if slot is None else slot
             if slot is None:
                 raise RuntimeError(f"no LoRA slot for adapter {request.lora_int_id} (can_start was not asked)")
-            self._load(slot, request)
+            self._load(slot, self._to_load(request))
             self.stale.discard(request.lora_int_id)
         else:
             self.host.get(request.lora_int_id)  # in use: the most recent in host memory too (vLLM's LRU touch)
         self.last_used[slot] = next(self._ticks)
         return slot
+
+    def _to_load(self, request: LoRARequest) -> LoRARequest:
+        """What a load for `request` reads: the load_inplace request that rebound its id since it was queued (the
+        id's weights now, as vLLM's), else itself (a path the id is no longer bound to fails at its load)."""
+        current = self.ids.current(request.lora_int_id)
+        return current if current is not None and current.load_inplace else request
 
     def _free_slot(self, busy: set[int]) -> int | None:
         """An empty slot, else the least recently used one whose adapter no sequence holding a row runs."""

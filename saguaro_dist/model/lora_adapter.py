@@ -1,4 +1,5 @@
-"""PEFT LoRA adapters read from disk (adapter_config.json + adapter_model.safetensors) and checked against the base
+"""PEFT LoRA adapters read from disk (adapter_config.json + adapter_model.safetensors, else vLLM's fallbacks
+adapter_model.bin / .pt, read with torch.load(weights_only=True)) and checked against the base
 model, as vLLM's PEFTHelper.validate_legal / LoRAModel.from_local_checkpoint do (vllm/lora/peft_helper.py,
 lora_model.py): DoRA, modules_to_save, an adapter bias, a rank above max_lora_rank and tensors for modules the
 model cannot adapt are refused. Phi-3's checkpoints hold fused qkv_proj / gate_up_proj modules, so its adapters
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,7 +21,9 @@ from safetensors import safe_open
 from saguaro_dist.model.hf_config import ModelConfig
 from saguaro_dist.model.phi3_config import PHI3_TYPE
 
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+# the tensors' file, the first present (vLLM's LoRAModel.from_local_checkpoint order: safetensors, then PyTorch pickles)
+WEIGHTS_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED_TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Phi-3's modules (its checkpoint's names)
 _NOT_LINEAR_TARGETS = ("embed_tokens", "lm_head")  # vLLM adapts them with extra vocabulary; not done here
@@ -38,7 +42,13 @@ _UNSUPPORTED = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QA-LoRA is not supported",
 }
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_LAYERS = r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+_KEY = re.compile(r"(?:base_model\.model\.)?model" + _LAYERS)
+# A multimodal checkpoint's (Gemma 3 4B-27B): PEFT names its language model's layers as transformers does (4.52+:
+# model.language_model.layers, before: language_model.model.layers), the layouts vLLM's Gemma3ForConditionalGeneration
+# hf_to_vllm_mapper takes and the model loader reads (loader.language_model_name)
+_MULTIMODAL_KEY = re.compile(r"(?:base_model\.model\.)?(?:model\.language_model|language_model\.model)" + _LAYERS)
+_TOWERS = re.compile(r"(?:base_model\.model\.)?(?:model\.)?(?:vision_tower|multi_modal_projector)\.")
 
 
 @dataclass(frozen=True)
@@ -67,25 +77,29 @@ def resolve_adapter_dir(path_or_id, revision: str | None = None) -> Path:
     name = str(path_or_id)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise ValueError(f"LoRA adapter {name!r} is not a directory and not a Hugging Face id (owner/name)")
-    return _hub_snapshot(name, revision, [CONFIG_FILE, WEIGHTS_FILE])
+    return _hub_snapshot(name, revision, [CONFIG_FILE, *WEIGHTS_FILES])
 
 
 def load_adapter(path_or_id, cfg: ModelConfig, max_lora_rank: int, revision: str | None = None) -> LoRAAdapter:
     """Read and check an adapter for the model `cfg` describes (every refusal a ValueError naming the key)."""
     folder = resolve_adapter_dir(path_or_id, revision)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (folder / name).is_file():
-            raise ValueError(f"LoRA adapter {path_or_id}: no {name} in {folder}")
+    if not (folder / CONFIG_FILE).is_file():
+        raise ValueError(f"LoRA adapter {path_or_id}: no {CONFIG_FILE} in {folder}")
+    weights_file = next((folder / name for name in WEIGHTS_FILES if (folder / name).is_file()), None)
+    if weights_file is None:
+        raise ValueError(f"LoRA adapter {path_or_id}: no {WEIGHTS_FILES[0]} (nor {' / '.join(WEIGHTS_FILES[1:])}) "
+                         f"in {folder}")
     try:
         conf = json.loads((folder / CONFIG_FILE).read_text())
         if not isinstance(conf, dict):
             raise ValueError(f"{CONFIG_FILE} must hold a JSON object, got a {type(conf).__name__}")
         rank, scale = checked_config(conf, max_lora_rank)
-        weights = read_weights(folder / WEIGHTS_FILE, cfg, rank)
+        weights = read_weights(weights_file, cfg, rank)
     except ValueError as err:  # (json's JSONDecodeError among them)
         raise ValueError(f"LoRA adapter {path_or_id}: {err}") from None
-    except Exception as err:  # noqa: BLE001 - a file that is no safetensors (SafetensorError), unreadable bytes
-        raise ValueError(f"LoRA adapter {path_or_id}: {WEIGHTS_FILE} cannot be read: {type(err).__name__}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - a file that is no safetensors (SafetensorError), an unsafe pickle
+        raise ValueError(f"LoRA adapter {path_or_id}: {weights_file.name} cannot be read: {type(err).__name__}: "
+                         f"{err}") from None
     return LoRAAdapter(str(path_or_id), rank, scale, weights)
 
 
@@ -139,26 +153,44 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 def read_weights(file: Path, cfg: ModelConfig, rank: int) -> dict:
     """{(layer, module): (A, B)} in fp32, every tensor's name and shape checked against the base model."""
     shapes, parts = module_shapes(cfg), {}
-    with safe_open(file, framework="pt") as f:
-        for key in f.keys():
+    with _open_tensors(file) as (keys, shape_of, tensor):
+        for key in keys:
             layer, module, which = _parse_key(key, cfg)
             out, inp = shapes[module]
             want = (rank, inp) if which == "A" else (out, rank)
-            got = tuple(f.get_slice(key).get_shape())
+            got = shape_of(key)
             if got != want:
                 raise ValueError(f"{key} has shape {list(got)}, the base model's {module} needs {list(want)} "
                                  f"(r={rank}): is this adapter for another base model?")
-            parts.setdefault((layer, module), {})[which] = f.get_tensor(key).float()
+            parts.setdefault((layer, module), {})[which] = tensor(key).float()
     lone = [f"layer {k[0]} {k[1]}" for k, v in parts.items() if len(v) != 2]
     if lone:
-        raise ValueError(f"{WEIGHTS_FILE} holds lora_A without lora_B (or back) for {', '.join(lone)}")
+        raise ValueError(f"{file.name} holds lora_A without lora_B (or back) for {', '.join(lone)}")
     if not parts:
-        raise ValueError(f"{WEIGHTS_FILE} holds no LoRA weights")
+        raise ValueError(f"{file.name} holds no LoRA weights")
     return {k: (v["A"], v["B"]) for k, v in parts.items()}
 
 
+@contextmanager
+def _open_tensors(file: Path):
+    """(names, name -> shape, name -> tensor) of a safetensors file (shapes read without the tensors) or of a
+    PyTorch state dict, unpickled with weights_only=True (tensors and plain containers only, no code run)."""
+    if file.suffix == ".safetensors":
+        with safe_open(file, framework="pt") as f:
+            yield list(f.keys()), lambda key: tuple(f.get_slice(key).get_shape()), f.get_tensor
+        return
+    import torch
+    tensors = torch.load(file, map_location="cpu", weights_only=True)
+    if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+        raise ValueError(f"{file.name} must hold a state dict (tensor names to tensors), got {type(tensors).__name__}")
+    yield list(tensors), lambda key: tuple(tensors[key].shape), tensors.__getitem__
+
+
 def _parse_key(key: str, cfg: ModelConfig) -> tuple[int, str, str]:
-    m, targets = _KEY.fullmatch(key), adapter_targets(cfg)
+    m, targets = (_MULTIMODAL_KEY if cfg.language_model_only else _KEY).fullmatch(key), adapter_targets(cfg)
+    if cfg.language_model_only and _TOWERS.match(key):
+        raise ValueError(f"tensor {key}: LoRA on the vision tower or the multimodal projector is not supported "
+                         f"(only the language model is served; target its decoder layers' {', '.join(targets)})")
     if m is None or m.group(2) not in targets:
         raise ValueError(f"tensor {key}: only LoRA on {', '.join(targets)} of the decoder layers is supported for "
                          f"model_type {cfg.model_type!r} (not the embedding, the LM head, or other modules)")
