@@ -66,16 +66,36 @@ def test_transformers_baselines_sample_as_ours_do_not_as_the_checkpoint_says(pai
     assert greedy_outputs("hf-assisted", pair_with_sampling_defaults, prompts) == ours
 
 
-def test_the_assistant_drafts_k_tokens_a_round_whatever_the_draft_checkpoint_says(pair_with_sampling_defaults):
+def drafted_per_round(monkeypatch) -> list[tuple[int, int]]:
+    """(tokens the assistant drafted, sequence length before) per round of transformers' assisted generation."""
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+    rounds, real = [], AssistedCandidateGenerator.get_candidates
+
+    def counted(self, input_ids, *args, **kwargs):
+        out = real(self, input_ids, *args, **kwargs)
+        rounds.append((out[0].shape[1] - input_ids.shape[1], input_ids.shape[1]))
+        return out
+    monkeypatch.setattr(AssistedCandidateGenerator, "get_candidates", counted)
+    return rounds
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_assistant_drafts_k_tokens_a_round_whatever_the_draft_checkpoint_says(pair_with_sampling_defaults,
+                                                                                   monkeypatch, temperature):
+    """Fixed-K SD, as ours: the checkpoint's heuristic schedule (9 tokens) and transformers' default confidence
+    stop (an assistant token under probability 0.4 ends the draft) drafted ~1 token a round, not K."""
+    rounds = drafted_per_round(monkeypatch)
     runner = make_system("hf-assisted", *pair_with_sampling_defaults, dict(k=3, device="cpu", dtype="float32"))
     runner.open(placement("hf-assisted", "paper"))
     try:
-        config = runner.assistant.generation_config
-        assert (config.num_assistant_tokens, config.repetition_penalty) == (3, None)
-        assert config.num_assistant_tokens_schedule in (None, "constant")  # not the checkpoint's heuristic
+        prompt, new = [3, 4, 5, 6, 7, 8], 16
+        assert runner.run([prompt], temperature, new, 0).tokens == new
         assert runner.model.generation_config.no_repeat_ngram_size in (None, 0)
     finally:
         runner.close()
+    assert len(rounds) > 1
+    # K a round; at the end what fits before max_new_tokens (transformers keeps room for the bonus token)
+    assert [n for n, _ in rounds] == [max(0, min(3, len(prompt) + new - length - 1)) for _, length in rounds]
 
 
 # ---- a system that fails ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from saguaro_dist.bench.affinity import Pinning, host_cpus, plan_pinning
 from saguaro_dist.config import Config, check_device, check_dtype
 from saguaro_dist.sampling_params import checked_temperature
 
@@ -48,14 +49,21 @@ class Placement:
     target_threads: int
     draft_threads: int | None   # None: no draft
     cores: int                  # cores the system may use (the tokens/s per core divisor)
-    where: str                  # human-readable: processes and threads
+    where: str                  # human-readable: processes, threads and CPUs
+    pinning: Pinning = Pinning((), (), (), "not pinned")  # the CPUs its processes are pinned to (bench/affinity.py)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 def placement(system: str, setting: str, cores: int = 2) -> Placement:
-    """Thread counts and the process layout of `system` under `setting` on a `cores`-core host."""
+    """Thread counts, the process layout and the CPU pinning of `system` under `setting` on a `cores`-core host."""
+    place = unpinned_placement(system, setting, cores)
+    pinning = plan_pinning(system, setting, place.cores, place.draft_threads is not None, host_cpus())
+    return dataclasses.replace(place, pinning=pinning, where=f"{place.where}; CPUs: {pinning.text}")
+
+
+def unpinned_placement(system: str, setting: str, cores: int) -> Placement:
     one = 1 if setting == "paper" else cores
     if system in ("ar", "hf", "ngram", "ngram-k"):
         return Placement(one, None, one, f"target: bench process, {one} torch thread(s)")
@@ -92,6 +100,14 @@ def candidate_placements(system: str, setting: str, cores: int = 2) -> list[Plac
     one = dataclasses.replace(place, target_threads=1, draft_threads=draft,
                               where=place.where.replace(f"{cores} torch thread(s)", "1 torch thread"))
     return [place, one]
+
+
+def check_ssd_cores(cores: int, systems) -> None:
+    """SSD runs two processes (two cores) whatever --cores says: with one, *equal* gave ar 1 core and ssd 2."""
+    ssd = [s for s in systems if s in SSD_SYSTEMS]
+    if cores < 2 and ssd:
+        raise ValueError(f"--cores {cores}: {', '.join(ssd)} run the target and the draft on a core each (2 cores); "
+                         "give --cores 2 or more, or leave the SSD systems out")
 
 
 @dataclass(frozen=True)
@@ -147,6 +163,7 @@ class BenchConfig:
             raise ValueError(f"num_prompts ({self.num_prompts}) must be >= the largest batch size ({max(self.batch_sizes)})")
         if self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
+        check_ssd_cores(self.cores, self.systems)
         # The engine's own checks of the SSD knobs, now: they used to fail once the first cell had loaded a model.
         Config(model="unchecked", draft="unchecked", mode="ssd", **self.engine_kwargs())
         if self.dtype == "auto":
@@ -211,6 +228,7 @@ class SweepConfig:
                              f"({', '.join(SETTINGS)}), got {self.system!r} under {self.setting!r}")
         if self.batch_size < 1:
             raise ValueError(f"the sweep's batch size must be >= 1, got {self.batch_size}")
+        check_ssd_cores(self.base.cores, (self.system,))
         object.__setattr__(self, "temperature", checked_temperature(self.temperature))
 
     def points(self) -> list[tuple[str, dict]]:

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from saguaro_dist.bench.affinity import draft_children, pin_process, pin_system, unpin
 from saguaro_dist.bench.config import SYSTEM_SETTINGS, Placement
 from saguaro_dist.config import DRAFT_MODES, Mode
 
@@ -78,10 +80,11 @@ class OursSystem:
 
     def __init__(self, name: str, target: str, draft: str, engine_kwargs: dict):
         self.name, self.target, self.draft, self.engine_kwargs = name, target, draft, engine_kwargs
-        self.llm = None
+        self.llm, self.place, self.bench_cpus = None, None, ()
 
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
+        self.place, children = place, draft_children()
         mode = "ssd" if self.name.startswith("ssd") else self.name.removesuffix("-k")
         # ssd (and its variants) run the engine's own default executor (engine/build.py: draft_executor): split
         # on the CPU, a thread on the target's GPU, a process with the draft on a GPU of its own; the others name theirs.
@@ -94,12 +97,14 @@ class OursSystem:
                        cluster="local" if self.name.startswith("ssd-ray") else None, target_threads=place.target_threads,
                        draft_threads=place.draft_threads, **kwargs)
         self.threads = place.target_threads
+        self.bench_cpus, self.pinned = pin_system(place.pinning, draft_children() - children)  # its own children
 
     def run(self, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int) -> Measurement:
         from saguaro_dist import SamplingParams
         params = [SamplingParams(temperature=temperature, max_tokens=max_new_tokens, ignore_eos=True, seed=seed + i)
                   for i in range(len(prompts))]
         torch.set_num_threads(self.threads)  # process-wide: other systems open beside this one may differ
+        repin(self.bench_cpus)
         before = self.llm.metrics.to_dict()
         start = time.perf_counter()
         outs = self.llm.generate(prompt_token_ids=prompts, sampling_params=params)
@@ -111,6 +116,14 @@ class OursSystem:
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        if self.place is not None:  # the next system starts from the bench's own CPUs, not this one's pins
+            unpin(self.place.pinning)
+
+
+def repin(cpus: tuple[int, ...]) -> None:
+    """This system's pins again before its pass: a system open beside it (--interleave) may have moved them."""
+    if cpus:
+        pin_process(os.getpid(), cpus)
 
 
 def engine_delta(before: dict, after: dict) -> dict:
@@ -156,20 +169,26 @@ class HFSystem:
     def __init__(self, name: str, target: str, draft: str, k: int, device: str = "cpu", dtype: str = "float32"):
         self.name, self.target_path, self.draft_path, self.k = name, target, draft, k
         self.device, self.dtype = device, getattr(torch, dtype)
-        self.model = self.assistant = None
+        self.model = self.assistant = self.place = None
+        self.bench_cpus = ()
 
     def open(self, place: Placement) -> None:
         from transformers import AutoModelForCausalLM
         torch.set_num_threads(place.target_threads)
-        self.threads = place.target_threads
+        self.threads, self.place = place.target_threads, place
+        self.bench_cpus, self.pinned = pin_system(place.pinning, set())
         load = lambda p: neutral_generation(AutoModelForCausalLM.from_pretrained(p, dtype=self.dtype).to(self.device).eval())  # noqa: E731
         self.model = load(self.target_path)
         if self.name == "hf-assisted":
             self.assistant = load(self.draft_path)
-            self.assistant.generation_config.num_assistant_tokens = self.k
+            # Fixed-K drafts, as ours: transformers' defaults stop a draft once the assistant's top probability
+            # falls under 0.4 (assistant_confidence_threshold), ~1 token a round on the demo pair, not K.
+            self.assistant.generation_config.update(num_assistant_tokens=self.k, num_assistant_tokens_schedule="constant",
+                                                    assistant_confidence_threshold=0.0)
 
     def run(self, prompts: list[list[int]], temperature: float, max_new_tokens: int, seed: int) -> Measurement:
         torch.set_num_threads(self.threads)
+        repin(self.bench_cpus)
         start = time.perf_counter()
         if self.assistant is None:  # one batched call (prompts share one length: no padding)
             outputs = self._generate(prompts, temperature, max_new_tokens, seed)
@@ -191,6 +210,8 @@ class HFSystem:
 
     def close(self) -> None:
         self.model = self.assistant = None
+        if self.place is not None:
+            unpin(self.place.pinning)
 
 
 def make_system(name: str, target: str, draft: str, engine_kwargs: dict):
