@@ -6,7 +6,7 @@ import time
 import pytest
 
 from saguaro_dist.serve.api import ServerOptions
-from saguaro_dist.serve.state import merge
+from saguaro_dist.serve.fan_in import merge
 
 
 async def ticking(name: str, n: int, every_s: float, fail_at: int | None = None):

@@ -10,7 +10,8 @@ from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.full_replies import final_extra, finished_choice
 from saguaro_dist.serve.route_support import ClosingStreamingResponse
-from saguaro_dist.serve.state import Finished, Job, ServingState, gather_or_cancel
+from saguaro_dist.serve.fan_in import gather_or_cancel
+from saguaro_dist.serve.state import Finished, Job, ServingState
 from saguaro_dist.serve.tools import ToolChoiceKind
 
 # Fields that would change a sampled reply but that vLLM's beam search leaves unread (its to_beam_search_params

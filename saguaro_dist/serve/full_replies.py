@@ -6,7 +6,8 @@ from saguaro_dist.serve import responses
 from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.harmony import LiteralMarkers
 from saguaro_dist.serve.reasoning import split_reasoning
-from saguaro_dist.serve.state import Finished, Job, ServingState, gather_or_cancel
+from saguaro_dist.serve.fan_in import gather_or_cancel
+from saguaro_dist.serve.state import Finished, Job, ServingState
 
 
 def logprobs_of(state: ServingState, fmt: responses.Format, job: Job, entries: list | None, offset: int = 0):

@@ -19,7 +19,8 @@ from saguaro_dist.serve.reasoning import ReasoningStream, split_reasoning
 from saguaro_dist.serve.route_support import (ClosingStreamingResponse, cancel_on_disconnect, request_id_of,
                                               serving_state)
 from saguaro_dist.serve.sse_stream import per_choice
-from saguaro_dist.serve.state import Job, ServingState, merge
+from saguaro_dist.serve.fan_in import merge
+from saguaro_dist.serve.state import Job, ServingState
 from saguaro_dist.serve.tools import ToolStream
 
 

@@ -10,7 +10,8 @@ from saguaro_dist.serve.full_replies import final_extra, logprobs_of, shown, tok
 from saguaro_dist.serve.harmony import LiteralMarkers
 from saguaro_dist.serve.reasoning import ReasoningStream
 from saguaro_dist.serve.route_support import ClosingStreamingResponse
-from saguaro_dist.serve.state import Job, ServingState, merge
+from saguaro_dist.serve.fan_in import merge
+from saguaro_dist.serve.state import Job, ServingState
 from saguaro_dist.serve.tools import ToolStream
 
 

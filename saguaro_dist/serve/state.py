@@ -14,7 +14,6 @@ from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.serve.errors import APIError
-from saguaro_dist.serve.fan_in import gather_or_cancel, merge  # noqa: F401 (the routes import them from here)
 from saguaro_dist.serve.lora_models import ServedModels
 from saguaro_dist.serve.metrics import ENGINE_TIME_COUNTERS, ServeMetrics
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
