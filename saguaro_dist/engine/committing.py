@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from saguaro_dist.engine.detokenizer import DecodeState, find_stop, stable_prefix
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
 from saguaro_dist.engine.structured import GrammarError
+from saguaro_dist.engine.target import NoTokenAllowed
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +50,18 @@ class Committing:
 
     def _append(self, s: Sequence, tokens: list[int], now: float) -> None:
         """Add verified tokens up to the first stop condition; cut stop strings from the text. A request whose
-        grammar llguidance could not follow (s.error: while scoring, or committing here) ends there alone."""
+        grammar llguidance could not follow (s.error: while scoring, or committing here) ends there alone; so does one
+        whose constraints allowed no token (target.NoTokenAllowed) at the round's last token, drawn from that row."""
         if not s.output_token_ids:
             s.metrics.record_first_token(time.perf_counter() - s.arrival_time)
         logprobs, before = s.round_logprobs, len(s.output_token_ids)  # the target's, for these tokens (if asked)
         if logprobs:
             s.round_logprobs = []
+        empty_row = isinstance(s.error, NoTokenAllowed)
         for i, t in enumerate(tokens):
+            if empty_row and i == len(tokens) - 1:
+                self._fail_alone(s)
+                break
             if s.grammar is not None and not self._committed(s, t):
                 break
             s.output_token_ids.append(t)
@@ -65,6 +71,8 @@ class Committing:
             self._check_stop(s, t)
             if s.finished:
                 break
+        if empty_row and s.finish_reason is not FinishReason.ABORT:
+            s.error = None  # it stopped (EOS, a stop token, max_tokens) before the position no token could take
         self._update_text(s, now, len(s.output_token_ids) - before)
 
     def _check_stop(self, s: Sequence, token: int) -> None:
@@ -90,16 +98,21 @@ class Committing:
     def _committed(self, s: Sequence, token: int) -> bool:
         """Advance s's grammar past token; False when s failed instead (now, or while its round was scored):
         it finishes with that error, and its grammar's compiled matcher, which shares the failed lexer, goes."""
-        if s.error is None:
+        if not isinstance(s.error, GrammarError):  # (NoTokenAllowed: at the round's last token, in _append)
             try:
                 s.grammar.commit(token)
                 return True
             except GrammarError as err:
                 s.error = err
-        log.warning("request %s failed alone: %s", s.request_id, s.error)
-        self.grammars.forget(s.grammar.grammar)
-        self._finish(s, FinishReason.ABORT)
+        self._fail_alone(s)
         return False
+
+    def _fail_alone(self, s: Sequence) -> None:
+        """s ends with its error (s.error); its grammar's compiled matcher, if it failed, goes."""
+        log.warning("request %s failed alone: %s", s.request_id, s.error)
+        if isinstance(s.error, GrammarError):
+            self.grammars.forget(s.grammar.grammar)
+        self._finish(s, FinishReason.ABORT)
 
     def _update_text(self, s: Sequence, now: float, new: int) -> None:
         """Decode what the last `new` tokens add to s.text; with stop strings, end s at one."""

@@ -61,6 +61,11 @@ def stack_proposals(proposals: list[Proposal], vocab_size: int) -> tuple[torch.T
     return tokens, torch.stack([p.probs if p.probs is not None else one_hot(p) for p in proposals])
 
 
+class NoTokenAllowed(ValueError):
+    """A request whose constraints bar every token at an output position it reached: it fails alone there, in
+    AR, SD and SSD alike (committing.Committing._append); a ValueError, so over HTTP that request's 400."""
+
+
 PROMPT_LOGPROBS_ROWS = 512  # logit rows alive at once while scoring a prompt (512 x 128k vocab x 4 B = 256 MB)
 
 
@@ -113,6 +118,44 @@ class TargetScorer:
                                                 [drafted[b] for b in penalized] if drafted else [[]] * len(penalized))
         self._hold_back_ends(logits, seqs, early)
         return logits
+
+    @staticmethod
+    def _first_empty_rows(scored: torch.Tensor, seqs: list[Sequence]) -> dict[int, int]:
+        """{b: the first row of scored [B, T, V] whose every logit is -inf} for the sequences that have one: their
+        allowed_token_ids, bad_words and min_tokens leave no token there (a finite logit_bias cannot; a grammar
+        with min_tokens or allowed_token_ids is refused up front)."""
+        masking = [b for b, s in enumerate(seqs) if s.params.biased or s.params.banned_words
+                   or s.params.min_tokens > len(s.output_token_ids)]
+        if not masking:
+            return {}
+        empty = torch.isneginf(scored[masking]).all(dim=-1)  # [R, T]
+        if not bool(empty.any()):
+            return {}
+        first = empty.to(torch.int8).argmax(dim=-1).tolist()
+        return {b: f for b, f, hit in zip(masking, first, empty.any(dim=-1).tolist()) if hit}
+
+    @staticmethod
+    def _without_empty_rows(scored: torch.Tensor, empty: dict[int, int]) -> torch.Tensor:
+        """scored with each empty row, and the rows after it, at 0 (uniform): what is drawn there is never
+        committed (_fail_at_empty_rows), and a row of NaN probabilities is no input to sample or verify from."""
+        if not empty:
+            return scored
+        scored = scored.clone()
+        for b, f in empty.items():
+            scored[b, f:] = 0.0
+        return scored
+
+    @staticmethod
+    def _fail_at_empty_rows(seqs: list[Sequence], empty: dict[int, int], accepted: list[int]) -> None:
+        """A sequence whose verification reached its empty row f (every drafted token before it accepted) keeps
+        x_1..x_f, the round's last token (drawn from row f) then failing it with seq.error; an empty row past a
+        rejection decides nothing. accepted (k* per sequence; 0 for a plain draw) is clamped in place."""
+        for b, f in empty.items():
+            if accepted[b] >= f:
+                accepted[b], s = f, seqs[b]
+                s.error = s.error or NoTokenAllowed(  # (a grammar that failed while scoring fails it first)
+                    f"no token is allowed at output position {len(s.output_token_ids) + f} (counting from 0): this "
+                    "request's allowed_token_ids, bad_words and min_tokens together exclude every token there")
 
     @staticmethod
     def _mask_grammars(logits: torch.Tensor, seqs: list[Sequence], rows: list[int],
@@ -248,6 +291,8 @@ class TargetScorer:
         drafted = [x[1:] for x in inputs]
         logits = self._grammar_masked(torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs))), seqs, drafted)
         scored = self._scored(logits, seqs, drafted)  # [B, K+1, V]
+        empty = self._first_empty_rows(scored, seqs)
+        scored = self._without_empty_rows(scored, empty)
         if _all_greedy(seqs):  # one argmax instead of [B, K+1, V] probabilities: the same tokens
             result = greedy_verify(scored, torch.stack([s.speculation.tokens for s in seqs]).to(logits.device))
         else:
@@ -257,6 +302,7 @@ class TargetScorer:
             q = None if q is None else q.to(p.device)
             result = verify(p, tokens.to(p.device), q, [s.generator for s in seqs], coupling() if coupling else None)
         accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
+        self._fail_at_empty_rows(seqs, empty, accepted)
         for i, (s, n, t) in enumerate(zip(seqs, accepted, bonus)):
             self.runner.truncate(s.seq_id, len(s.tokens) + n)
             if s.params.logprobs is not None:  # positions 0..k scored x_1..x_k and then t*
@@ -273,7 +319,10 @@ class TargetScorer:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per sequence from its row of logits [B, V]."""
         masked = self._grammar_masked(logits[:, None], seqs)  # (what the logprobs are read from)
-        scored, logits = self._scored(masked, seqs)[:, 0], masked[:, 0]
+        scored = self._scored(masked, seqs)
+        empty = self._first_empty_rows(scored, seqs)
+        scored, logits = self._without_empty_rows(scored, empty)[:, 0], masked[:, 0]
+        self._fail_at_empty_rows(seqs, empty, [0] * len(seqs))
         if _all_greedy(seqs):
             tokens = greedy_tokens(scored).tolist()
         else:
