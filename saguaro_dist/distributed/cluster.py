@@ -24,6 +24,7 @@ from saguaro_dist.engine.sequence import FinishReason, SeqStatus
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
+POLL_WAIT_S = 1.0  # how often a poll that has not come back looks whether Ray is still there
 SUBMIT_CHUNK = 1024  # requests per submit call: a large offline batch starts before all of it has crossed
 SUBMIT_SETTLE_S = 10.0  # an interrupted submit waits this long for its call to land before its aborts go
 RANK_NAMING_WAIT_S = 5.0  # rank 0 found its group broken: how long Ray may take to tell which rank died
@@ -32,6 +33,7 @@ RANK_NAMING_WAIT_S = 5.0  # rank 0 found its group broken: how long Ray may take
 def build_cluster_engine(config: Config):
     """Start the actors and the engine on rank 0; returns (RemoteEngine, tokenizer)."""
     from saguaro_dist.engine.build import fit_draft, target_tokenizer
+    check_tensor_parallel(config)
     tokenizer = target_tokenizer(config)
     fit = fit_draft(config, tokenizer) if config.uses_draft else None  # a bad pair fails before Ray starts
     deployment = Deployment(started_ray=connect(config.cluster, local_cpus_needed(config)))
@@ -54,6 +56,22 @@ def build_cluster_engine(config: Config):
     return RemoteEngine(deployment, info), tokenizer
 
 
+def check_tensor_parallel(config: Config) -> None:
+    """Each target rank takes 1/tensor_parallel_size of the heads: a size that does not divide them fails
+    here, from config.json, before Ray starts anything (the ranks found it only as they built the model)."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    from saguaro_dist.model.hf_config import load_config
+    from saguaro_dist.model.loader import resolve_model_dir
+    model = load_config(resolve_model_dir(config.model, weights=False, revision=config.revision))
+    heads = {"num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads}
+    bad = [f"{name} = {count}" for name, count in heads.items() if count % size]
+    if bad:
+        raise ValueError(f"tensor_parallel_size = {size} must divide the model's attention heads "
+                         f"({', '.join(bad)} in {config.model}'s config.json)")
+
+
 def remote_request(seq) -> RemoteRequest:
     return RemoteRequest(seq.seq_id, seq.request_id, seq.prompt_token_ids, seq.params, seq.output_kind,
                          seq.stream_interval_s, seq.priority, seq.cache_salt, seq.lora_request)
@@ -72,6 +90,7 @@ class RemoteEngine:
         self._dead: str | None = None
         self._dead_cause: BaseException | None = None  # what told us (the RayActorError): every later error's cause
         self._stopped = threading.Event()
+        self._ray_job = ray.get_runtime_context().get_job_id()  # the Ray this engine's actors live in (_ray_here)
         self._stop_lock = threading.Lock()
         self._last_metrics = None  # rank 0's, fetched as the engine stops: readable after it, as on one host
         self.load = EngineLoad()  # rank 0's, as of its last poll (at most POLL_S old while it runs)
@@ -82,9 +101,14 @@ class RemoteEngine:
         self._poller = threading.Thread(target=self._poll_loop, daemon=True, name="saguaro-remote-poll")
         self._poller.start()
 
+    def _ray_here(self) -> bool:
+        """Whether the Ray this engine started in is still up: after a ray.shutdown() any Ray call (a poll made
+        as it ran) may auto-start a fresh, empty Ray, where this engine's actors and objects do not exist."""
+        return ray.is_initialized() and ray.get_runtime_context().get_job_id() == self._ray_job
+
     def _ask(self, method, *args):
         """ray.get(method.remote(*args)) of rank 0, its death an EngineError (the RayActorError its cause)."""
-        if self._stopped.is_set() or not ray.is_initialized():  # a Ray call now would start a fresh Ray (auto-init)
+        if self._stopped.is_set() or not self._ray_here():  # a Ray call now would start a fresh Ray (auto-init)
             raise EngineError("the engine is shut down")
         if self._dead:
             raise self._gone()
@@ -158,7 +182,7 @@ class RemoteEngine:
         (known before, or found by the call) raises the retriable EngineError with nothing registered, its
         cause the RayActorError. A stopped engine refuses as the one-host engine does (no Ray call: after
         ray.shutdown() one would start a fresh Ray)."""
-        if self._stopped.is_set() or not ray.is_initialized():
+        if self._stopped.is_set() or not self._ray_here():
             raise EngineError("the engine is shut down")
         with self._lock:  # (_dead checked under it: _fail_all sets it before failing what is registered)
             if self._dead:
@@ -181,7 +205,7 @@ class RemoteEngine:
     def abort_many(self, request_ids: list[str]) -> None:
         """Fire and forget; nothing to abort once the target is gone or the engine stopped (their requests
         were failed), and no Ray call after ray.shutdown() (it would start a fresh Ray)."""
-        if not self._dead and not self._stopped.is_set() and request_ids and ray.is_initialized():
+        if not self._dead and not self._stopped.is_set() and request_ids and self._ray_here():
             self.rank0.abort.remote(request_ids)
 
     def reset_prefix_cache(self) -> None:
@@ -204,7 +228,7 @@ class RemoteEngine:
                 return
             self._stopped.set()
         try:
-            if not self._dead and ray.is_initialized():
+            if not self._dead and self._ray_here():
                 try:
                     self._last_metrics = ray.get(self.rank0.metrics.remote(), timeout=5)
                 except Exception as err:  # noqa: BLE001 - only the metrics after shutdown go without them
@@ -221,20 +245,33 @@ class RemoteEngine:
             self.deployment.kill()
 
     def _poll_loop(self) -> None:
+        """Poll until stopped. However the loop ends, what is in flight is failed unless the engine was stopped
+        on purpose (stop() fails it then): with this thread gone no request would ever finish."""
+        try:
+            self._poll_until_stopped()
+        except BaseException as err:  # noqa: BLE001 - a ray.shutdown() on another thread ends ray.get with SystemExit
+            if self._stopped.is_set():
+                return
+            if isinstance(err, SystemExit) or not self._ray_here():
+                self._fail_all("Ray was shut down under the engine", err)
+            else:
+                log.exception("polling the target's rank 0 failed")
+                self._fail_all(f"polling the target failed: {err!r}", err)
+
+    def _poll_until_stopped(self) -> None:
         while not self._stopped.is_set():
-            if not ray.is_initialized():  # someone shut Ray down: a Ray call would start a fresh one (auto-init)
+            if not self._ray_here():  # someone shut Ray down: a Ray call would start a fresh one (auto-init)
                 self._fail_all("Ray was shut down under the engine")
                 return
             try:
-                polled = ray.get(self.rank0.poll.remote(POLL_S))
+                polled = self._poll_once()
                 lost = self._rank_lost(polled.lost)
             except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
-                if not self._stopped.is_set():
-                    self._fail_all(f"target actor died: {err.__class__.__name__}", err)
-                return
-            except Exception as err:  # noqa: BLE001 - with this thread gone no request would ever finish
-                log.exception("polling the target's rank 0 failed")
-                self._fail_all(f"polling the target failed: {err!r}", err)
+                if self._stopped.is_set():
+                    return
+                if not self._ray_here():  # the actors died with the Ray shut down under us
+                    raise
+                self._fail_all(f"target actor died: {err.__class__.__name__}", err)
                 return
             self.load = polled.load
             for u in polled.updates:
@@ -243,6 +280,15 @@ class RemoteEngine:
             if lost:
                 self._fail_all(*lost)
                 return
+
+    def _poll_once(self):
+        """One poll of rank 0. Waited for in steps: a ray.shutdown() on another thread can leave a call made
+        meanwhile unanswered for good, so between steps the loop looks whether Ray is still there."""
+        ref = self.rank0.poll.remote(POLL_S)
+        while not ray.wait([ref], timeout=POLL_WAIT_S)[0]:
+            if self._stopped.is_set() or not self._ray_here():
+                raise ray.exceptions.RaySystemError("Ray was shut down under the engine")
+        return ray.get(ref)
 
     def _rank_lost(self, broken: str | None) -> tuple[str, BaseException | None] | None:
         """(why, cause) once a follower rank is gone: its `followed` call ended (the actor died, or it stopped

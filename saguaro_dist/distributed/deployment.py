@@ -173,10 +173,21 @@ def start_ranks(config: Config, resources: dict, pg) -> list:
             for r in range(config.tensor_parallel_size)]
 
 
+FREED_RESOURCES_WAIT_S = 3.0  # how long a shortfall may take to go before it is warned of
+
+
 def warn_if_short(config: Config, resources: dict) -> None:
     """Say at once when the free resources cannot host the engine's actors (another engine holds them, a
     label no node has): start-up would otherwise wait startup_timeout_s in silence before failing."""
-    short = shortfall(engine_needs(config, resources), ray.available_resources())
+    need = engine_needs(config, resources)
+    short = shortfall(need, ray.available_resources())
+    # Actors just killed (LLM.rebuild, an engine stopped a moment ago) give their resources back a moment later
+    # (the raylet reports them at most every second): only a shortfall that outlasts that is worth a warning.
+    # One the cluster's totals cannot cover (no GPU, a label no node has) never goes: it is told at once.
+    deadline = time.monotonic() + (0.0 if shortfall(need, resources) else FREED_RESOURCES_WAIT_S)
+    while short and time.monotonic() < deadline:
+        time.sleep(0.1)
+        short = shortfall(need, ray.available_resources())
     if short:
         log.warning("the cluster lacks %s free for this engine's actors; start-up waits up to "
                     "startup_timeout_s (%.0f s) for them", short, config.startup_timeout_s)

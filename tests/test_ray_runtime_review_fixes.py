@@ -1,0 +1,126 @@
+"""The Ray runtime, reviewed: a ray.shutdown() under a running engine fails its requests (the poll thread died
+silently, and every generate() in flight hung), LLM.rebuild() no longer warns of a shortfall its own old actors
+made, and a tensor-parallel size that does not divide the heads fails before Ray starts anything. Real Ray
+(each script's own small local Ray: a ray.shutdown() must not take the session's down), tiny checkpoints
+written by transformers."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+
+from engine_helpers import close_pair, llama_config, save_model
+from saguaro_dist import LLM
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("f6_pair")
+    found = close_pair(root)
+    save_model(root / "slow", llama_config(96, 384, 6), seed=3)  # its rounds take long enough to be caught mid-run
+    return {**found, "slow": str(root / "slow")}
+
+
+def run_script(script: str, *args, timeout=300) -> dict:
+    done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=HERE, env=dict(os.environ))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+RAY_DOWN = r'''
+import json, sys, threading, time
+import ray
+from saguaro_dist import LLM, SamplingParams
+target, draft = sys.argv[1], sys.argv[2]
+ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
+llm = LLM(model=target, draft=draft, mode="ssd", k=3, cluster="auto", num_draft_workers=1, max_model_len=256)
+params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
+result = {}
+def generate():
+    try:
+        result["out"] = llm.generate(prompt_token_ids=[[1, 2, 3]] * 3, sampling_params=params, use_tqdm=False)
+    except BaseException as err:
+        result["error"] = f"{type(err).__name__}: {err}"
+worker = threading.Thread(target=generate, daemon=True)
+worker.start()
+while llm.metrics.rounds < 3:
+    time.sleep(0.01)
+ray.shutdown()
+worker.join(timeout=60)  # only to tell a hang: it ends as soon as the poll thread sees Ray gone
+try:
+    llm.check_health()
+    health = None
+except Exception as err:
+    health = f"{type(err).__name__}: {err}"
+hung = worker.is_alive()
+llm.shutdown()
+print(json.dumps({"hung": hung, "error": result.get("error"), "finished": "out" in result, "health": health}))
+'''
+
+
+@pytest.mark.slow
+def test_ray_shut_down_under_a_running_generate_fails_it_naming_that(pair):
+    """ray.shutdown() on another thread ends the poll thread's blocked ray.get with SystemExit, which it did
+    not catch: the thread died, and generate() waited until llm.shutdown()."""
+    result = run_script(RAY_DOWN, pair["slow"], pair["close"])
+    assert not result["hung"], "generate() hung after Ray was shut down under the engine"
+    assert not result["finished"], "generation ended before Ray was shut down: nothing was tested"
+    assert result["error"].startswith("EngineError: Ray was shut down under the engine"), result["error"]
+    assert result["health"].startswith("EngineError") and "Ray was shut down" in result["health"], result["health"]
+
+
+REBUILD = r'''
+import json, logging, sys
+import ray
+from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.distributed.deployment import warn_if_short
+target, draft = sys.argv[1], sys.argv[2]
+warnings = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        warnings.append(record.getMessage())
+logging.getLogger("saguaro_dist.distributed").addHandler(Keep(logging.WARNING))
+ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+llm = LLM(model=target, draft=draft, mode="ssd", k=3, cluster="auto", num_draft_workers=1, max_model_len=256)
+for _ in range(2):
+    llm.rebuild()
+params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+tokens = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=params, use_tqdm=False)[0].token_ids
+after_rebuilds = list(warnings)
+warn_if_short(llm.config, ray.cluster_resources())  # a second engine beside this one: it does lack them
+llm.shutdown()
+ray.shutdown()
+print(json.dumps({"after_rebuilds": after_rebuilds, "beside": warnings[len(after_rebuilds):], "tokens": tokens}))
+'''
+
+
+@pytest.mark.slow
+def test_rebuild_on_a_cluster_the_engine_fills_warns_of_no_shortfall(pair):
+    """Ray gives a killed actor's resources back a moment after ray.kill: every LLM.rebuild() on a cluster
+    the engine fills logged "the cluster lacks {'CPU': 2} free", then started at once. A real shortfall (the
+    engine's CPUs held by another) is still told."""
+    result = run_script(REBUILD, pair["target"], pair["close"])
+    assert len(result["tokens"]) == 5
+    assert not [w for w in result["after_rebuilds"] if "lacks" in w], result["after_rebuilds"]
+    assert any("the cluster lacks {'CPU'" in w for w in result["beside"]), result["beside"]
+
+
+def test_a_tensor_parallel_size_that_does_not_divide_the_heads_fails_before_ray_starts(pair):
+    """TP = 3 on a model of 4 heads (2 KV heads): start-up failed ~9 s in, as the ranks built the model, with a
+    RayTaskError and a remote traceback. vLLM checks the heads up front; so does the driver now, from
+    config.json, before it connects to Ray or starts an actor."""
+    ray_was_up = ray.is_initialized()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size = 3 must divide the model's attention heads "
+                                         r"\(num_attention_heads = 4, num_key_value_heads = 2 in "):
+        LLM(model=pair["target"], mode="ar", cluster="local", tensor_parallel_size=3, max_model_len=256)
+    assert ray.is_initialized() == ray_was_up
+    with pytest.raises(ValueError, match=r"\(num_key_value_heads = 2 in "):  # heads 4 divide, KV heads 2 do not
+        LLM(model=pair["target"], mode="ar", cluster="local", tensor_parallel_size=4, max_model_len=256)
