@@ -10,7 +10,7 @@ import signal
 import time
 
 from saguaro_dist.cli.engine_flags import add_engine_args  # generate, run-batch and tests import it from here
-from saguaro_dist.cli.flag_checks import check_mode_flags
+from saguaro_dist.cli.flag_checks import check_mode_flags, flag_name
 from saguaro_dist.cli.lora_flags import LORA_ENGINE_FLAGS, add_lora_args, check_adapters_here
 from saguaro_dist.cli.frontend_flags import (add_frontend_args, check_tls_applied, frontend_app_args,
                                              serve_logging_config, tls_options)
@@ -72,6 +72,7 @@ def positive_int(text: str) -> int:
 def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     """Engine settings from `base` (a config file's args) overridden by the flags actually given."""
     args = dict(base or {})
+    check_model_given(ns)
     if ns.model_tag and ns.model and ns.model_tag != ns.model:
         raise ValueError(f"two models given: {ns.model_tag!r} and --model {ns.model!r}")
     ns.model = ns.model or ns.model_tag
@@ -90,8 +91,19 @@ def engine_args(ns: argparse.Namespace, base: dict | None = None) -> dict:
     return args
 
 
+def check_model_given(ns: argparse.Namespace) -> None:
+    """An empty MODEL or --model (an unset shell variable, say) is an error: the demo pair is for no model at all."""
+    for dest in ("model_tag", "model"):
+        if isinstance(getattr(ns, dest, None), str) and not getattr(ns, dest).strip():
+            raise ValueError(f"{flag_name(dest)} is empty: name a model folder or Hugging Face id (or give no model "
+                             "for the demo pair)")
+
+
 def with_default_model(args: dict) -> dict:
-    """No model given: the shipped demo pair, like `vllm serve` needs no flags for a first try."""
+    """No model given: the shipped demo pair, like `vllm serve` needs no flags for a first try. A model given
+    empty (a config file's `model: ""`) is an error, not the demo pair."""
+    if "model" in args and not (isinstance(args["model"], str) and args["model"].strip()):
+        raise ValueError(f"model must name a model folder or Hugging Face id, got {args['model']!r}")
     if args.get("model"):
         if not args.get("draft") and "mode" not in args:
             args["mode"] = Mode.AR.value  # a lone target: autoregressive, unless --mode ngram
@@ -131,7 +143,8 @@ def register(subparsers) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 for every interface)")
     g.add_argument("--port", type=port_arg, help="HTTP port (default 8000)")
-    g.add_argument("--api-key", help=f"require this bearer key (default: ${API_KEY_ENV} if set)")
+    g.add_argument("--api-key", nargs="+", help=f"require this bearer key, or any of several (vLLM's; default: ${API_KEY_ENV} "
+                                              "if set); give MODEL before it")
     g.add_argument("--served-model-name", nargs="+", help="the model name clients use (default: the model path); "
                                                           "several: requests may give any, replies name the first")
     g.add_argument("--max-request-bytes", type=positive_int, help="largest request body (default 1 MiB)")
@@ -162,6 +175,28 @@ def register(subparsers) -> None:
     add_frontend_args(p)
     add_lora_args(p)
     p.set_defaults(run=run)
+
+
+def check_models_here(config, embedded: bool) -> None:
+    """On the embedded cluster the replica loads the models on this machine: what `saguaro generate` refuses in
+    seconds (a model that is no folder and no Hub id to be had, a max_model_len past it, a --tokenizer or --draft
+    that does not load, a GPU this machine lacks) is refused before Ray starts, not as a failed deployment
+    half a minute later. With --address models and GPUs may be on the cluster only: local folders' pair check."""
+    if not embedded:
+        return check_pair_here(config)
+    from saguaro_dist.engine.build import fit_draft, target_tokenizer
+    from saguaro_dist.model.device import resolve_device
+    from saguaro_dist.model.hf_config import load_config
+    from saguaro_dist.model.loader import resolve_model_dir
+    from saguaro_dist.model.runner import check_max_model_len
+    resolve_device(config.device)
+    if config.uses_draft:
+        resolve_device(config.draft_device_resolved)
+    target = load_config(resolve_model_dir(config.model, weights=False, revision=config.revision))  # a Hub id: fetched
+    check_max_model_len(config.max_model_len or target.max_position_embeddings, target)
+    tokenizer = target_tokenizer(config)
+    if config.uses_draft:
+        fit_draft(config, tokenizer)  # the draft resolved, and the pair's vocabulary
 
 
 def check_pair_here(config) -> None:
@@ -207,6 +242,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.address and ns.num_cpus:
         raise ValueError("--num-cpus sizes the embedded cluster: unused with --address (the cluster has its own)")
     file = load_serve_config(ns.config) if ns.config else None
+    if ns.api_key and len(ns.api_key) > 1 and not (ns.model_tag or ns.model or (file and "model" in file.args)):
+        raise ValueError("several --api-key values and no MODEL: --api-key takes every value after it (vLLM's), "
+                         "so give MODEL before --api-key")  # (else the model's path became a key, the demo served)
     args = engine_args(ns, file.args if file else None)
     args.update({field: getattr(ns, dest) for dest, field in SERVE_FLAGS.items() if getattr(ns, dest) is not None})
     if ns.enable_auto_tool_choice and not args.get("tool_call_parser"):
@@ -214,17 +252,17 @@ def run(ns: argparse.Namespace) -> int:
                          "read in), as in vLLM")
     args.update(frontend_app_args(ns))
     if api_key_from_args(args):
-        args["api_key"] = api_key_from_args(args)  # resolved here: replicas may not share our environment
+        args["api_key"] = list(api_key_from_args(args))  # resolved here: replicas may not share our environment
     if args.get("chat_template"):
         args["chat_template"] = load_chat_template(args["chat_template"])  # the text: replicas may lack the file
     args[RUNTIME_UPDATE_ARG] = runtime_updates_allowed(args.get(RUNTIME_UPDATE_ARG))  # VLLM_ALLOW_RUNTIME_LORA_UPDATING
     # resolved here (or a config file's app arg): replicas may not share our environment
     config = config_from_args(args)
-    check_pair_here(config)  # fail fast with a clear message, before Ray starts
-    check_generation_config_here(config, embedded=not ns.address)
     from saguaro_dist.serve.app import check_runtime_lora, server_options  # (imports Ray Serve: not at the start)
     options = server_options(args, args["model"])  # every server option the replica reads (names, CORS, root
-    # path, role, LoRA modules, a config file's too) checked before Ray starts
+    # path, role, LoRA modules, a config file's too) checked before Ray starts, and before the models' files
+    check_models_here(config, embedded=not ns.address)  # fail fast with a clear message, before Ray starts
+    check_generation_config_here(config, embedded=not ns.address)
     check_adapters_here(options.lora_modules, config, embedded=not ns.address)
     check_runtime_lora(replica_count(_deployment_options(file, ns)), options.runtime_lora_updating)
     host = ns.host or (file.host if file else None) or "127.0.0.1"
@@ -262,7 +300,10 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     try:
         log.warning("starting %r at %s (%s ingress; Ctrl-C to stop)", name, url, ingress.value)
         _start_serve(serve, {"host": host, "port": proxy_port, **tls}, serve_logging_config(ns))
-        serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
+        except RuntimeError as err:  # the replica's failure: Serve's traceback named neither it nor its log
+            raise ValueError(deploy_failure(err, _ray_logs_dir(ray) if embedded else None)) from None
         serving = True
         log.warning("serving %r at %s", name, url)
         while True:
@@ -272,6 +313,21 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     finally:
         _shutdown(serve, ray, embedded, serving)
     return 0
+
+
+def deploy_failure(err: Exception, logs_dir: str | None) -> str:
+    """serve.run's RuntimeError as one line that says where the replica's own error is."""
+    where = (f"{logs_dir}/serve/ (replica_*.log)" if logs_dir else
+             "the cluster's Serve logs (/tmp/ray/session_latest/logs/serve/ on the replica's node, or the dashboard)")
+    reason = (str(err).strip().splitlines() or [""])[0]
+    return f"the Serve app did not start ({reason}); the replica's error is in {where}"
+
+
+def _ray_logs_dir(ray) -> str | None:
+    try:  # Ray's own node object: no public API names the session's log folder
+        return ray._private.worker._global_node.get_logs_dir_path()
+    except AttributeError:
+        return None
 
 
 def _start_serve(serve, http_options: dict, logging_config: dict | None) -> None:

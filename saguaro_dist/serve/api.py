@@ -52,7 +52,7 @@ ROUTES = frozenset(path for path, *_ in _ROUTE_TABLE)
 @dataclass(frozen=True)
 class ServerOptions:
     served_model_name: str
-    api_key: str | None = None
+    api_key: str | tuple[str, ...] | None = None  # several: any one authenticates (vLLM's --api-key K1 K2)
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     stream_interval_ms: float = DEFAULT_STREAM_INTERVAL_MS  # 0: one SSE chunk per engine round
     tool_call_parser: str | None = None  # reads tool_choice "auto" replies (tool_parsers.ToolCallParser); None: auto is a 400

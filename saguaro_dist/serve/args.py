@@ -106,14 +106,27 @@ def _number(value) -> float:
 
 def served_model_names(given, model: str) -> tuple[str, ...]:
     """--served-model-name: one name or several (vLLM's: requests may give any, replies name the first)."""
+    if given is not None and not isinstance(given, (str, list, tuple)):  # list(5): a TypeError's traceback
+        raise ValueError(f"served_model_name must be a non-empty name or a list of them, got {given!r}")
     names = [given] if isinstance(given, str) else list(given or [])
     if not all(isinstance(n, str) and n for n in names):
         raise ValueError(f"served_model_name must be a non-empty name or a list of them, got {given!r}")
     return tuple(names) or (str(model),)
 
 
-def api_key_from_args(args: dict) -> str | None:
-    """The API key: given directly, or read from the environment variable the args name."""
-    if args.get("api_key"):
-        return str(args["api_key"])
-    return os.environ.get(args.get("api_key_env") or API_KEY_ENV) or None
+def api_key_from_args(args: dict) -> tuple[str, ...] | None:
+    """The API keys (any one authenticates, as vLLM's --api-key K1 K2): given directly, or read from the
+    environment variable the args name. A variable named but unset is an error: the server would take every
+    request unauthenticated, unsaid; the default SAGUARO_API_KEY unset means no key."""
+    keys = args.get("api_key")
+    keys = list(keys) if isinstance(keys, (list, tuple)) else [keys] if keys else []
+    if not all(isinstance(k, str) and k.strip() for k in keys):  # an empty one would be no key at all
+        raise ValueError("api_key must be a non-empty key or a list of them (the keys are not shown)")
+    if keys:
+        return tuple(keys)
+    name = args.get("api_key_env")
+    if name and not os.environ.get(name):
+        raise ValueError(f"api_key_env names ${name}, which is unset or empty: set it, or drop api_key_env to "
+                         "serve without a key")
+    key = os.environ.get(name or API_KEY_ENV)
+    return (key,) if key else None

@@ -29,9 +29,10 @@ async def send_error(send, status: int, message: str, headers: list | None = Non
 class ApiKeyMiddleware:
     """`Authorization: Bearer <key>` on every route but the open ones; 401 otherwise."""
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, api_key: str | tuple[str, ...]):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        keys = (api_key,) if isinstance(api_key, str) else api_key  # several: any one authenticates (vLLM's)
+        self._expected = [f"Bearer {key}".encode() for key in keys]
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or app_path(scope) in OPEN_PATHS or self._authorized(scope):
@@ -41,7 +42,8 @@ class ApiKeyMiddleware:
 
     def _authorized(self, scope) -> bool:
         given = dict(scope["headers"]).get(b"authorization", b"")
-        return hmac.compare_digest(given, self._expected)  # constant time: no key guessing by timing
+        # constant time, and every key compared: no key guessing by timing
+        return sum(hmac.compare_digest(given, expected) for expected in self._expected) > 0
 
 
 class BodySizeLimitMiddleware:
