@@ -301,7 +301,9 @@ class Config:
         least = self.k + 1 if self.mode is Mode.SSD else 1
         if type(self.fan_out) is not int or self.fan_out < least:
             what = f"k+1 = {least} (one branch per position)" if self.mode is Mode.SSD else "1"
-            raise ValueError(f"fan_out budget must be an int >= {what}, got {self.fan_out!r}")
+            hint = (f": k = {self.k} needs that many (lower k, or raise fan_out: default {type(self).fan_out})"
+                    if self.mode is Mode.SSD else "")
+            raise ValueError(f"fan_out budget must be an int >= {what}, got {self.fan_out!r}{hint}")
 
     def _validate_sizes(self):
         for name in ("max_batch_size", "max_num_batched_tokens", "tensor_parallel_size", "num_draft_workers"):

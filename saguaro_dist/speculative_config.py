@@ -18,7 +18,10 @@ __all__ = ["config_fields", "as_dict", "SUPPORTED_KEYS"]
 NGRAM_MODEL_NAMES = ("ngram", "[ngram]")  # vLLM: such a model and no method means method "ngram"
 SUPPORTED_METHODS = ("draft_model", "ngram")
 SUPPORTED_KEYS = ("model", "method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "revision",
-                  "draft_tensor_parallel_size")
+                  "draft_tensor_parallel_size", "draft_sample_method")
+# vLLM's draft_sample_method as proposal_top_k: 'greedy' (vLLM's default) drafts the argmax and rejection-samples
+# against a one-hot q, as top-1 proposals do; 'probabilistic' drafts from the whole distribution. Both are exact.
+DRAFT_SAMPLE_TOP_K = {"greedy": 1, "probabilistic": 0}
 # vLLM's methods that need what saguaro_dist does not run: heads or layers trained on the target's hidden states
 _HEAD_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "extract_hidden_states", "dflash", "dflare",
                  "dspark", "deepseek_mtp")
@@ -38,8 +41,6 @@ _INERT = {
     "enforce_eager": ((None,), "give LLM(enforce_eager=...): it applies to both models"),
     "rejection_sample_method": (("standard",), "only exact rejection sampling runs (the target's distribution is kept)"),
     "acceptance_method": (("rejection_sampler",), "only exact rejection sampling runs (the target's distribution is kept)"),
-    "draft_sample_method": (("probabilistic",), "the draft samples from its distribution, which rejection sampling "
-                            "then corrects exactly"),
     "disable_logprobs": ((False,), "logprobs are always the target's, as requested in SamplingParams"),
     "disable_by_batch_size": ((None,), "fallback='auto' and tree_policy='auto' adapt speculation to the batch size"),
     "disable_padded_drafter_batch": ((False,), "it applies to EAGLE only"),
@@ -92,6 +93,7 @@ def config_fields(speculative_config: Mapping | None, given: Mapping) -> dict:
         _ngram_fields(speculative_config, given, fields)
     else:
         _draft_fields(speculative_config, given, fields)
+    _draft_sampling(speculative_config, given, fields)
     _count("num_speculative_tokens", "k", speculative_config, given, fields)
     _count("prompt_lookup_max", "prompt_lookup_max", speculative_config, given, fields)
     _count("prompt_lookup_min", "prompt_lookup_min", speculative_config, given, fields)
@@ -173,6 +175,24 @@ def _draft_fields(spec: Mapping, given: Mapping, fields: dict) -> None:
     if mode is not None and mode not in DRAFT_MODES:
         raise ValueError(f"speculative_config with a draft model runs mode 'sd' or 'ssd', but mode={mode.value!r} "
                          f"was given")
+
+
+def _draft_sampling(spec: Mapping, given: Mapping, fields: dict) -> None:
+    """draft_sample_method -> proposal_top_k for a draft model; method 'ngram' has no draft distribution to
+    sample (vLLM ignores it there too)."""
+    method = spec.get("draft_sample_method")
+    if method is None:
+        return
+    if method not in DRAFT_SAMPLE_TOP_K:
+        raise ValueError(f"speculative_config draft_sample_method must be 'greedy' or 'probabilistic' (vLLM's), "
+                         f"got {method!r}")
+    if fields.get("mode") is Mode.NGRAM:
+        return
+    top_k, other = DRAFT_SAMPLE_TOP_K[method], given.get("proposal_top_k")
+    if other is not None and str(other) != str(top_k):
+        raise ValueError(f"speculative_config draft_sample_method={method!r} drafts with proposal_top_k={top_k}, "
+                         f"but proposal_top_k={other!r} was given: give one")
+    fields["proposal_top_k"] = top_k
 
 
 def _count(key: str, field: str, spec: Mapping, given: Mapping, fields: dict) -> None:

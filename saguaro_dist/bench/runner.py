@@ -326,13 +326,13 @@ def vocab_size(path: str) -> int:
 def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
     """One SSD run per sweep point (one knob changed from the base), each with its Theorem-7 prediction."""
     cfg = sweep.base
+    point_cfgs = sweep_point_configs(sweep)
     target, draft = resolve_pair(cfg.target, cfg.draft)
     count = max(sweep.batch_size, cfg.prompt_count)  # before session 23: one prompt at b = 1
     prompts, source = bench_prompts(target, count, cfg.prompt_len, cfg.seed, vocab_size(target))
     place = placement(sweep.system, sweep.setting, cfg.cores)
     points = []
-    for axis, overrides in tqdm(sweep.points(), desc="saguaro bench sweep", unit="run", disable=not progress):
-        point_cfg = dataclasses.replace(cfg, **overrides, batch_sizes=(sweep.batch_size,))
+    for axis, overrides, point_cfg in tqdm(point_cfgs, desc="saguaro bench sweep", unit="run", disable=not progress):
         try:
             points.append(sweep_point(point_cfg, sweep, axis, overrides, place, target, draft, prompts))
         except Exception as err:  # noqa: BLE001 - the point reports it; the other points go on
@@ -344,6 +344,19 @@ def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
             **context(target, draft, source, dataclasses.replace(cfg, systems=(sweep.system,), settings=(sweep.setting,))),
             "points": points, "errors": [{"axis": p["axis"], "overrides": p["overrides"], "error": p["error"]}
                                          for p in points if p.get("error")]}
+
+
+def sweep_point_configs(sweep: SweepConfig) -> list[tuple[str, dict, BenchConfig]]:
+    """Every point's config, built before any run: a bad sweep value (--sweep-ks 2,0) fails at once, not after
+    the points before it ran with nothing written."""
+    built = []
+    for axis, overrides in sweep.points():
+        try:
+            built.append((axis, overrides, dataclasses.replace(sweep.base, **overrides,
+                                                               batch_sizes=(sweep.batch_size,))))
+        except ValueError as err:
+            raise ValueError(f"sweep point {axis} = {overrides[axis]}: {err}") from None
+    return built
 
 
 def point_fields(cfg: BenchConfig, axis: str, overrides: dict) -> dict:

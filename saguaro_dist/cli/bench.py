@@ -133,6 +133,10 @@ def bench_config(args) -> "BenchConfig":
 def sweep_config(args, base) -> "SweepConfig":
     from saguaro_dist.bench import SweepConfig
     overrides = _parsed(args, SWEEP_OPTIONS)
+    small = [b for b in overrides.get("budgets", ()) if b < base.k + 1]
+    if small:  # (a preset's budgets below it are skipped: the points() rule)
+        raise ValueError(f"--sweep-budgets {','.join(map(str, small))}: a fan-out budget spreads over the k+1 = "
+                         f"{base.k + 1} positions of a round (--k {base.k}), so it must be at least {base.k + 1}")
     if args.preset == "quick":
         overrides = {"ks": (2, 4), "budgets": (6, 12), "cs": (1.0, 0.5), "fallbacks": ("neural", "fast"), **overrides}
     return SweepConfig(base=base, **overrides)
@@ -210,6 +214,7 @@ def run(args) -> int:
     kind = run_kind(args)
     check_run_options(args, kind)
     cfg = bench_config(args)
+    check_out_dir(Path(cfg.out_dir))
     results = _run(args, kind, cfg)
     print(render(results))
     out = Path(cfg.out_dir)
@@ -217,6 +222,19 @@ def run(args) -> int:
     plots = write_plots(results, out) if cfg.plots else []
     print(f"\nwrote {path}" + "".join(f", {p}" for p in plots))
     return failed_exit_code(results)
+
+
+def check_out_dir(out: Path) -> None:
+    """--out checked before any run (it failed after the whole run, nothing written): a directory, or one that
+    can be made in the nearest folder that exists. Nothing is made here: a run refused later leaves no folder."""
+    import os
+    existing = out.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--out {out}: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {existing} is not writable")
 
 
 def failed_exit_code(results: dict) -> int:

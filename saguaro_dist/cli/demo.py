@@ -37,10 +37,10 @@ def recipe_from_args(args: argparse.Namespace):
         recipe = dataclasses.replace(recipe, target_steps=args.steps)
     if args.draft_steps is not None:
         recipe = dataclasses.replace(recipe, draft_steps=args.draft_steps)
-    for field in ("target_steps", "draft_steps"):
+    for flag, field in (("--steps", "target_steps"), ("--draft-steps", "draft_steps")):
         value = getattr(recipe, field)
         if value is not None and value <= 0:
-            raise ValueError(f"--{field.replace('_', '-')} must be positive")
+            raise ValueError(f"{flag} must be positive, got {value}")
     return recipe
 
 

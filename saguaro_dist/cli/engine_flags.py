@@ -16,6 +16,33 @@ def fan_out_arg(text: str):
     return parts[0] if len(parts) == 1 else parts
 
 
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's ModelDType takes these names too
+
+
+def dtype_arg(text: str) -> str:
+    """A dtype name, vLLM's aliases half / float read as float16 / float32 (argparse's choices check the rest)."""
+    return DTYPE_ALIASES.get(text, text)
+
+
+def human_int(text: str) -> int:
+    """An integer as vLLM's --max-model-len reads it: 32768, 32k (x 1000, decimals allowed: 25.6k) or 32K
+    (x 1024); likewise m / M, g / G, t / T."""
+    value = text.strip()
+    if value and value[-1] in "kmgtKMGT":
+        number, suffix = value[:-1], value[-1]
+        try:
+            if suffix.islower():
+                return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+            return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid size {text!r}: a number and k/m/g/t (x 1000) or an integer "
+                                             f"and K/M/G/T (x 1024), e.g. 32k or 32K") from None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r} (e.g. 4096, 32k or 32K)") from None
+
+
 def add_engine_args(p: argparse.ArgumentParser, engine_seed: bool = False) -> None:
     """engine_seed: add the engine's --seed (Config.seed), where no per-request --seed takes the name."""
     g = p.add_argument_group("engine")
@@ -81,7 +108,7 @@ def _add_batching_args(g) -> None:
     """How many sequences and tokens one engine step takes."""
     g.add_argument("--max-batch-size", "--max-num-seqs", type=int, dest="max_batch_size",
                    help="sequences decoded together (vLLM's --max-num-seqs; default 8)")
-    g.add_argument("--max-model-len", type=int)
+    g.add_argument("--max-model-len", type=human_int, help="context length in tokens: 4096, 32k (32000) or 32K (32768)")
     g.add_argument("--max-num-batched-tokens", type=int,
                    help="prompt tokens an engine step prefills and tokens one forward takes; longer prompts run in "
                         "chunks between decoding rounds (default 2048)")
@@ -91,9 +118,9 @@ def _add_device_args(g) -> None:
     """Where the models run, in which dtype, and how much device memory they may take."""
     g.add_argument("--device", help="cpu, cuda, cuda:0, ...")
     g.add_argument("--draft-device", help="the draft's own device (default: --device), e.g. cuda:1")
-    g.add_argument("--dtype", choices=DTYPES,
+    g.add_argument("--dtype", type=dtype_arg, choices=DTYPES,
                    help="the models' dtype (default float32); auto: each model's checkpoint dtype, on CUDA float16 "
-                        "for a float32 one (vLLM's), on the CPU bfloat16 for a float16 one")
+                        "for a float32 one (vLLM's), on the CPU bfloat16 for a float16 one; half / float: float16 / float32")
     g.add_argument("--enforce-eager", dest="enforce_eager", action="store_true", default=None,
                    help="on CUDA: run every forward eagerly (default: decode and verify steps replay CUDA graphs)")
     g.add_argument("--gpu-memory-utilization", type=float,

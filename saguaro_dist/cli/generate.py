@@ -85,6 +85,8 @@ def run(ns: argparse.Namespace) -> int:
     prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         raise ValueError("no prompt given (--prompt TEXT, or lines on stdin)")
+    if "" in prompts:  # refused here, not after the model loads (an empty prompt has no token to continue from)
+        raise ValueError("--prompt is empty: give the text to continue")
     results = _remote(ns, prompts) if ns.url else _local(ns, prompts)
     for result in results:
         sys.stdout.write(json.dumps(result) + "\n" if ns.json else _plain(result))
