@@ -12,6 +12,7 @@ import pytest
 
 from http_helpers import serve_on_loopback
 from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.sampling_params import StructuredOutputsParams
 from saguaro_dist.serve.api import ServerOptions, create_app
 from test_engine_sampling import sampling_pair
 
@@ -128,3 +129,18 @@ def test_over_http_it_is_that_requests_400(pair):
             served = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0,
                                                extra_body={"ignore_eos": True})
     assert served.choices[0].text == want and served.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["ar", "sd"])
+def test_a_grammar_that_bad_words_leave_no_token_is_named_in_the_error(pair, mode):
+    """The regex "cb" allows only "b" after "c", which the bad word "cb" bars: position 1 is empty, and the error
+    names the grammar as one of the constraints (old: only allowed_token_ids, bad_words and min_tokens)."""
+    grammar = SamplingParams(temperature=0, max_tokens=4, structured_outputs=StructuredOutputsParams(regex="cb"))
+    with engine(pair, mode) as llm:
+        assert llm.generate(prompt_token_ids=[PROMPT], sampling_params=grammar,
+                            use_tqdm=False)[0].outputs[0].token_ids == [2, 1, EOS]
+        barred = SamplingParams(temperature=0, max_tokens=4, bad_words=["cb"],
+                                structured_outputs=StructuredOutputsParams(regex="cb"))
+        with pytest.raises(ValueError, match="no token is allowed at output position 1") as err:
+            llm.generate(prompt_token_ids=[PROMPT], sampling_params=barred, use_tqdm=False)
+    assert "structured outputs grammar" in str(err.value)
