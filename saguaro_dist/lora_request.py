@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's MaxLoRARanks
@@ -98,6 +99,29 @@ def not_loaded_note(lora_int_id: int) -> str:
     return f" (not loaded: lora_int_id {lora_int_id} may name a corrected lora_path)"
 
 
+@dataclass
+class AdapterClaim:
+    """AdapterIds.claim's answer. read: request bound its id (a new id, or a load_inplace naming a new path), its
+    adapter is to be read; previous: the id's request before; prior: the submission of an earlier claim of the id
+    still in flight (a request goes to the engine after it, in the order the calls were made); done: this claim's."""
+    request: LoRARequest
+    read: bool
+    previous: LoRARequest | None
+    prior: Future | None
+    done: Future | None
+
+
+def needs_read(known: LoRARequest | None, request: LoRARequest) -> bool:
+    """Whether an id bound to `known` must be bound to request's path (its adapter read); ValueError if request
+    names another path without load_inplace."""
+    known_path = None if known is None else known.lora_path
+    if known_path not in (None, request.lora_path) and not request.load_inplace:
+        raise ValueError(f"lora_int_id {request.lora_int_id} names adapter {known_path!r}; lora_request "
+                         f"{request.lora_name!r} names it with lora_path {request.lora_path!r} (without "
+                         f"load_inplace): {ONE_ID_ONE_ADAPTER}")
+    return known_path != request.lora_path
+
+
 class AdapterIds:
     """lora_int_id -> the request that bound it (its lora_path): a later request naming the id with another path
     is refused, unless it sets load_inplace, which binds the id to its path (vLLM's load_inplace reloads an id from
@@ -107,19 +131,44 @@ class AdapterIds:
 
     def __init__(self):
         self._bound: dict[int, LoRARequest] = {}
+        self._pending: dict[int, Future] = {}  # id -> the last claim still to enter the engine (its adapter read)
         self._lock = threading.Lock()  # the LLM checks from callers' threads
 
     def check(self, request: LoRARequest) -> bool:
         """Raise ValueError if the id names another path and request is no load_inplace; True when the id is not
         bound to request's path yet (a new id, or a load_inplace naming a new path): its adapter is to be read."""
         with self._lock:
+            return needs_read(self._bound.get(request.lora_int_id), request)
+
+    def claim(self, request: LoRARequest) -> AdapterClaim:
+        """check, and bind the id to request's path at once when it is not yet (the caller's program order, not the
+        order its adapter reads finish: a plain request for a load_inplace request's new path, sent just after it,
+        is not refused while that one is still read). settle the claim once its request was submitted or failed."""
+        with self._lock:
             known = self._bound.get(request.lora_int_id)
-        known_path = None if known is None else known.lora_path
-        if known_path not in (None, request.lora_path) and not request.load_inplace:
-            raise ValueError(f"lora_int_id {request.lora_int_id} names adapter {known_path!r}; lora_request "
-                             f"{request.lora_name!r} names it with lora_path {request.lora_path!r} (without "
-                             f"load_inplace): {ONE_ID_ONE_ADAPTER}")
-        return known_path != request.lora_path
+            read, prior = needs_read(known, request), self._pending.get(request.lora_int_id)
+            if not read:
+                return AdapterClaim(request, False, known, prior, None)
+            self._bound[request.lora_int_id] = request
+            done = self._pending[request.lora_int_id] = Future()
+        return AdapterClaim(request, True, known, prior, done)
+
+    def settle(self, claim: AdapterClaim, ok: bool) -> None:
+        """A claiming request was submitted (ok) or failed before: a failed one's id goes back to the path it had,
+        unless another request rebound it meanwhile. Requests waiting for it to enter the engine go on."""
+        if claim.done is None:
+            return
+        with self._lock:
+            key = claim.request.lora_int_id
+            if not ok and self._bound.get(key) is claim.request:
+                if claim.previous is None:
+                    del self._bound[key]
+                else:
+                    self._bound[key] = claim.previous
+            if self._pending.get(key) is claim.done:
+                del self._pending[key]
+        if not claim.done.done():
+            claim.done.set_result(ok)
 
     def bind(self, request: LoRARequest) -> None:
         """Bind a new id to request's path, or a bound one to a load_inplace request's new path (else check)."""

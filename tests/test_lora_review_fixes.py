@@ -4,6 +4,8 @@ language model's layers model.language_model.* or language_model.model.*), an ad
 (RL weight sync: each step's folder), which rebinds the id; without load_inplace another path stays refused."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from engine_helpers import PROMPTS, assert_greedy_equal, llama_config, save_model
@@ -109,3 +111,52 @@ def test_load_inplace_rebinds_an_id_to_a_new_path(target, tmp_path):
             llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=GREEDY, use_tqdm=False,
                          lora_request=LoRARequest("policy", 1, str(tmp_path / "a")))
         assert run(LoRARequest("policy", 1, str(tmp_path / "a"), load_inplace=True), step_a) == 0
+
+
+def test_a_batch_naming_a_new_path_with_and_without_load_inplace_runs_both_on_it(target, tmp_path):
+    """One generate() with (policy, 1, b, load_inplace) then (policy, 1, b) while the id names a: both run b
+    (vLLM's). Old: the batch kept the last request per (id, path) to check, the plain one, while the id still
+    named a: the whole call was refused ("one id, one adapter")."""
+    step_a = make_adapter(target / "target", tmp_path / "a", 4, ["q_proj", "v_proj", "down_proj"])
+    step_b = make_adapter(target / "target", tmp_path / "b", 5, ["q_proj", "v_proj", "down_proj"])
+    prompt = SYSTEM + [5]
+    want_a, want_b = peft_greedy(step_a, prompt, N), peft_greedy(step_b, prompt, N)
+    a, b = (LoRARequest("policy", 1, str(tmp_path / x)) for x in "ab")
+    a_inplace, b_inplace = (LoRARequest("policy", 1, str(tmp_path / x), load_inplace=True) for x in "ab")
+    with LLM(model=str(target / "target"), mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        def run(requests):
+            outs = llm.generate(prompt_token_ids=[prompt] * len(requests), sampling_params=GREEDY, use_tqdm=False,
+                                lora_request=requests)
+            return [list(o.outputs[0].token_ids) for o in outs]
+        assert run([a]) == [want_a]
+        assert run([b_inplace, b]) == [want_b, want_b]
+        assert run([b]) == [want_b]
+        assert run([a_inplace, a, a]) == [want_a] * 3
+
+
+def test_a_plain_request_sent_just_after_a_load_inplace_one_runs_its_new_path(target, tmp_path):
+    """RL weight sync: stream (policy, 1, b, load_inplace) and at once (policy, 1, b), with no await between:
+    both run b. Old: the id was rebound only once b's files were read (off the event loop), so the plain request,
+    checked meanwhile, was refused. A load_inplace whose adapter cannot be read gives the id back its old path."""
+    step_a = make_adapter(target / "target", tmp_path / "a", 4, ["q_proj", "v_proj", "down_proj"])
+    step_b = make_adapter(target / "target", tmp_path / "b", 5, ["q_proj", "v_proj", "down_proj"])
+    (tmp_path / "broken").mkdir()  # no adapter files
+    prompt = SYSTEM + [5]
+    want_a, want_b = peft_greedy(step_a, prompt, N), peft_greedy(step_b, prompt, N)
+    a = LoRARequest("policy", 1, str(tmp_path / "a"))
+    with LLM(model=str(target / "target"), mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        async def tokens(request):
+            return [t async for delta in llm.stream(prompt_token_ids=prompt, sampling_params=GREEDY,
+                                                    lora_request=request) for t in delta.token_ids]
+
+        async def together(*requests):
+            return await asyncio.gather(*(tokens(r) for r in requests), return_exceptions=True)
+        assert asyncio.run(together(a)) == [want_a]
+        b_inplace = LoRARequest("policy", 1, str(tmp_path / "b"), load_inplace=True)
+        assert asyncio.run(together(b_inplace, LoRARequest("policy", 1, str(tmp_path / "b")))) == [want_b, want_b]
+        assert asyncio.run(together(LoRARequest("policy", 1, str(tmp_path / "a"), load_inplace=True))) == [want_a]
+        broken = LoRARequest("policy", 1, str(tmp_path / "broken"), load_inplace=True)
+        failed, refused = asyncio.run(together(broken, LoRARequest("policy", 1, str(tmp_path / "broken"))))
+        assert isinstance(failed, ValueError) and "one id, one adapter" not in str(failed), failed
+        assert isinstance(refused, ValueError) and "one id, one adapter" in str(refused), refused
+        assert asyncio.run(together(a)) == [want_a]  # the id names a again

@@ -197,11 +197,16 @@ class LLM(RequestInputs):
         `finished` once every sample has, `metrics` the sample's on its last; FINAL_ONLY: generate()'s, at the end."""
         make = functools.partial(self._stream_request, prompt, prompt_token_ids, sampling_params, output_kind,
                                  stream_interval_s, priority, cache_salt, lora_request)
-        # an adapter not yet checked is read (on Ray: by rank 0, a round trip) off the caller's event loop
-        request = await asyncio.to_thread(make) if self._adapter_unchecked(lora_request) else make()
-        request_id = self._open_stream(request, request_id)
-        shape = stream_shape(request, request.samples[0].output_kind, self._token_texts)
-        queue, submitted, running = self._start_samples(request.samples)
+        claim = await self._claim_adapter(lora_request)
+        try:
+            request = make()
+            request_id = self._open_stream(request, request_id)
+            shape = stream_shape(request, request.samples[0].output_kind, self._token_texts)
+            queue, submitted, running = self._start_samples(request.samples)
+        except BaseException:
+            self._settle_when_submitted(claim, None)
+            raise
+        self._settle_when_submitted(claim, submitted)
         try:
             await asyncio.shield(submitted)  # a cancel here leaves the submit running: the abort must follow it
             while running:
@@ -211,10 +216,6 @@ class LLM(RequestInputs):
             self._open.pop(request_id, None)  # the caller's id is free now, whenever the engine takes the abort
             if running:
                 self._abort_once_submitted(submitted, list(running.values()))
-
-    def _adapter_unchecked(self, lora_request) -> bool:
-        """Whether a request's adapter is still to be read (its id new here): the read blocks."""
-        return isinstance(lora_request, LoRARequest) and self.config.enable_lora and self._lora_ids.check(lora_request)
 
     def _adapter_failures(self, seq: Sequence, listener):
         """seq's engine listener, which first forgets its lora_int_id here when the engine reports that its adapter

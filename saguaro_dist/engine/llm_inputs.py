@@ -3,6 +3,7 @@ checked before any work and made into one PromptRequest of SamplingParams.n Sequ
 arguments refused or checked the same way. Split from engine/llm.py (its LLM inherits RequestInputs)."""
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -11,7 +12,7 @@ from saguaro_dist.config import SchedulingPolicy
 from saguaro_dist.engine.engine import check_prompt_ids
 from saguaro_dist.engine.sequence import Sequence, check_cache_salt, engine_request_seed
 from saguaro_dist.engine.text import encode_text
-from saguaro_dist.lora_request import LoRARequest, per_prompt
+from saguaro_dist.lora_request import AdapterClaim, LoRARequest, per_prompt
 from saguaro_dist.sampling_params import (SEED_MIN, SamplingParams, as_token_ids, as_tuple, check_against_model,
                                           truncate_prompt, until_context_end, with_bad_word_ids)
 
@@ -67,18 +68,56 @@ class RequestInputs:
 
     def _lora_requests(self, lora_request, n: int) -> list[LoRARequest | None]:
         """Each prompt's adapter, checked before any work: LoRA on (enable_lora), one path per lora_int_id (a
-        load_inplace request rebinds it to its own), and
+        load_inplace request rebinds it to its own; in a batch naming an id and path with and without it, the
+        load_inplace one is checked), and
         the adapter itself (read once per id: its files, its rank against max_lora_rank, its shapes against the
         target's) as the target will load it."""
         loras = per_prompt(lora_request, n)
         if any(r is not None for r in loras) and not self.config.enable_lora:
             raise ValueError("lora_request given, but LoRA is off: construct the LLM with enable_lora=True "
                              "(and max_loras / max_lora_rank as the adapters need)")
-        for r in {(r.lora_int_id, r.lora_path): r for r in loras if r is not None}.values():  # (== is by name)
-            if self._lora_ids.check(r):
-                self._check_adapter(r)
-                self._lora_ids.bind(r)
+        for r in distinct_adapters(loras):
+            claim = self._lora_ids.claim(r)
+            if claim.prior is not None and not on_event_loop():  # (stream's own check runs on its loop: no wait)
+                claim.prior.result()  # an earlier rebind of the id enters the engine first
+            self._read_claimed(claim)
+            self._lora_ids.settle(claim, ok=True)
         return loras
+
+    def _read_claimed(self, claim: AdapterClaim) -> None:
+        """Read a claim's adapter if it bound the id; a failed read gives the id back its previous path."""
+        if claim.read:
+            try:
+                self._check_adapter(claim.request)
+            except BaseException:
+                self._lora_ids.settle(claim, ok=False)
+                raise
+
+    async def _claim_adapter(self, lora_request) -> AdapterClaim | None:
+        """stream's adapter: claimed before the first await (in the callers' program order), read off the event
+        loop (on Ray: by rank 0, a round trip), then after an earlier rebind of its id has entered the engine
+        (RL weight sync sends a load_inplace request and plain ones for its new path at once)."""
+        if not (isinstance(lora_request, LoRARequest) and self.config.enable_lora):
+            return None
+        claim = self._lora_ids.claim(lora_request)
+        try:
+            if claim.read:
+                await asyncio.to_thread(self._read_claimed, claim)
+            if claim.prior is not None:
+                await asyncio.wrap_future(claim.prior)
+        except BaseException:
+            self._lora_ids.settle(claim, ok=False)
+            raise
+        return claim
+
+    def _settle_when_submitted(self, claim: AdapterClaim | None, submitted: asyncio.Future | None) -> None:
+        """Settle stream's claim once its samples were submitted (None: it failed before)."""
+        if claim is None:
+            return
+        if submitted is None:
+            self._lora_ids.settle(claim, ok=False)
+            return
+        submitted.add_done_callback(lambda f: self._lora_ids.settle(claim, not f.cancelled() and f.exception() is None))
 
     def _check_adapter(self, request: LoRARequest) -> None:
         """Read the adapter where the target will: here on one host, on rank 0's node on Ray (check_lora_adapter:
@@ -170,6 +209,25 @@ class RequestInputs:
         if room < need:
             raise ValueError(f"prompt ({len(tokens)} tokens) leaves {max(room, 0)} of the model's max length "
                              f"{self.max_model_len} to generate; it needs {need} (min_tokens {params.min_tokens})")
+
+
+def distinct_adapters(loras: list[LoRARequest | None]) -> list[LoRARequest]:
+    """The requests to check, one per (id, path) in first-seen order: a load_inplace one where the pair has one
+    (the id rebinds to the path, then the plain ones for it run there, as vLLM's)."""
+    chosen: dict[tuple[int, str], LoRARequest] = {}  # (keyed by id and path: LoRARequest's == is by name)
+    for r in loras:
+        key = (r.lora_int_id, r.lora_path) if r is not None else None
+        if key is not None and (key not in chosen or r.load_inplace and not chosen[key].load_inplace):
+            chosen[key] = r
+    return list(chosen.values())
+
+
+def on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def sample_ids(request_id: str, n: int) -> list[str]:
