@@ -7,18 +7,9 @@ import pytest
 
 from saguaro_dist.model import ModelRunner
 from saguaro_dist.model.prefix_cache import MIN_REUSE, PrefixCache
+from test_engine_recovery_leaks import fail_once
 
 TOKENS = [(5 * i + 1) % 60 + 2 for i in range(MIN_REUSE + 8)]  # long enough to be kept
-
-
-def fail_once(obj, name: str) -> None:
-    """obj.name raises on its next call, then is itself again."""
-    real = getattr(obj, name)
-
-    def failing(*args, **kwargs):
-        setattr(obj, name, real)
-        raise RuntimeError(f"injected: {name} failed")
-    setattr(obj, name, failing)
 
 
 def test_a_failed_truncate_frees_the_renamed_row(tiny_checkpoint):
