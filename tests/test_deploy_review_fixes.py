@@ -17,7 +17,7 @@ from saguaro_dist.deploy import k8s, validation
 from saguaro_dist.lora_request import MAX_LORA_RANKS
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
-from saguaro_dist.speculative_config import _INERT, SUPPORTED_METHODS
+from saguaro_dist.speculative_config import _INERT, DRAFT_SAMPLE_TOP_K, SUPPORTED_METHODS
 
 helm = pytest.importorskip("helm_python", reason="Helm chart tests: pip install helm-python-sdk==0.2.2 (test extra)")
 from test_deploy_helm import by_kind, render  # noqa: E402  (after the skip: it needs helm_python too)
@@ -55,6 +55,7 @@ def python_enums() -> dict:
             "speculation.mode": [*values(Mode), None],
             "speculation.fallback": values(FallbackPolicy),
             "speculation.speculativeConfig.method": [*SUPPORTED_METHODS, None],
+            "speculation.speculativeConfig.draft_sample_method": list(DRAFT_SAMPLE_TOP_K),
             "engine.schedulingPolicy": values(SchedulingPolicy),
             "engine.dtype": ["", *DTYPES],
             "lora.maxLoraRank": [*MAX_LORA_RANKS, None],
