@@ -71,11 +71,11 @@ def draft_children_of_this_process() -> list[int]:
 @needs_two_cpus
 @pytest.mark.slow
 def test_paper_pins_the_target_to_one_cpu_and_the_draft_child_to_the_other(tiny_llama_pair):
-    own = process_cpus(os.getpid())
+    own, others = process_cpus(os.getpid()), set(draft_children_of_this_process())  # (earlier tests' children)
     runner = make_system("ssd", *tiny_llama_pair, dict(k=2, fan_out=6, device="cpu", dtype="float32", max_batch_size=1))
     try:
         runner.open(placement("ssd", "paper"))
-        (child,) = draft_children_of_this_process()
+        (child,) = set(draft_children_of_this_process()) - others
         assert runner.run([[3, 4, 5, 6, 7]], 0.0, 8, 0).tokens == 8
         assert process_cpus(os.getpid()) == {frozenset(CPUS[:1])}  # every thread, the engine's too
         assert process_cpus(child) == {frozenset(CPUS[1:2])}  # its threads started after the pin too
