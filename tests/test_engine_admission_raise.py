@@ -9,6 +9,7 @@ from saguaro_dist import SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.engine.build import build_local_engine
 from saguaro_dist.engine.sequence import FinishReason, Sequence
+from test_engine_recovery_leaks import run_all
 
 PROMPTS = [[5, 9, 2, 7, 11, 3], [1, 2, 3, 4], [40, 41, 42, 43, 44]]
 
@@ -34,19 +35,11 @@ def sequences() -> list[Sequence]:
     return [Sequence(i, f"r{i}", p, greedy(10)) for i, p in enumerate(PROMPTS)]
 
 
-def run(engine, seqs: list[Sequence]) -> list[list[int]]:
-    for s in seqs:
-        engine.add(s)
-    while engine.has_work():
-        engine.step()
-    return [s.output_token_ids for s in seqs]
-
-
 @pytest.fixture(scope="module")
 def ar_reference(tiny_checkpoint):
     engine, _ = build_local_engine(Config(model=tiny_checkpoint("llama"), mode="ar"))
     try:
-        return run(engine, sequences())
+        return run_all(engine, sequences())
     finally:
         engine.close()
 
