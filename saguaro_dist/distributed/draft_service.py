@@ -11,7 +11,8 @@ has its proposals).
 
 Status codes at the edge: INVALID_ARGUMENT (undecodable or malformed message, or a ValueError from
 the worker), RESOURCE_EXHAUSTED (over the message size limit, sized from the worker's config by
-message_limits.py; gRPC enforces it on receipt, a just-in-time draft is refused before it drafts),
+message_limits.py; gRPC enforces it on receipt; a just-in-time answer over it goes out in parts on the stream,
+and as a unary call it is refused before the worker drafts),
 NOT_FOUND (UnknownSequence / KeyError), FAILED_PRECONDITION (OutOfOrder), INTERNAL (anything else).
 A just-in-time draft on the stream gets its status in its JitDraftResult and the stream lives on.
 A failed call never takes the server down. A unary JitDraft that overtook its outcomes on the stream
@@ -38,7 +39,8 @@ from saguaro_dist.distributed.draft_server import DraftServer, default_bind_host
 from saguaro_dist.distributed.errors import DraftBehind, OutOfOrder
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.distributed.message_limits import (DEFAULT_MAX_MESSAGE_BYTES, ReplyTooLarge, check_jit_reply,
-                                                    encode_trees, message_limit_for)
+                                                    check_limit_holds_a_row, encode_jit_result, encode_trees,
+                                                    message_limit_for)
 from saguaro_dist.engine.draft_backend import Lives
 from saguaro_dist.engine.draft_worker import ContextFull, refuse_duplicates
 from saguaro_dist.model.cuda_graphs import graph_captures
@@ -96,6 +98,7 @@ class DraftServicer:
 
     def __init__(self, worker, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, announce_plans: bool = False):
         """announce_plans: push the worker's tree plans ahead of its trees (see serve_draft)."""
+        check_limit_holds_a_row(worker, max_message_bytes)
         self.worker = worker
         self.max_message_bytes, self.announce_plans = max_message_bytes, announce_plans
         self.spin_s = getattr(getattr(worker, "config", None), "draft_spin_s", 0.0)
@@ -143,7 +146,7 @@ class DraftServicer:
         while True:
             observed = self._observed_event()
             try:
-                check_jit_reply(self.worker, reqs, self.max_message_bytes)
+                check_jit_reply(self.worker, reqs, self.max_message_bytes, in_parts=False)  # one message
                 return self.worker.jit_draft(reqs)
             except DraftBehind:
                 try:
@@ -286,15 +289,13 @@ class DraftServicer:
         answered FAILED_PRECONDITION in band without waiting."""
         try:
             call_id, reqs = codec.jit_call_from_proto(call)
-            check_jit_reply(self.worker, reqs, self.max_message_bytes)
-            reply = codec.jit_result_to_proto(call_id, self.worker.jit_draft(reqs))
+            check_jit_reply(self.worker, reqs, self.max_message_bytes, in_parts=True)
+            replies = encode_jit_result(call_id, self.worker.jit_draft(reqs), self.max_message_bytes)
         except Exception as exc:
             self._log_failure(self.worker.jit_draft, exc)
             yield self._jit_error(call.call_id, exc)
             return
-        if too_big := self._oversize(reply):
-            reply = codec.jit_error_to_proto(call_id, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], too_big)
-        yield reply
+        yield from replies  # back to back: nothing else is yielded between a call's parts
         yield from self._built_trees()
 
     @staticmethod

@@ -139,6 +139,7 @@ class Link:
         self.lock = threading.Lock()  # the request queue and the calls in flight change together
         self.outbox = Outbox()
         self.calls: dict[int, tuple[Future, list[int], int]] = {}  # call_id -> (answer, its seq_ids, its ticket)
+        self.parts: dict[int, list[pb.JitDraftResult]] = {}  # call_id -> the parts of its answer come so far
         # Releases queued on this stream that no answer has shown read yet, by ticket: lost with a failed stream
         # (restart_queue), they are sent again (ServerLinks): else the server kept those sequences until it restarted.
         self.unconfirmed: list[tuple[int, list[Release]]] = []
@@ -176,7 +177,12 @@ class Link:
         return call_id, answer
 
     def answer(self, result: pb.JitDraftResult) -> None:
+        """Take a just-in-time answer, or a part of one (parts_after > 0: kept until its last part)."""
         with self.lock:
+            if result.parts_after and result.call_id in self.calls and not result.HasField("error"):
+                self.parts.setdefault(result.call_id, []).append(result)
+                return
+            parts = self.parts.pop(result.call_id, []) + [result]
             answer, seq_ids, ticket = self.calls.pop(result.call_id, (None, None, 0))
             # The server reads a stream in order and answers a draft once read: what was queued before it was read.
             self.unconfirmed = [(t, releases) for t, releases in self.unconfirmed if t > ticket]
@@ -187,15 +193,18 @@ class Link:
             answer.set_exception(error_from_status(code, result.error.message, self.address, seq_ids))
             return
         try:
-            answer.set_result(self._proposals(result, seq_ids))
+            answer.set_result(self._proposals(parts, seq_ids))
         except Exception as exc:  # a bug or a mismatched peer: those sequences drafted afresh, the others kept
             log.error("draft server %s answered a malformed draft: %s", self.address, exc)
             answer.set_exception(DraftOutOfSync(f"draft server {self.address} answered a malformed draft: {exc}",
                                                 seq_ids))
 
     @staticmethod
-    def _proposals(result: pb.JitDraftResult, seq_ids: list[int]) -> list:
-        proposals = codec.proposal_batch_from_proto(result.proposals)
+    def _proposals(parts: list[pb.JitDraftResult], seq_ids: list[int]) -> list:
+        """The proposals of an answer's parts, joined in order (each part counts the parts after it)."""
+        if [p.parts_after for p in parts] != list(range(len(parts) - 1, -1, -1)):
+            raise codec.CodecError(f"an answer's parts count {[p.parts_after for p in parts][:8]} parts after them")
+        proposals = [p for part in parts for p in codec.proposal_batch_from_proto(part.proposals)]
         if len(proposals) != len(seq_ids):
             raise codec.CodecError(f"{len(proposals)} proposals for the {len(seq_ids)} sequences asked {seq_ids[:8]}")
         return proposals
@@ -203,6 +212,7 @@ class Link:
     def forget(self, call_id: int) -> None:
         with self.lock:
             self.calls.pop(call_id, None)
+            self.parts.pop(call_id, None)
 
     def restart_queue(self, error) -> list[Release]:
         """What was queued for the old stream is lost with it: fail its calls, start a fresh queue. Returns its
@@ -210,7 +220,7 @@ class Link:
 
         error(seq_ids) -> the exception each call in flight gets."""
         with self.lock:
-            calls, self.calls = self.calls, {}
+            calls, self.calls, self.parts = self.calls, {}, {}
             unconfirmed, self.unconfirmed = self.unconfirmed, []
             self.outbox.put(CLOSE)
             self.outbox = Outbox()

@@ -289,14 +289,16 @@ class CallError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class JitDraftResult(_message.Message):
-    __slots__ = ("call_id", "proposals", "error")
+    __slots__ = ("call_id", "proposals", "error", "parts_after")
     CALL_ID_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PARTS_AFTER_FIELD_NUMBER: _ClassVar[int]
     call_id: int
     proposals: ProposalBatch
     error: CallError
-    def __init__(self, call_id: _Optional[int] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+    parts_after: int
+    def __init__(self, call_id: _Optional[int] = ..., proposals: _Optional[_Union[ProposalBatch, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ..., parts_after: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("outcomes", "jit_draft", "releases", "reset_prefix_cache", "catch_up")
