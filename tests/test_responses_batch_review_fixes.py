@@ -136,8 +136,11 @@ def test_a_bad_item_error_names_its_own_problem(url, item, message):
     ({"input": []}, "input: must not be empty", "input"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "t"}}},
      "text.format of type json_schema needs a schema", "text.format"),
+    ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "web_search_preview"}},  # a built-in tool's choice
+     "tool_choice: must be 'none', 'auto', 'required', {\"type\": \"function\", \"name\": ...} or "
+     "{\"type\": \"allowed_tools\", \"mode\": ..., \"tools\": [...]}", "tool_choice"),
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": []}},
-     "tool_choice: must be 'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}", "tool_choice"),
+     "tool_choice.tools: List should have at least 1 item after validation, not 0", "tool_choice.tools"),
     ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.name: Field required",
      "tool_choice.name"),
 ])

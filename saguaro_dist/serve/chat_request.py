@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from saguaro_dist.serve.allowed_tools import ChatAllowedToolsChoice, allowed_plan, check_named
 from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported
 from saguaro_dist.serve.sampling_request import SamplingRequest
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
@@ -199,7 +200,8 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None  # default: auto with tools
+    # default: auto with tools
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | ChatAllowedToolsChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
     echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role (reply_role)
@@ -238,8 +240,8 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
             raise ValueError(f"tool_choice {_choice_name(choice)!r} needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not among the tools {names}")
+        check_named((choice.function.name,) if isinstance(choice, NamedToolChoice) else
+                    choice.names() if isinstance(choice, ChatAllowedToolsChoice) else (), names)
         return self
 
     def tool_plan(self) -> ToolPlan:
@@ -250,6 +252,8 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
         choice = self.tool_choice or "auto"
         if isinstance(choice, NamedToolChoice):
             return ToolPlan(ToolChoiceKind.NAMED, functions, choice.function.name)
+        if isinstance(choice, ChatAllowedToolsChoice):
+            return allowed_plan(choice, functions, self.parallel_tool_calls)
         return ToolPlan(ToolChoiceKind(choice), functions, parallel=self.parallel_tool_calls)
 
     def requested_structure(self) -> StructuredOutputsParams | None:
@@ -294,4 +298,6 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
 
 
 def _choice_name(choice) -> str:
+    if isinstance(choice, ChatAllowedToolsChoice):
+        return f"allowed_tools ({choice.mode})"
     return choice.function.name if isinstance(choice, NamedToolChoice) else choice

@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
+from saguaro_dist.serve.allowed_tools import ResponsesAllowedToolsChoice, allowed_plan, check_named, choice_tag
 from saguaro_dist.serve.chat_request import (MAX_TOOLS, ChatCompletionRequest, ChatMessage, FunctionCall,
                                              FunctionDefinition, Tool, ToolCallMessage)
 from saguaro_dist.serve.errors import APIError
@@ -155,11 +156,9 @@ class FunctionChoice(BaseModel):
     name: str
 
 
-# A mode's string or a function's object (OpenAI's others, allowed_tools and built-in tools, are neither here)
-ToolChoice = tagged_union({"mode": Literal["none", "auto", "required"], "function": FunctionChoice},
-                          lambda v: "mode" if isinstance(v, str) else "function" if isinstance(v, FunctionChoice) or
-                          isinstance(v, dict) and v.get("type") == "function" else None,
-                          "'none', 'auto', 'required' or {\"type\": \"function\", \"name\": ...}")
+ToolChoice = tagged_union({"mode": Literal["none", "auto", "required"], "function": FunctionChoice,  # built-in tools': none
+                           "allowed_tools": ResponsesAllowedToolsChoice}, choice_tag, "'none', 'auto', 'required', "
+                          "{\"type\": \"function\", \"name\": ...} or {\"type\": \"allowed_tools\", \"mode\": ..., \"tools\": [...]}")
 
 
 # By its type, which a message may leave out (OpenAI's EasyInputMessage)
@@ -298,8 +297,8 @@ class ResponsesRequest(SamplingRequest):
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
             raise ValueError("tool_choice needs tools")
-        if isinstance(choice, FunctionChoice) and choice.name not in names:
-            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the tools {names}")
+        check_named((choice.name,) if isinstance(choice, FunctionChoice) else
+                    choice.names() if isinstance(choice, ResponsesAllowedToolsChoice) else (), names)
         return self
 
     def tool_plan(self) -> ToolPlan:
@@ -310,6 +309,8 @@ class ResponsesRequest(SamplingRequest):
         choice = self.tool_choice or "auto"
         if isinstance(choice, FunctionChoice):
             return ToolPlan(ToolChoiceKind.NAMED, functions, choice.name)
+        if isinstance(choice, ResponsesAllowedToolsChoice):
+            return allowed_plan(choice, functions, self.parallel_tool_calls)
         return ToolPlan(ToolChoiceKind(choice), functions, parallel=self.parallel_tool_calls)
 
     def chat_tools(self) -> list[Tool]:

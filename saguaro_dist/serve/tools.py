@@ -7,6 +7,10 @@
   auto      the model decides; the server's tool-call parser reads its text (serve/tool_parsers.py:
             hermes, llama3_json, mistral; tool_parsers_extra.py: qwen3_coder, pythonic, which also reads
             the tools' schemas). A server without a parser answers 400, as vLLM does.
+  allowed_tools (OpenAI's {"type": "allowed_tools", ...}): auto or required, callable only the listed subset;
+            every tool still reaches the prompt (OpenAI's rule, so a changing subset keeps the prompt's cache).
+            required's grammar names the subset only; auto's text cannot be held to it, so a reply calling
+            outside it is read as under none (vLLM has no allowed_tools on chat).
 named and required constrain through structured outputs, which every path (sd, ssd hit or miss, Ray)
 samples exactly, so a tool call is the target's own distribution under the schema.
 """
@@ -40,6 +44,7 @@ class ToolPlan:
     parallel: bool = True             # required and auto: more than one call allowed
     parser: ToolCallParser | None = None  # auto: how the server reads calls in the reply
     harmony: bool = False  # a gpt-oss server (either harmony parser): a reply's calls are never its content
+    allowed: tuple[str, ...] | None = None  # allowed_tools: the names that may be called (None: every function)
 
     def structure(self) -> StructuredOutputsParams | None:
         """The constraint named and required generate under (none for auto and none)."""
@@ -57,7 +62,7 @@ class ToolPlan:
         """The functions' parameters sit inside the array's schema, so their "#/$defs/..." (and draft-07
         "#/definitions/...") references would miss: their definitions move to its root, as vLLM moves them."""
         calls, defs = [], {}
-        for f in self.functions:
+        for f in self.callable_functions():
             parameters = dict(self._parameters(f["name"]))
             for key in (k for k in _DEFINITIONS if isinstance(parameters.get(k), dict)):
                 for name, definition in parameters.pop(key).items():
@@ -70,17 +75,23 @@ class ToolPlan:
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
         return schema if self.parallel else {**schema, "maxItems": 1}
 
+    def callable_functions(self) -> tuple[dict, ...]:
+        """The functions a call may name: allowed_tools' subset, else all of them."""
+        return tuple(f for f in self.functions if self.allowed is None or f["name"] in self.allowed)
+
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         """(content, tool calls) of a finished reply. Text that does not parse stays content."""
         harmony_read = self.kind is ToolChoiceKind.AUTO and self.parser is ToolCallParser.OPENAI or \
             self.harmony and self.kind is ToolChoiceKind.NONE
-        text = text if harmony_read else plain(text)  # (parse_openai tells literal marker text itself)
+        raw, text = text, text if harmony_read else plain(text)  # (parse_openai tells literal marker text itself)
         if self.kind is ToolChoiceKind.NAMED:  # stripped: after reasoning, whitespace may lead the arguments
             return (None, [ToolCall.new(self.name, text.strip())]) if text.strip() else (None, [])
         if self.kind is ToolChoiceKind.REQUIRED:
             return _parse_required(text)
         if self.kind is ToolChoiceKind.AUTO and self.parser is not None:
             content, calls = self.parser.parse(text, self.functions)  # functions: qwen3_coder types by them
+            if self.allowed is not None and any(c.name not in self.allowed for c in calls):
+                return replace(self, kind=ToolChoiceKind.NONE).parse(raw)  # a call outside allowed_tools: text
             return content, calls if self.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
         if self.harmony and self.kind is ToolChoiceKind.NONE:  # calls no parser reads are left out (vLLM's)
             return parse_openai(text)[0] or "", []
