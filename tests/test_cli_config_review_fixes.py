@@ -40,7 +40,6 @@ def test_serve_config_env_vars_reach_the_app_an_api_key_is_never_dropped(tmp_pat
 
 
 @pytest.mark.parametrize("config, named", [
-    ({"applications": [_app(route_prefix="/api")]}, "application.route_prefix"),
     ({"http_options": {"port": 8123, "request_timeout_s": 5}, "applications": [_app()]}, "request_timeout_s"),
     ({"proxy_location": "HeadOnly", "applications": [_app()]}, "proxy_location"),
     ({"logging_config": {"encoding": "JSON"}, "applications": [_app()]}, "--uvicorn-log-level"),
@@ -53,6 +52,23 @@ def test_serve_config_settings_not_applied_are_refused_by_name(tmp_path, config,
     with pytest.raises(ValueError, match="config .*") as err:
         _load(tmp_path, config)
     assert named in str(err.value)
+
+
+def test_serve_config_route_prefix_is_applied(tmp_path):
+    """A route_prefix other than "/" was refused; it is applied, as serve.run(route_prefix=...) does."""
+    assert _load(tmp_path, {"applications": [_app(route_prefix="/my/prefix")]}).route_prefix == "/my/prefix"
+    assert _load(tmp_path, {"applications": [_app()]}).route_prefix == "/"
+    assert _load(tmp_path, {"applications": [{k: v for k, v in _app().items() if k != "route_prefix"}]}
+                 ).route_prefix == "/"  # Serve's default
+
+
+@pytest.mark.parametrize("prefix, problem", [("api", "must start with '/'"), ("/api/", "may not end with '/'"),
+                                             ("/a{b}", "wildcards"), (None, "serves no HTTP route")])
+def test_serve_config_route_prefix_breaking_ray_serve_rules_is_refused(tmp_path, prefix, problem):
+    """Ray Serve's rules (a leading '/', no trailing one but "/", no wildcards), checked before Ray starts."""
+    with pytest.raises(ValueError, match="application.route_prefix") as err:
+        _load(tmp_path, {"applications": [_app(route_prefix=prefix)]})
+    assert problem in str(err.value)
 
 
 def test_serve_build_style_config_still_loads(tmp_path):

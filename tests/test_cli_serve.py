@@ -94,30 +94,38 @@ def test_generate_against_a_server(server, reference_llm, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ingress, answers", [("auto", "direct"), ("proxy", "proxy")])
-def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path, ingress, answers):
+# Both ingresses under a prefix (the root prefix is what every other serve test runs): a third run cost ~40 s.
+@pytest.mark.parametrize("ingress, answers, prefix", [("proxy", "proxy", "/my/prefix"), ("auto", "direct", "/myprefix")])
+def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path, ingress, answers, prefix):
+    """The config's route_prefix is applied (it was refused): the routes, /health too, live under it, Serve's own
+    /-/healthz stays at the root, as under `serve run`."""
     target, draft = serving_pair
     port = free_port()
+    base = f"http://127.0.0.1:{port}{prefix.rstrip('/')}"
     config = tmp_path / "serve.yaml"
     config.write_text(yaml.safe_dump({"applications": [{
-        "name": "saguaro", "route_prefix": "/", "import_path": APP_IMPORT_PATH,
+        "name": "saguaro", "route_prefix": prefix, "import_path": APP_IMPORT_PATH,
         "args": {"model": target, "draft": draft, "mode": "ssd", "k": 2, "max_model_len": 256}}]}))
     cmd = [sys.executable, "-c", "import sys; from saguaro_dist.cli import main; sys.exit(main())", "serve", "--config", str(config), "--port", str(port),
            "--num-cpus", "2", "--api-key", "cli-key", "--served-model-name", "tiny", "--ingress", ingress]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RAY_ADDRESS": ""})
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}", proc)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
-                       headers={"Authorization": "Bearer cli-key"},
+        _wait_healthy(base, proc)
+        r = httpx.post(f"{base}/v1/completions", timeout=60, headers={"Authorization": "Bearer cli-key"},
                        json={"model": "tiny", "prompt": "the cat", "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=10).status_code == 200
+        if prefix != "/":  # nothing of the app's outside its prefix
+            assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10,
+                             headers={"Authorization": "Bearer cli-key"}).status_code == 404
     finally:
         proc.send_signal(signal.SIGINT)
         output = proc.communicate(timeout=90)[0]
     assert proc.returncode == 0, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
     assert f"({answers} ingress;" in output, output[-3000:]  # who answered on --port
+    assert f"starting 'tiny' at {base}/v1 (" in output, output[-3000:]  # the URL logged shows the prefix
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:

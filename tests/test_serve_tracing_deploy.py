@@ -75,3 +75,46 @@ def test_the_chart_refuses_a_blank_endpoint_as_the_generator(value):
     with pytest.raises(Exception, match="schema"):
         render_rayservice({"server": {"otlpTracesEndpoint": value}})
     assert "otlp_traces_endpoint" not in app_args(render_rayservice({"server": {"otlpTracesEndpoint": ""}}))
+
+
+def test_detailed_traces_reach_the_manifest_and_the_apps_server_options():
+    """--collect-detailed-traces was a `saguaro serve` flag only: `saguaro deploy k8s` had none."""
+    from saguaro_dist.serve.tracing import DetailedTraces
+
+    args = app_args(deploy(f"--otlp-traces-endpoint {ENDPOINT} --collect-detailed-traces model worker")[0])
+    assert args["collect_detailed_traces"] == ["model", "worker"]
+    assert server_options(args, args["model"]).collect_detailed_traces == {DetailedTraces.MODEL, DetailedTraces.WORKER}
+    assert "collect_detailed_traces" not in app_args(deploy(f"--otlp-traces-endpoint {ENDPOINT}")[0])
+    assert k8s.K8sSettings(collect_detailed_traces="model, all", otlp_traces_endpoint=ENDPOINT
+                           ).collect_detailed_traces == ("model", "all")  # vLLM's comma-separated text too
+    assert k8s.helm_values(k8s.K8sSettings())["server"]["collectDetailedTraces"] == []
+
+
+@pytest.mark.parametrize("argv", ["--collect-detailed-traces all", "--collect-detailed-traces model --kind serve-config",
+                                  "--collect-detailed-traces all --otlp-traces-endpoint ''"])
+def test_detailed_traces_without_an_endpoint_are_refused_at_deploy(argv, capsys):
+    """As `saguaro serve` refuses them (vLLM's rule): else every replica would fail at start-up."""
+    assert main(["deploy", "k8s", *shlex.split(argv)]) == 2
+    err = capsys.readouterr().err
+    assert "requires `--otlp-traces-endpoint`" in err and "Traceback" not in err, err
+
+
+def test_an_unknown_detailed_trace_module_is_refused_at_deploy():
+    with pytest.raises(ValueError, match=r"'scheduler' is not one of \['model', 'worker', 'all'\]"):
+        k8s.K8sSettings(otlp_traces_endpoint=ENDPOINT, collect_detailed_traces=["scheduler"])
+
+
+def test_chart_renders_the_generators_detailed_traces_and_refuses_them_without_an_endpoint():
+    from test_deploy_serve_flags import render_rayservice  # (skips where Helm's library is not installed)
+
+    settings = k8s.K8sSettings(otlp_traces_endpoint=ENDPOINT, collect_detailed_traces=["all"])
+    (generated,) = deploy(f"--otlp-traces-endpoint {ENDPOINT} --collect-detailed-traces all")
+    rendered = render_rayservice(k8s.helm_values(settings))
+    assert app_args(rendered)["collect_detailed_traces"] == ["all"]
+    assert validation.comparable(rendered) == validation.comparable(generated)
+    if (CRD_DIR / "ray.io_rayservices.yaml").is_file():
+        validation.validate_object(rendered, CRD_DIR)
+    with pytest.raises(Exception, match="collectDetailedTraces requires server.otlpTracesEndpoint"):
+        render_rayservice({"server": {"collectDetailedTraces": ["model"]}})
+    with pytest.raises(Exception, match="schema"):
+        render_rayservice({"server": {"otlpTracesEndpoint": ENDPOINT, "collectDetailedTraces": ["scheduler"]}})

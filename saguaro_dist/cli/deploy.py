@@ -106,6 +106,9 @@ def _add_serve_flag_options(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--otlp-traces-endpoint", metavar="URL",
                    help="export an OpenTelemetry span per request to this OTLP collector (gRPC unless the pods' "
                         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL says http/protobuf); the image needs saguaro-dist[tracing]")
+    g.add_argument("--collect-detailed-traces", nargs="+", metavar="{model,worker,all}",
+                   help="vLLM's (needs --otlp-traces-endpoint): more attributes on each span: model, the target's "
+                        "rounds and acceptance per draft position; worker, the draft workers' tree-cache counts; all")
 
 
 def _add_speculation_options(parser: argparse.ArgumentParser) -> None:

@@ -269,7 +269,7 @@ def run(ns: argparse.Namespace) -> int:
     port = ns.port or (file.port if file else None) or 8000
     check_port_free(host, port)
     tls = tls_options(ns)  # a key pair that cannot serve is refused before Ray starts
-    return _serve(args, host, port, ns, _deployment_options(file, ns), tls)
+    return _serve(args, host, port, ns, _deployment_options(file, ns), tls, file.route_prefix if file else "/")
 
 
 def _deployment_options(file, ns: argparse.Namespace) -> dict:
@@ -281,7 +281,8 @@ def _deployment_options(file, ns: argparse.Namespace) -> dict:
     return options
 
 
-def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_options: dict, tls: dict) -> int:
+def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_options: dict, tls: dict,
+           route_prefix: str) -> int:
     import ray
     from ray import serve
 
@@ -295,13 +296,13 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
              include_dashboard=False, log_to_driver=False)
     _stop_on_signals()
     name = served_model_names(args.get("served_model_name"), args["model"])[0]
-    url = f"{'https' if tls else 'http'}://{host_port(host, port)}/v1"
+    url = f"{'https' if tls else 'http'}://{host_port(host, port)}{route_prefix.rstrip('/')}/v1"
     serving = False
     try:
         log.warning("starting %r at %s (%s ingress; Ctrl-C to stop)", name, url, ingress.value)
         _start_serve(serve, {"host": host, "port": proxy_port, **tls}, serve_logging_config(ns))
         try:
-            serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix="/")
+            serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix=route_prefix)
         except RuntimeError as err:  # the replica's failure: Serve's traceback named neither it nor its log
             raise ValueError(deploy_failure(err, _ray_logs_dir(ray) if embedded else None)) from None
         serving = True

@@ -42,6 +42,7 @@ def helm_values(s: K8sSettings) -> dict:
             "model": _model_values(s), "speculation": _speculation_values(s), "engine": _engine_values(s),
             "server": {"maxRequestBytes": s.max_request_bytes or 0, "streamIntervalMs": s.stream_interval_ms,
                        "enableLogRequests": s.enable_log_requests, "otlpTracesEndpoint": s.otlp_traces_endpoint or "",
+                       "collectDetailedTraces": list(s.collect_detailed_traces or ()),
                        **_frontend_values(s)},
             "lora": {"enable": s.enable_lora, "modules": [lora_module_arg(m) for m in s.lora_modules],
                      "maxLoras": s.max_loras, "maxLoraRank": s.max_lora_rank, "maxCpuLoras": s.max_cpu_loras},

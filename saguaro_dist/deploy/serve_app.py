@@ -47,6 +47,7 @@ def _serve_flag_args(s: K8sSettings) -> dict:
             "seed": s.seed,
             "max_request_bytes": s.max_request_bytes, "stream_interval_ms": s.stream_interval_ms,
             "log_requests": True if s.enable_log_requests else None, "otlp_traces_endpoint": s.otlp_traces_endpoint,
+            "collect_detailed_traces": _plain(s.collect_detailed_traces),
             "enable_lora": True if s.enable_lora else None, "max_loras": s.max_loras, "max_lora_rank": s.max_lora_rank,
             "max_cpu_loras": s.max_cpu_loras, "lora_modules": [lora_module_arg(m) for m in s.lora_modules] or None}
 

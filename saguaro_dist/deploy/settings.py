@@ -29,6 +29,7 @@ from saguaro_dist.deploy.serve_app import serve_args
 from saguaro_dist.serve.args import config_from_args, served_model_names
 from saguaro_dist.serve.lora_modules import check_lora_modules, lora_modules
 from saguaro_dist.serve.frontend import CORS_LIST_ARGS, frontend_options, json_list
+from saguaro_dist.serve.tracing import detailed_trace_modules
 from saguaro_dist.speculative_config import as_dict, config_fields
 
 # the fields a speculative_config sets (speculative_config.config_fields); one the caller gave (even at its
@@ -100,6 +101,7 @@ class K8sSettings:
     stream_interval_ms: float | None = None  # streamed tokens closer than this share an SSE chunk; None: 50
     enable_log_requests: bool = False  # an INFO line as each generation starts and ends
     otlp_traces_endpoint: str | None = None  # vLLM's: an OTLP collector for each request's span (serve/tracing.py)
+    collect_detailed_traces: tuple[str, ...] | None = None  # vLLM's: model / worker / all; needs otlp_traces_endpoint
     proposal_top_k: int = 0           # sd / ssd: the draft proposes from its k likeliest tokens (0: all); still exact
     prompt_lookup_max: int | None = None  # n-gram sizes prompt lookup matches (ngram, and SD's / SSD's fast backup)
     prompt_lookup_min: int | None = None  # None: the engine's 3 / 1
@@ -195,6 +197,9 @@ class K8sSettings:
             if getattr(self, name) == "":
                 object.__setattr__(self, name, None)
         object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))  # LoRAModule each, hashable
+        traces = self.collect_detailed_traces  # a list, or vLLM's comma-separated text; "" / [] = none
+        names = traces.split(",") if isinstance(traces, str) else [str(n) for n in traces or ()]
+        object.__setattr__(self, "collect_detailed_traces", tuple(n.strip() for n in names if n.strip()) or None)
         names = self.served_model_name
         if names == "" or (isinstance(names, (list, tuple)) and not names):
             object.__setattr__(self, "served_model_name", None)
@@ -261,6 +266,7 @@ class K8sSettings:
         endpoint = self.otlp_traces_endpoint
         if endpoint is not None and (not isinstance(endpoint, str) or not endpoint.strip()):
             raise ValueError(f"otlp_traces_endpoint must be a URL such as http://collector:4317, got {endpoint!r}")
+        detailed_trace_modules(self.collect_detailed_traces, endpoint)  # vLLM's rule: none without the endpoint
         if self.root_path is not None and not isinstance(self.root_path, str):
             raise ValueError(f"root_path must be a path such as /llm, got {self.root_path!r}")
         if self.response_role is not None and (not isinstance(self.response_role, str) or not self.response_role.strip()):

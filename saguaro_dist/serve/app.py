@@ -136,6 +136,33 @@ def autoscaling(given: dict, max_batch_size: int) -> dict:
     return {"target_ongoing_requests": max_batch_size, **given}
 
 
+def deployment_settings(config, given: dict) -> dict:
+    """serve.deployment's options: the caller's, over what a replica holding this engine needs."""
+    options = {"name": DEPLOYMENT_NAME,
+               # below a full batch a replica could never fill it (and an autoscaling target above it is unreachable)
+               "max_ongoing_requests": max(MAX_ONGOING_REQUESTS, config.max_batch_size), **given}
+    autoscaling_config = options.get("autoscaling_config")
+    if isinstance(autoscaling_config, dict) or (autoscaling_config is None and options.get("num_replicas") == "auto"):
+        # "auto" alone is Serve's default autoscaling config, target 2 included: ours goes over it likewise
+        options["autoscaling_config"] = autoscaling(autoscaling_config or {}, config.max_batch_size)
+    gpus = in_process_gpus(config)
+    actor = options.get("ray_actor_options") or {}
+    if gpus and "num_gpus" not in actor and not options.get("placement_group_bundles"):
+        options["ray_actor_options"] = {**actor, "num_gpus": gpus}
+    return options
+
+
+def in_process_gpus(config) -> int:
+    """GPUs a replica must reserve for an engine it runs itself (no cluster: on one, the engine's actors reserve
+    theirs). Without them Ray counted the GPU free and put every replica on cuda:0. Ray shows a replica its GPUs as
+    cuda:0..n-1, so a config naming cuda:N needs N + 1."""
+    if config.cluster is not None:
+        return 0
+    devices = [config.device] + ([config.draft_device_resolved] if config.uses_draft else [])
+    indices = [int(d.partition(":")[2] or 0) for d in devices if d.startswith("cuda")]
+    return max(indices) + 1 if indices else 0
+
+
 def check_runtime_lora(replicas: int | str, allowed: bool) -> None:
     """A runtime LoRA load or unload reaches the one replica that takes the request: with several (or an
     autoscaler that may add some), replicas would serve different adapters under one name. Refused here as the
@@ -175,9 +202,7 @@ def build_app(args: dict, **deployment_options) -> Application:
     fails at deploy time with a clear message rather than in a crash-looping replica."""
     config = config_from_args(args)
     runtime_lora = server_options(args, config.model).runtime_lora_updating
-    options = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": MAX_ONGOING_REQUESTS, **deployment_options}
+    options = deployment_settings(config, deployment_options)
     check_runtime_lora(replica_count(options), runtime_lora)
-    if isinstance(options.get("autoscaling_config"), dict):
-        options["autoscaling_config"] = autoscaling(options["autoscaling_config"], config.max_batch_size)
     deployment = serve.deployment(serve.ingress()(SaguaroServer), **options)
     return deployment.bind(dict(args))

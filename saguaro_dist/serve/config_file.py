@@ -22,8 +22,8 @@ DEPLOYMENT_OPTIONS = ("num_replicas", "max_ongoing_requests", "max_queued_reques
                       "autoscaling_config", "health_check_period_s", "health_check_timeout_s",
                       "graceful_shutdown_timeout_s", "graceful_shutdown_wait_loop_s", "placement_group_bundles",
                       "placement_group_strategy", "max_replicas_per_node", "logging_config")
-# What `saguaro serve` applies anyway: a file may state it (`serve build` writes route_prefix "/").
-APPLIED_AS_IS = {"proxy_location": "EveryNode", "route_prefix": "/"}
+# What `saguaro serve` applies anyway: a file may state it.
+APPLIED_AS_IS = {"proxy_location": "EveryNode"}
 FLAG_FOR = {"ssl_keyfile": "--ssl-keyfile", "ssl_certfile": "--ssl-certfile",
             "logging_config": "--uvicorn-log-level / --disable-uvicorn-access-log"}
 
@@ -34,6 +34,7 @@ class ServeFile:
     host: str | None = None
     port: int | None = None
     deployment_options: dict = field(default_factory=dict)
+    route_prefix: str = "/"  # where the app's routes live, as serve.run(route_prefix=...) mounts them
 
 
 def load_serve_config(path: str) -> ServeFile:
@@ -60,11 +61,37 @@ def _from_serve_schema(data: dict, path: str) -> ServeFile:
         raise ValueError(f"config {path} must hold exactly one application (saguaro serve runs one), "
                          f"it holds {len(given['applications'])}")
     http = given.get("http_options") or {}
-    _refuse_unapplied(path, "", {k: v for k, v in given.items() if k not in ("applications", "http_options")})
+    _refuse_unapplied(path, "", {k: v for k, v in given.items()
+                                 if k not in ("applications", "http_options") and not _applied_anyway(k, v)})
     _refuse_unapplied(path, "http_options.", {k: v for k, v in http.items() if k not in ("host", "port")})
     app = given["applications"][0]
     args, options = _application(app, path)
-    return ServeFile(args=args, host=http.get("host"), port=http.get("port"), deployment_options=options)
+    return ServeFile(args=args, host=http.get("host"), port=http.get("port"), deployment_options=options,
+                     route_prefix=check_route_prefix(app.get("route_prefix", "/"), path))
+
+
+def _applied_anyway(name: str, value) -> bool:
+    """What `serve build` always writes that saguaro serve does anyway: gRPC options with no servicer functions
+    (Serve starts no gRPC server for them) and Ray's default logging config."""
+    if name == "grpc_options":
+        return not value.get("grpc_servicer_functions")
+    if name == "logging_config":
+        from ray.serve.schema import LoggingConfig
+        return LoggingConfig(**value) == LoggingConfig()
+    return False
+
+
+def check_route_prefix(prefix, path: str) -> str:
+    """Ray Serve's rules for a route_prefix, checked before Ray starts (Serve checks them only at serve.run)."""
+    if prefix is None:  # Serve's "no HTTP route": nothing `saguaro serve` could answer on
+        raise ValueError(f"config {path}: application.route_prefix null serves no HTTP route; saguaro serve "
+                         "serves over HTTP (give a prefix such as / or /myprefix)")
+    problem = ("must start with '/'" if not str(prefix).startswith("/") else
+               "may not end with '/' (unless it is just '/')" if prefix != "/" and prefix.endswith("/") else
+               "may not contain wildcards ('{' or '}')" if "{" in prefix or "}" in prefix else None)
+    if problem:
+        raise ValueError(f"config {path}: application.route_prefix {prefix!r} {problem}, as Ray Serve requires")
+    return prefix
 
 
 def _application(app: dict, path: str) -> tuple[dict, dict]:
@@ -77,7 +104,7 @@ def _application(app: dict, path: str) -> tuple[dict, dict]:
     runtime_env = app.get("runtime_env") or {}
     _refuse_unapplied(path, "runtime_env.", {k: v for k, v in runtime_env.items() if k != "env_vars"})
     _refuse_unapplied(path, "application.", {k: v for k, v in app.items() if k not in (
-        "name", "import_path", "args", "deployments", "runtime_env")})
+        "name", "import_path", "args", "deployments", "runtime_env", "route_prefix")})
     env_vars = {str(k): str(v) for k, v in (runtime_env.get("env_vars") or {}).items()}
     args = _with_env_settings(dict(app.get("args") or {}), env_vars)
     return args, _with_env_vars(_deployment_options(app.get("deployments") or [], path), env_vars)

@@ -190,6 +190,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if not (kindIs "invalid" $s.streamIntervalMs) }}{{ $_ := set .args "stream_interval_ms" (float64 $s.streamIntervalMs) }}{{ end -}}
 {{- if $s.enableLogRequests }}{{ $_ := set .args "log_requests" true }}{{ end -}}
 {{- if $s.otlpTracesEndpoint }}{{ $_ := set .args "otlp_traces_endpoint" $s.otlpTracesEndpoint }}{{ end -}}
+{{- if $s.collectDetailedTraces }}
+{{- if not $s.otlpTracesEndpoint }}{{ fail "server.collectDetailedTraces requires server.otlpTracesEndpoint to be set (vLLM's --collect-detailed-traces needs --otlp-traces-endpoint)" }}{{ end -}}
+{{- $_ := set .args "collect_detailed_traces" $s.collectDetailedTraces }}
+{{- end -}}
 {{- end -}}
 
 {{/* --proposal-top-k, --prompt-lookup-max / -min and --speculative-config as app args, where given (as
