@@ -26,8 +26,11 @@ def register(subparsers) -> None:
 
 
 def recipe_from_args(args: argparse.Namespace):
-    from saguaro_dist.demo.build import Recipe
+    from saguaro_dist.demo.build import Recipe, check_recipe
 
+    for flag in ("out", "work"):  # Path("") is the current folder: --out "" fell back to the packaged pair
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise ValueError(f"--{flag} is empty; name a folder")
     if args.minutes is not None and not (math.isfinite(args.minutes) and args.minutes > 0):
         raise ValueError(f"--minutes must be a positive number, got {args.minutes}")  # nan ran zero steps
     if args.minutes is not None and args.draft_steps is not None:
@@ -41,6 +44,7 @@ def recipe_from_args(args: argparse.Namespace):
         value = getattr(recipe, field)
         if value is not None and value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    check_recipe(recipe)  # a --seed too large for torch failed only after the tokenizer and token caches
     return recipe
 
 
@@ -49,7 +53,7 @@ def run_build(args: argparse.Namespace) -> int:
 
     recipe = recipe_from_args(args)
     try:
-        report = build(recipe, out=args.out or PAIR_DIR, work=args.work, resume=args.resume)
+        report = build(recipe, out=PAIR_DIR if args.out is None else args.out, work=args.work, resume=args.resume)
     except KeyboardInterrupt:  # the exit is silent (130): say how not to lose the hours already trained
         log.warning("interrupted; the same command with --resume continues from the checkpoints in %s "
                     "(saved every %g minutes)", args.work, recipe.checkpoint_minutes)

@@ -27,6 +27,11 @@ PAIR_DIR = Path(__file__).resolve().parent / "pair"
 # What --resume picks up from the work dir; a fresh build deletes it first.
 STAGE_FILES = ("tokenizer.json", "train_tokens.pt", "heldout_tokens.pt", *(f"{role}.pt" for role in ROLES))
 RESUME_HINT = "delete it or build without --resume"
+# The batch of step s is drawn from a generator seeded by seed * STRIDE + role offset + s; torch takes
+# a seed below 2**64, so MAX_SEED is the largest --seed whose draft batches fit (for runs < STRIDE steps).
+BATCH_SEED_STRIDE = 1_000_003
+DRAFT_BATCH_OFFSET = 500_000_000
+MAX_SEED = (2**64 - 1 - DRAFT_BATCH_OFFSET - BATCH_SEED_STRIDE) // BATCH_SEED_STRIDE
 
 
 @dataclass(frozen=True)
@@ -178,14 +183,18 @@ def special_ids(tok) -> dict:
     return {"bos": tok.token_to_id(tk.BOS), "eos": tok.token_to_id(tk.EOS), "pad": tok.token_to_id(tk.PAD)}
 
 
-def loop_spec(recipe: Recipe, role: str, work: Path, steps: int | None, budget_s: float | None):
+def loop_spec(recipe: Recipe, role: str, work: Path, steps: int | None, budget_s: float | None,
+              teacher: dict | None = None):
+    """`teacher` (the draft's): the target it is distilled from; a draft.pt of another target restarts."""
     from .train import LoopSpec
 
+    extra = {"role": role} | ({"teacher": teacher} if teacher else {})
     return LoopSpec(role=role, ckpt=work / f"{role}.pt", total_steps=None if budget_s else steps,
                     budget_s=budget_s, lr=getattr(recipe, f"{role}_lr"), warmup=recipe.warmup_steps,
                     weight_decay=recipe.weight_decay, checkpoint_s=recipe.checkpoint_minutes * 60,
-                    seed=recipe.seed, fingerprint=recipe.fingerprint() | {"role": role},
-                    bf16=native_bf16() if recipe.bf16_autocast is None else recipe.bf16_autocast)
+                    seed=recipe.seed, fingerprint=recipe.fingerprint() | extra,
+                    bf16=native_bf16() if recipe.bf16_autocast is None else recipe.bf16_autocast,
+                    restart_on=("teacher",) if teacher else ())
 
 
 def native_bf16() -> bool:
@@ -195,6 +204,8 @@ def native_bf16() -> bool:
 
 
 def budgets(recipe: Recipe) -> tuple[float | None, float | None]:
+    if not 0 < recipe.target_share < 1:  # 1.0 gave the draft a 0 s budget: a ZeroDivisionError after the target
+        raise ValueError(f"target_share must be between 0 and 1 (exclusive), got {recipe.target_share}")
     if recipe.minutes is None:
         return None, None
     if not (math.isfinite(recipe.minutes) and recipe.minutes > 0):
@@ -208,7 +219,7 @@ def batch_fn(recipe: Recipe, tokens, role_offset: int):
 
     if len(tokens) <= recipe.seq_len + 1:
         raise ValueError(f"training stream has {len(tokens)} tokens; need more than seq_len + 1 = {recipe.seq_len + 1}")
-    base = recipe.seed * 1_000_003 + role_offset
+    base = recipe.seed * BATCH_SEED_STRIDE + role_offset
     return lambda step: sample_batch(tokens, recipe.batch_size, recipe.seq_len, base + step)
 
 
@@ -217,7 +228,7 @@ def train_models(recipe: Recipe, tokens, config_t, config_d, work: Path) -> dict
     import torch
     from transformers import LlamaForCausalLM
 
-    from .train import distill_loss, run_loop, target_loss
+    from .train import distill_loss, run_loop, target_loss, weights_digest
 
     target_budget, draft_budget = budgets(recipe)
     torch.manual_seed(recipe.seed)
@@ -228,8 +239,9 @@ def train_models(recipe: Recipe, tokens, config_t, config_d, work: Path) -> dict
     for p in target.parameters():
         p.requires_grad_(False)
     loss = distill_loss(target, recipe.ce_weight, recipe.kd_temperature)
-    d_steps = run_loop(draft, loss, batch_fn(recipe, tokens, 500_000_000),
-                       loop_spec(recipe, "draft", work, recipe.draft_steps, draft_budget))
+    teacher = {"steps": t_steps, "sha256": weights_digest(target)}  # a resume that trains the target on retrains the draft
+    d_steps = run_loop(draft, loss, batch_fn(recipe, tokens, DRAFT_BATCH_OFFSET),
+                       loop_spec(recipe, "draft", work, recipe.draft_steps, draft_budget, teacher))
     return {"target": target, "draft": draft, "target_steps": t_steps, "draft_steps": d_steps}
 
 
@@ -262,9 +274,26 @@ def build_report(recipe: Recipe, split, train_tokens, heldout_tokens, models: di
             "steps": {r: models[f"{r}_steps"] for r in ROLES}}
 
 
+def check_recipe(recipe: Recipe) -> None:
+    """Values that otherwise fail only after the tokenizer and token caches are built (minutes in)."""
+    if isinstance(recipe.seed, bool) or not isinstance(recipe.seed, int) or not 0 <= recipe.seed <= MAX_SEED:
+        raise ValueError(f"--seed must be an integer from 0 to {MAX_SEED}, got {recipe.seed}")
+    budgets(recipe)
+
+
+def check_separate(out: Path, work: Path) -> None:
+    # The export swaps out in whole: work caches in it would go, and its files would block the next --resume.
+    out, work = out.resolve(), work.resolve()
+    if out == work or out in work.parents or work in out.parents:
+        raise ValueError(f"--out {out} and --work {work} overlap; give the pair and the build scratch "
+                         "separate folders (neither inside the other)")
+
+
 def prepare_work_dir(recipe: Recipe, out: Path, work: Path, resume: bool) -> None:
-    """Every check that can fail cheaply, before hours of training: the folders, and the recipe a resume
-    continues. Without --resume, the stage files of an earlier build are dropped (a fresh start)."""
+    """Every check that can fail cheaply, before hours of training: the recipe, the folders, and the recipe a
+    resume continues. Without --resume, the stage files of an earlier build are dropped (a fresh start)."""
+    check_recipe(recipe)
+    check_separate(out, work)
     writable_dir(work, "--work")
     check_out(out)
     if not resume:

@@ -8,6 +8,7 @@ schedule follows training time instead of steps, so a run on a busy machine stil
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -35,6 +36,9 @@ class LoopSpec:
     seed: int
     fingerprint: dict
     bf16: bool = False  # autocast matmuls to bf16 (about 2x faster on CPUs with avx512_bf16/AMX)
+    # fingerprint keys whose change restarts the loop from step 0 instead of refusing the checkpoint:
+    # the draft's teacher, which a resume may have trained further
+    restart_on: tuple[str, ...] = ()
 
 
 def sample_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, seed: int) -> torch.Tensor:
@@ -93,11 +97,29 @@ def load_checkpoint(spec: LoopSpec, model, opt) -> tuple[int, float]:
         return 0, 0.0
     state = read_checkpoint(spec.ckpt)
     if state["fingerprint"] != spec.fingerprint:
-        raise ValueError(f"{spec.ckpt} was written by a different recipe; delete it or build without --resume")
+        if without(state["fingerprint"], spec.restart_on) != without(spec.fingerprint, spec.restart_on):
+            raise ValueError(f"{spec.ckpt} was written by a different recipe; delete it or build without --resume")
+        changed = [k for k in spec.restart_on if state["fingerprint"].get(k) != spec.fingerprint[k]]
+        log.warning("%s: %s was trained against another %s; restarting it from step 0",
+                    spec.role, spec.ckpt, " and ".join(changed))
+        return 0, 0.0
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     log.info("%s: resuming at step %d", spec.role, state["step"])
     return state["step"], state["elapsed_s"]
+
+
+def without(fingerprint: dict, keys: tuple[str, ...]) -> dict:
+    return {k: v for k, v in fingerprint.items() if k not in keys}
+
+
+def weights_digest(model) -> str:
+    """sha256 of the model's weights: names a trained model exactly (a resumed run reproduces it bit for bit)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def read_checkpoint(path: Path) -> dict:
