@@ -35,10 +35,21 @@ def text_prompts(tokenizer, n: int, length: int) -> list[list[int]] | None:
         return None
     tokenizer.model_max_length = 1 << 30  # we cut the ids ourselves: no length warning
     ids = [tokenizer.encode(t) for t in texts]
-    ids = [p[:length] for p in ids if len(p) >= length][:n]
-    if len(ids) < n:
-        raise ValueError(f"only {len(ids)} demo prompts have {length} tokens; lower --prompt-len")
-    return ids
+    long_enough = [p[:length] for p in ids if len(p) >= length]
+    if len(long_enough) < n:
+        raise too_few_prompts(len(long_enough), n, len(texts), length, "--num-prompts / --num-requests")
+    return long_enough[:n]
+
+
+def too_few_prompts(found: int, n: int, total: int, length: int, flag: str, tokenizer: str = "the tokenizer",
+                    what: str = "prompts a run") -> ValueError:
+    """The error for n prompts where only `found` of the demo set's `total` snippets have `length` tokens: the
+    cap named (asking for more than the set holds said only "lower --prompt-len", which could not help)."""
+    if n > total:
+        return ValueError(f"{flag} {n}: the demo set holds {total} prompts ({found} of them with {length} tokens in "
+                          f"{tokenizer}), so at most {found} {what}; lower {flag}")
+    return ValueError(f"only {found} of the {total} demo prompts have {length} tokens in {tokenizer}: lower "
+                      f"--prompt-len, or {flag} to at most {found} ({what})")
 
 
 def len_of_demo_prompts() -> int:

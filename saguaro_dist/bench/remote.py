@@ -3,10 +3,12 @@
 bench/serving.py measures our engines in this process. A deployment (a RayService, `saguaro serve` on a
 cluster) is measured from outside, as its users reach it (vLLM's benchmark_serving against a URL): the
 same held-out prompts, tokenized by the server itself (/tokenize) and cut to --prompt-len tokens, sent
-as token ids to /v1/completions and streamed; the same seeded Poisson arrivals and request seeds. TTFT
-is the first streamed text, E2E the stream's end, TPOT the time between over the tokens after the first
-(usage.completion_tokens), ITL the gaps between successive streamed texts; acceptance and hit rate come
-from the final chunk's `speculation` stats where the server is ours (None elsewhere). A client-side figure
+as token ids to /v1/completions and streamed; the same seeded Poisson arrivals and request seeds. As
+benchmark_serving, a token is a streamed chunk with choices, its text "" or not (a special token, half a
+UTF-8 character): TTFT is the first, E2E the last (not the usage chunk or [DONE] after it), ITL the gaps
+between them, TPOT the time between over the tokens after the first (usage.completion_tokens); a stream
+with none failed. Acceptance and hit rate come from the final chunk's `speculation` stats where the server
+is ours (None elsewhere). A client-side figure
 includes the network and the server's stream batching (`--stream-interval-ms`), as a user's does.
 """
 from __future__ import annotations
@@ -23,8 +25,9 @@ from tqdm import tqdm
 from saguaro_dist.bench.config import BenchConfig
 from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
 from saguaro_dist.bench.serving import (Served, annotate_serving, check_stream, rate_label, run_to_end, serving_cell,
-                                        stream_plan, summarize)
+                                        serving_errors, stream_plan, summarize)
 from saguaro_dist.client import AsyncClient, SaguaroError
+from saguaro_dist.client._common import StreamAccumulator
 from saguaro_dist.engine.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -80,7 +83,8 @@ async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
                     bar.update(1)
     annotate_serving(cells)
     return {"schema": SCHEMA_VERSION, "kind": "serving", "config": cfg.to_dict(), "serving": remote.to_dict(),
-            **remote_context(remote, model, version, len(prompts), cfg.prompt_len), "cells": cells}
+            **remote_context(remote, model, version, len(prompts), cfg.prompt_len), "cells": cells,
+            "errors": serving_errors(cells)}  # the cells with failed requests: the CLI exits 1, as in process
 
 
 async def server_version(client: AsyncClient) -> str:
@@ -94,16 +98,17 @@ async def server_version(client: AsyncClient) -> str:
 
 async def server_prompts(client: AsyncClient, model: str, n: int, length: int) -> list[list[int]]:
     """The first n held-out snippets the server's tokenizer makes at least `length` tokens of, cut to `length`."""
-    from saguaro_dist.bench.prompts import len_of_demo_prompts
+    from saguaro_dist.bench.prompts import len_of_demo_prompts, too_few_prompts
     from saguaro_dist.demo import demo_prompts
-    prompts = []
-    for text in demo_prompts(len_of_demo_prompts()):
+    prompts, texts = [], demo_prompts(len_of_demo_prompts())
+    for text in texts:
         ids = await client.tokenize(text, model=model)
         if len(ids) >= length:
             prompts.append(ids[:length])
         if len(prompts) == n:
             return prompts
-    raise ValueError(f"only {len(prompts)} demo prompts have {length} tokens in the server's tokenizer; lower --prompt-len")
+    raise too_few_prompts(len(prompts), n, len(texts), length, "--num-requests", "the server's tokenizer",
+                          "requests a stream")
 
 
 async def stream_once(client: AsyncClient, model: str, prompts, temperature: float, rate: float, cfg, repeat: int) -> dict:
@@ -119,8 +124,9 @@ async def stream_once(client: AsyncClient, model: str, prompts, temperature: flo
         log.warning("%d of %d streams ended without usage (T=%s, rate %s): their tokens read 0, and output tok/s and "
                     "TPOT with them; the server ignores stream_options.include_usage", uncounted, len(served),
                     temperature, rate_label(rate))
+    error = f"{len(failed)} of {len(replies)} requests failed (repeat {repeat}); the first: {failed[0]}" if failed else None
     return {**summarize(served, seconds), "failed_requests": len(failed), "requests_without_usage": uncounted,
-            "outputs": [[] for _ in served]}
+            "outputs": [[] for _ in served], "error": error}
 
 
 async def warm_up(client: AsyncClient, model: str, prompts, temperature: float, cfg) -> None:
@@ -143,8 +149,8 @@ async def _stream(client: AsyncClient, model: str, prompts, temperature: float, 
 
 async def _request(client: AsyncClient, model: str, prompt: list[int], temperature: float, max_tokens: int, seed: int,
                    at: float) -> Served | Exception:
-    """Sent at perf_counter time `at`; timed to its first streamed text and to the stream's end. The error, if the
-    server refused it or the stream broke (after the client's retries)."""
+    """Sent at perf_counter time `at`; timed to its first and last token (ChunkClock). The error, if the server
+    refused it, the stream broke or it streamed no token."""
     await asyncio.sleep(max(0.0, at - time.perf_counter()))
     try:
         return await _timed(client, model, prompt, temperature, max_tokens, seed)
@@ -152,16 +158,41 @@ async def _request(client: AsyncClient, model: str, prompt: list[int], temperatu
         return err
 
 
+class ChunkClock(StreamAccumulator):
+    """The stream's parser, noting when each chunk with choices arrived: the text it yields skips a token whose
+    text is "" (a special token, half a UTF-8 character), which benchmark_serving times as any other."""
+
+    def __init__(self, status_code: int):
+        super().__init__(status_code)
+        self.token_times: list[float] = []
+
+    def _take(self, chunk: dict) -> str:
+        if chunk.get("choices"):  # (the usage chunk's are [])
+            self.token_times.append(time.perf_counter())
+        return super()._take(chunk)
+
+
 async def _timed(client: AsyncClient, model: str, prompt: list[int], temperature: float, max_tokens: int,
                  seed: int) -> Served:
-    sent, arrivals = time.perf_counter(), []
+    sent = time.perf_counter()
     stream = await client.complete(prompt, model=model, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                    stream=True, ignore_eos=True, stream_options={"include_usage": True})
-    async for _ in stream:  # each streamed text (the usage chunk has none)
-        arrivals.append(time.perf_counter())
-    end = time.perf_counter()
-    ttft = (arrivals[0] if arrivals else end) - sent
-    return Served([], _client_metrics(stream, ttft, end - sent), itl_s=gaps(arrivals), counted=stream.usage is not None)
+    clock = stream._acc = ChunkClock(stream._acc._status)  # the bench's clock in the SDK's stream, unchanged for users
+    async for _ in stream:
+        pass
+    times = clock.token_times
+    if not times:
+        raise ValueError("the stream ended without a chunk with choices (no token): a failed request, as "
+                         "benchmark_serving counts it")
+    tokens = completion_tokens(stream.usage)
+    metrics = _client_metrics(stream, tokens or 0, times[0] - sent, times[-1] - sent)
+    return Served([], metrics, itl_s=gaps(times), counted=tokens is not None)
+
+
+def completion_tokens(usage: dict | None) -> int | None:
+    """usage.completion_tokens; None without usage or a count in it (`null`: the stream is not counted)."""
+    tokens = (usage or {}).get("completion_tokens")
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -169,10 +200,10 @@ def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in itertools.pairwise(times)]
 
 
-def _client_metrics(stream, ttft_s: float, total_s: float) -> RequestMetrics:
+def _client_metrics(stream, tokens: int, ttft_s: float, total_s: float) -> RequestMetrics:
     """A RequestMetrics from what the stream said: its tokens (usage) and, from our servers, the speculation counts."""
     spec = stream.speculation or {}
-    return RequestMetrics(num_generated_tokens=(stream.usage or {}).get("completion_tokens", 0),
+    return RequestMetrics(num_generated_tokens=tokens,
                           drafted_tokens=spec.get("drafted_tokens", 0), accepted_tokens=spec.get("accepted_tokens", 0),
                           cache_hits=spec.get("cache_hits", 0), cache_misses=spec.get("cache_misses", 0),
                           time_to_first_token_s=ttft_s, total_time_s=total_s)

@@ -35,6 +35,7 @@ from saguaro_dist.engine.metrics import RequestMetrics
 SERVING_SYSTEMS = ("ar", "sd", "ngram", "ssd")  # --request-rates without --systems
 SPREAD = (("mean", None), ("p50", 50), ("p99", 99))
 SUMMED = ("failed_requests", "requests_without_usage")  # counts a cell sums over its repeats (a median hid a repeat's)
+COUNTS = ("requests", "output_tokens")  # counts a cell takes a repeat's of (median_low: an int, as the JSON's others)
 
 
 @dataclass(frozen=True)
@@ -252,27 +253,36 @@ def run_one(system, prompts, temperature: float, rate: float, cfg: BenchConfig, 
     torch.set_num_threads(system.threads)  # process-wide: the systems open beside it may differ
     before = system.llm.metrics.to_dict()
     served, seconds = serve_stream(system.llm, prompts, params, offsets)
-    return {**summarize(served, seconds), "engine": engine_delta(before, system.llm.metrics.to_dict()),
-            "outputs": [s.tokens for s in served]}
+    # (no request fails alone in process: a failure fails the system's cell; every output is counted)
+    return {**summarize(served, seconds), "failed_requests": 0, "requests_without_usage": 0,
+            "engine": engine_delta(before, system.llm.metrics.to_dict()), "outputs": [s.tokens for s in served]}
 
 
 def serving_cell(system: str, setting: str, temperature: float, rate: float, runs: list[dict], place: dict) -> dict:
     """The median of every figure over the repeats (a stream's latencies are its own, so no best pass), but the
     counts of requests that went wrong (SUMMED), which add up; every repeat's summary kept, its outputs until
-    annotate_serving has compared them. place: where the system ran (Placement.to_dict(); a server's URL)."""
-    figures = [k for k, v in runs[0].items() if k not in ("engine", "outputs") and (v is None or isinstance(v, (int, float)))]
+    annotate_serving has compared them. place: where the system ran (Placement.to_dict(); a server's URL).
+    A run's "error" (a server's stream whose requests failed) is the cell's, the first repeat's that has one."""
+    skip = ("engine", "outputs", "error")
+    figures = [k for k, v in runs[0].items() if k not in skip and (v is None or isinstance(v, (int, float)))]
     return {"system": system, "setting": setting, "temperature": temperature, "rate": rate_label(rate),
-            "cores": place.get("cores"), "placement": place,
-            **{k: sum(run[k] for run in runs) if k in SUMMED else _median([run[k] for run in runs]) for k in figures},
+            "cores": place.get("cores"), "placement": place, **{k: _over_repeats(k, runs) for k in figures},
             "repeat_output_tokens_per_s": [run["output_tokens_per_s"] for run in runs],
             "repeats": [{k: v for k, v in run.items() if k != "outputs"} for run in runs],
-            "outputs": [run["outputs"] for run in runs], "error": None}
+            "outputs": [run["outputs"] for run in runs], "error": next((e for r in runs if (e := r.get("error"))), None)}
+
+
+def _over_repeats(key: str, runs: list[dict]):
+    values = [run[key] for run in runs]
+    if key in SUMMED:
+        return sum(values)
+    return statistics.median_low(values) if key in COUNTS else _median(values)
 
 
 def serving_error_cell(system: str, setting: str, temperature: float, rate: float, place: dict, error: str) -> dict:
     """A cell whose system failed: serving_cell's fields, no figures (None), and the error."""
     return {"system": system, "setting": setting, "temperature": temperature, "rate": rate_label(rate),
-            "cores": place.get("cores"), "placement": place, **dict.fromkeys(summarize([], 1.0)),
+            "cores": place.get("cores"), "placement": place, **dict.fromkeys([*summarize([], 1.0), *SUMMED]),
             "repeat_output_tokens_per_s": [], "repeats": [], "outputs": [], "error": error}
 
 

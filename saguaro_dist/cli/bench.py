@@ -24,12 +24,16 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def _rates(text: str) -> tuple[float, ...]:
-    """Requests a second, comma-separated; "inf" for all at once (ServingConfig checks that they are > 0)."""
+    """Requests a second, comma-separated; "inf" for all at once (ServingConfig checks that they are > 0). None
+    given ("", ",") is refused: it read as no --request-rates at all, and the whole grid ran instead."""
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
+        rates = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
+        rates = ()
+    if not rates:
         raise argparse.ArgumentTypeError(f"request rates are requests a second, comma-separated (inf: all at once), "
-                                         f"got {text!r}") from None
+                                         f"at least one; got {text!r}")
+    return rates
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -168,11 +172,12 @@ def remote_config(args, base) -> "RemoteConfig":
 
 def run_kind(args) -> str:
     """grid, sweep, serving or url: the run the flags ask for."""
-    if args.sweep and (args.request_rates or args.url):
+    rates = args.request_rates is not None  # (given, even if empty: ServingConfig refuses no rates, not the grid)
+    if args.sweep and (rates or args.url):
         raise ValueError("--sweep and --request-rates (or --url) are two different runs: give one")
-    if args.url and not args.request_rates:
+    if args.url and not rates:
         raise ValueError("--url measures serving streams: give --request-rates too")
-    return "sweep" if args.sweep else "url" if args.url else "serving" if args.request_rates else "grid"
+    return "sweep" if args.sweep else "url" if args.url else "serving" if rates else "grid"
 
 
 def check_run_options(args, kind: str) -> None:
