@@ -146,3 +146,16 @@ def test_responses_required_over_a_subset(served):
     bad = httpx.post(f"{url}/chat/completions", json={"model": "demo", "messages": MESSAGES, "tools": TOOLS,
                                                       "tool_choice": chat_allowed("auto", "rm")}, timeout=30)
     assert bad.status_code == 400 and "'rm', which is not among the tools" in bad.json()["error"]["message"]
+
+
+def test_without_parallel_calls_only_the_first_call_is_checked_against_the_subset():
+    """parallel_tool_calls false keeps the first call: a second one outside the subset, cut anyway, turned the
+    whole reply into text."""
+    text = ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+            '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>')
+    request = ChatCompletionRequest(messages=MESSAGES, tools=TOOLS, parallel_tool_calls=False,
+                                    tool_choice=chat_allowed("auto", "get_weather"))
+    plan = replace(request.tool_plan(), parser=ToolCallParser.HERMES)
+    assert [c.name for c in plan.parse(text)[1]] == ["get_weather"]
+    assert [c["function"]["name"] for c in _streamed(plan, text, 4)[1] if "name" in c.get("function", {})] == \
+        ["get_weather"]

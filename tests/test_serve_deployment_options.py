@@ -106,3 +106,11 @@ def test_a_serve_build_files_other_grpc_or_logging_settings_are_refused(tmp_path
     with pytest.raises(ValueError, match="does not apply") as err:
         load_serve_config(str(path))
     assert named in str(err.value)
+
+
+def test_a_null_logging_config_reads_as_unset(tmp_path):
+    """`logging_config: null` loaded as unset; the serve-build check made it a TypeError traceback."""
+    path = tmp_path / "serve.yaml"
+    path.write_text(yaml.safe_dump({"logging_config": None, "applications": [
+        {"name": "app1", "import_path": APP_IMPORT_PATH, "args": {"model": "m"}}]}))
+    assert load_serve_config(str(path)).deployment_options == {}

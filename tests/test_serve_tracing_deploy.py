@@ -118,3 +118,13 @@ def test_chart_renders_the_generators_detailed_traces_and_refuses_them_without_a
         render_rayservice({"server": {"collectDetailedTraces": ["model"]}})
     with pytest.raises(Exception, match="schema"):
         render_rayservice({"server": {"otlpTracesEndpoint": ENDPOINT, "collectDetailedTraces": ["scheduler"]}})
+
+
+def test_comma_separated_detailed_traces_render_alike_in_the_generator_and_the_chart():
+    """`--collect-detailed-traces model,worker` (vLLM's comma form) kept "model,worker" as one name: the
+    manifest worked, but the chart's schema refused the same settings' Helm values."""
+    settings = k8s.K8sSettings(otlp_traces_endpoint=ENDPOINT, collect_detailed_traces=["model,worker"])
+    assert settings.collect_detailed_traces == ("model", "worker")
+    assert k8s.helm_values(settings)["server"]["collectDetailedTraces"] == ["model", "worker"]
+    args = app_args(deploy(f"--otlp-traces-endpoint {ENDPOINT} --collect-detailed-traces model,worker")[0])
+    assert args["collect_detailed_traces"] == ["model", "worker"]

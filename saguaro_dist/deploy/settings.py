@@ -198,7 +198,7 @@ class K8sSettings:
                 object.__setattr__(self, name, None)
         object.__setattr__(self, "lora_modules", lora_modules(self.lora_modules))  # LoRAModule each, hashable
         traces = self.collect_detailed_traces  # a list, or vLLM's comma-separated text; "" / [] = none
-        names = traces.split(",") if isinstance(traces, str) else [str(n) for n in traces or ()]
+        names = [part for n in ([traces] if isinstance(traces, str) else traces or ()) for part in str(n).split(",")]
         object.__setattr__(self, "collect_detailed_traces", tuple(n.strip() for n in names if n.strip()) or None)
         names = self.served_model_name
         if names == "" or (isinstance(names, (list, tuple)) and not names):

@@ -75,6 +75,8 @@ def _applied_anyway(name: str, value) -> bool:
     (Serve starts no gRPC server for them) and Ray's default logging config."""
     if name == "grpc_options":
         return not value.get("grpc_servicer_functions")
+    if name == "logging_config" and value is None:  # null: unset, as it read before this check
+        return True
     if name == "logging_config":
         from ray.serve.schema import LoggingConfig
         return LoggingConfig(**value) == LoggingConfig()

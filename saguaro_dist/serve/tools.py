@@ -90,9 +90,10 @@ class ToolPlan:
             return _parse_required(text)
         if self.kind is ToolChoiceKind.AUTO and self.parser is not None:
             content, calls = self.parser.parse(text, self.functions)  # functions: qwen3_coder types by them
+            calls = calls if self.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
             if self.allowed is not None and any(c.name not in self.allowed for c in calls):
                 return replace(self, kind=ToolChoiceKind.NONE).parse(raw)  # a call outside allowed_tools: text
-            return content, calls if self.parallel else calls[:1]  # parallel_tool_calls false: the first call (vLLM's)
+            return content, calls
         if self.harmony and self.kind is ToolChoiceKind.NONE:  # calls no parser reads are left out (vLLM's)
             return parse_openai(text)[0] or "", []
         return text, []
