@@ -7,6 +7,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from saguaro_dist.serve.metrics import ServeMetrics
+
 pytest_plugins = ["test_serve_fixtures"]
 
 PREFIX = "ray_saguaro_"  # Ray prefixes every application metric with ray_
@@ -67,8 +69,11 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
     before = scrape_settled(metrics_url)
     body = {"prompt": "the cat sat on", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": stream}
     post(server, body)
+    # (drafts and tree lookups: engine-wide counters, reported within a second of their growth)
     delta = scrape_after(metrics_url, before, lambda d: metric(d, "e2e_request_latency_seconds_count") >= 1
-                         and metric(d, "requests_total") >= 1)
+                         and metric(d, "requests_total") >= 1 and metric(d, "e2e_request_latency_seconds_exact_sum_total")
+                         > 0 and metric(d, "speculation_cache_misses_total")
+                         + metric(d, "speculation_cache_hits_total") >= 1)
     assert metric(delta, "requests_total") == 1
     assert metric(delta, "e2e_request_latency_seconds_count") == 1
     assert metric(delta, "request_success_total") == 1  # finished_reason "length" (vLLM's request_success)
@@ -80,7 +85,9 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
     lookups = metric(delta, "speculation_cache_hits_total") + metric(delta, "speculation_cache_misses_total")
     assert lookups >= 1  # a tree every round on this server: every round after the first looks one up
     # The engine's clock when no reader saw the first token (a request answered in one piece).
-    assert metric(delta, "time_to_first_token_seconds_sum") < metric(delta, "e2e_request_latency_seconds_sum")
+    # (the exact sums: Ray's `_sum` is rebuilt from bucket midpoints, and both fell in one bucket by chance)
+    assert 0 < metric(delta, "time_to_first_token_seconds_exact_sum_total") < metric(
+        delta, "e2e_request_latency_seconds_exact_sum_total")
 
 
 def gauges(url: str, model: str) -> dict[str, float]:
@@ -115,3 +122,78 @@ def test_the_engine_gauges_are_exported_and_idle_after_the_work(server, metrics_
         time.sleep(0.5)
         found = gauges(metrics_url, server.model)
     assert found == idle
+
+
+def series(url: str, name: str, model: str, keys=("position",)) -> dict[tuple, float]:
+    """One metric's samples for this model: its labels among `keys` -> value, each process's summed."""
+    found: dict[tuple, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+        for s in family.samples:
+            if s.name == PREFIX + name and s.labels.get("model") == model:
+                key = tuple(sorted((k, v) for k, v in s.labels.items() if k in keys))
+                found[key] = found.get(key, 0.0) + s.value
+    return found
+
+
+def scrape_until(url: str, name: str, model: str, ready) -> dict[tuple, float]:
+    deadline = time.monotonic() + 30
+    while not ready(found := series(url, name, model)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found
+
+
+def test_histogram_means_are_exact_and_positions_count_from_zero(metrics_url):
+    """Ray rebuilds a histogram's _sum from bucket midpoints (+Inf as twice the last boundary): 0.26 s and
+    9000 s of end-to-end latency read 15360 s. The exact_sum counter beside it holds what was observed. Draft
+    positions are labelled from 0, as vLLM's spec_decode_num_accepted_tokens_per_pos."""
+    from saguaro_dist.engine.metrics import RequestMetrics
+
+    model = "fmet-exact-sums"
+    metrics = ServeMetrics(model)  # in this process: a Ray driver, exported by the session node
+    metrics.finished(RequestMetrics(num_prompt_tokens=4, accepted_per_position=[3, 1]), 0.25, "stop")
+    metrics.finished(None, 9000.0, "stop")
+    metrics.first_token(0.5)
+    exact = scrape_until(metrics_url, "e2e_request_latency_seconds_exact_sum_total", model, bool)
+    assert sum(exact.values()) == pytest.approx(9000.25)
+    assert sum(series(metrics_url, "time_to_first_token_seconds_exact_sum_total", model).values()) == 0.5
+    positions = scrape_until(metrics_url, "accepted_tokens_per_position_total", model, bool)
+    assert positions == {(("position", "0"),): 3.0, (("position", "1"),): 1.0}
+
+
+def test_prometheus_metrics_are_served_on_the_api_port(server):
+    """vLLM serves GET /metrics beside its API; Ray's export port was random and logged nowhere (404 here).
+    The replica answers with its node's Ray export: this app's series among them, without the API key."""
+    deadline, text = time.monotonic() + 30, ""
+    while time.monotonic() < deadline and f'model="{server.model}"' not in text:
+        r = httpx.get(server.url + "/metrics", timeout=30)  # no API key: open to scrapers, as vLLM's
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        text = r.text
+        time.sleep(0.5)
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples
+             if s.labels.get("model") == server.model}
+    assert {PREFIX + "num_requests_running", PREFIX + "draft_workers"} <= names
+
+
+def replica_log_lines(app_name: str) -> str:
+    """Every log file of the app's replicas (Serve's logs/serve/replica_<app>_*.log on this node)."""
+    import glob
+    import os
+
+    import ray
+
+    folder = os.path.join(ray._private.worker._global_node.get_logs_dir_path(), "serve")
+    return "".join(open(p, errors="replace").read() for p in glob.glob(os.path.join(folder, f"replica_{app_name}_*")))
+
+
+@pytest.mark.slow
+def test_the_engines_info_lines_reach_the_replica_log(server):
+    """A Ray worker's loggers sit at WARNING with no handler: the replica's INFO lines (its model loading, the
+    engine's periodic stats line every log_stats_interval_s, 10 s here) were dropped. Requests until one
+    comes: the first already does once the replica has run 10 s."""
+    from test_serve_fixtures import APP_NAME
+
+    assert f"loading {server.target} (mode ssd)" in replica_log_lines(APP_NAME)
+    deadline = time.monotonic() + 40
+    while "Avg prompt throughput" not in replica_log_lines(APP_NAME) and time.monotonic() < deadline:
+        post(server, {"prompt": "the cat sat on", "max_tokens": 8, "temperature": 0})
+    assert "Avg prompt throughput" in replica_log_lines(APP_NAME)

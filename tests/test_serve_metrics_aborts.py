@@ -133,3 +133,23 @@ def test_an_idle_replica_exports_its_engine_gauges(metrics_url, server, serving_
     finally:
         serve.delete(name)
     assert found and gauges == dict.fromkeys(GAUGES, 0.0)  # ar: no drafts; nothing running
+
+
+@pytest.mark.slow
+def test_an_aborted_generation_counts_its_drafts_and_prefix_cache_lookups(metrics_url, reference_llm):
+    """Drafted and accepted tokens, tree lookups and prefix-cache tokens counted only as a request finished:
+    an aborted one's never (vLLM counts them per engine step). They come from the engine's own counters now,
+    prefix_cache_queries (vLLM's) among them."""
+    model = "fmet-abort-drafts"
+    prompt = "the cat sat on the mat"
+    body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
+    app = create_app(reference_llm, ServerOptions(model), ServeMetrics(model))
+    with serve_on_loopback(app) as base:
+        hang_up_after_first_chunk(base, body)
+        drafted = wait_for(metrics_url, "saguaro_drafted_tokens_total", model, bool)
+        queries = wait_for(metrics_url, "saguaro_prefix_cache_queries_total", model, bool)
+        ended = wait_for(metrics_url, "saguaro_request_success_total", model, bool)
+    assert {s.labels["finished_reason"] for s in ended} == {"abort"}  # (it did not run to its end)
+    assert sum(s.value for s in drafted) > 0
+    prompt_tokens = wait_for(metrics_url, "saguaro_prompt_tokens_total", model, bool)
+    assert sum(s.value for s in queries) == sum(s.value for s in prompt_tokens) > 0  # (no prefix cache here)

@@ -287,6 +287,7 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     from ray import serve
 
     from saguaro_dist.serve.app import build_app
+    from saguaro_dist.serve.replica_observability import local_metrics_export_port
 
     embedded = not ns.address
     ingress = resolve(Ingress(ns.ingress), embedded, replica_count(deployment_options))
@@ -306,7 +307,8 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
         except RuntimeError as err:  # the replica's failure: Serve's traceback named neither it nor its log
             raise ValueError(deploy_failure(err, _ray_logs_dir(ray) if embedded else None)) from None
         serving = True
-        log.warning("serving %r at %s", name, url)
+        log.warning("serving %r at %s; Prometheus metrics at %s/metrics (this node's Ray metrics export, also on "
+                    "port %s)", name, url, url.removesuffix("/v1"), local_metrics_export_port(ray))
         while True:
             time.sleep(60)  # a signal interrupts the sleep
     except KeyboardInterrupt:  # SIGINT or SIGTERM, while starting or serving: a clean stop

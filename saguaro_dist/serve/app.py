@@ -22,6 +22,7 @@ from saguaro_dist.serve.lora_models import ServedModels
 from saguaro_dist.serve.lora_modules import RUNTIME_UPDATE_ARG, check_lora_modules, lora_modules, runtime_updates_allowed
 from saguaro_dist.serve.metrics import ServeMetrics
 from saguaro_dist.serve.prompts import load_chat_template
+from saguaro_dist.serve.replica_observability import add_metrics_route, adopt_serve_logging, node_metrics_url
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ class SaguaroServer:
     def __init__(self, args: dict):
         from saguaro_dist import LLM  # heavy (torch, models): only inside the replica
 
+        adopt_serve_logging()  # before the first INFO line: the engine's stats and request lines show
         config = config_from_args(args)
         self._options = server_options(args, config.model)
         # The adapters read here before the model loads (a bad one in a manifest fails each restart in seconds);
@@ -52,6 +54,7 @@ class SaguaroServer:
     def __serve_build_asgi_app__(self):
         metrics = ServeMetrics(self._options.served_model_name)
         self._app = create_app(self._engine, self._options, metrics, self._models)
+        add_metrics_route(self._app, node_metrics_url())
         return self._app
 
     def check_health(self) -> None:

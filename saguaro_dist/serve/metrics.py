@@ -2,6 +2,11 @@
 
 Created per replica (never at import). Names follow vLLM's where one exists, prefixed `saguaro_`;
 Ray adds its own `ray_` prefix on export.
+
+Ray's histograms export a `_sum` rebuilt from bucket midpoints (Ray 2.47+'s OpenTelemetry recorder; +Inf counts
+as twice the last boundary), not the observed sum, so each histogram has a counter beside it,
+`<name>_exact_sum` (exported `ray_<name>_exact_sum_total`), of the seconds it observed: mean = its rate over
+the histogram's `_count` rate.
 """
 from __future__ import annotations
 
@@ -33,6 +38,19 @@ ENGINE_TIME_COUNTERS = (
     ("draft_wait_s", "saguaro_draft_wait_seconds", "Of it, the target waiting for trees or just-in-time drafts"),
     ("prefill_s", "saguaro_prefill_seconds", "Of it, prefills"),
 )
+
+# EngineMetrics field -> ServeMetrics attribute: engine-wide counts, reported as they grow (vLLM counts per
+# engine step), so an aborted request's drafts, lookups and prefix-cache tokens count too.
+ENGINE_COUNTERS = (
+    ("drafted_tokens", "drafted"),
+    ("accepted_tokens", "accepted"),
+    ("cache_hits", "cache_hits"),
+    ("cache_misses", "cache_misses"),
+    ("prefix_cache_hits", "cached_prompt_tokens"),
+    ("prefix_cache_queries", "prefix_cache_queries"),
+)
+# Every EngineMetrics field the replica's reporter reads and reports the growth of.
+ENGINE_REPORTED_FIELDS = tuple(f for f, _, _ in ENGINE_TIME_COUNTERS) + tuple(f for f, _ in ENGINE_COUNTERS)
 
 
 class _Noop:
@@ -69,6 +87,8 @@ class ServeMetrics:
         self.prompt_tokens = self._make(make, "counter", "saguaro_prompt_tokens", "Prompt tokens processed")
         self.cached_prompt_tokens = self._make(make, "counter", "saguaro_prefix_cache_hits",
                                                "Prompt tokens whose KV the prefix cache supplied")
+        self.prefix_cache_queries = self._make(make, "counter", "saguaro_prefix_cache_queries",
+                                               "Prompt tokens looked up in the prefix cache")
         self.generation_tokens = self._make(make, "counter", "saguaro_generation_tokens", "Tokens generated")
         self.ttft = self._make(make, "histogram", "saguaro_time_to_first_token_seconds", "Time to first token",
                                buckets=_TTFT_BUCKETS)
@@ -95,6 +115,9 @@ class ServeMetrics:
             return _Noop()
         metric = make[kind](name, doc, tag_keys, buckets)
         metric.set_default_tags({k: v for k, v in self._tags.items() if k in tag_keys})
+        if kind == "histogram":
+            return _WithExactSum(metric, self._make(make, "counter", f"{name}_exact_sum",
+                                                    f"{doc}: the sum of the observed values", tag_keys))
         return metric
 
     # ---- recording --------------------------------------------------------------------------
@@ -126,9 +149,11 @@ class ServeMetrics:
                 self.itl.observe(seconds_since_last / count)
 
     def engine_times(self, delta: dict[str, float]) -> None:
-        """Engine-wide round counters since the last report (EngineMetrics fields -> increments)."""
+        """Engine-wide counters' growth since the last report (ENGINE_REPORTED_FIELDS -> increments)."""
         for field, metric in self.engine_time.items():
             self._inc_positive(metric, delta.get(field))
+        for field, attribute in ENGINE_COUNTERS:
+            self._inc_positive(getattr(self, attribute), delta.get(field))
 
     def finished(self, engine_metrics, seconds: float, finish_reason: str | None = None) -> None:
         self.e2e.observe(seconds)
@@ -137,15 +162,12 @@ class ServeMetrics:
             return
         self._phases(engine_metrics)
         self.prompt_tokens.inc(engine_metrics.num_prompt_tokens)
-        self._inc_positive(self.cached_prompt_tokens, engine_metrics.num_cached_tokens)
-        self._inc_positive(self.drafted, engine_metrics.drafted_tokens)
-        self._inc_positive(self.accepted, engine_metrics.accepted_tokens)
-        self._inc_positive(self.cache_hits, engine_metrics.cache_hits)
-        self._inc_positive(self.cache_misses, engine_metrics.cache_misses)
+        # (drafted, accepted, speculation cache and prefix cache counts: engine-wide, engine_times)
         for kind, count in (engine_metrics.fallbacks or {}).items():
             self._inc_positive(self.fallbacks, count, {"kind": str(kind)})
-        # Optional engine field: accepted counts by speculation position (1-based).
-        for position, count in enumerate(getattr(engine_metrics, "accepted_per_position", None) or (), start=1):
+        # Optional engine field: accepted counts by speculation position, 0-based as vLLM's
+        # spec_decode_num_accepted_tokens_per_pos.
+        for position, count in enumerate(getattr(engine_metrics, "accepted_per_position", None) or ()):
             self._inc_positive(self.accepted_at, count, {"position": str(position)})
 
     def _phases(self, m) -> None:
@@ -170,6 +192,18 @@ class ServeMetrics:
         # Ray counters reject non-positive increments.
         if value and value > 0:
             metric.inc(value, tags)
+
+
+class _WithExactSum:
+    """A Ray histogram and the counter of the values it observed (see the module's docstring)."""
+
+    def __init__(self, histogram, exact_sum):
+        self.histogram, self.exact_sum = histogram, exact_sum
+
+    def observe(self, value, tags=None):
+        self.histogram.observe(value, tags)
+        if value > 0:  # Ray counters reject non-positive increments
+            self.exact_sum.inc(value, tags)
 
 
 def _ray_factories() -> dict:

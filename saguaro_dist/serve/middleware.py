@@ -8,7 +8,7 @@ from starlette.exceptions import HTTPException
 
 from saguaro_dist.serve.errors import error_body
 
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key, for load balancers and probes
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key: probes and Prometheus scrapers (vLLM's)
 
 
 def app_path(scope) -> str:

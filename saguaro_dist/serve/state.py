@@ -15,7 +15,7 @@ from saguaro_dist.engine.text import encode_text
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.lora_models import ServedModels
-from saguaro_dist.serve.metrics import ENGINE_TIME_COUNTERS, ServeMetrics
+from saguaro_dist.serve.metrics import ENGINE_REPORTED_FIELDS, ServeMetrics
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
 from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningTokens, reasoning_first
 from saguaro_dist.serve.tool_parsers import ToolCallParser
@@ -311,9 +311,9 @@ class ServingState:
         return now
 
     def _engine_times(self) -> dict[str, float]:
-        """The round counters, field by field (the engine thread updates them as we read: no dict copies)."""
+        """The engine-wide counters, field by field (the engine thread updates them as we read: no dict copies)."""
         m = self.engine.metrics
-        return {field: getattr(m, field) for field, _, _ in ENGINE_TIME_COUNTERS}
+        return {field: getattr(m, field) for field in ENGINE_REPORTED_FIELDS}
 
 
 def _log_finished(request_id: str, delta, seconds: float) -> None:
