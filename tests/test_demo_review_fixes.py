@@ -2,7 +2,6 @@
 shares are refused before any work."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 
@@ -11,16 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from saguaro_dist.cli import build_parser, main
-from saguaro_dist.demo.build import Recipe, build
-
-TINY = Recipe(max_files=8, vocab_size=300, seq_len=64, batch_size=2, target_hidden=32, target_layers=1,
-              target_heads=2, target_ffn=64, draft_hidden=16, draft_layers=1, draft_heads=1, draft_ffn=32,
-              target_steps=3, draft_steps=3, warmup_steps=2, eval_prompts=2, eval_new_tokens=8,
-              eval_windows=2, shipped_prompts=4, prompt_chars=200)
-
-
-def tiny(**changes) -> Recipe:
-    return dataclasses.replace(TINY, **changes)
+from saguaro_dist.demo.build import build
+from test_demo_build_edges import TINY, tiny
 
 
 def weights(out, role: str) -> dict:
