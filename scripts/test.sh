@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Installs saguaro-dist with its test extra (CPU torch wheel first, so pip never pulls CUDA builds)
+# Installs saguaro-dist with its test extra (torch pinned first, so the test extra never pulls another build)
 # and runs the whole test suite. This is the README's second Quickstart command.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Keep an existing torch (a CUDA build on GPU machines); otherwise take the CPU wheel.
+# Keep an existing torch (a CUDA build on GPU machines); otherwise install the pinned one: from plain PyPI on
+# Linux that is the CUDA build (the README's Quickstart says how to take the CPU wheel; CI's image has it locally).
 python -c "import torch" 2>/dev/null || python -m pip install --quiet "torch==2.13.0"
 python -m pip install --quiet -e ".[test]"
 set +e
