@@ -203,6 +203,16 @@ def test_two_tensor_parallel_ranks_compute_as_one(sources, tmp_path):
     check_two_ranks_match_transformers(path, ref, random_tokens(6, 16, VOCAB))
 
 
+@pytest.mark.slow
+def test_one_kv_head_replicated_over_two_ranks(tmp_path):
+    """Fewer KV heads than ranks: each rank keeps the whole dequantized k / v head (a 24-row block straddles it)."""
+    src = tmp_path / "src"
+    save_seeded(src, Qwen3ForCausalLM, lambda: Qwen3Config(**{**COMMON, "num_key_value_heads": 1}, head_dim=16), seed=5)
+    dequantized = write_fp8_copy(src, tmp_path / "fp8", VARIANTS["fp8_block"])
+    ref = reference(src, dequantized, tmp_path / "dequantized")
+    check_two_ranks_match_transformers(tmp_path / "fp8", ref, random_tokens(6, 16, VOCAB))
+
+
 # ---- what is refused ------------------------------------------------------------------------------------
 _INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
     "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128,

@@ -114,6 +114,27 @@ def phi3_adapters(tmp_path_factory):
     return {"path": root / "m", "dirs": [root / "one", root / "two"], "models": [one, two]}
 
 
+@pytest.fixture(scope="module")
+def llama_one_kv_adapters(tiny_checkpoint, tmp_path_factory):
+    """The tiny Llama draft: one KV head, replicated over tensor-parallel ranks; adapters on every projection."""
+    path, root = tiny_checkpoint("draft"), tmp_path_factory.mktemp("lora_one_kv")
+    for seed in (0, 1):
+        make_adapter(path, root / str(seed), 6 + seed, ALL)
+    return {"path": path, "dirs": [root / "0", root / "1"]}
+
+
+@pytest.fixture(scope="module")
+def phi3_one_kv_adapters(tmp_path_factory):
+    """A Phi-4-mini-like model of one KV head: an adapter on its fused qkv_proj keeps B's k and v columns whole on
+    each rank."""
+    from test_model_phi3 import save_phi3
+    root = tmp_path_factory.mktemp("lora_phi3_one_kv")
+    save_phi3(root / "m", "phi4_mini", seed=6, num_key_value_heads=1)
+    make_adapter(root / "m", root / "0", 8, PHI3_ALL)
+    make_adapter(root / "m", root / "1", 9, ["qkv_proj", "down_proj"], r=8, alpha=16)
+    return {"path": root / "m", "dirs": [root / "0", root / "1"]}
+
+
 def test_phi3_fused_module_adapters_match_peft(phi3_adapters):
     """One LoRA over each fused linear (B as wide as q + k + v): prefill whole and chunked, decode, branches,
     and a batch mixing both adapters with a base row (bit for bit a runner without LoRA)."""
@@ -283,9 +304,10 @@ def _rank(rank: int, port: int, path: str, dirs: list[str], result_file: str):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama_adapters", "phi3_adapters"])
+@pytest.mark.parametrize("kind", ["llama_adapters", "phi3_adapters", "llama_one_kv_adapters", "phi3_one_kv_adapters"])
 def test_two_ranks_equal_one(kind, request, tmp_path):
-    """Phi-3: each rank's columns of a fused B are its q, k and v (gate and up) blocks."""
+    """Phi-3: each rank's columns of a fused B are its q, k and v (gate and up) blocks. One KV head: each rank
+    holds it (and B's columns of it) whole."""
     from test_model_tp import free_port
     torch.set_num_threads(1)
     adapters = request.getfixturevalue(kind)

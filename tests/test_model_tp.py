@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, port: int, paths: list[str], indivisible: str, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         results = [workload(ModelRunner(p, tp_group=dist.group.WORLD)) for p in paths]
-        try:  # one key/value head cannot be split over 2 ranks
+        try:  # 3 key/value heads cannot be split over 2 ranks (nor 1 replicated on each)
             ModelRunner(indivisible, tp_group=dist.group.WORLD)
             results.append("no error")
         except ValueError as e:
@@ -66,13 +66,17 @@ def odd_vocab_biased(tmp_path_factory):
 
 
 def test_two_ranks_equal_one(tiny_checkpoint, odd_vocab_biased, tmp_path):
+    """The draft's one KV head is replicated on both ranks (vLLM's KV head replicas)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
     torch.set_num_threads(1)
     paths = [str(tiny_checkpoint("qwen3")), str(tiny_checkpoint("tied")), str(tiny_checkpoint("qwen2")),
-             str(odd_vocab_biased)]
-    indivisible = str(tiny_checkpoint("draft"))
-    mp.spawn(_rank, args=(2, free_port(), paths, indivisible, str(tmp_path / "out")), nprocs=2, join=True)
+             str(odd_vocab_biased), str(tiny_checkpoint("draft"))]
+    indivisible = tmp_path / "three_kv_heads"
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=6, num_key_value_heads=3)).save_pretrained(indivisible)
+    mp.spawn(_rank, args=(2, free_port(), paths, str(indivisible), str(tmp_path / "out")), nprocs=2, join=True)
     rank0, rank1 = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
-    assert "tensor parallel size 2 must divide num_key_value_heads=1" in rank0.pop()
+    assert "tensor parallel size 2 must divide num_key_value_heads=3 (or, with fewer KV heads" in rank0.pop()
     rank1.pop()
     for path, got0, got1 in zip(paths, rank0, rank1):
         want = workload(ModelRunner(path))

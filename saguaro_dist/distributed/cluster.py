@@ -57,19 +57,24 @@ def build_cluster_engine(config: Config):
 
 
 def check_tensor_parallel(config: Config) -> None:
-    """Each target rank takes 1/tensor_parallel_size of the heads: a size that does not divide them fails
-    here, from config.json, before Ray starts anything (the ranks found it only as they built the model)."""
+    """Each target rank takes 1/tensor_parallel_size of the heads (fewer KV heads than ranks: one, replicated)
+    and of the MLP widths: a size that cannot split them fails here, from config.json, before Ray starts
+    anything (the ranks found it only as they built the model)."""
     size = config.tensor_parallel_size
     if size == 1:
         return
     from saguaro_dist.model.hf_config import load_config
     from saguaro_dist.model.loader import resolve_model_dir
-    model = load_config(resolve_model_dir(config.model, weights=False, revision=config.revision))
-    heads = {"num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads}
-    bad = [f"{name} = {count}" for name, count in heads.items() if count % size]
-    if bad:
-        raise ValueError(f"tensor_parallel_size = {size} must divide the model's attention heads "
-                         f"({', '.join(bad)} in {config.model}'s config.json)")
+    from saguaro_dist.model.tp import KV_REPLICAS_NOTE, split_sizes, unsplittable
+    sizes = split_sizes(load_config(resolve_model_dir(config.model, weights=False, revision=config.revision)))
+    heads = {k: v for k, v in sizes.items() if k.endswith("heads")}
+    widths = {k: v for k, v in sizes.items() if k not in heads}
+    for what, part in (("attention heads", heads), ("MLP widths", widths)):
+        bad = [item.replace("=", " = ") for item in unsplittable(part, size)]
+        if bad:
+            note = KV_REPLICAS_NOTE if any(b.startswith("num_key_value_heads") for b in bad) else ""
+            raise ValueError(f"tensor_parallel_size = {size} must divide the model's {what} "
+                             f"({', '.join(bad)} in {config.model}'s config.json){note}")
 
 
 def remote_request(seq) -> RemoteRequest:

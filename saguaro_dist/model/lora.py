@@ -13,8 +13,9 @@ matmul), then y[rows, block i's columns] += mid_i @ B_i * scale_s, PEFT's order 
 base model are never touched (bit-identical to no LoRA), and a forward with no adapted row runs no LoRA op.
 
 Tensor parallel: a column-parallel linear (the fused q / k / v and gate / up) takes A whole and B's columns of
-its rank's output (a fused block's: its q, k and v column blocks); a row-parallel one (o, down) A over its rank's
-input columns, the r-wide intermediate all-reduced before B (whole), added after the base's all-reduce and bias.
+its rank's output (a fused block's: its q, k and v column blocks; a KV head replicated over ranks whole on each); a
+row-parallel one (o, down) A over its rank's input columns, the r-wide intermediate all-reduced before B (whole),
+added after the base's all-reduce and bias.
 The slot groups are host data: a forward with LoRA rows has data-dependent shapes, so a model with LoRA runs
 without CUDA graphs (StepGraphs refuses it, logged)."""
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from saguaro_dist.model.hf_config import ModelConfig
 from saguaro_dist.model.layers import PlainModule
 from saguaro_dist.model.lora_adapter import LoRAAdapter, adapter_targets, module_shapes
+from saguaro_dist.model.tp import kv_head_span
 
 # fused linear -> the projections it holds, in its output (column) or input (row) order
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
@@ -122,7 +124,19 @@ class LoRALinear(PlainModule):
             self.start[part], col = col, col + self._local_out(part)
 
     def _local_out(self, part: str) -> int:
-        return self.full[part][0] if self.row_parallel else self.full[part][0] // self.world
+        lo, hi = self._rows(part)
+        return hi - lo
+
+    def _rows(self, part: str) -> tuple[int, int]:
+        """The rows of the part's whole output this rank computes: all (row parallel), its KV heads' (k / v: a
+        head replicated when fewer than the ranks, model/tp.py), else its 1/world share."""
+        out = self.full[part][0]
+        if self.row_parallel:
+            return 0, out
+        if part in ("k_proj", "v_proj"):
+            cfg = self.table.cfg
+            return tuple(h * cfg.head_dim for h in kv_head_span(cfg.num_kv_heads, self.rank, self.world))
+        return self.rank * out // self.world, (self.rank + 1) * out // self.world
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -183,8 +197,8 @@ class LoRALinear(PlainModule):
         """B's rows this rank computes: its column block of each part (q, k and v each split across ranks)."""
         blocks, first = [], 0
         for part in parts:
-            local = self._local_out(part)
-            blocks.append(b[first + self.rank * local:first + (self.rank + 1) * local])
+            lo, hi = self._rows(part)
+            blocks.append(b[first + lo:first + hi])
             first += self.full[part][0]
         return torch.cat(blocks)
 

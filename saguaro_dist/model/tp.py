@@ -53,6 +53,31 @@ class ColumnParallelLinear(_Sharded, nn.Linear):
         self._join(group)
 
 
+def kv_head_span(num_kv_heads: int, rank: int, world: int) -> tuple[int, int]:
+    """The KV heads a rank keeps: its 1/world share; with fewer KV heads than ranks (vLLM's num_kv_head_replicas),
+    the one head its query heads read, replicated on world / num_kv_heads consecutive ranks."""
+    if num_kv_heads >= world:
+        per = num_kv_heads // world
+        return rank * per, (rank + 1) * per
+    head = rank // (world // num_kv_heads)
+    return head, head + 1
+
+
+class KVParallelLinear(_Sharded, nn.Linear):
+    """k / v projection: the rows of this rank's KV heads (kv_head_span), a head replicated when there are fewer
+    KV heads than ranks. Its output feeds this rank's attention only, as a column-parallel one's."""
+
+    def __init__(self, base: nn.Linear, group, num_kv_heads: int):
+        head_dim = base.out_features // num_kv_heads
+        lo, hi = kv_head_span(num_kv_heads, dist.get_rank(group), dist.get_world_size(group))
+        super().__init__(base.in_features, (hi - lo) * head_dim, bias=base.bias is not None, device="meta")
+        self._join(group)
+        self.rows = lo * head_dim, hi * head_dim
+
+    def shard_weight(self, local: str, sl) -> torch.Tensor:
+        return sl[self.rows[0]:self.rows[1]]  # weight rows or bias entries alike
+
+
 class RowParallelLinear(_Sharded, nn.Linear):
     """Input features split; partial outputs are summed across ranks, then the (replicated) bias added."""
     split = {"weight": 1}
@@ -111,15 +136,21 @@ def _sharded_norm_qk(attn, group, q: torch.Tensor, k: torch.Tensor) -> torch.Ten
                      dim=-1)
 
 
-def _split_projection_norms(attn, group) -> None:
+def _split_projection_norms(attn, group, num_kv_heads: int) -> None:
     """OLMo 2's (and OLMoE's) q / k norms span every head: each rank keeps its heads' slice of each norm's weight
-    (as q_proj's and k_proj's column split) and computes it with the other ranks' sums (_sharded_norm_qk)."""
+    (as q_proj's and k_proj's splits) and computes it with the other ranks' sums (_sharded_norm_qk). A KV head
+    replicated on r ranks enters the summed squares r times: k_norm then counts its width r times too."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
+    replicas = max(1, world // num_kv_heads)
     for norm in (attn.q_norm, attn.k_norm):
         if type(norm) not in (RMSNorm, WeightFirstRMSNorm):
             raise ValueError(f"tensor parallel cannot split a whole-projection {type(norm).__name__}")
-        norm.full = norm.weight.shape[0]
-        lo, hi = _span(norm.full, rank, world)
+        width = norm.weight.shape[0]
+        if norm is attn.q_norm:
+            norm.full, (lo, hi) = width, _span(width, rank, world)
+        else:
+            head_dim = width // num_kv_heads
+            norm.full, (lo, hi) = width * replicas, [h * head_dim for h in kv_head_span(num_kv_heads, rank, world)]
         norm.weight = nn.Parameter(torch.empty(hi - lo, device="meta"), requires_grad=False)
         norm.shard_weight = lambda local, sl, lo=lo, hi=hi: sl[lo:hi]  # the loader reads the slice through it
     attn.norm_qk = lambda q, k: _sharded_norm_qk(attn, group, q, k)
@@ -183,22 +214,51 @@ def _split_mlp(mlp, group) -> None:
     mlp.tp_group = group
 
 
+KV_REPLICAS_NOTE = (" (or, with fewer KV heads than ranks, be a multiple of num_key_value_heads: each KV head is "
+                    "then replicated)")
+
+
+def unsplittable(sizes: dict[str, int], world: int) -> list[str]:
+    """The sizes (config.json's names) that tensor parallel over `world` ranks cannot split: each must be a
+    multiple of world, but num_key_value_heads below world, which must divide it (each KV head replicated)."""
+    def fits(name: str, size: int) -> bool:
+        return world % size == 0 if name == "num_key_value_heads" and size < world else size % world == 0
+    return [f"{name}={size}" for name, size in sizes.items() if not fits(name, size)]
+
+
+def split_sizes(cfg) -> dict[str, int]:
+    """What tensor parallel divides among the ranks, from a ModelConfig (before any weight loads): the heads,
+    and the MLP widths its layers use (the dense one, each expert's, Qwen2-MoE's shared expert's)."""
+    sizes = {"num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads}
+    sparse = [cfg.is_sparse(i) for i in range(cfg.num_layers)]
+    if not all(sparse):
+        sizes["intermediate_size"] = cfg.intermediate_size
+    if any(sparse):
+        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
+        if cfg.shared_expert_intermediate_size:
+            sizes["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return sizes
+
+
 def apply_tensor_parallel(model: nn.Module, group):
     """Swap the built model's layers for their parallel versions and shrink per-rank head counts."""
     world = dist.get_world_size(group)
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        bad = [f"{k}={v}" for k, v in _split_sizes(attn, mlp).items() if v % world]
+        bad = unsplittable(_split_sizes(attn, mlp), world)
         if bad:
-            raise ValueError(f"tensor parallel size {world} must divide {', '.join(bad)}")
-        attn.num_heads, attn.num_kv_heads = attn.num_heads // world, attn.num_kv_heads // world
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group))
+            note = KV_REPLICAS_NOTE if any(b.startswith("num_key_value_heads") for b in bad) else ""
+            raise ValueError(f"tensor parallel size {world} must divide {', '.join(bad)}{note}")
+        kv_heads = attn.num_kv_heads
+        attn.num_heads, attn.num_kv_heads = attn.num_heads // world, max(1, kv_heads // world)
+        attn.q_proj = ColumnParallelLinear(attn.q_proj, group)
+        attn.k_proj, attn.v_proj = (KVParallelLinear(attn.k_proj, group, kv_heads),
+                                    KVParallelLinear(attn.v_proj, group, kv_heads))
         attn.o_proj = RowParallelLinear(attn.o_proj, group)
         if getattr(attn, "sinks", None) is not None:
             _split_sinks(attn, group)
         if isinstance(attn, ProjectionNormAttention):
-            _split_projection_norms(attn, group)
+            _split_projection_norms(attn, group, kv_heads)
         _split_mlp(mlp, group)
     model.model.embed_tokens = VocabParallelEmbedding(model.model.embed_tokens, group)
     model.lm_head = VocabParallelLMHead(model.lm_head, group)
