@@ -5,11 +5,13 @@ import enum
 import json
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
-from saguaro_dist.serve.allowed_tools import ChatAllowedToolsChoice, allowed_plan, check_named
-from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported
+from saguaro_dist.serve.allowed_tools import ChatAllowedToolsChoice, allowed_plan, check_named, choice_tag
+from saguaro_dist.serve.chat_content import MessageContent, TextPart, refuse_media
+from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported, tagged_union
 from saguaro_dist.serve.sampling_request import SamplingRequest
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
@@ -44,21 +46,9 @@ class ChatPromptFields(BaseModel):
         return PromptEnd.NEW_TURN if self.add_generation_prompt else PromptEnd.AS_IS
 
 
-# Parts read as text, as vLLM reads them (its TEXT_PART_TYPES), each with the key that holds its text
-TEXT_PART_KEYS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
-                  "thinking": "thinking"}
-
-
-class TextPart(BaseModel):
-    """A text part of a message's content: OpenAI's text and refusal parts, the Responses API's input_text and
-    output_text, Anthropic-style thinking (vLLM joins them all into the content as text)."""
-    type: Literal["text", "input_text", "output_text", "refusal", "thinking"]
-    text: str | None = None
-    refusal: str | None = None
-    thinking: str | None = None
-
-    def value(self) -> str:
-        return getattr(self, TEXT_PART_KEYS[self.type])
+__all__ = ["MAX_TOOLS", "REPLY_ROLE", "TEMPLATE_VARIABLE_FIELDS", "ChatCompletionRequest",
+           "ChatMessage", "ChatPromptFields", "FunctionCall", "FunctionDefinition", "NamedFunction",
+           "NamedToolChoice", "PromptEnd", "TextPart", "Tool", "ToolCallMessage"]
 
 
 class FunctionCall(BaseModel):
@@ -100,40 +90,42 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: MessageContent = None  # a string or text parts (chat_content.py); null only in an assistant turn
     name: str | None = None
     tool_calls: list[ToolCallMessage] | None = None  # assistant turns
-    tool_call_id: str | None = None                  # tool turns: the call this answers
+    tool_call_id: str | None = Field(None, validate_default=True)  # tool turns: the call this answers
     # An earlier assistant turn's reasoning (vLLM's name; reasoning_content, its former one, read too): templates
     # that show past reasoning (interleaved thinking) read it as either name
     reasoning: str | None = None
     reasoning_content: str | None = None
 
-    @field_validator("content", mode="before")
+    @field_validator("content")
     @classmethod
     def _text_parts_only(cls, content):
-        """Parts other than text (image_url, input_audio, file, ...) are refused by name, not as a failed union;
-        so is a text part without its text."""
-        for i, part in enumerate(content if isinstance(content, list) else ()):
-            kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-            if not isinstance(kind, str) or kind not in TEXT_PART_KEYS:
-                raise ValueError(f"part {i} is {f'of type {kind!r}' if kind else 'not a typed part'}: this server "
-                                 "reads text parts only "
-                                 f"({', '.join(TEXT_PART_KEYS)})")
-            key = TEXT_PART_KEYS[kind]
-            text = part.get(key) if isinstance(part, dict) else getattr(part, key, None)
-            if not isinstance(text, str):
-                raise ValueError(f"part {i} is of type {kind!r}: its text goes in {key!r}, a string")
-        return content
+        return refuse_media(content)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_in_tool_turns(cls, call_id, info: ValidationInfo):
+        """Checked at the field, so the 400 names it (`messages.1.tool_call_id: Field required ...`), as OpenAI's
+        names `messages[1].tool_call_id`."""
+        if info.data.get("role") == "tool" and call_id is None:
+            raise PydanticCustomError("missing", "Field required in a message with role 'tool'")
+        if info.data.get("role") == "tool" and not call_id:
+            raise ValueError("must not be empty in a message with role 'tool'")
+        return call_id
+
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_in_assistant_turns(cls, calls, info: ValidationInfo):
+        if calls and info.data.get("role") not in (None, "assistant"):
+            raise ValueError("only assistant messages carry tool_calls")
+        return calls
 
     @model_validator(mode="after")
     def _check_tool_fields(self):
         if self.content is None and self.role != "assistant":  # OpenAI's: only an assistant turn may lack it
             raise ValueError(f"a message with role {self.role!r} needs content")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a message with role 'tool' needs tool_call_id")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError("only assistant messages carry tool_calls")
         if self.past_reasoning() is not None and self.role != "assistant":
             raise ValueError("only assistant messages carry reasoning")
         return self
@@ -194,6 +186,14 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+# Picked by type (a mode's string, else the object's "type"), so {"type": "function"} is "tool_choice.function:
+# Field required", not the first member's "Input should be 'none', 'auto' or 'required'"
+_ToolChoice = tagged_union({"mode": Literal["none", "auto", "required"], "function": NamedToolChoice,
+                            "allowed_tools": ChatAllowedToolsChoice}, choice_tag,
+                           "'none', 'auto', 'required', {\"type\": \"function\", \"function\": {\"name\": ...}} or "
+                           "{\"type\": \"allowed_tools\", \"allowed_tools\": {\"mode\": ..., \"tools\": [...]}}")
+
+
 class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # the newer OpenAI name for max_tokens
@@ -201,7 +201,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     # default: auto with tools
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | ChatAllowedToolsChoice | None = None
+    tool_choice: _ToolChoice | None = None
     parallel_tool_calls: bool = True
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
     echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role (reply_role)

@@ -12,9 +12,9 @@ are refused, as are built-in tools (only functions run here).
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve.allowed_tools import ResponsesAllowedToolsChoice, allowed_plan, check_named, choice_tag
@@ -23,7 +23,7 @@ from saguaro_dist.serve.chat_request import (MAX_TOOLS, ChatCompletionRequest, C
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.openai_responses_output import (ResponseEvents, function_call_item, message_item, new_item_id,
                                                         output_items, reasoning_item, response_body, text_part, usage)
-from saguaro_dist.serve.request_fields import OpenAIModel, Unsupported
+from saguaro_dist.serve.request_fields import OpenAIModel, Unsupported, tagged_union
 from saguaro_dist.serve.sampling_request import SamplingRequest, StreamOptions
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
@@ -58,14 +58,6 @@ LOGPROBS_INCLUDE = "message.output_text.logprobs"  # log-probabilities on the me
 _INCLUDE_EMPTY = {"reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
                   "web_search_call.action.sources", "message.input_image.image_url",
                   "computer_call_output.output.image_url", "code_interpreter_call.outputs"}
-
-
-def tagged_union(members: dict, tag_of, expected: str):
-    """A union whose member is picked by tag_of(value) (None: the value is none of them): pydantic then reports
-    only that member's errors, where a plain union's first error was another member's ("input.str: Input
-    should be a valid string" for a bad item). errors.py leaves the tags out of the error's field path."""
-    return Annotated[Union[tuple(Annotated[kind, Tag(tag)] for tag, kind in members.items())],
-                     Discriminator(tag_of, custom_error_type="invalid_type", custom_error_message=f"must be {expected}")]
 
 
 def _text_or_list(item, expected: str):

@@ -10,9 +10,9 @@ from __future__ import annotations
 import difflib
 import logging
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Annotated, ClassVar, Union
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
 
 from saguaro_dist.serve.errors import APIError
 
@@ -94,6 +94,15 @@ class OpenAIModel(BaseModel):
         for name, allowed in _UNSUPPORTED_UNLESS.items():
             if name in extra and extra[name] not in allowed:
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
+
+
+def tagged_union(members: dict, tag_of, expected: str):
+    """A union whose member is picked by tag_of(value) (None: the value is none of them, "{loc}: must be
+    {expected}"): pydantic then reports only that member's errors, where a plain union's first error was another
+    member's ("messages.0.content: Input should be a valid string" for a bad part). errors.py leaves the tags out
+    of the error's field path: a tag that is also a key of the body would be taken for a step into it."""
+    return Annotated[Union[tuple(Annotated[kind, Tag(tag)] for tag, kind in members.items())],
+                     Discriminator(tag_of, custom_error_type="invalid_type", custom_error_message=f"must be {expected}")]
 
 
 def _with_suggestion(name: str, known) -> str:
