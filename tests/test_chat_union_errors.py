@@ -113,3 +113,11 @@ def test_valid_parts_and_tool_turns_read_as_before(url):
     reply = post(url, "/chat/completions", {"messages": history, "tools": TOOLS, "max_tokens": 1,
                                             "tool_choice": {"type": "function", "function": {"name": "get_time"}}})
     assert reply.status_code == 200, reply.text
+
+
+def test_the_part_models_are_importable_where_text_part_was():
+    """TextPart took refusal and thinking parts before they got models of their own: those are exported beside it."""
+    from saguaro_dist.serve.protocol import RefusalPart, ThinkingPart
+
+    assert RefusalPart(type="refusal", refusal="no").value() == "no"
+    assert ThinkingPart(type="thinking", thinking="hm").value() == "hm"

@@ -19,22 +19,42 @@ from saguaro_dist.sampling_params import MAX_LOGPROBS
 from saguaro_dist.serve.chat_request import (MAX_TOOLS, REPLY_ROLE, TEMPLATE_VARIABLE_FIELDS, ChatCompletionRequest,
                                              ChatMessage, ChatPromptFields, FunctionCall, FunctionDefinition,
                                              NamedFunction, NamedToolChoice, PromptEnd, TextPart, Tool, ToolCallMessage)
-from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, OpenAIModel, Unsupported
+from saguaro_dist.serve.chat_content import ContentPart, RefusalPart, ThinkingPart  # TextPart took these types once
+from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, OpenAIModel, Unsupported, tagged_union
 from saguaro_dist.serve.sampling_request import (MAX_CHOICES, MAX_GENERATIONS, REQUEST_ID_PATTERN, JsonSchema,
                                                  ResponseFormat, SamplingRequest, StreamOptions, StructuredOutputs)
 
 __all__ = ["DEFAULT_COMPLETION_TOKENS", "MAX_CHOICES", "MAX_GENERATIONS", "MAX_TOOLS", "REPLY_ROLE",
            "REQUEST_ID_PATTERN", "TEMPLATE_VARIABLE_FIELDS", "ChatCompletionRequest", "ChatMessage",
            "ChatPromptFields", "CompletionRequest", "DetokenizeRequest", "FunctionCall", "FunctionDefinition",
-           "JsonSchema", "NamedFunction", "NamedToolChoice", "OpenAIModel", "PromptEnd", "ResponseFormat",
-           "SamplingRequest", "StreamOptions", "StructuredOutputs", "TextPart", "TokenizeRequest", "Tool",
+           "ContentPart", "JsonSchema", "NamedFunction", "NamedToolChoice", "OpenAIModel", "PromptEnd", "RefusalPart", "ResponseFormat",
+           "SamplingRequest", "StreamOptions", "StructuredOutputs", "TextPart", "ThinkingPart", "TokenizeRequest", "Tool",
            "ToolCallMessage", "Unsupported"]
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's and vLLM's max_tokens for a completions request without one
 
 
+def _prompt_form(value) -> str | None:
+    """The prompt form a client meant, by JSON kind: a list's first item that is neither a string nor null says
+    token ids (a number) or lists of them (a list); else texts. Lists lax pydantic read as token ids (["1", 2])
+    still are."""
+    if isinstance(value, str):
+        return "prompt:text"
+    if not isinstance(value, list):
+        return None
+    first = next((item for item in value if not isinstance(item, str) and item is not None), None)
+    return "prompt:texts" if first is None else "prompt:id_lists" if isinstance(first, list) else "prompt:ids"
+
+
+# Picked by _prompt_form, so a bad prompt's 400 is its own form's ("prompt.0: Input should be a valid integer"),
+# where a plain union reported its first member's ("prompt: Input should be a valid string")
+Prompt = tagged_union({"prompt:text": str, "prompt:ids": list[int], "prompt:texts": list[str],
+                       "prompt:id_lists": list[list[int]]}, _prompt_form,
+                      "a string, a list of token ids, or a list of either")
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
     # left out: OpenAI's and vLLM's 16 for completions (default_max_tokens; chat's is the rest of the context); null
     # asks for the rest here too
     max_tokens: int | None = Field(None, ge=0)
