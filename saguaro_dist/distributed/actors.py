@@ -1,12 +1,14 @@
 """Ray actors: the draft workers (each a gRPC DraftService) and the target's tensor-parallel ranks."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 
 import ray
@@ -18,7 +20,7 @@ from saguaro_dist.distributed.draft_server import default_bind_host, format_addr
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.placement import actor_threads
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
-from saguaro_dist.distributed.tp_runner import BroadcastRunner, run_follower
+from saguaro_dist.distributed.tp_runner import BroadcastRunner, RankLost, run_follower
 from saguaro_dist.engine.heap import freeze_startup_heap
 
 log = logging.getLogger(__name__)
@@ -88,9 +90,15 @@ def ask_actor(method, timeout_s: float):
 class TargetRank:
     """One tensor-parallel rank of the target. Rank 0 also runs the engine (round loop + batching)."""
 
-    def __init__(self, config: Config, rank: int):
+    def __init__(self, config: Config, rank: int, group_timeout: timedelta | None = None):
+        """group_timeout: the tensor-parallel group's, every rank's the same (None: torch's default for the
+        backend, 10 min on NCCL, 30 on gloo; a test's is seconds). A collective waiting longer fails (a hung
+        rank); rank 0 pings an idle group well within it (tp_runner.keepalive_s), so an idle engine keeps it."""
         torch.set_num_threads(actor_threads(config.target_threads))  # the CPUs it asked Ray for (placement.py)
         self.config, self.rank = config, rank
+        nccl = config.device.startswith("cuda")
+        self.group_timeout = group_timeout or (dist.constants.default_pg_nccl_timeout if nccl
+                                               else dist.constants.default_pg_timeout)
         self.updates: queue.Queue = queue.Queue()
         self.thread = None
         self._broadcast: BroadcastRunner | None = None  # rank 0 of a group: its runner, which notes a broken group
@@ -127,8 +135,14 @@ class TargetRank:
             return {}
         addresses = [d.for_client_on(self.node_id()) for d in drafts]
         revive = partial(self._revive_draft, draft_actors) if draft_actors else None
-        self._broadcast = None if group is None else BroadcastRunner(runner, group)
-        return self._start_engine(self._broadcast or runner, addresses, fit, revive)
+        self._broadcast = None if group is None else BroadcastRunner(runner, group, self.group_timeout)
+        try:
+            return self._start_engine(self._broadcast or runner, addresses, fit, revive)
+        except BaseException:
+            if self._broadcast is not None:  # (its pings would keep the followers following a rank 0 with no engine)
+                with contextlib.suppress(RankLost):
+                    self._broadcast.stop_followers()
+            raise
 
     def followed(self) -> None:
         """A follower: returns once it stopped following rank 0 (told to stop). The driver keeps this call
@@ -141,9 +155,9 @@ class TargetRank:
         world = self.config.tensor_parallel_size
         if world == 1:
             return None
-        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"
+        backend = "nccl" if self.config.device.startswith("cuda") else "gloo"  # (group_timeout's default follows it)
         store = self._store if self.rank == 0 else dist.TCPStore(*master, world, is_master=False, timeout=STORE_TIMEOUT)
-        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world)
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=world, timeout=self.group_timeout)
         return dist.group.WORLD
 
     def _start_engine(self, runner, draft_addresses: list[str], fit, revive=None) -> dict:
@@ -228,6 +242,7 @@ class TargetRank:
         return None
 
     def shutdown(self) -> None:
+        """(The STOP waits for a call the engine's thread may still run past stop()'s join: BroadcastRunner's lock.)"""
         if self.thread is not None:
             runner = self.thread.engine.target.runner
             self.thread.stop()

@@ -15,12 +15,22 @@ A group with a dead member never works again. Rank 0 notes it (BroadcastRunner.l
 when a replayed call fails and the ping after it does too (a collective inside the call may be what broke), and
 refuses every replayed call from then on; its poll carries the note, and the driver (cluster.RemoteEngine, which
 also watches every follower's actor) fails the engine, naming the rank that died.
+
+A follower waits for rank 0's next call inside a collective, which fails at the group's timeout (a follower that
+outwaited it ended, and the idle engine's next request failed). So rank 0 sends a PING whenever no call went out
+for a quarter of the timeout (keepalive_s), from its own thread: a lock keeps the engine's calls, the pings and
+the STOP one at a time on the group (two threads in collectives at once would interleave their messages). A dead
+follower fails a ping at once (or at the timeout, hung), so the group is noted broken while the engine idles; a
+dead rank 0 sends no pings, so its followers still end at the timeout.
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
+import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -28,16 +38,29 @@ log = logging.getLogger(__name__)
 
 REPLAYED = frozenset({"add", "free", "truncate", "extend", "rename", "copy_prefix", "load_lora", "evict_lora"})
 STOP = "__stop__"
-PING = "__ping__"  # after a replayed call failed: does the group still work? (followers skip it)
+PING = "__ping__"  # keep-alive, and after a replayed call failed: does the group still work? (followers skip it)
 FOLLOWER_LOST_EXIT = 70  # a follower's exit status once it lost lock-step (EX_SOFTWARE)
 
 
-class BroadcastRunner:
-    """Rank 0's view of a tensor-parallel runner: same API as ModelRunner."""
+def keepalive_s(group_timeout: timedelta) -> float:
+    """How long rank 0 may send nothing: a quarter of the group's timeout, so a ping late by a slow call or a
+    busy host still reaches a waiting follower well in time."""
+    return group_timeout.total_seconds() / 4
 
-    def __init__(self, runner, group):
+
+class BroadcastRunner:
+    """Rank 0's view of a tensor-parallel runner: same API as ModelRunner. Pings the followers while idle."""
+
+    def __init__(self, runner, group, group_timeout: timedelta = dist.constants.default_pg_timeout):
+        """group_timeout: the one the group was made with (init_process_group's; gloo's default here)."""
         self._runner, self._group = runner, group
         self.lost: str | None = None  # why the group broke (a rank died): no replayed call runs from then on
+        self._lock = threading.Lock()  # one thread at a time in the group's collectives (see the module's docstring)
+        self._last_sent = time.monotonic()
+        self._stopped = threading.Event()  # STOP sent (or being sent): no pings from then on
+        self._pinger = threading.Thread(target=self._keep_alive, args=(keepalive_s(group_timeout),), daemon=True,
+                                        name="saguaro-tp-keepalive")
+        self._pinger.start()
 
     def __getattr__(self, name):
         attr = getattr(self._runner, name)
@@ -45,15 +68,20 @@ class BroadcastRunner:
             return attr
 
         def replayed(*args, **kwargs):  # (add's lora_slot: every rank runs the sequence through the same slot)
-            self._broadcast(name, args, kwargs)
-            try:
-                return attr(*args, **kwargs)
-            except Exception:
-                self._broadcast(PING, (), {})  # RankLost if a collective inside the call failed on a dead rank
-                raise
+            with self._lock:  # (the call's own collectives, the layers' all-reduces, under it too)
+                try:
+                    self._broadcast(name, args, kwargs)
+                    try:
+                        return attr(*args, **kwargs)
+                    except Exception:
+                        self._broadcast(PING, (), {})  # RankLost if a collective inside the call failed on a dead rank
+                        raise
+                finally:
+                    self._last_sent = time.monotonic()  # the followers wait for the next call from here
         return replayed
 
     def _broadcast(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Under self._lock."""
         if self.lost:
             raise RankLost(self.lost)
         try:
@@ -63,9 +91,29 @@ class BroadcastRunner:
             log.error("tensor-parallel group broken: %s", self.lost)
             raise RankLost(self.lost) from err
 
+    def _keep_alive(self, interval_s: float) -> None:
+        """The pinger's thread: a PING once nothing went out for interval_s; ends with the group or at STOP."""
+        while not self._stopped.wait(max(0.0, self._last_sent + interval_s - time.monotonic())):
+            with self._lock:
+                if self._stopped.is_set() or self.lost:
+                    return
+                if time.monotonic() - self._last_sent < interval_s:
+                    continue  # a call went out meanwhile
+                try:
+                    self._broadcast(PING, (), {})
+                except RankLost:
+                    return  # (noted in self.lost: the next call and the poll report it)
+                finally:
+                    self._last_sent = time.monotonic()
+
     def stop_followers(self) -> None:
-        if not self.lost:  # (a broken group has nobody to tell)
-            self._broadcast(STOP, (), {})
+        """STOP, after any call in flight on the engine's thread (its join may have timed out); no pings after."""
+        with self._lock:
+            if self._stopped.is_set():
+                return
+            self._stopped.set()
+            if not self.lost:  # (a broken group has nobody to tell)
+                self._broadcast(STOP, (), {})
 
 
 class RankLost(RuntimeError):
