@@ -7,6 +7,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from saguaro_dist.engine.metrics import EngineMetrics, PositionCounts
 from saguaro_dist.serve.metrics import ServeMetrics
 
 pytest_plugins = ["test_serve_fixtures"]
@@ -73,7 +74,7 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
     delta = scrape_after(metrics_url, before, lambda d: metric(d, "e2e_request_latency_seconds_count") >= 1
                          and metric(d, "requests_total") >= 1 and metric(d, "e2e_request_latency_seconds_exact_sum_total")
                          > 0 and metric(d, "speculation_cache_misses_total")
-                         + metric(d, "speculation_cache_hits_total") >= 1)
+                         + metric(d, "speculation_cache_hits_total") >= 1 and metric(d, "spec_decode_num_drafts_total") >= 1)
     assert metric(delta, "requests_total") == 1
     assert metric(delta, "e2e_request_latency_seconds_count") == 1
     assert metric(delta, "request_success_total") == 1  # finished_reason "length" (vLLM's request_success)
@@ -83,6 +84,11 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
     assert metric(delta, "prompt_tokens_total") >= 1
     assert metric(delta, "drafted_tokens_total") >= metric(delta, "accepted_tokens_total")
     lookups = metric(delta, "speculation_cache_hits_total") + metric(delta, "speculation_cache_misses_total")
+    # vLLM's num_drafts (mean acceptance length 1 + accepted / drafts): K = 2 tokens at most per speculation;
+    # the per-position counts (summed over positions) are the accepted tokens, each at its one position
+    drafts = metric(delta, "spec_decode_num_drafts_total")
+    assert drafts <= metric(delta, "drafted_tokens_total") <= 2 * drafts
+    assert metric(delta, "accepted_tokens_per_position_total") == metric(delta, "accepted_tokens_total")
     assert lookups >= 1  # a tree every round on this server: every round after the first looks one up
     # The engine's clock when no reader saw the first token (a request answered in one piece).
     # (the exact sums: Ray's `_sum` is rebuilt from bucket midpoints, and both fell in one bucket by chance)
@@ -151,13 +157,14 @@ def test_histogram_means_are_exact_and_positions_count_from_zero(metrics_url):
     model = "fmet-exact-sums"
     metrics = ServeMetrics(model)  # in this process: a Ray driver, exported by the session node
     metrics.finished(RequestMetrics(num_prompt_tokens=4, accepted_per_position=[3, 1]), 0.25, "stop")
+    metrics.engine_times({"accepted_per_position": PositionCounts((5, 2))})  # (the engine's; not finished's)
     metrics.finished(None, 9000.0, "stop")
     metrics.first_token(0.5)
     exact = scrape_until(metrics_url, "e2e_request_latency_seconds_exact_sum_total", model, bool)
     assert sum(exact.values()) == pytest.approx(9000.25)
     assert sum(series(metrics_url, "time_to_first_token_seconds_exact_sum_total", model).values()) == 0.5
     positions = scrape_until(metrics_url, "accepted_tokens_per_position_total", model, bool)
-    assert positions == {(("position", "0"),): 3.0, (("position", "1"),): 1.0}
+    assert positions == {(("position", "0"),): 5.0, (("position", "1"),): 2.0}
 
 
 def test_prometheus_metrics_are_served_on_the_api_port(server):
@@ -197,3 +204,17 @@ def test_the_engines_info_lines_reach_the_replica_log(server):
     while "Avg prompt throughput" not in replica_log_lines(APP_NAME) and time.monotonic() < deadline:
         post(server, {"prompt": "the cat sat on", "max_tokens": 8, "temperature": 0})
     assert "Avg prompt throughput" in replica_log_lines(APP_NAME)
+
+
+def test_the_engine_counts_drafts_and_accepted_positions_per_row():
+    """vLLM's spec_decode_num_drafts and num_accepted_tokens_per_pos, counted where the engine verifies (aborted
+    requests' rounds too); a row with nothing drafted is no draft. The reporter's delta is per position."""
+    m = EngineMetrics()
+    for drafted, accepted in ((3, 0), (3, 2), (0, 0), (3, 3), (2, 2)):
+        m.record_draft(drafted, accepted)
+    assert (m.drafts, m.drafted_tokens, m.accepted_tokens) == (4, 11, 7)
+    earlier = m.accepted_per_position
+    assert earlier == (3, 3, 1) and sum(earlier) == m.accepted_tokens
+    m.record_draft(4, 4)
+    assert m.accepted_per_position - earlier == (1, 1, 1, 1)
+    assert earlier == (3, 3, 1)  # a snapshot, not the live counts

@@ -26,11 +26,16 @@ GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
 
 
 @pytest.fixture(scope="module")
-def long_llm(tmp_path_factory):
-    """An ar engine over a one-layer Llama with a context long enough for LONG tokens."""
-    path = write_llama(tmp_path_factory.mktemp("h11_long"), make_tokenizer(), hidden=32, layers=1, seed=3,
+def long_checkpoint(tmp_path_factory) -> str:
+    """A one-layer Llama with a context long enough for LONG tokens."""
+    return write_llama(tmp_path_factory.mktemp("h11_long"), make_tokenizer(), hidden=32, layers=1, seed=3,
                        max_positions=LONG + 256)
-    with LLM(model=path, mode="ar", max_model_len=LONG + 256, max_batch_size=2) as engine:
+
+
+@pytest.fixture(scope="module")
+def long_llm(long_checkpoint):
+    """An ar engine over long_checkpoint."""
+    with LLM(model=long_checkpoint, mode="ar", max_model_len=LONG + 256, max_batch_size=2) as engine:
         yield engine
 
 
@@ -38,12 +43,13 @@ def total(url: str, name: str, model: str, **labels) -> float:
     return sum(s.value for s in samples(url, name, model) if all(s.labels.get(k) == v for k, v in labels.items()))
 
 
-def hang_up_after_first_chunk(base: str, body: dict) -> None:
-    """A streamed request read until its first delta, then the connection closed."""
+def hang_up_after_first_chunk(base: str, body: dict, chunks: int = 1) -> None:
+    """A streamed request read until its first delta (or `chunks` of them), then the connection closed."""
     with httpx.Client(timeout=60) as client, client.stream("POST", base + "/completions", json=body) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
-            if line.startswith("data: {"):
+            chunks -= line.startswith("data: {")
+            if chunks <= 0:
                 return
 
 
@@ -139,7 +145,7 @@ def test_an_idle_replica_exports_its_engine_gauges(metrics_url, server, serving_
 def test_an_aborted_generation_counts_its_drafts_and_prefix_cache_lookups(metrics_url, reference_llm):
     """Drafted and accepted tokens, tree lookups and prefix-cache tokens counted only as a request finished:
     an aborted one's never (vLLM counts them per engine step). They come from the engine's own counters now,
-    prefix_cache_queries (vLLM's) among them."""
+    prefix_cache_queries (vLLM's) among them, and vLLM's num_drafts."""
     model = "fmet-abort-drafts"
     prompt = "the cat sat on the mat"
     body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
@@ -147,9 +153,36 @@ def test_an_aborted_generation_counts_its_drafts_and_prefix_cache_lookups(metric
     with serve_on_loopback(app) as base:
         hang_up_after_first_chunk(base, body)
         drafted = wait_for(metrics_url, "saguaro_drafted_tokens_total", model, bool)
+        drafts = wait_for(metrics_url, "saguaro_spec_decode_num_drafts_total", model, bool)
         queries = wait_for(metrics_url, "saguaro_prefix_cache_queries_total", model, bool)
         ended = wait_for(metrics_url, "saguaro_request_success_total", model, bool)
     assert {s.labels["finished_reason"] for s in ended} == {"abort"}  # (it did not run to its end)
-    assert sum(s.value for s in drafted) > 0
+    assert sum(s.value for s in drafted) >= sum(s.value for s in drafts) > 0
     prompt_tokens = wait_for(metrics_url, "saguaro_prompt_tokens_total", model, bool)
     assert sum(s.value for s in queries) == sum(s.value for s in prompt_tokens) > 0  # (no prefix cache here)
+
+
+@pytest.mark.slow
+def test_an_aborted_generations_accepted_positions_are_counted(metrics_url, long_checkpoint):
+    """Accepted tokens per draft position came only from finished requests: an aborted one's never (vLLM counts
+    them per engine step). Prompt lookup (ngram) accepts from the first round on a prompt of the greedy run's
+    own output, which repeats itself; the positions, from 0 as vLLM's, sum to the accepted tokens."""
+    from saguaro_dist import SamplingParams
+
+    model = "fmet-abort-positions"
+    with LLM(model=long_checkpoint, mode="ngram", k=2, max_model_len=LONG + 256, max_batch_size=2) as llm:
+        greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+        prompt = PROMPT + list(llm.generate(prompt_token_ids=[PROMPT], sampling_params=greedy)[0].outputs[0].token_ids)
+        body = {"prompt": prompt, "max_tokens": LONG, "ignore_eos": True, "stream": True, "temperature": 0}
+        app = create_app(llm, ServerOptions(model), ServeMetrics(model))
+        with serve_on_loopback(app) as base:
+            hang_up_after_first_chunk(base, body, chunks=3)
+            ended = wait_for(metrics_url, "saguaro_request_success_total", model, bool)
+            accepted = wait_for(metrics_url, "saguaro_accepted_tokens_total", model, bool)
+            positions = wait_for(metrics_url, "saguaro_accepted_tokens_per_position_total", model,
+                                 lambda found: sum(s.value for s in found) >= sum(s.value for s in accepted) > 0)
+            drafts = wait_for(metrics_url, "saguaro_spec_decode_num_drafts_total", model, bool)
+    assert {s.labels["finished_reason"] for s in ended} == {"abort"}
+    assert sum(s.value for s in positions) == sum(s.value for s in accepted) > 0
+    assert "0" in {s.labels["position"] for s in positions}
+    assert sum(s.value for s in drafts) >= sum(s.value for s in positions if s.labels["position"] == "0")

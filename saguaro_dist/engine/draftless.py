@@ -56,8 +56,7 @@ def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list
     gained = []
     for s, k, t in zip(seqs, accepted, bonus):
         s.metrics.record_round(drafted=len(s.speculation.tokens), accepted=k)
-        metrics.drafted_tokens += len(s.speculation.tokens)
-        metrics.accepted_tokens += k
+        metrics.record_draft(drafted=len(s.speculation.tokens), accepted=k)
         gained.append(s.speculation.tokens[:k].tolist() + [t])
         s.last_outcome = (k, t)
     return gained

@@ -152,7 +152,27 @@ class EngineMetrics:
     generated_tokens: int = 0    # output tokens of every request
     drafted_tokens: int = 0      # speculated tokens the target verified ...
     accepted_tokens: int = 0     # ... and of them, those it accepted
+    drafts: int = 0              # speculations (rows of >= 1 token) verified, vLLM's spec_decode_num_drafts ...
+    accepted_lengths: list[int] = field(default_factory=list)  # ... [k]: those of which it accepted exactly k tokens
     fallbacks: Counter = field(default_factory=Counter)
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        """One row's verified speculation, aborted requests' too (vLLM counts per engine step). One add per
+        row for the positions: accepted_per_position sums the lengths when read."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        if not drafted:
+            return
+        self.drafts += 1
+        if accepted >= len(self.accepted_lengths):
+            self.accepted_lengths += [0] * (accepted + 1 - len(self.accepted_lengths))
+        self.accepted_lengths[accepted] += 1
+
+    @property
+    def accepted_per_position(self) -> PositionCounts:
+        """[i]: speculations whose draft token at position i (from 0, vLLM's spec_decode_num_accepted_tokens_per_pos)
+        was accepted: those accepting more than i tokens. A snapshot: the engine thread counts on."""
+        return PositionCounts(accepted_per_position(list(self.accepted_lengths)))
 
     @property
     def coordination_s(self) -> float:
@@ -163,6 +183,22 @@ class EngineMetrics:
         out["fallbacks"] = dict(self.fallbacks)
         out["coordination_s"] = self.coordination_s
         return out
+
+
+def accepted_per_position(accepted_lengths: list[int]) -> list[int]:
+    """Counts of speculations by tokens accepted -> counts accepting each position: suffix sums past [0]."""
+    out, running = [], 0
+    for count in reversed(accepted_lengths[1:]):
+        running += count
+        out.append(running)
+    return out[::-1]
+
+
+class PositionCounts(tuple):
+    """Per-position counts; `later - earlier` is their growth (the serving reporter's delta of each counter)."""
+
+    def __sub__(self, earlier: tuple) -> PositionCounts:
+        return PositionCounts(now - (earlier[i] if i < len(earlier) else 0) for i, now in enumerate(self))
 
 
 class RoundTokens(str, enum.Enum):

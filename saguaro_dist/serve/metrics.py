@@ -44,13 +44,16 @@ ENGINE_TIME_COUNTERS = (
 ENGINE_COUNTERS = (
     ("drafted_tokens", "drafted"),
     ("accepted_tokens", "accepted"),
+    ("drafts", "num_drafts"),
     ("cache_hits", "cache_hits"),
     ("cache_misses", "cache_misses"),
     ("prefix_cache_hits", "cached_prompt_tokens"),
     ("prefix_cache_queries", "prefix_cache_queries"),
 )
-# Every EngineMetrics field the replica's reporter reads and reports the growth of.
-ENGINE_REPORTED_FIELDS = tuple(f for f, _, _ in ENGINE_TIME_COUNTERS) + tuple(f for f, _ in ENGINE_COUNTERS)
+# Every EngineMetrics field the replica's reporter reads and reports the growth of (the per-position counts:
+# a snapshot whose difference is elementwise, engine/metrics.py's PositionCounts).
+ENGINE_REPORTED_FIELDS = (tuple(f for f, _, _ in ENGINE_TIME_COUNTERS) + tuple(f for f, _ in ENGINE_COUNTERS)
+                          + ("accepted_per_position",))
 
 
 class _Noop:
@@ -101,6 +104,9 @@ class ServeMetrics:
                                   "(stop, length, abort, ...)", ("model", "finished_reason"))
         self.drafted = self._make(make, "counter", "saguaro_drafted_tokens", "Draft tokens proposed")
         self.accepted = self._make(make, "counter", "saguaro_accepted_tokens", "Draft tokens accepted")
+        # vLLM's spec_decode_num_drafts: mean acceptance length = 1 + accepted / drafts
+        self.num_drafts = self._make(make, "counter", "saguaro_spec_decode_num_drafts",
+                                     "Speculations verified (rows of one or more draft tokens)")
         self.accepted_at = self._make(make, "counter", "saguaro_accepted_tokens_per_position",
                                       "Draft tokens accepted, by position in the speculation", ("model", "position"))
         self.cache_hits = self._make(make, "counter", "saguaro_speculation_cache_hits", "Speculation cache hits")
@@ -154,6 +160,9 @@ class ServeMetrics:
             self._inc_positive(metric, delta.get(field))
         for field, attribute in ENGINE_COUNTERS:
             self._inc_positive(getattr(self, attribute), delta.get(field))
+        # position from 0, as vLLM's spec_decode_num_accepted_tokens_per_pos
+        for position, count in enumerate(delta.get("accepted_per_position") or ()):
+            self._inc_positive(self.accepted_at, count, {"position": str(position)})
 
     def finished(self, engine_metrics, seconds: float, finish_reason: str | None = None) -> None:
         self.e2e.observe(seconds)
@@ -162,13 +171,10 @@ class ServeMetrics:
             return
         self._phases(engine_metrics)
         self.prompt_tokens.inc(engine_metrics.num_prompt_tokens)
-        # (drafted, accepted, speculation cache and prefix cache counts: engine-wide, engine_times)
+        # (drafts, drafted and accepted tokens and their positions, speculation and prefix cache counts:
+        # engine-wide, engine_times)
         for kind, count in (engine_metrics.fallbacks or {}).items():
             self._inc_positive(self.fallbacks, count, {"kind": str(kind)})
-        # Optional engine field: accepted counts by speculation position, 0-based as vLLM's
-        # spec_decode_num_accepted_tokens_per_pos.
-        for position, count in enumerate(getattr(engine_metrics, "accepted_per_position", None) or ()):
-            self._inc_positive(self.accepted_at, count, {"position": str(position)})
 
     def _phases(self, m) -> None:
         """vLLM's phase histograms: the queue's once its prompt ran, the others' once its first token came (one
