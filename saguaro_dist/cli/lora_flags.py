@@ -6,7 +6,6 @@ arg (serve/lora_modules.py), checked here before Ray starts: each adapter is rea
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from saguaro_dist.lora_request import MAX_LORA_RANKS
 
@@ -32,7 +31,8 @@ def check_adapters_here(modules, config, embedded: bool) -> None:
     """Each --lora-modules adapter loads against the base model, before Ray starts: on the embedded cluster
     always (its replica reads the same paths); with --address only the folders on this machine (the others may
     live on the cluster alone, whose replicas check them as they start)."""
+    from saguaro_dist.model.lora_adapter import local_adapter_dir
     from saguaro_dist.serve.lora_modules import check_adapter
     for m in modules:
-        if embedded or Path(m.path).expanduser().is_dir():
+        if embedded or local_adapter_dir(m.path) is not None:
             check_adapter(m.name, m.path, config)

@@ -42,6 +42,10 @@ _UNSUPPORTED = {
     "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
     "use_qalora": "QA-LoRA is not supported",
 }
+# Phrases of the refusals below (and of the loader's Hub failure) that mean no adapter is at the path, vLLM's
+# LoRAAdapterNotFoundError: the target's check reaches a server as text (on Ray, rank 0's reply), which answers 404
+_NO_ADAPTER = ("is not a directory and not a Hugging Face id", f"no {CONFIG_FILE} in",
+               "the Hugging Face Hub could not provide it")
 _LAYERS = r"\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
 _KEY = re.compile(r"(?:base_model\.model\.)?model" + _LAYERS)
 # A multimodal checkpoint's (Gemma 3 4B-27B): PEFT names its language model's layers as transformers does (4.52+:
@@ -68,16 +72,38 @@ class LoRAAdapter:
         return replace(self, weights={key: (a.to(dtype), b.to(dtype)) for key, (a, b) in self.weights.items()})
 
 
+def local_adapter_dir(path) -> Path | None:
+    """The folder `path` names on this machine, or None: none there, or a path no folder can have (~user of an
+    unknown user: expanduser's RuntimeError; a name too long for the file system: is_dir's OSError)."""
+    try:
+        folder = Path(path).expanduser()
+        return folder if folder.is_dir() else None
+    except (RuntimeError, OSError):
+        return None
+
+
 def resolve_adapter_dir(path_or_id, revision: str | None = None) -> Path:
     """A local folder as it is; else a Hugging Face id, its adapter files fetched as the model loader does."""
     from saguaro_dist.model.loader import _hub_snapshot
-    path = Path(path_or_id).expanduser()
-    if path.is_dir():
-        return path
+    folder = local_adapter_dir(path_or_id)
+    if folder is not None:
+        return folder
     name = str(path_or_id)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+    if name.startswith((".", "/", "~")) or name.count("/") != 1 or _exists(name):
         raise ValueError(f"LoRA adapter {name!r} is not a directory and not a Hugging Face id (owner/name)")
     return _hub_snapshot(name, revision, [CONFIG_FILE, *WEIGHTS_FILES])
+
+
+def names_no_adapter(message: str) -> bool:
+    """Whether a refusal of an adapter says that none is at its path (rather than one that cannot run)."""
+    return any(phrase in message for phrase in _NO_ADAPTER)
+
+
+def _exists(path: str) -> bool:
+    try:
+        return Path(path).exists()
+    except OSError:  # a name too long for the file system: nothing is there
+        return False
 
 
 def load_adapter(path_or_id, cfg: ModelConfig, max_lora_rank: int, revision: str | None = None) -> LoRAAdapter:

@@ -10,10 +10,9 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Callable
-from pathlib import Path
 
 from saguaro_dist.lora_request import LoRARequest
-from saguaro_dist.model.lora_adapter import CONFIG_FILE, resolve_adapter_dir
+from saguaro_dist.model.lora_adapter import CONFIG_FILE, local_adapter_dir, names_no_adapter, resolve_adapter_dir
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.lora_modules import LoRAModule, check_adapter, check_lora_modules
 
@@ -32,6 +31,7 @@ class ServedModels:
         self._ids = itertools.count(1)
         self.adapters: dict[str, LoRARequest] = {}
         self._lock = asyncio.Lock()  # a load's check and its entry, one at a time (vLLM locks per name)
+        self._read_on_target: Callable[[str], None] | None = None  # check_on_target's `read`
         for m in modules:  # start-up: an adapter that cannot load fails the replica, with the reason
             check_adapter(m.name, m.path, config)
             self.adapters[m.name] = self._request(m.name, m.path, m.base_model_name)
@@ -39,7 +39,9 @@ class ServedModels:
     def check_on_target(self, read: Callable[[str], None]) -> None:
         """Each --lora-modules adapter read by `read` (LLM.check_lora_adapter: where the engine's target loads it,
         on Ray rank 0's node), as vLLM's workers load static adapters at start-up: one missing there fails
-        start-up, with the reason, instead of every request naming it."""
+        start-up, with the reason, instead of every request naming it. Runtime loads are read there too (vLLM's
+        load calls the engine's add_lora): one the target cannot read is refused, and no name serves it."""
+        self._read_on_target = read
         for request in self.adapters.values():
             try:
                 read(request.lora_path)
@@ -76,7 +78,8 @@ class ServedModels:
             if name in self.adapters and not load_inplace:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                     "adapter in place, set 'load_inplace' to True.")
-            await asyncio.to_thread(_check_runtime_adapter, name, path, self.config)
+            # off the event loop: reads files, and on Ray waits for rank 0's reply
+            await asyncio.to_thread(_check_runtime_adapter, name, path, self.config, self._read_on_target)
             self.adapters[name] = self._request(name, path)  # a fresh id: its weights are read again at next use
         log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
@@ -108,13 +111,13 @@ def _card(name: str, root: str, parent: str | None, max_model_len: int | None) -
             "max_model_len": max_model_len}
 
 
-def _check_runtime_adapter(name: str, path: str, config) -> None:
+def _check_runtime_adapter(name: str, path: str, config, read_on_target: Callable[[str], None] | None) -> None:
     """vLLM's answers: no adapter at the path (no such folder, one without adapter_config.json, a Hub id the Hub
-    cannot provide) is a 404 with LoRAAdapterNotFoundError's message; one that cannot run on this base model a 400
-    with the reason."""
+    cannot provide, a path no folder can have) is a 404 with LoRAAdapterNotFoundError's message; one that cannot
+    run on this base model a 400 with the reason. Here first, then where the engine's target reads it."""
     missing = APIError(404, f"Loading lora {name} failed: No adapter found for {path}")
-    local = Path(path).expanduser()
-    if local.is_dir():
+    local = local_adapter_dir(path)
+    if local is not None:
         if not (local / CONFIG_FILE).is_file():
             raise missing
     else:
@@ -126,3 +129,11 @@ def _check_runtime_adapter(name: str, path: str, config) -> None:
         check_adapter(name, path, config)
     except ValueError as err:
         raise APIError(400, str(err), param="lora_path") from None
+    try:
+        if read_on_target is not None:
+            read_on_target(path)
+    except ValueError as err:
+        where = f"LoRA adapter {name!r} ({path}) on the engine's target: {err}"
+        if names_no_adapter(str(err)):
+            raise APIError(404, f"{missing.message} ({where})") from None
+        raise APIError(400, where, param="lora_path") from None
