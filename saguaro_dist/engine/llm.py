@@ -141,14 +141,17 @@ class LLM(RequestInputs):
         return [request_output(request, [next(done) for _ in request.samples], self._token_texts)
                 for request in requests]
 
-    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search, over generate as vLLM's: prompts (strings or vLLM's {'prompt': ...} /
         {'prompt_token_ids': [...]} dicts), one BeamSearchOutput each, its best beams first (engine/beam_search.py).
-        lora_request: one for every prompt or a list of one per prompt, as generate's."""
+        lora_request: one for every prompt or a list of one per prompt, as generate's. use_tqdm: a bar of the
+        search's token steps; concurrency_limit: at most that many prompts searched at once (None: all), as vLLM's."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         _, ids, salts = self._prompt_ids(prompts, None)
-        return run_beam_search(self, ids, params, salts, self._lora_requests(lora_request, len(ids)))
+        return run_beam_search(self, ids, params, salts, self._lora_requests(lora_request, len(ids)), use_tqdm,
+                               concurrency_limit)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool | Callable = True, lora_request=None, chat_template: str | None = None,

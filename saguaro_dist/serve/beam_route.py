@@ -56,7 +56,10 @@ def beam_params(state: ServingState, body, job: Job) -> BeamSearchParams:
 
 
 async def search(state: ServingState, rule: BeamRule, job: Job) -> list[BeamSearchSequence]:
-    """One prompt's search: each step every live beam's one token through the engine, concurrently."""
+    """One prompt's search: each step every live beam's one token through the engine, concurrently. A
+    scores-only job (max_tokens 0 with echo) runs no step, as vLLM's search of 0 tokens: the prompt's beam."""
+    if job.scores_only:  # (its job's one hidden token is the plain path's engine detail, not a beam step)
+        return [BeamSearchSequence(list(job.prompt_ids), finish_reason="length")]
     instance, step = BeamSearchInstance.of_prompt(job.prompt_ids), rule.step_params()
     for number in range(rule.params.max_tokens):
         if not instance.beams:
@@ -76,7 +79,9 @@ def beam_result(state: ServingState, body, job: Job, beam: BeamSearchSequence, e
     ended = beam.finish_reason == "stop"
     shown = generated[:-1] if ended else generated
     ids = generated if ended and body.include_stop_str_in_output else shown
-    text = state.tokenizer.decode(shown, skip_special_tokens=job.params.skip_special_tokens)  # (a parser's choice)
+    # (a parser's choice; without a tokenizer the text is "", as the search-free reply's)
+    text = "" if state.tokenizer is None else state.tokenizer.decode(shown,
+                                                                      skip_special_tokens=job.params.skip_special_tokens)
     # (an entry's first key is the token its step sampled; the choice's logprobs read it as the beam's)
     entries = [{token: entry[token], **entry} for token, entry in zip(ids, entries)]
     return Finished(text=text, token_ids=ids, finish_reason=beam.finish_reason, logprobs=entries,
