@@ -27,7 +27,6 @@ from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
 from saguaro_dist.bench.serving import (Served, annotate_serving, check_stream, rate_label, run_to_end, serving_cell,
                                         serving_errors, stream_plan, summarize)
 from saguaro_dist.client import AsyncClient, SaguaroError
-from saguaro_dist.client._common import StreamAccumulator
 from saguaro_dist.engine.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -158,18 +157,18 @@ async def _request(client: AsyncClient, model: str, prompt: list[int], temperatu
         return err
 
 
-class ChunkClock(StreamAccumulator):
-    """The stream's parser, noting when each chunk with choices arrived: the text it yields skips a token whose
+class ChunkClock:
+    """When each chunk with choices arrived, read through the stream's chunks(): its text loop skips a token whose
     text is "" (a special token, half a UTF-8 character), which benchmark_serving times as any other."""
 
-    def __init__(self, status_code: int):
-        super().__init__(status_code)
+    def __init__(self):
         self.token_times: list[float] = []
 
-    def _take(self, chunk: dict) -> str:
-        if chunk.get("choices"):  # (the usage chunk's are [])
-            self.token_times.append(time.perf_counter())
-        return super()._take(chunk)
+    async def read(self, stream) -> None:
+        """The whole stream (its usage and speculation filled as a text loop fills them)."""
+        async for chunk in stream.chunks():
+            if chunk.get("choices"):  # (the usage chunk's are [])
+                self.token_times.append(time.perf_counter())
 
 
 async def _timed(client: AsyncClient, model: str, prompt: list[int], temperature: float, max_tokens: int,
@@ -177,9 +176,8 @@ async def _timed(client: AsyncClient, model: str, prompt: list[int], temperature
     sent = time.perf_counter()
     stream = await client.complete(prompt, model=model, max_tokens=max_tokens, temperature=temperature, seed=seed,
                                    stream=True, ignore_eos=True, stream_options={"include_usage": True})
-    clock = stream._acc = ChunkClock(stream._acc._status)  # the bench's clock in the SDK's stream, unchanged for users
-    async for _ in stream:
-        pass
+    clock = ChunkClock()
+    await clock.read(stream)
     times = clock.token_times
     if not times:
         raise ValueError("the stream ended without a chunk with choices (no token): a failed request, as "

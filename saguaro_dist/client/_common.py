@@ -12,7 +12,7 @@ from enum import Enum
 import httpx
 
 from saguaro_dist.client.errors import (APIConnectionError, APIResponseValidationError, APIStatusError,
-                                        StreamClosedError, status_error)
+                                        APITimeoutError, StreamClosedError, status_error)
 
 # The openai client's pool: httpx's default of 100 connections queued the 101st concurrent request in the client
 # (an async caller's, a serving bench's), its wait counted as the server's latency.
@@ -32,14 +32,20 @@ class StreamState(Enum):
 
 
 def start_reading(state: StreamState) -> bool:
-    """Whether a loop over the stream reads it. After its end another loop yields nothing, as openai's Stream
+    """Whether a read of the stream (a loop, next(), chunks()) goes on reading it: loops and next() share one reader,
+    so a loop after next() goes on where it left off. After its end another loop yields nothing, as openai's Stream
     (one generator, exhausted); after an early close the rest is gone, which a quiet end would hide."""
-    if state is StreamState.NEW:
+    if state in (StreamState.NEW, StreamState.READING):
         return True
     if state is StreamState.ENDED:
         return False
-    raise StreamClosedError("the stream was closed before its end (a loop left early, or close()) or another loop "
-                            "is reading it: its remaining deltas are gone; iterate a stream once")
+    raise StreamClosedError("the stream was closed before its end (a loop left early, or close()): its remaining "
+                            "deltas are gone; iterate a stream once, or take its first delta with next(stream)")
+
+
+# A stream's facts, read through Stream / AsyncStream: StreamAccumulator's public attributes
+STREAM_FACTS = frozenset({"texts", "finish_reason", "usage", "speculation", "model", "id", "tool_calls", "reasoning",
+                          "stop_reason"})
 
 
 def body_start(content: bytes | str) -> str:
@@ -232,7 +238,7 @@ class Completion:
 
 
 class StreamAccumulator:
-    """Parses SSE lines into text deltas and remembers the final chunk's facts. The deltas and facts are
+    """Parses SSE lines into chunks and remembers the final chunk's facts. The deltas (first_choice_text) and facts are
     choice 0's, as a Completion's are: with n > 1 or several prompts the chunks interleave choices, whose
     texts (and tool calls) must not run together. Every choice's text is kept in `texts`."""
 
@@ -254,7 +260,7 @@ class StreamAccumulator:
         self._unfinished: set[int] = set()  # choices that sent text but no finish_reason yet
 
     def feed(self, line: str):
-        """One line of the stream: at the blank line that ends an event, its text delta (possibly "") or DONE;
+        """One line of the stream: at the blank line that ends an event, its parsed chunk (its facts taken) or DONE;
         else None. An event's data lines join with newlines (SSE), so one JSON chunk may span several."""
         if line:
             self._field(line)
@@ -297,21 +303,19 @@ class StreamAccumulator:
             raise invalid_reply(self._status, "an event's data is not a JSON object", data)
         if is_error_body(chunk):  # (a truthy error only: a chunk may carry "error": null)
             raise stream_error(chunk)
-        return self._take(chunk)
+        self._take(chunk)
+        return chunk
 
-    def _take(self, chunk: dict) -> str:
+    def _take(self, chunk: dict) -> None:
         self.model, self.id = chunk.get("model", self.model), chunk.get("id", self.id)
         self.usage = chunk.get("usage") or self.usage
         self.speculation = chunk.get("speculation") or self.speculation
-        text = ""
         for choice in chunk.get("choices") or []:
-            delta = choice.get("delta") or {}
-            index, piece = choice.get("index", 0), delta.get("content") or choice.get("text") or ""
-            self.texts[index] = self.texts.get(index, "") + piece
+            delta, index = choice.get("delta") or {}, choice.get("index", 0)
+            self.texts[index] = self.texts.get(index, "") + choice_text(choice)
             self._track_finish(index, choice.get("finish_reason"))
             if index != 0:
                 continue
-            text += piece
             for call in delta.get("tool_calls") or []:
                 self._add_call_delta(call)
             thought = delta.get("reasoning") or delta.get("reasoning_content")
@@ -319,7 +323,6 @@ class StreamAccumulator:
                 self.reasoning = (self.reasoning or "") + thought
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
             self.stop_reason = choice.get("stop_reason", self.stop_reason) if choice.get("finish_reason") else self.stop_reason
-        return text
 
     def _track_finish(self, index: int, finish_reason) -> None:
         if finish_reason:
@@ -336,6 +339,23 @@ class StreamAccumulator:
         call["id"] = delta.get("id") or call["id"]
         call["function"]["name"] += function.get("name") or ""
         call["function"]["arguments"] += function.get("arguments") or ""
+
+
+def choice_text(choice: dict) -> str:
+    """A chunk's choice's new text: a chat delta's content, or a completion's text."""
+    return (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+
+
+def first_choice_text(chunk: dict) -> str:
+    """What a stream's text loop yields for a chunk: choice 0's new text (n > 1 interleaves the choices)."""
+    return "".join(choice_text(c) for c in chunk.get("choices") or [] if c.get("index", 0) == 0)
+
+
+def stream_transport_error(err: httpx.TransportError) -> APIConnectionError:
+    """A stream's read that failed: a server quiet for the timeout is a timeout, as before the stream began."""
+    if isinstance(err, httpx.TimeoutException):
+        return APITimeoutError(f"the stream timed out: {err}")
+    return APIConnectionError(f"the stream broke: {err}")
 
 
 def _parsed(data: str):

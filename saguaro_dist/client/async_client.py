@@ -8,65 +8,124 @@ import httpx
 from saguaro_dist.client import _common as common
 from saguaro_dist.client import _policy as policy
 from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
+from saguaro_dist.client._options import DEFAULT, RequestOptions, split_options
 from saguaro_dist.client._policy import RequestKind
 from saguaro_dist.client._sse import async_sse_lines
-from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
+from saguaro_dist.client.errors import status_error
 
 
 class AsyncStream:
-    """`async for` over choice 0's text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls`,
-    `reasoning`, and `texts` (every choice's text by index)."""
+    """`async for` over choice 0's text deltas (`chunks()`: every parsed chunk); afterwards `finish_reason`, `usage`,
+    `speculation`, `tool_calls`, `reasoning`, and `texts` (every choice's text by index). Loops, anext() and
+    chunks() share one reader; a loop left early closes the stream, as Stream's does."""
 
     def __init__(self, response: httpx.Response):
         self._response = response
         self._acc = StreamAccumulator(response.status_code)
         self._state = StreamState.NEW
+        self._reader = None  # the one async generator of parsed chunks, made at the first read
+        self._owner = None   # the loop that read last: the one whose early exit closes the stream (as Stream's)
 
-    async def __aiter__(self):
-        if not common.start_reading(self._state):
-            return  # read to its end already: nothing more, as openai's AsyncStream
-        self._state = StreamState.READING
-        try:
-            async for text in self._deltas():
-                yield text
-            self._state = StreamState.ENDED
-        except Exception:
-            self._state = StreamState.ENDED  # (a loop left early is a GeneratorExit: aclose() makes it CLOSED)
-            raise
-        finally:
-            await self.aclose()
+    @property
+    def response(self) -> httpx.Response:
+        return self._response
 
-    async def _deltas(self):
+    def __aiter__(self):
+        return self._texts()
+
+    async def _texts(self):
+        chunks = self.chunks()
         try:
-            async for line in async_sse_lines(self._response.aiter_bytes()):
-                text = self._acc.feed(line)
-                if text is DONE:
-                    return
+            async for chunk in chunks:
+                text = common.first_choice_text(chunk)
                 if text:
                     yield text
+        finally:
+            await chunks.aclose()  # a loop left early closes it, and the stream with it
+
+    async def __anext__(self) -> str:
+        """The next text delta, as openai's AsyncStream: the stream stays open for a loop to go on from there."""
+        self._owner = None
+        async for chunk in self._shared_reader():
+            text = common.first_choice_text(chunk)
+            if text:
+                return text
+        raise StopAsyncIteration
+
+    async def chunks(self):
+        """Every parsed chunk dict up to [DONE], as Stream.chunks()."""
+        token = self._owner = object()
+        try:
+            async for chunk in self._shared_reader():
+                yield chunk
+                self._owner = token
+        finally:
+            if self._owner is token:  # a loop dropped is closed later (asyncio's hook): by then another may read on
+                await self.aclose()
+
+    def _shared_reader(self):
+        if not common.start_reading(self._state):
+            return _nothing()  # read to its end already: nothing more, as openai's AsyncStream
+        if self._reader is None:
+            self._state, self._reader = StreamState.READING, self._read()
+        return self._reader
+
+    async def _read(self):
+        """The reader: its end or its error ends the stream (another loop yields nothing)."""
+        try:
+            async for chunk in self._parsed():
+                yield chunk
+        except Exception:
+            if self._state is StreamState.READING:
+                self._state = StreamState.ENDED
+            raise
+        finally:
+            await self._response.aclose()
+        if self._state is StreamState.READING:
+            self._state = StreamState.ENDED
+
+    async def _parsed(self):
+        try:
+            async for line in async_sse_lines(self._response.aiter_bytes()):
+                chunk = self._acc.feed(line)
+                if chunk is DONE:
+                    return
+                if chunk is not None:
+                    yield chunk
             self._acc.end()
-        except httpx.TimeoutException as err:  # the server went quiet mid-stream: a timeout, as before it began
-            raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
-            raise APIConnectionError(f"the stream broke: {err}") from err
+            if self._state is StreamState.CLOSED:  # aclose() while a read was under way: the end it asked for
+                return
+            raise common.stream_transport_error(err) from err
         except httpx.DecodingError as err:
             raise policy.decoding_error(self._response.status_code, err) from err
 
     def __getattr__(self, name):
-        if name.startswith("_"):  # never recurse while half-built
-            raise AttributeError(name)
-        return getattr(self._acc, name)
+        if name in common.STREAM_FACTS:
+            return getattr(self._acc, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     async def aclose(self) -> None:
         if self._state is not StreamState.ENDED:
             self._state = StreamState.CLOSED
         await self._response.aclose()  # closing early tells a saguaro server to stop generating
+        if self._reader is not None and not self._reader.ag_running:
+            await self._reader.aclose()  # a loop under way (aclose() inside it) ends quietly at its next step
+
+    async def close(self) -> None:
+        """openai's AsyncStream.close(): aclose()."""
+        await self.aclose()
 
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
         await self.aclose()
+
+
+async def _nothing():
+    return
+    yield  # (an async generator of nothing)
 
 
 class AsyncClient:
@@ -83,16 +142,18 @@ class AsyncClient:
 
     async def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                        stop=None, seed=None, stream: bool = False, **extra) -> Completion | AsyncStream:
+        extra, options = split_options(extra)
         body = {"prompt": prompt, **common.sampling_fields(model or self.model, max_tokens, temperature, top_p,
                                                           top_k, stop, seed, extra)}
-        return await self._generate("/completions", body, stream)
+        return await self._generate("/completions", body, stream, options)
 
     async def chat(self, messages, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                    stop=None, seed=None, stream: bool = False, **extra) -> Completion | AsyncStream:
+        extra, options = split_options(extra)
         body = {"messages": common.chat_messages(messages),
                 **common.sampling_fields(model or self.model, max_tokens, temperature, top_p, top_k, stop, seed,
                                          extra)}
-        return await self._generate("/chat/completions", body, stream)
+        return await self._generate("/chat/completions", body, stream, options)
 
     async def models(self) -> list[str]:
         response = await self._send("GET", self._root + "/models", kind=RequestKind.READ_ONLY)
@@ -131,17 +192,17 @@ class AsyncClient:
         body = {"lora_name": common.lora_field("lora_name", lora_name)}
         return (await self._send("POST", self._root + "/unload_lora_adapter", body, kind=RequestKind.STATEFUL)).text
 
-    async def _generate(self, path: str, body: dict, stream: bool) -> Completion | AsyncStream:
-        kind = RequestKind.GENERATION
+    async def _generate(self, path: str, body: dict, stream: bool, options: RequestOptions) -> Completion | AsyncStream:
+        kind, url = RequestKind.GENERATION, self._root + path
         if stream:
             body = {**body, "stream": True}
-            return AsyncStream(await self._send("POST", self._root + path, body, kind=kind, stream=True))
-        return Completion.from_body(common.json_object(await self._send("POST", self._root + path, body, kind=kind)))
+            return AsyncStream(await self._send("POST", url, body, kind=kind, stream=True, options=options))
+        return Completion.from_body(common.json_object(await self._send("POST", url, body, kind=kind, options=options)))
 
     async def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
-                    stream: bool = False) -> httpx.Response:
+                    stream: bool = False, options: RequestOptions = DEFAULT) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):
-            response, error, headers = await self._attempt(method, url, body, stream)
+            response, error, headers = await self._attempt(method, url, body, stream, options)
             if response is not None:
                 return response
             if attempt == self._retry.max_retries or not policy.should_retry(kind, error, headers):
@@ -149,10 +210,10 @@ class AsyncClient:
             await asyncio.sleep(self._retry.delay(attempt, headers))
         raise AssertionError("unreachable")
 
-    async def _attempt(self, method, url, body, stream):
+    async def _attempt(self, method, url, body, stream, options):
         """As Client._attempt: always streamed, a whole reply read here."""
         try:
-            response = await self._follow(self._http.build_request(method, url, json=body))
+            response = await self._follow(self._http.build_request(method, url, json=body, **options.request_args()))
         except httpx.TransportError as err:
             return None, policy.transport_error(method, url, err), None
         if not response.is_success:

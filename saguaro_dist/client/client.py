@@ -1,6 +1,7 @@
 """Blocking client for saguaro servers and any OpenAI-compatible server."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import httpx
@@ -8,58 +9,105 @@ import httpx
 from saguaro_dist.client import _common as common
 from saguaro_dist.client import _policy as policy
 from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
+from saguaro_dist.client._options import DEFAULT, RequestOptions, split_options
 from saguaro_dist.client._policy import RequestKind
 from saguaro_dist.client._sse import sse_lines
-from saguaro_dist.client.errors import APIConnectionError, APITimeoutError, status_error
+from saguaro_dist.client.errors import status_error
 
 
 class Stream:
-    """Iterates choice 0's text deltas; afterwards `finish_reason`, `usage`, `speculation`, `tool_calls` and `reasoning`
-    hold what the stream said, and `texts` every choice's text by index."""
+    """Iterates choice 0's text deltas (`chunks()`: every parsed chunk); afterwards `finish_reason`, `usage`,
+    `speculation`, `tool_calls` and `reasoning` hold what the stream said, and `texts` every choice's text by index.
+    Loops, next() and chunks() share one reader; a loop left early closes the stream (a saguaro server stops
+    generating), as does close()."""
 
     def __init__(self, response: httpx.Response):
         self._response = response
         self._acc = StreamAccumulator(response.status_code)
         self._state = StreamState.NEW
+        self._reader = None  # the one generator of parsed chunks, made at the first read
+        self._owner = None   # the loop (chunks() view) that read last: the one whose early exit closes the stream
+
+    @property
+    def response(self) -> httpx.Response:
+        return self._response
 
     def __iter__(self):
-        if not common.start_reading(self._state):
-            return  # read to its end already: nothing more, as openai's Stream
-        self._state = StreamState.READING
-        try:
-            yield from self._deltas()
-            self._state = StreamState.ENDED
-        except Exception:
-            self._state = StreamState.ENDED  # (a loop left early is a GeneratorExit: close() makes it CLOSED)
-            raise
-        finally:
-            self.close()
-
-    def _deltas(self):
-        try:
-            for line in sse_lines(self._response.iter_bytes()):
-                text = self._acc.feed(line)
-                if text is DONE:
-                    return
+        chunks = self.chunks()
+        with contextlib.closing(chunks):  # a loop left early closes it, and the stream with it
+            for chunk in chunks:
+                text = common.first_choice_text(chunk)
                 if text:
                     yield text
+
+    def __next__(self) -> str:
+        """The next text delta, as openai's Stream: the stream stays open for a loop to go on from there."""
+        self._owner = None
+        for chunk in self._shared_reader():
+            text = common.first_choice_text(chunk)
+            if text:
+                return text
+        raise StopIteration
+
+    def chunks(self):
+        """Every parsed chunk dict up to [DONE]: those without text too (role-only, tool-call, usage-only). It
+        fills the same facts as the text loop, and shares its reader and its read-once and close rules."""
+        token = self._owner = object()
+        try:
+            for chunk in self._shared_reader():
+                yield chunk
+                self._owner = token  # (resumed: this loop reads on)
+        finally:
+            if self._owner is token:  # ended, or left early; not a loop dropped after another one went on reading
+                self.close()
+
+    def _shared_reader(self):
+        if not common.start_reading(self._state):
+            return iter(())  # read to its end already: nothing more, as openai's Stream
+        if self._reader is None:
+            self._state, self._reader = StreamState.READING, self._read()
+        return self._reader
+
+    def _read(self):
+        """The reader: its end or its error ends the stream (another loop yields nothing)."""
+        try:
+            yield from self._parsed()
+        except Exception:
+            if self._state is StreamState.READING:
+                self._state = StreamState.ENDED
+            raise
+        finally:
+            self._response.close()
+        if self._state is StreamState.READING:
+            self._state = StreamState.ENDED
+
+    def _parsed(self):
+        try:
+            for line in sse_lines(self._response.iter_bytes()):
+                chunk = self._acc.feed(line)
+                if chunk is DONE:
+                    return
+                if chunk is not None:
+                    yield chunk
             self._acc.end()
-        except httpx.TimeoutException as err:  # the server went quiet mid-stream: a timeout, as before it began
-            raise APITimeoutError(f"the stream timed out: {err}") from err
         except httpx.TransportError as err:
-            raise APIConnectionError(f"the stream broke: {err}") from err
+            if self._state is StreamState.CLOSED:  # close() while a read was under way: the end it asked for
+                return
+            raise common.stream_transport_error(err) from err
         except httpx.DecodingError as err:
             raise policy.decoding_error(self._response.status_code, err) from err
 
     def __getattr__(self, name):
-        if name.startswith("_"):  # never recurse while half-built
-            raise AttributeError(name)
-        return getattr(self._acc, name)  # finish_reason, usage, speculation, model, id
+        if name in common.STREAM_FACTS:  # finish_reason, usage, speculation, model, id, ...
+            return getattr(self._acc, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def close(self) -> None:
         if self._state is not StreamState.ENDED:
             self._state = StreamState.CLOSED
         self._response.close()  # closing early tells a saguaro server to stop generating
+        if self._reader is not None and not self._reader.gi_running:
+            self._reader.close()  # a loop under way (close() inside it) ends quietly at its next step
 
     def __enter__(self):
         return self
@@ -90,18 +138,21 @@ class Client:
 
     def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                  stop=None, seed=None, stream: bool = False, **extra) -> Completion | Stream:
-        """A text completion (`/v1/completions`); extra keyword arguments go into the request body."""
+        """A text completion (`/v1/completions`); extra keyword arguments go into the request body, but openai's
+        per-request options: extra_body (merged into the body), extra_headers, extra_query, timeout."""
+        extra, options = split_options(extra)
         body = {"prompt": prompt, **common.sampling_fields(model or self.model, max_tokens, temperature, top_p,
                                                           top_k, stop, seed, extra)}
-        return self._generate("/completions", body, stream)
+        return self._generate("/completions", body, stream, options)
 
     def chat(self, messages, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
              stop=None, seed=None, stream: bool = False, **extra) -> Completion | Stream:
         """A chat completion; `messages` is OpenAI's list of {"role", "content"} or one user string."""
+        extra, options = split_options(extra)
         body = {"messages": common.chat_messages(messages),
                 **common.sampling_fields(model or self.model, max_tokens, temperature, top_p, top_k, stop, seed,
                                          extra)}
-        return self._generate("/chat/completions", body, stream)
+        return self._generate("/chat/completions", body, stream, options)
 
     def models(self) -> list[str]:
         response = self._send("GET", self._root + "/models", kind=RequestKind.READ_ONLY)
@@ -140,16 +191,16 @@ class Client:
         body = {"lora_name": common.lora_field("lora_name", lora_name)}
         return self._send("POST", self._root + "/unload_lora_adapter", body, kind=RequestKind.STATEFUL).text
 
-    def _generate(self, path: str, body: dict, stream: bool) -> Completion | Stream:
-        kind = RequestKind.GENERATION
+    def _generate(self, path: str, body: dict, stream: bool, options: RequestOptions) -> Completion | Stream:
+        kind, url = RequestKind.GENERATION, self._root + path
         if stream:
-            return Stream(self._send("POST", self._root + path, {**body, "stream": True}, kind=kind, stream=True))
-        return Completion.from_body(common.json_object(self._send("POST", self._root + path, body, kind=kind)))
+            return Stream(self._send("POST", url, {**body, "stream": True}, kind=kind, stream=True, options=options))
+        return Completion.from_body(common.json_object(self._send("POST", url, body, kind=kind, options=options)))
 
     def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
-              stream: bool = False) -> httpx.Response:
+              stream: bool = False, options: RequestOptions = DEFAULT) -> httpx.Response:
         for attempt in range(self._retry.max_retries + 1):
-            response, error, headers = self._attempt(method, url, body, stream)
+            response, error, headers = self._attempt(method, url, body, stream, options)
             if response is not None:
                 return response
             if attempt == self._retry.max_retries or not policy.should_retry(kind, error, headers):
@@ -157,12 +208,12 @@ class Client:
             time.sleep(self._retry.delay(attempt, headers))
         raise AssertionError("unreachable")
 
-    def _attempt(self, method, url, body, stream):
+    def _attempt(self, method, url, body, stream, options):
         """(response, None, None) on success, else (None, error, the reply's headers: Retry-After). The reply is
         always streamed and a whole one read here, so an error body that breaks off is the same typed (retried)
         error whether the caller asked for a stream or not."""
         try:
-            response = self._follow(self._http.build_request(method, url, json=body))
+            response = self._follow(self._http.build_request(method, url, json=body, **options.request_args()))
         except httpx.TransportError as err:
             return None, policy.transport_error(method, url, err), None
         if not response.is_success:

@@ -1,6 +1,8 @@
 """Typed errors: each carries the server's message, HTTP status and the OpenAI error fields."""
 from __future__ import annotations
 
+import json
+
 
 class SaguaroError(Exception):
     """Base of every error the client raises."""
@@ -80,8 +82,8 @@ def status_error(status_code: int, body) -> APIStatusError:
     error = body.get("error") if isinstance(body, dict) else None
     if error is None and isinstance(body, dict) and "message" in body:
         error = body  # vLLM's flat ErrorResponse: {"object": "error", "message", "type", "param", "code"}
-    if isinstance(error, dict):
-        message, fields = str(error.get("message", "")), error
+    if isinstance(error, dict):  # without a message, the error itself: an empty one said nothing ('429: ')
+        message, fields = str(error.get("message") or json.dumps(error, separators=(",", ":"), default=str)), error
     else:
         message, fields = (str(error or body) if body else f"HTTP {status_code}"), {}
     cls = InternalServerError if status_code >= 500 else _BY_STATUS.get(status_code, APIStatusError)
