@@ -11,8 +11,9 @@ from saguaro_dist.engine.stats_log import StatsLogger
 
 def test_the_line_reports_the_interval_not_the_totals():
     stats = StatsLogger(10.0)
-    stats._last = EngineMetrics(prefix_cache_queries=100, generated_tokens=50, rounds=10, fallbacks=Counter(fast=1))
-    now = EngineMetrics(prefix_cache_queries=300, prefix_cache_hits=150, generated_tokens=250, drafted_tokens=160,
+    stats._last = EngineMetrics(prompt_tokens=100, prefix_cache_queries=100, generated_tokens=50, rounds=10,
+                                fallbacks=Counter(fast=1))
+    now = EngineMetrics(prompt_tokens=300, prefix_cache_queries=300, prefix_cache_hits=150, generated_tokens=250, drafted_tokens=160,
                         accepted_tokens=120, rounds=50, cache_hits=30, cache_misses=10, fallbacks=Counter(fast=3, neural=1))
     load = EngineLoad(num_running=3, num_waiting=2, kv_cache_tokens=123, kv_cache_capacity_tokens=1000)
     line = stats.line(now, load, seconds=2.0)

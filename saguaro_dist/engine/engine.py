@@ -15,7 +15,7 @@ from saguaro_dist.engine.rounds import build_loop
 from saguaro_dist.engine.sequence import FinishReason, Sequence, SeqStatus
 from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.engine.target import TargetScorer
-from saguaro_dist.model.prefix_cache import MIN_REUSE, common_prefix_len
+from saguaro_dist.model.prefix_cache import MIN_REUSE, common_prefix_len, reusable_len
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +199,13 @@ class Engine(Committing):
         copies it (prefix caching's live sources) instead of computing it alongside."""
         if not self.config.enable_prefix_caching or s.params.prompt_logprobs is not None:
             return False
-        # Lengths first: a step admitting a batch of short prompts would else compare every pair of them.
+        # Worth waiting for: what s could copy once x's prefill ends (start()'s rule: reusable_len) beyond what x
+        # holds now. Lengths first: a step admitting a batch of short prompts would else compare every pair of them.
         n = len(s.prompt_token_ids)
-        return any(x.cache_namespace == s.cache_namespace and min(n, len(x.prompt_token_ids)) - x.prefilled >= MIN_REUSE
-                   and common_prefix_len(x.prompt_token_ids, s.prompt_token_ids) - x.prefilled >= MIN_REUSE
+        return any(x.cache_namespace == s.cache_namespace
+                   and reusable_len(min(n, len(x.prompt_token_ids)), n) - x.prefilled >= MIN_REUSE
+                   and reusable_len(common_prefix_len(x.prompt_token_ids, s.prompt_token_ids), n)
+                   - x.prefilled >= MIN_REUSE
                    for x in self.prefilling)
 
     def _start(self, s: Sequence) -> list[Update]:
@@ -220,8 +223,11 @@ class Engine(Committing):
             s.status = SeqStatus.WAITING  # it holds nothing (TargetScorer.start)
             raise
         self.prefilling.append(s)
-        self.metrics.prefix_cache_queries += len(s.prompt_token_ids)
-        self.metrics.prefix_cache_hits += s.prefilled
+        self.metrics.prompt_tokens += len(s.prompt_token_ids)
+        # Queries: prompts that looked the cache up (vLLM's record_prefix_cache_stats; not off, not prompt_logprobs)
+        if self.config.enable_prefix_caching and s.params.prompt_logprobs is None:
+            self.metrics.prefix_cache_queries += len(s.prompt_token_ids)
+            self.metrics.prefix_cache_hits += s.prefilled
         return []
 
     def _prefill_in_budget(self) -> list[Sequence]:

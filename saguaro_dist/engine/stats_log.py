@@ -47,10 +47,10 @@ class StatsLogger:
 
     def line(self, metrics: EngineMetrics, load: EngineLoad, seconds: float) -> str:
         d = {f: getattr(metrics, f) - getattr(self._last, f) for f in (
-            "prefix_cache_queries", "prefix_cache_hits", "generated_tokens", "drafted_tokens", "accepted_tokens",
+            "prompt_tokens", "prefix_cache_queries", "prefix_cache_hits", "generated_tokens", "drafted_tokens", "accepted_tokens",
             "rounds", "cache_hits", "cache_misses")}
         fallbacks = dict(metrics.fallbacks - self._last.fallbacks)
-        return (f"Avg prompt throughput: {d['prefix_cache_queries'] / seconds:.1f} tokens/s, "
+        return (f"Avg prompt throughput: {d['prompt_tokens'] / seconds:.1f} tokens/s, "
                 f"Avg generation throughput: {d['generated_tokens'] / seconds:.1f} tokens/s, "
                 f"Running: {load.num_running} reqs, Waiting: {load.num_waiting} reqs, "
                 f"KV cache usage: {100 * load.kv_cache_usage:.1f}%, "

@@ -14,7 +14,8 @@ sequences of the same namespace are its sources. The caller builds it (engine/se
 vLLM's cache_salt), so that one tenant's time to first token never shows whether another sent a prompt.
 
 Kept rows only ever use rows the pool has spare: a new sequence that finds none evicts the least
-recently used entry rather than growing the pool (which on CUDA would drop every captured graph).
+recently used entry other than its match rather than growing the pool (which on CUDA would drop every
+captured graph); where the match is the only kept row, the new sequence takes that row over.
 """
 from __future__ import annotations
 
@@ -44,24 +45,51 @@ class PrefixCache:
         namespace holds (never the last token: its logits are what a prefill is for). live: the caller's
         sequences in the runner -> their tokens (valid as far as each one's KV goes). Returns how many
         positions it holds. lora_slot: the runner's adapter slot it runs (its namespace must name the adapter)."""
+        source, length = self._lookup(tokens, live or {}, namespace) if self.enabled else (None, 0)
         if self.enabled and self.runner.spare_rows() == 0 and self.entries:
-            self._evict()
+            # The match is looked up first and spared: evicting the LRU entry blindly lost a hit that was the
+            # entry itself (a pool of max_batch_size rows, as CUDA's, then never hit a repeated prompt).
+            if not self._evict(spare=source):  # the match is the only kept row: seq_id takes it over
+                if self.runner.lora_slot(source) == lora_slot:
+                    return self._take_over(source, seq_id, length, namespace)
+                self._evict()  # (KV of another adapter slot: never reused)
+                source, length = None, 0
         if lora_slot is None:  # (the no-LoRA call stays the plain add every runner has)
             self.runner.add(seq_id)
         else:
             self.runner.add(seq_id, lora_slot=lora_slot)
         self.namespaces[seq_id] = namespace
-        if not self.enabled or len(tokens) <= self.min_reuse:
-            return 0
-        source, length = self._longest_match(tokens, self._candidates(live or {}, namespace))
-        length = min(length, len(tokens) - 1)
-        if length < self.min_reuse:
+        if not length:
             return 0
         if source in self.entries:
             self.entries.move_to_end(source)
         try:
             self.runner.copy_prefix(source, seq_id, length)
         except BaseException:  # (out of room for the copy) a failed start holds nothing: the id can start again
+            self.namespaces.pop(seq_id, None)
+            self.runner.free(seq_id)
+            raise
+        return length
+
+    def _lookup(self, tokens: Sequence[int], live: Mapping[Hashable, Sequence[int]], namespace: Hashable
+                ) -> tuple[Hashable, int]:
+        """The source to copy from and how many positions (None, 0: none worth a copy)."""
+        if reusable_len(len(tokens), len(tokens), self.min_reuse) == 0:  # too short to take any: no scan
+            return None, 0
+        source, match = self._longest_match(tokens, self._candidates(live, namespace))
+        length = reusable_len(match, len(tokens), self.min_reuse)
+        return (source, length) if length else (None, 0)
+
+    def _take_over(self, key: Hashable, seq_id: Hashable, length: int, namespace: Hashable) -> int:
+        """seq_id takes the kept entry `key`'s row, cut to `length` positions: the pool has no other row to copy
+        it into (the row's KV is the prefix's already: nothing is copied; same namespace, same adapter slot)."""
+        self.runner.rename(key, seq_id)
+        del self.entries[key]
+        self.namespaces.pop(key, None)
+        self.namespaces[seq_id] = namespace
+        try:
+            self.runner.truncate(seq_id, length)
+        except BaseException:  # a failed start holds nothing
             self.namespaces.pop(seq_id, None)
             self.runner.free(seq_id)
             raise
@@ -97,10 +125,15 @@ class PrefixCache:
             self.namespaces.pop(key, None)
             self.runner.free(key)
 
-    def _evict(self) -> None:
-        key, _ = self.entries.popitem(last=False)
+    def _evict(self, spare: Hashable = None) -> bool:
+        """Free the least recently used kept entry other than `spare`; False if there is none."""
+        key = next((k for k in self.entries if k != spare), None)
+        if key is None:
+            return False
+        del self.entries[key]
         self.namespaces.pop(key, None)
         self.runner.free(key)
+        return True
 
     def _candidates(self, live: Mapping[Hashable, Sequence[int]], namespace: Hashable
                     ) -> Iterable[tuple[Hashable, np.ndarray]]:
@@ -123,6 +156,14 @@ class PrefixCache:
             if match > best_len:
                 best, best_len = key, match
         return best, best_len
+
+
+def reusable_len(match: int, prompt_len: int, min_reuse: int = MIN_REUSE) -> int:
+    """Positions of a prompt a source sharing `match` tokens with it lends: never the prompt's last token (its
+    logits are what a prefill is for), and none below min_reuse. One rule for PrefixCache.start and the engine's
+    wait for a prefix about to be computed (engine._prefix_coming), so the two cannot drift apart."""
+    length = min(match, prompt_len - 1)
+    return length if length >= min_reuse else 0
 
 
 def common_prefix_len(a: np.ndarray | Sequence[int], b: np.ndarray | Sequence[int]) -> int:

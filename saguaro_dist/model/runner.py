@@ -166,12 +166,16 @@ class ModelRunner:
         return len(self.pool.free_rows)
 
     def rename(self, seq_id: Hashable, new_id: Hashable) -> None:
-        """The same row and KV under another id (the prefix cache keeps finished rows this way)."""
+        """The same row and KV under another id: a live row renamed is kept (the prefix cache keeps finished rows
+        this way), a kept one renamed is live again (a new sequence takes the row over)."""
         if new_id in self._seqs:
             raise ValueError(f"sequence {new_id!r} already exists")
         self._seqs[new_id] = self._seq(seq_id)
         del self._seqs[seq_id]
-        self._kept.add(new_id)
+        if seq_id in self._kept:
+            self._kept.discard(seq_id)
+        else:
+            self._kept.add(new_id)
         self._fit_capacity()
 
     def _fit_capacity(self) -> None:
