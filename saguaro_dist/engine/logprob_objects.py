@@ -6,6 +6,7 @@ StreamDelta keep the plain entries (the HTTP layer shapes its own). No torch her
 imports light."""
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,17 +28,21 @@ def logprob_value(value: Logprob | float) -> float:
 
 
 def entry_ranks(entry: dict[int, float], top_n: int) -> dict[int, int | None]:
-    """Each token's rank in an engine entry (the chosen token, then the row's top_n; the chosen one once).
-    Holding more than top_n tokens, the chosen one is outside the top and keeps the engine's rank (vLLM's:
-    how many tokens are at least as likely); the top ones rank by their order, 1 for the likeliest (as the
-    HTTP server ranks them, serve/responses._ranks)."""
-    ids = list(entry)
-    outside = len(ids) > top_n
-    top = ids[1:] if outside else ids
-    ranks: dict[int, int | None] = {t: i + 1 for i, t in enumerate(sorted(top, key=lambda t: -entry[t]))}
-    if outside:
-        ranks[ids[0]] = getattr(entry, "rank", None)  # (None from an engine that sent none)
-    return ranks
+    """Each token's rank in an engine entry (the chosen token, then the row's top_n in topk order; the chosen
+    one once), 1 for the likeliest. The chosen token always has the engine's rank (vLLM's: how many tokens are
+    at least as likely, itself included), so a tie ranks it last among its equals, inside the top or out; the
+    others take 1, 2, ... in topk order, skipping the chosen token's rank, so no two share one (as vLLM's).
+    An entry without a rank (an engine that sent none): counted among the entry's own tokens inside the top,
+    None outside. The HTTP server ranks the same way (serve/responses._ranks)."""
+    if not entry:
+        return {}
+    chosen, *others = entry
+    rank = getattr(entry, "rank", None)
+    if rank is None and len(entry) <= top_n:
+        rank = sum(lp >= entry[chosen] for lp in entry.values())
+    free_ranks = (r for r in itertools.count(1) if r != rank)
+    ranked = sorted(others, key=lambda t: -entry[t])  # stable: topk's order stays among exact ties
+    return {chosen: rank, **dict(zip(ranked, free_ranks))}
 
 
 def logprob_entry(entry: dict[int, float], top_n: int, decode: Decode | None) -> dict[int, Logprob]:

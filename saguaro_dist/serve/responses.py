@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import time
 
+from saguaro_dist.engine.logprob_objects import entry_ranks
 from saguaro_dist.serve.protocol import REPLY_ROLE
 
 _STAT_COUNTS = ("num_prompt_tokens", "num_generated_tokens", "rounds", "drafted_tokens", "accepted_tokens",
@@ -63,21 +64,19 @@ def _prompt_entry(tokenizer, entry: dict[int, float], top_n: int) -> dict[str, d
             for t, lp in entry.items()}
 
 
-def _ranks(entry: dict[int, float], top_n: int) -> dict[int, int]:
-    """Rank 1 for the likeliest. An entry is the prompt token, then the top_n (the prompt token once): holding
-    more than top_n, it lists the prompt token apart, outside the top ones, ranked by the engine (the entry's
-    `rank`, engine/logprobs.RankedLogprobs, as vLLM ranks it; null from an engine that sent none)."""
-    ids = list(entry)
-    top = ids if len(ids) <= top_n else ids[1:]
-    ranks = {t: i + 1 for i, t in enumerate(sorted(top, key=lambda t: -entry[t]))}
-    if len(ids) > top_n:
-        ranks[ids[0]] = getattr(entry, "rank", None)
-    return ranks
+def _ranks(entry: dict[int, float], top_n: int) -> dict[int, int | None]:
+    """Rank 1 for the likeliest, as the offline API ranks (engine/logprob_objects.entry_ranks): the prompt or
+    chosen token has the engine's rank (vLLM's count of tokens at least as likely: last among exact ties),
+    the top ones 1, 2, ... in topk order around it; null from an engine that sent none (outside the top)."""
+    return entry_ranks(entry, top_n)
 
 
 def _ranked(entry: dict[int, float], top_n: int) -> list[tuple[int, float]]:
-    """The top_n (id, log p) of an engine entry (the chosen token is listed first, ranked or not)."""
-    return sorted(entry.items(), key=lambda item: -item[1])[:top_n]
+    """The top_n (id, log p) of an engine entry by rank, so an exact tie goes the topk's way (the chosen token,
+    listed first, ranks last among its equals and is left out when the topk left it out)."""
+    ranks = _ranks(entry, top_n)
+    by_rank = sorted(entry.items(), key=lambda item: (ranks[item[0]] is None, ranks[item[0]] or 0))
+    return by_rank[:top_n]
 
 
 def _with_chosen(entry: dict[int, float], token_id: int, top_n: int) -> list[tuple[int, float]]:
