@@ -7,7 +7,7 @@ import asyncio
 import json
 import os
 import sys
-from contextlib import contextmanager
+from collections.abc import Iterator
 
 from saguaro_dist.cli.flag_checks import check_url, refuse_with_url, refuse_without
 from saguaro_dist.cli.serve import CHAT_TEMPLATE_HELP, ENGINE_FLAGS, add_engine_args, engine_args, generation_defaults
@@ -49,7 +49,7 @@ def run(ns: argparse.Namespace) -> int:
     _check_files(ns)
     _check_flags(ns)
     if ns.url:
-        summary = _batch(ns, server_client(ns.url, ns.api_key or os.environ.get(API_KEY_ENV)))
+        return _batch(ns, server_client(ns.url, ns.api_key or os.environ.get(API_KEY_ENV)))
     else:
         from saguaro_dist.serve.prompts import load_chat_template
         template = load_chat_template(ns.chat_template) if ns.chat_template else None
@@ -57,10 +57,7 @@ def run(ns: argparse.Namespace) -> int:
         served_model_names(ns.served_model_name, config.model)  # bad names and generation configs: before the model loads
         generation_defaults(config)
         with LLM.from_config(config) as llm:  # before the output file is opened
-            summary = _batch(ns, app_client(_app(llm, ns, template)))
-    sys.stderr.write(f"saguaro run-batch: {summary.requests} requests, {summary.failed} failed, "
-                     f"{summary.completion_tokens} tokens generated in {summary.seconds:.1f} s\n")
-    return 0
+            return _batch(ns, app_client(_app(llm, ns, template)))
 
 
 def _check_flags(ns: argparse.Namespace) -> None:
@@ -70,9 +67,23 @@ def _check_flags(ns: argparse.Namespace) -> None:
     refuse_with_url(ns, ["model_tag", *ENGINE_FLAGS, *LOCAL_APP_FLAGS], "the server answers with its own engine and options")
 
 
-def _batch(ns: argparse.Namespace, client):
-    with _lines(ns.input_file) as lines, _writer(ns.output_file) as write:
-        return asyncio.run(run_batch(client, lines, write, ns.max_in_flight))
+def _batch(ns: argparse.Namespace, client) -> int:
+    """Run the batch and say how it went: 0, or 1 where the output could not be written (a full disk, a
+    closed pipe: that ended in a stack trace)."""
+    with _Output(ns.output_file) as output:
+        try:
+            summary = asyncio.run(run_batch(client, _lines(ns.input_file), output.write, ns.max_in_flight))
+        except OSError as err:
+            if err is not output.error:
+                raise
+            # a reader that went away (`-o - | head`) is no error to report: Unix tools stop without a word
+            if not isinstance(err, BrokenPipeError):
+                sys.stderr.write(f"saguaro run-batch: error: writing the output stopped after {output.written} "
+                                 f"records: {err}\n")
+            return 1
+    sys.stderr.write(f"saguaro run-batch: {summary.requests} requests, {summary.failed} failed, "
+                     f"{summary.completion_tokens} tokens generated in {summary.seconds:.1f} s\n")
+    return 0
 
 
 def _app(llm, ns: argparse.Namespace, template: str | None):
@@ -91,14 +102,30 @@ def _check_files(ns: argparse.Namespace) -> None:
     if ns.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
     check_url(ns.url)
-    if ns.input_file != "-" and not os.path.isfile(ns.input_file):
+    # a pipe is an input too (`-i <(...)`, /dev/stdin): isfile refused it as "does not exist"
+    if ns.input_file != "-" and (os.path.isdir(ns.input_file) or not os.path.exists(ns.input_file)):
         raise ValueError(f"input file {ns.input_file!r} " + ("is a folder" if os.path.isdir(ns.input_file)
                                                              else "does not exist"))
+    if ns.input_file != "-" and not os.access(ns.input_file, os.R_OK):  # the reader thread opens it
+        raise ValueError(f"input file {ns.input_file!r} is not readable")
     if ns.output_file != "-":
         _check_writable(ns.output_file)
-    if "-" not in (ns.input_file, ns.output_file) and os.path.exists(ns.output_file) \
-            and os.path.samefile(ns.input_file, ns.output_file):
-        raise ValueError("the output file would overwrite the input file")
+    if _output_is_input(ns.input_file, ns.output_file):
+        raise ValueError("the output file would overwrite the input file"
+                         + (" (stdin reads from it)" if ns.input_file == "-" else ""))
+
+
+def _output_is_input(input_file: str, output_file: str) -> bool:
+    """Whether opening the output would truncate the input before it is read: the same regular file, named
+    or as stdin (`-i - < F -o F` lost every request and reported success)."""
+    if output_file == "-" or not os.path.isfile(output_file):  # a terminal or a pipe is not truncated
+        return False
+    if input_file != "-":
+        return os.path.samefile(input_file, output_file)
+    try:
+        return os.path.samestat(os.fstat(sys.stdin.fileno()), os.stat(output_file))
+    except (OSError, ValueError):  # a stdin without a file behind it (closed, or in-memory)
+        return False
 
 
 def _check_writable(path: str) -> None:
@@ -111,22 +138,75 @@ def _check_writable(path: str) -> None:
         raise ValueError(f"output file {path!r} is not writable")
 
 
-@contextmanager
-def _lines(path: str):
-    """The input's lines as bytes: each is decoded on its own, so one bad line is that line's error."""
-    if path == "-":
-        yield sys.stdin.buffer
+def _lines(path: str) -> Iterator[bytes]:
+    """The input's lines as bytes (each is decoded on its own, so one bad line is that line's error), read by
+    run_batch's reader thread, which opens the file and closes it. os.read, not a buffered file: a thread
+    blocked in one (an open stdin at Ctrl-C) held its lock, and closing it hung or aborted the interpreter."""
+    if path != "-":
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            yield from _fd_lines(fd)
+        finally:
+            os.close(fd)
         return
-    with open(path, "rb") as f:
-        yield f
-
-
-@contextmanager
-def _writer(path: str):
-    """write(record): one JSON line, flushed, so a long batch's finished results are on disk as they come."""
-    f = sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
     try:
-        yield lambda record: (f.write(json.dumps(record) + "\n"), f.flush())
-    finally:
-        if f is not sys.stdout:
-            f.close()
+        fd = sys.stdin.fileno()
+    except (OSError, ValueError):  # a stdin without a file descriptor (in-memory)
+        yield from sys.stdin.buffer
+        return
+    yield from _fd_lines(fd)
+
+
+def _fd_lines(fd: int) -> Iterator[bytes]:
+    """Each line as it arrives (a pipe's too), with its line break; the last may lack one."""
+    pending: list[bytes] = []  # the line so far, in pieces: joined once, however many reads it took
+    while chunk := os.read(fd, 1 << 16):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            yield b"".join([*pending, chunk[start:end + 1]])
+            pending, start = [], end + 1
+        if start < len(chunk):
+            pending.append(chunk[start:])
+    if pending:
+        yield b"".join(pending)
+
+
+class _Output:
+    """write(record): one JSON line, flushed, so a long batch's finished results are on disk as they come.
+    Counts the records written, and keeps the error that stopped writing."""
+
+    def __init__(self, path: str):
+        self.is_stdout = path == "-"
+        self.file = sys.stdout if self.is_stdout else open(path, "w", encoding="utf-8")
+        self.written, self.error = 0, None
+
+    def write(self, record: dict) -> None:
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as err:
+            self.error = err
+            raise
+        self.written += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.is_stdout:
+            try:
+                self.file.close()
+            except OSError:  # flushing what failed to write fails again; the error is reported already
+                if self.error is None:
+                    raise
+        elif self.error is not None:  # what stdout holds can never go out: the interpreter's flush at exit
+            _stdout_to_devnull()  # would print its own error
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout without a file descriptor (captured, in-process)
+        pass

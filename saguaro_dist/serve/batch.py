@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 import uuid
+from types import GeneratorType
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import httpx
+from pydantic import TypeAdapter, ValidationError
 from tqdm import tqdm
 
 from saguaro_dist.client._common import auth_headers, server_root
@@ -71,6 +74,8 @@ def parse_request(line: int, text: str | bytes, seen: set[str]) -> BatchRequest:
         return BatchRequest(line, None, error=f"line {line} is not JSON: {err.msg} at column {err.colno}")
     except RecursionError:  # escaped run_batch: the requests in flight were cancelled and nothing was written
         return BatchRequest(line, None, error=f"line {line} is nested too deeply to read")
+    except ValueError as err:  # json's others (an integer of over 4300 digits) ended the batch the same way
+        return BatchRequest(line, None, error=f"line {line} cannot be read: {err}")
     if not isinstance(raw, dict):
         return BatchRequest(line, None, error=f"line {line} must be a JSON object")
     custom_id = raw.get("custom_id")
@@ -94,9 +99,20 @@ def _request_error(raw: dict, custom_id, seen: set[str]) -> str | None:
         return f"url must be one of {list(BATCH_URLS)}, got {raw.get('url')!r}"
     if not isinstance(raw.get("body"), dict):
         return "body must be a JSON object (the request)"
-    if raw["body"].get("stream"):
+    if _reads_as_true(raw["body"].get("stream", False)):
         return "stream is not supported in a batch (each result is one JSON line)"
     return None
+
+
+def _reads_as_true(value) -> bool:
+    """Whether the app's `stream: bool` field reads the value as true (pydantic's lax bool: "false" and 0 are
+    false, not refused as truthy); a value it refuses is left to the app's own 400."""
+    if isinstance(value, bool):  # the usual case, without building pydantic's validator
+        return value
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return False
 
 
 def result_record(request: BatchRequest, status: int | None, body: dict | None, request_id: str,
@@ -148,11 +164,19 @@ def server_client(url: str, api_key: str | None) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=server_root(url), headers=auth_headers(api_key), timeout=None)
 
 
+# Only running requests count against --max-in-flight (as vLLM's semaphore): records finished behind a slow
+# line wait in memory until it is written (counting them as in flight left one request running behind it).
+# What waits is bounded by how far reading may run ahead: reading stops while this many times --max-in-flight
+# records (running, waiting for a slot, or finished) are unwritten.
+READ_AHEAD_PER_SLOT = 4
+
+
 async def run_batch(client: httpx.AsyncClient, lines: Iterable[str | bytes], write: Callable[[dict], None],
                     max_in_flight: int) -> BatchSummary:
-    """Answer every non-blank line, at most max_in_flight at once, writing the records in input order
-    as the earliest outstanding one completes. Returns what ran."""
-    summary, seen, pending = BatchSummary(), set(), deque()
+    """Answer every non-blank line, at most max_in_flight running at once, writing the records in input order
+    (a finished one waits for those before it). Returns what ran."""
+    summary, seen, unwritten = BatchSummary(), set(), deque()
+    slots, read_ahead = asyncio.Semaphore(max_in_flight), READ_AHEAD_PER_SLOT * max_in_flight
     start = time.perf_counter()
     bar = tqdm(desc="Processed requests", unit="req", disable=None)  # shown only when stderr is a terminal
 
@@ -164,19 +188,78 @@ async def run_batch(client: httpx.AsyncClient, lines: Iterable[str | bytes], wri
 
     with bar:
         async with client:
+            reader, number = LineReader(lines), 0
+            next_line = asyncio.ensure_future(reader.get())
             try:
-                for number, text in enumerate(lines, 1):
-                    text = without_bom(text) if number == 1 else text
-                    if text.strip():
-                        pending.append(asyncio.ensure_future(answer(client, parse_request(number, text, seen))))
-                    while pending and (len(pending) >= max_in_flight or pending[0].done()):
-                        flush(await pending.popleft())
-                while pending:
-                    flush(await pending.popleft())
+                while next_line or unwritten:
+                    reading = next_line is not None and len(unwritten) < read_ahead
+                    if reading and next_line.done():
+                        text, number = next_line.result(), number + 1
+                        next_line = None if text is None else asyncio.ensure_future(reader.get())
+                        text = without_bom(text) if number == 1 and text else text
+                        if text and text.strip():
+                            request = parse_request(number, text, seen)
+                            unwritten.append(asyncio.ensure_future(_answer_in_slot(client, request, slots)))
+                        continue
+                    waits = ([next_line] if reading else []) + ([unwritten[0]] if unwritten else [])
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    while unwritten and unwritten[0].done():
+                        flush(unwritten.popleft().result())
             finally:  # stopped early (a failed write, an interrupt): the requests in flight end with the batch
-                await _cancel_all(pending)
+                reader.stop()
+                await _cancel_all([*unwritten, *([next_line] if next_line else [])])
     summary.seconds = time.perf_counter() - start
     return summary
+
+
+async def _answer_in_slot(client: httpx.AsyncClient, request: BatchRequest, slots: asyncio.Semaphore) -> dict:
+    if request.error:  # never reaches the app: takes no slot
+        return await answer(client, request)
+    async with slots:
+        return await answer(client, request)
+
+
+class LineReader:
+    """The input's lines, read on a thread of their own: a blocking read (a pipe that trickles) held up the
+    event loop, so the lines already read did not run until max_in_flight more came or the input ended. A
+    daemon thread, so one blocked on an open stdin neither holds up the loop's close nor the process's exit."""
+
+    def __init__(self, lines: Iterable[str | bytes], read_ahead: int = 64):
+        self._loop, self._queue = asyncio.get_running_loop(), asyncio.Queue()
+        self._room, self._stopped = threading.Semaphore(read_ahead), False
+        threading.Thread(target=self._read, args=(lines,), name="run-batch-reader", daemon=True).start()
+
+    def _read(self, lines: Iterable[str | bytes]) -> None:
+        iterator = iter(lines)
+        try:
+            while self._room.acquire() and not self._stopped:
+                text = next(iterator, None)
+                self._hand_over(text)
+                if text is None:
+                    return
+        except Exception as err:  # a failed read: the batch's error, raised where the loop takes the line
+            self._hand_over(err)
+        finally:
+            if isinstance(iterator, GeneratorType):  # here, after its last read: its finally may close its file
+                iterator.close()
+
+    def _hand_over(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the loop has closed: the batch is over
+            pass
+
+    async def get(self) -> str | bytes | None:
+        """The next line; None at the end of the input."""
+        item = await self._queue.get()
+        self._room.release()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._room.release()  # a thread waiting for room ends instead of reading on
 
 
 def without_bom(text: str | bytes) -> str | bytes:
