@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from saguaro_dist.engine.detokenizer import DecodeState, find_stop, stable_prefix
+from saguaro_dist.engine.detokenizer import find_stop, stable_prefix
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
 from saguaro_dist.engine.structured import GrammarError
 from saguaro_dist.engine.target import NoTokenAllowed
@@ -54,7 +54,7 @@ class Committing:
         whose constraints allowed no token (target.NoTokenAllowed) at the round's last token, drawn from that row."""
         if not s.output_token_ids:
             s.metrics.record_first_token(time.perf_counter() - s.arrival_time)
-        logprobs, before = s.round_logprobs, len(s.output_token_ids)  # the target's, for these tokens (if asked)
+        logprobs = s.round_logprobs  # the target's, for these tokens (if asked)
         if logprobs:
             s.round_logprobs = []
         empty_row = isinstance(s.error, NoTokenAllowed)
@@ -73,7 +73,7 @@ class Committing:
                 break
         if empty_row and s.finish_reason is not FinishReason.ABORT:
             s.error = None  # it stopped (EOS, a stop token, max_tokens) before the position no token could take
-        self._update_text(s, now, len(s.output_token_ids) - before)
+        self._update_text(s, now)
 
     def _check_stop(self, s: Sequence, token: int) -> None:
         """End s at its newest token in vLLM v1's order (vllm/v1/core/sched/utils.py check_stop): EOS (unless
@@ -114,53 +114,62 @@ class Committing:
             self.grammars.forget(s.grammar.grammar)
         self._finish(s, FinishReason.ABORT)
 
-    def _update_text(self, s: Sequence, now: float, new: int) -> None:
-        """Decode what the last `new` tokens add to s.text; with stop strings, end s at one."""
+    def _update_text(self, s: Sequence, now: float) -> None:
+        """Decode what the new tokens add to s.text, token by token in every mode (Detokenizer.decode_more), so
+        that text, stop strings, min_tokens and the cut are the token sequence's alone, as AR's (one a round)."""
         # Text nobody reads this round is decoded later, with the next update's (a decode in the round
         # loop costs 40-100 us a sequence: the tokenizer's tables are cold after a forward). Stop
         # strings need it every round.
         if not s.params.stop:
             if self._due(s, now):
-                s.text += self._decode_more(s, self._text_ids(s), s.decode_state, s.finished)
+                s.text += self._decode_more(s, self._text_ids(s), s.finished)
             return
-        # The round's text at once, then token by token only when it holds a stop string (once a request)
-        state = replace(s.decode_state)  # (a whole copy: the prompt's end the first piece is read after too)
-        text = s.text + self._decode_more(s, self._text_ids(s), state, s.finished)
-        if find_stop(text, s.params.stop, after=s.stop_after) is None:
-            s.text, s.decode_state = text, state
-            if len(s.output_token_ids) <= s.params.min_tokens:
-                s.stop_after = len(s.text)
-            return
-        self._stop_token_by_token(s, new)
+        self._stop_token_by_token(s)
 
-    def _stop_token_by_token(self, s: Sequence, new: int) -> None:
-        """Decode the round's tokens one at a time and end s at the one that completes a stop string past
-        the first min_tokens tokens' text: the tokens of a speculative round after it are dropped, so that
-        SD / SSD give AR's tokens (and logprobs), which stop there."""
-        ids, first = self._text_ids(s), len(s.output_token_ids) - new
-        for n in range(min(first + 1, len(ids)), len(ids) + 1):  # (an EOS alone: a final decode of what waited)
-            s.text += self._decode_more(s, ids[:n], s.decode_state, s.finished and n == len(ids))
-            if n <= s.params.min_tokens:
-                s.stop_after = len(s.text)
-                continue
-            stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output, after=s.stop_after)
-            if stop is not None:
-                s.text, s.stop_reason = s.text[:stop[0]], stop[1]
-                self.metrics.generated_tokens -= len(s.output_token_ids) - n  # counted by _append
-                del s.output_token_ids[n:], s.output_logprobs[n:]
-                s.finish_reason = FinishReason.STOP  # also where max_tokens or EOS came later in the round
-                s.error = None  # a grammar failure later in the round (at a token never appended) came after it
-                self._finish(s, FinishReason.STOP)
-                s.metrics.num_generated_tokens = len(s.output_token_ids)
+    def _stop_token_by_token(self, s: Sequence) -> None:
+        """Decode the new tokens one at a time and end s at the one that completes a stop string past the
+        first min_tokens tokens' text: the tokens of a speculative round after it are dropped, so that SD / SSD
+        give AR's tokens (and logprobs), which stop there. The last token ends the text (final) in the step
+        that decodes it, as AR's round does; an end after it (EOS or a stop token left out of the text, a
+        failure at a token never appended) is a step of its own. As vLLM, a step that a stop token or EOS
+        ended is not searched (its stop_reason stays the token)."""
+        ids, token_stop = self._text_ids(s), s.finish_reason is FinishReason.STOP  # (no stop string yet)
+        last = len(s.output_token_ids) if s.finished and s.finish_reason is not FinishReason.ABORT else None
+        for n in range(s.decode_state.stepped + 1, len(ids) + 1):
+            s.text += self._decode_more(s, ids, n == last, upto=n)
+            if self._stop_string_at(s, n, search=not (token_stop and n == last)):
                 return
+        if s.finished and last != len(ids):  # what waited (an incomplete character) comes out
+            s.text += self._decode_more(s, ids, True)
+            self._stop_string_at(s, len(ids), search=not token_stop)
+
+    def _stop_string_at(self, s: Sequence, n: int, search: bool) -> bool:
+        """Whether s ends at its n-th token's text (its first n tokens' text is s.text): at a stop string past
+        the first min_tokens tokens' text. The round's tokens after the n-th go (counted by _append)."""
+        if n <= s.params.min_tokens:
+            s.stop_after = len(s.text)
+            return False
+        if not search:
+            return False
+        stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output, after=s.stop_after)
+        if stop is None:
+            return False
+        s.text, s.stop_reason = s.text[:stop[0]], stop[1]
+        self.metrics.generated_tokens -= len(s.output_token_ids) - n
+        del s.output_token_ids[n:], s.output_logprobs[n:]
+        s.finish_reason = FinishReason.STOP  # also where max_tokens or EOS came later in the round
+        s.error = None  # a grammar failure later in the round (at a token never appended) came after it
+        self._finish(s, FinishReason.STOP)
+        s.metrics.num_generated_tokens = len(s.output_token_ids)
+        return True
 
     def _text_ids(self, s: Sequence) -> list[int]:
         if s.finish_reason is FinishReason.STOP and not s.params.include_stop_str_in_output:
             return s.output_token_ids[:-1]  # the token that ended it (EOS, a stop_token_id) is not text, as in vLLM
         return s.output_token_ids
 
-    def _decode_more(self, s: Sequence, ids: list[int], state: DecodeState, final: bool) -> str:
-        return self.detok.decode_more(ids, state, final=final, skip_special_tokens=s.params.skip_special_tokens)
+    def _decode_more(self, s: Sequence, ids: list[int], final: bool, upto: int | None = None) -> str:
+        return self.detok.decode_more(ids, s.decode_state, final, s.params.skip_special_tokens, upto)
 
     def _delta(self, s: Sequence) -> Update:
         text_sent, tokens_sent = self._emitted.get(s.seq_id, ("", 0))

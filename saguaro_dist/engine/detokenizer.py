@@ -38,6 +38,7 @@ class DecodeState:
     leading space of a string's first word, which the first output word keeps after a prompt."""
     prefix_offset: int = 0
     read_offset: int = 0
+    stepped: int = 0  # ids[:stepped] went through a decode step (their text is out, or waits for a character's end)
     prompt_tail: tuple[int, ...] = ()  # the prompt's last PROMPT_CONTEXT_MAX ids, then the end chosen as context
     prompt_chosen: bool = False        # prompt_tail was cut to the context (at the first decode)
 
@@ -49,6 +50,7 @@ class DecodeState:
 class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._rust_decode = _rust_decode(tokenizer)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of token_ids, as vLLM's output text: no clean_up_tokenization_spaces, which (a
@@ -56,29 +58,45 @@ class Detokenizer:
         a piece-by-piece decode could not take back what it had streamed."""
         if self.tokenizer is None:
             return ""
+        if self._rust_decode is not None:
+            return self._rust_decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
     def decode_more(self, token_ids: list[int], state: DecodeState, final: bool = False,
-                    skip_special_tokens: bool = True) -> str:
-        """The text that ids[state.read_offset:] add, decoded with the last piece as context (a
-        tokenizer may render a token differently at the start of a string, e.g. SentencePiece's
-        leading space), so each round costs a few tokens, not the whole output (re-decoding it all:
-        63 us a round at 128 tokens, 397 us at 1000, per sequence). An incomplete character at the
-        end (U+FFFD) waits for its next bytes unless `final`. The first piece's context is the
-        prompt's end (state.prompt_tail)."""
+                    skip_special_tokens: bool = True, upto: int | None = None) -> str:
+        """The text that ids[state.stepped:upto] add (upto None: all), each id decoded in its own step, as AR
+        (one token a round) and vLLM decode them: so the text is the ids' alone, never how rounds grouped them
+        (a round ending inside a character would hold back its whole text; a SentencePiece byte-fallback
+        decode shows bytes that make no character together as one U+FFFD each, but a character and U+FFFD
+        when they come apart). An incomplete character at the end waits for its next bytes unless `final`:
+        the last step then gives it (no step left: what waited)."""
         if self.tokenizer is None:
             return ""
+        upto = len(token_ids) if upto is None else upto
+        if state.stepped >= upto:
+            return self._step(token_ids, upto, state, final, skip_special_tokens) if final else ""
+        pieces = [self._step(token_ids, end, state, final and end == upto, skip_special_tokens)
+                  for end in range(state.stepped + 1, upto + 1)]
+        state.stepped = upto
+        return "".join(pieces)
+
+    def _step(self, token_ids: list[int], end: int, state: DecodeState, final: bool, skip_special_tokens: bool) -> str:
+        """What ids[state.read_offset:end] add, decoded with the last piece as context (a tokenizer may render
+        a token differently at the start of a string, e.g. SentencePiece's leading space): a few tokens a
+        step, not the whole output (re-decoding it all: 63 us at 128 tokens, 397 us at 1000, per sequence).
+        An incomplete character at the end (U+FFFD) waits unless `final`. The first piece's context is the
+        prompt's end (state.prompt_tail)."""
         tail, tail_text = self._prompt_context(state, skip_special_tokens) if state.read_offset == 0 else ([], 0)
-        ids = tail + list(token_ids[state.prefix_offset:])
+        ids = tail + list(token_ids[state.prefix_offset:end])
         context = self.decode(ids[:tail_text + state.read_offset - state.prefix_offset], skip_special_tokens)
         text = self.decode(ids, skip_special_tokens)
         if tail and not text.startswith(context):  # (a token merged across the prompt's end) vLLM's stream resets
             state.prompt_tail = ()
-            return self.decode_more(token_ids, state, final, skip_special_tokens)
+            return self._step(token_ids, end, state, final, skip_special_tokens)
         if not final and (len(text) <= len(context) or text.endswith("\ufffd")):
             return ""
-        state.prefix_offset, state.read_offset = state.read_offset, len(token_ids)
+        state.prefix_offset, state.read_offset = state.read_offset, end
         return text[len(context):]
 
     def _prompt_context(self, state: DecodeState, skip_special_tokens: bool) -> tuple[list[int], int]:
@@ -98,3 +116,18 @@ class Detokenizer:
             return tail
         ends = (tail[-n:] for n in range(PROMPT_CONTEXT_MIN, len(tail)))
         return next((end for end in ends if "\ufffd" not in self.decode(list(end), skip_special_tokens)), tail)
+
+
+def _rust_decode(tokenizer):
+    """The tokenizers library's own decode where transformers' fast tokenizer would call it alone (its decode
+    and _decode not overridden; without clean-up they add nothing else): the same text without transformers'
+    per-call argument checks (3 of a decode's 4 us), which a token-by-token decode pays twice a token."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast) or (cls.decode, cls._decode) != (
+            PreTrainedTokenizerFast.decode, PreTrainedTokenizerFast._decode):
+        return None
+    return tokenizer.backend_tokenizer.decode
