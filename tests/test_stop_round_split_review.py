@@ -169,3 +169,38 @@ def test_greedy_sd_stops_where_ar_does_over_byte_fallback_tokens(spm_pair, spm):
         got[mode] = [(c.text, c.token_ids, c.finish_reason, c.stop_reason, len(c.logprobs)) for c in samples]
     assert got["sd"] == got["ar"]
     assert all(reason == "stop" and len(ids) < 40 for _, ids, reason, _, _ in got["ar"])
+
+
+def count_decoded_ids(engine) -> list[int]:
+    """Wrap the engine's detokenizer decode: the ids it hands the tokenizer, summed in the returned list."""
+    decoded, decode = [0], engine.detok.decode
+    def counting(ids, skip_special_tokens=True):
+        decoded[0] += len(ids)
+        return decode(ids, skip_special_tokens)
+    engine.detok.decode = counting
+    return decoded
+
+
+@pytest.mark.parametrize("name", ["byte_level", "sentencepiece"])
+@pytest.mark.parametrize("run", ["skipped_eos", "lone_bytes"])
+@pytest.mark.parametrize("kind,per_round", [(OutputKind.FINAL_ONLY, 1), (OutputKind.DELTA, 5)])
+def test_a_long_run_of_tokens_without_text_decodes_a_bounded_window(tokenizers, name, run, kind, per_round):
+    """2000 skipped EOS (ignore_eos) or lone continuation bytes after a few words: each token's step decodes
+    O(1) ids (the whole held run again at each token was O(n^2): ~2M ids, a 400 ms step), and the text is
+    the one token by token always gave: the words, then nothing or one U+FFFD a byte."""
+    tok, n = tokenizers[name], 2000
+    lone = tok.convert_tokens_to_ids("\u0122" if name == "byte_level" else "<0x80>")  # byte 0x80 alone
+    filler, tail_text = (tok.eos_token_id, "") if run == "skipped_eos" else (lone, "\ufffd" * n)
+    words = tok.encode(" the fox caf\u00e9", add_special_tokens=False)
+    engine = text_engine(tok, {tok.eos_token_id})
+    engine.eos_token_id = tok.eos_token_id
+    decoded = count_decoded_ids(engine)
+    s, output = Sequence(0, "r", tok.encode(PROMPT), SamplingParams(max_tokens=len(words) + n, ignore_eos=True),
+                         output_kind=kind), words + [filler] * n
+    for i in range(0, len(output), per_round):
+        engine._append(s, output[i:i + per_round], now=0.0)
+        if engine._due(s, 0.0):
+            engine._delta(s)
+    words_text = feed(tok, words, SamplingParams(max_tokens=len(words)), [1])["text"]
+    assert s.finished and s.text == words_text + tail_text
+    assert decoded[0] < 20 * len(output), decoded[0]

@@ -28,6 +28,9 @@ def stable_prefix(text: str, stops: tuple[str, ...]) -> str:
 # vLLM's window of prompt tokens the first output tokens are decoded after (its FastIncrementalDetokenizer):
 # the shortest suffix of at least PROMPT_CONTEXT_MIN tokens, up to PROMPT_CONTEXT_MAX, that decodes whole.
 PROMPT_CONTEXT_MIN, PROMPT_CONTEXT_MAX = 4, 23
+# A held window (its text ends in U+FFFD) gives its text but for its last HELD_KEEP tokens once more than
+# MAX_HELD of one invalid byte wait: a UTF-8 character is at most 4 bytes, so at most 3 can wait for the next.
+MAX_HELD, HELD_KEEP = 4, 3
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Detokenizer:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._rust_decode = _rust_decode(tokenizer)
+        self._skipped_ids = _skipped_ids(tokenizer)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """The text of token_ids, as vLLM's output text: no clean_up_tokenization_spaces, which (a
@@ -86,18 +90,46 @@ class Detokenizer:
         a token differently at the start of a string, e.g. SentencePiece's leading space): a few tokens a
         step, not the whole output (re-decoding it all: 63 us at 128 tokens, 397 us at 1000, per sequence).
         An incomplete character at the end (U+FFFD) waits unless `final`. The first piece's context is the
-        prompt's end (state.prompt_tail)."""
+        prompt's end (state.prompt_tail). A skipped special token adds no text, and a held window gives its
+        settled text once more than MAX_HELD tokens wait: so a step costs O(1) ids, however long a run of them."""
+        if not final and end >= 2 and skip_special_tokens and token_ids[end - 1] in self._skipped_ids:
+            return ""  # the window decodes as at the step before, which held or moved on: the same "" again
         tail, tail_text = self._prompt_context(state, skip_special_tokens) if state.read_offset == 0 else ([], 0)
         ids = tail + list(token_ids[state.prefix_offset:end])
-        context = self.decode(ids[:tail_text + state.read_offset - state.prefix_offset], skip_special_tokens)
+        n_context = tail_text + state.read_offset - state.prefix_offset
+        context = self.decode(ids[:n_context], skip_special_tokens)
         text = self.decode(ids, skip_special_tokens)
         if tail and not text.startswith(context):  # (a token merged across the prompt's end) vLLM's stream resets
             state.prompt_tail = ()
             return self._step(token_ids, end, state, final, skip_special_tokens)
         if not final and (len(text) <= len(context) or text.endswith("\ufffd")):
-            return ""
+            if end - state.read_offset <= MAX_HELD:
+                return ""
+            return self._release(ids, n_context, (context, text), end, state, skip_special_tokens)
         state.prefix_offset, state.read_offset = state.read_offset, end
         return text[len(context):]
+
+    def _release(self, ids: list[int], n_context: int, texts: tuple[str, str], end: int, state: DecodeState,
+                 skip_special_tokens: bool) -> str:
+        """The text of a held window (ids, its first n_context the context) but for its last HELD_KEEP text
+        tokens, once more than MAX_HELD of one byte that alone is U+FFFD wait: no character has 5 bytes alike,
+        and one still incomplete lies in the last 3; what is before is settled where the window's text starts
+        with it (a character the last tokens completed, split off, would show U+FFFD instead: then it waits).
+        Holding a run of invalid bytes to the end re-decoded a growing window at each token: O(n^2)."""
+        context, text = texts
+        pending = [i for i in range(n_context, len(ids)) if not (skip_special_tokens and ids[i] in self._skipped_ids)]
+        last = {ids[i] for i in pending[-MAX_HELD - 1:]}
+        if len(pending) <= MAX_HELD or len(last) > 1 or self.decode(list(last), skip_special_tokens) != "\ufffd":
+            return ""  # only a run of one invalid byte is surely no character's: a literal U+FFFD then an emoji, 7
+            # byte tokens, is; and a byte-fallback decode shows a run with any invalid byte as U+FFFD a byte
+        split = pending[-HELD_KEEP]
+        read = end - (len(ids) - split)
+        head = self.decode(ids[:split], skip_special_tokens)
+        if read <= state.read_offset or len(head) <= len(context) or not (
+                head.startswith(context) and text.startswith(head)):
+            return ""
+        state.prefix_offset, state.read_offset = state.read_offset, read
+        return head[len(context):]
 
     def _prompt_context(self, state: DecodeState, skip_special_tokens: bool) -> tuple[list[int], int]:
         """The prompt's end the first piece is decoded after, and how many of its tokens are text: up to its
@@ -116,6 +148,14 @@ class Detokenizer:
             return tail
         ends = (tail[-n:] for n in range(PROMPT_CONTEXT_MIN, len(tail)))
         return next((end for end in ends if "\ufffd" not in self.decode(list(end), skip_special_tokens)), tail)
+
+
+def _skipped_ids(tokenizer) -> frozenset[int]:
+    """Ids every decode with skip_special_tokens drops wherever they stand: the tokenizers library drops added
+    tokens marked special, transformers' slow decode all_special_ids; those in both."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special = getattr(tokenizer, "all_special_ids", None) or ()
+    return frozenset(i for i in special if i in added and getattr(added[i], "special", False))
 
 
 def _rust_decode(tokenizer):
