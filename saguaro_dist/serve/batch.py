@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 import httpx
-from pydantic import TypeAdapter, ValidationError
 from tqdm import tqdm
 
 from saguaro_dist.client._common import auth_headers, server_root
@@ -109,6 +108,7 @@ def _reads_as_true(value) -> bool:
     false, not refused as truthy); a value it refuses is left to the app's own 400."""
     if isinstance(value, bool):  # the usual case, without building pydantic's validator
         return value
+    from pydantic import TypeAdapter, ValidationError  # here: `saguaro --help` runs without the serving stack
     try:
         return TypeAdapter(bool).validate_python(value)
     except ValidationError:
