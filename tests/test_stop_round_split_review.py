@@ -204,3 +204,22 @@ def test_a_long_run_of_tokens_without_text_decodes_a_bounded_window(tokenizers, 
     words_text = feed(tok, words, SamplingParams(max_tokens=len(words)), [1])["text"]
     assert s.finished and s.text == words_text + tail_text
     assert decoded[0] < 20 * len(output), decoded[0]
+
+
+def test_stop_strings_scan_each_character_of_a_long_text_once(tokenizers, monkeypatch):
+    """A request with stop strings none of its text holds: each token's search looks at what the token added
+    (plus a stop string's length - 1 before it, where one may start), so the scan is linear in the text. The
+    whole text since min_tokens at every token was O(n^2) (a 4000-token request: ~16k chars read 4000 times)."""
+    import saguaro_dist.engine.committing as committing
+    scanned, real_find_stop = [0], committing.find_stop
+
+    def counting(text, stops, keep=False, after=0):
+        scanned[0] += len(text) - max(0, after - max(map(len, stops)) + 1)
+        return real_find_stop(text, stops, keep, after)
+
+    monkeypatch.setattr(committing, "find_stop", counting)
+    tok, stops = tokenizers["byte_level"], ("NEVER", "nope")
+    output = tok.encode(" the fox caf\u00e9 \u65e5\u672c\u8a9e" * 150, add_special_tokens=False)
+    got = feed(tok, output, SamplingParams(max_tokens=len(output), stop=list(stops), min_tokens=5), [5])
+    assert got["token_ids"] == output and got["stop_reason"] is None
+    assert scanned[0] <= len(got["text"]) + len(output) * max(map(len, stops)), (scanned[0], len(got["text"]))

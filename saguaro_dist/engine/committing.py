@@ -136,22 +136,28 @@ class Committing:
         ids, token_stop = self._text_ids(s), s.finish_reason is FinishReason.STOP  # (no stop string yet)
         last = len(s.output_token_ids) if s.finished and s.finish_reason is not FinishReason.ABORT else None
         for n in range(s.decode_state.stepped + 1, len(ids) + 1):
+            searched = len(s.text)
             s.text += self._decode_more(s, ids, n == last, upto=n)
-            if self._stop_string_at(s, n, search=not (token_stop and n == last)):
+            if self._stop_string_at(s, n, searched, search=not (token_stop and n == last)):
                 return
         if s.finished and last != len(ids):  # what waited (an incomplete character) comes out
+            searched = len(s.text)
             s.text += self._decode_more(s, ids, True)
-            self._stop_string_at(s, len(ids), search=not token_stop)
+            self._stop_string_at(s, len(ids), searched, search=not token_stop)
 
-    def _stop_string_at(self, s: Sequence, n: int, search: bool) -> bool:
+    def _stop_string_at(self, s: Sequence, n: int, searched: int, search: bool) -> bool:
         """Whether s ends at its n-th token's text (its first n tokens' text is s.text): at a stop string past
-        the first min_tokens tokens' text. The round's tokens after the n-th go (counted by _append)."""
+        the first min_tokens tokens' text. The round's tokens after the n-th go (counted by _append).
+        searched: s.text's length before this token, every stop string ending there already looked for (each
+        step before was searched, or was the end): only one ending past it is new, so a request scans its
+        text once (vLLM's check_stop_strings), not once a token."""
         if n <= s.params.min_tokens:
             s.stop_after = len(s.text)
             return False
         if not search:
             return False
-        stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output, after=s.stop_after)
+        after = max(s.stop_after, searched)
+        stop = find_stop(s.text, s.params.stop, keep=s.params.include_stop_str_in_output, after=after)
         if stop is None:
             return False
         s.text, s.stop_reason = s.text[:stop[0]], stop[1]
