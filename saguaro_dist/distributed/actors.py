@@ -228,6 +228,10 @@ class TargetRank:
     def reset_prefix_cache(self) -> None:
         self.thread.reset_prefix_cache()
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """The engine's remove_lora here, on rank 0: its slot's eviction replays on every tensor-parallel rank."""
+        return self.thread.remove_lora(lora_int_id)
+
     def check_lora_adapter(self, lora_path: str) -> str | None:
         """Read a LoRA adapter here, on rank 0's node, as the engine's slots will at its first request (their
         read is lazy): why it cannot run (the text), or None. The server asks for each static adapter at start-up."""

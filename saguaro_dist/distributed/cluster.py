@@ -217,6 +217,10 @@ class RemoteEngine:
         self.check_health()
         self._ask(self.rank0.reset_prefix_cache)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's remove_lora, on rank 0's engine (where the adapter's slot and host copy are)."""
+        return self._ask(self.rank0.remove_lora, lora_int_id)
+
     def check_lora_adapter(self, lora_path: str) -> None:
         """Read a LoRA adapter on rank 0, where the engine loads it (its node's disk, not this process's): a
         ValueError with the reason it cannot run there."""

@@ -106,6 +106,7 @@ class Engine(Committing):
         self.waiting = deque(s for s in self.waiting if not s.finished)
         self._drop_prefilling()
         self._retire()  # (failing, a failed step's case: no request here completed)
+        self._free_removed_adapters()
         return [Update(s, "", [], True) for s in gone]
 
     def step(self) -> list[Update]:
@@ -133,6 +134,21 @@ class Engine(Committing):
         theirs afresh. Running sequences keep their rows; only finished ones' kept rows go."""
         self.loop.reset_prefix_cache()
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's remove_lora (a runtime unload): its slot is free for another adapter once no running sequence
+        runs it (those finish on its weights); whether the engine held anything of it."""
+        if self.target.loras is None:
+            return False
+        return self.target.loras.remove(lora_int_id, self._live_adapters())
+
+    def _live_adapters(self) -> set[int]:
+        return {s.lora_request.lora_int_id for s in self.running + self.prefilling if s.lora_request is not None}
+
+    def _free_removed_adapters(self) -> None:
+        """Removed adapters' slots, once the sequences that ran them were released (cheap: most steps none)."""
+        if self.target.loras is not None and self.target.loras.removed:
+            self.target.loras.free_removed(self._live_adapters())
+
     def reset(self) -> None:
         """After a failed step: drop every request (their callers were told) and free what each holds, each once and
         on its own (one failed release keeps no other's rows), then the kept prefixes (maybe half written) anyway."""
@@ -145,6 +161,7 @@ class Engine(Committing):
         release_each(prefilling, self.target.release)  # (the draft has none of a prefilling sequence yet)
         release_each(running, lambda s: self.loop.release([s]))
         attempt(self.target.prefixes.clear, "clear the prefix cache")
+        attempt(self._free_removed_adapters, "free removed LoRA adapters' slots")
 
     # ---- steps ------------------------------------------------------------------------------
     def _admit(self) -> list[Update]:
@@ -256,6 +273,7 @@ class Engine(Committing):
         try:
             self._drop_prefilling()
             self._retire()
+            self._free_removed_adapters()
         except Exception as err:
             raise ReleaseError(updates, err) from err
 

@@ -314,6 +314,14 @@ class LLM(RequestInputs):
         self._thread.reset_prefix_cache()
         return True
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """vLLM's remove_lora: the adapter's slot serves others once its running requests finished (on its weights),
+        its id may then name another path; whether the engine held it (on Ray: rank 0's, every rank's slot freed)."""
+        removed = self._thread.remove_lora(lora_int_id)
+        if (bound := self._lora_ids.current(lora_int_id)) is not None:
+            self._lora_ids.release(bound)
+        return removed
+
     def check_lora_adapter(self, lora_path: str) -> None:
         """Read a LoRA adapter where the engine's target loads it at its first request (lazily): a ValueError with
         why it cannot run there. On Ray that is rank 0's node, whose disk may lack a folder this machine holds; on

@@ -98,6 +98,10 @@ class EngineThread:
     def reset_prefix_cache(self) -> None:
         self._on_loop(self.engine.reset_prefix_cache)
 
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Engine.remove_lora between two steps: whether the engine held anything of the adapter."""
+        return self._on_loop(lambda: self.engine.remove_lora(lora_int_id))
+
     def _on_loop(self, chore: Callable[[], object], timeout_s: float = 60.0):
         """chore() on the engine's own thread between two steps (the engine has no locks); its result."""
         done: Future = Future()

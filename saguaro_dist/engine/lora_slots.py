@@ -9,7 +9,11 @@ engine never asks it to.
 Up to max_cpu_loras adapters once read stay in host memory (vLLM's max_cpu_loras, an LRU; those in slots among
 them): one evicted from its slot and asked for again reloads from there, without reading its files. A
 load_inplace request drops its adapter's copy, so it is read again (from its lora_path, which may be a new
-one: the id is bound to it, and requests already queued under the id run the weights loaded from there)."""
+one: the id is bound to it, and requests already queued under the id run the weights loaded from there).
+
+remove (vLLM's remove_lora, at a runtime unload) empties the adapter's slot and forgets its host copy and its id's
+path, so the slot serves the next adapter; while sequences holding rows run it, that waits until none does (they
+finish on its weights, as vLLM's running requests do), and a request naming it again cancels the wait."""
 from __future__ import annotations
 
 import itertools
@@ -63,6 +67,7 @@ class AdapterSlots:
         self.last_used = [0] * max_loras
         self.ids = AdapterIds()
         self.stale: set[int] = set()  # adapters a load_inplace request asked to load again (at their next start)
+        self.removed: set[int] = set()  # adapters removed while running: freed once no sequence holding rows runs them
         self._ticks = itertools.count(1)
 
     def note(self, request: LoRARequest | None) -> None:
@@ -71,10 +76,41 @@ class AdapterSlots:
         if request is None:
             return
         self.ids.bind(request)
+        self.removed.discard(request.lora_int_id)  # asked for again: it stays (vLLM's request re-adds it)
         if request.load_inplace:
             self.host.drop(request.lora_int_id)  # its next load reads the files again
             if self.slot_of(request.lora_int_id) is not None:
                 self.stale.add(request.lora_int_id)
+
+    def remove(self, lora_int_id: int, busy: set[int]) -> bool:
+        """vLLM's remove_lora: whether the engine held anything of the adapter (a slot, a host copy, its id's path).
+        busy: the adapters of the sequences holding rows; if it is among them, its slot is freed by free_removed."""
+        known = (self.slot_of(lora_int_id) is not None or self.host.get(lora_int_id) is not None
+                 or self.ids.current(lora_int_id) is not None)
+        self.host.drop(lora_int_id)  # (a running sequence reads the slot's weights, not this copy)
+        if lora_int_id in busy:
+            self.removed.add(lora_int_id)
+        else:
+            self._forget(lora_int_id)
+        return known
+
+    def free_removed(self, busy: set[int]) -> None:
+        """Free the slots of removed adapters that no sequence holding rows runs now (after a step released some)."""
+        for lora_int_id in [i for i in self.removed if i not in busy]:
+            self._forget(lora_int_id)
+
+    def _forget(self, lora_int_id: int) -> None:
+        """Empty its slot (its kept prefix rows go too), and free its id: a later request may bind it to any path."""
+        self.removed.discard(lora_int_id)
+        self.stale.discard(lora_int_id)
+        slot = self.slot_of(lora_int_id)
+        if slot is not None:
+            self.runner.evict_lora(slot)  # no live sequence uses it (busy): the runner checks that too
+            self._emptied(slot, self.held[slot])
+            log.info("LoRA slot %d: adapter %d removed", slot, lora_int_id)
+        current = self.ids.current(lora_int_id)
+        if current is not None:
+            self.ids.release(current)
 
     def slot_of(self, lora_int_id: int) -> int | None:
         return next((i for i, r in enumerate(self.held) if r is not None and r.lora_int_id == lora_int_id), None)

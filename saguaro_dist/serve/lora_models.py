@@ -3,7 +3,8 @@ which name runs which adapter, /v1/models' cards, and runtime loading behind VLL
 
 Each adapter runs under a lora_int_id (>= 1) the server hands out once: --lora-modules take 1..N in order, each
 runtime load the next. An id is never handed out again (not after an unload, nor for a load_inplace reload): the
-engine binds an id to one path, keeps its prefix cache per id, and loads a new id's weights afresh."""
+engine binds an id to one path, keeps its prefix cache per id, and loads a new id's weights afresh. An unload
+removes the adapter from the engine too (vLLM's remove_lora), so its slot serves the adapters loaded after it."""
 from __future__ import annotations
 
 import asyncio
@@ -84,16 +85,20 @@ class ServedModels:
         log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    async def unload(self, name: str) -> str:
+    async def unload(self, name: str, remove: Callable[[int], object] | None = None) -> str:
+        """vLLM's unload: remove (LLM.remove_lora) frees the adapter's engine slot and host copy, once the requests
+        running it finished (on its weights); new requests naming it get a 404. An unknown name changes nothing."""
         self._check_one_replica("unload")
         if not name:
             raise APIError(400, "'lora_name' needs to be provided to unload a LoRA adapter.")
         async with self._lock:
-            if self.adapters.pop(name, None) is None:
+            if name not in self.adapters:
                 raise APIError(404, f"The lora adapter '{name}' cannot be found.")
-        log.info("Removed LoRA adapter: name '%s'", name)  # running requests finish on it; new ones get a 404
+            if remove is not None:  # off the event loop: waits for the engine's loop thread (or False: never run)
+                await asyncio.to_thread(remove, self.adapters[name].lora_int_id)
+            del self.adapters[name]
+        log.info("Removed LoRA adapter: name '%s'", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
-
 
     def _check_one_replica(self, action: str) -> None:
         """A runtime load or unload reaches the one replica that takes the request: with others (or an autoscaler

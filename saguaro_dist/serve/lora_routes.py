@@ -31,7 +31,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
 
 
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-    return PlainTextResponse(await serving_state(request).models.unload(body.lora_name))
+    state = serving_state(request)  # the engine frees the adapter's slot too (vLLM's remove_lora)
+    return PlainTextResponse(await state.models.unload(body.lora_name, getattr(state.engine, "remove_lora", None)))
 
 
 def add_lora_routes(router) -> None:
