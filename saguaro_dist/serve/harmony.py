@@ -231,33 +231,37 @@ class HarmonySplitter:
     keep_calls: bool = True
     reader: _Reader = field(default_factory=_Reader)
     calls: list[list] = field(default_factory=list)  # [header, body so far] per call
-    written: set[Route] = field(default_factory=set)  # routes a message has written to: "\n" before the next's
+    written: set[Route] = field(default_factory=set)  # routes a message has written to: separator before the next's
     fresh: bool = True  # the open message has written nothing yet
+    separator: str = "\n"  # (Responses': a mark where an item ends, each message being its own there, as vLLM's)
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
-        out = {Route.REASONING: [], Route.CONTENT: []}
+        parts = self.parts(text, final)
+        reasoning, content = ("".join(p for r, p in parts if r is route) for route in (Route.REASONING, Route.CONTENT))
+        return plain(reasoning), content if self.keep_calls else plain(content)  # (calls: parse_openai plains them)
+
+    def parts(self, text: str, final: bool) -> list[tuple[Route, str]]:
+        out: list[tuple[Route, str]] = []  # feed's pieces in the reply's order, not plained
         for step, header, piece in self.reader.feed(text, final):
             if header is None:
-                out[Route.CONTENT].append(piece)
+                out.append((Route.CONTENT, piece))
             elif header.route is Route.CALL:
-                self._call(step, header, piece, out[Route.CONTENT])
-            elif step is Step.TEXT and piece and header.route in out:
-                separator = "\n" if self.fresh and header.route in self.written else ""
-                out[header.route].append(separator + piece)
+                self._call(step, header, piece, out)
+            elif step is Step.TEXT and piece and header.route in (Route.REASONING, Route.CONTENT):
+                separator = self.separator if self.fresh and header.route in self.written else ""
+                out.append((header.route, separator + piece))
                 self.fresh = False
                 self.written.add(header.route)
             elif step is Step.OPEN:
                 self.fresh = True
-        content = "".join(out[Route.CONTENT])  # (with its calls it is read again: parse_openai plains it)
-        return plain("".join(out[Route.REASONING])), content if self.keep_calls else plain(content)
+        return out
 
-    def _call(self, step: Step, header: Header, piece: str, content: list[str]) -> None:
+    def _call(self, step: Step, header: Header, piece: str, out: list) -> None:
         if step is Step.OPEN:
             self.calls.append([header, ""])
-        elif step is Step.TEXT:
-            self.calls[-1][1] += piece
+        self.calls[-1][1] += piece  # (an OPEN's and a CLOSE's piece is "")
         if self.keep_calls:
-            content.append({Step.OPEN: header.canonical(), Step.TEXT: piece, Step.CLOSE: CALL}[step])
+            out.append((Route.CONTENT, {Step.OPEN: header.canonical(), Step.TEXT: piece, Step.CLOSE: CALL}[step]))
 
 
 def split_harmony(text: str) -> tuple[str | None, str]:

@@ -93,7 +93,7 @@ class InputMessage(BaseModel):
 class FunctionCallItem(BaseModel):
     """A call an earlier response made, sent back in the input."""
     type: Literal["function_call"]
-    call_id: str
+    call_id: str = Field(min_length=1)  # (an empty one: a 400 naming it, not the chat turn it becomes)
     name: str
     arguments: str
     id: str | None = None
@@ -125,7 +125,7 @@ class ReasoningInputItem(BaseModel):
 class FunctionCallOutputItem(BaseModel):
     """What the caller's function returned for a call."""
     type: Literal["function_call_output"]
-    call_id: str
+    call_id: str = Field(min_length=1)
     output: TextOrParts  # OpenAI's: a string or parts (input_text; images and files are refused by name)
     id: str | None = None
     status: str | None = None
@@ -234,7 +234,7 @@ class ResponsesRequest(SamplingRequest):
     enable_response_messages: bool = False
     previous_input_messages: list | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
-    tool_choice: ToolChoice | None = None  # default: auto with tools
+    tool_choice: ToolChoice | None = None  # default: auto (without tools: no calls, as "none")
     parallel_tool_calls: bool = True
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives a token, with LOGPROBS_INCLUDE
     include: list[str] | None = None
@@ -287,7 +287,7 @@ class ResponsesRequest(SamplingRequest):
         if len(set(names)) != len(names):
             raise ValueError("tools must have distinct names")
         choice = self.tool_choice
-        if choice not in (None, "none") and not names:
+        if choice not in (None, "none", "auto") and not names:  # auto without tools: no calls (OpenAI's, vLLM's)
             raise ValueError("tool_choice needs tools")
         check_named((choice.name,) if isinstance(choice, FunctionChoice) else
                     choice.names() if isinstance(choice, ResponsesAllowedToolsChoice) else (), names)
@@ -365,12 +365,20 @@ class ResponsesRequest(SamplingRequest):
                              "or structured outputs")
         return forced or asked
 
+    def structure_field(self) -> str | None:
+        """Where the reply's constraint was asked for, as a 400 about it names it: tools (a named or required
+        choice's), text.format; None for the fields that name themselves (structured_outputs, ...)."""
+        if self.tool_plan().structure() is not None:
+            return "tools"
+        return "text.format" if self.text and self.text.format and self.text.format.type != "text" else None
+
     def _asked_structure(self) -> StructuredOutputsParams | None:
         fmt = self.text.format if self.text else None
         if fmt is None or fmt.type == "text":
             return super().requested_structure()
-        if self.response_format is not None or self.structured_outputs is not None:
-            raise ValueError("structured_outputs can be asked for once (text.format, response_format or structured_outputs)")
+        if self.response_format is not None or super().requested_structure() is not None:  # (guided_* too)
+            raise ValueError("structured_outputs can be asked for once (text.format, response_format, "
+                             "structured_outputs or guided_*)")
         if fmt.type == "json_object":
             return StructuredOutputsParams(json_object=True)
         if fmt.schema_ is None:

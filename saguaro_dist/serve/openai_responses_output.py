@@ -3,13 +3,20 @@ with its output items (reasoning, message, function calls) and usage, and the SS
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from saguaro_dist.serve import responses
+from saguaro_dist.serve.harmony import HarmonySplitter, Route, plain
 from saguaro_dist.serve.tool_parsers import ToolCall
+from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan, ToolStream
 
 if TYPE_CHECKING:  # annotations only: the request module imports this one
     from saguaro_dist.serve.openai_responses import ResponsesRequest
+
+# Where a gpt-oss reply's next message of a route begins (HarmonySplitter's separator here: each message is its
+# own item, as vLLM's harmony path makes them). A lone surrogate, as harmony.LITERAL: no decoded text holds one.
+MESSAGE_BREAK = "\udffe"
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
@@ -67,18 +74,25 @@ def _reasoning(body: ResponsesRequest) -> dict:
 
 
 def _tool_choice(body: ResponsesRequest):
-    choice = body.tool_choice or ("auto" if body.tools else "none")
+    choice = body.tool_choice or "auto"  # as given (OpenAI's default: auto, with tools or without)
     return choice if isinstance(choice, str) else choice.model_dump()
 
 
 def output_items(reasoning: str | None, content: str | None, calls: list[ToolCall],
-                 logprobs: list | None = None) -> list[dict]:
+                 logprobs: list | None = None, finish_reason: str | None = None) -> list[dict]:
     """reasoning (if any), the message (unless calls came without content), then the calls. logprobs, of
-    every generated token as chat's are, ride on the message."""
+    every generated token as chat's are, ride on the message. Cut by max_output_tokens: the last item is
+    incomplete (OpenAI's)."""
     items = [] if reasoning is None else [reasoning_item(new_item_id("rs"), reasoning)]
     if content or not calls:
         items.append(message_item(new_item_id("msg"), content or "", logprobs=logprobs))
-    return items + [function_call_item(call) for call in calls]
+    items += [function_call_item(call) for call in calls]
+    items[-1]["status"] = _last_status(finish_reason)
+    return items
+
+
+def _last_status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 class ResponseEvents:
@@ -112,8 +126,16 @@ class ResponseEvents:
         """Events for one batch: reasoning text, then content (which closes the reasoning item); the
         batch's log-probabilities go out with the next content delta."""
         self.pending_logprobs += logprob_entries
-        out = self._delta("reasoning", reasoning) if reasoning else ""
-        return out + (self._delta("message", content) if content else "")
+        return self._pieces("reasoning", reasoning) + self._pieces("message", content)
+
+    def _pieces(self, kind: str, text: str) -> str:
+        """Deltas of text; a MESSAGE_BREAK closes the item of this kind (a gpt-oss reply's next message)."""
+        out = ""
+        for i, piece in enumerate(text.split(MESSAGE_BREAK)):
+            if i and self.open is not None and self.open["kind"] == kind:
+                out += self._close()
+            out += self._delta(kind, piece) if piece else ""
+        return out
 
     def calls(self, entries: list[dict]) -> str:
         """Events for chat's tool_calls deltas (tools.ToolStream): an entry with an id starts a call."""
@@ -155,42 +177,80 @@ class ResponseEvents:
                            item=message_item(self.open["id"], None, "in_progress"))
                 + self.event("response.content_part.added", output_index=index, part=text_part(""), **item_key))
 
-    def _close_taking_logprobs(self) -> str:
+    def _close_taking_logprobs(self, status: str = "completed") -> str:
         """_close, a message first taking the log-probabilities no content delta took (a reply that is all
         reasoning, text held back to the end), as the unstreamed message has every token's."""
         if self.open is not None and self.open["kind"] == "message":
             self.open["logprobs"] += self.logprob_items(self.pending_logprobs)
             self.pending_logprobs = []
-        return self._close()
+        return self._close(status)
 
-    def _close(self) -> str:
+    def _close(self, status: str = "completed") -> str:
         if self.open is None:
             return ""
         kind, text, ident = self.open["kind"], self.open["text"], self.open["id"]
         index, ids = len(self.items), {"item_id": ident, "content_index": 0}
         if kind == "reasoning":
-            item = reasoning_item(ident, text)
+            item = reasoning_item(ident, text, status)
             out = self.event("response.reasoning_text.done", output_index=index, text=text, **ids)
         elif kind == "function_call":
-            item = function_call_item(ToolCall(self.open["call"].id, self.open["call"].name, text))
+            item = function_call_item(ToolCall(self.open["call"].id, self.open["call"].name, text), status)
             out = self.event("response.function_call_arguments.done", output_index=index, item_id=ident, arguments=text)
         else:
             logprobs = self.open["logprobs"]
-            item = message_item(ident, text, logprobs=logprobs)
+            item = message_item(ident, text, status, logprobs=logprobs)
             out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=logprobs, **ids)
                    + self.event("response.content_part.done", output_index=index, part=text_part(text, logprobs), **ids))
         self.items.append(item)
         self.open = None
         return out + self.event("response.output_item.done", output_index=index, item=item)
 
+    def finish(self, finish_reason: str | None) -> str:
+        """The open item closed (an empty message if no text came); the last incomplete when max_output_tokens
+        ended the reply (OpenAI's)."""
+        if ({i["type"] for i in self.items} | {(self.open or {}).get("kind")}) & {"message", "function_call"}:
+            return self._close_taking_logprobs(_last_status(finish_reason))
+        return self._close_taking_logprobs() + self._open("message") + self._close_taking_logprobs(_last_status(finish_reason))
+
     def closing(self, finish_reason: str | None, **extra) -> str:
-        """The last events: the open item closed (an empty message if no text came), then completed
-        (incomplete when max_output_tokens ended it)."""
-        kinds = {i["type"] for i in self.items} | {(self.open or {}).get("kind")}
-        out = self._close_taking_logprobs()
-        if not kinds & {"message", "function_call"}:
-            out += self._open("message") + self._close_taking_logprobs()
+        """The last events: finish's, then completed (incomplete when max_output_tokens ended it)."""
+        out = self.finish(finish_reason)
         body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason,
                              created_at=self.created_at, **extra)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return out + self.event(kind, response=body)
+
+
+@dataclass
+class HarmonyReply:
+    """A gpt-oss reply (the openai_gptoss reasoning parser) as a response's items: its messages in the reply's
+    order, each its own item (vLLM's harmony path; chat joins them with "\n"), whole or streamed alike; the
+    content through chat's tool stream. A named or required call's arguments are the content: joined there."""
+    events: ResponseEvents
+    tools: ToolStream
+    splitter: HarmonySplitter
+
+    @classmethod
+    def of(cls, events: ResponseEvents, plan: ToolPlan) -> HarmonyReply:
+        free = plan.kind in (ToolChoiceKind.AUTO, ToolChoiceKind.NONE)
+        return cls(events, ToolStream(plan), HarmonySplitter(separator=MESSAGE_BREAK if free else "\n"))
+
+    def feed(self, text: str, final: bool, logprob_entries: list = ()) -> str:
+        """The events of the next piece of the reply."""
+        out, shown = "", self.events.body.include_reasoning
+        self.events.pending_logprobs += list(logprob_entries)  # (they go out with the next content delta)
+        for route, piece in self.splitter.parts(text, final):
+            if route is Route.REASONING:
+                out += self.events.text(plain(piece) if shown else "", "")
+            else:
+                out += self._content(self.tools.step(piece, False))
+        return out + (self._content(self.tools.step("", True)) if final else "")
+
+    def items(self, text: str, finish_reason: str | None, logprob_entries: list) -> list[dict]:
+        """The output items of the whole reply: its stream's."""
+        self.feed(text, True, logprob_entries)
+        self.events.finish(finish_reason)
+        return self.events.items
+
+    def _content(self, delta: dict) -> str:
+        return self.events.text("", delta.get("content", "")) + self.events.calls(delta.get("tool_calls", []))

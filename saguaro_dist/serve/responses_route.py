@@ -8,11 +8,12 @@ from contextlib import aclosing
 from fastapi import Request
 
 from saguaro_dist.serve import responses
-from saguaro_dist.serve.errors import stream_error
+from saguaro_dist.serve.errors import APIError, stream_error
 from saguaro_dist.serve.full_replies import logprobs_of, reply_text, shown
 from saguaro_dist.serve.generate_routes import chat_jobs
 from saguaro_dist.serve.harmony import LiteralMarkers
 from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
+from saguaro_dist.serve.openai_responses_output import HarmonyReply
 from saguaro_dist.serve.openai_responses import usage as responses_usage
 from saguaro_dist.serve.prompts import encode_chat
 from saguaro_dist.serve.reasoning import ReasoningStream, split_reasoning
@@ -26,7 +27,18 @@ from saguaro_dist.serve.tools import ToolStream
 
 @cancel_on_disconnect
 async def responses_route(body: ResponsesRequest, request: Request):
-    """OpenAI's Responses API (serve/openai_responses.py): the input runs as a chat turn would."""
+    """OpenAI's Responses API (serve/openai_responses.py): the input runs as a chat turn would. A constraint
+    the engine cannot compile is refused naming the field that asked for it (text.format, tools)."""
+    try:
+        return await _respond(body, request)
+    except ValueError as err:
+        field = body.structure_field()
+        if field is None or not str(err).startswith("structured_outputs "):
+            raise
+        raise APIError(400, f"{field}{str(err).removeprefix('structured_outputs')}", param=field) from None
+
+
+async def _respond(body: ResponsesRequest, request: Request):
     created_at = int(time.time())  # the request's start, not each event's (a stream's changed as it went)
     state = serving_state(request)
     body.reject_unsupported()
@@ -43,11 +55,20 @@ async def responses_route(body: ResponsesRequest, request: Request):
         events = _response_events(state, job, events, batches, first)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await state.collect(job)
-    reasoning, text = split_reasoning(state.reasoning_parser_for(job), reply_text(state, result))
-    content, calls = state.tool_plan_for(body).parse(text)
-    items = output_items(shown(body, reasoning), content, calls, _logprob_items(state, job)(result.logprobs or []))
+    items = _whole_items(state, job, body, result, ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job)))
     return response_body(response_id, model, body, items, "completed", result.finish_reason, created_at=created_at,
                          **_response_extra(state, job, result.token_ids, result.metrics))
+
+
+def _whole_items(state: ServingState, job: Job, body: ResponsesRequest, result, events: ResponseEvents) -> list[dict]:
+    """The output items of a finished reply (a gpt-oss reply's: as its stream makes them, HarmonyReply)."""
+    parser, text = state.reasoning_parser_for(job), reply_text(state, result)
+    if parser is not None and parser.harmony:
+        return HarmonyReply.of(events, state.tool_plan_for(body)).items(text, result.finish_reason, result.logprobs or [])
+    reasoning, text = split_reasoning(parser, text)
+    content, calls = state.tool_plan_for(body).parse(text)
+    return output_items(shown(body, reasoning), content, calls, events.logprob_items(result.logprobs or []),
+                        result.finish_reason)
 
 
 def _logprob_items(state: ServingState, job: Job):
@@ -68,7 +89,9 @@ def _response_extra(state: ServingState, job: Job, token_ids: list[int], metrics
 
 
 async def _response_events(state: ServingState, job: Job, events: ResponseEvents, batches, first):
-    reasoning, tools = ReasoningStream(state.reasoning_parser_for(job)), ToolStream(state.tool_plan_for(events.body))
+    parser, plan = state.reasoning_parser_for(job), state.tool_plan_for(events.body)
+    reasoning, tools = ReasoningStream(parser), ToolStream(plan)
+    harmony = HarmonyReply.of(events, plan) if parser is not None and parser.harmony else None
     token_ids, pending = [], events.opening()
     marks = LiteralMarkers.of(state.tokenizer) if state.harmony else None
     try:
@@ -77,10 +100,14 @@ async def _response_events(state: ServingState, job: Job, events: ResponseEvents
             while batch is not None:
                 for _, text, ids, last, logprobs in per_choice(batch):
                     token_ids += ids
-                    thought, text = reasoning.feed(marks.feed(text, ids) if marks else text, last.finished)
-                    thought, delta = shown(events.body, thought) or "", tools.step(text, last.finished)
-                    pending += (events.text(thought, delta.get("content", ""), logprobs)
-                                + events.calls(delta.get("tool_calls", [])))
+                    text = marks.feed(text, ids) if marks else text
+                    if harmony is not None:  # its messages in order, each its own item
+                        pending += harmony.feed(text, last.finished, logprobs)
+                    else:
+                        thought, text = reasoning.feed(text, last.finished)
+                        thought, delta = shown(events.body, thought) or "", tools.step(text, last.finished)
+                        pending += (events.text(thought, delta.get("content", ""), logprobs)
+                                    + events.calls(delta.get("tool_calls", [])))
                     if last.finished:
                         pending += events.closing(last.finish_reason, **_response_extra(state, job, token_ids, last.metrics))
                 yield pending
