@@ -169,3 +169,11 @@ def test_a_format_and_a_guided_field_are_refused_together(served, guided):  # no
     response_format beside guided_* with the same 400)."""
     reply = _post(served[3], {"input": "a", "max_output_tokens": 2, "text": {"format": {"type": "json_object"}}, **guided})
     assert reply.status_code == 400 and "asked for once" in reply.json()["error"]["message"], reply.text
+
+
+def test_a_response_validates_as_the_openai_sdks_response(served):  # noqa: F811
+    """Old: openai's ResponseUsage requires input_tokens_details.cache_write_tokens (openai >= 3.6x); strict
+    validation of our Response failed there (the SDK itself builds without validating, so clients did not see it)."""
+    from openai.types.responses import Response
+    whole = _post(served[3], {"model": "demo", "input": "class Stack:", "max_output_tokens": 3}).json()
+    assert Response.model_validate(whole).usage.input_tokens_details.cache_write_tokens == 0

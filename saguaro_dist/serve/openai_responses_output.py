@@ -44,8 +44,10 @@ def function_call_item(call: ToolCall, status: str = "completed") -> dict:
 
 
 def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0) -> dict:
-    """reasoning_tokens: output tokens the reasoning parser read as reasoning (reasoning.ReasoningTokens)."""
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
+    """reasoning_tokens: output tokens the reasoning parser read as reasoning (reasoning.ReasoningTokens).
+    cache_write_tokens: OpenAI's count of tokens written to a cache it bills; this server bills none (0), and
+    the openai SDK's ResponseUsage requires the field."""
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
