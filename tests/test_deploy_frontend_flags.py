@@ -63,7 +63,8 @@ def worker_groups(rayservice: dict) -> list[str]:
 # ---- the generator ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["rayservice", "serve-config"])
-def test_frontend_flags_reach_the_apps_server_options(kind):
+def test_frontend_flags_reach_the_apps_server_options(kind, monkeypatch):
+    monkeypatch.setenv("SAGUARO_API_KEY", "k")  # the pods' Secret: an app naming it refuses to start without it
     (doc,) = deploy(f"--kind {kind} {FRONTEND_FLAGS} --served-model-name qwen qwen-latest")
     args = app_args(doc)
     options = server_options(args, args["model"])

@@ -120,3 +120,25 @@ def test_default_command_serves_the_app(kind):
     assert cmd.json and k8s.APP_IMPORT_PATH in " ".join(cmd.value)
     ports = {int(p) for c in commands(kind) if c.cmd == "EXPOSE" for p in c.value}
     assert {k8s.SERVE_PORT, k8s.METRICS_PORT} <= ports
+
+
+@pytest.mark.parametrize("kind", IMAGES)
+def test_the_weights_cache_is_made_for_the_user_before_it_runs(kind):
+    """HF_HOME=/models/hf-cache, and nothing made /models: a plain `docker run` failed each Hub download with a
+    PermissionError (uid 1000 cannot create it under /). Made and chowned as root, before USER 1000."""
+    cmds = commands(kind)
+    env = last(cmds, "ENV").value
+    hf_home = dict(zip(env[::2], env[1::2]))["HF_HOME"]
+    user, made = None, None
+    for c in cmds:
+        if c.cmd == "USER":
+            user = c.value[0]
+        elif c.cmd == "RUN" and f"mkdir -p {hf_home}" in c.value[0]:
+            made = (user, [step.split() for step in c.value[0].split("&&")])
+    assert made is not None, f"Dockerfile.{kind} never makes {hf_home}"
+    run_as, steps = made
+    assert run_as == "root"
+    owned = [s[-1] for s in steps if s[:2] == ["chown", "-R"] and s[2].split(":")[0] == str(k8s.RAY_UID)]
+    assert any(hf_home == top or hf_home.startswith(top.rstrip("/") + "/") for top in owned)
+    assert last(cmds, "USER").value[0] == str(k8s.RAY_UID) and cmds.index(last(cmds, "USER")) > cmds.index(
+        next(c for c in cmds if c.cmd == "RUN" and f"mkdir -p {hf_home}" in c.value[0]))

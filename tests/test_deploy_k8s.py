@@ -137,7 +137,8 @@ def test_serve_config_parses_and_builds_the_engine_config(key):
     assert args["api_key_env"] == API_KEY_ENV
 
 
-def test_serve_app_import_path_imports_and_builds():
+def test_serve_app_import_path_imports_and_builds(monkeypatch):
+    monkeypatch.setenv("SAGUARO_API_KEY", "k")  # the pods' Secret: an app naming it refuses to start without it
     module_name, attribute = k8s.APP_IMPORT_PATH.split(":")
     builder = getattr(importlib.import_module(module_name), attribute)
     from ray.serve import Application
@@ -232,7 +233,8 @@ def test_cli_serve_config_and_fan_out_list(capsys):
     assert config_from_args(config["applications"][0]["args"]).mode is Mode.SSD
 
 
-def test_cli_puts_the_chat_template_text_and_generation_config_in_the_app_args(tmp_path, capsys):
+def test_cli_puts_the_chat_template_text_and_generation_config_in_the_app_args(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SAGUARO_API_KEY", "k")  # the pods' Secret: an app naming it refuses to start without it
     from saguaro_dist.serve.app import server_options
     template = "{% for m in messages %}{{ m.content }}\n{% endfor %}"
     (tmp_path / "chat.jinja").write_text(template)

@@ -32,7 +32,8 @@ def app_args(doc: dict) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["rayservice", "serve-config"])
-def test_lora_flags_reach_the_engine_and_the_server(kind):
+def test_lora_flags_reach_the_engine_and_the_server(kind, monkeypatch):
+    monkeypatch.setenv("SAGUARO_API_KEY", "k")  # the pods' Secret: an app naming it refuses to start without it
     (doc,) = deploy(f"--kind {kind} {FLAGS}")
     args = app_args(doc)
     config = config_from_args(args)
@@ -69,7 +70,8 @@ def test_refused_flags(capsys):
 
 # ---- the Helm chart ------------------------------------------------------------------------------
 
-def test_chart_renders_the_generators_lora_args():
+def test_chart_renders_the_generators_lora_args(monkeypatch):
+    monkeypatch.setenv("SAGUARO_API_KEY", "k")  # the pods' Secret: an app naming it refuses to start without it
     from test_deploy_helm import by_kind, render  # needs helm-python-sdk (skips there without it)
     s = k8s.K8sSettings(enable_lora=True, max_loras=2, max_lora_rank=32, max_cpu_loras=3, served_model_name="base",
                         lora_modules=MODULES)

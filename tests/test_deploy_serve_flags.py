@@ -49,8 +49,9 @@ def app_args(rayservice: dict) -> dict:
 # ---- the generator ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["rayservice", "serve-config"])
-def test_serve_flags_reach_the_apps_engine_and_server(kind):
+def test_serve_flags_reach_the_apps_engine_and_server(kind, monkeypatch):
     """The flags as `saguaro serve` spells them, read back by the app's own parsers from the manifest."""
+    monkeypatch.setenv("SAGUARO_API_KEY", "k")  # the pods' Secret: an app naming it refuses to start without it
     (doc,) = deploy(f"--kind {kind} {ALL_FLAGS}")
     (app,) = (doc if kind == "serve-config" else yaml.safe_load(doc["spec"]["serveConfigV2"]))["applications"]
     config = config_from_args(app["args"])

@@ -12,7 +12,9 @@ SUBCOMMANDS = ("generate", "run_batch", "serve", "bench", "demo", "deploy")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="saguaro", description="Speculative Speculative Decoding on Ray")
-    parser.add_argument("--log-level", default="WARNING", type=log_level, help="logging level (DEBUG, INFO, WARNING, ...)")
+    parser.add_argument("--log-level", type=log_level,
+                        help="logging level (DEBUG, INFO, WARNING, ...; default WARNING here, and for `serve` the "
+                             "replicas' INFO); `serve` passes a given one to its replicas and the engine's actors")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name in SUBCOMMANDS:
         try:
@@ -34,7 +36,8 @@ def log_level(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # (None: not given, which `serve` tells apart: its replicas keep Serve's INFO then)
+    logging.basicConfig(level=args.log_level or "WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.run(args) or 0)
     except ValueError as err:  # bad input: a clear message, no stack trace

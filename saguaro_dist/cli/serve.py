@@ -275,10 +275,12 @@ def run(ns: argparse.Namespace) -> int:
 def _deployment_options(file, ns: argparse.Namespace) -> dict:
     """The config file's deployment settings, and the logging flags' (the replica writes direct ingress's
     access log)."""
+    from saguaro_dist.serve.replica_observability import with_log_level
+
     options = dict(file.deployment_options) if file else {}
     if serve_logging_config(ns):
         options["logging_config"] = serve_logging_config(ns)
-    return options
+    return with_log_level(options, getattr(ns, "log_level", None), getattr(ns, "uvicorn_log_level", None) is not None)
 
 
 def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_options: dict, tls: dict,
@@ -287,21 +289,22 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     from ray import serve
 
     from saguaro_dist.serve.app import build_app
-    from saguaro_dist.serve.replica_observability import local_metrics_export_port
+    from saguaro_dist.serve.replica_observability import job_logging, local_metrics_export_port
 
     embedded = not ns.address
     ingress = resolve(Ingress(ns.ingress), embedded, replica_count(deployment_options))
     proxy_port = _prepare_ingress(ingress, host, port)  # before Ray starts: its processes read the environment
     # address="local": a fresh embedded cluster, never one another process on this machine started.
     ray.init(address=ns.address or "local", num_cpus=ns.num_cpus if embedded else None,
-             include_dashboard=False, log_to_driver=False)
+             include_dashboard=False, log_to_driver=False, job_config=job_logging(getattr(ns, "log_level", None)))
     _stop_on_signals()
     name = served_model_names(args.get("served_model_name"), args["model"])[0]
     url = f"{'https' if tls else 'http'}://{host_port(host, port)}{route_prefix.rstrip('/')}/v1"
     serving = False
     try:
         log.warning("starting %r at %s (%s ingress; Ctrl-C to stop)", name, url, ingress.value)
-        _start_serve(serve, {"host": host, "port": proxy_port, **tls}, serve_logging_config(ns))
+        _start_serve(serve, {"host": host, "port": proxy_port, **tls}, deployment_options.get("logging_config"),
+                     proxy_is_public=ingress is not Ingress.DIRECT)
         try:
             serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix=route_prefix)
         except RuntimeError as err:  # the replica's failure: Serve's traceback named neither it nor its log
@@ -333,13 +336,24 @@ def _ray_logs_dir(ray) -> str | None:
         return None
 
 
-def _start_serve(serve, http_options: dict, logging_config: dict | None) -> None:
+def _start_serve(serve, http_options: dict, logging_config: dict | None, proxy_is_public: bool = True) -> None:
     """Serve's controller and HTTP servers: both ingress paths take TLS and logging from these options."""
     from ray.serve.context import _get_global_client
 
     serve.start(http_options=http_options, logging_config=logging_config)
-    tls = {k: v for k, v in http_options.items() if k.startswith("ssl_")}
-    check_tls_applied(_get_global_client().http_config, tls)
+    http_config = _get_global_client().http_config
+    if proxy_is_public:  # (direct ingress: the replica answers on --port, the proxy's own is any)
+        check_address_applied(http_config, http_options["host"], http_options["port"])
+    check_tls_applied(http_config, {k: v for k, v in http_options.items() if k.startswith("ssl_")})
+
+
+def check_address_applied(http_config, host: str, port: int) -> None:
+    """On a joined cluster whose Serve already runs, serve.start keeps that Serve's host and port: refuse rather
+    than log a URL nothing answers on (as check_tls_applied does for TLS)."""
+    if (http_config.host, http_config.port) != (host, port):
+        raise ValueError(f"--host {host} --port {port}: Serve already runs on this cluster at "
+                         f"{host_port(http_config.host, http_config.port)}, and its proxies cannot move: give "
+                         f"--host {http_config.host} --port {http_config.port}, or shut Serve down there first")
 
 
 def _prepare_ingress(ingress: Ingress, host: str, port: int) -> int:

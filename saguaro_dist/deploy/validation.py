@@ -143,7 +143,8 @@ def validate_serve_config(serve_config_v2: str) -> list[dict]:
     config = ServeDeploySchema.model_validate(yaml.safe_load(serve_config_v2))
     for app in config.applications:
         config_from_args(app.args)
-        server_options(app.args, app.args["model"])
+        # api_key_env names the pods' variable (set from a Secret), not this shell's: it is not read here
+        server_options({k: v for k, v in app.args.items() if k != "api_key_env"}, app.args["model"])
     return [app.args for app in config.applications]
 
 

@@ -116,9 +116,9 @@ def served_model_names(given, model: str) -> tuple[str, ...]:
 
 def api_key_from_args(args: dict) -> tuple[str, ...] | None:
     """The API keys (any one authenticates, as vLLM's --api-key K1 K2): given directly, or read from the
-    environment variable the args name. A variable named but unset is an error: the server would take every
-    request unauthenticated, unsaid; the default SAGUARO_API_KEY unset means no key (deploy names it: its pods
-    set it from a Secret, while the manifests are checked here without it)."""
+    environment variable the args name. A variable named (api_key_env, SAGUARO_API_KEY included: the manifests
+    name it) but unset or empty is an error: the server would take every request unauthenticated, unsaid (a VM
+    container that never got the key). None named: $SAGUARO_API_KEY if set, else no key (vLLM's VLLM_API_KEY)."""
     keys = args.get("api_key")
     keys = list(keys) if isinstance(keys, (list, tuple)) else [keys] if keys else []
     if not all(isinstance(k, str) and k.strip() for k in keys):  # an empty one would be no key at all
@@ -126,7 +126,9 @@ def api_key_from_args(args: dict) -> tuple[str, ...] | None:
     if keys:
         return tuple(keys)
     name = args.get("api_key_env")
-    if name and name != API_KEY_ENV and not os.environ.get(name):  # (the default unset: no key, named or not)
+    if name is not None and not (isinstance(name, str) and name.strip()):
+        raise ValueError(f"api_key_env must name an environment variable, got {name!r}")
+    if name and not os.environ.get(name, "").strip():
         raise ValueError(f"api_key_env names ${name}, which is unset or empty: set it, or drop api_key_env to "
                          "serve without a key")
     key = os.environ.get(name or API_KEY_ENV)

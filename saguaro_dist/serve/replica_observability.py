@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import urllib.request
 
 from fastapi import FastAPI
@@ -14,6 +15,9 @@ log = logging.getLogger(__name__)
 PACKAGE_LOGGER = "saguaro_dist"
 SERVE_LOGGER = "ray.serve"  # Serve's replica logger: its level is the CLI's --uvicorn-log-level (Serve's default INFO)
 SCRAPE_TIMEOUT_S = 10.0
+# `saguaro --log-level` in the replicas and the engine's actors (vLLM's VLLM_LOGGING_LEVEL); a manifest sets it
+# with `saguaro deploy k8s --env SAGUARO_LOGGING_LEVEL=DEBUG` (the chart: extraEnv)
+LOG_LEVEL_ENV = "SAGUARO_LOGGING_LEVEL"
 
 
 def adopt_serve_logging() -> None:
@@ -22,10 +26,50 @@ def adopt_serve_logging() -> None:
     periodic stats line and --enable-log-requests' lines (INFO) were dropped."""
     serve_logger = logging.getLogger(SERVE_LOGGER)
     ours = logging.getLogger(PACKAGE_LOGGER)
-    ours.setLevel(serve_logger.level or logging.INFO)
+    ours.setLevel(replica_log_level(serve_logger.level))
     if serve_logger.handlers:  # (none outside a Serve replica: propagate as before)
         ours.handlers = list(serve_logger.handlers)
         ours.propagate = False
+
+
+def replica_log_level(serve_level: int) -> int:
+    """$SAGUARO_LOGGING_LEVEL where set (`saguaro --log-level X serve` sets it), else Serve's replica logger's
+    level (the deployment's logging_config; Serve's default INFO)."""
+    given = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
+    level = logging.getLevelName(given) if given else None
+    if given and not isinstance(level, int):
+        log.warning("$%s=%r is no logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL): ignored", LOG_LEVEL_ENV, given)
+        level = None
+    return level or serve_level or logging.INFO
+
+
+def with_log_level(options: dict, log_level: str | None, uvicorn_level_given: bool) -> dict:
+    """The deployment's options carrying `saguaro --log-level` to the replica: as Serve's logging_config level
+    (Serve's own lines, the access log too, unless --uvicorn-log-level sets theirs) and as $SAGUARO_LOGGING_LEVEL,
+    which saguaro's loggers follow there whatever Serve's level, and which the engine's actors inherit (a child
+    actor gets its parent's runtime_env)."""
+    if not log_level:
+        return options
+    logging_config = dict(options.get("logging_config") or {})
+    if not uvicorn_level_given:
+        logging_config["log_level"] = log_level
+    actor = dict(options.get("ray_actor_options") or {})
+    runtime_env = dict(actor.get("runtime_env") or {})
+    runtime_env["env_vars"] = {**(runtime_env.get("env_vars") or {}), LOG_LEVEL_ENV: log_level}
+    return {**options, "logging_config": logging_config, "ray_actor_options": {**actor, "runtime_env": runtime_env}}
+
+
+def job_logging(log_level: str | None):
+    """`saguaro --log-level` for the Ray workers of `saguaro serve`'s job (the embedded cluster's replicas, the
+    engine's actors): set on the job, not as ray.init's logging_config, which also added a second root handler
+    to the CLI's own."""
+    import ray
+
+    if not log_level:
+        return None
+    job_config = ray.job_config.JobConfig()
+    job_config.set_py_logging_config(ray.LoggingConfig(log_level=log_level))
+    return job_config
 
 
 def node_metrics_url() -> str:
