@@ -157,3 +157,19 @@ def test_address_check_on_rays_own_http_options():
     serve_cli.check_address_applied(HTTPOptions(host="0.0.0.0", port=8000), "0.0.0.0", 8000)
     with pytest.raises(ValueError, match="give --host 0.0.0.0 --port 8000"):
         serve_cli.check_address_applied(HTTPOptions(host="0.0.0.0", port=8000), "0.0.0.0", 8001)
+
+
+def test_an_engine_actor_follows_the_inherited_level(monkeypatch):
+    """A target rank or draft actor a replica started (on a cluster whose Serve already ran, the job's level is
+    not ours): its saguaro_dist loggers follow $SAGUARO_LOGGING_LEVEL. Old: nothing in the actors read it."""
+    import logging
+
+    from saguaro_dist.log_level import follow_env_log_level
+    ours = logging.getLogger("saguaro_dist")
+    monkeypatch.setattr(ours, "level", ours.level)  # restored after
+    monkeypatch.setenv(LOG_LEVEL_ENV, "error")
+    follow_env_log_level()
+    assert ours.level == logging.ERROR
+    monkeypatch.setenv(LOG_LEVEL_ENV, "loud")  # no level: left as it was
+    follow_env_log_level()
+    assert ours.level == logging.ERROR

@@ -22,6 +22,7 @@ from saguaro_dist.distributed.placement import actor_threads
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, RankLost, run_follower
 from saguaro_dist.engine.heap import freeze_startup_heap
+from saguaro_dist.log_level import follow_env_log_level
 
 log = logging.getLogger(__name__)
 STORE_TIMEOUT = dist.constants.default_pg_timeout  # the store's waits, as init_method="tcp://..." gave them
@@ -48,6 +49,7 @@ class DraftActor:
         """fit: the DraftFit to build the draft to (engine/build.py: fit_draft, on the driver)."""
         from saguaro_dist.engine.build import build_draft_worker
         torch.set_num_threads(actor_threads(config.draft_threads))  # the CPUs it asked Ray for (placement.py)
+        follow_env_log_level()  # `saguaro --log-level`, inherited from the replica that started this actor
         self.worker = build_draft_worker(config, fit)
         local = local_address()
         self.server, port = serve_draft(self.worker, local=local)
@@ -95,6 +97,7 @@ class TargetRank:
         backend, 10 min on NCCL, 30 on gloo; a test's is seconds). A collective waiting longer fails (a hung
         rank); rank 0 pings an idle group well within it (tp_runner.keepalive_s), so an idle engine keeps it."""
         torch.set_num_threads(actor_threads(config.target_threads))  # the CPUs it asked Ray for (placement.py)
+        follow_env_log_level()  # `saguaro --log-level`, inherited from the replica that started this actor
         self.config, self.rank = config, rank
         nccl = config.device.startswith("cuda")
         self.group_timeout = group_timeout or (dist.constants.default_pg_nccl_timeout if nccl

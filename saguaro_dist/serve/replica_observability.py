@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import urllib.request
 
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse, Response
 
+from saguaro_dist.log_level import LOG_LEVEL_ENV, PACKAGE_LOGGER, env_log_level
+
 log = logging.getLogger(__name__)
 
-PACKAGE_LOGGER = "saguaro_dist"
 SERVE_LOGGER = "ray.serve"  # Serve's replica logger: its level is the CLI's --uvicorn-log-level (Serve's default INFO)
 SCRAPE_TIMEOUT_S = 10.0
-# `saguaro --log-level` in the replicas and the engine's actors (vLLM's VLLM_LOGGING_LEVEL); a manifest sets it
-# with `saguaro deploy k8s --env SAGUARO_LOGGING_LEVEL=DEBUG` (the chart: extraEnv)
-LOG_LEVEL_ENV = "SAGUARO_LOGGING_LEVEL"
 
 
 def adopt_serve_logging() -> None:
@@ -35,12 +32,7 @@ def adopt_serve_logging() -> None:
 def replica_log_level(serve_level: int) -> int:
     """$SAGUARO_LOGGING_LEVEL where set (`saguaro --log-level X serve` sets it), else Serve's replica logger's
     level (the deployment's logging_config; Serve's default INFO)."""
-    given = os.environ.get(LOG_LEVEL_ENV, "").strip().upper()
-    level = logging.getLevelName(given) if given else None
-    if given and not isinstance(level, int):
-        log.warning("$%s=%r is no logging level (DEBUG, INFO, WARNING, ERROR, CRITICAL): ignored", LOG_LEVEL_ENV, given)
-        level = None
-    return level or serve_level or logging.INFO
+    return env_log_level() or serve_level or logging.INFO
 
 
 def with_log_level(options: dict, log_level: str | None, uvicorn_level_given: bool) -> dict:
