@@ -88,7 +88,8 @@ def test_greedy_proposal_sends_no_probs():
 
 
 def test_truncated_proposal_travels_sparse_and_exact():
-    p = Proposal(torch.tensor([1, 2, 3, 4]), _top_k_probs(4, 32000, support=20))
+    probs = _top_k_probs(4, 32000, support=20)
+    p = Proposal(probs.argmax(-1), probs)  # tokens drawn from q: q > 0 there (decoding refuses q(x) = 0)
     msg = codec.proposal_to_proto(p)
     back, kind = _roundtrip_proposal(p)
     assert kind == "sparse"
@@ -104,13 +105,16 @@ def test_full_support_proposal_travels_dense_and_exact():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_sparse_keeps_empty_rows_and_other_dtypes(dtype):
+def test_sparse_keeps_other_dtypes_and_refuses_an_empty_row(dtype):
     probs = torch.zeros(3, 50, dtype=dtype)
-    probs[0, 3], probs[2, 49] = 0.25, 0.75
+    probs[0, 3], probs[0, 8], probs[1, 0], probs[2, 49] = 0.25, 0.75, 1.0, 1.0
     p = Proposal(torch.tensor([3, 0, 49]), probs)
     back, kind = _roundtrip_proposal(p)
     assert kind == "sparse" and back.probs.dtype == dtype
     _assert_proposal_equal(p, back)
+    probs[1, 0] = 0  # a row of no mass: no token was drawn from it
+    with pytest.raises(codec.CodecError, match="distribution"):
+        _roundtrip_proposal(p)
 
 
 def test_bfloat16_dense_probs_cross_bit_for_bit():
@@ -159,8 +163,10 @@ def _tree(q: str, n: int = 3, k: int = 2, vocab: int = 1000) -> SpeculationTree:
     g = torch.Generator().manual_seed(n)
     probs = {"greedy": lambda i: None, "top-k": lambda i: _top_k_probs(k, vocab, 3, seed=i),
              "dense": lambda i: torch.softmax(torch.randn(k, vocab, generator=g), -1)}[q]
-    return SpeculationTree.from_rows(5, 9, [(i, 11 + i, Proposal(torch.randint(0, vocab, (k,), generator=g), probs(i)))
-                                            for i in range(n)], build_s=0.0123)
+    rows = [(i, probs(i)) for i in range(n)]  # a sampled row's tokens drawn from its q: q > 0 there
+    return SpeculationTree.from_rows(5, 9, [(i, 11 + i, Proposal(torch.randint(0, vocab, (k,), generator=g) if q is None
+                                                                 else torch.multinomial(q.float(), 1, generator=g)[:, 0], q))
+                                            for i, q in rows], build_s=0.0123)
 
 
 @pytest.mark.parametrize("q,form", [("greedy", None), ("top-k", "sparse"), ("dense", "dense")])

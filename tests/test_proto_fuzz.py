@@ -23,7 +23,9 @@ from saguaro_dist.distributed import codec
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb, saguaro_pb2_grpc
 from saguaro_dist.engine.build import build_draft_worker
+from saguaro_dist.distributed.grpc_link import STATUS_BY_NUMBER
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
+from test_grpc_toy_worker import ToyWorker
 
 INT64 = st.one_of(st.integers(-2, 64), st.sampled_from([-(2 ** 63), 2 ** 63 - 1, 2 ** 31, -(2 ** 31)]))
 SCALARS = {
@@ -121,10 +123,13 @@ def test_any_tensor_decodes_to_its_shape_or_is_refused(tensor):
 @st.composite
 def sparse_proposals(draw):
     """A tree's columns with a sparse q, near valid: row offsets, ids and values each a little off at times,
-    and a vocab_size from tiny to absurd (only claimed: the message carries nnz entries, not V)."""
+    and a vocab_size from tiny to absurd (only claimed: the message carries nnz entries, not V). Most of them
+    are distributions drafted from (each row non-empty, summing to 1, its token its first id), so the layout
+    is checked past the distribution check too."""
     n, k = draw(st.integers(1, 3)), draw(st.integers(1, 3))
     vocab = draw(st.integers(-1, 8) | st.sampled_from([2 ** 20, 2 ** 40, 2 ** 62]))
-    counts = draw(st.lists(st.integers(0, 3), min_size=n * k, max_size=n * k))
+    distribution = draw(st.sampled_from([True, True, True, False]))
+    counts = draw(st.lists(st.integers(int(distribution), 3), min_size=n * k, max_size=n * k))
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     if draw(st.booleans()):
         offsets[draw(st.integers(0, len(offsets) - 1))] += draw(st.sampled_from([-1, 1]))
@@ -133,11 +138,23 @@ def sparse_proposals(draw):
     if draw(st.booleans()):  # mostly each row's ids ascending, as the encoder writes them
         ids = [i for lo, hi in zip(offsets[:-1], offsets[1:]) for i in sorted(ids[max(lo, 0):max(hi, 0)])]
     values = draw(st.lists(st.floats(0, 1, width=32), min_size=max(nnz, 0), max_size=max(nnz, 0)))
-    tokens = codec.tensor_to_proto(torch.ones(n, k, dtype=torch.int32))
+    tokens = torch.ones(n * k, dtype=torch.int32)
+    if distribution and nnz == sum(counts) and offsets[-1] == nnz:
+        values, tokens = _as_drafted(offsets, ids, draw(st.lists(st.floats(0.01, 1), min_size=nnz, max_size=nnz)))
+    tokens = codec.tensor_to_proto(tokens.reshape(n, k))
     return pb.Proposal(tokens=tokens, sparse=pb.SparseProbs(
         vocab_size=vocab, row_offsets=codec.tensor_to_proto(torch.from_numpy(offsets)),
         token_ids=codec.tensor_to_proto(torch.tensor(ids, dtype=torch.int32)),
         probs=codec.tensor_to_proto(torch.tensor(values, dtype=torch.float32))))
+
+
+def _as_drafted(offsets: np.ndarray, ids: list[int], weights: list[float]) -> tuple[list[float], torch.Tensor]:
+    """Each row's weights normalised to a distribution, and each row's token its first id (q > 0 there)."""
+    values = np.asarray(weights, dtype=np.float64)
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        values[max(lo, 0):max(hi, 0)] /= values[max(lo, 0):max(hi, 0)].sum() or 1.0
+    first = [ids[lo] if 0 <= lo < len(ids) else 1 for lo in offsets[:-1]]
+    return values.astype(np.float32).tolist(), torch.tensor(first, dtype=torch.int32)
 
 
 @FUZZ
@@ -202,8 +219,28 @@ def answered_or_refused(call) -> None:
 
 
 def drain(stub, requests: list) -> None:
-    for _ in stub.Speculate(iter(requests), timeout=30):
-        pass
+    """Read the stream to its end; a draft answered in band with an error must carry a status a peer can act on."""
+    for reply in stub.Speculate(iter(requests), timeout=30):
+        if reply.WhichOneof("kind") == "jit_draft" and reply.jit_draft.HasField("error"):
+            code = STATUS_BY_NUMBER.get(reply.jit_draft.error.code, grpc.StatusCode.UNKNOWN)
+            assert code in ANSWERABLE, (code, reply.jit_draft.error.message)
+
+
+def test_drain_fails_on_a_draft_answered_in_band_with_internal():
+    """A worker that crashes in a draft: the stream answers INTERNAL in band (not as the stream's status),
+    which the service fuzz test above must see as a failure."""
+    class Crashing(ToyWorker):
+        def jit_draft(self, reqs):
+            raise RuntimeError("a bug")
+    server, port = serve_draft(Crashing(), "127.0.0.1", 0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = pb.JitDraftCall(call_id=1, batch=codec.jit_batch_to_proto([JitDraftRequest(1, 0, 0, 7)]))
+            with pytest.raises(AssertionError, match="INTERNAL"):
+                answered_or_refused(lambda: drain(saguaro_pb2_grpc.DraftServiceStub(channel),
+                                                  [pb.SpeculateRequest(jit_draft=call)]))
+    finally:
+        server.stop(None)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

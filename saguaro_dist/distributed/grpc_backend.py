@@ -128,7 +128,9 @@ class GrpcDraftBackend(ServerLinks):
 
     def start_jit_draft(self, reqs: list[JitDraftRequest]) -> DraftLater | FailedDrafts:
         """Queue the draft on each server's stream and return once gRPC has sent it (as send_outcomes
-        does: the caller verifies next); result() reads the answers, under one deadline from then."""
+        does: the caller verifies next); result() reads the answers, by one deadline taken now: a pool
+        that reads its workers' answers in turn waits deadline_s once, not once per stalled worker."""
+        deadline = time.monotonic() + self.deadline_s
         reqs = self._stamp(reqs)
         try:
             groups = self._group(reqs, self._owner_for_jit)
@@ -136,10 +138,10 @@ class GrpcDraftBackend(ServerLinks):
             return FailedDrafts(exc)
         calls = {link: link.call_jit(part) for link, part in groups.items() if link not in (None, _STALE)}
         await_sent([(link.outbox, link.outbox.queued) for link in calls])  # each stream's last request: this one
-        return DraftLater(partial(self._answers, groups=groups, calls=calls), reqs)
+        return DraftLater(partial(self._answers, groups=groups, calls=calls, deadline=deadline), reqs)
 
-    def _answers(self, reqs: list[JitDraftRequest], groups: dict, calls: dict) -> list[Proposal]:
-        found, failed, stale, error = self._collect_jit(calls, groups)
+    def _answers(self, reqs: list[JitDraftRequest], groups: dict, calls: dict, deadline: float) -> list[Proposal]:
+        found, failed, stale, error = self._collect_jit(calls, groups, deadline)
         failed += [r.seq_id for r in groups.get(None, [])]
         stale += [r.seq_id for r in groups.get(_STALE, [])]
         if error is not None:
@@ -157,9 +159,9 @@ class GrpcDraftBackend(ServerLinks):
         link = self._live_owner(req.seq_id)
         return _STALE if link is not None and req.seq_id in self._out_of_sync else link
 
-    def _collect_jit(self, calls: dict, groups: dict):
-        """Wait for every server's answer (one deadline for all); sort them into found / failed / stale."""
-        deadline = time.monotonic() + self.deadline_s
+    def _collect_jit(self, calls: dict, groups: dict, deadline: float):
+        """Wait for every server's answer (by one deadline, time.monotonic(), for all); sort them into
+        found / failed / stale."""
         found, failed, stale, error = {}, [], [], None
         for link, (call_id, answer) in calls.items():
             seq_ids = [r.seq_id for r in groups[link]]

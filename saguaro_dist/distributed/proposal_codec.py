@@ -2,7 +2,8 @@
 
 q travels in the cheapest exact form: nothing for None (one-hot), sparse (ids + probs of the support)
 when the draft's q was truncated (top-k / top-p) so that is smaller, dense bytes otherwise. Every
-float crosses bit for bit; decoding validates and raises CodecError.
+float crosses bit for bit; decoding validates (q included: a distribution, positive at each drafted token, so
+verification stays exact) and raises CodecError.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from saguaro_dist.distributed.tensor_codec import (
 from saguaro_dist.distributed.wire_checks import CodecError, required
 from saguaro_dist.engine.messages import Proposal
 
-__all__ = ["MAX_LAID_OUT_BYTES", "proposal_to_proto", "proposal_from_proto"]
+__all__ = ["MAX_LAID_OUT_BYTES", "mass_tolerance", "proposal_to_proto", "proposal_from_proto"]
 
 # A sparse q is laid out dense on arrival, [rows, vocab_size], by a vocab_size the message states. A real
 # one is far smaller (a 48-row tree over a 262k vocabulary: 50 MB in float32).
@@ -73,13 +74,58 @@ def proposal_from_proto(msg: pb.Proposal, ndim: int = 1) -> Proposal:
     if (tokens < 0).any():
         raise CodecError("Proposal.tokens has a negative token id")
     kind = msg.WhichOneof("probs")
-    probs = None
+    if kind is None:
+        return Proposal(tokens=torch.from_numpy(tokens.astype(np.int64)), probs=None)
     if kind == "dense":
         probs = _dense_from_proto(msg.dense, tokens.shape)
-    elif kind == "sparse":
+        low, mass = _row_stats(probs)
+    else:
         # vocab_size, not -1: a proposal with no tokens has no rows to infer it from
-        probs = _sparse_from_proto(msg.sparse, tokens.size).reshape(*tokens.shape, msg.sparse.vocab_size)
+        probs, low, mass = _sparse_from_proto(msg.sparse, tokens.size)
+        probs = probs.reshape(*tokens.shape, msg.sparse.vocab_size)
+    _check_distribution(tokens, probs, low, mass)
     return Proposal(tokens=torch.from_numpy(tokens.astype(np.int64)), probs=probs)
+
+
+def mass_tolerance(dtype: torch.dtype) -> float:
+    """How far a row of q may sum from 1: the rounding of a float32 softmax sent in dtype (bfloat16 moves
+    each entry by up to 2**-9 of itself, so a row by up to 2**-9), far below any bias worth leaning on."""
+    return max(1e-3, torch.finfo(dtype).eps)
+
+
+def _check_distribution(tokens: np.ndarray, probs: torch.Tensor, low: float, mass: np.ndarray) -> None:
+    """q must be a distribution each drafted token could be drawn from. Verification accepts x with
+    min(1, p(x) / q(x)), which is 1 whenever p(x) >= q(x), and draws the rest from norm(max(0, p - q)): a
+    negative or non-finite q, q(x) = 0, or a row of mass far from 1 would emit x (or others) more often than p
+    says. low: q's least entry (NaN if any is), mass [rows]: each row's sum."""
+    vocab = probs.shape[-1]
+    if tokens.size and int(tokens.max()) >= vocab:
+        raise CodecError(f"Proposal.tokens must lie in q's vocabulary [0, {vocab})")
+    if not tokens.size:
+        return
+    drawn = probs.reshape(-1, vocab).gather(1, torch.from_numpy(tokens.reshape(-1, 1).astype(np.int64)))
+    tolerance = mass_tolerance(probs.dtype)
+    if not (low >= 0 and (np.abs(mass - 1) <= tolerance).all() and bool((drawn > 0).all())):
+        raise CodecError(f"proposal q must be a distribution: entries finite and >= 0, each row summing to 1 (within "
+                         f"{tolerance:g}), and > 0 at the token drafted from it")
+
+
+def _float_array(values: np.ndarray | torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """numpy floats to reduce over: float32 / float64 as they are, bfloat16 (its int16 bits: numpy has no
+    bfloat16) and float16 (numpy would accumulate in float16) widened to float32."""
+    if dtype is torch.bfloat16:
+        values = torch.as_tensor(values).view(torch.bfloat16).float()
+    values = values.numpy() if isinstance(values, torch.Tensor) else values
+    return values if values.dtype in (np.float32, np.float64) else values.astype(np.float32)
+
+
+def _row_stats(probs: torch.Tensor) -> tuple[float, np.ndarray]:
+    """(least entry, each row's sum) of a dense q: two numpy passes (torch's reductions cost ~5x the CPU at
+    [4, 128k], its threads spinning; einsum ~3x less than ndarray.sum's pairwise sum)."""
+    if probs.numel() == 0:  # no rows (no tokens), or V = 0 (every token refused as outside it)
+        return 0.0, np.empty(0)
+    rows = _float_array(probs, probs.dtype).reshape(-1, probs.shape[-1])
+    return rows.min(), np.einsum("ij->i", rows)
 
 
 def _dense_from_proto(msg: pb.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -89,7 +135,8 @@ def _dense_from_proto(msg: pb.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return probs
 
 
-def _sparse_from_proto(msg: pb.SparseProbs, k: int) -> torch.Tensor:
+def _sparse_from_proto(msg: pb.SparseProbs, k: int) -> tuple[torch.Tensor, float, np.ndarray]:
+    """(q [k, vocab_size] laid out dense, its least entry, each row's sum), the last two from the nnz entries."""
     offsets = integer_array(required(msg, "row_offsets", "SparseProbs"), "sparse probs: row_offsets").astype(np.int64)
     ids = integer_array(required(msg, "token_ids", "SparseProbs"), "sparse probs: token_ids").astype(np.int64)
     values_msg = required(msg, "probs", "SparseProbs")
@@ -98,10 +145,13 @@ def _sparse_from_proto(msg: pb.SparseProbs, k: int) -> torch.Tensor:
         raise CodecError("sparse probs: probs must be float")
     values = array_from_proto(values_msg, dtype)
     _check_sparse(offsets, ids, values, k, msg.vocab_size)
+    row_of = np.repeat(np.arange(k), np.diff(offsets))
     probs = np.zeros((k, msg.vocab_size), dtype=values.dtype)
-    probs[np.repeat(np.arange(k), np.diff(offsets)), ids] = values
+    probs[row_of, ids] = values
     probs = torch.from_numpy(probs)
-    return probs.view(torch.bfloat16) if dtype is torch.bfloat16 else probs
+    floats = _float_array(values, dtype)
+    low, mass = (floats.min() if len(floats) else 0.0), np.bincount(row_of, weights=floats, minlength=k)
+    return (probs.view(torch.bfloat16) if dtype is torch.bfloat16 else probs), low, mass
 
 
 def _check_sparse(offsets: np.ndarray, ids: np.ndarray, values: np.ndarray, k: int, vocab_size: int) -> None:
