@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import operator
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from saguaro_dist.config import check_int, is_number
 from saguaro_dist.spec.bad_words import BadWordIds, bad_word_ids
@@ -35,13 +35,19 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None    # one of these strings, exactly
     grammar: str | None = None               # a Lark (llguidance) or GBNF grammar
+    # vLLM's options beside the constraint, accepted where they ask for what is served (check_structured_options)
+    disable_any_whitespace: bool = False     # either way: JSON here has no free whitespace unless its x-guidance says
+    disable_additional_properties: bool = False  # False only: a schema's own additionalProperties rule holds
+    whitespace_pattern: str | None = None    # None only: a schema's x-guidance options set its whitespace
+    structural_tag: str | None = None        # None only: there are no structural tags
 
     def __post_init__(self):
-        if isinstance(self.json, Mapping):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        if isinstance(self.json, Mapping):  # in the schema's order: llguidance writes properties in that order
+            object.__setattr__(self, "json", json.dumps(self.json))
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice) if not isinstance(self.choice, str) else self.choice)
-        given = [f.name for f in fields(self) if getattr(self, f.name) not in (None, False)]
+        check_structured_options(self)
+        given = [name for name in STRUCTURED_CONSTRAINTS if getattr(self, name) not in (None, False)]
         if len(given) != 1:
             raise ValueError(f"structured_outputs takes exactly one of json, json_object, regex, choice, grammar; "
                              f"got {given or 'none'}")
@@ -51,6 +57,21 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, tuple) or not self.choice
                                         or not all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError(f"structured_outputs choice must be a non-empty list of non-empty strings, got {self.choice!r}")
+
+
+STRUCTURED_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def check_structured_options(spec: StructuredOutputsParams) -> None:
+    """vLLM's options: disable_any_whitespace either way (the server's JSON has no free whitespace, and in vLLM the
+    request's flag only ever adds to the server's), the others at their inert values only."""
+    if not isinstance(spec.disable_any_whitespace, bool):
+        raise ValueError(f"structured_outputs disable_any_whitespace must be a boolean, got {spec.disable_any_whitespace!r}")
+    for name, why in (("disable_additional_properties", "give the schema additionalProperties false"),
+                      ("whitespace_pattern", "JSON whitespace is set by the schema's x-guidance options"),
+                      ("structural_tag", "there are no structural tags")):
+        if getattr(spec, name) is not None and getattr(spec, name) is not False:
+            raise ValueError(f"structured_outputs {name} {getattr(spec, name)!r} is not supported ({why})")
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,25 @@ def grammar_of(spec: StructuredOutputsParams) -> str:
     import llguidance
 
     if spec.json is not None or spec.json_object:
-        schema = spec.json if spec.json is not None else {"type": "object"}
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        schema = spec.json if spec.json is not None else '{"type": "object"}'
+        return llguidance.LLMatcher.grammar_from_json_schema(compact_if_asked(schema, spec), defaults=JSON_DEFAULTS)
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
     if spec.choice is not None:  # Lark string literals take JSON's escapes
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
     return llguidance.grammar_from("grammar", spec.grammar)  # Lark, or GBNF converted to it (as vLLM's guidance backend)
+
+
+def compact_if_asked(schema: str, spec: StructuredOutputsParams) -> str:
+    """The schema, with its x-guidance's whitespace_flexible turned off where the request's disable_any_whitespace
+    asks (x-guidance overrides JSON_DEFAULTS, which are compact already); else the very text (one cached grammar)."""
+    if not spec.disable_any_whitespace:
+        return schema
+    parsed = json.loads(schema)  # (a JSONDecodeError is the ValueError that checked_grammar_of reports)
+    options = parsed.get("x-guidance") if isinstance(parsed, dict) else None
+    if not isinstance(options, dict) or not options.get("whitespace_flexible"):
+        return schema
+    return json.dumps({**parsed, "x-guidance": {**options, "whitespace_flexible": False}})
 
 
 def checked_grammar_of(spec: StructuredOutputsParams) -> str:
@@ -234,6 +246,9 @@ class GrammarCompiler:
         spec = params.structured_outputs
         if spec is None:
             return
+        if not self.eos_token_ids:  # llguidance would end the grammar with token 0, which ends nothing here
+            raise ValueError("structured_outputs needs the model's end-of-sequence token, and this model has none "
+                             "(config.json / generation_config.json eos_token_id)")
         grammar = checked_grammar_of(spec)
         # Each of these can leave a row where nothing is allowed: a finished grammar allows only EOS (which
         # ignore_eos would pass and min_tokens holds back), and allowed_token_ids may miss what it needs.

@@ -45,13 +45,18 @@ class ResponseFormat(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's structured_outputs: exactly one of these."""
+    """vLLM's structured_outputs: exactly one of json .. grammar, and vLLM's options (StructuredOutputsParams
+    accepts disable_any_whitespace either way, the others at their inert values only)."""
     model_config = ConfigDict(extra="forbid")
     json_: dict | str | None = Field(None, alias="json")
     json_object: bool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | dict | None = None
 
 
 class SamplingRequest(OpenAIModel):
