@@ -31,6 +31,7 @@ from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LONG = replace(GREEDY, max_tokens=60)  # long enough to be cut by a kill, a stall or a crash three rounds in
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,12 @@ def pair(tmp_path_factory):
     pair["draft"] = pair["close"]
     pair["reference"] = [hf_greedy(pair["model"], p, GREEDY.max_tokens) for p in PROMPTS]
     return pair
+
+
+@pytest.fixture(scope="module")
+def long_reference(pair):
+    """The target's greedy 60 tokens after each prompt (the kill, stall and crash tests' requests)."""
+    return [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
 
 
 def cluster_llm(pair, **kwargs) -> LLM:
@@ -204,12 +211,12 @@ async def check_streams(llm: LLM, pair) -> None:
 
 
 def generate_through_a_kill(llm: LLM, params: SamplingParams, kill) -> list:
-    """generate(PROMPTS), kill() called once three rounds have run; every output, checked to be there."""
-    outputs = []
+    """generate(PROMPTS), kill() called once three rounds of it have run; every output, checked to be there."""
+    outputs, rounds = [], llm.metrics.rounds  # (the engine may have run rounds before: the stall, then the crash)
     worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)))
     worker.start()
     deadline = time.time() + 60
-    while llm.metrics.rounds < 3 and time.time() < deadline:
+    while llm.metrics.rounds < rounds + 3 and time.time() < deadline:
         time.sleep(0.01)
     kill()
     worker.join(timeout=180)
@@ -218,12 +225,10 @@ def generate_through_a_kill(llm: LLM, params: SamplingParams, kill) -> list:
 
 
 @pytest.mark.parametrize("executor", ["split", "process"])
-def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair, executor):
-    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
+def test_killing_a_draft_worker_costs_speed_never_tokens(ray_cluster, pair, long_reference, executor):
     with cluster_llm(pair, num_draft_workers=2, draft_executor=executor) as llm:
-        outputs = generate_through_a_kill(llm, long, lambda: ray.kill(llm._thread.deployment.drafts[0], no_restart=True))
-        for prompt, out, want in zip(PROMPTS, outputs, reference):
+        outputs = generate_through_a_kill(llm, LONG, lambda: ray.kill(llm._thread.deployment.drafts[0], no_restart=True))
+        for prompt, out, want in zip(PROMPTS, outputs, long_reference):
             assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
         assert sum(llm.metrics.fallbacks.values()) > 0
         # the pool recovered: the survivor serves the re-prefilled sequences, hits come back
@@ -247,50 +252,52 @@ def wait_for_trees_again(llm: LLM, pair, within_s: float) -> None:
 
 
 @pytest.mark.parametrize("executor", ["split", "process"])
-def test_a_restarted_draft_actor_rejoins_the_pool(ray_cluster, pair, executor):
-    """The only draft actor dies as in a crash and Ray restarts it: generation stays exact throughout, and
-    the pool takes the actor back at its new address, so the trees come back."""
-    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
-    with cluster_llm(pair, num_draft_workers=1, draft_executor=executor, tree_policy="always") as llm:
-        draft = llm._thread.deployment.drafts[0]
-        before = ray.get(draft.endpoint.remote())
-        outputs = generate_through_a_kill(llm, long, lambda: ray.kill(draft, no_restart=False))  # Ray restarts it
-        for prompt, out, want in zip(PROMPTS, outputs, reference):
-            assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
-        assert ask_actor(draft.endpoint, 120).address != before.address  # restarted: the old process is gone
-        wait_for_trees_again(llm, pair, 120)
+def test_a_stalled_then_restarted_draft_actor_is_taken_back_each_time(ray_cluster, pair, long_reference, executor):
+    """The only draft actor stalls, then crashes and is restarted by Ray, in one engine (one start-up for both):
+    generation stays exact through each, and each time the pool takes the actor back, so trees come back."""
+    with cluster_llm(pair, num_draft_workers=1, draft_executor=executor, tree_policy="always",
+                     draft_deadline_s=0.5, tree_timeout_s=0.5) as llm:
+        stall_and_resume(llm, pair, long_reference, executor)
+        crash_and_restart(llm, pair, long_reference)
 
 
-@pytest.mark.parametrize("executor", ["split", "process"])
-def test_a_stalled_draft_actor_misses_its_deadline_and_is_taken_back_where_it_was(ray_cluster, pair, executor):
+def stall_and_resume(llm: LLM, pair, reference, executor: str) -> None:
     """The only draft actor's process stops for seconds (SIGSTOP: a real stall, as a long GC pause or
     an overloaded node): its drafts miss draft_deadline_s (process), or its trees tree_timeout_s twice in a
     row (split: the drafts are made beside the target), the pool takes it for dead and generation goes on
     exactly. Once it runs again it answers at its old address, still holding its old sequences; the pool
     releases them there and takes it back, so trees come back."""
-    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
-    reference = [hf_greedy(pair["model"], p, long.max_tokens) for p in PROMPTS]
-    with cluster_llm(pair, num_draft_workers=1, draft_executor=executor, tree_policy="always",
-                     draft_deadline_s=0.5, tree_timeout_s=0.5) as llm:
-        draft = llm._thread.deployment.drafts[0]
-        pid, before = ray.get(draft.pid.remote()), ray.get(draft.endpoint.remote())
-        resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
+    draft = llm._thread.deployment.drafts[0]
+    pid, before = ray.get(draft.pid.remote()), ray.get(draft.endpoint.remote())
+    resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
 
-        def stall():
-            os.kill(pid, signal.SIGSTOP)
-            resume.start()
-        try:
-            outputs = generate_through_a_kill(llm, long, stall)
-        finally:
-            resume.join()
-        for prompt, out, want in zip(PROMPTS, outputs, reference):
-            assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
-        assert sum(llm.metrics.fallbacks.values()) > 0
-        if executor == "split":  # marked dead after two late waits, not waited for again all through the 3 s stall
-            assert 0 < llm.metrics.late_trees <= (LATE_TREE_WAITS_BEFORE_DEAD + 1) * len(PROMPTS)
-        assert ray.get(draft.endpoint.remote()) == before and ray.get(draft.pid.remote()) == pid  # never restarted
-        wait_for_trees_again(llm, pair, 60)
+    def stall():
+        os.kill(pid, signal.SIGSTOP)
+        resume.start()
+    try:
+        outputs = generate_through_a_kill(llm, LONG, stall)
+    finally:
+        resume.join()
+    for prompt, out, want in zip(PROMPTS, outputs, reference):
+        assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
+    assert sum(llm.metrics.fallbacks.values()) > 0
+    if executor == "split":  # marked dead after two late waits, not waited for again all through the 3 s stall
+        assert 0 < llm.metrics.late_trees <= (LATE_TREE_WAITS_BEFORE_DEAD + 1) * len(PROMPTS)
+    assert ray.get(draft.endpoint.remote()) == before and ray.get(draft.pid.remote()) == pid  # never restarted
+    wait_for_trees_again(llm, pair, 60)
+
+
+def crash_and_restart(llm: LLM, pair, reference) -> None:
+    """The only draft actor dies as in a crash and Ray restarts it: generation stays exact throughout, and
+    the pool takes the actor back at its new address, so the trees come back."""
+    draft = llm._thread.deployment.drafts[0]
+    before, fallbacks = ray.get(draft.endpoint.remote()), sum(llm.metrics.fallbacks.values())
+    outputs = generate_through_a_kill(llm, LONG, lambda: ray.kill(draft, no_restart=False))  # Ray restarts it
+    for prompt, out, want in zip(PROMPTS, outputs, reference):
+        assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
+    assert sum(llm.metrics.fallbacks.values()) > fallbacks  # the crash met generation in flight
+    assert ask_actor(draft.endpoint, 120).address != before.address  # restarted: the old process is gone
+    wait_for_trees_again(llm, pair, 120)
 
 
 def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_cluster, pair):

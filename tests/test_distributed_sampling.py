@@ -10,11 +10,13 @@ from engine_helpers import llama_config, save_model, save_perturbed
 pytestmark = pytest.mark.slow
 
 
+# Each executor (split: drafts beside the target, trees over gRPC; process: everything over gRPC) runs the
+# hit path of top-F trees covering every outcome, and ssd_coupled: hits, misses to the neural backup (it asserts
+# fallbacks["neural"] > 0, the path ssd_miss_neural took alone, at k = 2 here) and each coupled tree's plan, with
+# the draft's guess, crossing gRPC for the target's bonus draw. The process's hit path runs with min_p, which
+# crosses to the drafts over gRPC (its plain T = 1 runs in the split and in ssd_coupled).
 @pytest.mark.parametrize("case, params, executor", [
-    ("ssd_hit_path", "t1", "split"), ("ssd_miss_neural", "t1", "split"),  # drafts beside the target, trees over gRPC
-    ("ssd_hit_path", "t1", "process"), ("ssd_miss_neural", "t1", "process"),  # everything over gRPC
-    ("ssd_hit_path", "t1_minp0.85", "process"),  # min_p crosses to the drafts over gRPC
-    # Coupled bonus draws: each coupled tree's plan, with the draft's guess, crosses gRPC for the target's bonus draw
+    ("ssd_hit_path", "t1", "split"), ("ssd_hit_path", "t1_minp0.85", "process"),
     ("ssd_coupled", "t1", "process"), ("ssd_coupled", "t1", "split")])
 def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case, params, executor):
     """The exact-core chi-square test, with the drafts behind gRPC in Ray actors (8000 samples per path:

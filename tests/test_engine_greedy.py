@@ -187,12 +187,15 @@ PROCESS_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(PROCESS_CASES))
+# A draft child costs seconds of start-up (a fresh interpreter importing torch). The trees of ssd_b4 over the
+# process and of ssd_b1 / ssd_b4 on the split run in test_tree_gate_transitions_are_exact (process-4, split-1,
+# split-4): the same engine settings, the gate scripted so that each kind of round is taken (asserted there).
+@pytest.mark.parametrize("case", ["sd_b4", "ssd_b1", "ssd_neural_fallback_b1"])
 def test_draft_process_matches_ar(pair, reference, case):
     check(pair, reference, run(pair, draft_executor="process", **PROCESS_CASES[case]))
 
 
-@pytest.mark.parametrize("case", sorted(c for c in PROCESS_CASES if c.startswith("ssd")))
+@pytest.mark.parametrize("case", ["ssd_neural_fallback_b1"])
 def test_split_draft_matches_ar(pair, reference, case, caplog):
     """Just-in-time drafts on a thread, trees in the child: both halves follow every outcome, never out
     of step (the engine would recover from that with the fast backup and a re-prefill, tokens intact)."""
@@ -355,7 +358,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, e
     check(pair, reference, outputs)
     assert m.just_in_time_rounds > 0 and m.fast_rounds > 0 and m.cache_hits > 0, m
     assert (m.cohort_rounds > 0) == (batch > 1), m  # cohorts drafted in a round without trees, landed in one with
-    assert not [r for r in caplog.records if "out of step" in r.getMessage()]
+    assert not [r for r in caplog.records if "out of step" in r.getMessage() or "failed" in r.getMessage()]
 
 
 @pytest.mark.parametrize("capturing, executor", [(None, "thread"), ("engine", "thread"), ("draft child", "split")])

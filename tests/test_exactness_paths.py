@@ -20,6 +20,11 @@ conditional_pvalue: every token after the first against the target's exact distr
 before it (teacher-forced), a chi-square that sees every round. The reference (reference_probs) is written
 apart from saguaro_dist.spec. Each test also checks that its path was taken (metrics). The last tests break the
 engine on purpose and show these tests reject it (p-values in the report / printed with -s).
+
+A child-process twin of a thread case with the same groups and engine path samples N_TWIN requests (as
+tests/test_engine_sampling.py's twins): the thread case carries the power, the twin proves the transport changes
+nothing. The killed-child cases sample N_KILLED: a bug of the restarted sequences touches only the rows in flight
+at the 3 kills (at most 3 x 64, whatever n), so fewer rows in all dilute them less, and the test sees it better.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ from saguaro_dist.spec import VerifyResult
 
 VOCAB, ALPHA = 6, 1e-4
 N = 4000  # requests per test (split over its groups)
+N_TWIN = 1500  # a child-process twin of a thread case (see above)
+N_KILLED = 1500  # the killed-child cases: enough rounds for the 75th message to the child (see above)
 DEPTH = 10  # tokens generated per request: the joint of the first 3 tested, and each one after the first
 PROMPT_A, PROMPT_B, PROMPT_C = [1, 2, 3], [4, 0, 5, 2, 1, 3, 3], [2]
 
@@ -403,7 +410,8 @@ def test_sequences_outgrowing_the_draft_follow_the_target(pair, short_draft, mod
     groups = [(PROMPT_B, SamplingParams(temperature=1.0)), (PROMPT_LONG, SamplingParams(temperature=0.8, top_k=4)),
               (PROMPT_A, SamplingParams(temperature=1.0))]
     settings = dict(mode=mode, k=2, draft_executor=executor) | (dict(fan_out=MISSES, **TREES) if mode == "ssd" else {})
-    outputs, metrics, per_request = generate(target, short_draft, seeded(groups, 3000), **settings)
+    n = 3000 if executor == "thread" else N_TWIN  # (ssd, process): the twin of (ssd, thread)
+    outputs, metrics, per_request = generate(target, short_draft, seeded(groups, n), **settings)
     assert metrics.fallbacks["fast"] > 0 and metrics.accepted_tokens > 0, metrics
     # PROMPT_B's rows: some drafted by the draft first, then by the fast backup (the only fast proposals
     # here: misses take the neural backup); PROMPT_LONG's: the fast backup throughout
@@ -468,7 +476,7 @@ def test_round_modes_mixed_follow_the_target_over_ten_tokens(pair, monkeypatch, 
             "lookup_favouring": lambda m: m.lookup_rows > 0,
             "early_lookup_rounds": lambda m: m.fast_rounds > 0}[gate]
     params = SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.4, repetition_penalty=1.3)
-    check(pair, [(PROMPT_A, params)], took, n=3000, k=2, fan_out=MISSES,
+    check(pair, [(PROMPT_A, params)], took, n=3000 if executor == "thread" else N_TWIN, k=2, fan_out=MISSES,
           draft_executor=executor, whole_batches=gate == "early_lookup_rounds")
     assert gate != "early_lookup_rounds" or max(chosen) == 6, chosen
 
@@ -507,7 +515,7 @@ def test_a_draft_process_killed_mid_generation_costs_speed_not_the_distribution(
     monkeypatch.setattr(DraftProcess, "_restart", counted_restart)
     settings = dict(k=2, draft_executor=executor, tree_policy=tree_policy, fallback="neural")
     settings |= dict(fan_out=MISSES, hit_glue="always") if tree_policy == "always" else dict(jit_cohorts=2)
-    check(pair, [(PROMPT_A, SamplingParams(temperature=1.0))], lambda m: m.rounds > 0, n=2500, **settings)
+    check(pair, [(PROMPT_A, SamplingParams(temperature=1.0))], lambda m: m.rounds > 0, n=N_KILLED, **settings)
     # (a kill late in the run may find one sequence left: at least one restart must re-prefill several)
     assert len(kills) == 3 and len(restarts) == 3 and min(restarts) >= 1 and max(restarts) > 1, (kills, restarts)
 
