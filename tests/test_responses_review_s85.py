@@ -71,11 +71,30 @@ def test_harmony_messages_are_items_in_order_whole_and_streamed(harmony_url):
     assert [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"] == [t for t, _ in IN_ORDER]
 
 
+def test_each_message_of_a_whole_reply_carries_its_own_tokens_logprobs(harmony_url):
+    """Unstreamed, the reply is fed as a per-token stream is: a message's item carries the logprob entries of
+    the tokens up to its text (its channel's markers, reasoning before it), never a later message's tokens. Old: the
+    reply fed whole put all 73 entries on 'preamble' and none on 'answer'."""
+    text = ("<|channel|>analysis<|message|>think1" + NEXT + "<|channel|>commentary<|message|>preamble" + NEXT
+            + "<|channel|>final<|message|>answer<|return|>")
+    body = {"model": "gpt", "input": "x", "max_output_tokens": 600, "temperature": 0,
+            "include": ["message.output_text.logprobs"], "structured_outputs": {"grammar": _forced(text)}}
+    whole = httpx.post(f"{harmony_url}/responses", json=body, timeout=120).json()
+    messages = [i["content"][0] for i in whole["output"] if i["type"] == "message"]
+    assert [m["text"] for m in messages] == ["preamble", "answer"]
+    spelled = ["".join(e["token"] for e in m["logprobs"]) for m in messages]
+    assert spelled[0].endswith("preamble") and "answer" not in spelled[0], spelled
+    assert "answer" in spelled[1] and "preamble" not in spelled[1], spelled
+
+
 def _run(body: dict, pieces: list[str], finish: str = "stop") -> tuple[list[dict], list[dict]]:
     """A reply's items unstreamed and streamed in `pieces` (the route's HarmonyReply, an openai parser server's)."""
     request = ResponsesRequest.model_validate({"model": "m", **body})
     plan = replace(request.tool_plan(), parser=ToolCallParser.OPENAI, harmony=True)
-    whole = HarmonyReply.of(ResponseEvents("r", "m", request, 0), plan).items("".join(pieces), finish, [])
+    whole_reply = HarmonyReply.of(ResponseEvents("r", "m", request, 0), plan)
+    whole_reply.feed("".join(pieces), True)
+    whole_reply.events.finish(finish)
+    whole = whole_reply.events.items
     events = ResponseEvents("r", "m", request, 0)
     reply, out = HarmonyReply.of(events, plan), events.opening()
     for i, piece in enumerate(pieces):

@@ -248,11 +248,5 @@ class HarmonyReply:
                 out += self._content(self.tools.step(piece, False))
         return out + (self._content(self.tools.step("", True)) if final else "")
 
-    def items(self, text: str, finish_reason: str | None, logprob_entries: list) -> list[dict]:
-        """The output items of the whole reply: its stream's."""
-        self.feed(text, True, logprob_entries)
-        self.events.finish(finish_reason)
-        return self.events.items
-
     def _content(self, delta: dict) -> str:
         return self.events.text("", delta.get("content", "")) + self.events.calls(delta.get("tool_calls", []))

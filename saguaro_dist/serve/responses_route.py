@@ -62,13 +62,45 @@ async def _respond(body: ResponsesRequest, request: Request):
 
 def _whole_items(state: ServingState, job: Job, body: ResponsesRequest, result, events: ResponseEvents) -> list[dict]:
     """The output items of a finished reply (a gpt-oss reply's: as its stream makes them, HarmonyReply)."""
-    parser, text = state.reasoning_parser_for(job), reply_text(state, result)
+    parser = state.reasoning_parser_for(job)
     if parser is not None and parser.harmony:
-        return HarmonyReply.of(events, state.tool_plan_for(body)).items(text, result.finish_reason, result.logprobs or [])
-    reasoning, text = split_reasoning(parser, text)
+        return _harmony_items(state, body, result, events)
+    reasoning, text = split_reasoning(parser, reply_text(state, result))
     content, calls = state.tool_plan_for(body).parse(text)
     return output_items(shown(body, reasoning), content, calls, events.logprob_items(result.logprobs or []),
                         result.finish_reason)
+
+
+def _harmony_items(state: ServingState, body: ResponsesRequest, result, events: ResponseEvents) -> list[dict]:
+    """A gpt-oss reply's items, fed as its stream is: in pieces (each marker token alone, each run of ordinary
+    tokens between), each with its own tokens' logprob entries, so that each message's item carries its tokens'
+    (fed whole, the first message took every entry). The pieces' texts are the reply's text cut in order."""
+    reply, marks = HarmonyReply.of(events, state.tool_plan_for(body)), LiteralMarkers.of(state.tokenizer)
+    ids, entries = result.token_ids, result.logprobs or []
+    pieces = token_pieces(state.tokenizer, marks.marker_ids, ids, result.text)
+    for n, (start, end, text) in enumerate(pieces):
+        reply.feed(marks.feed(text, ids[start:end]), n == len(pieces) - 1, entries[start:end])
+    reply.events.finish(result.finish_reason)
+    return reply.events.items
+
+
+def token_pieces(tokenizer, marker_ids: dict[int, str], ids: list[int], text: str) -> list[tuple[int, int, str]]:
+    """(start, end, its text): ids cut before and after each marker token, and `text` cut with them, by each
+    piece's decoded length (a marker's: its own text). The texts are `text` in order whatever the lengths (the
+    last piece takes what is left; a stop token left out of the text gets "")."""
+    cuts = [i for n, token in enumerate(ids) if token in marker_ids for i in (n, n + 1)]
+    bounds = list(dict.fromkeys([0, *cuts, len(ids)]))  # (in order; a marker first or last cuts nothing there)
+    pieces, at = [], 0
+    for start, end in zip(bounds, bounds[1:]):
+        run = ids[start:end]
+        size = len(marker_ids[run[0]]) if end - start == 1 and run[0] in marker_ids else len(
+            tokenizer.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        pieces.append((start, end, text[at:at + size]))
+        at += size
+    if pieces and at < len(text):
+        start, end, piece = pieces[-1]
+        pieces[-1] = (start, end, piece + text[at:])
+    return pieces or [(0, 0, text)]
 
 
 def _logprob_items(state: ServingState, job: Job):
