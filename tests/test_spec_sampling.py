@@ -132,6 +132,18 @@ def test_saguaro_c_zero_with_all_mass_in_top_f_returns_z():
     assert torch.allclose(saguaro_probs(z, 2, 1e-9), z)
 
 
+def test_saguaro_c_zero_with_a_tail_too_small_to_divide_by_returns_a_distribution():
+    """C = 0 on a peaked row whose mass outside the top F is below float32's least normal (~1e-40): the clamp
+    divided by that least normal instead, so the row summed to ~0.08 (a q no verifier should take; the gRPC
+    codec refuses it, costing a fallback a round). Now such a row goes unchanged, as a zero tail's does."""
+    z = torch.zeros(1, 1000)
+    z[0, :4] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    z[0, 4:] = 1e-43  # a float32 denormal: the tail's mass ~1e-40
+    out = saguaro_probs(z, 4, 0.0)
+    assert abs(float(out.sum()) - 1) < 1e-6 and torch.equal(out, z)
+    assert torch.allclose(saguaro_probs(z.double(), 4, 0.0).sum(), torch.tensor(1.0, dtype=torch.float64))
+
+
 def test_saguaro_per_row_top_f():
     z = torch.tensor([[0.4, 0.3, 0.2, 0.1]] * 2)
     out = saguaro_probs(z, torch.tensor([1, 3]), 0.5)

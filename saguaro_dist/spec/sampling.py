@@ -152,7 +152,8 @@ def saguaro_probs(probs: torch.Tensor, top_f, c: float) -> torch.Tensor:
 
     sigma(z)(j) = w(j) z(j) / sum_i w(i) z(i), w(j) = C if j in top-F(z) else 1, C in [0, 1].
     C = 1 or F = 0 is the identity. If sum_i w(i) z(i) = 0 (C = 0 and all of z's mass lies in its
-    top F, e.g. a greedy one-hot z) the row is returned unchanged: that is the C -> 0 limit of
+    top F, e.g. a greedy one-hot z), or is too small to divide by (below the dtype's least normal), the row is
+    returned unchanged: that is the C -> 0 limit of
     sigma (C z / C), so the function stays continuous and always returns a distribution.
 
     probs [N, V]; top_f int or [N] int; returns probs [N, V]. This is both the distribution the
@@ -164,7 +165,10 @@ def saguaro_probs(probs: torch.Tensor, top_f, c: float) -> torch.Tensor:
         return probs
     scaled = torch.where(top_f_mask(probs, top_f), probs * c, probs)
     total = scaled.sum(dim=-1, keepdim=True)
-    return torch.where(total > 0, scaled / total.clamp_min(torch.finfo(total.dtype).tiny), probs)
+    # A mass below the dtype's least normal number (C = 0, the tail of a very peaked row: ~1e-40) divides as
+    # badly as zero does (clamped, the row summed to 0.08): the row goes unchanged, as at 0.
+    tiny = torch.finfo(total.dtype).tiny
+    return torch.where(total >= tiny, scaled / total.clamp_min(tiny), probs)
 
 
 def top_k_proposal(probs: torch.Tensor, k: int) -> torch.Tensor:
