@@ -9,9 +9,8 @@ from dataclasses import replace
 
 import httpx
 import pytest
-from engine_helpers import llama_config, save_model
 from http_helpers import serve_on_loopback
-from test_serve_harmony import _forced, harmony_tokenizer
+from test_serve_harmony import _forced, save_harmony_model
 from test_serve_responses import TOOLS, served  # noqa: F401 - the demo model's module fixture
 
 from saguaro_dist import LLM
@@ -46,13 +45,7 @@ def _post(url: str, body: dict) -> httpx.Response:
 # ---- 1. a gpt-oss reply's messages -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def harmony_url(tmp_path_factory):
-    path = tmp_path_factory.mktemp("harmony_model")
-    tok = harmony_tokenizer()
-    tok.save_pretrained(path)
-    config = llama_config(len(tok), hidden=32, layers=2)
-    config.max_position_embeddings = 1024
-    save_model(path, config, seed=0)
-    llm = LLM(model=str(path), mode="ar")
+    llm = LLM(model=save_harmony_model(tmp_path_factory.mktemp("harmony_model")), mode="ar")
     app = create_app(llm, ServerOptions("gpt", reasoning_parser="openai_gptoss", tool_call_parser="openai"))
     with serve_on_loopback(app) as url:
         yield url

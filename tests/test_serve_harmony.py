@@ -158,15 +158,19 @@ def _forced(text: str) -> str:
     return "start: " + " ".join(parts)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    path = tmp_path_factory.mktemp("harmony_model")
+def save_harmony_model(path) -> str:
+    """A tiny random model with the harmony tokenizer, written to path (a folder)."""
     tok = harmony_tokenizer()
     tok.save_pretrained(path)
     config = llama_config(len(tok), hidden=32, layers=2)
     config.max_position_embeddings = 1024  # room for a reply spelt in bytes, as a random model may pick them
     save_model(path, config, seed=0)
-    llm = LLM(model=str(path), mode="ar")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    llm = LLM(model=save_harmony_model(tmp_path_factory.mktemp("harmony_model")), mode="ar")
     app = create_app(llm, ServerOptions("gpt", reasoning_parser="openai_gptoss", tool_call_parser="openai"))
     with serve_on_loopback(app) as url:
         yield openai.OpenAI(base_url=url, api_key="none", max_retries=0)

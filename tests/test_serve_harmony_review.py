@@ -10,10 +10,9 @@ import random
 
 import openai
 import pytest
-from engine_helpers import llama_config, save_model
 from http_helpers import serve_on_loopback
 from offline_tokenizers import byte_level_bpe
-from test_serve_harmony import ANSWER, CALLS, MARKERS, TOOLS, _ask, _leaks, _stream, harmony_tokenizer
+from test_serve_harmony import ANSWER, CALLS, MARKERS, TOOLS, _ask, _leaks, _stream, harmony_tokenizer, save_harmony_model
 from test_serve_harmony import served  # noqa: F401 - the fixture: a server with both harmony parsers
 
 from saguaro_dist import LLM
@@ -152,13 +151,7 @@ def test_tool_choice_none_over_http(served):  # noqa: F811
 # ---- 2. the tool parser alone reads every reply as harmony --------------------------------------------------------
 @pytest.fixture(scope="module")
 def tool_only(tmp_path_factory):
-    path = tmp_path_factory.mktemp("harmony_tool_only")
-    tok = harmony_tokenizer()
-    tok.save_pretrained(path)
-    config = llama_config(len(tok), hidden=32, layers=2)
-    config.max_position_embeddings = 1024
-    save_model(path, config, seed=0)
-    llm = LLM(model=str(path), mode="ar")
+    llm = LLM(model=save_harmony_model(tmp_path_factory.mktemp("harmony_tool_only")), mode="ar")
     with serve_on_loopback(create_app(llm, ServerOptions("gpt", tool_call_parser="openai"))) as url:
         yield openai.OpenAI(base_url=url, api_key="none", max_retries=0)
     llm.shutdown()
