@@ -88,6 +88,16 @@ def test_an_honest_q_decodes_bit_for_bit_in_every_wire_dtype_and_form(dtype, top
         assert decoded.probs.dtype == dtype and torch.equal(decoded.probs.reshape(q.shape).view(-1), q.view(-1))
 
 
+@pytest.mark.parametrize("vocab", [128256, 151936])
+def test_a_near_uniform_half_precision_q_over_a_large_vocabulary_decodes(vocab):
+    """float16 keeps entries under 6e-5 as subnormals, one step 6e-8 apart: a near-uniform row over 150k ids
+    strays from 1 by up to 0.004 by that rounding alone (second-round review; the dtype's eps alone refused it)."""
+    q = torch.full((2, vocab), 1.0 / vocab).half()  # (every entry rounded the same way: the row strays the most)
+    assert (q.float().sum(-1) - 1).abs().max() > 1e-3  # the case: past the eps tolerance
+    tokens = [0, vocab - 1]
+    assert torch.equal(_roundtrip_proposal(tokens, q).probs, q)
+
+
 def test_the_reviewers_case_now_never_reaches_verification():
     """Target p(3) = 0.1; a draft sends x = 3 with q(3) = 0 (sparse) or -0.4 (dense): verification would accept
     it with probability 1. An honest one-hot q on 3 still decodes."""

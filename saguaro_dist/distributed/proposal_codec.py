@@ -87,10 +87,13 @@ def proposal_from_proto(msg: pb.Proposal, ndim: int = 1) -> Proposal:
     return Proposal(tokens=torch.from_numpy(tokens.astype(np.int64)), probs=probs)
 
 
-def mass_tolerance(dtype: torch.dtype) -> float:
+def mass_tolerance(dtype: torch.dtype, vocab: int = 0) -> float:
     """How far a row of q may sum from 1: the rounding of a float32 softmax sent in dtype (bfloat16 moves
-    each entry by up to 2**-9 of itself, so a row by up to 2**-9), far below any bias worth leaning on."""
-    return max(1e-3, torch.finfo(dtype).eps)
+    each entry by up to 2**-9 of itself, so a row by up to 2**-9), far below any bias worth leaning on; plus,
+    for entries below the least normal (float16's under 6e-5: a near-uniform row over 150k tokens), up to one
+    subnormal step each (tiny * eps: 6e-8 in float16, nothing in float32 / bfloat16)."""
+    finfo = torch.finfo(dtype)
+    return max(1e-3, finfo.eps) + vocab * finfo.tiny * finfo.eps
 
 
 def _check_distribution(tokens: np.ndarray, probs: torch.Tensor, low: float, mass: np.ndarray) -> None:
@@ -104,7 +107,7 @@ def _check_distribution(tokens: np.ndarray, probs: torch.Tensor, low: float, mas
     if not tokens.size:
         return
     drawn = probs.reshape(-1, vocab).gather(1, torch.from_numpy(tokens.reshape(-1, 1).astype(np.int64)))
-    tolerance = mass_tolerance(probs.dtype)
+    tolerance = mass_tolerance(probs.dtype, vocab)
     if not (low >= 0 and (np.abs(mass - 1) <= tolerance).all() and bool((drawn > 0).all())):
         raise CodecError(f"proposal q must be a distribution: entries finite and >= 0, each row summing to 1 (within "
                          f"{tolerance:g}), and > 0 at the token drafted from it")
