@@ -11,7 +11,7 @@ from saguaro_dist.engine.lora_slots import AdapterSlots
 from saguaro_dist.engine.messages import Proposal
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.structured import GrammarError
-from saguaro_dist.model.prefix_cache import PrefixCache
+from saguaro_dist.model.prefix_cache import PrefixCache, reusable_len
 from saguaro_dist.spec.bad_words import bad_words_mask
 from saguaro_dist.spec.coupled import Coupling
 from saguaro_dist.spec import (
@@ -224,7 +224,9 @@ class TargetScorer:
         without a row."""
         slot = self.loras.acquire(s.lora_request, _adapters(live)) if self.loras is not None else None
         wanted = s.prompt_token_ids if s.params.prompt_logprobs is None else ()
-        sources = {x.seq_id: x.tokens for x in live} if self.prefixes.enabled else {}
+        # Live sequences' tokens only for a prompt long enough to copy from one (PrefixCache._lookup's rule): the
+        # dict costs a list per live sequence a start, O(batch) for nothing under short prompts (n samples of one).
+        sources = {x.seq_id: x.tokens for x in live} if self._may_reuse(wanted) else {}
         fresh = not holds(self.runner, s.seq_id)
         try:
             s.prefilled = s.metrics.num_cached_tokens = self.prefixes.start(s.seq_id, wanted, sources,
@@ -236,6 +238,9 @@ class TargetScorer:
                 self.prefixes.namespaces.pop(s.seq_id, None)
                 self.runner.free(s.seq_id)
             raise
+
+    def _may_reuse(self, wanted) -> bool:
+        return self.prefixes.enabled and reusable_len(len(wanted), len(wanted), self.prefixes.min_reuse) > 0
 
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """Run the rest of the (started) prompts; sample each sequence's first token (its KV then holds the prompt)."""
