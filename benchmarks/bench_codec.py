@@ -31,6 +31,7 @@ def tree(seq_id: int, k: int, fan_out: int, vocab: int, q: str, gen: torch.Gener
             if q == "top-k 20":
                 logits[logits < logits.topk(20, -1).values[:, -1:]] = float("-inf")
             probs = logits.softmax(-1)
+            tokens = torch.multinomial(probs, 1, generator=gen)[:, 0]  # drawn from q, as a draft's (the codec checks)
         rows.append((i % (k + 1), int(torch.randint(0, vocab, (1,), generator=gen)), Proposal(tokens, probs)))
     return SpeculationTree.from_rows(seq_id, 3, rows)
 

@@ -27,6 +27,12 @@ def app_args(rayservice: dict) -> dict:
     return app["args"]
 
 
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch):
+    """The manifests name SAGUARO_API_KEY (their pods set it from a Secret): the app's options read it here."""
+    monkeypatch.setenv("SAGUARO_API_KEY", "k")
+
+
 def test_flag_reaches_the_apps_server_options():
     args = app_args(deploy(f"--otlp-traces-endpoint {ENDPOINT}")[0])
     assert args["otlp_traces_endpoint"] == ENDPOINT
