@@ -15,6 +15,7 @@ from saguaro_dist.distributed.deployment import (  # noqa: F401 - re-exported: t
     DRAFT_MAX_RESTARTS, LOCAL_RAY_SYSTEM_CONFIG, Deployment, connect, release_ray, start_drafts, start_ranks, started,
     wait_dead, warn_if_short,
 )
+from saguaro_dist.distributed import ray_calls
 from saguaro_dist.distributed.placement import draft_options, local_cpus_needed, target_placement
 from saguaro_dist.distributed.remote import RemoteRequest, RemoteUpdate
 from saguaro_dist.engine.engine import Update
@@ -95,7 +96,7 @@ class RemoteEngine:
         self._dead: str | None = None
         self._dead_cause: BaseException | None = None  # what told us (the RayActorError): every later error's cause
         self._stopped = threading.Event()
-        self._ray_job = ray.get_runtime_context().get_job_id()  # the Ray this engine's actors live in (_ray_here)
+        self._ray_job = ray_calls.current_job_id()  # the Ray this engine's actors live in (_ray_here)
         self._stop_lock = threading.Lock()
         self._last_metrics = None  # rank 0's, fetched as the engine stops: readable after it, as on one host
         self.load = EngineLoad()  # rank 0's, as of its last poll (at most POLL_S old while it runs)
@@ -109,7 +110,7 @@ class RemoteEngine:
     def _ray_here(self) -> bool:
         """Whether the Ray this engine started in is still up: after a ray.shutdown() any Ray call (a poll made
         as it ran) may auto-start a fresh, empty Ray, where this engine's actors and objects do not exist."""
-        return ray.is_initialized() and ray.get_runtime_context().get_job_id() == self._ray_job
+        return ray_calls.current_job_id() == self._ray_job
 
     def _ask(self, method, *args):
         """ray.get(method.remote(*args)) of rank 0, its death an EngineError (the RayActorError its cause)."""
@@ -118,7 +119,7 @@ class RemoteEngine:
         if self._dead:
             raise self._gone()
         try:
-            return ray.get(method.remote(*args))
+            return ray_calls.get(method.remote(*args))
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
             self._died(f"target actor died: {err.__class__.__name__}", err)
             raise self._gone() from err
@@ -139,10 +140,10 @@ class RemoteEngine:
         return self._ask(self.rank0.metrics)
 
     def draft_node_ids(self) -> list[str]:
-        return ray.get([d.node_id.remote() for d in self.deployment.drafts])
+        return ray_calls.get([d.node_id.remote() for d in self.deployment.drafts])
 
     def target_node_ids(self) -> list[str]:
-        return ray.get([r.node_id.remote() for r in self.deployment.ranks])
+        return ray_calls.get([r.node_id.remote() for r in self.deployment.ranks])
 
     def check_health(self) -> None:
         """Raise EngineError once the target is gone (its actors died: LLM.rebuild(), or a fresh replica) or the
@@ -168,12 +169,12 @@ class RemoteEngine:
             try:
                 self._wait_submitted(call)
             except KeyboardInterrupt:  # Ctrl-C mid-call: the chunk is on its way; the caller's aborts must not overtake it
-                ray.wait([call], timeout=SUBMIT_SETTLE_S)
+                ray_calls.wait([call], timeout=SUBMIT_SETTLE_S)
                 raise
 
     @staticmethod
     def _wait_submitted(call) -> None:
-        ray.get(call)
+        ray_calls.get(call)
 
     async def submit_async(self, seq, listener) -> None:
         """submit, for an event loop (LLM.stream on a Serve replica): the actor call is awaited, so the
@@ -239,11 +240,11 @@ class RemoteEngine:
         try:
             if not self._dead and self._ray_here():
                 try:
-                    self._last_metrics = ray.get(self.rank0.metrics.remote(), timeout=5)
+                    self._last_metrics = ray_calls.get(self.rank0.metrics.remote(), timeout=5)
                 except Exception as err:  # noqa: BLE001 - only the metrics after shutdown go without them
                     log.debug("rank 0's last metrics: %r", err)
                 try:
-                    ray.get(self.rank0.shutdown.remote(), timeout=30)
+                    ray_calls.get(self.rank0.shutdown.remote(), timeout=30)
                 except Exception as err:  # noqa: BLE001 - we are tearing down either way
                     log.warning("rank 0 did not shut down cleanly: %r", err)
             self._poller.join(timeout=5)
@@ -294,10 +295,10 @@ class RemoteEngine:
         """One poll of rank 0. Waited for in steps: a ray.shutdown() on another thread can leave a call made
         meanwhile unanswered for good, so between steps the loop looks whether Ray is still there."""
         ref = self.rank0.poll.remote(POLL_S)
-        while not ray.wait([ref], timeout=POLL_WAIT_S)[0]:
+        while not ray_calls.wait([ref], timeout=POLL_WAIT_S)[0]:
             if self._stopped.is_set() or not self._ray_here():
                 raise ray.exceptions.RaySystemError("Ray was shut down under the engine")
-        return ray.get(ref)
+        return ray_calls.get(ref)
 
     def _rank_lost(self, broken: str | None) -> tuple[str, BaseException | None] | None:
         """(why, cause) once a follower rank is gone: its `followed` call ended (the actor died, or it stopped
@@ -306,7 +307,7 @@ class RemoteEngine:
         if not self._followers or (broken is None and time.monotonic() < self._next_rank_check):
             return None
         self._next_rank_check = time.monotonic() + POLL_S
-        ready, _ = ray.wait(list(self._followers), num_returns=1, timeout=RANK_NAMING_WAIT_S if broken else 0)
+        ready, _ = ray_calls.wait(list(self._followers), num_returns=1, timeout=RANK_NAMING_WAIT_S if broken else 0)
         if self._stopped.is_set():
             return None
         if ready:
@@ -318,7 +319,7 @@ class RemoteEngine:
     def _follower_gone(self, ref) -> tuple[str, BaseException | None]:
         rank = self._followers[ref]
         try:
-            ray.get(ref)
+            ray_calls.get(ref)
         except Exception as err:  # noqa: BLE001 - its death (RayActorError), or whatever ended its call
             return f"tensor-parallel rank {rank} of the target died: {err.__class__.__name__}", err
         return f"tensor-parallel rank {rank} of the target stopped following rank 0", None

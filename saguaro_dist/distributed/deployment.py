@@ -13,6 +13,7 @@ import ray
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.actors import DraftActor, TargetRank
+from saguaro_dist.distributed import ray_calls
 from saguaro_dist.distributed.placement import draft_options, engine_needs, rank_strategy, shortfall, target_bundle
 
 log = logging.getLogger(__name__)
@@ -119,12 +120,12 @@ class Deployment:
             # ray.wait, not ray.get: one dead draft's error must not skip the other drafts' stops. A draft never
             # placed (start-up failed) has no server, and its stop would only wait out the timeout.
             try:
-                ray.wait([d.stop.remote() for d in self.drafts], num_returns=len(self.drafts), timeout=10)
+                ray_calls.wait([d.stop.remote() for d in self.drafts], num_returns=len(self.drafts), timeout=10)
             except Exception as err:  # noqa: BLE001 - handles of a Ray session that has gone
                 log.debug("draft stop: %r", err)
         for actor in self.ranks + self.drafts:
             try:
-                ray.kill(actor, no_restart=True)
+                ray_calls.kill(actor, no_restart=True)
             except Exception as err:  # noqa: BLE001 - a handle of a Ray session that has gone: nothing to free
                 log.debug("ray.kill: %r", err)
         wait_dead(self.ranks + self.drafts)
@@ -146,8 +147,8 @@ def wait_dead(actors: list, timeout_s: float = 10.0) -> None:
     for actor in actors:
         while time.monotonic() < deadline:
             try:
-                ray.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
-            except ray.exceptions.RayActorError:
+                ray_calls.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError):  # gone, or Ray is (with them)
                 break
             except ray.exceptions.GetTimeoutError:  # hung, not yet gone: the deadline decides
                 continue

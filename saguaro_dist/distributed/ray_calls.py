@@ -1,0 +1,28 @@
+"""Ray calls that never start a Ray. Ray's public get / wait / kill / get_runtime_context start a fresh local Ray
+of Ray's defaults when none is up (its auto-init). An engine's own threads race a ray.shutdown() made on the
+user's thread: a poll that came back just before it, then fetched, started an empty Ray where the engine's objects
+have no owner ("owner unknown"), and the process died later waiting for that Ray's GCS (a CI failure). The
+undecorated calls raise RaySystemError instead, which the engine reads as "Ray was shut down under it"."""
+from __future__ import annotations
+
+import ray
+
+
+def _undecorated(api):
+    return getattr(api, "__wrapped__", api)  # Ray wraps its auto-init APIs with functools.wraps
+
+
+get = _undecorated(ray.get)
+wait = _undecorated(ray.wait)
+kill = _undecorated(ray.kill)
+_runtime_context = _undecorated(ray.get_runtime_context)
+
+
+def current_job_id() -> str | None:
+    """The job id of the Ray this process is connected to; None once none is (never starts one)."""
+    if not ray.is_initialized():
+        return None
+    try:
+        return _runtime_context().get_job_id()
+    except RuntimeError:  # shut down between the look and the call
+        return None
