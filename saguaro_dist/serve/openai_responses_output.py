@@ -19,9 +19,14 @@ if TYPE_CHECKING:  # annotations only: the request module imports this one
 MESSAGE_BREAK = "\udffe"
 
 
-def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict:
-    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}]}
+def reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+    """text None: no content yet (a streamed item's, whose content_part.added brings its part, as message_item's)."""
+    content = [] if text is None else [reasoning_part(text)]
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status, "content": content}
+
+
+def reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def text_part(text: str, logprobs: list | None = None) -> dict:
@@ -97,13 +102,23 @@ def _last_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
+def _failure_code(error_type: str | None) -> str:
+    """A failed response's error code, of the openai SDK's ResponseError codes, for an error envelope's type."""
+    return {"rate_limit_error": "rate_limit_exceeded", "invalid_request_error": "invalid_prompt"}.get(error_type,
+                                                                                                       "server_error")
+
+
 class ResponseEvents:
     """The SSE events of one streamed response, in OpenAI's order: created, in_progress, then per output
-    item added / its text deltas / done (a reasoning item first when the model reasons), completed."""
+    item added / its text deltas / done (a reasoning item first when the model reasons), completed; a stream
+    that fails on the way ends with error and response.failed instead (failed)."""
 
     def __init__(self, response_id: str, model: str, body: ResponsesRequest, created_at: int,
-                 logprob_items: Callable[[list], list] = lambda entries: []):
+                 logprob_items: Callable[[list], list] = lambda entries: [], streamed: bool = False):
         self.response_id, self.model, self.body, self.created_at = response_id, model, body, created_at
+        # streamed: every event is also kept until take(), so that a stream failing half way through a batch
+        # still sends each event it numbered (a sequence_number skipped is a gap clients see)
+        self.unsent: list[str] | None = [] if streamed else None
         self.logprob_items = logprob_items  # the engine's logprob entries as Responses' logprobs items
         self.pending_logprobs: list = []  # entries of tokens whose text has not gone out in a message delta
         self.sequence = 0
@@ -111,14 +126,36 @@ class ResponseEvents:
         self.open: dict | None = None  # the item being streamed: {"kind", "id", "text"}
 
     def error(self, envelope: dict) -> str:
-        """A failure after the headers went out (errors.stream_error's envelope), as Responses streams it."""
+        """An `error` event for errors.stream_error's envelope (its code a string, as the SDK's event has it)."""
         err = envelope["error"]
-        return self.event("error", code=err.get("code"), message=err["message"], param=err.get("param"))
+        code = err.get("code")
+        return self.event("error", code=None if code is None else str(code), message=err["message"],
+                          param=err.get("param"))
+
+    def failed(self, envelope: dict) -> str:
+        """The last events of a stream that failed after its headers went out: `error` (vLLM's), then
+        response.failed (OpenAI's terminal event): status failed, its error, the items so far (the open one
+        incomplete, with what it got)."""
+        err = envelope["error"]
+        output = self.items + ([self._open_item("incomplete")] if self.open is not None else [])
+        error = {"code": _failure_code(err.get("type")), "message": err["message"], "param": err.get("param"),
+                 "type": err.get("type")}
+        body = response_body(self.response_id, self.model, self.body, output, "failed", created_at=self.created_at,
+                             error=error)
+        return self.error(envelope) + self.event("response.failed", response=body)
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\n" + responses.sse(data)
+        text = f"event: {kind}\n" + responses.sse(data)
+        if self.unsent is not None:
+            self.unsent.append(text)
+        return text
+
+    def take(self) -> str:
+        """A streamed response's events since the last take (each once, in sequence order)."""
+        out, self.unsent = "".join(self.unsent), []
+        return out
 
     def opening(self) -> str:
         body = response_body(self.response_id, self.model, self.body, [], "in_progress", created_at=self.created_at)
@@ -172,9 +209,10 @@ class ResponseEvents:
     def _open(self, kind: str) -> str:
         self.open = {"kind": kind, "id": new_item_id("rs" if kind == "reasoning" else "msg"), "text": "", "logprobs": []}
         index, item_key = len(self.items), {"item_id": self.open["id"], "content_index": 0}
-        if kind == "reasoning":
-            return self.event("response.output_item.added", output_index=index,
-                              item=reasoning_item(self.open["id"], "", "in_progress"))
+        if kind == "reasoning":  # its part opens and closes as the message's does (vLLM's, OpenAI's)
+            return (self.event("response.output_item.added", output_index=index,
+                               item=reasoning_item(self.open["id"], None, "in_progress"))
+                    + self.event("response.content_part.added", output_index=index, part=reasoning_part(""), **item_key))
         return (self.event("response.output_item.added", output_index=index,
                            item=message_item(self.open["id"], None, "in_progress"))
                 + self.event("response.content_part.added", output_index=index, part=text_part(""), **item_key))
@@ -190,22 +228,29 @@ class ResponseEvents:
     def _close(self, status: str = "completed") -> str:
         if self.open is None:
             return ""
-        kind, text, ident = self.open["kind"], self.open["text"], self.open["id"]
+        kind, text, ident, item = self.open["kind"], self.open["text"], self.open["id"], self._open_item(status)
         index, ids = len(self.items), {"item_id": ident, "content_index": 0}
         if kind == "reasoning":
-            item = reasoning_item(ident, text, status)
-            out = self.event("response.reasoning_text.done", output_index=index, text=text, **ids)
+            out = (self.event("response.reasoning_text.done", output_index=index, text=text, **ids)
+                   + self.event("response.content_part.done", output_index=index, part=reasoning_part(text), **ids))
         elif kind == "function_call":
-            item = function_call_item(ToolCall(self.open["call"].id, self.open["call"].name, text), status)
             out = self.event("response.function_call_arguments.done", output_index=index, item_id=ident, arguments=text)
         else:
             logprobs = self.open["logprobs"]
-            item = message_item(ident, text, status, logprobs=logprobs)
             out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=logprobs, **ids)
                    + self.event("response.content_part.done", output_index=index, part=text_part(text, logprobs), **ids))
         self.items.append(item)
         self.open = None
         return out + self.event("response.output_item.done", output_index=index, item=item)
+
+    def _open_item(self, status: str) -> dict:
+        """The item being streamed, with its text so far."""
+        kind, text, ident = self.open["kind"], self.open["text"], self.open["id"]
+        if kind == "reasoning":
+            return reasoning_item(ident, text, status)
+        if kind == "function_call":
+            return function_call_item(ToolCall(self.open["call"].id, self.open["call"].name, text), status)
+        return message_item(ident, text, status, logprobs=self.open["logprobs"])
 
     def finish(self, finish_reason: str | None) -> str:
         """The open item closed (an empty message if no text came); the last incomplete when max_output_tokens

@@ -51,7 +51,7 @@ async def _respond(body: ResponsesRequest, request: Request):
     if body.stream:
         batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
         first = await anext(batches, None)  # before answering: a request the engine rejects still gets a 400
-        events = ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job))
+        events = ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job), streamed=True)
         events = _response_events(state, job, events, batches, first)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await state.collect(job)
@@ -124,8 +124,8 @@ async def _response_events(state: ServingState, job: Job, events: ResponseEvents
     parser, plan = state.reasoning_parser_for(job), state.tool_plan_for(events.body)
     reasoning, tools = ReasoningStream(parser), ToolStream(plan)
     harmony = HarmonyReply.of(events, plan) if parser is not None and parser.harmony else None
-    token_ids, pending = [], events.opening()
-    marks = LiteralMarkers.of(state.tokenizer) if state.harmony else None
+    token_ids, marks = [], LiteralMarkers.of(state.tokenizer) if state.harmony else None
+    events.opening()  # (each batch's events are sent by events.take(): the calls' returns are not needed)
     try:
         async with aclosing(batches):
             batch = first
@@ -134,16 +134,15 @@ async def _response_events(state: ServingState, job: Job, events: ResponseEvents
                     token_ids += ids
                     text = marks.feed(text, ids) if marks else text
                     if harmony is not None:  # its messages in order, each its own item
-                        pending += harmony.feed(text, last.finished, logprobs)
+                        harmony.feed(text, last.finished, logprobs)
                     else:
                         thought, text = reasoning.feed(text, last.finished)
                         thought, delta = shown(events.body, thought) or "", tools.step(text, last.finished)
-                        pending += (events.text(thought, delta.get("content", ""), logprobs)
-                                    + events.calls(delta.get("tool_calls", [])))
+                        events.text(thought, delta.get("content", ""), logprobs)
+                        events.calls(delta.get("tool_calls", []))
                     if last.finished:
-                        pending += events.closing(last.finish_reason, **_response_extra(state, job, token_ids, last.metrics))
-                yield pending
-                pending = ""
+                        events.closing(last.finish_reason, **_response_extra(state, job, token_ids, last.metrics))
+                yield events.take()
                 batch = await anext(batches, None)
-    except Exception as err:  # noqa: BLE001 - headers are sent: the error travels as an event
-        yield events.error(stream_error(err))
+    except Exception as err:  # noqa: BLE001 - headers are sent: the error travels as events, the last response.failed
+        yield events.take() + events.failed(stream_error(err))
