@@ -173,7 +173,7 @@ def test_bench_refuses_options_its_run_leaves_unused(argv, message, tmp_path, ca
     (["--mode", "ngram", "--fan-out", "8", "--draft-workers", "2"], "--fan-out applies only to --mode ssd"),
     (["--mode", "ar", "--draft-cpu", "4"], "--draft-cpu applies only"),
     (["--batch-pvc", "data"], "--batch-pvc only applies with --kind batch-job"),
-    (["--draft-max-workers", "3"], "--draft-max-workers only applies with --autoscaling"),
+    (["--mode", "ar", "--draft-max-workers", "1"], "--draft-max-workers applies only"),
 ])
 def test_deploy_refuses_options_its_manifests_leave_out(argv, message, capsys):
     assert message in _run(["deploy", "k8s", *argv], capsys)

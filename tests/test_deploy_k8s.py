@@ -26,8 +26,9 @@ SETTINGS = {
     "cpu-default": k8s.K8sSettings(),
     "gpu-tp4": k8s.K8sSettings(tp=4, draft_workers=3, gpu_type="NVIDIA-H100-80GB-HBM3", models_pvc="weights",
                                model="/models/target", draft="/models/draft", served_model_name="t"),
-    "autoscaling-fanout-list": k8s.K8sSettings(gpu=True, k=3, fan_out=(4, 3, 2, 1), draft_max_workers=5,
-                                               autoscaling=True, mode="sd", fallback="fast", dtype="float16"),
+    # (draft_max_workers may only repeat draft_workers: the pool is fixed, tests/test_deploy_autoscaling_parity_s86.py)
+    "fanout-list": k8s.K8sSettings(gpu=True, k=3, fan_out=(4, 3, 2, 1), draft_workers=5, draft_max_workers=5,
+                                   mode="sd", fallback="fast", dtype="float16"),
     "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain"),
     "ngram-default-draft-unused": k8s.K8sSettings(mode="ngram", name="lookup"),
 }
@@ -174,7 +175,7 @@ def test_worker_groups_advertise_what_placement_asks_for(key):
             continue
         draft = group(obj, "draft")
         assert advertised(draft) == {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}
-        assert draft["replicas"] == s.draft_workers and draft["maxReplicas"] >= s.draft_workers
+        assert draft["replicas"] == draft["minReplicas"] == draft["maxReplicas"] == s.draft_workers
 
 
 def test_head_runs_no_work():
@@ -277,7 +278,7 @@ def test_a_batch_job_runs_run_batch_against_the_rayservice(capsys):
     (["--kind", "batch-job", "--batch-pvc", "d", "--batch-output", "../x.jsonl"], "must be a path inside the PVC"),
     (["--mode", "sd", "--draft", ""], "needs a draft model"),
     (["--k", "4", "--fan-out", "1,2"], "k+1"),
-    (["--draft-workers", "3", "--draft-max-workers", "2"], "draft_max_workers"),
+    (["--draft-workers", "3", "--draft-max-workers", "2"], "--draft-max-workers 2 is not supported"),
     (["--tp", "0"], "tp and draft_workers"),
     (["--name", "Bad_Name"], "DNS-1035 label"),  # Kubernetes would refuse its Services
     (["--name", "2fast"], "DNS-1035 label"),

@@ -19,7 +19,7 @@ GPU_VALUES = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
 
 SETTINGS = {
     "cpu-default": k8s.K8sSettings(),
-    "gpu-autoscaling": k8s.K8sSettings(gpu=True, tp=2, draft_workers=2, draft_max_workers=4, autoscaling=True),
+    "gpu-tp2-drafts2": k8s.K8sSettings(gpu=True, tp=2, draft_workers=2),  # (the chart refuses autoscaling)
     "ar-no-draft": k8s.K8sSettings(mode="ar", draft=None, name="plain"),
     "production-options": k8s.K8sSettings(upgrade_strategy="None", drain_timeout_s=120,
                                           image_pull_secrets=("regcred", "mirror.example.com")),

@@ -119,7 +119,7 @@ def test_the_clis_choices_are_the_apps():
     (dict(gpu_type="-H100"), "gpu_type must be a node label value"),
     (dict(gpu_type="H" * 64), "gpu_type must be a node label value"),
     (dict(image_pull_policy="always"), "image_pull_policy must be one of"),
-    (dict(autoscaling=True, idle_timeout_s=0), "idle_timeout_s"),
+    (dict(idle_timeout_s=0), "idle_timeout_s is not supported"),  # (no autoscaling: no pod to time)
 ])
 def test_names_kubernetes_would_refuse_are_refused_here(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -184,15 +184,14 @@ def test_every_setting_has_a_cli_option():
 
 def test_the_new_options_reach_the_manifest(capsys):
     assert main(["deploy", "k8s", "--image-pull-policy", "Never", "--api-key-secret-key", "key",
-                 "--hf-token-secret-key", "tok", "--autoscaling", "--idle-timeout-s", "120"]) == 0
+                 "--hf-token-secret-key", "tok"]) == 0
     (doc,) = yaml.safe_load_all(capsys.readouterr().out)
-    assert doc["spec"]["rayClusterConfig"]["autoscalerOptions"]["idleTimeoutSeconds"] == 120
     for c in containers(doc):
         assert c["imagePullPolicy"] == "Never"
         refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in c["env"] if "valueFrom" in e}
         assert refs == {"SAGUARO_API_KEY": "key", "HF_TOKEN": "tok"}
-    assert main(["deploy", "k8s", "--idle-timeout-s", "120"]) == 2
-    assert "only applies with --autoscaling" in capsys.readouterr().err
+    assert main(["deploy", "k8s", "--idle-timeout-s", "120"]) == 2  # (the draft pool is fixed: nothing to time)
+    assert "--idle-timeout-s is not supported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("image, policy", [

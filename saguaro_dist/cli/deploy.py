@@ -9,6 +9,7 @@ from saguaro_dist.cli.flag_checks import check_mode_flags, flag_name, given, ref
 from saguaro_dist.cli.frontend_flags import json_list_arg
 from saguaro_dist.config import DTYPES, FallbackPolicy, Mode
 from saguaro_dist.deploy import k8s
+from saguaro_dist.deploy.draft_pool import check_fixed_draft_pool
 from saguaro_dist.deploy.settings import check_subdomain
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
@@ -143,11 +144,12 @@ def _add_frontend_options(parser: argparse.ArgumentParser) -> None:
 def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=DEFAULTS.tp, help="tensor-parallel size = GPUs of the target pod")
     parser.add_argument("--draft-workers", type=int, help=f"draft pods, one GPU each (default {DEFAULTS.draft_workers})")
-    parser.add_argument("--draft-max-workers", type=int, help="with --autoscaling: the draft pool's upper bound")
-    parser.add_argument("--autoscaling", action="store_true", help="enable the Ray autoscaler (in-tree)")
-    parser.add_argument("--idle-timeout-s", type=int,
-                        help=f"with --autoscaling: seconds before the autoscaler removes an idle extra draft pod "
-                             f"(default {DEFAULTS.idle_timeout_s})")
+    # refused, saying why (deploy/draft_pool.py): the engine starts --draft-workers draft workers once, so no
+    # autoscaler adds a pod; kept so old command lines hear that rather than "unrecognized arguments"
+    parser.add_argument("--draft-max-workers", type=int, help="not supported (only --draft-workers' value): the draft "
+                                                              "pool is fixed, --draft-workers")
+    parser.add_argument("--autoscaling", action="store_true", help="not supported: the draft pool is fixed, --draft-workers")
+    parser.add_argument("--idle-timeout-s", type=int, help="not supported: the draft pool is fixed, --draft-workers")
     parser.add_argument("--image", default=DEFAULTS.image, help="saguaro-dist image (deploy/Dockerfile.cpu or .cuda)")
     parser.add_argument("--image-pull-policy", choices=[p.value for p in k8s.ImagePullPolicy],
                         help="the containers' imagePullPolicy (default: Kubernetes' own: Always for the tag latest "
@@ -235,6 +237,8 @@ def settings_from_args(args: argparse.Namespace) -> k8s.K8sSettings:
 
 
 def manifests(args: argparse.Namespace) -> list[dict]:
+    check_fixed_draft_pool(args.autoscaling, args.draft_max_workers, args.idle_timeout_s,  # named as flags
+                           DEFAULTS.draft_workers if args.draft_workers is None else args.draft_workers, flag_name)
     settings = settings_from_args(args)
     _check_unused(args, settings)
     if args.service_monitor and args.kind == "serve-config":
@@ -247,11 +251,9 @@ def manifests(args: argparse.Namespace) -> list[dict]:
 
 
 def _check_unused(args: argparse.Namespace, settings: k8s.K8sSettings) -> None:
-    """Flags the manifests would leave out: a draft's with a mode that runs none, --draft-max-workers and
-    --idle-timeout-s without --autoscaling, --batch-* without --kind batch-job, --gcs-ft-* without the RayService (after the settings'
-    own checks, which say more)."""
+    """Flags the manifests would leave out: a draft's with a mode that runs none, --batch-* without --kind
+    batch-job, --gcs-ft-* without the RayService (after the settings' own checks, which say more)."""
     check_mode_flags(args, Mode(settings.mode), implied=False)
-    refuse_without(args, ("draft_max_workers", "idle_timeout_s"), "autoscaling")
     refuse_without(args, ("enable_auto_tool_choice",), "tool_call_parser")  # vLLM's rule, as `saguaro serve`
     gcs_ft = given(args, ("gcs_ft_redis_address", "gcs_ft_redis_password_secret"))
     if gcs_ft and args.kind != "rayservice":

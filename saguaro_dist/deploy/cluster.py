@@ -16,27 +16,27 @@ def head_group(s: K8sSettings) -> dict:
     return {"rayStartParams": params, "template": pod_template(s, container, 0)}
 
 
-def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, bounds: tuple, serving: bool) -> dict:
-    replicas, max_replicas = bounds
+def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, replicas: int, serving: bool) -> dict:
     cpu, memory = (s.target_cpu, s.target_memory) if name == "target" else (s.draft_cpu, s.draft_memory)
     params = {"resources": ray_resources_param(resources), "metrics-export-port": str(METRICS_PORT)}
     container = ray_container(s, cpu, memory, gpus, head=False, serving=serving)
-    # minReplicas = replicas: the app's ranks and draft workers live there; only extra pods come and go
+    # min = max = replicas: the app's ranks and draft workers live there, and the engine never asks for more
+    # (draft_pool.py), so no autoscaler would add a pod
     return {"groupName": name, "replicas": replicas, "minReplicas": replicas,
-            "maxReplicas": max_replicas, "rayStartParams": params,
+            "maxReplicas": replicas, "rayStartParams": params,
             "template": pod_template(s, container, gpus)}
 
 
 def target_group(s: K8sSettings, serving: bool = True) -> dict:
     """One pod holding every tensor-parallel rank: TP over NVLink inside a node, not across pods."""
     resources = {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR}
-    return _worker_group(s, "target", resources, s.tp if s.gpu else 0, (1, 1), serving)
+    return _worker_group(s, "target", resources, s.tp if s.gpu else 0, 1, serving)
 
 
 def draft_group(s: K8sSettings, serving: bool = True) -> dict:
-    """One pod per draft worker, one GPU each; the pool scales up to draft_max."""
+    """One pod per draft worker, one GPU each: draft_workers pods, the pool the engine starts."""
     resources = {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}
-    return _worker_group(s, "draft", resources, 1 if s.gpu else 0, (s.draft_workers, s.draft_max), serving)
+    return _worker_group(s, "draft", resources, 1 if s.gpu else 0, s.draft_workers, serving)
 
 
 def gcs_fault_tolerance(s: K8sSettings) -> dict:
@@ -55,10 +55,8 @@ def ray_cluster_spec(s: K8sSettings, serving: bool = True) -> dict:
     """serving: the cluster of a RayService (its workers' readiness includes their Serve proxy). GCS fault
     tolerance goes on that one only: Ray supports it for Serve, and a batch job's driver dies with the head anyway."""
     workers = [target_group(s, serving), draft_group(s, serving)] if s.uses_draft else [target_group(s, serving)]
-    spec = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": s.autoscaling,
+    spec = {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": False,  # nothing to add: draft_pool.py
             "headGroupSpec": head_group(s), "workerGroupSpecs": workers}
     if serving and s.gcs_ft_redis_address:
         spec["gcsFaultToleranceOptions"] = gcs_fault_tolerance(s)
-    if s.autoscaling:
-        spec["autoscalerOptions"] = {"upscalingMode": "Default", "idleTimeoutSeconds": s.idle_timeout_s}
     return spec

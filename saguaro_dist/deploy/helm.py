@@ -88,8 +88,7 @@ def _cluster_values(s: K8sSettings) -> dict:
             "head": {"resources": {"cpu": s.head_cpu, "memory": s.head_memory}},
             "target": {"tensorParallelSize": s.tp, "resources": {"cpu": s.target_cpu, "memory": s.target_memory}},
             "draft": {"workers": s.draft_workers, "resources": {"cpu": s.draft_cpu, "memory": s.draft_memory}},
-            "autoscaling": {"enabled": s.autoscaling, "draftMaxWorkers": s.draft_max_workers or 0,
-                            "idleTimeoutSeconds": s.idle_timeout_s},
+            "autoscaling": {"enabled": s.autoscaling, "draftMaxWorkers": s.draft_max_workers or 0},  # (fixed pool)
             "apiKey": {"secretName": s.api_key_secret, "secretKey": s.api_key_secret_key},
             "hfToken": {"secretName": s.hf_token_secret or "", "secretKey": s.hf_token_secret_key},
             "modelStorage": {"pvc": s.models_pvc or ""},

@@ -24,6 +24,7 @@ from saguaro_dist.deploy.constants import (
     REDIS_ADDRESS,
     SECRET_KEY,
 )
+from saguaro_dist.deploy.draft_pool import check_fixed_draft_pool
 from saguaro_dist.deploy.extra_env import extra_env
 from saguaro_dist.deploy.serve_app import serve_args
 from saguaro_dist.serve.args import config_from_args, served_model_names
@@ -140,9 +141,11 @@ class K8sSettings:
     target_memory: str = "16Gi"
     draft_cpu: str = "2"
     draft_memory: str = "8Gi"
+    # refused (draft_pool.py): the engine starts draft_workers draft workers once, so no autoscaler adds a pod;
+    # kept so a caller passing them hears why. draft_max_workers may repeat draft_workers
     autoscaling: bool = False
-    draft_max_workers: int | None = None  # autoscaling bound; None: draft_workers
-    idle_timeout_s: int = 60
+    draft_max_workers: int | None = None
+    idle_timeout_s: int | None = None
     upgrade_strategy: str = "NewCluster"  # UpgradeStrategy; None where the cluster can't hold a second copy
     drain_timeout_s: int = 30         # Ray's SIGTERM drain (its default, explicit); the pods' grace period exceeds it
     image_pull_secrets: tuple[str, ...] = ()  # Secrets for a private registry
@@ -229,15 +232,12 @@ class K8sSettings:
             parse_enum(ImagePullPolicy, self.image_pull_policy, "image_pull_policy")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0 (0: no drain), got {self.drain_timeout_s}")
-        if type(self.idle_timeout_s) is not int or self.idle_timeout_s < 1:
-            raise ValueError(f"idle_timeout_s must be an integer >= 1 (seconds), got {self.idle_timeout_s!r}")
         self._check_object_names()
         self._check_gcs_fault_tolerance()
         self._check_server_options()
         if self.tp < 1 or self.draft_workers < 1:
             raise ValueError(f"tp and draft_workers must be >= 1, got tp={self.tp}, draft_workers={self.draft_workers}")
-        if self.draft_max_workers is not None and self.draft_max_workers < self.draft_workers:
-            raise ValueError(f"draft_max_workers ({self.draft_max_workers}) must be >= draft_workers ({self.draft_workers})")
+        check_fixed_draft_pool(self.autoscaling, self.draft_max_workers, self.idle_timeout_s, self.draft_workers)
         if not DNS_LABEL.fullmatch(self.name) or len(self.name) > 40:
             raise ValueError(f"name must be 1-40 lowercase letters, digits or '-', starting with a letter and ending "
                              f"with a letter or digit (a DNS-1035 label: it names Services, and KubeRay derives "
@@ -349,10 +349,6 @@ class K8sSettings:
     @property
     def engine_dtype(self) -> str:
         return self.dtype or ("bfloat16" if self.gpu else "float32")
-
-    @property
-    def draft_max(self) -> int:
-        return self.draft_max_workers or self.draft_workers
 
     @property
     def uses_draft(self) -> bool:

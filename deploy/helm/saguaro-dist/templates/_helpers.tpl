@@ -50,8 +50,17 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- .Values.engine.dtype | default (ternary "bfloat16" "float32" (eq (include "saguaro.gpu" .) "true")) -}}
 {{- end -}}
 
-{{- define "saguaro.draftMax" -}}
-{{- max (int .Values.draft.workers) (int .Values.autoscaling.draftMaxWorkers) -}}
+{{/* The autoscaling values, refused where they would promise pods: the engine starts draft.workers draft workers
+     (num_draft_workers) and one target pod's ranks, and never asks Ray for more, so Ray's in-tree autoscaler would
+     add no pod (it adds one only for resources that work asks for and no node has). Kept so values files that
+     leave them off still lint. */}}
+{{- define "saguaro.checkAutoscaling" -}}
+{{- $a := .Values.autoscaling | default dict -}}
+{{- $workers := int .Values.draft.workers -}}
+{{- $why := printf "the engine runs a fixed pool: draft.workers (%d) draft workers, started once, and one target pod; it never asks Ray for more, so Ray's autoscaler would add no pod. Set draft.workers to the draft pool you want (docs/deploy.md, \"Scale the draft pool\")" $workers -}}
+{{- if $a.enabled }}{{ fail (printf "autoscaling.enabled is not supported: %s" $why) }}{{ end -}}
+{{- $max := int ($a.draftMaxWorkers | default 0) -}}
+{{- if and $max (ne $max $workers) }}{{ fail (printf "autoscaling.draftMaxWorkers %d is not supported: %s" $max $why) }}{{ end -}}
 {{- end -}}
 
 {{/* rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting. */}}
@@ -372,14 +381,10 @@ gcsFaultToleranceOptions:
 {{- if and (not $gpu) $usesDraft (lt (int (include "saguaro.rayCpus" $v.draft.resources.cpu)) 1) -}}
 {{- fail (printf "draft.resources.cpu %v gives Ray no CPU on a draft pod; it needs 1: the draft worker's" $v.draft.resources.cpu) -}}
 {{- end -}}
+{{- include "saguaro.checkAutoscaling" $root -}}
 rayVersion: "2.60.0"
-enableInTreeAutoscaling: {{ $v.autoscaling.enabled }}
+enableInTreeAutoscaling: false
 {{- if $serving }}{{ include "saguaro.gcsFaultTolerance" $v.gcsFaultTolerance }}{{ end }}
-{{- if $v.autoscaling.enabled }}
-autoscalerOptions:
-  upscalingMode: Default
-  idleTimeoutSeconds: {{ int $v.autoscaling.idleTimeoutSeconds }}
-{{- end }}
 headGroupSpec:
   rayStartParams:
     num-cpus: "0"
@@ -389,6 +394,6 @@ headGroupSpec:
 workerGroupSpecs:
   - {{ include "saguaro.workerGroup" (dict "root" $root "name" "target" "resource" "saguaro_target" "amount" $tp "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1 "serving" $serving) | nindent 4 | trim }}
 {{- if $usesDraft }}
-  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" (int (include "saguaro.draftMax" $root)) "serving" $serving) | nindent 4 | trim }}
+  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" $drafts "serving" $serving) | nindent 4 | trim }}
 {{- end }}
 {{- end -}}
