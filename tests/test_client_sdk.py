@@ -47,7 +47,8 @@ def test_complete_and_chat(client, server, reference_llm):
 
 
 def test_stream_yields_text_deltas_then_stats(client, reference_llm):
-    stream = client.complete("hello world", max_tokens=16, temperature=0, stream=True)
+    stream = client.complete("hello world", max_tokens=16, temperature=0, stream=True,
+                             stream_options={"include_usage": True})  # usage only when asked (OpenAI's, vLLM's)
     deltas = list(stream)
     assert "".join(deltas) == expected(reference_llm, "hello world", 16)
     assert stream.finish_reason in ("stop", "length") and stream.speculation["rounds"] >= 1
@@ -58,7 +59,8 @@ def test_async_client(server, reference_llm):
     async def go():
         async with AsyncClient(server.url + "/v1", api_key=server.api_key) as c:
             plain = await c.complete("the mat", max_tokens=10, temperature=0)
-            stream = await c.chat([{"role": "user", "content": "the cat sat"}], max_tokens=8, temperature=0, stream=True)
+            stream = await c.chat([{"role": "user", "content": "the cat sat"}], max_tokens=8, temperature=0, stream=True,
+                                  stream_options={"include_usage": True})
             deltas = [d async for d in stream]
             assert await c.version() and await c.reset_prefix_cache() is None
             return plain, deltas, stream

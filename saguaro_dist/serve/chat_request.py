@@ -11,7 +11,7 @@ from pydantic_core import PydanticCustomError
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve.allowed_tools import ChatAllowedToolsChoice, allowed_plan, check_named, choice_tag
 from saguaro_dist.serve.chat_content import MessageContent, TextPart, refuse_media
-from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported, tagged_union
+from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported, null_means_default, tagged_union
 from saguaro_dist.serve.sampling_request import SamplingRequest
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
@@ -202,7 +202,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
     tools: list[Tool] | None = Field(None, max_length=MAX_TOOLS)
     # default: auto with tools
     tool_choice: _ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True  # null: the default (_null_parallel_tool_calls)
     chat_template_kwargs: dict | None = None  # vLLM's: extra variables for the chat template (Qwen3's enable_thinking)
     echo: bool = False  # vLLM's: the reply starts with the last message when that is the reply's role (reply_role)
     # Variables for the chat template, joined to chat_template_kwargs (a template that reads neither is a 400)
@@ -220,6 +220,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
         "truncation_side": Unsupported((None, "left"), "vLLM's chat keeps a truncated prompt's last tokens; "
                                                        "/v1/completions truncates from either side")}
     continuous_usage: ClassVar[bool] = True
+    _null_parallel_tool_calls = null_means_default("parallel_tool_calls")
 
     @model_validator(mode="after")
     def _join_template_variables(self):
@@ -266,7 +267,7 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
 
     @model_validator(mode="after")
     def _check_logprobs(self):
-        if self.top_logprobs and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:  # vLLM's rule: top_logprobs 0 alone asks for nothing
             raise ValueError("top_logprobs needs logprobs set to true")
         if self.max_tokens == 0:
             raise ValueError("max_tokens must be >= 1")

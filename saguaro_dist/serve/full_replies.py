@@ -85,8 +85,9 @@ def _echoed(body, role: str, content: str | None) -> str | None:
 
 
 async def full_response(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format,
-                        request_id: str, role: str = REPLY_ROLE) -> dict:
-    """The whole reply once every choice has finished; `role` is a chat reply's (vLLM's get_chat_request_role)."""
+                        request_id: str, role: str = REPLY_ROLE, created: int | None = None) -> dict:
+    """The whole reply once every choice has finished; `role` is a chat reply's (vLLM's get_chat_request_role),
+    `created` the request's arrival."""
     # Cancelling this handler (client gone) cancels the generations, which abort in the engine; a choice
     # that fails (the engine refused it) ends the others too.
     results = await gather_or_cancel([state.collect(job) for job in jobs])
@@ -98,7 +99,7 @@ async def full_response(state: ServingState, body, jobs: list[Job], model: str, 
         extra["prompt_logprobs"] = prompt_logprobs_of(state, jobs[0], results[0])
         if body.return_token_ids:
             extra["prompt_token_ids"] = list(jobs[0].prompt_ids)
-    return fmt.body(fmt.id_of(request_id), model, choices, **extra)
+    return fmt.body(fmt.id_of(request_id), model, choices, created, **extra)
 
 
 def _prompt_tokens(jobs: list[Job], n: int) -> int:
@@ -121,7 +122,8 @@ def _reasoning_tokens(state: ServingState, fmt: responses.Format, jobs: list[Job
 
 def final_extra(state: ServingState, body, fmt: responses.Format, jobs: list[Job], token_ids: list[list[int]],
                 metrics: list) -> dict:
-    """A reply's usage and our speculation stats (the last chunk's, streamed)."""
+    """A reply's usage and our speculation stats (streamed: usage on include_usage's closing chunk, speculation
+    on the last finish_reason chunk)."""
     usage = responses.usage(_prompt_tokens(jobs, body.n), sum(map(len, token_ids)), _cached_tokens(metrics, body.n),
                             _reasoning_tokens(state, fmt, jobs, token_ids))
     return {"usage": usage,

@@ -22,15 +22,18 @@ from saguaro_dist.serve.tools import ToolChoiceKind
 
 @cancel_on_disconnect
 async def completions(body: CompletionRequest, request: Request):
+    created = responses.arrival_time()  # every chunk's and the body's `created`: the request's arrival
     state = serving_state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
     jobs = state.jobs([state.encode(p, body.add_special_tokens) for p in body.prompts()], body, "prompt")
-    return await _respond(state, body, jobs, model, responses.COMPLETION, request_id_of(request, body.request_id))
+    return await _respond(state, body, jobs, model, responses.COMPLETION, request_id_of(request, body.request_id),
+                          created=created)
 
 
 @cancel_on_disconnect
 async def chat(body: ChatCompletionRequest, request: Request):
+    created = responses.arrival_time()
     state = serving_state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
@@ -39,7 +42,7 @@ async def chat(body: ChatCompletionRequest, request: Request):
                          end=body.prompt_end(), add_special_tokens=body.add_special_tokens)
     jobs = chat_jobs(state, body, prompt, "messages")
     return await _respond(state, body, jobs, model, responses.CHAT, request_id_of(request, body.request_id),
-                          body.reply_role(response_role(request)))
+                          body.reply_role(response_role(request)), created)
 
 
 def chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[Job]:
@@ -59,11 +62,11 @@ def chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[
 
 
 async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, request_id: str,
-                   role: str = REPLY_ROLE):
-    """`role`: a chat reply's (the request's reply_role); completions have none."""
+                   role: str = REPLY_ROLE, created: int | None = None):
+    """`role`: a chat reply's (the request's reply_role); completions have none. `created`: the request's arrival."""
     if body.use_beam_search:  # vLLM's search over one-token steps (beam_route.py)
         return await beam_response(state, body, jobs, model, fmt, request_id, role)
     jobs = state.named(jobs, request_id)
     if body.stream:
-        return await stream_response(state, body, jobs, model, fmt, request_id, role)
-    return await full_response(state, body, jobs, model, fmt, request_id, role)
+        return await stream_response(state, body, jobs, model, fmt, request_id, role, created)
+    return await full_response(state, body, jobs, model, fmt, request_id, role, created)

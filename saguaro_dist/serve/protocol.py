@@ -20,7 +20,8 @@ from saguaro_dist.serve.chat_request import (MAX_TOOLS, REPLY_ROLE, TEMPLATE_VAR
                                              ChatMessage, ChatPromptFields, FunctionCall, FunctionDefinition,
                                              NamedFunction, NamedToolChoice, PromptEnd, TextPart, Tool, ToolCallMessage)
 from saguaro_dist.serve.chat_content import ContentPart, RefusalPart, ThinkingPart  # TextPart took these types once
-from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, OpenAIModel, Unsupported, tagged_union
+from saguaro_dist.serve.request_fields import (GENERATION_UNSUPPORTED, OpenAIModel, Unsupported, null_means_default,
+                                              tagged_union)
 from saguaro_dist.serve.sampling_request import (MAX_CHOICES, MAX_GENERATIONS, REQUEST_ID_PATTERN, JsonSchema,
                                                  ResponseFormat, SamplingRequest, StreamOptions, StructuredOutputs)
 
@@ -64,7 +65,8 @@ class CompletionRequest(SamplingRequest):
         **GENERATION_UNSUPPORTED, "prompt_embeds": Unsupported((None,), "prompts are text or token ids")}
     continuous_usage: ClassVar[bool] = True
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # legacy completions: how many top tokens
-    echo: bool = False  # the prompt comes back before the completion (with its logprobs, if asked): lm-eval's loglikelihood
+    echo: bool | None = False  # (null: false) the prompt comes back before the completion (with its logprobs, if asked): lm-eval's loglikelihood
+    _null_echo = null_means_default("echo")
 
     @model_validator(mode="after")
     def _check_echo(self):

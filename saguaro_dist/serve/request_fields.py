@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag, ValidationInfo, field_validator, model_validator
 
 from saguaro_dist.serve.errors import APIError
 
@@ -103,6 +103,15 @@ def tagged_union(members: dict, tag_of, expected: str):
     of the error's field path: a tag that is also a key of the body would be taken for a step into it."""
     return Annotated[Union[tuple(Annotated[kind, Tag(tag)] for tag, kind in members.items())],
                      Discriminator(tag_of, custom_error_type="invalid_type", custom_error_message=f"must be {expected}")]
+
+
+def null_means_default(*names: str):
+    """A before-validator for `names`: an explicit JSON null is the field's default. OpenAI allows null on
+    these, vLLM reads it so, and the openai SDK sends it for an argument given as None. Each model needs
+    its own attribute name for it (a subclass's same name would replace its base's)."""
+    def default_for_null(cls, given, info: ValidationInfo):
+        return cls.model_fields[info.field_name].get_default(call_default_factory=True) if given is None else given
+    return field_validator(*names, mode="before")(classmethod(default_for_null))
 
 
 def _with_suggestion(name: str, known) -> str:

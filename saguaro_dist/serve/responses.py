@@ -167,13 +167,20 @@ class Format:
         return {"tokens": [name(t) for t in token_ids] if as_ids else texts,
                 "token_logprobs": list(map(_clamped, chosen)), "top_logprobs": tops, "text_offset": offsets}
 
-    def body(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
-        return {"id": request_id, "object": self.object_name, "created": int(time.time()), "model": model,
-                "choices": choices, **extra}
+    def body(self, request_id: str, model: str, choices: list[dict], created: int | None = None, **extra) -> dict:
+        """created: the request's arrival (arrival_time), so a reply's time is when it was asked for."""
+        return {"id": request_id, "object": self.object_name, "created": arrival_time() if created is None else created,
+                "model": model, "choices": choices, **extra}
 
-    def chunk(self, request_id: str, model: str, choices: list[dict], **extra) -> dict:
-        return {"id": request_id, "object": self.chunk_object, "created": int(time.time()), "model": model,
-                "choices": choices, **extra}
+    def chunk(self, request_id: str, model: str, choices: list[dict], created: int | None = None, **extra) -> dict:
+        """created: the request's arrival: every chunk of one stream carries the same (OpenAI's, vLLM's)."""
+        return {"id": request_id, "object": self.chunk_object, "created": arrival_time() if created is None else created,
+                "model": model, "choices": choices, **extra}
+
+
+def arrival_time() -> int:
+    """OpenAI's `created`: Unix seconds, taken once per request."""
+    return int(time.time())
 
 
 COMPLETION = Format("text_completion", "text_completion", "cmpl", chat=False)

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from saguaro_dist.engine.sequence import check_cache_salt
 from saguaro_dist.sampling_params import (MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams,
                                           truncate_prompt)
-from saguaro_dist.serve.request_fields import SAMPLING_UNSUPPORTED, OpenAIModel, Unsupported
+from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.request_fields import SAMPLING_UNSUPPORTED, OpenAIModel, Unsupported, null_means_default
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
 MAX_CHOICES = 64  # n; a request's prompts x n generations are capped at MAX_GENERATIONS too
@@ -68,10 +69,10 @@ class SamplingRequest(OpenAIModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0 disables, as in vLLM
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extra parameter (0: off)
-    n: int = Field(1, ge=1, le=MAX_CHOICES)  # samples per prompt; with a seed, sample i draws from seed + i
+    n: int | None = Field(1, ge=1, le=MAX_CHOICES)  # samples per prompt; with a seed, sample i draws from seed + i
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False  # (n and stream: null is the default, _null_n_stream)
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extra parameter: keep generating past end-of-sequence
@@ -129,6 +130,7 @@ class SamplingRequest(OpenAIModel):
     verbosity: str | None = None
     unsupported_fields: ClassVar[dict[str, Unsupported]] = SAMPLING_UNSUPPORTED
     continuous_usage: ClassVar[bool] = False  # whether the route's stream honours stream_options.continuous_usage_stats
+    _null_n_stream = null_means_default("n", "stream")
 
     @model_validator(mode="after")
     def _check_stop(self):
@@ -182,8 +184,22 @@ class SamplingRequest(OpenAIModel):
         return None
 
     def prompt_tokens_kept(self, max_model_len: int) -> int | None:
-        """How many of the prompt's last tokens run (truncate_prompt_tokens; -1: max_model_len; None: all)."""
-        return self.truncate_prompt_tokens
+        """How many of the prompt's tokens run (truncate_prompt_tokens; None: all). vLLM's rule: at most the
+        room the reply leaves, max_model_len - max_tokens (left out: the route's default; null: 0), which -1
+        asks for; more is a 400 naming the field, not a silent no-op."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return None
+        reply = self.requested_max_tokens()
+        reply = (self.default_max_tokens() if reply is None else reply) or 0
+        room = max_model_len - reply
+        if keep == -1:
+            return max(1, room)  # (no room: state.job's context-length 400)
+        if keep > room:
+            raise APIError(400, f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - max_tokens = "
+                                f"{max_model_len} - {reply} = {room}. Please request a smaller truncation size.",
+                           param="truncate_prompt_tokens")
+        return keep
 
     def kept_prompt(self, prompt_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as it runs: truncated to prompt_tokens_kept from the left (its last tokens), or with

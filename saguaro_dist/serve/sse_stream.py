@@ -16,12 +16,15 @@ from saguaro_dist.serve.tools import ToolStream
 
 
 async def stream_response(state: ServingState, body, jobs: list[Job], model: str, fmt, request_id: str,
-                          role: str = REPLY_ROLE) -> ClosingStreamingResponse:
-    """The reply as SSE; `role` is a chat reply's, sent in the first delta (vLLM's)."""
+                          role: str = REPLY_ROLE, created: int | None = None) -> ClosingStreamingResponse:
+    """The reply as SSE; `role` is a chat reply's, sent in the first delta (vLLM's); `created`, the request's
+    arrival, is every chunk's."""
     batches = merge([state.stream(job) for job in jobs], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
     # Wait for the first delta before answering, so a request the engine rejects still gets a 400.
     first = await anext(batches, None)
-    chunks = _sse_chunks(_SseEvents(state, body, jobs, model, fmt, fmt.id_of(request_id), role), batches, first)
+    events = _SseEvents(state, body, jobs, model, fmt, fmt.id_of(request_id), role,
+                        responses.arrival_time() if created is None else created)
+    chunks = _sse_chunks(events, batches, first)
     return ClosingStreamingResponse(chunks, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -51,9 +54,10 @@ class _SseEvents:
     through Serve's streaming path (~1.4 ms of replica CPU on the engine's GIL, docs/serving.md)."""
 
     def __init__(self, state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format, response_id: str,
-                 role: str):
+                 role: str, created: int):
         self.state, self.body, self.jobs, self.model, self.fmt = state, body, jobs, model, fmt
         self.request_id, self.role = response_id, role  # role: a chat reply's, in its first delta
+        self.created = created  # one `created` for every chunk (OpenAI's, vLLM's)
         self.token_ids: list[list[int]] = [[] for _ in jobs]  # generated per choice: usage counts them
         self.metrics, self.finished = [None] * len(jobs), 0
         # Log-probabilities of tokens whose text is held back (a possible stop string) wait for its chunk.
@@ -77,7 +81,7 @@ class _SseEvents:
         if self.body.echoed(self.role):  # vLLM's echo: the repeated last message is the first content delta
             deltas.append({"content": self.body.echoed(self.role)})
         return "".join(responses.sse(self.fmt.chunk(self.request_id, self.model, [self.fmt.chat_delta(i, delta, None)],
-                                                    **self._running_usage(i), **self._prompt_ids(delta)))
+                                                    self.created, **self._running_usage(i), **self._prompt_ids(delta)))
                        for delta in deltas for i in range(len(self.jobs)))
 
     def _prompt_ids(self, delta: dict) -> dict:
@@ -102,14 +106,14 @@ class _SseEvents:
             extra = {}
             if last.finished:
                 self.metrics[index], self.finished = last.metrics, self.finished + 1
-                if self.done:  # the final chunk carries usage and the speculation stats
-                    extra = final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)
+                if self.done:  # our speculation stats; usage only when asked (closing), as OpenAI and vLLM send it
+                    extra = {"speculation": self._final()["speculation"]}
             marks = self.literal_marks[index]
             choice = self._choice(index, marks.feed(text, ids) if marks else text, last)
             if choice is not None:
                 choice = {**choice, **self._take_token_ids(index)}
                 extra = {**extra, **self._running_usage(index)}  # the request's usage follows in its own chunk
-                events.append(responses.sse(self.fmt.chunk(self.request_id, self.model, [choice], **extra)))
+                events.append(responses.sse(self.fmt.chunk(self.request_id, self.model, [choice], self.created, **extra)))
         return "".join(events)
 
     def _choice(self, index: int, text: str, last) -> dict | None:
@@ -141,11 +145,16 @@ class _SseEvents:
         offset, self.text_sent[index] = self.text_sent[index], self.text_sent[index] + len(text)
         return logprobs_of(self.state, self.fmt, self.jobs[index], entries, offset)
 
+    def _final(self) -> dict:
+        return final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)
+
     def closing(self) -> str:
+        """OpenAI's stream_options.include_usage: one more chunk, no choices, the only one with the request's usage
+        (a client summing usage over chunks, as LangChain does, counts it once), then [DONE]."""
         events = ""
-        if self.body.include_usage_chunk:  # OpenAI's stream_options.include_usage: one more chunk, no choices
-            usage = final_extra(self.state, self.body, self.fmt, self.jobs, self.token_ids, self.metrics)["usage"]
-            events += responses.sse(self.fmt.chunk(self.request_id, self.model, [], usage=usage))
+        if self.body.include_usage_chunk:
+            events += responses.sse(self.fmt.chunk(self.request_id, self.model, [], self.created,
+                                                   usage=self._final()["usage"]))
         return events + responses.sse("[DONE]")
 
 
