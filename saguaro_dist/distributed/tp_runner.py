@@ -12,9 +12,16 @@ next broadcast at once (gloo: "Connection closed by peer"), so the engine step f
 NCCL a dead peer is noticed at the group's timeout, by torch's NCCL watchdog.
 
 A group with a dead member never works again. Rank 0 notes it (BroadcastRunner.lost) when a broadcast fails, or
-when a replayed call fails and the ping after it does too (a collective inside the call may be what broke), and
-refuses every replayed call from then on; its poll carries the note, and the driver (cluster.RemoteEngine, which
-also watches every follower's actor) fails the engine, naming the rank that died.
+when a replayed call fails other than by a refusal (DETERMINISTIC), and refuses every replayed call from then on;
+its poll carries the note, and the driver (cluster.RemoteEngine, which also watches every follower's actor) fails
+the engine, naming the rank that died.
+
+A replayed call may fail on one rank only (a CUDA OOM on rank 0, which also holds the engine's tensors; a
+MemoryError on a follower), maybe mid-forward, with the others inside its all-reduces. Only a refusal by the
+runner's checks (DETERMINISTIC, raised before any collective, alike on every rank as they hold the same state)
+leaves the ranks in lock-step. Anything else ends the group: a follower ends its process (rank 0's collective fails
+at once: "Connection closed by peer"); rank 0 notes the group lost and sends nothing more (a ping after it once met
+a follower's pending all-reduce: every request then waited out the group's timeout before failing).
 
 A follower waits for rank 0's next call inside a collective, which fails at the group's timeout (a follower that
 outwaited it ended, and the idle engine's next request failed). So rank 0 sends a PING whenever no call went out
@@ -38,8 +45,11 @@ log = logging.getLogger(__name__)
 
 REPLAYED = frozenset({"add", "free", "truncate", "extend", "rename", "copy_prefix", "load_lora", "evict_lora"})
 STOP = "__stop__"
-PING = "__ping__"  # keep-alive, and after a replayed call failed: does the group still work? (followers skip it)
+PING = "__ping__"  # keep-alive while idle (followers skip it)
 FOLLOWER_LOST_EXIT = 70  # a follower's exit status once it lost lock-step (EX_SOFTWARE)
+# A replayed call's refusals that every rank raises alike before any collective: the runner's checks of its
+# arguments against the sequences' state, which every rank holds the same (ModelRunner raises ValueError for them).
+DETERMINISTIC = ValueError
 
 
 def keepalive_s(group_timeout: timedelta) -> float:
@@ -73,9 +83,10 @@ class BroadcastRunner:
                     self._broadcast(name, args, kwargs)
                     try:
                         return attr(*args, **kwargs)
-                    except Exception:
-                        self._broadcast(PING, (), {})  # RankLost if a collective inside the call failed on a dead rank
-                        raise
+                    except DETERMINISTIC:
+                        raise  # every rank refused it alike, before any collective: the followers wait for the next
+                    except Exception as err:
+                        raise self._lose(f"rank 0's {name} failed: {err!r}") from err
                 finally:
                     self._last_sent = time.monotonic()  # the followers wait for the next call from here
         return replayed
@@ -87,9 +98,13 @@ class BroadcastRunner:
         try:
             dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self._group)
         except RuntimeError as err:  # the backend's failures (gloo, NCCL, DistError); pickling raises others
-            self.lost = f"rank 0's broadcast of {name} failed: {err}"
-            log.error("tensor-parallel group broken: %s", self.lost)
-            raise RankLost(self.lost) from err
+            raise self._lose(f"rank 0's broadcast of {name} failed: {err}") from err
+
+    def _lose(self, why: str) -> RankLost:
+        """Note the group broken for good (no call, no ping from now on); the RankLost to raise."""
+        self.lost = why
+        log.error("tensor-parallel group broken: %s", why)
+        return RankLost(why)
 
     def _keep_alive(self, interval_s: float) -> None:
         """The pinger's thread: a PING once nothing went out for interval_s; ends with the group or at STOP."""
@@ -153,7 +168,8 @@ def follow(runner, group) -> None:
             continue
         try:
             getattr(runner, name)(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - rank 0 ran the same call on the same state and failed alike
-            # A follower that stopped here would leave rank 0, which reports the failure and carries on
-            # (Engine.reset frees every sequence), waiting forever in its next broadcast or collective.
-            log.exception("tensor-parallel follower: replayed %s failed (as it did on rank 0)", name)
+        except DETERMINISTIC:  # rank 0 ran the same checks on the same state and refused alike: it carries on
+            # (Engine.reset frees every sequence), so must this rank, or rank 0 waited in its next broadcast.
+            log.exception("tensor-parallel follower: replayed %s refused (as it was on rank 0)", name)
+        except Exception as err:  # noqa: BLE001 - this rank alone, maybe mid-forward: rank 0 waits in a collective
+            raise FollowerLost(f"replayed {name} failed on this rank: {err!r}") from err
