@@ -215,3 +215,19 @@ def _take(key: str, value, field: str, given: Mapping, fields: dict, same=lambda
 def _given_mode(given: Mapping) -> Mode | None:
     mode = given.get("mode")
     return None if mode is None else parse_enum(Mode, mode, "mode")
+
+
+VLLM_NAMES = {"max_num_seqs": "max_batch_size"}  # vLLM's LLM(...) keywords for Config fields named otherwise
+
+
+def with_config_names(kwargs: Mapping) -> dict:
+    """LLM's keywords with vLLM's names (max_num_seqs) under Config's; both names at different values is refused."""
+    fields = dict(kwargs)
+    for vllm_name, field in VLLM_NAMES.items():
+        if vllm_name in fields:
+            value = fields.pop(vllm_name)
+            if field in fields and fields[field] != value:
+                raise ValueError(f"{vllm_name}={value!r} and {field}={fields[field]!r} are one setting (vLLM's name "
+                                 f"and ours): give one")
+            fields[field] = value
+    return fields

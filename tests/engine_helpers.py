@@ -49,8 +49,9 @@ def save_perturbed(path, source: LlamaForCausalLM, seed: int, noise: float) -> N
 
 
 def hf_greedy(model: LlamaForCausalLM, prompt: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
+    ids = torch.tensor([prompt])  # every position attended: without a mask transformers masks pad_token_id's (0)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, len(prompt):].tolist()
 
 

@@ -226,3 +226,11 @@ def test_a_lone_model_in_app_args_decodes_autoregressively():
 
 def test_one_lookup_size_stands_for_both_with_a_draft_model_too():
     assert config_fields({"model": "/d", "prompt_lookup_min": 5}, {})["prompt_lookup_max"] == 5
+
+
+def test_vllms_max_num_seqs_is_max_batch_size(tiny_llama_pair):
+    """vLLM's LLM(max_num_seqs=...) raised a bare TypeError; it is Config's max_batch_size (the CLI's alias too)."""
+    config, tokens = greedy_tokens(tiny_llama_pair[0], mode="ar", max_num_seqs=2)
+    assert config.max_batch_size == 2 and len(tokens) == len(PROMPTS)
+    with pytest.raises(ValueError, match="max_num_seqs=2 and max_batch_size=3 are one setting"):
+        LLM(model="/no/such/target", max_num_seqs=2, max_batch_size=3)

@@ -26,7 +26,7 @@ from saguaro_dist.engine.structured import GrammarCompiler
 from saguaro_dist.lora_request import AdapterIds, LoRARequest
 from saguaro_dist.model.loader import load_generation_defaults
 from saguaro_dist.sampling_params import SamplingParams
-from saguaro_dist.speculative_config import config_fields
+from saguaro_dist.speculative_config import config_fields, with_config_names
 
 __all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "StreamDelta"]
 log = logging.getLogger(__name__)
@@ -40,9 +40,9 @@ class LLM(RequestInputs):
     """
 
     def __init__(self, model: str, draft: str | None = None, *, speculative_config: dict | None = None, **kwargs):
-        """kwargs: Config's fields. speculative_config: vLLM's dict (model, method 'draft_model' / 'ngram',
-        num_speculative_tokens, ...), mapped onto those fields (saguaro_dist/speculative_config.py)."""
-        given = {"draft": draft, **kwargs}
+        """kwargs: Config's fields (vLLM's max_num_seqs for max_batch_size). speculative_config: vLLM's dict (model,
+        method 'draft_model' / 'ngram', num_speculative_tokens, ...), mapped onto those fields (saguaro_dist/speculative_config.py)."""
+        given = {"draft": draft, **with_config_names(kwargs)}  # vLLM's max_num_seqs too
         fields = {**given, **config_fields(speculative_config, given)}
         if fields["draft"] is None and "mode" not in fields:
             fields["mode"] = Mode.AR  # a lone target decodes autoregressively (vLLM's LLM(model), `saguaro serve MODEL`)
