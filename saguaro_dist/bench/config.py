@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from saguaro_dist.bench.affinity import Pinning, host_cpus, plan_pinning
 from saguaro_dist.config import Config, check_device, check_dtype
@@ -147,6 +148,12 @@ class BenchConfig:
         for name in ("target", "draft"):  # paths may come as Path objects
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, str(getattr(self, name)))
+        empty = [name for name in ("systems", "settings", "temperatures") if not getattr(self, name)]
+        if empty:  # (`--systems ,`: nothing ran, exit 0, and an empty results.json)
+            raise ValueError(f"{', '.join(empty)}: give at least one (an empty list runs nothing)")
+        for name in ("target", "draft"):  # now, not a FileNotFoundError once the run reads config.json
+            if getattr(self, name) is not None:
+                check_checkpoint(name, getattr(self, name))
         bad = [s for s in self.systems if s not in SYSTEMS] + [s for s in self.settings if s not in SETTINGS]
         if bad:
             raise ValueError(f"unknown systems/settings {bad}; systems: {', '.join(SYSTEMS)}; settings: {', '.join(SETTINGS)}")
@@ -159,8 +166,8 @@ class BenchConfig:
         object.__setattr__(self, "temperatures", tuple(checked_temperature(t) for t in self.temperatures))
         check_dtype(self.dtype)
         check_device(self.device)
-        if self.num_prompts is not None and self.num_prompts < max(self.batch_sizes):
-            raise ValueError(f"num_prompts ({self.num_prompts}) must be >= the largest batch size ({max(self.batch_sizes)})")
+        if self.num_prompts is not None and self.num_prompts < 1:  # (against the batch sizes: prompt_count)
+            raise ValueError(f"num_prompts must be >= 1, got {self.num_prompts}")
         if self.cores < 1:
             raise ValueError(f"cores must be >= 1, got {self.cores}")
         check_ssd_cores(self.cores, self.systems)
@@ -185,8 +192,12 @@ class BenchConfig:
         """Every cell runs the same prompts, b at a time: batch 1 is measured on the text batch 8 sees,
         not on the first prompt alone (one prompt's hit rate is not the pair's), also when 1 is the only
         batch size asked for (`--batch 1` alone measured one prompt: ~20 rounds at 64 tokens); and the
-        largest batch size runs PASS_BATCHES batches a pass."""
-        return self.num_prompts or max(MIN_PROMPTS, PASS_BATCHES * max(self.batch_sizes))
+        largest batch size runs PASS_BATCHES batches a pass. The grid's count: a sweep runs its own
+        (SweepConfig.prompt_count), so num_prompts is checked against the grid's batch sizes here, where the
+        grid reads it, not at construction (that refused a sweep's `--num-prompts 4`)."""
+        if self.num_prompts is not None and self.num_prompts < max(self.batch_sizes):
+            raise ValueError(f"num_prompts ({self.num_prompts}) must be >= the largest batch size ({max(self.batch_sizes)})")
+        return self.num_prompts or default_prompt_count(self.batch_sizes)
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "BenchConfig":
@@ -228,8 +239,17 @@ class SweepConfig:
                              f"({', '.join(SETTINGS)}), got {self.system!r} under {self.setting!r}")
         if self.batch_size < 1:
             raise ValueError(f"the sweep's batch size must be >= 1, got {self.batch_size}")
+        if self.base.num_prompts is not None and self.base.num_prompts < self.batch_size:
+            # an error, not a silent raise of --num-prompts to the batch size (what the sweep did)
+            raise ValueError(f"num_prompts ({self.base.num_prompts}) must be >= the sweep's batch size ({self.batch_size})")
         check_ssd_cores(self.base.cores, (self.system,))
         object.__setattr__(self, "temperature", checked_temperature(self.temperature))
+
+    @property
+    def prompt_count(self) -> int:
+        """The prompts every point runs, batch_size at a time: num_prompts, else the grid's default count for
+        the base's batch sizes, or batch_size when larger."""
+        return self.base.num_prompts or max(self.batch_size, default_prompt_count(self.base.batch_sizes))
 
     def points(self) -> list[tuple[str, dict]]:
         """(axis, engine overrides) per run; fan-out budgets are crossed with the kinds."""
@@ -249,6 +269,23 @@ PASS_BATCHES = 2  # ... or this many batches of the largest batch size: a pass o
                   # which the tree gate's re-tries took up to 5, and its ratio to sd read 0.86-1.23 over sessions
                   # 63-71 (T = 0.7), where two batches a pass read 1.09-1.17 (session 71); the default grid
                   # (b up to 8) runs 16 prompts
+
+
+def default_prompt_count(batch_sizes: tuple[int, ...]) -> int:
+    return max(MIN_PROMPTS, PASS_BATCHES * max(batch_sizes))
+
+
+def check_checkpoint(name: str, value: str) -> None:
+    """A folder holding config.json, or what can only be a Hugging Face id (owner/name, the rule of
+    model/loader.py resolve_model_dir, which then fetches it or says why not)."""
+    path = Path(value).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--{name} {value}: the folder holds no config.json (not a model checkpoint)")
+        return
+    if path.exists() or value.startswith((".", "/", "~")) or value.count("/") != 1 or "" in value.split("/"):
+        raise ValueError(f"--{name} {value}: no such folder, and not a Hugging Face id (owner/name)")
+
 
 PRESETS = {
     "full": dict(max_new_tokens=192, prompt_len=64, repeats=1),

@@ -2,13 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -320,7 +318,10 @@ def context(target: str, draft: str, source: str, cfg: BenchConfig) -> dict:
 
 
 def vocab_size(path: str) -> int:
-    return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+    """The target's vocabulary size, from its config.json: a local folder's, or a Hugging Face id's (fetched)."""
+    from saguaro_dist.model.hf_config import read_config_json
+    from saguaro_dist.model.loader import resolve_model_dir
+    return int(read_config_json(resolve_model_dir(path, weights=False))["vocab_size"])
 
 
 def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
@@ -328,8 +329,8 @@ def run_sweep(sweep: SweepConfig, progress: bool = True) -> dict:
     cfg = sweep.base
     point_cfgs = sweep_point_configs(sweep)
     target, draft = resolve_pair(cfg.target, cfg.draft)
-    count = max(sweep.batch_size, cfg.prompt_count)  # before session 23: one prompt at b = 1
-    prompts, source = bench_prompts(target, count, cfg.prompt_len, cfg.seed, vocab_size(target))
+    # (before session 23: one prompt at b = 1)
+    prompts, source = bench_prompts(target, sweep.prompt_count, cfg.prompt_len, cfg.seed, vocab_size(target))
     place = placement(sweep.system, sweep.setting, cfg.cores)
     points = []
     for axis, overrides, point_cfg in tqdm(point_cfgs, desc="saguaro bench sweep", unit="run", disable=not progress):
@@ -355,8 +356,20 @@ def sweep_point_configs(sweep: SweepConfig) -> list[tuple[str, dict, BenchConfig
             built.append((axis, overrides, dataclasses.replace(sweep.base, **overrides,
                                                                batch_sizes=(sweep.batch_size,))))
         except ValueError as err:
-            raise ValueError(f"sweep point {axis} = {overrides[axis]}: {err}") from None
+            key = offending_override(sweep.base, overrides) or axis
+            raise ValueError(f"sweep point {key} = {overrides[key]!r}: {err}") from None
     return built
+
+
+def offending_override(base: BenchConfig, overrides: dict) -> str | None:
+    """The first override the base refuses alone: a fan-out point's bad kind (--sweep-kinds bogus) was reported
+    under its budget, "fan_out = 6: fan_out_kind must be ...". None where only their combination fails."""
+    for key, value in overrides.items():
+        try:
+            dataclasses.replace(base, **{key: value})
+        except ValueError:
+            return key
+    return None
 
 
 def point_fields(cfg: BenchConfig, axis: str, overrides: dict) -> dict:

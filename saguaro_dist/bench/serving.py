@@ -29,7 +29,7 @@ from saguaro_dist.bench.departures import judge_cells
 from saguaro_dist.bench.paired import paired_ratios
 from saguaro_dist.bench.prompts import bench_prompts, resolve_pair
 from saguaro_dist.bench.runner import SCHEMA_VERSION, Failed, close_quietly, context, rotated, vocab_size
-from saguaro_dist.bench.systems import engine_delta, make_system
+from saguaro_dist.bench.systems import engine_delta, make_system, repin
 from saguaro_dist.engine.metrics import RequestMetrics
 
 SERVING_SYSTEMS = ("ar", "sd", "ngram", "ssd")  # --request-rates without --systems
@@ -251,6 +251,7 @@ def run_one(system, prompts, temperature: float, rate: float, cfg: BenchConfig, 
     params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_new_tokens, ignore_eos=True, seed=seed)
               for seed in seeds]
     torch.set_num_threads(system.threads)  # process-wide: the systems open beside it may differ
+    repin(system.bench_cpus)  # every system is open at once, each open() pinned the process to its own CPUs
     before = system.llm.metrics.to_dict()
     served, seconds = serve_stream(system.llm, prompts, params, offsets)
     # (no request fails alone in process: a failure fails the system's cell; every output is counted)

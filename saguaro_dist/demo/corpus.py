@@ -93,30 +93,52 @@ def read_sources(paths) -> list[str]:
 
 
 def sample_snippets(texts: list[str], n: int, max_chars: int, seed: int) -> list[str]:
-    """n deterministic snippets: whole lines, ending at a line boundary inside a file, <= max_chars."""
+    """n deterministic snippets: whole lines, ending at a line boundary inside a file, <= max_chars. No two start
+    on one line of a file: a draw that would is skipped. Drawn with replacement, 23 of the 256 shipped prompts
+    were repeats, and more were one prompt once a bench cut them to their first tokens (windows that start on
+    one line); now the snippets are the ones those draws gave, such draws left out, then more draws."""
     rng = random.Random(seed)
-    snippets: list[str] = []
     candidates = [t.splitlines(keepends=True) for t in texts]
     candidates = [lines for lines in candidates if len(lines) >= 8]
     if not candidates:
         raise ValueError("no held-out file has enough lines for a prompt")
-    if n > 0 and not any(window(lines, end, max_chars).strip()
-                         for lines in candidates for end in range(4, len(lines))):
-        # the draws below would never find one: the loop ran forever
-        raise ValueError(f"no held-out window of whole lines fits {max_chars} characters (prompt_chars) with any "
-                         "text in it: every line is longer, or the lines that fit are blank")
+    if n > 0:
+        check_windows(candidates, n, max_chars)  # else the draws below would never end
+    snippets: list[str] = []
+    starts: set[tuple[int, int]] = set()  # (file, first line) of every snippet so far
     while len(snippets) < n:
-        lines = candidates[rng.randrange(len(candidates))]
-        text = window(lines, rng.randrange(4, len(lines)), max_chars)
-        if text.strip():
+        file = rng.randrange(len(candidates))
+        lines = candidates[file]
+        end = rng.randrange(4, len(lines))
+        start = window_start(lines, end, max_chars)
+        text = "".join(lines[start:end])
+        if text.strip() and (file, start) not in starts:
+            starts.add((file, start))
             snippets.append(text)
     return snippets
 
 
+def check_windows(candidates: list[list[str]], n: int, max_chars: int) -> None:
+    """At least n windows of whole lines with text in them, no two starting on one line, or a ValueError."""
+    found = len({(file, window_start(lines, end, max_chars)) for file, lines in enumerate(candidates)
+                 for end in range(4, len(lines)) if window(lines, end, max_chars).strip()})
+    if not found:
+        raise ValueError(f"no held-out window of whole lines fits {max_chars} characters (prompt_chars) with any "
+                         "text in it: every line is longer, or the lines that fit are blank")
+    if found < n:
+        raise ValueError(f"{n} prompts asked for, but the held-out files have {found} windows of whole lines that "
+                         f"fit {max_chars} characters (prompt_chars) with text in them and a first line of their own")
+
+
 def window(lines: list[str], end: int, max_chars: int) -> str:
     """The most whole lines ending before lines[end] that fit max_chars ("" where lines[end - 1] alone is longer)."""
+    return "".join(lines[window_start(lines, end, max_chars):end])
+
+
+def window_start(lines: list[str], end: int, max_chars: int) -> int:
+    """The first line of window(lines, end, max_chars) (end where it is empty)."""
     start, size = end, 0
     while start > 0 and size + len(lines[start - 1]) <= max_chars:
         start -= 1
         size += len(lines[start])
-    return "".join(lines[start:end])
+    return start

@@ -3,8 +3,9 @@
 Both loops are resumable: the model, optimiser and step are checkpointed every few minutes, and
 the batch of step s is drawn from a generator seeded by (seed, role, s), so a resumed run sees
 exactly the batches an uninterrupted one would. With a wall-clock budget (`--minutes`) the LR
-schedule follows training time instead of steps, so a run on a busy machine still ends on time
-(the steps it ran are reported; pass them as --steps to repeat the run deterministically).
+schedule follows training time instead of steps, so a run on a busy machine still ends on time, and no
+run repeats it: the steps it ran are reported, and passing them as --steps gives a deterministic run of
+that length on the same batches, whose step-based schedule ends on nearby weights, not the same ones.
 """
 from __future__ import annotations
 
