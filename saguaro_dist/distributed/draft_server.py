@@ -47,6 +47,7 @@ KEEPALIVE_TIMEOUT_MS = 10_000
 # A client ping sooner than this after the last, while no data flows, is a strike; after two the server ends the
 # connection (GOAWAY "too_many_pings"): the target's keepalive (grpc_link.Keepalive) stays above it.
 MIN_PING_INTERVAL_MS = 5_000
+STOPPING_WAIT_S = 5.0  # how long the interpreter's exit waits for a stop() under way (its grace, then ~ms)
 
 
 def _server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -75,11 +76,12 @@ def _handlers(servicer: DraftServicer) -> grpc.GenericRpcHandler:
     })
 
 
-async def _add_health(server: grpc.aio.Server) -> None:
+async def _add_health(server: grpc.aio.Server) -> health.aio.HealthServicer:
     checker = health.aio.HealthServicer()
     for name in ("", SERVICE_NAME):
         await checker.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    return checker
 
 
 def _bind(server: grpc.aio.Server, host: str, port: int) -> int:
@@ -106,9 +108,20 @@ def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
         loop.close()
 
 
-def _stop_loop(loop: asyncio.AbstractEventLoop) -> None:
-    if not loop.is_closed():
+def _stop_loop(loop: asyncio.AbstractEventLoop, once: threading.Lock) -> None:
+    """Stop the loop's run_forever, once: a second stop (stop()'s, then the finalizer's at interpreter exit) cut
+    _run_loop's clean-up short ("Event loop stopped before Future completed")."""
+    if once.acquire(blocking=False) and not loop.is_closed():
         loop.call_soon_threadsafe(loop.stop)
+
+
+def _finalize(loop: asyncio.AbstractEventLoop, once: threading.Lock, stopping: threading.Event,
+              stopped: threading.Event) -> None:
+    """A server dropped, or the interpreter exiting: a stop() under way ends first (up to STOPPING_WAIT_S; cut
+    short, grpc's server, left running, failed at exit to schedule its shutdown on the closed loop), then the loop."""
+    if stopping.is_set():
+        stopped.wait(STOPPING_WAIT_S)
+    _stop_loop(loop, once)
 
 
 class DraftServer:
@@ -119,12 +132,14 @@ class DraftServer:
                  max_concurrent_rpcs: int | None, local: str | None = None):
         self._loop = asyncio.new_event_loop()
         self._stopped = threading.Event()
+        self._stopping, self._stop_once = threading.Event(), threading.Lock()
         threading.Thread(target=_run_loop, args=(self._loop,), name="saguaro-draft-loop", daemon=True).start()
-        weakref.finalize(self, _stop_loop, self._loop)  # a server dropped without stop() ends its thread
+        # a server dropped without stop() ends its thread
+        weakref.finalize(self, _finalize, self._loop, self._stop_once, self._stopping, self._stopped)
         try:
             self.port = self._run(self._start(servicer, host, port, max_message_bytes, max_concurrent_rpcs, local))
         except BaseException:
-            _stop_loop(self._loop)
+            _stop_loop(self._loop, self._stop_once)
             raise
 
     def _run(self, coro):
@@ -134,7 +149,7 @@ class DraftServer:
         self._server = grpc.aio.server(options=_server_options(max_message_bytes),
                                        maximum_concurrent_rpcs=max_concurrent_rpcs)
         self._server.add_generic_rpc_handlers((_handlers(servicer),))
-        await _add_health(self._server)
+        self._health = await _add_health(self._server)
         bound = _bind(self._server, host, port)
         if local is not None and not self._server.add_insecure_port(local):
             raise OSError(f"cannot bind the DraftService to {local}")
@@ -144,12 +159,19 @@ class DraftServer:
     def stop(self, grace: float | None) -> threading.Event:
         """Stop serving (in-flight calls get `grace` seconds); the Event is set once the loop is down."""
         if not self._stopped.is_set() and not self._loop.is_closed():
-            done = asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop)
+            self._stopping.set()
+            done = asyncio.run_coroutine_threadsafe(self._shut_down(grace), self._loop)
             done.add_done_callback(self._server_stopped)
         return self._stopped
 
+    async def _shut_down(self, grace: float | None) -> None:
+        # NOT_SERVING first (grpc.health.v1's graceful shutdown): a client watching health (gRPC's client-side
+        # health checks watch) learns it is stopping during the grace, not only from its calls failing after
+        await self._health.enter_graceful_shutdown()
+        await self._server.stop(grace)
+
     def _server_stopped(self, _) -> None:
-        _stop_loop(self._loop)
+        _stop_loop(self._loop, self._stop_once)
         self._stopped.set()
 
     def wait_for_termination(self, timeout: float | None = None) -> bool:

@@ -42,6 +42,7 @@ __all__ = ["GrpcDraftBackend"]
 
 _STALE = object()  # jit_draft's group of out-of-sync sequences (no call is made for them)
 TREE_SPIN_S = 0.005  # how long wait_trees polls (yielding the GIL) before it sleeps on the condition
+STREAM_END_WAIT_S = 2.0  # how long close() waits (at most deadline_s) for servers to read their streams to the end
 
 
 class GrpcDraftBackend(ServerLinks):
@@ -288,7 +289,9 @@ class GrpcDraftBackend(ServerLinks):
         return sum(link.graph_captures for link in self._links)
 
     def close(self) -> None:
-        """End every stream, close every channel, join the reader threads."""
+        """End every stream once its server has read what was queued on it (releases: else a server that outlives
+        this client keeps those sequences), up to STREAM_END_WAIT_S for all; close every channel, join the reader
+        threads."""
         with self._cond:
             if self._closed:
                 return
@@ -296,8 +299,12 @@ class GrpcDraftBackend(ServerLinks):
             self._closing.set()
             self._cond.notify_all()
             revivers = list(self._revivers)
+        # one wait for all (each server reads its stream meanwhile), short: a pool closes its backends one by one
+        deadline = time.monotonic() + min(self.deadline_s, STREAM_END_WAIT_S)
         for link in self._links:
-            link.end_stream()
+            link.end_requests()
+        for link in self._links:
+            link.finish_stream(deadline)
             link.channel.close()
         for thread in [link.reader for link in self._links] + revivers:
             if thread is not None:

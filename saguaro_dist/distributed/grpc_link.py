@@ -145,10 +145,14 @@ class Link:
         self.unconfirmed: list[tuple[int, list[Release]]] = []
         self.call = None
         self.reader: threading.Thread | None = None
+        self.requests_ended = False  # end_requests ran (the backend is closing): no stream opens again
         self._call_ids = itertools.count(1)
 
     def open_stream(self) -> None:
-        self.call = self.stub.Speculate(self.outbox.requests())
+        with self.lock:  # end_requests either closes the queue this stream reads or comes first and refuses it
+            if self.requests_ended:
+                raise ValueError("Channel closed: the backend is closing")  # what a closed channel raises
+            self.call = self.stub.Speculate(self.outbox.requests())
 
     def send(self, request: pb.SpeculateRequest) -> tuple[Outbox, int]:
         """Queue `request` on the stream; returns its outbox and ticket (see await_sent)."""
@@ -235,6 +239,28 @@ class Link:
         if self.call is not None:
             self.call.cancel()
         return unconfirmed
+
+    def end_requests(self) -> None:
+        """Half-close the stream: the requests queued on it still go out (the releases the engine sent last: a
+        server that outlives this client keeps what it never reads, KV rows included), then the stream's requests
+        end; its calls in flight fail (restart_queue). finish_stream waits for the server to end it."""
+        with self.lock:
+            self.requests_ended = True
+        self.restart_queue(lambda seq_ids: DraftUnavailable(f"draft server {self.address}: stream closed", seq_ids))
+
+    def finish_stream(self, deadline: float) -> None:
+        """After end_requests: wait until the server has read the stream to its end and ended it, or until
+        `deadline` (time.monotonic()) for one stalled or unreachable, then cancel it."""
+        if self.call is None:
+            return
+        try:
+            self.call.exception(timeout=max(0.0, deadline - time.monotonic()))
+        except grpc.FutureTimeoutError:
+            log.warning("draft server %s did not end its Speculate stream in time; cancelled, what was queued on it "
+                        "may be lost", self.address)
+        except grpc.FutureCancelledError:
+            pass
+        self.call.cancel()
 
     def unconfirmed_releases(self) -> list[Release]:
         with self.lock:
