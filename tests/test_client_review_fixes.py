@@ -162,14 +162,15 @@ def server(_running):
 @pytest.fixture(params=["sync", "async"])
 def call(request):
     """call(base_url, method name, *args, stream=..., **client settings): the method's result through the sync
-    or the async client; a stream's deltas joined."""
+    or the async client; a stream's deltas joined. The base URL gets /v1 here (one with a path is used as given):
+    the routes count hits at /<route>/v1/..."""
     def sync(url, name, *args, stream=False, **settings):
-        with Client(url, **{"max_retries": 0, **settings}) as client:
+        with Client(url + "/v1", **{"max_retries": 0, **settings}) as client:
             out = getattr(client, name)(*args, **({"stream": True} if stream else {}))
             return "".join(out) if stream else out
 
     async def run_async(url, name, *args, stream=False, **settings):
-        async with AsyncClient(url, **{"max_retries": 0, **settings}) as client:
+        async with AsyncClient(url + "/v1", **{"max_retries": 0, **settings}) as client:
             out = await getattr(client, name)(*args, **({"stream": True} if stream else {}))
             return "".join([d async for d in out]) if stream else out
     if request.param == "sync":

@@ -201,3 +201,11 @@ def test_a_stream_that_goes_quiet_is_a_timeout():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_a_stream_has_its_usage_without_asking(client):
+    """Servers send a stream's usage only when asked (the server now does too): the client asks unless the caller
+    set stream_options, so `usage` stays filled."""
+    stream = client.complete("hello world", max_tokens=4, temperature=0, stream=True, ignore_eos=True)
+    list(stream)
+    assert stream.usage["completion_tokens"] == 4

@@ -3,16 +3,16 @@ from __future__ import annotations
 
 import email.utils
 import json
+import os
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from enum import Enum
 
 import httpx
 
 from saguaro_dist.client.errors import (APIConnectionError, APIResponseValidationError, APIStatusError,
-                                        APITimeoutError, StreamClosedError, status_error)
+                                        APITimeoutError, status_error)
 
 # The openai client's pool: httpx's default of 100 connections queued the 101st concurrent request in the client
 # (an async caller's, a serving bench's), its wait counted as the server's latency.
@@ -21,31 +21,6 @@ DONE = object()  # the `data: [DONE]` sentinel
 BODY_START_CHARS = 200  # of a reply that is not the API's, what its error quotes
 FOREIGN_CHARS = 65536  # of a "stream" that is no event stream, what is kept: a whole JSON error body, say
 SSE_FIELDS = frozenset({"", "data", "event", "id", "retry"})  # "": a comment line (":...")
-
-
-class StreamState(Enum):
-    """Where a Stream / AsyncStream is: what a second loop over it does (start_reading)."""
-    NEW = "new"
-    READING = "reading"
-    ENDED = "ended"    # read to its end (or its error)
-    CLOSED = "closed"  # closed before its end: a loop left early, close()
-
-
-def start_reading(state: StreamState) -> bool:
-    """Whether a read of the stream (a loop, next(), chunks()) goes on reading it: loops and next() share one reader,
-    so a loop after next() goes on where it left off. After its end another loop yields nothing, as openai's Stream
-    (one generator, exhausted); after an early close the rest is gone, which a quiet end would hide."""
-    if state in (StreamState.NEW, StreamState.READING):
-        return True
-    if state is StreamState.ENDED:
-        return False
-    raise StreamClosedError("the stream was closed before its end (a loop left early, or close()): its remaining "
-                            "deltas are gone; iterate a stream once, or take its first delta with next(stream)")
-
-
-# A stream's facts, read through Stream / AsyncStream: StreamAccumulator's public attributes
-STREAM_FACTS = frozenset({"texts", "finish_reason", "usage", "speculation", "model", "id", "tool_calls", "reasoning",
-                          "stop_reason"})
 
 
 def body_start(content: bytes | str) -> str:
@@ -85,13 +60,21 @@ def json_field(response: httpx.Response, key: str):
 
 
 def api_root(base_url: str) -> str:
-    """Accept "http://host:8000" as well as the OpenAI-style "http://host:8000/v1"."""
+    """A bare "http://host:8000" gets /v1; a URL with a path is the API root as given, as openai's base_url
+    ("https://host/v1beta/openai/", a gateway's "http://h/api/v2": appending /v1 sent every request astray)."""
     root = base_url.rstrip("/")
-    return root if root.endswith("/v1") else root + "/v1"
+    return root + "/v1" if not httpx.URL(root).path.strip("/") else root
 
 
 def server_root(base_url: str) -> str:
+    """Where /health, /tokenize, /version live: the API root less a trailing /v1 (vLLM's layout)."""
     return api_root(base_url).removesuffix("/v1")
+
+
+def api_key_or_env(api_key: str | None) -> str | None:
+    """None: $SAGUARO_API_KEY, the variable `saguaro serve` reads its key from (openai reads $OPENAI_API_KEY; an
+    OpenAI secret is not sent to a saguaro server unasked). "" is no key, whatever the environment holds."""
+    return os.environ.get("SAGUARO_API_KEY") if api_key is None else api_key
 
 
 def auth_headers(api_key: str | None) -> dict:
@@ -351,11 +334,14 @@ def first_choice_text(chunk: dict) -> str:
     return "".join(choice_text(c) for c in chunk.get("choices") or [] if c.get("index", 0) == 0)
 
 
-def stream_transport_error(err: httpx.TransportError) -> APIConnectionError:
-    """A stream's read that failed: a server quiet for the timeout is a timeout, as before the stream began."""
+def stream_transport_error(err: httpx.TransportError, response: httpx.Response) -> APIConnectionError:
+    """A stream's read that failed: a server quiet for the timeout is a timeout, as before the stream began. The
+    message names the error's type and the read timeout in force (an async read timeout has no text of its own)."""
+    what = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
     if isinstance(err, httpx.TimeoutException):
-        return APITimeoutError(f"the stream timed out: {err}")
-    return APIConnectionError(f"the stream broke: {err}")
+        read_s = response.request.extensions.get("timeout", {}).get("read")
+        return APITimeoutError(f"the stream timed out ({what}; no byte for the read timeout, {read_s} s)")
+    return APIConnectionError(f"the stream broke ({what})")
 
 
 def _parsed(data: str):
@@ -382,3 +368,9 @@ def _stream_error_status(err: dict) -> int:
 
 
 __all__ = ["APIStatusError", "Completion", "RetryPolicy", "StreamAccumulator"]
+
+
+def streamed(body: dict) -> dict:
+    """A generation body sent as a stream. Its usage is asked for unless the caller set stream_options: servers send
+    it only when asked (OpenAI's, vLLM's), and a Stream's `usage` is read from it."""
+    return {**body, "stream": True, "stream_options": body.get("stream_options") or {"include_usage": True}}

@@ -2,33 +2,34 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import httpx
 
 from saguaro_dist.client import _common as common
 from saguaro_dist.client import _policy as policy
-from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
+from saguaro_dist.client._common import DONE, Completion, RetryPolicy
 from saguaro_dist.client._options import DEFAULT, RequestOptions, split_options
 from saguaro_dist.client._policy import RequestKind
 from saguaro_dist.client._sse import async_sse_lines
+from saguaro_dist.client._stream_state import STREAM_FACTS, StreamCore, StreamState, start_reading
 from saguaro_dist.client.errors import status_error
 
 
 class AsyncStream:
     """`async for` over choice 0's text deltas (`chunks()`: every parsed chunk); afterwards `finish_reason`, `usage`,
     `speculation`, `tool_calls`, `reasoning`, and `texts` (every choice's text by index). Loops, anext() and
-    chunks() share one reader; a loop left early closes the stream, as Stream's does."""
+    chunks() share one reader; a loop left early closes the stream, as Stream's does, and so does dropping it."""
 
     def __init__(self, response: httpx.Response):
-        self._response = response
-        self._acc = StreamAccumulator(response.status_code)
-        self._state = StreamState.NEW
+        self._core = StreamCore(response)  # what the reader holds: never this stream (no cycle, see __del__)
         self._reader = None  # the one async generator of parsed chunks, made at the first read
         self._owner = None   # the loop that read last: the one whose early exit closes the stream (as Stream's)
+        self._loop = _running_loop()  # where a dropped stream's close is sent
 
     @property
     def response(self) -> httpx.Response:
-        return self._response
+        return self._core.response
 
     def __aiter__(self):
         return self._texts()
@@ -64,51 +65,20 @@ class AsyncStream:
                 await self.aclose()
 
     def _shared_reader(self):
-        if not common.start_reading(self._state):
+        if not start_reading(self._core.state):
             return _nothing()  # read to its end already: nothing more, as openai's AsyncStream
         if self._reader is None:
-            self._state, self._reader = StreamState.READING, self._read()
+            self._core.state, self._reader = StreamState.READING, _read(self._core)
         return self._reader
 
-    async def _read(self):
-        """The reader: its end or its error ends the stream (another loop yields nothing)."""
-        try:
-            async for chunk in self._parsed():
-                yield chunk
-        except Exception:
-            if self._state is StreamState.READING:
-                self._state = StreamState.ENDED
-            raise
-        finally:
-            await self._response.aclose()
-        if self._state is StreamState.READING:
-            self._state = StreamState.ENDED
-
-    async def _parsed(self):
-        try:
-            async for line in async_sse_lines(self._response.aiter_bytes()):
-                chunk = self._acc.feed(line)
-                if chunk is DONE:
-                    return
-                if chunk is not None:
-                    yield chunk
-            self._acc.end()
-        except httpx.TransportError as err:
-            if self._state is StreamState.CLOSED:  # aclose() while a read was under way: the end it asked for
-                return
-            raise common.stream_transport_error(err) from err
-        except httpx.DecodingError as err:
-            raise policy.decoding_error(self._response.status_code, err) from err
-
     def __getattr__(self, name):
-        if name in common.STREAM_FACTS:
-            return getattr(self._acc, name)
+        if name in STREAM_FACTS:
+            return getattr(self._core.acc, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     async def aclose(self) -> None:
-        if self._state is not StreamState.ENDED:
-            self._state = StreamState.CLOSED
-        await self._response.aclose()  # closing early tells a saguaro server to stop generating
+        self._core.mark_closed()
+        await self._core.response.aclose()  # closing early tells a saguaro server to stop generating
         if self._reader is not None and not self._reader.ag_running:
             await self._reader.aclose()  # a loop under way (aclose() inside it) ends quietly at its next step
 
@@ -116,11 +86,61 @@ class AsyncStream:
         """openai's AsyncStream.close(): aclose()."""
         await self.aclose()
 
+    def __del__(self):
+        """Dropped unclosed (never read, or after anext()): httpx would hold the connection, and the server go on
+        generating, as long as the loop lives. A finalizer cannot await: the close goes to the stream's loop, as
+        asyncio's own hook closes a dropped async generator (the reader's close, sent too, then finds it closed)."""
+        with contextlib.suppress(Exception):  # (a finalizer never raises; __init__ may not have run)
+            if self._core.response.is_closed or self._loop is None or self._loop.is_closed():
+                return
+            closing = self._core.response.aclose()
+            try:
+                self._loop.call_soon_threadsafe(self._loop.create_task, closing)
+            except RuntimeError:  # the loop closed meanwhile: nothing left to close it on
+                closing.close()
+
     async def __aenter__(self):
         return self
 
     async def __aexit__(self, *exc):
         await self.aclose()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # (made outside a coroutine)
+        return None
+
+
+async def _read(core: StreamCore):
+    """A stream's reader: its end or its error ends the stream (another loop yields nothing)."""
+    try:
+        async for chunk in _parsed(core):
+            yield chunk
+    except Exception:
+        core.mark_ended()
+        raise
+    finally:
+        await core.response.aclose()
+    core.mark_ended()
+
+
+async def _parsed(core: StreamCore):
+    try:
+        async for line in async_sse_lines(core.response.aiter_bytes()):
+            chunk = core.acc.feed(line)
+            if chunk is DONE:
+                return
+            if chunk is not None:
+                yield chunk
+        core.acc.end()
+    except httpx.TransportError as err:
+        if core.state is StreamState.CLOSED:  # aclose() while a read was under way: the end it asked for
+            return
+        raise common.stream_transport_error(err, core.response) from err
+    except httpx.DecodingError as err:
+        raise policy.decoding_error(core.response.status_code, err) from err
 
 
 async def _nothing():
@@ -138,7 +158,7 @@ class AsyncClient:
         self.model = model
         self._root = common.api_root(base_url)
         self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
-        self._http = httpx.AsyncClient(timeout=timeout, headers=common.auth_headers(api_key), limits=common.LIMITS)
+        self._http = httpx.AsyncClient(timeout=timeout, headers=common.auth_headers(common.api_key_or_env(api_key)), limits=common.LIMITS)
 
     async def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                        stop=None, seed=None, stream: bool = False, **extra) -> Completion | AsyncStream:
@@ -195,7 +215,7 @@ class AsyncClient:
     async def _generate(self, path: str, body: dict, stream: bool, options: RequestOptions) -> Completion | AsyncStream:
         kind, url = RequestKind.GENERATION, self._root + path
         if stream:
-            body = {**body, "stream": True}
+            body = common.streamed(body)
             return AsyncStream(await self._send("POST", url, body, kind=kind, stream=True, options=options))
         return Completion.from_body(common.json_object(await self._send("POST", url, body, kind=kind, options=options)))
 
@@ -257,6 +277,10 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    async def close(self) -> None:
+        """openai's AsyncOpenAI.close(): aclose()."""
+        await self.aclose()
 
     async def __aenter__(self):
         return self

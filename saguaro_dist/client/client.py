@@ -8,10 +8,11 @@ import httpx
 
 from saguaro_dist.client import _common as common
 from saguaro_dist.client import _policy as policy
-from saguaro_dist.client._common import DONE, Completion, RetryPolicy, StreamAccumulator, StreamState
+from saguaro_dist.client._common import DONE, Completion, RetryPolicy
 from saguaro_dist.client._options import DEFAULT, RequestOptions, split_options
 from saguaro_dist.client._policy import RequestKind
 from saguaro_dist.client._sse import sse_lines
+from saguaro_dist.client._stream_state import STREAM_FACTS, StreamCore, StreamState, start_reading
 from saguaro_dist.client.errors import status_error
 
 
@@ -19,18 +20,16 @@ class Stream:
     """Iterates choice 0's text deltas (`chunks()`: every parsed chunk); afterwards `finish_reason`, `usage`,
     `speculation`, `tool_calls` and `reasoning` hold what the stream said, and `texts` every choice's text by index.
     Loops, next() and chunks() share one reader; a loop left early closes the stream (a saguaro server stops
-    generating), as does close()."""
+    generating), as does close(), and so does dropping the stream unclosed."""
 
     def __init__(self, response: httpx.Response):
-        self._response = response
-        self._acc = StreamAccumulator(response.status_code)
-        self._state = StreamState.NEW
+        self._core = StreamCore(response)  # what the reader holds: never this Stream (no cycle, see __del__)
         self._reader = None  # the one generator of parsed chunks, made at the first read
         self._owner = None   # the loop (chunks() view) that read last: the one whose early exit closes the stream
 
     @property
     def response(self) -> httpx.Response:
-        return self._response
+        return self._core.response
 
     def __iter__(self):
         chunks = self.chunks()
@@ -62,52 +61,28 @@ class Stream:
                 self.close()
 
     def _shared_reader(self):
-        if not common.start_reading(self._state):
+        if not start_reading(self._core.state):
             return iter(())  # read to its end already: nothing more, as openai's Stream
         if self._reader is None:
-            self._state, self._reader = StreamState.READING, self._read()
+            self._core.state, self._reader = StreamState.READING, _read(self._core)
         return self._reader
 
-    def _read(self):
-        """The reader: its end or its error ends the stream (another loop yields nothing)."""
-        try:
-            yield from self._parsed()
-        except Exception:
-            if self._state is StreamState.READING:
-                self._state = StreamState.ENDED
-            raise
-        finally:
-            self._response.close()
-        if self._state is StreamState.READING:
-            self._state = StreamState.ENDED
-
-    def _parsed(self):
-        try:
-            for line in sse_lines(self._response.iter_bytes()):
-                chunk = self._acc.feed(line)
-                if chunk is DONE:
-                    return
-                if chunk is not None:
-                    yield chunk
-            self._acc.end()
-        except httpx.TransportError as err:
-            if self._state is StreamState.CLOSED:  # close() while a read was under way: the end it asked for
-                return
-            raise common.stream_transport_error(err) from err
-        except httpx.DecodingError as err:
-            raise policy.decoding_error(self._response.status_code, err) from err
-
     def __getattr__(self, name):
-        if name in common.STREAM_FACTS:  # finish_reason, usage, speculation, model, id, ...
-            return getattr(self._acc, name)
+        if name in STREAM_FACTS:  # finish_reason, usage, speculation, model, id, ...
+            return getattr(self._core.acc, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     def close(self) -> None:
-        if self._state is not StreamState.ENDED:
-            self._state = StreamState.CLOSED
-        self._response.close()  # closing early tells a saguaro server to stop generating
+        self._core.mark_closed()
+        self._core.response.close()  # closing early tells a saguaro server to stop generating
         if self._reader is not None and not self._reader.gi_running:
             self._reader.close()  # a loop under way (close() inside it) ends quietly at its next step
+
+    def __del__(self):
+        """Dropped unclosed (never read, or after next()): httpx would hold the connection, and the server go on
+        generating, for as long as the process lives."""
+        with contextlib.suppress(Exception):  # (a finalizer never raises; __init__ may not have run)
+            self.close()
 
     def __enter__(self):
         return self
@@ -116,8 +91,42 @@ class Stream:
         self.close()
 
 
+def _read(core: StreamCore):
+    """A stream's reader: its end or its error ends the stream (another loop yields nothing)."""
+    try:
+        yield from _parsed(core)
+    except Exception:
+        core.mark_ended()
+        raise
+    finally:
+        core.response.close()
+    core.mark_ended()
+
+
+def _parsed(core: StreamCore):
+    try:
+        for line in sse_lines(core.response.iter_bytes()):
+            chunk = core.acc.feed(line)
+            if chunk is DONE:
+                return
+            if chunk is not None:
+                yield chunk
+        core.acc.end()
+    except httpx.TransportError as err:
+        if core.state is StreamState.CLOSED:  # close() while a read was under way: the end it asked for
+            return
+        raise common.stream_transport_error(err, core.response) from err
+    except httpx.DecodingError as err:
+        raise policy.decoding_error(core.response.status_code, err) from err
+
+
 class Client:
     """`Client("http://127.0.0.1:8000", api_key=...)`; `complete()`, `chat()`, `stream=True` for deltas.
+
+    base_url: a bare "http://host:8000" (or ".../") gets /v1; one with a path is the API root as given, as openai's
+    base_url ("http://host:8000/v1", "https://gateway/api/v2"). /health, /tokenize and /version live at that
+    root less a trailing /v1. api_key None (the default) reads $SAGUARO_API_KEY, the variable `saguaro serve` reads
+    its key from (never $OPENAI_API_KEY: an OpenAI secret is not sent to another server unasked); "" sends no key.
 
     Retries (max_retries, backoff with jitter; Retry-After, in seconds or a date, and retry-after-ms honoured up to
     8 s) only where the server demonstrably did not process the request or says to try again: a connection never
@@ -134,7 +143,7 @@ class Client:
         self.model = model
         self._root = common.api_root(base_url)
         self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
-        self._http = httpx.Client(timeout=timeout, headers=common.auth_headers(api_key), limits=common.LIMITS)
+        self._http = httpx.Client(timeout=timeout, headers=common.auth_headers(common.api_key_or_env(api_key)), limits=common.LIMITS)
 
     def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                  stop=None, seed=None, stream: bool = False, **extra) -> Completion | Stream:
@@ -194,7 +203,7 @@ class Client:
     def _generate(self, path: str, body: dict, stream: bool, options: RequestOptions) -> Completion | Stream:
         kind, url = RequestKind.GENERATION, self._root + path
         if stream:
-            return Stream(self._send("POST", url, {**body, "stream": True}, kind=kind, stream=True, options=options))
+            return Stream(self._send("POST", url, common.streamed(body), kind=kind, stream=True, options=options))
         return Completion.from_body(common.json_object(self._send("POST", url, body, kind=kind, options=options)))
 
     def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
