@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,13 +12,14 @@ from saguaro_dist.config import Config, DraftExecutor, Mode
 from saguaro_dist.engine.draft_backend import LocalDraftBackend
 from saguaro_dist.engine.draft_process import DraftProcess
 from saguaro_dist.engine.draft_worker import DraftWorker
-from saguaro_dist.engine.engine import Engine
-from saguaro_dist.engine.split_draft import SplitDraftBackend
 from saguaro_dist.model import ModelRunner, load_tokenizer
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.loader import TOKENIZER_FILES, resolve_model_dir
 from saguaro_dist.model.runner import check_max_model_len
 from saguaro_dist.model.vocab import check_pair_vocab
+
+if TYPE_CHECKING:
+    from saguaro_dist.engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +194,8 @@ def build_local_draft(config: Config, fit: DraftFit):
                     "threads; set draft_threads (and target_threads) to split the cores", torch.get_num_threads())
     trees = DraftProcess(config, fit)  # first: a draft that cannot load fails here, with the child's clear error
     if executor is DraftExecutor.SPLIT:
+        # here, not at the top: the draft's child process imports this module for build_draft_worker alone
+        from saguaro_dist.engine.split_draft import SplitDraftBackend
         try:
             return SplitDraftBackend(LocalDraftBackend(build_draft_worker(config, fit)), trees)
         except BaseException:
@@ -202,6 +206,7 @@ def build_local_draft(config: Config, fit: DraftFit):
 
 def build_local_engine(config: Config) -> tuple[Engine, object]:
     """Returns (engine, tokenizer) with the draft on a thread of this process."""
+    from saguaro_dist.engine.engine import Engine  # here: the draft's child imports this module, never the loop
     if config.target_threads:
         torch.set_num_threads(config.target_threads)
     tokenizer = target_tokenizer(config)
