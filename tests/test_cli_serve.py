@@ -116,6 +116,8 @@ def test_serve_subprocess_answers_then_stops_on_sigint(serving_pair, tmp_path, i
                        json={"model": "tiny", "prompt": "the cat", "max_tokens": 5, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(f"http://127.0.0.1:{port}/-/healthz", timeout=10).status_code == 200
+        # the CLIs' --url names the server (its prefix included), not the client's API root (/v1 is added)
+        assert main(["generate", "--url", base, "--api-key", "cli-key", "--prompt", "the cat", "--max-tokens", "2"]) == 0
         if prefix != "/":  # nothing of the app's outside its prefix
             assert httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=10,
                              headers={"Authorization": "Bearer cli-key"}).status_code == 404

@@ -27,6 +27,7 @@ from saguaro_dist.bench.runner import SCHEMA_VERSION, host_info
 from saguaro_dist.bench.serving import (Served, annotate_serving, check_stream, rate_label, run_to_end, serving_cell,
                                         serving_errors, stream_plan, summarize)
 from saguaro_dist.client import AsyncClient, SaguaroError
+from saguaro_dist.client._common import served_api_root
 from saguaro_dist.engine.metrics import RequestMetrics
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ def run_remote(remote: RemoteConfig, progress: bool = True) -> dict:
 async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
     cfg, rates = remote.base, remote.rates
     # No retries, as vLLM's benchmark_serving: a retried 429 / 503 would count as served, its backoff as latency.
-    async with AsyncClient(remote.url, remote.api_key, model=remote.model, timeout=TIMEOUT_S, max_retries=0) as client:
+    async with AsyncClient(served_api_root(remote.url), remote.api_key, model=remote.model, timeout=TIMEOUT_S, max_retries=0) as client:
         model = remote.model or (await client.models())[0]
         prompts = await server_prompts(client, model, remote.num_requests, cfg.prompt_len)
         version = await server_version(client)

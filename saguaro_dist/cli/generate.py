@@ -193,8 +193,9 @@ def _params(sampling: dict):
 
 def _remote(ns: argparse.Namespace, prompts: list[str]) -> list[dict]:
     from saguaro_dist.client import Client, SaguaroError
+    from saguaro_dist.client._common import served_api_root
 
-    with Client(ns.url, api_key=ns.api_key, model=ns.model or ns.model_tag) as client:
+    with Client(served_api_root(ns.url), api_key=ns.api_key, model=ns.model or ns.model_tag) as client:
         try:
             outs = [client.complete(p, **_sampling(ns)) for p in prompts]
         except SaguaroError as err:  # the server's message, as a clean CLI error

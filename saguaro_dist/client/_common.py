@@ -66,6 +66,13 @@ def api_root(base_url: str) -> str:
     return root + "/v1" if not httpx.URL(root).path.strip("/") else root
 
 
+def served_api_root(server_url: str) -> str:
+    """The API root of a saguaro / vLLM server named by its URL (the CLIs' --url: its root, a --root-path
+    included, or that root's /v1), for a Client's base_url, which is taken as given when it has a path."""
+    root = server_url.rstrip("/")
+    return root if root.endswith("/v1") else root + "/v1"
+
+
 def server_root(base_url: str) -> str:
     """Where /health, /tokenize, /version live: the API root less a trailing /v1 (vLLM's layout)."""
     return api_root(base_url).removesuffix("/v1")
