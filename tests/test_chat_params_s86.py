@@ -137,3 +137,42 @@ def test_top_logprobs_without_logprobs_is_vllms(url):
     for logprobs in ({}, {"logprobs": False}, {"logprobs": None}):
         r = _post(url, "/chat/completions", {"messages": HI, **GREEDY, "top_logprobs": 2, **logprobs})
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs", r.text
+
+
+def test_responses_reads_a_null_parallel_tool_calls_as_the_default(url):
+    """Old: a 400 "Input should be a valid boolean" on /v1/responses, though chat read null as the default."""
+    body = {"model": "m", "input": "the cat", "max_output_tokens": 2, "temperature": 0}
+    r = _post(url, "/responses", {**body, "parallel_tool_calls": None})
+    assert r.status_code == 200, r.text
+    replies = (r.json(), _post(url, "/responses", body).json())
+    texts = [[part["text"] for part in reply["output"][0]["content"]] for reply in replies]
+    assert r.json()["parallel_tool_calls"] is True and texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("path, body, field", [*((path, body, "max_tokens") for path, body in ROUTES),
+                                               ("/chat/completions", {"messages": HI}, "max_completion_tokens"),
+                                               ("/responses", {"input": "the cat"}, "max_output_tokens")])
+@pytest.mark.parametrize("keep", [5, -1])
+def test_truncation_with_a_reply_longer_than_the_context_names_the_replys_length(url, path, body, field, keep):
+    """Old: "truncate_prompt_tokens=5 cannot be greater than max_model_len - max_tokens = 128 - 200 = -72", and -1
+    cut the prompt to one token before the context-length 400. vLLM checks the reply's length first."""
+    asked = MAX_MODEL_LEN + 72
+    r = _post(url, path, {**body, "model": "m", field: asked, "truncate_prompt_tokens": keep})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert r.json()["error"]["message"] == (f"{field}={asked} cannot be greater than max_model_len={MAX_MODEL_LEN}. "
+                                            "Please request fewer output tokens.")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_beam_search_reply_is_created_when_the_request_arrived(url, stream):
+    """Old: the search's body (and chunks) took the time the search ended. A search started just after a clock
+    second begins and running past its end (retried if this box was too fast) is created in that first second."""
+    body = {"model": "m", "messages": HI, "use_beam_search": True, "n": 4, "max_tokens": 100, "ignore_eos": True,
+            "stream": stream}
+    for _ in range(3):
+        time.sleep((1.02 - time.time() % 1) % 1)  # until the clock reads x.02 s
+        sent = int(time.time())
+        replies = _chunks(url, "/chat/completions", body) if stream else [_post(url, "/chat/completions", body).json()]
+        if int(time.time()) > sent:
+            break
+    assert {reply["created"] for reply in replies} == {sent}

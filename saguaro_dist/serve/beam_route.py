@@ -101,9 +101,11 @@ async def beam_results(state: ServingState, body, jobs: list[Job]) -> tuple[list
 
 
 async def beam_response(state: ServingState, body, jobs: list[Job], model: str, fmt: responses.Format,
-                        request_id: str, role: str):
+                        request_id: str, role: str, created: int | None = None):
     """The reply: whole, or (chat) vLLM's stream of the finished search: the role chunks, one chunk per choice
-    with all its content and its finish_reason, the usage chunk if asked, [DONE]."""
+    with all its content and its finish_reason, the usage chunk if asked, [DONE]. `created`: the request's
+    arrival (taken here, before the search, when not given), on the body and every chunk."""
+    created = responses.arrival_time() if created is None else created
     check_beam_request(body)
     jobs, results = await beam_results(state, body, state.named(jobs, request_id))
     choices = [finished_choice(state, fmt, body, i, job, r, role) for i, (job, r) in enumerate(zip(jobs, results))]
@@ -111,24 +113,25 @@ async def beam_response(state: ServingState, body, jobs: list[Job], model: str, 
     prompt_ids = {"prompt_token_ids": list(jobs[0].prompt_ids)} if fmt.chat and body.return_token_ids else {}
     if not body.stream:
         extra.update(prompt_ids)  # vLLM's return_token_ids: chat's beside the choices (completions': on each)
-        return fmt.body(fmt.id_of(request_id), model, choices, **extra)
-    events = _chat_events(body, fmt, fmt.id_of(request_id), model, choices, role, prompt_ids)
+        return fmt.body(fmt.id_of(request_id), model, choices, created, **extra)
+    events = _chat_events(body, fmt, fmt.id_of(request_id), model, choices, role, prompt_ids, created)
     if body.include_usage_chunk:
-        events.append(fmt.chunk(fmt.id_of(request_id), model, [], usage=extra["usage"]))
+        events.append(fmt.chunk(fmt.id_of(request_id), model, [], created, usage=extra["usage"]))
     return ClosingStreamingResponse(_sse([*map(responses.sse, events), responses.sse("[DONE]")]),
                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 def _chat_events(body, fmt: responses.Format, response_id: str, model: str, choices: list[dict], role: str,
-                 prompt_ids: dict | None = None) -> list:
+                 prompt_ids: dict | None = None, created: int | None = None) -> list:
     """The role chunks (with return_token_ids, the prompt's ids on each, as the search-free stream's), then one
     chunk per choice with its content and (return_token_ids) its token ids."""
     opening = [fmt.chunk(response_id, model, [fmt.chat_delta(c["index"], {"role": role, "content": ""}, None)],
-                         **(prompt_ids or {})) for c in choices]
+                         created, **(prompt_ids or {})) for c in choices]
     deltas = [_delta_of(c["message"]) for c in choices]
     return opening + [fmt.chunk(response_id, model, [{**fmt.chat_delta(c["index"], delta, c["finish_reason"],
                                                                        c["logprobs"], c["stop_reason"]),
-                                                      **({"token_ids": c["token_ids"]} if "token_ids" in c else {})}])
+                                                      **({"token_ids": c["token_ids"]} if "token_ids" in c else {})}],
+                                created)
                       for c, delta in zip(choices, deltas)]
 
 

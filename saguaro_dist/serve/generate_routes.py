@@ -65,7 +65,7 @@ async def _respond(state: ServingState, body, jobs: list[Job], model: str, fmt: 
                    role: str = REPLY_ROLE, created: int | None = None):
     """`role`: a chat reply's (the request's reply_role); completions have none. `created`: the request's arrival."""
     if body.use_beam_search:  # vLLM's search over one-token steps (beam_route.py)
-        return await beam_response(state, body, jobs, model, fmt, request_id, role)
+        return await beam_response(state, body, jobs, model, fmt, request_id, role, created)
     jobs = state.named(jobs, request_id)
     if body.stream:
         return await stream_response(state, body, jobs, model, fmt, request_id, role, created)

@@ -23,16 +23,15 @@ from saguaro_dist.serve.chat_request import (MAX_TOOLS, ChatCompletionRequest, C
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.openai_responses_output import (ResponseEvents, function_call_item, message_item, new_item_id,
                                                         output_items, reasoning_item, response_body, text_part, usage)
-from saguaro_dist.serve.request_fields import OpenAIModel, Unsupported, tagged_union
+from saguaro_dist.serve.request_fields import OpenAIModel, Unsupported, null_means_default, tagged_union
 from saguaro_dist.serve.sampling_request import SamplingRequest, StreamOptions
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
 
 # The reply's builders (openai_responses_output.py) are re-exported: the routes import them from here
-__all__ = ["LOGPROBS_INCLUDE", "FunctionCallItem", "FunctionCallOutputItem", "FunctionChoice", "FunctionTool",
-           "InputMessage", "InputPart", "Reasoning", "ReasoningEffort", "ReasoningInputItem", "ResponseEvents",
-           "ResponsesRequest", "ResponsesStreamOptions", "TextFormat", "TextOptions", "function_call_item",
-           "message_item", "new_item_id", "output_items", "reasoning_item", "refuse_past_inert", "response_body",
-           "text_part", "usage"]
+__all__ = ["LOGPROBS_INCLUDE", "FunctionCallItem", "FunctionCallOutputItem", "FunctionChoice", "FunctionTool", "InputMessage",
+           "InputPart", "Reasoning", "ReasoningEffort", "ReasoningInputItem", "ResponseEvents", "ResponsesRequest",
+           "ResponsesStreamOptions", "TextFormat", "TextOptions", "function_call_item", "message_item", "new_item_id",
+           "output_items", "reasoning_item", "refuse_past_inert", "response_body", "text_part", "usage"]
 
 # Responses' own fields (and vLLM's on this route) refused past their inert values: checked after validation,
 # as an APIError, so the 400's param names the field (errors._param_of knows chat's and completions' fields only)
@@ -235,9 +234,10 @@ class ResponsesRequest(SamplingRequest):
     previous_input_messages: list | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # default: auto (without tools: no calls, as "none")
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True  # null: the default, as chat's (the openai SDK sends it for None)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives a token, with LOGPROBS_INCLUDE
     include: list[str] | None = None
+    _null_parallel_tool_calls = null_means_default("parallel_tool_calls")
 
     @field_validator("input", mode="before")
     @classmethod

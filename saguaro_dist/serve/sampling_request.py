@@ -179,6 +179,13 @@ class SamplingRequest(OpenAIModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def max_tokens_field(self) -> str:
+        """The field the reply's length is asked in, as a 400 about it names it: /v1/responses' own, chat's
+        newer name when given."""
+        if "max_output_tokens" in type(self).model_fields:
+            return "max_output_tokens"
+        return "max_completion_tokens" if getattr(self, "max_completion_tokens", None) is not None else "max_tokens"
+
     def default_max_tokens(self) -> int | None:
         """The route's max_tokens when the request leaves it out (None: the rest of the context)."""
         return None
@@ -192,11 +199,14 @@ class SamplingRequest(OpenAIModel):
             return None
         reply = self.requested_max_tokens()
         reply = (self.default_max_tokens() if reply is None else reply) or 0
-        room = max_model_len - reply
+        room, field = max_model_len - reply, self.max_tokens_field()
+        if reply > max_model_len:  # vLLM checks this first: the reply alone cannot fit, whatever the truncation
+            raise APIError(400, f"{field}={reply} cannot be greater than max_model_len={max_model_len}. "
+                                "Please request fewer output tokens.", param=field)
         if keep == -1:
             return max(1, room)  # (no room: state.job's context-length 400)
         if keep > room:
-            raise APIError(400, f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - max_tokens = "
+            raise APIError(400, f"truncate_prompt_tokens={keep} cannot be greater than max_model_len - {field} = "
                                 f"{max_model_len} - {reply} = {room}. Please request a smaller truncation size.",
                            param="truncate_prompt_tokens")
         return keep
