@@ -90,6 +90,8 @@ def wait_then_shut_down(refs, *args, **kwargs):
     if ready and shut_down_now.is_set() and threading.current_thread().name == "saguaro-remote-poll":
         shut_down_now.clear()
         ray.shutdown()
+        if sys.argv[3] == "reinit":  # the user starts a Ray again at once: a fresh Ray, its first job's id ours
+            ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     return ready, rest
 ray.wait = wait_then_shut_down
 from saguaro_dist import LLM, SamplingParams
@@ -109,18 +111,21 @@ while llm.metrics.rounds < 3:
     time.sleep(0.01)
 shut_down_now.set()
 worker.join(timeout=60)
-fresh_ray = ray.is_initialized()
+fresh_ray = ray.is_initialized() and sys.argv[3] != "reinit"
 llm.shutdown()
 print(json.dumps({"hung": worker.is_alive(), "error": result.get("error"), "fresh_ray": fresh_ray}))
 """
 
 
 @pytest.mark.slow
-def test_ray_shut_down_between_a_poll_and_its_fetch_starts_no_fresh_ray(pair):
+@pytest.mark.parametrize("then", ["nothing", "reinit"])
+def test_ray_shut_down_between_a_poll_and_its_fetch_starts_no_fresh_ray(pair, then):
     """The poll thread's ray.get of a poll that came back just before ray.shutdown() auto-started a fresh, empty
     Ray: the fetch failed "owner unknown", the request was failed as a polling error, and the process died a
-    minute later waiting for that Ray's GCS (session 85's CI). Ray calls of the engine never start a Ray now."""
-    result = run_script(RAY_DOWN_AFTER_A_POLL, pair["slow"], pair["close"])
+    minute later waiting for that Ray's GCS (session 85's CI). Ray calls of the engine never start a Ray now.
+    reinit: the user starts Ray again at once; that Ray's first job has the engine's job id, which alone took it
+    for the engine's Ray (the failure was named "target actor died")."""
+    result = run_script(RAY_DOWN_AFTER_A_POLL, pair["slow"], pair["close"], then)
     assert not result["hung"], "generate() hung after Ray was shut down under the engine"
     assert not result["fresh_ray"], "a Ray call of the engine started a fresh Ray after ray.shutdown()"
     assert result["error"].startswith("EngineError: Ray was shut down under the engine"), result["error"]

@@ -96,7 +96,7 @@ class RemoteEngine:
         self._dead: str | None = None
         self._dead_cause: BaseException | None = None  # what told us (the RayActorError): every later error's cause
         self._stopped = threading.Event()
-        self._ray_job = ray_calls.current_job_id()  # the Ray this engine's actors live in (_ray_here)
+        self._ray = ray_calls.current_ray()  # the Ray this engine's actors live in (_ray_here)
         self._stop_lock = threading.Lock()
         self._last_metrics = None  # rank 0's, fetched as the engine stops: readable after it, as on one host
         self.load = EngineLoad()  # rank 0's, as of its last poll (at most POLL_S old while it runs)
@@ -110,7 +110,7 @@ class RemoteEngine:
     def _ray_here(self) -> bool:
         """Whether the Ray this engine started in is still up: after a ray.shutdown() any Ray call (a poll made
         as it ran) may auto-start a fresh, empty Ray, where this engine's actors and objects do not exist."""
-        return ray_calls.current_job_id() == self._ray_job
+        return ray_calls.current_ray() == self._ray
 
     def _ask(self, method, *args):
         """ray.get(method.remote(*args)) of rank 0, its death an EngineError (the RayActorError its cause)."""
@@ -196,12 +196,16 @@ class RemoteEngine:
             self._requests.update((seq.request_id, (seq, listener)) for seq, listener in requests)
         try:
             yield self.rank0.submit.remote([remote_request(seq) for seq, _ in requests])
-        except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
+        except Exception as err:  # noqa: BLE001 - nothing stays registered; what it means is told below
             with self._lock:
                 for seq, _ in requests:
                     self._requests.pop(seq.request_id, None)
-            if self._stopped.is_set():  # shut down under the call: the engine's own error, not a death
+            # Shut down under the call: the engine's own error, not a death. A ray.shutdown() just before the
+            # call met it in Ray's auto-init, which starts a fresh Ray where rank 0 is not ("Can't find actor").
+            if self._stopped.is_set() or not self._ray_here():
                 raise EngineError("the engine is shut down") from err
+            if not isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.RaySystemError)):
+                raise
             self._died(f"target actor died: {err.__class__.__name__}", err)
             raise EngineError(f"{self._dead}; the request can be retried after LLM.rebuild()") from err
 

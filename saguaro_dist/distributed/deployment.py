@@ -44,8 +44,7 @@ _ray_holders = 0
 def _ray_identity() -> tuple:
     """This process's connection to Ray: the cluster, and the job ray.init gave this driver (each ray.init a
     new one, so a Ray the user shut down and joined again is not taken for ours). Ray Client answers too."""
-    context = ray.get_runtime_context()
-    return context.gcs_address, context.get_job_id()
+    return ray_calls.current_ray()
 
 
 def connect(cluster: str, num_cpus_needed: int) -> bool:
@@ -101,6 +100,7 @@ class Deployment:
     started_ray: bool = False  # it holds the engines' own Ray connection (connect): released once freed
     serving: bool = False      # the drafts answered their endpoints: their gRPC servers run
     killed: bool = False
+    ray: tuple | None = field(default_factory=ray_calls.current_ray)  # the Ray it lives in (connected before it)
 
     def kill(self) -> None:
         """Free everything, once (a second call does nothing). Every Ray call here is guarded: after
@@ -109,7 +109,9 @@ class Deployment:
             return
         self.killed = True
         try:
-            if ray.is_initialized():  # else the actors and the placement group went with the driver's Ray
+            # Else the actors and the placement group went with the Ray they lived in. A Ray started again since
+            # is another: calls to its handles there waited a minute on the gone Ray's GCS, then ended the process.
+            if ray_calls.current_ray() == self.ray:
                 self._free()
         finally:
             if self.started_ray:

@@ -18,11 +18,13 @@ kill = _undecorated(ray.kill)
 _runtime_context = _undecorated(ray.get_runtime_context)
 
 
-def current_job_id() -> str | None:
-    """The job id of the Ray this process is connected to; None once none is (never starts one)."""
+def current_ray() -> tuple[str, str] | None:
+    """(GCS address, job id) of the Ray this process is connected to, None once none is (never starts one). The
+    address tells a fresh Ray from the one shut down: each Ray's first driver job has the same id."""
     if not ray.is_initialized():
         return None
     try:
-        return _runtime_context().get_job_id()
-    except RuntimeError:  # shut down between the look and the call
+        context = _runtime_context()
+        return context.gcs_address, context.get_job_id()
+    except Exception:  # noqa: BLE001 - shut down between the look and the call
         return None
