@@ -249,8 +249,13 @@ class DraftPool:
             self._closing.set()
         while not self._revived.empty():  # revived but never taken back
             self._revived.get_nowait()[1].close()
-        for b in self.backends:
-            b.close()
+        # At once: each lets its stream's releases out and waits (up to ~2 s) for its server to end it; not on
+        # self._calls, whose threads may be inside calls that only this close ends.
+        closing = [threading.Thread(target=b.close, name="saguaro-draft-close", daemon=True) for b in self.backends]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()
         self._calls.shutdown(wait=False, cancel_futures=True)
 
     # ---- helpers ------------------------------------------------------------------------------------
