@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,7 +13,7 @@ from saguaro_dist.engine.draft_backend import LocalDraftBackend
 from saguaro_dist.engine.draft_process import DraftProcess
 from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.model import ModelRunner, load_tokenizer
-from saguaro_dist.model.hf_config import load_config
+from saguaro_dist.model.hf_config import ModelConfig, load_config
 from saguaro_dist.model.loader import TOKENIZER_FILES, resolve_model_dir
 from saguaro_dist.model.runner import check_max_model_len
 from saguaro_dist.model.vocab import check_pair_vocab
@@ -29,6 +29,9 @@ class DraftFit:
     """What the draft is built to: the target's vocabulary, and the longest sequence it holds."""
     vocab_size: int      # the target's (a draft's own may differ by padding rows, model/vocab.py)
     max_model_len: int   # the engine's, or the draft's own context when shorter (then the fast backup goes on)
+    # The draft's config.json as fit_draft parsed it: its runner (in a child process or a Ray actor too) need
+    # not parse it again, which imports transformers for the class defaults (~2.5 CPU s of a child's ~5)
+    draft_config: ModelConfig | None = field(default=None, compare=False, repr=False)
 
 
 def make_runner(path: str, config: Config, tp_group=None, device: str | None = None,
@@ -41,6 +44,7 @@ def make_runner(path: str, config: Config, tp_group=None, device: str | None = N
     loras = dict(max_loras=config.max_loras if lora and config.enable_lora else 0, max_lora_rank=config.max_lora_rank)
     cuda_graphs = device.startswith("cuda") and not config.enforce_eager
     return ModelRunner(path, device=device, dtype=config.dtype,  # "auto": this checkpoint's, for this device
+                       model_config=fit.draft_config if fit else None,
                        max_model_len=fit.max_model_len if fit else config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
                        max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None,
@@ -119,7 +123,7 @@ def fit_draft(config: Config, target_tok) -> DraftFit:
     if draft.max_position_embeddings < wanted:
         log.info("the draft's context is %d tokens, the engine's %d: longer sequences go on with the fast "
                  "(n-gram) backup instead of the draft", draft.max_position_embeddings, wanted)
-    return DraftFit(target.vocab_size, min(wanted, draft.max_position_embeddings))
+    return DraftFit(target.vocab_size, min(wanted, draft.max_position_embeddings), draft)
 
 
 def build_draft_worker(config: Config, fit: DraftFit | None = None, device: str | None = None) -> DraftWorker:

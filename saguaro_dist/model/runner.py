@@ -64,15 +64,17 @@ def checked_batched_tokens(max_num_batched_tokens) -> int:
 class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
                  cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None,
-                 revision=None, gpu_memory_utilization=0.9, preallocate_kv=None, max_loras=0, max_lora_rank=16):
+                 revision=None, gpu_memory_utilization=0.9, preallocate_kv=None, max_loras=0, max_lora_rank=16,
+                 model_config: ModelConfig | None = None):
         """dtype: a torch.dtype, its name, or "auto" (this checkpoint's, for this device: model/device.py
         auto_dtype). vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
         matched to its target's padded vocabulary, model/vocab.py). revision: a Hub id's branch, tag or commit.
         preallocate_kv: allocate the KV pool's worst case now, failing if it does not fit the memory
         gpu_memory_utilization allows (None: on CUDA; else it grows on demand); model/memory.py. max_loras: LoRA
-        adapter slots (0: LoRA off, no op added), each of rank up to max_lora_rank (load_lora, add's lora_slot)."""
+        adapter slots (0: LoRA off, no op added), each of rank up to max_lora_rank (load_lora, add's lora_slot).
+        model_config: load_config's parse of this checkpoint when the caller has it (a draft's DraftFit)."""
         model_dir = resolve_model_dir(path_or_hf_id, revision=revision)
-        self.config = cfg = load_config(model_dir)
+        self.config = cfg = model_config or load_config(model_dir)
         self.vocab_size = vocab_size or cfg.vocab_size
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         check_max_model_len(self.max_model_len, cfg)
