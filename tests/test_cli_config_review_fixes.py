@@ -88,8 +88,10 @@ def test_bench_refuses_bad_out_and_sweep_values_before_any_run(tmp_path, capsys,
     """They failed after the grid / several sweep points had run, nothing written (a missing pair is found only
     when the run starts: its error here would mean the check came too late)."""
     (tmp_path / "a-file").write_text("")
-    argv = ["bench", "--preset", "quick", "--no-progress", "--target", str(tmp_path / "no-target"),
-            "--draft", str(tmp_path / "no-draft"), "--out", str(tmp_path / "out"),
+    (tmp_path / "no-model").mkdir()  # passes the bench's path check (a config.json), loads no model
+    (tmp_path / "no-model" / "config.json").write_text("{}")
+    argv = ["bench", "--preset", "quick", "--no-progress", "--target", str(tmp_path / "no-model"),
+            "--draft", str(tmp_path / "no-model"), "--out", str(tmp_path / "out"),
             *(flag.replace("{tmp}", str(tmp_path)) for flag in flags)]
     assert main(argv) == 2
     assert message in capsys.readouterr().err

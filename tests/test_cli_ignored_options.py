@@ -164,8 +164,13 @@ def test_generate_leaves_what_it_was_not_given_to_the_server(configured, capsys)
     (["--request-rates", "inf", "--systems", "ar,sd", "--fallback", "fast"], "--fallback applies only to systems ssd"),
 ])
 def test_bench_refuses_options_its_run_leaves_unused(argv, message, tmp_path, capsys):
-    target = [] if "--url" in argv else ["--target", NO_MODEL]  # (--url refuses it too)
-    assert message in _run(["bench", *target, "--out", str(tmp_path), "--no-progress", *argv], capsys)
+    # a folder that passes the bench's path check (it holds a config.json) but loads no model: a flag gone
+    # unchecked would fail with another message
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    argv = [str(tmp_path / "model") if arg == "/d" else arg for arg in argv]
+    target = [] if "--url" in argv else ["--target", str(tmp_path / "model")]  # (--url refuses it too)
+    assert message in _run(["bench", *target, "--out", str(tmp_path / "out"), "--no-progress", *argv], capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
