@@ -70,11 +70,15 @@ def docs_settings(options: FrontendOptions) -> dict:
 
 
 def install_frontend(app, options: FrontendOptions) -> None:
-    """The root path, set as vLLM does (the attribute: FastAPI's root_path= argument is deprecated), and
-    Starlette's CORSMiddleware, always, as vLLM adds it: it answers browsers' preflight OPTIONS requests
-    (before the API key check, which a preflight cannot pass) and marks responses for the allowed origins."""
-    app.root_path = options.root_path
+    """Starlette's CORSMiddleware, always, as vLLM adds it: it answers browsers' preflight OPTIONS requests
+    (before the API key check, which a preflight cannot pass) and marks responses for the allowed origins. Then
+    the root path, outside both (they see the path inside the app), composed with a Serve route_prefix's
+    (middleware.RootPathMiddleware): FastAPI's app.root_path, which vLLM sets, would replace it."""
     from starlette.middleware.cors import CORSMiddleware  # here: the CLI imports this module without starlette
+
+    from saguaro_dist.serve.middleware import RootPathMiddleware
     app.add_middleware(CORSMiddleware, allow_origins=list(options.allowed_origins),
                        allow_methods=list(options.allowed_methods), allow_headers=list(options.allowed_headers),
                        allow_credentials=options.allow_credentials)
+    if options.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=options.root_path)

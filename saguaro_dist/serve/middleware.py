@@ -1,6 +1,7 @@
 """Plain ASGI middleware (not BaseHTTPMiddleware, which buffers and breaks streaming and disconnects)."""
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 
@@ -26,24 +27,65 @@ async def send_error(send, status: int, message: str, headers: list | None = Non
     await send({"type": "http.response.body", "body": body})
 
 
+def _digest(token: bytes) -> bytes:
+    """Keys are compared as digests: equal lengths, so a comparison's time tells nothing of a key's length."""
+    return hashlib.sha256(token).digest()
+
+
+def bearer_token(authorization: bytes) -> bytes | None:
+    """The token of `Authorization: Bearer <token>`; the scheme in any case (RFC 9110, and vLLM's); None otherwise."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    return token.lstrip() if scheme.lower() == b"bearer" else None
+
+
 class ApiKeyMiddleware:
-    """`Authorization: Bearer <key>` on every route but the open ones; 401 otherwise."""
+    """`Authorization: Bearer <key>` on every route but the open ones; 401 otherwise. OPTIONS requests pass
+    (vLLM's): a preflight carries no key, with or without an Origin header."""
 
     def __init__(self, app, api_key: str | tuple[str, ...]):
         self.app = app
         keys = (api_key,) if isinstance(api_key, str) else api_key  # several: any one authenticates (vLLM's)
-        self._expected = [f"Bearer {key}".encode() for key in keys]
+        self._expected = [_digest(key.encode()) for key in keys]
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or app_path(scope) in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or scope["method"] == "OPTIONS" or self._open(scope) or self._authorized(scope):
             return await self.app(scope, receive, send)
         await send_error(send, 401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
                          [(b"www-authenticate", b"Bearer")])
 
+    @staticmethod
+    def _open(scope) -> bool:
+        # "/health/" too: a probe configured with the slash gets the app's redirect, not a 401
+        return (app_path(scope).rstrip("/") or "/") in OPEN_PATHS
+
     def _authorized(self, scope) -> bool:
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        token = bearer_token(dict(scope["headers"]).get(b"authorization", b""))
+        if token is None:
+            return False
+        given = _digest(token)
         # constant time, and every key compared: no key guessing by timing
         return sum(hmac.compare_digest(given, expected) for expected in self._expected) > 0
+
+
+class RootPathMiddleware:
+    """The app served under `root_path`, the prefix a reverse proxy in front adds, composed with the root path the
+    server already set (a Serve route_prefix): /api + /llm, as Serve's own http_options root_path composes. FastAPI's
+    `app.root_path` would replace Serve's /llm instead, and no route would match. A path the proxy stripped gets the
+    prefix back (ASGI's path includes root_path); one it kept is left as it is."""
+
+    def __init__(self, app, root_path: str):
+        self.app = app
+        self.root_path = root_path
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] in ("http", "websocket"):
+            root = self.root_path + scope.get("root_path", "")
+            path = scope["path"]
+            if not (path == root or path.startswith(root + "/")):
+                path = self.root_path + path
+            # in place, as FastAPI sets its root_path: the outer middleware read the path after the call
+            scope.update(root_path=root, path=path)
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:
