@@ -35,9 +35,8 @@ def run_script(script: str, *args, timeout=300) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-RAY_DOWN = r'''
-import json, sys, threading, time
-import ray
+# A generate() on another thread, caught mid-run (its third round): what each script then shuts down under.
+GENERATING = r'''
 from saguaro_dist import LLM, SamplingParams
 target, draft = sys.argv[1], sys.argv[2]
 ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
@@ -53,6 +52,12 @@ worker = threading.Thread(target=generate, daemon=True)
 worker.start()
 while llm.metrics.rounds < 3:
     time.sleep(0.01)
+'''
+
+RAY_DOWN = r'''
+import json, sys, threading, time
+import ray
+''' + GENERATING + r'''
 ray.shutdown()
 worker.join(timeout=60)  # only to tell a hang: it ends as soon as the poll thread sees Ray gone
 try:
@@ -94,21 +99,7 @@ def wait_then_shut_down(refs, *args, **kwargs):
             ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
     return ready, rest
 ray.wait = wait_then_shut_down
-from saguaro_dist import LLM, SamplingParams
-target, draft = sys.argv[1], sys.argv[2]
-ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False)
-llm = LLM(model=target, draft=draft, mode="ssd", k=3, cluster="auto", num_draft_workers=1, max_model_len=256)
-params = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True)
-result = {}
-def generate():
-    try:
-        result["out"] = llm.generate(prompt_token_ids=[[1, 2, 3]] * 3, sampling_params=params, use_tqdm=False)
-    except BaseException as err:
-        result["error"] = f"{type(err).__name__}: {err}"
-worker = threading.Thread(target=generate, daemon=True)
-worker.start()
-while llm.metrics.rounds < 3:
-    time.sleep(0.01)
+""" + GENERATING + r"""
 shut_down_now.set()
 worker.join(timeout=60)
 fresh_ray = ray.is_initialized() and sys.argv[3] != "reinit"

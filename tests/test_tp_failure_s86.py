@@ -14,33 +14,17 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import time
 from datetime import timedelta
 
 import pytest
 from engine_helpers import PROMPTS, hf_greedy, llama_config, save_model
+from test_tp_idle import ask
 
 pytestmark = pytest.mark.slow
 GROUP_TIMEOUT = timedelta(seconds=600)  # far beyond BOUND_S: waiting it out is the hang this test catches
 MAX_TOKENS = 6
 BOUND_S = 30  # an answer's wait (milliseconds here): the old code hung until the group's timeout
 START_S = 120  # a rank's start-up (imports, the checkpoint) on a loaded CI host
-
-
-def ask(rank0, seq_id: int, prompt: list[int]) -> tuple[list[int], str | None]:
-    """One greedy request through rank 0's front door: its tokens, and its error (None: it finished)."""
-    from saguaro_dist import SamplingParams
-    from saguaro_dist.distributed.remote import RemoteRequest
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    rank0.submit([RemoteRequest(seq_id, f"r{seq_id}", prompt, params)])
-    tokens: list[int] = []
-    deadline = time.monotonic() + BOUND_S
-    while time.monotonic() < deadline:
-        for update in rank0.poll(0.5).updates:
-            tokens += update.token_delta
-            if update.finished:
-                return tokens, update.error
-    return tokens, "no answer"
 
 
 def inject(runner, where: str, armed) -> None:
@@ -85,10 +69,10 @@ def target_rank(rank: int, path: str, fault: tuple[int, str], masters, armed, re
         refused = None
     except ValueError as err:
         refused = repr(err)
-    first = ask(target, 1, PROMPTS[0])
+    first = ask(target, 1, PROMPTS[0], BOUND_S)
     armed.set()
-    failed = ask(target, 2, PROMPTS[1])
-    results.put((refused, first, failed, target.poll(0).lost, ask(target, 3, PROMPTS[2])))
+    failed = ask(target, 2, PROMPTS[1], BOUND_S)
+    results.put((refused, first, failed, target.poll(0).lost, ask(target, 3, PROMPTS[2], BOUND_S)))
     results.close()
     results.join_thread()  # (the queue's feeder thread sends it: os._exit would not wait)
     os._exit(0)  # (a broken gloo group's teardown may wait on its peer)

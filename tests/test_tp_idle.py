@@ -21,14 +21,15 @@ MAX_TOKENS = 6
 BOUND_S = 120  # a safety net only: every wait is bounded
 
 
-def ask(rank0, seq_id: int, prompt: list[int]) -> tuple[list[int], str | None]:
-    """One greedy request through rank 0's front door: its tokens, and its error (None: it finished)."""
+def ask(rank0, seq_id: int, prompt: list[int], bound_s: float = BOUND_S) -> tuple[list[int], str | None]:
+    """One greedy request through rank 0's front door: its tokens, and its error (None: it finished; "no answer"
+    after bound_s)."""
     from saguaro_dist import SamplingParams
     from saguaro_dist.distributed.remote import RemoteRequest
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     rank0.submit([RemoteRequest(seq_id, f"r{seq_id}", prompt, params)])
     tokens: list[int] = []
-    deadline = time.monotonic() + BOUND_S
+    deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
         for update in rank0.poll(0.5).updates:
             tokens += update.token_delta
