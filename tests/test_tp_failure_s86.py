@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import pytest
 from engine_helpers import PROMPTS, hf_greedy, llama_config, save_model
-from test_tp_idle import ask
+from test_tp_idle import ask, grouped_rank
 
 pytestmark = pytest.mark.slow
 GROUP_TIMEOUT = timedelta(seconds=600)  # far beyond BOUND_S: waiting it out is the hang this test catches
@@ -45,20 +45,10 @@ def inject(runner, where: str, armed) -> None:
 def target_rank(rank: int, path: str, fault: tuple[int, str], masters, armed, results) -> None:
     """One rank's process. Rank 0: a refused call, a request (the group kept), then, armed, a request that meets
     the fault and one after it."""
-    import torch
-
     import saguaro_dist.engine.build as build
-    from saguaro_dist.config import Config
-    from saguaro_dist.distributed.actors import TargetRank
-    torch.set_num_threads(1)
     made, make_runner = [], build.make_runner
     build.make_runner = lambda *a, **k: made.append(make_runner(*a, **k)) or made[-1]  # this rank's runner
-    config = Config(model=path, mode="ar", cluster="local", tensor_parallel_size=2, max_batch_size=4)
-    target = TargetRank(config, rank, group_timeout=GROUP_TIMEOUT)
-    master = target.rendezvous() if rank == 0 else masters.get(timeout=START_S)
-    if rank == 0:
-        masters.put(master)
-    target.setup(master, [], None)
+    target = grouped_rank(path, rank, masters, GROUP_TIMEOUT, START_S)
     if rank == fault[0]:
         inject(made[0], fault[1], armed)
     if rank > 0:

@@ -38,20 +38,27 @@ def ask(rank0, seq_id: int, prompt: list[int], bound_s: float = BOUND_S) -> tupl
     return tokens, "no answer"
 
 
-def target_rank(rank: int, path: str, masters, results, killed) -> None:
-    """One rank's process. Rank 0: a request, idle for twice the group's timeout, a request; then, once the test
-    killed rank 1, it idles until a ping finds the group broken, and a request fails."""
+def grouped_rank(path: str, rank: int, masters, group_timeout: timedelta, start_s: float):
+    """A TargetRank of a tp = 2 ar engine on `path`, set up in its group: rank 0 hands the others its rendezvous
+    address through `masters` (they wait start_s for it). One torch thread: the ranks share this box's cores."""
     import torch
 
     from saguaro_dist.config import Config
     from saguaro_dist.distributed.actors import TargetRank
     torch.set_num_threads(1)
     config = Config(model=path, mode="ar", cluster="local", tensor_parallel_size=2, max_batch_size=4)
-    target = TargetRank(config, rank, group_timeout=GROUP_TIMEOUT)
-    master = target.rendezvous() if rank == 0 else masters.get(timeout=BOUND_S)
+    target = TargetRank(config, rank, group_timeout=group_timeout)
+    master = target.rendezvous() if rank == 0 else masters.get(timeout=start_s)
     if rank == 0:
         masters.put(master)
     target.setup(master, [], None)
+    return target
+
+
+def target_rank(rank: int, path: str, masters, results, killed) -> None:
+    """One rank's process. Rank 0: a request, idle for twice the group's timeout, a request; then, once the test
+    killed rank 1, it idles until a ping finds the group broken, and a request fails."""
+    target = grouped_rank(path, rank, masters, GROUP_TIMEOUT, BOUND_S)
     if rank == 1:
         target.followed()
         return
