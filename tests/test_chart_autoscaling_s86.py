@@ -59,7 +59,8 @@ def test_each_group_is_as_many_pods_as_the_engine_asks_for(values):
 
 @pytest.mark.parametrize("autoscaling, refused", [({"enabled": True}, "autoscaling.enabled"),
                                                   ({"draftMaxWorkers": 4}, "autoscaling.draftMaxWorkers 4"),
-                                                  ({"enabled": True, "draftMaxWorkers": 4}, "autoscaling.enabled")])
+                                                  ({"enabled": True, "draftMaxWorkers": 4}, "autoscaling.enabled"),
+                                                  ({"idleTimeoutSeconds": 60}, "autoscaling.idleTimeoutSeconds")])
 def test_autoscaling_it_cannot_honour_is_refused_with_the_way_to_scale(autoscaling, refused):
     with pytest.raises(helm.errors.HelmRenderError) as err:
         render_rayservice(with_values(GPU_VALUES, autoscaling=autoscaling))

@@ -70,6 +70,20 @@ def test_generator_and_chart_refuse_the_same_autoscaling_for_the_same_reason(key
     assert f"{field} is not supported: {reason.replace('draft.workers', 'draft_workers')}" in str(generator.value)
 
 
+@pytest.mark.parametrize("seconds", [0, 120])
+def test_generator_and_chart_refuse_an_idle_timeout_in_the_same_words(seconds):
+    """No pod is ever added, so none idles: any idle timeout set is refused, 0 included (the old chart took one
+    and used it nowhere, and its schema refused 0 without the reason)."""
+    values = {**k8s.helm_values(k8s.K8sSettings(draft_workers=2)), "autoscaling": {"idleTimeoutSeconds": seconds}}
+    with pytest.raises(ValueError) as generator:
+        k8s.K8sSettings(draft_workers=2, idle_timeout_s=seconds)
+    with pytest.raises(helm.errors.HelmRenderError) as chart:
+        render_rayservice(values)
+    refusal = "is not supported (no pod is ever added, so none idles): " + CHART_REASON.format(n=2)
+    assert f"autoscaling.idleTimeoutSeconds {refusal}" in str(chart.value)
+    assert f"idle_timeout_s {refusal.replace('draft.workers', 'draft_workers')}" in str(generator.value)
+
+
 @pytest.mark.parametrize("settings", [k8s.K8sSettings(), k8s.K8sSettings(gpu=True, tp=2, draft_workers=4),
                                       k8s.K8sSettings(draft_workers=2, draft_max_workers=2),
                                       k8s.K8sSettings(mode="ar", draft=None)],

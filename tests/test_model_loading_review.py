@@ -169,7 +169,7 @@ def test_an_index_names_the_weight_files_fetched(offline_cache, tmp_path, monkey
 # -- dtype -----------------------------------------------------------------------------------------
 def test_float16_on_the_cpu_runs_but_warns_that_bfloat16_is_far_faster(tiny_checkpoint, caplog):
     want = hf_logits(tiny_checkpoint("llama"))
-    with caplog.at_level("WARNING", logger="saguaro_dist.model.runner"):
+    with caplog.at_level("WARNING", logger="saguaro_dist.model.runner_args"):
         got = runner_logits(tiny_checkpoint("llama"), dtype=torch.float16)
     assert "float16 on the CPU" in caplog.text and "bfloat16" in caplog.text
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)

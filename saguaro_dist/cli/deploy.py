@@ -134,8 +134,8 @@ def _add_frontend_options(parser: argparse.ArgumentParser) -> None:
                        help=f'CORS: allowed {what}, a JSON list (default ["*"])')
     g.add_argument("--allow-credentials", action="store_true", default=None,
                    help="CORS: allow credentials (cookies, Authorization) in cross-origin requests (default off)")
-    g.add_argument("--root-path", help="the path prefix the Ingress serves the API under, e.g. /llm (FastAPI's "
-                                       "root_path; the Ingress may strip it or not)")
+    g.add_argument("--root-path", help="the path prefix your Ingress serves the API under, e.g. /llm (it may strip "
+                                       "it or not; none is written: point one at <name>-serve:8000)")
     g.add_argument("--disable-fastapi-docs", action="store_true", default=None,
                    help="no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc)")
     g.add_argument("--response-role", help="a new chat turn's role in replies (vLLM's; default assistant)")

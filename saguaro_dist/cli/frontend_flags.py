@@ -45,8 +45,9 @@ def role_name(text: str) -> str:
 def add_frontend_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("HTTP frontend (vLLM's flags)")
     _add_cors_args(g)
-    g.add_argument("--root-path", help="FastAPI's root_path: the path prefix a reverse proxy serves the API under "
-                                       "(e.g. /llm; the proxy may strip it or not)")
+    g.add_argument("--root-path", help="the path prefix a reverse proxy serves the API under, e.g. /api (the proxy "
+                                       "may strip it or not); it composes with a --config file's Serve route_prefix "
+                                       "(/api + /llm: /api/llm/v1/...)")
     g.add_argument("--disable-fastapi-docs", action="store_true", default=None,
                    help="no OpenAPI schema, Swagger UI or ReDoc (/openapi.json, /docs, /redoc; default: served)")
     g.add_argument("--response-role", type=role_name, metavar="ROLE",

@@ -189,7 +189,7 @@ def check_models_here(config, embedded: bool) -> None:
     from saguaro_dist.model.device import resolve_device
     from saguaro_dist.model.hf_config import load_config
     from saguaro_dist.model.loader import resolve_model_dir
-    from saguaro_dist.model.runner import check_max_model_len
+    from saguaro_dist.model.runner_args import check_max_model_len
     resolve_device(config.device)
     if config.uses_draft:
         resolve_device(config.draft_device_resolved)

@@ -15,7 +15,7 @@ from saguaro_dist.engine.draft_worker import DraftWorker
 from saguaro_dist.model import ModelRunner, load_tokenizer
 from saguaro_dist.model.hf_config import ModelConfig, load_config
 from saguaro_dist.model.loader import TOKENIZER_FILES, resolve_model_dir
-from saguaro_dist.model.runner import check_max_model_len
+from saguaro_dist.model.runner_args import check_max_model_len
 from saguaro_dist.model.vocab import check_pair_vocab
 
 if TYPE_CHECKING:

@@ -53,7 +53,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{/* The autoscaling values, refused where they would promise pods: the engine starts draft.workers draft workers
      (num_draft_workers) and one target pod's ranks, and never asks Ray for more, so Ray's in-tree autoscaler would
      add no pod (it adds one only for resources that work asks for and no node has). Kept so values files that
-     leave them off still lint. */}}
+     leave them off still lint; idleTimeoutSeconds timed the removal of idle added pods, and none is ever added. */}}
 {{- define "saguaro.checkAutoscaling" -}}
 {{- $a := .Values.autoscaling | default dict -}}
 {{- $workers := int .Values.draft.workers -}}
@@ -61,6 +61,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if $a.enabled }}{{ fail (printf "autoscaling.enabled is not supported: %s" $why) }}{{ end -}}
 {{- $max := int ($a.draftMaxWorkers | default 0) -}}
 {{- if and $max (ne $max $workers) }}{{ fail (printf "autoscaling.draftMaxWorkers %d is not supported: %s" $max $why) }}{{ end -}}
+{{- if hasKey $a "idleTimeoutSeconds" }}{{ fail (printf "autoscaling.idleTimeoutSeconds is not supported (no pod is ever added, so none idles): %s" $why) }}{{ end -}}
 {{- end -}}
 
 {{/* rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting. */}}
