@@ -182,3 +182,20 @@ def test_chat_beams_return_token_ids_whole_and_streamed(served):
     assert {tuple(c["prompt_token_ids"]) for c in chunks if "prompt_token_ids" in c} == {tuple(whole["prompt_token_ids"])}
     streamed = {c["choices"][0]["index"]: c["choices"][0]["token_ids"] for c in chunks if "token_ids" in c["choices"][0]}
     assert [streamed[c["index"]] for c in whole["choices"]] == [c["token_ids"] for c in whole["choices"]]
+
+
+def test_beam_logprobs_list_the_likeliest_tokens_as_a_sampled_reply_does(served):
+    """A beam's token keeps its rank in its step's entry: top_logprobs are the N likeliest tokens (the beam's
+    token among them when it is one), never the N after it, and a completion lists it beside the top N only
+    when it is outside them (the re-keyed entry lost its rank, so a top-1 beam token was ranked last)."""
+    url, *_ = served
+    chat = post(url, "chat/completions", messages=[{"role": "user", "content": PROMPT}], n=2, max_tokens=STEPS,
+                logprobs=True, top_logprobs=1)
+    assert chat.status_code == 200, chat.text
+    items = [item for choice in chat.json()["choices"] for item in choice["logprobs"]["content"]]
+    assert items and all(item["top_logprobs"][0]["logprob"] >= item["logprob"] for item in items), items
+    done = post(url, "completions", prompt=PROMPT, n=2, max_tokens=STEPS, logprobs=1)
+    assert done.status_code == 200, done.text
+    for choice in done.json()["choices"]:
+        for token_lp, top in zip(choice["logprobs"]["token_logprobs"], choice["logprobs"]["top_logprobs"]):
+            assert len(top) == (1 if token_lp >= max(top.values()) else 2), (token_lp, top)

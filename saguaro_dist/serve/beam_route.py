@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from saguaro_dist.engine.beam_search import (MAX_BEAM_WIDTH, BeamRule, BeamSearchInstance, BeamSearchParams,
                                              BeamSearchSequence, LiveRanking, beam_eos)
+from saguaro_dist.engine.logprobs import RankedLogprobs
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.full_replies import final_extra, finished_choice
@@ -82,10 +83,17 @@ def beam_result(state: ServingState, body, job: Job, beam: BeamSearchSequence, e
     # (a parser's choice; without a tokenizer the text is "", as the search-free reply's)
     text = "" if state.tokenizer is None else state.tokenizer.decode(shown,
                                                                       skip_special_tokens=job.params.skip_special_tokens)
-    # (an entry's first key is the token its step sampled; the choice's logprobs read it as the beam's)
-    entries = [{token: entry[token], **entry} for token, entry in zip(ids, entries)]
+    entries = [beam_entry(token, entry) for token, entry in zip(ids, entries)]
     return Finished(text=text, token_ids=ids, finish_reason=beam.finish_reason, logprobs=entries,
                     stop_reason=eos if ended else None)
+
+
+def beam_entry(token: int, entry: dict[int, float]) -> RankedLogprobs:
+    """A step's entry re-keyed to the beam's token (the choice's logprobs read the first key as the chosen one),
+    ranked as vLLM ranks it: the step's entry holds its top 2 * beam_width, where every beam's token comes from,
+    so the tokens at least as likely are all in it (without the rank the token would be listed last, after the
+    top N it belongs to)."""
+    return RankedLogprobs({token: entry[token], **entry}, rank=sum(lp >= entry[token] for lp in entry.values()))
 
 
 async def beam_results(state: ServingState, body, jobs: list[Job]) -> tuple[list[Job], list[Finished]]:
