@@ -105,3 +105,24 @@ def test_a_port_that_cannot_be_bound_names_the_flag_to_fix():
         taken.listen()
         with pytest.raises(ValueError, match=r"Address already in use \(choose another --port\)"):
             check_port_free("127.0.0.1", taken.getsockname()[1])
+
+
+@pytest.mark.parametrize("argv", [["generate", "--url", "http://127.0.0.1:9"],
+                                  ["run-batch", "-i", "-", "-o", "{out}", "--url", "http://127.0.0.1:9"]])
+def test_a_closed_stdin_is_a_clear_error(monkeypatch, capsys, tmp_path, argv):
+    """Started with stdin closed (`<&-`), Python sets sys.stdin to None: generate died with a TypeError, run-batch
+    with an AttributeError after it had emptied its output file."""
+    out = tmp_path / "out.jsonl"
+    out.write_text("kept\n")
+    monkeypatch.setattr("sys.stdin", None)
+    assert main([a.format(out=out) for a in argv]) == 2
+    err = capsys.readouterr().err
+    assert "stdin" in err and "closed" in err and "Traceback" not in err and out.read_text() == "kept\n"
+
+
+def test_generate_reads_crlf_stdin_lines_without_the_cr(monkeypatch, capsys):
+    """A prompt file with Windows line ends: the '\\r' stayed on each prompt, and the model continued another text."""
+    monkeypatch.setattr("sys.stdin", io.StringIO("def add(a, b):\r\nimport os\r\n"))
+    assert main(["generate", "--mode", "ar", "--max-tokens", "1", "--json"]) == 0
+    prompts = [json.loads(line)["prompt"] for line in capsys.readouterr().out.splitlines()]
+    assert prompts == ["def add(a, b):", "import os"]

@@ -82,7 +82,9 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     _check_flags(ns)
-    prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not ns.prompt and sys.stdin is None:  # started with stdin closed (`<&-`): Python sets it to None
+        raise ValueError("no prompt given (--prompt TEXT), and stdin is closed")
+    prompts = ns.prompt or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]  # CRLF files too
     if not prompts:
         raise ValueError("no prompt given (--prompt TEXT, or lines on stdin)")
     if "" in prompts:  # refused here, not after the model loads (an empty prompt has no token to continue from)

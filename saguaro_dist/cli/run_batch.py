@@ -102,6 +102,8 @@ def _check_files(ns: argparse.Namespace) -> None:
     if ns.max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {ns.max_in_flight}")
     check_url(ns.url)
+    if ns.input_file == "-" and sys.stdin is None:  # started with stdin closed (`<&-`): Python sets it to None
+        raise ValueError("input file '-' is stdin, which is closed")
     # a pipe is an input too (`-i <(...)`, /dev/stdin): isfile refused it as "does not exist"
     if ns.input_file != "-" and (os.path.isdir(ns.input_file) or not os.path.exists(ns.input_file)):
         raise ValueError(f"input file {ns.input_file!r} " + ("is a folder" if os.path.isdir(ns.input_file)
