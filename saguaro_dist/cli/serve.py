@@ -138,8 +138,9 @@ def _add_reply_parsers(g) -> None:
 def register(subparsers) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible API on Ray Serve",
                               description="Start an embedded Ray cluster (or join --address) and serve "
-                                          "/v1/completions, /v1/chat/completions, /v1/models, /health, "
-                                          "/tokenize and /detokenize.")
+                                          "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models, "
+                                          "/health, /metrics, /version, /tokenize, /detokenize and "
+                                          "/reset_prefix_cache (docs/serving.md).")
     add_engine_args(p, engine_seed=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", help="bind address (default 127.0.0.1; 0.0.0.0 for every interface)")
