@@ -158,6 +158,19 @@ def test_the_token_that_ends_a_request_is_not_text_unless_asked(demo_llm, tokeni
         assert out.text == tokenizer.decode(text_ids, skip_special_tokens=True)
 
 
+def test_a_prompt_ending_mid_character_gives_no_text_where_no_output_token_has_any(demo_llm, tokenizer):
+    """A token-id prompt ending inside a character (the first byte of 語), whose only output token is a
+    stop_token_id left out of the text: the text is "" (vLLM's), not the prompt's unfinished byte as U+FFFD."""
+    from saguaro_dist import SamplingParams
+    prompt = tokenizer.encode("Hello 日本") + tokenizer.encode("語", add_special_tokens=False)[:1]
+    assert tokenizer.decode(prompt).endswith("\ufffd")
+    first = demo_llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=1))
+    end = first[0].token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[end])
+    out = demo_llm.generate(prompt_token_ids=[prompt], sampling_params=params)[0]
+    assert out.token_ids == [end] and out.stop_reason == end and out.text == ""
+
+
 def test_special_tokens_are_text_when_not_skipped(demo_llm, tokenizer):
     """skip_special_tokens=False (vLLM's) keeps special tokens in the text; the default leaves them out."""
     from saguaro_dist import SamplingParams

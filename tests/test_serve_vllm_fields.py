@@ -155,6 +155,21 @@ def test_return_tokens_as_token_ids_names_chat_tokens_by_id(urls):
             assert top["token"].startswith("token_id:") and top["bytes"] == list(top["token"].encode())
 
 
+def test_streamed_text_offsets_are_the_whole_replys(urls):
+    """A chunk brings the log-probabilities of every token whose text has started, though a stop string's
+    length of it waits (it may be one): its text_offset counts the tokens' own texts, as the whole reply's.
+    Old: each chunk's offsets went on from the text streamed so far, behind: they overlapped the last ones."""
+    body = {"prompt": PROMPT, "logprobs": 0, "n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 16,
+            "ignore_eos": True, "stop": ["a stop string never seen"]}
+    whole = _post(urls["plain"], "/completions", body)["choices"]
+    chunks = _chunks(urls["plain"], "/completions", {**body, "stream": True})
+    for choice in whole:
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == choice["index"]]
+        offsets = [o for c in mine if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert offsets == choice["logprobs"]["text_offset"] == sorted(offsets)
+
+
 @pytest.mark.parametrize("path, body", [("/completions", {"prompt": PROMPT}), ("/chat/completions", {"messages": HI})])
 def test_continuous_usage_stats_put_usage_on_every_chunk(urls, path, body):
     """Old: a 400. vLLM's: with include_usage, each chunk carries its choice's usage so far; the last chunk

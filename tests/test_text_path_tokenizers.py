@@ -61,6 +61,7 @@ def text_engine(tokenizer, eos: set[int]) -> Engine:
     engine = Engine.__new__(Engine)
     engine.metrics, engine.detok, engine.eos_token_ids, engine._emitted = EngineMetrics(), Detokenizer(tokenizer), eos, {}
     engine.context_len = 1 << 20  # no context end inside these texts
+    engine.eos_token_id = tokenizer.eos_token_id  # the EOS that ends with no stop_reason
     return engine
 
 
@@ -133,6 +134,25 @@ def test_a_prompt_ending_mid_character(tok, per_round):
     output = char[-1:] + tok.encode(" ok", add_special_tokens=False)
     s, deltas = run_rounds(text_engine(tok, set()), prompt, output, params(), per_round)
     assert s.text == vllm_text(tok, prompt, output) == "".join(deltas) and s.text.endswith("\u65e5 ok")
+
+
+def test_no_output_text_after_a_prompt_ending_mid_character_is_empty(tok):
+    """A prompt ending inside a character, then no output token with text (an EOS or a stop_token_id, left out
+    of the text; only skipped special tokens): the text is vLLM's "", not the prompt's unfinished bytes as
+    U+FFFD (old: "\\ufffd"). An output byte completing that character is still the output's text, and one
+    continuing it, cut by max_tokens, still ends the text as U+FFFD (as any output cut mid-character)."""
+    char = tok.encode(" \u65e5", add_special_tokens=False)  # " " and the three bytes of 日
+    prompt, eos = tok.encode("Hi") + char[:-1], tok.eos_token_id
+    special = tok.convert_tokens_to_ids([t for t in tok.all_special_tokens if t in ADDED][0])
+    for output, p, text_ids in (([eos], params(ignore_eos=False), []),
+                                ([char[-1], eos], params(stop_token_ids=[char[-1]]), []),
+                                ([special, special], params(), [special, special])):
+        s, deltas = run_rounds(text_engine(tok, {eos}), prompt, output, p, 1)
+        assert s.text == "".join(deltas) == vllm_text(tok, prompt, text_ids) == ""
+    s, deltas = run_rounds(text_engine(tok, {eos}), prompt, [char[-1], eos], params(ignore_eos=False), 1)
+    assert s.text == "".join(deltas) == vllm_text(tok, prompt, [char[-1]]) and s.text.endswith("\u65e5")
+    s, deltas = run_rounds(text_engine(tok, {eos}), prompt[:-1], [char[-2]], params(max_tokens=1), 1)
+    assert s.text == "".join(deltas) and set(s.text) == {"\ufffd"} and vllm_text(tok, prompt[:-1], [char[-2]]) == ""
 
 
 def test_a_real_replacement_character_is_text(tok):

@@ -94,6 +94,9 @@ class Detokenizer:
         settled text once more than MAX_HELD tokens wait: so a step costs O(1) ids, however long a run of them."""
         if not final and end >= 2 and skip_special_tokens and token_ids[end - 1] in self._skipped_ids:
             return ""  # the window decodes as at the step before, which held or moved on: the same "" again
+        if final and state.read_offset == 0 and all(skip_special_tokens and t in self._skipped_ids
+                                                     for t in token_ids[:end]):
+            return ""  # no output token has text: a prompt's unfinished last character is not the output's (vLLM's "")
         tail, tail_text = self._prompt_context(state, skip_special_tokens) if state.read_offset == 0 else ([], 0)
         ids = tail + list(token_ids[state.prefix_offset:end])
         n_context = tail_text + state.read_offset - state.prefix_offset

@@ -96,6 +96,12 @@ def _chat_token(text: str, logprob: float, shown: str | None = None) -> dict:
     return {"token": text if shown is None else shown, "logprob": _clamped(logprob), "bytes": list(text.encode())}
 
 
+def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
+    """Each token's own text: the legacy completions logprobs' tokens, whose lengths its text_offset adds up
+    (a stream's chunks too, so that their offsets are the whole reply's)."""
+    return [tokenizer.decode([t]) for t in token_ids]
+
+
 def token_id_name(token_id: int) -> str:
     """vLLM's return_tokens_as_token_ids name of a token: one a client can map back when its text is not
     valid UTF-8 on its own (a byte-fallback piece)."""
@@ -154,7 +160,7 @@ class Format:
         counted from text_offset, in the text). Values of -inf are MIN_LOGPROB (vLLM's). as_ids (vLLM's
         return_tokens_as_token_ids): tokens are named "token_id:<id>", not by their text."""
         name = token_id_name if as_ids else (lambda t: tokenizer.decode([t]))
-        texts = [tokenizer.decode([t]) for t in token_ids]
+        texts = token_texts(tokenizer, token_ids)
         chosen = [entry[t] if entry else None for t, entry in zip(token_ids, entries)]
         if self.chat:  # vLLM's bytes: the chosen token's text's, a top token's name's
             tops = [[(name(t), v) for t, v in _ranked(entry, top_n)] if entry else None for entry in entries]

@@ -64,7 +64,7 @@ class _SseEvents:
         self.pending_logprobs: list[list] = [[] for _ in jobs]
         self.pending_ids: list[list[int]] = [[] for _ in jobs]  # so do their token ids (return_token_ids)
         self.prompt_ids_sent = [False] * len(jobs)  # a completion's prompt_token_ids ride on its first chunk
-        self.text_sent = [0] * len(jobs)  # characters streamed per choice: the legacy text_offset
+        self.text_sent = [0] * len(jobs)  # per choice, the legacy text_offset: its sent tokens' own texts' length
         self.tool_streams = [ToolStream(state.tool_plan_for(body)) for _ in jobs]  # chat: content and tool-call deltas
         self.reasoning_streams = [ReasoningStream(state.reasoning_parser_for(job)) for job in jobs]  # chat
         # a harmony chat's text: marker text its ids did not write is marked literal (harmony.LiteralMarkers)
@@ -123,14 +123,14 @@ class _SseEvents:
         if not self.fmt.chat:
             if not (text or last.finished):
                 return None
-            return self.fmt.delta_choice(index, text, reason, self._take_logprobs(index, text), stop_reason)
+            return self.fmt.delta_choice(index, text, reason, self._take_logprobs(index), stop_reason)
         tools = self.tool_streams[index]
         reasoning, text = self.reasoning_streams[index].feed(text, last.finished)
         delta = {**({"reasoning": reasoning} if shown(self.body, reasoning) else {}), **tools.step(text, last.finished)}
         if not (delta or last.finished):
             return None  # text held back (a tool call may be starting): its log-probabilities wait too
         reason = tools.plan.finish_reason(reason, tools.calls) if last.finished else None
-        return self.fmt.chat_delta(index, delta, reason, self._take_logprobs(index, text), stop_reason)
+        return self.fmt.chat_delta(index, delta, reason, self._take_logprobs(index), stop_reason)
 
     def _take_token_ids(self, index: int) -> dict:
         """vLLM's return_token_ids on a chunk's choice: the ids of the tokens it brings (and, on a completion's
@@ -140,9 +140,15 @@ class _SseEvents:
         return token_id_fields(self.state, self.fmt, self.body, self.jobs[index], ids,
                                with_prompt=first and not self.fmt.chat)
 
-    def _take_logprobs(self, index: int, text: str) -> dict | None:
+    def _take_logprobs(self, index: int) -> dict | None:
+        """The log-probabilities of the tokens this chunk brings: every token whose text has started, though
+        part of it may be held back (a possible stop string); so text_offset counts the tokens' own texts, as
+        the whole reply's does, not the chunks' text (which lagged: offsets overlapped, or went back)."""
         entries, self.pending_logprobs[index] = self.pending_logprobs[index], []
-        offset, self.text_sent[index] = self.text_sent[index], self.text_sent[index] + len(text)
+        offset = self.text_sent[index]
+        if entries and not self.fmt.chat:
+            ids = [next(iter(e)) for e in entries]
+            self.text_sent[index] += sum(map(len, responses.token_texts(self.state.tokenizer, ids)))
         return logprobs_of(self.state, self.fmt, self.jobs[index], entries, offset)
 
     def _final(self) -> dict:
