@@ -82,14 +82,17 @@ def test_a_request_is_counted_in_every_metric(server, metrics_url, stream):
     assert metric(delta, "generation_tokens_total") == 12
     assert metric(delta, "inter_token_latency_seconds_count") == 11  # one per token after the first
     assert metric(delta, "prompt_tokens_total") >= 1
-    assert metric(delta, "drafted_tokens_total") >= metric(delta, "accepted_tokens_total")
+    assert metric(delta, "spec_decode_num_draft_tokens_total") >= metric(delta, "spec_decode_num_accepted_tokens_total")
     lookups = metric(delta, "speculation_cache_hits_total") + metric(delta, "speculation_cache_misses_total")
     # vLLM's num_drafts (mean acceptance length 1 + accepted / drafts): K = 2 tokens at most per speculation;
     # the per-position counts (summed over positions) are the accepted tokens, each at its one position
     drafts = metric(delta, "spec_decode_num_drafts_total")
-    assert drafts <= metric(delta, "drafted_tokens_total") <= 2 * drafts
-    assert metric(delta, "accepted_tokens_per_position_total") == metric(delta, "accepted_tokens_total")
+    assert drafts <= metric(delta, "spec_decode_num_draft_tokens_total") <= 2 * drafts
+    assert metric(delta, "spec_decode_num_accepted_tokens_per_pos_total") == metric(
+        delta, "spec_decode_num_accepted_tokens_total")
     assert lookups >= 1  # a tree every round on this server: every round after the first looks one up
+    # engine-wide, as the misses (one fallback per miss at most; counted once, not also as the request ends)
+    assert metric(delta, "fallbacks_total") <= metric(delta, "speculation_cache_misses_total")
     # The engine's clock when no reader saw the first token (a request answered in one piece).
     # (the exact sums: Ray's `_sum` is rebuilt from bucket midpoints, and both fell in one bucket by chance)
     assert 0 < metric(delta, "time_to_first_token_seconds_exact_sum_total") < metric(
@@ -163,7 +166,7 @@ def test_histogram_means_are_exact_and_positions_count_from_zero(metrics_url):
     exact = scrape_until(metrics_url, "e2e_request_latency_seconds_exact_sum_total", model, bool)
     assert sum(exact.values()) == pytest.approx(9000.25)
     assert sum(series(metrics_url, "time_to_first_token_seconds_exact_sum_total", model).values()) == 0.5
-    positions = scrape_until(metrics_url, "accepted_tokens_per_position_total", model, bool)
+    positions = scrape_until(metrics_url, "spec_decode_num_accepted_tokens_per_pos_total", model, bool)
     assert positions == {(("position", "0"),): 5.0, (("position", "1"),): 2.0}
 
 
@@ -179,6 +182,19 @@ def test_prometheus_metrics_are_served_on_the_api_port(server):
     names = {s.name for family in text_string_to_metric_families(text) for s in family.samples
              if s.labels.get("model") == server.model}
     assert {PREFIX + "num_requests_running", PREFIX + "draft_workers"} <= names
+
+
+def test_scrapes_and_probes_are_not_counted_as_requests(server, metrics_url):
+    """Prometheus's scrapes of GET /metrics were counted in requests_total (route "other"), and the probes of
+    /health and /version too; vLLM leaves them out. A counted request after them: once it is reported, so would
+    they be (Ray reports every counter at once)."""
+    before = scrape_settled(metrics_url)
+    for path in ("/metrics", "/metrics", "/health", "/version"):
+        assert httpx.get(server.url + path, headers=server.headers, timeout=30).status_code == 200
+    httpx.get(server.url + "/v1/models", headers=server.headers, timeout=30).raise_for_status()
+    scrape_after(metrics_url, before, lambda d: metric(d, "requests_total") >= 1)
+    now = scrape_settled(metrics_url)
+    assert now.get(PREFIX + "requests_total", 0.0) - before.get(PREFIX + "requests_total", 0.0) == 1
 
 
 def replica_log_lines(app_name: str) -> str:
@@ -218,3 +234,15 @@ def test_the_engine_counts_drafts_and_accepted_positions_per_row():
     m.record_draft(4, 4)
     assert m.accepted_per_position - earlier == (1, 1, 1, 1)
     assert earlier == (3, 3, 1)  # a snapshot, not the live counts
+
+
+def test_the_engines_fallbacks_are_reported_by_their_growth_per_kind():
+    """saguaro_fallbacks came from finished requests alone (an aborted one's never, though its misses counted):
+    the reporter reads the engine-wide counts now, as a snapshot whose difference is the growth by kind."""
+    m = EngineMetrics()
+    m.fallbacks["neural"] += 2
+    earlier = m.fallback_counts
+    m.fallbacks["neural"] += 3
+    m.fallbacks["fast"] += 1
+    assert m.fallback_counts - earlier == {"neural": 3, "fast": 1}
+    assert earlier == {"neural": 2}  # a snapshot, not the live counts

@@ -143,16 +143,22 @@ def test_an_idle_replica_exports_its_engine_gauges(metrics_url, server, serving_
 
 @pytest.mark.slow
 def test_an_aborted_generation_counts_its_drafts_and_prefix_cache_lookups(metrics_url, reference_llm):
-    """Drafted and accepted tokens, tree lookups and prefix-cache tokens counted only as a request finished:
-    an aborted one's never (vLLM counts them per engine step). They come from the engine's own counters now,
-    prefix_cache_queries (vLLM's) among them, and vLLM's num_drafts."""
+    """Drafted and accepted tokens, tree lookups, fallbacks and prefix-cache tokens counted only as a request
+    finished: an aborted one's never (vLLM counts them per engine step), so its misses (engine-wide) counted
+    but the fallbacks they took did not. They come from the engine's own counters now, prefix_cache_queries
+    (vLLM's) among them, and vLLM's num_drafts."""
     model = "fmet-abort-drafts"
     prompt = "the cat sat on the mat"
     body = {"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True, "temperature": 0}
     app = create_app(reference_llm, ServerOptions(model), ServeMetrics(model))
+    fallbacks_before = reference_llm.metrics.fallback_counts
     with serve_on_loopback(app) as base:
-        hang_up_after_first_chunk(base, body)
-        drafted = wait_for(metrics_url, "saguaro_drafted_tokens_total", model, bool)
+        hang_up_after_first_chunk(base, body, chunks=4)
+        wait_until_idle(app, reference_llm)
+        fallbacks = sum((reference_llm.metrics.fallback_counts - fallbacks_before).values())
+        reported = wait_for(metrics_url, "saguaro_fallbacks_total", model,
+                            lambda found: sum(s.value for s in found) >= fallbacks)
+        drafted = wait_for(metrics_url, "saguaro_spec_decode_num_draft_tokens_total", model, bool)
         drafts = wait_for(metrics_url, "saguaro_spec_decode_num_drafts_total", model, bool)
         queries = wait_for(metrics_url, "saguaro_prefix_cache_queries_total", model, bool)
         ended = wait_for(metrics_url, "saguaro_request_success_total", model, bool)
@@ -160,6 +166,24 @@ def test_an_aborted_generation_counts_its_drafts_and_prefix_cache_lookups(metric
     assert sum(s.value for s in drafted) >= sum(s.value for s in drafts) > 0
     prompt_tokens = wait_for(metrics_url, "saguaro_prompt_tokens_total", model, bool)
     assert sum(s.value for s in queries) == sum(s.value for s in prompt_tokens) > 0  # (no prefix cache here)
+    assert sum(s.value for s in reported) == fallbacks > 0  # fallback "neural": its tiny draft's trees miss
+
+
+def wait_until_idle(app, llm) -> None:
+    """Until the aborted generation has left the app and the engine (its rounds all counted)."""
+    deadline = time.monotonic() + 30
+    while (app.state.saguaro.running or llm.load.num_running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def test_every_draft_positions_series_is_there_from_the_start(metrics_url, reference_llm):
+    """vLLM makes its accepted-tokens-per-position series for positions 0..k-1 at start-up: here they came
+    with the first acceptance at each, so a position nothing was accepted at read no data, not a rate of 0."""
+    model = "fmet-positions-at-zero"
+    create_app(reference_llm, ServerOptions(model), ServeMetrics(model))  # k = 2; nothing served
+    found = wait_for(metrics_url, "saguaro_spec_decode_num_accepted_tokens_per_pos_total", model,
+                     lambda found: len(found) >= 2)
+    assert sorted((s.labels["position"], s.value) for s in found) == [("0", 0.0), ("1", 0.0)]
 
 
 @pytest.mark.slow
@@ -178,8 +202,8 @@ def test_an_aborted_generations_accepted_positions_are_counted(metrics_url, long
         with serve_on_loopback(app) as base:
             hang_up_after_first_chunk(base, body, chunks=3)
             ended = wait_for(metrics_url, "saguaro_request_success_total", model, bool)
-            accepted = wait_for(metrics_url, "saguaro_accepted_tokens_total", model, bool)
-            positions = wait_for(metrics_url, "saguaro_accepted_tokens_per_position_total", model,
+            accepted = wait_for(metrics_url, "saguaro_spec_decode_num_accepted_tokens_total", model, bool)
+            positions = wait_for(metrics_url, "saguaro_spec_decode_num_accepted_tokens_per_pos_total", model,
                                  lambda found: sum(s.value for s in found) >= sum(s.value for s in accepted) > 0)
             drafts = wait_for(metrics_url, "saguaro_spec_decode_num_drafts_total", model, bool)
     assert {s.labels["finished_reason"] for s in ended} == {"abort"}

@@ -176,6 +176,12 @@ class EngineMetrics:
         return PositionCounts(accepted_per_position(list(self.accepted_lengths)))
 
     @property
+    def fallback_counts(self) -> Counter:
+        """fallbacks (kind -> rounds) as a snapshot: `later - earlier` is their growth by kind (the serving
+        reporter's delta). Counter(...) copies in one C call, so the engine thread cannot change it mid-copy."""
+        return Counter(self.fallbacks)
+
+    @property
     def coordination_s(self) -> float:
         return max(0.0, self.step_s - self.verify_s - self.draft_wait_s - self.prefill_s)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from fastapi import APIRouter, FastAPI
 
+from saguaro_dist.config import SPECULATIVE_MODES
 from saguaro_dist.serve import info_routes
 from saguaro_dist.serve.chat_request import REPLY_ROLE
 from saguaro_dist.serve.errors import install_error_handlers
@@ -47,6 +48,9 @@ _ROUTE_TABLE = (
     ("/version", "GET", info_routes.version, "_version"),
 )
 ROUTES = frozenset(path for path, *_ in _ROUTE_TABLE)
+# Not counted in saguaro_requests, as vLLM leaves them out: Prometheus's scrapes (serve/app.py adds the route), and
+# the probes (a Kubernetes liveness probe every few seconds would outnumber the API's requests)
+UNCOUNTED_PATHS = frozenset({"/metrics", "/health", "/version"})
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     """models: the names and adapters, if the caller made them (a Serve replica does, before its model loads)."""
     app = FastAPI(title="saguaro-dist", lifespan=_lifespan, **docs_settings(options.frontend))
     metrics = metrics or ServeMetrics(options.served_model_name, enabled=False)
+    if engine.config.mode in SPECULATIVE_MODES:
+        metrics.speculation_positions(engine.config.k)
     # Each --lora-modules adapter is read against the base model here, then where the engine's target reads it
     # (on Ray, rank 0's node): one that cannot run fails start-up.
     models = models or ServedModels((options.served_model_name, *options.model_aliases), engine.config,
@@ -111,7 +117,7 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)
     install_frontend(app, options.frontend)
-    app.add_middleware(RequestCountMiddleware, metrics=metrics,
+    app.add_middleware(RequestCountMiddleware, metrics=metrics, uncounted_paths=UNCOUNTED_PATHS,
                        known_paths=ROUTES | frozenset(LORA_ROUTES) if runtime_lora else ROUTES)
     # outermost: a request's span starts as it arrives (without tracing: the warning for unused trace headers)
     app.add_middleware(TraceContextMiddleware, enabled=bool(options.otlp_traces_endpoint))

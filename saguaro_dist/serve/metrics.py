@@ -10,6 +10,7 @@ the histogram's `_count` rate.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0]
@@ -51,9 +52,10 @@ ENGINE_COUNTERS = (
     ("prefix_cache_queries", "prefix_cache_queries"),
 )
 # Every EngineMetrics field the replica's reporter reads and reports the growth of (the per-position counts:
-# a snapshot whose difference is elementwise, engine/metrics.py's PositionCounts).
+# a snapshot whose difference is elementwise, engine/metrics.py's PositionCounts; the fallbacks: a Counter
+# snapshot, whose difference is by kind).
 ENGINE_REPORTED_FIELDS = (tuple(f for f, _, _ in ENGINE_TIME_COUNTERS) + tuple(f for f, _ in ENGINE_COUNTERS)
-                          + ("accepted_per_position",))
+                          + ("accepted_per_position", "fallback_counts"))
 
 
 class _Noop:
@@ -102,12 +104,13 @@ class ServeMetrics:
                        for field, name, doc in REQUEST_PHASES}
         self.success = self._make(make, "counter", "saguaro_request_success", "Generations finished, by reason "
                                   "(stop, length, abort, ...)", ("model", "finished_reason"))
-        self.drafted = self._make(make, "counter", "saguaro_drafted_tokens", "Draft tokens proposed")
-        self.accepted = self._make(make, "counter", "saguaro_accepted_tokens", "Draft tokens accepted")
-        # vLLM's spec_decode_num_drafts: mean acceptance length = 1 + accepted / drafts
+        # vLLM's spec_decode counters: acceptance rate = accepted / draft tokens, mean acceptance length
+        # = 1 + accepted / drafts, per-position acceptance rate = accepted_tokens_per_pos / drafts
+        self.drafted = self._make(make, "counter", "saguaro_spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.accepted = self._make(make, "counter", "saguaro_spec_decode_num_accepted_tokens", "Draft tokens accepted")
         self.num_drafts = self._make(make, "counter", "saguaro_spec_decode_num_drafts",
                                      "Speculations verified (rows of one or more draft tokens)")
-        self.accepted_at = self._make(make, "counter", "saguaro_accepted_tokens_per_position",
+        self.accepted_at = self._make(make, "counter", "saguaro_spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the speculation", ("model", "position"))
         self.cache_hits = self._make(make, "counter", "saguaro_speculation_cache_hits", "Speculation cache hits")
         self.cache_misses = self._make(make, "counter", "saguaro_speculation_cache_misses", "Speculation cache misses")
@@ -163,6 +166,14 @@ class ServeMetrics:
         # position from 0, as vLLM's spec_decode_num_accepted_tokens_per_pos
         for position, count in enumerate(delta.get("accepted_per_position") or ()):
             self._inc_positive(self.accepted_at, count, {"position": str(position)})
+        for kind, count in (delta.get("fallback_counts") or {}).items():
+            self._inc_positive(self.fallbacks, count, {"kind": str(kind)})
+
+    def speculation_positions(self, k: int) -> None:
+        """The per-position series of positions 0..k-1 made now, at 0, as vLLM makes them at start-up: a
+        position nothing was accepted at reads a rate of 0, not no data."""
+        for position in range(k):
+            _create_series(self.accepted_at, {"position": str(position)})
 
     def finished(self, engine_metrics, seconds: float, finish_reason: str | None = None) -> None:
         self.e2e.observe(seconds)
@@ -171,10 +182,8 @@ class ServeMetrics:
             return
         self._phases(engine_metrics)
         self.prompt_tokens.inc(engine_metrics.num_prompt_tokens)
-        # (drafts, drafted and accepted tokens and their positions, speculation and prefix cache counts:
-        # engine-wide, engine_times)
-        for kind, count in (engine_metrics.fallbacks or {}).items():
-            self._inc_positive(self.fallbacks, count, {"kind": str(kind)})
+        # (drafts, drafted and accepted tokens and their positions, speculation and prefix cache counts,
+        # fallbacks: engine-wide, engine_times, so an aborted request's count too)
 
     def _phases(self, m) -> None:
         """vLLM's phase histograms: the queue's once its prompt ran, the others' once its first token came (one
@@ -210,6 +219,17 @@ class _WithExactSum:
         self.histogram.observe(value, tags)
         if value > 0:  # Ray counters reject non-positive increments
             self.exact_sum.inc(value, tags)
+
+
+def _create_series(counter, tags: dict) -> None:
+    """A counter's series made at 0 (prometheus_client's labels() does it). Ray's inc() refuses 0, so this
+    records through _record, what inc() calls; _Noop has none."""
+    record = getattr(counter, "_record", None)
+    try:
+        if record is not None:
+            record(0, tags=tags)
+    except Exception:  # noqa: BLE001 - a private API: a Ray that changed it only loses the zero series
+        logging.getLogger(__name__).debug("could not create the series %s at 0", tags, exc_info=True)
 
 
 def _ray_factories() -> dict:

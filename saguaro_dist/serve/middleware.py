@@ -121,15 +121,16 @@ class BodySizeLimitMiddleware:
 
 
 class RequestCountMiddleware:
-    """Counts requests by route and response status into the serving metrics."""
+    """Counts requests by route and response status into the serving metrics (but uncounted_paths')."""
 
-    def __init__(self, app, metrics, known_paths: frozenset[str]):
+    def __init__(self, app, metrics, known_paths: frozenset[str], uncounted_paths: frozenset[str] = frozenset()):
         self.app = app
         self.metrics = metrics
         self.known_paths = known_paths
+        self.uncounted_paths = uncounted_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] != "http" or app_path(scope) in self.uncounted_paths:
             return await self.app(scope, receive, send)
         status = 500
 
