@@ -326,6 +326,16 @@ def test_client_disconnect_cancels_generation(server):
     assert stats["engine"]["num_running"] == 0 and stats["engine"]["kv_cache_tokens"] == 0  # its slot and KV are free
 
 
+
+def test_a_refused_request_is_not_counted_as_cancelled(server):
+    """"cancelled" counts generations whose client went away: one the engine refused (a 400) counted there too."""
+    before = app_stats()["cancelled"]
+    for stream in (False, True):
+        reply = httpx.post(server.url + "/v1/completions", headers=server.headers, timeout=60,
+                           json={"prompt": [4, 10 ** 6], "max_tokens": 3, "stream": stream})
+        assert reply.status_code == 400 and "prompt token ids must be in" in reply.text, reply.text
+    assert app_stats()["cancelled"] == before
+
 # ---- validation and security --------------------------------------------------------------------
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "hi", "max_tokens": "many"}, "max_tokens"),

@@ -200,7 +200,7 @@ class ServingState:
                 self.tracer.failed(job, request_id, err, start)
             raise
         finally:
-            self._exit(cancelled=not finished)
+            self._exit(cancelled=aborted and not finished)  # (a refusal or an engine failure is no hang-up)
             if aborted and not finished:
                 self._record_abort(job, request_id, time.monotonic() - start, prefilled=last > start)
 
