@@ -121,6 +121,44 @@ def test_ray_shut_down_between_a_poll_and_its_fetch_starts_no_fresh_ray(pair, th
     assert not result["fresh_ray"], "a Ray call of the engine started a fresh Ray after ray.shutdown()"
     assert result["error"].startswith("EngineError: Ray was shut down under the engine"), result["error"]
 
+RAY_DOWN_BEFORE_AN_ACTOR_CALL = r"""
+import json, sys, threading, time
+import ray
+from ray.actor import ActorMethod
+shut_down_now = threading.Event()
+def shutting_down_first(actor_call):
+    # Ray goes down on the user's side just before the poll thread's next actor call, ahead of Ray's auto-init
+    # as the race lands: patched on Ray's decorated call and on the call under it (what ray_calls.call makes).
+    def call(method, *args, **kwargs):
+        if shut_down_now.is_set() and threading.current_thread().name == "saguaro-remote-poll":
+            shut_down_now.clear()
+            ray.shutdown()
+        return actor_call(method, *args, **kwargs)
+    return call
+real_remote = ActorMethod._remote
+ActorMethod._remote = shutting_down_first(real_remote)
+ActorMethod._remote.__wrapped__ = shutting_down_first(real_remote.__wrapped__)
+""" + GENERATING + r"""
+shut_down_now.set()
+worker.join(timeout=60)
+fresh_ray = ray.is_initialized()
+llm.shutdown()
+print(json.dumps({"hung": worker.is_alive(), "error": result.get("error"), "fresh_ray": fresh_ray,
+                  "shut_down": not shut_down_now.is_set()}))
+"""
+
+
+@pytest.mark.slow
+def test_ray_shut_down_right_before_an_actor_call_of_the_engine_starts_no_fresh_ray(pair):
+    """An actor call (handle.method.remote) goes through Ray's auto-init as ray.get does: the poll thread's next
+    poll, made as the user's ray.shutdown() landed, started a fresh, empty Ray where rank 0 is not. The engine's
+    actor calls after start-up never start a Ray now; the request fails naming the shutdown."""
+    result = run_script(RAY_DOWN_BEFORE_AN_ACTOR_CALL, pair["slow"], pair["close"])
+    assert result["shut_down"], "the poll thread made no actor call after the shutdown was armed: nothing was tested"
+    assert not result["hung"], "generate() hung after Ray was shut down under the engine"
+    assert not result["fresh_ray"], "an actor call of the engine started a fresh Ray after ray.shutdown()"
+    assert result["error"].startswith("EngineError: Ray was shut down under the engine"), result["error"]
+
 REBUILD = r'''
 import json, logging, sys
 import ray

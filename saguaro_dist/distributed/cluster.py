@@ -119,7 +119,7 @@ class RemoteEngine:
         if self._dead:
             raise self._gone()
         try:
-            return ray_calls.get(method.remote(*args))
+            return ray_calls.get(ray_calls.call(method, *args))
         except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError) as err:
             self._died(f"target actor died: {err.__class__.__name__}", err)
             raise self._gone() from err
@@ -140,10 +140,10 @@ class RemoteEngine:
         return self._ask(self.rank0.metrics)
 
     def draft_node_ids(self) -> list[str]:
-        return ray_calls.get([d.node_id.remote() for d in self.deployment.drafts])
+        return ray_calls.get([ray_calls.call(d.node_id) for d in self.deployment.drafts])
 
     def target_node_ids(self) -> list[str]:
-        return ray_calls.get([r.node_id.remote() for r in self.deployment.ranks])
+        return ray_calls.get([ray_calls.call(r.node_id) for r in self.deployment.ranks])
 
     def check_health(self) -> None:
         """Raise EngineError once the target is gone (its actors died: LLM.rebuild(), or a fresh replica) or the
@@ -195,13 +195,13 @@ class RemoteEngine:
                 raise self._gone()
             self._requests.update((seq.request_id, (seq, listener)) for seq, listener in requests)
         try:
-            yield self.rank0.submit.remote([remote_request(seq) for seq, _ in requests])
+            yield ray_calls.call(self.rank0.submit, [remote_request(seq) for seq, _ in requests])
         except Exception as err:  # noqa: BLE001 - nothing stays registered; what it means is told below
             with self._lock:
                 for seq, _ in requests:
                     self._requests.pop(seq.request_id, None)
             # Shut down under the call: the engine's own error, not a death. A ray.shutdown() just before the
-            # call met it in Ray's auto-init, which starts a fresh Ray where rank 0 is not ("Can't find actor").
+            # call fails it (RaySystemError: ray_calls.call starts no fresh Ray where rank 0 is not).
             if self._stopped.is_set() or not self._ray_here():
                 raise EngineError("the engine is shut down") from err
             if not isinstance(err, (ray.exceptions.RayActorError, ray.exceptions.RaySystemError)):
@@ -216,7 +216,7 @@ class RemoteEngine:
         """Fire and forget; nothing to abort once the target is gone or the engine stopped (their requests
         were failed), and no Ray call after ray.shutdown() (it would start a fresh Ray)."""
         if not self._dead and not self._stopped.is_set() and request_ids and self._ray_here():
-            self.rank0.abort.remote(request_ids)
+            ray_calls.call(self.rank0.abort, request_ids)
 
     def reset_prefix_cache(self) -> None:
         self.check_health()
@@ -244,11 +244,11 @@ class RemoteEngine:
         try:
             if not self._dead and self._ray_here():
                 try:
-                    self._last_metrics = ray_calls.get(self.rank0.metrics.remote(), timeout=5)
+                    self._last_metrics = ray_calls.get(ray_calls.call(self.rank0.metrics), timeout=5)
                 except Exception as err:  # noqa: BLE001 - only the metrics after shutdown go without them
                     log.debug("rank 0's last metrics: %r", err)
                 try:
-                    ray_calls.get(self.rank0.shutdown.remote(), timeout=30)
+                    ray_calls.get(ray_calls.call(self.rank0.shutdown), timeout=30)
                 except Exception as err:  # noqa: BLE001 - we are tearing down either way
                     log.warning("rank 0 did not shut down cleanly: %r", err)
             self._poller.join(timeout=5)
@@ -298,7 +298,7 @@ class RemoteEngine:
     def _poll_once(self):
         """One poll of rank 0. Waited for in steps: a ray.shutdown() on another thread can leave a call made
         meanwhile unanswered for good, so between steps the loop looks whether Ray is still there."""
-        ref = self.rank0.poll.remote(POLL_S)
+        ref = ray_calls.call(self.rank0.poll, POLL_S)
         while not ray_calls.wait([ref], timeout=POLL_WAIT_S)[0]:
             if self._stopped.is_set() or not self._ray_here():
                 raise ray.exceptions.RaySystemError("Ray was shut down under the engine")

@@ -122,7 +122,7 @@ class Deployment:
             # ray.wait, not ray.get: one dead draft's error must not skip the other drafts' stops. A draft never
             # placed (start-up failed) has no server, and its stop would only wait out the timeout.
             try:
-                ray_calls.wait([d.stop.remote() for d in self.drafts], num_returns=len(self.drafts), timeout=10)
+                ray_calls.wait([ray_calls.call(d.stop) for d in self.drafts], num_returns=len(self.drafts), timeout=10)
             except Exception as err:  # noqa: BLE001 - handles of a Ray session that has gone
                 log.debug("draft stop: %r", err)
         for actor in self.ranks + self.drafts:
@@ -149,7 +149,7 @@ def wait_dead(actors: list, timeout_s: float = 10.0) -> None:
     for actor in actors:
         while time.monotonic() < deadline:
             try:
-                ray_calls.get(actor.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                ray_calls.get(ray_calls.call(actor.__ray_ready__), timeout=max(0.1, deadline - time.monotonic()))
             except (ray.exceptions.RayActorError, ray.exceptions.RaySystemError):  # gone, or Ray is (with them)
                 break
             except ray.exceptions.GetTimeoutError:  # hung, not yet gone: the deadline decides
