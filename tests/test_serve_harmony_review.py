@@ -274,6 +274,6 @@ def test_a_searched_beam_keeps_the_special_tokens_its_parser_reads():
     reply = tok.encode("<|channel|>final<|message|>Hi", add_special_tokens=False)
     job = Job(prompt_ids=[1], params=SamplingParams(skip_special_tokens=False))
     body = SimpleNamespace(include_stop_str_in_output=False, skip_special_tokens=True)
-    beam = BeamSearchSequence(tokens=[1, *reply], logprobs=[{t: None} for t in reply], finish_reason="length")
+    beam = BeamSearchSequence(tokens=[1, *reply], logprobs=[{t: -1.0} for t in reply], finish_reason="length")
     result = beam_result(SimpleNamespace(tokenizer=tok), body, job, beam, None)
     assert result.text == "<|channel|>final<|message|>Hi"
