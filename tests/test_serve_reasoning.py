@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import openai
 import pytest
+import random
+from itertools import chain, combinations, pairwise
+
 from transformers import AutoTokenizer
 
 from http_helpers import serve_on_loopback
@@ -21,7 +24,8 @@ QWEN3, R1 = ReasoningParser.QWEN3, ReasoningParser.DEEPSEEK_R1
 
 @pytest.mark.parametrize("parser, text, reasoning, content", [
     (QWEN3, "<think>\nadd them</think>\n\n4", "\nadd them", "\n\n4"),
-    (QWEN3, "4, plainly", None, "4, plainly"),              # thinking off: no </think>, all content
+    (QWEN3, "<think>cut by max_tokens", "cut by max_tokens", ""),  # vLLM's newest: cut before </think>, reasoning
+    (QWEN3, "x<think>y</think>z", "x<think>y", "z"),        # only a leading <think> is dropped
     (R1, "add them</think>4", "add them", "4"),             # the template opened <think> in the prompt
     (R1, "<think>add them</think>4", "add them", "4"),
     (R1, "still thinking when max_tokens came", "still thinking when max_tokens came", ""),
@@ -45,6 +49,33 @@ def test_streamed_pieces_join_to_the_split(parser, text, piece):
     assert (reasoning, content) == (want_reasoning or "", want_content)
 
 
+@pytest.mark.parametrize("parser", [QWEN3, R1])
+def test_every_split_of_a_reply_streams_as_the_whole(parser):
+    """Old: a later <think> that began held text was dropped streamed (pieces "<think>x", "<think>y</think>z"
+    streamed ("xy", "z"), the whole ("x<think>y", "z")). Every cut into up to 4 pieces, on seeded random texts
+    of the tags' characters too."""
+    rng = random.Random(5)
+    texts = ["<think>x<think>y</think>z", "<think>a</think>b</think>c", "x</think>", "<think></think>", "<think>",
+             "a<think>b</think>c", "<think><think>x", "<think>a</thi", " <think>a</think>b", "<thin"]
+    texts += ["".join(rng.choice(["<think>", "</think>", "<", "/", "think>", "x", " "]) for _ in range(4)) for _ in range(8)]
+    for text in texts:
+        want = split_reasoning(parser, text)
+        for cuts in chain.from_iterable(combinations(range(1, len(text)), k) for k in range(4)):
+            bounds, stream, reasoning, content = [0, *cuts, len(text)], ReasoningStream(parser), "", ""
+            for start, end in pairwise(bounds):
+                r, c = stream.feed(text[start:end], end == len(text))
+                reasoning, content = reasoning + r, content + c
+            assert (reasoning, content) == (want[0] or "", want[1]), (text, cuts)
+
+
+def test_reasoning_streams_as_it_comes():
+    """Old: qwen3 sent nothing until </think> or the end. vLLM's streams reasoning deltas as they come, less text
+    that may begin </think>."""
+    stream = ReasoningStream(QWEN3)
+    assert [stream.feed(piece, False) for piece in ("<think>", "add", " them </th", "en", "</think>4")] == [
+        ("", ""), ("add", ""), (" them ", ""), ("</then", ""), ("", "4")]
+
+
 def test_chat_template_kwargs_reach_the_template():
     target, _ = demo_pair()
     tok = AutoTokenizer.from_pretrained(target)
@@ -61,10 +92,12 @@ def test_chat_template_kwargs_reach_the_template():
 def served():
     target, _ = demo_pair()
     llm = LLM(model=target, mode="ar")
-    apps = {parser: create_app(llm, ServerOptions("demo", reasoning_parser=parser)) for parser in ("qwen3", "deepseek_r1")}
-    with serve_on_loopback(apps["qwen3"]) as qwen3, serve_on_loopback(apps["deepseek_r1"]) as r1:
+    apps = {parser: create_app(llm, ServerOptions("demo", reasoning_parser=parser))
+            for parser in ("qwen3", "deepseek_r1", None)}
+    with serve_on_loopback(apps["qwen3"]) as qwen3, serve_on_loopback(apps["deepseek_r1"]) as r1, \
+            serve_on_loopback(apps[None]) as plain:
         yield {name: openai.OpenAI(base_url=url, api_key="none", max_retries=0)
-               for name, url in (("qwen3", qwen3), ("deepseek_r1", r1))}
+               for name, url in (("qwen3", qwen3), ("deepseek_r1", r1), ("plain", plain))}
     llm.shutdown()
 
 
@@ -74,23 +107,23 @@ def _ask(client, **extra):
 
 
 def test_replies_are_split_over_http(served):
-    """The demo model never writes </think>: under qwen3 its reply is content, under deepseek_r1 (whose
-    template would have opened <think>) it is all reasoning; streamed the same."""
-    plain = _ask(served["qwen3"]).choices[0].message
-    thought = _ask(served["deepseek_r1"]).choices[0].message
+    """The demo model never writes </think>: its reply is cut before it, all reasoning under either parser
+    (vLLM's newest qwen3 parser reads it so too, unless the prompt closed the think block); streamed the same."""
+    plain = _ask(served["plain"]).choices[0].message
     assert plain.content and getattr(plain, "reasoning", None) is None
-    assert thought.content is None and thought.reasoning == plain.content
-    chunks = list(_ask(served["deepseek_r1"], stream=True))
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
-    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == plain.content
-    assert not "".join(d.content or "" for d in deltas)
+    for parser in ("qwen3", "deepseek_r1"):
+        thought = _ask(served[parser]).choices[0].message
+        assert thought.content is None and thought.reasoning == plain.content
+        deltas = [c.choices[0].delta for c in _ask(served[parser], stream=True) if c.choices]
+        assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == plain.content
+        assert not "".join(d.content or "" for d in deltas)
 
 
 def test_a_constrained_reply_reasons_first(served):
     """vLLM applies structured outputs once reasoning ends: the grammar lets any text up to </think> come
     first, so the demo model (which never writes </think>) reasons as it would unconstrained; a server
     without a reasoning parser constrains the whole reply."""
-    plain = _ask(served["qwen3"]).choices[0].message.content
+    plain = _ask(served["plain"]).choices[0].message.content
     out = _ask(served["deepseek_r1"], extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert out.choices[0].message.content is None and out.choices[0].message.reasoning == plain
     streamed = [c.choices[0].delta for c in _ask(served["deepseek_r1"], stream=True,
@@ -123,6 +156,31 @@ def test_reasoning_first_grammars(spec, good, bad):
     grammar = reasoning_first(spec, "<|user|>hi<|assistant|>").grammar
     assert all(_matches(grammar, text) for text in good)
     assert not any(_matches(grammar, text) for text in bad)
+
+
+def test_reasoning_first_takes_the_tags_own_tokens():
+    """Old: with <think> and </think> single added tokens (Qwen3's, DeepSeek-R1's tokenizers), which llguidance
+    reads as special and masks, a constrained reply could end its reasoning only by spelling </think> in other
+    tokens, and could not open with its <think>: it reasoned to max_tokens. Now the grammar names the tokens."""
+    import llguidance
+    import llguidance.hf
+
+    from saguaro_dist.engine.structured import grammar_of
+    from saguaro_dist.serve.reasoning import ReasoningTokens
+    tok = AutoTokenizer.from_pretrained(demo_pair()[0])
+    tok.add_tokens(["<think>", "</think>"])
+    tags, vocab = ReasoningTokens.of(tok), llguidance.hf.from_tokenizer(tok)
+    grammar = grammar_of(reasoning_first(StructuredOutputsParams(json_object=True), "<|user|>hi", R1, tags))
+
+    def takes(*pieces) -> bool:
+        ids = [i for p in pieces for i in (list(p) if isinstance(p, tuple) else tok.encode(p, add_special_tokens=False))]
+        matcher = llguidance.LLMatcher(vocab, grammar)
+        return matcher.consume_tokens(ids) and matcher.is_accepting()
+    assert tags.open_ids != tags.close_ids and len(tags.open_ids) == len(tags.close_ids) == 1
+    assert takes(tags.open_ids, " a", tags.close_ids, "\n{}") and takes(" a", tags.close_ids, "{}")
+    assert takes(tags.close_ids, "{}") and takes(" a", "</", "think>", "{}")  # spelled in other tokens
+    assert not takes(" a</think>b", tags.close_ids, "{}")  # the text's first </think> ends it, as the split reads
+    assert not takes(" a", tags.close_ids, "yes") and not takes(" a", tags.close_ids, tags.close_ids, "{}")
 
 
 def test_reasoning_is_not_added_where_it_cannot_be():

@@ -84,10 +84,10 @@ def test_responses_count_the_reasoning_tokens(served, parser):
     assert events[-1].response.usage.model_dump() == resp.usage.model_dump()
 
 
-@pytest.mark.parametrize("parser, reasoning", [("qwen3", 0), ("deepseek_r1", 2), (None, 0)])
+@pytest.mark.parametrize("parser, reasoning", [("qwen3", 2), ("deepseek_r1", 2), (None, 0)])
 def test_a_reply_cut_before_think_closes(served, parser, reasoning):
-    """Cut after "<think> add them": qwen3 reads no reasoning (only </think> tells), deepseek_r1 all of it but
-    the leading <think>; a server without a parser reports 0, as OpenAI's field is always there."""
+    """Cut after "<think> add them": all reasoning but the leading <think> (vLLM's newest qwen3 parser too; an
+    older one read it as content); a server without a parser reports 0, as OpenAI's field is always there."""
     clients, _, _ = served
     for streamed in (False, True):
         resp = _respond(clients[parser], max_output_tokens=3, stream=streamed)
@@ -106,6 +106,38 @@ def test_chat_usage_counts_the_reasoning_tokens(served, parser):
     chunks = list(clients[parser].chat.completions.create(model="scripted", messages=QUESTION, temperature=0, n=2,
                                                           stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == chat.usage.model_dump()
+
+
+@pytest.mark.parametrize("parser", ["qwen3", "deepseek_r1"])
+def test_a_constrained_reply_reasons_with_the_tags_own_tokens(served, parser):
+    """Old: the reason-first grammar took </think> only as text, and llguidance masks the added tag tokens: the
+    scripted reply could not even open with its <think>. Now it reasons, closes with its </think>, then answers."""
+    clients, script, _ = served
+    for spec in ({"regex": "[0-9]+"}, {"choice": ["4", "5"]}):
+        chat = clients[parser].chat.completions.create(model="scripted", messages=QUESTION, temperature=0,
+                                                       max_tokens=12, extra_body={"structured_outputs": spec})
+        assert (chat.choices[0].message.reasoning, chat.choices[0].message.content) == (REASONING, CONTENT), spec
+        assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == len(script)
+
+
+def test_a_prompt_that_closed_the_think_block_gets_content(served):
+    """Old: split as any reply. A prompt that closed the think block (Qwen3's enable_thinking false) gets its
+    reply as content, none of it reasoning (vLLM's prompt_is_reasoning_end): the scripted tags stay in it."""
+    clients, _, _ = served
+    closed = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "<think>\n\n</think>\n\n"}]
+    for streamed in (False, True):
+        reply = clients["qwen3"].chat.completions.create(
+            model="scripted", messages=closed, temperature=0, stream=streamed,
+            extra_body={"add_generation_prompt": False, "continue_final_message": True})
+        if streamed:
+            deltas = [c.choices[0].delta for c in reply if c.choices]
+            text = "".join(d.content or "" for d in deltas)
+            assert not any(getattr(d, "reasoning", None) for d in deltas)
+        else:
+            text = reply.choices[0].message.content
+            assert getattr(reply.choices[0].message, "reasoning", None) is None
+            assert reply.usage.completion_tokens_details.reasoning_tokens == 0
+        assert text == "<think>" + REASONING + "</think>" + CONTENT
 
 
 def test_chat_without_a_reasoning_parser_reports_no_details(served):
@@ -130,6 +162,26 @@ def test_tags_generated_in_other_pieces_than_their_encoding():
     for parser in (p for p in ReasoningParser if not p.harmony):  # (harmony has no <think> tags)
         assert count(parser, ids("<think>") + thought + by_char + ids(CONTENT)) == len(thought)
         assert count(parser, thought + ids("</think>") + ids(CONTENT)) == len(thought)
-    assert count(ReasoningParser.QWEN3, thought + ids(CONTENT)) == 0
+    assert count(ReasoningParser.QWEN3, thought + ids(CONTENT)) == len(thought + ids(CONTENT))  # no </think>: cut
     assert count(ReasoningParser.DEEPSEEK_R1, ids("<think>") + thought) == len(thought)
     assert count(None, ids("<think>") + thought + ids("</think>")) == 0
+
+
+def test_the_count_splits_where_the_text_does():
+    """Old: with single-token tags (added, as Qwen3's), a </think> spelled in other tokens before the tag's own
+    token was passed by (counted up to the later one), and a leading <think> spelled so was counted as
+    reasoning, though the text's split drops it."""
+    from saguaro_dist.serve.reasoning import ReasoningTokens, split_reasoning
+    tok = AutoTokenizer.from_pretrained(demo_pair()[0])
+    tok.add_tokens(["<think>", "</think>"])
+    count, (think, unthink) = ReasoningTokens.of(tok).count, tok.convert_tokens_to_ids(["<think>", "</think>"])
+
+    def ids(*pieces: str) -> list[int]:
+        return [i for p in pieces for i in tok.encode(p, add_special_tokens=False)]
+    thought = ids(REASONING)
+    for parser in (ReasoningParser.QWEN3, ReasoningParser.DEEPSEEK_R1):
+        for reply in (ids("<thi", "nk>") + thought + [unthink] + ids(CONTENT),
+                      [think] + thought + ids("</", "think>", " more") + [unthink] + ids(CONTENT),
+                      ids("<", "think>") + thought + ids("</th", "ink>", CONTENT)):
+            assert split_reasoning(parser, tok.decode(reply))[0] == REASONING
+            assert count(parser, reply) == len(thought), tok.decode(reply)

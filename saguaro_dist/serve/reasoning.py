@@ -1,10 +1,11 @@
 """Reasoning outputs on /v1/chat/completions (vLLM's `--reasoning-parser`): a thinking model's
 <think> ... </think> text comes back as the message's `reasoning`, the rest as its `content`.
 
-  qwen3        reasoning only when the reply closes it with </think> (a leading <think> is dropped);
-               without one the whole reply is content (thinking switched off: enable_thinking=False)
-  deepseek_r1  the chat template opens <think> in the prompt: everything before </think> is reasoning,
-               and a reply cut before it is all reasoning
+  qwen3, deepseek_r1  everything before the first </think> is reasoning, less a leading <think> (Qwen3.5's and
+               DeepSeek-R1's templates open <think> in the prompt; older Qwen3 ones let the model write it); a
+               reply cut before </think> is all reasoning, as vLLM's newest Qwen3 parser reads it. A prompt that
+               already closed the think block (Qwen3's enable_thinking=False: <think>\n\n</think>) leaves the
+               reply all content: the server gives such a reply no parser (prompt_closed_reasoning)
   openai_gptoss  gpt-oss's harmony channels (harmony.py): analysis is reasoning, final (and commentary) the
                content; its markers are special tokens, kept in the text. A constrained reply may write an
                analysis message first, then its constraint as the final channel's body (harmony_first)
@@ -12,9 +13,11 @@
 A constrained reply (structured outputs, a named or required tool call) lets the model reason first, as
 vLLM applies structured outputs once reasoning ends: `reasoning_first` makes one grammar of "any text up to
 the first </think>, whitespace, then what the request allows", so every speculation path samples it
-exactly. Not when the prompt already closed the reasoning (Qwen3 with enable_thinking off; harmony: the
-prompt leaves a message open), nor for a request's own grammar (it is not nested): such replies are
-constrained whole and not split (gpt-oss's: read as harmony, as they come).
+exactly. Where the tokenizer has a tag as one token (Qwen3's, DeepSeek-R1's: added tokens, which llguidance
+reads as special and masks unless named), the grammar takes that token too. Not when the prompt already
+closed the reasoning (Qwen3 with enable_thinking off; harmony: the prompt leaves a message open), nor for a
+request's own grammar (it is not nested): such replies are constrained whole and not split (gpt-oss's: read
+as harmony, as they come).
 """
 from __future__ import annotations
 
@@ -47,11 +50,6 @@ class ReasoningParser(Enum):
         """Its markers are special tokens in its family's tokenizers: replies must keep them as text."""
         return self.harmony
 
-    @property
-    def open_by_default(self) -> bool:
-        """Whether text before any </think> is reasoning (the template opened <think> in the prompt)."""
-        return self is ReasoningParser.DEEPSEEK_R1
-
 
 def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | None, str]:
     """(reasoning, content) of a finished reply."""
@@ -59,20 +57,19 @@ def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | No
         return None, text
     if parser.harmony:
         return split_harmony(text)
+    text = text.removeprefix(THINK_OPEN)
     end = text.find(THINK_CLOSE)
-    if end < 0:  # deepseek_r1 cut before </think>: all reasoning, less a leading <think> (as the stream drops it)
-        return (text.removeprefix(THINK_OPEN) or None, "") if parser.open_by_default else (None, text)
-    reasoning = text[:end].removeprefix(THINK_OPEN)
-    return reasoning or None, text[end + len(THINK_CLOSE):]
+    if end < 0:  # cut before </think> (max_tokens): all reasoning
+        return text or None, ""
+    return text[:end] or None, text[end + len(THINK_CLOSE):]
 
 
 @dataclass(frozen=True)
 class ReasoningTokens:
     """Counts how many of a reply's generated tokens are its reasoning (usage's reasoning_tokens), split as
-    split_reasoning splits its text: the tokens before </think>, less a leading <think>'s. From the token
-    ids, as vLLM counts: a thinking model's tags are single tokens (Qwen3's, DeepSeek-R1's), found by id.
-    A tokenizer that spells a tag in several tokens may generate it in other pieces than its own encoding:
-    then the tag is found in the decoded ids instead."""
+    split_reasoning splits its text: the tokens before the first </think> in it, less a leading <think>'s. A
+    thinking model's tags are single tokens (Qwen3's, DeepSeek-R1's), found by id; but a model may also spell
+    a tag in other tokens, so the text before the tag's first token is searched for the tag's text too."""
     tokenizer: object
     open_ids: tuple[int, ...]
     close_ids: tuple[int, ...]
@@ -87,20 +84,21 @@ class ReasoningTokens:
         if parser.harmony:
             return reasoning_token_count(self.tokenizer, token_ids)
         ids = list(token_ids)
-        start, end = self._open_length(ids), _find(ids, self.close_ids)
-        if end < 0 and len(self.close_ids) > 1:
-            end = self._by_text(ids, THINK_CLOSE)
-        if end < 0:  # no </think>: qwen3's reply is all content, deepseek_r1's all reasoning
-            return len(ids) - start if parser.open_by_default else 0
-        return max(0, end - start)
+        start, end = self._open_length(ids), self._close_at(ids)
+        return len(ids) - start if end < 0 else max(0, end - start)  # no </think>: all reasoning
 
     def _open_length(self, ids: list[int]) -> int:
-        """Tokens of a leading <think> (split_reasoning drops it from the reasoning)."""
+        """Tokens of a leading <think>, its own or spelled in pieces (split_reasoning drops it)."""
         if ids[:len(self.open_ids)] == list(self.open_ids):
             return len(self.open_ids)
-        if len(self.open_ids) > 1 and self._by_text(ids, THINK_OPEN) == 0:
-            return self._tokens_within(ids, len(THINK_OPEN))
-        return 0
+        return self._tokens_within(ids, len(THINK_OPEN)) if self._by_text(ids, THINK_OPEN) == 0 else 0
+
+    def _close_at(self, ids: list[int]) -> int:
+        """Where the first </think> starts, in tokens (-1: none): its own tokens, unless the text before them
+        spells it already."""
+        at = _find(ids, self.close_ids)
+        spelled = self._by_text(ids if at < 0 else ids[:at], THINK_CLOSE)
+        return spelled if spelled >= 0 else at
 
     def _by_text(self, ids: list[int], tag: str) -> int:
         """How many tokens come before `tag` in the ids' text (-1: it is not there)."""
@@ -127,9 +125,14 @@ def _find(ids: list[int], part: tuple[int, ...]) -> int:
 
 
 # Lark for llguidance: the lazy rule ends at the first </think>; the answer follows, after optional whitespace.
-_REASONING_THEN = ('start: reasoning answer | reasoning WS answer\n'
-                   'reasoning[lazy]: /(.|\\n)*<\\/think>/\n'
+_REASONING_THEN = ('start: opened reasoning answer | opened reasoning WS answer\n'
+                   'spelled[lazy]: /(.|\\n)*<\\/think>/\n'
                    'WS: /[ \\t\\r\\n]+/\n')
+_TAG_TEXT = 'opened: ""\nreasoning: spelled\n'
+# Where a tag is one token, `<[id]>` names it: a leading <think>, and </think> after text that spells none.
+_TAG_TOKENS = ('opened: "" | <[{open}]>\n'
+               'reasoning: spelled | THOUGHT <[{close}]>\n'
+               'THOUGHT: /(.|\\n)*/ & ~/(.|\\n)*<\\/think>(.|\\n)*/\n')
 
 
 # gpt-oss (vLLM's harmony structured outputs): an optional analysis message, then the final channel, whose
@@ -143,17 +146,24 @@ _HARMONY_THEN = ('start: analysis? final\n'
 _JSON_TYPES = '"" | " json" | " " <|constrain|> "json"'
 
 
-def reasoning_first(spec: StructuredOutputsParams, prompt_text: str,
-                    parser: ReasoningParser | None = None) -> StructuredOutputsParams | None:
+def reasoning_first(spec: StructuredOutputsParams, prompt_text: str, parser: ReasoningParser | None = None,
+                    tags: ReasoningTokens | None = None) -> StructuredOutputsParams | None:
     """spec with the model's reasoning allowed before it (see the module's note); None when the prompt
-    already closed the reasoning or spec is a grammar of the request's own."""
+    already closed the reasoning or spec is a grammar of the request's own. `tags`: the tokenizer's tag ids."""
     if spec.grammar is not None:
         return None
     if parser is not None and parser.harmony:
         return harmony_first(spec, prompt_text)
-    if _reasoning_closed(prompt_text):
+    if prompt_closed_reasoning(prompt_text):
         return None
-    return StructuredOutputsParams(grammar=_REASONING_THEN + "answer: " + _answer(spec))
+    return StructuredOutputsParams(grammar=_REASONING_THEN + _tag_rules(tags) + "answer: " + _answer(spec))
+
+
+def _tag_rules(tags: ReasoningTokens | None) -> str:
+    """The rules naming the tags' own tokens, where each is one token; else the tags are text alone."""
+    if tags is None or len(tags.open_ids) != 1 or len(tags.close_ids) != 1:
+        return _TAG_TEXT
+    return _TAG_TOKENS.format(open=tags.open_ids[0], close=tags.close_ids[0])
 
 
 def harmony_first(spec: StructuredOutputsParams, prompt_text: str) -> StructuredOutputsParams | None:
@@ -166,7 +176,7 @@ def harmony_first(spec: StructuredOutputsParams, prompt_text: str) -> Structured
                                    + "\nanswer: " + _answer(spec))
 
 
-def _reasoning_closed(prompt_text: str) -> bool:
+def prompt_closed_reasoning(prompt_text: str) -> bool:
     """The prompt ends with a closed think block: its template switched reasoning off (Qwen3's empty block
     with enable_thinking off). An earlier turn's block, followed by more of the conversation, does not count."""
     return prompt_text.rstrip().endswith(THINK_CLOSE)
@@ -187,13 +197,13 @@ def _answer(spec: StructuredOutputsParams) -> str:
 
 @dataclass
 class ReasoningStream:
-    """Splits a streamed reply: `feed` each text piece, get (reasoning, content) pieces back. Text that
-    might begin </think> is held back until it cannot; for qwen3 the reasoning is held until </think>
-    shows it was reasoning (a reply without one is content, which then goes out at the end)."""
+    """Splits a streamed reply: `feed` each text piece, get (reasoning, content) pieces back, as split_reasoning
+    splits the whole (vLLM streams reasoning as it comes). Text that might begin the leading <think> or a
+    </think> is held back until it cannot."""
     parser: ReasoningParser | None
     held: str = ""
     thinking: bool = True  # before </think>
-    opened: bool = False   # a leading <think> was looked for (and dropped)
+    opened: bool = False   # a leading <think> was looked for (and dropped): later ones are reasoning
     harmony: HarmonySplitter | None = None  # openai_gptoss's own splitter
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
@@ -203,22 +213,15 @@ class ReasoningStream:
         if self.parser is None or not self.thinking:
             return "", text
         self.held += text
+        if not self.opened:
+            if THINK_OPEN.startswith(self.held) and not final:
+                return "", ""  # may still become a leading <think>
+            self.held, self.opened = self.held.removeprefix(THINK_OPEN), True
         end = self.held.find(THINK_CLOSE)
         if end >= 0:
             self.thinking = False
-            reasoning, rest = self.held[:end].removeprefix(THINK_OPEN), self.held[end + len(THINK_CLOSE):]
-            self.held = ""
+            reasoning, rest, self.held = self.held[:end], self.held[end + len(THINK_CLOSE):], ""
             return reasoning, rest
-        if final:
-            reasoning, content = split_reasoning(self.parser, self.held)
-            self.held = ""
-            return reasoning or "", content
-        if not self.parser.open_by_default:
-            return "", ""  # qwen3: reasoning or content? only </think> (or the end) tells
-        if not self.opened:
-            if THINK_OPEN.startswith(self.held):
-                return "", ""  # may still become a leading <think>
-            self.held, self.opened = self.held.removeprefix(THINK_OPEN), True
-        keep = partial_suffix(self.held, THINK_CLOSE)
+        keep = 0 if final else partial_suffix(self.held, THINK_CLOSE)
         out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return out, ""

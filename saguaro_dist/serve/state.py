@@ -17,7 +17,7 @@ from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.lora_models import ServedModels
 from saguaro_dist.serve.metrics import ENGINE_REPORTED_FIELDS, ServeMetrics
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
-from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningTokens, reasoning_first
+from saguaro_dist.serve.reasoning import ReasoningParser, ReasoningTokens, prompt_closed_reasoning, reasoning_first
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 from saguaro_dist.serve.tools import ToolPlan
 
@@ -92,11 +92,14 @@ class ServingState:
         return replace(request.tool_plan(), parser=self.tool_call_parser, harmony=self.harmony)
 
     def reasoning_parser_for(self, job: Job) -> ReasoningParser | None:
-        """The server's reasoning parser, unless the job's whole reply is constrained (no reasoning in it);
-        harmony's always: its replies say where their reasoning is, constrained or not."""
-        if self.reasoning_parser is not None and self.reasoning_parser.harmony:
+        """The server's reasoning parser, unless the job's whole reply is constrained or its prompt closed the
+        think block (Qwen3's enable_thinking=False; vLLM's prompt_is_reasoning_end): no reasoning in it. Harmony's
+        always: its replies say where their reasoning is, constrained or not."""
+        if self.reasoning_parser is None or self.reasoning_parser.harmony:
             return self.reasoning_parser
-        return self.reasoning_parser if job.params.structured_outputs is None or job.reasoned else None
+        if job.params.structured_outputs is not None and not job.reasoned:
+            return None
+        return None if prompt_closed_reasoning(self._prompt_tail(job)) else self.reasoning_parser
 
     def reasoning_count(self, job: Job, token_ids: list[int]) -> int | None:
         """How many of the job's generated tokens are reasoning (usage's reasoning_tokens); None on a server
@@ -110,10 +113,13 @@ class ServingState:
         spec = job.params.structured_outputs
         if self.reasoning_parser is None or spec is None:  # (harmony: an analysis message, then the final channel)
             return job
-        wrapped = reasoning_first(spec, self.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:]), self.reasoning_parser)
+        wrapped = reasoning_first(spec, self._prompt_tail(job), self.reasoning_parser, self.reasoning_tokens)
         if wrapped is None:
             return job
         return replace(job, params=replace(job.params, structured_outputs=wrapped), reasoned=True)
+
+    def _prompt_tail(self, job: Job) -> str:
+        return self.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:])
 
     def check_model(self, requested: str | None) -> str:
         """The name replies give (an adapter's, else the first base name); an unknown model is vLLM's 404."""
