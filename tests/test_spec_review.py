@@ -115,8 +115,9 @@ def test_geometric_fanout_is_theorem_12_with_acceptance_at_its_edges(k, a, r):
     assert len(f) == k + 1 and sum(f) == budget and min(f) >= 1
     a_c = min(max(a, 0.01), 0.99)
     ideal = [a_c ** (j / (1 + r)) for j in range(k)] + [a_c ** (k / (1 + r)) * (1 - a_c) ** (-1 / (1 + r))]
+    floored = f.count(1)  # units the >= 1 floor takes come out of the other positions (F is the integer optimum)
     for fj, ij in zip(f, ideal):  # F_j / budget follows the paper's closed form up to rounding (and the >= 1 floor)
-        assert abs(fj / budget - ij / sum(ideal)) <= 2 / budget + 1e-9 or fj == 1
+        assert abs(fj / budget - ij / sum(ideal)) <= (2 + floored) / budget + 1e-9 or fj == 1
 
 
 @FAST
