@@ -13,6 +13,9 @@ from http_helpers import serve_on_loopback
 from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.demo import demo_pair
 from saguaro_dist.serve.api import ServerOptions, create_app
+from saguaro_dist.serve.openai_responses import ResponsesRequest
+from saguaro_dist.serve.protocol import PromptEnd
+from saguaro_dist.serve.responses_route import prompt_end
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "size": {"type": "integer"}},
           "required": ["name", "size"], "additionalProperties": False}
@@ -230,3 +233,44 @@ def test_auto_reads_the_parsers_calls(served):
     assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_time", {})
     assert [(i.type, i.name, i.arguments) for i in events[-1].response.output] == [("function_call", "get_time", call.arguments)]
     assert not [e for e in events if e.type == "response.output_text.delta"]
+
+
+@pytest.mark.parametrize("status", ["incomplete", "in_progress"])
+def test_a_partial_assistant_message_last_is_continued(served, status):
+    """vLLM's should_continue_final_message: the reply continues it (chat's continue_final_message), where
+    the old route closed it and opened a new turn."""
+    llm, client, _, _ = served
+    partial = {"type": "message", "role": "assistant", "status": status, "content": [{"type": "output_text", "text": "def"}]}
+    resp = client.responses.create(model="demo", input=[{"role": "user", "content": "hi"}, partial],
+                                   max_output_tokens=4, temperature=0)
+    expected = llm.chat([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def"}],
+                        SamplingParams(temperature=0, max_tokens=4), add_generation_prompt=False,
+                        continue_final_message=True)[0]
+    assert (resp.output_text, resp.usage.input_tokens) == (expected.text, len(expected.prompt_token_ids))
+
+
+def test_the_response_echoes_annotations_and_reports_the_settings_used(served):
+    """OpenAI echoes user, top_logprobs, service_tier, prompt_cache_key, safety_identifier; vLLM reports the
+    temperature, top_p and max_output_tokens it ran with, defaults included (they came back null)."""
+    llm, client, _, _ = served
+    notes = dict(user="u1", top_logprobs=2, service_tier="auto", prompt_cache_key="k", safety_identifier="s")
+    resp = client.responses.create(model="demo", input="hi", max_output_tokens=2, **notes)
+    assert {name: getattr(resp, name) for name in notes} == notes
+    assert (resp.temperature, resp.top_p, resp.max_output_tokens) == (1.0, 1.0, 2)
+    with client.responses.create(model="demo", input="hi", stream=True) as stream:  # (closed after its first event)
+        created = next(iter(stream)).response
+    room = llm.max_model_len - len(llm.chat([{"role": "user", "content": "hi"}],
+                                                   SamplingParams(max_tokens=1))[0].prompt_token_ids)
+    assert (created.temperature, created.top_p, created.max_output_tokens, created.user) == (1.0, 1.0, room, None)
+
+
+@pytest.mark.parametrize("last, end", [
+    ({"type": "reasoning", "summary": [], "status": "in_progress", "content": [{"type": "reasoning_text", "text": "t"}]},
+     PromptEnd.CONTINUE),
+    ({"role": "assistant", "status": "completed", "content": "x"}, PromptEnd.NEW_TURN),
+    ({"role": "assistant", "content": "x"}, PromptEnd.NEW_TURN),
+    ({"role": "user", "status": "incomplete", "content": "x"}, PromptEnd.NEW_TURN),  # only the assistant's is continued
+])
+def test_which_last_items_are_continued(last, end):
+    request = ResponsesRequest.model_validate({"model": "demo", "input": [{"role": "user", "content": "hi"}, last]})
+    assert prompt_end(request) is end

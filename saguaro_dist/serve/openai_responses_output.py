@@ -12,6 +12,7 @@ from saguaro_dist.serve.tool_parsers import ToolCall
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan, ToolStream
 
 if TYPE_CHECKING:  # annotations only: the request module imports this one
+    from saguaro_dist.sampling_params import SamplingParams
     from saguaro_dist.serve.openai_responses import ResponsesRequest
 
 # Where a gpt-oss reply's next message of a route begins (HarmonySplitter's separator here: each message is its
@@ -58,21 +59,34 @@ def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_t
 
 
 def response_body(response_id: str, model: str, body: ResponsesRequest, output: list[dict], status: str,
-                  finish_reason: str | None = None, *, created_at: int, **extra) -> dict:
+                  finish_reason: str | None = None, *, created_at: int, params: SamplingParams | None = None,
+                  **extra) -> dict:
     """The Response object: status completed, incomplete (max_output_tokens reached) or in_progress.
-    created_at: when the request came (OpenAI's), the same in each of a stream's events."""
+    created_at: when the request came (OpenAI's), the same in each of a stream's events. params: the sampling
+    settings the reply runs under (None: the request's own)."""
     if status == "completed" and finish_reason == "length":
         status = "incomplete"
     fmt = body.text.format.model_dump(by_alias=True, exclude_none=True) if body.text and body.text.format else {"type": "text"}
     return {"id": response_id, "object": "response", "created_at": created_at, "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "instructions": body.instructions, **_settings(body, params),
             "metadata": body.metadata or {}, "max_tool_calls": body.max_tool_calls, "truncation": body.truncation or "disabled",
             "reasoning": _reasoning(body),
             "parallel_tool_calls": body.parallel_tool_calls, "tool_choice": _tool_choice(body),
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "temperature": body.temperature,
-            "top_p": body.top_p, "text": {"format": fmt}, "store": False, **extra}
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "text": {"format": fmt},
+            "store": False, **extra}
+
+
+def _settings(body: ResponsesRequest, params: SamplingParams | None) -> dict:
+    """The values the reply ran under, defaults included (vLLM's: a request leaving temperature out still
+    learns it), and the request's annotations echoed (OpenAI's; vLLM's from_request echoes user,
+    top_logprobs, service_tier)."""
+    used = ((params.temperature, params.top_p, params.max_tokens) if params is not None
+            else (body.temperature, body.top_p, body.max_output_tokens))
+    return {**dict(zip(("temperature", "top_p", "max_output_tokens"), used)), "user": body.user,
+            "top_logprobs": body.top_logprobs or 0, "service_tier": body.service_tier or "auto",
+            "prompt_cache_key": body.prompt_cache_key, "safety_identifier": body.safety_identifier}
 
 
 def _reasoning(body: ResponsesRequest) -> dict:
@@ -114,8 +128,10 @@ class ResponseEvents:
     that fails on the way ends with error and response.failed instead (failed)."""
 
     def __init__(self, response_id: str, model: str, body: ResponsesRequest, created_at: int,
-                 logprob_items: Callable[[list], list] = lambda entries: [], streamed: bool = False):
+                 logprob_items: Callable[[list], list] = lambda entries: [], streamed: bool = False,
+                 params: SamplingParams | None = None):
         self.response_id, self.model, self.body, self.created_at = response_id, model, body, created_at
+        self.params = params  # the job's sampling settings, which each Response object reports
         # streamed: every event is also kept until take(), so that a stream failing half way through a batch
         # still sends each event it numbered (a sequence_number skipped is a gap clients see)
         self.unsent: list[str] | None = [] if streamed else None
@@ -141,7 +157,7 @@ class ResponseEvents:
         error = {"code": _failure_code(err.get("type")), "message": err["message"], "param": err.get("param"),
                  "type": err.get("type")}
         body = response_body(self.response_id, self.model, self.body, output, "failed", created_at=self.created_at,
-                             error=error)
+                             params=self.params, error=error)
         return self.error(envelope) + self.event("response.failed", response=body)
 
     def event(self, kind: str, **fields) -> str:
@@ -158,7 +174,8 @@ class ResponseEvents:
         return out
 
     def opening(self) -> str:
-        body = response_body(self.response_id, self.model, self.body, [], "in_progress", created_at=self.created_at)
+        body = response_body(self.response_id, self.model, self.body, [], "in_progress", created_at=self.created_at,
+                             params=self.params)
         return self.event("response.created", response=body) + self.event("response.in_progress", response=body)
 
     def text(self, reasoning: str, content: str, logprob_entries: list = ()) -> str:
@@ -263,7 +280,7 @@ class ResponseEvents:
         """The last events: finish's, then completed (incomplete when max_output_tokens ended it)."""
         out = self.finish(finish_reason)
         body = response_body(self.response_id, self.model, self.body, self.items, "completed", finish_reason,
-                             created_at=self.created_at, **extra)
+                             created_at=self.created_at, params=self.params, **extra)
         kind = "response.incomplete" if body["status"] == "incomplete" else "response.completed"
         return out + self.event(kind, response=body)
 

@@ -12,10 +12,12 @@ from saguaro_dist.serve.errors import APIError, stream_error
 from saguaro_dist.serve.full_replies import logprobs_of, reply_text, shown
 from saguaro_dist.serve.generate_routes import chat_jobs
 from saguaro_dist.serve.harmony import LiteralMarkers
-from saguaro_dist.serve.openai_responses import ResponseEvents, ResponsesRequest, output_items, response_body
+from saguaro_dist.serve.openai_responses import (InputMessage, ReasoningInputItem, ResponseEvents, ResponsesRequest,
+                                                  output_items, response_body)
 from saguaro_dist.serve.openai_responses_output import HarmonyReply
 from saguaro_dist.serve.openai_responses import usage as responses_usage
 from saguaro_dist.serve.prompts import encode_chat
+from saguaro_dist.serve.protocol import PromptEnd
 from saguaro_dist.serve.reasoning import ReasoningStream, split_reasoning
 from saguaro_dist.serve.route_support import (ClosingStreamingResponse, cancel_on_disconnect, request_id_of,
                                               serving_state)
@@ -44,20 +46,30 @@ async def _respond(body: ResponsesRequest, request: Request):
     body.reject_unsupported()
     model = state.check_model(body.model)
     prompt = encode_chat(state.tokenizer, body.messages(calls_as_written=state.harmony), body.chat_tools(), body.chat_template_kwargs,
-                         state.chat_template, param="input")
+                         state.chat_template, param="input", end=prompt_end(body))
     request_id = request_id_of(request)
     (job,) = state.named(chat_jobs(state, body, prompt, "input"), request_id)
     response_id = f"resp_{request_id}"
     if body.stream:
         batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)
         first = await anext(batches, None)  # before answering: a request the engine rejects still gets a 400
-        events = ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job), streamed=True)
+        events = ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job), streamed=True,
+                                params=job.params)
         events = _response_events(state, job, events, batches, first)
         return ClosingStreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     result = await state.collect(job)
-    items = _whole_items(state, job, body, result, ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job)))
+    events = ResponseEvents(response_id, model, body, created_at, _logprob_items(state, job), params=job.params)
+    items = _whole_items(state, job, body, result, events)
     return response_body(response_id, model, body, items, "completed", result.finish_reason, created_at=created_at,
-                         **_response_extra(state, job, result.token_ids, result.metrics))
+                         params=job.params, **_response_extra(state, job, result.token_ids, result.metrics))
+
+
+def prompt_end(body: ResponsesRequest) -> PromptEnd:
+    """vLLM's should_continue_final_message: an assistant message or reasoning item the client marks in_progress
+    or incomplete, last in the input, is a prefill the reply continues; otherwise a new assistant turn opens."""
+    last = body.input[-1] if isinstance(body.input, list) else None
+    partial = isinstance(last, (InputMessage, ReasoningInputItem)) and last.status in ("in_progress", "incomplete")
+    return PromptEnd.CONTINUE if partial and getattr(last, "role", "assistant") == "assistant" else PromptEnd.NEW_TURN
 
 
 def _whole_items(state: ServingState, job: Job, body: ResponsesRequest, result, events: ResponseEvents) -> list[dict]:
