@@ -155,6 +155,19 @@ def test_no_output_text_after_a_prompt_ending_mid_character_is_empty(tok):
     assert s.text == "".join(deltas) and set(s.text) == {"\ufffd"} and vllm_text(tok, prompt[:-1], [char[-2]]) == ""
 
 
+@pytest.mark.parametrize("per_round", [1, 3])
+def test_a_prompt_with_a_whole_then_an_unfinished_byte_fallback_character(spm, per_round):
+    """A byte-fallback decode shows a run of bytes not yet valid as one U+FFFD a byte, so a held step's text
+    (the output's first byte of 3 after the prompt's) does not start with the context " 日": that is no
+    token merged across the prompt's end, and must not reset the decode (old: dropped the prompt's first
+    byte of 柙, giving "\\ufffd\\ufffdk"; vLLM's stream checks only a text it gives, as a whole decode reads)."""
+    ids = spm.encode(" \u65e5\u67d9k", add_special_tokens=False)  # " ", 日's 3 bytes, 柙's 3 bytes, "k"
+    prompt, output = spm.encode("Hi") + ids[:5], ids[5:]
+    s, deltas = run_rounds(text_engine(spm, set()), prompt, output, params(), per_round)
+    assert s.text == "".join(deltas) == vllm_text(spm, prompt, output) == "\u67d9k"
+    assert spm.decode(prompt + output).endswith(" \u65e5\u67d9k")
+
+
 def test_a_real_replacement_character_is_text(tok):
     """U+FFFD in the text itself (its three bytes) waits one token as a possible partial character, then is
     text like any other, mid-text and at the end."""

@@ -102,10 +102,13 @@ class Detokenizer:
         n_context = tail_text + state.read_offset - state.prefix_offset
         context = self.decode(ids[:n_context], skip_special_tokens)
         text = self.decode(ids, skip_special_tokens)
-        if tail and not text.startswith(context):  # (a token merged across the prompt's end) vLLM's stream resets
+        held = len(text) <= len(context) or text.endswith("\ufffd")
+        # (a token merged across the prompt's end) vLLM's stream resets, checking only a text it gives: a held
+        # byte-fallback text shows a run of not-yet-valid bytes as U+FFFD each, so need not start with the context
+        if tail and (final or not held) and not text.startswith(context):
             state.prompt_tail = ()
             return self._step(token_ids, end, state, final, skip_special_tokens)
-        if not final and (len(text) <= len(context) or text.endswith("\ufffd")):
+        if not final and held:
             if end - state.read_offset <= MAX_HELD:
                 return ""
             return self._release(ids, n_context, (context, text), end, state, skip_special_tokens)
