@@ -121,9 +121,37 @@ def test_a_queued_stream_stops_when_its_client_hangs_up_before_its_first_token(u
 def test_a_request_refused_part_way_stops_the_choices_already_started(url, state, llm, stream):
     """Two prompts: the engine takes the first, refuses the second (a token id past the vocabulary)."""
     body = {"prompt": [[4, 5, 6], [len(llm.tokenizer) + 5]], "max_tokens": LONG, "ignore_eos": True, "stream": stream}
+    cancelled = state.cancelled
     reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
     assert reply.status_code == 400 and "prompt token ids" in reply.json()["error"]["message"]
     assert state.running == 0  # the first prompt's generation ended with the request, not LONG tokens later
+    # every prompt is checked before any starts (vLLM's): old, the first ran, then counted as a client gone away
+    assert state.cancelled == cancelled
+
+
+@pytest.mark.parametrize("fan_in", ["gather_or_cancel", "merge"])
+def test_a_choice_stopped_for_a_failed_sibling_is_no_hang_up(url, state, llm, fan_in):
+    """A choice cancelled because another of the request's generations failed is stopped, but not counted as a
+    client gone away (old: cancelled +1, and an abort recorded, for a request answered with the failure)."""
+    from saguaro_dist.serve.fan_in import gather_or_cancel, merge
+    from saguaro_dist.serve.state import Job
+    job, cancelled = Job([4, 5, 6], SamplingParams(max_tokens=LONG, ignore_eos=True)), state.cancelled
+
+    async def failing_sibling():
+        while llm.load.num_running == 0:  # the long choice generates: then this one fails
+            await asyncio.sleep(0.005)
+        raise ValueError("sibling failed")
+        yield  # (an async generator, for merge)
+
+    async def run() -> None:
+        if fan_in == "gather_or_cancel":
+            await gather_or_cancel([state.collect(job), anext(failing_sibling(), None)])
+        else:
+            async for _ in merge([state.stream(job), failing_sibling()]):
+                pass
+    with pytest.raises(ValueError, match="sibling failed"):
+        asyncio.run(run())
+    assert state.running == 0 and state.cancelled == cancelled
 
 
 # ---- batch files ---------------------------------------------------------------------------------

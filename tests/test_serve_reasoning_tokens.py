@@ -140,6 +140,59 @@ def test_a_prompt_that_closed_the_think_block_gets_content(served):
         assert text == "<think>" + REASONING + "</think>" + CONTENT
 
 
+CONTINUED = "<think>\nI thought.\n</think>\n\nThe answer is"  # Qwen3's template writes the last assistant turn so
+
+
+def _continued_reply(client, streamed: bool, route: str) -> tuple[str, str, int]:
+    """(reasoning, content, reasoning_tokens) of the scripted reply continuing CONTINUED, on chat or responses."""
+    if route == "responses":
+        item = {"type": "message", "role": "assistant", "status": "incomplete",
+                "content": [{"type": "output_text", "text": CONTINUED}]}
+        resp = client.responses.create(model="scripted", input=[*QUESTION, item], temperature=0, stream=streamed)
+        resp = list(resp)[-1].response if streamed else resp
+        reasoning = "".join(part.text for item in resp.output if item.type == "reasoning" for part in item.content or [])
+        return reasoning, resp.output_text, resp.usage.output_tokens_details.reasoning_tokens
+    messages = [*QUESTION, {"role": "assistant", "content": CONTINUED}]
+    reply = client.chat.completions.create(
+        model="scripted", messages=messages, temperature=0, stream=streamed,
+        stream_options={"include_usage": True} if streamed else None,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    if not streamed:
+        message = reply.choices[0].message
+        return getattr(message, "reasoning", None) or "", message.content, reply.usage.completion_tokens_details.reasoning_tokens
+    chunks = list(reply)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    return ("".join(getattr(d, "reasoning", None) or "" for d in deltas), "".join(d.content or "" for d in deltas),
+            chunks[-1].usage.completion_tokens_details.reasoning_tokens)
+
+
+@pytest.mark.parametrize("route", ["chat", "responses"])
+def test_a_continued_message_after_its_closed_think_block_is_content(served, route):
+    """Old: only a prompt ENDING with </think> counted as closed, so continuing an assistant message whose think
+    block the template closed before its content (Qwen3's) read the continuation as reasoning. Now a continued
+    message is read by its last think tag (vLLM's is_reasoning_end): all content, none of it reasoning."""
+    clients, _, _ = served
+    for streamed in (False, True):
+        assert _continued_reply(clients["qwen3"], streamed, route) == ("", "<think>" + REASONING + "</think>" + CONTENT, 0)
+
+
+def test_a_continued_message_is_read_by_its_last_think_tag():
+    """A continued message's last tag decides, by id where a tag is one token (text in it may spell one); a new
+    turn's prompt is closed only where it ends so (an earlier turn's block does not count)."""
+    from saguaro_dist.serve.reasoning import ReasoningTokens, prompt_closed_reasoning
+    tok = AutoTokenizer.from_pretrained(demo_pair()[0])
+    spelled = ReasoningTokens.of(tok)
+    tok.add_tokens(["<think>", "</think>"])
+    tags = ReasoningTokens.of(tok)
+    for text, closed in ((CONTINUED, True), ("<think>\nhmm", False), ("</think><think> so", False), ("no tags", False)):
+        assert prompt_closed_reasoning(text, continues=True) is closed, text
+        assert tags.prompt_closed(tok.encode(text, add_special_tokens=False)) is closed, text
+    assert not prompt_closed_reasoning(CONTINUED) and prompt_closed_reasoning("<think>\n\n</think>\n\n")
+    assert tags.prompt_closed([*tok.encode("<think> a", add_special_tokens=False), *tok.encode("</", add_special_tokens=False),
+                               *tok.encode("think>", add_special_tokens=False)]) is False  # spelled: no tag
+    assert spelled.prompt_closed(tok.encode(CONTINUED, add_special_tokens=False)) is None  # tags of many tokens: the text's
+
+
 def test_chat_without_a_reasoning_parser_reports_no_details(served):
     clients, _, _ = served
     chat = clients[None].chat.completions.create(model="scripted", messages=QUESTION, temperature=0)
@@ -185,3 +238,14 @@ def test_the_count_splits_where_the_text_does():
                       ids("<", "think>") + thought + ids("</th", "ink>", CONTENT)):
             assert split_reasoning(parser, tok.decode(reply))[0] == REASONING
             assert count(parser, reply) == len(thought), tok.decode(reply)
+
+
+def test_a_think_tag_after_a_space_is_no_leading_tag():
+    """Old: a reply starting " <think>" (the tag not at its text's start, so split_reasoning keeps it as reasoning)
+    had its first tokens taken for the tag when the tag began at a token's first character: counted 3, not 7."""
+    from saguaro_dist.serve.reasoning import ReasoningTokens, split_reasoning
+    tok = AutoTokenizer.from_pretrained(demo_pair()[0])
+    reply = tok.encode(" <think> a b</think> z", add_special_tokens=False)
+    reasoning, _ = split_reasoning(ReasoningParser.QWEN3, tok.decode(reply))
+    assert reasoning == " <think> a b"
+    assert ReasoningTokens.of(tok).count(ReasoningParser.QWEN3, reply) == len(tok.encode(reasoning, add_special_tokens=False)) == 7

@@ -7,6 +7,15 @@ import asyncio
 from contextlib import aclosing
 from typing import AsyncIterator
 
+# The message of the CancelledError a generation gets when a sibling failed: the request is answered with that
+# failure, so its cancellation is no client hang-up (ServingState.stream counts those).
+SIBLING_FAILED = "a sibling generation failed"
+
+
+def cancelled_by_sibling(err: BaseException) -> bool:
+    """Whether err is the cancellation fan-in sent because another generation of the request failed."""
+    return isinstance(err, asyncio.CancelledError) and SIBLING_FAILED in err.args
+
 
 async def gather_or_cancel(coroutines: list) -> list:
     """asyncio.gather's results, except that when one fails the others are cancelled (and waited for)
@@ -14,14 +23,17 @@ async def gather_or_cancel(coroutines: list) -> list:
     tasks = [asyncio.ensure_future(c) for c in coroutines]
     try:
         return await asyncio.gather(*tasks)
+    except Exception:
+        await _cancel_all(tasks, SIBLING_FAILED)
+        raise
     finally:
-        await _cancel_all(tasks)
+        await _cancel_all(tasks)  # (a cancelled request: gather cancelled them already)
 
 
-async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+async def _cancel_all(tasks: list[asyncio.Task], why: str | None = None) -> None:
     """Cancel the tasks and wait until they are over (their generations' aborts are sent by then)."""
     for task in tasks:
-        task.cancel()
+        task.cancel(why)
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
@@ -54,6 +66,9 @@ async def merge(streams: list[AsyncIterator], interval_s: float = 0.0,
                 last = loop.time()
             if batch:
                 yield batch
+    except Exception:  # a stream failed (raised by batches.next)
+        await _cancel_all(tasks, SIBLING_FAILED)
+        raise
     finally:
         await _cancel_all(tasks)
 

@@ -8,7 +8,7 @@ from fastapi import Request
 
 from saguaro_dist.serve import responses
 from saguaro_dist.serve.beam_route import beam_response
-from saguaro_dist.serve.chat_request import REPLY_ROLE
+from saguaro_dist.serve.chat_request import REPLY_ROLE, PromptEnd
 from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.full_replies import full_response
 from saguaro_dist.serve.prompts import encode_chat
@@ -38,21 +38,23 @@ async def chat(body: ChatCompletionRequest, request: Request):
     body.reject_unsupported()
     model = state.check_model(body.model)
     messages = [m.with_calls_as_written() for m in body.messages] if state.harmony else body.messages
+    end = body.prompt_end()
     prompt = encode_chat(state.tokenizer, messages, body.tools, body.chat_template_kwargs, state.chat_template,
-                         end=body.prompt_end(), add_special_tokens=body.add_special_tokens)
-    jobs = chat_jobs(state, body, prompt, "messages")
+                         end=end, add_special_tokens=body.add_special_tokens)
+    jobs = chat_jobs(state, body, prompt, "messages", end)
     return await _respond(state, body, jobs, model, responses.CHAT, request_id_of(request, body.request_id),
                           body.reply_role(response_role(request)), created)
 
 
-def chat_jobs(state: ServingState, body, prompt: list[int], param: str) -> list[Job]:
-    """A chat turn's jobs under its tool plan (chat completions and responses alike)."""
+def chat_jobs(state: ServingState, body, prompt: list[int], param: str, end: PromptEnd) -> list[Job]:
+    """A chat turn's jobs under its tool plan (chat completions and responses alike); `end`: how the prompt
+    ends (a continued message's reasoning is read by its last think tag: ServingState.reasoning_parser_for)."""
     plan = state.tool_plan_for(body)
     if plan.kind is ToolChoiceKind.AUTO and plan.parser is None:
         raise APIError(400, '"auto" tool choice needs a server started with a tool-call parser (--tool-call-parser '
                             f'{" | ".join(p.value for p in ToolCallParser)}); name a function or use "required" instead',
                        param="tool_choice")
-    jobs = state.jobs([prompt], body, param)
+    jobs = [replace(job, continues=end is PromptEnd.CONTINUE) for job in state.jobs([prompt], body, param)]
     if body.include_reasoning:  # vLLM's include_reasoning false: the constraint holds from the first token
         jobs = map(state.reason_first, jobs)
     jobs = [replace(job, params=plan.adjust(job.params)) for job in jobs]

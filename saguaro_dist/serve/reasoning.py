@@ -91,7 +91,16 @@ class ReasoningTokens:
         """Tokens of a leading <think>, its own or spelled in pieces (split_reasoning drops it)."""
         if ids[:len(self.open_ids)] == list(self.open_ids):
             return len(self.open_ids)
-        return self._tokens_within(ids, len(THINK_OPEN)) if self._by_text(ids, THINK_OPEN) == 0 else 0
+        # (the text must start with it: a tag found at character 0 of a later token, e.g. " <think>", is no leading one)
+        return self._tokens_within(ids, len(THINK_OPEN)) if self._decode(ids).startswith(THINK_OPEN) else 0
+
+    def prompt_closed(self, prompt_ids: Sequence[int]) -> bool | None:
+        """Whether the prompt's last think tag closes the block, by the tags' ids (vLLM's is_reasoning_end scans
+        back alike); None where a tag is not one token (the caller reads the text)."""
+        if len(self.open_ids) != 1 or len(self.close_ids) != 1:
+            return None
+        tags = {self.open_ids[0]: False, self.close_ids[0]: True}
+        return next((tags[token] for token in reversed(prompt_ids) if token in tags), False)
 
     def _close_at(self, ids: list[int]) -> int:
         """Where the first </think> starts, in tokens (-1: none): its own tokens, unless the text before them
@@ -147,14 +156,15 @@ _JSON_TYPES = '"" | " json" | " " <|constrain|> "json"'
 
 
 def reasoning_first(spec: StructuredOutputsParams, prompt_text: str, parser: ReasoningParser | None = None,
-                    tags: ReasoningTokens | None = None) -> StructuredOutputsParams | None:
+                    tags: ReasoningTokens | None = None, closed: bool | None = None) -> StructuredOutputsParams | None:
     """spec with the model's reasoning allowed before it (see the module's note); None when the prompt
-    already closed the reasoning or spec is a grammar of the request's own. `tags`: the tokenizer's tag ids."""
+    already closed the reasoning or spec is a grammar of the request's own. `tags`: the tokenizer's tag ids;
+    `closed`: whether the prompt closed the reasoning, where the caller knows (else read from prompt_text)."""
     if spec.grammar is not None:
         return None
     if parser is not None and parser.harmony:
         return harmony_first(spec, prompt_text)
-    if prompt_closed_reasoning(prompt_text):
+    if prompt_closed_reasoning(prompt_text) if closed is None else closed:
         return None
     return StructuredOutputsParams(grammar=_REASONING_THEN + _tag_rules(tags) + "answer: " + _answer(spec))
 
@@ -176,9 +186,13 @@ def harmony_first(spec: StructuredOutputsParams, prompt_text: str) -> Structured
                                    + "\nanswer: " + _answer(spec))
 
 
-def prompt_closed_reasoning(prompt_text: str) -> bool:
+def prompt_closed_reasoning(prompt_text: str, continues: bool = False) -> bool:
     """The prompt ends with a closed think block: its template switched reasoning off (Qwen3's empty block
-    with enable_thinking off). An earlier turn's block, followed by more of the conversation, does not count."""
+    with enable_thinking off). An earlier turn's block, followed by more of the conversation, does not count.
+    A prompt that `continues` its final message (an assistant prefill) is read by its last think tag, as vLLM's
+    is_reasoning_end reads it: Qwen3's template writes that turn "<think>...</think>\\n\\n" + its content."""
+    if continues:
+        return prompt_text.rfind(THINK_CLOSE) > prompt_text.rfind(THINK_OPEN)
     return prompt_text.rstrip().endswith(THINK_CLOSE)
 
 

@@ -45,10 +45,11 @@ async def _respond(body: ResponsesRequest, request: Request):
     state = serving_state(request)
     body.reject_unsupported()
     model = state.check_model(body.model)
+    end = prompt_end(body)
     prompt = encode_chat(state.tokenizer, body.messages(calls_as_written=state.harmony), body.chat_tools(), body.chat_template_kwargs,
-                         state.chat_template, param="input", end=prompt_end(body))
+                         state.chat_template, param="input", end=end)
     request_id = request_id_of(request)
-    (job,) = state.named(chat_jobs(state, body, prompt, "input"), request_id)
+    (job,) = state.named(chat_jobs(state, body, prompt, "input", end), request_id)
     response_id = f"resp_{request_id}"
     if body.stream:
         batches = merge([state.stream(job)], state.stream_interval_s, lambda d: bool(d.text) or d.finished)

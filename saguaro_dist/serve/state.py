@@ -9,11 +9,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import AsyncIterator
 
+from saguaro_dist.engine.engine import check_prompt_ids
 from saguaro_dist.engine.llm_inputs import sample_seed
 from saguaro_dist.engine.sequence import OutputKind
 from saguaro_dist.engine.text import encode_text
 from saguaro_dist.sampling_params import SamplingParams
 from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.fan_in import cancelled_by_sibling
 from saguaro_dist.serve.lora_models import ServedModels
 from saguaro_dist.serve.metrics import ENGINE_REPORTED_FIELDS, ServeMetrics
 from saguaro_dist.serve.protocol import MAX_GENERATIONS, SamplingRequest
@@ -38,6 +40,7 @@ class Job:
     scores_only: bool = False  # max_tokens 0 with echo: the prompt's figures only (one token runs, unshown)
     priority: int = 0          # with scheduling_policy "priority": lower is admitted first
     reasoned: bool = False     # its constraint lets the model reason first (reasoning.reasoning_first)
+    continues: bool = False    # its prompt continues the final message (chat's PromptEnd.CONTINUE): an assistant prefill
     request_id: str = ""       # the engine's id for it: the response's id and the choice index ("" = a fresh one)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: its logprobs name tokens "token_id:<id>"
     cache_salt: str | None = None  # vLLM's: prefix-cache KV is shared only with requests of the same salt
@@ -99,7 +102,7 @@ class ServingState:
             return self.reasoning_parser
         if job.params.structured_outputs is not None and not job.reasoned:
             return None
-        return None if prompt_closed_reasoning(self._prompt_tail(job)) else self.reasoning_parser
+        return None if self._prompt_closed(job) else self.reasoning_parser
 
     def reasoning_count(self, job: Job, token_ids: list[int]) -> int | None:
         """How many of the job's generated tokens are reasoning (usage's reasoning_tokens); None on a server
@@ -113,10 +116,20 @@ class ServingState:
         spec = job.params.structured_outputs
         if self.reasoning_parser is None or spec is None:  # (harmony: an analysis message, then the final channel)
             return job
-        wrapped = reasoning_first(spec, self._prompt_tail(job), self.reasoning_parser, self.reasoning_tokens)
+        closed = None if self.reasoning_parser.harmony else self._prompt_closed(job)
+        wrapped = reasoning_first(spec, self._prompt_tail(job), self.reasoning_parser, self.reasoning_tokens, closed)
         if wrapped is None:
             return job
         return replace(job, params=replace(job.params, structured_outputs=wrapped), reasoned=True)
+
+    def _prompt_closed(self, job: Job) -> bool:
+        """Whether the job's prompt closed the think block: a new turn's by how the prompt ends; a continued
+        message's by its last think tag (by id where a tag is one token: text in a message may spell one)."""
+        if job.continues and self.reasoning_tokens is not None:
+            by_ids = self.reasoning_tokens.prompt_closed(job.prompt_ids)
+            if by_ids is not None:
+                return by_ids
+        return prompt_closed_reasoning(self._prompt_tail(job), job.continues)
 
     def _prompt_tail(self, job: Job) -> str:
         return self.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:])
@@ -152,10 +165,18 @@ class ServingState:
             jobs += [replace(job, n=request.n, params=replace(job.params, seed=seed)) for seed in seeds]
         return jobs
 
+    def _check_ids(self, prompt_ids: list[int], param: str) -> None:
+        """The engine's own check of a prompt's ids (not empty, inside the vocabulary), made here as a 400."""
+        try:
+            check_prompt_ids(prompt_ids, self.engine.vocab_size)
+        except ValueError as err:
+            raise APIError(400, str(err), param=param) from err
+
     def job(self, prompt_ids: list[int], request: SamplingRequest, param: str) -> Job:
         """Sampling settings for one prompt; max_tokens defaults to the route's (completions 16, chat the rest of
         the context), or the generation config's max_new_tokens if that is less (vLLM)."""
         prompt_ids = request.kept_prompt(prompt_ids, self.max_model_len)  # truncate_prompt_tokens, either side
+        self._check_ids(prompt_ids, param)  # here, as every job is built before any starts: no choice runs for a 400
         room = self.max_model_len - len(prompt_ids)
         wanted = request.requested_max_tokens()
         asked = wanted if wanted is not None else request.default_max_tokens()  # (vLLM checks the route's 16 too)
@@ -198,9 +219,9 @@ class ServingState:
                     if finished:
                         self._report_finished(job, request_id, delta, start, now)
                     yield delta
-        except (GeneratorExit, asyncio.CancelledError):  # closed early or cancelled: the client went away
-            aborted = True  # (an engine's failure is no abort: it is answered, and counted, as a 503)
-            raise
+        except (GeneratorExit, asyncio.CancelledError) as err:  # closed early or cancelled: the client went away,
+            aborted = not cancelled_by_sibling(err)  # unless another choice failed (the request's answer: that error)
+            raise  # (an engine's failure is no abort either: it is answered, and counted, as a 503)
         except Exception as err:  # the engine failed it: an ERROR span
             if self.tracer is not None:
                 self.tracer.failed(job, request_id, err, start)
