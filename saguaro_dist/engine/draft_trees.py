@@ -21,7 +21,7 @@ from saguaro_dist.spec import (
     BudgetController, SpecStats, full_acceptance_worth_skipping, scaled_budget, select_branches,
     without_full_acceptance,
 )
-from saguaro_dist.spec.coupled import bonus_guess, sampled_branches, sparse_guess
+from saguaro_dist.spec.coupled import bonus_guess, sampled_branches_of, sparse_guess
 
 
 class TreeBuilding:
@@ -165,12 +165,11 @@ class TreeBuilding:
         probs = sampling_probs(logits.reshape(c * r, v), RowSampling.of([s.sampling for s in states], logits.device,
                                                                          rows_per_seq=r))
         ids, kept = (x.cpu().view(c, r, -1) for x in sparse_guess(bonus_guess(probs.view(c, r, v), spec).flatten(0, 1)))
-        picked = []
-        for s, s_ids, s_kept in zip(states, ids, kept):
+        uniforms = torch.empty(kept.shape, dtype=torch.float64)
+        for s, s_ids, s_kept, s_uniforms in zip(states, ids, kept, uniforms.unbind(0)):
             s.guess = (s_ids.clone(), s_kept.clone())  # its own: a view would keep the batch's guesses alive
-            uniforms = torch.rand(s_kept.shape, generator=s.candidate_generator(), dtype=torch.float64)
-            picked.append(sampled_branches(*s.guess, fanouts[fanout_key(s)], uniforms))
-        return picked
+            torch.rand(s_kept.shape, generator=s.candidate_generator(), dtype=torch.float64, out=s_uniforms)
+        return sampled_branches_of(ids, kept, [fanouts[fanout_key(s)] for s in states], uniforms)
 
     def _glue_logits(self, states: list[DraftSeq]) -> list[torch.Tensor]:
         """Draft logits [K+1, V] over [b, x_1..x_K] per state, from one forward: it runs first the committed

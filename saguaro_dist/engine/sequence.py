@@ -62,7 +62,12 @@ def substream(generator: torch.Generator, index: int) -> torch.Generator:
     `index` alone: how many numbers the stream or other sets drew, or whether a set was cut short, changes
     none of its draws. splitmix64 mixes the two, so that sets next to each other are unrelated (numpy's
     SeedSequence would too, at 23 us a call against 1: one per sequence per tree build)."""
-    return torch.Generator().manual_seed(_splitmix64(generator.initial_seed() ^ _splitmix64(index)) % 2**63)
+    return torch.Generator().manual_seed(substream_seed(generator, index))
+
+
+def substream_seed(generator: torch.Generator, index: int) -> int:
+    """The seed of substream(generator, index): a caller drawing many sets at once reseeds one generator."""
+    return _splitmix64(generator.initial_seed() ^ _splitmix64(index)) % 2**63
 
 
 def _splitmix64(x: int) -> int:
@@ -160,6 +165,11 @@ class Sequence:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token(self) -> int:
+        """tokens[-1], without building `tokens` (a list as long as the sequence, per row a round)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def cache_namespace(self) -> tuple | None:

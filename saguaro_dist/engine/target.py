@@ -32,13 +32,16 @@ class RowSampling:
     def of(settings: list, device: torch.device | str = "cpu", rows_per_seq: int = 1) -> RowSampling:
         """settings: SamplingParams or DraftSampling, one per sequence, each repeated for rows_per_seq rows;
         on `device`, the logits' (the tempered-only draw divides by them without target_probs' moves)."""
-        def per_row(values, dtype):  # one tensor built where it is used (half repeat_interleave's cost)
-            return torch.tensor([v for v in values for _ in range(rows_per_seq)], dtype=dtype, device=device)
-        tempered_only = all(s.temperature > 0 and s.min_p == 0 and s.top_k <= 0 and s.top_p >= 1.0 for s in settings)
-        return RowSampling(per_row([s.temperature for s in settings], torch.float32),
-                           per_row([s.top_k for s in settings], torch.int64),
-                           per_row([s.top_p for s in settings], torch.float32),
-                           per_row([s.min_p for s in settings], torch.float32), tempered_only)
+        columns = [(s.temperature, s.top_k, s.top_p, s.min_p) for s in settings]
+        dtypes = (torch.float32, torch.int64, torch.float32, torch.float32)
+        n = len(columns) * rows_per_seq
+        if columns and all(c == columns[0] for c in columns):  # one setting for all (n samples of a request): no lists
+            made = [torch.full((n,), x, dtype=d, device=device) for x, d in zip(columns[0], dtypes)]
+        else:  # one tensor per setting built where it is used (half repeat_interleave's cost)
+            made = [torch.tensor([c[j] for c in columns for _ in range(rows_per_seq)], dtype=d, device=device)
+                    for j, d in enumerate(dtypes)]
+        tempered_only = all(t > 0 and m == 0 and k <= 0 and p >= 1.0 for t, k, p, m in set(columns))
+        return RowSampling(*made, tempered_only)
 
 
 def sampling_probs(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
@@ -280,7 +283,7 @@ class TargetScorer:
 
     def decode(self, seqs: list[Sequence]) -> list[int]:
         """Plain autoregressive step: run each sequence's last token, sample the next."""
-        logits = self.runner.extend([s.seq_id for s in seqs], [[s.tokens[-1]] for s in seqs], [1] * len(seqs))
+        logits = self.runner.extend([s.seq_id for s in seqs], [[s.last_token] for s in seqs], [1] * len(seqs))
         return self._sample(torch.cat(logits), seqs)
 
     def verify(self, seqs: list[Sequence], coupling: Callable[[], Coupling | None] | None = None
@@ -293,7 +296,7 @@ class TargetScorer:
         """
         k = len(seqs[0].speculation.tokens)
         ids = [s.seq_id for s in seqs]
-        inputs = [[s.tokens[-1]] + s.speculation.tokens.tolist() for s in seqs]
+        inputs = [[s.last_token] + s.speculation.tokens.tolist() for s in seqs]
         drafted = [x[1:] for x in inputs]
         logits = self._grammar_masked(torch.stack(self.runner.extend(ids, inputs, [k + 1] * len(seqs))), seqs, drafted)
         scored = self._scored(logits, seqs, drafted)  # [B, K+1, V]
@@ -310,7 +313,7 @@ class TargetScorer:
         accepted, bonus = result.accepted.tolist(), result.bonus.tolist()
         self._fail_at_empty_rows(seqs, empty, accepted)
         for i, (s, n, t) in enumerate(zip(seqs, accepted, bonus)):
-            self.runner.truncate(s.seq_id, len(s.tokens) + n)
+            self.runner.truncate(s.seq_id, s.num_tokens + n)
             if s.params.logprobs is not None:  # positions 0..k scored x_1..x_k and then t*
                 s.round_logprobs = token_logprobs(logits[i, :n + 1], inputs[i][1:n + 1] + [t], s.params.logprobs)
         return accepted, bonus

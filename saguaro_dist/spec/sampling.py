@@ -196,6 +196,13 @@ def row_uniforms(generators: Generators, n: int, m: int, device=None) -> torch.T
         raise ValueError(f"need one generator (or None) per row: {n} rows, {len(gens)} generators")
     if not n or all(g is gens[0] for g in gens):  # one group (a tree's branches): the same draws, no row scatter
         return _uniforms(gens[0] if n else None, n, m, device)
+    if len(set(map(id, gens))) == n and all(g is not None and g.device.type == "cpu" for g in gens):
+        # Every row its own CPU generator (seeded requests): each draws its m numbers straight into its row,
+        # and the batch moves once (per-row tensors and a cat cost ~2x, 64 rows a round).
+        out = torch.empty((n, m), dtype=torch.float64)
+        for g, row in zip(gens, out.unbind(0)):
+            torch.rand(m, generator=g, dtype=torch.float64, out=row)
+        return out.to(device)
     groups: dict[int, tuple[torch.Generator | None, list[int]]] = {}
     for i, g in enumerate(gens):
         groups.setdefault(id(g), (g, []))[1].append(i)
