@@ -150,28 +150,25 @@ def check_greedy_generation(pair: dict, mode: str, prompt: list[int], n: int) ->
 
 
 # ---- tensor parallel: 2 gloo ranks in spawned processes --------------------------------------------------
-def tp_rank_logits(rank: int, port: int, path: str, result_file: str, seq: list[int]) -> None:
+def tp_rank_logits(rank: int, init_method: str, path: str, result_file: str, seq: list[int]) -> None:
     """One rank's runner_logits of seq (or its ValueError's message), saved to result_file.<rank>."""
-    import torch.distributed as dist
+    from test_model_tp import gloo_world
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
+    with gloo_world(rank, 2, init_method) as group:
         try:
-            result = runner_logits(ModelRunner(path, tp_group=dist.group.WORLD), seq)
+            result = runner_logits(ModelRunner(path, tp_group=group), seq)
         except ValueError as err:
             result = str(err)
         torch.save(result, f"{result_file}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def two_rank_logits(path, seq: list[int]) -> list:
     """Each of 2 tensor-parallel ranks' runner_logits of seq, or its ValueError's message."""
     import torch.multiprocessing as mp
-    from test_model_tp import free_port
+    from test_model_tp import rendezvous
     with tempfile.TemporaryDirectory() as out:
         result_file = os.path.join(out, "logits")
-        mp.spawn(tp_rank_logits, args=(free_port(), str(path), result_file, seq), nprocs=2, join=True)
+        mp.spawn(tp_rank_logits, args=(rendezvous(), str(path), result_file, seq), nprocs=2, join=True)
         return [torch.load(f"{result_file}.{rank}") for rank in (0, 1)]
 
 

@@ -10,7 +10,6 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from model_checks import ATOL
 from safetensors.torch import load_file, save_file
@@ -294,13 +293,11 @@ def workload(runner: ModelRunner) -> list[torch.Tensor]:
     return out + [logits, runner.branch_step(state, torch.tensor([30, 31, 32]))]
 
 
-def _rank(rank: int, port: int, path: str, dirs: list[str], result_file: str):
+def _rank(rank: int, init_method: str, path: str, dirs: list[str], result_file: str):
+    from test_model_tp import gloo_world
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        torch.save(workload(lora_runner(path, dirs, tp_group=dist.group.WORLD)), f"{result_file}.{rank}")
-    finally:
-        dist.destroy_process_group()
+    with gloo_world(rank, 2, init_method) as group:
+        torch.save(workload(lora_runner(path, dirs, tp_group=group)), f"{result_file}.{rank}")
 
 
 @pytest.mark.slow
@@ -308,11 +305,11 @@ def _rank(rank: int, port: int, path: str, dirs: list[str], result_file: str):
 def test_two_ranks_equal_one(kind, request, tmp_path):
     """Phi-3: each rank's columns of a fused B are its q, k and v (gate and up) blocks. One KV head: each rank
     holds it (and B's columns of it) whole."""
-    from test_model_tp import free_port
+    from test_model_tp import rendezvous
     torch.set_num_threads(1)
     adapters = request.getfixturevalue(kind)
     dirs = [str(d) for d in adapters["dirs"]]
-    mp.spawn(_rank, args=(free_port(), str(adapters["path"]), dirs, str(tmp_path / "out")), nprocs=2, join=True)
+    mp.spawn(_rank, args=(rendezvous(), str(adapters["path"]), dirs, str(tmp_path / "out")), nprocs=2, join=True)
     rank0, rank1 = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
     want = workload(lora_runner(adapters["path"], dirs))
     for a, b, w in zip(rank0, rank1, want, strict=True):

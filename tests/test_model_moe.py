@@ -118,7 +118,7 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path):
     """Each expert's width split over 2 ranks, the router replicated, one all-reduce a block: the logits of
     1 rank, on extend and branch decode; an odd expert width is refused, naming it."""
     import torch.multiprocessing as mp
-    from test_model_tp import _rank, free_port, workload
+    from test_model_tp import _rank, rendezvous, workload
     paths = [str(tmp_path / f) for f in ("mixtral", "qwen3_moe_step2")]
     for path, family in zip(paths, ("mixtral", "qwen3_moe_step2")):
         save_moe(path, family, seed=6)
@@ -126,7 +126,7 @@ def test_tensor_parallel_two_ranks_equal_one(tmp_path):
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**COMMON, "intermediate_size": 48, "moe_intermediate_size": 25,
                                           "num_hidden_layers": 1, "num_experts": 4})).save_pretrained(odd)
-    mp.spawn(_rank, args=(2, free_port(), paths, str(odd), str(tmp_path / "out")), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(), paths, str(odd), str(tmp_path / "out")), nprocs=2, join=True)
     rank0, rank1 = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
     assert "tensor parallel size 2 must divide moe_intermediate_size=25" in rank0.pop()
     rank1.pop()

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from model_checks import hf_logits, random_tokens, runner_logits, save_seeded
-from test_model_tp import free_port, workload
+from test_model_tp import gloo_world, rendezvous, workload
 from transformers import Olmo2Config, Olmo2ForCausalLM
 
 from saguaro_dist.model.runner import ModelRunner
@@ -22,18 +21,14 @@ CONFIG = {"vocab_size": 64, "hidden_size": 64, "intermediate_size": 96, "num_hid
 SEQ = random_tokens(3, 14, CONFIG["vocab_size"])
 
 
-def _rank(rank: int, port: int, path: str, result_file: str) -> None:
+def _rank(rank: int, init_method: str, path: str, result_file: str) -> None:
     """Each rank's logits: the TP workload in fp32 and in bf16, and runner_logits of SEQ (fp32)."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        group = dist.group.WORLD
+    with gloo_world(rank, 2, init_method) as group:
         result = {"fp32": workload(ModelRunner(path, tp_group=group)),
                   "bf16": workload(ModelRunner(path, tp_group=group, dtype=torch.bfloat16)),
                   "seq": runner_logits(ModelRunner(path, tp_group=group), SEQ)}
         torch.save(result, f"{result_file}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +36,7 @@ def olmo2(tmp_path_factory):
     path = tmp_path_factory.mktemp("olmo2")
     torch.set_num_threads(1)
     model = save_seeded(path, Olmo2ForCausalLM, lambda: Olmo2Config(**CONFIG), seed=7)
-    mp.spawn(_rank, args=(free_port(), str(path), str(path / "out")), nprocs=2, join=True)
+    mp.spawn(_rank, args=(rendezvous(), str(path), str(path / "out")), nprocs=2, join=True)
     return {"path": str(path), "model": model, "ranks": [torch.load(path / f"out.{r}") for r in (0, 1)]}
 
 

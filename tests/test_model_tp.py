@@ -1,7 +1,8 @@
 """Tensor parallel: 2 CPU ranks (gloo) give the logits of 1 rank, for extend and branch decode."""
 from __future__ import annotations
 
-import socket
+import contextlib
+import tempfile
 
 import pytest
 import torch
@@ -13,10 +14,22 @@ from saguaro_dist.model import ModelRunner
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous() -> str:
+    """Where spawned gloo ranks meet: a fresh file, not a TCP port (a probed free port can be taken by another
+    test before the store binds it, and the TCP store's thread aborted a rank at teardown once in CI)."""
+    return f"file://{tempfile.mkdtemp(prefix='gloo-')}/store"
+
+
+@contextlib.contextmanager
+def gloo_world(rank: int, world: int, init_method: str):
+    """The gloo group of `world` spawned ranks; a barrier before the teardown, so no rank destroys the group
+    while a peer still reads its last collective."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        yield dist.group.WORLD
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def workload(runner: ModelRunner) -> list[torch.Tensor]:
@@ -32,19 +45,16 @@ def workload(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, paths: list[str], indivisible: str, result_file: str):
+def _rank(rank: int, world: int, init_method: str, paths: list[str], indivisible: str, result_file: str):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        results = [workload(ModelRunner(p, tp_group=dist.group.WORLD)) for p in paths]
+    with gloo_world(rank, world, init_method) as group:
+        results = [workload(ModelRunner(p, tp_group=group)) for p in paths]
         try:  # 3 key/value heads cannot be split over 2 ranks (nor 1 replicated on each)
-            ModelRunner(indivisible, tp_group=dist.group.WORLD)
+            ModelRunner(indivisible, tp_group=group)
             results.append("no error")
         except ValueError as e:
             results.append(str(e))
         torch.save(results, f"{result_file}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +84,7 @@ def test_two_ranks_equal_one(tiny_checkpoint, odd_vocab_biased, tmp_path):
     indivisible = tmp_path / "three_kv_heads"
     LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=6, num_key_value_heads=3)).save_pretrained(indivisible)
-    mp.spawn(_rank, args=(2, free_port(), paths, str(indivisible), str(tmp_path / "out")), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, rendezvous(), paths, str(indivisible), str(tmp_path / "out")), nprocs=2, join=True)
     rank0, rank1 = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
     assert "tensor parallel size 2 must divide num_key_value_heads=3 (or, with fewer KV heads" in rank0.pop()
     rank1.pop()

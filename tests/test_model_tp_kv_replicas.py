@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from engine_helpers import assert_greedy_equal, hf_greedy
 from model_checks import ATOL, hf_logits, randomise, random_tokens, runner_logits
-from test_model_tp import free_port
+from test_model_tp import gloo_world, rendezvous
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Olmo2Config,
                           Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
@@ -57,25 +56,22 @@ def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
     return out
 
 
-def _rank(rank: int, world: int, port: int, paths: list[str], result_file: str) -> None:
+def _rank(rank: int, world: int, init_method: str, paths: list[str], result_file: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with gloo_world(rank, world, init_method) as group:
         results = []
         for path in paths:
-            runner = ModelRunner(path, tp_group=dist.group.WORLD)
+            runner = ModelRunner(path, tp_group=group)
             results.append({"kv_heads": runner.pool.k.shape[2], "logits": runner_logits(runner, random_tokens(3, 12, VOCAB)),
                             "greedy": greedy(runner, PROMPT, NEW)})
         torch.save(results, f"{result_file}.{rank}")
-    finally:
-        dist.destroy_process_group()
 
 
 def check_ranks(tmp_path, world: int, cases: list[tuple[str, int]]) -> None:
     """Each (family, KV heads) case over `world` ranks: one KV head a rank, transformers' logits and tokens."""
     models = [save(tmp_path / f"{f}{kv}", f, kv, seed=i) for i, (f, kv) in enumerate(cases)]
     paths = [str(tmp_path / f"{f}{kv}") for f, kv in cases]
-    mp.spawn(_rank, args=(world, free_port(), paths, str(tmp_path / "out")), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, rendezvous(), paths, str(tmp_path / "out")), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"out.{r}") for r in range(world)]
     for i, model in enumerate(models):
         first = ranks[0][i]
