@@ -314,9 +314,6 @@ class Config:
         check_memory_utilization(self.gpu_memory_utilization)
         check_seed(self.seed)
         check_lora_config(self.enable_lora, self.max_loras, self.max_lora_rank, self.max_cpu_loras)
-        if self.max_model_len is not None and self.mode is not Mode.AR and self.max_model_len - (self.k + 1) < 2:
-            raise ValueError(f"k = {self.k} leaves no room in max_model_len = {self.max_model_len}: a round scores "
-                             f"K+1 positions past a prompt token and a generated one (lower k, or raise max_model_len)")
 
     def _validate_times(self):
         if not is_number(self.draft_spin_s) or not 0.0 <= self.draft_spin_s <= 1.0:

@@ -115,7 +115,7 @@ def test_a_duplicate_just_in_time_draft_is_refused_and_changes_nothing(served):
 
 
 def test_a_draft_past_max_model_len_is_refused_before_any_sequence_of_its_batch_commits(served):
-    max_len = served.worker.runner.max_model_len
+    max_len = served.worker.runner.max_positions  # max_model_len and the draft's position slack
     served.prefill([PrefillRequest(1, [5] * (max_len - 6), GREEDY), PrefillRequest(2, [5, 6, 7], GREEDY)])
     served.jit([JitDraftRequest(1, 0, 0, 7, skip_tree=True), JitDraftRequest(2, 0, 0, 7, skip_tree=True)])
     before = served.state(1), served.state(2)

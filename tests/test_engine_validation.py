@@ -21,14 +21,14 @@ def test_a_max_tokens_past_the_context_is_capped_there(llm):
     """vLLM's offline LLM: prompt + max_tokens beyond max_model_len runs to the context's end, finish "length"
     (it was refused)."""
     out = llm.generate(prompt_token_ids=[[1] * 50], sampling_params=SamplingParams(temperature=0, max_tokens=30))[0]
-    assert len(out.prompt_token_ids) + len(out.token_ids) == llm.max_model_len == 61 and out.finish_reason == "length"
+    assert len(out.prompt_token_ids) + len(out.token_ids) == llm.max_model_len == 64 and out.finish_reason == "length"
 
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(prompt_token_ids=[[]]), "empty prompt"),
     (dict(prompt_token_ids=[[1, 2, 999]]), "token ids must be in"),
-    (dict(prompt_token_ids=[[1] * 61]), "leaves 0 of the model's max length 61"),
-    (dict(prompt_token_ids=[[1] * 50], sampling_params=SamplingParams(max_tokens=30, min_tokens=12)), "needs 12"),
+    (dict(prompt_token_ids=[[1] * 64]), "leaves 0 of the model's max length 64"),
+    (dict(prompt_token_ids=[[1] * 50], sampling_params=SamplingParams(max_tokens=30, min_tokens=15)), "needs 15"),
     (dict(prompts=["hello"]), "no tokenizer"),
     (dict(), "exactly one of"),
     (dict(prompt_token_ids=[[1], [2]], sampling_params=[SamplingParams()]), "sampling_params for 2 prompts"),
@@ -67,15 +67,15 @@ def test_sampling_params_may_be_any_iterable_of_them(llm):
     assert got == want
 
 
-def test_k_that_leaves_no_room_in_the_context_is_refused_at_construction(tiny_llama_pair):
-    """K+1 scored positions past a prompt token and a generated one must fit: a k as long as the context was
-    taken, and every request then failed against "the model's max length -89"."""
+def test_a_k_as_long_as_the_context_runs_to_its_end(tiny_llama_pair):
+    """Once, a k as long as the context failed every request against "the model's max length -89", then was
+    refused ("k = 4 leaves no room in max_model_len = 6"): a round's K + 1 scored positions now run in the
+    target's position slack, so a context of 2 holds a prompt token and a generated one in every mode."""
     target, draft = tiny_llama_pair
-    with pytest.raises(ValueError, match="k = 4 leaves no room in max_model_len = 6"):  # (Config says it now)
-        LLM(model=target, draft=draft, mode="sd", k=4, fan_out=5, max_model_len=6)
-    with LLM(model=target, draft=draft, mode="sd", k=4, fan_out=5, max_model_len=7) as tight:  # room for one token
-        out = tight.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(temperature=0, max_tokens=1))
-    assert len(out[0].token_ids) == 1
+    with LLM(model=target, draft=draft, mode="sd", k=4, fan_out=5, max_model_len=2) as tight:
+        assert tight.max_model_len == 2
+        out = tight.generate(prompt_token_ids=[[1]], sampling_params=SamplingParams(temperature=0, max_tokens=9))
+    assert len(out[0].token_ids) == 1 and out[0].finish_reason == "length"
 
 
 def test_vocab_mismatch_between_target_and_draft(tiny_llama_pair, tmp_path):

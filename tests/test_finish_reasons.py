@@ -20,10 +20,10 @@ FORCE = 100.0  # a logit bias no other token beats
 @pytest.fixture(scope="module")
 def engines():
     target, draft = str(PAIR_DIR / "target"), str(PAIR_DIR / "draft")
-    # one usable context for all: a speculative engine keeps K + 1 = 5 positions for its rounds
+    # one context for all (a speculative engine once kept K + 1 = 5 positions of it: 64 stood for ar's 59)
     with (LLM(model=target, mode="ar", max_model_len=59) as ar,
-          LLM(model=target, draft=draft, mode="sd", k=4, max_model_len=64) as sd,
-          LLM(model=target, draft=draft, mode="ssd", k=4, max_model_len=64) as ssd):
+          LLM(model=target, draft=draft, mode="sd", k=4, max_model_len=59) as sd,
+          LLM(model=target, draft=draft, mode="ssd", k=4, max_model_len=59) as ssd):
         yield {"ar": ar, "sd": sd, "ssd": ssd}
 
 
@@ -117,8 +117,9 @@ def test_a_stop_token_whose_text_holds_a_stop_string_ends_as_the_token(engines):
 
 
 def test_eos_that_fills_the_context_is_stop(engines):
-    """max_tokens=None runs to the context's end (LLM.max_model_len, which leaves a speculative round its
-    K + 1 positions); an EOS that fills it is still "stop" (EOS comes before vLLM's max_model_len check)."""
+    """max_tokens=None runs to the context's end (LLM.max_model_len, every mode's: a speculative round's
+    positions past it run in the target's position slack); an EOS that fills it is still "stop" (EOS comes
+    before vLLM's max_model_len check)."""
     def prompt(llm: LLM) -> list[int]:
         ids = llm.tokenizer.encode(PROMPT * 20, add_special_tokens=False)
         return ids[:llm.max_model_len - AT]

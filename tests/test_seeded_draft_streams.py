@@ -41,7 +41,7 @@ ALPHA = 1e-3
 class FlatRunner:
     """A draft model whose next-token logits are the same after any text (the ModelRunner calls the
     draft worker makes for prefills and just-in-time drafts)."""
-    max_model_len = 1 << 20
+    max_model_len = max_positions = 1 << 20
     device = torch.device("cpu")
 
     def __init__(self, logits: torch.Tensor):

@@ -127,9 +127,10 @@ class TargetRank:
         """Collective: every rank at once. Loads the shard; rank 0 builds the engine, others follow.
         fit: the DraftFit the driver gave the drafts (None: no draft); draft_actors: their handles, for
         rank 0 to find a restarted one at its new address."""
-        from saguaro_dist.engine.build import make_runner
+        from saguaro_dist.engine.build import make_runner, position_slack
         group = self._join_group(master)
-        runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision, lora=True)
+        runner = make_runner(self.config.model, self.config, tp_group=group, revision=self.config.revision, lora=True,
+                             slack=position_slack(self.config))
         if self.rank > 0:
             freeze_startup_heap()
             self._follower = threading.Thread(target=run_follower, args=(runner, group), daemon=True,

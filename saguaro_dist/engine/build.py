@@ -34,12 +34,22 @@ class DraftFit:
     draft_config: ModelConfig | None = field(default=None, compare=False, repr=False)
 
 
+def position_slack(config: Config, draft: bool = False) -> int:
+    """A runner's KV and RoPE positions past max_model_len. The target's: a speculative round scores K + 1
+    positions past the last token, so at the context's end some past max_model_len; their tokens are cut
+    (finish "length"), and every kept one reads only positions before it, so the modes fill the whole context
+    exactly, as AR. The draft's: a tree's branch reaches K + 1 tokens past a sequence (K accepted and the
+    bonus), then K draft tokens more, so a sequence keeps its draft up to max_model_len (sd_loop _draft_room)."""
+    return 0 if config.mode is Mode.AR else (2 if draft else 1) * (config.k + 1)
+
+
 def make_runner(path: str, config: Config, tp_group=None, device: str | None = None,
-                fit: DraftFit | None = None, revision: str | None = None, lora: bool = False) -> ModelRunner:
+                fit: DraftFit | None = None, revision: str | None = None, lora: bool = False,
+                slack: int = 0) -> ModelRunner:
     """A runner on `device` (default: the target's, config.device) with the config's settings; a draft's
     `fit` sets the vocabulary it speaks and the longest sequence it holds (fit_draft). lora: the target's,
     with config.max_loras adapter slots under enable_lora (the draft has none: it drafts for the base model,
-    and the target's verify with the adapter keeps outputs exact)."""
+    and the target's verify with the adapter keeps outputs exact). slack: the target's position_slack."""
     device = device or config.device
     loras = dict(max_loras=config.max_loras if lora and config.enable_lora else 0, max_lora_rank=config.max_lora_rank)
     cuda_graphs = device.startswith("cuda") and not config.enforce_eager
@@ -48,7 +58,8 @@ def make_runner(path: str, config: Config, tp_group=None, device: str | None = N
                        max_model_len=fit.max_model_len if fit else config.max_model_len, tp_group=tp_group,
                        cuda_graphs=cuda_graphs, max_batch_size=config.max_batch_size, branch_depth=config.k + 1,
                        max_num_batched_tokens=config.max_num_batched_tokens, vocab_size=fit.vocab_size if fit else None,
-                       revision=revision, gpu_memory_utilization=config.gpu_memory_utilization, **loras)
+                       revision=revision, gpu_memory_utilization=config.gpu_memory_utilization,
+                       position_slack=slack, **loras)
 
 
 def eos_ids(runner, tokenizer, config: Config | None = None) -> set[int]:
@@ -133,7 +144,7 @@ def build_draft_worker(config: Config, fit: DraftFit | None = None, device: str 
     def tokenizer():  # for structured outputs, at the first request with a grammar: the draft's, else the target's
         return try_load_tokenizer(config.draft, config.draft_revision) or target_tokenizer(config)
     runner = make_runner(config.draft, config, device=device or config.draft_device_resolved, fit=fit,
-                         revision=config.draft_revision)
+                         revision=config.draft_revision, slack=position_slack(config, draft=True))
     return DraftWorker(config, runner, tokenizer)
 
 
@@ -215,6 +226,6 @@ def build_local_engine(config: Config) -> tuple[Engine, object]:
         torch.set_num_threads(config.target_threads)
     tokenizer = target_tokenizer(config)
     fit = fit_draft(config, tokenizer) if config.uses_draft else None
-    target = make_runner(config.model, config, revision=config.revision, lora=True)
+    target = make_runner(config.model, config, revision=config.revision, lora=True, slack=position_slack(config))
     backend = build_local_draft(config, fit) if fit else None
     return Engine(config, target, backend, tokenizer, eos_ids(target, tokenizer, config)), tokenizer

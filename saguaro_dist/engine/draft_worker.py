@@ -250,9 +250,9 @@ class DraftWorker(TreeBuilding):
         """A just-in-time draft's forwards end with len(committed) + accepted + K positions in the KV (the bonus,
         then x_1..x_{K-1}): checked before any sequence of the batch commits."""
         needed = len(s.committed) + accepted + self.k
-        if needed > self.runner.max_model_len:
+        if needed > self.runner.max_positions:  # max_model_len and its position slack (engine/build.py)
             raise ContextFull(f"sequence {s.seq_id}: a just-in-time draft would take it to {needed} positions, past "
-                              f"the draft's max_model_len {self.runner.max_model_len}")
+                              f"the draft's max_model_len {self.runner.max_model_len} and its position slack")
 
     def jit_reply_bytes(self, reqs: list[JitDraftRequest]) -> int:
         """An upper bound of jit_draft(reqs)'s answer encoded (proposal_codec.py): a sampled row's q as dense K x V

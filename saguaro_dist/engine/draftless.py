@@ -76,7 +76,7 @@ class NgramLoop(ARLoop):
 
     def __init__(self, target: TargetScorer, metrics: EngineMetrics, config: Config):
         super().__init__(target, metrics)
-        self.lookups = LookupRounds(config, target.runner.max_model_len)  # each round's length: engine/lookup_rounds.py
+        self.lookups = LookupRounds(config, target.runner.max_positions)  # each round's length: engine/lookup_rounds.py
 
     def prepare(self, seqs):
         for s, proposal in zip(seqs, self.lookups.propose(seqs)):

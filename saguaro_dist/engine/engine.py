@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from saguaro_dist.config import Config, Mode, SchedulingPolicy
+from saguaro_dist.config import Config, SchedulingPolicy
 from saguaro_dist.engine.committing import Committing, Update
 from saguaro_dist.engine.detokenizer import Detokenizer
 from saguaro_dist.engine.lora_slots import AdapterLoadError
@@ -18,12 +18,6 @@ from saguaro_dist.engine.target import TargetScorer
 from saguaro_dist.model.prefix_cache import MIN_REUSE, common_prefix_len, reusable_len
 
 log = logging.getLogger(__name__)
-
-
-def usable_context(max_model_len: int, config: Config) -> int:
-    """The positions a sequence may fill: a speculative round scores K+1 positions past the last token,
-    which must stay inside the model (LLM.max_model_len is the same length)."""
-    return max_model_len - (0 if config.mode is Mode.AR else config.k + 1)
 
 
 def check_prompt_ids(prompt: list[int], vocab_size: int) -> None:
@@ -50,7 +44,9 @@ class Engine(Committing):
         self.target = TargetScorer(target_runner, frozenset(eos_token_ids), config.enable_prefix_caching,
                                    config.max_cpu_loras)
         self.vocab_size, self.max_model_len = target_runner.vocab_size, target_runner.max_model_len
-        self.context_len = usable_context(self.max_model_len, config)  # where a sequence ends at "length"
+        # Where a sequence ends at "length", in every mode: a speculative round at the end scores positions past
+        # it in the target's position slack (engine/build.py), and Committing cuts their tokens.
+        self.context_len = self.max_model_len
         self.loop = build_loop(config, self.target, draft_backend, self.metrics)
         self.draft = draft_backend
         self.detok = Detokenizer(tokenizer)

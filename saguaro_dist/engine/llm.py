@@ -67,14 +67,9 @@ class LLM(RequestInputs):
         else:
             from saguaro_dist.distributed.cluster import build_cluster_engine
             self._thread, self.tokenizer = build_cluster_engine(config)
-        # A speculative round scores up to K+1 positions past the last token: keep them inside the model.
-        headroom = 0 if config.mode is Mode.AR else config.k + 1
-        self.max_model_len = self._thread.max_model_len - headroom
-        if headroom and self.max_model_len < 2:  # else every request failed against a max length of 0 or less
-            self._thread.stop()
-            raise ValueError(f"k = {config.k} leaves no room in a context of {self._thread.max_model_len} tokens: a "
-                             f"round scores K+1 positions past a prompt token and a generated one (lower k, or "
-                             f"raise max_model_len)")
+        # Every mode fills the whole context, as AR: a speculative round's positions past it run in the target's
+        # position slack (engine/build.py position_slack), and their tokens are cut.
+        self.max_model_len = self._thread.max_model_len
         self.vocab_size, self.eos_token_ids = self._thread.vocab_size, self._thread.eos_token_ids
         self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self._token_texts = TokenTexts(self.tokenizer)  # Logprob.decoded_token, one decode per token id

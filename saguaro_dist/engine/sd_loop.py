@@ -57,8 +57,9 @@ class SDLoop(ARLoop):
         super().__init__(target, metrics)
         self.draft, self.config = draft, config
         # A sequence longer than this leaves the draft (_leave_draft): a tree's branch reaches K + 1 tokens
-        # past it (K accepted and the bonus), then K draft tokens more, inside the draft's context.
-        self._draft_room = draft.max_model_len - 2 * (config.k + 1)
+        # past it (K accepted and the bonus), then K draft tokens more, inside the draft runner's position
+        # slack of 2 (K + 1) (engine/build.py position_slack): to the draft's own max_model_len.
+        self._draft_room = draft.max_model_len
         self._drafted_this_round = False
         self._unfit_warning = Throttle(UNFIT_WARN_EVERY_S)
         self.emitted = EmittedTokens(metrics)  # rounds' tokens by kind, counted once the engine kept them

@@ -44,7 +44,7 @@ class SSDLoop(LookupRows, CohortRounds, SDLoop):
         # Rows of tree rounds may take their n-gram proposal where it measures better, as whole rounds may.
         self.picker = LookupPicker() if self.gate and RoundMode.FAST in gate_modes(config) else None
         # Whole rounds of n-gram proposals (RoundMode.FAST) propose the length that measures fastest.
-        self.lookup_rounds = LookupRounds(config, target.runner.max_model_len) if self.picker else None
+        self.lookup_rounds = LookupRounds(config, target.runner.max_positions) if self.picker else None
         self._lookup_round = False  # this round is one: LookupRounds measures its verify
         self._wait_at_start = 0.0  # metrics.draft_wait_s as this round began: its wait for trees and drafts is the growth
         self._batch_size = 0  # this round's rows

@@ -36,11 +36,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 @dataclass(frozen=True)
 class KVNeed:
     """The pool's worst case: `batch` sequences (and `spare_rows` more: the CUDA graphs' scratch row)
-    of `max_len` positions."""
+    of `max_len` positions (max_model_len) and `slack` more (a speculative target's, ModelRunner position_slack)."""
     batch: int
     spare_rows: int
     max_len: int
     bytes_per_token: int
+    slack: int = 0
 
     @property
     def rows(self) -> int:
@@ -48,15 +49,20 @@ class KVNeed:
 
     @property
     def bytes(self) -> int:
-        return self.rows * self.max_len * self.bytes_per_token
+        return self.rows * self.positions * self.bytes_per_token
+
+    @property
+    def positions(self) -> int:
+        """What one row holds."""
+        return self.max_len + self.slack
 
     def fitting_len(self, budget: int) -> int:
         """The longest max_model_len whose worst case fits `budget` at this batch (0: none)."""
-        return budget // (self.rows * self.bytes_per_token)
+        return max(0, budget // (self.rows * self.bytes_per_token) - self.slack)
 
     def fitting_batch(self, budget: int) -> int:
         """The largest batch of max_len sequences that fits `budget` (0: none)."""
-        return max(0, budget // (self.max_len * self.bytes_per_token) - self.spare_rows)
+        return max(0, budget // (self.positions * self.bytes_per_token) - self.spare_rows)
 
 
 def cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -95,7 +101,8 @@ def shortfall(need: KVNeed, budget: int, device: torch.device, utilization: floa
             else f"max_batch_size {need.batch}")
     fits = [f"max_model_len {need.fitting_len(budget)}"] if need.fitting_len(budget) else []
     fits += [f"max_batch_size (max_num_seqs) {need.fitting_batch(budget)}"] if need.fitting_batch(budget) else []
-    return (f"the KV cache's worst case, {rows} x max_model_len {need.max_len} x "
+    positions = f"max_model_len {need.max_len}" + (f" (+ {need.slack} speculative)" if need.slack else "")
+    return (f"the KV cache's worst case, {rows} x {positions} x "
             f"{need.bytes_per_token} bytes a position = {_size(need.bytes)}, is more than the "
             f"{_size(budget)} that {device} has for it at gpu_memory_utilization {utilization} "
             f"(what the weights and other processes leave). "
@@ -109,7 +116,7 @@ def check_kv_fits(need: KVNeed, device: torch.device, utilization: float, strict
     why = shortfall(need, budget, device, utilization)
     if why is None:  # vLLM's start-up line on its KV cache, in this pool's terms
         log.info("KV cache on %s: up to %d rows x %d positions = %s (%s), %s free for it at gpu_memory_utilization %s",
-                 device, need.rows, need.max_len, _size(need.bytes), "allocated now" if strict else "grown on demand",
+                 device, need.rows, need.positions, _size(need.bytes), "allocated now" if strict else "grown on demand",
                  _size(budget), utilization)
         return
     if strict:

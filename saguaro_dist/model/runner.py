@@ -27,19 +27,26 @@ class ModelRunner:
     def __init__(self, path_or_hf_id, *, device="cpu", dtype=torch.float32, max_model_len=None, tp_group=None,
                  cuda_graphs=False, max_batch_size=8, branch_depth=8, max_num_batched_tokens=2048, vocab_size=None,
                  revision=None, gpu_memory_utilization=0.9, preallocate_kv=None, max_loras=0, max_lora_rank=16,
-                 model_config: ModelConfig | None = None):
+                 model_config: ModelConfig | None = None, position_slack: int = 0):
         """dtype: a torch.dtype, its name, or "auto" (this checkpoint's, for this device: model/device.py
         auto_dtype). vocab_size: the ids this runner takes and scores, when not its checkpoint's own (a draft
         matched to its target's padded vocabulary, model/vocab.py). revision: a Hub id's branch, tag or commit.
         preallocate_kv: allocate the KV pool's worst case now, failing if it does not fit the memory
         gpu_memory_utilization allows (None: on CUDA; else it grows on demand); model/memory.py. max_loras: LoRA
         adapter slots (0: LoRA off, no op added), each of rank up to max_lora_rank (load_lora, add's lora_slot).
-        model_config: load_config's parse of this checkpoint when the caller has it (a draft's DraftFit)."""
+        model_config: load_config's parse of this checkpoint when the caller has it (a draft's DraftFit).
+        position_slack: KV and RoPE positions a sequence may hold past max_model_len (a speculative target's
+        K + 1: a round at the context's end scores positions whose tokens the engine then cuts)."""
         model_dir = resolve_model_dir(path_or_hf_id, revision=revision)
         self.config = cfg = model_config or load_config(model_dir)
         self.vocab_size = vocab_size or cfg.vocab_size
         self.max_model_len = int(max_model_len or cfg.max_position_embeddings)
         check_max_model_len(self.max_model_len, cfg)
+        if type(position_slack) is not int or position_slack < 0:
+            raise ValueError(f"position_slack must be an integer >= 0, got {position_slack!r}")
+        # The slack may pass max_position_embeddings: RoPE is arithmetic there, and a token emitted at position q
+        # reads only positions < q, so no token the engine keeps (all < max_model_len) sees a slack position.
+        self.max_positions = self.max_model_len + position_slack  # what one sequence's KV may hold
         self.device = resolve_device(device)
         self.dtype = runner_dtype(path_or_hf_id, dtype, cfg, self.device)
         self.max_num_batched_tokens = checked_batched_tokens(max_num_batched_tokens)
@@ -50,7 +57,7 @@ class ModelRunner:
             preallocate = self.device.type == "cuda" if preallocate_kv is None else preallocate_kv
             graphed = cuda_graphs and tp_group is None and graph_refusal(self.model) is None  # see _step_graphs
             self.pool = self._kv_pool(kv_heads, max_batch_size, graphed, preallocate, gpu_memory_utilization)
-            self.cos, self.signed_sin = model_rope_tables(cfg.rope_dim, cfg.rope, cfg.local_rope, self.max_model_len,
+            self.cos, self.signed_sin = model_rope_tables(cfg.rope_dim, cfg.rope, cfg.local_rope, self.max_positions,
                                                           self.device, torch.float32 if cfg.rope_fp32 else self.dtype)
             self.graphs = self._step_graphs(cuda_graphs, tp_group, max_batch_size, branch_depth)
         self._seqs: dict[Hashable, list[int]] = {}  # seq_id -> [pool row, stored length]
@@ -80,15 +87,16 @@ class ModelRunner:
     def _kv_pool(self, kv_heads: int, max_batch_size: int, graphed: bool, preallocate: bool,
                  utilization: float) -> KVPool:
         """Checked against the memory left after the weights (model/memory.py). Preallocated: memory for
-        every row at max_model_len now (the pool's capacity still grows within it); else 4 rows of 128
+        every row at max_positions now (the pool's capacity still grows within it); else 4 rows of 128
         positions, grown on demand. With graphs, rows for a full batch and the scratch row from the start
         either way: a pool that grows drops every captured graph."""
         cfg = self.config
         need = KVNeed(max_batch_size, int(graphed), self.max_model_len,
-                      kv_bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype))
+                      kv_bytes_per_token(cfg.num_layers, kv_heads, cfg.head_dim, self.dtype),
+                      slack=self.max_positions - self.max_model_len)
         check_kv_fits(need, self.device, utilization, strict=preallocate)
         rows = need.rows if preallocate or graphed else 4
-        return KVPool(cfg.num_layers, kv_heads, cfg.head_dim, self.max_model_len, self.device, self.dtype,
+        return KVPool(cfg.num_layers, kv_heads, cfg.head_dim, self.max_positions, self.device, self.dtype,
                       rows=rows, reserve=preallocate)
 
     def _step_graphs(self, cuda_graphs: bool, tp_group, max_batch_size: int, branch_depth: int) -> StepGraphs | None:
@@ -177,6 +185,10 @@ class ModelRunner:
             raise ValueError(f"truncate({seq_id!r}, {length}): length must be in 0..{seq[1]}")
         seq[1] = length  # positions beyond are masked until overwritten
 
+    def _limit_name(self) -> str:
+        slack = self.max_positions - self.max_model_len
+        return f"max_model_len {self.max_model_len}" + (f" + {slack} positions of slack" if slack else "")
+
     def _seq(self, seq_id) -> list[int]:
         try:
             return self._seqs[seq_id]
@@ -243,8 +255,8 @@ class ModelRunner:
         for sid, seq, toks, n in zip(seq_ids, seqs, token_lists, num_logits):
             if not 1 <= n <= len(toks):
                 raise ValueError(f"extend({sid!r}): num_logits must be in 1..{len(toks)}, got {n}")
-            if seq[1] + len(toks) > self.max_model_len:
-                raise ValueError(f"extend({sid!r}): {seq[1]} + {len(toks)} tokens exceed max_model_len {self.max_model_len}")
+            if seq[1] + len(toks) > self.max_positions:
+                raise ValueError(f"extend({sid!r}): {seq[1]} + {len(toks)} tokens exceed {self._limit_name()}")
             if min(toks) < 0 or max(toks) >= self.vocab_size:
                 raise ValueError(f"extend({sid!r}): token ids must be in 0..{self.vocab_size - 1}")
         return seqs
@@ -257,7 +269,7 @@ class ModelRunner:
         rows, stored = [], 0
         for sid, plen in zip(seq_ids, prefix_lens):
             row, length = self._seq(sid)
-            if not 0 <= plen <= length or plen >= self.max_model_len:
+            if not 0 <= plen <= length or plen >= self.max_positions:
                 raise ValueError(f"branch_start({sid!r}): prefix_len must be in 0..{length} (stored), got {plen}")
             rows.append(row)
             stored = max(stored, length)
@@ -274,8 +286,8 @@ class ModelRunner:
             raise ValueError(f"branch_step: {len(tokens)} tokens for {state.num_branches} branches")
         if state.graph_key is None and state.keys is None:
             raise ValueError("branch_step: these branches were ended (branch_end)")
-        if state.max_prefix_len + state.depth >= self.max_model_len:
-            raise ValueError(f"branch_step: a branch would pass max_model_len {self.max_model_len}")
+        if state.max_prefix_len + state.depth >= self.max_positions:
+            raise ValueError(f"branch_step: a branch would pass {self._limit_name()}")
         return self._branch_forward(state, tokens)
 
     @torch.inference_mode()
