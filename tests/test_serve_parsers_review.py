@@ -79,20 +79,26 @@ def test_required_calls_a_tool_whose_parameters_use_defs(served):
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
 
 
-def test_required_defs_that_disagree_are_a_400_naming_tools(served):
+def test_required_tools_may_define_one_name_differently(served):
+    """Was a 400 (their $defs were merged at the root); each function's parameters now keep their own $defs."""
     other = {**MOVE, "$defs": {"Point": {"type": "string"}}}
     tools = [DEFS_TOOLS[0], {"type": "function", "function": {"name": "move", "parameters": other}}]
     reply = _post(served["plain"], "/chat/completions", {"messages": MESSAGES, "tools": tools,
                                                          "tool_choice": "required", "max_tokens": 8})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools"
-    assert "$defs/Point" in reply.json()["error"]["message"]
+    assert reply.status_code == 200, reply.text
+    schema = json.loads(ChatCompletionRequest(messages=MESSAGES, tools=tools, tool_choice="required")
+                        .tool_plan().structure().json)
+    jsonschema.validate([{"name": "move", "parameters": {"to": "b2"}},
+                         {"name": "place", "parameters": {"at": {"x": 1, "y": 2}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "place", "parameters": {"at": "b2"}}], schema)
 
 
 def test_the_required_schema_leaves_the_tools_as_given():
     request = ChatCompletionRequest(messages=MESSAGES, tools=DEFS_TOOLS, tool_choice="required")
     plan = request.tool_plan()
     schema = json.loads(plan.structure().json)
-    assert schema["$defs"] == {"Point": POINT} and plan.structure() == plan.structure()
+    assert schema["$defs"]["tool_0"]["$defs"] == {"Point": POINT} and plan.structure() == plan.structure()
     assert all("$defs" in f["parameters"] for f in plan.functions)  # not popped from the request's tools
     jsonschema.validate([{"name": "place", "parameters": {"at": {"x": 1, "y": 2}}}], schema)
     with pytest.raises(jsonschema.ValidationError):

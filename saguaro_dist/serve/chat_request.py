@@ -11,6 +11,7 @@ from pydantic_core import PydanticCustomError
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve.allowed_tools import ChatAllowedToolsChoice, allowed_plan, check_named, choice_tag
 from saguaro_dist.serve.chat_content import MessageContent, TextPart, refuse_media
+from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.request_fields import GENERATION_UNSUPPORTED, Unsupported, null_means_default, tagged_union
 from saguaro_dist.serve.sampling_request import SamplingRequest
 from saguaro_dist.serve.tools import ToolChoiceKind, ToolPlan
@@ -264,6 +265,18 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
             raise ValueError(f"tool_choice {_choice_name(self.tool_choice)!r} constrains the reply itself; it cannot "
                              "be combined with response_format or structured outputs")
         return forced or asked
+
+    def tool_structure_error(self, err: ValueError) -> APIError | None:
+        """The engine's refusal of the constraint a named or required tool_choice wrote (it says
+        "structured_outputs ..."), naming what the client sent: tool_choice for a setting it cannot be combined
+        with (ignore_eos, min_tokens, ...), tools for parameters that do not compile. None for any other error."""
+        message = str(err)
+        if not message.startswith("structured_outputs ") or self.tool_plan().structure() is None:
+            return None
+        rest = message.removeprefix("structured_outputs ")
+        if rest.startswith("is not valid"):
+            return APIError(400, f"the tools' parameters are{rest.removeprefix('is')}", param="tools")
+        return APIError(400, f"tool_choice {_choice_name(self.tool_choice)!r} {rest}", param="tool_choice")
 
     @model_validator(mode="after")
     def _check_logprobs(self):

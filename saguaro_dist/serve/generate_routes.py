@@ -42,8 +42,13 @@ async def chat(body: ChatCompletionRequest, request: Request):
     prompt = encode_chat(state.tokenizer, messages, body.tools, body.chat_template_kwargs, state.chat_template,
                          end=end, add_special_tokens=body.add_special_tokens)
     jobs = chat_jobs(state, body, prompt, "messages", end)
-    return await _respond(state, body, jobs, model, responses.CHAT, request_id_of(request, body.request_id),
-                          body.reply_role(response_role(request)), created)
+    try:
+        return await _respond(state, body, jobs, model, responses.CHAT, request_id_of(request, body.request_id),
+                              body.reply_role(response_role(request)), created)
+    except ValueError as err:  # a constraint the tool choice wrote, refused: name tool_choice, not structured_outputs
+        if (named := body.tool_structure_error(err)) is None:
+            raise
+        raise named from None
 
 
 def chat_jobs(state: ServingState, body, prompt: list[int], param: str, end: PromptEnd) -> list[Job]:

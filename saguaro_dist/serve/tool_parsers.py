@@ -4,9 +4,11 @@
                (Hermes, Qwen 2.5 / 3 chat templates).
   llama3_json  the whole reply is {"name", "parameters"} objects, "; " between them, optionally after
                <|python_tag|> (Llama 3.1 - 3.3's JSON tool calling).
-  mistral      [TOOL_CALLS] then a JSON list of {"name", "arguments"} (Mistral 7B v0.3, Mixtral, Nemo).
-               [TOOL_CALLS] is a special token there, so replies keep special tokens in their text, and
-               call ids are 9 letters or digits, as Mistral's chat templates insist.
+  mistral      [TOOL_CALLS] then a JSON list of {"name", "arguments"} (tokenizers before v11: Mistral 7B v0.3,
+               Mixtral, Nemo), or [TOOL_CALLS]name{arguments} per call, [ARGS] maybe before the arguments (v11
+               and later: Mistral Small 3.2, Magistral, Devstral). [TOOL_CALLS] is a special token there, so
+               replies keep special tokens in their text, and call ids are 9 letters or digits, as Mistral's
+               chat templates insist.
   qwen3_coder  <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call> (Qwen3-Coder),
                values typed by the request's tool schemas; tool_parsers_extra.py.
   pythonic     the reply is [name(key=literal, ...), ...] (Llama 3.2, Llama 4); tool_parsers_extra.py.
@@ -28,7 +30,7 @@ from saguaro_dist.serve.tool_parsers_extra import QWEN_CALL_OPEN, QWEN_FUNCTION,
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
-MISTRAL_CALLS = "[TOOL_CALLS]"
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _MISTRAL_ID_CHARS = string.ascii_letters + string.digits
 
 
@@ -103,17 +105,39 @@ def parse_llama3_json(text: str) -> Parsed:
 
 
 def parse_mistral(text: str) -> Parsed:
-    """Mistral's calls: content, then [TOOL_CALLS] and a JSON list (or one object) of {"name", "arguments"}."""
+    """Mistral's calls after the content, in either of vLLM's two forms: tokenizers before v11 write
+    [TOOL_CALLS] then a JSON list (or one object) of {"name", "arguments"}; v11 and later write each call as
+    [TOOL_CALLS]name{arguments} ([TOOL_CALLS]name[ARGS]{arguments} decoded by a Hugging Face tokenizer)."""
     start = text.find(MISTRAL_CALLS)
     if start < 0:
         return text, []
-    try:
-        given = json.loads(text[start + len(MISTRAL_CALLS):].strip())
-        given = [given] if isinstance(given, dict) else given
-        calls = [ToolCall.new(c["name"], c.get("arguments", {}), id=mistral_call_id()) for c in given]
+    body = text[start + len(MISTRAL_CALLS):].lstrip()
+    try:  # a name never starts with "[" or "{": the form tells itself
+        calls = _mistral_json_calls(body) if body.startswith(("[", "{")) else \
+            [_mistral_v11_call(raw) for raw in text[start:].split(MISTRAL_CALLS)[1:]]
     except (ValueError, TypeError, KeyError):
         return text, []
     return (text[:start] or None, calls) if calls else (text, [])
+
+
+def _mistral_json_calls(body: str) -> list[ToolCall]:
+    """Pre-v11: the first JSON value is the calls; text after it is left out, as vLLM leaves it."""
+    given = json.JSONDecoder().raw_decode(body)[0]
+    given = [given] if isinstance(given, dict) else given
+    return [ToolCall.new(c["name"], c.get("arguments", {}), id=mistral_call_id()) for c in given]
+
+
+def _mistral_v11_call(raw: str) -> ToolCall:
+    """v11+: one call's `name{...}` or `name[ARGS]{...}`, its arguments as the model wrote them. Text after the
+    arguments' JSON makes the reply content (vLLM sends it as part of the arguments, which are then not JSON)."""
+    brace = raw.find("{")
+    name = raw[:brace].replace(MISTRAL_ARGS, "").strip() if brace >= 0 else ""
+    if not name:
+        raise ValueError("a v11 Mistral tool call is a name, then its arguments' JSON object")
+    end = json.JSONDecoder().raw_decode(raw, brace)[1]
+    if raw[end:].strip():
+        raise ValueError("text after a Mistral tool call's arguments")
+    return ToolCall.new(name, raw[brace:end], id=mistral_call_id())
 
 
 def mistral_call_id() -> str:

@@ -25,7 +25,6 @@ from saguaro_dist.serve.required_calls import RequiredCalls
 from saguaro_dist.serve.tool_parsers import ToolCall, ToolCallParser
 
 ANY_OBJECT = {"type": "object"}  # a function declared without parameters
-_DEFINITIONS = ("$defs", "definitions")  # where JSON schemas keep what "$ref"s point at
 
 
 class ToolChoiceKind(Enum):
@@ -59,20 +58,17 @@ class ToolPlan:
         return function.get("parameters") or ANY_OBJECT
 
     def _calls_schema(self) -> dict:
-        """The functions' parameters sit inside the array's schema, so their "#/$defs/..." (and draft-07
-        "#/definitions/...") references would miss: their definitions move to its root, as vLLM moves them."""
+        """The calls array's schema. Each function's parameters sit under the root's $defs (its own key) and
+        their "#..." references are rewritten to point there: nested as they were, "#" and "#/properties/a"
+        (and "#/$defs/X") resolved against the array, not the parameters (a named choice reads them at the root)."""
         calls, defs = [], {}
-        for f in self.callable_functions():
-            parameters = dict(self._parameters(f["name"]))
-            for key in (k for k in _DEFINITIONS if isinstance(parameters.get(k), dict)):
-                for name, definition in parameters.pop(key).items():
-                    if defs.setdefault(key, {}).setdefault(name, definition) != definition:
-                        raise ValueError(f"tools define {key}/{name} differently in two functions; tool_choice "
-                                         "'required' needs one definition of it")
+        for i, f in enumerate(self.callable_functions()):
+            key = f"tool_{i}"
+            defs[key] = _rebased(self._parameters(f["name"]), f"#/$defs/{key}")
             calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                                           "parameters": parameters},
+                                                           "parameters": {"$ref": f"#/$defs/{key}"}},
                           "required": ["name", "parameters"], "additionalProperties": False})
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, **defs}
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         return schema if self.parallel else {**schema, "maxItems": 1}
 
     def callable_functions(self) -> tuple[dict, ...]:
@@ -108,6 +104,27 @@ class ToolPlan:
         # OpenAI: "tool_calls" when the model chose to call; a forced (named) call ends with "stop".
         called = calls and self.kind in (ToolChoiceKind.AUTO, ToolChoiceKind.REQUIRED)
         return "tool_calls" if called and reason == "stop" else reason
+
+
+_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # their values are data: a "$ref" key there is no reference
+_NAMED_SCHEMAS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")  # keys are names
+
+
+def _rebased(schema, root: str):
+    """A copy of `schema` whose root-relative references ("#", "#/...") point under `root` (where it is moved)."""
+    if isinstance(schema, list):
+        return [_rebased(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = root + value[1:]
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # a property named "default" is still a schema
+            out[key] = {name: _rebased(named, root) for name, named in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYWORDS else _rebased(value, root)
+    return out
 
 
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
