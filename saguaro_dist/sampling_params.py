@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
 from saguaro_dist.config import check_int, is_number
+from saguaro_dist.plain_numbers import make_numbers_plain
 from saguaro_dist.spec.bad_words import BadWordIds, bad_word_ids
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -112,6 +113,7 @@ class SamplingParams:
     def __post_init__(self):
         """Every field checked (and normalized) here, at the API edge, in this order: a request with several bad
         fields is refused with the first one's message, whoever builds it."""
+        make_numbers_plain(self)  # numpy / torch scalars as the int or float they hold
         object.__setattr__(self, "stop", checked_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", checked_stop_token_ids(self.stop_token_ids))
         check_lengths(self.max_tokens, self.min_tokens)

@@ -123,7 +123,7 @@ def test_chat_whole_and_streamed(served):
 @pytest.mark.parametrize("path, fields, param", [
     ("completions", {"stream": True}, "stream"), ("completions", {"n": 11}, "n"),
     ("completions", {"top_p": 0.5}, "top_p"), ("completions", {"stop": ["t1"]}, "stop"),
-    ("completions", {"seed": 3}, "seed"), ("completions", {"logit_bias": {"3": 5}}, "logit_bias"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty"), ("completions", {"logit_bias": {"3": 5}}, "logit_bias"),
     ("completions", {"echo": True, "logprobs": 1}, "echo"), ("completions", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("completions", {"response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {"structured_outputs": {"regex": "t1"}}, "structured_outputs"),

@@ -4,6 +4,8 @@ stream, every live beam's one-token step concurrently (vLLM's entrypoints/genera
 the best beams as the n choices. The search rules are engine/beam_search.py's BeamRule, LLM.beam_search's too."""
 from __future__ import annotations
 
+import math
+
 from saguaro_dist.engine.beam_search import (MAX_BEAM_WIDTH, BeamRule, BeamSearchInstance, BeamSearchParams,
                                              BeamSearchSequence, LiveRanking, beam_eos)
 from saguaro_dist.engine.logprobs import RankedLogprobs
@@ -17,8 +19,9 @@ from saguaro_dist.serve.tools import ToolChoiceKind
 
 # Fields that would change a sampled reply but that vLLM's beam search leaves unread (its to_beam_search_params
 # takes n, max_tokens, ignore_eos, temperature, length_penalty and include_stop_str_in_output): given past these
-# inert values they are a 400 naming them, never silently dropped
-_INERT = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "stop": (None, "", []), "seed": (None,),
+# inert values they are a 400 naming them, never silently dropped. seed is read by neither search and changes
+# nothing (vLLM's takes it silently; OpenAI SDK users send one): taken here too
+_INERT = {"top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0), "stop": (None, "", []),
           "stop_token_ids": (None, []), "min_tokens": (0,), "presence_penalty": (None, 0.0),
           "frequency_penalty": (None, 0.0), "repetition_penalty": (None, 1.0), "logit_bias": (None, {}),
           "allowed_token_ids": (None,), "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
@@ -42,8 +45,12 @@ def check_beam_request(body) -> None:
     if options is not None and options.continuous_usage_stats:  # the stream carries finished choices only
         raise APIError(400, "stream_options.continuous_usage_stats cannot be combined with use_beam_search",
                        param="stream_options")
-    if body.requested_prompt_logprobs() is not None:  # echo's prompt scores: vLLM's search returns none
+    # echo's prompt scores, asked with logprobs (vLLM's search returns none); echo alone asks for none
+    if body.echo and body.requested_logprobs() is not None:
         raise APIError(400, "echo with logprobs cannot be combined with use_beam_search", param="echo")
+    if not math.isfinite(body.length_penalty):  # (BeamSearchParams' own check names its field, not the request's)
+        raise APIError(400, f"length_penalty must be a finite number, got {body.length_penalty!r}",
+                       param="length_penalty")
     if body.tool_plan().kind in (ToolChoiceKind.REQUIRED, ToolChoiceKind.NAMED):  # a constrained reply
         raise APIError(400, "a required or named tool_choice cannot be combined with use_beam_search",
                        param="tool_choice")

@@ -57,5 +57,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     state = serving_state(request)
     state.check_model(body.model)
     if any(t < 0 or t >= len(state.tokenizer) for t in body.tokens):
-        raise ValueError(f"tokens must be ids in [0, {len(state.tokenizer)})")
+        raise APIError(400, f"tokens must be ids in [0, {len(state.tokenizer)})", param="tokens")
     return {"prompt": state.tokenizer.decode(body.tokens)}

@@ -249,6 +249,7 @@ class SamplingRequest(OpenAIModel):
     def sampling_params(self, max_tokens: int, defaults: dict | None = None) -> SamplingParams:
         """The engine's settings; `defaults` (the model's generation config, LLM.generation_defaults) fill
         the sampling fields the request left out, as vLLM's do."""
+        self._check_min_tokens(max_tokens)
         given = self._given_sampling(defaults or {})
         return SamplingParams(
             temperature=given["temperature"],
@@ -274,6 +275,16 @@ class SamplingRequest(OpenAIModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             bad_words=self.bad_words or None,  # (tokenized where the engine's LLM checks the request)
         )
+
+    def _check_min_tokens(self, max_tokens: int) -> None:
+        """min_tokens within the reply's length (the engine's max_tokens), the 400 naming the route's length
+        field and the client's value: the engine's differs for a scores-only echo (1 for max_tokens 0) and for a
+        field left out (the route's default, said as such)."""
+        if self.min_tokens <= max_tokens:
+            return
+        field, asked = self.max_tokens_field(), self.requested_max_tokens()
+        limit = f"{field} ({asked})" if asked is not None else f"the reply's length ({field} left out: {max_tokens})"
+        raise APIError(400, f"min_tokens must be at most {limit}, got {self.min_tokens}", param="min_tokens")
 
     def _given_sampling(self, defaults: dict) -> dict:
         """Each generation-config field: the request's value, else the model's default, else the neutral one."""
