@@ -236,6 +236,13 @@ class TargetRank:
         """The engine's remove_lora here, on rank 0: its slot's eviction replays on every tensor-parallel rank."""
         return self.thread.remove_lora(lora_int_id)
 
+    def add_lora(self, request) -> tuple[bool, str | None]:
+        """The engine's add_lora here, on rank 0 (its slots' loads replay on every rank): (added, why it failed)."""
+        try:
+            return self.thread.add_lora(request), None
+        except ValueError as err:
+            return False, f"{err} (read on the node of the target's rank 0)"
+
     def check_lora_adapter(self, lora_path: str) -> str | None:
         """Read a LoRA adapter here, on rank 0's node, as the engine's slots will at its first request (their
         read is lazy): why it cannot run (the text), or None. The server asks for each static adapter at start-up."""

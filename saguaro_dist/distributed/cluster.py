@@ -226,6 +226,13 @@ class RemoteEngine:
         """vLLM's remove_lora, on rank 0's engine (where the adapter's slot and host copy are)."""
         return self._ask(self.rank0.remove_lora, lora_int_id)
 
+    def add_lora(self, request) -> bool:
+        """vLLM's add_lora, on rank 0's engine (read from its node's disk): a ValueError with why it cannot run."""
+        added, error = self._ask(self.rank0.add_lora, request)
+        if error:
+            raise ValueError(error)
+        return added
+
     def check_lora_adapter(self, lora_path: str) -> None:
         """Read a LoRA adapter on rank 0, where the engine loads it (its node's disk, not this process's): a
         ValueError with the reason it cannot run there."""

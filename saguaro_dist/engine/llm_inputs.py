@@ -93,6 +93,23 @@ class RequestInputs:
                 self._lora_ids.settle(claim, ok=False)
                 raise
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """vLLM's add_lora: read the adapter now, where the target runs it (on Ray: rank 0), into the engine's host
+        memory, where it stays until remove_lora: its requests read no files (its folder may go once this returned).
+        ValueError: why it cannot run (LoRA off, its id bound to another path, unreadable files)."""
+        if not self.config.enable_lora:
+            raise ValueError("add_lora, but LoRA is off: construct the LLM with enable_lora=True")
+        claim = self._lora_ids.claim(lora_request)
+        try:
+            if claim.prior is not None:
+                claim.prior.result()  # an earlier rebind of the id enters the engine first
+            added = self._thread.add_lora(lora_request)
+        except BaseException:
+            self._lora_ids.settle(claim, ok=False)
+            raise
+        self._lora_ids.settle(claim, ok=True)
+        return added
+
     async def _claim_adapter(self, lora_request) -> AdapterClaim | None:
         """stream's adapter: claimed before the first await (in the callers' program order), read off the event
         loop (on Ray: by rank 0, a round trip), then after an earlier rebind of its id has entered the engine

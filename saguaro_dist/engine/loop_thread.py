@@ -102,6 +102,18 @@ class EngineThread:
         """Engine.remove_lora between two steps: whether the engine held anything of the adapter."""
         return self._on_loop(lambda: self.engine.remove_lora(lora_int_id))
 
+    def add_lora(self, request) -> bool:
+        """vLLM's add_lora: the adapter read here (off the engine's thread: a long read stalls no step), then pinned
+        in the engine's host memory between two steps. ValueError: why it cannot run (LoRA off, unreadable files)."""
+        loras = self.engine.target.loras
+        if loras is None:
+            raise ValueError("add_lora, but LoRA is off for this engine: start it with enable_lora=True")
+        try:
+            adapter = loras.read(request)
+        except OSError as err:  # a Hub id that cannot be fetched
+            raise ValueError(f"lora_request {request.lora_name!r}: {err}") from None
+        return self._on_loop(lambda: loras.add(request, adapter))
+
     def _on_loop(self, chore: Callable[[], object], timeout_s: float = 60.0):
         """chore() on the engine's own thread between two steps (the engine has no locks); its result."""
         done: Future = Future()

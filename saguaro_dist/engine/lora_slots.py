@@ -11,6 +11,10 @@ them): one evicted from its slot and asked for again reloads from there, without
 load_inplace request drops its adapter's copy, so it is read again (from its lora_path, which may be a new
 one: the id is bound to it, and requests already queued under the id run the weights loaded from there).
 
+add (vLLM's add_lora, at a runtime load) keeps an adapter read beforehand in host memory, pinned there until
+remove: its requests read no files, so its folder may go once add returned (an LRU that dropped it would read the
+files again, and fail the request as the client's fault).
+
 remove (vLLM's remove_lora, at a runtime unload) empties the adapter's slot and forgets its host copy and its id's
 path, so the slot serves the next adapter; while sequences holding rows run it, that waits until none does (they
 finish on its weights, as vLLM's running requests do), and a request naming it again cancels the wait."""
@@ -34,11 +38,13 @@ class AdapterLoadError(ValueError):
 
 class HostAdapters:
     """Read adapters (LoRAAdapter) by lora_int_id, the least recently used dropped past `capacity`, never one a
-    slot holds (the runner keeps it anyway: dropping it would only read its files again; capacity >= slots)."""
+    slot holds (the runner keeps it anyway: dropping it would only read its files again; capacity >= slots) nor
+    a pinned one (added: kept until removed, outside the capacity)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._adapters: OrderedDict[int, object] = OrderedDict()
+        self.pinned: set[int] = set()
 
     def get(self, lora_int_id: int):
         adapter = self._adapters.get(lora_int_id)
@@ -50,10 +56,12 @@ class HostAdapters:
         """Keep it (most recent); held: the ids in slots now, never dropped."""
         self._adapters[lora_int_id] = adapter
         self._adapters.move_to_end(lora_int_id)
-        for old in [i for i in self._adapters if i not in held][:max(0, len(self._adapters) - self.capacity)]:
+        evictable = [i for i in self._adapters if i not in held and i not in self.pinned]
+        for old in evictable[:max(0, len(self._adapters) - len(self.pinned) - self.capacity)]:
             del self._adapters[old]
 
     def drop(self, lora_int_id: int) -> None:
+        """Forget its copy (a pin stays: a load_inplace reload's copy is pinned again)."""
         self._adapters.pop(lora_int_id, None)
 
 
@@ -82,6 +90,28 @@ class AdapterSlots:
             if self.slot_of(request.lora_int_id) is not None:
                 self.stale.add(request.lora_int_id)
 
+    def read(self, request: LoRARequest):
+        """The adapter's files read and checked (ValueError: why it cannot run), in the runner's dtype. Touches no
+        state: add's caller reads off the engine's thread."""
+        adapter = load_adapter(request.lora_path, self.runner.config, self.runner.lora.max_lora_rank)
+        return adapter.cast(self.runner.dtype)
+
+    def add(self, request: LoRARequest, adapter) -> bool:
+        """vLLM's add_lora: bind the id to request's path (ValueError if it names another without load_inplace) and
+        pin `adapter` (read from it) in host memory; a slot holding an older load of the id reloads at its next
+        start (from this copy). True, as vLLM's: the adapter is held now."""
+        lora_id = request.lora_int_id
+        self.ids.bind(request)
+        self.removed.discard(lora_id)
+        self.host.pinned.add(lora_id)
+        self.host.put(lora_id, adapter, self._held_ids())
+        if self.slot_of(lora_id) is not None and request.load_inplace:
+            self.stale.add(lora_id)
+        return True
+
+    def _held_ids(self) -> set[int]:
+        return {r.lora_int_id for r in self.held if r is not None}
+
     def remove(self, lora_int_id: int, busy: set[int]) -> bool:
         """vLLM's remove_lora: whether the engine held anything of the adapter (a slot, a host copy, its id's path).
         busy: the adapters of the sequences holding rows; if it is among them, its slot is freed by free_removed."""
@@ -103,6 +133,7 @@ class AdapterSlots:
         """Empty its slot (its kept prefix rows go too), and free its id: a later request may bind it to any path."""
         self.removed.discard(lora_int_id)
         self.stale.discard(lora_int_id)
+        self.host.pinned.discard(lora_int_id)
         slot = self.slot_of(lora_int_id)
         if slot is not None:
             self.runner.evict_lora(slot)  # no live sequence uses it (busy): the runner checks that too
@@ -165,9 +196,8 @@ class AdapterSlots:
         try:
             self.ids.bind(request)  # again: a failed load of an earlier request for this id may have freed it
             adapter = self.host.get(lora_id)
-            if adapter is None or lora_id in self.stale:
-                adapter = load_adapter(request.lora_path, self.runner.config,
-                                       self.runner.lora.max_lora_rank).cast(self.runner.dtype)
+            if adapter is None:  # (a load_inplace request dropped the copy it replaces, an add put a fresh one)
+                adapter = self.read(request)
             self.runner.load_lora(slot, adapter)
             others = {r.lora_int_id for i, r in enumerate(self.held) if r is not None and i != slot}
             self.host.put(lora_id, adapter, others | {lora_id})  # only once it loaded: a copy that is good

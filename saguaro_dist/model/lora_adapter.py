@@ -153,7 +153,10 @@ def check_targets(targets) -> None:
     """target_modules, a list (names matched as suffixes) or a regex string (matched in full, as PEFT does):
     neither may name the embedding or the LM head."""
     if isinstance(targets, str):
-        hit = [n for n in ("model.embed_tokens", "lm_head") if targets != "all-linear" and re.fullmatch(targets, n)]
+        try:
+            hit = [n for n in ("model.embed_tokens", "lm_head") if targets != "all-linear" and re.fullmatch(targets, n)]
+        except re.error as err:  # (not a ValueError: load_adapter would call the weights file unreadable)
+            raise ValueError(f"target_modules {targets!r} in {CONFIG_FILE} is no valid regex: {err}") from None
     elif isinstance(targets, list):
         hit = [t for t in targets if str(t).rsplit(".", 1)[-1] in _NOT_LINEAR_TARGETS]
     else:

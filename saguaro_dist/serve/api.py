@@ -102,7 +102,7 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     models = models or ServedModels((options.served_model_name, *options.model_aliases), engine.config,
                                     options.lora_modules)
     if hasattr(engine, "check_lora_adapter"):
-        models.check_on_target(engine.check_lora_adapter)
+        models.check_on_target(engine.check_lora_adapter, getattr(engine, "add_lora", None))
     app.state.saguaro = ServingState(engine, options.served_model_name, metrics, options.stream_interval_ms / 1e3,
                                      options.tool_call_parser, options.reasoning_parser, options.log_requests,
                                      options.chat_template, options.model_aliases, models,

@@ -2,13 +2,15 @@
 which name runs which adapter, /v1/models' cards, and runtime loading behind VLLM_ALLOW_RUNTIME_LORA_UPDATING.
 
 Each adapter runs under a lora_int_id (>= 1) the server hands out once: --lora-modules take 1..N in order, each
-runtime load the next. An id is never handed out again (not after an unload, nor for a load_inplace reload): the
-engine binds an id to one path, keeps its prefix cache per id, and loads a new id's weights afresh. An unload
-removes the adapter from the engine too (vLLM's remove_lora), so its slot serves the adapters loaded after it."""
+runtime load that succeeds the next. An id is never handed out again (not after an unload, nor for a load_inplace
+reload): the engine binds an id to one path, keeps its prefix cache per id, and loads a new id's weights afresh.
+A load puts the adapter it read into the engine's host memory (vLLM's add_lora), pinned until it is unloaded: its
+requests read no files, so its folder may go once the load answered. An unload, or a load_inplace reload of the
+name, removes the old id from the engine (vLLM's remove_lora) once its running requests end, so its slot and
+host memory serve the adapters loaded after it."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 from collections.abc import Callable
 
@@ -29,29 +31,32 @@ class ServedModels:
         or unload: a config file may have changed it after the app was built); None: this server alone."""
         check_lora_modules(modules, base_names, bool(getattr(config, "enable_lora", False)))
         self.base_names, self.config, self._replicas = base_names, config, replicas
-        self._ids = itertools.count(1)
+        self._last_id = 0  # the last lora_int_id handed out
         self.adapters: dict[str, LoRARequest] = {}
         self._lock = asyncio.Lock()  # a load's check and its entry, one at a time (vLLM locks per name)
         self._read_on_target: Callable[[str], None] | None = None  # check_on_target's `read`
+        self._add_to_engine: Callable[[LoRARequest], object] | None = None  # check_on_target's `add`
         for m in modules:  # start-up: an adapter that cannot load fails the replica, with the reason
             check_adapter(m.name, m.path, config)
             self.adapters[m.name] = self._request(m.name, m.path, m.base_model_name)
 
-    def check_on_target(self, read: Callable[[str], None]) -> None:
+    def check_on_target(self, read: Callable[[str], None],
+                        add: Callable[[LoRARequest], object] | None = None) -> None:
         """Each --lora-modules adapter read by `read` (LLM.check_lora_adapter: where the engine's target loads it,
         on Ray rank 0's node), as vLLM's workers load static adapters at start-up: one missing there fails
-        start-up, with the reason, instead of every request naming it. Runtime loads are read there too (vLLM's
-        load calls the engine's add_lora): one the target cannot read is refused, and no name serves it."""
-        self._read_on_target = read
+        start-up, with the reason, instead of every request naming it. add (LLM.add_lora, which reads there too):
+        each is put into the engine's host memory instead, as vLLM's static adapters (its requests read no files)."""
+        self._read_on_target, self._add_to_engine = read, add
         for request in self.adapters.values():
             try:
-                read(request.lora_path)
+                add(request) if add is not None else read(request.lora_path)
             except ValueError as err:
                 raise ValueError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}) on the engine's target: "
                                  f"{err}") from None
 
     def _request(self, name: str, path: str, base: str | None = None) -> LoRARequest:
-        return LoRARequest(name, next(self._ids), path, base_model_name=base)
+        self._last_id += 1
+        return LoRARequest(name, self._last_id, path, base_model_name=base)
 
     def resolve(self, requested: str | None) -> tuple[str, LoRARequest | None]:
         """(the name replies give, the adapter to run): a missing model is the base, as vLLM's."""
@@ -67,7 +72,11 @@ class ServedModels:
         return base + [_card(r.lora_name, r.lora_path, r.base_model_name or self.base_names[0], None)
                        for r in self.adapters.values()]
 
-    async def load(self, name: str, path: str, load_inplace: bool = False) -> str:
+    async def load(self, name: str, path: str, load_inplace: bool = False,
+                   remove: Callable[[int], object] | None = None) -> str:
+        """vLLM's load: the adapter read and checked, then put into the engine's host memory (check_on_target's add)
+        before the answer. remove (LLM.remove_lora): a load_inplace reload frees the id it replaces (else each
+        reload of an RL loop kept one more adapter in the engine)."""
         self._check_one_replica("load")
         if not name or not path:
             raise APIError(400, "Both 'lora_name' and 'lora_path' must be provided.")
@@ -76,12 +85,16 @@ class ServedModels:
         if name in self.base_names:
             raise APIError(400, f"{name!r} is a served model name; an adapter needs a name of its own", param="lora_name")
         async with self._lock:
-            if name in self.adapters and not load_inplace:
+            old = self.adapters.get(name)
+            if old is not None and not load_inplace:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                     "adapter in place, set 'load_inplace' to True.")
+            request = LoRARequest(name, self._last_id + 1, path)  # a fresh id (handed out if the load succeeds)
             # off the event loop: reads files, and on Ray waits for rank 0's reply
-            await asyncio.to_thread(_check_runtime_adapter, name, path, self.config, self._read_on_target)
-            self.adapters[name] = self._request(name, path)  # a fresh id: its weights are read again at next use
+            await asyncio.to_thread(_check_runtime_adapter, request, self.config, self._on_target(request))
+            self._last_id, self.adapters[name] = request.lora_int_id, request
+            if old is not None and remove is not None:  # its running requests end on its weights first
+                await asyncio.to_thread(remove, old.lora_int_id)
         log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
         return f"Success: LoRA adapter '{name}' added successfully."
 
@@ -100,6 +113,12 @@ class ServedModels:
         log.info("Removed LoRA adapter: name '%s'", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
 
+    def _on_target(self, request: LoRARequest) -> Callable[[str], None] | None:
+        """The read where the engine's target runs the adapter: its add (the copy stays there), else its check."""
+        if self._add_to_engine is not None:
+            return lambda _path: self._add_to_engine(request)
+        return self._read_on_target
+
     def _check_one_replica(self, action: str) -> None:
         """A runtime load or unload reaches the one replica that takes the request: with others (or an autoscaler
         that may add some) replicas would serve different adapters under one name."""
@@ -116,10 +135,11 @@ def _card(name: str, root: str, parent: str | None, max_model_len: int | None) -
             "max_model_len": max_model_len}
 
 
-def _check_runtime_adapter(name: str, path: str, config, read_on_target: Callable[[str], None] | None) -> None:
+def _check_runtime_adapter(request: LoRARequest, config, read_on_target: Callable[[str], None] | None) -> None:
     """vLLM's answers: no adapter at the path (no such folder, one without adapter_config.json, a Hub id the Hub
     cannot provide, a path no folder can have) is a 404 with LoRAAdapterNotFoundError's message; one that cannot
     run on this base model a 400 with the reason. Here first, then where the engine's target reads it."""
+    name, path = request.lora_name, request.lora_path
     missing = APIError(404, f"Loading lora {name} failed: No adapter found for {path}")
     local = local_adapter_dir(path)
     if local is not None:

@@ -26,7 +26,9 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> PlainTextResponse:
-    message = await serving_state(request).models.load(body.lora_name, body.lora_path, body.load_inplace)
+    state = serving_state(request)  # a load_inplace reload frees the id it replaces in the engine
+    message = await state.models.load(body.lora_name, body.lora_path, body.load_inplace,
+                                       getattr(state.engine, "remove_lora", None))
     return PlainTextResponse(message)
 
 

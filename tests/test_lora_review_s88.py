@@ -1,0 +1,184 @@
+"""A LoRA adapter's load puts what it read into the engine's host memory (vLLM's add_lora preloads it into the
+CPU cache before answering): its requests read no files, so the folder may go (or be rewritten) after the 200,
+and its requests still run the adapter loaded, even past the host LRU of max_cpu_loras (a served adapter is
+pinned there until unloaded). A load_inplace reload frees the id it replaces; a bad target_modules regex is
+refused naming target_modules. Real tiny checkpoint and PEFT adapters, a real engine, real HTTP on loopback."""
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+
+import httpx
+import pytest
+
+from http_helpers import serve_on_loopback
+from saguaro_dist import LLM, LoRARequest, SamplingParams
+from saguaro_dist.config import Config
+from saguaro_dist.model.hf_config import load_config
+from saguaro_dist.model.lora_adapter import load_adapter
+from saguaro_dist.serve.api import ServerOptions, create_app
+from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.lora_modules import LoRAModule
+from saguaro_dist.serve.lora_models import ServedModels
+
+pytest_plugins = ["test_serve_fixtures"]
+peft = pytest.importorskip("peft")
+from test_lora_engine import ALL, make_adapter  # noqa: E402 (needs peft)
+
+PROMPT = [5, 6, 7, 8]
+N = 6
+GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(serving_pair, tmp_path_factory) -> dict:
+    root, target = tmp_path_factory.mktemp("s88_loras"), serving_pair[0]
+    make_adapter(target, root / "one", 1, ["q_proj", "v_proj", "down_proj"])
+    make_adapter(target, root / "two", 2, ALL, r=8, alpha=16)
+    return {name: str(root / name) for name in ("one", "two")}
+
+
+@pytest.fixture(scope="module")
+def llm(serving_pair):
+    """One slot and one host copy (max_cpu_loras defaults to max_loras): two adapters evict each other."""
+    with LLM(model=serving_pair[0], mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def offline(llm, adapters) -> dict:
+    """Each adapter's greedy tokens, from its own folder under ids the servers never hand out."""
+    loras = {"one": LoRARequest("one", 101, adapters["one"]), "two": LoRARequest("two", 102, adapters["two"])}
+    out = {name: llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False,
+                              lora_request=lora)[0].outputs[0].token_ids for name, lora in loras.items()}
+    assert out["one"] != out["two"]
+    return {name: list(ids) for name, ids in out.items()}
+
+
+@pytest.fixture(scope="module")
+def served(llm, adapters, offline, tmp_path_factory):
+    """(url, its ServedModels): one server on the engine (its ids are the engine's), with runtime updates and one
+    --lora-modules adapter "s" (adapter two), whose folder is removed once the app was built."""
+    folder = copy(adapters["two"], tmp_path_factory.mktemp("s88_static"), "static")
+    models = ServedModels(("base",), llm.config, (LoRAModule("s", folder),))
+    app = create_app(llm, ServerOptions("base", runtime_lora_updating=True), models=models)
+    shutil.rmtree(folder)
+    with serve_on_loopback(app) as url:
+        yield url, models
+
+
+def completion(url: str, model: str) -> list[int]:
+    reply = httpx.post(f"{url}/completions", json={"model": model, "prompt": PROMPT, "max_tokens": N,
+                                                    "temperature": 0, "ignore_eos": True, "logprobs": 0,
+                                                    "return_tokens_as_token_ids": True}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return [int(t.removeprefix("token_id:")) for t in reply.json()["choices"][0]["logprobs"]["tokens"]]
+
+
+def load(url: str, name: str, path: str, **extra) -> httpx.Response:
+    return httpx.post(f"{url}/load_lora_adapter", json={"lora_name": name, "lora_path": path, **extra}, timeout=60)
+
+
+def copy(path: str, tmp_path, name: str) -> str:
+    return str(shutil.copytree(path, tmp_path / name))
+
+
+def unload(url: str, name: str) -> None:
+    assert httpx.post(f"{url}/unload_lora_adapter", json={"lora_name": name}, timeout=60).status_code == 200
+
+
+def test_a_runtime_load_serves_its_adapter_after_the_folder_is_gone(served, adapters, offline, tmp_path):
+    """Two adapters loaded, both folders removed, then each asked for in turn: with one slot and one host copy
+    each request evicts the other adapter (and the static one), whose files are gone; all run what was loaded."""
+    url = served[0]
+    for name in ("one", "two"):
+        assert load(url, name, copy(adapters[name], tmp_path, name)).status_code == 200
+    shutil.rmtree(tmp_path / "one")
+    shutil.rmtree(tmp_path / "two")
+    for name in ("one", "s", "two", "one"):
+        assert completion(url, name) == offline["two" if name == "s" else name]
+    unload(url, "one")
+    unload(url, "two")
+
+
+def test_a_runtime_load_runs_what_it_read_not_the_files_rewritten_after(served, adapters, offline, tmp_path):
+    url, folder = served[0], copy(adapters["one"], tmp_path, "rewritten")
+    assert load(url, "r", folder).status_code == 200
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["two"], folder)
+    assert completion(url, "r") == offline["one"]
+    unload(url, "r")
+
+
+def test_a_lora_module_is_read_at_start_up_and_serves_after_its_folder_is_gone(served, offline):
+    assert completion(served[0], "s") == offline["two"]
+
+
+def test_llm_add_lora_preloads_the_adapter(llm, adapters, offline, tmp_path):
+    folder = copy(adapters["two"], tmp_path, "added")
+    request = LoRARequest("added", 201, folder)
+    assert llm.add_lora(request) is True
+    shutil.rmtree(folder)
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False, lora_request=request)
+    assert list(out[0].outputs[0].token_ids) == offline["two"]
+    assert llm.remove_lora(201) is True
+    with pytest.raises(ValueError, match="not a directory"):  # removed: nothing of it is kept, and its files are gone
+        llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False, lora_request=request)
+
+
+def test_llm_add_lora_refuses_an_unreadable_adapter_and_binds_nothing(llm, adapters, tmp_path):
+    with pytest.raises(ValueError, match="not a directory"):
+        llm.add_lora(LoRARequest("none", 202, str(tmp_path / "none")))
+    assert llm.add_lora(LoRARequest("none", 202, adapters["one"])) is True  # the id was left free
+    assert llm.remove_lora(202) is True
+
+
+def test_a_load_inplace_reload_frees_the_id_it_replaces(llm, served, adapters, offline, tmp_path):
+    (url, models), slots = served, llm._thread.engine.target.loras
+    assert load(url, "rl", copy(adapters["one"], tmp_path, "step0")).status_code == 200
+    first = models.adapters["rl"].lora_int_id
+    assert completion(url, "rl") == offline["one"]
+    for step, name in ((1, "two"), (2, "one")):
+        reply = load(url, "rl", copy(adapters[name], tmp_path, f"step{step}"), load_inplace=True)
+        assert reply.status_code == 200, reply.text
+        assert completion(url, "rl") == offline[name]
+    last = models.adapters["rl"].lora_int_id
+    assert last == first + 2
+    kept = [i for i in range(first, last) if slots.ids.current(i) is not None or slots.host.get(i) is not None]
+    assert kept == [] and last in slots.host.pinned and not slots.host.pinned & {first, first + 1}
+    unload(url, "rl")
+
+
+def test_a_failed_runtime_load_hands_out_no_id(serving_pair, adapters):
+    served = ServedModels(("base",), Config(model=serving_pair[0], mode="ar", enable_lora=True, max_lora_rank=8))
+    with pytest.raises(APIError):
+        asyncio.run(served.load("x", "/no/such/adapter"))
+    asyncio.run(served.load("x", adapters["one"]))
+    assert served.adapters["x"].lora_int_id == 1
+
+
+def test_a_bad_target_modules_regex_is_refused_naming_it(serving_pair, adapters, tmp_path):
+    folder = copy(adapters["one"], tmp_path, "regex")
+    config_file = tmp_path / "regex" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "target_modules": "(q_proj"}))
+    with pytest.raises(ValueError) as err:
+        load_adapter(folder, load_config(serving_pair[0]), 8)
+    message = str(err.value)
+    assert "target_modules '(q_proj'" in message and "adapter_config.json" in message
+    assert "cannot be read" not in message
+
+
+@pytest.mark.slow
+def test_add_lora_on_ray_preloads_on_rank_0(serving_pair, adapters, offline, ray_cluster, tmp_path):
+    """On a Ray engine add_lora reads on rank 0 and keeps the copy there: the folder may go before the request."""
+    folder = copy(adapters["one"], tmp_path, "ray")
+    with LLM(model=serving_pair[0], mode="ar", cluster="auto", enable_lora=True, max_loras=1,
+             max_lora_rank=8) as ray_llm:
+        request = LoRARequest("ray", 1, folder)
+        assert ray_llm.add_lora(request) is True
+        shutil.rmtree(folder)
+        out = ray_llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False, lora_request=request)
+        assert list(out[0].outputs[0].token_ids) == offline["one"]
+        with pytest.raises(ValueError, match="node of the target's rank 0"):
+            ray_llm.add_lora(LoRARequest("gone", 2, folder))
