@@ -1,8 +1,8 @@
 """A LoRA adapter's load puts what it read into the engine's host memory (vLLM's add_lora preloads it into the
 CPU cache before answering): its requests read no files, so the folder may go (or be rewritten) after the 200,
-and its requests still run the adapter loaded, even past the host LRU of max_cpu_loras (a served adapter is
-pinned there until unloaded). A load_inplace reload frees the id it replaces; a bad target_modules regex is
-refused naming target_modules. Real tiny checkpoint and PEFT adapters, a real engine, real HTTP on loopback."""
+and its requests still run the adapter loaded while it stays in the host LRU of max_cpu_loras (evictable like any
+other, as vLLM's: one dropped is read again from its path, and if its files went its requests get a 500 saying so).
+A load_inplace reload frees the id it replaces; a bad target_modules regex is refused naming target_modules. Real tiny checkpoint and PEFT adapters, a real engine, real HTTP on loopback."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +29,7 @@ from test_lora_engine import ALL, make_adapter  # noqa: E402 (needs peft)
 PROMPT = [5, 6, 7, 8]
 N = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+CPU_LORAS = 4  # the engine's max_cpu_loras
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,9 @@ def adapters(serving_pair, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def llm(serving_pair):
-    """One slot and one host copy (max_cpu_loras defaults to max_loras): two adapters evict each other."""
-    with LLM(model=serving_pair[0], mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8) as llm:
+    """One slot (two adapters evict each other) and CPU_LORAS host copies."""
+    with LLM(model=serving_pair[0], mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8,
+             max_cpu_loras=CPU_LORAS) as llm:
         yield llm
 
 
@@ -89,8 +91,8 @@ def unload(url: str, name: str) -> None:
 
 
 def test_a_runtime_load_serves_its_adapter_after_the_folder_is_gone(served, adapters, offline, tmp_path):
-    """Two adapters loaded, both folders removed, then each asked for in turn: with one slot and one host copy
-    each request evicts the other adapter (and the static one), whose files are gone; all run what was loaded."""
+    """Two adapters loaded, both folders removed, then each asked for in turn: with one slot each request evicts
+    the other adapter (and the static one) from it, whose files are gone; all run what host memory kept."""
     url = served[0]
     for name in ("one", "two"):
         assert load(url, name, copy(adapters[name], tmp_path, name)).status_code == 200
@@ -146,7 +148,8 @@ def test_a_load_inplace_reload_frees_the_id_it_replaces(llm, served, adapters, o
     last = models.adapters["rl"].lora_int_id
     assert last == first + 2
     kept = [i for i in range(first, last) if slots.ids.current(i) is not None or slots.host.get(i) is not None]
-    assert kept == [] and last in slots.host.pinned and not slots.host.pinned & {first, first + 1}
+    assert kept == [] and slots.host.get(last) is not None and last in slots.added
+    assert not slots.added & {first, first + 1}
     unload(url, "rl")
 
 
@@ -167,6 +170,45 @@ def test_a_bad_target_modules_regex_is_refused_naming_it(serving_pair, adapters,
     message = str(err.value)
     assert "target_modules '(q_proj'" in message and "adapter_config.json" in message
     assert "cannot be read" not in message
+
+
+def test_max_cpu_loras_bounds_the_host_copies_of_runtime_loads(llm, served, adapters, offline):
+    """Each load preloads its adapter (the most recent) into the LRU, which drops the oldest past max_cpu_loras;
+    one dropped whose files are there is read again at its next request (vLLM's)."""
+    url, slots = served[0], llm._thread.engine.target.loras
+    names = [f"b{i}" for i in range(2 * CPU_LORAS)]
+    for name in names:
+        assert load(url, name, adapters["one"]).status_code == 200
+        assert len(slots.host) <= CPU_LORAS
+    assert slots.host.get(served[1].adapters[names[-1]].lora_int_id) is not None
+    assert completion(url, names[0]) == offline["one"]
+    for name in names:
+        unload(url, name)
+
+
+def test_a_dropped_served_adapter_whose_files_went_fails_server_side(served, adapters, offline, tmp_path):
+    """Loaded, its folder removed, then dropped from host memory by CPU_LORAS later loads: its request is the
+    server's 500 naming the adapter, max_cpu_loras and the path (not a 400 blaming the request), streamed or not;
+    a load_inplace reload serves it again. (Last of the server's tests: static "s", whose folder went, is dropped.)"""
+    url, folder = served[0], copy(adapters["one"], tmp_path, "gone")
+    assert load(url, "gone", folder).status_code == 200
+    shutil.rmtree(folder)
+    fillers = [f"f{i}" for i in range(CPU_LORAS)]
+    for name in fillers:
+        assert load(url, name, adapters["two"]).status_code == 200
+    body = {"model": "gone", "prompt": PROMPT, "max_tokens": N}
+    reply = httpx.post(f"{url}/completions", json=body, timeout=120)
+    assert reply.status_code == 500, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == 500
+    for part in ("'gone'", "dropped from host memory past max_cpu_loras", f"files at {folder}", "load it again"):
+        assert part in error["message"]
+    streamed = httpx.post(f"{url}/completions", json={**body, "stream": True}, timeout=120)
+    assert "past max_cpu_loras" in streamed.text and '"code":500' in streamed.text.replace(" ", "")
+    assert load(url, "gone", adapters["one"], load_inplace=True).status_code == 200
+    assert completion(url, "gone") == offline["one"]
+    for name in ("gone", *fillers):
+        unload(url, name)
 
 
 @pytest.mark.slow

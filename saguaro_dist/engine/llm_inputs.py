@@ -95,7 +95,8 @@ class RequestInputs:
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """vLLM's add_lora: read the adapter now, where the target runs it (on Ray: rank 0), into the engine's host
-        memory, where it stays until remove_lora: its requests read no files (its folder may go once this returned).
+        memory's LRU of max_cpu_loras (the most recent): while it stays there its requests read no files (its folder
+        may go once this returned); one dropped from it is read again from its path at its next use (vLLM's).
         ValueError: why it cannot run (LoRA off, its id bound to another path, unreadable files)."""
         if not self.config.enable_lora:
             raise ValueError("add_lora, but LoRA is off: construct the LLM with enable_lora=True")

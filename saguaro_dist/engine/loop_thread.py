@@ -103,8 +103,9 @@ class EngineThread:
         return self._on_loop(lambda: self.engine.remove_lora(lora_int_id))
 
     def add_lora(self, request) -> bool:
-        """vLLM's add_lora: the adapter read here (off the engine's thread: a long read stalls no step), then pinned
-        in the engine's host memory between two steps. ValueError: why it cannot run (LoRA off, unreadable files)."""
+        """vLLM's add_lora: the adapter read here (off the engine's thread: a long read stalls no step), then put in
+        the engine's host memory (its LRU of max_cpu_loras) between two steps. ValueError: why it cannot run (LoRA
+        off, unreadable files)."""
         loras = self.engine.target.loras
         if loras is None:
             raise ValueError("add_lora, but LoRA is off for this engine: start it with enable_lora=True")

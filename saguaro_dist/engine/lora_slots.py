@@ -11,9 +11,10 @@ them): one evicted from its slot and asked for again reloads from there, without
 load_inplace request drops its adapter's copy, so it is read again (from its lora_path, which may be a new
 one: the id is bound to it, and requests already queued under the id run the weights loaded from there).
 
-add (vLLM's add_lora, at a runtime load) keeps an adapter read beforehand in host memory, pinned there until
-remove: its requests read no files, so its folder may go once add returned (an LRU that dropped it would read the
-files again, and fail the request as the client's fault).
+add (vLLM's add_lora: a runtime load, a served --lora-modules adapter) puts an adapter read beforehand into that LRU
+(the most recent, evictable like any other): while it stays there its requests read no files, so its folder may go
+once add returned. One dropped past max_cpu_loras is read again from its path at its next load, as vLLM's; if its
+files are gone that request fails with AdapterDroppedError (the server's state, not the request's fault).
 
 remove (vLLM's remove_lora, at a runtime unload) empties the adapter's slot and forgets its host copy and its id's
 path, so the slot serves the next adapter; while sequences holding rows run it, that waits until none does (they
@@ -36,15 +37,22 @@ class AdapterLoadError(ValueError):
     the id holds no slot (nothing registered under it: a later request may name it with another path)."""
 
 
+class AdapterDroppedError(AdapterLoadError):
+    """An added adapter dropped from host memory past max_cpu_loras, whose files cannot be read again: the
+    engine's state, not the request's fault (the server answers a 500; on Ray only the text travels: PHRASE)."""
+    PHRASE = "was dropped from host memory past max_cpu_loras"
+
+
 class HostAdapters:
     """Read adapters (LoRAAdapter) by lora_int_id, the least recently used dropped past `capacity`, never one a
-    slot holds (the runner keeps it anyway: dropping it would only read its files again; capacity >= slots) nor
-    a pinned one (added: kept until removed, outside the capacity)."""
+    slot holds (the runner keeps it anyway: dropping it would only read its files again; capacity >= slots)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._adapters: OrderedDict[int, object] = OrderedDict()
-        self.pinned: set[int] = set()
+
+    def __len__(self) -> int:
+        return len(self._adapters)
 
     def get(self, lora_int_id: int):
         adapter = self._adapters.get(lora_int_id)
@@ -56,12 +64,10 @@ class HostAdapters:
         """Keep it (most recent); held: the ids in slots now, never dropped."""
         self._adapters[lora_int_id] = adapter
         self._adapters.move_to_end(lora_int_id)
-        evictable = [i for i in self._adapters if i not in held and i not in self.pinned]
-        for old in evictable[:max(0, len(self._adapters) - len(self.pinned) - self.capacity)]:
+        for old in [i for i in self._adapters if i not in held][:max(0, len(self._adapters) - self.capacity)]:
             del self._adapters[old]
 
     def drop(self, lora_int_id: int) -> None:
-        """Forget its copy (a pin stays: a load_inplace reload's copy is pinned again)."""
         self._adapters.pop(lora_int_id, None)
 
 
@@ -76,6 +82,7 @@ class AdapterSlots:
         self.ids = AdapterIds()
         self.stale: set[int] = set()  # adapters a load_inplace request asked to load again (at their next start)
         self.removed: set[int] = set()  # adapters removed while running: freed once no sequence holding rows runs them
+        self.added: set[int] = set()  # adapters put here by add, until removed (see _read_again)
         self._ticks = itertools.count(1)
 
     def note(self, request: LoRARequest | None) -> None:
@@ -86,7 +93,8 @@ class AdapterSlots:
         self.ids.bind(request)
         self.removed.discard(request.lora_int_id)  # asked for again: it stays (vLLM's request re-adds it)
         if request.load_inplace:
-            self.host.drop(request.lora_int_id)  # its next load reads the files again
+            self.host.drop(request.lora_int_id)  # its next load reads the files again (a new path: no added one's)
+            self.added.discard(request.lora_int_id)
             if self.slot_of(request.lora_int_id) is not None:
                 self.stale.add(request.lora_int_id)
 
@@ -98,13 +106,13 @@ class AdapterSlots:
 
     def add(self, request: LoRARequest, adapter) -> bool:
         """vLLM's add_lora: bind the id to request's path (ValueError if it names another without load_inplace) and
-        pin `adapter` (read from it) in host memory; a slot holding an older load of the id reloads at its next
-        start (from this copy). True, as vLLM's: the adapter is held now."""
+        put `adapter` (read from it) into host memory, the most recent (kept even while every slot holds another);
+        a slot holding an older load of the id reloads at its next start (from this copy). True, as vLLM's."""
         lora_id = request.lora_int_id
         self.ids.bind(request)
         self.removed.discard(lora_id)
-        self.host.pinned.add(lora_id)
-        self.host.put(lora_id, adapter, self._held_ids())
+        self.added.add(lora_id)
+        self.host.put(lora_id, adapter, self._held_ids() | {lora_id})
         if self.slot_of(lora_id) is not None and request.load_inplace:
             self.stale.add(lora_id)
         return True
@@ -133,7 +141,7 @@ class AdapterSlots:
         """Empty its slot (its kept prefix rows go too), and free its id: a later request may bind it to any path."""
         self.removed.discard(lora_int_id)
         self.stale.discard(lora_int_id)
-        self.host.pinned.discard(lora_int_id)
+        self.added.discard(lora_int_id)
         slot = self.slot_of(lora_int_id)
         if slot is not None:
             self.runner.evict_lora(slot)  # no live sequence uses it (busy): the runner checks that too
@@ -197,10 +205,12 @@ class AdapterSlots:
             self.ids.bind(request)  # again: a failed load of an earlier request for this id may have freed it
             adapter = self.host.get(lora_id)
             if adapter is None:  # (a load_inplace request dropped the copy it replaces, an add put a fresh one)
-                adapter = self.read(request)
+                adapter = self._read_again(request) if lora_id in self.added else self.read(request)
             self.runner.load_lora(slot, adapter)
             others = {r.lora_int_id for i, r in enumerate(self.held) if r is not None and i != slot}
             self.host.put(lora_id, adapter, others | {lora_id})  # only once it loaded: a copy that is good
+        except AdapterDroppedError:  # nothing changed (its id stays bound: it is still added)
+            raise
         except Exception as err:  # noqa: BLE001 - whatever the files hold, only this request fails
             self.host.drop(lora_id)
             if old is not None and self.runner.lora.adapters[slot] is None:  # the runner emptied the slot
@@ -215,6 +225,17 @@ class AdapterSlots:
         self.held[slot] = request
         log.info("LoRA slot %d: adapter %d (%s) loaded%s", slot, request.lora_int_id, request.lora_name,
                  "" if old is None else f", replacing {old.lora_int_id}")
+
+    def _read_again(self, request: LoRARequest):
+        """An added adapter whose copy the LRU dropped: read from its path again (vLLM's), else AdapterDroppedError."""
+        try:
+            return self.read(request)
+        except Exception as err:  # noqa: BLE001 - whatever the files hold now
+            raise AdapterDroppedError(
+                f"LoRA adapter {request.lora_name!r} (lora_int_id {request.lora_int_id}) {AdapterDroppedError.PHRASE} "
+                f"({self.host.capacity}) and its files at {request.lora_path} cannot be read again "
+                f"({type(err).__name__}: {err}): load it again (POST /v1/load_lora_adapter with load_inplace=true, "
+                "or LLM.add_lora)") from None
 
     def _emptied(self, slot: int, old: LoRARequest) -> None:
         """The slot no longer holds `old`: nothing is held there, and the kept rows computed through its weights go."""

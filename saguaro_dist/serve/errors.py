@@ -91,7 +91,20 @@ async def _on_http(_: Request, err: StarletteHTTPException) -> JSONResponse:
 
 async def _on_value_error(_: Request, err: ValueError) -> JSONResponse:
     # Engine and SamplingParams validation: the message names the field and is safe to show.
+    if _adapter_dropped(err):
+        return error_response(500, str(err))
     return error_response(400, str(err), _param_of(str(err)))
+
+
+def _adapter_dropped(err: ValueError) -> bool:
+    """The engine's AdapterDroppedError (on Ray its text alone arrives): a served adapter it dropped past
+    max_cpu_loras can no longer be read. The server's state, not the request's fault: a 500 (not a 503: retrying
+    cannot help until the adapter is loaded again), with the engine's text, which says so."""
+    from saguaro_dist.engine.lora_slots import AdapterDroppedError  # (the engine's module: loaded with the app's)
+    if AdapterDroppedError.PHRASE not in str(err):
+        return False
+    log.error("%s", err)
+    return True
 
 
 async def _on_unexpected(request: Request, err: Exception) -> JSONResponse:
@@ -106,6 +119,8 @@ def stream_error(err: Exception) -> dict:
     if isinstance(err, APIError):
         return error_body(err.status, err.message, err.param, err.code)
     if isinstance(err, ValueError):
+        if _adapter_dropped(err):
+            return error_body(500, str(err))
         return error_body(400, str(err), _param_of(str(err)))
     log.exception("generation failed mid-stream", exc_info=err)
     if getattr(err, "retriable", False):

@@ -4,8 +4,10 @@ which name runs which adapter, /v1/models' cards, and runtime loading behind VLL
 Each adapter runs under a lora_int_id (>= 1) the server hands out once: --lora-modules take 1..N in order, each
 runtime load that succeeds the next. An id is never handed out again (not after an unload, nor for a load_inplace
 reload): the engine binds an id to one path, keeps its prefix cache per id, and loads a new id's weights afresh.
-A load puts the adapter it read into the engine's host memory (vLLM's add_lora), pinned until it is unloaded: its
-requests read no files, so its folder may go once the load answered. An unload, or a load_inplace reload of the
+A load puts the adapter it read into the engine's host memory (vLLM's add_lora: its LRU of max_cpu_loras, the most
+recent): while it stays there its requests read no files, so its folder may go once the load answered; one dropped
+past max_cpu_loras is read again from its path, and if that fails its requests get a 500 saying to load it again
+(the server's state, not the client's fault). An unload, or a load_inplace reload of the
 name, removes the old id from the engine (vLLM's remove_lora) once its running requests end, so its slot and
 host memory serve the adapters loaded after it."""
 from __future__ import annotations
@@ -45,7 +47,7 @@ class ServedModels:
         """Each --lora-modules adapter read by `read` (LLM.check_lora_adapter: where the engine's target loads it,
         on Ray rank 0's node), as vLLM's workers load static adapters at start-up: one missing there fails
         start-up, with the reason, instead of every request naming it. add (LLM.add_lora, which reads there too):
-        each is put into the engine's host memory instead, as vLLM's static adapters (its requests read no files)."""
+        each is put into the engine's host memory instead, as vLLM's static adapters (its LRU of max_cpu_loras)."""
         self._read_on_target, self._add_to_engine = read, add
         for request in self.adapters.values():
             try:
