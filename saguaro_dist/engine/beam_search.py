@@ -16,6 +16,7 @@ from enum import Enum
 from tqdm import tqdm
 
 from saguaro_dist.engine.logprob_objects import Logprob
+from saguaro_dist.plain_numbers import plain_flag, plain_number
 from saguaro_dist.sampling_params import MAX_LOGPROBS, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,10 @@ class BeamSearchParams:
     structured_outputs: object | None = None
 
     def __post_init__(self):
+        for name in ("beam_width", "max_tokens", "temperature", "length_penalty"):  # np.int64, np.float32, 0-d tensors
+            object.__setattr__(self, name, plain_number(getattr(self, name)))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            object.__setattr__(self, name, plain_flag(getattr(self, name)))
         check_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
         check_int("max_tokens", self.max_tokens, 1, None)
         for name in ("ignore_eos", "include_stop_str_in_output"):

@@ -270,13 +270,10 @@ class ChatCompletionRequest(SamplingRequest, ChatPromptFields):
         """The engine's refusal of the constraint a named or required tool_choice wrote (it says
         "structured_outputs ..."), naming what the client sent: tool_choice for a setting it cannot be combined
         with (ignore_eos, min_tokens, ...), tools for parameters that do not compile. None for any other error."""
-        message = str(err)
-        if not message.startswith("structured_outputs ") or self.tool_plan().structure() is None:
-            return None
-        rest = message.removeprefix("structured_outputs ")
-        if rest.startswith("is not valid"):
+        plan, rest = self.tool_plan(), str(err).removeprefix("structured_outputs ")
+        if rest.startswith("is not valid") and plan.structure() is not None:
             return APIError(400, f"the tools' parameters are{rest.removeprefix('is')}", param="tools")
-        return APIError(400, f"tool_choice {_choice_name(self.tool_choice)!r} {rest}", param="tool_choice")
+        return plan.clash_error(err)  # (shared with /v1/responses)
 
     @model_validator(mode="after")
     def _check_logprobs(self):

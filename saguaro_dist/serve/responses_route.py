@@ -34,6 +34,8 @@ async def responses_route(body: ResponsesRequest, request: Request):
     try:
         return await _respond(body, request)
     except ValueError as err:
+        if (clash := body.tool_plan().clash_error(err)) is not None:  # ignore_eos, min_tokens, ...: as chat's
+            raise clash from None
         field = body.structure_field()
         if field is None or not str(err).startswith("structured_outputs "):
             raise

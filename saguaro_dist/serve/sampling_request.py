@@ -277,12 +277,11 @@ class SamplingRequest(OpenAIModel):
         )
 
     def _check_min_tokens(self, max_tokens: int) -> None:
-        """min_tokens within the reply's length (the engine's max_tokens), the 400 naming the route's length
-        field and the client's value: the engine's differs for a scores-only echo (1 for max_tokens 0) and for a
-        field left out (the route's default, said as such)."""
-        if self.min_tokens <= max_tokens:
-            return
+        """min_tokens within the client's max_tokens (vLLM's rule), else the engine's (the route's default, said
+        as such), the 400 naming the route's length field: a scores-only echo asks 0 while the engine decides 1."""
         field, asked = self.max_tokens_field(), self.requested_max_tokens()
+        if self.min_tokens <= (max_tokens if asked is None else asked):
+            return
         limit = f"{field} ({asked})" if asked is not None else f"the reply's length ({field} left out: {max_tokens})"
         raise APIError(400, f"min_tokens must be at most {limit}, got {self.min_tokens}", param="min_tokens")
 

@@ -47,7 +47,10 @@ class ToolCall:
 
     @classmethod
     def new(cls, name: str, arguments, id: str | None = None) -> "ToolCall":
-        """arguments: JSON text, or a mapping to write as JSON."""
+        """arguments: JSON text, or a mapping to write as JSON. A name that is not a non-empty string is a
+        TypeError, which each parser reads as "no call" (the reply stays content), whole and streamed alike."""
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"a tool call's name must be a non-empty string, not {name!r}")
         text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
         return cls(id or new_call_id(), name, text)
 
@@ -208,7 +211,10 @@ class ToolCallParser(Enum):
         """functions: the request's tools (qwen3_coder types its arguments by their schemas)."""
         if self in _PARSE_WITH_TOOLS:
             content, calls = _PARSE_WITH_TOOLS[self](text, functions)
-            return content, [ToolCall.new(name, arguments) for name, arguments in calls]
+            try:
+                return content, [ToolCall.new(name, arguments) for name, arguments in calls]
+            except TypeError:  # a call without a name: the reply is content
+                return text, []
         return _PARSE[self](text)
 
     @property

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 
 from saguaro_dist.sampling_params import SamplingParams, StructuredOutputsParams
+from saguaro_dist.serve.errors import APIError
 from saguaro_dist.serve.harmony import HarmonySplitter, parse_openai, plain, plain_delta
 from saguaro_dist.serve.required_calls import RequiredCalls
 from saguaro_dist.serve.tool_parsers import ToolCall, ToolCallParser
@@ -58,18 +59,29 @@ class ToolPlan:
         return function.get("parameters") or ANY_OBJECT
 
     def _calls_schema(self) -> dict:
-        """The calls array's schema. Each function's parameters sit under the root's $defs (its own key) and
-        their "#..." references are rewritten to point there: nested as they were, "#" and "#/properties/a"
-        (and "#/$defs/X") resolved against the array, not the parameters (a named choice reads them at the root)."""
+        """The calls array's schema. Each function's parameters sit under the root's $defs (its own key) as a
+        schema resource of its own ($id: the tool's, else a urn) referenced by that id, so its "#..." references
+        ("#", "#/properties/a", "#/$defs/X", "#anchor") resolve against the parameters, as a named choice reads them."""
         calls, defs = [], {}
         for i, f in enumerate(self.callable_functions()):
             key = f"tool_{i}"
-            defs[key] = _rebased(self._parameters(f["name"]), f"#/$defs/{key}")
+            defs[key] = _own_resource(self._parameters(f["name"]), f"urn:saguaro:tool:{i}", defs)
             calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                                           "parameters": {"$ref": f"#/$defs/{key}"}},
+                                                           "parameters": {"$ref": defs[key]["$id"]}},
                           "required": ["name", "parameters"], "additionalProperties": False})
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": defs}
         return schema if self.parallel else {**schema, "maxItems": 1}
+
+    def clash_error(self, err: ValueError) -> APIError | None:
+        """The engine's refusal of this plan's constraint beside a setting it cannot be combined with (ignore_eos,
+        min_tokens, ...: it says "structured_outputs ..."), naming tool_choice as chat and responses do. None for
+        any other error, parameters that do not compile included (the route names tools)."""
+        rest = str(err).removeprefix("structured_outputs ")
+        if rest == str(err) or rest.startswith("is not valid") or self.structure() is None:
+            return None
+        choice = self.name if self.kind is ToolChoiceKind.NAMED else \
+            "required" if self.allowed is None else "allowed_tools (required)"
+        return APIError(400, f"tool_choice {choice!r} {rest}", param="tool_choice")
 
     def callable_functions(self) -> tuple[dict, ...]:
         """The functions a call may name: allowed_tools' subset, else all of them."""
@@ -106,25 +118,13 @@ class ToolPlan:
         return "tool_calls" if called and reason == "stop" else reason
 
 
-_DATA_KEYWORDS = ("enum", "const", "default", "examples")  # their values are data: a "$ref" key there is no reference
-_NAMED_SCHEMAS = ("properties", "patternProperties", "dependentSchemas", "$defs", "definitions")  # keys are names
-
-
-def _rebased(schema, root: str):
-    """A copy of `schema` whose root-relative references ("#", "#/...") point under `root` (where it is moved)."""
-    if isinstance(schema, list):
-        return [_rebased(item, root) for item in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {}
-    for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
-            out[key] = root + value[1:]
-        elif key in _NAMED_SCHEMAS and isinstance(value, dict):  # a property named "default" is still a schema
-            out[key] = {name: _rebased(named, root) for name, named in value.items()}
-        else:
-            out[key] = value if key in _DATA_KEYWORDS else _rebased(value, root)
-    return out
+def _own_resource(parameters: dict, urn: str, taken: dict) -> dict:
+    """`parameters` with an $id its references resolve against: its own when that is an absolute URI no earlier
+    tool holds (refs may name it in full), else `urn` (a relative or "#name" $id would resolve against the array)."""
+    own = parameters.get("$id")
+    usable = isinstance(own, str) and ":" in own.split("#")[0] and not own.startswith("urn:saguaro:") and \
+        all(d["$id"] != own for d in taken.values())
+    return {**parameters, "$id": own if usable else urn}
 
 
 def _parse_required(text: str) -> tuple[str | None, list[ToolCall]]:
