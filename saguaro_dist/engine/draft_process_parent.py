@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import select
 import subprocess
 import sys
 import time
@@ -29,12 +30,12 @@ from saguaro_dist.config import Config
 from saguaro_dist.distributed.errors import DraftUnavailable
 from saguaro_dist.engine.draft_backend import DraftLater, FailedDrafts, TreeInbox
 from saguaro_dist.engine.messages import Outcome
-from saguaro_dist.engine.pipe_wire import Msg, recv, send, spin_until_readable, widen
+from saguaro_dist.engine.pipe_wire import Msg, framed, recv, send, spin_until_readable, widen, write_some
 
 log = logging.getLogger(__name__)
 CHILD_MODULE = "saguaro_dist.engine.draft_process"  # the child: python -m CHILD_MODULE (tools find it by this name)
 START_TIMEOUT_S = 120.0  # the child imports torch and loads the draft
-CALL_TIMEOUT_S = 120.0   # a child that answers no call this long is treated as dead
+CALL_TIMEOUT_S = 120.0   # a child that answers no call (or takes no message) this long is treated as dead
 WAIT_SPIN_S = 0.01       # the engine busy-polls the pipe this long (at most draft_spin_s) before it blocks
 
 
@@ -154,7 +155,7 @@ class DraftProcess:
             raise DraftUnavailable(f"the draft process restarted during {method}", seq_ids)
         if not self._pump(lambda: call_id in self._replies, time.monotonic() + CALL_TIMEOUT_S) and not self._gone:
             log.error("draft process pid %d answered no %s in %.0f s: stopping it", self._proc.pid, method, CALL_TIMEOUT_S)
-            self._stop()
+            self._stop(grace_s=0.0)
         if call_id not in self._replies:
             raise DraftUnavailable(f"the draft process ended during {method}", seq_ids)
         ok, result = self._replies.pop(call_id)
@@ -166,9 +167,27 @@ class DraftProcess:
         if self._gone:
             return  # the caller's call (if any) finds no reply: DraftUnavailable
         try:
-            send(self._tx, Msg.CALL, call_id, method, arg) if call_id is not None else send(self._tx, Msg.POST, method, arg)
-        except OSError:  # the child died: its pipe is broken
+            self._send(*((Msg.CALL, call_id, method, arg) if call_id is not None else (Msg.POST, method, arg)))
+        except TimeoutError:  # stalled (stopped, deadlocked): the caller's call finds no reply, as for a dead one
+            log.error("draft process pid %d took no %s in %.0f s: stopping it", self._proc.pid, method, CALL_TIMEOUT_S)
+            self._stop(grace_s=0.0)
+        except (EOFError, OSError):  # the child died: its pipe is broken
             self._child_ended()
+
+    def _send(self, *msg) -> None:
+        """Write msg within CALL_TIMEOUT_S (TimeoutError): a blocking write to a stalled child would hang the
+        engine past every deadline once a message outgrew the pipe (a long prompt's prefill). While the pipe
+        is full its messages are read, as it may itself be blocked writing a large push to us."""
+        chunks, deadline = framed(*msg), time.monotonic() + CALL_TIMEOUT_S
+        while not write_some(self._tx.fileno(), chunks):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            poller = select.poll()  # not select.select: a server's fds may pass FD_SETSIZE
+            poller.register(self._tx.fileno(), select.POLLOUT)
+            poller.register(self._rx.fileno(), select.POLLIN)
+            if any(fd == self._rx.fileno() for fd, _ in poller.poll(left * 1000)):
+                self._dispatch(recv(self._rx))
 
     def _pump(self, done, deadline: float) -> bool:
         """Read the child's messages until done() or the deadline (False), or its end (False)."""
@@ -212,7 +231,8 @@ class DraftProcess:
             widen(conn.fileno())
         self.inbox, self._replies = TreeInbox(), {}
         self._first_call_id = next(self._ids)  # calls before it went to an earlier child
-        send(self._tx, self.config, self.fit)
+        send(self._tx, self.config, self.fit)  # blocking: the child reads it first thing
+        os.set_blocking(self._tx.fileno(), False)  # later messages are written by _send, against a deadline
         self._handshake()
         self._gone = False
         log.info("draft process pid %d ready", self._proc.pid)
@@ -243,12 +263,13 @@ class DraftProcess:
                       self._proc.pid, self._proc.poll())
         self._gone = True
 
-    def _stop(self) -> None:
+    def _stop(self, grace_s: float = 10.0) -> None:
+        """grace_s: how long the child may take to exit on its own (0: a stalled one, killed at once)."""
         self._gone = True
         for conn in (self._tx, self._rx):
             conn.close()  # closing its stdin is the child's signal to stop
         try:
-            self._proc.wait(timeout=10.0)
+            self._proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copyreg
 import fcntl
 import io
+import os
 import pickle
 import struct
 import time
@@ -49,14 +50,50 @@ def send(conn: Connection, *msg) -> None:
     times). Arrays under INBAND_BYTES go inside the pickle: a greedy tree is a dozen 32-byte token
     rows, and a pipe write and read each would cost more than the copy. Not Connection.send: its
     ForkingPickler would move tensors through shared-memory fds."""
+    head, views = _encode(msg)
+    conn.send_bytes(head)
+    for view in views:
+        conn.send_bytes(view)
+
+
+def _encode(msg: tuple) -> tuple[bytes, list[memoryview]]:
+    """The header (the arrays' count and sizes, then the pickle) and the out-of-band arrays."""
     header, buffers = io.BytesIO(), []
     pickler = pickle.Pickler(header, protocol=5, buffer_callback=_out_of_band(buffers))
     pickler.dispatch_table = _DISPATCH
     pickler.dump(msg)
     views = [b.raw() for b in buffers]
-    conn.send_bytes(struct.pack(f"<I{len(views)}Q", len(views), *(v.nbytes for v in views)) + header.getbuffer())
-    for view in views:
-        conn.send_bytes(view)
+    return struct.pack(f"<I{len(views)}Q", len(views), *(v.nbytes for v in views)) + header.getbuffer(), views
+
+
+def framed(*msg) -> list:
+    """send's message as the chunks it writes, each part framed as Connection.send_bytes frames it (recv
+    reads them), for a writer on a non-blocking pipe (write_some)."""
+    head, views = _encode(msg)
+    chunks = []
+    for part in (head, *views):
+        size = len(part)
+        chunks += [struct.pack("!i", size) if size <= 0x7FFFFFFF else struct.pack("!iQ", -1, size), part]
+    return chunks
+
+
+IOV_MAX = 512  # writev's chunks a call (POSIX guarantees 16, Linux takes 1024: a message of many arrays)
+
+
+def write_some(fd: int, chunks: list) -> bool:
+    """Write chunks to the non-blocking fd until all are written (True) or the pipe is full (False: the
+    rest stays in chunks). One writev a message while the pipe has room."""
+    while chunks:
+        try:
+            written = os.writev(fd, chunks[:IOV_MAX])
+        except BlockingIOError:
+            return False
+        while chunks and written >= len(chunks[0]):
+            written -= len(chunks[0])
+            chunks.pop(0)
+        if written:
+            chunks[0] = memoryview(chunks[0])[written:]
+    return True
 
 
 def _out_of_band(buffers: list):
