@@ -13,6 +13,7 @@ import httpx
 
 from saguaro_dist.client.errors import (APIConnectionError, APIResponseValidationError, APIStatusError,
                                         APITimeoutError, status_error)
+from saguaro_dist.error_types import status_of_type
 
 # The openai client's pool: httpx's default of 100 connections queued the 101st concurrent request in the client
 # (an async caller's, a serving bench's), its wait counted as the server's latency.
@@ -368,10 +369,11 @@ def stream_error(body) -> APIStatusError:
 
 
 def _stream_error_status(err: dict) -> int:
-    """Headers were already sent with 200: the status travels in the error's code, when numeric."""
+    """Headers were already sent with 200: the status travels in the error's code, when numeric, else in its type
+    (a not_found_error whose code is "model_not_found" is a 404); 500 for neither."""
     if isinstance(err.get("code"), int):
         return err["code"]
-    return 400 if err.get("type") == "invalid_request_error" else 500
+    return status_of_type(err.get("type")) or 500
 
 
 __all__ = ["APIStatusError", "Completion", "RetryPolicy", "StreamAccumulator"]

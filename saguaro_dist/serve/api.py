@@ -14,7 +14,7 @@ from fastapi import APIRouter, FastAPI
 from saguaro_dist.config import SPECULATIVE_MODES
 from saguaro_dist.serve import info_routes
 from saguaro_dist.serve.chat_request import REPLY_ROLE
-from saguaro_dist.serve.errors import install_error_handlers
+from saguaro_dist.serve.errors import UnexpectedErrorMiddleware, install_error_handlers
 from saguaro_dist.serve.frontend import FrontendOptions, docs_settings, install_frontend
 from saguaro_dist.serve.generate_routes import chat, completions
 from saguaro_dist.serve.lora_models import ServedModels
@@ -112,7 +112,9 @@ def create_app(engine, options: ServerOptions, metrics: ServeMetrics | None = No
     app.state.response_role = options.response_role  # route_support.response_role
     install_error_handlers(app)
     app.include_router(_router(runtime_lora))
-    # Outermost last: count every request, then CORS (a preflight carries no key), then auth, then the size limit.
+    # Outermost last: count every request, then CORS (a preflight carries no key), then auth, then the size limit,
+    # then the catch-all 500 (errors.UnexpectedErrorMiddleware: the connection stays usable).
+    app.add_middleware(UnexpectedErrorMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=options.max_request_bytes)
     if options.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=options.api_key)

@@ -13,14 +13,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-log = logging.getLogger(__name__)
+from saguaro_dist.error_types import error_type
 
-# status -> OpenAI error type (the `openai` client maps the status itself; the type is for humans)
-_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-    413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable_error",
-}
+log = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -35,8 +30,8 @@ class APIError(Exception):
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | int | None = None) -> dict:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code if code is not None else status}}
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": code if code is not None else status}}
 
 
 def error_response(status: int, message: str, param: str | None = None, code=None, headers=None) -> JSONResponse:
@@ -114,6 +109,33 @@ async def _on_unexpected(request: Request, err: Exception) -> JSONResponse:
     return error_response(500, "internal server error")
 
 
+class UnexpectedErrorMiddleware:
+    """Answers an exception no handler took with the 500 envelope (_on_unexpected logs it, once). Starlette runs an
+    `Exception` handler in its outermost ServerErrorMiddleware, which sends the 500 and then re-raises: uvicorn then
+    logs it again and drops the connection, while the 500 said nothing of closing it, so a client's next request on
+    that kept-alive connection was reset unanswered. Added innermost: the request counter sees the 500."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as err:  # noqa: BLE001 - every error: its traceback is logged by _on_unexpected
+            if started:  # a reply half sent (a stream's own errors go out as events): the server drops the
+                raise    # connection, the one way left to tell the client the reply is cut short
+            response = await _on_unexpected(Request(scope), err)
+            await response(scope, receive, send)
+
+
 def stream_error(err: Exception) -> dict:
     """The envelope for an error after a stream's headers went out (no status to set any more)."""
     if isinstance(err, APIError):
@@ -153,4 +175,4 @@ def install_error_handlers(app: FastAPI) -> None:
     # Starlette answers an `Exception` handler's errors outside every middleware, so requests_total counted
     # the engine's 503s as 500s; a handler for the class itself answers inside them.
     app.add_exception_handler(EngineError, _on_unexpected)
-    app.add_exception_handler(Exception, _on_unexpected)
+    app.add_exception_handler(Exception, _on_unexpected)  # what escapes the outer middlewares (api.create_app)
