@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from saguaro_dist.config import check_int, is_number
 from saguaro_dist.plain_numbers import make_numbers_plain
 from saguaro_dist.spec.bad_words import BadWordIds, bad_word_ids
+from saguaro_dist.spec.left_to_generate import check_left_to_generate
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]
@@ -369,14 +370,6 @@ def with_bad_word_ids(params, encode) -> SamplingParams:
     return replace(params, _bad_words_token_ids=bad_word_ids(params.bad_words, encode))
 
 
-def _check_allowed_not_all_banned(params) -> None:
-    """allowed_token_ids that one-token bad words bar, every one: no token could ever be generated (every
-    logit at -inf: the sampler's pick would be arbitrary, not the model's)."""
-    banned = {w[0] for w in params.banned_words if len(w) == 1}
-    if params.allowed_token_ids is not None and banned and set(params.allowed_token_ids) <= banned:
-        raise ValueError("bad_words bar every token of allowed_token_ids: nothing could be generated")
-
-
 def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
     """What only the model can tell: the token ids a request names (logit_bias, allowed_token_ids) are in
     its vocabulary, and a token is left to generate while min_tokens holds the ends back."""
@@ -385,14 +378,5 @@ def check_against_model(params, vocab_size: int, eos_token_ids: frozenset[int]) 
     for name, ids in named:
         if ids and max(ids) >= vocab_size:
             raise ValueError(f"{name} names token {max(ids)}, outside the vocabulary (ids 0..{vocab_size - 1})")
-    _check_allowed_not_all_banned(params)
-    if not params.min_tokens:
-        return
-    ends = set(params.stop_token_ids) | set(eos_token_ids)  # held back under ignore_eos too (vLLM's)
-    if params.allowed_token_ids is not None and set(params.allowed_token_ids) <= ends:
-        raise ValueError(f"allowed_token_ids holds only end tokens (EOS / stop_token_ids), which min_tokens = "
-                         f"{params.min_tokens} holds back: nothing could be generated")
-    # Every logit at -inf would make NaN probabilities (the last token id sampled), not an error.
-    if len({t for t in ends if t < vocab_size}) == vocab_size:
-        raise ValueError(f"stop_token_ids (with EOS) name every token of the vocabulary, which min_tokens = "
-                         f"{params.min_tokens} holds back: nothing could be generated")
+    ends = set(params.stop_token_ids) | set(eos_token_ids)
+    check_left_to_generate(params.allowed_token_ids, params.banned_words, params.min_tokens, ends, vocab_size)

@@ -150,3 +150,13 @@ def test_allowed_tokens_every_one_barred_by_bad_words_are_refused():
     with pytest.raises(ValueError, match="bad_words bar every token of allowed_token_ids"):
         check_against_model(params, 32, frozenset({1}))
     check_against_model(SamplingParams(allowed_token_ids=[3, 4], _bad_words_token_ids=((3,), (5, 4))), 32, frozenset())
+
+
+def test_a_prefill_whose_end_ids_cover_the_vocabulary_under_min_tokens_is_refused(draft_dir):
+    """DraftSampling has no vocabulary, so the draft worker checks this one (the target refuses it alike): every
+    token an end id, held back by min_tokens, leaves nothing to draft (logits all -inf)."""
+    worker = build_draft_worker(Config(model=draft_dir, draft=draft_dir, mode="sd", k=K))
+    every_end = DraftSampling(0.0, 0, 1.0, None, min_tokens=2, end_token_ids=tuple(range(64)))
+    with pytest.raises(ValueError, match="every token of the vocabulary"):
+        worker.prefill([PrefillRequest(0, PROMPT, every_end)])
+    worker.prefill([PrefillRequest(1, PROMPT, GREEDY)])  # the worker serves on

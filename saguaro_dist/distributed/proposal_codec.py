@@ -12,7 +12,8 @@ import torch
 
 from saguaro_dist.distributed.proto import saguaro_pb2 as pb
 from saguaro_dist.distributed.tensor_codec import (
-    INT32, TORCH_DTYPES, WIRE_DTYPES, array_from_proto, array_to_proto, host_array, integer_array, tensor_from_proto,
+    INT32, MAX_EXTENT, TORCH_DTYPES, WIRE_DTYPES, array_from_proto, array_to_proto, host_array, integer_array,
+    tensor_from_proto,
 )
 from saguaro_dist.distributed.wire_checks import CodecError, required
 from saguaro_dist.engine.messages import Proposal
@@ -165,7 +166,9 @@ def _check_sparse(offsets: np.ndarray, ids: np.ndarray, values: np.ndarray, k: i
         raise CodecError("sparse probs: row_offsets must be non-decreasing")
     if ids.ndim != 1 or values.ndim != 1 or len(values) != nnz:
         raise CodecError("sparse probs: token_ids and probs must be 1-D of the same length, probs float")
-    if vocab_size <= 0 or (nnz and (ids.min() < 0 or ids.max() >= vocab_size)):
+    if not 0 < vocab_size <= MAX_EXTENT:  # only claimed: with k = 0 no byte count below would catch it
+        raise CodecError(f"sparse probs: vocab_size {vocab_size} must be in 1..{MAX_EXTENT}")
+    if nnz and (ids.min() < 0 or ids.max() >= vocab_size):
         raise CodecError(f"sparse probs: token ids must lie in [0, vocab_size={vocab_size})")
     ascending = np.diff(ids) > 0  # within a row, as the encoder writes them: a repeated id would overwrite
     ascending[offsets[1:-1][(0 < offsets[1:-1]) & (offsets[1:-1] < nnz)] - 1] = True  # a new row may start lower

@@ -20,6 +20,8 @@ WIRE_DTYPES = {
 TORCH_DTYPES = {v: k for k, v in WIRE_DTYPES.items()}
 INT32 = _DT.INT32
 _ITEMSIZE = {d: d.itemsize for d in WIRE_DTYPES}
+# A stated shape's bounds: a message (under 2 GiB) carries fewer elements; numpy takes up to 64 dimensions.
+MAX_NDIM, MAX_EXTENT = 16, 1 << 32
 # Bytes move through numpy: a torch op costs ~10 us here, a numpy call ~1 us, and a tree is dozens of
 # small tensors. numpy has no bfloat16: its elements travel as their int16 bits.
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.int16, torch.float64: np.float64,
@@ -62,9 +64,7 @@ def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
 def array_from_proto(msg: pb.Tensor, dtype: torch.dtype) -> np.ndarray:
     """A private, writable, native-order copy of the message's elements, shaped."""
     shape = list(msg.shape)
-    if any(d < 0 for d in shape):
-        raise CodecError(f"tensor shape {shape} has a negative dimension")
-    numel = _numel(shape)
+    numel = _checked_numel(shape)
     if len(msg.data) != numel * _ITEMSIZE[dtype]:
         raise CodecError(f"tensor of shape {shape} and dtype {dtype} needs {numel * _ITEMSIZE[dtype]} bytes, "
                          f"got {len(msg.data)}")
@@ -72,11 +72,20 @@ def array_from_proto(msg: pb.Tensor, dtype: torch.dtype) -> np.ndarray:
     return np.frombuffer(msg.data, dtype=wire).astype(wire.newbyteorder("="), copy=True).reshape(shape)
 
 
-def _numel(shape: list[int]) -> int:
-    n = 1
+def _checked_numel(shape: list[int]) -> int:
+    """The element count of a stated shape, every dimension bounded: a zero-size tensor passes the byte count
+    whatever its other dimensions, and numpy's reshape refused a huge one with a plain ValueError (not a
+    CodecError: it failed the whole stream, not the one batch)."""
+    if len(shape) > MAX_NDIM:
+        raise CodecError(f"tensor has {len(shape)} dimensions, over {MAX_NDIM}")
+    extent = 1  # the element count with its zero dimensions taken as one
     for d in shape:
-        n *= d
-    return n
+        if d < 0:
+            raise CodecError(f"tensor shape {shape} has a negative dimension")
+        extent *= max(d, 1)
+        if extent > MAX_EXTENT:
+            raise CodecError(f"tensor shape {shape} spans over {MAX_EXTENT} elements (zero dimensions as one)")
+    return 0 if 0 in shape else extent
 
 
 def integer_array(msg: pb.Tensor, what: str) -> np.ndarray:

@@ -31,6 +31,7 @@ from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, top_k_proposal,
 )
+from saguaro_dist.spec.left_to_generate import check_left_to_generate
 from saguaro_dist.spec.lookup_length import candidate_lengths
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class DraftWorker(TreeBuilding):
             if not 0 <= r.prompt_len <= len(r.prompt_token_ids):
                 raise ValueError(f"sequence {r.seq_id}: prompt_len {r.prompt_len} of {len(r.prompt_token_ids)} tokens")
             self._check_tokens(r.seq_id, r.prompt_token_ids, "prompt")
+            # (DraftSampling checked the rest; this one needs the vocabulary: every token an end under min_tokens)
+            check_left_to_generate(None, (), r.sampling.min_tokens, r.sampling.end_token_ids, self.vocab_size)
         # A re-prefill (the target moved it after a worker died) restarts the sequence.
         self.release([Release(r.seq_id) for r in reqs if r.seq_id in self.seqs])
         started: list[int] = []

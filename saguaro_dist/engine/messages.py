@@ -27,6 +27,7 @@ from saguaro_dist.sampling_params import (
     TokenBias, allowed_tokens, biased, check_min_p, check_penalties, check_top, checked_temperature, penalized, token_bias,
 )
 from saguaro_dist.spec.bad_words import BadWordIds, checked_word_ids
+from saguaro_dist.spec.left_to_generate import check_left_to_generate
 from saguaro_dist.spec.min_tokens import checked_end_ids
 
 
@@ -61,6 +62,8 @@ class DraftSampling:
             raise ValueError("grammar must be non-empty llguidance grammar text (or None)")
         object.__setattr__(self, "bad_words", checked_word_ids(self.bad_words))
         object.__setattr__(self, "end_token_ids", checked_end_ids(self.min_tokens, self.end_token_ids))
+        # As the target refuses such a request: where every token is barred the draft's q would be NaN
+        check_left_to_generate(self.allowed_token_ids, self.bad_words, self.min_tokens, self.end_token_ids)
 
     @property
     def holds_back_ends(self) -> bool:
