@@ -6,15 +6,20 @@ A load_inplace reload frees the id it replaces; a bad target_modules regex is re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import ray
 
 from http_helpers import serve_on_loopback
 from saguaro_dist import LLM, LoRARequest, SamplingParams
 from saguaro_dist.config import Config
+from saguaro_dist.lora_request import ONE_ID_ONE_ADAPTER
 from saguaro_dist.model.hf_config import load_config
 from saguaro_dist.model.lora_adapter import load_adapter
 from saguaro_dist.serve.api import ServerOptions, create_app
@@ -25,11 +30,13 @@ from saguaro_dist.serve.lora_models import ServedModels
 pytest_plugins = ["test_serve_fixtures"]
 peft = pytest.importorskip("peft")
 from test_lora_engine import ALL, make_adapter  # noqa: E402 (needs peft)
+from test_serve_fixtures import make_tokenizer, write_llama  # noqa: E402
 
 PROMPT = [5, 6, 7, 8]
 N = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 CPU_LORAS = 4  # the engine's max_cpu_loras
+HOLD_TOKENS = 2000  # a held request's length: it runs (~1 s, ended early) while a test acts
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +48,12 @@ def adapters(serving_pair, tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def llm(serving_pair):
-    """One slot (two adapters evict each other) and CPU_LORAS host copies."""
-    with LLM(model=serving_pair[0], mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8,
+def llm(tmp_path_factory):
+    """One slot (two adapters evict each other) and CPU_LORAS host copies; serving_pair's target (same seed and
+    shapes) with room for HOLD_TOKENS, so a held request runs while a test acts (holding)."""
+    target = write_llama(tmp_path_factory.mktemp("s88_target"), make_tokenizer(), hidden=64, layers=2, seed=1,
+                         max_positions=HOLD_TOKENS + 2 * len(PROMPT))
+    with LLM(model=target, mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8,
              max_cpu_loras=CPU_LORAS) as llm:
         yield llm
 
@@ -224,3 +234,110 @@ def test_add_lora_on_ray_preloads_on_rank_0(serving_pair, adapters, offline, ray
         assert list(out[0].outputs[0].token_ids) == offline["one"]
         with pytest.raises(ValueError, match="node of the target's rank 0"):
             ray_llm.add_lora(LoRARequest("gone", 2, folder))
+        # rank 0's refusal of an id it holds under another path read nothing there: no node named (the LLM's edge
+        # refuses it first, so asked of the actor itself)
+        added, error = ray.get(ray_llm._thread.rank0.add_lora.remote(LoRARequest("other", 1, adapters["two"])))
+        assert not added and error.endswith(ONE_ID_ONE_ADAPTER), error
+
+
+def generate(llm, lora: LoRARequest) -> list[int]:
+    out = llm.generate(prompt_token_ids=[PROMPT], sampling_params=GREEDY, use_tqdm=False, lora_request=lora)
+    return list(out[0].outputs[0].token_ids)
+
+
+@contextlib.contextmanager
+def holding(llm, lora: LoRARequest, request_id: str):
+    """A long greedy request of `lora` running (its first tokens out) while the block runs, aborted at its end:
+    yields the list its tokens go to."""
+    tokens, started = [], threading.Event()
+    params = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
+
+    async def run():
+        async for delta in llm.stream(prompt_token_ids=PROMPT, sampling_params=params, request_id=request_id,
+                                      lora_request=lora):
+            tokens.extend(delta.token_ids)
+            started.set()
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(asyncio.run, run())
+        while not started.wait(0.05):
+            assert not done.done(), done.result()
+        yield tokens
+        llm.abort(request_id)
+        done.result(timeout=120)
+
+
+def wait_until(check, timeout_s: float = 60) -> None:
+    done = threading.Event()
+    for _ in range(int(timeout_s / 0.01)):
+        if check():
+            return
+        done.wait(0.01)
+    raise AssertionError("timed out")
+
+
+def test_add_lora_again_of_an_id_it_holds_keeps_its_weights(llm, adapters, offline, tmp_path):
+    """vLLM's add_lora of an adapter it holds only marks it recently used: a second read (of files rewritten since)
+    would have become the id's weights, silently, once the slot was evicted."""
+    folder = copy(adapters["one"], tmp_path, "again")
+    request = LoRARequest("again", 302, folder)
+    assert llm.add_lora(request) is True
+    assert generate(llm, request) == offline["one"]
+    shutil.rmtree(folder)
+    shutil.copytree(adapters["two"], folder)
+    assert llm.add_lora(request) is True
+    assert generate(llm, LoRARequest("two", 102, adapters["two"])) == offline["two"]  # evicts it from the one slot
+    assert generate(llm, request) == offline["one"]
+    assert llm.remove_lora(302) is True
+
+
+def test_an_id_removed_while_it_runs_takes_a_new_path(llm, adapters, offline):
+    """LLM.remove_lora, then add_lora of the id with another path while a request still runs it (vLLM loads it):
+    the running request ends on the old weights, later ones run the new."""
+    first, second = LoRARequest("first", 311, adapters["one"]), LoRARequest("second", 311, adapters["two"])
+    with ThreadPoolExecutor(1) as pool:
+        with holding(llm, first, "held-311") as tokens:
+            assert llm.remove_lora(311) is True
+            assert llm.add_lora(second) is True
+            later = pool.submit(generate, llm, second)  # waits for the slot's old weights to be free
+            wait_until(lambda: len(tokens) >= N)
+        assert tokens[:N] == offline["one"]
+        assert later.result(timeout=120) == offline["two"]
+    assert llm.remove_lora(311) is True
+
+
+def test_a_request_queued_under_a_name_reloaded_in_place_runs_the_weights_it_named(llm, served, adapters, offline,
+                                                                                     tmp_path):
+    """A request waiting for the one slot when a load_inplace reload of its name answered and the old folder was
+    deleted (RL weight sync): the old id's host copy stayed for it (its removal waits for queued requests too)."""
+    url, step0 = served[0], copy(adapters["one"], tmp_path, "q0")
+    assert load(url, "rlq", step0).status_code == 200
+    with ThreadPoolExecutor(1) as pool:
+        with holding(llm, LoRARequest("hold", 401, adapters["two"]), "held-401"):
+            queued = pool.submit(completion, url, "rlq")
+            wait_until(lambda: "rlq" in llm.load.waiting_lora_adapters)
+            assert load(url, "rlq", copy(adapters["two"], tmp_path, "q1"), load_inplace=True).status_code == 200
+            shutil.rmtree(step0)
+        assert queued.result(timeout=120) == offline["one"]
+    assert completion(url, "rlq") == offline["two"]
+    unload(url, "rlq")
+    assert llm.remove_lora(401) is True
+
+
+def test_a_load_whose_wait_for_the_engine_timed_out_spends_its_id(llm, served, adapters, offline):
+    """The add's chore queued on the engine's thread runs after its wait timed out (a 500), binding the id: later
+    loads get fresh ids (vLLM's counter moves before add_lora), not that one for another path (a 400 for good)."""
+    url, thread = served[0], llm._thread
+    saved = vars(thread).get("chore_timeout_s")
+    thread.chore_timeout_s = 0  # one long step: the chore cannot have run when the wait ends
+    try:
+        reply = load(url, "late", adapters["one"])
+    finally:
+        thread.chore_timeout_s = saved
+    assert reply.status_code == 500, reply.text
+    llm.reset_prefix_cache()  # a chore queued after the late one: that one ran
+    for name, path in (("late", adapters["two"]), ("next", adapters["one"])):
+        assert load(url, name, path).status_code == 200
+    assert completion(url, "late") == offline["two"] and completion(url, "next") == offline["one"]
+    unload(url, "late")
+    unload(url, "next")

@@ -22,6 +22,7 @@ from saguaro_dist.distributed.placement import actor_threads
 from saguaro_dist.distributed.remote import RemotePoll, RemoteRequest, RemoteUpdate
 from saguaro_dist.distributed.tp_runner import BroadcastRunner, RankLost, run_follower
 from saguaro_dist.engine.heap import freeze_startup_heap
+from saguaro_dist.engine.lora_slots import AdapterReadError
 from saguaro_dist.log_level import follow_env_log_level
 
 log = logging.getLogger(__name__)
@@ -237,11 +238,15 @@ class TargetRank:
         return self.thread.remove_lora(lora_int_id)
 
     def add_lora(self, request) -> tuple[bool, str | None]:
-        """The engine's add_lora here, on rank 0 (its slots' loads replay on every rank): (added, why it failed)."""
+        """The engine's add_lora here, on rank 0 (its slots' loads replay on every rank): (added, why it failed).
+        A timed-out wait for the engine's thread or an engine error is raised: the driver's call raises it (Ray's
+        RayTaskError, an instance of it), a server error there, not the client's."""
         try:
             return self.thread.add_lora(request), None
-        except ValueError as err:
+        except AdapterReadError as err:  # only its files' read happened on this node
             return False, f"{err} (read on the node of the target's rank 0)"
+        except ValueError as err:  # (LoRA off, an id bound to another path: nothing read)
+            return False, str(err)
 
     def check_lora_adapter(self, lora_path: str) -> str | None:
         """Read a LoRA adapter here, on rank 0's node, as the engine's slots will at its first request (their

@@ -135,15 +135,18 @@ class Engine(Committing):
         runs it (those finish on its weights); whether the engine held anything of it."""
         if self.target.loras is None:
             return False
-        return self.target.loras.remove(lora_int_id, self._live_adapters())
+        return self.target.loras.remove(lora_int_id, self._named_adapters())
 
-    def _live_adapters(self) -> set[int]:
-        return {s.lora_request.lora_int_id for s in self.running + self.prefilling if s.lora_request is not None}
+    def _named_adapters(self) -> set[int]:
+        """The adapters of every sequence here, queued ones too: a removed one's host copy stays while a request
+        waiting for a slot still names it (its folder may be gone: an RL loop deletes the checkpoint it replaced)."""
+        seqs = [*self.waiting, *self.prefilling, *self.running]
+        return {s.lora_request.lora_int_id for s in seqs if s.lora_request is not None}
 
     def _free_removed_adapters(self) -> None:
         """Removed adapters' slots, once the sequences that ran them were released (cheap: most steps none)."""
         if self.target.loras is not None and self.target.loras.removed:
-            self.target.loras.free_removed(self._live_adapters())
+            self.target.loras.free_removed(self._named_adapters())
 
     def reset(self) -> None:
         """After a failed step: drop every request (their callers were told) and free what each holds, each once and

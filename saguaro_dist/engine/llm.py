@@ -310,8 +310,9 @@ class LLM(RequestInputs):
         return True
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """vLLM's remove_lora: the adapter's slot serves others once its running requests finished (on its weights),
-        its id may then name another path; whether the engine held it (on Ray: rank 0's, every rank's slot freed)."""
+        """vLLM's remove_lora: the adapter's slot serves others once its running and queued requests finished (on its
+        weights), its id may then name another path (add_lora or a request may name one at once: vLLM's); whether
+        the engine held it (on Ray: rank 0's, every rank's slot freed)."""
         removed = self._thread.remove_lora(lora_int_id)
         if (bound := self._lora_ids.current(lora_int_id)) is not None:
             self._lora_ids.release(bound)

@@ -7,12 +7,14 @@ from concurrent.futures import Future
 from typing import Callable
 
 from saguaro_dist.engine.engine import Engine, ReleaseError, Update
+from saguaro_dist.engine.lora_slots import AdapterReadError
 from saguaro_dist.engine.sequence import Sequence
 from saguaro_dist.engine.stats_log import StatsLogger
 
 log = logging.getLogger(__name__)
 
 Listener = Callable[[Update | BaseException], None]
+CHORE_TIMEOUT_S = 60.0  # a caller's wait for its chore (remove_lora, add_lora, ...) to run between two steps
 
 
 def cause(err: Exception) -> BaseException:
@@ -43,6 +45,7 @@ class EngineThread:
         self._inbox: list[tuple[Sequence, Listener]] = []
         self._aborts: list[str] = []
         self._chores: list[tuple[Callable[[], object], Future]] = []  # run on the loop thread between steps
+        self.chore_timeout_s = CHORE_TIMEOUT_S
         self._cond = threading.Condition()
         self._stopped = False
         self._stats = StatsLogger(engine.config.log_stats_interval_s)
@@ -109,21 +112,26 @@ class EngineThread:
         loras = self.engine.target.loras
         if loras is None:
             raise ValueError("add_lora, but LoRA is off for this engine: start it with enable_lora=True")
+        if loras.holds(request) and self._on_loop(lambda: loras.touch(request)):  # (a peek, then asked on the loop)
+            return True  # held already from this path: only its LRU place changes (vLLM's)
         try:
             adapter = loras.read(request)
+        except ValueError as err:
+            raise AdapterReadError(str(err)) from None
         except OSError as err:  # a Hub id that cannot be fetched
-            raise ValueError(f"lora_request {request.lora_name!r}: {err}") from None
+            raise AdapterReadError(f"lora_request {request.lora_name!r}: {err}") from None
         return self._on_loop(lambda: loras.add(request, adapter))
 
-    def _on_loop(self, chore: Callable[[], object], timeout_s: float = 60.0):
-        """chore() on the engine's own thread between two steps (the engine has no locks); its result."""
+    def _on_loop(self, chore: Callable[[], object]):
+        """chore() on the engine's own thread between two steps (the engine has no locks); its result. TimeoutError
+        after chore_timeout_s (one long step): the chore still runs later."""
         done: Future = Future()
         with self._cond:
             if self._stopped:
                 raise EngineError("the engine is shut down")
             self._chores.append((chore, done))
             self._cond.notify()
-        return done.result(timeout=timeout_s)
+        return done.result(timeout=self.chore_timeout_s)
 
     def stop(self) -> None:
         with self._cond:

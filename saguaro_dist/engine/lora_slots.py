@@ -17,10 +17,13 @@ once add returned. One dropped past max_cpu_loras is read again from its path at
 files are gone that request fails with AdapterDroppedError (the server's state, not the request's fault).
 
 remove (vLLM's remove_lora, at a runtime unload) empties the adapter's slot and forgets its host copy and its id's
-path, so the slot serves the next adapter; while sequences holding rows run it, that waits until none does (they
-finish on its weights, as vLLM's running requests do), and a request naming it again cancels the wait."""
+path, so the slot serves the next adapter; while the engine's sequences (running or queued) name it, that waits until
+none does (they finish on its weights, as vLLM's running requests do), and a request naming it again cancels the wait
+(one naming another path, or an add of one, binds the id to it, as a load_inplace one: vLLM loads it).
+add of an id already held from the same path (no load_inplace) only marks it the most recently used, as vLLM's."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections import OrderedDict
@@ -32,9 +35,19 @@ from saguaro_dist.model.lora_adapter import load_adapter
 log = logging.getLogger(__name__)
 
 
+def as_reload(request: LoRARequest) -> LoRARequest:
+    """request bound as a load_inplace one (an id removed while named, named again, or added again): requests
+    queued under the id load its weights, as vLLM's run an id's last load."""
+    return dataclasses.replace(request, load_inplace=True)
+
+
 class AdapterLoadError(ValueError):
     """A request's adapter could not be loaded: that request fails alone. Its text ends with not_loaded_note when
     the id holds no slot (nothing registered under it: a later request may name it with another path)."""
+
+
+class AdapterReadError(ValueError):
+    """add_lora could not read an adapter's files (where the engine's target runs): nothing was bound."""
 
 
 class AdapterDroppedError(AdapterLoadError):
@@ -53,6 +66,9 @@ class HostAdapters:
 
     def __len__(self) -> int:
         return len(self._adapters)
+
+    def __contains__(self, lora_int_id: int) -> bool:
+        return lora_int_id in self._adapters
 
     def get(self, lora_int_id: int):
         adapter = self._adapters.get(lora_int_id)
@@ -81,7 +97,7 @@ class AdapterSlots:
         self.last_used = [0] * max_loras
         self.ids = AdapterIds()
         self.stale: set[int] = set()  # adapters a load_inplace request asked to load again (at their next start)
-        self.removed: set[int] = set()  # adapters removed while running: freed once no sequence holding rows runs them
+        self.removed: set[int] = set()  # adapters removed while named: freed once no sequence names them
         self.added: set[int] = set()  # adapters put here by add, until removed (see _read_again)
         self._ticks = itertools.count(1)
 
@@ -90,9 +106,10 @@ class AdapterSlots:
         (the id is bound to its path then); load_inplace marks it stale."""
         if request is None:
             return
-        self.ids.bind(request)
+        rebind = self._rebinds_removed(request)
+        self.ids.bind(as_reload(request) if rebind else request)
         self.removed.discard(request.lora_int_id)  # asked for again: it stays (vLLM's request re-adds it)
-        if request.load_inplace:
+        if request.load_inplace or rebind:
             self.host.drop(request.lora_int_id)  # its next load reads the files again (a new path: no added one's)
             self.added.discard(request.lora_int_id)
             if self.slot_of(request.lora_int_id) is not None:
@@ -107,33 +124,64 @@ class AdapterSlots:
     def add(self, request: LoRARequest, adapter) -> bool:
         """vLLM's add_lora: bind the id to request's path (ValueError if it names another without load_inplace) and
         put `adapter` (read from it) into host memory, the most recent (kept even while every slot holds another);
-        a slot holding an older load of the id reloads at its next start (from this copy). True, as vLLM's."""
+        a slot holding an older load of the id reloads at its next start (from this copy). True, as vLLM's.
+        An id removed while its requests run takes the new read as a load_inplace one would (vLLM loads it).
+        An id already holding this path's weights (touch's case) keeps them: a second read is never installed, or
+        the id would switch weights silently once its slot was evicted."""
         lora_id = request.lora_int_id
-        self.ids.bind(request)
+        if self.touch(request):
+            return True
+        reload = request.load_inplace or lora_id in self.removed
+        self.ids.bind(as_reload(request) if reload else request)
         self.removed.discard(lora_id)
         self.added.add(lora_id)
         self.host.put(lora_id, adapter, self._held_ids() | {lora_id})
-        if self.slot_of(lora_id) is not None and request.load_inplace:
+        if self.slot_of(lora_id) is not None and reload:
             self.stale.add(lora_id)
         return True
+
+    def holds(self, request: LoRARequest) -> bool:
+        """Whether add of request has nothing to read: its id is bound to its path, it is no load_inplace one, the
+        id is not being removed, and a slot or host memory holds its weights. Only reads (any thread may ask)."""
+        lora_id, current = request.lora_int_id, self.ids.current(request.lora_int_id)
+        return (not request.load_inplace and lora_id not in self.removed and current is not None
+                and current.lora_path == request.lora_path and lora_id not in self.stale
+                and (self.slot_of(lora_id) is not None or lora_id in self.host))
+
+    def touch(self, request: LoRARequest) -> bool:
+        """vLLM's add_lora of an adapter it holds: only marked the most recently used. Whether request holds()."""
+        if not self.holds(request):
+            return False
+        self.host.get(request.lora_int_id)
+        slot = self.slot_of(request.lora_int_id)
+        if slot is not None:
+            self.last_used[slot] = next(self._ticks)
+        return True
+
+    def _rebinds_removed(self, request: LoRARequest) -> bool:
+        """A request naming a removed id (its old requests still running) with another path: the id is bound to the
+        new path, as by load_inplace (vLLM loads it; the old weights serve the running requests to their end)."""
+        current = self.ids.current(request.lora_int_id)
+        return (request.lora_int_id in self.removed and current is not None
+                and current.lora_path != request.lora_path)
 
     def _held_ids(self) -> set[int]:
         return {r.lora_int_id for r in self.held if r is not None}
 
     def remove(self, lora_int_id: int, busy: set[int]) -> bool:
         """vLLM's remove_lora: whether the engine held anything of the adapter (a slot, a host copy, its id's path).
-        busy: the adapters of the sequences holding rows; if it is among them, its slot is freed by free_removed."""
+        busy: the adapters of the engine's sequences, queued ones too; if it is among them, its slot and host copy
+        are freed by free_removed once none names it (a queued one runs what was loaded, whatever its files hold)."""
         known = (self.slot_of(lora_int_id) is not None or self.host.get(lora_int_id) is not None
                  or self.ids.current(lora_int_id) is not None)
-        self.host.drop(lora_int_id)  # (a running sequence reads the slot's weights, not this copy)
-        if lora_int_id in busy:
+        if lora_int_id in busy:  # its host copy stays too: a queued request may load it once a slot frees
             self.removed.add(lora_int_id)
         else:
             self._forget(lora_int_id)
         return known
 
     def free_removed(self, busy: set[int]) -> None:
-        """Free the slots of removed adapters that no sequence holding rows runs now (after a step released some)."""
+        """Free the slots of removed adapters that no sequence names now (after a step released some)."""
         for lora_int_id in [i for i in self.removed if i not in busy]:
             self._forget(lora_int_id)
 
@@ -142,6 +190,7 @@ class AdapterSlots:
         self.removed.discard(lora_int_id)
         self.stale.discard(lora_int_id)
         self.added.discard(lora_int_id)
+        self.host.drop(lora_int_id)
         slot = self.slot_of(lora_int_id)
         if slot is not None:
             self.runner.evict_lora(slot)  # no live sequence uses it (busy): the runner checks that too

@@ -2,13 +2,13 @@
 which name runs which adapter, /v1/models' cards, and runtime loading behind VLLM_ALLOW_RUNTIME_LORA_UPDATING.
 
 Each adapter runs under a lora_int_id (>= 1) the server hands out once: --lora-modules take 1..N in order, each
-runtime load that succeeds the next. An id is never handed out again (not after an unload, nor for a load_inplace
-reload): the engine binds an id to one path, keeps its prefix cache per id, and loads a new id's weights afresh.
-A load puts the adapter it read into the engine's host memory (vLLM's add_lora: its LRU of max_cpu_loras, the most
+runtime load that reaches the engine the next (spent even if it fails there, as vLLM's). An id is never handed out
+again (not after an unload, nor for a load_inplace reload): the engine binds an id to one path, keeps its prefix
+cache per id, and loads a new id's weights afresh. A load puts the adapter it read into the engine's host memory (vLLM's add_lora: its LRU of max_cpu_loras, the most
 recent): while it stays there its requests read no files, so its folder may go once the load answered; one dropped
 past max_cpu_loras is read again from its path, and if that fails its requests get a 500 saying to load it again
 (the server's state, not the client's fault). An unload, or a load_inplace reload of the
-name, removes the old id from the engine (vLLM's remove_lora) once its running requests end, so its slot and
+name, removes the old id from the engine (vLLM's remove_lora) once its running and queued requests end, so its slot and
 host memory serve the adapters loaded after it."""
 from __future__ import annotations
 
@@ -91,10 +91,14 @@ class ServedModels:
             if old is not None and not load_inplace:
                 raise APIError(400, f"The lora adapter '{name}' has already been loaded. If you want to load the "
                                     "adapter in place, set 'load_inplace' to True.")
-            request = LoRARequest(name, self._last_id + 1, path)  # a fresh id (handed out if the load succeeds)
+            request = LoRARequest(name, self._last_id + 1, path)  # a fresh id
             # off the event loop: reads files, and on Ray waits for rank 0's reply
-            await asyncio.to_thread(_check_runtime_adapter, request, self.config, self._on_target(request))
-            self._last_id, self.adapters[name] = request.lora_int_id, request
+            await asyncio.to_thread(_check_runtime_adapter, request, self.config)
+            # Spent from here, whatever the engine answers (vLLM's lora_id_counter.inc before add_lora): an add whose
+            # answer timed out still binds the id later, and a later load handed it again would be refused for good.
+            self._last_id = request.lora_int_id
+            await asyncio.to_thread(_read_on_target, request, self._on_target(request))
+            self.adapters[name] = request
             if old is not None and remove is not None:  # its running requests end on its weights first
                 await asyncio.to_thread(remove, old.lora_int_id)
         log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
@@ -137,12 +141,16 @@ def _card(name: str, root: str, parent: str | None, max_model_len: int | None) -
             "max_model_len": max_model_len}
 
 
-def _check_runtime_adapter(request: LoRARequest, config, read_on_target: Callable[[str], None] | None) -> None:
+def _not_found(request: LoRARequest) -> APIError:
+    return APIError(404, f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}")
+
+
+def _check_runtime_adapter(request: LoRARequest, config) -> None:
     """vLLM's answers: no adapter at the path (no such folder, one without adapter_config.json, a Hub id the Hub
     cannot provide, a path no folder can have) is a 404 with LoRAAdapterNotFoundError's message; one that cannot
-    run on this base model a 400 with the reason. Here first, then where the engine's target reads it."""
+    run on this base model a 400 with the reason. Here, before _read_on_target reads it where the engine runs it."""
     name, path = request.lora_name, request.lora_path
-    missing = APIError(404, f"Loading lora {name} failed: No adapter found for {path}")
+    missing = _not_found(request)
     local = local_adapter_dir(path)
     if local is not None:
         if not (local / CONFIG_FILE).is_file():
@@ -156,11 +164,16 @@ def _check_runtime_adapter(request: LoRARequest, config, read_on_target: Callabl
         check_adapter(name, path, config)
     except ValueError as err:
         raise APIError(400, str(err), param="lora_path") from None
+
+
+def _read_on_target(request: LoRARequest, read_on_target: Callable[[str], None] | None) -> None:
+    """The engine's read (its add): a ValueError is the client's 404 / 400; anything else (a timed-out wait for
+    the engine's thread, an engine error) goes up as the server's error."""
     try:
         if read_on_target is not None:
-            read_on_target(path)
+            read_on_target(request.lora_path)
     except ValueError as err:
-        where = f"LoRA adapter {name!r} ({path}) on the engine's target: {err}"
+        where = f"LoRA adapter {request.lora_name!r} ({request.lora_path}) on the engine's target: {err}"
         if names_no_adapter(str(err)):
-            raise APIError(404, f"{missing.message} ({where})") from None
+            raise APIError(404, f"{_not_found(request).message} ({where})") from None
         raise APIError(400, where, param="lora_path") from None
