@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 import httpx
 
+from saguaro_dist.client._choices import missing_choices
 from saguaro_dist.client.errors import (APIConnectionError, APIResponseValidationError, APIStatusError,
                                         APITimeoutError, status_error)
 from saguaro_dist.error_types import status_of_type
@@ -233,7 +234,7 @@ class StreamAccumulator:
     choice 0's, as a Completion's are: with n > 1 or several prompts the chunks interleave choices, whose
     texts (and tool calls) must not run together. Every choice's text is kept in `texts`."""
 
-    def __init__(self, status_code: int = 200):
+    def __init__(self, status_code: int = 200, expected_choices: int | None = None):
         self.texts: dict[int, str] = {}  # every choice's text so far, by index
         self.finish_reason: str | None = None
         self.usage: dict | None = None
@@ -249,6 +250,7 @@ class StreamAccumulator:
         self._events = 0  # events read, [DONE] included
         self._foreign = ""  # lines that are no SSE field (an HTML page, a JSON reply), their first FOREIGN_CHARS
         self._unfinished: set[int] = set()  # choices that sent text but no finish_reason yet
+        self._expected = expected_choices  # how many the request asks for (_choices.expected_choices); None: unsaid
 
     def feed(self, line: str):
         """One line of the stream: at the blank line that ends an event, its parsed chunk (its facts taken) or DONE;
@@ -265,16 +267,17 @@ class StreamAccumulator:
     def end(self) -> None:
         """The body ended without [DONE]. One that held no event but other lines was never an event stream (a JSON
         error body raises its typed error). Some servers leave [DONE] out (as openai, that passes), but an end
-        before any event, or before a choice's finish_reason, cut the stream short: its text would pass for whole."""
+        before any event, or before every choice asked for finished, cut the stream short: its text would pass for
+        whole, or a choice never begun (n > 1, several prompts) would be missing unnoticed."""
         if not self._events and self._foreign:
             body = _parsed(self._foreign)
             if is_error_body(body):
                 raise stream_error(body)
             raise invalid_reply(self._status, "the reply is not an event stream", self._foreign)
-        if not self._events or self._unfinished:
-            where = f"choice {min(self._unfinished)} finished" if self._unfinished else "any event"
-            raise APIConnectionError(f"the stream ended before [DONE] and before {where}: the server or a proxy "
-                                     "cut it short (the text so far is partial)")
+        missing = "no event" if not self._events else missing_choices(self._expected, self.texts, self._unfinished)
+        if missing:
+            raise APIConnectionError(f"the stream ended before [DONE] with {missing}: the server or a proxy cut it "
+                                     "short (the text so far is partial)")
 
     def _field(self, line: str) -> None:
         name, _, value = line.partition(":")  # a comment (":...") has no name; id and retry are not ours

@@ -38,9 +38,9 @@ class StreamCore:
     Stream dropped mid-read has no reference cycle waiting for the cyclic GC: it is freed at once and its finalizer
     gives the connection back (a saguaro server stops generating)."""
 
-    def __init__(self, response: httpx.Response):
+    def __init__(self, response: httpx.Response, expected_choices: int | None = None):
         self.response = response
-        self.acc = StreamAccumulator(response.status_code)
+        self.acc = StreamAccumulator(response.status_code, expected_choices)
         self.state = StreamState.NEW
 
     def mark_ended(self) -> None:

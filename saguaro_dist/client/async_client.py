@@ -8,6 +8,7 @@ import httpx
 
 from saguaro_dist.client import _common as common
 from saguaro_dist.client import _policy as policy
+from saguaro_dist.client._choices import expected_choices
 from saguaro_dist.client._common import DONE, Completion, RetryPolicy
 from saguaro_dist.client._options import DEFAULT, RequestOptions, split_options
 from saguaro_dist.client._policy import RequestKind
@@ -21,8 +22,10 @@ class AsyncStream:
     `speculation`, `tool_calls`, `reasoning`, and `texts` (every choice's text by index). Loops, anext() and
     chunks() share one reader; a loop left early closes the stream, as Stream's does, and so does dropping it."""
 
-    def __init__(self, response: httpx.Response):
-        self._core = StreamCore(response)  # what the reader holds: never this stream (no cycle, see __del__)
+    def __init__(self, response: httpx.Response, expected_choices: int | None = None):
+        """expected_choices: as Stream's."""
+        # what the reader holds: never this stream (no cycle, see __del__)
+        self._core = StreamCore(response, expected_choices)
         self._reader = None  # the one async generator of parsed chunks, made at the first read
         self._owner = None   # the loop that read last: the one whose early exit closes the stream (as Stream's)
         self._loop = _running_loop()  # where a dropped stream's close is sent
@@ -215,8 +218,8 @@ class AsyncClient:
     async def _generate(self, path: str, body: dict, stream: bool, options: RequestOptions) -> Completion | AsyncStream:
         kind, url = RequestKind.GENERATION, self._root + path
         if stream:
-            body = common.streamed(body)
-            return AsyncStream(await self._send("POST", url, body, kind=kind, stream=True, options=options))
+            response = await self._send("POST", url, common.streamed(body), kind=kind, stream=True, options=options)
+            return AsyncStream(response, expected_choices(body))
         return Completion.from_body(common.json_object(await self._send("POST", url, body, kind=kind, options=options)))
 
     async def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,

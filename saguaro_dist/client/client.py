@@ -8,6 +8,7 @@ import httpx
 
 from saguaro_dist.client import _common as common
 from saguaro_dist.client import _policy as policy
+from saguaro_dist.client._choices import expected_choices
 from saguaro_dist.client._common import DONE, Completion, RetryPolicy
 from saguaro_dist.client._options import DEFAULT, RequestOptions, split_options
 from saguaro_dist.client._policy import RequestKind
@@ -22,8 +23,11 @@ class Stream:
     Loops, next() and chunks() share one reader; a loop left early closes the stream (a saguaro server stops
     generating), as does close(), and so does dropping the stream unclosed."""
 
-    def __init__(self, response: httpx.Response):
-        self._core = StreamCore(response)  # what the reader holds: never this Stream (no cycle, see __del__)
+    def __init__(self, response: httpx.Response, expected_choices: int | None = None):
+        """expected_choices: how many choices the request asked for (_choices.expected_choices), which a stream
+        that ends without [DONE] must all have finished; None: those it sent."""
+        # what the reader holds: never this Stream (no cycle, see __del__)
+        self._core = StreamCore(response, expected_choices)
         self._reader = None  # the one generator of parsed chunks, made at the first read
         self._owner = None   # the loop (chunks() view) that read last: the one whose early exit closes the stream
 
@@ -203,7 +207,8 @@ class Client:
     def _generate(self, path: str, body: dict, stream: bool, options: RequestOptions) -> Completion | Stream:
         kind, url = RequestKind.GENERATION, self._root + path
         if stream:
-            return Stream(self._send("POST", url, common.streamed(body), kind=kind, stream=True, options=options))
+            response = self._send("POST", url, common.streamed(body), kind=kind, stream=True, options=options)
+            return Stream(response, expected_choices(body))
         return Completion.from_body(common.json_object(self._send("POST", url, body, kind=kind, options=options)))
 
     def _send(self, method: str, url: str, body: dict | None = None, *, kind: RequestKind,
