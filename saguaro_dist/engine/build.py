@@ -32,6 +32,9 @@ class DraftFit:
     # The draft's config.json as fit_draft parsed it: its runner (in a child process or a Ray actor too) need
     # not parse it again, which imports transformers for the class defaults (~2.5 CPU s of a child's ~5)
     draft_config: ModelConfig | None = field(default=None, compare=False, repr=False)
+    # The target's eos ids (eos_ids: generation_config.json's list and the tokenizer's): the draft's grammars
+    # end where the target's do (Llama 3's <|eot_id|>, Qwen's <|im_end|>), not at its tokenizer's EOS alone
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def position_slack(config: Config, draft: bool = False) -> int:
@@ -67,7 +70,12 @@ def eos_ids(runner, tokenizer, config: Config | None = None) -> set[int]:
     config.json's) and the tokenizer's. The engine ends at the tokenizer's with no stop_reason and at the
     others as vLLM's stop_token_ids (Engine._check_stop)."""
     generation = generation_eos_ids(config) if config is not None else None
-    ids = set(runner.config.eos_token_ids if generation is None else generation)
+    return with_tokenizer_eos(runner.config.eos_token_ids if generation is None else generation, tokenizer)
+
+
+def with_tokenizer_eos(ids, tokenizer) -> set[int]:
+    """ids and the tokenizer's EOS (if it has one)."""
+    ids = set(ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return ids
@@ -134,7 +142,9 @@ def fit_draft(config: Config, target_tok) -> DraftFit:
     if draft.max_position_embeddings < wanted:
         log.info("the draft's context is %d tokens, the engine's %d: longer sequences go on with the fast "
                  "(n-gram) backup instead of the draft", draft.max_position_embeddings, wanted)
-    return DraftFit(target.vocab_size, min(wanted, draft.max_position_embeddings), draft)
+    generation = generation_eos_ids(config)
+    ends = with_tokenizer_eos(target.eos_token_ids if generation is None else generation, target_tok)
+    return DraftFit(target.vocab_size, min(wanted, draft.max_position_embeddings), draft, tuple(sorted(ends)))
 
 
 def build_draft_worker(config: Config, fit: DraftFit | None = None, device: str | None = None) -> DraftWorker:
@@ -145,7 +155,7 @@ def build_draft_worker(config: Config, fit: DraftFit | None = None, device: str 
         return try_load_tokenizer(config.draft, config.draft_revision) or target_tokenizer(config)
     runner = make_runner(config.draft, config, device=device or config.draft_device_resolved, fit=fit,
                          revision=config.draft_revision, slack=position_slack(config, draft=True))
-    return DraftWorker(config, runner, tokenizer)
+    return DraftWorker(config, runner, tokenizer, eos_token_ids=fit.eos_token_ids if fit else ())
 
 
 def draft_executor(config: Config) -> DraftExecutor:

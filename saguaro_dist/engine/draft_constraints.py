@@ -43,11 +43,14 @@ class RowRules:
 
 
 class DraftConstraints:
-    def __init__(self, vocab_size: int, tokenizer_loader: Callable[[], object] | None = None):
+    def __init__(self, vocab_size: int, tokenizer_loader: Callable[[], object] | None = None,
+                 eos_token_ids: Iterable[int] = ()):
         """tokenizer_loader: the draft's tokenizer, loaded on the first request with a grammar (None: it
-        has none, and grammars are not followed)."""
+        has none, and grammars are not followed); eos_token_ids: the target's, any of which ends its
+        grammars (none: the tokenizer's EOS alone, then the draft cannot propose the others there)."""
         self.vocab_size = vocab_size
         self._tokenizer_loader, self._grammars = tokenizer_loader, None
+        self._eos_token_ids = tuple(t for t in eos_token_ids if t < vocab_size)  # ids past it end nothing here
 
     def grammar_state(self, grammar: str | None, output: list[int]) -> GrammarState | None:
         """The request's grammar after its output so far, or None: none asked, or this draft cannot
@@ -57,7 +60,7 @@ class DraftConstraints:
         try:
             if self._grammars is None:
                 tokenizer = self._tokenizer_loader() if self._tokenizer_loader else None
-                self._grammars = GrammarCompiler(tokenizer, self.vocab_size, ())
+                self._grammars = GrammarCompiler(tokenizer, self.vocab_size, self._eos_token_ids)
             state = self._grammars.state_of(grammar)
         except ValueError as err:
             log.warning("the draft does not follow this grammar (%s): it proposes unconstrained", err)

@@ -13,7 +13,7 @@ text; committed tokens it lacks run in that next forward, ahead of the bonus.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -41,13 +41,15 @@ class DraftWorker(TreeBuilding):
     """The draft side's protocol calls, its sequences and their draws; the trees are TreeBuilding's
     (engine/draft_trees.py)."""
 
-    def __init__(self, config: Config, runner, tokenizer_loader: Callable[[], object] | None = None):
+    def __init__(self, config: Config, runner, tokenizer_loader: Callable[[], object] | None = None,
+                 eos_token_ids: Iterable[int] = ()):
         """tokenizer_loader: the draft's tokenizer, loaded on the first request with a grammar (None: it
-        has none, and grammars are not followed: acceptance only)."""
+        has none, and grammars are not followed: acceptance only); eos_token_ids: the target's, where its
+        grammars end (DraftFit; none: the tokenizer's EOS alone)."""
         self.config = config
         self.runner = runner
         self.prefixes = PrefixCache(runner, enabled=config.enable_prefix_caching)  # a sequence's add / free
-        self.constraints = DraftConstraints(runner.vocab_size, tokenizer_loader)
+        self.constraints = DraftConstraints(runner.vocab_size, tokenizer_loader, eos_token_ids)
         self.k = config.k
         self.vocab_size = runner.vocab_size
         self.seqs: dict[int, DraftSeq] = {}
