@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from saguaro_dist.deploy import validation
-from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
+from saguaro_dist.placement import DRAFT_RESOURCE, FRONT_RESOURCE, TARGET_RESOURCE
 
 helm = pytest.importorskip("helm_python", reason="Helm chart tests: pip install helm-python-sdk==0.2.2 (test extra)")
 
@@ -51,9 +51,9 @@ def test_each_group_is_as_many_pods_as_the_engine_asks_for(values):
     needs = engine_needs(config_from_args(args), advertised)
     for name, group in groups(rayservice).items():
         per_pod = json.loads(json.loads(group["rayStartParams"]["resources"]))
-        (resource, amount), = per_pod.items()
         assert group["replicas"] == group["minReplicas"] == group["maxReplicas"], name
-        assert group["maxReplicas"] * amount == needs[resource], name
+        for resource, amount in per_pod.items():  # FRONT_RESOURCE: the one Serve replica's, not the engine's
+            assert group["maxReplicas"] * amount == (1 if resource == FRONT_RESOURCE else needs[resource]), name
     assert cluster["enableInTreeAutoscaling"] is False and "autoscalerOptions" not in cluster
 
 

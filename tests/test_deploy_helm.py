@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from saguaro_dist.deploy import k8s, validation
-from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
+from saguaro_dist.placement import DRAFT_RESOURCE, FRONT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 
 helm = pytest.importorskip("helm_python", reason="Helm chart tests: pip install helm-python-sdk==0.2.2 (test extra)")
 
@@ -122,7 +122,7 @@ def test_rendered_groups_advertise_what_placement_asks_for():
     groups = {g["groupName"]: g for g in cluster["workerGroupSpecs"]}
     resources = {name: json.loads(json.loads(g["rayStartParams"]["resources"])) for name, g in groups.items()}
     tp = GPU_VALUES["target"]["tensorParallelSize"]
-    assert resources == {"target": {TARGET_RESOURCE: tp * RESOURCE_PER_ACTOR},
+    assert resources == {"target": {TARGET_RESOURCE: tp * RESOURCE_PER_ACTOR, FRONT_RESOURCE: RESOURCE_PER_ACTOR},
                          "draft": {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}}
 
 

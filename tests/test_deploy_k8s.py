@@ -15,7 +15,7 @@ from saguaro_dist.cli import build_parser, main
 from saguaro_dist.cli.deploy import manifests
 from saguaro_dist.config import Config, Mode
 from saguaro_dist.deploy import k8s, validation
-from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
+from saguaro_dist.placement import DRAFT_RESOURCE, FRONT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 from saguaro_dist.serve.args import API_KEY_ENV, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +167,8 @@ def test_worker_groups_advertise_what_placement_asks_for(key):
     s = SETTINGS[key]
     for obj in (k8s.rayservice(s), k8s.raycluster(s)):
         target = group(obj, "target")
-        assert advertised(target) == {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR} and target["replicas"] == 1
+        assert advertised(target) == {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR, FRONT_RESOURCE: RESOURCE_PER_ACTOR}
+        assert target["replicas"] == 1  # (FRONT_RESOURCE: the Serve replica's slot, tests/test_deploy_review_s88.py)
         gpus = target["template"]["spec"]["containers"][0]["resources"]["limits"].get(k8s.GPU_RESOURCE, 0)
         assert gpus == (s.tp if s.gpu else 0)
         if not s.uses_draft:  # ar, ngram: no draft pods to pay for

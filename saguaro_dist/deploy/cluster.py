@@ -2,10 +2,10 @@
 The worker groups advertise the custom Ray resources the runtime's placement asks for (saguaro_dist.placement)."""
 from __future__ import annotations
 
-from saguaro_dist.deploy.constants import METRICS_PORT, RAY_VERSION
+from saguaro_dist.deploy.constants import DRAFT_WORKERS_ANNOTATION, METRICS_PORT, RAY_VERSION, TP_ANNOTATION
 from saguaro_dist.deploy.pods import pod_template, ray_container, ray_resources_param
 from saguaro_dist.deploy.settings import K8sSettings
-from saguaro_dist.placement import DRAFT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
+from saguaro_dist.placement import DRAFT_RESOURCE, FRONT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 
 
 def head_group(s: K8sSettings) -> dict:
@@ -16,7 +16,8 @@ def head_group(s: K8sSettings) -> dict:
     return {"rayStartParams": params, "template": pod_template(s, container, 0)}
 
 
-def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, replicas: int, serving: bool) -> dict:
+def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, replicas: int, serving: bool,
+                  annotations: dict) -> dict:
     cpu, memory = (s.target_cpu, s.target_memory) if name == "target" else (s.draft_cpu, s.draft_memory)
     params = {"resources": ray_resources_param(resources), "metrics-export-port": str(METRICS_PORT)}
     container = ray_container(s, cpu, memory, gpus, head=False, serving=serving)
@@ -24,19 +25,24 @@ def _worker_group(s: K8sSettings, name: str, resources: dict, gpus: int, replica
     # (draft_pool.py), so no autoscaler would add a pod
     return {"groupName": name, "replicas": replicas, "minReplicas": replicas,
             "maxReplicas": replicas, "rayStartParams": params,
-            "template": pod_template(s, container, gpus)}
+            "template": pod_template(s, container, gpus, annotations)}
 
 
 def target_group(s: K8sSettings, serving: bool = True) -> dict:
-    """One pod holding every tensor-parallel rank: TP over NVLink inside a node, not across pods."""
-    resources = {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR}
-    return _worker_group(s, "target", resources, s.tp if s.gpu else 0, 1, serving)
+    """One pod holding every tensor-parallel rank (TP over NVLink inside a node, not across pods) and the Serve
+    replica (its one FRONT_RESOURCE slot), which owns the ranks: on a draft pod, that pod's loss took them too. The
+    annotation makes tp a field KubeRay hashes (constants.py TP_ANNOTATION)."""
+    resources = {TARGET_RESOURCE: s.tp * RESOURCE_PER_ACTOR, FRONT_RESOURCE: RESOURCE_PER_ACTOR}
+    return _worker_group(s, "target", resources, s.tp if s.gpu else 0, 1, serving, {TP_ANNOTATION: str(s.tp)})
 
 
 def draft_group(s: K8sSettings, serving: bool = True) -> dict:
-    """One pod per draft worker, one GPU each: draft_workers pods, the pool the engine starts."""
+    """One pod per draft worker, one GPU each: draft_workers pods, the pool the engine starts. The pool's size is
+    also an annotation: KubeRay's RayService hashes the cluster spec without the groups' replicas, so a new
+    size rolls out a new cluster only through a field it hashes (constants.py DRAFT_WORKERS_ANNOTATION)."""
     resources = {DRAFT_RESOURCE: RESOURCE_PER_ACTOR}
-    return _worker_group(s, "draft", resources, 1 if s.gpu else 0, s.draft_workers, serving)
+    return _worker_group(s, "draft", resources, 1 if s.gpu else 0, s.draft_workers, serving,
+                         {DRAFT_WORKERS_ANNOTATION: str(s.draft_workers)})
 
 
 def gcs_fault_tolerance(s: K8sSettings) -> dict:

@@ -16,6 +16,7 @@ REDIS_ADDRESS = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9
 
 APP_IMPORT_PATH = "saguaro_dist.serve.app:build_app"
 APP_NAME = "saguaro"
+DEPLOYMENT_NAME = "SaguaroServer"  # the app's one Serve deployment (saguaro_dist/serve/app.py; tests check they agree)
 CHART_NAME = "saguaro-dist"
 APP_VERSION = "0.1.0"
 RAY_VERSION = "2.60.0"
@@ -28,3 +29,8 @@ MODELS_MOUNT = "/models"
 RAY_UID = 1000  # the `ray` user of the official Ray images
 DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"  # Ray's SIGTERM drain window (`ray start --block`)
 DRAIN_MARGIN_S = 15  # after the drain window: the raylet and its workers exit before Kubernetes' SIGKILL
+# Pod-template annotations carrying the pools' sizes: KubeRay's RayService leaves the workers' replicas out of the
+# cluster spec's hash (kuberay#2333), so without them a new draft_workers changed no hashed field, rolled out no new
+# cluster, and the new serveConfigV2 asked the old cluster's pods for more draft slots than they have
+DRAFT_WORKERS_ANNOTATION = "saguaro-dist/draft-workers"
+TP_ANNOTATION = "saguaro-dist/tp"

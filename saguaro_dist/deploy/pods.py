@@ -32,8 +32,9 @@ def object_labels(s: K8sSettings) -> dict:
 
 
 def ray_resources_param(resources: dict) -> str:
-    """rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting."""
-    return json.dumps(json.dumps(resources, separators=(",", ":")))
+    """rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting. Keys
+    sorted, as the chart's toJson writes them."""
+    return json.dumps(json.dumps(resources, separators=(",", ":"), sort_keys=True))
 
 
 def compute_resources(cpu: str, memory: str, gpus: int) -> dict:
@@ -124,7 +125,7 @@ def pull_secrets(s: K8sSettings) -> dict:
     return {"imagePullSecrets": [{"name": name} for name in s.image_pull_secrets]} if s.image_pull_secrets else {}
 
 
-def pod_template(s: K8sSettings, container: dict, gpus: int) -> dict:
+def pod_template(s: K8sSettings, container: dict, gpus: int, annotations: dict | None = None) -> dict:
     # the grace period outlasts Ray's drain window, or Kubernetes kills the pod while Serve still drains it
     spec = {"containers": [container], "volumes": _volumes(s),
             "securityContext": {"fsGroup": RAY_UID},
@@ -133,4 +134,5 @@ def pod_template(s: K8sSettings, container: dict, gpus: int) -> dict:
         spec["nodeSelector"] = {GPU_PRODUCT_LABEL: s.gpu_type}
     if gpus:
         spec["tolerations"] = [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]
-    return {"metadata": {"labels": selector_labels(s)}, "spec": spec}
+    metadata = {"labels": selector_labels(s), **({"annotations": annotations} if annotations else {})}
+    return {"metadata": metadata, "spec": spec}

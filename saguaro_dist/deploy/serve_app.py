@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from saguaro_dist.deploy.constants import APP_IMPORT_PATH, APP_NAME, SERVE_PORT
+from saguaro_dist.deploy.constants import APP_IMPORT_PATH, APP_NAME, DEPLOYMENT_NAME, SERVE_PORT
+from saguaro_dist.placement import FRONT_RESOURCE, RESOURCE_PER_ACTOR
 from saguaro_dist.serve.args import API_KEY_ENV
 
 if TYPE_CHECKING:
@@ -74,9 +75,18 @@ def _frontend_args(s: K8sSettings) -> dict:
             "disable_fastapi_docs": True if s.disable_fastapi_docs else None, "response_role": s.response_role}
 
 
+def replica_actor_options() -> dict:
+    """The Serve replica's ray_actor_options on KubeRay: the target pod's FRONT_RESOURCE slot, beside Serve's
+    default CPU. Serve's SPREAD put it on a draft pod about N/(N+1) of the time; there it took a CPU pod's only
+    CPU from the draft worker, and as the owner of the target's ranks it died with that pod, ranks and all."""
+    return {"num_cpus": 1, "resources": {FRONT_RESOURCE: RESOURCE_PER_ACTOR}}
+
+
 def serve_config(s: K8sSettings) -> dict:
-    """The Serve config (ray.serve.schema.ServeDeploySchema) that KubeRay deploys."""
-    app = {"name": APP_NAME, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": serve_args(s)}
+    """The Serve config (ray.serve.schema.ServeDeploySchema) that KubeRay deploys. The deployment's options
+    here replace the app's ray_actor_options whole: on a cluster the app sets none (serve/app.py)."""
+    app = {"name": APP_NAME, "route_prefix": "/", "import_path": APP_IMPORT_PATH, "args": serve_args(s),
+           "deployments": [{"name": DEPLOYMENT_NAME, "ray_actor_options": replica_actor_options()}]}
     return {"proxy_location": "EveryNode",
             "http_options": {"host": "0.0.0.0", "port": SERVE_PORT},
             "applications": [app]}

@@ -166,7 +166,9 @@ class K8sSettings:
             secrets = [self.image_pull_secrets] if isinstance(self.image_pull_secrets, str) else self.image_pull_secrets
             object.__setattr__(self, "image_pull_secrets", tuple(secrets))
         if self.draft == "":
-            object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model (mode ar)
+            object.__setattr__(self, "draft", None)  # `--draft ""`: no draft model
+            if "mode" not in given and self.speculative_config is None:
+                object.__setattr__(self, "mode", Mode.AR.value)  # so autoregressive, as `saguaro deploy k8s --draft ""`
         object.__setattr__(self, "extra_env", extra_env(self.extra_env))
         for name in ("gcs_ft_redis_address", "gcs_ft_redis_password_secret", "hf_token_secret", "models_pvc",
                      "gpu_type", "image_pull_policy", "otlp_traces_endpoint"):
@@ -242,6 +244,9 @@ class K8sSettings:
             raise ValueError(f"name must be 1-40 lowercase letters, digits or '-', starting with a letter and ending "
                              f"with a letter or digit (a DNS-1035 label: it names Services, and KubeRay derives "
                              f"longer names from it), got {self.name!r}")
+        if self.uses_draft and not self.draft:
+            raise ValueError(f"mode {self.mode!r} needs a draft model, but draft is none (\"\"): give draft, or "
+                             f"mode ar or ngram (mode left out beside draft \"\": ar)")
         config_from_args(serve_args(self))  # the app would reject these args at start-up: fail now
         self._check_cpus()
 
@@ -313,9 +318,9 @@ class K8sSettings:
     def _check_cpus(self):
         """Ray's CPUs on each worker pod (its CPU limit, rounded up as KubeRay does) must hold what placement asks of
         them, or the ranks or drafts wait for ever. On CPUs each rank takes one CPU, all on the one target pod
-        (STRICT_PACK), each draft worker one on its pod; the Serve replica takes one CPU wherever it lands (the
-        head has none), and it starts before them: the target pod needs tp + 1 (a replica there first left the
-        ranks tp - 1). On GPUs the actors take GPUs, and the replica a CPU of a worker pod."""
+        (STRICT_PACK), each draft worker one on its pod; the Serve replica takes one CPU on the target pod (it asks
+        for the pod's FRONT_RESOURCE, serve_app.py), and it starts before them: the target pod needs tp + 1. On
+        GPUs the actors take GPUs, and the replica a CPU of the target pod."""
         need = {"target": self.tp + 1 if not self.gpu else 1}
         if self.uses_draft and not self.gpu:
             need["draft"] = 1

@@ -64,9 +64,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- if hasKey $a "idleTimeoutSeconds" }}{{ fail (printf "autoscaling.idleTimeoutSeconds is not supported (no pod is ever added, so none idles): %s" $why) }}{{ end -}}
 {{- end -}}
 
-{{/* rayStartParams `resources`: KubeRay passes it to `ray start` through a shell, hence the quoting. */}}
+{{/* rayStartParams `resources` from a dict of them: KubeRay passes it to `ray start` through a shell, hence the
+     quoting (keys sorted, as saguaro_dist/deploy/pods.py ray_resources_param). */}}
 {{- define "saguaro.rayResources" -}}
-{{- dict .name (int .amount) | toJson | toJson | squote -}}
+{{- . | toJson | toJson | squote -}}
 {{- end -}}
 
 {{/* What the values speculate with: speculation.mode / k / promptLookupMax / promptLookupMin and model.draft /
@@ -83,12 +84,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- if $v.model.draftRevision }}{{ $_ := set $given "draftRevision" $v.model.draftRevision }}{{ end -}}
 {{- /* null: K8sSettings' defaults */ -}}
-{{- $out := dict "mode" ($s.mode | default "ssd") "k" ($s.k | default 4) "draftRevision" $v.model.draftRevision -}}
+{{- /* model.draft "" (none) with no mode and no speculativeConfig: ar, as `saguaro deploy k8s --draft ""` */ -}}
+{{- $noDraft := and (kindIs "string" $v.model.draft) (eq $v.model.draft "") -}}
+{{- $mode := $s.mode | default (ternary "ar" "ssd" (and $noDraft (kindIs "invalid" $s.speculativeConfig))) -}}
+{{- $out := dict "mode" $mode "k" ($s.k | default 4) "draftRevision" $v.model.draftRevision -}}
 {{- $_ := set $out "draft" (ternary "Qwen/Qwen3-0.6B" $v.model.draft (kindIs "invalid" $v.model.draft)) -}}
 {{- $_ := set $out "promptLookupMax" $s.promptLookupMax -}}
 {{- $_ := set $out "promptLookupMin" $s.promptLookupMin -}}
 {{- with $s.speculativeConfig -}}
 {{- include "saguaro.speculativeConfigFields" (dict "spec" . "given" $given "out" $out) -}}
+{{- end -}}
+{{- if and (has $out.mode (list "sd" "ssd")) (not $out.draft) -}}
+{{- fail (printf "speculation.mode %s needs a draft model, but model.draft is \"\" (none): give model.draft, or speculation.mode ar or ngram (speculation.mode null beside model.draft \"\": ar)" $out.mode) -}}
 {{- end -}}
 {{- toJson $out -}}
 {{- end -}}
@@ -170,7 +177,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- include "saguaro.speculationArgs" (dict "args" $args "speculation" .Values.speculation "resolved" $spec) -}}
 {{- include "saguaro.frontendArgs" (dict "args" $args "server" (.Values.server | default dict)) -}}
 {{- include "saguaro.loraArgs" (dict "args" $args "lora" (.Values.lora | default dict)) -}}
-{{- $app := dict "name" "saguaro" "route_prefix" "/" "import_path" "saguaro_dist.serve.app:build_app" "args" $args -}}
+{{- /* the replica on the target pod's saguaro_front slot: it owns the ranks (saguaro_dist/deploy/serve_app.py replica_actor_options) */ -}}
+{{- $replica := dict "name" "SaguaroServer" "ray_actor_options" (dict "num_cpus" 1 "resources" (dict "saguaro_front" 1)) -}}
+{{- $app := dict "name" "saguaro" "route_prefix" "/" "import_path" "saguaro_dist.serve.app:build_app" "args" $args "deployments" (list $replica) -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" 8000) "applications" (list $app) -}}
 {{- toYaml $config -}}
 {{- end -}}
@@ -303,6 +312,9 @@ volumeMounts:
 {{- $v := .root.Values -}}
 metadata:
   labels: {{- include "saguaro.selectorLabels" .root | nindent 4 }}
+  {{- with .annotations }}
+  annotations: {{- toYaml . | nindent 4 }}
+  {{- end }}
 spec:
   containers:
     - {{ include "saguaro.container" . | nindent 6 | trim }}
@@ -332,14 +344,15 @@ spec:
   {{- end }}
 {{- end -}}
 
-{{/* A worker group. Arguments: root, name, resource, amount, gpus, cpu, memory, replicas, maxReplicas, serving. */}}
+{{/* A worker group. Arguments: root, name, resources (a dict), annotations (the pod template's), gpus, cpu, memory,
+     replicas, maxReplicas, serving. */}}
 {{- define "saguaro.workerGroup" -}}
 groupName: {{ .name }}
 replicas: {{ .replicas }}
 minReplicas: {{ .replicas }}
 maxReplicas: {{ .maxReplicas }}
 rayStartParams:
-  resources: {{ include "saguaro.rayResources" (dict "name" .resource "amount" .amount) }}
+  resources: {{ include "saguaro.rayResources" .resources }}
   metrics-export-port: "8080"
 template: {{- include "saguaro.podTemplate" (merge (dict "head" false) .) | nindent 2 }}
 {{- end -}}
@@ -372,7 +385,8 @@ gcsFaultToleranceOptions:
 {{- $tp := int $v.target.tensorParallelSize -}}
 {{- $drafts := int $v.draft.workers -}}
 {{- /* Ray's CPUs must hold what placement asks (saguaro_dist.deploy.settings.K8sSettings._check_cpus): on CPUs a CPU
-       per rank, all on the target pod, plus the Serve replica's, which may land there first; one per draft pod. */ -}}
+       per rank, all on the target pod, plus the Serve replica's (it asks for the target pod's saguaro_front); one
+       per draft pod. */ -}}
 {{- $targetNeeds := ternary 1 (add1 $tp) $gpu -}}
 {{- $targetCpus := int (include "saguaro.rayCpus" $v.target.resources.cpu) -}}
 {{- if lt $targetCpus (int $targetNeeds) -}}
@@ -393,8 +407,10 @@ headGroupSpec:
     metrics-export-port: "8080"
   template: {{- include "saguaro.podTemplate" (dict "root" $root "cpu" $v.head.resources.cpu "memory" $v.head.resources.memory "gpus" 0 "head" true "serving" false) | nindent 4 }}
 workerGroupSpecs:
-  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "target" "resource" "saguaro_target" "amount" $tp "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1 "serving" $serving) | nindent 4 | trim }}
+  {{- /* the pools' sizes as annotations too: KubeRay hashes the cluster spec without the groups' replicas, so a
+         new draft.workers (or tp) rolls out a new cluster only through a field it hashes (kuberay#2333) */}}
+  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "target" "resources" (dict "saguaro_target" $tp "saguaro_front" 1) "annotations" (dict "saguaro-dist/tp" (toString $tp)) "gpus" (ternary $tp 0 $gpu) "cpu" $v.target.resources.cpu "memory" $v.target.resources.memory "replicas" 1 "maxReplicas" 1 "serving" $serving) | nindent 4 | trim }}
 {{- if $usesDraft }}
-  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "draft" "resource" "saguaro_draft" "amount" 1 "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" $drafts "serving" $serving) | nindent 4 | trim }}
+  - {{ include "saguaro.workerGroup" (dict "root" $root "name" "draft" "resources" (dict "saguaro_draft" 1) "annotations" (dict "saguaro-dist/draft-workers" (toString $drafts)) "gpus" (ternary 1 0 $gpu) "cpu" $v.draft.resources.cpu "memory" $v.draft.resources.memory "replicas" $drafts "maxReplicas" $drafts "serving" $serving) | nindent 4 | trim }}
 {{- end }}
 {{- end -}}
