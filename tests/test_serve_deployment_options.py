@@ -114,3 +114,14 @@ def test_a_null_logging_config_reads_as_unset(tmp_path):
     path.write_text(yaml.safe_dump({"logging_config": None, "applications": [
         {"name": "app1", "import_path": APP_IMPORT_PATH, "args": {"model": "m"}}]}))
     assert load_serve_config(str(path)).deployment_options == {}
+
+
+def test_resources_no_node_advertises_are_named():
+    """A serve config generated for KubeRay / the cluster launcher asks the replica for the target node's
+    saguaro_front; on a cluster without it Serve waited without a word: build_app now warns, naming them."""
+    from saguaro_dist.serve.app import unadvertised_resources
+    options = {"ray_actor_options": {"num_cpus": 1, "resources": {"saguaro_front": 1, "saguaro_target": 1}}}
+    assert unadvertised_resources(options, {"CPU": 4.0, "saguaro_target": 1.0}) == ["saguaro_front"]
+    assert unadvertised_resources(options, {"saguaro_front": 1.0, "saguaro_target": 1.0}) == []
+    assert unadvertised_resources({"ray_actor_options": {"num_cpus": 1}}, {}) == []
+    assert unadvertised_resources({}, {}) == []

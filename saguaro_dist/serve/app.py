@@ -207,5 +207,24 @@ def build_app(args: dict, **deployment_options) -> Application:
     runtime_lora = server_options(args, config.model).runtime_lora_updating
     options = deployment_settings(config, deployment_options)
     check_runtime_lora(replica_count(options), runtime_lora)
+    warn_of_unadvertised_resources(options)
     deployment = serve.deployment(serve.ingress()(SaguaroServer), **options)
     return deployment.bind(dict(args))
+
+
+def unadvertised_resources(options: dict, advertised: dict) -> list[str]:
+    """The custom resources the replica's ray_actor_options ask for that no node advertises."""
+    asked = (options.get("ray_actor_options") or {}).get("resources") or {}
+    return sorted(name for name in asked if name not in advertised)
+
+
+def warn_of_unadvertised_resources(options: dict) -> None:
+    """Serve would wait for such a replica without a word: a serve config generated for a KubeRay or
+    cluster-launcher cluster (whose target node advertises saguaro_front) run on another cluster. A warning, not
+    an error: an autoscaling cluster may still start a node that advertises them."""
+    import ray
+    missing = unadvertised_resources(options, ray.cluster_resources()) if ray.is_initialized() else []
+    if missing:
+        log.warning("the replica asks for resources %s, which no node of this Ray cluster advertises: it waits "
+                    "until one does (start the target node with them, e.g. ray start --resources "
+                    "'{\"saguaro_front\": 1}', or drop them from the deployment's ray_actor_options)", missing)
