@@ -341,3 +341,24 @@ def test_a_load_whose_wait_for_the_engine_timed_out_spends_its_id(llm, served, a
     assert completion(url, "late") == offline["two"] and completion(url, "next") == offline["one"]
     unload(url, "late")
     unload(url, "next")
+
+
+def test_a_removed_adapters_queued_request_keeps_its_host_copy_past_the_lru(adapters, offline, tmp_path):
+    """max_cpu_loras at its default (max_loras, 1): a removed adapter's queued request waited behind another
+    adapter's, which took the slot and dropped the removed one's host copy from the LRU; its folder gone, the
+    queued request then failed (a reviewer's reproduction). Removed ids still named are kept like held ones."""
+    target = write_llama(tmp_path / "target", make_tokenizer(), hidden=64, layers=2, seed=1,
+                         max_positions=HOLD_TOKENS + 2 * len(PROMPT))
+    first, other = LoRARequest("a", 1, copy(adapters["one"], tmp_path, "a")), LoRARequest("b", 2, adapters["two"])
+    with LLM(model=target, mode="ar", enable_lora=True, max_loras=1, max_lora_rank=8, max_batch_size=1) as small:
+        assert small.add_lora(first) is True
+        with ThreadPoolExecutor(2) as pool:
+            with holding(small, first, "held-a"):
+                queued_other = pool.submit(generate, small, other)  # waits: the one slot runs "a"
+                wait_until(lambda: len(small.load.waiting_lora_adapters) == 1)
+                queued_first = pool.submit(generate, small, first)  # waits behind it, naming "a"
+                wait_until(lambda: len(small.load.waiting_lora_adapters) == 2)
+                assert small.remove_lora(1) is True
+                shutil.rmtree(first.lora_path)  # an RL loop deletes the checkpoint it replaced
+            assert queued_other.result(timeout=120) == offline["two"]
+            assert queued_first.result(timeout=120) == offline["one"]

@@ -77,7 +77,7 @@ class HostAdapters:
         return adapter
 
     def put(self, lora_int_id: int, adapter, held: set[int]) -> None:
-        """Keep it (most recent); held: the ids in slots now, never dropped."""
+        """Keep it (most recent); held: the ids in slots now and those removed but still named, never dropped."""
         self._adapters[lora_int_id] = adapter
         self._adapters.move_to_end(lora_int_id)
         for old in [i for i in self._adapters if i not in held][:max(0, len(self._adapters) - self.capacity)]:
@@ -135,7 +135,7 @@ class AdapterSlots:
         self.ids.bind(as_reload(request) if reload else request)
         self.removed.discard(lora_id)
         self.added.add(lora_id)
-        self.host.put(lora_id, adapter, self._held_ids() | {lora_id})
+        self.host.put(lora_id, adapter, self._held_ids() | self.removed | {lora_id})
         if self.slot_of(lora_id) is not None and reload:
             self.stale.add(lora_id)
         return True
@@ -257,7 +257,9 @@ class AdapterSlots:
                 adapter = self._read_again(request) if lora_id in self.added else self.read(request)
             self.runner.load_lora(slot, adapter)
             others = {r.lora_int_id for i, r in enumerate(self.held) if r is not None and i != slot}
-            self.host.put(lora_id, adapter, others | {lora_id})  # only once it loaded: a copy that is good
+            # only once it loaded: a copy that is good; removed ids queued requests still name are kept too (their
+            # folder may be gone: an RL loop deletes the checkpoint it replaced)
+            self.host.put(lora_id, adapter, others | self.removed | {lora_id})
         except AdapterDroppedError:  # nothing changed (its id stays bound: it is still added)
             raise
         except Exception as err:  # noqa: BLE001 - whatever the files hold, only this request fails
