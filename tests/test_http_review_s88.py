@@ -138,3 +138,25 @@ def test_the_shared_table_maps_each_servers_type_back_to_its_status():
         assert error_body(back, "m")["error"]["type"] == error_body(status, "m")["error"]["type"]
         assert back == (status if status in (400, 401, 403, 404, 408, 429, 500, 503) else 400 if status < 500 else 500)
     assert status_of_type("insufficient_quota") is None and status_of_type(None) is None
+
+
+def test_a_client_that_hangs_up_mid_body_is_a_499_and_no_server_error(reference_llm, server_logs):
+    """A raw-body route's request.json() raised Starlette's ClientDisconnect: logged as an unhandled error with its
+    traceback and counted as a 500 (a reviewer's reproduction); nobody reads the reply, and no server part failed."""
+    import asyncio
+    app = create_app(reference_llm, ServerOptions("tiny"))
+    app.add_api_route("/raw", _error_event, methods=["POST"])  # reads request.json() itself
+    messages = iter([{"type": "http.request", "body": b"{", "more_body": True}, {"type": "http.disconnect"}])
+    sent = []
+
+    async def receive():
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message):
+        sent.append(message)
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/raw", "raw_path": b"/raw", "root_path": "", "query_string": b"", "server": ("127.0.0.1", 80),
+             "client": ("127.0.0.1", 5), "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert not [r for r in server_logs if r.levelno >= logging.ERROR]

@@ -10,12 +10,14 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from saguaro_dist.error_types import error_type
 
 log = logging.getLogger(__name__)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody reads it)
 
 
 class APIError(Exception):
@@ -95,7 +97,9 @@ def _adapter_dropped(err: ValueError) -> bool:
     """The engine's AdapterDroppedError (on Ray its text alone arrives): a served adapter it dropped past
     max_cpu_loras can no longer be read. The server's state, not the request's fault: a 500 (not a 503: retrying
     cannot help until the adapter is loaded again), with the engine's text, which says so."""
-    from saguaro_dist.engine.lora_slots import AdapterDroppedError  # (the engine's module: loaded with the app's)
+    from saguaro_dist.engine.lora_slots import (
+        AdapterDroppedError,  # (the engine's module: loaded with the app's)
+    )
     if AdapterDroppedError.PHRASE not in str(err):
         return False
     log.error("%s", err)
@@ -129,6 +133,9 @@ class UnexpectedErrorMiddleware:
             await send(message)
         try:
             await self.app(scope, receive, watch)
+        except ClientDisconnect:  # hung up while sending its body: nobody reads a reply, and it is no server error
+            if not started:
+                await Response(status_code=CLIENT_CLOSED_REQUEST)(scope, receive, send)
         except Exception as err:  # noqa: BLE001 - every error: its traceback is logged by _on_unexpected
             if started:  # a reply half sent (a stream's own errors go out as events): the server drops the
                 raise    # connection, the one way left to tell the client the reply is cut short

@@ -11,12 +11,11 @@ from contextlib import aclosing
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from saguaro_dist.serve.errors import APIError
+from saguaro_dist.serve.errors import CLIENT_CLOSED_REQUEST, APIError
 from saguaro_dist.serve.protocol import REQUEST_ID_PATTERN
 from saguaro_dist.serve.state import ServingState
 
 log = logging.getLogger(__name__)
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for a request whose client went away (nobody reads it)
 
 
 class ClosingStreamingResponse(StreamingResponse):
