@@ -19,10 +19,10 @@ def prefixed(server, serving_pair):
     """A small app at route_prefix /s86 with root_path /api: a proxy serves it at /api/s86 and strips /api."""
     from ray import serve
 
-    from saguaro_dist.serve.app import build_app
+    from saguaro_dist.serve.app import build_deployment
     args = {"model": serving_pair[1], "mode": "ar", "max_model_len": 128, "max_batch_size": 1,
             "api_key": server.api_key, "served_model_name": "small", "root_path": PROXY_ROOT}
-    serve.run(build_app(args, ray_actor_options={"num_cpus": 0.5}), name="s86_prefixed", route_prefix=PREFIX)
+    serve.run(build_deployment(args, ray_actor_options={"num_cpus": 0.5}), name="s86_prefixed", route_prefix=PREFIX)
     try:
         yield f"{server.url}{PREFIX}"
     finally:

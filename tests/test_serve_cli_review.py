@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from saguaro_dist.serve.app import APP_IMPORT_PATH, DEPLOYMENT_NAME, build_app
+from saguaro_dist.serve.app import APP_IMPORT_PATH, DEPLOYMENT_NAME, build_app, build_deployment
 from saguaro_dist.serve.ingress import check_port_free, free_port
 
 pytest_plugins = ["test_serve_fixtures"]
@@ -121,6 +121,6 @@ def test_serve_on_an_ipv6_host_answers_there(serving_pair):
 def test_autoscaling_targets_a_full_batch_per_replica(serving_pair, given, want):
     """Serve's default target (2 ongoing requests a replica) started another replica, a whole engine, at the
     third concurrent request, while a replica batches max_batch_size; a target the config sets is kept."""
-    app = build_app({"model": serving_pair[0], "mode": "ar", "max_batch_size": 6}, autoscaling_config=given)
+    app = build_deployment({"model": serving_pair[0], "mode": "ar", "max_batch_size": 6}, autoscaling_config=given)
     config = app._bound_deployment._deployment_config.autoscaling_config  # what Serve deploys
     assert config.target_ongoing_requests == want and config.max_replicas == 3

@@ -8,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from saguaro_dist.serve.app import APP_IMPORT_PATH, DEPLOYMENT_NAME, build_app
+from saguaro_dist.serve.app import APP_IMPORT_PATH, DEPLOYMENT_NAME, build_app, build_deployment
 from saguaro_dist.serve.config_file import load_serve_config
 
 pytest_plugins = ["test_serve_fixtures"]
@@ -16,7 +16,7 @@ pytest_plugins = ["test_serve_fixtures"]
 
 def built(args: dict, **options):
     """(deployment config, ray_actor_options) of the app as Serve would deploy it."""
-    deployment = build_app(args, **options)._bound_deployment
+    deployment = build_deployment(args, **options)._bound_deployment
     return deployment._deployment_config, deployment.ray_actor_options
 
 
@@ -118,10 +118,19 @@ def test_a_null_logging_config_reads_as_unset(tmp_path):
 
 def test_resources_no_node_advertises_are_named():
     """A serve config generated for KubeRay / the cluster launcher asks the replica for the target node's
-    saguaro_front; on a cluster without it Serve waited without a word: build_app now warns, naming them."""
+    saguaro_front; on a cluster without it Serve waited without a word: `saguaro serve --config` now warns, naming them."""
     from saguaro_dist.serve.app import unadvertised_resources
     options = {"ray_actor_options": {"num_cpus": 1, "resources": {"saguaro_front": 1, "saguaro_target": 1}}}
     assert unadvertised_resources(options, {"CPU": 4.0, "saguaro_target": 1.0}) == ["saguaro_front"]
     assert unadvertised_resources(options, {"saguaro_front": 1.0, "saguaro_target": 1.0}) == []
     assert unadvertised_resources({"ray_actor_options": {"num_cpus": 1}}, {}) == []
     assert unadvertised_resources({}, {}) == []
+
+
+def test_serve_takes_build_app_as_an_application_builder(serving_pair):
+    """Serve calls a config's import_path builder with the args dict alone and refuses any function of another
+    signature: build_app(args, **deployment_options) made every serve config (KubeRay's serveConfigV2, `serve deploy`,
+    `serve run saguaro_dist.serve.app:build_app model=...`) fail to deploy."""
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+    app = call_user_app_builder_with_args_if_necessary(build_app, {"model": serving_pair[0], "mode": "ar"})
+    assert app._bound_deployment.name == DEPLOYMENT_NAME

@@ -56,12 +56,12 @@ def test_routes_are_matched_inside_the_apps_mount_prefix(scope, path):
 def test_serve_replaces_a_replica_whose_target_died(server, reference_llm, serving_pair):
     from ray import serve
 
-    from saguaro_dist.serve.app import build_app
+    from saguaro_dist.serve.app import build_deployment
     target, draft = serving_pair
     args = {"model": target, "draft": draft, "mode": "ssd", "k": 2, "max_model_len": 256, "cluster": "auto",
             "num_draft_workers": 1, "api_key": server.api_key, "served_model_name": server.model}
     before = target_pids()
-    serve.run(build_app(args, health_check_period_s=1, health_check_timeout_s=30, graceful_shutdown_timeout_s=2),
+    serve.run(build_deployment(args, health_check_period_s=1, health_check_timeout_s=30, graceful_shutdown_timeout_s=2),
               name=APP, route_prefix=PREFIX)
     try:
         body = {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0}

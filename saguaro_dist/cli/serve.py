@@ -288,7 +288,7 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
     import ray
     from ray import serve
 
-    from saguaro_dist.serve.app import build_app
+    from saguaro_dist.serve.app import build_deployment
     from saguaro_dist.serve.replica_observability import job_logging, local_metrics_export_port
 
     embedded = not ns.address
@@ -306,7 +306,7 @@ def _serve(args: dict, host: str, port: int, ns: argparse.Namespace, deployment_
         _start_serve(serve, {"host": host, "port": proxy_port, **tls}, deployment_options.get("logging_config"),
                      proxy_is_public=ingress is not Ingress.DIRECT)
         try:
-            serve.run(build_app(args, **deployment_options), name=APP_NAME, route_prefix=route_prefix)
+            serve.run(build_deployment(args, **deployment_options), name=APP_NAME, route_prefix=route_prefix)
         except RuntimeError as err:  # the replica's failure: Serve's traceback named neither it nor its log
             raise ValueError(deploy_failure(err, _ray_logs_dir(ray) if embedded else None)) from None
         serving = True

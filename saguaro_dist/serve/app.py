@@ -200,9 +200,16 @@ def running_replicas(deployment_id) -> int:
     return sum(deployment.replica_states.values()) if deployment is not None else 1
 
 
-def build_app(args: dict, **deployment_options) -> Application:
-    """Serve's application builder. Validates the arguments here, in the caller, so a bad manifest
-    fails at deploy time with a clear message rather than in a crash-looping replica."""
+def build_app(args: dict) -> Application:
+    """Serve's application builder (import_path of a Serve config, KubeRay's serveConfigV2, `serve run`): exactly
+    one parameter, as Serve requires of a builder; the config's `deployments` options are Serve's to apply."""
+    return build_deployment(args)
+
+
+def build_deployment(args: dict, **deployment_options) -> Application:
+    """The application with `deployment_options` (serve.deployment's) over a replica's needs: `saguaro serve`'s.
+    Validates the arguments here, in the caller, so a bad manifest fails at deploy time with a clear message
+    rather than in a crash-looping replica."""
     config = config_from_args(args)
     runtime_lora = server_options(args, config.model).runtime_lora_updating
     options = deployment_settings(config, deployment_options)
@@ -219,8 +226,9 @@ def unadvertised_resources(options: dict, advertised: dict) -> list[str]:
 
 
 def warn_of_unadvertised_resources(options: dict) -> None:
-    """Serve would wait for such a replica without a word: a serve config generated for a KubeRay or
-    cluster-launcher cluster (whose target node advertises saguaro_front) run on another cluster. A warning, not
+    """Serve would wait for such a replica without a word: `saguaro serve --config` given a serve config generated
+    for a KubeRay or cluster-launcher cluster (whose target node advertises saguaro_front), on another cluster. (Serve's
+    own builder path applies a config's deployment options after build_app: nothing to check there.) A warning, not
     an error: an autoscaling cluster may still start a node that advertises them."""
     import ray
     missing = unadvertised_resources(options, ray.cluster_resources()) if ray.is_initialized() else []
