@@ -17,22 +17,10 @@ from saguaro_dist.deploy.constants import DEPLOYMENT_NAME, DRAFT_WORKERS_ANNOTAT
 from saguaro_dist.placement import DRAFT_RESOURCE, FRONT_RESOURCE, RESOURCE_PER_ACTOR, TARGET_RESOURCE
 
 helm = pytest.importorskip("helm_python", reason="Helm chart tests: pip install helm-python-sdk==0.2.2 (test extra)")
+from test_chart_autoscaling_s86 import CHART, GPU_VALUES, groups, render_rayservice  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-CHART = ROOT / "deploy" / "helm" / "saguaro-dist"
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
-GPU_VALUES = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
-
-
-def render_rayservice(values: dict | None) -> dict:
-    with helm.Chart.load(str(CHART)) as chart:
-        files = chart.render(values, name="saguaro", namespace="default")
-    (doc,) = [d for d in yaml.safe_load_all(files["saguaro-dist/templates/rayservice.yaml"]) if d]
-    return doc
-
-
-def groups(rayservice: dict) -> dict:
-    return {g["groupName"]: g for g in rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
 
 
 def lint_errors(values: dict) -> str:

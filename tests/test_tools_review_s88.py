@@ -78,18 +78,22 @@ def test_required_reads_root_references_against_the_functions_parameters():
             jsonschema.validate([wrong], schema)
 
 
+def grammar_accepts(tok, spec, text: str) -> bool:
+    """Whether the grammar of `spec` (StructuredOutputsParams) takes `text` whole, then the end."""
+    state = GrammarCompiler(tok, len(tok), {tok.eos_token_id}).state(SamplingParams(structured_outputs=spec))
+    for token in tok.encode(text, add_special_tokens=False):
+        if not bool(state.mask()[token]):
+            return False
+        state.commit(token)
+    return bool(state.mask()[tok.eos_token_id])
+
+
 def test_a_recursive_tool_is_followed_by_the_grammar_under_required(served):
     tok = served["llm"].tokenizer
-    compiler = GrammarCompiler(tok, len(tok), {tok.eos_token_id})
     spec = ChatCompletionRequest(messages=MESSAGES, tools=_tools(q=RECURSIVE), tool_choice="required").requested_structure()
 
     def allowed(text: str) -> bool:
-        state = compiler.state(SamplingParams(structured_outputs=spec))
-        for token in tok.encode(text, add_special_tokens=False):
-            if not bool(state.mask()[token]):
-                return False
-            state.commit(token)
-        return bool(state.mask()[tok.eos_token_id])
+        return grammar_accepts(tok, spec, text)
 
     assert allowed('[{"name": "q", "parameters": {"all": [{"all": []}]}}]')
     assert not allowed('[{"name": "q", "parameters": {"all": [[{"name": "q", "parameters": {}}]]}}]')
