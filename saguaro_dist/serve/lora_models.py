@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 
+from saguaro_dist.engine.lora_slots import AdapterReadError
 from saguaro_dist.lora_request import LoRARequest
 from saguaro_dist.model.lora_adapter import CONFIG_FILE, local_adapter_dir, names_no_adapter, resolve_adapter_dir
 from saguaro_dist.serve.errors import APIError
-from saguaro_dist.serve.lora_modules import LoRAModule, check_adapter, check_lora_modules
+from saguaro_dist.serve.lora_modules import LoRAModule, adapter_refusal, check_adapter, check_lora_modules
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +95,8 @@ class ServedModels:
                                     "adapter in place, set 'load_inplace' to True.")
             request = LoRARequest(name, self._last_id + 1, path)  # a fresh id
             # off the event loop: reads files, and on Ray waits for rank 0's reply
-            await asyncio.to_thread(_check_runtime_adapter, request, self.config)
-            # Spent from here, whatever the engine answers (vLLM's lora_id_counter.inc before add_lora): an add whose
-            # answer timed out still binds the id later, and a later load handed it again would be refused for good.
-            self._last_id = request.lora_int_id
-            await asyncio.to_thread(_read_on_target, request, self._on_target(request))
+            await asyncio.to_thread(_check_runtime_adapter, request, self.config, not self._engine_reads_here())
+            await self._add_on_target(request, remove)
             self.adapters[name] = request
             if old is not None and remove is not None:  # its running requests end on its weights first
                 await asyncio.to_thread(remove, old.lora_int_id)
@@ -118,6 +117,26 @@ class ServedModels:
             del self.adapters[name]
         log.info("Removed LoRA adapter: name '%s'", name)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+    async def _add_on_target(self, request: LoRARequest, remove: Callable[[int], object] | None) -> None:
+        """The engine's add (or check) of a fresh id. The id is spent from here, whatever the engine answers (vLLM's
+        lora_id_counter.inc before add_lora): an add whose answer timed out still binds the id later, and a later load
+        handed it again would be refused for good. Only a read refused in this process bound nothing for sure."""
+        self._last_id = request.lora_int_id
+        try:
+            await asyncio.to_thread(_read_on_target, request, self._on_target(request))
+        except AdapterReadError as err:  # (in this process: on Ray only its text comes back, a ValueError)
+            self._last_id -= 1
+            raise APIError(400, str(adapter_refusal(request.lora_name, request.lora_path, err)),
+                           param="lora_path") from None
+        except TimeoutError:
+            _drop_late(request, remove)
+            raise
+
+    def _engine_reads_here(self) -> bool:
+        """Whether the engine's add reads the adapter in this process (no Ray cluster): then it is the load's only
+        read of the tensors (the server's own check only looks for the adapter), else its node's disk may differ."""
+        return self._add_to_engine is not None and getattr(self.config, "cluster", None) is None
 
     def _on_target(self, request: LoRARequest) -> Callable[[str], None] | None:
         """The read where the engine's target runs the adapter: its add (the copy stays there), else its check."""
@@ -145,10 +164,11 @@ def _not_found(request: LoRARequest) -> APIError:
     return APIError(404, f"Loading lora {request.lora_name} failed: No adapter found for {request.lora_path}")
 
 
-def _check_runtime_adapter(request: LoRARequest, config) -> None:
+def _check_runtime_adapter(request: LoRARequest, config, read: bool = True) -> None:
     """vLLM's answers: no adapter at the path (no such folder, one without adapter_config.json, a Hub id the Hub
     cannot provide, a path no folder can have) is a 404 with LoRAAdapterNotFoundError's message; one that cannot
-    run on this base model a 400 with the reason. Here, before _read_on_target reads it where the engine runs it."""
+    run on this base model a 400 with the reason. Here, before _read_on_target reads it where the engine runs it.
+    read=False: only the 404's checks (the engine's add, in this process, reads it once and answers the 400's)."""
     name, path = request.lora_name, request.lora_path
     missing = _not_found(request)
     local = local_adapter_dir(path)
@@ -160,6 +180,8 @@ def _check_runtime_adapter(request: LoRARequest, config) -> None:
             resolve_adapter_dir(path)  # a Hub id (fetched now, read again from the cache below); else a ValueError
         except (ValueError, OSError):
             raise missing from None
+    if not read:
+        return
     try:
         check_adapter(name, path, config)
     except ValueError as err:
@@ -172,8 +194,26 @@ def _read_on_target(request: LoRARequest, read_on_target: Callable[[str], None] 
     try:
         if read_on_target is not None:
             read_on_target(request.lora_path)
+    except AdapterReadError:  # read in this process: the caller answers check_adapter's 400
+        raise
     except ValueError as err:
         where = f"LoRA adapter {request.lora_name!r} ({request.lora_path}) on the engine's target: {err}"
         if names_no_adapter(str(err)):
             raise APIError(404, f"{_not_found(request).message} ({where})") from None
         raise APIError(400, where, param="lora_path") from None
+
+
+def _drop_late(request: LoRARequest, remove: Callable[[int], object] | None) -> None:
+    """An add whose wait for the engine timed out still binds its id once its chore runs, and no name serves that:
+    a remove queued after it (the engine runs chores in order) drops the copy. Not waited for: the engine is slow
+    now, and the load's answer is a 500 already."""
+    if remove is not None:
+        threading.Thread(target=_remove_quietly, args=(remove, request), name="saguaro-lora-drop", daemon=True).start()
+
+
+def _remove_quietly(remove: Callable[[int], object], request: LoRARequest) -> None:
+    try:
+        remove(request.lora_int_id)
+    except Exception as err:  # noqa: BLE001 - a timed-out wait: the remove still runs after the add
+        log.info("LoRA adapter %r (id %d) whose load timed out: its removal not confirmed (%s: %s)",
+                 request.lora_name, request.lora_int_id, type(err).__name__, err)

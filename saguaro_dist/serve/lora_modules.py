@@ -88,7 +88,12 @@ def check_adapter(name: str, path: str, config) -> None:
         base = load_config(resolve_model_dir(config.model, weights=False, revision=config.revision))
         load_adapter(path, base, config.max_lora_rank)
     except (ValueError, OSError) as err:
-        raise ValueError(f"LoRA adapter {name!r} ({path}): {err}") from None
+        raise adapter_refusal(name, path, err) from None
+
+
+def adapter_refusal(name: str, path: str, err: Exception) -> ValueError:
+    """check_adapter's refusal of the adapter `name` at `path` (also a runtime load's, read by the engine here)."""
+    return ValueError(f"LoRA adapter {name!r} ({path}): {err}")
 
 
 def runtime_updates_allowed(given=None) -> bool:
