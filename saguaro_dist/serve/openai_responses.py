@@ -51,6 +51,7 @@ _CHAT_SPELLINGS = {"max_completion_tokens": "max_output_tokens", "messages": "in
 _ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")  # the input items read here
 _ROLES = ("system", "developer", "user", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_MESSAGE_PARTS = (*_TEXT_PARTS, "refusal")  # a message's: an earlier output's refusal is read as its text (chat's)
 LOGPROBS_INCLUDE = "message.output_text.logprobs"  # log-probabilities on the message's output_text
 # OpenAI's other `include` values name outputs this server never makes (built-in tools, images, encrypted
 # reasoning): accepted and empty, since clients send them by default (agents ask for encrypted reasoning).
@@ -71,17 +72,36 @@ class InputPart(BaseModel):
     text: str
 
 
+def _part_type(part):
+    return part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+
+
+class RefusalPart(BaseModel):
+    """OpenAI's output message part for a refusal, sent back with an earlier output: read as its text, as chat
+    reads one (chat_content.RefusalPart)."""
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
 TextOrParts = _text_or_list(InputPart, "a string or a list of text parts")
+# By type (tags no body key, as errors.py's field path needs): _known_items let text and refusal parts through
+MessagePart = tagged_union({"part:text": InputPart, "part:refusal": RefusalPart},
+                           lambda v: "part:refusal" if _part_type(v) == "refusal" else "part:text", "a text part")
+MessageContent = _text_or_list(MessagePart, "a string or a list of text parts")
 
 
-def joined(content: str | list[InputPart]) -> str:
+def joined(content: str | list[InputPart | RefusalPart]) -> str:
     return content if isinstance(content, str) else "\n".join(p.text for p in content)  # as chat's parts
 
 
 class InputMessage(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: TextOrParts
+    content: MessageContent
     id: str | None = None      # items echoed back from an earlier response carry these
     status: str | None = None
 
@@ -255,12 +275,19 @@ class ResponsesRequest(SamplingRequest):
             if kind == "message" and item.get("role") not in _ROLES:
                 raise ValueError(f"item {i}: a message's role must be one of {', '.join(_ROLES)}, got {item.get('role')!r} "
                                  "(a function's result goes back as a function_call_output item)")
-            key = "content" if kind == "message" else "output"  # a part it cannot read (an image, a file), by name
-            for j, part in enumerate(item[key] if isinstance(item.get(key), list) else ()):
-                part_kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
-                if part_kind not in _TEXT_PARTS:
-                    raise ValueError(f"item {i}, {key} part {j} is of type {part_kind!r}: this server reads text "
-                                     f"parts only ({', '.join(_TEXT_PARTS)})")
+            key, readable = ("content", _MESSAGE_PARTS) if kind == "message" else ("output", _TEXT_PARTS)
+            for j, part in enumerate(item[key] if isinstance(item.get(key), list) else ()):  # (an image, a file: by name)
+                if _part_type(part) not in readable:
+                    raise ValueError(f"item {i}, {key} part {j} is of type {_part_type(part)!r}: this server reads "
+                                     f"text parts only ({', '.join(readable)})")
+        return given
+
+    @field_validator("include")
+    @classmethod
+    def _known_includes(cls, given):
+        unknown = sorted(set(given or ()) - _INCLUDE_EMPTY - {LOGPROBS_INCLUDE})
+        if unknown:
+            raise ValueError(f"{unknown} is not supported (this server includes {LOGPROBS_INCLUDE!r})")
         return given
 
     @model_validator(mode="after")
@@ -276,9 +303,6 @@ class ResponsesRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _check_fields(self):
-        unknown = sorted(set(self.include or ()) - _INCLUDE_EMPTY - {LOGPROBS_INCLUDE})
-        if unknown:
-            raise ValueError(f"include {unknown} is not supported (this server includes {LOGPROBS_INCLUDE!r})")
         if self.n != 1:
             raise ValueError("n is not a Responses API field (one output a response)")
         if self.max_tokens is not None:

@@ -198,8 +198,8 @@ class ResponseEvents:
         out = ""
         for entry in entries:
             function = entry.get("function", {})
-            if "id" in entry:
-                out += self._close() + self._open_call(ToolCall(entry["id"], function["name"], ""))
+            if "id" in entry:  # (a message before it takes the entries of the text held back while it was written)
+                out += self._close_taking_logprobs() + self._open_call(ToolCall(entry["id"], function["name"], ""))
             if function.get("arguments"):
                 self.open["text"] += function["arguments"]
                 out += self.event("response.function_call_arguments.delta", output_index=len(self.items),
@@ -236,7 +236,8 @@ class ResponseEvents:
 
     def _close_taking_logprobs(self, status: str = "completed") -> str:
         """_close, a message first taking the log-probabilities no content delta took (a reply that is all
-        reasoning, text held back to the end), as the unstreamed message has every token's."""
+        reasoning, text held back to the end or while a call was written), as the unstreamed message has every
+        token's."""
         if self.open is not None and self.open["kind"] == "message":
             self.open["logprobs"] += self.logprob_items(self.pending_logprobs)
             self.pending_logprobs = []
@@ -251,7 +252,8 @@ class ResponseEvents:
             out = (self.event("response.reasoning_text.done", output_index=index, text=text, **ids)
                    + self.event("response.content_part.done", output_index=index, part=reasoning_part(text), **ids))
         elif kind == "function_call":
-            out = self.event("response.function_call_arguments.done", output_index=index, item_id=ident, arguments=text)
+            out = self.event("response.function_call_arguments.done", output_index=index, item_id=ident,
+                             name=self.open["call"].name, arguments=text)  # (name: OpenAI's event has it)
         else:
             logprobs = self.open["logprobs"]
             out = (self.event("response.output_text.done", output_index=index, text=text, logprobs=logprobs, **ids)
