@@ -41,6 +41,7 @@ class SaguaroServer:
 
         adopt_serve_logging()  # before the first INFO line: the engine's stats and request lines show
         config = config_from_args(args)
+        warn_of_unfillable_batch(config.max_batch_size)
         self._options = server_options(args, config.model)
         # The adapters read here before the model loads (a bad one in a manifest fails each restart in seconds);
         # the engine's target reads them again once it runs (create_app).
@@ -136,7 +137,36 @@ def autoscaling(given: dict, max_batch_size: int) -> dict:
     """Serve's default target of 2 requests per replica added a replica (a whole engine, models and all) while
     the batch had room: the target is a full batch unless the config sets one (Ray Serve LLM overrides Serve's
     default too)."""
+    if "target_ongoing_requests" not in given:
+        log.info("autoscaling target_ongoing_requests set to max_batch_size %d (Serve's default: 2)", max_batch_size)
     return {"target_ongoing_requests": max_batch_size, **given}
+
+
+def unfillable_batch(deployment_config, max_batch_size: int) -> list[str]:
+    """The settings of the deployment as Serve runs it that are below a full batch: max_ongoing_requests (a
+    replica never fills its batch) and autoscaling's target (Serve adds a replica, a whole engine, first)."""
+    found = []
+    if deployment_config.max_ongoing_requests < max_batch_size:
+        found.append(f"max_ongoing_requests {deployment_config.max_ongoing_requests}")
+    autoscaling_config = deployment_config.autoscaling_config
+    if autoscaling_config is not None and autoscaling_config.get_target_ongoing_requests() < max_batch_size:
+        found.append(f"autoscaling_config.target_ongoing_requests {autoscaling_config.get_target_ongoing_requests():g}")
+    return found
+
+
+def warn_of_unfillable_batch(max_batch_size: int) -> None:
+    """Said by each replica as it starts. A Serve config's own `deployments:` entry (`serve deploy`, `serve run
+    config.yaml`, KubeRay's serveConfigV2) is applied by Serve after build_app, its autoscaling_config replacing
+    the app's whole: Serve's default target of 2 then applies unless it names one, and no app code can raise it."""
+    config = getattr(serve.get_replica_context(), "_deployment_config", None)  # (no public API carries it)
+    found = unfillable_batch(config, max_batch_size) if config is not None else []
+    if found:
+        log.warning("deployment %s runs with %s, below the engine's max_batch_size %d: Serve adds replicas (each a "
+                    "whole engine) or caps requests before a batch fills. A Serve config's deployments: "
+                    "autoscaling_config replaces the app's whole (Serve's default target is 2): set "
+                    "target_ongoing_requests: %d there (and max_ongoing_requests at least that), or deploy the file "
+                    "with `saguaro serve --config`, which does", DEPLOYMENT_NAME, " and ".join(found),
+                    max_batch_size, max_batch_size)
 
 
 def deployment_settings(config, given: dict) -> dict:
@@ -202,7 +232,8 @@ def running_replicas(deployment_id) -> int:
 
 def build_app(args: dict) -> Application:
     """Serve's application builder (import_path of a Serve config, KubeRay's serveConfigV2, `serve run`): exactly
-    one parameter, as Serve requires of a builder; the config's `deployments` options are Serve's to apply."""
+    one parameter, as Serve requires of a builder; the config's `deployments` options are Serve's to apply (after
+    this: an autoscaling_config there replaces ours whole, so each replica warns of a target below a full batch)."""
     return build_deployment(args)
 
 
