@@ -47,7 +47,8 @@ _CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([^\s<]+)")
 _RECIPIENT = re.compile(r"(?<![\w.])to=([^\s<]+)")
 _CONSTRAINED = re.compile(r"<\|constrain\|>\s*([^\s<]+)")
 _WORD = re.compile(r"[^\s<]+|<\|[a-z_]+\|>")
-LITERAL = "\udfff"  # between "<" and "|" of text that only looks like a marker (the module's note)
+LITERAL = "\udfff"  # between "<" and "|" of text that only looks like a marker (the module's note);
+# also before the content's leading "t", so that content read again never opens with a ` to=` header
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +235,7 @@ class HarmonySplitter:
     written: set[Route] = field(default_factory=set)  # routes a message has written to: separator before the next's
     fresh: bool = True  # the open message has written nothing yet
     separator: str = "\n"  # (Responses': a mark where an item ends, each message being its own there, as vLLM's)
+    leading: bool = True  # the content holds nothing but whitespace yet (see _guarded)
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         parts = self.parts(text, final)
@@ -244,11 +246,12 @@ class HarmonySplitter:
         out: list[tuple[Route, str]] = []  # feed's pieces in the reply's order, not plained
         for step, header, piece in self.reader.feed(text, final):
             if header is None:
-                out.append((Route.CONTENT, piece))
+                out.append((Route.CONTENT, self._guarded(piece)))
             elif header.route is Route.CALL:
                 self._call(step, header, piece, out)
             elif step is Step.TEXT and piece and header.route in (Route.REASONING, Route.CONTENT):
                 separator = self.separator if self.fresh and header.route in self.written else ""
+                piece = self._guarded(piece) if header.route is Route.CONTENT else piece
                 out.append((header.route, separator + piece))
                 self.fresh = False
                 self.written.add(header.route)
@@ -256,7 +259,18 @@ class HarmonySplitter:
                 self.fresh = True
         return out
 
+    def _guarded(self, piece: str) -> str:
+        """Content text, with LITERAL before its leading "t": the content is read again as harmony (the tool
+        parsers, tool_choice none), where a reply opening with `to=` opens a header (opening), so a final answer
+        "to=be ..." was dropped whole as a header cut off. `plain` takes LITERAL out."""
+        body = piece.lstrip()
+        if not (self.leading and body):
+            return piece
+        self.leading = False
+        return piece[:len(piece) - len(body)] + LITERAL + body if body.startswith("t") else piece
+
     def _call(self, step: Step, header: Header, piece: str, out: list) -> None:
+        self.leading = False  # (the content opens with this call's header)
         if step is Step.OPEN:
             self.calls.append([header, ""])
         self.calls[-1][1] += piece  # (an OPEN's and a CLOSE's piece is "")
