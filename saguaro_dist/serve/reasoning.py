@@ -3,7 +3,10 @@
 
   qwen3, deepseek_r1  everything before the first </think> is reasoning, less a leading <think> (Qwen3.5's and
                DeepSeek-R1's templates open <think> in the prompt; older Qwen3 ones let the model write it); a
-               reply cut before </think> is all reasoning, as vLLM's newest Qwen3 parser reads it. A prompt that
+               reply cut before </think> is all reasoning, as vLLM's newest Qwen3 parser reads it. qwen3 only, as
+               vLLM's: a reply with no </think> that opens a tool call while thinking (Qwen3.5's, Qwen3-Coder's
+               `<tool_call>`, whitespace, `<function=` or `<function name`) ends its reasoning where that
+               <tool_call> starts, and the call is content, for the tool parser (tool_call_at). A prompt that
                already closed the think block (Qwen3's enable_thinking=False: <think>\n\n</think>) leaves the
                reply all content: the server gives such a reply no parser (prompt_closed_reasoning)
   openai_gptoss  gpt-oss's harmony channels (harmony.py): analysis is reasoning, final (and commentary) the
@@ -13,8 +16,10 @@
 A constrained reply (structured outputs, a named or required tool call) lets the model reason first, as
 vLLM applies structured outputs once reasoning ends: `reasoning_first` makes one grammar of "any text up to
 the first </think>, whitespace, then what the request allows", so every speculation path samples it
-exactly. Where the tokenizer has a tag as one token (Qwen3's, DeepSeek-R1's: added tokens, which llguidance
-reads as special and masks unless named), the grammar takes that token too. Not when the prompt already
+exactly. A call opened while thinking does not end it there: the split reads a </think> anywhere first, so a
+finished constrained reply's reasoning ends at its first </think> in the grammar and in the split alike. Where
+the tokenizer has a tag as one token (Qwen3's, DeepSeek-R1's: added tokens, which llguidance reads as special
+and masks unless named), the grammar takes that token too. Not when the prompt already
 closed the reasoning (Qwen3 with enable_thinking off; harmony: the prompt leaves a message open), nor for a
 request's own grammar (it is not nested): such replies are constrained whole and not split (gpt-oss's: read
 as harmony, as they come).
@@ -33,6 +38,10 @@ from saguaro_dist.serve.harmony import MARKERS, HarmonySplitter, message_open, r
 from saguaro_dist.serve.tool_parsers import partial_suffix
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+TOOL_CALL, FUNCTION = "<tool_call>", "<function"
+# A <tool_call> that opens a call (vLLM's qwen3 parser: <function= or <function name=... after any whitespace);
+# one that only mentions the tag does not end the reasoning.
+_CALL_OPENS = re.compile(re.escape(TOOL_CALL) + r"(?=\s*<function[\s=])")
 
 
 class ReasoningParser(Enum):
@@ -59,17 +68,28 @@ def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | No
         return split_harmony(text)
     text = text.removeprefix(THINK_OPEN)
     end = text.find(THINK_CLOSE)
-    if end < 0:  # cut before </think> (max_tokens): all reasoning
-        return text or None, ""
-    return text[:end] or None, text[end + len(THINK_CLOSE):]
+    if end >= 0:
+        return text[:end] or None, text[end + len(THINK_CLOSE):]
+    call = tool_call_at(parser, text)
+    if call >= 0:  # the call is content: the tool parser reads it
+        return text[:call] or None, text[call:]
+    return text or None, ""  # cut before </think> (max_tokens): all reasoning
+
+
+def tool_call_at(parser: ReasoningParser | None, text: str) -> int:
+    """Where a call opened while thinking starts in a reply with no </think>: qwen3's implicit end of the
+    reasoning, as vLLM's Qwen3ReasoningParser reads Qwen3.5's and Qwen3-Coder's calls (-1: none)."""
+    match = _CALL_OPENS.search(text) if parser is ReasoningParser.QWEN3 else None
+    return match.start() if match else -1
 
 
 @dataclass(frozen=True)
 class ReasoningTokens:
     """Counts how many of a reply's generated tokens are its reasoning (usage's reasoning_tokens), split as
-    split_reasoning splits its text: the tokens before the first </think> in it, less a leading <think>'s. A
-    thinking model's tags are single tokens (Qwen3's, DeepSeek-R1's), found by id; but a model may also spell
-    a tag in other tokens, so the text before the tag's first token is searched for the tag's text too."""
+    split_reasoning splits its text: the tokens before the first </think> in it (with none, before qwen3's call
+    opened while thinking: tool_call_at), less a leading <think>'s. A thinking model's tags are single tokens
+    (Qwen3's, DeepSeek-R1's), found by id; but a model may also spell a tag in other tokens, so the text before
+    the tag's first token is searched for the tag's text too."""
     tokenizer: object
     open_ids: tuple[int, ...]
     close_ids: tuple[int, ...]
@@ -85,7 +105,15 @@ class ReasoningTokens:
             return reasoning_token_count(self.tokenizer, token_ids)
         ids = list(token_ids)
         start, end = self._open_length(ids), self._close_at(ids)
-        return len(ids) - start if end < 0 else max(0, end - start)  # no </think>: all reasoning
+        if end < 0:
+            end = self._call_at(parser, ids)
+        return len(ids) - start if end < 0 else max(0, end - start)  # neither: all reasoning
+
+    def _call_at(self, parser: ReasoningParser, ids: list[int]) -> int:
+        """Where a call opened while thinking starts, in tokens (-1: none), read from the text as the split
+        reads it (its <tool_call>'s own token, or one spelling it, is not reasoning)."""
+        at = tool_call_at(parser, self._decode(ids))
+        return at if at < 0 else self._tokens_within(ids, at)
 
     def _open_length(self, ids: list[int]) -> int:
         """Tokens of a leading <think>, its own or spelled in pieces (split_reasoning drops it)."""
@@ -213,7 +241,9 @@ def _answer(spec: StructuredOutputsParams) -> str:
 class ReasoningStream:
     """Splits a streamed reply: `feed` each text piece, get (reasoning, content) pieces back, as split_reasoning
     splits the whole (vLLM streams reasoning as it comes). Text that might begin the leading <think> or a
-    </think> is held back until it cannot."""
+    </think> is held back until it cannot; under qwen3, a <tool_call> that opens or may still open a call too,
+    with all after it: the call is content unless a </think> follows (the whole reply's split reads that first),
+    so it comes out at the end or at the </think>."""
     parser: ReasoningParser | None
     held: str = ""
     thinking: bool = True  # before </think>
@@ -236,6 +266,33 @@ class ReasoningStream:
             self.thinking = False
             reasoning, rest, self.held = self.held[:end], self.held[end + len(THINK_CLOSE):], ""
             return reasoning, rest
-        keep = 0 if final else partial_suffix(self.held, THINK_CLOSE)
-        out, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        if final:
+            call = tool_call_at(self.parser, self.held)
+            cut = len(self.held) if call < 0 else call
+            reasoning, rest, self.held = self.held[:cut], self.held[cut:], ""
+            return reasoning, rest
+        cut = _undecided_from(self.parser, self.held)
+        out, self.held = self.held[:cut], self.held[cut:]
         return out, ""
+
+
+def _undecided_from(parser: ReasoningParser, text: str) -> int:
+    """Where the streamed reasoning text stops being surely reasoning: a </think> begun at its end; under qwen3
+    also a <tool_call> begun at its end, or one that opens a call or may still (its content, unless a </think>
+    comes later)."""
+    starts = [len(text) - partial_suffix(text, THINK_CLOSE)]
+    if parser is ReasoningParser.QWEN3:
+        starts += [len(text) - partial_suffix(text, TOOL_CALL), _call_may_open_at(text)]
+    return min(starts)
+
+
+def _call_may_open_at(text: str) -> int:
+    """The first <tool_call> followed by a call's <function= (or <function name) or by what may yet become one
+    (whitespace, part of "<function"); len(text) where none."""
+    at = text.find(TOOL_CALL)
+    while at >= 0:
+        after = text[at + len(TOOL_CALL):].lstrip()
+        if FUNCTION.startswith(after) or _CALL_OPENS.match(text, at):
+            return at
+        at = text.find(TOOL_CALL, at + 1)
+    return len(text)
