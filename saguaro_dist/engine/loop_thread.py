@@ -143,8 +143,9 @@ class EngineThread:
     def _run(self) -> None:
         while True:
             with self._cond:
+                # (timed out: no work, and the stats line owed since the last burst is due; _step logs it)
                 self._cond.wait_for(lambda: self._stopped or self._inbox or self._aborts or self._chores
-                                    or self.engine.has_work())
+                                    or self.engine.has_work(), timeout=self._stats.idle_wait_s())
                 if self._stopped:
                     break
                 inbox, aborts, chores = self._inbox, self._aborts, self._chores
@@ -199,11 +200,13 @@ class EngineThread:
 
     def _step(self) -> None:
         """One engine step if it has work; the load snapshot is refreshed either way (an abort may have
-        emptied it)."""
+        emptied it), and the stats line logged if due (idle: the last burst's tail)."""
         if not self.engine.has_work():
             self.load = self.engine.load()
+            self._stats.maybe_log(self.engine.metrics, self.load)
             return
         try:
+            self._stats.working()
             updates = self.engine.step()
             self.load = self.engine.load()  # before the updates: a caller woken by its last one sees it gone
             self._publish(updates)

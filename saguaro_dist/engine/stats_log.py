@@ -31,19 +31,34 @@ def _ratio(part: float, whole: float) -> float:
 
 class StatsLogger:
     """Every `interval_s` (0: never) while the engine works, one INFO line of the interval's throughput,
-    queue and speculation figures, from the engine's own counters (differences since the last line)."""
+    queue and speculation figures, from the engine's own counters (differences since the last line); then,
+    as vLLM's, once more an interval after the engine went idle (the burst's tail), and no more while idle."""
 
     def __init__(self, interval_s: float):
         self.interval_s = interval_s
         self._last_time = time.monotonic()
         self._last = EngineMetrics()
+        self._owed = False  # work since the last line, or it showed requests: one more line is due
+
+    def working(self) -> None:
+        """Before a step with work: after a quiet idle the interval starts now (not averaged over the gap)."""
+        if not self._owed:
+            self._last_time, self._owed = time.monotonic(), True
 
     def maybe_log(self, metrics: EngineMetrics, load: EngineLoad) -> None:
+        """After a step, or while idle: the line, if an interval has passed and one is owed."""
         now = time.monotonic()
-        if not self.interval_s or now - self._last_time < self.interval_s:
+        if not self._owed or not self.interval_s or now - self._last_time < self.interval_s:
             return
         log.info(self.line(metrics, load, now - self._last_time))
         self._last_time, self._last = now, dataclasses.replace(metrics, fallbacks=metrics.fallbacks.copy())
+        self._owed = bool(load.num_running or load.num_waiting)
+
+    def idle_wait_s(self) -> float | None:
+        """How long the idle loop may wait for work before the owed line is due (None: no line is owed)."""
+        if not self._owed or not self.interval_s:
+            return None
+        return max(0.0, self._last_time + self.interval_s - time.monotonic())
 
     def line(self, metrics: EngineMetrics, load: EngineLoad, seconds: float) -> str:
         d = {f: getattr(metrics, f) - getattr(self._last, f) for f in (
