@@ -249,6 +249,7 @@ class ReasoningStream:
     thinking: bool = True  # before </think>
     opened: bool = False   # a leading <think> was looked for (and dropped): later ones are reasoning
     harmony: HarmonySplitter | None = None  # openai_gptoss's own splitter
+    scanned: int = 0  # `held` opens with a call (qwen3): how much of it was searched for </think> (0: none opened)
 
     def feed(self, text: str, final: bool) -> tuple[str, str]:
         if self.parser is not None and self.parser.harmony:
@@ -261,7 +262,7 @@ class ReasoningStream:
             if THINK_OPEN.startswith(self.held) and not final:
                 return "", ""  # may still become a leading <think>
             self.held, self.opened = self.held.removeprefix(THINK_OPEN), True
-        end = self.held.find(THINK_CLOSE)
+        end = self.held.find(THINK_CLOSE, max(0, self.scanned - len(THINK_CLOSE) + 1))  # (each piece read once)
         if end >= 0:
             self.thinking = False
             reasoning, rest, self.held = self.held[:end], self.held[end + len(THINK_CLOSE):], ""
@@ -271,8 +272,9 @@ class ReasoningStream:
             cut = len(self.held) if call < 0 else call
             reasoning, rest, self.held = self.held[:cut], self.held[cut:], ""
             return reasoning, rest
-        cut = _undecided_from(self.parser, self.held)
+        cut = 0 if self.scanned else _undecided_from(self.parser, self.held)  # (an opened call: all held)
         out, self.held = self.held[:cut], self.held[cut:]
+        self.scanned = len(self.held) if self.scanned or _CALL_OPENS.match(self.held) else 0
         return out, ""
 
 
