@@ -183,3 +183,24 @@ def test_a_long_stream_after_a_call_opened_while_thinking_costs_linear_time():
     plain = _stream_seconds("x" * size)
     assert _stream_seconds("<tool_call>\n<function=f>\n" + "y" * size) < 3 * plain + 0.5
     assert _stream_seconds("<tool_call>\n<function=f>\n" + "y" * size + "</think>ok") < 3 * plain + 0.5
+
+
+def test_a_constrained_reply_cut_inside_its_reasoning_is_all_reasoning():
+    """A reply constrained after its reasoning (reasoning_first's grammar ends it at </think> only) that stops
+    inside the reasoning, after a call opened there, is all reasoning, counted so too: split at the call, its
+    raw call text reached a named tool_choice's parse as the function's arguments."""
+    from saguaro_dist import LLM, SamplingParams
+    from saguaro_dist.sampling_params import StructuredOutputsParams
+    from saguaro_dist.serve.state import Job, ServingState
+
+    cut = THOUGHT + "<tool_call>\n<function=get_weather>\n<parameter=city>\nTuc"
+    with LLM(model=demo_pair()[0], mode="ar") as llm:
+        state = ServingState(llm, "m", metrics=None, reasoning_parser="qwen3")
+        params = SamplingParams(structured_outputs=StructuredOutputsParams(choice=("yes", "no")))
+        job = Job(prompt_ids=llm.tokenizer.encode("hi"), params=params, reasoned=True)
+        parser = state.reasoning_parser_for(job)
+        assert split_reasoning(parser, cut) == (cut, "")
+        ids = llm.tokenizer.encode(cut, add_special_tokens=False)
+        assert state.reasoning_count(job, ids) == len(ids)
+        free = Job(prompt_ids=job.prompt_ids, params=SamplingParams())  # an unconstrained reply: the call ends it
+        assert split_reasoning(state.reasoning_parser_for(free), cut) == (THOUGHT, cut[len(THOUGHT):])

@@ -59,6 +59,12 @@ class ReasoningParser(Enum):
         """Its markers are special tokens in its family's tokenizers: replies must keep them as text."""
         return self.harmony
 
+    def as_grammar_reads(self) -> ReasoningParser:
+        """The parser that splits a reply where reasoning_first's grammar ends the reasoning: at the first
+        </think> only (qwen3's call opened while thinking does not end it there: the grammar never let the
+        constrained part start at a call, so a reply cut inside the reasoning is all reasoning)."""
+        return ReasoningParser.DEEPSEEK_R1 if self is ReasoningParser.QWEN3 else self
+
 
 def split_reasoning(parser: ReasoningParser | None, text: str) -> tuple[str | None, str]:
     """(reasoning, content) of a finished reply."""

@@ -97,12 +97,15 @@ class ServingState:
     def reasoning_parser_for(self, job: Job) -> ReasoningParser | None:
         """The server's reasoning parser, unless the job's whole reply is constrained or its prompt closed the
         think block (Qwen3's enable_thinking=False; vLLM's prompt_is_reasoning_end): no reasoning in it. Harmony's
-        always: its replies say where their reasoning is, constrained or not."""
+        always: its replies say where their reasoning is, constrained or not. A reply constrained after its
+        reasoning is split where its grammar ends the reasoning (as_grammar_reads)."""
         if self.reasoning_parser is None or self.reasoning_parser.harmony:
             return self.reasoning_parser
         if job.params.structured_outputs is not None and not job.reasoned:
             return None
-        return None if self._prompt_closed(job) else self.reasoning_parser
+        if self._prompt_closed(job):
+            return None
+        return self.reasoning_parser.as_grammar_reads() if job.reasoned else self.reasoning_parser
 
     def reasoning_count(self, job: Job, token_ids: list[int]) -> int | None:
         """How many of the job's generated tokens are reasoning (usage's reasoning_tokens); None on a server
