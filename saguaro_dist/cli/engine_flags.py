@@ -12,7 +12,11 @@ from saguaro_dist.config import (DTYPES, BonusDraw, DraftExecutor, FallbackPolic
 
 def fan_out_arg(text: str):
     """A budget ("12") or explicit per-position counts ("4,3,2")."""
-    parts = [int(p) for p in text.split(",")]
+    try:
+        parts = [int(p) for p in text.split(",")]
+    except ValueError:  # argparse's own message named this function ("invalid fan_out_arg value")
+        raise argparse.ArgumentTypeError(f"expected a branch budget (say 12) or comma-separated counts "
+                                         f"(say 4,3,2), got {text!r}") from None
     return parts[0] if len(parts) == 1 else parts
 
 

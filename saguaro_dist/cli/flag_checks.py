@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from urllib.parse import urlsplit
 
 from saguaro_dist.config import DRAFT_MODES, MODE_FIELDS, Mode
 
@@ -60,6 +61,16 @@ def refuse_without(ns: argparse.Namespace, dests, needed: str) -> None:
 
 
 def check_url(url: str | None) -> None:
-    """--url names a server: without its scheme every request failed (one line at a time, in run-batch)."""
-    if url is not None and not url.startswith(("http://", "https://")):
+    """--url names a server: without its scheme every request failed (one line at a time, in run-batch); a
+    port past 65535 or an unclosed "[::1" ended run-batch and generate in a stack trace (OverflowError, InvalidURL)."""
+    if url is not None and not (url.startswith(("http://", "https://")) and _host_and_port(url)):
         raise ValueError(f"--url must be a server's address, http://host:port or https://..., got {url!r}")
+
+
+def _host_and_port(url: str) -> bool:
+    """Whether the URL names a host, and a port (if any) in 1..65535."""
+    try:
+        parts = urlsplit(url)
+        return bool(parts.hostname) and (parts.port is None or 0 < parts.port)  # .port: ValueError past 65535
+    except ValueError:
+        return False

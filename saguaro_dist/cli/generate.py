@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from saguaro_dist.cli.flag_checks import check_url, refuse_with_url, refuse_without
 from saguaro_dist.cli.serve import ENGINE_FLAGS, add_engine_args, engine_args, generation_defaults
+from saguaro_dist.cli.stdout import stdout_to_devnull
 
 # generate's own defaults where the model's generation config sets none (the other fields: SamplingParams')
 GENERATE_DEFAULTS = {"max_tokens": 64, "temperature": 0.0}
@@ -84,15 +85,29 @@ def run(ns: argparse.Namespace) -> int:
     _check_flags(ns)
     if not ns.prompt and sys.stdin is None:  # started with stdin closed (`<&-`): Python sets it to None
         raise ValueError("no prompt given (--prompt TEXT), and stdin is closed")
+    if sys.stdout is None:  # `>&-`: the results' write was an AttributeError's stack trace, after the generation
+        raise ValueError("stdout is closed: there is nowhere to print the results")
     prompts = ns.prompt or [line.rstrip("\r\n") for line in sys.stdin if line.strip()]  # CRLF files too
     if not prompts:
         raise ValueError("no prompt given (--prompt TEXT, or lines on stdin)")
     if "" in prompts:  # refused here, not after the model loads (an empty prompt has no token to continue from)
         raise ValueError("--prompt is empty: give the text to continue")
     results = _remote(ns, prompts) if ns.url else _local(ns, prompts)
-    for result in results:
-        sys.stdout.write(json.dumps(result) + "\n" if ns.json else _plain(result))
+    return _print(results, ns.json)
+
+
+def _print(results: list[dict], as_json: bool) -> int:
+    """0, or 1 where the reader went away (`| head -1`): quietly, as Unix tools stop (a BrokenPipeError's
+    stack trace before)."""
+    try:
+        for result in results:
+            sys.stdout.write(json.dumps(result) + "\n" if as_json else _plain(result))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        stdout_to_devnull()  # the interpreter's flush at exit would print its own error
+        return 1
     return 0
+
 
 
 def _plain(result: dict) -> str:

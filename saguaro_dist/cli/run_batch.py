@@ -11,12 +11,16 @@ from collections.abc import Iterator
 
 from saguaro_dist.cli.flag_checks import check_url, refuse_with_url, refuse_without
 from saguaro_dist.cli.serve import CHAT_TEMPLATE_HELP, ENGINE_FLAGS, add_engine_args, engine_args, generation_defaults
+from saguaro_dist.cli.stdout import stdout_to_devnull
 from saguaro_dist.serve.args import API_KEY_ENV, served_model_names
 from saguaro_dist.serve.batch import app_client, run_batch, server_client
 from saguaro_dist.serve.reasoning import ReasoningParser
 from saguaro_dist.serve.tool_parsers import ToolCallParser
 
 LOCAL_APP_FLAGS = ("served_model_name", "tool_call_parser", "reasoning_parser", "chat_template")  # the app run here
+# The in-process app takes lines of any size, as vLLM's run_batch: serve's 1 MiB cap guards a server from its
+# clients, and a long prompt (non-ASCII text goes escaped, 6 bytes a character) was a 413 no flag here could lift.
+NO_BODY_LIMIT = sys.maxsize
 
 
 def register(subparsers) -> None:
@@ -93,7 +97,7 @@ def _app(llm, ns: argparse.Namespace, template: str | None):
     names = served_model_names(ns.served_model_name, llm.config.model)
     return create_app(llm, ServerOptions(served_model_name=names[0], model_aliases=names[1:],
                                          tool_call_parser=ns.tool_call_parser, reasoning_parser=ns.reasoning_parser,
-                                         chat_template=template))
+                                         chat_template=template, max_request_bytes=NO_BODY_LIMIT))
 
 
 def _check_files(ns: argparse.Namespace) -> None:
@@ -104,10 +108,12 @@ def _check_files(ns: argparse.Namespace) -> None:
     check_url(ns.url)
     if ns.input_file == "-" and sys.stdin is None:  # started with stdin closed (`<&-`): Python sets it to None
         raise ValueError("input file '-' is stdin, which is closed")
+    if ns.output_file == "-" and sys.stdout is None:  # `>&-`: each record's write was an AttributeError's trace
+        raise ValueError("output file '-' is stdout, which is closed")
     # a pipe is an input too (`-i <(...)`, /dev/stdin): isfile refused it as "does not exist"
     if ns.input_file != "-" and (os.path.isdir(ns.input_file) or not os.path.exists(ns.input_file)):
         raise ValueError(f"input file {ns.input_file!r} " + ("is a folder" if os.path.isdir(ns.input_file)
-                                                             else "does not exist"))
+                                                             else "does not exist" + _url_hint(ns.input_file)))
     if ns.input_file != "-" and not os.access(ns.input_file, os.R_OK):  # the reader thread opens it
         raise ValueError(f"input file {ns.input_file!r} is not readable")
     if ns.output_file != "-":
@@ -115,6 +121,13 @@ def _check_files(ns: argparse.Namespace) -> None:
     if _output_is_input(ns.input_file, ns.output_file):
         raise ValueError("the output file would overwrite the input file"
                          + (" (stdin reads from it)" if ns.input_file == "-" else ""))
+
+
+def _url_hint(path: str) -> str:
+    """vLLM's run_batch fetches an http(s) input; here it is a file name that does not exist, said so."""
+    if not path.startswith(("http://", "https://")):
+        return ""
+    return " (a URL is not fetched here: download it first, or pipe it in: curl -sSf URL | saguaro run-batch -i - ...)"
 
 
 def _output_is_input(input_file: str, output_file: str) -> bool:
@@ -202,13 +215,5 @@ class _Output:
                 if self.error is None:
                     raise
         elif self.error is not None:  # what stdout holds can never go out: the interpreter's flush at exit
-            _stdout_to_devnull()  # would print its own error
+            stdout_to_devnull()  # would print its own error
 
-
-def _stdout_to_devnull() -> None:
-    try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    except (OSError, ValueError):  # a stdout without a file descriptor (captured, in-process)
-        pass
