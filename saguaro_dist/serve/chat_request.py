@@ -79,12 +79,17 @@ class ToolCallMessage(BaseModel):
             arguments = json.loads(self.function.arguments) if self.function.arguments else {}
         except ValueError:
             if self._as_written:
-                return {"id": self.id, "type": "function", "function": self.function.model_dump()}
+                return self._with_id({"type": "function", "function": self.function.model_dump()})
             arguments = None
         if not isinstance(arguments, dict):
             raise ValueError(f"tool call {self.function.name!r}: arguments must be JSON text of an object, "
                              f"got {self.function.arguments!r}")
-        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+        return self._with_id({"type": "function", "function": {"name": self.function.name, "arguments": arguments}})
+
+    def _with_id(self, call: dict) -> dict:
+        """The call with its id, if it has one: a call sent without one has none in the template either (as
+        transformers renders the client's call), where None would be written out ("None")."""
+        return call if self.id is None else {"id": self.id, **call}
 
 
 class ChatMessage(BaseModel):
@@ -149,16 +154,22 @@ class ChatMessage(BaseModel):
             return "\n".join(part.value() for part in self.content)
         return self.content or ""
 
-    def for_template(self) -> dict:
-        """The message as chat templates read it."""
-        out = {"role": self.role, "content": self.text()}
+    def text_parts(self) -> list[dict]:
+        """The content as a list of text parts (vLLM's "openai" content format): a string is one part, none none."""
+        given = [self.content] if isinstance(self.content, str) else self.content or []
+        return [{"type": "text", "text": part if isinstance(part, str) else part.value()} for part in given]
+
+    def for_template(self, parts: bool = False) -> dict:
+        """The message as chat templates read it; `parts`: content as text_parts, for a template that loops over
+        it (prompts.content_as_parts), except a tool turn's, which vLLM joins into a string for any template."""
+        out = {"role": self.role, "content": self.text_parts() if parts and self.role != "tool" else self.text()}
         if self.tool_calls:
             out["tool_calls"] = [call.for_template() for call in self.tool_calls]
         if self.past_reasoning() is not None:  # both names, as vLLM passes it (Qwen3's and DeepSeek's templates)
             out["reasoning"] = out["reasoning_content"] = self.past_reasoning()
             # gpt-oss's template reads `thinking` (transformers fills it from these too), but refuses it with
             # content in a turn with calls (it shows that content as the analysis then): "" says none there
-            out["thinking"] = "" if self.tool_calls and out["content"] else self.past_reasoning()
+            out["thinking"] = "" if self.tool_calls and self.text() else self.past_reasoning()
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
         if self.name:

@@ -1,6 +1,7 @@
 """Turning request prompts and chat messages into token ids, the same way `LLM.generate` does."""
 from __future__ import annotations
 
+import functools
 import json
 import re
 import logging
@@ -35,15 +36,73 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {clash}")
-    turns = [m.for_template() for m in messages]
     tools = [t.model_dump(exclude_none=True) for t in tools or []]
-    template = chat_template or getattr(tokenizer, "chat_template", None)
+    template = resolve_template(tokenizer, chat_template, tools)
+    turns = [m.for_template(parts=content_as_parts(template)) for m in messages]
     check_template_reads(template, template_kwargs or {})
     if template:
         return _apply_template(tokenizer, template, turns, tools, template_kwargs or {}, end), True
     lines = [f"Tools: {json.dumps(tools)}"] if tools else []
     lines += [f"{turn['role'].capitalize()}: {_plain_content(turn)}" for turn in turns]
     return "\n".join(lines + (["Assistant:"] if end is PromptEnd.NEW_TURN else [])), False
+
+
+def resolve_template(tokenizer, chat_template: str | None, tools: list[dict]) -> str | None:
+    """The template that renders: the server's --chat-template, else the tokenizer's own; of a tokenizer's named
+    templates (Hermes', Command-R's {"default": ..., "tool_use": ...}) the one transformers picks, tool_use with
+    tools, else default (apply_chat_template cannot be handed the dict itself)."""
+    if chat_template or not getattr(tokenizer, "chat_template", None):
+        return chat_template or None
+    try:
+        return tokenizer.get_chat_template(None, tools or None)
+    except ValueError as err:  # named templates, none of them the default
+        raise ValueError(f"messages: no chat template applies: {err}") from None
+
+
+@functools.lru_cache(maxsize=32)
+def content_as_parts(template: str | None) -> bool:
+    """vLLM's "openai" content format: a template that loops over a message's content reads it as a list of
+    {"type": "text", "text": ...} parts (Gemma 3's, Llama 4's); a string there is walked a character at a time,
+    and a part's text is lost. Found as vLLM finds it: a loop over `content` of a loop variable over messages."""
+    if not template:
+        return False
+    from jinja2 import TemplateError, nodes
+    try:
+        ast = _compile_jinja_template(template).environment.parse(template)
+    except TemplateError:
+        return False
+    loops = list(ast.find_all(nodes.For))
+    turns = {loop.target.name for loop in loops
+             if isinstance(loop.target, nodes.Name) and _reads(loop.iter, _names_bound(ast, "messages"))}
+    return any(_reads(loop.iter, turns, "content") for loop in loops)
+
+
+def _names_bound(ast, name: str) -> set[str]:
+    """`name` and the names set from it, directly or in turn ({% set loop_messages = messages[1:] %})."""
+    from jinja2 import nodes
+    found, todo = {name}, [name]
+    while todo:
+        source = todo.pop()
+        for assign in ast.find_all(nodes.Assign):
+            target = assign.target
+            if isinstance(target, nodes.Name) and target.name not in found and _reads(assign.node, {source}):
+                found.add(target.name)
+                todo.append(target.name)
+    return found
+
+
+def _reads(node, names: set[str], key: str | None = None) -> bool:
+    """Whether `node` is one of `names` (or its item `key`: m.content, m['content']) through filters, tests
+    and slices."""
+    from jinja2 import nodes
+    if isinstance(node, (nodes.Filter, nodes.Test)) or (isinstance(node, nodes.Getitem) and
+                                                       isinstance(node.arg, nodes.Slice)):
+        return node.node is not None and _reads(node.node, names, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name in names
+    item = node.attr if isinstance(node, nodes.Getattr) else \
+        node.arg.value if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) else None
+    return item == key and _reads(node.node, names)
 
 
 def _apply_template(tokenizer, template: str, turns: list[dict], tools: list[dict], kwargs: dict,
@@ -105,11 +164,17 @@ def load_chat_template(value: str) -> str:
         if not path.is_file():
             raise ValueError(f"chat_template {value!r} is neither a file nor a Jinja template")
         value = path.read_text(encoding="utf-8")
-    try:
-        jinja2.Environment().parse(value)
+    try:  # in transformers' environment, which renders it: {% break %} and {% generation %} are tags there
+        _compile_jinja_template(value)
     except jinja2.TemplateSyntaxError as err:
         raise ValueError(f"chat_template does not compile: {err} (line {err.lineno})") from None
     return value
+
+
+def _compile_jinja_template(template: str):
+    """transformers' compiled template (cached there), in the environment apply_chat_template renders with."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    return compile_template(template)
 
 
 def _plain_content(turn: dict) -> str:
