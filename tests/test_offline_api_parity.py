@@ -77,12 +77,23 @@ def test_chat_takes_vllm_positional_order(worded):
      "tokenization_kwargs"),
     (lambda llm: llm.chat(HELLO, GREEDY, False, object()), "lora_request"),
     (lambda llm: llm.chat(HELLO, GREEDY, use_tqdm=False, mm_processor_kwargs={"num_crops": 4}), "mm_processor_kwargs"),
-    (lambda llm: llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template_content_format="openai"),
+    (lambda llm: llm.chat(HELLO, GREEDY, use_tqdm=False, chat_template_content_format="parts"),
      "chat_template_content_format"),
 ])
 def test_unsupported_vllm_arguments_are_refused_by_name(worded, call, name):
     with pytest.raises(ValueError, match=name):
         call(worded)
+
+
+def test_chat_template_content_format_reaches_the_template(worded):
+    """vLLM's chat_template_content_format: "auto" finds a template looping over content (text parts), "string"
+    forces a string (walked a character at a time by such a template), "openai" parts."""
+    loops = "{% for m in messages %}{% for p in m.content %}{{ p.text if p is mapping else p }} {% endfor %}{% endfor %}"
+    prompts = {f: worded.chat(HELLO, GREEDY, False, None, loops, f, False)[0].prompt_token_ids
+               for f in ("auto", "string", "openai")}
+    whole = "".join(f"{m['content']} " for m in HELLO)
+    assert prompts["auto"] == prompts["openai"] == worded.tokenizer.encode(whole, add_special_tokens=False)
+    assert prompts["string"] != prompts["auto"]
 
 
 def test_empty_vllm_arguments_run(worded):

@@ -158,8 +158,9 @@ class LLM(RequestInputs):
         content, tool_calls, tool_call_id) or a list of them, rendered as the server renders
         /v1/chat/completions (`chat_template`, a Jinja template or a file of one, else the tokenizer's, with
         `tools`; a plain transcript without one; add_generation_prompt / continue_final_message as vLLM's),
-        then generated; outputs in conversation order. Message content reaches the template as a string
-        (chat_template_content_format "auto" or "string"); lora_request as generate's (one, or one per
+        then generated; outputs in conversation order. Message content reaches the template as a string, or
+        as text parts where it loops over them (chat_template_content_format "auto"; "string" or "openai"
+        force one, as vLLM's); lora_request as generate's (one, or one per
         conversation); tokenization_kwargs and mm_processor_kwargs are refused unless empty."""
         refuse_unsupported(tokenization_kwargs=tokenization_kwargs, mm_processor_kwargs=mm_processor_kwargs)
         check_content_format(chat_template_content_format)
@@ -174,7 +175,7 @@ class LLM(RequestInputs):
         tools = [Tool(**t) for t in tools or []]
         template = load_chat_template(chat_template) if chat_template else None
         ids = [encode_chat(self.tokenizer, [ChatMessage(**m) for m in conv], tools, chat_template_kwargs, template,
-                           end=end) for conv in chats]
+                           end=end, content_format=chat_template_content_format) for conv in chats]
         return self.generate(prompt_token_ids=ids, sampling_params=sampling_params, priority=priority, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 

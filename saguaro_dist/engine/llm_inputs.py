@@ -282,13 +282,13 @@ def refuse_unsupported(**arguments) -> None:
             raise ValueError(f"{name}: {UNSUPPORTED[name]}; leave it unset (got {value!r})")
 
 
-CONTENT_FORMATS = ("auto", "string")  # the chat renderer hands templates each message's content as one string
+CONTENT_FORMATS = ("auto", "string", "openai")  # vLLM's: auto finds it from the template (prompts.content_as_parts)
 
 
 def check_content_format(content_format: str) -> None:
     if content_format not in CONTENT_FORMATS:
-        raise ValueError(f"chat_template_content_format {content_format!r} is not supported: message content "
-                         f"reaches the chat template as a string ({' or '.join(map(repr, CONTENT_FORMATS))})")
+        raise ValueError(f"chat_template_content_format {content_format!r} is not supported: one of "
+                         f"{', '.join(map(repr, CONTENT_FORMATS))}")
 
 
 def conversations(messages) -> list:

@@ -22,7 +22,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tools", "tokenize", "add_
 
 def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
                 template_kwargs: dict | None = None, chat_template: str | None = None,
-                end: PromptEnd = PromptEnd.NEW_TURN) -> tuple[str, bool]:
+                end: PromptEnd = PromptEnd.NEW_TURN, content_format: str = "auto") -> tuple[str, bool]:
     """The prompt text for `messages` (and the tools the model may call) and whether it already carries
     the special tokens.
 
@@ -31,14 +31,17 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
     so base models without a template can still be chatted with (tools as a JSON line first, earlier
     calls in hermes tags). template_kwargs: extra variables for the template (Qwen3's enable_thinking),
     unused by the transcript. `end`: an assistant turn opened (the default), nothing opened, or the last
-    message left open to be continued (a transcript ends at its last line either way).
+    message left open to be continued (a transcript ends at its last line either way). `content_format`
+    (vLLM's chat_template_content_format): "auto" hands content as text parts to a template that loops over it
+    (content_as_parts), else as a string; "string" and "openai" force one.
     """
     clash = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or {}))
     if clash:
         raise ValueError(f"chat_template_kwargs may not set {clash}")
     tools = [t.model_dump(exclude_none=True) for t in tools or []]
     template = resolve_template(tokenizer, chat_template, tools)
-    turns = [m.for_template(parts=content_as_parts(template)) for m in messages]
+    parts = content_format == "openai" or (content_format == "auto" and content_as_parts(template))
+    turns = [m.for_template(parts=parts) for m in messages]
     check_template_reads(template, template_kwargs or {})
     if template:
         return _apply_template(tokenizer, template, turns, tools, template_kwargs or {}, end), True
@@ -185,8 +188,9 @@ def _plain_content(turn: dict) -> str:
 def encode_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
                 template_kwargs: dict | None = None, chat_template: str | None = None,
                 param: str = "messages", end: PromptEnd = PromptEnd.NEW_TURN,
-                add_special_tokens: bool = False) -> list[int]:
+                add_special_tokens: bool = False, content_format: str = "auto") -> list[int]:
     """The prompt's ids. A chat template writes BOS etc. itself: the tokenizer adds its special tokens on top
-    only when asked (vLLM's add_special_tokens, false by default); the plain transcript always gets them."""
-    text, templated = render_chat(tokenizer, messages, tools, template_kwargs, chat_template, end)
+    only when asked (vLLM's add_special_tokens, false by default); the plain transcript always gets them.
+    content_format: vLLM's chat_template_content_format (render_chat)."""
+    text, templated = render_chat(tokenizer, messages, tools, template_kwargs, chat_template, end, content_format)
     return encode_text(tokenizer, text, add_special_tokens=add_special_tokens or not templated, param=param)
