@@ -89,10 +89,13 @@ def draft_children() -> set[int]:
 
 
 def pin_system(pinning: Pinning, children: set[int]) -> tuple[tuple[int, ...], str]:
-    """Pin the bench process and the system's draft child processes: the bench process's CPUs (() when
-    not pinned) and what runs where."""
+    """Pin the bench process and the system's draft child processes: the bench process's CPUs and what runs
+    where. A system left unpinned runs on the bench's own CPUs (host_cpus; () where the OS cannot pin), not on
+    the cores of a system opened before it (--interleave and serving open all at once): the Ray that ssd-ray
+    starts inherited those, and its target and draft actors shared one core under "not pinned"."""
     if not pinning.target_cpus:
-        return (), pinning.text
+        on_host_cpus(pinning)
+        return pinning.host_cpus, pinning.text
     target = pinning.target_cpus if children else tuple(sorted({*pinning.target_cpus, *pinning.draft_cpus}))
     pin_process(os.getpid(), target)  # no child (a draft thread, as on a GPU): the draft shares the process
     for pid in children:
@@ -106,4 +109,11 @@ def pin_system(pinning: Pinning, children: set[int]) -> tuple[tuple[int, ...], s
 def unpin(pinning: Pinning) -> None:
     """The bench process back on the CPUs it had before the system pinned it."""
     if pinning.target_cpus:
+        on_host_cpus(pinning)
+
+
+def on_host_cpus(pinning: Pinning) -> None:
+    """The bench process on its own CPUs (host_cpus), whatever system pinned it last; nothing where the OS
+    cannot pin. Before a system starts its processes: they inherit the CPUs of the thread that starts them."""
+    if pinning.host_cpus:
         pin_process(os.getpid(), pinning.host_cpus)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro_dist.bench.affinity import draft_children, pin_process, pin_system, unpin
+from saguaro_dist.bench.affinity import draft_children, on_host_cpus, pin_process, pin_system, unpin
 from saguaro_dist.bench.config import SYSTEM_SETTINGS, Placement
 from saguaro_dist.config import DRAFT_MODES, Mode
 
@@ -84,6 +84,7 @@ class OursSystem:
 
     def open(self, place: Placement) -> None:
         from saguaro_dist import LLM
+        on_host_cpus(place.pinning)  # not the CPUs of a system opened before (--interleave, serving): Ray inherits them
         self.place, children = place, draft_children()
         mode = "ssd" if self.name.startswith("ssd") else self.name.removesuffix("-k")
         # ssd (and its variants) run the engine's own default executor (engine/build.py: draft_executor): split
