@@ -104,3 +104,12 @@ def test_an_input_url_says_it_is_not_fetched(tmp_path, capsys):
     assert main(["run-batch", "-i", "https://example.com/b.jsonl", "-o", str(tmp_path / "out.jsonl")]) == 2
     assert "input file 'https://example.com/b.jsonl' does not exist (a URL is not fetched here: download it first, " \
            "or pipe it in: curl -sSf URL | saguaro run-batch -i - ...)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("form", [lambda u: u, lambda u: u + "/", lambda u: u + "/v1", lambda u: u + "/v1/",
+                                  lambda u: u.replace("http://", "HTTP://"), lambda u: u.replace("http://", "Http://")])
+def test_the_urls_users_pass_reach_the_server(url, form, capsys):
+    """A scheme is case-insensitive (RFC 3986; httpx lowercases it): `--url HTTP://host:8000` was refused as no
+    server's address."""
+    assert main(["generate", "--prompt", "x", "--url", form(url)]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == "ok\n"

@@ -62,8 +62,9 @@ def refuse_without(ns: argparse.Namespace, dests, needed: str) -> None:
 
 def check_url(url: str | None) -> None:
     """--url names a server: without its scheme every request failed (one line at a time, in run-batch); a
-    port past 65535 or an unclosed "[::1" ended run-batch and generate in a stack trace (OverflowError, InvalidURL)."""
-    if url is not None and not (url.startswith(("http://", "https://")) and _host_and_port(url)):
+    port past 65535 or an unclosed "[::1" ended run-batch and generate in a stack trace (OverflowError, InvalidURL).
+    The scheme in any case (RFC 3986; httpx lowercases it): HTTP://host was refused."""
+    if url is not None and not (url.lower().startswith(("http://", "https://")) and _host_and_port(url)):
         raise ValueError(f"--url must be a server's address, http://host:port or https://..., got {url!r}")
 
 
