@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass
 
 from saguaro_dist.engine.detokenizer import find_stop, stable_prefix
-from saguaro_dist.engine.metrics import count_round
 from saguaro_dist.engine.sequence import FinishReason, OutputKind, Sequence, SeqStatus
 from saguaro_dist.engine.structured import GrammarError
 from saguaro_dist.engine.target import NoTokenAllowed
@@ -55,7 +54,6 @@ class Committing:
         whose constraints allowed no token (target.NoTokenAllowed) at the round's last token, drawn from that row."""
         if not s.output_token_ids:
             s.metrics.record_first_token(time.perf_counter() - s.arrival_time)
-        before = len(s.output_token_ids)
         logprobs = s.round_logprobs  # the target's, for these tokens (if asked)
         if logprobs:
             s.round_logprobs = []
@@ -76,7 +74,6 @@ class Committing:
         if empty_row and s.finish_reason is not FinishReason.ABORT:
             s.error = None  # it stopped (EOS, a stop token, max_tokens) before the position no token could take
         self._update_text(s, now)
-        count_round(s.metrics, self.metrics, kept=max(0, len(s.output_token_ids) - before))  # after any stop-string cut
 
     def _check_stop(self, s: Sequence, token: int) -> None:
         """End s at its newest token in vLLM v1's order (vllm/v1/core/sched/utils.py check_stop): EOS (unless

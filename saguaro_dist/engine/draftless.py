@@ -55,7 +55,8 @@ def verify_speculations(target: TargetScorer, metrics: EngineMetrics, seqs: list
     metrics.verify_s += time.perf_counter() - start - (metrics.plan_wait_s - waited)
     gained = []
     for s, k, t in zip(seqs, accepted, bonus):
-        s.metrics.verified = (len(s.speculation.tokens), k)  # counted once appended: metrics.count_round
+        s.metrics.record_round(drafted=len(s.speculation.tokens), accepted=k)
+        metrics.record_draft(drafted=len(s.speculation.tokens), accepted=k)
         gained.append(s.speculation.tokens[:k].tolist() + [t])
         s.last_outcome = (k, t)
     return gained

@@ -34,8 +34,6 @@ class RequestMetrics:
     prefill_time_s: float = 0.0
     """First scheduled -> first token (vLLM's prefill interval): every chunk of its prompt, and the steps of
     other requests' rounds between them."""
-    verified: tuple[int, int] | None = field(default=None, repr=False, compare=False)
-    """(drafted, accepted) of the round the target just verified, until count_round counts it (not in to_dict)."""
 
     @property
     def acceptance_rate(self) -> float:
@@ -97,7 +95,6 @@ class RequestMetrics:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        del out["verified"]
         for name in ("acceptance_rate", "mean_accepted_length", "cache_hit_rate", "tokens_per_s", "decode_time_s",
                      "inference_time_s"):
             out[name] = getattr(self, name)
@@ -154,15 +151,15 @@ class EngineMetrics:
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (not with it off, nor prompt_logprobs) ...
     prefix_cache_hits: int = 0     # ... and of them, tokens whose KV it supplied (vLLM's counters)
     generated_tokens: int = 0    # output tokens of every request
-    drafted_tokens: int = 0      # speculated tokens the target verified, up to each sequence's end (counted_speculation) ...
+    drafted_tokens: int = 0      # speculated tokens the target verified ...
     accepted_tokens: int = 0     # ... and of them, those it accepted
     drafts: int = 0              # speculations (rows of >= 1 token) verified, vLLM's spec_decode_num_drafts ...
     accepted_lengths: list[int] = field(default_factory=list)  # ... [k]: those of which it accepted exactly k tokens
     fallbacks: Counter = field(default_factory=Counter)
 
     def record_draft(self, drafted: int, accepted: int) -> None:
-        """One row's verified speculation (as counted_speculation counts it), aborted requests' too (vLLM counts
-        per engine step). One add per row for the positions: accepted_per_position sums the lengths when read."""
+        """One row's verified speculation, aborted requests' too (vLLM counts per engine step). One add per
+        row for the positions: accepted_per_position sums the lengths when read."""
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         if not drafted:
@@ -193,25 +190,6 @@ class EngineMetrics:
         out["fallbacks"] = dict(self.fallbacks)
         out["coordination_s"] = self.coordination_s
         return out
-
-
-def counted_speculation(drafted: int, accepted: int, kept: int) -> tuple[int, int]:
-    """(drafted, accepted) of a verified speculation as counted, the sequence having kept `kept` of its round's
-    tokens (the accepted ones, then the bonus). An end inside the accepted run (EOS, a stop token or string,
-    max_tokens, the context's end, a grammar failure) drops the rest: it counts as a speculation of the kept tokens,
-    all accepted, as the draft tokens past the end were offered for positions the sequence never reached (counted,
-    a short request's last round scored K accepted for one token kept). vLLM counts the round as verified."""
-    return (drafted, accepted) if kept > accepted else (kept, kept)
-
-
-def count_round(request: RequestMetrics, engine: EngineMetrics, kept: int) -> None:
-    """Count the round request.verified holds (if any) once the engine has appended its tokens, `kept` of them."""
-    if request.verified is None:
-        return
-    drafted, accepted = counted_speculation(*request.verified, kept)
-    request.verified = None
-    request.record_round(drafted, accepted)
-    engine.record_draft(drafted, accepted)
 
 
 def accepted_per_position(accepted_lengths: list[int]) -> list[int]:
