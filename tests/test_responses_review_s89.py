@@ -4,11 +4,10 @@ part goes back in as its text (as chat reads it); function_call_arguments.done n
 event); an unknown `include` value's 400 names the field."""
 from __future__ import annotations
 
-import json
 
-import httpx
 import pytest
 from http_helpers import serve_on_loopback
+from test_responses_review_s85 import _events, _post  # the streamed events and the whole reply of /responses
 from test_serve_responses import served  # noqa: F401 - the demo model's module fixture
 
 from saguaro_dist.serve.api import ServerOptions, create_app
@@ -21,16 +20,6 @@ CALL = r'<tool_call>\{"name": "get_time", "arguments": \{\}\}</tool_call>'
 def hermes_url(served):  # noqa: F811
     with serve_on_loopback(create_app(served[0], ServerOptions("demo", tool_call_parser="hermes"))) as url:
         yield url
-
-
-def _events(url: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", f"{url}/responses", json={**body, "stream": True}, timeout=120) as reply:
-        assert reply.status_code == 200, reply.read()
-        return [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
-
-
-def _post(url: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{url}/responses", json={"model": "demo", **body}, timeout=120)
 
 
 def test_a_streamed_message_before_a_call_keeps_every_tokens_logprobs(hermes_url):
