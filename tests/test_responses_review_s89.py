@@ -4,7 +4,6 @@ part goes back in as its text (as chat reads it); function_call_arguments.done n
 event); an unknown `include` value's 400 names the field."""
 from __future__ import annotations
 
-
 import pytest
 from http_helpers import serve_on_loopback
 from test_responses_review_s85 import _events, _post  # the streamed events and the whole reply of /responses
