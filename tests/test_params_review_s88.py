@@ -16,7 +16,9 @@ from saguaro_dist.serve.api import ServerOptions, create_app
 from test_serve_fixtures import make_tokenizer, write_llama
 
 MAX_MODEL_LEN = 128
-BEAM = {"model": "m", "max_tokens": 2, "use_beam_search": True, "n": 2}
+# temperature 0: at the served default (1.0) each step's sampled token joins its top candidates, as in vLLM, so
+# a sampled EOS (about 1 search in 60 here) completes a short beam that outranks the others: runs then differ
+BEAM = {"model": "m", "max_tokens": 2, "use_beam_search": True, "n": 2, "temperature": 0}
 CONTINUED = {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat"}],
              "add_generation_prompt": False, "continue_final_message": True}
 
