@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from saguaro_dist.sampling_params import MAX_LOGPROBS, StructuredOutputsParams
 from saguaro_dist.serve.allowed_tools import ResponsesAllowedToolsChoice, allowed_plan, check_named, choice_tag
@@ -105,6 +106,18 @@ class InputMessage(BaseModel):
     id: str | None = None      # items echoed back from an earlier response carry these
     status: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _refusals_are_outputs(cls, content, info: ValidationInfo):
+        """A refusal part is an assistant's output (OpenAI's output message), sent back as one: OpenAI refuses
+        it in a user, system or developer message, which would otherwise become that turn's text here."""
+        role = info.data.get("role")
+        for j, part in enumerate(content if role != "assistant" and isinstance(content, list) else ()):
+            if isinstance(part, RefusalPart):
+                raise ValueError(f"part {j} is a refusal, which only an assistant message holds (an earlier "
+                                 f"output's); a {role} message reads text parts ({', '.join(_TEXT_PARTS)})")
+        return content
+
     def chat_message(self) -> ChatMessage:
         return ChatMessage(role=self.role, content=joined(self.content))
 
@@ -190,10 +203,20 @@ def refuse_past_inert(value, rule: Unsupported):
 class TextFormat(BaseModel):
     """Responses' text.format: OpenAI's response_format with the schema fields inline."""
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = Field(None, validate_default=True)  # json_schema's: required (_named_schema)
     schema_: dict | None = Field(None, alias="schema")
     description: str | None = None  # accepted, as chat's json_schema.description
     strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _named_schema(cls, name, info: ValidationInfo):
+        """OpenAI requires a json_schema format's name (vLLM's ResponseTextConfig, the openai type, too): the
+        reply echoes the format, and the openai SDK's Response fails to validate one without it. A "missing"
+        error, so the 400's param is text.format.name (errors._field_path keeps a missing field's step)."""
+        if name is None and info.data.get("type") == "json_schema":
+            raise PydanticCustomError("missing", "Field required (a json_schema format needs a name)")
+        return name
 
 
 class TextOptions(OpenAIModel):
