@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import runpy
 import subprocess
 import sys
 
@@ -18,18 +19,38 @@ def _run(*args: str) -> str:
     return done.stdout
 
 
-def test_tree_gate_replay_reports_the_gate_against_the_better_kind(tmp_path):
+def _run_here(monkeypatch, capsys, script: str, *args: str) -> str:
+    """The script's __main__ run in this process, as `python script args` runs it, for the scripts that only parse
+    and compute (no engine, process or thread of their own to leak): a fresh interpreter and its torch import cost
+    seconds of CPU each, more than these scripts' work. The process-wide state a script sets (torch's thread
+    count, the global RNGs) is put back for the tests after it. Returns what it printed."""
+    import random
+
+    import torch
+    monkeypatch.setattr(sys, "argv", [str(BENCH / script), *args])
+    capsys.readouterr()  # what earlier steps printed is not this run's
+    threads, torch_rng, py_rng = torch.get_num_threads(), torch.get_rng_state(), random.getstate()
+    try:
+        runpy.run_path(str(BENCH / script), run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(torch_rng)
+        random.setstate(py_rng)
+    return capsys.readouterr().out
+
+
+def test_tree_gate_replay_reports_the_gate_against_the_better_kind(tmp_path, monkeypatch, capsys):
     # Trees rounds: 4 tokens in 1 s; just-in-time: 4 tokens in 2 s. Two passes, one prompt group.
     rounds = {"trees": [[[[4, 1.0]] * 60]] * 2, "just_in_time": [[[[4, 2.0]] * 60]] * 2}
     path = tmp_path / "rounds.json"
     path.write_text(json.dumps({"temperature": 0.0, "batch": 1, "rounds": rounds}))
-    out = _run(str(BENCH / "bench_tree_gate.py"), "replay", str(path), "--trials", "5")
+    out = _run_here(monkeypatch, capsys, "bench_tree_gate.py", "replay", str(path), "--trials", "5")
     assert "trees 4, just-in-time 2 tok/s" in out
     mean = float(out.split("mean ")[1].split(",")[0])
     assert 0.8 < mean < 1.0  # one burst of the slower kind, then trees
 
 
-def test_tree_gate_record_logs_every_forced_mode_and_replays(tmp_path):
+def test_tree_gate_record_logs_every_forced_mode_and_replays(tmp_path, monkeypatch, capsys):
     """record drives the real SSD loop with its gate forced (one short pass), and replay reads what it wrote."""
     path = tmp_path / "rounds.json"
     out = _run(str(BENCH / "bench_tree_gate.py"), "record", "--passes", "1", "--prompts", "1", "--max-tokens", "12",
@@ -40,7 +61,8 @@ def test_tree_gate_record_logs_every_forced_mode_and_replays(tmp_path):
         logged = passes[0][0]
         assert logged and all(len(r) == 7 for r in logged), mode
         assert f"{mode}: {len(logged)} rounds" in out
-    assert "gate / better on the same draws" in _run(str(BENCH / "bench_tree_gate.py"), "replay", str(path), "--trials", "2")
+    assert "gate / better on the same draws" in _run_here(monkeypatch, capsys, "bench_tree_gate.py", "replay", str(path),
+                                                          "--trials", "2")
 
 
 def test_grpc_jit_bench_times_both_paths():
@@ -61,8 +83,8 @@ def test_tree_trip_bench_times_every_backend():
     assert ("gRPC over the local socket: mean" in out) == (sys.platform == "linux")
 
 
-def test_codec_bench_times_every_kind_of_tree():
-    out = _run(str(BENCH / "bench_codec.py"), "--reps", "3", "--vocab", "64")
+def test_codec_bench_times_every_kind_of_tree(monkeypatch, capsys):
+    out = _run_here(monkeypatch, capsys, "bench_codec.py", "--reps", "3", "--vocab", "64")
     rows = out.splitlines()[2:]
     assert len(rows) == 6 and [row.count(q) for row in rows for q in ("greedy", "top-k 20", "dense")].count(1) == 6
 
@@ -113,10 +135,10 @@ def test_bench_configs_runs_configs_side_by_side_and_rates_them_against_the_firs
 
 @pytest.mark.parametrize("config, reason", [("x=foo", "system must be one of"), ("ssd:{bad", "not JSON"),
                                             ("ssd:[1]", "must be a JSON object"), ("sd", "share a label")])
-def test_bench_configs_refuses_a_bad_config_before_it_opens_anything(config, reason):
-    done = subprocess.run([sys.executable, str(BENCH / "bench_configs.py"), "sd", config], capture_output=True,
-                          text=True, timeout=60)
-    assert done.returncode == 2 and reason in done.stderr
+def test_bench_configs_refuses_a_bad_config_before_it_opens_anything(config, reason, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as exit_:  # argparse's usage error, before any engine is built
+        _run_here(monkeypatch, capsys, "bench_configs.py", "sd", config)
+    assert exit_.value.code == 2 and reason in capsys.readouterr().err
 
 
 def test_bench_configs_reports_an_engine_kwarg_the_engine_refuses():
@@ -125,6 +147,6 @@ def test_bench_configs_reports_an_engine_kwarg_the_engine_refuses():
     assert done.returncode == 1 and "error: ssd: k must be an integer >= 1" in done.stderr
 
 
-def test_coupled_bonus_bench_rates_top_f_against_coupled_draws():
-    out = _run(str(BENCH / "bench_coupled_bonus.py"), "--rounds", "4", "--draws", "8", "--budgets", "5")
+def test_coupled_bonus_bench_rates_top_f_against_coupled_draws(monkeypatch, capsys):
+    out = _run_here(monkeypatch, capsys, "bench_coupled_bonus.py", "--rounds", "4", "--draws", "8", "--budgets", "5")
     assert "4 rounds, T = 0.7" in out and "top-F" in out and "coupled (whole guess)" in out
