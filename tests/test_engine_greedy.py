@@ -87,8 +87,12 @@ SSD_VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("variant", sorted(SSD_VARIANTS))
+# ("outcome", 1) is left out: test_tree_gate_leaves_out_rounds_that_captured_a_graph[None-thread] runs that
+# very engine (ssd, k 3, fan_out 12, batch 1, thread, the default gate) on the same prompts and checks its tokens.
+SSD_CASES = [(variant, batch) for variant in sorted(SSD_VARIANTS) for batch in (1, 4) if (variant, batch) != ("outcome", 1)]
+
+
+@pytest.mark.parametrize("variant, batch", SSD_CASES)
 def test_ssd_matches_ar(pair, reference, variant, batch):
     check(pair, reference, run(pair, batch=batch, mode="ssd", k=3, **SSD_VARIANTS[variant]))
 
@@ -169,13 +173,18 @@ def test_aborting_a_prompt_half_prefilled_frees_its_slot_and_kv(small_budget_eng
         engine.target.runner.length(2)
 
 
+@pytest.fixture(scope="module")
+def bf16_reference(pair):
+    """AR in bf16, run once for both speculative modes (the same engine settings each time)."""
+    return run(pair, batch=4, mode="ar", dtype="bfloat16")
+
+
 @pytest.mark.parametrize("mode, extra", [("sd", {}), ("ssd", dict(fan_out=12))], ids=["sd", "ssd"])
-def test_bf16_departs_from_ar_only_at_bf16_near_ties(pair, mode, extra):
+def test_bf16_departs_from_ar_only_at_bf16_near_ties(pair, bf16_reference, mode, extra):
     """In bf16 (the usual GPU dtype) speculation is held to the same AR, with ties widened to the dtype's
     rounding: a verifier that kept a wrong draft token would depart where the target is sure."""
-    want = run(pair, batch=4, mode="ar", dtype="bfloat16")
     got = run(pair, batch=4, mode=mode, k=3, dtype="bfloat16", **extra)
-    for prompt, g, w in zip(PROMPTS, got, want):
+    for prompt, g, w in zip(PROMPTS, got, bf16_reference):
         assert_greedy_equal(g, w, prompt, pair["model"], rel_tie=BF16_NEAR_TIE)
 
 
@@ -204,25 +213,37 @@ def test_split_draft_matches_ar(pair, reference, case, caplog):
     assert not [r for r in caplog.records if "out of step" in r.getMessage() or "failed" in r.getMessage()]
 
 
+COHORT_PROMPTS, COHORT_LENGTHS = PROMPTS + [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]], [20, 7, 13, 3, 17, 9]
+
+
+@pytest.fixture(scope="module")
+def cohort_reference(pair):
+    """transformers' greedy tokens of the cohort prompts, computed once for the three executors."""
+    return [hf_greedy(pair["model"], p, n) for p, n in zip(COHORT_PROMPTS, COHORT_LENGTHS)]
+
+
 @pytest.mark.parametrize("executor", ["thread", "process", "split"])
-def test_two_cohorts_match_ar(pair, executor, caplog):
+def test_two_cohorts_match_ar(pair, cohort_reference, executor, caplog):
     """SSD's rounds without trees as two cohorts, each drafted while the other verifies (the cohort gate
     also tries the batch whole): requests end mid-flight and waiting ones join (6 prompts of different
     lengths, batch 4). Same tokens as greedy decoding, and the draft never out of step."""
     caplog.set_level("WARNING")
-    prompts, lengths = PROMPTS + [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]], [20, 7, 13, 3, 17, 9]
+    prompts, lengths = COHORT_PROMPTS, COHORT_LENGTHS
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, max_batch_size=4,
              draft_executor=executor, tree_policy="never") as llm:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=[replace(GREEDY, max_tokens=n) for n in lengths])
         m = llm.metrics
-    for prompt, out, n in zip(prompts, outs, lengths):
-        assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, n), prompt, pair["model"])
+    for prompt, out, want in zip(prompts, outs, cohort_reference):
+        assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
     assert m.cohort_rounds > 0 and m.cache_hits + m.cache_misses == 0 and m.just_in_time_rounds == m.rounds, m
     assert not [r for r in caplog.records if "out of step" in r.getMessage() or "unavailable" in r.getMessage()]
 
 
 def test_ssd_hits_the_cache_with_a_close_draft(pair):
-    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12) as llm:
+    """The pair itself: a close draft's trees hit. On a thread (no child interpreter to start): the trees
+    hit in a child too, test_tree_gate_transitions_are_exact[split-1 / split-4] assert it."""
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12,
+             draft_executor="thread") as llm:
         out = llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)[0]
     m = out.metrics
     assert m.rounds > 0 and m.cache_hits > 0, m
@@ -361,6 +382,7 @@ def test_tree_gate_transitions_are_exact(pair, reference, monkeypatch, caplog, e
     assert not [r for r in caplog.records if "out of step" in r.getMessage() or "failed" in r.getMessage()]
 
 
+# [None-thread] is also test_ssd_matches_ar's ("outcome", 1) case: keep its engine settings and check() as they are.
 @pytest.mark.parametrize("capturing, executor", [(None, "thread"), ("engine", "thread"), ("draft child", "split")])
 def test_tree_gate_leaves_out_rounds_that_captured_a_graph(pair, reference, monkeypatch, capturing, executor):
     """A round during which a CUDA graph was captured, in the engine's process or in the draft's own (its
@@ -413,8 +435,10 @@ def test_tree_policy_always_never_skips_a_tree(pair, reference):
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_round_kinds_count_only_the_tokens_kept(pair, mode):
     """A last round's tokens past max_tokens are dropped, and not counted by round kind either (the bench's
-    Theorem 7 splits the cell's tokens by those counts: counted, they made its tokens per tree round negative)."""
-    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode=mode, k=3, max_batch_size=2) as llm:
+    Theorem 7 splits the cell's tokens by those counts: counted, they made its tokens per tree round negative).
+    The draft on a thread: the counting (metrics.EmittedTokens) is the loop's whatever carries the draft."""
+    with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode=mode, k=3, max_batch_size=2,
+             draft_executor="thread") as llm:
         for n in (2, 5, 6, 9):
             llm.generate(prompt_token_ids=PROMPTS, sampling_params=replace(GREEDY, max_tokens=n))
         m = llm.metrics
@@ -501,8 +525,14 @@ def reference_end(pair) -> tuple[int, int]:
     return reference_tokens(pair)[2], 8
 
 
+@pytest.fixture(scope="module")
+def penalized(pair):
+    """transformers' greedy tokens (and near-tie adjust) under PENALTIES, once for the four modes."""
+    return [penalized_reference(pair["model"], prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+
+
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
-def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
+def test_penalties_follow_transformers_in_every_mode(pair, reference, penalized, mode):
     """Presence, frequency and repetition penalties change the target's distribution, so the verifier
     must score each speculated position with the counts up to it: every mode gives transformers'
     greedy tokens under the same penalties (and they differ from the unpenalized ones)."""
@@ -510,14 +540,20 @@ def test_penalties_follow_transformers_in_every_mode(pair, reference, mode):
     params = replace(GREEDY, **PENALTIES)
     with LLM(device=DEVICE, model=pair["target"], draft=draft, mode=mode, k=3, draft_executor="thread") as llm:
         outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-    for prompt, out, plain in zip(PROMPTS, outs, reference):
-        want, adjust = penalized_reference(pair["model"], prompt, GREEDY.max_tokens)
+    for prompt, out, plain, (want, adjust) in zip(PROMPTS, outs, reference, penalized):
         assert want != plain  # the penalties bite on this model
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
 
 
+@pytest.fixture(scope="module")
+def biased(pair):
+    """{with penalties: transformers' greedy tokens and adjust per prompt} under BIAS, once for the four modes."""
+    return {penalties: [biased_reference(pair["model"], prompt, GREEDY.max_tokens, penalties) for prompt in PROMPTS]
+            for penalties in (False, True)}
+
+
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd", "ngram"])
-def test_logit_bias_and_allowed_tokens_follow_transformers_in_every_mode(pair, reference, mode):
+def test_logit_bias_and_allowed_tokens_follow_transformers_in_every_mode(pair, reference, biased, mode):
     """OpenAI's logit_bias and vLLM's allowed_token_ids change the target's distribution: every mode gives
     transformers' greedy tokens under the same processors, alone and before the penalties (vLLM's order:
     the repetition penalty divides a biased logit), and only allowed tokens come out."""
@@ -526,8 +562,7 @@ def test_logit_bias_and_allowed_tokens_follow_transformers_in_every_mode(pair, r
         for penalties in (False, True):
             params = replace(GREEDY, **BIAS, **(PENALTIES if penalties else {}))
             outs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=params)
-            for prompt, out, plain in zip(PROMPTS, outs, reference):
-                want, adjust = biased_reference(pair["model"], prompt, GREEDY.max_tokens, penalties)
+            for prompt, out, plain, (want, adjust) in zip(PROMPTS, outs, reference, biased[penalties]):
                 assert want != plain and set(out.token_ids) <= set(BIAS["allowed_token_ids"])
                 assert_greedy_equal(out.token_ids, want, prompt, pair["model"], adjust=adjust)
 

@@ -20,6 +20,15 @@ from test_engine_sampling import (
 pytestmark = pytest.mark.slow
 
 
+# The broken variants below sample N_CATCH, a tenth of N: the test that rejects them at 2000 samples rejects
+# them at 20000 too (the same shift, a statistic that grows with N). At 2000 (cells pooled as at that N, alpha
+# kept): penalties ignored have noncentrality ~1000 against a critical value of 215 (143 degrees of freedom),
+# the bias ignored ~5000 against 146; min_p ignored draws a sequence of zero probability 86% of the time; the
+# grammar's mask ignoring the speculation fails ~25% of requests. Five seed sets of 2000 each (session 90):
+# penalties p <= 3e-135, the bias p = 0 to double precision, min_p ~1730 impossible draws, grammar ~500 failures.
+N_CATCH = 2000
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return sampling_pair(tmp_path_factory.mktemp("sampling_pair"))
@@ -29,7 +38,7 @@ def assert_rejected(pair, params: SamplingParams, broken: str) -> None:
     """The chi-square test rejects what the (broken) engine samples under params: the test has the power
     to see that constraint ignored."""
     target, draft, model = pair
-    counts, _ = sample_joint(target, draft, params, k=1, fan_out=4)
+    counts, _ = sample_joint(target, draft, params, n=N_CATCH, k=1, fan_out=4)
     p = chi_square_pvalue(counts, exact_joint(model, params), allow_impossible=True)
     assert p < ALPHA, f"{broken} went unnoticed (p = {p:.2e})"
 
@@ -108,4 +117,4 @@ def test_the_test_catches_a_grammar_mask_that_ignores_the_speculation(pair, monk
     row_masks = GrammarState.row_masks
     monkeypatch.setattr(GrammarState, "row_masks", lambda self, drafted, rows: row_masks(self, [], rows))
     with pytest.raises(GrammarError, match="cannot follow this grammar past token"):
-        sample_joint(target, draft, params, k=1, fan_out=4)
+        sample_joint(target, draft, params, n=N_CATCH, k=1, fan_out=4)

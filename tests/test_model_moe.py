@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 from model_checks import (check_batched_extends, check_greedy_generation, check_logits, check_static_steps,
-                          check_two_branches, check_two_ranks_match_transformers, hf_logits, random_tokens,
-                          randomise, two_rank_logits)
+                          check_two_branches, hf_logits, random_tokens,
+                          randomise)
 from transformers import (AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, OlmoeConfig, OlmoeForCausalLM,
                           Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
                           Qwen3MoeForCausalLM)
@@ -97,8 +97,9 @@ def test_the_static_steps_give_the_eager_logits(moe):
 
 def test_transformers_stacked_expert_layout_loads_too(moe, tmp_path):
     """save_pretrained(save_original_format=False) writes transformers 5's in-memory names: experts stacked in
-    3-D gate_up_proj / down_proj, Mixtral's block_sparse_moe as mlp."""
-    save_moe(tmp_path, moe["family"], seed=3, save_original_format=False)
+    3-D gate_up_proj / down_proj, Mixtral's block_sparse_moe as mlp. (The fixture's own model, saved again in
+    that layout: rebuilding it from the seed gave the same weights at the cost of a second random init.)"""
+    moe["model"].save_pretrained(tmp_path, save_original_format=False)
     from safetensors import safe_open
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert any(k.endswith("mlp.experts.gate_up_proj") for k in f.keys())
@@ -113,46 +114,61 @@ def test_the_sparse_layers_are_the_ones_transformers_builds(moe):
 
 
 # ---- tensor parallel -----------------------------------------------------------------------------
+TP_FAMILIES = ("mixtral", "qwen3_moe_step2", "qwen2_moe", "olmoe")
+TP_REFUSALS = {"odd_expert": "tensor parallel size 2 must divide moe_intermediate_size=25",
+               "odd_shared_expert": "tensor parallel size 2 must divide shared_expert_intermediate_size=25"}
+
+
+def _rank(rank: int, init_method: str, paths: list[str], refused: list[str], result_file: str) -> None:
+    """One of 2 ranks: test_model_tp's workload on each of paths, then the ValueError of each refused checkpoint."""
+    from test_model_tp import gloo_world, workload
+    torch.set_num_threads(1)
+    with gloo_world(rank, 2, init_method) as group:
+        results = [workload(ModelRunner(p, tp_group=group)) for p in paths]
+        for path in refused:
+            try:
+                ModelRunner(path, tp_group=group)
+                results.append("no error")
+            except ValueError as e:
+                results.append(str(e))
+        torch.save(results, f"{result_file}.{rank}")
+
+
+def save_tp_refusals(root) -> list[str]:
+    """Checkpoints 2 ranks cannot split: an odd expert width (Qwen3-MoE), an odd shared expert width (Qwen2-MoE)."""
+    torch.manual_seed(0)
+    configs = {"odd_expert": Qwen3MoeConfig(**{**COMMON, "intermediate_size": 48, "moe_intermediate_size": 25,
+                                                "num_hidden_layers": 1, "num_experts": 4}),
+               "odd_shared_expert": Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24,
+                                                   num_hidden_layers=1, num_experts=4,
+                                                   shared_expert_intermediate_size=25)}
+    classes = {"odd_expert": Qwen3MoeForCausalLM, "odd_shared_expert": Qwen2MoeForCausalLM}
+    for name, config in configs.items():
+        classes[name](config).save_pretrained(root / name)
+    return [str(root / name) for name in TP_REFUSALS]
+
+
 @pytest.mark.slow
 def test_tensor_parallel_two_ranks_equal_one(tmp_path):
-    """Each expert's width split over 2 ranks, the router replicated, one all-reduce a block: the logits of
-    1 rank, on extend and branch decode; an odd expert width is refused, naming it."""
+    """Each expert's width split over 2 ranks, the router replicated, one all-reduce a block (Qwen2-MoE's shared
+    expert split by width as an expert, its gate replicated; OLMoE's projection norms summed over the ranks'
+    heads): the logits of 1 rank, on extend and branch decode, and 1 rank's transformers' on the same weights;
+    an odd expert or shared expert width is refused, naming it. (One spawn for all of it: each spawn starts two
+    interpreters importing torch and transformers; these checks had four.)"""
     import torch.multiprocessing as mp
-    from test_model_tp import _rank, rendezvous, workload
-    paths = [str(tmp_path / f) for f in ("mixtral", "qwen3_moe_step2")]
-    for path, family in zip(paths, ("mixtral", "qwen3_moe_step2")):
-        save_moe(path, family, seed=6)
-    odd = tmp_path / "odd"
-    torch.manual_seed(0)
-    Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**COMMON, "intermediate_size": 48, "moe_intermediate_size": 25,
-                                          "num_hidden_layers": 1, "num_experts": 4})).save_pretrained(odd)
-    mp.spawn(_rank, args=(2, rendezvous(), paths, str(odd), str(tmp_path / "out")), nprocs=2, join=True)
-    rank0, rank1 = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
-    assert "tensor parallel size 2 must divide moe_intermediate_size=25" in rank0.pop()
-    rank1.pop()
-    for path, got0, got1 in zip(paths, rank0, rank1):
+    from test_model_tp import rendezvous, workload
+    paths = [str(tmp_path / f) for f in TP_FAMILIES]
+    models = [save_moe(path, family, seed=6) for path, family in zip(paths, TP_FAMILIES)]
+    mp.spawn(_rank, args=(rendezvous(), paths, save_tp_refusals(tmp_path), str(tmp_path / "out")), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"out.{rank}") for rank in (0, 1)]
+    for results in ranks:
+        for message, want in zip(results[len(paths):], TP_REFUSALS.values()):
+            assert want in message, message
+    for path, model, got0, got1 in zip(paths, models, ranks[0], ranks[1]):
+        check_logits(path, model, tokens(3, 12))
         for a, b, want in zip(got0, got1, workload(ModelRunner(path))):
             torch.testing.assert_close(a, want, atol=ATOL, rtol=0)
             torch.testing.assert_close(b, a, atol=0, rtol=0)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
-def test_tensor_parallel_two_ranks_match_transformers(family, tmp_path):
-    """Qwen2-MoE's shared expert split by width as an expert (its gate replicated), OLMoE's projection norms
-    summed over the ranks' heads: rank 0's logits transformers', rank 1's rank 0's."""
-    model = save_moe(tmp_path, family, seed=6)
-    check_two_ranks_match_transformers(tmp_path, model, tokens(3, 12))
-
-
-@pytest.mark.slow
-def test_tensor_parallel_refuses_an_odd_shared_expert_width(tmp_path):
-    torch.manual_seed(0)
-    config = Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=1,
-                            num_experts=4, shared_expert_intermediate_size=25)
-    Qwen2MoeForCausalLM(config).save_pretrained(tmp_path)
-    for message in two_rank_logits(tmp_path, tokens(1, 4)):
-        assert "tensor parallel size 2 must divide shared_expert_intermediate_size=25" in message
 
 
 # ---- greedy generation: an MoE target, a dense Qwen3 draft of the same vocabulary ---------------------
