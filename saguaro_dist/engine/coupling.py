@@ -36,7 +36,7 @@ def plan_coupling(seqs: list[Sequence], plans: dict[int, TreePlan], k: int, voca
         # A stream apart from the row's verify uniforms: how many candidates the plan has changes no other draw.
         # Keyed by length, not round: a re-prefill (a draft worker died) starts the rounds over.
         stream.manual_seed(substream_seed(seqs[i].generator, COUPLING_STREAM | seqs[i].num_tokens))
-        torch.rand(width, generator=stream, dtype=torch.float64, out=uniforms[i])
+        uniforms[i].uniform_(generator=stream)  # torch.rand(out=)'s draw without its checks: the same numbers
     return Coupling(guess_ids.to(device), guess_probs.to(device), candidates.to(device), uniforms.to(device))
 
 

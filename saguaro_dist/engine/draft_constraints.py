@@ -15,7 +15,7 @@ from saguaro_dist.engine.structured import GrammarCompiler, GrammarState, masked
 from saguaro_dist.spec.bad_words import RowBadWords, bad_words_mask, longest_prefix, tail
 from saguaro_dist.spec.logit_bias import bias_row
 from saguaro_dist.spec.min_tokens import RowEnds, hold_back_positions
-from saguaro_dist.spec.penalties import RowPenalties, penalize_positions, row_penalties
+from saguaro_dist.spec.penalties import RowPenalties, masked_row_penalties, penalize_batch, prompt_mask
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +78,13 @@ class DraftConstraints:
     def reads_paths(owners: list[DraftSeq]) -> bool:
         """Whether rows() or row_grammars() read the rows' paths (else a caller need not list them)."""
         return any(s.grammar is not None or s.sampling.penalized or s.sampling.biased or s.sampling.bad_words
-                   or short_of_min_tokens(s) for s in owners)
+                   or short_of_min_tokens(s) for s in distinct(owners))
 
     @staticmethod
     def ends(owners: list[DraftSeq], paths: list[list[int]] | None) -> RowEnds | None:
         """Each row's ends and the output tokens before its first draw, output + path (paths read only when a
         request is still short of min_tokens); None when none is."""
-        if not any(short_of_min_tokens(s) for s in owners):
+        if not any(short_of_min_tokens(s) for s in distinct(owners)):
             return None
         return RowEnds([s.sampling.end_token_ids if short_of_min_tokens(s) else () for s in owners],
                        [output_len(s) + len(path) if short_of_min_tokens(s) else 0 for s, path in zip(owners, paths)],
@@ -94,7 +94,7 @@ class DraftConstraints:
     def bad_words(owners: list[DraftSeq], paths: list[list[int]] | None) -> RowBadWords | None:
         """Each row's bad words and the tail of its output + path (read only when a request has bad words);
         None when none has any."""
-        if not any(s.sampling.bad_words for s in owners):
+        if not any(s.sampling.bad_words for s in distinct(owners)):
             return None
         return RowBadWords([s.sampling.bad_words for s in owners],
                            [tail(output_tail(s) + path, longest_prefix(s.sampling.bad_words)) if s.sampling.bad_words
@@ -104,15 +104,21 @@ class DraftConstraints:
         """Rows drawing for owners[i] after its committed output and the i-th path (a branch's own tokens;
         read only when a request has penalties): the draft then proposes what the penalized (and biased)
         target would choose. None when no request has penalties, a logit bias or allowed tokens."""
-        if not any(s.sampling.penalized or s.sampling.biased for s in owners):
+        if not any(s.sampling.penalized or s.sampling.biased for s in distinct(owners)):
             return None
-        prompts = {id(s): s.committed[:s.prompt_len] for s in owners}  # one list (one scan) per sequence
         settings = [(s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty)
                     for s in owners]
         bias = torch.stack([self._bias_row(s) for s in owners]) if any(s.sampling.biased for s in owners) else None
-        return row_penalties([prompts[id(s)] for s in owners],
-                             [s.committed[s.prompt_len:] + path for s, path in zip(owners, paths)], settings,
-                             self.vocab_size, bias)
+        in_prompt = torch.stack([self._prompt_row(s, self.vocab_size) for s in owners])
+        return masked_row_penalties(in_prompt, [s.committed[s.prompt_len:] + path for s, path in zip(owners, paths)],
+                                    settings, self.vocab_size, bias)
+
+    @staticmethod
+    def _prompt_row(s: DraftSeq, vocab_size: int) -> torch.Tensor:
+        """s's prompt_mask, kept on s (its prompt never changes): rebuilt every round it cost ~70 us a sequence."""
+        if s.in_prompt is None or s.in_prompt.shape[0] != vocab_size:
+            s.in_prompt = prompt_mask(s.committed[:s.prompt_len], vocab_size)
+        return s.in_prompt
 
     def _bias_row(self, s: DraftSeq) -> torch.Tensor:
         if s.bias is None:
@@ -123,7 +129,7 @@ class DraftConstraints:
     def row_grammars(owners: list[DraftSeq], paths: list[list[int]]) -> list[GrammarState | None] | None:
         """Each row's own matcher after its sequence's output and its path (None for a row whose path the
         grammar forbids: it draws unconstrained); None when no request has a grammar."""
-        if all(s.grammar is None for s in owners):
+        if all(s.grammar is None for s in distinct(owners)):
             return None
         rows = [s.grammar.copy() if s.grammar is not None else None for s in owners]
         return [g if g is not None and g.advance(path) else None for g, path in zip(rows, paths)]
@@ -143,9 +149,15 @@ class DraftConstraints:
             logits = hold_back_positions(logits, output_len(s), s.sampling.min_tokens, s.sampling.end_token_ids)
         if not s.sampling.penalized:
             return logits
-        p = s.sampling
-        return penalize_positions(logits, s.committed[:s.prompt_len], s.committed[s.prompt_len:], s.speculation,
-                                  p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
+        p = s.sampling  # (penalize_positions, with s's kept prompt mask)
+        return penalize_batch(logits[None], self._prompt_row(s, logits.shape[1])[None], [s.committed[s.prompt_len:]],
+                              [s.speculation], [(p.presence_penalty, p.frequency_penalty, p.repetition_penalty)])[0]
+
+
+def distinct(owners: list[DraftSeq]) -> Iterable[DraftSeq]:
+    """owners without repeats, for checks that ask whether any sequence needs a rule: a tree's rows are its
+    branches, a few per sequence (a round's ~250 rows read ~64 sequences' settings four times over)."""
+    return {id(s): s for s in owners}.values()
 
 
 def output_tail(s: DraftSeq) -> list[int]:

@@ -29,6 +29,7 @@ class DraftSeq:
     committed: list[int]                     # P: tokens both sides agree on, ending with the pending bonus
     prompt_len: int = 0                      # committed[:prompt_len] is the prompt (penalties tell it apart)
     bias: torch.Tensor | None = None         # [V] its logit bias and allowed tokens, built at first use
+    in_prompt: torch.Tensor | None = None    # [V] bool: the prompt's tokens (penalties), built at first use
     grammar: GrammarState | None = None      # structured outputs: the matcher after committed[prompt_len:]
     speculation: list[int] = field(default_factory=list)  # x_1..x_K the target verifies this round
     round: int = 0

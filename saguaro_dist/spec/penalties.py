@@ -112,7 +112,13 @@ def row_penalties(prompts: list[list[int]], outputs: list[list[int]], settings: 
     for p in prompts:  # (not setdefault: its default would scan every row's prompt)
         if id(p) not in masks:
             masks[id(p)] = prompt_mask(p, vocab_size)
-    in_prompt = torch.stack([masks[id(p)] for p in prompts])
+    return masked_row_penalties(torch.stack([masks[id(p)] for p in prompts]), outputs, settings, vocab_size, bias)
+
+
+def masked_row_penalties(in_prompt: torch.Tensor, outputs: list[list[int]], settings: list[tuple[float, float, float]],
+                         vocab_size: int, bias: torch.Tensor | None = None) -> RowPenalties:
+    """row_penalties of rows whose prompts are given as masks, in_prompt [R, V] bool (prompt_mask's rows: a
+    caller that keeps a sequence's mask builds it once, not every round)."""
     rows = torch.tensor([i for i, out in enumerate(outputs) for _ in out], dtype=torch.long)
     tokens = torch.tensor([t for out in outputs for t in out], dtype=torch.long)
     counts = torch.zeros(len(outputs), vocab_size)
