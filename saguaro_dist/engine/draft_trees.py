@@ -146,7 +146,10 @@ class TreeBuilding:
             by_fanout.setdefault(fanout_key(s), []).append(i)
         picked: list[list[tuple[int, int]]] = [[] for _ in states]
         # One select_branches per fan-out (per state it cost ~0.3 ms, 64 states a round: a tenth of a round's CPU);
-        # topk ranks each row alone, so a batch picks what each state would alone.
+        # topk ranks each row alone, so a batch picks what each state would alone: bit for bit on CPU. On CUDA
+        # topk's algorithm depends on the slice count (a full sort at <= 10 slices of V >= 100000, radix select
+        # above), so tokens of exactly equal probability may come in another order than a per-state call's:
+        # which of equals a tree caches is arbitrary either way, and the verifier is exact whatever it holds.
         for key, rows in by_fanout.items():
             whole = len(rows) == len(states)
             chosen = select_branches(ranking if whole else ranking[rows], spec if whole else spec[rows], fanouts[key])
