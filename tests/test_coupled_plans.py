@@ -2,6 +2,7 @@
 tests/test_spec_coupled.py and tests/test_engine_sampling.py): a sampled row's tree draws its candidates
 from the guess its plan carries, the plan is announced every round, and the target lays the plan out as
 the candidates it draws the bonus against, ignoring a plan that does not fit."""
+import itertools
 import time
 
 import pytest
@@ -112,16 +113,18 @@ def test_seeded_sampling_is_reproducible_with_coupled_draws(tmp_path):
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]
 
 
-def run_slow_planner(tmp_path, plan_delay_s: float, max_tokens: int, **config) -> Engine:
+def run_slow_planner(tmp_path, plan_delay_s: float, max_tokens: int, plans_delayed: int | None = None,
+                     **config) -> Engine:
     """One sampled sequence through SSD (trees every round) whose draft thread sleeps plan_delay_s before each
-    plan; returns the closed engine, its metrics and stats read after."""
+    of its first `plans_delayed` plans (None: every plan); returns the closed engine, its metrics and stats read after."""
     save_model(tmp_path / "t", llama_config(vocab=VOCAB, hidden=32, layers=2), seed=1)
     save_model(tmp_path / "d", llama_config(vocab=VOCAB, hidden=32, layers=1), seed=2)
     config = Config(model=str(tmp_path / "t"), draft=str(tmp_path / "d"), mode="ssd", k=K, tree_policy="always",
                     fallback="neural", draft_executor="thread", **config)
     worker = build_draft_worker(config)
     planning = worker.plan_trees
-    worker.plan_trees = lambda: time.sleep(plan_delay_s) or planning()
+    delays = itertools.repeat(plan_delay_s, plans_delayed) if plans_delayed is not None else itertools.repeat(plan_delay_s)
+    worker.plan_trees = lambda: time.sleep(next(delays, 0.0)) or planning()
     engine = Engine(config, make_runner(config.model, config), LocalDraftBackend(worker), None, set())
     try:
         engine.add(Sequence(0, "0", [1, 2, 3], Params(temperature=0.9, max_tokens=max_tokens, seed=3, ignore_eos=True)))
@@ -145,5 +148,7 @@ def test_a_round_whose_plans_ran_out_counts_its_trees_late(tmp_path):
     """A draft that plans slower than tree_timeout_s: the plan wait runs out and the round takes its tree
     without waiting again (TreeInbox.late_plans). It still waited the timeout out once, so its missing trees
     count as late (metrics.late_trees, the once-a-minute warning about a stalled draft side)."""
-    engine = run_slow_planner(tmp_path, 0.5, max_tokens=6, tree_timeout_s=0.05)  # 10x: a loaded box stalled 0.1 s
+    # The first plan 60x the timeout (a verify on a loaded box took longer than a 0.5 s delay: no wait, no late
+    # tree); the later plans at once, so the test stays short.
+    engine = run_slow_planner(tmp_path, 3.0, max_tokens=6, plans_delayed=1, tree_timeout_s=0.05)
     assert engine.metrics.plan_wait_s >= 0.05 and engine.metrics.late_trees > 0
