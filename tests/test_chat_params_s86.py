@@ -166,13 +166,18 @@ def test_truncation_with_a_reply_longer_than_the_context_names_the_replys_length
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_beam_search_reply_is_created_when_the_request_arrived(url, stream):
     """Old: the search's body (and chunks) took the time the search ended. A search started just after a clock
-    second begins and running past its end (retried if this box was too fast) is created in that first second."""
+    second begins and running past its end (retried if this box was too fast) is created in a second before the
+    one its reply ends in: the request's arrival, at or after the send (a loaded box can delay it past a second
+    boundary), never the end's (within milliseconds of the reply's, the same second but by rare chance)."""
     body = {"model": "m", "messages": HI, "use_beam_search": True, "n": 4, "max_tokens": 100, "ignore_eos": True,
             "stream": stream}
     for _ in range(3):
         time.sleep((1.02 - time.time() % 1) % 1)  # until the clock reads x.02 s
         sent = int(time.time())
         replies = _chunks(url, "/chat/completions", body) if stream else [_post(url, "/chat/completions", body).json()]
-        if int(time.time()) > sent:
+        ended = int(time.time())
+        if ended > sent:
             break
-    assert {reply["created"] for reply in replies} == {sent}
+    created = {reply["created"] for reply in replies}
+    # (three searches all inside one second: a box too fast to tell arrival from end; the arrival still bounds it)
+    assert len(created) == 1 and sent <= min(created) and (min(created) < ended or ended == sent), (created, sent, ended)

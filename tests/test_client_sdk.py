@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -163,7 +162,8 @@ def test_a_stream_of_several_choices_keeps_them_apart(local_url, reference_llm):
 
 
 class _Stalling(BaseHTTPRequestHandler):
-    """Starts an SSE stream, sends one chunk, then goes quiet."""
+    """Starts an SSE stream, sends one chunk, then goes quiet until `released` (the test's end)."""
+    released = threading.Event()
 
     def do_POST(self):
         self.rfile.read(int(self.headers["content-length"]))
@@ -173,25 +173,27 @@ class _Stalling(BaseHTTPRequestHandler):
         chunk = {"id": "x", "model": "m", "choices": [{"index": 0, "text": "ok", "finish_reason": None}]}
         self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
         self.wfile.flush()
-        time.sleep(3)
+        self.released.wait(60)
 
     def log_message(self, *args):
         pass
 
 
 def test_a_stream_that_goes_quiet_is_a_timeout():
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Stalling)
+    handler = type("Stalling", (_Stalling,), {"released": threading.Event()})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    timeout_s = 2.0  # the in-process server's first chunk must beat it, on a loaded box too; the silence never ends
     try:
         deltas = []
         with pytest.raises(APITimeoutError):  # was APIConnectionError, which `except APITimeoutError` missed
-            for delta in Client(url, timeout=0.5, max_retries=0).complete("x", stream=True):
+            for delta in Client(url, timeout=timeout_s, max_retries=0).complete("x", stream=True):
                 deltas.append(delta)
         assert deltas == ["ok"]  # what came before the silence was delivered
 
         async def go():
-            async with AsyncClient(url, timeout=0.5, max_retries=0) as c:
+            async with AsyncClient(url, timeout=timeout_s, max_retries=0) as c:
                 got = []
                 with pytest.raises(APITimeoutError):
                     async for delta in await c.complete("x", stream=True):
@@ -199,6 +201,7 @@ def test_a_stream_that_goes_quiet_is_a_timeout():
                 return got
         assert asyncio.run(go()) == ["ok"]
     finally:
+        handler.released.set()
         httpd.shutdown()
         httpd.server_close()
 

@@ -129,7 +129,9 @@ def test_shutdown_fails_the_requests_in_flight_and_a_second_one_does_nothing(ray
     with caplog.at_level(logging.DEBUG, logger="saguaro_dist.distributed.cluster"):
         start = time.monotonic()
         llm.shutdown()
-        assert time.monotonic() - start < 1.0
+        # The warnings checked below catch the old second shutdown; this, that it waits on nothing (5 s, not
+        # 1: a loaded box can stall any step a second).
+        assert time.monotonic() - start < 5.0
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     with pytest.raises(EngineError, match="shut down"):
         llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False)
@@ -160,7 +162,9 @@ def test_a_dead_target_is_an_engine_error_caused_by_the_actor_death_everywhere(r
         assert isinstance(err.value.__cause__, ray.exceptions.RayActorError), repr(err.value.__cause__)
     start = time.monotonic()
     llm.shutdown()
-    assert time.monotonic() - start < 15
+    # A shutdown that waited on the dead rank 0 would run out its shutdown call's 30 s timeout; what it waits on
+    # now is bounded by 15 s (the poll thread's join, wait_dead): 30 tells them apart on a loaded box.
+    assert time.monotonic() - start < 30
     assert wait_cpus(before) >= before
 
 
@@ -176,7 +180,9 @@ def test_start_up_without_the_gpus_asked_for_fails_by_its_timeout_and_frees_ever
             num_draft_workers=1, startup_timeout_s=3)
     elapsed = time.monotonic() - start
     assert "lacks {'GPU'" in caplog.text
-    assert elapsed < 3 + 6, f"start-up failed after {elapsed:.1f} s, startup_timeout_s is 3"
+    # The old stop of the never-placed drafts waited 10 s more (>= 13 s in all); 9 s over the timeout leaves a
+    # loaded box room for the tokenizer, the pair check, the actors' start and their kill.
+    assert elapsed < 3 + 9, f"start-up failed after {elapsed:.1f} s, startup_timeout_s is 3"
     assert wait_cpus(before) >= before
     assert not any(k.startswith("bundle_group") for k in ray.available_resources()), "the placement group was left"
 
@@ -197,7 +203,9 @@ def test_a_draft_that_cannot_load_fails_start_up_at_once_with_its_cause(ray_clus
         LLM(model=pair["target"], draft=str(draft), mode="ssd", k=3, cluster="auto", num_draft_workers=1,
             startup_timeout_s=120)
     assert isinstance(err.value.__cause__, ray.exceptions.ActorDiedError)
-    assert time.monotonic() - start < 60
+    # The match above already rules out the timeout's error; this, a wait close to startup_timeout_s (Ray may
+    # take a minute to start the actors on a loaded box).
+    assert time.monotonic() - start < 110
     assert wait_cpus(before) >= before
 
 

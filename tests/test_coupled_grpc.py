@@ -161,19 +161,21 @@ def test_a_coupled_plan_crosses_grpc_unannounced_and_stays_for_its_tree(served):
 def test_wait_plans_waits_only_for_what_can_come(served):
     backend, _ = served
     _start(backend, {0: SAMPLED})
+    # "At once" is under half the 5 s a wrong wait would take: room for a loaded CI box to stall.
     start = time.monotonic()
     assert backend.wait_plans([(7, 0)], 5.0) == {}  # never prefilled here: not waited for
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.5
+    start = time.monotonic()
     assert backend.wait_plans([(0, 5)], 0.3) == {}  # a round that never comes: to the deadline
-    assert 0.25 <= time.monotonic() - start < 2.0
+    assert 0.25 <= time.monotonic() - start < 2.5
     backend._out_of_sync.add(0)  # as after a lost stream: nothing of its will come
     start = time.monotonic()
     assert backend.wait_plans([(0, 5)], 5.0) == {}
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.5
     backend.close()
     start = time.monotonic()
     assert backend.wait_plans([(0, 6)], 5.0) == {}  # closed: no waiting
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.5
 
 
 def test_a_top_f_server_pushes_no_plan_while_the_target_does_not_wait(draft_dir):
@@ -204,7 +206,7 @@ def test_the_draft_pool_asks_each_sequences_worker_and_skips_split_sequences(dra
         assert len(split.groups[2]) == 2
         start = time.monotonic()
         assert split.wait_plans([(2, 0)], 5.0) == {}
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 2.5  # not waited for: under half the 5 s (room for a loaded box)
         assert all(p.guess_ids is None for _, _, made in served for p in made if p.seq_id == 2)
     finally:
         pool.close()

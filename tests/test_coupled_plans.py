@@ -106,8 +106,10 @@ def test_seeded_sampling_is_reproducible_with_coupled_draws(tmp_path):
     params = SamplingParams(temperature=0.9, max_tokens=24, seed=11, ignore_eos=True)
     runs = []
     for _ in range(2):
+        # A tree later than tree_timeout_s is a miss, which draws otherwise: the timeout is far past a CI stall.
         with LLM(model=str(tmp_path / "t"), draft=str(tmp_path / "d"), mode="ssd", k=K, fan_out=[3, 2, 2, 1],
-                 tree_policy="always", hit_glue="always", fallback="neural", bonus_draw="coupled", draft_executor="thread") as llm:
+                 tree_policy="always", hit_glue="always", fallback="neural", bonus_draw="coupled", draft_executor="thread",
+                 tree_timeout_s=60.0) as llm:
             runs.append(llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=params))
             assert llm.metrics.coupled_draws > 0
     assert [o.token_ids for o in runs[0]] == [o.token_ids for o in runs[1]]

@@ -31,7 +31,9 @@ from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
 
 pytestmark = pytest.mark.slow
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-LONG = replace(GREEDY, max_tokens=60)  # long enough to be cut by a kill, a stall or a crash three rounds in
+# Long enough to be cut by a kill, a stall or a crash three rounds in: at 60 tokens a generation took ~0.5 s, and
+# on a loaded box the test thread's kill could land after it had ended (no fallback, the test failed).
+LONG = replace(GREEDY, max_tokens=200)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +46,7 @@ def pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def long_reference(pair):
-    """The target's greedy 60 tokens after each prompt (the kill, stall and crash tests' requests)."""
+    """The target's greedy LONG.max_tokens after each prompt (the kill, stall and crash tests' requests)."""
     return [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
 
 
@@ -176,10 +178,16 @@ def interrupt_a_submit(llm: LLM, monkeypatch) -> None:
     assert aborts == [(2 * len(PROMPTS), True)]  # every request, in one call, after the submit had landed
     monkeypatch.undo()
     wait_idle_load(llm)
-    deadline = time.time() + 10
-    while remote._requests and time.time() < deadline:  # each aborted request's last update unregisters it
+    wait_unregistered(llm)
+
+
+def wait_unregistered(llm: LLM, within_s: float = 10.0) -> None:
+    """Nothing registered on the driver: each aborted request's last update unregisters it, and rank 0 may
+    publish its idle load before that update reaches the driver."""
+    deadline = time.time() + within_s
+    while llm._thread._requests and time.time() < deadline:
         time.sleep(0.05)
-    assert not remote._requests
+    assert not llm._thread._requests
 
 
 async def abandon_a_stream(llm: LLM) -> None:
@@ -207,7 +215,7 @@ async def check_streams(llm: LLM, pair) -> None:
     cancelled.cancel()
     await asyncio.sleep(0.5)
     wait_idle_load(llm)
-    assert not llm._thread._requests
+    wait_unregistered(llm)
 
 
 def generate_through_a_kill(llm: LLM, params: SamplingParams, kill) -> list:
@@ -269,9 +277,17 @@ def stall_and_resume(llm: LLM, pair, reference, executor: str) -> None:
     releases them there and takes it back, so trees come back."""
     draft = llm._thread.deployment.drafts[0]
     pid, before = ray.get(draft.pid.remote()), ray.get(draft.endpoint.remote())
-    resume = threading.Timer(3.0, os.kill, (pid, signal.SIGCONT))
+    late_trees: list[int] = []  # as the stall starts and as it ends
+
+    def cont():
+        try:
+            late_trees.append(llm.metrics.late_trees)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    resume = threading.Timer(3.0, cont)
 
     def stall():
+        late_trees.append(llm.metrics.late_trees)
         os.kill(pid, signal.SIGSTOP)
         resume.start()
     try:
@@ -282,7 +298,9 @@ def stall_and_resume(llm: LLM, pair, reference, executor: str) -> None:
         assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
     assert sum(llm.metrics.fallbacks.values()) > 0
     if executor == "split":  # marked dead after two late waits, not waited for again all through the 3 s stall
-        assert 0 < llm.metrics.late_trees <= (LATE_TREE_WAITS_BEFORE_DEAD + 1) * len(PROMPTS)
+        # Counted over the stall alone: on a loaded box a tree can be late before it, or once the actor is back.
+        stalled_late = late_trees[1] - late_trees[0]
+        assert 0 < stalled_late <= (LATE_TREE_WAITS_BEFORE_DEAD + 1) * len(PROMPTS), late_trees
     assert ray.get(draft.endpoint.remote()) == before and ray.get(draft.pid.remote()) == pid  # never restarted
     wait_for_trees_again(llm, pair, 60)
 
@@ -424,7 +442,7 @@ def test_rounds_without_trees_are_exact_over_grpc(ray_cluster, pair, executor):
     assert m.tree_builds > 0 and m.tree_build_s > 0, m  # the draft's build time crossed gRPC
 
 
-def test_two_cohorts_over_grpc_are_exact_and_outlive_a_killed_draft(ray_cluster, pair):
+def test_two_cohorts_over_grpc_are_exact_and_outlive_a_killed_draft(ray_cluster, pair, long_reference):
     """Rounds without trees as two cohorts, each's drafts on the Speculate stream while the other
     verifies: exact with requests of different lengths (no fallback taken), and exact when a draft
     worker dies with drafts in flight."""
@@ -435,9 +453,8 @@ def test_two_cohorts_over_grpc_are_exact_and_outlive_a_killed_draft(ray_cluster,
             assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, n), prompt, pair["model"])
         m = llm.metrics
         assert m.cohort_rounds > 0 and sum(m.fallbacks.values()) == 0, m
-        long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
         outputs = []
-        worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompt_token_ids=PROMPTS, sampling_params=long)))
+        worker = threading.Thread(target=lambda: outputs.extend(llm.generate(prompt_token_ids=PROMPTS, sampling_params=LONG)))
         worker.start()
         rounds = llm.metrics.cohort_rounds
         deadline = time.time() + 60
@@ -446,8 +463,8 @@ def test_two_cohorts_over_grpc_are_exact_and_outlive_a_killed_draft(ray_cluster,
         ray.kill(llm._thread.deployment.drafts[0], no_restart=True)
         worker.join(timeout=180)
         assert len(outputs) == len(PROMPTS), "generation did not complete after a draft worker died"
-        for prompt, out in zip(PROMPTS, outputs):
-            assert_greedy_equal(out.token_ids, hf_greedy(pair["model"], prompt, long.max_tokens), prompt, pair["model"])
+        for prompt, out, want in zip(PROMPTS, outputs, long_reference):
+            assert_greedy_equal(out.token_ids, want, prompt, pair["model"])
         assert sum(llm.metrics.fallbacks.values()) > 0
 
 
@@ -459,8 +476,9 @@ def test_drafts_no_node_can_host_fail_start_up_clearly_and_leave_nothing(ray_clu
     start = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="saguaro_dist.distributed.cluster"), \
             pytest.raises(RuntimeError, match=r"draft worker\(s\) asking .*no_such_node.*not started within startup_timeout_s"):
-        cluster_llm(pair, num_draft_workers=1, draft_resources={"no_such_node": 1}, startup_timeout_s=3)
-    assert "lacks {'no_such_node': 1" in caplog.text and "waits up to startup_timeout_s (3 s)" in caplog.text
+        # The timeout covers the target's placement too: 3 s ran out there on a loaded box (another error).
+        cluster_llm(pair, num_draft_workers=1, draft_resources={"no_such_node": 1}, startup_timeout_s=10)
+    assert "lacks {'no_such_node': 1" in caplog.text and "waits up to startup_timeout_s (10 s)" in caplog.text
     assert time.monotonic() - start < 60
     deadline = time.time() + 30
     while ray.available_resources().get("CPU", 0) < before and time.time() < deadline:

@@ -11,10 +11,11 @@ import pytest
 from test_grpc_link_keepalive import Relay, wait_until
 from test_grpc_toy_worker import ToyWorker
 
+from saguaro_dist.distributed import draft_pool, grpc_servers
 from saguaro_dist.distributed.draft_pool import REVIVAL_RESET_S, DraftPool, revival_delay_s, revivals_counted
 from saguaro_dist.distributed.draft_service import serve_draft
 from saguaro_dist.distributed.errors import DraftUnavailable
-from saguaro_dist.distributed.grpc_backend import REVIVE_POLL_S, GrpcDraftBackend
+from saguaro_dist.distributed.grpc_backend import GrpcDraftBackend
 from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest, Release
 
 pytestmark = pytest.mark.timeout(90)
@@ -122,22 +123,44 @@ def test_a_revival_still_releases_the_life_it_knew_of(stalling):
         pool.close()
 
 
-def test_the_backoff_starts_over_once_a_worker_taken_back_served_a_while(stalling):
+def test_the_backoff_starts_over_once_a_worker_taken_back_served_a_while(stalling, monkeypatch):
     """A worker taken back backs off longer each time it is marked dead again soon after (flapping), but not
     after it served revival_reset_s: then it is taken back at once, as after its first death. Before, the count
     never fell, and a worker that served for hours waited the longest delay (30 s) at its next stall."""
     worker, address = stalling
-    reset_s = 1.5
-    pool = _pool(address, _at_address(address), revival_reset_s=reset_s)
+    reset_s = 30.0  # far above any stall between a take-back and the next death (flapping must stay flapping)
+    chosen, revived_at = [], []  # (each delay the reviver chose, when); when it then asked the worker back
+
+    def delay_s(revivals: int) -> float:
+        chosen.append((revival_delay_s(revivals), time.monotonic()))
+        return chosen[-1][0]
+
+    def revive(i):
+        # The revival's Release gets a deadline no stall reaches (missed, it counts a revival and backs off
+        # again); once taken back the worker's drafts get the 0.5 s that its stalls must miss (taken_back).
+        revived_at.append(time.monotonic())
+        return GrpcDraftBackend([address], deadline_s=10.0)
+
+    def taken_back() -> None:
+        _taken_back(pool, worker)
+        pool.backends[0].deadline_s = 0.5
+
+    monkeypatch.setattr(draft_pool, "revival_delay_s", delay_s)
+    pool = _pool(address, revive, revival_reset_s=reset_s)
     try:
         _stall_until_dead(pool, worker, seq_id=1)
-        _taken_back(pool, worker)
+        taken_back()
         assert pool.revivals == [1]
         _stall_until_dead(pool, worker, seq_id=2)  # at once: flapping, it waits revival_delay_s(1) first
-        assert _taken_back(pool, worker) >= revival_delay_s(1) * 0.9 and pool.revivals == [2]
-        time.sleep(reset_s)  # in placement, no miss
+        taken_back()
+        assert pool.revivals == [2]
+        pool._taken_back_at[0] -= reset_s  # as if it then served reset_s in placement, no miss
         _stall_until_dead(pool, worker, seq_id=3)
-        assert _taken_back(pool, worker) < revival_delay_s(1) and pool.revivals == [1]
+        taken_back()
+        assert pool.revivals == [1]
+        assert [delay for delay, _ in chosen] == [0.0, revival_delay_s(1), 0.0]
+        # each delay waited out (measured on the reviver's side: a stall only lengthens it)
+        assert all(asked - at >= delay - 0.01 for (delay, at), asked in zip(chosen, revived_at, strict=True))
     finally:
         pool.close()
 
@@ -169,7 +192,7 @@ def test_close_ends_a_revival_waiting_out_its_backoff_and_revives_nothing_after(
         assert _revival_threads(0)
     finally:
         pool.close()
-    wait_until(lambda: not _revival_threads(0), timeout_s=2.0, step_s=0.01)
+    wait_until(lambda: not _revival_threads(0), timeout_s=8.0, step_s=0.01)  # half the backoff close() must end
     assert asked == []
 
 
@@ -196,10 +219,12 @@ def test_a_backend_revived_after_close_is_closed_not_queued(stalling):
     assert built and built[0]._closed and pool._revived.empty()
 
 
-def test_closing_a_backend_whose_server_refuses_the_revival_does_not_wait_out_the_poll():
+def test_closing_a_backend_whose_server_refuses_the_revival_does_not_wait_out_the_poll(monkeypatch):
     """The backend's own revival: its server came back but refuses the Release (asked again after REVIVE_POLL_S).
     The pool closes such a backend on the engine's thread when it takes a new one for that worker: close() must
     end the reviver's pause at once, not block the engine for up to REVIVE_POLL_S."""
+    poll_s = 30.0  # far above any stall of close(): waiting the pause out, it would fail
+    monkeypatch.setattr(grpc_servers, "REVIVE_POLL_S", poll_s)
     worker = RefusingToyWorker()
     server, port = serve_draft(worker, "127.0.0.1", 0)
     relay = Relay(port)
@@ -214,7 +239,7 @@ def test_closing_a_backend_whose_server_refuses_the_revival_does_not_wait_out_th
         time.sleep(0.05)  # the reviver has read the refusal: it pauses now
         start = time.monotonic()
         backend.close()
-        assert time.monotonic() - start < REVIVE_POLL_S / 2
+        assert time.monotonic() - start < poll_s / 3
         assert not [t for t in threading.enumerate() if t.name == f"saguaro-revive-127.0.0.1:{relay.port}"]
     finally:
         backend.close()

@@ -224,6 +224,11 @@ def child_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def child_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def test_split_rounds_without_trees_reach_the_child_with_the_next_that_wants_one(pair):
     """A round that asks the child for no tree posts nothing (a woken core slows the target's); the next
     round that wants a tree sends them all first, in order, and its tree is the one a draft that saw every
@@ -234,9 +239,11 @@ def test_split_rounds_without_trees_reach_the_child_with_the_next_that_wants_one
     from saguaro_dist.engine.draft_process import DraftProcess
     from saguaro_dist.engine.messages import DraftSampling, JitDraftRequest, PrefillRequest
     from saguaro_dist.engine.split_draft import SplitDraftBackend
-    # The longest spin window, measured over 0.8 s: a 2-core CI box shares the spinning core with other tests.
     config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6, draft_threads=1,
                     draft_spin_s=1.0)
+    # Past Config's 1 s cap: the spin must outlast any stall of this thread on a loaded CI box, or the
+    # window that began at the child's tree may be over before it is looked at.
+    object.__setattr__(config, "draft_spin_s", 10.0)
     prefill = [PrefillRequest(1, PROMPTS[0], DraftSampling(0.0, 0, 1.0, None))]
     split = SplitDraftBackend(LocalDraftBackend(build_draft_worker(config)), DraftProcess(config))
     seen_all = LocalDraftBackend(build_draft_worker(config))
@@ -265,9 +272,13 @@ def test_split_rounds_without_trees_reach_the_child_with_the_next_that_wants_one
         got, want = split.wait_trees([(1, 6)], 30.0)[1], seen_all.wait_trees([(1, 6)], 30.0)[1]
         assert got.proposals.tokens.tolist() == want.proposals.tokens.tolist()
         assert (got.accepted, got.bonus_tokens) == (want.accepted, want.bonus_tokens)
-        spinning = child_cpu_s(pid)
-        time.sleep(0.8)
-        assert child_cpu_s(pid) - spinning > 0.2  # it built a tree: it spins, waiting for the next outcome
+        # It built a tree: it spins, waiting for the next outcome. Spinning it is runnable (R) however
+        # little of a core a loaded box gives it; blocked it sleeps (S).
+        states = []
+        for _ in range(10):
+            states.append(child_state(pid))
+            time.sleep(0.02)
+        assert states.count("R") >= 5, states
     finally:
         split.close()
         seen_all.close()
@@ -289,9 +300,10 @@ def test_a_stalled_child_costs_a_sampled_round_one_timeout_not_two(pair):
         process.send_outcomes([])  # the round's trees are asked for: the child cannot answer
         start = time.monotonic()
         assert process.wait_plans([(1, 0)], 1.0) == {}
-        waited_plans = time.monotonic() - start
-        assert process.wait_trees([(1, 0)], 1.0) == {}
-        assert waited_plans >= 1.0 and time.monotonic() - start - waited_plans < 0.9  # unfixed: a second 1.0 s
+        assert time.monotonic() - start >= 1.0
+        start = time.monotonic()
+        assert process.wait_trees([(1, 0)], 5.0) == {}
+        assert time.monotonic() - start < 2.5  # unfixed: a second timeout, 5 s; half of it is room for a loaded box
         os.kill(process._proc.pid, signal.SIGCONT)
         assert set(process.wait_trees([(1, 0)], 30.0)) == {1}
     finally:

@@ -76,9 +76,9 @@ class Relay:
     def reopen(self) -> None:
         self.refusing = False
 
-    def pings_up_since(self, start: float) -> int:
-        """Client-to-server chunks the size of a PING frame (or its ack) relayed since `start`."""
-        return sum(1 for t, way, n in self.chunks if way == "up" and t >= start and n == PING_FRAME_BYTES)
+    def pings_since(self, start: float, way: str = "up") -> int:
+        """Chunks the size of a PING frame (or its ack) relayed `way` ("up": client to server) since `start`."""
+        return sum(1 for t, w, n in list(self.chunks) if w == way and t >= start and n == PING_FRAME_BYTES)
 
     def close(self) -> None:
         self.listener.close()
@@ -128,7 +128,8 @@ def test_a_server_gone_silent_on_an_idle_stream_is_found_within_keepalive():
     """A stream idle for longer than two keepalive periods (a quiet server) keeps pinging without the server
     sending it away, and a server that goes silent then is found within keepalive time + timeout. Before,
     gRPC's default of two pings without data left it unnoticed ~70 s (one ping a minute after those two)."""
-    keepalive = Keepalive(time_ms=KEEPALIVE_FLOOR_MS, timeout_ms=1_000)
+    # A ping's round trip runs through two Python relay threads on a loaded box: 5 s, not 1 s, for its ack.
+    keepalive = Keepalive(time_ms=KEEPALIVE_FLOOR_MS, timeout_ms=5_000)
     server, port = serve_draft(ToyWorker(), "127.0.0.1", 0)
     relay = Relay(port)
     backend = GrpcDraftBackend([f"127.0.0.1:{relay.port}"], deadline_s=5.0, keepalive=keepalive)
@@ -136,12 +137,14 @@ def test_a_server_gone_silent_on_an_idle_stream_is_found_within_keepalive():
         backend.prefill([PrefillRequest(1, [5, 6], GREEDY)])
         backend.jit_draft([JitDraftRequest(1, 0, 0, 9)])
         idle_from = time.monotonic()
-        time.sleep(2.2 * keepalive.time_ms / 1000)  # past the two pings gRPC allows without data by default
+        # The two pings gRPC allows without data by default, both answered: the next one is what the fix adds.
+        wait_until(lambda: relay.pings_since(idle_from, "up") >= 2 and relay.pings_since(idle_from, "down") >= 2,
+                   timeout_s=30.0)
         assert backend.dead_addresses == []  # pinged all along, never sent away for pinging too often
-        assert relay.pings_up_since(idle_from) >= 2
         relay.silent()
         found_s = wait_until(lambda: backend.dead_addresses, timeout_s=30.0)
-        assert found_s < (keepalive.time_ms + keepalive.timeout_ms) / 1000 + 2.0
+        # time + timeout, plus 5 s for a loaded box: still far under the ~70 s of no ping after the first two.
+        assert found_s < (keepalive.time_ms + keepalive.timeout_ms) / 1000 + 5.0
     finally:
         backend.close()
         relay.close()

@@ -172,11 +172,17 @@ def test_a_jit_that_overtakes_its_outcome_waits_for_the_stream(served):
     _prefill(served.stub, 1)
     (proposal,) = _jit(served.stub, 1, 0)
     stream.get()
-    late = threading.Timer(0.3, stream.send, args=([Outcome(1, 0, 0, 9, toy_tokens([5, 6, 9, 9]))],))
+    calls = served.worker.calls
+
+    def send_once_refused():  # made to happen: round 2's JIT first (refused, it waits), then round 0's outcome
+        deadline = time.monotonic() + 30
+        while calls.count("jit_draft") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stream.send([Outcome(1, 0, 0, 9, toy_tokens([5, 6, 9, 9]))])
+    late = threading.Thread(target=send_once_refused)
     late.start()
     (nxt,) = _jit(served.stub, 1, 2)
     late.join()
-    calls = served.worker.calls
     assert nxt.tokens.shape == (K,)
     assert calls.count("jit_draft") == 3  # round 0's, round 2's refused before the outcome, its retry
     assert calls.index("observe") < len(calls) - 1 - calls[::-1].index("jit_draft")

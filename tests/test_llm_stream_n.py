@@ -15,14 +15,19 @@ from saguaro_dist.engine.llm import StreamDelta
 from test_serve_fixtures import make_tokenizer, write_llama
 
 PROMPT = "the cat sat on the mat"
+# A closed or aborted stream's samples: so long that none ends by length while the abort is on its way, even on
+# a loaded box (~11 ms a step here: each of two running samples has ~10 s before it could end).
+LONG_MAX_TOKENS, LONG_MODEL_LEN = 2000, 2048
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
     """(target, draft) tiny Llamas with a word-level tokenizer: streamed text, not only ids."""
     tokenizer = make_tokenizer()
-    target = write_llama(tmp_path_factory.mktemp("h1n_target"), tokenizer, hidden=32, layers=1, seed=3)
-    draft = write_llama(tmp_path_factory.mktemp("h1n_draft"), tokenizer, hidden=32, layers=1, seed=4)
+    target = write_llama(tmp_path_factory.mktemp("h1n_target"), tokenizer, hidden=32, layers=1, seed=3,
+                         max_positions=LONG_MODEL_LEN)
+    draft = write_llama(tmp_path_factory.mktemp("h1n_draft"), tokenizer, hidden=32, layers=1, seed=4,
+                        max_positions=LONG_MODEL_LEN)
     return target, draft
 
 
@@ -115,20 +120,20 @@ async def settled(llm: LLM, timeout_s: float = 5.0) -> bool:
 @pytest.fixture(scope="module")
 def narrow(pair):
     """Two batch slots: of n = 4 samples, two wait while two run."""
-    with LLM(model=pair[0], mode="ar", max_batch_size=2, max_model_len=256) as llm:
+    with LLM(model=pair[0], mode="ar", max_batch_size=2, max_model_len=LONG_MODEL_LEN) as llm:
         yield llm
 
 
 def test_closing_the_stream_early_aborts_every_sample(narrow):
     """Not one of the four samples runs to its end: together they make fewer tokens than one would."""
-    long = sampled(n=4, max_tokens=240)
+    long = sampled(n=4, max_tokens=LONG_MAX_TOKENS)
     before = narrow.metrics.generated_tokens
 
     async def first_only():
         stream = narrow.stream(PROMPT, long, request_id="closed")
         first = await anext(stream)
         await stream.aclose()
-        return first, await settled(narrow)
+        return first, await settled(narrow, timeout_s=20)
     first, done = asyncio.run(first_only())
     assert first.outputs[0].token_ids and done, "samples of a closed stream ran on"
     assert narrow.metrics.generated_tokens - before < long.max_tokens
@@ -139,7 +144,7 @@ def test_abort_ends_every_sample_and_the_id_is_held_meanwhile(narrow):
     """abort(request id): each sample's last delta says "abort"; a second stream of the id is refused while
     the first runs."""
     async def run():
-        stream = narrow.stream(PROMPT, sampled(n=3, max_tokens=240), request_id="held")
+        stream = narrow.stream(PROMPT, sampled(n=3, max_tokens=LONG_MAX_TOKENS), request_id="held")
         items = [await anext(stream)]
         with pytest.raises(ValueError, match="already running"):
             await anext(narrow.stream(PROMPT, sampled(n=2), request_id="held"))
@@ -155,17 +160,17 @@ def test_samples_stream_on_ray_and_a_closed_stream_aborts_them_all(ray_cluster, 
     """On the Ray engine each sample is submitted by an actor call of its own (awaited, in index order): the
     streams add up to generate()'s samples, and closing one stream early aborts every sample there too."""
     params = sampled(n=3, seed=21)
-    with LLM(model=pair[0], mode="ar", cluster="auto", max_batch_size=2, max_model_len=256) as llm:
+    with LLM(model=pair[0], mode="ar", cluster="auto", max_batch_size=2, max_model_len=LONG_MODEL_LEN) as llm:
         want = [(c.text, c.token_ids) for c in llm.generate(PROMPT, params, use_tqdm=False)[0].outputs]
         assert [(s["text"], s["token_ids"]) for s in by_sample(collect(llm, params), 3)] == want
 
         before = llm.metrics.generated_tokens
 
         async def first_only():
-            stream = llm.stream(PROMPT, sampled(n=4, max_tokens=240))
+            stream = llm.stream(PROMPT, sampled(n=4, max_tokens=LONG_MAX_TOKENS))
             first = await anext(stream)
             await stream.aclose()
             return first, await settled(llm, timeout_s=20)
         first, done = asyncio.run(first_only())
         assert first.outputs[0].token_ids and done, "samples of a closed stream ran on"
-        assert llm.metrics.generated_tokens - before < 240  # not one sample ran to its end
+        assert llm.metrics.generated_tokens - before < LONG_MAX_TOKENS  # not one sample ran to its end

@@ -36,7 +36,9 @@ PROMPT = [5, 6, 7, 8]
 N = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
 CPU_LORAS = 4  # the engine's max_cpu_loras
-HOLD_TOKENS = 2000  # a held request's length: it runs (~1 s, ended early) while a test acts
+# A held request's length: it runs (~10 s, ended early) while a test acts, HTTP round trips and waits on a loaded
+# box included (2000, ~1 s, could end first, and a wait for the slot it held then timed out).
+HOLD_TOKENS = 20_000
 
 
 @pytest.fixture(scope="module")
@@ -248,7 +250,8 @@ def generate(llm, lora: LoRARequest) -> list[int]:
 @contextlib.contextmanager
 def holding(llm, lora: LoRARequest, request_id: str):
     """A long greedy request of `lora` running (its first tokens out) while the block runs, aborted at its end:
-    yields the list its tokens go to."""
+    yields the list its tokens go to. One that ended before the block did fails it (the block acted with the
+    slot free, or its wait for a queued request timed out): HOLD_TOKENS is too short then."""
     tokens, started = [], threading.Event()
     params = SamplingParams(temperature=0, max_tokens=HOLD_TOKENS, ignore_eos=True)
 
@@ -262,9 +265,17 @@ def holding(llm, lora: LoRARequest, request_id: str):
         done = pool.submit(asyncio.run, run())
         while not started.wait(0.05):
             assert not done.done(), done.result()
-        yield tokens
-        llm.abort(request_id)
-        done.result(timeout=120)
+        ended = "the held request ended before the block did: raise HOLD_TOKENS"
+        try:
+            yield tokens
+        except Exception:
+            assert not done.done(), ended  # why the block failed, its own error chained
+            raise
+        else:
+            assert not done.done(), ended
+        finally:
+            llm.abort(request_id)
+            done.result(timeout=120)
 
 
 def wait_until(check, timeout_s: float = 60) -> None:

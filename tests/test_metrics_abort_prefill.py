@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
@@ -79,11 +80,18 @@ def test_a_request_aborted_after_its_prefill_counts_its_prompt(metrics_url, one_
     """The client hangs up while its request generates: one abort, and its prompt tokens (vLLM counts a request's
     prompt once its prefill ran). A non-streamed request's counted none: nothing told the server its prefill ran."""
     model = f"abort-prefill-after-{'stream' if stream else 'whole'}"
-    app = create_app(one_slot_llm, ServerOptions(model), ServeMetrics(model))
+    metrics, first_delta_seen = ServeMetrics(model), threading.Event()
+    count_first_token = metrics.first_token
+
+    def first_token(seconds: float) -> None:  # the server's loop took the first delta (the prefill ran)
+        count_first_token(seconds)
+        first_delta_seen.set()
+    metrics.first_token = first_token
+    app = create_app(one_slot_llm, ServerOptions(model), metrics)
     with serve_on_loopback(app) as base:
         with open_request(base, body(stream)):
             wait_until(lambda: prefilled(one_slot_llm))
-            time.sleep(0.2)  # the first delta reaches the server's loop
+            assert first_delta_seen.wait(30)  # (a loaded box can hold the delta back for seconds)
         settle(app)
     assert aborts_and_prompt_tokens(metrics_url, model) == (1, len(PROMPT))
 

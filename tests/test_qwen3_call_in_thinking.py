@@ -169,20 +169,32 @@ def test_a_constrained_reply_still_reasons_to_its_first_think_close():
 
 
 def _stream_seconds(text: str) -> float:
-    """Seconds to stream `text` in 1-character deltas (the split checked)."""
+    """CPU seconds of this thread (the stream runs in it) to stream `text` in 1-character deltas (the split
+    checked): a stall of a loaded box, while other processes run, is not counted, as wall time would be."""
     import time
-    start = time.perf_counter()
+    start = time.thread_time()
     assert _streamed(QWEN3, list(text)) == tuple(part or "" for part in split_reasoning(QWEN3, text))
-    return time.perf_counter() - start
+    return time.thread_time() - start
+
+
+def _best_of_three_under(text: str, bound: float) -> float:
+    """The least of up to 3 timings of `text`, stopping at one under `bound` (what's left of noise is cache
+    and frequency, which a retry clears; the quadratic bug is slow on every try)."""
+    best = float("inf")
+    for _ in range(3):
+        best = min(best, _stream_seconds(text))
+        if best < bound:
+            break
+    return best
 
 
 def test_a_long_stream_after_a_call_opened_while_thinking_costs_linear_time():
     """Once a call opened, the rest is held: each delta is searched for </think> once, not the whole held text
     again (Old: 60 KB after the call in 1-character deltas took ~7x a plain reasoning stream; 200 KB ~70 s)."""
     size = 60_000
-    plain = _stream_seconds("x" * size)
-    assert _stream_seconds("<tool_call>\n<function=f>\n" + "y" * size) < 3 * plain + 0.5
-    assert _stream_seconds("<tool_call>\n<function=f>\n" + "y" * size + "</think>ok") < 3 * plain + 0.5
+    bound = 3 * _stream_seconds("x" * size) + 0.5
+    assert _best_of_three_under("<tool_call>\n<function=f>\n" + "y" * size, bound) < bound
+    assert _best_of_three_under("<tool_call>\n<function=f>\n" + "y" * size + "</think>ok", bound) < bound
 
 
 def test_a_constrained_reply_cut_inside_its_reasoning_is_all_reasoning():

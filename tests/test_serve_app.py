@@ -182,7 +182,7 @@ def test_n_samples_per_prompt_in_openai_order_reproducibly(server, oai, referenc
 
 def test_sse_wire_format(server):
     body = {"prompt": "hello", "max_tokens": 4, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers, timeout=60) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
@@ -313,16 +313,18 @@ def test_16_concurrent_streams_complete_and_are_correct(server, reference_llm):
 
 def test_client_disconnect_cancels_generation(server):
     before = app_stats()["cancelled"]
-    # ignore_eos: a sampled end-of-sequence must not finish the generation before the hang-up lands
-    body = {"prompt": "the cat", "max_tokens": 240, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers) as r:
+    # ignore_eos: a sampled end-of-sequence must not finish the generation before the hang-up lands. One 240-token
+    # choice took ~1 s, which the hang-up (client -> Serve proxy -> replica) could outlast on a loaded box: the
+    # most choices, 64 in waves of the 16 batch slots, take many times that (each aborted choice counts).
+    body = {"prompt": "the cat", "max_tokens": 240, "n": 64, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.headers, timeout=60) as r:
         next(r.iter_lines())  # generation is under way; now hang up
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline and (app_stats()["cancelled"] == before or app_stats()["running"]
-                                           or app_stats()["engine"]["num_running"]):
+                                           or app_stats()["engine"]["num_running"] or app_stats()["engine"]["num_waiting"]):
         time.sleep(0.1)
     stats = app_stats()
-    assert stats["cancelled"] == before + 1 and stats["running"] == 0
+    assert stats["cancelled"] > before and stats["running"] == 0
     assert stats["engine"]["num_running"] == 0 and stats["engine"]["kv_cache_tokens"] == 0  # its slot and KV are free
 
 

@@ -19,9 +19,10 @@ from saguaro_dist.serve.api import ServerOptions, create_app
 from saguaro_dist.serve.batch import app_client, run_batch
 from test_serve_fixtures import make_tokenizer, write_llama
 
-# ~3 s of generation on the 2-core CI box (ignore_eos: it cannot end sooner), against milliseconds for a
-# hang-up to land: a generation still running when the test checks was never told to stop.
-LONG = 4000
+# Far longer a generation (ignore_eos: it cannot end sooner; 4000 tokens took ~3 s on the 2-core CI box) than
+# a hang-up takes to land, milliseconds, seconds on a loaded box: a generation that makes all LONG tokens was
+# never told to stop. Only a test that fails runs one to its end.
+LONG = 20_000
 CHAT = [{"role": "user", "content": "the cat"}]
 LONG_BODIES = {  # one long generation on each generating route
     "/v1/completions": {"prompt": [4, 5, 6], "max_tokens": LONG, "ignore_eos": True},
@@ -84,22 +85,24 @@ def open_request(url: str, path: str, body: dict):
 # ---- a client that hangs up -----------------------------------------------------------------------
 @pytest.mark.parametrize("path", list(LONG_BODIES))
 def test_a_non_streamed_request_stops_generating_when_its_client_hangs_up(url, state, llm, path):
-    cancelled = state.cancelled
+    cancelled, generated = state.cancelled, llm.metrics.generated_tokens
     with open_request(url, path, LONG_BODIES[path]):
         _until(lambda: llm.load.num_running == 1)  # generating; now hang up
     _until(lambda: state.running == 0)
     assert state.cancelled == cancelled + 1  # ended early (the old code made all LONG tokens for nobody)
-    _until(lambda: _engine_idle(llm), timeout_s=2)  # the engine takes the abort at its next step
+    _until(lambda: _engine_idle(llm))
+    assert llm.metrics.generated_tokens - generated < LONG  # the engine took the abort, not the generation's end
 
 
 @pytest.mark.parametrize("path", list(LONG_BODIES))
 def test_a_stream_stops_generating_when_its_client_hangs_up(url, state, llm, path):
-    cancelled = state.cancelled
+    cancelled, generated = state.cancelled, llm.metrics.generated_tokens
     with open_request(url, path, {**LONG_BODIES[path], "stream": True}) as sock:
         assert sock.recv(65536).startswith(b"HTTP/1.1 200")  # streaming; now hang up
     _until(lambda: state.running == 0)
     assert state.cancelled == cancelled + 1
-    _until(lambda: _engine_idle(llm), timeout_s=2)
+    _until(lambda: _engine_idle(llm))
+    assert llm.metrics.generated_tokens - generated < LONG
 
 
 @pytest.mark.parametrize("path", list(LONG_BODIES))
@@ -113,7 +116,8 @@ def test_a_queued_stream_stops_when_its_client_hangs_up_before_its_first_token(u
             _until(lambda: llm.load.num_waiting == 1)
         _until(lambda: state.cancelled == cancelled + 1)
         assert state.running == 1  # the first still generates; the second is gone
-        _until(lambda: llm.load.num_waiting == 0, timeout_s=2)
+        _until(lambda: llm.load.num_waiting == 0)
+        assert state.running == 1  # it left the queue while the first still generates, not when the slot freed
 
 
 # ---- a request refused part-way --------------------------------------------------------------------

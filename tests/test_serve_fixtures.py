@@ -18,9 +18,10 @@ APP_NAME = "saguaro"
 # The engine settings of the shared server; the reference LLM uses the same ones.
 # A fixed speculation path (explicit fan-out, a tree every round, x_K always run after a hit, neural
 # fallback): a seeded request then reproduces exactly, which one test checks over HTTP (README:
-# "Reproducible sampling").
+# "Reproducible sampling"). A tree is waited for however late (a loaded box can stall the draft past the 5 s
+# default): one given up on is a miss, a round on another path, whose draws differ.
 ENGINE_ARGS = {"mode": "ssd", "k": 2, "max_batch_size": 16, "max_model_len": 256, "fan_out": [3, 3, 3],
-               "tree_policy": "always", "hit_glue": "always", "fallback": "neural"}
+               "tree_policy": "always", "hit_glue": "always", "fallback": "neural", "tree_timeout_s": 600.0}
 SENTENCES = [
     "the cat sat on the mat", "a dog ran in the park", "hello world from the desert",
     "def add ( a , b ) : return a + b", "class Stack : pass", "import os", "for i in range ( 10 ) :",

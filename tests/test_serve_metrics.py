@@ -25,15 +25,27 @@ def scrape(url: str) -> dict[str, float]:
     return totals
 
 
+def replica_idle() -> bool:
+    from test_serve_fixtures import app_stats
+
+    stats = app_stats()
+    return stats["running"] == 0 and stats["engine"]["num_running"] == 0 and stats["engine"]["num_waiting"] == 0
+
+
 def scrape_settled(url: str) -> dict[str, float]:
-    """Once what earlier tests did has all been reported: two scrapes a report interval apart agree."""
-    deadline, last = time.monotonic() + 30, scrape(url)
-    while time.monotonic() < deadline:
-        time.sleep(1.5)
+    """Once what earlier tests did has all been reported: the replica idle (no generation left to count), then
+    the scrapes unchanged for 2.5 s. A count passes the replica's 1 s reporter, then Ray's 1 s export: two
+    scrapes 1.5 s apart could agree with a report still to come (its count then taken for the test's own)."""
+    deadline = time.monotonic() + 30
+    while not replica_idle() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    last = scrape(url)
+    unchanged_since = time.monotonic()
+    while time.monotonic() < deadline and time.monotonic() - unchanged_since < 2.5:
+        time.sleep(0.5)
         now = scrape(url)
-        if now == last:
-            break
-        last = now
+        if now != last:
+            last, unchanged_since = now, time.monotonic()
     return last
 
 

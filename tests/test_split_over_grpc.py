@@ -224,14 +224,13 @@ def test_a_sampled_round_whose_plans_stay_late_waits_one_timeout_and_counts_once
     """A sampled row waits for its tree's plan after the verify (coupled bonus draws), then for the tree. A
     stalled worker's plan wait that runs out counts as its late wait, and the same round's tree wait takes what
     is there instead of a second whole timeout: one timeout a round, and dead after as many rounds as trees."""
-    timeout_s = 1.0
     with _stalled_tree_side(config, SAMPLED) as (split, pool, resume):
         for late in range(LATE_TREE_WAITS_BEFORE_DEAD):
             assert pool.workers() == (1, 1)
+            assert split.wait_plans([(1, 0)], 1.0) == {}
             start = time.monotonic()
-            assert split.wait_plans([(1, 0)], timeout_s) == {}
-            assert split.wait_trees([(1, 0)], timeout_s) == {}
-            assert time.monotonic() - start < 1.8 * timeout_s  # not 2 x timeout_s
+            assert split.wait_trees([(1, 0)], 5.0) == {}
+            assert time.monotonic() - start < 2.5  # not a second timeout (5 s); half of it is room for a loaded box
         _marked_dead_then_taken_back(split, pool, resume)
 
 

@@ -16,7 +16,10 @@ import pytest
 from engine_helpers import PROMPTS, hf_greedy, llama_config, save_model
 
 pytestmark = pytest.mark.slow
-GROUP_TIMEOUT = timedelta(seconds=4)  # pings every second: late ones are fine on a loaded CI host
+# Pings every 2.5 s. A follower dies once rank 0 sends nothing for the timeout: 4 s (pings every second) left a
+# loaded CI host 3 s for a stalled pinger, or for rank 0 building its runner after rank 1 began to follow.
+GROUP_TIMEOUT = timedelta(seconds=10)
+IDLE_S = 1.5 * GROUP_TIMEOUT.total_seconds()  # past the timeout: without pings the follower would end meanwhile
 MAX_TOKENS = 6
 BOUND_S = 120  # a safety net only: every wait is bounded
 
@@ -56,14 +59,14 @@ def grouped_rank(path: str, rank: int, masters, group_timeout: timedelta, start_
 
 
 def target_rank(rank: int, path: str, masters, results, killed) -> None:
-    """One rank's process. Rank 0: a request, idle for twice the group's timeout, a request; then, once the test
+    """One rank's process. Rank 0: a request, idle for longer than the group's timeout, a request; then, once the test
     killed rank 1, it idles until a ping finds the group broken, and a request fails."""
     target = grouped_rank(path, rank, masters, GROUP_TIMEOUT, BOUND_S)
     if rank == 1:
         target.followed()
         return
     first = ask(target, 1, PROMPTS[0])
-    time.sleep(2 * GROUP_TIMEOUT.total_seconds())  # no request: only pings keep the followers' collective alive
+    time.sleep(IDLE_S)  # no request: only pings keep the followers' collective alive
     results.put(("answers", first, ask(target, 2, PROMPTS[0])))
     killed.get(timeout=BOUND_S)
     deadline = time.monotonic() + BOUND_S
@@ -133,7 +136,7 @@ def test_a_hung_rank_0_sends_no_pings_and_its_follower_ends_at_the_timeout():
         p.start()
     try:
         assert called.wait(timeout=BOUND_S)
-        time.sleep(2 * GROUP_TIMEOUT.total_seconds())  # the pings keep the follower while rank 0 idles
+        time.sleep(IDLE_S)  # the pings keep the follower while rank 0 idles
         assert ranks[1].is_alive(), f"the follower ended while rank 0 was idle (exit {ranks[1].exitcode})"
         os.kill(ranks[0].pid, signal.SIGSTOP)  # hung: alive, its connections open, silent
         ranks[1].join(timeout=BOUND_S)

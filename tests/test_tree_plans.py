@@ -209,23 +209,27 @@ def test_greedy_output_is_the_targets_with_plans_announced(pair, executor, monke
 
 @pytest.mark.parametrize("announce", [True, False])
 def test_plans_cross_grpc_ahead_of_their_trees_and_spare_a_miss_the_wait(pair, announce):
-    """A real DraftWorker behind a real DraftService on loopback, its branch decode held back 1.5 s. With
-    plans announced (serve_draft's announce_plans, off by default) the target side learns them first,
-    misses at once where its outcome is not planned, and still waits for (and gets) a tree that holds its
-    outcome; without them it waits for every tree, as before plans."""
+    """A real DraftWorker behind a real DraftService on loopback, its branch decode held back until the test
+    lets it go. With plans announced (serve_draft's announce_plans, off by default) the target side learns
+    them first, misses at once where its outcome is not planned, and still waits for (and gets) a tree that
+    holds its outcome; without them it waits for every tree, as before plans."""
     config = Config(model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=6)
     worker = build_draft_worker(config)
     worker.budget.busy = True
-    finish = worker.finish_trees
-    worker.finish_trees = lambda *args: (time.sleep(1.5), finish(*args))[1]
+    finish, let_go = worker.finish_trees, threading.Event()
+    worker.finish_trees = lambda *args: (let_go.wait(30), finish(*args))[1]
     server, port = serve_draft(worker, "127.0.0.1", 0, announce_plans=announce)
     backend = GrpcDraftBackend([f"127.0.0.1:{port}"], deadline_s=10.0)
+    # Announced, the miss returns with the trees still held: the timer only bounds a wait that wrongly lasts
+    # (5 s, far past a stall). Unannounced, the wait lasts until the timer lets the trees go.
+    timer = threading.Timer(5.0 if announce else 1.0, let_go.set)
     try:
         backend.prefill([PrefillRequest(sid, PROMPTS[sid], GREEDY) for sid in (1, 2)])
         backend.jit_draft([JitDraftRequest(sid, 0, 0, PROMPTS[sid][-1]) for sid in (1, 2)])
-        start = time.monotonic()
+        timer.start()
         unplanned = backend.wait_trees([(1, 0)], 10.0, {1: (0, config.k + 10**6)})
-        assert (time.monotonic() - start < 1.0) is announce and (unplanned == {}) is announce
+        assert let_go.is_set() is not announce and (unplanned == {}) is announce
+        let_go.set()
         if announce:  # a planned outcome: its tree is waited for, and holds what the plan said
             plan = backend._plans[(2, 0)]
             tree = backend.wait_trees([(2, 0)], 10.0, {2: (plan.accepted[0], plan.bonus_tokens[0])})[2]
@@ -233,5 +237,7 @@ def test_plans_cross_grpc_ahead_of_their_trees_and_spare_a_miss_the_wait(pair, a
         else:
             assert not backend._plans and backend.wait_trees([(2, 0)], 10.0)[2].num_branches
     finally:
+        timer.cancel()
+        let_go.set()
         backend.close()
         server.stop(None)
