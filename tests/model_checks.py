@@ -3,12 +3,10 @@ read from transformers and from our runner along the decode path, and the checks
 them (every attention path, greedy ar / sd / ssd, 2 tensor-parallel ranks)."""
 from __future__ import annotations
 
-import os
-import tempfile
-
 import torch
 from engine_helpers import DEVICE, assert_greedy_equal, hf_greedy
 from test_step_graphs import static_runner, steps
+from tp_ranks import runner_logits, two_rank_logits  # noqa: F401 (the model tests take them from here)
 from transformers import AutoModelForCausalLM
 
 from saguaro_dist import LLM, SamplingParams
@@ -45,16 +43,6 @@ def random_tokens(seed: int, n: int, vocab: int) -> list[int]:
 def hf_logits(model, seq: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=torch.tensor([seq])).logits[0].float()
-
-
-def runner_logits(runner, seq: list[int]) -> torch.Tensor:
-    """Logits of seq: its first half prefilled, then one token a step (the decode path's positions)."""
-    runner.add("s")
-    half = len(seq) // 2
-    got = [runner.extend(["s"], [seq[:half]], [half])[0]]
-    got += [runner.extend(["s"], [[t]], [1])[0] for t in seq[half:]]
-    runner.free("s")
-    return torch.cat(got)
 
 
 # ---- the checks every model family runs: logits on each attention path, greedy generation, 2 TP ranks ----
@@ -150,28 +138,6 @@ def check_greedy_generation(pair: dict, mode: str, prompt: list[int], n: int) ->
 
 
 # ---- tensor parallel: 2 gloo ranks in spawned processes --------------------------------------------------
-def tp_rank_logits(rank: int, init_method: str, path: str, result_file: str, seq: list[int]) -> None:
-    """One rank's runner_logits of seq (or its ValueError's message), saved to result_file.<rank>."""
-    from test_model_tp import gloo_world
-    torch.set_num_threads(1)
-    with gloo_world(rank, 2, init_method) as group:
-        try:
-            result = runner_logits(ModelRunner(path, tp_group=group), seq)
-        except ValueError as err:
-            result = str(err)
-        torch.save(result, f"{result_file}.{rank}")
-
-
-def two_rank_logits(path, seq: list[int]) -> list:
-    """Each of 2 tensor-parallel ranks' runner_logits of seq, or its ValueError's message."""
-    import torch.multiprocessing as mp
-    from test_model_tp import rendezvous
-    with tempfile.TemporaryDirectory() as out:
-        result_file = os.path.join(out, "logits")
-        mp.spawn(tp_rank_logits, args=(rendezvous(), str(path), result_file, seq), nprocs=2, join=True)
-        return [torch.load(f"{result_file}.{rank}") for rank in (0, 1)]
-
-
 def check_two_ranks_match_transformers(path, model, seq: list[int], atol: float = ATOL) -> None:
     """Rank 0's logits transformers', rank 1's rank 0's to the bit."""
     got = two_rank_logits(path, seq)

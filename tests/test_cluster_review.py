@@ -244,15 +244,6 @@ def test_a_draft_killed_mid_generation_costs_no_token_and_frees_its_cpu(ray_clus
     assert wait_cpus(before) >= before
 
 
-CONNECT_LOCAL = r'''
-import json, ray
-from saguaro_dist.distributed.cluster import connect
-started = connect("local", 2)
-print(json.dumps({"started": started, "gcs": ray.get_runtime_context().gcs_address}))
-ray.shutdown()
-'''
-
-
 def run_script(script: str, *args, env=None, timeout=300) -> dict:
     env = {**os.environ, **(env or {})}
     done = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
@@ -261,23 +252,18 @@ def run_script(script: str, *args, env=None, timeout=300) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_cluster_local_starts_a_ray_of_its_own_where_RAY_ADDRESS_is_set():
-    """cluster="local" is an embedded Ray: with RAY_ADDRESS set (a KubeRay pod, a shell after `ray start`),
-    ray.init without address="local" joined that cluster instead, and refused the num_cpus and system
-    config it was given (a ValueError)."""
-    result = run_script(CONNECT_LOCAL, env={"RAY_ADDRESS": "127.0.0.1:1"})
-    assert result["started"] and not result["gcs"].endswith(":1")
-
-
 TWO_ENGINES = r'''
-import json, sys
+import json, os, sys
 import ray
 from saguaro_dist import LLM, SamplingParams
 target, prompt = sys.argv[1], json.loads(sys.argv[2])
 params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 def engine():
     return LLM(model=target, mode="ngram", k=3, cluster="local", max_batch_size=2)
-first, second = engine(), engine()
+first = engine()  # started with RAY_ADDRESS set
+own_ray = {"started": first._thread.deployment.started_ray, "gcs": ray.get_runtime_context().gcs_address}
+del os.environ["RAY_ADDRESS"]  # the rest as before: a Ray call's auto-init would start a fresh Ray, not join it
+second = engine()
 first.shutdown()
 alive_after_first = ray.is_initialized()
 tokens = second.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0].token_ids
@@ -287,17 +273,31 @@ second.shutdown()  # again: no Ray call (ray.kill, ray.get) that would start a f
 third = engine()
 ray.shutdown()     # the user stops Ray under the engine
 third.shutdown()
-print(json.dumps({"alive_after_first": alive_after_first, "tokens": tokens, "stopped_with_last": stopped_with_last,
-                  "restarted": ray.is_initialized()}))
+print(json.dumps({"own_ray": own_ray, "alive_after_first": alive_after_first, "tokens": tokens,
+                  "stopped_with_last": stopped_with_last, "restarted": ray.is_initialized()}))
 '''
 
 
+@pytest.fixture(scope="module")
+def engines_on_a_ray_of_their_own(pair) -> dict:
+    """TWO_ENGINES run once (a Ray start costs ~10 s on the CI box) for the two tests below that read it."""
+    return run_script(TWO_ENGINES, pair["target"], json.dumps(PROMPTS[0]), env={"RAY_ADDRESS": "127.0.0.1:1"})
+
+
+def test_cluster_local_starts_a_ray_of_its_own_where_RAY_ADDRESS_is_set(engines_on_a_ray_of_their_own):
+    """cluster="local" is an embedded Ray: with RAY_ADDRESS set (a KubeRay pod, a shell after `ray start`),
+    ray.init without address="local" joined that cluster instead, and refused the num_cpus and system
+    config it was given (a ValueError)."""
+    result = engines_on_a_ray_of_their_own["own_ray"]
+    assert result["started"] and not result["gcs"].endswith(":1")
+
+
 @pytest.mark.slow
-def test_engines_sharing_the_ray_one_started_stop_it_with_the_last(pair):
+def test_engines_sharing_the_ray_one_started_stop_it_with_the_last(pair, engines_on_a_ray_of_their_own):
     """Two cluster="local" engines of one process share the Ray the first started: the first one's shutdown
     stopped that Ray, and the second engine with it. Shutting down again, or after the user's ray.shutdown(),
     made Ray calls that started a fresh Ray of Ray's defaults (auto-init), and raised."""
-    result = run_script(TWO_ENGINES, pair["target"], json.dumps(PROMPTS[0]))
+    result = engines_on_a_ray_of_their_own
     assert result["alive_after_first"], "the first engine's shutdown stopped the Ray the second runs on"
     assert result["tokens"] == hf_greedy(pair["model"], PROMPTS[0], 8)
     assert result["stopped_with_last"]

@@ -129,32 +129,41 @@ def test_ngram_on_ray_matches_ar_and_starts_no_draft_actor(ray_cluster, pair):
         assert llm._thread.deployment.drafts == [] and llm.metrics.accepted_tokens > 0
 
 
-def test_concurrent_generate_calls_share_the_engine(ray_cluster, pair, monkeypatch):
-    with cluster_llm(pair, num_draft_workers=1) as llm:
-        results = [None] * len(PROMPTS)
+@pytest.fixture(scope="module")
+def one_draft_llm(ray_cluster, pair):
+    """One engine (rank 0 and a draft actor: two actor start-ups, each importing torch) for the test of
+    concurrent calls, then the test that kills its target and rebuilds it (and shuts it down)."""
+    llm = cluster_llm(pair, num_draft_workers=1)
+    yield llm
+    llm.shutdown()  # (a second shutdown does nothing)
 
-        def one(i):
-            results[i] = llm.generate(prompt_token_ids=[PROMPTS[i]], sampling_params=GREEDY)[0]
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        check_greedy(pair, results)
-        # what ended a request crosses from the target actor too (vLLM's stop_reason)
-        tokens = results[0].token_ids
-        stopped = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=replace(GREEDY, stop_token_ids=[tokens[2]]))[0]
-        assert stopped.stop_reason == tokens[2] and stopped.token_ids == tokens[:tokens.index(tokens[2]) + 1]
-        # a prefix-cache reset goes through rank 0's engine thread and the draft server's stream
-        long = [PROMPTS[2] * 2]  # over the prefix cache's 16-token minimum
-        first = llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0]
-        assert llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0].metrics.num_cached_tokens > 0
-        assert llm.reset_prefix_cache()
-        cold = llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0]
-        assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
-        asyncio.run(abandon_a_stream(llm))
-        asyncio.run(asyncio.wait_for(check_streams(llm, pair), 60))
-        interrupt_a_submit(llm, monkeypatch)
+
+def test_concurrent_generate_calls_share_the_engine(one_draft_llm, pair, monkeypatch):
+    llm = one_draft_llm
+    results = [None] * len(PROMPTS)
+
+    def one(i):
+        results[i] = llm.generate(prompt_token_ids=[PROMPTS[i]], sampling_params=GREEDY)[0]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    check_greedy(pair, results)
+    # what ended a request crosses from the target actor too (vLLM's stop_reason)
+    tokens = results[0].token_ids
+    stopped = llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=replace(GREEDY, stop_token_ids=[tokens[2]]))[0]
+    assert stopped.stop_reason == tokens[2] and stopped.token_ids == tokens[:tokens.index(tokens[2]) + 1]
+    # a prefix-cache reset goes through rank 0's engine thread and the draft server's stream
+    long = [PROMPTS[2] * 2]  # over the prefix cache's 16-token minimum
+    first = llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0]
+    assert llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0].metrics.num_cached_tokens > 0
+    assert llm.reset_prefix_cache()
+    cold = llm.generate(prompt_token_ids=long, sampling_params=GREEDY)[0]
+    assert cold.metrics.num_cached_tokens == 0 and cold.token_ids == first.token_ids
+    asyncio.run(abandon_a_stream(llm))
+    asyncio.run(asyncio.wait_for(check_streams(llm, pair), 60))
+    interrupt_a_submit(llm, monkeypatch)
 
 
 def interrupt_a_submit(llm: LLM, monkeypatch) -> None:
@@ -216,6 +225,45 @@ async def check_streams(llm: LLM, pair) -> None:
     await asyncio.sleep(0.5)
     wait_idle_load(llm)
     wait_unregistered(llm)
+
+
+def test_a_dead_target_fails_requests_retriably_and_rebuilds(one_draft_llm, pair, monkeypatch):
+    llm = one_draft_llm  # (idle, or fresh where this test runs alone: its target is killed first thing)
+    try:
+        ray.kill(llm._thread.deployment.ranks[0], no_restart=True)
+        with pytest.raises(EngineError) as err:
+            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)
+        assert err.value.retriable
+        with pytest.raises(EngineError, match="target is gone"):
+            llm.check_health()  # what a serving replica reports to Ray Serve, which then replaces it
+        llm.rebuild()
+        llm.check_health()
+        check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
+        fail_a_poll(llm, monkeypatch)
+    finally:
+        llm.shutdown()
+
+
+def fail_a_poll(llm: LLM, monkeypatch) -> None:
+    """A poll of rank 0 that fails with its actor alive (here rank 0 refuses a negative timeout) fails the
+    requests in flight retriably, as the actor's death does; it once ended the poll thread in silence,
+    and every request waited forever."""
+    failed: list[BaseException] = []
+
+    def generate() -> None:  # 8 waves of max_batch_size: a fast box had finished one wave before the next poll
+        try:
+            llm.generate(prompt_token_ids=PROMPTS * 8, sampling_params=replace(GREEDY, max_tokens=200), use_tqdm=False)
+        except EngineError as err:
+            failed.append(err)
+    worker = threading.Thread(target=generate)
+    worker.start()
+    assert wait_for_load(llm, lambda load: load.num_running > 0)
+    monkeypatch.setattr(cluster, "POLL_S", -1.0)
+    worker.join(timeout=60)
+    assert not worker.is_alive() and len(failed) == 1 and failed[0].retriable
+    assert "polling the target failed" in str(failed[0])
+    with pytest.raises(EngineError, match="polling the target failed"):
+        llm.check_health()
 
 
 def generate_through_a_kill(llm: LLM, params: SamplingParams, kill) -> list:
@@ -339,58 +387,24 @@ def test_with_its_pool_gone_for_good_the_split_drafts_beside_the_target(ray_clus
         assert wait_for_load(llm, lambda load: (load.draft_workers_live, load.draft_workers) == (0, 1))
 
 
-def test_a_dead_target_fails_requests_retriably_and_rebuilds(ray_cluster, pair, monkeypatch):
-    llm = cluster_llm(pair, num_draft_workers=1)
-    try:
-        ray.kill(llm._thread.deployment.ranks[0], no_restart=True)
-        with pytest.raises(EngineError) as err:
-            llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY)
-        assert err.value.retriable
-        with pytest.raises(EngineError, match="target is gone"):
-            llm.check_health()  # what a serving replica reports to Ray Serve, which then replaces it
-        llm.rebuild()
-        llm.check_health()
-        check_greedy(pair, llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY))
-        fail_a_poll(llm, monkeypatch)
-    finally:
-        llm.shutdown()
-
-
-def fail_a_poll(llm: LLM, monkeypatch) -> None:
-    """A poll of rank 0 that fails with its actor alive (here rank 0 refuses a negative timeout) fails the
-    requests in flight retriably, as the actor's death does; it once ended the poll thread in silence,
-    and every request waited forever."""
-    failed: list[BaseException] = []
-
-    def generate() -> None:  # 8 waves of max_batch_size: a fast box had finished one wave before the next poll
-        try:
-            llm.generate(prompt_token_ids=PROMPTS * 8, sampling_params=replace(GREEDY, max_tokens=200), use_tqdm=False)
-        except EngineError as err:
-            failed.append(err)
-    worker = threading.Thread(target=generate)
-    worker.start()
-    assert wait_for_load(llm, lambda load: load.num_running > 0)
-    monkeypatch.setattr(cluster, "POLL_S", -1.0)
-    worker.join(timeout=60)
-    assert not worker.is_alive() and len(failed) == 1 and failed[0].retriable
-    assert "polling the target failed" in str(failed[0])
-    with pytest.raises(EngineError, match="polling the target failed"):
-        llm.check_health()
-
-
 MULTI_NODE = r'''
 import json, sys
 import ray
 from ray.cluster_utils import Cluster
 from saguaro_dist import LLM, SamplingParams
+from saguaro_dist.distributed.deployment import LOCAL_RAY_SYSTEM_CONFIG
 from saguaro_dist.placement import DRAFT_RESOURCE, TARGET_RESOURCE
 target, draft, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+# No dashboard, no idle workers prestarted (the embedded Ray's settings): neither is what is tested, and each
+# cost CPU seconds on a 2-core box.
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False,
+                                                        "_system_config": LOCAL_RAY_SYSTEM_CONFIG})
 target_node = cluster.add_node(num_cpus=2, resources={TARGET_RESOURCE: 2})
 draft_node = cluster.add_node(num_cpus=2, resources={DRAFT_RESOURCE: 2})
 ray.init(address=cluster.address, log_to_driver=False)
+# Two ranks (one placement group, its bundles on the target node); one draft: each draft actor is placed alike.
 llm = LLM(model=target, draft=draft, mode="ssd", k=3, fan_out=12, cluster="auto",
-          tensor_parallel_size=2, num_draft_workers=2)
+          tensor_parallel_size=2, num_draft_workers=1)
 out = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
 print(json.dumps({"tokens": [o.token_ids for o in out], "target_nodes": llm._thread.target_node_ids(),
                   "draft_nodes": llm._thread.draft_node_ids(), "target_node": target_node.node_id,

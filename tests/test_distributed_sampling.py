@@ -19,14 +19,14 @@ pytestmark = pytest.mark.slow
     ("ssd_hit_path", "t1", "split"), ("ssd_hit_path", "t1_minp0.85", "process"),
     ("ssd_coupled", "t1", "process"), ("ssd_coupled", "t1", "split")])
 def test_sampling_is_exact_through_the_distributed_path(ray_cluster, tmp_path_factory, case, params, executor):
-    """The exact-core chi-square test, with the drafts behind gRPC in Ray actors (8000 samples per path:
-    the single-process test carries the 20000-sample power; this one proves the transport changes nothing)."""
-    from test_engine_sampling import CASES, PARAMS, VOCAB, chi_square_pvalue, exact_joint, sample_joint
+    """The exact-core chi-square test, with the drafts behind gRPC in Ray actors (N_TWIN samples per path:
+    the single-process test carries the N-sample power; this one proves the transport changes nothing)."""
+    from test_engine_sampling import CASES, N_TWIN, PARAMS, VOCAB, chi_square_pvalue, exact_joint, sample_joint
     root = tmp_path_factory.mktemp("dist_sampling")
     model = save_model(root / "target", llama_config(VOCAB, 32, 1), seed=3, sharpen=2.0)
     save_perturbed(root / "draft", model, seed=4, noise=0.6)
     settings, took_path = CASES[case]
-    counts, metrics = sample_joint(str(root / "target"), str(root / "draft"), PARAMS[params], n=8000,
+    counts, metrics = sample_joint(str(root / "target"), str(root / "draft"), PARAMS[params], n=N_TWIN,
                                    cluster="auto", num_draft_workers=2, **(settings | {"draft_executor": executor}))
     assert took_path(metrics), metrics
     p = chi_square_pvalue(counts, exact_joint(model, PARAMS[params]))

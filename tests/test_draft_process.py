@@ -23,6 +23,12 @@ def pair(tmp_path_factory):
     return close_pair(tmp_path_factory.mktemp("process_pair"))
 
 
+@pytest.fixture(scope="module")
+def long_reference(pair):
+    """transformers' greedy tokens of PROMPTS under LONG, computed once for the tests that check them."""
+    return [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
+
+
 def draft_children() -> set[int]:
     """Pids of this process's draft children (read from /proc: no private handles). Other tests'
     long-lived engines may own some: compare before and after."""
@@ -44,8 +50,8 @@ def draft_children() -> set[int]:
 
 @pytest.mark.parametrize("executor", ["process", "split"])
 @pytest.mark.parametrize("tree_policy", ["auto", "never"])  # never: two cohorts, one's drafts in flight at the kill
-def test_killed_draft_process_costs_speed_not_tokens(pair, executor, tree_policy):
-    want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
+def test_killed_draft_process_costs_speed_not_tokens(pair, long_reference, executor, tree_policy):
+    want = long_reference
     before = draft_children()
     with LLM(device=DEVICE, model=pair["target"], draft=pair["close"], mode="ssd", k=3, fan_out=12, max_batch_size=4,
              draft_executor=executor, tree_policy=tree_policy) as llm:
@@ -70,10 +76,10 @@ def test_killed_draft_process_costs_speed_not_tokens(pair, executor, tree_policy
 
 
 @pytest.mark.parametrize("mode, extra", [("sd", {}), ("ssd", {}), ("ssd", {"tree_policy": "never"})])
-def test_a_draft_out_of_step_costs_speed_not_the_request(pair, mode, extra):
+def test_a_draft_out_of_step_costs_speed_not_the_request(pair, long_reference, mode, extra):
     """A draft that lost track of a sequence's round (a lost outcome, say) answers OutOfOrder; the
     engine gives those sequences the fast backup and prefills them again, as for a dead draft."""
-    want = [hf_greedy(pair["model"], p, LONG.max_tokens) for p in PROMPTS]
+    want = long_reference
     with LLM(model=pair["target"], draft=pair["close"], mode=mode, k=3, draft_executor="thread", **extra) as llm:
         draft = llm._thread.engine.loop.draft.worker
         calls = []

@@ -20,8 +20,8 @@ from test_engine_sampling import (
 pytestmark = pytest.mark.slow
 
 
-# The broken variants below sample N_CATCH, a tenth of N: the test that rejects them at 2000 samples rejects
-# them at 20000 too (the same shift, a statistic that grows with N). At 2000 (cells pooled as at that N, alpha
+# The broken variants below sample N_CATCH, a fifth of N: the test that rejects them at 2000 samples rejects
+# them at N too (the same shift, a statistic that grows with N). At 2000 (cells pooled as at that N, alpha
 # kept): penalties ignored have noncentrality ~1000 against a critical value of 215 (143 degrees of freedom),
 # the bias ignored ~5000 against 146; min_p ignored draws a sequence of zero probability 86% of the time; the
 # grammar's mask ignoring the speculation fails ~25% of requests. Five seed sets of 2000 each (session 90):

@@ -293,25 +293,38 @@ def workload(runner: ModelRunner) -> list[torch.Tensor]:
     return out + [logits, runner.branch_step(state, torch.tensor([30, 31, 32]))]
 
 
-def _rank(rank: int, init_method: str, path: str, dirs: list[str], result_file: str):
+TWO_RANK_KINDS = ["llama_adapters", "phi3_adapters", "llama_one_kv_adapters", "phi3_one_kv_adapters"]
+
+
+def _rank(rank: int, init_method: str, jobs: list[tuple[str, list[str]]], result_file: str):
     from test_model_tp import gloo_world
     torch.set_num_threads(1)
     with gloo_world(rank, 2, init_method) as group:
-        torch.save(workload(lora_runner(path, dirs, tp_group=group)), f"{result_file}.{rank}")
+        for job, (path, dirs) in enumerate(jobs):
+            torch.save(workload(lora_runner(path, dirs, tp_group=group)), f"{result_file}.{job}.{rank}")
+
+
+@pytest.fixture(scope="module")
+def two_rank_workloads(request, tmp_path_factory):
+    """{kind: (rank 0's, rank 1's workload)}: every kind in one spawn of 2 gloo ranks, as a spawned rank spends
+    seconds importing this module (torch, transformers, peft) before it runs anything."""
+    from test_model_tp import rendezvous
+    torch.set_num_threads(1)
+    jobs = [(str(a["path"]), [str(d) for d in a["dirs"]]) for a in map(request.getfixturevalue, TWO_RANK_KINDS)]
+    out = tmp_path_factory.mktemp("lora_two_ranks") / "out"
+    mp.spawn(_rank, args=(rendezvous(), jobs, str(out)), nprocs=2, join=True)
+    return {kind: (torch.load(f"{out}.{job}.0"), torch.load(f"{out}.{job}.1")) for job, kind in enumerate(TWO_RANK_KINDS)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["llama_adapters", "phi3_adapters", "llama_one_kv_adapters", "phi3_one_kv_adapters"])
-def test_two_ranks_equal_one(kind, request, tmp_path):
+@pytest.mark.parametrize("kind", TWO_RANK_KINDS)
+def test_two_ranks_equal_one(kind, request, two_rank_workloads):
     """Phi-3: each rank's columns of a fused B are its q, k and v (gate and up) blocks. One KV head: each rank
     holds it (and B's columns of it) whole."""
-    from test_model_tp import rendezvous
     torch.set_num_threads(1)
     adapters = request.getfixturevalue(kind)
-    dirs = [str(d) for d in adapters["dirs"]]
-    mp.spawn(_rank, args=(rendezvous(), str(adapters["path"]), dirs, str(tmp_path / "out")), nprocs=2, join=True)
-    rank0, rank1 = torch.load(tmp_path / "out.0"), torch.load(tmp_path / "out.1")
-    want = workload(lora_runner(adapters["path"], dirs))
+    rank0, rank1 = two_rank_workloads[kind]
+    want = workload(lora_runner(adapters["path"], [str(d) for d in adapters["dirs"]]))
     for a, b, w in zip(rank0, rank1, want, strict=True):
         torch.testing.assert_close(a, w, atol=ATOL, rtol=0)
         torch.testing.assert_close(b, a, atol=0, rtol=0)

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from engine_helpers import assert_greedy_equal, hf_greedy
-from model_checks import ATOL, hf_logits, randomise, random_tokens, runner_logits
-from test_model_tp import gloo_world, rendezvous
+from model_checks import ATOL, hf_logits, randomise, random_tokens
+from tp_ranks import rank_results
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Olmo2Config,
                           Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 from saguaro_dist.config import Config
 from saguaro_dist.distributed.cluster import check_tensor_parallel
-from saguaro_dist.model.runner import ModelRunner
 
 VOCAB, PROMPT, NEW = 64, [5, 17, 3, 44, 9, 28, 61, 2], 10
 COMMON = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -46,37 +44,16 @@ def save(path, family: str, kv_heads: int, seed: int):
     return model
 
 
-def greedy(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
-    runner.add("g")
-    logits, out = runner.extend(["g"], [prompt], [1])[0], []
-    for _ in range(n):
-        out.append(int(logits[-1].argmax()))
-        logits = runner.extend(["g"], [[out[-1]]], [1])[0]
-    runner.free("g")
-    return out
-
-
-def _rank(rank: int, world: int, init_method: str, paths: list[str], result_file: str) -> None:
-    torch.set_num_threads(1)
-    with gloo_world(rank, world, init_method) as group:
-        results = []
-        for path in paths:
-            runner = ModelRunner(path, tp_group=group)
-            results.append({"kv_heads": runner.pool.k.shape[2], "logits": runner_logits(runner, random_tokens(3, 12, VOCAB)),
-                            "greedy": greedy(runner, PROMPT, NEW)})
-        torch.save(results, f"{result_file}.{rank}")
-
-
 def check_ranks(tmp_path, world: int, cases: list[tuple[str, int]]) -> None:
     """Each (family, KV heads) case over `world` ranks: one KV head a rank, transformers' logits and tokens."""
     models = [save(tmp_path / f"{f}{kv}", f, kv, seed=i) for i, (f, kv) in enumerate(cases)]
     paths = [str(tmp_path / f"{f}{kv}") for f, kv in cases]
-    mp.spawn(_rank, args=(world, rendezvous(), paths, str(tmp_path / "out")), nprocs=world, join=True)
-    ranks = [torch.load(tmp_path / f"out.{r}") for r in range(world)]
+    seq = random_tokens(3, 12, VOCAB)
+    ranks = rank_results(tmp_path, world, paths, seq, PROMPT, NEW)
     for i, model in enumerate(models):
         first = ranks[0][i]
         assert first["kv_heads"] == 1, cases[i]
-        torch.testing.assert_close(first["logits"], hf_logits(model, random_tokens(3, 12, VOCAB)), atol=ATOL, rtol=0)
+        torch.testing.assert_close(first["logits"], hf_logits(model, seq), atol=ATOL, rtol=0)
         assert_greedy_equal(first["greedy"], hf_greedy(model, PROMPT, NEW), PROMPT, model)
         for other in ranks[1:]:
             torch.testing.assert_close(other[i]["logits"], first["logits"], atol=0, rtol=0)

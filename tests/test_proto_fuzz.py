@@ -8,6 +8,7 @@ fields, open enums, NaN and infinite doubles, int64 extremes) set or left out at
 added to the .proto is fuzzed without this file changing."""
 from __future__ import annotations
 
+import functools
 import itertools
 
 import grpc
@@ -39,6 +40,9 @@ SCALARS = {
 MAX_DEPTH = 4
 
 
+# The strategies are built once per field (and message type and depth), not on every draw: hypothesis validates a
+# strategy object on its first draw, and fresh ones each draw spent most of the fuzzing's time validating.
+@functools.lru_cache(maxsize=None)
 def field_values(field, depth: int):
     if field.type == FD.TYPE_MESSAGE:
         return messages(field.message_type._concrete_class, depth + 1)
@@ -47,6 +51,18 @@ def field_values(field, depth: int):
     return SCALARS[field.type]
 
 
+@functools.lru_cache(maxsize=None)
+def map_values(field, depth: int):
+    key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+    return st.dictionaries(field_values(key, depth), field_values(value, depth), max_size=3)
+
+
+@functools.lru_cache(maxsize=None)
+def repeated_values(field, depth: int):
+    return st.lists(field_values(field, depth), max_size=4)
+
+
+@functools.lru_cache(maxsize=None)
 @st.composite
 def messages(draw, cls, depth: int = 0):
     """A message of type cls with a random subset of its fields set (nested messages depth-limited)."""
@@ -55,11 +71,9 @@ def messages(draw, cls, depth: int = 0):
         if depth >= MAX_DEPTH and field.type == FD.TYPE_MESSAGE or not draw(st.booleans()):
             continue
         if field.message_type is not None and field.message_type.GetOptions().map_entry:
-            key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
-            getattr(msg, field.name).update(draw(st.dictionaries(field_values(key, depth), field_values(value, depth),
-                                                                 max_size=3)))
+            getattr(msg, field.name).update(draw(map_values(field, depth)))
         elif field.is_repeated:
-            values = draw(st.lists(field_values(field, depth), max_size=4))
+            values = draw(repeated_values(field, depth))
             target = getattr(msg, field.name)
             if field.type == FD.TYPE_MESSAGE:
                 for v in values:

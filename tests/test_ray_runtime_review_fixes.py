@@ -86,7 +86,7 @@ RAY_DOWN_AFTER_A_POLL = r"""
 import json, sys, threading, time
 import ray
 real_wait = ray.wait
-shut_down_now = threading.Event()
+shut_down_now, ray_down, ray_up_again = threading.Event(), threading.Event(), threading.Event()
 def wait_then_shut_down(refs, *args, **kwargs):
     # Ray goes down on the user's side just after a poll came back and before the poll thread fetched it: the
     # window a CI run hit by chance, opened each time (patched before saguaro_dist is imported, as its Ray calls
@@ -95,12 +95,20 @@ def wait_then_shut_down(refs, *args, **kwargs):
     if ready and shut_down_now.is_set() and threading.current_thread().name == "saguaro-remote-poll":
         shut_down_now.clear()
         ray.shutdown()
-        if sys.argv[3] == "reinit":  # the user starts a Ray again at once: a fresh Ray, its first job's id ours
-            ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+        ray_down.set()
+        if sys.argv[3] == "reinit":  # the fetch waits for the user's fresh Ray (started on the main thread)
+            ray_up_again.wait(timeout=60)
     return ready, rest
 ray.wait = wait_then_shut_down
 """ + GENERATING + r"""
 shut_down_now.set()
+if sys.argv[3] == "reinit":
+    # The user starts a Ray again at once: a fresh Ray, its first job's id ours. Started here, not on the poll
+    # thread: Ray's daemons die with the thread that started them (PR_SET_PDEATHSIG), and the exit then waited
+    # out Ray's 60 s GCS request timeout on the dead GCS.
+    ray_down.wait(timeout=60)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray_up_again.set()
 worker.join(timeout=60)
 fresh_ray = ray.is_initialized() and sys.argv[3] != "reinit"
 llm.shutdown()

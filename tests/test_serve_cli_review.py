@@ -1,6 +1,6 @@
 """`saguaro serve` and the Serve app's arguments at their edges: stopping while the replica is not up yet, IPv6
 hosts, and manifest values that could only fail every request. Real subprocesses, a real embedded Ray
-cluster, real HTTP."""
+cluster, real HTTP. (A server answering on an IPv6 host: tests/test_cli_serve.py's direct-ingress run.)"""
 from __future__ import annotations
 
 import os
@@ -10,23 +10,14 @@ import subprocess
 import sys
 import time
 
-import httpx
 import pytest
 import yaml
 
 from saguaro_dist.serve.app import APP_IMPORT_PATH, DEPLOYMENT_NAME, build_app, build_deployment
 from saguaro_dist.serve.ingress import check_port_free, free_port
+from test_serve_fixtures import ipv6_loopback
 
 pytest_plugins = ["test_serve_fixtures"]
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 needs_ipv6 = pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
@@ -73,11 +64,12 @@ def test_a_request_size_limit_below_one_byte_is_refused_at_deploy(serving_pair, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_while_the_replica_cannot_start_ends_the_server(serving_pair, tmp_path, sig):
+def test_a_stop_while_the_replica_cannot_start_ends_the_server(serving_pair, tmp_path):
     """serve.run waits for the replica (a model loading, or here one Ray cannot place): Kubernetes' SIGTERM,
     or Ctrl-C, set a flag nobody read until the replica was up, so the server never stopped. (The stop no longer
-    waits Serve's 20 s graceful stop of a replica that never started: cli/serve.py _shutdown; no timing asserted.)"""
+    waits Serve's 20 s graceful stop of a replica that never started: cli/serve.py _shutdown; no timing asserted.)
+    SIGTERM only: SIGINT takes the same handler (cli/serve.py _stop_on_signals), and a flag-setting handler would
+    be installed for both; the serving tests stop with SIGINT. (A second server start cost ~30 s.)"""
     config = tmp_path / "unplaceable.yaml"
     config.write_text(yaml.safe_dump({"applications": [{
         "name": "saguaro", "route_prefix": "/", "import_path": APP_IMPORT_PATH,
@@ -85,9 +77,10 @@ def test_a_stop_while_the_replica_cannot_start_ends_the_server(serving_pair, tmp
         "deployments": [{"name": DEPLOYMENT_NAME, "ray_actor_options": {"resources": {"no_such_node": 1}}}]}]}))
     proc = saguaro_serve("--config", str(config), "--port", str(free_port()), "--num-cpus", "2")
     try:
-        wait_for_line(proc, "Started Serve")
-        time.sleep(3)  # into serve.run's wait for the replica
-        proc.send_signal(sig)
+        # build_deployment's warning of the unplaceable replica: serve.run's wait for it follows at once
+        wait_for_line(proc, "which no node of this Ray cluster advertises")
+        time.sleep(1)  # into that wait
+        proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=60)[0]
     finally:
         if proc.poll() is None:
@@ -96,24 +89,6 @@ def test_a_stop_while_the_replica_cannot_start_ends_the_server(serving_pair, tmp
     assert proc.returncode == 0, output[-3000:]  # a stop asked for, as one while serving
     assert "shutting down" in output and "Traceback" not in output, output[-3000:]
     assert "serving '" not in output  # it never served
-
-
-@pytest.mark.slow
-@needs_ipv6
-def test_serve_on_an_ipv6_host_answers_there(serving_pair):
-    port = free_port("::1")
-    proc = saguaro_serve(serving_pair[0], "--mode", "ar", "--max-model-len", "256", "--host", "::1",
-                         "--port", str(port), "--num-cpus", "2", "--served-model-name", "tiny")
-    try:
-        lines = wait_for_line(proc, "serving 'tiny'")
-        assert f"http://[::1]:{port}/v1" in lines[-1]
-        r = httpx.post(f"http://[::1]:{port}/v1/completions", timeout=60,
-                       json={"model": "tiny", "prompt": "the cat", "max_tokens": 3, "temperature": 0})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
-    finally:
-        proc.send_signal(signal.SIGINT)
-        output = proc.communicate(timeout=90)[0]
-    assert proc.returncode == 0, output[-3000:]
 
 
 @pytest.mark.parametrize("given, want", [({"min_replicas": 1, "max_replicas": 3}, 6.0),

@@ -6,11 +6,23 @@ to them, since serving needs text in and out.
 """
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 
 import pytest
 
 from saguaro_dist.serve.ingress import free_port  # noqa: F401 - the serve tests' spare ports come from here
+
+
+def ipv6_loopback() -> bool:
+    """Whether this machine can bind IPv6's loopback (a container may have no IPv6)."""
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
 
 API_KEY = "sk-test-saguaro"
 MODEL_NAME = "tiny-ssd"

@@ -135,7 +135,8 @@ def test_a_deployment_overridden_to_autoscale_refuses_runtime_loads(server, serv
             "served_model_name": "base", "enable_lora": True, "max_lora_rank": 8}
     deployment = serve.deployment(serve.ingress()(SaguaroServer), name=DEPLOYMENT_NAME,
                                   autoscaling_config={"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2},
-                                  ray_actor_options={"runtime_env": {"env_vars": {RUNTIME_ENV: "true"}}})
+                                  ray_actor_options={"runtime_env": {"env_vars": {RUNTIME_ENV: "true"}}},
+                                  graceful_shutdown_wait_loop_s=0.1)  # (serve.delete: no 2 s drain check)
     serve.run(deployment.bind(args), name="lora_guard", route_prefix="/lora_guard")
     try:
         url = f"{server.url}/lora_guard/v1"
@@ -154,7 +155,8 @@ def test_a_replica_reads_the_replica_count_serve_configured(server):  # (server:
 
     from saguaro_dist.serve.app import deployment_replicas
 
-    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    # (a drain check every 0.1 s, not Serve's 2 s: each serve.delete waited one out, with nothing to drain)
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=0.1)
     class Probe:
         def __call__(self) -> int:
             return deployment_replicas()

@@ -130,11 +130,12 @@ def test_an_idle_replica_exports_its_engine_gauges(metrics_url, server, serving_
     reporter started there), so a fresh replica read as no data to dashboards and autoscalers."""
     from ray import serve
 
-    from saguaro_dist.serve.app import build_app
+    from saguaro_dist.serve.app import build_deployment
 
     model, name = "h11-idle", "h11-idle"  # a second app beside the session's (`server` started Serve)
     args = {"model": serving_pair[0], "mode": "ar", "max_model_len": 256, "max_batch_size": 2, "served_model_name": model}
-    serve.run(build_app(args), name=name, route_prefix="/" + name)
+    # build_app's deployment, its drain check every 0.1 s (Serve's 2 s was waited out by serve.delete, nothing to drain)
+    serve.run(build_deployment(args, graceful_shutdown_wait_loop_s=0.1), name=name, route_prefix="/" + name)
     try:
         found = wait_for(metrics_url, "saguaro_draft_workers", model, bool)
         gauges = {g: total(metrics_url, f"saguaro_{g}", model) for g in GAUGES}

@@ -61,8 +61,9 @@ def test_serve_replaces_a_replica_whose_target_died(server, reference_llm, servi
     args = {"model": target, "draft": draft, "mode": "ssd", "k": 2, "max_model_len": 256, "cluster": "auto",
             "num_draft_workers": 1, "api_key": server.api_key, "served_model_name": server.model}
     before = target_pids()
-    serve.run(build_deployment(args, health_check_period_s=1, health_check_timeout_s=30, graceful_shutdown_timeout_s=2),
-              name=APP, route_prefix=PREFIX)
+    # (graceful_shutdown_wait_loop_s: serve.delete's drain check every 0.2 s, not Serve's 2 s, with nothing to drain)
+    serve.run(build_deployment(args, health_check_period_s=1, health_check_timeout_s=30, graceful_shutdown_timeout_s=2,
+                               graceful_shutdown_wait_loop_s=0.2), name=APP, route_prefix=PREFIX)
     try:
         body = {"prompt": "the cat sat", "max_tokens": 8, "temperature": 0}
         want = reference_llm.generate(["the cat sat"], SamplingParams(temperature=0, max_tokens=8))[0].text

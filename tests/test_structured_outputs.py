@@ -226,10 +226,14 @@ def test_row_masks_and_commit_raise_a_grammar_error_where_llguidance_gives_up(de
 
 
 @pytest.mark.parametrize("mode", ["ar", "ssd"])
-def test_a_grammar_llguidance_cannot_follow_fails_its_request_alone(demo, mode):
+def test_a_grammar_llguidance_cannot_follow_fails_its_request_alone(demo, monkeypatch, mode):
     """That request gets a ValueError saying so; the request beside it in the batch runs on to the tokens it
     gets alone (it used to fail with it: one engine step failed them all); and the grammar sent again fails
     again, not as an empty output that looks finished (its compiled matcher shared the failed lexer)."""
+    from saguaro_dist.engine.structured import GrammarState
+    # Each renewal recomputes this grammar's slow mask before it fails again: 16 a request were most of this
+    # test's time. 2 still renew, then run out and fail the request, as 16 do.
+    monkeypatch.setattr(GrammarState, "MAX_RENEWALS", 2)
     target, draft, tokenizer, model = demo
     good = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     bad = SamplingParams(temperature=0, max_tokens=24, structured_outputs=BEYOND_LLGUIDANCE)

@@ -65,35 +65,42 @@ def unhealthy(llm: LLM) -> bool:
     return False
 
 
-def test_a_follower_killed_mid_generation_fails_the_engine_and_rebuild_restores_it(ray_cluster, target):
-    path, model = target
-    llm = tp2_llm(path)
-    try:
-        pid = follower_pid(llm)
-        worker, raised = start_generate(llm, replace(GREEDY, max_tokens=400), PROMPTS * 4)
-        wait_for(lambda: llm.load.num_running > 0, within_s=BOUND_S)
-        os.kill(pid, signal.SIGKILL)  # as the OOM killer would
-        worker.join(timeout=BOUND_S)
-        assert not worker.is_alive(), "the generate() in flight never learned of the dead rank"
-        assert_rank_1_lost(raised[0])
-        with pytest.raises(EngineError, match="target is gone .*tensor-parallel rank 1"):
-            llm.check_health()
-        worker, raised = start_generate(llm, GREEDY, PROMPTS[:1])  # refused at once, naming the rank
-        worker.join(timeout=BOUND_S)
-        assert_rank_1_lost(raised[0])
-        llm.rebuild()
+@pytest.fixture(scope="module")
+def tp2_engine(ray_cluster, target):
+    """One tp = 2 engine for both tests (each start-up: two ranks, each importing torch and loading its shard):
+    the first leaves it rebuilt, the second kills a follower of that rebuilt group."""
+    llm = tp2_llm(target[0])
+    yield llm
+    llm.shutdown()
+
+
+def test_a_follower_killed_mid_generation_fails_the_engine_and_rebuild_restores_it(tp2_engine, target):
+    _, model = target
+    llm = tp2_engine
+    pid = follower_pid(llm)
+    worker, raised = start_generate(llm, replace(GREEDY, max_tokens=400), PROMPTS * 4)
+    wait_for(lambda: llm.load.num_running > 0, within_s=BOUND_S)
+    os.kill(pid, signal.SIGKILL)  # as the OOM killer would
+    worker.join(timeout=BOUND_S)
+    assert not worker.is_alive(), "the generate() in flight never learned of the dead rank"
+    assert_rank_1_lost(raised[0])
+    with pytest.raises(EngineError, match="target is gone .*tensor-parallel rank 1"):
         llm.check_health()
-        outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
-        for prompt, out in zip(PROMPTS, outputs):
-            assert_greedy_equal(out.outputs[0].token_ids, hf_greedy(model, prompt, GREEDY.max_tokens), prompt, model)
-    finally:
-        llm.shutdown()
+    worker, raised = start_generate(llm, GREEDY, PROMPTS[:1])  # refused at once, naming the rank
+    worker.join(timeout=BOUND_S)
+    assert_rank_1_lost(raised[0])
+    llm.rebuild()
+    llm.check_health()
+    outputs = llm.generate(prompt_token_ids=PROMPTS, sampling_params=GREEDY, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        assert_greedy_equal(out.outputs[0].token_ids, hf_greedy(model, prompt, GREEDY.max_tokens), prompt, model)
 
 
-def test_a_follower_killed_between_requests_makes_check_health_raise(ray_cluster, target):
+def test_a_follower_killed_between_requests_makes_check_health_raise(tp2_engine):
     """No request runs: only the driver's watch on the follower can tell (Serve's health check asks it)."""
-    path, _ = target
-    llm = tp2_llm(path)
+    llm = tp2_engine
+    if unhealthy(llm):  # left broken by a failure of the test before
+        llm.rebuild()
     try:
         llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False)
         ray.kill(llm._thread.deployment.ranks[1], no_restart=True)
