@@ -73,14 +73,14 @@ def test_json_round_trips_and_table_and_plot_are_written(grid, tmp_path):
 
 
 def test_sweep_points_plots_and_predictions(tiny_llama_pair, tmp_path):
-    # Each point opens its own SSD engine (a draft child process): one budget a kind shows the fan-out axis; the
-    # budget 2, under k + 1, is left out of the sweep.
-    sweep = SweepConfig(base=tiny_config(tiny_llama_pair, tmp_path), ks=(2,), budgets=(2, 6), cs=(1.0, 0.5),
+    # Each point opens its own SSD engine (a draft child process): one budget a kind shows the fan-out axis, the
+    # least one kept (k + 1 = 3); budget 2, under it, is left out of the sweep.
+    sweep = SweepConfig(base=tiny_config(tiny_llama_pair, tmp_path), ks=(2,), budgets=(2, 3), cs=(1.0, 0.5),
                         fallbacks=("fast",), temperature=0.7)
     results = run_sweep(sweep, progress=False)
     axes = [p["axis"] for p in results["points"]]
     assert axes == ["k"] + ["fan_out"] * 3 + ["saguaro_c", "saguaro_c", "fallback"]  # 1 budget x 3 kinds
-    assert {p["fan_out"] for p in results["points"] if p["axis"] == "fan_out"} == {6}
+    assert {p["fan_out"] for p in results["points"] if p["axis"] == "fan_out"} == {3}
     assert all(p["theorem7"]["predicted_tokens_per_s"] > 0 for p in results["points"])
     assert all(p["calibration"]["batch"] == sweep.batch_size for p in results["points"])  # not every prompt at once
     pngs = write_plots(results, tmp_path)

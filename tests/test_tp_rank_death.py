@@ -102,7 +102,9 @@ def test_a_follower_killed_between_requests_makes_check_health_raise(tp2_engine)
     if unhealthy(llm):  # left broken by a failure of the test before
         llm.rebuild()
     try:
-        llm.generate(prompt_token_ids=PROMPTS[:1], sampling_params=GREEDY, use_tqdm=False)
+        worker, raised = start_generate(llm, GREEDY, PROMPTS[:1])  # bounded: a group left broken could hang it
+        worker.join(timeout=BOUND_S)
+        assert not worker.is_alive() and raised[0] is None, raised[0]
         ray.kill(llm._thread.deployment.ranks[1], no_restart=True)
         wait_for(lambda: unhealthy(llm), within_s=BOUND_S)
         with pytest.raises(EngineError, match="target is gone .*tensor-parallel rank 1 of the target died"):
