@@ -8,7 +8,7 @@ chi-square, 216 cells: a 0.5% shift 0.08-0.5; 20000 samples, which the suite cou
 time, saw that 0.7-1.0); broken verifiers (tested below) are rejected at once; the verifier alone is
 tested with 10^5+ samples in tests/test_spec_*. A case that runs the same rounds as a thread-executor
 twin with its draft in a child process ("process", "split") samples N_TWIN = 5000 (a 1% shift: power
-0.7 between the likeliest cells, 0.998 between upper-quartile ones; 2%: 1.000): its twin carries the
+0.7 between the likeliest cells, about 0.995 between upper-quartile ones; 2%: 1.000): its twin carries the
 power, it proves the transport changes nothing (as the distributed cases do,
 tests/test_distributed_sampling.py).
 """
