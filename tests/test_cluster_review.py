@@ -253,14 +253,23 @@ def run_script(script: str, *args, env=None, timeout=300) -> dict:
 
 
 TWO_ENGINES = r'''
-import json, os, sys
+import json, os, sys, threading, time
 import ray
 from saguaro_dist import LLM, SamplingParams
 target, prompt = sys.argv[1], json.loads(sys.argv[2])
 params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 def engine():
     return LLM(model=target, mode="ngram", k=3, cluster="local", max_batch_size=2)
-first = engine()  # started with RAY_ADDRESS set
+built = []
+starter = threading.Thread(target=lambda: built.append(engine()))
+starter.start()
+starter.join()
+first = built[0]  # started with RAY_ADDRESS set, on a thread that has ended since
+time.sleep(1)  # a daemon tied to that thread gets its SIGKILL as the thread exits
+dead = [kind for kind, _ in ray._private.worker._global_node.dead_processes()]
+if dead:  # the rest would wait a minute on the gone GCS, and Ray would then end this process
+    print(json.dumps({"dead_with_the_starting_thread": dead}))
+    os._exit(0)
 own_ray = {"started": first._thread.deployment.started_ray, "gcs": ray.get_runtime_context().gcs_address}
 del os.environ["RAY_ADDRESS"]  # the rest as before: a Ray call's auto-init would start a fresh Ray, not join it
 second = engine()
@@ -274,13 +283,14 @@ third = engine()
 ray.shutdown()     # the user stops Ray under the engine
 third.shutdown()
 print(json.dumps({"own_ray": own_ray, "alive_after_first": alive_after_first, "tokens": tokens,
-                  "stopped_with_last": stopped_with_last, "restarted": ray.is_initialized()}))
+                  "stopped_with_last": stopped_with_last, "restarted": ray.is_initialized(),
+                  "dead_with_the_starting_thread": dead}))
 '''
 
 
 @pytest.fixture(scope="module")
 def engines_on_a_ray_of_their_own(pair) -> dict:
-    """TWO_ENGINES run once (a Ray start costs ~10 s on the CI box) for the two tests below that read it."""
+    """TWO_ENGINES run once (a Ray start costs ~10 s on the CI box) for the three tests below that read it."""
     return run_script(TWO_ENGINES, pair["target"], json.dumps(PROMPTS[0]), env={"RAY_ADDRESS": "127.0.0.1:1"})
 
 
@@ -290,6 +300,14 @@ def test_cluster_local_starts_a_ray_of_its_own_where_RAY_ADDRESS_is_set(engines_
     config it was given (a ValueError)."""
     result = engines_on_a_ray_of_their_own["own_ray"]
     assert result["started"] and not result["gcs"].endswith(":1")
+
+
+def test_an_embedded_ray_outlives_the_thread_that_started_it(engines_on_a_ray_of_their_own):
+    """TWO_ENGINES builds its first engine on a thread that ends at once. Ray's daemons die with the thread
+    that started them (PR_SET_PDEATHSIG follows the thread): its GCS and raylet were SIGKILLed as the thread
+    ended, the second engine's actors then waited a minute on the gone GCS, and Ray ended the process.
+    cluster="local" starts Ray from a thread that lasts (deployment._LastingThread)."""
+    assert engines_on_a_ray_of_their_own["dead_with_the_starting_thread"] == []
 
 
 @pytest.mark.slow

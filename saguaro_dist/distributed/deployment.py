@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import ray
@@ -70,10 +73,47 @@ def _open_ray(cluster: str, num_cpus_needed: int) -> None:
     if cluster == "local":
         # address="local": a new Ray of our own even where RAY_ADDRESS is set or `ray start` ran on this host;
         # without it ray.init joined that cluster, and refused the num_cpus and system config (a ValueError).
-        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
-                 log_to_driver=False, configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
+        _RAY_PARENT.run(lambda: ray.init(
+            address="local", num_cpus=max(os.cpu_count() or 1, num_cpus_needed), include_dashboard=False,
+            log_to_driver=False, configure_logging=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG))
     else:
         ray.init(address=cluster, log_to_driver=False)  # "auto" or "ray://host:port": the cluster sizes itself
+
+
+class _LastingThread:
+    """Runs calls on the main thread where they come from it, else on one daemon thread that lives as long as
+    the process. Why: ray.init's daemons (GCS, raylet) die with the *thread* that started them (Linux's
+    PR_SET_PDEATHSIG follows the creating thread, prctl(2)). An embedded Ray started on a thread that then
+    ended (a pool's worker, a web framework's start-up hook) lost them at once: the engine's actors still
+    answered, but ray.kill, new actors and health checks waited on the gone GCS, and after a minute Ray ended
+    the whole process."""
+
+    def __init__(self):
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def run(self, call: Callable[[], object]) -> object:
+        if threading.current_thread() is threading.main_thread():
+            return call()
+        with self._lock:
+            if self._thread is None:  # started on first use: importing this module starts nothing
+                self._thread = threading.Thread(target=self._serve, name="saguaro-ray-parent", daemon=True)
+                self._thread.start()
+        done: Future = Future()
+        self._calls.put((call, done))
+        return done.result()
+
+    def _serve(self) -> None:
+        while True:
+            call, done = self._calls.get()
+            try:
+                done.set_result(call())
+            except BaseException as err:  # handed to the caller, as if it had run there
+                done.set_exception(err)
+
+
+_RAY_PARENT = _LastingThread()  # the parent thread of the Ray daemons this process starts off its main thread
 
 
 def release_ray() -> None:
