@@ -89,7 +89,7 @@ class _LastingThread:
     the whole process."""
 
     def __init__(self):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -97,16 +97,22 @@ class _LastingThread:
         if threading.current_thread() is threading.main_thread():
             return call()
         with self._lock:
-            if self._thread is None:  # started on first use: importing this module starts nothing
-                self._thread = threading.Thread(target=self._serve, name="saguaro-ray-parent", daemon=True)
+            # Started on first use (importing this module starts nothing), and again in a child forked since
+            # (a thread does not survive fork: calls queued for it would wait forever).
+            if self._thread is None or not self._thread.is_alive():
+                self._calls = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._serve, args=(self._calls,), name="saguaro-ray-parent",
+                                                daemon=True)
                 self._thread.start()
+            calls = self._calls
         done: Future = Future()
-        self._calls.put((call, done))
+        calls.put((call, done))
         return done.result()
 
-    def _serve(self) -> None:
+    @staticmethod
+    def _serve(calls: queue.SimpleQueue) -> None:
         while True:
-            call, done = self._calls.get()
+            call, done = calls.get()
             try:
                 done.set_result(call())
             except BaseException as err:  # handed to the caller, as if it had run there
