@@ -21,6 +21,7 @@ from saguaro_dist import LLM, SamplingParams
 from saguaro_dist.config import Config
 from saguaro_dist.distributed import cluster
 from saguaro_dist.distributed.cluster import wait_dead
+from saguaro_dist.distributed.deployment import _LastingThread
 from saguaro_dist.distributed.placement import target_placement
 from saguaro_dist.engine.loop_thread import EngineError
 
@@ -308,6 +309,36 @@ def test_an_embedded_ray_outlives_the_thread_that_started_it(engines_on_a_ray_of
     ended, the second engine's actors then waited a minute on the gone GCS, and Ray ended the process.
     cluster="local" starts Ray from a thread that lasts (deployment._LastingThread)."""
     assert engines_on_a_ray_of_their_own["dead_with_the_starting_thread"] == []
+
+
+def test_the_lasting_thread_runs_calls_off_the_main_thread_on_one_thread_that_outlives_their_callers():
+    """What cluster="local" starts Ray on (above): inline on the main thread; from other threads, on one thread
+    that outlives them, errors raised to the caller; in a child forked since, on a new thread (the parent's
+    did not survive the fork: a call queued for it waited forever)."""
+    lasting = _LastingThread()
+    where = lambda: threading.get_ident()
+    assert lasting.run(where) == threading.get_ident()
+    seen, errors = [], []
+
+    def caller():
+        seen.append(lasting.run(where))
+        try:
+            lasting.run(lambda: {}["missing"])
+        except KeyError as err:
+            errors.append(err)
+    for _ in range(2):
+        thread = threading.Thread(target=caller)
+        thread.start()
+        thread.join()
+    assert len(set(seen)) == 1 and seen[0] != threading.get_ident() and len(errors) == 2
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 only if a call from a thread returns within 10 s
+        answers = []
+        thread = threading.Thread(target=lambda: answers.append(lasting.run(lambda: 7)), daemon=True)
+        thread.start()
+        thread.join(10)
+        os._exit(0 if answers == [7] else 1)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
 
 
 @pytest.mark.slow
