@@ -61,11 +61,30 @@ def json_field(response: httpx.Response, key: str):
     return body[key]
 
 
-def api_root(base_url: str) -> str:
+def api_root(base_url: str | httpx.URL) -> str:
     """A bare "http://host:8000" gets /v1; a URL with a path is the API root as given, as openai's base_url
     ("https://host/v1beta/openai/", a gateway's "http://h/api/v2": appending /v1 sent every request astray)."""
-    root = base_url.rstrip("/")
-    return root + "/v1" if not httpx.URL(root).path.strip("/") else root
+    if not isinstance(base_url, (str, httpx.URL)):
+        raise TypeError(f"base_url must be a str (or an httpx.URL), got {type(base_url).__name__}")
+    root = str(base_url).rstrip("/")
+    url = _checked_url(root, base_url)
+    return root + "/v1" if not url.path.strip("/") else root
+
+
+def _checked_url(root: str, base_url) -> httpx.URL:
+    """root as a URL; a ValueError naming base_url where it is no http(s) URL with a host ("localhost:8000" read as
+    scheme "localhost") or carries a query or fragment (the API's paths would land after it)."""
+    try:
+        url = httpx.URL(root)
+    except (TypeError, httpx.InvalidURL) as err:
+        raise ValueError(f"base_url must be an http:// or https:// URL, got {base_url!r}: {err}") from None
+    if url.scheme not in ("http", "https") or not url.host:
+        raise ValueError(f"base_url must be an http:// or https:// URL with a host (as http://127.0.0.1:8000), "
+                         f"got {base_url!r}")
+    if url.query or url.fragment:
+        raise ValueError(f"base_url takes no query or fragment (the API's paths would follow it), got {base_url!r}; "
+                         f"a request's extra_query= adds query parameters")
+    return url
 
 
 def served_api_root(server_url: str) -> str:
@@ -152,6 +171,20 @@ def _seconds_until(http_date: str) -> float | None:
     if when.tzinfo is None:  # (RFC 9110 dates are GMT; "-0000" parses naive)
         when = when.replace(tzinfo=timezone.utc)
     return max(0.0, (when - datetime.now(timezone.utc)).total_seconds())
+
+
+DEFAULT_TIMEOUT_S = 600.0  # openai's: a long generation, not streamed, on a busy server takes minutes
+CONNECT_TIMEOUT_S = 5.0    # openai's
+
+
+def client_timeout(timeout) -> httpx.Timeout | None:
+    """A client's timeouts from its `timeout`: seconds for a read, a write or a wait for the pool, and at most 5 s to
+    connect (openai's), so a host that is gone (a dead node, a stale Service address) fails in seconds, not after
+    the read timeout for each try of the connect. None: no limit; an httpx.Timeout as given."""
+    check_timeout(timeout)
+    if isinstance(timeout, (int, float)):
+        return httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
+    return timeout
 
 
 def check_timeout(timeout) -> None:

@@ -18,7 +18,7 @@ class StreamState(Enum):
     NEW = "new"
     READING = "reading"
     ENDED = "ended"    # read to its end (or its error)
-    CLOSED = "closed"  # closed before its end: a loop left early, close()
+    CLOSED = "closed"  # closed before its end: a loop left early, close(), a read cancelled or interrupted
 
 
 def start_reading(state: StreamState) -> bool:
@@ -29,8 +29,9 @@ def start_reading(state: StreamState) -> bool:
         return True
     if state is StreamState.ENDED:
         return False
-    raise StreamClosedError("the stream was closed before its end (a loop left early, or close()): its remaining "
-                            "deltas are gone; iterate a stream once, or take its first delta with next(stream)")
+    raise StreamClosedError("the stream was closed before its end (a loop left early, close(), or a read cancelled "
+                            "or interrupted): its remaining deltas are gone; iterate a stream once, or take its first "
+                            "delta with next(stream)")
 
 
 class StreamCore:

@@ -124,6 +124,9 @@ async def _read(core: StreamCore):
     except Exception:
         core.mark_ended()
         raise
+    except BaseException:  # a read cancelled or interrupted (CancelledError, Ctrl-C): the rest of the reply is gone
+        core.mark_closed()  # (a later read raises StreamClosedError, not a quiet, short end)
+        raise
     finally:
         await core.response.aclose()
     core.mark_ended()
@@ -156,12 +159,13 @@ class AsyncClient:
     with awaitables and async iterators."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
-                 model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
-        common.check_timeout(timeout)  # before a connection pool exists: a refused client leaks nothing
+                 model: str | None = None, timeout: float | httpx.Timeout | None = common.DEFAULT_TIMEOUT_S,
+                 max_retries: int = 2, backoff_s: float = 0.5):
+        timeouts = common.client_timeout(timeout)  # before a connection pool exists: a refused client leaks nothing
         self.model = model
         self._root = common.api_root(base_url)
         self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
-        self._http = httpx.AsyncClient(timeout=timeout, headers=common.auth_headers(common.api_key_or_env(api_key)), limits=common.LIMITS)
+        self._http = httpx.AsyncClient(timeout=timeouts, headers=common.auth_headers(common.api_key_or_env(api_key)), limits=common.LIMITS)
 
     async def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                        stop=None, seed=None, stream: bool = False, **extra) -> Completion | AsyncStream:

@@ -102,6 +102,9 @@ def _read(core: StreamCore):
     except Exception:
         core.mark_ended()
         raise
+    except BaseException:  # a read cancelled or interrupted (CancelledError, Ctrl-C): the rest of the reply is gone
+        core.mark_closed()  # (a later read raises StreamClosedError, not a quiet, short end)
+        raise
     finally:
         core.response.close()
     core.mark_ended()
@@ -131,6 +134,9 @@ class Client:
     base_url ("http://host:8000/v1", "https://gateway/api/v2"). /health, /tokenize and /version live at that
     root less a trailing /v1. api_key None (the default) reads $SAGUARO_API_KEY, the variable `saguaro serve` reads
     its key from (never $OPENAI_API_KEY: an OpenAI secret is not sent to another server unasked); "" sends no key.
+    timeout: seconds a read, a write or a wait for a pooled connection may take (default 600, openai's), and at most
+    5 s to connect (openai's); None: no limit; an httpx.Timeout as given. A request's own timeout= (openai's
+    per-request option) is httpx's: a number there bounds the connect too.
 
     Retries (max_retries, backoff with jitter; Retry-After, in seconds or a date, and retry-after-ms honoured up to
     8 s) only where the server demonstrably did not process the request or says to try again: a connection never
@@ -142,12 +148,13 @@ class Client:
     APIStatusError naming its Location. api_key is stripped of surrounding whitespace."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", api_key: str | None = None, *,
-                 model: str | None = None, timeout: float = 120.0, max_retries: int = 2, backoff_s: float = 0.5):
-        common.check_timeout(timeout)  # before a connection pool exists: a refused client leaks nothing
+                 model: str | None = None, timeout: float | httpx.Timeout | None = common.DEFAULT_TIMEOUT_S,
+                 max_retries: int = 2, backoff_s: float = 0.5):
+        timeouts = common.client_timeout(timeout)  # before a connection pool exists: a refused client leaks nothing
         self.model = model
         self._root = common.api_root(base_url)
         self._retry = RetryPolicy(max_retries=max_retries, backoff_s=backoff_s)
-        self._http = httpx.Client(timeout=timeout, headers=common.auth_headers(common.api_key_or_env(api_key)), limits=common.LIMITS)
+        self._http = httpx.Client(timeout=timeouts, headers=common.auth_headers(common.api_key_or_env(api_key)), limits=common.LIMITS)
 
     def complete(self, prompt, *, model=None, max_tokens=None, temperature=None, top_p=None, top_k=None,
                  stop=None, seed=None, stream: bool = False, **extra) -> Completion | Stream:
