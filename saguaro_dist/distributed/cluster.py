@@ -258,7 +258,8 @@ class RemoteEngine:
                     ray_calls.get(ray_calls.call(self.rank0.shutdown), timeout=30)
                 except Exception as err:  # noqa: BLE001 - we are tearing down either way
                     log.warning("rank 0 did not shut down cleanly: %r", err)
-            self._poller.join(timeout=5)
+            if threading.current_thread() is not self._poller:  # (an LLM's finalizer run by a listener on it)
+                self._poller.join(timeout=5)
         finally:
             # Their updates stopped with the poll thread: without this, a generate() or stream() in flight on
             # another thread waited forever.

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import ray
@@ -18,6 +16,7 @@ from saguaro_dist.config import Config
 from saguaro_dist.distributed.actors import DraftActor, TargetRank
 from saguaro_dist.distributed import ray_calls
 from saguaro_dist.distributed.placement import draft_options, engine_needs, rank_strategy, shortfall, target_bundle
+from saguaro_dist.engine.serial_thread import SerialThread
 
 log = logging.getLogger(__name__)
 
@@ -89,34 +88,12 @@ class _LastingThread:
     the whole process."""
 
     def __init__(self):
-        self._calls: queue.SimpleQueue | None = None
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._thread = SerialThread("saguaro-ray-parent")  # never shut down: it parents Ray's daemons
 
     def run(self, call: Callable[[], object]) -> object:
         if threading.current_thread() is threading.main_thread():
             return call()
-        with self._lock:
-            # Started on first use (importing this module starts nothing), and again in a child forked since
-            # (a thread does not survive fork: calls queued for it would wait forever).
-            if self._thread is None or not self._thread.is_alive():
-                self._calls = queue.SimpleQueue()
-                self._thread = threading.Thread(target=self._serve, args=(self._calls,), name="saguaro-ray-parent",
-                                                daemon=True)
-                self._thread.start()
-            calls = self._calls
-        done: Future = Future()
-        calls.put((call, done))
-        return done.result()
-
-    @staticmethod
-    def _serve(calls: queue.SimpleQueue) -> None:
-        while True:
-            call, done = calls.get()
-            try:
-                done.set_result(call())
-            except BaseException as err:  # handed to the caller, as if it had run there
-                done.set_exception(err)
+        return self._thread.submit(call).result()
 
 
 _RAY_PARENT = _LastingThread()  # the parent thread of the Ray daemons this process starts off its main thread

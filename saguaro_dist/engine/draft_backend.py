@@ -5,12 +5,12 @@ import copy
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from saguaro_dist.engine.messages import (
     JitDraftRequest, Outcome, PrefillRequest, Proposal, Release, ResetPrefixCache, SpeculationTree, TreePlan,
 )
+from saguaro_dist.engine.serial_thread import SerialThread
 from saguaro_dist.model.device import OwnStream
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class LocalDraftBackend:
         self.stream = OwnStream(worker.runner.device)
         self.inbox = TreeInbox()
         self.busy_s = 0.0  # time the draft worker spent working (on either thread)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="saguaro-draft")
+        self._pool = SerialThread("saguaro-draft")
         self._queued = 0                   # calls submitted and not finished (under _lock)
         self._lock = threading.Lock()
         self._running = threading.Lock()   # held by the one call running, on whichever thread
@@ -309,7 +309,7 @@ class LocalDraftBackend:
         return 0  # in this process: cuda_graphs.graph_captures counts them
 
     def close(self):
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown()
 
     def _release(self, reqs):
         self.worker.release(reqs)

@@ -7,6 +7,7 @@ import itertools
 import logging
 import queue
 import time
+import weakref
 from collections.abc import Callable
 from typing import AsyncIterator
 
@@ -67,6 +68,11 @@ class LLM(RequestInputs):
         else:
             from saguaro_dist.distributed.cluster import build_cluster_engine
             self._thread, self.tokenizer = build_cluster_engine(config)
+        # shutdown(), or else the LLM's collection or the interpreter's exit, stops the engine once. Dropped unstopped,
+        # an engine served nobody for as long as the process lived, holding its threads, draft process, memory and
+        # (on Ray) its actors' resources: a notebook cell run again waited for them until its start-up deadline. Left
+        # running at exit, its threads ran torch while the interpreter finalized, which aborted the process (SIGABRT).
+        self._stop_engine = weakref.finalize(self, self._thread.stop)
         # Every mode fills the whole context, as AR: a speculative round's positions past it run in the target's
         # position slack (engine/build.py position_slack), and their tokens are cut.
         self.max_model_len = self._thread.max_model_len
@@ -334,7 +340,7 @@ class LLM(RequestInputs):
 
     def shutdown(self) -> None:
         """Stop the engine and free everything it holds (threads; on Ray: actors, servers, ports)."""
-        self._thread.stop()
+        self._stop_engine()
 
     def rebuild(self) -> None:
         """After a fatal engine error (e.g. a target actor died): a fresh engine with the same Config."""

@@ -48,6 +48,7 @@ class EngineThread:
         self.chore_timeout_s = CHORE_TIMEOUT_S
         self._cond = threading.Condition()
         self._stopped = False
+        self._closes_itself = False  # stop() came from the loop's own thread: the loop closes the engine as it ends
         self._stats = StatsLogger(engine.config.log_stats_interval_s)
         self.load = engine.load()  # a snapshot, replaced after each step: read from any thread without a lock
         self._thread = threading.Thread(target=self._run, name="saguaro-engine", daemon=True)
@@ -80,8 +81,7 @@ class EngineThread:
     def submit_many(self, requests: list[tuple[Sequence, Listener]]) -> None:
         """All at once: the loop takes them in one step, in this order (an offline batch enters whole)."""
         with self._cond:
-            if self._stopped:
-                raise EngineError("the engine is shut down")
+            self._check_running()
             self._inbox.extend(requests)
             self._cond.notify()
 
@@ -127,16 +127,27 @@ class EngineThread:
         after chore_timeout_s (one long step): the chore still runs later."""
         done: Future = Future()
         with self._cond:
-            if self._stopped:
-                raise EngineError("the engine is shut down")
+            self._check_running()
             self._chores.append((chore, done))
             self._cond.notify()
         return done.result(timeout=self.chore_timeout_s)
 
+    def _check_running(self) -> None:
+        """Under _cond: raise EngineError where no loop will take the work (stopped; or gone, as in a child forked
+        since the engine started: a thread does not survive fork, and its callers waited forever)."""
+        if self._stopped or not self._thread.is_alive():
+            raise EngineError("the engine is shut down" if self._stopped else
+                              "the engine's loop thread is gone (is this a child process forked since it started?)")
+
     def stop(self) -> None:
+        """Stop the loop and close the engine; from the loop's own thread (an LLM's finalizer run by a listener that
+        dropped the last reference to it), the loop closes it as it ends."""
         with self._cond:
             self._stopped = True
             self._cond.notify()
+        if threading.current_thread() is self._thread:
+            self._closes_itself = True
+            return
         self._thread.join(timeout=30)
         self.engine.close()
 
@@ -154,6 +165,8 @@ class EngineThread:
             self._run_chores(chores)
             self._step()
         self._shut_down()
+        if self._closes_itself:
+            self.engine.close()
 
     def _shut_down(self) -> None:
         """Tell everyone still waiting: requests in flight, requests submitted before the stop that the
