@@ -123,4 +123,9 @@ def test_generate_in_a_child_forked_since_the_engine_started_fails_at_once(pair)
                 os._exit(0 if "forked" in str(err) else 1)
             os._exit(1)
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        pid = os.fork()
+        if pid == 0:  # the child's shutdown (its exit's finalizer too) leaves the parent's engine alone
+            llm.shutdown()
+            os._exit(0 if not llm._thread._stopped else 1)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
         assert llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SHORT, use_tqdm=False)[0].token_ids

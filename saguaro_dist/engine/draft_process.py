@@ -12,7 +12,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 
 from saguaro_dist.engine.draft_process_parent import (  # noqa: F401  re-exported: the old import paths
-    CALL_TIMEOUT_S, START_TIMEOUT_S, WAIT_SPIN_S, DraftProcess, _Reply,
+    CALL_TIMEOUT_S, START_TIMEOUT_S, STOP, WAIT_SPIN_S, DraftProcess, _Reply,
 )
 from saguaro_dist.engine.pipe_wire import Msg, recv, send, spin_until_readable
 from saguaro_dist.model.cuda_graphs import graph_captures
@@ -58,11 +58,14 @@ class _Child:
         self.backlog: deque[tuple] = deque()  # messages read during a tree build (_superseded), not yet run
 
     def serve(self) -> None:
-        """Until the parent closes the pipe (or is gone): then exit quietly."""
+        """Until the parent posts STOP, closes the pipe, or is gone: then exit quietly. STOP because the
+        pipe's EOF never comes while a process forked from the parent holds a copy of it."""
         try:
             while True:
                 kind, *rest = self._next_message()
                 self.wanted_soon = False
+                if kind == Msg.POST and rest[0] == STOP:
+                    return
                 if kind == Msg.CALL:
                     self._answer(*rest)
                 else:

@@ -12,7 +12,11 @@ re-imports the user's __main__, which breaks scripts without an `if __name__ == 
 It reads calls from stdin and writes replies and pushed trees to stdout. The engine's own thread
 reads the pipe whenever it waits (for a reply or for trees): a background reader would have to win
 the GIL from the verifying engine thread first, which cost milliseconds a round. The child ends
-when its stdin closes, so also when the parent dies. If it dies, its sequences fall back to the fast backup and the next prefill (the
+on a STOP post (the parent's close), or when its stdin closes, so also when the parent dies. Why both:
+a child the user's process forks (a DataLoader worker, a multiprocessing fork pool) holds copies of
+the pipe, and while it lives the draft child sees no EOF (the parent's shutdown waited out its 10 s grace
+and killed it); such a forked child closes its copies at fork (_close_in_forked_child), and STOP covers
+forks that run no Python at-fork handlers. If it dies, its sequences fall back to the fast backup and the next prefill (the
 engine re-admits them) starts a new child: speed is lost, never a token.
 """
 from __future__ import annotations
@@ -24,6 +28,7 @@ import select
 import subprocess
 import sys
 import time
+import weakref
 from multiprocessing.connection import Connection
 
 from saguaro_dist.config import Config
@@ -37,6 +42,7 @@ CHILD_MODULE = "saguaro_dist.engine.draft_process"  # the child: python -m CHILD
 START_TIMEOUT_S = 120.0  # the child imports torch and loads the draft
 CALL_TIMEOUT_S = 120.0   # a child that answers no call (or takes no message) this long is treated as dead
 WAIT_SPIN_S = 0.01       # the engine busy-polls the pipe this long (at most draft_spin_s) before it blocks
+STOP = "stop"            # the POST that ends the child (draft_process.py: _Child.serve): the parent's close
 
 
 class DraftProcess:
@@ -57,6 +63,7 @@ class DraftProcess:
         # Why the engine spins too: its wait for a tree (~1 ms a round) halted its vCPU, and waking it cost
         # more than the spin takes from the draft's core (b = 1 greedy +5-7%, b = 8 T = 0.7 cohorts +7%).
         self._spin_s = min(config.draft_spin_s, WAIT_SPIN_S)
+        _LIVE.add(self)  # weakly: a forked child of this process closes its copies of our pipe
         self._start()
 
     # ---- DraftBackend ------------------------------------------------------------------------------
@@ -266,13 +273,45 @@ class DraftProcess:
     def _stop(self, grace_s: float = 10.0) -> None:
         """grace_s: how long the child may take to exit on its own (0: a stalled one, killed at once)."""
         self._gone = True
+        if grace_s > 0:
+            self._post_stop()
         for conn in (self._tx, self._rx):
-            conn.close()  # closing its stdin is the child's signal to stop
+            conn.close()  # the child's EOF: its signal to stop where STOP did not go (or it was never read)
         try:
             self._proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+    def _post_stop(self) -> None:
+        """Tell the child to exit, without waiting: the EOF of the pipe's close never comes while a forked
+        child of ours holds a copy of it. Only if the pipe has room for all of STOP at once: a full pipe
+        means a child that is not reading, which the grace wait then kills."""
+        try:
+            write_some(self._tx.fileno(), framed(Msg.POST, STOP, None))
+        except OSError:  # it has died (a broken pipe), or the pipe is closed already (a fork's copy, a second stop)
+            pass
+
+    def _close_pipe_in_fork(self) -> None:
+        """In a forked child of this process: the draft child is the parent's, so this copy forgets it."""
+        self._gone = True
+        for conn in (self._tx, self._rx):
+            conn.close()
+
+
+_LIVE: weakref.WeakSet[DraftProcess] = weakref.WeakSet()  # weak: a DraftProcess ends as it would without it
+
+
+def _close_in_forked_child() -> None:
+    """os.register_at_fork's after_in_child: close every DraftProcess's pipe ends in a forked child, so that
+    the parent's close is its draft child's EOF even while forked children live, and a forked child cannot
+    write into (or read from) the parent's conversation with it."""
+    for process in list(_LIVE):
+        if hasattr(process, "_tx"):  # not one forked in the midst of its first _start
+            process._close_pipe_in_fork()
+
+
+os.register_at_fork(after_in_child=_close_in_forked_child)  # once, at import: not one handler per DraftProcess
 
 
 class _Reply:

@@ -5,6 +5,7 @@ import asyncio
 import functools
 import itertools
 import logging
+import os
 import queue
 import time
 import weakref
@@ -72,7 +73,7 @@ class LLM(RequestInputs):
         # an engine served nobody for as long as the process lived, holding its threads, draft process, memory and
         # (on Ray) its actors' resources: a notebook cell run again waited for them until its start-up deadline. Left
         # running at exit, its threads ran torch while the interpreter finalized, which aborted the process (SIGABRT).
-        self._stop_engine = weakref.finalize(self, self._thread.stop)
+        self._stop_engine = weakref.finalize(self, stop_unless_forked, self._thread, os.getpid())
         # Every mode fills the whole context, as AR: a speculative round's positions past it run in the target's
         # position slack (engine/build.py position_slack), and their tokens are cut.
         self.max_model_len = self._thread.max_model_len
@@ -373,6 +374,14 @@ class LLM(RequestInputs):
                 tokens += 0 if isinstance(seq, BaseException) else len(seq.output_token_ids)
                 bar.set_postfix_str(f"output: {tokens / max(time.perf_counter() - start, 1e-9):.0f} toks/s", refresh=False)
                 bar.update(1)
+
+
+def stop_unless_forked(engine, pid: int) -> None:
+    """An LLM's stop (its finalizer): engine.stop(), unless this is a child forked since the engine started. The
+    engine is the parent's: on Ray the child's stop killed the parent's actors, and over a draft process's pipe it
+    told the parent's draft to stop (a forked child's exit, or its GC of the copied LLM, runs the finalizer)."""
+    if os.getpid() == pid:
+        engine.stop()
 
 
 def enqueuer(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int):
