@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from http_helpers import serve_on_loopback
 from saguaro_dist.client import AsyncClient, Client, StreamClosedError
+from saguaro_dist.client._options import split_options
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +121,11 @@ def test_a_base_url_that_is_no_http_url_is_refused_at_once(make, base_url, messa
 def test_an_httpx_url_is_a_base_url_as_its_text():
     with Client(httpx.URL("http://[::1]:8000")) as client:
         assert client._root == "http://[::1]:8000/v1"
+
+
+@pytest.mark.parametrize("timeout, want", [(30, httpx.Timeout(30.0, connect=5.0)), (None, None),
+                                           (httpx.Timeout(9.0), httpx.Timeout(9.0))])
+def test_a_requests_own_timeout_is_read_as_the_clients(timeout, want):
+    """openai's per-request timeout=: a number bounds the connect at 5 s too (else a gone host was tried at it)."""
+    assert split_options({"timeout": timeout})[1].timeout == want
+    assert split_options({})[1].timeout is httpx.USE_CLIENT_DEFAULT

@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import httpx
 from tqdm import tqdm
 
 from saguaro_dist.bench.config import BenchConfig
@@ -34,7 +35,8 @@ log = logging.getLogger(__name__)
 
 SYSTEM = "server"     # the one system a remote run measures (the cells' "system")
 SETTING = "remote"    # and its setting: the server's own hardware and placement
-TIMEOUT_S = 600.0     # one request's limit: a saturated stream's last request waits for all before it
+TIMEOUT_S = 600.0     # one request's limit: a saturated stream's last request waits for all before it; connecting
+                      # too (not the client's 5 s): a burst of connections may wait out the kernel's SYN retries
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ def run_remote(remote: RemoteConfig, progress: bool = True) -> dict:
 async def _run_remote(remote: RemoteConfig, progress: bool) -> dict:
     cfg, rates = remote.base, remote.rates
     # No retries, as vLLM's benchmark_serving: a retried 429 / 503 would count as served, its backoff as latency.
-    async with AsyncClient(served_api_root(remote.url), remote.api_key, model=remote.model, timeout=TIMEOUT_S, max_retries=0) as client:
+    async with AsyncClient(served_api_root(remote.url), remote.api_key, model=remote.model, timeout=httpx.Timeout(TIMEOUT_S), max_retries=0) as client:
         model = remote.model or (await client.models())[0]
         prompts = await server_prompts(client, model, remote.num_requests, cfg.prompt_len)
         version = await server_version(client)

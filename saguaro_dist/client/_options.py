@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from saguaro_dist.client._common import check_timeout
+from saguaro_dist.client._common import client_timeout
 
 OPTION_NAMES = ("extra_body", "extra_headers", "extra_query", "timeout")
 
@@ -30,11 +30,13 @@ DEFAULT = RequestOptions()
 
 def split_options(extra: dict) -> tuple[dict, RequestOptions]:
     """(the body's extra fields, extra_body merged over them as openai merges it: shallow, extra_body wins; the
-    request's options). timeout=None is no limit, as openai's; left out, the client's."""
+    request's options). timeout: seconds as the client's (at most 5 s of them to connect), None no limit (openai's),
+    an httpx.Timeout as given; left out, the client's."""
     extra = dict(extra)
     body, headers, query = (_mapping(name, extra.pop(name, None)) for name in OPTION_NAMES[:3])
     timeout = extra.pop("timeout", httpx.USE_CLIENT_DEFAULT)
-    check_timeout(timeout)
+    if timeout is not httpx.USE_CLIENT_DEFAULT:
+        timeout = client_timeout(timeout)  # a number: the client's rule, at most 5 s to connect
     return {**extra, **(body or {})}, RequestOptions(headers, query, timeout)
 
 

@@ -136,7 +136,7 @@ class Client:
     its key from (never $OPENAI_API_KEY: an OpenAI secret is not sent to another server unasked); "" sends no key.
     timeout: seconds a read, a write or a wait for a pooled connection may take (default 600, openai's), and at most
     5 s to connect (openai's); None: no limit; an httpx.Timeout as given. A request's own timeout= (openai's
-    per-request option) is httpx's: a number there bounds the connect too.
+    per-request option) is read the same way.
 
     Retries (max_retries, backoff with jitter; Retry-After, in seconds or a date, and retry-after-ms honoured up to
     8 s) only where the server demonstrably did not process the request or says to try again: a connection never

@@ -71,8 +71,9 @@ class LLM(RequestInputs):
             self._thread, self.tokenizer = build_cluster_engine(config)
         # shutdown(), or else the LLM's collection or the interpreter's exit, stops the engine once. Dropped unstopped,
         # an engine served nobody for as long as the process lived, holding its threads, draft process, memory and
-        # (on Ray) its actors' resources: a notebook cell run again waited for them until its start-up deadline. Left
-        # running at exit, its threads ran torch while the interpreter finalized, which aborted the process (SIGABRT).
+        # (on Ray) its actors' resources. Left running at exit, its threads ran torch while the interpreter finalized,
+        # which aborted the process (SIGABRT). (`llm = LLM(...)` run again builds the new engine before the old one is
+        # dropped: shutdown() or `del llm` first, where the two do not fit side by side.)
         self._stop_engine = weakref.finalize(self, stop_unless_forked, self._thread, os.getpid())
         # Every mode fills the whole context, as AR: a speculative round's positions past it run in the target's
         # position slack (engine/build.py position_slack), and their tokens are cut.

@@ -63,3 +63,4 @@ class SerialThread:
                 done.set_result(fn(*args))
             except BaseException as err:  # noqa: BLE001 - the Future hands it to whoever waits
                 done.set_exception(err)
+            del call, fn, args, done  # (else the last call's arguments and result lived on while the thread waits)
