@@ -335,6 +335,10 @@ def test_the_child_prefills_beside_the_target_and_forgets_what_a_failed_target_p
         loop.target.prefill = failing
         with pytest.raises(EngineError):
             llm.generate(prompt_token_ids=[PROMPTS[0]], sampling_params=short)
+        # The caller hears of the failure before the engine's recovery releases the sequences, and the thread half
+        # releases on its worker thread: wait for both (a chore runs after the recovery; a call after the release).
+        llm._thread._on_loop(lambda: None)
+        split.jit.call(lambda _: None, None)
         assert order[:2] == ["prefill", "target"] and "release" in order
         assert split.trees._known == set() and split.jit.worker.seqs == {}
         loop.target.prefill = target_prefill
