@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -129,3 +130,21 @@ def test_generate_in_a_child_forked_since_the_engine_started_fails_at_once(pair)
             os._exit(0 if not llm._thread._stopped else 1)
         assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
         assert llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SHORT, use_tqdm=False)[0].token_ids
+
+
+def test_a_second_shutdown_at_the_same_time_returns_once_the_engine_is_stopped(pair):
+    """Old: the finalizer runs once, so a second shutdown() racing the first returned at once, while the first was
+    still closing the engine (a caller that then built an engine needing the same CPUs or memory found them held)."""
+    target, draft = pair
+    llm = LLM(model=target, draft=draft, mode="ssd", k=2, draft_executor="thread")
+    engine, closed = llm._thread.engine, []
+    plain_close = engine.close
+    engine.close = lambda: (time.sleep(1.0), plain_close(), closed.append(time.monotonic()))
+    returned = []
+    callers = [threading.Thread(target=lambda: (llm.shutdown(), returned.append(time.monotonic()))) for _ in range(2)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(timeout=30)
+    assert len(closed) == 1 and len(returned) == 2
+    assert min(returned) >= closed[0], "a shutdown() returned before the engine was closed"

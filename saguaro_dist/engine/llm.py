@@ -7,6 +7,7 @@ import itertools
 import logging
 import os
 import queue
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -75,6 +76,7 @@ class LLM(RequestInputs):
         # which aborted the process (SIGABRT). (`llm = LLM(...)` run again builds the new engine before the old one is
         # dropped: shutdown() or `del llm` first, where the two do not fit side by side.)
         self._stop_engine = weakref.finalize(self, stop_unless_forked, self._thread, os.getpid())
+        self._stopping = threading.Lock()  # a second shutdown() waits for the first's stop (the finalizer runs once)
         # Every mode fills the whole context, as AR: a speculative round's positions past it run in the target's
         # position slack (engine/build.py position_slack), and their tokens are cut.
         self.max_model_len = self._thread.max_model_len
@@ -341,8 +343,10 @@ class LLM(RequestInputs):
         self._thread.check_health()
 
     def shutdown(self) -> None:
-        """Stop the engine and free everything it holds (threads; on Ray: actors, servers, ports)."""
-        self._stop_engine()
+        """Stop the engine and free everything it holds (threads; on Ray: actors, servers, ports). Every caller returns
+        once the engine is stopped: one at the same time as another waits for it."""
+        with self._stopping:
+            self._stop_engine()
 
     def rebuild(self) -> None:
         """After a fatal engine error (e.g. a target actor died): a fresh engine with the same Config."""
