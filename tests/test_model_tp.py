@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import tempfile
 
 import pytest
@@ -14,10 +15,16 @@ from saguaro_dist.model import ModelRunner
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
+def rendezvous_root() -> tempfile.TemporaryDirectory:
+    """This process's folder of rendezvous files, removed at exit (each used to leave a /tmp/gloo-* behind)."""
+    return tempfile.TemporaryDirectory(prefix="gloo-")
+
+
 def rendezvous() -> str:
     """Where spawned gloo ranks meet: a fresh file, not a TCP port (a probed free port can be taken by another
     test before the store binds it, and the TCP store's thread aborted a rank at teardown once in CI)."""
-    return f"file://{tempfile.mkdtemp(prefix='gloo-')}/store"
+    return f"file://{tempfile.mkdtemp(dir=rendezvous_root().name)}/store"
 
 
 @contextlib.contextmanager
