@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import runpy
 import subprocess
@@ -40,6 +41,40 @@ def _run_here(monkeypatch, capsys, script: str, *args: str) -> str:
         torch.set_rng_state(torch_rng)
         random.setstate(py_rng)
     return capsys.readouterr().out
+
+
+def _children() -> set[int]:
+    """This process's live child processes (zombies reaped first: a Popen not yet waited on is not a leak)."""
+    import psutil
+    subprocess._cleanup()  # reaps the killed-but-unwaited Popens the subprocess module keeps
+    return {c.pid for c in psutil.Process().children() if c.status() != psutil.STATUS_ZOMBIE}
+
+
+def _run_engine_script(monkeypatch, capsys, script: str, *args: str, exits: int | str = 0) -> str:
+    """_run_here for a script that opens engines, draft children or threads and closes them all before it ends
+    (its own child processes, a bench's fresh process per setting, stay): the fresh interpreter `python script`
+    costs (its torch import, ~3 s of CPU) was most of these tiny runs' cost beside their own children's. What it
+    must leave behind is checked: no child process and no thread of its own still running after it (threads get
+    a grace to finish, as a closed engine's may still be exiting), and the CPUs a bench pins its process to
+    given back. `exits`: the sys.exit code a script that
+    ends with sys.exit(main()) raises (a message: in the one it raises). Returns what it printed."""
+    import threading
+    import time
+    threads, children, cpus = set(threading.enumerate()), _children(), os.sched_getaffinity(0)
+    try:
+        out = _run_here(monkeypatch, capsys, script, *args)
+    except SystemExit as exit_:
+        assert (exit_.code or 0) == exits or (isinstance(exits, str) and exits in str(exit_.code)), exit_.code
+        out = capsys.readouterr().out
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = [t for t in set(threading.enumerate()) - threads if t.is_alive() and t.name != "tqdm_monitor"]  # tqdm's
+        if not left and not _children() - children:
+            break
+        time.sleep(0.1)
+    assert not left and not _children() - children, (left, _children() - children)
+    assert os.sched_getaffinity(0) == cpus
+    return out
 
 
 def test_tree_gate_replay_reports_the_gate_against_the_better_kind(tmp_path, monkeypatch, capsys):
@@ -92,28 +127,31 @@ def test_codec_bench_times_every_kind_of_tree(monkeypatch, capsys):
     assert len(rows) == 6 and [row.count(q) for row in rows for q in ("greedy", "top-k 20", "dense")].count(1) == 6
 
 
-def test_cuda_graph_bench_dry_runs_on_the_cpu(tiny_checkpoint):
+def test_cuda_graph_bench_dry_runs_on_the_cpu(tiny_checkpoint, monkeypatch, capsys):
     """Without a GPU the graph column runs the static forward uncaptured: the script itself is checked."""
-    out = _run(str(BENCH / "bench_cuda_graphs.py"), "--device", "cpu", "--models", str(tiny_checkpoint("llama")),
+    out = _run_engine_script(monkeypatch, capsys, "bench_cuda_graphs.py", "--device", "cpu", "--models", str(tiny_checkpoint("llama")),
                "--batch", "1,3", "--tokens", "1,5", "--reps", "2")
     rows = [row.split(" | ")[2] for row in out.splitlines() if row.startswith("| ") and "model" not in row]
     assert rows == ["1", "5", "tree"] * 2  # per batch size: two extend steps, then a tree
 
 
-def test_prefill_chunk_bench_reports_every_budget():
-    out = _run(str(BENCH / "bench_prefill_chunks.py"), "--tokens", "40", "--budgets", "64,8", "--layers", "1")
+def test_prefill_chunk_bench_reports_every_budget(monkeypatch, capsys):
+    out = _run_engine_script(monkeypatch, capsys, "bench_prefill_chunks.py", "--tokens", "40", "--budgets", "64,8", "--layers", "1")
     rows = [row.split(" | ") for row in out.splitlines() if row.startswith("| 40 ")]
     assert [r[1] for r in rows] == ["64", "8"] * 2 and all(r[-1].startswith("True") for r in rows[:2])
 
 
-def test_structured_bench_reports_every_system_plain_and_under_a_schema():
-    out = _run(str(BENCH / "bench_structured.py"), "--max-new-tokens", "6", "--num-prompts", "1", "--repeats", "1")
+def test_structured_bench_reports_every_system_plain_and_under_a_schema(monkeypatch, capsys):
+    from saguaro_dist.engine.draft_constraints import DraftConstraints
+    # the script blinds sd's draft by patching this class, and puts it back when it ends well: back in any case
+    monkeypatch.setattr(DraftConstraints, "grammar_state", DraftConstraints.grammar_state)
+    out = _run_engine_script(monkeypatch, capsys, "bench_structured.py", "--max-new-tokens", "6", "--num-prompts", "1", "--repeats", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "system" not in line]
     assert len(rows) == 7 and "ssd / sd" in out and "sd told / untold" in out
 
 
-def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off():
-    out = _run(str(BENCH / "bench_prefix_cache.py"), "--prefix-tokens", "24", "--requests", "2", "--max-new-tokens", "3",
+def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off(monkeypatch, capsys):
+    out = _run_engine_script(monkeypatch, capsys, "bench_prefix_cache.py", "--prefix-tokens", "24", "--requests", "2", "--max-new-tokens", "3",
                "--repeats", "1")
     rows = [line for line in out.splitlines() if line.startswith("| ") and "workload" not in line]
     assert len(rows) == 12 and "chat ssd: off / on TTFT" in out and "batch ar: off / on" in out
@@ -121,13 +159,13 @@ def test_prefix_cache_bench_reports_both_workloads_with_the_cache_on_and_off():
     assert reused[("chat", "ar", "off")] == 0 and reused[("chat", "ar", "on")] > 24
 
 
-def test_kv_narrowing_bench_times_the_wide_and_the_narrowed_pool():
-    out = _run(str(BENCH / "bench_kv_narrowing.py"), "--batch", "2", "--long", "1100", "--steps", "3")
+def test_kv_narrowing_bench_times_the_wide_and_the_narrowed_pool(monkeypatch, capsys):
+    out = _run_engine_script(monkeypatch, capsys, "bench_kv_narrowing.py", "--batch", "2", "--long", "1100", "--steps", "3")
     assert "KV capacity 1100)" in out and out.count("KV capacity 128)") == 2 and "wide / narrowed" in out
 
 
-def test_bench_configs_runs_configs_side_by_side_and_rates_them_against_the_first():
-    out = _run(str(BENCH / "bench_configs.py"), "--passes", "2", "--prompts", "1", "--max-tokens", "16",
+def test_bench_configs_runs_configs_side_by_side_and_rates_them_against_the_first(monkeypatch, capsys):
+    out = _run_engine_script(monkeypatch, capsys, "bench_configs.py", "--passes", "2", "--prompts", "1", "--max-tokens", "16",
                "--temperature", "0.7", "sd", 'trees=ssd:{"tree_policy": "always"}')
     assert "sd: sd {}; target + draft: bench process" in out and 'trees: ssd {"tree_policy": "always"}' in out
     lines = {line.split()[0]: line for line in out.splitlines() if "x first" in line}
@@ -144,11 +182,11 @@ def test_bench_configs_refuses_a_bad_config_before_it_opens_anything(config, rea
     assert exit_.value.code == 2 and reason in capsys.readouterr().err
 
 
-def test_bench_configs_reports_an_engine_kwarg_the_engine_refuses():
-    done = subprocess.run([sys.executable, str(BENCH / "bench_configs.py"), "--passes", "1", "--prompts", "1",
-                           "--max-tokens", "4", "sd", 'ssd:{"k": 0}'], capture_output=True, text=True,
-                          timeout=SCRIPT_TIMEOUT_S)
-    assert done.returncode == 1 and "error: ssd: k must be an integer >= 1" in done.stderr
+def test_bench_configs_reports_an_engine_kwarg_the_engine_refuses(monkeypatch, capsys):
+    # SystemExit of a message: the interpreter prints it to stderr and exits 1, as `python bench_configs.py` did;
+    # the engine opened before it (sd) is closed (_run_engine_script's check)
+    _run_engine_script(monkeypatch, capsys, "bench_configs.py", "--passes", "1", "--prompts", "1", "--max-tokens", "4",
+                       "sd", 'ssd:{"k": 0}', exits="error: ssd: k must be an integer >= 1")
 
 
 def test_coupled_bonus_bench_rates_top_f_against_coupled_draws(monkeypatch, capsys):
