@@ -4,6 +4,7 @@ arguments refused or checked the same way. Split from engine/llm.py (its LLM inh
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -40,11 +41,14 @@ class RequestInputs:
         params = self._params(sampling_params, len(ids))
         priorities = self._priorities(priority, len(ids))
         loras = self._lora_requests(lora_request, len(ids))
+        # each distinct bad word tokenized once a call (a batch's prompts often share their settings: 10^4 prompts
+        # with the same word tokenized it 2 x 10^4 times)
+        encode = functools.cache(self._encode_bad_word) if self.tokenizer is not None else None
         out = []
         for text, tokens, p, rank, salt, lora in zip(texts, ids, params, priorities, salts, loras):
             tokens = truncate_prompt(tokens, p.truncate_prompt_tokens, self.max_model_len)
             p = until_context_end(p, len(tokens), self.max_model_len)
-            p = with_bad_word_ids(p, self._encode_bad_word if self.tokenizer is not None else None)
+            p = with_bad_word_ids(p, encode)
             self._check_prompt(tokens, p)
             out.append(self._prompt_request(text, tokens, p, rank, salt, lora))
         return out
