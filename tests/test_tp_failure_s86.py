@@ -17,7 +17,6 @@ import os
 from datetime import timedelta
 
 import pytest
-from engine_helpers import PROMPTS, hf_greedy, llama_config, save_model
 from test_tp_idle import ask, grouped_rank
 
 pytestmark = pytest.mark.slow
@@ -42,9 +41,10 @@ def inject(runner, where: str, armed) -> None:
     setattr(owner, name, failing)
 
 
-def target_rank(rank: int, path: str, fault: tuple[int, str], masters, armed, results) -> None:
+def target_rank(rank: int, path: str, fault: tuple[int, str], masters, armed, results, prompts: list) -> None:
     """One rank's process. Rank 0: a refused call, a request (the group kept), then, armed, a request that meets
-    the fault and one after it."""
+    the fault and one after it. (The process imports this module: engine_helpers, ~5 s of CPU a process loading
+    transformers' models, is imported by the test's side alone.)"""
     import saguaro_dist.engine.build as build
     made, make_runner = [], build.make_runner
     build.make_runner = lambda *a, **k: made.append(make_runner(*a, **k)) or made[-1]  # this rank's runner
@@ -59,10 +59,10 @@ def target_rank(rank: int, path: str, fault: tuple[int, str], masters, armed, re
         refused = None
     except ValueError as err:
         refused = repr(err)
-    first = ask(target, 1, PROMPTS[0], BOUND_S)
+    first = ask(target, 1, prompts[0], BOUND_S)
     armed.set()
-    failed = ask(target, 2, PROMPTS[1], BOUND_S)
-    results.put((refused, first, failed, target.poll(0).lost, ask(target, 3, PROMPTS[2], BOUND_S)))
+    failed = ask(target, 2, prompts[1], BOUND_S)
+    results.put((refused, first, failed, target.poll(0).lost, ask(target, 3, prompts[2], BOUND_S)))
     results.close()
     results.join_thread()  # (the queue's feeder thread sends it: os._exit would not wait)
     os._exit(0)  # (a broken gloo group's teardown may wait on its peer)
@@ -70,6 +70,7 @@ def target_rank(rank: int, path: str, fault: tuple[int, str], masters, armed, re
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
+    from engine_helpers import llama_config, save_model
     path = tmp_path_factory.mktemp("tp_failure") / "target"
     model = save_model(path, llama_config(96, 64, 2), seed=0)
     return str(path), model
@@ -78,11 +79,13 @@ def target(tmp_path_factory):
 @pytest.mark.parametrize("fault", [(0, "reserve"), (1, "forward")],
                          ids=["rank0-before-forward", "follower-mid-forward"])
 def test_a_call_failing_on_one_rank_fails_its_request_by_name_and_loses_the_group(target, fault):
+    from engine_helpers import PROMPTS, hf_greedy
     from saguaro_dist.distributed.tp_runner import FOLLOWER_LOST_EXIT
     path, model = target
     spawn = multiprocessing.get_context("spawn")
     masters, armed, results = spawn.Queue(), spawn.Event(), spawn.Queue()
-    ranks = [spawn.Process(target=target_rank, args=(r, path, fault, masters, armed, results)) for r in (0, 1)]
+    ranks = [spawn.Process(target=target_rank, args=(r, path, fault, masters, armed, results, PROMPTS[:3]))
+             for r in (0, 1)]
     for p in ranks:
         p.start()
     try:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
-from engine_helpers import PROMPTS, hf_greedy, llama_config, save_model
 
 pytestmark = pytest.mark.slow
 # Pings every 2.5 s. A follower dies once rank 0 sends nothing for the timeout: 4 s (pings every second) left a
@@ -58,32 +59,35 @@ def grouped_rank(path: str, rank: int, masters, group_timeout: timedelta, start_
     return target
 
 
-def target_rank(rank: int, path: str, masters, results, killed) -> None:
-    """One rank's process. Rank 0: a request, idle for longer than the group's timeout, a request; then, once the test
-    killed rank 1, it idles until a ping finds the group broken, and a request fails."""
+def target_rank(rank: int, path: str, masters, results, killed, prompt: list[int]) -> None:
+    """One rank's process (it imports this module: engine_helpers, ~5 s of CPU a process loading transformers'
+    models, is imported by the test alone). Rank 0: a request, idle for longer than the group's timeout, a
+    request; then, once the test killed rank 1, it idles until a ping finds the group broken, and a request fails."""
     target = grouped_rank(path, rank, masters, GROUP_TIMEOUT, BOUND_S)
     if rank == 1:
         target.followed()
         return
-    first = ask(target, 1, PROMPTS[0])
+    first = ask(target, 1, prompt)
     time.sleep(IDLE_S)  # no request: only pings keep the followers' collective alive
-    results.put(("answers", first, ask(target, 2, PROMPTS[0])))
+    results.put(("answers", first, ask(target, 2, prompt)))
     killed.get(timeout=BOUND_S)
     deadline = time.monotonic() + BOUND_S
     while (lost := target.poll(0.2).lost) is None and time.monotonic() < deadline:
         pass
-    results.put(("lost", lost, ask(target, 3, PROMPTS[0])))
+    results.put(("lost", lost, ask(target, 3, prompt)))
     results.close()
     results.join_thread()  # (the queue's feeder thread sends it: os._exit would not wait)
     os._exit(0)  # (a broken gloo group's teardown may wait on its dead peer)
 
 
 def test_an_idle_tp_engine_keeps_its_group_and_still_notices_a_killed_follower(tmp_path):
+    from engine_helpers import PROMPTS, hf_greedy, llama_config, save_model
     path = tmp_path / "target"
     model = save_model(path, llama_config(96, 64, 2), seed=0)
     spawn = multiprocessing.get_context("spawn")
     masters, results, killed = spawn.Queue(), spawn.Queue(), spawn.Queue()
-    ranks = [spawn.Process(target=target_rank, args=(r, str(path), masters, results, killed)) for r in (0, 1)]
+    ranks = [spawn.Process(target=target_rank, args=(r, str(path), masters, results, killed, PROMPTS[0]))
+             for r in (0, 1)]
     for p in ranks:
         p.start()
     try:
@@ -126,22 +130,53 @@ def pinging_rank(rank: int, port: int, called) -> None:
     time.sleep(BOUND_S)
 
 
-def test_a_hung_rank_0_sends_no_pings_and_its_follower_ends_at_the_timeout():
-    from saguaro_dist.distributed.tp_runner import FOLLOWER_LOST_EXIT
+def hung_rank_0(started) -> dict:
+    """test_a_hung_rank_0_sends_no_pings_and_its_follower_ends_at_the_timeout's run: its ranks, rank 0 idle for
+    IDLE_S, then hung (SIGSTOP) until the follower ends. What it saw, for the test to check; `started` set once
+    rank 0's call went out (or the run failed)."""
     from saguaro_dist.serve.ingress import free_port
     spawn, port = multiprocessing.get_context("spawn"), free_port()
     called = spawn.Event()
     ranks = [spawn.Process(target=pinging_rank, args=(r, port, called)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
     try:
-        assert called.wait(timeout=BOUND_S)
+        for p in ranks:
+            p.start()
+        seen = {"called": called.wait(timeout=BOUND_S)}
+        started.set()
+        if not seen["called"]:
+            return seen
         time.sleep(IDLE_S)  # the pings keep the follower while rank 0 idles
-        assert ranks[1].is_alive(), f"the follower ended while rank 0 was idle (exit {ranks[1].exitcode})"
+        seen["alive_after_idle"] = (ranks[1].is_alive(), ranks[1].exitcode)
         os.kill(ranks[0].pid, signal.SIGSTOP)  # hung: alive, its connections open, silent
         ranks[1].join(timeout=BOUND_S)
-        assert ranks[1].exitcode == FOLLOWER_LOST_EXIT
+        seen["exitcode"] = ranks[1].exitcode
+        return seen
     finally:
+        started.set()
         for p in ranks:
             if p.is_alive():
                 p.kill()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hung_rank_0_run():
+    """hung_rank_0 on a thread from the module's start: its ~25 s are waits (rank 0 idle past the group's timeout,
+    then the follower's timeout), which overlap test_an_idle_tp_engine_... (which waits as long) rather than
+    following it. It starts alone (its ranks' start-up does not meet the other test's); the other test's CPU work
+    then meets only its idle ranks, whose pings (every 2.5 s) have the 10 s timeout to land."""
+    started = threading.Event()
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(hung_rank_0, started)
+    started.wait(timeout=BOUND_S + 10)
+    yield future
+    future.exception(timeout=3 * BOUND_S)  # (its ranks killed before the module ends)
+    pool.shutdown(wait=False)
+
+
+def test_a_hung_rank_0_sends_no_pings_and_its_follower_ends_at_the_timeout(hung_rank_0_run):
+    from saguaro_dist.distributed.tp_runner import FOLLOWER_LOST_EXIT
+    seen = hung_rank_0_run.result(timeout=3 * BOUND_S)
+    assert seen["called"]
+    alive, exitcode = seen["alive_after_idle"]
+    assert alive, f"the follower ended while rank 0 was idle (exit {exitcode})"
+    assert seen["exitcode"] == FOLLOWER_LOST_EXIT
