@@ -8,8 +8,8 @@ from dataclasses import dataclass, replace
 
 from saguaro_dist.config import check_int, is_number
 from saguaro_dist.plain_numbers import make_numbers_plain
-from saguaro_dist.spec.bad_words import BadWordIds, bad_word_ids
-from saguaro_dist.spec.left_to_generate import check_left_to_generate
+from saguaro_dist.bad_word_ids import BadWordIds, bad_word_ids
+from saguaro_dist.left_to_generate import check_left_to_generate
 
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 MAX_LOGIT_BIAS = 100.0  # as OpenAI's: a bias lies in [-100, 100]

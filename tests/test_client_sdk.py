@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -212,3 +214,12 @@ def test_a_stream_has_its_usage_without_asking(client):
     stream = client.complete("hello world", max_tokens=4, temperature=0, stream=True, ignore_eos=True)
     list(stream)
     assert stream.usage["completion_tokens"] == 4
+
+
+def test_the_sdk_and_sampling_params_import_without_torch_or_transformers():
+    """The client SDK (and SamplingParams, which it takes) load in ~1 s: they used to pull in torch through the
+    speculative maths package (bad words' tokenization and the left-to-generate check lived there)."""
+    code = ("import sys, saguaro_dist.client\nfrom saguaro_dist import SamplingParams\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout + loaded.stderr

@@ -135,7 +135,7 @@ def test_a_draft_told_the_bad_words_is_accepted_and_greedy_stays_ar(target, mode
 def test_a_malformed_bad_words_error_names_the_place_not_the_payload():
     """The decode error becomes a gRPC status whose details travel in a trailer, dropped past 8-16 KiB: a
     payload echoed in it turned INVALID_ARGUMENT into RESOURCE_EXHAUSTED with no explanation."""
-    from saguaro_dist.spec.bad_words import checked_word_ids
+    from saguaro_dist.bad_word_ids import checked_word_ids
     big = [list(range(60))] * 127
     for words, where in ((big + [[]], "bad_words[127] is empty"), (big + [[1, -2]], "bad_words[127] is holding '-2'"),
                          (big * 2, "got 254")):

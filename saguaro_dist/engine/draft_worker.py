@@ -31,7 +31,7 @@ from saguaro_dist.model.prefix_cache import PrefixCache
 from saguaro_dist.spec import (
     BudgetController, ProposalSource, SpecStats, greedy_tokens, sample, saguaro_probs, top_k_proposal,
 )
-from saguaro_dist.spec.left_to_generate import check_left_to_generate
+from saguaro_dist.left_to_generate import check_left_to_generate
 from saguaro_dist.spec.lookup_length import candidate_lengths
 
 log = logging.getLogger(__name__)

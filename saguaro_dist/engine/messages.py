@@ -26,8 +26,8 @@ import torch
 from saguaro_dist.sampling_params import (
     TokenBias, allowed_tokens, biased, check_min_p, check_penalties, check_top, checked_temperature, penalized, token_bias,
 )
-from saguaro_dist.spec.bad_words import BadWordIds, checked_word_ids
-from saguaro_dist.spec.left_to_generate import check_left_to_generate
+from saguaro_dist.bad_word_ids import BadWordIds, checked_word_ids
+from saguaro_dist.left_to_generate import check_left_to_generate
 from saguaro_dist.spec.min_tokens import checked_end_ids
 
 
