@@ -103,8 +103,8 @@ def test_tree_gate_record_logs_every_forced_mode_and_replays(tmp_path, monkeypat
                                                           "--trials", "2")
 
 
-def test_grpc_jit_bench_times_both_paths():
-    out = _run(str(BENCH / "bench_grpc_jit.py"), "--rounds", "50", "--verify-ms", "1")
+def test_grpc_jit_bench_times_both_paths(monkeypatch, capsys):
+    out = _run_engine_script(monkeypatch, capsys, "bench_grpc_jit.py", "--rounds", "50", "--verify-ms", "1")
     assert "DraftWorker in-process: median" in out and "DraftService: median" in out and "transport:" in out
 
 
@@ -115,8 +115,12 @@ def test_grpc_hops_bench_stamps_every_hand_off():
                     "recv -> woke", "total", "draft (work)"]
 
 
-def test_tree_trip_bench_times_every_backend():
-    out = _run(str(BENCH / "bench_tree_trip.py"), "--rounds", "40", "--verify-ms", "1")
+def test_tree_trip_bench_times_every_backend(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCH))  # it imports bench_grpc_jit, as `python script` finds it beside it
+    try:
+        out = _run_engine_script(monkeypatch, capsys, "bench_tree_trip.py", "--rounds", "40", "--verify-ms", "1")
+    finally:
+        sys.modules.pop("bench_grpc_jit", None)
     assert "pipe (DraftProcess): mean" in out and "gRPC over TCP loopback: mean" in out
     assert ("gRPC over the local socket: mean" in out) == (sys.platform == "linux")
 
