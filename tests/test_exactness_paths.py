@@ -46,6 +46,14 @@ N = 4000  # requests per test (split over its groups)
 N_TWIN = 1500  # a child-process twin of a thread case (see above)
 N_KILLED = 1500  # the killed-child cases: enough rounds for the 75th message to the child (see above)
 DEPTH = 10  # tokens generated per request: the joint of the first 3 tested, and each one after the first
+# Rows a step. Every request samples from its own seeded streams, so its tokens (and whether its lookups hit) do
+# not depend on its batch mates: 256 rows a step give the very tokens of 64 (checked case by case on 600
+# requests: the same tokens, cache hits, misses, coupled draws) at about 2/3 of the CPU (fewer, fuller rounds).
+# Cases whose point needs 64 rows a step, or whose tokens depend on the batch, say max_batch_size=64: the killed
+# child's (its 75th message, 3 x 64 rows in flight), whole batches that must all hit (hit_glue_skip), a 3 ms tree
+# timeout (late trees beside hits), chunked prefill, n-gram rounds (lookup lengths chosen from the whole batch's
+# acceptances), the cycling tree gate and the scripted budget (their cycles count rounds and builds).
+BATCH = 256
 PROMPT_A, PROMPT_B, PROMPT_C = [1, 2, 3], [4, 0, 5, 2, 1, 3, 3], [2]
 
 
@@ -185,9 +193,11 @@ def request_pvalues(model, prompt: list[int], params: SamplingParams, outputs: l
 # ---- running the engine ------------------------------------------------------------------------------------
 
 def generate(target: str, draft: str | None, requests: list[tuple[list[int], SamplingParams]], **engine):
-    """Each request's output tokens, the engine's metrics and each request's; 64 rows at a time, continuously
-    batched, or in whole batches of 64 (whole_batches: every row of a round admitted together, none after)."""
+    """Each request's output tokens, the engine's metrics and each request's; BATCH rows at a time (or
+    max_batch_size), continuously batched, or in whole batches of 64 (whole_batches: every row of a round admitted
+    together, none after)."""
     mode, whole = engine.pop("mode", "ssd"), engine.pop("whole_batches", False)
+    batch = engine.pop("max_batch_size", BATCH)
     if mode in ("ngram", "ar"):
         draft = None
     else:
@@ -197,7 +207,7 @@ def generate(target: str, draft: str | None, requests: list[tuple[list[int], Sam
         engine.setdefault("draft_threads", 1)
         engine.setdefault("target_threads", 1)
     calls = [requests[i:i + 64] for i in range(0, len(requests), 64)] if whole else [requests]
-    with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=64, **engine) as llm:
+    with LLM(device=DEVICE, model=target, draft=draft, mode=mode, max_batch_size=batch, **engine) as llm:
         outs = [o for call in calls for o in llm.generate(prompt_token_ids=[p for p, _ in call],
                                                           sampling_params=[s for _, s in call], use_tqdm=False)]
         return [o.token_ids for o in outs], llm.metrics, [o.metrics for o in outs]
@@ -251,9 +261,10 @@ MIXED_CASES = {
     "ssd_cohorts": (dict(k=1, tree_policy="never", jit_cohorts=2), lambda m: m.cohort_rounds > 0),
     "ssd_process": (dict(k=2, fan_out=MISSES, draft_executor="process", n=3000, **TREES),
                     lambda m: HITS_AND_MISSES(m) and m.coupled_draws > 0),
-    "ngram": (dict(mode="ngram", k=2), lambda m: m.rounds > 0),
+    "ngram": (dict(mode="ngram", k=2, max_batch_size=64), lambda m: m.rounds > 0),  # (its lookup lengths: the batch's)
     # 24 prompt tokens a step: prompts split over steps, prefilled between the running rows' rounds
-    "ssd_chunked_prefill": (dict(k=2, fan_out=MISSES, max_num_batched_tokens=24, n=2400, **TREES), HITS_AND_MISSES),
+    "ssd_chunked_prefill": (dict(k=2, fan_out=MISSES, max_num_batched_tokens=24, n=2400, max_batch_size=64,
+                                 **TREES), HITS_AND_MISSES),
 }
 
 
@@ -292,7 +303,7 @@ SAGUARO_CASES = {
     # the target waits at most 3 ms for a tree or a plan: late trees (misses), late plans (no coupling), trees
     # of earlier rounds arriving late; which rows are late is timing's choice (p-values vary run to run)
     "process_late_trees": (dict(k=2, fan_out=MISSES, saguaro_c=0.5, draft_executor="process", tree_timeout_s=0.003,
-                                n=2500, **TREES), T1),
+                                n=2500, max_batch_size=64, **TREES), T1),
     "split_c0.5_hot": (dict(k=1, fan_out=(2, 2), saguaro_c=0.5, draft_executor="split", n=3000, **TREES),
                        SamplingParams(temperature=1.8)),
 }
@@ -314,10 +325,10 @@ SHAPE_CASES = {
     "uniform": (dict(fan_out_kind="uniform", fan_out=5), COUPLED_HITS_AND_MISSES),
     "explicit_fan_out": (dict(fan_out=(1, 3, 2)), COUPLED_HITS_AND_MISSES),
     # the budget rescaled after every measured build (BudgetController scripted: 1, 1/2, 1/3 of 9 branches)
-    "adaptive_budget": (dict(fan_out=9, adaptive_fan_out=True), COUPLED_HITS_AND_MISSES),
+    "adaptive_budget": (dict(fan_out=9, adaptive_fan_out=True, max_batch_size=64), COUPLED_HITS_AND_MISSES),
     # k = 1, every outcome covered (5 + 6 branches): trees built after a hit leave k = K out, so the misses
     # are exactly those k = K outcomes. Whole batches: a glue skips x_K only when every row in it hit.
-    "hit_glue_skip": (dict(k=1, fan_out=(5, 6), hit_glue="skip", whole_batches=True),
+    "hit_glue_skip": (dict(k=1, fan_out=(5, 6), hit_glue="skip", whole_batches=True, max_batch_size=64),
                       lambda m: COUPLED_HITS_AND_MISSES(m) and m.late_trees == 0),
 }
 
@@ -477,7 +488,8 @@ def test_round_modes_mixed_follow_the_target_over_ten_tokens(pair, monkeypatch, 
             "early_lookup_rounds": lambda m: m.fast_rounds > 0}[gate]
     params = SamplingParams(temperature=0.9, top_p=0.9, frequency_penalty=0.4, repetition_penalty=1.3)
     check(pair, [(PROMPT_A, params)], took, n=3000 if executor == "thread" else N_TWIN, k=2, fan_out=MISSES,
-          draft_executor=executor, whole_batches=gate == "early_lookup_rounds")
+          draft_executor=executor, whole_batches=gate == "early_lookup_rounds",
+          max_batch_size=64 if gate == "cycling" else BATCH)
     assert gate != "early_lookup_rounds" or max(chosen) == 6, chosen
 
 
@@ -515,7 +527,8 @@ def test_a_draft_process_killed_mid_generation_costs_speed_not_the_distribution(
     monkeypatch.setattr(DraftProcess, "_restart", counted_restart)
     settings = dict(k=2, draft_executor=executor, tree_policy=tree_policy, fallback="neural")
     settings |= dict(fan_out=MISSES, hit_glue="always") if tree_policy == "always" else dict(jit_cohorts=2)
-    check(pair, [(PROMPT_A, SamplingParams(temperature=1.0))], lambda m: m.rounds > 0, n=N_KILLED, **settings)
+    check(pair, [(PROMPT_A, SamplingParams(temperature=1.0))], lambda m: m.rounds > 0, n=N_KILLED,
+          max_batch_size=64, **settings)
     # (a kill late in the run may find one sequence left: at least one restart must re-prefill several)
     assert len(kills) == 3 and len(restarts) == 3 and min(restarts) >= 1 and max(restarts) > 1, (kills, restarts)
 
