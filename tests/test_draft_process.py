@@ -103,12 +103,30 @@ def test_a_draft_out_of_step_costs_speed_not_the_request(pair, long_reference, m
         assert again and all(0 < r.prompt_len < len(r.prompt_token_ids) for r in again)
 
 
-def test_unset_draft_threads_are_warned_about(pair, caplog):
-    with caplog.at_level("WARNING", logger="saguaro_dist.engine.build"):
+@pytest.fixture(scope="module")
+def default_ssd_llm(pair) -> dict:
+    """An ssd LLM of the defaults (draft_threads unset), built and shut down once for the two tests that read
+    its construction: its new draft children, and the build's warnings."""
+    import io
+    import logging
+    logger, text = logging.getLogger("saguaro_dist.engine.build"), io.StringIO()
+    handler, level = logging.StreamHandler(text), logger.level
+    handler.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    logger.setLevel(logging.WARNING)
+    before = draft_children()
+    try:
         with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3):
-            pass
-        assert "set draft_threads" in caplog.text
-        caplog.clear()
+            children = len(draft_children() - before)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return {"children": children, "warnings": text.getvalue()}
+
+
+def test_unset_draft_threads_are_warned_about(pair, default_ssd_llm, caplog):
+    assert "set draft_threads" in default_ssd_llm["warnings"]
+    with caplog.at_level("WARNING", logger="saguaro_dist.engine.build"):
         with LLM(model=pair["target"], draft=pair["close"], mode="ssd", k=3, target_threads=1, draft_threads=1):
             pass
         assert "set draft_threads" not in caplog.text
@@ -149,11 +167,11 @@ def test_shutdown_leaves_no_child(pair):
     assert draft_children() == before
 
 
-def test_auto_runs_the_ssd_draft_in_a_process_and_the_sd_draft_on_a_thread(pair):
+def test_auto_runs_the_ssd_draft_in_a_process_and_the_sd_draft_on_a_thread(pair, default_ssd_llm):
+    assert default_ssd_llm["children"] == 1, "ssd"
     before = draft_children()
-    for mode, children in (("ssd", 1), ("sd", 0)):
-        with LLM(model=pair["target"], draft=pair["close"], mode=mode, k=3):
-            assert len(draft_children() - before) == children, mode
+    with LLM(model=pair["target"], draft=pair["close"], mode="sd", k=3):
+        assert len(draft_children() - before) == 0, "sd"
 
 
 def test_a_draft_that_cannot_load_fails_construction_clearly(pair, tmp_path):
