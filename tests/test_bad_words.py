@@ -10,7 +10,8 @@ import torch
 from transformers import AutoTokenizer, NoBadWordsLogitsProcessor
 
 from saguaro_dist import LLM, SamplingParams
-from saguaro_dist.spec.bad_words import bad_word_ids, bad_words_mask
+from saguaro_dist.bad_word_ids import bad_word_ids
+from saguaro_dist.spec.bad_words import bad_words_mask
 from test_engine_sampling import ALPHA, CASES, PROMPT, VOCAB, chi_square_pvalue, sample_joint, sampling_pair
 
 

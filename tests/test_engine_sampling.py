@@ -15,7 +15,6 @@ tests/test_distributed_sampling.py).
 from __future__ import annotations
 
 import copy
-import functools
 import gc
 from collections import Counter
 from contextlib import contextmanager
@@ -139,8 +138,6 @@ def sample_joint(target: str, draft: str | None, params: SamplingParams, n: int 
         ignore_eos = params.structured_outputs is None
         seeded = seeded_params(params, n, max_tokens=max_tokens, ignore_eos=ignore_eos)
         calls = [seeded[i:i + 64] for i in range(0, n, 64)] if whole else [seeded]
-        if params.bad_words:  # each word tokenized once, not once a prompt (3.3 s of CPU per 10^4 prompts); the
-            llm._encode_bad_word = functools.cache(llm._encode_bad_word)  # caller makes tuples of its lists
         with gc_paused():
             outs = [o for call in calls
                     for o in llm.generate(prompt_token_ids=[PROMPT] * len(call), sampling_params=call, use_tqdm=False)]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro_dist.bad_word_ids import BadWordIds, bad_word_ids  # noqa: F401 (TEMP: test_bad_words imports it here)
+from saguaro_dist.bad_word_ids import BadWordIds
 
 
 def longest_prefix(words: BadWordIds) -> int:
