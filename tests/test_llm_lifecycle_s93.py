@@ -148,3 +148,17 @@ def test_a_second_shutdown_at_the_same_time_returns_once_the_engine_is_stopped(p
         caller.join(timeout=30)
     assert len(closed) == 1 and len(returned) == 2
     assert min(returned) >= closed[0], "a shutdown() returned before the engine was closed"
+
+
+def test_a_shutdown_reached_again_on_the_same_thread_returns(pair):
+    """shutdown() re-entered on its own thread while it stops the engine (a serve app's __del__, collected then, calls
+    it) returns: a plain lock there waited on itself forever."""
+    target, draft = pair
+    llm = LLM(model=target, draft=draft, mode="ssd", k=2, draft_executor="thread")
+    engine = llm._thread.engine
+    plain_close = engine.close
+    engine.close = lambda: (llm.shutdown(), plain_close())
+    caller = threading.Thread(target=llm.shutdown, daemon=True)
+    caller.start()
+    caller.join(timeout=30)
+    assert not caller.is_alive(), "shutdown() waited on itself"

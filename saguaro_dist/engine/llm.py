@@ -76,7 +76,8 @@ class LLM(RequestInputs):
         # which aborted the process (SIGABRT). (`llm = LLM(...)` run again builds the new engine before the old one is
         # dropped: shutdown() or `del llm` first, where the two do not fit side by side.)
         self._stop_engine = weakref.finalize(self, stop_unless_forked, self._thread, os.getpid())
-        self._stopping = threading.Lock()  # a second shutdown() waits for the first's stop (the finalizer runs once)
+        self._stopping = threading.RLock()  # a second shutdown() waits for the first's stop (the finalizer runs once); re-entrant:
+        # a shutdown() reached again on the same thread (a serve app's __del__ collected mid-shutdown) returns
         # Every mode fills the whole context, as AR: a speculative round's positions past it run in the target's
         # position slack (engine/build.py position_slack), and their tokens are cut.
         self.max_model_len = self._thread.max_model_len
