@@ -9,9 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -130,53 +128,22 @@ def pinging_rank(rank: int, port: int, called) -> None:
     time.sleep(BOUND_S)
 
 
-def hung_rank_0(started) -> dict:
-    """test_a_hung_rank_0_sends_no_pings_and_its_follower_ends_at_the_timeout's run: its ranks, rank 0 idle for
-    IDLE_S, then hung (SIGSTOP) until the follower ends. What it saw, for the test to check; `started` set once
-    rank 0's call went out (or the run failed)."""
+def test_a_hung_rank_0_sends_no_pings_and_its_follower_ends_at_the_timeout():
+    from saguaro_dist.distributed.tp_runner import FOLLOWER_LOST_EXIT
     from saguaro_dist.serve.ingress import free_port
     spawn, port = multiprocessing.get_context("spawn"), free_port()
     called = spawn.Event()
     ranks = [spawn.Process(target=pinging_rank, args=(r, port, called)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
     try:
-        for p in ranks:
-            p.start()
-        seen = {"called": called.wait(timeout=BOUND_S)}
-        started.set()
-        if not seen["called"]:
-            return seen
+        assert called.wait(timeout=BOUND_S)
         time.sleep(IDLE_S)  # the pings keep the follower while rank 0 idles
-        seen["alive_after_idle"] = (ranks[1].is_alive(), ranks[1].exitcode)
+        assert ranks[1].is_alive(), f"the follower ended while rank 0 was idle (exit {ranks[1].exitcode})"
         os.kill(ranks[0].pid, signal.SIGSTOP)  # hung: alive, its connections open, silent
         ranks[1].join(timeout=BOUND_S)
-        seen["exitcode"] = ranks[1].exitcode
-        return seen
+        assert ranks[1].exitcode == FOLLOWER_LOST_EXIT
     finally:
-        started.set()
         for p in ranks:
             if p.is_alive():
                 p.kill()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def hung_rank_0_run():
-    """hung_rank_0 on a thread from the module's start: its ~25 s are waits (rank 0 idle past the group's timeout,
-    then the follower's timeout), which overlap test_an_idle_tp_engine_... (which waits as long) rather than
-    following it. It starts alone (its ranks' start-up does not meet the other test's); the other test's CPU work
-    then meets only its idle ranks, whose pings (every 2.5 s) have the 10 s timeout to land."""
-    started = threading.Event()
-    pool = ThreadPoolExecutor(1)
-    future = pool.submit(hung_rank_0, started)
-    started.wait(timeout=BOUND_S + 10)
-    yield future
-    future.exception(timeout=3 * BOUND_S)  # (its ranks killed before the module ends)
-    pool.shutdown(wait=False)
-
-
-def test_a_hung_rank_0_sends_no_pings_and_its_follower_ends_at_the_timeout(hung_rank_0_run):
-    from saguaro_dist.distributed.tp_runner import FOLLOWER_LOST_EXIT
-    seen = hung_rank_0_run.result(timeout=3 * BOUND_S)
-    assert seen["called"]
-    alive, exitcode = seen["alive_after_idle"]
-    assert alive, f"the follower ended while rank 0 was idle (exit {exitcode})"
-    assert seen["exitcode"] == FOLLOWER_LOST_EXIT
